@@ -1,0 +1,70 @@
+"""ors-trl: train language models with TRL's GRPOTrainer against Open Reward Standard environments.
+
+The public API is the list below; every other module is private. Importing the package is light:
+torch, trl, transformers, datasets and the openreward SDK are imported only when a feature that
+needs them is first used.
+"""
+
+from ._client import AsyncClient, AsyncSession, Client, Session
+from ._exceptions import (
+    APIStatusError,
+    AuthenticationError,
+    BadRequestError,
+    ConfigurationError,
+    EnvironmentNotFoundError,
+    MissingAPIKeyError,
+    NotFoundError,
+    ORSError,
+    ORSTimeoutError,
+    PaymentRequiredError,
+    ProtocolError,
+    RateLimitError,
+    ServerError,
+    ServiceUnavailableError,
+    SessionExpiredError,
+    StreamInterruptedError,
+    ToolError,
+    ToolFailedError,
+    ToolRefusedError,
+    TransportError,
+)
+from ._transport import RetryPolicy, Timeouts
+from ._types import ImageBlock, Split, TextBlock, ToolList, ToolResult, ToolSpec, UnknownBlock
+from ._version import __version__
+
+__all__ = [
+    "APIStatusError",
+    "AsyncClient",
+    "AsyncSession",
+    "AuthenticationError",
+    "BadRequestError",
+    "Client",
+    "ConfigurationError",
+    "EnvironmentNotFoundError",
+    "ImageBlock",
+    "MissingAPIKeyError",
+    "NotFoundError",
+    "ORSError",
+    "ORSTimeoutError",
+    "PaymentRequiredError",
+    "ProtocolError",
+    "RateLimitError",
+    "RetryPolicy",
+    "ServerError",
+    "ServiceUnavailableError",
+    "Session",
+    "SessionExpiredError",
+    "Split",
+    "StreamInterruptedError",
+    "TextBlock",
+    "Timeouts",
+    "ToolError",
+    "ToolFailedError",
+    "ToolList",
+    "ToolRefusedError",
+    "ToolResult",
+    "ToolSpec",
+    "TransportError",
+    "UnknownBlock",
+    "__version__",
+]

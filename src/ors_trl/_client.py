@@ -1,0 +1,681 @@
+"""The ORS client: environment calls, sessions, keepalive; async API plus a synchronous facade.
+
+`AsyncClient` / `AsyncSession` run on whatever event loop awaits them (the CLI, the rollout
+engine). `Client` / `Session` are the same objects driven from any thread through the process's
+background loop (`ors_trl._loop`), which is what TRL's synchronous `reset()` and tool methods use.
+
+Every open session is pinged on a timer by its client, also while a tool call is running, so an
+episode longer than the server's idle limit (900 s on the reference server) survives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ._exceptions import (
+    BadRequestError,
+    ConfigurationError,
+    EnvironmentNotFoundError,
+    NotFoundError,
+    ORSError,
+    ORSTimeoutError,
+    ProtocolError,
+    SessionExpiredError,
+    ToolRefusedError,
+)
+from ._loop import BackgroundLoop, get_loop
+from ._target import SecretValue, Target, encode_secrets, resolve_target
+from ._transport import RetryPolicy, Timeouts, Transport
+from ._types import Block, Split, ToolList, ToolResult, parse_blocks
+
+__all__ = ["AsyncClient", "AsyncSession", "Client", "Session"]
+
+logger = logging.getLogger("ors_trl.client")
+
+_KEEPALIVE_CONCURRENCY = 64
+
+
+class AsyncSession:
+    """One ORS session (one episode of one task). Create it with `AsyncClient.open_session`.
+
+    Attributes:
+        sid: the server's session id.
+        split, index, task_spec: the task this session runs.
+        opened_at: `time.monotonic()` when it was opened; `open_seconds` how long opening took.
+        expired: True once the server said the session is gone.
+        closed: True after `close()`.
+    """
+
+    def __init__(self, client: AsyncClient, sid: str, *, split: str | None, index: int | None,
+                 task_spec: Mapping[str, Any] | None, open_seconds: float) -> None:
+        self.client = client
+        self.sid = sid
+        self.split = split
+        self.index = index
+        self.task_spec = dict(task_spec) if task_spec is not None else None
+        self.opened_at = time.monotonic()
+        self.open_seconds = open_seconds
+        self.last_activity = time.monotonic()
+        self.expired = False
+        self.closed = False
+        self._close_task: asyncio.Future[None] | None = None
+
+    def __repr__(self) -> str:
+        task = f"index={self.index}" if self.index is not None else "task_spec=..."
+        state = "closed" if self.closed else "expired" if self.expired else "open"
+        return f"<AsyncSession {self.sid[:8]} {task} {state}>"
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ConfigurationError(f"session {self.sid} is closed; open a new one")
+
+    async def _request(self, method: str, suffix: str, *, body: Any = None) -> Any:
+        self._check_open()
+        self.last_activity = time.monotonic()
+        try:
+            return await self.client._transport.request(
+                method, self.client._path(suffix), body=body, sid=self.sid, session_scoped=True
+            )
+        except SessionExpiredError:
+            self.expired = True
+            raise
+
+    async def prompt(self) -> list[Block]:
+        """The task's prompt blocks (waits for the environment's setup, riding out `starting`)."""
+        raw = await self._request("GET", "/prompt")
+        return parse_blocks(raw, where="prompt")
+
+    async def tools(self) -> ToolList:
+        """The session's full tool list: shared, task-specific and toolset tools."""
+        return ToolList.from_json(await self._request("GET", "/task_tools"), where="task_tools")
+
+    async def call(self, name: str, arguments: Mapping[str, Any] | None = None) -> ToolResult:
+        """Call tool `name` and return its result.
+
+        Raises:
+            ToolRefusedError: the server refused the call (`.reason` says why).
+            ToolFailedError: the tool raised inside the environment.
+            SessionExpiredError: the session is gone.
+            StreamInterruptedError: the stream broke before the call was acknowledged (not re-run).
+            ORSTimeoutError: the call outlived `Timeouts.tool_call`.
+        """
+        self._check_open()
+        self.last_activity = time.monotonic()
+        transport = self.client._transport
+        body = {"name": name, "input": dict(arguments or {})}
+        limit = transport.timeouts.tool_call
+        try:
+            async with asyncio.timeout(limit):
+                text, task_id = await transport.call_stream(
+                    self.client._path("/call"), body=body, sid=self.sid, tool=name
+                )
+        except SessionExpiredError:
+            self.expired = True
+            raise
+        except TimeoutError:
+            raise ORSTimeoutError(
+                f"tool {name!r} did not finish within {limit} s (Timeouts.tool_call); it may still be running "
+                "on the server."
+            ) from None
+        finally:
+            self.last_activity = time.monotonic()
+        return _parse_call_result(text, tool=name, task_id=task_id)
+
+    async def ping(self) -> bool:
+        """Refresh the server's idle timer. Returns False (and marks the session expired) if it is gone."""
+        if self.closed:
+            return False
+        self.last_activity = time.monotonic()
+        try:
+            await self.client._transport.request("POST", "/ping", sid=self.sid, session_scoped=True)
+        except NotFoundError:
+            self.expired = True
+            return False
+        return True
+
+    async def close(self) -> None:
+        """Delete the session on the server (`/delete`, then `/delete_session`). Idempotent, never raises
+        for a session that is already gone; concurrent callers share one close."""
+        if self._close_task is None:
+            self.closed = True
+            self._close_task = asyncio.ensure_future(self.client._discard(self.sid, session=self))
+        await asyncio.shield(self._close_task)
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _parse_call_result(text: str, *, tool: str, task_id: str | None) -> ToolResult:
+    try:
+        body = json.loads(text)
+    except ValueError:
+        raise ProtocolError(f"tool {tool!r}: the result is not valid JSON: {text[:200]!r}") from None
+    if not isinstance(body, dict) or "ok" not in body:
+        raise ProtocolError(f"tool {tool!r}: the result has no 'ok' field: {text[:200]!r}")
+    if body["ok"] is True:
+        if "output" not in body:
+            raise ProtocolError(f"tool {tool!r}: a successful result has no 'output'")
+        return ToolResult.from_output(body["output"], tool=tool, task_id=task_id)
+    reason = body.get("reason")
+    error = body.get("error") or "the server refused the call"
+    raise ToolRefusedError(
+        f"tool {tool!r} was refused ({reason or 'no reason given'}): {error}",
+        tool=tool,
+        reason=reason if isinstance(reason, str) else None,
+    )
+
+
+class AsyncClient:
+    """Async client for one ORS environment.
+
+    Args:
+        target: a catalog name (`"Eigent/SETA"`) or the URL of a self-hosted server
+            (`"http://127.0.0.1:8000"`), told apart by `://`.
+        env_name: which environment on a server hosting several (case-insensitive). Not needed
+            when the server hosts one.
+        api_key: the OpenReward key; defaults to `OPENREWARD_API_KEY` for catalog names. Sent only
+            to the platform's hosts, or to a self-hosted URL when passed explicitly.
+        secrets: sent with every session in `X-Secrets`; a value is a string or
+            `(value, allowed_domains)`.
+        timeouts: see `Timeouts`.
+        retry: see `RetryPolicy`.
+        keepalive_interval: seconds between pings of an idle open session; None disables keepalive.
+        max_sessions: cap on sessions open at once through this client; `open_session` queues
+            (up to `session_wait` seconds) rather than fails when it is reached.
+        session_wait: how long `open_session` may wait for a free slot under `max_sessions`.
+        max_connections: connection pool size (0 = unlimited).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        env_name: str | None = None,
+        api_key: str | None = None,
+        secrets: Mapping[str, SecretValue] | None = None,
+        timeouts: Timeouts | None = None,
+        retry: RetryPolicy | None = None,
+        keepalive_interval: float | None = 10.0,
+        max_sessions: int | None = None,
+        session_wait: float | None = 1800.0,
+        max_connections: int = 0,
+    ) -> None:
+        self.target: Target = resolve_target(target, api_key=api_key)
+        if keepalive_interval is not None and keepalive_interval <= 0:
+            raise ConfigurationError("keepalive_interval must be positive, or None to disable keepalive")
+        if max_sessions is not None and max_sessions < 1:
+            raise ConfigurationError("max_sessions must be at least 1, or None for no cap")
+        self.requested_env = env_name
+        self.keepalive_interval = keepalive_interval
+        self.max_sessions = max_sessions
+        self.session_wait = session_wait
+        self._secret_headers = {"X-Secrets": encode_secrets(secrets)} if secrets else {}
+        self._transport = Transport(
+            self.target, timeouts=timeouts or Timeouts(), retry=retry or RetryPolicy(), max_connections=max_connections
+        )
+        self._env: str | None = None
+        self._env_resolved = False
+        self._env_lock: asyncio.Lock | None = None
+        self._control_sid: str | None = None
+        self._sessions: set[AsyncSession] = set()
+        self._slots: asyncio.Semaphore | None = None
+        self._keepalive_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        env = self._env if self._env_resolved else (self.requested_env or "?")
+        return f"<AsyncClient {self.target.name!r} env={env!r} open_sessions={len(self._sessions)}>"
+
+    @property
+    def timeouts(self) -> Timeouts:
+        return self._transport.timeouts
+
+    @property
+    def open_sessions(self) -> int:
+        """Sessions opened through this client and not yet closed."""
+        return len(self._sessions)
+
+    # -- environment resolution ------------------------------------------------------------
+
+    def _path(self, suffix: str) -> str:
+        return f"/{self._env}{suffix}" if self._env else suffix
+
+    async def environment(self) -> str | None:
+        """Resolve (once) and return the environment key used in request paths.
+
+        For a URL, the server's `/list_environments` is consulted: `env_name` is matched
+        case-insensitively, a single environment needs no name, and with several the server's
+        default (the first) is used. For a catalog name, `env_name` (if any) selects a variant.
+        """
+        if self._env_resolved:
+            return self._env
+        if self._env_lock is None:
+            self._env_lock = asyncio.Lock()
+        async with self._env_lock:
+            if not self._env_resolved:
+                self._env = await self._resolve_env()
+                self._env_resolved = True
+        return self._env
+
+    async def _resolve_env(self) -> str | None:
+        wanted = self.requested_env
+        if not self.target.is_url:
+            return wanted
+        try:
+            available = await self.list_environments()
+        except NotFoundError:
+            # A server without /list_environments: trust the name, or let the server route by default.
+            return wanted
+        if not available:
+            raise EnvironmentNotFoundError(f"{self.target.name} hosts no environments", available=[])
+        if wanted is None:
+            if len(available) > 1:
+                logger.warning(
+                    "%s hosts %d environments (%s); using the server's default %r. Pass env_name= to choose.",
+                    self.target.name, len(available), ", ".join(available), available[0],
+                )
+            return available[0]
+        by_lower = {name.lower(): name for name in available}
+        if wanted.lower() in by_lower:
+            return by_lower[wanted.lower()]
+        raise EnvironmentNotFoundError(
+            f"environment {wanted!r} is not on {self.target.name}; available: {', '.join(available)}. "
+            "Pass one of these as env_name=.",
+            available=available,
+        )
+
+    async def _env_request(self, method: str, suffix: str, body: Any = None) -> Any:
+        await self.environment()
+        sid = await self._control() if not self.target.is_url else None
+        return await self._transport.request(method, self._path(suffix), body=body, sid=sid)
+
+    async def _control(self) -> str:
+        """Catalog mode routes even metadata calls by session; one is kept for the client's lifetime."""
+        if self._control_sid is None:
+            self._control_sid = await self._create_sid()
+        return self._control_sid
+
+    # -- environment calls -----------------------------------------------------------------
+
+    async def list_environments(self) -> list[str]:
+        """The environment keys a self-hosted server serves."""
+        raw = await self._transport.request("GET", "/list_environments")
+        if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
+            raise ProtocolError(f"/list_environments: expected a list of names, got {raw!r:.200}")
+        return raw
+
+    async def health(self) -> bool:
+        """True when the server answers `/health`."""
+        raw = await self._transport.request("GET", "/health")
+        return isinstance(raw, dict) and raw.get("status") == "ok"
+
+    async def splits(self) -> list[Split]:
+        raw = await self._env_request("GET", "/splits")
+        if not isinstance(raw, list):
+            raise ProtocolError(f"/splits: expected a list, got {raw!r:.200}")
+        out = []
+        for item in raw:
+            if isinstance(item, str):
+                out.append(Split(item, item))
+            elif isinstance(item, dict) and isinstance(item.get("name"), str):
+                out.append(Split(item["name"], str(item.get("type", item["name"]))))
+            else:
+                raise ProtocolError(f"/splits: bad entry {item!r:.200}")
+        return out
+
+    async def _split_error(self, split: str, exc: BadRequestError) -> BadRequestError:
+        """Turn the server's bare "Invalid split" into a message that lists the real splits."""
+        if "split" not in exc.detail.lower():
+            return exc
+        names = [s.name for s in await self.splits()]
+        return BadRequestError(
+            f"split {split!r} does not exist on {self.target.name}; available splits: {', '.join(names)}.",
+            status_code=exc.status_code, detail=exc.detail, path=exc.path,
+        )
+
+    async def _index_error(self, split: str, index: int, exc: BadRequestError) -> BadRequestError:
+        """Turn the server's bare "Invalid index" into a message with the valid range."""
+        if "index" not in exc.detail.lower():
+            return await self._split_error(split, exc)
+        n = await self.num_tasks(split)
+        return BadRequestError(
+            f"task index {index} is out of range for split {split!r}, which has {n} tasks (0..{n - 1}).",
+            status_code=exc.status_code, detail=exc.detail, path=exc.path,
+        )
+
+    async def _split_request(self, split: str, suffix: str, body: dict[str, Any]) -> Any:
+        try:
+            return await self._env_request("POST", suffix, body)
+        except BadRequestError as exc:
+            raise await self._split_error(split, exc) from None
+
+    async def num_tasks(self, split: str = "train") -> int:
+        raw = await self._split_request(split, "/num_tasks", {"split": split})
+        if not isinstance(raw, dict) or not isinstance(raw.get("num_tasks"), int):
+            raise ProtocolError(f"/num_tasks: expected {{'num_tasks': int}}, got {raw!r:.200}")
+        return raw["num_tasks"]
+
+    async def task(self, split: str, index: int) -> dict[str, Any]:
+        """One task spec."""
+        try:
+            raw = await self._env_request("POST", "/task", {"split": split, "index": index})
+        except BadRequestError as exc:
+            raise await self._index_error(split, index, exc) from None
+        if not isinstance(raw, dict) or "task" not in raw:
+            raise ProtocolError(f"/task: expected {{'task': ...}}, got {raw!r:.200}")
+        return raw["task"]
+
+    async def task_range(self, split: str, start: int | None = None, stop: int | None = None) -> list[dict[str, Any]]:
+        """Tasks `start:stop` of a split in one request (Python slice rules)."""
+        body: dict[str, Any] = {"split": split}
+        if start is not None:
+            body["start"] = start
+        if stop is not None:
+            body["stop"] = stop
+        raw = await self._split_request(split, "/task_range", body)
+        if not isinstance(raw, dict) or not isinstance(raw.get("tasks"), list):
+            raise ProtocolError(f"/task_range: expected {{'tasks': [...]}}, got {raw!r:.200}")
+        return raw["tasks"]
+
+    async def tasks(self, split: str = "train") -> list[dict[str, Any]]:
+        """Every task of a split (one request; slow on large catalogs: prefer `task_range`)."""
+        raw = await self._split_request(split, "/tasks", {"split": split})
+        if not isinstance(raw, dict) or not isinstance(raw.get("tasks"), list):
+            raise ProtocolError(f"/tasks: expected {{'tasks': [...]}}, got {raw!r:.200}")
+        return raw["tasks"]
+
+    async def tools(self) -> ToolList:
+        """The environment's shared tools (task-specific ones need a session: `AsyncSession.tools`)."""
+        return ToolList.from_json(await self._env_request("GET", "/tools"), where="tools")
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    async def _create_sid(self) -> str:
+        events = await self._transport.events("/create_session", body={}, extra_headers=self._secret_headers)
+        for event, data in events:
+            if event == "task_id" and data.strip():
+                return data.strip()
+            if event == "error":
+                raise ProtocolError(f"/create_session failed: {data}")
+        raise ProtocolError("/create_session: the stream carried no session id")
+
+    async def open_session(
+        self,
+        *,
+        split: str | None = None,
+        index: int | None = None,
+        task_spec: Mapping[str, Any] | None = None,
+        toolset_name: str | None = None,
+    ) -> AsyncSession:
+        """Open a session for task `split`/`index`, or for an explicit `task_spec`.
+
+        If anything fails halfway, whatever was created on the server is deleted before the
+        error is raised.
+        """
+        if self._closed:
+            raise ConfigurationError("this client is closed")
+        if (task_spec is None) == (index is None):
+            raise ConfigurationError("open_session needs exactly one of index= (with split=) or task_spec=")
+        if index is not None:
+            if split is None:
+                split = "train"
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise ConfigurationError(f"task index must be an int, got {index!r}")
+        env = await self.environment()
+        started = time.monotonic()
+        await self._acquire_slot()
+        sid: str | None = None
+        try:
+            sid = await self._create_sid()
+            body: dict[str, Any] = {}
+            if task_spec is not None:
+                body["task_spec"] = dict(task_spec)
+            else:
+                body["split"], body["index"] = split, index
+            if env:
+                body["env_name"] = env
+            if toolset_name:
+                body["toolset_name"] = toolset_name
+            try:
+                await self._transport.request(
+                    "POST", "/create", body=body, sid=sid, extra_headers=self._secret_headers
+                )
+            except BadRequestError as exc:
+                # "Session already exists" means our own retried /create had already landed.
+                if exc.detail != "Session already exists":
+                    if index is None:
+                        raise
+                    raise await self._index_error(split or "train", index, exc) from None
+            session = AsyncSession(self, sid, split=split if index is not None else None, index=index,
+                                   task_spec=task_spec, open_seconds=time.monotonic() - started)
+        except BaseException:
+            if sid is not None:
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(self._discard(sid))
+            else:
+                self._release_slot()
+            raise
+        self._sessions.add(session)
+        self._ensure_keepalive()
+        return session
+
+    async def _acquire_slot(self) -> None:
+        if self.max_sessions is None:
+            return
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_sessions)
+        try:
+            async with asyncio.timeout(self.session_wait):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise ORSTimeoutError(
+                f"no session slot freed within {self.session_wait} s (max_sessions={self.max_sessions}, all in use); "
+                "raise max_sessions or close sessions sooner."
+            ) from None
+
+    def _release_slot(self) -> None:
+        if self._slots is not None:
+            self._slots.release()
+
+    async def _discard(self, sid: str, session: AsyncSession | None = None, *, release: bool = True) -> None:
+        """Delete `sid` on the server: `/delete` (environment teardown) and `/delete_session`
+        (platform allocation), each attempted even if the other fails. Logs, never raises."""
+        try:
+            for path in ("/delete", "/delete_session"):
+                try:
+                    await self._transport.request("POST", path, sid=sid, ok_statuses=(404, 410))
+                except ORSError as exc:
+                    logger.warning("could not %s session %s: %s", path.lstrip("/"), sid[:8], exc)
+        finally:
+            if session is not None:
+                self._sessions.discard(session)
+            if release:
+                self._release_slot()
+
+    # -- keepalive ---------------------------------------------------------------------------
+
+    def _ensure_keepalive(self) -> None:
+        if self.keepalive_interval is None:
+            return
+        if self._keepalive_task is None or self._keepalive_task.done():
+            self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive())
+
+    async def _keepalive(self) -> None:
+        interval = self.keepalive_interval
+        assert interval is not None
+        gate = asyncio.Semaphore(_KEEPALIVE_CONCURRENCY)
+
+        async def ping(session: AsyncSession) -> None:
+            async with gate:
+                try:
+                    if not await session.ping():
+                        logger.warning("session %s expired on the server", session.sid[:8])
+                except ORSError as exc:
+                    logger.debug("keepalive ping of %s failed: %s", session.sid[:8], exc)
+
+        while self._sessions and not self._closed:
+            await asyncio.sleep(interval / 2)
+            now = time.monotonic()
+            due = [s for s in list(self._sessions)
+                   if not s.closed and not s.expired and now - s.last_activity >= interval]
+            if due:
+                await asyncio.gather(*(ping(s) for s in due))
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Close every open session, then the connection pool. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._keepalive_task is not None:
+            self._keepalive_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._keepalive_task
+        await asyncio.gather(*(s.close() for s in list(self._sessions)), return_exceptions=True)
+        if self._control_sid is not None:
+            await self._discard(self._control_sid, release=False)
+            self._control_sid = None
+        await self._transport.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+# ---------------------------------------------------------------------------------------------
+# Synchronous facade
+
+
+class Session:
+    """Synchronous view of an `AsyncSession`, safe to use from any thread."""
+
+    def __init__(self, inner: AsyncSession, bg: BackgroundLoop) -> None:
+        self._inner = inner
+        self._bg = bg
+
+    def __repr__(self) -> str:
+        return repr(self._inner).replace("AsyncSession", "Session")
+
+    @property
+    def sid(self) -> str:
+        return self._inner.sid
+
+    @property
+    def index(self) -> int | None:
+        return self._inner.index
+
+    @property
+    def expired(self) -> bool:
+        return self._inner.expired
+
+    @property
+    def closed(self) -> bool:
+        return self._inner.closed
+
+    @property
+    def async_session(self) -> AsyncSession:
+        return self._inner
+
+    def prompt(self) -> list[Block]:
+        return self._bg.run(self._inner.prompt())
+
+    def tools(self) -> ToolList:
+        return self._bg.run(self._inner.tools())
+
+    def call(self, name: str, arguments: Mapping[str, Any] | None = None) -> ToolResult:
+        return self._bg.run(self._inner.call(name, arguments))
+
+    def ping(self) -> bool:
+        return self._bg.run(self._inner.ping())
+
+    def close(self) -> None:
+        self._bg.run(self._inner.close())
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Client:
+    """Synchronous ORS client: the `AsyncClient` API driven through the background loop.
+
+    Takes the same arguments as `AsyncClient`. Closed by `close()`, by `with`, or at the latest at
+    interpreter exit (before thread pools shut down), deleting every session it still has open.
+    """
+
+    def __init__(self, target: str, **kwargs: Any) -> None:
+        self._async = AsyncClient(target, **kwargs)
+        self._bg = get_loop()
+        self._bg.add_closer(self._async.aclose)
+
+    def __repr__(self) -> str:
+        return repr(self._async).replace("AsyncClient", "Client")
+
+    @property
+    def async_client(self) -> AsyncClient:
+        return self._async
+
+    @property
+    def target(self) -> Target:
+        return self._async.target
+
+    @property
+    def open_sessions(self) -> int:
+        return self._async.open_sessions
+
+    def _run(self, coro: Any) -> Any:
+        return self._bg.run(coro)
+
+    def environment(self) -> str | None:
+        return self._run(self._async.environment())
+
+    def list_environments(self) -> list[str]:
+        return self._run(self._async.list_environments())
+
+    def health(self) -> bool:
+        return self._run(self._async.health())
+
+    def splits(self) -> list[Split]:
+        return self._run(self._async.splits())
+
+    def num_tasks(self, split: str = "train") -> int:
+        return self._run(self._async.num_tasks(split))
+
+    def task(self, split: str, index: int) -> dict[str, Any]:
+        return self._run(self._async.task(split, index))
+
+    def task_range(self, split: str, start: int | None = None, stop: int | None = None) -> list[dict[str, Any]]:
+        return self._run(self._async.task_range(split, start, stop))
+
+    def tasks(self, split: str = "train") -> list[dict[str, Any]]:
+        return self._run(self._async.tasks(split))
+
+    def tools(self) -> ToolList:
+        return self._run(self._async.tools())
+
+    def open_session(self, **kwargs: Any) -> Session:
+        return Session(self._run(self._async.open_session(**kwargs)), self._bg)
+
+    def close(self) -> None:
+        self._bg.remove_closer(self._async.aclose)
+        self._run(self._async.aclose())
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

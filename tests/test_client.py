@@ -1,0 +1,244 @@
+"""The ORS client against the reference server: environment calls, sessions, tool calls, keepalive."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import threading
+import time
+
+import pytest
+
+from ors_trl import (
+    AsyncClient,
+    BadRequestError,
+    Client,
+    ConfigurationError,
+    EnvironmentNotFoundError,
+    ImageBlock,
+    SessionExpiredError,
+    TextBlock,
+    ToolRefusedError,
+    TransportError,
+)
+from ors_trl.testing.environments import long_text
+from ors_trl.testing.server import free_port
+
+
+@pytest.fixture
+def echo(ref_server):
+    with Client(ref_server.url, env_name="EchoEnvironment") as client:
+        yield client
+
+
+def test_environment_resolution(ref_server) -> None:
+    with Client(ref_server.url, env_name="ECHOENVIRONMENT") as c:
+        assert c.environment() == "echoenvironment"
+    with pytest.raises(EnvironmentNotFoundError) as info:
+        Client(ref_server.url, env_name="nope").num_tasks()
+    assert "echoenvironment" in str(info.value) and "sparseenvironment" in info.value.available
+
+
+def test_single_environment_server_needs_no_name(make_server) -> None:
+    server = make_server("sparse")
+    with Client(server.url) as c:
+        assert c.environment() == "sparseenvironment"
+        assert c.num_tasks("train") > 0
+
+
+def test_several_environments_without_name_use_the_default_and_warn(ref_server, caplog) -> None:
+    with Client(ref_server.url) as c:
+        assert c.environment() == c.list_environments()[0]
+    assert "Pass env_name=" in caplog.text
+
+
+def test_environment_calls(echo, ref_server) -> None:
+    assert [s.name for s in echo.splits()] == ["train", "test"]
+    n = echo.num_tasks("train")
+    everything = echo.tasks("train")
+    assert len(everything) == n
+    assert echo.task("train", 3) == everything[3]
+    assert echo.task_range("train", 2, 6) == everything[2:6]
+    assert echo.task_range("train", -3) == everything[-3:]
+    assert echo.tools().names() == ["echo"]
+
+
+def test_task_range_is_one_request(echo) -> None:
+    echo.environment()  # resolving the environment name is a one-time request of its own
+    seen: list[tuple[str, str]] = []
+    echo.async_client._transport.on_request = lambda m, p: seen.append((m, p))
+    echo.task_range("train", 0, 10)
+    assert seen == [("POST", "/echoenvironment/task_range")]
+
+
+def test_bad_split_and_index_say_what_exists(echo) -> None:
+    with pytest.raises(BadRequestError, match="available splits: train, test"):
+        echo.num_tasks("nope")
+    with pytest.raises(BadRequestError, match=r"out of range .* \(0\.\.15\)"):
+        echo.task("train", 99)
+
+
+def test_session_lifecycle_and_rewards(echo, ref_server) -> None:
+    before = ref_server.stats()
+    target = echo.task("train", 1)["target"]
+    with echo.open_session(split="train", index=1) as s:
+        assert ref_server.stats()["open_sessions"] == before["open_sessions"] + 1
+        prompt = s.prompt()
+        assert isinstance(prompt[0], TextBlock) and target in prompt[0].text
+        miss = s.call("echo", {"text": "wrong"})
+        assert (miss.reward, miss.finished, miss.text) == (0.0, False, "wrong")
+        hit = s.call("echo", {"text": target})
+        assert (hit.reward, hit.finished) == (1.0, True)
+        assert hit.metadata == {"target_length": len(target)}
+        with pytest.raises(ToolRefusedError) as info:
+            s.call("echo", {"text": target})
+        assert info.value.reason == "episode_finished"
+    assert s.closed
+    after = ref_server.stats()
+    assert after["open_sessions"] == before["open_sessions"]
+    assert after["tool_calls"]["echoenvironment/echo"] == before["tool_calls"].get("echoenvironment/echo", 0) + 2
+
+
+def test_session_from_task_spec(echo) -> None:
+    with echo.open_session(task_spec={"id": "custom", "target": "zebra"}) as s:
+        assert "zebra" in s.prompt()[0].text
+        assert s.call("echo", {"text": "zebra"}).reward == 1.0
+
+
+def test_refusals_carry_their_reason(echo) -> None:
+    with echo.open_session(split="train", index=0) as s:
+        with pytest.raises(ToolRefusedError) as info:
+            s.call("no_such_tool", {})
+        assert info.value.reason == "not_found"
+        with pytest.raises(ToolRefusedError) as info:
+            s.call("echo", {"text": 123})
+        assert info.value.reason == "input_validation"
+
+
+def test_failed_open_leaves_nothing_behind(echo, ref_server) -> None:
+    before = ref_server.stats()["open_sessions"]
+    with pytest.raises(BadRequestError, match="out of range"):
+        echo.open_session(split="train", index=10_000)
+    with pytest.raises(BadRequestError, match="available splits"):
+        echo.open_session(split="nope", index=0)
+    assert ref_server.stats()["open_sessions"] == before
+    assert echo.open_sessions == 0
+
+
+def test_open_session_argument_errors(echo) -> None:
+    with pytest.raises(ConfigurationError):
+        echo.open_session()
+    with pytest.raises(ConfigurationError):
+        echo.open_session(split="train", index=0, task_spec={"a": 1})
+    with pytest.raises(ConfigurationError):
+        echo.open_session(split="train", index="3")
+
+
+def test_task_specific_tools_only_show_in_sessions(ref_server) -> None:
+    with Client(ref_server.url, env_name="tasktoolsenvironment") as c:
+        shared = set(c.tools().names())
+        per_task = []
+        for i in range(3):
+            with c.open_session(split="train", index=i) as s:
+                per_task.append(set(s.tools().names()))
+        assert all(shared < names for names in per_task)
+        assert len({frozenset(n) for n in per_task}) == 3
+
+
+def test_images_and_metadata(ref_server) -> None:
+    with Client(ref_server.url, env_name="imageenvironment") as c, c.open_session(split="train", index=0) as s:
+        prompt = s.prompt()
+        images = [b for b in prompt if isinstance(b, ImageBlock)]
+        assert images and images[0].mime_type == "image/png"
+        assert base64.b64decode(images[0].data).startswith(b"\x89PNG")
+        assert images[0].data_url().startswith("data:image/png;base64,")
+        result = s.call("snapshot", {"color": c.task("train", 0)["color"]})
+        assert result.reward == 1.0
+        assert any(isinstance(b, ImageBlock) for b in result.blocks)
+        assert isinstance(result.metadata, dict) and result.metadata
+        assert "[image: image/png]" in result.text
+
+
+@pytest.mark.parametrize("size,seed", [(12_000, 0), (20_000, 1), (50_000, 7)])
+def test_long_outputs_are_byte_exact(ref_server, size: int, seed: int) -> None:
+    with Client(ref_server.url, env_name="longoutputenvironment") as c, c.open_session(split="train", index=0) as s:
+        result = s.call("dump", {"size": size, "seed": seed})
+    assert result.text == long_text(size, seed)
+
+
+def test_sync_facade_is_thread_safe(echo, ref_server) -> None:
+    errors: list[BaseException] = []
+    rewards: list[float | None] = []
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        try:
+            with echo.open_session(split="train", index=i % 16) as s:
+                target = echo.task("train", i % 16)["target"]
+                r = s.call("echo", {"text": target}).reward
+            with lock:
+                rewards.append(r)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    assert rewards == [1.0] * 16
+    assert echo.open_sessions == 0
+
+
+def test_async_client_runs_sessions_concurrently(make_server) -> None:
+    server = make_server("slow", env={"ORS_TEST_TOOL_LATENCY": "0.5"})
+
+    async def main() -> float:
+        async with AsyncClient(server.url) as client:
+            sessions = await asyncio.gather(*(client.open_session(split="train", index=i) for i in range(20)))
+            t0 = time.perf_counter()
+            await asyncio.gather(*(s.call("work", {"step": 0}) for s in sessions))
+            elapsed = time.perf_counter() - t0
+            assert client.open_sessions == 20
+        return elapsed
+
+    elapsed = asyncio.run(main())
+    assert elapsed < 20 * 0.5 / 2  # concurrent, not one after another
+    assert server.stats()["open_sessions"] == 0
+
+
+def test_client_close_deletes_open_sessions(ref_server) -> None:
+    before = ref_server.stats()["open_sessions"]
+    c = Client(ref_server.url, env_name="echoenvironment")
+    for i in range(3):
+        c.open_session(split="train", index=i)
+    assert ref_server.stats()["open_sessions"] == before + 3
+    c.close()
+    assert ref_server.stats()["open_sessions"] == before
+
+
+def test_connection_refused_is_a_transport_error() -> None:
+    from ors_trl import RetryPolicy
+
+    c = Client(f"http://127.0.0.1:{free_port()}", retry=RetryPolicy(max_attempts=2, backoff_initial=0.01))
+    with pytest.raises(TransportError, match="cannot connect"):
+        c.list_environments()
+    c.close()
+
+
+def test_keepalive_keeps_a_long_call_alive(make_server) -> None:
+    server = make_server("slow", idle_timeout=1.5)
+    with Client(server.url, keepalive_interval=0.5) as c, c.open_session(split="train", index=0) as s:
+        s.call("sleep", {"seconds": 8.0})
+        assert s.call("work", {"step": 0}) is not None
+        assert not s.expired
+
+
+def test_without_keepalive_the_same_call_loses_its_session(make_server) -> None:
+    server = make_server("slow", idle_timeout=1.5)
+    with Client(server.url, keepalive_interval=None) as c, c.open_session(split="train", index=0) as s:
+        s.call("sleep", {"seconds": 8.0})
+        with pytest.raises(SessionExpiredError):
+            s.call("work", {"step": 0})
+        assert s.expired
