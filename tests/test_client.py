@@ -242,3 +242,38 @@ def test_without_keepalive_the_same_call_loses_its_session(make_server) -> None:
         with pytest.raises(SessionExpiredError):
             s.call("work", {"step": 0})
         assert s.expired
+
+
+def test_a_tool_that_raises_is_a_tool_failure(ref_server) -> None:
+    from ors_trl import ToolFailedError
+
+    with Client(ref_server.url, env_name="sparseenvironment") as c, c.open_session(split="train", index=0) as s:
+        assert s.call("calculator", {"expression": "2 + 3"}).text.strip().endswith("5")
+        with pytest.raises(ToolFailedError, match="calculator"):
+            s.call("calculator", {"expression": "import os"})
+        # the session is still usable afterwards
+        assert s.call("submit", {"answer": 0}).finished
+
+
+def test_secrets_reach_the_environment(ref_server) -> None:
+    import json
+
+    secrets = {"OPENAI_API_KEY": "sk-oa", "custom": ("v-custom", ["x.example"])}
+    with Client(ref_server.url, env_name="schemaenvironment", secrets=secrets) as c, \
+            c.open_session(split="train", index=3) as s:
+        body = json.loads(s.call("status").text)
+    assert body["secrets"] == {"OPENAI_API_KEY": "sk-oa", "custom": "v-custom"}
+
+
+def test_catalog_mode_against_a_single_host(ref_server, monkeypatch) -> None:
+    # A catalog name whose platform is a loopback single host: no api./sessions. subdomains.
+    monkeypatch.setenv("OPENREWARD_URL", ref_server.url)
+    monkeypatch.setenv("OPENREWARD_API_KEY", "sk-test")
+    before = ref_server.stats()["open_sessions"]
+    with Client("acme/echo", env_name="echoenvironment") as c:
+        assert c.target.kind == "catalog"
+        assert c.num_tasks("train") == 16
+        with c.open_session(split="train", index=0) as s:
+            target = c.task("train", 0)["target"]
+            assert s.call("echo", {"text": target}).reward == 1.0
+    assert ref_server.stats()["open_sessions"] == before

@@ -5,6 +5,7 @@ torch, trl, transformers, datasets and the openreward SDK are imported only when
 needs them is first used.
 """
 
+from ._adapter import OpenRewardEnvironment
 from ._client import AsyncClient, AsyncSession, Client, Session
 from ._exceptions import (
     APIStatusError,
@@ -28,6 +29,7 @@ from ._exceptions import (
     ToolRefusedError,
     TransportError,
 )
+from ._spec import OpenRewardSpec, outcome_reward
 from ._transport import RetryPolicy, Timeouts
 from ._types import ImageBlock, Split, TextBlock, ToolList, ToolResult, ToolSpec, UnknownBlock
 from ._version import __version__
@@ -46,6 +48,8 @@ __all__ = [
     "NotFoundError",
     "ORSError",
     "ORSTimeoutError",
+    "OpenRewardEnvironment",
+    "OpenRewardSpec",
     "PaymentRequiredError",
     "ProtocolError",
     "RateLimitError",
@@ -67,4 +71,5 @@ __all__ = [
     "TransportError",
     "UnknownBlock",
     "__version__",
+    "outcome_reward",
 ]

@@ -39,6 +39,8 @@ __all__ = ["AsyncClient", "AsyncSession", "Client", "Session"]
 logger = logging.getLogger("ors_trl.client")
 
 _KEEPALIVE_CONCURRENCY = 64
+# Retries for deleting sessions while shutting down: a dead server must not hold up interpreter exit.
+_QUICK_RETRY = RetryPolicy(max_attempts=2, backoff_initial=0.1, backoff_max=0.5)
 
 
 class AsyncSession:
@@ -486,15 +488,19 @@ class AsyncClient:
         if self._slots is not None:
             self._slots.release()
 
-    async def _discard(self, sid: str, session: AsyncSession | None = None, *, release: bool = True) -> None:
+    async def _discard(self, sid: str, session: AsyncSession | None = None, *, release: bool = True,
+                       quiet: bool = False) -> None:
         """Delete `sid` on the server: `/delete` (environment teardown) and `/delete_session`
-        (platform allocation), each attempted even if the other fails. Logs, never raises."""
+        (platform allocation), each attempted even if the other fails. Logs, never raises.
+        Once the client is closing, retries are kept short so that exit is not held up by a dead server."""
+        retry = _QUICK_RETRY if self._closed else None
         try:
             for path in ("/delete", "/delete_session"):
                 try:
-                    await self._transport.request("POST", path, sid=sid, ok_statuses=(404, 410))
+                    await self._transport.request("POST", path, sid=sid, ok_statuses=(404, 410), retry=retry)
                 except ORSError as exc:
-                    logger.warning("could not %s session %s: %s", path.lstrip("/"), sid[:8], exc)
+                    log = logger.debug if quiet else logger.warning
+                    log("could not %s session %s: %s", path.lstrip("/"), sid[:8], exc)
         finally:
             if session is not None:
                 self._sessions.discard(session)
@@ -543,7 +549,8 @@ class AsyncClient:
                 await self._keepalive_task
         await asyncio.gather(*(s.close() for s in list(self._sessions)), return_exceptions=True)
         if self._control_sid is not None:
-            await self._discard(self._control_sid, release=False)
+            # Only routes metadata calls; nothing runs in it, so failing to delete it is not worth a warning.
+            await self._discard(self._control_sid, release=False, quiet=True)
             self._control_sid = None
         await self._transport.aclose()
 

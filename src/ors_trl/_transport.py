@@ -276,8 +276,10 @@ class Transport:
         idempotent: bool = True,
         session_scoped: bool = False,
         ok_statuses: tuple[int, ...] = (),
+        retry: RetryPolicy | None = None,
     ) -> Any:
         """Send one JSON request with retries; return the decoded JSON (None for an empty body)."""
+        policy = retry or self.retry
         base = base or self.target.session_url
         url = base + path
         headers = self.headers(base, sid=sid, extra=extra_headers)
@@ -295,9 +297,7 @@ class Transport:
             try:
                 async with self._client().request(method, url, data=data, headers=headers) as resp:
                     if resp.status < 400 or resp.status in ok_statuses:
-                        raw = await resp.content.read(self.max_response_bytes + 1)
-                        if len(raw) > self.max_response_bytes:
-                            raise ProtocolError(f"{path}: response larger than {self.max_response_bytes} bytes")
+                        raw = await _read_capped(resp, self.max_response_bytes, path)
                         if resp.status >= 400:
                             return None
                         return _decode_json(raw, path)
@@ -306,23 +306,23 @@ class Transport:
                     if resp.status == 503 and resp.headers.get("X-Backend-State") == "starting":
                         now = loop.time()
                         starting_since = starting_since or now
-                        if now - starting_since < self.retry.starting_timeout:
-                            delay = min(_retry_after(resp.headers) or 2.0, self.retry.backoff_max)
+                        if now - starting_since < policy.starting_timeout:
+                            delay = min(_retry_after(resp.headers) or 2.0, policy.backoff_max)
                             logger.debug("%s %s: backend starting, retrying in %.1f s", method, path, delay)
                             await asyncio.sleep(delay)
                             attempt -= 1  # waiting for a boot is not a failed attempt
                             continue
                         raise ServiceUnavailableError(
                             f"{path}: the environment backend was still starting after "
-                            f"{self.retry.starting_timeout:.0f} s ({detail}); raise RetryPolicy.starting_timeout "
+                            f"{policy.starting_timeout:.0f} s ({detail}); raise RetryPolicy.starting_timeout "
                             "if it needs longer.",
                             status_code=503,
                             detail=detail,
                             path=path,
                         )
                     err = status_error(resp.status, detail, path, session_scoped=session_scoped)
-                    if resp.status in _RETRY_STATUSES and attempt < self.retry.max_attempts:
-                        delay = self.retry.delay(attempt, _retry_after(resp.headers))
+                    if resp.status in _RETRY_STATUSES and attempt < policy.max_attempts:
+                        delay = policy.delay(attempt, _retry_after(resp.headers))
                         logger.debug("%s %s: %s; retry %d in %.2f s", method, path, resp.status, attempt, delay)
                         await asyncio.sleep(delay)
                         continue
@@ -331,16 +331,16 @@ class Transport:
                     raise err
             except aiohttp.ClientConnectorError as exc:
                 # Nothing was sent: always safe to retry.
-                if attempt < self.retry.max_attempts:
-                    await asyncio.sleep(self.retry.delay(attempt))
+                if attempt < policy.max_attempts:
+                    await asyncio.sleep(policy.delay(attempt))
                     continue
                 raise TransportError(
                     f"{method} {path}: cannot connect to {base} after {attempt} attempts ({_describe(exc)}). "
                     "Is the server running and the URL right?"
                 ) from None
             except (aiohttp.ClientError, TimeoutError) as exc:
-                if idempotent and attempt < self.retry.max_attempts:
-                    await asyncio.sleep(self.retry.delay(attempt))
+                if idempotent and attempt < policy.max_attempts:
+                    await asyncio.sleep(policy.delay(attempt))
                     continue
                 if isinstance(exc, TimeoutError):
                     raise ORSTimeoutError(
@@ -462,6 +462,23 @@ def _describe(exc: BaseException) -> str:
         return "timed out"
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}"[:300]
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, limit: int, path: str) -> bytes:
+    """The whole body, refusing (rather than buffering) more than `limit` bytes."""
+    length = resp.content_length
+    if length is not None and length > limit:
+        raise ProtocolError(f"{path}: response of {length} bytes is larger than the {limit}-byte limit")
+    parts: list[bytes] = []
+    total = 0
+    while True:
+        chunk = await resp.content.read(1 << 16)
+        if not chunk:
+            return b"".join(parts)
+        total += len(chunk)
+        if total > limit:
+            raise ProtocolError(f"{path}: response larger than the {limit}-byte limit")
+        parts.append(chunk)
 
 
 def _decode_json(raw: bytes, path: str) -> Any:

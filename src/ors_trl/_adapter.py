@@ -1,0 +1,339 @@
+"""The per-rollout environment adapter TRL's `environment_factory` hands out.
+
+TRL constructs adapters once, then for every rollout calls `reset(**row)` and the tool methods
+the model asks for, from its training thread. Each adapter owns at most one ORS session, opened
+by `reset` and closed by the next `reset`, by the spec's callback at the end of a step or of
+training, and at interpreter exit.
+
+Resets do not wait for the network more than once per task: the first reset of a task opens its
+session and caches the prompt; later resets of the same task return the cached prompt at once
+while their sessions open in the background, and the first tool call waits for its session.
+A prompt that turns out to differ between sessions of one task is reported (and the cache can be
+turned off with `cache_prompts=False`).
+
+An environment failure never raises out of `reset()`: the rollout is recorded as failed, scored
+`None`, and the model is told what happened. Tool failures raise from the tool method (that is
+how TRL counts them in `tools/failure_frequency`) with a message the model can read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from ._client import AsyncClient, AsyncSession
+from ._exceptions import ConfigurationError, ORSError
+from ._loop import get_loop
+from ._metrics import EnvMetrics
+from ._types import ToolResult, blocks_text
+
+__all__ = ["EnvironmentRuntime", "OpenRewardEnvironment"]
+
+logger = logging.getLogger("ors_trl")
+
+#: The row keys `reset()` consumes itself; anything else in a dataset row is ignored.
+TASK_KEYS = ("task_index", "task_spec")
+
+
+def truncate_output(text: str, limit: int | None) -> str:
+    """Cap `text` at `limit` characters, saying so in the text itself."""
+    if limit is None or len(text) <= limit:
+        return text
+    return text[:limit] + f"\n[... output truncated: {limit} of {len(text)} characters shown ...]"
+
+
+class EnvironmentRuntime:
+    """State shared by every adapter of one environment: client, options, prompt cache, metrics.
+
+    Lives on the process's background loop; adapters reach it through their class.
+    """
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        *,
+        name: str,
+        split: str,
+        cache_prompts: bool = True,
+        max_output_chars: int | None = None,
+        metrics: EnvMetrics | None = None,
+        recorder: Any = None,
+    ) -> None:
+        self.client = client
+        self.name = name
+        self.split = split
+        self.cache_prompts = cache_prompts
+        self.max_output_chars = max_output_chars
+        self.metrics = metrics or EnvMetrics()
+        self.metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
+        self.recorder = recorder
+        self.bg = get_loop()
+        self.prompt_cache: dict[str, str] = {}
+        self.prompt_mismatches = 0
+        self._mismatch_warned: set[str] = set()
+        self._adapters: weakref.WeakSet[OpenRewardEnvironment] = weakref.WeakSet()
+        self._pending_closes: set[concurrent.futures.Future[None]] = set()
+        self._lock = threading.Lock()
+        self.bg.add_closer(self.aclose)
+
+    # -- task identity -------------------------------------------------------------------------
+
+    def task_key(self, index: int | None, task_spec: Mapping[str, Any] | None) -> str:
+        if task_spec is not None:
+            return "spec:" + json.dumps(task_spec, sort_keys=True, default=str)
+        return f"index:{self.split}:{index}"
+
+    # -- sessions (run on the background loop) -------------------------------------------------
+
+    async def open(self, key: str, index: int | None, task_spec: Mapping[str, Any] | None
+                   ) -> tuple[AsyncSession, str]:
+        """Open a session and read its prompt text; records latency or failure."""
+        started = time.monotonic()
+        try:
+            if task_spec is not None:
+                session = await self.client.open_session(task_spec=task_spec)
+            else:
+                session = await self.client.open_session(split=self.split, index=index)
+            try:
+                text = blocks_text(await session.prompt())
+            except BaseException:
+                await session.close()
+                raise
+        except ORSError as exc:
+            self.metrics.record_open(self.name, None, exc.kind)
+            raise
+        self.metrics.record_open(self.name, time.monotonic() - started)
+        cached = self.prompt_cache.get(key)
+        if cached is None:
+            self.prompt_cache[key] = text
+        elif cached != text:
+            self.prompt_mismatches += 1
+            if key not in self._mismatch_warned:
+                self._mismatch_warned.add(key)
+                logger.warning(
+                    "%s: task %s gave a different prompt in a new session than the cached one, so the model saw a "
+                    "stale prompt. Pass cache_prompts=False if prompts vary between sessions of a task.",
+                    self.name, key,
+                )
+        return session, text
+
+    def close_later(self, fut: concurrent.futures.Future[tuple[AsyncSession, str]]) -> concurrent.futures.Future[None]:
+        """Close the session `fut` opens (or opened) in the background; tracked until done."""
+
+        async def _close() -> None:
+            try:
+                session, _ = await asyncio.wrap_future(fut)
+            except BaseException:
+                return  # never opened: nothing to close
+            await session.close()
+
+        done = self.bg.submit(_close())
+        with self._lock:
+            self._pending_closes.add(done)
+        done.add_done_callback(self._forget_close)
+        return done
+
+    def _forget_close(self, fut: concurrent.futures.Future[None]) -> None:
+        with self._lock:
+            self._pending_closes.discard(fut)
+
+    def register(self, adapter: OpenRewardEnvironment) -> None:
+        self._adapters.add(adapter)
+
+    def release_all(self) -> None:
+        """Start closing every adapter's session, without waiting."""
+        for adapter in list(self._adapters):
+            adapter._release()
+
+    def close_all(self, timeout: float | None = 60.0) -> None:
+        """Close every adapter's session and wait (bounded) until the server has them deleted."""
+        self.release_all()
+        with self._lock:
+            pending = list(self._pending_closes)
+        concurrent.futures.wait(pending, timeout=timeout)
+
+    async def aclose(self) -> None:
+        """At exit: close every session still open through this runtime's client."""
+        await self.client.aclose()
+
+
+class OpenRewardEnvironment:
+    """One rollout's view of an ORS environment; TRL's `environment_factory` returns these.
+
+    Public surface (what TRL collects with `inspect.getmembers(type(env), inspect.isfunction)`):
+    `reset(**row)` and one method per environment tool. Tool names that would clash with `reset`,
+    `get_reward`, start with `_` or are not identifiers are bound under a safe attribute name but
+    keep the environment's exact name as `__name__`, which is what the model sees and what TRL
+    routes calls by.
+
+    Attributes:
+        reward: last non-None reward of the episode (outcome convention); None if nothing was scored.
+        rewards: per tool call, the reward or None.
+        metadata: per tool call, the environment's metadata dict or None.
+        finished: True once a tool said the episode is over.
+        last_output: the text of the most recent tool result (or error).
+        tool_calls: number of tool calls this episode; `tool_failures` how many failed.
+        error: why the episode failed outside any tool call (session could not open), else None.
+    """
+
+    _runtime: ClassVar[EnvironmentRuntime]
+
+    def __init__(self) -> None:
+        self._pending: concurrent.futures.Future[tuple[AsyncSession, str]] | None = None
+        self._task_key: str | None = None
+        self._episode_reported = True
+        self._clear()
+        self._runtime.register(self)
+
+    def _clear(self) -> None:
+        self.reward: float | None = None
+        self.rewards: list[float | None] = []
+        self.metadata: list[dict[str, Any] | None] = []
+        self.finished = False
+        self.last_output = ""
+        self.tool_calls = 0
+        self.tool_failures = 0
+        self.error: str | None = None
+        self.task_index: int | None = None
+        self.task_spec: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:
+        state = "finished" if self.finished else "open" if self._pending else "idle"
+        return f"<{type(self).__name__} task={self.task_index} reward={self.reward} {state}>"
+
+    # -- the TRL contract ------------------------------------------------------------------------
+
+    def reset(self, task_index: int | None = None, task_spec: Mapping[str, Any] | None = None, **row: Any) -> str:
+        """Start a new episode for the row's task and return its prompt text.
+
+        Closes the previous session (in the background). Never raises for environment failures:
+        the episode is then recorded as failed and the returned text says why.
+        """
+        rt = self._runtime
+        self._release()
+        self._clear()
+        if task_spec is None and task_index is None:
+            raise ConfigurationError(
+                "reset() needs task_index= (the rows of spec.train_dataset carry it) or task_spec=."
+            )
+        if task_spec is None and (isinstance(task_index, bool) or not isinstance(task_index, int)):
+            raise ConfigurationError(f"task_index must be an int, got {task_index!r}")
+        self.task_index = task_index
+        self.task_spec = dict(task_spec) if task_spec is not None else None
+        key = rt.task_key(task_index, task_spec)
+        self._task_key = key
+        self._episode_reported = False
+        self._pending = rt.bg.submit(rt.open(key, task_index, task_spec))
+        cached = rt.prompt_cache.get(key) if rt.cache_prompts else None
+        if cached is not None:
+            return cached
+        try:
+            _, text = self._pending.result()
+        except ORSError as exc:
+            self.error = str(exc)
+            logger.warning("%s: could not open a session for task %s: %s", rt.name, key, exc)
+            return f"[The environment failed to start this task: {exc}]"
+        return text
+
+    # -- tool calls ----------------------------------------------------------------------------
+
+    def _session(self) -> AsyncSession:
+        if self._pending is None:
+            raise ConfigurationError("call reset() before calling a tool")
+        session, _ = self._pending.result()
+        return session
+
+    def _before_call(self) -> None:
+        self.tool_calls += 1
+
+    def _after_call(self, name: str, started: float, result: ToolResult | None, exc: ORSError | None) -> str:
+        rt = self._runtime
+        elapsed = time.monotonic() - started
+        if exc is not None:
+            self.tool_failures += 1
+            self.rewards.append(None)
+            self.metadata.append(None)
+            self.last_output = f"Error: {exc}"
+            rt.metrics.record_call(rt.name, elapsed, exc.kind)
+            if rt.recorder is not None:
+                rt.recorder.tool_call(self, name, None, error=exc, seconds=elapsed)
+            return self.last_output
+        assert result is not None
+        self.rewards.append(result.reward)
+        if result.reward is not None:
+            self.reward = result.reward
+        self.metadata.append(result.metadata)
+        self.finished = self.finished or result.finished
+        text = truncate_output(result.text, rt.max_output_chars) or "(no output)"
+        self.last_output = text
+        rt.metrics.record_call(rt.name, elapsed)
+        if rt.recorder is not None:
+            rt.recorder.tool_call(self, name, result, error=None, seconds=elapsed)
+        return text
+
+    def _call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        """Run remote tool `name`; raise (for TRL's failure count) with a readable message on failure."""
+        self._before_call()
+        started = time.monotonic()
+        try:
+            session = self._session()
+            result = self._runtime.bg.run(session.call(name, arguments))
+        except ORSError as exc:
+            self._after_call(name, started, None, exc)
+            raise
+        return self._after_call(name, started, result, None)
+
+    async def _acall_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        """Coroutine twin of `_call_tool`, for async tool methods (runs the call on the background loop)."""
+        self._before_call()
+        started = time.monotonic()
+        rt = self._runtime
+
+        async def _go() -> ToolResult:
+            assert self._pending is not None
+            session, _ = await asyncio.wrap_future(self._pending)
+            return await session.call(name, arguments)
+
+        try:
+            if self._pending is None:
+                raise ConfigurationError("call reset() before calling a tool")
+            result = await asyncio.wrap_future(rt.bg.submit(_go()))
+        except ORSError as exc:
+            self._after_call(name, started, None, exc)
+            raise
+        return self._after_call(name, started, result, None)
+
+    # -- episode end -----------------------------------------------------------------------------
+
+    def _report_episode(self, timed_out: bool = False) -> None:
+        """Record the finished episode in metrics (once)."""
+        if self._episode_reported:
+            return
+        self._episode_reported = True
+        rt = self._runtime
+        rt.metrics.record_episode(rt.name, reward=self.reward, finished=self.finished, calls=self.tool_calls,
+                                  timed_out=timed_out)
+        if rt.recorder is not None:
+            rt.recorder.episode_end(self)
+
+    def _release(self) -> concurrent.futures.Future[None] | None:
+        """Report the episode and close its session in the background."""
+        self._report_episode()
+        if self._pending is None:
+            return None
+        done = self._runtime.close_later(self._pending)
+        self._pending = None
+        return done
+
+    def _close(self, timeout: float | None = 30.0) -> None:
+        """Close this adapter's session now (waits up to `timeout` seconds)."""
+        done = self._release()
+        if done is not None:
+            concurrent.futures.wait([done], timeout=timeout)

@@ -1,0 +1,164 @@
+"""What the environment did, measured once, per environment: the numbers behind the training logs.
+
+Adapters and the rollout engine record events here (session opens, tool calls, finished
+episodes); `EnvMetrics.flush()` turns what accumulated since the last flush into flat scalar
+metrics named `env/<name>/<metric>` (and `env/<metric>` over all environments), which the
+reward function or the trainer callback hands to the trainer's own logging.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+__all__ = ["FAILURE_KINDS", "EnvMetrics"]
+
+#: Failure reasons counted separately (anything else is counted as "failed").
+FAILURE_KINDS = ("refused", "failed", "expired", "transport", "timeout", "protocol")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def failure_kind(kind: str) -> str:
+    """Bucket an `ORSError.kind` into one of `FAILURE_KINDS`."""
+    if kind in FAILURE_KINDS:
+        return kind
+    if kind in ("not_found", "http", "auth", "configuration", "error"):
+        return "failed"
+    return "failed"
+
+
+@dataclass
+class _Window:
+    open_latency: list[float] = field(default_factory=list)
+    open_failures: int = 0
+    call_latency: list[float] = field(default_factory=list)
+    calls: int = 0
+    failures: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    episodes: int = 0
+    scored: int = 0
+    reward_sum: float = 0.0
+    finished: int = 0
+    episode_calls: int = 0
+    timed_out: int = 0
+
+
+class EnvMetrics:
+    """Thread-safe accumulator; one per spec or mix, shared by its adapters and engine.
+
+    `open_sessions` is a callable returning the current number of open sessions (a gauge).
+    """
+
+    #: Bound on stored latency samples per window, so a huge step cannot grow memory without limit.
+    MAX_SAMPLES = 100_000
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._windows: dict[str, _Window] = defaultdict(_Window)
+        self._gauges: dict[str, object] = {}
+
+    def set_open_sessions_gauge(self, env: str, gauge: object) -> None:
+        self._gauges[env] = gauge
+
+    def record_open(self, env: str, seconds: float | None, error_kind: str | None = None) -> None:
+        with self._lock:
+            w = self._windows[env]
+            if error_kind is not None:
+                w.open_failures += 1
+                w.failures[failure_kind(error_kind)] += 1
+            elif seconds is not None and len(w.open_latency) < self.MAX_SAMPLES:
+                w.open_latency.append(seconds)
+
+    def record_call(self, env: str, seconds: float, error_kind: str | None = None) -> None:
+        with self._lock:
+            w = self._windows[env]
+            w.calls += 1
+            if len(w.call_latency) < self.MAX_SAMPLES:
+                w.call_latency.append(seconds)
+            if error_kind is not None:
+                w.failures[failure_kind(error_kind)] += 1
+
+    def record_episode(self, env: str, *, reward: float | None, finished: bool, calls: int,
+                       timed_out: bool = False) -> None:
+        with self._lock:
+            w = self._windows[env]
+            w.episodes += 1
+            w.episode_calls += calls
+            w.finished += int(finished)
+            w.timed_out += int(timed_out)
+            if reward is not None:
+                w.scored += 1
+                w.reward_sum += reward
+
+    def snapshot(self, *, reset: bool) -> dict[str, _Window]:
+        with self._lock:
+            windows = dict(self._windows)
+            if reset:
+                self._windows = defaultdict(_Window)
+        return windows
+
+    def flush(self) -> dict[str, float]:
+        """Metrics since the last flush, then start a new window. Environments without activity are omitted."""
+        return self.summarize(self.snapshot(reset=True), gauges=self._gauges)
+
+    @staticmethod
+    def summarize(windows: dict[str, _Window], gauges: dict[str, object] | None = None) -> dict[str, float]:
+        out: dict[str, float] = {}
+        total = _Window()
+        for env, w in sorted(windows.items()):
+            out.update(_window_metrics(f"env/{env}/", w))
+            total.open_latency += w.open_latency
+            total.open_failures += w.open_failures
+            total.call_latency += w.call_latency
+            total.calls += w.calls
+            for k, v in w.failures.items():
+                total.failures[k] += v
+            total.episodes += w.episodes
+            total.scored += w.scored
+            total.reward_sum += w.reward_sum
+            total.finished += w.finished
+            total.episode_calls += w.episode_calls
+            total.timed_out += w.timed_out
+        if len(windows) > 1:
+            out.update(_window_metrics("env/", total))
+        for env, gauge in sorted((gauges or {}).items()):
+            try:
+                out[f"env/{env}/sessions_open"] = float(gauge())  # type: ignore[operator]
+            except Exception:  # a gauge must never break logging
+                continue
+        return out
+
+
+def _window_metrics(prefix: str, w: _Window) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if w.episodes:
+        out[prefix + "episodes"] = float(w.episodes)
+        out[prefix + "reward_mean"] = w.reward_sum / w.scored if w.scored else float("nan")
+        out[prefix + "graded_fraction"] = w.scored / w.episodes
+        out[prefix + "finished_fraction"] = w.finished / w.episodes
+        out[prefix + "tool_calls_per_episode"] = w.episode_calls / w.episodes
+        if w.timed_out:
+            out[prefix + "timed_out_fraction"] = w.timed_out / w.episodes
+    if w.calls:
+        out[prefix + "tool_calls"] = float(w.calls)
+    if w.calls or w.failures:
+        for kind in FAILURE_KINDS:
+            out[prefix + f"failures/{kind}"] = float(w.failures.get(kind, 0))
+    if w.open_failures:
+        out[prefix + "session_open_failures"] = float(w.open_failures)
+    if w.open_latency:
+        out[prefix + "session_open_s/p50"] = _percentile(w.open_latency, 0.5)
+        out[prefix + "session_open_s/p95"] = _percentile(w.open_latency, 0.95)
+    if w.call_latency:
+        out[prefix + "tool_call_s/p50"] = _percentile(w.call_latency, 0.5)
+        out[prefix + "tool_call_s/p95"] = _percentile(w.call_latency, 0.95)
+    return out

@@ -1,0 +1,486 @@
+"""Run the reference ORS server with the fixture environments, on loopback, in a subprocess.
+
+``ReferenceServer`` starts ``python -m ors_trl.testing.server`` (this module's ``main``) on a free
+port of 127.0.0.1 and waits until it answers; tests, benchmarks and the demo use it as a real ORS peer::
+
+    with ReferenceServer(envs="echo,sparse", idle_timeout=5) as server:
+        server.url      # "http://127.0.0.1:PORT"
+        server.stats()  # {"open_sessions": 0, "tool_calls": {...}, ...}
+
+The server process is the reference ``openreward.environments.Server`` plus a thin outer ASGI layer
+that answers ``GET /_test/stats`` (live sessions, tool/setup/teardown counters, pings) and counts
+``/ping`` requests. ``--idle-timeout S`` makes the reference idle reaper (900 s, not configurable)
+reap sessions idle for more than ``S`` seconds by scaling the clock its module reads.
+
+Only the standard library is imported at module level, so ``ors_trl.testing`` stays cheap to import;
+``main`` imports ``openreward`` and ``uvicorn`` in the server process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import http.client
+import ipaddress
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+import urllib.error
+import urllib.request
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "LOOPBACK",
+    "REFERENCE_IDLE_LIMIT_S",
+    "STATS_PATH",
+    "ReferenceServer",
+    "ServerStartError",
+    "free_port",
+    "main",
+]
+
+#: The only host the launcher binds to by default.
+LOOPBACK = "127.0.0.1"
+#: The reference server reaps sessions idle for longer than this (``reaper_coro``'s default).
+REFERENCE_IDLE_LIMIT_S = 900.0
+#: Introspection endpoint answered by the launcher's outer ASGI layer.
+STATS_PATH = "/_test/stats"
+
+_UPDATE_CHECK_ENV = "OPENREWARD_DISABLE_UPDATE_CHECK"
+_SRC_DIR = str(Path(__file__).resolve().parents[2])  # .../src, so the child finds ors_trl uninstalled
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it, close)."""
+    _require_loopback(host)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _require_loopback(host: str) -> None:
+    if host == "localhost":
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(f"the test server only binds to loopback addresses, not {host!r}")
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+# --------------------------------------------------------------------------------------------------
+# Server side (runs in the subprocess)
+# --------------------------------------------------------------------------------------------------
+
+
+class _ScaledClock:
+    """Stands in for the ``time`` module: ``monotonic()`` runs ``factor`` times faster, the rest is real."""
+
+    def __init__(self, real: types.ModuleType, factor: float) -> None:
+        self._real = real
+        self.factor = factor
+
+    def monotonic(self) -> float:
+        return self._real.monotonic() * self.factor
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def install_idle_timeout(seconds: float) -> None:
+    """Make the reference server reap sessions idle for more than ``seconds`` real seconds.
+
+    Its reaper compares ``time.monotonic()`` differences against 900 s every 5 s; we replace the
+    ``time`` its module reads with a clock scaled by ``900 / seconds``. The 5 s check interval is
+    unchanged, so a session is reaped between ``seconds`` and ``seconds + 5`` after its last activity.
+    Side effect: the latencies in the server's request logs are scaled by the same factor.
+    """
+    if seconds <= 0:
+        raise ValueError("idle timeout must be positive")
+    import openreward.environments.server as server_module
+
+    real = server_module.time
+    if isinstance(real, _ScaledClock):
+        real = real._real
+    server_module.time = _ScaledClock(real, REFERENCE_IDLE_LIMIT_S / seconds)  # type: ignore[assignment]
+
+
+class _TestRoutes:
+    """Outer ASGI layer: answers ``/_test/*`` itself (the reference app would 308 it), counts pings."""
+
+    def __init__(self, app: Any, server: Any, idle_timeout: float | None) -> None:
+        self.app = app
+        self.server = server
+        self.idle_timeout = idle_timeout
+        self.pings = 0
+        self.requests = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] == "http":
+            path = scope.get("path", "")
+            if path.startswith("/_test/"):
+                await self._answer(path, send)
+                return
+            self.requests += 1
+            if path == "/ping":
+                self.pings += 1
+        await self.app(scope, receive, send)
+
+    def stats(self) -> dict[str, Any]:
+        from ors_trl.testing.environments import counters
+
+        sessions = list(self.server._active_envs)
+        return {
+            "pid": os.getpid(),
+            "open_sessions": len(sessions),
+            "sessions": sessions,
+            "pings": self.pings,
+            "requests": self.requests,
+            "idle_timeout": self.idle_timeout,
+            "environments": list(self.server._env_classes),
+            **counters(),
+        }
+
+    async def _answer(self, path: str, send: Callable[..., Any]) -> None:
+        if path == STATS_PATH:
+            status, body = 200, self.stats()
+        else:
+            status, body = 404, {"detail": f"unknown test route {path!r}"}
+        payload = json.dumps(body).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+
+def build_app(envs: str | Sequence[str] = "all", idle_timeout: float | None = None) -> Any:
+    """The ASGI app the launcher serves: the reference ``Server`` for ``envs`` under ``_TestRoutes``.
+
+    Call it in the process that will serve it: ``idle_timeout`` patches a module-global clock.
+    """
+    os.environ.setdefault(_UPDATE_CHECK_ENV, "1")
+    from openreward.environments import Server
+
+    from ors_trl.testing.environments import resolve_environments
+
+    if idle_timeout is not None:
+        install_idle_timeout(idle_timeout)
+    server = Server(resolve_environments(envs if isinstance(envs, str) else list(envs)))
+    return _TestRoutes(server.app, server, idle_timeout)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Shut this server down if the process that launched it dies (no orphaned servers)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os.kill(os.getpid(), 15)  # SIGTERM: uvicorn shuts down gracefully (teardowns run)
+        time.sleep(10.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="ors-test-parent-watch", daemon=True).start()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ors_trl.testing.server --port N [--envs echo,sparse|all] [--idle-timeout S]``."""
+    parser = argparse.ArgumentParser(prog="python -m ors_trl.testing.server", description=__doc__.split("\n")[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default=LOOPBACK, help="loopback address to bind (default 127.0.0.1)")
+    parser.add_argument("--envs", default="all", help="comma-separated short names or keys, or 'all'")
+    parser.add_argument("--idle-timeout", type=float, default=None, help="reap sessions idle this many seconds")
+    parser.add_argument("--log-level", default="warning", help="server log level (default warning)")
+    parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        _require_loopback(args.host)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.idle_timeout is not None and args.idle_timeout <= 0:
+        parser.error("--idle-timeout must be positive")
+
+    os.environ[_UPDATE_CHECK_ENV] = "1"
+    # The SDK's loggers read their level when openreward is first imported.
+    os.environ.setdefault("OPENREWARD_LOG_LEVEL", args.log_level.upper())
+    try:
+        app = build_app(args.envs, args.idle_timeout)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+    import uvicorn
+
+    if args.parent_pid is not None:
+        _watch_parent(args.parent_pid)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        timeout_keep_alive=60,
+        timeout_graceful_shutdown=3,
+        access_log=False,
+        log_level=args.log_level.lower(),
+        lifespan="on",
+    )
+    uvicorn.Server(config).run()
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Client side (runs in the test process)
+# --------------------------------------------------------------------------------------------------
+
+
+class ServerStartError(RuntimeError):
+    """The server subprocess exited or did not answer in time; the message ends with its log tail."""
+
+
+# No proxies: a configured HTTP(S)_PROXY must never see loopback test traffic.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_LIVE: weakref.WeakSet[ReferenceServer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for server in list(_LIVE):
+        with contextlib.suppress(Exception):
+            server.kill()
+
+
+class ReferenceServer:
+    """A reference ORS server in a subprocess on loopback, for tests, benchmarks and the demo.
+
+    Args:
+        envs: ``"all"`` or short names / keys (``"echo,sparse"`` or a list); the first is the
+            server's default environment.
+        idle_timeout: reap sessions idle for more than this many seconds (checked every 5 s)
+            instead of the reference 900 s.
+        env: extra environment variables for the server process (e.g. ``ORS_TEST_TOOL_LATENCY``).
+        port: fixed port; by default a free one is picked (and re-picked if it was taken meanwhile).
+        host: loopback address to bind.
+        startup_timeout: seconds to wait for the server to answer before raising ``ServerStartError``.
+        log_level: the server's log level; its output goes to ``log_path``.
+    """
+
+    def __init__(
+        self,
+        envs: str | Sequence[str] = "all",
+        idle_timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        port: int | None = None,
+        *,
+        host: str = LOOPBACK,
+        startup_timeout: float = 30.0,
+        log_level: str = "warning",
+    ) -> None:
+        _require_loopback(host)
+        self.envs = envs if isinstance(envs, str) else ",".join(envs)
+        self.idle_timeout = idle_timeout
+        self.extra_env = dict(env or {})
+        self.host = host
+        self.port = port
+        self.startup_timeout = startup_timeout
+        self.log_level = log_level
+        self._fixed_port = port is not None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_path: str | None = None
+
+    # -- properties -------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:PORT`` (no trailing slash)."""
+        if self.port is None:
+            raise RuntimeError("server has not been started")
+        return f"http://{_url_host(self.host)}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def log_path(self) -> str | None:
+        """The file the server's stdout and stderr go to (kept until ``close()``)."""
+        return self._log_path
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> ReferenceServer:
+        """Launch the server and wait until it answers ``/health`` as this process; returns self."""
+        if self.running:
+            raise RuntimeError(f"server already running at {self.url}")
+        attempts = 1 if self._fixed_port else 3
+        for attempt in range(attempts):
+            if not self._fixed_port:
+                self.port = free_port(self.host)
+            self._spawn()
+            try:
+                self._wait_ready()
+            except ServerStartError as exc:
+                self.kill()
+                port_taken = "address already in use" in str(exc).lower()
+                if port_taken and attempt + 1 < attempts:
+                    continue
+                raise
+            self._fixed_port = True  # restart() comes back on the same port
+            _LIVE.add(self)
+            return self
+        raise AssertionError("unreachable")
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """Terminate the server (SIGTERM: sessions are torn down), then kill after ``timeout`` s."""
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5.0)
+        _LIVE.discard(self)
+        return proc.returncode
+
+    def kill(self) -> int | None:
+        """Kill the server at once (SIGKILL: no teardowns), as a crash would."""
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5.0)
+        _LIVE.discard(self)
+        return proc.returncode
+
+    def restart(self, timeout: float = 10.0) -> ReferenceServer:
+        """Stop the server and start a fresh process on the same port (all sessions are lost)."""
+        self.stop(timeout)
+        return self.start()
+
+    def close(self) -> None:
+        """Stop the server and delete its log file."""
+        self.stop()
+        if self._log_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._log_path)
+            self._log_path = None
+
+    def __enter__(self) -> ReferenceServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"ReferenceServer(envs={self.envs!r}, port={self.port}, {state})"
+
+    # -- introspection ----------------------------------------------------------------------------
+
+    def stats(self, timeout: float = 5.0) -> dict[str, Any]:
+        """``GET /_test/stats``: ``open_sessions``, ``sessions``, ``tool_calls`` ({"env/tool": n}),
+        ``setups``, ``teardowns``, ``pings``, ``requests``, ``pid``, ``idle_timeout``, ``environments``."""
+        with _OPENER.open(self.url + STATS_PATH, timeout=timeout) as resp:
+            return json.loads(resp.read())
+
+    def wait_for_stats(
+        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10.0, interval: float = 0.05
+    ) -> dict[str, Any]:
+        """Poll ``stats()`` until ``predicate(stats)`` holds; ``TimeoutError`` (with the last stats) if not."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if predicate(stats):
+                return stats
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"stats condition not met within {timeout} s; last stats: {stats}")
+            time.sleep(interval)
+
+    def log_tail(self, max_chars: int = 4000) -> str:
+        """The last ``max_chars`` characters of the server's output."""
+        if self._log_path is None:
+            return ""
+        try:
+            with open(self._log_path, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                fh.seek(max(0, fh.tell() - max_chars))
+                return fh.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "ors_trl.testing.server", "--host", self.host, "--port", str(self.port)]
+        cmd += ["--envs", self.envs, "--log-level", self.log_level, "--parent-pid", str(os.getpid())]
+        if self.idle_timeout is not None:
+            cmd += ["--idle-timeout", repr(float(self.idle_timeout))]
+        return cmd
+
+    def _spawn(self) -> None:
+        if self._log_path is None:
+            fd, self._log_path = tempfile.mkstemp(prefix="ors-ref-server-", suffix=".log")
+            os.close(fd)
+        child_env = dict(os.environ)
+        child_env.update(self.extra_env)
+        child_env[_UPDATE_CHECK_ENV] = "1"
+        child_env["PYTHONUNBUFFERED"] = "1"
+        child_env["PYTHONPATH"] = os.pathsep.join(p for p in (_SRC_DIR, child_env.get("PYTHONPATH")) if p)
+        with open(self._log_path, "ab") as log:
+            log.write(f"--- {' '.join(self._command())}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                self._command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child_env,
+            )
+
+    def _wait_ready(self) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise ServerStartError(f"server exited with code {code} during startup\n{self.log_tail()}")
+            if self._answers():
+                return
+            if time.monotonic() >= deadline:
+                raise ServerStartError(
+                    f"server did not answer on {self.url} within {self.startup_timeout} s\n{self.log_tail()}"
+                )
+            time.sleep(0.05)
+
+    def _answers(self) -> bool:
+        """True once ``/health`` is ok and ``/_test/stats`` reports our child's pid (not a stranger's)."""
+        try:
+            with _OPENER.open(self.url + "/health", timeout=1.0) as resp:
+                if resp.status != 200 or json.loads(resp.read()).get("status") != "ok":
+                    return False
+            return self.stats(timeout=1.0).get("pid") == self.pid
+        except (OSError, ValueError, http.client.HTTPException):
+            return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

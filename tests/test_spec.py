@@ -1,0 +1,311 @@
+"""OpenRewardSpec against the reference server: the documented TRL behaviours, one by one."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import pickle
+
+import pytest
+
+from ors_trl import ConfigurationError, MissingAPIKeyError, OpenRewardSpec, ToolRefusedError
+from ors_trl._spec import task_columns
+from ors_trl.testing.server import free_port
+
+
+def tools_of(cls: type) -> list[str]:
+    """What TRL collects: public functions other than reset/get_reward."""
+    return sorted(
+        n for n, _ in inspect.getmembers(cls, inspect.isfunction)
+        if n not in ("reset", "get_reward") and not n.startswith("_")
+    )
+
+
+def count_requests(spec: OpenRewardSpec) -> list[tuple[str, str]]:
+    seen: list[tuple[str, str]] = []
+    spec.client._transport.on_request = lambda m, p: seen.append((m, p))
+    return seen
+
+
+def test_signature_matches_trl() -> None:
+    trl_spec = pytest.importorskip("trl.experimental.openreward").OpenRewardSpec
+    ours = inspect.signature(OpenRewardSpec).parameters
+    for name, param in inspect.signature(trl_spec).parameters.items():
+        assert name in ours, name
+        assert ours[name].default == param.default, name
+        assert ours[name].kind == param.kind, name
+
+
+def test_argument_errors_are_raised_at_construction(monkeypatch) -> None:
+    with pytest.raises(ConfigurationError, match="num_tasks or indices"):
+        OpenRewardSpec("http://127.0.0.1:1", num_tasks=2, indices=[0])
+    with pytest.raises(ValueError):  # ConfigurationError is a ValueError, like TRL's
+        OpenRewardSpec("http://127.0.0.1:1", num_tasks=0)
+    with pytest.raises(ConfigurationError):
+        OpenRewardSpec("http://127.0.0.1:1", indices=[-1])
+    with pytest.raises(ConfigurationError):
+        OpenRewardSpec("not a target")
+    monkeypatch.delenv("OPENREWARD_API_KEY", raising=False)
+    with pytest.raises(MissingAPIKeyError, match="OPENREWARD_API_KEY"):
+        OpenRewardSpec("Eigent/SETA")
+
+
+def test_construction_is_lazy() -> None:
+    # Nothing listens there: constructing must not touch the network.
+    OpenRewardSpec(f"http://127.0.0.1:{free_port()}", num_tasks=3)
+
+
+def test_dataset_with_num_tasks(ref_server) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=5)
+    seen = count_requests(spec)
+    ds = spec.train_dataset
+    assert len(ds) == 5
+    assert ds["task_index"] == [0, 1, 2, 3, 4]
+    assert ds[0]["prompt"][0]["role"] == "user" and ds[0]["prompt"][0]["content"] == ""
+    fetches = [p for m, p in seen if p.endswith(("/task", "/task_range", "/tasks"))]
+    assert fetches == ["/echoenvironment/task_range"]  # one request for the tasks, not one per task
+    assert ds[2]["target"] == spec.run(spec.client.task("train", 2))["target"]
+
+
+def test_num_tasks_larger_than_split_is_capped(ref_server) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=1000)
+    assert len(spec.train_dataset) == 16
+
+
+def test_dataset_with_indices_keeps_order_and_duplicates(ref_server) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", indices=[7, 2, 3, 7, 15], split="train")
+    seen = count_requests(spec)
+    ds = spec.train_dataset
+    assert ds["task_index"] == [7, 2, 3, 7, 15]
+    all_tasks = spec.run(spec.client.tasks("train"))
+    assert ds["target"] == [all_tasks[i]["target"] for i in [7, 2, 3, 7, 15]]
+    assert len([p for _, p in seen if p.endswith("/task_range")]) <= 2
+
+
+def test_out_of_range_indices_fail_on_first_use(ref_server) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", indices=[0, 99])
+    with pytest.raises(ConfigurationError, match=r"\[99\].*0\.\.15"):
+        spec.train_dataset  # noqa: B018
+
+
+def test_whole_split_and_no_metadata(ref_server) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", split="test", include_metadata=False)
+    ds = spec.train_dataset
+    assert set(ds.column_names) == {"prompt", "task_index"}
+    assert len(ds) == 8
+
+
+def test_heterogeneous_task_fields_do_not_crash(ref_server) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name="mixedenvironment")
+    ds = spec.train_dataset
+    tasks = spec.run(spec.client.tasks("train"))
+    assert ds["task_index"] == list(range(len(tasks)))  # the task's own "task_index" field did not win
+    assert all(p[0]["content"] == "" for p in ds["prompt"])  # nor its "prompt" field
+    assert "task_spec" not in ds.column_names
+    # answer mixes int and str: stored as JSON text, which round-trips to the task's value
+    assert [json.loads(v) for v in ds["answer"]] == [t["answer"] for t in tasks]
+    assert any("answer" in note for note in spec.dataset_notes)
+    assert ds["id"] == [t["id"] for t in tasks]
+
+
+def test_task_columns_unit() -> None:
+    cols, notes = task_columns([{"a": 1, "b": {"x": 1}}, {"a": "s", "b": {"y": [1]}}, {"c": None}])
+    assert cols["a"] == ["1", '"s"', None]
+    assert cols["c"] == [None, None, None]
+    assert "b" in cols
+    assert notes
+
+
+def test_environment_factory_binds_exactly_the_tools(ref_server) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name="sparseenvironment", num_tasks=2)
+    env_cls = spec.environment_factory
+    assert tools_of(env_cls) == ["calculator", "submit"]
+    env = env_cls()
+    assert env is not env_cls()  # a fresh adapter per call
+
+
+def test_reset_and_tool_state(ref_server) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name="sparseenvironment", num_tasks=3)
+    row = spec.train_dataset[1]
+    env = spec.environment_factory()
+    prompt = env.reset(**row)
+    assert str(row["a"]) in prompt and str(row["b"]) in prompt
+    assert (env.reward, env.rewards, env.finished) == (None, [], False)
+    out = env.calculator(expression=f"{row['a']} + {row['b']}")
+    assert out.strip().endswith(str(row["a"] + row["b"]))
+    assert env.rewards == [None] and env.reward is None
+    out = env.submit(answer=row["a"] + row["b"])
+    assert env.rewards == [None, 1.0] and env.reward == 1.0 and env.finished
+    assert env.last_output == out
+    assert isinstance(env.metadata, list) and len(env.metadata) == 2
+    # a later refused call does not erase the earlier score, and is recorded as None
+    with pytest.raises(ToolRefusedError, match="episode_finished"):
+        env.calculator(expression="1+1")
+    assert env.rewards == [None, 1.0, None] and env.reward == 1.0
+    # reset starts a new episode
+    env.reset(**spec.train_dataset[0])
+    assert (env.reward, env.rewards, env.metadata, env.finished) == (None, [], [], False)
+    spec.close()
+
+
+def test_zero_and_negative_rewards_are_real(ref_server) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name="hostileenvironment", indices=[0])
+    env = spec.environment_factory()
+    env.reset(**spec.train_dataset[0])
+    getter = next(f for n, f in inspect.getmembers(type(env), inspect.isfunction) if f.__name__ == "get_reward")
+    getter(env)
+    assert env.reward == -1.0
+    assert spec.reward_funcs([env]) == [-1.0]
+    env.reset(**spec.train_dataset[0])
+    assert spec.reward_funcs([env]) == [None]  # nothing scored is None, not 0.0
+    spec.close()
+
+
+def test_reward_funcs_is_picklable_and_outcome_only(ref_server) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=2)
+    fn = pickle.loads(pickle.dumps(spec.reward_funcs))
+    envs = [spec.environment_factory() for _ in range(3)]
+    rows = spec.train_dataset
+    for env in envs:
+        env.reset(**rows[0])
+    envs[0].echo(text=rows[0]["target"])
+    envs[1].echo(text="wrong")
+    assert fn(envs) == [1.0, 0.0, None]
+    spec.close()
+
+
+def test_tool_failure_is_counted_the_way_trl_counts_it(ref_server) -> None:
+    """Replays TRL's tool loop: a raising tool is a failure and the model sees {'error': message}."""
+    spec = OpenRewardSpec(ref_server.url, env_name="sparseenvironment", num_tasks=1)
+    env = spec.environment_factory()
+    env.reset(**spec.train_dataset[0])
+    tool_dict = {f.__name__: getattr(env, n) for n, f in inspect.getmembers(type(env), inspect.isfunction)
+                 if n not in ("reset", "get_reward") and not n.startswith("_")}
+    failures, results = 0, []
+    for name, args in [("calculator", {"expression": "import os"}), ("calculator", {"expression": "2*3"}),
+                       ("submit", {"answer": "not a number"})]:
+        try:
+            results.append(tool_dict[name](**args))
+        except Exception as e:
+            failures += 1
+            results.append({"error": str(e)})
+    assert failures == 2
+    assert "calculator" in results[0]["error"] and "raised" in results[0]["error"]
+    assert results[1].strip().endswith("6")
+    assert "input_validation" in results[2]["error"]
+    assert env.rewards == [None, None, None] and env.metadata[0] is None
+    spec.close()
+
+
+def test_task_specific_tools_are_discovered_and_probes_closed(ref_server) -> None:
+    before = ref_server.stats()["open_sessions"]
+    spec = OpenRewardSpec(ref_server.url, env_name="tasktoolsenvironment", indices=[0, 1])
+    assert tools_of(spec.environment_factory) == ["look", "open_door", "open_window"]
+    assert ref_server.stats()["open_sessions"] == before
+    only0 = OpenRewardSpec(ref_server.url, env_name="tasktoolsenvironment", num_tasks=3)
+    assert tools_of(only0.environment_factory) == ["look", "open_door"]  # probes task 0 only
+    chosen = OpenRewardSpec(ref_server.url, env_name="tasktoolsenvironment", task_tools_discovery_index=1)
+    assert tools_of(chosen.environment_factory) == ["look", "open_window"]
+    shared = OpenRewardSpec(ref_server.url, env_name="tasktoolsenvironment", discover_task_tools=False)
+    assert tools_of(shared.environment_factory) == ["look"]
+    assert ref_server.stats()["open_sessions"] == before
+
+
+def test_failed_probes_fall_back_to_shared_tools(ref_server, monkeypatch, caplog) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name="tasktoolsenvironment", indices=[0, 1])
+
+    async def broken(**kwargs):
+        raise ToolRefusedError("probe failed on purpose")
+
+    monkeypatch.setattr(spec.client, "open_session", broken)
+    assert tools_of(spec.environment_factory) == ["look"]
+    assert "binding shared tools only" in caplog.text
+
+
+def test_sessions_are_closed_on_reset_and_close(ref_server) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=4)
+    base = ref_server.stats()["open_sessions"]
+    envs = [spec.environment_factory() for _ in range(4)]
+    for i, env in enumerate(envs):
+        env.reset(**spec.train_dataset[i])
+        env.echo(text="x")  # waits for the session, so it is open now
+    assert ref_server.stats()["open_sessions"] == base + 4
+    for i, env in enumerate(envs):
+        env.reset(**spec.train_dataset[(i + 1) % 4])
+        env.echo(text="x")
+    ref_server.wait_for_stats(lambda s: s["open_sessions"] == base + 4)
+    spec.close()
+    assert ref_server.stats()["open_sessions"] == base
+
+
+def test_resets_of_one_task_wait_once(make_server) -> None:
+    server = make_server("slow", env={"ORS_TEST_SETUP_DELAY": "0.6"})
+    import time
+
+    spec = OpenRewardSpec(server.url, num_tasks=2)
+    rows = spec.train_dataset
+    envs = [spec.environment_factory() for _ in range(8)]
+    t0 = time.perf_counter()
+    prompts = [env.reset(**rows[i // 4]) for i, env in enumerate(envs)]  # 4 rollouts per task, like GRPO
+    resets = time.perf_counter() - t0
+    assert resets < 2 * 0.6 + 0.6  # about one setup per distinct task, not 8
+    assert prompts[0] == prompts[3] and prompts[4] == prompts[7]
+    t0 = time.perf_counter()
+    for env in envs:
+        env.work(step=0)  # the first tool call waits for the background sessions (opened concurrently)
+    assert time.perf_counter() - t0 < 8 * 0.6
+    assert server.stats()["open_sessions"] == 8
+    spec.close()
+    assert server.stats()["open_sessions"] == 0
+
+
+def test_cache_prompts_off_waits_every_time(make_server) -> None:
+    server = make_server("slow", env={"ORS_TEST_SETUP_DELAY": "0.3"})
+    import time
+
+    spec = OpenRewardSpec(server.url, num_tasks=1, cache_prompts=False)
+    envs = [spec.environment_factory() for _ in range(3)]
+    t0 = time.perf_counter()
+    for env in envs:
+        env.reset(**spec.train_dataset[0])
+    assert time.perf_counter() - t0 >= 3 * 0.3
+    spec.close()
+
+
+def test_reset_survives_an_environment_failure(ref_server) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=2)
+    env = spec.environment_factory()
+    text = env.reset(task_index=500)  # not in the split: the server refuses to create it
+    assert "failed to start" in text and env.error
+    with pytest.raises(Exception, match="out of range"):
+        env.echo(text="x")
+    assert env.reward is None and env.rewards == [None]
+    env.reset(**spec.train_dataset[0])  # the next reset works
+    assert env.error is None
+    spec.close()
+
+
+def test_catalog_mode_forwards_the_key_as_a_secret(ref_server, monkeypatch) -> None:
+    monkeypatch.setenv("OPENREWARD_URL", ref_server.url)
+    monkeypatch.setenv("OPENREWARD_API_KEY", "sk-catalog")
+    spec = OpenRewardSpec("acme/schema", env_name="schemaenvironment", indices=[3])
+    env = spec.environment_factory()
+    env.reset(**spec.train_dataset[0])
+    assert json.loads(env.status())["secrets"] == {"api_key": "sk-catalog"}
+    explicit = OpenRewardSpec("acme/schema", env_name="schemaenvironment", indices=[3], secrets={"x": "1"})
+    env2 = explicit.environment_factory()
+    env2.reset(**explicit.train_dataset[0])
+    assert json.loads(env2.status())["secrets"] == {"x": "1"}
+    spec.close()
+    explicit.close()
+
+
+def test_url_mode_sends_no_key_secret(ref_server, monkeypatch) -> None:
+    monkeypatch.setenv("OPENREWARD_API_KEY", "sk-should-not-leave")
+    spec = OpenRewardSpec(ref_server.url, env_name="schemaenvironment", indices=[3])
+    env = spec.environment_factory()
+    env.reset(**spec.train_dataset[0])
+    assert json.loads(env.status())["secrets"] == {}
+    headers = spec.client._transport.headers(ref_server.url)
+    assert "X-API-Key" not in headers
+    spec.close()
