@@ -49,3 +49,34 @@ def make_server() -> Iterator[MakeServer]:
     yield factory
     for server in reversed(servers):
         server.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(ref_server, tmp_path_factory) -> str:
+    """A tiny random Qwen3 model + BPE tokenizer (TRL's qwen3 template) saved locally, built for the echo env.
+
+    Untrained: it produces well-formed token sequences, not sensible tool calls. Built once per session.
+    """
+    import inspect
+    import random
+
+    from ors_trl import OpenRewardSpec
+    from ors_trl.demo._model import build_model, build_tokenizer, render_corpus
+
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment")
+    tools = [f for n, f in inspect.getmembers(spec.environment_factory, inspect.isfunction) if n == "echo"]
+    tasks = spec.run(spec.client.tasks("train"))
+
+    def prompt_fn(task):
+        return f'Call the `echo` tool with exactly this text: "{task["target"]}". Do not add anything else.'
+
+    def episode_fn(task, rng: random.Random):
+        return "echo", {"text": rng.choice(tasks)["target"]}, "ok"
+
+    tokenizer = build_tokenizer(render_corpus(tasks, tools, prompt_fn, episode_fn, copies=4))
+    model = build_model(tokenizer, seed=0, max_position_embeddings=2048)  # room for multi-turn test episodes
+    tokenizer.model_max_length = 2048
+    path = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

@@ -7,6 +7,7 @@ needs them is first used.
 
 from ._adapter import OpenRewardEnvironment
 from ._client import AsyncClient, AsyncSession, Client, Session
+from ._engine import RolloutEngine
 from ._exceptions import (
     APIStatusError,
     AuthenticationError,
@@ -29,6 +30,9 @@ from ._exceptions import (
     ToolRefusedError,
     TransportError,
 )
+from ._metrics import EnvMetrics
+from ._mix import OpenRewardMix
+from ._records import EpisodeRecorder
 from ._spec import OpenRewardSpec, outcome_reward
 from ._transport import RetryPolicy, Timeouts
 from ._types import ImageBlock, Split, TextBlock, ToolList, ToolResult, ToolSpec, UnknownBlock
@@ -42,18 +46,22 @@ __all__ = [
     "BadRequestError",
     "Client",
     "ConfigurationError",
+    "EnvMetrics",
     "EnvironmentNotFoundError",
+    "EpisodeRecorder",
     "ImageBlock",
     "MissingAPIKeyError",
     "NotFoundError",
     "ORSError",
     "ORSTimeoutError",
     "OpenRewardEnvironment",
+    "OpenRewardMix",
     "OpenRewardSpec",
     "PaymentRequiredError",
     "ProtocolError",
     "RateLimitError",
     "RetryPolicy",
+    "RolloutEngine",
     "ServerError",
     "ServiceUnavailableError",
     "Session",

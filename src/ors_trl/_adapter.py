@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import threading
@@ -153,15 +154,31 @@ class EnvironmentRuntime:
             adapter._release()
 
     def close_all(self, timeout: float | None = 60.0) -> None:
-        """Close every adapter's session and wait (bounded) until the server has them deleted."""
+        """Close every session opened through this runtime and wait (bounded) until the server has them deleted.
+
+        Covers sessions whose adapter was already garbage-collected, through the client's own registry.
+        """
         self.release_all()
         with self._lock:
             pending = list(self._pending_closes)
         concurrent.futures.wait(pending, timeout=timeout)
+        try:
+            self.bg.run(self.client.close_sessions(), timeout=timeout)
+        except ORSError as exc:
+            logger.warning("%s: closing sessions failed: %s", self.name, exc)
 
     async def aclose(self) -> None:
         """At exit: close every session still open through this runtime's client."""
         await self.client.aclose()
+
+
+def _close_orphan(runtime: EnvironmentRuntime, holder: list[Any]) -> None:
+    """Finalizer of a garbage-collected adapter: close the session it still held."""
+    fut = holder[0]
+    if fut is not None:
+        holder[0] = None
+        with contextlib.suppress(RuntimeError):  # the background loop is already shut down (interpreter exit)
+            runtime.close_later(fut)
 
 
 class OpenRewardEnvironment:
@@ -191,6 +208,9 @@ class OpenRewardEnvironment:
         self._episode_reported = True
         self._clear()
         self._runtime.register(self)
+        # If the adapter is dropped while it holds a session (a trainer going away), close that session.
+        self._holder: list[Any] = [None]
+        weakref.finalize(self, _close_orphan, self._runtime, self._holder)
 
     def _clear(self) -> None:
         self.reward: float | None = None
@@ -203,6 +223,14 @@ class OpenRewardEnvironment:
         self.error: str | None = None
         self.task_index: int | None = None
         self.task_spec: dict[str, Any] | None = None
+        self.prompt_text = ""
+        self.trace: list[dict[str, Any]] = []
+        self._started = time.monotonic()
+
+    @property
+    def episode_seconds(self) -> float:
+        """Seconds since this episode's reset."""
+        return time.monotonic() - self._started
 
     def __repr__(self) -> str:
         state = "finished" if self.finished else "open" if self._pending else "idle"
@@ -231,8 +259,10 @@ class OpenRewardEnvironment:
         self._task_key = key
         self._episode_reported = False
         self._pending = rt.bg.submit(rt.open(key, task_index, task_spec))
+        self._holder[0] = self._pending
         cached = rt.prompt_cache.get(key) if rt.cache_prompts else None
         if cached is not None:
+            self.prompt_text = cached
             return cached
         try:
             _, text = self._pending.result()
@@ -240,6 +270,7 @@ class OpenRewardEnvironment:
             self.error = str(exc)
             logger.warning("%s: could not open a session for task %s: %s", rt.name, key, exc)
             return f"[The environment failed to start this task: {exc}]"
+        self.prompt_text = text
         return text
 
     # -- tool calls ----------------------------------------------------------------------------
@@ -253,7 +284,8 @@ class OpenRewardEnvironment:
     def _before_call(self) -> None:
         self.tool_calls += 1
 
-    def _after_call(self, name: str, started: float, result: ToolResult | None, exc: ORSError | None) -> str:
+    def _after_call(self, name: str, arguments: dict[str, Any], started: float, result: ToolResult | None,
+                    exc: ORSError | None) -> str:
         rt = self._runtime
         elapsed = time.monotonic() - started
         if exc is not None:
@@ -262,8 +294,8 @@ class OpenRewardEnvironment:
             self.metadata.append(None)
             self.last_output = f"Error: {exc}"
             rt.metrics.record_call(rt.name, elapsed, exc.kind)
-            if rt.recorder is not None:
-                rt.recorder.tool_call(self, name, None, error=exc, seconds=elapsed)
+            self.trace.append({"tool": name, "arguments": arguments, "error": str(exc), "error_kind": exc.kind,
+                               "seconds": elapsed})
             return self.last_output
         assert result is not None
         self.rewards.append(result.reward)
@@ -274,8 +306,8 @@ class OpenRewardEnvironment:
         text = truncate_output(result.text, rt.max_output_chars) or "(no output)"
         self.last_output = text
         rt.metrics.record_call(rt.name, elapsed)
-        if rt.recorder is not None:
-            rt.recorder.tool_call(self, name, result, error=None, seconds=elapsed)
+        self.trace.append({"tool": name, "arguments": arguments, "output": text, "reward": result.reward,
+                           "finished": result.finished, "metadata": result.metadata, "seconds": elapsed})
         return text
 
     def _call_tool(self, name: str, arguments: dict[str, Any]) -> str:
@@ -286,9 +318,9 @@ class OpenRewardEnvironment:
             session = self._session()
             result = self._runtime.bg.run(session.call(name, arguments))
         except ORSError as exc:
-            self._after_call(name, started, None, exc)
+            self._after_call(name, arguments, started, None, exc)
             raise
-        return self._after_call(name, started, result, None)
+        return self._after_call(name, arguments, started, result, None)
 
     async def _acall_tool(self, name: str, arguments: dict[str, Any]) -> str:
         """Coroutine twin of `_call_tool`, for async tool methods (runs the call on the background loop)."""
@@ -306,9 +338,9 @@ class OpenRewardEnvironment:
                 raise ConfigurationError("call reset() before calling a tool")
             result = await asyncio.wrap_future(rt.bg.submit(_go()))
         except ORSError as exc:
-            self._after_call(name, started, None, exc)
+            self._after_call(name, arguments, started, None, exc)
             raise
-        return self._after_call(name, started, result, None)
+        return self._after_call(name, arguments, started, result, None)
 
     # -- episode end -----------------------------------------------------------------------------
 
@@ -330,6 +362,7 @@ class OpenRewardEnvironment:
             return None
         done = self._runtime.close_later(self._pending)
         self._pending = None
+        self._holder[0] = None
         return done
 
     def _close(self, timeout: float | None = 30.0) -> None:

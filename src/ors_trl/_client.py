@@ -127,7 +127,11 @@ class AsyncSession:
             ) from None
         finally:
             self.last_activity = time.monotonic()
-        return _parse_call_result(text, tool=name, task_id=task_id)
+        try:
+            return _parse_call_result(text, tool=name, task_id=task_id)
+        except ORSError as exc:  # a refusal or malformed result quotes the server: mask secrets it echoed
+            transport.mask_error(exc)
+            raise
 
     async def ping(self) -> bool:
         """Refresh the server's idle timer. Returns False (and marks the session expired) if it is gone."""
@@ -407,7 +411,7 @@ class AsyncClient:
             if event == "task_id" and data.strip():
                 return data.strip()
             if event == "error":
-                raise ProtocolError(f"/create_session failed: {data}")
+                raise self._transport.mask_error(ProtocolError(f"/create_session failed: {data}"))
         raise ProtocolError("/create_session: the stream carried no session id")
 
     async def open_session(
@@ -537,6 +541,10 @@ class AsyncClient:
                 await asyncio.gather(*(ping(s) for s in due))
 
     # -- lifecycle -----------------------------------------------------------------------------
+
+    async def close_sessions(self) -> None:
+        """Close every session currently open through this client; the client stays usable."""
+        await asyncio.gather(*(s.close() for s in list(self._sessions)), return_exceptions=True)
 
     async def aclose(self) -> None:
         """Close every open session, then the connection pool. Idempotent."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ._adapter import EnvironmentRuntime, OpenRewardEnvironment
 from ._binding import DEFAULT_RESERVED, BindingResult, bind_tools
 from ._client import AsyncClient
+from ._engine import TASK_KEY, EngineEnvironment, RolloutEngine
 from ._exceptions import ConfigurationError, ORSError
 from ._loop import get_loop
 from ._metrics import EnvMetrics
@@ -43,8 +44,6 @@ logger = logging.getLogger("ors_trl")
 
 #: Dataset columns ors-trl owns; task fields with these names are not copied into the dataset.
 RESERVED_COLUMNS = frozenset({"prompt", "task_index", "task_spec"})
-#: Key of the prompt message that carries the task identity (read by the rollout engine).
-TASK_KEY = "ors_task"
 _PAGE = 500
 _FETCH_CONCURRENCY = 8
 _PROBE_CONCURRENCY = 16
@@ -150,6 +149,9 @@ class OpenRewardSpec:
         max_sessions: cap on sessions open at once in this process; more wait for a free slot.
         episode_log: path of a JSON-lines file receiving every finished episode (off by default).
         async_tools: bind tools as coroutine methods (TRL gathers a rollout's parallel calls).
+        max_concurrent_tool_calls: with `rollout_func`, tool calls in flight at once across a batch.
+        episode_timeout: with `rollout_func`, wall-clock seconds an episode may take before it is
+            closed and scored None.
     """
 
     def __init__(
@@ -173,6 +175,8 @@ class OpenRewardSpec:
         max_sessions: int | None = None,
         episode_log: str | None = None,
         async_tools: bool = False,
+        max_concurrent_tool_calls: int = 64,
+        episode_timeout: float | None = None,
     ) -> None:
         if num_tasks is not None and indices is not None:
             raise ConfigurationError("Provide num_tasks or indices, not both.")
@@ -196,6 +200,8 @@ class OpenRewardSpec:
         self._discover_task_tools = discover_task_tools
         self._task_tools_discovery_index = task_tools_discovery_index
         self._async_tools = async_tools
+        self._max_concurrent_tool_calls = max_concurrent_tool_calls
+        self._episode_timeout = episode_timeout
         self._client = AsyncClient(
             target,
             env_name=env_name,
@@ -433,6 +439,25 @@ class OpenRewardSpec:
         binding.install(cls)
         return cls
 
+    def engine_environment(self) -> EngineEnvironment:
+        """This environment as the rollout engine sees it (binds the tools if not done yet)."""
+        cls = self.environment_factory
+        assert self.binding is not None
+        return EngineEnvironment(self._runtime, cls, dict(self.binding.remote_names), dict(self.binding.display_names))
+
+    @cached_property
+    def rollout_func(self) -> RolloutEngine:
+        """The concurrent rollout engine for `GRPOTrainer(rollout_func=...)`.
+
+        Use it instead of `environment_factory` (not with it), with `train_dataset` and `reward_funcs`:
+        every episode of a batch runs at once, sessions open concurrently and tool calls overlap.
+        """
+        return RolloutEngine(
+            {None: self.engine_environment()},
+            max_concurrent_tool_calls=self._max_concurrent_tool_calls,
+            episode_timeout=self._episode_timeout,
+        )
+
     # -- rewards and callbacks -------------------------------------------------------------------
 
     @property
@@ -450,3 +475,26 @@ class OpenRewardSpec:
     def close(self) -> None:
         """Close every session this spec opened and wait until the server has them deleted."""
         self._runtime.close_all()
+
+    def evaluate(
+        self,
+        policy: Any,
+        *,
+        num_tasks: int | None = None,
+        indices: Sequence[int] | None = None,
+        concurrency: int = 8,
+        max_turns: int = 10,
+        output: str | None = None,
+        resume: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """Run `policy` over this spec's tasks through the same client and tool binding as training.
+
+        `policy` is a local model directory, a `(model, tokenizer)` pair or an `OpenAIPolicy`. Returns an
+        `EvalReport` (mean reward, grading coverage, finished rate, tool calls/failures per episode, `.episodes`).
+        See `ors_trl._eval.evaluate` for the other keyword arguments (repeats, overwrite, temperature, ...).
+        """
+        from ._eval import evaluate
+
+        return evaluate(self, policy, num_tasks=num_tasks, indices=indices, concurrency=concurrency,
+                        max_turns=max_turns, output=output, resume=resume, **kwargs)

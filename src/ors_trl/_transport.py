@@ -14,22 +14,32 @@ What is retried (with exponential backoff and jitter, bounded by `RetryPolicy`):
 Not retried: 400/401/402/403/404/422 (the request itself is wrong), 500 (the environment's code
 failed and would fail again), and a `/call` stream that drops before any task id arrived (the tool
 may be running; re-posting could run it twice) which raises `StreamInterruptedError`.
+
+Credentials: redirects are followed by hand, and a redirect to a host the API key does not belong
+to is followed without `X-API-Key` and `X-Secrets` (aiohttp itself would forward every custom
+header to any host). Error messages built from what a server said have the API key, the secret
+values and the encoded `X-Secrets` header masked as `***`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import functools
 import json
 import logging
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urljoin
 
 import aiohttp
 
 from ._exceptions import (
     APIStatusError,
+    ORSError,
     AuthenticationError,
     BadRequestError,
     EnvironmentNotFoundError,
@@ -45,7 +55,7 @@ from ._exceptions import (
     ToolFailedError,
     TransportError,
 )
-from ._target import Target
+from ._target import Target, _host_port
 from ._version import __version__
 
 __all__ = ["RetryPolicy", "Timeouts", "Transport"]
@@ -54,6 +64,14 @@ logger = logging.getLogger("ors_trl.client")
 
 USER_AGENT = f"ors-trl/{__version__}"
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
+_REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+_MAX_REDIRECTS = 10
+# Headers that carry credentials: never sent to a host the API key does not belong to.
+_CREDENTIAL_HEADERS = ("X-API-Key", "X-Secrets")
+# Secret values shorter than this are not masked in error messages: masking "1" or "abc" would garble
+# every message, and such values are not secrets worth the name.
+_MIN_MASKED_SECRET = 6
+_MASK = "***"
 
 
 @dataclass(frozen=True)
@@ -154,44 +172,70 @@ def status_error(status: int, detail: str, path: str, *, session_scoped: bool) -
     return APIStatusError(f"{where}unexpected status {status}: {detail}", **kw)
 
 
+def _masked(method: Any) -> Any:
+    """Decorator for Transport's request methods: mask secrets in every ORSError they raise."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Transport, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await method(self, *args, **kwargs)
+        except ORSError as exc:
+            self.mask_error(exc)
+            raise
+
+    return wrapper
+
+
 class _Dropped(Exception):
     """Internal: a stream ended without its final event."""
 
 
 async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int) -> AsyncIterator[tuple[str, str]]:
-    """Yield `(event, data)` per the SSE spec: one space after `data:` stripped, comments skipped."""
+    """Yield `(event, data)` per the SSE spec: one space after `data:` stripped, comments skipped.
+
+    Lines are split here rather than with `resp.content.readline()`: aiohttp's readline refuses lines
+    longer than its buffer (128-512 KiB, depending on the version) with an exception outside our
+    hierarchy, while the protocol lets a server send a whole result as one `data:` line. The only
+    bound is `max_bytes` for the whole stream.
+    """
     event: str | None = None
     data: list[str] = []
     total = 0
+    buf = bytearray()
     while True:
-        try:
-            raw = await resp.content.readline()
-        except ValueError as exc:  # aiohttp: a line longer than its buffer limit
-            raise ProtocolError(f"event stream line too long: {exc}") from None
-        if not raw:
-            return
-        total += len(raw)
+        chunk = await resp.content.readany()
+        if not chunk:
+            return  # end of stream; an unterminated last line is an incomplete event and is dropped
+        total += len(chunk)
         if total > max_bytes:
             raise ProtocolError(f"event stream exceeded {max_bytes} bytes")
-        line = raw.decode("utf-8", errors="replace")
-        if line.endswith("\r\n"):
-            line = line[:-2]
-        elif line.endswith(("\n", "\r")):
-            line = line[:-1]
-        if not line:
-            if data or event is not None:
-                yield (event or "message", "\n".join(data))
-            event, data = None, []
-            continue
-        if line.startswith(":"):
-            continue
-        name, sep, value = line.partition(":")
-        if sep and value.startswith(" "):
-            value = value[1:]
-        if name == "event":
-            event = value
-        elif name == "data":
-            data.append(value)
+        start = len(buf)
+        buf += chunk
+        lines: list[bytes] = []
+        begin = 0
+        while (end := buf.find(b"\n", start)) != -1:
+            lines.append(bytes(buf[begin:end]))
+            begin = start = end + 1
+        if begin:
+            del buf[:begin]
+        for raw in lines:
+            line = raw.decode("utf-8", errors="replace")
+            if line.endswith("\r"):
+                line = line[:-1]
+            if not line:
+                if data or event is not None:
+                    yield (event or "message", "\n".join(data))
+                event, data = None, []
+                continue
+            if line.startswith(":"):
+                continue
+            name, sep, value = line.partition(":")
+            if sep and value.startswith(" "):
+                value = value[1:]
+            if name == "event":
+                event = value
+            elif name == "data":
+                data.append(value)
 
 
 class Transport:
@@ -220,6 +264,8 @@ class Transport:
             total=None, connect=timeouts.connect, sock_connect=timeouts.connect, sock_read=timeouts.stream_idle
         )
         self.on_request: Callable[[str, str], None] | None = None  # (method, path) hook for tests/metrics
+        # Strings masked in error messages: the API key, plus every X-Secrets header sent and its values.
+        self._secrets: set[str] = {str(target.api_key)} if target.api_key else set()
 
     # -- connection pool ---------------------------------------------------------------------
 
@@ -260,10 +306,73 @@ class Transport:
             h["X-Session-ID"] = sid
         if extra:
             h.update(extra)
+            if "X-Secrets" in extra:
+                self._learn_secrets(extra["X-Secrets"])
         return h
+
+    # -- masking secrets in errors ---------------------------------------------------------------
+
+    def _learn_secrets(self, header: str) -> None:
+        if header in self._secrets:
+            return
+        self._secrets.add(header)
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            for entry in json.loads(base64.b64decode(header)).values():
+                value = entry.get("value") if isinstance(entry, dict) else None
+                if isinstance(value, str):
+                    self._secrets.add(value)
+
+    def mask(self, text: str) -> str:
+        """`text` with every known secret (API key, secret values, X-Secrets header) replaced by `***`."""
+        for secret in sorted(self._secrets, key=len, reverse=True):  # longest first: the header contains values
+            if len(secret) >= _MIN_MASKED_SECRET and secret in text:
+                text = text.replace(secret, _MASK)
+        return text
+
+    def mask_error(self, exc: ORSError) -> ORSError:
+        """Mask secrets in an error's message (and `detail`) in place; returns it for `raise`."""
+        if self._secrets:
+            exc.args = tuple(self.mask(a) if isinstance(a, str) else a for a in exc.args)
+            if isinstance(getattr(exc, "detail", None), str):
+                exc.detail = self.mask(exc.detail)  # type: ignore[attr-defined]
+        return exc
+
+    # -- one exchange, redirects followed by hand ----------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _send(self, method: str, url: str, *, data: bytes | None, headers: dict[str, str],
+                    timeout: aiohttp.ClientTimeout | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
+        """One request, following redirects like aiohttp would, except that credentials are dropped
+        on a hop to a host the API key does not belong to (aiohttp strips only `Authorization`)."""
+        kwargs: dict[str, Any] = {"allow_redirects": False}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        for _ in range(_MAX_REDIRECTS + 1):
+            resp = await self._client().request(method, url, data=data, headers=headers, **kwargs)
+            location = resp.headers.get("Location")
+            if resp.status not in _REDIRECT_STATUSES or not location:
+                break
+            resp.release()
+            target = urljoin(url, location)
+            if resp.status == 303 or (resp.status in (301, 302) and method == "POST"):
+                method, data = "GET", None
+                headers = {k: v for k, v in headers.items() if k != "Content-Type"}
+            if _host_port(target) != _host_port(url) and self.target.key_for(target) is None:
+                dropped = [k for k in _CREDENTIAL_HEADERS if k in headers]
+                if dropped:
+                    logger.debug("redirected to another host; not sending %s there", ", ".join(dropped))
+                    headers = {k: v for k, v in headers.items() if k not in _CREDENTIAL_HEADERS}
+            url = target
+        else:
+            raise TransportError(f"{method} {url.split('?', 1)[0]}: more than {_MAX_REDIRECTS} redirects")
+        try:
+            yield resp
+        finally:
+            resp.release()
 
     # -- plain requests --------------------------------------------------------------------------
 
+    @_masked
     async def request(
         self,
         method: str,
@@ -295,7 +404,7 @@ class Transport:
             if self.on_request is not None:
                 self.on_request(method, path)
             try:
-                async with self._client().request(method, url, data=data, headers=headers) as resp:
+                async with self._send(method, url, data=data, headers=headers) as resp:
                     if resp.status < 400 or resp.status in ok_statuses:
                         raw = await _read_capped(resp, self.max_response_bytes, path)
                         if resp.status >= 400:
@@ -351,6 +460,7 @@ class Transport:
 
     # -- event streams -------------------------------------------------------------------------
 
+    @_masked
     async def events(self, path: str, *, body: Any, sid: str | None = None,
                      extra_headers: dict[str, str] | None = None) -> list[tuple[str, str]]:
         """POST and collect a short SSE answer (e.g. `/create_session`), with request retries."""
@@ -363,7 +473,7 @@ class Transport:
             if self.on_request is not None:
                 self.on_request("POST", path)
             try:
-                async with self._client().post(base + path, data=data, headers=headers) as resp:
+                async with self._send("POST", base + path, data=data, headers=headers) as resp:
                     if resp.status >= 400:
                         detail = _detail_of(await resp.text(errors="replace"))
                         err = status_error(resp.status, detail, path, session_scoped=False)
@@ -379,6 +489,7 @@ class Transport:
                 raise TransportError(f"POST {path}: {_describe(exc)} after {attempt} attempts") from None
         raise AssertionError("unreachable")
 
+    @_masked
     async def call_stream(self, path: str, *, body: dict[str, Any], sid: str, tool: str) -> tuple[str, str | None]:
         """Run one `/call`: returns (result JSON text, task id). Resumes a dropped stream by task id."""
         base = self.target.session_url
@@ -396,8 +507,9 @@ class Transport:
             if self.on_request is not None:
                 self.on_request("POST", path)
             try:
-                async with self._client().post(
-                    base + path, data=json.dumps(payload).encode(), headers=headers, timeout=self._stream_timeout
+                async with self._send(
+                    "POST", base + path, data=json.dumps(payload).encode(), headers=headers,
+                    timeout=self._stream_timeout,
                 ) as resp:
                     if resp.status >= 400:
                         detail = _detail_of(await resp.text(errors="replace"))
@@ -408,6 +520,16 @@ class Transport:
                                 await asyncio.sleep(min(_retry_after(resp.headers) or 2.0, self.retry.backoff_max))
                                 attempt -= 1
                                 continue
+                            # Same bound and message as `request()`; falling through to the generic
+                            # 503 retries would wait longer than starting_timeout and not say why.
+                            raise ServiceUnavailableError(
+                                f"{path}: the environment backend was still starting after "
+                                f"{self.retry.starting_timeout:.0f} s ({detail}); raise RetryPolicy.starting_timeout "
+                                "if it needs longer.",
+                                status_code=503,
+                                detail=detail,
+                                path=path,
+                            )
                         err = status_error(resp.status, detail, path, session_scoped=True)
                         if resp.status in _RETRY_STATUSES and attempt < self.retry.max_attempts:
                             await asyncio.sleep(self.retry.delay(attempt, _retry_after(resp.headers)))

@@ -48,7 +48,7 @@ CATALOG = {
     "schemaenvironment": ({"place_order", "plot", "set_mode", "status"}, 8, 4),
     "sparseenvironment": ({"calculator", "submit"}, 32, 8),
     "slowenvironment": ({"work", "sleep"}, 256, 64),
-    "mixedenvironment": ({"answer"}, 6, 3),
+    "mixedenvironment": ({"answer", "submit"}, 6, 3),
     "hostileenvironment": ({"reset", "get_reward", "_private", "keywords", "tree", "deep", "run-shell", "class"}, 2, 2),
 }
 

@@ -736,6 +736,14 @@ class MixedEnvironment(_FixtureEnvironment):
         ok = params.value == str(self.task_spec["answer"])
         return ToolOutput(blocks=[_text("correct" if ok else "wrong")], reward=1.0 if ok else 0.0, finished=True)
 
+    @tool
+    async def submit(self, params: AnswerInput) -> ToolOutput:
+        """Same as answer, under the name SparseEnvironment uses for a different schema (for mix tests)."""
+        self._count("submit")
+        ok = params.value == str(self.task_spec["answer"])
+        return ToolOutput(blocks=[_text("mixed: correct" if ok else "mixed: wrong")], reward=1.0 if ok else 0.0,
+                          finished=True)
+
 
 # --------------------------------------------------------------------------------------------------
 # 9. Hostile metadata

@@ -1,0 +1,214 @@
+"""The concurrent rollout engine (`spec.rollout_func`) against TRL's own `environment_factory` loop."""
+
+from __future__ import annotations
+
+import copy
+import re
+import time
+
+import pytest
+
+from ors_trl import OpenRewardSpec
+
+torch = pytest.importorskip("torch")
+trl = pytest.importorskip("trl")
+
+
+def make_trainer(model_dir: str, spec, mode: str, tmp_path, **overrides):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    config = {
+        "output_dir": str(tmp_path / mode),
+        "per_device_train_batch_size": 4,
+        "num_generations": 2,
+        "max_completion_length": 96,
+        "max_tool_calling_iterations": 3,
+        "generation_kwargs": {"do_sample": False},
+        "beta": 0.0,
+        "report_to": "none",
+        "use_cpu": True,
+        "max_steps": 1,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+    }
+    config.update(overrides)
+    kwargs = {
+        "model": model,
+        "processing_class": tokenizer,
+        "args": GRPOConfig(**config),
+        "train_dataset": spec.train_dataset,
+        "reward_funcs": spec.reward_funcs,
+    }
+    if mode == "env":
+        kwargs["environment_factory"] = spec.environment_factory
+    else:
+        kwargs["rollout_func"] = spec.rollout_func
+    return GRPOTrainer(**kwargs)
+
+
+_TARGET = re.compile(r'exactly this text: "([^"]+)"')
+
+
+def scripted_generation(trainer, calls: list):
+    """A deterministic stand-in for TRL's generation backend, used by both paths.
+
+    First turn: call echo with the prompt's target when it starts with a-m, with "nope" otherwise, and an unknown
+    tool for "world". When the first reply is a wrong echo: call again with the right word. Then "Done.".
+    """
+    tok = trainer._tokenizer
+
+    def call(name: str, text: str) -> list[int]:
+        body = f'<tool_call>\n{{"name": "{name}", "arguments": {{"text": "{text}"}}}}\n</tool_call><|im_end|>'
+        return tok.encode(body, add_special_tokens=False)
+
+    def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        calls.append(len(prompt_ids))
+        out = []
+        for ids in prompt_ids:
+            text = tok.decode(ids)
+            target = _TARGET.findall(text)[0]
+            responses = text.count("<tool_response>")
+            if responses == 0:
+                if target == "world":
+                    out.append(call("no_such_tool", target))
+                else:
+                    out.append(call("echo", target if target[0] <= "m" else "nope"))
+            elif responses == 1 and target not in (reply := text.rsplit("<tool_response>", 1)[1]) and "error" not in reply:
+                out.append(call("echo", target))
+            else:
+                out.append(tok.encode("Done.<|im_end|>", add_special_tokens=False))
+        return out, None
+
+    return generate
+
+
+def batch_rows(spec, indices: list[int], generations: int) -> list[dict]:
+    rows = spec.train_dataset
+    return [copy.deepcopy(rows[i]) for i in indices for _ in range(generations)]
+
+
+def run_batch(trainer, rows: list[dict]) -> dict:
+    out = trainer._generate_and_score_completions(copy.deepcopy(rows))
+    mask = out["completion_mask"].bool()
+    completions = [ids[m].tolist() for ids, m in zip(out["completion_ids"], mask, strict=True)]
+    tool_mask = [tm[m].tolist() for tm, m in zip(out["tool_mask"], mask, strict=True)] if "tool_mask" in out else None
+    prompts = [ids[m].tolist() for ids, m in zip(out["prompt_ids"], out["prompt_mask"].bool(), strict=True)]
+    rewards = [None if r != r else r for r in list(trainer._logs["rewards"]["outcome_reward"])[-len(rows):]]
+    return {"prompts": prompts, "completions": completions, "tool_mask": tool_mask, "rewards": rewards}
+
+
+@pytest.fixture
+def echo_spec(ref_server):
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment")
+    yield spec
+    spec.close()
+
+
+def test_engine_matches_environment_factory_with_scripted_calls(tiny_model_dir, echo_spec, ref_server, tmp_path):
+    env_trainer = make_trainer(tiny_model_dir, echo_spec, "env", tmp_path, per_device_train_batch_size=8)
+    eng_trainer = make_trainer(tiny_model_dir, echo_spec, "engine", tmp_path, per_device_train_batch_size=8)
+    env_calls: list[int] = []
+    eng_calls: list[int] = []
+    env_trainer._generate_single_turn = scripted_generation(env_trainer, env_calls)
+    eng_trainer._generate_single_turn = scripted_generation(eng_trainer, eng_calls)
+    targets = echo_spec.train_dataset["target"]
+    picks = [targets.index("hello"), targets.index("world"), targets.index("trl"), targets.index("openreward")]
+    rows = batch_rows(echo_spec, picks, 2)
+    before = ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0)
+    a = run_batch(env_trainer, rows)
+    mid = ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0)
+    b = run_batch(eng_trainer, rows)
+    after = ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0)
+
+    assert a["prompts"] == b["prompts"]
+    assert a["completions"] == b["completions"]
+    assert a["tool_mask"] == b["tool_mask"]
+    assert a["rewards"] == b["rewards"]
+    # hello: right first time; world: unknown tool, never scored; trl: right; openreward: wrong then right
+    assert a["rewards"] == [1.0, 1.0, None, None, 1.0, 1.0, 1.0, 1.0]
+    assert mid - before == after - mid == 10  # same remote calls in both paths (the unknown tool never reached it)
+    assert env_calls == eng_calls  # the same generation batches, turn by turn
+    assert any(0 in m for m in b["tool_mask"]) and all(m[0] == 1 for m in b["tool_mask"])
+    stats = ref_server.stats()
+    assert stats["open_sessions"] <= 8  # the env path keeps its last sessions until the next reset
+    echo_spec.close()
+    assert ref_server.stats()["open_sessions"] == 0
+
+
+def test_engine_matches_environment_factory_greedy(tiny_model_dir, echo_spec, tmp_path):
+    """Real greedy generation on the tiny model: the two paths produce the same tokens and rewards."""
+    env_trainer = make_trainer(tiny_model_dir, echo_spec, "env", tmp_path, max_completion_length=48)
+    eng_trainer = make_trainer(tiny_model_dir, echo_spec, "engine", tmp_path, max_completion_length=48)
+    rows = batch_rows(echo_spec, [0, 1], 2)
+    a = run_batch(env_trainer, rows)
+    b = run_batch(eng_trainer, rows)
+    assert a["prompts"] == b["prompts"]
+    assert a["completions"] == b["completions"]
+    assert a["rewards"] == b["rewards"]
+
+
+def test_engine_runs_episodes_concurrently(tiny_model_dir, make_server, tmp_path):
+    server = make_server("slow", env={"ORS_TEST_SETUP_DELAY": "0.5", "ORS_TEST_TOOL_LATENCY": "0.3"})
+    spec = OpenRewardSpec(server.url, num_tasks=8)
+    trainer = make_trainer(tiny_model_dir, spec, "engine", tmp_path, per_device_train_batch_size=8,
+                           max_completion_length=256)
+    tok = trainer._tokenizer
+
+    def generate(prompt_ids, images, mm, num_generations, has_tool_images=False):
+        out = []
+        for ids in prompt_ids:
+            step = tok.decode(ids).count("<tool_response>")
+            body = f'<tool_call>\n{{"name": "work", "arguments": {{"step": {step}}}}}\n</tool_call><|im_end|>'
+            out.append(tok.encode(body if step < 3 else "Done.<|im_end|>", add_special_tokens=False))
+        return out, None
+
+    trainer._generate_single_turn = generate
+    rows = batch_rows(spec, [0, 1, 2, 3], 2)
+    t0 = time.perf_counter()
+    result = run_batch(trainer, rows)
+    elapsed = time.perf_counter() - t0
+    assert result["rewards"] == [1.0] * 8
+    # serially this is 8 x (0.5 + 3 x 0.3) = 11.2 s; concurrently about 0.5 + 3 x 0.3 = 1.4 s
+    assert elapsed < 8 * (0.5 + 3 * 0.3) / 2
+    assert server.stats()["open_sessions"] == 0  # the engine closes its sessions when the episodes end
+    assert server.stats()["tool_calls"]["slowenvironment/work"] == 8 * 3
+
+
+def test_engine_episode_timeout_scores_none(tiny_model_dir, make_server, tmp_path):
+    server = make_server("slow")
+    spec = OpenRewardSpec(server.url, num_tasks=2, episode_timeout=1.0)
+    trainer = make_trainer(tiny_model_dir, spec, "engine", tmp_path)
+    tok = trainer._tokenizer
+
+    def generate(prompt_ids, images, mm, num_generations, has_tool_images=False):
+        out = []
+        for i, ids in enumerate(prompt_ids):
+            seconds = 5 if i == 0 and "<tool_response>" not in tok.decode(ids) else 0
+            body = (f'<tool_call>\n{{"name": "sleep", "arguments": {{"seconds": {seconds}}}}}\n</tool_call><|im_end|>'
+                    if "<tool_response>" not in tok.decode(ids) else "Done.<|im_end|>")
+            out.append(tok.encode(body, add_special_tokens=False))
+        return out, None
+
+    trainer._generate_single_turn = generate
+    t0 = time.perf_counter()
+    result = run_batch(trainer, batch_rows(spec, [0, 1], 2))
+    assert time.perf_counter() - t0 < 5  # the straggler did not hold the step
+    episodes = spec.rollout_func.last_episodes
+    assert [ep.timed_out for ep in episodes] == [True, False, False, False]
+    assert result["rewards"] == [None] * 4  # sleep is unscored; the timed-out one is None too
+    assert server.stats()["open_sessions"] == 0
+
+
+def test_engine_failed_open_is_a_none_scored_rollout(tiny_model_dir, echo_spec, tmp_path):
+    trainer = make_trainer(tiny_model_dir, echo_spec, "engine", tmp_path)
+    trainer._generate_single_turn = scripted_generation(trainer, [])
+    rows = batch_rows(echo_spec, [0, 1], 2)
+    rows[0]["prompt"][0]["ors_task"] = '{"env": null, "split": "train", "index": 999}'
+    result = run_batch(trainer, rows)
+    assert result["rewards"][0] is None  # unscored
+    assert result["rewards"][1] == 1.0

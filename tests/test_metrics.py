@@ -1,0 +1,109 @@
+"""Environment metrics and episode records, checked against what the test environments actually did."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ors_trl import EnvMetrics, EpisodeRecorder, OpenRewardMix, OpenRewardSpec, ToolError
+from ors_trl._metrics import _percentile
+
+
+def strip(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k != "environment"}
+
+
+def test_metric_values_match_what_the_environments_did(ref_server, tmp_path) -> None:
+    log = tmp_path / "episodes.jsonl"
+    mix = OpenRewardMix({
+        "echo": OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=4),
+        "math": OpenRewardSpec(ref_server.url, env_name="sparseenvironment", num_tasks=2),
+    }, episode_log=str(log))
+    ds = mix.train_dataset
+    echo_rows = [strip(r) for r in ds if r["environment"] == "echo"]
+    math_rows = [strip(r) for r in ds if r["environment"] == "math"]
+    mix.metrics.flush()  # start from a clean window (discovery sessions were recorded as opens)
+
+    echo = [mix.environment_factory["echo"]() for _ in range(4)]
+    for env, row in zip(echo, echo_rows, strict=True):
+        env.reset(**row)
+    echo[0].echo(text=echo_rows[0]["target"])  # 1.0, finished
+    echo[1].echo(text=echo_rows[1]["target"])  # 1.0, finished
+    echo[2].echo(text="wrong")  # 0.0
+    # echo[3] makes no call: not graded
+
+    math = [mix.environment_factory["math"]() for _ in range(2)]
+    for env, row in zip(math, math_rows, strict=True):
+        env.reset(**row)
+    math[0].calculator(expression="1+1")  # unscored
+    math[0].submit(answer=math_rows[0]["a"] + math_rows[0]["b"])  # 1.0, finished
+    with pytest.raises(ToolError):
+        math[1].calculator(expression="import os")  # the tool raises: "failed"
+    with pytest.raises(ToolError):
+        math[1].submit(answer="x")  # refused: input_validation
+
+    logged: dict[str, float] = {}
+    rewards = mix.reward_funcs(echo + math, log_metric=lambda name, value: logged.__setitem__(name, value))
+    assert rewards == [1.0, 1.0, 0.0, None, 1.0, None]
+
+    assert logged["env/echo/episodes"] == 4
+    assert logged["env/echo/reward_mean"] == pytest.approx(2 / 3)
+    assert logged["env/echo/graded_fraction"] == pytest.approx(3 / 4)
+    assert logged["env/echo/finished_fraction"] == pytest.approx(2 / 4)
+    assert logged["env/echo/tool_calls_per_episode"] == pytest.approx(3 / 4)
+    assert logged["env/echo/failures/refused"] == 0 and logged["env/echo/failures/failed"] == 0
+    assert logged["env/math/episodes"] == 2
+    assert logged["env/math/reward_mean"] == 1.0
+    assert logged["env/math/graded_fraction"] == 0.5
+    assert logged["env/math/tool_calls_per_episode"] == 2.0
+    assert logged["env/math/failures/failed"] == 1
+    assert logged["env/math/failures/refused"] == 1
+    for env in ("echo", "math"):
+        assert logged[f"env/{env}/session_open_s/p50"] > 0
+        assert logged[f"env/{env}/session_open_s/p95"] >= logged[f"env/{env}/session_open_s/p50"]
+        assert logged[f"env/{env}/tool_call_s/p95"] >= logged[f"env/{env}/tool_call_s/p50"] > 0
+    assert logged["env/echo/sessions_open"] == 4 and logged["env/math/sessions_open"] == 2
+    # over all environments
+    assert logged["env/episodes"] == 6
+    assert logged["env/reward_mean"] == pytest.approx(3 / 4)
+    assert logged["env/graded_fraction"] == pytest.approx(4 / 6)
+
+    # nothing is counted twice: a second flush without new activity reports no episodes
+    again: dict[str, float] = {}
+    mix.reward_funcs(echo + math, log_metric=lambda name, value: again.__setitem__(name, value))
+    assert "env/echo/episodes" not in again
+
+    # episode records: one line per episode, with what happened
+    mix.close()
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(lines) == 6
+    first = next(r for r in lines if r["environment"] == "echo" and r["task_index"] == echo_rows[0]["task_index"])
+    assert first["reward"] == 1.0 and first["finished"] is True
+    assert first["calls"][0]["tool"] == "echo" and first["calls"][0]["arguments"] == {"text": echo_rows[0]["target"]}
+    assert first["calls"][0]["reward"] == 1.0 and echo_rows[0]["target"] in first["prompt"]
+    failed = next(r for r in lines if r["environment"] == "math" and r["reward"] is None)
+    assert [c.get("error_kind") for c in failed["calls"]] == ["failed", "refused"]
+
+
+def test_recorder_is_bounded(tmp_path) -> None:
+    rec = EpisodeRecorder(tmp_path / "e.jsonl", max_bytes=600, max_output_chars=50)
+    for i in range(20):
+        rec.write({"environment": "x", "task_index": i, "prompt": "p" * 500, "calls": [{"output": "o" * 500}]})
+    text = (tmp_path / "e.jsonl").read_text()
+    assert len(text.encode()) <= 600
+    assert rec.written >= 1 and rec.dropped == 20 - rec.written
+    first = json.loads(text.splitlines()[0])
+    assert len(first["prompt"]) < 120 and "more characters" in first["calls"][0]["output"]
+
+
+def test_percentiles_and_window_reset() -> None:
+    assert _percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    m = EnvMetrics()
+    m.record_call("a", 0.1)
+    m.record_call("a", 0.3, "expired")
+    m.record_episode("a", reward=None, finished=False, calls=2)
+    out = m.flush()
+    assert out["env/a/failures/expired"] == 1 and out["env/a/graded_fraction"] == 0
+    assert out["env/a/tool_call_s/p50"] == pytest.approx(0.2)
+    assert m.flush() == {}

@@ -1,0 +1,136 @@
+"""OpenRewardMix: several environments in one run — routing, weights, per-environment tools and rewards."""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+
+import pytest
+
+from ors_trl import ConfigurationError, OpenRewardMix, OpenRewardSpec
+from ors_trl._mix import mixture_counts, sample_rows
+
+
+def tools_of(cls: type) -> dict[str, object]:
+    return {f.__name__: f for n, f in inspect.getmembers(cls, inspect.isfunction)
+            if n not in ("reset", "get_reward") and not n.startswith("_")}
+
+
+@pytest.fixture
+def mix(ref_server):
+    m = OpenRewardMix({
+        "echo": OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=4),
+        "math": OpenRewardSpec(ref_server.url, env_name="sparseenvironment", num_tasks=6),
+        "mixed": OpenRewardSpec(ref_server.url, env_name="mixedenvironment", num_tasks=2),
+    })
+    yield m
+    m.close()
+
+
+def test_dataset_routes_every_row(mix) -> None:
+    ds = mix.train_dataset
+    assert Counter(ds["environment"]) == {"echo": 4, "math": 6, "mixed": 2}
+    for row in ds:
+        ident = row["prompt"][0]["ors_task"]
+        assert f'"env": "{row["environment"]}"' in ident
+    # each environment's own task fields made it into its rows; other environments' fields are None there
+    echo_rows = [r for r in ds if r["environment"] == "echo"]
+    assert all(r["target"] for r in echo_rows) and all(r["a"] is None for r in echo_rows)
+
+
+def test_environment_factory_is_the_dict_trl_takes(mix) -> None:
+    factories = mix.environment_factory
+    assert set(factories) == {"echo", "math", "mixed"}
+    assert set(tools_of(factories["echo"])) == {"echo"}
+    assert set(tools_of(factories["math"])) == {"calculator", "submit"}
+    assert set(tools_of(factories["mixed"])) == {"answer", "submit"}
+
+
+def test_same_tool_name_different_schemas_stay_separate(mix) -> None:
+    from transformers.utils import get_json_schema
+
+    math_submit = get_json_schema(tools_of(mix.environment_factory["math"])["submit"])["function"]["parameters"]
+    mixed_submit = get_json_schema(tools_of(mix.environment_factory["mixed"])["submit"])["function"]["parameters"]
+    assert set(math_submit["properties"]) == {"answer"} and set(mixed_submit["properties"]) == {"value"}
+    ds = mix.train_dataset
+    math_row = next(r for r in ds if r["environment"] == "math")
+    mixed_row = next(r for r in ds if r["environment"] == "mixed")
+    math_env, mixed_env = mix.environment_factory["math"](), mix.environment_factory["mixed"]()
+    strip = lambda row: {k: v for k, v in row.items() if k != "environment"}  # noqa: E731 - what TRL passes
+    math_env.reset(**strip(math_row))
+    mixed_env.reset(**strip(mixed_row))
+    assert "Incorrect" in math_env.submit(answer=-1) or "Correct" in math_env.submit(answer=-1)
+    assert mixed_env.submit(value="zzz").startswith("mixed:")  # routed to its own environment's tool
+
+
+def test_trl_renders_each_environments_tools_only_for_its_rows(mix, tiny_model_dir, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+        args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, report_to="none",
+                        use_cpu=True, max_steps=1),
+        train_dataset=mix.train_dataset,
+        environment_factory=mix.environment_factory,
+        reward_funcs=mix.reward_funcs,
+    )
+    names = {env: sorted(t.__name__ for t in tools) for env, tools in trainer._env_tools.items()}
+    assert names == {"echo": ["echo"], "math": ["calculator", "submit"], "mixed": ["answer", "submit"]}
+    tok = trainer.processing_class
+    echo_text = tok.apply_chat_template([{"role": "user", "content": "x"}], tools=trainer._env_tools["echo"],
+                                        tokenize=False)
+    assert '"echo"' in echo_text and "calculator" not in echo_text and "submit" not in echo_text
+
+
+def test_rewards_come_from_each_rollouts_own_environment(mix) -> None:
+    ds = mix.train_dataset
+    envs, rows = [], []
+    for name in ("echo", "math", "mixed"):
+        row = {k: v for k, v in next(r for r in ds if r["environment"] == name).items() if k != "environment"}
+        env = mix.environment_factory[name]()
+        env.reset(**row)
+        envs.append(env)
+        rows.append(row)
+    envs[0].echo(text=rows[0]["target"])  # 1.0
+    envs[1].submit(answer=rows[1]["a"] + rows[1]["b"] + 1)  # 0.0
+    assert mix.reward_funcs(envs) == [1.0, 0.0, None]
+
+
+def test_weights_set_the_mixture() -> None:
+    assert mixture_counts([10, 10], [3, 1]) == [15, 5]
+    assert sum(mixture_counts([7, 5, 3], [1, 1, 1])) == 15
+    assert mixture_counts([100, 1], [1, 1]) == [51, 50]  # the small env is repeated to reach its share
+    rows = sample_rows(4, 10, __import__("random").Random(0))
+    assert Counter(rows)[0] >= 2 and len(rows) == 10 and set(rows) == {0, 1, 2, 3}
+
+
+def test_weighted_dataset(ref_server) -> None:
+    mix = OpenRewardMix(
+        [OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=8),
+         OpenRewardSpec(ref_server.url, env_name="sparseenvironment", num_tasks=8)],
+        weights=[3, 1],
+    )
+    counts = Counter(mix.train_dataset["environment"])
+    assert counts == {"echoenvironment": 12, "sparseenvironment": 4}
+    again = OpenRewardMix(
+        [OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=8),
+         OpenRewardSpec(ref_server.url, env_name="sparseenvironment", num_tasks=8)],
+        weights=[3, 1],
+    )
+    assert again.train_dataset["task_index"] == mix.train_dataset["task_index"]  # deterministic for a seed
+
+
+def test_bad_mix_arguments(ref_server) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment")
+    with pytest.raises(ConfigurationError):
+        OpenRewardMix([])
+    with pytest.raises(ConfigurationError):
+        OpenRewardMix([spec, spec])
+    with pytest.raises(ConfigurationError):
+        OpenRewardMix({"a": spec}, weights={"b": 1.0})
+    with pytest.raises(ConfigurationError):
+        OpenRewardMix({"a": spec}, weights=[-1])
+    with pytest.raises(ConfigurationError):
+        OpenRewardMix(["not a spec"])  # type: ignore[list-item]
