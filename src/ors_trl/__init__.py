@@ -6,8 +6,10 @@ needs them is first used.
 """
 
 from ._adapter import OpenRewardEnvironment
+from ._budget import get_max_sessions, set_max_sessions
 from ._client import AsyncClient, AsyncSession, Client, Session
 from ._engine import RolloutEngine
+from ._eval import EvalReport, LocalPolicy, OpenAIPolicy
 from ._exceptions import (
     APIStatusError,
     AuthenticationError,
@@ -49,11 +51,14 @@ __all__ = [
     "EnvMetrics",
     "EnvironmentNotFoundError",
     "EpisodeRecorder",
+    "EvalReport",
     "ImageBlock",
+    "LocalPolicy",
     "MissingAPIKeyError",
     "NotFoundError",
     "ORSError",
     "ORSTimeoutError",
+    "OpenAIPolicy",
     "OpenRewardEnvironment",
     "OpenRewardMix",
     "OpenRewardSpec",
@@ -79,5 +84,7 @@ __all__ = [
     "TransportError",
     "UnknownBlock",
     "__version__",
+    "get_max_sessions",
     "outcome_reward",
+    "set_max_sessions",
 ]

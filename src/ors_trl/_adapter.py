@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ._client import AsyncClient, AsyncSession
-from ._exceptions import ConfigurationError, ORSError
+from ._exceptions import ConfigurationError, ORSError, ToolRefusedError
 from ._loop import get_loop
 from ._metrics import EnvMetrics
 from ._types import ToolResult, blocks_text
@@ -41,6 +41,21 @@ logger = logging.getLogger("ors_trl")
 
 #: The row keys `reset()` consumes itself; anything else in a dataset row is ignored.
 TASK_KEYS = ("task_index", "task_spec")
+
+
+def episode_finished_error(tool: str) -> ToolRefusedError:
+    """The refusal for a call after the episode finished, raised locally once its session is released.
+
+    ORS servers refuse every call after a result with `finished: true`, so the session is closed as
+    soon as the episode finishes (freeing server resources and session slots) and later calls get
+    this same refusal without a round trip.
+    """
+    return ToolRefusedError(
+        f"tool {tool!r} was refused (episode_finished): the episode has finished, so no further tool calls are "
+        "accepted.",
+        tool=tool,
+        reason="episode_finished",
+    )
 
 
 def truncate_output(text: str, limit: int | None) -> str:
@@ -226,6 +241,7 @@ class OpenRewardEnvironment:
         self.prompt_text = ""
         self.trace: list[dict[str, Any]] = []
         self._started = time.monotonic()
+        self._over = False  # the episode finished and its session was released
 
     @property
     def episode_seconds(self) -> float:
@@ -233,7 +249,7 @@ class OpenRewardEnvironment:
         return time.monotonic() - self._started
 
     def __repr__(self) -> str:
-        state = "finished" if self.finished else "open" if self._pending else "idle"
+        state = "finished" if self.finished else "open" if self._pending is not None else "idle"
         return f"<{type(self).__name__} task={self.task_index} reward={self.reward} {state}>"
 
     # -- the TRL contract ------------------------------------------------------------------------
@@ -303,6 +319,13 @@ class OpenRewardEnvironment:
             self.reward = result.reward
         self.metadata.append(result.metadata)
         self.finished = self.finished or result.finished
+        if result.finished and not self._over:
+            self._over = True
+            done = self._pending
+            if done is not None:
+                self._holder[0] = None
+                self._pending = None
+                rt.close_later(done)
         text = truncate_output(result.text, rt.max_output_chars) or "(no output)"
         self.last_output = text
         rt.metrics.record_call(rt.name, elapsed)
@@ -315,6 +338,8 @@ class OpenRewardEnvironment:
         self._before_call()
         started = time.monotonic()
         try:
+            if self._over:
+                raise episode_finished_error(name)
             session = self._session()
             result = self._runtime.bg.run(session.call(name, arguments))
         except ORSError as exc:
@@ -334,6 +359,8 @@ class OpenRewardEnvironment:
             return await session.call(name, arguments)
 
         try:
+            if self._over:
+                raise episode_finished_error(name)
             if self._pending is None:
                 raise ConfigurationError("call reset() before calling a tool")
             result = await asyncio.wrap_future(rt.bg.submit(_go()))

@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ._budget import get_max_sessions, process_semaphore
 from ._exceptions import (
     BadRequestError,
     ConfigurationError,
@@ -67,6 +68,7 @@ class AsyncSession:
         self.expired = False
         self.closed = False
         self._close_task: asyncio.Future[None] | None = None
+        self._held: tuple[asyncio.Semaphore, ...] = ()  # session-cap slots, released on close
 
     def __repr__(self) -> str:
         task = f"index={self.index}" if self.index is not None else "task_spec=..."
@@ -438,7 +440,7 @@ class AsyncClient:
                 raise ConfigurationError(f"task index must be an int, got {index!r}")
         env = await self.environment()
         started = time.monotonic()
-        await self._acquire_slot()
+        held = await self._acquire_slot()
         sid: str | None = None
         try:
             sid = await self._create_sid()
@@ -463,37 +465,51 @@ class AsyncClient:
                     raise await self._index_error(split or "train", index, exc) from None
             session = AsyncSession(self, sid, split=split if index is not None else None, index=index,
                                    task_spec=task_spec, open_seconds=time.monotonic() - started)
+            session._held = held
         except BaseException:
             if sid is not None:
                 with contextlib.suppress(BaseException):
-                    await asyncio.shield(self._discard(sid))
+                    await asyncio.shield(self._discard(sid, held=held))
             else:
-                self._release_slot()
+                self._release_slots(held)
             raise
         self._sessions.add(session)
         self._ensure_keepalive()
         return session
 
-    async def _acquire_slot(self) -> None:
-        if self.max_sessions is None:
-            return
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.max_sessions)
+    async def _acquire_slot(self) -> tuple[asyncio.Semaphore, ...]:
+        """Wait for a free slot under this client's `max_sessions` and the process-wide cap; return what was taken."""
+        wanted: list[asyncio.Semaphore] = []
+        if self.max_sessions is not None:
+            if self._slots is None:
+                self._slots = asyncio.Semaphore(self.max_sessions)
+            wanted.append(self._slots)
+        process = process_semaphore()
+        if process is not None:
+            wanted.append(process)
+        held: list[asyncio.Semaphore] = []
         try:
             async with asyncio.timeout(self.session_wait):
-                await self._slots.acquire()
-        except TimeoutError:
-            raise ORSTimeoutError(
-                f"no session slot freed within {self.session_wait} s (max_sessions={self.max_sessions}, all in use); "
-                "raise max_sessions or close sessions sooner."
-            ) from None
+                for sem in wanted:
+                    await sem.acquire()
+                    held.append(sem)
+        except BaseException as exc:
+            self._release_slots(held)
+            if isinstance(exc, TimeoutError):
+                raise ORSTimeoutError(
+                    f"no session slot freed within {self.session_wait} s (max_sessions={self.max_sessions}, "
+                    f"process cap={get_max_sessions()}); raise the cap or close sessions sooner."
+                ) from None
+            raise
+        return tuple(held)
 
-    def _release_slot(self) -> None:
-        if self._slots is not None:
-            self._slots.release()
+    @staticmethod
+    def _release_slots(held: tuple[asyncio.Semaphore, ...] | list[asyncio.Semaphore]) -> None:
+        for sem in held:
+            sem.release()
 
-    async def _discard(self, sid: str, session: AsyncSession | None = None, *, release: bool = True,
-                       quiet: bool = False) -> None:
+    async def _discard(self, sid: str, session: AsyncSession | None = None, *,
+                       held: tuple[asyncio.Semaphore, ...] = (), quiet: bool = False) -> None:
         """Delete `sid` on the server: `/delete` (environment teardown) and `/delete_session`
         (platform allocation), each attempted even if the other fails. Logs, never raises.
         Once the client is closing, retries are kept short so that exit is not held up by a dead server."""
@@ -508,8 +524,9 @@ class AsyncClient:
         finally:
             if session is not None:
                 self._sessions.discard(session)
-            if release:
-                self._release_slot()
+                held = session._held
+                session._held = ()
+            self._release_slots(held)
 
     # -- keepalive ---------------------------------------------------------------------------
 
@@ -558,7 +575,7 @@ class AsyncClient:
         await asyncio.gather(*(s.close() for s in list(self._sessions)), return_exceptions=True)
         if self._control_sid is not None:
             # Only routes metadata calls; nothing runs in it, so failing to delete it is not worth a warning.
-            await self._discard(self._control_sid, release=False, quiet=True)
+            await self._discard(self._control_sid, quiet=True)
             self._control_sid = None
         await self._transport.aclose()
 

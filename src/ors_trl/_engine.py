@@ -34,7 +34,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._adapter import EnvironmentRuntime, truncate_output
+from ._adapter import EnvironmentRuntime, episode_finished_error, truncate_output
+from ._budget import get_max_sessions
 from ._client import AsyncSession
 from ._exceptions import ConfigurationError, ORSError
 
@@ -101,6 +102,7 @@ class _Episode:
     tool_calls: int = 0
     tool_failures: int = 0
     timed_out: bool = False
+    over: bool = False
     trace: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -177,14 +179,27 @@ class RolloutEngine:
         self._prepare(trainer)
         episodes = [self._episode(i, p) for i, p in enumerate(prompts)]
         bg = next(iter(self.environments.values())).runtime.bg
-        bg.run(self._open_all(episodes))
-        try:
-            self._run_turns(episodes, trainer)
-        finally:
-            bg.run(self._finish_all(episodes))
+        for wave in self._waves(episodes):
+            bg.run(self._open_all(wave))
+            try:
+                self._run_turns(wave, trainer)
+            finally:
+                bg.run(self._finish_all(wave))
         self.last_episodes = episodes
         self._log_metrics(trainer)
         return self._output(episodes, trainer)
+
+    def _waves(self, episodes: list[_Episode]) -> list[list[_Episode]]:
+        """Split the batch so no wave opens more sessions than a session cap allows (queuing, not failing).
+
+        Every process has the same batch size and caps, so all processes run the same number of waves.
+        """
+        caps = [env.runtime.client.max_sessions for env in self.environments.values()]
+        caps.append(get_max_sessions())
+        known = [c for c in caps if c is not None]
+        size = min(known) if known else len(episodes)
+        size = max(size, 1)
+        return [episodes[i:i + size] for i in range(0, len(episodes), size)]
 
     def _episode(self, i: int, prompt: Any) -> _Episode:
         ident = task_identity(prompt)
@@ -409,6 +424,8 @@ class RolloutEngine:
             return name, str({"error": str(exc)})
         assert ep.session is not None
         try:
+            if ep.over:
+                raise episode_finished_error(remote)
             async with gate:
                 result = await ep.session.call(remote, wire_args)
         except ORSError as exc:
@@ -424,6 +441,9 @@ class RolloutEngine:
         if result.reward is not None:
             ep.reward = result.reward
         ep.finished = ep.finished or result.finished
+        if result.finished and not ep.over:
+            ep.over = True  # servers refuse every later call: release the session now
+            await ep.session.close()
         text = truncate_output(result.text, rt.max_output_chars) or "(no output)"
         rt.metrics.record_call(rt.name, elapsed)
         ep.trace.append({"tool": name, "arguments": wire_args, "output": text, "reward": result.reward,

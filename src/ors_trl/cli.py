@@ -1,2 +1,331 @@
-def main(argv=None) -> int:
-    return 0
+"""The `ors-trl` command line (also `python -m ors_trl`): look at an environment, evaluate a policy on it.
+
+    ors-trl inspect http://127.0.0.1:8000
+    ors-trl eval http://127.0.0.1:8000 --model ./checkpoint --num-tasks 32 --output episodes.jsonl
+    ors-trl eval Eigent/SETA --base-url http://127.0.0.1:8001/v1 --model my-model --concurrency 16
+    ors-trl serve-echo --port 8000
+
+Heavy packages (torch, transformers, the openreward SDK) are imported only by the subcommand that needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+import textwrap
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+_EPILOG = """\
+exit codes:
+  0    success
+  1    runtime or environment error: server unreachable, unknown environment or split, the environment
+       or the policy failed; for eval, also when every episode ended in an error
+  2    usage error: invalid arguments, malformed target, missing API key, a --model path that is not a
+       model directory, an existing --output without --resume/--overwrite
+  130  interrupted (Ctrl-C); eval keeps every finished episode in --output, continue with --resume
+
+TARGET is the URL of a self-hosted ORS server (http://127.0.0.1:8000) or an OpenReward catalog name
+(owner/name, needs OPENREWARD_API_KEY).
+"""
+
+
+def _para(text: str) -> str:
+    return textwrap.fill(text, width=100)
+
+
+class _UsageError(Exception):
+    """A command-line problem found after parsing (exit code 2)."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _indices(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part[1:]:
+            lo, hi = part.split("-", 1)
+            if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
+                raise argparse.ArgumentTypeError(f"bad index range {part!r} (use e.g. 0,3,5 or 0-9)")
+            out.extend(range(int(lo), int(hi) + 1))
+        elif part.isdigit():
+            out.append(int(part))
+        else:
+            raise argparse.ArgumentTypeError(f"bad task index {part!r} (use e.g. 0,3,5 or 0-9)")
+    if not out:
+        raise argparse.ArgumentTypeError("no task index given")
+    return out
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", metavar="TARGET", help="server URL (http://127.0.0.1:8000) or catalog name (owner/name)")
+    p.add_argument("--env-name", metavar="N", help="environment on a server hosting several (default: the first)")
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ors-trl",
+        description=_para("Inspect Open Reward Standard (ORS) environments and evaluate policies on them, through the "
+        "same client and tool binding ors-trl uses for training with TRL."),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from ._version import __version__
+
+    parser.add_argument("--version", action="version", version=f"ors-trl {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser(
+        "inspect",
+        help="show environments, splits, tasks, tools and the tool signatures/schemas the model will see",
+        description=_para("Show what an ORS server offers and exactly what a model trained on it will see: "
+        "environments, "
+        "splits and task counts, a few tasks, shared and task-specific tools with their JSON schemas, and the "
+        "Python signatures and rendered tool schemas after binding, with binding warnings. Opens one probe "
+        "session (closed again) to list task-specific tools."),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_common(p)
+    p.add_argument("--split", metavar="S", help="split to show tasks of (default: train, else the first)")
+    p.add_argument("--tasks", metavar="K", type=int, default=3, help="number of tasks to show (default 3)")
+    p.add_argument("--probe-index", metavar="I", type=int, default=0,
+                   help="task whose session is probed for task-specific tools (default 0)")
+    p.add_argument("--no-probe", action="store_true", help="open no session (task-specific tools are not listed)")
+
+    p = sub.add_parser(
+        "eval",
+        help="run a policy (local model or OpenAI-compatible endpoint) over tasks and report rewards",
+        description=_para("Run a policy over tasks, concurrently, and report mean reward (over scored episodes), "
+        "grading "
+        "coverage, finished rate, tool calls and failures per episode. The policy is a local transformers model "
+        "directory (--model PATH) or a model behind an OpenAI-compatible chat-completions endpoint (--base-url URL "
+        "--model NAME, e.g. vLLM). Every finished episode is appended to --output as one JSON line at once."),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_common(p)
+    p.add_argument("--model", metavar="M", required=True,
+                   help="local model directory, or the served model's name with --base-url")
+    p.add_argument("--base-url", metavar="URL", help="OpenAI-compatible API root, e.g. http://127.0.0.1:8001/v1")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="key for --base-url (default: $OPENAI_API_KEY); never logged or recorded")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--num-tasks", metavar="N", type=_positive_int, help="the first N tasks (default: all)")
+    group.add_argument("--indices", metavar="LIST", type=_indices,
+                       help="exactly these task indices, e.g. 0,3,5 or 0-9")
+    p.add_argument("--split", metavar="S", default="train", help="split to draw tasks from (default train)")
+    p.add_argument("--repeats", metavar="R", type=_positive_int, default=1, help="episodes per task (default 1)")
+    p.add_argument("--concurrency", metavar="C", type=_positive_int, default=8,
+                   help="episodes (sessions) at once (default 8)")
+    p.add_argument("--max-turns", metavar="T", type=_positive_int, default=10,
+                   help="policy replies per episode (default 10)")
+    p.add_argument("--output", metavar="FILE", help="JSON-lines file receiving every episode")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted evaluation from --output: run only the missing episodes")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    p.add_argument("--temperature", metavar="X", type=float, default=0.0,
+                   help="sampling temperature (default 0: greedy)")
+    p.add_argument("--max-new-tokens", metavar="K", type=_positive_int,
+                   help="tokens per reply (local default 256; endpoint: max_tokens, not sent unless given)")
+    p.add_argument("--seed", metavar="S", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--device", metavar="D", help="device for a local model (default: cuda if available, else cpu)")
+    p.add_argument("--per-task-tools", action="store_true",
+                   help="bind each episode's own tool list instead of the tools training binds")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = sub.add_parser(
+        "serve-echo",
+        help="serve the bundled EchoEnvironment reference server on loopback (needs openreward)",
+        description=_para("Start the reference ORS server with the bundled fixture environments (default: echo) on a "
+        "loopback address, for trying ors-trl without an environment of your own. Needs the openreward package "
+        "(pip install 'ors-trl[demo]'). Stop it with Ctrl-C."),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--port", metavar="N", type=int, required=True, help="TCP port to listen on")
+    p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
+    p.add_argument("--envs", default="echo",
+                   help="comma-separated fixture environments, or 'all' (default echo)")
+    p.add_argument("--log-level", default="warning", help="server log level (default warning)")
+
+    sub.add_parser("demo", help="the bundled GRPO demo (options are passed to it; `ors-trl demo --help`)",
+                   add_help=False)
+    return parser
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _setup_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("ors-trl: %(levelname)s: %(message)s"))
+    root = logging.getLogger("ors_trl")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    root.propagate = False
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from ._inspect import inspect_target, render_text
+
+    if args.tasks < 0:
+        raise _UsageError("--tasks must be >= 0")
+    info = inspect_target(args.target, env_name=args.env_name, split=args.split, tasks=args.tasks,
+                          probe=not args.no_probe, probe_index=args.probe_index)
+    if args.json:
+        _print_json(info)
+    else:
+        sys.stdout.write(render_text(info) + "\n")
+    return EXIT_OK
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from ._eval import OpenAIPolicy, evaluate
+    from ._spec import OpenRewardSpec
+
+    if args.resume and not args.output:
+        raise _UsageError("--resume needs --output (the episodes file to continue)")
+    if args.resume and args.overwrite:
+        raise _UsageError("--resume and --overwrite exclude each other")
+    if args.base_url:
+        policy: Any = OpenAIPolicy(args.base_url, args.model, api_key=args.api_key, temperature=args.temperature,
+                                   max_tokens=args.max_new_tokens, seed=args.seed)
+    else:
+        if not os.path.isdir(args.model):
+            raise _UsageError(
+                f"--model {args.model!r} is not a local model directory; to evaluate a served model pass "
+                "--base-url http://HOST:PORT/v1 with --model NAME"
+            )
+        if args.api_key:
+            raise _UsageError("--api-key is only used with --base-url")
+        policy = args.model
+    # The spec is built like a training spec with the same selection, so the tools bound are those training binds.
+    spec = OpenRewardSpec(args.target, split=args.split, env_name=args.env_name, num_tasks=args.num_tasks,
+                          indices=args.indices)
+    report = evaluate(
+        spec, policy, num_tasks=args.num_tasks, indices=args.indices, repeats=args.repeats,
+        concurrency=args.concurrency, max_turns=args.max_turns, output=args.output, resume=args.resume,
+        overwrite=args.overwrite, per_task_tools=args.per_task_tools, temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, progress=not args.no_progress,
+    )
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        sys.stdout.write(report.summary() + "\n")
+    ran = report.num_episodes - report.num_resumed
+    if ran and report.num_errors >= ran:  # resumed episodes are never errors: they would have been rerun
+        first = next((e.get("error") for e in report.episodes if e.get("error")), None)
+        print(f"ors-trl: error: every episode ended in an error; first: {first}", file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+def _cmd_serve_echo(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("openreward") is None:
+        print("ors-trl: error: serve-echo needs the openreward package: pip install 'ors-trl[demo]'", file=sys.stderr)
+        return EXIT_ERROR
+    import ipaddress
+
+    try:
+        loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise _UsageError(f"serve-echo only binds to loopback addresses (127.0.0.1, ::1), not {args.host!r}")
+    if not 0 < args.port < 65536:
+        raise _UsageError(f"--port must be 1..65535, got {args.port}")
+    os.environ.setdefault("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
+    from .testing.server import main as serve
+
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"ors-trl: serving {args.envs} on http://{host}:{args.port} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    try:
+        return int(serve(["--port", str(args.port), "--host", args.host, "--envs", args.envs,
+                          "--log-level", args.log_level]) or 0)
+    except SystemExit as exc:  # the server's own argument checks (e.g. an unknown --envs name)
+        return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
+    except KeyboardInterrupt:  # uvicorn shuts down gracefully, then re-raises: Ctrl-C is how one stops it
+        print("ors-trl: server stopped", file=sys.stderr)
+        return EXIT_OK
+
+
+def _cmd_demo(argv: list[str]) -> int:
+    try:
+        demo = importlib.import_module("ors_trl.demo")
+    except ImportError as exc:
+        print(f"ors-trl: error: the demo is not available: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    run = getattr(demo, "main", None)
+    if not callable(run):
+        print("ors-trl: error: the demo is not available in this version of ors-trl (ors_trl.demo.main is missing)",
+              file=sys.stderr)
+        return EXIT_ERROR
+    return int(run(argv) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `ors-trl` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "demo":  # everything after `demo` belongs to the demo's own parser
+        return _cmd_demo(argv[1:])
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help/--version exit 0, errors exit 2
+        return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    _setup_logging(getattr(args, "verbose", False))
+    from ._exceptions import ConfigurationError, ORSError
+
+    handlers = {"inspect": _cmd_inspect, "eval": _cmd_eval, "serve-echo": _cmd_serve_echo}
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:
+        hint = ""
+        if args.command == "eval" and getattr(args, "output", None):
+            hint = f"; finished episodes are in {args.output}, continue with --resume"
+        print(f"ors-trl: interrupted{hint}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (_UsageError, ConfigurationError) as exc:
+        print(f"ors-trl {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ORSError as exc:
+        print(f"ors-trl {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

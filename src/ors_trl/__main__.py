@@ -1,0 +1,8 @@
+"""`python -m ors_trl`: the `ors-trl` command line."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

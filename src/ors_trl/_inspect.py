@@ -1,0 +1,220 @@
+"""`ors-trl inspect`: everything about an environment a user should see before training on it.
+
+The environments a server hosts, the splits and their sizes, a few tasks, the shared tools and the
+task-specific ones (read from one probe session, closed again), and what the model will see after
+binding: the exact Python signatures of the tool functions and the JSON schemas
+`transformers.utils.get_json_schema` renders from them, with every warning binding raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+from typing import Any
+
+from ._binding import DEFAULT_RESERVED, bind_tools
+from ._client import AsyncClient
+from ._exceptions import NotFoundError, ORSError
+from ._types import ToolSpec
+
+__all__ = ["collect", "describe_binding", "inspect_target", "render_text"]
+
+_TASK_TEXT = 240
+
+
+async def collect(
+    target: str,
+    *,
+    env_name: str | None = None,
+    split: str | None = None,
+    tasks: int = 3,
+    probe: bool = True,
+    probe_index: int = 0,
+    api_key: str | None = None,
+) -> dict[str, Any]:
+    """Query the server; returns the JSON-able inspection (without the binding part). Leaves no session open."""
+    async with AsyncClient(target, env_name=env_name, api_key=api_key) as client:
+        info: dict[str, Any] = {"target": client.target.name, "kind": client.target.kind, "environments": None}
+        if client.target.is_url:
+            try:
+                info["environments"] = await client.list_environments()
+            except NotFoundError:
+                info["environments"] = None
+        info["environment"] = await client.environment()
+        splits = await client.splits()
+        counts = await asyncio.gather(*(client.num_tasks(s.name) for s in splits), return_exceptions=True)
+        info["splits"] = [
+            {"name": s.name, "type": s.type, "num_tasks": n if isinstance(n, int) else None}
+            for s, n in zip(splits, counts, strict=True)
+        ]
+        names = [s.name for s in splits]
+        if split is None:
+            split = "train" if "train" in names or not names else names[0]
+        info["split"] = split
+        total = await client.num_tasks(split)
+        shown = min(max(tasks, 0), total)
+        rows = await client.task_range(split, 0, shown) if shown else []
+        info["tasks"] = [{"index": i, "task": task} for i, task in enumerate(rows)]
+        shared = await client.tools()
+        info["shared_tools"] = [t.to_json() for t in shared.tools]
+        info["terminal_tool"] = shared.terminal_tool
+        task_tools: dict[str, Any] = {"probed": False, "index": None, "tools": [], "error": None}
+        if probe and 0 <= probe_index < total:
+            task_tools["probed"] = True
+            task_tools["index"] = probe_index
+            try:
+                session = await client.open_session(split=split, index=probe_index)
+                try:
+                    listed = (await session.tools()).tools
+                finally:
+                    await session.close()
+                known = {t.name for t in shared.tools}
+                task_tools["tools"] = [t.to_json() for t in listed if t.name not in known]
+            except ORSError as exc:
+                task_tools["error"] = f"{type(exc).__name__}: {exc}"
+        elif probe:
+            task_tools["error"] = f"task index {probe_index} is out of range (split {split!r} has {total} tasks)"
+        info["task_tools"] = task_tools
+    return info
+
+
+def _signature(function: Any) -> str:
+    signature = inspect.signature(function)
+    params = list(signature.parameters.values())[1:]  # drop `self`: the model never sees it
+    return f"{function.__name__}{signature.replace(parameters=params)}"
+
+
+def describe_binding(specs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Bind `specs` as training does and describe the result: signatures, rendered schemas, warnings."""
+    binding_logger = logging.getLogger("ors_trl.binding")
+    level = binding_logger.level
+    binding_logger.setLevel(logging.ERROR)  # the warnings are part of the output; do not print them twice
+    try:
+        binding = bind_tools([ToolSpec.from_json(s).to_json() for s in specs],
+                             reserved=DEFAULT_RESERVED | {"reset"}, qualname_prefix="OpenRewardEnvironment")
+    finally:
+        binding_logger.setLevel(level)
+    try:
+        from transformers.utils import get_json_schema
+    except ImportError:
+        get_json_schema = None
+    tools = []
+    for bound in binding.tools.values():
+        entry: dict[str, Any] = {
+            "name": bound.name,
+            "remote_name": bound.remote_name,
+            "attribute": bound.attribute,
+            "signature": _signature(bound.function),
+            "schema": None,
+        }
+        if get_json_schema is not None:
+            try:
+                entry["schema"] = get_json_schema(bound.function)
+            except Exception as exc:  # would also break training: say so loudly
+                entry["schema_error"] = f"{type(exc).__name__}: {exc}"
+        tools.append(entry)
+    return {
+        "schemas_rendered": get_json_schema is not None,
+        "note": None if get_json_schema is not None else
+        "transformers is not installed: showing signatures only (pip install 'ors-trl[trl]' to see the schemas)",
+        "tools": tools,
+        "warnings": list(binding.warnings),
+    }
+
+
+def inspect_target(target: str, **kwargs: Any) -> dict[str, Any]:
+    """`collect` plus `describe_binding` of the shared and probed task-specific tools."""
+    info = asyncio.run(collect(target, **kwargs))
+    info["binding"] = describe_binding(info["shared_tools"] + info["task_tools"]["tools"])
+    return info
+
+
+def _short(value: Any, limit: int = _TASK_TEXT) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line for line in text.splitlines())
+
+
+def render_text(info: dict[str, Any]) -> str:
+    """The inspection as readable text for a terminal."""
+    out: list[str] = []
+    add = out.append
+    add(f"Target: {info['target']} ({'self-hosted server' if info['kind'] == 'url' else 'OpenReward catalog'})")
+    envs = info.get("environments")
+    if envs is not None:
+        marked = [f"{e} *" if e == info.get("environment") else e for e in envs]
+        add(f"Environments ({len(envs)}): {', '.join(marked)}")
+        if len(envs) > 1:
+            add("  (* = inspected below; pick another with --env-name)")
+    add("")
+    add(f"Environment: {info.get('environment') or '(server default)'}")
+    add("Splits:")
+    width = max([len(s["name"]) for s in info["splits"]] + [1])
+    for s in info["splits"]:
+        count = "?" if s["num_tasks"] is None else str(s["num_tasks"])
+        add(f"  {s['name']:<{width}}  type={s['type']:<8} {count:>7} tasks")
+    total = next((s["num_tasks"] for s in info["splits"] if s["name"] == info["split"]), None)
+    add("")
+    add(f"Tasks of split {info['split']!r} (first {len(info['tasks'])} of {total if total is not None else '?'}):")
+    if not info["tasks"]:
+        add("  (none shown)")
+    for row in info["tasks"]:
+        task = row["task"]
+        fields = ", ".join(sorted(task)) if isinstance(task, dict) else type(task).__name__
+        add(f"  [{row['index']}] fields: {fields}")
+        add(f"      {_short(task)}")
+    add("")
+    shared = info["shared_tools"]
+    add(f"Shared tools ({len(shared)}):")
+    for tool in shared:
+        add(_tool_text(tool))
+    tt = info["task_tools"]
+    add("")
+    if not tt["probed"]:
+        add("Task-specific tools: not probed" + (f" ({tt['error']})" if tt.get("error") else ""))
+    elif tt.get("error"):
+        add(f"Task-specific tools: the probe session for task {tt['index']} failed: {tt['error']}")
+    else:
+        add(f"Task-specific tools (from a session for task {tt['index']}; other tasks may differ) "
+            f"({len(tt['tools'])}):")
+        if not tt["tools"]:
+            add("  (none)")
+        for tool in tt["tools"]:
+            add(_tool_text(tool))
+    binding = info.get("binding")
+    if binding is not None:
+        add("")
+        add(f"What the model sees after binding ({len(binding['tools'])} tools; `<unset>` = not sent, the "
+            "environment's default applies):")
+        if binding.get("note"):
+            add(f"  NOTE: {binding['note']}")
+        for tool in binding["tools"]:
+            where = f"remote tool {tool['remote_name']!r}"
+            if tool["attribute"] != tool["name"]:
+                where += f", adapter attribute {tool['attribute']!r}"
+            add(f"  {tool['signature']}    [{where}]")
+            if tool.get("schema") is not None:
+                add(_indent(json.dumps(tool["schema"], indent=2, ensure_ascii=False), "      "))
+            elif tool.get("schema_error"):
+                add(f"      schema could not be rendered: {tool['schema_error']}")
+        warnings = binding["warnings"]
+        add("")
+        add(f"Binding warnings ({len(warnings)}):" if warnings else "Binding warnings: none")
+        for warning in warnings:
+            add(f"  - {warning}")
+    return "\n".join(out)
+
+
+def _tool_text(tool: dict[str, Any]) -> str:
+    lines = [f"  {tool['name']}: {' '.join((tool.get('description') or '(no description)').split())[:300]}"]
+    schema = tool.get("input_schema")
+    lines.append("      input_schema: " + ("null" if schema is None else ""))
+    if schema is not None:
+        lines[-1] = lines[-1].rstrip()
+        lines.append(_indent(json.dumps(schema, indent=2, ensure_ascii=False), "        "))
+    return "\n".join(lines)

@@ -1,0 +1,478 @@
+"""`evaluate` / `ors-trl eval` against the reference server, with scripted and tiny local policies.
+
+The scripted policy is a fake OpenAI-compatible server on loopback (aiohttp, in a thread) that reads the task
+from the prompt and answers with the right tool calls, so the full tool loop and scoring are deterministic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ors_trl import OpenRewardSpec
+from ors_trl._eval import EvalReport, LocalPolicy, OpenAIPolicy, PolicyReply, _Toolset, load_episodes
+from ors_trl.cli import main
+from ors_trl.testing.server import free_port
+
+torch.set_num_threads(1)
+
+ECHO = "echoenvironment"
+SPARSE = "sparseenvironment"
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A scripted OpenAI-compatible endpoint
+
+
+def _tool_reply(name: str, arguments: dict[str, Any], n: int) -> dict[str, Any]:
+    call = {"id": f"call_fake_{n}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+def scripted_reply(body: dict[str, Any], n: int) -> dict[str, Any]:
+    """What a competent model would answer, read off the request (model "faulty" first makes a failing call)."""
+    names = {tool["function"]["name"] for tool in body.get("tools", [])}
+    messages = body["messages"]
+    prompt = messages[0]["content"]
+    turns = sum(1 for m in messages if m["role"] == "assistant")
+    faulty = body["model"] == "faulty"
+    if "echo" in names:
+        if faulty and turns == 0:
+            return _tool_reply("no_such_tool", {}, n)
+        if turns < (2 if faulty else 1):
+            return _tool_reply("echo", {"text": re.search(r'"([^"]+)"', prompt).group(1)}, n)
+    elif "submit" in names:
+        a, b = map(int, re.search(r"What is (\d+) \+ (\d+)", prompt).groups())
+        script = [("calculator", {"expression": f"{a} +"})] if faulty else []
+        script += [("calculator", {"expression": f"{a} + {b}"}), ("submit", None)]
+        if turns < len(script):
+            name, args = script[turns]
+            if args is None:
+                args = {"answer": int(messages[-1]["content"])}
+            return _tool_reply(name, args, n)
+    return {"role": "assistant", "content": "Done."}
+
+
+class FakeOpenAI:
+    """`POST /v1/chat/completions` on 127.0.0.1, answering with `scripted_reply`; records every request."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self._counter = itertools.count()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self.port = free_port()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def _handle(self, request: Any) -> Any:
+        from aiohttp import web
+
+        body = await request.json()
+        self.requests.append(body)
+        self.headers.append(dict(request.headers))
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        message = scripted_reply(body, next(self._counter))
+        return web.json_response({
+            "id": "chatcmpl-fake", "object": "chat.completion", "model": body["model"],
+            "choices": [{"index": 0, "message": message,
+                         "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        })
+
+    def _serve(self) -> None:
+        from aiohttp import web
+
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._handle)
+        self._runner = web.AppRunner(app)
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    def start(self) -> FakeOpenAI:
+        self._thread.start()
+        assert self._ready.wait(10), "fake OpenAI server did not start"
+        return self
+
+    def stop(self) -> None:
+        fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+        fut.result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture
+def fake_openai():
+    server = FakeOpenAI().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_sessions(ref_server):
+    yield
+    ref_server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=10)
+
+
+def bound_schemas(spec: OpenRewardSpec) -> list[dict[str, Any]]:
+    from transformers.utils import get_json_schema
+
+    _ = spec.environment_factory  # binds as training does
+    return [get_json_schema(fn) for fn in spec.binding.functions.values()]
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# OpenAI-compatible endpoint: the full tool loop
+
+
+def test_openai_policy_echo_exact(ref_server, fake_openai, tmp_path) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name=ECHO)
+    out = tmp_path / "episodes.jsonl"
+    policy = OpenAIPolicy(fake_openai.url, "scripted", api_key="sk-secret-123", temperature=0.0)
+    report = spec.evaluate(policy, num_tasks=5, concurrency=3, output=str(out), progress=False)
+    assert isinstance(report, EvalReport)
+    assert (report.num_episodes, report.num_scored, report.mean_reward) == (5, 5, 1.0)
+    assert report.coverage == 1.0 and report.finished_rate == 1.0
+    assert report.tool_calls_per_episode == 1.0 and report.tool_failures_per_episode == 0.0
+    assert report.end_reasons == {"finished": 5} and report.num_errors == 0
+    # One request per episode: the echo result finishes it, so the model is not asked again.
+    assert len(fake_openai.requests) == 5
+    request = fake_openai.requests[0]
+    expected = [{"type": "function", "function": {k: v for k, v in s["function"].items() if k != "return"}}
+                for s in bound_schemas(spec)]
+    assert request["tools"] == expected
+    assert request["model"] == "scripted" and request["temperature"] == 0.0
+    assert all(h.get("Authorization") == "Bearer sk-secret-123" for h in fake_openai.headers)
+
+    lines = read_lines(out)
+    assert sorted(r["task_index"] for r in lines) == [0, 1, 2, 3, 4]
+    assert report.episodes == sorted(lines, key=lambda r: r["task_index"])
+    words = ["hello", "world", "trl", "openreward", "spec"]
+    for record in report.episodes:
+        target = words[record["task_index"]]
+        assert target in record["prompt"]
+        assert record["environment"] == ECHO and record["reward"] == 1.0 and record["finished"] is True
+        assert record["rewards"] == [1.0] and record["end_reason"] == "finished" and record["error"] is None
+        (turn,) = record["turns"]
+        (call,) = turn["tool_calls"]
+        assert call["name"] == call["remote_name"] == "echo"
+        assert call["arguments"] == {"text": target} and call["output"] == target
+        assert call["reward"] == 1.0 and call["finished"] is True
+        assert call["metadata"] == {"target_length": len(target)}
+        assert set(record["timings"]) >= {"open", "prompt", "generation", "tools", "total"}
+    assert "sk-secret-123" not in out.read_text()
+
+
+def test_openai_policy_sparse_multi_turn(ref_server, fake_openai) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name=SPARSE)
+    report = spec.evaluate(OpenAIPolicy(fake_openai.url, "scripted"), indices=[0, 3, 5], progress=False)
+    assert (report.num_episodes, report.mean_reward, report.coverage) == (3, 1.0, 1.0)
+    assert report.tool_calls_per_episode == 2.0 and report.tool_failures_per_episode == 0.0
+    assert [e["task_index"] for e in report.episodes] == [0, 3, 5]
+    for record in report.episodes:
+        assert record["rewards"] == [None, 1.0]  # calculator is unscored, submit scored
+        assert [c["name"] for t in record["turns"] for c in t["tool_calls"]] == ["calculator", "submit"]
+    # The second request carries our assistant tool call and the tool result, keyed by the call id.
+    second = [r for r in fake_openai.requests if len(r["messages"]) == 3]
+    assert len(second) == 3
+    user, assistant, tool = second[0]["messages"]
+    assert user["role"] == "user" and "What is" in user["content"]
+    (call,) = assistant["tool_calls"]
+    assert call["function"]["name"] == "calculator" and isinstance(call["function"]["arguments"], str)
+    assert tool == {"role": "tool", "tool_call_id": call["id"], "content": tool["content"]}
+    assert tool["content"].isdigit()
+
+
+def test_tool_failures_are_recorded_and_shown_to_the_model(ref_server, fake_openai) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name=SPARSE)
+    report = spec.evaluate(OpenAIPolicy(fake_openai.url, "faulty"), num_tasks=2, progress=False)
+    assert (report.mean_reward, report.coverage) == (1.0, 1.0)
+    assert report.tool_calls_per_episode == 3.0 and report.tool_failures_per_episode == 1.0
+    first = report.episodes[0]["turns"][0]["tool_calls"][0]
+    assert first["error"]["kind"] == "failed" and "cannot evaluate" in first["error"]["message"]
+    assert first["output"].startswith("{'error': ")  # what GRPOTrainer sends the model for a failed tool
+    followups = [r for r in fake_openai.requests if len(r["messages"]) == 3]
+    assert any(r["messages"][2]["content"] == first["output"] for r in followups)
+
+    spec = OpenRewardSpec(ref_server.url, env_name=ECHO)
+    report = spec.evaluate(OpenAIPolicy(fake_openai.url, "faulty"), num_tasks=2, progress=False)
+    assert report.mean_reward == 1.0 and report.tool_failures_per_episode == 1.0
+    unknown = report.episodes[0]["turns"][0]["tool_calls"][0]
+    assert unknown["error"] == {"kind": "unknown_tool", "message": "Tool no_such_tool not found."}
+    assert unknown["output"] == "{'error': 'Tool no_such_tool not found.'}"  # TRL's own text for it
+
+
+def test_max_turns_and_repeats(ref_server, fake_openai) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name=SPARSE)
+    report = spec.evaluate(OpenAIPolicy(fake_openai.url, "scripted"), num_tasks=2, repeats=2, max_turns=1,
+                           progress=False)
+    assert report.num_episodes == 4 and report.end_reasons == {"max_turns": 4}
+    assert [(e["task_index"], e["repeat"]) for e in report.episodes] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert report.mean_reward is None and report.coverage == 0.0 and report.finished_rate == 0.0
+
+
+def test_routing_uses_the_binding(ref_server) -> None:
+    """Model-facing names and parameter names go through the bound functions to the remote ones."""
+
+    class Scripted:
+        def __init__(self) -> None:
+            self.tools: list[dict[str, Any]] = []
+
+        async def respond(self, messages, tools):
+            self.tools = tools
+            if len(messages) == 1:
+                return PolicyReply(tool_calls=[
+                    {"id": None, "name": "keywords", "arguments": {"class_": "c", "x_y": 3}},
+                    {"id": None, "name": "reset", "arguments": {"value": "v"}},
+                ])
+            return PolicyReply(content="ok")
+
+    policy = Scripted()
+    spec = OpenRewardSpec(ref_server.url, env_name="hostileenvironment")
+    report = spec.evaluate(policy, indices=[0], progress=False)
+    assert policy.tools == bound_schemas(spec)
+    calls = report.episodes[0]["turns"][0]["tool_calls"]
+    assert calls[0]["remote_arguments"] == {"class": "c", "x-y": 3}
+    assert json.loads(calls[0]["output"]) == {"tool": "keywords", "received": {
+        "class": "c", "x-y": 3, "self": "", "__dunder__": ""}}
+    assert calls[1]["remote_name"] == "reset" and calls[1]["reward"] == 0.25
+    assert report.episodes[0]["reward"] == 0.25 and report.end_reasons == {"no_tool_calls": 1}
+
+
+def test_policy_errors_and_bad_endpoint(ref_server) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name=ECHO)
+    policy = OpenAIPolicy(f"http://127.0.0.1:{free_port()}/v1", "nobody", max_attempts=1)
+    report = spec.evaluate(policy, num_tasks=2, progress=False)
+    assert report.num_errors == 2 and report.end_reasons == {"error": 2}
+    assert report.episodes[0]["error"]["kind"] == "policy"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Output file and resume
+
+
+def test_resume_runs_only_missing_episodes(ref_server, fake_openai, tmp_path) -> None:
+    out = tmp_path / "ep.jsonl"
+    spec = OpenRewardSpec(ref_server.url, env_name=ECHO)
+    policy = OpenAIPolicy(fake_openai.url, "scripted")
+    spec.evaluate(policy, num_tasks=3, output=str(out), progress=False)
+    assert len(fake_openai.requests) == 3
+    with pytest.raises(ValueError, match="already exists"):
+        spec.evaluate(policy, num_tasks=3, output=str(out), progress=False)
+    with out.open("a") as fh:  # an interrupted write
+        fh.write('{"version": 1, "split": "train", "task_ind')
+    report = spec.evaluate(policy, num_tasks=6, output=str(out), resume=True, progress=False)
+    assert len(fake_openai.requests) == 6  # only tasks 3, 4, 5 ran
+    assert report.num_resumed == 3 and report.num_episodes == 6 and report.mean_reward == 1.0
+    assert sorted(load_episodes(out)) == [("train", i, 0) for i in range(6)]
+    assert [e["task_index"] for e in report.episodes] == list(range(6))
+    # Nothing left to do: no request at all.
+    report = spec.evaluate(policy, num_tasks=6, output=str(out), resume=True, progress=False)
+    assert len(fake_openai.requests) == 6 and report.num_resumed == 6
+
+
+def _cli_eval(url: str, policy_url: str, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "ors_trl", "eval", url, "--env-name", ECHO, "--base-url", policy_url,
+            "--model", "scripted", "--output", str(out), "--concurrency", "1", "--no-progress", *extra]
+
+
+def test_cli_interrupt_then_resume(ref_server, tmp_path) -> None:
+    """Ctrl-C mid-run: exit 130, finished episodes kept, sessions closed; --resume redoes only the rest."""
+    slow = FakeOpenAI(delay=0.4).start()
+    try:
+        out = tmp_path / "ep.jsonl"
+        env = {**os.environ, "PYTHONPATH": SRC, "OPENREWARD_DISABLE_UPDATE_CHECK": "1"}
+        proc = subprocess.Popen(_cli_eval(ref_server.url, slow.url, out, "--num-tasks", "8"), env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while (not out.exists() or len(read_lines(out)) < 2) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 130, stderr
+        assert "--resume" in stderr
+        done = {r["task_index"] for r in read_lines(out)}
+        assert 2 <= len(done) < 8
+        ref_server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=10)
+        before = len(slow.requests)
+
+        result = subprocess.run(_cli_eval(ref_server.url, slow.url, out, "--num-tasks", "8", "--resume", "--json"),
+                                env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        summary = json.loads(result.stdout)
+        assert summary["num_episodes"] == 8 and summary["num_resumed"] == len(done)
+        assert summary["mean_reward"] == 1.0 and summary["coverage"] == 1.0
+        assert len(slow.requests) - before == 8 - len(done)
+        assert sorted(load_episodes(out)) == [("train", i, 0) for i in range(8)]
+    finally:
+        slow.stop()
+
+
+def test_cli_eval_in_process(ref_server, fake_openai, tmp_path, capsys) -> None:
+    out = tmp_path / "ep.jsonl"
+    args = ["eval", ref_server.url, "--env-name", SPARSE, "--base-url", fake_openai.url, "--model", "scripted",
+            "--indices", "1,2", "--output", str(out), "--no-progress", "--json"]
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {"mean_reward", "coverage", "finished_rate", "tool_calls_per_episode", "tool_failures_per_episode",
+            "num_episodes", "end_reasons"} <= set(data) and "episodes" not in data
+    assert data["mean_reward"] == 1.0 and data["tool_calls_per_episode"] == 2.0
+    assert main(args) == 2  # the output exists: --resume or --overwrite
+    assert "already exists" in capsys.readouterr().err
+    assert main([*args, "--overwrite"]) == 0
+    capsys.readouterr()
+    # Every episode failing (the endpoint is gone) is an error exit.
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    bad = ["eval", ref_server.url, "--env-name", ECHO, "--base-url", dead, "--model", "x", "--num-tasks", "1",
+           "--no-progress"]
+    os.environ.pop("OPENAI_API_KEY", None)
+    assert main(bad) == 1
+    assert "every episode ended in an error" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Local transformers models
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from ors_trl.demo._model import build_model, build_tokenizer, render_corpus
+    from ors_trl.testing.environments import EchoEnvironment
+
+    tasks = EchoEnvironment.list_tasks("train")
+    schema = {"type": "function", "function": {
+        "name": "echo", "description": "Echo the given text back.",
+        "parameters": {"type": "object", "properties": {"text": {"type": "string", "description": "The text."}},
+                       "required": ["text"]}}}
+    corpus = render_corpus(
+        tasks, [schema], lambda t: f'Call the `echo` tool with exactly this text: "{t["target"]}".',
+        lambda t, rng: ("echo", {"text": t["target"]}, t["target"]),
+    )
+    tokenizer = build_tokenizer(corpus)
+    model = build_model(tokenizer, seed=0)
+    path = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_local_model_untrained(ref_server, tiny_model_dir, tmp_path) -> None:
+    out = tmp_path / "ep.jsonl"
+    spec = OpenRewardSpec(ref_server.url, env_name=ECHO)
+    report = spec.evaluate(str(tiny_model_dir), num_tasks=4, concurrency=4, max_turns=2, output=str(out),
+                           max_new_tokens=12, progress=False)
+    assert report.num_episodes == 4 and report.policy == str(tiny_model_dir)
+    assert set(report.end_reasons) <= {"no_tool_calls", "finished", "max_turns"}
+    assert report.num_errors == 0
+    assert 0.0 <= report.coverage <= 1.0
+    lines = read_lines(out)
+    assert sorted(r["task_index"] for r in lines) == [0, 1, 2, 3]
+    for record in lines:
+        assert 1 <= len(record["turns"]) <= 2
+        assert isinstance(record["turns"][0]["raw"], str)
+        assert record["tool_calls"] == sum(len(t["tool_calls"]) for t in record["turns"])
+
+
+class ScriptedModel:
+    """Stands in for a causal LM: 'generates' the correct echo tool call for each prompt, records batch sizes."""
+
+    def __init__(self, tokenizer) -> None:
+        from transformers import PretrainedConfig
+
+        self.tokenizer = tokenizer
+        self.config = PretrainedConfig(max_position_embeddings=4096)
+        self.batches: list[int] = []
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, **kwargs):
+        self.batches.append(int(input_ids.shape[0]))
+        rows = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
+            prompt = self.tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
+            if "<tool_response>" in prompt:
+                reply = "Done.<|im_end|>"
+            else:
+                target = re.findall(r'exactly this text: \\?"([a-z]+)', prompt)[-1]
+                call = json.dumps({"name": "echo", "arguments": {"text": target}})
+                reply = f"<tool_call>\n{call}\n</tool_call><|im_end|>"
+            rows.append(ids + self.tokenizer.encode(reply, add_special_tokens=False))
+        width = max(len(r) for r in rows)
+        pad = self.tokenizer.pad_token_id
+        return torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+
+
+def test_local_policy_batches_and_parses_tool_calls(ref_server, tiny_model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    model = ScriptedModel(tokenizer)
+    policy = LocalPolicy(model, tokenizer, batch_wait=5.0)
+    spec = OpenRewardSpec(ref_server.url, env_name=ECHO)
+    report = spec.evaluate(policy, num_tasks=4, concurrency=4, progress=False)
+    assert (report.mean_reward, report.coverage, report.finished_rate) == (1.0, 1.0, 1.0)
+    assert report.tool_calls_per_episode == 1.0
+    assert model.batches == [4]  # the four episodes' first turns shared one generate call
+    call = report.episodes[0]["turns"][0]["tool_calls"][0]
+    assert call["arguments"] == {"text": "hello"} and call["remote_name"] == "echo"
+
+
+def test_toolset_schemas_match_training_binding(ref_server) -> None:
+    spec = OpenRewardSpec(ref_server.url, env_name="tasktoolsenvironment")
+    toolset = _Toolset.build(spec.tool_specs)
+    assert toolset.schemas == bound_schemas(spec)
+    assert sorted(toolset.by_name) == ["look", "open_door"]
+
+
+def test_per_task_tools(ref_server) -> None:
+    seen: list[list[str]] = []
+
+    class Lister:
+        async def respond(self, messages, tools):
+            seen.append(sorted(t["function"]["name"] for t in tools))
+            return PolicyReply(content="no")
+
+    spec = OpenRewardSpec(ref_server.url, env_name="tasktoolsenvironment")  # training probes task 0
+    spec.evaluate(Lister(), indices=[1], per_task_tools=True, progress=False)
+    spec.evaluate(Lister(), indices=[1], progress=False)
+    spec = OpenRewardSpec(ref_server.url, env_name="tasktoolsenvironment", indices=[1])  # probes task 1
+    spec.evaluate(Lister(), progress=False)
+    assert seen == [["look", "open_window"], ["look", "open_door"], ["look", "open_window"]]
+
+
+def test_local_policy_context_limit(ref_server, tiny_model_dir) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    model = ScriptedModel(tokenizer)
+    model.config.max_position_embeddings = 32  # smaller than any rendered prompt
+    spec = OpenRewardSpec(ref_server.url, env_name=ECHO)
+    report = spec.evaluate(LocalPolicy(model, tokenizer), num_tasks=2, progress=False)
+    assert report.end_reasons == {"context_length": 2} and report.num_errors == 0
+    assert model.batches == [] and report.mean_reward is None

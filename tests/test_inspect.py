@@ -1,0 +1,120 @@
+"""`ors-trl inspect` against the reference server: text and JSON output, task tools, binding warnings."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+from transformers.utils import get_json_schema
+
+from ors_trl._binding import DEFAULT_RESERVED, bind_tools
+from ors_trl._inspect import describe_binding, inspect_target, render_text
+from ors_trl.cli import main
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_sessions(ref_server):
+    yield
+    ref_server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=10)
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert main(["inspect", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_text_output(ref_server, capsys) -> None:
+    assert main(["inspect", ref_server.url, "--env-name", "SparseEnvironment"]) == 0
+    text = capsys.readouterr().out
+    for env in ("echoenvironment", "tasktoolsenvironment", "sparseenvironment *", "hostileenvironment"):
+        assert env in text
+    assert "Environment: sparseenvironment" in text
+    assert "train  type=train         32 tasks" in text and "test   type=test           8 tasks" in text
+    assert '[0] fields: a, b, id' in text and '"id": "add-train-0"' in text
+    assert "calculator: Evaluate an arithmetic expression" in text and "submit: Submit the final answer" in text
+    # The exact Python signatures and the rendered schemas the model will see.
+    assert "calculator(expression: str) -> str    [remote tool 'calculator']" in text
+    assert "submit(answer: int) -> str    [remote tool 'submit']" in text
+    assert '"name": "submit"' in text and '"type": "integer"' in text
+    assert "Binding warnings: none" in text
+
+
+def test_json_structure(ref_server, capsys) -> None:
+    info = run_json(capsys, ref_server.url, "--env-name", "echoenvironment", "--tasks", "2")
+    assert info["target"] == ref_server.url and info["kind"] == "url"
+    assert info["environment"] == "echoenvironment" and "hostileenvironment" in info["environments"]
+    assert info["splits"] == [{"name": "train", "type": "train", "num_tasks": 16},
+                              {"name": "test", "type": "test", "num_tasks": 8}]
+    assert info["split"] == "train"
+    assert info["tasks"] == [{"index": 0, "task": {"id": "echo-0", "target": "hello"}},
+                             {"index": 1, "task": {"id": "echo-1", "target": "world"}}]
+    (echo,) = info["shared_tools"]
+    assert echo["name"] == "echo" and echo["input_schema"]["required"] == ["text"]
+    assert info["task_tools"] == {"probed": True, "index": 0, "tools": [], "error": None}
+    binding = info["binding"]
+    assert binding["schemas_rendered"] is True and binding["warnings"] == []
+    (tool,) = binding["tools"]
+    assert tool["signature"] == "echo(text: str) -> str"
+    expected = bind_tools([echo], reserved=DEFAULT_RESERVED | {"reset"}).functions["echo"]
+    assert tool["schema"] == get_json_schema(expected)
+    assert tool["schema"]["function"]["parameters"]["properties"]["text"]["type"] == "string"
+
+
+def test_task_specific_tools(ref_server, capsys) -> None:
+    info = run_json(capsys, ref_server.url, "--env-name", "tasktoolsenvironment", "--probe-index", "1")
+    assert [t["name"] for t in info["shared_tools"]] == ["look"]
+    assert info["task_tools"]["probed"] and info["task_tools"]["index"] == 1
+    assert [t["name"] for t in info["task_tools"]["tools"]] == ["open_window"]
+    assert info["task_tools"]["tools"][0]["input_schema"]["properties"]["side"]["enum"] == ["left", "right"]
+    bound = {t["name"]: t for t in info["binding"]["tools"]}
+    assert bound["open_window"]["signature"] == "open_window(side: Literal['left', 'right']) -> str"
+    assert bound["open_window"]["schema"]["function"]["parameters"]["properties"]["side"]["enum"] == ["left", "right"]
+
+    info = run_json(capsys, ref_server.url, "--env-name", "tasktoolsenvironment", "--no-probe")
+    assert info["task_tools"]["probed"] is False and [t["name"] for t in info["binding"]["tools"]] == ["look"]
+
+
+def test_hostile_binding_warnings(ref_server, capsys) -> None:
+    info = run_json(capsys, ref_server.url, "--env-name", "hostileenvironment")
+    warnings = info["binding"]["warnings"]
+    assert any("'reset': name is reserved" in w for w in warnings)
+    assert any("parameter 'class' is exposed as 'class_'" in w for w in warnings)
+    bound = {t["remote_name"]: t for t in info["binding"]["tools"]}
+    assert bound["reset"]["name"] == "reset" and bound["reset"]["attribute"] != "reset"
+    assert bound["keywords"]["signature"].startswith("keywords(class_: str, x_y: int = <unset>")
+    assert bound["run-shell"]["schema"]["function"]["name"] == "run-shell"
+    text = render_text(info)
+    assert f"Binding warnings ({len(warnings)}):" in text and "name is reserved" in text
+
+
+def test_signatures_without_transformers(monkeypatch) -> None:
+    import builtins
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *args, **kwargs):
+        if name.startswith("transformers"):
+            raise ImportError("no transformers here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    spec = {"name": "add", "description": "Add.", "input_schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer", "default": 1}},
+        "required": ["a"]}}
+    described = describe_binding([spec])
+    assert described["schemas_rendered"] is False and "transformers is not installed" in described["note"]
+    assert described["tools"][0]["signature"] == "add(a: int, b: int = <unset>) -> str"
+    assert described["tools"][0]["schema"] is None
+
+
+def test_signature_is_the_bound_functions(ref_server) -> None:
+    info = inspect_target(ref_server.url, env_name="schemaenvironment", tasks=0)
+    specs = info["shared_tools"] + info["task_tools"]["tools"]
+    binding = bind_tools(specs, reserved=DEFAULT_RESERVED | {"reset"})
+    for tool in info["binding"]["tools"]:
+        fn = binding.functions[tool["attribute"]]
+        params = list(inspect.signature(fn).parameters.values())[1:]
+        assert tool["signature"] == fn.__name__ + str(inspect.signature(fn).replace(parameters=params))
+        assert tool["schema"] == get_json_schema(fn)
+    assert info["tasks"] == []
