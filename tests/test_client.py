@@ -277,3 +277,40 @@ def test_catalog_mode_against_a_single_host(ref_server, monkeypatch) -> None:
             target = c.task("train", 0)["target"]
             assert s.call("echo", {"text": target}).reward == 1.0
     assert ref_server.stats()["open_sessions"] == before
+
+
+def test_process_session_cap_queues_instead_of_failing(ref_server) -> None:
+    from ors_trl import get_max_sessions, set_max_sessions
+
+    async def main() -> None:
+        async with AsyncClient(ref_server.url, env_name="echoenvironment") as client:
+            a = await client.open_session(split="train", index=0)
+            b = await client.open_session(split="train", index=1)
+            third = asyncio.ensure_future(client.open_session(split="train", index=2))
+            await asyncio.sleep(0.5)
+            assert not third.done()  # waiting for a slot, not failed
+            await a.close()
+            c = await asyncio.wait_for(third, 10)
+            assert client.open_sessions == 2
+            await b.close()
+            await c.close()
+
+    set_max_sessions(2)
+    try:
+        assert get_max_sessions() == 2
+        asyncio.run(main())
+    finally:
+        set_max_sessions(None)
+
+
+def test_client_session_cap_times_out_with_a_clear_error(ref_server) -> None:
+    from ors_trl import ORSTimeoutError
+
+    async def main() -> None:
+        async with AsyncClient(ref_server.url, env_name="echoenvironment", max_sessions=1, session_wait=0.3) as c:
+            await c.open_session(split="train", index=0)
+            with pytest.raises(ORSTimeoutError, match="no session slot"):
+                await c.open_session(split="train", index=1)
+            assert c.open_sessions == 1
+
+    asyncio.run(main())

@@ -212,3 +212,26 @@ def test_engine_failed_open_is_a_none_scored_rollout(tiny_model_dir, echo_spec, 
     result = run_batch(trainer, rows)
     assert result["rewards"][0] is None  # unscored
     assert result["rewards"][1] == 1.0
+
+
+def test_engine_session_cap_queues_in_waves(tiny_model_dir, make_server, tmp_path):
+    server = make_server("slow", env={"ORS_TEST_SETUP_DELAY": "0.2"})
+    spec = OpenRewardSpec(server.url, num_tasks=4, max_sessions=3)
+    trainer = make_trainer(tiny_model_dir, spec, "engine", tmp_path, per_device_train_batch_size=8,
+                           max_completion_length=256)
+    tok = trainer._tokenizer
+
+    def generate(prompt_ids, images, mm, num_generations, has_tool_images=False):
+        out = []
+        for ids in prompt_ids:
+            step = tok.decode(ids).count("<tool_response>")
+            body = f'<tool_call>\n{{"name": "work", "arguments": {{"step": {step}}}}}\n</tool_call><|im_end|>'
+            out.append(tok.encode(body if step < 3 else "Done.<|im_end|>", add_special_tokens=False))
+        return out, None
+
+    trainer._generate_single_turn = generate
+    result = run_batch(trainer, batch_rows(spec, [0, 1, 2, 3], 2))
+    assert result["rewards"] == [1.0] * 8  # every episode ran, in waves of at most 3
+    stats = server.stats()
+    assert stats["peak_sessions"] <= 3
+    assert stats["open_sessions"] == 0

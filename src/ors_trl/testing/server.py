@@ -130,6 +130,7 @@ class _TestRoutes:
         self.idle_timeout = idle_timeout
         self.pings = 0
         self.requests = 0
+        self.peak_sessions = 0  # most sessions alive at once since start (sampled after each /create)
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         if scope["type"] == "http":
@@ -140,6 +141,10 @@ class _TestRoutes:
             self.requests += 1
             if path == "/ping":
                 self.pings += 1
+            await self.app(scope, receive, send)
+            if path == "/create":
+                self.peak_sessions = max(self.peak_sessions, len(self.server._active_envs))
+            return
         await self.app(scope, receive, send)
 
     def stats(self) -> dict[str, Any]:
@@ -149,6 +154,7 @@ class _TestRoutes:
         return {
             "pid": os.getpid(),
             "open_sessions": len(sessions),
+            "peak_sessions": self.peak_sessions,
             "sessions": sessions,
             "pings": self.pings,
             "requests": self.requests,
