@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -97,7 +98,44 @@ class EnvironmentRuntime:
         self._adapters: weakref.WeakSet[OpenRewardEnvironment] = weakref.WeakSet()
         self._pending_closes: set[concurrent.futures.Future[None]] = set()
         self._lock = threading.Lock()
+        self._attached: set[int] = set()
         self.bg.add_closer(self.aclose)
+
+    # -- trainer lifecycle -------------------------------------------------------------------------
+
+    def attach_to(self, trainer: Any) -> None:
+        """Make sure `trainer` releases this runtime's sessions at each step's end and closes them at the end.
+
+        Adds a `SessionCleanupCallback` unless one already covers this runtime (e.g. `spec.callbacks`
+        was passed), so sessions are cleaned up by the trainer even when the user passed no callback.
+        """
+        handler = getattr(trainer, "callback_handler", None)
+        if handler is None or id(trainer) in self._attached:
+            return
+        from ._callback import SessionCleanupCallback
+
+        self._attached.add(id(trainer))
+        for cb in getattr(handler, "callbacks", []):
+            if isinstance(cb, SessionCleanupCallback) and self in cb.runtimes:
+                return
+        trainer.add_callback(SessionCleanupCallback([self]))
+
+    def attach_to_calling_trainer(self) -> None:
+        """Find the trainer driving this reset (a few frames up: TRL calls reset from its own method)."""
+        frame = sys._getframe(2)
+        for _ in range(6):
+            if frame is None:
+                return
+            candidate = frame.f_locals.get("self")
+            if candidate is not None and hasattr(candidate, "add_callback") and hasattr(candidate, "callback_handler"):
+                if id(candidate) in self._attached:
+                    return
+                try:
+                    self.attach_to(candidate)
+                except Exception as exc:  # convenience only: exit-time cleanup still applies
+                    logger.debug("could not attach the session cleanup callback: %s", exc)
+                return
+            frame = frame.f_back
 
     # -- task identity -------------------------------------------------------------------------
 
@@ -261,6 +299,7 @@ class OpenRewardEnvironment:
         the episode is then recorded as failed and the returned text says why.
         """
         rt = self._runtime
+        rt.attach_to_calling_trainer()
         self._release()
         self._clear()
         if task_spec is None and task_index is None:

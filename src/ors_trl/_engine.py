@@ -177,6 +177,8 @@ class RolloutEngine:
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         self._prepare(trainer)
+        for env in self.environments.values():
+            env.runtime.attach_to(trainer)
         episodes = [self._episode(i, p) for i, p in enumerate(prompts)]
         bg = next(iter(self.environments.values())).runtime.bg
         for wave in self._waves(episodes):

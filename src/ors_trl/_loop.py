@@ -60,6 +60,13 @@ class BackgroundLoop:
         if self._closed:
             coro.close()
             raise RuntimeError("the ors-trl background loop is shut down (interpreter exiting)")
+        if os.getpid() != self.pid:
+            # Inherited across fork(): no thread runs this loop here, so the work would wait forever.
+            coro.close()
+            raise RuntimeError(
+                "This ors-trl object was created in another process (before a fork); its sessions belong to that "
+                "process. Create the spec or client again in this process."
+            )
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -74,6 +81,11 @@ class BackgroundLoop:
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
+            # Since Python 3.11 concurrent.futures.TimeoutError *is* the builtin TimeoutError, so this
+            # also catches a TimeoutError the coroutine itself raised (ORSTimeoutError: "Timeouts.tool_call
+            # ..."). Only a wait that ran out is ours to translate; a finished future speaks for itself.
+            if fut.done():
+                return fut.result()
             fut.cancel()
             raise ORSTimeoutError(f"operation did not finish within {timeout} s") from None
         except BaseException:
