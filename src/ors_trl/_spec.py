@@ -28,7 +28,7 @@ from ._adapter import EnvironmentRuntime, OpenRewardEnvironment
 from ._binding import DEFAULT_RESERVED, BindingResult, bind_tools
 from ._client import AsyncClient
 from ._engine import TASK_KEY, EngineEnvironment, RolloutEngine
-from ._exceptions import ConfigurationError, ORSError
+from ._exceptions import BadRequestError, ConfigurationError, NotFoundError, ORSError
 from ._loop import get_loop
 from ._metrics import EnvMetrics
 from ._target import SecretValue, platform_key_secret
@@ -373,9 +373,18 @@ class OpenRewardSpec:
             return shared
         try:
             total = await client.num_tasks(self._split)
+        except (BadRequestError, NotFoundError):
+            raise  # a wrong split or environment is the user's to fix, now, not a degraded tool set
         except ORSError as exc:
             logger.warning("%s: num_tasks failed (%s); binding shared tools only.", self.name, exc)
             return shared
+        if self._indices is not None:
+            out_of_range = sorted({i for i in self._indices if i >= total})
+            if out_of_range:
+                raise ConfigurationError(
+                    f"indices {out_of_range[:10]} are out of range for split {self._split!r}, which has {total} "
+                    f"tasks (0..{total - 1})."
+                )
         probes = [i for i in self._probe_indices() if 0 <= i < total]
         dropped = sorted(set(self._probe_indices()) - set(probes))
         if dropped:

@@ -92,16 +92,20 @@ def _host_port(url: str) -> str:
 
 def _validate_url(url: str, what: str) -> str:
     parts = urlsplit(url)
+    # Messages show the URL without any `user:password@` part, so a password never reaches an error or a log.
+    shown = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])) if "@" in parts.netloc else url
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigurationError(
-            f"{what} {url!r} is not a valid http(s) URL; expected something like 'http://127.0.0.1:8000'."
+            f"{what} {shown!r} is not a valid http(s) URL; expected something like 'http://127.0.0.1:8000'."
         )
+    if parts.username or parts.password:
+        raise ConfigurationError(f"{what} must not embed credentials; pass api_key= instead.")
     try:
         parts.port  # noqa: B018 - raises ValueError for a non-numeric port
     except ValueError:
-        raise ConfigurationError(f"{what} {url!r} has an invalid port.") from None
-    if parts.username or parts.password:
-        raise ConfigurationError(f"{what} must not embed credentials; pass api_key= instead.")
+        raise ConfigurationError(
+            f"{what} {shown!r} has an invalid port; expected something like 'http://127.0.0.1:8000'."
+        ) from None
     path = parts.path.rstrip("/")
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 

@@ -39,11 +39,11 @@ import aiohttp
 
 from ._exceptions import (
     APIStatusError,
-    ORSError,
     AuthenticationError,
     BadRequestError,
     EnvironmentNotFoundError,
     NotFoundError,
+    ORSError,
     ORSTimeoutError,
     PaymentRequiredError,
     ProtocolError,
@@ -365,10 +365,8 @@ class Transport:
             url = target
         else:
             raise TransportError(f"{method} {url.split('?', 1)[0]}: more than {_MAX_REDIRECTS} redirects")
-        try:
+        async with resp:  # release() and wait_for_close(), as aiohttp's own request context manager does
             yield resp
-        finally:
-            resp.release()
 
     # -- plain requests --------------------------------------------------------------------------
 

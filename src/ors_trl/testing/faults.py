@@ -1,0 +1,699 @@
+"""Fault injection for reliability tests: a loopback HTTP proxy whose faults a test programs.
+
+``FaultProxy`` sits between a client and a real ORS server (usually a ``ReferenceServer``) and
+forwards every request, streams included, unless a rule says otherwise::
+
+    with ReferenceServer(envs="echo") as server, FaultProxy(server.url) as proxy:
+        proxy.add(Status(503), path="/num_tasks", times=2)   # two 503s, then requests pass
+        client = Client(proxy.url, ...)
+        client.num_tasks()
+        proxy.count("/num_tasks")                             # 3 requests reached the proxy
+
+With ``upstream=None`` it is a purpose-built misbehaving ORS server: rules answer everything, and
+a request no rule matches gets a 404.
+
+It is written on raw asyncio streams rather than a web framework, so that a fault does exactly
+what a broken network or server does: reset the connection (``Reset``), cut a stream in the
+middle of a chunk (``DropStream``), accept a request and never answer (``Hang``, ``Silent``),
+send only SSE comments (``Pings``), send malformed or endless bodies (``Reply``, ``SSEReply``,
+``Flood``), redirect (``Redirect``) or echo the request's headers back (``EchoHeaders``).
+Every request is logged (method, path, headers, body, which fault answered it), so a test can
+count attempts and check what was sent. The proxy runs its own event loop in a daemon thread,
+works with the synchronous and the async client alike, binds to loopback only, and bounds every
+wait (``max_seconds``) so that a forgotten hang cannot outlive a test by long.
+
+``Blackhole`` is a listening socket that never accepts: connections open, nothing is ever read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from .server import LOOPBACK, _require_loopback
+
+__all__ = [
+    "Blackhole",
+    "Delay",
+    "DropStream",
+    "EchoHeaders",
+    "Fault",
+    "FaultProxy",
+    "Flood",
+    "Forward",
+    "Hang",
+    "Pings",
+    "Raw",
+    "Redirect",
+    "Reply",
+    "Reset",
+    "SSEReply",
+    "Seen",
+    "Silent",
+    "Stall",
+    "Status",
+]
+
+# Headers that describe one hop, not the message: never forwarded as received.
+_HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
+    "content-length", "host",
+})
+_REASONS = {
+    200: "OK", 307: "Temporary Redirect", 308: "Permanent Redirect", 400: "Bad Request", 401: "Unauthorized",
+    402: "Payment Required", 403: "Forbidden", 404: "Not Found", 410: "Gone", 422: "Unprocessable Entity",
+    429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable",
+    504: "Gateway Timeout",
+}
+_MAX_HEAD = 64 * 1024
+_MAX_BODY = 64 * 1024 * 1024
+
+
+@dataclass
+class Seen:
+    """One request as the proxy received it.
+
+    Attributes:
+        method, path: the request line (``path`` without the query string).
+        headers: the request headers, names lower-cased.
+        body: the request body.
+        fault: the name of the fault that answered it, or None when it was forwarded untouched.
+    """
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    fault: str | None = None
+    target: str = ""
+
+    def json(self) -> Any:
+        return json.loads(self.body) if self.body else None
+
+
+@dataclass
+class _Rule:
+    fault: Fault
+    path: str | None
+    method: str | None
+    times: int | None
+    when: Callable[[Seen], bool] | None
+    used: int = 0
+
+    def matches(self, seen: Seen) -> bool:
+        if self.times is not None and self.used >= self.times:
+            return False
+        if self.method is not None and seen.method != self.method.upper():
+            return False
+        if self.path is not None and not (seen.path == self.path or seen.path.endswith(self.path)):
+            return False
+        return self.when is None or bool(self.when(seen))
+
+
+class _Exchange:
+    """One request/response on a client connection, with the primitives faults are made of."""
+
+    def __init__(self, proxy: FaultProxy, seen: Seen, writer: asyncio.StreamWriter) -> None:
+        self.proxy = proxy
+        self.seen = seen
+        self.writer = writer
+        self.keep_alive = True
+        self._chunked = False
+
+    # -- writing -------------------------------------------------------------------------------
+
+    async def _write(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def reply(self, status: int, body: bytes = b"", headers: Sequence[tuple[str, str]] = (),
+                    content_type: str = "application/json") -> None:
+        """A complete response with a Content-Length (the connection stays usable)."""
+        head = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}", f"Content-Length: {len(body)}"]
+        names = {k.lower() for k, _ in headers}
+        if "content-type" not in names and content_type:
+            head.append(f"Content-Type: {content_type}")
+        head += [f"{k}: {v}" for k, v in headers]
+        await self._write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+
+    async def start_stream(self, status: int = 200, headers: Sequence[tuple[str, str]] = (),
+                           content_type: str | None = "text/event-stream") -> None:
+        """Response headers of a chunked body; follow with `chunk()` and `end()` (or a fault)."""
+        head = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}", "Transfer-Encoding: chunked"]
+        names = {k.lower() for k, _ in headers}
+        if content_type and "content-type" not in names:
+            head.append(f"Content-Type: {content_type}")
+        head += [f"{k}: {v}" for k, v in headers]
+        self._chunked = True
+        await self._write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
+
+    async def chunk(self, data: bytes) -> None:
+        if data:
+            await self._write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+
+    async def end(self) -> None:
+        await self._write(b"0\r\n\r\n")
+
+    async def close(self) -> None:
+        """Close the connection gracefully (FIN) after what was written; a chunked body stays incomplete."""
+        self.keep_alive = False
+        with contextlib.suppress(Exception):
+            await self.writer.drain()
+        self.writer.close()
+
+    def reset(self) -> None:
+        """Reset the connection (RST): anything not yet delivered is lost."""
+        self.keep_alive = False
+        sock = self.writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.writer.transport.abort()
+
+    async def wait(self, seconds: float) -> None:
+        """Sleep up to `seconds`, or less if the proxy is stopping."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.proxy._stopping.wait(), timeout=seconds)
+
+    # -- forwarding ----------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def upstream(self) -> Any:
+        """Send the request on to the upstream server; yields the aiohttp response."""
+        if self.proxy.upstream is None:
+            raise RuntimeError("this FaultProxy has no upstream")
+        headers = [(k, v) for k, v in self.seen.headers.items() if k not in _HOP_BY_HOP]
+        assert self.proxy._session is not None
+        async with self.proxy._session.request(
+            self.seen.method, self.proxy.upstream + self.seen.target, data=self.seen.body or None,
+            headers=headers, allow_redirects=False,
+        ) as resp:
+            yield resp
+
+    async def forward(self, *, cut_after: int | None = None, stall_after: int | None = None,
+                      stall_seconds: float = 0.0) -> None:
+        """Relay the upstream answer as a chunked stream. `cut_after`: close the connection once that
+        many body bytes were relayed (mid-chunk). `stall_after`: go silent for `stall_seconds` there."""
+        async with self.upstream() as resp:
+            headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in _HOP_BY_HOP]
+            await self.start_stream(resp.status, headers, content_type=None)
+            sent = 0
+            async for data in resp.content.iter_any():
+                if stall_after is not None and sent + len(data) > stall_after >= sent:
+                    head, data = data[: stall_after - sent], data[stall_after - sent:]
+                    await self.chunk(head)
+                    sent += len(head)
+                    await self.wait(stall_seconds)
+                if cut_after is not None and sent + len(data) >= cut_after:
+                    await self.chunk(data[: cut_after - sent])
+                    await self.close()
+                    return
+                await self.chunk(data)
+                sent += len(data)
+            await self.end()
+
+
+class Fault:
+    """A way of answering a request. Subclasses implement `handle`."""
+
+    name = "fault"
+
+    async def handle(self, ex: _Exchange) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class Forward(Fault):
+    """Pass the request on untouched (the default for unmatched requests when there is an upstream)."""
+
+    name = "forward"
+
+    async def handle(self, ex: _Exchange) -> None:
+        await ex.forward()
+
+
+@dataclass(repr=False)
+class Status(Fault):
+    """Answer with an HTTP status without reaching the server: `Status(503, headers={"Retry-After": "1"})`."""
+
+    status: int
+    detail: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    name = "status"
+
+    async def handle(self, ex: _Exchange) -> None:
+        detail = self.detail if self.detail is not None else f"injected {self.status}"
+        await ex.reply(self.status, json.dumps({"detail": detail}).encode(), list(self.headers.items()))
+
+
+@dataclass(repr=False)
+class Reply(Fault):
+    """Answer with exactly this body (bytes or str), e.g. invalid JSON."""
+
+    body: bytes | str
+    status: int = 200
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+    name = "reply"
+
+    async def handle(self, ex: _Exchange) -> None:
+        body = self.body.encode() if isinstance(self.body, str) else self.body
+        await ex.reply(self.status, body, list(self.headers.items()), content_type=self.content_type)
+
+
+class Reset(Fault):
+    """Read the request, then reset the connection without answering (the server never sees it)."""
+
+    name = "reset"
+
+    async def handle(self, ex: _Exchange) -> None:
+        ex.reset()
+
+
+@dataclass(repr=False)
+class Hang(Fault):
+    """Read the request and never answer (until `max_seconds` or the proxy stops)."""
+
+    max_seconds: float = 120.0
+    name = "hang"
+
+    async def handle(self, ex: _Exchange) -> None:
+        await ex.wait(self.max_seconds)
+        await ex.close()
+
+
+@dataclass(repr=False)
+class Delay(Fault):
+    """Wait `seconds`, then forward: a slow server."""
+
+    seconds: float
+    name = "delay"
+
+    async def handle(self, ex: _Exchange) -> None:
+        await ex.wait(self.seconds)
+        await ex.forward()
+
+
+@dataclass(repr=False)
+class DropStream(Fault):
+    """Forward the request, then cut the answer.
+
+    `after_bytes`: relay that many bytes of the server's body, then close the connection in the
+    middle of the chunked body. With `after_bytes=0` the client gets the status line and headers
+    and nothing else. `wait_first_bytes` (the default) holds the cut until the server has started
+    answering, i.e. until the tool has started, so "the tool ran" is deterministic.
+    `headers=False` cuts before even the status line (the connection just closes).
+    """
+
+    after_bytes: int = 0
+    headers: bool = True
+    name = "drop"
+
+    async def handle(self, ex: _Exchange) -> None:
+        if self.after_bytes > 0:
+            await ex.forward(cut_after=self.after_bytes)
+            return
+        async with ex.upstream() as resp:
+            with contextlib.suppress(asyncio.TimeoutError, aiohttp.ClientError):
+                await asyncio.wait_for(resp.content.readany(), timeout=30)  # the server started the call
+            if self.headers:
+                await ex.start_stream(resp.status)
+            await ex.close()
+
+
+@dataclass(repr=False)
+class Stall(Fault):
+    """Forward, but go silent for `seconds` after `after_bytes` bytes of the body (then carry on)."""
+
+    after_bytes: int
+    seconds: float
+    name = "stall"
+
+    async def handle(self, ex: _Exchange) -> None:
+        await ex.forward(stall_after=self.after_bytes, stall_seconds=self.seconds)
+
+
+@dataclass(repr=False)
+class Silent(Fault):
+    """Answer 200 with event-stream headers, then send nothing at all (not even comments)."""
+
+    max_seconds: float = 120.0
+    name = "silent"
+
+    async def handle(self, ex: _Exchange) -> None:
+        await ex.start_stream(200)
+        await ex.wait(self.max_seconds)
+        await ex.close()
+
+
+@dataclass(repr=False)
+class Pings(Fault):
+    """Answer 200 and send only `: ping` comments every `interval` seconds, forever (bounded by
+    `max_seconds`); with `task_id`, an `event: task_id` first."""
+
+    interval: float = 0.1
+    task_id: str | None = None
+    max_seconds: float = 120.0
+    name = "pings"
+
+    async def handle(self, ex: _Exchange) -> None:
+        await ex.start_stream(200)
+        if self.task_id is not None:
+            await ex.chunk(f"event: task_id\ndata: {self.task_id}\n\n".encode())
+        deadline = time.monotonic() + self.max_seconds
+        try:
+            while time.monotonic() < deadline and not ex.proxy._stopping.is_set():
+                await ex.chunk(f": ping - {time.time():.3f}\n\n".encode())
+                await ex.wait(self.interval)
+        except (ConnectionError, RuntimeError):
+            return  # the client went away
+        await ex.close()
+
+
+def _sse(event: str, data: str) -> bytes:
+    lines = data.split("\n")
+    return (f"event: {event}\n" + "".join(f"data: {line}\n" for line in lines) + "\n").encode()
+
+
+@dataclass(repr=False)
+class SSEReply(Fault):
+    """Answer with these SSE `(event, data)` pairs; `then` is "end" (a complete body), "close" (cut
+    the connection) or "hang" (stay open, silent)."""
+
+    events: list[tuple[str, str]]
+    then: str = "end"
+    status: int = 200
+    name = "sse"
+
+    async def handle(self, ex: _Exchange) -> None:
+        await ex.start_stream(self.status)
+        for event, data in self.events:
+            await ex.chunk(_sse(event, data))
+        if self.then == "end":
+            await ex.end()
+        elif self.then == "hang":
+            await ex.wait(120.0)
+            await ex.close()
+        else:
+            await ex.close()
+
+
+@dataclass(repr=False)
+class Flood(Fault):
+    """Answer 200 with an endless body: `sse=True` sends `data:` lines that never end an event,
+    else plain JSON-ish bytes. Stops at `limit` bytes or when the client goes away."""
+
+    sse: bool = False
+    limit: int = 512 * 1024 * 1024
+    chunk_size: int = 64 * 1024
+    name = "flood"
+
+    async def handle(self, ex: _Exchange) -> None:
+        if self.sse:
+            await ex.start_stream(200)
+            await ex.chunk(b"event: task_id\ndata: flood\n\n")
+            piece = b"event: chunk\ndata: " + b"x" * (self.chunk_size - 32) + b"\n\n"
+        else:
+            await ex.start_stream(200, content_type="application/json")
+            piece = b"[" + b"1," * (self.chunk_size // 2)
+        sent = 0
+        try:
+            while sent < self.limit and not ex.proxy._stopping.is_set():
+                await ex.chunk(piece)
+                sent += len(piece)
+        except (ConnectionError, RuntimeError):
+            return
+        await ex.close()
+
+
+@dataclass(repr=False)
+class Raw(Fault):
+    """Write exactly these bytes as the whole answer (broken HTTP, or not HTTP at all), then close."""
+
+    data: bytes
+    name = "raw"
+
+    async def handle(self, ex: _Exchange) -> None:
+        await ex._write(self.data)
+        await ex.close()
+
+
+@dataclass(repr=False)
+class Redirect(Fault):
+    """Answer a redirect to `location` (an absolute URL or a path)."""
+
+    location: str
+    status: int = 307
+    name = "redirect"
+
+    async def handle(self, ex: _Exchange) -> None:
+        await ex.reply(self.status, b"", [("Location", self.location)], content_type="")
+
+
+@dataclass(repr=False)
+class EchoHeaders(Fault):
+    """Answer `status` with every request header echoed in the error detail (a leaky gateway)."""
+
+    status: int = 400
+    name = "echo_headers"
+
+    async def handle(self, ex: _Exchange) -> None:
+        detail = "request headers: " + json.dumps(ex.seen.headers, sort_keys=True)
+        await ex.reply(self.status, json.dumps({"detail": detail}).encode())
+
+
+class FaultProxy:
+    """A loopback HTTP proxy (or, without upstream, a fake server) with programmable faults.
+
+    Args:
+        upstream: base URL requests are forwarded to (``http://127.0.0.1:PORT``), or None.
+        host: loopback address to bind.
+    """
+
+    def __init__(self, upstream: str | None = None, *, host: str = LOOPBACK) -> None:
+        _require_loopback(host)
+        self.upstream = upstream.rstrip("/") if upstream else None
+        self.host = host
+        self.port: int | None = None
+        self._rules: list[_Rule] = []
+        self._log: list[Seen] = []
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._stopping: asyncio.Event
+        self._conns: set[asyncio.Task[None]] = set()
+
+    # -- programming -------------------------------------------------------------------------------
+
+    def add(self, fault: Fault, *, path: str | None = None, method: str | None = None, times: int | None = 1,
+            when: Callable[[Seen], bool] | None = None) -> FaultProxy:
+        """Answer the next `times` matching requests (None: all of them) with `fault`.
+
+        `path` matches the whole request path or its end (``"/call"`` matches ``/echoenvironment/call``).
+        Rules are tried in the order they were added; the first that matches and has uses left wins.
+        """
+        with self._lock:
+            self._rules.append(_Rule(fault, path, method, times, when))
+        return self
+
+    def clear(self) -> None:
+        """Forget every rule and the request log."""
+        with self._lock:
+            self._rules.clear()
+            self._log.clear()
+
+    @property
+    def requests(self) -> list[Seen]:
+        """Every request received so far, in order."""
+        with self._lock:
+            return list(self._log)
+
+    def count(self, path: str | None = None, method: str | None = None, fault: str | bool | None = False) -> int:
+        """How many requests matched `path` (exact or suffix) and `method`; with `fault`, only those
+        that fault answered (None: only forwarded ones)."""
+        n = 0
+        for seen in self.requests:
+            if method is not None and seen.method != method.upper():
+                continue
+            if path is not None and not (seen.path == path or seen.path.endswith(path)):
+                continue
+            if fault is not False and seen.fault != fault:
+                continue
+            n += 1
+        return n
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("proxy not started")
+        return f"http://{self.host}:{self.port}"
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    def start(self) -> FaultProxy:
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        async def startup() -> None:
+            self._stopping = asyncio.Event()
+            self._session = aiohttp.ClientSession(
+                auto_decompress=False, trust_env=False,
+                timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=None),
+            )
+            self._server = await asyncio.start_server(self._serve, self.host, 0, limit=_MAX_HEAD)
+            self.port = self._server.sockets[0].getsockname()[1]
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(startup())
+            except BaseException as exc:  # pragma: no cover - reported to start()
+                failure.append(exc)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+
+        self._loop = loop
+        self._thread = threading.Thread(target=run, name="ors-fault-proxy", daemon=True)
+        self._thread.start()
+        if not ready.wait(10) or failure:
+            raise RuntimeError(f"fault proxy did not start: {failure[:1]}")
+        return self
+
+    def close(self) -> None:
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        self._loop = None
+
+        async def shutdown() -> None:
+            self._stopping.set()
+            if self._server is not None:
+                self._server.close()
+            for task in list(self._conns):
+                task.cancel()
+            await asyncio.gather(*self._conns, return_exceptions=True)
+            if self._session is not None:
+                await self._session.close()
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(15)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        if not thread.is_alive():
+            loop.close()
+
+    def __enter__(self) -> FaultProxy:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"FaultProxy(upstream={self.upstream!r}, port={self.port})"
+
+    # -- serving -------------------------------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        try:
+            while not self._stopping.is_set():
+                seen = await self._read_request(reader)
+                if seen is None:
+                    break
+                rule = self._pick(seen)
+                fault: Fault = rule.fault if rule is not None else Forward()
+                if rule is None and self.upstream is None:
+                    fault = Status(404, f"no fault rule for {seen.method} {seen.path}")
+                seen.fault = fault.name if rule is not None else None
+                with self._lock:
+                    self._log.append(seen)
+                ex = _Exchange(self, seen, writer)
+                try:
+                    await fault.handle(ex)
+                except aiohttp.ClientError as exc:  # upstream unreachable: answer like a gateway would
+                    if ex.keep_alive and not ex._chunked:
+                        await ex.reply(502, json.dumps({"detail": f"upstream: {exc}"}).encode())
+                    else:
+                        break
+                if not ex.keep_alive or writer.is_closing():
+                    break
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
+            pass
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._conns.discard(task)
+            if not writer.is_closing():
+                writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), 1)
+
+    def _pick(self, seen: Seen) -> _Rule | None:
+        with self._lock:
+            for rule in self._rules:
+                if rule.matches(seen):
+                    rule.used += 1
+                    return rule
+        return None
+
+    async def _read_request(self, reader: asyncio.StreamReader) -> Seen | None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return None
+        lines = head.decode("latin-1").split("\r\n")
+        method, target, _ = lines[0].split(" ", 2)
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            if ":" in line:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+        length = int(headers.get("content-length") or 0)
+        if length > _MAX_BODY:
+            raise ValueError("request body too large")
+        body = await reader.readexactly(length) if length else b""
+        return Seen(method=method.upper(), path=target.split("?", 1)[0], headers=headers, body=body, target=target)
+
+
+class Blackhole:
+    """A loopback port that accepts TCP connections (the kernel completes them) and never reads or answers."""
+
+    def __init__(self, host: str = LOOPBACK) -> None:
+        _require_loopback(host)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind((host, 0))
+        self._sock.listen(128)
+        self.host = host
+        self.port = int(self._sock.getsockname()[1])
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> Blackhole:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
