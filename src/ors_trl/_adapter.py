@@ -93,6 +93,7 @@ class EnvironmentRuntime:
         self.recorder = recorder
         self.bg = get_loop()
         self.prompt_cache: dict[str, str] = {}
+        self.cached_resets = 0  # resets answered from the prompt cache (their session opened in the background)
         self.prompt_mismatches = 0
         self._mismatch_warned: set[str] = set()
         self._adapters: weakref.WeakSet[OpenRewardEnvironment] = weakref.WeakSet()
@@ -120,22 +121,33 @@ class EnvironmentRuntime:
                 return
         trainer.add_callback(SessionCleanupCallback([self]))
 
-    def attach_to_calling_trainer(self) -> None:
-        """Find the trainer driving this reset (a few frames up: TRL calls reset from its own method)."""
+    def observe_caller(self, adapter: OpenRewardEnvironment) -> list[tuple[Any, Any]] | None:
+        """Look at the trainer loop calling `adapter.reset()` (a few frames up).
+
+        Attaches the session cleanup callback to that trainer, and, when `adapter` is the first
+        environment of the batch TRL is resetting (`trainer.environments` next to the batch's
+        `inputs`), returns the batch's (adapter, row) pairs so that all its sessions can be opened
+        together. Anything unexpected just returns None: the per-task prompt cache still applies.
+        """
         frame = sys._getframe(2)
         for _ in range(6):
             if frame is None:
-                return
+                return None
             candidate = frame.f_locals.get("self")
             if candidate is not None and hasattr(candidate, "add_callback") and hasattr(candidate, "callback_handler"):
-                if id(candidate) in self._attached:
-                    return
-                try:
-                    self.attach_to(candidate)
-                except Exception as exc:  # convenience only: exit-time cleanup still applies
-                    logger.debug("could not attach the session cleanup callback: %s", exc)
-                return
+                if id(candidate) not in self._attached:
+                    try:
+                        self.attach_to(candidate)
+                    except Exception as exc:  # convenience only: exit-time cleanup still applies
+                        logger.debug("could not attach the session cleanup callback: %s", exc)
+                envs = getattr(candidate, "environments", None)
+                inputs = frame.f_locals.get("inputs")
+                if (isinstance(envs, list) and isinstance(inputs, list) and len(envs) == len(inputs) > 1
+                        and envs[0] is adapter and all(isinstance(row, Mapping) for row in inputs)):
+                    return list(zip(envs, inputs, strict=True))
+                return None
             frame = frame.f_back
+        return None
 
     # -- task identity -------------------------------------------------------------------------
 
@@ -225,6 +237,23 @@ class EnvironmentRuntime:
         await self.client.aclose()
 
 
+def _preopen(batch: list[tuple[Any, Any]]) -> None:
+    """Start opening a session for every (adapter, row) of a batch at once (first reset of the batch).
+
+    TRL then resets the adapters one after another; each finds its session already on the way, so a
+    batch pays about one session-open latency instead of one per distinct task.
+    """
+    for adapter, row in batch:
+        if not isinstance(adapter, OpenRewardEnvironment) or adapter._preopened is not None:
+            continue
+        index, spec = row.get("task_index"), row.get("task_spec")
+        if spec is None and (isinstance(index, bool) or not isinstance(index, int)):
+            continue
+        rt = adapter._runtime
+        key = rt.task_key(index, spec)
+        adapter._preopened = (key, rt.bg.submit(rt.open(key, index, spec)))
+
+
 def _close_orphan(runtime: EnvironmentRuntime, holder: list[Any]) -> None:
     """Finalizer of a garbage-collected adapter: close the session it still held."""
     fut = holder[0]
@@ -257,6 +286,7 @@ class OpenRewardEnvironment:
 
     def __init__(self) -> None:
         self._pending: concurrent.futures.Future[tuple[AsyncSession, str]] | None = None
+        self._preopened: tuple[str, concurrent.futures.Future[tuple[AsyncSession, str]]] | None = None
         self._task_key: str | None = None
         self._episode_reported = True
         self._clear()
@@ -299,7 +329,9 @@ class OpenRewardEnvironment:
         the episode is then recorded as failed and the returned text says why.
         """
         rt = self._runtime
-        rt.attach_to_calling_trainer()
+        batch = rt.observe_caller(self)
+        if batch is not None:
+            _preopen(batch)
         self._release()
         self._clear()
         if task_spec is None and task_index is None:
@@ -313,10 +345,17 @@ class OpenRewardEnvironment:
         key = rt.task_key(task_index, task_spec)
         self._task_key = key
         self._episode_reported = False
-        self._pending = rt.bg.submit(rt.open(key, task_index, task_spec))
+        preopened, self._preopened = self._preopened, None
+        if preopened is not None and preopened[0] == key:
+            self._pending = preopened[1]  # opened with the rest of the batch at its first reset
+        else:
+            if preopened is not None:
+                rt.close_later(preopened[1])
+            self._pending = rt.bg.submit(rt.open(key, task_index, task_spec))
         self._holder[0] = self._pending
         cached = rt.prompt_cache.get(key) if rt.cache_prompts else None
         if cached is not None:
+            rt.cached_resets += 1
             self.prompt_text = cached
             return cached
         try:

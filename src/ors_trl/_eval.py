@@ -43,6 +43,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ._binding import DEFAULT_RESERVED, BindingResult, bind_tools
 from ._exceptions import ConfigurationError, ORSError, ToolError
+from ._spec import check_in_range, check_selection
 from ._types import ToolSpec, blocks_text
 
 __all__ = [
@@ -1035,30 +1036,10 @@ class _Evaluation:
 
 def _select(total: int, split: str, num_tasks: int | None, indices: Sequence[int] | None) -> list[int]:
     if indices is not None:
-        out_of_range = sorted({i for i in indices if i >= total})
-        if out_of_range:
-            raise ConfigurationError(
-                f"task indices {out_of_range[:10]} are out of range for split {split!r}, which has {total} tasks "
-                f"(0..{total - 1})."
-            )
+        check_in_range(indices, total, split)
         return list(dict.fromkeys(indices))
     n = total if num_tasks is None else min(num_tasks, total)
     return list(range(n))
-
-
-def _check_selection(num_tasks: int | None, indices: Sequence[int] | None) -> list[int] | None:
-    if num_tasks is not None and indices is not None:
-        raise ConfigurationError("pass num_tasks or indices, not both")
-    if num_tasks is not None and (isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1):
-        raise ConfigurationError(f"num_tasks must be a positive int, got {num_tasks!r}")
-    if indices is not None:
-        indices = list(indices)
-        if not indices:
-            raise ConfigurationError("indices is empty")
-        bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or i < 0]
-        if bad:
-            raise ConfigurationError(f"task indices must be non-negative ints; got {bad[:5]}")
-    return indices
 
 
 def evaluate(
@@ -1108,7 +1089,7 @@ def evaluate(
         from ._spec import OpenRewardSpec
 
         spec = OpenRewardSpec(spec)
-    indices = _check_selection(num_tasks, indices)
+    indices = check_selection(num_tasks, indices)
     if num_tasks is None and indices is None:
         indices = getattr(spec, "_indices", None)
         num_tasks = getattr(spec, "_num_tasks", None)

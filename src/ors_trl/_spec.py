@@ -80,6 +80,33 @@ def outcome_reward(environments: Sequence[Any] | None = None, **kwargs: Any) -> 
     return out
 
 
+def check_selection(num_tasks: int | None, indices: Sequence[int] | None) -> list[int] | None:
+    """Validate a `num_tasks` / `indices` choice (mutually exclusive); return `indices` as a list."""
+    if num_tasks is not None and indices is not None:
+        raise ConfigurationError("Provide num_tasks or indices, not both.")
+    if num_tasks is not None and (isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1):
+        raise ConfigurationError(f"num_tasks must be a positive int, got {num_tasks!r}")
+    if indices is None:
+        return None
+    indices = list(indices)
+    if not indices:
+        raise ConfigurationError("indices is empty; pass at least one task index or leave it None.")
+    bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+    if bad:
+        raise ConfigurationError(f"indices must be non-negative ints; got {bad[:5]}")
+    return indices
+
+
+def check_in_range(indices: Sequence[int], total: int, split: str) -> None:
+    """Raise a `ConfigurationError` naming the valid range if any index is past the split's end."""
+    out_of_range = sorted({i for i in indices if i >= total})
+    if out_of_range:
+        raise ConfigurationError(
+            f"indices {out_of_range[:10]} are out of range for split {split!r}, which has {total} tasks "
+            f"(0..{total - 1})."
+        )
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^0-9A-Za-z]+", "_", text).strip("_")[:48] or "env"
 
@@ -178,17 +205,7 @@ class OpenRewardSpec:
         max_concurrent_tool_calls: int = 64,
         episode_timeout: float | None = None,
     ) -> None:
-        if num_tasks is not None and indices is not None:
-            raise ConfigurationError("Provide num_tasks or indices, not both.")
-        if num_tasks is not None and (isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1):
-            raise ConfigurationError(f"num_tasks must be a positive int, got {num_tasks!r}")
-        if indices is not None:
-            indices = list(indices)
-            if not indices:
-                raise ConfigurationError("indices is empty; pass at least one task index or leave it None.")
-            bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or i < 0]
-            if bad:
-                raise ConfigurationError(f"indices must be non-negative ints; got {bad[:5]}")
+        indices = check_selection(num_tasks, indices)
         if not isinstance(split, str) or not split:
             raise ConfigurationError("split must be a non-empty string")
         if max_output_chars is not None and max_output_chars < 1:
@@ -306,12 +323,7 @@ class OpenRewardSpec:
         client, split = self._client, self._split
         total = await client.num_tasks(split)
         if self._indices is not None:
-            out_of_range = sorted({i for i in self._indices if i >= total})
-            if out_of_range:
-                raise ConfigurationError(
-                    f"indices {out_of_range[:10]} are out of range for split {split!r}, which has {total} tasks "
-                    f"(0..{total - 1})."
-                )
+            check_in_range(self._indices, total, split)
             wanted = sorted(set(self._indices))
             by_index = await self._fetch_indices(wanted)
             return list(self._indices), [by_index[i] for i in self._indices]
@@ -379,12 +391,7 @@ class OpenRewardSpec:
             logger.warning("%s: num_tasks failed (%s); binding shared tools only.", self.name, exc)
             return shared
         if self._indices is not None:
-            out_of_range = sorted({i for i in self._indices if i >= total})
-            if out_of_range:
-                raise ConfigurationError(
-                    f"indices {out_of_range[:10]} are out of range for split {self._split!r}, which has {total} "
-                    f"tasks (0..{total - 1})."
-                )
+            check_in_range(self._indices, total, self._split)
         probes = [i for i in self._probe_indices() if 0 <= i < total]
         dropped = sorted(set(self._probe_indices()) - set(probes))
         if dropped:

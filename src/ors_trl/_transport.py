@@ -544,6 +544,7 @@ class Transport:
                             if size > self.max_response_bytes:
                                 raise ProtocolError(f"tool {tool!r}: result larger than {self.max_response_bytes} bytes")
                             if event == "end":
+                                await _drain(resp)
                                 return "".join(chunks), task_id
                         elif event == "error":
                             if resumes and data.strip() == "unknown task_id":
@@ -582,6 +583,20 @@ def _describe(exc: BaseException) -> str:
         return "timed out"
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}"[:300]
+
+
+async def _drain(resp: aiohttp.ClientResponse, seconds: float = 1.0) -> None:
+    """Read a stream to its end (bounded), so that its connection goes back to the keep-alive pool.
+
+    A response left before its last chunk is closed by aiohttp instead of reused, which would cost the
+    next request a new TCP connection.
+    """
+    try:
+        async with asyncio.timeout(seconds):
+            while await resp.content.readany():
+                pass
+    except (TimeoutError, aiohttp.ClientError):
+        pass
 
 
 async def _read_capped(resp: aiohttp.ClientResponse, limit: int, path: str) -> bytes:

@@ -562,15 +562,14 @@ def test_slow_environment_delays_and_parallel_sessions(make_server: Any) -> None
         async with aiohttp.ClientSession() as http_session:
             return await asyncio.gather(*(episode(http_session, i) for i in range(n)))
 
-    started = time.monotonic()
     results = asyncio.run(run_all())
-    wall = time.monotonic() - started
     for setup_wait, call_time, result in results:
         assert setup_wait >= setup_delay * 0.8
         assert call_time >= latency * 0.9
         assert result["output"]["reward"] == 1.0 and result["output"]["finished"] is True
-    assert wall < n * latency * 0.6, f"sessions did not run in parallel: {wall:.2f} s"
     stats = server.stats()
+    assert stats["peak_in_flight"][f"{env}/work"] == n, "sessions did not run their tool calls in parallel"
+    assert stats["peak_in_flight"][f"{env}/setup"] == n and stats["in_flight"][f"{env}/setup"] == 0
     assert stats["tool_calls"] == {f"{env}/work": n}
     assert (stats["setups"], stats["teardowns"], stats["open_sessions"]) == (n, n, 0)
 

@@ -52,6 +52,7 @@ __all__ = [
     "ENVIRONMENTS",
     "SETUP_DELAY_ENV",
     "SSE_CHUNK_SIZE",
+    "STEPS_ENV",
     "TOOL_LATENCY_ENV",
     "Color",
     "EchoEnvironment",
@@ -78,11 +79,34 @@ _lock = threading.Lock()
 _tool_calls: Counter[str] = Counter()
 _setups: Counter[str] = Counter()
 _teardowns: Counter[str] = Counter()
+# Work in progress, the most ever in progress at once, and finished runs, per "env/what" (SlowEnvironment):
+# lets tests prove that sessions were set up, or tool calls ran, concurrently, without timing anything.
+_in_flight: Counter[str] = Counter()
+_peak: Counter[str] = Counter()
+_done: Counter[str] = Counter()
 
 
 def _bump(counter: Counter[str], key: str) -> None:
     with _lock:
         counter[key] += 1
+
+
+class _tracked:
+    """Context manager counting one piece of work in progress under ``key``."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __enter__(self) -> None:
+        with _lock:
+            _in_flight[self.key] += 1
+            _peak[self.key] = max(_peak[self.key], _in_flight[self.key])
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        with _lock:
+            _in_flight[self.key] -= 1
+            if exc_type is None:
+                _done[self.key] += 1
 
 
 def counters() -> dict[str, Any]:
@@ -94,12 +118,17 @@ def counters() -> dict[str, Any]:
             "teardowns": sum(_teardowns.values()),
             "setups_by_env": dict(_setups),
             "teardowns_by_env": dict(_teardowns),
+            "in_flight": dict(_in_flight),
+            "peak_in_flight": dict(_peak),
+            "done": dict(_done),
         }
 
 
 def reset_counters() -> None:
     """Zero every counter (for in-process use; the launcher never calls it)."""
     with _lock:
+        for counter in (_in_flight, _peak, _done):
+            counter.clear()
         _tool_calls.clear()
         _setups.clear()
         _teardowns.clear()
@@ -630,6 +659,8 @@ class SparseEnvironment(_FixtureEnvironment):
 SETUP_DELAY_ENV = "ORS_TEST_SETUP_DELAY"
 #: Seconds each ``SlowEnvironment.work`` call sleeps, read when this module is imported.
 TOOL_LATENCY_ENV = "ORS_TEST_TOOL_LATENCY"
+#: Steps per ``SlowEnvironment`` task (``work`` finishes on step ``steps - 1``), read at import; default 3.
+STEPS_ENV = "ORS_TEST_STEPS"
 
 
 def _env_seconds(name: str) -> float:
@@ -656,16 +687,18 @@ class SlowEnvironment(_FixtureEnvironment):
 
     setup_delay: float = _env_seconds(SETUP_DELAY_ENV)
     tool_latency: float = _env_seconds(TOOL_LATENCY_ENV)
+    steps: int = max(1, int(os.environ.get(STEPS_ENV, "").strip() or 3))
 
     @classmethod
     def list_tasks(cls, split: str) -> list[JSONObject]:
         count = 256 if split == "train" else 64
-        return [{"id": f"slow-{split}-{i}", "steps": 3} for i in range(count)]
+        return [{"id": f"slow-{split}-{i}", "steps": cls.steps} for i in range(count)]
 
     async def setup(self) -> None:
         await super().setup()
-        if self.setup_delay > 0:
-            await asyncio.sleep(self.setup_delay)
+        with _tracked(f"{self.key()}/setup"):
+            if self.setup_delay > 0:
+                await asyncio.sleep(self.setup_delay)
 
     async def get_prompt(self) -> list[TextBlock]:
         steps = int(self.task_spec["steps"])
@@ -675,8 +708,9 @@ class SlowEnvironment(_FixtureEnvironment):
     async def work(self, params: WorkInput) -> ToolOutput:
         """Do one step of work (takes the configured tool latency)."""
         self._count("work")
-        if self.tool_latency > 0:
-            await asyncio.sleep(self.tool_latency)
+        with _tracked(f"{self.key()}/work"):
+            if self.tool_latency > 0:
+                await asyncio.sleep(self.tool_latency)
         last = params.step >= int(self.task_spec["steps"]) - 1
         return ToolOutput(
             blocks=[_text(f"step {params.step} done")],
@@ -689,7 +723,8 @@ class SlowEnvironment(_FixtureEnvironment):
     async def sleep(self, params: SleepInput) -> ToolOutput:
         """Sleep for the given number of seconds, then return."""
         self._count("sleep")
-        await asyncio.sleep(params.seconds)
+        with _tracked(f"{self.key()}/sleep"):
+            await asyncio.sleep(params.seconds)
         return ToolOutput(blocks=[_text(f"slept {params.seconds:g}s")], reward=None)
 
 
