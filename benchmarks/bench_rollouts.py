@@ -550,9 +550,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
                     f"(target >= {TARGET_RESETS:g}x: {_verdict(ratios['resets_trl_over_env_warm'], TARGET_RESETS)})"
                 )
             print(
-                f"    cold: the first reset of each of the {r // g} tasks waits for its session, the other {g - 1} "
-                f"return the cached prompt, so the ratio is at most num_generations = {g}; warm: step 2 repeats "
-                "the tasks (a later epoch), every prompt is cached"
+                f"    cold: the batch's first reset starts opening all {r} sessions at once; each of the {r // g} "
+                f"tasks' first resets waits for its own (already running) open, the other {g - 1} return the cached "
+                "prompt; warm: step 2 repeats the tasks (a later epoch), every prompt is cached"
             )
         if "engine" in results:
             eng_steps = results["engine"]["steps"]

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from ors_trl.demo import _task as _demo_task
 from ors_trl.testing import ReferenceServer, ServerStartError, free_port
 from ors_trl.testing.environments import SSE_CHUNK_SIZE, long_text, png_bytes
 
@@ -38,6 +39,7 @@ ALL_KEYS = [
     "slowenvironment",
     "mixedenvironment",
     "hostileenvironment",
+    "demoenvironment",
 ]
 # key -> (shared tool names, train size, test size)
 CATALOG = {
@@ -50,6 +52,7 @@ CATALOG = {
     "slowenvironment": ({"work", "sleep"}, 256, 64),
     "mixedenvironment": ({"answer", "submit"}, 6, 3),
     "hostileenvironment": ({"reset", "get_reward", "_private", "keywords", "tree", "deep", "run-shell", "class"}, 2, 2),
+    "demoenvironment": ({"echo"}, len(_demo_task.train_tasks()), len(_demo_task.heldout_tasks())),
 }
 
 

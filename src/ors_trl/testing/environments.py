@@ -14,6 +14,7 @@ deterministic, so a test can compute what the server must answer.
 ``slow``                   ``SlowEnvironment``: configurable setup delay and tool latency, 256 tasks.
 ``mixed``                  ``MixedEnvironment``: task fields of mixed types/shapes and reserved names.
 ``hostile``                ``HostileEnvironment``: tool/parameter names and descriptions that break binders.
+``demo``                   ``DemoEnvironment``: the task ``ors-trl demo`` trains on (``ors_trl.demo._task``).
 =========================  ==========================================================================
 
 The module also keeps process-global counters (tool invocations per ``env/tool``, setups and
@@ -55,6 +56,7 @@ __all__ = [
     "STEPS_ENV",
     "TOOL_LATENCY_ENV",
     "Color",
+    "DemoEnvironment",
     "EchoEnvironment",
     "HostileEnvironment",
     "ImageEnvironment",
@@ -908,6 +910,43 @@ setattr(HostileEnvironment, "class", tool(_class_tool))
 
 
 # --------------------------------------------------------------------------------------------------
+# 10. The demo environment
+# --------------------------------------------------------------------------------------------------
+
+
+class DemoEchoInput(BaseModel):
+    text: str = Field(description="The word to echo.")
+
+
+class DemoEnvironment(_FixtureEnvironment):
+    """The environment `ors-trl demo` trains against: the task logic of `ors_trl.demo._task`, served over ORS.
+
+    Splits: ``train`` (the training tasks) and ``test`` (held-out phrasings). One tool, ``echo(text)``,
+    scored by ``_task.score``: reward 1.0 and finished on the rewarded word, 0.0 otherwise.
+    """
+
+    @classmethod
+    def list_tasks(cls, split: str) -> list[JSONObject]:
+        from ors_trl.demo import _task
+
+        return _task.train_tasks() if split == "train" else _task.heldout_tasks()
+
+    async def get_prompt(self) -> list[TextBlock]:
+        from ors_trl.demo import _task
+
+        return [_text(_task.prompt(dict(self.task_spec)))]
+
+    @tool
+    async def echo(self, params: DemoEchoInput) -> ToolOutput:
+        """Echo a word back to the environment."""
+        from ors_trl.demo import _task
+
+        self._count("echo")
+        reward, finished, reply = _task.score(dict(self.task_spec), {"text": params.text})
+        return ToolOutput(blocks=[_text(reply)], reward=reward, finished=finished)
+
+
+# --------------------------------------------------------------------------------------------------
 # Registry
 # --------------------------------------------------------------------------------------------------
 
@@ -922,6 +961,7 @@ ENVIRONMENTS: dict[str, type[Environment]] = {
     "slow": SlowEnvironment,
     "mixed": MixedEnvironment,
     "hostile": HostileEnvironment,
+    "demo": DemoEnvironment,
 }
 
 
