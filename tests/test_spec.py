@@ -303,3 +303,19 @@ def test_url_mode_sends_no_key_secret(ref_server, monkeypatch) -> None:
     headers = spec.client._transport.headers(ref_server.url)
     assert "X-API-Key" not in headers
     spec.close()
+
+
+def test_unscored_reward_option(ref_server) -> None:
+    from trl.trainer.utils import get_callable_name
+
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=2, unscored_reward=0.0)
+    fn = pickle.loads(pickle.dumps(spec.reward_funcs))
+    assert get_callable_name(fn) == "outcome_reward"  # TRL logs it under the same name
+    envs = [spec.environment_factory() for _ in range(2)]
+    for env in envs:
+        env.reset(**spec.train_dataset[0])
+    envs[0].echo(text=spec.train_dataset[0]["target"])
+    assert fn(envs) == [1.0, 0.0]  # the rollout that never called a tool counts as 0.0, on request
+    assert fn(ors_reward=[None, 0.5, float("nan")]) == [0.0, 0.5, 0.0]  # the engine's column, too
+    assert OpenRewardSpec(ref_server.url, num_tasks=1).reward_funcs(ors_reward=[None]) == [None]  # default
+    spec.close()

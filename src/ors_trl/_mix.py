@@ -26,7 +26,7 @@ from ._engine import TASK_KEY, RolloutEngine
 from ._exceptions import ConfigurationError
 from ._loop import get_loop
 from ._metrics import EnvMetrics
-from ._spec import RESERVED_COLUMNS, OpenRewardSpec, outcome_reward, task_columns
+from ._spec import RESERVED_COLUMNS, OpenRewardSpec, reward_function, task_columns
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -74,11 +74,12 @@ class OpenRewardMix:
             deterministically for `seed`). None keeps every spec's tasks once.
         seed: seed for that sampling.
         episode_log: a JSON-lines file receiving every finished episode of every environment.
+        unscored_reward: as on `OpenRewardSpec`: the reward of rollouts never scored (None: unscored).
     """
 
     def __init__(self, specs: Sequence[OpenRewardSpec] | Mapping[str, OpenRewardSpec], *,
                  weights: Sequence[float] | Mapping[str, float] | None = None, seed: int = 0,
-                 episode_log: str | None = None) -> None:
+                 episode_log: str | None = None, unscored_reward: float | None = None) -> None:
         if isinstance(specs, Mapping):
             named = [(str(k), v) for k, v in specs.items()]
         else:
@@ -103,6 +104,7 @@ class OpenRewardMix:
             raise ConfigurationError("environment names in a mix must be unique")
         self.weights = self._weights(weights)
         self.seed = seed
+        self.unscored_reward = None if unscored_reward is None else float(unscored_reward)
         self.metrics = EnvMetrics()
         recorder = None
         if episode_log is not None:
@@ -185,7 +187,7 @@ class OpenRewardMix:
     @property
     def reward_funcs(self) -> Callable[..., list[float | None]]:
         """Each rollout's own environment's outcome reward (picklable)."""
-        return outcome_reward
+        return reward_function(self.unscored_reward)
 
     @cached_property
     def rollout_func(self) -> RolloutEngine:

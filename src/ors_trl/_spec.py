@@ -17,6 +17,7 @@ keyword-only with a default that keeps the documented behaviour.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import re
@@ -49,13 +50,18 @@ _FETCH_CONCURRENCY = 8
 _PROBE_CONCURRENCY = 16
 
 
-def outcome_reward(environments: Sequence[Any] | None = None, **kwargs: Any) -> list[float | None]:
+def outcome_reward(environments: Sequence[Any] | None = None, *, unscored_reward: float | None = None,
+                   **kwargs: Any) -> list[float | None]:
     """The outcome reward: each rollout's last non-None reward, None when nothing was scored.
 
     0.0 and negative rewards are real scores; a later unscored or failed call does not erase an
     earlier score. With the rollout engine (no `environments`), the rewards arrive in the
     `ors_reward` column the engine returns. Also hands the environment metrics of the batch to the
     trainer's `log_metric`, so they appear in the training logs.
+
+    `unscored_reward` (opt-in, via `OpenRewardSpec(unscored_reward=...)`) replaces None for rollouts
+    the environment never scored, e.g. 0.0 so that not calling a tool at all is not an escape from
+    negative advantages; the environment metrics still count those rollouts as ungraded.
     """
     log_metric = kwargs.get("log_metric")
     if environments is None:
@@ -65,7 +71,8 @@ def outcome_reward(environments: Sequence[Any] | None = None, **kwargs: Any) -> 
                 "outcome_reward needs `environments` (environment_factory) or the `ors_reward` column "
                 "(spec.rollout_func); pass one of them to GRPOTrainer."
             )
-        return [None if r is None or (isinstance(r, float) and r != r) else float(r) for r in rewards]
+        scored = [None if r is None or (isinstance(r, float) and r != r) else float(r) for r in rewards]
+        return [unscored_reward if r is None else r for r in scored]
     out: list[float | None] = []
     metrics: dict[int, EnvMetrics] = {}
     for env in environments:
@@ -77,7 +84,7 @@ def outcome_reward(environments: Sequence[Any] | None = None, **kwargs: Any) -> 
         for m in metrics.values():
             for name, value in m.flush().items():
                 log_metric(name, value)
-    return out
+    return [unscored_reward if r is None else r for r in out]
 
 
 def check_selection(num_tasks: int | None, indices: Sequence[int] | None) -> list[int] | None:
@@ -105,6 +112,13 @@ def check_in_range(indices: Sequence[int], total: int, split: str) -> None:
             f"indices {out_of_range[:10]} are out of range for split {split!r}, which has {total} tasks "
             f"(0..{total - 1})."
         )
+
+
+def reward_function(unscored_reward: float | None) -> Callable[..., list[float | None]]:
+    """`outcome_reward` itself, or bound to an `unscored_reward` (a picklable partial TRL names the same)."""
+    if unscored_reward is None:
+        return outcome_reward
+    return functools.partial(outcome_reward, unscored_reward=unscored_reward)
 
 
 def _slug(text: str) -> str:
@@ -177,6 +191,9 @@ class OpenRewardSpec:
         episode_log: path of a JSON-lines file receiving every finished episode (off by default).
         async_tools: bind tools as coroutine methods (TRL gathers a rollout's parallel calls).
         max_concurrent_tool_calls: with `rollout_func`, tool calls in flight at once across a batch.
+        unscored_reward: what `reward_funcs` gives a rollout the environment never scored. None (the
+            default, TRL's convention) leaves it out of the advantage baseline; a number (e.g. 0.0)
+            counts it as that score.
         episode_timeout: with `rollout_func`, wall-clock seconds an episode may take before it is
             closed and scored None.
     """
@@ -204,6 +221,7 @@ class OpenRewardSpec:
         async_tools: bool = False,
         max_concurrent_tool_calls: int = 64,
         episode_timeout: float | None = None,
+        unscored_reward: float | None = None,
     ) -> None:
         indices = check_selection(num_tasks, indices)
         if not isinstance(split, str) or not split:
@@ -218,6 +236,7 @@ class OpenRewardSpec:
         self._task_tools_discovery_index = task_tools_discovery_index
         self._async_tools = async_tools
         self._max_concurrent_tool_calls = max_concurrent_tool_calls
+        self._unscored_reward = None if unscored_reward is None else float(unscored_reward)
         self._episode_timeout = episode_timeout
         self._client = AsyncClient(
             target,
@@ -478,8 +497,8 @@ class OpenRewardSpec:
 
     @property
     def reward_funcs(self) -> Callable[..., list[float | None]]:
-        """The outcome reward function (module-level, picklable): last non-None reward per rollout."""
-        return outcome_reward
+        """The outcome reward function (picklable): last non-None reward per rollout."""
+        return reward_function(self._unscored_reward)
 
     @cached_property
     def callbacks(self) -> list[Any]:
