@@ -9,6 +9,9 @@ import pytest
 
 # The openreward SDK otherwise starts a version-check thread that tries the network.
 os.environ["OPENREWARD_DISABLE_UPDATE_CHECK"] = "1"
+# One torch thread: the reference servers run beside the tests, and oversubscribed cores make torch crawl.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from ors_trl.testing.server import ReferenceServer
 

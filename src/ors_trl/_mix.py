@@ -175,7 +175,7 @@ class OpenRewardMix:
         columns, notes = task_columns(tasks, RESERVED_COLUMNS | {ENVIRONMENT_COLUMN})
         self.dataset_notes = notes
         for note in notes:
-            logger.warning("mix: %s", note)
+            (logger.info if "is reserved" in note else logger.warning)("mix: %s", note)
         rows.update(columns)
         return Dataset.from_dict(rows)
 

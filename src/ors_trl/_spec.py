@@ -323,7 +323,9 @@ class OpenRewardSpec:
             columns, notes = task_columns(tasks)
             self.dataset_notes = notes
             for note in notes:
-                logger.warning("%s: %s", self.name, note)
+                # Reserved names are routine (tasks often carry their own "prompt"); changed values are worth a warning.
+                log = logger.info if "is reserved" in note else logger.warning
+                log("%s: %s", self.name, note)
             rows.update(columns)
         try:
             return Dataset.from_dict(rows)
