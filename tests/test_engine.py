@@ -251,3 +251,43 @@ def test_trl_loop_resets_open_the_whole_batch_at_once(tiny_model_dir, make_serve
     assert stats["setups"] == 8 + 1  # every rollout got its own session (+1 tool discovery probe)
     spec.close()
     assert server.stats()["open_sessions"] == 0
+
+
+def test_engine_with_a_mix_routes_and_scores_each_environment(tiny_model_dir, ref_server, tmp_path):
+    from ors_trl import OpenRewardMix
+
+    mix = OpenRewardMix({
+        "echo": OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=2),
+        "math": OpenRewardSpec(ref_server.url, env_name="sparseenvironment", num_tasks=2),
+    })
+    trainer = make_trainer(tiny_model_dir, mix, "engine", tmp_path, per_device_train_batch_size=8,
+                           max_completion_length=128)
+    tok = trainer._tokenizer
+
+    def generate(prompt_ids, images, mm, num_generations, has_tool_images=False):
+        out = []
+        for ids in prompt_ids:
+            text = tok.decode(ids)
+            if "<tool_response>" in text:
+                body = "Done.<|im_end|>"
+            elif (echo := _TARGET.findall(text)):
+                body = f'<tool_call>\n{{"name": "echo", "arguments": {{"text": "{echo[0]}"}}}}\n</tool_call><|im_end|>'
+            else:
+                a, b = map(int, re.findall(r"What is (\d+) \+ (\d+)\?", text)[0])
+                body = f'<tool_call>\n{{"name": "submit", "arguments": {{"answer": {a + b}}}}}\n</tool_call><|im_end|>'
+            out.append(tok.encode(body, add_special_tokens=False))
+        return out, None
+
+    trainer._generate_single_turn = generate
+    before = ref_server.stats()["tool_calls"]
+    rows = [copy.deepcopy(r) for r in mix.train_dataset for _ in range(2)]
+    result = run_batch(trainer, rows)
+    assert result["rewards"] == [1.0] * 8
+    after = ref_server.stats()["tool_calls"]
+    assert after["echoenvironment/echo"] - before.get("echoenvironment/echo", 0) == 4
+    assert after["sparseenvironment/submit"] - before.get("sparseenvironment/submit", 0) == 4
+    # each environment's rows were rendered with its own tools only
+    for row, prompt_ids in zip(rows, result["prompts"], strict=True):
+        text = tok.decode(prompt_ids)
+        assert ('"calculator"' in text) == (row["environment"] == "math")
+    mix.close()

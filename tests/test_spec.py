@@ -319,3 +319,42 @@ def test_unscored_reward_option(ref_server) -> None:
     assert fn(ors_reward=[None, 0.5, float("nan")]) == [0.0, 0.5, 0.0]  # the engine's column, too
     assert OpenRewardSpec(ref_server.url, num_tasks=1).reward_funcs(ors_reward=[None]) == [None]  # default
     spec.close()
+
+
+def test_grpo_trainer_collects_and_renders_the_environments_schemas(ref_server, tiny_model_dir, tmp_path) -> None:
+    """Builds a real GRPOTrainer from the three properties and checks the tools TRL collects and renders."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import get_json_schema
+    from trl import GRPOConfig, GRPOTrainer
+
+    from test_schema import _resolve, canon_env, canon_gjs, collect_facts
+
+    spec = OpenRewardSpec(ref_server.url, env_name="schemaenvironment", num_tasks=4)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        processing_class=tokenizer,
+        args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+                        report_to="none", use_cpu=True, max_steps=1),
+        train_dataset=spec.train_dataset,
+        environment_factory=spec.environment_factory,
+        reward_funcs=spec.reward_funcs,
+    )
+    tools = {t.__name__: t for t in trainer._env_tools[None]}
+    served = {t.name: t.input_schema for t in spec.tool_specs}
+    assert set(tools) == set(served) == {"place_order", "plot", "set_mode", "status"}
+    for name, method in tools.items():
+        rendered = get_json_schema(method)["function"]["parameters"]
+        schema = served[name] or {}
+        root, _ = _resolve(schema, schema)
+        properties = root.get("properties") or {}
+        assert set(rendered["properties"]) == set(properties), name
+        assert set(rendered.get("required", [])) == set(root.get("required", [])), name
+        for prop, got in rendered["properties"].items():
+            assert canon_gjs(got) == canon_env(properties[prop], schema), (name, prop)
+            for fact in collect_facts(properties[prop], schema):
+                assert fact in got["description"], (name, prop, fact)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=trainer._env_tools[None],
+                                         tokenize=False)
+    assert '"place_order"' in text and "Point object fields" in text and '"prefixItems"' in text
+    spec.close()
