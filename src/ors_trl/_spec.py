@@ -32,7 +32,7 @@ from ._engine import TASK_KEY, EngineEnvironment, RolloutEngine
 from ._exceptions import BadRequestError, ConfigurationError, NotFoundError, ORSError
 from ._loop import get_loop
 from ._metrics import EnvMetrics
-from ._target import SecretValue, platform_key_secret
+from ._target import SecretValue, platform_key_secret, resolve_target
 from ._transport import RetryPolicy, Timeouts
 from ._types import ToolSpec
 
@@ -238,21 +238,20 @@ class OpenRewardSpec:
         self._max_concurrent_tool_calls = max_concurrent_tool_calls
         self._unscored_reward = None if unscored_reward is None else float(unscored_reward)
         self._episode_timeout = episode_timeout
+        # In catalog mode the key also goes to the environment as its conventional `api_key` secret,
+        # unless the caller chose the secrets.
+        resolved = resolve_target(target, api_key=api_key)
+        effective = dict(secrets) if secrets is not None else platform_key_secret(resolved)
         self._client = AsyncClient(
             target,
             env_name=env_name,
             api_key=api_key,
-            secrets=None,  # set below, once the target kind is known
+            secrets=effective or None,
             timeouts=timeouts,
             retry=retry,
             keepalive_interval=keepalive_interval,
             max_sessions=max_sessions,
         )
-        effective = dict(secrets) if secrets is not None else platform_key_secret(self._client.target)
-        if effective:
-            from ._target import encode_secrets
-
-            self._client._secret_headers = {"X-Secrets": encode_secrets(effective)}
         self.metrics = EnvMetrics()
         recorder = None
         if episode_log is not None:
