@@ -27,7 +27,6 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks examples
-	$(PY) -m ruff format --check src tests benchmarks examples
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py $(ARGS)
