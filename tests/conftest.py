@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import pytest
@@ -12,6 +13,10 @@ os.environ["OPENREWARD_DISABLE_UPDATE_CHECK"] = "1"
 # One torch thread: the reference servers run beside the tests, and oversubscribed cores make torch crawl.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+# A suite started in the background (`make test &` from a script) inherits SIGINT ignored, and so would the
+# subprocesses that tests interrupt with Ctrl-C (an ignored signal survives exec); restore Python's handling.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from ors_trl.testing.server import ReferenceServer
 
