@@ -535,8 +535,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
             ratios["step_trl_over_env"] = trl.wall_s / env_steps[0].wall_s
             ratios["resets_trl_over_env_cold"] = trl.reset_s / max(env_steps[0].reset_s, 1e-9)
             print(
-                f"  step,   environment_factory:         {ratios['step_trl_over_env']:7.1f}x   (no target: TRL's loop "
-                "runs the tool calls of a batch one after another in both)"
+                f"  step,   environment_factory:         {ratios['step_trl_over_env']:7.1f}x   (no target: TRL's loop asks for "
+                "the tool calls one rollout after another; ors-trl starts each turn's calls at once)"
             )
             print(
                 f"  resets, environment_factory, cold:   {ratios['resets_trl_over_env_cold']:7.1f}x   "

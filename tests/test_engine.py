@@ -253,6 +253,45 @@ def test_trl_loop_resets_open_the_whole_batch_at_once(tiny_model_dir, make_serve
     assert server.stats()["open_sessions"] == 0
 
 
+def _work_calls(trainer, steps: list[int]):
+    """Scripted generation: the first turn calls `work` once per step in one message, then "Done."."""
+    tok = trainer._tokenizer
+    calls = "".join(f'<tool_call>\n{{"name": "work", "arguments": {{"step": {s}}}}}\n</tool_call>' for s in steps)
+
+    def generate(prompt_ids, *args, **kwargs):
+        return [tok.encode(("Done." if "<tool_response>" in tok.decode(ids) else calls) + "<|im_end|>",
+                           add_special_tokens=False) for ids in prompt_ids], None
+
+    return generate
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_trl_loop_runs_a_turns_tool_calls_at_once(tiny_model_dir, make_server, tmp_path, batched):
+    """TRL's own tool loop calls rollouts one after another; with batch_tool_calls a turn's calls all start at once.
+
+    Each rollout sends work(0), work(1), work(2) in one message: they must still run in order on its session,
+    work(1) ends the episode, and work(2) is refused locally (never reaches the server) and counted as a failure.
+    """
+    server = make_server("slow", env={"ORS_TEST_TOOL_LATENCY": "0.2", "ORS_TEST_STEPS": "2"})
+    spec = OpenRewardSpec(server.url, num_tasks=4, batch_tool_calls=batched)
+    trainer = make_trainer(tiny_model_dir, spec, "env", tmp_path, per_device_train_batch_size=8)
+    trainer._generate_single_turn = _work_calls(trainer, [0, 1, 2])
+    result = run_batch(trainer, batch_rows(spec, [0, 1, 2, 3], 2))
+    stats = server.stats()
+    assert result["rewards"] == [1.0] * 8
+    assert stats["tool_calls"]["slowenvironment/work"] == 16  # work(0) and work(1) of 8 rollouts, each once
+    assert stats["peak_in_flight"]["slowenvironment/work"] == (8 if batched else 1)
+    for env in trainer.environments:
+        assert [m["step"] if m else None for m in env.metadata] == [0, 1, None]  # in order; the third refused
+        assert env.rewards == [None, 1.0, None] and env.reward == 1.0 and env.finished
+        assert env.tool_calls == 3 and env.tool_failures == 1
+    mode = "train" if trainer.model.training else "eval"  # run_batch calls the generation step directly
+    assert trainer._metrics[mode]["tools/failure_frequency"][-1] == pytest.approx(1 / 3)  # TRL saw the refusal
+    assert spec._runtime.calls_ahead == (24 if batched else 0)
+    spec.close()
+    assert server.stats()["open_sessions"] == 0
+
+
 def test_engine_with_a_mix_routes_and_scores_each_environment(tiny_model_dir, ref_server, tmp_path):
     from ors_trl import OpenRewardMix
 

@@ -358,3 +358,28 @@ def test_grpo_trainer_collects_and_renders_the_environments_schemas(ref_server, 
                                          tokenize=False)
     assert '"place_order"' in text and "Point object fields" in text and '"prefixItems"' in text
     spec.close()
+
+
+def test_calls_started_ahead_that_trl_does_not_ask_for_are_recorded_not_lost(make_server, caplog) -> None:
+    """batch_tool_calls safety net: if TRL asks for something other than the calls started ahead of it (a turn
+    cut short), those calls are recorded in order first, then the asked-for call runs as usual."""
+    from ors_trl._adapter import _start_ahead
+
+    server = make_server("slow", env={"ORS_TEST_STEPS": "2"})
+    spec = OpenRewardSpec(server.url, num_tasks=1)
+    env = spec.environment_factory()
+    env.reset(**spec.train_dataset[0])
+    _start_ahead([(env, [("work", {"step": 0}), ("work", {"step": 1})])])
+    with caplog.at_level("WARNING", logger="ors_trl"), pytest.raises(ToolRefusedError):
+        env.work(step=5)  # not what was started: work(0) and work(1) are recorded, then work(5) meets a finished episode
+    assert "not the call started ahead" in caplog.text
+    assert [m["step"] if m else None for m in env.metadata] == [0, 1, None]
+    assert env.reward == 1.0 and env.finished and env.tool_calls == 3
+    assert server.stats()["tool_calls"]["slowenvironment/work"] == 2  # each ran once; work(5) never left the client
+    env.reset(**spec.train_dataset[0])
+    _start_ahead([(env, [("work", {"step": 0})])])  # started, never asked for: the next reset records it first
+    env.reset(**spec.train_dataset[0])
+    assert server.stats()["tool_calls"]["slowenvironment/work"] == 3
+    assert spec.metrics.flush()[f"env/{spec.name}/tool_calls_per_episode"] == pytest.approx((3 + 1) / 2)
+    spec.close()
+    assert server.stats()["open_sessions"] == 0

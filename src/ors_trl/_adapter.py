@@ -11,6 +11,11 @@ while their sessions open in the background, and the first tool call waits for i
 A prompt that turns out to differ between sessions of one task is reported (and the cache can be
 turned off with `cache_prompts=False`).
 
+Tool calls do not wait for each other across rollouts either. TRL's tool loop calls one rollout's
+tools after another; at the first call of each turn the adapter reads the whole turn's calls from
+that loop and starts all of them at once (each rollout's own calls still in order, nothing TRL
+will not ask for), then answers TRL's calls as they come. `batch_tool_calls=False` turns it off.
+
 An environment failure never raises out of `reset()`: the rollout is recorded as failed, scored
 `None`, and the model is told what happened. Tool failures raise from the tool method (that is
 how TRL counts them in `tools/failure_frequency`) with a message the model can read.
@@ -27,6 +32,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -42,6 +48,13 @@ logger = logging.getLogger("ors_trl")
 
 #: The row keys `reset()` consumes itself; anything else in a dataset row is ignored.
 TASK_KEYS = ("task_index", "task_spec")
+
+#: A tool call started ahead of TRL: (remote name, wire arguments, future of (result, error, seconds)).
+_Ahead = tuple[str, dict[str, Any], "concurrent.futures.Future[tuple[ToolResult | None, ORSError | None, float]]"]
+#: Bounds the wait for calls TRL started us on but then did not ask for (an aborted turn); see `_settle_ahead`.
+_SETTLE_TIMEOUT_S = 300.0
+_tool_batch_lock = threading.Lock()
+_last_tool_batch: tuple[int, Any] | None = None  # (id of TRL's tool-loop frame, its iteration number)
 
 
 def episode_finished_error(tool: str) -> ToolRefusedError:
@@ -82,11 +95,16 @@ class EnvironmentRuntime:
         max_output_chars: int | None = None,
         metrics: EnvMetrics | None = None,
         recorder: Any = None,
+        batch_tool_calls: bool = True,
+        max_concurrent_tool_calls: int = 64,
     ) -> None:
         self.client = client
         self.name = name
         self.split = split
         self.cache_prompts = cache_prompts
+        self.batch_tool_calls = batch_tool_calls
+        self.max_concurrent_tool_calls = max_concurrent_tool_calls
+        self.calls_ahead = 0  # tool calls started ahead of TRL's loop (batch_tool_calls)
         self.max_output_chars = max_output_chars
         self.metrics = metrics or EnvMetrics()
         self.metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
@@ -254,6 +272,112 @@ def _preopen(batch: list[tuple[Any, Any]]) -> None:
         adapter._preopened = (key, rt.bg.submit(rt.open(key, index, spec)))
 
 
+def _tool_loop_batch(adapter: OpenRewardEnvironment, name: str, arguments: dict[str, Any]
+                     ) -> list[tuple[OpenRewardEnvironment, list[tuple[str, dict[str, Any]]]]] | None:
+    """At the first call of a turn of TRL's tool loop, the calls of that turn we can start ahead.
+
+    Reads the loop's locals (`tool_calls`, `idxs_with_tool`, `idx`, `tool_call`, `iteration_num`) and
+    the trainer's `environments` / `_sync_tool_dicts`, and returns, for the calling rollout (from the
+    current call on) and every rollout after it, the longest prefix of its calls that TRL will make
+    exactly as given: a bound tool method of one of our adapters, with arguments that bind. Anything
+    unexpected returns None and the calls run one by one, as TRL makes them.
+    """
+    global _last_tool_batch
+    frame = sys._getframe(3)
+    for _ in range(4):
+        if frame is None or frame.f_code.co_name == "_tool_call_loop":
+            break
+        frame = frame.f_back
+    if frame is None or frame.f_code.co_name != "_tool_call_loop":
+        return None
+    loc = frame.f_locals
+    trainer, idxs, calls = loc.get("self"), loc.get("idxs_with_tool"), loc.get("tool_calls")
+    idx, current = loc.get("idx"), loc.get("tool_call")
+    envs = getattr(trainer, "environments", None)
+    dicts = getattr(trainer, "_sync_tool_dicts", None)
+    if not (isinstance(idxs, list) and isinstance(calls, list) and len(idxs) == len(calls)
+            and isinstance(idx, int) and 0 <= idx < len(idxs) and isinstance(envs, list)
+            and isinstance(dicts, list) and len(dicts) == len(envs)
+            and all(isinstance(i, int) and 0 <= i < len(envs) for i in idxs)
+            and envs[idxs[idx]] is adapter and isinstance(calls[idx], list)):
+        return None
+    position = next((j for j, call in enumerate(calls[idx]) if call is current), None)
+    if position is None:
+        return None
+    key = (id(frame), loc.get("iteration_num"))
+    with _tool_batch_lock:
+        if _last_tool_batch == key:
+            return None
+        _last_tool_batch = key
+    batch: list[tuple[OpenRewardEnvironment, list[tuple[str, dict[str, Any]]]]] = []
+    for k in range(idx, len(idxs)):
+        env, tools, turn = envs[idxs[k]], dicts[idxs[k]], calls[k]
+        if (not isinstance(env, OpenRewardEnvironment) or env._pending is None or env._over or env._ahead
+                or not isinstance(tools, dict) or not isinstance(turn, list)):
+            continue
+        chain: list[tuple[str, dict[str, Any]]] = []
+        for call in turn[position if k == idx else 0:]:
+            function = call.get("function") if isinstance(call, dict) and call.get("type") == "function" else None
+            method = tools.get(function.get("name")) if isinstance(function, dict) else None
+            plan = getattr(getattr(method, "__func__", None), "_ors_plan", None)
+            given = function.get("arguments") if isinstance(function, dict) else None
+            if (plan is None or getattr(method, "__self__", None) is not env or not isinstance(given, dict)
+                    or not all(isinstance(a, str) for a in given)):
+                break
+            try:
+                chain.append((plan.remote_name, plan.arguments((), dict(given))))
+            except TypeError:
+                break
+        if chain:
+            batch.append((env, chain))
+    if not batch or batch[0][0] is not adapter or batch[0][1][0] != (name, arguments):
+        return None  # what we read is not the call being made: run nothing ahead
+    return batch
+
+
+def _show_call(name: str, arguments: dict[str, Any]) -> str:
+    text = f"{name}({json.dumps(arguments, default=str)})"
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+async def _run_ahead(pending: concurrent.futures.Future[tuple[AsyncSession, str]], entries: list[_Ahead],
+                     limit: asyncio.Semaphore) -> None:
+    """Run one rollout's calls of a turn in order on its session; resolve each entry's future."""
+    over = False
+    for i, (name, arguments, fut) in enumerate(entries):
+        if over:  # the episode ended at an earlier call of this turn: refused locally, as `_call_tool` would
+            fut.set_result((None, episode_finished_error(name), 0.0))
+            continue
+        started = time.monotonic()
+        try:
+            async with limit:
+                session, _ = await asyncio.wrap_future(pending)
+                result = await session.call(name, arguments)
+        except ORSError as exc:
+            fut.set_result((None, exc, time.monotonic() - started))
+        except BaseException as exc:  # cancelled (loop shutting down) or a bug: nobody may wait forever
+            for _, _, rest in entries[i:]:
+                if not rest.done():
+                    rest.set_exception(exc if isinstance(exc, Exception) else ORSError(f"tool call aborted: {exc!r}"))
+            raise
+        else:
+            fut.set_result((result, None, time.monotonic() - started))
+            over = result.finished
+
+
+def _start_ahead(batch: list[tuple[OpenRewardEnvironment, list[tuple[str, dict[str, Any]]]]]) -> None:
+    """Start every rollout's chain of calls at once (bounded per environment by `max_concurrent_tool_calls`)."""
+    limits: dict[int, asyncio.Semaphore] = {}
+    for env, chain in batch:
+        rt = env._runtime
+        limit = limits.setdefault(id(rt), asyncio.Semaphore(max(1, rt.max_concurrent_tool_calls)))
+        entries: list[_Ahead] = [(name, arguments, concurrent.futures.Future()) for name, arguments in chain]
+        assert env._pending is not None
+        rt.bg.submit(_run_ahead(env._pending, entries, limit))
+        rt.calls_ahead += len(entries)
+        env._ahead.extend(entries)
+
+
 def _close_orphan(runtime: EnvironmentRuntime, holder: list[Any]) -> None:
     """Finalizer of a garbage-collected adapter: close the session it still held."""
     fut = holder[0]
@@ -288,6 +412,7 @@ class OpenRewardEnvironment:
         self._pending: concurrent.futures.Future[tuple[AsyncSession, str]] | None = None
         self._preopened: tuple[str, concurrent.futures.Future[tuple[AsyncSession, str]]] | None = None
         self._task_key: str | None = None
+        self._ahead: deque[_Ahead] = deque()  # this turn's calls already started (batch_tool_calls)
         self._episode_reported = True
         self._clear()
         self._runtime.register(self)
@@ -379,9 +504,10 @@ class OpenRewardEnvironment:
         self.tool_calls += 1
 
     def _after_call(self, name: str, arguments: dict[str, Any], started: float, result: ToolResult | None,
-                    exc: ORSError | None) -> str:
+                    exc: ORSError | None, elapsed: float | None = None) -> str:
         rt = self._runtime
-        elapsed = time.monotonic() - started
+        if elapsed is None:
+            elapsed = time.monotonic() - started
         if exc is not None:
             self.tool_failures += 1
             self.rewards.append(None)
@@ -413,6 +539,18 @@ class OpenRewardEnvironment:
 
     def _call_tool(self, name: str, arguments: dict[str, Any]) -> str:
         """Run remote tool `name`; raise (for TRL's failure count) with a readable message on failure."""
+        if not self._ahead and self._runtime.batch_tool_calls and not self._over and self._pending is not None:
+            batch = _tool_loop_batch(self, name, arguments)
+            if batch is not None:
+                _start_ahead(batch)
+        if self._ahead:
+            head_name, head_arguments, fut = self._ahead[0]
+            if head_name == name and head_arguments == arguments:
+                self._ahead.popleft()
+                return self._take_ahead(name, arguments, fut)
+            logger.warning("%s: TRL asked for %s, not the call started ahead of it (%s); recording those first",
+                           self._runtime.name, _show_call(name, arguments), _show_call(head_name, head_arguments))
+            self._settle_ahead()
         self._before_call()
         started = time.monotonic()
         try:
@@ -424,6 +562,34 @@ class OpenRewardEnvironment:
             self._after_call(name, arguments, started, None, exc)
             raise
         return self._after_call(name, arguments, started, result, None)
+
+    def _take_ahead(self, name: str, arguments: dict[str, Any],
+                    fut: concurrent.futures.Future[tuple[ToolResult | None, ORSError | None, float]]) -> str:
+        """Answer TRL's call with the outcome of the same call started ahead (recorded now, in TRL's order)."""
+        self._before_call()
+        result, exc, elapsed = fut.result()
+        if exc is not None:
+            self._after_call(name, arguments, 0.0, None, exc, elapsed)
+            raise exc
+        return self._after_call(name, arguments, 0.0, result, None, elapsed)
+
+    def _settle_ahead(self) -> None:
+        """Record calls started ahead that TRL did not ask for (a turn cut short), so nothing that ran is lost."""
+        if not self._ahead:
+            return
+        entries, self._ahead = list(self._ahead), deque()
+        concurrent.futures.wait([fut for _, _, fut in entries], timeout=_SETTLE_TIMEOUT_S)
+        for name, arguments, fut in entries:
+            if not fut.done():
+                logger.warning("%s: a tool call started ahead (%s) is still running; not recorded",
+                               self._runtime.name, name)
+                continue
+            try:
+                self._take_ahead(name, arguments, fut)
+            except ORSError:
+                pass  # recorded as a failed call, like any other
+            except Exception as exc:
+                logger.warning("%s: a tool call started ahead (%s) failed: %r", self._runtime.name, name, exc)
 
     async def _acall_tool(self, name: str, arguments: dict[str, Any]) -> str:
         """Coroutine twin of `_call_tool`, for async tool methods (runs the call on the background loop)."""
@@ -451,6 +617,7 @@ class OpenRewardEnvironment:
 
     def _report_episode(self, timed_out: bool = False) -> None:
         """Record the finished episode in metrics (once)."""
+        self._settle_ahead()
         if self._episode_reported:
             return
         self._episode_reported = True

@@ -367,7 +367,8 @@ def _build_function(
     module: str | None,
     qualname_prefix: str | None,
 ) -> FunctionType:
-    function = _make_function(_CallPlan(remote, display, info.parameters), asynchronous)
+    plan = _CallPlan(remote, display, info.parameters)
+    function = _make_function(plan, asynchronous)
     function.__name__ = display
     function.__qualname__ = f"{qualname_prefix}.{attribute}" if qualname_prefix else attribute
     function.__module__ = module if module is not None else __name__
@@ -377,4 +378,5 @@ def _build_function(
     function.__annotations__ = annotations
     function.__signature__ = _signature(info.parameters)  # type: ignore[attr-defined]
     function._ors_remote_name = remote  # type: ignore[attr-defined]
+    function._ors_plan = plan  # type: ignore[attr-defined]  # lets the adapter run a call ahead of TRL, exactly
     return function

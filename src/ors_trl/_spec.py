@@ -189,8 +189,12 @@ class OpenRewardSpec:
         retry: `RetryPolicy` for transient failures.
         max_sessions: cap on sessions open at once in this process; more wait for a free slot.
         episode_log: path of a JSON-lines file receiving every finished episode (off by default).
+        batch_tool_calls: in TRL's own tool loop (`environment_factory`), start all of a turn's tool
+            calls across the batch at once at its first call (each rollout's calls still in order),
+            instead of one rollout after another.
         async_tools: bind tools as coroutine methods (TRL gathers a rollout's parallel calls).
-        max_concurrent_tool_calls: with `rollout_func`, tool calls in flight at once across a batch.
+        max_concurrent_tool_calls: tool calls in flight at once across a batch (engine and
+            `batch_tool_calls`), per environment.
         unscored_reward: what `reward_funcs` gives a rollout the environment never scored. None (the
             default, TRL's convention) leaves it out of the advantage baseline; a number (e.g. 0.0)
             counts it as that score.
@@ -218,6 +222,7 @@ class OpenRewardSpec:
         retry: RetryPolicy | None = None,
         max_sessions: int | None = None,
         episode_log: str | None = None,
+        batch_tool_calls: bool = True,
         async_tools: bool = False,
         max_concurrent_tool_calls: int = 64,
         episode_timeout: float | None = None,
@@ -228,6 +233,9 @@ class OpenRewardSpec:
             raise ConfigurationError("split must be a non-empty string")
         if max_output_chars is not None and max_output_chars < 1:
             raise ConfigurationError("max_output_chars must be positive or None")
+        if isinstance(max_concurrent_tool_calls, bool) or not isinstance(max_concurrent_tool_calls, int) \
+                or max_concurrent_tool_calls < 1:
+            raise ConfigurationError(f"max_concurrent_tool_calls must be an int >= 1, got {max_concurrent_tool_calls!r}")
         self._split = split
         self._num_tasks = num_tasks
         self._indices = indices
@@ -266,6 +274,8 @@ class OpenRewardSpec:
             max_output_chars=max_output_chars,
             metrics=self.metrics,
             recorder=recorder,
+            batch_tool_calls=batch_tool_calls,
+            max_concurrent_tool_calls=max_concurrent_tool_calls,
         )
         self.dataset_notes: list[str] = []
         self.binding: BindingResult | None = None
