@@ -288,6 +288,10 @@ def test_trl_loop_runs_a_turns_tool_calls_at_once(tiny_model_dir, make_server, t
     mode = "train" if trainer.model.training else "eval"  # run_batch calls the generation step directly
     assert trainer._metrics[mode]["tools/failure_frequency"][-1] == pytest.approx(1 / 3)  # TRL saw the refusal
     assert spec._runtime.calls_ahead == (24 if batched else 0)
+    # The next step (a new run of TRL's tool loop, whose frame and turn counter look like the last one's) too.
+    assert run_batch(trainer, batch_rows(spec, [0, 1, 2, 3], 2))["rewards"] == [1.0] * 8
+    assert server.stats()["tool_calls"]["slowenvironment/work"] == 32
+    assert spec._runtime.calls_ahead == (48 if batched else 0)
     spec.close()
     assert server.stats()["open_sessions"] == 0
 

@@ -54,7 +54,10 @@ _Ahead = tuple[str, dict[str, Any], "concurrent.futures.Future[tuple[ToolResult 
 #: Bounds the wait for calls TRL started us on but then did not ask for (an aborted turn); see `_settle_ahead`.
 _SETTLE_TIMEOUT_S = 300.0
 _tool_batch_lock = threading.Lock()
-_last_tool_batch: tuple[int, Any] | None = None  # (id of TRL's tool-loop frame, its iteration number)
+# The `tool_calls` list of the last turn of TRL's tool loop we started calls for. TRL builds a new list every
+# turn; holding this one keeps its id from being reused, so `is` tells turns apart exactly (ids of frames or
+# counters repeat from one step to the next).
+_last_tool_batch: list[Any] | None = None
 
 
 def episode_finished_error(tool: str) -> ToolRefusedError:
@@ -276,7 +279,7 @@ def _tool_loop_batch(adapter: OpenRewardEnvironment, name: str, arguments: dict[
                      ) -> list[tuple[OpenRewardEnvironment, list[tuple[str, dict[str, Any]]]]] | None:
     """At the first call of a turn of TRL's tool loop, the calls of that turn we can start ahead.
 
-    Reads the loop's locals (`tool_calls`, `idxs_with_tool`, `idx`, `tool_call`, `iteration_num`) and
+    Reads the loop's locals (`tool_calls`, `idxs_with_tool`, `idx`, `tool_call`) and
     the trainer's `environments` / `_sync_tool_dicts`, and returns, for the calling rollout (from the
     current call on) and every rollout after it, the longest prefix of its calls that TRL will make
     exactly as given: a bound tool method of one of our adapters, with arguments that bind. Anything
@@ -304,11 +307,10 @@ def _tool_loop_batch(adapter: OpenRewardEnvironment, name: str, arguments: dict[
     position = next((j for j, call in enumerate(calls[idx]) if call is current), None)
     if position is None:
         return None
-    key = (id(frame), loc.get("iteration_num"))
     with _tool_batch_lock:
-        if _last_tool_batch == key:
+        if _last_tool_batch is calls:
             return None
-        _last_tool_batch = key
+        _last_tool_batch = calls
     batch: list[tuple[OpenRewardEnvironment, list[tuple[str, dict[str, Any]]]]] = []
     for k in range(idx, len(idxs)):
         env, tools, turn = envs[idxs[k]], dicts[idxs[k]], calls[k]
