@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import threading
 
 import pytest
@@ -311,3 +312,29 @@ def test_client_session_cap_times_out_with_a_clear_error(ref_server) -> None:
             assert c.open_sessions == 1
 
     asyncio.run(main())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_fork_while_another_thread_holds_the_session_cap_lock_does_not_deadlock_the_child() -> None:
+    from ors_trl import _budget
+
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with _budget._lock:
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert held.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:  # child: the lock the other (now absent) thread held must be usable
+            code = 0 if _budget._lock.acquire(timeout=5) else 1
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        thread.join(10)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

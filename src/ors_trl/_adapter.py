@@ -28,6 +28,7 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -273,6 +274,14 @@ def _preopen(batch: list[tuple[Any, Any]]) -> None:
         rt = adapter._runtime
         key = rt.task_key(index, spec)
         adapter._preopened = (key, rt.bg.submit(rt.open(key, index, spec)))
+
+
+def _after_fork_in_child() -> None:
+    global _tool_batch_lock, _last_tool_batch
+    _tool_batch_lock, _last_tool_batch = threading.Lock(), None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _tool_loop_batch(adapter: OpenRewardEnvironment, name: str, arguments: dict[str, Any]

@@ -63,3 +63,15 @@ def process_semaphore() -> asyncio.Semaphore | None:
         if sem is None:
             sem = _semaphores[loop] = asyncio.Semaphore(limit)
         return sem
+
+
+def _after_fork_in_child() -> None:
+    # A fork while another thread held the lock would leave it held forever in the child; the parent's
+    # loops (and so their semaphores) do not run there either.
+    global _lock
+    _lock = threading.Lock()
+    _semaphores.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
