@@ -7,7 +7,9 @@ does), and every rollout makes `--turns` T tool calls. Three paths, each through
 `GRPOTrainer` and one full `trainer._generate_and_score_completions(rows)` per step:
 
     (a) trl     `trl.experimental.openreward.OpenRewardSpec(url)`   environment_factory (openreward SDK)
-    (b) env     `ors_trl.OpenRewardSpec(url)`                       environment_factory
+    (b) env     `ors_trl.OpenRewardSpec(url)`                       environment_factory (TRL's own loop; ors-trl
+                                                                    opens the batch's sessions and starts each
+                                                                    turn's tool calls together)
     (c) engine  `ors_trl.OpenRewardSpec(url)`                       rollout_func (the RolloutEngine)
     (d) floor   raw aiohttp, no trainer: every session and call of the batch at once (what the server allows)
 
