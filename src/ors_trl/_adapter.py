@@ -34,7 +34,8 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from types import FrameType
 from typing import Any, ClassVar
 
 from ._client import AsyncClient, AsyncSession
@@ -81,6 +82,21 @@ def truncate_output(text: str, limit: int | None) -> str:
     if limit is None or len(text) <= limit:
         return text
     return text[:limit] + f"\n[... output truncated: {limit} of {len(text)} characters shown ...]"
+
+
+def _caller_frame(skip: int, hops: int, match: Callable[[FrameType], bool]) -> FrameType | None:
+    """Walking up from the frame `skip` levels above the function calling this one, the first of `hops`
+    frames for which `match` holds (how the adapter finds TRL's loop that is calling it), else None."""
+    frame: FrameType | None = sys._getframe(skip + 1)
+    for _ in range(hops):
+        if frame is None or match(frame):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _is_trainer(obj: Any) -> bool:
+    return obj is not None and hasattr(obj, "add_callback") and hasattr(obj, "callback_handler")
 
 
 class EnvironmentRuntime:
@@ -151,24 +167,20 @@ class EnvironmentRuntime:
         `inputs`), returns the batch's (adapter, row) pairs so that all its sessions can be opened
         together. Anything unexpected just returns None: the per-task prompt cache still applies.
         """
-        frame = sys._getframe(2)
-        for _ in range(6):
-            if frame is None:
-                return None
-            candidate = frame.f_locals.get("self")
-            if candidate is not None and hasattr(candidate, "add_callback") and hasattr(candidate, "callback_handler"):
-                if id(candidate) not in self._attached:
-                    try:
-                        self.attach_to(candidate)
-                    except Exception as exc:  # convenience only: exit-time cleanup still applies
-                        logger.debug("could not attach the session cleanup callback: %s", exc)
-                envs = getattr(candidate, "environments", None)
-                inputs = frame.f_locals.get("inputs")
-                if (isinstance(envs, list) and isinstance(inputs, list) and len(envs) == len(inputs) > 1
-                        and envs[0] is adapter and all(isinstance(row, Mapping) for row in inputs)):
-                    return list(zip(envs, inputs, strict=True))
-                return None
-            frame = frame.f_back
+        frame = _caller_frame(2, 6, lambda f: _is_trainer(f.f_locals.get("self")))
+        if frame is None:
+            return None
+        candidate = frame.f_locals["self"]
+        if id(candidate) not in self._attached:
+            try:
+                self.attach_to(candidate)
+            except Exception as exc:  # convenience only: exit-time cleanup still applies
+                logger.debug("could not attach the session cleanup callback: %s", exc)
+        envs = getattr(candidate, "environments", None)
+        inputs = frame.f_locals.get("inputs")
+        if (isinstance(envs, list) and isinstance(inputs, list) and len(envs) == len(inputs) > 1
+                and envs[0] is adapter and all(isinstance(row, Mapping) for row in inputs)):
+            return list(zip(envs, inputs, strict=True))
         return None
 
     # -- task identity -------------------------------------------------------------------------
@@ -295,12 +307,8 @@ def _tool_loop_batch(adapter: OpenRewardEnvironment, name: str, arguments: dict[
     unexpected returns None and the calls run one by one, as TRL makes them.
     """
     global _last_tool_batch
-    frame = sys._getframe(3)
-    for _ in range(4):
-        if frame is None or frame.f_code.co_name == "_tool_call_loop":
-            break
-        frame = frame.f_back
-    if frame is None or frame.f_code.co_name != "_tool_call_loop":
+    frame = _caller_frame(3, 4, lambda f: f.f_code.co_name == "_tool_call_loop")
+    if frame is None:
         return None
     loc = frame.f_locals
     trainer, idxs, calls = loc.get("self"), loc.get("idxs_with_tool"), loc.get("tool_calls")
@@ -351,6 +359,13 @@ def _show_call(name: str, arguments: dict[str, Any]) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
+async def _call_in_session(pending: concurrent.futures.Future[tuple[AsyncSession, str]], name: str,
+                           arguments: dict[str, Any]) -> ToolResult:
+    """Wait for the session being opened (on the background loop), then call remote tool `name` in it."""
+    session, _ = await asyncio.wrap_future(pending)
+    return await session.call(name, arguments)
+
+
 async def _run_ahead(pending: concurrent.futures.Future[tuple[AsyncSession, str]], entries: list[_Ahead],
                      limit: asyncio.Semaphore) -> None:
     """Run one rollout's calls of a turn in order on its session; resolve each entry's future."""
@@ -362,8 +377,7 @@ async def _run_ahead(pending: concurrent.futures.Future[tuple[AsyncSession, str]
         started = time.monotonic()
         try:
             async with limit:
-                session, _ = await asyncio.wrap_future(pending)
-                result = await session.call(name, arguments)
+                result = await _call_in_session(pending, name, arguments)
         except ORSError as exc:
             fut.set_result((None, exc, time.monotonic() - started))
         except BaseException as exc:  # cancelled (loop shutting down) or a bug: nobody may wait forever
@@ -514,11 +528,9 @@ class OpenRewardEnvironment:
     def _before_call(self) -> None:
         self.tool_calls += 1
 
-    def _after_call(self, name: str, arguments: dict[str, Any], started: float, result: ToolResult | None,
-                    exc: ORSError | None, elapsed: float | None = None) -> str:
+    def _after_call(self, name: str, arguments: dict[str, Any], elapsed: float, result: ToolResult | None,
+                    exc: ORSError | None) -> str:
         rt = self._runtime
-        if elapsed is None:
-            elapsed = time.monotonic() - started
         if exc is not None:
             self.tool_failures += 1
             self.rewards.append(None)
@@ -570,9 +582,9 @@ class OpenRewardEnvironment:
             session = self._session()
             result = self._runtime.bg.run(session.call(name, arguments))
         except ORSError as exc:
-            self._after_call(name, arguments, started, None, exc)
+            self._after_call(name, arguments, time.monotonic() - started, None, exc)
             raise
-        return self._after_call(name, arguments, started, result, None)
+        return self._after_call(name, arguments, time.monotonic() - started, result, None)
 
     def _take_ahead(self, name: str, arguments: dict[str, Any],
                     fut: concurrent.futures.Future[tuple[ToolResult | None, ORSError | None, float]]) -> str:
@@ -580,9 +592,9 @@ class OpenRewardEnvironment:
         self._before_call()
         result, exc, elapsed = fut.result()
         if exc is not None:
-            self._after_call(name, arguments, 0.0, None, exc, elapsed)
+            self._after_call(name, arguments, elapsed, None, exc)
             raise exc
-        return self._after_call(name, arguments, 0.0, result, None, elapsed)
+        return self._after_call(name, arguments, elapsed, result, None)
 
     def _settle_ahead(self) -> None:
         """Record calls started ahead that TRL did not ask for (a turn cut short), so nothing that ran is lost."""
@@ -608,21 +620,16 @@ class OpenRewardEnvironment:
         started = time.monotonic()
         rt = self._runtime
 
-        async def _go() -> ToolResult:
-            assert self._pending is not None
-            session, _ = await asyncio.wrap_future(self._pending)
-            return await session.call(name, arguments)
-
         try:
             if self._over:
                 raise episode_finished_error(name)
             if self._pending is None:
                 raise ConfigurationError("call reset() before calling a tool")
-            result = await asyncio.wrap_future(rt.bg.submit(_go()))
+            result = await asyncio.wrap_future(rt.bg.submit(_call_in_session(self._pending, name, arguments)))
         except ORSError as exc:
-            self._after_call(name, arguments, started, None, exc)
+            self._after_call(name, arguments, time.monotonic() - started, None, exc)
             raise
-        return self._after_call(name, arguments, started, result, None)
+        return self._after_call(name, arguments, time.monotonic() - started, result, None)
 
     # -- episode end -----------------------------------------------------------------------------
 
