@@ -65,6 +65,7 @@ os.environ.setdefault("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from ors_trl.testing.generation import work_turn_by_turn
 from ors_trl.testing.server import ReferenceServer
 
 ENV = "slowenvironment"
@@ -157,29 +158,6 @@ def build_model_dir(url: str, turns: int, workdir: str) -> str:
     return path
 
 
-def scripted_generation(trainer: Any, turns: int) -> Callable[..., tuple[list[list[int]], None]]:
-    """Stand-in for TRL's generation backend: `work(step=k)` on turn k (k = tool responses so far), then "Done."."""
-    tok = trainer.processing_class
-    calls = [
-        tok.encode(
-            f'<tool_call>\n{{"name": "work", "arguments": {{"step": {k}}}}}\n</tool_call><|im_end|>',
-            add_special_tokens=False,
-        )
-        for k in range(turns)
-    ]
-    done = tok.encode("Done.<|im_end|>", add_special_tokens=False)
-    response_id = tok.convert_tokens_to_ids("<tool_response>")
-
-    def generate(prompt_ids, images, multimodal_fields, num_generations=1, has_tool_images=False):
-        out = []
-        for ids in prompt_ids:
-            k = list(ids).count(response_id)
-            out.append(list(calls[k]) if k < turns else list(done))
-        return out, None
-
-    return generate
-
-
 def make_trainer(
     model_dir: str, out_dir: str, dataset: Any, reward: Callable[..., Any], args: argparse.Namespace, **kwargs: Any
 ) -> Any:
@@ -210,7 +188,8 @@ def make_trainer(
         reward_funcs=reward,
         **kwargs,
     )
-    trainer._generate_single_turn = scripted_generation(trainer, args.turns)
+    # the scripted model: work(step=k) on turn k, then "Done." (ors_trl.testing.generation)
+    trainer._generate_single_turn = work_turn_by_turn(trainer.processing_class, args.turns)
     return trainer
 
 

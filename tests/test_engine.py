@@ -8,6 +8,7 @@ import re
 import pytest
 
 from ors_trl import OpenRewardSpec
+from ors_trl.testing.generation import tool_call_text, work_turn_by_turn
 
 torch = pytest.importorskip("torch")
 trl = pytest.importorskip("trl")
@@ -62,8 +63,7 @@ def scripted_generation(trainer, calls: list):
     tok = trainer._tokenizer
 
     def call(name: str, text: str) -> list[int]:
-        body = f'<tool_call>\n{{"name": "{name}", "arguments": {{"text": "{text}"}}}}\n</tool_call><|im_end|>'
-        return tok.encode(body, add_special_tokens=False)
+        return tok.encode(tool_call_text(name, {"text": text}) + "<|im_end|>", add_special_tokens=False)
 
     def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         calls.append(len(prompt_ids))
@@ -156,17 +156,7 @@ def test_engine_runs_episodes_concurrently(tiny_model_dir, make_server, tmp_path
     spec = OpenRewardSpec(server.url, num_tasks=8)
     trainer = make_trainer(tiny_model_dir, spec, "engine", tmp_path, per_device_train_batch_size=8,
                            max_completion_length=256)
-    tok = trainer._tokenizer
-
-    def generate(prompt_ids, images, mm, num_generations, has_tool_images=False):
-        out = []
-        for ids in prompt_ids:
-            step = tok.decode(ids).count("<tool_response>")
-            body = f'<tool_call>\n{{"name": "work", "arguments": {{"step": {step}}}}}\n</tool_call><|im_end|>'
-            out.append(tok.encode(body if step < 3 else "Done.<|im_end|>", add_special_tokens=False))
-        return out, None
-
-    trainer._generate_single_turn = generate
+    trainer._generate_single_turn = work_turn_by_turn(trainer._tokenizer, turns=3)
     rows = batch_rows(spec, [0, 1, 2, 3], 2)
     result = run_batch(trainer, rows)
     assert result["rewards"] == [1.0] * 8
@@ -188,7 +178,7 @@ def test_engine_episode_timeout_scores_none(tiny_model_dir, make_server, tmp_pat
         out = []
         for i, ids in enumerate(prompt_ids):
             seconds = 5 if i == 0 and "<tool_response>" not in tok.decode(ids) else 0
-            body = (f'<tool_call>\n{{"name": "sleep", "arguments": {{"seconds": {seconds}}}}}\n</tool_call><|im_end|>'
+            body = (tool_call_text("sleep", {"seconds": seconds}) + "<|im_end|>"
                     if "<tool_response>" not in tok.decode(ids) else "Done.<|im_end|>")
             out.append(tok.encode(body, add_special_tokens=False))
         return out, None
@@ -218,17 +208,7 @@ def test_engine_session_cap_queues_in_waves(tiny_model_dir, make_server, tmp_pat
     spec = OpenRewardSpec(server.url, num_tasks=4, max_sessions=3)
     trainer = make_trainer(tiny_model_dir, spec, "engine", tmp_path, per_device_train_batch_size=8,
                            max_completion_length=256)
-    tok = trainer._tokenizer
-
-    def generate(prompt_ids, images, mm, num_generations, has_tool_images=False):
-        out = []
-        for ids in prompt_ids:
-            step = tok.decode(ids).count("<tool_response>")
-            body = f'<tool_call>\n{{"name": "work", "arguments": {{"step": {step}}}}}\n</tool_call><|im_end|>'
-            out.append(tok.encode(body if step < 3 else "Done.<|im_end|>", add_special_tokens=False))
-        return out, None
-
-    trainer._generate_single_turn = generate
+    trainer._generate_single_turn = work_turn_by_turn(trainer._tokenizer, turns=3)
     result = run_batch(trainer, batch_rows(spec, [0, 1, 2, 3], 2))
     assert result["rewards"] == [1.0] * 8  # every episode ran, in waves of at most 3
     stats = server.stats()
@@ -256,7 +236,7 @@ def test_trl_loop_resets_open_the_whole_batch_at_once(tiny_model_dir, make_serve
 def _work_calls(trainer, steps: list[int]):
     """Scripted generation: the first turn calls `work` once per step in one message, then "Done."."""
     tok = trainer._tokenizer
-    calls = "".join(f'<tool_call>\n{{"name": "work", "arguments": {{"step": {s}}}}}\n</tool_call>' for s in steps)
+    calls = "".join(tool_call_text("work", {"step": s}) for s in steps)
 
     def generate(prompt_ids, *args, **kwargs):
         return [tok.encode(("Done." if "<tool_response>" in tok.decode(ids) else calls) + "<|im_end|>",
@@ -314,10 +294,10 @@ def test_engine_with_a_mix_routes_and_scores_each_environment(tiny_model_dir, re
             if "<tool_response>" in text:
                 body = "Done.<|im_end|>"
             elif (echo := _TARGET.findall(text)):
-                body = f'<tool_call>\n{{"name": "echo", "arguments": {{"text": "{echo[0]}"}}}}\n</tool_call><|im_end|>'
+                body = tool_call_text("echo", {"text": echo[0]}) + "<|im_end|>"
             else:
                 a, b = map(int, re.findall(r"What is (\d+) \+ (\d+)\?", text)[0])
-                body = f'<tool_call>\n{{"name": "submit", "arguments": {{"answer": {a + b}}}}}\n</tool_call><|im_end|>'
+                body = tool_call_text("submit", {"answer": a + b}) + "<|im_end|>"
             out.append(tok.encode(body, add_special_tokens=False))
         return out, None
 

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from ors_trl import OpenRewardSpec
+from ors_trl.testing.generation import tool_call_text
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
@@ -44,8 +45,7 @@ def script(tok, prompt_ids: list[int]) -> list[int]:
         word = target
     else:
         return tok.encode("Done.<|im_end|>", add_special_tokens=False)
-    body = f'<tool_call>\n{{"name": "echo", "arguments": {{"text": "{word}"}}}}\n</tool_call><|im_end|>'
-    return tok.encode(body, add_special_tokens=False)
+    return tok.encode(tool_call_text("echo", {"text": word}) + "<|im_end|>", add_special_tokens=False)
 
 
 class ThreadGroup:

@@ -43,6 +43,7 @@ import torch
 torch.set_num_threads(1)
 
 from ors_trl import OpenRewardSpec  # noqa: E402
+from ors_trl.testing.generation import tool_call_text  # noqa: E402
 
 ENV_NAME = "echoenvironment"
 _TARGET = re.compile(r'exactly this text: "([^"]+)"')
@@ -77,8 +78,7 @@ def scripted_generation(trainer, rank: int, calls: list):
     tok = trainer._tokenizer
 
     def call(text: str) -> list[int]:
-        body = f'<tool_call>\n{{"name": "echo", "arguments": {{"text": "{text}"}}}}\n</tool_call><|im_end|>'
-        return tok.encode(body, add_special_tokens=False)
+        return tok.encode(tool_call_text("echo", {"text": text}) + "<|im_end|>", add_special_tokens=False)
 
     def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         responses = [tok.decode(ids).count("<tool_response>") for ids in prompt_ids]

@@ -7,6 +7,8 @@ Tests, benchmarks and the demo all use these, so there is one definition of "a r
   with ``GET /_test/stats`` for introspection and an optional short idle timeout.
 - ``ors_trl.testing.environments`` holds the environments (echo, task tools, images, long output,
   rich schemas, sparse reward, slow) and helpers such as ``long_text``.
+- ``ors_trl.testing.generation`` holds scripted stand-ins for TRL's generation backend
+  (``work_turn_by_turn``, ``tool_call_text``) for tests and benchmarks that drive a real trainer.
 
 Importing this package is cheap: it loads neither ``openreward`` nor ``fastapi``. The names below
 are resolved on first use.
