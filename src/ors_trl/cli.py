@@ -80,6 +80,10 @@ def _indices(text: str) -> list[int]:
     return out
 
 
+#: Every parser's help layout: paragraphs as written, and the common epilog.
+_LAYOUT: dict[str, Any] = {"epilog": _EPILOG, "formatter_class": argparse.RawDescriptionHelpFormatter}
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", metavar="TARGET", help="server URL (http://127.0.0.1:8000) or catalog name (owner/name)")
     p.add_argument("--env-name", metavar="N", help="environment on a server hosting several (default: the first)")
@@ -92,8 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ors-trl",
         description=_para("Inspect Open Reward Standard (ORS) environments and evaluate policies on them, through the "
         "same client and tool binding ors-trl uses for training with TRL."),
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **_LAYOUT,
     )
     from ._version import __version__
 
@@ -108,8 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         "splits and task counts, a few tasks, shared and task-specific tools with their JSON schemas, and the "
         "Python signatures and rendered tool schemas after binding, with binding warnings. Opens one probe "
         "session (closed again) to list task-specific tools."),
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **_LAYOUT,
     )
     _add_common(p)
     p.add_argument("--split", metavar="S", help="split to show tasks of (default: train, else the first)")
@@ -126,8 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         "coverage, finished rate, tool calls and failures per episode. The policy is a local transformers model "
         "directory (--model PATH) or a model behind an OpenAI-compatible chat-completions endpoint (--base-url URL "
         "--model NAME, e.g. vLLM). Every finished episode is appended to --output as one JSON line at once."),
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **_LAYOUT,
     )
     _add_common(p)
     p.add_argument("--model", metavar="M", required=True,
@@ -165,8 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=_para("Start the reference ORS server with the bundled fixture environments (default: echo) on a "
         "loopback address, for trying ors-trl without an environment of your own. Needs the openreward package "
         "(pip install 'ors-trl[demo]'). Stop it with Ctrl-C."),
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **_LAYOUT,
     )
     p.add_argument("--port", metavar="N", type=int, required=True, help="TCP port to listen on")
     p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
