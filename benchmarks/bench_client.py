@@ -32,10 +32,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # the package, and the suite's fixtures (tests.fixtures)
 os.environ.setdefault("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
 
-from ors_trl.testing.server import ReferenceServer
+from tests.fixtures.environments import server as fixture_server  # noqa: E402
 
 OPS = ("open+prompt", "tool call", "close")
 CLIENTS = ("floor", "ours-async", "ours-sync", "sdk")
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     per_round = [args.iterations // args.rounds + (i < args.iterations % args.rounds) for i in range(args.rounds)]
     timers = {name: Timer() for name in CLIENTS}
     count_new_connections()
-    with ReferenceServer(envs="echo") as server:
+    with fixture_server("echo") as server:
         clients = {name: FACTORIES[name](server.url) for name in CLIENTS}
         try:
             for client in clients.values():

@@ -22,7 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # the package, and the suite's fixtures (tests.fixtures)
 os.environ.setdefault("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -39,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     from ors_trl.demo._main import run_demo
-    from ors_trl.testing.server import ReferenceServer
+    from tests.fixtures.environments import server as fixture_server
 
     rows = []
-    with ReferenceServer(envs="demo") as server:
+    with fixture_server("demo") as server:
         for seed in args.seeds:
             for control in (False, True):
                 arm = "control" if control else "reward"

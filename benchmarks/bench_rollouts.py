@@ -60,13 +60,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # the package, and the suite's fixtures (tests.fixtures)
 os.environ.setdefault("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from ors_trl.testing.generation import work_turn_by_turn
-from ors_trl.testing.server import ReferenceServer
+from ors_trl.testing import ReferenceServer  # noqa: E402
+from tests.fixtures.environments import server as fixture_server  # noqa: E402
+from tests.fixtures.generation import work_turn_by_turn  # noqa: E402
 
 ENV = "slowenvironment"
 TOOL_KEY = f"{ENV}/work"
@@ -188,7 +190,7 @@ def make_trainer(
         reward_funcs=reward,
         **kwargs,
     )
-    # the scripted model: work(step=k) on turn k, then "Done." (ors_trl.testing.generation)
+    # the scripted model: work(step=k) on turn k, then "Done." (tests.fixtures.generation)
     trainer._generate_single_turn = work_turn_by_turn(trainer.processing_class, args.turns)
     return trainer
 
@@ -647,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="ors-bench-") as workdir:
-        server = ReferenceServer(envs="slow", env=server_env).start()
+        server = fixture_server("slow", env=server_env).start()
         try:
             log(f"server {server.url}; building the tiny model")
             model_dir = build_model_dir(server.url, args.turns, workdir)

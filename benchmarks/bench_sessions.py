@@ -29,10 +29,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # the package, and the suite's fixtures (tests.fixtures)
 os.environ.setdefault("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
 
-from ors_trl.testing.server import ReferenceServer
+from ors_trl.testing import ReferenceServer  # noqa: E402
+from tests.fixtures.environments import server as fixture_server  # noqa: E402
 
 ENV = "echoenvironment"
 
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     servers: list[ReferenceServer] = []
     try:
         for _ in range(args.servers):
-            servers.append(ReferenceServer(envs="echo").start())
+            servers.append(fixture_server("echo").start())
         result = asyncio.run(run([s.url for s in servers], servers, args))
         time.sleep(0.2)
         left = [s.stats()["open_sessions"] for s in servers]

@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: reference ORS servers on loopback (see ``ors_trl.testing``)."""
+"""Shared pytest fixtures: reference ORS servers on loopback (``ors_trl.testing``) with the suite's environments
+(``tests.fixtures.environments``), and a leak check that fails the test that leaked, once, and cleans up."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-from ors_trl.testing.server import ReferenceServer
+from ors_trl.testing import ReferenceServer
+from tests.fixtures.environments import server as fixture_server
 
 
 @pytest.fixture(scope="session")
@@ -27,8 +29,25 @@ def ref_server() -> Iterator[ReferenceServer]:
 
     Other tests use it too: compare counters before and after rather than assuming zeros.
     """
-    with ReferenceServer(envs="all") as server:
+    with fixture_server("all") as server:
         yield server
+
+
+def check_no_leaks(server: ReferenceServer, timeout: float = 10.0) -> None:
+    """Fail (once) if `server` still holds sessions after `timeout` s; delete them first, so that the next test
+    starts clean and a report names the test that leaked, not the ones after it."""
+    try:
+        server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=timeout)
+    except TimeoutError:
+        left = server.close_sessions()
+        pytest.fail(f"{len(left)} session(s) left open on the server: {left[:5]}", pytrace=False)
+
+
+@pytest.fixture
+def no_leaked_sessions(ref_server: ReferenceServer) -> Iterator[None]:
+    """Use in a test module (autouse) whose tests must leave the shared server without sessions."""
+    yield
+    check_no_leaks(ref_server)
 
 
 MakeServer = Callable[..., ReferenceServer]
@@ -36,7 +55,7 @@ MakeServer = Callable[..., ReferenceServer]
 
 @pytest.fixture
 def make_server() -> Iterator[MakeServer]:
-    """Factory for extra, private reference servers, stopped at the end of the test.
+    """Factory for extra, private reference servers (fixture environments by short name), stopped at the end.
 
     ``make_server(envs="echo", idle_timeout=3, env={"ORS_TEST_TOOL_LATENCY": "0.2"})`` returns a
     started ``ReferenceServer``; keyword arguments are those of ``ReferenceServer``.
@@ -50,7 +69,7 @@ def make_server() -> Iterator[MakeServer]:
         env: Mapping[str, str] | None = None,
         **kwargs: object,
     ) -> ReferenceServer:
-        server = ReferenceServer(envs, idle_timeout=idle_timeout, env=env, **kwargs)  # type: ignore[arg-type]
+        server = fixture_server(envs, idle_timeout=idle_timeout, env=env, **kwargs)  # type: ignore[arg-type]
         servers.append(server)
         return server.start()
 

@@ -21,8 +21,8 @@ from ors_trl import (
     ToolRefusedError,
     TransportError,
 )
-from ors_trl.testing.environments import long_text
 from ors_trl.testing.server import free_port
+from tests.fixtures.environments import long_text
 
 
 @pytest.fixture

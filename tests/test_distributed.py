@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from ors_trl.testing.server import ReferenceServer, free_port
+from ors_trl.testing.server import free_port
+from tests.fixtures.environments import server as fixture_server
 
 pytest.importorskip("torch")
 pytest.importorskip("trl")
@@ -51,7 +52,8 @@ def launch(url: str, model_dir: str, out: Path, mode: str, *extra: str) -> subpr
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENREWARD_DISABLE_UPDATE_CHECK": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_DISABLED": "true", "TOKENIZERS_PARALLELISM": "false",
-           "CUDA_VISIBLE_DEVICES": ""}
+           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(
+               p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p)}
     log = out / f"launch-{mode}.log"
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -69,7 +71,7 @@ def runs(tiny_model_dir, tmp_path_factory):
     """Both launches against ONE reference server; per mode: the two reports and the server's counters."""
     out = tmp_path_factory.mktemp("distributed")
     results = {}
-    with ReferenceServer("echo") as server:
+    with fixture_server("echo") as server:
         for mode in MODES:
             before = server.stats()
             extra = ("--fork-check",) if mode == "engine" else ()

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from ors_trl import OpenRewardSpec
-from ors_trl.testing.generation import tool_call_text, work_turn_by_turn
+from tests.fixtures.generation import tool_call_text, work_turn_by_turn
 
 torch = pytest.importorskip("torch")
 trl = pytest.importorskip("trl")

@@ -23,7 +23,9 @@ import pytest
 import torch
 
 from ors_trl import OpenRewardSpec
-from ors_trl._eval import EvalReport, LocalPolicy, OpenAIPolicy, PolicyReply, _Toolset, load_episodes
+from ors_trl import EvalReport, LocalPolicy, OpenAIPolicy, PolicyReply
+from ors_trl._binding import Toolset
+from ors_trl._eval import load_episodes
 from ors_trl.cli import main
 from ors_trl.testing.server import free_port
 
@@ -131,10 +133,7 @@ def fake_openai():
     server.stop()
 
 
-@pytest.fixture(autouse=True)
-def no_leaked_sessions(ref_server):
-    yield
-    ref_server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=10)
+pytestmark = pytest.mark.usefixtures("no_leaked_sessions")
 
 
 def bound_schemas(spec: OpenRewardSpec) -> list[dict[str, Any]]:
@@ -225,7 +224,7 @@ def test_tool_failures_are_recorded_and_shown_to_the_model(ref_server, fake_open
     report = spec.evaluate(OpenAIPolicy(fake_openai.url, "faulty"), num_tasks=2, progress=False)
     assert report.mean_reward == 1.0 and report.tool_failures_per_episode == 1.0
     unknown = report.episodes[0]["turns"][0]["tool_calls"][0]
-    assert unknown["error"] == {"kind": "unknown_tool", "message": "Tool no_such_tool not found."}
+    assert unknown["error"] == {"kind": "refused", "message": "Tool no_such_tool not found.", "reason": "not_found"}
     assert unknown["output"] == "{'error': 'Tool no_such_tool not found.'}"  # TRL's own text for it
 
 
@@ -365,7 +364,7 @@ def test_cli_eval_in_process(ref_server, fake_openai, tmp_path, capsys) -> None:
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from ors_trl.demo._model import build_model, build_tokenizer, render_corpus
-    from ors_trl.testing.environments import EchoEnvironment
+    from tests.fixtures.environments import EchoEnvironment
 
     tasks = EchoEnvironment.list_tasks("train")
     schema = {"type": "function", "function": {
@@ -445,7 +444,7 @@ def test_local_policy_batches_and_parses_tool_calls(ref_server, tiny_model_dir) 
 
 def test_toolset_schemas_match_training_binding(ref_server) -> None:
     spec = OpenRewardSpec(ref_server.url, env_name="tasktoolsenvironment")
-    toolset = _Toolset.build(spec.tool_specs)
+    toolset = Toolset(spec.tool_specs)
     assert toolset.schemas == bound_schemas(spec)
     assert sorted(toolset.by_name) == ["look", "open_door"]
 

@@ -90,7 +90,7 @@ def test_failures_halfway_through_opening_leave_nothing_behind(make_server) -> N
         env = spec.environment_factory()
         created = server.stats()["setups"]
         # the server created the session, then its prompt failed: the half-open session is deleted
-        proxy.add(Status(500, "prompt exploded"), path="/prompt", times=1)
+        proxy.add(Status(500, "prompt exploded"), path="/messages", times=1)
         assert "failed to start" in env.reset(**rows[0]) and "prompt exploded" in env.error
         # the server created the session but its answer to /create was lost on the way back
         proxy.add(DropStream(after_bytes=0), path="/create", times=1)
@@ -288,3 +288,58 @@ def test_a_thousand_concurrent_sessions(make_server, record_property) -> None:
         record_property(key, value)
     print("\nload:", {k: round(v, 2) for k, v in numbers.items()})
     assert per_session < 256  # KiB of client memory per open session: bounded, no per-session buffers kept
+
+
+# --------------------------------------------------------------------------------------------------
+# Opens still in flight when the process ends
+# --------------------------------------------------------------------------------------------------
+
+CACHED_RESET = textwrap.dedent('''
+    import os, sys
+    os.environ["OPENREWARD_DISABLE_UPDATE_CHECK"] = "1"
+    from ors_trl import OpenRewardSpec
+
+    spec = OpenRewardSpec(sys.argv[1], num_tasks=1, discover_task_tools=False)
+    first, second = spec.environment_factory(), spec.environment_factory()
+    first.reset(task_index=0)           # waits for its session and caches the task's prompt
+    print(second.reset(task_index=0))   # the cached prompt, at once: this session is still opening
+    # and the script ends right here
+''')
+
+
+def test_an_open_in_flight_at_exit_is_closed(make_server, tmp_path) -> None:
+    """A reset answered from the prompt cache returns while its session is still opening; the process exits at
+    once. The exit hook waits for that open and deletes the session (it used to stay open, every time)."""
+    server = make_server("slow", env={"ORS_TEST_SETUP_DELAY": "1.5"})
+    script = tmp_path / "cached.py"
+    script.write_text(CACHED_RESET)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, str(script), server.url], capture_output=True, text=True, env=env,
+                          timeout=SUBPROCESS_LIMIT_S)
+    assert proc.returncode == 0, proc.stderr
+    assert "Call `work`" in proc.stdout  # the second reset was answered from the cache
+    stats = server.stats()
+    assert stats["setups"] == 2 and stats["open_sessions"] == 0, (stats, proc.stderr)
+    assert stats["teardowns"] == 2
+
+
+def test_ctrl_c_in_eval_while_sessions_are_opening(make_server, tmp_path) -> None:
+    """`ors-trl eval` interrupted while its sessions are still opening (the environments are setting up):
+    exit 130 and every session it created is deleted."""
+    server = make_server("slow", env={"ORS_TEST_SETUP_DELAY": "3"})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "ors_trl", "eval", server.url, "--base-url", "http://127.0.0.1:9/v1", "--model",
+           "m", "--num-tasks", "4", "--concurrency", "4", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        server.wait_for_stats(lambda s: s["in_flight"].get("slowenvironment/setup", 0) >= 4, timeout=30)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=SUBPROCESS_LIMIT_S)
+    finally:
+        if proc.poll() is None:  # pragma: no cover - only if the bound above was hit
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 130, err
+    assert settle(server, 0) == 0, err
+    stats = server.stats()
+    assert stats["setups"] == stats["teardowns"] == 4 + 1  # the episodes, and the tool discovery probe

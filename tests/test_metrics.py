@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from ors_trl import EnvMetrics, EpisodeRecorder, OpenRewardMix, OpenRewardSpec, ToolError
-from ors_trl._metrics import _percentile
+from ors_trl import OpenRewardMix, OpenRewardSpec, ToolError
+from ors_trl._metrics import EnvMetrics, _percentile
+from ors_trl._records import RecordWriter
 
 
 def strip(row: dict) -> dict:
@@ -46,7 +47,7 @@ def test_metric_values_match_what_the_environments_did(ref_server, tmp_path) -> 
 
     # finished episodes release their sessions right away (in the background): let those closes land
     for spec in mix.specs.values():
-        concurrent.futures.wait(list(spec._runtime._pending_closes), timeout=30)
+        concurrent.futures.wait(list(spec._runtime._pending), timeout=30)
     logged: dict[str, float] = {}
     rewards = mix.reward_funcs(echo + math, log_metric=lambda name, value: logged.__setitem__(name, value))
     assert rewards == [1.0, 1.0, 0.0, None, 1.0, None]
@@ -83,23 +84,32 @@ def test_metric_values_match_what_the_environments_did(ref_server, tmp_path) -> 
     mix.close()
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(lines) == 6
+    assert all(r["version"] == 2 and r["source"] == "trl" for r in lines)
     first = next(r for r in lines if r["environment"] == "echo" and r["task_index"] == echo_rows[0]["task_index"])
-    assert first["reward"] == 1.0 and first["finished"] is True
-    assert first["calls"][0]["tool"] == "echo" and first["calls"][0]["arguments"] == {"text": echo_rows[0]["target"]}
-    assert first["calls"][0]["reward"] == 1.0 and echo_rows[0]["target"] in first["prompt"]
+    assert first["reward"] == 1.0 and first["finished"] is True and first["end_reason"] == "finished"
+    (call,) = [c for t in first["turns"] for c in t["tool_calls"]]
+    assert call["name"] == call["remote_name"] == "echo" and call["arguments"] == {"text": echo_rows[0]["target"]}
+    assert call["reward"] == 1.0 and call["metadata"] == {"target_length": len(echo_rows[0]["target"])}
+    assert echo_rows[0]["target"] in first["prompt"]
     failed = next(r for r in lines if r["environment"] == "math" and r["reward"] is None)
-    assert [c.get("error_kind") for c in failed["calls"]] == ["failed", "refused"]
+    assert [c["error"]["kind"] for t in failed["turns"] for c in t["tool_calls"]] == ["failed", "refused"]
+    assert failed["unscored"] == "no_reward"
+    unscored = next(r for r in lines if r["environment"] == "echo" and r["tool_calls"] == 0)
+    assert unscored["reward"] is None and unscored["unscored"] == "no_reward"
 
 
-def test_recorder_is_bounded(tmp_path) -> None:
-    rec = EpisodeRecorder(tmp_path / "e.jsonl", max_bytes=600, max_output_chars=50)
+def test_record_writer_is_bounded(tmp_path) -> None:
+    rec = RecordWriter(tmp_path / "e.jsonl", max_bytes=900, max_text=50)
     for i in range(20):
-        rec.write({"environment": "x", "task_index": i, "prompt": "p" * 500, "calls": [{"output": "o" * 500}]})
+        rec.write({"environment": "x", "task_index": i, "prompt": "p" * 500,
+                   "turns": [{"assistant": "a" * 500, "tool_calls": [{"output": "o" * 500}]}]})
     text = (tmp_path / "e.jsonl").read_text()
-    assert len(text.encode()) <= 600
+    assert len(text.encode()) <= 900
     assert rec.written >= 1 and rec.dropped == 20 - rec.written
     first = json.loads(text.splitlines()[0])
-    assert len(first["prompt"]) < 120 and "more characters" in first["calls"][0]["output"]
+    assert len(first["prompt"]) < 120 and "50 of 500 characters shown" in first["prompt"]
+    turn = first["turns"][0]
+    assert "50 of 500" in turn["assistant"] and "50 of 500" in turn["tool_calls"][0]["output"]
 
 
 def test_percentiles_and_window_reset() -> None:
@@ -107,8 +117,9 @@ def test_percentiles_and_window_reset() -> None:
     m = EnvMetrics()
     m.record_call("a", 0.1)
     m.record_call("a", 0.3, "expired")
-    m.record_episode("a", reward=None, finished=False, calls=2)
+    m.record_episode("a", reward=None, finished=False, calls=2, unscored="cut_off")
     out = m.flush()
     assert out["env/a/failures/expired"] == 1 and out["env/a/graded_fraction"] == 0
+    assert out["env/a/unscored/cut_off"] == 1 and out["env/a/unscored/no_reward"] == 0
     assert out["env/a/tool_call_s/p50"] == pytest.approx(0.2)
     assert m.flush() == {}

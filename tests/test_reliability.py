@@ -28,7 +28,6 @@ from ors_trl import (
     TransportError,
     UnknownBlock,
 )
-from ors_trl.testing.environments import long_text
 from ors_trl.testing.faults import (
     Blackhole,
     DropStream,
@@ -42,6 +41,7 @@ from ors_trl.testing.faults import (
     Stall,
     Status,
 )
+from tests.fixtures.environments import long_text
 
 #: Quick retries so that fault tests take milliseconds per retry, not seconds.
 FAST = RetryPolicy(max_attempts=4, backoff_initial=0.01, backoff_max=0.05, starting_timeout=10.0, resume_attempts=3)

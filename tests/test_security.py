@@ -24,15 +24,14 @@ from ors_trl import (
     ConfigurationError,
     EnvironmentNotFoundError,
     MissingAPIKeyError,
-    OpenRewardEnvironment,
     OpenRewardSpec,
     ORSError,
     PaymentRequiredError,
     RetryPolicy,
     Timeouts,
 )
+from ors_trl._adapter import OpenRewardEnvironment
 from ors_trl._target import encode_secrets
-from ors_trl.testing.environments import MANY_TOOLS, PWNED_PATH
 from ors_trl.testing.faults import (
     DropStream,
     EchoHeaders,
@@ -45,6 +44,7 @@ from ors_trl.testing.faults import (
     Status,
 )
 from ors_trl.testing.server import free_port
+from tests.fixtures.environments import MANY_TOOLS, PWNED_PATH
 
 FAST = RetryPolicy(max_attempts=2, backoff_initial=0.01, backoff_max=0.02, starting_timeout=0.3, resume_attempts=1)
 KEY = "sk-live-SUPERSECRET-0123456789abcdef"

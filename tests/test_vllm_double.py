@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from ors_trl import OpenRewardSpec
-from ors_trl.testing.generation import tool_call_text
+from tests.fixtures.generation import tool_call_text
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
@@ -312,7 +312,7 @@ class _ScriptedAccelerator:
     (0, 0, None),  # nobody has work: no call at all
 ])
 def test_generate_pads_to_the_largest_process(local, other, called_with):
-    from ors_trl import RolloutEngine
+    from ors_trl._engine import RolloutEngine
 
     calls = []
 

@@ -1,26 +1,26 @@
 """ors-trl: train language models with TRL's GRPOTrainer against Open Reward Standard environments.
 
-The public API is the list below; every other module is private. Importing the package is light:
-torch, trl, transformers, datasets and the openreward SDK are imported only when a feature that
-needs them is first used.
+The public API is the list below: what a user constructs, calls or catches. Every other module is
+private. Importing the package is light: torch, trl, transformers, datasets and the openreward SDK
+are imported only when a feature that needs them is first used.
 """
 
-from ._adapter import OpenRewardEnvironment
 from ._budget import get_max_sessions, set_max_sessions
 from ._client import AsyncClient, AsyncSession, Client, Session
-from ._engine import RolloutEngine
-from ._eval import EvalReport, LocalPolicy, OpenAIPolicy
+from ._eval import EvalReport
 from ._exceptions import (
     APIStatusError,
     AuthenticationError,
     BadRequestError,
     ConfigurationError,
+    ContextLengthExceeded,
     EnvironmentNotFoundError,
     MissingAPIKeyError,
     NotFoundError,
     ORSError,
     ORSTimeoutError,
     PaymentRequiredError,
+    PolicyError,
     ProtocolError,
     RateLimitError,
     ServerError,
@@ -31,13 +31,28 @@ from ._exceptions import (
     ToolFailedError,
     ToolRefusedError,
     TransportError,
+    UsageError,
 )
-from ._metrics import EnvMetrics
 from ._mix import OpenRewardMix
-from ._records import EpisodeRecorder
-from ._spec import OpenRewardSpec, outcome_reward
+from ._policies import LocalPolicy, OpenAIPolicy, Policy, PolicyReply
+from ._rewards import group_reward, outcome_reward
+from ._spec import OpenRewardSpec
 from ._transport import RetryPolicy, Timeouts
-from ._types import ImageBlock, Split, TextBlock, ToolList, ToolResult, ToolSpec, UnknownBlock
+from ._types import (
+    GroupScore,
+    ImageBlock,
+    Message,
+    ReasoningBlock,
+    Split,
+    TerminalTool,
+    TextBlock,
+    ToolCallBlock,
+    ToolList,
+    ToolResult,
+    ToolResultBlock,
+    ToolSpec,
+    UnknownBlock,
+)
 from ._version import __version__
 
 __all__ = [
@@ -48,43 +63,51 @@ __all__ = [
     "BadRequestError",
     "Client",
     "ConfigurationError",
-    "EnvMetrics",
+    "ContextLengthExceeded",
     "EnvironmentNotFoundError",
-    "EpisodeRecorder",
     "EvalReport",
+    "GroupScore",
     "ImageBlock",
     "LocalPolicy",
+    "Message",
     "MissingAPIKeyError",
     "NotFoundError",
     "ORSError",
     "ORSTimeoutError",
     "OpenAIPolicy",
-    "OpenRewardEnvironment",
     "OpenRewardMix",
     "OpenRewardSpec",
     "PaymentRequiredError",
+    "Policy",
+    "PolicyError",
+    "PolicyReply",
     "ProtocolError",
     "RateLimitError",
+    "ReasoningBlock",
     "RetryPolicy",
-    "RolloutEngine",
     "ServerError",
     "ServiceUnavailableError",
     "Session",
     "SessionExpiredError",
     "Split",
     "StreamInterruptedError",
+    "TerminalTool",
     "TextBlock",
     "Timeouts",
+    "ToolCallBlock",
     "ToolError",
     "ToolFailedError",
     "ToolList",
     "ToolRefusedError",
     "ToolResult",
+    "ToolResultBlock",
     "ToolSpec",
     "TransportError",
     "UnknownBlock",
+    "UsageError",
     "__version__",
     "get_max_sessions",
+    "group_reward",
     "outcome_reward",
     "set_max_sessions",
 ]

@@ -33,12 +33,12 @@ import inspect
 import keyword
 import logging
 import re
-import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import FunctionType
 from typing import Any
 
+from ._exceptions import ToolRefusedError
 from ._schema import (
     DEFAULT_MAX_PARAM_DESCRIPTION,
     DEFAULT_MAX_SCHEMA_NODES,
@@ -48,8 +48,11 @@ from ._schema import (
     describe_tool,
     single_line,
 )
+from ._text import ascii_fold, one_line
 
-__all__ = ["DEFAULT_RESERVED", "UNSET", "BindingResult", "BoundTool", "bind_tools", "defuse_docstring_text"]
+__all__ = [
+    "DEFAULT_RESERVED", "UNSET", "BindingResult", "BoundTool", "Toolset", "bind_tools", "defuse_docstring_text",
+]
 
 logger = logging.getLogger("ors_trl.binding")
 
@@ -95,6 +98,7 @@ class BoundTool:
     remote_name: str
     function: FunctionType
     info: ToolInfo
+    plan: _CallPlan
 
 
 @dataclass
@@ -110,11 +114,6 @@ class BindingResult:
     display_names: dict[str, str] = field(default_factory=dict)
     tools: dict[str, BoundTool] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-
-    @property
-    def report(self) -> list[str]:
-        """Alias of :attr:`warnings`."""
-        return self.warnings
 
     def install(self, cls: type) -> None:
         """Set every function as an attribute of ``cls`` (replacing same-named attributes)."""
@@ -133,21 +132,13 @@ def defuse_docstring_text(text: str) -> str:
     return _CHOICES_RE.sub(r"(\1 :", text)
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
-def _ascii_fold(text: str) -> str:
-    return unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
-
-
 def _show(name: str) -> str:
     """A name for a warning: repr, cut to a readable length."""
     return repr(name) if len(name) <= 80 else repr(name[:80]) + "…"
 
 
 def _display_base(remote: str) -> str:
-    text = re.sub(r"[^A-Za-z0-9_.:-]+", "_", _ascii_fold(remote[: _MAX_DISPLAY_NAME * 4])).strip("_")
+    text = re.sub(r"[^A-Za-z0-9_.:-]+", "_", ascii_fold(remote[: _MAX_DISPLAY_NAME * 4])).strip("_")
     return text[:_MAX_DISPLAY_NAME] or "tool"
 
 
@@ -162,7 +153,7 @@ def _is_exact_attribute(remote: str, reserved: frozenset[str]) -> bool:
 
 
 def _attribute_base(remote: str, reserved: frozenset[str]) -> str:
-    text = re.sub(r"[^A-Za-z0-9_]", "_", _ascii_fold(remote[: _MAX_ATTRIBUTE * 4]))[:_MAX_ATTRIBUTE] or "tool"
+    text = re.sub(r"[^A-Za-z0-9_]", "_", ascii_fold(remote[: _MAX_ATTRIBUTE * 4]))[:_MAX_ATTRIBUTE] or "tool"
     while text[0].isdigit() or text.startswith("_") or keyword.iskeyword(text) or text in reserved:
         text = "tool_" + text
     return text
@@ -338,18 +329,19 @@ def bind_tools(
                 f"tool {_show(remote)}: input schema could not be converted ({type(error).__name__}); "
                 "bound without parameters, arguments are passed through"
             )
-            info = ToolInfo(remote, f"Call the {_one_line(remote) or 'unnamed'} tool.", ())
+            info = ToolInfo(remote, f"Call the {one_line(remote) or 'unnamed'} tool.", ())
         for parameter in info.parameters:
             if parameter.python_name != parameter.remote_name:
                 warnings.append(
                     f"tool {_show(remote)}: parameter {_show(parameter.remote_name)} is exposed as {_show(parameter.python_name)}"
                 )
         warnings.extend(f"tool {_show(remote)}: {note}" for note in info.notes)
-        function = _build_function(info, remote, display, attribute, asynchronous, module, qualname_prefix)
+        plan = _CallPlan(remote, display, info.parameters)
+        function = _build_function(info, plan, attribute, asynchronous, module, qualname_prefix)
         result.functions[attribute] = function
         result.remote_names[attribute] = remote
         result.display_names[attribute] = display
-        result.tools[attribute] = BoundTool(attribute, display, remote, function, info)
+        result.tools[attribute] = BoundTool(attribute, display, remote, function, info, plan)
 
     for message in warnings[:_MAX_LOGGED_WARNINGS]:
         logger.warning("%s", message)
@@ -360,16 +352,14 @@ def bind_tools(
 
 def _build_function(
     info: ToolInfo,
-    remote: str,
-    display: str,
+    plan: _CallPlan,
     attribute: str,
     asynchronous: bool,
     module: str | None,
     qualname_prefix: str | None,
 ) -> FunctionType:
-    plan = _CallPlan(remote, display, info.parameters)
     function = _make_function(plan, asynchronous)
-    function.__name__ = display
+    function.__name__ = plan.display
     function.__qualname__ = f"{qualname_prefix}.{attribute}" if qualname_prefix else attribute
     function.__module__ = module if module is not None else __name__
     function.__doc__ = _docstring(info)
@@ -377,6 +367,76 @@ def _build_function(
     annotations["return"] = str
     function.__annotations__ = annotations
     function.__signature__ = _signature(info.parameters)  # type: ignore[attr-defined]
-    function._ors_remote_name = remote  # type: ignore[attr-defined]
-    function._ors_plan = plan  # type: ignore[attr-defined]  # lets the adapter run a call ahead of TRL, exactly
     return function
+
+
+class Toolset:
+    """One environment's tools as the model sees them: the bound functions, their schemas, the routing.
+
+    The one router of ors-trl: `route(name, arguments)` turns a model's call (the name it saw, its
+    arguments) into the remote tool name and wire arguments, through the same bound functions TRL
+    calls, so the adapter, the engine and evaluation cannot disagree. The `terminal` tool is never
+    bound: the model does not see it.
+
+    Args:
+        specs: the tools to bind (shared plus task-specific ones).
+        terminal: the environment's `@terminal` tool, if any.
+        asynchronous: bind coroutine methods (TRL gathers a rollout's parallel calls).
+        qualname_prefix: `__qualname__` prefix of the functions (the adapter class name).
+    """
+
+    def __init__(self, specs: Iterable[Any], *, terminal: Any = None, asynchronous: bool = False,
+                 module: str | None = None, qualname_prefix: str = "OpenRewardEnvironment") -> None:
+        self.specs = list(specs)
+        self.terminal = terminal
+        self.binding = bind_tools([s.to_json() if hasattr(s, "to_json") else s for s in self.specs],
+                                  reserved=DEFAULT_RESERVED | {"reset"}, asynchronous=asynchronous, module=module,
+                                  qualname_prefix=qualname_prefix)
+        self.by_name = {bound.name: bound for bound in self.binding.tools.values()}
+        self.by_remote = {bound.remote_name: bound for bound in self.binding.tools.values()}
+
+    def __repr__(self) -> str:
+        terminal = f", terminal={self.terminal.name!r}" if self.terminal is not None else ""
+        return f"Toolset({sorted(self.by_name)}{terminal})"
+
+    @property
+    def functions(self) -> list[FunctionType]:
+        return [bound.function for bound in self.binding.tools.values()]
+
+    @property
+    def schemas(self) -> list[dict[str, Any]]:
+        """The JSON schemas TRL renders for these tools (`transformers.utils.get_json_schema`), computed once."""
+        cached = self.__dict__.get("_schemas")
+        if cached is None:
+            try:
+                from transformers.utils import get_json_schema
+            except ImportError:
+                raise ImportError(
+                    "rendering tool schemas needs transformers, exactly as training renders them: "
+                    "pip install 'ors-trl[trl]'"
+                ) from None
+            cached = self.__dict__["_schemas"] = [get_json_schema(f) for f in self.functions]
+        return cached
+
+    def route(self, name: str, arguments: Any) -> tuple[str, dict[str, Any]]:
+        """The remote tool name and wire arguments of a model's call.
+
+        Raises:
+            ToolRefusedError: no such tool (`reason="not_found"`, TRL's own message) or arguments that do not
+                bind (`reason="input_validation"`), exactly as TRL's loop would fail the call.
+        """
+        bound = self.by_name.get(name)
+        if bound is None:
+            raise ToolRefusedError(f"Tool {name} not found.", tool=name, reason="not_found")
+        if not isinstance(arguments, dict) or not all(isinstance(k, str) for k in arguments):
+            raise ToolRefusedError(f"Tool {name}: the arguments are not a JSON object: {str(arguments)[:200]}",
+                                   tool=name, reason="input_validation")
+        try:
+            return bound.remote_name, bound.plan.arguments((), dict(arguments))
+        except TypeError as exc:
+            raise ToolRefusedError(str(exc), tool=name, reason="input_validation") from None
+
+    def install(self, cls: type) -> type:
+        """Set every bound function on `cls` (an adapter class); returns `cls`."""
+        self.binding.install(cls)
+        return cls

@@ -29,11 +29,12 @@ from ._exceptions import (
     ProtocolError,
     SessionExpiredError,
     ToolRefusedError,
+    UsageError,
 )
 from ._loop import BackgroundLoop, get_loop
 from ._target import SecretValue, Target, encode_secrets, resolve_target
 from ._transport import RetryPolicy, Timeouts, Transport
-from ._types import Block, Split, ToolList, ToolResult, parse_blocks
+from ._types import Block, GroupScore, Message, Split, ToolList, ToolResult, parse_blocks, parse_messages
 
 __all__ = ["AsyncClient", "AsyncSession", "Client", "Session"]
 
@@ -42,6 +43,8 @@ logger = logging.getLogger("ors_trl.client")
 _KEEPALIVE_CONCURRENCY = 64
 # Retries for deleting sessions while shutting down: a dead server must not hold up interpreter exit.
 _QUICK_RETRY = RetryPolicy(max_attempts=2, backoff_initial=0.1, backoff_max=0.5)
+#: How long closing a client waits for session opens still in flight, so it can delete what they create.
+_OPENING_WAIT_S = 10.0
 
 
 class AsyncSession:
@@ -77,7 +80,7 @@ class AsyncSession:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise ConfigurationError(f"session {self.sid} is closed; open a new one")
+            raise UsageError(f"session {self.sid} is closed; open a new one")
 
     async def _request(self, method: str, suffix: str, *, body: Any = None) -> Any:
         self._check_open()
@@ -95,6 +98,23 @@ class AsyncSession:
         raw = await self._request("GET", "/prompt")
         return parse_blocks(raw, where="prompt")
 
+    async def messages(self) -> list[Message]:
+        """The task's prompt as a role-tagged conversation (`/messages`, servers from SDK 0.1.157 on).
+
+        Raises `NotFoundError` on an older server that has no such route (use `prompt()` there).
+        """
+        self._check_open()
+        try:
+            raw = await self.client._transport.request("GET", self.client._path("/messages"), sid=self.sid)
+        except NotFoundError as exc:
+            if "active environment not found" in exc.detail.lower():  # the session is gone, not the route
+                self.expired = True
+                raise SessionExpiredError(str(exc), status_code=404, detail=exc.detail, path=exc.path) from None
+            raise
+        finally:
+            self.last_activity = time.monotonic()
+        return parse_messages(raw)
+
     async def tools(self) -> ToolList:
         """The session's full tool list: shared, task-specific and toolset tools."""
         return ToolList.from_json(await self._request("GET", "/task_tools"), where="task_tools")
@@ -109,31 +129,42 @@ class AsyncSession:
             StreamInterruptedError: the stream broke before the call was acknowledged (not re-run).
             ORSTimeoutError: the call outlived `Timeouts.tool_call`.
         """
+        text, task_id = await self._stream("/call", {"name": name, "input": dict(arguments or {})},
+                                           what=f"tool {name!r}", tool=name)
+        try:
+            return _parse_call_result(text, tool=name, task_id=task_id)
+        except ORSError as exc:  # a refusal or malformed result quotes the server: mask secrets it echoed
+            self.client._transport.mask_error(exc)
+            raise
+
+    async def score_group(self, candidates: list[dict[str, Any]]) -> list[GroupScore]:
+        """Score a GRPO group of this session's task (`/score_group`): one `GroupScore` per candidate, in order.
+
+        `candidates` are `{"messages": [Message.to_json(), ...], "metadata"?: {...}}`. Streamed like a tool
+        call (keepalive, resume by task id); a 404 means the environment does not support group scoring.
+        """
+        text, _ = await self._stream("/score_group", {"candidates": list(candidates)}, what="score_group",
+                                     tool="score_group")
+        return GroupScore.parse_all(text, expected=len(candidates))
+
+    async def _stream(self, suffix: str, body: dict[str, Any], *, what: str, tool: str) -> tuple[str, str | None]:
+        """One streamed call, bounded by `Timeouts.tool_call`, resumed by task id if its stream drops."""
         self._check_open()
         self.last_activity = time.monotonic()
         transport = self.client._transport
-        body = {"name": name, "input": dict(arguments or {})}
         limit = transport.timeouts.tool_call
         try:
             async with asyncio.timeout(limit):
-                text, task_id = await transport.call_stream(
-                    self.client._path("/call"), body=body, sid=self.sid, tool=name
-                )
+                return await transport.stream(self.client._path(suffix), body=body, sid=self.sid, what=what, tool=tool)
         except SessionExpiredError:
             self.expired = True
             raise
         except TimeoutError:
             raise ORSTimeoutError(
-                f"tool {name!r} did not finish within {limit} s (Timeouts.tool_call); it may still be running "
-                "on the server."
+                f"{what} did not finish within {limit} s (Timeouts.tool_call); it may still be running on the server."
             ) from None
         finally:
             self.last_activity = time.monotonic()
-        try:
-            return _parse_call_result(text, tool=name, task_id=task_id)
-        except ORSError as exc:  # a refusal or malformed result quotes the server: mask secrets it echoed
-            transport.mask_error(exc)
-            raise
 
     async def ping(self) -> bool:
         """Refresh the server's idle timer. Returns False (and marks the session expired) if it is gone."""
@@ -180,6 +211,23 @@ def _parse_call_result(text: str, *, tool: str, task_id: str | None) -> ToolResu
         tool=tool,
         reason=reason if isinstance(reason, str) else None,
     )
+
+
+async def _landed(request: Any, into: list[Any]) -> Any:
+    """Await a request that may create something on the server, appending its result to `into`; if cancelled
+    meanwhile, first let it land (bounded), so the caller can delete what it made.
+
+    Cancelling the request itself would leave the server free to finish it after our clean-up ran: a delete
+    overtaking its create, and a session left behind.
+    """
+    task = asyncio.ensure_future(request)
+    try:
+        into.append(await asyncio.shield(task))
+    except asyncio.CancelledError:
+        with contextlib.suppress(BaseException):
+            into.append(await asyncio.wait_for(task, _OPENING_WAIT_S))
+        raise
+    return into[-1]
 
 
 class AsyncClient:
@@ -235,6 +283,7 @@ class AsyncClient:
         self._env_lock: asyncio.Lock | None = None
         self._control_sid: str | None = None
         self._sessions: set[AsyncSession] = set()
+        self._opening: set[asyncio.Task[Any]] = set()  # open_session calls in flight
         self._slots: asyncio.Semaphore | None = None
         self._keepalive_task: asyncio.Task[None] | None = None
         self._closed = False
@@ -408,7 +457,9 @@ class AsyncClient:
     # -- sessions ----------------------------------------------------------------------------
 
     async def _create_sid(self) -> str:
-        events = await self._transport.events("/create_session", body={}, extra_headers=self._secret_headers)
+        """`/create_session`; on the platform (an allocation per request) never re-posted after it may have landed."""
+        events = await self._transport.events("/create_session", body={}, extra_headers=self._secret_headers,
+                                              idempotent=self.target.is_url)
         for event, data in events:
             if event == "task_id" and data.strip():
                 return data.strip()
@@ -426,37 +477,43 @@ class AsyncClient:
     ) -> AsyncSession:
         """Open a session for task `split`/`index`, or for an explicit `task_spec`.
 
-        If anything fails halfway, whatever was created on the server is deleted before the
-        error is raised.
+        Whatever this creates on the server is deleted again if the open fails or is cancelled halfway; a
+        request that may have created something is waited for first (bounded), so that the delete cannot
+        overtake it. `aclose()` waits for opens still in flight and closes what they opened.
         """
-        if self._closed:
-            raise ConfigurationError("this client is closed")
         if (task_spec is None) == (index is None):
             raise ConfigurationError("open_session needs exactly one of index= (with split=) or task_spec=")
         if index is not None:
-            if split is None:
-                split = "train"
+            split = split or "train"
             if isinstance(index, bool) or not isinstance(index, int):
                 raise ConfigurationError(f"task index must be an int, got {index!r}")
+        self._check_usable()
+        task = asyncio.current_task()
+        assert task is not None
+        self._opening.add(task)
+        try:
+            return await self._open(split, index, task_spec, toolset_name)
+        finally:
+            self._opening.discard(task)
+
+    async def _open(self, split: str | None, index: int | None, task_spec: Mapping[str, Any] | None,
+                    toolset_name: str | None) -> AsyncSession:
         env = await self.environment()
         started = time.monotonic()
         held = await self._acquire_slot()
-        sid: str | None = None
+        sids: list[str] = []
         try:
-            sid = await self._create_sid()
-            body: dict[str, Any] = {}
-            if task_spec is not None:
-                body["task_spec"] = dict(task_spec)
-            else:
-                body["split"], body["index"] = split, index
+            self._check_usable()
+            sid = await _landed(self._create_sid(), sids)
+            body: dict[str, Any] = {"task_spec": dict(task_spec)} if task_spec is not None else {
+                "split": split, "index": index}
             if env:
                 body["env_name"] = env
             if toolset_name:
                 body["toolset_name"] = toolset_name
             try:
-                await self._transport.request(
-                    "POST", "/create", body=body, sid=sid, extra_headers=self._secret_headers
-                )
+                await _landed(self._transport.request("POST", "/create", body=body, sid=sid,
+                                                      extra_headers=self._secret_headers), [])
             except BadRequestError as exc:
                 # "Session already exists" means our own retried /create had already landed.
                 if exc.detail != "Session already exists":
@@ -467,15 +524,19 @@ class AsyncClient:
                                    task_spec=task_spec, open_seconds=time.monotonic() - started)
             session._held = held
         except BaseException:
-            if sid is not None:
+            if sids:
                 with contextlib.suppress(BaseException):
-                    await asyncio.shield(self._discard(sid, held=held))
+                    await asyncio.shield(self._discard(sids[0], held=held))
             else:
                 self._release_slots(held)
             raise
         self._sessions.add(session)
         self._ensure_keepalive()
         return session
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise UsageError("this client is closed; create a new one")
 
     async def _acquire_slot(self) -> tuple[asyncio.Semaphore, ...]:
         """Wait for a free slot under this client's `max_sessions` and the process-wide cap; return what was taken."""
@@ -560,7 +621,9 @@ class AsyncClient:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def close_sessions(self) -> None:
-        """Close every session currently open through this client; the client stays usable."""
+        """Close every session open through this client, and those still opening; the client stays usable."""
+        if self._opening:
+            await asyncio.wait(list(self._opening), timeout=_OPENING_WAIT_S)
         await asyncio.gather(*(s.close() for s in list(self._sessions)), return_exceptions=True)
 
     async def aclose(self) -> None:
@@ -568,6 +631,8 @@ class AsyncClient:
         if self._closed:
             return
         self._closed = True
+        if self._opening:  # let opens in flight finish (bounded) so that what they create is deleted below
+            await asyncio.wait(list(self._opening), timeout=_OPENING_WAIT_S)
         if self._keepalive_task is not None:
             self._keepalive_task.cancel()
             with contextlib.suppress(BaseException):
@@ -591,7 +656,7 @@ class AsyncClient:
 
 
 class Session:
-    """Synchronous view of an `AsyncSession`, safe to use from any thread."""
+    """Synchronous view of an `AsyncSession` (from `Client.open_session`), safe to use from any thread."""
 
     def __init__(self, inner: AsyncSession, bg: BackgroundLoop) -> None:
         self._inner = inner
@@ -623,11 +688,17 @@ class Session:
     def prompt(self) -> list[Block]:
         return self._bg.run(self._inner.prompt())
 
+    def messages(self) -> list[Message]:
+        return self._bg.run(self._inner.messages())
+
     def tools(self) -> ToolList:
         return self._bg.run(self._inner.tools())
 
     def call(self, name: str, arguments: Mapping[str, Any] | None = None) -> ToolResult:
         return self._bg.run(self._inner.call(name, arguments))
+
+    def score_group(self, candidates: list[dict[str, Any]]) -> list[GroupScore]:
+        return self._bg.run(self._inner.score_group(candidates))
 
     def ping(self) -> bool:
         return self._bg.run(self._inner.ping())
@@ -643,14 +714,29 @@ class Session:
 
 
 class Client:
-    """Synchronous ORS client: the `AsyncClient` API driven through the background loop.
+    """Synchronous ORS client: the `AsyncClient` API driven through the process's background loop.
 
-    Takes the same arguments as `AsyncClient`. Closed by `close()`, by `with`, or at the latest at
-    interpreter exit (before thread pools shut down), deleting every session it still has open.
+    Takes the arguments of `AsyncClient`. Closed by `close()`, by `with`, or at the latest at interpreter
+    exit (before thread pools shut down), deleting every session it still has open.
     """
 
-    def __init__(self, target: str, **kwargs: Any) -> None:
-        self._async = AsyncClient(target, **kwargs)
+    def __init__(
+        self,
+        target: str,
+        *,
+        env_name: str | None = None,
+        api_key: str | None = None,
+        secrets: Mapping[str, SecretValue] | None = None,
+        timeouts: Timeouts | None = None,
+        retry: RetryPolicy | None = None,
+        keepalive_interval: float | None = 10.0,
+        max_sessions: int | None = None,
+        session_wait: float | None = 1800.0,
+        max_connections: int = 0,
+    ) -> None:
+        self._async = AsyncClient(target, env_name=env_name, api_key=api_key, secrets=secrets, timeouts=timeouts,
+                                  retry=retry, keepalive_interval=keepalive_interval, max_sessions=max_sessions,
+                                  session_wait=session_wait, max_connections=max_connections)
         self._bg = get_loop()
         self._bg.add_closer(self._async.aclose)
 
@@ -699,8 +785,10 @@ class Client:
     def tools(self) -> ToolList:
         return self._run(self._async.tools())
 
-    def open_session(self, **kwargs: Any) -> Session:
-        return Session(self._run(self._async.open_session(**kwargs)), self._bg)
+    def open_session(self, *, split: str | None = None, index: int | None = None,
+                     task_spec: Mapping[str, Any] | None = None, toolset_name: str | None = None) -> Session:
+        return Session(self._run(self._async.open_session(split=split, index=index, task_spec=task_spec,
+                                                          toolset_name=toolset_name)), self._bg)
 
     def close(self) -> None:
         self._bg.remove_closer(self._async.aclose)

@@ -1,46 +1,54 @@
 """Every error ors-trl raises, in one hierarchy.
 
-    ORSError
-    ├── ConfigurationError        bad input caught before any request (also a ValueError)
-    │   └── MissingAPIKeyError    a catalog name with no OPENREWARD_API_KEY / api_key
-    ├── EnvironmentNotFoundError  the server has no such environment (also a LookupError)
-    ├── APIStatusError            the server answered with an error status (.status_code, .detail)
-    │   ├── BadRequestError       400 / 422: invalid split, index, body
-    │   ├── AuthenticationError   401 / 403: missing or wrong API key
-    │   ├── PaymentRequiredError  402: the account has no credits
-    │   ├── NotFoundError         404
+    ORSError                          .kind: a short, stable label (metrics, records)
+    ├── ConfigurationError            bad input, caught before anything is sent (also a ValueError)
+    │   └── MissingAPIKeyError        a catalog name with no OPENREWARD_API_KEY / api_key
+    ├── UsageError                    an object used in a state that cannot work (also a RuntimeError):
+    │                                 a closed client or session, a tool before reset(), the wrong event
+    │                                 loop or process, after interpreter shutdown
+    ├── EnvironmentNotFoundError      the server has no such environment (also a LookupError)
+    ├── APIStatusError                the server answered with an error status (.status_code, .detail)
+    │   ├── BadRequestError           400 / 422: invalid split, index, body
+    │   ├── AuthenticationError       401 / 403: missing or wrong API key
+    │   ├── PaymentRequiredError      402: the account has no credits
+    │   ├── NotFoundError             404
     │   │   └── SessionExpiredError   the session is gone (reaped, deleted, server restarted)
-    │   ├── RateLimitError        429                                    [retried]
-    │   ├── ServerError           500: the environment's own code failed
-    │   └── ServiceUnavailableError  502 / 503 / 504                     [retried]
-    ├── ToolError                 a tool call produced no output
-    │   ├── ToolRefusedError      the server refused the call (.reason: not_found, input_validation,
-    │   │                         name_collision, episode_finished)
-    │   └── ToolFailedError       the tool raised inside the environment
-    ├── TransportError            the network failed                     [retried where safe]
-    │   ├── ORSTimeoutError       a deadline passed (also a TimeoutError)
-    │   └── StreamInterruptedError  a tool-call stream broke before the server named the call;
-    │                              not retried, since the tool may already be running
-    └── ProtocolError             the server's answer was malformed (bad JSON, missing fields)
+    │   ├── RateLimitError            429                                      [retried]
+    │   ├── ServerError               500: the environment's own code failed
+    │   └── ServiceUnavailableError   502 / 503 / 504                          [retried]
+    ├── ToolError                     a tool call produced no output
+    │   ├── ToolRefusedError          refused without running (.reason: not_found, input_validation,
+    │   │                             name_collision, episode_finished)
+    │   └── ToolFailedError           the tool raised inside the environment
+    ├── TransportError                the network failed                       [retried where safe]
+    │   ├── ORSTimeoutError           a deadline passed (also a TimeoutError)
+    │   └── StreamInterruptedError    a stream broke before the server named the call; not retried,
+    │                                 since the tool may already be running
+    ├── ProtocolError                 the server's answer was malformed (bad JSON, missing fields)
+    └── PolicyError                   the policy (the model being evaluated) produced no reply
+        └── ContextLengthExceeded     the conversation no longer fits the model's context
 
-`retryable` on each class says whether the client retries it by itself; a caller that sees one
-of the retryable errors has already waited out the retry budget. Messages never contain API keys
-or secrets.
+`retryable` says whether the client retries an error by itself: seeing a retryable one means the
+retry budget is spent. Messages never contain API keys or secrets.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 __all__ = [
     "APIStatusError",
     "AuthenticationError",
     "BadRequestError",
     "ConfigurationError",
+    "ContextLengthExceeded",
     "EnvironmentNotFoundError",
     "MissingAPIKeyError",
     "NotFoundError",
     "ORSError",
     "ORSTimeoutError",
     "PaymentRequiredError",
+    "PolicyError",
     "ProtocolError",
     "RateLimitError",
     "ServerError",
@@ -51,42 +59,41 @@ __all__ = [
     "ToolFailedError",
     "ToolRefusedError",
     "TransportError",
+    "UsageError",
 ]
 
 
 class ORSError(Exception):
     """Base class of every ors-trl error."""
 
-    retryable: bool = False
-
-    @property
-    def kind(self) -> str:
-        """A short, stable label for metrics ("refused", "failed", "expired", "transport", ...)."""
-        return "error"
+    retryable: ClassVar[bool] = False
+    kind: ClassVar[str] = "error"
 
 
 class ConfigurationError(ORSError, ValueError):
     """The arguments cannot work; fix them before anything is sent."""
 
-    @property
-    def kind(self) -> str:
-        return "configuration"
+    kind = "configuration"
 
 
 class MissingAPIKeyError(ConfigurationError):
     """A catalog environment was requested without an API key."""
 
 
+class UsageError(ORSError, RuntimeError):
+    """An object was used in a state where that cannot work (closed, not reset, wrong loop or process)."""
+
+    kind = "usage"
+
+
 class EnvironmentNotFoundError(ORSError, LookupError):
     """The server does not host the requested environment."""
+
+    kind = "not_found"
 
     def __init__(self, message: str, *, available: list[str] | None = None) -> None:
         super().__init__(message)
         self.available = list(available or [])
-
-    @property
-    def kind(self) -> str:
-        return "not_found"
 
 
 class APIStatusError(ORSError):
@@ -98,15 +105,13 @@ class APIStatusError(ORSError):
         path: the request path (never the query, never headers).
     """
 
+    kind = "http"
+
     def __init__(self, message: str, *, status_code: int, detail: str = "", path: str = "") -> None:
         super().__init__(message)
         self.status_code = status_code
         self.detail = detail
         self.path = path
-
-    @property
-    def kind(self) -> str:
-        return "http"
 
 
 class BadRequestError(APIStatusError):
@@ -116,17 +121,13 @@ class BadRequestError(APIStatusError):
 class AuthenticationError(APIStatusError):
     """401 / 403: the API key is missing or wrong."""
 
-    @property
-    def kind(self) -> str:
-        return "auth"
+    kind = "auth"
 
 
 class PaymentRequiredError(APIStatusError):
     """402: the platform account has no credits left."""
 
-    @property
-    def kind(self) -> str:
-        return "auth"
+    kind = "auth"
 
 
 class NotFoundError(APIStatusError):
@@ -136,9 +137,7 @@ class NotFoundError(APIStatusError):
 class SessionExpiredError(NotFoundError):
     """The session no longer exists on the server (reaped when idle, deleted, or the server restarted)."""
 
-    @property
-    def kind(self) -> str:
-        return "expired"
+    kind = "expired"
 
 
 class RateLimitError(APIStatusError):
@@ -172,39 +171,30 @@ class ToolRefusedError(ToolError):
     "episode_finished", or None when an older server did not say.
     """
 
+    kind = "refused"
+
     def __init__(self, message: str, *, tool: str = "", reason: str | None = None) -> None:
         super().__init__(message, tool=tool)
         self.reason = reason
-
-    @property
-    def kind(self) -> str:
-        return "refused"
 
 
 class ToolFailedError(ToolError):
     """The tool raised inside the environment (an SSE `error` event)."""
 
-    @property
-    def kind(self) -> str:
-        return "failed"
+    kind = "failed"
 
 
 class TransportError(ORSError):
     """The network failed: connection refused or reset, DNS, TLS."""
 
     retryable = True
-
-    @property
-    def kind(self) -> str:
-        return "transport"
+    kind = "transport"
 
 
 class ORSTimeoutError(TransportError, TimeoutError):
     """A configured deadline passed."""
 
-    @property
-    def kind(self) -> str:
-        return "timeout"
+    kind = "timeout"
 
 
 class StreamInterruptedError(TransportError):
@@ -220,6 +210,16 @@ class StreamInterruptedError(TransportError):
 class ProtocolError(ORSError):
     """The server's answer does not follow the protocol (invalid JSON, missing fields, bad types)."""
 
-    @property
-    def kind(self) -> str:
-        return "protocol"
+    kind = "protocol"
+
+
+class PolicyError(ORSError):
+    """The policy could not produce a reply (an endpoint's error answer, a generation failure)."""
+
+    kind = "policy"
+
+
+class ContextLengthExceeded(PolicyError):
+    """The conversation no longer fits the model's context: the episode ends (`end_reason="context_length"`)."""
+
+    kind = "context_length"

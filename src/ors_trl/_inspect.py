@@ -1,8 +1,9 @@
 """`ors-trl inspect`: everything about an environment a user should see before training on it.
 
 The environments a server hosts, the splits and their sizes, a few tasks, the shared tools and the
-task-specific ones (read from one probe session, closed again), and what the model will see after
-binding: the exact Python signatures of the tool functions and the JSON schemas
+task-specific ones (read from one probe session, closed again), what the server supports (a terminal
+tool, group scoring, message block types, the first task's conversation roles), and what the model
+will see after binding: the exact Python signatures of the tool functions and the JSON schemas
 `transformers.utils.get_json_schema` renders from them, with every warning binding raised.
 """
 
@@ -14,10 +15,12 @@ import json
 import logging
 from typing import Any
 
-from ._binding import DEFAULT_RESERVED, bind_tools
+from ._binding import Toolset
 from ._client import AsyncClient
 from ._exceptions import NotFoundError, ORSError
-from ._types import ToolSpec
+from ._loop import get_loop
+from ._text import show_json
+from ._types import Message, ToolSpec
 
 __all__ = ["collect", "describe_binding", "inspect_target", "render_text"]
 
@@ -59,7 +62,11 @@ async def collect(
         info["tasks"] = [{"index": i, "task": task} for i, task in enumerate(rows)]
         shared = await client.tools()
         info["shared_tools"] = [t.to_json() for t in shared.tools]
-        info["terminal_tool"] = shared.terminal_tool
+        info["terminal_tool"] = _terminal(shared.terminal_tool)
+        info["supports_score_group"] = shared.supports_score_group
+        info["message_block_types"] = list(shared.message_block_types or ["text", "image"])
+        info["messages"] = shared.message_block_types is not None
+        info["conversation"] = None
         task_tools: dict[str, Any] = {"probed": False, "index": None, "tools": [], "error": None}
         if probe and 0 <= probe_index < total:
             task_tools["probed"] = True
@@ -67,17 +74,26 @@ async def collect(
             try:
                 session = await client.open_session(split=split, index=probe_index)
                 try:
-                    listed = (await session.tools()).tools
+                    listed = await session.tools()
+                    info["conversation"] = [{"role": m.role, "blocks": [b.type for b in m.blocks]}
+                                            for m in (await session.messages() if info["messages"] else
+                                                      [Message("user", await session.prompt())])]
                 finally:
                     await session.close()
                 known = {t.name for t in shared.tools}
-                task_tools["tools"] = [t.to_json() for t in listed if t.name not in known]
+                task_tools["tools"] = [t.to_json() for t in listed.tools if t.name not in known]
+                if info["terminal_tool"] is None and listed.terminal_tool is not None:
+                    info["terminal_tool"] = _terminal(listed.terminal_tool)
             except ORSError as exc:
                 task_tools["error"] = f"{type(exc).__name__}: {exc}"
         elif probe:
             task_tools["error"] = f"task index {probe_index} is out of range (split {split!r} has {total} tasks)"
         info["task_tools"] = task_tools
     return info
+
+
+def _terminal(tool: Any) -> dict[str, Any] | None:
+    return None if tool is None else {"name": tool.name, "arg": tool.arg, "description": tool.description}
 
 
 def _signature(function: Any) -> str:
@@ -92,8 +108,7 @@ def describe_binding(specs: list[dict[str, Any]]) -> dict[str, Any]:
     level = binding_logger.level
     binding_logger.setLevel(logging.ERROR)  # the warnings are part of the output; do not print them twice
     try:
-        binding = bind_tools([ToolSpec.from_json(s).to_json() for s in specs],
-                             reserved=DEFAULT_RESERVED | {"reset"}, qualname_prefix="OpenRewardEnvironment")
+        binding = Toolset([ToolSpec.from_json(s) for s in specs]).binding
     finally:
         binding_logger.setLevel(level)
     try:
@@ -126,14 +141,9 @@ def describe_binding(specs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def inspect_target(target: str, **kwargs: Any) -> dict[str, Any]:
     """`collect` plus `describe_binding` of the shared and probed task-specific tools."""
-    info = asyncio.run(collect(target, **kwargs))
+    info = get_loop().run(collect(target, **kwargs))
     info["binding"] = describe_binding(info["shared_tools"] + info["task_tools"]["tools"])
     return info
-
-
-def _short(value: Any, limit: int = _TASK_TEXT) -> str:
-    text = json.dumps(value, ensure_ascii=False, default=str)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _indent(text: str, prefix: str) -> str:
@@ -167,7 +177,7 @@ def render_text(info: dict[str, Any]) -> str:
         task = row["task"]
         fields = ", ".join(sorted(task)) if isinstance(task, dict) else type(task).__name__
         add(f"  [{row['index']}] fields: {fields}")
-        add(f"      {_short(task)}")
+        add(f"      {show_json(task, _TASK_TEXT)}")
     add("")
     shared = info["shared_tools"]
     add(f"Shared tools ({len(shared)}):")
@@ -186,6 +196,20 @@ def render_text(info: dict[str, Any]) -> str:
             add("  (none)")
         for tool in tt["tools"]:
             add(_tool_text(tool))
+    add("")
+    terminal = info.get("terminal_tool")
+    if terminal:
+        arg = f"its argument {terminal['arg']!r}" if terminal.get("arg") else "no argument"
+        add(f"Terminal tool: {terminal['name']} (hidden from the model; gets the model's final plain message as "
+            f"{arg}): {' '.join((terminal.get('description') or '').split())[:300]}")
+    else:
+        add("Terminal tool: none (rewards come from the tools the model calls)")
+    add(f"Group scoring (/score_group): {'supported' if info.get('supports_score_group') else 'not supported'}")
+    add(f"Conversations (/messages): {'yes' if info.get('messages') else 'no (older server: /prompt)'}; "
+        f"block types {', '.join(info.get('message_block_types') or [])}")
+    if info.get("conversation") is not None:
+        roles = ", ".join(f"{m['role']} [{', '.join(m['blocks'])}]" for m in info["conversation"])
+        add(f"First probed task's conversation: {roles}")
     binding = info.get("binding")
     if binding is not None:
         add("")

@@ -20,9 +20,9 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from ._exceptions import ConfigurationError, ORSTimeoutError
+from ._exceptions import ORSTimeoutError, UsageError
 
-__all__ = ["BackgroundLoop", "get_loop", "run_sync"]
+__all__ = ["BackgroundLoop", "get_loop"]
 
 logger = logging.getLogger("ors_trl")
 T = TypeVar("T")
@@ -59,11 +59,11 @@ class BackgroundLoop:
         """Schedule `coro` on the loop and return a thread-safe future."""
         if self._closed:
             coro.close()
-            raise RuntimeError("the ors-trl background loop is shut down (interpreter exiting)")
+            raise UsageError("the ors-trl background loop is shut down (interpreter exiting)")
         if os.getpid() != self.pid:
             # Inherited across fork(): no thread runs this loop here, so the work would wait forever.
             coro.close()
-            raise RuntimeError(
+            raise UsageError(
                 "This ors-trl object was created in another process (before a fork); its sessions belong to that "
                 "process. Create the spec or client again in this process."
             )
@@ -73,7 +73,7 @@ class BackgroundLoop:
         """Run `coro` on the loop and wait for it, from any thread but the loop's own."""
         if self.in_loop_thread():
             coro.close()
-            raise ConfigurationError(
+            raise UsageError(
                 "A synchronous ors-trl call was made from inside its own event loop; use the async API "
                 "(AsyncClient / AsyncSession) from coroutines."
             )
@@ -144,13 +144,8 @@ def get_loop() -> BackgroundLoop:
         if cur is None or cur.pid != os.getpid():
             cur = _current = BackgroundLoop()
         elif cur._closed:
-            raise RuntimeError("the ors-trl background loop is shut down (interpreter exiting)")
+            raise UsageError("the ors-trl background loop is shut down (interpreter exiting)")
         return cur
-
-
-def run_sync(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-    """Run `coro` on the background loop and wait for its result."""
-    return get_loop().run(coro, timeout)
 
 
 def _shutdown_at_exit() -> None:

@@ -1,9 +1,9 @@
 """What the environment did, measured once, per environment: the numbers behind the training logs.
 
-Adapters and the rollout engine record events here (session opens, tool calls, finished
-episodes); `EnvMetrics.flush()` turns what accumulated since the last flush into flat scalar
-metrics named `env/<name>/<metric>` (and `env/<metric>` over all environments), which the
-reward function or the trainer callback hands to the trainer's own logging.
+Episodes (`ors_trl._episode`, whatever drives them) record events here: session opens, tool
+calls, finished episodes, group scorings. `EnvMetrics.flush()` turns what accumulated since the
+last flush into flat scalar metrics named `env/<name>/<metric>` (and `env/<metric>` over all
+environments), which the reward functions hand to the trainer's `log_metric`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-__all__ = ["FAILURE_KINDS", "EnvMetrics"]
+__all__ = ["FAILURE_KINDS", "UNSCORED_REASONS", "EnvMetrics"]
 
 #: Failure reasons counted separately (anything else is counted as "failed").
 FAILURE_KINDS = ("refused", "failed", "expired", "transport", "timeout", "protocol")
+#: Why an episode has no reward (see `Episode.unscored`), each counted as `unscored/<reason>`.
+UNSCORED_REASONS = ("no_reward", "cut_off", "error", "timeout")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -29,12 +31,8 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def failure_kind(kind: str) -> str:
-    """Bucket an `ORSError.kind` into one of `FAILURE_KINDS`."""
-    if kind in FAILURE_KINDS:
-        return kind
-    if kind in ("not_found", "http", "auth", "configuration", "error"):
-        return "failed"
-    return "failed"
+    """Bucket an `ORSError.kind` into one of `FAILURE_KINDS` (anything else is "failed")."""
+    return kind if kind in FAILURE_KINDS else "failed"
 
 
 @dataclass
@@ -49,7 +47,9 @@ class _Window:
     reward_sum: float = 0.0
     finished: int = 0
     episode_calls: int = 0
-    timed_out: int = 0
+    unscored: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    groups: int = 0
+    group_failures: int = 0
 
 
 class EnvMetrics:
@@ -88,16 +88,24 @@ class EnvMetrics:
                 w.failures[failure_kind(error_kind)] += 1
 
     def record_episode(self, env: str, *, reward: float | None, finished: bool, calls: int,
-                       timed_out: bool = False) -> None:
+                       unscored: str | None = None) -> None:
         with self._lock:
             w = self._windows[env]
             w.episodes += 1
             w.episode_calls += calls
             w.finished += int(finished)
-            w.timed_out += int(timed_out)
             if reward is not None:
                 w.scored += 1
                 w.reward_sum += reward
+            else:
+                w.unscored[unscored or "no_reward"] += 1
+
+    def record_group(self, env: str, *, ok: bool) -> None:
+        """One GRPO group sent to `/score_group` (scored, or failed: its rollouts get None)."""
+        with self._lock:
+            w = self._windows[env]
+            w.groups += 1
+            w.group_failures += int(not ok)
 
     def snapshot(self, *, reset: bool) -> dict[str, _Window]:
         with self._lock:
@@ -127,7 +135,10 @@ class EnvMetrics:
             total.reward_sum += w.reward_sum
             total.finished += w.finished
             total.episode_calls += w.episode_calls
-            total.timed_out += w.timed_out
+            for k, v in w.unscored.items():
+                total.unscored[k] += v
+            total.groups += w.groups
+            total.group_failures += w.group_failures
         if len(windows) > 1:
             out.update(_window_metrics("env/", total))
         for env, gauge in sorted((gauges or {}).items()):
@@ -146,8 +157,13 @@ def _window_metrics(prefix: str, w: _Window) -> dict[str, float]:
         out[prefix + "graded_fraction"] = w.scored / w.episodes
         out[prefix + "finished_fraction"] = w.finished / w.episodes
         out[prefix + "tool_calls_per_episode"] = w.episode_calls / w.episodes
-        if w.timed_out:
-            out[prefix + "timed_out_fraction"] = w.timed_out / w.episodes
+        for reason in UNSCORED_REASONS:
+            out[prefix + f"unscored/{reason}"] = float(w.unscored.get(reason, 0))
+        if w.unscored.get("timeout"):
+            out[prefix + "timed_out_fraction"] = w.unscored["timeout"] / w.episodes
+    if w.groups:
+        out[prefix + "groups_scored"] = float(w.groups - w.group_failures)
+        out[prefix + "group_failures"] = float(w.group_failures)
     if w.calls:
         out[prefix + "tool_calls"] = float(w.calls)
     if w.calls or w.failures:

@@ -8,32 +8,32 @@
 
 The dataset carries TRL's `environment` routing column, the factory is the `{name: factory}` dict
 TRL accepts (TRL then renders each environment's tools only for that environment's rows), and the
-reward function scores every rollout with its own environment's reward. Metrics are reported per
+reward functions score every rollout with its own environment. Metrics are reported per
 environment (`env/<name>/...`) and over all of them (`env/...`).
 """
 
 from __future__ import annotations
 
-import json
-import logging
+import asyncio
 import random
 import re
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from ._engine import TASK_KEY, RolloutEngine
+from ._engine import RolloutEngine
 from ._exceptions import ConfigurationError
 from ._loop import get_loop
 from ._metrics import EnvMetrics
-from ._spec import RESERVED_COLUMNS, OpenRewardSpec, reward_function, task_columns
+from ._records import RecordWriter
+from ._rewards import group_reward, outcome_reward, reward_function
+from ._spec import EPISODE_LOG_MAX_BYTES, EPISODE_LOG_MAX_TEXT, OpenRewardSpec
+from ._tasks import RESERVED_COLUMNS, log_notes, task_columns
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
 __all__ = ["OpenRewardMix"]
-
-logger = logging.getLogger("ors_trl")
 
 #: The column TRL routes rows by in multi-environment mode.
 ENVIRONMENT_COLUMN = "environment"
@@ -69,9 +69,9 @@ class OpenRewardMix:
 
     Args:
         specs: a list of specs (named after each spec's environment) or a `{name: spec}` dict.
-        weights: sampling weights, as a list aligned with `specs` or a `{name: weight}` dict: the
-            share of the dataset each environment gets (rows are repeated or subsampled to match,
-            deterministically for `seed`). None keeps every spec's tasks once.
+        weights: sampling weights, as a list aligned with `specs` or a `{name: weight}` dict: the share of
+            the dataset each environment gets (rows are repeated or subsampled to match, deterministically
+            for `seed`). None keeps every spec's tasks once.
         seed: seed for that sampling.
         episode_log: a JSON-lines file receiving every finished episode of every environment.
         unscored_reward: as on `OpenRewardSpec`: the reward of rollouts never scored (None: unscored).
@@ -106,18 +106,10 @@ class OpenRewardMix:
         self.seed = seed
         self.unscored_reward = None if unscored_reward is None else float(unscored_reward)
         self.metrics = EnvMetrics()
-        recorder = None
-        if episode_log is not None:
-            from ._records import EpisodeRecorder
-
-            recorder = EpisodeRecorder(episode_log)
+        writer = (RecordWriter(episode_log, max_bytes=EPISODE_LOG_MAX_BYTES, max_text=EPISODE_LOG_MAX_TEXT)
+                  if episode_log is not None else None)
         for name, spec in self.specs.items():
-            rt = spec._runtime
-            rt.name = name
-            rt.metrics = self.metrics
-            self.metrics.set_open_sessions_gauge(name, lambda rt=rt: rt.client.open_sessions)
-            if recorder is not None:
-                rt.recorder = recorder
+            spec._runtime.rename(name, self.metrics, writer)
         self.dataset_notes: list[str] = []
 
     def __repr__(self) -> str:
@@ -147,35 +139,25 @@ class OpenRewardMix:
         from datasets import Dataset
 
         async def fetch_all() -> list[tuple[list[int], list[Any]]]:
-            import asyncio
-
-            return list(await asyncio.gather(*(spec._fetch_tasks() for spec in self.specs.values())))
+            return list(await asyncio.gather(*(spec._selected() for spec in self.specs.values())))
 
         fetched = get_loop().run(fetch_all())
-        names = list(self.specs)
         sizes = [len(indices) for indices, _ in fetched]
         counts = sizes if self.weights is None else mixture_counts(sizes, self.weights)
         rng = random.Random(self.seed)
-        env_col: list[str] = []
-        index_col: list[int] = []
-        prompts: list[list[dict[str, Any]]] = []
+        rows: dict[str, list[Any]] = {"prompt": [], "task_index": [], ENVIRONMENT_COLUMN: []}
         tasks: list[Any] = []
-        for name, (indices, specs_tasks), count in zip(names, fetched, counts, strict=True):
+        for (name, spec), (indices, spec_tasks), count in zip(self.specs.items(), fetched, counts, strict=True):
             if not indices:
                 continue
-            spec = self.specs[name]
-            for pos in sample_rows(len(indices), count, rng):
-                index = indices[pos]
-                env_col.append(name)
-                index_col.append(index)
-                identity = json.dumps({"env": name, "split": spec.split, "index": index})
-                prompts.append([{"role": "user", "content": "", TASK_KEY: identity}])
-                tasks.append(specs_tasks[pos] if spec._include_metadata else {})
-        rows: dict[str, list[Any]] = {"prompt": prompts, "task_index": index_col, ENVIRONMENT_COLUMN: env_col}
-        columns, notes = task_columns(tasks, RESERVED_COLUMNS | {ENVIRONMENT_COLUMN})
-        self.dataset_notes = notes
-        for note in notes:
-            (logger.info if "is reserved" in note else logger.warning)("mix: %s", note)
+            picks = sample_rows(len(indices), count, rng)
+            part = spec._rows([indices[p] for p in picks], [], env=name)
+            rows["prompt"] += part["prompt"]
+            rows["task_index"] += part["task_index"]
+            rows[ENVIRONMENT_COLUMN] += [name] * len(picks)
+            tasks += [spec_tasks[p] if spec._options["include_metadata"] else {} for p in picks]
+        columns, self.dataset_notes = task_columns(tasks, RESERVED_COLUMNS | {ENVIRONMENT_COLUMN})
+        log_notes(self.dataset_notes, "mix")
         rows.update(columns)
         return Dataset.from_dict(rows)
 
@@ -187,17 +169,31 @@ class OpenRewardMix:
     @property
     def reward_funcs(self) -> Callable[..., list[float | None]]:
         """Each rollout's own environment's outcome reward (picklable)."""
-        return reward_function(self.unscored_reward)
+        return reward_function(outcome_reward, self.unscored_reward)
+
+    @property
+    def group_reward_func(self) -> Callable[..., list[float | None]]:
+        """Each rollout's comparative reward in its GRPO group, from its own environment's `/score_group`.
+
+        Every spec of the mix that is to be group-scored needs `score_groups=True`.
+        """
+        if not any(spec._options["score_groups"] for spec in self.specs.values()):
+            raise ConfigurationError("group_reward_func needs score_groups=True on at least one spec of the mix")
+        for spec in self.specs.values():
+            if spec._options["score_groups"]:
+                _ = spec.group_reward_func  # fails clearly for an environment that cannot
+        return group_reward
 
     @cached_property
     def rollout_func(self) -> RolloutEngine:
-        """The concurrent rollout engine over every environment of the mix (use instead of environment_factory)."""
+        """The rollout engine over every environment of the mix (use instead of environment_factory)."""
         first = next(iter(self.specs.values()))
-        return RolloutEngine(
-            {name: spec.engine_environment() for name, spec in self.specs.items()},
-            max_concurrent_tool_calls=first._max_concurrent_tool_calls,
-            episode_timeout=first._episode_timeout,
-        )
+        for spec in self.specs.values():
+            _ = spec._tools
+        return RolloutEngine({name: spec._runtime for name, spec in self.specs.items()},
+                             episode_timeout=first._options["episode_timeout"],
+                             gather_window=first._options["gather_window"],
+                             score_groups=any(s._options["score_groups"] for s in self.specs.values()))
 
     @cached_property
     def callbacks(self) -> list[Any]:

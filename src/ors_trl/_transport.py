@@ -30,9 +30,9 @@ import functools
 import json
 import logging
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urljoin
 
 import aiohttp
@@ -54,6 +54,7 @@ from ._exceptions import (
     StreamInterruptedError,
     ToolFailedError,
     TransportError,
+    UsageError,
 )
 from ._target import Target, _host_port
 from ._version import __version__
@@ -61,6 +62,7 @@ from ._version import __version__
 __all__ = ["RetryPolicy", "Timeouts", "Transport"]
 
 logger = logging.getLogger("ors_trl.client")
+T = TypeVar("T")
 
 USER_AGENT = f"ors-trl/{__version__}"
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
@@ -282,7 +284,7 @@ class Transport:
             )
             self._loop = loop
         elif self._loop is not loop:
-            raise RuntimeError(
+            raise UsageError(
                 "This ors-trl client is bound to another event loop; create one client per event loop "
                 "(the synchronous Client handles this for you)."
             )
@@ -368,7 +370,27 @@ class Transport:
         async with resp:  # release() and wait_for_close(), as aiohttp's own request context manager does
             yield resp
 
-    # -- plain requests --------------------------------------------------------------------------
+    # -- the three request kinds, one retry loop --------------------------------------------------
+
+    def _prepared(self, body: Any, *, sid: str | None, extra: dict[str, str] | None,
+                  stream: bool = False) -> tuple[str, dict[str, str], bytes | None]:
+        base = self.target.session_url
+        headers = self.headers(base, sid=sid, extra=extra)
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        if stream:
+            headers["Accept"] = "text/event-stream"
+        return base, headers, data
+
+    async def _status(self, resp: aiohttp.ClientResponse, path: str, *, session_scoped: bool) -> _Again:
+        """An error answer as the exception to raise, wrapped as `_Again` when retrying may help."""
+        detail = _detail_of(await resp.text(errors="replace"))
+        starting = resp.status == 503 and resp.headers.get("X-Backend-State") == "starting"
+        err = status_error(resp.status, detail, path, session_scoped=session_scoped)
+        return _Again(err, retry_after=_retry_after(resp.headers), starting=starting,
+                      final=resp.status not in _RETRY_STATUSES)
 
     @_masked
     async def request(
@@ -376,204 +398,198 @@ class Transport:
         method: str,
         path: str,
         *,
-        base: str | None = None,
         body: Any = None,
         sid: str | None = None,
         extra_headers: dict[str, str] | None = None,
-        idempotent: bool = True,
         session_scoped: bool = False,
         ok_statuses: tuple[int, ...] = (),
         retry: RetryPolicy | None = None,
     ) -> Any:
-        """Send one JSON request with retries; return the decoded JSON (None for an empty body)."""
-        policy = retry or self.retry
-        base = base or self.target.session_url
-        url = base + path
-        headers = self.headers(base, sid=sid, extra=extra_headers)
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
-        attempt = 0
-        starting_since: float | None = None
-        loop = asyncio.get_running_loop()
-        while True:
-            attempt += 1
-            if self.on_request is not None:
-                self.on_request(method, path)
-            try:
-                async with self._send(method, url, data=data, headers=headers) as resp:
-                    if resp.status < 400 or resp.status in ok_statuses:
-                        raw = await _read_capped(resp, self.max_response_bytes, path)
-                        if resp.status >= 400:
-                            return None
-                        return _decode_json(raw, path)
-                    text = await resp.text(errors="replace")
-                    detail = _detail_of(text)
-                    if resp.status == 503 and resp.headers.get("X-Backend-State") == "starting":
-                        now = loop.time()
-                        starting_since = starting_since or now
-                        if now - starting_since < policy.starting_timeout:
-                            delay = min(_retry_after(resp.headers) or 2.0, policy.backoff_max)
-                            logger.debug("%s %s: backend starting, retrying in %.1f s", method, path, delay)
-                            await asyncio.sleep(delay)
-                            attempt -= 1  # waiting for a boot is not a failed attempt
-                            continue
-                        raise ServiceUnavailableError(
-                            f"{path}: the environment backend was still starting after "
-                            f"{policy.starting_timeout:.0f} s ({detail}); raise RetryPolicy.starting_timeout "
-                            "if it needs longer.",
-                            status_code=503,
-                            detail=detail,
-                            path=path,
-                        )
-                    err = status_error(resp.status, detail, path, session_scoped=session_scoped)
-                    if resp.status in _RETRY_STATUSES and attempt < policy.max_attempts:
-                        delay = policy.delay(attempt, _retry_after(resp.headers))
-                        logger.debug("%s %s: %s; retry %d in %.2f s", method, path, resp.status, attempt, delay)
-                        await asyncio.sleep(delay)
-                        continue
-                    if resp.status in _RETRY_STATUSES:
-                        err.args = (f"{err.args[0]} (gave up after {attempt} attempts)",)
-                    raise err
-            except aiohttp.ClientConnectorError as exc:
-                # Nothing was sent: always safe to retry.
-                if attempt < policy.max_attempts:
-                    await asyncio.sleep(policy.delay(attempt))
-                    continue
-                raise TransportError(
-                    f"{method} {path}: cannot connect to {base} after {attempt} attempts ({_describe(exc)}). "
-                    "Is the server running and the URL right?"
-                ) from None
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                if idempotent and attempt < policy.max_attempts:
-                    await asyncio.sleep(policy.delay(attempt))
-                    continue
-                if isinstance(exc, TimeoutError):
-                    raise ORSTimeoutError(
-                        f"{method} {path}: no answer within {self.timeouts.request} s (attempt {attempt}); "
-                        "raise Timeouts.request if the server is slow."
-                    ) from None
-                raise TransportError(f"{method} {path}: connection failed ({_describe(exc)})") from None
+        """Send one JSON request with retries; return the decoded JSON (None for an empty or `ok_statuses` body).
 
-    # -- event streams -------------------------------------------------------------------------
+        Every request kind sent this way is idempotent: a reset after sending is retried too.
+        """
+        base, headers, data = self._prepared(body, sid=sid, extra=extra_headers)
+
+        async def attempt() -> Any:
+            self._count(method, path)
+            async with self._send(method, base + path, data=data, headers=headers) as resp:
+                if resp.status < 400 or resp.status in ok_statuses:
+                    raw = await _read_capped(resp, self.max_response_bytes, path)
+                    return None if resp.status >= 400 else _decode_json(raw, path)
+                raise await self._status(resp, path, session_scoped=session_scoped)
+
+        return await retrying(retry or self.retry, attempt, what=f"{method} {path}", base=base,
+                              sent_is_safe=True, timeout=self.timeouts.request)
 
     @_masked
     async def events(self, path: str, *, body: Any, sid: str | None = None,
-                     extra_headers: dict[str, str] | None = None) -> list[tuple[str, str]]:
-        """POST and collect a short SSE answer (e.g. `/create_session`), with request retries."""
-        base = self.target.session_url
-        headers = self.headers(base, sid=sid, extra=extra_headers)
-        headers["Content-Type"] = "application/json"
-        headers["Accept"] = "text/event-stream"
-        data = json.dumps(body).encode()
-        for attempt in range(1, self.retry.max_attempts + 1):
-            if self.on_request is not None:
-                self.on_request("POST", path)
-            try:
-                async with self._send("POST", base + path, data=data, headers=headers) as resp:
-                    if resp.status >= 400:
-                        detail = _detail_of(await resp.text(errors="replace"))
-                        err = status_error(resp.status, detail, path, session_scoped=False)
-                        if resp.status in _RETRY_STATUSES and attempt < self.retry.max_attempts:
-                            await asyncio.sleep(self.retry.delay(attempt, _retry_after(resp.headers)))
-                            continue
-                        raise err
-                    return [ev async for ev in iter_sse(resp, self.max_response_bytes)]
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                if attempt < self.retry.max_attempts:
-                    await asyncio.sleep(self.retry.delay(attempt))
-                    continue
-                raise TransportError(f"POST {path}: {_describe(exc)} after {attempt} attempts") from None
-        raise AssertionError("unreachable")
+                     extra_headers: dict[str, str] | None = None, idempotent: bool = True) -> list[tuple[str, str]]:
+        """POST and collect a short SSE answer (`/create_session`).
+
+        With `idempotent=False` (the platform allocates a session per request) a failure after the request
+        was sent is not re-posted, since a second allocation would leave the first one orphaned.
+        """
+        base, headers, data = self._prepared(body, sid=sid, extra=extra_headers, stream=True)
+
+        async def attempt() -> list[tuple[str, str]]:
+            self._count("POST", path)
+            async with self._send("POST", base + path, data=data, headers=headers) as resp:
+                if resp.status >= 400:
+                    raise await self._status(resp, path, session_scoped=False)
+                return [ev async for ev in iter_sse(resp, self.max_response_bytes)]
+
+        return await retrying(self.retry, attempt, what=f"POST {path}", base=base, sent_is_safe=idempotent,
+                              timeout=self.timeouts.request)
 
     @_masked
-    async def call_stream(self, path: str, *, body: dict[str, Any], sid: str, tool: str) -> tuple[str, str | None]:
-        """Run one `/call`: returns (result JSON text, task id). Resumes a dropped stream by task id."""
-        base = self.target.session_url
-        headers = self.headers(base, sid=sid)
+    async def stream(self, path: str, *, body: dict[str, Any], sid: str, what: str, tool: str
+                     ) -> tuple[str, str | None]:
+        """Run one streamed call (`/call`, `/score_group`): returns (result JSON text, task id).
+
+        Error answers and connection failures before anything was sent are retried; a stream that drops
+        after the server named the call is resumed by that task id (the server replays the result), never
+        re-posted without it; one that drops before is a `StreamInterruptedError`.
+        """
+        base, headers, _ = self._prepared(None, sid=sid, extra=None, stream=True)
         headers["Content-Type"] = "application/json"
-        headers["Accept"] = "text/event-stream"
         task_id: str | None = None
         resumes = 0
-        attempt = 0
-        starting_since: float | None = None
-        loop = asyncio.get_running_loop()
-        while True:
+
+        async def attempt() -> str:
             payload = body if task_id is None else {**body, "task_id": task_id}
-            attempt += 1
-            if self.on_request is not None:
-                self.on_request("POST", path)
+            self._count("POST", path)
             try:
-                async with self._send(
-                    "POST", base + path, data=json.dumps(payload).encode(), headers=headers,
-                    timeout=self._stream_timeout,
-                ) as resp:
+                async with self._send("POST", base + path, data=json.dumps(payload).encode(), headers=headers,
+                                      timeout=self._stream_timeout) as resp:
                     if resp.status >= 400:
-                        detail = _detail_of(await resp.text(errors="replace"))
-                        if resp.status == 503 and resp.headers.get("X-Backend-State") == "starting":
-                            now = loop.time()
-                            starting_since = starting_since or now
-                            if now - starting_since < self.retry.starting_timeout:
-                                await asyncio.sleep(min(_retry_after(resp.headers) or 2.0, self.retry.backoff_max))
-                                attempt -= 1
-                                continue
-                            # Same bound and message as `request()`; falling through to the generic
-                            # 503 retries would wait longer than starting_timeout and not say why.
-                            raise ServiceUnavailableError(
-                                f"{path}: the environment backend was still starting after "
-                                f"{self.retry.starting_timeout:.0f} s ({detail}); raise RetryPolicy.starting_timeout "
-                                "if it needs longer.",
-                                status_code=503,
-                                detail=detail,
-                                path=path,
-                            )
-                        err = status_error(resp.status, detail, path, session_scoped=True)
-                        if resp.status in _RETRY_STATUSES and attempt < self.retry.max_attempts:
-                            await asyncio.sleep(self.retry.delay(attempt, _retry_after(resp.headers)))
-                            continue
-                        raise err
-                    chunks: list[str] = []
-                    size = 0
-                    async for event, data in iter_sse(resp, self.max_response_bytes):
-                        if event == "task_id":
-                            task_id = data.strip() or task_id
-                        elif event in ("chunk", "end"):
-                            chunks.append(data)
-                            size += len(data)
-                            if size > self.max_response_bytes:
-                                raise ProtocolError(f"tool {tool!r}: result larger than {self.max_response_bytes} bytes")
-                            if event == "end":
-                                await _drain(resp)
-                                return "".join(chunks), task_id
-                        elif event == "error":
-                            if resumes and data.strip() == "unknown task_id":
-                                raise StreamInterruptedError(
-                                    f"tool {tool!r}: the stream dropped and the server no longer knows the call "
-                                    "(results are kept 60 s); its result is lost. The tool was not re-run."
-                                )
-                            raise ToolFailedError(f"tool {tool!r} raised in the environment: {data}", tool=tool)
-                    raise _Dropped()
-            except aiohttp.ClientConnectorError as exc:
-                if attempt < self.retry.max_attempts:
-                    await asyncio.sleep(self.retry.delay(attempt))
-                    continue
-                raise TransportError(f"tool {tool!r}: cannot connect to {base} ({_describe(exc)})") from None
+                        raise await self._status(resp, path, session_scoped=True)
+                    return await self._result(resp, what, tool, resumed=resumes > 0, on_task_id=remember)
+            except aiohttp.ClientConnectorError:
+                raise  # nothing was sent: `retrying` tries again
             except (_Dropped, aiohttp.ClientError, TimeoutError) as exc:
+                raise _Broken(exc) from None
+
+        def remember(value: str) -> None:
+            nonlocal task_id
+            task_id = value or task_id
+
+        while True:
+            try:
+                return await retrying(self.retry, attempt, what=what, base=base, sent_is_safe=False,
+                                      timeout=self.timeouts.stream_idle), task_id
+            except _Broken as broken:
                 if task_id is None:
                     raise StreamInterruptedError(
-                        f"tool {tool!r}: the connection broke before the server acknowledged the call "
-                        f"({_describe(exc)}); it was not retried because the tool may already be running."
+                        f"{what}: the connection broke before the server acknowledged the call "
+                        f"({_describe(broken.cause)}); it was not retried because it may already be running."
                     ) from None
                 resumes += 1
                 if resumes > self.retry.resume_attempts:
                     raise StreamInterruptedError(
-                        f"tool {tool!r}: the result stream kept dropping ({_describe(exc)}); gave up after "
+                        f"{what}: the result stream kept dropping ({_describe(broken.cause)}); gave up after "
                         f"{resumes - 1} resumes."
                     ) from None
-                logger.debug("tool %r: stream dropped (%s); resuming task %s", tool, _describe(exc), task_id)
+                logger.debug("%s: stream dropped (%s); resuming task %s", what, _describe(broken.cause), task_id)
                 await asyncio.sleep(self.retry.delay(resumes))
-                attempt = 0
+
+    async def _result(self, resp: aiohttp.ClientResponse, what: str, tool: str, *, resumed: bool,
+                      on_task_id: Callable[[str], None]) -> str:
+        """Read one call's event stream to its result: `task_id`, `chunk`... `end`, or `error`."""
+        chunks: list[str] = []
+        size = 0
+        async for event, data in iter_sse(resp, self.max_response_bytes):
+            if event == "task_id":
+                on_task_id(data.strip())
+            elif event in ("chunk", "end"):
+                chunks.append(data)
+                size += len(data)
+                if size > self.max_response_bytes:
+                    raise ProtocolError(f"{what}: result larger than {self.max_response_bytes} bytes")
+                if event == "end":
+                    await _drain(resp)
+                    return "".join(chunks)
+            elif event == "error":
+                if resumed and data.strip() == "unknown task_id":
+                    raise StreamInterruptedError(
+                        f"{what}: the stream dropped and the server no longer knows the call (results are kept "
+                        "60 s); its result is lost. It was not re-run."
+                    )
+                raise ToolFailedError(f"{what} raised in the environment: {data}", tool=tool)
+        raise _Dropped()
+
+    def _count(self, method: str, path: str) -> None:
+        if self.on_request is not None:
+            self.on_request(method, path)
+
+
+class _Again(Exception):
+    """Internal: an attempt failed with `error`; `retrying` decides whether to try again."""
+
+    def __init__(self, error: ORSError, *, retry_after: float | None = None, starting: bool = False,
+                 final: bool = False) -> None:
+        self.error, self.retry_after, self.starting, self.final = error, retry_after, starting, final
+
+
+class _Broken(Exception):
+    """Internal: a stream broke after its answer began (resumable by task id, never retried blindly)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        self.cause = cause
+
+
+async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, what: str, base: str = "",
+                   sent_is_safe: bool = True, timeout: float | None = None) -> T:
+    """Run `attempt()` until it succeeds, under `policy`: the one retry loop for every request kind.
+
+    Retried with backoff: an `_Again` that is not final (429/502/503/504, honouring `Retry-After`) and a
+    connection that could not be made (nothing was sent). A connection reset or a timeout after the request
+    was sent is retried only when `sent_is_safe`. A `503` with `X-Backend-State: starting` is waited out
+    for up to `policy.starting_timeout`, without counting as an attempt.
+    """
+    loop = asyncio.get_running_loop()
+    attempts = 0
+    starting_since: float | None = None
+    while True:
+        attempts += 1
+        try:
+            return await attempt()
+        except _Again as again:
+            err, delay = again.error, policy.delay(attempts, again.retry_after)
+            if again.starting:
+                starting_since = starting_since or loop.time()
+                if loop.time() - starting_since >= policy.starting_timeout:
+                    raise ServiceUnavailableError(
+                        f"{what}: the environment backend was still starting after {policy.starting_timeout:.0f} s "
+                        f"({getattr(err, 'detail', err)}); raise RetryPolicy.starting_timeout if it needs longer.",
+                        status_code=503, detail=getattr(err, "detail", ""), path=getattr(err, "path", ""),
+                    ) from None
+                attempts -= 1  # waiting for a boot is not a failed attempt
+                delay = min(again.retry_after or 2.0, policy.backoff_max)
+            elif again.final:
+                raise err from None
+            elif attempts >= policy.max_attempts:
+                err.args = (f"{err.args[0]} (gave up after {attempts} attempts)", *err.args[1:])
+                raise err from None
+        except aiohttp.ClientConnectorError as exc:  # nothing was sent: always safe to retry
+            if attempts >= policy.max_attempts:
+                raise TransportError(
+                    f"{what}: cannot connect to {base} after {attempts} attempts ({_describe(exc)}). "
+                    "Is the server running and the URL right?"
+                ) from None
+            delay = policy.delay(attempts)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            if not sent_is_safe or attempts >= policy.max_attempts:
+                if isinstance(exc, TimeoutError):
+                    raise ORSTimeoutError(
+                        f"{what}: no answer within {timeout} s (attempt {attempts}); raise Timeouts.request if the "
+                        "server is slow."
+                    ) from None
+                raise TransportError(f"{what}: connection failed after {attempts} attempt(s) ({_describe(exc)})"
+                                     ) from None
+            delay = policy.delay(attempts)
+        logger.debug("%s: attempt %d failed; retrying in %.2f s", what, attempts, delay)
+        await asyncio.sleep(delay)
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,4 +1,4 @@
-"""Plain data types for what an ORS server returns: blocks, tool specs, tool results, splits.
+"""Plain data types for what an ORS server returns: blocks, messages, tool specs and results, splits.
 
 Parsing is strict where a wrong value would corrupt training (a reward that is not a finite
 number is a protocol error, not a silent 0.0) and lenient where nothing is lost (an unknown
@@ -7,6 +7,7 @@ block type is kept, with a placeholder in the text view).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,15 +16,23 @@ from ._exceptions import ProtocolError
 
 __all__ = [
     "Block",
+    "GroupScore",
     "ImageBlock",
+    "Message",
+    "ReasoningBlock",
     "Split",
+    "TerminalTool",
     "TextBlock",
+    "ToolCallBlock",
     "ToolList",
     "ToolResult",
+    "ToolResultBlock",
     "ToolSpec",
     "UnknownBlock",
+    "block_json",
     "blocks_text",
     "parse_blocks",
+    "parse_messages",
 ]
 
 
@@ -54,6 +63,35 @@ class ImageBlock:
 
 
 @dataclass(frozen=True, slots=True)
+class ReasoningBlock:
+    """A reasoning segment of an assistant turn (`/messages`, SDK >= 0.1.157)."""
+
+    text: str
+    signature: str | None = None
+    type: str = "reasoning"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallBlock:
+    """A tool invocation inside an assistant turn (`/messages`)."""
+
+    id: str
+    name: str
+    input: dict[str, Any]
+    type: str = "tool_call"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResultBlock:
+    """A tool result inside a user turn, matched to a `ToolCallBlock` by `tool_call_id` (`/messages`)."""
+
+    tool_call_id: str
+    blocks: list[Block]
+    is_error: bool = False
+    type: str = "tool_result"
+
+
+@dataclass(frozen=True, slots=True)
 class UnknownBlock:
     """A block of a type this client does not know; kept as received."""
 
@@ -61,7 +99,35 @@ class UnknownBlock:
     raw: dict[str, Any] = field(default_factory=dict)
 
 
-Block = TextBlock | ImageBlock | UnknownBlock
+Block = TextBlock | ImageBlock | ReasoningBlock | ToolCallBlock | ToolResultBlock | UnknownBlock
+
+
+def _block(raw: Any, i: int, where: str) -> Block:
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"{where}: block {i} is {type(raw).__name__}, not an object")
+    kind = raw.get("type", "text" if "text" in raw else None)
+    if kind in ("text", "reasoning"):
+        text = raw.get("text")
+        if not isinstance(text, str):
+            raise ProtocolError(f"{where}: {kind} block {i} has no string 'text'")
+        if kind == "reasoning":
+            signature = raw.get("signature")
+            return ReasoningBlock(text=text, signature=signature if isinstance(signature, str) else None)
+        return TextBlock(text=text, detail=raw["detail"] if isinstance(raw.get("detail"), dict) else None)
+    if kind == "image":
+        data, mime = raw.get("data"), raw.get("mimeType", raw.get("mime_type"))
+        if not isinstance(data, str) or not isinstance(mime, str):
+            raise ProtocolError(f"{where}: image block {i} needs string 'data' and 'mimeType'")
+        return ImageBlock(data=data, mime_type=mime)
+    if kind == "tool_call":
+        arguments = raw.get("input") or {}
+        if not isinstance(raw.get("name"), str) or not isinstance(arguments, dict):
+            raise ProtocolError(f"{where}: tool_call block {i} needs a string 'name' and an object 'input'")
+        return ToolCallBlock(id=str(raw.get("id") or f"call_{i}"), name=raw["name"], input=dict(arguments))
+    if kind == "tool_result":
+        return ToolResultBlock(tool_call_id=str(raw.get("tool_call_id") or ""), is_error=bool(raw.get("is_error")),
+                               blocks=parse_blocks(raw.get("blocks"), where=f"{where} tool_result {i}"))
+    return UnknownBlock(type=str(kind), raw=raw)
 
 
 def parse_blocks(value: Any, *, where: str) -> list[Block]:
@@ -70,43 +136,72 @@ def parse_blocks(value: Any, *, where: str) -> list[Block]:
         return []
     if not isinstance(value, list):
         raise ProtocolError(f"{where}: expected a list of blocks, got {type(value).__name__}")
-    out: list[Block] = []
-    for i, raw in enumerate(value):
-        if not isinstance(raw, dict):
-            raise ProtocolError(f"{where}: block {i} is {type(raw).__name__}, not an object")
-        btype = raw.get("type", "text" if "text" in raw else None)
-        detail = raw.get("detail") if isinstance(raw.get("detail"), dict) else None
-        if btype == "text":
-            text = raw.get("text")
-            if not isinstance(text, str):
-                raise ProtocolError(f"{where}: text block {i} has no string 'text'")
-            out.append(TextBlock(text=text, detail=detail))
-        elif btype == "image":
-            data = raw.get("data")
-            mime = raw.get("mimeType", raw.get("mime_type"))
-            if not isinstance(data, str) or not isinstance(mime, str):
-                raise ProtocolError(f"{where}: image block {i} needs string 'data' and 'mimeType'")
-            out.append(ImageBlock(data=data, mime_type=mime, detail=detail))
-        else:
-            out.append(UnknownBlock(type=str(btype), raw=raw))
-    return out
+    return [_block(raw, i, where) for i, raw in enumerate(value)]
+
+
+def block_text(block: Block) -> str:
+    """The text a language model sees for one block: rich blocks rendered readably, nothing dropped."""
+    if isinstance(block, TextBlock):
+        return block.text
+    if isinstance(block, ImageBlock):
+        return f"[image: {block.mime_type}]"
+    if isinstance(block, ReasoningBlock):
+        return f"<think>{block.text}</think>"
+    if isinstance(block, ToolCallBlock):
+        return f"[tool_call {block.name}] {json.dumps(block.input, ensure_ascii=False, default=str)}"
+    if isinstance(block, ToolResultBlock):
+        header = "[tool_result (error)]" if block.is_error else "[tool_result]"
+        return "\n".join([header, *(block_text(b) for b in block.blocks)])
+    return f"[unsupported block: {block.type}]"
 
 
 def blocks_text(blocks: list[Block]) -> str:
-    """The text a language model sees for a list of blocks.
+    """The text for a list of blocks, joined with newlines (`[image: image/png]` for an image)."""
+    return "\n".join(block_text(b) for b in blocks)
 
-    Text blocks are joined with newlines; an image becomes `[image: image/png]` and an unknown
-    block `[unsupported block: TYPE]`, so the model is told something was there.
-    """
-    parts: list[str] = []
-    for b in blocks:
-        if isinstance(b, TextBlock):
-            parts.append(b.text)
-        elif isinstance(b, ImageBlock):
-            parts.append(f"[image: {b.mime_type}]")
-        else:
-            parts.append(f"[unsupported block: {b.type}]")
-    return "\n".join(parts)
+
+def block_json(block: Block) -> dict[str, Any]:
+    """A block in its wire form (what `/score_group` candidates carry)."""
+    if isinstance(block, UnknownBlock):
+        return dict(block.raw)
+    if isinstance(block, TextBlock):
+        return {"type": "text", "text": block.text}
+    if isinstance(block, ImageBlock):
+        return {"type": "image", "data": block.data, "mimeType": block.mime_type}
+    if isinstance(block, ReasoningBlock):
+        return {"type": "reasoning", "text": block.text, **({"signature": block.signature} if block.signature else {})}
+    if isinstance(block, ToolCallBlock):
+        return {"type": "tool_call", "id": block.id, "name": block.name, "input": block.input}
+    return {"type": "tool_result", "tool_call_id": block.tool_call_id, "is_error": block.is_error,
+            "blocks": [block_json(b) for b in block.blocks]}
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One turn of a task conversation (`GET /{env}/messages`); `role` is system, user or assistant."""
+
+    role: str
+    blocks: list[Block]
+
+    @property
+    def text(self) -> str:
+        return blocks_text(self.blocks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"role": self.role, "blocks": [block_json(b) for b in self.blocks]}
+
+
+def parse_messages(value: Any, *, where: str = "messages") -> list[Message]:
+    """Parse `/messages` (`[{"role", "blocks"}]`); a role other than system/user/assistant is a protocol error."""
+    if not isinstance(value, list):
+        raise ProtocolError(f"{where}: expected a list of messages, got {type(value).__name__}")
+    out = []
+    for i, raw in enumerate(value):
+        role = raw.get("role") if isinstance(raw, dict) else None
+        if role not in ("system", "user", "assistant"):
+            raise ProtocolError(f"{where}: message {i} has no role system, user or assistant")
+        out.append(Message(role=role, blocks=parse_blocks(raw.get("blocks"), where=f"{where}[{i}]")))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,12 +235,36 @@ class ToolSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class TerminalTool:
+    """An environment's `@terminal` tool: hidden from the model, called with its final plain message.
+
+    Attributes:
+        name: the remote tool name.
+        arg: the single argument the message is passed as, or None for a tool that takes none.
+        description: what the tool says about itself.
+    """
+
+    name: str
+    arg: str | None = None
+    description: str = ""
+
+    def arguments(self, message: str) -> dict[str, Any]:
+        """The wire arguments for a final message: `{arg: message}`, or `{}` when the tool takes none."""
+        return {} if self.arg is None else {self.arg: message}
+
+
+@dataclass(frozen=True, slots=True)
 class ToolList:
-    """The answer of `/tools` or `/task_tools`."""
+    """The answer of `/tools` or `/task_tools`.
+
+    Fields an older server does not send mean "not supported": `terminal_tool` None,
+    `supports_score_group` False, `message_block_types` None (the server has no `/messages`).
+    """
 
     tools: list[ToolSpec]
-    terminal_tool: dict[str, Any] | None = None
-    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    terminal_tool: TerminalTool | None = None
+    supports_score_group: bool = False
+    message_block_types: tuple[str, ...] | None = None
 
     @classmethod
     def from_json(cls, raw: Any, *, where: str) -> ToolList:
@@ -154,28 +273,39 @@ class ToolList:
         if not isinstance(raw, dict) or not isinstance(raw.get("tools"), list):
             raise ProtocolError(f"{where}: expected {{'tools': [...]}}")
         terminal = raw.get("terminal_tool")
+        if terminal is not None and not (isinstance(terminal, dict) and isinstance(terminal.get("name"), str)
+                                         and isinstance(terminal.get("arg"), str | None)):
+            raise ProtocolError(f"{where}: terminal_tool must be an object with a string 'name', got {terminal!r:.200}")
+        kinds = raw.get("message_block_types")
         return cls(
             tools=[ToolSpec.from_json(t) for t in raw["tools"]],
-            terminal_tool=terminal if isinstance(terminal, dict) else None,
-            raw=raw,
+            terminal_tool=None if terminal is None else TerminalTool(
+                terminal["name"], terminal.get("arg"), str(terminal.get("description") or "")),
+            supports_score_group=raw.get("supports_score_group") is True,
+            message_block_types=tuple(str(k) for k in kinds) if isinstance(kinds, list) else None,
         )
 
     def names(self) -> list[str]:
         return [t.name for t in self.tools]
 
 
-def _parse_reward(value: Any, *, tool: str) -> float | None:
+def parse_reward(value: Any, *, what: str) -> float | None:
+    """A reward as sent by the server: None, or a finite number; anything else is a `ProtocolError`."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ProtocolError(f"tool {tool!r} returned a non-numeric reward {value!r:.100}")
+        raise ProtocolError(f"{what} returned a non-numeric reward {value!r:.100}")
     try:
         reward = float(value)
     except ValueError:
-        raise ProtocolError(f"tool {tool!r} returned a non-numeric reward {value!r:.100}") from None
+        raise ProtocolError(f"{what} returned a non-numeric reward {value!r:.100}") from None
     if not math.isfinite(reward):
-        raise ProtocolError(f"tool {tool!r} returned a non-finite reward {value!r}")
+        raise ProtocolError(f"{what} returned a non-finite reward {value!r}")
     return reward
+
+
+def _metadata(value: Any) -> dict[str, Any] | None:
+    return value if value is None or isinstance(value, dict) else {"value": value}
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,13 +334,36 @@ class ToolResult:
     def from_output(cls, output: Any, *, tool: str, task_id: str | None = None) -> ToolResult:
         if not isinstance(output, dict):
             raise ProtocolError(f"tool {tool!r}: 'output' must be an object")
-        metadata = output.get("metadata")
-        if metadata is not None and not isinstance(metadata, dict):
-            metadata = {"value": metadata}
         return cls(
             blocks=parse_blocks(output.get("blocks"), where=f"tool {tool!r} output"),
-            reward=_parse_reward(output.get("reward"), tool=tool),
+            reward=parse_reward(output.get("reward"), what=f"tool {tool!r}"),
             finished=bool(output.get("finished", False)),
-            metadata=metadata,
+            metadata=_metadata(output.get("metadata")),
             task_id=task_id,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class GroupScore:
+    """One candidate's comparative reward from `/score_group` (index-aligned with the candidates)."""
+
+    reward: float
+    metadata: dict[str, Any] | None = None
+
+    @classmethod
+    def parse_all(cls, text: str, *, expected: int) -> list[GroupScore]:
+        """Parse a `/score_group` result (`{"scores": [{"reward", "metadata"?}]}`) of `expected` scores."""
+        try:
+            body = json.loads(text)
+        except ValueError:
+            raise ProtocolError(f"score_group: the result is not valid JSON: {text[:200]!r}") from None
+        scores = body.get("scores") if isinstance(body, dict) else None
+        if not isinstance(scores, list) or len(scores) != expected:
+            raise ProtocolError(f"score_group: expected {{'scores': [...]}} with {expected} entries, got {text[:200]!r}")
+        out = []
+        for score in scores:
+            reward = parse_reward(score.get("reward") if isinstance(score, dict) else score, what="score_group")
+            if reward is None:
+                raise ProtocolError("score_group: a score has no reward")
+            out.append(cls(reward, _metadata(score.get("metadata")) if isinstance(score, dict) else None))
+        return out

@@ -162,16 +162,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "serve-echo",
-        help="serve the bundled EchoEnvironment reference server on loopback (needs openreward)",
-        description=_para("Start the reference ORS server with the bundled fixture environments (default: echo) on a "
-        "loopback address, for trying ors-trl without an environment of your own. Needs the openreward package "
-        "(pip install 'ors-trl[demo]'). Stop it with Ctrl-C."),
+        help="serve the bundled echo environment under the reference server on loopback (needs openreward)",
+        description=_para("Start the reference ORS server with the bundled demo environments (default: echo, TRL's "
+        "guide task) on a loopback address, for trying ors-trl without an environment of your own. Needs the "
+        "openreward package (pip install 'ors-trl[demo]'). Stop it with Ctrl-C."),
         **_LAYOUT,
     )
     p.add_argument("--port", metavar="N", type=int, required=True, help="TCP port to listen on")
     p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
     p.add_argument("--envs", default="echo",
-                   help="comma-separated fixture environments, or 'all' (default echo)")
+                   help="comma-separated bundled environments (echo, demo), or 'all' (default echo)")
     p.add_argument("--log-level", default="warning", help="server log level (default warning)")
 
     sub.add_parser("demo", help="the bundled GRPO demo (options are passed to it; `ors-trl demo --help`)",
@@ -211,7 +211,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from ._eval import OpenAIPolicy, evaluate
+    from ._policies import OpenAIPolicy
     from ._spec import OpenRewardSpec
 
     if args.resume and not args.output:
@@ -233,8 +233,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     # The spec is built like a training spec with the same selection, so the tools bound are those training binds.
     spec = OpenRewardSpec(args.target, split=args.split, env_name=args.env_name, num_tasks=args.num_tasks,
                           indices=args.indices)
-    report = evaluate(
-        spec, policy, num_tasks=args.num_tasks, indices=args.indices, repeats=args.repeats,
+    report = spec.evaluate(
+        policy, num_tasks=args.num_tasks, indices=args.indices, repeats=args.repeats,
         concurrency=args.concurrency, max_turns=args.max_turns, output=args.output, resume=args.resume,
         overwrite=args.overwrite, per_task_tools=args.per_task_tools, temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, progress=not args.no_progress,
@@ -266,12 +266,19 @@ def _cmd_serve_echo(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise _UsageError(f"--port must be 1..65535, got {args.port}")
     os.environ.setdefault("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
+    from .demo._environments import ENVIRONMENTS
     from .testing.server import main as serve
 
+    names = list(ENVIRONMENTS) if args.envs.strip() == "all" else [n.strip() for n in args.envs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ENVIRONMENTS]
+    if unknown or not names:
+        raise _UsageError(f"unknown environment(s) {unknown}; known: {', '.join(ENVIRONMENTS)}, all")
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"ors-trl: serving {args.envs} on http://{host}:{args.port} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    print(f"ors-trl: serving {', '.join(names)} on http://{host}:{args.port} (Ctrl-C to stop)", file=sys.stderr,
+          flush=True)
+    paths = [f"{ENVIRONMENTS[n].__module__}:{ENVIRONMENTS[n].__qualname__}" for n in names]
     try:
-        return int(serve(["--port", str(args.port), "--host", args.host, "--envs", args.envs,
+        return int(serve(["--port", str(args.port), "--host", args.host, *(a for p in paths for a in ("--env", p)),
                           "--log-level", args.log_level]) or 0)
     except SystemExit as exc:  # the server's own argument checks (e.g. an unknown --envs name)
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE

@@ -43,7 +43,7 @@ import torch
 torch.set_num_threads(1)
 
 from ors_trl import OpenRewardSpec  # noqa: E402
-from ors_trl.testing.generation import tool_call_text  # noqa: E402
+from tests.fixtures.generation import tool_call_text  # noqa: E402
 
 ENV_NAME = "echoenvironment"
 _TARGET = re.compile(r'exactly this text: "([^"]+)"')
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     report["global_step"] = trainer.state.global_step
     if args.mode == "engine":
         report["engine_last_episodes"] = [
-            {"task_index": ep.task_index, "sid": ep.session.sid if ep.session else None, "reward": ep.reward}
+            {"task_index": ep.task.index, "sid": ep.session.sid if ep.session else None, "reward": ep.reward}
             for ep in spec.rollout_func.last_episodes
         ]
     out_path = os.path.join(args.out, f"report-{args.mode}-rank{rank}.json")

@@ -26,8 +26,9 @@ import aiohttp
 import pytest
 
 from ors_trl.demo import _task as _demo_task
+from ors_trl.demo._environments import EchoEnvironment
 from ors_trl.testing import ReferenceServer, ServerStartError, free_port
-from ors_trl.testing.environments import SSE_CHUNK_SIZE, long_text, png_bytes
+from tests.fixtures.environments import SSE_CHUNK_SIZE, long_text, png_bytes
 
 ALL_KEYS = [
     "echoenvironment",
@@ -183,13 +184,22 @@ def test_free_port_is_bindable_loopback_only() -> None:
     with pytest.raises(ValueError):
         free_port("0.0.0.0")
     with pytest.raises(ValueError):
-        ReferenceServer(host="0.0.0.0")
+        ReferenceServer([EchoEnvironment], host="0.0.0.0")
+
+
+def test_environments_are_classes_or_import_paths() -> None:
+    with pytest.raises(ValueError, match="module:Class"):
+        ReferenceServer("echo")
+    with pytest.raises(ValueError, match="not __main__"):
+        ReferenceServer([type("Local", (), {"__module__": "__main__"})])
+    server = ReferenceServer([EchoEnvironment, "tests.fixtures.environments:SparseEnvironment"])
+    assert server.envs == ["ors_trl.demo._environments:EchoEnvironment", "tests.fixtures.environments:SparseEnvironment"]
 
 
 def test_start_failure_reports_server_output() -> None:
-    server = ReferenceServer(envs="no_such_env", startup_timeout=30)
+    server = ReferenceServer("no_such_module:NoSuchEnv", startup_timeout=30)
     started = time.monotonic()
-    with pytest.raises(ServerStartError, match="unknown environment 'no_such_env'"):
+    with pytest.raises(ServerStartError, match="cannot load the environments.*no_such_module"):
         server.start()
     assert time.monotonic() - started < 30
     assert not server.running
@@ -660,7 +670,7 @@ def test_server_exits_when_its_launcher_dies() -> None:
     code = (
         "import os, sys\n"
         "from ors_trl.testing import ReferenceServer\n"
-        "server = ReferenceServer('echo').start()\n"
+        "server = ReferenceServer('ors_trl.demo._environments:EchoEnvironment').start()\n"
         "print(server.pid, flush=True)\n"
         "os._exit(0)  # no atexit, no cleanup: like a crashed test run\n"
     )

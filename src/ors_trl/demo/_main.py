@@ -1,7 +1,7 @@
 """`ors-trl demo`: train a tiny tool-calling model with GRPO against a local ORS environment, end to end.
 
-1. start the bundled demo environment (`ors_trl.testing.environments.DemoEnvironment`, written with
-   the `openreward` scaffolding) on a free loopback port;
+1. start the bundled demo environment (`ors_trl.demo._environments`, written with the `openreward`
+   scaffolding) under the reference server on a free loopback port;
 2. build a tiny Qwen3 model and a byte-level BPE tokenizer locally (TRL's `qwen3.jinja` template);
 3. warm start it (supervised, format only: every allowed word equally, whatever the prompt asks);
 4. measure it on held-out tasks; train it with `GRPOTrainer` fed by `OpenRewardSpec(url)`'s
@@ -171,10 +171,12 @@ def run_demo(
         elif url is not None:
             target, name = url, BUNDLED_ENV
         else:
-            from ors_trl.testing.server import ReferenceServer
+            from ors_trl.testing import ReferenceServer
+
+            from ._environments import DemoEnvironment
 
             say("starting the bundled demo environment (the reference ORS server, on loopback)")
-            server = ReferenceServer(envs="demo").start()
+            server = ReferenceServer([DemoEnvironment]).start()
             target, name = server.url, BUNDLED_ENV
             say(f"  serving {server.url}")
         bundled = env is None
@@ -206,7 +208,7 @@ def run_demo(
                                    episodes_fn=_task.warm_start_episodes, **sft)
 
         say("measuring the model on held-out tasks (before)")
-        before = _recipe.evaluate_policy(model, tokenizer, heldout_rows, heldout.environment_factory)
+        before = _recipe.evaluate_policy(model, tokenizer, heldout)
         say(f"  held-out success {before['success_rate']:.3f}, tool-call rate {before['tool_call_rate']:.3f}")
 
         config = _recipe.grpo_config_kwargs(steps=steps, seed=seed,
@@ -229,7 +231,7 @@ def run_demo(
         trainer.train()
 
         say("measuring the model on held-out tasks (after)")
-        after = _recipe.evaluate_policy(trainer.model, tokenizer, heldout_rows, heldout.environment_factory)
+        after = _recipe.evaluate_policy(trainer.model, tokenizer, heldout)
         train.close()
         heldout.close()
         return DemoResult(before=before, after=after, seconds=time.perf_counter() - started, steps=steps, seed=seed,

@@ -6,8 +6,7 @@ exactly the token sequences GRPO will sample and the evaluation measures exactly
 - prompts are rendered with the trainer's chat template (TRL swaps Qwen3's template for its prefix-preserving training
   variant, ``get_training_chat_template``) with the environment's tools and ``add_generation_prompt=True``;
 - a rollout is ``prompt + assistant tool call + <tool suffix> + final assistant message``, concatenated at the token
-  level exactly like ``GRPOTrainer._tool_call_loop`` (the tool suffix is computed the same way as
-  ``GRPOTrainer._get_tool_suffix_ids``);
+  level exactly as TRL's tool loop concatenates them (the tool suffix computed the way TRL computes it);
 - completions are parsed with ``trl.chat_template_utils.parse_response(tokenizer, ids, prefix=prompt_ids, tools=...)``.
 """
 
@@ -85,7 +84,7 @@ def tool_call_text(tokenizer, name: str, arguments: dict[str, Any]) -> str:
 def tool_suffix_ids(tokenizer, name: str, reply: str, chat_template: str | None) -> list[int]:
     """Token ids TRL inserts after a tool call: the tool reply turn plus the next assistant header.
 
-    Same computation as ``GRPOTrainer._get_tool_suffix_ids``.
+    The same computation as TRL's tool loop (render with and without the tool turn, keep the difference).
     """
     dummy = [{"role": "user", "content": "dummy"}, tool_call_message(name, {})]
     prefix = tokenizer.apply_chat_template(
@@ -230,25 +229,6 @@ def warm_start(
     return {"loss": loss_value, "seconds": time.perf_counter() - start}
 
 
-# ── reward ──────────────────────────────────────────────────────────────────────────────────────────────────────────
-
-
-def outcome_reward(environments, **kwargs) -> list[float]:
-    """GRPO reward function: each rollout's last non-None environment reward, and 0.0 when there is none.
-
-    Scoring "no reward observed" (no parseable tool call, or a call that failed) as 0.0 rather than None matters:
-    TRL gives an unscored (None) rollout an advantage of 0, which beats the negative advantage of a wrong call, so
-    the policy learns to stop calling the tool when unsure. With None, the demo's tool-call rate collapsed (held-out
-    tool-call rate 1.0 -> 0.0-0.3 within 150 steps, two runs) while TRL's logged reward, a mean over scored rollouts
-    only, kept rising.
-    """
-    rewards = []
-    for env in environments:
-        reward = getattr(env, "reward", None)
-        rewards.append(float(reward) if reward is not None else 0.0)
-    return rewards
-
-
 # ── GRPO configuration ──────────────────────────────────────────────────────────────────────────────────────────────
 
 
@@ -311,110 +291,33 @@ def _checkpointing_option() -> str:
 # ── evaluation ──────────────────────────────────────────────────────────────────────────────────────────────────────
 
 
-def evaluate_policy(
-    model,
-    tokenizer,
-    rows: Sequence[dict[str, Any]],
-    environment_factory: Callable[[], Any],
-    *,
-    reward_fn: Callable[[Any], float | None] = lambda env: getattr(env, "reward", None),
-    max_completion_length: int = 32,
-    batch_size: int = 64,
-    temperature: float = 0.0,
-    seed: int = 0,
-    num_samples: int = 0,
-) -> dict[str, Any]:
-    """Roll the policy out once per row, the way GRPO does, and measure it.
+def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, max_turns: int = 1) -> dict[str, Any]:
+    """Roll the policy out once per task of `spec` (held-out) through `spec.evaluate`, the way GRPO renders it.
 
-    For each row: ``env.reset(**row)`` gives the prompt text; the prompt is rendered with the trainer's chat template
-    and the environment's tools; the model writes its first assistant turn (greedy if ``temperature == 0``, else
-    sampled with a fixed ``seed``); ``parse_response(..., prefix=prompt_ids, tools=...)`` extracts tool calls; every
-    call is executed on the environment as TRL does (``method(**arguments)``, an exception counts as a tool
-    failure). The rollout's reward is ``reward_fn(env)`` (None -> unscored, counted as 0 in ``mean_reward``).
+    Greedy, with the trainer's chat template (`prepare_tokenizer`), at most `max_new_tokens` per turn and
+    `max_turns` model turns; tool calls go through the same binding and episode core as training.
 
-    Returns ``success_rate`` (reward == 1), ``tool_call_rate`` (fraction of rollouts with >= 1 parseable tool call),
-    ``tool_failure_rate`` (failed calls / calls), ``mean_reward``, ``n`` and ``seconds``; plus ``samples`` (the
-    first ``num_samples`` decoded completions with their rewards) when ``num_samples > 0``.
+    Returns `success_rate` (reward == 1), `tool_call_rate` (episodes with a tool call), `tool_failure_rate`
+    (failed calls / calls), `mean_reward` (unscored counted as 0), `n`, `seconds` and the `report`.
     """
-    import torch
-    from trl.chat_template_utils import parse_response
-
-    start = time.perf_counter()
-    chat_template = prepare_tokenizer(tokenizer)
-    envs = [environment_factory() for _ in rows]
-    tools = environment_tools(envs[0])
-    prompts = []
-    for env, row in zip(envs, rows, strict=True):
-        observation = env.reset(**row)
-        content = row.get("prompt", [{"content": ""}])[-1]["content"] if row.get("prompt") else ""
-        prompts.append(prompt_ids(tokenizer, content + (observation or ""), tools, chat_template))
+    from ors_trl import LocalPolicy
 
     was_training = model.training
     model.eval()
-    completions: list[list[int]] = []
-    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        for lo in range(0, len(prompts), batch_size):
-            chunk = prompts[lo : lo + batch_size]
-            width = max(len(p) for p in chunk)
-            input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-            attention = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, p in enumerate(chunk):  # left padding for generation
-                input_ids[row, width - len(p) :] = torch.tensor(p)
-                attention[row, width - len(p) :] = 1
-            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-            out = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention,
-                max_new_tokens=max_completion_length,
-                eos_token_id=eos_id,
-                pad_token_id=pad_id,
-                **(sampling if temperature > 0 else {"do_sample": False}),
-            )
-            for row in out[:, width:].tolist():
-                if eos_id in row:
-                    row = row[: row.index(eos_id) + 1]
-                completions.append(row)
+    policy = LocalPolicy(model, tokenizer, temperature=0.0, max_new_tokens=max_new_tokens, seed=0,
+                         chat_template=prepare_tokenizer(tokenizer), name="demo-policy")
+    report = spec.evaluate(policy, concurrency=64, max_turns=max_turns, progress=False)
     if was_training:
         model.train()
-
-    n_with_call = calls = failures = successes = 0
-    total_reward = 0.0
-    samples = []
-    for env, p, ids in zip(envs, prompts, completions, strict=True):
-        parsed = parse_response(tokenizer, ids, prefix=p, tools=tools) if ids else {}
-        tool_calls = parsed.get("tool_calls") or []
-        if tool_calls:
-            n_with_call += 1
-        methods = {m.__name__: m for m in environment_tools(env)}  # bound to this rollout's environment
-        for call in tool_calls:
-            calls += 1
-            try:
-                function = call["function"]
-                if function["name"] not in methods:
-                    raise ValueError(f"Tool {function['name']} not found.")
-                methods[function["name"]](**function["arguments"])
-            except Exception:
-                failures += 1
-        reward = reward_fn(env)
-        total_reward += reward or 0.0
-        successes += reward == 1.0
-        if len(samples) < num_samples:
-            samples.append({"completion": tokenizer.decode(ids), "reward": reward})
-    for env in envs:  # release per-rollout sessions (ORS adapters keep their teardown in a private _close)
-        close = getattr(env, "_close", None)
-        if callable(close):
-            close()
-    n = len(rows)
-    result = {
-        "success_rate": successes / n,
-        "tool_call_rate": n_with_call / n,
-        "tool_failure_rate": failures / calls if calls else 0.0,
-        "mean_reward": total_reward / n,
-        "n": n,
-        "seconds": time.perf_counter() - start,
+    episodes = report.episodes
+    n = max(len(episodes), 1)
+    calls = sum(e["tool_calls"] for e in episodes)
+    return {
+        "success_rate": sum(e.get("reward") == 1.0 for e in episodes) / n,
+        "tool_call_rate": sum(e["tool_calls"] > 0 for e in episodes) / n,
+        "tool_failure_rate": sum(e["tool_failures"] for e in episodes) / calls if calls else 0.0,
+        "mean_reward": sum(e.get("reward") or 0.0 for e in episodes) / n,
+        "n": len(episodes),
+        "seconds": report.seconds,
+        "report": report,
     }
-    if num_samples:
-        result["samples"] = samples
-    return result

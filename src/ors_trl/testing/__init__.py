@@ -1,17 +1,15 @@
-"""Test fixtures: reference ORS environments and a launcher for the reference server.
+"""A kit for testing an ORS environment, and code that uses one, against real servers on loopback.
 
-Tests, benchmarks and the demo all use these, so there is one definition of "a real ORS peer":
+- ``ReferenceServer`` runs your environment classes under the reference ``openreward`` server in a
+  subprocess on 127.0.0.1 (``GET /_test/stats`` for introspection, an optional short idle timeout,
+  ``close_sessions()`` to clean up after a failed test).
+- ``counters`` are what an environment bumps so a test can prove a tool ran exactly once, or that
+  work ran concurrently, without timing anything.
+- ``FaultProxy`` sits between a client and a server and injects the faults a test programs (5xx,
+  resets, dropped streams, hangs, malformed answers, redirects); ``Blackhole`` never accepts.
 
-- ``ors_trl.testing.server.ReferenceServer`` runs ``openreward.environments.Server`` with the
-  fixture environments in a subprocess on 127.0.0.1 (also ``python -m ors_trl.testing.server``),
-  with ``GET /_test/stats`` for introspection and an optional short idle timeout.
-- ``ors_trl.testing.environments`` holds the environments (echo, task tools, images, long output,
-  rich schemas, sparse reward, slow) and helpers such as ``long_text``.
-- ``ors_trl.testing.generation`` holds scripted stand-ins for TRL's generation backend
-  (``work_turn_by_turn``, ``tool_call_text``) for tests and benchmarks that drive a real trainer.
-
-Importing this package is cheap: it loads neither ``openreward`` nor ``fastapi``. The names below
-are resolved on first use.
+ors-trl's own suite, benchmarks and demo use exactly these. Importing this package is cheap: it
+loads neither ``openreward`` nor ``fastapi``; the names are resolved on first use.
 """
 
 from __future__ import annotations
@@ -20,13 +18,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from . import counters
+    from .faults import Blackhole, FaultProxy
     from .server import ReferenceServer, ServerStartError, free_port
 
-__all__ = ["ReferenceServer", "ServerStartError", "free_port"]
+__all__ = ["Blackhole", "FaultProxy", "ReferenceServer", "ServerStartError", "counters", "free_port"]
+
+_HOMES = {"Blackhole": ".faults", "FaultProxy": ".faults", "counters": ".counters"}
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so that `python -m ors_trl.testing.server` does not find the module already imported.
-    if name in __all__:
-        return getattr(importlib.import_module(".server", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(_HOMES.get(name, ".server"), __name__)
+    return module if name == "counters" else getattr(module, name)

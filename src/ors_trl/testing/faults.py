@@ -3,7 +3,7 @@
 ``FaultProxy`` sits between a client and a real ORS server (usually a ``ReferenceServer``) and
 forwards every request, streams included, unless a rule says otherwise::
 
-    with ReferenceServer(envs="echo") as server, FaultProxy(server.url) as proxy:
+    with ReferenceServer([MyEnvironment]) as server, FaultProxy(server.url) as proxy:
         proxy.add(Status(503), path="/num_tasks", times=2)   # two 503s, then requests pass
         client = Client(proxy.url, ...)
         client.num_tasks()

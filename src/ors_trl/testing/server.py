@@ -1,16 +1,18 @@
-"""Run the reference ORS server with the fixture environments, on loopback, in a subprocess.
+"""Run your ORS environments under the reference server, on loopback, in a subprocess, for tests.
 
 ``ReferenceServer`` starts ``python -m ors_trl.testing.server`` (this module's ``main``) on a free
-port of 127.0.0.1 and waits until it answers; tests, benchmarks and the demo use it as a real ORS peer::
+port of 127.0.0.1 with the environment classes you give it (classes, or ``"module:Class"`` paths)
+and waits until it answers; it is the real ORS peer of ors-trl's own tests, benchmarks and demo::
 
-    with ReferenceServer(envs="echo,sparse", idle_timeout=5) as server:
-        server.url      # "http://127.0.0.1:PORT"
+    with ReferenceServer([MyEnvironment], idle_timeout=5) as server:
+        spec = OpenRewardSpec(server.url)
         server.stats()  # {"open_sessions": 0, "tool_calls": {...}, ...}
+        server.close_sessions()  # delete whatever a failed test left open
 
 The server process is the reference ``openreward.environments.Server`` plus a thin outer ASGI layer
-that answers ``GET /_test/stats`` (live sessions, tool/setup/teardown counters, pings) and counts
-``/ping`` requests. ``--idle-timeout S`` makes the reference idle reaper (900 s, not configurable)
-reap sessions idle for more than ``S`` seconds by scaling the clock its module reads.
+that answers ``GET /_test/stats`` (live sessions, pings, requests, and the counters environments bump
+with ``ors_trl.testing.counters``). ``idle_timeout`` makes the reference idle reaper (900 s, not
+configurable) reap sessions idle for more than that many seconds, by scaling the clock it reads.
 
 Only the standard library is imported at module level, so ``ors_trl.testing`` stays cheap to import;
 ``main`` imports ``openreward`` and ``uvicorn`` in the server process.
@@ -148,7 +150,7 @@ class _TestRoutes:
         await self.app(scope, receive, send)
 
     def stats(self) -> dict[str, Any]:
-        from ors_trl.testing.environments import counters
+        from ors_trl.testing import counters
 
         sessions = list(self.server._active_envs)
         return {
@@ -160,7 +162,7 @@ class _TestRoutes:
             "requests": self.requests,
             "idle_timeout": self.idle_timeout,
             "environments": list(self.server._env_classes),
-            **counters(),
+            **counters.snapshot(),
         }
 
     async def _answer(self, path: str, send: Callable[..., Any]) -> None:
@@ -174,19 +176,28 @@ class _TestRoutes:
         await send({"type": "http.response.body", "body": payload})
 
 
-def build_app(envs: str | Sequence[str] = "all", idle_timeout: float | None = None) -> Any:
-    """The ASGI app the launcher serves: the reference ``Server`` for ``envs`` under ``_TestRoutes``.
+def _load(path: str) -> type:
+    """The class a ``"module:Class"`` path names."""
+    module, sep, name = path.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"environment {path!r} is not a 'module:Class' path")
+    import importlib
 
-    Call it in the process that will serve it: ``idle_timeout`` patches a module-global clock.
-    """
+    obj: Any = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def build_app(envs: Sequence[str], idle_timeout: float | None = None) -> Any:
+    """The ASGI app the launcher serves: the reference ``Server`` for ``envs`` (``module:Class`` paths) under
+    ``_TestRoutes``. Call it in the process that serves it: ``idle_timeout`` patches a module-global clock."""
     os.environ.setdefault(_UPDATE_CHECK_ENV, "1")
     from openreward.environments import Server
 
-    from ors_trl.testing.environments import resolve_environments
-
     if idle_timeout is not None:
         install_idle_timeout(idle_timeout)
-    server = Server(resolve_environments(envs if isinstance(envs, str) else list(envs)))
+    server = Server([_load(path) for path in envs])
     return _TestRoutes(server.app, server, idle_timeout)
 
 
@@ -204,11 +215,12 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m ors_trl.testing.server --port N [--envs echo,sparse|all] [--idle-timeout S]``."""
+    """``python -m ors_trl.testing.server --port N --env module:Class [--env ...] [--idle-timeout S]``."""
     parser = argparse.ArgumentParser(prog="python -m ors_trl.testing.server", description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default=LOOPBACK, help="loopback address to bind (default 127.0.0.1)")
-    parser.add_argument("--envs", default="all", help="comma-separated short names or keys, or 'all'")
+    parser.add_argument("--env", action="append", required=True, metavar="MODULE:CLASS",
+                        help="an environment class to serve (repeatable; the first is the server's default)")
     parser.add_argument("--idle-timeout", type=float, default=None, help="reap sessions idle this many seconds")
     parser.add_argument("--log-level", default="warning", help="server log level (default warning)")
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
@@ -224,9 +236,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The SDK's loggers read their level when openreward is first imported.
     os.environ.setdefault("OPENREWARD_LOG_LEVEL", args.log_level.upper())
     try:
-        app = build_app(args.envs, args.idle_timeout)
-    except ValueError as exc:
-        parser.error(str(exc))
+        app = build_app(args.env, args.idle_timeout)
+    except (ValueError, ImportError, AttributeError) as exc:
+        parser.error(f"cannot load the environments: {exc}")
 
     import uvicorn
 
@@ -251,6 +263,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
+def _environment_paths(envs: type | str | Sequence[type | str]) -> tuple[list[str], list[str]]:
+    """`module:Class` paths for `envs`, and the folders their modules import from."""
+    items = [envs] if isinstance(envs, type | str) else list(envs)
+    paths: list[str] = []
+    roots: list[str] = []
+    for item in items:
+        if isinstance(item, str):
+            paths += [p.strip() for p in item.split(",") if p.strip()]
+            continue
+        module = sys.modules.get(item.__module__)
+        file = getattr(module, "__file__", None)
+        if item.__module__ == "__main__" or not file:
+            raise ValueError(f"{item.__qualname__} must live in an importable module (not __main__) to be served")
+        paths.append(f"{item.__module__}:{item.__qualname__}")
+        roots.append(str(Path(file).resolve().parents[item.__module__.count(".")]))
+    if not paths or any(":" not in p for p in paths):
+        raise ValueError(f"ReferenceServer needs environment classes or 'module:Class' paths, got {envs!r}")
+    return paths, roots
+
+
 class ServerStartError(RuntimeError):
     """The server subprocess exited or did not answer in time; the message ends with its log tail."""
 
@@ -271,8 +303,9 @@ class ReferenceServer:
     """A reference ORS server in a subprocess on loopback, for tests, benchmarks and the demo.
 
     Args:
-        envs: ``"all"`` or short names / keys (``"echo,sparse"`` or a list); the first is the
-            server's default environment.
+        envs: the environment classes to serve, as classes or ``"module:Class"`` paths (one, or a list); the
+            first is the server's default environment. A class's module must be importable from a file (not
+            ``__main__``); its folder is put on the server's ``PYTHONPATH``.
         idle_timeout: reap sessions idle for more than this many seconds (checked every 5 s)
             instead of the reference 900 s.
         env: extra environment variables for the server process (e.g. ``ORS_TEST_TOOL_LATENCY``).
@@ -284,7 +317,7 @@ class ReferenceServer:
 
     def __init__(
         self,
-        envs: str | Sequence[str] = "all",
+        envs: type | str | Sequence[type | str],
         idle_timeout: float | None = None,
         env: Mapping[str, str] | None = None,
         port: int | None = None,
@@ -294,7 +327,7 @@ class ReferenceServer:
         log_level: str = "warning",
     ) -> None:
         _require_loopback(host)
-        self.envs = envs if isinstance(envs, str) else ",".join(envs)
+        self.envs, self._paths = _environment_paths(envs)
         self.idle_timeout = idle_timeout
         self.extra_env = dict(env or {})
         self.host = host
@@ -398,7 +431,7 @@ class ReferenceServer:
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
-        return f"ReferenceServer(envs={self.envs!r}, port={self.port}, {state})"
+        return f"ReferenceServer(envs={[e.rsplit(':', 1)[-1] for e in self.envs]}, port={self.port}, {state})"
 
     # -- introspection ----------------------------------------------------------------------------
 
@@ -421,6 +454,20 @@ class ReferenceServer:
                 raise TimeoutError(f"stats condition not met within {timeout} s; last stats: {stats}")
             time.sleep(interval)
 
+    def close_sessions(self, timeout: float = 10.0) -> list[str]:
+        """Delete every session the server holds (over the protocol, as a client would); returns their ids.
+
+        For a test fixture that found sessions left behind: it can fail that one test and leave the server
+        clean for the next.
+        """
+        sessions = list(self.stats(timeout)["sessions"])
+        for sid in sessions:
+            request = urllib.request.Request(self.url + "/delete", data=b"{}", method="POST",
+                                             headers={"X-Session-ID": sid, "Content-Type": "application/json"})
+            with contextlib.suppress(OSError, http.client.HTTPException), _OPENER.open(request, timeout=timeout):
+                pass
+        return sessions
+
     def log_tail(self, max_chars: int = 4000) -> str:
         """The last ``max_chars`` characters of the server's output."""
         if self._log_path is None:
@@ -437,7 +484,9 @@ class ReferenceServer:
 
     def _command(self) -> list[str]:
         cmd = [sys.executable, "-m", "ors_trl.testing.server", "--host", self.host, "--port", str(self.port)]
-        cmd += ["--envs", self.envs, "--log-level", self.log_level, "--parent-pid", str(os.getpid())]
+        for env in self.envs:
+            cmd += ["--env", env]
+        cmd += ["--log-level", self.log_level, "--parent-pid", str(os.getpid())]
         if self.idle_timeout is not None:
             cmd += ["--idle-timeout", repr(float(self.idle_timeout))]
         return cmd
@@ -450,7 +499,8 @@ class ReferenceServer:
         child_env.update(self.extra_env)
         child_env[_UPDATE_CHECK_ENV] = "1"
         child_env["PYTHONUNBUFFERED"] = "1"
-        child_env["PYTHONPATH"] = os.pathsep.join(p for p in (_SRC_DIR, child_env.get("PYTHONPATH")) if p)
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            dict.fromkeys(p for p in (_SRC_DIR, *self._paths, child_env.get("PYTHONPATH")) if p))
         with open(self._log_path, "ab") as log:
             log.write(f"--- {' '.join(self._command())}\n".encode())
             log.flush()

@@ -1,0 +1,554 @@
+"""Policies: what `evaluate` asks for the model's next turn, given the conversation and the tool schemas.
+
+`await policy.respond(messages, tools) -> PolicyReply`: `messages` are chat messages (system, user,
+assistant with `tool_calls`, tool), `tools` the JSON schemas training renders. Two are built in:
+`LocalPolicy` (a transformers model, generation batched across the episodes waiting for a turn,
+replies parsed with TRL's `parse_response`) and `OpenAIPolicy` (any OpenAI-compatible
+chat-completions endpoint, retried under a `RetryPolicy` like every ORS request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from ._exceptions import ConfigurationError, ContextLengthExceeded, PolicyError, TransportError
+from ._transport import RetryPolicy, _Again, retrying
+
+__all__ = ["LocalPolicy", "OpenAIPolicy", "Policy", "PolicyReply", "describe_policy", "resolve_policy"]
+
+logger = logging.getLogger("ors_trl.eval")
+
+
+@dataclass
+class PolicyReply:
+    """One assistant turn.
+
+    Attributes:
+        content: the assistant's text ("" if none).
+        tool_calls: `[{"id": str, "name": str, "arguments": dict | str}]`; `arguments` is the raw text when the
+            model's arguments were not a JSON object.
+        raw: the raw completion text, when the policy has one (local models), for the episode record.
+        usage: token counts reported by an endpoint, if any.
+    """
+
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    raw: str | None = None
+    usage: dict[str, Any] | None = None
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """What `evaluate` drives: given the conversation and the tool schemas, return the assistant's reply."""
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply: ...
+
+
+def _parse_arguments(value: Any) -> dict[str, Any] | str:
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value) if value.strip() else {}
+        except ValueError:
+            return value
+        return parsed if isinstance(parsed, dict) else value
+    return json.dumps(value, default=str)
+
+
+class OpenAIPolicy:
+    """A model behind any OpenAI-compatible `/chat/completions` endpoint (vLLM, SGLang, TGI, OpenAI...).
+
+    Args:
+        base_url: the API root, e.g. `"http://127.0.0.1:8001/v1"` (requests go to `{base_url}/chat/completions`).
+        model: the model name the endpoint serves.
+        api_key: sent as `Authorization: Bearer ...`; defaults to `OPENAI_API_KEY`. Never logged or recorded.
+        temperature, max_tokens, seed: sampling options sent with every request (None = not sent).
+        extra_body: more fields merged into every request body.
+        timeout: seconds allowed for one request.
+        max_attempts: tries per request for connection errors and 429/5xx answers (backoff as `RetryPolicy`).
+        include_return_schema: also send the `"return"` entry `get_json_schema` adds to each function (not part
+            of OpenAI's function schema, so left out by default; the model-facing names, descriptions and
+            parameters are exactly the bound functions' schemas either way).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        seed: int | None = None,
+        extra_body: dict[str, Any] | None = None,
+        timeout: float = 300.0,
+        max_attempts: int = 4,
+        include_return_schema: bool = False,
+    ) -> None:
+        if not isinstance(base_url, str) or "://" not in base_url:
+            raise ConfigurationError(
+                f"base_url must be an http(s) URL like 'http://127.0.0.1:8001/v1', got {base_url!r}"
+            )
+        if not model:
+            raise ConfigurationError("OpenAIPolicy needs the served model's name (model=...)")
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self._api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self.seed = seed
+        self.extra_body = dict(extra_body or {})
+        self.timeout = timeout
+        self.retry = RetryPolicy(max_attempts=max(1, int(max_attempts)), backoff_initial=0.5)
+        self.include_return_schema = include_return_schema
+        self._http: Any = None
+        self.requests = 0
+
+    def __repr__(self) -> str:  # never shows the key
+        return f"OpenAIPolicy({self.base_url!r}, {self.model!r})"
+
+    @property
+    def description(self) -> str:
+        return f"{self.model} @ {self.base_url}"
+
+    def _tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = []
+        for schema in tools:
+            function = dict(schema.get("function", schema))
+            if not self.include_return_schema:
+                function.pop("return", None)
+            out.append({"type": "function", "function": function})
+        return out
+
+    @staticmethod
+    def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for message in messages:
+            role = message["role"]
+            if role == "assistant":
+                item: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+                calls = message.get("tool_calls") or []
+                if calls:
+                    item["tool_calls"] = [
+                        {
+                            "id": call["id"],
+                            "type": "function",
+                            "function": {
+                                "name": call["function"]["name"],
+                                "arguments": call["function"]["arguments"]
+                                if isinstance(call["function"]["arguments"], str)
+                                else json.dumps(call["function"]["arguments"], ensure_ascii=False),
+                            },
+                        }
+                        for call in calls
+                    ]
+                out.append(item)
+            elif role == "tool":
+                out.append({"role": "tool", "tool_call_id": message["tool_call_id"], "content": message["content"]})
+            else:
+                out.append({"role": role, "content": message["content"]})
+        return out
+
+    async def _session(self) -> Any:
+        import aiohttp
+
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout), trust_env=False)
+        return self._http
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+
+        body: dict[str, Any] = {"model": self.model, "messages": self._messages(messages)}
+        if tools:
+            body["tools"] = self._tools(tools)
+        for key, value in (("temperature", self.temperature), ("max_tokens", self.max_tokens), ("seed", self.seed)):
+            if value is not None:
+                body[key] = value
+        body.update(self.extra_body)
+        headers = {"Content-Type": "application/json"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        url = f"{self.base_url}/chat/completions"
+        http = await self._session()
+
+        async def attempt() -> PolicyReply:
+            self.requests += 1
+            async with http.post(url, json=body, headers=headers) as resp:
+                text = await resp.text()
+                if resp.status == 200:
+                    return self._parse(text)
+                raise _Again(PolicyError(f"HTTP {resp.status} from {url}: {text[:300]}"),
+                             final=resp.status != 429 and resp.status < 500)
+
+        try:
+            return await retrying(self.retry, attempt, what=f"POST {url}", base=self.base_url)
+        except TransportError as exc:
+            raise PolicyError(str(exc)) from None
+
+    @staticmethod
+    def _parse(text: str) -> PolicyReply:
+        try:
+            body = json.loads(text)
+            message = body["choices"][0]["message"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise PolicyError(f"the endpoint's answer is not a chat completion: {text[:300]}") from None
+        calls = []
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") or {}
+            calls.append({
+                "id": call.get("id") or None,
+                "name": function.get("name") or "",
+                "arguments": _parse_arguments(function.get("arguments")),
+            })
+        usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
+        return PolicyReply(content=message.get("content") or "", tool_calls=calls, usage=usage)
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+
+@dataclass
+class _Pending:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    future: asyncio.Future[PolicyReply]
+
+
+class LocalPolicy:
+    """A local transformers causal LM, prompted with its tokenizer's chat template (tools included).
+
+    Episodes waiting for a turn are batched: the first request waits up to `batch_wait` seconds for the other
+    running episodes (or until `max_batch_size` are waiting), then one left-padded `generate` call answers all
+    of them, in a worker thread so that tool calls and keepalives go on meanwhile. Replies are parsed with
+    TRL's `parse_response` (the tokenizer's `response_template`, set with `add_response_schema` when missing),
+    as `GRPOTrainer` does.
+
+    Args:
+        model: a model object with `generate` (e.g. `AutoModelForCausalLM`).
+        tokenizer: its tokenizer, with a chat template.
+        temperature: 0 = greedy; otherwise sampled with `top_p`.
+        max_new_tokens: tokens generated per turn (capped by the model's context).
+        seed: seeds torch's generator once, when generation starts.
+        max_batch_size, batch_wait: at most this many requests per `generate` call, gathered for this long.
+        name: the policy's name in records (default: the model's path).
+        chat_template: render with this template instead of the tokenizer's (e.g. TRL's training template).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        temperature: float = 0.0,
+        max_new_tokens: int = 256,
+        top_p: float = 1.0,
+        seed: int | None = 0,
+        max_batch_size: int = 64,
+        batch_wait: float = 0.05,
+        name: str | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ConfigurationError("the tokenizer has no chat template; LocalPolicy needs one to render tools")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.temperature = float(temperature)
+        self.max_new_tokens = int(max_new_tokens)
+        self.top_p = top_p
+        self.seed = seed
+        self.max_batch_size = max(1, int(max_batch_size))
+        self.batch_wait = batch_wait
+        self.name = name or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
+        self.chat_template = chat_template
+        self.batch_sizes: list[int] = []
+        self._parse_mode = self._prepare_parser()
+        self._queue: list[_Pending] = []
+        self._wakeup: asyncio.Event | None = None
+        self._worker: asyncio.Task[None] | None = None
+        self._active: Callable[[], int] = lambda: 1
+        self._abort = threading.Event()
+        self._seeded = False
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str], *, device: str | None = None, **kwargs: Any) -> LocalPolicy:
+        """Load a model and tokenizer from a local directory (never from the Hub)."""
+        path = os.fspath(path)
+        if not os.path.isdir(path):
+            raise ConfigurationError(f"{path!r} is not a local model directory")
+        try:
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+        except ImportError as exc:
+            raise ConfigurationError(
+                f"evaluating a local model needs torch and transformers ({exc}); pip install 'ors-trl[trl]'"
+            ) from None
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigurationError(f"cannot load a model and tokenizer from {path!r}: {exc}") from exc
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        model.to(device)
+        model.eval()
+        return cls(model, tokenizer, name=kwargs.pop("name", path), **kwargs)
+
+    def __repr__(self) -> str:
+        return f"LocalPolicy({self.name!r})"
+
+    @property
+    def description(self) -> str:
+        return str(self.name)
+
+    def _prepare_parser(self) -> str:
+        tok = self.tokenizer
+        if getattr(tok, "response_template", None) is None and getattr(tok, "response_schema", None) is None:
+            try:
+                from trl.chat_template_utils import add_response_schema
+
+                add_response_schema(tok)
+            except Exception as exc:  # unknown template, or trl missing
+                logger.warning(
+                    "cannot parse tool calls from this model's replies (%s): no response template for its chat "
+                    "template; replies are decoded as plain text, so every episode ends after one turn.", exc
+                )
+                return "text"
+        return "parse"
+
+    # -- the Policy protocol ---------------------------------------------------------------------------------
+
+    def _set_active_counter(self, active: Callable[[], int]) -> None:
+        self._active = active
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        loop = asyncio.get_running_loop()
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
+        if self._worker is None or self._worker.done():
+            self._abort.clear()
+            self._worker = loop.create_task(self._work())
+        pending = _Pending(messages, tools, loop.create_future())
+        self._queue.append(pending)
+        self._wakeup.set()
+        try:
+            return await pending.future
+        finally:
+            if pending in self._queue:
+                self._queue.remove(pending)
+
+    async def _work(self) -> None:
+        try:
+            await self._work_loop()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # never leave an episode waiting for a reply that cannot come
+            for p in self._queue:
+                if not p.future.done():
+                    p.future.set_exception(PolicyError(f"the generation worker failed: {type(exc).__name__}: {exc}"))
+            self._queue.clear()
+            raise
+
+    async def _work_loop(self) -> None:
+        assert self._wakeup is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            if not self._queue:
+                continue
+            # Give the other running episodes a moment to ask too, so they share one generate call.
+            deadline = loop.time() + self.batch_wait
+            while len(self._queue) < min(self._active(), self.max_batch_size) and loop.time() < deadline:
+                self._wakeup.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                        await self._wakeup.wait()
+            batch = [p for p in self._queue[: self.max_batch_size] if not p.future.done()]
+            del self._queue[: self.max_batch_size]
+            if not batch:
+                continue
+            self.batch_sizes.append(len(batch))
+            try:
+                replies = await loop.run_in_executor(None, self._generate, [(p.messages, p.tools) for p in batch])
+            except Exception as exc:
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(exc if isinstance(exc, PolicyError) else PolicyError(
+                            f"generation failed: {type(exc).__name__}: {exc}"))
+                continue
+            for p, reply in zip(batch, replies, strict=True):
+                if p.future.done():
+                    continue
+                if isinstance(reply, BaseException):
+                    p.future.set_exception(reply)
+                else:
+                    p.future.set_result(reply)
+            if self._queue:
+                self._wakeup.set()
+
+    async def aclose(self) -> None:
+        self._abort.set()
+        if self._worker is not None:
+            self._worker.cancel()
+            with contextlib.suppress(BaseException):
+                await self._worker
+            self._worker = None
+        for p in self._queue:
+            if not p.future.done():
+                p.future.cancel()
+        self._queue.clear()
+        self._wakeup = None
+        self._seeded = False  # the next evaluation starts from the same seed
+
+    # -- generation (worker thread) --------------------------------------------------------------------------
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=True,
+            chat_template=self.chat_template,
+        )
+        return list(out["input_ids"])
+
+    def _context_limit(self) -> int | None:
+        config = getattr(self.model, "config", None)
+        limit = getattr(config, "max_position_embeddings", None)
+        return limit if isinstance(limit, int) and limit > 0 else None
+
+    def _generate(self, requests: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]) -> list[Any]:
+        import torch
+
+        tok = self.tokenizer
+        limit = self._context_limit()
+        prompts: list[list[int] | None] = []
+        results: list[Any] = [None] * len(requests)
+        for i, (messages, tools) in enumerate(requests):
+            try:
+                ids = self._render(messages, tools)
+            except Exception as exc:  # one conversation the template cannot render fails alone
+                results[i] = PolicyError(f"the chat template failed: {type(exc).__name__}: {exc}")
+                prompts.append(None)
+                continue
+            if limit is not None and len(ids) >= limit:
+                results[i] = ContextLengthExceeded(
+                    f"the conversation ({len(ids)} tokens) fills the model's context ({limit})"
+                )
+                prompts.append(None)
+            else:
+                prompts.append(ids)
+        live = [i for i, p in enumerate(prompts) if p is not None]
+        if not live:
+            return results
+        width = max(len(prompts[i]) for i in live)  # type: ignore[arg-type]
+        max_new = self.max_new_tokens if limit is None else max(1, min(self.max_new_tokens, limit - width))
+        eos_id = tok.eos_token_id
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_id
+        device = getattr(self.model, "device", "cpu")
+        input_ids = torch.full((len(live), width), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(live), width), dtype=torch.long)
+        for row, i in enumerate(live):  # left padding
+            p = prompts[i]
+            assert p is not None
+            input_ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            attention[row, width - len(p):] = 1
+        sampling: dict[str, Any] = (
+            {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
+            if self.temperature > 0 else {"do_sample": False}
+        )
+        if self.seed is not None and not self._seeded:
+            torch.manual_seed(self.seed)
+            self._seeded = True
+        abort = self._abort
+
+        def stop(input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+            return torch.full((input_ids.shape[0],), abort.is_set(), dtype=torch.bool, device=input_ids.device)
+
+        from transformers import StoppingCriteriaList
+
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention.to(device),
+                max_new_tokens=max_new,
+                eos_token_id=eos_id,
+                pad_token_id=pad_id,
+                stopping_criteria=StoppingCriteriaList([stop]),
+                **sampling,
+            )
+        if abort.is_set():
+            raise PolicyError("generation aborted")
+        for row, i in enumerate(live):
+            ids = out[row, width:].tolist()
+            if eos_id is not None and eos_id in ids:
+                ids = ids[: ids.index(eos_id) + 1]
+            else:
+                while ids and ids[-1] == pad_id:
+                    ids.pop()
+            results[i] = self._parse(ids, prompts[i], requests[i][1])
+        return results
+
+    def _parse(self, ids: list[int], prefix: list[int] | None, tools: list[dict[str, Any]]) -> PolicyReply:
+        raw = self.tokenizer.decode(ids, skip_special_tokens=False)
+        if not ids:
+            return PolicyReply(content="", raw=raw)
+        if self._parse_mode == "parse":
+            from trl.chat_template_utils import parse_response
+
+            parsed = parse_response(self.tokenizer, ids, prefix=prefix, tools=tools or None)
+        else:
+            parsed = {"content": self.tokenizer.decode(ids, skip_special_tokens=True)}
+        calls = []
+        for call in parsed.get("tool_calls") or []:
+            function = call.get("function") or {}
+            calls.append({"id": None, "name": str(function.get("name") or ""),
+                          "arguments": _parse_arguments(function.get("arguments"))})
+        content = parsed.get("content")
+        return PolicyReply(content=content if isinstance(content, str) else "", tool_calls=calls, raw=raw)
+
+
+def resolve_policy(
+    policy: Any,
+    *,
+    temperature: float = 0.0,
+    max_new_tokens: int | None = None,
+    seed: int | None = 0,
+    device: str | None = None,
+) -> tuple[Any, bool]:
+    """Turn what the user passed into a policy object; returns `(policy, created_here)`.
+
+    Accepts a local model directory, a `(model, tokenizer)` pair, or any object with `respond` (`OpenAIPolicy`).
+    """
+    local_kwargs: dict[str, Any] = {"temperature": temperature, "seed": seed}
+    if max_new_tokens is not None:
+        local_kwargs["max_new_tokens"] = max_new_tokens
+    if isinstance(policy, str | os.PathLike):
+        path = os.fspath(policy)
+        if not os.path.isdir(path):
+            raise ConfigurationError(
+                f"policy {path!r} is not a local model directory. To evaluate a served model, pass "
+                "OpenAIPolicy(base_url, model) (CLI: --base-url URL --model NAME)."
+            )
+        return LocalPolicy.from_pretrained(path, device=device, **local_kwargs), True
+    if isinstance(policy, tuple) and len(policy) == 2:
+        return LocalPolicy(policy[0], policy[1], **local_kwargs), True
+    if callable(getattr(policy, "respond", None)):
+        return policy, False
+    raise ConfigurationError(
+        f"cannot evaluate {type(policy).__name__}: pass a local model directory, a (model, tokenizer) pair, "
+        "an OpenAIPolicy, or an object with `async respond(messages, tools) -> PolicyReply`."
+    )
+
+
+def describe_policy(policy: Any) -> str:
+    """A policy's name for records and reports."""
+    return str(getattr(policy, "description", None) or repr(policy))

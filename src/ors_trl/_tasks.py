@@ -1,0 +1,137 @@
+"""Which tasks a run uses, and their fields: selection checks, batched fetching, dataset columns.
+
+Shared by the spec, the mix and evaluation, below all three (so none of them imports another).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._client import AsyncClient
+from ._exceptions import ConfigurationError, ProtocolError
+
+__all__ = ["RESERVED_COLUMNS", "check_in_range", "check_selection", "fetch_tasks", "select", "task_columns"]
+
+logger = logging.getLogger("ors_trl")
+
+#: Dataset columns ors-trl owns; task fields with these names are not copied into the dataset.
+RESERVED_COLUMNS = frozenset({"prompt", "task_index", "task_spec"})
+_PAGE = 500
+_FETCH_CONCURRENCY = 8
+
+
+def check_selection(num_tasks: int | None, indices: Sequence[int] | None) -> list[int] | None:
+    """Validate a `num_tasks` / `indices` choice (mutually exclusive); return `indices` as a list."""
+    if num_tasks is not None and indices is not None:
+        raise ConfigurationError("Provide num_tasks or indices, not both.")
+    if num_tasks is not None and (isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1):
+        raise ConfigurationError(f"num_tasks must be a positive int, got {num_tasks!r}")
+    if indices is None:
+        return None
+    indices = list(indices)
+    if not indices:
+        raise ConfigurationError("indices is empty; pass at least one task index or leave it None.")
+    bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+    if bad:
+        raise ConfigurationError(f"indices must be non-negative ints; got {bad[:5]}")
+    return indices
+
+
+def check_in_range(indices: Sequence[int], total: int, split: str) -> None:
+    """Raise a `ConfigurationError` naming the valid range if any index is past the split's end."""
+    out_of_range = sorted({i for i in indices if i >= total})
+    if out_of_range:
+        raise ConfigurationError(
+            f"indices {out_of_range[:10]} are out of range for split {split!r}, which has {total} tasks "
+            f"(0..{total - 1})."
+        )
+
+
+def select(total: int, split: str, num_tasks: int | None, indices: Sequence[int] | None, *, name: str = "",
+           warn: bool = True) -> list[int]:
+    """The task indices of a selection: `indices` as given (checked), else the first `num_tasks`, else all."""
+    if indices is not None:
+        check_in_range(indices, total, split)
+        return list(indices)
+    if num_tasks is not None and num_tasks > total and warn:
+        logger.warning("%s: num_tasks=%d but split %r has %d tasks; using all %d.", name, num_tasks, split, total,
+                       total)
+    return list(range(total if num_tasks is None else min(num_tasks, total)))
+
+
+async def fetch_tasks(client: AsyncClient, split: str, wanted: Sequence[int], *, name: str = "") -> dict[int, Any]:
+    """The task specs of `wanted` indices, in as few `task_range` requests as sensible (pages of contiguous runs)."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(set(wanted)):
+        if runs and i - runs[-1][1] <= 8 and i - runs[-1][0] < _PAGE:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    gate = asyncio.Semaphore(_FETCH_CONCURRENCY)
+    wanted_set = set(wanted)
+    bar = None
+    if len(runs) > 4 or len(wanted_set) > 2 * _PAGE:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(wanted_set), desc=f"tasks from {name}", unit="task", leave=False)
+    out: dict[int, Any] = {}
+
+    async def fetch(start: int, stop: int) -> None:
+        async with gate:
+            tasks = await client.task_range(split, start, stop)
+        if len(tasks) != stop - start:
+            raise ProtocolError(f"task_range({start}, {stop}) returned {len(tasks)} tasks")
+        for offset, task in enumerate(tasks):
+            if start + offset in wanted_set:
+                out[start + offset] = task
+        if bar is not None:
+            bar.update(sum(1 for i in range(start, stop) if i in wanted_set))
+
+    try:
+        await asyncio.gather(*(fetch(a, b) for a, b in runs))
+    finally:
+        if bar is not None:
+            bar.close()
+    return out
+
+
+def _arrow_safe(values: list[Any]) -> bool:
+    import pyarrow as pa
+
+    try:
+        pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError, TypeError, ValueError):
+        return False
+    return True
+
+
+def task_columns(task_specs: Sequence[Any], reserved: frozenset[str] = RESERVED_COLUMNS
+                 ) -> tuple[dict[str, list[Any]], list[str]]:
+    """Task fields as dataset columns, plus notes on what had to change.
+
+    Fields named like a reserved column are left out; a field whose values Arrow cannot store in one
+    column (mixed types, ragged nesting) is stored as JSON text, so dataset creation never fails.
+    """
+    notes: list[str] = []
+    keys = list(dict.fromkeys(k for spec in task_specs if isinstance(spec, Mapping) for k in spec))
+    columns: dict[str, list[Any]] = {}
+    for key in sorted(keys, key=str):
+        if not isinstance(key, str) or key in reserved:
+            notes.append(f"task field {key!r} is reserved by ors-trl and was not copied into the dataset")
+            continue
+        values = [spec.get(key) if isinstance(spec, Mapping) else None for spec in task_specs]
+        if not _arrow_safe(values):
+            values = [None if v is None else json.dumps(v, sort_keys=True, default=str) for v in values]
+            notes.append(f"task field {key!r} has values of mixed shapes; stored as JSON text")
+        columns[key] = values
+    return columns, notes
+
+
+def log_notes(notes: list[str], name: str) -> None:
+    """Reserved names are routine (tasks often carry their own "prompt"); changed values are worth a warning."""
+    for note in notes:
+        (logger.info if "is reserved" in note else logger.warning)("%s: %s", name, note)

@@ -1,0 +1,214 @@
+"""The one seam to TRL's internals: everything that reads `GRPOTrainer`'s private methods or loop state.
+
+ors-trl uses TRL's public surface (`environment_factory`, `rollout_func`, reward functions and
+their `log_metric` keyword, callbacks) everywhere else. Three fast paths need more, and live here:
+
+- batch pre-open and `batch_tool_calls` read the locals of TRL's `environment_factory` loop
+  (`_generate_and_score_completions`'s `inputs`, `_tool_call_loop`'s `tool_calls`, ...) to start a
+  batch's session opens and a turn's tool calls at once;
+- the rollout engine generates through `_generate_single_turn` and builds tool turns with
+  `_get_tool_suffix_ids`, exactly as TRL's own loop does;
+- terminal tools need to know whether a completion was cut (`eos_token_ids`).
+
+They were verified against the TRL versions in `VERIFIED`. On any other version the adapter falls
+back to TRL's public behaviour (one session open and one tool call at a time, still correct) with
+one log line, and the engine refuses to start with a clear error. `ORS_TRL_TRUST_TRL=1` opts in to
+the fast paths on an unverified TRL (for trying a newer release).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping
+from types import FrameType
+from typing import Any
+
+from ._exceptions import UsageError
+
+__all__ = ["VERIFIED", "generate", "prepare", "resetting_batch", "tool_suffix_ids", "tool_turn", "verified"]
+
+logger = logging.getLogger("ors_trl")
+
+#: TRL releases (major.minor) the fast paths were verified against; `pyproject.toml` pins the same range.
+VERIFIED = ("1.16",)
+TRUST_ENV = "ORS_TRL_TRUST_TRL"
+
+
+def trl_version() -> str | None:
+    try:
+        return importlib.metadata.version("trl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def verified() -> bool:
+    """True when the installed TRL is one the fast paths were verified against (or the user opted in)."""
+    version = trl_version() or "?"
+    if any(version == v or version.startswith(v + ".") for v in VERIFIED):
+        return True
+    if os.environ.get(TRUST_ENV) == "1":
+        logger.warning("ors-trl: TRL %s is not a verified version (%s); %s=1 turns the fast paths on anyway.",
+                       version, ", ".join(VERIFIED), TRUST_ENV)
+        return True
+    logger.warning(
+        "ors-trl: TRL %s is not a version ors-trl was verified against (%s). TRL's environment_factory loop runs "
+        "without ors-trl's batching (one session open and one tool call at a time: correct, slower), and "
+        "spec.rollout_func will not run. Install trl>=1.16,<1.17, or set %s=1 to try the fast paths.",
+        version, ", ".join(VERIFIED), TRUST_ENV,
+    )
+    return False
+
+
+def _frame(skip: int, hops: int, match: Callable[[FrameType], bool]) -> FrameType | None:
+    """Walking up from `skip` frames above our caller, the first of `hops` frames for which `match` holds."""
+    try:
+        frame: FrameType | None = sys._getframe(skip + 1)
+    except ValueError:  # the stack is not that deep: not called from TRL's loop
+        return None
+    for _ in range(hops):
+        if frame is None or match(frame):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _is_trainer(obj: Any) -> bool:
+    return obj is not None and hasattr(obj, "add_callback") and hasattr(obj, "callback_handler")
+
+
+# -- TRL's environment_factory loop --------------------------------------------------------------
+
+
+def resetting_batch(adapter: Any, skip: int = 2) -> tuple[Any, list[tuple[Any, Mapping[str, Any]]] | None]:
+    """Look at the trainer calling `adapter.reset()`: returns `(trainer, batch)`.
+
+    `skip`: frames between this function's caller and TRL's loop (reset itself). `batch` is the
+    (environment, row) pairs TRL is about to reset, when `adapter` is the first of them
+    (`trainer.environments` beside `_generate_and_score_completions`'s `inputs`), so that all their
+    sessions can start opening at once; otherwise None. `(None, None)` when no trainer is found or TRL
+    is unverified.
+    """
+    if not verified():
+        return None, None
+    frame = _frame(skip, 6, lambda f: _is_trainer(f.f_locals.get("self")))
+    if frame is None:
+        return None, None
+    trainer = frame.f_locals["self"]
+    envs, inputs = getattr(trainer, "environments", None), frame.f_locals.get("inputs")
+    if (isinstance(envs, list) and isinstance(inputs, list) and len(envs) == len(inputs) > 1
+            and envs[0] is adapter and all(isinstance(row, Mapping) for row in inputs)):
+        return trainer, list(zip(envs, inputs, strict=True))
+    return trainer, None
+
+
+def tool_turn(adapter: Any, skip: int = 4) -> tuple[object, list[tuple[Any, list[tuple[str, Any]]]]] | None:
+    """At a call TRL's tool loop makes on `adapter`: the calls of that turn not yet made, per rollout.
+
+    `skip`: frames between this function's caller and TRL's loop (the adapter's own, and the bound tool).
+    Reads `_tool_call_loop`'s locals (`idxs_with_tool`, `tool_calls`, `idx`, `tool_call`) and
+    `trainer.environments`. Returns `(turn, [(environment, [(name, arguments), ...]), ...])`, starting with
+    `adapter` at the call being made, then every later rollout of the turn; `turn` identifies the turn
+    (TRL builds a new `tool_calls` list each turn). None when the loop does not look as expected.
+    """
+    if not verified():
+        return None
+    frame = _frame(skip, 4, lambda f: f.f_code.co_name == "_tool_call_loop")
+    if frame is None:
+        return None
+    loc = frame.f_locals
+    trainer, idxs, calls = loc.get("self"), loc.get("idxs_with_tool"), loc.get("tool_calls")
+    idx, current = loc.get("idx"), loc.get("tool_call")
+    envs = getattr(trainer, "environments", None)
+    if not (isinstance(idxs, list) and isinstance(calls, list) and len(idxs) == len(calls)
+            and isinstance(idx, int) and 0 <= idx < len(idxs) and isinstance(envs, list)
+            and all(isinstance(i, int) and 0 <= i < len(envs) for i in idxs)
+            and envs[idxs[idx]] is adapter and isinstance(calls[idx], list)):
+        return None
+    position = next((j for j, call in enumerate(calls[idx]) if call is current), None)
+    if position is None:
+        return None
+    out = []
+    for k in range(idx, len(idxs)):
+        turn = calls[k] if isinstance(calls[k], list) else []
+        chain = []
+        for call in turn[position if k == idx else 0:]:
+            function = call.get("function") if isinstance(call, dict) and call.get("type") == "function" else None
+            if not isinstance(function, dict):
+                break
+            chain.append((function.get("name"), function.get("arguments")))
+        out.append((envs[idxs[k]], chain))
+    return calls, out
+
+
+def eos_token_ids(trainer: Any) -> set[int]:
+    """The token ids that end a completion in TRL's eyes (EOS and padding); empty if unknown."""
+    ids = set(getattr(trainer, "eos_token_ids", None) or [])
+    pad = getattr(getattr(trainer, "_tokenizer", None), "pad_token_id", None) if verified() else None
+    return ids | ({pad} if pad is not None else set())
+
+
+# -- the rollout engine ----------------------------------------------------------------------------
+
+
+def require_engine() -> None:
+    """Fail early, and say why, when the engine's TRL internals are not verified for the installed TRL."""
+    if not verified():
+        raise UsageError(
+            f"spec.rollout_func drives TRL internals verified for TRL {', '.join(VERIFIED)} only, and TRL "
+            f"{trl_version()} is installed. Use environment_factory=spec.environment_factory (public TRL API), "
+            f"install trl>=1.16,<1.17, or set {TRUST_ENV}=1 to try it anyway."
+        )
+
+
+def prepare(trainer: Any) -> Any:
+    """Once per trainer: the response parser and (prefix-preserving) chat template TRL uses with tools.
+
+    Returns the tokenizer TRL parses completions with.
+    """
+    from trl.chat_template_utils import (
+        add_response_schema,
+        get_training_chat_template,
+        is_chat_template_prefix_preserving,
+    )
+
+    tok = trainer._tokenizer
+    if getattr(tok, "response_template", None) is None and getattr(tok, "response_schema", None) is None:
+        add_response_schema(trainer.processing_class)
+    if getattr(trainer, "chat_template", None) is None and not is_chat_template_prefix_preserving(
+        trainer.processing_class
+    ):
+        trainer.chat_template = get_training_chat_template(trainer.processing_class)
+    return tok
+
+
+def render(trainer: Any, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
+    """Prompt token ids for `messages` with `tools`, rendered as TRL renders its prompts."""
+    tokenized = trainer.processing_class.apply_chat_template(
+        conversation=[messages], tools=tools or None, chat_template=trainer.chat_template,
+        add_generation_prompt=True, tokenize=True, return_dict=True, **trainer.chat_template_kwargs,
+    )
+    return list(tokenized["input_ids"][0])
+
+
+def generate(trainer: Any, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]] | None]:
+    """One completion per prompt through TRL's generation backend (transformers, vLLM server or colocate)."""
+    return trainer._generate_single_turn(prompt_ids, None, {}, num_generations=1)
+
+
+def tool_suffix_ids(trainer: Any, tool_messages: list[dict[str, Any]]) -> list[int]:
+    """The tokens TRL inserts after a turn's tool calls: the tool results and the next assistant header."""
+    return list(trainer._get_tool_suffix_ids(tool_messages))
+
+
+def max_model_len(trainer: Any) -> int:
+    """The longest sequence the generation backend accepts (TRL's own bound in its tool loop)."""
+    if getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_mode", None) == "colocate":
+        return trainer.vllm_generation.llm.llm_engine.model_config.max_model_len
+    config = trainer.model.config
+    config = getattr(config, "text_config", None) or config
+    return getattr(config, "max_position_embeddings", 1 << 30)

@@ -1,0 +1,113 @@
+"""The environments the demo and `ors-trl serve-echo` serve, written with the `openreward` scaffolding.
+
+- ``EchoEnvironment``: TRL's guide echo task (call ``echo`` with the target word; reward 1.0 and the
+  episode ends on an exact match), the quickest way to try ors-trl against a real server.
+- ``DemoEnvironment``: the task ``ors-trl demo --task echo`` trains on (``ors_trl.demo._task``).
+
+Each counts its setups, teardowns and tool calls with ``ors_trl.testing.counters``, so the server's
+``/_test/stats`` shows what ran. Importing this module imports ``openreward``.
+"""
+
+from __future__ import annotations
+
+from openreward.environments import Environment, JSONObject, Split, TextBlock, ToolOutput, tool
+from pydantic import BaseModel, Field
+
+from ors_trl.testing import counters
+
+from . import _task
+
+__all__ = ["ENVIRONMENTS", "CountedEnvironment", "DemoEnvironment", "EchoEnvironment"]
+
+
+class CountedEnvironment(Environment):
+    """Base class: train/test splits, and setups, teardowns and tool calls counted for ``/_test/stats``."""
+
+    @classmethod
+    def list_splits(cls) -> list[Split | str]:
+        return [Split(name="train", type="train"), Split(name="test", type="test")]
+
+    @classmethod
+    def key(cls) -> str:
+        """The environment's key on the wire (the lower-cased class name)."""
+        return cls.name().lower()
+
+    async def setup(self) -> None:
+        counters.count(self.key(), "setups")
+
+    async def teardown(self) -> None:
+        counters.count(self.key(), "teardowns")
+
+    def _count(self, tool_name: str) -> None:
+        counters.count(f"{self.key()}/{tool_name}")
+
+
+def _text(text: str) -> TextBlock:
+    return TextBlock(text=text)
+
+
+_ECHO_TRAIN_WORDS = [
+    "hello", "world", "trl", "openreward", "spec", "factory", "delta", "gradient",
+    "policy", "reward", "rollout", "token", "sample", "banana", "quartz", "lantern",
+]  # fmt: skip
+_ECHO_TEST_WORDS = ["orbit", "meadow", "cipher", "pebble", "violet", "harbor", "zephyr", "nimbus"]
+
+
+class EchoInput(BaseModel):
+    text: str = Field(description="The text to echo back. It must equal the target exactly.")
+
+
+class EchoEnvironment(CountedEnvironment):
+    """Echo the target word back: reward 1.0 and finished on an exact match (TRL's guide env)."""
+
+    @classmethod
+    def list_tasks(cls, split: str) -> list[JSONObject]:
+        words = _ECHO_TRAIN_WORDS if split == "train" else _ECHO_TEST_WORDS
+        return [{"id": f"echo-{i}", "target": word} for i, word in enumerate(words)]
+
+    async def get_prompt(self) -> list[TextBlock]:
+        target = self.task_spec["target"]
+        return [_text(f'Call the `echo` tool with exactly this text: "{target}". Do not add anything else.')]
+
+    @tool
+    async def echo(self, params: EchoInput) -> ToolOutput:
+        """Echo the given text back; reward 1.0 when it equals the target."""
+        self._count("echo")
+        target = str(self.task_spec["target"])
+        match = params.text == target
+        return ToolOutput(
+            blocks=[_text(params.text)],
+            reward=1.0 if match else 0.0,
+            finished=match,
+            metadata={"target_length": len(target)},
+        )
+
+
+class DemoEchoInput(BaseModel):
+    text: str = Field(description="The word to echo.")
+
+
+class DemoEnvironment(CountedEnvironment):
+    """The environment `ors-trl demo` trains against: the task logic of `ors_trl.demo._task`, served over ORS.
+
+    Splits: ``train`` (the training tasks) and ``test`` (held-out phrasings). One tool, ``echo(text)``,
+    scored by ``_task.score``: reward 1.0 and finished on the rewarded word, 0.0 otherwise.
+    """
+
+    @classmethod
+    def list_tasks(cls, split: str) -> list[JSONObject]:
+        return _task.train_tasks() if split == "train" else _task.heldout_tasks()
+
+    async def get_prompt(self) -> list[TextBlock]:
+        return [_text(_task.prompt(dict(self.task_spec)))]
+
+    @tool
+    async def echo(self, params: DemoEchoInput) -> ToolOutput:
+        """Echo a word back to the environment."""
+        self._count("echo")
+        reward, finished, reply = _task.score(dict(self.task_spec), {"text": params.text})
+        return ToolOutput(blocks=[_text(reply)], reward=reward, finished=finished)
+
+
+#: Short name -> class, for `ors-trl serve-echo --envs` (the first is the server's default environment).
+ENVIRONMENTS: dict[str, type[Environment]] = {"echo": EchoEnvironment, "demo": DemoEnvironment}

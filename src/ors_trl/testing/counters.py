@@ -1,0 +1,68 @@
+"""Counters an environment under test bumps, so a test can prove what ran on the server side.
+
+    from ors_trl.testing import counters
+
+    class MyEnvironment(Environment):
+        @tool
+        async def submit(self, params: Answer) -> ToolOutput:
+            counters.count("myenvironment/submit")           # exactly once per execution
+            with counters.tracked("myenvironment/judge"):     # work in progress: peak concurrency
+                ...
+
+`ReferenceServer.stats()` reports them (`tool_calls`, `in_flight`, `peak_in_flight`, `done`, setups and
+teardowns), read from the server process. Process-global and thread-safe; nothing here is imported by
+ors-trl itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+__all__ = ["count", "reset", "snapshot", "tracked"]
+
+_lock = threading.Lock()
+_counts: dict[str, Counter[str]] = {name: Counter() for name in
+                                     ("tool_calls", "setups", "teardowns", "in_flight", "peak_in_flight", "done")}
+
+
+def count(key: str, kind: str = "tool_calls") -> None:
+    """One more `kind` ("tool_calls", "setups" or "teardowns") under `key` (e.g. "env/tool")."""
+    with _lock:
+        _counts[kind][key] += 1
+
+
+class tracked:
+    """Counts one piece of work in progress under `key` (`in_flight`, its peak, and `done` when it ends well)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __enter__(self) -> None:
+        with _lock:
+            _counts["in_flight"][self.key] += 1
+            peak = _counts["peak_in_flight"]
+            peak[self.key] = max(peak[self.key], _counts["in_flight"][self.key])
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        with _lock:
+            _counts["in_flight"][self.key] -= 1
+            if exc_type is None:
+                _counts["done"][self.key] += 1
+
+
+def snapshot() -> dict[str, Any]:
+    """Every counter, plus the `setups`/`teardowns` totals (and `setups_by_env`, `teardowns_by_env`)."""
+    with _lock:
+        out: dict[str, Any] = {name: dict(c) for name, c in _counts.items()}
+    out["setups_by_env"], out["teardowns_by_env"] = out["setups"], out["teardowns"]
+    out["setups"], out["teardowns"] = sum(out["setups_by_env"].values()), sum(out["teardowns_by_env"].values())
+    return out
+
+
+def reset() -> None:
+    """Zero every counter (in-process use; the server never calls it)."""
+    with _lock:
+        for c in _counts.values():
+            c.clear()
