@@ -13,10 +13,7 @@ from ors_trl._inspect import describe_binding, inspect_target, render_text
 from ors_trl.cli import main
 
 
-@pytest.fixture(autouse=True)
-def no_leaked_sessions(ref_server):
-    yield
-    ref_server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=10)
+pytestmark = pytest.mark.usefixtures("no_leaked_sessions")
 
 
 def run_json(capsys, *args: str) -> dict:
@@ -59,6 +56,23 @@ def test_json_structure(ref_server, capsys) -> None:
     expected = bind_tools([echo], reserved=DEFAULT_RESERVED | {"reset"}).functions["echo"]
     assert tool["schema"] == get_json_schema(expected)
     assert tool["schema"]["function"]["parameters"]["properties"]["text"]["type"] == "string"
+
+
+def test_the_newer_surface_is_shown(ref_server, capsys) -> None:
+    assert main(["inspect", ref_server.url, "--env-name", "quizenvironment"]) == 0
+    text = capsys.readouterr().out
+    assert "Terminal tool: answer (hidden from the model; gets the model's final plain message as its argument " \
+           "'answer'): Grade the model's final answer." in text
+    assert "Group scoring (/score_group): not supported" in text
+    assert "Conversations (/messages): yes" in text and "reasoning, tool_call, tool_result" in text
+    assert "First probed task's conversation: system [text], user [text]" in text
+    assert "answer(" not in text  # the model is never offered the terminal tool
+    info = run_json(capsys, ref_server.url, "--env-name", "judgeenvironment")
+    assert info["terminal_tool"] is None and info["supports_score_group"] is True
+    assert info["conversation"] == [{"role": "user", "blocks": ["text"]}]
+    info = run_json(capsys, ref_server.url, "--env-name", "switchenvironment", "--no-probe")
+    assert info["terminal_tool"] == {"name": "check", "arg": None, "description": "Grade: is the switch on?"}
+    assert info["conversation"] is None
 
 
 def test_task_specific_tools(ref_server, capsys) -> None:

@@ -1,7 +1,7 @@
 """ors-trl: train language models with TRL's GRPOTrainer against Open Reward Standard environments.
 
-The public API is the list below: what a user constructs, calls or catches. Every other module is
-private. Importing the package is light: torch, trl, transformers, datasets and the openreward SDK
+The public API is the list below: what a user constructs, calls or catches, and the types the client
+returns. Every other module is private. Importing the package is light: torch, trl, transformers, datasets and the openreward SDK
 are imported only when a feature that needs them is first used.
 """
 
@@ -35,7 +35,7 @@ from ._exceptions import (
 )
 from ._mix import OpenRewardMix
 from ._policies import LocalPolicy, OpenAIPolicy, Policy, PolicyReply
-from ._rewards import group_reward, outcome_reward
+from ._rewards import outcome_reward
 from ._spec import OpenRewardSpec
 from ._transport import RetryPolicy, Timeouts
 from ._types import (
@@ -107,7 +107,6 @@ __all__ = [
     "UsageError",
     "__version__",
     "get_max_sessions",
-    "group_reward",
     "outcome_reward",
     "set_max_sessions",
 ]

@@ -86,18 +86,19 @@ class RolloutEngine:
             scored None.
         gather_window: seconds generation waits for more rollouts to be ready before it runs for those that are.
         turn_barrier: wait for every rollout before each generation (TRL's turn-by-turn schedule), for comparison.
-        score_groups: also score each GRPO group with the environment's `/score_group` (`ors_group_reward`).
+
+    Episodes of an environment whose spec has `score_groups=True` are also scored as GRPO groups with its
+    `/score_group` (the `ors_group_reward` column `spec.group_reward_func` reads).
     """
 
     def __init__(self, environments: Mapping[str | None, EnvironmentRuntime], *, episode_timeout: float | None = None,
-                 gather_window: float = 0.05, turn_barrier: bool = False, score_groups: bool = False) -> None:
+                 gather_window: float = 0.05, turn_barrier: bool = False) -> None:
         if episode_timeout is not None and episode_timeout <= 0:
             raise ConfigurationError("episode_timeout must be positive or None")
         self.environments = dict(environments)
         self.episode_timeout = episode_timeout
         self.gather_window = gather_window
         self.turn_barrier = turn_barrier
-        self.score_groups = score_groups
         self.last_episodes: list[Episode] = []
         self.generation_calls: list[int] = []  # prompts per generation call (this process), for inspection
 
@@ -114,7 +115,8 @@ class RolloutEngine:
         episodes = [r.ep for r in rollouts]
         groups: dict[tuple[int, str], list[Episode]] = {}  # GRPO groups: the rollouts of one task
         for ep in episodes:
-            groups.setdefault((id(ep.env), ep.task.key), []).append(ep)
+            if ep.env.score_groups:
+                groups.setdefault((id(ep.env), ep.task.key), []).append(ep)
         bg = get_loop()
         try:
             done: set[int] = set()
@@ -122,7 +124,7 @@ class RolloutEngine:
                 try:
                     self._run(wave, trainer)
                     done.update(id(r.ep) for r in wave)
-                    if self.score_groups:  # while their sessions are still open: every group now complete
+                    if groups:  # while their sessions are still open: every group now complete
                         complete = [k for k, g in groups.items() if all(id(e) in done for e in g)]
                         bg.run(score_groups([e for k in complete for e in groups.pop(k)]))
                 finally:

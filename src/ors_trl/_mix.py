@@ -192,8 +192,7 @@ class OpenRewardMix:
             _ = spec._tools
         return RolloutEngine({name: spec._runtime for name, spec in self.specs.items()},
                              episode_timeout=first._options["episode_timeout"],
-                             gather_window=first._options["gather_window"],
-                             score_groups=any(s._options["score_groups"] for s in self.specs.values()))
+                             gather_window=first._options["gather_window"])
 
     @cached_property
     def callbacks(self) -> list[Any]:

@@ -323,7 +323,7 @@ class OpenRewardSpec:
         rt = self._runtime
         self.__dict__["_tools"] = (specs, terminal, score_group, block_types)
         rt.supports_score_group, rt.block_types = score_group, block_types
-        rt.uses_messages = rt.uses_messages if block_types is None else True
+        rt.uses_messages = block_types is not None  # an older server (no message_block_types) has no /messages
         rt.toolset = Toolset(specs, terminal=terminal, asynchronous=self._options["async_tools"], module=__name__,
                              qualname_prefix=f"OpenRewardEnvironment_{_slug(self.name)}")
 
@@ -367,8 +367,7 @@ class OpenRewardSpec:
         """
         _ = self._tools
         return RolloutEngine({None: self._runtime}, episode_timeout=self._options["episode_timeout"],
-                             gather_window=self._options["gather_window"],
-                             score_groups=self._options["score_groups"])
+                             gather_window=self._options["gather_window"])
 
     # -- rewards and callbacks -------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
-"""The `ors-trl` command line (also `python -m ors_trl`): look at an environment, evaluate a policy on it.
+"""The `ors-trl` command line (also `python -m ors_trl`): look at an environment, evaluate a policy on it, report.
 
     ors-trl inspect http://127.0.0.1:8000
     ors-trl eval http://127.0.0.1:8000 --model ./checkpoint --num-tasks 32 --output episodes.jsonl
     ors-trl eval Eigent/SETA --base-url http://127.0.0.1:8001/v1 --model my-model --concurrency 16
     ors-trl serve-echo --port 8000
+    ors-trl report episodes.jsonl eval.jsonl ./trainer-output --output report.html
 
 Heavy packages (torch, transformers, the openreward SDK) are imported only by the subcommand that needs them.
 """
@@ -32,9 +33,11 @@ _EPILOG = """\
 exit codes:
   0    success
   1    runtime or environment error: server unreachable, unknown environment or split, the environment
-       or the policy failed; for eval, also when every episode ended in an error
+       or the policy failed; for eval, also when every episode ended in an error; for report, an
+       --output that cannot be written
   2    usage error: invalid arguments, malformed target, missing API key, a --model path that is not a
-       model directory, an existing --output without --resume/--overwrite
+       model directory, an existing --output without --resume/--overwrite; a report INPUT that is
+       missing, unreadable, or not an episode log, eval output or trainer state
   130  interrupted (Ctrl-C); eval keeps every finished episode in --output, continue with --resume
 
 TARGET is the URL of a self-hosted ORS server (http://127.0.0.1:8000) or an OpenReward catalog name
@@ -48,6 +51,16 @@ def _para(text: str) -> str:
 
 class _UsageError(Exception):
     """A command-line problem found after parsing (exit code 2)."""
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -158,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", metavar="D", help="device for a local model (default: cuda if available, else cpu)")
     p.add_argument("--per-task-tools", action="store_true",
                    help="bind each episode's own tool list instead of the tools training binds")
+    p.add_argument("--score-groups", action="store_true",
+                   help="also score each task's episodes (--repeats) together with the environment's /score_group")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser(
@@ -173,6 +188,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--envs", default="echo",
                    help="comma-separated bundled environments (echo, demo), or 'all' (default echo)")
     p.add_argument("--log-level", default="warning", help="server log level (default warning)")
+
+    from ._report import DEFAULT_MAX_EPISODES
+
+    p = sub.add_parser(
+        "report",
+        help="write one self-contained HTML page from episode logs, eval outputs and trainer logs",
+        description=_para("Write one self-contained HTML page (styles, script and charts inside it; nothing is "
+        "fetched when it opens) about what the episodes did and how training went: a summary (rewards, grading, "
+        "tool calls, failures by reason, end and unscored reasons, latency percentiles), curves over training "
+        "steps from the trainer's log_history, a sortable per-task table, and a browser of episode bodies "
+        "(prompt, every tool call with its arguments, output, reward and failure, the final message and reward). "
+        "Inputs are recognised by content: episode logs (episode_log=), eval outputs (ors-trl eval --output), "
+        "trainer output folders (their trainer_state.json, also in checkpoint-*/) and trainer_state.json files. "
+        "Every episode is counted; a deterministic sample of at most --max-episodes bodies is embedded."),
+        **_LAYOUT,
+    )
+    p.add_argument("inputs", metavar="INPUT", nargs="+",
+                   help="episode log or eval output (JSON lines), trainer output folder, or trainer_state.json")
+    p.add_argument("-o", "--output", metavar="FILE", default="report.html",
+                   help="the HTML file to write (default report.html; replaced if it exists)")
+    p.add_argument("--max-episodes", metavar="N", type=_non_negative_int, default=DEFAULT_MAX_EPISODES,
+                   help=f"episode bodies embedded in the page, a deterministic sample (default {DEFAULT_MAX_EPISODES})")
+    p.add_argument("--title", metavar="TEXT", help="the page's title (default: names the environments)")
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
 
     sub.add_parser("demo", help="the bundled GRPO demo (options are passed to it; `ors-trl demo --help`)",
                    add_help=False)
@@ -232,11 +272,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         policy = args.model
     # The spec is built like a training spec with the same selection, so the tools bound are those training binds.
     spec = OpenRewardSpec(args.target, split=args.split, env_name=args.env_name, num_tasks=args.num_tasks,
-                          indices=args.indices)
+                          indices=args.indices, score_groups=args.score_groups)
     report = spec.evaluate(
         policy, num_tasks=args.num_tasks, indices=args.indices, repeats=args.repeats,
         concurrency=args.concurrency, max_turns=args.max_turns, output=args.output, resume=args.resume,
-        overwrite=args.overwrite, per_task_tools=args.per_task_tools, temperature=args.temperature,
+        overwrite=args.overwrite, per_task_tools=args.per_task_tools, score_groups=args.score_groups,
+        temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, progress=not args.no_progress,
     )
     if args.json:
@@ -248,6 +289,28 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         first = next((e.get("error") for e in report.episodes if e.get("error")), None)
         print(f"ors-trl: error: every episode ended in an error; first: {first}", file=sys.stderr)
         return EXIT_ERROR
+    return EXIT_OK
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from ._report import write_report
+
+    try:
+        summary = write_report(args.inputs, args.output, max_episodes=args.max_episodes, title=args.title)
+    except OSError as exc:  # the inputs were readable (else ConfigurationError): the output is not writable
+        print(f"ors-trl report: error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.json:
+        _print_json(dataclasses.asdict(summary))
+    else:
+        envs = ", ".join(summary.environments) or "none"
+        sys.stdout.write(
+            f"Wrote {summary.output} ({summary.bytes / 2**20:.1f} MB): {summary.episodes} episode(s) of "
+            f"{len(summary.environments)} environment(s) ({envs}), {summary.runs} run(s), {summary.tasks} task(s); "
+            f"{summary.embedded} episode bod{'y' if summary.embedded == 1 else 'ies'} embedded; curves from "
+            f"{summary.trainer_states} trainer state(s), {summary.log_steps} logged step(s)\n")
     return EXIT_OK
 
 
@@ -317,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(getattr(args, "verbose", False))
     from ._exceptions import ConfigurationError, ORSError
 
-    handlers = {"inspect": _cmd_inspect, "eval": _cmd_eval, "serve-echo": _cmd_serve_echo}
+    handlers = {"inspect": _cmd_inspect, "eval": _cmd_eval, "serve-echo": _cmd_serve_echo, "report": _cmd_report}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:
