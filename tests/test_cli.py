@@ -21,7 +21,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 ENV = {**os.environ, "PYTHONPATH": SRC, "OPENREWARD_DISABLE_UPDATE_CHECK": "1"}
 
 
-@pytest.mark.parametrize("command", [[], ["inspect"], ["eval"], ["serve-echo"]])
+@pytest.mark.parametrize("command", [[], ["inspect"], ["eval"], ["report"], ["serve-echo"]])
 def test_help(command, capsys) -> None:
     with pytest.raises(SystemExit) as exc:  # argparse's own --help exit, before main's handler...
         from ors_trl.cli import build_parser

@@ -1,0 +1,441 @@
+"""`ors-trl report`: a page built from real episodes (two environments, two processes, training and eval logs, a
+trainer state) shows each of them, loads nothing from elsewhere and opens in headless Chromium without a JavaScript
+error; inputs are recognised by content, hostile text stays text, the sample is bounded, the CLI's exit codes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ors_trl import ConfigurationError, OpenRewardSpec, PolicyReply, ToolError
+from ors_trl._report import _recognise, write_report
+from ors_trl.cli import EXIT_ERROR, EXIT_OK, EXIT_USAGE, main
+from tests.fixtures.environments import QUIZ_SYSTEM
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+ENV = {**os.environ, "PYTHONPATH": SRC, "OPENREWARD_DISABLE_UPDATE_CHECK": "1"}
+# Text a tool output, a prompt or a name might carry; it must stay text on the page.
+HOSTILE = '</script><script>document.title="pwned"</script><img src=x onerror="document.title=\'pwned\'"><!--'
+
+# The second process: one rewarded echo episode written to its own log (so with its own run id).
+SUBPROCESS = """
+import sys
+from ors_trl import OpenRewardSpec
+url, log = sys.argv[1], sys.argv[2]
+spec = OpenRewardSpec(url, env_name="echoenvironment", num_tasks=1, episode_log=log)
+target = spec.run(spec.client.tasks("train"))[0]["target"]
+env = spec.environment_factory()
+env.reset(task_index=0)
+env.echo(text=target)
+spec.close()
+"""
+
+
+class EchoPolicy:
+    """An eval policy: echoes the word the prompt asks for (misspelt for the words in `miss`, so that episode goes
+    on), then answers in plain text."""
+
+    description = "scripted-echo"
+
+    def __init__(self, miss: set[str]) -> None:
+        self.miss = miss
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        if messages[-1]["role"] == "tool":
+            return PolicyReply(content="Done.")
+        word = re.search(r'exactly this text: "([^"]+)"', messages[-1]["content"]).group(1)
+        text = word + "?" if word in self.miss else word
+        return PolicyReply(content="", tool_calls=[{"id": "c0", "name": "echo", "arguments": {"text": text}}])
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Any:
+    """`main()` points the ors_trl logger at the stderr of its test (pytest's capture); put it back after."""
+    logger = logging.getLogger("ors_trl")
+    saved = logger.handlers[:], logger.level, logger.propagate
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved
+
+
+class QuizPolicy:
+    """An eval policy for the quiz (a system turn, a terminal tool): looks the country up, then answers in plain text
+    (the terminal tool grades it); wrong on purpose for the countries in `miss`."""
+
+    description = "scripted-quiz"
+
+    def __init__(self, miss: set[str]) -> None:
+        self.miss = miss
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        last = messages[-1]
+        if last["role"] == "tool":
+            country, capital = re.search(r"The capital of (.+) is (.+)\.", last["content"]).groups()
+            return PolicyReply(content="Atlantis" if country in self.miss else capital)
+        country = re.search(r"capital of (.+)\?", last["content"]).group(1)
+        return PolicyReply(content="", tool_calls=[{"id": "q0", "name": "lookup", "arguments": {"country": country}}])
+
+
+class JudgePolicy:
+    """An eval policy for the group-scored environment: says a sentence with the task's word."""
+
+    description = "scripted-judge"
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        word = re.search(r'the word "([^"]+)"', messages[-1]["content"]).group(1)
+        return PolicyReply(content=f"A {word}.", tool_calls=[{"id": "j0", "name": "say",
+                                                             "arguments": {"text": f"A {word} here."}}])
+
+
+def _wait_pending(*specs: OpenRewardSpec) -> None:
+    for spec in specs:  # finished episodes release their sessions in the background
+        concurrent.futures.wait(list(spec._runtime._pending), timeout=30)
+
+
+@pytest.fixture(scope="module")
+def logs(ref_server, tmp_path_factory) -> dict[str, Path]:
+    """Logs of real episodes against the reference server: training logs of two environments, a second process's
+    log, eval outputs (echo; a quiz with a system turn and a terminal tool; group-scored repeats), and a trainer
+    output folder whose log_history carries the metrics those training episodes logged."""
+    tmp = tmp_path_factory.mktemp("report-logs")
+    out = {name: tmp / f"{name}.jsonl" for name in ("echo", "sparse", "sub", "eval", "quiz", "judge")}
+    out["trainer"] = tmp / "trainer"
+    proc = subprocess.Popen([sys.executable, "-c", SUBPROCESS, ref_server.url, str(out["sub"])], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    echo = OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=4, episode_log=str(out["echo"]))
+    sparse = OpenRewardSpec(ref_server.url, env_name="sparseenvironment", num_tasks=2, episode_log=str(out["sparse"]))
+    quiz = OpenRewardSpec(ref_server.url, env_name="quizenvironment", num_tasks=2)
+    judge = OpenRewardSpec(ref_server.url, env_name="judgeenvironment", num_tasks=1)
+    try:
+        words = [t["target"] for t in echo.run(echo.client.tasks("train"))[:4]]
+        sums = [t["a"] + t["b"] for t in sparse.run(sparse.client.tasks("train"))[:2]]
+        e = [echo.environment_factory() for _ in range(4)]
+        for i, env in enumerate(e):
+            env.reset(task_index=i)
+        e[0].echo(text=words[0])  # 1.0, finished
+        e[1].echo(text="wrong")  # 0.0
+        e[2].echo(text=HOSTILE)  # 0.0, and the output echoes the hostile text
+        # e[3] makes no call: unscored (no_reward)
+        m = [sparse.environment_factory() for _ in range(2)]
+        for i, env in enumerate(m):
+            env.reset(task_index=i)
+        m[0].calculator(expression="1+1")  # unscored call
+        m[0].submit(answer=sums[0])  # 1.0, finished
+        with pytest.raises(ToolError):
+            m[1].calculator(expression="import os")  # failed
+        with pytest.raises(ToolError):
+            m[1].submit(answer="x")  # refused (input_validation)
+        _wait_pending(echo, sparse)
+        logged: dict[str, float] = {}
+        echo.reward_funcs(e, log_metric=logged.__setitem__)
+        sparse.reward_funcs(m, log_metric=logged.__setitem__)
+        echo.evaluate(EchoPolicy({words[1]}), num_tasks=2, output=str(out["eval"]), progress=False, concurrency=2)
+        countries = [t["country"] for t in quiz.run(quiz.client.tasks("train"))[:2]]
+        quiz.evaluate(QuizPolicy({countries[1]}), output=str(out["quiz"]), progress=False)
+        judge.evaluate(JudgePolicy(), output=str(out["judge"]), repeats=2, score_groups=True, progress=False)
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+    finally:
+        for spec in (echo, sparse, quiz, judge):
+            spec.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    history = [{"step": step, "epoch": step / 3, "loss": 0.1 / step, "reward": 0.2 * step,
+                **{k: v * step if "fraction" not in k else v for k, v in logged.items()}} for step in (1, 2, 3)]
+    for step in (2, 3):  # the latest checkpoint's state holds the whole log_history
+        folder = out["trainer"] / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": history[:step]},
+                                                              indent=2))
+    return out
+
+
+def _episode_data(page: str) -> list[dict[str, Any]]:
+    m = re.search(r'<script type="application/json" id="episode-data">(.*?)</script>', page, re.S)
+    assert m is not None
+    return json.loads(m.group(1))
+
+
+def assert_self_contained(page: str) -> None:
+    """Nothing in the page is fetched from elsewhere: no external src/href/url()/@import, no <link>, no script src."""
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", page, re.I)
+    assert not re.search(r"""url\(\s*["']?\s*(?:https?:)?//""", page, re.I)
+    assert not re.search(r"@import", page, re.I)
+    assert not re.search(r"<link\b", page, re.I)
+    assert not re.search(r"<script\b[^>]*\bsrc\s*=", page, re.I)
+    assert "default-src 'none'" in page  # and the page's CSP forbids it anyway
+
+
+LOGS = ("echo", "sparse", "sub", "eval", "quiz", "judge")
+ENVS = ["echoenvironment", "judgeenvironment", "quizenvironment", "sparseenvironment"]
+
+
+def test_report_of_real_episodes(logs, tmp_path, no_leaked_sessions) -> None:
+    out = tmp_path / "report.html"
+    summary = write_report([*(logs[k] for k in LOGS), logs["trainer"]], out)
+    assert summary.episodes == 4 + 2 + 1 + 2 + 2 + 2 and summary.embedded == summary.episodes
+    assert summary.environments == ENVS
+    assert summary.runs == 2  # this process (training and eval) and the subprocess
+    assert summary.trainer_states == 1 and summary.log_steps == 3  # checkpoint-3, not checkpoint-2
+    page = out.read_text(encoding="utf-8")
+    assert_self_contained(page)
+
+    episodes = _episode_data(page)
+    records = [json.loads(line) for key in LOGS for line in logs[key].read_text().splitlines()]
+    assert len(records) == len(episodes) == 13
+    # Every episode is in the page, whole: the embedded record is the record as written.
+    assert sorted(json.dumps(e["rec"], sort_keys=True) for e in episodes) == sorted(
+        json.dumps(r, sort_keys=True) for r in records)
+    by_source = {(e["rec"]["source"], e["env"], e["rec"]["task_index"], e["rec"].get("repeat"), e["run"])
+                 for e in episodes}
+    assert len(by_source) == 13
+    assert {e["run"] for e in episodes} == {r["run"] for r in records} and len({r["run"] for r in records}) == 2
+    failed = next(e for e in episodes if e["env"] == "sparseenvironment" and e["reward"] is None)
+    assert failed["tags"] == ["failure: failed", "failure: refused", "unscored: no_reward"]
+    outputs = [c.get("output") for e in episodes for t in e["rec"]["turns"] for c in t["tool_calls"]]
+    assert HOSTILE in outputs  # the data holds it exactly...
+    assert HOSTILE not in page and "<script>document" not in page and "<img src=x" not in page  # ...as text only
+    quiz = [e["rec"] for e in episodes if e["env"] == "quizenvironment"]  # a system turn, a terminal tool
+    assert all(r["system"] == QUIZ_SYSTEM and r["final"]["tool"] == "answer" for r in quiz)
+    assert sorted(r["reward"] for r in quiz) == [0.0, 1.0] and {r["final"]["message"] for r in quiz} >= {"Atlantis"}
+    assert all(isinstance(e["rec"]["group_reward"], float) for e in episodes if e["env"] == "judgeenvironment")
+
+    # The summary and the task table: rewards, failures by reason, end and unscored reasons, latencies.
+    for text in ("Tool-call failures by reason", "refused", "failed", "no_reward", "finished", "no_tool_calls",
+                 "session open (timings.open)", "tool call (seconds)", "train #0", "train #3", "echoenvironment",
+                 "sparseenvironment", "scripted-echo"):
+        assert text in page or text in json.dumps(episodes), text
+    assert re.search(r'<tr class=task data-env="echoenvironment" data-task="train #0">', page)
+    # Curves from the trainer's log_history: TRL's reward and the env/<name>/... metrics, as inline SVG.
+    assert page.count("<figure class=chart><svg") == 5
+    assert "TRL reward (every rollout)" in page and "echoenvironment" in page.split('id="curves"')[1]
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Headless Chromium (the Debian package), installed with apt-get where missing; skips only where it cannot be."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found:
+        return found
+    if not shutil.which("apt-get") or os.geteuid() != 0:
+        pytest.skip("chromium is not installed, and apt-get cannot install it here (no apt-get, or not root)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    try:
+        for cmd, limit in ((["apt-get", "update", "-qq"], 300),
+                           (["apt-get", "install", "-y", "-qq", "-o", "DPkg::Lock::Timeout=120", "chromium"], 900)):
+            subprocess.run(cmd, check=True, capture_output=True, timeout=limit, env=env)
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"chromium could not be installed with apt-get: {exc}")
+    found = shutil.which("chromium")
+    if not found:
+        pytest.skip("apt-get installed chromium, yet there is no chromium on PATH")
+    return found
+
+
+def run_chromium(binary: str, profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
+           f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+
+
+def test_page_opens_in_chromium(logs, chromium, tmp_path, record_property) -> None:
+    out = tmp_path / "report.html"
+    write_report([*(logs[k] for k in LOGS), logs["trainer"]], out, title="ors-trl report: four environments")
+    url = out.as_uri() + "#expand"  # the page's script opens every episode shown (so their bodies render)
+    result = run_chromium(chromium, tmp_path / "profile-dom", "--dump-dom", url)
+    dom = result.stdout
+    assert 'data-report-ready="1"' in dom, (result.returncode, result.stderr[-3000:])  # the script ran to its end
+    body = re.search(r"<body[^>]*>", dom).group(0)
+    assert "data-js-error" not in body and re.search(r'<pre id="js-errors" hidden="">\s*</pre>', dom)
+    assert "Uncaught" not in result.stderr, result.stderr[-3000:]
+    assert dom.count('class="ep-body"') == 13  # every episode's body was rendered by the script
+    for text in ("tool call: echo", "tool call: calculator", "tool call: submit", "failed: refused",
+                 "failed: failed", "input_validation", "Done.", "final message → terminal tool: answer",
+                 "tool call: lookup", "Atlantis", QUIZ_SYSTEM, "group reward", "unscored: no_reward"):
+        assert text in dom, text
+    # The hostile output is text in the rendered page: escaped, not an element, and it never ran.
+    assert "&lt;img src=x onerror=" in dom and "&lt;/script&gt;&lt;script&gt;" in dom
+    assert not re.search(r"<img\b", dom) and "pwned</title>" not in dom
+
+    shot = tmp_path / "report.png"
+    result = run_chromium(chromium, tmp_path / "profile-shot", f"--screenshot={shot}", "--window-size=1280,1600",
+                          "--hide-scrollbars", out.as_uri())
+    assert shot.is_file() and shot.stat().st_size > 10_000, result.stderr[-3000:]
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    record_property("screenshot", str(shot))
+    print(f"report screenshot: {shot}")
+
+
+# -- inputs -----------------------------------------------------------------------------------------------------
+
+
+def write_lines(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def v2(i: int = 0, **extra: Any) -> dict[str, Any]:
+    """A record in the shape `Episode.record()` writes."""
+    rec = {"version": 2, "run": "host-1-1", "source": "trl", "environment": "echo", "target": "http://h:1",
+           "split": "train", "task_index": i, "task_spec": None, "started_at": "2026-01-01T00:00:00+00:00",
+           "system": None, "prompt": f"Say word {i}", "turns": [{"index": 0, "assistant": "", "tool_calls": [
+               {"id": "c", "name": "echo", "arguments": {"text": "w"}, "remote_name": "echo", "output": "w",
+                "reward": 1.0, "finished": True, "metadata": None, "seconds": 0.01}]}],
+           "final": None, "rewards": [1.0], "reward": 1.0, "group_reward": None, "finished": True,
+           "end_reason": "finished", "unscored": None, "tool_calls": 1, "tool_failures": 0, "error": None,
+           "timings": {"generation": 0.0, "tools": 0.01, "open": 0.02, "prompt": 0.001, "total": 0.05}}
+    rec.update(extra)
+    return rec
+
+
+def test_inputs_are_recognised_by_content(tmp_path) -> None:
+    log = write_lines(tmp_path / "no-extension", [v2(0), v2(1)])
+    v1 = v2(2, version=1, source="eval", repeat=0, policy="p")
+    del v1["unscored"], v1["run"]
+    evals = write_lines(tmp_path / "eval.out", [v1])
+    legacy = write_lines(tmp_path / "old.jsonl", [{"environment": "echo", "task_index": 5, "prompt": "p", "reward": None,
+                                                   "finished": False, "calls": [
+        {"tool": "echo", "arguments": {"text": "a"}, "output": "a"},
+        {"tool": "echo", "arguments": {"text": 1}, "error": "1 validation error", "error_kind": "refused"}]}])
+    state = {"global_step": 2, "log_history": [{"step": 1, "reward": 0.5, "env/echo/reward_mean": 0.5},
+                                               {"step": 2, "reward": 0.7, "env/echo/reward_mean": 0.75}]}
+    (tmp_path / "out" / "checkpoint-9").mkdir(parents=True)
+    (tmp_path / "out" / "checkpoint-10").mkdir()
+    (tmp_path / "out" / "checkpoint-9" / "trainer_state.json").write_text(json.dumps({"log_history": []}))
+    (tmp_path / "out" / "checkpoint-10" / "trainer_state.json").write_text(json.dumps(state, indent=2))
+    compact = tmp_path / "state.json"
+    compact.write_text(json.dumps(state))
+
+    assert _recognise(log).kind == _recognise(evals).kind == _recognise(legacy).kind == "episodes"
+    folder = _recognise(tmp_path / "out")
+    assert folder.kind == "trainer_state" and folder.path.parent.name == "checkpoint-10"  # numerically latest
+    assert _recognise(tmp_path / "out" / "checkpoint-10" / "trainer_state.json").kind == "trainer_state"
+    assert _recognise(compact).kind == "trainer_state"
+    (tmp_path / "out" / "trainer_state.json").write_text(json.dumps(state))
+    assert _recognise(tmp_path / "out").path == tmp_path / "out" / "trainer_state.json"  # the run's own, first
+
+    summary = write_report([log, evals, legacy, tmp_path / "out", tmp_path / "out" / "trainer_state.json"],
+                           tmp_path / "r.html")
+    assert summary.episodes == 4 and summary.trainer_states == 1 and summary.log_steps == 2  # the folder counted once
+    page = (tmp_path / "r.html").read_text()
+    old = next(e for e in _episode_data(page) if e["rec"].get("task_index") == 5)
+    calls = old["rec"]["turns"][0]["tool_calls"]
+    assert [c["name"] for c in calls] == ["echo", "echo"] and calls[1]["error"] == {
+        "kind": "refused", "message": "1 validation error"}
+    assert old["tags"] == ["failure: refused", "unscored: no_reward"] and old["run"] == "old.jsonl"
+    assert "Tool-call failures by reason" in page and ">refused<" in page
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("missing.jsonl", None, "no such file or folder"),
+    ("binary.bin", b"\x89PNG\r\n\x1a\n\x00\x00garbage", "not an episode log, eval output or trainer state"),
+    ("other.jsonl", b'{"a": 1}\n{"b": 2}\n', "not an episode log, eval output or trainer state"),
+    ("config.json", b'{\n  "model": "x"\n}\n', "not an episode log, eval output or trainer state"),
+    ("empty-folder", "dir", "a folder without trainer_state.json"),
+])
+def test_bad_inputs_are_clear_errors(tmp_path, capsys, name, content, message) -> None:
+    path = tmp_path / name
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        write_report([path], tmp_path / "r.html")
+    assert main(["report", str(path), "--output", str(tmp_path / "r.html")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"ors-trl report: error: {path}" in err and message in err
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_empty_log_and_missing_curves_are_said(tmp_path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    summary = write_report([empty], tmp_path / "a.html")
+    page = (tmp_path / "a.html").read_text()
+    assert summary.episodes == 0 and "No episode records were given" in page and "No trainer log given" in page
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": []}))
+    write_report([write_lines(tmp_path / "e.jsonl", [v2()]), tmp_path / "trainer_state.json"], tmp_path / "b.html")
+    assert "has no log_history" in (tmp_path / "b.html").read_text()
+
+
+# -- escaping, the sample, the CLI ------------------------------------------------------------------------------
+
+
+def test_hostile_text_stays_text(tmp_path) -> None:
+    evil = HOSTILE + "\u2028\u2029 & <!-- <script"
+    rec = v2(0, environment=f'"><img src=x>{evil}', run=evil, prompt=evil, system=evil, task_spec={"q": evil},
+             final={"message": evil}, error={"kind": f"<b>{evil}", "message": evil}, end_reason=evil,
+             unscored="error", reward=None)
+    rec["turns"][0]["tool_calls"][0].update(name=evil, arguments={evil: evil}, output=evil,
+                                            error={"kind": evil, "message": evil})
+    rec["turns"][0]["assistant"] = evil
+    nan = v2(1, reward=float("nan"), group_reward=float("inf"))  # NaN is not JSON: the page must still parse
+    write_report([write_lines(tmp_path / "e.jsonl", [rec, nan])], tmp_path / "r.html", title=evil)
+    page = (tmp_path / "r.html").read_text(encoding="utf-8")
+    assert_self_contained(page)
+    assert "<img" not in page and "<b>" not in page and "<!--" not in page
+    assert page.count("<script") == 3  # the error catcher, the JSON data, the page's script: no other
+    assert page.count("</script>") == 3
+    assert "\u2028" not in page.split('id="episode-data">')[1]
+    data = _episode_data(page)
+    assert data[0]["rec"]["turns"][0]["tool_calls"][0]["output"] == evil  # exact, nothing unescaped or lost
+    assert data[0]["env"] == f'"><img src=x>{evil}' and data[0]["rec"]["task_spec"] == {"q": evil}
+    assert data[1]["reward"] is None and data[1]["rec"]["reward"] == "nan" and data[1]["rec"]["group_reward"] == "inf"
+
+
+def test_sample_is_bounded_deterministic_and_keeps_every_kind(tmp_path) -> None:
+    records = [v2(i % 50, run=f"run-{i % 3}") for i in range(600)]
+    records[123] = v2(7, reward=None, unscored="timeout", end_reason="timeout", finished=False)
+    records[321]["turns"][0]["tool_calls"][0].update(error={"kind": "expired", "message": "gone"}, reward=None)
+    records[456] = v2(8, reward=None, unscored="error", end_reason="error",
+                      error={"kind": "transport", "message": "refused"})
+    log = write_lines(tmp_path / "e.jsonl", records)
+    summary = write_report([log], tmp_path / "a.html", max_episodes=20)
+    page = (tmp_path / "a.html").read_text()
+    assert summary.episodes == 600 and summary.embedded == 20
+    assert "Showing 20 of 600 episodes (sample; --max-episodes 20)" in page
+    data = _episode_data(page)
+    assert len(data) == 20
+    tags = {t for e in data for t in e["tags"]}
+    assert {"unscored: timeout", "failure: expired", "error: transport", "unscored: error"} <= tags
+    assert {"run-0", "run-1", "run-2"} <= {e["run"] for e in data}
+    # the summary still counts all 600
+    assert ">600<" in page and "Tool-call failures by reason" in page
+    write_report([log], tmp_path / "b.html", max_episodes=20)
+    assert _episode_data((tmp_path / "b.html").read_text()) == data  # the same sample every time
+    assert write_report([log], tmp_path / "c.html", max_episodes=0).embedded == 0
+    assert "Showing 0 of 600 episodes" in (tmp_path / "c.html").read_text()
+
+
+def test_cli_exit_codes(tmp_path, capsys) -> None:
+    log = write_lines(tmp_path / "e.jsonl", [v2(0), v2(1, reward=0.0)])
+    out = tmp_path / "sub" / "r.html"
+    assert main(["report", str(log), "--output", str(out), "--json", "--max-episodes", "1", "--title", "T"]) == EXIT_OK
+    info = json.loads(capsys.readouterr().out)
+    assert info["episodes"] == 2 and info["embedded"] == 1 and info["output"] == str(out) and out.is_file()
+    assert "<title>T</title>" in out.read_text()
+    assert main(["report", str(log), "-o", str(out)]) == EXIT_OK  # an existing page is replaced
+    assert "Wrote" in capsys.readouterr().out
+    assert main(["report", str(log), "--max-episodes", "-1"]) == EXIT_USAGE
+    assert main(["report"]) == EXIT_USAGE
+    assert main(["report", "--help"]) == EXIT_OK and "exit codes:" in capsys.readouterr().out
+    assert main(["report", str(log), "--output", str(log / "r.html")]) == EXIT_ERROR  # a file where a folder must be
+    assert "cannot write" in capsys.readouterr().err
+
+
+def test_matplotlib_is_imported_only_for_curves() -> None:
+    code = "import sys, ors_trl, ors_trl.cli, ors_trl._report; print('matplotlib' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
