@@ -22,8 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from ors_trl import OpenRewardSpec
-from ors_trl import EvalReport, LocalPolicy, OpenAIPolicy, PolicyReply
+from ors_trl import EvalReport, LocalPolicy, OpenAIPolicy, OpenRewardSpec, PolicyReply
 from ors_trl._binding import Toolset
 from ors_trl._eval import load_episodes
 from ors_trl.cli import main

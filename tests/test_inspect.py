@@ -12,7 +12,6 @@ from ors_trl._binding import DEFAULT_RESERVED, bind_tools
 from ors_trl._inspect import describe_binding, inspect_target, render_text
 from ors_trl.cli import main
 
-
 pytestmark = pytest.mark.usefixtures("no_leaked_sessions")
 
 
