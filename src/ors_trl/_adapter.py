@@ -12,6 +12,12 @@ batch (`batch_tool_calls`; each rollout's own calls still in order, nothing TRL 
 An environment failure never raises out of `reset()`: the episode is recorded as failed, scored
 None, and the model is told what happened. Tool failures raise from the tool method (that is how
 TRL counts them in `tools/failure_frequency`) with a message the model can read.
+
+In TRL's asynchronous trainer the adapters live in a spawned rollout worker, which reuses them from a
+pool and calls reward functions long after, without them. There the adapter class gains TRL's
+`get_reward` hook (`for_this_process`): when a rollout ends it settles the episode on its transcript
+and frees the session, and the spec's reward functions find the episode by that transcript
+(`ended_episodes`).
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ import concurrent.futures
 import logging
 import os
 import threading
-from collections import deque
-from collections.abc import Mapping
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from . import _trl
@@ -31,7 +37,7 @@ from ._exceptions import ToolRefusedError, UsageError
 from ._loop import get_loop
 from ._text import show_json
 
-__all__ = ["OpenRewardEnvironment"]
+__all__ = ["OpenRewardEnvironment", "ended_episodes", "episode_readers", "for_this_process"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -43,9 +49,20 @@ _turn_lock = threading.Lock()
 _last_turn: object = None
 
 
+#: Reward functions that read episodes (registered by `_rewards`): in TRL's async worker `get_reward` leaves the
+#: reward to them when one of them will run.
+episode_readers: set[Callable[..., Any]] = set()
+#: In TRL's async worker: each ended rollout's episode, keyed by the identity of its transcript list (what TRL hands
+#: reward functions as that rollout's `completions` entry), with how many reading reward functions are still to come.
+_ended: OrderedDict[int, tuple[list[Any], Episode, int]] = OrderedDict()
+_ended_lock = threading.Lock()
+_ENDED_MAX = 16_384  # bound, should reward functions never come for some (the oldest go first)
+
+
 def _after_fork_in_child() -> None:
-    global _turn_lock, _last_turn
-    _turn_lock, _last_turn = threading.Lock(), None
+    global _turn_lock, _last_turn, _ended_lock
+    _turn_lock, _last_turn, _ended_lock = threading.Lock(), None, threading.Lock()
+    _ended.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -262,9 +279,11 @@ async def _run_chain(ep: Episode | None, chain: list[_Ahead], env: OpenRewardEnv
         entry.future.set_result(outcome)
 
 
-def settle_all(environments: list[Any], completions: list[Any] | None, completion_ids: list[Any] | None) -> None:
+def settle_all(environments: list[Any], completions: list[Any] | None, completion_ids: list[Any] | None,
+               eos_token_ids: set[int] | None = None) -> None:
     """After TRL's loop: give each rollout's episode its transcript, and run the terminal tools of the batch
-    at once (concurrently), so that the rewards read next are final."""
+    at once (concurrently), so that the rewards read next are final. `eos_token_ids`: the ids that end a
+    completion, when no trainer is there to say (TRL's async worker)."""
     ends: list[Any] = []
     for i, env in enumerate(environments):
         ep = env._episode if isinstance(env, OpenRewardEnvironment) else None
@@ -272,7 +291,8 @@ def settle_all(environments: list[Any], completions: list[Any] | None, completio
             continue
         env._settle_ahead()
         messages = completions[i] if completions is not None and isinstance(completions[i], list) else []
-        eos = _trl.eos_token_ids(env._runtime.trainer) if env._runtime.trainer is not None else set()
+        eos = (eos_token_ids if eos_token_ids is not None else
+               _trl.eos_token_ids(env._runtime.trainer) if env._runtime.trainer is not None else set())
         ids = completion_ids[i] if completion_ids is not None else None
         truncated = bool(eos) and bool(ids) and int(ids[-1]) not in eos
         message, reason = ep.settle(messages, truncated=truncated)
@@ -282,3 +302,72 @@ def settle_all(environments: list[Any], completions: list[Any] | None, completio
             await asyncio.gather(*ends)
 
         get_loop().run(run())
+
+
+# -- TRL's asynchronous trainer ------------------------------------------------------------------
+
+
+async def _get_reward(self: OpenRewardEnvironment) -> float | None:
+    """TRL's async rollout worker awaits this once per finished rollout, before the adapter returns to its pool.
+
+    Settles the episode on the rollout's transcript (a terminal tool gets the final message), frees its session,
+    and, when one of the spec's reward functions will run, leaves the reward to it (returns None, so TRL's
+    column for this class stays empty); otherwise returns the episode's reward itself (None when unscored).
+    """
+    seen = _trl.finished_rollout(self)  # before the first await: it reads the worker loop's frame
+    return await asyncio.to_thread(_rollout_ended, self, seen)
+
+
+def _rollout_ended(env: OpenRewardEnvironment, seen: _trl.FinishedRollout | None) -> float | None:
+    ep = env._episode
+    if ep is None:
+        return None
+    if seen is None:
+        settle_all([env], None, None)
+    else:
+        settle_all([env], [seen.messages], [seen.completion_ids], eos_token_ids=seen.eos_token_ids)
+    readers = sum(getattr(f, "func", f) in episode_readers for f in seen.reward_funcs) if seen is not None else 0
+    env._end()  # the rollout is over: close its session now, not when TRL reuses this adapter
+    if seen is not None and readers:
+        with _ended_lock:
+            _ended[id(seen.messages)] = (seen.messages, ep, readers)
+            while len(_ended) > _ENDED_MAX:
+                _ended.popitem(last=False)
+        return None
+    return None if ep.timed_out else ep.reward
+
+
+def ended_episodes(completions: Any) -> list[Episode | None] | None:
+    """In TRL's async worker: the episode of each rollout in `completions` (None where unknown); elsewhere None.
+
+    Each call counts as one reading reward function; an episode is forgotten once all of them have read it.
+    """
+    if not _trl.in_async_worker() or not isinstance(completions, list):
+        return None
+    out: list[Episode | None] = []
+    with _ended_lock:
+        for messages in completions:
+            hit = _ended.get(id(messages))
+            if hit is None or hit[0] is not messages:
+                out.append(None)
+                continue
+            out.append(hit[1])
+            if hit[2] <= 1:
+                del _ended[id(messages)]
+            else:
+                _ended[id(messages)] = (hit[0], hit[1], hit[2] - 1)
+    return out
+
+
+def for_this_process(cls: type[OpenRewardEnvironment]) -> type[OpenRewardEnvironment]:
+    """The adapter class as this process uses it: in TRL's async rollout worker, a subclass with TRL's
+    `get_reward` hook (same name, same tools); anywhere else `cls` itself (`GRPOTrainer` would add a
+    `get_reward` class as a second reward source)."""
+    if not _trl.in_async_worker():
+        return cls
+    sub = cls.__dict__.get("_worker_class")
+    if sub is None:
+        sub = type(cls)(cls.__name__, (cls,), {"get_reward": _get_reward, "__module__": cls.__module__,
+                                                "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+        type.__setattr__(cls, "_worker_class", sub)
+    return sub

@@ -6,6 +6,11 @@ each episode first (a `@terminal` tool gets the model's final plain message, the
 once), then read the rewards; with `rollout_func` the engine has already done all of it and its
 extra columns carry the results. Both hand the environment metrics of the batch to TRL's public
 `log_metric` keyword. They are plain module-level functions (picklable, for TRL's async trainer).
+
+In TRL's async trainer (`trl.experimental.async_grpo`) they run in its spawned rollout worker, which
+passes neither `environments` nor `log_metric`: the adapter's `get_reward` hook has settled each
+episode when its rollout ended, and they find it by its transcript (`completions`). The environment
+metrics are not logged there (TRL gives reward functions in its worker no way to log); see `episode_log`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._adapter import OpenRewardEnvironment, settle_all
+from ._adapter import OpenRewardEnvironment, ended_episodes, episode_readers, settle_all
 from ._episode import EnvironmentRuntime, Episode, runtimes, score_groups
 from ._exceptions import ConfigurationError
 from ._loop import get_loop
@@ -39,6 +44,10 @@ def _flush(rts: Sequence[EnvironmentRuntime], log_metric: Any) -> None:
                 log_metric(name, value)
 
 
+def _drop(name: str, value: float) -> None:
+    """A `log_metric` that logs nothing."""
+
+
 def _column(kwargs: dict[str, Any], name: str, func: str) -> list[Any]:
     values = kwargs.get(name)
     if values is None:
@@ -59,6 +68,7 @@ def outcome_reward(environments: Sequence[Any] | None = None, *, unscored_reward
     replaces None, e.g. 0.0 so that not calling a tool is no escape from negative advantages; the
     metrics still count those rollouts as ungraded.
     """
+    ended = ended_episodes(kwargs.get("completions")) if environments is None and "ors_reward" not in kwargs else None
     if environments is not None:
         episodes = _episodes(environments, kwargs.get("completions"), kwargs.get("completion_ids"))
         for ep in episodes:
@@ -67,10 +77,14 @@ def outcome_reward(environments: Sequence[Any] | None = None, *, unscored_reward
         rewards = [ep.reward if ep is not None and not ep.timed_out else getattr(env, "reward", None)
                    for env, ep in zip(environments, episodes, strict=True)]
         rts = [ep.env for ep in episodes if ep is not None]
+    elif ended is not None:  # TRL's async worker: the episodes its `get_reward` hook settled
+        rewards = [ep.reward if ep is not None and not ep.timed_out else None for ep in ended]
+        rts = [ep.env for ep in ended if ep is not None]
     else:
         rewards = _column(kwargs, "ors_reward", "outcome_reward")
         rts = runtimes(kwargs.get("ors_env") or [])
-    _flush(rts, kwargs.get("log_metric"))
+    # TRL's async worker has no log_metric: start a new window anyway, so that the metrics do not pile up there
+    _flush(rts, kwargs.get("log_metric") or (_drop if ended is not None else None))
     return [unscored_reward if r is None else r for r in rewards]
 
 
@@ -81,9 +95,12 @@ def group_reward(environments: Sequence[Any] | None = None, **kwargs: Any) -> li
     one of the task's sessions), all groups concurrently. A group whose scoring fails is None for its
     rollouts (and counted under `env/<name>/group_failures`).
     """
-    if environments is None:
+    ended = ended_episodes(kwargs.get("completions")) if environments is None and "ors_group_reward" not in kwargs \
+        else None
+    if environments is None and ended is None:
         return _column(kwargs, "ors_group_reward", "group_reward")
-    episodes = _episodes(environments, kwargs.get("completions"), kwargs.get("completion_ids"))
+    episodes = ended if ended is not None else _episodes(environments, kwargs.get("completions"),
+                                                         kwargs.get("completion_ids"))
     scored = [ep for ep in episodes if ep is not None and ep.group_reward is None]
     for ep in scored:
         if not ep.env.supports_score_group:
@@ -91,8 +108,11 @@ def group_reward(environments: Sequence[Any] | None = None, **kwargs: Any) -> li
                                      "supports_score_group); remove its group reward function.")
     if scored:
         get_loop().run(score_groups(scored))
-    _flush([ep.env for ep in scored], kwargs.get("log_metric"))
+    _flush([ep.env for ep in scored], kwargs.get("log_metric") or (_drop if ended is not None else None))
     return [ep.group_reward if ep is not None else None for ep in episodes]
+
+
+episode_readers.update((outcome_reward, group_reward))
 
 
 def reward_function(func: Callable[..., list[float | None]], unscored_reward: float | None = None

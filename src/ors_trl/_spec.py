@@ -24,15 +24,17 @@ import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._adapter import OpenRewardEnvironment
+from ._adapter import OpenRewardEnvironment, for_this_process
 from ._binding import Toolset
 from ._client import AsyncClient
 from ._engine import TASK_KEY, RolloutEngine
 from ._episode import EnvironmentRuntime, Task
 from ._exceptions import BadRequestError, ConfigurationError, NotFoundError, ORSError
 from ._loop import get_loop
+from ._metrics import EnvMetrics
 from ._records import RecordWriter
 from ._rewards import group_reward, outcome_reward, reward_function
 from ._target import SecretValue, platform_key_secret, resolve_target
@@ -62,7 +64,8 @@ class _AdapterClass(type):
 
 
 def _adapter_class_of(spec: OpenRewardSpec) -> type:
-    return spec.environment_factory
+    """What an unpickled adapter class is: its spec's (in TRL's async rollout worker, with `get_reward`)."""
+    return for_this_process(spec.environment_factory)
 
 
 copyreg.pickle(_AdapterClass, lambda cls: (_adapter_class_of, (cls._spec,)))  # type: ignore[attr-defined]
@@ -70,15 +73,24 @@ _restored: dict[tuple[Any, ...], OpenRewardSpec] = {}
 _restored_lock = threading.Lock()
 
 
-def _restore(options: dict[str, Any], tools: tuple[Any, ...] | None) -> OpenRewardSpec:
-    """A spec rebuilt from its pickled state, once per process (every copy of it shares sessions and metrics)."""
-    key = (repr(sorted(options.items(), key=lambda kv: kv[0])), repr(tools))
+def _restore(options: dict[str, Any], tools: tuple[Any, ...] | None,
+             joined: tuple[str, str | None] | None = None) -> OpenRewardSpec:
+    """A spec rebuilt from its pickled state, once per process (every copy of it shares sessions and metrics).
+
+    `joined`: the name and episode log a mix gave it (`OpenRewardMix` renames its specs' runtimes).
+    """
+    key = (repr(sorted(options.items(), key=lambda kv: kv[0])), repr(tools), repr(joined))
     with _restored_lock:
         spec = _restored.get(key)
         if spec is None:
             spec = _restored[key] = OpenRewardSpec(**options)
             if tools is not None:
                 spec._set_tools(*tools)
+            if joined is not None:
+                name, log = joined
+                writer = (RecordWriter(log, max_bytes=EPISODE_LOG_MAX_BYTES, max_text=EPISODE_LOG_MAX_TEXT)
+                          if log is not None else None)
+                spec._runtime.rename(name, EnvMetrics(), writer)
         return spec
 
 
@@ -186,7 +198,11 @@ class OpenRewardSpec:
 
     def __reduce__(self) -> tuple[Any, ...]:
         tools = self._tools if "_tools" in self.__dict__ else None
-        return _restore, (self._options, tools)
+        rt = self._runtime
+        log = str(rt.recorder.path) if rt.recorder is not None else None
+        own_log = self._options["episode_log"]
+        joined = (rt.name, log) if rt.name != self.name or log != (own_log and str(Path(own_log))) else None
+        return _restore, (self._options, tools, joined)
 
     # -- identity ----------------------------------------------------------------------------------
 

@@ -1,18 +1,23 @@
 """The one seam to TRL's internals: everything that reads `GRPOTrainer`'s private methods or loop state.
 
 ors-trl uses TRL's public surface (`environment_factory`, `rollout_func`, reward functions and
-their `log_metric` keyword, callbacks) everywhere else. Three fast paths need more, and live here:
+their `log_metric` keyword, callbacks) everywhere else. What needs more lives here:
 
 - batch pre-open and `batch_tool_calls` read the locals of TRL's `environment_factory` loop
   (`_generate_and_score_completions`'s `inputs`, `_tool_call_loop`'s `tool_calls`, ...) to start a
   batch's session opens and a turn's tool calls at once;
 - the rollout engine generates through `_generate_single_turn` and builds tool turns with
   `_get_tool_suffix_ids`, exactly as TRL's own loop does;
-- terminal tools need to know whether a completion was cut (`eos_token_ids`).
+- terminal tools need to know whether a completion was cut (`eos_token_ids`);
+- in TRL's asynchronous trainer (`trl.experimental.async_grpo`), whose spawned rollout worker gives
+  reward functions neither the adapters nor `log_metric`, the adapter's `get_reward` hook reads the
+  finished rollout (its transcript, and which reward functions will run) off the worker's loop
+  (`finished_rollout`), and the worker process is recognised by its name (`in_async_worker`).
 
 They were verified against the TRL versions in `VERIFIED`. On any other version the adapter falls
 back to TRL's public behaviour (one session open and one tool call at a time, still correct) with
-one log line, and the engine refuses to start with a clear error. `ORS_TRL_TRUST_TRL=1` opts in to
+one log line, the engine refuses to start with a clear error, and in the async worker `get_reward`
+returns each episode's reward itself (TRL's public contract for it). `ORS_TRL_TRUST_TRL=1` opts in to
 the fast paths on an unverified TRL (for trying a newer release).
 """
 
@@ -21,15 +26,18 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
+import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 from ._exceptions import UsageError
 
-__all__ = ["VERIFIED", "generate", "prepare", "resetting_batch", "tool_suffix_ids", "tool_turn", "verified"]
+__all__ = ["VERIFIED", "FinishedRollout", "finished_rollout", "generate", "in_async_worker", "prepare", "resetting_batch",
+           "tool_suffix_ids", "tool_turn", "verified"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -150,6 +158,52 @@ def eos_token_ids(trainer: Any) -> set[int]:
     ids = set(getattr(trainer, "eos_token_ids", None) or [])
     pad = getattr(getattr(trainer, "_tokenizer", None), "pad_token_id", None) if verified() else None
     return ids | ({pad} if pad is not None else set())
+
+
+# -- TRL's asynchronous trainer (trl.experimental.async_grpo) --------------------------------------
+
+#: The name `AsyncRolloutWorker` gives the process it spawns for rollouts.
+ASYNC_WORKER_PROCESS = "grpo-rollout-worker-child"
+
+
+def in_async_worker() -> bool:
+    """True in the rollout process TRL's `AsyncGRPOTrainer` spawns (also while it unpickles its arguments)."""
+    return multiprocessing.current_process().name == ASYNC_WORKER_PROCESS
+
+
+@dataclass(frozen=True)
+class FinishedRollout:
+    """A rollout TRL's async worker has just finished, as its `_generate_loop` holds it when it asks `get_reward`.
+
+    `messages` is the very list TRL later hands reward functions as that rollout's `completions` entry.
+    """
+
+    messages: list[Any]
+    completion_ids: list[int]
+    eos_token_ids: set[int]
+    reward_funcs: list[Any]
+
+
+def finished_rollout(adapter: Any, skip: int = 2) -> FinishedRollout | None:
+    """At TRL's async worker's `await environment.get_reward()`: the rollout `adapter` just finished.
+
+    `skip`: frames between this function's caller and the worker's loop (the `get_reward` coroutine itself).
+    Reads `_generate_loop`'s locals (`environment`, `completion`, `completion_ids`, `self`). None when the loop
+    does not look as expected or TRL is unverified.
+    """
+    if not verified():
+        return None
+    frame = _frame(skip, 3, lambda f: f.f_code.co_name == "_generate_loop")
+    if frame is None:
+        return None
+    loc = frame.f_locals
+    worker, messages, ids = loc.get("self"), loc.get("completion"), loc.get("completion_ids")
+    if loc.get("environment") is not adapter or not isinstance(messages, list) or not isinstance(ids, list):
+        return None
+    eos = set(getattr(worker, "eos_token_ids", None) or [])
+    pad = getattr(getattr(worker, "tokenizer", None), "pad_token_id", None)
+    return FinishedRollout(messages, ids, eos | ({pad} if pad is not None else set()),
+                           list(getattr(worker, "reward_funcs", None) or []))
 
 
 # -- the rollout engine ----------------------------------------------------------------------------

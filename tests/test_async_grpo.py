@@ -1,0 +1,402 @@
+"""TRL's asynchronous trainer (`trl.experimental.async_grpo`) with ors-trl's factory and reward functions, on CPU.
+
+`AsyncGRPOTrainer` runs rollouts in a spawned worker process (`AsyncRolloutWorker`) that receives
+`environment_factory` and `reward_funcs` by pickle, generates through a vLLM server and trains on what
+comes back. Here everything that touches the environment is TRL's own code and ours, for real: the
+spawned worker unpickles the factory and the reward function, opens sessions on the reference server,
+calls tools and scores. Three things are replaced, because they need a GPU: the vLLM server (a
+`VLLMDouble` on loopback, scripted tokens with logprobs scored by the same tiny model), the NCCL
+weight transfer (a no-op `WeightTransferProtocol`), and the flash-attention-3 kernel TRL's tree-packed
+training forward calls (a reference implementation in torch, below).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ors_trl import OpenRewardMix, OpenRewardSpec
+
+#: Bounds every wait on a spawned process (its imports are the slow part on a 2-core machine).
+CHILD_TIMEOUT_S = 60.0
+
+
+# -- stand-ins for the GPU parts -------------------------------------------------------------------
+
+
+class NoWeightTransfer:
+    """TRL's `WeightTransferProtocol`, doing nothing: the scripted server has no weights to update.
+
+    Counts the calls, so the test can see TRL's weight-sync schedule ran.
+    """
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {"init_weight_transfer": 0, "pause": 0, "send_weights": 0, "resume": 0,
+                                      "destroy": 0}
+        self.tensors = 0
+
+    def init_weight_transfer(self) -> None:
+        self.calls["init_weight_transfer"] += 1
+
+    def pause(self) -> None:
+        self.calls["pause"] += 1
+
+    def send_weights(self, iterator: Iterator[tuple[str, Any]]) -> None:
+        self.calls["send_weights"] += 1
+        self.tensors += sum(1 for _ in iterator)  # drain it, as a real transfer would
+
+    def resume(self) -> None:
+        self.calls["resume"] += 1
+
+    def destroy(self) -> None:
+        self.calls["destroy"] += 1
+
+
+class TorchVarlenAttention:
+    """`flash_attn_varlen_func` in plain torch, for TRL's tree attention (`packing.tree_attention`) on CPU.
+
+    TRL loads flash-attention 3 from the Hugging Face kernel hub (`kernels`), which needs a GPU and the
+    network. Same contract: per segment, queries `q[cu_q[s]:cu_q[s+1]]` attend keys `k[cu_k[s]:cu_k[s+1]]`,
+    causal with the diagonal aligned bottom-right, an optional left window, grouped-query heads.
+    """
+
+    @staticmethod
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                               softmax_scale=None, causal=True, window_size=(-1, -1), **kwargs):
+        import torch
+        import torch.nn.functional as F
+
+        out = torch.empty_like(q)
+        groups = q.shape[1] // k.shape[1]
+        for s in range(len(cu_seqlens_q) - 1):
+            q0, q1, k0, k1 = (int(x) for x in (cu_seqlens_q[s], cu_seqlens_q[s + 1], cu_seqlens_k[s], cu_seqlens_k[s + 1]))
+            lq, lk = q1 - q0, k1 - k0
+            row = torch.arange(lq).unsqueeze(1) + (lk - lq)  # each query's position among the keys
+            col = torch.arange(lk).unsqueeze(0)
+            mask = col <= row if causal else torch.ones(lq, lk, dtype=torch.bool)
+            if window_size[0] >= 0:
+                mask &= col >= row - window_size[0]
+            qs = q[q0:q1].transpose(0, 1)
+            ks = k[k0:k1].repeat_interleave(groups, dim=1).transpose(0, 1)
+            vs = v[k0:k1].repeat_interleave(groups, dim=1).transpose(0, 1)
+            out[q0:q1] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=softmax_scale).transpose(0, 1)
+        return out
+
+
+def bounded_stop(worker: Any, processes: list[Any], timeout: float = 30.0) -> None:
+    """Make `worker.stop()` return within `timeout` s, whatever state the child is in; `processes` gets the child.
+
+    TRL's `AsyncRolloutWorker.stop()` sets a multiprocessing Event the child's watcher thread waits on; if the
+    child has died (e.g. a reward function raised there), `Event.set()` waits forever for the dead waiter to wake.
+    """
+    original = worker.stop
+
+    def stop() -> None:
+        process = worker._process
+        if process is not None:
+            processes.append(process)
+        if process is not None and process._popen is not None and not process.is_alive():
+            worker._process = None  # already gone: nothing to stop, and set() would hang
+            return
+        runner = threading.Thread(target=original, name="stop-rollout-worker", daemon=True)
+        runner.start()
+        runner.join(timeout)
+        if runner.is_alive() and process is not None and process.is_alive():
+            process.kill()
+            process.join(5)
+        worker._process = None
+
+    worker.stop = stop
+
+
+# -- 1. AsyncGRPOTrainer end to end ----------------------------------------------------------------
+
+
+def _worker_pid(record: dict[str, Any]) -> int:
+    """The pid of the process that wrote an episode record (its run id is host-pid-time)."""
+    return int(record["run"].rsplit("-", 2)[1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_async_grpo_trainer_trains_against_the_reference_server(tiny_model_dir, make_server, tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    pytest.importorskip("trl.experimental.async_grpo")
+    from transformers import AutoTokenizer
+    from trl.experimental.async_grpo import (
+        AsyncGRPOConfig,
+        AsyncGRPOTrainer,
+        async_grpo_trainer,
+        async_rollout_worker,
+        packing,
+    )
+
+    from ors_trl._records import read_records
+    from tests.fixtures.vllm_server import VLLMDouble
+
+    # vLLM itself is never imported (the worker talks HTTP to the double), but TRL checks it is installed.
+    monkeypatch.setattr(async_rollout_worker, "is_vllm_available", lambda: True)
+    monkeypatch.setattr(packing, "_flash_attn", lambda: TorchVarlenAttention)
+    # TRL's MFU probe asks CUDA for the device name unconditionally; None is its own "peak FLOPs unknown".
+    monkeypatch.setattr(async_grpo_trainer, "get_peak_flops_per_device", lambda *args, **kwargs: None)
+
+    server = make_server("echo")
+    log = tmp_path / "episodes.jsonl"
+    spec = OpenRewardSpec(server.url, env_name="echoenvironment", episode_log=str(log))
+    dataset, factory = spec.train_dataset, spec.environment_factory  # tool discovery happens here, in this process
+    before = server.stats()
+    transfer = NoWeightTransfer()
+    trainer: Any = None
+    worker_processes: list[Any] = []
+    with VLLMDouble(tiny_model_dir) as vllm:
+        args = AsyncGRPOConfig(
+            output_dir=str(tmp_path / "async"),
+            use_cpu=True,
+            bf16=False,
+            activation_checkpointing=False,
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=48,
+            max_tool_calling_iterations=2,
+            max_steps=3,
+            max_inflight_tasks=4,  # also the most sessions the worker holds at once
+            token_budget=0,  # fixed-count micro-batches of per_device_train_batch_size samples
+            vllm_server_base_url=vllm.url,
+            vllm_server_timeout=10,
+            request_timeout=30,
+            heartbeat_stale_after_s=60,
+            learning_rate=1e-3,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+        )
+        try:
+            trainer = AsyncGRPOTrainer(
+                model=tiny_model_dir,
+                args=args,
+                processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+                train_dataset=dataset,
+                environment_factory=factory,
+                reward_funcs=spec.reward_funcs,
+                weight_transfer=transfer,
+            )
+            bounded_stop(trainer.rollout_worker, worker_processes)
+            trainer.train()
+        finally:
+            if trainer is not None and trainer.rollout_worker is not None:
+                trainer.rollout_worker.stop()  # idempotent; the trainer already stopped it unless it failed
+        served = vllm.stats()
+
+    # the trainer completed its steps, on rewards that came from the environment through the worker
+    assert trainer.state.global_step == 3
+    steps = [h for h in trainer.state.log_history if "rewards/outcome_reward" in h]
+    assert len(steps) == 3
+    rewards = [h["rewards/outcome_reward"] for h in steps]
+    assert all(r is not None and 0.0 <= r <= 1.0 for r in rewards), rewards
+    assert all(h["reward"] == h["rewards/outcome_reward"] for h in steps)  # counted once, not again by get_reward
+    assert any(h["grad_norm"] > 0 for h in steps)  # each group had a 1.0 and a 0.0: a real policy gradient
+    assert sum(h.get("tools/echo/call_total", 0) for h in trainer.state.log_history) > 0
+    assert all(h.get("tools/failure_frequency", 0) == 0 for h in steps)
+    assert transfer.calls["init_weight_transfer"] == 1 and transfer.calls["send_weights"] == 1 + 3  # cold + per step
+    assert transfer.calls["destroy"] == 1
+    assert served["requests"]["/v1/completions"] > 0 and served["errors"] == []
+
+    # the worker process exited cleanly (TRL stopped it), and left nothing open on the server
+    (process,) = worker_processes
+    assert not process.is_alive() and process.exitcode == 0
+    server.wait_for_stats(lambda st: st["open_sessions"] == 0, timeout=15)
+    after = server.stats()
+    calls = after["tool_calls"].get("echoenvironment/echo", 0) - before["tool_calls"].get("echoenvironment/echo", 0)
+    setups = after["setups"] - before["setups"]
+    assert calls > 0 and setups > 0
+    assert after["teardowns"] - before["teardowns"] == setups
+
+    # every session was opened, used, scored and closed by the worker: one record per session, all from its pid
+    records = list(read_records(log))
+    assert len(records) == setups
+    assert {_worker_pid(r) for r in records} == {process.pid}
+    assert sum(r["tool_calls"] for r in records) == calls
+    scored = [r["reward"] for r in records if r["reward"] is not None]
+    assert scored and set(scored) <= {0.0, 1.0} and 0.0 in scored and 1.0 in scored
+    spec.close()
+
+
+# -- 2. the pickled factory and reward functions in a spawned process -----------------------------
+
+
+def _run_episodes(jobs: list[dict[str, Any]], conn: Any) -> None:
+    """In a spawned process: what TRL's rollout worker does with the factories and reward functions it unpickled.
+
+    Each job: a `factory` (or a `{name: factory}` dict and the row's `environment`), the `reward_funcs`, dataset
+    `rows` and per row one tool call. Resets one adapter per row, makes its call, then scores all rows at once with
+    `environments=` and `completions=` as TRL passes them. Sends back what it saw.
+    """
+    import os
+
+    out: list[dict[str, Any]] = []
+    try:
+        for job in jobs:
+            envs, completions, seen = [], [], []
+            for row, (tool, arguments) in zip(job["rows"], job["calls"], strict=True):
+                factory = job["factory"]
+                if isinstance(factory, dict):  # TRL routes by the row's `environment` and does not pass it on
+                    factory = factory[row["environment"]]
+                    row = {k: v for k, v in row.items() if k != "environment"}
+                env = factory()
+                prompt = env.reset(**row)
+                try:
+                    text = getattr(env, tool)(**arguments)
+                except Exception as exc:  # as TRL does: the model sees the error
+                    text = str({"error": str(exc)})
+                envs.append(env)
+                completions.append([
+                    {"role": "assistant", "content": "",
+                     "tool_calls": [{"type": "function", "function": {"name": tool, "arguments": arguments}}]},
+                    {"role": "tool", "name": tool, "content": text},
+                    {"role": "assistant", "content": "Done."},
+                ])
+                seen.append({"class": type(env).__name__, "prompt": prompt, "output": text})
+            rewards = job["reward_funcs"](environments=envs, completions=completions)
+            out.append({"pid": os.getpid(), "episodes": seen, "rewards": rewards,
+                        "adapter_rewards": [env.reward for env in envs]})
+        conn.send(out)
+    except BaseException as exc:
+        conn.send(repr(exc))
+        raise
+    finally:
+        conn.close()
+
+
+def test_pickled_factories_and_reward_funcs_run_in_a_spawned_process(make_server, tmp_path) -> None:
+    import os
+
+    from ors_trl._records import read_records
+
+    server = make_server("echo,sparse")
+    spec = OpenRewardSpec(server.url, env_name="echoenvironment")
+    log = tmp_path / "mix.jsonl"
+    mix = OpenRewardMix({"echo": OpenRewardSpec(server.url, env_name="echoenvironment"),
+                         "sparse": OpenRewardSpec(server.url, env_name="sparseenvironment")}, episode_log=str(log))
+    echo_rows, mix_rows = spec.train_dataset, mix.train_dataset
+    echo_row = echo_rows[0]
+    mix_echo = next(r for r in mix_rows if r["environment"] == "echo")
+    mix_sparse = next(r for r in mix_rows if r["environment"] == "sparse")
+    jobs = [
+        {"factory": spec.environment_factory, "reward_funcs": spec.reward_funcs, "rows": [echo_row, echo_row],
+         "calls": [("echo", {"text": echo_row["target"]}), ("echo", {"text": "nope"})]},
+        {"factory": mix.environment_factory, "reward_funcs": mix.reward_funcs, "rows": [mix_echo, mix_sparse],
+         "calls": [("echo", {"text": mix_echo["target"]}), ("submit", {"answer": mix_sparse["a"] + mix_sparse["b"] + 1})]},
+    ]
+    pickle.dumps(jobs)  # what TRL's worker checks before it spawns
+    before = server.stats()  # after tool discovery, which ran here
+
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_run_episodes, args=(jobs, send), name="ors-trl-spawn-test", daemon=True)
+    child.start()
+    send.close()
+    try:
+        assert receive.poll(CHILD_TIMEOUT_S), "the spawned process sent nothing in time"
+        result = receive.recv()
+        child.join(CHILD_TIMEOUT_S)
+        assert not child.is_alive(), "the spawned process did not exit"
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(5)
+        receive.close()
+    assert not isinstance(result, str), result
+    assert child.exitcode == 0
+
+    solo, mixed = result
+    assert solo["pid"] == mixed["pid"] != os.getpid()
+    assert [e["class"] for e in solo["episodes"]] == [spec.environment_factory.__name__] * 2
+    assert all(echo_row["target"] in e["prompt"] for e in solo["episodes"])
+    assert [e["output"] for e in solo["episodes"]] == [echo_row["target"], "nope"]
+    assert solo["rewards"] == solo["adapter_rewards"] == [1.0, 0.0]
+    assert [e["class"] for e in mixed["episodes"]] == [mix.environment_factory[n].__name__ for n in ("echo", "sparse")]
+    assert f'{mix_sparse["a"]} + {mix_sparse["b"]}' in mixed["episodes"][1]["prompt"]
+    assert mixed["episodes"][1]["output"].strip() == "Incorrect."
+    assert mixed["rewards"] == mixed["adapter_rewards"] == [1.0, 0.0]
+
+    # the child used the tools discovered here: it set up exactly one session per episode (no probes), and closed
+    # every one of them when it exited
+    server.wait_for_stats(lambda st: st["open_sessions"] == 0, timeout=15)
+    after = server.stats()
+    assert after["setups"] - before["setups"] == 4
+    assert after["teardowns"] - before["teardowns"] == 4
+    grew = {k: after["tool_calls"].get(k, 0) - before["tool_calls"].get(k, 0) for k in after["tool_calls"]}
+    assert grew == {"echoenvironment/echo": 3, "sparseenvironment/submit": 1}
+    # the mix's episodes were recorded by the child, under the mix's names, in the mix's log, when it exited
+    records = list(read_records(log))
+    assert sorted((r["environment"], r["reward"]) for r in records) == [("echo", 1.0), ("sparse", 0.0)]
+    assert {_worker_pid(r) for r in records} == {mixed["pid"]}
+    spec.close()
+    mix.close()
+
+
+# -- 3. the get_reward hook, in process ------------------------------------------------------------
+
+
+def test_get_reward_hook_hands_the_episode_to_the_reward_function_or_scores_itself(ref_server, monkeypatch) -> None:
+    """Replays TRL's async worker in this process: `_generate_loop` awaits `environment.get_reward()` as each rollout
+    ends, and later calls the reward functions with `completions=` only (no adapters)."""
+    import asyncio
+    import inspect
+
+    from ors_trl import _trl
+    from ors_trl._adapter import _ended, for_this_process
+
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=2)
+    row = spec.train_dataset[0]
+    plain = spec.environment_factory
+    assert for_this_process(plain) is plain and "get_reward" not in dir(plain)  # GRPOTrainer sees no get_reward
+    monkeypatch.setattr(_trl, "in_async_worker", lambda: True)
+    worker_class = for_this_process(plain)
+    assert worker_class is not plain and issubclass(worker_class, plain) and worker_class.__name__ == plain.__name__
+    assert inspect.iscoroutinefunction(worker_class.get_reward) and for_this_process(plain) is worker_class
+
+    def trl_tools(cls: type) -> list[str]:  # what TRL's worker exposes as tools
+        return sorted(n for n, _ in inspect.getmembers(cls, inspect.isfunction)
+                      if n not in ("reset", "get_reward") and not n.startswith("_"))
+
+    assert trl_tools(worker_class) == trl_tools(plain) == ["echo"]
+
+    class Worker:  # what `finished_rollout` reads off TRL's loop
+        def __init__(self, reward_funcs: list[Any]) -> None:
+            self.reward_funcs, self.eos_token_ids, self.tokenizer = reward_funcs, [7], None
+
+    async def _generate_loop(self: Worker, environment: Any, completion: list, completion_ids: list) -> Any:
+        return await environment.get_reward()  # as TRL's loop does, for an async get_reward
+
+    def rollout(word: str) -> tuple[Any, list[dict[str, Any]]]:
+        env = worker_class()
+        env.reset(**row)
+        env.echo(text=word)
+        return env, [{"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "echo", "arguments": {"text": word}}}]},
+            {"role": "tool", "name": "echo", "content": word}, {"role": "assistant", "content": "Done."}]
+
+    # with ors-trl's reward function in the worker: get_reward leaves the reward to it (None), the session is freed
+    right, wrong = rollout(row["target"]), rollout("nope")
+    loop_self = Worker([spec.reward_funcs])
+    assert [asyncio.run(_generate_loop(loop_self, env, messages, [1, 7])) for env, messages in (right, wrong)] == \
+        [None, None]
+    assert right[0].episode.end_reason == "finished" and wrong[0].episode.end_reason == "no_tool_calls"
+    other = [{"role": "assistant", "content": "Done."}]  # a rollout get_reward never saw
+    assert spec.reward_funcs(completions=[right[1], wrong[1], other], task_index=[0, 0, 0]) == [1.0, 0.0, None]
+    assert not _ended  # read once by the one reading reward function, then forgotten
+
+    # without one (the environment owns the reward in TRL's terms), or when TRL's loop cannot be read: get_reward
+    # returns the reward itself
+    env, messages = rollout(row["target"])
+    assert asyncio.run(_generate_loop(Worker([]), env, messages, [1, 7])) == 1.0
+    env, _ = rollout("nope")
+    assert asyncio.run(env.get_reward()) == 0.0
+    spec.close()
+    ref_server.wait_for_stats(lambda st: st["open_sessions"] == 0, timeout=10)
