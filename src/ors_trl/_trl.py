@@ -85,6 +85,15 @@ def _frame(skip: int, hops: int, match: Callable[[FrameType], bool]) -> FrameTyp
     return None
 
 
+def _locals_of(skip: int, hops: int, function: str) -> dict[str, Any] | None:
+    """The locals of TRL's `function` among the `hops` frames from `skip` above our caller; None if not there
+    or TRL is unverified."""
+    if not verified():
+        return None
+    frame = _frame(skip, hops, lambda f: f.f_code.co_name == function)
+    return frame.f_locals if frame is not None else None
+
+
 def _is_trainer(obj: Any) -> bool:
     return obj is not None and hasattr(obj, "add_callback") and hasattr(obj, "callback_handler")
 
@@ -123,12 +132,9 @@ def tool_turn(adapter: Any, skip: int = 4) -> tuple[object, list[tuple[Any, list
     `adapter` at the call being made, then every later rollout of the turn; `turn` identifies the turn
     (TRL builds a new `tool_calls` list each turn). None when the loop does not look as expected.
     """
-    if not verified():
+    loc = _locals_of(skip + 1, 4, "_tool_call_loop")
+    if loc is None:
         return None
-    frame = _frame(skip, 4, lambda f: f.f_code.co_name == "_tool_call_loop")
-    if frame is None:
-        return None
-    loc = frame.f_locals
     trainer, idxs, calls = loc.get("self"), loc.get("idxs_with_tool"), loc.get("tool_calls")
     idx, current = loc.get("idx"), loc.get("tool_call")
     envs = getattr(trainer, "environments", None)
@@ -191,12 +197,9 @@ def finished_rollout(adapter: Any, skip: int = 2) -> FinishedRollout | None:
     Reads `_generate_loop`'s locals (`environment`, `completion`, `completion_ids`, `self`). None when the loop
     does not look as expected or TRL is unverified.
     """
-    if not verified():
+    loc = _locals_of(skip + 1, 3, "_generate_loop")
+    if loc is None:
         return None
-    frame = _frame(skip, 3, lambda f: f.f_code.co_name == "_generate_loop")
-    if frame is None:
-        return None
-    loc = frame.f_locals
     worker, messages, ids = loc.get("self"), loc.get("completion"), loc.get("completion_ids")
     if loc.get("environment") is not adapter or not isinstance(messages, list) or not isinstance(ids, list):
         return None
