@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from ._budget import get_max_sessions, process_semaphore
 from ._exceptions import (
@@ -33,8 +34,19 @@ from ._exceptions import (
 )
 from ._loop import BackgroundLoop, get_loop
 from ._target import SecretValue, Target, encode_secrets, resolve_target
-from ._transport import RetryPolicy, Timeouts, Transport
-from ._types import Block, GroupScore, Message, Split, ToolList, ToolResult, parse_blocks, parse_messages
+from ._transport import RetryPolicy, Timeouts, Transport, readable
+from ._types import (
+    MASK,
+    Block,
+    GroupScore,
+    Message,
+    Split,
+    ToolList,
+    ToolResult,
+    parse_blocks,
+    parse_messages,
+    quoted,
+)
 
 __all__ = ["AsyncClient", "AsyncSession", "Client", "Session"]
 
@@ -45,6 +57,28 @@ _KEEPALIVE_CONCURRENCY = 64
 _QUICK_RETRY = RetryPolicy(max_attempts=2, backoff_initial=0.1, backoff_max=0.5)
 #: How long closing a client waits for session opens still in flight, so it can delete what they create.
 _OPENING_WAIT_S = 10.0
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def _masked(method: F) -> F:
+    """Decorator for the calls of `AsyncClient` and `AsyncSession`: mask secrets in every ORSError they raise.
+
+    The transport masks its own errors; this covers the ones raised here while checking an answer, which quote
+    what the server said (and a server may echo the credentials it was sent)."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        transport = (self if isinstance(self, AsyncClient) else self.client)._transport
+        token = MASK.set(transport.mask)  # what `quoted` shows of an answer is masked before it is cut
+        try:
+            return await method(self, *args, **kwargs)
+        except ORSError as exc:
+            transport.mask_error(exc)
+            raise
+        finally:
+            MASK.reset(token)
+
+    return wrapper  # type: ignore[return-value]
 
 
 class AsyncSession:
@@ -93,11 +127,13 @@ class AsyncSession:
             self.expired = True
             raise
 
+    @_masked
     async def prompt(self) -> list[Block]:
         """The task's prompt blocks (waits for the environment's setup, riding out `starting`)."""
         raw = await self._request("GET", "/prompt")
         return parse_blocks(raw, where="prompt")
 
+    @_masked
     async def messages(self) -> list[Message]:
         """The task's prompt as a role-tagged conversation (`/messages`, servers from SDK 0.1.157 on).
 
@@ -115,10 +151,12 @@ class AsyncSession:
             self.last_activity = time.monotonic()
         return parse_messages(raw)
 
+    @_masked
     async def tools(self) -> ToolList:
         """The session's full tool list: shared, task-specific and toolset tools."""
         return ToolList.from_json(await self._request("GET", "/task_tools"), where="task_tools")
 
+    @_masked
     async def call(self, name: str, arguments: Mapping[str, Any] | None = None) -> ToolResult:
         """Call tool `name` and return its result.
 
@@ -131,12 +169,10 @@ class AsyncSession:
         """
         text, task_id = await self._stream("/call", {"name": name, "input": dict(arguments or {})},
                                            what=f"tool {name!r}", tool=name)
-        try:
-            return _parse_call_result(text, tool=name, task_id=task_id)
-        except ORSError as exc:  # a refusal or malformed result quotes the server: mask secrets it echoed
-            self.client._transport.mask_error(exc)
-            raise
+        # A refusal or a malformed result quotes the server: `quote` masks secrets it echoed.
+        return _parse_call_result(text, tool=name, task_id=task_id, quote=self.client._transport.quote)
 
+    @_masked
     async def score_group(self, candidates: list[dict[str, Any]]) -> list[GroupScore]:
         """Score a GRPO group of this session's task (`/score_group`): one `GroupScore` per candidate, in order.
 
@@ -166,6 +202,7 @@ class AsyncSession:
         finally:
             self.last_activity = time.monotonic()
 
+    @_masked
     async def ping(self) -> bool:
         """Refresh the server's idle timer. Returns False (and marks the session expired) if it is gone."""
         if self.closed:
@@ -193,21 +230,26 @@ class AsyncSession:
         await self.close()
 
 
-def _parse_call_result(text: str, *, tool: str, task_id: str | None) -> ToolResult:
+def _parse_call_result(text: str, *, tool: str, task_id: str | None,
+                       quote: Callable[[str], str] = readable) -> ToolResult:
+    """A `/call` result; `quote` makes what the server said fit for a message (the transport's masks secrets)."""
     try:
         body = json.loads(text)
     except ValueError:
-        raise ProtocolError(f"tool {tool!r}: the result is not valid JSON: {text[:200]!r}") from None
+        raise ProtocolError(f"tool {tool!r}: the result is not valid JSON: {quoted(quote(text[:4096]))}") from None
+    except RecursionError:
+        raise ProtocolError(f"tool {tool!r}: the result is JSON nested too deeply to decode") from None
     if not isinstance(body, dict) or "ok" not in body:
-        raise ProtocolError(f"tool {tool!r}: the result has no 'ok' field: {text[:200]!r}")
+        raise ProtocolError(f"tool {tool!r}: the result has no 'ok' field: {quoted(quote(text[:4096]))}")
     if body["ok"] is True:
         if "output" not in body:
             raise ProtocolError(f"tool {tool!r}: a successful result has no 'output'")
         return ToolResult.from_output(body["output"], tool=tool, task_id=task_id)
     reason = body.get("reason")
     error = body.get("error") or "the server refused the call"
+    shown = quote(error if isinstance(error, str) else json.dumps(error, default=str))
     raise ToolRefusedError(
-        f"tool {tool!r} was refused ({reason or 'no reason given'}): {error}",
+        f"tool {tool!r} was refused ({quote(str(reason)) if reason else 'no reason given'}): {shown}",
         tool=tool,
         reason=reason if isinstance(reason, str) else None,
     )
@@ -278,6 +320,8 @@ class AsyncClient:
         self._transport = Transport(
             self.target, timeouts=timeouts or Timeouts(), retry=retry or RetryPolicy(), max_connections=max_connections
         )
+        if self._secret_headers:  # masked from the start, not only once a session has sent them
+            self._transport._learn_secrets(self._secret_headers["X-Secrets"])
         self._env: str | None = None
         self._env_resolved = False
         self._env_lock: asyncio.Lock | None = None
@@ -306,6 +350,7 @@ class AsyncClient:
     def _path(self, suffix: str) -> str:
         return f"/{self._env}{suffix}" if self._env else suffix
 
+    @_masked
     async def environment(self) -> str | None:
         """Resolve (once) and return the environment key used in request paths.
 
@@ -363,22 +408,25 @@ class AsyncClient:
 
     # -- environment calls -----------------------------------------------------------------
 
+    @_masked
     async def list_environments(self) -> list[str]:
         """The environment keys a self-hosted server serves."""
         raw = await self._transport.request("GET", "/list_environments")
         if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
-            raise ProtocolError(f"/list_environments: expected a list of names, got {raw!r:.200}")
+            raise ProtocolError(f"/list_environments: expected a list of names, got {quoted(raw)}")
         return raw
 
+    @_masked
     async def health(self) -> bool:
         """True when the server answers `/health`."""
         raw = await self._transport.request("GET", "/health")
         return isinstance(raw, dict) and raw.get("status") == "ok"
 
+    @_masked
     async def splits(self) -> list[Split]:
         raw = await self._env_request("GET", "/splits")
         if not isinstance(raw, list):
-            raise ProtocolError(f"/splits: expected a list, got {raw!r:.200}")
+            raise ProtocolError(f"/splits: expected a list, got {quoted(raw)}")
         out = []
         for item in raw:
             if isinstance(item, str):
@@ -386,7 +434,7 @@ class AsyncClient:
             elif isinstance(item, dict) and isinstance(item.get("name"), str):
                 out.append(Split(item["name"], str(item.get("type", item["name"]))))
             else:
-                raise ProtocolError(f"/splits: bad entry {item!r:.200}")
+                raise ProtocolError(f"/splits: bad entry {quoted(item)}")
         return out
 
     async def _split_error(self, split: str, exc: BadRequestError) -> BadRequestError:
@@ -415,12 +463,14 @@ class AsyncClient:
         except BadRequestError as exc:
             raise await self._split_error(split, exc) from None
 
+    @_masked
     async def num_tasks(self, split: str = "train") -> int:
         raw = await self._split_request(split, "/num_tasks", {"split": split})
         if not isinstance(raw, dict) or not isinstance(raw.get("num_tasks"), int):
-            raise ProtocolError(f"/num_tasks: expected {{'num_tasks': int}}, got {raw!r:.200}")
+            raise ProtocolError(f"/num_tasks: expected {{'num_tasks': int}}, got {quoted(raw)}")
         return raw["num_tasks"]
 
+    @_masked
     async def task(self, split: str, index: int) -> dict[str, Any]:
         """One task spec."""
         try:
@@ -428,9 +478,10 @@ class AsyncClient:
         except BadRequestError as exc:
             raise await self._index_error(split, index, exc) from None
         if not isinstance(raw, dict) or "task" not in raw:
-            raise ProtocolError(f"/task: expected {{'task': ...}}, got {raw!r:.200}")
+            raise ProtocolError(f"/task: expected {{'task': ...}}, got {quoted(raw)}")
         return raw["task"]
 
+    @_masked
     async def task_range(self, split: str, start: int | None = None, stop: int | None = None) -> list[dict[str, Any]]:
         """Tasks `start:stop` of a split in one request (Python slice rules)."""
         body: dict[str, Any] = {"split": split}
@@ -440,16 +491,18 @@ class AsyncClient:
             body["stop"] = stop
         raw = await self._split_request(split, "/task_range", body)
         if not isinstance(raw, dict) or not isinstance(raw.get("tasks"), list):
-            raise ProtocolError(f"/task_range: expected {{'tasks': [...]}}, got {raw!r:.200}")
+            raise ProtocolError(f"/task_range: expected {{'tasks': [...]}}, got {quoted(raw)}")
         return raw["tasks"]
 
+    @_masked
     async def tasks(self, split: str = "train") -> list[dict[str, Any]]:
         """Every task of a split (one request; slow on large catalogs: prefer `task_range`)."""
         raw = await self._split_request(split, "/tasks", {"split": split})
         if not isinstance(raw, dict) or not isinstance(raw.get("tasks"), list):
-            raise ProtocolError(f"/tasks: expected {{'tasks': [...]}}, got {raw!r:.200}")
+            raise ProtocolError(f"/tasks: expected {{'tasks': [...]}}, got {quoted(raw)}")
         return raw["tasks"]
 
+    @_masked
     async def tools(self) -> ToolList:
         """The environment's shared tools (task-specific ones need a session: `AsyncSession.tools`)."""
         return ToolList.from_json(await self._env_request("GET", "/tools"), where="tools")
@@ -464,9 +517,10 @@ class AsyncClient:
             if event == "task_id" and data.strip():
                 return data.strip()
             if event == "error":
-                raise self._transport.mask_error(ProtocolError(f"/create_session failed: {data}"))
+                raise ProtocolError(f"/create_session failed: {self._transport.quote(data)}")
         raise ProtocolError("/create_session: the stream carried no session id")
 
+    @_masked
     async def open_session(
         self,
         *,

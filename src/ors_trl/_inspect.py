@@ -20,6 +20,7 @@ from ._client import AsyncClient
 from ._exceptions import NotFoundError, ORSError
 from ._loop import get_loop
 from ._text import show_json
+from ._transport import RetryPolicy, Timeouts
 from ._types import Message, ToolSpec
 
 __all__ = ["collect", "describe_binding", "inspect_target", "render_text"]
@@ -36,9 +37,14 @@ async def collect(
     probe: bool = True,
     probe_index: int = 0,
     api_key: str | None = None,
+    timeouts: Timeouts | None = None,
+    retry: RetryPolicy | None = None,
 ) -> dict[str, Any]:
-    """Query the server; returns the JSON-able inspection (without the binding part). Leaves no session open."""
-    async with AsyncClient(target, env_name=env_name, api_key=api_key) as client:
+    """Query the server; returns the JSON-able inspection (without the binding part). Leaves no session open.
+
+    `timeouts` and `retry` bound every request, as for any client (the defaults allow minutes per request).
+    """
+    async with AsyncClient(target, env_name=env_name, api_key=api_key, timeouts=timeouts, retry=retry) as client:
         info: dict[str, Any] = {"target": client.target.name, "kind": client.target.kind, "environments": None}
         if client.target.is_url:
             try:

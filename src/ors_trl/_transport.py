@@ -30,6 +30,7 @@ import functools
 import json
 import logging
 import random
+import unicodedata
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -74,6 +75,10 @@ _CREDENTIAL_HEADERS = ("X-API-Key", "X-Secrets")
 # every message, and such values are not secrets worth the name.
 _MIN_MASKED_SECRET = 6
 _MASK = "***"
+#: Server-provided text quoted in a message (an error's detail, a tool's error event) is cut to this many characters.
+_QUOTE_LIMIT = 2000
+#: How much of an error answer's body is read for its detail; the rest is dropped unread.
+_ERROR_BODY_LIMIT = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -126,15 +131,27 @@ def _retry_after(headers: Any) -> float | None:
     return None
 
 
+def readable(text: str, limit: int = _QUOTE_LIMIT) -> str:
+    """Server-provided `text` fit for a message: at most `limit` characters (the cut is marked), and control and
+    format characters escaped (`\\x1b`, `\\u202e`), so that a terminal or a log shows them instead of obeying them.
+    Mask secrets before calling this: a cut through a secret would leave part of it unmasked."""
+    text = text.strip()
+    if len(text) > limit:
+        text = f"{text[:limit]}... [{len(text) - limit} more characters]"
+    return "".join(c if c in "\n\t" or unicodedata.category(c) not in ("Cc", "Cf")
+                   else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def _detail_of(text: str) -> str:
+    """The `detail` of an error answer (FastAPI's `{"detail": ...}`), else its body, whole (`quote` cuts it)."""
     try:
         body = json.loads(text)
-    except ValueError:
-        return text.strip()[:2000]
+    except (ValueError, RecursionError):
+        return text
     if isinstance(body, dict) and "detail" in body:
         detail = body["detail"]
-        return detail if isinstance(detail, str) else json.dumps(detail)[:2000]
-    return text.strip()[:2000]
+        return detail if isinstance(detail, str) else json.dumps(detail)
+    return text
 
 
 def status_error(status: int, detail: str, path: str, *, session_scoped: bool) -> APIStatusError | EnvironmentNotFoundError:
@@ -331,6 +348,10 @@ class Transport:
                 text = text.replace(secret, _MASK)
         return text
 
+    def quote(self, text: str) -> str:
+        """What a server said, for a message: secrets masked, then made `readable` (bounded, no control characters)."""
+        return readable(self.mask(text))
+
     def mask_error(self, exc: ORSError) -> ORSError:
         """Mask secrets in an error's message (and `detail`) in place; returns it for `raise`."""
         if self._secrets:
@@ -355,11 +376,16 @@ class Transport:
             if resp.status not in _REDIRECT_STATUSES or not location:
                 break
             resp.release()
-            target = urljoin(url, location)
+            try:
+                target = urljoin(url, location)
+                same_host = _host_port(target) == _host_port(url)
+            except ValueError:  # a port out of range, a broken IPv6 literal: nothing to follow
+                raise TransportError(f"{method} {url.split('?', 1)[0]}: redirected to an invalid URL "
+                                     f"{readable(self.mask(location), 200)!r}") from None
             if resp.status == 303 or (resp.status in (301, 302) and method == "POST"):
                 method, data = "GET", None
                 headers = {k: v for k, v in headers.items() if k != "Content-Type"}
-            if _host_port(target) != _host_port(url) and self.target.key_for(target) is None:
+            if not same_host and self.target.key_for(target) is None:
                 dropped = [k for k in _CREDENTIAL_HEADERS if k in headers]
                 if dropped:
                     logger.debug("redirected to another host; not sending %s there", ", ".join(dropped))
@@ -386,7 +412,8 @@ class Transport:
 
     async def _status(self, resp: aiohttp.ClientResponse, path: str, *, session_scoped: bool) -> _Again:
         """An error answer as the exception to raise, wrapped as `_Again` when retrying may help."""
-        detail = _detail_of(await resp.text(errors="replace"))
+        head = await _read_head(resp, _ERROR_BODY_LIMIT)
+        detail = self.quote(_detail_of(head.decode("utf-8", errors="replace")))
         starting = resp.status == 503 and resp.headers.get("X-Backend-State") == "starting"
         err = status_error(resp.status, detail, path, session_scoped=session_scoped)
         return _Again(err, retry_after=_retry_after(resp.headers), starting=starting,
@@ -413,10 +440,12 @@ class Transport:
 
         async def attempt() -> Any:
             self._count(method, path)
-            async with self._send(method, base + path, data=data, headers=headers) as resp:
+            # One deadline for the whole exchange, redirects included (each hop alone would get a fresh one).
+            async with asyncio.timeout(self.timeouts.request), \
+                    self._send(method, base + path, data=data, headers=headers) as resp:
                 if resp.status < 400 or resp.status in ok_statuses:
                     raw = await _read_capped(resp, self.max_response_bytes, path)
-                    return None if resp.status >= 400 else _decode_json(raw, path)
+                    return None if resp.status >= 400 else _decode_json(raw, path, self.quote)
                 raise await self._status(resp, path, session_scoped=session_scoped)
 
         return await retrying(retry or self.retry, attempt, what=f"{method} {path}", base=base,
@@ -434,9 +463,11 @@ class Transport:
 
         async def attempt() -> list[tuple[str, str]]:
             self._count("POST", path)
-            async with self._send("POST", base + path, data=data, headers=headers) as resp:
+            async with asyncio.timeout(self.timeouts.request), \
+                    self._send("POST", base + path, data=data, headers=headers) as resp:
                 if resp.status >= 400:
                     raise await self._status(resp, path, session_scoped=False)
+                _check_length(resp, self.max_response_bytes, path)
                 return [ev async for ev in iter_sse(resp, self.max_response_bytes)]
 
         return await retrying(self.retry, attempt, what=f"POST {path}", base=base, sent_is_safe=idempotent,
@@ -498,6 +529,7 @@ class Transport:
         """Read one call's event stream to its result: `task_id`, `chunk`... `end`, or `error`."""
         chunks: list[str] = []
         size = 0
+        _check_length(resp, self.max_response_bytes, what)
         async for event, data in iter_sse(resp, self.max_response_bytes):
             if event == "task_id":
                 on_task_id(data.strip())
@@ -515,7 +547,7 @@ class Transport:
                         f"{what}: the stream dropped and the server no longer knows the call (results are kept "
                         "60 s); its result is lost. It was not re-run."
                     )
-                raise ToolFailedError(f"{what} raised in the environment: {data}", tool=tool)
+                raise ToolFailedError(f"{what} raised in the environment: {self.quote(data)}", tool=tool)
         raise _Dropped()
 
     def _count(self, method: str, path: str) -> None:
@@ -615,11 +647,29 @@ async def _drain(resp: aiohttp.ClientResponse, seconds: float = 1.0) -> None:
         pass
 
 
-async def _read_capped(resp: aiohttp.ClientResponse, limit: int, path: str) -> bytes:
-    """The whole body, refusing (rather than buffering) more than `limit` bytes."""
+def _check_length(resp: aiohttp.ClientResponse, limit: int, path: str) -> None:
+    """Refuse an answer whose declared size is past `limit` before reading any of it."""
     length = resp.content_length
     if length is not None and length > limit:
         raise ProtocolError(f"{path}: response of {length} bytes is larger than the {limit}-byte limit")
+
+
+async def _read_head(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """At most the first `limit` bytes of the body (an error answer's detail); the rest is never read."""
+    parts: list[bytes] = []
+    total = 0
+    while total < limit:
+        chunk = await resp.content.read(limit - total)
+        if not chunk:
+            break
+        parts.append(chunk)
+        total += len(chunk)
+    return b"".join(parts)
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, limit: int, path: str) -> bytes:
+    """The whole body, refusing (rather than buffering) more than `limit` bytes."""
+    _check_length(resp, limit, path)
     parts: list[bytes] = []
     total = 0
     while True:
@@ -632,10 +682,13 @@ async def _read_capped(resp: aiohttp.ClientResponse, limit: int, path: str) -> b
         parts.append(chunk)
 
 
-def _decode_json(raw: bytes, path: str) -> Any:
+def _decode_json(raw: bytes, path: str, quote: Callable[[str], str] = readable) -> Any:
     if not raw.strip():
         return None
     try:
         return json.loads(raw)
     except ValueError:
-        raise ProtocolError(f"{path}: the server answered invalid JSON: {raw[:200]!r}") from None
+        shown = quote(raw[:4096].decode("utf-8", errors="replace"))[:200]
+        raise ProtocolError(f"{path}: the server answered invalid JSON: {shown!r}") from None
+    except RecursionError:
+        raise ProtocolError(f"{path}: the server answered JSON nested too deeply to decode") from None

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +35,23 @@ __all__ = [
     "blocks_text",
     "parse_blocks",
     "parse_messages",
+    "quoted",
 ]
+
+#: How secrets are masked in what an error message quotes of an answer. The client sets its transport's masking
+#: around each of its calls (`ors_trl._client`); outside of one, nothing is masked.
+MASK: ContextVar[Callable[[str], str] | None] = ContextVar("ors_trl_mask", default=None)
+
+
+def quoted(value: Any, limit: int = 200) -> str:
+    """`value` as an error message quotes it: its repr, secrets masked (before the cut, so that no part of one is
+    left), at most `limit` characters."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # an int past the digit limit, a structure nested too deeply
+        return f"<{type(value).__name__}>"
+    mask = MASK.get()
+    return (mask(text) if mask is not None else text)[:limit]
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +241,7 @@ class ToolSpec:
     @classmethod
     def from_json(cls, raw: Any) -> ToolSpec:
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
-            raise ProtocolError(f"tool spec must be an object with a string 'name', got {raw!r:.200}")
+            raise ProtocolError(f"tool spec must be an object with a string 'name', got {quoted(raw)}")
         schema = raw.get("input_schema")
         if schema is not None and not isinstance(schema, dict):
             raise ProtocolError(f"tool {raw['name']!r}: input_schema must be an object or null")
@@ -275,7 +293,7 @@ class ToolList:
         terminal = raw.get("terminal_tool")
         if terminal is not None and not (isinstance(terminal, dict) and isinstance(terminal.get("name"), str)
                                          and isinstance(terminal.get("arg"), str | None)):
-            raise ProtocolError(f"{where}: terminal_tool must be an object with a string 'name', got {terminal!r:.200}")
+            raise ProtocolError(f"{where}: terminal_tool must be an object with a string 'name', got {quoted(terminal)}")
         kinds = raw.get("message_block_types")
         return cls(
             tools=[ToolSpec.from_json(t) for t in raw["tools"]],
@@ -294,13 +312,13 @@ def parse_reward(value: Any, *, what: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ProtocolError(f"{what} returned a non-numeric reward {value!r:.100}")
+        raise ProtocolError(f"{what} returned a non-numeric reward {quoted(value, 100)}")
     try:
         reward = float(value)
-    except ValueError:
-        raise ProtocolError(f"{what} returned a non-numeric reward {value!r:.100}") from None
+    except (ValueError, OverflowError):  # OverflowError: an integer too large for a float
+        raise ProtocolError(f"{what} returned a non-numeric reward {quoted(value, 100)}") from None
     if not math.isfinite(reward):
-        raise ProtocolError(f"{what} returned a non-finite reward {value!r}")
+        raise ProtocolError(f"{what} returned a non-finite reward {quoted(value, 100)}")
     return reward
 
 
@@ -356,10 +374,12 @@ class GroupScore:
         try:
             body = json.loads(text)
         except ValueError:
-            raise ProtocolError(f"score_group: the result is not valid JSON: {text[:200]!r}") from None
+            raise ProtocolError(f"score_group: the result is not valid JSON: {quoted(text[:4096])}") from None
+        except RecursionError:
+            raise ProtocolError("score_group: the result is JSON nested too deeply to decode") from None
         scores = body.get("scores") if isinstance(body, dict) else None
         if not isinstance(scores, list) or len(scores) != expected:
-            raise ProtocolError(f"score_group: expected {{'scores': [...]}} with {expected} entries, got {text[:200]!r}")
+            raise ProtocolError(f"score_group: expected {{'scores': [...]}} with {expected} entries, got {quoted(text[:4096])}")
         out = []
         for score in scores:
             reward = parse_reward(score.get("reward") if isinstance(score, dict) else score, what="score_group")

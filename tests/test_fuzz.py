@@ -1,0 +1,723 @@
+"""Fuzzing against a hostile ORS server (``tests/fixtures/hostile_server.py``): the client, the spec (dataset,
+environment_factory, tool calls, reward_funcs), the episode core as the engine drives it, ``inspect`` and
+``eval``, for a bounded, seeded number of requests.
+
+Every failure must be a typed ``ORSError`` with a readable message (or a rollout scored None with a reason),
+nothing may run past the deadlines it was configured with, no credential may appear in any message, record,
+report or log line, and a 64 MiB+ answer is refused rather than buffered. The run's figures are printed
+(``pytest -s``) and kept in ``FIGURES`` for whoever wants them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import inspect
+import json
+import logging
+import math
+import os
+import random
+import threading
+import time
+import tracemalloc
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from ors_trl import (
+    AsyncClient,
+    OpenRewardSpec,
+    ORSError,
+    PolicyReply,
+    ProtocolError,
+    RetryPolicy,
+    ServerError,
+    Timeouts,
+)
+from ors_trl._episode import Task, score_groups
+from ors_trl._inspect import inspect_target, render_text
+from ors_trl._loop import get_loop
+from ors_trl._target import encode_secrets
+from tests.fixtures.hostile_server import BIG, ENV, HostileServer
+
+KEY = "sk-fuzz-APIKEY-7f3a9c2e1b4d"
+SECRET_A = "hunter2-SECRET-9d8e7f6a"
+SECRET_B = "tok-SECRET-5a4b3c2d1e"
+SECRETS: dict[str, Any] = {"db_password": SECRET_A, "search_token": (SECRET_B, ["example.com"])}
+LEAKS = (KEY, SECRET_A, SECRET_B, encode_secrets(SECRETS))
+
+TIMEOUTS = Timeouts(connect=1.0, request=0.5, stream_idle=0.3, tool_call=1.5)
+RETRY = RetryPolicy(max_attempts=2, backoff_initial=0.01, backoff_max=0.05, starting_timeout=0.3, resume_attempts=2)
+#: The longest one request may take under these settings: every attempt, every backoff, the `starting` wait.
+REQUEST_BOUND_S = RETRY.max_attempts * (TIMEOUTS.request + RETRY.backoff_max) + RETRY.starting_timeout + 0.1
+CALL_BOUND_S = TIMEOUTS.tool_call + 0.1
+#: Scheduling noise on a loaded 2-core machine (never a performance claim: only "bounded").
+SLACK_S = 3.0
+#: Requests the random run sends the hostile server (seeded; a few hundred). A longer hunt:
+#: `ORS_FUZZ_SEED=7 ORS_FUZZ_REQUESTS=3000 pytest tests/test_fuzz.py -k every -s`.
+TARGET_REQUESTS = int(os.environ.get("ORS_FUZZ_REQUESTS", "320"))
+MAX_OPS = max(400, TARGET_REQUESTS)
+WORKERS = 4
+MAX_MESSAGE = 5000
+KINDS = {"configuration", "usage", "not_found", "http", "auth", "expired", "refused", "failed", "transport",
+         "timeout", "protocol", "policy", "context_length", "error"}
+UNSCORED = {"timeout", "error", "cut_off", "no_reward"}
+#: The figures of the last run (filled by `test_fuzz_every_entry_point`).
+FIGURES: dict[str, Any] = {}
+
+
+# --------------------------------------------------------------------------------------------------
+# Checking what came back
+# --------------------------------------------------------------------------------------------------
+
+
+def leaked(text: str, window: int = 12) -> str | None:
+    """The first piece of a credential in `text` (any `window` characters of one: a cut secret leaks too)."""
+    for secret in LEAKS:
+        for i in range(max(len(secret) - window, 0) + 1):
+            if secret[i:i + window] in text:
+                return secret[i:i + window]
+    return None
+
+
+class Tally:
+    """Outcomes by entry point and kind, and every problem found (crashes, hangs, leaks, unreadable errors)."""
+
+    def __init__(self) -> None:
+        self.outcomes: Counter[str] = Counter()
+        self.problems: list[str] = []
+        self.hangs = 0
+        self.crashes = 0
+        self.lock = threading.Lock()
+
+    def problem(self, text: str) -> None:
+        with self.lock:
+            self.problems.append(text[:600])
+
+    def ok(self, what: str) -> None:
+        with self.lock:
+            self.outcomes[f"{what}: ok"] += 1
+
+    def error(self, what: str, exc: BaseException) -> None:
+        """Tally a failure; anything but a typed ORSError with a readable, secret-free message is a problem."""
+        if not isinstance(exc, ORSError):
+            with self.lock:
+                self.crashes += 1
+                self.outcomes[f"{what}: CRASH {type(exc).__name__}"] += 1
+            self.problem(f"{what}: untyped {type(exc).__name__}: {str(exc)[:300]}")
+            return
+        with self.lock:
+            self.outcomes[f"{what}: {exc.kind}"] += 1
+        message = str(exc)
+        if exc.kind not in KINDS:
+            self.problem(f"{what}: unknown kind {exc.kind!r}")
+        if not message.strip() or len(message) > MAX_MESSAGE:
+            self.problem(f"{what}: unreadable message of {len(message)} chars ({type(exc).__name__}): "
+                         f"{message[:200]!r}")
+        if any(ord(c) < 32 and c not in "\n\t" for c in message):
+            self.problem(f"{what}: control characters in the message: {message[:200]!r}")
+        self.scan(f"{what} error {type(exc).__name__}", message + repr(exc.args) + str(getattr(exc, "detail", "")))
+
+    def scan(self, where: str, text: str) -> None:
+        if (piece := leaked(text)) is not None:
+            self.problem(f"{where}: a credential leaked: ...{text[max(0, text.find(piece) - 80):][:200]!r}")
+
+    def record(self, where: str, rec: dict[str, Any]) -> None:
+        """An episode record: scored with a finite reward, or unscored with a reason; typed errors; no secret."""
+        reward = rec.get("reward")
+        if reward is not None and not (isinstance(reward, float | int) and math.isfinite(reward)):
+            self.problem(f"{where}: record reward {reward!r}")
+        if reward is None and rec.get("unscored") not in UNSCORED:
+            self.problem(f"{where}: unscored record without a reason: {rec.get('unscored')!r}")
+        errors = [rec.get("error")] + [c.get("error") for t in rec.get("turns") or [] for c in t.get("tool_calls") or []]
+        errors += [(rec.get("final") or {}).get("error")]
+        for error in errors:
+            if error is not None and error.get("kind") not in KINDS:
+                self.problem(f"{where}: record error of kind {error.get('kind')!r}: {error}")
+        self.scan(f"{where} record", json.dumps(rec, default=str))
+        with self.lock:
+            self.outcomes[f"{where} records: " + ("scored" if reward is not None else f"unscored/{rec.get('unscored')}")] += 1
+
+
+class Captured(logging.Handler):
+    """Every log line of ors-trl and asyncio during the run: scanned for credentials and background crashes."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[tuple[str, int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            self.lines.append((record.name, record.levelno, record.getMessage()
+                               + (logging.Formatter().formatException(record.exc_info) if record.exc_info else "")))
+
+
+@contextlib.contextmanager
+def captured_logs() -> Any:
+    handler = Captured()
+    loggers = [logging.getLogger(n) for n in ("ors_trl", "asyncio")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        lg.setLevel(logging.DEBUG)
+    try:
+        yield handler
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+
+
+# --------------------------------------------------------------------------------------------------
+# What a model would send
+# --------------------------------------------------------------------------------------------------
+
+
+def example_value(schema: Any) -> Any:
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    kind = kind[0] if isinstance(kind, list) and kind else kind
+    return {"integer": 0, "number": 0.5, "boolean": True, "array": [], "object": {}, "null": None}.get(kind, "x")
+
+
+def example_arguments(schema: Any) -> dict[str, Any]:
+    """Arguments for a JSON schema: every required property, a value of its type."""
+    if not isinstance(schema, dict) or not isinstance(schema.get("properties"), dict):
+        return {}
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    return {k: example_value(v) for k, v in schema["properties"].items() if k in required}
+
+
+def keyword_arguments(function: Any) -> dict[str, Any]:
+    """Arguments for a bound tool method: every parameter without a default, a value of its annotation."""
+    out: dict[str, Any] = {}
+    for name, param in list(inspect.signature(function).parameters.items())[1:]:
+        if param.default is not inspect.Parameter.empty or param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
+            continue
+        origin = getattr(param.annotation, "__origin__", param.annotation)
+        out[name] = {int: 0, float: 0.5, bool: True, str: "x", list: [], dict: {}}.get(origin)
+    return out
+
+
+class ScriptedPolicy:
+    """`eval`'s policy: first turn calls the first tool with schema-shaped arguments, then answers in plain text."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        turns = sum(1 for m in messages if m.get("role") == "assistant")
+        if tools and turns == 0:
+            fn = tools[0].get("function", tools[0]) if isinstance(tools[0], dict) else {}
+            return PolicyReply(content="", tool_calls=[{"id": "call_0", "name": str(fn.get("name")),
+                                                        "arguments": example_arguments(fn.get("parameters"))}])
+        return PolicyReply(content=self.rng.choice(["final answer", "", "Paris."]))
+
+
+# --------------------------------------------------------------------------------------------------
+# The entry points
+# --------------------------------------------------------------------------------------------------
+
+
+def spec_for(url: str, tmp: str, **kwargs: Any) -> OpenRewardSpec:
+    return OpenRewardSpec(url, num_tasks=2, api_key=KEY, secrets=SECRETS, timeouts=TIMEOUTS, retry=RETRY,
+                          keepalive_interval=0.2, **kwargs)
+
+
+async def op_client(url: str, rng: random.Random, tally: Tally) -> None:
+    """Metadata calls of `AsyncClient`, each tallied."""
+    async with AsyncClient(url, api_key=KEY, secrets=SECRETS, timeouts=TIMEOUTS, retry=RETRY,
+                           keepalive_interval=0.2) as client:
+        calls: list[tuple[str, Callable[[], Any]]] = [
+            ("list_environments", client.list_environments), ("environment", client.environment),
+            ("health", client.health), ("splits", client.splits), ("num_tasks", lambda: client.num_tasks("train")),
+            ("task", lambda: client.task("train", 1)), ("task_range", lambda: client.task_range("train", 0, 2)),
+            ("tasks", lambda: client.tasks("train")), ("tools", client.tools)]
+        for name, call in rng.sample(calls, 4):
+            try:
+                await call()
+            except BaseException as exc:
+                tally.error(f"client.{name}", exc)
+            else:
+                tally.ok(f"client.{name}")
+
+
+async def op_session(url: str, rng: random.Random, tally: Tally) -> None:
+    """A session's whole life on `AsyncSession`: open, prompt, messages, tools, calls, group score, ping, close."""
+    async with AsyncClient(url, env_name=ENV, api_key=KEY, secrets=SECRETS, timeouts=TIMEOUTS, retry=RETRY,
+                           keepalive_interval=0.2) as client:
+        try:
+            session = await client.open_session(split="train", index=rng.randrange(3))
+        except BaseException as exc:
+            tally.error("session.open", exc)
+            return
+        tally.ok("session.open")
+        steps: list[tuple[str, Callable[[], Any]]] = [
+            ("prompt", session.prompt), ("messages", session.messages), ("tools", session.tools),
+            ("call", lambda: session.call("work", {"step": rng.randrange(3)})),
+            ("call", lambda: session.call("work", {"step": 1})),
+            ("score_group", lambda: session.score_group([{"messages": [], "metadata": {"i": 0}}] * 2)),
+            ("ping", session.ping)]
+        try:
+            for name, step in rng.sample(steps, 5):
+                try:
+                    await step()
+                except BaseException as exc:
+                    tally.error(f"session.{name}", exc)
+                else:
+                    tally.ok(f"session.{name}")
+        finally:
+            await session.close()
+
+
+def op_spec(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
+    """The spec as TRL uses it: dataset, environment_factory, reset, tool methods, reward_funcs, close."""
+    log = os.path.join(tmp, f"spec-{rng.getrandbits(32):x}.jsonl")
+    spec = spec_for(url, tmp, episode_log=log)
+    try:
+        dataset = spec.train_dataset
+        factory = spec.environment_factory
+        env = factory()
+        text = env.reset(**dataset[0]) if len(dataset) else env.reset(task_index=0)
+        tally.scan("spec.reset prompt", text)
+        for bound in list(spec.binding.tools.values())[:2]:
+            method = getattr(env, bound.attribute)
+            try:
+                method(**keyword_arguments(method))
+            except BaseException as exc:
+                tally.error("spec.tool", exc)
+            else:
+                tally.ok("spec.tool")
+        rewards = spec.reward_funcs(environments=[env], completions=[[{"role": "assistant", "content": "done"}]])
+        if not (len(rewards) == 1 and (rewards[0] is None or math.isfinite(rewards[0]))):
+            tally.problem(f"spec.reward_funcs returned {rewards!r}")
+        tally.ok("spec")
+    except BaseException as exc:
+        tally.error("spec", exc)
+    finally:
+        spec.close()
+    if os.path.exists(log):
+        with open(log, encoding="utf-8") as fh:
+            for line in fh:
+                tally.record("spec", json.loads(line))
+
+
+def op_engine(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
+    """The episode core as the engine drives it: open, the engine's own call runner, end, group score, close.
+
+    As in the engine, the tool schemas are rendered in the calling thread, never on the event loop."""
+    from ors_trl._engine import _run_calls
+
+    spec = spec_for(url, tmp)
+    episodes: list[Any] = []
+    try:
+        _ = spec.environment_factory  # binds the tools, as `rollout_func` does
+        runtime = spec._runtime
+
+        async def open_two() -> list[Any]:
+            eps = [runtime.episode(Task("train", 0), source="fuzz") for _ in range(2)]
+            episodes.extend(eps)
+            await asyncio.gather(*(ep.open() for ep in eps))
+            return [ep for ep in eps if ep.prompt is not None]
+
+        opened = spec.run(open_two())
+        plans = []
+        for ep in opened:
+            rendered = ep.toolset.schemas if ep.toolset is not None else []  # what the engine renders
+            schemas = {s["function"]["name"]: s["function"].get("parameters") for s in rendered}
+            calls = [{"type": "function", "function": {"name": n, "arguments": example_arguments(schemas[n])}}
+                     for n in list(schemas)[:2]] or [{"type": "function", "function": {"name": "work", "arguments": {}}}]
+            plans.append((ep, calls))
+
+        async def play() -> None:
+            async def one(ep: Any, calls: list[dict[str, Any]]) -> None:
+                await _run_calls(ep, calls)
+                await ep.end(rng.choice(["final answer", None]), reason="no_tool_calls")
+
+            await asyncio.gather(*(one(ep, calls) for ep, calls in plans))
+            if runtime.supports_score_group and opened:
+                await score_groups(opened)
+            await asyncio.gather(*(ep.close() for ep in episodes))
+
+        spec.run(play())
+        tally.ok("engine")
+    except BaseException as exc:
+        tally.error("engine", exc)
+    finally:
+        spec.close()
+    for ep in episodes:
+        tally.record("engine", ep.record())
+
+
+def op_eval(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
+    """`spec.evaluate` with a scripted policy."""
+    spec = spec_for(url, tmp)
+    try:
+        report = spec.evaluate(ScriptedPolicy(rng), num_tasks=2, concurrency=2, max_turns=2, progress=False,
+                               output=os.path.join(tmp, f"eval-{rng.getrandbits(32):x}.jsonl"))
+        tally.scan("eval summary", report.summary())
+        for rec in report.episodes:
+            tally.record("eval", rec)
+        tally.ok("eval")
+    except BaseException as exc:
+        tally.error("eval", exc)
+    finally:
+        spec.close()
+
+
+def op_inspect(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
+    """`ors-trl inspect`'s core and its text rendering."""
+    try:
+        info = inspect_target(url, api_key=KEY, timeouts=TIMEOUTS, retry=RETRY, tasks=rng.randrange(4))
+        tally.scan("inspect", json.dumps(info, default=str) + render_text(info))
+        tally.ok("inspect")
+    except BaseException as exc:
+        tally.error("inspect", exc)
+
+
+#: entry point -> (runner, its bound: requests it may make, tool calls it may make).
+OPS: dict[str, tuple[Callable[..., Any], int, int]] = {
+    "client": (op_client, 4 * 5, 0),
+    "session": (op_session, 7 + 5, 3),
+    "spec": (op_spec, 32, 4),
+    "engine": (op_engine, 36, 8),
+    "eval": (op_eval, 30, 6),
+    "inspect": (op_inspect, 20, 0),
+}
+
+
+def bound_s(op: str) -> float:
+    _, requests, calls = OPS[op]
+    return requests * REQUEST_BOUND_S + calls * CALL_BOUND_S + SLACK_S
+
+
+def run_op(op: str, url: str, seed: int, tally: Tally, tmp: str) -> tuple[float, int]:
+    """Run one entry point in a thread, bounded by its wall-clock guard; returns its seconds (a hang is tallied)."""
+    rng = random.Random(seed)
+    runner = OPS[op][0]
+    started = time.monotonic()
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            if asyncio.iscoroutinefunction(runner):
+                get_loop().run(runner(url, rng, tally))
+            else:
+                runner(url, rng, tally, tmp)
+        except BaseException as exc:  # a failure that escaped the op's own accounting
+            tally.error(op, exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=f"fuzz-{op}-{seed}", daemon=True).start()
+    if not done.wait(bound_s(op)):
+        with tally.lock:
+            tally.hangs += 1
+        tally.problem(f"{op} (seed {seed}) ran past its bound of {bound_s(op):.1f} s")
+        done.wait(30)  # let it finish (bounded) so that the rest of the run is not disturbed
+    return time.monotonic() - started, seed
+
+
+# --------------------------------------------------------------------------------------------------
+# The tests
+# --------------------------------------------------------------------------------------------------
+
+
+def warm_up() -> None:
+    """Load now, in this thread, what the entry points load lazily (datasets and what its fingerprinting pulls in
+    from transformers, the schema renderer): no op's clock should count an import, and the same lazy imports
+    racing in several threads can hold each other up for many seconds on a loaded machine."""
+    datasets = pytest.importorskip("datasets")
+    transformers = pytest.importorskip("transformers")
+    _ = transformers.PreTrainedTokenizerBase
+    datasets.Dataset.from_dict({"x": [1]})
+
+    def probe(step: int) -> str:
+        """Probe.
+
+        Args:
+            step: a number.
+        """
+        return str(step)
+
+    transformers.utils.get_json_schema(probe)
+
+
+def test_fuzz_every_entry_point(tmp_path) -> None:
+    warm_up()
+    seed = int(os.environ.get("ORS_FUZZ_SEED", "0"))
+    tally = Tally()
+    started = time.monotonic()
+    rng = random.Random(seed)
+    seconds: dict[str, tuple[float, int]] = {}
+    with captured_logs() as logs, HostileServer(seed=seed, max_seconds=10.0) as hostile:
+        order = [op for op in OPS for _ in range(2)]  # every entry point at least twice
+        with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
+            futures = []
+            for i in range(MAX_OPS):
+                if len(hostile.requests) >= TARGET_REQUESTS and i >= len(order):
+                    break
+                op = order[i] if i < len(order) else rng.choice(list(OPS))
+                futures.append((op, pool.submit(run_op, op, hostile.url, rng.getrandbits(32), tally, str(tmp_path))))
+                while sum(not f.done() for _, f in futures) >= WORKERS:
+                    concurrent.futures.wait([f for _, f in futures], return_when=concurrent.futures.FIRST_COMPLETED)
+            for op, fut in futures:
+                took, op_seed = fut.result()
+                if took > seconds.get(op, (0.0, 0))[0]:
+                    seconds[op] = (took, op_seed)
+        answers, requests = Counter(hostile.answers), len(hostile.requests)
+        elsewhere = hostile.elsewhere_requests
+    for name, level, line in logs.lines:
+        tally.scan(f"log {name}", line)
+        if name == "asyncio" and level >= logging.ERROR:
+            tally.problem(f"a background task failed: {line[:300]}")
+    for seen in elsewhere:  # a redirect to another host must not carry the credentials there
+        for header in ("x-api-key", "x-secrets"):
+            if header in seen.headers:
+                tally.problem(f"{header} was sent to the redirect target {seen.method} {seen.path}")
+    FIGURES.update({
+        "seed": seed, "requests": requests, "ops": len(futures), "answers": dict(answers.most_common()),
+        "outcomes": dict(sorted(tally.outcomes.items())), "hangs": tally.hangs, "crashes": tally.crashes,
+        "problems": len(tally.problems), "slowest_op_s": {k: [round(v, 2), s] for k, (v, s) in seconds.items()},
+        "redirects_followed_elsewhere": len(elsewhere), "seconds": round(time.monotonic() - started, 1)})
+    print("\nfuzz figures:", json.dumps(FIGURES, indent=1))
+    assert requests >= TARGET_REQUESTS * 0.9
+    assert not tally.problems, "\n".join(tally.problems[:40])
+    assert tally.hangs == 0 and tally.crashes == 0
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Peak:
+    """The highest RSS of this process while the block runs (sampled every 5 ms), and the traced Python peak."""
+
+    def __enter__(self) -> Peak:
+        self.base = self.peak = rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        tracemalloc.start()
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, rss())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.traced = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        self.growth = max(self.peak - self.base, 0)
+
+
+CAP = 64 * 1024 * 1024
+#: Above the cap: read buffers, the request in flight, the allocator's rounding.
+SLACK_BYTES = 16 * 1024 * 1024
+
+
+@pytest.mark.parametrize("variant,route", [
+    ("huge_declared", "num_tasks"), ("huge_chunked", "num_tasks"), ("huge_gzip", "num_tasks"),
+    ("huge_error", "num_tasks"), ("sse_huge_declared", "call"), ("sse_huge_line", "call"),
+    ("sse_huge_chunks", "call"), ("huge_chunked", "create_session"), ("huge_error", "call"),
+])
+def test_answers_past_the_response_cap_are_refused_not_buffered(variant, route) -> None:
+    """64 MiB+ bodies: a typed error, quickly, and memory growth below the cap (a declared size or an error's
+    detail: next to nothing read)."""
+    with HostileServer(seed=1, only=frozenset({"valid"})) as hostile:
+        async def go() -> None:
+            async with AsyncClient(hostile.url, env_name=ENV, api_key=KEY, timeouts=Timeouts(request=30.0,
+                                   stream_idle=30.0, tool_call=60.0), retry=RETRY, keepalive_interval=None) as client:
+                session = await client.open_session(split="train", index=0) if route == "call" else None
+                hostile.force(variant, path=f"/{route}", times=RETRY.max_attempts)
+                try:
+                    if route == "call":
+                        assert session is not None
+                        await session.call("work", {"step": 0})
+                    elif route == "create_session":
+                        await client.open_session(split="train", index=0)
+                    else:
+                        await client.num_tasks("train")
+                finally:
+                    if session is not None:
+                        await session.close()
+
+        started = time.monotonic()
+        expected = ServerError if variant == "huge_error" else ProtocolError
+        with Peak() as peak, pytest.raises(expected) as info:
+            get_loop().run(go())
+        elapsed = time.monotonic() - started
+    print(f"\n{variant} on /{route}: {type(info.value).__name__} in {elapsed:.2f} s, RSS +{peak.growth / 2**20:.1f} "
+          f"MiB, traced peak {peak.traced / 2**20:.1f} MiB: {str(info.value)[:120]}")
+    assert "limit" in str(info.value) or "bytes" in str(info.value) or variant == "huge_error"
+    assert len(str(info.value)) < MAX_MESSAGE and KEY not in str(info.value)
+    # It reads up to the cap (it must, to know that a body is too large), never past it and never twice over.
+    assert peak.traced < CAP + SLACK_BYTES and peak.growth < CAP + SLACK_BYTES, (peak.traced, peak.growth)
+    if "declared" in variant or variant == "huge_error":  # refused before reading (past) the body
+        assert peak.traced < BIG // 16 and elapsed < 5.0
+
+
+# --------------------------------------------------------------------------------------------------
+# One test per bug the fuzzer found (each failed before its fix)
+# --------------------------------------------------------------------------------------------------
+
+
+def run_client(url: str, body: Callable[[AsyncClient], Any], **kwargs: Any) -> Any:
+    """Run `body(client)` on the background loop with the fuzz settings (and `kwargs` over them)."""
+    options: dict[str, Any] = {"env_name": ENV, "api_key": KEY, "secrets": SECRETS, "timeouts": TIMEOUTS,
+                               "retry": RETRY, "keepalive_interval": None, **kwargs}
+
+    async def go() -> Any:
+        async with AsyncClient(url, **options) as client:
+            return await body(client)
+
+    return get_loop().run(go())
+
+
+async def _in_session(client: AsyncClient, what: str) -> Any:
+    session = await client.open_session(split="train", index=0)
+    try:
+        if what == "score_group":
+            return await session.score_group([{"messages": []}])
+        return await session.call("work", {"step": 0})
+    finally:
+        await session.close()
+
+
+@pytest.mark.parametrize("route,answer", [
+    ("/num_tasks", {"num_tasks": "x" * 170 + KEY}),  # the repr is cut at 200 characters: through the key
+    ("/num_tasks", {"num_tasks": SECRET_A}),
+    ("/list_environments", {"environments": [KEY]}),
+    ("/task_range", {"tasks": KEY}),
+    ("/tools", {"tools": [{"name": 5, "key": KEY}]}),
+    ("/tools", {"tools": [], "terminal_tool": {"name": SECRET_B, "arg": 5}}),
+])
+def test_a_server_echoing_credentials_into_a_malformed_answer_never_gets_them_into_the_message(route, answer) -> None:
+    """Bug: errors raised while checking an answer quoted it unmasked (only the transport's own errors were
+    masked), and a quote cut at 200 characters could leave part of a secret even where it was masked."""
+    from ors_trl.testing.faults import FaultProxy, Reply
+
+    with FaultProxy(None) as proxy:
+        proxy.add(Reply(json.dumps([ENV])), path="/list_environments", times=None if route != "/list_environments"
+                  else 0)
+        proxy.add(Reply(json.dumps(answer)), path=route, times=None)
+        call = {"/num_tasks": lambda c: c.num_tasks("train"), "/list_environments": lambda c: c.list_environments(),
+                "/task_range": lambda c: c.task_range("train", 0, 2), "/tools": lambda c: c.tools()}[route]
+        with pytest.raises(ProtocolError) as info:
+            run_client(proxy.url, call)
+    message = str(info.value)
+    assert "***" in message and leaked(message) is None, message
+
+
+ESCAPES = "\x1b[2J\x1b[31mALERT\x1b[0m\r\x00\x07 \u202eevil\u202c "
+
+
+@pytest.mark.parametrize("route,fault", [
+    ("/num_tasks", ("status", 400, ESCAPES + KEY)),
+    ("/num_tasks", ("status", 500, "detail " * 300_000)),
+    ("/call", ("sse", [("task_id", "t"), ("error", ESCAPES + "x" * 500_000)])),
+    ("/call", ("sse", [("task_id", "t"), ("end", json.dumps({"ok": False, "reason": ESCAPES,
+                                                             "error": ESCAPES + "y" * 100_000}))])),
+    ("/create_session", ("sse", [("error", ESCAPES + SECRET_A)])),
+], ids=["detail-escapes", "detail-2MiB", "tool-error-event", "refusal", "create-session-error"])
+def test_what_a_server_says_reaches_a_message_bounded_and_escaped(route, fault) -> None:
+    """Bug: an error's `detail` (a string) was quoted whole (2 MiB of it), and details, tool error events and
+    refusals were quoted raw, so a server could put terminal escape sequences into messages and logs."""
+    from ors_trl.testing.faults import FaultProxy, Reply, SSEReply, Status
+
+    kind, *rest = fault
+    with FaultProxy(None) as proxy:
+        proxy.add(Status(rest[0], rest[1]) if kind == "status" else SSEReply(rest[0]), path=route, times=None)
+        proxy.add(SSEReply([("task_id", "sid-1")]), path="/create_session", times=None)
+        proxy.add(Reply(json.dumps([ENV])), path="/list_environments", times=None)
+        proxy.add(Reply("{}"), times=None)
+        with pytest.raises(ORSError) as info:
+            if route == "/num_tasks":
+                run_client(proxy.url, lambda c: c.num_tasks("train"))
+            else:
+                run_client(proxy.url, lambda c: _in_session(c, "call"))
+    message = str(info.value)
+    assert 0 < len(message) < MAX_MESSAGE, len(message)
+    assert not any(ord(c) < 32 and c not in "\n\t" for c in message), message[:300]
+    assert "\u202e" not in message and leaked(message) is None, message[:300]
+
+
+@pytest.mark.parametrize("location", ["http://127.0.0.1:notaport/x", "http://127.0.0.1:99999/x", "http://[::1",
+                                      "ftp://127.0.0.1/x", "javascript:alert(1)", "//"])
+def test_a_redirect_to_a_malformed_url_is_a_transport_error(location) -> None:
+    """Bug: a `Location` with a bad port or a broken IPv6 literal raised a bare ValueError out of the client."""
+    from ors_trl import TransportError
+    from ors_trl.testing.faults import FaultProxy, Redirect
+
+    with FaultProxy(None) as proxy:
+        proxy.add(Redirect(location), times=None)
+        with pytest.raises(TransportError):
+            run_client(proxy.url, lambda c: c.list_environments())
+
+
+def test_a_redirect_chain_is_bounded_by_the_request_deadline() -> None:
+    """Bug: redirects are followed by hand, and each hop got a fresh `Timeouts.request`: eleven slow hops took
+    eleven deadlines."""
+    from ors_trl import ORSTimeoutError
+
+    with HostileServer(seed=4, only=frozenset({"valid"})) as hostile:
+        hostile.force("slow_redirect", path="/list_environments", times=12)
+        started = time.monotonic()
+        with pytest.raises(ORSTimeoutError):
+            run_client(hostile.url, lambda c: c.list_environments(), retry=RetryPolicy(max_attempts=1))
+        elapsed = time.monotonic() - started
+    assert elapsed < TIMEOUTS.request + SLACK_S, elapsed  # without the fix: 11 hops x 0.375 s, then "too many"
+
+
+@pytest.mark.parametrize("variant,route", [("bad_json", "/tools"), ("sse_deep_json", "/call"),
+                                           ("sse_deep_json", "/score_group")])
+def test_json_nested_too_deeply_is_a_protocol_error(variant, route) -> None:
+    """Bug: `json.loads` raises RecursionError (not ValueError) on deep nesting; it escaped untyped."""
+    with HostileServer(seed=5, only=frozenset({"valid"})) as hostile:
+        if variant == "bad_json":
+            from ors_trl.testing.faults import Reply
+
+            hostile._proxy.clear()  # answer /tools with exactly the deep body
+            hostile._proxy.add(Reply("[" * 200_000), path=route, times=None)
+            hostile._proxy.add(Reply(json.dumps([ENV])), times=None)
+            call: Callable[[AsyncClient], Any] = lambda c: c.tools()  # noqa: E731
+        else:
+            hostile.force(variant, path=route, times=RETRY.max_attempts)
+            call = lambda c: _in_session(c, route.strip("/"))  # noqa: E731
+        with pytest.raises(ProtocolError, match=r"nested too deeply|invalid JSON"):
+            run_client(hostile.url, call)
+
+
+@pytest.mark.parametrize("route", ["/call", "/score_group"])
+def test_an_integer_reward_too_large_for_a_float_is_a_protocol_error(route) -> None:
+    """Bug: `float(10**400)` raises OverflowError, which escaped `parse_reward` untyped."""
+    from ors_trl.testing.faults import FaultProxy, Reply, SSEReply
+
+    big = "1" + "0" * 400
+    result = (f'{{"scores": [{{"reward": {big}}}]}}' if route == "/score_group"
+              else f'{{"ok": true, "output": {{"blocks": [], "reward": {big}}}}}')
+    with FaultProxy(None) as proxy:
+        proxy.add(SSEReply([("task_id", "sid-1")]), path="/create_session", times=None)
+        proxy.add(SSEReply([("task_id", "t"), ("end", result)]), path=route, times=None)
+        proxy.add(Reply(json.dumps([ENV])), path="/list_environments", times=None)
+        proxy.add(Reply("{}"), times=None)
+        with pytest.raises(ProtocolError, match="non-numeric reward"):
+            run_client(proxy.url, lambda c: _in_session(c, route.strip("/")))
+
+
+def test_inspect_is_bounded_by_the_timeouts_it_is_given() -> None:
+    """Bug: `inspect` took no `timeouts`/`retry`, so a server that never answers held it for the defaults
+    (60 s a request, six attempts)."""
+    from ors_trl import ORSTimeoutError
+
+    with HostileServer(seed=6, only=frozenset({"hang"}), max_seconds=30) as hostile:
+        started = time.monotonic()
+        with pytest.raises(ORSTimeoutError):
+            inspect_target(hostile.url, timeouts=Timeouts(request=0.3), retry=RetryPolicy(max_attempts=2))
+        assert time.monotonic() - started < 2 * 0.3 + SLACK_S
