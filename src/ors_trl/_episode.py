@@ -160,7 +160,7 @@ class EnvironmentRuntime:
         self.prompt_mismatches = 0
         self.cached_resets = 0
         self.calls_ahead = 0  # tool calls started ahead of TRL's loop (batch_tool_calls)
-        self.trainer: Any = None  # the trainer driving this environment, once seen (weak by convention)
+        self._trainer: weakref.ref[Any] | None = None  # the trainer driving this environment, once seen
         self.bg = get_loop()
         self.live: set[Episode] = set()
         self._pending: set[concurrent.futures.Future[None]] = set()
@@ -175,6 +175,11 @@ class EnvironmentRuntime:
     @property
     def terminal(self) -> TerminalTool | None:
         return self.toolset.terminal if self.toolset is not None else None
+
+    @property
+    def trainer(self) -> Any:
+        """The trainer driving this environment, while it exists (held weakly: a model is not kept alive)."""
+        return self._trainer() if self._trainer is not None else None
 
     def rename(self, name: str, metrics: EnvMetrics, recorder: RecordWriter | None) -> None:
         """Join a mix: report under `name`, into the mix's metrics and record writer."""
@@ -280,7 +285,7 @@ class EnvironmentRuntime:
             return
         from ._callback import SessionCleanupCallback
 
-        self.trainer = trainer
+        self._trainer = weakref.ref(trainer)
         for cb in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
             if isinstance(cb, SessionCleanupCallback) and self in cb.runtimes:
                 return
