@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", metavar="N", type=int, required=True, help="TCP port to listen on")
     p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
     p.add_argument("--envs", default="echo",
-                   help="comma-separated bundled environments (echo, demo), or 'all' (default echo)")
+                   help="comma-separated bundled environments (echo, demo, look), or 'all' (default echo)")
     p.add_argument("--log-level", default="warning", help="server log level (default warning)")
 
     from ._report import DEFAULT_MAX_EPISODES

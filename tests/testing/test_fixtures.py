@@ -41,6 +41,11 @@ ALL_KEYS = [
     "mixedenvironment",
     "hostileenvironment",
     "demoenvironment",
+    "quizenvironment",
+    "switchenvironment",
+    "judgeenvironment",
+    "heavytailenvironment",
+    "chaosenvironment",
 ]
 # key -> (shared tool names, train size, test size)
 CATALOG = {
@@ -54,6 +59,11 @@ CATALOG = {
     "mixedenvironment": ({"answer", "submit"}, 6, 3),
     "hostileenvironment": ({"reset", "get_reward", "_private", "keywords", "tree", "deep", "run-shell", "class"}, 2, 2),
     "demoenvironment": ({"echo"}, len(_demo_task.train_tasks()), len(_demo_task.heldout_tasks())),
+    "quizenvironment": ({"lookup"}, 4, 2),  # `answer` is its terminal tool: not listed
+    "switchenvironment": ({"flip"}, 4, 4),  # likewise `check`
+    "judgeenvironment": ({"say"}, 4, 2),
+    "heavytailenvironment": ({"work"}, 256, 64),
+    "chaosenvironment": ({"work"}, 512, 64),
 }
 
 
@@ -199,7 +209,7 @@ def test_environments_are_classes_or_import_paths() -> None:
 def test_start_failure_reports_server_output() -> None:
     server = ReferenceServer("no_such_module:NoSuchEnv", startup_timeout=30)
     started = time.monotonic()
-    with pytest.raises(ServerStartError, match="cannot load the environments.*no_such_module"):
+    with pytest.raises(ServerStartError, match=r"cannot load the environments.*no_such_module"):
         server.start()
     assert time.monotonic() - started < 30
     assert not server.running

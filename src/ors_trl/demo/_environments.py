@@ -3,6 +3,8 @@
 - ``EchoEnvironment``: TRL's guide echo task (call ``echo`` with the target word; reward 1.0 and the
   episode ends on an exact match), the quickest way to try ors-trl against a real server.
 - ``DemoEnvironment``: the task ``ors-trl demo --task echo`` trains on (``ors_trl.demo._task``).
+- ``LookEnvironment``: the task ``ors-trl demo`` trains on by default: rules in a system turn, the answer only in
+  ``look()``'s output, the model's plain final message graded by a ``@terminal`` tool.
 
 Each counts its setups, teardowns and tool calls with ``ors_trl.testing.counters``, so the server's
 ``/_test/stats`` shows what ran. Importing this module imports ``openreward``.
@@ -10,14 +12,14 @@ Each counts its setups, teardowns and tool calls with ``ors_trl.testing.counters
 
 from __future__ import annotations
 
-from openreward.environments import Environment, JSONObject, Split, TextBlock, ToolOutput, tool
+from openreward.environments import Environment, JSONObject, Message, Split, TextBlock, ToolOutput, terminal, tool
 from pydantic import BaseModel, Field
 
 from ors_trl.testing import counters
 
 from . import _task
 
-__all__ = ["ENVIRONMENTS", "CountedEnvironment", "DemoEnvironment", "EchoEnvironment"]
+__all__ = ["ENVIRONMENTS", "CountedEnvironment", "DemoEnvironment", "EchoEnvironment", "LookEnvironment"]
 
 
 class CountedEnvironment(Environment):
@@ -109,5 +111,45 @@ class DemoEnvironment(CountedEnvironment):
         return ToolOutput(blocks=[_text(reply)], reward=reward, finished=finished)
 
 
+class LookAnswer(BaseModel):
+    answer: str = Field(description=_task.ANSWER_DESCRIPTION)
+
+
+class LookEnvironment(CountedEnvironment):
+    """The environment `ors-trl demo` trains against by default: the task logic of `ors_trl.demo._task` (look).
+
+    Splits: ``train``, ``test`` (held-out phrasings of ``look()``'s answer) and ``blind`` (``look()`` names a
+    decoy: the shortcut control). The prompt is a conversation (``/messages``): the rules as a system turn, then a
+    short user turn, the same whatever word is hidden. ``look()`` is an ordinary, unscored tool; ``answer`` is the
+    ``@terminal`` tool: hidden from the model, it receives the model's final plain message and grades it (1.0 for
+    the hidden word, else 0.0), and the episode is finished either way.
+    """
+
+    @classmethod
+    def list_splits(cls) -> list[Split | str]:
+        return [Split(name="train", type="train"), Split(name="test", type="test"), Split(name="blind", type="test")]
+
+    @classmethod
+    def list_tasks(cls, split: str) -> list[JSONObject]:
+        return _task.look_tasks(split) if split in _task.LOOK_SPLITS else []
+
+    async def get_messages(self) -> list[Message]:
+        return [Message(role=m["role"], blocks=[_text(m["content"])]) for m in _task.look_messages(dict(self.task_spec))]
+
+    @tool
+    async def look(self) -> ToolOutput:
+        """Look under the cup and see the hidden word."""
+        self._count(_task.LOOK_TOOL)
+        return ToolOutput(blocks=[_text(str(self.task_spec["reply"]))], reward=None, finished=False)
+
+    @terminal
+    @tool
+    async def answer(self, params: LookAnswer) -> ToolOutput:
+        """Grade the model's final message."""
+        self._count(_task.ANSWER_TOOL)
+        reward, reply, metadata = _task.grade(dict(self.task_spec), params.answer)
+        return ToolOutput(blocks=[_text(reply)], reward=reward, finished=True, metadata=metadata)
+
+
 #: Short name -> class, for `ors-trl serve-echo --envs` (the first is the server's default environment).
-ENVIRONMENTS: dict[str, type[Environment]] = {"echo": EchoEnvironment, "demo": DemoEnvironment}
+ENVIRONMENTS: dict[str, type[Environment]] = {"echo": EchoEnvironment, "demo": DemoEnvironment, "look": LookEnvironment}

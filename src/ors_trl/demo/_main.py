@@ -3,10 +3,15 @@
 1. start the bundled demo environment (`ors_trl.demo._environments`, written with the `openreward`
    scaffolding) under the reference server on a free loopback port;
 2. build a tiny Qwen3 model and a byte-level BPE tokenizer locally (TRL's `qwen3.jinja` template);
-3. warm start it (supervised, format only: every allowed word equally, whatever the prompt asks);
+3. warm start it (supervised, format only: every allowed word equally, whatever the task says);
 4. measure it on held-out tasks; train it with `GRPOTrainer` fed by `OpenRewardSpec(url)`'s
-   `train_dataset`, `environment_factory` and `reward_funcs`; measure it again;
-5. print a before/after table (and, with `--json`, one JSON object as the last line).
+   `train_dataset`, `environment_factory` and `reward_funcs` (or `spec.rollout_func`); measure it again;
+5. print a before/after table (and, with `--json`, one JSON object as the last line), and write an
+   HTML report of the run next to the trainer's output.
+
+Two tasks. `look` (the default): the rules come as a system turn, the hidden word only in the output
+of the `look()` tool, and the model's plain final message is graded by the environment's terminal
+tool. `echo`: the word is in the prompt and the model must call `echo(text=...)` with it.
 
 Nothing is downloaded. With `--model` a real model is trained instead (from a local path, or from
 the hub where there is one); with `--env` another ORS environment is used.
@@ -25,17 +30,29 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 __all__ = ["DemoResult", "main", "run_demo"]
 
-BUNDLED_ENV = "demoenvironment"
-DEFAULT_STEPS = 150
+TASKS = ("look", "echo")
+DEFAULT_TASK = "look"
+BUNDLED_ENV = "demoenvironment"  # the echo task's environment (`DemoEnvironment`)
+LOOK_ENV = "lookenvironment"
+DEFAULT_STEPS = {"look": 100, "echo": 150}
+EPISODE_LOG = "episodes.jsonl"
+REPORT = "report.html"
 
 
 @dataclass
 class DemoResult:
-    """What a demo run measured, plus what a test wants to check afterwards."""
+    """What a demo run measured, plus what a test wants to check afterwards.
+
+    `blind` holds the look task's blind-variant evaluation after training (None for echo); `report` the
+    path of the HTML report, `episode_log` the training episodes' records, when written; `alignment` how many
+    rollouts of GRPO's first step were checked (`checked`) against the evaluation's rendering of the turn after
+    the tool call, and how many matched TRL's ids exactly (`identical`).
+    """
 
     before: dict[str, Any]
     after: dict[str, Any]
@@ -45,6 +62,13 @@ class DemoResult:
     model: str
     environment: str
     log_history: list[dict[str, Any]] = field(default_factory=list)
+    task: str = "echo"
+    rollout_func: bool = False
+    blind: dict[str, Any] | None = None
+    report: str | None = None
+    episode_log: str | None = None
+    output_dir: str | None = None
+    alignment: dict[str, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {f"{k}_{when}": v for when, d in (("before", self.before), ("after", self.after))
@@ -57,20 +81,53 @@ class DemoResult:
             "steps": self.steps,
             "model": self.model,
             "environment": self.environment,
+            "task": self.task,
         })
+        if self.task == "look":
+            out.update({
+                "look_rate_before": self.before.get("look_rate"),
+                "look_rate_after": self.after.get("look_rate"),
+                "turns_after": self.after.get("turns"),
+                "no_look_success_before": self.before.get("no_look_success"),
+                "no_look_success_after": self.after.get("no_look_success"),
+                "rollout_func": self.rollout_func,
+            })
+            if self.alignment:
+                out.update({f"trl_alignment_{k}": v for k, v in self.alignment.items()})
+            if self.blind is not None:
+                out.update({"blind_success_after": self.blind["success_rate"],
+                            "blind_follow_after": self.blind.get("follow_rate"),
+                            "blind_look_rate_after": self.blind.get("look_rate")})
+        if self.report:
+            out["report"] = self.report
         return out
 
     def table(self) -> str:
-        rows = [
-            ("held-out success rate", "success_rate"),
+        def cell(value: Any) -> str:
+            return f"{value:>10.3f}" if isinstance(value, int | float) else f"{'n/a':>10}"
+
+        rows = [("held-out success rate", "success_rate")]
+        if self.task == "look":
+            rows += [("looked before answering", "look_rate"), ("turns per episode", "turns"),
+                     ("answer graded (terminal)", "answered_rate")]
+        rows += [
             ("tool-call rate", "tool_call_rate"),
             ("tool failure rate", "tool_failure_rate"),
             ("mean reward", "mean_reward"),
         ]
-        lines = [f"{'':24}{'before':>10}{'after':>10}"]
+        width = 27
+        lines = [f"{'':{width}}{'before':>10}{'after':>10}"]
         for label, key in rows:
-            lines.append(f"{label:24}{self.before[key]:>10.3f}{self.after[key]:>10.3f}")
-        lines.append(f"{'wall time':24}{self.seconds:>19.1f}s")
+            lines.append(f"{label:{width}}{cell(self.before.get(key))}{cell(self.after.get(key))}")
+        if self.task == "look":
+            lines.append(f"{'success without looking':{width}}{cell(self.before.get('no_look_success'))}"
+                         f"{cell(self.after.get('no_look_success'))}   "
+                         f"({self.before.get('no_look_n', 0)} / {self.after.get('no_look_n', 0)} episodes)")
+            if self.blind is not None:
+                lines.append(f"{'blind-variant success':{width}}{'':10}{cell(self.blind['success_rate'])}"
+                             "   (chance: 1/6 = 0.167)")
+                lines.append(f"{'blind: answered the decoy':{width}}{'':10}{cell(self.blind.get('follow_rate'))}")
+        lines.append(f"{'wall time':{width}}{self.seconds:>19.1f}s")
         return "\n".join(lines)
 
 
@@ -95,8 +152,11 @@ def _progress_callback(say: Callable[[str], None]) -> Any:
             if not logs or logs.get("reward") is None:
                 return
             parts = [f"step {state.global_step:4d}/{state.max_steps}", f"reward {logs['reward']:.2f}"]
+            per_episode = next((v for k, v in logs.items() if k.endswith("/tool_calls_per_episode")), None)
             if logs.get("tools/call_frequency") is not None:
                 parts.append(f"tool calls/rollout {logs['tools/call_frequency']:.2f}")
+            elif per_episode is not None:  # spec.rollout_func: TRL does not count the calls; the environment does
+                parts.append(f"tool calls/episode (env) {per_episode:.2f}")
             env_reward = next((v for k, v in logs.items() if k.endswith("/reward_mean") and v is not None), None)
             if env_reward is not None:
                 parts.append(f"env reward (graded rollouts) {env_reward:.2f}")
@@ -132,22 +192,76 @@ def shuffled(reward_func: Callable[..., list[float | None]], seed: int) -> Calla
     return shuffled_reward
 
 
+def _bundled_class(task: str) -> type:
+    from ._environments import DemoEnvironment, LookEnvironment
+
+    return LookEnvironment if task == "look" else DemoEnvironment
+
+
+def _trl_prompt(spec: Any, *, rollout_func: bool) -> tuple[Any, list[dict[str, Any]]]:
+    """Held-out task 0 as GRPO renders it, and as `spec.evaluate` hands it to the policy.
+
+    GRPO: the adapter's `reset()` text in the dataset's user message (`environment_factory`), or the
+    conversation merged into the dataset's prompt (the rollout engine). Evaluation: the conversation's chat
+    messages (system turn kept).
+    """
+    from ors_trl._conversation import Prompt
+
+    row = spec.train_dataset[0]
+
+    async def read() -> Prompt:
+        session = await spec.client.open_session(split=spec.split, index=row["task_index"])
+        try:
+            return Prompt.from_messages(await session.messages())
+        finally:
+            await session.close()
+
+    prompt = spec.run(read())
+    if rollout_func:
+        return prompt.chat([{"role": "user", "content": ""}]), prompt.chat()
+    adapter = spec.environment_factory()
+    text = adapter.reset(**row)
+    episode = adapter.episode
+    if episode is not None:
+        episode.release()  # free its session now rather than when the spec closes
+    return text, prompt.chat()
+
+
 def run_demo(
     *,
+    task: str = DEFAULT_TASK,
     url: str | None = None,
     env: str | None = None,
     env_name: str | None = None,
     model_name: str | None = None,
-    steps: int = DEFAULT_STEPS,
+    steps: int | None = None,
     sft_steps: int | None = None,
     seed: int = 0,
     output_dir: str | None = None,
     control: bool = False,
+    rollout_func: bool = False,
+    report: bool = False,
+    blind: bool = True,
     say: Callable[[str], None] = lambda _: None,
     config_overrides: dict[str, Any] | None = None,
+    sft_overrides: dict[str, Any] | None = None,
+    model_overrides: dict[str, Any] | None = None,
 ) -> DemoResult:
-    """The demo pipeline. `url` uses an already running demo environment (else one is started);
-    `env` trains against another ORS environment instead; `control` shuffles the rewards."""
+    """The demo pipeline.
+
+    Args:
+        task: "look" (the answer is in a tool's output; terminal-tool grading) or "echo" (the word is in the prompt).
+        url: an already running server hosting the task's bundled environment (else one is started).
+        env, env_name: train against another ORS environment instead (no warm start).
+        steps, sft_steps: GRPO steps and warm-start steps (defaults: the task's recipe).
+        control: shuffle the rewards across each batch (the control arm).
+        rollout_func: train through `spec.rollout_func` (the engine) instead of `environment_factory`.
+        report: write the training episodes (`episodes.jsonl`), the trainer state and an HTML report into the
+            output folder.
+        blind: with the look task, also evaluate the blind variant after training.
+        config_overrides, sft_overrides, model_overrides: replace entries of the GRPO configuration, the warm
+            start's options, the tiny model's dimensions.
+    """
     import torch
     from transformers.utils import logging as hf_logging
     from trl import GRPOConfig, GRPOTrainer
@@ -156,6 +270,9 @@ def run_demo(
 
     from . import _model, _recipe, _task
 
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    steps = DEFAULT_STEPS[task] if steps is None else steps
     hf_logging.set_verbosity_error()
     logging.getLogger("trl").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -164,82 +281,179 @@ def run_demo(
     random.seed(seed)
 
     started = time.perf_counter()
+    out_dir = Path(output_dir or tempfile.mkdtemp(prefix="ors-trl-demo-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    episode_log = out_dir / EPISODE_LOG if report else None
+    if episode_log is not None and episode_log.exists():
+        episode_log.unlink()  # this run's episodes only
+    bundled = env is None
+    look = bundled and task == "look"
     server = None
+    specs: list[Any] = []
     try:
         if env is not None:
             target, name = env, env_name
-        elif url is not None:
-            target, name = url, BUNDLED_ENV
         else:
-            from ors_trl.testing import ReferenceServer
+            name = LOOK_ENV if task == "look" else BUNDLED_ENV
+            if url is not None:
+                target = url
+            else:
+                from ors_trl.testing import ReferenceServer
 
-            from ._environments import DemoEnvironment
-
-            say("starting the bundled demo environment (the reference ORS server, on loopback)")
-            server = ReferenceServer([DemoEnvironment]).start()
-            target, name = server.url, BUNDLED_ENV
-            say(f"  serving {server.url}")
-        bundled = env is None
-        # The demo scores a rollout that never calls the tool as 0.0 rather than leaving it unscored: with TRL's
-        # None convention a model this small learns to stop calling the tool to dodge the penalty for wrong calls.
-        train = OpenRewardSpec(target, env_name=name, split="train", unscored_reward=0.0 if bundled else None)
+                say(f"starting the bundled {task!r} environment (the reference ORS server, on loopback)")
+                server = ReferenceServer([_bundled_class(task)]).start()
+                target = server.url
+                say(f"  serving {server.url}")
+        # The demo scores a rollout the environment never scored (no tool call in echo; cut off before a final
+        # answer in look) as 0.0 rather than leaving it out: with TRL's None convention a model this small learns
+        # to dodge the penalty for wrong answers by not answering.
+        train = OpenRewardSpec(target, env_name=name, split="train", unscored_reward=0.0 if bundled else None,
+                               episode_log=str(episode_log) if episode_log is not None else None)
         heldout = OpenRewardSpec(target, env_name=name, split="test")
+        specs += [train, heldout]
         heldout_rows = list(heldout.train_dataset)
         factory = train.environment_factory
         tools = _recipe.environment_tools(factory())
         say(f"environment {train.name}: {len(train.train_dataset)} training tasks, {len(heldout_rows)} held-out "
-            f"tasks, tools {sorted(f.__name__ for f in tools)}")
+            f"tasks, tools {sorted(f.__name__ for f in tools)}"
+            + (f", terminal tool {train.terminal_tool.name!r}" if train.terminal_tool else ""))
 
+        flatten = not rollout_func  # how the trainer shows a system turn: joined to the user text, or kept
+        if look:
+            prompt_fn: Callable[[dict[str, Any]], Any] = _task.look_prompt if flatten else _task.look_messages
+            episodes_fn: Callable[[dict[str, Any]], Any] = _task.look_warm_start_episodes
+        else:
+            prompt_fn, episodes_fn = _task.prompt, _task.warm_start_episodes
         if model_name:
             say(f"loading model {model_name}")
             model, tokenizer = _load_model(model_name)
         else:
             say("building a tiny Qwen3 model and its byte-level BPE tokenizer (local, nothing downloaded)")
             tasks = train.run(train.client.tasks("train")) if bundled else []
-            corpus = (_model.render_corpus(tasks, tools, _task.prompt, episodes_fn=_task.warm_start_episodes,
-                                           copies=2, seed=seed) if bundled else _prompt_corpus(train, tools))
-            tokenizer = _model.build_tokenizer(corpus)
-            model = _model.build_model(tokenizer, seed=seed)
+            corpus = (_model.render_corpus(tasks, tools, prompt_fn, episodes_fn=episodes_fn, copies=2, seed=seed)
+                      if bundled else _prompt_corpus(train, tools))
+            tokenizer = _model.build_tokenizer(corpus, isolate=_task.TARGETS if look else ())
+            dims = {**(_model.LOOK_MODEL_DIMS if look else {}), **(model_overrides or {})}
+            model = _model.build_model(tokenizer, seed=seed, **dims)
             say(f"  {_model.count_parameters(model):,} parameters, vocabulary of {len(tokenizer)}")
             if bundled:
-                say("warm start: the tool-call format, with every word equally often (not the answers)")
-                sft = {} if sft_steps is None else {"steps": sft_steps}
-                _recipe.warm_start(model, tokenizer, tasks, seed, tools=tools, prompt_fn=_task.prompt,
-                                   episodes_fn=_task.warm_start_episodes, **sft)
+                what = "look, then answer" if look else "the tool-call format"
+                say(f"warm start: {what}, with every word equally often (not the answers)")
+                sft = {**(_recipe.LOOK_WARM_START if look else {}), **({} if sft_steps is None else {"steps": sft_steps}),
+                       **(sft_overrides or {})}
+                _recipe.warm_start(model, tokenizer, tasks, seed, tools=tools, prompt_fn=prompt_fn,
+                                   episodes_fn=episodes_fn, **sft)
 
+        eval_kwargs: dict[str, Any] = {"flatten_system": flatten}
+        if look:
+            eval_kwargs.update(max_turns=2, look_tool=_task.LOOK_TOOL)
+            trl_prompt, eval_messages = _trl_prompt(heldout, rollout_func=rollout_func)
+            _recipe.check_prompt_rendering(tokenizer, tools, trl_prompt, eval_messages, flatten_system=flatten)
         say("measuring the model on held-out tasks (before)")
-        before = _recipe.evaluate_policy(model, tokenizer, heldout)
+        before = _recipe.evaluate_policy(model, tokenizer, heldout, **eval_kwargs,
+                                         output=str(out_dir / "eval_before.jsonl") if report else None)
         say(f"  held-out success {before['success_rate']:.3f}, tool-call rate {before['tool_call_rate']:.3f}")
 
-        config = _recipe.grpo_config_kwargs(steps=steps, seed=seed,
-                                            output_dir=output_dir or tempfile.mkdtemp(prefix="ors-trl-demo-"),
+        config = _recipe.grpo_config_kwargs(steps=steps, seed=seed, output_dir=str(out_dir), task=task,
                                             **(config_overrides or {}))
-        say(f"GRPO for {steps} steps through OpenRewardSpec({target!r})" + (" with SHUFFLED rewards" if control else ""))
+        path = "spec.rollout_func" if rollout_func else "environment_factory"
+        say(f"GRPO for {steps} steps through OpenRewardSpec({target!r}) ({path})"
+            + (" with SHUFFLED rewards" if control else ""))
+        rewards = shuffled(train.reward_funcs, seed) if control else train.reward_funcs
+        alignment: dict[str, int] = {}
+        if look and not rollout_func:
+            rewards = _checking_alignment(rewards, tokenizer, tools, alignment)
+        loop = {"rollout_func": train.rollout_func} if rollout_func else {"environment_factory": train.environment_factory}
         trainer = GRPOTrainer(
             model=model,
             processing_class=tokenizer,
             args=GRPOConfig(**config),
             train_dataset=train.train_dataset,
-            environment_factory=train.environment_factory,
-            reward_funcs=shuffled(train.reward_funcs, seed) if control else train.reward_funcs,
+            reward_funcs=rewards,
             callbacks=[_progress_callback(say)],
+            **loop,
         )
         from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
         trainer.remove_callback(PrinterCallback)  # our own progress lines instead of raw log dicts on stdout
         trainer.remove_callback(ProgressCallback)
         trainer.train()
+        train.close()  # every training episode is closed, and so written to the episode log
 
         say("measuring the model on held-out tasks (after)")
-        after = _recipe.evaluate_policy(trainer.model, tokenizer, heldout)
-        train.close()
-        heldout.close()
+        after = _recipe.evaluate_policy(trainer.model, tokenizer, heldout, **eval_kwargs,
+                                        output=str(out_dir / "eval_after.jsonl") if report else None)
+        say(f"  held-out success {after['success_rate']:.3f}, tool-call rate {after['tool_call_rate']:.3f}")
+        blind_result = None
+        if look and blind:
+            blind_spec = OpenRewardSpec(target, env_name=name, split="blind")
+            specs.append(blind_spec)
+            blind_result = _recipe.evaluate_policy(trainer.model, tokenizer, blind_spec, **eval_kwargs)
+            say(f"  blind variant: success {blind_result['success_rate']:.3f} (chance 0.167), answered the decoy "
+                f"{blind_result['follow_rate']:.3f}")
+        if alignment:
+            say(f"  GRPO's first step: the evaluation builds the turn after look() with TRL's very ids in "
+                f"{alignment['identical']} of {alignment['checked']} rollouts checked")
+        if look:
+            differs = before["rerender_differs"] + after["rerender_differs"]
+            turns = before["later_turns"] + after["later_turns"]
+            say(f"  turns after a tool call: {turns}, built as GRPO builds them; a plain re-render of the "
+                f"conversation would have given other token ids in {differs}")
+        for spec in specs:
+            spec.close()
+        report_path = None
+        if report:
+            trainer.state.save_to_json(str(out_dir / "trainer_state.json"))
+            report_path = _write_report(out_dir, task, say)
         return DemoResult(before=before, after=after, seconds=time.perf_counter() - started, steps=steps, seed=seed,
-                          model=model_name or "tiny-qwen3", environment=target if env else "bundled demo environment",
-                          log_history=list(trainer.state.log_history))
+                          model=model_name or "tiny-qwen3",
+                          environment=target if env else f"bundled {task} environment",
+                          log_history=list(trainer.state.log_history), task=task if bundled else "env",
+                          rollout_func=rollout_func, blind=blind_result, report=report_path,
+                          episode_log=str(episode_log) if episode_log is not None else None,
+                          output_dir=str(out_dir), alignment=alignment or None)
     finally:
+        for spec in specs:
+            spec.close()
         if server is not None:
             server.stop()
+
+
+def _checking_alignment(reward_func: Callable[..., list[float | None]], tokenizer: Any, tools: list[Any],
+                        into: dict[str, int]) -> Callable[..., list[float | None]]:
+    """`reward_func`, which on its first call also checks the evaluation's rendering against TRL's ids (`into`)."""
+    import functools
+
+    from . import _recipe
+
+    @functools.wraps(reward_func)
+    def checked(*args: Any, **kwargs: Any) -> list[float | None]:
+        rewards = reward_func(*args, **kwargs)  # settles the episodes first (terminal tool included)
+        if not into and kwargs.get("environments") is not None and kwargs.get("completion_ids") is not None:
+            n, same = _recipe.second_turn_alignment(tokenizer, tools, kwargs["completion_ids"], kwargs["environments"])
+            into.update(checked=n, identical=same)
+        return rewards
+
+    return checked
+
+
+def _write_report(out_dir: Path, task: str, say: Callable[[str], None]) -> str | None:
+    """The HTML report of the run (training episodes, evaluations, trainer state); None where unavailable."""
+    try:
+        from ors_trl._report import write_report
+    except ImportError:  # an ors-trl without `ors-trl report`
+        say("  (no HTML report: this ors-trl has no report module)")
+        return None
+    inputs = [p for p in (out_dir / EPISODE_LOG, out_dir / "eval_before.jsonl", out_dir / "eval_after.jsonl")
+              if p.exists() and p.stat().st_size > 0]
+    try:
+        summary = write_report([*map(str, inputs), str(out_dir)], str(out_dir / REPORT),
+                               title=f"ors-trl demo ({task})")
+    except Exception as exc:  # the results stand without the page: say why it is missing, do not fail the run
+        say(f"  (no HTML report: {type(exc).__name__}: {exc})")
+        return None
+    say(f"report: {summary.output}")
+    return str(summary.output)
 
 
 def _prompt_corpus(spec: Any, tools: list[Any], limit: int = 32) -> list[str]:
@@ -252,7 +466,8 @@ def _prompt_corpus(spec: Any, tools: list[Any], limit: int = 32) -> list[str]:
     for row in list(spec.train_dataset)[:limit]:
         adapter = spec.environment_factory()
         conversations.append([{"role": "user", "content": adapter.reset(**row)}])
-        adapter._close()
+        if adapter.episode is not None:
+            adapter.episode.release()
     rendered, _ = render_jinja_template(conversations, tools=tools, chat_template=chat_template())
     return rendered
 
@@ -261,17 +476,26 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ors-trl demo",
         description="Train a tiny model with GRPO against a local ORS environment and show what it learned "
-                    "(about 3 minutes on 2 CPU cores, nothing downloaded).",
+                    "(a few minutes on 2 CPU cores, nothing downloaded).",
     )
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"GRPO steps (default {DEFAULT_STEPS})")
+    p.add_argument("--task", choices=TASKS, default=DEFAULT_TASK,
+                   help="look (default): the answer is only in the look() tool's output and the final message is "
+                        "graded by the environment's terminal tool; echo: the word is in the prompt, call echo(text)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="GRPO steps (default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_STEPS.items()) + ")")
     p.add_argument("--seed", type=int, default=0, help="seed for the model, the warm start and GRPO (default 0)")
+    p.add_argument("--rollout-func", action="store_true",
+                   help="roll out through spec.rollout_func (the concurrent engine) instead of environment_factory")
     p.add_argument("--model", default=None, metavar="PATH_OR_NAME",
                    help="train this model (local folder, or hub name where the hub is reachable) instead of the tiny one")
     p.add_argument("--env", default=None, metavar="URL_OR_NAME",
                    help="train against this ORS environment (URL or catalog name) instead of the bundled one")
     p.add_argument("--env-name", default=None, help="with --env: the environment on a server hosting several")
-    p.add_argument("--output-dir", default=None, help="where the trainer writes (default: a temporary folder)")
-    p.add_argument("--sft-steps", type=int, default=None, help="warm-start steps (default: the recipe's 80)")
+    p.add_argument("--output-dir", default=None,
+                   help="where the trainer, the episode log and the report go (default: a temporary folder)")
+    p.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
+                   help="write an HTML report of the run into the output folder (default: on)")
+    p.add_argument("--sft-steps", type=int, default=None, help="warm-start steps (default: the task's recipe)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: cores are shared)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the results as the last line")
     p.add_argument("--quiet", action="store_true", help="no progress lines, only the results")
@@ -281,7 +505,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """`ors-trl demo`; returns a process exit code."""
     args = _parser().parse_args(argv)
-    if args.steps < 1:
+    if args.steps is not None and args.steps < 1:
         print("ors-trl demo: --steps must be at least 1", file=sys.stderr)
         return 2
     os.environ.setdefault("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
@@ -290,9 +514,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(max(1, args.threads))
-    result = run_demo(env=args.env, env_name=args.env_name, model_name=args.model, steps=args.steps,
-                      sft_steps=args.sft_steps, seed=args.seed, output_dir=args.output_dir, say=_say_to(args.quiet))
+    result = run_demo(task=args.task, env=args.env, env_name=args.env_name, model_name=args.model, steps=args.steps,
+                      sft_steps=args.sft_steps, seed=args.seed, output_dir=args.output_dir,
+                      rollout_func=args.rollout_func, report=args.report, say=_say_to(args.quiet))
     print(result.table())
+    if result.report:
+        print(f"report: {result.report}")
     if args.json:
         print(json.dumps(result.to_json(), sort_keys=True))
     return 0

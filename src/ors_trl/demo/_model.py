@@ -51,7 +51,9 @@ MODEL_DIMS: dict[str, Any] = {
     # model learns to read it far more slowly (same recipe, seed 0: held-out success 0.29 after 200 GRPO steps instead
     # of 1.0; with GPT-2-style tokenization not even supervised training learned it in 160 steps). A 32-token window
     # covers the whole instruction (the target sits 16-25 tokens before the argument being written) and keeps most
-    # of the preamble out of view.
+    # of the preamble out of view. The look task keeps it: there the answer is written right after the tool turn,
+    # and the word it needs sits 7-14 tokens back (the tool turn is 13-19 tokens, the look call 10 before it), so the
+    # window holds the whole tool turn and the call while the rules (which list all six words) stay mostly out of view.
     "use_sliding_window": True,
     "sliding_window": 32,
     "max_window_layers": 0,
@@ -60,6 +62,13 @@ MODEL_DIMS: dict[str, Any] = {
     # "any of the K words" pulls the K words' shared embeddings together, which also blurs them in the prompt.
     "tie_word_embeddings": False,
 }
+
+
+#: What the look task changes in MODEL_DIMS: a 16-token window. The answer needs one token of the tool turn (the word,
+#: 7-14 tokens back); with 16 tokens in view instead of 32 the word is one of fewer competitors for attention and
+#: GRPO found it sooner (seed 0: the reward left chance after ~25 steps instead of ~45-60). The look call needs no
+#: context at all, and the second layer still sees 32 tokens back.
+LOOK_MODEL_DIMS: dict[str, Any] = {"sliding_window": 16}
 
 
 @cache
@@ -81,30 +90,39 @@ def tool_call_message(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
 
 
 def conversation(
-    prompt_text: str, tool_name: str, arguments: dict[str, Any], reply: str, final: str = FINAL_MESSAGE
+    prompt: str | Sequence[dict[str, Any]], tool_name: str, arguments: dict[str, Any], reply: str,
+    final: str = FINAL_MESSAGE,
 ) -> list[dict[str, Any]]:
-    """One full episode: user prompt, assistant tool call, tool reply, short final assistant message."""
+    """One full episode: the prompt (a user text, or chat messages), assistant tool call, tool reply, final message."""
+    head = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
     return [
-        {"role": "user", "content": prompt_text},
+        *head,
         tool_call_message(tool_name, arguments),
         {"role": "tool", "name": tool_name, "content": reply},
         {"role": "assistant", "content": final},
     ]
 
 
+def episode_parts(episode: Sequence[Any]) -> tuple[str, dict[str, Any], str, str]:
+    """``(tool_name, arguments, reply)`` or ``(..., final_message)`` as a 4-tuple (default final: "Done.")."""
+    name, arguments, reply, *rest = episode
+    return name, arguments, reply, (rest[0] if rest else FINAL_MESSAGE)
+
+
 def render_corpus(
     tasks: Sequence[dict[str, Any]],
     tools: Sequence[Callable | dict],
-    prompt_fn: Callable[[dict[str, Any]], str],
-    episode_fn: Callable[[dict[str, Any], random.Random], tuple[str, dict[str, Any], str]] | None = None,
+    prompt_fn: Callable[[dict[str, Any]], str | list[dict[str, Any]]],
+    episode_fn: Callable[[dict[str, Any], random.Random], tuple[Any, ...]] | None = None,
     *,
-    episodes_fn: Callable[[dict[str, Any]], list[tuple[str, dict[str, Any], str]]] | None = None,
+    episodes_fn: Callable[[dict[str, Any]], Sequence[tuple[Any, ...]]] | None = None,
     copies: int = 2,
     seed: int = 0,
 ) -> list[str]:
     """Render full tool-calling conversations for ``tasks`` with the Qwen3 template, as tokenizer-training text.
 
-    Each task is rendered ``copies`` times, each time with one episode ``(tool_name, arguments, reply)``: picked at
+    Each task is rendered ``copies`` times, each time with one episode ``(tool_name, arguments, reply[, final])``
+    (``prompt_fn`` returns the user text, or chat messages such as a system turn and a user turn): picked at
     random from ``episodes_fn(task)`` (the demo lists one episode per allowed argument value, see
     ``_task.warm_start_episodes``), or drawn by ``episode_fn(task, rng)``. Either way the corpus carries the format
     but not the answer. ``tools`` must be the tools the trainer will expose (the rendered system prompt includes
@@ -119,10 +137,10 @@ def render_corpus(
     for _ in range(copies):
         for task in tasks:
             if episodes_fn is not None:
-                name, arguments, reply = rng.choice(episodes_fn(task))
+                episode = episode_parts(rng.choice(list(episodes_fn(task))))
             else:
-                name, arguments, reply = episode_fn(task, rng)
-            conversations.append(conversation(prompt_fn(task), name, arguments, reply))
+                episode = episode_parts(episode_fn(task, rng))  # type: ignore[misc]
+            conversations.append(conversation(prompt_fn(task), *episode))
     rendered, _ = render_jinja_template(conversations, tools=list(tools), chat_template=chat_template())
     return rendered
 
@@ -130,7 +148,7 @@ def render_corpus(
 # ── tokenizer ───────────────────────────────────────────────────────────────────────────────────────────────────────
 
 
-def build_tokenizer(corpus: list[str], vocab_size: int = 640):
+def build_tokenizer(corpus: list[str], vocab_size: int = 640, isolate: Sequence[str] = ()):
     """Train a byte-level BPE tokenizer on ``corpus`` and wrap it as a Qwen3-style ``PreTrainedTokenizerFast``.
 
     The returned tokenizer has at most ``vocab_size`` entries (256 byte symbols + merges + the 9 Qwen3 added tokens;
@@ -139,6 +157,9 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 640):
 
     The default of 640 is the smallest size at which, on the demo corpus, every target word and JSON key becomes a
     single token after the tool preamble has taken its merges (at 512 the target words stay split into letters).
+
+    ``isolate``: more words to cut out as pre-tokens of their own wherever they stand (the "look" task passes its
+    six target words, so that a word is one and the same token in ``look()``'s sentence and in the model's answer).
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -158,11 +179,12 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 640):
     # other text may merge across spaces. The chat template adds a ~700-character tool preamble to every prompt, and
     # letting BPE merge it shrinks a prompt from ~185 tokens (GPT-2-style word splitting) to ~60, which makes every
     # training step ~3x cheaper and keeps the instruction close to where the model writes the argument.
+    splits = [pre_tokenizers.Split(pattern=Regex(QUOTED_WORD_PATTERN), behavior="isolated")]
+    if isolate:
+        words = "|".join(re.escape(w) for w in isolate)
+        splits.append(pre_tokenizers.Split(pattern=Regex(rf"\b(?:{words})\b"), behavior="isolated"))
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(pattern=Regex(QUOTED_WORD_PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(

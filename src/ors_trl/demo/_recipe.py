@@ -7,7 +7,13 @@ exactly the token sequences GRPO will sample and the evaluation measures exactly
   variant, ``get_training_chat_template``) with the environment's tools and ``add_generation_prompt=True``;
 - a rollout is ``prompt + assistant tool call + <tool suffix> + final assistant message``, concatenated at the token
   level exactly as TRL's tool loop concatenates them (the tool suffix computed the way TRL computes it);
-- completions are parsed with ``trl.chat_template_utils.parse_response(tokenizer, ids, prefix=prompt_ids, tools=...)``.
+- completions are parsed with ``trl.chat_template_utils.parse_response(tokenizer, ids, prefix=prompt_ids, tools=...)``;
+- a conversation's system turn is shown as the trainer shows it: joined to the user text on the ``environment_factory``
+  path (TRL's ``reset()`` can only append text), a system message through ``spec.rollout_func``;
+- the evaluation (``spec.evaluate`` with ``TRLRenderedPolicy``) builds each turn after a tool call by concatenating
+  ids as GRPO does. Re-rendering the conversation, as a plain ``LocalPolicy`` does, gives other ids: TRL's training
+  template for Qwen3 renders an empty ``<think>`` block in the assistant's tool-call turn, which the model never
+  generated in GRPO; ``check_prompt_rendering`` and the ``rerender_differs`` count keep this visible.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._model import EOS_TOKEN, FINAL_MESSAGE, tool_call_message
+from ._model import EOS_TOKEN, FINAL_MESSAGE, episode_parts, tool_call_message
 
 # ── chat-template plumbing shared by SFT and evaluation ─────────────────────────────────────────────────────────────
 
@@ -50,10 +56,12 @@ def prepare_tokenizer(tokenizer):
     return get_training_chat_template(tokenizer)
 
 
-def prompt_ids(tokenizer, prompt_text: str, tools: Sequence, chat_template: str | None) -> list[int]:
-    """Token ids of the rendered prompt, exactly as ``GRPOTrainer._tokenize_prompts`` builds them."""
+def prompt_ids(tokenizer, prompt: str | Sequence[dict[str, Any]], tools: Sequence, chat_template: str | None
+               ) -> list[int]:
+    """Token ids of the rendered prompt (a user text, or chat messages), exactly as GRPOTrainer renders prompts."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
     out = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt_text}],
+        messages,
         tools=list(tools) or None,
         chat_template=chat_template,
         add_generation_prompt=True,
@@ -82,16 +90,23 @@ def tool_call_text(tokenizer, name: str, arguments: dict[str, Any]) -> str:
 
 
 def tool_suffix_ids(tokenizer, name: str, reply: str, chat_template: str | None) -> list[int]:
-    """Token ids TRL inserts after a tool call: the tool reply turn plus the next assistant header.
+    """Token ids TRL inserts after a tool call: the tool reply turn plus the next assistant header."""
+    return tool_messages_suffix_ids(tokenizer, [{"role": "tool", "name": name, "content": reply}], chat_template)
 
-    The same computation as TRL's tool loop (render with and without the tool turn, keep the difference).
+
+def tool_messages_suffix_ids(tokenizer, tool_messages: Sequence[dict[str, Any]], chat_template: str | None
+                             ) -> list[int]:
+    """Token ids TRL's tool loop inserts after a turn's tool calls (the tool messages and the next assistant header).
+
+    The same computation as TRL's (a dummy conversation rendered with and without the tool messages, the
+    difference kept, aligned on the end-of-turn token).
     """
-    dummy = [{"role": "user", "content": "dummy"}, tool_call_message(name, {})]
+    dummy = [{"role": "user", "content": "dummy"}, tool_call_message(tool_messages[0]["name"], {})]
     prefix = tokenizer.apply_chat_template(
         dummy, add_generation_prompt=False, tokenize=True, chat_template=chat_template, return_dict=False
     )
     full = tokenizer.apply_chat_template(
-        [*dummy, {"role": "tool", "name": name, "content": reply}],
+        [*dummy, *tool_messages],
         add_generation_prompt=True,
         tokenize=True,
         chat_template=chat_template,
@@ -106,7 +121,7 @@ def tool_suffix_ids(tokenizer, name: str, reply: str, chat_template: str | None)
 
 def rollout_ids(
     tokenizer,
-    prompt_text: str,
+    prompt_text: str | Sequence[dict[str, Any]],
     tools: Sequence,
     name: str,
     arguments: dict[str, Any],
@@ -134,9 +149,9 @@ def warm_start(
     seed: int,
     *,
     tools: Sequence,
-    prompt_fn: Callable[[dict[str, Any]], str],
-    episodes_fn: Callable[[dict[str, Any]], list[tuple[str, dict[str, Any], str]]] | None = None,
-    episode_fn: Callable[[dict[str, Any], random.Random], tuple[str, dict[str, Any], str]] | None = None,
+    prompt_fn: Callable[[dict[str, Any]], str | list[dict[str, Any]]],
+    episodes_fn: Callable[[dict[str, Any]], Sequence[tuple[Any, ...]]] | None = None,
+    episode_fn: Callable[[dict[str, Any], random.Random], tuple[Any, ...]] | None = None,
     steps: int = 80,
     batch_size: int = 36,
     learning_rate: float = 3e-3,
@@ -147,8 +162,10 @@ def warm_start(
     """Teach the tool-call *format* with a short supervised loop (assistant-only loss), not the answer.
 
     Each example is a full rollout rendered exactly the way GRPO will sample it (prompt, tool call, tool reply, final
-    message). ``episodes_fn(task)`` returns the episodes to imitate for a task as ``(tool_name, arguments, reply)``
-    triples; the demo returns one episode per allowed argument value, and every batch contains *all* of a task's
+    message). ``prompt_fn(task)`` is the prompt as GRPO renders it (the user text, or chat messages).
+    ``episodes_fn(task)`` returns the episodes to imitate for a task as ``(tool_name, arguments, reply)`` triples, or
+    ``(tool_name, arguments, reply, final_message)`` (default final message "Done."); the echo task returns one
+    episode per allowed argument value, the look task one per allowed final answer, and every batch contains *all* of a task's
     episodes. The loss is thus minimised by emitting a well-formed call whose argument is uniform over the allowed
     values whatever the prompt says: the warm start teaches the format and the vocabulary of answers, not the answer.
     (Sampling one random argument per example has the same optimum but its label noise makes the model markedly
@@ -166,21 +183,25 @@ def warm_start(
     chat_template = prepare_tokenizer(tokenizer)
     prompt_cache: dict[str, list[int]] = {}
     suffix_cache: dict[tuple[str, str], list[int]] = {}
-    last = tokenizer.encode(FINAL_MESSAGE + EOS_TOKEN, add_special_tokens=False)
+    final_cache: dict[str, list[int]] = {}
     pad_id = tokenizer.pad_token_id
 
     def examples(task) -> list[tuple[list[int], list[int]]]:
-        text = prompt_fn(task)
-        if text not in prompt_cache:
-            prompt_cache[text] = prompt_ids(tokenizer, text, tools, chat_template)
-        p = prompt_cache[text]
+        prompt = prompt_fn(task)
+        key = prompt if isinstance(prompt, str) else repr(prompt)
+        if key not in prompt_cache:
+            prompt_cache[key] = prompt_ids(tokenizer, prompt, tools, chat_template)
+        p = prompt_cache[key]
         out = []
-        episodes = episodes_fn(task) if episodes_fn is not None else [episode_fn(task, rng)]
-        for name, arguments, reply in episodes:
+        episodes = episodes_fn(task) if episodes_fn is not None else [episode_fn(task, rng)]  # type: ignore[misc]
+        for name, arguments, reply, final in map(episode_parts, episodes):
             call = tokenizer.encode(tool_call_text(tokenizer, name, arguments), add_special_tokens=False)
             if (name, reply) not in suffix_cache:
                 suffix_cache[(name, reply)] = tool_suffix_ids(tokenizer, name, reply, chat_template)
             suffix = suffix_cache[(name, reply)]
+            if final not in final_cache:
+                final_cache[final] = tokenizer.encode(final + EOS_TOKEN, add_special_tokens=False)
+            last = final_cache[final]
             ids = p + call + suffix + last
             mask = [0] * len(p) + [1] * len(call) + [0] * len(suffix) + [1] * len(last)
             out.append((ids, mask))
@@ -233,12 +254,12 @@ def warm_start(
 
 
 def grpo_config_kwargs(
-    steps: int = 200, seed: int = 0, output_dir: str = "outputs/demo", **overrides: Any
+    steps: int = 200, seed: int = 0, output_dir: str = "outputs/demo", task: str = "echo", **overrides: Any
 ) -> dict[str, Any]:
     """``GRPOConfig`` keyword arguments that make the tiny model learn from the environment's reward on CPU.
 
-    200 steps x 64 rollouts take ~2.2 minutes on one CPU thread (in-process environment). ``overrides`` replace
-    any entry.
+    ``task`` picks the recipe ("echo" or "look", see ``LOOK_RECIPE``). For echo, 200 steps x 64 rollouts take
+    ~2.2 minutes on one CPU thread (in-process environment). ``overrides`` replace any entry.
     """
     kwargs: dict[str, Any] = {
         "output_dir": output_dir,
@@ -275,8 +296,27 @@ def grpo_config_kwargs(
         "disable_tqdm": True,
         "log_completions": False,
     }
+    if task == "look":
+        kwargs.update(LOOK_RECIPE)
     kwargs.update(overrides)
     return kwargs
+
+
+#: The look task's warm start: 50 steps already give a steady format (look, then one word) at temperature 1.
+LOOK_WARM_START: dict[str, Any] = {"steps": 50}
+
+#: What the look task changes in the echo recipe (see the tuning notes in `ors_trl.demo.__init__`).
+LOOK_RECIPE: dict[str, Any] = {
+    # Sample from the top 95%: after the warm start the look call has p ~0.97 at temperature 1, and the rare rollout
+    # that answers without looking scores at chance like every other rollout before learning starts; its
+    # low-probability first token takes large GRPO steps either way, and in one seed of three the policy drifted
+    # into never looking (absorbing: no signal brings the look back). The cut removes those tails (and malformed
+    # calls) and leaves the six answer words, each near 1/6, all in play.
+    "top_p": 0.95,
+    # look call (13 tokens) + the tool turn (the sentence and both headers, 14-20) + the answer and <|im_end|> (2):
+    # 29-35 tokens. 40 leaves room for the longest held-out sentence and cuts off rambling answers early.
+    "max_completion_length": 40,
+}
 
 
 def _checkpointing_option() -> str:
@@ -291,28 +331,169 @@ def _checkpointing_option() -> str:
 # ── evaluation ──────────────────────────────────────────────────────────────────────────────────────────────────────
 
 
-def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, max_turns: int = 1) -> dict[str, Any]:
+def _trl_policy_class() -> type:
+    from ors_trl import LocalPolicy
+
+    class TRLRenderedPolicy(LocalPolicy):
+        """`LocalPolicy` that builds every turn's input ids exactly as GRPO's tool loop does, not by re-rendering.
+
+        GRPO renders the prompt once, then *concatenates* token ids: prompt + the ids the model generated + the
+        tool-suffix ids (tool messages and the next assistant header) + the next generation. `LocalPolicy`
+        re-renders the whole conversation with the chat template each turn, which can tokenize differently (a
+        model-generated sequence need not be the canonical tokenization of its text). This policy remembers the
+        ids it generated for each prefix and concatenates them the same way. `flatten_system` renders the system
+        turn as TRL's `environment_factory` path shows it (joined to the user text, `Prompt.flat`); the rollout
+        engine keeps it as a system message, as `spec.evaluate` does.
+
+        Counts what a plain re-render would have given: `later_turns` (turns after a tool call) and
+        `rerender_differs` (of those, how many re-rendered ids differ from the concatenated ones).
+        """
+
+        def __init__(self, *args: Any, flatten_system: bool = True, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.flatten_system = flatten_system
+            self._generated: dict[tuple[int, ...], list[int]] = {}
+            self.later_turns = 0
+            self.rerender_differs = 0
+            self.fallbacks = 0
+
+        def aligned(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            """The conversation as GRPO sees it: with `flatten_system`, the system turn joined to the first user turn."""
+            if not (self.flatten_system and messages and messages[0].get("role") == "system"):
+                return messages
+            system, rest = messages[0], [dict(m) for m in messages[1:]]
+            if rest and rest[0].get("role") == "user":
+                rest[0]["content"] = f"{system['content']}\n\n{rest[0]['content']}"
+                return rest
+            return [{"role": "user", "content": system["content"]}, *rest]
+
+        def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+            messages = self.aligned(messages)
+            first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+            ids = prompt_ids(self.tokenizer, messages[:first], tools, self.chat_template)
+            i = first
+            while i < len(messages):
+                generated = self._generated.get(tuple(ids)) if messages[i].get("role") == "assistant" else None
+                if generated is None:  # not a conversation this policy generated: render it as LocalPolicy does
+                    self.fallbacks += 1
+                    return super()._render(messages, tools)
+                ids = ids + generated
+                i += 1
+                tool_messages = []
+                while i < len(messages) and messages[i].get("role") == "tool":
+                    tool_messages.append({"role": "tool", "name": messages[i].get("name") or "tool",
+                                          "content": messages[i]["content"]})
+                    i += 1
+                if tool_messages:
+                    ids = ids + tool_messages_suffix_ids(self.tokenizer, tool_messages, self.chat_template)
+            if first < len(messages):
+                self.later_turns += 1
+                self.rerender_differs += super()._render(messages, tools) != ids
+            return ids
+
+        def _parse(self, ids: list[int], prefix: list[int] | None, tools: list[dict[str, Any]]) -> Any:
+            if prefix is not None:
+                self._generated[tuple(prefix)] = list(ids)
+            return super()._parse(ids, prefix, tools)
+
+    return TRLRenderedPolicy
+
+
+def demo_policy(model, tokenizer, *, max_new_tokens: int = 32, flatten_system: bool = True) -> Any:
+    """The greedy evaluation policy: renders and concatenates turns as GRPO does (see `TRLRenderedPolicy`)."""
+    return _trl_policy_class()(model, tokenizer, temperature=0.0, max_new_tokens=max_new_tokens, seed=0,
+                               chat_template=prepare_tokenizer(tokenizer), name="demo-policy",
+                               flatten_system=flatten_system)
+
+
+def check_prompt_rendering(tokenizer, tools: Sequence, trl_prompt: str | Sequence[dict[str, Any]],
+                           eval_messages: list[dict[str, Any]], *, flatten_system: bool) -> None:
+    """Fail loudly unless the evaluation renders a task's prompt to the very ids GRPO renders it to.
+
+    `trl_prompt` is what the trainer renders (the `reset()` text on the `environment_factory` path, the
+    engine's messages with `--rollout-func`) with the adapter's tool methods; `eval_messages` what
+    `spec.evaluate` hands the policy, with the tools' JSON schemas (what the binding renders for evaluation).
+    """
+    from transformers.utils import get_json_schema
+
+    schemas = [get_json_schema(f) for f in tools]
+    template = prepare_tokenizer(tokenizer)
+    policy = demo_policy(None, tokenizer, flatten_system=flatten_system)
+    want = prompt_ids(tokenizer, trl_prompt, tools, template)
+    got = policy._render(list(eval_messages), schemas)
+    if got != want:
+        raise AssertionError(
+            "the evaluation would render the prompt differently from GRPO:\n"
+            f"  GRPO: {tokenizer.decode(want)!r}\n  eval: {tokenizer.decode(got)!r}"
+        )
+
+
+def second_turn_alignment(tokenizer, tools: Sequence, completion_ids: Sequence[Sequence[int]],
+                          environments: Sequence[Any], *, flatten_system: bool = True) -> tuple[int, int]:
+    """Compare, rollout by rollout, the ids GRPO generated the turn after the tool call from with the ids the
+    evaluation policy would build for that turn: `(checked, identical)`.
+
+    GRPO's side is TRL's own record: the prompt ids (the `reset()` text rendered as TRL renders it) plus the
+    rollout's `completion_ids` up to that turn. The evaluation's side is `TRLRenderedPolicy` given the episode's
+    conversation as `spec.evaluate` hands it over (system turn kept), the ids the model generated for its first
+    turn, and the tool message. Checked for rollouts whose first turn made exactly one successful tool call.
+    """
+    from transformers.utils import get_json_schema
+
+    template = prepare_tokenizer(tokenizer)
+    schemas = [get_json_schema(f) for f in tools]
+    policy = demo_policy(None, tokenizer, flatten_system=flatten_system)
+    eos = tokenizer.eos_token_id
+    checked = identical = 0
+    for ids, env in zip(completion_ids, environments, strict=True):
+        ep = getattr(env, "episode", None)
+        ids = list(ids)
+        if ep is None or ep.prompt is None or len(ep.turns) < 2 or eos not in ids:
+            continue
+        calls = ep.turns[0]["tool_calls"]
+        if len(calls) != 1 or "output" not in calls[0] or "error" in calls[0]:
+            continue
+        trl_prompt = prompt_ids(tokenizer, ep.prompt.flat if flatten_system else ep.prompt.chat(
+            [{"role": "user", "content": ""}]), tools, template)
+        messages = ep.prompt.chat()
+        first = policy._render(messages, schemas)
+        policy._generated[tuple(first)] = ids[: ids.index(eos) + 1]
+        call = {"type": "function", "function": {"name": calls[0]["name"], "arguments": calls[0]["arguments"]}}
+        rendered = policy._render([*messages, {"role": "assistant", "content": "", "tool_calls": [call]},
+                                   {"role": "tool", "name": calls[0]["name"], "content": calls[0]["output"]}], schemas)
+        checked += 1
+        identical += rendered == trl_prompt + ids[: len(rendered) - len(trl_prompt)]
+    return checked, identical
+
+
+def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, max_turns: int = 1,
+                    flatten_system: bool = True, look_tool: str | None = None, output: str | None = None
+                    ) -> dict[str, Any]:
     """Roll the policy out once per task of `spec` (held-out) through `spec.evaluate`, the way GRPO renders it.
 
     Greedy, with the trainer's chat template (`prepare_tokenizer`), at most `max_new_tokens` per turn and
-    `max_turns` model turns; tool calls go through the same binding and episode core as training.
+    `max_turns` model turns; tool calls go through the same binding and episode core as training, and every
+    turn's input ids are built as GRPO builds them (`TRLRenderedPolicy`). `output`: also write the episode records.
 
     Returns `success_rate` (reward == 1), `tool_call_rate` (episodes with a tool call), `tool_failure_rate`
-    (failed calls / calls), `mean_reward` (unscored counted as 0), `n`, `seconds` and the `report`.
+    (failed calls / calls), `mean_reward` (unscored counted as 0), `n`, `seconds` and the `report`. With `look_tool`
+    (a conversation task graded by a terminal tool) also: `look_rate` (episodes that called it before answering),
+    `turns` (model turns per episode), `answered_rate` (episodes whose final message the terminal tool graded),
+    `follow_rate` (answers naming what the tool showed, from the terminal tool's metadata), `no_look_n` and
+    `no_look_success` (success of the episodes that answered without looking; None when there are none), and
+    `later_turns` / `rerender_differs` (see `TRLRenderedPolicy`).
     """
-    from ors_trl import LocalPolicy
-
     was_training = model.training
     model.eval()
-    policy = LocalPolicy(model, tokenizer, temperature=0.0, max_new_tokens=max_new_tokens, seed=0,
-                         chat_template=prepare_tokenizer(tokenizer), name="demo-policy")
-    report = spec.evaluate(policy, concurrency=64, max_turns=max_turns, progress=False)
+    policy = demo_policy(model, tokenizer, max_new_tokens=max_new_tokens, flatten_system=flatten_system)
+    report = spec.evaluate(policy, concurrency=64, max_turns=max_turns, progress=False,
+                           **({"output": output, "overwrite": True} if output else {}))
     if was_training:
         model.train()
     episodes = report.episodes
     n = max(len(episodes), 1)
     calls = sum(e["tool_calls"] for e in episodes)
-    return {
+    out: dict[str, Any] = {
         "success_rate": sum(e.get("reward") == 1.0 for e in episodes) / n,
         "tool_call_rate": sum(e["tool_calls"] > 0 for e in episodes) / n,
         "tool_failure_rate": sum(e["tool_failures"] for e in episodes) / calls if calls else 0.0,
@@ -321,3 +502,20 @@ def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, ma
         "seconds": report.seconds,
         "report": report,
     }
+    if look_tool is not None:
+        def looked(e: dict[str, Any]) -> bool:
+            return any(c.get("name") == look_tool for t in e.get("turns") or [] for c in t.get("tool_calls") or [])
+
+        blind = [e for e in episodes if not looked(e)]
+        finals = [e.get("final") or {} for e in episodes]
+        out.update({
+            "look_rate": sum(map(looked, episodes)) / n,
+            "turns": sum(len(e.get("turns") or []) for e in episodes) / n,
+            "answered_rate": sum("tool" in f and "reward" in f for f in finals) / n,
+            "follow_rate": sum(bool((f.get("metadata") or {}).get("follow")) for f in finals) / n,
+            "no_look_n": len(blind),
+            "no_look_success": sum(e.get("reward") == 1.0 for e in blind) / len(blind) if blind else None,
+            "later_turns": policy.later_turns,
+            "rerender_differs": policy.rerender_differs,
+        })
+    return out

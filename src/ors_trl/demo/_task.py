@@ -1,6 +1,13 @@
-"""The demo task, as pure Python (no ``openreward`` import), so it can be wrapped in an ORS ``Environment``.
+"""The demo's tasks, as pure Python (no ``openreward`` import), so they can be wrapped in ORS ``Environment`` classes.
 
-Task design ("closed-vocabulary echo"):
+Two tasks share the closed vocabulary :data:`TARGETS` (six short words, each one token for the demo's tokenizer):
+
+**look** (the default ``ors-trl demo``; below): one of the six words is hidden, the conversation (a system turn with the
+rules, a short user turn) is the same whatever the word, and only the ``look()`` tool's output names it. The model
+answers with a plain final message, which the environment's terminal tool grades. Held-out tasks phrase ``look()``'s
+answer in ways never seen in training; the ``blind`` split (``look()`` names a decoy) is the shortcut control.
+
+**echo** (``ors-trl demo --task echo``), "closed-vocabulary echo":
 
 The environment follows the spirit of TRL's OpenReward echo environment: the prompt names a target word and the
 model must call ``echo(text=...)`` with exactly that word; the reward is 1.0 on a correct call and 0.0 otherwise, and
@@ -13,11 +20,15 @@ Train and held-out tasks use disjoint phrasings (templates) and disjoint filler 
 (closed vocabulary). Held-out success therefore measures whether the policy learned to pick the word the prompt asks
 for, independent of the wording it was trained on.
 
-The interface is deliberately trivial to wrap:
+The echo interface is deliberately trivial to wrap:
 
 - tasks are JSON-able dicts ``{"id", "target", "prompt"}`` (:func:`train_tasks`, :func:`heldout_tasks`);
 - :func:`prompt` returns the prompt text for a task;
 - :func:`score` maps ``(task, tool_args)`` to ``(reward, finished, reply_text)``.
+
+The look interface: :func:`look_tasks` (per split), :func:`look_messages` / :func:`look_prompt` (the conversation, as
+messages or flattened as TRL's ``environment_factory`` shows it), :func:`grade` (the terminal tool's rule) and
+:func:`look_warm_start_episodes`.
 """
 
 from __future__ import annotations
@@ -124,3 +135,121 @@ def warm_start_episodes(task: dict[str, Any]) -> list[tuple[str, dict[str, Any],
     imitating them teaches the call format and the answer vocabulary but not which word a prompt asks for.
     """
     return [(TOOL_NAME, {"text": word}, score(task, {"text": word})[2]) for word in TARGETS]
+
+
+# ── the "look" task: the answer is only in a tool's output ──────────────────────────────────────────────────────────
+#
+# One of the six TARGETS is hidden in each task. The conversation (a system turn with the rules, then a short user
+# turn) is the same whatever the hidden word, so a rollout that does not call ``look()`` can only guess. ``look()``
+# returns a sentence naming the hidden word (train and held-out tasks use disjoint phrasings, built from shared
+# words); the model then answers with a plain final message, which the environment's terminal tool grades: 1.0 for
+# the hidden word, 0.0 otherwise, and the episode is over either way.
+#
+# The "blind" split is the shortcut control: ``look()`` there names a decoy, drawn independently of the hidden word.
+# Every (conversation, decoy sentence) pair occurs once with each of the six hidden words, so any policy scores
+# exactly 1/6 there unless something other than the tool tells it the word. A policy that reads the tool answers the
+# decoy (``follow`` in the terminal tool's metadata).
+
+LOOK_TOOL = "look"
+ANSWER_TOOL = "answer"
+ANSWER_DESCRIPTION = "The model's final message: the hidden word."
+
+LOOK_SYSTEM = (
+    "You play a hidden word game. The hidden word is one of: " + ", ".join(TARGETS) + ". "
+    "Call the look tool to see it, then reply with the word alone."
+)
+# The user turn. Held-out tasks ask the same questions: what is held out is the wording of look()'s answer. (With
+# unseen questions too, GRPO's updates broke the tool-call format on them in some seeds: the first turn then depends
+# on tokens it never trained on, which tests robustness to a new prompt, not reading the tool.)
+LOOK_QUESTIONS: tuple[str, ...] = (
+    "Which word is hidden?",
+    "Find the hidden word.",
+    "What is the word?",
+    "Play one round.",
+)
+
+# What look() says; "{w}" is the word, bare (the demo tokenizer keeps each target word one token wherever it stands).
+LOOK_TRAIN_REPLIES: tuple[str, ...] = (
+    "The hidden word is {w}.",
+    "You see {w}.",
+    "{w} is written on the card.",
+    "Under the cup: {w}.",
+    "The card says {w}.",
+    "It is {w}.",
+    "Found it: {w}.",
+    "The word on the card is {w}.",
+    "You lift the cup and see {w}.",
+    "Hidden here: {w}.",
+)
+LOOK_HELDOUT_REPLIES: tuple[str, ...] = (
+    "The card under the cup says {w}.",
+    "{w} is the hidden word.",
+    "You see the word {w} on the card.",
+    "Written here: {w}.",
+)
+LOOK_SPLITS: tuple[str, ...] = ("train", "test", "blind")
+
+
+def look_tasks(split: str) -> list[dict[str, Any]]:
+    """The tasks of a split: ``train`` (train phrasings), ``test`` (held-out phrasings), ``blind`` (decoys).
+
+    A task is ``{"id", "word", "shown", "question", "reply"}``: ``word`` is hidden, ``shown`` is what ``look()``
+    names (``word`` except in ``blind``), ``reply`` is ``look()``'s whole answer.
+    """
+    tasks: list[dict[str, Any]] = []
+    if split == "train":
+        combos = [(w, r, q) for w in TARGETS for r in LOOK_TRAIN_REPLIES for q in LOOK_QUESTIONS]
+        random.Random(2).shuffle(combos)
+        tasks = [{"word": w, "shown": w, "question": q, "reply": r.format(w=w)} for w, r, q in combos]
+    elif split == "test":
+        combos = [(w, r, q) for w in TARGETS for r in LOOK_HELDOUT_REPLIES for q in LOOK_QUESTIONS]
+        random.Random(3).shuffle(combos)
+        tasks = [{"word": w, "shown": w, "question": q, "reply": r.format(w=w)} for w, r, q in combos]
+    elif split == "blind":
+        for i, decoy in enumerate(TARGETS):  # the sentence and the question depend on the decoy only
+            reply = LOOK_HELDOUT_REPLIES[i % len(LOOK_HELDOUT_REPLIES)].format(w=decoy)
+            question = LOOK_QUESTIONS[i % len(LOOK_QUESTIONS)]
+            tasks += [{"word": w, "shown": decoy, "question": question, "reply": reply} for w in TARGETS]
+    else:
+        raise ValueError(f"unknown split {split!r}; known: {', '.join(LOOK_SPLITS)}")
+    return [{"id": f"look-{split}-{i:03d}", **task} for i, task in enumerate(tasks)]
+
+
+def look_messages(task: dict[str, Any]) -> list[dict[str, str]]:
+    """The task's conversation as chat messages: the rules as a system turn, then the user's question."""
+    return [{"role": "system", "content": LOOK_SYSTEM}, {"role": "user", "content": task["question"]}]
+
+
+def look_prompt(task: dict[str, Any]) -> str:
+    """The conversation as one text, as TRL's ``environment_factory`` path shows it (system turn first).
+
+    The same text ``OpenRewardEnvironment.reset()`` returns (``Prompt.flat``); the demo checks that at start-up.
+    """
+    return f"{LOOK_SYSTEM}\n\n{task['question']}"
+
+
+def normalise_answer(message: str) -> str:
+    """The model's final message as a bare lower-case word (surrounding space, quotes and a final period dropped)."""
+    return message.strip().strip("\"'").rstrip(".!").strip().strip("\"'").lower()
+
+
+def grade(task: dict[str, Any], message: str) -> tuple[float, str, dict[str, Any]]:
+    """Grade a final message: ``(reward, reply_text, metadata)``; 1.0 when it is the hidden word, else 0.0.
+
+    ``metadata`` says what was hidden and shown, what was given, and whether the answer named what ``look()``
+    showed (``follow``: the blind control reads it to tell "read the tool" from "guessed").
+    """
+    given = normalise_answer(message)
+    right = given == task["word"]
+    meta = {"word": task["word"], "shown": task["shown"], "given": given, "follow": given == task["shown"]}
+    return (1.0 if right else 0.0), ("right" if right else "wrong"), meta
+
+
+def look_warm_start_episodes(task: dict[str, Any]) -> list[tuple[str, dict[str, Any], str, str]]:
+    """Episodes the format-only warm start imitates: call ``look()``, then answer each allowed word once.
+
+    Returned as ``(tool_name, arguments, reply_text, final_message)``. The answers are uniform over
+    :data:`TARGETS` whatever ``look()`` said, so imitating them teaches the format (look, then one bare word)
+    and not which word to give: the warm-started model answers at chance (about 1/6).
+    """
+    return [(LOOK_TOOL, {}, task["reply"], word) for word in TARGETS]
