@@ -474,3 +474,34 @@ def test_local_policy_context_limit(ref_server, tiny_model_dir) -> None:
     report = spec.evaluate(LocalPolicy(model, tokenizer), num_tasks=2, progress=False)
     assert report.end_reasons == {"context_length": 2} and report.num_errors == 0
     assert model.batches == [] and report.mean_reward is None
+
+
+def test_local_policy_joins_turns_as_grpo_does(tiny_model_dir) -> None:
+    """A turn after a tool call is the previous input + the ids the model generated + TRL's tool suffix, not a
+    re-render of the conversation (which tokenizes a generated call canonically and may add template text)."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import get_training_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    template = get_training_chat_template(tokenizer)
+    joined = LocalPolicy(object(), tokenizer, chat_template=template)
+    plain = LocalPolicy(object(), tokenizer, chat_template=template, join_turns=False)
+    user = [{"role": "user", "content": 'Call the `echo` tool with exactly this text: "hello".'}]
+    first = joined._render(user, [])
+    assert first == plain._render(user, [])
+    # what the model generated: a well-formed call, tokenized piece by piece (not the canonical tokenization)
+    call = '<tool_call>\n{"name": "echo", "arguments": {"text": "hello"}}\n</tool_call>'
+    generated = [t for piece in call for t in tokenizer.encode(piece, add_special_tokens=False)]
+    generated += tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    reply = joined._parse(generated, first, [])
+    assert reply.tool_calls[0]["name"] == "echo"
+    history = [*user, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "echo", "arguments": {"text": "hello"}}}]},
+        {"role": "tool", "tool_call_id": "c", "name": "echo", "content": "hello"}]
+    second = joined._render(history, [])
+    suffix = joined._tool_suffix([{"name": "echo", "content": "hello"}])
+    assert second == first + generated + suffix
+    assert tokenizer.decode(suffix).startswith("\n<|im_start|>user\n<tool_response>\nhello")
+    assert plain._render(history, []) != second  # re-rendering gives the model other ids than it was trained on
+    other = [*user, {"role": "assistant", "content": "not generated here"}, {"role": "user", "content": "and?"}]
+    assert joined._render(other, []) == plain._render(other, [])  # a history it did not generate: rendered whole

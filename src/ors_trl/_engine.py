@@ -101,6 +101,7 @@ class RolloutEngine:
         self.turn_barrier = turn_barrier
         self.last_episodes: list[Episode] = []
         self.generation_calls: list[int] = []  # prompts per generation call (this process), for inspection
+        self._tokens: dict[str, list[int]] = {}
 
     def __repr__(self) -> str:
         return f"RolloutEngine({list(self.environments)})"
@@ -109,6 +110,7 @@ class RolloutEngine:
         _trl.require_engine()
         self._tok = _trl.prepare(trainer)
         self._eos = _trl.eos_token_ids(trainer)
+        self._tokens: dict[str, list[int]] = {}  # this call's renders: a group's rollouts share most of them
         for rt in self.environments.values():
             rt.attach_to(trainer)
         rollouts = [self._rollout(p) for p in prompts]
@@ -130,6 +132,7 @@ class RolloutEngine:
                 finally:
                     bg.run(_close_sessions([r.ep for r in wave]))
         finally:
+            self._tokens = {}
             for ep in episodes:
                 ep.release()  # accounts the episode and writes its record
         self.last_episodes = episodes
@@ -213,7 +216,8 @@ class RolloutEngine:
             text = f"[The environment failed to start this task: {(ep.error or {}).get('message')}]"
             messages = [dict(m) for m in r.base]
             messages[-1]["content"] = messages[-1].get("content", "") + text
-        r.prompt_ids = _trl.render(trainer, messages, self._schemas(r))
+        tools = self._schemas(r)
+        r.prompt_ids = self._memo(["prompt", messages, tools], lambda: _trl.render(trainer, messages, tools))
         self._fallback = self._fallback or r.prompt_ids
         if not opened:  # nothing to generate for: one end-of-sequence token, scored None
             r.completion_ids, r.tool_mask, r.logprobs = [self._tok.eos_token_id], [1], [0.0]
@@ -224,6 +228,13 @@ class RolloutEngine:
     def _schemas(self, r: _Rollout) -> list[Any] | None:
         toolset = r.ep.toolset
         return toolset.schemas if toolset is not None and toolset.by_name else None
+
+    def _memo(self, key: list[Any], render: Any) -> list[int]:
+        """Tokens from `render()`, computed once per call for equal inputs (tokenizing dominates the main thread)."""
+        text = json.dumps(key, sort_keys=True, default=repr)
+        if text not in self._tokens:
+            self._tokens[text] = render()
+        return list(self._tokens[text])
 
     def _wait_for_generation(self, r: _Rollout, ids: list[int]) -> None:
         r.request, r.stage, r.waiting_since = ids, "generate", time.monotonic()
@@ -274,7 +285,8 @@ class RolloutEngine:
         if r.ep.timed_out:
             r.stage = "done"
             return
-        pct = r.prompt_ids + r.completion_ids + _trl.tool_suffix_ids(trainer, tool_messages)
+        suffix = self._memo(["tools", tool_messages], lambda: _trl.tool_suffix_ids(trainer, tool_messages))
+        pct = r.prompt_ids + r.completion_ids + suffix
         if len(pct) - len(r.prompt_ids) > trainer.max_completion_length or len(pct) >= _trl.max_model_len(trainer):
             # The tool results would overflow the completion budget: roll them back and end the episode.
             del r.completions[len(r.completions) - len(tool_messages):]

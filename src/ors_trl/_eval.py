@@ -62,12 +62,12 @@ def load_episodes(path: str | os.PathLike[str]) -> dict[EpisodeKey, dict[str, An
     return {key: record for record in read_records(path) if (key := _key(record)) is not None}
 
 
-async def _run_episode(ep: Episode, policy: Any, max_turns: int) -> None:
+async def _run_episode(ep: Episode, policy: Any, max_turns: int, flatten_prompt: bool = False) -> None:
     """One evaluation episode (see the module docstring); leaves `ep` with its whole record."""
     if not await ep.open():
         return
     assert ep.prompt is not None and ep.toolset is not None
-    messages = ep.prompt.chat()
+    messages = [{"role": "user", "content": ep.prompt.flat}] if flatten_prompt else ep.prompt.chat()
     schemas = ep.toolset.schemas
     for turn_index in range(max_turns):
         started = time.monotonic()
@@ -112,8 +112,8 @@ class _Evaluation:
     """The episodes of one `evaluate` call, run `concurrency` at a time."""
 
     def __init__(self, runtime: EnvironmentRuntime, policy: Any, *, max_turns: int, writer: RecordWriter | None,
-                 bar: Any, per_task_tools: bool, groups: bool) -> None:
-        self.runtime, self.policy, self.max_turns = runtime, policy, max_turns
+                 bar: Any, per_task_tools: bool, groups: bool, flatten_prompt: bool) -> None:
+        self.runtime, self.policy, self.max_turns, self.flatten_prompt = runtime, policy, max_turns, flatten_prompt
         self.writer, self.bar, self.per_task_tools, self.groups = writer, bar, per_task_tools, groups
         self.policy_name = describe_policy(policy)
         self.active = 0
@@ -127,7 +127,7 @@ class _Evaluation:
                                       writer=None if self.groups else self.writer, task_tools=self.per_task_tools,
                                       repeat=repeat, policy=self.policy_name)
             try:
-                await _run_episode(ep, self.policy, self.max_turns)
+                await _run_episode(ep, self.policy, self.max_turns, self.flatten_prompt)
             except (ORSError, PolicyError) as exc:
                 ep.fail(exc)
             except Exception as exc:  # a bug or an unexpected failure: recorded, not fatal for the other episodes
@@ -161,6 +161,7 @@ def evaluate(
     overwrite: bool = False,
     per_task_tools: bool = False,
     score_groups: bool = False,
+    flatten_prompt: bool = False,
     temperature: float = 0.0,
     max_new_tokens: int | None = None,
     seed: int | None = 0,
@@ -183,6 +184,8 @@ def evaluate(
         per_task_tools: bind each episode's own tool list (`/task_tools` of its session) instead of the spec's
             tools, i.e. what training binds (shared plus the probed task-specific tools).
         score_groups: also score each task's episodes (its repeats) together with `/score_group`.
+        flatten_prompt: give the policy the prompt as TRL's `environment_factory` loop does (one user message,
+            the system turn first) rather than as a conversation: for a model trained through that loop.
         temperature, max_new_tokens, seed, device: generation options for a policy given as a path or pair.
         progress: show a progress bar on stderr.
 
@@ -230,7 +233,7 @@ def evaluate(
         bar = tqdm(total=len(keys), initial=len(kept), desc=f"eval {environment or runtime.name}", unit="ep",
                    file=sys.stderr, dynamic_ncols=True)
     evaluation = _Evaluation(runtime, policy_obj, max_turns=max_turns, writer=writer, bar=bar,
-                             per_task_tools=per_task_tools, groups=score_groups)
+                             per_task_tools=per_task_tools, groups=score_groups, flatten_prompt=flatten_prompt)
     if hasattr(policy_obj, "_set_active_counter"):
         policy_obj._set_active_counter(lambda: evaluation.active)
     finished_event = threading.Event()

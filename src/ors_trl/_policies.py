@@ -243,6 +243,11 @@ class LocalPolicy:
         max_batch_size, batch_wait: at most this many requests per `generate` call, gathered for this long.
         name: the policy's name in records (default: the model's path).
         chat_template: render with this template instead of the tokenizer's (e.g. TRL's training template).
+        join_turns: build a later turn's input as GRPO's tool loop does: the previous input, the ids the model
+            generated, then the tool messages' suffix (TRL's computation), instead of re-rendering the whole
+            conversation. Re-rendering can differ from what the model was trained on (an empty `<think>` block
+            added to a past turn, a generated sequence that is not the canonical tokenization of its text).
+            A conversation whose past turns this policy did not generate is rendered whole.
     """
 
     def __init__(
@@ -258,6 +263,7 @@ class LocalPolicy:
         batch_wait: float = 0.05,
         name: str | None = None,
         chat_template: str | None = None,
+        join_turns: bool = True,
     ) -> None:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ConfigurationError("the tokenizer has no chat template; LocalPolicy needs one to render tools")
@@ -271,6 +277,8 @@ class LocalPolicy:
         self.batch_wait = batch_wait
         self.name = name or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
         self.chat_template = chat_template
+        self.join_turns = join_turns
+        self._generated: dict[tuple[int, ...], list[int]] = {}  # prompt ids -> the ids generated from them
         self.batch_sizes: list[int] = []
         self._parse_mode = self._prepare_parser()
         self._queue: list[_Pending] = []
@@ -410,15 +418,49 @@ class LocalPolicy:
         self._queue.clear()
         self._wakeup = None
         self._seeded = False  # the next evaluation starts from the same seed
+        self._generated.clear()
 
     # -- generation (worker thread) --------------------------------------------------------------------------
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+    def _template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *,
+                  generation_prompt: bool) -> list[int]:
         out = self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=True,
+            messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=True, return_dict=True,
             chat_template=self.chat_template,
         )
         return list(out["input_ids"])
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+        """The input ids of the next turn: joined as GRPO joins them (`join_turns`), else the whole conversation."""
+        first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+        if self.join_turns and first < len(messages):
+            ids = self._template(messages[:first], tools, generation_prompt=True)
+            i = first
+            while i < len(messages):
+                generated = self._generated.get(tuple(ids)) if messages[i].get("role") == "assistant" else None
+                if generated is None:  # a past turn this policy did not generate: render the conversation whole
+                    return self._template(messages, tools, generation_prompt=True)
+                ids, i = ids + generated, i + 1
+                start = i
+                while i < len(messages) and messages[i].get("role") == "tool":
+                    i += 1
+                if i > start:
+                    ids += self._tool_suffix(messages[start:i])
+            return ids
+        return self._template(messages, tools, generation_prompt=True)
+
+    def _tool_suffix(self, tool_messages: list[dict[str, Any]]) -> list[int]:
+        """What TRL's tool loop appends after a turn's tool calls: the tool messages and the next assistant header
+        (a dummy conversation rendered with and without them, aligned on the end-of-turn token)."""
+        call = {"type": "function", "function": {"name": tool_messages[0].get("name") or "tool", "arguments": {}}}
+        dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+        prefix = self._template(dummy, None, generation_prompt=False)
+        full = self._template([*dummy, *({"role": "tool", "name": m.get("name") or "tool", "content": m["content"]}
+                                          for m in tool_messages)], None, generation_prompt=True)
+        eos = [k for k, t in enumerate(prefix) if t == self.tokenizer.eos_token_id]
+        if eos:
+            prefix = prefix[: eos[-1] + 1]
+        return full[len(prefix):]
 
     def _context_limit(self) -> int | None:
         config = getattr(self.model, "config", None)
@@ -498,6 +540,8 @@ class LocalPolicy:
         return results
 
     def _parse(self, ids: list[int], prefix: list[int] | None, tools: list[dict[str, Any]]) -> PolicyReply:
+        if prefix is not None and self.join_turns:
+            self._generated[tuple(prefix)] = list(ids)
         raw = self.tokenizer.decode(ids, skip_special_tokens=False)
         if not ids:
             return PolicyReply(content="", raw=raw)

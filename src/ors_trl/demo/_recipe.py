@@ -10,10 +10,10 @@ exactly the token sequences GRPO will sample and the evaluation measures exactly
 - completions are parsed with ``trl.chat_template_utils.parse_response(tokenizer, ids, prefix=prompt_ids, tools=...)``;
 - a conversation's system turn is shown as the trainer shows it: joined to the user text on the ``environment_factory``
   path (TRL's ``reset()`` can only append text), a system message through ``spec.rollout_func``;
-- the evaluation (``spec.evaluate`` with ``TRLRenderedPolicy``) builds each turn after a tool call by concatenating
-  ids as GRPO does. Re-rendering the conversation, as a plain ``LocalPolicy`` does, gives other ids: TRL's training
-  template for Qwen3 renders an empty ``<think>`` block in the assistant's tool-call turn, which the model never
-  generated in GRPO; ``check_prompt_rendering`` and the ``rerender_differs`` count keep this visible.
+- the evaluation (``spec.evaluate`` with ``LocalPolicy``, whose ``join_turns`` builds each turn after a tool call by
+  concatenating ids as GRPO does). Re-rendering the conversation would give other ids: TRL's training template for
+  Qwen3 renders an empty ``<think>`` block in the assistant's tool-call turn, which the model never generated in
+  GRPO; ``check_prompt_rendering`` and the ``rerender_differs`` count keep this visible.
 """
 
 from __future__ import annotations
@@ -331,79 +331,44 @@ def _checkpointing_option() -> str:
 # ── evaluation ──────────────────────────────────────────────────────────────────────────────────────────────────────
 
 
-def _trl_policy_class() -> type:
+def _counting_policy_class() -> type:
     from ors_trl import LocalPolicy
 
-    class TRLRenderedPolicy(LocalPolicy):
-        """`LocalPolicy` that builds every turn's input ids exactly as GRPO's tool loop does, not by re-rendering.
+    class CountingPolicy(LocalPolicy):
+        """`LocalPolicy` (which builds a later turn's ids as GRPO's tool loop does, `join_turns`) that also counts
+        what a plain re-render of the conversation would have given: `later_turns` (turns after a tool call) and
+        `rerender_differs` (of those, how many re-rendered ids differ from the joined ones)."""
 
-        GRPO renders the prompt once, then *concatenates* token ids: prompt + the ids the model generated + the
-        tool-suffix ids (tool messages and the next assistant header) + the next generation. `LocalPolicy`
-        re-renders the whole conversation with the chat template each turn, which can tokenize differently (a
-        model-generated sequence need not be the canonical tokenization of its text). This policy remembers the
-        ids it generated for each prefix and concatenates them the same way. `flatten_system` renders the system
-        turn as TRL's `environment_factory` path shows it (joined to the user text, `Prompt.flat`); the rollout
-        engine keeps it as a system message, as `spec.evaluate` does.
-
-        Counts what a plain re-render would have given: `later_turns` (turns after a tool call) and
-        `rerender_differs` (of those, how many re-rendered ids differ from the concatenated ones).
-        """
-
-        def __init__(self, *args: Any, flatten_system: bool = True, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.flatten_system = flatten_system
-            self._generated: dict[tuple[int, ...], list[int]] = {}
             self.later_turns = 0
             self.rerender_differs = 0
-            self.fallbacks = 0
-
-        def aligned(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            """The conversation as GRPO sees it: with `flatten_system`, the system turn joined to the first user turn."""
-            if not (self.flatten_system and messages and messages[0].get("role") == "system"):
-                return messages
-            system, rest = messages[0], [dict(m) for m in messages[1:]]
-            if rest and rest[0].get("role") == "user":
-                rest[0]["content"] = f"{system['content']}\n\n{rest[0]['content']}"
-                return rest
-            return [{"role": "user", "content": system["content"]}, *rest]
 
         def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
-            messages = self.aligned(messages)
-            first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
-            ids = prompt_ids(self.tokenizer, messages[:first], tools, self.chat_template)
-            i = first
-            while i < len(messages):
-                generated = self._generated.get(tuple(ids)) if messages[i].get("role") == "assistant" else None
-                if generated is None:  # not a conversation this policy generated: render it as LocalPolicy does
-                    self.fallbacks += 1
-                    return super()._render(messages, tools)
-                ids = ids + generated
-                i += 1
-                tool_messages = []
-                while i < len(messages) and messages[i].get("role") == "tool":
-                    tool_messages.append({"role": "tool", "name": messages[i].get("name") or "tool",
-                                          "content": messages[i]["content"]})
-                    i += 1
-                if tool_messages:
-                    ids = ids + tool_messages_suffix_ids(self.tokenizer, tool_messages, self.chat_template)
-            if first < len(messages):
+            ids = super()._render(messages, tools)
+            if any(m.get("role") == "assistant" for m in messages):
                 self.later_turns += 1
-                self.rerender_differs += super()._render(messages, tools) != ids
+                self.rerender_differs += self._template(messages, tools, generation_prompt=True) != ids
             return ids
 
-        def _parse(self, ids: list[int], prefix: list[int] | None, tools: list[dict[str, Any]]) -> Any:
-            if prefix is not None:
-                self._generated[tuple(prefix)] = list(ids)
-            return super()._parse(ids, prefix, tools)
-
-    return TRLRenderedPolicy
+    return CountingPolicy
 
 
-def demo_policy(model, tokenizer, *, max_new_tokens: int = 32, flatten_system: bool = True) -> Any:
-    """The greedy evaluation policy: renders and concatenates turns as GRPO does (see `TRLRenderedPolicy`)."""
-    return _trl_policy_class()(model, tokenizer, temperature=0.0, max_new_tokens=max_new_tokens, seed=0,
-                               chat_template=prepare_tokenizer(tokenizer), name="demo-policy",
-                               flatten_system=flatten_system)
+def flat(messages: list[dict[str, Any]], flatten_system: bool) -> list[dict[str, Any]]:
+    """The conversation as `spec.evaluate(..., flatten_prompt=flatten_system)` hands it to the policy."""
+    if not (flatten_system and messages and messages[0].get("role") == "system"):
+        return messages
+    system, rest = messages[0], [dict(m) for m in messages[1:]]
+    if rest and rest[0].get("role") == "user":
+        rest[0]["content"] = f"{system['content']}\n\n{rest[0]['content']}"
+        return rest
+    return [{"role": "user", "content": system["content"]}, *rest]
+
+
+def demo_policy(model, tokenizer, *, max_new_tokens: int = 32) -> Any:
+    """The greedy evaluation policy, rendering with the trainer's chat template and joining turns as GRPO does."""
+    return _counting_policy_class()(model, tokenizer, temperature=0.0, max_new_tokens=max_new_tokens, seed=0,
+                                    chat_template=prepare_tokenizer(tokenizer), name="demo-policy")
 
 
 def check_prompt_rendering(tokenizer, tools: Sequence, trl_prompt: str | Sequence[dict[str, Any]],
@@ -418,9 +383,9 @@ def check_prompt_rendering(tokenizer, tools: Sequence, trl_prompt: str | Sequenc
 
     schemas = [get_json_schema(f) for f in tools]
     template = prepare_tokenizer(tokenizer)
-    policy = demo_policy(None, tokenizer, flatten_system=flatten_system)
+    policy = demo_policy(None, tokenizer)
     want = prompt_ids(tokenizer, trl_prompt, tools, template)
-    got = policy._render(list(eval_messages), schemas)
+    got = policy._render(flat(list(eval_messages), flatten_system), schemas)
     if got != want:
         raise AssertionError(
             "the evaluation would render the prompt differently from GRPO:\n"
@@ -434,7 +399,7 @@ def second_turn_alignment(tokenizer, tools: Sequence, completion_ids: Sequence[S
     evaluation policy would build for that turn: `(checked, identical)`.
 
     GRPO's side is TRL's own record: the prompt ids (the `reset()` text rendered as TRL renders it) plus the
-    rollout's `completion_ids` up to that turn. The evaluation's side is `TRLRenderedPolicy` given the episode's
+    rollout's `completion_ids` up to that turn. The evaluation's side is `demo_policy` given the episode's
     conversation as `spec.evaluate` hands it over (system turn kept), the ids the model generated for its first
     turn, and the tool message. Checked for rollouts whose first turn made exactly one successful tool call.
     """
@@ -442,7 +407,7 @@ def second_turn_alignment(tokenizer, tools: Sequence, completion_ids: Sequence[S
 
     template = prepare_tokenizer(tokenizer)
     schemas = [get_json_schema(f) for f in tools]
-    policy = demo_policy(None, tokenizer, flatten_system=flatten_system)
+    policy = demo_policy(None, tokenizer)
     eos = tokenizer.eos_token_id
     checked = identical = 0
     for ids, env in zip(completion_ids, environments, strict=True):
@@ -455,7 +420,7 @@ def second_turn_alignment(tokenizer, tools: Sequence, completion_ids: Sequence[S
             continue
         trl_prompt = prompt_ids(tokenizer, ep.prompt.flat if flatten_system else ep.prompt.chat(
             [{"role": "user", "content": ""}]), tools, template)
-        messages = ep.prompt.chat()
+        messages = flat(ep.prompt.chat(), flatten_system)
         first = policy._render(messages, schemas)
         policy._generated[tuple(first)] = ids[: ids.index(eos) + 1]
         call = {"type": "function", "function": {"name": calls[0]["name"], "arguments": calls[0]["arguments"]}}
@@ -473,7 +438,7 @@ def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, ma
 
     Greedy, with the trainer's chat template (`prepare_tokenizer`), at most `max_new_tokens` per turn and
     `max_turns` model turns; tool calls go through the same binding and episode core as training, and every
-    turn's input ids are built as GRPO builds them (`TRLRenderedPolicy`). `output`: also write the episode records.
+    turn's input ids are built as GRPO builds them (`LocalPolicy(join_turns=True)`). `output`: also write the episode records.
 
     Returns `success_rate` (reward == 1), `tool_call_rate` (episodes with a tool call), `tool_failure_rate`
     (failed calls / calls), `mean_reward` (unscored counted as 0), `n`, `seconds` and the `report`. With `look_tool`
@@ -481,12 +446,12 @@ def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, ma
     `turns` (model turns per episode), `answered_rate` (episodes whose final message the terminal tool graded),
     `follow_rate` (answers naming what the tool showed, from the terminal tool's metadata), `no_look_n` and
     `no_look_success` (success of the episodes that answered without looking; None when there are none), and
-    `later_turns` / `rerender_differs` (see `TRLRenderedPolicy`).
+    `later_turns` / `rerender_differs` (see `demo_policy`).
     """
     was_training = model.training
     model.eval()
-    policy = demo_policy(model, tokenizer, max_new_tokens=max_new_tokens, flatten_system=flatten_system)
-    report = spec.evaluate(policy, concurrency=64, max_turns=max_turns, progress=False,
+    policy = demo_policy(model, tokenizer, max_new_tokens=max_new_tokens)
+    report = spec.evaluate(policy, concurrency=64, max_turns=max_turns, progress=False, flatten_prompt=flatten_system,
                            **({"output": output, "overwrite": True} if output else {}))
     if was_training:
         model.train()
