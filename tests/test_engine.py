@@ -193,6 +193,39 @@ def test_engine_episode_timeout_scores_none(tiny_model_dir, make_server, tmp_pat
     assert server.stats()["open_sessions"] == 0
 
 
+@pytest.mark.parametrize(("generation_s", "straggler_s", "calls"), [
+    (0.0, 2.0, [4, 3, 1]),  # generating is cheap: the ready rollouts go on without the straggler
+    (2.0, 0.3, [4, 4]),  # generating costs more than the straggler's wait: they wait for it and go together
+])
+def test_engine_waits_for_company_only_when_generating_costs_more(tiny_model_dir, make_server, tmp_path,
+                                                                  generation_s, straggler_s, calls):
+    """The gather window (here a long 5 s) is capped at half of what a generation call takes."""
+    import time
+
+    server = make_server("slow")
+    spec = OpenRewardSpec(server.url, num_tasks=2, gather_window=5.0)
+    trainer = make_trainer(tiny_model_dir, spec, "engine", tmp_path)
+    tok = trainer._tokenizer
+
+    def generate(prompt_ids, images, mm, num_generations, has_tool_images=False):
+        time.sleep(generation_s)
+        out = []
+        for i, ids in enumerate(prompt_ids):
+            first = "<tool_response>" not in tok.decode(ids)
+            seconds = straggler_s if i == 0 and len(prompt_ids) == 4 else 0
+            body = tool_call_text("sleep", {"seconds": seconds}) + "<|im_end|>" if first else "Done.<|im_end|>"
+            out.append(tok.encode(body, add_special_tokens=False))
+        return out, None
+
+    trainer._generate_single_turn = generate
+    engine = spec.rollout_func
+    before = len(engine.generation_calls)
+    run_batch(trainer, batch_rows(spec, [0, 1], 2))
+    assert engine.generation_calls[before:] == calls
+    assert server.stats()["done"].get("slowenvironment/sleep", 0) == 4
+    assert server.stats()["open_sessions"] == 0
+
+
 def test_engine_failed_open_is_a_none_scored_rollout(tiny_model_dir, echo_spec, tmp_path):
     trainer = make_trainer(tiny_model_dir, echo_spec, "engine", tmp_path)
     trainer._generate_single_turn = scripted_generation(trainer, [])

@@ -131,3 +131,25 @@ def test_signature_is_the_bound_functions(ref_server) -> None:
         assert tool["signature"] == fn.__name__ + str(inspect.signature(fn).replace(parameters=params))
         assert tool["schema"] == get_json_schema(fn)
     assert info["tasks"] == []
+
+
+def test_timeout_and_retries_flags_bound_the_wait(capsys) -> None:
+    """`--timeout` bounds each request and `--retries` the tries: a hung or failing server is an error, soon."""
+    from ors_trl.testing.faults import FaultProxy, Hang, Status
+
+    with FaultProxy() as hung:
+        hung.add(Hang(max_seconds=60), times=None)
+        assert main(["inspect", hung.url, "--timeout", "0.5", "--retries", "1"]) == 1
+        assert hung.count() == 2  # one try and one retry, each given up after 0.5 s (not the 60 s default)
+    assert "no answer within 0.5 s" in capsys.readouterr().err
+    with FaultProxy() as down:
+        down.add(Status(503, "down"), times=None)
+        assert main(["inspect", down.url, "--retries", "2", "--json"]) == 1
+        assert down.count() == 3
+        assert "gave up after 3 attempts" in capsys.readouterr().err
+        # eval takes the same flags for its environment client (its policy endpoint is never reached here)
+        assert main(["eval", down.url, "--model", "m", "--base-url", "http://127.0.0.1:1/v1", "--retries", "0"]) == 1
+        assert down.count() == 4
+    assert "gave up after 1 attempt)" in capsys.readouterr().err
+    for bad in (["--timeout", "0"], ["--timeout", "nan"], ["--retries", "-1"]):
+        assert main(["inspect", "http://127.0.0.1:1", *bad]) == 2

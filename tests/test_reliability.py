@@ -552,3 +552,22 @@ def test_the_response_size_cap_applies_to_tool_results(proxy, ref_server) -> Non
         with pytest.raises(ProtocolError, match="100000 bytes"):
             s.call("dump", {"size": 10, "seed": 0})
         assert s.call("dump", {"size": 50_000, "seed": 0}).text == long_text(50_000, 0)  # under the cap: fine
+
+
+def test_fault_proxy_request_log_is_bounded(ref_server) -> None:
+    """A soak through the proxy keeps only the newest `max_log` requests, in order, and counts them."""
+    import urllib.request
+
+    from ors_trl.testing.faults import FaultProxy
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with FaultProxy(ref_server.url, max_log=3) as p:
+        for i in range(5):
+            request = urllib.request.Request(f"{p.url}/health", headers={"X-Request-N": str(i)})
+            with opener.open(request, timeout=NOT_FOREVER_S) as resp:
+                assert resp.status == 200
+        seen = p.requests
+        assert [{k.lower(): v for k, v in r.headers.items()}.get("x-request-n") for r in seen] == ["2", "3", "4"]
+        assert p.count("/health") == 3
+    with pytest.raises(ValueError, match="max_log"):
+        FaultProxy(ref_server.url, max_log=0)

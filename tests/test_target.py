@@ -25,6 +25,8 @@ def test_url_target_sends_an_explicit_key_only_to_itself() -> None:
     assert t.key_for("http://127.0.0.1:8000") == "sk-explicit"
     assert t.key_for("http://127.0.0.1:9000") is None
     assert t.key_for("http://evil.example:8000") is None
+    assert t.key_for("http://127.0.0.1:abc") is None  # a malformed port (e.g. in a redirect) gets no key, no crash
+    assert t.key_for("http://127.0.0.1:99999") is None
 
 
 def test_catalog_target_derives_platform_hosts() -> None:

@@ -4,8 +4,9 @@ TRL's own loop runs a batch turn by turn: every rollout waits for the slowest to
 turn before anyone generates again. The engine lets each rollout advance on its own: its session
 opens, it is rendered and generated for, its tool calls run (on the background loop, concurrently
 with every other rollout's), it is generated for again, and so on, while generation batches
-whatever rollouts are ready at that moment (waiting at most `gather_window` seconds for others). A
-slow tool call delays only its own rollout, so a step takes about as long as its slowest single
+whatever rollouts are ready at that moment (waiting for others at most `gather_window` seconds and at
+most half of what a generation call has been taking: company is worth waiting for only when generating
+costs more than the wait). A slow tool call delays only its own rollout, so a step takes about as long as its slowest single
 rollout instead of the sum over turns of each turn's slowest call.
 
 Each rollout follows TRL's tool loop exactly (same chat template, tool-call parsing, tool-result
@@ -84,7 +85,9 @@ class RolloutEngine:
         environments: environment key (None for a single spec) -> its runtime.
         episode_timeout: wall-clock seconds one episode may take (None: no limit); it is then closed and
             scored None.
-        gather_window: seconds generation waits for more rollouts to be ready before it runs for those that are.
+        gather_window: the most seconds generation waits for more rollouts to be ready before it runs for those
+            that are; the wait is also kept under half the recent duration of a generation call, so a cheap
+            generator (an API, a small model) does not add the window to every turn of the slowest rollout.
         turn_barrier: wait for every rollout before each generation (TRL's turn-by-turn schedule), for comparison.
 
     Episodes of an environment whose spec has `score_groups=True` are also scored as GRPO groups with its
@@ -102,6 +105,7 @@ class RolloutEngine:
         self.last_episodes: list[Episode] = []
         self.generation_calls: list[int] = []  # prompts per generation call (this process), for inspection
         self._tokens: dict[str, list[int]] = {}
+        self._generation_s: float | None = None  # moving average of a generation call's wall time
 
     def __repr__(self) -> str:
         return f"RolloutEngine({list(self.environments)})"
@@ -176,7 +180,8 @@ class RolloutEngine:
             done = not waiting and not busy
             now = time.monotonic()
             first = min((r.waiting_since for r in waiting), default=now)
-            ready = bool(waiting) and (not busy or (not self.turn_barrier and now - first >= self.gather_window))
+            window = self._window()
+            ready = bool(waiting) and (not busy or (not self.turn_barrier and now - first >= window))
             if ready or done:
                 if not (self._anyone(trainer, not done) if multi else not done):
                     return
@@ -184,10 +189,16 @@ class RolloutEngine:
                 continue
             waits = [r.deadline - now for r in busy if r.deadline is not None]
             if waiting and not self.turn_barrier:
-                waits.append(self.gather_window - (now - first))
+                waits.append(window - (now - first))
             concurrent.futures.wait([r.future for r in busy if r.future is not None],
                                     timeout=max(min(waits), 0.0) if waits else None,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _window(self) -> float:
+        """How long a ready rollout waits for company: `gather_window`, capped at half a generation call."""
+        if self._generation_s is None:
+            return self.gather_window
+        return min(self.gather_window, self._generation_s / 2)
 
     def _advance(self, r: _Rollout, trainer: Any) -> None:
         """Move a rollout on once its network work is done (or its time is up)."""
@@ -244,8 +255,10 @@ class RolloutEngine:
 
         started = time.monotonic()
         ids, lps = self._generate(trainer, [r.request or [] for r in waiting], fallback=self._fallback or [])
+        took = time.monotonic() - started
+        self._generation_s = took if self._generation_s is None else 0.7 * self._generation_s + 0.3 * took
         for r in waiting:
-            r.ep.timings["generation"] += time.monotonic() - started
+            r.ep.timings["generation"] += took
         max_len = trainer.max_completion_length
         for r, new_ids, new_lp in zip(waiting, ids, lps, strict=True):
             prefix = r.request or []

@@ -130,7 +130,8 @@ class OpenRewardSpec:
             counts it as that score.
         score_groups: provide `group_reward_func`, the environment's comparative reward of each GRPO
             group (`/score_group`), and keep finished sessions until the step ends for it.
-        gather_window: with `rollout_func`, seconds generation waits for more rollouts to be ready.
+        gather_window: with `rollout_func`, the most seconds generation waits for more rollouts to be ready
+            (also kept under half of what a generation call takes).
     """
 
     def __init__(

@@ -85,8 +85,12 @@ class Target:
 
 
 def _host_port(url: str) -> str:
+    """`host:port` of a URL, for deciding where the API key may go; "" (matches no host) for a malformed one."""
     parts = urlsplit(url)
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # a non-numeric or out-of-range port, e.g. in a redirect's Location
+        return ""
     return f"{(parts.hostname or '').lower()}:{port}"
 
 

@@ -124,6 +124,10 @@ class RetryPolicy:
         return base * (0.5 + random.random() / 2)
 
 
+def _attempts(n: int) -> str:
+    return "1 attempt" if n == 1 else f"{n} attempts"
+
+
 def _retry_after(headers: Any) -> float | None:
     value = headers.get("Retry-After") if headers is not None else None
     if value and value.strip().replace(".", "", 1).isdigit():
@@ -601,12 +605,12 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
             elif again.final:
                 raise err from None
             elif attempts >= policy.max_attempts:
-                err.args = (f"{err.args[0]} (gave up after {attempts} attempts)", *err.args[1:])
+                err.args = (f"{err.args[0]} (gave up after {_attempts(attempts)})", *err.args[1:])
                 raise err from None
         except aiohttp.ClientConnectorError as exc:  # nothing was sent: always safe to retry
             if attempts >= policy.max_attempts:
                 raise TransportError(
-                    f"{what}: cannot connect to {base} after {attempts} attempts ({_describe(exc)}). "
+                    f"{what}: cannot connect to {base} after {_attempts(attempts)} ({_describe(exc)}). "
                     "Is the server running and the URL right?"
                 ) from None
             delay = policy.delay(attempts)
@@ -617,7 +621,7 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
                         f"{what}: no answer within {timeout} s (attempt {attempts}); raise Timeouts.request if the "
                         "server is slow."
                     ) from None
-                raise TransportError(f"{what}: connection failed after {attempts} attempt(s) ({_describe(exc)})"
+                raise TransportError(f"{what}: connection failed after {_attempts(attempts)} ({_describe(exc)})"
                                      ) from None
             delay = policy.delay(attempts)
         logger.debug("%s: attempt %d failed; retrying in %.2f s", what, attempts, delay)

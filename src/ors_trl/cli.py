@@ -16,10 +16,11 @@ import importlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import sys
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
@@ -53,24 +54,25 @@ class _UsageError(Exception):
     """A command-line problem found after parsing (exit code 2)."""
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+def _number(kind: type[int] | type[float], low: float, *, strict: bool = False) -> Callable[[str], Any]:
+    """An argparse type: `kind` at least `low` (above it with `strict`), with a message naming the bound."""
+    want = f"{'an integer' if kind is int else 'a number'} {'>' if strict else '>='} {low:g}"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if not (value > low if strict else value >= low) or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+_non_negative_int = _number(int, 0)
+_positive_int = _number(int, 1)
+_positive_seconds = _number(float, 0, strict=True)
 
 
 def _indices(text: str) -> list[int]:
@@ -102,6 +104,24 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env-name", metavar="N", help="environment on a server hosting several (default: the first)")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
+    p.add_argument("--timeout", metavar="S", type=_positive_seconds,
+                   help="seconds for connecting and for each request to the environment server other than a tool "
+                        "call (default 10 to connect, 60 per request)")
+    p.add_argument("--retries", metavar="N", type=_non_negative_int,
+                   help="retries of a request after a network error or 429/502/503/504 (default 5)")
+
+
+def _client_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`timeouts=`/`retry=` for a client from --timeout/--retries (the client's defaults where not given)."""
+    from ._transport import RetryPolicy, Timeouts
+
+    options: dict[str, Any] = {}
+    if args.timeout is not None:
+        options["timeouts"] = Timeouts(connect=min(args.timeout, Timeouts.connect or args.timeout),
+                                       request=args.timeout)
+    if args.retries is not None:
+        options["retry"] = RetryPolicy(max_attempts=args.retries + 1)
+    return options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,7 +262,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.tasks < 0:
         raise _UsageError("--tasks must be >= 0")
     info = inspect_target(args.target, env_name=args.env_name, split=args.split, tasks=args.tasks,
-                          probe=not args.no_probe, probe_index=args.probe_index)
+                          probe=not args.no_probe, probe_index=args.probe_index, **_client_options(args))
     if args.json:
         _print_json(info)
     else:
@@ -272,7 +292,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         policy = args.model
     # The spec is built like a training spec with the same selection, so the tools bound are those training binds.
     spec = OpenRewardSpec(args.target, split=args.split, env_name=args.env_name, num_tasks=args.num_tasks,
-                          indices=args.indices, score_groups=args.score_groups)
+                          indices=args.indices, score_groups=args.score_groups, **_client_options(args))
     report = spec.evaluate(
         policy, num_tasks=args.num_tasks, indices=args.indices, repeats=args.repeats,
         concurrency=args.concurrency, max_turns=args.max_turns, output=args.output, resume=args.resume,

@@ -216,6 +216,24 @@ def test_start_failure_reports_server_output() -> None:
     server.close()
 
 
+def test_log_file_is_removed_without_close() -> None:
+    """A script that stops its server but never closes it (or just exits) leaves no log in the temp folder."""
+    script = (
+        "import sys\n"
+        "from ors_trl.testing import ReferenceServer\n"
+        "stopped = ReferenceServer(['ors_trl.demo._environments:EchoEnvironment']).start()\n"
+        "stopped.stop()\n"
+        "running = ReferenceServer(['ors_trl.demo._environments:EchoEnvironment']).start()\n"
+        "print(stopped.log_path, running.log_path, flush=True)\n"
+        "import os; assert os.path.exists(stopped.log_path) and os.path.exists(running.log_path)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    paths = done.stdout.split()
+    assert len(paths) == 2
+    assert [p for p in paths if os.path.exists(p)] == []
+
+
 def test_list_environments_shows_every_env(ref_server: ReferenceServer) -> None:
     reply = http(ref_server, "GET", "/list_environments")
     assert reply.status == 200

@@ -416,7 +416,7 @@ def run_demo(
         for spec in specs:
             spec.close()
         if server is not None:
-            server.stop()
+            server.close()
 
 
 def _checking_alignment(reward_func: Callable[..., list[float | None]], tokenizer: Any, tools: list[Any],

@@ -28,6 +28,7 @@ wait (``max_seconds``) so that a forgotten hang cannot outlive a test by long.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import socket
@@ -480,15 +481,18 @@ class FaultProxy:
     Args:
         upstream: base URL requests are forwarded to (``http://127.0.0.1:PORT``), or None.
         host: loopback address to bind.
+        max_log: how many of the newest requests `requests` and `count` remember (a soak run stays bounded).
     """
 
-    def __init__(self, upstream: str | None = None, *, host: str = LOOPBACK) -> None:
+    def __init__(self, upstream: str | None = None, *, host: str = LOOPBACK, max_log: int = 100_000) -> None:
         _require_loopback(host)
+        if max_log < 1:
+            raise ValueError(f"max_log must be at least 1, got {max_log}")
         self.upstream = upstream.rstrip("/") if upstream else None
         self.host = host
         self.port: int | None = None
         self._rules: list[_Rule] = []
-        self._log: list[Seen] = []
+        self._log: collections.deque[Seen] = collections.deque(maxlen=max_log)
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -518,7 +522,7 @@ class FaultProxy:
 
     @property
     def requests(self) -> list[Seen]:
-        """Every request received so far, in order."""
+        """Every request received so far (the newest `max_log`), in order."""
         with self._lock:
             return list(self._log)
 

@@ -292,6 +292,11 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _LIVE: weakref.WeakSet[ReferenceServer] = weakref.WeakSet()
 
 
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
 @atexit.register
 def _stop_leftovers() -> None:
     for server in list(_LIVE):
@@ -357,7 +362,7 @@ class ReferenceServer:
 
     @property
     def log_path(self) -> str | None:
-        """The file the server's stdout and stderr go to (kept until ``close()``)."""
+        """The file the server's stdout and stderr go to (deleted on ``close()``, collection or process exit)."""
         return self._log_path
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -419,8 +424,7 @@ class ReferenceServer:
         """Stop the server and delete its log file."""
         self.stop()
         if self._log_path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self._log_path)
+            self._drop_log()
             self._log_path = None
 
     def __enter__(self) -> ReferenceServer:
@@ -495,6 +499,8 @@ class ReferenceServer:
         if self._log_path is None:
             fd, self._log_path = tempfile.mkstemp(prefix="ors-ref-server-", suffix=".log")
             os.close(fd)
+            # Deleted on close(), or when this object is collected or the process exits without one.
+            self._drop_log = weakref.finalize(self, _unlink_quietly, self._log_path)
         child_env = dict(os.environ)
         child_env.update(self.extra_env)
         child_env[_UPDATE_CHECK_ENV] = "1"
