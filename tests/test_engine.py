@@ -103,7 +103,9 @@ def run_batch(trainer, rows: list[dict]) -> dict:
 
 @pytest.fixture
 def echo_spec(ref_server):
-    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment")
+    # A fixed gather window: every rollout of a turn joins its generation call, so the batches (and with them
+    # the padded greedy numerics) are TRL's own, turn by turn; the automatic window would not wait for them.
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", gather_window=1.0)
     yield spec
     spec.close()
 
@@ -193,17 +195,22 @@ def test_engine_episode_timeout_scores_none(tiny_model_dir, make_server, tmp_pat
     assert server.stats()["open_sessions"] == 0
 
 
-@pytest.mark.parametrize(("generation_s", "straggler_s", "calls"), [
-    (0.0, 2.0, [4, 3, 1]),  # generating is cheap: the ready rollouts go on without the straggler
-    (2.0, 0.3, [4, 4]),  # generating costs more than the straggler's wait: they wait for it and go together
+@pytest.mark.parametrize(("window", "auto_max", "generation_s", "straggler_s", "calls"), [
+    (None, None, 0.0, 2.0, [4, 3, 1]),  # automatic, generating is cheap: the ready ones go on without the straggler
+    (None, 5.0, 2.0, 0.3, [4, 4]),  # automatic, generating costs more than the wait: they wait and go together
+    (5.0, None, 0.0, 2.0, [4, 4]),  # a fixed gather_window is waited out however cheap generating is
 ])
-def test_engine_waits_for_company_only_when_generating_costs_more(tiny_model_dir, make_server, tmp_path,
-                                                                  generation_s, straggler_s, calls):
-    """The gather window (here a long 5 s) is capped at half of what a generation call takes."""
+def test_engine_waits_for_company_only_when_generating_costs_more(tiny_model_dir, make_server, tmp_path, monkeypatch,
+                                                                  window, auto_max, generation_s, straggler_s, calls):
+    """The automatic gather window is capped at half of what a generation call takes; a fixed one is kept."""
     import time
 
+    from ors_trl import _engine
+
+    if auto_max is not None:
+        monkeypatch.setattr(_engine, "AUTO_GATHER_WINDOW", auto_max)
     server = make_server("slow")
-    spec = OpenRewardSpec(server.url, num_tasks=2, gather_window=5.0)
+    spec = OpenRewardSpec(server.url, num_tasks=2, gather_window=window)
     trainer = make_trainer(tiny_model_dir, spec, "engine", tmp_path)
     tok = trainer._tokenizer
 
@@ -224,6 +231,14 @@ def test_engine_waits_for_company_only_when_generating_costs_more(tiny_model_dir
     assert engine.generation_calls[before:] == calls
     assert server.stats()["done"].get("slowenvironment/sleep", 0) == 4
     assert server.stats()["open_sessions"] == 0
+
+
+def test_gather_window_must_be_a_non_negative_number(ref_server) -> None:
+    from ors_trl import ConfigurationError
+
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ConfigurationError, match="gather_window"):
+            OpenRewardSpec(ref_server.url, env_name="echoenvironment", gather_window=bad)
 
 
 def test_engine_failed_open_is_a_none_scored_rollout(tiny_model_dir, echo_spec, tmp_path):

@@ -169,7 +169,9 @@ def check_alignment(out: dict, tok) -> None:
 
 @pytest.fixture
 def echo_spec(ref_server):
-    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment")
+    # A fixed gather window: every rollout of a turn joins its generation call, so the batches (and with them
+    # the padded greedy numerics) are TRL's own, turn by turn; the automatic window would not wait for them.
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", gather_window=1.0)
     yield spec
     spec.close()
 
@@ -254,7 +256,7 @@ def test_server_mode_two_processes_pass_the_same_number_of_prompts(tiny_model_di
     server's gather and per-position slicing would break (here: a broken barrier, or wrong completions)."""
     group = ThreadGroup(2)
     words = {0: WRONG_FIRST[:2], 1: RIGHT_FIRST[:2]}
-    specs = {r: OpenRewardSpec(ref_server.url, env_name="echoenvironment") for r in (0, 1)}
+    specs = {r: OpenRewardSpec(ref_server.url, env_name="echoenvironment", gather_window=1.0) for r in (0, 1)}
     trainers, fakes, outs, errors = {}, {}, {}, {}
     try:
         for rank in (0, 1):

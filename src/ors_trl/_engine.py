@@ -4,9 +4,9 @@ TRL's own loop runs a batch turn by turn: every rollout waits for the slowest to
 turn before anyone generates again. The engine lets each rollout advance on its own: its session
 opens, it is rendered and generated for, its tool calls run (on the background loop, concurrently
 with every other rollout's), it is generated for again, and so on, while generation batches
-whatever rollouts are ready at that moment (waiting for others at most `gather_window` seconds and at
-most half of what a generation call has been taking: company is worth waiting for only when generating
-costs more than the wait). A slow tool call delays only its own rollout, so a step takes about as long as its slowest single
+whatever rollouts are ready at that moment (by default waiting for others at most 0.05 s and at most
+half of what a generation call has been taking: company is worth waiting for only when generating costs
+more than the wait; `gather_window=` fixes the wait instead). A slow tool call delays only its own rollout, so a step takes about as long as its slowest single
 rollout instead of the sum over turns of each turn's slowest call.
 
 Each rollout follows TRL's tool loop exactly (same chat template, tool-call parsing, tool-result
@@ -40,6 +40,7 @@ logger = logging.getLogger("ors_trl")
 
 #: Key of the prompt message that carries a row's task identity (written by the specs' datasets).
 TASK_KEY = "ors_task"
+AUTO_GATHER_WINDOW = 0.05  # the automatic gather window's longest wait, in seconds
 
 
 def task_of(prompt: Sequence[Mapping[str, Any]]) -> Task:
@@ -85,9 +86,10 @@ class RolloutEngine:
         environments: environment key (None for a single spec) -> its runtime.
         episode_timeout: wall-clock seconds one episode may take (None: no limit); it is then closed and
             scored None.
-        gather_window: the most seconds generation waits for more rollouts to be ready before it runs for those
-            that are; the wait is also kept under half the recent duration of a generation call, so a cheap
-            generator (an API, a small model) does not add the window to every turn of the slowest rollout.
+        gather_window: seconds generation waits for more rollouts to be ready before it runs for those that
+            are. None (the default): at most `AUTO_GATHER_WINDOW` and at most half the recent duration of a
+            generation call, so a cheap generator (an API, a small model) does not add a wait to every turn
+            of the slowest rollout, while an expensive one still gets full batches.
         turn_barrier: wait for every rollout before each generation (TRL's turn-by-turn schedule), for comparison.
 
     Episodes of an environment whose spec has `score_groups=True` are also scored as GRPO groups with its
@@ -95,7 +97,7 @@ class RolloutEngine:
     """
 
     def __init__(self, environments: Mapping[str | None, EnvironmentRuntime], *, episode_timeout: float | None = None,
-                 gather_window: float = 0.05, turn_barrier: bool = False) -> None:
+                 gather_window: float | None = None, turn_barrier: bool = False) -> None:
         if episode_timeout is not None and episode_timeout <= 0:
             raise ConfigurationError("episode_timeout must be positive or None")
         self.environments = dict(environments)
@@ -195,10 +197,12 @@ class RolloutEngine:
                                     return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _window(self) -> float:
-        """How long a ready rollout waits for company: `gather_window`, capped at half a generation call."""
-        if self._generation_s is None:
+        """How long a ready rollout waits for company: `gather_window`, else the automatic rule."""
+        if self.gather_window is not None:
             return self.gather_window
-        return min(self.gather_window, self._generation_s / 2)
+        if self._generation_s is None:
+            return AUTO_GATHER_WINDOW
+        return min(AUTO_GATHER_WINDOW, self._generation_s / 2)
 
     def _advance(self, r: _Rollout, trainer: Any) -> None:
         """Move a rollout on once its network work is done (or its time is up)."""

@@ -130,8 +130,8 @@ class OpenRewardSpec:
             counts it as that score.
         score_groups: provide `group_reward_func`, the environment's comparative reward of each GRPO
             group (`/score_group`), and keep finished sessions until the step ends for it.
-        gather_window: with `rollout_func`, the most seconds generation waits for more rollouts to be ready
-            (also kept under half of what a generation call takes).
+        gather_window: with `rollout_func`, seconds generation waits for more rollouts to be ready; None
+            (default): at most 0.05 s and at most half of what a generation call takes.
     """
 
     def __init__(
@@ -160,7 +160,7 @@ class OpenRewardSpec:
         episode_timeout: float | None = None,
         unscored_reward: float | None = None,
         score_groups: bool = False,
-        gather_window: float = 0.05,
+        gather_window: float | None = None,
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self._options = options
@@ -175,6 +175,8 @@ class OpenRewardSpec:
             raise ConfigurationError(f"max_concurrent_tool_calls must be an int >= 1, got {max_concurrent_tool_calls!r}")
         if episode_timeout is not None and episode_timeout <= 0:
             raise ConfigurationError("episode_timeout must be positive or None")
+        if gather_window is not None and not gather_window >= 0:  # also refuses NaN
+            raise ConfigurationError(f"gather_window must be >= 0 seconds or None (automatic), got {gather_window!r}")
         self._split = split
         self._unscored_reward = None if unscored_reward is None else float(unscored_reward)
         # In catalog mode the key also goes to the environment as its conventional `api_key` secret, unless the

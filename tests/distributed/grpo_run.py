@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                     "open_at_step_end": []}
     phase = ["setup"]
 
-    spec = OpenRewardSpec(args.url, env_name=ENV_NAME, num_tasks=args.num_tasks)
+    # A fixed gather window: each turn's rollouts share one generation call, so the calls the test counts are fixed.
+    spec = OpenRewardSpec(args.url, env_name=ENV_NAME, num_tasks=args.num_tasks, gather_window=1.0)
     client = spec.client
     real_open = client.open_session
 
