@@ -699,11 +699,11 @@ def test_server_exits_when_its_launcher_dies() -> None:
         "import os, sys\n"
         "from ors_trl.testing import ReferenceServer\n"
         "server = ReferenceServer('ors_trl.demo._environments:EchoEnvironment').start()\n"
-        "print(server.pid, flush=True)\n"
+        "print(server.pid, server.log_path, flush=True)\n"
         "os._exit(0)  # no atexit, no cleanup: like a crashed test run\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    pid = int(out.stdout.split()[0])
+    pid, log_path = int(out.stdout.split()[0]), out.stdout.split()[1]
     try:
         deadline = time.monotonic() + 15
         while _alive(pid) and time.monotonic() < deadline:
@@ -712,3 +712,4 @@ def test_server_exits_when_its_launcher_dies() -> None:
     finally:
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
+        os.unlink(log_path)  # a crashed launcher cannot delete it; the test does
