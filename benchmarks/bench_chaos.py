@@ -73,7 +73,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from ors_trl import RetryPolicy, Timeouts  # noqa: E402
 from ors_trl.testing import FaultProxy, ReferenceServer, free_port  # noqa: E402
 from ors_trl.testing.faults import DropStream, Fault, Reset, Seen, Stall, Status  # noqa: E402
-from tests.fixtures.generation import tool_call_text  # noqa: E402
+from tests.fixtures.generation import cpu_grpo_trainer, tool_call_text  # noqa: E402
 
 ENV = "chaosenvironment"
 #: The suite's fixture environment, imported by the server process only (importing `openreward` here would add
@@ -266,29 +266,10 @@ def build_model_dir(turns: int, workdir: str) -> str:
 
 
 def make_trainer(model_dir: str, out_dir: str, spec: Any, mode: str, args: argparse.Namespace) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
-    torch.manual_seed(0)
-    config = GRPOConfig(
-        output_dir=out_dir,
-        per_device_train_batch_size=args.rollouts,
-        num_generations=args.generations,
-        max_completion_length=48 * args.turns + 64,
-        max_tool_calling_iterations=args.turns,
-        beta=0.0,
-        report_to="none",
-        use_cpu=True,
-        max_steps=1,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
     path = {"environment_factory": spec.environment_factory} if mode == "env" else {"rollout_func": spec.rollout_func}
-    return GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir),
-                       processing_class=AutoTokenizer.from_pretrained(model_dir), args=config,
-                       train_dataset=spec.train_dataset, reward_funcs=spec.reward_funcs, **path)
+    return cpu_grpo_trainer(model_dir, out_dir, batch=args.rollouts, generations=args.generations, turns=args.turns,
+                            completion_length=48 * args.turns + 64, train_dataset=spec.train_dataset,
+                            reward_funcs=spec.reward_funcs, **path)
 
 
 # -- measuring --------------------------------------------------------------------------------------------------------

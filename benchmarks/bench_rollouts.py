@@ -106,7 +106,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from ors_trl.testing import ReferenceServer  # noqa: E402
 from tests.fixtures.environments import HeavyTail, HeavyTailEnvironment, SlowEnvironment  # noqa: E402
 from tests.fixtures.environments import server as fixture_server  # noqa: E402
-from tests.fixtures.generation import work_turn_by_turn  # noqa: E402
+from tests.fixtures.generation import cpu_grpo_trainer, work_turn_by_turn  # noqa: E402
 
 #: workload -> (fixture short name, environment key on the wire)
 WORKLOADS = {"uniform": ("slow", SlowEnvironment.key()), "heavy": ("heavy", HeavyTailEnvironment.key())}
@@ -218,33 +218,9 @@ def build_model_dir(url: str, env: str, turns: int, workdir: str) -> str:
 def make_trainer(
     model_dir: str, out_dir: str, dataset: Any, reward: Callable[..., Any], args: argparse.Namespace, **kwargs: Any
 ) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
-    torch.manual_seed(0)
-    config = GRPOConfig(
-        output_dir=out_dir,
-        per_device_train_batch_size=args.rollouts,
-        num_generations=args.generations,
-        max_completion_length=64 * args.turns + 256,
-        max_tool_calling_iterations=args.turns,
-        beta=0.0,
-        report_to="none",
-        use_cpu=True,
-        max_steps=1,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
-        args=config,
-        train_dataset=dataset,
-        reward_funcs=reward,
-        **kwargs,
-    )
+    trainer = cpu_grpo_trainer(model_dir, out_dir, batch=args.rollouts, generations=args.generations,
+                               turns=args.turns, completion_length=64 * args.turns + 256, train_dataset=dataset,
+                               reward_funcs=reward, **kwargs)
     # the scripted model: work(step=k) on turn k, then "Done." (tests.fixtures.generation)
     trainer._generate_single_turn = work_turn_by_turn(trainer.processing_class, args.turns)
     return trainer
