@@ -6,8 +6,9 @@ opens, it is rendered and generated for, its tool calls run (on the background l
 with every other rollout's), it is generated for again, and so on, while generation batches
 whatever rollouts are ready at that moment (by default waiting for others at most 0.05 s and at most
 half of what a generation call has been taking: company is worth waiting for only when generating costs
-more than the wait; `gather_window=` fixes the wait instead). A slow tool call delays only its own rollout, so a step takes about as long as its slowest single
-rollout instead of the sum over turns of each turn's slowest call.
+more than the wait; `gather_window=` fixes the wait instead). A slow tool call delays only its own
+rollout, so a step takes about as long as its slowest single rollout instead of the sum over turns of
+each turn's slowest call.
 
 Each rollout follows TRL's tool loop exactly (same chat template, tool-call parsing, tool-result
 formatting, `max_completion_length` and `max_tool_calling_iterations` rules), so with greedy
