@@ -30,7 +30,6 @@ import functools
 import json
 import logging
 import random
-import unicodedata
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -58,6 +57,7 @@ from ._exceptions import (
     UsageError,
 )
 from ._target import Target, _host_port
+from ._text import escape_controls
 from ._version import __version__
 
 __all__ = ["RetryPolicy", "Timeouts", "Transport"]
@@ -142,8 +142,7 @@ def readable(text: str, limit: int = _QUOTE_LIMIT) -> str:
     text = text.strip()
     if len(text) > limit:
         text = f"{text[:limit]}... [{len(text) - limit} more characters]"
-    return "".join(c if c in "\n\t" or unicodedata.category(c) not in ("Cc", "Cf")
-                   else c.encode("unicode_escape").decode("ascii") for c in text)
+    return escape_controls(text)
 
 
 def _detail_of(text: str) -> str:
