@@ -123,8 +123,8 @@ class OpenRewardSpec:
             across the batch at once at its first call (each rollout's calls still in order).
         async_tools: bind tools as coroutine methods (TRL gathers a rollout's parallel calls).
         max_concurrent_tool_calls: tool calls in flight at once, per environment.
-        episode_timeout: with `rollout_func`, wall-clock seconds an episode may take before it is closed
-            and scored None.
+        episode_timeout: with `rollout_func` (and as `evaluate`'s default), wall-clock seconds an episode may
+            take before it is closed and scored None.
         unscored_reward: what `reward_funcs` gives a rollout the environment never scored. None (the
             default, TRL's convention) leaves it out of the advantage baseline; a number (e.g. 0.0)
             counts it as that score.
@@ -431,7 +431,8 @@ class OpenRewardSpec:
         Args:
             policy: a local model directory, a `(model, tokenizer)` pair, an `OpenAIPolicy`, or any `Policy`.
             num_tasks: the first `num_tasks` tasks; `indices`: exactly these. Default: the spec's own selection.
-            **kwargs: see `ors_trl._eval.evaluate` (repeats, concurrency, max_turns, output, resume, ...).
+            **kwargs: see `ors_trl._eval.evaluate` (repeats, concurrency, max_turns, output, resume, ...);
+                `episode_timeout` defaults to this spec's own.
 
         Returns:
             An `EvalReport` (mean reward, grading coverage, finished rate, tool calls/failures per episode).
@@ -441,4 +442,5 @@ class OpenRewardSpec:
         if num_tasks is None and indices is None:
             num_tasks, indices = self._num_tasks, self._indices
         _ = self._tools  # bind as training does
+        kwargs.setdefault("episode_timeout", self._options["episode_timeout"])
         return evaluate(self._runtime, policy, num_tasks=num_tasks, indices=indices, **kwargs)
