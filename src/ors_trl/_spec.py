@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import copyreg
+import json
 import logging
 import re
 import threading
@@ -27,6 +28,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import _trl
 from ._adapter import OpenRewardEnvironment, for_this_process
 from ._binding import Toolset
 from ._client import AsyncClient
@@ -49,7 +51,8 @@ __all__ = ["OpenRewardSpec"]
 
 logger = logging.getLogger("ors_trl")
 
-_PROBE_CONCURRENCY = 16
+#: Tool-discovery sessions open at once (each may be a sandbox on a catalog environment).
+PROBE_CONCURRENCY = 4
 #: Episode logs are bounded: long texts are cut, and the file stops growing at this size.
 EPISODE_LOG_MAX_BYTES = 256 * 1024 * 1024
 EPISODE_LOG_MAX_TEXT = 8_000
@@ -303,7 +306,8 @@ class OpenRewardSpec:
         if dropped:
             logger.warning("%s: tool discovery indices %s are out of range (split %r has %d tasks); ignored.",
                            self.name, dropped, self._split, total)
-        gate = asyncio.Semaphore(_PROBE_CONCURRENCY)
+        probes = await self._distinct_tasks(probes)
+        gate = asyncio.Semaphore(PROBE_CONCURRENCY)
 
         async def probe(index: int) -> Any:
             async with gate:
@@ -330,6 +334,20 @@ class OpenRewardSpec:
         if probes and all(isinstance(r, BaseException) for r in results):
             logger.warning("%s: every tool discovery session failed; binding shared tools only.", self.name)
         return list(merged.values()), terminal, *features
+
+    async def _distinct_tasks(self, indices: list[int]) -> list[int]:
+        """One index per distinct task among `indices` (tasks with equal specs advertise the same task tools)."""
+        if len(indices) < 2:
+            return indices
+        try:
+            specs = await fetch_tasks(self._client, self._split, indices, name=self.name)
+        except ORSError as exc:
+            logger.warning("%s: could not fetch the tasks to probe (%s); probing every index.", self.name, exc)
+            return indices
+        first: dict[str, int] = {}
+        for index in indices:
+            first.setdefault(json.dumps(specs.get(index), sort_keys=True, default=str), index)
+        return list(first.values())
 
     @cached_property
     def _tools(self) -> tuple[list[ToolSpec], TerminalTool | None, bool, tuple[str, ...] | None]:
@@ -382,8 +400,10 @@ class OpenRewardSpec:
         """The rollout engine for `GRPOTrainer(rollout_func=...)`.
 
         Use it instead of `environment_factory` (not with it), with `train_dataset` and `reward_funcs`: every
-        episode of a batch runs on its own, sessions open concurrently and tool calls overlap.
+        episode of a batch runs on its own, sessions open concurrently and tool calls overlap. Raises `UsageError`
+        on a TRL version it was not verified against (`environment_factory` works there).
         """
+        _trl.require_engine()
         _ = self._tools
         return RolloutEngine({None: self._runtime}, episode_timeout=self._options["episode_timeout"],
                              gather_window=self._options["gather_window"])
