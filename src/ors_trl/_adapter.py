@@ -93,6 +93,9 @@ class _NotATool:
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         return self if obj is None else types.MethodType(self.__func__, obj)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # `OpenRewardEnvironment.close(env)`
+        return self.__func__(*args, **kwargs)
+
 
 class OpenRewardEnvironment:
     """One rollout's view of an ORS environment; TRL's `environment_factory` returns these.

@@ -110,9 +110,12 @@ class OpenRewardSpec:
         secrets: per-session secrets (`X-Secrets`), for every session. In catalog mode, when not given,
             the API key is forwarded as the conventional `api_key` secret.
         env_name: which environment on a server that hosts several.
-        include_metadata: copy each task's fields into dataset columns (reward functions see them).
+        include_metadata: copy each task's fields into dataset columns (reward functions see them); a field
+            named like a keyword TRL passes itself (`self`, `prompts`, `completions`, ...: `RESERVED_COLUMNS`
+            of `ors_trl._tasks`) is kept as `task_<name>`, and the log says so once.
         discover_task_tools: open probe sessions to bind task-specific tools (`/task_tools`), not only
-            the shared ones.
+            the shared ones: one per distinct task of `indices` (task 0 otherwise), `PROBE_CONCURRENCY` (4)
+            at once; every probed task's tools are bound.
         task_tools_discovery_index: probe only this task index.
         cache_prompts: return cached prompts from repeated resets of one task while sessions open in
             the background (one session-open wait per distinct task, not per rollout).
