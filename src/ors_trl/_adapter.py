@@ -27,13 +27,14 @@ import concurrent.futures
 import logging
 import os
 import threading
+import types
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from . import _trl
 from ._episode import EnvironmentRuntime, Episode, Outcome, Task
-from ._exceptions import ToolRefusedError, UsageError
+from ._exceptions import ORSError, ToolRefusedError, UsageError
 from ._loop import get_loop
 from ._text import show_json
 
@@ -78,11 +79,30 @@ class _Ahead:
         self.future: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
 
 
+class _NotATool:
+    """A public adapter method that TRL does not take for a tool.
+
+    TRL offers the model every public function of the adapter class (`inspect.getmembers(cls, inspect.isfunction)`
+    but `reset` and `get_reward`); read off the class, this is a descriptor object, not a function.
+    """
+
+    def __init__(self, func: Callable[..., Any]) -> None:
+        self.__func__ = func
+        self.__doc__, self.__name__ = func.__doc__, func.__name__
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else types.MethodType(self.__func__, obj)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # `OpenRewardEnvironment.close(env)`
+        return self.__func__(*args, **kwargs)
+
+
 class OpenRewardEnvironment:
     """One rollout's view of an ORS environment; TRL's `environment_factory` returns these.
 
     What TRL collects (`inspect.getmembers(type(env), inspect.isfunction)`): `reset(**row)` and one method
-    per environment tool, under the environment's exact tool name (`__name__`).
+    per environment tool, under the environment's exact tool name (`__name__`). `close()` (TRL's adapter
+    calls it `_close()`) ends the rollout's episode and frees its session now.
 
     Attributes:
         reward: last non-None reward of the episode (outcome convention); None if nothing was scored.
@@ -180,6 +200,26 @@ class OpenRewardEnvironment:
         if self._episode is not None:
             self._episode.release()
 
+    def _close_now(self) -> None:
+        """End this rollout's episode now: account it, write its record and wait (bounded) until the server has
+        deleted its session, as a release does in the background. Idempotent; the reward and the rest of the
+        episode's state stay readable. Never raises for environment failures (a slow delete is logged).
+
+        `_close()` is the name TRL's own adapter (and scripts written against it) use.
+        """
+        self._settle_ahead()
+        pre, self._preopened = self._preopened, None
+        episodes = [ep for ep in (self._episode, pre[1] if pre is not None else None) if ep is not None]
+        if not episodes:
+            return
+        try:
+            self._runtime.bg.run(_close_episodes(episodes), timeout=_SETTLE_TIMEOUT_S)
+        except ORSError as exc:
+            logger.warning("%s: closing the episode's session did not finish: %s", self._runtime.name, exc)
+
+    close = _NotATool(_close_now)
+    _close = _close_now
+
     # -- tool calls --------------------------------------------------------------------------------
 
     def _current(self) -> Episode:
@@ -263,6 +303,12 @@ class OpenRewardEnvironment:
         _, running = concurrent.futures.wait([a.future for a in entries], timeout=_SETTLE_TIMEOUT_S)
         if running:
             logger.warning("%s: %d tool call(s) started ahead are still running", self._runtime.name, len(running))
+
+
+async def _close_episodes(episodes: list[Episode]) -> None:
+    """Close each episode (its record, once), then wait for its session's delete, also one started elsewhere."""
+    await asyncio.gather(*(ep.close() for ep in episodes), return_exceptions=True)
+    await asyncio.gather(*(ep.close_session() for ep in episodes), return_exceptions=True)
 
 
 async def _run_chain(ep: Episode | None, chain: list[_Ahead], env: OpenRewardEnvironment) -> None:

@@ -481,9 +481,10 @@ class Episode:
         """The model's final plain message, when it wrote one."""
         return self.final.get("message") if self.final else None
 
-    def _count_call(self, seconds: float, kind: str | None) -> None:
+    def _count_call(self, seconds: float, kind: str | None, *, terminal: bool = False) -> None:
+        """Count a call: the model's tool call, or (`terminal`) the harness's call of the hidden terminal tool."""
         if self._metrics is not None:
-            self._metrics.record_call(self.env.name, seconds, kind)
+            self._metrics.record_call(self.env.name, seconds, kind, terminal=terminal)
 
     def _close_session_soon(self) -> None:
         session = self.session
@@ -509,13 +510,13 @@ class Episode:
                 result = await self._remote(terminal.name, terminal.arguments(message))
             except ORSError as exc:
                 self.final.update(error=_error(exc), seconds=round(time.monotonic() - started, 4))
-                self._count_call(time.monotonic() - started, exc.kind)
+                self._count_call(time.monotonic() - started, exc.kind, terminal=True)
             else:
                 self.final.update(output=clip(result.text, self.env.max_output_chars), reward=result.reward,
                                   finished=result.finished, metadata=result.metadata,
                                   seconds=round(time.monotonic() - started, 4))
                 self._scored(result)
-                self._count_call(time.monotonic() - started, None)
+                self._count_call(time.monotonic() - started, None, terminal=True)
         elif message is not None:
             self.final = {"message": message}
         self.end_reason = "finished" if self.finished else reason

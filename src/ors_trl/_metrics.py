@@ -41,6 +41,8 @@ class _Window:
     open_failures: int = 0
     call_latency: list[float] = field(default_factory=list)
     calls: int = 0
+    terminal_latency: list[float] = field(default_factory=list)
+    terminal_calls: int = 0
     failures: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     episodes: int = 0
     scored: int = 0
@@ -78,12 +80,18 @@ class EnvMetrics:
             elif seconds is not None and len(w.open_latency) < self.MAX_SAMPLES:
                 w.open_latency.append(seconds)
 
-    def record_call(self, env: str, seconds: float, error_kind: str | None = None) -> None:
+    def record_call(self, env: str, seconds: float, error_kind: str | None = None, *, terminal: bool = False) -> None:
+        """One tool call of the model, or (`terminal`) the harness's call of the environment's hidden terminal
+        tool: counted apart (`terminal_calls`, `terminal_call_s`), as the model never called it."""
         with self._lock:
             w = self._windows[env]
-            w.calls += 1
-            if len(w.call_latency) < self.MAX_SAMPLES:
-                w.call_latency.append(seconds)
+            if terminal:
+                w.terminal_calls += 1
+            else:
+                w.calls += 1
+            latency = w.terminal_latency if terminal else w.call_latency
+            if len(latency) < self.MAX_SAMPLES:
+                latency.append(seconds)
             if error_kind is not None:
                 w.failures[failure_kind(error_kind)] += 1
 
@@ -128,6 +136,8 @@ class EnvMetrics:
             total.open_failures += w.open_failures
             total.call_latency += w.call_latency
             total.calls += w.calls
+            total.terminal_latency += w.terminal_latency
+            total.terminal_calls += w.terminal_calls
             for k, v in w.failures.items():
                 total.failures[k] += v
             total.episodes += w.episodes
@@ -166,7 +176,9 @@ def _window_metrics(prefix: str, w: _Window) -> dict[str, float]:
         out[prefix + "group_failures"] = float(w.group_failures)
     if w.calls:
         out[prefix + "tool_calls"] = float(w.calls)
-    if w.calls or w.failures:
+    if w.terminal_calls:
+        out[prefix + "terminal_calls"] = float(w.terminal_calls)
+    if w.calls or w.terminal_calls or w.failures:
         for kind in FAILURE_KINDS:
             out[prefix + f"failures/{kind}"] = float(w.failures.get(kind, 0))
     if w.open_failures:
@@ -174,7 +186,8 @@ def _window_metrics(prefix: str, w: _Window) -> dict[str, float]:
     if w.open_latency:
         out[prefix + "session_open_s/p50"] = _percentile(w.open_latency, 0.5)
         out[prefix + "session_open_s/p95"] = _percentile(w.open_latency, 0.95)
-    if w.call_latency:
-        out[prefix + "tool_call_s/p50"] = _percentile(w.call_latency, 0.5)
-        out[prefix + "tool_call_s/p95"] = _percentile(w.call_latency, 0.95)
+    for name, latency in (("tool_call_s", w.call_latency), ("terminal_call_s", w.terminal_latency)):
+        if latency:
+            out[prefix + f"{name}/p50"] = _percentile(latency, 0.5)
+            out[prefix + f"{name}/p95"] = _percentile(latency, 0.95)
     return out
