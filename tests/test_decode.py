@@ -9,14 +9,17 @@ decoded with ``surrogateescape``.
 
 from __future__ import annotations
 
+import json
 import re
+import urllib.request
 from typing import Any
 
 import pytest
 
 from ors_trl import OpenRewardSpec
+from ors_trl.testing import ReferenceServer
 from ors_trl.testing.faults import Fault, FaultProxy
-from tests.fixtures.environments import LONE_MARK
+from tests.fixtures.environments import LONE_MARK, OddTextEnvironment
 from tests.fixtures.generation import cpu_grpo_trainer, tool_call_text
 
 ODD = "oddtextenvironment"
@@ -36,21 +39,10 @@ class LoneSurrogates(Fault):
 
 
 @pytest.fixture
-def odd_url(make_server):
-    with FaultProxy(make_server("oddtext").url) as proxy:
+def odd_url():
+    with ReferenceServer([OddTextEnvironment]) as server, FaultProxy(server.url) as proxy:
         proxy.add(LoneSurrogates(), times=None)
         yield proxy.url
-
-
-def test_the_proxy_puts_a_lone_surrogate_on_the_wire(odd_url) -> None:
-    import json
-    import urllib.request
-
-    request = urllib.request.Request(f"{odd_url}/{ODD}/tasks", data=b'{"split": "train"}',
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as answer:
-        raw = answer.read()
-    assert b"\\ud800" in raw and "\ud800" in json.loads(raw)["tasks"][0]["note"]  # what the client is sent
 
 
 def test_a_grpo_step_survives_a_lone_surrogate_in_the_prompt_and_the_tool_output(tiny_model_dir, odd_url,
@@ -59,6 +51,10 @@ def test_a_grpo_step_survives_a_lone_surrogate_in_the_prompt_and_the_tool_output
     the training step died. Now the model sees U+FFFD there, the step completes, and `echo` scores 1.0 for the
     right word and 0.0 for a wrong one."""
     pytest.importorskip("trl")
+    request = urllib.request.Request(f"{odd_url}/{ODD}/tasks", data=b'{"split": "train"}',
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        assert "\ud800" in json.loads(answer.read())["tasks"][0]["note"]  # what the client is sent: a lone surrogate
     spec = OpenRewardSpec(odd_url, env_name=ODD, num_tasks=2)
     dataset = spec.train_dataset
     trainer = cpu_grpo_trainer(tiny_model_dir, str(tmp_path), batch=4, generations=2, turns=2, completion_length=64,

@@ -398,8 +398,7 @@ class _PrintenvPolicy:
         return PolicyReply(content="done")
 
 
-def test_an_environment_echoing_the_credentials_gets_them_into_no_artifact(make_server, tmp_path, monkeypatch,
-                                                                             capsys) -> None:
+def test_an_environment_echoing_the_credentials_gets_them_into_no_artifact(tmp_path, monkeypatch, capsys) -> None:
     """The key (forwarded as the `api_key` secret, as in catalog mode) and a secret echoed by an environment in its
     task fields, tool descriptions, prompt, `/messages` and `printenv`'s output: what the model is shown (TRL logs
     it as the prompt and completion: an artifact too), the episode log, `ors-trl inspect` and an eval `--output`
@@ -407,38 +406,37 @@ def test_an_environment_echoing_the_credentials_gets_them_into_no_artifact(make_
     from transformers.utils import get_json_schema
 
     from ors_trl import cli
-    from tests.fixtures.environments import LEAK_ENV
+    from ors_trl.testing import ReferenceServer
+    from tests.fixtures.environments import LEAK_ENV, SecretEchoEnvironment
 
-    server = make_server("secretecho", env={LEAK_ENV: KEY})
     secrets = {**SECRETS, "api_key": KEY}
-    log = tmp_path / "episodes.jsonl"
-    spec = OpenRewardSpec(server.url, env_name="secretechoenvironment", api_key=KEY, secrets=secrets,
-                          episode_log=str(log))
-    rows = spec.train_dataset
-    env = spec.environment_factory()
-    prompt = env.reset(**rows[0])
-    schemas = [get_json_schema(getattr(env, n)) for n in ("printenv", "whoami")]
-    output = env.printenv()
-    spec.reward_funcs(environments=[env], completions=[[{"role": "assistant", "content": "done"}]])
-    spec.close()
+    log, evaluated = tmp_path / "episodes.jsonl", tmp_path / "eval.jsonl"
+    policy = _PrintenvPolicy()
+    with ReferenceServer([SecretEchoEnvironment], env={LEAK_ENV: KEY}) as server:
+        spec = OpenRewardSpec(server.url, api_key=KEY, secrets=secrets, episode_log=str(log))
+        rows = spec.train_dataset
+        env = spec.environment_factory()
+        prompt = env.reset(**rows[0])
+        schemas = [get_json_schema(getattr(env, n)) for n in ("printenv", "whoami")]
+        output = env.printenv()
+        spec.reward_funcs(environments=[env], completions=[[{"role": "assistant", "content": "done"}]])
+        spec.close()
+
+        spec = OpenRewardSpec(server.url, api_key=KEY, secrets=secrets)
+        report = spec.evaluate(policy, output=str(evaluated), progress=False)
+        spec.close()
+
+        monkeypatch.setenv("OPENREWARD_URL", server.url)  # catalog mode against a loopback platform
+        monkeypatch.setenv("OPENREWARD_API_KEY", KEY)
+        capsys.readouterr()
+        assert cli.main(["inspect", "acme/leak", "--env-name", "secretechoenvironment"]) == 0
+        assert cli.main(["inspect", "acme/leak", "--env-name", "secretechoenvironment", "--json"]) == 0
+        inspected = capsys.readouterr()
     model_sees = {"dataset": json.dumps(rows.to_list()), "prompt": prompt, "schemas": json.dumps(schemas),
                   "tool output": output}
     assert all("***" in text for text in model_sees.values()), model_sees
     assert "PRIVATE_TOKEN=***" in output and "api_key=***" in output
-
-    policy = _PrintenvPolicy()
-    evaluated = tmp_path / "eval.jsonl"
-    spec = OpenRewardSpec(server.url, env_name="secretechoenvironment", api_key=KEY, secrets=secrets)
-    report = spec.evaluate(policy, output=str(evaluated), progress=False)
-    spec.close()
     assert report.mean_reward == 1.0  # the episodes ran: printenv scored them
-
-    monkeypatch.setenv("OPENREWARD_URL", server.url)  # catalog mode against a loopback platform
-    monkeypatch.setenv("OPENREWARD_API_KEY", KEY)
-    capsys.readouterr()
-    assert cli.main(["inspect", "acme/leak", "--env-name", "secretechoenvironment"]) == 0
-    assert cli.main(["inspect", "acme/leak", "--env-name", "secretechoenvironment", "--json"]) == 0
-    inspected = capsys.readouterr()
     artifacts = {**model_sees, "episode log": log.read_text(), "eval --output": evaluated.read_text(),
                  "eval policy": "\n".join(policy.seen), "eval summary": report.summary(),
                  "inspect": inspected.out + inspected.err}

@@ -91,7 +91,12 @@ _QUOTE_HEAD = 64 * 1024
 #: JSON's short escapes: a secret holding one of these characters may be spelled with its escape in an answer.
 _SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "/": "\\/", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
                   "\t": "\\t"}
+_ESCAPE = re.compile(r"\\u")  # a regex: with many backslashes in a text, `"\\u" in text` is slower
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+#: In JSON text: an escaped backslash (kept, so that the text "backslash, ud800" stays text), a surrogate pair (kept:
+#: one character), or a lone surrogate (written as U+FFFD). Repaired before decoding: a scan of the text, not a walk.
+_SURROGATE_ESCAPES = re.compile(r"\\(?:(\\)|u[dD][89abAB][0-9a-fA-F]{2}(\\u[dD][c-fC-F][0-9a-fA-F]{2})?|"
+                                r"u[dD][c-fC-F][0-9a-fA-F]{2})")  # one literal first: the regex engine skips ahead
 
 
 @dataclass(frozen=True)
@@ -215,6 +220,9 @@ class Decoder:
         text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8-sig", errors="replace")
         if not text.strip():
             return None
+        escaped = _ESCAPE.search(text) is not None  # decoded UTF-8 holds no surrogate: only an escape makes one
+        if escaped and _SURROGATE_ESCAPE.search(text) is not None:
+            text = _SURROGATE_ESCAPES.sub(lambda m: m[0] if m[1] or m[2] else "\\ufffd", text)
         try:
             value = json.loads(text)
         except RecursionError:
@@ -222,12 +230,8 @@ class Decoder:
         except ValueError:
             shown = self.quote(text.lstrip()[:_QUOTE_HEAD], 200)
             raise ProtocolError(f"{what}: the server answered invalid JSON: {shown!r}") from None
-        escaped = "\\u" in text  # decoded UTF-8 holds no surrogate: only an escape makes one, or spells a secret
-        broken = escaped and _SURROGATE_ESCAPE.search(text) is not None
-        secret = bool(self._secrets) and (escaped or any(p in text for p in self._probes))
-        if broken or secret:
-            value = clean_json(value, (lambda s: self.mask(repair(s))) if broken and secret else
-                               self.mask if secret else repair)
+        if self._secrets and (escaped or any(p in text for p in self._probes)):
+            value = clean_json(value, self.mask)
         return value
 
 
