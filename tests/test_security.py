@@ -477,3 +477,18 @@ def test_the_endpoint_key_of_eval_is_masked_in_errors_records_and_chains(ref_ser
     texts = {"stderr": printed.err, "stdout": printed.out, "--output": out.read_text()}
     assert "Bearer ***" in texts["--output"]
     assert {name: leaks(text) for name, text in texts.items()} == {name: [] for name in texts}
+
+
+@pytest.mark.parametrize("key", [KEY + "\n", f" {KEY}", KEY.replace("-", "\r\n", 1), KEY + "\x00",
+                                 "sk-caf\u00e9-123456"])
+def test_a_key_that_cannot_be_a_header_is_a_configuration_error_at_construction(ref_server, key) -> None:
+    """Bug: an API key with a trailing newline (read from a file) reached aiohttp, which raised an untyped ValueError
+    at the first request; now it is refused where it is given, without being shown."""
+    from ors_trl import OpenAIPolicy
+
+    for build in (lambda: OpenRewardSpec(ref_server.url, env_name="echoenvironment", api_key=key),
+                  lambda: Client("acme/echo", api_key=key),
+                  lambda: OpenAIPolicy("http://127.0.0.1:1/v1", "m", api_key=key)):
+        with pytest.raises(ConfigurationError, match="HTTP header cannot carry") as info:
+            build()
+        assert key.strip() not in str(info.value)

@@ -34,7 +34,7 @@ from ._exceptions import (
 )
 from ._loop import BackgroundLoop, get_loop
 from ._target import SecretValue, Target, encode_secrets, resolve_target
-from ._transport import RetryPolicy, Timeouts, Transport
+from ._transport import RetryPolicy, Timeouts, Transport, readable
 from ._types import (
     MASK,
     MAX_ENVIRONMENTS,
@@ -384,14 +384,14 @@ class AsyncClient:
             if len(available) > 1:
                 logger.warning(
                     "%s hosts %d environments (%s); using the server's default %r. Pass env_name= to choose.",
-                    self.target.name, len(available), ", ".join(available), available[0],
+                    self.target.name, len(available), readable(", ".join(available), 1000), available[0],
                 )
             return _env_segment(available[0])
         by_lower = {name.lower(): name for name in available}
         if wanted.lower() in by_lower:
             return _env_segment(by_lower[wanted.lower()])
         raise EnvironmentNotFoundError(
-            f"environment {wanted!r} is not on {self.target.name}; available: {', '.join(available)}. "
+            f"environment {wanted!r} is not on {self.target.name}; available: {readable(', '.join(available), 1000)}. "
             "Pass one of these as env_name=.",
             available=available,
         )
@@ -538,9 +538,9 @@ class AsyncClient:
         if _SESSION_ID.fullmatch(sid) and self._transport.mask(sid) == sid:
             return sid
         raise ProtocolError(
-            f"/create_session: the server's session id {self._transport.quote(sid[:100])!r} ({len(sid)} characters) "
-            "cannot be sent back as a header (1 to 256 visible ASCII characters, no credential); the session was not "
-            "used. The server is broken: report it to its authors."
+            f"/create_session: the server's session id {self._transport.decoder.quote(sid, 100)!r} ({len(sid)} "
+            "characters) cannot be sent back as a header (1 to 256 visible ASCII characters, no credential); the "
+            "session was not used. The server is broken: report it to its authors."
         )
 
     @_masked

@@ -197,7 +197,7 @@ class OpenAIPolicy:
                              final=resp.status != 429 and resp.status < 500)
 
         try:
-            return await retrying(self.retry, attempt, what=f"POST {url}", base=self.base_url)
+            return await retrying(self.retry, attempt, what=f"POST {url}", base=self.base_url, mask=self._decoder.mask)
         except ORSError as exc:  # an error answer, the network (TransportError), an answer past the cap
             error = exc if isinstance(exc, PolicyError) else PolicyError(str(exc))
         # Outside the `except`: the error carries no chain (aiohttp's errors and the raw answer stay behind).

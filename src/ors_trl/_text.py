@@ -95,8 +95,8 @@ def escape_controls(text: str) -> str:
 
 
 def unescape_json(text: str) -> str:
-    """`text` with JSON's string escapes (`\\u0073`, `\\n`, `\\/`...) written as the characters they stand for (pairs of
-    surrogate escapes joined, lone ones as U+FFFD): how a piece of JSON that does not decode says what it holds."""
+    """`text` with JSON's string escapes (`\\u0073`, `\\n`, `\\/`...) written as the characters they stand for (pairs
+    of surrogate escapes joined, lone ones as U+FFFD): how a piece of JSON that does not decode says what it holds."""
     if "\\" not in text:
         return text
     out = _JSON_ESCAPE.sub(lambda m: chr(int(m[1], 16)) if m[1] else _SHORT_ESCAPES[m[2]], text)

@@ -166,11 +166,11 @@ def readable(text: str, limit: int = _QUOTE_LIMIT) -> str:
 class Decoder:
     """The one way a server's bytes become Python values, so that every string of every answer is fit to keep.
 
-    Invalid UTF-8 is replaced (U+FFFD) rather than refused, lone surrogates (valid JSON, fatal to a tokenizer or a
-    file write) are repaired, and every known secret (`add`; at least 6 characters) is masked as `***` in every
-    string, dict keys included, also where the raw JSON spells it with escapes (`"\\u0073k-..."`). The walk over
-    a decoded value runs only when the raw text could hold something to fix, so a plain answer costs one
-    `json.loads` and a few substring searches.
+    Invalid UTF-8 is replaced (U+FFFD) rather than refused; lone surrogates (`"\\ud800"`: valid JSON, fatal to a
+    tokenizer or a file write) are written as U+FFFD in the JSON text before it is decoded; every known secret
+    (`add`; at least 6 characters) is masked as `***` in every string, dict keys included, also where the raw JSON
+    spells it with escapes (`"\\u0073k-..."`). Each step runs only when a scan of the raw text finds something it
+    could have to fix, so a plain answer costs one `json.loads` and a few substring searches.
     """
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
@@ -220,8 +220,7 @@ class Decoder:
         text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8-sig", errors="replace")
         if not text.strip():
             return None
-        escaped = _ESCAPE.search(text) is not None  # decoded UTF-8 holds no surrogate: only an escape makes one
-        if escaped and _SURROGATE_ESCAPE.search(text) is not None:
+        if _SURROGATE_ESCAPE.search(text) is not None:  # decoded UTF-8 holds none: only an escape makes one
             text = _SURROGATE_ESCAPES.sub(lambda m: m[0] if m[1] or m[2] else "\\ufffd", text)
         try:
             value = json.loads(text)
@@ -230,7 +229,7 @@ class Decoder:
         except ValueError:
             shown = self.quote(text.lstrip()[:_QUOTE_HEAD], 200)
             raise ProtocolError(f"{what}: the server answered invalid JSON: {shown!r}") from None
-        if self._secrets and (escaped or any(p in text for p in self._probes)):
+        if self._secrets and (_ESCAPE.search(text) is not None or any(p in text for p in self._probes)):
             value = clean_json(value, self.mask)
         return value
 
@@ -552,7 +551,7 @@ class Transport:
                 raise await self._status(resp, path, session_scoped=session_scoped)
 
         return await retrying(retry or self.retry, attempt, what=f"{method} {path}", base=base,
-                              sent_is_safe=True, timeout=self.timeouts.request)
+                              sent_is_safe=True, timeout=self.timeouts.request, mask=self.mask)
 
     @_masked
     async def events(self, path: str, *, body: Any, sid: str | None = None,
@@ -574,7 +573,7 @@ class Transport:
                 return [ev async for ev in iter_sse(resp, self.max_response_bytes)]
 
         return await retrying(self.retry, attempt, what=f"POST {path}", base=base, sent_is_safe=idempotent,
-                              timeout=self.timeouts.request)
+                              timeout=self.timeouts.request, mask=self.mask)
 
     @_masked
     async def stream(self, path: str, *, body: dict[str, Any], sid: str, what: str, tool: str
@@ -611,20 +610,21 @@ class Transport:
         while True:
             try:
                 return await retrying(self.retry, attempt, what=what, base=base, sent_is_safe=False,
-                                      timeout=self.timeouts.stream_idle), task_id
+                                      timeout=self.timeouts.stream_idle, mask=self.mask), task_id
             except _Broken as broken:
                 if task_id is None:
                     raise StreamInterruptedError(
                         f"{what}: the connection broke before the server acknowledged the call "
-                        f"({_describe(broken.cause)}); it was not retried because it may already be running."
+                        f"({_describe(broken.cause, self.mask)}); it was not retried because it may already be "
+                        "running."
                     ) from None
                 resumes += 1
                 if resumes > self.retry.resume_attempts:
                     raise StreamInterruptedError(
-                        f"{what}: the result stream kept dropping ({_describe(broken.cause)}); gave up after "
-                        f"{resumes - 1} resumes."
+                        f"{what}: the result stream kept dropping ({_describe(broken.cause, self.mask)}); gave up "
+                        f"after {resumes - 1} resumes."
                     ) from None
-                logger.debug("%s: stream dropped (%s); resuming task %s", what, _describe(broken.cause),
+                logger.debug("%s: stream dropped (%s); resuming task %s", what, _describe(broken.cause, self.mask),
                              readable(task_id, 80))
                 await asyncio.sleep(self.retry.delay(resumes))
 
@@ -675,13 +675,15 @@ class _Broken(Exception):
 
 
 async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, what: str, base: str = "",
-                   sent_is_safe: bool = True, timeout: float | None = None) -> T:
+                   sent_is_safe: bool = True, timeout: float | None = None,
+                   mask: Callable[[str], str] = lambda text: text) -> T:
     """Run `attempt()` until it succeeds, under `policy`: the one retry loop for every request kind.
 
     Retried with backoff: an `_Again` that is not final (429/502/503/504, honouring `Retry-After`) and a
     connection that could not be made (nothing was sent). A connection reset or a timeout after the request
     was sent is retried only when `sent_is_safe`. A `503` with `X-Backend-State: starting` is waited out
-    for up to `policy.starting_timeout`, without counting as an attempt.
+    for up to `policy.starting_timeout`, without counting as an attempt. `mask` hides secrets in what an aiohttp
+    error says (a URL), before it is cut.
     """
     loop = asyncio.get_running_loop()
     attempts = 0
@@ -710,7 +712,7 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
         except aiohttp.ClientConnectorError as exc:  # nothing was sent: always safe to retry
             if attempts >= policy.max_attempts:
                 raise TransportError(
-                    f"{what}: cannot connect to {base} after {_attempts(attempts)} ({_describe(exc)}). "
+                    f"{what}: cannot connect to {base} after {_attempts(attempts)} ({_describe(exc, mask)}). "
                     "Is the server running and the URL right?"
                 ) from None
             delay = policy.delay(attempts)
@@ -721,20 +723,20 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
                         f"{what}: no answer within {timeout} s (attempt {attempts}); raise Timeouts.request if the "
                         "server is slow."
                     ) from None
-                raise TransportError(f"{what}: connection failed after {_attempts(attempts)} ({_describe(exc)})"
+                raise TransportError(f"{what}: connection failed after {_attempts(attempts)} ({_describe(exc, mask)})"
                                      ) from None
             delay = policy.delay(attempts)
         logger.debug("%s: attempt %d failed; retrying in %.2f s", what, attempts, delay)
         await asyncio.sleep(delay)
 
 
-def _describe(exc: BaseException) -> str:
+def _describe(exc: BaseException, mask: Callable[[str], str] = lambda text: text) -> str:
     if isinstance(exc, _Dropped):
         return "stream ended before the result"
     if isinstance(exc, TimeoutError):
         return "timed out"
     text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"[:300]
+    return readable(mask(f"{type(exc).__name__}: {text}"), 300)
 
 
 async def _drain(resp: aiohttp.ClientResponse, seconds: float = 1.0) -> None:
@@ -784,4 +786,3 @@ async def _read_capped(resp: aiohttp.ClientResponse, limit: int, path: str) -> b
         if total > limit:
             raise ProtocolError(f"{path}: response larger than the {limit}-byte limit")
         parts.append(chunk)
-

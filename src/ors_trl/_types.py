@@ -166,8 +166,9 @@ def _block(raw: Any, i: int, where: str, depth: int) -> Block:
     if kind == "tool_result":
         if depth >= _MAX_BLOCK_DEPTH:
             raise ProtocolError(f"{where}: tool_result blocks nested more than {_MAX_BLOCK_DEPTH} deep")
+        blocks = parse_blocks(raw.get("blocks"), where=f"{where} tool_result {i}", _depth=depth + 1)
         return ToolResultBlock(tool_call_id=str(raw.get("tool_call_id") or ""), is_error=bool(raw.get("is_error")),
-                               blocks=parse_blocks(raw.get("blocks"), where=f"{where} tool_result {i}", _depth=depth + 1))
+                               blocks=blocks)
     return UnknownBlock(type=str(kind), raw=raw)
 
 
@@ -412,7 +413,8 @@ class GroupScore:
         """Parse a decoded `/score_group` result (`{"scores": [{"reward", "metadata"?}]}`) of `expected` scores."""
         scores = body.get("scores") if isinstance(body, dict) else None
         if not isinstance(scores, list) or len(scores) != expected:
-            raise ProtocolError(f"score_group: expected {{'scores': [...]}} with {expected} entries, got {quoted(body)}")
+            raise ProtocolError(f"score_group: expected {{'scores': [...]}} with {expected} entries, got "
+                                f"{quoted(body)}")
         out = []
         for score in scores:
             reward = parse_reward(score.get("reward") if isinstance(score, dict) else score, what="score_group")
