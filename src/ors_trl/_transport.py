@@ -220,7 +220,8 @@ class Decoder:
         text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8-sig", errors="replace")
         if not text.strip():
             return None
-        if _SURROGATE_ESCAPE.search(text) is not None:  # decoded UTF-8 holds none: only an escape makes one
+        escaped = _ESCAPE.search(text) is not None  # stops at the first escape: most answers have one early or none
+        if escaped and _SURROGATE_ESCAPE.search(text) is not None:  # decoded UTF-8 holds none: only escapes make them
             text = _SURROGATE_ESCAPES.sub(lambda m: m[0] if m[1] or m[2] else "\\ufffd", text)
         try:
             value = json.loads(text)
@@ -229,7 +230,7 @@ class Decoder:
         except ValueError:
             shown = self.quote(text.lstrip()[:_QUOTE_HEAD], 200)
             raise ProtocolError(f"{what}: the server answered invalid JSON: {shown!r}") from None
-        if self._secrets and (_ESCAPE.search(text) is not None or any(p in text for p in self._probes)):
+        if self._secrets and (escaped or any(p in text for p in self._probes)):
             value = clean_json(value, self.mask)
         return value
 
