@@ -67,3 +67,26 @@ def test_core_import_is_light() -> None:
             "print(' '.join(m for m in ('torch', 'trl', 'transformers', 'datasets', 'openreward') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == ""
+
+
+#: What only the turn rule decides: why an episode ends on its own, and why a call is refused locally.
+TURN_DECISIONS = {"no_tool_calls", "max_turns", "episode_finished", "max_tool_calls"}
+
+
+def _code_strings(path: Path) -> set[str]:
+    """The string constants of a module's code (docstrings left out)."""
+    tree = ast.parse(path.read_text())
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return {node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs}
+
+
+def test_only_the_core_decides_a_turn() -> None:
+    """Drivers generate, schedule and say what the model replied (`Episode.reply`); they may stop an episode only
+    for what the core cannot see (a token budget: `length`, `context_length`; a deadline). Which calls run, what a
+    call after `finished` or past the cap is, and when a reply ends the episode are written in `_episode.py` alone."""
+    deciders = sorted(str(p.relative_to(SRC)) for p in PACKAGE.rglob("*.py")
+                      if _code_strings(p) & TURN_DECISIONS)
+    assert deciders == ["ors_trl/_episode.py"], deciders

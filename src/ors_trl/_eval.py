@@ -184,7 +184,7 @@ def evaluate(
         An `EvalReport`; `report.episodes` holds every record.
     """
     indices = check_selection(num_tasks, indices)
-    for name, value in (("repeats", repeats), ("concurrency", concurrency), ("max_turns", max_turns)):
+    for name, value in dict(repeats=repeats, concurrency=concurrency, max_turns=max_turns).items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
     out_path = Path(output) if output is not None else None
