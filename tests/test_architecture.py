@@ -1,8 +1,10 @@
-"""The package's shape, checked: no import cycles, TRL internals behind one seam, a light core import."""
+"""The package's shape, checked: no import cycles, TRL internals behind one seam, a light core import, and every
+name TRL calls with kept free of task fields."""
 
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 import subprocess
 import sys
@@ -67,6 +69,78 @@ def test_core_import_is_light() -> None:
             "print(' '.join(m for m in ('torch', 'trl', 'transformers', 'datasets', 'openreward') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == ""
+
+
+# -- the names TRL calls with ---------------------------------------------------------------------------
+
+_ROW_NAMES = {"x", "row", "example"}  # what TRL's loops call a dataset row
+
+
+def _strings(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.List | ast.Set | ast.Tuple):
+        return [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    return []
+
+
+def _is_row(node: ast.AST) -> bool:
+    return ((isinstance(node, ast.Name) and node.id in _ROW_NAMES)
+            or (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "inputs"))
+
+
+def _is_reward_kwargs(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "reward_kwargs") or (
+        isinstance(node, ast.Attribute) and node.attr == "reward_kwargs")
+
+
+def trl_keywords(source: str) -> set[str]:
+    """The names a TRL trainer module passes to reward functions itself (`f(prompts=..., **reward_kwargs)`,
+    `reward_kwargs["trainer_state"] = ...`) or reads from, tests in, or leaves out of a dataset row."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            if any(k.arg is None and _is_reward_kwargs(k.value) for k in node.keywords):
+                out |= {k.arg for k in node.keywords if k.arg}
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr == "get" and _is_row(func.value) and node.args:
+                out |= set(_strings(node.args[0]))
+        elif isinstance(node, ast.Subscript) and (_is_reward_kwargs(node.value) or _is_row(node.value)):
+            out |= set(_strings(node.slice))
+        elif isinstance(node, ast.ListComp | ast.SetComp | ast.DictComp | ast.GeneratorExp):
+            for gen in node.generators:
+                it = gen.iter
+                if isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr == "items":
+                    it = it.func.value
+                if _is_row(it):  # `{k: v for k, v in row.items() if k != "environment"}`
+                    out |= {s for cond in gen.ifs for cmp in ast.walk(cond) if isinstance(cmp, ast.Compare)
+                            for c in cmp.comparators for s in _strings(c)}
+        elif isinstance(node, ast.Compare) and any(_is_row(c) for c in node.comparators):  # `"images" in inputs[0]`
+            out |= set(_strings(node.left))
+    return out
+
+
+def test_every_name_trl_calls_with_is_reserved_for_task_fields() -> None:
+    """A task field named like a keyword TRL passes (or a column it reads) is renamed, not passed twice: fails when a
+    TRL release starts passing a name that `RESERVED_COLUMNS` does not cover."""
+    pytest.importorskip("trl")
+    import importlib.util
+
+    from ors_trl._adapter import OpenRewardEnvironment
+    from ors_trl._rewards import group_reward, outcome_reward
+    from ors_trl._tasks import RESERVED_COLUMNS
+    from ors_trl._trl import TRL_KEYWORDS
+
+    found: set[str] = set()
+    for module in ("trl.trainer.grpo_trainer", "trl.experimental.async_grpo.async_rollout_worker"):
+        spec = importlib.util.find_spec(module)
+        assert spec is not None and spec.origin is not None, module
+        found |= trl_keywords(Path(spec.origin).read_text())
+    assert {"prompts", "completions", "trainer_state", "log_metric", "environments", "image"} <= found  # still parses
+    assert found <= TRL_KEYWORDS, sorted(found - TRL_KEYWORDS)
+    own = {name for f in (OpenRewardEnvironment.reset, outcome_reward, group_reward)
+           for name, p in inspect.signature(f).parameters.items() if p.kind is not p.VAR_KEYWORD}
+    assert TRL_KEYWORDS | own <= RESERVED_COLUMNS, sorted((TRL_KEYWORDS | own) - RESERVED_COLUMNS)
 
 
 #: What only the turn rule decides: why an episode ends on its own, and why a call is refused locally.

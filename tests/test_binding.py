@@ -240,7 +240,7 @@ def test_function_shape() -> None:
     assert function.__doc__ == (
         "Search the web.\n\nArgs:\n"
         "    query: What to look for\n"
-        "    limit: How many. Constraints: 1 ≤ x ≤ 100. Default: 10.\n"
+        "    limit: How many. Constraints: ≥ 1 and ≤ 100. Default: 10.\n"
         "    lang: Lang. Default: null."
     )
     bound = inspect.signature(adapter(result)().search)
@@ -254,7 +254,7 @@ def test_function_shape() -> None:
                 "type": "object",
                 "properties": {
                     "query": {"type": "string", "description": "What to look for"},
-                    "limit": {"type": "integer", "description": "How many. Constraints: 1 ≤ x ≤ 100. Default: 10."},
+                    "limit": {"type": "integer", "description": "How many. Constraints: ≥ 1 and ≤ 100. Default: 10."},
                     "lang": {"type": "string", "nullable": True, "description": "Lang. Default: null."},
                 },
                 "required": ["query"],

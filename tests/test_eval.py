@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from ors_trl import EvalReport, LocalPolicy, OpenAIPolicy, OpenRewardSpec, PolicyReply
+from ors_trl import ConfigurationError, EvalReport, LocalPolicy, OpenAIPolicy, OpenRewardSpec, PolicyReply
 from ors_trl._binding import Toolset
 from ors_trl._eval import load_episodes
 from ors_trl.cli import main
@@ -56,6 +56,8 @@ def scripted_reply(body: dict[str, Any], n: int) -> dict[str, Any]:
             return _tool_reply("no_such_tool", {}, n)
         if turns < (2 if faulty else 1):
             return _tool_reply("echo", {"text": re.search(r'"([^"]+)"', prompt).group(1)}, n)
+    elif "work" in names:  # the slow environment: work(step=0), then 1, ...
+        return _tool_reply("work", {"step": turns}, n)
     elif "submit" in names:
         a, b = map(int, re.search(r"What is (\d+) \+ (\d+)", prompt).groups())
         script = [("calculator", {"expression": f"{a} +"})] if faulty else []
@@ -506,3 +508,77 @@ def test_local_policy_joins_turns_as_grpo_does(tiny_model_dir) -> None:
     assert plain._render(history, []) != second  # re-rendering gives the model other ids than it was trained on
     other = [*user, {"role": "assistant", "content": "not generated here"}, {"role": "user", "content": "and?"}]
     assert joined._render(other, []) == plain._render(other, [])  # a history it did not generate: rendered whole
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Deadlines: a tool call's (--tool-timeout, Timeouts.tool_call) and an episode's (--episode-timeout)
+
+
+class WorkPolicy:
+    """Calls the slow environment's `work` tool, one step per turn."""
+
+    description = "scripted-work"
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        turns = sum(1 for m in messages if m["role"] == "assistant")
+        return PolicyReply(content="", tool_calls=[{"id": f"w{turns}", "name": "work", "arguments": {"step": turns}}])
+
+
+@pytest.fixture
+def slow_server(make_server):
+    """Every `work` call takes 60 s: only a deadline ends an episode in time."""
+    return make_server("slow", env={"ORS_TEST_TOOL_LATENCY": "60"})
+
+
+def test_episode_timeout_closes_records_and_frees_the_session(slow_server, tmp_path) -> None:
+    out = tmp_path / "ep.jsonl"
+    spec = OpenRewardSpec(slow_server.url, env_name="slowenvironment")
+    report = spec.evaluate(WorkPolicy(), num_tasks=2, episode_timeout=0.5, output=str(out), progress=False)
+    assert report.end_reasons == {"timeout": 2} and report.mean_reward is None and report.num_errors == 0
+    for record in read_lines(out):
+        assert (record["end_reason"], record["unscored"], record["reward"]) == ("timeout", "timeout", None)
+        assert record["error"] == {"kind": "timeout", "message": "the episode exceeded episode_timeout=0.5s"}
+    slow_server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=30)  # deleted, not left to idle out
+    # the spec's own episode_timeout is evaluate's default
+    spec = OpenRewardSpec(slow_server.url, env_name="slowenvironment", episode_timeout=0.5)
+    assert spec.evaluate(WorkPolicy(), num_tasks=1, progress=False).end_reasons == {"timeout": 1}
+    slow_server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=30)
+    with pytest.raises(ConfigurationError, match="episode_timeout must be positive"):
+        spec.evaluate(WorkPolicy(), num_tasks=1, episode_timeout=0, progress=False)
+
+
+def test_cli_tool_and_episode_timeouts(slow_server, fake_openai, tmp_path, capsys) -> None:
+    base = ["eval", slow_server.url, "--env-name", "slowenvironment", "--base-url", fake_openai.url,
+            "--model", "m", "--num-tasks", "1", "--no-progress", "--json"]
+    # --tool-timeout: the call fails after 0.5 s (not 60 s), and so does the episode (as in training, the model
+    # reads the error and may go on; the episode is unscored for that error)
+    assert main([*base, "--tool-timeout", "0.5", "--output", str(tmp_path / "tool.jsonl")]) == 1
+    info = json.loads(capsys.readouterr().out)
+    assert info["num_errors"] == 1
+    (record,) = read_lines(tmp_path / "tool.jsonl")
+    call = record["turns"][0]["tool_calls"][0]
+    assert call["error"]["kind"] == "timeout" and "within 0.5 s (Timeouts.tool_call)" in call["error"]["message"]
+    slow_server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=30)
+    # --episode-timeout: closed, recorded as a timeout, scored None
+    assert main([*base, "--episode-timeout", "0.5", "--output", str(tmp_path / "episode.jsonl")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["end_reasons"] == {"timeout": 1} and info["mean_reward"] is None and info["num_errors"] == 0
+    (record,) = read_lines(tmp_path / "episode.jsonl")
+    assert (record["end_reason"], record["reward"]) == ("timeout", None)
+    slow_server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=30)
+    for bad in (["--tool-timeout", "0"], ["--episode-timeout", "nan"], ["--episode-timeout", "-1"]):
+        assert main([*base, *bad]) == 2
+
+
+def test_summary_escapes_the_environments_text(fake_openai, capsys) -> None:
+    from ors_trl.testing import ReferenceServer
+    from tests.fixtures.terminal_environments import TitleEnvironment
+
+    name = TitleEnvironment.name().lower()
+    with ReferenceServer([TitleEnvironment]) as server:
+        assert main(["eval", server.url, "--env-name", name, "--base-url", fake_openai.url, "--model", "m",
+                     "--num-tasks", "1", "--no-progress"]) == 0
+        server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=30)
+    out = capsys.readouterr()
+    assert "of title\\u202eenv\\x1b]0;pwned\\x07 (split 'train')" in out.out
+    assert not any(c in out.out + out.err for c in ("\x1b", "\x07", "\u202e"))

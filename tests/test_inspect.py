@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import threading
+import unicodedata
 
 import pytest
 from transformers.utils import get_json_schema
@@ -153,3 +155,86 @@ def test_timeout_and_retries_flags_bound_the_wait(capsys) -> None:
     assert "gave up after 1 attempt)" in capsys.readouterr().err
     for bad in (["--timeout", "0"], ["--timeout", "nan"], ["--retries", "-1"]):
         assert main(["inspect", "http://127.0.0.1:1", *bad]) == 2
+
+
+# -- what a hostile environment can put on a terminal ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trap_server():
+    from ors_trl.testing import ReferenceServer
+    from tests.fixtures.terminal_environments import TitleEnvironment, TrapEnvironment
+
+    with ReferenceServer([TrapEnvironment, TitleEnvironment]) as server:
+        yield server
+
+
+def raw_controls(text: str) -> list[str]:
+    """Control and format characters a terminal would obey (newline excepted)."""
+    return sorted({c for c in text if c != "\n" and unicodedata.category(c) in ("Cc", "Cf")})
+
+
+def test_control_sequences_are_printed_escaped(trap_server, capsys) -> None:
+    from tests.fixtures.terminal_environments import TITLE, TitleEnvironment
+
+    title_env = TitleEnvironment.name().lower()
+    for env in ("trapenvironment", title_env):
+        assert main(["inspect", trap_server.url, "--env-name", env]) == 0
+        out = capsys.readouterr()
+        assert raw_controls(out.out + out.err) == []
+        text = out.out
+        assert "title\\u202eenv\\x1b]0;pwned\\x07" in text  # the environment listing (and its name below)
+        assert "te\\x1b[2Jst  type=validation" in text  # a split name that would clear the screen
+        assert "fields: fi\\u202eeld, id, nul" in text and "line\\roverwritten\\x9b31m" in text  # task fields
+        assert "  peek\\x1b[2J: Peek." in text  # a tool name
+        # a description that would retitle the terminal and rewrite its line: one line, escaped
+        assert "  look: Look around.\\x1b]0;pwned\\x07 then Binding warnings: none \\u202edrawkcab\n" in text
+    assert "Environment: title\\u202eenv\\x1b]0;pwned\\x07" in text
+    # --json: the same data exactly, its control and format characters as JSON escapes
+    assert main(["inspect", trap_server.url, "--env-name", title_env, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert raw_controls(out) == []
+    info = json.loads(out)
+    assert info["environment"] == title_env and TITLE in info["tasks"][0]["task"]["id"]
+    assert info["shared_tools"][1]["name"] == "peek\x1b[2J" and info["splits"][1]["name"] == "te\x1b[2Jst"
+    # an error message that lists the server's environments
+    assert main(["inspect", trap_server.url, "--env-name", "nope"]) == 1
+    err = capsys.readouterr().err
+    assert "title\\u202eenv\\x1b]0;pwned\\x07" in err and raw_controls(err) == []
+
+
+def test_a_server_without_messages_may_be_another_implementation(ref_server) -> None:
+    info = inspect_target(ref_server.url, env_name="echoenvironment", tasks=0)
+    assert "Conversations (/messages): yes" in render_text(info)
+    info["messages"] = False  # what `collect` finds where /tools names no message block types
+    line = next(x for x in render_text(info).splitlines() if x.startswith("Conversations"))
+    assert "older server" not in line.split(":", 1)[1].split("(")[0]
+    assert "an older server, or another ORS implementation" in line and "/prompt" in line
+
+
+def test_default_waits_suit_a_terminal(monkeypatch, capsys) -> None:
+    """Without --timeout/--retries, inspect gives a server that accepts and never answers INSPECT_TIMEOUT per try
+    and INSPECT_RETRIES retries (about half a minute in all; the client's defaults waited about six minutes)."""
+    import socket
+
+    from ors_trl import cli
+
+    assert cli.INSPECT_TIMEOUT * (cli.INSPECT_RETRIES + 1) <= 60
+    assert main(["inspect", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "other than a tool call (default 10)" in help_text and "429/502/503/504 (default 2)" in help_text
+    monkeypatch.setattr(cli, "INSPECT_TIMEOUT", 0.5)  # the same path, faster
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        silent.settimeout(30)
+        port = silent.getsockname()[1]
+        accepted = []
+        thread = threading.Thread(target=lambda: [accepted.append(silent.accept()[0])
+                                                  for _ in range(cli.INSPECT_RETRIES + 1)])
+        thread.start()
+        assert main(["inspect", f"http://127.0.0.1:{port}"]) == 1
+        thread.join(30)
+        assert len(accepted) == cli.INSPECT_RETRIES + 1  # one try and the default retries, no more
+        for conn in accepted:
+            conn.close()
+    err = capsys.readouterr().err
+    assert "no answer within 0.5 s (attempt 3)" in err

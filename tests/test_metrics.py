@@ -123,3 +123,37 @@ def test_percentiles_and_window_reset() -> None:
     assert out["env/a/unscored/cut_off"] == 1 and out["env/a/unscored/no_reward"] == 0
     assert out["env/a/tool_call_s/p50"] == pytest.approx(0.2)
     assert m.flush() == {}
+
+
+def test_terminal_tool_calls_are_counted_apart_from_the_models_tool_calls(ref_server) -> None:
+    """QuizEnvironment grades the final message with a hidden terminal tool: four episodes where the model called
+    nothing are 0 tool calls (as tool_calls_per_episode says) and 4 terminal calls; one lookup is 1 tool call."""
+    spec = OpenRewardSpec(ref_server.url, env_name="quizenvironment")
+    rows = list(spec.train_dataset)
+    spec.metrics.flush()
+    envs = [spec.environment_factory() for _ in rows]
+    for env, row in zip(envs, rows, strict=True):
+        env.reset(**row)
+    envs[0].lookup(country=rows[0]["country"])
+    logged: dict[str, float] = {}
+    finals = [[{"role": "assistant", "content": row["capital"]}] for row in rows]
+    rewards = spec.reward_funcs(environments=envs, completions=finals, log_metric=logged.__setitem__)
+    assert rewards == [1.0] * 4  # graded by the terminal tool
+    name = "env/quizenvironment"
+    assert logged[f"{name}/tool_calls"] == 1 == logged[f"{name}/tool_calls_per_episode"] * logged[f"{name}/episodes"]
+    assert logged[f"{name}/terminal_calls"] == 4
+    assert logged[f"{name}/terminal_call_s/p95"] >= logged[f"{name}/terminal_call_s/p50"] > 0
+    assert logged[f"{name}/tool_call_s/p50"] == logged[f"{name}/tool_call_s/p95"]  # the one lookup, alone
+    spec.close()
+
+
+def test_terminal_calls_only_make_no_tool_call_metrics() -> None:
+    m = EnvMetrics()
+    for _ in range(8):
+        m.record_call("q", 0.2, terminal=True)
+        m.record_episode("q", reward=1.0, finished=True, calls=0)
+    m.record_call("q", 0.4, "timeout", terminal=True)
+    out = m.flush()
+    assert "env/q/tool_calls" not in out and "env/q/tool_call_s/p50" not in out
+    assert out["env/q/tool_calls_per_episode"] == 0 and out["env/q/terminal_calls"] == 9
+    assert out["env/q/terminal_call_s/p50"] == pytest.approx(0.2) and out["env/q/failures/timeout"] == 1

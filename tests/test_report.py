@@ -439,3 +439,143 @@ def test_matplotlib_is_imported_only_for_curves() -> None:
     result = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+# -- inputs that used to break the page ------------------------------------------------------------------------
+
+
+def deep(depth: int, leaf: Any) -> Any:
+    for _ in range(depth):
+        leaf = {"d": leaf}
+    return leaf
+
+
+def bad_inputs(tmp_path: Path) -> list[Path]:
+    """A log that holds what the field sends: invalid UTF-8 in its first lines, a NaN nested deep in tool metadata,
+    a lone surrogate, a record nested 3,000 deep, a cut line, foreign JSON; and trainer states with `$` in metric
+    and run names (matplotlib would parse them as math)."""
+    bad_utf8 = [json.dumps(v2(i)).replace('"Say word', '"Say \\u00e9 word').encode().replace(b"\\u00e9", b"\xff\xfe")
+                for i in range(25)]
+    deep_nan = v2(30, environment="deep")
+    deep_nan["turns"][0]["tool_calls"][0]["metadata"] = deep(60, float("nan"))
+    lines = [*bad_utf8, json.dumps(deep_nan).encode(),
+             json.dumps(v2(31, prompt="lone \\ud800 surrogate")).encode().replace(b"\\\\ud800", b"\\ud800"),
+             b'{"reward": 1, "turns": ' + b"[" * 3000 + b"]" * 3000 + b"}",
+             b'{"version": 2, "turns": [', b'{"some": "other json"}', json.dumps(v2(32)).encode()]
+    log = tmp_path / "field.jsonl"
+    log.write_bytes(b"\n".join(lines) + b"\n")
+    states = []
+    for run in ("run-$a", "run-$b$"):
+        (tmp_path / run).mkdir()
+        state = {"log_history": [{"step": s, "reward": 0.1 * s, "env/co$^$t/reward_mean": 0.2 * s,
+                                  "env/co$^$t/tool_calls_per_episode": 1.0} for s in (1, 2, 3)]}
+        (tmp_path / run / "trainer_state.json").write_text(json.dumps(state))
+        states.append(tmp_path / run)
+    return [log, *states]
+
+
+def test_report_of_field_inputs_is_always_written(tmp_path) -> None:
+    inputs = bad_inputs(tmp_path)
+    out = tmp_path / "field.html"
+    summary = write_report(inputs, out)
+    assert summary.episodes == 25 + 3 and summary.embedded == 28
+    assert summary.skipped == 3 and summary.skipped_reasons == {
+        "nested too deeply to read": 1, "not JSON (a cut or corrupt line)": 1, "not an episode record": 1}
+    page = out.read_text(encoding="utf-8")  # strict UTF-8: nothing unencodable reached the page
+    assert ("3 record(s) skipped: 1 nested too deeply to read, 1 not JSON (a cut or corrupt line), 1 not an "
+            "episode record.") in page
+    data = json.loads(re.search(r'id="episode-data">(.*?)</script>', page, re.S).group(1),
+                      parse_constant=lambda name: pytest.fail(f"{name} in the page's JSON"))
+    by_task = {e["rec"]["task_index"]: e["rec"] for e in data}
+    assert by_task[0]["prompt"] == "Say \ufffd\ufffd word 0"  # the invalid UTF-8, replaced, not the whole log lost
+    assert by_task[31]["prompt"] == "lone \ufffd surrogate"
+    metadata = by_task[30]["turns"][0]["tool_calls"][0]["metadata"]
+    for _ in range(60):
+        metadata = metadata["d"]
+    assert metadata == "nan"  # the NaN 65 levels down, spelled as text
+    assert page.count("<figure class=chart><svg") == 2  # reward and tool calls, from both runs
+    assert "run-$a: co$^$t" in page and "run-$b$: co$^$t" in page  # the labels as text, `$` and all
+
+
+def test_bad_input_page_opens_in_chromium(chromium, tmp_path) -> None:
+    out = tmp_path / "field.html"
+    write_report(bad_inputs(tmp_path), out)
+    result = run_chromium(chromium, tmp_path / "profile", "--dump-dom", out.as_uri() + "#expand")
+    dom = result.stdout
+    assert 'data-report-ready="1"' in dom, (result.returncode, result.stderr[-3000:])
+    assert "data-js-error" not in re.search(r"<body[^>]*>", dom).group(0), dom[:3000]
+    assert dom.count('class="ep-body"') == 28 and "lone \ufffd surrogate" in dom
+    assert "3 record(s) skipped" in dom and "run-$b$: co$^$t" in dom
+
+
+def test_one_huge_episode_does_not_hide_the_others(tmp_path) -> None:
+    records = [v2(i) for i in range(6)]
+    records[0]["turns"][0]["tool_calls"][0]["output"] = "x" * (13 * 2**20)  # over the page's 12 MB alone
+    summary = write_report([write_lines(tmp_path / "e.jsonl", records)], tmp_path / "r.html")
+    page = (tmp_path / "r.html").read_text()
+    assert summary.embedded == 6 and len(page) < 14 * 2**20
+    huge = next(e for e in _episode_data(page) if e["rec"]["task_index"] == 0)
+    assert huge["rec"]["turns"][0]["tool_calls"][0]["output"].endswith(
+        f"[... output truncated: 100000 of {13 * 2**20} characters shown ...]")
+    assert "1 episode(s) too large for the 12 MB of episode bodies a page embeds are shown with every text cut" in page
+
+
+# -- where the page is written ---------------------------------------------------------------------------------
+
+
+def test_output_that_is_an_input_is_refused(tmp_path, capsys, monkeypatch) -> None:
+    log = write_lines(tmp_path / "e.jsonl", [v2(0)])
+    before = log.read_bytes()
+    (tmp_path / "link.jsonl").symlink_to(log)
+    os.link(log, tmp_path / "hard.jsonl")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "trainer_state.json").write_text(json.dumps({"log_history": []}))
+    monkeypatch.chdir(tmp_path)
+    for inputs, output in (([log], log), ([log], "link.jsonl"), (["link.jsonl"], log), ([log], "hard.jsonl"),
+                           (["./sub/../e.jsonl"], "e.jsonl"), (["run"], "run/trainer_state.json")):
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        assert main(["report", *map(str, inputs), "-o", str(output)]) == EXIT_USAGE, (inputs, output)
+        err = capsys.readouterr().err
+        assert "is the input" in err and "would replace it; pass another --output" in err
+    assert log.read_bytes() == before and (tmp_path / "run" / "trainer_state.json").read_text() == '{"log_history": []}'
+    assert main(["report", "run", str(log), "-o", "run/report.html"]) == EXIT_OK  # inside a trainer folder: fine
+    assert "<html" in (tmp_path / "run" / "report.html").read_text()
+
+
+def test_page_is_written_through_a_private_temporary_file(tmp_path) -> None:
+    """The old temporary name (`.NAME.PID.tmp`) was predictable: a link planted there was followed."""
+    log = write_lines(tmp_path / "e.jsonl", [v2(0)])
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "r.html"
+    (tmp_path / f".{out.name}.{os.getpid()}.tmp").symlink_to(victim)
+    write_report([log], out)
+    assert victim.read_text() == "keep me" and not out.is_symlink() and "<html" in out.read_text()
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~mask
+    out.chmod(0o600)  # a page the user made private stays private when it is replaced
+    write_report([log], out)
+    assert out.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{out.name}.{os.getpid()}.tmp", "e.jsonl", "r.html",
+                                                          "victim.txt"]  # no temporary file left behind
+
+
+def test_a_key_in_the_inputs_is_not_spread(tmp_path, capsys) -> None:
+    """The page shows what the records hold; it adds no copy of a key-like value elsewhere (labels, the skipped
+    note, the console), and a line it skips is not quoted anywhere."""
+    key = "sk-live-" + "7" * 32
+    rec = v2(0)
+    rec["turns"][0]["tool_calls"][0]["output"] = f"OPENREWARD_API_KEY={key}"
+    log = tmp_path / "e.jsonl"
+    log.write_text(json.dumps(rec) + "\n" + '{"reward": 1, "turns": [' + f'"{key}"' + ", \n" + json.dumps(v2(1)) + "\n")
+    out = tmp_path / "r.html"
+    assert main(["report", str(log), "-o", str(out)]) == EXIT_OK
+    captured = capsys.readouterr()
+    assert key not in captured.out + captured.err
+    page = out.read_text()
+    assert page.count(key) == 1  # in the embedded record, once, where the record has it
+    assert f"OPENREWARD_API_KEY={key}" in json.dumps(_episode_data(page))
+    assert "1 record(s) skipped: 1 not JSON" in page
+    assert main(["report", str(log), "-o", str(out), "--json"]) == EXIT_OK
+    assert key not in capsys.readouterr().out

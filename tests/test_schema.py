@@ -284,7 +284,7 @@ def test_nested_model_description_format() -> None:
     destination = by_name["destination"].description
     assert destination == (
         "Where to go. A place on Earth. Location object fields: city (string, required): City name; "
-        "days (integer, 1 ≤ x ≤ 14, default 3): Nights to stay; "
+        "days (integer, ≥ 1 and ≤ 14, default 3): Nights to stay; "
         'zip_code (string | null, pattern ^\\d{5}$, default null, title "Postal code").'
     )
     origin = by_name["origin"].description
@@ -293,15 +293,15 @@ def test_nested_model_description_format() -> None:
     stops = by_name["stops"].description
     assert "≤ 5 items" in stops
     assert (
-        "Item (Stop object) fields: name (string, required, 1–40 chars); minutes (number, required, 0 < x < 600"
+        "Item (Stop object) fields: name (string, required, 1–40 chars); minutes (number, required, > 0 and < 600"
         in stops
     )
     assert "multiple of 0.5" in stops
     pet = by_name["pet"].description
-    assert 'Cat object: kind ("cat", required); lives (integer, 0 ≤ x ≤ 9, default 9)' in pet
+    assert 'Cat object: kind ("cat", required); lives (integer, ≥ 0 and ≤ 9, default 9)' in pet
     assert 'Dog object: kind ("dog", required); good (boolean, default true)' in pet
     assert "discriminated by kind" in pet
-    assert by_name["budget"].description == "Max spend. Constraints: x ≥ 0. Default: null."
+    assert by_name["budget"].description == "Max spend. Constraints: ≥ 0. Default: null."
     assert by_name["when"].description == 'When. Constraints: format date. Default: "2024-01-01".'
     assert by_name["pair"].description == 'Pair. Constraints: exactly 2 items. Default: [0, "a"].'
 
@@ -473,10 +473,10 @@ def test_constraints_are_described() -> None:
     }
     info = describe_tool({"name": "t", "input_schema": schema})
     text = {p.remote_name: p.description for p in info.parameters}
-    assert text["n"] == "N. Constraints: 0 < x ≤ 10, multiple of 2."
-    assert text["old"] == "Old. Constraints: x > 1."
+    assert text["n"] == "N. Constraints: > 0 and ≤ 10, multiple of 2."
+    assert text["old"] == "Old. Constraints: > 1."
     assert text["s"] == 'S. Constraints: exactly 2 chars, pattern "a b", format email.'
-    assert text["arr"] == "Arr. Constraints: each item x ≥ 0, ≥ 1 items, unique items."
+    assert text["arr"] == "Arr. Constraints: each item ≥ 0, ≥ 1 items, unique items."
     assert text["m"] == "M. Constraints: each value ≤ 3 chars, ≤ 4 keys."
     assert text["x"] == 'X. Notes: deprecated; examples ["a"]; x-unit "cm".'
     assert text["strict"] == "Strict. Constraints: no other keys. Object fields: a (integer)."
@@ -623,8 +623,19 @@ def test_huge_and_deep_schemas_are_bounded() -> None:
 
 def test_describe_schema_helper() -> None:
     assert describe_schema({"type": "integer", "minimum": 1, "default": 2, "description": "Count"}) == (
-        "Count. Constraints: x ≥ 1. Default: 2."
+        "Count. Constraints: ≥ 1. Default: 2."
     )
+
+
+def test_a_bound_names_no_variable_that_could_be_another_field() -> None:
+    """`y (integer, required, 0 ≤ x ≤ 9)` read as a bound on the field x; the bound now stands on its own."""
+    point = {"type": "object", "properties": {"x": {"type": "integer"},
+                                              "y": {"type": "integer", "minimum": 0, "exclusiveMaximum": 10}},
+             "required": ["x", "y"]}
+    text = describe_schema({"type": "object", "properties": {"p": point}, "required": ["p"]})
+    assert "x (integer, required); y (integer, required, ≥ 0 and < 10)" in text
+    args = {p.remote_name: p.description for p in describe_tool({"name": "t", "input_schema": point}).parameters}
+    assert args["y"] == "Y. Constraints: ≥ 0 and < 10."
 
 
 def test_quoted_values_keep_their_spacing_on_one_line() -> None:

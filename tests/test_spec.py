@@ -11,6 +11,7 @@ import pytest
 from ors_trl import ConfigurationError, MissingAPIKeyError, OpenRewardSpec, ToolRefusedError
 from ors_trl._spec import task_columns
 from ors_trl.testing.server import free_port
+from tests.fixtures.environments import COLLIDING_FIELDS, PROBE_DISTINCT, PROBE_TASKS, PROBE_VARIANTS
 
 
 def tools_of(cls: type) -> list[str]:
@@ -50,8 +51,13 @@ def test_argument_errors_are_raised_at_construction(monkeypatch) -> None:
         OpenRewardSpec("Eigent/SETA")
 
 
-def test_construction_is_lazy() -> None:
-    # Nothing listens there: constructing must not touch the network.
+def test_construction_is_lazy(ref_server) -> None:
+    before = ref_server.stats()["requests"]
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=3)
+    assert ref_server.stats()["requests"] == before  # constructing sent nothing
+    _ = spec.environment_factory
+    assert ref_server.stats()["requests"] > before  # first use does (the counter counts this spec's requests)
+    # Nothing listens here: constructing must not even try.
     OpenRewardSpec(f"http://127.0.0.1:{free_port()}", num_tasks=3)
 
 
@@ -102,6 +108,7 @@ def test_heterogeneous_task_fields_do_not_crash(ref_server) -> None:
     assert ds["task_index"] == list(range(len(tasks)))  # the task's own "task_index" field did not win
     assert all(p[0]["content"] == "" for p in ds["prompt"])  # nor its "prompt" field
     assert "task_spec" not in ds.column_names
+    assert ds["task_task_index"] == [t["task_index"] for t in tasks]  # the task's own field, renamed, kept
     # answer mixes int and str: stored as JSON text, which round-trips to the task's value
     assert [json.loads(v) for v in ds["answer"]] == [t["answer"] for t in tasks]
     assert any("answer" in note for note in spec.dataset_notes)
@@ -114,6 +121,16 @@ def test_task_columns_unit() -> None:
     assert cols["c"] == [None, None, None]
     assert "b" in cols
     assert notes
+
+
+def test_task_fields_named_like_trl_keywords_keep_their_data_under_a_free_name() -> None:
+    tasks = [{"self": 1, "task_self": 2, "prompts": "p", "ors_reward": 0.5, "environment": "e", "image": "i", "x": 3}]
+    cols, notes = task_columns(tasks)
+    assert cols == {"task_task_self": [1], "task_self": [2], "task_prompts": ["p"], "task_ors_reward": [0.5],
+                    "task_environment": ["e"], "task_image": ["i"], "x": [3]}  # `task_self` was taken: prefixed again
+    assert notes == ["task fields renamed in the dataset (TRL or ors-trl passes these names itself): environment -> "
+                     "task_environment, image -> task_image, ors_reward -> task_ors_reward, prompts -> task_prompts, "
+                     "self -> task_task_self"]
 
 
 def test_environment_factory_binds_exactly_the_tools(ref_server) -> None:
@@ -390,3 +407,93 @@ def test_calls_started_ahead_that_trl_does_not_ask_for_are_recorded_not_lost(mak
     assert spec.metrics.flush()[f"env/{spec.name}/tool_calls_per_episode"] == pytest.approx((3 + 1) / 2)
     spec.close()
     assert server.stats()["open_sessions"] == 0
+
+
+# -- task fields named like the keywords TRL calls with ------------------------------------------------------
+
+
+def colliding_step(trainer_kwargs: dict, model_dir: str, output_dir: str) -> tuple[list, list]:
+    """One real GRPOTrainer step (TRL's loop or the engine, per `trainer_kwargs`) with scripted tool calls; returns
+    (target, outcome reward) per rollout and the keyword arguments a user's reward function got."""
+    from test_engine import scripted_generation
+    from tests.fixtures.generation import cpu_grpo_trainer
+
+    outcomes: list = []
+    seen: list = []
+    score = trainer_kwargs.pop("reward_funcs")
+
+    def outcome(**kwargs):
+        rewards = score(**kwargs)
+        outcomes.extend(zip(kwargs["target"], rewards, strict=True))
+        return rewards
+
+    def user_reward(**kwargs):
+        seen.append(kwargs)
+        return [None] * len(kwargs["completions"])
+
+    trainer = cpu_grpo_trainer(model_dir, output_dir, batch=4, generations=2, turns=2, completion_length=96,
+                               reward_funcs=[outcome, user_reward], **trainer_kwargs)
+    trainer._generate_single_turn = scripted_generation(trainer, [])
+    trainer.train()
+    assert trainer.state.global_step == 1
+    return outcomes, seen
+
+
+#: What the scripted model earns per target (test_engine.scripted_generation): "world" calls an unknown tool.
+COLLIDING_REWARDS = {"hello": 1.0, "delta": 1.0, "token": 1.0, "world": None}
+
+
+def check_user_reward_kwargs(seen: list, *, environments: bool) -> None:
+    """The user's reward function saw TRL's own keywords and every colliding task field under `task_<name>`."""
+    from transformers import TrainerState
+
+    (kwargs,) = seen
+    routed = kwargs.get("environment") or ["colliding"] * len(kwargs["target"])  # a mix's rows say whose they are
+    rows = [i for i, env in enumerate(routed) if env == "colliding"]
+    assert rows
+    for name in COLLIDING_FIELDS:
+        got = [kwargs[f"task_{name}"][i] for i in rows]
+        assert got == [0.5 if name == "ors_reward" else f"{name}-{kwargs['target'][i]}" for i in rows], name
+    assert isinstance(kwargs["trainer_state"], TrainerState) and callable(kwargs["log_metric"])
+    assert all(isinstance(c, list) for c in kwargs["completions"]) and kwargs["prompts"]
+    assert ("environments" in kwargs) is environments
+    if environments:
+        assert all(type(e).__name__.startswith("OpenRewardEnvironment") for e in kwargs["environments"])
+
+
+@pytest.mark.parametrize("mode", ["environment_factory", "rollout_func"])
+def test_task_fields_named_like_trl_keywords_are_renamed_and_a_real_step_trains(ref_server, tiny_model_dir, tmp_path,
+                                                                                 caplog, mode) -> None:
+    """`self`, `prompts`, `completions`, ... as task fields made TRL raise TypeError (a keyword given twice)."""
+    spec = OpenRewardSpec(ref_server.url, env_name="collidingenvironment")
+    before = ref_server.stats()["open_sessions"]
+    with caplog.at_level("WARNING", logger="ors_trl"):
+        dataset = spec.train_dataset
+    renamed = [r.getMessage() for r in caplog.records if "renamed" in r.getMessage()]
+    assert len(renamed) == 1 and all(f"{f} -> task_{f}" in renamed[0] for f in COLLIDING_FIELDS)  # said once
+    assert set(COLLIDING_FIELDS).isdisjoint(dataset.column_names)
+    outcomes, seen = colliding_step({"train_dataset": dataset, mode: getattr(spec, mode),
+                                     "reward_funcs": spec.reward_funcs}, tiny_model_dir, str(tmp_path))
+    assert len(outcomes) == 4 and all(reward == COLLIDING_REWARDS[t] for t, reward in outcomes)
+    check_user_reward_kwargs(seen, environments=mode == "environment_factory")
+    ref_server.wait_for_stats(lambda s: s["open_sessions"] == before, timeout=30)  # closed at the end of training
+    spec.close()
+
+
+# -- tool discovery --------------------------------------------------------------------------------------------
+
+
+def test_tool_discovery_is_bounded_and_probes_each_distinct_task_once(make_server) -> None:
+    """48 indices (twice each) of 40 distinct tasks: at most PROBE_CONCURRENCY probe sessions at once, one probe per
+    distinct task, and every listed task's tools bound (TRL's union)."""
+    from ors_trl._spec import PROBE_CONCURRENCY
+
+    server = make_server("probe")
+    indices = [*range(PROBE_TASKS), *range(PROBE_TASKS)]
+    spec = OpenRewardSpec(server.url, indices=indices)
+    assert tools_of(spec.environment_factory) == ["look", *(f"variant_{k}" for k in range(PROBE_VARIANTS))]
+    stats = server.stats()
+    assert stats["setups"] == PROBE_DISTINCT  # one session per distinct task
+    assert 1 < stats["peak_sessions"] <= PROBE_CONCURRENCY == 4
+    assert stats["open_sessions"] == 0
+    assert len(spec.train_dataset) == len(indices)  # the dataset keeps every listed index

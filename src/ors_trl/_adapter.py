@@ -24,16 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 import types
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from . import _trl
 from ._episode import Call, EnvironmentRuntime, Episode, Outcome, Task
-from ._exceptions import ToolRefusedError, UsageError
+from ._exceptions import ORSError, ToolRefusedError, UsageError
 from ._loop import get_loop
 from ._text import show_json
 
@@ -48,18 +47,6 @@ _SETTLE_TIMEOUT_S = 300.0
 READS_EPISODES = "_ors_reads_episodes"
 
 
-class _NotATool:
-    """A method TRL does not collect as a tool: it lists `inspect.isfunction` members of the class, and on the class
-    this is not a function (on an instance it is the bound method)."""
-
-    def __init__(self, func: Any) -> None:
-        self.func = func
-        functools.update_wrapper(self, func)
-
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
-        return self if obj is None else types.MethodType(self.func, obj)
-
-
 class _Ahead:
     """A call started ahead of TRL's loop, and the future of its outcome."""
 
@@ -70,11 +57,30 @@ class _Ahead:
         self.future: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
 
 
+class _NotATool:
+    """A public adapter method that TRL does not take for a tool.
+
+    TRL offers the model every public function of the adapter class (`inspect.getmembers(cls, inspect.isfunction)`
+    but `reset` and `get_reward`); read off the class, this is a descriptor object, not a function.
+    """
+
+    def __init__(self, func: Callable[..., Any]) -> None:
+        self.__func__ = func
+        self.__doc__, self.__name__ = func.__doc__, func.__name__
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else types.MethodType(self.__func__, obj)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # `OpenRewardEnvironment.close(env)`
+        return self.__func__(*args, **kwargs)
+
+
 class OpenRewardEnvironment:
     """One rollout's view of an ORS environment; TRL's `environment_factory` returns these.
 
     What TRL collects (`inspect.getmembers(type(env), inspect.isfunction)`): `reset(**row)` and one method
-    per environment tool, under the environment's exact tool name (`__name__`).
+    per environment tool, under the environment's exact tool name (`__name__`). `close()` (TRL's adapter
+    calls it `_close()`) ends the rollout's episode and frees its session now.
 
     Attributes:
         reward: last non-None reward of the episode (outcome convention); None if nothing was scored.
@@ -136,7 +142,7 @@ class OpenRewardEnvironment:
         for env, batch_row in batch or ():
             if isinstance(env, OpenRewardEnvironment) and env._preopened is None:
                 env._preopen(batch_row, trainer)
-        self.close()
+        self._end()
         task = Task.from_row(rt.split, task_index, task_spec)
         pre, self._preopened = self._preopened, None
         if pre is not None and pre[0] == task:
@@ -166,15 +172,32 @@ class OpenRewardEnvironment:
         ep = rt.episode(task, source="trl", rules=_trl.rules(trainer))
         self._preopened = (task, ep, rt.submit(ep.open()))
 
-    @_NotATool
-    def close(self) -> None:
-        """End the current episode now: settle calls started ahead, count and record the episode, and free its
-        session (in the background; idempotent). `reset()` does this for the previous episode."""
+    def _end(self) -> None:
+        """Settle calls started ahead and close the current episode in the background (`reset` and the async
+        worker's `get_reward` do this; `close()` also waits for the server)."""
         self._settle_ahead()
         if self._episode is not None:
             self._episode.release()
 
-    _close = close  # TRL's adapter's name for it (`trl.experimental.openreward`)
+    def _close_now(self) -> None:
+        """End this rollout's episode now: account it, write its record and wait (bounded) until the server has
+        deleted its session, as a release does in the background. Idempotent; the reward and the rest of the
+        episode's state stay readable. Never raises for environment failures (a slow delete is logged).
+
+        `_close()` is the name TRL's own adapter (and scripts written against it) use.
+        """
+        self._settle_ahead()
+        pre, self._preopened = self._preopened, None
+        episodes = [ep for ep in (self._episode, pre[1] if pre is not None else None) if ep is not None]
+        if not episodes:
+            return
+        try:
+            self._runtime.bg.run(_close_episodes(episodes), timeout=_SETTLE_TIMEOUT_S)
+        except ORSError as exc:
+            logger.warning("%s: closing the episode's session did not finish: %s", self._runtime.name, exc)
+
+    close = _NotATool(_close_now)
+    _close = _close_now
 
     # -- tool calls --------------------------------------------------------------------------------
 
@@ -258,6 +281,12 @@ class OpenRewardEnvironment:
             logger.warning("%s: %d tool call(s) started ahead are still running", self._runtime.name, len(running))
 
 
+async def _close_episodes(episodes: list[Episode]) -> None:
+    """Close each episode (its record, once), then wait for its session's delete, also one started elsewhere."""
+    await asyncio.gather(*(ep.close() for ep in episodes), return_exceptions=True)
+    await asyncio.gather(*(ep.close_session() for ep in episodes), return_exceptions=True)
+
+
 async def _run_chain(ep: Episode, chain: list[_Ahead]) -> None:
     """One rollout's calls of a turn, in order on its session; resolves each entry's future."""
     for i, entry in enumerate(chain):
@@ -324,7 +353,7 @@ def _rollout_ended(env: OpenRewardEnvironment, seen: _trl.FinishedRollout | None
         settle_all([env], [seen.messages], [seen.completion_ids], eos_token_ids=seen.eos_token_ids)
     readers = sum(bool(getattr(getattr(f, "func", f), READS_EPISODES, False)) for f in seen.reward_funcs) \
         if seen is not None else 0
-    env.close()  # the rollout is over: close its session now, not when TRL reuses this adapter
+    env._end()  # the rollout is over: close its session now, not when TRL reuses this adapter
     if seen is not None and readers:
         env._runtime.hand_over(seen.messages, ep, readers)
         return None

@@ -622,9 +622,11 @@ class Episode:
                 if session is not None and not session.closed:
                     self._freeing = asyncio.ensure_future(session.close())  # close() awaits the same close
 
-    def _count_call(self, seconds: float | None, kind: str | None) -> None:
+    def _count_call(self, seconds: float | None, kind: str | None, *, terminal: bool = False) -> None:
+        """Count a call: the model's tool call, or (`terminal`) the harness's call of the hidden terminal tool;
+        `seconds` None for a call refused before it reached the environment."""
         if self._metrics is not None:
-            self._metrics.record_call(self.env.name, seconds, kind)
+            self._metrics.record_call(self.env.name, seconds, kind, terminal=terminal)
 
     def replay(self, messages: Sequence[Mapping[str, Any]], *, truncated: bool) -> tuple[str, str | None]:
         """TRL's own loop played this episode (its calls came in through `call`): rebuild the turns from TRL's
@@ -703,13 +705,13 @@ class Episode:
                 result = await self._remote(terminal.name, terminal.arguments(message))
             except ORSError as exc:
                 self.final.update(error=error_record(exc), seconds=round(time.monotonic() - started, 4))
-                self._count_terminal(time.monotonic() - started, exc.kind)
+                self._count_call(time.monotonic() - started, exc.kind, terminal=True)
             else:
                 self.final.update(output=clip(result.text, self.env.max_output_chars), reward=result.reward,
                                   finished=result.finished, metadata=result.metadata,
                                   seconds=round(time.monotonic() - started, 4))
                 self._scored(result)
-                self._count_terminal(time.monotonic() - started, None)
+                self._count_call(time.monotonic() - started, None, terminal=True)
         elif message is not None:
             self.final = {"message": message}
         if detail:
@@ -717,15 +719,11 @@ class Episode:
         if not self.over:
             self.end_reason, self.state = ("finished" if self.finished else reason), ENDED
 
-    def _count_terminal(self, seconds: float, kind: str | None) -> None:
-        if self._metrics is not None:
-            self._metrics.record_terminal(self.env.name, seconds, kind)
-
     def time_out(self, limit: float) -> None:
         """The episode ran past its `limit`-second deadline: it ends now, scored None, whatever it was doing."""
         if self.over:
             return
-        self.error = self.error or {"kind": "timeout", "message": f"the episode exceeded its {limit:g}s deadline"}
+        self.error = self.error or {"kind": "timeout", "message": f"the episode exceeded episode_timeout={limit:g}s"}
         self.reward = None
         self.end_reason, self.state = "timeout", ENDED
         logger.warning("%s: episode for task %s exceeded its %gs deadline; closing it, scored None", self.env.name,

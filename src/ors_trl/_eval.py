@@ -11,7 +11,8 @@ were made (the calls of the last one are not run, as in TRL's loop). A call afte
 `finished` is refused and counted, as in training. The model sees the tools exactly as TRL shows them,
 its calls go through the same binding, and a failed call reads as TRL writes it (`{'error': ...}`).
 The episode's reward is its last non-None reward; an episode the environment never scored has reward
-None and does not count in `mean_reward`.
+None and does not count in `mean_reward`. An episode past its deadline
+(`episode_timeout`) is closed there, recorded with end reason `timeout` and scored None.
 
 Every finished episode is appended to `output` as one record (the schema every driver writes) and
 flushed at once, so an interrupted evaluation loses at most its running episodes; `resume=True` reads
@@ -41,6 +42,7 @@ from ._metrics import DEFAULT_SUCCESS_THRESHOLD, EpisodeStats
 from ._policies import describe_policy, resolve_policy
 from ._records import RecordWriter, read_records
 from ._tasks import check_selection, select
+from ._text import escape_controls, one_line
 
 __all__ = ["EvalReport", "evaluate", "load_episodes"]
 
@@ -99,9 +101,11 @@ class _Evaluation:
     """The episodes of one `evaluate` call, run `concurrency` at a time."""
 
     def __init__(self, runtime: EnvironmentRuntime, policy: Any, *, max_turns: int, writer: RecordWriter | None,
-                 bar: Any, per_task_tools: bool, groups: bool, flatten_prompt: bool) -> None:
+                 bar: Any, per_task_tools: bool, groups: bool, flatten_prompt: bool,
+                 episode_timeout: float | None = None) -> None:
         self.runtime, self.policy, self.flatten_prompt = runtime, policy, flatten_prompt
         self.rules = Rules(max_replies=max_turns, error_text=_trl.error_text)
+        self.episode_timeout = episode_timeout
         self.writer, self.bar, self.per_task_tools, self.groups = writer, bar, per_task_tools, groups
         self.policy_name = describe_policy(policy)
         self.active = 0
@@ -114,8 +118,15 @@ class _Evaluation:
             ep = self.runtime.episode(Task(split, index), source="eval", rules=self.rules, metrics=False,
                                       writer=None if self.groups else self.writer, task_tools=self.per_task_tools,
                                       repeat=repeat, policy=self.policy_name)
+            deadline = asyncio.timeout(self.episode_timeout)
             try:
-                await _play(ep, self.policy, self.flatten_prompt)
+                async with deadline:
+                    await _play(ep, self.policy, self.flatten_prompt)
+            except TimeoutError as exc:
+                if not deadline.expired():  # not our deadline: a failure like any other
+                    ep.fail(exc)
+                else:
+                    ep.time_out(self.episode_timeout or 0.0)
             except (ORSError, PolicyError) as exc:
                 ep.fail(exc)
             except Exception as exc:  # a bug or an unexpected failure: recorded, not fatal for the other episodes
@@ -144,6 +155,7 @@ def evaluate(
     repeats: int = 1,
     concurrency: int = 8,
     max_turns: int = 10,
+    episode_timeout: float | None = None,
     output: str | os.PathLike[str] | None = None,
     resume: bool = False,
     overwrite: bool = False,
@@ -168,6 +180,8 @@ def evaluate(
         concurrency: episodes (and so sessions) running at once.
         max_turns: policy replies allowed per episode (the calls of the last one are not run, as in TRL's loop,
             whose limit is `max_tool_calling_iterations + 1` replies).
+        episode_timeout: wall-clock seconds one episode may take (None: no limit); past it the episode is closed
+            (its session deleted), recorded with end reason `timeout` and scored None.
         output: JSON-lines file receiving every finished episode at once (append + flush).
         resume: read `output` back and run only the episodes it lacks (episodes that ended in an error are rerun).
         overwrite: replace an existing non-empty `output` (without `resume`, an existing file is an error).
@@ -187,6 +201,8 @@ def evaluate(
     for name, value in dict(repeats=repeats, concurrency=concurrency, max_turns=max_turns).items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
+    if episode_timeout is not None and not episode_timeout > 0:  # also refuses NaN
+        raise ConfigurationError(f"episode_timeout must be positive seconds or None, got {episode_timeout!r}")
     out_path = Path(output) if output is not None else None
     if resume and out_path is None:
         raise ConfigurationError("resume=True needs output= (the episodes file to continue)")
@@ -222,10 +238,12 @@ def evaluate(
     if progress and todo:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(keys), initial=len(kept), desc=f"eval {environment or runtime.name}", unit="ep",
+        bar = tqdm(total=len(keys), initial=len(kept), desc=escape_controls(f"eval {environment or runtime.name}"),
+                   unit="ep",
                    file=sys.stderr, dynamic_ncols=True)
     evaluation = _Evaluation(runtime, policy_obj, max_turns=max_turns, writer=writer, bar=bar,
-                             per_task_tools=per_task_tools, groups=score_groups, flatten_prompt=flatten_prompt)
+                             per_task_tools=per_task_tools, groups=score_groups, flatten_prompt=flatten_prompt,
+                             episode_timeout=episode_timeout)
     if hasattr(policy_obj, "_set_active_counter"):
         policy_obj._set_active_counter(lambda: evaluation.active)
     finished_event = threading.Event()
@@ -290,8 +308,10 @@ class EvalReport:
         finished_rate: fraction of episodes a tool result marked finished.
         tool_calls_per_episode, tool_failures_per_episode: mean tool calls / failed tool calls per episode.
         turns_per_episode: mean policy replies per episode.
-        num_errors: episodes that ended in an environment or policy error (`end_reason == "error"`).
-        end_reasons: episodes per end reason (`no_tool_calls`, `finished`, `max_turns`, `context_length`, `error`).
+        num_errors: episodes that failed: their session did not open or was lost, or the policy failed
+            (`unscored == "error"`).
+        end_reasons: episodes per end reason (`no_tool_calls`, `finished`, `max_turns`, `context_length`, `timeout`,
+            `error`).
         mean_group_reward: mean comparative reward from `/score_group` (when asked for), else None.
         num_resumed: episodes read back from `output` rather than run.
         seconds: wall time of this run.
@@ -332,7 +352,7 @@ class EvalReport:
             coverage=stats.coverage, finished_rate=stats.share(stats.finished),
             tool_calls_per_episode=stats.share(stats.tool_calls),
             tool_failures_per_episode=stats.share(stats.tool_failures), turns_per_episode=stats.share(stats.turns),
-            num_errors=stats.end_reasons.get("error", 0), end_reasons=dict(stats.end_reasons),
+            num_errors=stats.unscored.get("error", 0), end_reasons=dict(stats.end_reasons),
             mean_group_reward=stats.mean_group_reward, success_rate=stats.success_rate,
             success_threshold=success_threshold, episodes=episodes, **info,
         )
@@ -346,11 +366,11 @@ class EvalReport:
         return out
 
     def summary(self) -> str:
-        """A few readable lines."""
+        """A few readable lines, safe to print: the environment's text in them has its control characters escaped."""
         reward = "n/a (no episode was scored)" if self.mean_reward is None else f"{self.mean_reward:.4f}"
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.end_reasons.items())) or "-"
         lines = [
-            f"Evaluated {self.num_episodes} episode(s) of {self.environment or self.target} "
+            f"Evaluated {self.num_episodes} episode(s) of {one_line(self.environment or self.target)} "
             f"(split {self.split!r}) with {self.policy}",
             f"  mean reward           {reward}" + (f"  (over {self.num_scored} scored)" if self.num_scored else ""),
             f"  success rate          {self.success_rate:.3f}  (reward >= {self.success_threshold:g})",
@@ -368,4 +388,4 @@ class EvalReport:
             lines.append(f"  resumed               {self.num_resumed} episode(s) from {self.output}")
         if self.output:
             lines.append(f"Episodes: {self.output}")
-        return "\n".join(lines)
+        return escape_controls("\n".join(lines))

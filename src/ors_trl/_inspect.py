@@ -5,6 +5,10 @@ task-specific ones (read from one probe session, closed again), what the server 
 tool, group scoring, message block types, the first task's conversation roles), and what the model
 will see after binding: the exact Python signatures of the tool functions and the JSON schemas
 `transformers.utils.get_json_schema` renders from them, with every warning binding raised.
+
+Everything shown comes from the server, so the text rendering puts each name on one line and escapes
+control and format characters (`escape_controls`): an environment cannot retitle or clear the terminal,
+rewrite a line or reorder the listing a user reads before training.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from ._binding import Toolset
 from ._client import AsyncClient
 from ._exceptions import NotFoundError, ORSError
 from ._loop import get_loop
-from ._text import show_json
+from ._text import escape_controls, one_line, repair, show_json
 from ._transport import RetryPolicy, Timeouts
 from ._types import Message, ToolSpec
 
@@ -156,24 +160,29 @@ def _indent(text: str, prefix: str) -> str:
     return "\n".join(prefix + line for line in text.splitlines())
 
 
+def _one(value: Any) -> str:
+    """A server-given value as one line (the whole text is escaped at the end)."""
+    return one_line(str(value))
+
+
 def render_text(info: dict[str, Any]) -> str:
-    """The inspection as readable text for a terminal."""
+    """The inspection as readable text for a terminal (control characters escaped; see the module docstring)."""
     out: list[str] = []
     add = out.append
     add(f"Target: {info['target']} ({'self-hosted server' if info['kind'] == 'url' else 'OpenReward catalog'})")
     envs = info.get("environments")
     if envs is not None:
-        marked = [f"{e} *" if e == info.get("environment") else e for e in envs]
+        marked = [_one(e) + (" *" if e == info.get("environment") else "") for e in envs]
         add(f"Environments ({len(envs)}): {', '.join(marked)}")
         if len(envs) > 1:
             add("  (* = inspected below; pick another with --env-name)")
     add("")
-    add(f"Environment: {info.get('environment') or '(server default)'}")
+    add(f"Environment: {_one(info.get('environment') or '(server default)')}")
     add("Splits:")
-    width = max([len(s["name"]) for s in info["splits"]] + [1])
+    width = max([len(_one(s["name"])) for s in info["splits"]] + [1])
     for s in info["splits"]:
         count = "?" if s["num_tasks"] is None else str(s["num_tasks"])
-        add(f"  {s['name']:<{width}}  type={s['type']:<8} {count:>7} tasks")
+        add(f"  {_one(s['name']):<{width}}  type={_one(s['type']):<8} {count:>7} tasks")
     total = next((s["num_tasks"] for s in info["splits"] if s["name"] == info["split"]), None)
     add("")
     add(f"Tasks of split {info['split']!r} (first {len(info['tasks'])} of {total if total is not None else '?'}):")
@@ -181,7 +190,7 @@ def render_text(info: dict[str, Any]) -> str:
         add("  (none shown)")
     for row in info["tasks"]:
         task = row["task"]
-        fields = ", ".join(sorted(task)) if isinstance(task, dict) else type(task).__name__
+        fields = ", ".join(sorted(map(_one, task))) if isinstance(task, dict) else type(task).__name__
         add(f"  [{row['index']}] fields: {fields}")
         add(f"      {show_json(task, _TASK_TEXT)}")
     add("")
@@ -192,9 +201,9 @@ def render_text(info: dict[str, Any]) -> str:
     tt = info["task_tools"]
     add("")
     if not tt["probed"]:
-        add("Task-specific tools: not probed" + (f" ({tt['error']})" if tt.get("error") else ""))
+        add("Task-specific tools: not probed" + (f" ({_one(tt['error'])})" if tt.get("error") else ""))
     elif tt.get("error"):
-        add(f"Task-specific tools: the probe session for task {tt['index']} failed: {tt['error']}")
+        add(f"Task-specific tools: the probe session for task {tt['index']} failed: {_one(tt['error'])}")
     else:
         add(f"Task-specific tools (from a session for task {tt['index']}; other tasks may differ) "
             f"({len(tt['tools'])}):")
@@ -206,15 +215,16 @@ def render_text(info: dict[str, Any]) -> str:
     terminal = info.get("terminal_tool")
     if terminal:
         arg = f"its argument {terminal['arg']!r}" if terminal.get("arg") else "no argument"
-        add(f"Terminal tool: {terminal['name']} (hidden from the model; gets the model's final plain message as "
-            f"{arg}): {' '.join((terminal.get('description') or '').split())[:300]}")
+        add(f"Terminal tool: {_one(terminal['name'])} (hidden from the model; gets the model's final plain message "
+            f"as {arg}): {_one(terminal.get('description') or '')[:300]}")
     else:
         add("Terminal tool: none (rewards come from the tools the model calls)")
     add(f"Group scoring (/score_group): {'supported' if info.get('supports_score_group') else 'not supported'}")
-    add(f"Conversations (/messages): {'yes' if info.get('messages') else 'no (older server: /prompt)'}; "
-        f"block types {', '.join(info.get('message_block_types') or [])}")
+    messages = "yes" if info.get("messages") else ("no: this server answers /prompt only (an older server, or another "
+                                                   "ORS implementation); prompts come from /prompt")
+    add(f"Conversations (/messages): {messages}; block types {', '.join(map(_one, info.get('message_block_types') or []))}")
     if info.get("conversation") is not None:
-        roles = ", ".join(f"{m['role']} [{', '.join(m['blocks'])}]" for m in info["conversation"])
+        roles = ", ".join(f"{_one(m['role'])} [{', '.join(map(_one, m['blocks']))}]" for m in info["conversation"])
         add(f"First probed task's conversation: {roles}")
     binding = info.get("binding")
     if binding is not None:
@@ -227,21 +237,21 @@ def render_text(info: dict[str, Any]) -> str:
             where = f"remote tool {tool['remote_name']!r}"
             if tool["attribute"] != tool["name"]:
                 where += f", adapter attribute {tool['attribute']!r}"
-            add(f"  {tool['signature']}    [{where}]")
+            add(f"  {_one(tool['signature'])}    [{_one(where)}]")
             if tool.get("schema") is not None:
                 add(_indent(json.dumps(tool["schema"], indent=2, ensure_ascii=False), "      "))
             elif tool.get("schema_error"):
-                add(f"      schema could not be rendered: {tool['schema_error']}")
+                add(f"      schema could not be rendered: {_one(tool['schema_error'])}")
         warnings = binding["warnings"]
         add("")
         add(f"Binding warnings ({len(warnings)}):" if warnings else "Binding warnings: none")
         for warning in warnings:
-            add(f"  - {warning}")
-    return "\n".join(out)
+            add(f"  - {_one(warning)}")
+    return escape_controls(repair("\n".join(out)))
 
 
 def _tool_text(tool: dict[str, Any]) -> str:
-    lines = [f"  {tool['name']}: {' '.join((tool.get('description') or '(no description)').split())[:300]}"]
+    lines = [f"  {_one(tool['name'])}: {_one(tool.get('description') or '(no description)')[:300]}"]
     schema = tool.get("input_schema")
     lines.append("      input_schema: " + ("null" if schema is None else ""))
     if schema is not None:

@@ -169,13 +169,10 @@ def _numeric_bounds(schema: dict) -> str:
         high_strict = True
     elif _is_number(exclusive_high) and (high is None or exclusive_high <= high):
         high, high_strict = exclusive_high, True
-    if low is not None and high is not None:
-        return f"{quote(low)} {'<' if low_strict else '≤'} x {'<' if high_strict else '≤'} {quote(high)}"
-    if low is not None:
-        return f"x {'>' if low_strict else '≥'} {quote(low)}"
-    if high is not None:
-        return f"x {'<' if high_strict else '≤'} {quote(high)}"
-    return ""
+    # No variable: "0 ≤ x ≤ 9" would read as a bound on a field named x (`y (integer, 0 ≤ x ≤ 9)`).
+    bounds = [f"{'>' if low_strict else '≥'} {quote(low)}" if low is not None else "",
+              f"{'<' if high_strict else '≤'} {quote(high)}" if high is not None else ""]
+    return " and ".join(bound for bound in bounds if bound)
 
 
 # ----------------------------------------------------------------------------------------------------------- tree

@@ -143,6 +143,7 @@ class _Window:
     open_failures: int = 0
     call_latency: list[float] = field(default_factory=list)
     calls: int = 0
+    terminal_latency: list[float] = field(default_factory=list)
     terminal_calls: int = 0
     failures: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     groups: int = 0
@@ -150,7 +151,7 @@ class _Window:
 
     def merge(self, other: _Window) -> None:
         self.stats.merge(other.stats)
-        for name in ("open_latency", "call_latency"):
+        for name in ("open_latency", "call_latency", "terminal_latency"):
             getattr(self, name).extend(getattr(other, name))
         for name in ("open_failures", "calls", "terminal_calls", "groups", "group_failures"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -190,21 +191,20 @@ class EnvMetrics:
 
     def record_call(self, env: str, seconds: float | None, error_kind: str | None = None, *,
                     terminal: bool = False) -> None:
-        """One tool call (`terminal`: the hidden terminal tool's, counted apart from the model's own calls);
-        `seconds` None for a call refused before it reached the environment (no latency sample)."""
+        """One tool call of the model, or (`terminal`) the harness's call of the environment's hidden terminal
+        tool: counted apart (`terminal_calls`, `terminal_call_s`), as the model never called it. `seconds` None: a
+        call refused before it reached the environment (no latency sample)."""
         with self._lock:
             w = self._windows[env]
             if terminal:
                 w.terminal_calls += 1
             else:
                 w.calls += 1
-            if seconds is not None and len(w.call_latency) < self.MAX_SAMPLES:
-                w.call_latency.append(seconds)
+            latency = w.terminal_latency if terminal else w.call_latency
+            if seconds is not None and len(latency) < self.MAX_SAMPLES:
+                latency.append(seconds)
             if error_kind is not None:
                 w.failures[failure_kind(error_kind)] += 1
-
-    def record_terminal(self, env: str, seconds: float, error_kind: str | None = None) -> None:
-        self.record_call(env, seconds, error_kind, terminal=True)
 
     def record_episode(self, env: str, *, reward: float | None, finished: bool, calls: int,
                        unscored: str | None = None) -> None:
@@ -274,7 +274,8 @@ def _window_metrics(prefix: str, w: _Window) -> dict[str, float]:
     if w.open_latency:
         out[prefix + "session_open_s/p50"] = _percentile(w.open_latency, 0.5)
         out[prefix + "session_open_s/p95"] = _percentile(w.open_latency, 0.95)
-    if w.call_latency:
-        out[prefix + "tool_call_s/p50"] = _percentile(w.call_latency, 0.5)
-        out[prefix + "tool_call_s/p95"] = _percentile(w.call_latency, 0.95)
+    for name, latency in (("tool_call_s", w.call_latency), ("terminal_call_s", w.terminal_latency)):
+        if latency:
+            out[prefix + f"{name}/p50"] = _percentile(latency, 0.5)
+            out[prefix + f"{name}/p95"] = _percentile(latency, 0.95)
     return out

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from . import _trl
 from ._engine import RolloutEngine
 from ._exceptions import ConfigurationError
 from ._loop import get_loop
@@ -28,7 +29,7 @@ from ._metrics import EnvMetrics
 from ._records import RecordWriter
 from ._rewards import group_reward, outcome_reward, reward_function
 from ._spec import EPISODE_LOG_MAX_BYTES, EPISODE_LOG_MAX_TEXT, OpenRewardSpec
-from ._tasks import RESERVED_COLUMNS, log_notes, task_columns
+from ._tasks import log_notes, task_columns
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -162,7 +163,7 @@ class OpenRewardMix:
             rows["task_index"] += part["task_index"]
             rows[ENVIRONMENT_COLUMN] += [name] * len(picks)
             tasks += [spec_tasks[p] for p in picks]
-        columns, self.dataset_notes = task_columns(tasks, RESERVED_COLUMNS | {ENVIRONMENT_COLUMN})
+        columns, self.dataset_notes = task_columns(tasks)  # the routing column is reserved too
         log_notes(self.dataset_notes, "mix")
         rows.update(columns)
         return Dataset.from_dict(rows)
@@ -196,6 +197,7 @@ class OpenRewardMix:
 
         Each environment keeps its own spec's `episode_timeout`; the gather window is one for the whole engine:
         the mix's `gather_window`, else the specs' (which must then agree)."""
+        _trl.require_engine()
         for spec in self.specs.values():
             _ = spec.tool_specs
         window = self.gather_window

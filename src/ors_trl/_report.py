@@ -22,12 +22,18 @@ renders on the server is HTML-escaped, the episode bodies travel as JSON in a
 writes them with `textContent` only. Records are shown as written (secrets were masked before
 they were written): nothing is unescaped and nothing else is read.
 
+Whatever the inputs hold, the page is written: a line that is not a record (cut, corrupt, nested too
+deeply, foreign) is skipped and counted on the page; the embedded bodies are made JSON-safe (`jsonable`:
+lone surrogates repaired, NaN spelled as text, nesting bounded); a chart matplotlib cannot draw is a note.
+The page never replaces one of its inputs, and is written through a private temporary file.
+
 Definitions: an episode is graded when its reward is not None; mean reward is over graded
 episodes; success (per-task table) is `reward > 0`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import heapq
 import html
@@ -38,6 +44,8 @@ import math
 import os
 import re
 import secrets
+import stat
+import tempfile
 from array import array
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -48,8 +56,8 @@ from typing import Any
 
 from ._exceptions import ConfigurationError
 from ._metrics import _percentile
-from ._records import read_records
-from ._text import shorten, show_json
+from ._records import jsonable, parse_line, read_records
+from ._text import repair, shorten, show_json
 
 __all__ = ["DEFAULT_MAX_EPISODES", "ReportSummary", "write_report"]
 
@@ -58,6 +66,7 @@ logger = logging.getLogger("ors_trl")
 #: Episode bodies embedded in the page unless told otherwise.
 DEFAULT_MAX_EPISODES = 2000
 _SAMPLE_BYTES = 12 * 1024 * 1024  # embedded episode JSON stops here whatever max_episodes says (page < 20 MB)
+_EMBED_TEXT = 100_000  # an episode too large for what is left of the budget is embedded with its texts cut to this
 _RESERVED_PER_KIND = 5  # episodes kept for each failure kind, unscored reason, end reason, environment, run
 _MAX_KINDS = 200  # distinct kinds reserved for (record values are untrusted: bound them)
 _MAX_TASK_ROWS = 10_000
@@ -79,6 +88,8 @@ class ReportSummary:
     trainer_states: int
     log_steps: int
     bytes: int
+    skipped: int = 0
+    skipped_reasons: dict[str, int] = field(default_factory=dict)
 
 
 # -- inputs ---------------------------------------------------------------------------------------------
@@ -139,10 +150,7 @@ def _recognise(raw: str | os.PathLike[str]) -> _Input:
         logger.warning("%s is empty: no episodes in it", path)
         return _Input(path, "episodes", path.name)
     for line in lines:
-        try:
-            obj = json.loads(line)
-        except ValueError:  # a cut line, a pretty-printed document, not JSON at all
-            continue
+        obj, _ = parse_line(line)  # None: a cut line, a pretty-printed document, not JSON at all
         if isinstance(obj, dict) and isinstance(obj.get("log_history"), list):
             return _Input(path, "trainer_state", _state_label(path), obj)
         if _is_record(obj):
@@ -156,11 +164,9 @@ def _recognise_state(path: Path, label: str) -> _Input:
     try:
         if path.stat().st_size > _MAX_STATE_BYTES:
             raise ConfigurationError(f"{path}: too large for a trainer state")
-        doc = json.loads(path.read_bytes())
+        doc, _ = parse_line(path.read_bytes())
     except OSError as exc:
         raise ConfigurationError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
-    except ValueError:
-        doc = None
     if not isinstance(doc, dict) or not isinstance(doc.get("log_history"), list):
         raise ConfigurationError(f"{path}: not an episode log, eval output or trainer state (no episode records, "
                                  f"no log_history); {_EXPECTED}")
@@ -217,15 +223,22 @@ def _calls(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _kind(error: Any, fallback: str) -> str:
     if isinstance(error, dict):
-        return str(error.get("kind") or fallback)
+        return _label(error.get("kind") or fallback)
     return fallback
 
 
+def _label(value: Any, limit: int = 200) -> str:
+    """A record value as a short label: text as it is, a number or None as `str` gives it, anything else as JSON."""
+    if not isinstance(value, str):
+        value = str(value) if value is None or isinstance(value, int | float) else show_json(jsonable(value), limit)
+    return shorten(value, limit)
+
+
 def _task_label(record: dict[str, Any]) -> str:
-    split = record.get("split")
+    split = _label(record.get("split") or "-")
     if record.get("task_spec") is not None:
-        return f"{split or '-'} spec {show_json(record['task_spec'], 60)}"
-    return f"{split or '-'} #{record.get('task_index')}"
+        return f"{split} spec {_label(record['task_spec'], 60)}"
+    return f"{split} #{_label(record.get('task_index'))}"
 
 
 @dataclass
@@ -283,17 +296,21 @@ class _Episodes:
     def add(self, record: dict[str, Any], source: str) -> None:
         """Count one record and offer it to the sample."""
         rec = _normalise(record)
-        env = str(rec.get("environment") or rec.get("target") or "(unknown)")
-        run = str(rec.get("run") or source)
+        env = _label(rec.get("environment") or rec.get("target") or "(unknown)")
+        run = _label(rec.get("run") or source)
         task = _task_label(rec)
         reward = _number(rec.get("reward"))
         error = rec.get("error")
         unscored = rec.get("unscored") or (None if reward is not None else "error" if error else "no_reward")
-        end = str(rec.get("end_reason") or "(none)")
+        unscored = _label(unscored) if unscored else None
+        end = _label(rec.get("end_reason") or "(none)")
         calls = _calls(rec)
         fails = [_kind(c["error"], "failed") for c in calls if c.get("error")]
         n_calls = rec.get("tool_calls") if isinstance(rec.get("tool_calls"), int) else len(calls)
         finished = bool(rec.get("finished"))
+        tags = sorted({f"failure: {k}" for k in fails} | ({f"error: {_kind(error, 'error')}"} if error else set())
+                      | ({f"unscored: {unscored}"} if unscored else set()))
+        key = f"{self.seq + 1}|{run}|{_label(rec.get('started_at'))}|{env}|{task}".encode("utf-8", "replace")
 
         for tally in (self.total, self.envs[env], self.tasks[(env, task)]):
             tally.add(reward, finished, n_calls, len(fails))
@@ -304,7 +321,7 @@ class _Episodes:
             self.episode_errors[_kind(error, "error")] += 1
         self.end_reasons[end] += 1
         if unscored:
-            self.unscored[str(unscored)] += 1
+            self.unscored[unscored] += 1
         if _number(rec.get("group_reward")) is not None:
             self.group_rewards += 1
         timings = rec.get("timings")
@@ -314,10 +331,7 @@ class _Episodes:
             if (seconds := _number(c.get("seconds"))) is not None:
                 self.call_s[env].append(seconds)
 
-        tags = sorted({f"failure: {k}" for k in fails} | ({f"error: {_kind(error, 'error')}"} if error else set())
-                      | ({f"unscored: {unscored}"} if unscored else set()))
         self.seq += 1
-        key = f"{self.seq}|{run}|{rec.get('started_at')}|{env}|{task}".encode("utf-8", "replace")
         h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
         item = (-h, self.seq, {"env": env, "task": task, "run": run, "reward": reward, "tags": tags, "rec": rec})
         self._offer(self._sample, item, self.max_episodes)
@@ -337,11 +351,13 @@ class _Episodes:
         elif size and item[0] > heap[0][0]:  # smaller hash than the largest kept
             heapq.heapreplace(heap, item)
 
-    def sample(self) -> tuple[list[dict[str, Any]], bool]:
-        """The embedded episodes in input order, and whether the byte bound cut the sample short.
+    def sample(self) -> tuple[list[dict[str, Any]], int, int]:
+        """The embedded episodes in input order; how many of them the byte bound made embed with their long texts
+        cut, and how many it left out.
 
         First, round-robin over the kinds, the reserved episodes (up to half the sample, at least one per
-        kind where the sample has room); then the rest by hash."""
+        kind where the sample has room); then the rest by hash. An episode too large for what is left of the
+        byte budget is embedded with its texts cut (marked), else left out; the ones after it still get their turn."""
         by_hash = sorted(self._sample, reverse=True)
         buckets = [sorted(b, reverse=True) for _, b in sorted(self._reserved.items())]
         reserve = min(self.max_episodes, max(len(buckets), self.max_episodes // 2))
@@ -354,31 +370,24 @@ class _Episodes:
             if len(order) >= self.max_episodes:
                 break
             order.setdefault(seq, ep)
-        chosen, size, cut = [], 0, False
+        chosen, size, clipped, left_out = [], 0, 0, 0
         for seq, ep in order.items():
-            ep["rec"] = _finite(ep["rec"])
-            size += len(json.dumps(ep, ensure_ascii=False, default=str))
-            if size > _SAMPLE_BYTES:
-                cut = True
-                break
+            rec = ep["rec"]
+            ep["rec"] = jsonable(rec)  # JSON.parse-able: no NaN, no lone surrogate, bounded depth
+            n = len(json.dumps(ep, ensure_ascii=False))
+            if size + n > _SAMPLE_BYTES:
+                ep["rec"] = jsonable(rec, max_text=_EMBED_TEXT, fields=None)
+                n = len(json.dumps(ep, ensure_ascii=False))
+                if size + n > _SAMPLE_BYTES:
+                    left_out += 1
+                    continue
+                clipped += 1
+            size += n
             chosen.append((seq, ep))
         chosen.sort(key=lambda x: x[0])
         for _, ep in chosen:
             self.tasks[(ep["env"], ep["task"])].embedded += 1
-        return [dict(ep, id=i) for i, (_, ep) in enumerate(chosen)], cut
-
-
-def _finite(value: Any, depth: int = 0) -> Any:
-    """`value` with NaN/Infinity spelled as strings (JSON.parse rejects them)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if depth > 32:
-        return value
-    if isinstance(value, dict):
-        return {str(k): _finite(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v, depth + 1) for v in value]
-    return value
+        return [dict(ep, id=i) for i, (_, ep) in enumerate(chosen)], clipped, left_out
 
 
 # -- curves -------------------------------------------------------------------------------------------------
@@ -448,7 +457,8 @@ def _svg(chart: dict[str, list[tuple[float, float]]], title: str, uid: str) -> s
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    with matplotlib.rc_context({"svg.hashsalt": uid, "svg.fonttype": "none", "font.size": 8}):
+    # text.parse_math off: a `$` in a metric or run name is text, not mathtext (which fails on most of them)
+    with matplotlib.rc_context({"svg.hashsalt": uid, "svg.fonttype": "none", "font.size": 8, "text.parse_math": False}):
         fig = Figure(figsize=(6.2, 3.3), layout="constrained")
         ax = fig.add_subplot()
         colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -460,7 +470,7 @@ def _svg(chart: dict[str, list[tuple[float, float]]], title: str, uid: str) -> s
                 stride = math.ceil(len(points) / _MAX_POINTS)
                 points = points[::stride] + ([points[-1]] if (len(points) - 1) % stride else [])
             style = "--" if name.endswith((" finished", " p95", " p99")) else "-"
-            ax.plot([p[0] for p in points], [p[1] for p in points], style, color=color, label=shorten(name, 60),
+            ax.plot([p[0] for p in points], [p[1] for p in points], style, color=color, label=repair(shorten(name, 60)),
                     marker="." if len(points) < 40 else None, linewidth=1.3)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("training step")
@@ -500,8 +510,14 @@ def _curves(states: list[_Input]) -> tuple[str, int]:
     except ImportError:
         return ("<p class=note>Curves need matplotlib, which is not installed: <code>pip install "
                 "'ors-trl[report]'</code>.</p>"), steps
-    figures = [f"<figure class=chart>{_svg(merged[name], title, f'c{i}')}</figure>"
-               for i, (name, title) in enumerate(_CHARTS) if merged[name]]
+    figures = []
+    for i, (name, title) in enumerate(_CHARTS):
+        if merged[name]:
+            try:
+                figures.append(f"<figure class=chart>{_svg(merged[name], title, f'c{i}')}</figure>")
+            except Exception as exc:  # matplotlib refused something in the log: the rest of the page stands
+                logger.warning("report: the chart %r could not be drawn: %s: %s", title, type(exc).__name__, exc)
+                figures.append(f"<p class=note>{_e(title)}: could not be drawn ({_e(type(exc).__name__)}).</p>")
     note = f"<p class=note>From {html.escape(where)}: {steps} logged step(s).</p>"
     return note + "<div class=charts>" + "".join(figures) + "</div>", steps
 
@@ -639,20 +655,29 @@ def write_report(inputs: Sequence[str | os.PathLike[str]], output: str | os.Path
         title: the page's title (default: names the environments).
 
     Returns:
-        A `ReportSummary`. Raises `ConfigurationError` for an input that is missing, unreadable or not a log.
+        A `ReportSummary`. Raises `ConfigurationError` for an input that is missing, unreadable or not a log, and
+        for an `output` that is one of the inputs.
     """
     if isinstance(max_episodes, bool) or not isinstance(max_episodes, int) or max_episodes < 0:
         raise ConfigurationError(f"max_episodes must be an int >= 0, got {max_episodes!r}")
     if not inputs:
         raise ConfigurationError("no inputs given")
     items = _recognise_all(inputs)
+    out = Path(output)
+    _check_not_an_input(out, items)
     eps = _Episodes(max_episodes)
+    skipped: Counter[str] = Counter()
     for item in items:
         if item.kind == "episodes":
-            for record in read_records(item.path):
-                if _is_record(record):
+            for record in read_records(item.path, skipped):
+                if not _is_record(record):
+                    skipped["not an episode record"] += 1
+                    continue
+                try:
                     eps.add(record, item.label)
-    sample, cut = eps.sample()
+                except Exception as exc:  # a record shaped like no version: counted on the page, the rest stands
+                    skipped[f"unreadable as an episode ({type(exc).__name__})"] += 1
+    sample, clipped, left_out = eps.sample()
     states = [i for i in items if i.kind == "trainer_state"]
     curves, steps = _curves(states)
     envs = sorted(eps.envs)
@@ -664,31 +689,64 @@ def write_report(inputs: Sequence[str | os.PathLike[str]], output: str | os.Path
     elif n == m:
         shown = f"Showing all {m} episodes."
     else:
-        why = (f"the page embeds at most {_SAMPLE_BYTES // 2**20} MB of episode bodies" if cut
+        why = (f"the page embeds at most {_SAMPLE_BYTES // 2**20} MB of episode bodies" if left_out
                else f"--max-episodes {max_episodes}")
         shown = (f"Showing {n} of {m} episodes (sample; {why}). The summary and the task table count every "
                  "episode; the sample is chosen deterministically and keeps examples of every failure, error, "
                  "unscored and end reason, environment and run.")
+    if clipped:
+        shown += (f" {clipped} episode(s) too large for the {_SAMPLE_BYTES // 2**20} MB of episode bodies a page "
+                  f"embeds are shown with every text cut to {_EMBED_TEXT:,} characters (marked).")
+    skipped_note = ""
+    if skipped:
+        skipped_note = (f"<p class=note id=skipped>{skipped.total()} record(s) skipped: "
+                        + _e(", ".join(f"{v} {k}" for k, v in sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0]))))
+                        + ".</p>")
     nonce = secrets.token_urlsafe(16)
     sources = "".join(f"<li><code>{_e(i.path)}</code> ({'trainer state' if i.kind == 'trainer_state' else 'episodes'})"
                       "</li>" for i in items)
     page = _PAGE.format(
         title=_e(page_title), nonce=nonce, css=_CSS, js=_JS,
         generated=_e(datetime.now(UTC).isoformat(timespec="seconds")), sources=sources,
-        summary=_summary(eps), curves=curves, tasks=_tasks(eps), shown=_e(shown),
+        summary=skipped_note + _summary(eps), curves=curves, tasks=_tasks(eps), shown=_e(shown),
         data=_json_script(sample),
     )
-    out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(page, encoding="utf-8")
-        os.replace(tmp, out)  # a reader never sees half a page
-    finally:
-        tmp.unlink(missing_ok=True)
+    _write_atomic(out, repair(page).encode("utf-8"))  # repair: a title or a file name may hold a lone surrogate
     return ReportSummary(output=os.fspath(out), episodes=m, embedded=n, environments=envs, runs=len(eps.runs),
                          tasks=len(eps.tasks), trainer_states=len(states), log_steps=steps,
-                         bytes=out.stat().st_size)
+                         bytes=out.stat().st_size, skipped=skipped.total(), skipped_reasons=dict(skipped))
+
+
+def _check_not_an_input(out: Path, items: list[_Input]) -> None:
+    """Refuse to write the page over a file it is made from (also through a link or another path to it)."""
+    for item in items:
+        with contextlib.suppress(OSError):  # an output that does not exist (or cannot be looked at) is no input
+            if os.path.samefile(out, item.path):
+                raise ConfigurationError(f"the output {out} is the input {item.path}: writing the page there would "
+                                         "replace it; pass another --output")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """`data` as `path`, whole or not at all: written to a private temporary file beside it (`mkstemp`: a name
+    nobody can predict, created 0600, never through a link someone planted), given the mode `path` has (else the
+    usual 0666 less the umask), then renamed over `path`, so a reader never sees half a page."""
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        mask = os.umask(0o022)  # reading the umask means setting it (pip does the same)
+        os.umask(mask)
+        mode = 0o666 & ~mask
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            os.fchmod(fh.fileno(), mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 # -- templates --------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import copyreg
+import json
 import logging
 import math
 import re
@@ -28,6 +29,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import _trl
 from ._adapter import RESERVED as ADAPTER_NAMES
 from ._adapter import OpenRewardEnvironment, for_this_process
 from ._binding import Toolset
@@ -51,7 +53,8 @@ __all__ = ["OpenRewardSpec"]
 
 logger = logging.getLogger("ors_trl")
 
-_PROBE_CONCURRENCY = 16
+#: Tool-discovery sessions open at once (each may be a sandbox on a catalog environment).
+PROBE_CONCURRENCY = 4
 #: Episode logs are bounded: long texts are cut, and the file stops growing at this size.
 EPISODE_LOG_MAX_BYTES = 256 * 1024 * 1024
 EPISODE_LOG_MAX_TEXT = 8_000
@@ -109,9 +112,12 @@ class OpenRewardSpec:
         secrets: per-session secrets (`X-Secrets`), for every session. In catalog mode, when not given,
             the API key is forwarded as the conventional `api_key` secret.
         env_name: which environment on a server that hosts several.
-        include_metadata: copy each task's fields into dataset columns (reward functions see them).
+        include_metadata: copy each task's fields into dataset columns (reward functions see them); a field
+            named like a keyword TRL passes itself (`self`, `prompts`, `completions`, ...: `RESERVED_COLUMNS`
+            of `ors_trl._tasks`) is kept as `task_<name>`, and the log says so once.
         discover_task_tools: open probe sessions to bind task-specific tools (`/task_tools`), not only
-            the shared ones.
+            the shared ones: one per distinct task of `indices` (task 0 otherwise), `PROBE_CONCURRENCY` (4)
+            at once; every probed task's tools are bound.
         task_tools_discovery_index: probe only this task index.
         cache_prompts: return cached prompts from repeated resets of one task while sessions open in
             the background (one session-open wait per distinct task, not per rollout).
@@ -125,8 +131,8 @@ class OpenRewardSpec:
             across the batch at once at its first call (each rollout's calls still in order).
         async_tools: bind tools as coroutine methods (TRL gathers a rollout's parallel calls).
         max_concurrent_tool_calls: tool calls in flight at once, per environment.
-        episode_timeout: with `rollout_func`, wall-clock seconds an episode may take before it is closed
-            and scored None.
+        episode_timeout: with `rollout_func` (and as `evaluate`'s default), wall-clock seconds an episode may
+            take before it is closed and scored None.
         unscored_reward: what `reward_funcs` gives a rollout the environment never scored. None (the
             default, TRL's convention) leaves it out of the advantage baseline; a number (e.g. 0.0)
             counts it as that score.
@@ -339,7 +345,8 @@ class OpenRewardSpec:
         if dropped:
             logger.warning("%s: tool discovery indices %s are out of range (split %r has %d tasks); ignored.",
                            self.name, dropped, self._split, total)
-        gate = asyncio.Semaphore(_PROBE_CONCURRENCY)
+        probes = await self._distinct_tasks(probes)
+        gate = asyncio.Semaphore(PROBE_CONCURRENCY)
 
         async def probe(index: int) -> Any:
             async with gate:
@@ -366,6 +373,20 @@ class OpenRewardSpec:
         if probes and all(isinstance(r, BaseException) for r in results):
             logger.warning("%s: every tool discovery session failed; binding shared tools only.", self.name)
         return list(merged.values()), terminal, *features
+
+    async def _distinct_tasks(self, indices: list[int]) -> list[int]:
+        """One index per distinct task among `indices` (tasks with equal specs advertise the same task tools)."""
+        if len(indices) < 2:
+            return indices
+        try:
+            specs = await fetch_tasks(self._client, self._split, indices, name=self.name)
+        except ORSError as exc:
+            logger.warning("%s: could not fetch the tasks to probe (%s); probing every index.", self.name, exc)
+            return indices
+        first: dict[str, int] = {}
+        for index in indices:
+            first.setdefault(json.dumps(specs.get(index), sort_keys=True, default=str), index)
+        return list(first.values())
 
     @cached_property
     def _tools(self) -> tuple[list[ToolSpec], TerminalTool | None, bool, tuple[str, ...] | None]:
@@ -418,8 +439,10 @@ class OpenRewardSpec:
         """The rollout engine for `GRPOTrainer(rollout_func=...)`.
 
         Use it instead of `environment_factory` (not with it), with `train_dataset` and `reward_funcs`: every
-        episode of a batch runs on its own, sessions open concurrently and tool calls overlap.
+        episode of a batch runs on its own, sessions open concurrently and tool calls overlap. Raises `UsageError`
+        on a TRL version it was not verified against (`environment_factory` works there).
         """
+        _trl.require_engine()
         _ = self._tools
         return RolloutEngine({None: self._runtime}, gather_window=self._options["gather_window"])
 
@@ -466,7 +489,8 @@ class OpenRewardSpec:
         Args:
             policy: a local model directory, a `(model, tokenizer)` pair, an `OpenAIPolicy`, or any `Policy`.
             num_tasks: the first `num_tasks` tasks; `indices`: exactly these. Default: the spec's own selection.
-            **kwargs: see `ors_trl._eval.evaluate` (repeats, concurrency, max_turns, output, resume, ...).
+            **kwargs: see `ors_trl._eval.evaluate` (repeats, concurrency, max_turns, output, resume, ...);
+                `episode_timeout` defaults to this spec's own.
 
         Returns:
             An `EvalReport` (mean reward, grading coverage, finished rate, tool calls/failures per episode).
@@ -477,4 +501,5 @@ class OpenRewardSpec:
             num_tasks, indices = self._num_tasks, self._indices
         _ = self._tools  # bind as training does
         kwargs.setdefault("success_threshold", self._options["success_threshold"])
+        kwargs.setdefault("episode_timeout", self._options["episode_timeout"])
         return evaluate(self._runtime, policy, num_tasks=num_tasks, indices=indices, **kwargs)

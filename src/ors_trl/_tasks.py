@@ -13,13 +13,18 @@ from typing import Any
 
 from ._client import AsyncClient
 from ._exceptions import ConfigurationError, ProtocolError
+from ._trl import TRL_KEYWORDS
 
 __all__ = ["RESERVED_COLUMNS", "check_in_range", "check_selection", "fetch_tasks", "select", "task_columns"]
 
 logger = logging.getLogger("ors_trl")
 
-#: Dataset columns ors-trl owns; task fields with these names are not copied into the dataset.
-RESERVED_COLUMNS = frozenset({"prompt", "task_index", "task_spec"})
+#: Names a task field may not keep as its dataset column: ors-trl's own columns (`prompt`, `task_index`, `task_spec`),
+#: what TRL passes to `reset(**row)` and reward functions itself or reads from a row (`ors_trl._trl.TRL_KEYWORDS`),
+#: the adapter's and the reward functions' own parameters (`self`, `unscored_reward`) and the fields the rollout
+#: engine adds to every row (`env_mask`, and any name starting with `ors_`). Such a field is kept as `task_<name>`.
+RESERVED_COLUMNS = frozenset({"prompt", "task_index", "task_spec", "self", "unscored_reward", "env_mask"}) | TRL_KEYWORDS
+_RESERVED_PREFIX = "ors_"
 _PAGE = 500
 _FETCH_CONCURRENCY = 8
 
@@ -109,29 +114,43 @@ def _arrow_safe(values: list[Any]) -> bool:
     return True
 
 
+def _reserved(name: str, reserved: frozenset[str]) -> bool:
+    return name in reserved or name.startswith(_RESERVED_PREFIX)
+
+
 def task_columns(task_specs: Sequence[Any], reserved: frozenset[str] = RESERVED_COLUMNS
                  ) -> tuple[dict[str, list[Any]], list[str]]:
     """Task fields as dataset columns, plus notes on what had to change.
 
-    Fields named like a reserved column are left out; a field whose values Arrow cannot store in one
-    column (mixed types, ragged nesting) is stored as JSON text, so dataset creation never fails.
+    A field named like a reserved column (see `RESERVED_COLUMNS`) is kept as `task_<name>` (prefixed again until
+    the name is free), so that TRL can still call `reset(**row)` and the reward functions with the row; a field
+    whose values Arrow cannot store in one column (mixed types, ragged nesting) is stored as JSON text, so dataset
+    creation never fails.
     """
     notes: list[str] = []
-    keys = list(dict.fromkeys(k for spec in task_specs if isinstance(spec, Mapping) for k in spec))
+    keys = list(dict.fromkeys(k for spec in task_specs if isinstance(spec, Mapping) for k in spec if isinstance(k, str)))
+    taken = set(keys) | set(reserved)
+    renamed: list[str] = []
     columns: dict[str, list[Any]] = {}
-    for key in sorted(keys, key=str):
-        if not isinstance(key, str) or key in reserved:
-            notes.append(f"task field {key!r} is reserved by ors-trl and was not copied into the dataset")
-            continue
+    for key in sorted(keys):
+        column = key
+        if _reserved(key, reserved):
+            while column in taken or _reserved(column, reserved):
+                column = f"task_{column}"
+            taken.add(column)
+            renamed.append(f"{key} -> {column}")
         values = [spec.get(key) if isinstance(spec, Mapping) else None for spec in task_specs]
         if not _arrow_safe(values):
             values = [None if v is None else json.dumps(v, sort_keys=True, default=str) for v in values]
             notes.append(f"task field {key!r} has values of mixed shapes; stored as JSON text")
-        columns[key] = values
+        columns[column] = values
+    if renamed:
+        notes.insert(0, f"task fields renamed in the dataset (TRL or ors-trl passes these names itself): "
+                        f"{', '.join(renamed)}")
     return columns, notes
 
 
 def log_notes(notes: list[str], name: str) -> None:
-    """Reserved names are routine (tasks often carry their own "prompt"); changed values are worth a warning."""
+    """Say once, in one line each, what building the dataset changed (renamed fields, values stored as JSON)."""
     for note in notes:
-        (logger.info if "is reserved" in note else logger.warning)("%s: %s", name, note)
+        logger.warning("%s: %s", name, note)

@@ -14,11 +14,16 @@ their `log_metric` keyword, callbacks) everywhere else. What needs more lives he
   finished rollout (its transcript, and which reward functions will run) off the worker's loop
   (`finished_rollout`), and the worker process is recognised by its name (`in_async_worker`).
 
-They were verified against the TRL versions in `VERIFIED`. On any other version the adapter falls
-back to TRL's public behaviour (one session open and one tool call at a time, still correct) with
-one log line, the engine refuses to start with a clear error, and in the async worker `get_reward`
-returns each episode's reward itself (TRL's public contract for it). `ORS_TRL_TRUST_TRL=1` opts in to
-the fast paths on an unverified TRL (for trying a newer release).
+They were verified against the TRL versions in `VERIFIED`; the package metadata has a lower bound
+only (`trl>=1.16`), so ors-trl installs beside a newer TRL, and this is the contract there: the
+adapter falls back to TRL's public behaviour (one session open and one tool call at a time, still
+correct; sessions are closed at each step's end only with `callbacks=spec.callbacks`, as ors-trl
+cannot find the trainer by itself) with one log line, the engine refuses to start with a clear error,
+and in the async worker `get_reward` returns each episode's reward itself (TRL's public contract for
+it). `ORS_TRL_TRUST_TRL=1` opts in to the fast paths on an unverified TRL (for trying a newer release).
+
+`TRL_KEYWORDS` are the names TRL itself passes to `reset(**row)` and to reward functions, or reads
+from a dataset row: task fields with these names are renamed (`ors_trl._tasks.task_columns`).
 """
 
 from __future__ import annotations
@@ -36,14 +41,31 @@ from typing import Any
 
 from ._exceptions import ConfigurationError, UsageError
 
-__all__ = ["VERIFIED", "FinishedRollout", "Rendering", "clip_post_tool", "error_text", "finished_rollout", "generate",
-           "in_async_worker", "overflows", "resetting_batch", "rules", "tool_message", "tool_turn", "verified"]
+__all__ = ["TRL_KEYWORDS", "VERIFIED", "FinishedRollout", "Rendering", "clip_post_tool", "error_text", "finished_rollout",
+           "generate", "in_async_worker", "overflows", "resetting_batch", "rules", "tool_message", "tool_turn", "verified"]
 
 logger = logging.getLogger("ors_trl")
 
-#: TRL releases (major.minor) the fast paths were verified against; `pyproject.toml` pins the same range.
+#: TRL releases (major.minor) the fast paths were verified against (`requirements/constraints.txt` pins the tested
+#: one; `pyproject.toml` has only the lower bound).
 VERIFIED = ("1.16",)
 TRUST_ENV = "ORS_TRL_TRUST_TRL"
+#: What changes on a TRL that is not in `VERIFIED` (the log line and the engine's error say it).
+_UNVERIFIED = ("TRL's environment_factory loop runs on TRL's public behaviour (one session open and one tool call at a "
+               "time: correct, slower; pass callbacks=spec.callbacks so that sessions close at each step's end), and "
+               "spec.rollout_func will not run")
+
+#: Names TRL passes as keywords itself or reads from a dataset row, as verified for `VERIFIED`
+#: (tests/test_architecture.py reads them out of the installed TRL's source, so a TRL that adds one fails there):
+#: - GRPOTrainer._calculate_rewards and the async worker's _score_group call every reward function with
+#:   `prompts`, `completions`, `completion_ids` and every other row column, plus `trainer_state`, `log_extra`,
+#:   `log_metric` and `environments`; they leave the columns `prompt`, `completion` and `completion_ids` out;
+#: - rows are read for `prompt`, the multimodal `image` / `images`, and the routing column `environment` (which
+#:   multi-environment mode also leaves out of `reset(**row)`).
+TRL_KEYWORDS = frozenset({
+    "prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments",
+    "prompt", "completion", "image", "images", "environment",
+})
 
 
 def trl_version() -> str | None:
@@ -63,12 +85,8 @@ def verified() -> bool:
         logger.warning("ors-trl: TRL %s is not a verified version (%s); %s=1 turns the fast paths on anyway.",
                        version, ", ".join(VERIFIED), TRUST_ENV)
         return True
-    logger.warning(
-        "ors-trl: TRL %s is not a version ors-trl was verified against (%s). TRL's environment_factory loop runs "
-        "without ors-trl's batching (one session open and one tool call at a time: correct, slower), and "
-        "spec.rollout_func will not run. Install trl>=1.16,<1.17, or set %s=1 to try the fast paths.",
-        version, ", ".join(VERIFIED), TRUST_ENV,
-    )
+    logger.warning("ors-trl: TRL %s is not a version ors-trl was verified against (%s): %s. Set %s=1 to try the "
+                   "fast paths on it.", version, ", ".join(VERIFIED), _UNVERIFIED, TRUST_ENV)
     return False
 
 
@@ -217,8 +235,8 @@ def require_engine() -> None:
     if not verified():
         raise UsageError(
             f"spec.rollout_func drives TRL internals verified for TRL {', '.join(VERIFIED)} only, and TRL "
-            f"{trl_version()} is installed. Use environment_factory=spec.environment_factory (public TRL API), "
-            f"install trl>=1.16,<1.17, or set {TRUST_ENV}=1 to try it anyway."
+            f"{trl_version()} is installed. Use environment_factory=spec.environment_factory (TRL's public API; "
+            f"with callbacks=spec.callbacks), or set {TRUST_ENV}=1 to try the engine anyway."
         )
 
 

@@ -20,8 +20,11 @@ import math
 import os
 import sys
 import textwrap
+import unicodedata
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from ._text import escape_controls, repair
 
 __all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -38,11 +41,13 @@ exit codes:
        --output that cannot be written
   2    usage error: invalid arguments, malformed target, missing API key, a --model path that is not a
        model directory, an existing --output without --resume/--overwrite; a report INPUT that is
-       missing, unreadable, or not an episode log, eval output or trainer state
+       missing, unreadable, or not an episode log, eval output or trainer state, or a report --output
+       that is one of its INPUTs
   130  interrupted (Ctrl-C); eval keeps every finished episode in --output, continue with --resume
 
 TARGET is the URL of a self-hosted ORS server (http://127.0.0.1:8000) or an OpenReward catalog name
-(owner/name, needs OPENREWARD_API_KEY).
+(owner/name, needs OPENREWARD_API_KEY). Text from the environment is printed with its control
+characters escaped (\x1b, \u202e), so it cannot retitle, clear or rewrite the terminal.
 """
 
 
@@ -99,28 +104,39 @@ def _indices(text: str) -> list[int]:
 _LAYOUT: dict[str, Any] = {"epilog": _EPILOG, "formatter_class": argparse.RawDescriptionHelpFormatter}
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+#: `ors-trl inspect`'s waits where --timeout/--retries are not given: someone at a terminal is waiting, so a server
+#: that accepts and never answers is an error after about half a minute (3 tries of 10 s), not six minutes.
+INSPECT_TIMEOUT = 10.0
+INSPECT_RETRIES = 2
+
+
+def _add_common(p: argparse.ArgumentParser, timeout: str = "10 to connect, 60 per request", retries: int = 5) -> None:
     p.add_argument("target", metavar="TARGET", help="server URL (http://127.0.0.1:8000) or catalog name (owner/name)")
     p.add_argument("--env-name", metavar="N", help="environment on a server hosting several (default: the first)")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
     p.add_argument("--timeout", metavar="S", type=_positive_seconds,
                    help="seconds for connecting and for each request to the environment server other than a tool "
-                        "call (default 10 to connect, 60 per request)")
+                        f"call (default {timeout})")
     p.add_argument("--retries", metavar="N", type=_non_negative_int,
-                   help="retries of a request after a network error or 429/502/503/504 (default 5)")
+                   help=f"retries of a request after a network error or 429/502/503/504 (default {retries})")
 
 
-def _client_options(args: argparse.Namespace) -> dict[str, Any]:
-    """`timeouts=`/`retry=` for a client from --timeout/--retries (the client's defaults where not given)."""
+def _client_options(args: argparse.Namespace, timeout: float | None = None, retries: int | None = None,
+                    tool_timeout: float | None = None) -> dict[str, Any]:
+    """`timeouts=`/`retry=` for a client from --timeout/--retries, else `timeout`/`retries`, else the client's
+    defaults; `tool_timeout` bounds each tool call (`Timeouts.tool_call`)."""
     from ._transport import RetryPolicy, Timeouts
 
     options: dict[str, Any] = {}
-    if args.timeout is not None:
-        options["timeouts"] = Timeouts(connect=min(args.timeout, Timeouts.connect or args.timeout),
-                                       request=args.timeout)
-    if args.retries is not None:
-        options["retry"] = RetryPolicy(max_attempts=args.retries + 1)
+    timeout = args.timeout if args.timeout is not None else timeout
+    retries = args.retries if args.retries is not None else retries
+    if timeout is not None or tool_timeout is not None:
+        request = {} if timeout is None else {"connect": min(timeout, Timeouts.connect or timeout), "request": timeout}
+        tool = {} if tool_timeout is None else {"tool_call": tool_timeout}
+        options["timeouts"] = Timeouts(**request, **tool)
+    if retries is not None:
+        options["retry"] = RetryPolicy(max_attempts=retries + 1)
     return options
 
 
@@ -146,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         "session (closed again) to list task-specific tools."),
         **_LAYOUT,
     )
-    _add_common(p)
+    _add_common(p, timeout=f"{INSPECT_TIMEOUT:g}", retries=INSPECT_RETRIES)
     p.add_argument("--split", metavar="S", help="split to show tasks of (default: train, else the first)")
     p.add_argument("--tasks", metavar="K", type=int, default=3, help="number of tasks to show (default 3)")
     p.add_argument("--probe-index", metavar="I", type=int, default=0,
@@ -179,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="episodes (sessions) at once (default 8)")
     p.add_argument("--max-turns", metavar="T", type=_positive_int, default=10,
                    help="policy replies per episode (default 10)")
+    p.add_argument("--tool-timeout", metavar="S", type=_positive_seconds,
+                   help="seconds one tool call may take before it fails and ends its episode as an error "
+                        "(default 3600)")
+    p.add_argument("--episode-timeout", metavar="S", type=_positive_seconds,
+                   help="seconds one episode may take (policy replies and tool calls); past it the episode is "
+                        "closed, recorded with end reason timeout and scored None (default: no limit)")
     p.add_argument("--output", metavar="FILE", help="JSON-lines file receiving every episode")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted evaluation from --output: run only the missing episodes")
@@ -242,9 +264,16 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------------------------------------
 
 
+class _EscapingFormatter(logging.Formatter):
+    """Log lines with control characters escaped: they quote the environment's names and messages."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return escape_controls(repair(super().format(record)))
+
+
 def _setup_logging(verbose: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("ors-trl: %(levelname)s: %(message)s"))
+    handler.setFormatter(_EscapingFormatter("ors-trl: %(levelname)s: %(message)s"))
     root = logging.getLogger("ors_trl")
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if verbose else logging.WARNING)
@@ -252,8 +281,21 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n")
+    """One JSON document; json.dumps escapes the ASCII controls, and here the other control and format characters
+    (C1 controls, U+202E...) and lone surrogates are written as `\\u` escapes too: the same data, harmless to a
+    terminal and encodable."""
+    text = json.dumps(data, indent=2, ensure_ascii=False, default=str)
+    if not text.isascii():
+        text = "".join(c if c.isascii() or unicodedata.category(c) not in ("Cc", "Cf", "Cs") else json.dumps(c)[1:-1]
+                       for c in text)
+    sys.stdout.write(text + "\n")
     sys.stdout.flush()
+
+
+def _say(text: str, file: Any = None) -> None:
+    """A line of the command's output, its control characters escaped and lone surrogates repaired (it quotes the
+    environment's text)."""
+    print(escape_controls(repair(text)), file=file or sys.stdout)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -262,11 +304,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.tasks < 0:
         raise _UsageError("--tasks must be >= 0")
     info = inspect_target(args.target, env_name=args.env_name, split=args.split, tasks=args.tasks,
-                          probe=not args.no_probe, probe_index=args.probe_index, **_client_options(args))
+                          probe=not args.no_probe, probe_index=args.probe_index,
+                          **_client_options(args, INSPECT_TIMEOUT, INSPECT_RETRIES))
     if args.json:
         _print_json(info)
     else:
-        sys.stdout.write(render_text(info) + "\n")
+        _say(render_text(info))
     return EXIT_OK
 
 
@@ -292,10 +335,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         policy = args.model
     # The spec is built like a training spec with the same selection, so the tools bound are those training binds.
     spec = OpenRewardSpec(args.target, split=args.split, env_name=args.env_name, num_tasks=args.num_tasks,
-                          indices=args.indices, score_groups=args.score_groups, **_client_options(args))
+                          indices=args.indices, score_groups=args.score_groups,
+                          **_client_options(args, tool_timeout=args.tool_timeout))
     report = spec.evaluate(
         policy, num_tasks=args.num_tasks, indices=args.indices, repeats=args.repeats,
-        concurrency=args.concurrency, max_turns=args.max_turns, output=args.output, resume=args.resume,
+        concurrency=args.concurrency, max_turns=args.max_turns, episode_timeout=args.episode_timeout,
+        output=args.output, resume=args.resume,
         overwrite=args.overwrite, per_task_tools=args.per_task_tools, score_groups=args.score_groups,
         temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, progress=not args.no_progress,
@@ -303,11 +348,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(report.to_dict())
     else:
-        sys.stdout.write(report.summary() + "\n")
+        _say(report.summary())
     ran = report.num_episodes - report.num_resumed
     if ran and report.num_errors >= ran:  # resumed episodes are never errors: they would have been rerun
         first = next((e.get("error") for e in report.episodes if e.get("error")), None)
-        print(f"ors-trl: error: every episode ended in an error; first: {first}", file=sys.stderr)
+        _say(f"ors-trl: error: every episode ended in an error; first: {first}", sys.stderr)
         return EXIT_ERROR
     return EXIT_OK
 
@@ -326,11 +371,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
         _print_json(dataclasses.asdict(summary))
     else:
         envs = ", ".join(summary.environments) or "none"
-        sys.stdout.write(
-            f"Wrote {summary.output} ({summary.bytes / 2**20:.1f} MB): {summary.episodes} episode(s) of "
-            f"{len(summary.environments)} environment(s) ({envs}), {summary.runs} run(s), {summary.tasks} task(s); "
-            f"{summary.embedded} episode bod{'y' if summary.embedded == 1 else 'ies'} embedded; curves from "
-            f"{summary.trainer_states} trainer state(s), {summary.log_steps} logged step(s)\n")
+        skipped = f"; {summary.skipped} record(s) skipped (see the page)" if summary.skipped else ""
+        _say(f"Wrote {summary.output} ({summary.bytes / 2**20:.1f} MB): {summary.episodes} episode(s) of "
+             f"{len(summary.environments)} environment(s) ({envs}), {summary.runs} run(s), {summary.tasks} task(s); "
+             f"{summary.embedded} episode bod{'y' if summary.embedded == 1 else 'ies'} embedded; curves from "
+             f"{summary.trainer_states} trainer state(s), {summary.log_steps} logged step(s){skipped}")
     return EXIT_OK
 
 
@@ -410,10 +455,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ors-trl: interrupted{hint}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (_UsageError, ConfigurationError) as exc:
-        print(f"ors-trl {args.command}: error: {exc}", file=sys.stderr)
+        _say(f"ors-trl {args.command}: error: {exc}", sys.stderr)
         return EXIT_USAGE
     except ORSError as exc:
-        print(f"ors-trl {args.command}: error: {exc}", file=sys.stderr)
+        _say(f"ors-trl {args.command}: error: {exc}", sys.stderr)
         return EXIT_ERROR
 
 

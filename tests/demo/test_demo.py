@@ -133,3 +133,35 @@ def test_cli_echo_json_contract(tmp_path) -> None:
     assert result["steps"] == 2 and result["task"] == "echo"
     assert "look_rate_after" not in result
     assert "held-out success rate" in out.stdout  # the before/after table precedes the JSON line
+
+
+def test_rerun_into_a_folder_replaces_the_previous_run_and_says_so(tmp_path) -> None:
+    """A previous run's episode log, evaluations, trainer state and report are replaced (the report covers this run
+    only), and the demo names them on stderr, even with --quiet; other files in the folder are left alone."""
+    from ors_trl.demo._main import RUN_FILES
+
+    for name in RUN_FILES:
+        (tmp_path / name).write_text('{"stale": true}\n')
+    (tmp_path / "notes.txt").write_text("mine")
+    out = subprocess.run(
+        [sys.executable, "-m", "ors_trl", "demo", "--task", "echo", "--steps", "1", "--sft-steps", "5", "--quiet",
+         "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (f"ors-trl demo: {tmp_path} holds a previous run's {', '.join(RUN_FILES)}; this run replaces them"
+            in out.stderr)
+    for name in RUN_FILES:
+        assert "stale" not in (tmp_path / name).read_text(encoding="utf-8"), name
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    records = [json.loads(line) for line in (tmp_path / "episodes.jsonl").read_text().splitlines()]
+    assert records and {r["source"] for r in records} == {"trl"}
+
+
+def test_progress_lines_escape_the_environments_text(capsys) -> None:
+    from ors_trl.demo._main import _say_to
+
+    _say_to(False)("environment title\u202eenv\x1b]0;pwned\x07: tools ['peek\x1b[2J']")
+    err = capsys.readouterr().err
+    assert "environment title\\u202eenv\\x1b]0;pwned\\x07: tools ['peek\\x1b[2J']" in err
+    assert not any(c in err for c in ("\x1b", "\x07", "\u202e"))

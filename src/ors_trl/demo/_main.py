@@ -9,6 +9,10 @@
 5. print a before/after table (and, with `--json`, one JSON object as the last line), and write an
    HTML report of the run next to the trainer's output.
 
+An output folder that already holds a previous run's files (episode log, evaluations, trainer state,
+report) has them replaced, and the demo says which: the report must describe this run alone, and a
+rerun into the same folder is how one iterates (a copy of every earlier run would pile up unasked).
+
 Two tasks. `look` (the default): the rules come as a system turn, the hidden word only in the output
 of the `look()` tool, and the model's plain final message is graded by the environment's terminal
 tool. `echo`: the word is in the prompt and the model must call `echo(text=...)` with it.
@@ -33,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ors_trl._text import escape_controls
+
 __all__ = ["DemoResult", "main", "run_demo"]
 
 TASKS = ("look", "echo")
@@ -42,6 +48,8 @@ LOOK_ENV = "lookenvironment"
 DEFAULT_STEPS = {"look": 100, "echo": 150}
 EPISODE_LOG = "episodes.jsonl"
 REPORT = "report.html"
+#: What a run with a report writes into its output folder (a rerun replaces them, and says so).
+RUN_FILES = (EPISODE_LOG, "eval_before.jsonl", "eval_after.jsonl", "trainer_state.json", REPORT)
 
 
 @dataclass
@@ -136,8 +144,8 @@ def _say_to(quiet: bool) -> Callable[[str], None]:
     t0 = time.perf_counter()
 
     def say(message: str) -> None:
-        if not quiet:
-            print(f"[{time.perf_counter() - t0:6.1f}s] {message}", file=sys.stderr, flush=True)
+        if not quiet:  # escaped: the lines quote the environment's names
+            print(f"[{time.perf_counter() - t0:6.1f}s] {escape_controls(message)}", file=sys.stderr, flush=True)
 
     return say
 
@@ -284,8 +292,12 @@ def run_demo(
     out_dir = Path(output_dir or tempfile.mkdtemp(prefix="ors-trl-demo-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     episode_log = out_dir / EPISODE_LOG if report else None
-    if episode_log is not None and episode_log.exists():
-        episode_log.unlink()  # this run's episodes only
+    replaced = [name for name in RUN_FILES if report and (out_dir / name).is_file()]
+    if replaced:  # this run's files only: a failed run must not leave a mix of two runs behind either
+        print(f"ors-trl demo: {out_dir} holds a previous run's {', '.join(replaced)}; this run replaces them",
+              file=sys.stderr, flush=True)
+        for name in replaced:
+            (out_dir / name).unlink()
     bundled = env is None
     look = bundled and task == "look"
     server = None

@@ -1,0 +1,168 @@
+"""The record writer and reader (`ors_trl._records`): whatever a record holds (lone surrogates, values nested
+thousands deep, NaN, things that are not JSON), the writer writes valid JSON and the rest of the record, counts
+what it cannot write and says why once; the reader skips, counts and names what is not a record. Through the
+training episode log and `spec.evaluate(output=)` against the reference server too."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ors_trl import OpenRewardSpec, PolicyReply
+from ors_trl._records import MAX_DEPTH, RecordWriter, read_records
+from ors_trl._report import write_report
+
+pytestmark = pytest.mark.usefixtures("no_leaked_sessions")
+
+
+def strict_lines(path: Path) -> list[dict[str, Any]]:
+    """Every line as strict JSON (NaN and Infinity refused), from strict UTF-8."""
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_bytes().decode("utf-8").splitlines()
+            if line.strip()]
+
+
+def nested(depth: int, leaf: Any) -> Any:
+    value = leaf
+    for i in range(depth):
+        value = {"k": value} if i % 2 else [value]
+    return value
+
+
+def depth_of(value: Any) -> int:
+    depth = 0
+    while isinstance(value, dict | list) and value:
+        value = value["k"] if isinstance(value, dict) else value[0]
+        depth += 1
+    return depth
+
+
+class Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+def test_writer_writes_every_record_whole_and_valid(tmp_path) -> None:
+    loop: list[Any] = ["again"]
+    loop.append(loop)
+    record = {
+        "environment": "e\ud800nv", "prompt": "lone \udfff surrogate", "task_index": 0,
+        "reward": float("nan"), "group_reward": float("inf"),
+        "turns": [{"assistant": "ok", "tool_calls": [{"name": "t", "arguments": {"x\ud83d": 1},
+                                                       "metadata": nested(3000, "bottom")}]}],
+        "odd": {"set": {1}, "bytes": b"\x00\xff", "object": Unprintable(), "loop": loop, "big": 10 ** 5000,
+                7: "int key"},
+    }
+    writer = RecordWriter(tmp_path / "e.jsonl")
+    writer.write(record)
+    writer.write({"environment": "next", "task_index": 1})
+    assert (writer.written, writer.dropped) == (2, 0)
+    first, second = strict_lines(tmp_path / "e.jsonl")
+    assert second == {"environment": "next", "task_index": 1}
+    assert first["environment"] == "e\ufffdnv" and first["prompt"] == "lone \ufffd surrogate"
+    assert (first["reward"], first["group_reward"]) == ("nan", "inf")
+    call = first["turns"][0]["tool_calls"][0]
+    assert call["arguments"] == {"x\ufffd": 1} and call["name"] == "t"
+    # cut at MAX_DEPTH levels from the record (record > turns > turn > tool_calls > call > metadata ...), marked
+    bottom = call["metadata"]
+    for _ in range(MAX_DEPTH - 5):
+        bottom = bottom["k"] if isinstance(bottom, dict) else bottom[0]
+    assert bottom == f"[... nested deeper than {MAX_DEPTH} levels: not recorded ...]"
+    assert depth_of(call["metadata"]) == MAX_DEPTH - 5
+    odd = first["odd"]
+    assert odd["set"] == "{1}" and odd["bytes"] == repr(b"\x00\xff") and odd["object"] == "<Unprintable>"
+    assert odd["loop"] == ["again", "[... a value containing itself: not recorded ...]"]
+    assert odd["big"].startswith("[... an integer of") and odd["7"] == "int key"
+    assert record["prompt"] == "lone \udfff surrogate"  # the caller's record is left as it was
+
+
+def test_writer_counts_what_it_cannot_write_and_says_why_once(tmp_path, caplog) -> None:
+    path = tmp_path / "e.jsonl"
+    writer = RecordWriter(path, max_bytes=200)
+    caplog.set_level(logging.WARNING, logger="ors_trl")
+    writer.write({"n": 0})
+    for i in range(3):
+        writer.write({"n": i, "text": "x" * 300})  # over the size bound
+    path.unlink()
+    path.mkdir()  # the file cannot be opened any more
+    for i in range(2):
+        writer.write({"n": i})
+    path.rmdir()
+    writer.write({"n": "after"})
+    assert (writer.written, writer.dropped) == (2, 5)
+    assert writer.drop_reasons == Counter({"the file reached its 200-byte limit": 3,
+                                           "the file could not be written: Is a directory": 2})
+    warnings = [r.getMessage() for r in caplog.records if "was not written" in r.getMessage()]
+    assert len(warnings) == 2 and "200-byte limit" in warnings[0] and "Is a directory" in warnings[1]
+    assert [r["n"] for r in read_records(path)] == ["after"]
+    assert "dropped=5" in repr(writer)
+
+
+def test_reader_skips_counts_and_names_what_is_not_a_record(tmp_path, caplog) -> None:
+    path = tmp_path / "e.jsonl"
+    lines = [
+        json.dumps({"n": 1}).encode(),
+        b'{"n": 2, "text": "bad \xff\xfe utf-8"}',
+        b'{"n": 3, "text": "lone \\ud800 escape", "\\udc00key": 1}',
+        b'{"n": 4, "cut',
+        b"[" * 3000 + b"]" * 3000,
+        b"[1, 2]",
+        b"",
+        json.dumps({"n": 5}).encode(),
+    ]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    skipped: Counter[str] = Counter()
+    caplog.set_level(logging.WARNING, logger="ors_trl")
+    records = list(read_records(path, skipped))
+    assert [r["n"] for r in records] == [1, 2, 3, 5]
+    assert records[1]["text"] == "bad \ufffd\ufffd utf-8"
+    assert records[2] == {"n": 3, "text": "lone \ufffd escape", "\ufffdkey": 1}
+    assert skipped == Counter({"not JSON (a cut or corrupt line)": 1, "nested too deeply to read": 1,
+                               "not a JSON object": 1})
+    assert "skipped 3 unreadable line(s)" in caplog.text
+
+
+def test_training_episode_log_keeps_a_record_with_a_lone_surrogate(ref_server, tmp_path) -> None:
+    """The adapter's record reaches the log (it used to be dropped silently in the background)."""
+    log = tmp_path / "episodes.jsonl"
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=1, episode_log=str(log))
+    env = spec.environment_factory()
+    env.reset(task_index=0)
+    with pytest.raises(Exception):  # noqa: B017 -- the server cannot encode it either: a tool failure, recorded
+        env.echo(text="bad \ud800 text")
+    spec.close()
+    (record,) = strict_lines(log)
+    call = record["turns"][0]["tool_calls"][0]
+    assert call["arguments"] == {"text": "bad \ufffd text"} and call["error"]["kind"] == "failed"
+    assert spec._runtime.recorder.dropped == 0
+
+
+class HostileModel:
+    """An eval policy whose text and usage are what a broken model server may give: a lone surrogate, usage
+    nested 3,000 deep with a NaN at the bottom."""
+
+    description = "hostile-model"
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        return PolicyReply(content="answer \ud800 here", usage=nested(3000, float("nan")))
+
+
+def test_eval_output_keeps_hostile_model_text_and_reports_it(ref_server, tmp_path) -> None:
+    out = tmp_path / "eval.jsonl"
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment")
+    report = spec.evaluate(HostileModel(), num_tasks=2, output=str(out), progress=False)
+    assert report.num_episodes == 2
+    records = strict_lines(out)
+    assert sorted(r["task_index"] for r in records) == [0, 1]
+    turn = records[0]["turns"][0]
+    assert turn["assistant"] == "answer \ufffd here" and depth_of(turn["usage"]) == MAX_DEPTH - 3
+    assert records[0]["final"] == {"message": "answer \ufffd here"}
+    summary = write_report([out], tmp_path / "r.html")
+    assert summary.episodes == 2 and summary.skipped == 0
