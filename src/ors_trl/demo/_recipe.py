@@ -389,13 +389,13 @@ def second_turn_alignment(tokenizer, tools: Sequence, completion_ids: Sequence[S
     return checked, identical
 
 
-def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, max_turns: int = 1,
+def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, max_turns: int = 2,
                     flatten_system: bool = True, look_tool: str | None = None, output: str | None = None
                     ) -> dict[str, Any]:
     """Roll the policy out once per task of `spec` (held-out) through `spec.evaluate`, the way GRPO renders it.
 
-    Greedy, with the trainer's chat template (`prepare_tokenizer`), at most `max_new_tokens` per turn and
-    `max_turns` model turns; tool calls go through the same binding and episode core as training, and every
+    Greedy, with the trainer's chat template (`rendering`), at most `max_new_tokens` per turn and `max_turns`
+    model replies (the recipe's `max_tool_calling_iterations` + 1, the limit GRPO plays under); tool calls go through the same binding and episode core as training, and every
     turn's input ids are built as GRPO builds them (`LocalPolicy(join_turns=True)`). `output`: also write the episode records.
 
     Returns `success_rate` (reward == 1), `tool_call_rate` (episodes with a tool call), `tool_failure_rate`
