@@ -260,7 +260,9 @@ def test_secrets_reach_the_environment(ref_server) -> None:
     with Client(ref_server.url, env_name="schemaenvironment", secrets=secrets) as c, \
             c.open_session(split="train", index=3) as s:
         body = json.loads(s.call("status").text)
-    assert body["secrets"] == {"OPENAI_API_KEY": "sk-oa", "custom": "v-custom"}
+    # The environment echoes what it got; the echo of a value of 6+ characters comes back masked (issue 22), which
+    # shows it arrived: only a known secret value is replaced.
+    assert body["secrets"] == {"OPENAI_API_KEY": "sk-oa", "custom": "***"}
 
 
 def test_catalog_mode_against_a_single_host(ref_server, monkeypatch) -> None:

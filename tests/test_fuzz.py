@@ -3,8 +3,9 @@ environment_factory, tool calls, reward_funcs), the episode core as the engine d
 ``eval``, for a bounded, seeded number of requests.
 
 Every failure must be a typed ``ORSError`` with a readable message (or a rollout scored None with a reason),
-nothing may run past the deadlines it was configured with, no credential may appear in any message, record,
-report or log line, and a 64 MiB+ answer is refused rather than buffered. The run's figures are printed
+nothing may run past the deadlines it was configured with, no credential may appear in any message, exception
+chain, record, report, log line or text the model is shown, no text may hold a lone surrogate (what a tokenizer
+or a file write dies of), and a 64 MiB+ answer is refused rather than buffered. The run's figures are printed
 (``pytest -s``) and kept in ``FIGURES`` for whoever wants them.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import inspect
 import json
 import logging
@@ -21,6 +23,7 @@ import os
 import random
 import threading
 import time
+import traceback
 import tracemalloc
 from collections import Counter
 from collections.abc import Callable
@@ -121,10 +124,15 @@ class Tally:
         if any(ord(c) < 32 and c not in "\n\t" for c in message):
             self.problem(f"{what}: control characters in the message: {message[:200]!r}")
         self.scan(f"{what} error {type(exc).__name__}", message + repr(exc.args) + str(getattr(exc, "detail", "")))
+        self.scan(f"{what} traceback {type(exc).__name__}", "".join(traceback.format_exception(exc)))
 
     def scan(self, where: str, text: str) -> None:
         if (piece := leaked(text)) is not None:
             self.problem(f"{where}: a credential leaked: ...{text[max(0, text.find(piece) - 80):][:200]!r}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            self.problem(f"{where}: text a tokenizer or a file cannot take ({exc.reason}): {text[:200]!r}")
 
     def record(self, where: str, rec: dict[str, Any]) -> None:
         """An episode record: scored with a finite reward, or unscored with a reason; typed errors; no secret."""
@@ -138,7 +146,7 @@ class Tally:
         for error in errors:
             if error is not None and error.get("kind") not in KINDS:
                 self.problem(f"{where}: record error of kind {error.get('kind')!r}: {error}")
-        self.scan(f"{where} record", json.dumps(rec, default=str))
+        self.scan(f"{where} record", json.dumps(rec, default=str, ensure_ascii=False))
         with self.lock:
             self.outcomes[f"{where} records: " + ("scored" if reward is not None else f"unscored/{rec.get('unscored')}")] += 1
 
@@ -175,6 +183,24 @@ def captured_logs() -> Any:
 # --------------------------------------------------------------------------------------------------
 # What a model would send
 # --------------------------------------------------------------------------------------------------
+
+
+def texts(value: Any) -> str:
+    """Every string in what a call returned (dataclasses, lists, dicts), joined: what a model or a record gets."""
+    out: list[str] = []
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            out.append(node)
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            stack.extend(node)
+        elif dataclasses.is_dataclass(node):
+            stack.extend(getattr(node, f.name) for f in dataclasses.fields(node))
+    return "\n".join(out)
 
 
 def example_value(schema: Any) -> Any:
@@ -238,10 +264,11 @@ async def op_client(url: str, rng: random.Random, tally: Tally) -> None:
             ("tasks", lambda: client.tasks("train")), ("tools", client.tools)]
         for name, call in rng.sample(calls, 4):
             try:
-                await call()
+                value = await call()
             except BaseException as exc:
                 tally.error(f"client.{name}", exc)
             else:
+                tally.scan(f"client.{name}", texts(value))
                 tally.ok(f"client.{name}")
 
 
@@ -264,10 +291,11 @@ async def op_session(url: str, rng: random.Random, tally: Tally) -> None:
         try:
             for name, step in rng.sample(steps, 5):
                 try:
-                    await step()
+                    value = await step()
                 except BaseException as exc:
                     tally.error(f"session.{name}", exc)
                 else:
+                    tally.scan(f"session.{name}", texts(value))
                     tally.ok(f"session.{name}")
         finally:
             await session.close()
@@ -286,10 +314,11 @@ def op_spec(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
         for bound in list(spec.binding.tools.values())[:2]:
             method = getattr(env, bound.attribute)
             try:
-                method(**keyword_arguments(method))
+                shown = method(**keyword_arguments(method))  # what TRL hands the model
             except BaseException as exc:
                 tally.error("spec.tool", exc)
             else:
+                tally.scan("spec.tool output", texts(shown))
                 tally.ok("spec.tool")
         rewards = spec.reward_funcs(environments=[env], completions=[[{"role": "assistant", "content": "done"}]])
         if not (len(rewards) == 1 and (rewards[0] is None or math.isfinite(rewards[0]))):
@@ -357,9 +386,10 @@ def op_engine(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
 def op_eval(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
     """`spec.evaluate` with a scripted policy."""
     spec = spec_for(url, tmp)
+    output = os.path.join(tmp, f"eval-{rng.getrandbits(32):x}.jsonl")
     try:
         report = spec.evaluate(ScriptedPolicy(rng), num_tasks=2, concurrency=2, max_turns=2, progress=False,
-                               output=os.path.join(tmp, f"eval-{rng.getrandbits(32):x}.jsonl"))
+                               output=output)
         tally.scan("eval summary", report.summary())
         for rec in report.episodes:
             tally.record("eval", rec)
@@ -368,6 +398,9 @@ def op_eval(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
         tally.error("eval", exc)
     finally:
         spec.close()
+    if os.path.exists(output):
+        with open(output, encoding="utf-8") as fh:
+            tally.scan("eval --output", fh.read())
 
 
 def op_inspect(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
@@ -723,3 +756,258 @@ def test_inspect_is_bounded_by_the_timeouts_it_is_given() -> None:
         with pytest.raises(ORSTimeoutError):
             inspect_target(hostile.url, timeouts=Timeouts(request=0.3), retry=RetryPolicy(max_attempts=2))
         assert time.monotonic() - started < 2 * 0.3 + SLACK_S
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 22: hostile-but-valid answers, handled where they are decoded (each failed before its fix)
+# --------------------------------------------------------------------------------------------------
+
+
+def proxy_client(answers: dict[str, Any], body: Callable[[AsyncClient], Any], **kwargs: Any) -> Any:
+    """`body(client)` against a FaultProxy answering `answers` (path -> JSON value, raw bytes, or SSE events),
+    with a valid `/list_environments` and session, and `{}` for anything else."""
+    from ors_trl.testing.faults import FaultProxy, Reply, SSEReply
+
+    with FaultProxy(None) as proxy:
+        for path, answer in answers.items():
+            fault = (SSEReply(answer) if isinstance(answer, list) and answer and isinstance(answer[0], tuple)
+                     else Reply(answer if isinstance(answer, bytes) else json.dumps(answer)))
+            proxy.add(fault, path=path, times=None)
+        proxy.add(Reply(json.dumps([ENV])), path="/list_environments", times=None)
+        proxy.add(SSEReply([("task_id", "sid-1")]), path="/create_session", times=None)
+        proxy.add(Reply("{}"), times=None)
+        return run_client(proxy.url, body, **kwargs)
+
+
+async def _session_value(client: AsyncClient, what: str) -> Any:
+    session = await client.open_session(split="train", index=0)
+    try:
+        return await {"prompt": session.prompt, "messages": session.messages, "tools": session.tools,
+                      "call": lambda: session.call("work", {}),
+                      "score_group": lambda: session.score_group([{"messages": []}])}[what]()
+    finally:
+        await session.close()
+
+
+CALL_ODD = '{"ok": true, "output": {"blocks": [{"type": "text", "text": "out \\ud800"}], "reward": 1.0, ' \
+           '"metadata": {"k\\udfff": ["v\\udc80", {"\\ud83d": "deep \\ude00"}]}}}'
+
+
+@pytest.mark.parametrize("what,answers", [
+    ("prompt", {"/prompt": b'[{"type": "text", "text": "a \\ud800 b"}]'}),
+    ("prompt", {"/prompt": b'[{"type": "text", "text": "caf\xff \xed\xa0\x80 \xe2\x82"}]'}),  # not UTF-8 at all
+    ("messages", {"/messages": b'[{"role": "user", "blocks": [{"type": "text", "text": "\\udfffhi"}]}]'}),
+    ("tools", {"/task_tools": b'{"tools": [{"name": "work\\ud800", "description": "d\\udc00", "input_schema": '
+                              b'{"type": "object", "properties": {"p\\ud800": {"type": "string"}}}}]}'}),
+    ("call", {"/call": [("task_id", "t\xff"), ("end", CALL_ODD)]}),
+    ("score_group", {"/score_group": [("task_id", "t"), ("end", '{"scores": [{"reward": 1, "metadata": '
+                                                                 '{"why": "\\ud800"}}]}')]}),
+    ("task_range", {"/task_range": b'{"tasks": [{"q\\ud800": "x\\udfff", "bytes": "\xc3"}]}'}),
+], ids=["prompt-escape", "prompt-bytes", "messages", "task-tools", "call", "score-group", "task-range"])
+def test_text_a_tokenizer_cannot_take_is_repaired_where_it_is_decoded(what, answers) -> None:
+    """Bug: a lone surrogate (valid JSON: `"\\ud800"`) reached the model's text, task fields, tool names and records
+    unchanged, where a fast tokenizer or a UTF-8 file write dies of it; bytes that are not UTF-8 made a whole answer
+    "invalid JSON". Every string of every answer is repaired (U+FFFD), dict keys included."""
+    call = (lambda c: c.task_range("train", 0, 1)) if what == "task_range" else lambda c: _session_value(c, what)
+    value = proxy_client(answers, call)
+    text = texts(value)
+    text.encode("utf-8")  # raises on a lone surrogate
+    assert "\ufffd" in text, text
+
+
+@pytest.mark.parametrize("body,shown", [
+    (b'{"num_tasks": 1' + b"0" * 400 + b"}", "1000000000"), (b'{"num_tasks": -5}', "-5"),
+    (b'{"num_tasks": true}', "True"), (b'{"num_tasks": 1.5}', "1.5"), (b'{"num_tasks": "7"}', "'7'"),
+    (b'{"num_tasks": 9007199254740993}', "9007199254740993"),
+])
+def test_a_count_that_is_no_count_is_a_protocol_error_naming_it(body, shown) -> None:
+    """Bug: `10**400` was taken as a count (an OverflowError later), `-5` gave an empty dataset and `true` one
+    task."""
+    with pytest.raises(ProtocolError, match=r"/num_tasks: expected .*integer from 0 to 2\*\*53") as info:
+        proxy_client({"/num_tasks": body}, lambda c: c.num_tasks("train"))
+    assert shown in str(info.value)
+
+
+@pytest.mark.parametrize("claimed", [100_001, 10**9])
+def test_a_split_claiming_more_tasks_than_a_whole_split_may_needs_a_selection(claimed) -> None:
+    """Bug: the whole split's indices were listed before anything was fetched (`list(range(total))`: ~36 GB for a
+    claim of 10**9). Past `MAX_WHOLE_SPLIT` a whole split is a ConfigurationError that says how to page; a
+    selection of three tasks out of 10**9 costs what three tasks cost."""
+    from ors_trl import ConfigurationError
+    from ors_trl._tasks import MAX_WHOLE_SPLIT
+    from ors_trl.testing.faults import FaultProxy, Reply
+
+    tasks = {"tasks": [{"id": f"t{i}"} for i in range(3)]}
+    with FaultProxy(None) as proxy:
+        proxy.add(Reply(json.dumps({"num_tasks": claimed})), path="/num_tasks", times=None)
+        proxy.add(Reply(json.dumps(tasks)), path="/task_range", times=None)
+        proxy.add(Reply(json.dumps([ENV])), times=None)
+        tracemalloc.start()
+        try:
+            whole = OpenRewardSpec(proxy.url, retry=RETRY, timeouts=TIMEOUTS)
+            with pytest.raises(ConfigurationError, match=rf"{claimed} tasks, more than the {MAX_WHOLE_SPLIT}.*"
+                                                         r"num_tasks=N .*indices="):
+                whole.train_dataset  # noqa: B018
+            whole.close()
+            some = OpenRewardSpec(proxy.url, num_tasks=3, retry=RETRY, timeouts=TIMEOUTS)
+            assert some.train_dataset["id"] == ["t0", "t1", "t2"]
+            some.close()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 64 * 2**20, peak  # the selection's size, not the claim's (10**9 indices: ~36 GB)
+
+
+@pytest.mark.parametrize("answer,match", [
+    ({"tools": [{"name": f"t{i}"} for i in range(200_000)]}, "200000 tools, more than the 4096"),
+    ({"tools": [{"name": f"t{i}"} for i in range(4097)]}, "4097 tools, more than the 4096"),
+    ({"tools": [{"name": "big", "description": "d" * (2 << 20)}]}, "tool 'big' is larger than 1 MiB"),
+    ({"tools": [{"name": f"t{i}", "input_schema": {"type": "object", "description": "d" * 900_000}}
+                for i in range(20)]}, "larger than 16 MiB of JSON together"),
+], ids=["200k", "4097", "one-of-2MiB", "all-past-16MiB"])
+def test_tool_lists_past_the_bounds_are_protocol_errors(answer, match) -> None:
+    """Bug: 200,000 tools (3.5 MB) took 10 s and +320 MB to bind, and would have been rendered into every prompt."""
+    with pytest.raises(ProtocolError, match=match):
+        proxy_client({"/tools": answer}, lambda c: c.tools())
+
+
+def test_a_tool_list_at_the_bound_binds() -> None:
+    from ors_trl._types import MAX_TOOLS
+
+    listed = proxy_client({"/tools": {"tools": [{"name": f"t{i}"} for i in range(MAX_TOOLS)]}}, lambda c: c.tools())
+    assert len(listed.tools) == MAX_TOOLS
+
+
+@pytest.mark.parametrize("route,answer,match", [
+    ("/splits", [{"name": f"s{i}", "type": "train"} for i in range(100_000)], "100000 splits, more than the 256"),
+    ("/list_environments", [ENV] + [f"e{i}" for i in range(100_000)], "100001 environments, more than the 1024"),
+    ("/task_range", {"tasks": [{"id": i} for i in range(50)]}, r"tasks 0\.\.2 \(2\), the server answered 50"),
+])
+def test_lists_longer_than_anything_real_are_protocol_errors(route, answer, match) -> None:
+    """Bug: 100,000 splits made `inspect` ask 100,000 counts at once; a task page longer than asked was kept."""
+    call = {"/splits": lambda c: c.splits(), "/list_environments": lambda c: c.list_environments(),
+            "/task_range": lambda c: c.task_range("train", 0, 2)}[route]
+    with pytest.raises(ProtocolError, match=match):
+        proxy_client({route: answer}, call)
+
+
+BAD_SIDS = ["a\rb", "sid\x00", "\x1b[2Jsid", "s\u00e9ance", "x" * 300, "two words", "\x7f"]
+
+
+@pytest.mark.parametrize("sid", BAD_SIDS, ids=["CR", "NUL", "ESC", "non-ascii", "300-chars", "space", "DEL"])
+def test_a_session_id_that_cannot_be_a_header_fails_the_open_typed(sid) -> None:
+    """Bug: a session id with a control character made aiohttp raise an untyped ValueError out of `reset()`, which
+    promises never to raise for environment failures; other ids went back into headers unchecked."""
+    with pytest.raises(ProtocolError, match=r"/create_session: the server's session id .* cannot be sent back as "
+                                            "a header") as info:
+        proxy_client({"/create_session": [("task_id", sid)]}, lambda c: c.open_session(split="train", index=0))
+    assert not any(ord(c) < 32 for c in str(info.value))
+
+
+def test_a_session_id_that_cannot_be_a_header_is_a_failed_episode_scored_none(tmp_path) -> None:
+    from ors_trl.testing.faults import FaultProxy, Reply, SSEReply
+
+    log = tmp_path / "episodes.jsonl"
+    with FaultProxy(None) as proxy:
+        proxy.add(SSEReply([("task_id", "a\r\nX-Injected: 1")]), path="/create_session", times=None)
+        proxy.add(Reply(json.dumps({"tools": [{"name": "work"}]})), path="/tools", times=None)
+        proxy.add(Reply(json.dumps({"num_tasks": 1})), path="/num_tasks", times=None)
+        proxy.add(Reply(json.dumps({"tasks": [{"id": "t0"}]})), path="/task_range", times=None)
+        proxy.add(Reply(json.dumps([ENV])), times=None)
+        spec = OpenRewardSpec(proxy.url, retry=RETRY, timeouts=TIMEOUTS, discover_task_tools=False,
+                              episode_log=str(log))
+        env = spec.environment_factory()
+        text = env.reset(**spec.train_dataset[0])
+        assert text.startswith("[The environment failed to start this task:") and "session id" in text
+        assert spec.reward_funcs(environments=[env], completions=[[{"role": "assistant", "content": "x"}]]) == [None]
+        spec.close()
+    record = json.loads(log.read_text().splitlines()[0])
+    assert record["reward"] is None and record["error"]["kind"] == "protocol", record
+
+
+@pytest.mark.parametrize("name", ["../admin", "a/b", "..", "x?y=1", "e#f", "%2e%2e", "\x1b[2J", "sp ace", "n" * 300])
+def test_an_environment_name_that_is_no_path_segment_is_a_protocol_error(name) -> None:
+    """Bug: the first listed environment's name went into every request's path as it was (`../admin` made the
+    client ask `/num_tasks` of the server's root)."""
+    from ors_trl.testing.faults import FaultProxy, Reply
+
+    with FaultProxy(None) as proxy:
+        proxy.add(Reply(json.dumps([name, ENV])), path="/list_environments", times=None)
+        proxy.add(Reply(json.dumps({"num_tasks": 4})), times=None)
+        with pytest.raises(ProtocolError, match="cannot be part of a URL path"):
+            run_client(proxy.url, lambda c: c.num_tasks("train"), env_name=None)
+        assert [r.path for r in proxy.requests] == ["/list_environments"]
+
+
+def test_blocks_nested_hundreds_deep_are_a_protocol_error() -> None:
+    """Bug: blocks are parsed (and rendered) recursively; `tool_result` blocks 400 deep, which JSON decodes fine,
+    ended in an untyped RecursionError."""
+    block: dict[str, Any] = {"type": "text", "text": "bottom"}
+    for _ in range(400):
+        block = {"type": "tool_result", "tool_call_id": "c", "blocks": [block]}
+    with pytest.raises(ProtocolError, match="tool_result blocks nested more than 16 deep"):
+        proxy_client({"/prompt": [block]}, lambda c: _session_value(c, "prompt"))
+
+
+ESCAPED_KEY = "".join(f"\\u{ord(c):04x}" for c in KEY)
+
+
+@pytest.mark.parametrize("body", [
+    b'[{"type": "text", "text": "key: \\u0073' + KEY[1:].encode() + b'"}]',  # first character escaped
+    b'[{"type": "text", "text": "key: ' + ESCAPED_KEY.encode() + b'"}]',  # every character
+    b'[{"type": "text", "text": "key: ' + KEY.encode() + b'"}]',
+    b'[{"type": "text", "text": "x", "detail": {"' + ESCAPED_KEY.encode() + b'": 1}}]',  # in a key
+])
+def test_a_secret_in_an_answer_is_masked_however_the_json_spells_it(body) -> None:
+    """Bug: only error messages were masked, and only where the secret appeared literally; a prompt, a tool output
+    or a task field echoing the key (`printenv`) reached the model and the records as it was."""
+    blocks = proxy_client({"/prompt": body}, lambda c: _session_value(c, "prompt"))
+    shown = texts(blocks) + json.dumps([b.detail for b in blocks])
+    assert KEY not in shown and "***" in shown, shown
+
+
+@pytest.mark.parametrize("body", [
+    b'{"detail": "\\u0073' + KEY[1:].encode() + b'", "cut',  # invalid JSON, the key escaped
+    b'["' + ESCAPED_KEY.encode() + b' oops]',
+    b"not json " + KEY.encode(),
+])
+def test_a_secret_in_an_answer_that_is_not_json_is_masked_in_the_message_and_chain(body) -> None:
+    """Bug: the message quoted the raw body (escaped secrets unmasked), and the error's `__context__` kept the
+    `JSONDecodeError`, whose `.doc` is the raw body, credentials included."""
+    with pytest.raises(ProtocolError, match="invalid JSON") as info:
+        proxy_client({"/num_tasks": body}, lambda c: c.num_tasks("train"))
+    chain = "".join(traceback.format_exception(info.value))
+    assert info.value.__context__ is None and info.value.__cause__ is None
+    assert leaked(chain) is None and leaked(str(info.value)) is None and "***" in str(info.value), str(info.value)
+
+
+def test_errors_carry_no_exception_chain_with_credentials() -> None:
+    """Bug: an ORSError kept a suppressed `__context__`: aiohttp's error for a redirect to a bad URL (the URL with
+    the key in it), the `JSONDecodeError` of a tool result (the raw result). `traceback.format_exception` with the
+    chain shows neither, nor does any error's context."""
+    from ors_trl.testing.faults import FaultProxy, Redirect, Reply, SSEReply
+
+    errors: list[BaseException] = []
+    with FaultProxy(None) as proxy:
+        proxy.add(Reply(json.dumps([ENV])), path="/list_environments", times=None)
+        proxy.add(SSEReply([("task_id", "sid-1")]), path="/create_session", times=None)
+        proxy.add(Redirect(f"http://127.0.0.1:99999/x?key={KEY}"), path="/num_tasks", times=None)
+        proxy.add(Redirect(f"http://127.0.0.1:1/refused?key={KEY}"), path="/splits", times=None)
+        proxy.add(SSEReply([("task_id", "t"), ("end", f"not json {KEY}")]), path="/call", times=None)
+        proxy.add(Reply("{}"), times=None)
+        for call in (lambda c: c.num_tasks("train"), lambda c: c.splits(), lambda c: _in_session(c, "call"),
+                     lambda c: c._transport.request("GET", "/x", extra_headers={"X-Bad": f"{KEY}\r\nX: 1"})):
+            with pytest.raises(ORSError) as info:
+                run_client(proxy.url, call)
+            errors.append(info.value)
+    assert [type(e).__name__ for e in errors] == ["TransportError", "TransportError", "ProtocolError", "ProtocolError"]
+    for error in errors:
+        chain = "".join(traceback.format_exception(error))
+        assert error.__context__ is None and error.__cause__ is None, repr(error.__context__)
+        assert leaked(chain) is None, chain
+
+
+def test_a_header_value_aiohttp_refuses_is_a_protocol_error() -> None:
+    """Bug: aiohttp raises a bare ValueError for a header with a control character; it escaped the client."""
+    with pytest.raises(ProtocolError, match="the request cannot be sent"):
+        proxy_client({}, lambda c: c._transport.request("GET", "/x", extra_headers={"X-Bad": "a\x1bb"}))

@@ -376,3 +376,119 @@ def test_nothing_listens_is_a_clear_transport_error_without_the_key() -> None:
         c.list_environments()
     assert KEY not in str(info.value)
     c.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 22: credentials an environment echoes reach no artifact (masked where answers are decoded)
+# --------------------------------------------------------------------------------------------------
+
+
+class _PrintenvPolicy:
+    """`eval`'s policy: calls `printenv`, then answers; keeps every message it was shown."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    async def respond(self, messages, tools):
+        from ors_trl import PolicyReply
+
+        self.seen.append(json.dumps([messages, tools], ensure_ascii=False))
+        if not any(m["role"] == "tool" for m in messages):
+            return PolicyReply(tool_calls=[{"id": "c0", "name": "printenv", "arguments": {}}])
+        return PolicyReply(content="done")
+
+
+def test_an_environment_echoing_the_credentials_gets_them_into_no_artifact(tmp_path, monkeypatch, capsys) -> None:
+    """The key (forwarded as the `api_key` secret, as in catalog mode) and a secret echoed by an environment in its
+    task fields, tool descriptions, prompt, `/messages` and `printenv`'s output: what the model is shown (TRL logs
+    it as the prompt and completion: an artifact too), the episode log, `ors-trl inspect` and an eval `--output`
+    file all hold `***` instead."""
+    from transformers.utils import get_json_schema
+
+    from ors_trl import cli
+    from ors_trl.testing import ReferenceServer
+    from tests.fixtures.environments import LEAK_ENV, SecretEchoEnvironment
+
+    secrets = {**SECRETS, "api_key": KEY}
+    log, evaluated = tmp_path / "episodes.jsonl", tmp_path / "eval.jsonl"
+    policy = _PrintenvPolicy()
+    with ReferenceServer([SecretEchoEnvironment], env={LEAK_ENV: KEY}) as server:
+        spec = OpenRewardSpec(server.url, api_key=KEY, secrets=secrets, episode_log=str(log))
+        rows = spec.train_dataset
+        env = spec.environment_factory()
+        prompt = env.reset(**rows[0])
+        schemas = [get_json_schema(getattr(env, n)) for n in ("printenv", "whoami")]
+        output = env.printenv()
+        spec.reward_funcs(environments=[env], completions=[[{"role": "assistant", "content": "done"}]])
+        spec.close()
+
+        spec = OpenRewardSpec(server.url, api_key=KEY, secrets=secrets)
+        report = spec.evaluate(policy, output=str(evaluated), progress=False)
+        spec.close()
+
+        monkeypatch.setenv("OPENREWARD_URL", server.url)  # catalog mode against a loopback platform
+        monkeypatch.setenv("OPENREWARD_API_KEY", KEY)
+        capsys.readouterr()
+        assert cli.main(["inspect", "acme/leak", "--env-name", "secretechoenvironment"]) == 0
+        assert cli.main(["inspect", "acme/leak", "--env-name", "secretechoenvironment", "--json"]) == 0
+        inspected = capsys.readouterr()
+    model_sees = {"dataset": json.dumps(rows.to_list()), "prompt": prompt, "schemas": json.dumps(schemas),
+                  "tool output": output}
+    assert all("***" in text for text in model_sees.values()), model_sees
+    assert "PRIVATE_TOKEN=***" in output and "api_key=***" in output
+    assert report.mean_reward == 1.0  # the episodes ran: printenv scored them
+    artifacts = {**model_sees, "episode log": log.read_text(), "eval --output": evaluated.read_text(),
+                 "eval policy": "\n".join(policy.seen), "eval summary": report.summary(),
+                 "inspect": inspected.out + inspected.err}
+    assert "deployed with key ***" in artifacts["inspect"] and "***" in artifacts["episode log"]
+    assert {name: leaks(text) for name, text in artifacts.items()} == {name: [] for name in artifacts}
+
+
+def test_the_endpoint_key_of_eval_is_masked_in_errors_records_and_chains(ref_server, tmp_path, capsys) -> None:
+    """Bug: `ors-trl eval --base-url ... --api-key KEY` quoted an endpoint's error body that reflects the request's
+    headers as it was (`Authorization: Bearer KEY`) on stderr and in the `--output` records, and a reply that
+    echoed the key went to the records too."""
+    import traceback
+
+    from ors_trl import OpenAIPolicy, PolicyError, cli
+    from ors_trl._loop import get_loop
+
+    out = tmp_path / "eval.jsonl"
+    with FaultProxy(None) as endpoint:
+        endpoint.add(EchoHeaders(401), path="/v1/chat/completions", times=1)
+        policy = OpenAIPolicy(endpoint.url + "/v1", "m", api_key=KEY, max_attempts=1)
+        with pytest.raises(PolicyError) as info:
+            get_loop().run(policy.respond([{"role": "user", "content": "hi"}], []))
+        get_loop().run(policy.aclose())
+        chain = "".join(traceback.format_exception(info.value))
+        assert "Bearer ***" in str(info.value) and info.value.__context__ is None and not leaks(chain), chain
+        endpoint.add(EchoHeaders(400), path="/v1/chat/completions", times=None)
+        code = cli.main(["eval", ref_server.url, "--env-name", "echoenvironment", "--model", "m", "--base-url",
+                         endpoint.url + "/v1", "--api-key", KEY, "--num-tasks", "2", "--output", str(out),
+                         "--no-progress"])
+        printed = capsys.readouterr()
+        endpoint.clear()
+        reflected = {"choices": [{"message": {"content": f"your key is {KEY}"}}]}
+        endpoint.add(Reply(json.dumps(reflected)), path="/v1/chat/completions", times=None)
+        reply = get_loop().run(policy.respond([{"role": "user", "content": "hi"}], []))
+        get_loop().run(policy.aclose())
+    assert code == 1 and "Bearer ***" in printed.err, printed.err
+    assert reply.content == "your key is ***"
+    texts = {"stderr": printed.err, "stdout": printed.out, "--output": out.read_text()}
+    assert "Bearer ***" in texts["--output"]
+    assert {name: leaks(text) for name, text in texts.items()} == {name: [] for name in texts}
+
+
+@pytest.mark.parametrize("key", [KEY + "\n", f" {KEY}", KEY.replace("-", "\r\n", 1), KEY + "\x00",
+                                 "sk-caf\u00e9-123456"])
+def test_a_key_that_cannot_be_a_header_is_a_configuration_error_at_construction(ref_server, key) -> None:
+    """Bug: an API key with a trailing newline (read from a file) reached aiohttp, which raised an untyped ValueError
+    at the first request; now it is refused where it is given, without being shown."""
+    from ors_trl import OpenAIPolicy
+
+    for build in (lambda: OpenRewardSpec(ref_server.url, env_name="echoenvironment", api_key=key),
+                  lambda: Client("acme/echo", api_key=key),
+                  lambda: OpenAIPolicy("http://127.0.0.1:1/v1", "m", api_key=key)):
+        with pytest.raises(ConfigurationError, match="HTTP header cannot carry") as info:
+            build()
+        assert key.strip() not in str(info.value)

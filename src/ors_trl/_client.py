@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
@@ -37,6 +37,9 @@ from ._target import SecretValue, Target, encode_secrets, resolve_target
 from ._transport import RetryPolicy, Timeouts, Transport, readable
 from ._types import (
     MASK,
+    MAX_ENVIRONMENTS,
+    MAX_SPLITS,
+    MAX_TASK_COUNT,
     Block,
     GroupScore,
     Message,
@@ -58,10 +61,15 @@ _QUICK_RETRY = RetryPolicy(max_attempts=2, backoff_initial=0.1, backoff_max=0.5)
 #: How long closing a client waits for session opens still in flight, so it can delete what they create.
 _OPENING_WAIT_S = 10.0
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+#: A session id the server hands out travels in the `X-Session-ID` header of every later request: visible ASCII only.
+_SESSION_ID = re.compile(r"[\x21-\x7e]{1,256}")
+#: An environment name from `/list_environments` becomes a URL path segment: no `/`, `?`, `#`, `%`, nothing to escape.
+_ENV_NAME = re.compile(r"[A-Za-z0-9._~!$&'()*+,;=:@-]{1,200}")
 
 
 def _masked(method: F) -> F:
-    """Decorator for the calls of `AsyncClient` and `AsyncSession`: mask secrets in every ORSError they raise.
+    """Decorator for the calls of `AsyncClient` and `AsyncSession`: mask secrets in every ORSError they raise, and
+    drop its exception chain.
 
     The transport masks its own errors; this covers the ones raised here while checking an answer, which quote
     what the server said (and a server may echo the credentials it was sent)."""
@@ -167,10 +175,10 @@ class AsyncSession:
             StreamInterruptedError: the stream broke before the call was acknowledged (not re-run).
             ORSTimeoutError: the call outlived `Timeouts.tool_call`.
         """
-        text, task_id = await self._stream("/call", {"name": name, "input": dict(arguments or {})},
+        body, task_id = await self._stream("/call", {"name": name, "input": dict(arguments or {})},
                                            what=f"tool {name!r}", tool=name)
-        # A refusal or a malformed result quotes the server: `quote` masks secrets it echoed.
-        return _parse_call_result(text, tool=name, task_id=task_id, quote=self.client._transport.quote)
+        # A refusal quotes the server: `quote` masks secrets it echoed and escapes control characters.
+        return _parse_call_result(body, tool=name, task_id=task_id, quote=self.client._transport.quote)
 
     @_masked
     async def score_group(self, candidates: list[dict[str, Any]]) -> list[GroupScore]:
@@ -179,11 +187,11 @@ class AsyncSession:
         `candidates` are `{"messages": [Message.to_json(), ...], "metadata"?: {...}}`. Streamed like a tool
         call (keepalive, resume by task id); a 404 means the environment does not support group scoring.
         """
-        text, _ = await self._stream("/score_group", {"candidates": list(candidates)}, what="score_group",
+        body, _ = await self._stream("/score_group", {"candidates": list(candidates)}, what="score_group",
                                      tool="score_group")
-        return GroupScore.parse_all(text, expected=len(candidates))
+        return GroupScore.parse_all(body, expected=len(candidates))
 
-    async def _stream(self, suffix: str, body: dict[str, Any], *, what: str, tool: str) -> tuple[str, str | None]:
+    async def _stream(self, suffix: str, body: dict[str, Any], *, what: str, tool: str) -> tuple[Any, str | None]:
         """One streamed call, bounded by `Timeouts.tool_call`, resumed by task id if its stream drops."""
         self._check_open()
         self.last_activity = time.monotonic()
@@ -230,24 +238,17 @@ class AsyncSession:
         await self.close()
 
 
-def _parse_call_result(text: str, *, tool: str, task_id: str | None,
-                       quote: Callable[[str], str] = readable) -> ToolResult:
-    """A `/call` result; `quote` makes what the server said fit for a message (the transport's masks secrets)."""
-    try:
-        body = json.loads(text)
-    except ValueError:
-        raise ProtocolError(f"tool {tool!r}: the result is not valid JSON: {quoted(quote(text[:4096]))}") from None
-    except RecursionError:
-        raise ProtocolError(f"tool {tool!r}: the result is JSON nested too deeply to decode") from None
+def _parse_call_result(body: Any, *, tool: str, task_id: str | None, quote: Callable[[str], str]) -> ToolResult:
+    """A decoded `/call` result; `quote` makes what the server said fit for a message (escaped, bounded)."""
     if not isinstance(body, dict) or "ok" not in body:
-        raise ProtocolError(f"tool {tool!r}: the result has no 'ok' field: {quoted(quote(text[:4096]))}")
+        raise ProtocolError(f"tool {tool!r}: the result has no 'ok' field: {quoted(body)}")
     if body["ok"] is True:
         if "output" not in body:
             raise ProtocolError(f"tool {tool!r}: a successful result has no 'output'")
         return ToolResult.from_output(body["output"], tool=tool, task_id=task_id)
     reason = body.get("reason")
     error = body.get("error") or "the server refused the call"
-    shown = quote(error if isinstance(error, str) else json.dumps(error, default=str))
+    shown = quote(error if isinstance(error, str) else quoted(error, 2000))
     raise ToolRefusedError(
         f"tool {tool!r} was refused ({quote(str(reason)) if reason else 'no reason given'}): {shown}",
         tool=tool,
@@ -383,14 +384,14 @@ class AsyncClient:
             if len(available) > 1:
                 logger.warning(
                     "%s hosts %d environments (%s); using the server's default %r. Pass env_name= to choose.",
-                    self.target.name, len(available), ", ".join(available), available[0],
+                    self.target.name, len(available), readable(", ".join(available), 1000), available[0],
                 )
-            return available[0]
+            return _env_segment(available[0])
         by_lower = {name.lower(): name for name in available}
         if wanted.lower() in by_lower:
-            return by_lower[wanted.lower()]
+            return _env_segment(by_lower[wanted.lower()])
         raise EnvironmentNotFoundError(
-            f"environment {wanted!r} is not on {self.target.name}; available: {', '.join(available)}. "
+            f"environment {wanted!r} is not on {self.target.name}; available: {readable(', '.join(available), 1000)}. "
             "Pass one of these as env_name=.",
             available=available,
         )
@@ -414,6 +415,9 @@ class AsyncClient:
         raw = await self._transport.request("GET", "/list_environments")
         if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
             raise ProtocolError(f"/list_environments: expected a list of names, got {quoted(raw)}")
+        if len(raw) > MAX_ENVIRONMENTS:
+            raise ProtocolError(f"/list_environments: the server lists {len(raw)} environments, more than the "
+                                f"{MAX_ENVIRONMENTS} a server may host")
         return raw
 
     @_masked
@@ -427,6 +431,9 @@ class AsyncClient:
         raw = await self._env_request("GET", "/splits")
         if not isinstance(raw, list):
             raise ProtocolError(f"/splits: expected a list, got {quoted(raw)}")
+        if len(raw) > MAX_SPLITS:
+            raise ProtocolError(f"/splits: the server lists {len(raw)} splits, more than the {MAX_SPLITS} an "
+                                "environment may have")
         out = []
         for item in raw:
             if isinstance(item, str):
@@ -466,9 +473,11 @@ class AsyncClient:
     @_masked
     async def num_tasks(self, split: str = "train") -> int:
         raw = await self._split_request(split, "/num_tasks", {"split": split})
-        if not isinstance(raw, dict) or not isinstance(raw.get("num_tasks"), int):
-            raise ProtocolError(f"/num_tasks: expected {{'num_tasks': int}}, got {quoted(raw)}")
-        return raw["num_tasks"]
+        count = raw.get("num_tasks") if isinstance(raw, dict) else None
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_TASK_COUNT:
+            raise ProtocolError(f"/num_tasks: expected {{'num_tasks': n}} with n an integer from 0 to 2**53, got "
+                                f"{quoted(raw)}")
+        return count
 
     @_masked
     async def task(self, split: str, index: int) -> dict[str, Any]:
@@ -492,6 +501,10 @@ class AsyncClient:
         raw = await self._split_request(split, "/task_range", body)
         if not isinstance(raw, dict) or not isinstance(raw.get("tasks"), list):
             raise ProtocolError(f"/task_range: expected {{'tasks': [...]}}, got {quoted(raw)}")
+        asked = len(range(start or 0, stop)) if stop is not None and (start or 0) >= 0 and stop >= 0 else None
+        if asked is not None and len(raw["tasks"]) > asked:
+            raise ProtocolError(f"/task_range: asked for tasks {start or 0}..{stop} ({asked}), the server answered "
+                                f"{len(raw['tasks'])}")
         return raw["tasks"]
 
     @_masked
@@ -515,10 +528,20 @@ class AsyncClient:
                                               idempotent=self.target.is_url)
         for event, data in events:
             if event == "task_id" and data.strip():
-                return data.strip()
+                return self._session_id(data.strip())
             if event == "error":
                 raise ProtocolError(f"/create_session failed: {self._transport.quote(data)}")
         raise ProtocolError("/create_session: the stream carried no session id")
+
+    def _session_id(self, sid: str) -> str:
+        """The server's session id, checked where it is received: it goes into a header of every later request."""
+        if _SESSION_ID.fullmatch(sid) and self._transport.mask(sid) == sid:
+            return sid
+        raise ProtocolError(
+            f"/create_session: the server's session id {self._transport.decoder.quote(sid, 100)!r} ({len(sid)} "
+            "characters) cannot be sent back as a header (1 to 256 visible ASCII characters, no credential); the "
+            "session was not used. The server is broken: report it to its authors."
+        )
 
     @_masked
     async def open_session(
@@ -853,3 +876,11 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _env_segment(name: str) -> str:
+    """An environment name the server listed, checked before it becomes part of every request's URL path."""
+    if _ENV_NAME.fullmatch(name) and name not in (".", ".."):
+        return name
+    raise ProtocolError(f"/list_environments: the environment name {quoted(name, 100)} cannot be part of a URL path "
+                        "(1 to 200 of A-Z a-z 0-9 . _ ~ - and the other characters a path segment takes unescaped)")

@@ -19,12 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from ._exceptions import ConfigurationError, ContextLengthExceeded, PolicyError, TransportError
-from ._transport import RetryPolicy, _Again, retrying
+from ._exceptions import ConfigurationError, ContextLengthExceeded, ORSError, PolicyError
+from ._target import check_header_value
+from ._transport import Decoder, RetryPolicy, _Again, _read_capped, retrying
 
 __all__ = ["LocalPolicy", "OpenAIPolicy", "Policy", "PolicyReply", "describe_policy", "resolve_policy"]
 
 logger = logging.getLogger("ors_trl.eval")
+#: The largest chat completion read from an endpoint (as for ORS answers).
+_MAX_ANSWER_BYTES = 64 * 1024 * 1024
 
 
 @dataclass
@@ -72,7 +75,8 @@ class OpenAIPolicy:
     Args:
         base_url: the API root, e.g. `"http://127.0.0.1:8001/v1"` (requests go to `{base_url}/chat/completions`).
         model: the model name the endpoint serves.
-        api_key: sent as `Authorization: Bearer ...`; defaults to `OPENAI_API_KEY`. Never logged or recorded.
+        api_key: sent as `Authorization: Bearer ...`; defaults to `OPENAI_API_KEY`. Never logged or recorded: it is
+            masked as `***` in the endpoint's answers and in every error quoting them.
         temperature, max_tokens, seed: sampling options sent with every request (None = not sent).
         extra_body: more fields merged into every request body.
         timeout: seconds allowed for one request.
@@ -105,6 +109,9 @@ class OpenAIPolicy:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self._api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
+        if self._api_key:
+            check_header_value(self._api_key, "the API key")
+        self._decoder = Decoder([self._api_key] if self._api_key else [])  # the endpoint may reflect the header
         self.temperature = temperature
         self.max_tokens = max_tokens
         self.seed = seed
@@ -185,27 +192,36 @@ class OpenAIPolicy:
         async def attempt() -> PolicyReply:
             self.requests += 1
             async with http.post(url, json=body, headers=headers) as resp:
-                text = await resp.text()
+                raw = await _read_capped(resp, _MAX_ANSWER_BYTES, url)
                 if resp.status == 200:
-                    return self._parse(text)
-                raise _Again(PolicyError(f"HTTP {resp.status} from {url}: {text[:300]}"),
+                    return self._parse(raw)
+                raise _Again(PolicyError(f"HTTP {resp.status} from {url}: {self._decoder.quote(raw, 300)}"),
                              final=resp.status != 429 and resp.status < 500)
 
         try:
-            return await retrying(self.retry, attempt, what=f"POST {url}", base=self.base_url)
-        except TransportError as exc:
-            raise PolicyError(str(exc)) from None
+            return await retrying(self.retry, attempt, what=f"POST {url}", base=self.base_url, mask=self._decoder.mask)
+        except ORSError as exc:  # an error answer, the network (TransportError), an answer past the cap
+            error = exc if isinstance(exc, PolicyError) else PolicyError(str(exc))
+        # Outside the `except`: the error carries no chain (aiohttp's errors and the raw answer stay behind).
+        error.args = (self._decoder.mask(str(error)),)
+        error.__cause__ = error.__context__ = None
+        raise error
 
-    @staticmethod
-    def _parse(text: str) -> PolicyReply:
+    def _parse(self, raw: bytes) -> PolicyReply:
+        """A chat completion, decoded as every server answer is (repaired, the key masked)."""
         try:
-            body = json.loads(text)
+            body = self._decoder.decode(raw, "the endpoint")
             message = body["choices"][0]["message"]
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise PolicyError(f"the endpoint's answer is not a chat completion: {text[:300]}") from None
+            if not isinstance(message, dict):
+                raise TypeError
+        except (ORSError, KeyError, IndexError, TypeError):
+            raise PolicyError(f"the endpoint's answer is not a chat completion: {self._decoder.quote(raw, 300)}"
+                              ) from None
         calls = []
         for call in message.get("tool_calls") or []:
-            function = call.get("function") or {}
+            if not isinstance(call, dict):
+                continue
+            function = call.get("function") if isinstance(call.get("function"), dict) else {}
             calls.append({
                 "id": call.get("id") or None,
                 "name": function.get("name") or "",

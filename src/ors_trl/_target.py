@@ -25,6 +25,7 @@ __all__ = ["Target", "encode_secrets", "resolve_target"]
 
 DEFAULT_PLATFORM_URL = "https://openreward.ai"
 _CATALOG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_HEADER_TOKEN = re.compile(r"[\x21-\x7e]+")
 
 # Domains a well-known secret may be used against inside a platform sandbox (the platform's
 # egress proxy reads `allowed_domains`); self-hosted servers ignore it.
@@ -144,7 +145,7 @@ def resolve_target(target: str, *, api_key: str | None = None, environ: Mapping[
     target = target.strip()
     if "://" in target:
         url = _validate_url(target, "Target URL")
-        key = _Secret(api_key) if api_key else None
+        key = _Secret(check_header_value(api_key, "api_key")) if api_key else None
         return Target(
             kind="url",
             name=target,
@@ -177,9 +178,18 @@ def resolve_target(target: str, *, api_key: str | None = None, environ: Mapping[
         session_url=session_url,
         api_url=api_url,
         deployment=target,
-        api_key=_Secret(key),
+        api_key=_Secret(check_header_value(key, "the API key")),
         key_hosts=frozenset({_host_port(api_url), _host_port(session_url)}),
     )
+
+
+def check_header_value(value: str, what: str) -> str:
+    """`value` if it can be sent as an HTTP header value (visible ASCII, no whitespace), else a ConfigurationError
+    that does not show it (a key read from a file often ends with a newline)."""
+    if not isinstance(value, str) or not _HEADER_TOKEN.fullmatch(value):
+        raise ConfigurationError(f"{what} holds whitespace or a character an HTTP header cannot carry (a trailing "
+                                 "newline from a file?); pass the key alone.")
+    return value
 
 
 SecretValue = str | tuple[str, Sequence[str]]

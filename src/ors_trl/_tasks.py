@@ -15,7 +15,8 @@ from ._client import AsyncClient
 from ._exceptions import ConfigurationError, ProtocolError
 from ._trl import TRL_KEYWORDS
 
-__all__ = ["RESERVED_COLUMNS", "check_in_range", "check_selection", "fetch_tasks", "select", "task_columns"]
+__all__ = ["MAX_WHOLE_SPLIT", "RESERVED_COLUMNS", "check_in_range", "check_selection", "fetch_tasks", "select",
+           "task_columns"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -25,6 +26,9 @@ logger = logging.getLogger("ors_trl")
 #: engine adds to every row (`env_mask`, and any name starting with `ors_`). Such a field is kept as `task_<name>`.
 RESERVED_COLUMNS = frozenset({"prompt", "task_index", "task_spec", "self", "unscored_reward", "env_mask"}) | TRL_KEYWORDS
 _RESERVED_PREFIX = "ors_"
+#: The most tasks a split may claim when the whole of it is selected (no `num_tasks`, no `indices`): past it,
+#: choosing which tasks is the user's (`num_tasks=N` takes the first N, `indices=` a page), not a server's count.
+MAX_WHOLE_SPLIT = 100_000
 _PAGE = 500
 _FETCH_CONCURRENCY = 8
 
@@ -58,10 +62,15 @@ def check_in_range(indices: Sequence[int], total: int, split: str) -> None:
 
 def select(total: int, split: str, num_tasks: int | None, indices: Sequence[int] | None, *, name: str = "",
            warn: bool = True) -> list[int]:
-    """The task indices of a selection: `indices` as given (checked), else the first `num_tasks`, else all."""
+    """The task indices of a selection: `indices` as given (checked), else the first `num_tasks`, else all (at most
+    `MAX_WHOLE_SPLIT`). The work is that of the selection, never of the split's size."""
     if indices is not None:
         check_in_range(indices, total, split)
         return list(indices)
+    if num_tasks is None and total > MAX_WHOLE_SPLIT:
+        raise ConfigurationError(
+            f"{name + ': ' if name else ''}split {split!r} has {total} tasks, more than the {MAX_WHOLE_SPLIT} a whole "
+            "split may be loaded with; pass num_tasks=N (the first N tasks) or indices=[...] (a page of them).")
     if num_tasks is not None and num_tasks > total and warn:
         logger.warning("%s: num_tasks=%d but split %r has %d tasks; using all %d.", name, num_tasks, split, total,
                        total)

@@ -13,9 +13,12 @@ import unicodedata
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ascii_fold", "clean_json", "clip", "escape_controls", "one_line", "repair", "shorten", "show_json"]
+__all__ = ["ascii_fold", "clean_json", "clip", "escape_controls", "json_size", "one_line", "repair", "shorten",
+           "show_json", "unescape_json"]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_JSON_ESCAPE = re.compile(r'\\(?:u([0-9a-fA-F]{4})|(["\\/bfnrt]))')
+_SHORT_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 
 
 def one_line(text: str) -> str:
@@ -89,3 +92,31 @@ def escape_controls(text: str) -> str:
         return text
     return "".join(c if c in "\n\t" or unicodedata.category(c) not in ("Cc", "Cf")
                    else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+def unescape_json(text: str) -> str:
+    """`text` with JSON's string escapes (`\\u0073`, `\\n`, `\\/`...) written as the characters they stand for (pairs
+    of surrogate escapes joined, lone ones as U+FFFD): how a piece of JSON that does not decode says what it holds."""
+    if "\\" not in text:
+        return text
+    out = _JSON_ESCAPE.sub(lambda m: chr(int(m[1], 16)) if m[1] else _SHORT_ESCAPES[m[2]], text)
+    return out.encode("utf-16", "surrogatepass").decode("utf-16", "replace") if not out.isascii() else out
+
+
+def json_size(value: Any, limit: int) -> int:
+    """About how many characters `value` takes as JSON, counted without serialising it (iteratively, so depth is no
+    problem) and only until the count passes `limit`: what bounding a decoded answer costs stays bounded too."""
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        node = stack.pop()
+        if isinstance(node, str):
+            total += len(node) + 2
+        elif isinstance(node, dict):
+            total += 2 + sum(len(k) + 4 if isinstance(k, str) else 8 for k in node)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            total += 2 + len(node)
+            stack.extend(node)
+        else:
+            total += 6
+    return total

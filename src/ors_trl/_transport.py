@@ -17,8 +17,14 @@ may be running; re-posting could run it twice) which raises `StreamInterruptedEr
 
 Credentials: redirects are followed by hand, and a redirect to a host the API key does not belong
 to is followed without `X-API-Key` and `X-Secrets` (aiohttp itself would forward every custom
-header to any host). Error messages built from what a server said have the API key, the secret
-values and the encoded `X-Secrets` header masked as `***`.
+header to any host).
+
+What a server sends is untrusted input, made fit to keep where it is decoded: `Decoder` is the one way
+its bytes become Python values (JSON answers, SSE fields, error bodies). Invalid UTF-8 is replaced,
+lone surrogates are repaired (U+FFFD), and the API key, the secret values and the encoded `X-Secrets`
+header are masked as `***` in every string, also where the JSON spells them with escapes; so no
+message, record, log line or model prompt built from an answer holds them. Errors raised here carry
+no exception chain (a `JSONDecodeError` keeps the raw body, an aiohttp error the URL).
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ import functools
 import json
 import logging
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urljoin
@@ -57,10 +64,10 @@ from ._exceptions import (
     UsageError,
 )
 from ._target import Target, _host_port
-from ._text import escape_controls
+from ._text import clean_json, escape_controls, repair, unescape_json
 from ._version import __version__
 
-__all__ = ["RetryPolicy", "Timeouts", "Transport"]
+__all__ = ["Decoder", "RetryPolicy", "Timeouts", "Transport"]
 
 logger = logging.getLogger("ors_trl.client")
 T = TypeVar("T")
@@ -79,6 +86,17 @@ _MASK = "***"
 _QUOTE_LIMIT = 2000
 #: How much of an error answer's body is read for its detail; the rest is dropped unread.
 _ERROR_BODY_LIMIT = 64 * 1024
+#: How much of an answer that is not JSON is looked at for the message that says so.
+_QUOTE_HEAD = 64 * 1024
+#: JSON's short escapes: a secret holding one of these characters may be spelled with its escape in an answer.
+_SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "/": "\\/", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
+                  "\t": "\\t"}
+_ESCAPE = re.compile(r"\\u")  # a regex: with many backslashes in a text, `"\\u" in text` is slower
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+#: In JSON text: an escaped backslash (kept, so that the text "backslash, ud800" stays text), a surrogate pair (kept:
+#: one character), or a lone surrogate (written as U+FFFD). Repaired before decoding: a scan of the text, not a walk.
+_SURROGATE_ESCAPES = re.compile(r"\\(?:(\\)|u[dD][89abAB][0-9a-fA-F]{2}(\\u[dD][c-fC-F][0-9a-fA-F]{2})?|"
+                                r"u[dD][c-fC-F][0-9a-fA-F]{2})")  # one literal first: the regex engine skips ahead
 
 
 @dataclass(frozen=True)
@@ -145,16 +163,91 @@ def readable(text: str, limit: int = _QUOTE_LIMIT) -> str:
     return escape_controls(text)
 
 
-def _detail_of(text: str) -> str:
+class Decoder:
+    """The one way a server's bytes become Python values, so that every string of every answer is fit to keep.
+
+    Invalid UTF-8 is replaced (U+FFFD) rather than refused; lone surrogates (`"\\ud800"`: valid JSON, fatal to a
+    tokenizer or a file write) are written as U+FFFD in the JSON text before it is decoded; every known secret
+    (`add`; at least 6 characters) is masked as `***` in every string, dict keys included, also where the raw JSON
+    spells it with escapes (`"\\u0073k-..."`). Each step runs only when a scan of the raw text finds something it
+    could have to fix, so a plain answer costs one `json.loads` and a few substring searches.
+    """
+
+    def __init__(self, secrets: Iterable[str] = ()) -> None:
+        self._secrets: tuple[str, ...] = ()  # longest first: the X-Secrets header contains the values
+        self._probes: tuple[str, ...] = ()  # what in raw JSON text can spell a secret
+        for secret in secrets:
+            self.add(secret)
+
+    def add(self, secret: str) -> None:
+        """Mask `secret` from now on (values shorter than 6 characters are not secrets worth garbling text for)."""
+        if len(secret) < _MIN_MASKED_SECRET or secret in self._secrets:
+            return
+        self._secrets = tuple(sorted({*self._secrets, secret}, key=len, reverse=True))
+        escapes = (_SHORT_ESCAPES[c] for s in self._secrets for c in s if c in _SHORT_ESCAPES)
+        self._probes = tuple(dict.fromkeys([*self._secrets, *escapes]))
+
+    def mask(self, text: str) -> str:
+        """`text` with every known secret replaced by `***`."""
+        for secret in self._secrets:
+            if secret in text:
+                text = text.replace(secret, _MASK)
+        return text
+
+    def text(self, raw: str | bytes) -> str:
+        """Server text that is not JSON (an SSE field, an error body): invalid UTF-8 replaced, repaired, masked."""
+        if not isinstance(raw, str):
+            raw = bytes(raw).decode("utf-8", errors="replace")
+        return self.mask(repair(raw))
+
+    def quote(self, raw: str | bytes, limit: int = _QUOTE_LIMIT) -> str:
+        """What a server said, for a message: `text`, then `readable` (bounded, no control characters). A secret
+        spelled with JSON escapes (in a body that is not valid JSON) is masked too: the quote then shows the text
+        with its escapes written out."""
+        text = self.text(raw)
+        if self._secrets and "\\" in text:
+            plain = self.mask(unescape_json(text))
+            if plain.count(_MASK) > text.count(_MASK):
+                text = plain
+        return readable(text, limit)
+
+    def decode(self, raw: str | bytes, what: str) -> Any:
+        """A JSON answer as Python values (None for an empty body), every string repaired and masked.
+
+        Raises:
+            ProtocolError: not JSON, or nested too deeply to decode (quoting the start of it, masked).
+        """
+        text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8-sig", errors="replace")
+        if not text.strip():
+            return None
+        escaped = _ESCAPE.search(text) is not None  # stops at the first escape: most answers have one early or none
+        if escaped and _SURROGATE_ESCAPE.search(text) is not None:  # decoded UTF-8 holds none: only escapes make them
+            text = _SURROGATE_ESCAPES.sub(lambda m: m[0] if m[1] or m[2] else "\\ufffd", text)
+        try:
+            value = json.loads(text)
+        except RecursionError:
+            raise ProtocolError(f"{what}: the server answered JSON nested too deeply to decode") from None
+        except ValueError:
+            shown = self.quote(text.lstrip()[:_QUOTE_HEAD], 200)
+            raise ProtocolError(f"{what}: the server answered invalid JSON: {shown!r}") from None
+        if self._secrets and (escaped or any(p in text for p in self._probes)):
+            value = clean_json(value, self.mask)
+        return value
+
+
+def _detail_of(decoder: Decoder, body: bytes) -> str:
     """The `detail` of an error answer (FastAPI's `{"detail": ...}`), else its body, whole (`quote` cuts it)."""
     try:
-        body = json.loads(text)
-    except (ValueError, RecursionError):
-        return text
-    if isinstance(body, dict) and "detail" in body:
-        detail = body["detail"]
-        return detail if isinstance(detail, str) else json.dumps(detail)
-    return text
+        value = decoder.decode(body, "")
+    except ProtocolError:
+        return decoder.text(body)
+    if isinstance(value, dict) and "detail" in value:
+        detail = value["detail"]
+        if isinstance(detail, str):
+            return detail
+        with contextlib.suppress(ValueError, RecursionError):
+            return json.dumps(detail, ensure_ascii=False)
+    return decoder.text(body)
 
 
 def status_error(status: int, detail: str, path: str, *, session_scoped: bool) -> APIStatusError | EnvironmentNotFoundError:
@@ -195,7 +288,7 @@ def status_error(status: int, detail: str, path: str, *, session_scoped: bool) -
 
 
 def _masked(method: Any) -> Any:
-    """Decorator for Transport's request methods: mask secrets in every ORSError they raise."""
+    """Decorator for Transport's request methods: mask secrets in every ORSError they raise, and drop its chain."""
 
     @functools.wraps(method)
     async def wrapper(self: Transport, *args: Any, **kwargs: Any) -> Any:
@@ -286,8 +379,9 @@ class Transport:
             total=None, connect=timeouts.connect, sock_connect=timeouts.connect, sock_read=timeouts.stream_idle
         )
         self.on_request: Callable[[str, str], None] | None = None  # (method, path) hook for tests/metrics
-        # Strings masked in error messages: the API key, plus every X-Secrets header sent and its values.
-        self._secrets: set[str] = {str(target.api_key)} if target.api_key else set()
+        # Masked in every answer and message: the API key, plus every X-Secrets header sent and its values.
+        self.decoder = Decoder([str(target.api_key)] if target.api_key else [])
+        self._headers_seen: set[str] = set()
 
     # -- connection pool ---------------------------------------------------------------------
 
@@ -335,32 +429,32 @@ class Transport:
     # -- masking secrets in errors ---------------------------------------------------------------
 
     def _learn_secrets(self, header: str) -> None:
-        if header in self._secrets:
+        if header in self._headers_seen:
             return
-        self._secrets.add(header)
+        self._headers_seen.add(header)
+        self.decoder.add(header)
         with contextlib.suppress(ValueError, TypeError, AttributeError):
             for entry in json.loads(base64.b64decode(header)).values():
                 value = entry.get("value") if isinstance(entry, dict) else None
                 if isinstance(value, str):
-                    self._secrets.add(value)
+                    self.decoder.add(value)
 
     def mask(self, text: str) -> str:
         """`text` with every known secret (API key, secret values, X-Secrets header) replaced by `***`."""
-        for secret in sorted(self._secrets, key=len, reverse=True):  # longest first: the header contains values
-            if len(secret) >= _MIN_MASKED_SECRET and secret in text:
-                text = text.replace(secret, _MASK)
-        return text
+        return self.decoder.mask(text)
 
     def quote(self, text: str) -> str:
         """What a server said, for a message: secrets masked, then made `readable` (bounded, no control characters)."""
-        return readable(self.mask(text))
+        return self.decoder.quote(text)
 
     def mask_error(self, exc: ORSError) -> ORSError:
-        """Mask secrets in an error's message (and `detail`) in place; returns it for `raise`."""
-        if self._secrets:
-            exc.args = tuple(self.mask(a) if isinstance(a, str) else a for a in exc.args)
-            if isinstance(getattr(exc, "detail", None), str):
-                exc.detail = self.mask(exc.detail)  # type: ignore[attr-defined]
+        """Mask secrets in an error's message (and `detail`) in place, and drop its exception chain (a decoder's
+        error keeps the raw body, an aiohttp error the URL); returns it for `raise`."""
+        exc.args = tuple(self.mask(a) if isinstance(a, str) else a for a in exc.args)
+        if isinstance(getattr(exc, "detail", None), str):
+            exc.detail = self.mask(exc.detail)  # type: ignore[attr-defined]
+        exc.__cause__ = exc.__context__ = None
+        exc.__suppress_context__ = True
         return exc
 
     # -- one exchange, redirects followed by hand ----------------------------------------------------
@@ -374,7 +468,13 @@ class Transport:
         if timeout is not None:
             kwargs["timeout"] = timeout
         for _ in range(_MAX_REDIRECTS + 1):
-            resp = await self._client().request(method, url, data=data, headers=headers, **kwargs)
+            try:
+                resp = await self._client().request(method, url, data=data, headers=headers, **kwargs)
+            except aiohttp.ClientError:
+                raise
+            except ValueError as exc:  # a header or URL HTTP cannot carry (aiohttp checks, untyped)
+                raise ProtocolError(f"{method} {url.split('?', 1)[0]}: the request cannot be sent "
+                                    f"({self.decoder.quote(str(exc), 200)})") from None
             location = resp.headers.get("Location")
             if resp.status not in _REDIRECT_STATUSES or not location:
                 break
@@ -416,7 +516,7 @@ class Transport:
     async def _status(self, resp: aiohttp.ClientResponse, path: str, *, session_scoped: bool) -> _Again:
         """An error answer as the exception to raise, wrapped as `_Again` when retrying may help."""
         head = await _read_head(resp, _ERROR_BODY_LIMIT)
-        detail = self.quote(_detail_of(head.decode("utf-8", errors="replace")))
+        detail = self.quote(_detail_of(self.decoder, head))
         starting = resp.status == 503 and resp.headers.get("X-Backend-State") == "starting"
         err = status_error(resp.status, detail, path, session_scoped=session_scoped)
         return _Again(err, retry_after=_retry_after(resp.headers), starting=starting,
@@ -448,11 +548,11 @@ class Transport:
                     self._send(method, base + path, data=data, headers=headers) as resp:
                 if resp.status < 400 or resp.status in ok_statuses:
                     raw = await _read_capped(resp, self.max_response_bytes, path)
-                    return None if resp.status >= 400 else _decode_json(raw, path, self.quote)
+                    return None if resp.status >= 400 else self.decoder.decode(raw, path)
                 raise await self._status(resp, path, session_scoped=session_scoped)
 
         return await retrying(retry or self.retry, attempt, what=f"{method} {path}", base=base,
-                              sent_is_safe=True, timeout=self.timeouts.request)
+                              sent_is_safe=True, timeout=self.timeouts.request, mask=self.mask)
 
     @_masked
     async def events(self, path: str, *, body: Any, sid: str | None = None,
@@ -474,12 +574,12 @@ class Transport:
                 return [ev async for ev in iter_sse(resp, self.max_response_bytes)]
 
         return await retrying(self.retry, attempt, what=f"POST {path}", base=base, sent_is_safe=idempotent,
-                              timeout=self.timeouts.request)
+                              timeout=self.timeouts.request, mask=self.mask)
 
     @_masked
     async def stream(self, path: str, *, body: dict[str, Any], sid: str, what: str, tool: str
-                     ) -> tuple[str, str | None]:
-        """Run one streamed call (`/call`, `/score_group`): returns (result JSON text, task id).
+                     ) -> tuple[Any, str | None]:
+        """Run one streamed call (`/call`, `/score_group`): returns (the decoded result, task id).
 
         Error answers and connection failures before anything was sent are retried; a stream that drops
         after the server named the call is resumed by that task id (the server replays the result), never
@@ -490,7 +590,7 @@ class Transport:
         task_id: str | None = None
         resumes = 0
 
-        async def attempt() -> str:
+        async def attempt() -> Any:
             payload = body if task_id is None else {**body, "task_id": task_id}
             self._count("POST", path)
             try:
@@ -511,31 +611,33 @@ class Transport:
         while True:
             try:
                 return await retrying(self.retry, attempt, what=what, base=base, sent_is_safe=False,
-                                      timeout=self.timeouts.stream_idle), task_id
+                                      timeout=self.timeouts.stream_idle, mask=self.mask), task_id
             except _Broken as broken:
                 if task_id is None:
                     raise StreamInterruptedError(
                         f"{what}: the connection broke before the server acknowledged the call "
-                        f"({_describe(broken.cause)}); it was not retried because it may already be running."
+                        f"({_describe(broken.cause, self.mask)}); it was not retried because it may already be "
+                        "running."
                     ) from None
                 resumes += 1
                 if resumes > self.retry.resume_attempts:
                     raise StreamInterruptedError(
-                        f"{what}: the result stream kept dropping ({_describe(broken.cause)}); gave up after "
-                        f"{resumes - 1} resumes."
+                        f"{what}: the result stream kept dropping ({_describe(broken.cause, self.mask)}); gave up "
+                        f"after {resumes - 1} resumes."
                     ) from None
-                logger.debug("%s: stream dropped (%s); resuming task %s", what, _describe(broken.cause), task_id)
+                logger.debug("%s: stream dropped (%s); resuming task %s", what, _describe(broken.cause, self.mask),
+                             readable(task_id, 80))
                 await asyncio.sleep(self.retry.delay(resumes))
 
     async def _result(self, resp: aiohttp.ClientResponse, what: str, tool: str, *, resumed: bool,
-                      on_task_id: Callable[[str], None]) -> str:
-        """Read one call's event stream to its result: `task_id`, `chunk`... `end`, or `error`."""
+                      on_task_id: Callable[[str], None]) -> Any:
+        """Read one call's event stream to its decoded result: `task_id`, `chunk`... `end`, or `error`."""
         chunks: list[str] = []
         size = 0
         _check_length(resp, self.max_response_bytes, what)
         async for event, data in iter_sse(resp, self.max_response_bytes):
             if event == "task_id":
-                on_task_id(data.strip())
+                on_task_id(self.decoder.text(data).strip())
             elif event in ("chunk", "end"):
                 chunks.append(data)
                 size += len(data)
@@ -543,7 +645,7 @@ class Transport:
                     raise ProtocolError(f"{what}: result larger than {self.max_response_bytes} bytes")
                 if event == "end":
                     await _drain(resp)
-                    return "".join(chunks)
+                    return self.decoder.decode("".join(chunks), what)
             elif event == "error":
                 if resumed and data.strip() == "unknown task_id":
                     raise StreamInterruptedError(
@@ -574,13 +676,15 @@ class _Broken(Exception):
 
 
 async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, what: str, base: str = "",
-                   sent_is_safe: bool = True, timeout: float | None = None) -> T:
+                   sent_is_safe: bool = True, timeout: float | None = None,
+                   mask: Callable[[str], str] = lambda text: text) -> T:
     """Run `attempt()` until it succeeds, under `policy`: the one retry loop for every request kind.
 
     Retried with backoff: an `_Again` that is not final (429/502/503/504, honouring `Retry-After`) and a
     connection that could not be made (nothing was sent). A connection reset or a timeout after the request
     was sent is retried only when `sent_is_safe`. A `503` with `X-Backend-State: starting` is waited out
-    for up to `policy.starting_timeout`, without counting as an attempt.
+    for up to `policy.starting_timeout`, without counting as an attempt. `mask` hides secrets in what an aiohttp
+    error says (a URL), before it is cut.
     """
     loop = asyncio.get_running_loop()
     attempts = 0
@@ -609,7 +713,7 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
         except aiohttp.ClientConnectorError as exc:  # nothing was sent: always safe to retry
             if attempts >= policy.max_attempts:
                 raise TransportError(
-                    f"{what}: cannot connect to {base} after {_attempts(attempts)} ({_describe(exc)}). "
+                    f"{what}: cannot connect to {base} after {_attempts(attempts)} ({_describe(exc, mask)}). "
                     "Is the server running and the URL right?"
                 ) from None
             delay = policy.delay(attempts)
@@ -620,20 +724,20 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
                         f"{what}: no answer within {timeout} s (attempt {attempts}); raise Timeouts.request if the "
                         "server is slow."
                     ) from None
-                raise TransportError(f"{what}: connection failed after {_attempts(attempts)} ({_describe(exc)})"
+                raise TransportError(f"{what}: connection failed after {_attempts(attempts)} ({_describe(exc, mask)})"
                                      ) from None
             delay = policy.delay(attempts)
         logger.debug("%s: attempt %d failed; retrying in %.2f s", what, attempts, delay)
         await asyncio.sleep(delay)
 
 
-def _describe(exc: BaseException) -> str:
+def _describe(exc: BaseException, mask: Callable[[str], str] = lambda text: text) -> str:
     if isinstance(exc, _Dropped):
         return "stream ended before the result"
     if isinstance(exc, TimeoutError):
         return "timed out"
     text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"[:300]
+    return readable(mask(f"{type(exc).__name__}: {text}"), 300)
 
 
 async def _drain(resp: aiohttp.ClientResponse, seconds: float = 1.0) -> None:
@@ -683,15 +787,3 @@ async def _read_capped(resp: aiohttp.ClientResponse, limit: int, path: str) -> b
         if total > limit:
             raise ProtocolError(f"{path}: response larger than the {limit}-byte limit")
         parts.append(chunk)
-
-
-def _decode_json(raw: bytes, path: str, quote: Callable[[str], str] = readable) -> Any:
-    if not raw.strip():
-        return None
-    try:
-        return json.loads(raw)
-    except ValueError:
-        shown = quote(raw[:4096].decode("utf-8", errors="replace"))[:200]
-        raise ProtocolError(f"{path}: the server answered invalid JSON: {shown!r}") from None
-    except RecursionError:
-        raise ProtocolError(f"{path}: the server answered JSON nested too deeply to decode") from None

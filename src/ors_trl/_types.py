@@ -2,7 +2,8 @@
 
 Parsing is strict where a wrong value would corrupt training (a reward that is not a finite
 number is a protocol error, not a silent 0.0) and lenient where nothing is lost (an unknown
-block type is kept, with a placeholder in the text view).
+block type is kept, with a placeholder in the text view). Counts and lists a server sends are
+bounded (`MAX_*`): a twenty-byte answer must not cost gigabytes or a million requests.
 """
 
 from __future__ import annotations
@@ -15,8 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._exceptions import ProtocolError
+from ._text import json_size
 
 __all__ = [
+    "MAX_ENVIRONMENTS",
+    "MAX_SPLITS",
+    "MAX_TASK_COUNT",
+    "MAX_TOOLS",
+    "MAX_TOOLS_SIZE",
+    "MAX_TOOL_SIZE",
     "Block",
     "GroupScore",
     "ImageBlock",
@@ -41,6 +49,19 @@ __all__ = [
 #: How secrets are masked in what an error message quotes of an answer. The client sets its transport's masking
 #: around each of its calls (`ors_trl._client`); outside of one, nothing is masked.
 MASK: ContextVar[Callable[[str], str] | None] = ContextVar("ors_trl_mask", default=None)
+
+#: The largest task count `/num_tasks` may claim (2**53: the last integer every JSON reader holds exactly).
+MAX_TASK_COUNT = 2**53
+#: Tools one `/tools` or `/task_tools` answer may list: each is bound as a method and rendered into every prompt.
+MAX_TOOLS = 4096
+#: The size (characters of JSON) of one tool's name, description and input schema, and of a whole tool list.
+MAX_TOOL_SIZE = 1 << 20
+MAX_TOOLS_SIZE = 16 << 20
+#: Splits `/splits` may list (inspect asks each one for its count) and environments `/list_environments` may.
+MAX_SPLITS = 256
+MAX_ENVIRONMENTS = 1024
+#: How deeply `tool_result` blocks may hold blocks (parsing and rendering them recurse).
+_MAX_BLOCK_DEPTH = 16
 
 
 def quoted(value: Any, limit: int = 200) -> str:
@@ -120,7 +141,7 @@ class UnknownBlock:
 Block = TextBlock | ImageBlock | ReasoningBlock | ToolCallBlock | ToolResultBlock | UnknownBlock
 
 
-def _block(raw: Any, i: int, where: str) -> Block:
+def _block(raw: Any, i: int, where: str, depth: int) -> Block:
     if not isinstance(raw, dict):
         raise ProtocolError(f"{where}: block {i} is {type(raw).__name__}, not an object")
     kind = raw.get("type", "text" if "text" in raw else None)
@@ -143,18 +164,21 @@ def _block(raw: Any, i: int, where: str) -> Block:
             raise ProtocolError(f"{where}: tool_call block {i} needs a string 'name' and an object 'input'")
         return ToolCallBlock(id=str(raw.get("id") or f"call_{i}"), name=raw["name"], input=dict(arguments))
     if kind == "tool_result":
+        if depth >= _MAX_BLOCK_DEPTH:
+            raise ProtocolError(f"{where}: tool_result blocks nested more than {_MAX_BLOCK_DEPTH} deep")
+        blocks = parse_blocks(raw.get("blocks"), where=f"{where} tool_result {i}", _depth=depth + 1)
         return ToolResultBlock(tool_call_id=str(raw.get("tool_call_id") or ""), is_error=bool(raw.get("is_error")),
-                               blocks=parse_blocks(raw.get("blocks"), where=f"{where} tool_result {i}"))
+                               blocks=blocks)
     return UnknownBlock(type=str(kind), raw=raw)
 
 
-def parse_blocks(value: Any, *, where: str) -> list[Block]:
+def parse_blocks(value: Any, *, where: str, _depth: int = 0) -> list[Block]:
     """Parse a JSON list of blocks, raising `ProtocolError` for shapes that cannot be blocks."""
     if value is None:
         return []
     if not isinstance(value, list):
         raise ProtocolError(f"{where}: expected a list of blocks, got {type(value).__name__}")
-    return [_block(raw, i, where) for i, raw in enumerate(value)]
+    return [_block(raw, i, where, _depth) for i, raw in enumerate(value)]
 
 
 def block_text(block: Block) -> str:
@@ -166,7 +190,11 @@ def block_text(block: Block) -> str:
     if isinstance(block, ReasoningBlock):
         return f"<think>{block.text}</think>"
     if isinstance(block, ToolCallBlock):
-        return f"[tool_call {block.name}] {json.dumps(block.input, ensure_ascii=False, default=str)}"
+        try:
+            arguments = json.dumps(block.input, ensure_ascii=False, default=str)
+        except (ValueError, RecursionError):  # nested past what the encoder recurses through
+            arguments = "{...}"
+        return f"[tool_call {block.name}] {arguments}"
     if isinstance(block, ToolResultBlock):
         header = "[tool_result (error)]" if block.is_error else "[tool_result]"
         return "\n".join([header, *(block_text(b) for b in block.blocks)])
@@ -290,6 +318,18 @@ class ToolList:
             raw = {"tools": raw}
         if not isinstance(raw, dict) or not isinstance(raw.get("tools"), list):
             raise ProtocolError(f"{where}: expected {{'tools': [...]}}")
+        if len(raw["tools"]) > MAX_TOOLS:
+            raise ProtocolError(f"{where}: the server lists {len(raw['tools'])} tools, more than the {MAX_TOOLS} a "
+                                "model can be given (each is bound, and rendered into every prompt)")
+        total = 0
+        for tool in raw["tools"]:
+            size = json_size(tool, MAX_TOOL_SIZE)
+            total += size
+            if size > MAX_TOOL_SIZE or total > MAX_TOOLS_SIZE:
+                name = quoted(tool.get("name") if isinstance(tool, dict) else tool, 100)
+                raise ProtocolError(f"{where}: tool {name} is larger than {MAX_TOOL_SIZE >> 20} MiB of JSON" if
+                                    size > MAX_TOOL_SIZE else f"{where}: the tools are larger than "
+                                    f"{MAX_TOOLS_SIZE >> 20} MiB of JSON together")
         terminal = raw.get("terminal_tool")
         if terminal is not None and not (isinstance(terminal, dict) and isinstance(terminal.get("name"), str)
                                          and isinstance(terminal.get("arg"), str | None)):
@@ -369,17 +409,12 @@ class GroupScore:
     metadata: dict[str, Any] | None = None
 
     @classmethod
-    def parse_all(cls, text: str, *, expected: int) -> list[GroupScore]:
-        """Parse a `/score_group` result (`{"scores": [{"reward", "metadata"?}]}`) of `expected` scores."""
-        try:
-            body = json.loads(text)
-        except ValueError:
-            raise ProtocolError(f"score_group: the result is not valid JSON: {quoted(text[:4096])}") from None
-        except RecursionError:
-            raise ProtocolError("score_group: the result is JSON nested too deeply to decode") from None
+    def parse_all(cls, body: Any, *, expected: int) -> list[GroupScore]:
+        """Parse a decoded `/score_group` result (`{"scores": [{"reward", "metadata"?}]}`) of `expected` scores."""
         scores = body.get("scores") if isinstance(body, dict) else None
         if not isinstance(scores, list) or len(scores) != expected:
-            raise ProtocolError(f"score_group: expected {{'scores': [...]}} with {expected} entries, got {quoted(text[:4096])}")
+            raise ProtocolError(f"score_group: expected {{'scores': [...]}} with {expected} entries, got "
+                                f"{quoted(body)}")
         out = []
         for score in scores:
             reward = parse_reward(score.get("reward") if isinstance(score, dict) else score, what="score_group")
