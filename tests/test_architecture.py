@@ -141,3 +141,26 @@ def test_every_name_trl_calls_with_is_reserved_for_task_fields() -> None:
     own = {name for f in (OpenRewardEnvironment.reset, outcome_reward, group_reward)
            for name, p in inspect.signature(f).parameters.items() if p.kind is not p.VAR_KEYWORD}
     assert TRL_KEYWORDS | own <= RESERVED_COLUMNS, sorted((TRL_KEYWORDS | own) - RESERVED_COLUMNS)
+
+
+#: What only the turn rule decides: why an episode ends on its own, and why a call is refused locally.
+TURN_DECISIONS = {"no_tool_calls", "max_turns", "episode_finished", "max_tool_calls"}
+
+
+def _code_strings(path: Path) -> set[str]:
+    """The string constants of a module's code (docstrings left out)."""
+    tree = ast.parse(path.read_text())
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body
+            and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return {node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs}
+
+
+def test_only_the_core_decides_a_turn() -> None:
+    """Drivers generate, schedule and say what the model replied (`Episode.reply`); they may stop an episode only
+    for what the core cannot see (a token budget: `length`, `context_length`; a deadline). Which calls run, what a
+    call after `finished` or past the cap is, and when a reply ends the episode are written in `_episode.py` alone."""
+    deciders = sorted(str(p.relative_to(SRC)) for p in PACKAGE.rglob("*.py")
+                      if _code_strings(p) & TURN_DECISIONS)
+    assert deciders == ["ors_trl/_episode.py"], deciders

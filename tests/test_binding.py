@@ -24,7 +24,10 @@ from ors_trl._schema import describe_tool
 
 
 class FakeEnv:
-    """Records what the bound tools send to the environment."""
+    """Records what the bound tools send to the environment: the call as the model made it (the name it saw, the
+    arguments by name), routed to the remote name and wire arguments as the episode core routes it."""
+
+    result: BindingResult
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, dict]] = []
@@ -35,19 +38,24 @@ class FakeEnv:
     def get_reward(self) -> float:
         return 0.0
 
+    def _route(self, name: str, arguments: dict) -> tuple[str, dict]:
+        bound = next(b for b in self.result.tools.values() if b.name == name)
+        return bound.remote_name, bound.plan.arguments(arguments)
+
     def _call_tool(self, name: str, arguments: dict) -> str:
-        self.calls.append((name, arguments))
-        return f"{name}:{json.dumps(arguments, sort_keys=True, ensure_ascii=False)}"
+        remote, wire = self._route(name, arguments)
+        self.calls.append((remote, wire))
+        return f"{remote}:{json.dumps(wire, sort_keys=True, ensure_ascii=False)}"
 
     async def _acall_tool(self, name: str, arguments: dict) -> str:
         await asyncio.sleep(0)
-        self.calls.append((name, arguments))
+        self.calls.append(self._route(name, arguments))
         return f"async {name}"
 
 
 def adapter(result: BindingResult) -> type:
     """A fresh adapter class with the bound functions installed (like the real adapter does)."""
-    cls = type("Adapter", (FakeEnv,), {})
+    cls = type("Adapter", (FakeEnv,), {"result": result})
     result.install(cls)
     return cls
 

@@ -59,7 +59,7 @@ def test_terminal_tool_grades_the_final_message(ref_server) -> None:
     completions = [
         [call("lookup", country="x"), tool("..."), said(f"{capitals[0]}.")],  # right
         [call("lookup", country="x"), tool("..."), said("Atlantis")],  # wrong
-        [call("lookup", country="x"), tool("...")],  # cut off by the turn limit: no plain message
+        [call("lookup", country="x"), tool("..."), call("lookup", country="y")],  # the turn limit: that call not run
         [said(capitals[3])],  # right, without looking
     ]
     before = count(ref_server, f"{QUIZ}/answer")
@@ -73,7 +73,9 @@ def test_terminal_tool_grades_the_final_message(ref_server) -> None:
     assert record["final"]["message"] == "Atlantis" and record["final"]["reward"] == 0.0
     assert record["final"]["metadata"] == {"expected": capitals[1], "given": "Atlantis"}
     assert record["system"] == QUIZ_SYSTEM and record["turns"][0]["tool_calls"][0]["name"] == "lookup"
-    assert envs[2].episode.record()["end_reason"] == "max_turns"
+    cut = envs[2].episode.record()
+    assert cut["end_reason"] == "max_turns" and cut["turns"][1]["tool_calls"][0]["status"] == "not_run"
+    assert cut["tool_calls"] == 1  # the call TRL did not run is not counted
     assert spec.reward_funcs(envs, completions=completions) == [1.0, 0.0, None, 1.0]  # settled once, not twice
     assert count(ref_server, f"{QUIZ}/answer") - before == 3
     spec.close()

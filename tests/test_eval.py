@@ -162,8 +162,8 @@ def test_openai_policy_echo_exact(ref_server, fake_openai, tmp_path) -> None:
     assert report.coverage == 1.0 and report.finished_rate == 1.0
     assert report.tool_calls_per_episode == 1.0 and report.tool_failures_per_episode == 0.0
     assert report.end_reasons == {"finished": 5} and report.num_errors == 0
-    # One request per episode: the echo result finishes it, so the model is not asked again.
-    assert len(fake_openai.requests) == 5
+    # Two requests per episode, as in training: the call that finishes it, then the model's closing reply.
+    assert len(fake_openai.requests) == 10
     request = fake_openai.requests[0]
     expected = [{"type": "function", "function": {k: v for k, v in s["function"].items() if k != "return"}}
                 for s in bound_schemas(spec)]
@@ -180,7 +180,8 @@ def test_openai_policy_echo_exact(ref_server, fake_openai, tmp_path) -> None:
         assert target in record["prompt"]
         assert record["environment"] == ECHO and record["reward"] == 1.0 and record["finished"] is True
         assert record["rewards"] == [1.0] and record["end_reason"] == "finished" and record["error"] is None
-        (turn,) = record["turns"]
+        turn, closing = record["turns"]
+        assert closing["assistant"] == "Done." and closing["tool_calls"] == [] and record["final"] == {"message": "Done."}
         (call,) = turn["tool_calls"]
         assert call["name"] == call["remote_name"] == "echo"
         assert call["arguments"] == {"text": target} and call["output"] == target
@@ -283,19 +284,19 @@ def test_resume_runs_only_missing_episodes(ref_server, fake_openai, tmp_path) ->
     spec = OpenRewardSpec(ref_server.url, env_name=ECHO)
     policy = OpenAIPolicy(fake_openai.url, "scripted")
     spec.evaluate(policy, num_tasks=3, output=str(out), progress=False)
-    assert len(fake_openai.requests) == 3
+    assert len(fake_openai.requests) == 3 * 2  # per episode: the echo call, then the closing reply
     with pytest.raises(ValueError, match="already exists"):
         spec.evaluate(policy, num_tasks=3, output=str(out), progress=False)
     with out.open("a") as fh:  # an interrupted write
         fh.write('{"version": 1, "split": "train", "task_ind')
     report = spec.evaluate(policy, num_tasks=6, output=str(out), resume=True, progress=False)
-    assert len(fake_openai.requests) == 6  # only tasks 3, 4, 5 ran
+    assert len(fake_openai.requests) == 6 * 2  # only tasks 3, 4, 5 ran
     assert report.num_resumed == 3 and report.num_episodes == 6 and report.mean_reward == 1.0
     assert sorted(load_episodes(out)) == [("train", i, 0) for i in range(6)]
     assert [e["task_index"] for e in report.episodes] == list(range(6))
     # Nothing left to do: no request at all.
     report = spec.evaluate(policy, num_tasks=6, output=str(out), resume=True, progress=False)
-    assert len(fake_openai.requests) == 6 and report.num_resumed == 6
+    assert len(fake_openai.requests) == 6 * 2 and report.num_resumed == 6
 
 
 def _cli_eval(url: str, policy_url: str, out: Path, *extra: str) -> list[str]:
@@ -330,7 +331,7 @@ def test_cli_interrupt_then_resume(ref_server, tmp_path) -> None:
         summary = json.loads(result.stdout)
         assert summary["num_episodes"] == 8 and summary["num_resumed"] == len(done)
         assert summary["mean_reward"] == 1.0 and summary["coverage"] == 1.0
-        assert len(slow.requests) - before == 8 - len(done)
+        assert len(slow.requests) - before == 2 * (8 - len(done))  # two replies per episode
         assert sorted(load_episodes(out)) == [("train", i, 0) for i in range(8)]
     finally:
         slow.stop()
@@ -390,7 +391,7 @@ def test_local_model_untrained(ref_server, tiny_model_dir, tmp_path) -> None:
     report = spec.evaluate(str(tiny_model_dir), num_tasks=4, concurrency=4, max_turns=2, output=str(out),
                            max_new_tokens=12, progress=False)
     assert report.num_episodes == 4 and report.policy == str(tiny_model_dir)
-    assert set(report.end_reasons) <= {"no_tool_calls", "finished", "max_turns"}
+    assert set(report.end_reasons) <= {"no_tool_calls", "finished", "max_turns", "length"}
     assert report.num_errors == 0
     assert 0.0 <= report.coverage <= 1.0
     lines = read_lines(out)
@@ -501,7 +502,7 @@ def test_local_policy_joins_turns_as_grpo_does(tiny_model_dir) -> None:
         {"id": "c", "type": "function", "function": {"name": "echo", "arguments": {"text": "hello"}}}]},
         {"role": "tool", "tool_call_id": "c", "name": "echo", "content": "hello"}]
     second = joined._render(history, [])
-    suffix = joined._tool_suffix([{"name": "echo", "content": "hello"}])
+    suffix = joined.rendering.tool_suffix_ids([{"role": "tool", "name": "echo", "content": "hello"}])
     assert second == first + generated + suffix
     assert tokenizer.decode(suffix).startswith("\n<|im_start|>user\n<tool_response>\nhello")
     assert plain._render(history, []) != second  # re-rendering gives the model other ids than it was trained on
@@ -549,10 +550,11 @@ def test_episode_timeout_closes_records_and_frees_the_session(slow_server, tmp_p
 def test_cli_tool_and_episode_timeouts(slow_server, fake_openai, tmp_path, capsys) -> None:
     base = ["eval", slow_server.url, "--env-name", "slowenvironment", "--base-url", fake_openai.url,
             "--model", "m", "--num-tasks", "1", "--no-progress", "--json"]
-    # --tool-timeout: the call fails after 0.5 s (not 60 s), and so does the episode
+    # --tool-timeout: the call fails after 0.5 s (not 60 s), and so does the episode (as in training, the model
+    # reads the error and may go on; the episode is unscored for that error)
     assert main([*base, "--tool-timeout", "0.5", "--output", str(tmp_path / "tool.jsonl")]) == 1
     info = json.loads(capsys.readouterr().out)
-    assert info["end_reasons"] == {"error": 1}
+    assert info["num_errors"] == 1
     (record,) = read_lines(tmp_path / "tool.jsonl")
     call = record["turns"][0]["tool_calls"][0]
     assert call["error"]["kind"] == "timeout" and "within 0.5 s (Timeouts.tool_call)" in call["error"]["message"]

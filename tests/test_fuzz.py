@@ -335,10 +335,11 @@ def op_spec(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
 
 
 def op_engine(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
-    """The episode core as the engine drives it: open, the engine's own call runner, end, group score, close.
+    """The episode core as the engine drives it: open, the turn rule on a reply with calls, then on a plain (or
+    cut-off) reply, group score, close.
 
     As in the engine, the tool schemas are rendered in the calling thread, never on the event loop."""
-    from ors_trl._engine import _run_calls
+    from ors_trl._episode import Call, Reply, Rules
 
     spec = spec_for(url, tmp)
     episodes: list[Any] = []
@@ -347,7 +348,7 @@ def op_engine(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
         runtime = spec._runtime
 
         async def open_two() -> list[Any]:
-            eps = [runtime.episode(Task("train", 0), source="fuzz") for _ in range(2)]
+            eps = [runtime.episode(Task("train", 0), source="fuzz", rules=Rules(max_replies=3)) for _ in range(2)]
             episodes.extend(eps)
             await asyncio.gather(*(ep.open() for ep in eps))
             return [ep for ep in eps if ep.prompt is not None]
@@ -363,8 +364,9 @@ def op_engine(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
 
         async def play() -> None:
             async def one(ep: Any, calls: list[dict[str, Any]]) -> None:
-                await _run_calls(ep, calls)
-                await ep.end(rng.choice(["final answer", None]), reason="no_tool_calls")
+                await ep.reply(Reply(None, tuple(Call.from_chat(c) for c in calls)))
+                final = rng.choice(["final answer", None])
+                await ep.reply(Reply(final, truncated=final is None))
 
             await asyncio.gather(*(one(ep, calls) for ep, calls in plans))
             if runtime.supports_score_group and opened:

@@ -84,7 +84,7 @@ def test_metric_values_match_what_the_environments_did(ref_server, tmp_path) -> 
     mix.close()
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(lines) == 6
-    assert all(r["version"] == 2 and r["source"] == "trl" for r in lines)
+    assert all(r["version"] == 3 and r["source"] == "trl" for r in lines)
     first = next(r for r in lines if r["environment"] == "echo" and r["task_index"] == echo_rows[0]["task_index"])
     assert first["reward"] == 1.0 and first["finished"] is True and first["end_reason"] == "finished"
     (call,) = [c for t in first["turns"] for c in t["tool_calls"]]

@@ -292,7 +292,7 @@ def test_server_restart_mid_episode_fails_the_rollout_readably(make_server) -> N
     with pytest.raises(SessionExpiredError, match="no longer exists") as info:
         env.calculator(expression="3 + 3")
     assert "server restarted" in str(info.value)
-    assert env.last_output.startswith("Error: ") and "no longer exists" in env.last_output
+    assert env.last_output.startswith("{'error': ") and "no longer exists" in env.last_output  # as TRL shows it
     assert env.rewards == [None, None] and env.reward is None
     rewards, metrics = flushed(spec, [env])
     assert rewards == [None]

@@ -382,12 +382,13 @@ def test_calls_started_ahead_that_trl_does_not_ask_for_are_recorded_not_lost(mak
     """batch_tool_calls safety net: if TRL asks for something other than the calls started ahead of it (a turn
     cut short), those calls are recorded in order first, then the asked-for call runs as usual."""
     from ors_trl._adapter import _Ahead, _run_chain
+    from ors_trl._episode import Call
 
     def _start_ahead(batch):  # what the adapter does at the first call of a turn of TRL's loop
         for env, calls in batch:
-            chain = [_Ahead(name, arguments) for name, arguments in calls]
+            chain = [_Ahead(Call(name, arguments)) for name, arguments in calls]
             env._ahead.extend(chain)
-            env._runtime.submit(_run_chain(env.episode, chain, env))
+            env._runtime.submit(_run_chain(env.episode, chain))
 
     server = make_server("slow", env={"ORS_TEST_STEPS": "2"})
     spec = OpenRewardSpec(server.url, num_tasks=1)

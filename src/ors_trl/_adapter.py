@@ -25,57 +25,35 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
-import threading
 import types
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from . import _trl
-from ._episode import EnvironmentRuntime, Episode, Outcome, Task
+from ._episode import Call, EnvironmentRuntime, Episode, Outcome, Task
 from ._exceptions import ORSError, ToolRefusedError, UsageError
 from ._loop import get_loop
 from ._text import show_json
 
-__all__ = ["OpenRewardEnvironment", "ended_episodes", "episode_readers", "for_this_process"]
+__all__ = ["READS_EPISODES", "RESERVED", "OpenRewardEnvironment", "for_this_process", "settle_all"]
 
 logger = logging.getLogger("ors_trl")
 
 #: Bounds the wait for calls started ahead that TRL then did not ask for (an aborted turn).
 _SETTLE_TIMEOUT_S = 300.0
-_turn_lock = threading.Lock()
-# The turn of TRL's tool loop whose calls were last started ahead. TRL builds a new `tool_calls` list every
-# turn; holding this one keeps its id from being reused, so `is` tells turns apart exactly.
-_last_turn: object = None
-
-
-#: Reward functions that read episodes (registered by `_rewards`): in TRL's async worker `get_reward` leaves the
-#: reward to them when one of them will run.
-episode_readers: set[Callable[..., Any]] = set()
-#: In TRL's async worker: each ended rollout's episode, keyed by the identity of its transcript list (what TRL hands
-#: reward functions as that rollout's `completions` entry), with how many reading reward functions are still to come.
-_ended: OrderedDict[int, tuple[list[Any], Episode, int]] = OrderedDict()
-_ended_lock = threading.Lock()
-_ENDED_MAX = 16_384  # bound, should reward functions never come for some (the oldest go first)
-
-
-def _after_fork_in_child() -> None:
-    global _turn_lock, _last_turn, _ended_lock
-    _turn_lock, _last_turn, _ended_lock = threading.Lock(), None, threading.Lock()
-    _ended.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+#: The marker of a reward function that reads the episodes (`ors_trl._rewards`): in TRL's async worker,
+#: `get_reward` leaves the reward to such functions when one of them will run.
+READS_EPISODES = "_ors_reads_episodes"
 
 
 class _Ahead:
-    """A call started ahead of TRL's loop: what it is, and the future of its outcome."""
+    """A call started ahead of TRL's loop, and the future of its outcome."""
 
-    __slots__ = ("future", "remote", "wire")
+    __slots__ = ("call", "future")
 
-    def __init__(self, remote: str, wire: dict[str, Any]) -> None:
-        self.remote, self.wire = remote, wire
+    def __init__(self, call: Call) -> None:
+        self.call = call
         self.future: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
 
 
@@ -163,7 +141,7 @@ class OpenRewardEnvironment:
             rt.attach_to(trainer)
         for env, batch_row in batch or ():
             if isinstance(env, OpenRewardEnvironment) and env._preopened is None:
-                env._preopen(batch_row)
+                env._preopen(batch_row, trainer)
         self._end()
         task = Task.from_row(rt.split, task_index, task_spec)
         pre, self._preopened = self._preopened, None
@@ -172,7 +150,7 @@ class OpenRewardEnvironment:
         else:
             if pre is not None:
                 pre[1].release()
-            ep = rt.episode(task, source="trl")
+            ep = rt.episode(task, source="trl", rules=_trl.rules(trainer))
             opened = rt.submit(ep.open())
         self._episode = ep
         cached = rt.prompt_cache.get(task.key) if rt.cache_prompts else None
@@ -184,18 +162,19 @@ class OpenRewardEnvironment:
         assert ep.prompt is not None
         return ep.prompt.flat
 
-    def _preopen(self, row: Mapping[str, Any]) -> None:
+    def _preopen(self, row: Mapping[str, Any], trainer: Any) -> None:
         """Start opening the session for `row` now (the batch's first reset does this for every adapter)."""
         rt = self._runtime
         try:
             task = Task.from_row(rt.split, row.get("task_index"), row.get("task_spec"))
         except ValueError:
             return  # reset() will say what is wrong with the row
-        ep = rt.episode(task, source="trl")
+        ep = rt.episode(task, source="trl", rules=_trl.rules(trainer))
         self._preopened = (task, ep, rt.submit(ep.open()))
 
     def _end(self) -> None:
-        """Settle calls started ahead and close the current episode in the background."""
+        """Settle calls started ahead and close the current episode in the background (`reset` and the async
+        worker's `get_reward` do this; `close()` also waits for the server)."""
         self._settle_ahead()
         if self._episode is not None:
             self._episode.release()
@@ -227,54 +206,50 @@ class OpenRewardEnvironment:
             raise UsageError("call reset() before calling a tool")
         return self._episode
 
-    def _display(self, remote: str) -> str:
-        toolset = self._runtime.toolset
-        bound = toolset.by_remote.get(remote) if toolset is not None else None
-        return bound.name if bound is not None else remote
-
     def _answer(self, outcome: Outcome) -> str:
-        self.last_output = outcome.text
+        self.last_output = outcome.content
         if outcome.error is not None:
             raise outcome.error
-        return outcome.text
+        return outcome.content
 
-    def _call_tool(self, remote: str, wire: dict[str, Any]) -> str:
-        """Run remote tool `remote` (what a bound sync method calls); raise, for TRL's failure count, on failure."""
+    def _call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        """The tool `name` (as the model saw it) called by TRL's loop: one `Episode.call`; raises, for TRL's failure
+        count, on failure (TRL shows the model `{'error': ...}`)."""
         ep = self._current()
+        call = Call(name, arguments)
         if not self._ahead and self._runtime.batch_tool_calls:
-            self._start_turn(remote, wire)
+            self._start_turn(call)
         if self._ahead:
             head = self._ahead[0]
-            if (head.remote, head.wire) == (remote, wire):
+            if head.call == call:
                 self._ahead.popleft()
                 return self._answer(head.future.result())
             logger.warning("%s: TRL asked for %s(%s), not the call started ahead of it (%s(%s))", self._runtime.name,
-                           remote, show_json(wire), head.remote, show_json(head.wire))
+                           name, show_json(arguments), head.call.name, show_json(head.call.arguments))
             self._settle_ahead()
-        return self._answer(self._runtime.bg.run(ep.call(self._display(remote), wire, routed=(remote, wire))))
+        return self._answer(self._runtime.bg.run(ep.call(call)))
 
-    async def _acall_tool(self, remote: str, wire: dict[str, Any]) -> str:
+    async def _acall_tool(self, name: str, arguments: dict[str, Any]) -> str:
         """Coroutine twin of `_call_tool`, for async tool methods (the call runs on the background loop)."""
-        ep = self._current()
-        call = ep.call(self._display(remote), wire, routed=(remote, wire))
+        call = self._current().call(Call(name, arguments))
         return self._answer(await asyncio.wrap_future(self._runtime.bg.submit(call)))
 
-    def _start_turn(self, remote: str, wire: dict[str, Any]) -> None:
+    def _start_turn(self, first: Call) -> None:
         """At the first call of a turn of TRL's tool loop, start the turn's calls across the batch at once.
 
         For each rollout (this one from the current call on), the longest prefix of its calls TRL will make
         exactly as given: a tool of the rollout's own adapter with arguments that bind. Each rollout's calls
         run in order on its session, bounded per environment by `max_concurrent_tool_calls`.
         """
-        global _last_turn
         seen = _trl.tool_turn(self)
         if seen is None:
             return
         turn, rollouts = seen
-        with _turn_lock:
-            if _last_turn is turn:
+        rt = self._runtime
+        with rt.lock:
+            if rt.last_turn is turn:
                 return
-            _last_turn = turn
+            rt.last_turn = turn
         planned: list[tuple[OpenRewardEnvironment, list[_Ahead]]] = []
         for env, calls in rollouts:
             if (not isinstance(env, OpenRewardEnvironment) or env._episode is None or env._episode.finished
@@ -283,17 +258,18 @@ class OpenRewardEnvironment:
             chain = []
             for name, arguments in calls:
                 try:
-                    chain.append(_Ahead(*env._runtime.toolset.route(name, arguments)))
+                    env._runtime.toolset.route(name, arguments)
                 except ToolRefusedError:  # TRL fails this call itself (an unknown tool, arguments that do not bind)
                     break
+                chain.append(_Ahead(Call(name, arguments)))
             if chain:
                 planned.append((env, chain))
-        if not planned or planned[0][0] is not self or (planned[0][1][0].remote, planned[0][1][0].wire) != (remote, wire):
+        if not planned or planned[0][0] is not self or planned[0][1][0].call != first:
             return  # what we read is not the call being made: run nothing ahead
         for env, chain in planned:
             env._ahead.extend(chain)
             env._runtime.calls_ahead += len(chain)
-            env._runtime.submit(_run_chain(env._episode, chain, env))
+            env._runtime.submit(_run_chain(env._current(), chain))
 
     def _settle_ahead(self) -> None:
         """Wait (bounded) for calls started ahead that TRL did not ask for: they are recorded, nothing is lost."""
@@ -311,12 +287,11 @@ async def _close_episodes(episodes: list[Episode]) -> None:
     await asyncio.gather(*(ep.close_session() for ep in episodes), return_exceptions=True)
 
 
-async def _run_chain(ep: Episode | None, chain: list[_Ahead], env: OpenRewardEnvironment) -> None:
+async def _run_chain(ep: Episode, chain: list[_Ahead]) -> None:
     """One rollout's calls of a turn, in order on its session; resolves each entry's future."""
-    assert ep is not None
     for i, entry in enumerate(chain):
         try:
-            outcome = await ep.call(env._display(entry.remote), entry.wire, routed=(entry.remote, entry.wire))
+            outcome = await ep.call(entry.call)
         except BaseException as exc:  # cancelled (loop shutting down) or a bug: nobody may wait forever
             for rest in chain[i:]:
                 if not rest.future.done():
@@ -325,24 +300,28 @@ async def _run_chain(ep: Episode | None, chain: list[_Ahead], env: OpenRewardEnv
         entry.future.set_result(outcome)
 
 
+#: Names a tool may not take as an attribute of the adapter class (bound under another attribute, shown to the model
+#: under its own name): the adapter's own API and TRL's hooks.
+RESERVED = frozenset({"reset", "get_reward", "last_output", *(n for n in vars(OpenRewardEnvironment) if not n.startswith("_"))})
+
+
 def settle_all(environments: list[Any], completions: list[Any] | None, completion_ids: list[Any] | None,
                eos_token_ids: set[int] | None = None) -> None:
-    """After TRL's loop: give each rollout's episode its transcript, and run the terminal tools of the batch
-    at once (concurrently), so that the rewards read next are final. `eos_token_ids`: the ids that end a
-    completion, when no trainer is there to say (TRL's async worker)."""
+    """After TRL's loop: replay each rollout's transcript through the turn rule (`Episode.replay`), and run the
+    batch's ends (terminal tools) at once, so that the rewards read next are final. `eos_token_ids`: the ids that
+    end a completion, when no trainer is there to say (TRL's async worker)."""
     ends: list[Any] = []
     for i, env in enumerate(environments):
         ep = env._episode if isinstance(env, OpenRewardEnvironment) else None
-        if ep is None or ep.end_reason is not None:
+        if ep is None or ep.over:
             continue
         env._settle_ahead()
         messages = completions[i] if completions is not None and isinstance(completions[i], list) else []
         eos = (eos_token_ids if eos_token_ids is not None else
                _trl.eos_token_ids(env._runtime.trainer) if env._runtime.trainer is not None else set())
         ids = completion_ids[i] if completion_ids is not None else None
-        truncated = bool(eos) and bool(ids) and int(ids[-1]) not in eos
-        message, reason = ep.settle(messages, truncated=truncated)
-        ends.append(ep.end(message, reason=reason))
+        reason, message = ep.replay(messages, truncated=bool(eos) and bool(ids) and int(ids[-1]) not in eos)
+        ends.append(ep.end(reason, message))
     if ends:
         async def run() -> None:
             await asyncio.gather(*ends)
@@ -372,37 +351,13 @@ def _rollout_ended(env: OpenRewardEnvironment, seen: _trl.FinishedRollout | None
         settle_all([env], None, None)
     else:
         settle_all([env], [seen.messages], [seen.completion_ids], eos_token_ids=seen.eos_token_ids)
-    readers = sum(getattr(f, "func", f) in episode_readers for f in seen.reward_funcs) if seen is not None else 0
+    readers = sum(bool(getattr(getattr(f, "func", f), READS_EPISODES, False)) for f in seen.reward_funcs) \
+        if seen is not None else 0
     env._end()  # the rollout is over: close its session now, not when TRL reuses this adapter
     if seen is not None and readers:
-        with _ended_lock:
-            _ended[id(seen.messages)] = (seen.messages, ep, readers)
-            while len(_ended) > _ENDED_MAX:
-                _ended.popitem(last=False)
+        env._runtime.hand_over(seen.messages, ep, readers)
         return None
-    return None if ep.timed_out else ep.reward
-
-
-def ended_episodes(completions: Any) -> list[Episode | None] | None:
-    """In TRL's async worker: the episode of each rollout in `completions` (None where unknown); elsewhere None.
-
-    Each call counts as one reading reward function; an episode is forgotten once all of them have read it.
-    """
-    if not _trl.in_async_worker() or not isinstance(completions, list):
-        return None
-    out: list[Episode | None] = []
-    with _ended_lock:
-        for messages in completions:
-            hit = _ended.get(id(messages))
-            if hit is None or hit[0] is not messages:
-                out.append(None)
-                continue
-            out.append(hit[1])
-            if hit[2] <= 1:
-                del _ended[id(messages)]
-            else:
-                _ended[id(messages)] = (hit[0], hit[1], hit[2] - 1)
-    return out
+    return ep.reward
 
 
 def for_this_process(cls: type[OpenRewardEnvironment]) -> type[OpenRewardEnvironment]:

@@ -57,7 +57,7 @@ __all__ = [
 logger = logging.getLogger("ors_trl.binding")
 
 #: Attribute names a tool may never take on the adapter class (TRL treats them specially).
-DEFAULT_RESERVED: frozenset[str] = frozenset({"reset", "get_reward"})
+DEFAULT_RESERVED: frozenset[str] = frozenset({"reset", "get_reward", "close"})
 _DISPLAY_NAME_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _MAX_DISPLAY_NAME = 64
 _MAX_ATTRIBUTE = 100  # sanitized attribute names are cut to this length
@@ -181,20 +181,27 @@ class _CallPlan:
         self.to_wire = {parameter.remote_name: parameter.remote_name for parameter in parameters}
         self.to_wire.update({parameter.python_name: parameter.remote_name for parameter in parameters})
 
-    def arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        """Positional arguments in signature order, then keywords (Python or wire names; unknown ones unchanged).
-
-        Optional arguments left at :data:`UNSET` are dropped so the environment applies its own defaults; missing
-        required arguments and values are left for the environment to check.
-        """
+    def named(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """The call's arguments by name, as the model (or a hand-written call) gave them: positional ones under
+        their wire names, in signature order, then the keywords unchanged."""
         if len(args) > len(self.order):
             raise TypeError(
                 f"{self.display}() takes {len(self.order)} positional argument(s) but {len(args)} were given"
             )
+        out = dict(zip(self.order, args, strict=False))
+        for key, value in kwargs.items():
+            if key in out:
+                raise TypeError(f"{self.display}() got multiple values for argument {key!r}")
+            out[key] = value
+        return out
+
+    def arguments(self, kwargs: dict) -> dict[str, Any]:
+        """Named arguments (Python or wire names; unknown ones unchanged) as the remote tool's argument dict.
+
+        Optional arguments left at :data:`UNSET` are dropped so the environment applies its own defaults; missing
+        required arguments and values are left for the environment to check.
+        """
         out: dict[str, Any] = {}
-        for wire, value in zip(self.order, args, strict=False):
-            if value is not UNSET:
-                out[wire] = value
         for key, value in kwargs.items():
             if value is UNSET:
                 continue
@@ -206,18 +213,20 @@ class _CallPlan:
 
 
 def _make_function(plan: _CallPlan, asynchronous: bool) -> FunctionType:
-    """A fresh generic closure; the receiver is positional-only so any argument name (even ``self``) fits kwargs."""
-    remote_name = plan.remote_name
-    build = plan.arguments
+    """A fresh generic closure; the receiver is positional-only so any argument name (even ``self``) fits kwargs.
+
+    It hands the adapter the call as the model made it (the name it saw, the arguments by name): the episode
+    core routes it, so a call TRL makes and one the engine makes go through the same router."""
+    display, named = plan.display, plan.named
     if asynchronous:
 
         async def _tool(_ors_self: Any, /, *args: Any, **kwargs: Any) -> Any:
-            return await _ors_self._acall_tool(remote_name, build(args, kwargs))
+            return await _ors_self._acall_tool(display, named(args, kwargs))
 
     else:
 
         def _tool(_ors_self: Any, /, *args: Any, **kwargs: Any) -> Any:
-            return _ors_self._call_tool(remote_name, build(args, kwargs))
+            return _ors_self._call_tool(display, named(args, kwargs))
 
     return _tool
 
@@ -383,14 +392,16 @@ class Toolset:
         terminal: the environment's `@terminal` tool, if any.
         asynchronous: bind coroutine methods (TRL gathers a rollout's parallel calls).
         qualname_prefix: `__qualname__` prefix of the functions (the adapter class name).
+        reserved: attribute names the functions may not take (the adapter's own API).
     """
 
     def __init__(self, specs: Iterable[Any], *, terminal: Any = None, asynchronous: bool = False,
-                 module: str | None = None, qualname_prefix: str = "OpenRewardEnvironment") -> None:
+                 module: str | None = None, qualname_prefix: str = "OpenRewardEnvironment",
+                 reserved: frozenset[str] = DEFAULT_RESERVED) -> None:
         self.specs = list(specs)
         self.terminal = terminal
         self.binding = bind_tools([s.to_json() if hasattr(s, "to_json") else s for s in self.specs],
-                                  reserved=DEFAULT_RESERVED | {"reset"}, asynchronous=asynchronous, module=module,
+                                  reserved=reserved | DEFAULT_RESERVED, asynchronous=asynchronous, module=module,
                                   qualname_prefix=qualname_prefix)
         self.by_name = {bound.name: bound for bound in self.binding.tools.values()}
         self.by_remote = {bound.remote_name: bound for bound in self.binding.tools.values()}
@@ -422,17 +433,17 @@ class Toolset:
         """The remote tool name and wire arguments of a model's call.
 
         Raises:
-            ToolRefusedError: no such tool (`reason="not_found"`, TRL's own message) or arguments that do not
-                bind (`reason="input_validation"`), exactly as TRL's loop would fail the call.
+            ToolRefusedError: no such tool (`reason="not_found"`) or arguments that do not bind
+                (`reason="input_validation"`), with the message TRL's loop shows for the same call.
         """
         bound = self.by_name.get(name)
         if bound is None:
             raise ToolRefusedError(f"Tool {name} not found.", tool=name, reason="not_found")
-        if not isinstance(arguments, dict) or not all(isinstance(k, str) for k in arguments):
-            raise ToolRefusedError(f"Tool {name}: the arguments are not a JSON object: {str(arguments)[:200]}",
-                                   tool=name, reason="input_validation")
+        if not isinstance(arguments, dict):  # TRL calls `tool(**arguments)`: Python's own message
+            raise ToolRefusedError(f"{bound.function.__qualname__}() argument after ** must be a mapping, not "
+                                   f"{type(arguments).__name__}", tool=name, reason="input_validation")
         try:
-            return bound.remote_name, bound.plan.arguments((), dict(arguments))
+            return bound.remote_name, bound.plan.arguments({str(k): v for k, v in arguments.items()})
         except TypeError as exc:
             raise ToolRefusedError(str(exc), tool=name, reason="input_validation") from None
 

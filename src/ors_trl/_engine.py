@@ -15,8 +15,8 @@ formatting, `max_completion_length` and `max_tool_calling_iterations` rules), so
 decoding it produces the same completions, tool calls and rewards as the `environment_factory`
 path. Under several processes every process makes the same number of generation calls with the
 same number of prompts (a process without work joins with dummy prompts), as collective backends
-(vLLM server mode, ZeRO-3, FSDP) require. `episode_timeout` closes an episode that runs over and
-scores it None. Everything here that reads TRL's internals goes through `ors_trl._trl`.
+(vLLM server mode, ZeRO-3, FSDP) require. A spec's `episode_timeout` closes an episode that runs over
+and scores it None. Everything here that reads TRL's internals goes through `ors_trl._trl`.
 """
 
 from __future__ import annotations
@@ -26,22 +26,53 @@ import concurrent.futures
 import json
 import logging
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import _trl
 from ._budget import get_max_sessions
-from ._episode import EnvironmentRuntime, Episode, Outcome, Task, score_groups
-from ._exceptions import ConfigurationError, ToolRefusedError
+from ._episode import Call, EnvironmentRuntime, Episode, Outcome, Reply, Task, score_groups
+from ._exceptions import ConfigurationError
 from ._loop import get_loop
 
-__all__ = ["TASK_KEY", "RolloutEngine", "task_of"]
+__all__ = ["TASK_KEY", "GatherWindow", "RolloutEngine", "task_of"]
 
 logger = logging.getLogger("ors_trl")
 
 #: Key of the prompt message that carries a row's task identity (written by the specs' datasets).
 TASK_KEY = "ors_task"
 AUTO_GATHER_WINDOW = 0.05  # the automatic gather window's longest wait, in seconds
+
+
+class GatherWindow:
+    """The one micro-batching rule (the engine's generation batches, `LocalPolicy`'s): a request that is ready
+    waits for the others that can still come, for at most `window` seconds; None (automatic): at most
+    `AUTO_GATHER_WINDOW` and at most half of what a generation call has been taking, since company is worth
+    waiting for only when generating costs more than the wait."""
+
+    def __init__(self, window: float | None = None) -> None:
+        if window is not None and not window >= 0:  # also refuses NaN
+            raise ConfigurationError(f"the gather window must be >= 0 seconds or None (automatic), got {window!r}")
+        self.window = window
+        self._took: float | None = None  # moving average of a generation call's wall time
+
+    @property
+    def seconds(self) -> float:
+        if self.window is not None:
+            return self.window
+        return AUTO_GATHER_WINDOW if self._took is None else min(AUTO_GATHER_WINDOW, self._took / 2)
+
+    def left(self, waiting: int, coming: int, since: float) -> float:
+        """Seconds the `waiting` requests (the first ready at `since`) should still wait while `coming` others may
+        join; 0.0: generate now."""
+        if not waiting or not coming:
+            return 0.0
+        return max(0.0, self.seconds - (time.monotonic() - since))
+
+    def took(self, seconds: float) -> None:
+        """A generation call took `seconds`."""
+        self._took = seconds if self._took is None else 0.7 * self._took + 0.3 * seconds
 
 
 def task_of(prompt: Sequence[Mapping[str, Any]]) -> Task:
@@ -71,8 +102,7 @@ class _Rollout:
         self.completions: list[dict[str, Any]] = []
         self.request: list[int] | None = None  # waiting for generation from these ids
         self.future: concurrent.futures.Future[Any] | None = None  # network work in flight
-        self.stage = "open"  # open -> generate <-> tools -> end -> done
-        self.iteration = 0
+        self.stage = "open"  # open -> generate <-> tools -> done ("end": a length cut being settled)
         self.waiting_since = 0.0
 
     @property
@@ -84,9 +114,8 @@ class RolloutEngine:
     """`rollout_func(prompts, trainer)`: every episode of a batch runs on its own, none waits for another.
 
     Args:
-        environments: environment key (None for a single spec) -> its runtime.
-        episode_timeout: wall-clock seconds one episode may take (None: no limit); it is then closed and
-            scored None.
+        environments: environment key (None for a single spec) -> its runtime (whose `episode_timeout` bounds
+            each of its episodes: past it an episode is closed and scored None).
         gather_window: seconds generation waits for more rollouts to be ready before it runs for those that
             are. None (the default): at most `AUTO_GATHER_WINDOW` and at most half the recent duration of a
             generation call, so a cheap generator (an API, a small model) does not add a wait to every turn
@@ -97,30 +126,30 @@ class RolloutEngine:
     `/score_group` (the `ors_group_reward` column `spec.group_reward_func` reads).
     """
 
-    def __init__(self, environments: Mapping[str | None, EnvironmentRuntime], *, episode_timeout: float | None = None,
-                 gather_window: float | None = None, turn_barrier: bool = False) -> None:
-        if episode_timeout is not None and episode_timeout <= 0:
-            raise ConfigurationError("episode_timeout must be positive or None")
+    def __init__(self, environments: Mapping[str | None, EnvironmentRuntime], *, gather_window: float | None = None,
+                 turn_barrier: bool = False) -> None:
         self.environments = dict(environments)
-        self.episode_timeout = episode_timeout
-        self.gather_window = gather_window
+        self.gather = GatherWindow(gather_window)
         self.turn_barrier = turn_barrier
         self.last_episodes: list[Episode] = []
         self.generation_calls: list[int] = []  # prompts per generation call (this process), for inspection
         self._tokens: dict[str, list[int]] = {}
-        self._generation_s: float | None = None  # moving average of a generation call's wall time
+        self._rendering: tuple[weakref.ref[Any], _trl.Rendering] | None = None  # per trainer, held weakly
 
     def __repr__(self) -> str:
         return f"RolloutEngine({list(self.environments)})"
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         _trl.require_engine()
-        self._tok = _trl.prepare(trainer)
+        if self._rendering is None or self._rendering[0]() is not trainer:
+            self._rendering = (weakref.ref(trainer), _trl.Rendering.of(trainer))
+        self._render_with = self._rendering[1]
         self._eos = _trl.eos_token_ids(trainer)
         self._tokens: dict[str, list[int]] = {}  # this call's renders: a group's rollouts share most of them
         for rt in self.environments.values():
             rt.attach_to(trainer)
-        rollouts = [self._rollout(p) for p in prompts]
+        rules = _trl.rules(trainer)
+        rollouts = [self._rollout(p, rules) for p in prompts]
         episodes = [r.ep for r in rollouts]
         groups: dict[tuple[int, str], list[Episode]] = {}  # GRPO groups: the rollouts of one task
         for ep in episodes:
@@ -145,7 +174,7 @@ class RolloutEngine:
         self.last_episodes = episodes
         return self._output(rollouts)
 
-    def _rollout(self, prompt: Any) -> _Rollout:
+    def _rollout(self, prompt: Any, rules: Any) -> _Rollout:
         task = task_of(prompt)
         rt = self.environments.get(task.env)
         if rt is None:
@@ -155,8 +184,8 @@ class RolloutEngine:
                 )
             rt = next(iter(self.environments.values()))
         base = [{k: v for k, v in m.items() if k != TASK_KEY} for m in prompt]
-        deadline = None if self.episode_timeout is None else time.monotonic() + self.episode_timeout
-        return _Rollout(rt.episode(task, source="engine"), base, deadline)
+        deadline = None if rt.episode_timeout is None else time.monotonic() + rt.episode_timeout
+        return _Rollout(rt.episode(task, source="engine", rules=rules), base, deadline)
 
     def _waves(self, rollouts: list[_Rollout]) -> list[list[_Rollout]]:
         """Split the batch so that no wave opens more sessions than a session cap allows (queuing, not failing).
@@ -182,9 +211,8 @@ class RolloutEngine:
             busy = [r for r in rollouts if r.busy]
             done = not waiting and not busy
             now = time.monotonic()
-            first = min((r.waiting_since for r in waiting), default=now)
-            window = self._window()
-            ready = bool(waiting) and (not busy or (not self.turn_barrier and now - first >= window))
+            left = self.gather.left(len(waiting), len(busy), min((r.waiting_since for r in waiting), default=now))
+            ready = bool(waiting) and (not busy or (not self.turn_barrier and left == 0.0))
             if ready or done:
                 if not (self._anyone(trainer, not done) if multi else not done):
                     return
@@ -192,26 +220,15 @@ class RolloutEngine:
                 continue
             waits = [r.deadline - now for r in busy if r.deadline is not None]
             if waiting and not self.turn_barrier:
-                waits.append(window - (now - first))
+                waits.append(left)
             concurrent.futures.wait([r.future for r in busy if r.future is not None],
                                     timeout=max(min(waits), 0.0) if waits else None,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
 
-    def _window(self) -> float:
-        """How long a ready rollout waits for company: `gather_window`, else the automatic rule."""
-        if self.gather_window is not None:
-            return self.gather_window
-        if self._generation_s is None:
-            return AUTO_GATHER_WINDOW
-        return min(AUTO_GATHER_WINDOW, self._generation_s / 2)
-
     def _advance(self, r: _Rollout, trainer: Any) -> None:
         """Move a rollout on once its network work is done (or its time is up)."""
-        if r.busy and r.deadline is not None and time.monotonic() >= r.deadline and r.stage != "end":
-            r.ep.timed_out = True
-            r.ep.fail(TimeoutError(f"the episode exceeded episode_timeout={self.episode_timeout}s"), reason="timeout")
-            logger.warning("%s: episode for task %s exceeded episode_timeout=%ss; closing it, scored None",
-                           r.ep.env.name, r.ep.task.key, self.episode_timeout)
+        if r.busy and r.deadline is not None and time.monotonic() >= r.deadline:
+            r.ep.time_out(r.ep.env.episode_timeout or 0.0)
             r.stage, r.future = "done", None
             return
         if not r.busy or r.future is None or not r.future.done():
@@ -219,9 +236,9 @@ class RolloutEngine:
         result, r.future = r.future.result(), None
         if r.stage == "open":
             self._render(r, trainer, opened=bool(result))
-        elif r.stage == "tools":
+        elif r.stage == "tools" and result is not None:
             self._after_tools(r, trainer, result)
-        elif r.stage == "end":
+        else:
             r.stage = "done"
 
     def _render(self, r: _Rollout, trainer: Any, *, opened: bool) -> None:
@@ -233,10 +250,10 @@ class RolloutEngine:
             messages = [dict(m) for m in r.base]
             messages[-1]["content"] = messages[-1].get("content", "") + text
         tools = self._schemas(r)
-        r.prompt_ids = self._memo(["prompt", messages, tools], lambda: _trl.render(trainer, messages, tools))
+        r.prompt_ids = self._memo(["prompt", messages, tools], lambda: self._render_with.prompt_ids(messages, tools))
         self._fallback = self._fallback or r.prompt_ids
         if not opened:  # nothing to generate for: one end-of-sequence token, scored None
-            r.completion_ids, r.tool_mask, r.logprobs = [self._tok.eos_token_id], [1], [0.0]
+            r.completion_ids, r.tool_mask, r.logprobs = [self._render_with.tokenizer.eos_token_id], [1], [0.0]
             r.stage = "done"
             return
         self._wait_for_generation(r, r.prompt_ids)
@@ -256,23 +273,18 @@ class RolloutEngine:
         r.request, r.stage, r.waiting_since = ids, "generate", time.monotonic()
 
     def _generate_for(self, waiting: list[_Rollout], trainer: Any) -> None:
-        from trl.chat_template_utils import parse_response
-
         started = time.monotonic()
         ids, lps = self._generate(trainer, [r.request or [] for r in waiting], fallback=self._fallback or [])
         took = time.monotonic() - started
-        self._generation_s = took if self._generation_s is None else 0.7 * self._generation_s + 0.3 * took
-        for r in waiting:
-            r.ep.timings["generation"] += took
-        max_len = trainer.max_completion_length
+        self.gather.took(took)
         for r, new_ids, new_lp in zip(waiting, ids, lps, strict=True):
             prefix = r.request or []
-            first = not r.completion_ids
-            if not first:  # keep the completion within max_completion_length, as TRL cuts post-tool text
-                excess = len(prefix) - len(r.prompt_ids) + len(new_ids) - max_len
-                if excess > 0:
-                    new_ids = new_ids[: len(new_ids) - excess]
-                    new_lp = new_lp[: len(new_ids)] if new_lp is not None else None
+            if r.completion_ids:  # a reply after tool results: TRL keeps the completion within its budget
+                kept = _trl.clip_post_tool(new_ids, len(prefix) - len(r.prompt_ids), trainer.max_completion_length)
+                cut, new_ids = len(kept) < len(new_ids), kept
+                new_lp = new_lp[: len(new_ids)] if new_lp is not None else None
+            else:
+                cut = False
             tool_length = len(prefix) - len(r.prompt_ids) - len(r.completion_ids)
             r.tool_mask += [0] * tool_length + [1] * len(new_ids)
             if r.logprobs is not None and new_lp is not None:
@@ -281,40 +293,29 @@ class RolloutEngine:
                 r.logprobs = None
             r.completion_ids = prefix[len(r.prompt_ids):] + list(new_ids)
             r.request = None
-            parsed = parse_response(self._tok, new_ids, prefix=prefix, tools=self._schemas(r)) if new_ids else {}
+            parsed = self._render_with.parse(new_ids, prefix, self._schemas(r))
             if parsed:
                 r.completions.append(parsed)
-            text = parsed.get("content") if parsed else None
-            r.ep.begin_turn(text if isinstance(text, str) else None)
-            calls = (parsed.get("tool_calls") or None) if parsed else None
-            truncated = bool(new_ids) and bool(self._eos) and new_ids[-1] not in self._eos
-            if calls and r.iteration < trainer.max_tool_calling_iterations:
-                r.stage = "tools"
-                r.future = r.ep.env.submit(_run_calls(r.ep, calls))
-            elif calls:
-                self._end(r, None, "max_turns")
-            else:
-                self._end(r, None if truncated or not parsed else text or "", "length" if truncated else "no_tool_calls")
+            text = parsed.get("content")
+            reply = Reply(text if isinstance(text, str) else None,
+                          tuple(Call.from_chat(c) for c in parsed.get("tool_calls") or ()),
+                          truncated=cut or (bool(self._eos) and (not new_ids or new_ids[-1] not in self._eos)),
+                          extra={"generation_seconds": round(took, 4)})
+            r.stage = "tools"
+            r.future = r.ep.env.submit(r.ep.reply(reply))
 
-    def _after_tools(self, r: _Rollout, trainer: Any, results: list[tuple[str, Outcome]]) -> None:
-        tool_messages = [{"role": "tool", "name": name, "content": outcome.content} for name, outcome in results]
-        r.completions += tool_messages
-        r.iteration += 1
-        if r.ep.timed_out:
-            r.stage = "done"
-            return
-        suffix = self._memo(["tools", tool_messages], lambda: _trl.tool_suffix_ids(trainer, tool_messages))
+    def _after_tools(self, r: _Rollout, trainer: Any, outcomes: list[Outcome]) -> None:
+        calls = r.completions[-1].get("tool_calls") or []
+        tool_messages = [_trl.tool_message(Call.from_chat(c).name, o.content) for c, o in zip(calls, outcomes, strict=True)]
+        suffix = self._memo(["tools", tool_messages], lambda: self._render_with.tool_suffix_ids(tool_messages))
         pct = r.prompt_ids + r.completion_ids + suffix
-        if len(pct) - len(r.prompt_ids) > trainer.max_completion_length or len(pct) >= _trl.max_model_len(trainer):
-            # The tool results would overflow the completion budget: roll them back and end the episode.
-            del r.completions[len(r.completions) - len(tool_messages):]
-            self._end(r, None, "length")
+        if _trl.overflows(len(pct) - len(r.prompt_ids), len(pct), trainer.max_completion_length,
+                          _trl.max_model_len(trainer)):
+            r.stage = "end"  # the tool results would overflow the completion budget: TRL rolls them back
+            r.future = r.ep.env.submit(r.ep.end("length"))
             return
+        r.completions += tool_messages
         self._wait_for_generation(r, pct)
-
-    def _end(self, r: _Rollout, message: str | None, reason: str) -> None:
-        r.stage = "end"
-        r.future = r.ep.env.submit(r.ep.end(message, reason=reason))
 
     # -- generation across processes ---------------------------------------------------------------
 
@@ -359,7 +360,7 @@ class RolloutEngine:
             "completion_ids": [r.completion_ids for r in rollouts],
             "logprobs": logprobs if all(lp is not None for lp in logprobs) else None,
             "env_mask": [r.tool_mask for r in rollouts],
-            "ors_reward": [None if r.ep.timed_out else r.ep.reward for r in rollouts],
+            "ors_reward": [r.ep.reward for r in rollouts],
             "ors_group_reward": [r.ep.group_reward for r in rollouts],
             "ors_finished": [r.ep.finished for r in rollouts],
             "ors_tool_calls": [r.ep.tool_calls for r in rollouts],
@@ -367,21 +368,6 @@ class RolloutEngine:
             "ors_env": [r.ep.env.key for r in rollouts],
         }
         return out
-
-
-async def _run_calls(ep: Episode, calls: list[dict[str, Any]]) -> list[tuple[str, Outcome]]:
-    """One rollout's calls of a turn, in order on its session, formatted as TRL's loop formats them."""
-    out = []
-    for call in calls:
-        if call.get("type") != "function":
-            name = call.get("name", "unknown")
-            refusal = ToolRefusedError(f"Unsupported tool call type: {call.get('type')}", tool=name)
-            out.append((name, await ep.call(name, None, rejected=refusal)))
-            continue
-        function = call.get("function") or {}
-        name = function.get("name", "unknown")
-        out.append((name, await ep.call(name, function.get("arguments") or {})))
-    return out
 
 
 async def _close_sessions(episodes: list[Episode]) -> None:

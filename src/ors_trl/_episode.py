@@ -1,11 +1,17 @@
 """One episode, written once: the core every driver (TRL's loop, the engine, eval, the demo) drives.
 
 An `Episode` owns one rollout of one task from open to close: its session, its prompt (a
-conversation from `/messages` where the server has it, else `/prompt`), the model's tool calls
-(routed by the name the model saw to the remote tool and wire arguments, called, recorded), the
-end (a `@terminal` tool gets the model's final plain message), its reward, finished flag and
-metadata, and one record of all of it in one versioned schema. Metrics are counted here and
-nowhere else. A driver only decides when to generate and what the model said.
+conversation from `/messages` where the server has it, else `/prompt`), what each model reply does
+(**the turn rule**, `Episode.reply`, the one place that decides which calls run, what a call after
+`finished` or past the call cap is, when the episode ends and why, and what it scores), the end (a
+`@terminal` tool grades the final plain message) and one record (`ors_trl._records`). Metrics are
+counted here and nowhere else. A driver only generates, schedules and says what the model replied;
+TRL's own loop makes its calls live (`Episode.call`), and the adapter replays TRL's transcript
+through the same rule afterwards (`Episode.replay`). The limits and the failure text TRL imposes
+come from `ors_trl._trl` as `Rules`.
+
+Lifecycle: new -> opening -> open -> ended -> closed. `close()` is the one way to close (`release()`
+runs it in the background from any thread).
 
 `EnvironmentRuntime` is what the episodes of one environment share: the client, the bound
 tools, the prompt cache, metrics, the record writer, and the set of live episodes that are
@@ -17,15 +23,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import logging
-import os
-import socket
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -35,21 +41,20 @@ from ._conversation import Prompt, transcript
 from ._exceptions import ConfigurationError, NotFoundError, ORSError, ToolError, ToolRefusedError
 from ._loop import get_loop
 from ._metrics import EnvMetrics
-from ._records import RecordWriter
+from ._records import RUN_ID, CallRecord, EpisodeRecord, RecordWriter, TurnRecord, error_record
 from ._text import clip
 from ._types import TerminalTool, ToolList, ToolResult
 
-__all__ = ["RECORD_VERSION", "EnvironmentRuntime", "Episode", "Outcome", "Task"]
+__all__ = ["Call", "EnvironmentRuntime", "Episode", "Outcome", "Reply", "Rules", "Task", "find_ended", "runtimes",
+           "score_groups"]
 
 logger = logging.getLogger("ors_trl")
 
-#: Version of the episode record schema (see `Episode.record`).
-RECORD_VERSION = 2
-#: Tells the records of one process run apart from another's in merged logs.
-RUN_ID = f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
 # Live runtimes by key: how a reward function finds the metrics of the engine's episodes (only their keys
-# travel through TRL's extra columns).
+# travel through TRL's extra columns), and the episodes TRL's async worker handed over.
 _RUNTIMES: weakref.WeakValueDictionary[str, EnvironmentRuntime] = weakref.WeakValueDictionary()
+#: Bound on the episodes an async worker's runtime keeps for reward functions that never come for them.
+_HANDOVER_MAX = 16_384
 
 
 def runtimes(keys: Sequence[Any]) -> list[EnvironmentRuntime]:
@@ -90,35 +95,67 @@ class Task:
                    dict(task_spec) if task_spec is not None else None, env)
 
 
+@dataclass(frozen=True)
+class Call:
+    """One tool call as the model wrote it: the name it saw, its arguments (an object, or whatever it wrote)."""
+
+    name: str
+    arguments: Any = None
+    id: str | None = None
+    type: str = "function"
+
+    @classmethod
+    def from_chat(cls, call: Mapping[str, Any]) -> Call:
+        """A chat message's `tool_calls` entry (TRL's `parse_response`, an OpenAI-style API)."""
+        if call.get("type", "function") != "function":
+            return cls(str(call.get("name", "unknown")), None, call.get("id"), str(call.get("type")))
+        function = call.get("function") or {}
+        return cls(str(function.get("name", "unknown")), function.get("arguments"), call.get("id"))
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One model reply: its visible text (None when nothing was parsed), its calls, and whether the length limit
+    cut it. `extra` goes into the turn's record (`raw`, `usage`, `generation_seconds`)."""
+
+    text: str | None
+    calls: tuple[Call, ...] = ()
+    truncated: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The limits a driver plays its episodes under, and how a failed call reads to the model.
+
+    Attributes:
+        max_replies: model replies an episode may have (TRL: `max_tool_calling_iterations + 1`). The calls of the
+            last one are not run (no reply would read their results): the episode ends with `max_turns`.
+        max_tool_calls: tool calls an episode may make; later ones are refused locally and counted.
+        error_text: the text the model reads for a failed call (TRL's `{'error': ...}`, from `ors_trl._trl`).
+    """
+
+    max_replies: int | None = None
+    max_tool_calls: int | None = None
+    error_text: Callable[[BaseException], str] = str
+
+
 class Outcome:
-    """What one tool call gave the model: `text` on success, else `error` (and TRL's error text)."""
+    """What one tool call gave the model: `content` is what it reads (the output, or `Rules.error_text` of `error`)."""
 
-    __slots__ = ("error", "result", "text")
+    __slots__ = ("content", "error", "result")
 
-    def __init__(self, text: str, error: ORSError | None = None, result: ToolResult | None = None) -> None:
-        self.text, self.error, self.result = text, error, result
+    def __init__(self, content: str, error: ORSError | None = None, result: ToolResult | None = None) -> None:
+        self.content, self.error, self.result = content, error, result
 
     @property
-    def content(self) -> str:
-        """The tool message content exactly as TRL's loop writes it (`{'error': ...}` for a failure)."""
-        return self.text if self.error is None else str({"error": str(self.error)})
+    def fatal(self) -> bool:
+        """True when the failure is the session's or the network's, not only this call's."""
+        return self.error is not None and not isinstance(self.error, ToolError)
 
 
-def episode_finished_error(tool: str) -> ToolRefusedError:
-    """The refusal of a call after the episode finished, given locally: servers refuse every later call."""
-    return ToolRefusedError(
-        f"tool {tool!r} was refused (episode_finished): the episode has finished, so no further tool calls are "
-        "accepted.",
-        tool=tool,
-        reason="episode_finished",
-    )
-
-
-def _error(exc: BaseException) -> dict[str, Any]:
-    out: dict[str, Any] = {"kind": getattr(exc, "kind", "internal"), "message": str(exc)}
-    if getattr(exc, "reason", None):
-        out["reason"] = exc.reason  # type: ignore[attr-defined]
-    return out
+def _refusal(tool: str, reason: str, why: str) -> ToolRefusedError:
+    return ToolRefusedError(f"tool {tool!r} was refused ({reason}): {why}", tool=tool, reason=reason)
 
 
 class EnvironmentRuntime:
@@ -131,24 +168,31 @@ class EnvironmentRuntime:
         max_output_chars: cap on tool output the model sees (the cut is marked).
         cache_prompts: answer repeated resets of a task from the cached prompt while the session opens.
         max_concurrent_tool_calls: tool calls in flight at once, across the environment's episodes.
+        max_tool_calls: tool calls one episode may make (None: no cap); later calls are refused locally.
+        episode_timeout: seconds one episode may take where a driver keeps the time (the engine, eval).
         batch_tool_calls: in TRL's own loop, start a turn's calls across the batch at once.
         episode_log: a record writer receiving every finished episode, or None.
         score_groups: keep finished sessions until the step ends, so group scoring can use them.
+        success_threshold: the reward at or above which an episode counts as a success (metrics).
     """
 
     def __init__(self, client: AsyncClient, *, name: str, split: str, max_output_chars: int | None = None,
-                 cache_prompts: bool = True, max_concurrent_tool_calls: int = 64, batch_tool_calls: bool = True,
-                 episode_log: RecordWriter | None = None, score_groups: bool = False) -> None:
+                 cache_prompts: bool = True, max_concurrent_tool_calls: int = 64, max_tool_calls: int | None = None,
+                 episode_timeout: float | None = None, batch_tool_calls: bool = True,
+                 episode_log: RecordWriter | None = None, score_groups: bool = False,
+                 success_threshold: float = 1.0) -> None:
         self.client = client
         self.name = name
         self.split = split
         self.max_output_chars = max_output_chars
         self.cache_prompts = cache_prompts
         self.max_concurrent_tool_calls = max_concurrent_tool_calls
+        self.max_tool_calls = max_tool_calls
+        self.episode_timeout = episode_timeout
         self.batch_tool_calls = batch_tool_calls
         self.recorder = episode_log
         self.score_groups = score_groups
-        self.metrics = EnvMetrics()
+        self.metrics = EnvMetrics(success_threshold)
         self.metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
         self.toolset: Toolset | None = None  # bound by the spec before the first episode
         self.uses_messages: bool | None = None  # /messages supported (None: not known yet)
@@ -160,12 +204,17 @@ class EnvironmentRuntime:
         self.prompt_mismatches = 0
         self.cached_resets = 0
         self.calls_ahead = 0  # tool calls started ahead of TRL's loop (batch_tool_calls)
+        self.last_turn: object = None  # the turn of TRL's tool loop whose calls were last started ahead
+        # In TRL's async worker: each ended rollout's episode by the identity of its transcript (what TRL hands reward
+        # functions as its `completions` entry), with how many reading reward functions are still to come.
+        self.handover: OrderedDict[int, tuple[list[Any], Episode, int]] = OrderedDict()
         self._trainer: weakref.ref[Any] | None = None  # the trainer driving this environment, once seen
         self.bg = get_loop()
         self.live: set[Episode] = set()
         self._pending: set[concurrent.futures.Future[None]] = set()
         self._lock = threading.Lock()
-        self._gates: dict[int, asyncio.Semaphore] = {}
+        self._gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = \
+            weakref.WeakKeyDictionary()
         self._toolsets: dict[str, Toolset] = {}
         self.bg.add_closer(self.aclose)
 
@@ -181,6 +230,11 @@ class EnvironmentRuntime:
         """The trainer driving this environment, while it exists (held weakly: a model is not kept alive)."""
         return self._trainer() if self._trainer is not None else None
 
+    @property
+    def lock(self) -> threading.Lock:
+        """Guards the runtime's shared state (live episodes, the turn started ahead, the async hand-over)."""
+        return self._lock
+
     def rename(self, name: str, metrics: EnvMetrics, recorder: RecordWriter | None) -> None:
         """Join a mix: report under `name`, into the mix's metrics and record writer."""
         self.name, self.metrics = name, metrics
@@ -188,10 +242,12 @@ class EnvironmentRuntime:
         if recorder is not None:
             self.recorder = recorder
 
-    def episode(self, task: Task, *, source: str, metrics: bool = True, writer: RecordWriter | None = None,
-                **info: Any) -> Episode:
-        """A new, not yet opened episode of `task`, tracked until it is closed."""
-        ep = Episode(self, task, source=source, metrics=self.metrics if metrics else None,
+    def episode(self, task: Task, *, source: str, rules: Rules, metrics: bool = True,
+                writer: RecordWriter | None = None, **info: Any) -> Episode:
+        """A new, not yet opened episode of `task` played under `rules`, tracked until it is closed."""
+        if self.max_tool_calls is not None and rules.max_tool_calls is None:
+            rules = dataclasses.replace(rules, max_tool_calls=self.max_tool_calls)
+        ep = Episode(self, task, source=source, rules=rules, metrics=self.metrics if metrics else None,
                      writer=writer if writer is not None else self.recorder, **info)
         with self._lock:
             self.live.add(ep)
@@ -208,9 +264,9 @@ class EnvironmentRuntime:
     def tool_gate(self) -> asyncio.Semaphore:
         """The running loop's bound on this environment's tool calls in flight."""
         loop = asyncio.get_running_loop()
-        gate = self._gates.get(id(loop))
+        gate = self._gates.get(loop)
         if gate is None:
-            gate = self._gates[id(loop)] = asyncio.Semaphore(max(1, self.max_concurrent_tool_calls))
+            gate = self._gates[loop] = asyncio.Semaphore(max(1, self.max_concurrent_tool_calls))
         return gate
 
     async def read_prompt(self, session: AsyncSession) -> Prompt:
@@ -238,6 +294,27 @@ class EnvironmentRuntime:
                     "stale prompt. Pass cache_prompts=False if prompts vary between sessions of a task.",
                     self.name, key,
                 )
+
+    # -- the async worker's hand-over --------------------------------------------------------------
+
+    def hand_over(self, messages: list[Any], ep: Episode, readers: int) -> None:
+        """Keep `ep` for the `readers` reward functions that will come with `messages` as its `completions` entry."""
+        with self._lock:
+            self.handover[id(messages)] = (messages, ep, readers)
+            while len(self.handover) > _HANDOVER_MAX:
+                self.handover.popitem(last=False)
+
+    def take(self, messages: Any) -> Episode | None:
+        """The episode handed over with `messages` (forgotten once every reading reward function has had it)."""
+        with self._lock:
+            hit = self.handover.get(id(messages))
+            if hit is None or hit[0] is not messages:
+                return None
+            if hit[2] <= 1:
+                del self.handover[id(messages)]
+            else:
+                self.handover[id(messages)] = (hit[0], hit[1], hit[2] - 1)
+            return hit[1]
 
     # -- lifecycle (any thread) ---------------------------------------------------------------
 
@@ -292,31 +369,46 @@ class EnvironmentRuntime:
         trainer.add_callback(SessionCleanupCallback([self]))
 
 
+def find_ended(messages: Any) -> Episode | None:
+    """In TRL's async worker: the episode a runtime was handed over with transcript `messages`, if any."""
+    for rt in list(_RUNTIMES.values()):
+        ep = rt.take(messages)
+        if ep is not None:
+            return ep
+    return None
+
+
+NEW, OPENING, OPEN, ENDED, CLOSED = "new", "opening", "open", "ended", "closed"
+
+
 class Episode:
     """One rollout of one task. Create it with `EnvironmentRuntime.episode`; run its coroutines on one loop.
 
     Attributes:
-        reward: last non-None reward (the outcome convention); None if nothing was scored.
+        state: `new`, `opening`, `open`, `ended` (the model stopped, or the episode failed or timed out) or `closed`.
+        reward: last non-None reward (the outcome convention); None if nothing was scored, or the episode timed out.
         rewards, metadata: per tool call, the reward / the environment's metadata (None where absent).
-        finished: True once the environment said the episode is over.
-        tool_calls, tool_failures: the model's tool calls this episode, and how many failed.
-        turns: the record of each model turn (`{"index", "assistant", "tool_calls": [...]}`).
-        final: the terminal tool's call with the model's final message, if the environment has one.
+        finished: True once the environment said the episode is over (the model may still reply).
+        tool_calls, tool_failures: the model's tool calls this episode, and how many failed or were refused.
+        turns: the record of each model reply (`TurnRecord`); `final`: the final message and its terminal grade.
         error: why the episode failed outside a tool call (`{"kind", "message"}`), else None.
-        end_reason: finished, no_tool_calls, max_turns, length, context_length, timeout or error.
+        end_reason: finished, no_tool_calls, max_turns, length, context_length, timeout or error (once ended).
         group_reward: the comparative reward from `/score_group`, when asked for.
     """
 
-    def __init__(self, env: EnvironmentRuntime, task: Task, *, source: str, metrics: EnvMetrics | None,
-                 writer: RecordWriter | None, task_tools: bool = False, **info: Any) -> None:
+    def __init__(self, env: EnvironmentRuntime, task: Task, *, source: str, rules: Rules,
+                 metrics: EnvMetrics | None, writer: RecordWriter | None, task_tools: bool = False,
+                 **info: Any) -> None:
         self.env = env
         self.task = task
         self.source = source
+        self.rules = rules
         self.info = info  # extra record fields: repeat, policy, ...
         self.toolset = None if task_tools else env.toolset  # None: bind the session's own tool list when it opens
+        self.state = NEW
         self.session: AsyncSession | None = None
         self.prompt: Prompt | None = None
-        self.turns: list[dict[str, Any]] = []
+        self.turns: list[TurnRecord] = []
         self.final: dict[str, Any] | None = None
         self.reward: float | None = None
         self.rewards: list[float | None] = []
@@ -326,24 +418,22 @@ class Episode:
         self.tool_failures = 0
         self.error: dict[str, Any] | None = None
         self.end_reason: str | None = None
-        self.timed_out = False
         self.group_reward: float | None = None
         self.timings: dict[str, float] = {"generation": 0.0, "tools": 0.0}
         self.started = time.monotonic()
         self.started_at = datetime.now(UTC).isoformat(timespec="seconds")
+        self._lost = False  # a call failed for the session's or the network's reasons
         self._metrics = metrics
         self._writer = writer
         self._opening: asyncio.Future[bool] | None = None
         self._open_error: ORSError | None = None
         self._accounted = False
-        self._closed = False
         self._closing: concurrent.futures.Future[None] | None = None
-        self._session_closing: asyncio.Future[None] | None = None
+        self._freeing: asyncio.Future[None] | None = None
         self._ended: float | None = None
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "finished" if self.finished else "open" if self.session else "new"
-        return f"<Episode {self.env.name} {self.task.key} reward={self.reward} {state}>"
+        return f"<Episode {self.env.name} {self.task.key} reward={self.reward} {self.state}>"
 
     @property
     def terminal(self) -> TerminalTool | None:
@@ -354,12 +444,23 @@ class Episode:
         """Wall time of the episode so far (until it was closed)."""
         return (self._ended or time.monotonic()) - self.started
 
+    @property
+    def over(self) -> bool:
+        """True once the episode has ended or closed: nothing the model does changes it any more."""
+        return self.state in (ENDED, CLOSED)
+
+    @property
+    def final_message(self) -> str | None:
+        """The model's final plain message, when it wrote one."""
+        return self.final.get("message") if self.final else None
+
     # -- open --------------------------------------------------------------------------------------
 
     async def open(self) -> bool:
         """Open the session and read the prompt (once; later callers share the first open). False on failure,
-        which is recorded: the episode then scores None."""
+        which is recorded: the episode then ends with `error` and scores None."""
         if self._opening is None:
+            self.state = OPENING
             self._opening = asyncio.ensure_future(self._open())
         return await asyncio.shield(self._opening)
 
@@ -367,10 +468,8 @@ class Episode:
         env, task = self.env, self.task
         started = time.monotonic()
         try:
-            if task.spec is not None:
-                self.session = await env.client.open_session(task_spec=task.spec)
-            else:
-                self.session = await env.client.open_session(split=task.split, index=task.index)
+            where = {"task_spec": task.spec} if task.spec is not None else {"split": task.split, "index": task.index}
+            self.session = await env.client.open_session(**where)
             self.timings["open"] = time.monotonic() - started
             self.prompt = await env.read_prompt(self.session)
             if self.toolset is None:
@@ -388,69 +487,116 @@ class Episode:
         if self._metrics is not None:
             self._metrics.record_open(env.name, time.monotonic() - started)
         env.remember_prompt(task.key, self.prompt)
+        if self.state == OPENING:
+            self.state = OPEN
         return True
 
-    def fail(self, exc: BaseException, *, reason: str = "error") -> None:
-        """Record why the episode failed outside any tool call; it scores None."""
-        if self.error is None:
-            self.error = _error(exc)
-        self.end_reason = self.end_reason or reason
+    # -- the turn rule ---------------------------------------------------------------------------------
 
-    # -- turns and tool calls --------------------------------------------------------------------
+    def _rule(self, reply: Reply) -> tuple[str | None, str | None]:
+        """For a reply already counted in `turns`: (None, None) when its calls run, else why the episode ends and
+        the final plain message (for a terminal tool)."""
+        if reply.calls:
+            limit = self.rules.max_replies
+            return ("max_turns", None) if limit is not None and len(self.turns) >= limit else (None, None)
+        if reply.truncated:
+            return "length", None
+        return "no_tool_calls", reply.text
 
-    def begin_turn(self, assistant: str | None, **extra: Any) -> dict[str, Any]:
-        """Start the record of a model turn (its visible text; driver extras like `raw` or `usage`)."""
-        turn = {"index": len(self.turns), "assistant": assistant, "tool_calls": [], **extra}
+    async def reply(self, reply: Reply) -> list[Outcome] | None:
+        """What a model reply does: the turn rule, for every driver.
+
+        A reply with calls runs them in order on the episode's session (see `call`), unless it is the last reply
+        the rules allow (then they are not run and the episode ends with `max_turns`); a reply without calls ends
+        the episode (`no_tool_calls`, or `length` when the length limit cut it) and its text, the final message,
+        goes to a terminal tool. Returns the calls' outcomes (generate again, with them), or None once it ended.
+        """
+        if self.over:
+            return None
+        turn = self._turn(reply)
+        reason, message = self._rule(reply)
+        if reason is None:
+            return [await self.call(c) for c in reply.calls]
+        turn["tool_calls"] = [self._not_run(c) for c in reply.calls]
+        await self.end(reason, message)
+        return None
+
+    def _turn(self, reply: Reply) -> TurnRecord:
+        turn: TurnRecord = {"index": len(self.turns), "assistant": reply.text, "tool_calls": [], **reply.extra}
+        self.timings["generation"] += float(reply.extra.get("generation_seconds") or 0.0)
         self.turns.append(turn)
         return turn
 
-    async def call(self, name: str, arguments: Any, *, call_id: str | None = None,
-                   routed: tuple[str, dict[str, Any]] | None = None, rejected: ORSError | None = None) -> Outcome:
-        """One tool call of the model, by the name it saw; routed, called, recorded and counted once.
+    @staticmethod
+    def _not_run(call: Call) -> CallRecord:
+        return {"id": call.id, "name": call.name, "arguments": call.arguments, "status": "not_run"}
 
-        `routed` (remote name, wire arguments) skips routing when the caller already did it (TRL called
-        a bound method); `rejected` records a call the driver refused itself. Never raises for environment
-        failures: they are in the outcome and the record.
+    async def call(self, call: Call) -> Outcome:
+        """One tool call of the model, by the name it saw: checked, routed, run, recorded and counted once.
+
+        Refused locally (recorded, counted, the model reads why): an unsupported call type, a call after the
+        environment said `finished` or after the episode ended, a call past `Rules.max_tool_calls`, and a tool or
+        arguments the binding does not know (TRL's own messages). Never raises for environment failures.
         """
-        entry: dict[str, Any] = {"id": call_id, "name": name, "arguments": arguments}
-        (self.turns[-1] if self.turns else self.begin_turn(None))["tool_calls"].append(entry)
+        entry: CallRecord = {"id": call.id, "name": call.name, "arguments": call.arguments}
+        (self.turns[-1] if self.turns else self._turn(Reply(None)))["tool_calls"].append(entry)
         self.tool_calls += 1
         started = time.monotonic()
         try:
-            if rejected is not None:
-                raise rejected
-            remote, wire = routed if routed is not None else self._route(name, arguments)
+            remote, wire = self._admit(call)
             entry["remote_name"] = remote
-            if wire != arguments:
+            if wire != call.arguments:
                 entry["remote_arguments"] = wire
             result = await self._remote(remote, wire)
         except ORSError as exc:
-            elapsed = time.monotonic() - started
-            self.tool_failures += 1
-            self.rewards.append(None)
-            self.metadata.append(None)
-            entry.update(error=_error(exc), seconds=round(elapsed, 4))
-            self._count_call(elapsed, exc.kind)
-            outcome = Outcome(f"Error: {exc}", exc)
-            entry["output"] = outcome.content
-            return outcome
+            return self._failed(entry, exc, time.monotonic() - started if "remote_name" in entry else None)
         elapsed = time.monotonic() - started
         text = clip(result.text, self.env.max_output_chars) or "(no output)"
-        entry.update(output=text, reward=result.reward, finished=result.finished, metadata=result.metadata,
-                     seconds=round(elapsed, 4))
+        entry.update(status="ok", output=text, reward=result.reward, finished=result.finished,
+                     metadata=result.metadata, seconds=round(elapsed, 4))
         self._scored(result)
         self._count_call(elapsed, None)
         return Outcome(text, None, result)
 
-    def _route(self, name: str, arguments: Any) -> tuple[str, dict[str, Any]]:
+    def _admit(self, call: Call) -> tuple[str, dict[str, Any]]:
+        """The remote tool and wire arguments of a call the episode accepts; raises the local refusal otherwise."""
+        if call.type == "function":
+            if self._open_error is not None:  # the model reads why its session is not there
+                raise self._open_error
+            if self.finished:
+                raise _refusal(call.name, "episode_finished",
+                               "the episode has finished, so no further tool calls are accepted.")
+            if self.over:
+                raise _refusal(call.name, "episode_finished",
+                               f"the episode has ended ({self.end_reason or 'closed'}).")
+            cap = self.rules.max_tool_calls
+            if cap is not None and self.tool_calls > cap:
+                raise _refusal(call.name, "max_tool_calls", f"this episode allows at most {cap} tool calls.")
+        return self._route(call)
+
+    def _route(self, call: Call) -> tuple[str, dict[str, Any]]:
+        if call.type != "function":
+            raise ToolRefusedError(f"Unsupported tool call type: {call.type}", tool=call.name)
         if self.toolset is None:
-            raise ToolRefusedError(f"Tool {name} not found.", tool=name, reason="not_found")
-        return self.toolset.route(name, arguments)
+            raise ToolRefusedError(f"Tool {call.name} not found.", tool=call.name, reason="not_found")
+        return self.toolset.route(call.name, call.arguments)
+
+    def _failed(self, entry: CallRecord, exc: ORSError, seconds: float | None) -> Outcome:
+        self.tool_failures += 1
+        self.rewards.append(None)
+        self.metadata.append(None)
+        refused = isinstance(exc, ToolRefusedError)
+        entry.update(status="refused" if refused else "failed", error=error_record(exc),
+                     output=self.rules.error_text(exc))
+        if seconds is not None:
+            entry["seconds"] = round(seconds, 4)
+        if not isinstance(exc, ToolError):
+            self._lost = True
+        self._count_call(seconds, exc.kind)
+        return Outcome(entry["output"], exc)
 
     async def _remote(self, remote: str, wire: dict[str, Any]) -> ToolResult:
         """Call remote tool `remote` in this episode's session (opening it first if still opening)."""
-        if self.finished or self._closed:
-            raise episode_finished_error(remote)
         if not await self.open():
             assert self._open_error is not None
             raise self._open_error
@@ -465,51 +611,100 @@ class Episode:
     def _scored(self, result: ToolResult) -> None:
         self.rewards.append(result.reward)
         self.metadata.append(result.metadata)
+        if self.end_reason == "timeout":  # a call that came back after the deadline scores nothing
+            return
         if result.reward is not None:
             self.reward = result.reward
         if result.finished and not self.finished:
             self.finished = True
             if not self.env.score_groups:  # every later call is refused anyway: free the session now
-                self._close_session_soon()
+                session = self.session
+                if session is not None and not session.closed:
+                    self._freeing = asyncio.ensure_future(session.close())  # close() awaits the same close
 
-    def _metrics_group(self, *, ok: bool) -> None:
-        if self._metrics is not None:
-            self._metrics.record_group(self.env.name, ok=ok)
-
-    @property
-    def final_message(self) -> str | None:
-        """The model's final plain message, when it wrote one."""
-        return self.final.get("message") if self.final else None
-
-    def _count_call(self, seconds: float, kind: str | None, *, terminal: bool = False) -> None:
-        """Count a call: the model's tool call, or (`terminal`) the harness's call of the hidden terminal tool."""
+    def _count_call(self, seconds: float | None, kind: str | None, *, terminal: bool = False) -> None:
+        """Count a call: the model's tool call, or (`terminal`) the harness's call of the hidden terminal tool;
+        `seconds` None for a call refused before it reached the environment."""
         if self._metrics is not None:
             self._metrics.record_call(self.env.name, seconds, kind, terminal=terminal)
 
-    def _close_session_soon(self) -> None:
-        session = self.session
-        if session is not None and not session.closed:
-            self._session_closing = asyncio.ensure_future(session.close())  # close() awaits the same close
+    def replay(self, messages: Sequence[Mapping[str, Any]], *, truncated: bool) -> tuple[str, str | None]:
+        """TRL's own loop played this episode (its calls came in through `call`): rebuild the turns from TRL's
+        transcript (the messages after the prompt) by the same turn rule, so that the record and the counts are
+        those the engine and eval give for the same replies. A call TRL failed itself, before it reached the
+        adapter (an unknown tool, arguments that are not an object, an unsupported type), is recorded and counted
+        as refused with what TRL showed the model. `truncated`: the last reply was cut by the length limit.
+
+        Returns what to `end` with: the reason and the final plain message.
+        """
+        made = deque(c for t in self.turns for c in t["tool_calls"])
+        self.turns = []
+        reason: str | None = "no_tool_calls"
+        message: str | None = None
+        replies = [i for i, m in enumerate(messages) if m.get("role", "assistant") == "assistant"]
+        for i in replies:
+            m = messages[i]
+            shown = []  # the tool messages TRL appended after this reply (none: rolled back, over budget)
+            for later in messages[i + 1:]:
+                if later.get("role") != "tool":
+                    break
+                shown.append(later)
+            content = m.get("content")
+            reply = Reply(None if content is None else content if isinstance(content, str)
+                          else json.dumps(content, default=str),
+                          tuple(Call.from_chat(c) for c in m.get("tool_calls") or ()),
+                          truncated=truncated and i == replies[-1])
+            turn = self._turn(reply)
+            reason, message = self._rule(reply)
+            if reason is None and not shown:  # TRL appended no results: it rolled them back (over budget) or, at
+                ran = bool(made) and made[0].get("name") == reply.calls[0].name  # its turn limit, ran nothing
+                reason = "length" if ran else "max_turns"
+            for k, call in enumerate(reply.calls):
+                if reason == "max_turns":
+                    turn["tool_calls"].append(self._not_run(call))
+                elif made and made[0].get("name") == call.name:
+                    turn["tool_calls"].append(made.popleft())
+                else:  # TRL failed it before it reached the adapter
+                    self.tool_calls += 1
+                    turn["tool_calls"].append({"id": call.id, "name": call.name, "arguments": call.arguments})
+                    self._failed(turn["tool_calls"][-1], self._refusal_of(call, shown[k] if k < len(shown) else None),
+                                 None)
+        if replies and replies[-1] < len(messages) - 1 and reason is None:  # the next reply was cut to nothing
+            self._turn(Reply(None, truncated=True))
+            reason = "length"
+        if made:  # calls the transcript does not show (it was cut): keep them in the last turn
+            (self.turns[-1] if self.turns else self._turn(Reply(None)))["tool_calls"].extend(made)
+        ran = [c for t in self.turns for c in t["tool_calls"] if c.get("status") != "not_run"]
+        self.rewards, self.metadata = [c.get("reward") for c in ran], [c.get("metadata") for c in ran]
+        return reason or "length", message
+
+    def _refusal_of(self, call: Call, shown: Mapping[str, Any] | None) -> ToolRefusedError:
+        """What the binding says of a call TRL failed itself (the refusal the engine and eval give), else what TRL
+        showed the model."""
+        try:
+            self._route(call)
+        except ToolRefusedError as exc:
+            return exc
+        return ToolRefusedError(_trl_said(str(shown.get("content"))) if shown else "the call was not made",
+                                tool=call.name)
 
     # -- the end -----------------------------------------------------------------------------------
 
-    async def end(self, message: str | None, *, reason: str) -> None:
-        """The model stopped: `message` is its final plain message, None when it was cut off (`reason`:
-        no_tool_calls, max_turns, length, context_length, ...). An environment's terminal tool gets the
-        message and grades the episode; a cut-off episode of such an environment scores None."""
-        if self.end_reason is not None:
+    async def end(self, reason: str, message: str | None = None, *, detail: str | None = None) -> None:
+        """The model stopped. `reason`: no_tool_calls, max_turns, length, context_length, ...; `message`: its final
+        plain message, None when it was cut off; `detail`: why, for the record. An environment's terminal tool
+        grades the message (a cut-off episode of such an environment scores None); the end reason is `finished`
+        whenever the environment said so."""
+        if self.over:
             return
         terminal = self.terminal
-        if terminal is not None and not self.finished and self.error is None:
-            if message is None:
-                self.end_reason = reason
-                return
+        if terminal is not None and message is not None and not self.finished and self.error is None:
             self.final = {"message": message, "tool": terminal.name}
             started = time.monotonic()
             try:
                 result = await self._remote(terminal.name, terminal.arguments(message))
             except ORSError as exc:
-                self.final.update(error=_error(exc), seconds=round(time.monotonic() - started, 4))
+                self.final.update(error=error_record(exc), seconds=round(time.monotonic() - started, 4))
                 self._count_call(time.monotonic() - started, exc.kind, terminal=True)
             else:
                 self.final.update(output=clip(result.text, self.env.max_output_chars), reward=result.reward,
@@ -519,42 +714,40 @@ class Episode:
                 self._count_call(time.monotonic() - started, None, terminal=True)
         elif message is not None:
             self.final = {"message": message}
-        self.end_reason = "finished" if self.finished else reason
+        if detail:
+            self.info["stop_detail"] = detail
+        if not self.over:
+            self.end_reason, self.state = ("finished" if self.finished else reason), ENDED
 
-    def settle(self, messages: Sequence[Mapping[str, Any]], *, truncated: bool = False) -> tuple[str | None, str]:
-        """Fill the turns from a finished transcript (the assistant and tool messages TRL collected after the
-        prompt, when the calls were made through TRL's loop); returns what to `end` with: the final plain
-        message (None when the model was cut off) and the reason it stopped."""
-        calls = [c for t in self.turns for c in t["tool_calls"]]
-        self.turns = []
-        final: str | None = None
-        reason = "no_tool_calls"
-        for message in messages:
-            if message.get("role") != "assistant":
-                continue
-            wanted = message.get("tool_calls") or []
-            content = message.get("content")
-            text = content if isinstance(content, str) else json.dumps(content, default=str)
-            turn = self.begin_turn(text)
-            turn["tool_calls"], calls = calls[: len(wanted)], calls[len(wanted):]
-            final, reason = (None, "max_turns") if wanted else (text, "no_tool_calls")
-        if calls:  # calls the transcript does not show (it was cut): keep them in the last turn
-            (self.turns[-1] if self.turns else self.begin_turn(None))["tool_calls"].extend(calls)
-        if truncated:
-            final, reason = None, "length"
-        return final, reason
+    def time_out(self, limit: float) -> None:
+        """The episode ran past its `limit`-second deadline: it ends now, scored None, whatever it was doing."""
+        if self.over:
+            return
+        self.error = self.error or {"kind": "timeout", "message": f"the episode exceeded episode_timeout={limit:g}s"}
+        self.reward = None
+        self.end_reason, self.state = "timeout", ENDED
+        logger.warning("%s: episode for task %s exceeded its %gs deadline; closing it, scored None", self.env.name,
+                       self.task.key, limit)
+
+    def fail(self, exc: BaseException) -> None:
+        """The episode failed outside any tool call (its session did not open, the policy failed): it ends."""
+        if self.error is None:
+            self.error = error_record(exc)
+        if not self.over:
+            self.end_reason, self.state = "error", ENDED
 
     # -- accounting, record, close ---------------------------------------------------------------
 
     @property
     def unscored(self) -> str | None:
-        """Why the episode has no reward: timeout, error, cut_off (a terminal tool never got an answer) or
-        no_reward (the environment scored nothing); None when it was scored."""
-        if self.timed_out:
+        """Why the episode has no reward: timeout, error (it failed, or a call lost its session or the network),
+        cut_off (a terminal tool never got an answer) or no_reward (the environment scored nothing); None when
+        it was scored."""
+        if self.end_reason == "timeout":
             return "timeout"
         if self.reward is not None:
             return None
-        if self.error is not None:
+        if self.error is not None or self._lost:
             return "error"
         if self.terminal is not None and self.final is None and not self.finished:
             return "cut_off"
@@ -566,40 +759,23 @@ class Episode:
             return
         self._accounted = True
         if self._metrics is not None:
-            self._metrics.record_episode(self.env.name, reward=None if self.timed_out else self.reward,
-                                         finished=self.finished, calls=self.tool_calls, unscored=self.unscored)
+            self._metrics.record_episode(self.env.name, reward=self.reward, finished=self.finished,
+                                         calls=self.tool_calls, unscored=self.unscored)
 
-    def record(self) -> dict[str, Any]:
-        """The episode as one JSON-able record (schema `RECORD_VERSION`), the same for every driver."""
+    def record(self) -> EpisodeRecord:
+        """The episode as one record (schema `ors_trl._records.RECORD_VERSION`), the same for every driver."""
         prompt = self.prompt
         timings = {k: round(v, 4) for k, v in self.timings.items()}
         timings["total"] = round(self.seconds, 4)
-        return {
-            "version": RECORD_VERSION,
-            "run": RUN_ID,
-            "source": self.source,
-            "environment": self.env.name,
-            "target": self.env.client.target.name,
-            "split": self.task.split,
-            "task_index": self.task.index,
-            "task_spec": self.task.spec,
-            **self.info,
-            "started_at": self.started_at,
-            "system": prompt.system if prompt else None,
-            "prompt": prompt.text if prompt else None,
-            "turns": self.turns,
-            "final": self.final,
-            "rewards": self.rewards,
-            "reward": None if self.timed_out else self.reward,
-            "group_reward": self.group_reward,
-            "finished": self.finished,
-            "end_reason": self.end_reason,
-            "unscored": self.unscored,
-            "tool_calls": self.tool_calls,
-            "tool_failures": self.tool_failures,
-            "error": self.error,
-            "timings": timings,
-        }
+        return EpisodeRecord(
+            version=3, run=RUN_ID, source=self.source, environment=self.env.name,
+            target=self.env.client.target.name, split=self.task.split, task_index=self.task.index,
+            task_spec=self.task.spec, **self.info, started_at=self.started_at,  # type: ignore[typeddict-item]
+            system=prompt.system if prompt else None, prompt=prompt.text if prompt else None, turns=self.turns,
+            final=self.final, rewards=self.rewards, reward=self.reward, group_reward=self.group_reward,
+            finished=self.finished, end_reason=self.end_reason, unscored=self.unscored, tool_calls=self.tool_calls,
+            tool_failures=self.tool_failures, error=self.error, timings=timings,
+        )
 
     async def close_session(self) -> None:
         """Free the server session (idempotent; waits, bounded, for an open still in flight)."""
@@ -608,46 +784,41 @@ class Episode:
         if self.session is not None:
             await self.session.close()
 
-    async def abandon(self) -> None:
-        """Close the session of an episode that was interrupted: no record, no metrics (it is not a result)."""
-        await self.close(keep=False)
-
     async def close(self, *, keep: bool = True) -> None:
-        """Close the session, account the episode and write its record (once; `keep=False`: neither)."""
-        if self._closed:
+        """Free the session, then (once) count the episode and write its record; `keep=False` (an interrupted
+        episode, which is no result) does neither. The one way an episode closes."""
+        if self.state == CLOSED:
             return
-        self._closed = True
-        self._ended = time.monotonic()
+        self.end_reason = self.end_reason or "released"
+        self.state, self._ended = CLOSED, time.monotonic()
         try:
             await self.close_session()
         finally:
-            with self.env._lock:
+            with self.env.lock:
                 self.env.live.discard(self)
             if keep:
-                self._finish()
-
-    def _finish(self) -> None:
-        self.end_reason = self.end_reason or "released"
-        self.account()
-        if self._writer is not None:
-            try:
-                self._writer.write(self.record())
-            except OSError as exc:
-                logger.warning("%s: could not write the episode record: %s", self.env.name, exc)
+                self.account()
+                if self._writer is not None:
+                    self._writer.write(self.record())
 
     def release(self) -> concurrent.futures.Future[None] | None:
-        """Account the episode now and `close()` it in the background, from any thread (tracked by the runtime)."""
+        """Count the episode now and `close()` it in the background, from any thread (tracked by the runtime)."""
         self.account()
-        if self._closed:
+        if self.state == CLOSED:
             return None
         if self._closing is None:
             self._closing = self.env.submit(self.close())
         return self._closing
 
 
-def fatal(outcome: Outcome) -> bool:
-    """True when a tool call's failure ends the episode (the session or the network), not only the call."""
-    return outcome.error is not None and not isinstance(outcome.error, ToolError)
+def _trl_said(content: str) -> str:
+    """The error TRL showed the model for a call it failed itself (its `{'error': ...}` text unwrapped)."""
+    prefix, suffix = "{'error': ", "}"
+    if content.startswith(prefix) and content.endswith(suffix):
+        inner = content[len(prefix):-len(suffix)]
+        if len(inner) >= 2 and inner[0] == inner[-1] and inner[0] in "'\"":
+            return inner[1:-1]
+    return content
 
 
 async def score_groups(episodes: Sequence[Episode]) -> None:
@@ -674,13 +845,15 @@ async def score_groups(episodes: Sequence[Episode]) -> None:
         except ORSError as exc:
             logger.warning("%s: group scoring of task %s failed (%d rollouts get None): %s", env.name,
                            group[0].task.key, len(group), exc)
-            group[0]._metrics_group(ok=False)
+            if group[0]._metrics is not None:
+                group[0]._metrics.record_group(env.name, ok=False)
             return
         finally:
             if opened is not None:
                 await opened.close()
         for ep, result in zip(group, scores, strict=True):
             ep.group_reward = result.reward
-        group[0]._metrics_group(ok=True)
+        if group[0]._metrics is not None:
+            group[0]._metrics.record_group(env.name, ok=True)
 
     await asyncio.gather(*(score(g) for g in groups.values()))

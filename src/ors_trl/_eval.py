@@ -4,13 +4,14 @@
     report = spec.evaluate(OpenAIPolicy("http://127.0.0.1:8001/v1", "my-model"), output="episodes.jsonl")
     print(report.mean_reward, report.coverage)
 
-An episode: open a session for the task, read its conversation, then alternate policy turns and tool
-calls until the policy answers without a tool call (an environment's terminal tool then grades that
-answer), a tool result says `finished`, or `max_turns` replies were made. The model sees the tools
-exactly as TRL shows them in training, and its calls are routed through the same binding. A refused or
-failed tool call is the model's problem (it gets TRL's `{'error': ...}` text); a session or network
-failure ends the episode as an error. The episode's reward is its last non-None reward; an episode the
-environment never scored has reward None and does not count in `mean_reward`. An episode past its deadline
+An episode: open a session for the task, read its conversation, then hand each policy reply to the
+episode core (`Episode.reply`, the turn rule training uses too) until it ends: the policy answers
+without a tool call (an environment's terminal tool then grades that answer), or `max_turns` replies
+were made (the calls of the last one are not run, as in TRL's loop). A call after the environment said
+`finished` is refused and counted, as in training. The model sees the tools exactly as TRL shows them,
+its calls go through the same binding, and a failed call reads as TRL writes it (`{'error': ...}`).
+The episode's reward is its last non-None reward; an episode the environment never scored has reward
+None and does not count in `mean_reward`. An episode past its deadline
 (`episode_timeout`) is closed there, recorded with end reason `timeout` and scored None.
 
 Every finished episode is appended to `output` as one record (the schema every driver writes) and
@@ -29,15 +30,15 @@ import os
 import sys
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import _episode
-from ._episode import EnvironmentRuntime, Episode, Task, fatal
-from ._exceptions import ConfigurationError, ContextLengthExceeded, ORSError, ORSTimeoutError, PolicyError
+from . import _episode, _trl
+from ._episode import Call, EnvironmentRuntime, Episode, Reply, Rules, Task
+from ._exceptions import ConfigurationError, ContextLengthExceeded, ORSError, PolicyError
 from ._loop import get_loop
+from ._metrics import DEFAULT_SUCCESS_THRESHOLD, EpisodeStats
 from ._policies import describe_policy, resolve_policy
 from ._records import RecordWriter, read_records
 from ._tasks import check_selection, select
@@ -64,50 +65,36 @@ def load_episodes(path: str | os.PathLike[str]) -> dict[EpisodeKey, dict[str, An
     return {key: record for record in read_records(path) if (key := _key(record)) is not None}
 
 
-async def _run_episode(ep: Episode, policy: Any, max_turns: int, flatten_prompt: bool = False) -> None:
-    """One evaluation episode (see the module docstring); leaves `ep` with its whole record."""
+async def _play(ep: Episode, policy: Any, flatten_prompt: bool = False) -> None:
+    """One evaluation episode: the policy replies, the turn rule (`Episode.reply`) decides what they do."""
     if not await ep.open():
         return
     assert ep.prompt is not None and ep.toolset is not None
     messages = [{"role": "user", "content": ep.prompt.flat}] if flatten_prompt else ep.prompt.chat()
     schemas = ep.toolset.schemas
-    for turn_index in range(max_turns):
+    while not ep.over:  # bounded: the rules' max_replies ends the episode
         started = time.monotonic()
         try:
             reply = await policy.respond(messages, schemas)
         except ContextLengthExceeded as exc:
-            ep.info["stop_detail"] = str(exc)
-            await ep.end(None, reason="context_length")
+            await ep.end("context_length", detail=str(exc))
             return
         except ORSError:
             raise
         except Exception as exc:
             raise PolicyError(f"{type(exc).__name__}: {exc}") from exc
-        elapsed = time.monotonic() - started
-        ep.timings["generation"] += elapsed
-        calls = [dict(c, id=c.get("id") or f"call_{turn_index}_{k}") for k, c in enumerate(reply.tool_calls)]
         extra = {k: v for k, v in (("raw", reply.raw), ("usage", reply.usage)) if v}
-        turn = ep.begin_turn(reply.content, generation_seconds=round(elapsed, 4), **extra)
-        messages.append({"role": "assistant", "content": reply.content, **({"tool_calls": [
-            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-            for c in calls]} if calls else {})})
-        if not calls:
-            await ep.end(reply.content, reason="no_tool_calls")
+        calls = tuple(Call(c["name"], c["arguments"], c.get("id")) for c in reply.tool_calls)
+        outcomes = await ep.reply(Reply(reply.content, calls, reply.truncated,
+                                        {**extra, "generation_seconds": round(time.monotonic() - started, 4)}))
+        if outcomes is None:
             return
-        for call in calls:
-            if ep.finished:  # the episode is over; the server would refuse the rest
-                turn["tool_calls"].append({"id": call["id"], "name": call["name"], "arguments": call["arguments"],
-                                           "skipped": "the episode finished before this call"})
-                continue
-            outcome = await ep.call(call["name"], call["arguments"], call_id=call["id"])
-            messages.append({"role": "tool", "tool_call_id": call["id"], "name": call["name"],
-                             "content": outcome.content})
-            if fatal(outcome):
-                raise outcome.error  # type: ignore[misc]
-        if ep.finished:
-            await ep.end(None, reason="finished")
-            return
-    await ep.end(None, reason="max_turns")
+        ids = [c.id or f"call_{len(ep.turns) - 1}_{k}" for k, c in enumerate(calls)]
+        messages.append({"role": "assistant", "content": reply.content, "tool_calls": [
+            {"id": i, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in zip(ids, calls, strict=True)]})
+        messages += [{"role": "tool", "tool_call_id": i, "name": c.name, "content": o.content}
+                     for i, c, o in zip(ids, calls, outcomes, strict=True)]
 
 
 class _Evaluation:
@@ -116,7 +103,8 @@ class _Evaluation:
     def __init__(self, runtime: EnvironmentRuntime, policy: Any, *, max_turns: int, writer: RecordWriter | None,
                  bar: Any, per_task_tools: bool, groups: bool, flatten_prompt: bool,
                  episode_timeout: float | None = None) -> None:
-        self.runtime, self.policy, self.max_turns, self.flatten_prompt = runtime, policy, max_turns, flatten_prompt
+        self.runtime, self.policy, self.flatten_prompt = runtime, policy, flatten_prompt
+        self.rules = Rules(max_replies=max_turns, error_text=_trl.error_text)
         self.episode_timeout = episode_timeout
         self.writer, self.bar, self.per_task_tools, self.groups = writer, bar, per_task_tools, groups
         self.policy_name = describe_policy(policy)
@@ -127,29 +115,25 @@ class _Evaluation:
         split, index, repeat = key
         async with gate:
             self.active += 1
-            ep = self.runtime.episode(Task(split, index), source="eval", metrics=False,
+            ep = self.runtime.episode(Task(split, index), source="eval", rules=self.rules, metrics=False,
                                       writer=None if self.groups else self.writer, task_tools=self.per_task_tools,
                                       repeat=repeat, policy=self.policy_name)
             deadline = asyncio.timeout(self.episode_timeout)
             try:
                 async with deadline:
-                    await _run_episode(ep, self.policy, self.max_turns, self.flatten_prompt)
+                    await _play(ep, self.policy, self.flatten_prompt)
             except TimeoutError as exc:
                 if not deadline.expired():  # not our deadline: a failure like any other
                     ep.fail(exc)
                 else:
-                    logger.warning("%s: episode for task %s exceeded episode_timeout=%ss; closing it, scored None",
-                                   self.runtime.name, ep.task.key, self.episode_timeout)
-                    ep.timed_out, ep.end_reason = True, None
-                    ep.fail(ORSTimeoutError(f"the episode exceeded episode_timeout={self.episode_timeout}s"),
-                            reason="timeout")
+                    ep.time_out(self.episode_timeout or 0.0)
             except (ORSError, PolicyError) as exc:
                 ep.fail(exc)
             except Exception as exc:  # a bug or an unexpected failure: recorded, not fatal for the other episodes
                 logger.warning("episode %s/%d/%d failed unexpectedly: %s", split, index, repeat, exc, exc_info=True)
                 ep.fail(exc)
             except BaseException:  # interrupted (Ctrl-C): not a result, so not recorded; resume reruns it
-                await asyncio.shield(ep.abandon())
+                await asyncio.shield(ep.close(keep=False))
                 raise
             finally:
                 self.active -= 1
@@ -178,6 +162,7 @@ def evaluate(
     per_task_tools: bool = False,
     score_groups: bool = False,
     flatten_prompt: bool = False,
+    success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
     temperature: float = 0.0,
     max_new_tokens: int | None = None,
     seed: int | None = 0,
@@ -193,7 +178,8 @@ def evaluate(
         num_tasks: the first `num_tasks` tasks of the split; `indices`: exactly these (default: the whole split).
         repeats: episodes per task (told apart by their repeat index).
         concurrency: episodes (and so sessions) running at once.
-        max_turns: policy replies allowed per episode.
+        max_turns: policy replies allowed per episode (the calls of the last one are not run, as in TRL's loop,
+            whose limit is `max_tool_calling_iterations + 1` replies).
         episode_timeout: wall-clock seconds one episode may take (None: no limit); past it the episode is closed
             (its session deleted), recorded with end reason `timeout` and scored None.
         output: JSON-lines file receiving every finished episode at once (append + flush).
@@ -204,6 +190,7 @@ def evaluate(
         score_groups: also score each task's episodes (its repeats) together with `/score_group`.
         flatten_prompt: give the policy the prompt as TRL's `environment_factory` loop does (one user message,
             the system turn first) rather than as a conversation: for a model trained through that loop.
+        success_threshold: an episode succeeded when its reward is at least this (`EvalReport.success_rate`).
         temperature, max_new_tokens, seed, device: generation options for a policy given as a path or pair.
         progress: show a progress bar on stderr.
 
@@ -211,7 +198,7 @@ def evaluate(
         An `EvalReport`; `report.episodes` holds every record.
     """
     indices = check_selection(num_tasks, indices)
-    for name, value in (("repeats", repeats), ("concurrency", concurrency), ("max_turns", max_turns)):
+    for name, value in dict(repeats=repeats, concurrency=concurrency, max_turns=max_turns).items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
     if episode_timeout is not None and not episode_timeout > 0:  # also refuses NaN
@@ -240,7 +227,8 @@ def evaluate(
                        ", ".join(map(str, others)))
     wanted = set(keys)
     kept = {k: r for k, r in previous.items()
-            if k in wanted and r.get("end_reason") != "error" and r.get("environment") in (runtime.name, environment)}
+            if k in wanted and "error" not in (r.get("end_reason"), r.get("unscored"))
+            and r.get("environment") in (runtime.name, environment)}
     todo = [k for k in keys if k not in kept]
 
     policy_obj, _ = resolve_policy(policy, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
@@ -295,7 +283,7 @@ def evaluate(
     by_key.update({(ep.task.split, int(ep.task.index or 0), int(ep.info.get("repeat", 0))): ep.record()
                    for ep in evaluation.done})
     return EvalReport.from_episodes(
-        [by_key[k] for k in keys if k in by_key],
+        [by_key[k] for k in keys if k in by_key], success_threshold=success_threshold,
         target=client.target.name,
         environment=environment,
         split=split,
@@ -316,10 +304,12 @@ class EvalReport:
         num_scored: episodes the environment gave a reward (a non-None one).
         mean_reward: mean episode reward over the scored episodes; None if none was scored.
         coverage: grading coverage, `num_scored / num_episodes`.
+        success_rate: the share of episodes whose reward reached `success_threshold` (unscored ones count as not).
         finished_rate: fraction of episodes a tool result marked finished.
         tool_calls_per_episode, tool_failures_per_episode: mean tool calls / failed tool calls per episode.
         turns_per_episode: mean policy replies per episode.
-        num_errors: episodes that ended in an environment or policy error (`end_reason == "error"`).
+        num_errors: episodes that failed: their session did not open or was lost, or the policy failed
+            (`unscored == "error"`).
         end_reasons: episodes per end reason (`no_tool_calls`, `finished`, `max_turns`, `context_length`, `timeout`,
             `error`).
         mean_group_reward: mean comparative reward from `/score_group` (when asked for), else None.
@@ -346,32 +336,25 @@ class EvalReport:
     num_resumed: int
     seconds: float
     mean_group_reward: float | None = None
+    success_rate: float = 0.0
+    success_threshold: float = DEFAULT_SUCCESS_THRESHOLD
     output: str | None = None
     episodes: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     @classmethod
-    def from_episodes(cls, episodes: list[dict[str, Any]], **info: Any) -> EvalReport:
-        n = len(episodes)
-        rewards = [e["reward"] for e in episodes if e.get("reward") is not None]
-        groups = [e["group_reward"] for e in episodes if e.get("group_reward") is not None]
-
-        def mean(values: list[float]) -> float:
-            return sum(values) / n if n else 0.0
-
+    def from_episodes(cls, episodes: list[dict[str, Any]], *, success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
+                      **info: Any) -> EvalReport:
+        stats = EpisodeStats(success_threshold)
+        for record in episodes:
+            stats.add_record(record)
         return cls(
-            num_episodes=n,
-            num_scored=len(rewards),
-            mean_reward=sum(rewards) / len(rewards) if rewards else None,
-            coverage=len(rewards) / n if n else 0.0,
-            finished_rate=mean([1.0 if e.get("finished") else 0.0 for e in episodes]),
-            tool_calls_per_episode=mean([float(e.get("tool_calls", 0)) for e in episodes]),
-            tool_failures_per_episode=mean([float(e.get("tool_failures", 0)) for e in episodes]),
-            turns_per_episode=mean([float(len(e.get("turns") or [])) for e in episodes]),
-            num_errors=sum(1 for e in episodes if e.get("end_reason") == "error"),
-            end_reasons=dict(Counter(str(e.get("end_reason")) for e in episodes)),
-            mean_group_reward=sum(groups) / len(groups) if groups else None,
-            episodes=episodes,
-            **info,
+            num_episodes=stats.episodes, num_scored=stats.scored, mean_reward=stats.mean_reward,
+            coverage=stats.coverage, finished_rate=stats.share(stats.finished),
+            tool_calls_per_episode=stats.share(stats.tool_calls),
+            tool_failures_per_episode=stats.share(stats.tool_failures), turns_per_episode=stats.share(stats.turns),
+            num_errors=stats.unscored.get("error", 0), end_reasons=dict(stats.end_reasons),
+            mean_group_reward=stats.mean_group_reward, success_rate=stats.success_rate,
+            success_threshold=success_threshold, episodes=episodes, **info,
         )
 
     def to_dict(self, *, episodes: bool = False) -> dict[str, Any]:
@@ -390,6 +373,7 @@ class EvalReport:
             f"Evaluated {self.num_episodes} episode(s) of {one_line(self.environment or self.target)} "
             f"(split {self.split!r}) with {self.policy}",
             f"  mean reward           {reward}" + (f"  (over {self.num_scored} scored)" if self.num_scored else ""),
+            f"  success rate          {self.success_rate:.3f}  (reward >= {self.success_threshold:g})",
             f"  grading coverage      {self.coverage:.3f}",
             f"  finished rate         {self.finished_rate:.3f}",
             f"  tool calls / episode  {self.tool_calls_per_episode:.2f}",
@@ -405,5 +389,3 @@ class EvalReport:
         if self.output:
             lines.append(f"Episodes: {self.output}")
         return escape_controls("\n".join(lines))
-
-

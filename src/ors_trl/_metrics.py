@@ -1,24 +1,125 @@
-"""What the environment did, measured once, per environment: the numbers behind the training logs.
+"""What the environment did, measured once: episode statistics and the numbers behind the training logs.
 
-Episodes (`ors_trl._episode`, whatever drives them) record events here: session opens, tool
-calls, finished episodes, group scorings. `EnvMetrics.flush()` turns what accumulated since the
-last flush into flat scalar metrics named `env/<name>/<metric>` (and `env/<metric>` over all
-environments), which the reward functions hand to the trainer's `log_metric`.
+`EpisodeStats` is the one tally of episodes (reward, grading, success, finished, calls, turns, end and
+unscored reasons) behind the training metrics, `EvalReport` and the report page, with one definition
+of success: a reward at or above `success_threshold` (1.0 by default: a binary environment's
+"solved"; settable wherever statistics are shown).
+
+Episodes (`ors_trl._episode`, whatever drives them) record events in an `EnvMetrics`: session opens,
+tool calls, terminal-tool calls, finished episodes, group scorings. `EnvMetrics.flush()` turns what
+accumulated since the last flush into flat scalar metrics named `env/<name>/<metric>` (and
+`env/<metric>` over all environments), which the reward functions hand to the trainer's `log_metric`.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["FAILURE_KINDS", "UNSCORED_REASONS", "EnvMetrics"]
+__all__ = ["DEFAULT_SUCCESS_THRESHOLD", "FAILURE_KINDS", "UNSCORED_REASONS", "EnvMetrics", "EpisodeStats"]
 
 #: Failure reasons counted separately (anything else is counted as "failed").
 FAILURE_KINDS = ("refused", "failed", "expired", "transport", "timeout", "protocol")
 #: Why an episode has no reward (see `Episode.unscored`), each counted as `unscored/<reason>`.
 UNSCORED_REASONS = ("no_reward", "cut_off", "error", "timeout")
+#: An episode succeeded when its reward is at least this (a binary environment's 1.0).
+DEFAULT_SUCCESS_THRESHOLD = 1.0
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+@dataclass
+class EpisodeStats:
+    """Counts over a set of episodes. Success: a reward at or above `success_threshold`."""
+
+    success_threshold: float = DEFAULT_SUCCESS_THRESHOLD
+    episodes: int = 0
+    scored: int = 0
+    reward_sum: float = 0.0
+    successes: int = 0
+    finished: int = 0
+    tool_calls: int = 0
+    tool_failures: int = 0
+    turns: int = 0
+    group_scored: int = 0
+    group_reward_sum: float = 0.0
+    end_reasons: Counter[str] = field(default_factory=Counter)
+    unscored: Counter[str] = field(default_factory=Counter)
+
+    def add(self, *, reward: float | None, finished: bool = False, tool_calls: int = 0, tool_failures: int = 0,
+            turns: int = 0, end_reason: str | None = None, unscored: str | None = None,
+            group_reward: float | None = None) -> None:
+        """Count one episode."""
+        self.episodes += 1
+        self.finished += bool(finished)
+        self.tool_calls += tool_calls
+        self.tool_failures += tool_failures
+        self.turns += turns
+        if end_reason is not None:
+            self.end_reasons[end_reason] += 1
+        if reward is not None:
+            self.scored += 1
+            self.reward_sum += reward
+            self.successes += reward >= self.success_threshold
+        else:
+            self.unscored[unscored or "no_reward"] += 1
+        if group_reward is not None:
+            self.group_scored += 1
+            self.group_reward_sum += group_reward
+
+    def add_record(self, record: Mapping[str, Any]) -> None:
+        """Count one episode record (any version; malformed fields count as absent)."""
+        def count(key: str) -> int:
+            value = _number(record.get(key))
+            return int(value) if value is not None and value >= 0 else 0
+
+        turns = record.get("turns")
+        end = record.get("end_reason")
+        unscored = record.get("unscored")
+        self.add(reward=_number(record.get("reward")), finished=record.get("finished") is True,
+                 tool_calls=count("tool_calls"), tool_failures=count("tool_failures"),
+                 turns=len(turns) if isinstance(turns, list) else 0, end_reason=None if end is None else str(end),
+                 unscored=unscored if isinstance(unscored, str) else None,
+                 group_reward=_number(record.get("group_reward")))
+
+    def merge(self, other: EpisodeStats) -> None:
+        """Add `other`'s counts (the same success threshold is assumed)."""
+        for name in ("episodes", "scored", "reward_sum", "successes", "finished", "tool_calls", "tool_failures",
+                     "turns", "group_scored", "group_reward_sum"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.end_reasons.update(other.end_reasons)
+        self.unscored.update(other.unscored)
+
+    @property
+    def mean_reward(self) -> float | None:
+        """Mean reward over the scored episodes; None when none was scored."""
+        return self.reward_sum / self.scored if self.scored else None
+
+    @property
+    def mean_group_reward(self) -> float | None:
+        return self.group_reward_sum / self.group_scored if self.group_scored else None
+
+    def share(self, n: float) -> float:
+        """`n` per episode (0.0 for no episodes)."""
+        return n / self.episodes if self.episodes else 0.0
+
+    @property
+    def coverage(self) -> float:
+        """Grading coverage: the share of episodes the environment scored."""
+        return self.share(self.scored)
+
+    @property
+    def success_rate(self) -> float:
+        """The share of episodes that succeeded (unscored ones count as failures)."""
+        return self.share(self.successes)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -37,6 +138,7 @@ def failure_kind(kind: str) -> str:
 
 @dataclass
 class _Window:
+    stats: EpisodeStats
     open_latency: list[float] = field(default_factory=list)
     open_failures: int = 0
     call_latency: list[float] = field(default_factory=list)
@@ -44,29 +146,36 @@ class _Window:
     terminal_latency: list[float] = field(default_factory=list)
     terminal_calls: int = 0
     failures: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    episodes: int = 0
-    scored: int = 0
-    reward_sum: float = 0.0
-    finished: int = 0
-    episode_calls: int = 0
-    unscored: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     groups: int = 0
     group_failures: int = 0
+
+    def merge(self, other: _Window) -> None:
+        self.stats.merge(other.stats)
+        for name in ("open_latency", "call_latency", "terminal_latency"):
+            getattr(self, name).extend(getattr(other, name))
+        for name in ("open_failures", "calls", "terminal_calls", "groups", "group_failures"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for k, v in other.failures.items():
+            self.failures[k] += v
 
 
 class EnvMetrics:
     """Thread-safe accumulator; one per spec or mix, shared by its adapters and engine.
 
-    `open_sessions` is a callable returning the current number of open sessions (a gauge).
+    `success_threshold`: the reward at or above which an episode counts as a success (`success_rate`).
     """
 
     #: Bound on stored latency samples per window, so a huge step cannot grow memory without limit.
     MAX_SAMPLES = 100_000
 
-    def __init__(self) -> None:
+    def __init__(self, success_threshold: float = DEFAULT_SUCCESS_THRESHOLD) -> None:
+        self.success_threshold = success_threshold
         self._lock = threading.Lock()
-        self._windows: dict[str, _Window] = defaultdict(_Window)
+        self._windows: dict[str, _Window] = defaultdict(self._window)
         self._gauges: dict[str, object] = {}
+
+    def _window(self) -> _Window:
+        return _Window(EpisodeStats(self.success_threshold))
 
     def set_open_sessions_gauge(self, env: str, gauge: object) -> None:
         self._gauges[env] = gauge
@@ -80,9 +189,11 @@ class EnvMetrics:
             elif seconds is not None and len(w.open_latency) < self.MAX_SAMPLES:
                 w.open_latency.append(seconds)
 
-    def record_call(self, env: str, seconds: float, error_kind: str | None = None, *, terminal: bool = False) -> None:
+    def record_call(self, env: str, seconds: float | None, error_kind: str | None = None, *,
+                    terminal: bool = False) -> None:
         """One tool call of the model, or (`terminal`) the harness's call of the environment's hidden terminal
-        tool: counted apart (`terminal_calls`, `terminal_call_s`), as the model never called it."""
+        tool: counted apart (`terminal_calls`, `terminal_call_s`), as the model never called it. `seconds` None: a
+        call refused before it reached the environment (no latency sample)."""
         with self._lock:
             w = self._windows[env]
             if terminal:
@@ -90,7 +201,7 @@ class EnvMetrics:
             else:
                 w.calls += 1
             latency = w.terminal_latency if terminal else w.call_latency
-            if len(latency) < self.MAX_SAMPLES:
+            if seconds is not None and len(latency) < self.MAX_SAMPLES:
                 latency.append(seconds)
             if error_kind is not None:
                 w.failures[failure_kind(error_kind)] += 1
@@ -98,15 +209,7 @@ class EnvMetrics:
     def record_episode(self, env: str, *, reward: float | None, finished: bool, calls: int,
                        unscored: str | None = None) -> None:
         with self._lock:
-            w = self._windows[env]
-            w.episodes += 1
-            w.episode_calls += calls
-            w.finished += int(finished)
-            if reward is not None:
-                w.scored += 1
-                w.reward_sum += reward
-            else:
-                w.unscored[unscored or "no_reward"] += 1
+            self._windows[env].stats.add(reward=reward, finished=finished, tool_calls=calls, unscored=unscored)
 
     def record_group(self, env: str, *, ok: bool) -> None:
         """One GRPO group sent to `/score_group` (scored, or failed: its rollouts get None)."""
@@ -119,36 +222,19 @@ class EnvMetrics:
         with self._lock:
             windows = dict(self._windows)
             if reset:
-                self._windows = defaultdict(_Window)
+                self._windows = defaultdict(self._window)
         return windows
 
     def flush(self) -> dict[str, float]:
         """Metrics since the last flush, then start a new window. Environments without activity are omitted."""
         return self.summarize(self.snapshot(reset=True), gauges=self._gauges)
 
-    @staticmethod
-    def summarize(windows: dict[str, _Window], gauges: dict[str, object] | None = None) -> dict[str, float]:
+    def summarize(self, windows: dict[str, _Window], gauges: dict[str, object] | None = None) -> dict[str, float]:
         out: dict[str, float] = {}
-        total = _Window()
+        total = self._window()
         for env, w in sorted(windows.items()):
             out.update(_window_metrics(f"env/{env}/", w))
-            total.open_latency += w.open_latency
-            total.open_failures += w.open_failures
-            total.call_latency += w.call_latency
-            total.calls += w.calls
-            total.terminal_latency += w.terminal_latency
-            total.terminal_calls += w.terminal_calls
-            for k, v in w.failures.items():
-                total.failures[k] += v
-            total.episodes += w.episodes
-            total.scored += w.scored
-            total.reward_sum += w.reward_sum
-            total.finished += w.finished
-            total.episode_calls += w.episode_calls
-            for k, v in w.unscored.items():
-                total.unscored[k] += v
-            total.groups += w.groups
-            total.group_failures += w.group_failures
+            total.merge(w)
         if len(windows) > 1:
             out.update(_window_metrics("env/", total))
         for env, gauge in sorted((gauges or {}).items()):
@@ -161,16 +247,18 @@ class EnvMetrics:
 
 def _window_metrics(prefix: str, w: _Window) -> dict[str, float]:
     out: dict[str, float] = {}
-    if w.episodes:
-        out[prefix + "episodes"] = float(w.episodes)
-        out[prefix + "reward_mean"] = w.reward_sum / w.scored if w.scored else float("nan")
-        out[prefix + "graded_fraction"] = w.scored / w.episodes
-        out[prefix + "finished_fraction"] = w.finished / w.episodes
-        out[prefix + "tool_calls_per_episode"] = w.episode_calls / w.episodes
+    s = w.stats
+    if s.episodes:
+        out[prefix + "episodes"] = float(s.episodes)
+        out[prefix + "reward_mean"] = s.mean_reward if s.mean_reward is not None else float("nan")
+        out[prefix + "graded_fraction"] = s.coverage
+        out[prefix + "success_rate"] = s.success_rate
+        out[prefix + "finished_fraction"] = s.share(s.finished)
+        out[prefix + "tool_calls_per_episode"] = s.share(s.tool_calls)
         for reason in UNSCORED_REASONS:
-            out[prefix + f"unscored/{reason}"] = float(w.unscored.get(reason, 0))
-        if w.unscored.get("timeout"):
-            out[prefix + "timed_out_fraction"] = w.unscored["timeout"] / w.episodes
+            out[prefix + f"unscored/{reason}"] = float(s.unscored.get(reason, 0))
+        if s.unscored.get("timeout"):
+            out[prefix + "timed_out_fraction"] = s.share(s.unscored["timeout"])
     if w.groups:
         out[prefix + "groups_scored"] = float(w.groups - w.group_failures)
         out[prefix + "group_failures"] = float(w.group_failures)

@@ -76,11 +76,14 @@ class OpenRewardMix:
         seed: seed for that sampling.
         episode_log: a JSON-lines file receiving every finished episode of every environment.
         unscored_reward: as on `OpenRewardSpec`: the reward of rollouts never scored (None: unscored).
+        gather_window: the engine's gather window (`rollout_func`) for the whole mix; None: the specs' own (which
+            must agree).
     """
 
     def __init__(self, specs: Sequence[OpenRewardSpec] | Mapping[str, OpenRewardSpec], *,
                  weights: Sequence[float] | Mapping[str, float] | None = None, seed: int = 0,
-                 episode_log: str | None = None, unscored_reward: float | None = None) -> None:
+                 episode_log: str | None = None, unscored_reward: float | None = None,
+                 gather_window: float | None = None) -> None:
         if isinstance(specs, Mapping):
             named = [(str(k), v) for k, v in specs.items()]
         else:
@@ -106,11 +109,14 @@ class OpenRewardMix:
         self.weights = self._weights(weights)
         self.seed = seed
         self.unscored_reward = None if unscored_reward is None else float(unscored_reward)
+        if gather_window is not None and not gather_window >= 0:  # also refuses NaN
+            raise ConfigurationError(f"gather_window must be >= 0 seconds or None (automatic), got {gather_window!r}")
+        self.gather_window = gather_window
         self.metrics = EnvMetrics()
         writer = (RecordWriter(episode_log, max_bytes=EPISODE_LOG_MAX_BYTES, max_text=EPISODE_LOG_MAX_TEXT)
                   if episode_log is not None else None)
         for name, spec in self.specs.items():
-            spec._runtime.rename(name, self.metrics, writer)
+            spec.runtime.rename(name, self.metrics, writer)
         self.dataset_notes: list[str] = []
 
     def __repr__(self) -> str:
@@ -140,7 +146,7 @@ class OpenRewardMix:
         from datasets import Dataset
 
         async def fetch_all() -> list[tuple[list[int], list[Any]]]:
-            return list(await asyncio.gather(*(spec._selected() for spec in self.specs.values())))
+            return list(await asyncio.gather(*(spec.select_tasks() for spec in self.specs.values())))
 
         fetched = get_loop().run(fetch_all())
         sizes = [len(indices) for indices, _ in fetched]
@@ -152,11 +158,11 @@ class OpenRewardMix:
             if not indices:
                 continue
             picks = sample_rows(len(indices), count, rng)
-            part = spec._rows([indices[p] for p in picks], [], env=name)
+            part = spec.dataset_rows([indices[p] for p in picks], env=name)
             rows["prompt"] += part["prompt"]
             rows["task_index"] += part["task_index"]
             rows[ENVIRONMENT_COLUMN] += [name] * len(picks)
-            tasks += [spec_tasks[p] if spec._options["include_metadata"] else {} for p in picks]
+            tasks += [spec_tasks[p] for p in picks]
         columns, self.dataset_notes = task_columns(tasks)  # the routing column is reserved too
         log_notes(self.dataset_notes, "mix")
         rows.update(columns)
@@ -178,30 +184,37 @@ class OpenRewardMix:
 
         Every spec of the mix that is to be group-scored needs `score_groups=True`.
         """
-        if not any(spec._options["score_groups"] for spec in self.specs.values()):
+        if not any(spec.score_groups for spec in self.specs.values()):
             raise ConfigurationError("group_reward_func needs score_groups=True on at least one spec of the mix")
         for spec in self.specs.values():
-            if spec._options["score_groups"]:
+            if spec.score_groups:
                 _ = spec.group_reward_func  # fails clearly for an environment that cannot
         return group_reward
 
     @cached_property
     def rollout_func(self) -> RolloutEngine:
-        """The rollout engine over every environment of the mix (use instead of environment_factory)."""
-        first = next(iter(self.specs.values()))
+        """The rollout engine over every environment of the mix (use instead of environment_factory).
+
+        Each environment keeps its own spec's `episode_timeout`; the gather window is one for the whole engine:
+        the mix's `gather_window`, else the specs' (which must then agree)."""
         _trl.require_engine()
         for spec in self.specs.values():
-            _ = spec._tools
-        return RolloutEngine({name: spec._runtime for name, spec in self.specs.items()},
-                             episode_timeout=first._options["episode_timeout"],
-                             gather_window=first._options["gather_window"])
+            _ = spec.tool_specs
+        window = self.gather_window
+        if window is None:
+            windows = {spec.gather_window for spec in self.specs.values()}
+            if len(windows) > 1:
+                raise ConfigurationError(f"the specs of this mix ask for different gather windows ({sorted(windows, key=str)}); "
+                                         "pass OpenRewardMix(..., gather_window=...) to choose one")
+            window = windows.pop()
+        return RolloutEngine({name: spec.runtime for name, spec in self.specs.items()}, gather_window=window)
 
     @cached_property
     def callbacks(self) -> list[Any]:
         """Trainer callbacks: release sessions after each step and close them all at the end of training."""
         from ._callback import SessionCleanupCallback
 
-        return [SessionCleanupCallback([spec._runtime for spec in self.specs.values()])]
+        return [SessionCleanupCallback([spec.runtime for spec in self.specs.values()])]
 
     def close(self) -> None:
         """Close every session of every environment."""

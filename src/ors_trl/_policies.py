@@ -40,12 +40,14 @@ class PolicyReply:
             model's arguments were not a JSON object.
         raw: the raw completion text, when the policy has one (local models), for the episode record.
         usage: token counts reported by an endpoint, if any.
+        truncated: the reply was cut by the token limit (an endpoint's `finish_reason: "length"`).
     """
 
     content: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     raw: str | None = None
     usage: dict[str, Any] | None = None
+    truncated: bool = False
 
 
 @runtime_checkable
@@ -226,7 +228,8 @@ class OpenAIPolicy:
                 "arguments": _parse_arguments(function.get("arguments")),
             })
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
-        return PolicyReply(content=message.get("content") or "", tool_calls=calls, usage=usage)
+        return PolicyReply(content=message.get("content") or "", tool_calls=calls, usage=usage,
+                           truncated=body["choices"][0].get("finish_reason") == "length")
 
     async def aclose(self) -> None:
         if self._http is not None:
@@ -292,11 +295,16 @@ class LocalPolicy:
         self.max_batch_size = max(1, int(max_batch_size))
         self.batch_wait = batch_wait
         self.name = name or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
-        self.chat_template = chat_template
         self.join_turns = join_turns
         self._generated: dict[tuple[int, ...], list[int]] = {}  # prompt ids -> the ids generated from them
         self.batch_sizes: list[int] = []
-        self._parse_mode = self._prepare_parser()
+        from ._trl import Rendering
+
+        self.rendering = Rendering(tokenizer, chat_template=chat_template)
+        if self.rendering.parse_error is not None:
+            logger.warning("cannot parse tool calls from this model's replies (%s): no response template for its chat "
+                           "template; replies are decoded as plain text, so every episode ends after one turn.",
+                           self.rendering.parse_error)
         self._queue: list[_Pending] = []
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
@@ -334,21 +342,6 @@ class LocalPolicy:
     @property
     def description(self) -> str:
         return str(self.name)
-
-    def _prepare_parser(self) -> str:
-        tok = self.tokenizer
-        if getattr(tok, "response_template", None) is None and getattr(tok, "response_schema", None) is None:
-            try:
-                from trl.chat_template_utils import add_response_schema
-
-                add_response_schema(tok)
-            except Exception as exc:  # unknown template, or trl missing
-                logger.warning(
-                    "cannot parse tool calls from this model's replies (%s): no response template for its chat "
-                    "template; replies are decoded as plain text, so every episode ends after one turn.", exc
-                )
-                return "text"
-        return "parse"
 
     # -- the Policy protocol ---------------------------------------------------------------------------------
 
@@ -438,45 +431,26 @@ class LocalPolicy:
 
     # -- generation (worker thread) --------------------------------------------------------------------------
 
-    def _template(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *,
-                  generation_prompt: bool) -> list[int]:
-        out = self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=generation_prompt, tokenize=True, return_dict=True,
-            chat_template=self.chat_template,
-        )
-        return list(out["input_ids"])
-
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
         """The input ids of the next turn: joined as GRPO joins them (`join_turns`), else the whole conversation."""
+        rendering = self.rendering
         first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
         if self.join_turns and first < len(messages):
-            ids = self._template(messages[:first], tools, generation_prompt=True)
+            ids = rendering.prompt_ids(messages[:first], tools)
             i = first
             while i < len(messages):
                 generated = self._generated.get(tuple(ids)) if messages[i].get("role") == "assistant" else None
                 if generated is None:  # a past turn this policy did not generate: render the conversation whole
-                    return self._template(messages, tools, generation_prompt=True)
+                    return rendering.prompt_ids(messages, tools)
                 ids, i = ids + generated, i + 1
                 start = i
                 while i < len(messages) and messages[i].get("role") == "tool":
                     i += 1
                 if i > start:
-                    ids += self._tool_suffix(messages[start:i])
+                    ids += rendering.tool_suffix_ids([{"role": "tool", "name": m.get("name") or "tool",
+                                                       "content": m["content"]} for m in messages[start:i]])
             return ids
-        return self._template(messages, tools, generation_prompt=True)
-
-    def _tool_suffix(self, tool_messages: list[dict[str, Any]]) -> list[int]:
-        """What TRL's tool loop appends after a turn's tool calls: the tool messages and the next assistant header
-        (a dummy conversation rendered with and without them, aligned on the end-of-turn token)."""
-        call = {"type": "function", "function": {"name": tool_messages[0].get("name") or "tool", "arguments": {}}}
-        dummy = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
-        prefix = self._template(dummy, None, generation_prompt=False)
-        full = self._template([*dummy, *({"role": "tool", "name": m.get("name") or "tool", "content": m["content"]}
-                                          for m in tool_messages)], None, generation_prompt=True)
-        eos = [k for k, t in enumerate(prefix) if t == self.tokenizer.eos_token_id]
-        if eos:
-            prefix = prefix[: eos[-1] + 1]
-        return full[len(prefix):]
+        return rendering.prompt_ids(messages, tools)
 
     def _context_limit(self) -> int | None:
         config = getattr(self.model, "config", None)
@@ -547,33 +521,31 @@ class LocalPolicy:
             raise PolicyError("generation aborted")
         for row, i in enumerate(live):
             ids = out[row, width:].tolist()
-            if eos_id is not None and eos_id in ids:
+            ended = eos_id is not None and eos_id in ids
+            if ended:
                 ids = ids[: ids.index(eos_id) + 1]
             else:
                 while ids and ids[-1] == pad_id:
                     ids.pop()
-            results[i] = self._parse(ids, prompts[i], requests[i][1])
+            results[i] = self._parse(ids, prompts[i], requests[i][1], truncated=not ended)
         return results
 
-    def _parse(self, ids: list[int], prefix: list[int] | None, tools: list[dict[str, Any]]) -> PolicyReply:
+    def _parse(self, ids: list[int], prefix: list[int] | None, tools: list[dict[str, Any]], *,
+               truncated: bool = False) -> PolicyReply:
         if prefix is not None and self.join_turns:
             self._generated[tuple(prefix)] = list(ids)
         raw = self.tokenizer.decode(ids, skip_special_tokens=False)
         if not ids:
-            return PolicyReply(content="", raw=raw)
-        if self._parse_mode == "parse":
-            from trl.chat_template_utils import parse_response
-
-            parsed = parse_response(self.tokenizer, ids, prefix=prefix, tools=tools or None)
-        else:
-            parsed = {"content": self.tokenizer.decode(ids, skip_special_tokens=True)}
+            return PolicyReply(content="", raw=raw, truncated=truncated)
+        parsed = self.rendering.parse(ids, prefix, tools or None)
         calls = []
         for call in parsed.get("tool_calls") or []:
             function = call.get("function") or {}
             calls.append({"id": None, "name": str(function.get("name") or ""),
                           "arguments": _parse_arguments(function.get("arguments"))})
         content = parsed.get("content")
-        return PolicyReply(content=content if isinstance(content, str) else "", tool_calls=calls, raw=raw)
+        return PolicyReply(content=content if isinstance(content, str) else "", tool_calls=calls, raw=raw,
+                           truncated=truncated)
 
 
 def resolve_policy(

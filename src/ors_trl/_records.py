@@ -1,5 +1,6 @@
-"""Episode records as JSON lines: the one writer (training's `episode_log=`, `ors-trl eval --output`)
-and the one reader (eval's `--resume`, `ors-trl report`).
+"""Episode records: the schema (version 3, typed below), the one writer (training's `episode_log=`,
+`ors-trl eval --output`) and the one reader (eval's `--resume`, `ors-trl report`), which upgrades the
+records of versions 1 and 2 to the current shape.
 
 Every record is appended and flushed at once, from any thread, so an interrupted run loses at
 most its running episodes. Optional bounds keep a training log from growing without limit: each
@@ -21,17 +22,142 @@ import logging
 import math
 import os
 import re
+import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, NotRequired, TypedDict
 
 from ._text import clean_json, clip, repair
 
-__all__ = ["MAX_DEPTH", "RecordWriter", "jsonable", "parse_line", "read_records"]
+__all__ = ["MAX_DEPTH", "RECORD_VERSION", "RUN_ID", "CallRecord", "EpisodeRecord", "RecordWriter", "TurnRecord",
+           "error_record", "jsonable", "parse_line", "read_records", "upgrade"]
 
 logger = logging.getLogger("ors_trl")
+
+#: Version of the episode record schema (`EpisodeRecord`).
+RECORD_VERSION = 3
+#: Tells the records of one process run apart from another's in merged logs.
+RUN_ID = f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
+
+
+class ErrorRecord(TypedDict):
+    """A failure: `kind` is the error's `ORSError.kind` (the label metrics count), `reason` a refusal's reason."""
+
+    kind: str
+    message: str
+    reason: NotRequired[str]
+
+
+class CallRecord(TypedDict, total=False):
+    """One tool call of the model. `status`: ok, failed (the tool or the network failed), refused (locally or by
+    the server: the model is told why) or not_run (the reply was the last one the turn limit allows). `name` is
+    the name the model saw, `remote_name` the environment's; `output` is what the model read (TRL's
+    `{'error': ...}` text for a failure)."""
+
+    id: str | None
+    name: str
+    arguments: Any
+    status: Literal["ok", "failed", "refused", "not_run"]
+    remote_name: str
+    remote_arguments: dict[str, Any]
+    output: str
+    error: ErrorRecord
+    reward: float | None
+    finished: bool
+    metadata: dict[str, Any] | None
+    seconds: float
+
+
+class TurnRecord(TypedDict, total=False):
+    """One model reply: its visible text (None when nothing was parsed) and its calls, in order; drivers add
+    `raw` (the completion text), `usage` and `generation_seconds` where they have them."""
+
+    index: int
+    assistant: str | None
+    tool_calls: list[CallRecord]
+    raw: str
+    usage: dict[str, Any]
+    generation_seconds: float
+
+
+class EpisodeRecord(TypedDict, total=False):
+    """One episode, the same for every driver (`source`: trl, engine, eval). `final` is the final plain message
+    and, for an environment with a terminal tool, its grade (`tool`, `output`, `reward`, ... or `error`);
+    `unscored` says why `reward` is None (timeout, error, cut_off, no_reward). Drivers add `repeat` and
+    `policy` (eval) and `stop_detail` (why the model was stopped)."""
+
+    version: int
+    run: str
+    source: str
+    environment: str
+    target: str
+    split: str
+    task_index: int | None
+    task_spec: dict[str, Any] | None
+    repeat: int
+    policy: str
+    stop_detail: str
+    started_at: str
+    system: str | None
+    prompt: str | None
+    turns: list[TurnRecord]
+    final: dict[str, Any] | None
+    rewards: list[float | None]
+    reward: float | None
+    group_reward: float | None
+    finished: bool
+    end_reason: str | None
+    unscored: str | None
+    tool_calls: int
+    tool_failures: int
+    error: ErrorRecord | None
+    timings: dict[str, float]
+
+
+def error_record(exc: BaseException) -> ErrorRecord:
+    """How a failure is recorded."""
+    out = ErrorRecord(kind=getattr(exc, "kind", "internal"), message=str(exc))
+    if getattr(exc, "reason", None):
+        out["reason"] = exc.reason  # type: ignore[attr-defined]
+    return out
+
+
+def _status(call: dict[str, Any]) -> str:
+    if call.get("skipped"):
+        return "not_run"
+    error = call.get("error")
+    if error is None:
+        return "ok"
+    return "refused" if isinstance(error, dict) and error.get("kind") == "refused" else "failed"
+
+
+def upgrade(record: dict[str, Any]) -> EpisodeRecord:
+    """A record of any version in the current shape. Version 1 (training logs before the episode core) had one
+    flat `calls` list (`tool`, `arguments`, `output` or `error` text, `error_kind`): it becomes one turn. Version 2
+    calls gain their `status` (eval's `skipped` entries, calls after the episode finished, become `not_run`)."""
+    if "turns" not in record and isinstance(record.get("calls"), list):
+        calls = []
+        for c in record["calls"]:
+            if not isinstance(c, dict):
+                continue
+            entry: dict[str, Any] = {"name": c.get("tool", c.get("name")), "arguments": c.get("arguments")}
+            entry.update({k: c[k] for k in ("output", "reward", "finished", "metadata", "seconds") if k in c})
+            if c.get("error") is not None or c.get("error_kind"):
+                entry["error"] = {"kind": c.get("error_kind") or "failed", "message": c.get("error")}
+            calls.append(entry)
+        record = {k: v for k, v in record.items() if k != "calls"}
+        record["turns"] = [{"index": 0, "assistant": None, "tool_calls": calls}]
+        record.setdefault("tool_calls", len(calls))
+        record.setdefault("tool_failures", sum(1 for c in calls if "error" in c))
+    if record.get("version") != RECORD_VERSION:
+        for turn in record.get("turns") or []:
+            for call in (turn.get("tool_calls") or []) if isinstance(turn, dict) else []:
+                if isinstance(call, dict) and "status" not in call:
+                    call["status"] = _status(call)
+    return record  # type: ignore[return-value]
 
 # Record fields holding long free text, cut by `max_text` (top level, in turns, in tool calls).
 _TEXT_FIELDS = frozenset(("prompt", "system", "assistant", "output", "message", "raw"))
@@ -186,7 +312,7 @@ def read_records(path: str | os.PathLike[str], skipped: Counter[str] | None = No
             if why is None and not isinstance(record, dict):
                 why = "not a JSON object"
             if why is None:
-                yield record
+                yield upgrade(record)
             else:
                 bad[why] += 1
     if bad:

@@ -19,33 +19,39 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._adapter import OpenRewardEnvironment, ended_episodes, episode_readers, settle_all
-from ._episode import EnvironmentRuntime, Episode, runtimes, score_groups
+from . import _trl
+from ._adapter import READS_EPISODES, OpenRewardEnvironment, settle_all
+from ._episode import EnvironmentRuntime, Episode, find_ended, runtimes, score_groups
 from ._exceptions import ConfigurationError
 from ._loop import get_loop
 
 __all__ = ["group_reward", "outcome_reward", "reward_function"]
 
 
-def _episodes(environments: Sequence[Any], completions: Any, completion_ids: Any) -> list[Episode | None]:
-    settle_all(list(environments), completions, completion_ids)
-    return [env.episode if isinstance(env, OpenRewardEnvironment) else None for env in environments]
+def _episodes(environments: Sequence[Any] | None, kwargs: dict[str, Any], column: str) -> list[Episode | None] | None:
+    """Where the batch's episodes are, by what TRL passed: the adapters (`environment_factory`, settled here), the
+    transcripts of TRL's async worker (episodes its `get_reward` hook handed over), or None: the engine's columns."""
+    if environments is not None:
+        settle_all(list(environments), kwargs.get("completions"), kwargs.get("completion_ids"))
+        return [env.episode if isinstance(env, OpenRewardEnvironment) else None for env in environments]
+    completions = kwargs.get("completions")
+    if column not in kwargs and _trl.in_async_worker() and isinstance(completions, list):
+        return [find_ended(messages) for messages in completions]
+    return None
 
 
 def _flush(rts: Sequence[EnvironmentRuntime], log_metric: Any) -> None:
-    """Hand what the environments did since the last flush to TRL's `log_metric` (each metrics object once)."""
-    if not callable(log_metric):
+    """Hand what the environments did since the last flush to TRL's `log_metric` (each metrics object once).
+    TRL's async worker has none: the window starts again anyway there, so that the metrics do not pile up."""
+    if not callable(log_metric) and not _trl.in_async_worker():
         return
     seen: set[int] = set()
     for rt in rts:
         if id(rt.metrics) not in seen:
             seen.add(id(rt.metrics))
             for name, value in rt.metrics.flush().items():
-                log_metric(name, value)
-
-
-def _drop(name: str, value: float) -> None:
-    """A `log_metric` that logs nothing."""
+                if callable(log_metric):
+                    log_metric(name, value)
 
 
 def _column(kwargs: dict[str, Any], name: str, func: str) -> list[Any]:
@@ -68,23 +74,18 @@ def outcome_reward(environments: Sequence[Any] | None = None, *, unscored_reward
     replaces None, e.g. 0.0 so that not calling a tool is no escape from negative advantages; the
     metrics still count those rollouts as ungraded.
     """
-    ended = ended_episodes(kwargs.get("completions")) if environments is None and "ors_reward" not in kwargs else None
-    if environments is not None:
-        episodes = _episodes(environments, kwargs.get("completions"), kwargs.get("completion_ids"))
+    episodes = _episodes(environments, kwargs, "ors_reward")
+    if episodes is None:
+        rewards = _column(kwargs, "ors_reward", "outcome_reward")
+        rts = runtimes(kwargs.get("ors_env") or [])
+    else:
         for ep in episodes:
             if ep is not None:
                 ep.account()
-        rewards = [ep.reward if ep is not None and not ep.timed_out else getattr(env, "reward", None)
-                   for env, ep in zip(environments, episodes, strict=True)]
+        rewards = [ep.reward if ep is not None else getattr(env, "reward", None)
+                   for env, ep in zip(environments or [None] * len(episodes), episodes, strict=True)]
         rts = [ep.env for ep in episodes if ep is not None]
-    elif ended is not None:  # TRL's async worker: the episodes its `get_reward` hook settled
-        rewards = [ep.reward if ep is not None and not ep.timed_out else None for ep in ended]
-        rts = [ep.env for ep in ended if ep is not None]
-    else:
-        rewards = _column(kwargs, "ors_reward", "outcome_reward")
-        rts = runtimes(kwargs.get("ors_env") or [])
-    # TRL's async worker has no log_metric: start a new window anyway, so that the metrics do not pile up there
-    _flush(rts, kwargs.get("log_metric") or (_drop if ended is not None else None))
+    _flush(rts, kwargs.get("log_metric"))
     return [unscored_reward if r is None else r for r in rewards]
 
 
@@ -95,12 +96,9 @@ def group_reward(environments: Sequence[Any] | None = None, **kwargs: Any) -> li
     one of the task's sessions), all groups concurrently. A group whose scoring fails is None for its
     rollouts (and counted under `env/<name>/group_failures`).
     """
-    ended = ended_episodes(kwargs.get("completions")) if environments is None and "ors_group_reward" not in kwargs \
-        else None
-    if environments is None and ended is None:
+    episodes = _episodes(environments, kwargs, "ors_group_reward")
+    if episodes is None:
         return _column(kwargs, "ors_group_reward", "group_reward")
-    episodes = ended if ended is not None else _episodes(environments, kwargs.get("completions"),
-                                                         kwargs.get("completion_ids"))
     scored = [ep for ep in episodes if ep is not None and ep.group_reward is None]
     for ep in scored:
         if not ep.env.supports_score_group:
@@ -108,11 +106,12 @@ def group_reward(environments: Sequence[Any] | None = None, **kwargs: Any) -> li
                                      "supports_score_group); remove its group reward function.")
     if scored:
         get_loop().run(score_groups(scored))
-    _flush([ep.env for ep in scored], kwargs.get("log_metric") or (_drop if ended is not None else None))
+    _flush([ep.env for ep in scored], kwargs.get("log_metric"))
     return [ep.group_reward if ep is not None else None for ep in episodes]
 
 
-episode_readers.update((outcome_reward, group_reward))
+for _reader in (outcome_reward, group_reward):
+    setattr(_reader, READS_EPISODES, True)
 
 
 def reward_function(func: Callable[..., list[float | None]], unscored_reward: float | None = None

@@ -21,6 +21,7 @@ import asyncio
 import copyreg
 import json
 import logging
+import math
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import _trl
+from ._adapter import RESERVED as ADAPTER_NAMES
 from ._adapter import OpenRewardEnvironment, for_this_process
 from ._binding import Toolset
 from ._client import AsyncClient
@@ -138,6 +140,10 @@ class OpenRewardSpec:
             group (`/score_group`), and keep finished sessions until the step ends for it.
         gather_window: with `rollout_func`, seconds generation waits for more rollouts to be ready; None
             (default): at most 0.05 s and at most half of what a generation call takes.
+        max_tool_calls: tool calls one episode may make (None: no cap); later calls are refused locally (the
+            model reads why) and counted, on every path.
+        success_threshold: the reward at or above which an episode counts as a success (`success_rate` in the
+            metrics, evaluation and reports).
     """
 
     def __init__(
@@ -167,6 +173,8 @@ class OpenRewardSpec:
         unscored_reward: float | None = None,
         score_groups: bool = False,
         gather_window: float | None = None,
+        max_tool_calls: int | None = None,
+        success_threshold: float = 1.0,
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self._options = options
@@ -183,6 +191,12 @@ class OpenRewardSpec:
             raise ConfigurationError("episode_timeout must be positive or None")
         if gather_window is not None and not gather_window >= 0:  # also refuses NaN
             raise ConfigurationError(f"gather_window must be >= 0 seconds or None (automatic), got {gather_window!r}")
+        if max_tool_calls is not None and (isinstance(max_tool_calls, bool) or not isinstance(max_tool_calls, int)
+                                           or max_tool_calls < 0):
+            raise ConfigurationError(f"max_tool_calls must be an int >= 0 or None, got {max_tool_calls!r}")
+        if isinstance(success_threshold, bool) or not isinstance(success_threshold, int | float) \
+                or not math.isfinite(success_threshold):
+            raise ConfigurationError(f"success_threshold must be a finite number, got {success_threshold!r}")
         self._split = split
         self._unscored_reward = None if unscored_reward is None else float(unscored_reward)
         # In catalog mode the key also goes to the environment as its conventional `api_key` secret, unless the
@@ -198,7 +212,8 @@ class OpenRewardSpec:
         self._runtime = EnvironmentRuntime(
             self._client, name=self.name, split=split, max_output_chars=max_output_chars,
             cache_prompts=cache_prompts, max_concurrent_tool_calls=max_concurrent_tool_calls,
-            batch_tool_calls=batch_tool_calls, episode_log=writer, score_groups=score_groups,
+            max_tool_calls=max_tool_calls, episode_timeout=episode_timeout, batch_tool_calls=batch_tool_calls,
+            episode_log=writer, score_groups=score_groups, success_threshold=float(success_threshold),
         )
         self.dataset_notes: list[str] = []
 
@@ -237,9 +252,25 @@ class OpenRewardSpec:
         return self._client
 
     @property
-    def metrics(self) -> Any:
-        """What the environment did, accumulated since the last flush (`EnvMetrics`)."""
+    def metrics(self) -> EnvMetrics:
+        """What the environment did, accumulated since the last flush."""
         return self._runtime.metrics
+
+    @property
+    def runtime(self) -> EnvironmentRuntime:
+        """What this spec's episodes share (client, bound tools, metrics, record writer, live episodes): what a mix
+        combines and the engine drives."""
+        return self._runtime
+
+    @property
+    def score_groups(self) -> bool:
+        """True when the spec was asked for group scores (`score_groups=True`)."""
+        return bool(self._options["score_groups"])
+
+    @property
+    def gather_window(self) -> float | None:
+        """The engine's gather window this spec asks for (None: automatic)."""
+        return self._options["gather_window"]
 
     def run(self, coro: Any) -> Any:
         """Run a coroutine using this spec's client on the background loop and return its result."""
@@ -247,13 +278,18 @@ class OpenRewardSpec:
 
     # -- dataset -----------------------------------------------------------------------------------
 
-    async def _selected(self) -> tuple[list[int], list[Any]]:
+    async def select_tasks(self) -> tuple[list[int], list[Any]]:
+        """The selected task indices and their task specs (`{}` for each when `include_metadata=False`)."""
         total = await self._client.num_tasks(self._split)
         indices = select(total, self._split, self._num_tasks, self._indices, name=self.name)
+        if not self._options["include_metadata"]:
+            return indices, [{} for _ in indices]
         by_index = await fetch_tasks(self._client, self._split, indices, name=self.name)
         return indices, [by_index[i] for i in indices]
 
-    def _rows(self, indices: list[int], tasks: list[Any], env: str | None = None) -> dict[str, list[Any]]:
+    def dataset_rows(self, indices: list[int], env: str | None = None) -> dict[str, list[Any]]:
+        """The `prompt` and `task_index` columns of these tasks: an empty user message carrying the task's identity
+        (for `rollout_func`, which sees only prompts); `env` names the environment in a mix."""
         return {
             "prompt": [[{"role": "user", "content": "", TASK_KEY: Task(self._split, i, env=env).identity()}]
                        for i in indices],
@@ -269,8 +305,8 @@ class OpenRewardSpec:
         """
         from datasets import Dataset
 
-        indices, tasks = self.run(self._selected())
-        rows = self._rows(indices, tasks)
+        indices, tasks = self.run(self.select_tasks())
+        rows = self.dataset_rows(indices)
         if self._options["include_metadata"] and tasks:
             columns, self.dataset_notes = task_columns(tasks)
             log_notes(self.dataset_notes, self.name)
@@ -365,7 +401,7 @@ class OpenRewardSpec:
         rt.supports_score_group, rt.block_types = score_group, block_types
         rt.uses_messages = block_types is not None  # an older server (no message_block_types) has no /messages
         rt.toolset = Toolset(specs, terminal=terminal, asynchronous=self._options["async_tools"], module=__name__,
-                             qualname_prefix=f"OpenRewardEnvironment_{_slug(self.name)}")
+                             qualname_prefix=f"OpenRewardEnvironment_{_slug(self.name)}", reserved=ADAPTER_NAMES)
 
     @property
     def tool_specs(self) -> list[ToolSpec]:
@@ -408,8 +444,7 @@ class OpenRewardSpec:
         """
         _trl.require_engine()
         _ = self._tools
-        return RolloutEngine({None: self._runtime}, episode_timeout=self._options["episode_timeout"],
-                             gather_window=self._options["gather_window"])
+        return RolloutEngine({None: self._runtime}, gather_window=self._options["gather_window"])
 
     # -- rewards and callbacks -------------------------------------------------------------------
 
@@ -465,5 +500,6 @@ class OpenRewardSpec:
         if num_tasks is None and indices is None:
             num_tasks, indices = self._num_tasks, self._indices
         _ = self._tools  # bind as training does
+        kwargs.setdefault("success_threshold", self._options["success_threshold"])
         kwargs.setdefault("episode_timeout", self._options["episode_timeout"])
         return evaluate(self._runtime, policy, num_tasks=num_tasks, indices=indices, **kwargs)

@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from ._exceptions import UsageError
+from ._exceptions import ConfigurationError, UsageError
 
-__all__ = ["TRL_KEYWORDS", "VERIFIED", "FinishedRollout", "finished_rollout", "generate", "in_async_worker", "prepare",
-           "resetting_batch", "tool_suffix_ids", "tool_turn", "verified"]
+__all__ = ["TRL_KEYWORDS", "VERIFIED", "FinishedRollout", "Rendering", "clip_post_tool", "error_text", "finished_rollout",
+           "generate", "in_async_worker", "overflows", "resetting_batch", "rules", "tool_message", "tool_turn", "verified"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -240,44 +240,134 @@ def require_engine() -> None:
         )
 
 
-def prepare(trainer: Any) -> Any:
-    """Once per trainer: the response parser and (prefix-preserving) chat template TRL uses with tools.
+# -- TRL's rules and rendering: what TRL's tool loop does, in one place ----------------------------------
 
-    Returns the tokenizer TRL parses completions with.
+
+def error_text(exc: BaseException) -> str:
+    """What TRL's tool loop shows the model for a failed call: `str({"error": str(exc)})`."""
+    return str({"error": str(exc)})
+
+
+def rules(trainer: Any) -> Any:
+    """The turn rules of TRL's tool loop: `max_tool_calling_iterations` tool turns, then one more reply, whose calls
+    are not run; failures read as TRL writes them. Without a trainer (outside TRL's loop): no turn limit."""
+    from ._episode import Rules
+
+    iterations = getattr(trainer, "max_tool_calling_iterations", None)
+    limit = iterations + 1 if isinstance(iterations, int) and iterations < sys.maxsize else None
+    return Rules(max_replies=limit, error_text=error_text)
+
+
+def tool_message(name: str, content: str) -> dict[str, Any]:
+    """A tool result as TRL's loop appends it to the conversation."""
+    return {"role": "tool", "name": name, "content": content}
+
+
+def clip_post_tool(new_ids: list[int], used: int, budget: int) -> list[int]:
+    """TRL's cut of a reply generated after tool results: the completion (`used` tokens so far) stays within
+    `max_completion_length` (`budget`)."""
+    excess = used + len(new_ids) - budget
+    return new_ids[: len(new_ids) - excess] if excess > 0 else new_ids
+
+
+def overflows(completion_length: int, total_length: int, budget: int, model_length: int) -> bool:
+    """TRL's rule for tool results that would not fit: past the completion budget or the backend's context."""
+    return completion_length > budget or total_length >= model_length
+
+
+class Rendering:
+    """How TRL turns a tool conversation into token ids, and a completion back into a message, for one processing
+    class. The engine (for a trainer), `LocalPolicy` and the demo (without one) all render through it, so a TRL bump
+    is re-verified in this one place. The tool turn is TRL's own `GRPOTrainer._get_tool_suffix_ids`.
+
+    Args:
+        processing_class: the tokenizer (or processor) the model is trained with; its response schema is set as
+            `GRPOTrainer` sets it for tools, so that tool calls parse. Where TRL knows no schema for its template
+            (`parse_error` says why), completions parse as plain text.
+        chat_template: the template to render with (None: the tokenizer's own). `Rendering.for_training` picks the
+            one `GRPOTrainer` trains tools with.
+        chat_template_kwargs: extra template variables (`GRPOConfig.chat_template_kwargs`).
     """
-    from trl.chat_template_utils import (
-        add_response_schema,
-        get_training_chat_template,
-        is_chat_template_prefix_preserving,
-    )
 
-    tok = trainer._tokenizer
-    if getattr(tok, "response_template", None) is None and getattr(tok, "response_schema", None) is None:
-        add_response_schema(trainer.processing_class)
-    if getattr(trainer, "chat_template", None) is None and not is_chat_template_prefix_preserving(
-        trainer.processing_class
-    ):
-        trainer.chat_template = get_training_chat_template(trainer.processing_class)
-    return tok
+    def __init__(self, processing_class: Any, *, chat_template: str | None = None,
+                 chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
+        self.processing_class = processing_class
+        self._tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        self._is_vlm = self._tokenizer is not processing_class
+        self.parse_error: Exception | None = None
+        if getattr(self._tokenizer, "response_template", None) is None and \
+                getattr(self._tokenizer, "response_schema", None) is None:
+            try:
+                from trl.chat_template_utils import add_response_schema
 
+                add_response_schema(processing_class)
+            except Exception as exc:  # an unknown chat template, or no TRL
+                self.parse_error = exc
+        self.chat_template = chat_template
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
 
-def render(trainer: Any, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
-    """Prompt token ids for `messages` with `tools`, rendered as TRL renders its prompts."""
-    tokenized = trainer.processing_class.apply_chat_template(
-        conversation=[messages], tools=tools or None, chat_template=trainer.chat_template,
-        add_generation_prompt=True, tokenize=True, return_dict=True, **trainer.chat_template_kwargs,
-    )
-    return list(tokenized["input_ids"][0])
+    @classmethod
+    def for_training(cls, processing_class: Any, **kwargs: Any) -> Rendering:
+        """Rendered with the template `GRPOTrainer` trains tools with: the tokenizer's own if it is prefix-preserving,
+        else TRL's training variant of it (`get_training_chat_template`)."""
+        from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
+
+        rendering = cls(processing_class, **kwargs)  # sets the response schema the checks below need
+        if rendering.parse_error is None and not is_chat_template_prefix_preserving(processing_class):
+            rendering.chat_template = get_training_chat_template(processing_class)
+        return rendering
+
+    @classmethod
+    def of(cls, trainer: Any) -> Rendering:
+        """The rendering of `trainer`: its processing class, chat template (or the training one) and template kwargs.
+        Raises `ConfigurationError` when TRL cannot parse tool calls for its chat template."""
+        template = getattr(trainer, "chat_template", None)
+        kwargs = {"chat_template_kwargs": getattr(trainer, "chat_template_kwargs", None)}
+        rendering = (cls(trainer.processing_class, chat_template=template, **kwargs) if template is not None
+                     else cls.for_training(trainer.processing_class, **kwargs))
+        if rendering.parse_error is not None:
+            raise ConfigurationError(f"TRL cannot parse tool calls with this model's chat template "
+                                     f"({rendering.parse_error}); use one TRL knows (trl/chat_templates).")
+        return rendering
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """The ids that end a completion (EOS and padding)."""
+        tok = self._tokenizer
+        return {t for t in (tok.eos_token_id, tok.pad_token_id) if t is not None}
+
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
+        """Prompt token ids for `messages` with `tools`, rendered as `GRPOTrainer` renders its prompts."""
+        tokenized = self.processing_class.apply_chat_template(
+            conversation=[messages], tools=tools or None, chat_template=self.chat_template,
+            add_generation_prompt=True, tokenize=True, return_dict=True, **self.chat_template_kwargs,
+        )
+        return list(tokenized["input_ids"][0])
+
+    def tool_suffix_ids(self, tool_messages: list[dict[str, Any]]) -> list[int]:
+        """The tokens TRL's loop appends after a turn's tool calls: the tool results and the next assistant header."""
+        from trl import GRPOTrainer
+
+        return list(GRPOTrainer._get_tool_suffix_ids(self, tool_messages))  # type: ignore[arg-type]
+
+    def parse(self, ids: list[int], prefix: list[int] | None, tools: list[Any] | None) -> dict[str, Any]:
+        """A completion as the assistant message TRL parses it to (`{}` for no tokens)."""
+        if not ids:
+            return {}
+        if self.parse_error is not None:
+            return {"role": "assistant", "content": self._tokenizer.decode(ids, skip_special_tokens=True)}
+        from trl.chat_template_utils import parse_response
+
+        return parse_response(self._tokenizer, ids, prefix=prefix, tools=tools)
 
 
 def generate(trainer: Any, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]] | None]:
     """One completion per prompt through TRL's generation backend (transformers, vLLM server or colocate)."""
     return trainer._generate_single_turn(prompt_ids, None, {}, num_generations=1)
-
-
-def tool_suffix_ids(trainer: Any, tool_messages: list[dict[str, Any]]) -> list[int]:
-    """The tokens TRL inserts after a turn's tool calls: the tool results and the next assistant header."""
-    return list(trainer._get_tool_suffix_ids(tool_messages))
 
 
 def max_model_len(trainer: Any) -> int:

@@ -194,10 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", metavar="C", type=_positive_int, default=8,
                    help="episodes (sessions) at once (default 8)")
     p.add_argument("--max-turns", metavar="T", type=_positive_int, default=10,
-                   help="policy replies per episode (default 10)")
+                   help="policy replies per episode; the last one's calls are not run, as in TRL's loop "
+                        "(= max_tool_calling_iterations + 1; default 10)")
     p.add_argument("--tool-timeout", metavar="S", type=_positive_seconds,
-                   help="seconds one tool call may take before it fails and ends its episode as an error "
-                        "(default 3600)")
+                   help="seconds one tool call may take before it fails (the episode is then unscored, counted "
+                        "as an error; default 3600)")
     p.add_argument("--episode-timeout", metavar="S", type=_positive_seconds,
                    help="seconds one episode may take (policy replies and tool calls); past it the episode is "
                         "closed, recorded with end reason timeout and scored None (default: no limit)")

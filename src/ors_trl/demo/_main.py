@@ -358,7 +358,7 @@ def run_demo(
 
         eval_kwargs: dict[str, Any] = {"flatten_system": flatten}
         if look:
-            eval_kwargs.update(max_turns=2, look_tool=_task.LOOK_TOOL)
+            eval_kwargs.update(look_tool=_task.LOOK_TOOL)
             trl_prompt, eval_messages = _trl_prompt(heldout, rollout_func=rollout_func)
             _recipe.check_prompt_rendering(tokenizer, tools, trl_prompt, eval_messages, flatten_system=flatten)
         say("measuring the model on held-out tasks (before)")

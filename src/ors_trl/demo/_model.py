@@ -1,9 +1,9 @@
 """Build the demo's tiny tool-calling Qwen3 model and byte-level BPE tokenizer, fully locally.
 
 Nothing here touches the Hugging Face Hub: the tokenizer is trained on the fly with the ``tokenizers`` library on a
-corpus of conversations rendered with TRL's Qwen3 chat template (shipped next to this module as ``qwen3.jinja``, a
-byte-for-byte copy, so that ``trl.chat_template_utils.add_response_schema`` recognises it and TRL can parse tool
-calls), and the model is a randomly initialised ``Qwen3ForCausalLM`` of a few hundred thousand parameters.
+corpus of conversations rendered with TRL's Qwen3 chat template (``trl/chat_templates/qwen3.jinja``, read from the
+installed TRL, so that ``trl.chat_template_utils.add_response_schema`` recognises it and TRL can parse tool calls),
+and the model is a randomly initialised ``Qwen3ForCausalLM`` of a few hundred thousand parameters.
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ import random
 import re
 from collections.abc import Callable, Sequence
 from functools import cache
-from pathlib import Path
+from importlib.resources import files
 from typing import Any
-
-CHAT_TEMPLATE_PATH = Path(__file__).with_name("qwen3.jinja")
 
 # Qwen3's added tokens. The first three are "special" (dropped by skip_special_tokens); the tool/think markers are
 # plain added tokens, as in the real Qwen3 tokenizer, so they survive decoding.
@@ -73,8 +71,9 @@ LOOK_MODEL_DIMS: dict[str, Any] = {"sliding_window": 16}
 
 @cache
 def chat_template() -> str:
-    """The Qwen3 chat template (byte-identical to TRL's ``trl/chat_templates/qwen3.jinja``)."""
-    return CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
+    """The Qwen3 chat template, as the installed TRL ships it (``trl/chat_templates/qwen3.jinja``): the one its
+    response parser recognises, so a copy cannot drift from the TRL that parses it."""
+    return files("trl").joinpath("chat_templates", "qwen3.jinja").read_text(encoding="utf-8")
 
 
 # ── corpus rendering ────────────────────────────────────────────────────────────────────────────────────────────────

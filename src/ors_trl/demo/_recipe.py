@@ -39,36 +39,21 @@ def environment_tools(environment: Any) -> list[Callable]:
     ]
 
 
-def prepare_tokenizer(tokenizer):
-    """Attach the response template TRL uses to parse tool calls, and return the chat template GRPO renders with."""
-    from trl.chat_template_utils import (
-        add_response_schema,
-        get_training_chat_template,
-        is_chat_template_prefix_preserving,
-    )
+def rendering(tokenizer) -> Any:
+    """How GRPO renders and parses with this tokenizer (TRL's training chat template, tool turns, parsing):
+    the one `ors_trl._trl.Rendering` the engine and `LocalPolicy` use too."""
+    from ors_trl._trl import Rendering
 
-    if getattr(tokenizer, "response_template", None) is None:
-        add_response_schema(tokenizer)
-    if getattr(tokenizer, "response_template", None) is None:
+    out = Rendering.for_training(tokenizer)
+    if out.parse_error is not None:
         raise ValueError("TRL did not recognise the chat template; it must be trl/chat_templates/qwen3.jinja verbatim")
-    if is_chat_template_prefix_preserving(tokenizer):
-        return None
-    return get_training_chat_template(tokenizer)
+    return out
 
 
-def prompt_ids(tokenizer, prompt: str | Sequence[dict[str, Any]], tools: Sequence, chat_template: str | None
-               ) -> list[int]:
+def prompt_ids(render: Any, prompt: str | Sequence[dict[str, Any]], tools: Sequence) -> list[int]:
     """Token ids of the rendered prompt (a user text, or chat messages), exactly as GRPOTrainer renders prompts."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-    out = tokenizer.apply_chat_template(
-        messages,
-        tools=list(tools) or None,
-        chat_template=chat_template,
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
-    )
-    return list(out["input_ids"])
+    return render.prompt_ids(messages, list(tools))
 
 
 def tool_call_text(tokenizer, name: str, arguments: dict[str, Any]) -> str:
@@ -89,34 +74,9 @@ def tool_call_text(tokenizer, name: str, arguments: dict[str, Any]) -> str:
     return rendered[start:end]
 
 
-def tool_suffix_ids(tokenizer, name: str, reply: str, chat_template: str | None) -> list[int]:
+def tool_suffix_ids(render: Any, name: str, reply: str) -> list[int]:
     """Token ids TRL inserts after a tool call: the tool reply turn plus the next assistant header."""
-    return tool_messages_suffix_ids(tokenizer, [{"role": "tool", "name": name, "content": reply}], chat_template)
-
-
-def tool_messages_suffix_ids(tokenizer, tool_messages: Sequence[dict[str, Any]], chat_template: str | None
-                             ) -> list[int]:
-    """Token ids TRL's tool loop inserts after a turn's tool calls (the tool messages and the next assistant header).
-
-    The same computation as TRL's (a dummy conversation rendered with and without the tool messages, the
-    difference kept, aligned on the end-of-turn token).
-    """
-    dummy = [{"role": "user", "content": "dummy"}, tool_call_message(tool_messages[0]["name"], {})]
-    prefix = tokenizer.apply_chat_template(
-        dummy, add_generation_prompt=False, tokenize=True, chat_template=chat_template, return_dict=False
-    )
-    full = tokenizer.apply_chat_template(
-        [*dummy, *tool_messages],
-        add_generation_prompt=True,
-        tokenize=True,
-        chat_template=chat_template,
-        return_dict=False,
-    )
-    eos = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
-    if eos:
-        prefix = prefix[: eos[-1] + 1]
-    assert full[: len(prefix)] == prefix
-    return list(full[len(prefix) :])
+    return render.tool_suffix_ids([{"role": "tool", "name": name, "content": reply}])
 
 
 def rollout_ids(
@@ -126,13 +86,13 @@ def rollout_ids(
     name: str,
     arguments: dict[str, Any],
     reply: str,
-    chat_template: str | None,
     final: str = FINAL_MESSAGE,
 ) -> tuple[list[int], list[int]]:
     """Token ids of one full rollout as GRPO builds it, and a loss mask (1 on model-written tokens)."""
-    p = prompt_ids(tokenizer, prompt_text, tools, chat_template)
+    render = rendering(tokenizer)
+    p = prompt_ids(render, prompt_text, tools)
     call = tokenizer.encode(tool_call_text(tokenizer, name, arguments), add_special_tokens=False)
-    suffix = tool_suffix_ids(tokenizer, name, reply, chat_template)
+    suffix = tool_suffix_ids(render, name, reply)
     last = tokenizer.encode(final + EOS_TOKEN, add_special_tokens=False)
     ids = p + call + suffix + last
     mask = [0] * len(p) + [1] * len(call) + [0] * len(suffix) + [1] * len(last)
@@ -180,7 +140,7 @@ def warm_start(
         raise TypeError("pass exactly one of episodes_fn or episode_fn")
     start = time.perf_counter()
     rng = random.Random(seed)
-    chat_template = prepare_tokenizer(tokenizer)
+    render = rendering(tokenizer)
     prompt_cache: dict[str, list[int]] = {}
     suffix_cache: dict[tuple[str, str], list[int]] = {}
     final_cache: dict[str, list[int]] = {}
@@ -190,14 +150,14 @@ def warm_start(
         prompt = prompt_fn(task)
         key = prompt if isinstance(prompt, str) else repr(prompt)
         if key not in prompt_cache:
-            prompt_cache[key] = prompt_ids(tokenizer, prompt, tools, chat_template)
+            prompt_cache[key] = prompt_ids(render, prompt, tools)
         p = prompt_cache[key]
         out = []
         episodes = episodes_fn(task) if episodes_fn is not None else [episode_fn(task, rng)]  # type: ignore[misc]
         for name, arguments, reply, final in map(episode_parts, episodes):
             call = tokenizer.encode(tool_call_text(tokenizer, name, arguments), add_special_tokens=False)
             if (name, reply) not in suffix_cache:
-                suffix_cache[(name, reply)] = tool_suffix_ids(tokenizer, name, reply, chat_template)
+                suffix_cache[(name, reply)] = tool_suffix_ids(render, name, reply)
             suffix = suffix_cache[(name, reply)]
             if final not in final_cache:
                 final_cache[final] = tokenizer.encode(final + EOS_TOKEN, add_special_tokens=False)
@@ -348,7 +308,7 @@ def _counting_policy_class() -> type:
             ids = super()._render(messages, tools)
             if any(m.get("role") == "assistant" for m in messages):
                 self.later_turns += 1
-                self.rerender_differs += self._template(messages, tools, generation_prompt=True) != ids
+                self.rerender_differs += self.rendering.prompt_ids(messages, tools) != ids
             return ids
 
     return CountingPolicy
@@ -368,7 +328,7 @@ def flat(messages: list[dict[str, Any]], flatten_system: bool) -> list[dict[str,
 def demo_policy(model, tokenizer, *, max_new_tokens: int = 32) -> Any:
     """The greedy evaluation policy, rendering with the trainer's chat template and joining turns as GRPO does."""
     return _counting_policy_class()(model, tokenizer, temperature=0.0, max_new_tokens=max_new_tokens, seed=0,
-                                    chat_template=prepare_tokenizer(tokenizer), name="demo-policy")
+                                    chat_template=rendering(tokenizer).chat_template, name="demo-policy")
 
 
 def check_prompt_rendering(tokenizer, tools: Sequence, trl_prompt: str | Sequence[dict[str, Any]],
@@ -382,9 +342,8 @@ def check_prompt_rendering(tokenizer, tools: Sequence, trl_prompt: str | Sequenc
     from transformers.utils import get_json_schema
 
     schemas = [get_json_schema(f) for f in tools]
-    template = prepare_tokenizer(tokenizer)
     policy = demo_policy(None, tokenizer)
-    want = prompt_ids(tokenizer, trl_prompt, tools, template)
+    want = prompt_ids(policy.rendering, trl_prompt, tools)
     got = policy._render(flat(list(eval_messages), flatten_system), schemas)
     if got != want:
         raise AssertionError(
@@ -405,7 +364,6 @@ def second_turn_alignment(tokenizer, tools: Sequence, completion_ids: Sequence[S
     """
     from transformers.utils import get_json_schema
 
-    template = prepare_tokenizer(tokenizer)
     schemas = [get_json_schema(f) for f in tools]
     policy = demo_policy(None, tokenizer)
     eos = tokenizer.eos_token_id
@@ -418,8 +376,8 @@ def second_turn_alignment(tokenizer, tools: Sequence, completion_ids: Sequence[S
         calls = ep.turns[0]["tool_calls"]
         if len(calls) != 1 or "output" not in calls[0] or "error" in calls[0]:
             continue
-        trl_prompt = prompt_ids(tokenizer, ep.prompt.flat if flatten_system else ep.prompt.chat(
-            [{"role": "user", "content": ""}]), tools, template)
+        trl_prompt = prompt_ids(policy.rendering, ep.prompt.flat if flatten_system else ep.prompt.chat(
+            [{"role": "user", "content": ""}]), tools)
         messages = flat(ep.prompt.chat(), flatten_system)
         first = policy._render(messages, schemas)
         policy._generated[tuple(first)] = ids[: ids.index(eos) + 1]
@@ -431,13 +389,13 @@ def second_turn_alignment(tokenizer, tools: Sequence, completion_ids: Sequence[S
     return checked, identical
 
 
-def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, max_turns: int = 1,
+def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, max_turns: int = 2,
                     flatten_system: bool = True, look_tool: str | None = None, output: str | None = None
                     ) -> dict[str, Any]:
     """Roll the policy out once per task of `spec` (held-out) through `spec.evaluate`, the way GRPO renders it.
 
-    Greedy, with the trainer's chat template (`prepare_tokenizer`), at most `max_new_tokens` per turn and
-    `max_turns` model turns; tool calls go through the same binding and episode core as training, and every
+    Greedy, with the trainer's chat template (`rendering`), at most `max_new_tokens` per turn and `max_turns`
+    model replies (the recipe's `max_tool_calling_iterations` + 1, the limit GRPO plays under); tool calls go through the same binding and episode core as training, and every
     turn's input ids are built as GRPO builds them (`LocalPolicy(join_turns=True)`). `output`: also write the episode records.
 
     Returns `success_rate` (reward == 1), `tool_call_rate` (episodes with a tool call), `tool_failure_rate`

@@ -1,0 +1,132 @@
+"""One turn rule: a scripted model whose every step is known, played through TRL's own loop (the adapter), the
+engine (`rollout_func`) and evaluation, gives the same records and the same counts on every path."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from ors_trl import OpenRewardSpec, PolicyReply
+from tests.fixtures.generation import tool_call_text
+
+pytest.importorskip("trl")
+
+ECHO = "echoenvironment"
+# What the scripted model replies, per task target and reply number: a list of calls, or a plain text (a text ending
+# in "..." is cut off: no end-of-sequence token, as when the length limit stops a reply).
+SCRIPT: dict[str, list[Any]] = {
+    "hello": [[("echo", {"text": "hello"}), ("echo", {"text": "again"})], "Done."],  # right, then a call after finished
+    "world": [[("no_such_tool", {"text": "world"})], [("echo", {"text": "nope"})], "Done."],  # unknown tool, wrong call
+    "trl": ["No."],  # a reply with no call
+    "openreward": [[("echo", {"txt": "openreward"})], "Done..."],  # arguments the server refuses, then a cut-off reply
+    "spec": [[("echo", {"text": "a"})], [("echo", {"text": "b"})], [("echo", {"text": "c"})]],  # past the turn limit
+}
+TARGETS = list(SCRIPT)
+ITERATIONS = 2  # TRL's max_tool_calling_iterations: three replies, the last one's calls are not run
+
+
+def scripted_ids(tok: Any, step: Any) -> list[int]:
+    if isinstance(step, str):
+        cut = step.endswith("...")
+        return tok.encode(step[:-3] if cut else step + "<|im_end|>", add_special_tokens=False)
+    text = "\n".join(tool_call_text(name, args) for name, args in step)
+    return tok.encode(text + "<|im_end|>", add_special_tokens=False)
+
+
+def target_of(text: str) -> str:
+    return next(t for t in TARGETS if f'"{t}"' in text)
+
+
+def scripted_generation(trainer: Any):
+    tok = trainer._tokenizer
+    response = tok.convert_tokens_to_ids("<|im_start|>")
+
+    def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        out = []
+        for ids in prompt_ids:
+            text = tok.decode(ids)
+            replies = text.count("<|im_start|>assistant") - 1  # the generation prompt opens one
+            out.append(scripted_ids(tok, SCRIPT[target_of(text)][replies]))
+        assert response is not None
+        return out, None
+
+    return generate
+
+
+class ScriptedPolicy:
+    """The same script as a `Policy` for evaluation."""
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        step = SCRIPT[target_of(messages[0]["content"])][sum(m["role"] == "assistant" for m in messages)]
+        if isinstance(step, str):
+            cut = step.endswith("...")
+            return PolicyReply(content=step[:-3] if cut else step, truncated=cut)
+        return PolicyReply(content="", tool_calls=[{"name": n, "arguments": a} for n, a in step])
+
+
+def make_trainer(model_dir: str, spec: OpenRewardSpec, mode: str, tmp_path: Any, logged: dict[str, float]) -> Any:
+    from tests.fixtures.generation import cpu_grpo_trainer
+
+    def outcome_reward(**kwargs: Any) -> list[float | None]:  # the spec's, with what it logs kept
+        return spec.reward_funcs(**{**kwargs, "log_metric": logged.__setitem__})
+
+    path = {"environment_factory": spec.environment_factory} if mode == "env" else {"rollout_func": spec.rollout_func}
+    trainer = cpu_grpo_trainer(model_dir, str(tmp_path / mode), batch=len(TARGETS) * 2, generations=2,
+                               turns=ITERATIONS, completion_length=256, train_dataset=spec.train_dataset,
+                               reward_funcs=outcome_reward, **path)
+    trainer._generate_single_turn = scripted_generation(trainer)
+    return trainer
+
+
+def comparable(record: dict[str, Any]) -> dict[str, Any]:
+    """A record without what differs by driver or by clock: timings, ids, the driver's name and run."""
+    out = {k: v for k, v in record.items() if k not in ("run", "source", "started_at", "timings", "repeat", "policy")}
+    out["turns"] = [{**{k: v for k, v in t.items() if k not in ("generation_seconds", "raw", "usage")},
+                     "tool_calls": [{k: v for k, v in c.items() if k not in ("seconds", "id")} for c in t["tool_calls"]]}
+                    for t in record["turns"]]
+    if out.get("final"):
+        out["final"] = {k: v for k, v in out["final"].items() if k != "seconds"}
+    return out
+
+
+def test_every_driver_plays_and_records_a_turn_the_same_way(tiny_model_dir, ref_server, tmp_path) -> None:
+    specs = {mode: OpenRewardSpec(ref_server.url, env_name=ECHO, num_tasks=len(TARGETS), gather_window=0.0)
+             for mode in ("env", "engine", "eval")}
+    rows = [copy.deepcopy(row) for row in specs["env"].train_dataset for _ in range(2)]
+    assert [r["target"] for r in rows[::2]] == TARGETS
+    records: dict[str, list[dict[str, Any]]] = {}
+    metrics: dict[str, dict[str, float]] = {}
+    for mode in ("env", "engine"):
+        metrics[mode] = {}
+        trainer = make_trainer(tiny_model_dir, specs[mode], mode, tmp_path, metrics[mode])
+        trainer._generate_and_score_completions(copy.deepcopy(rows))
+        episodes = ([env.episode for env in trainer.environments] if mode == "env"
+                    else specs[mode].rollout_func.last_episodes)
+        records[mode] = [ep.record() for ep in episodes][::2]
+    report = specs["eval"].evaluate(ScriptedPolicy(), max_turns=ITERATIONS + 1, progress=False)
+    records["eval"] = report.episodes
+
+    by_target = {mode: {r["prompt"]: comparable(r) for r in recs} for mode, recs in records.items()}
+    for prompt in by_target["env"]:
+        assert by_target["env"][prompt] == by_target["engine"][prompt], prompt
+        assert by_target["eval"][prompt] == by_target["engine"][prompt], prompt
+    summary = {comparable(r)["prompt"].split('"')[1]: (r["end_reason"], r["reward"], r["tool_calls"], r["tool_failures"],
+                                                     [[c["status"] for c in t["tool_calls"]] for t in r["turns"]])
+               for r in records["eval"]}
+    assert summary == {
+        "hello": ("finished", 1.0, 2, 1, [["ok", "refused"], []]),
+        "world": ("no_tool_calls", 0.0, 2, 1, [["refused"], ["ok"], []]),
+        "trl": ("no_tool_calls", None, 0, 0, [[]]),
+        "openreward": ("length", None, 1, 1, [["refused"], []]),
+        "spec": ("max_turns", 0.0, 2, 0, [["ok"], ["ok"], ["not_run"]]),
+    }
+    after = next(c for r in records["eval"] if "hello" in r["prompt"] for c in r["turns"][0]["tool_calls"][1:])
+    assert after["error"]["reason"] == "episode_finished" and "finished" in after["output"]
+    for key in ("tool_calls", "failures/refused", "failures/failed", "episodes", "tool_calls_per_episode",
+                "unscored/no_reward"):
+        assert metrics["env"][f"env/{ECHO}/{key}"] == metrics["engine"][f"env/{ECHO}/{key}"], key
+    for spec in specs.values():
+        spec.close()
+    assert ref_server.stats()["open_sessions"] == 0
