@@ -61,7 +61,8 @@ class ReportSummary:
     skipped_reasons: dict[str, int] = field(default_factory=dict)
 
 
-def write_report(inputs: Sequence[str | os.PathLike[str]], output: str | os.PathLike[str] = "report.html", *,
+def write_report(inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+                 output: str | os.PathLike[str] = "report.html", *,
                  max_episodes: int = DEFAULT_MAX_EPISODES, title: str | None = None,
                  success_threshold: float = DEFAULT_SUCCESS_THRESHOLD) -> ReportSummary:
     """Write one self-contained HTML page about episode logs, eval outputs and trainer logs.
@@ -72,10 +73,10 @@ def write_report(inputs: Sequence[str | os.PathLike[str]], output: str | os.Path
     that is not an episode record is skipped and counted on the page.
 
     Args:
-        inputs (`Sequence[str | os.PathLike]`):
-            Episode logs (`episode_log=`) and eval outputs (`ors-trl eval --output`), JSON lines of any record
-            version; trainer output folders (their `trainer_state.json`, also in the latest `checkpoint-*`) and
-            `trainer_state.json` files. Any number, in any order.
+        inputs (`str`, `os.PathLike` or a sequence of them):
+            One input or several, in any order: episode logs (`episode_log=`) and eval outputs (`ors-trl eval
+            --output`), JSON lines of any record version; trainer output folders (their `trainer_state.json`, also
+            in the latest `checkpoint-*`) and `trainer_state.json` files.
         output (`str` or `os.PathLike`, *optional*, defaults to `"report.html"`):
             The HTML file to write, replaced whole at once; it may not be one of the `inputs`.
         max_episodes (`int`, *optional*, defaults to `2000`):
@@ -100,6 +101,8 @@ def write_report(inputs: Sequence[str | os.PathLike[str]], output: str | os.Path
     if (isinstance(success_threshold, bool) or not isinstance(success_threshold, int | float)
             or not math.isfinite(success_threshold)):
         raise ConfigurationError(f"success_threshold must be a finite number, got {success_threshold!r}")
+    if isinstance(inputs, str | os.PathLike):
+        inputs = [inputs]
     if not inputs:
         raise ConfigurationError("no inputs given")
     items = recognise_all(inputs)

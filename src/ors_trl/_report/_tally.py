@@ -20,7 +20,7 @@ import json
 from array import array
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from typing import Any
 
 from .._metrics import EpisodeStats, _number
@@ -76,16 +76,15 @@ class Sample:
 
 
 class Tally:
-    """Everything the page says about episodes, built in one pass over the records."""
+    """Everything the page says about episodes, built in one pass over the records: each record is counted per task
+    and per run; the counts per environment and in total are merged from those once every record is in."""
 
     def __init__(self, max_episodes: int, success_threshold: float) -> None:
         self.max_episodes = max_episodes
         self.success_threshold = success_threshold
-        stats = partial(EpisodeStats, success_threshold)
-        self.total = stats()
-        self.envs: defaultdict[str, EpisodeStats] = defaultdict(stats)
-        self.tasks: defaultdict[tuple[str, str], EpisodeStats] = defaultdict(stats)
-        self.runs: defaultdict[str, EpisodeStats] = defaultdict(stats)
+        self._stats = partial(EpisodeStats, success_threshold)
+        self.tasks: defaultdict[tuple[str, str], EpisodeStats] = defaultdict(self._stats)  # (environment, task)
+        self.runs: defaultdict[str, EpisodeStats] = defaultdict(self._stats)
         self.sources: Counter[str] = Counter()
         self.call_failures: Counter[str] = Counter()  # by error kind, the terminal tool's included
         self.episode_errors: Counter[str] = Counter()
@@ -111,8 +110,8 @@ class Tally:
                       | ({f"unscored: {unscored}"} if unscored else set()))
 
         counted = {**rec, "end_reason": end, "unscored": unscored}  # the labels, bounded
-        for stats in (self.total, self.envs[env], self.tasks[(env, task)], self.runs[run]):
-            stats.add_record(counted)
+        self.tasks[(env, task)].add_record(counted)
+        self.runs[run].add_record(counted)
         self.sources[label(rec.get("source") or "-")] += 1
         self.call_failures.update(fails)
         if error:
@@ -137,6 +136,20 @@ class Tally:
                         continue
                     bucket = self._reserved[kind] = []
                 self._offer(bucket, item, _RESERVED_PER_KIND)
+
+    @cached_property
+    def envs(self) -> dict[str, EpisodeStats]:
+        out: defaultdict[str, EpisodeStats] = defaultdict(self._stats)
+        for (env, _), stats in self.tasks.items():
+            out[env].merge(stats)
+        return dict(out)
+
+    @cached_property
+    def total(self) -> EpisodeStats:
+        out = self._stats()
+        for stats in self.runs.values():
+            out.merge(stats)
+        return out
 
     @staticmethod
     def _offer(heap: list[_Item], item: _Item, size: int) -> None:
