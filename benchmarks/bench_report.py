@@ -28,7 +28,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # the package, and the suite's fixtures (tests.fixtures)
 
-from ors_trl._report import DEFAULT_MAX_EPISODES, write_report  # noqa: E402
+from ors_trl import write_report  # noqa: E402
+from ors_trl._report._tally import DEFAULT_MAX_EPISODES  # noqa: E402
 from ors_trl._text import clip  # noqa: E402
 
 TARGET_SECONDS = 30.0

@@ -13,9 +13,8 @@ from typing import Any
 
 import pytest
 
-from ors_trl import OpenRewardSpec, PolicyReply
+from ors_trl import OpenRewardSpec, PolicyReply, write_report
 from ors_trl._records import MAX_DEPTH, RecordWriter, read_records
-from ors_trl._report import write_report
 
 pytestmark = pytest.mark.usefixtures("no_leaked_sessions")
 
@@ -127,6 +126,17 @@ def test_reader_skips_counts_and_names_what_is_not_a_record(tmp_path, caplog) ->
     assert skipped == Counter({"not JSON (a cut or corrupt line)": 1, "nested too deeply to read": 1,
                                "not a JSON object": 1})
     assert "skipped 3 unreadable line(s)" in caplog.text
+
+
+def test_reader_never_fails_on_fields_of_the_wrong_type(tmp_path) -> None:
+    """Upgrading an old record leaves a field of the wrong type as it is: one such line cannot end the read."""
+    odd = [{"n": 1, "turns": 5}, {"n": 2, "turns": True}, {"n": 3, "turns": [4, {"tool_calls": 3}]},
+           {"n": 4, "version": 2, "turns": [{"tool_calls": [{"name": "t"}, "x"]}]}]
+    path = tmp_path / "e.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in odd))
+    records = list(read_records(path))
+    assert records[:3] == odd[:3]
+    assert records[3]["turns"][0]["tool_calls"] == [{"name": "t", "status": "ok"}, "x"]
 
 
 def test_training_episode_log_keeps_a_record_with_a_lone_surrogate(ref_server, tmp_path) -> None:

@@ -12,13 +12,15 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ors_trl import ConfigurationError, OpenRewardSpec, PolicyReply, ToolError
-from ors_trl._report import _recognise, write_report
+from ors_trl import ConfigurationError, OpenRewardSpec, PolicyReply, ToolError, write_report
+from ors_trl._report._inputs import recognise
 from ors_trl.cli import EXIT_ERROR, EXIT_OK, EXIT_USAGE, main
 from tests.fixtures.environments import QUIZ_SYSTEM
 
@@ -317,13 +319,13 @@ def test_inputs_are_recognised_by_content(tmp_path) -> None:
     compact = tmp_path / "state.json"
     compact.write_text(json.dumps(state))
 
-    assert _recognise(log).kind == _recognise(evals).kind == _recognise(legacy).kind == "episodes"
-    folder = _recognise(tmp_path / "out")
+    assert recognise(log).kind == recognise(evals).kind == recognise(legacy).kind == "episodes"
+    folder = recognise(tmp_path / "out")
     assert folder.kind == "trainer_state" and folder.path.parent.name == "checkpoint-10"  # numerically latest
-    assert _recognise(tmp_path / "out" / "checkpoint-10" / "trainer_state.json").kind == "trainer_state"
-    assert _recognise(compact).kind == "trainer_state"
+    assert recognise(tmp_path / "out" / "checkpoint-10" / "trainer_state.json").kind == "trainer_state"
+    assert recognise(compact).kind == "trainer_state"
     (tmp_path / "out" / "trainer_state.json").write_text(json.dumps(state))
-    assert _recognise(tmp_path / "out").path == tmp_path / "out" / "trainer_state.json"  # the run's own, first
+    assert recognise(tmp_path / "out").path == tmp_path / "out" / "trainer_state.json"  # the run's own, first
 
     summary = write_report([log, evals, legacy, tmp_path / "out", tmp_path / "out" / "trainer_state.json"],
                            tmp_path / "r.html")
@@ -579,3 +581,63 @@ def test_a_key_in_the_inputs_is_not_spread(tmp_path, capsys) -> None:
     assert "1 record(s) skipped: 1 not JSON" in page
     assert main(["report", str(log), "-o", str(out), "--json"]) == EXIT_OK
     assert key not in capsys.readouterr().out
+
+
+# -- success, the page's files ----------------------------------------------------------------------------------
+
+
+def task_cells(page: str) -> dict[str, list[str]]:
+    """The per-task table: task -> the sort values of its number cells (episodes, mean reward, graded, finished,
+    success rate, tool calls / episode, tool-call failures, in sample)."""
+    rows = re.findall(r'<tr class=task data-env="[^"]*" data-task="([^"]*)">(.*?)</tr>', page)
+    return {task: re.findall(r'data-v="([^"]*)"', cells) for task, cells in rows}
+
+
+def test_success_threshold_sets_what_succeeds(tmp_path, capsys) -> None:
+    rewards = {0: [1.0, 0.5], 1: [0.7, None], 2: [0.2, 0.0]}
+    log = write_lines(tmp_path / "e.jsonl", [v2(i, reward=r, run=f"run-{k}") for i, rs in rewards.items()
+                                             for k, r in enumerate(rs)])
+    expected = {1.0: {0: 0.5, 1: 0.0, 2: 0.0}, 0.5: {0: 1.0, 1: 0.5, 2: 0.0}, 0.1: {0: 1.0, 1: 0.5, 2: 0.5}}
+    for threshold, by_task in expected.items():
+        out = tmp_path / f"r-{threshold}.html"
+        kwargs = {} if threshold == 1.0 else {"success_threshold": threshold}  # 1.0: the default
+        write_report(log if threshold == 0.1 else [log], out, **kwargs)  # one input needs no list
+        page = out.read_text()
+        cells = task_cells(page)
+        assert {int(task.split("#")[1]): float(v[4]) for task, v in cells.items()} == by_task, threshold
+        assert f"Success: reward &ge; {threshold:g}" in page and f"reward ≥ {threshold:g}, of every episode" in page
+        total = sum(r is not None and r >= threshold for rs in rewards.values() for r in rs) / 6
+        assert f"<div class=k>success rate</div><div class=v>{total:.1%}</div>" in page
+    assert re.search(r"<h3>Per run</h3><table class='sortable'>.*?<td>run-0</td><td class=num data-v=\"3\">", page)
+    out = tmp_path / "cli.html"
+    assert main(["report", str(log), "-o", str(out), "--success-threshold", "0.5"]) == EXIT_OK
+    assert task_cells(out.read_text()) == task_cells((tmp_path / "r-0.5.html").read_text())
+    for bad in ("half", "nan", "inf"):
+        assert main(["report", str(log), "-o", str(out), "--success-threshold", bad]) == EXIT_USAGE
+        assert "--success-threshold: expected a number" in capsys.readouterr().err
+    with pytest.raises(ConfigurationError, match="success_threshold must be a finite number"):
+        write_report([log], out, success_threshold="1")
+
+
+def test_page_styles_script_and_skeleton_are_the_package_data(tmp_path) -> None:
+    write_report([write_lines(tmp_path / "e.jsonl", [v2(0)])], tmp_path / "r.html")
+    page = (tmp_path / "r.html").read_text()
+    data = files("ors_trl._report")
+    for name in ("page.css", "page.js"):
+        text = data.joinpath(name).read_text(encoding="utf-8")
+        assert len(text) > 1000 and text in page, name
+    skeleton = [line for line in data.joinpath("page.html").read_text(encoding="utf-8").splitlines() if "$" not in line]
+    assert len(skeleton) > 20 and all(line in page for line in skeleton)
+    # a wheel ships them: every data file of the package folder is declared as package data
+    pyproject = tomllib.loads((Path(SRC).parent / "pyproject.toml").read_text())
+    declared = pyproject["tool"]["setuptools"]["package-data"]["ors_trl._report"]
+    folder = Path(SRC) / "ors_trl" / "_report"
+    assert sorted(declared) == sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix != ".py")
+
+
+def test_records_with_fields_of_the_wrong_type_are_skipped(tmp_path) -> None:
+    log = write_lines(tmp_path / "e.jsonl", [{"reward": 1, "turns": 5}, v2(0),
+                                             {"environment": "e", "reward": 1, "turns": [{"tool_calls": 3}]}])
+    summary = write_report([log], tmp_path / "r.html")
+    assert summary.episodes == 1 and summary.skipped_reasons == {"unreadable as an episode (TypeError)": 2}
+    assert "2 record(s) skipped: 2 unreadable as an episode (TypeError)." in (tmp_path / "r.html").read_text()

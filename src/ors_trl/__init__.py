@@ -35,6 +35,7 @@ from ._exceptions import (
 )
 from ._mix import OpenRewardMix
 from ._policies import LocalPolicy, OpenAIPolicy, Policy, PolicyReply
+from ._report import ReportSummary, write_report
 from ._rewards import outcome_reward
 from ._spec import OpenRewardSpec
 from ._transport import RetryPolicy, Timeouts
@@ -84,6 +85,7 @@ __all__ = [
     "ProtocolError",
     "RateLimitError",
     "ReasoningBlock",
+    "ReportSummary",
     "RetryPolicy",
     "ServerError",
     "ServiceUnavailableError",
@@ -109,4 +111,5 @@ __all__ = [
     "get_max_sessions",
     "outcome_reward",
     "set_max_sessions",
+    "write_report",
 ]

@@ -152,9 +152,11 @@ def upgrade(record: dict[str, Any]) -> EpisodeRecord:
         record["turns"] = [{"index": 0, "assistant": None, "tool_calls": calls}]
         record.setdefault("tool_calls", len(calls))
         record.setdefault("tool_failures", sum(1 for c in calls if "error" in c))
-    if record.get("version") != RECORD_VERSION:
-        for turn in record.get("turns") or []:
-            for call in (turn.get("tool_calls") or []) if isinstance(turn, dict) else []:
+    if record.get("version") != RECORD_VERSION:  # fields of the wrong type are left as they are, never fatal
+        turns = record.get("turns")
+        for turn in turns if isinstance(turns, list) else []:
+            made = turn.get("tool_calls") if isinstance(turn, dict) else None
+            for call in made if isinstance(made, list) else []:
                 if isinstance(call, dict) and "status" not in call:
                     call["status"] = _status(call)
     return record  # type: ignore[return-value]

@@ -61,7 +61,9 @@ class _UsageError(Exception):
 
 def _number(kind: type[int] | type[float], low: float, *, strict: bool = False) -> Callable[[str], Any]:
     """An argparse type: `kind` at least `low` (above it with `strict`), with a message naming the bound."""
-    want = f"{'an integer' if kind is int else 'a number'} {'>' if strict else '>='} {low:g}"
+    want = "an integer" if kind is int else "a number"
+    if math.isfinite(low):
+        want += f" {'>' if strict else '>='} {low:g}"
 
     def parse(text: str) -> Any:
         try:
@@ -78,6 +80,7 @@ def _number(kind: type[int] | type[float], low: float, *, strict: bool = False) 
 _non_negative_int = _number(int, 0)
 _positive_int = _number(int, 1)
 _positive_seconds = _number(float, 0, strict=True)
+_finite_number = _number(float, -math.inf)
 
 
 def _indices(text: str) -> list[int]:
@@ -232,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated bundled environments (echo, demo, look), or 'all' (default echo)")
     p.add_argument("--log-level", default="warning", help="server log level (default warning)")
 
-    from ._report import DEFAULT_MAX_EPISODES
+    from ._metrics import DEFAULT_SUCCESS_THRESHOLD
+    from ._report._tally import DEFAULT_MAX_EPISODES
 
     p = sub.add_parser(
         "report",
@@ -244,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(prompt, every tool call with its arguments, output, reward and failure, the final message and reward). "
         "Inputs are recognised by content: episode logs (episode_log=), eval outputs (ors-trl eval --output), "
         "trainer output folders (their trainer_state.json, also in checkpoint-*/) and trainer_state.json files. "
-        "Every episode is counted; a deterministic sample of at most --max-episodes bodies is embedded."),
+        "Every episode is counted; a deterministic sample of at most --max-episodes bodies is embedded. An episode "
+        "succeeded when its reward is at least --success-threshold."),
         **_LAYOUT,
     )
     p.add_argument("inputs", metavar="INPUT", nargs="+",
@@ -253,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the HTML file to write (default report.html; replaced if it exists)")
     p.add_argument("--max-episodes", metavar="N", type=_non_negative_int, default=DEFAULT_MAX_EPISODES,
                    help=f"episode bodies embedded in the page, a deterministic sample (default {DEFAULT_MAX_EPISODES})")
+    p.add_argument("--success-threshold", metavar="X", type=_finite_number, default=DEFAULT_SUCCESS_THRESHOLD,
+                   help=f"an episode succeeded when its reward is at least X (default {DEFAULT_SUCCESS_THRESHOLD:g})")
     p.add_argument("--title", metavar="TEXT", help="the page's title (default: names the environments)")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
@@ -364,7 +371,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from ._report import write_report
 
     try:
-        summary = write_report(args.inputs, args.output, max_episodes=args.max_episodes, title=args.title)
+        summary = write_report(args.inputs, args.output, max_episodes=args.max_episodes, title=args.title,
+                               success_threshold=args.success_threshold)
     except OSError as exc:  # the inputs were readable (else ConfigurationError): the output is not writable
         print(f"ors-trl report: error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -451,11 +451,8 @@ def _checking_alignment(reward_func: Callable[..., list[float | None]], tokenize
 
 def _write_report(out_dir: Path, task: str, say: Callable[[str], None]) -> str | None:
     """The HTML report of the run (training episodes, evaluations, trainer state); None where unavailable."""
-    try:
-        from ors_trl._report import write_report
-    except ImportError:  # an ors-trl without `ors-trl report`
-        say("  (no HTML report: this ors-trl has no report module)")
-        return None
+    from ors_trl import write_report
+
     inputs = [p for p in (out_dir / EPISODE_LOG, out_dir / "eval_before.jsonl", out_dir / "eval_after.jsonl")
               if p.exists() and p.stat().st_size > 0]
     try:
