@@ -43,6 +43,14 @@ def check_no_leaks(server: ReferenceServer, timeout: float = 10.0) -> None:
         pytest.fail(f"{len(left)} session(s) left open on the server: {left[:5]}", pytrace=False)
 
 
+@pytest.fixture(scope="session")
+def colliding_server() -> Iterator[ReferenceServer]:
+    """The environment whose task fields are named like TRL's keywords, beside the echo one (served apart from
+    `ref_server`: its tasks do not follow the shared catalog's conventions)."""
+    with fixture_server("colliding,echo") as server:
+        yield server
+
+
 @pytest.fixture
 def no_leaked_sessions(ref_server: ReferenceServer) -> Iterator[None]:
     """Use in a test module (autouse) whose tests must leave the shared server without sessions."""

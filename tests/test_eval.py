@@ -572,13 +572,20 @@ def test_cli_tool_and_episode_timeouts(slow_server, fake_openai, tmp_path, capsy
 
 def test_summary_escapes_the_environments_text(fake_openai, capsys) -> None:
     from ors_trl.testing import ReferenceServer
-    from tests.fixtures.terminal_environments import TitleEnvironment
+    from tests.fixtures.terminal_environments import TitleEnvironment, TrapEnvironment
 
     name = TitleEnvironment.name().lower()
-    with ReferenceServer([TitleEnvironment]) as server:
+    with ReferenceServer([TrapEnvironment, TitleEnvironment]) as server:
+        assert main(["eval", server.url, "--env-name", "trapenvironment", "--base-url", fake_openai.url, "--model",
+                     "m", "--num-tasks", "1", "--no-progress"]) == 0
+        # a name that cannot be part of a URL path is refused, and said escaped
         assert main(["eval", server.url, "--env-name", name, "--base-url", fake_openai.url, "--model", "m",
-                     "--num-tasks", "1", "--no-progress"]) == 0
+                     "--num-tasks", "1", "--no-progress"]) == 1
         server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=30)
     out = capsys.readouterr()
-    assert "of title\\u202eenv\\x1b]0;pwned\\x07 (split 'train')" in out.out
+    assert "of trapenvironment (split 'train')" in out.out and "title\\u202eenv\\x1b]0;pwned\\x07" in out.err
     assert not any(c in out.out + out.err for c in ("\x1b", "\x07", "\u202e"))
+    report = EvalReport.from_episodes([], target="t", environment=name, split="te\x1b[2Jst", policy="p\r",
+                                      num_resumed=0, seconds=0.0)
+    assert "of title\\u202eenv\\x1b]0;pwned\\x07 (split 'te\\x1b[2Jst')" in report.summary()
+    assert not any(c in report.summary() for c in ("\x1b", "\x07", "\u202e", "\r"))

@@ -178,24 +178,27 @@ def test_control_sequences_are_printed_escaped(trap_server, capsys) -> None:
     from tests.fixtures.terminal_environments import TITLE, TitleEnvironment
 
     title_env = TitleEnvironment.name().lower()
-    for env in ("trapenvironment", title_env):
-        assert main(["inspect", trap_server.url, "--env-name", env]) == 0
-        out = capsys.readouterr()
-        assert raw_controls(out.out + out.err) == []
-        text = out.out
-        assert "title\\u202eenv\\x1b]0;pwned\\x07" in text  # the environment listing (and its name below)
-        assert "te\\x1b[2Jst  type=validation" in text  # a split name that would clear the screen
-        assert "fields: fi\\u202eeld, id, nul" in text and "line\\roverwritten\\x9b31m" in text  # task fields
-        assert "  peek\\x1b[2J: Peek." in text  # a tool name
-        # a description that would retitle the terminal and rewrite its line: one line, escaped
-        assert "  look: Look around.\\x1b]0;pwned\\x07 then Binding warnings: none \\u202edrawkcab\n" in text
-    assert "Environment: title\\u202eenv\\x1b]0;pwned\\x07" in text
+    assert main(["inspect", trap_server.url, "--env-name", "trapenvironment"]) == 0
+    out = capsys.readouterr()
+    assert raw_controls(out.out + out.err) == []
+    text = out.out
+    assert "title\\u202eenv\\x1b]0;pwned\\x07" in text  # the environment listing
+    assert "te\\x1b[2Jst  type=validation" in text  # a split name that would clear the screen
+    assert "fields: fi\\u202eeld, id, nul" in text and "line\\roverwritten\\x9b31m" in text  # task fields
+    assert "  peek\\x1b[2J: Peek." in text  # a tool name
+    # a description that would retitle the terminal and rewrite its line: one line, escaped
+    assert "  look: Look around.\\x1b]0;pwned\\x07 then Binding warnings: none \\u202edrawkcab\n" in text
+    # a name that cannot be a URL path segment is refused (it would go into every request's path), and said escaped
+    assert main(["inspect", trap_server.url, "--env-name", title_env]) == 1
+    err = capsys.readouterr().err
+    assert "cannot be part of a URL path" in err and "title\\u202eenv\\x1b]0;pwned\\x07" in err
+    assert raw_controls(err) == []
     # --json: the same data exactly, its control and format characters as JSON escapes
-    assert main(["inspect", trap_server.url, "--env-name", title_env, "--json"]) == 0
+    assert main(["inspect", trap_server.url, "--env-name", "trapenvironment", "--json"]) == 0
     out = capsys.readouterr().out
     assert raw_controls(out) == []
     info = json.loads(out)
-    assert info["environment"] == title_env and TITLE in info["tasks"][0]["task"]["id"]
+    assert info["environment"] == "trapenvironment" and TITLE in info["tasks"][0]["task"]["id"]
     assert info["shared_tools"][1]["name"] == "peek\x1b[2J" and info["splits"][1]["name"] == "te\x1b[2Jst"
     # an error message that lists the server's environments
     assert main(["inspect", trap_server.url, "--env-name", "nope"]) == 1

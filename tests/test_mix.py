@@ -137,15 +137,15 @@ def test_bad_mix_arguments(ref_server) -> None:
 
 
 @pytest.mark.parametrize("mode", ["environment_factory", "rollout_func"])
-def test_task_fields_named_like_trl_keywords_are_renamed_in_a_mix(ref_server, tiny_model_dir, tmp_path, caplog,
-                                                                  mode) -> None:
+def test_task_fields_named_like_trl_keywords_are_renamed_in_a_mix(colliding_server, tiny_model_dir, tmp_path,
+                                                                  caplog, mode) -> None:
     """The mix's own `environment` routing column stays TRL's; the task's `environment` field (and every other name
     TRL calls with) is kept as `task_<name>`; a real GRPOTrainer step trains."""
     from test_spec import COLLIDING_REWARDS, check_user_reward_kwargs, colliding_step
     from tests.fixtures.environments import COLLIDING_FIELDS
 
-    mix = OpenRewardMix({"colliding": OpenRewardSpec(ref_server.url, env_name="collidingenvironment"),
-                         "echo": OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=2)})
+    mix = OpenRewardMix({"colliding": OpenRewardSpec(colliding_server.url, env_name="collidingenvironment"),
+                         "echo": OpenRewardSpec(colliding_server.url, env_name="echoenvironment", num_tasks=2)})
     with caplog.at_level("WARNING", logger="ors_trl"):
         dataset = mix.train_dataset
     assert sum("renamed" in r.getMessage() for r in caplog.records) == 1 and mix.dataset_notes

@@ -463,11 +463,11 @@ def check_user_reward_kwargs(seen: list, *, environments: bool) -> None:
 
 
 @pytest.mark.parametrize("mode", ["environment_factory", "rollout_func"])
-def test_task_fields_named_like_trl_keywords_are_renamed_and_a_real_step_trains(ref_server, tiny_model_dir, tmp_path,
-                                                                                 caplog, mode) -> None:
+def test_task_fields_named_like_trl_keywords_are_renamed_and_a_real_step_trains(colliding_server, tiny_model_dir,
+                                                                                 tmp_path, caplog, mode) -> None:
     """`self`, `prompts`, `completions`, ... as task fields made TRL raise TypeError (a keyword given twice)."""
-    spec = OpenRewardSpec(ref_server.url, env_name="collidingenvironment")
-    before = ref_server.stats()["open_sessions"]
+    spec = OpenRewardSpec(colliding_server.url, env_name="collidingenvironment")
+    before = colliding_server.stats()["open_sessions"]
     with caplog.at_level("WARNING", logger="ors_trl"):
         dataset = spec.train_dataset
     renamed = [r.getMessage() for r in caplog.records if "renamed" in r.getMessage()]
@@ -477,7 +477,7 @@ def test_task_fields_named_like_trl_keywords_are_renamed_and_a_real_step_trains(
                                      "reward_funcs": spec.reward_funcs}, tiny_model_dir, str(tmp_path))
     assert len(outcomes) == 4 and all(reward == COLLIDING_REWARDS[t] for t, reward in outcomes)
     check_user_reward_kwargs(seen, environments=mode == "environment_factory")
-    ref_server.wait_for_stats(lambda s: s["open_sessions"] == before, timeout=30)  # closed at the end of training
+    colliding_server.wait_for_stats(lambda s: s["open_sessions"] == before, timeout=30)  # closed at the end of training
     spec.close()
 
 
