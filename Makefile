@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean venv
+.PHONY: demo test lint bench clean venv browser
 
 # torch first, pinned to the CPU wheel; then everything else under the pinned constraints.
 $(STAMP): pyproject.toml requirements/constraints.txt
@@ -21,9 +21,15 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/ors-trl demo $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m pytest -q $(ARGS)
+
+# The report's tests open the page in headless Chromium (Debian's package); installed here, never by a test.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		apt-get update -qq && apt-get install -y -qq -o DPkg::Lock::Timeout=120 chromium >/dev/null; } || \
+		echo "chromium is not installed (needs root and apt-get): the headless-browser tests will be skipped"
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks examples
