@@ -19,9 +19,9 @@ request:
                        graceful `ReferenceServer.restart()` behind a `starting` period, the environment_factory
                        path a hard kill (SIGKILL) with the proxy answering 502 until the new process is up
 
-Two paths, each through a real `GRPOTrainer` whose `_generate_single_turn` is a scripted model (on turn k it
-calls `work(step=k, call_id=<fresh id>)`, after `--turns` calls it says "Done."), one full
-`trainer._generate_and_score_completions(rows)` per step, as bench_rollouts.py does:
+Two paths, each through a real `GRPOTrainer` whose generation is a scripted model (on turn k it calls
+`work(step=k, call_id=<fresh id>)`, after `--turns` calls it says "Done."), one full generate-and-score of the
+batch per step (`tests.fixtures.generation`), as bench_rollouts.py does:
 
     engine   `spec.rollout_func` (the RolloutEngine)
     env      `spec.environment_factory` (TRL's own tool loop)
@@ -73,7 +73,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from ors_trl import RetryPolicy, Timeouts  # noqa: E402
 from ors_trl.testing import FaultProxy, ReferenceServer, free_port  # noqa: E402
 from ors_trl.testing.faults import DropStream, Fault, Reset, Seen, Stall, Status  # noqa: E402
-from tests.fixtures.generation import cpu_grpo_trainer, tool_call_text  # noqa: E402
+from tests.fixtures.generation import (  # noqa: E402
+    build_tiny_model,
+    cpu_grpo_trainer,
+    generate_and_score,
+    replace_generation,
+    tool_call_text,
+)
 
 ENV = "chaosenvironment"
 #: The suite's fixture environment, imported by the server process only (importing `openreward` here would add
@@ -246,30 +252,20 @@ WORK_TOOL = {"type": "function", "function": {
 
 
 def build_model_dir(turns: int, workdir: str) -> str:
-    """A tiny random Qwen3 + byte-level BPE tokenizer trained on ChaosEnvironment conversations."""
-    from ors_trl.demo._model import build_model, build_tokenizer, render_corpus
-
+    """The harness's tiny random Qwen3 + byte-level BPE tokenizer, trained on ChaosEnvironment conversations."""
     prompt = f"Call `work` with step=0, then 1, and so on up to step={turns - 1}, each with a new call_id."
 
     def episode(task: dict[str, Any], rng: random.Random) -> tuple[str, dict[str, Any], str]:
         step, call_id = rng.randrange(max(turns, 1)), f"engine-{rng.randrange(1000)}"
         return "work", {"step": step, "call_id": call_id}, f"step {step} done ({call_id})"
 
-    tokenizer = build_tokenizer(render_corpus([{}], [WORK_TOOL], lambda task: prompt, episode, copies=8))
-    positions = 1 << 13
-    model = build_model(tokenizer, seed=0, max_position_embeddings=positions)
-    tokenizer.model_max_length = positions
-    path = os.path.join(workdir, "tiny-model")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return build_tiny_model(os.path.join(workdir, "tiny-model"), [WORK_TOOL], lambda task: prompt, episode, copies=8,
+                            positions=1 << 13)
 
 
 def make_trainer(model_dir: str, out_dir: str, spec: Any, mode: str, args: argparse.Namespace) -> Any:
-    path = {"environment_factory": spec.environment_factory} if mode == "env" else {"rollout_func": spec.rollout_func}
     return cpu_grpo_trainer(model_dir, out_dir, batch=args.rollouts, generations=args.generations, turns=args.turns,
-                            completion_length=48 * args.turns + 64, train_dataset=spec.train_dataset,
-                            reward_funcs=spec.reward_funcs, **path)
+                            completion_length=48 * args.turns + 64, spec=spec, mode=mode)
 
 
 # -- measuring --------------------------------------------------------------------------------------------------------
@@ -470,7 +466,7 @@ def run_path(mode: str, server: ReferenceServer, proxy: FaultProxy, chaos: Chaos
                           episode_timeout=60.0 if mode == "engine" else None)
     result = PathResult(episodes=steps * args.rollouts, steps=steps)
     trainer = make_trainer(model_dir, os.path.join(workdir, mode), spec, mode, args)  # discovery: no faults yet
-    trainer._generate_single_turn = chaos_generation(trainer.processing_class, args.turns, mode, issued)
+    replace_generation(trainer, chaos_generation(trainer.processing_class, args.turns, mode, issued))
     dataset = spec.train_dataset
     per_step = args.rollouts // args.generations
     restarter = None
@@ -487,7 +483,7 @@ def run_path(mode: str, server: ReferenceServer, proxy: FaultProxy, chaos: Chaos
                 faulthandler.dump_traceback_later(STEP_LIMIT_S, exit=True)
             s0 = time.monotonic()
             try:
-                trainer._generate_and_score_completions(rows)
+                generate_and_score(trainer, rows)
             except Exception as exc:  # a crashed step is what this run must never see
                 result.steps_crashed += 1
                 if len(result.crash_messages) < 3:

@@ -19,8 +19,8 @@ Workloads (`--workload`):
                turn-synchronous     setup + the sum over turns of each turn's slowest call: what a
                                     schedule with a barrier after every turn pays (TRL's loop)
 
-Paths, each through a real `GRPOTrainer` and one full `trainer._generate_and_score_completions(rows)` per
-step (but (d)), printed in this order:
+Paths, each through a real `GRPOTrainer` and one full generate-and-score of the batch per step
+(`tests.fixtures.generation.generate_and_score`; but (d)), printed in this order:
 
     (a) trl     `trl.experimental.openreward.OpenRewardSpec(url)`  environment_factory (openreward SDK)
     (b) env     `ors_trl.OpenRewardSpec(url)`                      environment_factory (TRL's own loop; ors-trl
@@ -38,7 +38,7 @@ Each path first runs a one-task warm-up step on a task outside the measured ones
 for one step (`--trl-steps`); (b) for two (`--steps`): step 2 repeats the tasks, as a later epoch
 does, with its prompt cache warm; (c), (d) and (e) for `--engine-steps` (median reported).
 
-In (a), (b), (c), (e), `trainer._generate_single_turn` is replaced by the same scripted double
+In (a), (b), (c), (e), TRL's generation is replaced by the same scripted double
 (tests.fixtures.generation.work_turn_by_turn): on turn k the "model" emits `work(step=k)` until T
 calls were made, then "Done.". Model compute is therefore ~0 and the step time is environment
 wait plus client/trainer overhead. Columns besides the step's wall time and this process's CPU time:
@@ -106,7 +106,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from ors_trl.testing import ReferenceServer  # noqa: E402
 from tests.fixtures.environments import HeavyTail, HeavyTailEnvironment, SlowEnvironment  # noqa: E402
 from tests.fixtures.environments import server as fixture_server  # noqa: E402
-from tests.fixtures.generation import cpu_grpo_trainer, work_turn_by_turn  # noqa: E402
+from tests.fixtures.generation import (  # noqa: E402
+    build_tiny_model,
+    cpu_grpo_trainer,
+    generate_and_score,
+    replace_generation,
+    work_turn_by_turn,
+)
 
 #: workload -> (fixture short name, environment key on the wire)
 WORKLOADS = {"uniform": ("slow", SlowEnvironment.key()), "heavy": ("heavy", HeavyTailEnvironment.key())}
@@ -186,11 +192,10 @@ def _median(steps: list[StepResult]) -> float:
 
 
 def build_model_dir(url: str, env: str, turns: int, workdir: str) -> str:
-    """A tiny random Qwen3 + BPE tokenizer trained on `work` conversations (as tests/conftest.py does)."""
+    """The harness's tiny random Qwen3 + BPE tokenizer, trained on `work` conversations."""
     import random
 
     from ors_trl import OpenRewardSpec
-    from ors_trl.demo._model import build_model, build_tokenizer, render_corpus
 
     spec = OpenRewardSpec(url, env_name=env, num_tasks=1, keepalive_interval=None)
     tools = [
@@ -205,14 +210,9 @@ def build_model_dir(url: str, env: str, turns: int, workdir: str) -> str:
         step = rng.randrange(max(turns, 1))
         return "work", {"step": step}, f"step {step} done"
 
-    tokenizer = build_tokenizer(render_corpus([{}], tools, lambda task: prompt, episode, copies=16))
-    positions = 1 << 15  # rotary positions cost nothing; leaves room for long multi-turn episodes
-    model = build_model(tokenizer, seed=0, max_position_embeddings=positions)
-    tokenizer.model_max_length = positions
-    path = os.path.join(workdir, "tiny-model")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    # 2**15 positions: room for long multi-turn episodes
+    return build_tiny_model(os.path.join(workdir, "tiny-model"), tools, lambda task: prompt, episode, copies=16,
+                            positions=1 << 15)
 
 
 def make_trainer(
@@ -222,7 +222,7 @@ def make_trainer(
                                turns=args.turns, completion_length=64 * args.turns + 256, train_dataset=dataset,
                                reward_funcs=reward, **kwargs)
     # the scripted model: work(step=k) on turn k, then "Done." (tests.fixtures.generation)
-    trainer._generate_single_turn = work_turn_by_turn(trainer.processing_class, args.turns)
+    replace_generation(trainer, work_turn_by_turn(trainer.processing_class, args.turns))
     return trainer
 
 
@@ -296,7 +296,7 @@ def run_step(trainer: Any, rows: list[dict[str, Any]], probe: Probe, server: Ref
     probe.clear()
     calls0, setups0, _ = _server_counts(server, args)
     c0, t0 = time.process_time(), time.perf_counter()
-    trainer._generate_and_score_completions(copy.deepcopy(rows))
+    generate_and_score(trainer, rows)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     calls1, setups1, open_after = _server_counts(server, args)
     rewards = probe.rewards[-1] if probe.rewards else []

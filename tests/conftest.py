@@ -88,15 +88,13 @@ def make_server() -> Iterator[MakeServer]:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(ref_server, tmp_path_factory) -> str:
-    """A tiny random Qwen3 model + BPE tokenizer (TRL's qwen3 template) saved locally, built for the echo env.
-
-    Untrained: it produces well-formed token sequences, not sensible tool calls. Built once per session.
-    """
+    """The harness's tiny random Qwen3 model + BPE tokenizer (`tests.fixtures.generation.build_tiny_model`), built
+    for the echo environment once per session. Untrained: well-formed token sequences, not sensible tool calls."""
     import inspect
     import random
 
     from ors_trl import OpenRewardSpec
-    from ors_trl.demo._model import build_model, build_tokenizer, render_corpus
+    from tests.fixtures.generation import build_tiny_model
 
     spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment")
     tools = [f for n, f in inspect.getmembers(spec.environment_factory, inspect.isfunction) if n == "echo"]
@@ -108,10 +106,5 @@ def tiny_model_dir(ref_server, tmp_path_factory) -> str:
     def episode_fn(task, rng: random.Random):
         return "echo", {"text": rng.choice(tasks)["target"]}, "ok"
 
-    tokenizer = build_tokenizer(render_corpus(tasks, tools, prompt_fn, episode_fn, copies=4))
-    model = build_model(tokenizer, seed=0, max_position_embeddings=2048)  # room for multi-turn test episodes
-    tokenizer.model_max_length = 2048
-    path = tmp_path_factory.mktemp("tiny-model")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    # 2048 positions: room for multi-turn test episodes
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"), tools, prompt_fn, episode_fn, tasks=tasks)

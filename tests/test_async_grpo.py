@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -88,32 +87,6 @@ class TorchVarlenAttention:
         return out
 
 
-def bounded_stop(worker: Any, processes: list[Any], timeout: float = 30.0) -> None:
-    """Make `worker.stop()` return within `timeout` s, whatever state the child is in; `processes` gets the child.
-
-    TRL's `AsyncRolloutWorker.stop()` sets a multiprocessing Event the child's watcher thread waits on; if the
-    child has died (e.g. a reward function raised there), `Event.set()` waits forever for the dead waiter to wake.
-    """
-    original = worker.stop
-
-    def stop() -> None:
-        process = worker._process
-        if process is not None:
-            processes.append(process)
-        if process is not None and process._popen is not None and not process.is_alive():
-            worker._process = None  # already gone: nothing to stop, and set() would hang
-            return
-        runner = threading.Thread(target=original, name="stop-rollout-worker", daemon=True)
-        runner.start()
-        runner.join(timeout)
-        if runner.is_alive() and process is not None and process.is_alive():
-            process.kill()
-            process.join(5)
-        worker._process = None
-
-    worker.stop = stop
-
-
 # -- 1. AsyncGRPOTrainer end to end ----------------------------------------------------------------
 
 
@@ -133,15 +106,15 @@ def test_async_grpo_trainer_trains_against_the_reference_server(tiny_model_dir, 
         AsyncGRPOTrainer,
         async_grpo_trainer,
         async_rollout_worker,
-        packing,
     )
 
     from ors_trl._records import read_records
+    from tests.fixtures.generation import bounded_worker_stop, use_flash_attention
     from tests.fixtures.vllm_server import VLLMDouble
 
     # vLLM itself is never imported (the worker talks HTTP to the double), but TRL checks it is installed.
     monkeypatch.setattr(async_rollout_worker, "is_vllm_available", lambda: True)
-    monkeypatch.setattr(packing, "_flash_attn", lambda: TorchVarlenAttention)
+    use_flash_attention(monkeypatch, TorchVarlenAttention)
     # TRL's MFU probe asks CUDA for the device name unconditionally; None is its own "peak FLOPs unknown".
     monkeypatch.setattr(async_grpo_trainer, "get_peak_flops_per_device", lambda *args, **kwargs: None)
 
@@ -185,7 +158,7 @@ def test_async_grpo_trainer_trains_against_the_reference_server(tiny_model_dir, 
                 reward_funcs=spec.reward_funcs,
                 weight_transfer=transfer,
             )
-            bounded_stop(trainer.rollout_worker, worker_processes)
+            bounded_worker_stop(trainer.rollout_worker, worker_processes)
             trainer.train()
         finally:
             if trainer is not None and trainer.rollout_worker is not None:

@@ -281,13 +281,24 @@ def test_catalog_mode_against_a_single_host(ref_server, monkeypatch) -> None:
 
 def test_process_session_cap_queues_instead_of_failing(ref_server) -> None:
     from ors_trl import get_max_sessions, set_max_sessions
+    from ors_trl._budget import process_semaphore
 
     async def main() -> None:
+        cap, queued = process_semaphore(), asyncio.Event()  # the process-wide cap on this loop
+        acquire = cap.acquire
+
+        async def acquire_watched() -> bool:  # says when an open has to wait for a slot
+            if cap.locked():
+                queued.set()
+            return await acquire()
+
+        cap.acquire = acquire_watched  # type: ignore[method-assign]
         async with AsyncClient(ref_server.url, env_name="echoenvironment") as client:
             a = await client.open_session(split="train", index=0)
             b = await client.open_session(split="train", index=1)
+            assert not queued.is_set()
             third = asyncio.ensure_future(client.open_session(split="train", index=2))
-            await asyncio.sleep(0.5)
+            await asyncio.wait_for(queued.wait(), 10)
             assert not third.done()  # waiting for a slot, not failed
             await a.close()
             c = await asyncio.wait_for(third, 10)

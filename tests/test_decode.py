@@ -20,7 +20,7 @@ from ors_trl import OpenRewardSpec
 from ors_trl.testing import ReferenceServer
 from ors_trl.testing.faults import Fault, FaultProxy
 from tests.fixtures.environments import LONE_MARK, OddTextEnvironment
-from tests.fixtures.generation import cpu_grpo_trainer, tool_call_text
+from tests.fixtures.generation import cpu_grpo_trainer, logged_rewards, replace_generation, tool_call_text
 
 ODD = "oddtextenvironment"
 _HOP = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"})
@@ -77,9 +77,9 @@ def test_a_grpo_step_survives_a_lone_surrogate_in_the_prompt_and_the_tool_output
             out.append(tok.encode(body + "<|im_end|>", add_special_tokens=False))
         return out, None
 
-    trainer._generate_single_turn = generate
+    replace_generation(trainer, generate)
     trainer.train()  # one step: generation, the environment's rewards, the loss, the optimizer
-    rewards = [r for values in trainer._logs["rewards"].values() for r in list(values)[-4:]]
+    rewards = [r for values in logged_rewards(trainer, 4).values() for r in values]
     spec.close()
     assert sorted(rewards) == [0.0, 0.0, 1.0, 1.0], rewards
     assert any("Terminal said: \ufffd" in p for p in prompts)  # the prompt, repaired

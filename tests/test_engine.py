@@ -8,97 +8,33 @@ import re
 import pytest
 
 from ors_trl import OpenRewardSpec
-from tests.fixtures.generation import tool_call_text, work_turn_by_turn
+from tests.fixtures.generation import (
+    cpu_grpo_trainer,
+    echo_generation,
+    logged_metric,
+    replace_generation,
+    run_batch,
+    tool_call_text,
+    trl_tokenizer,
+    work_turn_by_turn,
+)
 
 torch = pytest.importorskip("torch")
 trl = pytest.importorskip("trl")
 
 
-def make_trainer(model_dir: str, spec, mode: str, tmp_path, **overrides):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    config = {
-        "output_dir": str(tmp_path / mode),
-        "per_device_train_batch_size": 4,
-        "num_generations": 2,
-        "max_completion_length": 96,
-        "max_tool_calling_iterations": 3,
-        "generation_kwargs": {"do_sample": False},
-        "beta": 0.0,
-        "report_to": "none",
-        "use_cpu": True,
-        "max_steps": 1,
-        "logging_steps": 1,
-        "save_strategy": "no",
-        "disable_tqdm": True,
-    }
-    config.update(overrides)
-    kwargs = {
-        "model": model,
-        "processing_class": tokenizer,
-        "args": GRPOConfig(**config),
-        "train_dataset": spec.train_dataset,
-        "reward_funcs": spec.reward_funcs,
-    }
-    if mode == "env":
-        kwargs["environment_factory"] = spec.environment_factory
-    else:
-        kwargs["rollout_func"] = spec.rollout_func
-    return GRPOTrainer(**kwargs)
+def make_trainer(model_dir: str, spec, mode: str, tmp_path, **config):
+    """The harness's CPU trainer on `spec`'s `mode` path, greedy; `config`: more `GRPOConfig` fields."""
+    return cpu_grpo_trainer(model_dir, str(tmp_path / mode), spec=spec, mode=mode,
+                            config={"generation_kwargs": {"do_sample": False}, **config})
 
 
 _TARGET = re.compile(r'exactly this text: "([^"]+)"')
 
 
-def scripted_generation(trainer, calls: list):
-    """A deterministic stand-in for TRL's generation backend, used by both paths.
-
-    First turn: call echo with the prompt's target when it starts with a-m, with "nope" otherwise, and an unknown
-    tool for "world". When the first reply is a wrong echo: call again with the right word. Then "Done.".
-    """
-    tok = trainer._tokenizer
-
-    def call(name: str, text: str) -> list[int]:
-        return tok.encode(tool_call_text(name, {"text": text}) + "<|im_end|>", add_special_tokens=False)
-
-    def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        calls.append(len(prompt_ids))
-        out = []
-        for ids in prompt_ids:
-            text = tok.decode(ids)
-            target = _TARGET.findall(text)[0]
-            responses = text.count("<tool_response>")
-            if responses == 0:
-                if target == "world":
-                    out.append(call("no_such_tool", target))
-                else:
-                    out.append(call("echo", target if target[0] <= "m" else "nope"))
-            elif responses == 1 and target not in (reply := text.rsplit("<tool_response>", 1)[1]) and "error" not in reply:
-                out.append(call("echo", target))
-            else:
-                out.append(tok.encode("Done.<|im_end|>", add_special_tokens=False))
-        return out, None
-
-    return generate
-
-
 def batch_rows(spec, indices: list[int], generations: int) -> list[dict]:
     rows = spec.train_dataset
     return [copy.deepcopy(rows[i]) for i in indices for _ in range(generations)]
-
-
-def run_batch(trainer, rows: list[dict]) -> dict:
-    out = trainer._generate_and_score_completions(copy.deepcopy(rows))
-    mask = out["completion_mask"].bool()
-    completions = [ids[m].tolist() for ids, m in zip(out["completion_ids"], mask, strict=True)]
-    tool_mask = [tm[m].tolist() for tm, m in zip(out["tool_mask"], mask, strict=True)] if "tool_mask" in out else None
-    prompts = [ids[m].tolist() for ids, m in zip(out["prompt_ids"], out["prompt_mask"].bool(), strict=True)]
-    rewards = [None if r != r else r for r in list(trainer._logs["rewards"]["outcome_reward"])[-len(rows):]]
-    return {"prompts": prompts, "completions": completions, "tool_mask": tool_mask, "rewards": rewards}
 
 
 @pytest.fixture
@@ -115,8 +51,8 @@ def test_engine_matches_environment_factory_with_scripted_calls(tiny_model_dir, 
     eng_trainer = make_trainer(tiny_model_dir, echo_spec, "engine", tmp_path, per_device_train_batch_size=8)
     env_calls: list[int] = []
     eng_calls: list[int] = []
-    env_trainer._generate_single_turn = scripted_generation(env_trainer, env_calls)
-    eng_trainer._generate_single_turn = scripted_generation(eng_trainer, eng_calls)
+    replace_generation(env_trainer, echo_generation(trl_tokenizer(env_trainer), env_calls))
+    replace_generation(eng_trainer, echo_generation(trl_tokenizer(eng_trainer), eng_calls))
     targets = echo_spec.train_dataset["target"]
     picks = [targets.index("hello"), targets.index("world"), targets.index("trl"), targets.index("openreward")]
     rows = batch_rows(echo_spec, picks, 2)
@@ -158,7 +94,7 @@ def test_engine_runs_episodes_concurrently(tiny_model_dir, make_server, tmp_path
     spec = OpenRewardSpec(server.url, num_tasks=8)
     trainer = make_trainer(tiny_model_dir, spec, "engine", tmp_path, per_device_train_batch_size=8,
                            max_completion_length=256)
-    trainer._generate_single_turn = work_turn_by_turn(trainer._tokenizer, turns=3)
+    replace_generation(trainer, work_turn_by_turn(trl_tokenizer(trainer), turns=3))
     rows = batch_rows(spec, [0, 1, 2, 3], 2)
     result = run_batch(trainer, rows)
     assert result["rewards"] == [1.0] * 8
@@ -174,7 +110,7 @@ def test_engine_episode_timeout_scores_none(tiny_model_dir, make_server, tmp_pat
     server = make_server("slow")
     spec = OpenRewardSpec(server.url, num_tasks=2, episode_timeout=1.0)
     trainer = make_trainer(tiny_model_dir, spec, "engine", tmp_path)
-    tok = trainer._tokenizer
+    tok = trl_tokenizer(trainer)
 
     def generate(prompt_ids, images, mm, num_generations, has_tool_images=False):
         out = []
@@ -185,7 +121,7 @@ def test_engine_episode_timeout_scores_none(tiny_model_dir, make_server, tmp_pat
             out.append(tok.encode(body, add_special_tokens=False))
         return out, None
 
-    trainer._generate_single_turn = generate
+    replace_generation(trainer, generate)
     result = run_batch(trainer, batch_rows(spec, [0, 1], 2))
     # the step did not wait for the straggler: its 5 s sleep is still running on the server
     assert server.stats()["done"].get("slowenvironment/sleep", 0) == 3
@@ -229,7 +165,7 @@ def test_engine_waits_for_company_only_when_generating_costs_more(tiny_model_dir
     server = make_server("slow")
     spec = OpenRewardSpec(server.url, num_tasks=2, gather_window=window)
     trainer = make_trainer(tiny_model_dir, spec, "engine", tmp_path)
-    tok = trainer._tokenizer
+    tok = trl_tokenizer(trainer)
 
     def generate(prompt_ids, images, mm, num_generations, has_tool_images=False):
         out = []
@@ -240,7 +176,7 @@ def test_engine_waits_for_company_only_when_generating_costs_more(tiny_model_dir
             out.append(tok.encode(body, add_special_tokens=False))
         return out, None
 
-    trainer._generate_single_turn = generate
+    replace_generation(trainer, generate)
     engine = spec.rollout_func
     before = len(engine.generation_calls)
     run_batch(trainer, batch_rows(spec, [0, 1], 2))
@@ -263,7 +199,7 @@ def test_gather_window_must_be_a_non_negative_number(ref_server) -> None:
 
 def test_engine_failed_open_is_a_none_scored_rollout(tiny_model_dir, echo_spec, tmp_path):
     trainer = make_trainer(tiny_model_dir, echo_spec, "engine", tmp_path)
-    trainer._generate_single_turn = scripted_generation(trainer, [])
+    replace_generation(trainer, echo_generation(trl_tokenizer(trainer)))
     rows = batch_rows(echo_spec, [0, 1], 2)
     rows[0]["prompt"][0]["ors_task"] = '{"env": null, "split": "train", "index": 999}'
     result = run_batch(trainer, rows)
@@ -276,7 +212,7 @@ def test_engine_session_cap_queues_in_waves(tiny_model_dir, make_server, tmp_pat
     spec = OpenRewardSpec(server.url, num_tasks=4, max_sessions=3)
     trainer = make_trainer(tiny_model_dir, spec, "engine", tmp_path, per_device_train_batch_size=8,
                            max_completion_length=256)
-    trainer._generate_single_turn = work_turn_by_turn(trainer._tokenizer, turns=3)
+    replace_generation(trainer, work_turn_by_turn(trl_tokenizer(trainer), turns=3))
     result = run_batch(trainer, batch_rows(spec, [0, 1, 2, 3], 2))
     assert result["rewards"] == [1.0] * 8  # every episode ran, in waves of at most 3
     stats = server.stats()
@@ -289,9 +225,9 @@ def test_trl_loop_resets_open_the_whole_batch_at_once(tiny_model_dir, make_serve
     server = make_server("slow", env={"ORS_TEST_SETUP_DELAY": "0.6"})
     spec = OpenRewardSpec(server.url, num_tasks=4)
     trainer = make_trainer(tiny_model_dir, spec, "env", tmp_path, per_device_train_batch_size=8)
-    tok = trainer._tokenizer
-    trainer._generate_single_turn = lambda ids, *a, **k: ([tok.encode("Done.<|im_end|>", add_special_tokens=False)
-                                                            for _ in ids], None)
+    tok = trl_tokenizer(trainer)
+    replace_generation(trainer, lambda ids, *a, **k: ([tok.encode("Done.<|im_end|>", add_special_tokens=False)
+                                                       for _ in ids], None))
     rows = batch_rows(spec, [0, 1, 2, 3], 2)
     run_batch(trainer, rows)
     stats = server.stats()
@@ -303,7 +239,7 @@ def test_trl_loop_resets_open_the_whole_batch_at_once(tiny_model_dir, make_serve
 
 def _work_calls(trainer, steps: list[int]):
     """Scripted generation: the first turn calls `work` once per step in one message, then "Done."."""
-    tok = trainer._tokenizer
+    tok = trl_tokenizer(trainer)
     calls = "".join(tool_call_text("work", {"step": s}) for s in steps)
 
     def generate(prompt_ids, *args, **kwargs):
@@ -323,7 +259,7 @@ def test_trl_loop_runs_a_turns_tool_calls_at_once(tiny_model_dir, make_server, t
     server = make_server("slow", env={"ORS_TEST_TOOL_LATENCY": "0.2", "ORS_TEST_STEPS": "2"})
     spec = OpenRewardSpec(server.url, num_tasks=4, batch_tool_calls=batched)
     trainer = make_trainer(tiny_model_dir, spec, "env", tmp_path, per_device_train_batch_size=8)
-    trainer._generate_single_turn = _work_calls(trainer, [0, 1, 2])
+    replace_generation(trainer, _work_calls(trainer, [0, 1, 2]))
     result = run_batch(trainer, batch_rows(spec, [0, 1, 2, 3], 2))
     stats = server.stats()
     assert result["rewards"] == [1.0] * 8
@@ -333,8 +269,7 @@ def test_trl_loop_runs_a_turns_tool_calls_at_once(tiny_model_dir, make_server, t
         assert [m["step"] if m else None for m in env.metadata] == [0, 1, None]  # in order; the third refused
         assert env.rewards == [None, 1.0, None] and env.reward == 1.0 and env.finished
         assert env.tool_calls == 3 and env.tool_failures == 1
-    mode = "train" if trainer.model.training else "eval"  # run_batch calls the generation step directly
-    assert trainer._metrics[mode]["tools/failure_frequency"][-1] == pytest.approx(1 / 3)  # TRL saw the refusal
+    assert logged_metric(trainer, "tools/failure_frequency")[-1] == pytest.approx(1 / 3)  # TRL saw the refusal
     assert spec._runtime.calls_ahead == (24 if batched else 0)
     # The next step (a new run of TRL's tool loop, whose frame and turn counter look like the last one's) too.
     assert run_batch(trainer, batch_rows(spec, [0, 1, 2, 3], 2))["rewards"] == [1.0] * 8
@@ -353,7 +288,7 @@ def test_engine_with_a_mix_routes_and_scores_each_environment(tiny_model_dir, re
     })
     trainer = make_trainer(tiny_model_dir, mix, "engine", tmp_path, per_device_train_batch_size=8,
                            max_completion_length=128)
-    tok = trainer._tokenizer
+    tok = trl_tokenizer(trainer)
 
     def generate(prompt_ids, images, mm, num_generations, has_tool_images=False):
         out = []
@@ -369,7 +304,7 @@ def test_engine_with_a_mix_routes_and_scores_each_environment(tiny_model_dir, re
             out.append(tok.encode(body, add_special_tokens=False))
         return out, None
 
-    trainer._generate_single_turn = generate
+    replace_generation(trainer, generate)
     before = ref_server.stats()["tool_calls"]
     rows = [copy.deepcopy(r) for r in mix.train_dataset for _ in range(2)]
     result = run_batch(trainer, rows)

@@ -17,7 +17,13 @@ import pytest
 from ors_trl import ConfigurationError, OpenRewardMix, OpenRewardSpec, PolicyReply
 from ors_trl.testing.faults import FaultProxy, Reply, Status
 from tests.fixtures.environments import CAPITALS, QUIZ_SYSTEM
-from tests.fixtures.generation import tool_call_text
+from tests.fixtures.generation import (
+    cpu_grpo_trainer,
+    generate_and_score,
+    logged_rewards,
+    replace_generation,
+    tool_call_text,
+)
 
 pytestmark = pytest.mark.usefixtures("no_leaked_sessions")
 
@@ -205,17 +211,9 @@ def _quiz_generation(trainer):
 
 
 def _trainer(model_dir, spec, mode: str, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
-    args = GRPOConfig(output_dir=str(tmp_path / mode), per_device_train_batch_size=8, num_generations=2,
-                      max_completion_length=160, max_tool_calling_iterations=2, beta=0.0, report_to="none",
-                      use_cpu=True, max_steps=1, logging_steps=1, save_strategy="no", disable_tqdm=True)
-    paths = {"environment_factory": spec.environment_factory} if mode == "env" else {"rollout_func": spec.rollout_func}
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir),
-                          processing_class=AutoTokenizer.from_pretrained(model_dir), args=args,
-                          train_dataset=spec.train_dataset, reward_funcs=spec.reward_funcs, **paths)
-    trainer._generate_single_turn = _quiz_generation(trainer)
+    trainer = cpu_grpo_trainer(model_dir, str(tmp_path / mode), batch=8, turns=2, completion_length=160, spec=spec,
+                               mode=mode)
+    replace_generation(trainer, _quiz_generation(trainer))
     return trainer
 
 
@@ -228,8 +226,8 @@ def test_grpo_trainer_on_a_terminal_graded_environment(tiny_model_dir, ref_serve
     trainer = _trainer(tiny_model_dir, spec, mode, tmp_path)
     rows = [copy.deepcopy(spec.train_dataset[i]) for i in range(4) for _ in range(2)]
     before = count(ref_server, f"{QUIZ}/answer")
-    out = trainer._generate_and_score_completions(rows)
-    rewards = [None if r != r else r for r in list(trainer._logs["rewards"]["outcome_reward"])[-8:]]
+    out = generate_and_score(trainer, rows)
+    rewards = logged_rewards(trainer, 8)["outcome_reward"]
     expected = {"France": 1.0, "Japan": None, "Kenya": 1.0, "Peru": 0.0}
     assert rewards == [expected[row["country"]] for row in rows]
     assert count(ref_server, f"{QUIZ}/answer") - before == 6  # Japan's rollouts never answered
@@ -276,17 +274,9 @@ def test_eval_reports_group_scores(ref_server) -> None:
 
 def test_engine_scores_groups_and_trl_logs_them(tiny_model_dir, ref_server, tmp_path) -> None:
     """Through `rollout_func`: both reward functions reach TRL, the group score once per GRPO group."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
     spec = OpenRewardSpec(ref_server.url, env_name=JUDGE, score_groups=True)
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
-                      max_completion_length=320, max_tool_calling_iterations=1, beta=0.0, report_to="none",
-                      use_cpu=True, max_steps=1, logging_steps=1, save_strategy="no", disable_tqdm=True)
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                          processing_class=AutoTokenizer.from_pretrained(tiny_model_dir), args=args,
-                          train_dataset=spec.train_dataset, rollout_func=spec.rollout_func,
-                          reward_funcs=[spec.reward_funcs, spec.group_reward_func])
+    trainer = cpu_grpo_trainer(tiny_model_dir, str(tmp_path), turns=1, completion_length=320, spec=spec, mode="engine",
+                               reward_funcs=[spec.reward_funcs, spec.group_reward_func])
     tok = trainer.processing_class
     replies = iter(["the {w} flows", "a much longer sentence about the {w}", "nothing", "a {w}"])
 
@@ -302,13 +292,13 @@ def test_engine_scores_groups_and_trl_logs_them(tiny_model_dir, ref_server, tmp_
             out.append(tok.encode(body + "<|im_end|>", add_special_tokens=False))
         return out, None
 
-    trainer._generate_single_turn = generate
+    replace_generation(trainer, generate)
     rows = [copy.deepcopy(spec.train_dataset[i]) for i in (0, 1) for _ in range(2)]
     before = count(ref_server, f"{JUDGE}/score_group")
-    trainer._generate_and_score_completions(rows)
-    logs = trainer._logs["rewards"]
-    assert list(logs["outcome_reward"])[-4:] == [1.0, 1.0, 0.0, 1.0]
-    assert list(logs["group_reward"])[-4:] == [1.0, 0.5, 0.0, 1.0]
+    generate_and_score(trainer, rows)
+    logs = logged_rewards(trainer, 4)
+    assert logs["outcome_reward"] == [1.0, 1.0, 0.0, 1.0]
+    assert logs["group_reward"] == [1.0, 0.5, 0.0, 1.0]
     assert count(ref_server, f"{JUDGE}/score_group") - before == 2
     spec.close()
 

@@ -363,28 +363,6 @@ def test_cli_eval_in_process(ref_server, fake_openai, tmp_path, capsys) -> None:
 # Local transformers models
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    from ors_trl.demo._model import build_model, build_tokenizer, render_corpus
-    from tests.fixtures.environments import EchoEnvironment
-
-    tasks = EchoEnvironment.list_tasks("train")
-    schema = {"type": "function", "function": {
-        "name": "echo", "description": "Echo the given text back.",
-        "parameters": {"type": "object", "properties": {"text": {"type": "string", "description": "The text."}},
-                       "required": ["text"]}}}
-    corpus = render_corpus(
-        tasks, [schema], lambda t: f'Call the `echo` tool with exactly this text: "{t["target"]}".',
-        lambda t, rng: ("echo", {"text": t["target"]}, t["target"]),
-    )
-    tokenizer = build_tokenizer(corpus)
-    model = build_model(tokenizer, seed=0)
-    path = tmp_path_factory.mktemp("tiny-model")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def test_local_model_untrained(ref_server, tiny_model_dir, tmp_path) -> None:
     out = tmp_path / "ep.jsonl"
     spec = OpenRewardSpec(ref_server.url, env_name=ECHO)

@@ -64,23 +64,14 @@ def test_same_tool_name_different_schemas_stay_separate(mix) -> None:
 
 
 def test_trl_renders_each_environments_tools_only_for_its_rows(mix, tiny_model_dir, tmp_path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from tests.fixtures.generation import cpu_grpo_trainer, rendered_tools
 
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-        processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
-        args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, report_to="none",
-                        use_cpu=True, max_steps=1),
-        train_dataset=mix.train_dataset,
-        environment_factory=mix.environment_factory,
-        reward_funcs=mix.reward_funcs,
-    )
-    names = {env: sorted(t.__name__ for t in tools) for env, tools in trainer._env_tools.items()}
+    trainer = cpu_grpo_trainer(tiny_model_dir, str(tmp_path), spec=mix)
+    tools = rendered_tools(trainer)
+    names = {env: sorted(t.__name__ for t in env_tools) for env, env_tools in tools.items()}
     assert names == {"echo": ["echo"], "math": ["calculator", "submit"], "mixed": ["answer", "submit"]}
     tok = trainer.processing_class
-    echo_text = tok.apply_chat_template([{"role": "user", "content": "x"}], tools=trainer._env_tools["echo"],
-                                        tokenize=False)
+    echo_text = tok.apply_chat_template([{"role": "user", "content": "x"}], tools=tools["echo"], tokenize=False)
     assert '"echo"' in echo_text and "calculator" not in echo_text and "submit" not in echo_text
 
 

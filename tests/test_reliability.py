@@ -70,6 +70,18 @@ def call_posts(client: Client) -> list[str]:
     return seen
 
 
+def loop_tasks() -> set:
+    """The tasks running on ors-trl's background loop (where a `Client` does its I/O) right now."""
+    import asyncio
+
+    from ors_trl._loop import get_loop
+
+    async def others() -> set:
+        return asyncio.all_tasks() - {asyncio.current_task()}
+
+    return get_loop().run(others())
+
+
 def result_json(blocks: list[dict], reward: object = None, finished: bool = False,
                 raw_reward: str | None = None) -> str:
     body = json.dumps({"ok": True, "output": {"blocks": blocks, "reward": reward, "finished": finished}})
@@ -262,13 +274,14 @@ def test_a_stream_dropped_before_the_task_id_is_reported_and_not_rerun(proxy, re
     with Client(proxy.url, env_name="echoenvironment", retry=FAST) as c, c.open_session(split="train", index=0) as s:
         posts = call_posts(c)
         before = runs(ref_server, "echoenvironment/echo")
+        idle = loop_tasks()  # the client's own (keepalive), before the call
         proxy.add(fault, path="/call", times=1)
         with pytest.raises(StreamInterruptedError, match="not retried") as info:
             s.call("echo", {"text": "wrong"})
         assert not info.value.retryable
+        assert loop_tasks() <= idle  # nothing left running that could re-post the call in the background
         ran = 0 if isinstance(fault, Reset) else 1  # Reset: the server never saw it; DropStream: it started it
         ref_server.wait_for_stats(lambda st: st["tool_calls"].get("echoenvironment/echo", 0) == before + ran)
-        time.sleep(0.3)  # a (wrong) background re-post would have landed by now
         assert runs(ref_server, "echoenvironment/echo") - before == ran
         assert len(posts) == 1 and proxy.count("/call") == 1
         # the session itself is fine: the next call works

@@ -341,24 +341,15 @@ def test_unscored_reward_option(ref_server) -> None:
 
 def test_grpo_trainer_collects_and_renders_the_environments_schemas(ref_server, tiny_model_dir, tmp_path) -> None:
     """Builds a real GRPOTrainer from the three properties and checks the tools TRL collects and renders."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import get_json_schema
-    from trl import GRPOConfig, GRPOTrainer
 
     from test_schema import _resolve, canon_env, canon_gjs, collect_facts
+    from tests.fixtures.generation import cpu_grpo_trainer, rendered_tools
 
     spec = OpenRewardSpec(ref_server.url, env_name="schemaenvironment", num_tasks=4)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-        processing_class=tokenizer,
-        args=GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
-                        report_to="none", use_cpu=True, max_steps=1),
-        train_dataset=spec.train_dataset,
-        environment_factory=spec.environment_factory,
-        reward_funcs=spec.reward_funcs,
-    )
-    tools = {t.__name__: t for t in trainer._env_tools[None]}
+    trainer = cpu_grpo_trainer(tiny_model_dir, str(tmp_path), batch=2, spec=spec)
+    tokenizer = trainer.processing_class
+    tools = {t.__name__: t for t in rendered_tools(trainer)[None]}
     served = {t.name: t.input_schema for t in spec.tool_specs}
     assert set(tools) == set(served) == {"place_order", "plot", "set_mode", "status"}
     for name, method in tools.items():
@@ -372,8 +363,7 @@ def test_grpo_trainer_collects_and_renders_the_environments_schemas(ref_server, 
             assert canon_gjs(got) == canon_env(properties[prop], schema), (name, prop)
             for fact in collect_facts(properties[prop], schema):
                 assert fact in got["description"], (name, prop, fact)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=trainer._env_tools[None],
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=list(tools.values()), tokenize=False)
     assert '"place_order"' in text and "Point object fields" in text and '"prefixItems"' in text
     spec.close()
 
@@ -416,8 +406,7 @@ def test_calls_started_ahead_that_trl_does_not_ask_for_are_recorded_not_lost(mak
 def colliding_step(trainer_kwargs: dict, model_dir: str, output_dir: str) -> tuple[list, list]:
     """One real GRPOTrainer step (TRL's loop or the engine, per `trainer_kwargs`) with scripted tool calls; returns
     (target, outcome reward) per rollout and the keyword arguments a user's reward function got."""
-    from test_engine import scripted_generation
-    from tests.fixtures.generation import cpu_grpo_trainer
+    from tests.fixtures.generation import cpu_grpo_trainer, echo_generation, replace_generation, trl_tokenizer
 
     outcomes: list = []
     seen: list = []
@@ -434,13 +423,13 @@ def colliding_step(trainer_kwargs: dict, model_dir: str, output_dir: str) -> tup
 
     trainer = cpu_grpo_trainer(model_dir, output_dir, batch=4, generations=2, turns=2, completion_length=96,
                                reward_funcs=[outcome, user_reward], **trainer_kwargs)
-    trainer._generate_single_turn = scripted_generation(trainer, [])
+    replace_generation(trainer, echo_generation(trl_tokenizer(trainer)))
     trainer.train()
     assert trainer.state.global_step == 1
     return outcomes, seen
 
 
-#: What the scripted model earns per target (test_engine.scripted_generation): "world" calls an unknown tool.
+#: What the scripted model earns per target (tests.fixtures.generation.echo_generation): "world" calls an unknown tool.
 COLLIDING_REWARDS = {"hello": 1.0, "delta": 1.0, "token": 1.0, "world": None}
 
 

@@ -214,8 +214,7 @@ def unverified_trl(monkeypatch) -> Iterator[str]:
 
 def test_an_unverified_trl_trains_through_environment_factory_and_refuses_the_engine_early(
         unverified_trl, ref_server, tiny_model_dir, tmp_path, caplog) -> None:
-    from test_engine import scripted_generation
-    from tests.fixtures.generation import cpu_grpo_trainer
+    from tests.fixtures.generation import cpu_grpo_trainer, echo_generation, replace_generation, trl_tokenizer
 
     spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=4)
     before = ref_server.stats()["open_sessions"]
@@ -233,10 +232,10 @@ def test_an_unverified_trl_trains_through_environment_factory_and_refuses_the_en
                                    completion_length=96, train_dataset=spec.train_dataset,
                                    environment_factory=spec.environment_factory, reward_funcs=[outcome],
                                    callbacks=spec.callbacks)
-        trainer._generate_single_turn = scripted_generation(trainer, [])
+        replace_generation(trainer, echo_generation(trl_tokenizer(trainer)))
         trainer.train()
     assert trainer.state.global_step == 1
-    # test_engine.scripted_generation: a-m targets right at once, later ones after a wrong try, "world" never
+    # tests.fixtures.generation.echo_generation: a-m targets right at once, later ones after a wrong try, "world" never
     expected = {"hello": 1.0, "world": None, "trl": 1.0, "openreward": 1.0}
     assert len(outcomes) == 4 and all(reward == expected[t] for t, reward in outcomes)
     assert spec._runtime.calls_ahead == 0  # TRL's loop state was not read: one call at a time

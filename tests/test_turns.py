@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 
 from ors_trl import OpenRewardSpec, PolicyReply
-from tests.fixtures.generation import tool_call_text
+from tests.fixtures.generation import (
+    cpu_grpo_trainer,
+    generate_and_score,
+    replace_generation,
+    tool_call_text,
+    trl_tokenizer,
+)
 
 pytest.importorskip("trl")
 
@@ -40,7 +46,7 @@ def target_of(text: str) -> str:
 
 
 def scripted_generation(trainer: Any):
-    tok = trainer._tokenizer
+    tok = trl_tokenizer(trainer)
     response = tok.convert_tokens_to_ids("<|im_start|>")
 
     def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -67,16 +73,13 @@ class ScriptedPolicy:
 
 
 def make_trainer(model_dir: str, spec: OpenRewardSpec, mode: str, tmp_path: Any, logged: dict[str, float]) -> Any:
-    from tests.fixtures.generation import cpu_grpo_trainer
-
     def outcome_reward(**kwargs: Any) -> list[float | None]:  # the spec's, with what it logs kept
         return spec.reward_funcs(**{**kwargs, "log_metric": logged.__setitem__})
 
-    path = {"environment_factory": spec.environment_factory} if mode == "env" else {"rollout_func": spec.rollout_func}
     trainer = cpu_grpo_trainer(model_dir, str(tmp_path / mode), batch=len(TARGETS) * 2, generations=2,
-                               turns=ITERATIONS, completion_length=256, train_dataset=spec.train_dataset,
-                               reward_funcs=outcome_reward, **path)
-    trainer._generate_single_turn = scripted_generation(trainer)
+                               turns=ITERATIONS, completion_length=256, spec=spec, mode=mode,
+                               reward_funcs=outcome_reward)
+    replace_generation(trainer, scripted_generation(trainer))
     return trainer
 
 
@@ -101,7 +104,7 @@ def test_every_driver_plays_and_records_a_turn_the_same_way(tiny_model_dir, ref_
     for mode in ("env", "engine"):
         metrics[mode] = {}
         trainer = make_trainer(tiny_model_dir, specs[mode], mode, tmp_path, metrics[mode])
-        trainer._generate_and_score_completions(copy.deepcopy(rows))
+        generate_and_score(trainer, rows)
         episodes = ([env.episode for env in trainer.environments] if mode == "env"
                     else specs[mode].rollout_func.last_episodes)
         records[mode] = [ep.record() for ep in episodes][::2]

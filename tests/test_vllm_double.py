@@ -4,7 +4,7 @@ No vLLM on a CPU machine, so `trainer.vllm_generation` is a fake with the real o
 `generate(prompts, images, num_generations, profiler)` returns `(prompt_ids, completion_ids, logprobs,
 logprob_token_ids)` with per-token top-k logprob lists (as `VLLMGeneration.generate` does), and in server mode it
 gathers every process's prompts and hands each process back its slice by position, exactly like TRL's server
-path. Everything between the engine and the fake is TRL's own code (`_generate_single_turn`: weight sync,
+path. Everything between the engine and the fake is TRL's own code (its single-turn generation: weight sync,
 top-1 logprob extraction). `examples/vllm_server.py` runs the real thing on GPUs.
 """
 
@@ -18,7 +18,15 @@ from types import SimpleNamespace
 import pytest
 
 from ors_trl import OpenRewardSpec
-from tests.fixtures.generation import tool_call_text
+from tests.fixtures.generation import (
+    cpu_grpo_trainer,
+    generate_and_score,
+    stub_trainer,
+    tool_call_text,
+    trl_tokenizer,
+    use_vllm_generation,
+    vllm_synced_step,
+)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
@@ -106,43 +114,14 @@ class FakeVLLMGeneration:
         return all_prompt_ids, completions, logprobs, token_ids
 
 
-def make_trainer(model_dir: str, spec, tmp_path, **overrides):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
-    torch.manual_seed(0)
-    config = {
-        "output_dir": str(tmp_path / "out"),
-        "per_device_train_batch_size": 4,
-        "num_generations": 2,
-        "max_completion_length": 128,
-        "max_tool_calling_iterations": 3,
-        "beta": 0.0,
-        "report_to": "none",
-        "use_cpu": True,
-        "max_steps": 1,
-        "save_strategy": "no",
-        "disable_tqdm": True,
-    }
-    config.update(overrides)
-    return GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
-        args=GRPOConfig(**config),
-        train_dataset=spec.train_dataset,
-        reward_funcs=spec.reward_funcs,
-        rollout_func=spec.rollout_func,
-    )
+def make_trainer(model_dir: str, spec, tmp_path, **config):
+    return cpu_grpo_trainer(model_dir, str(tmp_path / "out"), completion_length=128, spec=spec, mode="engine",
+                            config=config)
 
 
 def use_fake_vllm(trainer, mode: str, **kwargs) -> FakeVLLMGeneration:
     """What `GRPOTrainer.__init__` sets up for `use_vllm=True`, with the double in place of `VLLMGeneration`."""
-    fake = FakeVLLMGeneration(trainer._tokenizer, mode=mode, **kwargs)
-    trainer.use_vllm = True
-    trainer.vllm_mode = mode
-    trainer.vllm_generation = fake
-    trainer._last_loaded_step = -1
-    return fake
+    return use_vllm_generation(trainer, FakeVLLMGeneration(trl_tokenizer(trainer), mode=mode, **kwargs), mode)
 
 
 def prompts_for(spec, words, generations: int = 2) -> list:
@@ -180,7 +159,7 @@ def echo_spec(ref_server):
 def test_engine_output_is_aligned_through_vllm(tiny_model_dir, echo_spec, ref_server, tmp_path, mode):
     trainer = make_trainer(tiny_model_dir, echo_spec, tmp_path)
     fake = use_fake_vllm(trainer, mode)
-    tok = trainer._tokenizer
+    tok = trl_tokenizer(trainer)
     before = ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0)
     out = echo_spec.rollout_func(prompts_for(echo_spec, ["hello", "trl"]), trainer)
 
@@ -204,16 +183,16 @@ def test_weights_sync_once_per_step_not_per_call(tiny_model_dir, echo_spec, tmp_
     assert fake.syncs == 1  # same step: the weights are current
     trainer.state.global_step = 1
     echo_spec.rollout_func(prompts_for(echo_spec, ["delta"]), trainer)
-    assert fake.syncs == 2 and trainer._last_loaded_step == 1
+    assert fake.syncs == 2 and vllm_synced_step(trainer) == 1
 
 
 def test_trl_consumes_engine_output_in_vllm_mode(tiny_model_dir, echo_spec, tmp_path):
-    """A whole `_generate_and_score_completions` with vLLM on: sampling logprobs and tool mask reach TRL aligned."""
+    """A whole generate-and-score step with vLLM on: sampling logprobs and tool mask reach TRL aligned."""
     trainer = make_trainer(tiny_model_dir, echo_spec, tmp_path)
     fake = use_fake_vllm(trainer, "server")
     targets = list(echo_spec.train_dataset["target"])
     rows = [copy.deepcopy(echo_spec.train_dataset[targets.index(w)]) for w in ("hello", "trl") for _ in range(2)]
-    out = trainer._generate_and_score_completions(rows)
+    out = generate_and_score(trainer, rows)
     assert fake.syncs == 1  # TRL's rollout_func path syncs before calling the engine; the engine adds none
     mask = out["completion_mask"].bool()
     for ids, lps, tm, m in zip(out["completion_ids"], out["sampling_per_token_logps"], out["tool_mask"], mask,
@@ -247,7 +226,7 @@ def test_colocate_honours_vllm_max_model_len(tiny_model_dir, echo_spec, ref_serv
     assert all(m == [1] * len(m) for m in out["env_mask"])
     assert out["ors_reward"] == [1.0, 1.0]  # the tool itself ran and scored
     assert ref_server.stats()["tool_calls"]["echoenvironment/echo"] - before == 2
-    check_alignment(out, trainer._tokenizer)
+    check_alignment(out, trl_tokenizer(trainer))
 
 
 def test_server_mode_two_processes_pass_the_same_number_of_prompts(tiny_model_dir, ref_server, tmp_path):
@@ -286,9 +265,9 @@ def test_server_mode_two_processes_pass_the_same_number_of_prompts(tiny_model_di
     assert counts[0] == counts[1] == [4, 4, 4], counts
     # rank 1's last call carried only padding: first-turn prompts, whose completions the engine dropped
     assert all(tok_count == 0 for tok_count in
-               [trainers[1]._tokenizer.decode(p).count("<tool_response>") for p in fakes[1].calls[2]["prompts"]])
+               [trl_tokenizer(trainers[1]).decode(p).count("<tool_response>") for p in fakes[1].calls[2]["prompts"]])
     for rank in (0, 1):
-        check_alignment(outs[rank], trainers[rank]._tokenizer)
+        check_alignment(outs[rank], trl_tokenizer(trainers[rank]))
         assert outs[rank]["ors_reward"] == [1.0] * 4
     assert [segments(m) for m in outs[0]["env_mask"]] == [2] * 4
     assert [segments(m) for m in outs[1]["env_mask"]] == [1] * 4
@@ -322,7 +301,7 @@ def test_generate_pads_to_the_largest_process(local, other, called_with):
         calls.append([list(p) for p in prompt_ids])
         return [[7, i] for i in range(len(prompt_ids))], [[-0.5, -0.25] for _ in prompt_ids]
 
-    trainer = SimpleNamespace(accelerator=_ScriptedAccelerator(other), _generate_single_turn=generate_single_turn)
+    trainer = stub_trainer(generate_single_turn, accelerator=_ScriptedAccelerator(other))
     engine = RolloutEngine({})
     prompts = [[1, 2 + i] for i in range(local)]
     ids, lps = engine._generate(trainer, prompts, fallback=[9])

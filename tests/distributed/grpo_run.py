@@ -7,9 +7,9 @@ only one process, and `GRPOConfig(use_cpu=True)` below keeps it on CPU):
         tests/distributed/grpo_run.py --url http://127.0.0.1:PORT --model-dir DIR --out DIR --mode env|engine
 
 `--mode env` wires the spec's three properties (`environment_factory` path, TRL's own tool loop);
-`--mode engine` uses `spec.rollout_func` (the concurrent engine). Generation is a scripted double of
-`trainer._generate_single_turn` (so tools really get called), everything else is real: DDP forward,
-backward and optimizer steps, TRL's reward gathering, metric gathering and logging.
+`--mode engine` uses `spec.rollout_func` (the concurrent engine). Generation is a scripted double
+(`tests.fixtures.generation.replace_generation`, so tools really get called), everything else is real: DDP
+forward, backward and optimizer steps, TRL's reward gathering, metric gathering and logging.
 
 The scripted model, per rollout: first turn, the even positions of the generation call echo the
 right word (reward 1.0), the odd ones echo "nope" (reward 0.0). After a wrong echo, rank 0 tries
@@ -43,7 +43,15 @@ import torch
 torch.set_num_threads(1)
 
 from ors_trl import OpenRewardSpec  # noqa: E402
-from tests.fixtures.generation import tool_call_text  # noqa: E402
+from tests.fixtures.generation import (  # noqa: E402
+    cpu_grpo_trainer,
+    replace_generation,
+    tool_call_text,
+    train_sampler,
+    trl_tokenizer,
+    wrap_generate_and_score,
+    wrap_metric_log,
+)
 
 ENV_NAME = "echoenvironment"
 _TARGET = re.compile(r'exactly this text: "([^"]+)"')
@@ -75,7 +83,7 @@ def dataset_fingerprint(ds) -> str:
 
 
 def scripted_generation(trainer, rank: int, calls: list):
-    tok = trainer._tokenizer
+    tok = trl_tokenizer(trainer)
 
     def call(text: str) -> list[int]:
         return tok.encode(tool_call_text("echo", {"text": text}) + "<|im_end|>", add_special_tokens=False)
@@ -181,8 +189,7 @@ def _bounded(fn, seconds: float = 5.0) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import TrainerCallback
 
     rank = int(os.environ.get("RANK", "0"))
     report: dict = {"rank": rank, "pid": os.getpid(), "mode": args.mode, "opened": [], "batches": [],
@@ -220,63 +227,38 @@ def main(argv: list[str] | None = None) -> int:
         def on_step_end(self, args_, state, control, **kwargs):
             report["open_at_step_end"].append(client.open_sessions)  # before spec.callbacks release anything
 
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir)
-    config = GRPOConfig(
-        output_dir=os.path.join(args.out, f"trainer-{args.mode}"),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=128,
-        max_tool_calling_iterations=3,
-        learning_rate=1e-3,
-        beta=0.0,
-        report_to="none",
-        use_cpu=True,
-        max_steps=args.steps,
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=42,
-        dataloader_num_workers=0,
-    )
-    kwargs = {"model": model, "processing_class": tokenizer, "args": config, "train_dataset": spec.train_dataset,
-              "reward_funcs": outcome_reward, "callbacks": [Recorder(), *spec.callbacks]}
-    if args.mode == "env":
-        kwargs["environment_factory"] = spec.environment_factory
-    else:
-        kwargs["rollout_func"] = spec.rollout_func
-    trainer = GRPOTrainer(**kwargs)
-    acc = trainer.accelerator
+    trainer = cpu_grpo_trainer(args.model_dir, os.path.join(args.out, f"trainer-{args.mode}"), completion_length=128,
+                               spec=spec, mode=args.mode, reward_funcs=outcome_reward,
+                               callbacks=[Recorder(), *spec.callbacks],
+                               config={"learning_rate": 1e-3, "max_steps": args.steps, "seed": 42,
+                                       "dataloader_num_workers": 0})
+    config, acc = trainer.args, trainer.accelerator
     report.update(
         process_index=acc.process_index, num_processes=acc.num_processes, is_main_process=acc.is_main_process,
         is_world_process_zero=trainer.is_world_process_zero(),
         backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
         generation_batch_size=config.generation_batch_size, per_device_batch=config.per_device_train_batch_size,
-        sampler_task_order=[task_of_row[i] for i in trainer._get_train_sampler()],
+        sampler_task_order=[task_of_row[i] for i in train_sampler(trainer)],
         params_before=params_hash(trainer.model),
     )
 
-    trainer._generate_single_turn = scripted_generation(trainer, rank, report["generate_calls"])
-    real_generate_and_score = trainer._generate_and_score_completions
+    replace_generation(trainer, scripted_generation(trainer, rank, report["generate_calls"]))
 
-    def generate_and_score(inputs):
+    def generate_and_score(real, inputs):
         step = trainer.state.global_step
         phase[0] = f"step{step}"
         report["batches"].append({"step": step, "task_index": [row["task_index"] for row in inputs]})
         try:
-            return real_generate_and_score(inputs)
+            return real(inputs)
         finally:
             phase[0] = "between"
 
-    trainer._generate_and_score_completions = generate_and_score
-    real_log_metric = trainer._log_metric
-
-    def log_metric(name, value):
+    def log_metric(real, name, value):
         report["local_metrics"].append({"step": trainer.state.global_step, "name": name, "value": value})
-        real_log_metric(name, value)
+        real(name, value)
 
-    trainer._log_metric = log_metric
+    wrap_generate_and_score(trainer, generate_and_score)
+    wrap_metric_log(trainer, log_metric)
 
     trainer.train()
     phase[0] = "after"
