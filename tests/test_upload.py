@@ -196,3 +196,21 @@ def fake_openai_url():
     server = FakeOpenAI().start()
     yield server.url
     server.stop()
+
+
+def test_a_local_model_is_uploaded_with_its_name_and_size(ref_server, platform, tiny_model_dir) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ors_trl import LocalPolicy
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    done = tok.encode("Done.<|im_end|>", add_special_tokens=False)
+    model.generate = lambda input_ids, **kwargs: torch.tensor([ids + done for ids in input_ids.tolist()])
+    report = OpenRewardSpec(ref_server.url, env_name=ECHO).evaluate(LocalPolicy(model, tok, name="tiny"), num_tasks=1,
+                                                                    upload=True, progress=False)
+    assert report.uploads == {"sent": 1, "failed": 0, "dropped": 0}
+    (rollout,) = by_rollout(platform.events()).values()
+    assert rollout["run_info"]["model_name"] == "tiny"
+    assert rollout["run_info"]["model_params"] == sum(p.numel() for p in model.parameters()) > 0

@@ -252,9 +252,10 @@ def evaluate(
             if k in wanted and "error" not in (r.get("end_reason"), r.get("unscored"))}
     todo = [k for k in keys if k not in kept]
 
+    # the uploader first: a missing key is said before a model is loaded
+    uploads = _uploader(upload, lambda: policy_obj, client.target) if upload else None
     policy_obj, _ = resolve_policy(policy, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
                                    device=device)
-    uploads = _uploader(upload, policy_obj) if upload else None
     writer = RecordWriter(out_path, append=resume) if out_path is not None else None
     bar = None
     if progress and todo:
@@ -322,14 +323,17 @@ def evaluate(
     )
 
 
-def _uploader(upload: bool | str, policy: Any) -> Any:
-    """The uploader of one evaluation: the policy's name and, for a local model, its size."""
+def _uploader(upload: bool | str, policy: Any, target: Any) -> Any:
+    """The uploader of one evaluation (a catalog target's key): the `policy()`'s name and, for a local model, size."""
     from ._upload import RolloutUploader
 
-    model = getattr(policy, "model", None)
-    params = sum(p.numel() for p in model.parameters()) if callable(getattr(model, "parameters", None)) else None
-    return RolloutUploader(run_name=upload if isinstance(upload, str) else None,
-                           run_info={"model_name": describe_policy(policy), "model_params": params, "run_type": "eval"})
+    def run_info() -> dict[str, Any]:
+        model = getattr(policy(), "model", None)
+        size = sum(p.numel() for p in model.parameters()) if callable(getattr(model, "parameters", None)) else None
+        return {"model_name": describe_policy(policy()), "model_params": size, "run_type": "eval"}
+
+    return RolloutUploader(api_key=str(target.api_key) if target.kind == "catalog" else None,
+                           run_name=upload if isinstance(upload, str) else None, run_info=run_info)
 
 
 @dataclass

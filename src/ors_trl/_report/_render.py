@@ -186,7 +186,7 @@ def _runs(t: Tally) -> str:
         out.append(f"<h3>{_e(p.other.name)} vs {_e(p.base.name)}, per task (largest change first)</h3>")
         for up, what in ((True, "solved now, not before"), (False, "solved before, not now")):
             flipped = p.flipped(up)
-            names = ", ".join(f"{env} {task}" for env, task in flipped[:50]) + (" …" if len(flipped) > 50 else "")
+            names = ", ".join(f"{env} {task}" for env, task in flipped[:12]) + (" …" if len(flipped) > 12 else "")
             out.append(f"<p class='flipped {'up' if up else 'down'}'>Flipped, {what}: {len(flipped)}"
                        + (f" ({_e(names)})" if flipped else "") + "</p>")
         rows_html = [[env, task, (f"{_pct(a.success_rate)} of {a.episodes}", a.success_rate),
