@@ -567,3 +567,144 @@ def test_summary_escapes_the_environments_text(fake_openai, capsys) -> None:
                                       num_resumed=0, seconds=0.0)
     assert "of title\\u202eenv\\x1b]0;pwned\\x07 (split 'te\\x1b[2Jst')" in report.summary()
     assert not any(c in report.summary() for c in ("\x1b", "\x07", "\u202e", "\r"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pass@k, tool-call health, several environments
+
+
+class CountingEchoPolicy:
+    """Echoes the task's word right in the first `right[word]` episodes of that task (any order), wrong after."""
+
+    description = "counting-echo"
+
+    def __init__(self, right: dict[str, int]) -> None:
+        self.right = right
+        self.seen: dict[str, int] = {}
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        if messages[-1]["role"] == "tool":
+            return PolicyReply(content="Done.")
+        word = re.search(r'exactly this text: "([^"]+)"', messages[-1]["content"]).group(1)
+        k = self.seen[word] = self.seen.get(word, 0) + 1
+        text = word if k <= self.right.get(word, 0) else word + "?"
+        return PolicyReply(content="", tool_calls=[{"id": "c", "name": "echo", "arguments": {"text": text}}])
+
+
+def test_pass_at_k_of_repeats(ref_server, tmp_path) -> None:
+    """Four tasks, five episodes each, with 0, 1, 3 and 5 successes: pass@k for k = 1..5 per task and over tasks is
+    the unbiased estimator, and the interval for pass@1 is over the four tasks."""
+    from math import comb
+
+    from ors_trl._stats import wilson
+
+    words = ["hello", "world", "trl", "openreward"]
+    right = dict(zip(words, (0, 1, 3, 5), strict=True))
+    spec = OpenRewardSpec(ref_server.url, env_name=ECHO)
+    report = spec.evaluate(CountingEchoPolicy(right), num_tasks=4, repeats=5, concurrency=6, progress=False)
+    assert report.num_episodes == 20 and report.success_rate == 9 / 20
+    expected = {k: sum(1 - comb(5 - c, k) / comb(5, k) for c in right.values()) / 4 for k in range(1, 6)}
+    assert report.pass_at_k == pytest.approx(expected) and report.pass_at_k[1] == pytest.approx(9 / 20)
+    assert report.pass_at_1_interval == pytest.approx(wilson(9 / 20, 4))
+    assert [(t["task"], t["episodes"], t["successes"]) for t in report.tasks] == [
+        (f"train #{i}", 5, c) for i, c in enumerate(right.values())]
+    assert report.tasks[1]["pass_at_k"] == pytest.approx({k: k / 5 for k in range(1, 6)})  # one success of five
+    text = report.summary()
+    assert "pass@k over 4 task(s)" in text and f"pass@5 {expected[5]:.3f}" in text and "1/5 succeeded" in text
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["pass_at_k"]["5"] == pytest.approx(expected[5]) and len(data["tasks"]) == 4
+
+
+def test_cli_repeats_pass_at_k_json_and_bad_input(ref_server, fake_openai, tmp_path, capsys) -> None:
+    out = tmp_path / "e.jsonl"
+    base = ["eval", ref_server.url, "--env-name", ECHO, "--base-url", fake_openai.url, "--model", "m",
+            "--num-tasks", "2", "--no-progress"]
+    assert main([*base, "--repeats", "3", "--json", "--output", str(out)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["pass_at_k"] == {"1": 1.0, "2": 1.0, "3": 1.0} and [t["episodes"] for t in info["tasks"]] == [3, 3]
+    assert info["no_tool_call_rate"] == 0.0 and info["malformed_calls"] == 0
+    assert main([*base, "--repeats", "2"]) == 0
+    assert "pass@1 1.000  pass@2 1.000" in capsys.readouterr().out
+    assert main([*base, "--repeats", "0"]) == 2
+    assert "--repeats: expected an integer >= 1, got '0'" in capsys.readouterr().err
+    # a threshold outside the rewards seen (0 to 1): refused after the run, the episodes kept whole
+    assert main([*base, "--success-threshold", "2", "--output", str(out), "--overwrite"]) == 2
+    err = capsys.readouterr()
+    assert "outside the rewards seen (1 to 1)" in err.err and f"the episodes are in {out}" in err.err
+    assert err.out == "" and len(read_lines(out)) == 2
+    assert main(["eval", ref_server.url, ref_server.url, "--env-name", ECHO, "--env-name", SPARSE, "--env-name",
+                 ECHO, "--base-url", fake_openai.url, "--model", "m", "--no-progress"]) == 2
+    assert "3 --env-name values for 2 TARGETs" in capsys.readouterr().err
+
+
+def test_tool_call_health_with_broken_markup(ref_server, tiny_model_dir) -> None:
+    """The tiny model writes, on purpose: a good call, tool-call markup whose JSON is cut (the parser makes no call of
+    it), a call with an argument the tool does not have (refused: malformed), and plain text. Each is counted where
+    the turn rule sees it and shown in the summary."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.fixtures.generation import tool_call_text
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    words = ["hello", "world", "trl", "openreward"]
+    replies = {"hello": tool_call_text("echo", {"text": "hello"}),
+               "world": '<tool_call>\n{"name": "echo", "arguments": {"text": "world"}\n</tool_call>',
+               "trl": tool_call_text("echo", {"txt": "trl"}),
+               "openreward": "I would rather not."}
+
+    def generate(input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:  # the model's turn, scripted
+        rows = []
+        for ids in input_ids.tolist():
+            text = tok.decode(ids)
+            word = re.findall(r'exactly this text: "(\w+)"', text)[0]
+            body = "Done." if "<tool_response>" in text else replies[word]
+            rows.append(ids + tok.encode(body + "<|im_end|>", add_special_tokens=False))
+        width = max(map(len, rows))
+        return torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+
+    model.generate = generate
+    policy = LocalPolicy(model, tok, max_new_tokens=64, join_turns=False)
+    assert policy.rendering.tool_markup == "<tool_call>"  # read off the template's response schema
+    report = OpenRewardSpec(ref_server.url, env_name=ECHO).evaluate(policy, num_tasks=4, progress=False)
+    by_word = {words[e["task_index"]]: e for e in report.episodes}
+    assert by_word["hello"]["reward"] == 1.0 and by_word["hello"]["tool_calls"] == 1
+    (broken,) = by_word["world"]["turns"]
+    assert broken["unparsed"] is True and broken["tool_calls"] == [] and "<tool_call>" in broken["assistant"]
+    refused = by_word["trl"]["turns"][0]["tool_calls"][0]
+    assert refused["status"] == "refused" and refused["error"]["reason"] == "input_validation"
+    (plain,) = by_word["openreward"]["turns"]
+    assert "unparsed" not in plain and plain["assistant"] == "I would rather not."
+    assert report.no_tool_call_rate == 0.5 and report.malformed_calls == 1
+    assert report.unparsed_turn_rate == pytest.approx(1 / 6)  # of 2 + 1 + 2 + 1 turns
+    text = report.summary()
+    assert "no tool call          0.500 of episodes" in text and "malformed arguments   1 call(s)" in text
+    assert "unparsed tool calls   0.167 of turns" in text
+    assert "warning: 50% of the episodes made no tool call; 17% of the turns wrote tool-call markup" in text
+
+
+def test_mix_evaluate_and_cli_several_environments(ref_server, fake_openai, tmp_path, capsys) -> None:
+    from ors_trl import OpenRewardMix
+
+    mix = OpenRewardMix({"echo": OpenRewardSpec(ref_server.url, env_name=ECHO, num_tasks=2),
+                         "sparse": OpenRewardSpec(ref_server.url, env_name=SPARSE, num_tasks=3)}, weights=[3, 1])
+    out = tmp_path / "mix.jsonl"
+    report = mix.evaluate(OpenAIPolicy(fake_openai.url, "faulty"), output=str(out), progress=False)
+    echo, sparse = report.environments["echo"], report.environments["sparse"]
+    assert (echo.num_episodes, sparse.num_episodes) == (2, 3) and report.weights == {"echo": 0.75, "sparse": 0.25}
+    assert report.success_rate == pytest.approx(0.75 * echo.success_rate + 0.25 * sparse.success_rate)
+    assert report.pass_at_k == {1: pytest.approx(0.75 * echo.pass_at_k[1] + 0.25 * sparse.pass_at_k[1])}
+    assert {r["environment"] for r in read_lines(out)} == {"echo", "sparse"} and len(read_lines(out)) == 5
+    again = mix.evaluate(OpenAIPolicy(fake_openai.url, "faulty"), output=str(out), resume=True, progress=False)
+    assert again.num_resumed == 5 and again.num_episodes == 5  # each environment's episodes found again
+    assert "Overall, 2 environments weighted (echo 0.750, sparse 0.250)" in report.summary()
+    mix.close()
+
+    base = ["eval", ref_server.url, "--env-name", ECHO, "--env-name", SPARSE, "--base-url", fake_openai.url,
+            "--model", "m", "--num-tasks", "2", "--no-progress"]
+    assert main([*base, "--json", "--weights", "1,1"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert set(info["environments"]) == {ECHO, SPARSE} and info["weights"] == {ECHO: 0.5, SPARSE: 0.5}
+    assert info["overall"]["success_rate"] == 1.0 and info["overall"]["pass_at_k"] == {"1": 1.0}
+    assert main([*base, "--weights", "1,2,3"]) == 2
+    assert "--weights has 3 values for 2 environments" in capsys.readouterr().err

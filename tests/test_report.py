@@ -187,13 +187,16 @@ def test_report_of_real_episodes(logs, tmp_path, no_leaked_sessions) -> None:
     summary = write_report([*(logs[k] for k in LOGS), logs["trainer"]], out)
     assert summary.episodes == 4 + 2 + 1 + 2 + 2 + 2 and summary.embedded == summary.episodes
     assert summary.environments == ENVS
-    assert summary.runs == 2  # this process (training and eval) and the subprocess
+    # the runs: training in this process and in the subprocess (told apart by run id), and one eval per policy
+    records = [json.loads(line) for key in LOGS for line in logs[key].read_text().splitlines()]
+    here, sub = records[0]["run"], json.loads(logs["sub"].read_text())["run"]
+    assert summary.runs == 5 and summary.run_names == [f"trl · {here}", f"trl · {sub}", "eval · scripted-echo",
+                                                        "eval · scripted-quiz", "eval · scripted-judge"]
     assert summary.trainer_states == 1 and summary.log_steps == 3  # checkpoint-3, not checkpoint-2
     page = out.read_text(encoding="utf-8")
     assert_self_contained(page)
 
     episodes = _episode_data(page)
-    records = [json.loads(line) for key in LOGS for line in logs[key].read_text().splitlines()]
     assert len(records) == len(episodes) == 13
     # Every episode is in the page, whole: the embedded record is the record as written.
     assert sorted(json.dumps(e["rec"], sort_keys=True) for e in episodes) == sorted(
@@ -201,7 +204,7 @@ def test_report_of_real_episodes(logs, tmp_path, no_leaked_sessions) -> None:
     by_source = {(e["rec"]["source"], e["env"], e["rec"]["task_index"], e["rec"].get("repeat"), e["run"])
                  for e in episodes}
     assert len(by_source) == 13
-    assert {e["run"] for e in episodes} == {r["run"] for r in records} and len({r["run"] for r in records}) == 2
+    assert {e["run"] for e in episodes} == set(summary.run_names) and len({r["run"] for r in records}) == 2
     failed = next(e for e in episodes if e["env"] == "sparseenvironment" and e["reward"] is None)
     assert failed["tags"] == ["failure: failed", "failure: refused", "unscored: no_reward"]
     outputs = [c.get("output") for e in episodes for t in e["rec"]["turns"] for c in t["tool_calls"]]
@@ -219,7 +222,7 @@ def test_report_of_real_episodes(logs, tmp_path, no_leaked_sessions) -> None:
         assert text in page or text in json.dumps(episodes), text
     assert re.search(r'<tr class=task data-env="echoenvironment" data-task="train #0">', page)
     # Curves from the trainer's log_history: TRL's reward and the env/<name>/... metrics, as inline SVG.
-    assert page.count("<figure class=chart><svg") == 5
+    assert page.count("<figure class=chart><svg") == 6  # reward, graded, calls, health, failures, latency
     assert "TRL reward (every rollout)" in page and "echoenvironment" in page.split('id="curves"')[1]
 
 
@@ -597,7 +600,7 @@ def test_success_threshold_sets_what_succeeds(tmp_path, capsys) -> None:
         assert f"Success: reward &ge; {threshold:g}" in page and f"reward ≥ {threshold:g}, of every episode" in page
         total = sum(r is not None and r >= threshold for rs in rewards.values() for r in rs) / 6
         assert f"<div class=k>success rate</div><div class=v>{total:.1%}</div>" in page
-    assert re.search(r"<h3>Per run</h3><table class='sortable'>.*?<td>run-0</td><td class=num data-v=\"3\">", page)
+    assert re.search(r"<h3>Per run</h3><table class='sortable runs'>.*?<td>run-0</td><td class=num data-v=\"3\">", page)
     out = tmp_path / "cli.html"
     assert main(["report", str(log), "-o", str(out), "--success-threshold", "0.5"]) == EXIT_OK
     assert task_cells(out.read_text()) == task_cells((tmp_path / "r-0.5.html").read_text())
@@ -630,3 +633,100 @@ def test_records_with_fields_of_the_wrong_type_are_skipped(tmp_path) -> None:
     summary = write_report([log], tmp_path / "r.html")
     assert summary.episodes == 1 and summary.skipped_reasons == {"unreadable as an episode (TypeError)": 2}
     assert "2 record(s) skipped: 2 unreadable as an episode (TypeError)." in (tmp_path / "r.html").read_text()
+
+
+# -- runs side by side ------------------------------------------------------------------------------------------
+
+# Successes of the two episodes of six echo tasks, before and after: per task 0/2 -> 2/2, 0 -> 2, 1 -> 2, 2 -> 2,
+# 2 -> 0, 0 -> 0 (success 0, 0, 50, 100, 100, 0% -> 100, 100, 100, 100, 0, 0%).
+BEFORE = {"hello": 0, "world": 0, "trl": 1, "openreward": 2, "spec": 2, "factory": 0}
+AFTER = {"hello": 2, "world": 2, "trl": 2, "openreward": 2, "spec": 0, "factory": 0}
+
+
+class CountingEchoPolicy:
+    """Echoes the word right in the first `right[word]` episodes of its task (whatever the order), wrong after."""
+
+    description = "counting-echo"
+
+    def __init__(self, right: dict[str, int]) -> None:
+        self.right, self.seen = right, dict.fromkeys(right, 0)
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        if messages[-1]["role"] == "tool":
+            return PolicyReply(content="Done.")
+        word = re.search(r'exactly this text: "([^"]+)"', messages[-1]["content"]).group(1)
+        self.seen[word] += 1
+        text = word if self.seen[word] <= self.right[word] else word + "?"
+        return PolicyReply(content="", tool_calls=[{"id": "c", "name": "echo", "arguments": {"text": text}}])
+
+
+@pytest.fixture(scope="module")
+def before_after(ref_server, tmp_path_factory) -> tuple[Path, Path]:
+    """Two evaluations of the same six tasks by one process and one policy name, as the demo writes them."""
+    tmp = tmp_path_factory.mktemp("compare")
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=6)
+    try:
+        for name, right in (("eval_before.jsonl", BEFORE), ("eval_after.jsonl", AFTER)):
+            spec.evaluate(CountingEchoPolicy(right), repeats=2, output=str(tmp / name), progress=False)
+    finally:
+        spec.close()
+    return tmp / "eval_before.jsonl", tmp / "eval_after.jsonl"
+
+
+def test_two_runs_compared_task_by_task(before_after, tmp_path, capsys) -> None:
+    before, after = before_after
+    out = tmp_path / "r.html"
+    # one process, one policy: the two files cannot be told apart without names, and nothing is written
+    with pytest.raises(ConfigurationError, match=r"both hold episodes of one run .* name them with --label"):
+        write_report([before, after], out)
+    assert main(["report", str(before), str(after), "-o", str(out)]) == EXIT_USAGE
+    assert f"--label before={before} --label after={after}" in capsys.readouterr().err and not out.exists()
+
+    assert main(["report", "--label", f"before={before}", "--label", f"after={after}", "-o", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["run_names"] == ["before", "after"] and info["episodes"] == 24 and info["skipped"] == 0
+    page = out.read_text()
+    assert page.index('id="runs"') < page.index('id="summary"')  # the comparison comes first
+    assert ("after vs before: success 41.7% → 66.7% (+25.0 points) over 6 shared task(s); paired test over tasks "
+            "p = 0.625 (exact): within noise") in page
+    assert "Flipped, solved now, not before: 2 (echoenvironment train #0, echoenvironment train #1)" in page
+    assert "Flipped, solved before, not now: 1 (echoenvironment train #4)" in page
+    table = page.split("<table class='sortable compare'>")[1].split("</table>")[0]
+    rows = re.findall(r"<tr><td>echoenvironment</td><td>train #(\d)</td>.*?data-v=\"([-\d.]+)\">[^<]*</td></tr>",
+                      table)
+    assert rows == [("0", "1.0"), ("1", "1.0"), ("4", "-1.0"), ("2", "0.5"), ("3", "0.0"), ("5", "0.0")]
+    runs = page.split("<table class='sortable runs'>")[1].split("</table>")[0]
+    assert re.search(r"<td>before</td><td class=num data-v=\"12\">12</td><td class=num data-v=\"6\">6</td>"
+                     r"<td class=num data-v=\"0.4166", runs)
+    assert runs.count('<td class=num data-v="1.0">100.0%</td>') == 2  # every episode graded, in both runs
+    # pass@2 of "before": tasks with 0, 0, 1, 2, 2, 0 successes of 2 -> (0 + 0 + 1 + 1 + 1 + 0) / 6
+    assert 'pass@2 0.500' in runs and 'pass@2 0.667' in runs
+    # a label that names no file, one file given two names, a threshold outside the rewards seen: usage errors
+    for args, message in (([f"before={tmp_path / 'missing.jsonl'}"], "no such file or folder"),
+                          ([f"a={before}", f"b={before}"], "is labelled twice, 'a' and 'b'")):
+        fresh = tmp_path / "fresh.html"
+        assert main(["report", *(x for a in args for x in ("--label", a)), "-o", str(fresh)]) == EXIT_USAGE
+        assert message in capsys.readouterr().err and not fresh.exists()
+    assert main(["report", "--label", "=x"]) == EXIT_USAGE and "expected NAME=FILE" in capsys.readouterr().err
+    fresh = tmp_path / "fresh.html"
+    assert main(["report", "--label", f"before={before}", "--label", f"after={after}", "-o", str(fresh),
+                 "--success-threshold", "1.5"]) == EXIT_USAGE
+    assert "outside the rewards seen (0 to 1)" in capsys.readouterr().err and not fresh.exists()
+
+
+def test_comparison_page_opens_in_chromium(before_after, chromium, tmp_path) -> None:
+    before, after = before_after
+    out = tmp_path / "r.html"
+    write_report([], out, labels={"before": before, "after": after})
+    result = run_chromium(chromium, tmp_path / "profile", "--dump-dom", out.as_uri())
+    dom = result.stdout
+    assert 'data-report-ready="1"' in dom, (result.returncode, result.stderr[-3000:])
+    assert "data-js-error" not in re.search(r"<body[^>]*>", dom).group(0)
+    assert '<p class="headline" data-verdict="noise">after vs before: success 41.7% → 66.7%' in dom
+    assert dom.count("<tr><td>echoenvironment</td><td>train #") == 6  # the comparison's rows
+    assert '<option value="after">after</option>' in dom and '<option value="before">before</option>' in dom
+    shot = tmp_path / "first-screen.png"
+    run_chromium(chromium, tmp_path / "profile-shot", f"--screenshot={shot}", "--window-size=1280,800",
+                 "--hide-scrollbars", out.as_uri())
+    assert shot.is_file() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    print(f"comparison screenshot: {shot}")

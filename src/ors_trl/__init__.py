@@ -7,7 +7,7 @@ are imported only when a feature that needs them is first used.
 
 from ._budget import get_max_sessions, set_max_sessions
 from ._client import AsyncClient, AsyncSession, Client, Session
-from ._eval import EvalReport
+from ._eval import EvalReport, MixEvalReport
 from ._exceptions import (
     APIStatusError,
     AuthenticationError,
@@ -72,6 +72,7 @@ __all__ = [
     "LocalPolicy",
     "Message",
     "MissingAPIKeyError",
+    "MixEvalReport",
     "NotFoundError",
     "ORSError",
     "ORSTimeoutError",

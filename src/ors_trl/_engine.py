@@ -121,14 +121,19 @@ class RolloutEngine:
             generation call, so a cheap generator (an API, a small model) does not add a wait to every turn
             of the slowest rollout, while an expensive one still gets full batches.
         turn_barrier: wait for every rollout before each generation (TRL's turn-by-turn schedule), for comparison.
+        source: the `source` of its episodes' records (`"eval"`: evaluation during training).
+
+    `info` holds extra record fields for the episodes of the next calls (the evaluation's training `step`).
 
     Episodes of an environment whose spec has `score_groups=True` are also scored as GRPO groups with its
     `/score_group` (the `ors_group_reward` column `spec.group_reward_func` reads).
     """
 
     def __init__(self, environments: Mapping[str | None, EnvironmentRuntime], *, gather_window: float | None = None,
-                 turn_barrier: bool = False) -> None:
+                 turn_barrier: bool = False, source: str = "engine") -> None:
         self.environments = dict(environments)
+        self.source = source
+        self.info: dict[str, Any] = {}
         self.gather = GatherWindow(gather_window)
         self.turn_barrier = turn_barrier
         self.last_episodes: list[Episode] = []
@@ -185,7 +190,7 @@ class RolloutEngine:
             rt = next(iter(self.environments.values()))
         base = [{k: v for k, v in m.items() if k != TASK_KEY} for m in prompt]
         deadline = None if rt.episode_timeout is None else time.monotonic() + rt.episode_timeout
-        return _Rollout(rt.episode(task, source="engine", rules=rules), base, deadline)
+        return _Rollout(rt.episode(task, source=self.source, rules=rules, **self.info), base, deadline)
 
     def _waves(self, rollouts: list[_Rollout]) -> list[list[_Rollout]]:
         """Split the batch so that no wave opens more sessions than a session cap allows (queuing, not failing).

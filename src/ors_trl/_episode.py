@@ -133,11 +133,15 @@ class Rules:
             last one are not run (no reply would read their results): the episode ends with `max_turns`.
         max_tool_calls: tool calls an episode may make; later ones are refused locally and counted.
         error_text: the text the model reads for a failed call (TRL's `{'error': ...}`, from `ors_trl._trl`).
+        tool_markup: the text that opens a tool call in the chat template the replies are parsed with (qwen3:
+            `<tool_call>`): a reply without calls whose text holds it is a call the parser missed, and its turn is
+            marked `unparsed`. None: not known.
     """
 
     max_replies: int | None = None
     max_tool_calls: int | None = None
     error_text: Callable[[BaseException], str] = str
+    tool_markup: str | None = None
 
 
 class Outcome:
@@ -194,6 +198,7 @@ class EnvironmentRuntime:
         self.score_groups = score_groups
         self.metrics = EnvMetrics(success_threshold)
         self.metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
+        self.uploads: Any = None  # a RolloutUploader (ors_trl._upload) sent every closed episode's record, opt-in
         self.toolset: Toolset | None = None  # bound by the spec before the first episode
         self.uses_messages: bool | None = None  # /messages supported (None: not known yet)
         self.block_types: tuple[str, ...] | None = None  # block types the server accepts in messages
@@ -243,12 +248,14 @@ class EnvironmentRuntime:
             self.recorder = recorder
 
     def episode(self, task: Task, *, source: str, rules: Rules, metrics: bool = True,
-                writer: RecordWriter | None = None, **info: Any) -> Episode:
-        """A new, not yet opened episode of `task` played under `rules`, tracked until it is closed."""
+                writer: RecordWriter | None = None, uploads: Any = None, **info: Any) -> Episode:
+        """A new, not yet opened episode of `task` played under `rules`, tracked until it is closed; `writer` and
+        `uploads` (a `RolloutUploader`; False: none) receive its record instead of the runtime's own."""
         if self.max_tool_calls is not None and rules.max_tool_calls is None:
             rules = dataclasses.replace(rules, max_tool_calls=self.max_tool_calls)
         ep = Episode(self, task, source=source, rules=rules, metrics=self.metrics if metrics else None,
-                     writer=writer if writer is not None else self.recorder, **info)
+                     writer=writer if writer is not None else self.recorder,
+                     uploads=uploads if uploads is not None else self.uploads, **info)
         with self._lock:
             self.live.add(ep)
         return ep
@@ -347,6 +354,8 @@ class EnvironmentRuntime:
             self.bg.run(self.client.close_sessions(), timeout=timeout)
         except ORSError as exc:
             logger.warning("%s: closing sessions failed: %s", self.name, exc)
+        if self.uploads is not None:
+            self.uploads.close(timeout or 60.0)
 
     async def aclose(self) -> None:
         """At exit: close every live episode, then the client (which deletes whatever is still open)."""
@@ -398,7 +407,7 @@ class Episode:
 
     def __init__(self, env: EnvironmentRuntime, task: Task, *, source: str, rules: Rules,
                  metrics: EnvMetrics | None, writer: RecordWriter | None, task_tools: bool = False,
-                 **info: Any) -> None:
+                 uploads: Any = None, **info: Any) -> None:
         self.env = env
         self.task = task
         self.source = source
@@ -425,6 +434,7 @@ class Episode:
         self._lost = False  # a call failed for the session's or the network's reasons
         self._metrics = metrics
         self._writer = writer
+        self._uploads = uploads
         self._opening: asyncio.Future[bool] | None = None
         self._open_error: ORSError | None = None
         self._accounted = False
@@ -523,6 +533,9 @@ class Episode:
 
     def _turn(self, reply: Reply) -> TurnRecord:
         turn: TurnRecord = {"index": len(self.turns), "assistant": reply.text, "tool_calls": [], **reply.extra}
+        markup = self.rules.tool_markup
+        if markup and not reply.calls and markup in f"{reply.text or ''}{reply.extra.get('raw') or ''}":
+            turn["unparsed"] = True  # the model wrote a tool call the parser did not turn into one
         self.timings["generation"] += float(reply.extra.get("generation_seconds") or 0.0)
         self.turns.append(turn)
         return turn
@@ -760,7 +773,7 @@ class Episode:
         self._accounted = True
         if self._metrics is not None:
             self._metrics.record_episode(self.env.name, reward=self.reward, finished=self.finished,
-                                         calls=self.tool_calls, unscored=self.unscored)
+                                         calls=self.tool_calls, unscored=self.unscored, turns=self.turns)
 
     def record(self) -> EpisodeRecord:
         """The episode as one record (schema `ors_trl._records.RECORD_VERSION`), the same for every driver."""
@@ -798,8 +811,11 @@ class Episode:
                 self.env.live.discard(self)
             if keep:
                 self.account()
+                record = self.record()
                 if self._writer is not None:
-                    self._writer.write(self.record())
+                    self._writer.write(record)
+                if self._uploads:
+                    self._uploads.submit(record)
 
     def release(self) -> concurrent.futures.Future[None] | None:
         """Count the episode now and `close()` it in the background, from any thread (tracked by the runtime)."""

@@ -16,8 +16,14 @@ None and does not count in `mean_reward`. An episode past its deadline
 
 Every finished episode is appended to `output` as one record (the schema every driver writes) and
 flushed at once, so an interrupted evaluation loses at most its running episodes; `resume=True` reads
-the file back and runs only the episodes it lacks (by split, task index and repeat index). Every
-session is closed, also on errors and on Ctrl-C.
+the file back and runs only the episodes it lacks (by environment, split, task index and repeat index).
+Every session is closed, also on errors and on Ctrl-C.
+
+With `repeats=n` the report has the unbiased pass@k for k = 1..n per task and over tasks, with a 95% interval
+for pass@1 over tasks (`ors_trl._stats`), and the tool-call health of the episodes (no tool call, tool-call
+markup the parser missed, malformed arguments). `OpenRewardMix.evaluate` evaluates every environment of a mix
+and weighs them together (`MixEvalReport`); `upload=True` sends every episode to the OpenReward rollout viewer
+(`ors_trl._upload`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,13 +45,14 @@ from . import _episode, _trl
 from ._episode import Call, EnvironmentRuntime, Episode, Reply, Rules, Task
 from ._exceptions import ConfigurationError, ContextLengthExceeded, ORSError, PolicyError
 from ._loop import get_loop
-from ._metrics import DEFAULT_SUCCESS_THRESHOLD, EpisodeStats
+from ._metrics import DEFAULT_SUCCESS_THRESHOLD, NO_CALL_WARNING, EpisodeStats
 from ._policies import describe_policy, resolve_policy
 from ._records import RecordWriter, read_records
+from ._stats import pass_at_k, pass_at_ks, task_label, wilson
 from ._tasks import check_selection, select
 from ._text import escape_controls, one_line
 
-__all__ = ["EvalReport", "evaluate", "load_episodes"]
+__all__ = ["EvalReport", "MixEvalReport", "evaluate", "load_episodes"]
 
 logger = logging.getLogger("ors_trl.eval")
 
@@ -60,9 +68,12 @@ def _key(record: dict[str, Any]) -> EpisodeKey | None:
         return None
 
 
-def load_episodes(path: str | os.PathLike[str]) -> dict[EpisodeKey, dict[str, Any]]:
-    """An episodes file as `{(split, task_index, repeat): record}`, the last record of each key winning."""
-    return {key: record for record in read_records(path) if (key := _key(record)) is not None}
+def load_episodes(path: str | os.PathLike[str], environments: Collection[str] | None = None
+                  ) -> dict[EpisodeKey, dict[str, Any]]:
+    """An episodes file as `{(split, task_index, repeat): record}`, the last record of each key winning; only the
+    records of `environments` (their names) when given."""
+    return {key: record for record in read_records(path) if (key := _key(record)) is not None
+            and (environments is None or record.get("environment") in environments)}
 
 
 async def _play(ep: Episode, policy: Any, flatten_prompt: bool = False) -> None:
@@ -102,9 +113,11 @@ class _Evaluation:
 
     def __init__(self, runtime: EnvironmentRuntime, policy: Any, *, max_turns: int, writer: RecordWriter | None,
                  bar: Any, per_task_tools: bool, groups: bool, flatten_prompt: bool,
-                 episode_timeout: float | None = None) -> None:
+                 episode_timeout: float | None = None, uploads: Any = None) -> None:
         self.runtime, self.policy, self.flatten_prompt = runtime, policy, flatten_prompt
-        self.rules = Rules(max_replies=max_turns, error_text=_trl.error_text)
+        markup = getattr(getattr(policy, "rendering", None), "tool_markup", None)  # a local model's chat template
+        self.rules = Rules(max_replies=max_turns, error_text=_trl.error_text, tool_markup=markup)
+        self.uploads = uploads
         self.episode_timeout = episode_timeout
         self.writer, self.bar, self.per_task_tools, self.groups = writer, bar, per_task_tools, groups
         self.policy_name = describe_policy(policy)
@@ -117,6 +130,8 @@ class _Evaluation:
             self.active += 1
             ep = self.runtime.episode(Task(split, index), source="eval", rules=self.rules, metrics=False,
                                       writer=None if self.groups else self.writer, task_tools=self.per_task_tools,
+                                      # group-scored: written and uploaded once scored, in `evaluate`
+                                      uploads=(False if self.groups else self.uploads) if self.uploads else None,
                                       repeat=repeat, policy=self.policy_name)
             deadline = asyncio.timeout(self.episode_timeout)
             try:
@@ -163,6 +178,8 @@ def evaluate(
     score_groups: bool = False,
     flatten_prompt: bool = False,
     success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
+    upload: bool | str = False,
+    others: Collection[str] = (),
     temperature: float = 0.0,
     max_new_tokens: int | None = None,
     seed: int | None = 0,
@@ -190,7 +207,10 @@ def evaluate(
         score_groups: also score each task's episodes (its repeats) together with `/score_group`.
         flatten_prompt: give the policy the prompt as TRL's `environment_factory` loop does (one user message,
             the system turn first) rather than as a conversation: for a model trained through that loop.
-        success_threshold: an episode succeeded when its reward is at least this (`EvalReport.success_rate`).
+        success_threshold: an episode succeeded when its reward is at least this (`EvalReport.success_rate`, pass@k).
+        upload: send every episode to the OpenReward rollout viewer (`True`, or the run's name there), with the
+            policy's name and size; the platform's API key as for catalog targets (`OPENREWARD_API_KEY`).
+        others: environments whose episodes `output` holds too (a mix's), left alone without a warning.
         temperature, max_new_tokens, seed, device: generation options for a policy given as a path or pair.
         progress: show a progress bar on stderr.
 
@@ -220,17 +240,20 @@ def evaluate(
     split = runtime.split
     selected = list(dict.fromkeys(select(bg.run(client.num_tasks(split)), split, num_tasks, indices, warn=False)))
     keys: list[EpisodeKey] = [(split, i, r) for i in selected for r in range(repeats)]
-    previous = load_episodes(out_path) if resume and out_path else {}
-    others = {r.get("environment") for r in previous.values()} - {runtime.name, environment}
-    if others:
-        logger.warning("%s holds episodes of other environments (%s); they are not reused", out_path,
-                       ", ".join(map(str, others)))
+    mine = {runtime.name, environment}
+    previous = load_episodes(out_path, mine) if resume and out_path else {}
+    if resume and out_path:
+        foreign = {r.get("environment") for r in read_records(out_path)} - mine - set(others)
+        if foreign:
+            logger.warning("%s holds episodes of other environments (%s); they are not reused", out_path,
+                           ", ".join(map(str, foreign)))
     wanted = set(keys)
     kept = {k: r for k, r in previous.items()
-            if k in wanted and "error" not in (r.get("end_reason"), r.get("unscored"))
-            and r.get("environment") in (runtime.name, environment)}
+            if k in wanted and "error" not in (r.get("end_reason"), r.get("unscored"))}
     todo = [k for k in keys if k not in kept]
 
+    # the uploader first: a missing key is said before a model is loaded
+    uploads = _uploader(upload, lambda: policy_obj, client.target) if upload else None
     policy_obj, _ = resolve_policy(policy, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
                                    device=device)
     writer = RecordWriter(out_path, append=resume) if out_path is not None else None
@@ -243,7 +266,7 @@ def evaluate(
                    file=sys.stderr, dynamic_ncols=True)
     evaluation = _Evaluation(runtime, policy_obj, max_turns=max_turns, writer=writer, bar=bar,
                              per_task_tools=per_task_tools, groups=score_groups, flatten_prompt=flatten_prompt,
-                             episode_timeout=episode_timeout)
+                             episode_timeout=episode_timeout, uploads=uploads)
     if hasattr(policy_obj, "_set_active_counter"):
         policy_obj._set_active_counter(lambda: evaluation.active)
     finished_event = threading.Event()
@@ -256,8 +279,11 @@ def evaluate(
             if score_groups:
                 await _episode.score_groups(evaluation.done)
                 for ep in evaluation.done:
+                    record = ep.record()
                     if writer is not None:
-                        writer.write(ep.record())
+                        writer.write(record)
+                    if uploads is not None:
+                        uploads.submit(record)
         finally:
             for task in tasks:
                 task.cancel()
@@ -278,6 +304,8 @@ def evaluate(
     finally:
         if bar is not None:
             bar.close()
+        if uploads is not None:
+            uploads.close()
 
     by_key = dict(kept)
     by_key.update({(ep.task.split, int(ep.task.index or 0), int(ep.info.get("repeat", 0))): ep.record()
@@ -291,7 +319,21 @@ def evaluate(
         num_resumed=len(kept),
         seconds=round(time.monotonic() - started, 3),
         output=os.fspath(out_path) if out_path is not None else None,
+        uploads=uploads.counts() if uploads is not None else None,
     )
+
+
+def _uploader(upload: bool | str, policy: Any, target: Any) -> Any:
+    """The uploader of one evaluation (a catalog target's key): the `policy()`'s name and, for a local model, size."""
+    from ._upload import RolloutUploader
+
+    def run_info() -> dict[str, Any]:
+        model = getattr(policy(), "model", None)
+        size = sum(p.numel() for p in model.parameters()) if callable(getattr(model, "parameters", None)) else None
+        return {"model_name": describe_policy(policy()), "model_params": size, "run_type": "eval"}
+
+    return RolloutUploader(api_key=str(target.api_key) if target.kind == "catalog" else None,
+                           run_name=upload if isinstance(upload, str) else None, run_info=run_info)
 
 
 @dataclass
@@ -305,9 +347,16 @@ class EvalReport:
         mean_reward: mean episode reward over the scored episodes; None if none was scored.
         coverage: grading coverage, `num_scored / num_episodes`.
         success_rate: the share of episodes whose reward reached `success_threshold` (unscored ones count as not).
+        pass_at_k: the unbiased pass@k over tasks, `{k: value}` for k = 1 .. the fewest episodes of a task.
+        pass_at_1_interval: a 95% interval of pass@1 over tasks (Wilson's, the tasks as the sample), or None.
+        tasks: per task (`task`, `episodes`, `successes`, `pass_at_k`), in task order.
         finished_rate: fraction of episodes a tool result marked finished.
         tool_calls_per_episode, tool_failures_per_episode: mean tool calls / failed tool calls per episode.
         turns_per_episode: mean policy replies per episode.
+        no_tool_call_rate: the share of episodes without a tool call.
+        unparsed_turn_rate: the share of policy replies whose tool-call markup parsed to no call (a local model's
+            chat template says what the markup is).
+        malformed_calls: tool calls refused for malformed arguments (not an object, or not the tool's schema).
         num_errors: episodes that failed: their session did not open or was lost, or the policy failed
             (`unscored == "error"`).
         end_reasons: episodes per end reason (`no_tool_calls`, `finished`, `max_turns`, `context_length`, `timeout`,
@@ -316,6 +365,7 @@ class EvalReport:
         num_resumed: episodes read back from `output` rather than run.
         seconds: wall time of this run.
         output: the episodes file, if any.
+        uploads: with `upload=True`, episodes `sent`, `failed` and `dropped`.
         episodes: every episode record (the dicts written to `output`), in task order.
     """
 
@@ -338,15 +388,28 @@ class EvalReport:
     mean_group_reward: float | None = None
     success_rate: float = 0.0
     success_threshold: float = DEFAULT_SUCCESS_THRESHOLD
+    pass_at_k: dict[int, float] = field(default_factory=dict)
+    pass_at_1_interval: tuple[float, float] | None = None
+    tasks: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    no_tool_call_rate: float = 0.0
+    unparsed_turn_rate: float = 0.0
+    malformed_calls: int = 0
     output: str | None = None
+    uploads: dict[str, int] | None = None
     episodes: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     @classmethod
     def from_episodes(cls, episodes: list[dict[str, Any]], *, success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
                       **info: Any) -> EvalReport:
         stats = EpisodeStats(success_threshold)
+        counts: dict[str, list[int]] = {}  # task -> [episodes, successes]
         for record in episodes:
             stats.add_record(record)
+            n_c = counts.setdefault(task_label(record), [0, 0])
+            reward = record.get("reward")
+            n_c[0] += 1
+            n_c[1] += isinstance(reward, int | float) and reward >= success_threshold
+        passed = pass_at_ks(map(tuple, counts.values()))  # type: ignore[arg-type]
         return cls(
             num_episodes=stats.episodes, num_scored=stats.scored, mean_reward=stats.mean_reward,
             coverage=stats.coverage, finished_rate=stats.share(stats.finished),
@@ -354,7 +417,12 @@ class EvalReport:
             tool_failures_per_episode=stats.share(stats.tool_failures), turns_per_episode=stats.share(stats.turns),
             num_errors=stats.unscored.get("error", 0), end_reasons=dict(stats.end_reasons),
             mean_group_reward=stats.mean_group_reward, success_rate=stats.success_rate,
-            success_threshold=success_threshold, episodes=episodes, **info,
+            success_threshold=success_threshold, episodes=episodes, pass_at_k=passed,
+            pass_at_1_interval=wilson(passed[1], len(counts)) if passed else None,
+            tasks=[{"task": task, "episodes": n, "successes": c,
+                    "pass_at_k": {k: pass_at_k(n, c, k) for k in range(1, n + 1)}} for task, (n, c) in counts.items()],
+            no_tool_call_rate=stats.no_call_rate, unparsed_turn_rate=stats.unparsed_rate,
+            malformed_calls=stats.malformed_calls, **info,
         )
 
     def to_dict(self, *, episodes: bool = False) -> dict[str, Any]:
@@ -374,18 +442,124 @@ class EvalReport:
             f"(split {self.split!r}) with {self.policy}",
             f"  mean reward           {reward}" + (f"  (over {self.num_scored} scored)" if self.num_scored else ""),
             f"  success rate          {self.success_rate:.3f}  (reward >= {self.success_threshold:g})",
+            *self._pass_lines(),
             f"  grading coverage      {self.coverage:.3f}",
             f"  finished rate         {self.finished_rate:.3f}",
             f"  tool calls / episode  {self.tool_calls_per_episode:.2f}",
             f"  tool failures / ep.   {self.tool_failures_per_episode:.2f}",
             f"  turns / episode       {self.turns_per_episode:.2f}",
+            *_health_lines(self),
             f"  errors                {self.num_errors}",
             f"  end reasons           {reasons}",
             *([f"  mean group reward     {self.mean_group_reward:.4f}"] if self.mean_group_reward is not None else []),
             f"  time                  {self.seconds:.1f} s",
         ]
+        if self.uploads is not None:
+            lines.append("  uploaded              " + ", ".join(f"{v} {k}" for k, v in self.uploads.items()))
         if self.num_resumed:
             lines.append(f"  resumed               {self.num_resumed} episode(s) from {self.output}")
         if self.output:
             lines.append(f"Episodes: {self.output}")
         return escape_controls("\n".join(lines))
+
+    def _pass_lines(self, shown_tasks: int = 20) -> list[str]:
+        if not self.pass_at_k:
+            return []
+        lo, hi = self.pass_at_1_interval or (0.0, 1.0)
+        ks = "  ".join(f"pass@{k} {v:.3f}" for k, v in self.pass_at_k.items())
+        lines = [f"  pass@k over {len(self.tasks)} task(s)  {ks}",
+                 f"                        pass@1 95% interval over tasks [{lo:.3f}, {hi:.3f}]"]
+        if len(self.pass_at_k) > 1:  # several episodes per task: each task's own
+            for task in self.tasks[:shown_tasks]:
+                values = " ".join(f"{v:.2f}" for v in task["pass_at_k"].values())
+                lines.append(f"    {one_line(task['task']):<20}  {task['successes']}/{task['episodes']} succeeded"
+                             f"  pass@1..{task['episodes']} {values}")
+            if len(self.tasks) > shown_tasks:
+                lines.append(f"    ... {len(self.tasks) - shown_tasks} more task(s) (--json has every task)")
+        return lines
+
+
+def _health_lines(report: Any) -> list[str]:
+    """Tool-call health, and a warning where it looks like the tool calls fail silently."""
+    lines = [f"  no tool call          {report.no_tool_call_rate:.3f} of episodes",
+             f"  unparsed tool calls   {report.unparsed_turn_rate:.3f} of turns (tool-call markup that parsed to no "
+             "call)",
+             f"  malformed arguments   {report.malformed_calls} call(s)"]
+    if report.no_tool_call_rate >= NO_CALL_WARNING or report.unparsed_turn_rate > 0:
+        lines.append("  warning: " + (f"{report.no_tool_call_rate:.0%} of the episodes made no tool call; "
+                                      if report.no_tool_call_rate >= NO_CALL_WARNING else "")
+                     + (f"{report.unparsed_turn_rate:.0%} of the turns wrote tool-call markup the parser did not "
+                        "turn into a call" if report.unparsed_turn_rate > 0 else "").rstrip("; "))
+    return lines
+
+
+@dataclass
+class MixEvalReport:
+    """What the evaluation of a mix measured (`OpenRewardMix.evaluate`): every environment's `EvalReport`, and over
+    them the weighted means.
+
+    Attributes:
+        environments: the report of each environment, by its name in the mix.
+        weights: each environment's weight in the overall numbers, summing to 1: the mix's weights where it has
+            them, else each environment's share of the episodes.
+        mean_reward, success_rate, pass_at_k, no_tool_call_rate, unparsed_turn_rate: weighted over environments
+            (pass@k for the k every environment has); num_episodes, num_resumed, num_errors, malformed_calls,
+            episodes: over all of them.
+    """
+
+    environments: dict[str, EvalReport]
+    weights: dict[str, float]
+
+    @classmethod
+    def of(cls, reports: Mapping[str, EvalReport], weights: Mapping[str, float] | None = None) -> MixEvalReport:
+        raw = dict(weights) if weights else {name: float(r.num_episodes) for name, r in reports.items()}
+        total = sum(raw.get(name, 0.0) for name in reports) or 1.0
+        return cls(dict(reports), {name: raw.get(name, 0.0) / total for name in reports})
+
+    def _mean(self, pick: Any) -> float | None:
+        values = [(self.weights[n], v) for n, r in self.environments.items() if (v := pick(r)) is not None]
+        weight = sum(w for w, _ in values)
+        return sum(w * v for w, v in values) / weight if weight else None
+
+    def _total(self, name: str) -> int:
+        return sum(getattr(r, name) for r in self.environments.values())
+
+    mean_reward = property(lambda self: self._mean(lambda r: r.mean_reward))
+    success_rate = property(lambda self: self._mean(lambda r: r.success_rate) or 0.0)
+    no_tool_call_rate = property(lambda self: self._mean(lambda r: r.no_tool_call_rate) or 0.0)
+    unparsed_turn_rate = property(lambda self: self._mean(lambda r: r.unparsed_turn_rate) or 0.0)
+    malformed_calls = property(lambda self: self._total("malformed_calls"))
+    num_episodes = property(lambda self: self._total("num_episodes"))
+    num_resumed = property(lambda self: self._total("num_resumed"))
+    num_errors = property(lambda self: self._total("num_errors"))
+    episodes = property(lambda self: [e for r in self.environments.values() for e in r.episodes])
+
+    @property
+    def pass_at_k(self) -> dict[int, float]:
+        """The weighted pass@k, for the k every environment has."""
+        ks = set.intersection(*(set(r.pass_at_k) for r in self.environments.values())) if self.environments else set()
+        return {k: self._mean(lambda r, k=k: r.pass_at_k[k]) or 0.0 for k in sorted(ks)}
+
+    def to_dict(self, *, episodes: bool = False) -> dict[str, Any]:
+        """Every environment's report and the weighted overall, as JSON-able data."""
+        return {"environments": {n: r.to_dict(episodes=episodes) for n, r in self.environments.items()},
+                "weights": dict(self.weights),
+                "overall": {"mean_reward": self.mean_reward, "success_rate": self.success_rate,
+                            "pass_at_k": self.pass_at_k, "no_tool_call_rate": self.no_tool_call_rate,
+                            "unparsed_turn_rate": self.unparsed_turn_rate, "malformed_calls": self.malformed_calls,
+                            "num_episodes": self.num_episodes, "num_errors": self.num_errors}}
+
+    def summary(self) -> str:
+        """Every environment's summary, then the weighted overall."""
+        reward = "n/a" if self.mean_reward is None else f"{self.mean_reward:.4f}"
+        weights = ", ".join(f"{one_line(n)} {w:.3f}" for n, w in self.weights.items())
+        lines = [r.summary() for r in self.environments.values()]
+        lines.append("\n".join([
+            f"Overall, {len(self.environments)} environments weighted ({weights})",
+            f"  mean reward           {reward}",
+            f"  success rate          {self.success_rate:.3f}",
+            *([f"  pass@k                {'  '.join(f'pass@{k} {v:.3f}' for k, v in self.pass_at_k.items())}"]
+              if self.pass_at_k else []),
+            *_health_lines(self),
+        ]))
+        return escape_controls("\n\n".join(lines))

@@ -1,9 +1,14 @@
 """What the environment did, measured once: episode statistics and the numbers behind the training logs.
 
 `EpisodeStats` is the one tally of episodes (reward, grading, success, finished, calls, turns, end and
-unscored reasons) behind the training metrics, `EvalReport` and the report page, with one definition
-of success: a reward at or above `success_threshold` (1.0 by default: a binary environment's
+unscored reasons, tool-call health) behind the training metrics, `EvalReport` and the report page, with one
+definition of success: a reward at or above `success_threshold` (1.0 by default: a binary environment's
 "solved"; settable wherever statistics are shown).
+
+Tool-call health is what fails silently: episodes without a single tool call, model turns whose text holds the
+chat template's tool-call markup yet parsed to no call (the turn rule marks them `unparsed`), and calls refused
+for malformed arguments (`input_validation`: not an object, or not the tool's schema). When the share of a step's
+episodes without a tool call crosses `no_call_warning` after having been below it, the log says so.
 
 Episodes (`ors_trl._episode`, whatever drives them) record events in an `EnvMetrics`: session opens,
 tool calls, terminal-tool calls, finished episodes, group scorings. `EnvMetrics.flush()` turns what
@@ -13,6 +18,7 @@ accumulated since the last flush into flat scalar metrics named `env/<name>/<met
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections import Counter, defaultdict
@@ -20,7 +26,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DEFAULT_SUCCESS_THRESHOLD", "FAILURE_KINDS", "UNSCORED_REASONS", "EnvMetrics", "EpisodeStats"]
+__all__ = ["DEFAULT_SUCCESS_THRESHOLD", "FAILURE_KINDS", "UNSCORED_REASONS", "EnvMetrics", "EpisodeStats",
+           "tool_health"]
+
+logger = logging.getLogger("ors_trl")
 
 #: Failure reasons counted separately (anything else is counted as "failed").
 FAILURE_KINDS = ("refused", "failed", "expired", "transport", "timeout", "protocol")
@@ -28,12 +37,29 @@ FAILURE_KINDS = ("refused", "failed", "expired", "transport", "timeout", "protoc
 UNSCORED_REASONS = ("no_reward", "cut_off", "error", "timeout")
 #: An episode succeeded when its reward is at least this (a binary environment's 1.0).
 DEFAULT_SUCCESS_THRESHOLD = 1.0
+#: The share of a step's episodes without a tool call that is warned about once it was below it.
+NO_CALL_WARNING = 0.5
+#: The refusal reason of a call whose arguments are malformed (not an object, or not the tool's schema).
+MALFORMED = "input_validation"
 
 
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) else None
+
+
+def tool_health(turns: Any) -> tuple[int, int]:
+    """Of a record's turns: how many held tool-call markup that parsed to no call (`unparsed`), and how many calls
+    were refused for malformed arguments."""
+    unparsed = malformed = 0
+    for turn in turns if isinstance(turns, list) else ():
+        if isinstance(turn, dict):
+            unparsed += turn.get("unparsed") is True
+            calls = turn.get("tool_calls")
+            malformed += sum(1 for c in calls if isinstance(c, dict) and isinstance(c.get("error"), dict)
+                             and c["error"].get("reason") == MALFORMED) if isinstance(calls, list) else 0
+    return unparsed, malformed
 
 
 @dataclass
@@ -51,16 +77,22 @@ class EpisodeStats:
     turns: int = 0
     group_scored: int = 0
     group_reward_sum: float = 0.0
+    no_calls: int = 0
+    unparsed_turns: int = 0
+    malformed_calls: int = 0
     end_reasons: Counter[str] = field(default_factory=Counter)
     unscored: Counter[str] = field(default_factory=Counter)
 
     def add(self, *, reward: float | None, finished: bool = False, tool_calls: int = 0, tool_failures: int = 0,
             turns: int = 0, end_reason: str | None = None, unscored: str | None = None,
-            group_reward: float | None = None) -> None:
+            group_reward: float | None = None, unparsed_turns: int = 0, malformed_calls: int = 0) -> None:
         """Count one episode."""
         self.episodes += 1
         self.finished += bool(finished)
         self.tool_calls += tool_calls
+        self.no_calls += tool_calls == 0
+        self.unparsed_turns += unparsed_turns
+        self.malformed_calls += malformed_calls
         self.tool_failures += tool_failures
         self.turns += turns
         if end_reason is not None:
@@ -84,16 +116,17 @@ class EpisodeStats:
         turns = record.get("turns")
         end = record.get("end_reason")
         unscored = record.get("unscored")
+        unparsed, malformed = tool_health(turns)
         self.add(reward=_number(record.get("reward")), finished=record.get("finished") is True,
                  tool_calls=count("tool_calls"), tool_failures=count("tool_failures"),
                  turns=len(turns) if isinstance(turns, list) else 0, end_reason=None if end is None else str(end),
                  unscored=unscored if isinstance(unscored, str) else None,
-                 group_reward=_number(record.get("group_reward")))
+                 group_reward=_number(record.get("group_reward")), unparsed_turns=unparsed, malformed_calls=malformed)
 
     def merge(self, other: EpisodeStats) -> None:
         """Add `other`'s counts (the same success threshold is assumed)."""
         for name in ("episodes", "scored", "reward_sum", "successes", "finished", "tool_calls", "tool_failures",
-                     "turns", "group_scored", "group_reward_sum"):
+                     "turns", "group_scored", "group_reward_sum", "no_calls", "unparsed_turns", "malformed_calls"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.end_reasons.update(other.end_reasons)
         self.unscored.update(other.unscored)
@@ -120,6 +153,16 @@ class EpisodeStats:
     def success_rate(self) -> float:
         """The share of episodes that succeeded (unscored ones count as failures)."""
         return self.share(self.successes)
+
+    @property
+    def no_call_rate(self) -> float:
+        """The share of episodes in which the model made no tool call."""
+        return self.share(self.no_calls)
+
+    @property
+    def unparsed_rate(self) -> float:
+        """The share of model turns whose tool-call markup parsed to no call (the parser's failures)."""
+        return self.unparsed_turns / self.turns if self.turns else 0.0
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -162,14 +205,18 @@ class _Window:
 class EnvMetrics:
     """Thread-safe accumulator; one per spec or mix, shared by its adapters and engine.
 
-    `success_threshold`: the reward at or above which an episode counts as a success (`success_rate`).
+    `success_threshold`: the reward at or above which an episode counts as a success (`success_rate`);
+    `no_call_warning`: the share of a step's episodes without a tool call that is warned about (once it was below).
     """
 
     #: Bound on stored latency samples per window, so a huge step cannot grow memory without limit.
     MAX_SAMPLES = 100_000
 
-    def __init__(self, success_threshold: float = DEFAULT_SUCCESS_THRESHOLD) -> None:
+    def __init__(self, success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
+                 no_call_warning: float = NO_CALL_WARNING) -> None:
         self.success_threshold = success_threshold
+        self.no_call_warning = no_call_warning
+        self._calling: set[str] = set()  # environments whose last step was below the warning share
         self._lock = threading.Lock()
         self._windows: dict[str, _Window] = defaultdict(self._window)
         self._gauges: dict[str, object] = {}
@@ -207,9 +254,12 @@ class EnvMetrics:
                 w.failures[failure_kind(error_kind)] += 1
 
     def record_episode(self, env: str, *, reward: float | None, finished: bool, calls: int,
-                       unscored: str | None = None) -> None:
+                       unscored: str | None = None, turns: Any = ()) -> None:
+        """One finished episode; `turns`: its turn records (their count and tool-call health)."""
+        unparsed, malformed = tool_health(turns)
         with self._lock:
-            self._windows[env].stats.add(reward=reward, finished=finished, tool_calls=calls, unscored=unscored)
+            self._windows[env].stats.add(reward=reward, finished=finished, tool_calls=calls, unscored=unscored,
+                                         turns=len(turns), unparsed_turns=unparsed, malformed_calls=malformed)
 
     def record_group(self, env: str, *, ok: bool) -> None:
         """One GRPO group sent to `/score_group` (scored, or failed: its rollouts get None)."""
@@ -227,7 +277,26 @@ class EnvMetrics:
 
     def flush(self) -> dict[str, float]:
         """Metrics since the last flush, then start a new window. Environments without activity are omitted."""
-        return self.summarize(self.snapshot(reset=True), gauges=self._gauges)
+        windows = self.snapshot(reset=True)
+        self._watch(windows)
+        return self.summarize(windows, gauges=self._gauges)
+
+    def _watch(self, windows: dict[str, _Window]) -> None:
+        """Warn when the share of a step's episodes without a tool call crosses `no_call_warning` from below."""
+        for env, w in sorted(windows.items()):
+            s = w.stats
+            if not s.episodes:
+                continue
+            if s.no_call_rate < self.no_call_warning:
+                self._calling.add(env)
+            elif env in self._calling:
+                self._calling.discard(env)
+                logger.warning(
+                    "%s: %.0f%% of this step's %d episode(s) made no tool call (it was under %.0f%% before); %d of "
+                    "%d model turn(s) held tool-call markup that parsed to no call, %d call(s) had malformed "
+                    "arguments. The model may have stopped calling tools, or its calls no longer parse.", env,
+                    100 * s.no_call_rate, s.episodes, 100 * self.no_call_warning, s.unparsed_turns, s.turns,
+                    s.malformed_calls)
 
     def summarize(self, windows: dict[str, _Window], gauges: dict[str, object] | None = None) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -245,6 +314,11 @@ class EnvMetrics:
         return out
 
 
+def stats_metrics(prefix: str, stats: EpisodeStats) -> dict[str, float]:
+    """The episode metrics of `stats` (reward, grading, success, tool calls and their health) as `prefix<metric>`."""
+    return _window_metrics(prefix, _Window(stats))
+
+
 def _window_metrics(prefix: str, w: _Window) -> dict[str, float]:
     out: dict[str, float] = {}
     s = w.stats
@@ -255,6 +329,9 @@ def _window_metrics(prefix: str, w: _Window) -> dict[str, float]:
         out[prefix + "success_rate"] = s.success_rate
         out[prefix + "finished_fraction"] = s.share(s.finished)
         out[prefix + "tool_calls_per_episode"] = s.share(s.tool_calls)
+        out[prefix + "no_tool_call_fraction"] = s.no_call_rate
+        out[prefix + "unparsed_turn_fraction"] = s.unparsed_rate
+        out[prefix + "malformed_calls"] = float(s.malformed_calls)
         for reason in UNSCORED_REASONS:
             out[prefix + f"unscored/{reason}"] = float(s.unscored.get(reason, 0))
         if s.unscored.get("timeout"):

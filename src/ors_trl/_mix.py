@@ -216,6 +216,38 @@ class OpenRewardMix:
 
         return [SessionCleanupCallback([spec.runtime for spec in self.specs.values()])]
 
+    def evaluate(self, policy: Any, *, output: str | None = None, resume: bool = False, overwrite: bool = False,
+                 **kwargs: Any) -> Any:
+        """Evaluate `policy` on every environment of the mix, one after the other, through each spec's `evaluate`.
+
+        Args:
+            policy (`str`, a `(model, tokenizer)` pair or a `Policy`):
+                What to evaluate, as for `OpenRewardSpec.evaluate` (a model directory is loaded once).
+            output (`str`, *optional*):
+                One JSON-lines file receiving every environment's episodes (each record names its environment).
+            resume (`bool`, *optional*, defaults to `False`):
+                Continue `output`: run only the episodes it lacks, per environment.
+            overwrite (`bool`, *optional*, defaults to `False`):
+                Replace an existing `output`.
+            **kwargs:
+                As for `OpenRewardSpec.evaluate` (`repeats`, `num_tasks`, `concurrency`, `upload`, ...), for every
+                environment.
+
+        Returns:
+            `MixEvalReport`: each environment's `EvalReport`, and the overall numbers weighted by the mix's weights
+            (without weights: by each environment's episodes).
+        """
+        from ._eval import MixEvalReport
+        from ._policies import resolve_policy
+
+        options = {k: kwargs[k] for k in ("temperature", "max_new_tokens", "seed", "device") if k in kwargs}
+        policy, _ = resolve_policy(policy, **options)
+        reports = {}
+        for i, (name, spec) in enumerate(self.specs.items()):
+            reports[name] = spec.evaluate(policy, output=output, resume=resume or (i > 0 and output is not None),
+                                          overwrite=overwrite and i == 0, others=list(self.specs), **kwargs)
+        return MixEvalReport.of(reports, dict(zip(self.specs, self.weights, strict=True)) if self.weights else None)
+
     def close(self) -> None:
         """Close every session of every environment."""
         for spec in self.specs.values():

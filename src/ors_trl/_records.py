@@ -73,11 +73,13 @@ class CallRecord(TypedDict, total=False):
 
 class TurnRecord(TypedDict, total=False):
     """One model reply: its visible text (None when nothing was parsed) and its calls, in order; drivers add
-    `raw` (the completion text), `usage` and `generation_seconds` where they have them."""
+    `raw` (the completion text), `usage` and `generation_seconds` where they have them. `unparsed`: the text held
+    the chat template's tool-call markup, yet parsed to no call."""
 
     index: int
     assistant: str | None
     tool_calls: list[CallRecord]
+    unparsed: bool
     raw: str
     usage: dict[str, Any]
     generation_seconds: float
@@ -87,7 +89,8 @@ class EpisodeRecord(TypedDict, total=False):
     """One episode, the same for every driver (`source`: trl, engine, eval). `final` is the final plain message
     and, for an environment with a terminal tool, its grade (`tool`, `output`, `reward`, ... or `error`);
     `unscored` says why `reward` is None (timeout, error, cut_off, no_reward). Drivers add `repeat` and
-    `policy` (eval) and `stop_detail` (why the model was stopped)."""
+    `policy` (eval), `step` (an evaluation during training: the training step) and `stop_detail` (why the model
+    was stopped)."""
 
     version: int
     run: str
@@ -99,6 +102,7 @@ class EpisodeRecord(TypedDict, total=False):
     task_spec: dict[str, Any] | None
     repeat: int
     policy: str
+    step: int
     stop_detail: str
     started_at: str
     system: str | None

@@ -144,6 +144,10 @@ class OpenRewardSpec:
             model reads why) and counted, on every path.
         success_threshold: the reward at or above which an episode counts as a success (`success_rate` in the
             metrics, evaluation and reports).
+        upload_rollouts: send every finished episode to the OpenReward rollout viewer (`True`, or the run's name
+            there), with the run's metadata (model name and size, training stage, step); in the background, bounded,
+            failures counted and never failing a step (`ors_trl._upload`). The platform's API key as for catalog
+            targets: `api_key=` for a catalog name, else `OPENREWARD_API_KEY`.
     """
 
     def __init__(
@@ -175,6 +179,7 @@ class OpenRewardSpec:
         gather_window: float | None = None,
         max_tool_calls: int | None = None,
         success_threshold: float = 1.0,
+        upload_rollouts: bool | str = False,
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self._options = options
@@ -215,6 +220,15 @@ class OpenRewardSpec:
             max_tool_calls=max_tool_calls, episode_timeout=episode_timeout, batch_tool_calls=batch_tool_calls,
             episode_log=writer, score_groups=score_groups, success_threshold=float(success_threshold),
         )
+        if upload_rollouts:
+            from ._upload import RolloutUploader, training_info
+
+            rt = self._runtime
+            rt.uploads = RolloutUploader(
+                api_key=api_key if resolved.kind == "catalog" else None,
+                run_name=upload_rollouts if isinstance(upload_rollouts, str) else None,
+                run_info=lambda: training_info(rt.trainer),
+                step=lambda: getattr(getattr(rt.trainer, "state", None), "global_step", None))
         self.dataset_notes: list[str] = []
 
     def __repr__(self) -> str:
@@ -478,6 +492,48 @@ class OpenRewardSpec:
 
         return [SessionCleanupCallback([self._runtime])]
 
+    def eval_callback(self, tasks: int | Sequence[int] | None = None, *, split: str = "test", every: int = 50,
+                      repeats: int = 1, at_start: bool = True) -> Any:
+        """A trainer callback that evaluates held-out tasks during training, with the model being trained.
+
+        Every `every` steps (and before the first), `repeats` episodes of each held-out task run through the rollout
+        engine with the trainer's own generation (so a vLLM run evaluates on vLLM) and TRL's turn rules, the same
+        episode core and tools as training. `eval/<env>/pass@k` (k = 1..`repeats`), a 95% interval of pass@1 and the
+        episode metrics go to `log_history` (the report draws them); the episodes go to this spec's `episode_log`
+        with `source: "eval"` and their `step`. Needs the engine's verified TRL (as `rollout_func` does); works with
+        either rollout path.
+
+        Args:
+            tasks (`int` or `Sequence[int]`, *optional*):
+                The first `tasks` tasks of `split`, or exactly these indices; default: the whole split.
+            split (`str`, *optional*, defaults to `"test"`):
+                The held-out split.
+            every (`int`, *optional*, defaults to `50`):
+                Evaluate when the global step is a multiple of it.
+            repeats (`int`, *optional*, defaults to `1`):
+                Episodes per task and evaluation (sampled with the trainer's generation settings).
+            at_start (`bool`, *optional*, defaults to `True`):
+                Also evaluate before the first step.
+
+        Returns:
+            `EvalCallback`: for `GRPOTrainer(callbacks=[...])`.
+        """
+        from ._eval_callback import EvalCallback
+
+        _trl.require_engine()
+        for name, value in {"every": every, "repeats": repeats}.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
+        count, chosen = (tasks, None) if tasks is None or isinstance(tasks, int) else (None, list(tasks))
+        held = OpenRewardSpec(**{**self._options, "split": split, "num_tasks": count, "indices": chosen,
+                                 "episode_log": None, "upload_rollouts": False, "include_metadata": False})
+        held._set_tools(*self._tools)  # the tools training binds
+        rt = held.runtime
+        rt.rename(self._runtime.name, rt.metrics, self._runtime.recorder)  # its own metrics, the training's log
+        rt.uploads = self._runtime.uploads
+        indices, _ = held.run(held.select_tasks())
+        return EvalCallback(held, held.dataset_rows(indices)["prompt"], every=every, repeats=repeats, at_start=at_start)
+
     def close(self) -> None:
         """Close every session this spec opened and wait until the server has them deleted."""
         self._runtime.close_all()
@@ -489,11 +545,12 @@ class OpenRewardSpec:
         Args:
             policy: a local model directory, a `(model, tokenizer)` pair, an `OpenAIPolicy`, or any `Policy`.
             num_tasks: the first `num_tasks` tasks; `indices`: exactly these. Default: the spec's own selection.
-            **kwargs: see `ors_trl._eval.evaluate` (repeats, concurrency, max_turns, output, resume, ...);
+            **kwargs: see `ors_trl._eval.evaluate` (repeats, concurrency, max_turns, output, resume, upload, ...);
                 `episode_timeout` defaults to this spec's own.
 
         Returns:
-            An `EvalReport` (mean reward, grading coverage, finished rate, tool calls/failures per episode).
+            An `EvalReport` (mean reward, success rate, pass@k over `repeats`, grading coverage, finished rate, tool
+            calls and their health).
         """
         from ._eval import evaluate
 

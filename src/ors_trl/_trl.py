@@ -9,6 +9,8 @@ their `log_metric` keyword, callbacks) everywhere else. What needs more lives he
 - the rollout engine generates through `_generate_single_turn` and builds tool turns with
   `_get_tool_suffix_ids`, exactly as TRL's own loop does;
 - terminal tools need to know whether a completion was cut (`eos_token_ids`);
+- evaluation during training finds its trainer up the stack from the callback event (`calling_trainer`), and
+  logs beside GRPO's own metrics without flushing them (`log_outside_step`);
 - in TRL's asynchronous trainer (`trl.experimental.async_grpo`), whose spawned rollout worker gives
   reward functions neither the adapters nor `log_metric`, the adapter's `get_reward` hook reads the
   finished rollout (its transcript, and which reward functions will run) off the worker's loop
@@ -41,8 +43,9 @@ from typing import Any
 
 from ._exceptions import ConfigurationError, UsageError
 
-__all__ = ["TRL_KEYWORDS", "VERIFIED", "FinishedRollout", "Rendering", "clip_post_tool", "error_text", "finished_rollout",
-           "generate", "in_async_worker", "overflows", "resetting_batch", "rules", "tool_message", "tool_turn", "verified"]
+__all__ = ["TRL_KEYWORDS", "VERIFIED", "FinishedRollout", "Rendering", "calling_trainer", "clip_post_tool",
+           "error_text", "finished_rollout", "generate", "in_async_worker", "log_outside_step", "overflows",
+           "resetting_batch", "rules", "tool_markup", "tool_message", "tool_turn", "verified"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -114,6 +117,21 @@ def _locals_of(skip: int, hops: int, function: str) -> dict[str, Any] | None:
 
 def _is_trainer(obj: Any) -> bool:
     return obj is not None and hasattr(obj, "add_callback") and hasattr(obj, "callback_handler")
+
+
+def calling_trainer(skip: int = 1) -> Any:
+    """The trainer whose callback event (`on_train_begin`, `on_step_end`, ...) is running: found up the stack from
+    `skip` frames above our caller (the callback's method), since transformers hands callbacks no trainer."""
+    frame = _frame(skip, 8, lambda f: _is_trainer(f.f_locals.get("self")))
+    return frame.f_locals["self"] if frame is not None else None
+
+
+def log_outside_step(trainer: Any, logs: dict[str, float]) -> None:
+    """Log `logs` to the trainer's `log_history` and its `on_log` callbacks from a callback event. `GRPOTrainer.log`
+    would fold in (and clear) the metrics its current step collected; the base `Trainer.log` adds only these."""
+    from transformers import Trainer
+
+    Trainer.log(trainer, logs)
 
 
 # -- TRL's environment_factory loop --------------------------------------------------------------
@@ -255,7 +273,42 @@ def rules(trainer: Any) -> Any:
 
     iterations = getattr(trainer, "max_tool_calling_iterations", None)
     limit = iterations + 1 if isinstance(iterations, int) and iterations < sys.maxsize else None
-    return Rules(max_replies=limit, error_text=error_text)
+    return Rules(max_replies=limit, error_text=error_text, tool_markup=tool_markup(getattr(trainer, "processing_class",
+                                                                                            None)))
+
+
+def _literal_start(pattern: str) -> str:
+    """The text every match of a regular expression starts with (its leading literal characters)."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern[i] == "\\" and i + 1 < len(pattern) and not pattern[i + 1].isalnum():
+            out.append(pattern[i + 1])
+            i += 2
+        elif pattern[i] not in "\\^$.|?*+()[]{}":
+            out.append(pattern[i])
+            i += 1
+        else:
+            break
+    if i < len(pattern) and pattern[i] in "?*{" and out:  # the last character is optional
+        out.pop()
+    return "".join(out)
+
+
+def tool_markup(processing_class: Any) -> str | None:
+    """The text that opens a tool call in the replies TRL parses for this processing class (qwen3: `<tool_call>`),
+    read off the response template `add_response_schema` set (or the legacy schema); None where there is none."""
+    tok = getattr(processing_class, "tokenizer", processing_class)
+    template = getattr(tok, "response_template", None)
+    fields = template.get("fields") if isinstance(template, dict) else None
+    call = fields.get("tool_calls") if isinstance(fields, dict) else None
+    if isinstance(call, dict):
+        opener = call.get("open") or _literal_start(str(call.get("open_pattern") or ""))
+    else:
+        schema = getattr(tok, "response_schema", None)
+        props = schema.get("properties") if isinstance(schema, dict) else None
+        call = props.get("tool_calls") if isinstance(props, dict) else None
+        opener = _literal_start(str(call.get("x-regex-iterator") or "")) if isinstance(call, dict) else None
+    return opener if isinstance(opener, str) and len(opener.strip()) > 1 else None
 
 
 def tool_message(name: str, content: str) -> dict[str, Any]:
@@ -333,6 +386,11 @@ class Rendering:
     @property
     def tokenizer(self) -> Any:
         return self._tokenizer
+
+    @property
+    def tool_markup(self) -> str | None:
+        """The text that opens a tool call in this template's replies (`tool_markup`)."""
+        return tool_markup(self.processing_class)
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -5,6 +5,7 @@
     ors-trl eval Eigent/SETA --base-url http://127.0.0.1:8001/v1 --model my-model --concurrency 16
     ors-trl serve-echo --port 8000
     ors-trl report episodes.jsonl eval.jsonl ./trainer-output --output report.html
+    ors-trl report ./out --label before=out/eval_before.jsonl --label after=out/eval_after.jsonl
 
 Heavy packages (torch, transformers, the openreward SDK) are imported only by the subcommand that needs them.
 """
@@ -40,9 +41,10 @@ exit codes:
        or the policy failed; for eval, also when every episode ended in an error; for report, an
        --output that cannot be written
   2    usage error: invalid arguments, malformed target, missing API key, a --model path that is not a
-       model directory, an existing --output without --resume/--overwrite; a report INPUT that is
-       missing, unreadable, or not an episode log, eval output or trainer state, or a report --output
-       that is one of its INPUTs
+       model directory, an existing --output without --resume/--overwrite, a --success-threshold
+       outside the rewards seen; a report INPUT or --label file that is missing, unreadable, or not an
+       episode log, eval output or trainer state, two INPUTs holding one run's episodes of a task
+       (name them with --label), or a report --output that is one of its INPUTs
   130  interrupted (Ctrl-C); eval keeps every finished episode in --output, continue with --resume
 
 TARGET is the URL of a self-hosted ORS server (http://127.0.0.1:8000) or an OpenReward catalog name
@@ -83,6 +85,23 @@ _positive_seconds = _number(float, 0, strict=True)
 _finite_number = _number(float, -math.inf)
 
 
+def _weights(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if any(not math.isfinite(v) or v < 0 for v in values) or not sum(values) > 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative weights with a positive sum, got {text!r}")
+    return values
+
+
+def _label(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=FILE, got {text!r}")
+    return name.strip(), path
+
+
 def _indices(text: str) -> list[int]:
     out = []
     for part in text.split(","):
@@ -113,9 +132,19 @@ INSPECT_TIMEOUT = 10.0
 INSPECT_RETRIES = 2
 
 
-def _add_common(p: argparse.ArgumentParser, timeout: str = "10 to connect, 60 per request", retries: int = 5) -> None:
-    p.add_argument("target", metavar="TARGET", help="server URL (http://127.0.0.1:8000) or catalog name (owner/name)")
-    p.add_argument("--env-name", metavar="N", help="environment on a server hosting several (default: the first)")
+def _add_common(p: argparse.ArgumentParser, timeout: str = "10 to connect, 60 per request", retries: int = 5,
+                many: bool = False) -> None:
+    if many:
+        p.add_argument("target", metavar="TARGET", nargs="+",
+                       help="server URL (http://127.0.0.1:8000) or catalog name (owner/name); several: a mix, "
+                            "reported per environment and weighted overall")
+        p.add_argument("--env-name", metavar="N", action="append",
+                       help="environment on a server hosting several (default: the first); once for every TARGET, "
+                            "once per TARGET, or several for one TARGET")
+    else:
+        p.add_argument("target", metavar="TARGET",
+                       help="server URL (http://127.0.0.1:8000) or catalog name (owner/name)")
+        p.add_argument("--env-name", metavar="N", help="environment on a server hosting several (default: the first)")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
     p.add_argument("--timeout", metavar="S", type=_positive_seconds,
@@ -176,13 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
         "eval",
         help="run a policy (local model or OpenAI-compatible endpoint) over tasks and report rewards",
         description=_para("Run a policy over tasks, concurrently, and report mean reward (over scored episodes), "
-        "grading "
-        "coverage, finished rate, tool calls and failures per episode. The policy is a local transformers model "
+        "success rate and, with --repeats N, the unbiased pass@k for k = 1..N per task and over tasks (with a 95% "
+        "interval for pass@1 over tasks), grading coverage, finished rate, tool calls and failures per episode, and "
+        "tool-call health (episodes without a tool call, tool-call markup the parser missed, malformed arguments). "
+        "Several TARGETs (or --env-name values) are evaluated one after the other and weighed together. "
+        "The policy is a local transformers model "
         "directory (--model PATH) or a model behind an OpenAI-compatible chat-completions endpoint (--base-url URL "
         "--model NAME, e.g. vLLM). Every finished episode is appended to --output as one JSON line at once."),
         **_LAYOUT,
     )
-    _add_common(p)
+    _add_common(p, many=True)
     p.add_argument("--model", metavar="M", required=True,
                    help="local model directory, or the served model's name with --base-url")
     p.add_argument("--base-url", metavar="URL", help="OpenAI-compatible API root, e.g. http://127.0.0.1:8001/v1")
@@ -193,7 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--indices", metavar="LIST", type=_indices,
                        help="exactly these task indices, e.g. 0,3,5 or 0-9")
     p.add_argument("--split", metavar="S", default="train", help="split to draw tasks from (default train)")
-    p.add_argument("--repeats", metavar="R", type=_positive_int, default=1, help="episodes per task (default 1)")
+    p.add_argument("--repeats", metavar="R", type=_positive_int, default=1,
+                   help="episodes per task (default 1); pass@k is reported for k = 1..R")
+    p.add_argument("--success-threshold", metavar="X", type=_finite_number,
+                   help="an episode succeeded when its reward is at least X (default 1.0; one given must lie within "
+                        "the rewards seen)")
+    p.add_argument("--weights", metavar="W,W", type=_weights,
+                   help="with several environments: their weights in the overall numbers (default: by episodes)")
+    p.add_argument("--upload", action="store_true",
+                   help="send every episode to the OpenReward rollout viewer (needs OPENREWARD_API_KEY and the "
+                        "openreward package); failures are counted, never fatal")
     p.add_argument("--concurrency", metavar="C", type=_positive_int, default=8,
                    help="episodes (sessions) at once (default 8)")
     p.add_argument("--max-turns", metavar="T", type=_positive_int, default=10,
@@ -246,20 +287,27 @@ def build_parser() -> argparse.ArgumentParser:
         "tool calls, failures by reason, end and unscored reasons, latency percentiles), curves over training "
         "steps from the trainer's log_history, a sortable per-task table, and a browser of episode bodies "
         "(prompt, every tool call with its arguments, output, reward and failure, the final message and reward). "
-        "Inputs are recognised by content: episode logs (episode_log=), eval outputs (ors-trl eval --output), "
+        "The page opens with the runs side by side (named with --label, else told apart by run id, source and "
+        "policy): a row per run with success, pass@k and tool-call health, and, against the first run, every shared "
+        "task's change, the tasks that flipped, and a paired test over tasks of whether the difference is beyond "
+        "noise. Inputs are recognised by content: episode logs (episode_log=), eval outputs (ors-trl eval --output), "
         "trainer output folders (their trainer_state.json, also in checkpoint-*/) and trainer_state.json files. "
         "Every episode is counted; a deterministic sample of at most --max-episodes bodies is embedded. An episode "
         "succeeded when its reward is at least --success-threshold."),
         **_LAYOUT,
     )
-    p.add_argument("inputs", metavar="INPUT", nargs="+",
+    p.add_argument("inputs", metavar="INPUT", nargs="*",
                    help="episode log or eval output (JSON lines), trainer output folder, or trainer_state.json")
+    p.add_argument("--label", metavar="NAME=FILE", type=_label, action="append", default=[],
+                   help="name the run FILE holds (an input too); repeat for each run, the first is the baseline the "
+                        "others are compared with, task by task")
     p.add_argument("-o", "--output", metavar="FILE", default="report.html",
                    help="the HTML file to write (default report.html; replaced if it exists)")
     p.add_argument("--max-episodes", metavar="N", type=_non_negative_int, default=DEFAULT_MAX_EPISODES,
                    help=f"episode bodies embedded in the page, a deterministic sample (default {DEFAULT_MAX_EPISODES})")
-    p.add_argument("--success-threshold", metavar="X", type=_finite_number, default=DEFAULT_SUCCESS_THRESHOLD,
-                   help=f"an episode succeeded when its reward is at least X (default {DEFAULT_SUCCESS_THRESHOLD:g})")
+    p.add_argument("--success-threshold", metavar="X", type=_finite_number,
+                   help=f"an episode succeeded when its reward is at least X (default {DEFAULT_SUCCESS_THRESHOLD:g}; "
+                        "one given must lie within the rewards seen)")
     p.add_argument("--title", metavar="TEXT", help="the page's title (default: names the environments)")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
@@ -322,6 +370,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    from ._exceptions import ConfigurationError
     from ._policies import OpenAIPolicy
     from ._spec import OpenRewardSpec
 
@@ -341,18 +390,43 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         if args.api_key:
             raise _UsageError("--api-key is only used with --base-url")
         policy = args.model
-    # The spec is built like a training spec with the same selection, so the tools bound are those training binds.
-    spec = OpenRewardSpec(args.target, split=args.split, env_name=args.env_name, num_tasks=args.num_tasks,
-                          indices=args.indices, score_groups=args.score_groups,
-                          **_client_options(args, tool_timeout=args.tool_timeout))
-    report = spec.evaluate(
+    targets, names = args.target, args.env_name or []
+    if len(targets) == 1 and len(names) > 1:
+        pairs = [(targets[0], n) for n in names]
+    elif len(names) in (0, 1, len(targets)):
+        pairs = list(zip(targets, names or [None] * len(targets), strict=True)) if len(names) != 1 else [
+            (t, names[0]) for t in targets]
+    else:
+        raise _UsageError(f"{len(names)} --env-name values for {len(targets)} TARGETs: give one for all, one per "
+                          "TARGET, or several for one TARGET")
+    if args.weights is not None and len(args.weights) != len(pairs):
+        raise _UsageError(f"--weights has {len(args.weights)} values for {len(pairs)} environments")
+    threshold = {} if args.success_threshold is None else {"success_threshold": args.success_threshold}
+    # Each spec is built like a training spec with the same selection, so the tools bound are those training binds.
+    specs = [OpenRewardSpec(target, split=args.split, env_name=env_name, num_tasks=args.num_tasks,
+                            indices=args.indices, score_groups=args.score_groups, **threshold,
+                            **_client_options(args, tool_timeout=args.tool_timeout)) for target, env_name in pairs]
+    evaluated: Any = specs[0]
+    if len(specs) > 1:
+        from ._mix import OpenRewardMix
+
+        evaluated = OpenRewardMix(specs, weights=args.weights)
+    report = evaluated.evaluate(
         policy, num_tasks=args.num_tasks, indices=args.indices, repeats=args.repeats,
         concurrency=args.concurrency, max_turns=args.max_turns, episode_timeout=args.episode_timeout,
         output=args.output, resume=args.resume,
         overwrite=args.overwrite, per_task_tools=args.per_task_tools, score_groups=args.score_groups,
-        temperature=args.temperature,
+        temperature=args.temperature, upload=args.upload,
         max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, progress=not args.no_progress,
     )
+    if args.success_threshold is not None:
+        from ._stats import check_threshold
+
+        try:
+            check_threshold(args.success_threshold, (e.get("reward") for e in report.episodes))
+        except ConfigurationError as exc:
+            kept = f"; the episodes are in {args.output}" if args.output else ""
+            raise _UsageError(f"--success-threshold: {exc}{kept}") from None
     if args.json:
         _print_json(report.to_dict())
     else:
@@ -371,8 +445,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from ._report import write_report
 
     try:
+        if not args.inputs and not args.label:
+            raise _UsageError("give at least one INPUT or --label NAME=FILE")
         summary = write_report(args.inputs, args.output, max_episodes=args.max_episodes, title=args.title,
-                               success_threshold=args.success_threshold)
+                               success_threshold=args.success_threshold, labels=args.label)
     except OSError as exc:  # the inputs were readable (else ConfigurationError): the output is not writable
         print(f"ors-trl report: error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -381,8 +457,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
     else:
         envs = ", ".join(summary.environments) or "none"
         skipped = f"; {summary.skipped} record(s) skipped (see the page)" if summary.skipped else ""
+        runs = ", ".join(summary.run_names) or "none"
         _say(f"Wrote {summary.output} ({summary.bytes / 2**20:.1f} MB): {summary.episodes} episode(s) of "
-             f"{len(summary.environments)} environment(s) ({envs}), {summary.runs} run(s), {summary.tasks} task(s); "
+             f"{len(summary.environments)} environment(s) ({envs}), {summary.runs} run(s) ({runs}), "
+             f"{summary.tasks} task(s); "
              f"{summary.embedded} episode bod{'y' if summary.embedded == 1 else 'ies'} embedded; curves from "
              f"{summary.trainer_states} trainer state(s), {summary.log_steps} logged step(s){skipped}")
     return EXIT_OK

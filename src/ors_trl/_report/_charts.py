@@ -1,7 +1,8 @@
 """The curves: training metrics over steps from trainer states' `log_history`, drawn as inline SVG.
 
 TRL's `reward` and `tools/call_frequency` and the `env/[<name>/]<metric>` scalars `EnvMetrics` logs become
-five charts (reward, grading, tool calls, failures, latency); several trainer states are drawn together,
+charts (reward, grading, tool calls, tool-call health, failures, latency), and the `eval/<name>/pass@k` that
+evaluation during training logs the held-out curve; several trainer states are drawn together,
 their series named by run. matplotlib is imported here only, and only when there is a curve to draw; a
 `$` in a name is text (mathtext off); a chart matplotlib cannot draw is a note, the rest of the page stands.
 """
@@ -27,11 +28,15 @@ _MAX_POINTS = 2000  # per curve; longer ones are thinned evenly
 
 # `env/[<name>/]<metric>` as EnvMetrics names them; no name is the total over a mix.
 _METRIC_KEY = re.compile(r"^env/(?:(.+?)/)??(reward_mean|graded_fraction|finished_fraction|tool_calls_per_episode|"
+                         r"no_tool_call_fraction|unparsed_turn_fraction|"
                          r"failures/[\w.-]+|session_open_failures|session_open_s/p\d+|tool_call_s/p\d+)$")
+_EVAL_KEY = re.compile(r"^eval/(.+)/(pass@\d+)$")  # evaluation during training (`spec.eval_callback`)
 _CHARTS = (
+    ("heldout", "Held-out pass@k during training (evaluation every N steps)"),
     ("reward", "Reward (mean over graded episodes)"),
     ("graded", "Graded fraction (solid) and finished fraction (dashed)"),
     ("calls", "Tool calls per episode"),
+    ("health", "Episodes without a tool call (solid), turns whose tool-call markup did not parse (dashed)"),
     ("failures", "Tool-call failures per logging step"),
     ("latency", "Latency, seconds: p50 (solid), p95 (dashed)"),
 )
@@ -53,6 +58,8 @@ def _series(state: dict[str, Any], label: str) -> tuple[dict[str, dict[str, list
                 where = ("reward", "TRL reward (every rollout)")
             elif key == "tools/call_frequency":
                 where = ("calls", "TRL tools/call_frequency")
+            elif m := _EVAL_KEY.match(key):
+                where = ("heldout", f"{m.group(1)} {m.group(2)}")
             elif m := _METRIC_KEY.match(key):
                 env, metric = m.group(1) or "all environments", m.group(2)
                 if metric == "reward_mean":
@@ -61,6 +68,8 @@ def _series(state: dict[str, Any], label: str) -> tuple[dict[str, dict[str, list
                     where = ("graded", f"{env} {metric.split('_')[0]}")
                 elif metric == "tool_calls_per_episode":
                     where = ("calls", env)
+                elif metric.endswith("_fraction") and metric not in ("graded_fraction", "finished_fraction"):
+                    where = ("health", f"{env} {'unparsed' if metric.startswith('unparsed') else 'no call'}")
                 elif metric.startswith("failures/") or metric == "session_open_failures":
                     where = ("failures", f"{env}: {metric.removeprefix('failures/')}")
                 else:
@@ -81,7 +90,7 @@ def _series(state: dict[str, Any], label: str) -> tuple[dict[str, dict[str, list
     return charts, len(steps)
 
 
-_VARIANT = re.compile(r" (graded|finished|p\d+)$")
+_VARIANT = re.compile(r" (graded|finished|p\d+|no call|unparsed)$")
 
 
 def _svg(chart: dict[str, list[tuple[float, float]]], title: str, uid: str) -> str:
@@ -102,7 +111,7 @@ def _svg(chart: dict[str, list[tuple[float, float]]], title: str, uid: str) -> s
             if len(points) > _MAX_POINTS:  # thin evenly, keep the last point
                 stride = math.ceil(len(points) / _MAX_POINTS)
                 points = points[::stride] + ([points[-1]] if (len(points) - 1) % stride else [])
-            style = "--" if name.endswith((" finished", " p95", " p99")) else "-"
+            style = "--" if name.endswith((" finished", " p95", " p99", " unparsed")) else "-"
             ax.plot([p[0] for p in points], [p[1] for p in points], style, color=color, label=repair(shorten(name, 60)),
                     marker="." if len(points) < 40 else None, linewidth=1.3)
         ax.set_title(title, fontsize=9)

@@ -3,7 +3,8 @@
 Inputs are recognised by content, not by name: JSON lines of episode records (training's `episode_log=`,
 `ors-trl eval --output`, of any record version: `ors_trl._records.read_records` upgrades them) and trainer
 states (a `trainer_state.json`, or a trainer output folder holding one, also in its latest `checkpoint-*`).
-An input that is none of them is a `ConfigurationError` that says what was expected. The page never
+An input that is none of them is a `ConfigurationError` that says what was expected; so is a label (`--label
+NAME=FILE`, which names the run an input holds) that names no file. The page never
 replaces one of its inputs, and is written whole or not at all, through a private temporary file.
 """
 
@@ -33,12 +34,14 @@ _EXPECTED = ("expected JSON lines of episode records (episode_log=, ors-trl eval
 
 @dataclass
 class Input:
-    """One recognised input: `kind` is "episodes" or "trainer_state" (whose parsed document is `state`)."""
+    """One recognised input: `kind` is "episodes" or "trainer_state" (whose parsed document is `state`); `run` is
+    the name the user gave it (its episodes are that run; a trainer state's curves are named so)."""
 
     path: Path
     kind: str
     label: str
     state: dict[str, Any] | None = None
+    run: str | None = None
 
 
 def is_record(obj: Any) -> bool:
@@ -107,24 +110,36 @@ def _recognise_state(path: Path, label: str) -> Input:
     return Input(path, "trainer_state", label, doc)
 
 
-def recognise_all(inputs: Sequence[str | os.PathLike[str]]) -> list[Input]:
-    """Every input recognised, each file once (a folder and its own trainer_state.json count once)."""
+def recognise_all(inputs: Sequence[str | os.PathLike[str]],
+                  labels: Sequence[tuple[str, str | os.PathLike[str]]] = ()) -> list[Input]:
+    """Every input recognised, each file once (a folder and its own trainer_state.json count once); each labelled
+    file (an input already, or one more) named after its label."""
     found: dict[Path, Input] = {}
     for raw in inputs:
         item = recognise(raw)
         found.setdefault(item.path.resolve(), item)
+    for name, raw in labels:
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigurationError(f"the label of {raw} has no name; write NAME=FILE")
+        item = recognise(raw)
+        item = found.setdefault(item.path.resolve(), item)
+        if item.run is not None and item.run != name:
+            raise ConfigurationError(f"{raw} is labelled twice, {item.run!r} and {name!r}; give it one name")
+        item.run = name
+        if item.kind == "trainer_state":
+            item.label = name
     return list(found.values())
 
 
-def episode_records(items: Sequence[Input], skipped: Counter[str]) -> Iterator[tuple[dict[str, Any], str]]:
-    """Every episode record of the episode inputs, in the current shape, with its input's label; a line that is
-    not one is counted by reason in `skipped`."""
+def episode_records(items: Sequence[Input], skipped: Counter[str]) -> Iterator[tuple[dict[str, Any], Input]]:
+    """Every episode record of the episode inputs, in the current shape, with its input; a line that is not one is
+    counted by reason in `skipped`."""
     for item in items:
         if item.kind != "episodes":
             continue
         for record in read_records(item.path, skipped):
             if is_record(record):
-                yield record, item.label
+                yield record, item
             else:
                 skipped["not an episode record"] += 1
 

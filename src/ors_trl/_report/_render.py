@@ -8,7 +8,8 @@ script writes them with `textContent` only. Records are shown as written (secret
 they were written): nothing is unescaped and nothing else is read.
 
 Definitions: an episode is graded when its reward is not None; mean reward is over graded episodes;
-success is a reward at or above the threshold, and a success rate is over every episode.
+success is a reward at or above the threshold, and a success rate is over every episode. The page opens with the
+runs side by side (`_compare`): a row per run and, against the first run, the tasks that changed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 from .._metrics import EpisodeStats, _percentile
 from .._text import repair, shorten
+from . import _compare
 from ._charts import curves
 from ._inputs import Input
 from ._tally import EMBED_TEXT, SAMPLE_BYTES, Sample, Tally
@@ -73,7 +75,7 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], cls: str = "",
 
 
 _STATS_HEADS = ("episodes", "mean reward", "graded", "finished", "success rate", "tool calls / episode",
-                "tool-call failures")
+                "tool-call failures", "no tool call")
 
 
 def _stats_cells(s: EpisodeStats) -> list[tuple[str, float | None]]:
@@ -81,7 +83,7 @@ def _stats_cells(s: EpisodeStats) -> list[tuple[str, float | None]]:
     calls = s.share(s.tool_calls)
     return [(str(s.episodes), s.episodes), (_fmt(s.mean_reward), s.mean_reward), (_pct(s.coverage), s.coverage),
             (_pct(s.share(s.finished)), s.share(s.finished)), (_pct(s.success_rate), s.success_rate),
-            (_fmt(calls, 2), calls), (str(s.tool_failures), s.tool_failures)]
+            (_fmt(calls, 2), calls), (str(s.tool_failures), s.tool_failures), (_pct(s.no_call_rate), s.no_call_rate)]
 
 
 def _most(scopes: Mapping[Any, EpisodeStats], what: str) -> tuple[list[tuple[Any, EpisodeStats]], str]:
@@ -115,7 +117,8 @@ def _summary(t: Tally) -> str:
     envs = sorted(t.envs)
     cards = [
         ("environments", str(len(envs)), ", ".join(envs) or "–"),
-        ("runs", str(len(t.runs)), "by source: " + ", ".join(f"{k} {n}" for k, n in t.sources.most_common())),
+        ("runs", str(sum(1 for r in t.runs.values() if r.episodes)),
+         "by source: " + ", ".join(f"{k} {n}" for k, n in t.sources.most_common())),
         ("episodes", str(s.episodes), f"{len(t.tasks)} task(s)"),
         ("mean reward", _fmt(s.mean_reward), f"over {s.scored} graded episode(s)"),
         ("success rate", _pct(s.success_rate), f"reward ≥ {t.success_threshold:g}, of every episode"),
@@ -124,6 +127,10 @@ def _summary(t: Tally) -> str:
         ("tool calls", str(s.tool_calls), f"{_fmt(s.share(s.tool_calls), 2)} per episode"),
         ("tool-call failures", str(s.tool_failures),
          _pct(s.tool_failures / s.tool_calls) + " of calls" if s.tool_calls else "–"),
+        ("no tool call", _pct(s.no_call_rate), "of episodes: the model called no tool"),
+        ("unparsed tool calls", str(s.unparsed_turns), f"{_pct(s.unparsed_rate)} of model turns wrote tool-call markup "
+                                                       "that parsed to no call"),
+        ("malformed arguments", str(s.malformed_calls), "calls refused: arguments not the tool's schema"),
     ]
     if s.group_scored:
         cards.append(("group-scored", str(s.group_scored), "episodes with a group_reward"))
@@ -140,13 +147,54 @@ def _summary(t: Tally) -> str:
     out.append("<h3>Per environment</h3>")
     out.append(_table(["environment", *_STATS_HEADS], ([env, *_stats_cells(x)] for env, x in sorted(t.envs.items())),
                       "sortable"))
-    runs, note = _most(t.runs, "runs")
-    out.append("<h3>Per run</h3>" + note)
-    out.append(_table(["run", *_STATS_HEADS], ([run, *_stats_cells(x)] for run, x in runs), "sortable"))
     lat = _latency_rows("session open (timings.open)", t.open_s, envs) + _latency_rows(
         "tool call (seconds)", t.call_s, envs)
     out.append("<h3>Latency, seconds</h3>")
     out.append(_table(["what", "scope", "n", "p50", "p90", "p95", "p99", "max"], lat))
+    return "".join(out)
+
+
+def _runs(t: Tally) -> str:
+    """The first section: a row per run, then each run against the first one, task by task."""
+    rows = _compare.runs(t)
+    if not rows:
+        return "<p class=note>No episodes.</p>"
+    pairs = _compare.pairs(rows)
+    lines = [_compare.headline(p) for p in pairs]
+    out = [f"<p class=headline data-verdict={h['verdict']}>{_e(h['text'])}</p>" for h in lines]
+    if len(rows) > 1 and not pairs:
+        out.append("<p class=note>The runs share no task, so none is compared task by task.</p>")
+    k_max = max((max(r.pass_at_k, default=1) for r in rows), default=1)
+
+    def pass_cells(r: _compare.Run) -> list[Any]:
+        one = r.pass_at_k.get(1)
+        lo, hi = r.interval or (None, None)
+        k = max(r.pass_at_k, default=1)
+        return [(_fmt(one) + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else ""), one),
+                (f"pass@{k} {_fmt(r.pass_at_k[k])}" if k > 1 else "–", r.pass_at_k.get(k) if k > 1 else None)]
+
+    heads = ["run", "episodes", "tasks", "success rate", "pass@1 [95% over tasks]", f"pass@k (k ≤ {k_max})",
+             "mean reward", "graded", "tool calls / episode", "no tool call", "unparsed turns", "malformed calls"]
+    body = [[r.name, (str(r.stats.episodes), r.stats.episodes), (str(len(r.tasks)), len(r.tasks)),
+             (_pct(r.stats.success_rate), r.stats.success_rate), *pass_cells(r),
+             (_fmt(r.stats.mean_reward), r.stats.mean_reward), (_pct(r.stats.coverage), r.stats.coverage),
+             (_fmt(r.stats.share(r.stats.tool_calls), 2), r.stats.share(r.stats.tool_calls)),
+             (_pct(r.stats.no_call_rate), r.stats.no_call_rate), (_pct(r.stats.unparsed_rate), r.stats.unparsed_rate),
+             (str(r.stats.malformed_calls), r.stats.malformed_calls)] for r in rows[:_MAX_ROWS]]
+    out.append("<h3>Per run</h3>" + _table(heads, body, "sortable runs"))
+    for p in pairs:
+        out.append(f"<h3>{_e(p.other.name)} vs {_e(p.base.name)}, per task (largest change first)</h3>")
+        for up, what in ((True, "solved now, not before"), (False, "solved before, not now")):
+            flipped = p.flipped(up)
+            names = ", ".join(f"{env} {task}" for env, task in flipped[:12]) + (" …" if len(flipped) > 12 else "")
+            out.append(f"<p class='flipped {'up' if up else 'down'}'>Flipped, {what}: {len(flipped)}"
+                       + (f" ({_e(names)})" if flipped else "") + "</p>")
+        rows_html = [[env, task, (f"{_pct(a.success_rate)} of {a.episodes}", a.success_rate),
+                      (f"{_pct(b.success_rate)} of {b.episodes}", b.success_rate),
+                      (f"{100 * (b.success_rate - a.success_rate):+.1f}", b.success_rate - a.success_rate)]
+                     for (env, task), a, b in p.tasks[:_MAX_ROWS]]
+        out.append(_table(["environment", "task", f"success: {p.base.name}", f"success: {p.other.name}",
+                           "change (points)"], rows_html, "sortable compare"))
     return "".join(out)
 
 
@@ -203,7 +251,7 @@ def render(items: Sequence[Input], tally: Tally, sample: Sample, skipped: Counte
     page = Template(_data("page.html")).substitute(
         title=_e(page_title), nonce=secrets.token_urlsafe(16), css=_data("page.css"), js=_data("page.js"),
         generated=_e(datetime.now(UTC).isoformat(timespec="seconds")), sources=sources,
-        summary=skipped_note + _summary(tally), curves=curves_html, tasks=_tasks(tally),
+        runs=_runs(tally), summary=skipped_note + _summary(tally), curves=curves_html, tasks=_tasks(tally),
         shown=_e(_shown(tally, sample)), data=_json_script(sample.episodes),
     )
     return repair(page), steps  # repair: a title or a file name may hold a lone surrogate

@@ -1,10 +1,15 @@
 """The tallies: every episode counted once, in one pass, and a bounded sample of episode bodies to embed.
 
 Counts are `ors_trl._metrics.EpisodeStats` (the one tally of episodes, with its one definition of success:
-a reward at or above the threshold) over everything, per environment, per task and per run; beside them
-only what `EpisodeStats` does not count: tool-call failures by kind, episode errors by kind, sources,
-latency samples, and how many of a task's episodes are embedded. Record values are untrusted: every
-label is shortened, and the number of kinds the sample reserves for is bounded.
+a reward at or above the threshold) over everything, per environment, per task, per run and per task of each run;
+beside them only what `EpisodeStats` does not count: tool-call failures by kind, episode errors by kind, sources,
+latency samples, the rewards' range, and how many of a task's episodes are embedded. Record values are untrusted:
+every label is shortened, and the number of kinds the sample reserves for is bounded.
+
+A run is what the inputs say was run once: the episodes of an input given a name (`--label NAME=FILE`), else the
+records sharing a process run id, a source (trl, engine, eval), a policy and an evaluation step. Two inputs that
+hold episodes of one such run for the same task (the same process evaluating before and after training, say) are
+refused: only their names can tell them apart. A run is shown by the parts of its key that differ between runs.
 
 Only a bounded, deterministic sample of episode bodies is kept (`max_episodes`, and at most
 `SAMPLE_BYTES` of JSON), so a 100,000-episode log still makes a page a browser opens. The sample is the
@@ -23,9 +28,11 @@ from dataclasses import dataclass
 from functools import cached_property, partial
 from typing import Any
 
+from .._exceptions import ConfigurationError
 from .._metrics import EpisodeStats, _number
 from .._records import jsonable
-from .._text import shorten, show_json
+from .._stats import label
+from .._stats import task_label as _task_label
 
 #: Episode bodies embedded in the page unless told otherwise.
 DEFAULT_MAX_EPISODES = 2000
@@ -35,20 +42,8 @@ _RESERVED_PER_KIND = 5  # episodes kept for each failure kind, unscored reason, 
 _MAX_KINDS = 200  # distinct kinds reserved for
 
 _Item = tuple[int, int, dict[str, Any]]  # (-hash, sequence number, the episode as the page's script reads it)
-
-
-def label(value: Any, limit: int = 200) -> str:
-    """A record value as a short label: text as it is, a number or None as `str` gives it, anything else as JSON."""
-    if not isinstance(value, str):
-        value = str(value) if value is None or isinstance(value, int | float) else show_json(jsonable(value), limit)
-    return shorten(value, limit)
-
-
-def _task_label(record: dict[str, Any]) -> str:
-    split = label(record.get("split") or "-")
-    if record.get("task_spec") is not None:
-        return f"{split} spec {label(record['task_spec'], 60)}"
-    return f"{split} #{label(record.get('task_index'))}"
+#: A run: ("label", name) for a named input, else ("auto", source, policy, step, run id).
+RunKey = tuple[str | None, ...]
 
 
 def _calls(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -79,12 +74,15 @@ class Tally:
     """Everything the page says about episodes, built in one pass over the records: each record is counted per task
     and per run; the counts per environment and in total are merged from those once every record is in."""
 
-    def __init__(self, max_episodes: int, success_threshold: float) -> None:
+    def __init__(self, max_episodes: int, success_threshold: float, labels: list[str] | None = None) -> None:
         self.max_episodes = max_episodes
         self.success_threshold = success_threshold
         self._stats = partial(EpisodeStats, success_threshold)
         self.tasks: defaultdict[tuple[str, str], EpisodeStats] = defaultdict(self._stats)  # (environment, task)
-        self.runs: defaultdict[str, EpisodeStats] = defaultdict(self._stats)
+        self.runs: dict[RunKey, EpisodeStats] = {("label", name): self._stats() for name in labels or []}
+        self.run_tasks: defaultdict[tuple[RunKey, str, str], EpisodeStats] = defaultdict(self._stats)
+        self.rewards: list[float] = []  # the lowest and highest reward seen
+        self._claims: dict[tuple[Any, ...], str] = {}  # (run, environment, task, repeat) -> the input holding it
         self.sources: Counter[str] = Counter()
         self.call_failures: Counter[str] = Counter()  # by error kind, the terminal tool's included
         self.episode_errors: Counter[str] = Counter()
@@ -95,12 +93,15 @@ class Tally:
         self._sample: list[_Item] = []  # a max-heap by hash
         self._reserved: dict[str, list[_Item]] = {}
 
-    def add(self, rec: dict[str, Any], source: str) -> None:
-        """Count one record (current shape) and offer it to the sample."""
+    def add(self, rec: dict[str, Any], source: str, run_name: str | None = None, origin: str | None = None) -> None:
+        """Count one record (current shape) of the input labelled `source` (at `origin`; named `run_name` by the
+        user) and offer it to the sample."""
         env = label(rec.get("environment") or rec.get("target") or "(unknown)")
-        run = label(rec.get("run") or source)
         task = _task_label(rec)
+        run = self._run_of(rec, source, run_name, env, task, origin or source)
         reward = _number(rec.get("reward"))
+        if reward is not None:
+            self.rewards = [min([reward, *self.rewards[:1]]), max([reward, *self.rewards[1:]])]
         error = rec.get("error")
         unscored = None if reward is not None else label(rec.get("unscored") or ("error" if error else "no_reward"))
         end = label(rec.get("end_reason") or "(none)")
@@ -111,7 +112,8 @@ class Tally:
 
         counted = {**rec, "end_reason": end, "unscored": unscored}  # the labels, bounded
         self.tasks[(env, task)].add_record(counted)
-        self.runs[run].add_record(counted)
+        self.runs.setdefault(run, self._stats()).add_record(counted)
+        self.run_tasks[(run, env, task)].add_record(counted)
         self.sources[label(rec.get("source") or "-")] += 1
         self.call_failures.update(fails)
         if error:
@@ -124,18 +126,53 @@ class Tally:
                 self.call_s[env].append(seconds)
 
         self.seq += 1
-        key = f"{self.seq}|{run}|{label(rec.get('started_at'))}|{env}|{task}".encode("utf-8", "replace")
+        run_text = "|".join(map(str, run))
+        key = f"{self.seq}|{run_text}|{label(rec.get('started_at'))}|{env}|{task}".encode("utf-8", "replace")
         h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
         item = (-h, self.seq, {"env": env, "task": task, "run": run, "reward": reward, "tags": tags, "rec": rec})
         self._offer(self._sample, item, self.max_episodes)
         if self.max_episodes:
-            for kind in (*tags, f"end: {end}", f"env: {env}", f"run: {run}"):
+            for kind in (*tags, f"end: {end}", f"env: {env}", f"run: {run_text}"):
                 bucket = self._reserved.get(kind)
                 if bucket is None:
                     if len(self._reserved) >= _MAX_KINDS:
                         continue
                     bucket = self._reserved[kind] = []
                 self._offer(bucket, item, _RESERVED_PER_KIND)
+
+    def _run_of(self, rec: dict[str, Any], source: str, name: str | None, env: str, task: str, origin: str) -> RunKey:
+        """The run a record belongs to; refuses a second input holding the same run's episode of a task."""
+        if name is not None:
+            return ("label", name)
+        step = _number(rec.get("step"))
+        run: RunKey = ("auto", label(rec.get("source") or "") or None, label(rec.get("policy") or "") or None,
+                       None if step is None else f"step {step:g}", label(rec.get("run") or source))
+        claim = (run, env, task, label(rec.get("repeat")))
+        holder = self._claims.setdefault(claim, origin)
+        if holder != origin:
+            raise ConfigurationError(
+                f"{holder} and {origin} both hold episodes of one run (run id {run[4]}, source {run[1] or '-'}, "
+                f"policy {run[2] or '-'}) for the same task ({env} {task}), so they cannot be told apart; name them "
+                f"with --label NAME=FILE (write_report(labels=...)), e.g. --label before={holder} --label "
+                f"after={origin}")
+        return run
+
+    @cached_property
+    def run_names(self) -> dict[RunKey, str]:
+        """How each run is shown: its label, else the parts of its key (source, policy, step) that differ between
+        the runs, with the run id where that leaves two alike (or nothing)."""
+        auto = [k for k in self.runs if k[0] == "auto"]
+        varies = [len({k[i] for k in auto}) > 1 for i in (1, 2, 3)]
+        names: dict[RunKey, str] = {}
+        for k in self.runs:
+            parts = [str(p) for p, v in zip(k[1:4], varies, strict=True) if v and p] if k[0] == "auto" else []
+            names[k] = str(k[1]) if k[0] == "label" else " · ".join(parts) or (
+                str(k[4]) if len(auto) > 1 else str(k[1] or k[4]))
+        alike = Counter(names[k] for k in auto)
+        for k in auto:
+            if alike[names[k]] > 1 and names[k] != k[4]:
+                names[k] = f"{names[k]} · {k[4]}"
+        return names
 
     @cached_property
     def envs(self) -> dict[str, EpisodeStats]:
@@ -177,6 +214,7 @@ class Tally:
             order.setdefault(seq, ep)
         chosen, size, clipped, left_out = [], 0, 0, 0
         for seq, ep in order.items():
+            ep["run"] = self.run_names.get(ep["run"], ep["run"])
             rec = ep["rec"]
             ep["rec"] = jsonable(rec)  # JSON.parse-able: no NaN, no lone surrogate, bounded depth
             n = len(json.dumps(ep, ensure_ascii=False))

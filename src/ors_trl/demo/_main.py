@@ -7,7 +7,7 @@
 4. measure it on held-out tasks; train it with `GRPOTrainer` fed by `OpenRewardSpec(url)`'s
    `train_dataset`, `environment_factory` and `reward_funcs` (or `spec.rollout_func`); measure it again;
 5. print a before/after table (and, with `--json`, one JSON object as the last line), and write an
-   HTML report of the run next to the trainer's output.
+   HTML report of the run next to the trainer's output, which opens with "after" against "before", task by task.
 
 An output folder that already holds a previous run's files (episode log, evaluations, trainer state,
 report) has them replaced, and the demo says which: the report must describe this run alone, and a
@@ -453,11 +453,14 @@ def _write_report(out_dir: Path, task: str, say: Callable[[str], None]) -> str |
     """The HTML report of the run (training episodes, evaluations, trainer state); None where unavailable."""
     from ors_trl import write_report
 
-    inputs = [p for p in (out_dir / EPISODE_LOG, out_dir / "eval_before.jsonl", out_dir / "eval_after.jsonl")
-              if p.exists() and p.stat().st_size > 0]
+    log = out_dir / EPISODE_LOG
+    # The two evaluations come from one process and one policy: only their names tell them apart (before first,
+    # the baseline the page compares "after" with).
+    labels = [(name, str(p)) for name, p in (("before", out_dir / "eval_before.jsonl"),
+                                              ("after", out_dir / "eval_after.jsonl")) if p.exists()]
     try:
-        summary = write_report([*map(str, inputs), str(out_dir)], str(out_dir / REPORT),
-                               title=f"ors-trl demo ({task})")
+        summary = write_report([*([str(log)] if log.exists() and log.stat().st_size > 0 else []), str(out_dir)],
+                               str(out_dir / REPORT), title=f"ors-trl demo ({task})", labels=labels)
     except Exception as exc:  # the results stand without the page: say why it is missing, do not fail the run
         say(f"  (no HTML report: {type(exc).__name__}: {exc})")
         return None
