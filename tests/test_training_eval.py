@@ -1,6 +1,6 @@
 """Evaluation during training and tool-call health, with a real `GRPOTrainer` on CPU against the reference server.
 
-The trainer's generation is scripted (`trainer._generate_single_turn`), so what the model replies, and so every
+The trainer's generation is scripted (`replace_generation`), so what the model replies, and so every
 number logged, is known: the held-out pass@k at each evaluation, the tool-call health of each training step, and
 the warning when a step's episodes stop calling tools.
 """
@@ -17,7 +17,7 @@ import pytest
 
 from ors_trl import OpenRewardSpec, write_report
 from ors_trl._stats import wilson
-from tests.fixtures.generation import cpu_grpo_trainer, tool_call_text
+from tests.fixtures.generation import cpu_grpo_trainer, replace_generation, tool_call_text
 
 pytest.importorskip("trl")
 ECHO = "echoenvironment"
@@ -60,7 +60,7 @@ def test_eval_callback_logs_held_out_pass_at_k(ref_server, tiny_model_dir, tmp_p
         right = {"orbit": calls[word] % 2 == 1, "meadow": True, "cipher": False}.get(word, True)  # training: right
         return tool_call_text("echo", {"text": word if right else "nope"})
 
-    trainer._generate_single_turn = scripted(trainer, reply)
+    replace_generation(trainer, scripted(trainer, reply))
     trainer.train()
     spec.close()
 
@@ -106,7 +106,7 @@ def test_tool_call_health_is_logged_and_a_drop_in_calls_is_warned(ref_server, ti
             return tool_call_text("echo", {"text": word})
         return '<tool_call>\n{"name": "echo", "arguments": {"text": "' + word + '"}\n</tool_call>'
 
-    trainer._generate_single_turn = scripted(trainer, reply)
+    replace_generation(trainer, scripted(trainer, reply))
     with caplog.at_level(logging.WARNING, logger="ors_trl"):
         trainer.train()
     spec.close()
