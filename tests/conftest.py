@@ -107,3 +107,28 @@ def tiny_model_dir(ref_server, tmp_path_factory) -> str:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(ref_server, tmp_path_factory) -> str:
+    """A tiny random Qwen2-VL model, a BPE tokenizer with its image markers (TRL's qwen3_vl template) and its image
+    processor (the PIL one), saved locally, built for the card environment; `ors_trl.demo._model.load_vision` (and
+    `tests/fixtures/generation.cpu_grpo_trainer`) load it. Untrained, built once per session."""
+    import inspect
+
+    from ors_trl import OpenRewardSpec
+    from ors_trl.demo import _model
+    from tests.fixtures.environments import CARD_SYSTEM, CARD_WORDS
+
+    spec = OpenRewardSpec(ref_server.url, env_name="cardenvironment")
+    tools = [f for n, f in inspect.getmembers(spec.environment_factory, inspect.isfunction) if n in ("look", "say")]
+    prompt = [{"role": "system", "content": CARD_SYSTEM}, {"role": "user", "content": [
+        {"type": "text", "text": "A sample card:\n"}, {"type": "image"}, {"type": "text", "text": "\nNow read yours."}]}]
+    corpus = _model.render_corpus(spec.run(spec.client.tasks("train")), tools, lambda task: prompt,
+                                  lambda task, rng: ("say", {"text": rng.choice(CARD_WORDS)}, "right"), copies=4,
+                                  template=_model.vision_chat_template())
+    tokenizer = _model.build_tokenizer(corpus, vocab_size=400, special=_model.VISION_TOKENS,
+                                       template=_model.vision_chat_template())
+    path = str(tmp_path_factory.mktemp("tiny-vlm"))
+    _model.save_vision(path, _model.build_vision_model(tokenizer, seed=0), _model.build_vision_processor(tokenizer))
+    return path

@@ -144,6 +144,11 @@ class OpenRewardSpec:
             model reads why) and counted, on every path.
         success_threshold: the reward at or above which an episode counts as a success (`success_rate` in the
             metrics, evaluation and reports).
+        images: `"pass"` (the default): image blocks of prompts, conversations and tool outputs reach the model as
+            image parts of their message (a vision-language model's processor takes them; a trainer whose
+            processing class is a tokenizer gets a `ConfigurationError` at its first rollout); `"placeholder"`: as
+            the text `[image: <media type>]`, for a text-only model on purpose. Text-only environments give the same
+            text either way. The bounds an image must keep are in `ors_trl._images`.
     """
 
     def __init__(
@@ -175,6 +180,7 @@ class OpenRewardSpec:
         gather_window: float | None = None,
         max_tool_calls: int | None = None,
         success_threshold: float = 1.0,
+        images: str = "pass",
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self._options = options
@@ -197,6 +203,8 @@ class OpenRewardSpec:
         if isinstance(success_threshold, bool) or not isinstance(success_threshold, int | float) \
                 or not math.isfinite(success_threshold):
             raise ConfigurationError(f"success_threshold must be a finite number, got {success_threshold!r}")
+        if images not in ("pass", "placeholder"):
+            raise ConfigurationError(f'images must be "pass" or "placeholder", got {images!r}')
         self._split = split
         self._unscored_reward = None if unscored_reward is None else float(unscored_reward)
         # In catalog mode the key also goes to the environment as its conventional `api_key` secret, unless the
@@ -213,7 +221,7 @@ class OpenRewardSpec:
             self._client, name=self.name, split=split, max_output_chars=max_output_chars,
             cache_prompts=cache_prompts, max_concurrent_tool_calls=max_concurrent_tool_calls,
             max_tool_calls=max_tool_calls, episode_timeout=episode_timeout, batch_tool_calls=batch_tool_calls,
-            episode_log=writer, score_groups=score_groups, success_threshold=float(success_threshold),
+            episode_log=writer, score_groups=score_groups, success_threshold=float(success_threshold), images=images,
         )
         self.dataset_notes: list[str] = []
 
