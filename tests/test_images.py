@@ -38,13 +38,40 @@ from ors_trl._records import RecordWriter, read_records
 from ors_trl._types import parse_blocks
 from ors_trl.cli import main
 from ors_trl.demo._model import load_vision
-from tests.fixtures.environments import BAD_IMAGES, CARD_SAMPLE, CARD_SYSTEM, CARD_WORDS, card_png
+from ors_trl.testing import ReferenceServer
+from tests.conftest import check_no_leaks
+from tests.fixtures.environments import (
+    BAD_IMAGES,
+    CARD_SAMPLE,
+    CARD_SYSTEM,
+    CARD_WORDS,
+    BadImageEnvironment,
+    CardEnvironment,
+    EchoEnvironment,
+    ImageEnvironment,
+    QuizEnvironment,
+    SparseEnvironment,
+    card_png,
+)
 from tests.fixtures.generation import cpu_grpo_trainer, tool_call_text
 from tests.test_eval import FakeOpenAI
 from tests.test_report import chromium, run_chromium  # noqa: F401 - the session fixture
 
 torch.set_num_threads(1)
-pytestmark = pytest.mark.usefixtures("no_leaked_sessions")
+
+
+@pytest.fixture(scope="module")
+def image_server() -> Any:
+    """A reference server of its own: the image environments, and the text-only ones compared with today's strings."""
+    with ReferenceServer([CardEnvironment, BadImageEnvironment, ImageEnvironment, EchoEnvironment, QuizEnvironment,
+                          SparseEnvironment]) as server:
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_sessions(image_server: ReferenceServer) -> Any:
+    yield
+    check_no_leaks(image_server)
 
 CARDS, BAD, SQUARES = "cardenvironment", "badimageenvironment", "imageenvironment"
 
@@ -87,10 +114,10 @@ WHY = {"base64": "not valid base64", "mime": "not an image type", "bomb": "decom
 
 
 @pytest.mark.parametrize("kind", BAD_IMAGES)
-def test_hostile_images_are_placeholders_in_prompts_and_tool_outputs(ref_server, kind: str) -> None:
+def test_hostile_images_are_placeholders_in_prompts_and_tool_outputs(image_server, kind: str) -> None:
     """Each hostile image (in the prompt beside a good card, and from a tool) is a visible text placeholder saying
     why; the good card still reaches the model; nothing raises; a bomb's pixels are never decoded."""
-    spec = OpenRewardSpec(ref_server.url, env_name=BAD)
+    spec = OpenRewardSpec(image_server.url, env_name=BAD)
     env = spec.environment_factory()
     try:
         prompt = env.reset(task_index=BAD_IMAGES.index(kind))
@@ -159,9 +186,9 @@ TODAY = {
 
 
 @pytest.mark.parametrize("name", sorted(TODAY))
-def test_text_only_environments_give_todays_strings(ref_server, name: str) -> None:
+def test_text_only_environments_give_todays_strings(image_server, name: str) -> None:
     today = TODAY[name]
-    spec = OpenRewardSpec(ref_server.url, env_name=name, **({"images": "placeholder"} if name == SQUARES else {}))
+    spec = OpenRewardSpec(image_server.url, env_name=name, **({"images": "placeholder"} if name == SQUARES else {}))
     env = spec.environment_factory()
     try:
         assert env.reset(task_index=1) == today["reset"]
@@ -185,11 +212,11 @@ def test_text_only_environments_give_todays_strings(ref_server, name: str) -> No
 
 
 @pytest.fixture(scope="module")
-def card_log(ref_server, tmp_path_factory) -> Path:
+def card_log(image_server, tmp_path_factory) -> Path:
     """An episode log of two card episodes (a `/messages` prompt with the sample card, `look`'s card, `say`) and one
     episode of the hostile-image environment, played through the adapter by hand."""
     log = tmp_path_factory.mktemp("card-log") / "episodes.jsonl"
-    spec = OpenRewardSpec(ref_server.url, env_name=CARDS, episode_log=str(log))
+    spec = OpenRewardSpec(image_server.url, env_name=CARDS, episode_log=str(log))
     for index in (0, 1):
         env = spec.environment_factory()
         env.reset(task_index=index)
@@ -197,7 +224,7 @@ def card_log(ref_server, tmp_path_factory) -> Path:
         env.say(text=CARD_WORDS[index])
         env.close()
     spec.close()
-    bad = OpenRewardSpec(ref_server.url, env_name=BAD, episode_log=str(log))
+    bad = OpenRewardSpec(image_server.url, env_name=BAD, episode_log=str(log))
     env = bad.environment_factory()
     env.reset(task_index=BAD_IMAGES.index("bomb"))
     env.close()
@@ -205,8 +232,8 @@ def card_log(ref_server, tmp_path_factory) -> Path:
     return log
 
 
-def test_images_reach_the_adapter_from_conversations_prompts_and_tools(ref_server) -> None:
-    spec = OpenRewardSpec(ref_server.url, env_name=CARDS)
+def test_images_reach_the_adapter_from_conversations_prompts_and_tools(image_server) -> None:
+    spec = OpenRewardSpec(image_server.url, env_name=CARDS)
     env = spec.environment_factory()
     try:
         prompt = env.reset(task_index=2)  # a /messages conversation, flattened as TRL's reset() takes it
@@ -224,7 +251,7 @@ def test_images_reach_the_adapter_from_conversations_prompts_and_tools(ref_serve
     finally:
         env.close()
         spec.close()
-    squares = OpenRewardSpec(ref_server.url, env_name=SQUARES)  # /prompt blocks
+    squares = OpenRewardSpec(image_server.url, env_name=SQUARES)  # /prompt blocks
     env = squares.environment_factory()
     try:
         shown = env.reset(task_index=0)
@@ -319,9 +346,9 @@ def decoded_url(url: str) -> Image.Image:
 
 
 @pytest.mark.parametrize("tool_images", ["tool", "user"])
-def test_openai_policy_sends_image_url_parts(ref_server, tool_images: str) -> None:
+def test_openai_policy_sends_image_url_parts(image_server, tool_images: str) -> None:
     endpoint = CardOpenAI().start()
-    spec = OpenRewardSpec(ref_server.url, env_name=CARDS)
+    spec = OpenRewardSpec(image_server.url, env_name=CARDS)
     try:
         report = spec.evaluate(OpenAIPolicy(endpoint.url, "vlm", tool_images=tool_images), indices=[0],
                                progress=False)
@@ -373,10 +400,10 @@ def expected_pixels(processor: Any, words: list[str]) -> Any:
     return processor.image_processor(images=[pixels(card_png(w)) for w in words], return_tensors="pt")["pixel_values"]
 
 
-def test_local_policy_runs_a_vision_model_through_its_processor(ref_server, tiny_vlm_dir) -> None:
+def test_local_policy_runs_a_vision_model_through_its_processor(image_server, tiny_vlm_dir) -> None:
     model, processor = load_vision(tiny_vlm_dir)
     seen = vision_hook(model)
-    spec = OpenRewardSpec(ref_server.url, env_name=CARDS)
+    spec = OpenRewardSpec(image_server.url, env_name=CARDS)
     try:
         report = spec.evaluate((ScriptedVision(model, processor.tokenizer), processor), indices=[0], progress=False)
     finally:
@@ -386,7 +413,7 @@ def test_local_policy_runs_a_vision_model_through_its_processor(ref_server, tiny
     assert len(seen) == 3 and torch.equal(seen[0][1], expected_pixels(processor, [CARD_SAMPLE]))
     assert all(torch.equal(s[1], expected_pixels(processor, [CARD_SAMPLE, "cat"])) for s in seen[1:])
     policy = LocalPolicy(model, processor.tokenizer)  # a tokenizer cannot take the images: the episode says so
-    spec = OpenRewardSpec(ref_server.url, env_name=CARDS)
+    spec = OpenRewardSpec(image_server.url, env_name=CARDS)
     try:
         report = spec.evaluate(policy, indices=[0], progress=False)
     finally:
@@ -416,9 +443,9 @@ def scripted_generation(trainer: Any) -> list[tuple[list[int], Any]]:
 
 
 @pytest.mark.parametrize("path", ["environment_factory", "rollout_func"])
-def test_a_grpo_step_on_a_tiny_vlm_receives_the_environments_pixels(ref_server, tiny_vlm_dir, tmp_path,
+def test_a_grpo_step_on_a_tiny_vlm_receives_the_environments_pixels(image_server, tiny_vlm_dir, tmp_path,
                                                                      path: str) -> None:
-    spec = OpenRewardSpec(ref_server.url, env_name=CARDS, indices=[0])
+    spec = OpenRewardSpec(image_server.url, env_name=CARDS, indices=[0])
     rollout = {path: spec.environment_factory if path == "environment_factory" else spec.rollout_func}
     try:
         trainer = cpu_grpo_trainer(tiny_vlm_dir, str(tmp_path), batch=2, generations=2, turns=3,
@@ -461,11 +488,11 @@ def text_trainer(model_dir: str, out: Path, spec: OpenRewardSpec, path: str) -> 
 
 @pytest.mark.parametrize(("path", "split"), [("env", "train"), ("env", "test"), ("engine", "train"),
                                              ("engine", "test")])
-def test_a_tokenizer_trainer_meeting_images_is_told_to_use_placeholders(ref_server, tiny_model_dir, tmp_path,
+def test_a_tokenizer_trainer_meeting_images_is_told_to_use_placeholders(image_server, tiny_model_dir, tmp_path,
                                                                         path: str, split: str) -> None:
     """At its first rollout: the prompt's image (split train) or the image `look` returns (split test, a text-only
     prompt) is a ConfigurationError naming images="placeholder", not a crash inside TRL."""
-    spec = OpenRewardSpec(ref_server.url, env_name=CARDS, split=split, indices=[0])
+    spec = OpenRewardSpec(image_server.url, env_name=CARDS, split=split, indices=[0])
     try:
         trainer = text_trainer(tiny_model_dir, tmp_path, spec, path)
         with pytest.raises(ConfigurationError, match=r'images="placeholder"') as raised:
@@ -475,8 +502,8 @@ def test_a_tokenizer_trainer_meeting_images_is_told_to_use_placeholders(ref_serv
         spec.close()
 
 
-def test_placeholder_mode_trains_a_text_model_on_purpose(ref_server, tiny_model_dir, tmp_path) -> None:
-    spec = OpenRewardSpec(ref_server.url, env_name=CARDS, indices=[0], images="placeholder")
+def test_placeholder_mode_trains_a_text_model_on_purpose(image_server, tiny_model_dir, tmp_path) -> None:
+    spec = OpenRewardSpec(image_server.url, env_name=CARDS, indices=[0], images="placeholder")
     try:
         trainer = text_trainer(tiny_model_dir, tmp_path, spec, "env")
         env = spec.environment_factory()
@@ -504,8 +531,8 @@ def test_a_trainer_whose_generate_is_its_own_is_refused() -> None:
 # -- inspect --------------------------------------------------------------------------------------------------------
 
 
-def test_inspect_says_which_prompts_and_tools_carry_images(ref_server, capsys) -> None:
-    info = get_loop().run(collect(ref_server.url, env_name=CARDS, calls=[("look", {}), ("say", {"text": "x"})]))
+def test_inspect_says_which_prompts_and_tools_carry_images(image_server, capsys) -> None:
+    info = get_loop().run(collect(image_server.url, env_name=CARDS, calls=[("look", {}), ("say", {"text": "x"})]))
     assert [(i["role"], i["mime_type"], i["width"], i["height"]) for i in info["prompt_images"]] == [
         ("user", "image/png", 56, 28)]
     look, say = info["tool_outputs"]
@@ -513,13 +540,13 @@ def test_inspect_says_which_prompts_and_tools_carry_images(ref_server, capsys) -
     text = render_text({**info, "binding": None})
     assert "Images in the probed prompt (1): image/png 56x28" in text
     assert "Tool output of look({}): blocks [text, image]; images (1): image/png 56x28" in text
-    assert main(["inspect", ref_server.url, "--env-name", BAD, "--call", 'show={"kind": "bomb"}']) == 0
+    assert main(["inspect", image_server.url, "--env-name", BAD, "--call", 'show={"kind": "bomb"}']) == 0
     out = capsys.readouterr().out
     assert "not shown to a model: Pillow refused it as a decompression bomb" in out
     assert "Tool output of show" in out and "--call NAME" not in out
-    assert main(["inspect", ref_server.url, "--env-name", CARDS]) == 0
+    assert main(["inspect", image_server.url, "--env-name", CARDS]) == 0
     assert "--call NAME[=JSON] calls one in the probe session" in capsys.readouterr().out
-    assert main(["inspect", ref_server.url, "--env-name", CARDS, "--call", "look=[1]"]) != 0
+    assert main(["inspect", image_server.url, "--env-name", CARDS, "--call", "look=[1]"]) != 0
 
 
 def test_every_bound_is_documented() -> None:

@@ -2,7 +2,9 @@
 
 TRL constructs adapters once, then for every rollout calls `reset(**row)` and the tool methods the
 model asks for, from its training thread. Each `reset` starts a new episode (the previous one is
-closed in the background); each tool method is one `Episode.call`.
+closed in the background); each tool method is one `Episode.call`. Both return text, or content
+parts (text and images, `ors_trl._conversation.content`) where the prompt or the output holds an
+image: TRL's loop takes them to the processor and the model's forward passes.
 
 No serial waiting, where TRL's loop state allows it (`ors_trl._trl`): the batch's first reset starts
 opening every session of the batch, later resets of a task return its cached prompt at once while

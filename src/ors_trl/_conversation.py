@@ -34,7 +34,6 @@ from ._types import (
     ToolResultBlock,
     block_text,
     blocks_text,
-    image_blocks,
 )
 
 __all__ = ["Prompt", "content", "images_of", "transcript"]
@@ -118,11 +117,6 @@ class Prompt:
         for i, m in enumerate(self.messages):
             out += ["\n\n" if i else "", f"[{m.role}]\n", *_pieces(m.blocks, images)]
         return out
-
-    @property
-    def has_images(self) -> bool:
-        """True when a turn other than the system's holds an image block (shown or not)."""
-        return any(True for m in self.messages for _ in image_blocks(m.blocks))
 
     @property
     def text(self) -> str:

@@ -17,6 +17,11 @@ path. Under several processes every process makes the same number of generation 
 same number of prompts (a process without work joins with dummy prompts), as collective backends
 (vLLM server mode, ZeRO-3, FSDP) require. A spec's `episode_timeout` closes an episode that runs over
 and scores it None. Everything here that reads TRL's internals goes through `ors_trl._trl`.
+
+Images: a prompt's and the tool results' image parts are expanded into their image tokens by the
+processor as the rollout is rendered, go to every generation call beside those ids with their pixel
+fields (`_trl.generate`), and reach TRL's loss with the ids (`_trl.hand_images`); a processing class
+that takes no images is a `ConfigurationError` at the first one.
 """
 
 from __future__ import annotations

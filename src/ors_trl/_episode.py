@@ -482,6 +482,8 @@ class Episode:
             self.session = await env.client.open_session(**where)
             self.timings["open"] = time.monotonic() - started
             self.prompt = await env.read_prompt(self.session)
+            for block in (b for m in self.prompt.messages for b in image_blocks(m.blocks)):
+                self._keep(block)
             if self.toolset is None:
                 self.toolset = env.toolset_of(await self.session.tools())
         except ORSError as exc:
@@ -795,7 +797,7 @@ class Episode:
         prompt = self.prompt
         timings = {k: round(v, 4) for k, v in self.timings.items()}
         timings["total"] = round(self.seconds, 4)
-        seen = [self._keep(b) for m in (prompt.messages if prompt else ()) for b in image_blocks(m.blocks)]
+        seen = [b.info().sha256 for m in (prompt.messages if prompt else ()) for b in image_blocks(m.blocks)]
         images: dict[str, Any] = {}
         if self.images:  # only then: a text-only episode's record is what it always was
             images["images"] = {sha: image_record(b.info()) for sha, b in self.images.items()}

@@ -68,7 +68,7 @@ class ImageInfo:
 
     @property
     def extension(self) -> str:
-        return _EXTENSIONS.get(FORMATS.get(self.mime_type, ""), "bin")
+        return _EXTENSIONS.get(_format(self.mime_type) or "", "bin")
 
 
 def _format(mime_type: str) -> str | None:

@@ -28,12 +28,12 @@ import re
 import socket
 import threading
 import time
-from base64 import b64decode as _b64decode
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, NotRequired, TypedDict
 
+from ._images import as_bytes
 from ._text import clean_json, clip, repair
 
 __all__ = ["MAX_DEPTH", "RECORD_VERSION", "RUN_ID", "CallRecord", "EpisodeRecord", "ImageRecord", "RecordWriter",
@@ -335,7 +335,7 @@ class RecordWriter:
         name = f"{sha}.{block.info().extension}"
         with self._lock:
             if name not in self._stored and not (self.images_dir / name).is_file():
-                raw = _b64decode(block.data)  # checked where it was parsed
+                raw = as_bytes(block.data)  # checked where it was parsed
                 if self.max_image_bytes is not None and self._image_size + len(raw) > self.max_image_bytes:
                     self._drop_image(f"the images reached their {self.max_image_bytes}-byte limit")
                     return entry
