@@ -371,6 +371,20 @@ def test_openai_policy_sends_image_url_parts(image_server, tool_images: str) -> 
     assert list(decoded_url(url).getdata()) == list(pixels(card_png("cat")).getdata())
 
 
+def test_placeholder_mode_sends_the_marker_on_every_path_of_eval(image_server) -> None:
+    endpoint = CardOpenAI().start()
+    spec = OpenRewardSpec(image_server.url, env_name=CARDS, images="placeholder")
+    try:
+        report = spec.evaluate(OpenAIPolicy(endpoint.url, "text-model"), indices=[0], progress=False)
+    finally:
+        endpoint.stop()
+        spec.close()
+    assert report.mean_reward == 1.0
+    last = endpoint.requests[-1]["messages"]
+    assert last[1]["content"] == "A sample card:\n[image: image/png]\nNow read yours."
+    assert next(m for m in last if m["role"] == "tool")["content"] == "Your card:\n[image: image/png]"
+
+
 class ScriptedVision:
     """A real tiny vision-language model's `generate` (its forward passes run, on the pixels given), with a scripted
     reply: look, then say "cat", then done."""

@@ -165,7 +165,7 @@ class OpenRewardEnvironment:
             return f"[The environment failed to start this task: {self.error}]"
         prompt = cached or ep.prompt
         assert prompt is not None
-        shown = prompt.content(images=rt.pass_images)
+        shown = prompt.content()
         if isinstance(shown, list):
             _trl.check_images(trainer or rt.trainer, f"The prompt of task {task.key}")
         return shown

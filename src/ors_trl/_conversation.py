@@ -93,22 +93,24 @@ def images_of(messages: Iterable[Mapping[str, Any]]) -> list[Any]:
 
 @dataclass(frozen=True)
 class Prompt:
-    """A task's prompt: the text of its system turns (None if none) and its other turns, roles kept."""
+    """A task's prompt: the text of its system turns (None if none) and its other turns, roles kept; `images`: whether
+    its images reach the model as image parts (`content`, `chat`), the environment's choice (`images=` of a spec)."""
 
     system: str | None
     messages: tuple[Message, ...]
+    images: bool = True
 
     @classmethod
-    def from_blocks(cls, blocks: list[Block]) -> Prompt:
+    def from_blocks(cls, blocks: list[Block], *, images: bool = True) -> Prompt:
         """A `/prompt` answer: one user turn."""
-        return cls(None, (Message("user", blocks),))
+        return cls(None, (Message("user", blocks),), images)
 
     @classmethod
-    def from_messages(cls, messages: Iterable[Message]) -> Prompt:
+    def from_messages(cls, messages: Iterable[Message], *, images: bool = True) -> Prompt:
         """A `/messages` answer: system turns apart, the rest in order."""
         messages = list(messages)
         system = [m.text for m in messages if m.role == "system"]
-        return cls("\n\n".join(system) if system else None, tuple(m for m in messages if m.role != "system"))
+        return cls("\n\n".join(system) if system else None, tuple(m for m in messages if m.role != "system"), images)
 
     def _turns(self, images: bool) -> list[str | dict[str, Any]]:
         if len(self.messages) == 1 and self.messages[0].role == "user":
@@ -128,16 +130,18 @@ class Prompt:
         """Everything as one text (system turn first): what TRL's `reset()` can hand the model, every word kept."""
         return self.content(images=False)  # type: ignore[return-value]
 
-    def content(self, *, images: bool = True) -> Content:
-        """`flat`, with its images as image parts (`images`): what TRL's `reset()` hands the model."""
-        return _merge([*((self.system, "\n\n") if self.system else ()), *self._turns(images)])
+    def content(self, *, images: bool | None = None) -> Content:
+        """`flat`, with its images as image parts (`images`, default the prompt's own): what TRL's `reset()` hands
+        the model."""
+        return _merge([*((self.system, "\n\n") if self.system else ()), *self._turns(self.images if images is None
+                                                                                     else images)])
 
-    def chat(self, base: Sequence[Mapping[str, Any]] = (), *, images: bool = True) -> list[dict[str, Any]]:
+    def chat(self, base: Sequence[Mapping[str, Any]] = (), *, images: bool | None = None) -> list[dict[str, Any]]:
         """Chat messages for the model: `base` (the dataset row's prompt) with this prompt merged in.
 
         The system turn becomes (or joins) the system message; a first user turn joins the dataset's
-        trailing user message, as TRL's `reset()` text does; later turns follow with their roles. With `images`, a
-        user turn or tool result holding an image has content parts (`content`).
+        trailing user message, as TRL's `reset()` text does; later turns follow with their roles. With `images`
+        (default the prompt's own), a user turn or tool result holding an image has content parts (`content`).
         """
         out = [dict(m) for m in base]
         if self.system:
@@ -145,7 +149,7 @@ class Prompt:
                 out[0]["content"] = _join(out[0].get("content"), self.system)
             else:
                 out.insert(0, {"role": "system", "content": self.system})
-        turns = [chat for m in self.messages for chat in _chat(m, images)]
+        turns = [chat for m in self.messages for chat in _chat(m, self.images if images is None else images)]
         if turns and turns[0]["role"] == "user" and out and out[-1].get("role") == "user":
             out[-1]["content"] = _append(out[-1].get("content", ""), turns.pop(0)["content"])
         return out + turns

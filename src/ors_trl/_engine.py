@@ -253,7 +253,7 @@ class RolloutEngine:
     def _render(self, r: _Rollout, trainer: Any, *, opened: bool) -> None:
         ep = r.ep
         if opened and ep.prompt is not None:
-            messages = ep.prompt.chat(r.base, images=ep.env.pass_images)
+            messages = ep.prompt.chat(r.base)
             r.images = images_of(messages)
             if r.images:
                 _trl.check_images(trainer, f"The prompt of task {ep.task.key}")

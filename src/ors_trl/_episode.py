@@ -282,7 +282,7 @@ class EnvironmentRuntime:
         """The session's prompt: `/messages` where the server has it (probed once), else `/prompt`."""
         if self.uses_messages is not False:
             try:
-                prompt = Prompt.from_messages(await session.messages())
+                prompt = Prompt.from_messages(await session.messages(), images=self.pass_images)
             except NotFoundError:
                 if self.uses_messages:  # advertised, yet missing: say so once, then stop asking
                     logger.warning("%s: the server advertises /messages but has no such route; using /prompt",
@@ -291,7 +291,7 @@ class EnvironmentRuntime:
             else:
                 self.uses_messages = True
                 return prompt
-        return Prompt.from_blocks(await session.prompt())
+        return Prompt.from_blocks(await session.prompt(), images=self.pass_images)
 
     def remember_prompt(self, key: str, prompt: Prompt) -> None:
         cached = self.prompt_cache.setdefault(key, prompt)
