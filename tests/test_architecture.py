@@ -82,7 +82,7 @@ def test_tests_reach_trl_internals_through_one_fixture() -> None:
 
 def test_core_import_is_light() -> None:
     code = ("import sys, ors_trl; "
-            "print(' '.join(m for m in ('torch', 'trl', 'transformers', 'datasets', 'openreward') if m in sys.modules))")
+            "print(' '.join(m for m in ('torch', 'trl', 'transformers', 'datasets', 'openreward', 'PIL') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == ""
 

@@ -2,7 +2,9 @@
 
 TRL constructs adapters once, then for every rollout calls `reset(**row)` and the tool methods the
 model asks for, from its training thread. Each `reset` starts a new episode (the previous one is
-closed in the background); each tool method is one `Episode.call`.
+closed in the background); each tool method is one `Episode.call`. Both return text, or content
+parts (text and images, `ors_trl._conversation.content`) where the prompt or the output holds an
+image: TRL's loop takes them to the processor and the model's forward passes.
 
 No serial waiting, where TRL's loop state allows it (`ors_trl._trl`): the batch's first reset starts
 opening every session of the batch, later resets of a task return its cached prompt at once while
@@ -32,7 +34,7 @@ from typing import Any, ClassVar
 
 from . import _trl
 from ._episode import Call, EnvironmentRuntime, Episode, Outcome, Task
-from ._exceptions import ORSError, ToolRefusedError, UsageError
+from ._exceptions import ConfigurationError, ORSError, ToolRefusedError, UsageError
 from ._loop import get_loop
 from ._text import show_json
 
@@ -129,11 +131,14 @@ class OpenRewardEnvironment:
 
     # -- the TRL contract --------------------------------------------------------------------------
 
-    def reset(self, task_index: int | None = None, task_spec: Mapping[str, Any] | None = None, **row: Any) -> str:
-        """Start a new episode for the row's task and return its prompt text.
+    def reset(self, task_index: int | None = None, task_spec: Mapping[str, Any] | None = None,
+              **row: Any) -> str | list[dict[str, Any]]:
+        """Start a new episode for the row's task and return its prompt: its text, or content parts (text and
+        images, the form TRL's loop takes) when it holds an image.
 
         Closes the previous episode (in the background). Never raises for environment failures: the
-        episode is then recorded as failed and the returned text says why.
+        episode is then recorded as failed and the returned text says why. Raises `ConfigurationError` for a
+        prompt with an image when the trainer's processing class takes no images (see `images=` of the spec).
         """
         rt = self._runtime
         trainer, batch = _trl.resetting_batch(self)
@@ -156,11 +161,14 @@ class OpenRewardEnvironment:
         cached = rt.prompt_cache.get(task.key) if rt.cache_prompts else None
         if cached is not None:
             rt.cached_resets += 1
-            return cached.flat
-        if not opened.result():
+        elif not opened.result():
             return f"[The environment failed to start this task: {self.error}]"
-        assert ep.prompt is not None
-        return ep.prompt.flat
+        prompt = cached or ep.prompt
+        assert prompt is not None
+        shown = prompt.content()
+        if isinstance(shown, list):
+            _trl.check_images(trainer or rt.trainer, f"The prompt of task {task.key}")
+        return shown
 
     def _preopen(self, row: Mapping[str, Any], trainer: Any) -> None:
         """Start opening the session for `row` now (the batch's first reset does this for every adapter)."""
@@ -206,13 +214,20 @@ class OpenRewardEnvironment:
             raise UsageError("call reset() before calling a tool")
         return self._episode
 
-    def _answer(self, outcome: Outcome) -> str:
-        self.last_output = outcome.content
+    def _answer(self, outcome: Outcome) -> str | list[dict[str, Any]]:
+        self.last_output = outcome.text
         if outcome.error is not None:
             raise outcome.error
+        if isinstance(outcome.content, list):
+            rt = self._runtime
+            try:
+                _trl.check_images(rt.trainer, f"The output of a {rt.name} tool")
+            except ConfigurationError as exc:  # TRL's loop would swallow it here: the step's reward functions raise it
+                rt.image_error = rt.image_error or exc
+                return outcome.text
         return outcome.content
 
-    def _call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+    def _call_tool(self, name: str, arguments: dict[str, Any]) -> str | list[dict[str, Any]]:
         """The tool `name` (as the model saw it) called by TRL's loop: one `Episode.call`; raises, for TRL's failure
         count, on failure (TRL shows the model `{'error': ...}`)."""
         ep = self._current()
@@ -229,7 +244,7 @@ class OpenRewardEnvironment:
             self._settle_ahead()
         return self._answer(self._runtime.bg.run(ep.call(call)))
 
-    async def _acall_tool(self, name: str, arguments: dict[str, Any]) -> str:
+    async def _acall_tool(self, name: str, arguments: dict[str, Any]) -> str | list[dict[str, Any]]:
         """Coroutine twin of `_call_tool`, for async tool methods (the call runs on the background loop)."""
         call = self._current().call(Call(name, arguments))
         return self._answer(await asyncio.wrap_future(self._runtime.bg.submit(call)))
@@ -310,6 +325,10 @@ def settle_all(environments: list[Any], completions: list[Any] | None, completio
     """After TRL's loop: replay each rollout's transcript through the turn rule (`Episode.replay`), and run the
     batch's ends (terminal tools) at once, so that the rewards read next are final. `eos_token_ids`: the ids that
     end a completion, when no trainer is there to say (TRL's async worker)."""
+    for env in environments:  # an image a text-only trainer could not take: the step stops here, saying why
+        error = getattr(getattr(env, "_runtime", None), "image_error", None)
+        if error is not None:
+            raise error
     ends: list[Any] = []
     for i, env in enumerate(environments):
         ep = env._episode if isinstance(env, OpenRewardEnvironment) else None

@@ -17,6 +17,11 @@ path. Under several processes every process makes the same number of generation 
 same number of prompts (a process without work joins with dummy prompts), as collective backends
 (vLLM server mode, ZeRO-3, FSDP) require. A spec's `episode_timeout` closes an episode that runs over
 and scores it None. Everything here that reads TRL's internals goes through `ors_trl._trl`.
+
+Images: a prompt's and the tool results' image parts are expanded into their image tokens by the
+processor as the rollout is rendered, go to every generation call beside those ids with their pixel
+fields (`_trl.generate`), and reach TRL's loss with the ids (`_trl.hand_images`); a processing class
+that takes no images is a `ConfigurationError` at the first one.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 
 from . import _trl
 from ._budget import get_max_sessions
+from ._conversation import images_of
 from ._episode import Call, EnvironmentRuntime, Episode, Outcome, Reply, Task, score_groups
 from ._exceptions import ConfigurationError
 from ._loop import get_loop
@@ -100,6 +106,7 @@ class _Rollout:
         self.tool_mask: list[int] = []
         self.logprobs: list[float] | None = []
         self.completions: list[dict[str, Any]] = []
+        self.images: list[Any] = []  # the images among its ids, in order (prompt, then tool results)
         self.request: list[int] | None = None  # waiting for generation from these ids
         self.future: concurrent.futures.Future[Any] | None = None  # network work in flight
         self.stage = "open"  # open -> generate <-> tools -> done ("end": a length cut being settled)
@@ -140,6 +147,7 @@ class RolloutEngine:
         self.generation_calls: list[int] = []  # prompts per generation call (this process), for inspection
         self._tokens: dict[str, list[int]] = {}
         self._rendering: tuple[weakref.ref[Any], _trl.Rendering] | None = None  # per trainer, held weakly
+        _trl.install_image_handoff()
 
     def __repr__(self) -> str:
         return f"RolloutEngine({list(self.environments)})"
@@ -177,6 +185,7 @@ class RolloutEngine:
             for ep in episodes:
                 ep.release()  # accounts the episode and writes its record
         self.last_episodes = episodes
+        _trl.hand_images(trainer, [r.images for r in rollouts])
         return self._output(rollouts)
 
     def _rollout(self, prompt: Any, rules: Any) -> _Rollout:
@@ -208,7 +217,7 @@ class RolloutEngine:
         for r in rollouts:
             r.future = r.ep.env.submit(r.ep.open())
         multi = trainer.accelerator.num_processes > 1
-        self._fallback: list[int] | None = None
+        self._fallback: tuple[list[int], list[Any]] | None = None
         while True:
             for r in rollouts:
                 self._advance(r, trainer)
@@ -250,13 +259,16 @@ class RolloutEngine:
         ep = r.ep
         if opened and ep.prompt is not None:
             messages = ep.prompt.chat(r.base)
+            r.images = images_of(messages)
+            if r.images:
+                _trl.check_images(trainer, f"The prompt of task {ep.task.key}")
         else:
             text = f"[The environment failed to start this task: {(ep.error or {}).get('message')}]"
             messages = [dict(m) for m in r.base]
             messages[-1]["content"] = messages[-1].get("content", "") + text
         tools = self._schemas(r)
         r.prompt_ids = self._memo(["prompt", messages, tools], lambda: self._render_with.prompt_ids(messages, tools))
-        self._fallback = self._fallback or r.prompt_ids
+        self._fallback = self._fallback or (r.prompt_ids, r.images)
         if not opened:  # nothing to generate for: one end-of-sequence token, scored None
             r.completion_ids, r.tool_mask, r.logprobs = [self._render_with.tokenizer.eos_token_id], [1], [0.0]
             r.stage = "done"
@@ -279,7 +291,8 @@ class RolloutEngine:
 
     def _generate_for(self, waiting: list[_Rollout], trainer: Any) -> None:
         started = time.monotonic()
-        ids, lps = self._generate(trainer, [r.request or [] for r in waiting], fallback=self._fallback or [])
+        ids, lps = self._generate(trainer, [(r.request or [], r.images) for r in waiting],
+                                  fallback=self._fallback or ([], []))
         took = time.monotonic() - started
         self.gather.took(took)
         for r, new_ids, new_lp in zip(waiting, ids, lps, strict=True):
@@ -312,6 +325,9 @@ class RolloutEngine:
     def _after_tools(self, r: _Rollout, trainer: Any, outcomes: list[Outcome]) -> None:
         calls = r.completions[-1].get("tool_calls") or []
         tool_messages = [_trl.tool_message(Call.from_chat(c).name, o.content) for c, o in zip(calls, outcomes, strict=True)]
+        shown = images_of(tool_messages)
+        if shown:
+            _trl.check_images(trainer, f"The output of a {r.ep.env.name} tool")
         suffix = self._memo(["tools", tool_messages], lambda: self._render_with.tool_suffix_ids(tool_messages))
         pct = r.prompt_ids + r.completion_ids + suffix
         if _trl.overflows(len(pct) - len(r.prompt_ids), len(pct), trainer.max_completion_length,
@@ -320,6 +336,7 @@ class RolloutEngine:
             r.future = r.ep.env.submit(r.ep.end("length"))
             return
         r.completions += tool_messages
+        r.images += shown
         self._wait_for_generation(r, pct)
 
     # -- generation across processes ---------------------------------------------------------------
@@ -335,10 +352,11 @@ class RolloutEngine:
         flag = torch.tensor([1 if local else 0], device=accelerator.device)
         return bool(accelerator.gather(flag).max().item())
 
-    def _generate(self, trainer: Any, prompt_ids: list[list[int]], *, fallback: list[int]
-                  ) -> tuple[list[list[int]], list[list[float] | None]]:
-        """One completion per prompt through TRL's backend, padded to a common count across processes."""
-        n = len(prompt_ids)
+    def _generate(self, trainer: Any, requests: list[tuple[list[int], list[Any]]], *,
+                  fallback: tuple[list[int], list[Any]]) -> tuple[list[list[int]], list[list[float] | None]]:
+        """One completion per prompt (its ids and their images) through TRL's backend, padded to a common count
+        across processes."""
+        n = len(requests)
         accelerator = trainer.accelerator
         target = n
         if accelerator.num_processes > 1:
@@ -349,8 +367,8 @@ class RolloutEngine:
         if target == 0:
             return [], []
         self.generation_calls.append(n)
-        padded = list(prompt_ids) + [list(prompt_ids[0] if prompt_ids else fallback)] * (target - n)
-        completion_ids, logprobs = _trl.generate(trainer, padded)
+        padded = list(requests) + [requests[0] if requests else fallback] * (target - n)
+        completion_ids, logprobs = _trl.generate(trainer, [list(ids) for ids, _ in padded], [im for _, im in padded])
         completion_ids = [list(c) for c in completion_ids[:n]]
         lps: list[list[float] | None] = [list(lp) for lp in logprobs[:n]] if logprobs is not None else [None] * n
         return completion_ids, lps

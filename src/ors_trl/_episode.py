@@ -37,13 +37,13 @@ from typing import Any
 
 from ._binding import Toolset
 from ._client import AsyncClient, AsyncSession
-from ._conversation import Prompt, transcript
+from ._conversation import Content, Prompt, content, transcript
 from ._exceptions import ConfigurationError, NotFoundError, ORSError, ToolError, ToolRefusedError
 from ._loop import get_loop
 from ._metrics import EnvMetrics
-from ._records import RUN_ID, CallRecord, EpisodeRecord, RecordWriter, TurnRecord, error_record
+from ._records import RUN_ID, CallRecord, EpisodeRecord, RecordWriter, TurnRecord, error_record, image_record
 from ._text import clip
-from ._types import TerminalTool, ToolList, ToolResult
+from ._types import Block, ImageBlock, TerminalTool, ToolList, ToolResult, image_blocks
 
 __all__ = ["Call", "EnvironmentRuntime", "Episode", "Outcome", "Reply", "Rules", "Task", "find_ended", "runtimes",
            "score_groups"]
@@ -145,12 +145,16 @@ class Rules:
 
 
 class Outcome:
-    """What one tool call gave the model: `content` is what it reads (the output, or `Rules.error_text` of `error`)."""
+    """What one tool call gave the model: `content` is what it reads (the output, or `Rules.error_text` of `error`):
+    a text, or content parts where the output holds an image that is shown; `text` is the text of that (what the
+    record keeps, an image written as its `[image: ...]` marker)."""
 
-    __slots__ = ("content", "error", "result")
+    __slots__ = ("content", "error", "result", "text")
 
-    def __init__(self, content: str, error: ORSError | None = None, result: ToolResult | None = None) -> None:
+    def __init__(self, content: Content, error: ORSError | None = None, result: ToolResult | None = None,
+                 text: str | None = None) -> None:
         self.content, self.error, self.result = content, error, result
+        self.text = text if text is not None else content if isinstance(content, str) else ""
 
     @property
     def fatal(self) -> bool:
@@ -178,13 +182,14 @@ class EnvironmentRuntime:
         episode_log: a record writer receiving every finished episode, or None.
         score_groups: keep finished sessions until the step ends, so group scoring can use them.
         success_threshold: the reward at or above which an episode counts as a success (metrics).
+        images: "pass" (image blocks reach the model as image parts) or "placeholder" (as their text marker).
     """
 
     def __init__(self, client: AsyncClient, *, name: str, split: str, max_output_chars: int | None = None,
                  cache_prompts: bool = True, max_concurrent_tool_calls: int = 64, max_tool_calls: int | None = None,
                  episode_timeout: float | None = None, batch_tool_calls: bool = True,
                  episode_log: RecordWriter | None = None, score_groups: bool = False,
-                 success_threshold: float = 1.0) -> None:
+                 success_threshold: float = 1.0, images: str = "pass") -> None:
         self.client = client
         self.name = name
         self.split = split
@@ -196,6 +201,10 @@ class EnvironmentRuntime:
         self.batch_tool_calls = batch_tool_calls
         self.recorder = episode_log
         self.score_groups = score_groups
+        self.pass_images = images == "pass"
+        #: Set when an image met a trainer that cannot take images, where TRL's loop would swallow the error (a tool
+        #: call): the reward functions raise it at the end of that step.
+        self.image_error: ConfigurationError | None = None
         self.metrics = EnvMetrics(success_threshold)
         self.metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
         self.uploads: Any = None  # a RolloutUploader (ors_trl._upload) sent every closed episode's record, opt-in
@@ -280,7 +289,7 @@ class EnvironmentRuntime:
         """The session's prompt: `/messages` where the server has it (probed once), else `/prompt`."""
         if self.uses_messages is not False:
             try:
-                prompt = Prompt.from_messages(await session.messages())
+                prompt = Prompt.from_messages(await session.messages(), images=self.pass_images)
             except NotFoundError:
                 if self.uses_messages:  # advertised, yet missing: say so once, then stop asking
                     logger.warning("%s: the server advertises /messages but has no such route; using /prompt",
@@ -289,7 +298,7 @@ class EnvironmentRuntime:
             else:
                 self.uses_messages = True
                 return prompt
-        return Prompt.from_blocks(await session.prompt())
+        return Prompt.from_blocks(await session.prompt(), images=self.pass_images)
 
     def remember_prompt(self, key: str, prompt: Prompt) -> None:
         cached = self.prompt_cache.setdefault(key, prompt)
@@ -441,6 +450,7 @@ class Episode:
         self._closing: concurrent.futures.Future[None] | None = None
         self._freeing: asyncio.Future[None] | None = None
         self._ended: float | None = None
+        self.images: dict[str, ImageBlock] = {}  # the episode's images by hash (its record lists each once)
 
     def __repr__(self) -> str:
         return f"<Episode {self.env.name} {self.task.key} reward={self.reward} {self.state}>"
@@ -482,6 +492,8 @@ class Episode:
             self.session = await env.client.open_session(**where)
             self.timings["open"] = time.monotonic() - started
             self.prompt = await env.read_prompt(self.session)
+            for block in (b for m in self.prompt.messages for b in image_blocks(m.blocks)):
+                self._keep(block)
             if self.toolset is None:
                 self.toolset = env.toolset_of(await self.session.tools())
         except ORSError as exc:
@@ -564,12 +576,30 @@ class Episode:
         except ORSError as exc:
             return self._failed(entry, exc, time.monotonic() - started if "remote_name" in entry else None)
         elapsed = time.monotonic() - started
-        text = clip(result.text, self.env.max_output_chars) or "(no output)"
+        shown, text = self._shown(result.blocks)
         entry.update(status="ok", output=text, reward=result.reward, finished=result.finished,
                      metadata=result.metadata, seconds=round(elapsed, 4))
+        images = [self._keep(b) for b in image_blocks(result.blocks)]
+        if images:
+            entry["images"] = images
         self._scored(result)
         self._count_call(elapsed, None)
-        return Outcome(text, None, result)
+        return Outcome(shown, None, result, text)
+
+    def _shown(self, blocks: list[Block]) -> tuple[Content, str]:
+        """What the model reads of a tool's output, each text cut to `max_output_chars`, and the text of it."""
+        limit, images = self.env.max_output_chars, self.env.pass_images
+        text = clip(content(blocks, images=images, view=True), limit) or "(no output)"  # type: ignore[arg-type]
+        shown = content(blocks, images=images)
+        if isinstance(shown, str):
+            return text, text
+        return [dict(p, text=clip(p["text"], limit)) if p["type"] == "text" else p for p in shown], text
+
+    def _keep(self, block: ImageBlock) -> str:
+        """Remember an image of the episode for its record (each once, by hash); its hash."""
+        sha = block.info().sha256
+        self.images.setdefault(sha, block)
+        return sha
 
     def _admit(self, call: Call) -> tuple[str, dict[str, Any]]:
         """The remote tool and wire arguments of a call the episode accepts; raises the local refusal otherwise."""
@@ -780,6 +810,12 @@ class Episode:
         prompt = self.prompt
         timings = {k: round(v, 4) for k, v in self.timings.items()}
         timings["total"] = round(self.seconds, 4)
+        seen = [b.info().sha256 for m in (prompt.messages if prompt else ()) for b in image_blocks(m.blocks)]
+        images: dict[str, Any] = {}
+        if self.images:  # only then: a text-only episode's record is what it always was
+            images["images"] = {sha: image_record(b.info()) for sha, b in self.images.items()}
+            if seen:
+                images["prompt_images"] = seen
         return EpisodeRecord(
             version=3, run=RUN_ID, source=self.source, environment=self.env.name,
             target=self.env.client.target.name, split=self.task.split, task_index=self.task.index,
@@ -787,7 +823,7 @@ class Episode:
             system=prompt.system if prompt else None, prompt=prompt.text if prompt else None, turns=self.turns,
             final=self.final, rewards=self.rewards, reward=self.reward, group_reward=self.group_reward,
             finished=self.finished, end_reason=self.end_reason, unscored=self.unscored, tool_calls=self.tool_calls,
-            tool_failures=self.tool_failures, error=self.error, timings=timings,
+            tool_failures=self.tool_failures, error=self.error, timings=timings, **images,
         )
 
     async def close_session(self) -> None:
@@ -813,7 +849,7 @@ class Episode:
                 self.account()
                 record = self.record()
                 if self._writer is not None:
-                    self._writer.write(record)
+                    self._writer.write(record, images=self.images)
                 if self._uploads:
                     self._uploads.submit(record)
 

@@ -25,6 +25,7 @@
     │   └── StreamInterruptedError    a stream broke before the server named the call; not retried,
     │                                 since the tool may already be running
     ├── ProtocolError                 the server's answer was malformed (bad JSON, missing fields)
+    │   └── ImageError                an image block that cannot be shown (not an image, a bomb, too large)
     └── PolicyError                   the policy (the model being evaluated) produced no reply
         └── ContextLengthExceeded     the conversation no longer fits the model's context
 
@@ -43,6 +44,7 @@ __all__ = [
     "ConfigurationError",
     "ContextLengthExceeded",
     "EnvironmentNotFoundError",
+    "ImageError",
     "MissingAPIKeyError",
     "NotFoundError",
     "ORSError",
@@ -211,6 +213,13 @@ class ProtocolError(ORSError):
     """The server's answer does not follow the protocol (invalid JSON, missing fields, bad types)."""
 
     kind = "protocol"
+
+
+class ImageError(ProtocolError):
+    """An image block ors-trl will not show a model (`ors_trl._images` says why: not an image, undecodable, past a
+    bound). The model reads a text placeholder for that block instead; the rest of the answer stands."""
+
+    kind = "image"
 
 
 class PolicyError(ORSError):

@@ -2,8 +2,10 @@
 
 The environments a server hosts, the splits and their sizes, a few tasks, the shared tools and the
 task-specific ones (read from one probe session, closed again), what the server supports (a terminal
-tool, group scoring, message block types, the first task's conversation roles), and what the model
-will see after binding: the exact Python signatures of the tool functions and the JSON schemas
+tool, group scoring, message block types, the first task's conversation roles), which images the
+probed prompt holds (and, with `calls`, what chosen tools answer in the probe session: their output's
+block types and images; a tool's output is known only once it runs, and a call can have effects, so
+none is made unless asked for), and what the model will see after binding: the exact Python signatures of the tool functions and the JSON schemas
 `transformers.utils.get_json_schema` renders from them, with every warning binding raised.
 
 Everything shown comes from the server, so the text rendering puts each name on one line and escapes
@@ -17,6 +19,7 @@ import asyncio
 import inspect
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from ._binding import Toolset
@@ -25,7 +28,7 @@ from ._exceptions import NotFoundError, ORSError
 from ._loop import get_loop
 from ._text import escape_controls, one_line, repair, show_json
 from ._transport import RetryPolicy, Timeouts
-from ._types import Message, ToolSpec
+from ._types import ImageBlock, Message, ToolSpec, image_blocks
 
 __all__ = ["collect", "describe_binding", "inspect_target", "render_text"]
 
@@ -43,10 +46,12 @@ async def collect(
     api_key: str | None = None,
     timeouts: Timeouts | None = None,
     retry: RetryPolicy | None = None,
+    calls: Sequence[tuple[str, dict[str, Any]]] = (),
 ) -> dict[str, Any]:
     """Query the server; returns the JSON-able inspection (without the binding part). Leaves no session open.
 
     `timeouts` and `retry` bound every request, as for any client (the defaults allow minutes per request).
+    `calls`: `(tool, arguments)` to call in the probe session, in order (`tool_outputs` says what each answered).
     """
     async with AsyncClient(target, env_name=env_name, api_key=api_key, timeouts=timeouts, retry=retry) as client:
         info: dict[str, Any] = {"target": client.target.name, "kind": client.target.kind, "environments": None}
@@ -77,6 +82,8 @@ async def collect(
         info["message_block_types"] = list(shared.message_block_types or ["text", "image"])
         info["messages"] = shared.message_block_types is not None
         info["conversation"] = None
+        info["prompt_images"] = None
+        info["tool_outputs"] = []
         task_tools: dict[str, Any] = {"probed": False, "index": None, "tools": [], "error": None}
         if probe and 0 <= probe_index < total:
             task_tools["probed"] = True
@@ -85,9 +92,13 @@ async def collect(
                 session = await client.open_session(split=split, index=probe_index)
                 try:
                     listed = await session.tools()
+                    conversation = (await session.messages() if info["messages"] else
+                                    [Message("user", await session.prompt())])
                     info["conversation"] = [{"role": m.role, "blocks": [b.type for b in m.blocks]}
-                                            for m in (await session.messages() if info["messages"] else
-                                                      [Message("user", await session.prompt())])]
+                                            for m in conversation]
+                    info["prompt_images"] = [_image(b, m.role) for m in conversation for b in image_blocks(m.blocks)]
+                    for name, arguments in calls:
+                        info["tool_outputs"].append(await _call(session, name, arguments))
                 finally:
                     await session.close()
                 known = {t.name for t in shared.tools}
@@ -100,6 +111,28 @@ async def collect(
             task_tools["error"] = f"task index {probe_index} is out of range (split {split!r} has {total} tasks)"
         info["task_tools"] = task_tools
     return info
+
+
+def _image(block: ImageBlock, role: str | None = None) -> dict[str, Any]:
+    info = block.info()
+    return {"role": role, "mime_type": info.mime_type, "width": info.width, "height": info.height,
+            "bytes": info.bytes, "sha256": info.sha256, "error": info.error}
+
+
+async def _call(session: Any, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """One tool called in the probe session: what its output holds, or why it failed."""
+    out: dict[str, Any] = {"tool": name, "arguments": arguments}
+    try:
+        result = await session.call(name, arguments)
+    except ORSError as exc:
+        return {**out, "error": f"{type(exc).__name__}: {exc}"}
+    return {**out, "blocks": [b.type for b in result.blocks], "images": [_image(b) for b in image_blocks(result.blocks)],
+            "reward": result.reward, "finished": result.finished}
+
+
+def _images_text(images: list[dict[str, Any]]) -> str:
+    return "; ".join(f"{_one(i['mime_type'])} {i['width']}x{i['height']}, {i['bytes']} bytes"
+                     + (f" (not shown to a model: {_one(i['error'])})" if i.get("error") else "") for i in images)
 
 
 def _terminal(tool: Any) -> dict[str, Any] | None:
@@ -226,6 +259,21 @@ def render_text(info: dict[str, Any]) -> str:
     if info.get("conversation") is not None:
         roles = ", ".join(f"{_one(m['role'])} [{', '.join(map(_one, m['blocks']))}]" for m in info["conversation"])
         add(f"First probed task's conversation: {roles}")
+    if info.get("prompt_images") is not None:
+        shown = info["prompt_images"]
+        add(f"Images in the probed prompt ({len(shown)}): {_images_text(shown) or 'none'}")
+    for called in info.get("tool_outputs") or []:
+        what = f"{_one(called['tool'])}({show_json(called['arguments'], 200)})"
+        if called.get("error"):
+            add(f"Tool output of {what}: failed: {_one(called['error'])}")
+        else:
+            add(f"Tool output of {what}: blocks [{', '.join(map(_one, called['blocks']))}]; images "
+                f"({len(called['images'])}): {_images_text(called['images']) or 'none'}")
+    if info.get("prompt_images") is not None or info.get("tool_outputs"):
+        add("  Images reach a model as image parts (a vision-language model's processor takes them); "
+            'OpenRewardSpec(images="placeholder") shows the text [image: <media type>] instead.'
+            + ("" if info.get("tool_outputs") else " A tool's output is known only once it runs: "
+               "--call NAME[=JSON] calls one in the probe session."))
     binding = info.get("binding")
     if binding is not None:
         add("")

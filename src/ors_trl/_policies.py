@@ -5,6 +5,11 @@ assistant with `tool_calls`, tool), `tools` the JSON schemas training renders. T
 `LocalPolicy` (a transformers model, generation batched across the episodes waiting for a turn,
 replies parsed with TRL's `parse_response`) and `OpenAIPolicy` (any OpenAI-compatible
 chat-completions endpoint, retried under a `RetryPolicy` like every ORS request).
+
+A message whose content holds images is a list of content parts (`{"type": "text", "text": ...}`,
+`{"type": "image", "image": <RGB PIL image>}`, `ors_trl._conversation.content`): `LocalPolicy` hands
+them to a vision-language model's processor as training does, `OpenAIPolicy` sends them as
+OpenAI-style `image_url` parts with `data:` URLs.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from ._conversation import images_of
 from ._exceptions import ConfigurationError, ContextLengthExceeded, ORSError, PolicyError
 from ._target import check_header_value
 from ._transport import Decoder, RetryPolicy, _Again, _read_capped, retrying
@@ -57,6 +63,24 @@ class Policy(Protocol):
     async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply: ...
 
 
+def _openai_parts(content: Any) -> Any:
+    """A message's content as OpenAI's chat API takes it: a text as it is, image parts as `image_url` parts with a
+    `data:` URL (an image given as a URL or `data:` URL already is sent as it is)."""
+    if not isinstance(content, list):
+        return content
+    out = []
+    for part in content:
+        if part.get("type") != "image":
+            out.append(part)
+        elif isinstance(part.get("image"), str):
+            out.append({"type": "image_url", "image_url": {"url": part["image"]}})
+        else:
+            from ._images import data_url
+
+            out.append({"type": "image_url", "image_url": {"url": data_url(part["image"])}})
+    return out
+
+
 def _parse_arguments(value: Any) -> dict[str, Any] | str:
     if isinstance(value, dict):
         return value
@@ -84,6 +108,10 @@ class OpenAIPolicy:
         include_return_schema: also send the `"return"` entry `get_json_schema` adds to each function (not part
             of OpenAI's function schema, so left out by default; the model-facing names, descriptions and
             parameters are exactly the bound functions' schemas either way).
+        tool_images: where a tool output's images go: `"tool"` (the default) as `image_url` parts of the tool
+            message itself (what vLLM's server takes, and where a model trained through ors-trl saw them);
+            `"user"` in a user message right after the turn's tool messages (for APIs that take no images in a
+            tool message, such as OpenAI's), the tool message keeping its text.
     """
 
     def __init__(
@@ -99,7 +127,11 @@ class OpenAIPolicy:
         timeout: float = 300.0,
         max_attempts: int = 4,
         include_return_schema: bool = False,
+        tool_images: str = "tool",
     ) -> None:
+        if tool_images not in ("tool", "user"):
+            raise ConfigurationError(f'tool_images must be "tool" or "user", got {tool_images!r}')
+        self.tool_images = tool_images
         if not isinstance(base_url, str) or "://" not in base_url:
             raise ConfigurationError(
                 f"base_url must be an http(s) URL like 'http://127.0.0.1:8001/v1', got {base_url!r}"
@@ -138,11 +170,14 @@ class OpenAIPolicy:
             out.append({"type": "function", "function": function})
         return out
 
-    @staticmethod
-    def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
+        moved: list[dict[str, Any]] = []  # tool images that go in a user message after the tool messages
         for message in messages:
             role = message["role"]
+            if moved and role != "tool":
+                out.append({"role": "user", "content": moved})
+                moved = []
             if role == "assistant":
                 item: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
                 calls = message.get("tool_calls") or []
@@ -162,9 +197,15 @@ class OpenAIPolicy:
                     ]
                 out.append(item)
             elif role == "tool":
-                out.append({"role": "tool", "tool_call_id": message["tool_call_id"], "content": message["content"]})
+                parts = _openai_parts(message["content"])
+                if self.tool_images == "user" and isinstance(parts, list):
+                    moved += [p for p in parts if p["type"] == "image_url"]
+                    parts = "".join(p.get("text", "") for p in parts)
+                out.append({"role": "tool", "tool_call_id": message["tool_call_id"], "content": parts})
             else:
-                out.append({"role": role, "content": message["content"]})
+                out.append({"role": role, "content": _openai_parts(message["content"])})
+        if moved:
+            out.append({"role": "user", "content": moved})
         return out
 
     async def _session(self) -> Any:
@@ -245,7 +286,8 @@ class _Pending:
 
 
 class LocalPolicy:
-    """A local transformers causal LM, prompted with its tokenizer's chat template (tools included).
+    """A local transformers causal LM, prompted with its tokenizer's chat template (tools included); or a
+    vision-language model with its processor, which then takes the images of the conversation as training does.
 
     Episodes waiting for a turn are batched: the first request waits up to `batch_wait` seconds for the other
     running episodes (or until `max_batch_size` are waiting), then one left-padded `generate` call answers all
@@ -254,8 +296,8 @@ class LocalPolicy:
     as `GRPOTrainer` does.
 
     Args:
-        model: a model object with `generate` (e.g. `AutoModelForCausalLM`).
-        tokenizer: its tokenizer, with a chat template.
+        model: a model object with `generate` (e.g. `AutoModelForCausalLM`, `AutoModelForImageTextToText`).
+        tokenizer: its tokenizer, with a chat template; for a vision-language model, its processor.
         temperature: 0 = greedy; otherwise sampled with `top_p`.
         max_new_tokens: tokens generated per turn (capped by the model's context).
         seed: seeds torch's generator once, when generation starts.
@@ -314,20 +356,24 @@ class LocalPolicy:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], *, device: str | None = None, **kwargs: Any) -> LocalPolicy:
-        """Load a model and tokenizer from a local directory (never from the Hub)."""
+        """Load a model and tokenizer from a local directory (never from the Hub); a directory with an image
+        processor (`preprocessor_config.json`) is a vision-language model, loaded with its processor."""
         path = os.fspath(path)
         if not os.path.isdir(path):
             raise ConfigurationError(f"{path!r} is not a local model directory")
         try:
             import torch
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            import transformers
         except ImportError as exc:
             raise ConfigurationError(
                 f"evaluating a local model needs torch and transformers ({exc}); pip install 'ors-trl[trl]'"
             ) from None
+        vision = os.path.isfile(os.path.join(path, "preprocessor_config.json"))
+        loaders = ((transformers.AutoProcessor, transformers.AutoModelForImageTextToText) if vision else
+                   (transformers.AutoTokenizer, transformers.AutoModelForCausalLM))
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+            tokenizer = loaders[0].from_pretrained(path, local_files_only=True)
+            model = loaders[1].from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
             raise ConfigurationError(f"cannot load a model and tokenizer from {path!r}: {exc}") from exc
         if device is None:
@@ -432,7 +478,8 @@ class LocalPolicy:
     # -- generation (worker thread) --------------------------------------------------------------------------
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
-        """The input ids of the next turn: joined as GRPO joins them (`join_turns`), else the whole conversation."""
+        """The input ids of the next turn: joined as GRPO joins them (`join_turns`), else the whole conversation (its
+        images expanded into their image tokens, in the order `images_of` lists them)."""
         rendering = self.rendering
         first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
         if self.join_turns and first < len(messages):
@@ -454,19 +501,30 @@ class LocalPolicy:
 
     def _context_limit(self) -> int | None:
         config = getattr(self.model, "config", None)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
         limit = getattr(config, "max_position_embeddings", None)
         return limit if isinstance(limit, int) and limit > 0 else None
 
     def _generate(self, requests: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]) -> list[Any]:
         import torch
 
-        tok = self.tokenizer
+        tok = self.rendering.tokenizer
         limit = self._context_limit()
         prompts: list[list[int] | None] = []
+        images: list[list[Any]] = []
         results: list[Any] = [None] * len(requests)
         for i, (messages, tools) in enumerate(requests):
+            images.append(images_of(messages))
             try:
+                if images[-1] and not self.rendering.takes_images:
+                    raise PolicyError("the conversation holds an image, and this model's tokenizer takes none: "
+                                      "evaluate a vision-language model with its processor, or pass "
+                                      'OpenRewardSpec(..., images="placeholder")')
                 ids = self._render(messages, tools)
+            except PolicyError as exc:
+                results[i] = exc
+                prompts.append(None)
+                continue
             except Exception as exc:  # one conversation the template cannot render fails alone
                 results[i] = PolicyError(f"the chat template failed: {type(exc).__name__}: {exc}")
                 prompts.append(None)
@@ -493,6 +551,10 @@ class LocalPolicy:
             assert p is not None
             input_ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
             attention[row, width - len(p):] = 1
+        extra: dict[str, Any] = {}
+        if any(images[i] for i in live):
+            fields = self.rendering.image_inputs(input_ids.tolist(), [images[i] for i in live])
+            extra = {k: torch.as_tensor(v).to(device) for k, v in fields.items()}
         sampling: dict[str, Any] = (
             {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
             if self.temperature > 0 else {"do_sample": False}
@@ -515,6 +577,7 @@ class LocalPolicy:
                 eos_token_id=eos_id,
                 pad_token_id=pad_id,
                 stopping_criteria=StoppingCriteriaList([stop]),
+                **extra,
                 **sampling,
             )
         if abort.is_set():
@@ -534,7 +597,7 @@ class LocalPolicy:
                truncated: bool = False) -> PolicyReply:
         if prefix is not None and self.join_turns:
             self._generated[tuple(prefix)] = list(ids)
-        raw = self.tokenizer.decode(ids, skip_special_tokens=False)
+        raw = self.rendering.tokenizer.decode(ids, skip_special_tokens=False)
         if not ids:
             return PolicyReply(content="", raw=raw, truncated=truncated)
         parsed = self.rendering.parse(ids, prefix, tools or None)

@@ -3,7 +3,10 @@
 records of versions 1 and 2 to the current shape.
 
 Every record is appended and flushed at once, from any thread, so an interrupted run loses at
-most its running episodes. Optional bounds keep a training log from growing without limit: each
+most its running episodes. An episode's images are listed once in its record (`images`: hash, size,
+media type, dimensions, or why the model was not shown one), referred to by hash where they were
+seen (`prompt_images`, a call's `images`), and their bytes are written once beside the log
+(`<log>.images/<sha256>.<ext>`, bounded by `max_image_bytes`), the record naming the file. Optional bounds keep a training log from growing without limit: each
 long text is cut with a visible mark (`max_text`), and the file stops growing at `max_bytes`
 (with one warning). Nothing transport-level (headers, keys, secrets) is ever part of a record.
 
@@ -26,14 +29,15 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, NotRequired, TypedDict
 
+from ._images import as_bytes
 from ._text import clean_json, clip, repair
 
-__all__ = ["MAX_DEPTH", "RECORD_VERSION", "RUN_ID", "CallRecord", "EpisodeRecord", "RecordWriter", "TurnRecord",
-           "error_record", "jsonable", "parse_line", "read_records", "upgrade"]
+__all__ = ["MAX_DEPTH", "RECORD_VERSION", "RUN_ID", "CallRecord", "EpisodeRecord", "ImageRecord", "RecordWriter",
+           "TurnRecord", "error_record", "image_record", "jsonable", "parse_line", "read_records", "upgrade"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -51,11 +55,24 @@ class ErrorRecord(TypedDict):
     reason: NotRequired[str]
 
 
+class ImageRecord(TypedDict, total=False):
+    """One image of an episode (the key of `EpisodeRecord.images` is its SHA-256): its media type, size in bytes,
+    width and height; `error` why the model was not shown it; `file` where its bytes are, relative to the log's
+    folder (absent where they were not written)."""
+
+    mime_type: str
+    bytes: int
+    width: int | None
+    height: int | None
+    error: str
+    file: str
+
+
 class CallRecord(TypedDict, total=False):
     """One tool call of the model. `status`: ok, failed (the tool or the network failed), refused (locally or by
     the server: the model is told why) or not_run (the reply was the last one the turn limit allows). `name` is
     the name the model saw, `remote_name` the environment's; `output` is what the model read (TRL's
-    `{'error': ...}` text for a failure)."""
+    `{'error': ...}` text for a failure; an image as its `[image: ...]` marker), `images` the hashes of its images."""
 
     id: str | None
     name: str
@@ -69,6 +86,7 @@ class CallRecord(TypedDict, total=False):
     finished: bool
     metadata: dict[str, Any] | None
     seconds: float
+    images: list[str]
 
 
 class TurnRecord(TypedDict, total=False):
@@ -90,7 +108,8 @@ class EpisodeRecord(TypedDict, total=False):
     and, for an environment with a terminal tool, its grade (`tool`, `output`, `reward`, ... or `error`);
     `unscored` says why `reward` is None (timeout, error, cut_off, no_reward). Drivers add `repeat` and
     `policy` (eval), `step` (an evaluation during training: the training step) and `stop_detail` (why the model
-    was stopped)."""
+    was stopped). An episode with images lists them in `images` (by hash) and the prompt's in `prompt_images`; a
+    text-only episode's record has neither."""
 
     version: int
     run: str
@@ -119,6 +138,16 @@ class EpisodeRecord(TypedDict, total=False):
     tool_failures: int
     error: ErrorRecord | None
     timings: dict[str, float]
+    images: dict[str, ImageRecord]
+    prompt_images: list[str]
+
+
+def image_record(info: Any) -> ImageRecord:
+    """How an image is recorded (`info`: an `ors_trl._images.ImageInfo`)."""
+    out = ImageRecord(mime_type=info.mime_type, bytes=info.bytes, width=info.width, height=info.height)
+    if info.error is not None:
+        out["error"] = info.error
+    return out
 
 
 def error_record(exc: BaseException) -> ErrorRecord:
@@ -170,6 +199,7 @@ _TEXT_FIELDS = frozenset(("prompt", "system", "assistant", "output", "message", 
 #: Nesting a record keeps (the record itself is level 0); a deeper value is replaced by a marker string.
 MAX_DEPTH = 100
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a surrogate written as a JSON escape
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def jsonable(value: Any, *, max_text: int | None = None, fields: frozenset[str] | None = _TEXT_FIELDS,
@@ -229,17 +259,23 @@ class RecordWriter:
             False truncates it.
         max_bytes: stop writing once the file would grow past this size (None: no bound).
         max_text: cut every long text (prompt, model text, tool output) to this many characters.
+        max_image_bytes: stop writing image files beside the log once they take this much (None: `max_bytes`).
 
     Attributes:
         written, dropped: records written, and records that could not be (`drop_reasons` says why).
+        images_dir: the folder beside the log where images are written (`<log name>.images`).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, append: bool = True, max_bytes: int | None = None,
-                 max_text: int | None = None) -> None:
+                 max_text: int | None = None, max_image_bytes: int | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self.max_text = max_text
+        self.max_image_bytes = max_bytes if max_image_bytes is None else max_image_bytes
+        self.images_dir = self.path.with_name(self.path.name + ".images")
+        self._stored: set[str] = set()
+        self._image_size = sum(f.stat().st_size for f in self.images_dir.iterdir()) if self.images_dir.is_dir() else 0
         self._lock = threading.Lock()
         if not append:
             self.path.write_bytes(b"")
@@ -252,6 +288,7 @@ class RecordWriter:
         self._cut = False  # the last write failed part-way: end its line before the next record
         self.written = 0
         self.dropped = 0
+        self.images_dropped = 0
         self.drop_reasons: Counter[str] = Counter()
 
     def __repr__(self) -> str:
@@ -264,8 +301,14 @@ class RecordWriter:
             logger.warning("episode log %s: a record was not written (%s); later ones for the same reason are "
                            "only counted", self.path, reason)
 
-    def write(self, record: dict[str, Any]) -> None:
-        """Append one record and flush it. Never raises: what cannot be written is counted in `dropped`."""
+    def write(self, record: dict[str, Any], images: Mapping[str, Any] | None = None) -> None:
+        """Append one record and flush it. Never raises: what cannot be written is counted in `dropped`.
+
+        `images`: the episode's image blocks by hash (`Episode.images`): the bytes of each one its record lists are
+        written beside the log, once per log, and its entry names the file."""
+        listed = record.get("images")
+        if images and isinstance(listed, dict):
+            record = {**record, "images": {sha: self._store(sha, entry, images.get(sha)) for sha, entry in listed.items()}}
         try:
             data = (json.dumps(jsonable(record, max_text=self.max_text), ensure_ascii=False, allow_nan=False)
                     + "\n").encode("utf-8")
@@ -287,6 +330,36 @@ class RecordWriter:
             self._cut = False
             self._size += len(data)
             self.written += 1
+
+
+    def _store(self, sha: str, entry: Any, block: Any) -> Any:
+        """An image's record entry, with its `file` once its bytes are beside the log (written the first time)."""
+        if block is None or not isinstance(entry, dict) or "error" in entry or not _SHA256.fullmatch(sha):
+            return entry
+        name = f"{sha}.{block.info().extension}"
+        with self._lock:
+            if name not in self._stored and not (self.images_dir / name).is_file():
+                raw = as_bytes(block.data)  # checked where it was parsed
+                if self.max_image_bytes is not None and self._image_size + len(raw) > self.max_image_bytes:
+                    self._drop_image(f"the images reached their {self.max_image_bytes}-byte limit")
+                    return entry
+                try:
+                    self.images_dir.mkdir(exist_ok=True)
+                    tmp = self.images_dir / f".{name}.{os.getpid()}.tmp"
+                    tmp.write_bytes(raw)
+                    os.replace(tmp, self.images_dir / name)
+                except OSError as exc:
+                    self._drop_image(f"an image could not be written: {exc.strerror or exc}")
+                    return entry
+                self._image_size += len(raw)
+            self._stored.add(name)
+        return {**entry, "file": f"{self.images_dir.name}/{name}"}
+
+    def _drop_image(self, reason: str) -> None:
+        self.images_dropped += 1
+        if self.images_dropped == 1:
+            logger.warning("episode log %s: an image was not written beside it (%s); later ones are only counted",
+                           self.path, reason)
 
 
 def parse_line(line: str | bytes) -> tuple[Any, str | None]:

@@ -148,6 +148,11 @@ class OpenRewardSpec:
             there), with the run's metadata (model name and size, training stage, step); in the background, bounded,
             failures counted and never failing a step (`ors_trl._upload`). The platform's API key as for catalog
             targets: `api_key=` for a catalog name, else `OPENREWARD_API_KEY`.
+        images: `"pass"` (the default): image blocks of prompts, conversations and tool outputs reach the model as
+            image parts of their message (a vision-language model's processor takes them; a trainer whose
+            processing class is a tokenizer gets a `ConfigurationError` at its first rollout); `"placeholder"`: as
+            the text `[image: <media type>]`, for a text-only model on purpose. Text-only environments give the same
+            text either way. The bounds an image must keep are in `ors_trl._images`.
     """
 
     def __init__(
@@ -180,6 +185,7 @@ class OpenRewardSpec:
         max_tool_calls: int | None = None,
         success_threshold: float = 1.0,
         upload_rollouts: bool | str = False,
+        images: str = "pass",
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self._options = options
@@ -202,6 +208,8 @@ class OpenRewardSpec:
         if isinstance(success_threshold, bool) or not isinstance(success_threshold, int | float) \
                 or not math.isfinite(success_threshold):
             raise ConfigurationError(f"success_threshold must be a finite number, got {success_threshold!r}")
+        if images not in ("pass", "placeholder"):
+            raise ConfigurationError(f'images must be "pass" or "placeholder", got {images!r}')
         self._split = split
         self._unscored_reward = None if unscored_reward is None else float(unscored_reward)
         # In catalog mode the key also goes to the environment as its conventional `api_key` secret, unless the
@@ -218,7 +226,7 @@ class OpenRewardSpec:
             self._client, name=self.name, split=split, max_output_chars=max_output_chars,
             cache_prompts=cache_prompts, max_concurrent_tool_calls=max_concurrent_tool_calls,
             max_tool_calls=max_tool_calls, episode_timeout=episode_timeout, batch_tool_calls=batch_tool_calls,
-            episode_log=writer, score_groups=score_groups, success_threshold=float(success_threshold),
+            episode_log=writer, score_groups=score_groups, success_threshold=float(success_threshold), images=images,
         )
         if upload_rollouts:
             from ._upload import RolloutUploader, training_info

@@ -7,7 +7,9 @@ their `log_metric` keyword, callbacks) everywhere else. What needs more lives he
   (`_generate_and_score_completions`'s `inputs`, `_tool_call_loop`'s `tool_calls`, ...) to start a
   batch's session opens and a turn's tool calls at once;
 - the rollout engine generates through `_generate_single_turn` and builds tool turns with
-  `_get_tool_suffix_ids`, exactly as TRL's own loop does;
+  `_get_tool_suffix_ids`, exactly as TRL's own loop does; its images reach TRL's loss through
+  `_generate`'s return (`install_image_handoff`: TRL 1.16 keeps no images of a `rollout_func`), as the
+  images of TRL's own tool loop do;
 - terminal tools need to know whether a completion was cut (`eos_token_ids`);
 - evaluation during training finds its trainer up the stack from the callback event (`calling_trainer`), and
   logs beside GRPO's own metrics without flushing them (`log_outside_step`);
@@ -43,9 +45,10 @@ from typing import Any
 
 from ._exceptions import ConfigurationError, UsageError
 
-__all__ = ["TRL_KEYWORDS", "VERIFIED", "FinishedRollout", "Rendering", "calling_trainer", "clip_post_tool",
-           "error_text", "finished_rollout", "generate", "in_async_worker", "log_outside_step", "overflows",
-           "resetting_batch", "rules", "tool_markup", "tool_message", "tool_turn", "verified"]
+__all__ = ["TRL_KEYWORDS", "VERIFIED", "FinishedRollout", "Rendering", "calling_trainer", "check_images",
+           "clip_post_tool", "error_text", "finished_rollout", "generate", "hand_images", "in_async_worker",
+           "install_image_handoff", "log_outside_step", "overflows", "resetting_batch", "rules", "tool_markup",
+           "tool_message", "tool_turn", "verified"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -311,9 +314,27 @@ def tool_markup(processing_class: Any) -> str | None:
     return opener if isinstance(opener, str) and len(opener.strip()) > 1 else None
 
 
-def tool_message(name: str, content: str) -> dict[str, Any]:
-    """A tool result as TRL's loop appends it to the conversation."""
+def tool_message(name: str, content: str | list[dict[str, Any]]) -> dict[str, Any]:
+    """A tool result as TRL's loop appends it to the conversation (content parts as a tool returned them)."""
     return {"role": "tool", "name": name, "content": content}
+
+
+def _is_vlm(trainer: Any) -> bool:
+    vlm = getattr(trainer, "_is_vlm", None)
+    return vlm if isinstance(vlm, bool) else getattr(getattr(trainer, "processing_class", None), "image_processor",
+                                                     None) is not None
+
+
+def check_images(trainer: Any, what: str) -> None:
+    """Raise a `ConfigurationError` when `trainer` cannot take the images `what` holds: its processing class is a
+    tokenizer, not a processor (`GRPOTrainer._is_vlm`). No trainer (an adapter driven by hand): nothing to check."""
+    if trainer is not None and not _is_vlm(trainer):
+        raise ConfigurationError(
+            f"{what} holds an image, and this trainer's processing class "
+            f"({type(getattr(trainer, 'processing_class', None)).__name__}) is a tokenizer, which takes no images. "
+            "Train a vision-language model with its processor (GRPOTrainer(model=..., processing_class="
+            "AutoProcessor.from_pretrained(...))), or pass OpenRewardSpec(..., images=\"placeholder\") to show the "
+            "model the text [image: <media type>] in its place.")
 
 
 def clip_post_tool(new_ids: list[int], used: int, budget: int) -> list[int]:
@@ -347,6 +368,8 @@ class Rendering:
         self.processing_class = processing_class
         self._tokenizer = getattr(processing_class, "tokenizer", processing_class)
         self._is_vlm = self._tokenizer is not processing_class
+        #: The id of the token a processor expands each image into (None for a tokenizer).
+        self.image_token_id = getattr(processing_class, "image_token_id", None) if self._is_vlm else None
         self.parse_error: Exception | None = None
         if getattr(self._tokenizer, "response_template", None) is None and \
                 getattr(self._tokenizer, "response_schema", None) is None:
@@ -393,13 +416,23 @@ class Rendering:
         return tool_markup(self.processing_class)
 
     @property
+    def takes_images(self) -> bool:
+        """True for a processor (a vision-language model's), False for a tokenizer."""
+        return self._is_vlm
+
+    @property
     def eos_token_ids(self) -> set[int]:
         """The ids that end a completion (EOS and padding)."""
         tok = self._tokenizer
         return {t for t in (tok.eos_token_id, tok.pad_token_id) if t is not None}
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
-        """Prompt token ids for `messages` with `tools`, rendered as `GRPOTrainer` renders its prompts."""
+        """Prompt token ids for `messages` with `tools`, rendered as `GRPOTrainer` renders its prompts (a processor
+        expands each image part into its image tokens)."""
+        if self._is_vlm:
+            from trl.data_utils import prepare_multimodal_messages
+
+            messages = prepare_multimodal_messages(messages)
         tokenized = self.processing_class.apply_chat_template(
             conversation=[messages], tools=tools or None, chat_template=self.chat_template,
             add_generation_prompt=True, tokenize=True, return_dict=True, **self.chat_template_kwargs,
@@ -423,9 +456,92 @@ class Rendering:
         return parse_response(self._tokenizer, ids, prefix=prefix, tools=tools)
 
 
-def generate(trainer: Any, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]] | None]:
-    """One completion per prompt through TRL's generation backend (transformers, vLLM server or colocate)."""
-    return trainer._generate_single_turn(prompt_ids, None, {}, num_generations=1)
+    def image_inputs(self, prompt_ids: list[list[int]], images: list[list[Any]]) -> dict[str, Any]:
+        """What the model takes beside `prompt_ids` for their images (`image_inputs`)."""
+        return image_inputs(self.processing_class, prompt_ids, images, self.image_token_id)
+
+
+def image_inputs(processing_class: Any, prompt_ids: list[list[int]], images: list[list[Any]],
+                 image_token_id: int | None) -> dict[str, Any]:
+    """What a vision-language model takes beside `prompt_ids` (whose image tokens are expanded already) for the images
+    of each prompt, in order: the processor's pixel fields and the per-token type ids (1 on an image token), as TRL's
+    tool loop builds them (`mm_token_type_ids` for a model with `image_grid_thw`, else `token_type_ids`)."""
+    flat = [image for row in images for image in row or ()]
+    fields = dict(processing_class.image_processor(images=flat, return_tensors="pt")) if flat else {}
+    types = [[int(t == image_token_id) for t in ids] for ids in prompt_ids]
+    fields["mm_token_type_ids" if "image_grid_thw" in fields else "token_type_ids"] = types
+    return fields
+
+
+def generate(trainer: Any, prompt_ids: list[list[int]], images: list[list[Any]] | None = None
+             ) -> tuple[list[list[int]], list[list[float]] | None]:
+    """One completion per prompt through TRL's generation backend (transformers, vLLM server or colocate); `images`:
+    each prompt's images, in the order of its image tokens."""
+    if not images or not any(images):
+        return trainer._generate_single_turn(prompt_ids, None, {}, num_generations=1)
+    if getattr(trainer, "use_transformers_continuous_batching", False):
+        raise ConfigurationError("TRL's continuous-batching generation takes no images; generate with transformers' "
+                                 "generate (the default) or vLLM for an environment that shows images.")
+    processing_class = trainer.processing_class
+    token = getattr(trainer, "_image_pad_token_id", None) or getattr(processing_class, "image_token_id", None)
+    fields = {} if getattr(trainer, "use_vllm", False) else image_inputs(processing_class, prompt_ids, images, token)
+    return trainer._generate_single_turn(prompt_ids, [row or None for row in images], fields, num_generations=1)
+
+
+_HANDOFF = "_ors_images"
+
+
+def _no_tool() -> None:
+    """A stand-in tool: see `install_image_handoff`."""
+
+
+def install_image_handoff() -> None:
+    """Make `GRPOTrainer` take the images a `rollout_func` hands it (`hand_images`) into its loss, as it takes the
+    images of its own tool loop: `_generate` returns them, beside token ids that already hold their image tokens,
+    and for that step the trainer counts as one with tools (TRL builds those images' pixel fields and token types
+    only then). Installed on the class once (a `rollout_func` runs inside `_generate`: too late to wrap the
+    instance's first step); a trainer that was handed nothing runs exactly as before. Verified TRL only."""
+    if not verified():
+        return
+    from trl import GRPOTrainer
+
+    generate_, score = GRPOTrainer._generate, GRPOTrainer._generate_and_score_completions
+    if getattr(generate_, _HANDOFF, False):
+        return
+
+    @functools.wraps(generate_)
+    def _generate(self: Any, prompts: list[Any]) -> Any:
+        out = generate_(self, prompts)
+        images = self.__dict__.pop(_HANDOFF, None)
+        if images is None:
+            return out
+        self.tools = self.tools or [_no_tool]  # put back when the step's scoring ends (below)
+        return (*out[:-2], images, images)
+
+    @functools.wraps(score)
+    def _generate_and_score_completions(self: Any, inputs: Any) -> Any:
+        tools = self.tools
+        try:
+            return score(self, inputs)
+        finally:
+            self.tools = tools
+
+    for wrapper in (_generate, _generate_and_score_completions):
+        setattr(wrapper, _HANDOFF, True)
+    GRPOTrainer._generate = _generate
+    GRPOTrainer._generate_and_score_completions = _generate_and_score_completions
+
+
+def hand_images(trainer: Any, images: list[list[Any]]) -> None:
+    """Hand TRL the images of a `rollout_func`'s rollouts (each one's, in the order of its image tokens) for the
+    loss of this step (`install_image_handoff`); nothing when there are none."""
+    if not any(images):
+        return
+    if not getattr(getattr(type(trainer), "_generate", None), _HANDOFF, False):
+        raise ConfigurationError(f"{type(trainer).__name__} does not hand a rollout_func's images to its loss (its "
+                                 "_generate is not GRPOTrainer's, or TRL is not a verified version); use "
+                                 "environment_factory=spec.environment_factory for an environment that shows images.")
+    trainer.__dict__[_HANDOFF] = [row or None for row in images]
 
 
 def max_model_len(trainer: Any) -> int:

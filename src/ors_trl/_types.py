@@ -8,14 +8,16 @@ bounded (`MAX_*`): a twenty-byte answer must not cost gigabytes or a million req
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._exceptions import ProtocolError
+from . import _images
+from ._exceptions import ImageError, ProtocolError
 from ._text import json_size
 
 __all__ = [
@@ -41,6 +43,8 @@ __all__ = [
     "UnknownBlock",
     "block_json",
     "blocks_text",
+    "check_images",
+    "image_blocks",
     "parse_blocks",
     "parse_messages",
     "quoted",
@@ -86,16 +90,40 @@ class TextBlock:
 
 @dataclass(frozen=True, slots=True)
 class ImageBlock:
-    """An image block; `data` is base64 without a `data:` prefix."""
+    """An image block; `data` is base64 without a `data:` prefix.
+
+    Checked once (`info()`: what it is, or why it cannot be shown; `ors_trl._images` has the bounds) and decoded
+    once (`image()`); both are remembered by the block.
+    """
 
     data: str
     mime_type: str
     detail: dict[str, Any] | None = None
     type: str = "image"
+    _memo: list[Any] = field(default_factory=lambda: [None, None], compare=False, repr=False)
 
     def data_url(self) -> str:
         """The image as a `data:` URL, the form chat templates and OpenAI-style APIs accept."""
         return f"data:{self.mime_type};base64,{self.data}"
+
+    def info(self) -> _images.ImageInfo:
+        """What the image is (hash, size, dimensions), or why a model will not be shown it (`error`)."""
+        if self._memo[0] is None:
+            self._memo[0] = _images.check(self.data, self.mime_type)
+        return self._memo[0]
+
+    def image(self) -> Any:
+        """The pixels, an RGB `PIL.Image.Image`; raises `ImageError` for an image that cannot be shown."""
+        if self._memo[1] is None:
+            info = self.info()
+            if info.error is not None:
+                raise ImageError(f"image {info.sha256[:12]} cannot be shown: {info.error}")
+            try:
+                self._memo[1] = _images.decode(_images.as_bytes(self.data), info)
+            except ImageError as exc:  # it checked out, yet its pixels do not decode (a cut file)
+                self._memo[0] = dataclasses.replace(info, error=str(exc))
+                raise
+        return self._memo[1]
 
     def __repr__(self) -> str:  # base64 payloads are long; keep reprs readable
         return f"ImageBlock(mime_type={self.mime_type!r}, data=<{len(self.data)} chars>)"
@@ -157,7 +185,10 @@ def _block(raw: Any, i: int, where: str, depth: int) -> Block:
         data, mime = raw.get("data"), raw.get("mimeType", raw.get("mime_type"))
         if not isinstance(data, str) or not isinstance(mime, str):
             raise ProtocolError(f"{where}: image block {i} needs string 'data' and 'mimeType'")
-        return ImageBlock(data=data, mime_type=mime)
+        block = ImageBlock(data=data, mime_type=mime)
+        if len(data) > _images.MAX_IMAGE_CHARS:  # refused by its length: keep why, not the text
+            block = ImageBlock(data="", mime_type=mime, _memo=[block.info(), None])
+        return block
     if kind == "tool_call":
         arguments = raw.get("input") or {}
         if not isinstance(raw.get("name"), str) or not isinstance(arguments, dict):
@@ -172,13 +203,41 @@ def _block(raw: Any, i: int, where: str, depth: int) -> Block:
     return UnknownBlock(type=str(kind), raw=raw)
 
 
-def parse_blocks(value: Any, *, where: str, _depth: int = 0) -> list[Block]:
-    """Parse a JSON list of blocks, raising `ProtocolError` for shapes that cannot be blocks."""
+def parse_blocks(value: Any, *, where: str, _depth: int = 0, _whole: bool = True) -> list[Block]:
+    """Parse a JSON list of blocks, raising `ProtocolError` for shapes that cannot be blocks. Its images are checked
+    (`ImageBlock.info`), within the bounds of one answer (`check_images`)."""
     if value is None:
         return []
     if not isinstance(value, list):
         raise ProtocolError(f"{where}: expected a list of blocks, got {type(value).__name__}")
-    return [_block(raw, i, where, _depth) for i, raw in enumerate(value)]
+    blocks = [_block(raw, i, where, _depth) for i, raw in enumerate(value)]
+    if _depth == 0 and _whole:  # a whole answer (a conversation checks its messages together)
+        check_images(blocks)
+    return blocks
+
+
+def image_blocks(blocks: Iterable[Block]) -> Iterator[ImageBlock]:
+    """The image blocks among `blocks`, those inside tool results included, in order."""
+    for block in blocks:
+        if isinstance(block, ImageBlock):
+            yield block
+        elif isinstance(block, ToolResultBlock):
+            yield from image_blocks(block.blocks)
+
+
+def check_images(blocks: Iterable[Block]) -> None:
+    """Check every image of one answer (`ImageBlock.info`, at most `_images.MAX_IMAGES` of them and
+    `_images.MAX_ANSWER_PIXELS` pixels together: the ones past either bound are not shown, each saying why)."""
+    count = pixels = 0
+    for block in image_blocks(blocks):
+        info = block.info()
+        if info.error is not None:
+            continue
+        count, pixels = count + 1, pixels + info.pixels
+        if count > _images.MAX_IMAGES or pixels > _images.MAX_ANSWER_PIXELS:
+            block._memo[0] = dataclasses.replace(info, error=(
+                f"the answer holds more than {_images.MAX_IMAGES} images" if count > _images.MAX_IMAGES else
+                f"the answer's images have more than {_images.MAX_ANSWER_PIXELS} pixels together"))
 
 
 def block_text(block: Block) -> str:
@@ -246,7 +305,8 @@ def parse_messages(value: Any, *, where: str = "messages") -> list[Message]:
         role = raw.get("role") if isinstance(raw, dict) else None
         if role not in ("system", "user", "assistant"):
             raise ProtocolError(f"{where}: message {i} has no role system, user or assistant")
-        out.append(Message(role=role, blocks=parse_blocks(raw.get("blocks"), where=f"{where}[{i}]")))
+        out.append(Message(role=role, blocks=parse_blocks(raw.get("blocks"), where=f"{where}[{i}]", _whole=False)))
+    check_images(b for m in out for b in m.blocks)
     return out
 
 

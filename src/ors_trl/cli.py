@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-index", metavar="I", type=int, default=0,
                    help="task whose session is probed for task-specific tools (default 0)")
     p.add_argument("--no-probe", action="store_true", help="open no session (task-specific tools are not listed)")
+    p.add_argument("--call", metavar="NAME[=JSON]", action="append", default=[],
+                   help="call this tool in the probe session (arguments as a JSON object, default {}) and show what "
+                        "its output holds (text, images); repeatable. Tools can have effects: only on request")
 
     p = sub.add_parser(
         "eval",
@@ -359,8 +362,18 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     if args.tasks < 0:
         raise _UsageError("--tasks must be >= 0")
+    calls = []
+    for given in args.call:
+        name, _, raw = given.partition("=")
+        try:
+            arguments = json.loads(raw) if raw else {}
+        except ValueError:
+            raise _UsageError(f"--call {given}: the arguments after '=' are not JSON") from None
+        if not name or not isinstance(arguments, dict):
+            raise _UsageError(f"--call {given}: give NAME or NAME='{{...}}' (a JSON object)")
+        calls.append((name, arguments))
     info = inspect_target(args.target, env_name=args.env_name, split=args.split, tasks=args.tasks,
-                          probe=not args.no_probe, probe_index=args.probe_index,
+                          probe=not args.no_probe, probe_index=args.probe_index, calls=calls,
                           **_client_options(args, INSPECT_TIMEOUT, INSPECT_RETRIES))
     if args.json:
         _print_json(info)

@@ -10,22 +10,31 @@ they were written): nothing is unescaped and nothing else is read.
 Definitions: an episode is graded when its reward is not None; mean reward is over graded episodes;
 success is a reward at or above the threshold, and a success rate is over every episode. The page opens with the
 runs side by side (`_compare`): a row per run and, against the first run, the tasks that changed.
+
+Images: an embedded episode's images are shown as thumbnails (`thumbnails`), made from the files written
+beside its log (`ors_trl._records`), found by the name the record gives, kept only when their bytes hash to
+the record's SHA-256, and checked and decoded like any image a server sends (`ors_trl._images`); the page
+embeds them as PNG `data:` URLs (its only other source), at most `THUMB_BYTES` in all.
 """
 
 from __future__ import annotations
 
+import hashlib
 import html
 import json
 import math
+import re
 import secrets
 from array import array
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from importlib.resources import files
+from pathlib import Path
 from string import Template
 from typing import Any
 
+from .._images import MAX_IMAGE_BYTES, thumbnail
 from .._metrics import EpisodeStats, _percentile
 from .._text import repair, shorten
 from . import _compare
@@ -34,6 +43,9 @@ from ._inputs import Input
 from ._tally import EMBED_TEXT, SAMPLE_BYTES, Sample, Tally
 
 _MAX_ROWS = 10_000  # per table of tasks or runs; the ones with the most episodes are shown
+THUMB_SIZE = 160  # pixels on the longer side
+THUMB_BYTES = 4 * 1024 * 1024  # thumbnails a page embeds, in all
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _data(name: str) -> str:
@@ -235,9 +247,50 @@ def _json_script(data: Any) -> str:
             .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
 
 
+def _thumbnail(folders: Sequence[Path], sha: str, entry: Mapping[str, Any]) -> str | None:
+    """The thumbnail of one recorded image, from the first episode input's folder holding its file."""
+    name = entry.get("file")
+    folder_name, _, file_name = name.partition("/") if isinstance(name, str) else ("", "", "")
+    if not folder_name.endswith(".images") or "\\" in name or "/" in file_name or file_name.split(".")[0] != sha:
+        return None  # only `<log>.images/<sha256>.<ext>` beside an input, as the writer names it
+    for folder in folders:
+        path = folder / name
+        try:
+            if not path.is_file() or path.stat().st_size > MAX_IMAGE_BYTES:
+                continue
+            raw = path.read_bytes()
+        except OSError:
+            continue
+        if hashlib.sha256(raw).hexdigest() == sha:
+            return thumbnail(raw, str(entry.get("mime_type") or ""), THUMB_SIZE)
+    return None
+
+
+def thumbnails(items: Sequence[Input], sample: Sample) -> None:
+    """Give each embedded episode with recorded images their thumbnails (`ep["thumbs"]`: hash -> PNG `data:` URL),
+    at most `THUMB_BYTES` of them in all; an image without one is named on the page, with why where known."""
+    folders = [i.path.parent for i in items if i.kind == "episodes"]
+    made: dict[str, str | None] = {}
+    left = THUMB_BYTES
+    for ep in sample.episodes:
+        images = ep["rec"].get("images")
+        thumbs = {}
+        for sha, entry in (images.items() if isinstance(images, dict) else ()):
+            if not isinstance(entry, dict) or not _SHA256.fullmatch(str(sha)):
+                continue
+            if sha not in made:
+                made[sha] = _thumbnail(folders, sha, entry)
+            url = made[sha]
+            if url is not None and len(url) <= left:
+                thumbs[sha], left = url, left - len(url)
+        if thumbs:
+            ep["thumbs"] = thumbs
+
+
 def render(items: Sequence[Input], tally: Tally, sample: Sample, skipped: Counter[str],
            title: str | None) -> tuple[str, int]:
     """The page, and the number of logged training steps its curves draw."""
+    thumbnails(items, sample)
     curves_html, steps = curves([i for i in items if i.kind == "trainer_state"])
     envs = sorted(tally.envs)
     page_title = title or ("ors-trl report: " + shorten(", ".join(envs), 80) if envs else "ors-trl report")

@@ -55,7 +55,32 @@
       ": " + (error.message === undefined ? "" : show(error.message)) : show(error);
     parent.appendChild(el("div", "err", prefix + text));
   }
-  function call(parent, c, title) {
+  // An episode's images by hash: the thumbnail made when the page was written, else what the record says of it.
+  function images(parent, ep, shas) {
+    if (!Array.isArray(shas) || !shas.length) return;
+    var all = ep.rec.images && typeof ep.rec.images === "object" ? ep.rec.images : {}, row = el("div", "images");
+    shas.forEach(function (sha) {
+      var info = Object.prototype.hasOwnProperty.call(all, sha) && all[sha] && typeof all[sha] === "object" ?
+        all[sha] : {};
+      var url = ep.thumbs && Object.prototype.hasOwnProperty.call(ep.thumbs, sha) ? ep.thumbs[sha] : null;
+      var fig = el("figure", "thumb"), text = (info.mime_type || "image") + " " + fmt(info.width) + "×" +
+        fmt(info.height) + ", " + fmt(info.bytes) + " bytes";
+      if (typeof url === "string" && url.indexOf("data:image/png;base64,") === 0) {
+        var img = document.createElement("img");
+        img.src = url;
+        img.alt = text;
+        img.title = "sha256 " + sha;
+        fig.appendChild(img);
+      } else {
+        fig.appendChild(el("div", "nothumb", info.error ? "not shown to the model: " + show(info.error) :
+          "no image file beside the log"));
+      }
+      fig.appendChild(el("figcaption", null, text));
+      row.appendChild(fig);
+    });
+    parent.appendChild(row);
+  }
+  function call(parent, c, title, ep) {
     var box = el("div", "call" + (c.error ? " failed" : ""));
     var head = el("div");
     head.appendChild(el("b", null, title + (c.name !== undefined && c.name !== null ? c.name : c.tool || "?")));
@@ -70,12 +95,13 @@
     errorLine(box, c.error, "failure: ");
     if (c.skipped) box.appendChild(el("div", "kv", c.skipped));
     block(box, "output", c.output);
+    if (ep) images(box, ep, c.images);
     if (c.metadata !== undefined && c.metadata !== null) block(box, "metadata", c.metadata);
     parent.appendChild(box);
   }
   var SHOWN = {version: 1, run: 1, source: 1, environment: 1, split: 1, task_index: 1, started_at: 1, system: 1,
     prompt: 1, turns: 1, final: 1, reward: 1, group_reward: 1, finished: 1, end_reason: 1, unscored: 1,
-    tool_calls: 1, tool_failures: 1, error: 1, timings: 1};
+    tool_calls: 1, tool_failures: 1, error: 1, timings: 1, images: 1, prompt_images: 1};
   function body(ep) {
     var r = ep.rec, b = el("div", "ep-body");
     kv(b, [["environment", ep.env], ["task", ep.task], ["run", ep.run], ["source", r.source],
@@ -89,6 +115,7 @@
     errorLine(b, r.error, "episode error: ");
     block(b, "system", r.system);
     block(b, "prompt", r.prompt);
+    images(b, ep, r.prompt_images);
     (Array.isArray(r.turns) ? r.turns : []).forEach(function (t, i) {
       if (!t || typeof t !== "object") return;
       var turn = el("div", "turn");
@@ -96,7 +123,7 @@
         (t.generation_seconds !== undefined ? " (generation " + fmt(t.generation_seconds) + " s)" : "")));
       if (t.assistant !== null && t.assistant !== undefined && t.assistant !== "") block(turn, "assistant", t.assistant);
       (Array.isArray(t.tool_calls) ? t.tool_calls : []).forEach(function (c) {
-        if (c && typeof c === "object") call(turn, c, "tool call: ");
+        if (c && typeof c === "object") call(turn, c, "tool call: ", ep);
       });
       b.appendChild(turn);
     });

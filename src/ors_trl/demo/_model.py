@@ -117,6 +117,7 @@ def render_corpus(
     episodes_fn: Callable[[dict[str, Any]], Sequence[tuple[Any, ...]]] | None = None,
     copies: int = 2,
     seed: int = 0,
+    template: str | None = None,
 ) -> list[str]:
     """Render full tool-calling conversations for ``tasks`` with the Qwen3 template, as tokenizer-training text.
 
@@ -125,7 +126,8 @@ def render_corpus(
     random from ``episodes_fn(task)`` (the demo lists one episode per allowed argument value, see
     ``_task.warm_start_episodes``), or drawn by ``episode_fn(task, rng)``. Either way the corpus carries the format
     but not the answer. ``tools`` must be the tools the trainer will expose (the rendered system prompt includes
-    their JSON schema), so the tokenizer learns merges for the exact text the model will see.
+    their JSON schema), so the tokenizer learns merges for the exact text the model will see. ``template``: render
+    with this chat template instead of TRL's Qwen3 one.
     """
     from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -140,14 +142,15 @@ def render_corpus(
             else:
                 episode = episode_parts(episode_fn(task, rng))  # type: ignore[misc]
             conversations.append(conversation(prompt_fn(task), *episode))
-    rendered, _ = render_jinja_template(conversations, tools=list(tools), chat_template=chat_template())
+    rendered, _ = render_jinja_template(conversations, tools=list(tools), chat_template=template or chat_template())
     return rendered
 
 
 # ── tokenizer ───────────────────────────────────────────────────────────────────────────────────────────────────────
 
 
-def build_tokenizer(corpus: list[str], vocab_size: int = 640, isolate: Sequence[str] = ()):
+def build_tokenizer(corpus: list[str], vocab_size: int = 640, isolate: Sequence[str] = (),
+                    special: Sequence[str] = (), template: str | None = None):
     """Train a byte-level BPE tokenizer on ``corpus`` and wrap it as a Qwen3-style ``PreTrainedTokenizerFast``.
 
     The returned tokenizer has at most ``vocab_size`` entries (256 byte symbols + merges + the 9 Qwen3 added tokens;
@@ -159,11 +162,13 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 640, isolate: Sequence[
 
     ``isolate``: more words to cut out as pre-tokens of their own wherever they stand (the "look" task passes its
     six target words, so that a word is one and the same token in ``look()``'s sentence and in the model's answer).
+    ``special``: more special tokens (a vision-language model's image markers); ``template``: the chat template to
+    set instead of TRL's Qwen3 one.
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    added = SPECIAL_TOKENS + CONTROL_TOKENS
+    added = SPECIAL_TOKENS + tuple(special) + CONTROL_TOKENS
     n_merged = vocab_size - len(added)
     if n_merged <= 256:
         raise ValueError(f"vocab_size={vocab_size} leaves no room for BPE merges")
@@ -194,7 +199,7 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 640, isolate: Sequence[
         show_progress=False,
     )
     bpe.train_from_iterator(pieces, trainer=trainer)
-    bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*SPECIAL_TOKENS, *special)])
     bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in CONTROL_TOKENS])
 
     tokenizer = PreTrainedTokenizerFast(
@@ -207,7 +212,7 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 640, isolate: Sequence[
         model_max_length=MODEL_DIMS["max_position_embeddings"],
         padding_side="left",
     )
-    tokenizer.chat_template = chat_template()
+    tokenizer.chat_template = template or chat_template()
     return tokenizer
 
 
@@ -245,3 +250,88 @@ def build_model(tokenizer, seed: int, **overrides: Any):
 def count_parameters(model) -> int:
     """Number of distinct parameters (tied weights, if any, counted once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+# ── a tiny vision-language model ─────────────────────────────────────────────────────────────────────────────────────
+
+#: The image markers of Qwen2-VL's tokenizer (special tokens): an image is rendered as start, pads, end.
+VISION_TOKENS: tuple[str, ...] = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+#: Pixels an image is resized to (at least, at most): 28 x 28 is one image token after the 2 x 2 merge.
+VISION_PIXELS = (28 * 28, 28 * 28 * 16)
+VISION_DIMS: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048}
+VISION_TOWER: dict[str, Any] = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
+                                "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+
+
+@cache
+def vision_chat_template() -> str:
+    """TRL's Qwen3-VL chat template (``trl/chat_templates/qwen3_vl.jinja``): tools, and images in user turns and
+    tool responses; TRL's response parser recognises it."""
+    return files("trl").joinpath("chat_templates", "qwen3_vl.jinja").read_text(encoding="utf-8")
+
+
+@cache
+def _processor_class() -> type:
+    from transformers import ProcessorMixin, Qwen2VLProcessor
+
+    class ImageQwen2VLProcessor(Qwen2VLProcessor):
+        """Qwen2-VL's processor without its video processor (which needs torchvision): images and text only."""
+
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
+                     **kwargs: Any) -> None:
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return ImageQwen2VLProcessor
+
+
+def build_vision_processor(tokenizer) -> Any:
+    """A Qwen2-VL processor for ``tokenizer`` (built with ``special=VISION_TOKENS``), with the slow (PIL/numpy) image
+    processor resizing every image to within ``VISION_PIXELS``: no torchvision, nothing downloaded."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    images = Qwen2VLImageProcessorPil(min_pixels=VISION_PIXELS[0], max_pixels=VISION_PIXELS[1])
+    return _processor_class()(image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
+
+
+def build_vision_model(tokenizer, seed: int, **overrides: Any):
+    """A randomly initialised tiny ``Qwen2VLForConditionalGeneration`` (a one-block vision tower, a two-layer language
+    model: ~0.2M parameters with a 400-token vocabulary), deterministic for ``seed``; ``overrides`` go to the text
+    config."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (*VISION_TOKENS, EOS_TOKEN, PAD_TOKEN)}
+    text = {**VISION_DIMS, "vocab_size": len(tokenizer), "eos_token_id": ids[EOS_TOKEN], "pad_token_id": ids[PAD_TOKEN],
+            "bos_token_id": None, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                       "mrope_section": [2, 3, 3]}, **overrides}
+    config = Qwen2VLConfig(text_config=text, vision_config=VISION_TOWER, image_token_id=ids["<|image_pad|>"],
+                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                           vision_end_token_id=ids["<|vision_end|>"], bos_token_id=None, eos_token_id=ids[EOS_TOKEN],
+                           pad_token_id=ids[PAD_TOKEN])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = ids[EOS_TOKEN]
+    model.generation_config.pad_token_id = ids[PAD_TOKEN]
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def save_vision(path: str, model, processor) -> None:
+    """Save a tiny vision-language model, its tokenizer and its image processor to ``path`` (``load_vision`` reads
+    them back)."""
+    model.save_pretrained(path)
+    processor.tokenizer.save_pretrained(path)
+    processor.image_processor.save_pretrained(path)
+
+
+def load_vision(path: str) -> tuple[Any, Any]:
+    """``(model, processor)`` from a folder ``save_vision`` wrote."""
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return Qwen2VLForConditionalGeneration.from_pretrained(path), build_vision_processor(tokenizer)
