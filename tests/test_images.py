@@ -53,7 +53,7 @@ from tests.fixtures.environments import (
     SparseEnvironment,
     card_png,
 )
-from tests.fixtures.generation import cpu_grpo_trainer, tool_call_text
+from tests.fixtures.generation import cpu_grpo_trainer, replace_generation, tool_call_text, trl_generation
 from tests.test_eval import FakeOpenAI
 from tests.test_report import chromium, run_chromium  # noqa: F401 - the session fixture
 
@@ -445,14 +445,14 @@ def scripted_generation(trainer: Any) -> list[tuple[list[int], Any]]:
     replies = [tokenizer.encode(text + "<|im_end|>", add_special_tokens=False) for text in
                (tool_call_text("look", {}), tool_call_text("say", {"text": "cat"}), "Done.")]
     response = tokenizer.convert_tokens_to_ids("<tool_response>")
-    real, calls = trainer._generate_single_turn, []
+    real, calls = trl_generation(trainer), []
 
     def generate(prompt_ids: Any, images: Any, fields: Any, num_generations: int, **kwargs: Any) -> Any:
         calls.append(([len(i or []) for i in images or []], sorted(fields)))
         real(prompt_ids, images, fields, num_generations=num_generations, **kwargs)
         return [list(replies[min(list(ids).count(response), 2)]) for ids in prompt_ids], None
 
-    trainer._generate_single_turn = generate
+    replace_generation(trainer, generate)
     return calls
 
 
@@ -495,8 +495,7 @@ def text_trainer(model_dir: str, out: Path, spec: OpenRewardSpec, path: str) -> 
     look = tokenizer.encode(tool_call_text("look", {}) + "<|im_end|>", add_special_tokens=False)
     done = tokenizer.encode("Done.<|im_end|>", add_special_tokens=False)
     response = tokenizer.convert_tokens_to_ids("<tool_response>")
-    trainer._generate_single_turn = lambda ids, *a, **k: ([list(look if response not in p else done) for p in ids],
-                                                           None)
+    replace_generation(trainer, lambda ids, *a, **k: ([list(look if response not in p else done) for p in ids], None))
     return trainer
 
 
