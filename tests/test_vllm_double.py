@@ -304,7 +304,7 @@ def test_generate_pads_to_the_largest_process(local, other, called_with):
     trainer = stub_trainer(generate_single_turn, accelerator=_ScriptedAccelerator(other))
     engine = RolloutEngine({})
     prompts = [[1, 2 + i] for i in range(local)]
-    ids, lps = engine._generate(trainer, prompts, fallback=[9])
+    ids, lps = engine._generate(trainer, [(p, []) for p in prompts], fallback=([9], []))
     assert ids == [[7, i] for i in range(local)] and lps == [[-0.5, -0.25]] * local  # only this process's own
     if called_with is None:
         assert calls == []
