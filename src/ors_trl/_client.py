@@ -57,6 +57,7 @@ logger = logging.getLogger("ors_trl.client")
 
 # Retries for deleting sessions while shutting down: a dead server must not hold up interpreter exit.
 _QUICK_RETRY = RetryPolicy(max_attempts=2, backoff_initial=0.1, backoff_max=0.5)
+_ORPHAN_CONCURRENCY = 16
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 #: A session id the server hands out travels in the `X-Session-ID` header of every later request: visible ASCII only.
 _SESSION_ID = re.compile(r"[\x21-\x7e]{1,256}")
@@ -92,14 +93,17 @@ class AsyncSession:
     Attributes:
         sid: the server's session id.
         split, index, task_spec: the task this session runs.
-        opened_at: `time.monotonic()` when it was opened; `open_seconds` how long opening took.
+        opened_at: `time.monotonic()` when it was opened; `open_seconds` how long opening took (waits included).
+        created_at, closed_at: `time.monotonic()` when its creation was asked for, and when the server deleted it.
         expired: True once the server said the session is gone.
         closed: True after `close()`.
     """
 
     def __init__(self, client: AsyncClient, sid: str, *, split: str | None, index: int | None,
-                 task_spec: Mapping[str, Any] | None, open_seconds: float) -> None:
+                 task_spec: Mapping[str, Any] | None, open_seconds: float, created_at: float) -> None:
         self.client = client
+        self.created_at = created_at
+        self.closed_at: float | None = None
         self.sid = sid
         self.split = split
         self.index = index
@@ -116,6 +120,12 @@ class AsyncSession:
         task = f"index={self.index}" if self.index is not None else "task_spec=..."
         state = "closed" if self.closed else "expired" if self.expired else "open"
         return f"<AsyncSession {self.sid[:8]} {task} {state}>"
+
+    @property
+    def seconds(self) -> float:
+        """Session-seconds: how long the session has existed on the server (what a sandbox platform bills), until
+        it was deleted."""
+        return (self.closed_at or time.monotonic()) - self.created_at
 
     def _check_open(self) -> None:
         if self.closed:
@@ -274,21 +284,41 @@ class AsyncClient:
     """Async client for one ORS environment.
 
     Args:
-        target: a catalog name (`"Eigent/SETA"`) or the URL of a self-hosted server
-            (`"http://127.0.0.1:8000"`), told apart by `://`.
-        env_name: which environment on a server hosting several (case-insensitive). Not needed
-            when the server hosts one.
-        api_key: the OpenReward key; defaults to `OPENREWARD_API_KEY` for catalog names. Sent only
-            to the platform's hosts, or to a self-hosted URL when passed explicitly.
-        secrets: sent with every session in `X-Secrets`; a value is a string or
-            `(value, allowed_domains)`.
-        timeouts: see `Timeouts`.
-        retry: see `RetryPolicy`.
-        keepalive_interval: seconds between pings of an idle open session; None disables keepalive.
-        max_sessions: cap on sessions open at once through this client; `open_session` queues
-            (up to `session_wait` seconds) rather than fails when it is reached.
-        session_wait: how long `open_session` may wait for a free slot under `max_sessions`.
-        max_connections: connection pool size (0 = unlimited).
+        target (`str`):
+            a catalog name (`"Eigent/SETA"`) or the URL of a self-hosted server (`"http://127.0.0.1:8000"`), told
+            apart by `://`.
+        env_name (`str`, *optional*):
+            which environment on a server hosting several (case-insensitive). Not needed when the server hosts one.
+        api_key (`str`, *optional*):
+            the OpenReward key; defaults to `OPENREWARD_API_KEY` for catalog names. Sent only to the platform's
+            hosts, or to a self-hosted URL when passed explicitly.
+        secrets (`Mapping[str, str | tuple[str, Sequence[str]]]`, *optional*):
+            sent with every session in `X-Secrets`; a value is a string or `(value, allowed_domains)`.
+        timeouts (`Timeouts`, *optional*):
+            connect, request and tool-call deadlines.
+        retry (`RetryPolicy`, *optional*):
+            retries of transient failures.
+        keepalive_interval (`float`, *optional*, defaults to `10.0`):
+            seconds between pings of an idle open session; None disables keepalive.
+        max_sessions (`int`, *optional*):
+            cap on sessions open at once through this client; `open_session` queues (up to `session_wait` seconds)
+            rather than fails when it is reached.
+        session_wait (`float`, *optional*, defaults to `1800.0`):
+            how long `open_session` may wait for a free slot under `max_sessions`.
+        max_connections (`int`, *optional*, defaults to `0`):
+            connection pool size (0: unlimited).
+        max_session_rate (`float` or `tuple[float, int]`, *optional*):
+            sessions this client creates per second, or `(rate, burst)` (burst 1 otherwise); opens past it wait
+            their turn, and a 429 or `503 starting` slows it. None: a batch opens at once.
+        toolset (`str`, *optional*):
+            the platform toolset every session gets (`toolset_name`, e.g. `"codex"`); a toolset the server refuses
+            is a `ConfigurationError` at the first open.
+        toolset_fallback (`bool`, *optional*, defaults to `False`):
+            when the server refuses `toolset`, open sessions without it (said once in the log) instead.
+        env_overrides (`Mapping[str, str]`, *optional*):
+            environment variables for every session (sent with `/create_session`; on the platform, callers other
+            than the environment's owner may set only the OpenAI/Anthropic URL and key variables). Masked like
+            secrets; a self-hosted reference server ignores them.
     """
 
     def __init__(
@@ -304,17 +334,31 @@ class AsyncClient:
         max_sessions: int | None = None,
         session_wait: float | None = 1800.0,
         max_connections: int = 0,
+        max_session_rate: float | tuple[float, int] | None = None,
+        toolset: str | None = None,
+        toolset_fallback: bool = False,
+        env_overrides: Mapping[str, str] | None = None,
     ) -> None:
         self.target: Target = resolve_target(target, api_key=api_key)
         self.requested_env = env_name
-        self._pool = SessionPool(self._delete, max_sessions=max_sessions, session_wait=session_wait,
-                                 keepalive_interval=keepalive_interval)
+        if toolset is not None and (not isinstance(toolset, str) or not toolset.strip()):
+            raise ConfigurationError(f"toolset must be a toolset's name (e.g. 'codex') or None, got {toolset!r}")
+        if env_overrides is not None and not (isinstance(env_overrides, Mapping) and all(
+                isinstance(k, str) and k and isinstance(v, str) for k, v in env_overrides.items())):
+            raise ConfigurationError("env_overrides must map environment variable names to string values")
+        self.toolset, self.toolset_fallback = toolset, toolset_fallback
+        self._overrides = dict(env_overrides or {})
+        self._pool = SessionPool(self._delete, delete_orphans, max_sessions=max_sessions, session_wait=session_wait,
+                                 keepalive_interval=keepalive_interval, max_session_rate=max_session_rate)
         self._secret_headers = {"X-Secrets": encode_secrets(secrets)} if secrets else {}
         self._transport = Transport(
             self.target, timeouts=timeouts or Timeouts(), retry=retry or RetryPolicy(), max_connections=max_connections
         )
+        self._transport.on_throttle = self._pool.throttled
         if self._secret_headers:  # masked from the start, not only once a session has sent them
             self._transport._learn_secrets(self._secret_headers["X-Secrets"])
+        for value in self._overrides.values():  # an override may be a key (OPENAI_API_KEY)
+            self._transport.decoder.add(value)
         self._env: str | None = None
         self._env_resolved = False
         self._env_lock: asyncio.Lock | None = None
@@ -515,12 +559,25 @@ class AsyncClient:
     # -- sessions ----------------------------------------------------------------------------
 
     async def _create_sid(self) -> str:
-        """`/create_session`; on the platform (an allocation per request) never re-posted after it may have landed."""
-        events = await self._transport.events("/create_session", body={}, extra_headers=self._secret_headers,
-                                              idempotent=self.target.is_url)
+        """`/create_session` (with the env overrides); on the platform (an allocation per request) never re-posted
+        after it may have landed. The id is in the orphan registry before this returns."""
+        body = {"env": self._overrides} if self._overrides else {}
+        try:
+            events = await self._transport.events("/create_session", body=body, extra_headers=self._secret_headers,
+                                                  idempotent=self.target.is_url)
+        except BadRequestError as exc:
+            if not self._overrides:
+                raise
+            raise ConfigurationError(
+                f"{self.target.name} refused the session's env_overrides ({', '.join(sorted(self._overrides))}): "
+                f"{exc.detail.rstrip('.')}. On the platform, callers other than the environment's owner may set only "
+                "OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY."
+            ) from None
         for event, data in events:
             if event == "task_id" and data.strip():
-                return self._session_id(data.strip())
+                sid = self._session_id(data.strip())
+                await self._pool.record(sid, self.target.name)
+                return sid
             if event == "error":
                 raise ProtocolError(f"/create_session failed: {self._transport.quote(data)}")
         raise ProtocolError("/create_session: the stream carried no session id")
@@ -546,9 +603,10 @@ class AsyncClient:
     ) -> AsyncSession:
         """Open a session for task `split`/`index`, or for an explicit `task_spec`.
 
-        Whatever this creates on the server is deleted again if the open fails or is cancelled halfway; a
-        request that may have created something is waited for first (bounded), so that the delete cannot
-        overtake it. `aclose()` waits for opens still in flight and closes what they opened.
+        `toolset_name` overrides the client's `toolset`. Whatever this creates on the server is deleted again if the
+        open fails or is cancelled halfway; a request that may have created something is waited for first
+        (bounded), so that the delete cannot overtake it. `aclose()` waits for opens still in flight and closes
+        what they opened.
         """
         if (task_spec is None) == (index is None):
             raise ConfigurationError("open_session needs exactly one of index= (with split=) or task_spec=")
@@ -565,6 +623,7 @@ class AsyncClient:
         env = await self.environment()
         started = time.monotonic()
         lease = await self._pool.acquire()
+        created = time.monotonic()
         sids: list[str] = []
         try:
             self._check_usable()
@@ -573,19 +632,25 @@ class AsyncClient:
                 "split": split, "index": index}
             if env:
                 body["env_name"] = env
-            if toolset_name:
-                body["toolset_name"] = toolset_name
-            try:
-                await _landed(self._transport.request("POST", "/create", body=body, sid=sid,
-                                                      extra_headers=self._secret_headers), [])
-            except BadRequestError as exc:
-                # "Session already exists" means our own retried /create had already landed.
-                if exc.detail != "Session already exists":
+            toolset = toolset_name or self.toolset
+            while True:  # at most twice: once more without a refused toolset, with toolset_fallback
+                try:
+                    await _landed(self._transport.request("POST", "/create", body={
+                        **body, **({"toolset_name": toolset} if toolset else {})}, sid=sid,
+                        extra_headers=self._secret_headers), [])
+                except BadRequestError as exc:
+                    # "Session already exists" means our own retried /create had already landed.
+                    if exc.detail == "Session already exists":
+                        break
+                    if toolset and "toolset" in exc.detail.lower():
+                        toolset = self._refused_toolset(toolset, exc)
+                        continue
                     if index is None:
                         raise
                     raise await self._index_error(split or "train", index, exc) from None
+                break
             session = AsyncSession(self, sid, split=split if index is not None else None, index=index,
-                                   task_spec=task_spec, open_seconds=time.monotonic() - started)
+                                   task_spec=task_spec, open_seconds=time.monotonic() - started, created_at=created)
             session._lease = lease
         except BaseException:
             if sids:
@@ -595,23 +660,41 @@ class AsyncClient:
                 self._pool.release(lease)
             raise
         self._pool.add(session)
+        self._pool.opened()
         return session
+
+    def _refused_toolset(self, toolset: str, exc: BadRequestError) -> None:
+        """The server refused `toolset` at `/create`: a `ConfigurationError`, or (`toolset_fallback`) None: sessions
+        from now on open without it, said once."""
+        if not self.toolset_fallback:
+            raise ConfigurationError(
+                f"{self.target.name} refused toolset {toolset!r} at session open: {exc.detail.rstrip('.')}. Pass a "
+                "toolset it offers, none, or toolset_fallback=True to open sessions without it."
+            ) from None
+        if self.toolset is not None:
+            logger.warning("%s refused toolset %r (%s); opening sessions without it (toolset_fallback=True)",
+                           self.target.name, toolset, exc.detail)
+            self.toolset = None
 
     def _check_usable(self) -> None:
         if self._pool.closed:
             raise UsageError("this client is closed; create a new one")
 
-    async def _delete(self, sid: str, *, quiet: bool = False) -> None:
+    async def _delete(self, sid: str, *, quiet: bool = False) -> bool:
         """Delete `sid` on the server: `/delete` (environment teardown) and `/delete_session` (platform
-        allocation), each attempted even if the other fails. Logs, never raises. Once the client is closing,
-        retries are kept short so that exit is not held up by a dead server."""
+        allocation), each attempted even if the other fails. True when both went through (or found it gone); logs,
+        never raises. Once the client is closing, retries are kept short so that exit is not held up by a dead
+        server."""
         retry = _QUICK_RETRY if self._pool.closed else None
+        gone = True
         for path in ("/delete", "/delete_session"):
             try:
                 await self._transport.request("POST", path, sid=sid, ok_statuses=(404, 410), retry=retry)
             except ORSError as exc:
+                gone = False
                 (logger.debug if quiet else logger.warning)("could not %s session %s: %s", path.lstrip("/"),
                                                             sid[:8], exc)
+        return gone
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -626,7 +709,7 @@ class AsyncClient:
         await self._pool.aclose()
         if self._control_sid is not None:
             # Only routes metadata calls; nothing runs in it, so failing to delete it is not worth a warning.
-            await self._delete(self._control_sid, quiet=True)
+            await self._pool.discard(self._control_sid, quiet=True)
             self._control_sid = None
         await self._transport.aclose()
 
@@ -722,6 +805,18 @@ class Client(_Facade):
         """Close every open session, then the connection pool."""
         self._bg.remove_closer(self._inner.aclose)
         self._run(self._inner.aclose())
+
+
+async def delete_orphans(target: str, sids: list[str]) -> list[bool]:
+    """Delete session ids of `target` that a dead process left open (the orphan registry's sweep); per id, whether
+    the server has it gone. A catalog target needs `OPENREWARD_API_KEY`."""
+    gate = asyncio.Semaphore(_ORPHAN_CONCURRENCY)
+    async with AsyncClient(target, retry=_QUICK_RETRY, keepalive_interval=None) as client:
+        async def delete(sid: str) -> bool:
+            async with gate:
+                return await client._delete(sid, quiet=True)
+
+        return list(await asyncio.gather(*(delete(sid) for sid in sids)))
 
 
 def _env_segment(name: str) -> str:

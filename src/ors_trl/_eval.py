@@ -313,6 +313,8 @@ class EvalReport:
         end_reasons: episodes per end reason (`no_tool_calls`, `finished`, `max_turns`, `context_length`, `timeout`,
             `error`).
         mean_group_reward: mean comparative reward from `/score_group` (when asked for), else None.
+        sessions_opened, session_seconds, session_seconds_unscored: the episodes' sessions, and the seconds they
+            lived on the server (what a sandbox platform bills), all and those of episodes scored None.
         num_resumed: episodes read back from `output` rather than run.
         seconds: wall time of this run.
         output: the episodes file, if any.
@@ -338,6 +340,9 @@ class EvalReport:
     mean_group_reward: float | None = None
     success_rate: float = 0.0
     success_threshold: float = DEFAULT_SUCCESS_THRESHOLD
+    sessions_opened: int = 0
+    session_seconds: float = 0.0
+    session_seconds_unscored: float = 0.0
     output: str | None = None
     episodes: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
@@ -354,7 +359,9 @@ class EvalReport:
             tool_failures_per_episode=stats.share(stats.tool_failures), turns_per_episode=stats.share(stats.turns),
             num_errors=stats.unscored.get("error", 0), end_reasons=dict(stats.end_reasons),
             mean_group_reward=stats.mean_group_reward, success_rate=stats.success_rate,
-            success_threshold=success_threshold, episodes=episodes, **info,
+            success_threshold=success_threshold, sessions_opened=stats.sessions,
+            session_seconds=round(stats.session_seconds, 3),
+            session_seconds_unscored=round(stats.session_seconds_unscored, 3), episodes=episodes, **info,
         )
 
     def to_dict(self, *, episodes: bool = False) -> dict[str, Any]:
@@ -382,6 +389,8 @@ class EvalReport:
             f"  errors                {self.num_errors}",
             f"  end reasons           {reasons}",
             *([f"  mean group reward     {self.mean_group_reward:.4f}"] if self.mean_group_reward is not None else []),
+            f"  session-seconds       {self.session_seconds:.1f}  ({self.session_seconds_unscored:.1f} unscored, "
+            f"{self.sessions_opened} sessions)",
             f"  time                  {self.seconds:.1f} s",
         ]
         if self.num_resumed:

@@ -27,13 +27,15 @@ _MAX_POINTS = 2000  # per curve; longer ones are thinned evenly
 
 # `env/[<name>/]<metric>` as EnvMetrics names them; no name is the total over a mix.
 _METRIC_KEY = re.compile(r"^env/(?:(.+?)/)??(reward_mean|graded_fraction|finished_fraction|tool_calls_per_episode|"
-                         r"failures/[\w.-]+|session_open_failures|session_open_s/p\d+|tool_call_s/p\d+)$")
+                         r"failures/[\w.-]+|session_open_failures|session_open_s/p\d+|tool_call_s/p\d+|"
+                         r"session_seconds(?:_unscored)?)$")
 _CHARTS = (
     ("reward", "Reward (mean over graded episodes)"),
     ("graded", "Graded fraction (solid) and finished fraction (dashed)"),
     ("calls", "Tool calls per episode"),
     ("failures", "Tool-call failures per logging step"),
     ("latency", "Latency, seconds: p50 (solid), p95 (dashed)"),
+    ("cost", "Session-seconds per logging step (dashed: of episodes scored None)"),
 )
 
 
@@ -61,6 +63,8 @@ def _series(state: dict[str, Any], label: str) -> tuple[dict[str, dict[str, list
                     where = ("graded", f"{env} {metric.split('_')[0]}")
                 elif metric == "tool_calls_per_episode":
                     where = ("calls", env)
+                elif metric.startswith("session_seconds"):
+                    where = ("cost", f"{env} {'unscored' if metric.endswith('unscored') else 'all'}")
                 elif metric.startswith("failures/") or metric == "session_open_failures":
                     where = ("failures", f"{env}: {metric.removeprefix('failures/')}")
                 else:
@@ -81,7 +85,7 @@ def _series(state: dict[str, Any], label: str) -> tuple[dict[str, dict[str, list
     return charts, len(steps)
 
 
-_VARIANT = re.compile(r" (graded|finished|p\d+)$")
+_VARIANT = re.compile(r" (graded|finished|p\d+|all|unscored)$")
 
 
 def _svg(chart: dict[str, list[tuple[float, float]]], title: str, uid: str) -> str:
@@ -102,7 +106,7 @@ def _svg(chart: dict[str, list[tuple[float, float]]], title: str, uid: str) -> s
             if len(points) > _MAX_POINTS:  # thin evenly, keep the last point
                 stride = math.ceil(len(points) / _MAX_POINTS)
                 points = points[::stride] + ([points[-1]] if (len(points) - 1) % stride else [])
-            style = "--" if name.endswith((" finished", " p95", " p99")) else "-"
+            style = "--" if name.endswith((" finished", " p95", " p99", " unscored")) else "-"
             ax.plot([p[0] for p in points], [p[1] for p in points], style, color=color, label=repair(shorten(name, 60)),
                     marker="." if len(points) < 40 else None, linewidth=1.3)
         ax.set_title(title, fontsize=9)
