@@ -221,6 +221,16 @@ def test_the_registry_file_is_private_synced_first_and_bounded(tmp_path, monkeyp
     assert not reg.path.exists()
 
 
+def test_a_registry_that_cannot_be_written_is_said_once_and_opens_go_on(tmp_path, caplog) -> None:
+    (tmp_path / "not-a-folder").write_text("")
+    reg = Registry(tmp_path / "not-a-folder" / "sessions")
+    caplog.set_level(logging.WARNING, logger="ors_trl")
+    for i in range(3):
+        reg.opened(f"sid-{i}", "t")  # does not raise: the session opens anyway
+        reg.closed(f"sid-{i}")
+    assert reg.broken and sum("cannot write the session registry" in r.getMessage() for r in caplog.records) == 1
+
+
 def _fake_registry(folder: Path, name: str, header: dict[str, Any], sids: list[str], age: float = 0.0) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.sessions"

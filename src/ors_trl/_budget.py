@@ -121,8 +121,14 @@ class Pace:
                 self._state = tuple(state)
                 return result
             if self._fd is None or self._pid != os.getpid():  # a forked child must not share the parent's lock
-                self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                self._fd, self._pid = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600), os.getpid()
+                try:
+                    self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                    self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                except OSError as exc:
+                    raise ConfigurationError(f"{RATE_VAR} shares its pace through {self.path}, which cannot be "
+                                             f"written ({exc.strerror or exc}); set ORS_TRL_STATE_DIR to a writable "
+                                             "folder.") from None
+                self._pid = os.getpid()
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
                 state = tuple(float(x) for x in os.pread(self._fd, 128, 0).split())

@@ -633,22 +633,16 @@ class AsyncClient:
             if env:
                 body["env_name"] = env
             toolset = toolset_name or self.toolset
-            while True:  # at most twice: once more without a refused toolset, with toolset_fallback
-                try:
-                    await _landed(self._transport.request("POST", "/create", body={
-                        **body, **({"toolset_name": toolset} if toolset else {})}, sid=sid,
-                        extra_headers=self._secret_headers), [])
-                except BadRequestError as exc:
-                    # "Session already exists" means our own retried /create had already landed.
-                    if exc.detail == "Session already exists":
-                        break
-                    if toolset and "toolset" in exc.detail.lower():
-                        toolset = self._refused_toolset(toolset, exc)
-                        continue
-                    if index is None:
-                        raise
+            try:
+                await self._create(sid, {**body, "toolset_name": toolset} if toolset else body)
+            except BadRequestError as exc:
+                if toolset and "toolset" in exc.detail.lower():
+                    self._refused_toolset(toolset, exc)  # raises, unless toolset_fallback: then without it
+                    await self._create(sid, body)
+                elif index is None:
+                    raise
+                else:
                     raise await self._index_error(split or "train", index, exc) from None
-                break
             session = AsyncSession(self, sid, split=split if index is not None else None, index=index,
                                    task_spec=task_spec, open_seconds=time.monotonic() - started, created_at=created)
             session._lease = lease
@@ -663,9 +657,18 @@ class AsyncClient:
         self._pool.opened()
         return session
 
+    async def _create(self, sid: str, body: dict[str, Any]) -> None:
+        """`/create`; "Session already exists" means our own retried request had already landed."""
+        try:
+            await _landed(self._transport.request("POST", "/create", body=body, sid=sid,
+                                                  extra_headers=self._secret_headers), [])
+        except BadRequestError as exc:
+            if exc.detail != "Session already exists":
+                raise
+
     def _refused_toolset(self, toolset: str, exc: BadRequestError) -> None:
-        """The server refused `toolset` at `/create`: a `ConfigurationError`, or (`toolset_fallback`) None: sessions
-        from now on open without it, said once."""
+        """The server refused `toolset` at `/create`: a `ConfigurationError`, or (`toolset_fallback`) sessions from now
+        on open without it, said once."""
         if not self.toolset_fallback:
             raise ConfigurationError(
                 f"{self.target.name} refused toolset {toolset!r} at session open: {exc.detail.rstrip('.')}. Pass a "
@@ -737,6 +740,19 @@ def _blocking(method: Callable[..., Any], wrap: Callable[[Any, Any], Any] = lamb
     return run
 
 
+def _facade(of: type, methods: tuple[str, ...], attributes: tuple[str, ...]) -> Callable[[type], type]:
+    """Class decorator: give the facade the blocking form of `of`'s `methods` and read-only views of `attributes`."""
+    def install(cls: type) -> type:
+        for name in methods:
+            if name not in cls.__dict__:
+                setattr(cls, name, _blocking(getattr(of, name)))
+        for name in attributes:
+            setattr(cls, name, property(lambda self, name=name: getattr(self._inner, name)))
+        return cls
+
+    return install
+
+
 class _Facade:
     _inner: Any
     _bg: BackgroundLoop
@@ -754,26 +770,19 @@ class _Facade:
         self.close()  # type: ignore[attr-defined]
 
 
+@_facade(AsyncSession, ("prompt", "messages", "tools", "call", "score_group", "ping", "close"),
+         ("sid", "index", "expired", "closed", "seconds"))
 class Session(_Facade):
     """Synchronous view of an `AsyncSession` (from `Client.open_session`), safe to use from any thread."""
 
     def __init__(self, inner: AsyncSession, bg: BackgroundLoop) -> None:
         self._inner, self._bg = inner, bg
 
-    sid = property(lambda self: self._inner.sid)
-    index = property(lambda self: self._inner.index)
-    expired = property(lambda self: self._inner.expired)
-    closed = property(lambda self: self._inner.closed)
     async_session = property(lambda self: self._inner, doc="The `AsyncSession` this view drives.")
-    prompt = _blocking(AsyncSession.prompt)
-    messages = _blocking(AsyncSession.messages)
-    tools = _blocking(AsyncSession.tools)
-    call = _blocking(AsyncSession.call)
-    score_group = _blocking(AsyncSession.score_group)
-    ping = _blocking(AsyncSession.ping)
-    close = _blocking(AsyncSession.close)
 
 
+@_facade(AsyncClient, ("environment", "list_environments", "health", "splits", "num_tasks", "task", "task_range",
+                       "tasks", "tools"), ("target", "open_sessions"))
 class Client(_Facade):
     """Synchronous ORS client: the `AsyncClient` API driven through the process's background loop.
 
@@ -788,17 +797,6 @@ class Client(_Facade):
         self._bg.add_closer(self._inner.aclose)
 
     async_client = property(lambda self: self._inner, doc="The `AsyncClient` this client drives.")
-    target = property(lambda self: self._inner.target)
-    open_sessions = property(lambda self: self._inner.open_sessions)
-    environment = _blocking(AsyncClient.environment)
-    list_environments = _blocking(AsyncClient.list_environments)
-    health = _blocking(AsyncClient.health)
-    splits = _blocking(AsyncClient.splits)
-    num_tasks = _blocking(AsyncClient.num_tasks)
-    task = _blocking(AsyncClient.task)
-    task_range = _blocking(AsyncClient.task_range)
-    tasks = _blocking(AsyncClient.tasks)
-    tools = _blocking(AsyncClient.tools)
     open_session = _blocking(AsyncClient.open_session, lambda self, session: Session(session, self._bg))
 
     def close(self) -> None:

@@ -7,9 +7,10 @@ of success: a reward at or above `success_threshold` (1.0 by default: a binary e
 
 Episodes (`ors_trl._episode`, whatever drives them) record events in an `EnvMetrics`: session opens,
 tool calls, terminal-tool calls, finished episodes, group scorings, and the session-seconds their
-sessions lived on the server (what a sandbox platform bills), apart for the episodes scored None. `EnvMetrics.flush()` turns what
-accumulated since the last flush into flat scalar metrics named `env/<name>/<metric>` (and
-`env/<metric>` over all environments), which the reward functions hand to the trainer's `log_metric`.
+sessions lived on the server (what a sandbox platform bills; apart, those of episodes scored None).
+`EnvMetrics.flush()` turns what accumulated since the last flush into flat scalar metrics named
+`env/<name>/<metric>` (and `env/<metric>` over all environments), which the reward functions hand to
+the trainer's `log_metric`.
 """
 
 from __future__ import annotations

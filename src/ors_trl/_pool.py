@@ -32,7 +32,7 @@ _KEEPALIVE_CONCURRENCY = 64
 OPENING_WAIT_S = 10.0
 Lease = tuple[asyncio.Semaphore, ...]
 #: An `ors_trl._client.AsyncSession` (the pool sits below the client: it only pings and closes them).
-Session = Any
+OpenSession = Any
 
 
 class SessionPool:
@@ -67,7 +67,7 @@ class SessionPool:
         self.max_sessions = max_sessions
         self.session_wait = session_wait
         self.keepalive_interval = keepalive_interval
-        self.sessions: set[Session] = set()
+        self.sessions: set[OpenSession] = set()
         self.closed = False
         self._opening: set[asyncio.Task[Any]] = set()
         self._slots: asyncio.Semaphore | None = None
@@ -145,13 +145,13 @@ class SessionPool:
         for sem in lease:
             sem.release()
 
-    def add(self, session: Session) -> None:
+    def add(self, session: OpenSession) -> None:
         """Track a session that opened (its lease is given back when it closes) and keep it alive."""
         self.sessions.add(session)
         if self.keepalive_interval is not None and (self._keepalive_task is None or self._keepalive_task.done()):
             self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive(self.keepalive_interval))
 
-    async def discard(self, sid: str, lease: Lease = (), session: Session | None = None, *,
+    async def discard(self, sid: str, lease: Lease = (), session: OpenSession | None = None, *,
                       quiet: bool = False) -> None:
         """Delete `sid` on the server, then forget it (in the registry too, once the server has it gone) and give its
         lease back. Never raises."""
@@ -168,7 +168,7 @@ class SessionPool:
     async def _keepalive(self, interval: float) -> None:
         gate = asyncio.Semaphore(_KEEPALIVE_CONCURRENCY)
 
-        async def ping(session: Session) -> None:
+        async def ping(session: OpenSession) -> None:
             async with gate:
                 try:
                     if not await session.ping():

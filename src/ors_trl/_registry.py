@@ -104,6 +104,7 @@ class Registry:
         self.pid = os.getpid()
         self.path = folder / f"{socket.gethostname()}-{self.pid}-{_started(self.pid)}{_SUFFIX}"
         self.swept = False
+        self.broken = False  # the file could not be written: the process goes on without a registry
         self._fd: int | None = None
         self._open: dict[str, bytes] = {}  # sid -> its line
         self._size = 0
@@ -128,19 +129,29 @@ class Registry:
         return fd
 
     def opened(self, sid: str, target: str) -> None:
-        """Record `sid` (of `target`) and fsync: call before the session is created on the server (blocks)."""
+        """Record `sid` (of `target`) and fsync: call before the session is created on the server (blocks). A folder
+        that cannot be written is said once; the process then goes on without a registry."""
         line = (json.dumps({"sid": sid, "target": target}) + "\n").encode()
         with self._lock:
-            if self._fd is None:
-                self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-                self._fd = self._new_file(b"")
-            self._append(line)
-            os.fsync(self._fd)
+            if self.broken:
+                return
+            try:
+                if self._fd is None:
+                    self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+                    self._fd = self._new_file(b"")
+                self._append(line)
+                os.fsync(self._fd)
+            except OSError as exc:
+                self.broken = True
+                logger.warning("ors-trl: cannot write the session registry in %s (%s): the sessions of this process "
+                               "are not deleted if it is killed. Set %s to a writable folder, or %s=0.", self.folder,
+                               exc.strerror or exc, DIR_VAR, SWITCH_VAR)
+                return
             self._open[sid] = line
 
     def closed(self, sid: str) -> None:
         """Mark `sid` deleted on the server (not fsync'd: a lost mark costs one more delete of a gone session)."""
-        with self._lock:
+        with self._lock, contextlib.suppress(OSError):  # a lost mark costs one more delete, no more
             if self._open.pop(sid, None) is not None and self._fd is not None:
                 self._append((json.dumps({"closed": sid}) + "\n").encode())
 
