@@ -40,11 +40,15 @@ def most_within(times: list[float], window: float) -> int:
 
 
 def run(url: str, proxy: FaultProxy, n: int, env: dict[str, str], rate: float | None) -> dict[str, Any]:
-    state = tempfile.mkdtemp(prefix="bench-pace-")
+    with tempfile.TemporaryDirectory(prefix="bench-pace-") as state:
+        return _run(url, proxy, n, {**env, "ORS_TRL_STATE_DIR": state}, rate)
+
+
+def _run(url: str, proxy: FaultProxy, n: int, env: dict[str, str], rate: float | None) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "tests.fixtures.holder", url, str(n), "--wait-go",
            *(["--rate", str(rate)] if rate else [])]
     procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                              env={**os.environ, **env, "ORS_TRL_STATE_DIR": state,
+                              env={**os.environ, **env,
                                    "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "src")])})
              for _ in range(2)]
     try:

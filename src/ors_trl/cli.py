@@ -53,7 +53,7 @@ characters escaped (\x1b, \u202e), so it cannot retitle, clear or rewrite the te
 
 
 def _para(text: str) -> str:
-    return textwrap.fill(text, width=100)
+    return textwrap.fill(text, width=100, break_on_hyphens=False)
 
 
 class _UsageError(Exception):
