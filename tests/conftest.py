@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import pytest
@@ -14,6 +17,11 @@ os.environ["OPENREWARD_DISABLE_UPDATE_CHECK"] = "1"
 # One torch thread: the reference servers run beside the tests, and oversubscribed cores make torch crawl.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+# The orphan registry (and a shared session pace) of the suite's processes, subprocesses included, in a folder of its
+# own rather than the checkout's `.ors-trl`; removed when the suite ends.
+if "ORS_TRL_STATE_DIR" not in os.environ:
+    os.environ["ORS_TRL_STATE_DIR"] = tempfile.mkdtemp(prefix="ors-trl-state-")
+    atexit.register(shutil.rmtree, os.environ["ORS_TRL_STATE_DIR"], ignore_errors=True)
 # A suite started in the background (`make test &` from a script) inherits SIGINT ignored, and so would the
 # subprocesses that tests interrupt with Ctrl-C (an ignored signal survives exec); restore Python's handling.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:

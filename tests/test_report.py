@@ -222,7 +222,8 @@ def test_report_of_real_episodes(logs, tmp_path, no_leaked_sessions) -> None:
         assert text in page or text in json.dumps(episodes), text
     assert re.search(r'<tr class=task data-env="echoenvironment" data-task="train #0">', page)
     # Curves from the trainer's log_history: TRL's reward and the env/<name>/... metrics, as inline SVG.
-    assert page.count("<figure class=chart><svg") == 6  # reward, graded, calls, health, failures, latency
+    assert page.count("<figure class=chart><svg") == 7  # reward, graded, calls, health, failures, latency, cost
+    assert "Session-seconds per logging step" in page and "session-seconds" in page  # the cost: curve and card
     assert "TRL reward (every rollout)" in page and "echoenvironment" in page.split('id="curves"')[1]
 
 

@@ -94,23 +94,33 @@ def comparable(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def test_every_driver_plays_and_records_a_turn_the_same_way(tiny_model_dir, ref_server, tmp_path) -> None:
-    specs = {mode: OpenRewardSpec(ref_server.url, env_name=ECHO, num_tasks=len(TARGETS), gather_window=0.0)
+def play_every_path(model_dir: str, url: str, tmp_path: Any, **options: Any
+                    ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, dict[str, float]]]:
+    """The script played through TRL's loop (`env`), the engine and eval, each with its own spec (`options`): each
+    path's records (one per task) and the metrics the trainer paths logged. Every session is closed after."""
+    specs = {mode: OpenRewardSpec(url, env_name=ECHO, num_tasks=len(TARGETS), gather_window=0.0, **options)
              for mode in ("env", "engine", "eval")}
-    rows = [copy.deepcopy(row) for row in specs["env"].train_dataset for _ in range(2)]
-    assert [r["target"] for r in rows[::2]] == TARGETS
     records: dict[str, list[dict[str, Any]]] = {}
     metrics: dict[str, dict[str, float]] = {}
-    for mode in ("env", "engine"):
-        metrics[mode] = {}
-        trainer = make_trainer(tiny_model_dir, specs[mode], mode, tmp_path, metrics[mode])
-        generate_and_score(trainer, rows)
-        episodes = ([env.episode for env in trainer.environments] if mode == "env"
-                    else specs[mode].rollout_func.last_episodes)
-        records[mode] = [ep.record() for ep in episodes][::2]
-    report = specs["eval"].evaluate(ScriptedPolicy(), max_turns=ITERATIONS + 1, progress=False)
-    records["eval"] = report.episodes
+    try:
+        rows = [copy.deepcopy(row) for row in specs["env"].train_dataset for _ in range(2)]
+        assert [r["target"] for r in rows[::2]] == TARGETS
+        for mode in ("env", "engine"):
+            metrics[mode] = {}
+            trainer = make_trainer(model_dir, specs[mode], mode, tmp_path, metrics[mode])
+            generate_and_score(trainer, rows)
+            episodes = ([env.episode for env in trainer.environments] if mode == "env"
+                        else specs[mode].rollout_func.last_episodes)
+            records[mode] = [ep.record() for ep in episodes][::2]
+        records["eval"] = specs["eval"].evaluate(ScriptedPolicy(), max_turns=ITERATIONS + 1, progress=False).episodes
+    finally:
+        for spec in specs.values():
+            spec.close()
+    return records, metrics
 
+
+def test_every_driver_plays_and_records_a_turn_the_same_way(tiny_model_dir, ref_server, tmp_path) -> None:
+    records, metrics = play_every_path(tiny_model_dir, ref_server.url, tmp_path)
     by_target = {mode: {r["prompt"]: comparable(r) for r in recs} for mode, recs in records.items()}
     for prompt in by_target["env"]:
         assert by_target["env"][prompt] == by_target["engine"][prompt], prompt
@@ -130,6 +140,36 @@ def test_every_driver_plays_and_records_a_turn_the_same_way(tiny_model_dir, ref_
     for key in ("tool_calls", "failures/refused", "failures/failed", "episodes", "tool_calls_per_episode",
                 "unscored/no_reward"):
         assert metrics["env"][f"env/{ECHO}/{key}"] == metrics["engine"][f"env/{ECHO}/{key}"], key
-    for spec in specs.values():
-        spec.close()
     assert ref_server.stats()["open_sessions"] == 0
+
+
+@pytest.mark.parametrize("batch_tool_calls", [True, False])
+def test_max_tool_calls_refuses_the_same_calls_on_every_path(tiny_model_dir, ref_server, tmp_path,
+                                                             batch_tool_calls) -> None:
+    """`max_tool_calls=1`: the model's second call (counting one TRL failed itself, an unknown tool) is refused
+    locally with reason `max_tool_calls`, recorded and counted the same in TRL's loop (its calls started ahead
+    across the batch, or one by one), the engine and eval."""
+    records, metrics = play_every_path(tiny_model_dir, ref_server.url, tmp_path, max_tool_calls=1,
+                                       batch_tool_calls=batch_tool_calls)
+    assert ref_server.stats()["open_sessions"] == 0
+    by_target = {mode: {r["prompt"]: comparable(r) for r in recs} for mode, recs in records.items()}
+    for prompt in by_target["env"]:
+        assert by_target["env"][prompt] == by_target["engine"][prompt] == by_target["eval"][prompt], prompt
+    summary = {r["prompt"].split('"')[1]: (r["end_reason"], r["reward"], r["tool_calls"], r["tool_failures"],
+                                          [[c.get("error", {}).get("reason") or c["status"] for c in t["tool_calls"]]
+                                           for t in r["turns"]])
+               for r in records["eval"]}
+    assert summary == {
+        "hello": ("finished", 1.0, 2, 1, [["ok", "episode_finished"], []]),  # finished is said first
+        "world": ("no_tool_calls", None, 2, 2, [["not_found"], ["max_tool_calls"], []]),
+        "trl": ("no_tool_calls", None, 0, 0, [[]]),
+        "openreward": ("length", None, 1, 1, [["input_validation"], []]),
+        "spec": ("max_turns", 0.0, 2, 1, [["ok"], ["max_tool_calls"], ["not_run"]]),
+    }
+    refused = next(c for r in records["eval"] if "spec" in r["prompt"] for c in r["turns"][1]["tool_calls"])
+    assert "at most 1 tool calls" in refused["output"]  # what the model reads
+    for key in ("tool_calls", "failures/refused", "episodes", "tool_calls_per_episode"):
+        assert metrics["env"][f"env/{ECHO}/{key}"] == metrics["engine"][f"env/{ECHO}/{key}"], key
+    for mode in ("env", "engine"):  # the cost of the step, logged with it
+        assert metrics[mode][f"env/{ECHO}/sessions_opened"] == 2 * len(TARGETS), mode
+        assert 0 < metrics[mode][f"env/{ECHO}/session_seconds_unscored"] < metrics[mode][f"env/{ECHO}/session_seconds"]

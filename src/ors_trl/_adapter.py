@@ -232,6 +232,7 @@ class OpenRewardEnvironment:
         count, on failure (TRL shows the model `{'error': ...}`)."""
         ep = self._current()
         call = Call(name, arguments)
+        ep.made_before(_trl.calls_before(self))
         if not self._ahead and self._runtime.batch_tool_calls:
             self._start_turn(call)
         if self._ahead:
@@ -265,8 +266,8 @@ class OpenRewardEnvironment:
             if rt.last_turn is turn:
                 return
             rt.last_turn = turn
-        planned: list[tuple[OpenRewardEnvironment, list[_Ahead]]] = []
-        for env, calls in rollouts:
+        planned: list[tuple[OpenRewardEnvironment, list[_Ahead], int]] = []
+        for env, calls, made in rollouts:
             if (not isinstance(env, OpenRewardEnvironment) or env._episode is None or env._episode.finished
                     or env._ahead or env._runtime.toolset is None):
                 continue
@@ -278,10 +279,11 @@ class OpenRewardEnvironment:
                     break
                 chain.append(_Ahead(Call(name, arguments)))
             if chain:
-                planned.append((env, chain))
+                planned.append((env, chain, made))
         if not planned or planned[0][0] is not self or planned[0][1][0].call != first:
             return  # what we read is not the call being made: run nothing ahead
-        for env, chain in planned:
+        for env, chain, made in planned:
+            env._current().made_before(made)
             env._ahead.extend(chain)
             env._runtime.calls_ahead += len(chain)
             env._runtime.submit(_run_chain(env._current(), chain))

@@ -1,11 +1,11 @@
-"""The ORS client: environment calls, sessions, keepalive; async API plus a synchronous facade.
+"""The ORS client: the environment's endpoints and its sessions; async API plus a synchronous facade.
 
 `AsyncClient` / `AsyncSession` run on whatever event loop awaits them (the CLI, the rollout
 engine). `Client` / `Session` are the same objects driven from any thread through the process's
 background loop (`ors_trl._loop`), which is what TRL's synchronous `reset()` and tool methods use.
 
-Every open session is pinged on a timer by its client, also while a tool call is running, so an
-episode longer than the server's idle limit (900 s on the reference server) survives.
+When a session may open, keepalive and closing what is left are the client's `SessionPool`
+(`ors_trl._pool`); this module speaks the requests.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-from ._budget import get_max_sessions, process_semaphore
 from ._exceptions import (
     BadRequestError,
     ConfigurationError,
@@ -33,6 +32,7 @@ from ._exceptions import (
     UsageError,
 )
 from ._loop import BackgroundLoop, get_loop
+from ._pool import OPENING_WAIT_S, Lease, SessionPool
 from ._target import SecretValue, Target, encode_secrets, resolve_target
 from ._transport import RetryPolicy, Timeouts, Transport, readable
 from ._types import (
@@ -55,11 +55,9 @@ __all__ = ["AsyncClient", "AsyncSession", "Client", "Session"]
 
 logger = logging.getLogger("ors_trl.client")
 
-_KEEPALIVE_CONCURRENCY = 64
 # Retries for deleting sessions while shutting down: a dead server must not hold up interpreter exit.
 _QUICK_RETRY = RetryPolicy(max_attempts=2, backoff_initial=0.1, backoff_max=0.5)
-#: How long closing a client waits for session opens still in flight, so it can delete what they create.
-_OPENING_WAIT_S = 10.0
+_ORPHAN_CONCURRENCY = 16
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 #: A session id the server hands out travels in the `X-Session-ID` header of every later request: visible ASCII only.
 _SESSION_ID = re.compile(r"[\x21-\x7e]{1,256}")
@@ -95,14 +93,17 @@ class AsyncSession:
     Attributes:
         sid: the server's session id.
         split, index, task_spec: the task this session runs.
-        opened_at: `time.monotonic()` when it was opened; `open_seconds` how long opening took.
+        opened_at: `time.monotonic()` when it was opened; `open_seconds` how long opening took (waits included).
+        created_at, closed_at: `time.monotonic()` when its creation was asked for, and when the server deleted it.
         expired: True once the server said the session is gone.
         closed: True after `close()`.
     """
 
     def __init__(self, client: AsyncClient, sid: str, *, split: str | None, index: int | None,
-                 task_spec: Mapping[str, Any] | None, open_seconds: float) -> None:
+                 task_spec: Mapping[str, Any] | None, open_seconds: float, created_at: float) -> None:
         self.client = client
+        self.created_at = created_at
+        self.closed_at: float | None = None
         self.sid = sid
         self.split = split
         self.index = index
@@ -113,12 +114,18 @@ class AsyncSession:
         self.expired = False
         self.closed = False
         self._close_task: asyncio.Future[None] | None = None
-        self._held: tuple[asyncio.Semaphore, ...] = ()  # session-cap slots, released on close
+        self._lease: Lease = ()  # session-cap slots, given back on close
 
     def __repr__(self) -> str:
         task = f"index={self.index}" if self.index is not None else "task_spec=..."
         state = "closed" if self.closed else "expired" if self.expired else "open"
         return f"<AsyncSession {self.sid[:8]} {task} {state}>"
+
+    @property
+    def seconds(self) -> float:
+        """Session-seconds: how long the session has existed on the server (what a sandbox platform bills), until
+        it was deleted."""
+        return (self.closed_at or time.monotonic()) - self.created_at
 
     def _check_open(self) -> None:
         if self.closed:
@@ -228,7 +235,7 @@ class AsyncSession:
         for a session that is already gone; concurrent callers share one close."""
         if self._close_task is None:
             self.closed = True
-            self._close_task = asyncio.ensure_future(self.client._discard(self.sid, session=self))
+            self._close_task = asyncio.ensure_future(self.client._pool.discard(self.sid, session=self))
         await asyncio.shield(self._close_task)
 
     async def __aenter__(self) -> AsyncSession:
@@ -268,7 +275,7 @@ async def _landed(request: Any, into: list[Any]) -> Any:
         into.append(await asyncio.shield(task))
     except asyncio.CancelledError:
         with contextlib.suppress(BaseException):
-            into.append(await asyncio.wait_for(task, _OPENING_WAIT_S))
+            into.append(await asyncio.wait_for(task, OPENING_WAIT_S))
         raise
     return into[-1]
 
@@ -277,21 +284,41 @@ class AsyncClient:
     """Async client for one ORS environment.
 
     Args:
-        target: a catalog name (`"Eigent/SETA"`) or the URL of a self-hosted server
-            (`"http://127.0.0.1:8000"`), told apart by `://`.
-        env_name: which environment on a server hosting several (case-insensitive). Not needed
-            when the server hosts one.
-        api_key: the OpenReward key; defaults to `OPENREWARD_API_KEY` for catalog names. Sent only
-            to the platform's hosts, or to a self-hosted URL when passed explicitly.
-        secrets: sent with every session in `X-Secrets`; a value is a string or
-            `(value, allowed_domains)`.
-        timeouts: see `Timeouts`.
-        retry: see `RetryPolicy`.
-        keepalive_interval: seconds between pings of an idle open session; None disables keepalive.
-        max_sessions: cap on sessions open at once through this client; `open_session` queues
-            (up to `session_wait` seconds) rather than fails when it is reached.
-        session_wait: how long `open_session` may wait for a free slot under `max_sessions`.
-        max_connections: connection pool size (0 = unlimited).
+        target (`str`):
+            a catalog name (`"Eigent/SETA"`) or the URL of a self-hosted server (`"http://127.0.0.1:8000"`), told
+            apart by `://`.
+        env_name (`str`, *optional*):
+            which environment on a server hosting several (case-insensitive). Not needed when the server hosts one.
+        api_key (`str`, *optional*):
+            the OpenReward key; defaults to `OPENREWARD_API_KEY` for catalog names. Sent only to the platform's
+            hosts, or to a self-hosted URL when passed explicitly.
+        secrets (`Mapping[str, str | tuple[str, Sequence[str]]]`, *optional*):
+            sent with every session in `X-Secrets`; a value is a string or `(value, allowed_domains)`.
+        timeouts (`Timeouts`, *optional*):
+            connect, request and tool-call deadlines.
+        retry (`RetryPolicy`, *optional*):
+            retries of transient failures.
+        keepalive_interval (`float`, *optional*, defaults to `10.0`):
+            seconds between pings of an idle open session; None disables keepalive.
+        max_sessions (`int`, *optional*):
+            cap on sessions open at once through this client; `open_session` queues (up to `session_wait` seconds)
+            rather than fails when it is reached.
+        session_wait (`float`, *optional*, defaults to `1800.0`):
+            how long `open_session` may wait for a free slot under `max_sessions`.
+        max_connections (`int`, *optional*, defaults to `0`):
+            connection pool size (0: unlimited).
+        max_session_rate (`float` or `tuple[float, int]`, *optional*):
+            sessions this client creates per second, or `(rate, burst)` (burst 1 otherwise); opens past it wait
+            their turn, and a 429 or `503 starting` slows it. None: a batch opens at once.
+        toolset (`str`, *optional*):
+            the platform toolset every session gets (`toolset_name`, e.g. `"codex"`); a toolset the server refuses
+            is a `ConfigurationError` at the first open.
+        toolset_fallback (`bool`, *optional*, defaults to `False`):
+            when the server refuses `toolset`, open sessions without it (said once in the log) instead.
+        env_overrides (`Mapping[str, str]`, *optional*):
+            environment variables for every session (sent with `/create_session`; on the platform, callers other
+            than the environment's owner may set only the OpenAI/Anthropic URL and key variables). Masked like
+            secrets; a self-hosted reference server ignores them.
     """
 
     def __init__(
@@ -307,35 +334,39 @@ class AsyncClient:
         max_sessions: int | None = None,
         session_wait: float | None = 1800.0,
         max_connections: int = 0,
+        max_session_rate: float | tuple[float, int] | None = None,
+        toolset: str | None = None,
+        toolset_fallback: bool = False,
+        env_overrides: Mapping[str, str] | None = None,
     ) -> None:
         self.target: Target = resolve_target(target, api_key=api_key)
-        if keepalive_interval is not None and keepalive_interval <= 0:
-            raise ConfigurationError("keepalive_interval must be positive, or None to disable keepalive")
-        if max_sessions is not None and max_sessions < 1:
-            raise ConfigurationError("max_sessions must be at least 1, or None for no cap")
         self.requested_env = env_name
-        self.keepalive_interval = keepalive_interval
-        self.max_sessions = max_sessions
-        self.session_wait = session_wait
+        if toolset is not None and (not isinstance(toolset, str) or not toolset.strip()):
+            raise ConfigurationError(f"toolset must be a toolset's name (e.g. 'codex') or None, got {toolset!r}")
+        if env_overrides is not None and not (isinstance(env_overrides, Mapping) and all(
+                isinstance(k, str) and k and isinstance(v, str) for k, v in env_overrides.items())):
+            raise ConfigurationError("env_overrides must map environment variable names to string values")
+        self.toolset, self.toolset_fallback = toolset, toolset_fallback
+        self._overrides = dict(env_overrides or {})
+        self._pool = SessionPool(self._delete, delete_orphans, max_sessions=max_sessions, session_wait=session_wait,
+                                 keepalive_interval=keepalive_interval, max_session_rate=max_session_rate)
         self._secret_headers = {"X-Secrets": encode_secrets(secrets)} if secrets else {}
         self._transport = Transport(
             self.target, timeouts=timeouts or Timeouts(), retry=retry or RetryPolicy(), max_connections=max_connections
         )
+        self._transport.on_throttle = self._pool.throttled
         if self._secret_headers:  # masked from the start, not only once a session has sent them
             self._transport._learn_secrets(self._secret_headers["X-Secrets"])
+        for value in self._overrides.values():  # an override may be a key (OPENAI_API_KEY)
+            self._transport.decoder.add(value)
         self._env: str | None = None
         self._env_resolved = False
         self._env_lock: asyncio.Lock | None = None
         self._control_sid: str | None = None
-        self._sessions: set[AsyncSession] = set()
-        self._opening: set[asyncio.Task[Any]] = set()  # open_session calls in flight
-        self._slots: asyncio.Semaphore | None = None
-        self._keepalive_task: asyncio.Task[None] | None = None
-        self._closed = False
 
     def __repr__(self) -> str:
         env = self._env if self._env_resolved else (self.requested_env or "?")
-        return f"<AsyncClient {self.target.name!r} env={env!r} open_sessions={len(self._sessions)}>"
+        return f"<AsyncClient {self.target.name!r} env={env!r} open_sessions={len(self._pool)}>"
 
     @property
     def timeouts(self) -> Timeouts:
@@ -344,7 +375,12 @@ class AsyncClient:
     @property
     def open_sessions(self) -> int:
         """Sessions opened through this client and not yet closed."""
-        return len(self._sessions)
+        return len(self._pool)
+
+    @property
+    def max_sessions(self) -> int | None:
+        """This client's cap on sessions open at once (None: no cap)."""
+        return self._pool.max_sessions
 
     # -- environment resolution ------------------------------------------------------------
 
@@ -523,12 +559,25 @@ class AsyncClient:
     # -- sessions ----------------------------------------------------------------------------
 
     async def _create_sid(self) -> str:
-        """`/create_session`; on the platform (an allocation per request) never re-posted after it may have landed."""
-        events = await self._transport.events("/create_session", body={}, extra_headers=self._secret_headers,
-                                              idempotent=self.target.is_url)
+        """`/create_session` (with the env overrides); on the platform (an allocation per request) never re-posted
+        after it may have landed. The id is in the orphan registry before this returns."""
+        body = {"env": self._overrides} if self._overrides else {}
+        try:
+            events = await self._transport.events("/create_session", body=body, extra_headers=self._secret_headers,
+                                                  idempotent=self.target.is_url)
+        except BadRequestError as exc:
+            if not self._overrides:
+                raise
+            raise ConfigurationError(
+                f"{self.target.name} refused the session's env_overrides ({', '.join(sorted(self._overrides))}): "
+                f"{exc.detail.rstrip('.')}. On the platform, callers other than the environment's owner may set only "
+                "OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY."
+            ) from None
         for event, data in events:
             if event == "task_id" and data.strip():
-                return self._session_id(data.strip())
+                sid = self._session_id(data.strip())
+                await self._pool.record(sid, self.target.name)
+                return sid
             if event == "error":
                 raise ProtocolError(f"/create_session failed: {self._transport.quote(data)}")
         raise ProtocolError("/create_session: the stream carried no session id")
@@ -554,9 +603,10 @@ class AsyncClient:
     ) -> AsyncSession:
         """Open a session for task `split`/`index`, or for an explicit `task_spec`.
 
-        Whatever this creates on the server is deleted again if the open fails or is cancelled halfway; a
-        request that may have created something is waited for first (bounded), so that the delete cannot
-        overtake it. `aclose()` waits for opens still in flight and closes what they opened.
+        `toolset_name` overrides the client's `toolset`. Whatever this creates on the server is deleted again if the
+        open fails or is cancelled halfway; a request that may have created something is waited for first
+        (bounded), so that the delete cannot overtake it. `aclose()` waits for opens still in flight and closes
+        what they opened.
         """
         if (task_spec is None) == (index is None):
             raise ConfigurationError("open_session needs exactly one of index= (with split=) or task_spec=")
@@ -565,19 +615,15 @@ class AsyncClient:
             if isinstance(index, bool) or not isinstance(index, int):
                 raise ConfigurationError(f"task index must be an int, got {index!r}")
         self._check_usable()
-        task = asyncio.current_task()
-        assert task is not None
-        self._opening.add(task)
-        try:
+        async with self._pool.opening():
             return await self._open(split, index, task_spec, toolset_name)
-        finally:
-            self._opening.discard(task)
 
     async def _open(self, split: str | None, index: int | None, task_spec: Mapping[str, Any] | None,
                     toolset_name: str | None) -> AsyncSession:
         env = await self.environment()
         started = time.monotonic()
-        held = await self._acquire_slot()
+        lease = await self._pool.acquire()
+        created = time.monotonic()
         sids: list[str] = []
         try:
             self._check_usable()
@@ -586,138 +632,87 @@ class AsyncClient:
                 "split": split, "index": index}
             if env:
                 body["env_name"] = env
-            if toolset_name:
-                body["toolset_name"] = toolset_name
+            toolset = toolset_name or self.toolset
             try:
-                await _landed(self._transport.request("POST", "/create", body=body, sid=sid,
-                                                      extra_headers=self._secret_headers), [])
+                await self._create(sid, {**body, "toolset_name": toolset} if toolset else body)
             except BadRequestError as exc:
-                # "Session already exists" means our own retried /create had already landed.
-                if exc.detail != "Session already exists":
-                    if index is None:
-                        raise
+                if toolset and "toolset" in exc.detail.lower():
+                    self._refused_toolset(toolset, exc)  # raises, unless toolset_fallback: then without it
+                    await self._create(sid, body)
+                elif index is None:
+                    raise
+                else:
                     raise await self._index_error(split or "train", index, exc) from None
             session = AsyncSession(self, sid, split=split if index is not None else None, index=index,
-                                   task_spec=task_spec, open_seconds=time.monotonic() - started)
-            session._held = held
+                                   task_spec=task_spec, open_seconds=time.monotonic() - started, created_at=created)
+            session._lease = lease
         except BaseException:
             if sids:
                 with contextlib.suppress(BaseException):
-                    await asyncio.shield(self._discard(sids[0], held=held))
+                    await asyncio.shield(self._pool.discard(sids[0], lease))
             else:
-                self._release_slots(held)
+                self._pool.release(lease)
             raise
-        self._sessions.add(session)
-        self._ensure_keepalive()
+        self._pool.add(session)
+        self._pool.opened()
         return session
 
+    async def _create(self, sid: str, body: dict[str, Any]) -> None:
+        """`/create`; "Session already exists" means our own retried request had already landed."""
+        try:
+            await _landed(self._transport.request("POST", "/create", body=body, sid=sid,
+                                                  extra_headers=self._secret_headers), [])
+        except BadRequestError as exc:
+            if exc.detail != "Session already exists":
+                raise
+
+    def _refused_toolset(self, toolset: str, exc: BadRequestError) -> None:
+        """The server refused `toolset` at `/create`: a `ConfigurationError`, or (`toolset_fallback`) sessions from now
+        on open without it, said once."""
+        if not self.toolset_fallback:
+            raise ConfigurationError(
+                f"{self.target.name} refused toolset {toolset!r} at session open: {exc.detail.rstrip('.')}. Pass a "
+                "toolset it offers, none, or toolset_fallback=True to open sessions without it."
+            ) from None
+        if self.toolset is not None:
+            logger.warning("%s refused toolset %r (%s); opening sessions without it (toolset_fallback=True)",
+                           self.target.name, toolset, exc.detail)
+            self.toolset = None
+
     def _check_usable(self) -> None:
-        if self._closed:
+        if self._pool.closed:
             raise UsageError("this client is closed; create a new one")
 
-    async def _acquire_slot(self) -> tuple[asyncio.Semaphore, ...]:
-        """Wait for a free slot under this client's `max_sessions` and the process-wide cap; return what was taken."""
-        wanted: list[asyncio.Semaphore] = []
-        if self.max_sessions is not None:
-            if self._slots is None:
-                self._slots = asyncio.Semaphore(self.max_sessions)
-            wanted.append(self._slots)
-        process = process_semaphore()
-        if process is not None:
-            wanted.append(process)
-        held: list[asyncio.Semaphore] = []
-        try:
-            async with asyncio.timeout(self.session_wait):
-                for sem in wanted:
-                    await sem.acquire()
-                    held.append(sem)
-        except BaseException as exc:
-            self._release_slots(held)
-            if isinstance(exc, TimeoutError):
-                raise ORSTimeoutError(
-                    f"no session slot freed within {self.session_wait} s (max_sessions={self.max_sessions}, "
-                    f"process cap={get_max_sessions()}); raise the cap or close sessions sooner."
-                ) from None
-            raise
-        return tuple(held)
-
-    @staticmethod
-    def _release_slots(held: tuple[asyncio.Semaphore, ...] | list[asyncio.Semaphore]) -> None:
-        for sem in held:
-            sem.release()
-
-    async def _discard(self, sid: str, session: AsyncSession | None = None, *,
-                       held: tuple[asyncio.Semaphore, ...] = (), quiet: bool = False) -> None:
-        """Delete `sid` on the server: `/delete` (environment teardown) and `/delete_session`
-        (platform allocation), each attempted even if the other fails. Logs, never raises.
-        Once the client is closing, retries are kept short so that exit is not held up by a dead server."""
-        retry = _QUICK_RETRY if self._closed else None
-        try:
-            for path in ("/delete", "/delete_session"):
-                try:
-                    await self._transport.request("POST", path, sid=sid, ok_statuses=(404, 410), retry=retry)
-                except ORSError as exc:
-                    log = logger.debug if quiet else logger.warning
-                    log("could not %s session %s: %s", path.lstrip("/"), sid[:8], exc)
-        finally:
-            if session is not None:
-                self._sessions.discard(session)
-                held = session._held
-                session._held = ()
-            self._release_slots(held)
-
-    # -- keepalive ---------------------------------------------------------------------------
-
-    def _ensure_keepalive(self) -> None:
-        if self.keepalive_interval is None:
-            return
-        if self._keepalive_task is None or self._keepalive_task.done():
-            self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive())
-
-    async def _keepalive(self) -> None:
-        interval = self.keepalive_interval
-        assert interval is not None
-        gate = asyncio.Semaphore(_KEEPALIVE_CONCURRENCY)
-
-        async def ping(session: AsyncSession) -> None:
-            async with gate:
-                try:
-                    if not await session.ping():
-                        logger.warning("session %s expired on the server", session.sid[:8])
-                except ORSError as exc:
-                    logger.debug("keepalive ping of %s failed: %s", session.sid[:8], exc)
-
-        while self._sessions and not self._closed:
-            await asyncio.sleep(interval / 2)
-            now = time.monotonic()
-            due = [s for s in list(self._sessions)
-                   if not s.closed and not s.expired and now - s.last_activity >= interval]
-            if due:
-                await asyncio.gather(*(ping(s) for s in due))
+    async def _delete(self, sid: str, *, quiet: bool = False) -> bool:
+        """Delete `sid` on the server: `/delete` (environment teardown) and `/delete_session` (platform
+        allocation), each attempted even if the other fails. True when both went through (or found it gone); logs,
+        never raises. Once the client is closing, retries are kept short so that exit is not held up by a dead
+        server."""
+        retry = _QUICK_RETRY if self._pool.closed else None
+        gone = True
+        for path in ("/delete", "/delete_session"):
+            try:
+                await self._transport.request("POST", path, sid=sid, ok_statuses=(404, 410), retry=retry)
+            except ORSError as exc:
+                gone = False
+                (logger.debug if quiet else logger.warning)("could not %s session %s: %s", path.lstrip("/"),
+                                                            sid[:8], exc)
+        return gone
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def close_sessions(self) -> None:
         """Close every session open through this client, and those still opening; the client stays usable."""
-        if self._opening:
-            await asyncio.wait(list(self._opening), timeout=_OPENING_WAIT_S)
-        await asyncio.gather(*(s.close() for s in list(self._sessions)), return_exceptions=True)
+        await self._pool.close_sessions()
 
     async def aclose(self) -> None:
         """Close every open session, then the connection pool. Idempotent."""
-        if self._closed:
+        if self._pool.closed:
             return
-        self._closed = True
-        if self._opening:  # let opens in flight finish (bounded) so that what they create is deleted below
-            await asyncio.wait(list(self._opening), timeout=_OPENING_WAIT_S)
-        if self._keepalive_task is not None:
-            self._keepalive_task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._keepalive_task
-        await asyncio.gather(*(s.close() for s in list(self._sessions)), return_exceptions=True)
+        await self._pool.aclose()
         if self._control_sid is not None:
             # Only routes metadata calls; nothing runs in it, so failing to delete it is not worth a warning.
-            await self._discard(self._control_sid, quiet=True)
+            await self._pool.discard(self._control_sid, quiet=True)
             self._control_sid = None
         await self._transport.aclose()
 
@@ -729,153 +724,97 @@ class AsyncClient:
 
 
 # ---------------------------------------------------------------------------------------------
-# Synchronous facade
+# Synchronous facade: the async objects, driven through the process's background loop
 
 
-class Session:
-    """Synchronous view of an `AsyncSession` (from `Client.open_session`), safe to use from any thread."""
+def _blocking(method: Callable[..., Any], wrap: Callable[[Any, Any], Any] = lambda facade, result: result
+              ) -> Callable[..., Any]:
+    """The synchronous form of an async method of the facade's `_inner` (same signature and docstring): run on the
+    background loop, from any thread; `wrap` turns its result into what the facade returns."""
+    name = method.__name__
 
-    def __init__(self, inner: AsyncSession, bg: BackgroundLoop) -> None:
-        self._inner = inner
-        self._bg = bg
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return wrap(self, self._bg.run(getattr(self._inner, name)(*args, **kwargs)))
+
+    return run
+
+
+def _facade(of: type, methods: tuple[str, ...], attributes: tuple[str, ...]) -> Callable[[type], type]:
+    """Class decorator: give the facade the blocking form of `of`'s `methods` and read-only views of `attributes`."""
+    def install(cls: type) -> type:
+        for name in methods:
+            if name not in cls.__dict__:
+                setattr(cls, name, _blocking(getattr(of, name)))
+        for name in attributes:
+            setattr(cls, name, property(lambda self, name=name: getattr(self._inner, name)))
+        return cls
+
+    return install
+
+
+class _Facade:
+    _inner: Any
+    _bg: BackgroundLoop
 
     def __repr__(self) -> str:
-        return repr(self._inner).replace("AsyncSession", "Session")
+        return repr(self._inner).replace("<Async", "<", 1)
 
-    @property
-    def sid(self) -> str:
-        return self._inner.sid
+    def _run(self, coro: Any) -> Any:
+        return self._bg.run(coro)
 
-    @property
-    def index(self) -> int | None:
-        return self._inner.index
-
-    @property
-    def expired(self) -> bool:
-        return self._inner.expired
-
-    @property
-    def closed(self) -> bool:
-        return self._inner.closed
-
-    @property
-    def async_session(self) -> AsyncSession:
-        return self._inner
-
-    def prompt(self) -> list[Block]:
-        return self._bg.run(self._inner.prompt())
-
-    def messages(self) -> list[Message]:
-        return self._bg.run(self._inner.messages())
-
-    def tools(self) -> ToolList:
-        return self._bg.run(self._inner.tools())
-
-    def call(self, name: str, arguments: Mapping[str, Any] | None = None) -> ToolResult:
-        return self._bg.run(self._inner.call(name, arguments))
-
-    def score_group(self, candidates: list[dict[str, Any]]) -> list[GroupScore]:
-        return self._bg.run(self._inner.score_group(candidates))
-
-    def ping(self) -> bool:
-        return self._bg.run(self._inner.ping())
-
-    def close(self) -> None:
-        self._bg.run(self._inner.close())
-
-    def __enter__(self) -> Session:
+    def __enter__(self) -> Any:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close()  # type: ignore[attr-defined]
 
 
-class Client:
+@_facade(AsyncSession, ("prompt", "messages", "tools", "call", "score_group", "ping", "close"),
+         ("sid", "index", "expired", "closed", "seconds"))
+class Session(_Facade):
+    """Synchronous view of an `AsyncSession` (from `Client.open_session`), safe to use from any thread."""
+
+    def __init__(self, inner: AsyncSession, bg: BackgroundLoop) -> None:
+        self._inner, self._bg = inner, bg
+
+    async_session = property(lambda self: self._inner, doc="The `AsyncSession` this view drives.")
+
+
+@_facade(AsyncClient, ("environment", "list_environments", "health", "splits", "num_tasks", "task", "task_range",
+                       "tasks", "tools"), ("target", "open_sessions"))
+class Client(_Facade):
     """Synchronous ORS client: the `AsyncClient` API driven through the process's background loop.
 
     Takes the arguments of `AsyncClient`. Closed by `close()`, by `with`, or at the latest at interpreter
     exit (before thread pools shut down), deleting every session it still has open.
     """
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        env_name: str | None = None,
-        api_key: str | None = None,
-        secrets: Mapping[str, SecretValue] | None = None,
-        timeouts: Timeouts | None = None,
-        retry: RetryPolicy | None = None,
-        keepalive_interval: float | None = 10.0,
-        max_sessions: int | None = None,
-        session_wait: float | None = 1800.0,
-        max_connections: int = 0,
-    ) -> None:
-        self._async = AsyncClient(target, env_name=env_name, api_key=api_key, secrets=secrets, timeouts=timeouts,
-                                  retry=retry, keepalive_interval=keepalive_interval, max_sessions=max_sessions,
-                                  session_wait=session_wait, max_connections=max_connections)
+    @functools.wraps(AsyncClient.__init__)
+    def __init__(self, target: str, **kwargs: Any) -> None:
+        self._inner = AsyncClient(target, **kwargs)
         self._bg = get_loop()
-        self._bg.add_closer(self._async.aclose)
+        self._bg.add_closer(self._inner.aclose)
 
-    def __repr__(self) -> str:
-        return repr(self._async).replace("AsyncClient", "Client")
-
-    @property
-    def async_client(self) -> AsyncClient:
-        return self._async
-
-    @property
-    def target(self) -> Target:
-        return self._async.target
-
-    @property
-    def open_sessions(self) -> int:
-        return self._async.open_sessions
-
-    def _run(self, coro: Any) -> Any:
-        return self._bg.run(coro)
-
-    def environment(self) -> str | None:
-        return self._run(self._async.environment())
-
-    def list_environments(self) -> list[str]:
-        return self._run(self._async.list_environments())
-
-    def health(self) -> bool:
-        return self._run(self._async.health())
-
-    def splits(self) -> list[Split]:
-        return self._run(self._async.splits())
-
-    def num_tasks(self, split: str = "train") -> int:
-        return self._run(self._async.num_tasks(split))
-
-    def task(self, split: str, index: int) -> dict[str, Any]:
-        return self._run(self._async.task(split, index))
-
-    def task_range(self, split: str, start: int | None = None, stop: int | None = None) -> list[dict[str, Any]]:
-        return self._run(self._async.task_range(split, start, stop))
-
-    def tasks(self, split: str = "train") -> list[dict[str, Any]]:
-        return self._run(self._async.tasks(split))
-
-    def tools(self) -> ToolList:
-        return self._run(self._async.tools())
-
-    def open_session(self, *, split: str | None = None, index: int | None = None,
-                     task_spec: Mapping[str, Any] | None = None, toolset_name: str | None = None) -> Session:
-        return Session(self._run(self._async.open_session(split=split, index=index, task_spec=task_spec,
-                                                          toolset_name=toolset_name)), self._bg)
+    async_client = property(lambda self: self._inner, doc="The `AsyncClient` this client drives.")
+    open_session = _blocking(AsyncClient.open_session, lambda self, session: Session(session, self._bg))
 
     def close(self) -> None:
-        self._bg.remove_closer(self._async.aclose)
-        self._run(self._async.aclose())
+        """Close every open session, then the connection pool."""
+        self._bg.remove_closer(self._inner.aclose)
+        self._run(self._inner.aclose())
 
-    def __enter__(self) -> Client:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+async def delete_orphans(target: str, sids: list[str]) -> list[bool]:
+    """Delete session ids of `target` that a dead process left open (the orphan registry's sweep); per id, whether
+    the server has it gone. A catalog target needs `OPENREWARD_API_KEY`."""
+    gate = asyncio.Semaphore(_ORPHAN_CONCURRENCY)
+    async with AsyncClient(target, retry=_QUICK_RETRY, keepalive_interval=None) as client:
+        async def delete(sid: str) -> bool:
+            async with gate:
+                return await client._delete(sid, quiet=True)
+
+        return list(await asyncio.gather(*(delete(sid) for sid in sids)))
 
 
 def _env_segment(name: str) -> str:

@@ -451,6 +451,8 @@ class Episode:
         self._freeing: asyncio.Future[None] | None = None
         self._ended: float | None = None
         self.images: dict[str, ImageBlock] = {}  # the episode's images by hash (its record lists each once)
+        self._billed = 0.0  # session-seconds already counted in the metrics
+        self._unseen = 0  # the model's calls TRL failed itself, seen in its transcript: they count toward the cap
 
     def __repr__(self) -> str:
         return f"<Episode {self.env.name} {self.task.key} reward={self.reward} {self.state}>"
@@ -601,6 +603,13 @@ class Episode:
         self.images.setdefault(sha, block)
         return sha
 
+    def made_before(self, calls: int | None) -> None:
+        """TRL's own loop: the model made `calls` tool calls before the one coming in (None: unknown). Those TRL failed
+        itself (an unknown tool, arguments that do not bind) never reach the episode, yet count toward
+        `Rules.max_tool_calls` as on every other path; `replay` counts them for good."""
+        if calls is not None:
+            self._unseen = max(self._unseen, calls - self.tool_calls)
+
     def _admit(self, call: Call) -> tuple[str, dict[str, Any]]:
         """The remote tool and wire arguments of a call the episode accepts; raises the local refusal otherwise."""
         if call.type == "function":
@@ -613,7 +622,7 @@ class Episode:
                 raise _refusal(call.name, "episode_finished",
                                f"the episode has ended ({self.end_reason or 'closed'}).")
             cap = self.rules.max_tool_calls
-            if cap is not None and self.tool_calls > cap:
+            if cap is not None and self.tool_calls + self._unseen > cap:
                 raise _refusal(call.name, "max_tool_calls", f"this episode allows at most {cap} tool calls.")
         return self._route(call)
 
@@ -681,7 +690,7 @@ class Episode:
         Returns what to `end` with: the reason and the final plain message.
         """
         made = deque(c for t in self.turns for c in t["tool_calls"])
-        self.turns = []
+        self.turns, self._unseen = [], 0
         reason: str | None = "no_tool_calls"
         message: str | None = None
         replies = [i for i, m in enumerate(messages) if m.get("role", "assistant") == "assistant"]
@@ -804,6 +813,17 @@ class Episode:
         if self._metrics is not None:
             self._metrics.record_episode(self.env.name, reward=self.reward, finished=self.finished,
                                          calls=self.tool_calls, unscored=self.unscored, turns=self.turns)
+        self._bill()
+
+    def _bill(self) -> None:
+        """Count the session-seconds spent since the last count (`timings.session`: the session's life so far, all of
+        it once closed): at the reward, and the rest when the session is gone."""
+        if self.session is None:
+            return
+        spent = self.timings["session"] = self.session.seconds
+        if self._metrics is not None:
+            self._metrics.record_session(self.env.name, spent - self._billed, unscored=self.reward is None)
+        self._billed = spent
 
     def record(self) -> EpisodeRecord:
         """The episode as one record (schema `ors_trl._records.RECORD_VERSION`), the same for every driver."""
@@ -843,6 +863,7 @@ class Episode:
         try:
             await self.close_session()
         finally:
+            self._bill()
             with self.env.lock:
                 self.env.live.discard(self)
             if keep:

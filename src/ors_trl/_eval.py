@@ -362,6 +362,8 @@ class EvalReport:
         end_reasons: episodes per end reason (`no_tool_calls`, `finished`, `max_turns`, `context_length`, `timeout`,
             `error`).
         mean_group_reward: mean comparative reward from `/score_group` (when asked for), else None.
+        sessions_opened, session_seconds, session_seconds_unscored: the episodes' sessions, and the seconds they
+            lived on the server (what a sandbox platform bills), all and those of episodes scored None.
         num_resumed: episodes read back from `output` rather than run.
         seconds: wall time of this run.
         output: the episodes file, if any.
@@ -394,6 +396,9 @@ class EvalReport:
     no_tool_call_rate: float = 0.0
     unparsed_turn_rate: float = 0.0
     malformed_calls: int = 0
+    sessions_opened: int = 0
+    session_seconds: float = 0.0
+    session_seconds_unscored: float = 0.0
     output: str | None = None
     uploads: dict[str, int] | None = None
     episodes: list[dict[str, Any]] = field(default_factory=list, repr=False)
@@ -422,7 +427,9 @@ class EvalReport:
             tasks=[{"task": task, "episodes": n, "successes": c,
                     "pass_at_k": {k: pass_at_k(n, c, k) for k in range(1, n + 1)}} for task, (n, c) in counts.items()],
             no_tool_call_rate=stats.no_call_rate, unparsed_turn_rate=stats.unparsed_rate,
-            malformed_calls=stats.malformed_calls, **info,
+            malformed_calls=stats.malformed_calls, sessions_opened=stats.sessions,
+            session_seconds=round(stats.session_seconds, 3),
+            session_seconds_unscored=round(stats.session_seconds_unscored, 3), **info,
         )
 
     def to_dict(self, *, episodes: bool = False) -> dict[str, Any]:
@@ -452,6 +459,8 @@ class EvalReport:
             f"  errors                {self.num_errors}",
             f"  end reasons           {reasons}",
             *([f"  mean group reward     {self.mean_group_reward:.4f}"] if self.mean_group_reward is not None else []),
+            f"  session-seconds       {self.session_seconds:.1f}  ({self.session_seconds_unscored:.1f} unscored, "
+            f"{self.sessions_opened} sessions)",
             f"  time                  {self.seconds:.1f} s",
         ]
         if self.uploads is not None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from ._binding import Toolset
 from ._client import AsyncClient
-from ._exceptions import NotFoundError, ORSError
+from ._exceptions import ConfigurationError, NotFoundError, ORSError
 from ._loop import get_loop
 from ._text import escape_controls, one_line, repair, show_json
 from ._transport import RetryPolicy, Timeouts
@@ -47,14 +47,19 @@ async def collect(
     timeouts: Timeouts | None = None,
     retry: RetryPolicy | None = None,
     calls: Sequence[tuple[str, dict[str, Any]]] = (),
+    toolset: str | None = None,
 ) -> dict[str, Any]:
     """Query the server; returns the JSON-able inspection (without the binding part). Leaves no session open.
 
     `timeouts` and `retry` bound every request, as for any client (the defaults allow minutes per request).
     `calls`: `(tool, arguments)` to call in the probe session, in order (`tool_outputs` says what each answered).
+    With `toolset`, the probe session gets that platform toolset, and its tools are listed with the task's; a toolset
+    the server refuses is a `ConfigurationError`.
     """
-    async with AsyncClient(target, env_name=env_name, api_key=api_key, timeouts=timeouts, retry=retry) as client:
-        info: dict[str, Any] = {"target": client.target.name, "kind": client.target.kind, "environments": None}
+    async with AsyncClient(target, env_name=env_name, api_key=api_key, timeouts=timeouts, retry=retry,
+                           toolset=toolset) as client:
+        info: dict[str, Any] = {"target": client.target.name, "kind": client.target.kind, "environments": None,
+                                "toolset": toolset}
         if client.target.is_url:
             try:
                 info["environments"] = await client.list_environments()
@@ -105,6 +110,8 @@ async def collect(
                 task_tools["tools"] = [t.to_json() for t in listed.tools if t.name not in known]
                 if info["terminal_tool"] is None and listed.terminal_tool is not None:
                     info["terminal_tool"] = _terminal(listed.terminal_tool)
+            except ConfigurationError:
+                raise
             except ORSError as exc:
                 task_tools["error"] = f"{type(exc).__name__}: {exc}"
         elif probe:
@@ -238,7 +245,8 @@ def render_text(info: dict[str, Any]) -> str:
     elif tt.get("error"):
         add(f"Task-specific tools: the probe session for task {tt['index']} failed: {_one(tt['error'])}")
     else:
-        add(f"Task-specific tools (from a session for task {tt['index']}; other tasks may differ) "
+        toolset = f", with toolset {_one(info['toolset'])!r}" if info.get("toolset") else ""
+        add(f"Task-specific tools (from a session for task {tt['index']}{toolset}; other tasks may differ) "
             f"({len(tt['tools'])}):")
         if not tt["tools"]:
             add("  (none)")

@@ -11,9 +11,11 @@ for malformed arguments (`input_validation`: not an object, or not the tool's sc
 episodes without a tool call crosses `no_call_warning` after having been below it, the log says so.
 
 Episodes (`ors_trl._episode`, whatever drives them) record events in an `EnvMetrics`: session opens,
-tool calls, terminal-tool calls, finished episodes, group scorings. `EnvMetrics.flush()` turns what
-accumulated since the last flush into flat scalar metrics named `env/<name>/<metric>` (and
-`env/<metric>` over all environments), which the reward functions hand to the trainer's `log_metric`.
+tool calls, terminal-tool calls, finished episodes, group scorings, and the session-seconds their
+sessions lived on the server (what a sandbox platform bills; apart, those of episodes scored None).
+`EnvMetrics.flush()` turns what accumulated since the last flush into flat scalar metrics named
+`env/<name>/<metric>` (and `env/<metric>` over all environments), which the reward functions hand to
+the trainer's `log_metric`.
 """
 
 from __future__ import annotations
@@ -80,14 +82,21 @@ class EpisodeStats:
     no_calls: int = 0
     unparsed_turns: int = 0
     malformed_calls: int = 0
+    sessions: int = 0
+    session_seconds: float = 0.0
+    session_seconds_unscored: float = 0.0
     end_reasons: Counter[str] = field(default_factory=Counter)
     unscored: Counter[str] = field(default_factory=Counter)
 
     def add(self, *, reward: float | None, finished: bool = False, tool_calls: int = 0, tool_failures: int = 0,
             turns: int = 0, end_reason: str | None = None, unscored: str | None = None,
-            group_reward: float | None = None, unparsed_turns: int = 0, malformed_calls: int = 0) -> None:
-        """Count one episode."""
+            group_reward: float | None = None, unparsed_turns: int = 0, malformed_calls: int = 0,
+            session_seconds: float | None = None) -> None:
+        """Count one episode (`session_seconds`: how long its session lived, when it had one)."""
         self.episodes += 1
+        if session_seconds is not None:
+            self.sessions += 1
+            self.add_session(session_seconds, unscored=reward is None)
         self.finished += bool(finished)
         self.tool_calls += tool_calls
         self.no_calls += tool_calls == 0
@@ -107,6 +116,11 @@ class EpisodeStats:
             self.group_scored += 1
             self.group_reward_sum += group_reward
 
+    def add_session(self, seconds: float, *, unscored: bool) -> None:
+        """Count session-seconds, apart for an episode scored None."""
+        self.session_seconds += seconds
+        self.session_seconds_unscored += seconds if unscored else 0.0
+
     def add_record(self, record: Mapping[str, Any]) -> None:
         """Count one episode record (any version; malformed fields count as absent)."""
         def count(key: str) -> int:
@@ -114,6 +128,8 @@ class EpisodeStats:
             return int(value) if value is not None and value >= 0 else 0
 
         turns = record.get("turns")
+        timings = record.get("timings")
+        session = _number(timings.get("session")) if isinstance(timings, dict) else None
         end = record.get("end_reason")
         unscored = record.get("unscored")
         unparsed, malformed = tool_health(turns)
@@ -121,12 +137,14 @@ class EpisodeStats:
                  tool_calls=count("tool_calls"), tool_failures=count("tool_failures"),
                  turns=len(turns) if isinstance(turns, list) else 0, end_reason=None if end is None else str(end),
                  unscored=unscored if isinstance(unscored, str) else None,
-                 group_reward=_number(record.get("group_reward")), unparsed_turns=unparsed, malformed_calls=malformed)
+                 group_reward=_number(record.get("group_reward")), unparsed_turns=unparsed, malformed_calls=malformed,
+                 session_seconds=session if session is not None and session >= 0 else None)
 
     def merge(self, other: EpisodeStats) -> None:
         """Add `other`'s counts (the same success threshold is assumed)."""
         for name in ("episodes", "scored", "reward_sum", "successes", "finished", "tool_calls", "tool_failures",
-                     "turns", "group_scored", "group_reward_sum", "no_calls", "unparsed_turns", "malformed_calls"):
+                     "turns", "group_scored", "group_reward_sum", "no_calls", "unparsed_turns", "malformed_calls",
+                     "sessions", "session_seconds", "session_seconds_unscored"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.end_reasons.update(other.end_reasons)
         self.unscored.update(other.unscored)
@@ -183,6 +201,7 @@ def failure_kind(kind: str) -> str:
 class _Window:
     stats: EpisodeStats
     open_latency: list[float] = field(default_factory=list)
+    opens: int = 0
     open_failures: int = 0
     call_latency: list[float] = field(default_factory=list)
     calls: int = 0
@@ -196,7 +215,7 @@ class _Window:
         self.stats.merge(other.stats)
         for name in ("open_latency", "call_latency", "terminal_latency"):
             getattr(self, name).extend(getattr(other, name))
-        for name in ("open_failures", "calls", "terminal_calls", "groups", "group_failures"):
+        for name in ("opens", "open_failures", "calls", "terminal_calls", "groups", "group_failures"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for k, v in other.failures.items():
             self.failures[k] += v
@@ -233,7 +252,9 @@ class EnvMetrics:
             if error_kind is not None:
                 w.open_failures += 1
                 w.failures[failure_kind(error_kind)] += 1
-            elif seconds is not None and len(w.open_latency) < self.MAX_SAMPLES:
+                return
+            w.opens += 1
+            if seconds is not None and len(w.open_latency) < self.MAX_SAMPLES:
                 w.open_latency.append(seconds)
 
     def record_call(self, env: str, seconds: float | None, error_kind: str | None = None, *,
@@ -260,6 +281,11 @@ class EnvMetrics:
         with self._lock:
             self._windows[env].stats.add(reward=reward, finished=finished, tool_calls=calls, unscored=unscored,
                                          turns=len(turns), unparsed_turns=unparsed, malformed_calls=malformed)
+
+    def record_session(self, env: str, seconds: float, *, unscored: bool) -> None:
+        """Session-seconds an episode's session spent on the server (since the last count), apart when it scored None."""
+        with self._lock:
+            self._windows[env].stats.add_session(seconds, unscored=unscored)
 
     def record_group(self, env: str, *, ok: bool) -> None:
         """One GRPO group sent to `/score_group` (scored, or failed: its rollouts get None)."""
@@ -346,6 +372,11 @@ def _window_metrics(prefix: str, w: _Window) -> dict[str, float]:
     if w.calls or w.terminal_calls or w.failures:
         for kind in FAILURE_KINDS:
             out[prefix + f"failures/{kind}"] = float(w.failures.get(kind, 0))
+    if w.opens:
+        out[prefix + "sessions_opened"] = float(w.opens)
+    if s.session_seconds:
+        out[prefix + "session_seconds"] = s.session_seconds
+        out[prefix + "session_seconds_unscored"] = s.session_seconds_unscored
     if w.open_failures:
         out[prefix + "session_open_failures"] = float(w.open_failures)
     if w.open_latency:

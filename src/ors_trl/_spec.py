@@ -153,6 +153,17 @@ class OpenRewardSpec:
             processing class is a tokenizer gets a `ConfigurationError` at its first rollout); `"placeholder"`: as
             the text `[image: <media type>]`, for a text-only model on purpose. Text-only environments give the same
             text either way. The bounds an image must keep are in `ors_trl._images`.
+        max_session_rate: sessions created per second by this process's copy of the spec, or `(rate, burst)`
+            (burst 1 otherwise); opens past it wait their turn, and a 429 or `503 starting` slows it down. None
+            (default): a batch opens at once. `ORS_TRL_MAX_SESSION_RATE="RATE[:BURST]"` sets one pace shared by
+            every process of the working directory.
+        toolset: the platform toolset every session gets (e.g. `"codex"`, `"claude-code"`): its tools are
+            discovered in a probe session and bound like the environment's. A toolset the server refuses is a
+            `ConfigurationError` at the first open.
+        toolset_fallback: when the server refuses `toolset`, open sessions without it (one log line) instead.
+        env_overrides: environment variables for every session (`{"OPENAI_BASE_URL": ...}`); on the platform,
+            callers other than the environment's owner may set only the OpenAI/Anthropic URL and key variables.
+            Masked like secrets.
     """
 
     def __init__(
@@ -186,6 +197,10 @@ class OpenRewardSpec:
         success_threshold: float = 1.0,
         upload_rollouts: bool | str = False,
         images: str = "pass",
+        max_session_rate: float | tuple[float, int] | None = None,
+        toolset: str | None = None,
+        toolset_fallback: bool = False,
+        env_overrides: Mapping[str, str] | None = None,
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self._options = options
@@ -218,7 +233,8 @@ class OpenRewardSpec:
         effective = dict(secrets) if secrets is not None else platform_key_secret(resolved)
         self._client = AsyncClient(target, env_name=env_name, api_key=api_key, secrets=effective or None,
                                    timeouts=timeouts, retry=retry, keepalive_interval=keepalive_interval,
-                                   max_sessions=max_sessions)
+                                   max_sessions=max_sessions, max_session_rate=max_session_rate, toolset=toolset,
+                                   toolset_fallback=toolset_fallback, env_overrides=env_overrides)
         writer = None
         if episode_log is not None:
             writer = RecordWriter(episode_log, max_bytes=EPISODE_LOG_MAX_BYTES, max_text=EPISODE_LOG_MAX_TEXT)
@@ -351,8 +367,8 @@ class OpenRewardSpec:
         features = (listed.supports_score_group, listed.message_block_types)
         merged: dict[str, ToolSpec] = {t.name: t for t in listed.tools}
         terminal = listed.terminal_tool
-        if not self._options["discover_task_tools"]:
-            return list(merged.values()), terminal, *features
+        if not self._options["discover_task_tools"] and self._options["toolset"] is None:  # a toolset's tools show
+            return list(merged.values()), terminal, *features  # only in a session
         try:
             total = await client.num_tasks(self._split)
         except (BadRequestError, NotFoundError):
@@ -382,8 +398,8 @@ class OpenRewardSpec:
         shared = set(merged)
         for index, result in zip(probes, results, strict=True):
             if isinstance(result, BaseException):
-                if not isinstance(result, Exception):
-                    raise result
+                if not isinstance(result, Exception) or isinstance(result, ConfigurationError):
+                    raise result  # a refused toolset or env override: the user's to fix, now
                 logger.warning("%s: tool discovery for task %d failed (%s); skipping it.", self.name, index, result)
                 continue
             terminal = terminal or result.terminal_tool

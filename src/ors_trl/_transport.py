@@ -379,6 +379,7 @@ class Transport:
             total=None, connect=timeouts.connect, sock_connect=timeouts.connect, sock_read=timeouts.stream_idle
         )
         self.on_request: Callable[[str, str], None] | None = None  # (method, path) hook for tests/metrics
+        self.on_throttle: Callable[[], None] | None = None  # told of each 429 and `503 starting` (the pace slows)
         # Masked in every answer and message: the API key, plus every X-Secrets header sent and its values.
         self.decoder = Decoder([str(target.api_key)] if target.api_key else [])
         self._headers_seen: set[str] = set()
@@ -518,6 +519,8 @@ class Transport:
         head = await _read_head(resp, _ERROR_BODY_LIMIT)
         detail = self.quote(_detail_of(self.decoder, head))
         starting = resp.status == 503 and resp.headers.get("X-Backend-State") == "starting"
+        if (starting or resp.status == 429) and self.on_throttle is not None:
+            self.on_throttle()
         err = status_error(resp.status, detail, path, session_scoped=session_scoped)
         return _Again(err, retry_after=_retry_after(resp.headers), starting=starting,
                       final=resp.status not in _RETRY_STATUSES)

@@ -162,29 +162,57 @@ def resetting_batch(adapter: Any, skip: int = 2) -> tuple[Any, list[tuple[Any, M
     return trainer, None
 
 
-def tool_turn(adapter: Any, skip: int = 4) -> tuple[object, list[tuple[Any, list[tuple[str, Any]]]]] | None:
-    """At a call TRL's tool loop makes on `adapter`: the calls of that turn not yet made, per rollout.
-
-    `skip`: frames between this function's caller and TRL's loop (the adapter's own, and the bound tool).
-    Reads `_tool_call_loop`'s locals (`idxs_with_tool`, `tool_calls`, `idx`, `tool_call`) and
-    `trainer.environments`. Returns `(turn, [(environment, [(name, arguments), ...]), ...])`, starting with
-    `adapter` at the call being made, then every later rollout of the turn; `turn` identifies the turn
-    (TRL builds a new `tool_calls` list each turn). None when the loop does not look as expected.
-    """
+def _at_call(adapter: Any, skip: int) -> tuple[dict[str, Any], int] | None:
+    """At a call TRL's tool loop makes on `adapter`: the loop's locals and the call's place in its turn, checked."""
     loc = _locals_of(skip + 1, 4, "_tool_call_loop")
     if loc is None:
         return None
     trainer, idxs, calls = loc.get("self"), loc.get("idxs_with_tool"), loc.get("tool_calls")
-    idx, current = loc.get("idx"), loc.get("tool_call")
+    idx, current, completions = loc.get("idx"), loc.get("tool_call"), loc.get("completions")
     envs = getattr(trainer, "environments", None)
     if not (isinstance(idxs, list) and isinstance(calls, list) and len(idxs) == len(calls)
             and isinstance(idx, int) and 0 <= idx < len(idxs) and isinstance(envs, list)
+            and isinstance(completions, list) and len(completions) == len(envs)
             and all(isinstance(i, int) and 0 <= i < len(envs) for i in idxs)
             and envs[idxs[idx]] is adapter and isinstance(calls[idx], list)):
         return None
     position = next((j for j, call in enumerate(calls[idx]) if call is current), None)
-    if position is None:
+    return None if position is None else (loc, position)
+
+
+def _calls_made(completion: Any) -> int:
+    """The tool calls of a rollout's replies before its current one (TRL's `completions` entry, which ends with it),
+    those TRL failed itself included."""
+    return sum(len(m.get("tool_calls") or []) for m in completion[:-1] if isinstance(m, dict)
+               and m.get("role") == "assistant") if isinstance(completion, list) else 0
+
+
+def calls_before(adapter: Any, skip: int = 2) -> int | None:
+    """At a call TRL's tool loop makes on `adapter`: how many calls the model made before it in this rollout (the
+    calls TRL failed itself, which never reach the adapter, included); None when the loop does not look as
+    expected. `skip`: frames between this function's caller and TRL's loop."""
+    at = _at_call(adapter, skip + 1)
+    if at is None:
         return None
+    loc, position = at
+    return _calls_made(loc["completions"][loc["idxs_with_tool"][loc["idx"]]]) + position
+
+
+def tool_turn(adapter: Any, skip: int = 4) -> tuple[object, list[tuple[Any, list[tuple[str, Any]], int]]] | None:
+    """At a call TRL's tool loop makes on `adapter`: the calls of that turn not yet made, per rollout.
+
+    `skip`: frames between this function's caller and TRL's loop (the adapter's own, and the bound tool).
+    Reads `_tool_call_loop`'s locals (`idxs_with_tool`, `tool_calls`, `idx`, `tool_call`, `completions`) and
+    `trainer.environments`. Returns `(turn, [(environment, [(name, arguments), ...], made), ...])`, starting with
+    `adapter` at the call being made, then every later rollout of the turn, with the calls the model made before
+    the first (`calls_before`); `turn` identifies the turn (TRL builds a new `tool_calls` list each turn). None
+    when the loop does not look as expected.
+    """
+    at = _at_call(adapter, skip + 1)
+    if at is None:
+        return None
+    loc, position = at
+    idxs, calls, idx, envs = loc["idxs_with_tool"], loc["tool_calls"], loc["idx"], loc["self"].environments
     out = []
     for k in range(idx, len(idxs)):
         turn = calls[k] if isinstance(calls[k], list) else []
@@ -194,7 +222,7 @@ def tool_turn(adapter: Any, skip: int = 4) -> tuple[object, list[tuple[Any, list
             if not isinstance(function, dict):
                 break
             chain.append((function.get("name"), function.get("arguments")))
-        out.append((envs[idxs[k]], chain))
+        out.append((envs[idxs[k]], chain, _calls_made(loc["completions"][idxs[k]]) + (position if k == idx else 0)))
     return calls, out
 
 

@@ -4,6 +4,7 @@
     ors-trl eval http://127.0.0.1:8000 --model ./checkpoint --num-tasks 32 --output episodes.jsonl
     ors-trl eval Eigent/SETA --base-url http://127.0.0.1:8001/v1 --model my-model --concurrency 16
     ors-trl serve-echo --port 8000
+    ors-trl cleanup ./run-dir
     ors-trl report episodes.jsonl eval.jsonl ./trainer-output --output report.html
     ors-trl report ./out --label before=out/eval_before.jsonl --label after=out/eval_after.jsonl
 
@@ -39,7 +40,7 @@ exit codes:
   0    success
   1    runtime or environment error: server unreachable, unknown environment or split, the environment
        or the policy failed; for eval, also when every episode ended in an error; for report, an
-       --output that cannot be written
+       --output that cannot be written; for cleanup, an orphaned session that could not be deleted
   2    usage error: invalid arguments, malformed target, missing API key, a --model path that is not a
        model directory, an existing --output without --resume/--overwrite, a --success-threshold
        outside the rewards seen; a report INPUT or --label file that is missing, unreadable, or not an
@@ -54,7 +55,7 @@ characters escaped (\x1b, \u202e), so it cannot retitle, clear or rewrite the te
 
 
 def _para(text: str) -> str:
-    return textwrap.fill(text, width=100)
+    return textwrap.fill(text, width=100, break_on_hyphens=False)
 
 
 class _UsageError(Exception):
@@ -203,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--call", metavar="NAME[=JSON]", action="append", default=[],
                    help="call this tool in the probe session (arguments as a JSON object, default {}) and show what "
                         "its output holds (text, images); repeatable. Tools can have effects: only on request")
+    p.add_argument("--toolset", metavar="NAME",
+                   help="give the probe session this platform toolset (e.g. codex) and list its tools")
 
     p = sub.add_parser(
         "eval",
@@ -259,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per reply (local default 256; endpoint: max_tokens, not sent unless given)")
     p.add_argument("--seed", metavar="S", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--device", metavar="D", help="device for a local model (default: cuda if available, else cpu)")
+    p.add_argument("--max-tool-calls", metavar="N", type=_non_negative_int,
+                   help="tool calls one episode may make; later ones are refused (the model reads why) and counted "
+                        "as refused failures, as in training (default: no limit)")
+    p.add_argument("--toolset", metavar="NAME",
+                   help="the platform toolset every session gets (e.g. codex, claude-code); its tools are bound too")
     p.add_argument("--per-task-tools", action="store_true",
                    help="bind each episode's own tool list instead of the tools training binds")
     p.add_argument("--score-groups", action="store_true",
@@ -312,6 +320,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"an episode succeeded when its reward is at least X (default {DEFAULT_SUCCESS_THRESHOLD:g}; "
                         "one given must lie within the rewards seen)")
     p.add_argument("--title", metavar="TEXT", help="the page's title (default: names the environments)")
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
+
+    p = sub.add_parser(
+        "cleanup",
+        help="delete the sessions that killed ors-trl processes left open (the orphan registry)",
+        description=_para("Every process that opens ORS sessions keeps a registry of them in its working "
+        "directory (.ors-trl/sessions, or $ORS_TRL_STATE_DIR/sessions), written before each session is created. "
+        "A process killed with SIGKILL (the out-of-memory killer, a pre-empted node, kill -9) cannot close its "
+        "sessions: the next ors-trl process that opens a session there deletes them, and so does this command. "
+        "Only sessions of dead processes of this host are deleted, never a live process's. A catalog target "
+        "needs OPENREWARD_API_KEY. ORS_TRL_SESSION_REGISTRY=0 turns the registry off."),
+        **_LAYOUT,
+    )
+    p.add_argument("dir", metavar="DIR", nargs="?", default=None,
+                   help="the run's working directory, or a state folder (default: $ORS_TRL_STATE_DIR, else .)")
+    p.add_argument("--any-host", action="store_true",
+                   help="also treat registries written on other hosts as dead (a shared disk whose nodes are gone)")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
 
@@ -373,7 +399,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             raise _UsageError(f"--call {given}: give NAME or NAME='{{...}}' (a JSON object)")
         calls.append((name, arguments))
     info = inspect_target(args.target, env_name=args.env_name, split=args.split, tasks=args.tasks,
-                          probe=not args.no_probe, probe_index=args.probe_index, calls=calls,
+                          probe=not args.no_probe, probe_index=args.probe_index, calls=calls, toolset=args.toolset,
                           **_client_options(args, INSPECT_TIMEOUT, INSPECT_RETRIES))
     if args.json:
         _print_json(info)
@@ -418,6 +444,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     # Each spec is built like a training spec with the same selection, so the tools bound are those training binds.
     specs = [OpenRewardSpec(target, split=args.split, env_name=env_name, num_tasks=args.num_tasks,
                             indices=args.indices, score_groups=args.score_groups, **threshold,
+                            max_tool_calls=args.max_tool_calls, toolset=args.toolset,
                             **_client_options(args, tool_timeout=args.tool_timeout)) for target, env_name in pairs]
     evaluated: Any = specs[0]
     if len(specs) > 1:
@@ -477,6 +504,30 @@ def _cmd_report(args: argparse.Namespace) -> int:
              f"{summary.embedded} episode bod{'y' if summary.embedded == 1 else 'ies'} embedded; curves from "
              f"{summary.trainer_states} trainer state(s), {summary.log_steps} logged step(s){skipped}")
     return EXIT_OK
+
+
+def _cmd_cleanup(args: argparse.Namespace) -> int:
+    import asyncio
+    import dataclasses
+    from pathlib import Path
+
+    from ._client import delete_orphans
+    from ._registry import state_dir, sweep
+
+    folder = Path(args.dir) if args.dir is not None else state_dir()
+    if (folder / ".ors-trl").is_dir():
+        folder = folder / ".ors-trl"
+    if args.dir is not None and not folder.is_dir():
+        raise _UsageError(f"{args.dir} is not a directory")
+    result = asyncio.run(sweep(delete_orphans, folder / "sessions", any_host=args.any_host))
+    if args.json:
+        _print_json({"folder": str(folder / "sessions"), **dataclasses.asdict(result)})
+    else:
+        _say(f"Deleted {result.deleted} session(s) left open by {result.processes} dead process(es) in "
+             f"{folder / 'sessions'}; {result.failed} could not be deleted (kept: run again once the server is "
+             f"reachable), {result.dropped} given up (older than a day); {result.live} live process(es) and "
+             f"{result.other_hosts} other host(s)' registries left alone")
+    return EXIT_ERROR if result.failed else EXIT_OK
 
 
 def _cmd_serve_echo(args: argparse.Namespace) -> int:
@@ -545,7 +596,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(getattr(args, "verbose", False))
     from ._exceptions import ConfigurationError, ORSError
 
-    handlers = {"inspect": _cmd_inspect, "eval": _cmd_eval, "serve-echo": _cmd_serve_echo, "report": _cmd_report}
+    handlers = {"inspect": _cmd_inspect, "eval": _cmd_eval, "serve-echo": _cmd_serve_echo, "report": _cmd_report,
+                "cleanup": _cmd_cleanup}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:

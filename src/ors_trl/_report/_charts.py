@@ -29,7 +29,8 @@ _MAX_POINTS = 2000  # per curve; longer ones are thinned evenly
 # `env/[<name>/]<metric>` as EnvMetrics names them; no name is the total over a mix.
 _METRIC_KEY = re.compile(r"^env/(?:(.+?)/)??(reward_mean|graded_fraction|finished_fraction|tool_calls_per_episode|"
                          r"no_tool_call_fraction|unparsed_turn_fraction|"
-                         r"failures/[\w.-]+|session_open_failures|session_open_s/p\d+|tool_call_s/p\d+)$")
+                         r"failures/[\w.-]+|session_open_failures|session_open_s/p\d+|tool_call_s/p\d+|"
+                         r"session_seconds(?:_unscored)?)$")
 _EVAL_KEY = re.compile(r"^eval/(.+)/(pass@\d+)$")  # evaluation during training (`spec.eval_callback`)
 _CHARTS = (
     ("heldout", "Held-out pass@k during training (evaluation every N steps)"),
@@ -39,6 +40,7 @@ _CHARTS = (
     ("health", "Episodes without a tool call (solid), turns whose tool-call markup did not parse (dashed)"),
     ("failures", "Tool-call failures per logging step"),
     ("latency", "Latency, seconds: p50 (solid), p95 (dashed)"),
+    ("cost", "Session-seconds per logging step (dashed: of episodes scored None)"),
 )
 
 
@@ -70,6 +72,8 @@ def _series(state: dict[str, Any], label: str) -> tuple[dict[str, dict[str, list
                     where = ("calls", env)
                 elif metric.endswith("_fraction") and metric not in ("graded_fraction", "finished_fraction"):
                     where = ("health", f"{env} {'unparsed' if metric.startswith('unparsed') else 'no call'}")
+                elif metric.startswith("session_seconds"):
+                    where = ("cost", f"{env} {'unscored' if metric.endswith('unscored') else 'all'}")
                 elif metric.startswith("failures/") or metric == "session_open_failures":
                     where = ("failures", f"{env}: {metric.removeprefix('failures/')}")
                 else:
@@ -90,7 +94,7 @@ def _series(state: dict[str, Any], label: str) -> tuple[dict[str, dict[str, list
     return charts, len(steps)
 
 
-_VARIANT = re.compile(r" (graded|finished|p\d+|no call|unparsed)$")
+_VARIANT = re.compile(r" (graded|finished|p\d+|no call|unparsed|all|unscored)$")
 
 
 def _svg(chart: dict[str, list[tuple[float, float]]], title: str, uid: str) -> str:
@@ -111,7 +115,7 @@ def _svg(chart: dict[str, list[tuple[float, float]]], title: str, uid: str) -> s
             if len(points) > _MAX_POINTS:  # thin evenly, keep the last point
                 stride = math.ceil(len(points) / _MAX_POINTS)
                 points = points[::stride] + ([points[-1]] if (len(points) - 1) % stride else [])
-            style = "--" if name.endswith((" finished", " p95", " p99", " unparsed")) else "-"
+            style = "--" if name.endswith((" finished", " p95", " p99", " unparsed", " unscored")) else "-"
             ax.plot([p[0] for p in points], [p[1] for p in points], style, color=color, label=repair(shorten(name, 60)),
                     marker="." if len(points) < 40 else None, linewidth=1.3)
         ax.set_title(title, fontsize=9)

@@ -146,6 +146,9 @@ def _summary(t: Tally) -> str:
     ]
     if s.group_scored:
         cards.append(("group-scored", str(s.group_scored), "episodes with a group_reward"))
+    if s.sessions:
+        cards.append(("session-seconds", f"{s.session_seconds:.0f}",
+                      f"{s.session_seconds_unscored:.0f} on unscored episodes; {s.sessions} session(s)"))
     out = ["<div class=cards>"]
     out += [f"<div class=card><div class=k>{_e(k)}</div><div class=v>{_e(v)}</div><div class=h>{_e(h)}</div></div>"
             for k, v, h in cards]

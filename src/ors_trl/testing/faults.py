@@ -89,6 +89,7 @@ class Seen:
         headers: the request headers, names lower-cased.
         body: the request body.
         fault: the name of the fault that answered it, or None when it was forwarded untouched.
+        at: `time.monotonic()` when it was read (the same clock in every process of the machine).
     """
 
     method: str
@@ -97,6 +98,7 @@ class Seen:
     body: bytes
     fault: str | None = None
     target: str = ""
+    at: float = field(default_factory=time.monotonic)
 
     def json(self) -> Any:
         return json.loads(self.body) if self.body else None
