@@ -20,11 +20,13 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from ._conversation import images_of
+from ._engine import GatherWindow
 from ._exceptions import ConfigurationError, ContextLengthExceeded, ORSError, PolicyError
 from ._target import check_header_value
 from ._transport import Decoder, RetryPolicy, _Again, _read_capped, retrying
@@ -289,9 +291,9 @@ class LocalPolicy:
     """A local transformers causal LM, prompted with its tokenizer's chat template (tools included); or a
     vision-language model with its processor, which then takes the images of the conversation as training does.
 
-    Episodes waiting for a turn are batched: the first request waits up to `batch_wait` seconds for the other
-    running episodes (or until `max_batch_size` are waiting), then one left-padded `generate` call answers all
-    of them, in a worker thread so that tool calls and keepalives go on meanwhile. Replies are parsed with
+    Episodes waiting for a turn are batched by the engine's rule (`GatherWindow`): the first request waits for the
+    other running episodes (until `max_batch_size` are waiting, or the window passes), then one left-padded
+    `generate` call answers all of them, in a worker thread so that tool calls and keepalives go on meanwhile. Replies are parsed with
     TRL's `parse_response` (the tokenizer's `response_template`, set with `add_response_schema` when missing),
     as `GRPOTrainer` does.
 
@@ -301,7 +303,8 @@ class LocalPolicy:
         temperature: 0 = greedy; otherwise sampled with `top_p`.
         max_new_tokens: tokens generated per turn (capped by the model's context).
         seed: seeds torch's generator once, when generation starts.
-        max_batch_size, batch_wait: at most this many requests per `generate` call, gathered for this long.
+        max_batch_size, batch_wait: at most this many requests per `generate` call, gathered for at most this long
+            (None: the engine's automatic window, at most 0.05 s and half of what a `generate` call takes).
         name: the policy's name in records (default: the model's path).
         chat_template: render with this template instead of the tokenizer's (e.g. TRL's training template).
         join_turns: build a later turn's input as GRPO's tool loop does: the previous input, the ids the model
@@ -321,7 +324,7 @@ class LocalPolicy:
         top_p: float = 1.0,
         seed: int | None = 0,
         max_batch_size: int = 64,
-        batch_wait: float = 0.05,
+        batch_wait: float | None = None,
         name: str | None = None,
         chat_template: str | None = None,
         join_turns: bool = True,
@@ -335,7 +338,7 @@ class LocalPolicy:
         self.top_p = top_p
         self.seed = seed
         self.max_batch_size = max(1, int(max_batch_size))
-        self.batch_wait = batch_wait
+        self.gather = GatherWindow(batch_wait)
         self.name = name or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
         self.join_turns = join_turns
         self._generated: dict[tuple[int, ...], list[int]] = {}  # prompt ids -> the ids generated from them
@@ -430,18 +433,20 @@ class LocalPolicy:
             self._wakeup.clear()
             if not self._queue:
                 continue
-            # Give the other running episodes a moment to ask too, so they share one generate call.
-            deadline = loop.time() + self.batch_wait
-            while len(self._queue) < min(self._active(), self.max_batch_size) and loop.time() < deadline:
+            # Give the other running episodes a moment to ask too, so they share one generate call (the engine's rule).
+            since = time.monotonic()
+            while (left := self.gather.left(len(self._queue), min(self._active(), self.max_batch_size)
+                                            - len(self._queue), since)) > 0:
                 self._wakeup.clear()
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(max(0.0, deadline - loop.time())):
+                    async with asyncio.timeout(left):
                         await self._wakeup.wait()
             batch = [p for p in self._queue[: self.max_batch_size] if not p.future.done()]
             del self._queue[: self.max_batch_size]
             if not batch:
                 continue
             self.batch_sizes.append(len(batch))
+            started = time.monotonic()
             try:
                 replies = await loop.run_in_executor(None, self._generate, [(p.messages, p.tools) for p in batch])
             except Exception as exc:
@@ -450,6 +455,7 @@ class LocalPolicy:
                         p.future.set_exception(exc if isinstance(exc, PolicyError) else PolicyError(
                             f"generation failed: {type(exc).__name__}: {exc}"))
                 continue
+            self.gather.took(time.monotonic() - started)
             for p, reply in zip(batch, replies, strict=True):
                 if p.future.done():
                     continue
