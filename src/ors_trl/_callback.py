@@ -36,3 +36,4 @@ class SessionCleanupCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         for runtime in self.runtimes:
             runtime.close_all()
+

@@ -14,8 +14,10 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import re
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -63,6 +65,8 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 _SESSION_ID = re.compile(r"[\x21-\x7e]{1,256}")
 #: An environment name from `/list_environments` becomes a URL path segment: no `/`, `?`, `#`, `%`, nothing to escape.
 _ENV_NAME = re.compile(r"[A-Za-z0-9._~!$&'()*+,;=:@-]{1,200}")
+#: Rows of the platform's task difficulty accepted in one answer (one per task, like a whole split's tasks).
+MAX_DIFFICULTY_ROWS = 100_000
 
 
 def _masked(method: F) -> F:
@@ -552,6 +556,47 @@ class AsyncClient:
         return raw["tasks"]
 
     @_masked
+    async def task_difficulty(self, split: str, filters: Mapping[str, str] | None = None) -> dict[int, Any]:
+        """The OpenReward platform's per-task difficulty of a catalog environment's `split`.
+
+        Args:
+            split (`str`):
+                The split.
+            filters (`Mapping[str, str]`, *optional*):
+                Query filters of the platform (`model_name`, `min_model_params`, `max_model_params`,
+                `training_stage`): `PlatformDifficulty.params()`.
+
+        Returns:
+            `dict[int, tuple[float, int]]`: the mean reward and the number of logged rollouts, per task index.
+
+        Raises:
+            ConfigurationError: for a self-hosted URL, which serves no difficulty data.
+        """
+        if self.target.is_url:
+            raise ConfigurationError(
+                f"{self.target.name} is a self-hosted server: the platform's task difficulty exists only for "
+                "openreward.ai catalog environments; pass difficulty_from= an `ors-trl eval --output` file or an "
+                "episode log instead.")
+        owner, _, name = self.target.name.partition("/")
+        query = urllib.parse.urlencode({"split": split, **(filters or {})})
+        path = f"/v1/environments/{urllib.parse.quote(owner)}/{urllib.parse.quote(name)}/task-difficulty?{query}"
+        raw = await self._transport.request("GET", path, api=True)
+        rows = raw.get("tasks") if isinstance(raw, dict) else None
+        if not isinstance(rows, list) or len(rows) > MAX_DIFFICULTY_ROWS:
+            raise ProtocolError(f"task-difficulty: expected {{'tasks': [...]}} (at most {MAX_DIFFICULTY_ROWS}), got "
+                                f"{quoted(raw)}")
+        out: dict[int, Any] = {}
+        for row in rows:
+            index, mean, count = (row.get(k) if isinstance(row, dict) else None
+                                  for k in ("task_index", "avg_reward", "num_rollouts"))
+            if not (isinstance(index, int) and isinstance(mean, int | float) and isinstance(count, int)) \
+                    or isinstance(index, bool) or not math.isfinite(mean):
+                raise ProtocolError(f"task-difficulty: a malformed row {quoted(row)}")
+            if row.get("split") in (None, split):
+                out[index] = (float(mean), count)
+        return out
+
+    @_masked
     async def tools(self) -> ToolList:
         """The environment's shared tools (task-specific ones need a session: `AsyncSession.tools`)."""
         return ToolList.from_json(await self._env_request("GET", "/tools"), where="tools")
@@ -782,7 +827,7 @@ class Session(_Facade):
 
 
 @_facade(AsyncClient, ("environment", "list_environments", "health", "splits", "num_tasks", "task", "task_range",
-                       "tasks", "tools"), ("target", "open_sessions"))
+                       "tasks", "task_difficulty", "tools"), ("target", "open_sessions"))
 class Client(_Facade):
     """Synchronous ORS client: the `AsyncClient` API driven through the process's background loop.
 

@@ -42,6 +42,7 @@ from ._exceptions import ConfigurationError, NotFoundError, ORSError, ToolError,
 from ._loop import get_loop
 from ._metrics import EnvMetrics
 from ._records import RUN_ID, CallRecord, EpisodeRecord, RecordWriter, TurnRecord, error_record, image_record
+from ._sampling import Curriculum
 from ._text import clip
 from ._types import Block, ImageBlock, TerminalTool, ToolList, ToolResult, image_blocks
 
@@ -55,6 +56,8 @@ logger = logging.getLogger("ors_trl")
 _RUNTIMES: weakref.WeakValueDictionary[str, EnvironmentRuntime] = weakref.WeakValueDictionary()
 #: Bound on the episodes an async worker's runtime keeps for reward functions that never come for them.
 _HANDOVER_MAX = 16_384
+#: The episode sources that train (TRL's loop, the engine): their outcomes teach task sampling; evaluation's do not.
+TRAINING_SOURCES = frozenset({"trl", "engine"})
 
 
 def runtimes(keys: Sequence[Any]) -> list[EnvironmentRuntime]:
@@ -208,6 +211,7 @@ class EnvironmentRuntime:
         self.metrics = EnvMetrics(success_threshold)
         self.metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
         self.uploads: Any = None  # a RolloutUploader (ors_trl._upload) sent every closed episode's record, opt-in
+        self.curriculum: Curriculum | None = None  # task sampling (ors_trl._sampling): told each training outcome
         self.toolset: Toolset | None = None  # bound by the spec before the first episode
         self.uses_messages: bool | None = None  # /messages supported (None: not known yet)
         self.block_types: tuple[str, ...] | None = None  # block types the server accepts in messages
@@ -252,6 +256,8 @@ class EnvironmentRuntime:
     def rename(self, name: str, metrics: EnvMetrics, recorder: RecordWriter | None) -> None:
         """Join a mix: report under `name`, into the mix's metrics and record writer."""
         self.name, self.metrics = name, metrics
+        if self.curriculum is not None:
+            self.curriculum.name = name
         metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
         if recorder is not None:
             self.recorder = recorder
@@ -813,6 +819,8 @@ class Episode:
         if self._metrics is not None:
             self._metrics.record_episode(self.env.name, reward=self.reward, finished=self.finished,
                                          calls=self.tool_calls, unscored=self.unscored, turns=self.turns)
+        if self.env.curriculum is not None and self.source in TRAINING_SOURCES:
+            self.env.curriculum.observe(self.task.index, self.reward)
         self._bill()
 
     def _bill(self) -> None:

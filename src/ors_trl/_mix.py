@@ -28,11 +28,12 @@ from ._loop import get_loop
 from ._metrics import EnvMetrics
 from ._records import RecordWriter
 from ._rewards import group_reward, outcome_reward, reward_function
+from ._sampling import Curriculum, UniformSampler
 from ._spec import EPISODE_LOG_MAX_BYTES, EPISODE_LOG_MAX_TEXT, OpenRewardSpec
 from ._tasks import log_notes, task_columns
 
 if TYPE_CHECKING:
-    from datasets import Dataset
+    from datasets import Dataset, IterableDataset
 
 __all__ = ["OpenRewardMix"]
 
@@ -141,8 +142,13 @@ class OpenRewardMix:
     # -- trainer inputs ----------------------------------------------------------------------------
 
     @cached_property
-    def train_dataset(self) -> Dataset:
-        """Every environment's tasks with TRL's `environment` routing column, in the mixture's proportions."""
+    def train_dataset(self) -> Dataset | IterableDataset:
+        """Every environment's tasks with TRL's `environment` routing column, in the mixture's proportions.
+
+        When a spec of the mix has a `task_sampling` other than "uniform", an endless `datasets.IterableDataset`
+        instead: each row's environment is drawn by the mixture's weights, then its task by that environment's
+        sampler (a seeded pass after pass for the uniform specs).
+        """
         from datasets import Dataset
 
         async def fetch_all() -> list[tuple[list[int], list[Any]]]:
@@ -150,6 +156,8 @@ class OpenRewardMix:
 
         fetched = get_loop().run(fetch_all())
         sizes = [len(indices) for indices, _ in fetched]
+        if any(spec.runtime.curriculum is not None for spec in self.specs.values()):
+            return self._stream(fetched)
         counts = sizes if self.weights is None else mixture_counts(sizes, self.weights)
         rng = random.Random(self.seed)
         rows: dict[str, list[Any]] = {"prompt": [], "task_index": [], ENVIRONMENT_COLUMN: []}
@@ -167,6 +175,34 @@ class OpenRewardMix:
         log_notes(self.dataset_notes, "mix")
         rows.update(columns)
         return Dataset.from_dict(rows)
+
+    def _stream(self, fetched: list[tuple[list[int], list[Any]]]) -> IterableDataset:
+        """The sampled form of `train_dataset`: one row per (environment, task), drawn as TRL reads them."""
+        from datasets import Dataset
+
+        from ._stream import sampled_stream
+
+        rows: dict[str, list[Any]] = {"prompt": [], "task_index": [], ENVIRONMENT_COLUMN: []}
+        tasks: list[Any] = []
+        where: dict[tuple[str | None, int], int] = {}
+        for (name, spec), (indices, spec_tasks) in zip(self.specs.items(), fetched, strict=True):
+            if spec.runtime.curriculum is None:
+                spec.runtime.curriculum = Curriculum(UniformSampler(seed=self.seed), name=name,
+                                                     success_threshold=spec.runtime.metrics.success_threshold)
+            where.update({(name, i): len(rows["prompt"]) + k for k, i in enumerate(indices)})
+            part = spec.dataset_rows(indices, env=name)
+            rows["prompt"] += part["prompt"]
+            rows["task_index"] += part["task_index"]
+            rows[ENVIRONMENT_COLUMN] += [name] * len(indices)
+            tasks += spec_tasks
+        columns, self.dataset_notes = task_columns(tasks)
+        log_notes(self.dataset_notes, "mix")
+        rows.update(columns)
+        chosen = {name: indices for name, (indices, _) in zip(self.specs, fetched, strict=True) if indices}
+        weights = None if self.weights is None else [w for name, w in zip(self.specs, self.weights, strict=True)
+                                                      if name in chosen]
+        return sampled_stream(Dataset.from_dict(rows), where, {name: self.specs[name] for name in chosen}, chosen,
+                              weights=weights, seed=self.seed)
 
     @cached_property
     def environment_factory(self) -> dict[str, Callable[[], Any]]:
@@ -211,10 +247,16 @@ class OpenRewardMix:
 
     @cached_property
     def callbacks(self) -> list[Any]:
-        """Trainer callbacks: release sessions after each step and close them all at the end of training."""
+        """Trainer callbacks: release sessions after each step and close them all at the end of training, and (when a
+        spec samples tasks) update, log and checkpoint the samplers."""
         from ._callback import SessionCleanupCallback
 
-        return [SessionCleanupCallback([spec.runtime for spec in self.specs.values()])]
+        callbacks = [SessionCleanupCallback([spec.runtime for spec in self.specs.values()])]
+        if any(spec.runtime.curriculum is not None for spec in self.specs.values()):
+            from ._stream import stream_callbacks
+
+            callbacks += stream_callbacks(self.train_dataset)
+        return callbacks
 
     def evaluate(self, policy: Any, *, output: str | None = None, resume: bool = False, overwrite: bool = False,
                  **kwargs: Any) -> Any:

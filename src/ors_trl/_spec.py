@@ -22,6 +22,7 @@ import copyreg
 import json
 import logging
 import math
+import os
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -34,6 +35,7 @@ from ._adapter import RESERVED as ADAPTER_NAMES
 from ._adapter import OpenRewardEnvironment, for_this_process
 from ._binding import Toolset
 from ._client import AsyncClient
+from ._difficulty import Difficulty, PlatformDifficulty, check_range, known_rewards, select_by_difficulty
 from ._engine import TASK_KEY, RolloutEngine
 from ._episode import EnvironmentRuntime, Task
 from ._exceptions import BadRequestError, ConfigurationError, NotFoundError, ORSError
@@ -41,13 +43,14 @@ from ._loop import get_loop
 from ._metrics import EnvMetrics
 from ._records import RecordWriter
 from ._rewards import group_reward, outcome_reward, reward_function
+from ._sampling import Curriculum, TaskSampler, make_sampler
 from ._target import SecretValue, platform_key_secret, resolve_target
 from ._tasks import check_in_range, check_selection, fetch_tasks, log_notes, select, task_columns
 from ._transport import RetryPolicy, Timeouts
 from ._types import TerminalTool, ToolSpec
 
 if TYPE_CHECKING:
-    from datasets import Dataset
+    from datasets import Dataset, IterableDataset
 
 __all__ = ["OpenRewardSpec"]
 
@@ -201,6 +204,9 @@ class OpenRewardSpec:
         toolset: str | None = None,
         toolset_fallback: bool = False,
         env_overrides: Mapping[str, str] | None = None,
+        task_sampling: str | TaskSampler = "uniform",
+        difficulty: tuple[float, float] | None = None,
+        difficulty_from: str | os.PathLike[str] | Mapping[int, float] | PlatformDifficulty | None = None,
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self._options = options
@@ -225,6 +231,11 @@ class OpenRewardSpec:
             raise ConfigurationError(f"success_threshold must be a finite number, got {success_threshold!r}")
         if images not in ("pass", "placeholder"):
             raise ConfigurationError(f'images must be "pass" or "placeholder", got {images!r}')
+        sampler = make_sampler(task_sampling, success_threshold=float(success_threshold))
+        self._difficulty = None if difficulty is None else check_range(difficulty)
+        if difficulty_from is not None and difficulty is None:
+            raise ConfigurationError("difficulty_from= says where task difficulty comes from; pass difficulty=(low, "
+                                     "high) too, the range of mean rewards to keep.")
         self._split = split
         self._unscored_reward = None if unscored_reward is None else float(unscored_reward)
         # In catalog mode the key also goes to the environment as its conventional `api_key` secret, unless the
@@ -244,6 +255,21 @@ class OpenRewardSpec:
             max_tool_calls=max_tool_calls, episode_timeout=episode_timeout, batch_tool_calls=batch_tool_calls,
             episode_log=writer, score_groups=score_groups, success_threshold=float(success_threshold), images=images,
         )
+        if sampler is not None:
+            self._runtime.curriculum = Curriculum(sampler, name=self.name, success_threshold=float(success_threshold))
+        self._known: dict[int, Difficulty] | PlatformDifficulty | None = None
+        if self._difficulty is not None:
+            if difficulty_from is None or difficulty_from == "platform":
+                difficulty_from = PlatformDifficulty()
+            if isinstance(difficulty_from, PlatformDifficulty):
+                if resolved.kind != "catalog":
+                    raise ConfigurationError(
+                        f"{self.name} is a self-hosted server, which serves no task difficulty (only openreward.ai "
+                        "catalog environments do); pass difficulty_from= an `ors-trl eval --repeats N --output` file, "
+                        "an episode log, or a {task_index: mean reward} mapping.")
+                self._known = difficulty_from
+            else:
+                self._known = known_rewards(difficulty_from, split=split, environment=self.name)
         if upload_rollouts:
             from ._upload import RolloutUploader, training_info
 
@@ -320,6 +346,13 @@ class OpenRewardSpec:
         """The selected task indices and their task specs (`{}` for each when `include_metadata=False`)."""
         total = await self._client.num_tasks(self._split)
         indices = select(total, self._split, self._num_tasks, self._indices, name=self.name)
+        if self._difficulty is not None:
+            known, where = self._known, str(self._options["difficulty_from"])
+            if isinstance(known, PlatformDifficulty):
+                raw = await self._client.task_difficulty(self._split, known.params())
+                known, where = {i: Difficulty(mean, n) for i, (mean, n) in raw.items()}, "the OpenReward platform"
+            assert known is not None
+            indices = select_by_difficulty(indices, known, *self._difficulty, name=self.name, source=where)
         if not self._options["include_metadata"]:
             return indices, [{} for _ in indices]
         by_index = await fetch_tasks(self._client, self._split, indices, name=self.name)
@@ -335,11 +368,14 @@ class OpenRewardSpec:
         }
 
     @cached_property
-    def train_dataset(self) -> Dataset:
-        """A `datasets.Dataset` of the selected tasks, built on first access.
+    def train_dataset(self) -> Dataset | IterableDataset:
+        """The selected tasks as TRL's `train_dataset`, built on first access.
 
-        Columns: `prompt` (a conversational prompt with an empty user message, to which TRL appends the
-        environment's prompt), `task_index`, and with `include_metadata` every task field.
+        A `datasets.Dataset` with one row per task (`task_sampling="uniform"`, TRL's own order), or, with another
+        `task_sampling`, an endless `datasets.IterableDataset` whose rows the sampler draws as TRL reads them
+        (`GRPOConfig(max_steps=...)` is then needed). Columns: `prompt` (a conversational prompt with an empty user
+        message, to which TRL appends the environment's prompt), `task_index`, and with `include_metadata` every
+        task field.
         """
         from datasets import Dataset
 
@@ -349,7 +385,13 @@ class OpenRewardSpec:
             columns, self.dataset_notes = task_columns(tasks)
             log_notes(self.dataset_notes, self.name)
             rows.update(columns)
-        return Dataset.from_dict(rows)
+        dataset = Dataset.from_dict(rows)
+        if self._runtime.curriculum is None:
+            return dataset
+        from ._stream import sampled_stream
+
+        return sampled_stream(dataset, {(None, i): row for row, i in enumerate(indices)}, {None: self},
+                              {None: indices})
 
     # -- tools -----------------------------------------------------------------------------------
 
@@ -508,13 +550,19 @@ class OpenRewardSpec:
 
     @cached_property
     def callbacks(self) -> list[Any]:
-        """Trainer callbacks for `GRPOTrainer(callbacks=...)`: close sessions after each step and at the end.
+        """Trainer callbacks for `GRPOTrainer(callbacks=...)`: close sessions after each step and at the end, and
+        (with `task_sampling`) update, log and checkpoint the task sampler.
 
-        Optional: the trainer gets one automatically the first time it resets an adapter or runs the engine.
+        Optional with `GRPOTrainer`: it gets them automatically the first time it reads the dataset, resets an
+        adapter or runs the engine. `AsyncGRPOTrainer` needs them for task sampling's checkpoints and metrics.
         """
         from ._callback import SessionCleanupCallback
 
-        return [SessionCleanupCallback([self._runtime])]
+        if self._runtime.curriculum is None:
+            return [SessionCleanupCallback([self._runtime])]
+        from ._stream import stream_callbacks
+
+        return [SessionCleanupCallback([self._runtime]), *stream_callbacks(self.train_dataset)]
 
     def eval_callback(self, tasks: int | Sequence[int] | None = None, *, split: str = "test", every: int = 50,
                       repeats: int = 1, at_start: bool = True) -> Any:
@@ -550,7 +598,8 @@ class OpenRewardSpec:
                 raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
         count, chosen = (tasks, None) if tasks is None or isinstance(tasks, int) else (None, list(tasks))
         held = OpenRewardSpec(**{**self._options, "split": split, "num_tasks": count, "indices": chosen,
-                                 "episode_log": None, "upload_rollouts": False, "include_metadata": False})
+                                 "episode_log": None, "upload_rollouts": False, "include_metadata": False,
+                                 "task_sampling": "uniform", "difficulty": None, "difficulty_from": None})
         held._set_tools(*self._tools)  # the tools training binds
         rt = held.runtime
         rt.rename(self._runtime.name, rt.metrics, self._runtime.recorder)  # its own metrics, the training's log

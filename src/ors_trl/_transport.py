@@ -503,8 +503,8 @@ class Transport:
     # -- the three request kinds, one retry loop --------------------------------------------------
 
     def _prepared(self, body: Any, *, sid: str | None, extra: dict[str, str] | None,
-                  stream: bool = False) -> tuple[str, dict[str, str], bytes | None]:
-        base = self.target.session_url
+                  stream: bool = False, api: bool = False) -> tuple[str, dict[str, str], bytes | None]:
+        base = self.target.api_url if api else self.target.session_url
         headers = self.headers(base, sid=sid, extra=extra)
         data = None
         if body is not None:
@@ -537,12 +537,14 @@ class Transport:
         session_scoped: bool = False,
         ok_statuses: tuple[int, ...] = (),
         retry: RetryPolicy | None = None,
+        api: bool = False,
     ) -> Any:
         """Send one JSON request with retries; return the decoded JSON (None for an empty or `ok_statuses` body).
 
-        Every request kind sent this way is idempotent: a reset after sending is retried too.
+        Every request kind sent this way is idempotent: a reset after sending is retried too. `api`: to the
+        platform's stateless API (`Target.api_url`) instead of the session host.
         """
-        base, headers, data = self._prepared(body, sid=sid, extra=extra_headers)
+        base, headers, data = self._prepared(body, sid=sid, extra=extra_headers, api=api)
 
         async def attempt() -> Any:
             self._count(method, path)

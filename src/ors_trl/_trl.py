@@ -12,7 +12,8 @@ their `log_metric` keyword, callbacks) everywhere else. What needs more lives he
   images of TRL's own tool loop do;
 - terminal tools need to know whether a completion was cut (`eos_token_ids`);
 - evaluation during training finds its trainer up the stack from the callback event (`calling_trainer`), and
-  logs beside GRPO's own metrics without flushing them (`log_outside_step`);
+  logs beside GRPO's own metrics without flushing them (`log_outside_step`); task sampling finds the trainer
+  reading its dataset (`training_trainer`) and logs into GRPO's per-step metrics (`add_step_metrics`);
 - in TRL's asynchronous trainer (`trl.experimental.async_grpo`), whose spawned rollout worker gives
   reward functions neither the adapters nor `log_metric`, the adapter's `get_reward` hook reads the
   finished rollout (its transcript, and which reward functions will run) off the worker's loop
@@ -45,10 +46,10 @@ from typing import Any
 
 from ._exceptions import ConfigurationError, UsageError
 
-__all__ = ["TRL_KEYWORDS", "VERIFIED", "FinishedRollout", "Rendering", "calling_trainer", "check_images",
-           "clip_post_tool", "error_text", "finished_rollout", "generate", "hand_images", "in_async_worker",
+__all__ = ["TRL_KEYWORDS", "VERIFIED", "FinishedRollout", "Rendering", "add_step_metrics", "calling_trainer",
+           "check_images", "clip_post_tool", "error_text", "finished_rollout", "generate", "hand_images", "in_async_worker",
            "install_image_handoff", "log_outside_step", "overflows", "resetting_batch", "rules", "tool_markup",
-           "tool_message", "tool_turn", "verified"]
+           "tool_message", "tool_turn", "training_trainer", "verified"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -127,6 +128,24 @@ def calling_trainer(skip: int = 1) -> Any:
     `skip` frames above our caller (the callback's method), since transformers hands callbacks no trainer."""
     frame = _frame(skip, 8, lambda f: _is_trainer(f.f_locals.get("self")))
     return frame.f_locals["self"] if frame is not None else None
+
+
+def training_trainer() -> Any:
+    """The trainer whose training loop is reading a dataset, from inside the read (a dataset row's generator): found
+    up the stack (datasets' and torch's iteration stand between), since a dataset is handed no trainer."""
+    frame = _frame(1, 96, lambda f: _is_trainer(f.f_locals.get("self")))
+    return frame.f_locals["self"] if frame is not None else None
+
+
+def add_step_metrics(trainer: Any, metrics: Mapping[str, float]) -> None:
+    """Log `metrics` with the current step's own (GRPO's per-step metric store, averaged and logged at the next
+    logging step); on a trainer without that store, or an unverified TRL, as an entry of their own."""
+    store = getattr(trainer, "_metrics", None)
+    if verified() and isinstance(store, dict) and isinstance(store.get("train"), dict):
+        for name, value in metrics.items():
+            store["train"].setdefault(name, []).append(value)
+    elif metrics:
+        log_outside_step(trainer, dict(metrics))
 
 
 def log_outside_step(trainer: Any, logs: dict[str, float]) -> None:

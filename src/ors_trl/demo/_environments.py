@@ -119,7 +119,7 @@ class LookEnvironment(CountedEnvironment):
     """The environment `ors-trl demo` trains against by default: the task logic of `ors_trl.demo._task` (look).
 
     Splits: ``train``, ``test`` (held-out phrasings of ``look()``'s answer) and ``blind`` (``look()`` names a
-    decoy: the shortcut control). The prompt is a conversation (``/messages``): the rules as a system turn, then a
+    decoy: the shortcut control), ``mixed`` and ``kinds`` (pools of mixed difficulty: `_task.pool_tasks`). The prompt is a conversation (``/messages``): the rules as a system turn, then a
     short user turn, the same whatever word is hidden. ``look()`` is an ordinary, unscored tool; ``answer`` is the
     ``@terminal`` tool: hidden from the model, it receives the model's final plain message and grades it (1.0 for
     the hidden word, else 0.0), and the episode is finished either way.
@@ -127,7 +127,8 @@ class LookEnvironment(CountedEnvironment):
 
     @classmethod
     def list_splits(cls) -> list[Split | str]:
-        return [Split(name="train", type="train"), Split(name="test", type="test"), Split(name="blind", type="test")]
+        return [Split(name="train", type="train"), Split(name="test", type="test"), Split(name="blind", type="test"),
+                Split(name="mixed", type="train"), Split(name="kinds", type="train")]
 
     @classmethod
     def list_tasks(cls, split: str) -> list[JSONObject]:

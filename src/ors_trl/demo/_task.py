@@ -187,7 +187,7 @@ LOOK_HELDOUT_REPLIES: tuple[str, ...] = (
     "You see the word {w} on the card.",
     "Written here: {w}.",
 )
-LOOK_SPLITS: tuple[str, ...] = ("train", "test", "blind")
+LOOK_SPLITS: tuple[str, ...] = ("train", "test", "blind", "mixed", "kinds")
 
 
 def look_tasks(split: str) -> list[dict[str, Any]]:
@@ -210,9 +210,46 @@ def look_tasks(split: str) -> list[dict[str, Any]]:
             reply = LOOK_HELDOUT_REPLIES[i % len(LOOK_HELDOUT_REPLIES)].format(w=decoy)
             question = LOOK_QUESTIONS[i % len(LOOK_QUESTIONS)]
             tasks += [{"word": w, "shown": decoy, "question": question, "reply": reply} for w in TARGETS]
+    elif split in POOLS:
+        return pool_tasks(split)
     else:
         raise ValueError(f"unknown split {split!r}; known: {', '.join(LOOK_SPLITS)}")
     return [{"id": f"look-{split}-{i:03d}", **task} for i, task in enumerate(tasks)]
+
+
+# ── task pools of mixed difficulty (task selection: `ors-trl demo --pool mixed`, benchmarks/bench_task_selection.py) ──
+#
+# The conversation is the same for every task, so a policy cannot tell the kinds apart: it can only spend episodes
+# on them. ``look`` tasks are the demo's (solvable by reading ``look()``: at chance, then learnable); ``free`` tasks
+# score 1.0 whatever the answer (any attempt solves them), ``locked`` ones 0.0 (none does); a ``coin`` task's
+# ``look()`` shows nothing and three of the six words win (a policy solves it by chance, half the time).
+# Every group of a free or locked task has zero reward spread: it costs sessions and teaches GRPO nothing.
+
+POOL_KINDS: tuple[str, ...] = ("look", "free", "locked", "coin")
+#: Split -> (kinds, tasks of each kind): ``mixed`` is the demo's mixed pool, ``kinds`` the benchmark's.
+POOLS: dict[str, tuple[tuple[str, ...], int]] = {"mixed": (("look", "free", "locked"), 40),
+                                                 "kinds": (POOL_KINDS, 30)}
+COIN_REPLY = "The card is face down."
+
+
+def pool_tasks(split: str) -> list[dict[str, Any]]:
+    """The tasks of a mixed pool (``mixed`` or ``kinds``), kinds interleaved: look tasks are the first training
+    tasks of the look task; every task has a ``kind`` (and a coin task its three ``winners``)."""
+    kinds, per_kind = POOLS[split]
+    rng = random.Random(4)
+    look = look_tasks("train")
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for k, kind in enumerate(kinds):
+        tasks = []
+        for i in range(per_kind):
+            base = {key: look[(i + k * per_kind) % len(look)][key] for key in ("word", "shown", "question", "reply")}
+            task = {**base, "kind": kind}
+            if kind == "coin":
+                task.update(shown="", reply=COIN_REPLY, winners=sorted(rng.sample(TARGETS, 3)))
+            tasks.append(task)
+        by_kind[kind] = tasks
+    ordered = [by_kind[kind][i] for i in range(per_kind) for kind in kinds]
+    return [{"id": f"look-{split}-{i:03d}", **task} for i, task in enumerate(ordered)]
 
 
 def look_messages(task: dict[str, Any]) -> list[dict[str, str]]:
@@ -234,13 +271,16 @@ def normalise_answer(message: str) -> str:
 
 
 def grade(task: dict[str, Any], message: str) -> tuple[float, str, dict[str, Any]]:
-    """Grade a final message: ``(reward, reply_text, metadata)``; 1.0 when it is the hidden word, else 0.0.
+    """Grade a final message: ``(reward, reply_text, metadata)``; 1.0 when it is the hidden word, else 0.0 (a pool
+    task: 1.0 for any answer to a free task, never for a locked one, for one of a coin task's winners).
 
     ``metadata`` says what was hidden and shown, what was given, and whether the answer named what ``look()``
     showed (``follow``: the blind control reads it to tell "read the tool" from "guessed").
     """
     given = normalise_answer(message)
-    right = given == task["word"]
+    kind = task.get("kind", "look")
+    right = (kind == "free" or (kind == "look" and given == task["word"])
+             or (kind == "coin" and given in task.get("winners", ())))
     meta = {"word": task["word"], "shown": task["shown"], "given": given, "follow": given == task["shown"]}
     return (1.0 if right else 0.0), ("right" if right else "wrong"), meta
 

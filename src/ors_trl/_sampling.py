@@ -1,0 +1,432 @@
+"""Choosing tasks as training goes: the samplers, and the curriculum that feeds them each group's rewards.
+
+GRPO learns only from groups whose rewards differ: a group that all succeeded or all failed has zero advantage and
+costs a full set of sessions. `AdaptiveSampler` keeps, per task, the rewards of its last groups and draws the next
+task from three pools: tasks never scored first; then tasks whose recent groups disagreed (weight 1) and tasks whose
+recent groups were all equal, solved or unsolved (weight `flat_weight`, small but never zero, so a task that
+becomes learnable is re-probed and comes back). The draw is seeded; the state (a few numbers per seen task and the
+random generator's) goes into checkpoints.
+
+A `Curriculum` sits between a spec's episodes and its sampler: every training episode's reward is observed when the
+episode is counted (`Episode.account`), the observations of one task are one group, and they reach the sampler
+before its next draw; in a run of several processes they are gathered at each step's end so that every process
+applies the same groups at the same point and draws the same tasks (`ors_trl._callback.TaskSamplingCallback`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import random
+import re
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from ._exceptions import ConfigurationError
+
+__all__ = ["AdaptiveSampler", "Curriculum", "TaskSampler", "UniformSampler", "make_sampler", "mirror_path", "rng_state",
+           "set_rng_state"]
+
+#: The names `task_sampling=` takes.
+SAMPLINGS = ("uniform", "adaptive")
+_EQUAL = 1e-9  # rewards closer than this are equal (a group with no spread has no advantage)
+
+
+@runtime_checkable
+class TaskSampler(Protocol):
+    """What `OpenRewardSpec(task_sampling=...)` takes in place of `"uniform"` or `"adaptive"`.
+
+    `draw()` returns the next task index (one of the spec's selected tasks); `update(task, rewards)` receives the
+    rewards of one group of that task (`None` for a rollout the environment never scored). Optional methods:
+    `bind(tasks)` (called once with the selected task indices before the first draw), `state_dict()` and
+    `load_state_dict(state)` (JSON-able; saved with checkpoints and restored on resume), `metrics()` (numbers
+    logged as `curriculum/<env>/<name>`).
+    """
+
+    def draw(self) -> int: ...
+
+    def update(self, task: int, rewards: Sequence[float | None]) -> None: ...
+
+
+class _Pool:
+    """A set with O(1) add, remove and uniform choice (a list and each member's position in it)."""
+
+    def __init__(self) -> None:
+        self.items: list[int] = []
+        self.where: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __contains__(self, item: int) -> bool:
+        return item in self.where
+
+    def add(self, item: int) -> None:
+        if item not in self.where:
+            self.where[item] = len(self.items)
+            self.items.append(item)
+
+    def discard(self, item: int) -> None:
+        pos = self.where.pop(item, None)
+        if pos is not None:
+            last = self.items.pop()
+            if pos < len(self.items):
+                self.items[pos] = last
+                self.where[last] = pos
+
+    def choice(self, rng: random.Random) -> int:
+        return self.items[rng.randrange(len(self.items))]
+
+
+def rng_state(rng: random.Random) -> list[Any]:
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def set_rng_state(rng: random.Random, state: Sequence[Any]) -> None:
+    version, internal, gauss = state
+    rng.setstate((version, tuple(internal), gauss))
+
+
+def _tasks(tasks: Iterable[int]) -> list[int]:
+    out = list(dict.fromkeys(tasks))
+    if not out:
+        raise ConfigurationError("a task sampler needs at least one task")
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in out):
+        raise ConfigurationError("task indices must be ints")
+    return out
+
+
+class UniformSampler:
+    """Every task once per pass, in a seeded random order; a new order each pass (feedback is ignored).
+
+    Args:
+        tasks (`Sequence[int]`, *optional*):
+            The task indices to draw from; a spec binds its selection when not given.
+        seed (`int`, *optional*, defaults to `0`):
+            Seed of the order.
+    """
+
+    def __init__(self, tasks: Sequence[int] | None = None, *, seed: int = 0) -> None:
+        self.seed = seed
+        self._rng = random.Random(seed)
+        self._tasks: list[int] = []
+        self._order: list[int] = []
+        self._pos = 0
+        if tasks is not None:
+            self.bind(tasks)
+
+    def bind(self, tasks: Sequence[int]) -> None:
+        """Draw from `tasks` (the spec's selection)."""
+        self._tasks = _tasks(tasks)
+        self._order, self._pos = [], 0
+
+    def reseed(self, seed: int) -> None:
+        """Seed the order again (a spec does, with the trainer's seed, before the first draw)."""
+        self.seed = seed
+        self._rng.seed(seed)
+        self._order, self._pos = [], 0
+
+    def draw(self) -> int:
+        """The next task of this pass (a new seeded order once a pass is done)."""
+        if not self._tasks:
+            raise ConfigurationError("UniformSampler has no tasks: pass tasks= or give it to a spec")
+        if self._pos >= len(self._order):
+            self._order = self._rng.sample(self._tasks, len(self._tasks))
+            self._pos = 0
+        self._pos += 1
+        return self._order[self._pos - 1]
+
+    def update(self, task: int, rewards: Sequence[float | None]) -> None:
+        """Nothing: uniform draws do not depend on rewards."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The order of this pass, the position in it and the generator's state."""
+        return {"kind": "uniform", "rng": rng_state(self._rng), "order": self._order, "pos": self._pos}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()`'s output."""
+        set_rng_state(self._rng, state["rng"])
+        self._order, self._pos = [int(t) for t in state["order"]], int(state["pos"])
+
+
+class AdaptiveSampler:
+    """Draw tasks where groups disagree: unseen tasks first, all-equal tasks down-weighted but re-probed.
+
+    Each task's pool follows its last `window` scored groups, pooled: `mixed` when their rewards differ (a GRPO
+    group of it is likely to teach), `solved` when they are all equal and at or above `success_threshold`,
+    `unsolved` when all equal below it. A draw takes a never-drawn unseen task while there is one, else a task from
+    `mixed` or from the drawn-but-unscored ones with weight 1 each, or from `solved`/`unsolved` with weight
+    `flat_weight` each. Rewards of `None` (unscored) are left out: an unscored rollout is no failure.
+
+    Args:
+        tasks (`Sequence[int]`, *optional*):
+            The task indices to draw from; a spec binds its selection when not given.
+        seed (`int`, *optional*, defaults to `0`):
+            Seed of the draws (every process of a run uses the same seed and so draws the same tasks).
+        flat_weight (`float`, *optional*, defaults to `0.05`):
+            Weight of a task whose recent groups were all equal, relative to 1 for a task whose groups disagreed.
+            With a third each of always-solved, never-solved and coin-flip tasks, 0.05 leaves about a tenth of the
+            draws to the first two (re-probes); prime-rl's 0.2 leaves about 0.4 of the groups zero-variance.
+        window (`int`, *optional*, defaults to `2`):
+            How many of a task's last groups decide its pool.
+        success_threshold (`float`, *optional*, defaults to `1.0`):
+            The reward at or above which an all-equal task counts as solved (and a rollout as a success in the pass
+            rate metrics).
+    """
+
+    def __init__(self, tasks: Sequence[int] | None = None, *, seed: int = 0, flat_weight: float = 0.05,
+                 window: int = 2, success_threshold: float = 1.0) -> None:
+        if isinstance(flat_weight, bool) or not isinstance(flat_weight, int | float) or not 0 < flat_weight <= 1:
+            raise ConfigurationError(f"flat_weight must be a number in (0, 1], got {flat_weight!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ConfigurationError(f"window must be an int >= 1, got {window!r}")
+        self.seed, self.flat_weight, self.window = seed, float(flat_weight), window
+        self.success_threshold = float(success_threshold)
+        self._rng = random.Random(seed)
+        self._history: dict[int, deque[list[float]]] = {}
+        self._drawn: dict[int, int] = defaultdict(int)
+        self._pools: dict[str, _Pool] = {}
+        self._tasks: list[int] = []
+        self._known: set[int] = set()
+        if tasks is not None:
+            self.bind(tasks)
+
+    def bind(self, tasks: Sequence[int]) -> None:
+        """Draw from `tasks` (the spec's selection); what is known of them is kept."""
+        self._tasks = _tasks(tasks)
+        self._known = set(self._tasks)
+        self._repool()
+
+    def reseed(self, seed: int) -> None:
+        """Seed the draws again (a spec does, with the trainer's seed, before the first draw)."""
+        self.seed = seed
+        self._rng.seed(seed)
+
+    def _repool(self) -> None:
+        self._pools = {name: _Pool() for name in ("fresh", "unscored", "mixed", "solved", "unsolved")}
+        for task in self._tasks:
+            self._pools[self._pool_of(task)].add(task)
+
+    def _pool_of(self, task: int) -> str:
+        groups = self._history.get(task)
+        if not groups:
+            return "unscored" if self._drawn.get(task) else "fresh"
+        pooled = [r for group in groups for r in group]
+        if max(pooled) - min(pooled) > _EQUAL:
+            return "mixed"
+        return "solved" if pooled[0] >= self.success_threshold else "unsolved"
+
+    def _move(self, task: int) -> None:
+        for pool in self._pools.values():
+            pool.discard(task)
+        self._pools[self._pool_of(task)].add(task)
+
+    def draw(self) -> int:
+        """The next task: a fresh one while any is left, else by pool weight."""
+        if not self._tasks:
+            raise ConfigurationError("AdaptiveSampler has no tasks: pass tasks= or give it to a spec")
+        pools = self._pools
+        if pools["fresh"]:
+            task = pools["fresh"].choice(self._rng)
+        else:
+            weighted = [(pools[name], weight) for name, weight in (("mixed", 1.0), ("unscored", 1.0),
+                                                                   ("solved", self.flat_weight),
+                                                                   ("unsolved", self.flat_weight)) if pools[name]]
+            total = sum(len(pool) * weight for pool, weight in weighted)
+            pick = self._rng.random() * total
+            pool = weighted[-1][0]
+            for candidate, weight in weighted:
+                pick -= len(candidate) * weight
+                if pick < 0:
+                    pool = candidate
+                    break
+            task = pool.choice(self._rng)
+        self._drawn[task] += 1
+        if task in pools["fresh"]:
+            self._move(task)
+        return task
+
+    def update(self, task: int, rewards: Sequence[float | None]) -> None:
+        """Take one group's rewards of `task` (None left out; a group with no score changes nothing)."""
+        scored = [float(r) for r in rewards if r is not None and math.isfinite(r)]
+        if not scored or task not in self._known:
+            return
+        self._history.setdefault(task, deque(maxlen=self.window)).append(scored)
+        self._move(task)
+
+    def pool_sizes(self) -> dict[str, int]:
+        """Tasks per pool: `unseen` (never scored), `mixed`, `solved`, `unsolved`."""
+        p = self._pools
+        return {"unseen": len(p.get("fresh", ())) + len(p.get("unscored", ())), "mixed": len(p.get("mixed", ())),
+                "solved": len(p.get("solved", ())), "unsolved": len(p.get("unsolved", ()))}
+
+    def pass_rate(self, task: int) -> float | None:
+        """The share of successes in `task`'s recent groups (None when never scored)."""
+        pooled = [r for group in self._history.get(task, ()) for r in group]
+        return sum(r >= self.success_threshold for r in pooled) / len(pooled) if pooled else None
+
+    def metrics(self) -> dict[str, float]:
+        """The pool sizes (logged as `curriculum/<env>/<pool>`)."""
+        return {k: float(v) for k, v in self.pool_sizes().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the sampler knows: each seen task's recent groups and draws, and the generator's state."""
+        return {"kind": "adaptive", "rng": rng_state(self._rng),
+                "history": {str(t): [list(g) for g in groups] for t, groups in self._history.items()},
+                "drawn": {str(t): n for t, n in self._drawn.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()`'s output."""
+        set_rng_state(self._rng, state["rng"])
+        self._history = {int(t): deque(([float(r) for r in g] for g in groups), maxlen=self.window)
+                         for t, groups in state["history"].items()}
+        self._drawn = defaultdict(int, {int(t): int(n) for t, n in state["drawn"].items()})
+        if self._tasks:
+            self._repool()
+
+
+def make_sampler(task_sampling: Any, *, seed: int = 0, success_threshold: float = 1.0) -> Any:
+    """The sampler `task_sampling=` names (None for `"uniform"`: TRL's own dataset and order), or the object given."""
+    if task_sampling == "uniform":
+        return None
+    if task_sampling == "adaptive":
+        return AdaptiveSampler(seed=seed, success_threshold=success_threshold)
+    if isinstance(task_sampling, str) or not isinstance(task_sampling, TaskSampler):
+        raise ConfigurationError(
+            f"task_sampling must be 'uniform', 'adaptive' or an object with draw() and update(task, rewards) "
+            f"methods, got {task_sampling!r}")
+    return task_sampling
+
+
+class Curriculum:
+    """One environment's sampler and what its training episodes told it since the last update.
+
+    `observe()` is called from any thread as episodes are counted; `draw()` applies what was observed, then draws
+    (unless `synced`: then only `sync()`, at each step's end on every process, applies the gathered groups).
+    `mirror`: when the sampler runs in TRL's async rollout worker, a file the worker's copy writes its state and
+    metrics to after an update (at most every `MIRROR_EVERY` seconds), which the trainer's process reads.
+    """
+
+    MIRROR_EVERY = 1.0
+
+    def __init__(self, sampler: Any, *, name: str, success_threshold: float = 1.0) -> None:
+        self.sampler, self.name = sampler, name
+        self.success_threshold = success_threshold
+        self.synced = False
+        self.bound_to: Any = None  # weakly: the trainer whose callback updates this curriculum (see the callback)
+        self.mirror: str | None = None
+        self.writes_mirror = False  # a copy in TRL's async worker writes; the trainer's process reads
+        self._mirrored = 0.0
+        self._lock = threading.Lock()
+        self._observed: list[tuple[int, float | None]] = []
+        self._window: dict[str, float] = defaultdict(float)
+        self.draws = 0
+
+    def observe(self, task: int | None, reward: float | None) -> None:
+        """Note one training episode's outcome (thread-safe; applied at the next update)."""
+        if task is not None:
+            with self._lock:
+                self._observed.append((task, reward))
+
+    def take(self) -> list[tuple[int, float | None]]:
+        """What was observed since the last call (this process's part, for gathering)."""
+        with self._lock:
+            out, self._observed = self._observed, []
+        return out
+
+    def apply(self, observed: Sequence[tuple[int, float | None]]) -> None:
+        """Hand the sampler one group per task of `observed`, and count what the groups were like."""
+        groups: dict[int, list[float | None]] = defaultdict(list)
+        for task, reward in observed:
+            groups[int(task)].append(reward)
+        w = self._window
+        for task, rewards in groups.items():
+            self.sampler.update(task, rewards)
+            scored = [r for r in rewards if r is not None]
+            if scored:
+                w["groups"] += 1
+                w["zero_std_groups"] += max(scored) - min(scored) <= _EQUAL
+                w["successes"] += sum(r >= self.success_threshold for r in scored)
+                w["scored"] += len(scored)
+        if self.writes_mirror and groups and time.monotonic() - self._mirrored >= self.MIRROR_EVERY:
+            self.write_mirror()
+
+    def draw(self) -> int:
+        """The next task (after applying what was observed, unless the run syncs at step ends)."""
+        if not self.synced:
+            self.apply(self.take())
+        task = self.sampler.draw()
+        self.draws += 1
+        self._window["draws"] += 1
+        return task
+
+    def metrics(self) -> dict[str, float]:
+        """`curriculum/<env>/...` since the last call: the pools, draws, and the groups applied (their share with
+        zero reward spread, their pass rate)."""
+        w, self._window = self._window, defaultdict(float)
+        out = {f"curriculum/{self.name}/{k}": float(v) for k, v in _sampler_metrics(self.sampler).items()}
+        out[f"curriculum/{self.name}/draws"] = w["draws"]
+        out[f"curriculum/{self.name}/groups"] = w["groups"]
+        if w["groups"]:
+            out[f"curriculum/{self.name}/zero_std_fraction"] = w["zero_std_groups"] / w["groups"]
+            out[f"curriculum/{self.name}/pass_rate"] = w["successes"] / w["scored"]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state (when it has one) and the number of draws."""
+        state = self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None
+        return {"sampler": state, "draws": self.draws}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()`'s output (what was observed and not yet applied is dropped)."""
+        if state.get("sampler") is not None and hasattr(self.sampler, "load_state_dict"):
+            self.sampler.load_state_dict(state["sampler"])
+        self.draws = int(state.get("draws") or 0)
+        self.take()
+
+    def write_mirror(self) -> None:
+        """Write the state and the pending metrics to `mirror` (replaced whole, so a reader never sees half)."""
+        assert self.mirror is not None
+        self._mirrored = time.monotonic()
+        doc = json.dumps({"state": self.state_dict(), "metrics": self.metrics(), "at": time.time()})
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.mirror), suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(doc)
+        os.replace(tmp, self.mirror)
+
+    def read_mirror(self) -> dict[str, Any] | None:
+        """What the async worker's copy last wrote (None before it wrote anything)."""
+        if self.mirror is None:
+            return None
+        try:
+            with open(self.mirror, encoding="utf-8") as f:
+                text = f.read()
+        except OSError:
+            return None
+        return json.loads(text) if text else None
+
+
+def _sampler_metrics(sampler: Any) -> dict[str, float]:
+    metrics = getattr(sampler, "metrics", None)
+    return dict(metrics()) if callable(metrics) else {}
+
+
+_mirror_dir: str | None = None
+
+
+def mirror_path(name: str) -> str:
+    """A new file path for a curriculum's mirror, in a private folder of this process (removed at exit)."""
+    global _mirror_dir
+    if _mirror_dir is None:
+        _mirror_dir = tempfile.mkdtemp(prefix="ors-trl-sampling-")
+        atexit.register(shutil.rmtree, _mirror_dir, True)
+    return os.path.join(_mirror_dir, f"{re.sub(r'[^0-9A-Za-z_.-]+', '_', name)[:48]}-{secrets.token_hex(6)}.json")
