@@ -12,6 +12,7 @@ training forward calls (a reference implementation in torch, below).
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import pickle
 from collections.abc import Iterator
@@ -97,7 +98,9 @@ def _worker_pid(record: dict[str, Any]) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_async_grpo_trainer_trains_against_the_reference_server(tiny_model_dir, make_server, tmp_path, monkeypatch):
+@pytest.mark.parametrize("sampling", ["uniform", "adaptive"])
+def test_async_grpo_trainer_trains_against_the_reference_server(tiny_model_dir, make_server, tmp_path, monkeypatch,
+                                                                sampling):
     pytest.importorskip("torch")
     pytest.importorskip("trl.experimental.async_grpo")
     from transformers import AutoTokenizer
@@ -120,7 +123,7 @@ def test_async_grpo_trainer_trains_against_the_reference_server(tiny_model_dir, 
 
     server = make_server("echo")
     log = tmp_path / "episodes.jsonl"
-    spec = OpenRewardSpec(server.url, env_name="echoenvironment", episode_log=str(log))
+    spec = OpenRewardSpec(server.url, env_name="echoenvironment", episode_log=str(log), task_sampling=sampling)
     dataset, factory = spec.train_dataset, spec.environment_factory  # tool discovery happens here, in this process
     before = server.stats()
     transfer = NoWeightTransfer()
@@ -145,7 +148,8 @@ def test_async_grpo_trainer_trains_against_the_reference_server(tiny_model_dir, 
             heartbeat_stale_after_s=60,
             learning_rate=1e-3,
             report_to="none",
-            save_strategy="no",
+            save_strategy="steps" if sampling == "adaptive" else "no",
+            save_steps=3,
             disable_tqdm=True,
         )
         try:
@@ -157,6 +161,7 @@ def test_async_grpo_trainer_trains_against_the_reference_server(tiny_model_dir, 
                 environment_factory=factory,
                 reward_funcs=spec.reward_funcs,
                 weight_transfer=transfer,
+                callbacks=spec.callbacks,  # task sampling's state and metrics come from the worker through them
             )
             bounded_worker_stop(trainer.rollout_worker, worker_processes)
             trainer.train()
@@ -196,6 +201,17 @@ def test_async_grpo_trainer_trains_against_the_reference_server(tiny_model_dir, 
     assert sum(r["tool_calls"] for r in records) == calls
     scored = [r["reward"] for r in records if r["reward"] is not None]
     assert scored and set(scored) <= {0.0, 1.0} and 0.0 in scored and 1.0 in scored
+    if sampling == "adaptive":
+        # the worker drew the tasks (unseen first: no task twice before every one was drawn) and learnt from their
+        # rewards; what it learnt reached this process's logs and checkpoint
+        logged = [h for h in trainer.state.log_history if h.get("curriculum/echoenvironment/groups")]
+        assert logged and sum(h["curriculum/echoenvironment/groups"] for h in logged) > 0
+        saved = json.loads((tmp_path / "async" / "checkpoint-3" / "trainer_state.json").read_text())
+        sampler = saved["stateful_callbacks"]["ors_trl.task_sampling"]["curricula"][""]["sampler"]
+        drawn = {int(t): n for t, n in sampler["drawn"].items()}
+        assert max(drawn.values()) == 1 or len(drawn) == 16  # unseen first: none twice before all were drawn
+        assert sampler["history"] and {int(t) for t in sampler["history"]} <= set(drawn)
+        assert {int(t) for t in sampler["history"]} <= {r["task_index"] for r in records if r["reward"] is not None}
     spec.close()
 
 

@@ -249,3 +249,36 @@ def test_sessions_per_process_scale_with_the_per_device_batch(runs):
                 # adapters keep unfinished episodes' sessions until the step's end (spec.callbacks release them)
                 assert report["peak_open"] <= 2 * batch
                 assert all(n <= batch for n in report["open_at_step_end"]), report["open_at_step_end"]
+
+
+@pytest.fixture(scope="module")
+def adaptive_run(tiny_model_dir, tmp_path_factory):
+    """One two-process launch with `task_sampling="adaptive"` (TRL's own loop): the two reports."""
+    out = tmp_path_factory.mktemp("distributed-adaptive")
+    with fixture_server("echo") as server:
+        proc = launch(server.url, tiny_model_dir, out, "env", "--sampling", "adaptive")
+        assert proc.returncode == 0, f"adaptive run failed:\n{proc.stdout[-6000:]}"
+        server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=10)
+    reports = []
+    for rank in (0, 1):
+        with open(out / f"report-env-adaptive-rank{rank}.json") as fh:
+            reports.append(json.load(fh))
+    return reports
+
+
+def test_every_process_draws_the_same_tasks_from_the_same_statistics(adaptive_run):
+    """Adaptive sampling across two processes: each one's rewards reach one sampler state that every process
+    holds alike, so every process draws the same tasks and TRL hands each its own share of them."""
+    reports = adaptive_run
+    assert [r["num_processes"] for r in reports] == [2, 2] and [r["global_step"] for r in reports] == [STEPS, STEPS]
+    first, second = (r["sampler_state"] for r in reports)
+    assert first == second  # the same draws, the same groups: identical states (random generator included)
+    assert sum(first["drawn"].values()) >= STEPS * 4 and len(first["history"]) >= STEPS * 4
+    for step in range(STEPS):  # the step's 4 groups (2 per process), distinct tasks: the processes did not overlap
+        rows = [b["task_index"] for r in reports for b in r["batches"] if b["step"] == step]
+        tasks = [t for part in rows for t in part[::2]]
+        assert len(tasks) == 4 == len(set(tasks)), (step, rows)
+    for report in reports:  # the groups of both processes were counted, on both: 4 a step, not each one's 2
+        groups = [e["curriculum/echoenvironment/groups"] for e in report["log_history"]
+                  if "curriculum/echoenvironment/groups" in e]
+        assert groups == [4.0] * STEPS, groups

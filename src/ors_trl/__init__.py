@@ -7,6 +7,7 @@ are imported only when a feature that needs them is first used.
 
 from ._budget import get_max_sessions, set_max_sessions
 from ._client import AsyncClient, AsyncSession, Client, Session
+from ._difficulty import PlatformDifficulty
 from ._eval import EvalReport, MixEvalReport
 from ._exceptions import (
     APIStatusError,
@@ -38,6 +39,7 @@ from ._mix import OpenRewardMix
 from ._policies import LocalPolicy, OpenAIPolicy, Policy, PolicyReply
 from ._report import ReportSummary, write_report
 from ._rewards import outcome_reward
+from ._sampling import AdaptiveSampler, TaskSampler, UniformSampler
 from ._spec import OpenRewardSpec
 from ._transport import RetryPolicy, Timeouts
 from ._types import (
@@ -59,6 +61,7 @@ from ._version import __version__
 
 __all__ = [
     "APIStatusError",
+    "AdaptiveSampler",
     "AsyncClient",
     "AsyncSession",
     "AuthenticationError",
@@ -82,6 +85,7 @@ __all__ = [
     "OpenRewardMix",
     "OpenRewardSpec",
     "PaymentRequiredError",
+    "PlatformDifficulty",
     "Policy",
     "PolicyError",
     "PolicyReply",
@@ -96,6 +100,7 @@ __all__ = [
     "SessionExpiredError",
     "Split",
     "StreamInterruptedError",
+    "TaskSampler",
     "TerminalTool",
     "TextBlock",
     "Timeouts",
@@ -108,6 +113,7 @@ __all__ = [
     "ToolResultBlock",
     "ToolSpec",
     "TransportError",
+    "UniformSampler",
     "UnknownBlock",
     "UsageError",
     "__version__",

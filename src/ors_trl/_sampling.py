@@ -197,6 +197,7 @@ class AdaptiveSampler:
         self._pools: dict[str, _Pool] = {}
         self._tasks: list[int] = []
         self._known: set[int] = set()
+        self._order: dict[str, list[int]] | None = None  # the pools' order a loaded state had
         if tasks is not None:
             self.bind(tasks)
 
@@ -204,17 +205,23 @@ class AdaptiveSampler:
         """Draw from `tasks` (the spec's selection); what is known of them is kept."""
         self._tasks = _tasks(tasks)
         self._known = set(self._tasks)
-        self._repool()
+        self._repool(self._order)
 
     def reseed(self, seed: int) -> None:
         """Seed the draws again (a spec does, with the trainer's seed, before the first draw)."""
         self.seed = seed
         self._rng.seed(seed)
 
-    def _repool(self) -> None:
+    def _repool(self, order: dict[str, list[int]] | None = None) -> None:
+        """Sort the tasks into their pools; `order`: each pool's order as saved (a draw picks by position)."""
         self._pools = {name: _Pool() for name in ("fresh", "unscored", "mixed", "solved", "unsolved")}
+        for name, tasks in (order or {}).items():
+            for task in tasks:
+                if task in self._known and self._pool_of(task) == name:
+                    self._pools[name].add(task)
         for task in self._tasks:
-            self._pools[self._pool_of(task)].add(task)
+            if not any(task in pool for pool in self._pools.values()):
+                self._pools[self._pool_of(task)].add(task)
 
     def _pool_of(self, task: int) -> str:
         groups = self._history.get(task)
@@ -282,7 +289,8 @@ class AdaptiveSampler:
         """What the sampler knows: each seen task's recent groups and draws, and the generator's state."""
         return {"kind": "adaptive", "rng": rng_state(self._rng),
                 "history": {str(t): [list(g) for g in groups] for t, groups in self._history.items()},
-                "drawn": {str(t): n for t, n in self._drawn.items()}}
+                "drawn": {str(t): n for t, n in self._drawn.items()},
+                "pools": {name: list(pool.items) for name, pool in self._pools.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state_dict()`'s output."""
@@ -290,8 +298,9 @@ class AdaptiveSampler:
         self._history = {int(t): deque(([float(r) for r in g] for g in groups), maxlen=self.window)
                          for t, groups in state["history"].items()}
         self._drawn = defaultdict(int, {int(t): int(n) for t, n in state["drawn"].items()})
+        self._order = {name: [int(t) for t in tasks] for name, tasks in state.get("pools", {}).items()}
         if self._tasks:
-            self._repool()
+            self._repool(self._order)
 
 
 def make_sampler(task_sampling: Any, *, seed: int = 0, success_threshold: float = 1.0) -> Any:

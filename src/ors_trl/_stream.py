@@ -298,7 +298,9 @@ class TaskSamplingCallback(TrainerCallback):
             return
         observed = {env: c.take() for env, c in source.curricula.items()}
         if getattr(trainer.accelerator, "num_processes", 1) > 1:
-            gathered = trainer.accelerator.gather_object([observed])
+            from accelerate.utils import gather_object
+
+            gathered = gather_object([observed])
             observed = {env: [o for part in gathered for o in part[env]] for env in source.curricula}
         metrics: dict[str, float] = {}
         for env, curriculum in source.curricula.items():

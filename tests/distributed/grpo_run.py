@@ -7,7 +7,8 @@ only one process, and `GRPOConfig(use_cpu=True)` below keeps it on CPU):
         tests/distributed/grpo_run.py --url http://127.0.0.1:PORT --model-dir DIR --out DIR --mode env|engine
 
 `--mode env` wires the spec's three properties (`environment_factory` path, TRL's own tool loop);
-`--mode engine` uses `spec.rollout_func` (the concurrent engine). Generation is a scripted double
+`--mode engine` uses `spec.rollout_func` (the concurrent engine); `--sampling adaptive` draws the tasks as training
+goes (`task_sampling="adaptive"`). Generation is a scripted double
 (`tests.fixtures.generation.replace_generation`, so tools really get called), everything else is real: DDP
 forward, backward and optimizer steps, TRL's reward gathering, metric gathering and logging.
 
@@ -66,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--num-tasks", type=int, default=8)
     p.add_argument("--fork-check", action="store_true")
+    p.add_argument("--sampling", choices=("uniform", "adaptive"), default="uniform")
     return p.parse_args(argv)
 
 
@@ -198,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     phase = ["setup"]
 
     # A fixed gather window: each turn's rollouts share one generation call, so the calls the test counts are fixed.
-    spec = OpenRewardSpec(args.url, env_name=ENV_NAME, num_tasks=args.num_tasks, gather_window=1.0)
+    spec = OpenRewardSpec(args.url, env_name=ENV_NAME, num_tasks=args.num_tasks, gather_window=1.0,
+                          task_sampling=args.sampling)
+    sampled = args.sampling != "uniform"
     client = spec.client
     real_open = client.open_session
 
@@ -212,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
 
     client.open_session = open_session
 
-    report["dataset_fingerprint"] = dataset_fingerprint(spec.train_dataset)
-    task_of_row = list(spec.train_dataset["task_index"])
+    if not sampled:  # a sampled dataset is a stream: no rows to fingerprint, no sampler order
+        report["dataset_fingerprint"] = dataset_fingerprint(spec.train_dataset)
+        task_of_row = list(spec.train_dataset["task_index"])
 
     def outcome_reward(environments=None, **kwargs):
         rewards = spec.reward_funcs(environments=environments, **kwargs)
@@ -238,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         is_world_process_zero=trainer.is_world_process_zero(),
         backend=torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
         generation_batch_size=config.generation_batch_size, per_device_batch=config.per_device_train_batch_size,
-        sampler_task_order=[task_of_row[i] for i in train_sampler(trainer)],
+        sampler_task_order=[] if sampled else [task_of_row[i] for i in train_sampler(trainer)],
         params_before=params_hash(trainer.model),
     )
 
@@ -266,12 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     report["log_history"] = trainer.state.log_history
     report["client_open_sessions_after_train"] = client.open_sessions
     report["global_step"] = trainer.state.global_step
+    if sampled:
+        report["sampler_state"] = spec.runtime.curriculum.sampler.state_dict()
     if args.mode == "engine":
         report["engine_last_episodes"] = [
             {"task_index": ep.task.index, "sid": ep.session.sid if ep.session else None, "reward": ep.reward}
             for ep in spec.rollout_func.last_episodes
         ]
-    out_path = os.path.join(args.out, f"report-{args.mode}-rank{rank}.json")
+    out_path = os.path.join(args.out, f"report-{args.mode}{'-' + args.sampling if sampled else ''}-rank{rank}.json")
     if args.fork_check and acc.is_main_process:
         report["fork"] = fork_check(spec, args.url, out_path)
     spec.close()
