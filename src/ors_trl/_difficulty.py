@@ -20,7 +20,8 @@ from typing import Any, Literal
 from ._exceptions import ConfigurationError
 from ._records import read_records
 
-__all__ = ["Difficulty", "PlatformDifficulty", "check_range", "histogram", "known_rewards", "select_by_difficulty"]
+__all__ = ["Difficulty", "PlatformDifficulty", "bins", "check_range", "describe", "histogram", "known_rewards",
+           "select_by_difficulty"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -143,13 +144,36 @@ def select_by_difficulty(indices: Sequence[int], known: Mapping[int, Difficulty]
     return kept
 
 
-def histogram(means: Sequence[float], bins: int = 5) -> str:
-    """The distribution of mean rewards in one line: `[0, 0.2): 3, ...` over their range (`[0, 1]` when within)."""
+def bins(means: Sequence[float], count: int = 5) -> list[dict[str, float]]:
+    """The distribution of mean rewards: `count` equal bins over their range (`[0, 1]` when within), the last one
+    closed: `[{"low", "high", "tasks"}, ...]`."""
     if not means:
-        return "no task with data"
+        return []
     low, high = min(0.0, min(means)), max(1.0, max(means))
-    width = (high - low) / bins
-    counts = Counter(min(int((m - low) / width), bins - 1) for m in means)
-    parts = [f"[{low + b * width:.3g}, {low + (b + 1) * width:.3g}{']' if b == bins - 1 else ')'}: {counts[b]}"
-             for b in range(bins)]
-    return ", ".join(parts)
+    width = (high - low) / count
+    tally = Counter(min(int((m - low) / width), count - 1) for m in means)
+    return [{"low": low + b * width, "high": low + (b + 1) * width, "tasks": tally[b]} for b in range(count)]
+
+
+def histogram(means: Sequence[float], count: int = 5) -> str:
+    """`bins` in one line: `[0, 0.2): 3, ..., [0.8, 1]: 4`."""
+    parts = bins(means, count)
+    return ", ".join(f"[{b['low']:.3g}, {b['high']:.3g}{']' if i == len(parts) - 1 else ')'}: {b['tasks']}"
+                     for i, b in enumerate(parts)) or "no task with data"
+
+
+async def describe(client: Any, split: str, source: Any, *, environment: str | None = None) -> dict[str, Any]:
+    """What is known of a split's difficulty, for `ors-trl inspect --difficulty`: where from, how many tasks have
+    data, their mean and the distribution of their mean rewards (ten bins)."""
+    if isinstance(source, PlatformDifficulty):
+        raw = await client.task_difficulty(split, source.params())
+        known = {i: Difficulty(mean, n) for i, (mean, n) in raw.items()}
+        where = "the OpenReward platform" + (f" ({', '.join(f'{k}={v}' for k, v in source.params().items())})"
+                                             if source.params() else "")
+    else:
+        known, where = known_rewards(source, split=split, environment=environment), str(source)
+    total = await client.num_tasks(split)
+    means = [d.mean for d in known.values()]
+    return {"split": split, "source": where, "tasks": total, "with_data": len(known),
+            "episodes": sum(d.count for d in known.values()), "mean": sum(means) / len(means) if means else None,
+            "bins": bins(means, 10)}

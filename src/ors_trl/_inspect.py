@@ -303,6 +303,21 @@ def render_text(info: dict[str, Any]) -> str:
         add(f"Binding warnings ({len(warnings)}):" if warnings else "Binding warnings: none")
         for warning in warnings:
             add(f"  - {_one(warning)}")
+    difficulty = info.get("difficulty")
+    if difficulty is not None:
+        add("")
+        add(f"Task difficulty of split {_one(difficulty['split'])!r} from {_one(difficulty['source'])}: "
+            f"{difficulty['with_data']} of {difficulty['tasks']} tasks have data ({difficulty['episodes']} episodes)"
+            + (f", mean reward {difficulty['mean']:.3f}" if difficulty["mean"] is not None else "") + ".")
+        if difficulty["bins"]:
+            add("  mean reward        tasks")
+            widest = max(b["tasks"] for b in difficulty["bins"]) or 1
+            for i, b in enumerate(difficulty["bins"]):
+                closing = "]" if i == len(difficulty["bins"]) - 1 else ")"
+                bar = "#" * round(30 * b["tasks"] / widest)
+                add(f"  [{b['low']:.2f}, {b['high']:.2f}{closing}  {b['tasks']:6d}  {bar}")
+            add("  Keep a range with OpenRewardSpec(..., difficulty=(low, high), difficulty_from=...): tasks with no "
+                "data are kept.")
     return escape_controls(repair("\n".join(out)))
 
 

@@ -206,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "its output holds (text, images); repeatable. Tools can have effects: only on request")
     p.add_argument("--toolset", metavar="NAME",
                    help="give the probe session this platform toolset (e.g. codex) and list its tools")
+    p.add_argument("--difficulty", metavar="SOURCE", nargs="?", const="platform",
+                   help="show the distribution of the split's per-task mean rewards: from an `ors-trl eval --output` "
+                        "file or an episode log, or (no SOURCE, catalog environments) the OpenReward platform's")
+    p.add_argument("--difficulty-filter", metavar="KEY=VALUE", action="append", default=[],
+                   help="narrow the platform's data: model_name, min_model_params, max_model_params, training_stage "
+                        "(pretrained, sft, rl); repeatable")
 
     p = sub.add_parser(
         "eval",
@@ -398,14 +404,46 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         if not name or not isinstance(arguments, dict):
             raise _UsageError(f"--call {given}: give NAME or NAME='{{...}}' (a JSON object)")
         calls.append((name, arguments))
+    difficulty = _difficulty_source(args)
     info = inspect_target(args.target, env_name=args.env_name, split=args.split, tasks=args.tasks,
                           probe=not args.no_probe, probe_index=args.probe_index, calls=calls, toolset=args.toolset,
                           **_client_options(args, INSPECT_TIMEOUT, INSPECT_RETRIES))
+    if difficulty is not None:
+        from ._client import Client
+        from ._difficulty import describe
+
+        split = args.split or info.get("split") or "train"
+        with Client(args.target, env_name=args.env_name, **_client_options(args, INSPECT_TIMEOUT, INSPECT_RETRIES)) \
+                as client:
+            info["difficulty"] = client.async_client.bg.run(
+                describe(client.async_client, split, difficulty, environment=info.get("environment")))
     if args.json:
         _print_json(info)
     else:
         _say(render_text(info))
     return EXIT_OK
+
+
+def _difficulty_source(args: argparse.Namespace) -> Any:
+    """`inspect --difficulty [SOURCE] --difficulty-filter K=V`: a file path, or the platform's filtered data."""
+    from ._difficulty import PlatformDifficulty
+
+    if args.difficulty is None:
+        if args.difficulty_filter:
+            raise _UsageError("--difficulty-filter narrows --difficulty's platform data; pass --difficulty too")
+        return None
+    filters: dict[str, Any] = {}
+    for given in args.difficulty_filter:
+        key, sep, value = given.partition("=")
+        if not sep or key not in ("model_name", "min_model_params", "max_model_params", "training_stage"):
+            raise _UsageError(f"--difficulty-filter {given}: give model_name=, min_model_params=, max_model_params= "
+                              "or training_stage=")
+        filters[key] = _non_negative_int(value) if key.endswith("_params") else value
+    if args.difficulty != "platform":
+        if filters:
+            raise _UsageError("--difficulty-filter applies to the platform's data, not to a file")
+        return args.difficulty
+    return PlatformDifficulty(**filters)
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
