@@ -1,13 +1,13 @@
 """The environments the demo and `ors-trl serve-echo` serve, written with the `openreward` scaffolding.
 
-- ``EchoEnvironment``: TRL's guide echo task (call ``echo`` with the target word; reward 1.0 and the
+- `EchoEnvironment`: TRL's guide echo task (call `echo` with the target word; reward 1.0 and the
   episode ends on an exact match), the quickest way to try ors-trl against a real server.
-- ``DemoEnvironment``: the task ``ors-trl demo --task echo`` trains on (``ors_trl.demo._task``).
-- ``LookEnvironment``: the task ``ors-trl demo`` trains on by default: rules in a system turn, the answer only in
-  ``look()``'s output, the model's plain final message graded by a ``@terminal`` tool.
+- `DemoEnvironment`: the task `ors-trl demo --task echo` trains on (`ors_trl.demo._task`).
+- `LookEnvironment`: the task `ors-trl demo` trains on by default: rules in a system turn, the answer only in
+  `look()`'s output, the model's plain final message graded by a `@terminal` tool.
 
-Each counts its setups, teardowns and tool calls with ``ors_trl.testing.counters``, so the server's
-``/_test/stats`` shows what ran. Importing this module imports ``openreward``.
+Each counts its setups, teardowns and tool calls with `ors_trl.testing.counters`, so the server's
+`/_test/stats` shows what ran. Importing this module imports `openreward`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ __all__ = ["ENVIRONMENTS", "CountedEnvironment", "DemoEnvironment", "EchoEnviron
 
 
 class CountedEnvironment(Environment):
-    """Base class: train/test splits, and setups, teardowns and tool calls counted for ``/_test/stats``."""
+    """Base class: train/test splits, and setups, teardowns and tool calls counted for `/_test/stats`."""
 
     @classmethod
     def list_splits(cls) -> list[Split | str]:
@@ -92,8 +92,8 @@ class DemoEchoInput(BaseModel):
 class DemoEnvironment(CountedEnvironment):
     """The environment `ors-trl demo` trains against: the task logic of `ors_trl.demo._task`, served over ORS.
 
-    Splits: ``train`` (the training tasks) and ``test`` (held-out phrasings). One tool, ``echo(text)``,
-    scored by ``_task.score``: reward 1.0 and finished on the rewarded word, 0.0 otherwise.
+    Splits: `train` (the training tasks) and `test` (held-out phrasings). One tool, `echo(text)`,
+    scored by `_task.score`: reward 1.0 and finished on the rewarded word, 0.0 otherwise.
     """
 
     @classmethod
@@ -118,10 +118,10 @@ class LookAnswer(BaseModel):
 class LookEnvironment(CountedEnvironment):
     """The environment `ors-trl demo` trains against by default: the task logic of `ors_trl.demo._task` (look).
 
-    Splits: ``train``, ``test`` (held-out phrasings of ``look()``'s answer) and ``blind`` (``look()`` names a
-    decoy: the shortcut control). The prompt is a conversation (``/messages``): the rules as a system turn, then a
-    short user turn, the same whatever word is hidden. ``look()`` is an ordinary, unscored tool; ``answer`` is the
-    ``@terminal`` tool: hidden from the model, it receives the model's final plain message and grades it (1.0 for
+    Splits: `train`, `test` (held-out phrasings of `look()`'s answer) and `blind` (`look()` names a
+    decoy: the shortcut control). The prompt is a conversation (`/messages`): the rules as a system turn, then a
+    short user turn, the same whatever word is hidden. `look()` is an ordinary, unscored tool; `answer` is the
+    `@terminal` tool: hidden from the model, it receives the model's final plain message and grades it (1.0 for
     the hidden word, else 0.0), and the episode is finished either way.
     """
 
