@@ -50,12 +50,7 @@ async def collect(
     toolset: str | None = None,
 ) -> dict[str, Any]:
     """Query the server; returns the JSON-able inspection (without the binding part). Leaves no session open.
-
-    `timeouts` and `retry` bound every request, as for any client (the defaults allow minutes per request).
-    `calls`: `(tool, arguments)` to call in the probe session, in order (`tool_outputs` says what each answered).
-    With `toolset`, the probe session gets that platform toolset, and its tools are listed with the task's; a toolset
-    the server refuses is a `ConfigurationError`.
-    """
+    The arguments are `inspect_target`'s."""
     async with AsyncClient(target, env_name=env_name, api_key=api_key, timeouts=timeouts, retry=retry,
                            toolset=toolset) as client:
         info: dict[str, Any] = {"target": client.target.name, "kind": client.target.kind, "environments": None,
@@ -189,9 +184,57 @@ def describe_binding(specs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def inspect_target(target: str, **kwargs: Any) -> dict[str, Any]:
-    """`collect` plus `describe_binding` of the shared and probed task-specific tools."""
-    info = get_loop().run(collect(target, **kwargs))
+def inspect_target(
+    target: str,
+    *,
+    env_name: str | None = None,
+    split: str | None = None,
+    tasks: int = 3,
+    probe: bool = True,
+    probe_index: int = 0,
+    api_key: str | None = None,
+    timeouts: Timeouts | None = None,
+    retry: RetryPolicy | None = None,
+    calls: Sequence[tuple[str, dict[str, Any]]] = (),
+    toolset: str | None = None,
+) -> dict[str, Any]:
+    """Everything about an environment a user should see before training on it (`ors-trl inspect`): what `collect`
+    reads from the server, plus `describe_binding` of the shared and probed task-specific tools. Leaves no session
+    open.
+
+    Args:
+        target (`str`):
+            A catalog name or the URL of a self-hosted server.
+        env_name (`str`, *optional*):
+            Which environment on a server hosting several.
+        split (`str`, *optional*):
+            The split whose tasks are shown and probed (`"train"` when it exists, else the first split).
+        tasks (`int`, *optional*, defaults to `3`):
+            How many of its first tasks to show.
+        probe (`bool`, *optional*, defaults to `True`):
+            Open one probe session to read the task-specific tools and the conversation (closed again).
+        probe_index (`int`, *optional*, defaults to `0`):
+            The task the probe session runs.
+        api_key (`str`, *optional*):
+            The OpenReward key, as for `AsyncClient`.
+        timeouts (`Timeouts`, *optional*):
+            Bounds every request, as for any client (the defaults allow minutes per request).
+        retry (`RetryPolicy`, *optional*):
+            Retries of transient failures, as for any client.
+        calls (`Sequence[tuple[str, dict[str, Any]]]`, *optional*, defaults to `()`):
+            `(tool, arguments)` to call in the probe session, in order (`tool_outputs` says what each answered).
+        toolset (`str`, *optional*):
+            A platform toolset for the probe session, whose tools are listed with the task's.
+
+    Returns:
+        `dict[str, Any]`: The JSON-able inspection (`render_text` shows it).
+
+    Raises:
+        ConfigurationError: the server refused `toolset`.
+    """
+    info = get_loop().run(collect(target, env_name=env_name, split=split, tasks=tasks, probe=probe,
+                                  probe_index=probe_index, api_key=api_key, timeouts=timeouts, retry=retry,
+                                  calls=calls, toolset=toolset))
     info["binding"] = describe_binding(info["shared_tools"] + info["task_tools"]["tools"])
     return info
 
