@@ -1011,3 +1011,31 @@ def test_a_header_value_aiohttp_refuses_is_a_protocol_error() -> None:
     """Bug: aiohttp raises a bare ValueError for a header with a control character; it escaped the client."""
     with pytest.raises(ProtocolError, match="the request cannot be sent"):
         proxy_client({}, lambda c: c._transport.request("GET", "/x", extra_headers={"X-Bad": "a\x1bb"}))
+
+
+@pytest.mark.parametrize("events,then", [
+    ([("task_id", "t"), ("end", json.dumps({"ok": False, "reason": "no", "error": "refused"}))], "end"),
+    ([("task_id", "t"), ("end", json.dumps({"ok": True}))], "end"),
+    ([], "close"),
+], ids=["refused", "no-output", "cut-before-task-id"])
+def test_a_tool_name_of_10000_characters_is_cut_in_messages(events, then) -> None:
+    """Bug (found by the fuzz run): a tool's name, which the server chooses, went into messages whole, so a call of a
+    tool named with 10,000 characters failed with a message of 10,000+ characters."""
+    from ors_trl.testing.faults import FaultProxy, Reply, SSEReply
+
+    name = "x" * 10_000
+    with FaultProxy(None) as proxy:
+        proxy.add(SSEReply(events, then=then), path="/call", times=None)
+        proxy.add(Reply(json.dumps([ENV])), path="/list_environments", times=None)
+        proxy.add(SSEReply([("task_id", "sid-1")]), path="/create_session", times=None)
+        proxy.add(Reply("{}"), times=None)
+
+        async def call(client: AsyncClient) -> Any:
+            async with await client.open_session(split="train", index=0) as session:
+                return await session.call(name, {})
+
+        with pytest.raises(ORSError) as info:
+            run_client(proxy.url, call)
+    message = str(info.value)
+    assert len(message) < 500 and "x" * 80 + "'…" in message, message[:300]
+    assert getattr(info.value, "tool", name) == name  # the error still names the whole tool
