@@ -48,7 +48,7 @@ from ._schema import (
     describe_tool,
     single_line,
 )
-from ._text import ascii_fold, one_line
+from ._text import ascii_fold, one_line, show_name
 
 __all__ = [
     "DEFAULT_RESERVED", "UNSET", "BindingResult", "BoundTool", "Toolset", "bind_tools", "defuse_docstring_text",
@@ -130,11 +130,6 @@ def defuse_docstring_text(text: str) -> str:
     """
     text = _DOC_SECTION_RE.sub(r"\1 :", text)
     return _CHOICES_RE.sub(r"(\1 :", text)
-
-
-def _show(name: str) -> str:
-    """A name for a warning: repr, cut to a readable length."""
-    return repr(name) if len(name) <= 80 else repr(name[:80]) + "…"
 
 
 def _display_base(remote: str) -> str:
@@ -295,7 +290,7 @@ def bind_tools(
             warnings.append(f"skipped tool spec #{index}: its name is not a string")
             continue
         if remote in seen:
-            warnings.append(f"skipped tool spec #{index}: duplicate tool name {_show(remote)}")
+            warnings.append(f"skipped tool spec #{index}: duplicate tool name {show_name(remote)}")
             continue
         seen.add(remote)
         entries.append((remote, spec))
@@ -310,7 +305,8 @@ def bind_tools(
         else:
             display = _unique(_display_base(remote), display_taken, limit=_MAX_DISPLAY_NAME)
             warnings.append(
-                f"tool {_show(remote)}: not a valid tool name for models, shown to the model as {_show(display)}"
+                f"tool {show_name(remote)}: not a valid tool name for models, shown to the model as "
+                f"{show_name(display)}"
             )
         if _is_exact_attribute(remote, reserved_set):
             attribute = remote
@@ -318,10 +314,11 @@ def bind_tools(
             base = _attribute_base(remote, reserved_set)
             attribute = _unique(base, attribute_taken, avoid=reserved_set)
             why = "is reserved" if remote in reserved_set else "is not a public Python identifier"
-            suffix = f" (deduplicated from {_show(base)})" if attribute != base else ""
-            warnings.append(f"tool {_show(remote)}: name {why}; bound as attribute {_show(attribute)}{suffix}")
+            suffix = f" (deduplicated from {show_name(base)})" if attribute != base else ""
+            warnings.append(f"tool {show_name(remote)}: name {why}; bound as attribute {show_name(attribute)}{suffix}")
         if display != remote and display != _display_base(remote):
-            warnings.append(f"tool {_show(remote)}: display name collides with another tool, using {_show(display)}")
+            warnings.append(f"tool {show_name(remote)}: display name collides with another tool, using "
+                            f"{show_name(display)}")
         names.append((display, attribute))
 
     # 3. Functions.
@@ -335,16 +332,17 @@ def bind_tools(
             )
         except Exception as error:  # a bug must not take the whole environment down; the tool stays callable
             warnings.append(
-                f"tool {_show(remote)}: input schema could not be converted ({type(error).__name__}); "
+                f"tool {show_name(remote)}: input schema could not be converted ({type(error).__name__}); "
                 "bound without parameters, arguments are passed through"
             )
             info = ToolInfo(remote, f"Call the {one_line(remote) or 'unnamed'} tool.", ())
         for parameter in info.parameters:
             if parameter.python_name != parameter.remote_name:
                 warnings.append(
-                    f"tool {_show(remote)}: parameter {_show(parameter.remote_name)} is exposed as {_show(parameter.python_name)}"
+                    f"tool {show_name(remote)}: parameter {show_name(parameter.remote_name)} is exposed as "
+                    f"{show_name(parameter.python_name)}"
                 )
-        warnings.extend(f"tool {_show(remote)}: {note}" for note in info.notes)
+        warnings.extend(f"tool {show_name(remote)}: {note}" for note in info.notes)
         plan = _CallPlan(remote, display, info.parameters)
         function = _build_function(info, plan, attribute, asynchronous, module, qualname_prefix)
         result.functions[attribute] = function

@@ -34,6 +34,7 @@ from ._exceptions import (
 from ._loop import BackgroundLoop, get_loop
 from ._pool import OPENING_WAIT_S, Lease, SessionPool
 from ._target import SecretValue, Target, encode_secrets, resolve_target
+from ._text import show_name
 from ._transport import RetryPolicy, Timeouts, Transport, readable
 from ._types import (
     MASK,
@@ -213,7 +214,7 @@ class AsyncSession:
             ORSTimeoutError: the call outlived `Timeouts.tool_call`.
         """
         body, task_id = await self._stream("/call", {"name": name, "input": dict(arguments or {})},
-                                           what=f"tool {name!r}", tool=name)
+                                           what=f"tool {show_name(name)}", tool=name)
         # A refusal quotes the server: `quote` masks secrets it echoed and escapes control characters.
         return _parse_call_result(body, tool=name, task_id=task_id, quote=self.client._transport.quote)
 
@@ -288,16 +289,16 @@ class AsyncSession:
 def _parse_call_result(body: Any, *, tool: str, task_id: str | None, quote: Callable[[str], str]) -> ToolResult:
     """A decoded `/call` result; `quote` makes what the server said fit for a message (escaped, bounded)."""
     if not isinstance(body, dict) or "ok" not in body:
-        raise ProtocolError(f"tool {tool!r}: the result has no 'ok' field: {quoted(body)}")
+        raise ProtocolError(f"tool {show_name(tool)}: the result has no 'ok' field: {quoted(body)}")
     if body["ok"] is True:
         if "output" not in body:
-            raise ProtocolError(f"tool {tool!r}: a successful result has no 'output'")
+            raise ProtocolError(f"tool {show_name(tool)}: a successful result has no 'output'")
         return ToolResult.from_output(body["output"], tool=tool, task_id=task_id)
     reason = body.get("reason")
     error = body.get("error") or "the server refused the call"
     shown = quote(error if isinstance(error, str) else quoted(error, 2000))
     raise ToolRefusedError(
-        f"tool {tool!r} was refused ({quote(str(reason)) if reason else 'no reason given'}): {shown}",
+        f"tool {show_name(tool)} was refused ({quote(str(reason)) if reason else 'no reason given'}): {shown}",
         tool=tool,
         reason=reason if isinstance(reason, str) else None,
     )

@@ -42,7 +42,7 @@ from ._exceptions import ConfigurationError, NotFoundError, ORSError, ToolError,
 from ._loop import get_loop
 from ._metrics import EnvMetrics
 from ._records import RUN_ID, CallRecord, EpisodeRecord, RecordWriter, TurnRecord, error_record, image_record
-from ._text import clip
+from ._text import clip, show_name
 from ._types import Block, ImageBlock, TerminalTool, ToolList, ToolResult, image_blocks
 
 __all__ = ["Call", "EnvironmentRuntime", "Episode", "Outcome", "Reply", "Rules", "Task", "find_ended", "runtimes",
@@ -163,7 +163,7 @@ class Outcome:
 
 
 def _refusal(tool: str, reason: str, why: str) -> ToolRefusedError:
-    return ToolRefusedError(f"tool {tool!r} was refused ({reason}): {why}", tool=tool, reason=reason)
+    return ToolRefusedError(f"tool {show_name(tool)} was refused ({reason}): {why}", tool=tool, reason=reason)
 
 
 class EnvironmentRuntime:

@@ -18,7 +18,7 @@ from typing import Any
 
 from . import _images
 from ._exceptions import ImageError, ProtocolError
-from ._text import json_size
+from ._text import json_size, show_name
 
 __all__ = [
     "MAX_ENVIRONMENTS",
@@ -437,7 +437,7 @@ class ToolSpec:
             raise ProtocolError(f"tool spec must be an object with a string 'name', got {quoted(raw)}")
         schema = raw.get("input_schema")
         if schema is not None and not isinstance(schema, dict):
-            raise ProtocolError(f"tool {raw['name']!r}: input_schema must be an object or null")
+            raise ProtocolError(f"tool {show_name(raw['name'])}: input_schema must be an object or null")
         desc = raw.get("description")
         return cls(name=raw["name"], description=desc if isinstance(desc, str) else "", input_schema=schema)
 
@@ -616,10 +616,10 @@ class ToolResult:
             ProtocolError: `output` is not an object, a block is malformed or the reward is not a finite number.
         """
         if not isinstance(output, dict):
-            raise ProtocolError(f"tool {tool!r}: 'output' must be an object")
+            raise ProtocolError(f"tool {show_name(tool)}: 'output' must be an object")
         return cls(
-            blocks=parse_blocks(output.get("blocks"), where=f"tool {tool!r} output"),
-            reward=parse_reward(output.get("reward"), what=f"tool {tool!r}"),
+            blocks=parse_blocks(output.get("blocks"), where=f"tool {show_name(tool)} output"),
+            reward=parse_reward(output.get("reward"), what=f"tool {show_name(tool)}"),
             finished=bool(output.get("finished", False)),
             metadata=_metadata(output.get("metadata")),
             task_id=task_id,
