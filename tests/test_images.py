@@ -47,6 +47,7 @@ from tests.fixtures.environments import (
     CARD_WORDS,
     BadImageEnvironment,
     CardEnvironment,
+    CardJudgeEnvironment,
     EchoEnvironment,
     ImageEnvironment,
     QuizEnvironment,
@@ -64,7 +65,7 @@ torch.set_num_threads(1)
 def image_server() -> Any:
     """A reference server of its own: the image environments, and the text-only ones compared with today's strings."""
     with ReferenceServer([CardEnvironment, BadImageEnvironment, ImageEnvironment, EchoEnvironment, QuizEnvironment,
-                          SparseEnvironment]) as server:
+                          SparseEnvironment, CardJudgeEnvironment]) as server:
         yield server
 
 
@@ -369,6 +370,28 @@ def test_openai_policy_sends_image_url_parts(image_server, tool_images: str) -> 
         assert after["role"] == "user" and [p["type"] for p in after["content"]] == ["image_url"]
         url = after["content"][0]["image_url"]["url"]
     assert list(decoded_url(url).getdata()) == list(pixels(card_png("cat")).getdata())
+
+
+def test_group_scored_eval_writes_the_images_beside_its_output(image_server, tmp_path) -> None:
+    """With `score_groups`, records are written once the group is scored: their images are written beside too."""
+    endpoint = CardOpenAI().start()
+    spec = OpenRewardSpec(image_server.url, env_name="cardjudgeenvironment", score_groups=True)
+    out = tmp_path / "eval.jsonl"
+    try:
+        report = spec.evaluate(OpenAIPolicy(endpoint.url, "vlm"), indices=[0], repeats=2, score_groups=True,
+                               output=out, progress=False)
+    finally:
+        endpoint.stop()
+        spec.close()
+    assert report.mean_reward == 1.0 and report.mean_group_reward == 0.5
+    records = list(read_records(out))
+    hashes = {hashlib.sha256(card_png(w)).hexdigest() for w in (CARD_SAMPLE, "cat")}
+    assert len(records) == 2 and all(set(r["images"]) == hashes for r in records)
+    for record in records:
+        for sha, entry in record["images"].items():
+            path = tmp_path / entry["file"]
+            assert path.parent == tmp_path / "eval.jsonl.images" and hashlib.sha256(path.read_bytes()).hexdigest() == sha
+    assert len(list((tmp_path / "eval.jsonl.images").iterdir())) == 2
 
 
 def test_placeholder_mode_sends_the_marker_on_every_path_of_eval(image_server) -> None:
