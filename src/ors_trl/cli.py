@@ -284,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", metavar="N", type=int, required=True, help="TCP port to listen on")
     p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
     p.add_argument("--envs", default="echo",
-                   help="comma-separated bundled environments (echo, demo, look), or 'all' (default echo)")
+                   help="comma-separated bundled environments (echo, demo, look, and card: the answer only in "
+                        "an image, needs Pillow), or 'all' (default echo)")
     p.add_argument("--log-level", default="warning", help="server log level (default warning)")
 
     from ._metrics import DEFAULT_SUCCESS_THRESHOLD
@@ -548,10 +549,17 @@ def _cmd_serve_echo(args: argparse.Namespace) -> int:
     from .demo._environments import ENVIRONMENTS
     from .testing.server import main as serve
 
-    names = list(ENVIRONMENTS) if args.envs.strip() == "all" else [n.strip() for n in args.envs.split(",") if n.strip()]
+    every = args.envs.strip() == "all"
+    names = list(ENVIRONMENTS) if every else [n.strip() for n in args.envs.split(",") if n.strip()]
     unknown = [n for n in names if n not in ENVIRONMENTS]
     if unknown or not names:
         raise _UsageError(f"unknown environment(s) {unknown}; known: {', '.join(ENVIRONMENTS)}, all")
+    missing = {n: why for n in names if (why := ENVIRONMENTS[n].unavailable())}  # type: ignore[attr-defined]
+    for name, why in missing.items():  # named: an error; in 'all': left out, said
+        print(f"ors-trl: {'note: leaving out' if every else 'error: cannot serve'} {name}: {why}", file=sys.stderr)
+    if missing and not every:
+        return EXIT_ERROR
+    names = [n for n in names if n not in missing]
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"ors-trl: serving {', '.join(names)} on http://{host}:{args.port} (Ctrl-C to stop)", file=sys.stderr,
           flush=True)
