@@ -54,7 +54,13 @@ from tests.fixtures.environments import (
     SparseEnvironment,
     card_png,
 )
-from tests.fixtures.generation import cpu_grpo_trainer, replace_generation, tool_call_text, trl_generation
+from tests.fixtures.generation import (
+    cpu_grpo_trainer,
+    replace_generation,
+    stub_trainer,
+    tool_call_text,
+    trl_generation,
+)
 from tests.test_eval import FakeOpenAI
 from tests.test_report import chromium, run_chromium  # noqa: F401 - the session fixture
 
@@ -562,6 +568,24 @@ def test_a_trainer_whose_generate_is_its_own_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="environment_factory"):
         _trl.hand_images(Own(), [[object()]])
     _trl.hand_images(Own(), [[], []])  # no images: nothing to hand
+
+
+def test_continuous_batching_meeting_images_is_refused_before_generating() -> None:
+    """TRL's continuous-batching generation takes no images: the engine says so instead of dropping them."""
+    seen: list[Any] = []
+
+    def generate(prompt_ids: Any, images: Any, fields: Any, num_generations: int) -> Any:
+        seen.append(images)
+        return [[7] for _ in prompt_ids], None
+
+    card = pixels(card_png("cat"))
+    trainer = stub_trainer(generate, use_transformers_continuous_batching=True, use_vllm=True, processing_class=None)
+    with pytest.raises(ConfigurationError, match="continuous-batching generation takes no images"):
+        _trl.generate(trainer, [[1, 2]], [[card]])
+    assert seen == []
+    assert _trl.generate(trainer, [[1, 2]], [[]]) == ([[7]], None)  # no image: generated as usual
+    trainer.use_transformers_continuous_batching = False
+    assert _trl.generate(trainer, [[1, 2]], [[card]]) == ([[7]], None) and seen[-1] == [[card]]
 
 
 # -- inspect --------------------------------------------------------------------------------------------------------
