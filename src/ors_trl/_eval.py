@@ -311,7 +311,7 @@ def evaluate(
                 for ep in evaluation.done:
                     record = ep.record()
                     if writer is not None:
-                        writer.write(record)
+                        writer.write(record, images=ep.images)
                     if uploads is not None:
                         uploads.submit(record)
         finally:

@@ -3,7 +3,8 @@
 This package deliberately imports nothing heavy at import time. The pieces live in private modules:
 
 - `ors_trl.demo._task`: the demo tasks (pure Python: tasks, prompts, scoring rules), no `openreward` import.
-- `ors_trl.demo._environments`: those tasks served as ORS environments (`look`, `demo` = echo, `echo`).
+- `ors_trl.demo._environments`: those tasks served as ORS environments (`look`, `demo` = echo, `echo`), and `card`
+  (the answer only in an image, for vision-language models).
 - `ors_trl.demo._model`: byte-level BPE tokenizer and tiny Qwen3 model built locally (no hub access).
 - `ors_trl.demo._recipe`: supervised warm start, the GRPO configuration that learns, and policy evaluation.
 - `ors_trl.demo._main`: `ors-trl demo` itself (`--task look|echo`, `--rollout-func`, `--report`).
