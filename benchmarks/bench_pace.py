@@ -7,8 +7,10 @@ server; the proxy stamps every `/create_session` it receives. Configurations:
 1. `none`: no pace (the batch opens at once: today's speed-up);
 2. `own`: each process its own `max_session_rate=RATE` (two budgets: about 2 x RATE per second in all);
 3. `shared`: `ORS_TRL_MAX_SESSION_RATE=RATE` in both (one budget in a lock file: RATE per second in all);
-4. `shared+429`: the same, with the first 4 `/create_session` answered 429 (a platform scaling up): the pace
-   slows itself, then recovers a tenth per open that goes through.
+4. `shared+429`: the same, against a platform that takes RATE/2 creations per second: the proxy answers 429
+   (`Retry-After: 2/RATE` s) to every `/create_session` that comes within 2/RATE s of the last one it let through.
+   Each 429 halves the pace (once per interval, down to RATE/16), and each open that goes through gives a fifth of
+   the slow-down back.
 
 Reported per configuration: sessions created, the span from the first creation to the last, the rate seen
 ((n - 1) / span), the most creations the server saw within any 1 s and any 0.1 s, and the 429s it answered.

@@ -6,13 +6,14 @@ Defaults are small so that `make bench` finishes in a few minutes:
     bench_rollouts.py  --quick            (16 rollouts x 2 turns; the headline is 64 x 4: pass --full;
                                            --rollouts-workload heavy: the heavy-tailed workload instead)
     bench_sessions.py  --sessions 1000 --hold 15
+    bench_pace.py      --sessions 16 --rate 8  (two processes; about 30 s)
 
 `--full` runs the headline sizes (bench_client 600 iterations, bench_rollouts 64 x 4 with 0.5 s
 setup / 0.2 s latency, ~4 minutes on its own). Sizes can also be set one by one. No target is
 asserted: missing one is reported, not failed; the exit status is non-zero only when a benchmark
 crashed or found a correctness problem (unscored rollouts, leaked sessions, errors).
 
-Run: `.venv/bin/python benchmarks/run_all.py [--full] [--only client,rollouts,sessions] [--json]`
+Run: `.venv/bin/python benchmarks/run_all.py [--full] [--only client,rollouts,sessions,pace] [--json]`
 (or `make bench ARGS="--full"`).
 """
 
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-BENCHES = ("client", "rollouts", "sessions")
+BENCHES = ("client", "rollouts", "sessions", "pace")
 
 
 def commands(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -40,7 +41,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     if args.rollouts_workload != "uniform":
         rollouts += ["--workload", args.rollouts_workload]
     sessions = ["--sessions", str(args.sessions), "--servers", str(args.servers), "--hold", str(args.hold)]
-    return {"client": client, "rollouts": rollouts, "sessions": sessions}
+    pace = ["--sessions", str(args.pace_sessions), "--rate", f"{args.pace_rate:g}"]
+    return {"client": client, "rollouts": rollouts, "sessions": sessions, "pace": pace}
 
 
 def run_one(name: str, extra: list[str], timeout: float) -> tuple[int, dict[str, Any] | None, float]:
@@ -141,13 +143,21 @@ def targets(results: dict[str, dict[str, Any]]) -> list[str]:
             f"({_mark(sess['sessions_held'] >= 1000)}: 1000), {sess['kib_per_session']:.1f} KiB each, "
             f"{sum(sess['errors'].values())} errors, {sum(sess['open_sessions_left'])} left open"
         )
+    pace = results.get("pace", {}).get("summary")
+    if pace:
+        r, rate = pace["results"], pace["rate"]
+        seen = ", ".join(f"{name} {res['rate_per_s']}/s" for name, res in r.items())
+        most = r["shared"]["most_in_1s"]
+        out.append(f"pace, 2 processes x {pace['sessions_per_process']} opens at {rate:g}/s: the server saw {seen}; "
+                   f"shared pace, most in any 1 s: {most} ({_mark(most <= int(rate) + 1)}: <= {int(rate) + 1})")
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="headline sizes (bench_rollouts 64 x 4)")
-    parser.add_argument("--only", default=",".join(BENCHES), help="comma-separated subset of client,rollouts,sessions")
+    parser.add_argument("--only", default=",".join(BENCHES),
+                        help="comma-separated subset of client,rollouts,sessions,pace")
     parser.add_argument("--iterations", type=int, default=None, help="bench_client iterations")
     parser.add_argument("--rollouts", type=int, default=None, help="bench_rollouts rollouts per batch")
     parser.add_argument("--turns", type=int, default=None, help="bench_rollouts turns per rollout")
@@ -156,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=1000, help="bench_sessions sessions (default 1000)")
     parser.add_argument("--servers", type=int, default=4, help="bench_sessions server processes (default 4)")
     parser.add_argument("--hold", type=float, default=15.0, help="bench_sessions hold seconds (default 15)")
+    parser.add_argument("--pace-sessions", type=int, default=16, help="bench_pace sessions per process (default 16)")
+    parser.add_argument("--pace-rate", type=float, default=8.0, help="bench_pace pace, sessions per second (default 8)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="per-benchmark time limit, seconds")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)

@@ -132,7 +132,7 @@ def tiny_vlm_dir(tmp_path_factory) -> str:
             "type": "object", "properties": properties, "required": list(properties)}}}
 
     tools = [schema("look", "Look at your card.", {}),
-             schema("say", "Say the word on your card.", {"text": {"type": "string", "description": "The sentence."}})]
+             schema("say", "Say the word on your card.", {"text": {"type": "string", "description": "The word you read on your card."}})]
     prompt = [{"role": "system", "content": CARD_SYSTEM}, {"role": "user", "content": [
         {"type": "text", "text": "A sample card:\n"}, {"type": "image"}, {"type": "text", "text": "\nNow read yours."}]}]
     corpus = _model.render_corpus(CardEnvironment.list_tasks("train"), tools, lambda task: prompt,

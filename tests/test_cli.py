@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -115,14 +116,23 @@ def test_serve_echo_needs_openreward(monkeypatch, capsys) -> None:
     assert "pip install 'ors-trl[demo]'" in capsys.readouterr().err
 
 
+def test_serve_echo_says_the_card_environment_needs_pillow(monkeypatch, capsys) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "PIL" else real(name, *a))
+    assert main(["serve-echo", "--port", "1", "--envs", "echo,card"]) == EXIT_ERROR
+    assert "cannot serve card: the card environment draws its cards with Pillow" in capsys.readouterr().err
+
+
 def test_serve_echo_rejects_non_loopback(capsys) -> None:
     assert main(["serve-echo", "--port", str(free_port()), "--host", "0.0.0.0"]) == EXIT_USAGE
 
 
 def test_serve_echo_serves_and_stops(capsys) -> None:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ors_trl", "serve-echo", "--port", str(port)], env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "ors_trl", "serve-echo", "--port", str(port), "--envs", "echo,card"],
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         envs = None
@@ -134,10 +144,17 @@ def test_serve_echo_serves_and_stops(capsys) -> None:
                 break
             except OSError:
                 time.sleep(0.1)
-        assert envs == ["echoenvironment"]
+        assert envs == ["echoenvironment", "cardenvironment"]
         assert main(["inspect", f"http://127.0.0.1:{port}", "--json", "--tasks", "1"]) == EXIT_OK
         info = json.loads(capsys.readouterr().out)
-        assert info["environments"] == ["echoenvironment"] and info["tasks"][0]["task"]["target"] == "hello"
+        assert info["environment"] == "echoenvironment" and info["tasks"][0]["task"]["target"] == "hello"
+        # the bundled visual environment: inspect says its prompt and `look` carry images, `say` none
+        assert main(["inspect", f"http://127.0.0.1:{port}", "--env-name", "cardenvironment", "--call", "look",
+                     "--call", 'say={"text": "cat"}']) == EXIT_OK
+        out = capsys.readouterr().out
+        assert "Images in the probed prompt (1): image/png 56x28" in out
+        assert "Tool output of look({}): blocks [text, image]; images (1): image/png 56x28" in out
+        assert re.search(r"Tool output of say\(.*\): blocks \[text\]; images \(0\): none", out)
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)

@@ -708,3 +708,18 @@ def test_mix_evaluate_and_cli_several_environments(ref_server, fake_openai, tmp_
     assert info["overall"]["success_rate"] == 1.0 and info["overall"]["pass_at_k"] == {"1": 1.0}
     assert main([*base, "--weights", "1,2,3"]) == 2
     assert "--weights has 3 values for 2 environments" in capsys.readouterr().err
+
+    from ors_trl.testing.faults import FaultProxy
+
+    with FaultProxy(ref_server.url) as proxy:  # two TARGETs, an --env-name each: the second through the proxy
+        out = tmp_path / "two.jsonl"
+        assert main(["eval", ref_server.url, proxy.url, "--env-name", ECHO, "--env-name", SPARSE, "--base-url",
+                     fake_openai.url, "--model", "m", "--num-tasks", "2", "--no-progress", "--json",
+                     "--output", str(out)]) == 0
+        seen = {r.path.split("/")[1] for r in proxy.requests if r.path.count("/") > 1}
+        creates = [r.json()["env_name"] for r in proxy.requests if r.path.endswith("/create")]
+    info = json.loads(capsys.readouterr().out)
+    assert set(info["environments"]) == {ECHO, SPARSE} and info["weights"] == {ECHO: 0.5, SPARSE: 0.5}
+    assert info["environments"][SPARSE]["target"] == proxy.url and info["environments"][ECHO]["target"] == ref_server.url
+    assert seen == {SPARSE} and creates == [SPARSE] * 3  # its tool probe and 2 episodes there, nothing of ECHO
+    assert info["overall"]["success_rate"] == 1.0 and len(read_lines(out)) == 4

@@ -5,8 +5,12 @@ environment_factory, tool calls, reward_funcs), the episode core as the engine d
 Every failure must be a typed ``ORSError`` with a readable message (or a rollout scored None with a reason),
 nothing may run past the deadlines it was configured with, no credential may appear in any message, exception
 chain, record, report, log line or text the model is shown, no text may hold a lone surrogate (what a tokenizer
-or a file write dies of), and a 64 MiB+ answer is refused rather than buffered. The run's figures are printed
-(``pytest -s``) and kept in ``FIGURES`` for whoever wants them.
+or a file write dies of), and a 64 MiB+ answer is refused rather than buffered. Task fields named like what TRL
+passes itself are kept under renamed columns, and TRL's calls with the row's columns as keywords work; every episode
+run is a line of the episode log or eval output (or counted as dropped by the writer); the text ``inspect`` prints
+holds no terminal control character; and ``write_report`` on the logs the run wrote writes a page that counts what it
+skipped and holds neither a credential nor a lone surrogate. The run's figures are printed (``pytest -s``) and kept
+in ``FIGURES`` for whoever wants them.
 """
 
 from __future__ import annotations
@@ -15,16 +19,19 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import glob
 import inspect
 import json
 import logging
 import math
 import os
 import random
+import re
 import threading
 import time
 import traceback
 import tracemalloc
+import unicodedata
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -40,12 +47,14 @@ from ors_trl import (
     RetryPolicy,
     ServerError,
     Timeouts,
+    write_report,
 )
 from ors_trl._episode import Task, score_groups
 from ors_trl._inspect import inspect_target, render_text
 from ors_trl._loop import get_loop
 from ors_trl._target import encode_secrets
-from tests.fixtures.hostile_server import BIG, ENV, HostileServer
+from ors_trl._tasks import RESERVED_COLUMNS
+from tests.fixtures.hostile_server import BIG, COLLIDE_MARK, DEEP_NAN_KEY, ENV, HostileServer
 
 KEY = "sk-fuzz-APIKEY-7f3a9c2e1b4d"
 SECRET_A = "hunter2-SECRET-9d8e7f6a"
@@ -71,6 +80,12 @@ KINDS = {"configuration", "usage", "not_found", "http", "auth", "expired", "refu
 UNSCORED = {"timeout", "error", "cut_off", "no_reward"}
 #: The figures of the last run (filled by `test_fuzz_every_entry_point`).
 FIGURES: dict[str, Any] = {}
+#: The columns ors-trl itself puts into a training dataset; every other name in `RESERVED_COLUMNS` is a task field's,
+#: which must have been renamed.
+OWN_COLUMNS = frozenset({"prompt", "task_index"})
+#: A surrogate escape of JSON with no partner: what a page must not hold (`json.loads` would make it a lone one).
+LONE_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+                                   r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -149,6 +164,60 @@ class Tally:
         self.scan(f"{where} record", json.dumps(rec, default=str, ensure_ascii=False))
         with self.lock:
             self.outcomes[f"{where} records: " + ("scored" if reward is not None else f"unscored/{rec.get('unscored')}")] += 1
+
+
+def controls(text: str) -> str:
+    """The characters of `text` a terminal obeys rather than shows: C0 and C1 controls and Unicode format characters
+    (categories Cc and Cf: escape sequences, bidi overrides), newline and tab excepted."""
+    return "".join(sorted({c for c in text if c not in "\n\t" and unicodedata.category(c) in ("Cc", "Cf")}))
+
+
+def collisions(row: dict[str, Any]) -> int:
+    """How many values of a dataset row the hostile server sent under a name TRL passes itself."""
+    return sum(isinstance(v, str) and v.startswith(COLLIDE_MARK) for v in row.values())
+
+
+def check_columns(dataset: Any, tally: Tally) -> None:
+    """No column of a training dataset has a name TRL or ors-trl passes itself, except ors-trl's own; a task field
+    sent under such a name (its value says which) is kept under `task_<name>`."""
+    for column in dataset.column_names:
+        if column not in OWN_COLUMNS and (column in RESERVED_COLUMNS or column.startswith("ors_")):
+            tally.problem(f"spec.train_dataset: a column named {column!r}, a name TRL or ors-trl passes itself")
+        for value in dataset[column]:
+            if not (isinstance(value, str) and value.startswith(COLLIDE_MARK) and ";" in value):
+                continue
+            sent = value[len(COLLIDE_MARK):value.index(";")]
+            bare = column
+            while bare.startswith("task_") and bare != sent:
+                bare = bare[len("task_"):]
+            if column == sent:
+                tally.problem(f"spec.train_dataset: task field {sent!r} kept under its own name")
+            elif bare == sent:
+                tally.ok("spec.renamed task field")
+
+
+def call_like_trl(reward_func: Callable[..., Any], row: dict[str, Any], environments: list[Any],
+                  completions: list[Any]) -> Any:
+    """`reward_func` called as `GRPOTrainer._calculate_rewards` calls it (TRL 1.16): every column of the row but
+    `prompt`, `completion` and `completion_ids` as a keyword, TRL's own keywords set over them."""
+    kwargs: dict[str, Any] = {k: [v] for k, v in row.items() if k not in ("prompt", "completion", "completion_ids")}
+    kwargs.update(trainer_state=None, log_extra=lambda column, values: None, log_metric=lambda name, value: None,
+                  environments=environments)
+    return reward_func(prompts=[row.get("prompt")], completions=completions, completion_ids=[[0]], **kwargs)
+
+
+def count_lines(path: str, tally: Tally | None = None, where: str = "") -> int:
+    """The records a JSON-lines file holds (each checked by `tally.record` when given); 0 if it does not exist."""
+    if not os.path.exists(path):
+        return 0
+    n = 0
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                n += 1
+                if tally is not None:
+                    tally.record(where, json.loads(line))
+    return n
 
 
 class Captured(logging.Handler):
@@ -302,15 +371,21 @@ async def op_session(url: str, rng: random.Random, tally: Tally) -> None:
 
 
 def op_spec(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
-    """The spec as TRL uses it: dataset, environment_factory, reset, tool methods, reward_funcs, close."""
+    """The spec as TRL uses it: dataset, environment_factory, `reset(**row)`, tool methods, reward_funcs with the
+    row's columns as keywords, close; then every episode run is a line of the episode log, or counted as dropped."""
     log = os.path.join(tmp, f"spec-{rng.getrandbits(32):x}.jsonl")
     spec = spec_for(url, tmp, episode_log=log)
+    episodes = 0
     try:
         dataset = spec.train_dataset
+        check_columns(dataset, tally)
+        rows = [dataset[i] for i in range(len(dataset))]
+        row = max(rows, key=collisions, default={"task_index": 0})  # the row with the most colliding fields
         factory = spec.environment_factory
         env = factory()
-        text = env.reset(**dataset[0]) if len(dataset) else env.reset(task_index=0)
-        tally.scan("spec.reset prompt", text)
+        text = env.reset(**row)  # as TRL calls it: a column named like a parameter is a TypeError
+        episodes += 1
+        tally.scan("spec.reset prompt", texts(text))
         for bound in list(spec.binding.tools.values())[:2]:
             method = getattr(env, bound.attribute)
             try:
@@ -320,7 +395,7 @@ def op_spec(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
             else:
                 tally.scan("spec.tool output", texts(shown))
                 tally.ok("spec.tool")
-        rewards = spec.reward_funcs(environments=[env], completions=[[{"role": "assistant", "content": "done"}]])
+        rewards = call_like_trl(spec.reward_funcs, row, [env], [[{"role": "assistant", "content": "done"}]])
         if not (len(rewards) == 1 and (rewards[0] is None or math.isfinite(rewards[0]))):
             tally.problem(f"spec.reward_funcs returned {rewards!r}")
         tally.ok("spec")
@@ -328,10 +403,12 @@ def op_spec(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
         tally.error("spec", exc)
     finally:
         spec.close()
-    if os.path.exists(log):
-        with open(log, encoding="utf-8") as fh:
-            for line in fh:
-                tally.record("spec", json.loads(line))
+    lines = count_lines(log, tally, "spec")
+    recorder = spec._runtime.recorder
+    dropped = recorder.dropped if recorder is not None else 0
+    if lines + dropped != episodes:
+        tally.problem(f"spec: {episodes} episode(s) run, {lines} record(s) in the episode log and {dropped} counted "
+                      "as dropped")
 
 
 def op_engine(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
@@ -387,6 +464,7 @@ def op_eval(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
     """`spec.evaluate` with a scripted policy."""
     spec = spec_for(url, tmp)
     output = os.path.join(tmp, f"eval-{rng.getrandbits(32):x}.jsonl")
+    report = None
     try:
         report = spec.evaluate(ScriptedPolicy(rng), num_tasks=2, concurrency=2, max_turns=2, progress=False,
                                output=output)
@@ -401,13 +479,21 @@ def op_eval(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
     if os.path.exists(output):
         with open(output, encoding="utf-8") as fh:
             tally.scan("eval --output", fh.read())
+    lines = count_lines(output)
+    if report is not None and lines != report.num_episodes:  # its writer has no size bound: nothing may be dropped
+        tally.problem(f"eval: {report.num_episodes} episode(s) run, {lines} record(s) in --output")
 
 
 def op_inspect(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
-    """`ors-trl inspect`'s core and its text rendering."""
+    """`ors-trl inspect`'s core and its text rendering, which must hold no character a terminal obeys."""
     try:
         info = inspect_target(url, api_key=KEY, timeouts=TIMEOUTS, retry=RETRY, tasks=rng.randrange(4))
-        tally.scan("inspect", json.dumps(info, default=str) + render_text(info))
+        shown = render_text(info)
+        tally.scan("inspect", json.dumps(info, default=str) + shown)
+        if found := controls(shown):
+            tally.problem(f"inspect prints control or format characters {found!r}: {shown[:300]!r}")
+        if controls(json.dumps(info, ensure_ascii=False, default=str)):
+            tally.ok("inspect.escaped")  # the server sent some: the check above had something to find
         tally.ok("inspect")
     except BaseException as exc:
         tally.error("inspect", exc)
@@ -481,6 +567,49 @@ def warm_up() -> None:
     transformers.utils.get_json_schema(probe)
 
 
+def report_step(tmp: str, tally: Tally) -> dict[str, Any]:
+    """`ors_trl.write_report` on every episode log and eval output the run wrote, the first ending in half a record
+    (what an interrupted write leaves): the page is written, counts the lines that are no record, embeds every
+    record (the tool metadata with a NaN 60 levels deep included) and holds no credential and no lone surrogate."""
+    inputs = sorted(p for p in glob.glob(os.path.join(tmp, "*.jsonl")) if os.path.getsize(p) > 0)
+    if not inputs:
+        tally.problem("report: the run wrote no episode log or eval output")
+        return {}
+    with open(inputs[0], "rb") as fh:
+        first = fh.readline()
+    with open(inputs[0], "ab") as fh:
+        fh.write(first[: len(first) // 2])
+    lines = records = deep = 0
+    for path in inputs:
+        with open(path, "rb") as fh:
+            for raw in fh:
+                if raw.strip():
+                    lines += 1
+                    with contextlib.suppress(ValueError):
+                        records += isinstance(json.loads(raw), dict)
+                        deep += DEEP_NAN_KEY.encode() in raw
+    out = os.path.join(tmp, "report.html")
+    try:  # every input its own run: they are all episodes of this process, of the same few tasks
+        summary = write_report(inputs, out, labels=[(os.path.basename(p), p) for p in inputs])
+    except BaseException as exc:  # the page is always written, whatever the inputs hold
+        tally.problem(f"report: {type(exc).__name__}: {exc}")
+        return {}
+    with open(out, encoding="utf-8") as fh:  # strict: a lone surrogate is no UTF-8
+        page = fh.read()
+    tally.scan("report page", page)
+    if (found := LONE_SURROGATE_ESCAPE.search(page)) is not None:
+        tally.problem(f"report: the page holds a lone surrogate escape {found[0]!r}")
+    if (summary.episodes, summary.skipped) != (records, lines - records):
+        tally.problem(f"report: {summary.episodes} episodes and {summary.skipped} skipped lines counted; the inputs "
+                      f"hold {records} records in {lines} lines")
+    if f"{lines - records} record(s) skipped" not in page:
+        tally.problem(f"report: the page does not say that {lines - records} record(s) were skipped")
+    if summary.embedded != records or (deep and DEEP_NAN_KEY not in page):
+        tally.problem(f"report: {summary.embedded} of {records} records embedded ({deep} with a deep NaN)")
+    return {"inputs": len(inputs), "episodes": summary.episodes, "skipped": summary.skipped, "deep_nan_records": deep,
+            "bytes": summary.bytes}
+
+
 def test_fuzz_every_entry_point(tmp_path) -> None:
     warm_up()
     seed = int(os.environ.get("ORS_FUZZ_SEED", "0"))
@@ -505,6 +634,17 @@ def test_fuzz_every_entry_point(tmp_path) -> None:
                     seconds[op] = (took, op_seed)
         answers, requests = Counter(hostile.answers), len(hostile.requests)
         elsewhere = hostile.elsewhere_requests
+        # Surely met: `inspect` of terminal control sequences in split and tool names, descriptions and task fields,
+        # the spec and eval of the NaN deep in tool metadata (against answers valid but for these)
+        with HostileServer(seed=seed, only=frozenset({"valid"})) as calm:
+            for route in ("/splits", "/task_range", "/tools", "/task_tools"):
+                calm.force("terminal_escapes", path=route)
+            run_op("inspect", calm.url, seed, tally, str(tmp_path))
+            calm.force("deep_nan", path="/call", times=8)
+            for op in ("spec", "eval"):
+                run_op(op, calm.url, seed, tally, str(tmp_path))
+            deep_nan_sent = calm.answers["deep_nan"]
+        report = report_step(str(tmp_path), tally)
     for name, level, line in logs.lines:
         tally.scan(f"log {name}", line)
         if name == "asyncio" and level >= logging.ERROR:
@@ -517,11 +657,15 @@ def test_fuzz_every_entry_point(tmp_path) -> None:
         "seed": seed, "requests": requests, "ops": len(futures), "answers": dict(answers.most_common()),
         "outcomes": dict(sorted(tally.outcomes.items())), "hangs": tally.hangs, "crashes": tally.crashes,
         "problems": len(tally.problems), "slowest_op_s": {k: [round(v, 2), s] for k, (v, s) in seconds.items()},
-        "redirects_followed_elsewhere": len(elsewhere), "seconds": round(time.monotonic() - started, 1)})
+        "redirects_followed_elsewhere": len(elsewhere), "deep_nan_sent": deep_nan_sent, "report": report,
+        "seconds": round(time.monotonic() - started, 1)})
     print("\nfuzz figures:", json.dumps(FIGURES, indent=1))
     assert requests >= TARGET_REQUESTS * 0.9
     assert not tally.problems, "\n".join(tally.problems[:40])
     assert tally.hangs == 0 and tally.crashes == 0
+    # what the checks above looked at was there: renamed task fields, the deep NaN in a record the page embeds
+    assert tally.outcomes["spec.renamed task field: ok"] > 0 and tally.outcomes["inspect.escaped: ok"] > 0
+    assert deep_nan_sent > 0 and report.get("deep_nan_records", 0) > 0, report
 
 
 def rss() -> int:
@@ -1011,3 +1155,31 @@ def test_a_header_value_aiohttp_refuses_is_a_protocol_error() -> None:
     """Bug: aiohttp raises a bare ValueError for a header with a control character; it escaped the client."""
     with pytest.raises(ProtocolError, match="the request cannot be sent"):
         proxy_client({}, lambda c: c._transport.request("GET", "/x", extra_headers={"X-Bad": "a\x1bb"}))
+
+
+@pytest.mark.parametrize("events,then", [
+    ([("task_id", "t"), ("end", json.dumps({"ok": False, "reason": "no", "error": "refused"}))], "end"),
+    ([("task_id", "t"), ("end", json.dumps({"ok": True}))], "end"),
+    ([], "close"),
+], ids=["refused", "no-output", "cut-before-task-id"])
+def test_a_tool_name_of_10000_characters_is_cut_in_messages(events, then) -> None:
+    """Bug (found by the fuzz run): a tool's name, which the server chooses, went into messages whole, so a call of a
+    tool named with 10,000 characters failed with a message of 10,000+ characters."""
+    from ors_trl.testing.faults import FaultProxy, Reply, SSEReply
+
+    name = "x" * 10_000
+    with FaultProxy(None) as proxy:
+        proxy.add(SSEReply(events, then=then), path="/call", times=None)
+        proxy.add(Reply(json.dumps([ENV])), path="/list_environments", times=None)
+        proxy.add(SSEReply([("task_id", "sid-1")]), path="/create_session", times=None)
+        proxy.add(Reply("{}"), times=None)
+
+        async def call(client: AsyncClient) -> Any:
+            async with await client.open_session(split="train", index=0) as session:
+                return await session.call(name, {})
+
+        with pytest.raises(ORSError) as info:
+            run_client(proxy.url, call)
+    message = str(info.value)
+    assert len(message) < 500 and "x" * 80 + "'…" in message, message[:300]
+    assert getattr(info.value, "tool", name) == name  # the error still names the whole tool

@@ -47,13 +47,20 @@ from tests.fixtures.environments import (
     CARD_WORDS,
     BadImageEnvironment,
     CardEnvironment,
+    CardJudgeEnvironment,
     EchoEnvironment,
     ImageEnvironment,
     QuizEnvironment,
     SparseEnvironment,
     card_png,
 )
-from tests.fixtures.generation import cpu_grpo_trainer, replace_generation, tool_call_text, trl_generation
+from tests.fixtures.generation import (
+    cpu_grpo_trainer,
+    replace_generation,
+    stub_trainer,
+    tool_call_text,
+    trl_generation,
+)
 from tests.test_eval import FakeOpenAI
 from tests.test_report import chromium, run_chromium  # noqa: F401 - the session fixture
 
@@ -64,7 +71,7 @@ torch.set_num_threads(1)
 def image_server() -> Any:
     """A reference server of its own: the image environments, and the text-only ones compared with today's strings."""
     with ReferenceServer([CardEnvironment, BadImageEnvironment, ImageEnvironment, EchoEnvironment, QuizEnvironment,
-                          SparseEnvironment]) as server:
+                          SparseEnvironment, CardJudgeEnvironment]) as server:
         yield server
 
 
@@ -371,6 +378,28 @@ def test_openai_policy_sends_image_url_parts(image_server, tool_images: str) -> 
     assert list(decoded_url(url).getdata()) == list(pixels(card_png("cat")).getdata())
 
 
+def test_group_scored_eval_writes_the_images_beside_its_output(image_server, tmp_path) -> None:
+    """With `score_groups`, records are written once the group is scored: their images are written beside too."""
+    endpoint = CardOpenAI().start()
+    spec = OpenRewardSpec(image_server.url, env_name="cardjudgeenvironment", score_groups=True)
+    out = tmp_path / "eval.jsonl"
+    try:
+        report = spec.evaluate(OpenAIPolicy(endpoint.url, "vlm"), indices=[0], repeats=2, score_groups=True,
+                               output=out, progress=False)
+    finally:
+        endpoint.stop()
+        spec.close()
+    assert report.mean_reward == 1.0 and report.mean_group_reward == 0.5
+    records = list(read_records(out))
+    hashes = {hashlib.sha256(card_png(w)).hexdigest() for w in (CARD_SAMPLE, "cat")}
+    assert len(records) == 2 and all(set(r["images"]) == hashes for r in records)
+    for record in records:
+        for sha, entry in record["images"].items():
+            path = tmp_path / entry["file"]
+            assert path.parent == tmp_path / "eval.jsonl.images" and hashlib.sha256(path.read_bytes()).hexdigest() == sha
+    assert len(list((tmp_path / "eval.jsonl.images").iterdir())) == 2
+
+
 def test_placeholder_mode_sends_the_marker_on_every_path_of_eval(image_server) -> None:
     endpoint = CardOpenAI().start()
     spec = OpenRewardSpec(image_server.url, env_name=CARDS, images="placeholder")
@@ -539,6 +568,24 @@ def test_a_trainer_whose_generate_is_its_own_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="environment_factory"):
         _trl.hand_images(Own(), [[object()]])
     _trl.hand_images(Own(), [[], []])  # no images: nothing to hand
+
+
+def test_continuous_batching_meeting_images_is_refused_before_generating() -> None:
+    """TRL's continuous-batching generation takes no images: the engine says so instead of dropping them."""
+    seen: list[Any] = []
+
+    def generate(prompt_ids: Any, images: Any, fields: Any, num_generations: int) -> Any:
+        seen.append(images)
+        return [[7] for _ in prompt_ids], None
+
+    card = pixels(card_png("cat"))
+    trainer = stub_trainer(generate, use_transformers_continuous_batching=True, use_vllm=True, processing_class=None)
+    with pytest.raises(ConfigurationError, match="continuous-batching generation takes no images"):
+        _trl.generate(trainer, [[1, 2]], [[card]])
+    assert seen == []
+    assert _trl.generate(trainer, [[1, 2]], [[]]) == ([[7]], None)  # no image: generated as usual
+    trainer.use_transformers_continuous_batching = False
+    assert _trl.generate(trainer, [[1, 2]], [[card]]) == ([[7]], None) and seen[-1] == [[card]]
 
 
 # -- inspect --------------------------------------------------------------------------------------------------------

@@ -17,7 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from ors_trl import AdaptiveSampler, ConfigurationError, OpenRewardMix, OpenRewardSpec, PlatformDifficulty, UniformSampler
+from ors_trl import (
+    AdaptiveSampler,
+    ConfigurationError,
+    OpenRewardMix,
+    OpenRewardSpec,
+    PlatformDifficulty,
+    UniformSampler,
+)
 from ors_trl.demo import _task
 from ors_trl.testing import ReferenceServer
 
@@ -257,10 +264,10 @@ def test_difficulty_input_is_checked(look_server, tmp_path) -> None:
     for bad in ((0.9, 0.1), (0, float("nan")), "easy", (1,)):
         with pytest.raises(ConfigurationError, match="difficulty must"):
             OpenRewardSpec(url, difficulty=bad, difficulty_from={0: 1.0})
-    with pytest.raises(ConfigurationError, match="pass difficulty=.*too"):
+    with pytest.raises(ConfigurationError, match=r"pass difficulty=.*too"):
         OpenRewardSpec(url, difficulty_from={0: 1.0})
     for source in (None, "platform", PlatformDifficulty(model_name="m")):  # a self-hosted server has no platform data
-        with pytest.raises(ConfigurationError, match="self-hosted.*eval --repeats"):
+        with pytest.raises(ConfigurationError, match=r"self-hosted.*eval --repeats"):
             OpenRewardSpec(url, difficulty=(0, 1), difficulty_from=source)
     text = tmp_path / "notes.txt"
     text.write_text("not an episode\n")
@@ -291,8 +298,13 @@ def look_model_dir(look_server, tmp_path_factory) -> str:
 def train(spec, model_dir: str, out: Path, answer, *, steps: int, resume: str | None = None, **config):
     """`steps` GRPO steps (2 groups of 4 rollouts each) under the scripted look model answering `answer(reply,
     position, step)`; returns the trainer and the task of every rollout, per step."""
-    from tests.fixtures.generation import cpu_grpo_trainer, look_generation, replace_generation, trl_tokenizer
-    from tests.fixtures.generation import wrap_generate_and_score
+    from tests.fixtures.generation import (
+        cpu_grpo_trainer,
+        look_generation,
+        replace_generation,
+        trl_tokenizer,
+        wrap_generate_and_score,
+    )
 
     trainer = cpu_grpo_trainer(model_dir, str(out), spec=spec, batch=8, generations=4, turns=2,
                                config={"max_steps": steps, **config})
@@ -354,7 +366,7 @@ def test_a_resumed_run_continues_the_same_draws(look_server, look_model_dir, tmp
 
     config = {"save_strategy": "steps", "save_steps": 3, "seed": 7}
     first = spec()
-    trainer, whole = train(first, look_model_dir, tmp_path / "a", answer, steps=6, **config)
+    _, whole = train(first, look_model_dir, tmp_path / "a", answer, steps=6, **config)
     saved = json.loads((tmp_path / "a" / "checkpoint-3" / "trainer_state.json").read_text())
     state = saved["stateful_callbacks"]["ors_trl.task_sampling"]
     assert state["consumed"] == 3 * 2 and state["pending"]  # 2 draws a step trained on; the next ones drawn ahead

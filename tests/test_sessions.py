@@ -513,3 +513,58 @@ def test_cli_inspect_and_eval_take_a_toolset_and_a_tool_call_cap(sandbox_server,
     finally:
         model.stop()
     assert sandbox_server.stats()["open_sessions"] == 0
+
+
+def test_cli_env_overrides_reach_the_server_masked_and_a_refused_toolset_falls_back(sandbox_server, capsys,
+                                                                                    tmp_path) -> None:
+    from tests.test_eval import FakeOpenAI
+
+    key = "sk-cli-override-5c4b3a"
+    overrides = {"OPENAI_API_KEY": key, "OPENAI_BASE_URL": "http://127.0.0.1:9/v1"}
+    given = [a for k, v in overrides.items() for a in ("--env-override", f"{k}={v}")]
+    output = tmp_path / "eval.jsonl"
+    shown: list[str] = []  # everything the commands printed
+    with FaultProxy(sandbox_server.url) as proxy:
+        model = FakeOpenAI().start()
+        try:  # the echo environment has no sandbox: the server refuses the codex toolset
+            assert main(["eval", proxy.url, "--env-name", ECHO, "--base-url", model.url, "--model", "scripted",
+                         "--num-tasks", "1", "--no-progress", "-v", "--output", str(output), "--toolset", "codex",
+                         "--toolset-fallback", *given]) == 0
+        finally:
+            model.stop()
+        captured = capsys.readouterr()
+        shown += [captured.out, captured.err]
+        assert "mean reward           1.0000" in captured.out
+        assert captured.err.count("opening sessions without it (toolset_fallback=True)") == 1
+        assert main(["inspect", proxy.url, "--env-name", ECHO, "--tasks", "0", "--toolset", "codex",
+                     "--toolset-fallback", *given]) == 0
+        captured = capsys.readouterr()
+        shown += [captured.out, captured.err]
+        assert "without toolset 'codex': the server refused it" in captured.out
+        assert main(["inspect", proxy.url, "--env-name", ECHO, "--tasks", "0", "--json", *given]) == 0
+        captured = capsys.readouterr()
+        shown += [captured.out, captured.err]
+        assert json.loads(captured.out)["env_overrides"] == sorted(overrides)
+        opened = [r.json() for r in proxy.requests if r.path == "/create_session"]
+        assert opened == [{"env": overrides}] * 4  # eval: its tool probe and its episode; inspect: a probe each
+        toolsets = [(r.json() or {}).get("toolset_name") for r in proxy.requests if r.path.endswith("/create")]
+        assert toolsets == ["codex", None, None, "codex", None, None]  # refused once each, then without it
+
+        proxy.add(Status(400, f"OPENAI_API_KEY={key}: only the owner may set it"), path="/create_session")
+        assert main(["inspect", proxy.url, "--env-name", ECHO, "--tasks", "0", *given]) == 2
+        captured = capsys.readouterr()
+        shown += [captured.out, captured.err]
+        assert "refused the session's env_overrides (OPENAI_API_KEY, OPENAI_BASE_URL)" in captured.err
+    shown.append(output.read_text())
+    assert all(key not in text for text in shown)
+    assert sandbox_server.stats()["open_sessions"] == 0
+
+    base = ["inspect", sandbox_server.url, "--no-probe"]
+    twice = [f"OPENAI_API_KEY={key}", "--env-override", "OPENAI_API_KEY=y"]
+    for bad, said in (([key], "expected KEY=VALUE (no '='"), ([f"1{key}=x"], "KEY an environment variable name"),
+                      (twice, "OPENAI_API_KEY is given twice")):
+        assert main([*base, "--env-override", *bad]) == 2
+        err = capsys.readouterr().err
+        assert said in err and key not in err
+    assert main([*base, "--toolset-fallback"]) == 2
+    assert "--toolset-fallback needs --toolset" in capsys.readouterr().err

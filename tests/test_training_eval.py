@@ -91,14 +91,16 @@ def test_eval_callback_logs_held_out_pass_at_k(ref_server, tiny_model_dir, tmp_p
     assert {"step 0", "step 1"} <= {name.split(" · ")[-1] for name in summary.run_names}
 
 
-def test_tool_call_health_is_logged_and_a_drop_in_calls_is_warned(ref_server, tiny_model_dir, tmp_path,
-                                                                  caplog) -> None:
+@pytest.mark.parametrize("mode", ["environment_factory", "rollout_func"])
+def test_tool_call_health_is_logged_and_a_drop_in_calls_is_warned(ref_server, tiny_model_dir, tmp_path, caplog,
+                                                                  mode) -> None:
     """Step 1: every reply is a good call. Step 2: every reply is tool-call markup whose JSON is cut, which TRL's
-    parser turns into no call: the step logs it as unparsed turns and episodes without a call, and the log warns."""
+    parser turns into no call: the step logs it as unparsed turns and episodes without a call, and the log warns (TRL's
+    loop: found by `Episode.replay`; the engine: by the turn rule). Each step also logs what its sessions cost."""
     spec = OpenRewardSpec(ref_server.url, env_name=ECHO, num_tasks=2)
     trainer = cpu_grpo_trainer(tiny_model_dir, str(tmp_path), batch=2, generations=2, turns=1, completion_length=48,
                                train_dataset=spec.train_dataset, reward_funcs=spec.reward_funcs,
-                               rollout_func=spec.rollout_func)
+                               **{mode: spec.environment_factory if mode == "environment_factory" else spec.rollout_func})
     trainer.args.max_steps = 2
 
     def reply(word: str, text: str) -> str:
@@ -114,6 +116,16 @@ def test_tool_call_health_is_logged_and_a_drop_in_calls_is_warned(ref_server, ti
     assert first[f"env/{ECHO}/no_tool_call_fraction"] == 0.0 and first[f"env/{ECHO}/unparsed_turn_fraction"] == 0.0
     assert second[f"env/{ECHO}/no_tool_call_fraction"] == 1.0 and second[f"env/{ECHO}/unparsed_turn_fraction"] == 1.0
     assert second[f"env/{ECHO}/malformed_calls"] == 0.0
+    # session cost: step 1's episodes are scored, step 2's (no call) are not. A session is billed at its episode's
+    # reward, and what it lives on after (or, on TRL's loop, an open a reset did not wait for) in the next window:
+    # the last one is the spec's own after it closed every session.
+    rest = spec.metrics.flush()
+    assert first[f"env/{ECHO}/sessions_opened"] == 2 and first[f"env/{ECHO}/session_seconds"] > 0
+    assert first[f"env/{ECHO}/session_seconds_unscored"] == 0.0
+    windows = (first, second, rest)
+    assert sum(w.get(f"env/{ECHO}/sessions_opened", 0.0) for w in windows) == 4
+    unscored = sum(w.get(f"env/{ECHO}/session_seconds_unscored", 0.0) for w in windows)
+    assert 0 < unscored < sum(w.get(f"env/{ECHO}/session_seconds", 0.0) for w in windows)
     warned = [r.getMessage() for r in caplog.records if "made no tool call" in r.getMessage()]
     assert warned == [f"{ECHO}: 100% of this step's 2 episode(s) made no tool call (it was under 50% before); 2 of 2 "
                       "model turn(s) held tool-call markup that parsed to no call, 0 call(s) had malformed arguments. "

@@ -1,13 +1,16 @@
 """ors-trl: train language models with TRL's GRPOTrainer against Open Reward Standard environments.
 
-The public API is the list below: what a user constructs, calls or catches, and the types the client
-returns. Every other module is private. Importing the package is light: torch, trl, transformers, datasets and the openreward SDK
-are imported only when a feature that needs them is first used.
+The public API is the list below: what a user constructs, calls or catches, and the types users receive (from the
+client, `adapter.episode` and `rollout_func.last_episodes` (`Episode`), `spec.metrics` (`EnvMetrics`), the episode
+logs (`EpisodeRecord`) and `write_report` (`ReportSummary`)). Every other module is private. Importing the package is
+light: torch, trl, transformers, datasets and the openreward SDK are imported only when a feature that needs them is
+first used.
 """
 
 from ._budget import get_max_sessions, set_max_sessions
 from ._client import AsyncClient, AsyncSession, Client, Session
 from ._difficulty import PlatformDifficulty
+from ._episode import Episode
 from ._eval import EvalReport, MixEvalReport
 from ._exceptions import (
     APIStatusError,
@@ -35,8 +38,10 @@ from ._exceptions import (
     TransportError,
     UsageError,
 )
+from ._metrics import EnvMetrics
 from ._mix import OpenRewardMix
 from ._policies import LocalPolicy, OpenAIPolicy, Policy, PolicyReply
+from ._records import EpisodeRecord
 from ._report import ReportSummary, write_report
 from ._rewards import outcome_reward
 from ._sampling import AdaptiveSampler, TaskSampler, UniformSampler
@@ -69,7 +74,10 @@ __all__ = [
     "Client",
     "ConfigurationError",
     "ContextLengthExceeded",
+    "EnvMetrics",
     "EnvironmentNotFoundError",
+    "Episode",
+    "EpisodeRecord",
     "EvalReport",
     "GroupScore",
     "ImageBlock",

@@ -1,29 +1,29 @@
 """Bind ORS tool specs to real Python functions that TRL's GRPOTrainer can collect, render and call.
 
-TRL lists an environment adapter's tools with ``inspect.getmembers(type(env), inspect.isfunction)`` (skipping
-``reset``, ``get_reward`` and names starting with ``_``), keys them by ``function.__name__``, renders them with
-``transformers.utils.get_json_schema`` and calls them as ``method(**arguments)``. :func:`bind_tools` builds, for each
-tool, a generic closure (no ``exec``/``eval``/``compile`` of generated source, so a hostile name or description can
-never run as code) and dresses it with ``__signature__``, ``__annotations__`` and a Google-style ``__doc__`` computed
-by :mod:`ors_trl._schema`, so ``get_json_schema`` reproduces the environment's schema.
+TRL lists an environment adapter's tools with `inspect.getmembers(type(env), inspect.isfunction)` (skipping
+`reset`, `get_reward` and names starting with `_`), keys them by `function.__name__`, renders them with
+`transformers.utils.get_json_schema` and calls them as `method(**arguments)`. `bind_tools` builds, for each
+tool, a generic closure (no `exec`/`eval`/`compile` of generated source, so a hostile name or description can
+never run as code) and dresses it with `__signature__`, `__annotations__` and a Google-style `__doc__` computed
+by `ors_trl._schema`, so `get_json_schema` reproduces the environment's schema.
 
 Naming policy
-    * ``__name__`` (what the model sees, what TRL routes by) is the environment's exact tool name whenever it is a sane
-      display name (``^[A-Za-z0-9_.:-]{1,64}$``); otherwise it is sanitized (ASCII-folded, other characters -> ``_``,
-      at most 64 characters, ``"tool"`` if nothing is left) and a warning says so.
-    * The attribute name (what ``inspect.getmembers`` sees) equals the remote name when that is an ASCII identifier,
-      not a keyword, not starting with ``_`` and not in ``reserved``; otherwise it is a sanitized identifier
-      (``"run-shell"`` -> ``"run_shell"``, ``"reset"`` -> ``"tool_reset"``, ``"class"`` -> ``"tool_class"``,
-      ``"_private"`` -> ``"tool__private"``). A tool named ``reset`` is therefore shown as ``reset`` and routed to the
-      remote ``reset`` tool without shadowing the adapter's own ``reset()``.
-    * Exact names are claimed first; sanitized names that collide get deterministic ``_2``, ``_3``... suffixes (with a
+    * `__name__` (what the model sees, what TRL routes by) is the environment's exact tool name whenever it is a sane
+      display name (`^[A-Za-z0-9_.:-]{1,64}$`); otherwise it is sanitized (ASCII-folded, other characters -> `_`,
+      at most 64 characters, `"tool"` if nothing is left) and a warning says so.
+    * The attribute name (what `inspect.getmembers` sees) equals the remote name when that is an ASCII identifier,
+      not a keyword, not starting with `_` and not in `reserved`; otherwise it is a sanitized identifier
+      (`"run-shell"` -> `"run_shell"`, `"reset"` -> `"tool_reset"`, `"class"` -> `"tool_class"`,
+      `"_private"` -> `"tool__private"`). A tool named `reset` is therefore shown as `reset` and routed to the
+      remote `reset` tool without shadowing the adapter's own `reset()`.
+    * Exact names are claimed first; sanitized names that collide get deterministic `_2`, `_3`... suffixes (with a
       warning), so every tool stays reachable. A repeated remote name is skipped with a warning.
-    * Parameter names follow :func:`ors_trl._schema.python_parameter_names` (``class`` -> ``class_``, ``x-y`` ->
-      ``x_y``, ``self`` -> ``self_``); the function accepts both the Python name and the original wire name.
+    * Parameter names follow `ors_trl._schema.python_parameter_names` (`class` -> `class_`, `x-y` ->
+      `x_y`, `self` -> `self_`); the function accepts both the Python name and the original wire name.
 
 Docstring safety
-    ``get_json_schema`` parses docstrings with regexes. Every ``Args:``, ``Returns:`` and ``Raises:`` in environment
-    text becomes ``Args :`` (a normal space before the colon), every ``(choices:`` becomes ``(choices :``, parameter
+    `get_json_schema` parses docstrings with regexes. Every `Args:`, `Returns:` and `Raises:` in environment
+    text becomes `Args :` (a normal space before the colon), every `(choices:` becomes `(choices :`, parameter
     descriptions are collapsed to one line, and empty descriptions get a default, so any description binds and renders.
 """
 
@@ -48,7 +48,7 @@ from ._schema import (
     describe_tool,
     single_line,
 )
-from ._text import ascii_fold, one_line
+from ._text import ascii_fold, one_line, show_name
 
 __all__ = [
     "DEFAULT_RESERVED", "UNSET", "BindingResult", "BoundTool", "Toolset", "bind_tools", "defuse_docstring_text",
@@ -85,7 +85,7 @@ class _Unset:
         return "UNSET"
 
 
-#: Sentinel default of optional parameters (see :class:`_Unset`).
+#: Sentinel default of optional parameters (see `_Unset`).
 UNSET: Any = _Unset()
 
 
@@ -105,8 +105,8 @@ class BoundTool:
 class BindingResult:
     """The functions to set on an adapter class plus a report of everything renamed, skipped or simplified.
 
-    ``functions`` maps attribute name -> function, ``remote_names`` attribute name -> remote tool name,
-    ``display_names`` attribute name -> ``__name__`` (the name the model sees).
+    `functions` maps attribute name -> function, `remote_names` attribute name -> remote tool name,
+    `display_names` attribute name -> `__name__` (the name the model sees).
     """
 
     functions: dict[str, FunctionType] = field(default_factory=dict)
@@ -116,25 +116,20 @@ class BindingResult:
     warnings: list[str] = field(default_factory=list)
 
     def install(self, cls: type) -> None:
-        """Set every function as an attribute of ``cls`` (replacing same-named attributes)."""
+        """Set every function as an attribute of `cls` (replacing same-named attributes)."""
         for attribute, function in self.functions.items():
             setattr(cls, attribute, function)
 
 
 def defuse_docstring_text(text: str) -> str:
-    """Neutralize the markers ``get_json_schema``'s docstring regexes react to.
+    """Neutralize the markers `get_json_schema`'s docstring regexes react to.
 
-    ``Args:``/``Returns:``/``Raises:`` would end the description or argument block early, so a space is inserted
-    before the colon (``Args :``); a trailing ``(choices: ...)`` would be JSON-parsed into an enum, so ``(choices:``
-    becomes ``(choices :``.
+    `Args:`/`Returns:`/`Raises:` would end the description or argument block early, so a space is inserted
+    before the colon (`Args :`); a trailing `(choices: ...)` would be JSON-parsed into an enum, so `(choices:`
+    becomes `(choices :`.
     """
     text = _DOC_SECTION_RE.sub(r"\1 :", text)
     return _CHOICES_RE.sub(r"(\1 :", text)
-
-
-def _show(name: str) -> str:
-    """A name for a warning: repr, cut to a readable length."""
-    return repr(name) if len(name) <= 80 else repr(name[:80]) + "…"
 
 
 def _display_base(remote: str) -> str:
@@ -198,7 +193,7 @@ class _CallPlan:
     def arguments(self, kwargs: dict) -> dict[str, Any]:
         """Named arguments (Python or wire names; unknown ones unchanged) as the remote tool's argument dict.
 
-        Optional arguments left at :data:`UNSET` are dropped so the environment applies its own defaults; missing
+        Optional arguments left at `UNSET` are dropped so the environment applies its own defaults; missing
         required arguments and values are left for the environment to check.
         """
         out: dict[str, Any] = {}
@@ -213,7 +208,7 @@ class _CallPlan:
 
 
 def _make_function(plan: _CallPlan, asynchronous: bool) -> FunctionType:
-    """A fresh generic closure; the receiver is positional-only so any argument name (even ``self``) fits kwargs.
+    """A fresh generic closure; the receiver is positional-only so any argument name (even `self`) fits kwargs.
 
     It hands the adapter the call as the model made it (the name it saw, the arguments by name): the episode
     core routes it, so a call TRL makes and one the engine makes go through the same router."""
@@ -274,13 +269,13 @@ def bind_tools(
     max_tool_description: int = DEFAULT_MAX_TOOL_DESCRIPTION,
     max_schema_nodes: int = DEFAULT_MAX_SCHEMA_NODES,
 ) -> BindingResult:
-    """Build one function per ORS tool spec (``{"name", "description", "input_schema"}`` mappings or objects).
+    """Build one function per ORS tool spec (`{"name", "description", "input_schema"}` mappings or objects).
 
-    Each function calls ``self._call_tool(remote_name, arguments)`` (or awaits ``self._acall_tool(...)`` when
-    ``asynchronous``). ``reserved`` lists attribute names tools must not take (add the adapter's own public methods).
-    ``module`` and ``qualname_prefix`` set ``__module__`` and the ``__qualname__`` prefix (e.g. the adapter class name).
-    Never raises for odd specs: what was renamed, skipped or simplified is in :attr:`BindingResult.warnings` and
-    logged on the ``ors_trl.binding`` logger.
+    Each function calls `self._call_tool(remote_name, arguments)` (or awaits `self._acall_tool(...)` when
+    `asynchronous`). `reserved` lists attribute names tools must not take (add the adapter's own public methods).
+    `module` and `qualname_prefix` set `__module__` and the `__qualname__` prefix (e.g. the adapter class name).
+    Never raises for odd specs: what was renamed, skipped or simplified is in `BindingResult.warnings` and
+    logged on the `ors_trl.binding` logger.
     """
     reserved_set = frozenset([reserved] if isinstance(reserved, str) else reserved)
     result = BindingResult()
@@ -295,7 +290,7 @@ def bind_tools(
             warnings.append(f"skipped tool spec #{index}: its name is not a string")
             continue
         if remote in seen:
-            warnings.append(f"skipped tool spec #{index}: duplicate tool name {_show(remote)}")
+            warnings.append(f"skipped tool spec #{index}: duplicate tool name {show_name(remote)}")
             continue
         seen.add(remote)
         entries.append((remote, spec))
@@ -310,7 +305,8 @@ def bind_tools(
         else:
             display = _unique(_display_base(remote), display_taken, limit=_MAX_DISPLAY_NAME)
             warnings.append(
-                f"tool {_show(remote)}: not a valid tool name for models, shown to the model as {_show(display)}"
+                f"tool {show_name(remote)}: not a valid tool name for models, shown to the model as "
+                f"{show_name(display)}"
             )
         if _is_exact_attribute(remote, reserved_set):
             attribute = remote
@@ -318,10 +314,11 @@ def bind_tools(
             base = _attribute_base(remote, reserved_set)
             attribute = _unique(base, attribute_taken, avoid=reserved_set)
             why = "is reserved" if remote in reserved_set else "is not a public Python identifier"
-            suffix = f" (deduplicated from {_show(base)})" if attribute != base else ""
-            warnings.append(f"tool {_show(remote)}: name {why}; bound as attribute {_show(attribute)}{suffix}")
+            suffix = f" (deduplicated from {show_name(base)})" if attribute != base else ""
+            warnings.append(f"tool {show_name(remote)}: name {why}; bound as attribute {show_name(attribute)}{suffix}")
         if display != remote and display != _display_base(remote):
-            warnings.append(f"tool {_show(remote)}: display name collides with another tool, using {_show(display)}")
+            warnings.append(f"tool {show_name(remote)}: display name collides with another tool, using "
+                            f"{show_name(display)}")
         names.append((display, attribute))
 
     # 3. Functions.
@@ -335,16 +332,17 @@ def bind_tools(
             )
         except Exception as error:  # a bug must not take the whole environment down; the tool stays callable
             warnings.append(
-                f"tool {_show(remote)}: input schema could not be converted ({type(error).__name__}); "
+                f"tool {show_name(remote)}: input schema could not be converted ({type(error).__name__}); "
                 "bound without parameters, arguments are passed through"
             )
             info = ToolInfo(remote, f"Call the {one_line(remote) or 'unnamed'} tool.", ())
         for parameter in info.parameters:
             if parameter.python_name != parameter.remote_name:
                 warnings.append(
-                    f"tool {_show(remote)}: parameter {_show(parameter.remote_name)} is exposed as {_show(parameter.python_name)}"
+                    f"tool {show_name(remote)}: parameter {show_name(parameter.remote_name)} is exposed as "
+                    f"{show_name(parameter.python_name)}"
                 )
-        warnings.extend(f"tool {_show(remote)}: {note}" for note in info.notes)
+        warnings.extend(f"tool {show_name(remote)}: {note}" for note in info.notes)
         plan = _CallPlan(remote, display, info.parameters)
         function = _build_function(info, plan, attribute, asynchronous, module, qualname_prefix)
         result.functions[attribute] = function

@@ -41,7 +41,16 @@ _semaphores: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaph
 
 
 def set_max_sessions(limit: int | None) -> None:
-    """Cap the sessions this process keeps open at once (None: no cap). Call before opening sessions."""
+    """Cap the sessions this process keeps open at once. Call before opening sessions.
+
+    Args:
+        limit (`int` or `None`):
+            The most sessions open at once, over every client of the process (`None`: no cap). Overrides
+            `ORS_TRL_MAX_SESSIONS`.
+
+    Raises:
+        ConfigurationError: `limit` is not a positive int or `None`.
+    """
     global _limit, _limit_set
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ConfigurationError(f"the session cap must be a positive int or None, got {limit!r}")
@@ -51,7 +60,14 @@ def set_max_sessions(limit: int | None) -> None:
 
 
 def get_max_sessions() -> int | None:
-    """The process-wide cap: `set_max_sessions`, else `ORS_TRL_MAX_SESSIONS`, else None."""
+    """The process-wide session cap.
+
+    Returns:
+        `int` or `None`: The cap `set_max_sessions` set, else `ORS_TRL_MAX_SESSIONS`, else `None` (no cap).
+
+    Raises:
+        ConfigurationError: `ORS_TRL_MAX_SESSIONS` is not an integer of at least 1.
+    """
     if _limit_set:
         return _limit
     raw = os.environ.get(ENV_VAR, "").strip()

@@ -36,6 +36,7 @@ from ._exceptions import (
 from ._loop import BackgroundLoop, get_loop
 from ._pool import OPENING_WAIT_S, Lease, SessionPool
 from ._target import SecretValue, Target, encode_secrets, resolve_target
+from ._text import show_name
 from ._transport import RetryPolicy, Timeouts, Transport, readable
 from ._types import (
     MASK,
@@ -92,15 +93,34 @@ def _masked(method: F) -> F:
 
 
 class AsyncSession:
-    """One ORS session (one episode of one task). Create it with `AsyncClient.open_session`.
+    """One ORS session (one episode of one task). Create it with `AsyncClient.open_session`, which passes the
+    arguments; each is kept as the attribute of the same name.
+
+    Args:
+        client (`AsyncClient`):
+            The client the session belongs to.
+        sid (`str`):
+            The server's session id.
+        split (`str` or `None`):
+            The split of the task this session runs (`None` for an explicit `task_spec`).
+        index (`int` or `None`):
+            The index of that task in `split` (`None` for an explicit `task_spec`).
+        task_spec (`Mapping[str, Any]` or `None`):
+            The explicit task this session runs, if it was opened with one.
+        open_seconds (`float`):
+            How long opening took (waits included).
+        created_at (`float`):
+            `time.monotonic()` when its creation was asked for.
 
     Attributes:
-        sid: the server's session id.
-        split, index, task_spec: the task this session runs.
-        opened_at: `time.monotonic()` when it was opened; `open_seconds` how long opening took (waits included).
-        created_at, closed_at: `time.monotonic()` when its creation was asked for, and when the server deleted it.
-        expired: True once the server said the session is gone.
-        closed: True after `close()`.
+        opened_at (`float`):
+            `time.monotonic()` when it was opened.
+        closed_at (`float` or `None`):
+            `time.monotonic()` when the server deleted it; `None` until then.
+        expired (`bool`):
+            `True` once the server said the session is gone.
+        closed (`bool`):
+            `True` after `close()`.
     """
 
     def __init__(self, client: AsyncClient, sid: str, *, split: str | None, index: int | None,
@@ -156,7 +176,9 @@ class AsyncSession:
     async def messages(self) -> list[Message]:
         """The task's prompt as a role-tagged conversation (`/messages`, servers from SDK 0.1.157 on).
 
-        Raises `NotFoundError` on an older server that has no such route (use `prompt()` there).
+        Raises:
+            NotFoundError: an older server has no such route (use `prompt()` there).
+            SessionExpiredError: the session is gone.
         """
         self._check_open()
         try:
@@ -177,7 +199,16 @@ class AsyncSession:
 
     @_masked
     async def call(self, name: str, arguments: Mapping[str, Any] | None = None) -> ToolResult:
-        """Call tool `name` and return its result.
+        """Call a tool in this session.
+
+        Args:
+            name (`str`):
+                The tool's name.
+            arguments (`Mapping[str, Any]`, *optional*):
+                Its arguments (none when omitted).
+
+        Returns:
+            `ToolResult`: What the tool returned.
 
         Raises:
             ToolRefusedError: the server refused the call (`.reason` says why).
@@ -187,16 +218,26 @@ class AsyncSession:
             ORSTimeoutError: the call outlived `Timeouts.tool_call`.
         """
         body, task_id = await self._stream("/call", {"name": name, "input": dict(arguments or {})},
-                                           what=f"tool {name!r}", tool=name)
+                                           what=f"tool {show_name(name)}", tool=name)
         # A refusal quotes the server: `quote` masks secrets it echoed and escapes control characters.
         return _parse_call_result(body, tool=name, task_id=task_id, quote=self.client._transport.quote)
 
     @_masked
     async def score_group(self, candidates: list[dict[str, Any]]) -> list[GroupScore]:
-        """Score a GRPO group of this session's task (`/score_group`): one `GroupScore` per candidate, in order.
+        """Score a GRPO group of this session's task (`/score_group`).
 
-        `candidates` are `{"messages": [Message.to_json(), ...], "metadata"?: {...}}`. Streamed like a tool
-        call (keepalive, resume by task id); a 404 means the environment does not support group scoring.
+        Streamed like a tool call (keepalive, resume by task id).
+
+        Args:
+            candidates (`list[dict[str, Any]]`):
+                The group's completions, each `{"messages": [Message.to_json(), ...], "metadata"?: {...}}`.
+
+        Returns:
+            `list[GroupScore]`: One score per candidate, in order.
+
+        Raises:
+            NotFoundError: the environment does not support group scoring (a 404).
+            ProtocolError: the answer does not hold one score per candidate.
         """
         body, _ = await self._stream("/score_group", {"candidates": list(candidates)}, what="score_group",
                                      tool="score_group")
@@ -252,16 +293,16 @@ class AsyncSession:
 def _parse_call_result(body: Any, *, tool: str, task_id: str | None, quote: Callable[[str], str]) -> ToolResult:
     """A decoded `/call` result; `quote` makes what the server said fit for a message (escaped, bounded)."""
     if not isinstance(body, dict) or "ok" not in body:
-        raise ProtocolError(f"tool {tool!r}: the result has no 'ok' field: {quoted(body)}")
+        raise ProtocolError(f"tool {show_name(tool)}: the result has no 'ok' field: {quoted(body)}")
     if body["ok"] is True:
         if "output" not in body:
-            raise ProtocolError(f"tool {tool!r}: a successful result has no 'output'")
+            raise ProtocolError(f"tool {show_name(tool)}: a successful result has no 'output'")
         return ToolResult.from_output(body["output"], tool=tool, task_id=task_id)
     reason = body.get("reason")
     error = body.get("error") or "the server refused the call"
     shown = quote(error if isinstance(error, str) else quoted(error, 2000))
     raise ToolRefusedError(
-        f"tool {tool!r} was refused ({quote(str(reason)) if reason else 'no reason given'}): {shown}",
+        f"tool {show_name(tool)} was refused ({quote(str(reason)) if reason else 'no reason given'}): {shown}",
         tool=tool,
         reason=reason if isinstance(reason, str) else None,
     )
@@ -289,38 +330,38 @@ class AsyncClient:
 
     Args:
         target (`str`):
-            a catalog name (`"Eigent/SETA"`) or the URL of a self-hosted server (`"http://127.0.0.1:8000"`), told
+            A catalog name (`"Eigent/SETA"`) or the URL of a self-hosted server (`"http://127.0.0.1:8000"`), told
             apart by `://`.
         env_name (`str`, *optional*):
-            which environment on a server hosting several (case-insensitive). Not needed when the server hosts one.
+            Which environment on a server hosting several (case-insensitive). Not needed when the server hosts one.
         api_key (`str`, *optional*):
-            the OpenReward key; defaults to `OPENREWARD_API_KEY` for catalog names. Sent only to the platform's
+            The OpenReward key; defaults to `OPENREWARD_API_KEY` for catalog names. Sent only to the platform's
             hosts, or to a self-hosted URL when passed explicitly.
         secrets (`Mapping[str, str | tuple[str, Sequence[str]]]`, *optional*):
-            sent with every session in `X-Secrets`; a value is a string or `(value, allowed_domains)`.
+            Sent with every session in `X-Secrets`; a value is a string or `(value, allowed_domains)`.
         timeouts (`Timeouts`, *optional*):
-            connect, request and tool-call deadlines.
+            Connect, request and tool-call deadlines.
         retry (`RetryPolicy`, *optional*):
-            retries of transient failures.
+            Retries of transient failures.
         keepalive_interval (`float`, *optional*, defaults to `10.0`):
-            seconds between pings of an idle open session; None disables keepalive.
+            Seconds between pings of an idle open session; None disables keepalive.
         max_sessions (`int`, *optional*):
-            cap on sessions open at once through this client; `open_session` queues (up to `session_wait` seconds)
+            Cap on sessions open at once through this client; `open_session` queues (up to `session_wait` seconds)
             rather than fails when it is reached.
         session_wait (`float`, *optional*, defaults to `1800.0`):
-            how long `open_session` may wait for a free slot under `max_sessions`.
+            How long `open_session` may wait for a free slot under `max_sessions`.
         max_connections (`int`, *optional*, defaults to `0`):
-            connection pool size (0: unlimited).
+            Connection pool size (0: unlimited).
         max_session_rate (`float` or `tuple[float, int]`, *optional*):
-            sessions this client creates per second, or `(rate, burst)` (burst 1 otherwise); opens past it wait
+            Sessions this client creates per second, or `(rate, burst)` (burst 1 otherwise); opens past it wait
             their turn, and a 429 or `503 starting` slows it. None: a batch opens at once.
         toolset (`str`, *optional*):
-            the platform toolset every session gets (`toolset_name`, e.g. `"codex"`); a toolset the server refuses
+            The platform toolset every session gets (`toolset_name`, e.g. `"codex"`); a toolset the server refuses
             is a `ConfigurationError` at the first open.
         toolset_fallback (`bool`, *optional*, defaults to `False`):
-            when the server refuses `toolset`, open sessions without it (said once in the log) instead.
+            When the server refuses `toolset`, open sessions without it (said once in the log) instead.
         env_overrides (`Mapping[str, str]`, *optional*):
-            environment variables for every session (sent with `/create_session`; on the platform, callers other
+            Environment variables for every session (sent with `/create_session`; on the platform, callers other
             than the environment's owner may set only the OpenAI/Anthropic URL and key variables). Masked like
             secrets; a self-hosted reference server ignores them.
     """
@@ -374,6 +415,7 @@ class AsyncClient:
 
     @property
     def timeouts(self) -> Timeouts:
+        """The deadlines this client's requests run under."""
         return self._transport.timeouts
 
     @property
@@ -468,6 +510,7 @@ class AsyncClient:
 
     @_masked
     async def splits(self) -> list[Split]:
+        """The environment's task splits (`/splits`)."""
         raw = await self._env_request("GET", "/splits")
         if not isinstance(raw, list):
             raise ProtocolError(f"/splits: expected a list, got {quoted(raw)}")
@@ -512,6 +555,18 @@ class AsyncClient:
 
     @_masked
     async def num_tasks(self, split: str = "train") -> int:
+        """The number of tasks in a split (`/num_tasks`).
+
+        Args:
+            split (`str`, *optional*, defaults to `"train"`):
+                The split to count.
+
+        Returns:
+            `int`: How many tasks `split` has.
+
+        Raises:
+            BadRequestError: `split` does not exist (the message lists those that do).
+        """
         raw = await self._split_request(split, "/num_tasks", {"split": split})
         count = raw.get("num_tasks") if isinstance(raw, dict) else None
         if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_TASK_COUNT:
@@ -521,7 +576,20 @@ class AsyncClient:
 
     @_masked
     async def task(self, split: str, index: int) -> dict[str, Any]:
-        """One task spec."""
+        """One task spec (`/task`).
+
+        Args:
+            split (`str`):
+                The split the task is in.
+            index (`int`):
+                Its index in `split`.
+
+        Returns:
+            `dict[str, Any]`: The task spec.
+
+        Raises:
+            BadRequestError: `split` does not exist, or `index` is out of its range (the message says which).
+        """
         try:
             raw = await self._env_request("POST", "/task", {"split": split, "index": index})
         except BadRequestError as exc:
@@ -532,7 +600,22 @@ class AsyncClient:
 
     @_masked
     async def task_range(self, split: str, start: int | None = None, stop: int | None = None) -> list[dict[str, Any]]:
-        """Tasks `start:stop` of a split in one request (Python slice rules)."""
+        """Tasks `start:stop` of a split in one request (`/task_range`, Python slice rules).
+
+        Args:
+            split (`str`):
+                The split the tasks are in.
+            start (`int`, *optional*):
+                The first task's index (the split's start when omitted).
+            stop (`int`, *optional*):
+                The index past the last task (the split's end when omitted).
+
+        Returns:
+            `list[dict[str, Any]]`: The task specs, in order.
+
+        Raises:
+            BadRequestError: `split` does not exist (the message lists those that do).
+        """
         body: dict[str, Any] = {"split": split}
         if start is not None:
             body["start"] = start
@@ -549,7 +632,18 @@ class AsyncClient:
 
     @_masked
     async def tasks(self, split: str = "train") -> list[dict[str, Any]]:
-        """Every task of a split (one request; slow on large catalogs: prefer `task_range`)."""
+        """Every task of a split (`/tasks`, one request; slow on large catalogs: prefer `task_range`).
+
+        Args:
+            split (`str`, *optional*, defaults to `"train"`):
+                The split whose tasks are listed.
+
+        Returns:
+            `list[dict[str, Any]]`: The task specs, in order.
+
+        Raises:
+            BadRequestError: `split` does not exist (the message lists those that do).
+        """
         raw = await self._split_request(split, "/tasks", {"split": split})
         if not isinstance(raw, dict) or not isinstance(raw.get("tasks"), list):
             raise ProtocolError(f"/tasks: expected {{'tasks': [...]}}, got {quoted(raw)}")
@@ -646,12 +740,32 @@ class AsyncClient:
         task_spec: Mapping[str, Any] | None = None,
         toolset_name: str | None = None,
     ) -> AsyncSession:
-        """Open a session for task `split`/`index`, or for an explicit `task_spec`.
+        """Open a session for task `split`/`index`, or for an explicit `task_spec` (exactly one of `index` and
+        `task_spec`).
 
-        `toolset_name` overrides the client's `toolset`. Whatever this creates on the server is deleted again if the
-        open fails or is cancelled halfway; a request that may have created something is waited for first
-        (bounded), so that the delete cannot overtake it. `aclose()` waits for opens still in flight and closes
-        what they opened.
+        Whatever this creates on the server is deleted again if the open fails or is cancelled halfway; a request
+        that may have created something is waited for first (bounded), so that the delete cannot overtake it.
+        `aclose()` waits for opens still in flight and closes what they opened. Under `max_sessions`, waits (up to
+        `session_wait`) for a free slot.
+
+        Args:
+            split (`str`, *optional*):
+                The split of the task at `index`; `"train"` when omitted.
+            index (`int`, *optional*):
+                The task's index in `split`.
+            task_spec (`Mapping[str, Any]`, *optional*):
+                An explicit task to run instead of one by index.
+            toolset_name (`str`, *optional*):
+                The platform toolset for this session; overrides the client's `toolset`.
+
+        Returns:
+            `AsyncSession`: The open session (a `Session` from `Client.open_session`).
+
+        Raises:
+            ConfigurationError: both or neither of `index` and `task_spec` were given, or the server refused the
+                toolset (without `toolset_fallback`) or the client's `env_overrides`.
+            BadRequestError: `split` does not exist, or `index` is out of its range.
+            UsageError: the client is closed.
         """
         if (task_spec is None) == (index is None):
             raise ConfigurationError("open_session needs exactly one of index= (with split=) or task_spec=")
@@ -751,7 +865,7 @@ class AsyncClient:
         await self._pool.close_sessions()
 
     async def aclose(self) -> None:
-        """Close every open session, then the connection pool. Idempotent."""
+        """Close every open session (and those still opening), then the connection pool. Idempotent."""
         if self._pool.closed:
             return
         await self._pool.aclose()
@@ -786,13 +900,15 @@ def _blocking(method: Callable[..., Any], wrap: Callable[[Any, Any], Any] = lamb
 
 
 def _facade(of: type, methods: tuple[str, ...], attributes: tuple[str, ...]) -> Callable[[type], type]:
-    """Class decorator: give the facade the blocking form of `of`'s `methods` and read-only views of `attributes`."""
+    """Class decorator: give the facade the blocking form of `of`'s `methods` and read-only views of `attributes`
+    (documented as `of` documents them)."""
     def install(cls: type) -> type:
         for name in methods:
             if name not in cls.__dict__:
                 setattr(cls, name, _blocking(getattr(of, name)))
         for name in attributes:
-            setattr(cls, name, property(lambda self, name=name: getattr(self._inner, name)))
+            doc = getattr(vars(of).get(name), "__doc__", None) or f"The `{of.__name__}`'s `{name}` (read-only)."
+            setattr(cls, name, property(lambda self, name=name: getattr(self._inner, name), doc=doc))
         return cls
 
     return install
@@ -818,7 +934,17 @@ class _Facade:
 @_facade(AsyncSession, ("prompt", "messages", "tools", "call", "score_group", "ping", "close"),
          ("sid", "index", "expired", "closed", "seconds"))
 class Session(_Facade):
-    """Synchronous view of an `AsyncSession` (from `Client.open_session`), safe to use from any thread."""
+    """Synchronous view of an `AsyncSession` (from `Client.open_session`), safe to use from any thread.
+
+    Its methods are `AsyncSession`'s, blocking; `sid`, `index`, `expired`, `closed` and `seconds` read the
+    `AsyncSession`'s.
+
+    Args:
+        inner (`AsyncSession`):
+            The session this view drives.
+        bg (`BackgroundLoop`):
+            The process's background event loop, which runs `inner`'s calls.
+    """
 
     def __init__(self, inner: AsyncSession, bg: BackgroundLoop) -> None:
         self._inner, self._bg = inner, bg
@@ -831,8 +957,9 @@ class Session(_Facade):
 class Client(_Facade):
     """Synchronous ORS client: the `AsyncClient` API driven through the process's background loop.
 
-    Takes the arguments of `AsyncClient`. Closed by `close()`, by `with`, or at the latest at interpreter
-    exit (before thread pools shut down), deleting every session it still has open.
+    Takes the arguments of `AsyncClient` (below); its methods are `AsyncClient`'s, blocking. Closed by `close()`,
+    by `with`, or at the latest at interpreter exit (before thread pools shut down), deleting every session it still
+    has open.
     """
 
     @functools.wraps(AsyncClient.__init__)
@@ -848,6 +975,11 @@ class Client(_Facade):
         """Close every open session, then the connection pool."""
         self._bg.remove_closer(self._inner.aclose)
         self._run(self._inner.aclose())
+
+
+# The constructor's parameters are `AsyncClient`'s: so is their documentation (no docstrings under `python -OO`).
+if Client.__doc__ and AsyncClient.__doc__:
+    Client.__doc__ = f"{Client.__doc__}\n    {AsyncClient.__doc__[AsyncClient.__doc__.index('Args:'):]}"
 
 
 async def delete_orphans(target: str, sids: list[str]) -> list[bool]:

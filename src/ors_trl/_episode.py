@@ -43,7 +43,7 @@ from ._loop import get_loop
 from ._metrics import EnvMetrics
 from ._records import RUN_ID, CallRecord, EpisodeRecord, RecordWriter, TurnRecord, error_record, image_record
 from ._sampling import Curriculum
-from ._text import clip
+from ._text import clip, show_name
 from ._types import Block, ImageBlock, TerminalTool, ToolList, ToolResult, image_blocks
 
 __all__ = ["Call", "EnvironmentRuntime", "Episode", "Outcome", "Reply", "Rules", "Task", "find_ended", "runtimes",
@@ -166,7 +166,7 @@ class Outcome:
 
 
 def _refusal(tool: str, reason: str, why: str) -> ToolRefusedError:
-    return ToolRefusedError(f"tool {tool!r} was refused ({reason}): {why}", tool=tool, reason=reason)
+    return ToolRefusedError(f"tool {show_name(tool)} was refused ({reason}): {why}", tool=tool, reason=reason)
 
 
 class EnvironmentRuntime:
@@ -408,16 +408,54 @@ NEW, OPENING, OPEN, ENDED, CLOSED = "new", "opening", "open", "ended", "closed"
 class Episode:
     """One rollout of one task. Create it with `EnvironmentRuntime.episode`; run its coroutines on one loop.
 
+    Users receive episodes from `adapter.episode` (`environment_factory`) and `rollout_func.last_episodes`.
+
+    Args:
+        env (`EnvironmentRuntime`):
+            The environment the episode runs in; kept as the attribute `env`.
+        task (`Task`):
+            The task it runs; kept as the attribute `task`.
+        source (`str`):
+            Which driver plays it (`"trl"`, `"engine"`, `"eval"`, ...), for the record.
+        rules (`Rules`):
+            The limits it is played under, and how a failed call reads to the model.
+        metrics (`EnvMetrics` or `None`):
+            The metrics it is counted in (`None`: none).
+        writer (`RecordWriter` or `None`):
+            Where its record is written when it closes (`None`: nowhere).
+        task_tools (`bool`, *optional*, defaults to `False`):
+            Bind the session's own tool list (`/task_tools`) when it opens, instead of the environment's.
+        uploads (`RolloutUploader`, *optional*):
+            Where its record is uploaded when it closes.
+        **info:
+            Extra record fields (`repeat`, `policy`, ...).
+
     Attributes:
-        state: `new`, `opening`, `open`, `ended` (the model stopped, or the episode failed or timed out) or `closed`.
-        reward: last non-None reward (the outcome convention); None if nothing was scored, or the episode timed out.
-        rewards, metadata: per tool call, the reward / the environment's metadata (None where absent).
-        finished: True once the environment said the episode is over (the model may still reply).
-        tool_calls, tool_failures: the model's tool calls this episode, and how many failed or were refused.
-        turns: the record of each model reply (`TurnRecord`); `final`: the final message and its terminal grade.
-        error: why the episode failed outside a tool call (`{"kind", "message"}`), else None.
-        end_reason: finished, no_tool_calls, max_turns, length, context_length, timeout or error (once ended).
-        group_reward: the comparative reward from `/score_group`, when asked for.
+        state (`str`):
+            `"new"`, `"opening"`, `"open"`, `"ended"` (the model stopped, or the episode failed or timed out) or
+            `"closed"`.
+        reward (`float` or `None`):
+            Last non-`None` reward (the outcome convention); `None` if nothing was scored, or the episode timed out.
+        rewards (`list[float | None]`):
+            Per tool call, the reward (`None` where absent).
+        metadata (`list[dict[str, Any] | None]`):
+            Per tool call, the environment's metadata (`None` where absent).
+        finished (`bool`):
+            `True` once the environment said the episode is over (the model may still reply).
+        tool_calls (`int`):
+            The model's tool calls this episode.
+        tool_failures (`int`):
+            How many of them failed or were refused.
+        turns (`list[TurnRecord]`):
+            The record of each model reply.
+        final (`dict[str, Any]` or `None`):
+            The final plain message and its terminal grade.
+        error (`dict[str, Any]` or `None`):
+            Why the episode failed outside a tool call (`{"kind", "message"}`), else `None`.
+        end_reason (`str` or `None`):
+            `finished`, `no_tool_calls`, `max_turns`, `length`, `context_length`, `timeout` or `error` (once ended).
+        group_reward (`float` or `None`):
+            The comparative reward from `/score_group`, when asked for.
     """
 
     def __init__(self, env: EnvironmentRuntime, task: Task, *, source: str, rules: Rules,
@@ -465,6 +503,7 @@ class Episode:
 
     @property
     def terminal(self) -> TerminalTool | None:
+        """The environment's `@terminal` tool, which grades the final plain message, if it has one."""
         return self.toolset.terminal if self.toolset is not None else None
 
     @property
@@ -485,8 +524,11 @@ class Episode:
     # -- open --------------------------------------------------------------------------------------
 
     async def open(self) -> bool:
-        """Open the session and read the prompt (once; later callers share the first open). False on failure,
-        which is recorded: the episode then ends with `error` and scores None."""
+        """Open the session and read the prompt (once; later callers share the first open).
+
+        Returns:
+            `bool`: Whether it opened. A failure is recorded: the episode then ends with `error` and scores `None`.
+        """
         if self._opening is None:
             self.state = OPENING
             self._opening = asyncio.ensure_future(self._open())
@@ -539,7 +581,14 @@ class Episode:
         A reply with calls runs them in order on the episode's session (see `call`), unless it is the last reply
         the rules allow (then they are not run and the episode ends with `max_turns`); a reply without calls ends
         the episode (`no_tool_calls`, or `length` when the length limit cut it) and its text, the final message,
-        goes to a terminal tool. Returns the calls' outcomes (generate again, with them), or None once it ended.
+        goes to a terminal tool.
+
+        Args:
+            reply (`Reply`):
+                The model's reply: its text, its calls, whether the length limit cut it.
+
+        Returns:
+            `list[Outcome]` or `None`: The calls' outcomes (generate again, with them), or `None` once it ended.
         """
         if self.over:
             return None
@@ -570,6 +619,13 @@ class Episode:
         Refused locally (recorded, counted, the model reads why): an unsupported call type, a call after the
         environment said `finished` or after the episode ended, a call past `Rules.max_tool_calls`, and a tool or
         arguments the binding does not know (TRL's own messages). Never raises for environment failures.
+
+        Args:
+            call (`Call`):
+                The call as the model wrote it.
+
+        Returns:
+            `Outcome`: What the model reads of it, and the result or the error.
         """
         entry: CallRecord = {"id": call.id, "name": call.name, "arguments": call.arguments}
         (self.turns[-1] if self.turns else self._turn(Reply(None)))["tool_calls"].append(entry)
@@ -610,9 +666,14 @@ class Episode:
         return sha
 
     def made_before(self, calls: int | None) -> None:
-        """TRL's own loop: the model made `calls` tool calls before the one coming in (None: unknown). Those TRL failed
-        itself (an unknown tool, arguments that do not bind) never reach the episode, yet count toward
-        `Rules.max_tool_calls` as on every other path; `replay` counts them for good."""
+        """TRL's own loop: say how many tool calls the model made before the one coming in. Those TRL failed itself
+        (an unknown tool, arguments that do not bind) never reach the episode, yet count toward
+        `Rules.max_tool_calls` as on every other path; `replay` counts them for good.
+
+        Args:
+            calls (`int` or `None`):
+                The model's tool calls so far (`None`: unknown).
+        """
         if calls is not None:
             self._unseen = max(self._unseen, calls - self.tool_calls)
 
@@ -691,9 +752,16 @@ class Episode:
         transcript (the messages after the prompt) by the same turn rule, so that the record and the counts are
         those the engine and eval give for the same replies. A call TRL failed itself, before it reached the
         adapter (an unknown tool, arguments that are not an object, an unsupported type), is recorded and counted
-        as refused with what TRL showed the model. `truncated`: the last reply was cut by the length limit.
+        as refused with what TRL showed the model.
 
-        Returns what to `end` with: the reason and the final plain message.
+        Args:
+            messages (`Sequence[Mapping[str, Any]]`):
+                TRL's transcript after the prompt.
+            truncated (`bool`):
+                Whether the last reply was cut by the length limit.
+
+        Returns:
+            `tuple[str, str | None]`: What to `end` with: the reason and the final plain message.
         """
         made = deque(c for t in self.turns for c in t["tool_calls"])
         self.turns, self._unseen = [], 0
@@ -749,10 +817,17 @@ class Episode:
     # -- the end -----------------------------------------------------------------------------------
 
     async def end(self, reason: str, message: str | None = None, *, detail: str | None = None) -> None:
-        """The model stopped. `reason`: no_tool_calls, max_turns, length, context_length, ...; `message`: its final
-        plain message, None when it was cut off; `detail`: why, for the record. An environment's terminal tool
-        grades the message (a cut-off episode of such an environment scores None); the end reason is `finished`
-        whenever the environment said so."""
+        """The model stopped. An environment's terminal tool grades the final message (a cut-off episode of such an
+        environment scores `None`); the end reason is `finished` whenever the environment said so.
+
+        Args:
+            reason (`str`):
+                Why: `no_tool_calls`, `max_turns`, `length`, `context_length`, ...
+            message (`str`, *optional*):
+                The model's final plain message; `None` when it was cut off.
+            detail (`str`, *optional*):
+                Why, in words, for the record.
+        """
         if self.over:
             return
         terminal = self.terminal
@@ -778,7 +853,12 @@ class Episode:
             self.end_reason, self.state = ("finished" if self.finished else reason), ENDED
 
     def time_out(self, limit: float) -> None:
-        """The episode ran past its `limit`-second deadline: it ends now, scored None, whatever it was doing."""
+        """The episode ran past its deadline: it ends now, scored `None`, whatever it was doing.
+
+        Args:
+            limit (`float`):
+                The deadline it ran past, in seconds (for the record).
+        """
         if self.over:
             return
         self.error = self.error or {"kind": "timeout", "message": f"the episode exceeded episode_timeout={limit:g}s"}
@@ -788,7 +868,12 @@ class Episode:
                        self.task.key, limit)
 
     def fail(self, exc: BaseException) -> None:
-        """The episode failed outside any tool call (its session did not open, the policy failed): it ends."""
+        """The episode failed outside any tool call (its session did not open, the policy failed): it ends.
+
+        Args:
+            exc (`BaseException`):
+                The failure, recorded as the episode's `error` (unless it already has one).
+        """
         if self.error is None:
             self.error = error_record(exc)
         if not self.over:
@@ -862,8 +947,12 @@ class Episode:
             await self.session.close()
 
     async def close(self, *, keep: bool = True) -> None:
-        """Free the session, then (once) count the episode and write its record; `keep=False` (an interrupted
-        episode, which is no result) does neither. The one way an episode closes."""
+        """Free the session, then (once) count the episode and write its record. The one way an episode closes.
+
+        Args:
+            keep (`bool`, *optional*, defaults to `True`):
+                Count and record it; `False` (an interrupted episode, which is no result) does neither.
+        """
         if self.state == CLOSED:
             return
         self.end_reason = self.end_reason or "released"

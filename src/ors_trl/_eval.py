@@ -189,33 +189,63 @@ def evaluate(
     """Run `policy` over tasks of an environment and score it (`OpenRewardSpec.evaluate` is the entry point).
 
     Args:
-        runtime: the environment (a spec's runtime: its client, split, bound tools apply).
-        policy: a local model directory, a `(model, tokenizer)` pair, an `OpenAIPolicy`, or any object with
+        runtime (`EnvironmentRuntime`):
+            The environment (a spec's runtime: its client, split, bound tools apply).
+        policy (`str`, `os.PathLike`, `tuple[Any, Any]` or `Policy`):
+            A local model directory, a `(model, tokenizer)` pair, an `OpenAIPolicy`, or any object with
             `async respond(messages, tools) -> PolicyReply`.
-        num_tasks: the first `num_tasks` tasks of the split; `indices`: exactly these (default: the whole split).
-        repeats: episodes per task (told apart by their repeat index).
-        concurrency: episodes (and so sessions) running at once.
-        max_turns: policy replies allowed per episode (the calls of the last one are not run, as in TRL's loop,
-            whose limit is `max_tool_calling_iterations + 1` replies).
-        episode_timeout: wall-clock seconds one episode may take (None: no limit); past it the episode is closed
-            (its session deleted), recorded with end reason `timeout` and scored None.
-        output: JSON-lines file receiving every finished episode at once (append + flush).
-        resume: read `output` back and run only the episodes it lacks (episodes that ended in an error are rerun).
-        overwrite: replace an existing non-empty `output` (without `resume`, an existing file is an error).
-        per_task_tools: bind each episode's own tool list (`/task_tools` of its session) instead of the spec's
-            tools, i.e. what training binds (shared plus the probed task-specific tools).
-        score_groups: also score each task's episodes (its repeats) together with `/score_group`.
-        flatten_prompt: give the policy the prompt as TRL's `environment_factory` loop does (one user message,
-            the system turn first) rather than as a conversation: for a model trained through that loop.
-        success_threshold: an episode succeeded when its reward is at least this (`EvalReport.success_rate`, pass@k).
-        upload: send every episode to the OpenReward rollout viewer (`True`, or the run's name there), with the
+        num_tasks (`int`, *optional*):
+            The first `num_tasks` tasks of the split (default, with no `indices`: the whole split).
+        indices (`Sequence[int]`, *optional*):
+            Exactly these task indices (non-negative ints), instead of `num_tasks`.
+        repeats (`int`, *optional*, defaults to `1`):
+            Episodes per task (told apart by their repeat index).
+        concurrency (`int`, *optional*, defaults to `8`):
+            Episodes (and so sessions) running at once.
+        max_turns (`int`, *optional*, defaults to `10`):
+            Policy replies allowed per episode (the calls of the last one are not run, as in TRL's loop, whose limit
+            is `max_tool_calling_iterations + 1` replies).
+        episode_timeout (`float`, *optional*):
+            Wall-clock seconds one episode may take (`None`: no limit); past it the episode is closed (its session
+            deleted), recorded with end reason `timeout` and scored `None`.
+        output (`str` or `os.PathLike`, *optional*):
+            JSON-lines file receiving every finished episode at once (append + flush).
+        resume (`bool`, *optional*, defaults to `False`):
+            Read `output` back and run only the episodes it lacks (episodes that ended in an error are rerun).
+        overwrite (`bool`, *optional*, defaults to `False`):
+            Replace an existing non-empty `output` (without `resume`, an existing file is an error).
+        per_task_tools (`bool`, *optional*, defaults to `False`):
+            Bind each episode's own tool list (`/task_tools` of its session) instead of the spec's tools, i.e. what
+            training binds (shared plus the probed task-specific tools).
+        score_groups (`bool`, *optional*, defaults to `False`):
+            Also score each task's episodes (its repeats) together with `/score_group`.
+        flatten_prompt (`bool`, *optional*, defaults to `False`):
+            Give the policy the prompt as TRL's `environment_factory` loop does (one user message, the system turn
+            first) rather than as a conversation: for a model trained through that loop.
+        success_threshold (`float`, *optional*, defaults to `DEFAULT_SUCCESS_THRESHOLD`):
+            An episode succeeded when its reward is at least this (`EvalReport.success_rate`, pass@k).
+        upload (`bool` or `str`, *optional*, defaults to `False`):
+            Send every episode to the OpenReward rollout viewer (`True`, or the run's name there), with the
             policy's name and size; the platform's API key as for catalog targets (`OPENREWARD_API_KEY`).
-        others: environments whose episodes `output` holds too (a mix's), left alone without a warning.
-        temperature, max_new_tokens, seed, device: generation options for a policy given as a path or pair.
-        progress: show a progress bar on stderr.
+        others (`Collection[str]`, *optional*, defaults to `()`):
+            Environments whose episodes `output` holds too (a mix's), left alone without a warning.
+        temperature (`float`, *optional*, defaults to `0.0`):
+            Sampling temperature for a policy given as a path or pair (0: greedy).
+        max_new_tokens (`int`, *optional*):
+            Tokens generated per turn for a policy given as a path or pair (`LocalPolicy`'s default when omitted).
+        seed (`int`, *optional*, defaults to `0`):
+            Generation seed for a policy given as a path or pair.
+        device (`str`, *optional*):
+            Where a policy given as a path runs (`"cuda"` when available, else `"cpu"`, when omitted).
+        progress (`bool`, *optional*, defaults to `True`):
+            Show a progress bar on stderr.
 
     Returns:
-        An `EvalReport`; `report.episodes` holds every record.
+        `EvalReport`: What the evaluation measured; `report.episodes` holds every record.
+
+    Raises:
+        ConfigurationError: an argument cannot work (a count below 1, `resume` without `output`, an `output` that
+            exists without `resume` or `overwrite`, `score_groups` on an environment without group scoring).
     """
     indices = check_selection(num_tasks, indices)
     for name, value in dict(repeats=repeats, concurrency=concurrency, max_turns=max_turns).items():
@@ -281,7 +311,7 @@ def evaluate(
                 for ep in evaluation.done:
                     record = ep.record()
                     if writer is not None:
-                        writer.write(record)
+                        writer.write(record, images=ep.images)
                     if uploads is not None:
                         uploads.submit(record)
         finally:
@@ -341,34 +371,71 @@ class EvalReport:
     """What an evaluation measured.
 
     Attributes:
-        target, environment, split, policy: what was evaluated.
-        num_episodes: episodes in the report (run now plus those resumed from `output`).
-        num_scored: episodes the environment gave a reward (a non-None one).
-        mean_reward: mean episode reward over the scored episodes; None if none was scored.
-        coverage: grading coverage, `num_scored / num_episodes`.
-        success_rate: the share of episodes whose reward reached `success_threshold` (unscored ones count as not).
-        pass_at_k: the unbiased pass@k over tasks, `{k: value}` for k = 1 .. the fewest episodes of a task.
-        pass_at_1_interval: a 95% interval of pass@1 over tasks (Wilson's, the tasks as the sample), or None.
-        tasks: per task (`task`, `episodes`, `successes`, `pass_at_k`), in task order.
-        finished_rate: fraction of episodes a tool result marked finished.
-        tool_calls_per_episode, tool_failures_per_episode: mean tool calls / failed tool calls per episode.
-        turns_per_episode: mean policy replies per episode.
-        no_tool_call_rate: the share of episodes without a tool call.
-        unparsed_turn_rate: the share of policy replies whose tool-call markup parsed to no call (a local model's
-            chat template says what the markup is).
-        malformed_calls: tool calls refused for malformed arguments (not an object, or not the tool's schema).
-        num_errors: episodes that failed: their session did not open or was lost, or the policy failed
+        target (`str`):
+            The target evaluated (a catalog name or a server's URL).
+        environment (`str` or `None`):
+            The environment evaluated on that server.
+        split (`str`):
+            The split its tasks came from.
+        policy (`str`):
+            The policy's name.
+        num_episodes (`int`):
+            Episodes in the report (run now plus those resumed from `output`).
+        num_scored (`int`):
+            Episodes the environment gave a reward (a non-`None` one).
+        mean_reward (`float` or `None`):
+            Mean episode reward over the scored episodes; `None` if none was scored.
+        coverage (`float`):
+            Grading coverage, `num_scored / num_episodes`.
+        finished_rate (`float`):
+            Fraction of episodes a tool result marked finished.
+        tool_calls_per_episode (`float`):
+            Mean tool calls per episode.
+        tool_failures_per_episode (`float`):
+            Mean failed tool calls per episode.
+        turns_per_episode (`float`):
+            Mean policy replies per episode.
+        num_errors (`int`):
+            Episodes that failed: their session did not open or was lost, or the policy failed
             (`unscored == "error"`).
-        end_reasons: episodes per end reason (`no_tool_calls`, `finished`, `max_turns`, `context_length`, `timeout`,
+        end_reasons (`dict[str, int]`):
+            Episodes per end reason (`no_tool_calls`, `finished`, `max_turns`, `context_length`, `timeout`,
             `error`).
-        mean_group_reward: mean comparative reward from `/score_group` (when asked for), else None.
-        sessions_opened, session_seconds, session_seconds_unscored: the episodes' sessions, and the seconds they
-            lived on the server (what a sandbox platform bills), all and those of episodes scored None.
-        num_resumed: episodes read back from `output` rather than run.
-        seconds: wall time of this run.
-        output: the episodes file, if any.
-        uploads: with `upload=True`, episodes `sent`, `failed` and `dropped`.
-        episodes: every episode record (the dicts written to `output`), in task order.
+        num_resumed (`int`):
+            Episodes read back from `output` rather than run.
+        seconds (`float`):
+            Wall time of this run.
+        mean_group_reward (`float`, *optional*):
+            Mean comparative reward from `/score_group` (when asked for), else `None`.
+        success_rate (`float`, *optional*, defaults to `0.0`):
+            The share of episodes whose reward reached `success_threshold` (unscored ones count as not).
+        success_threshold (`float`, *optional*, defaults to `DEFAULT_SUCCESS_THRESHOLD`):
+            The reward an episode must reach to count as a success.
+        pass_at_k (`dict[int, float]`, *optional*, defaults to `{}`):
+            The unbiased pass@k over tasks, `{k: value}` for k = 1 .. the fewest episodes of a task.
+        pass_at_1_interval (`tuple[float, float]`, *optional*):
+            A 95% interval of pass@1 over tasks (Wilson's, the tasks as the sample), or `None`.
+        tasks (`list[dict[str, Any]]`, *optional*, defaults to `[]`):
+            Per task (`task`, `episodes`, `successes`, `pass_at_k`), in task order.
+        no_tool_call_rate (`float`, *optional*, defaults to `0.0`):
+            The share of episodes without a tool call.
+        unparsed_turn_rate (`float`, *optional*, defaults to `0.0`):
+            The share of policy replies whose tool-call markup parsed to no call (a local model's chat template says
+            what the markup is).
+        malformed_calls (`int`, *optional*, defaults to `0`):
+            Tool calls refused for malformed arguments (not an object, or not the tool's schema).
+        sessions_opened (`int`, *optional*, defaults to `0`):
+            The episodes' sessions.
+        session_seconds (`float`, *optional*, defaults to `0.0`):
+            The seconds those sessions lived on the server (what a sandbox platform bills).
+        session_seconds_unscored (`float`, *optional*, defaults to `0.0`):
+            The part of `session_seconds` spent by episodes scored `None`.
+        output (`str`, *optional*):
+            The episodes file, if any.
+        uploads (`dict[str, int]`, *optional*):
+            With `upload=True`, episodes `sent`, `failed` and `dropped`.
+        episodes (`list[dict[str, Any]]`, *optional*, defaults to `[]`):
+            Every episode record (the dicts written to `output`), in task order.
     """
 
     target: str
@@ -406,6 +473,20 @@ class EvalReport:
     @classmethod
     def from_episodes(cls, episodes: list[dict[str, Any]], *, success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
                       **info: Any) -> EvalReport:
+        """The report of a list of episode records (the tallies over them; what was evaluated from `info`).
+
+        Args:
+            episodes (`list[dict[str, Any]]`):
+                The episode records, in task order.
+            success_threshold (`float`, *optional*, defaults to `DEFAULT_SUCCESS_THRESHOLD`):
+                The reward an episode must reach to count as a success.
+            **info:
+                The other fields: `target`, `environment`, `split`, `policy`, `num_resumed` and `seconds` (required),
+                `output` and `uploads`.
+
+        Returns:
+            `EvalReport`: The report.
+        """
         stats = EpisodeStats(success_threshold)
         counts: dict[str, list[int]] = {}  # task -> [episodes, successes]
         for record in episodes:
@@ -433,7 +514,15 @@ class EvalReport:
         )
 
     def to_dict(self, *, episodes: bool = False) -> dict[str, Any]:
-        """The report as JSON-able data (without the episode records unless `episodes=True`)."""
+        """The report as JSON-able data.
+
+        Args:
+            episodes (`bool`, *optional*, defaults to `False`):
+                Include the episode records.
+
+        Returns:
+            `dict[str, Any]`: Every field (the episode records only with `episodes=True`).
+        """
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "episodes"}
         out["end_reasons"] = dict(self.end_reasons)
         if episodes:
@@ -507,13 +596,15 @@ class MixEvalReport:
     """What the evaluation of a mix measured (`OpenRewardMix.evaluate`): every environment's `EvalReport`, and over
     them the weighted means.
 
+    The weighted means (`mean_reward`, `success_rate`, `pass_at_k`, `no_tool_call_rate`, `unparsed_turn_rate`)
+    and the totals (`num_episodes`, `num_resumed`, `num_errors`, `malformed_calls`, `episodes`) are properties.
+
     Attributes:
-        environments: the report of each environment, by its name in the mix.
-        weights: each environment's weight in the overall numbers, summing to 1: the mix's weights where it has
-            them, else each environment's share of the episodes.
-        mean_reward, success_rate, pass_at_k, no_tool_call_rate, unparsed_turn_rate: weighted over environments
-            (pass@k for the k every environment has); num_episodes, num_resumed, num_errors, malformed_calls,
-            episodes: over all of them.
+        environments (`dict[str, EvalReport]`):
+            The report of each environment, by its name in the mix.
+        weights (`dict[str, float]`):
+            Each environment's weight in the overall numbers, summing to 1: the mix's weights where it has them,
+            else each environment's share of the episodes.
     """
 
     environments: dict[str, EvalReport]
@@ -521,6 +612,18 @@ class MixEvalReport:
 
     @classmethod
     def of(cls, reports: Mapping[str, EvalReport], weights: Mapping[str, float] | None = None) -> MixEvalReport:
+        """The report of a mix, from its environments' reports.
+
+        Args:
+            reports (`Mapping[str, EvalReport]`):
+                The report of each environment, by its name in the mix.
+            weights (`Mapping[str, float]`, *optional*):
+                The mix's weights, normalised to sum to 1 (an environment without one weighs 0); by default each
+                environment's share of the episodes.
+
+        Returns:
+            `MixEvalReport`: The report.
+        """
         raw = dict(weights) if weights else {name: float(r.num_episodes) for name, r in reports.items()}
         total = sum(raw.get(name, 0.0) for name in reports) or 1.0
         return cls(dict(reports), {name: raw.get(name, 0.0) / total for name in reports})
@@ -533,15 +636,21 @@ class MixEvalReport:
     def _total(self, name: str) -> int:
         return sum(getattr(r, name) for r in self.environments.values())
 
-    mean_reward = property(lambda self: self._mean(lambda r: r.mean_reward))
-    success_rate = property(lambda self: self._mean(lambda r: r.success_rate) or 0.0)
-    no_tool_call_rate = property(lambda self: self._mean(lambda r: r.no_tool_call_rate) or 0.0)
-    unparsed_turn_rate = property(lambda self: self._mean(lambda r: r.unparsed_turn_rate) or 0.0)
-    malformed_calls = property(lambda self: self._total("malformed_calls"))
-    num_episodes = property(lambda self: self._total("num_episodes"))
-    num_resumed = property(lambda self: self._total("num_resumed"))
-    num_errors = property(lambda self: self._total("num_errors"))
-    episodes = property(lambda self: [e for r in self.environments.values() for e in r.episodes])
+    mean_reward = property(lambda self: self._mean(lambda r: r.mean_reward),
+                           doc="The weighted mean reward (over the environments with a scored episode), or `None`.")
+    success_rate = property(lambda self: self._mean(lambda r: r.success_rate) or 0.0,
+                            doc="The weighted success rate.")
+    no_tool_call_rate = property(lambda self: self._mean(lambda r: r.no_tool_call_rate) or 0.0,
+                                 doc="The weighted share of episodes without a tool call.")
+    unparsed_turn_rate = property(lambda self: self._mean(lambda r: r.unparsed_turn_rate) or 0.0,
+                                  doc="The weighted share of replies whose tool-call markup parsed to no call.")
+    malformed_calls = property(lambda self: self._total("malformed_calls"),
+                               doc="Tool calls refused for malformed arguments, in every environment.")
+    num_episodes = property(lambda self: self._total("num_episodes"), doc="Episodes, in every environment.")
+    num_resumed = property(lambda self: self._total("num_resumed"), doc="Episodes resumed, in every environment.")
+    num_errors = property(lambda self: self._total("num_errors"), doc="Episodes that failed, in every environment.")
+    episodes = property(lambda self: [e for r in self.environments.values() for e in r.episodes],
+                        doc="Every episode record, environment by environment.")
 
     @property
     def pass_at_k(self) -> dict[int, float]:
@@ -550,7 +659,15 @@ class MixEvalReport:
         return {k: self._mean(lambda r, k=k: r.pass_at_k[k]) or 0.0 for k in sorted(ks)}
 
     def to_dict(self, *, episodes: bool = False) -> dict[str, Any]:
-        """Every environment's report and the weighted overall, as JSON-able data."""
+        """Every environment's report and the weighted overall, as JSON-able data.
+
+        Args:
+            episodes (`bool`, *optional*, defaults to `False`):
+                Include the episode records in each environment's report.
+
+        Returns:
+            `dict[str, Any]`: `{"environments": {...}, "weights": {...}, "overall": {...}}`.
+        """
         return {"environments": {n: r.to_dict(episodes=episodes) for n, r in self.environments.items()},
                 "weights": dict(self.weights),
                 "overall": {"mean_reward": self.mean_reward, "success_rate": self.success_rate,

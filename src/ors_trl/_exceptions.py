@@ -89,7 +89,14 @@ class UsageError(ORSError, RuntimeError):
 
 
 class EnvironmentNotFoundError(ORSError, LookupError):
-    """The server does not host the requested environment."""
+    """The server does not host the requested environment.
+
+    Args:
+        message (`str`):
+            What went wrong and what to do.
+        available (`list[str]`, *optional*):
+            The environments the server hosts; kept as the attribute `available`.
+    """
 
     kind = "not_found"
 
@@ -99,12 +106,17 @@ class EnvironmentNotFoundError(ORSError, LookupError):
 
 
 class APIStatusError(ORSError):
-    """The server answered an HTTP error status.
+    """The server answered an HTTP error status. The keyword arguments are kept as attributes of the same name.
 
-    Attributes:
-        status_code: the HTTP status.
-        detail: the server's own message (its JSON `detail`, or the body text).
-        path: the request path (never the query, never headers).
+    Args:
+        message (`str`):
+            What went wrong and what to do.
+        status_code (`int`):
+            The HTTP status.
+        detail (`str`, *optional*, defaults to `""`):
+            The server's own message (its JSON `detail`, or the body text).
+        path (`str`, *optional*, defaults to `""`):
+            The request path (never the query, never headers).
     """
 
     kind = "http"
@@ -159,7 +171,14 @@ class ServiceUnavailableError(APIStatusError):
 
 
 class ToolError(ORSError):
-    """A tool call did not produce an output."""
+    """A tool call did not produce an output.
+
+    Args:
+        message (`str`):
+            What went wrong.
+        tool (`str`, *optional*, defaults to `""`):
+            The tool called; kept as the attribute `tool`.
+    """
 
     def __init__(self, message: str, *, tool: str = "") -> None:
         super().__init__(message)
@@ -169,8 +188,14 @@ class ToolError(ORSError):
 class ToolRefusedError(ToolError):
     """The server refused the call without running the tool.
 
-    `reason` is the server's discriminator: "not_found", "input_validation", "name_collision",
-    "episode_finished", or None when an older server did not say.
+    Args:
+        message (`str`):
+            What went wrong.
+        tool (`str`, *optional*, defaults to `""`):
+            The tool called; kept as the attribute `tool`.
+        reason (`str`, *optional*):
+            The server's discriminator, kept as the attribute `reason`: `"not_found"`, `"input_validation"`,
+            `"name_collision"`, `"episode_finished"`, or `None` when an older server did not say.
     """
 
     kind = "refused"

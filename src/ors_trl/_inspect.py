@@ -19,7 +19,7 @@ import asyncio
 import inspect
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._binding import Toolset
@@ -48,18 +48,16 @@ async def collect(
     retry: RetryPolicy | None = None,
     calls: Sequence[tuple[str, dict[str, Any]]] = (),
     toolset: str | None = None,
+    toolset_fallback: bool = False,
+    env_overrides: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Query the server; returns the JSON-able inspection (without the binding part). Leaves no session open.
-
-    `timeouts` and `retry` bound every request, as for any client (the defaults allow minutes per request).
-    `calls`: `(tool, arguments)` to call in the probe session, in order (`tool_outputs` says what each answered).
-    With `toolset`, the probe session gets that platform toolset, and its tools are listed with the task's; a toolset
-    the server refuses is a `ConfigurationError`.
-    """
+    The arguments are `inspect_target`'s."""
     async with AsyncClient(target, env_name=env_name, api_key=api_key, timeouts=timeouts, retry=retry,
-                           toolset=toolset) as client:
+                           toolset=toolset, toolset_fallback=toolset_fallback, env_overrides=env_overrides) as client:
         info: dict[str, Any] = {"target": client.target.name, "kind": client.target.kind, "environments": None,
-                                "toolset": toolset}
+                                "toolset": toolset, "toolset_refused": None,
+                                "env_overrides": sorted(env_overrides or {})}
         if client.target.is_url:
             try:
                 info["environments"] = await client.list_environments()
@@ -116,6 +114,8 @@ async def collect(
                 task_tools["error"] = f"{type(exc).__name__}: {exc}"
         elif probe:
             task_tools["error"] = f"task index {probe_index} is out of range (split {split!r} has {total} tasks)"
+        if toolset is not None and client.toolset is None:  # refused, and toolset_fallback: probed without it
+            info["toolset"], info["toolset_refused"] = None, toolset
         info["task_tools"] = task_tools
     return info
 
@@ -189,9 +189,64 @@ def describe_binding(specs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def inspect_target(target: str, **kwargs: Any) -> dict[str, Any]:
-    """`collect` plus `describe_binding` of the shared and probed task-specific tools."""
-    info = get_loop().run(collect(target, **kwargs))
+def inspect_target(
+    target: str,
+    *,
+    env_name: str | None = None,
+    split: str | None = None,
+    tasks: int = 3,
+    probe: bool = True,
+    probe_index: int = 0,
+    api_key: str | None = None,
+    timeouts: Timeouts | None = None,
+    retry: RetryPolicy | None = None,
+    calls: Sequence[tuple[str, dict[str, Any]]] = (),
+    toolset: str | None = None,
+    toolset_fallback: bool = False,
+    env_overrides: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Everything about an environment a user should see before training on it (`ors-trl inspect`): what `collect`
+    reads from the server, plus `describe_binding` of the shared and probed task-specific tools. Leaves no session
+    open.
+
+    Args:
+        target (`str`):
+            A catalog name or the URL of a self-hosted server.
+        env_name (`str`, *optional*):
+            Which environment on a server hosting several.
+        split (`str`, *optional*):
+            The split whose tasks are shown and probed (`"train"` when it exists, else the first split).
+        tasks (`int`, *optional*, defaults to `3`):
+            How many of its first tasks to show.
+        probe (`bool`, *optional*, defaults to `True`):
+            Open one probe session to read the task-specific tools and the conversation (closed again).
+        probe_index (`int`, *optional*, defaults to `0`):
+            The task the probe session runs.
+        api_key (`str`, *optional*):
+            The OpenReward key, as for `AsyncClient`.
+        timeouts (`Timeouts`, *optional*):
+            Bounds every request, as for any client (the defaults allow minutes per request).
+        retry (`RetryPolicy`, *optional*):
+            Retries of transient failures, as for any client.
+        calls (`Sequence[tuple[str, dict[str, Any]]]`, *optional*, defaults to `()`):
+            `(tool, arguments)` to call in the probe session, in order (`tool_outputs` says what each answered).
+        toolset (`str`, *optional*):
+            A platform toolset for the probe session, whose tools are listed with the task's.
+        toolset_fallback (`bool`, *optional*, defaults to `False`):
+            When the server refuses `toolset`, probe without it (`toolset_refused` names it) instead of raising.
+        env_overrides (`Mapping[str, str]`, *optional*):
+            The probe session's environment variables (only their names are in the result).
+
+    Returns:
+        `dict[str, Any]`: The JSON-able inspection (`render_text` shows it).
+
+    Raises:
+        ConfigurationError: the server refused `toolset` (without `toolset_fallback`).
+    """
+    info = get_loop().run(collect(target, env_name=env_name, split=split, tasks=tasks, probe=probe,
+                                  probe_index=probe_index, api_key=api_key, timeouts=timeouts, retry=retry,
+                                  calls=calls, toolset=toolset, toolset_fallback=toolset_fallback,
+                                  env_overrides=env_overrides))
     info["binding"] = describe_binding(info["shared_tools"] + info["task_tools"]["tools"])
     return info
 
@@ -246,6 +301,8 @@ def render_text(info: dict[str, Any]) -> str:
         add(f"Task-specific tools: the probe session for task {tt['index']} failed: {_one(tt['error'])}")
     else:
         toolset = f", with toolset {_one(info['toolset'])!r}" if info.get("toolset") else ""
+        if info.get("toolset_refused"):
+            toolset = f", without toolset {_one(info['toolset_refused'])!r}: the server refused it"
         add(f"Task-specific tools (from a session for task {tt['index']}{toolset}; other tasks may differ) "
             f"({len(tt['tools'])}):")
         if not tt["tools"]:

@@ -1,10 +1,10 @@
-"""Normalise a tool's input schema (untrusted JSON Schema from the network) into a small tree of :class:`Node`.
+"""Normalise a tool's input schema (untrusted JSON Schema from the network) into a small tree of `Node`.
 
-This is the only code that reads raw schemas. It resolves local ``$ref`` pointers (a cycle is cut and labelled
-``recursive Name``), unwraps a single ``allOf`` and merges several, and bounds what a hostile schema could blow up:
-work units per tool (``max_nodes``), nesting depth, ``$ref`` chains and the object fields expanded per argument.
-What it cannot represent becomes a note. Nothing in a schema is executed and foreign objects are never ``repr()``-ed
-(:func:`quote` writes values as JSON). :mod:`ors_trl._schema` renders the tree as type hints and descriptions.
+This is the only code that reads raw schemas. It resolves local `$ref` pointers (a cycle is cut and labelled
+`recursive Name`), unwraps a single `allOf` and merges several, and bounds what a hostile schema could blow up:
+work units per tool (`max_nodes`), nesting depth, `$ref` chains and the object fields expanded per argument.
+What it cannot represent becomes a note. Nothing in a schema is executed and foreign objects are never `repr()`-ed
+(`quote` writes values as JSON). `ors_trl._schema` renders the tree as type hints and descriptions.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def single_line(text: str) -> str:
 
 
 def one_line(text: Any) -> str:
-    """Collapse every run of whitespace (newlines included) into one space (reads at most ``_MAX_TEXT`` chars)."""
+    """Collapse every run of whitespace (newlines included) into one space (reads at most `_MAX_TEXT` chars)."""
     return _one_line(as_text(text)[:_MAX_TEXT])
 
 
@@ -78,10 +78,10 @@ def as_text(value: Any) -> str:
 
 
 def quote(value: Any, limit: int | None = _SNIPPET) -> str:
-    """Compact JSON (``json.dumps`` spacing) for a value quoted in a description, cut to ``limit`` characters.
+    """Compact JSON (`json.dumps` spacing) for a value quoted in a description, cut to `limit` characters.
 
-    The work is bounded by ``limit`` whatever the value's size; line breaks inside strings are escaped so the text
-    stays valid JSON on one line, and objects that are not JSON are shown as ``<type>`` (never ``repr()``-ed).
+    The work is bounded by `limit` whatever the value's size; line breaks inside strings are escaped so the text
+    stays valid JSON on one line, and objects that are not JSON are shown as `<type>` (never `repr()`-ed).
     """
     budget = _MAX_TEXT * 10 if limit is None else limit + 1
     parts: list[str] = []
@@ -142,7 +142,7 @@ def is_scalar(value: Any) -> bool:
 
 
 def count_range(low: Any, high: Any, unit: str) -> str:
-    """``"2–5 items"``, ``"exactly 2 items"``, ``"≥ 1 items"``, ``"≤ 3 items"`` or ``""``."""
+    """`"2–5 items"`, `"exactly 2 items"`, `"≥ 1 items"`, `"≤ 3 items"` or `""`."""
     low = low if _is_number(low) and low > 0 else None
     high = high if _is_number(high) else None
     unit = f" {unit}" if unit else ""
@@ -180,9 +180,9 @@ def _numeric_bounds(schema: dict) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Node:
-    """One schema, normalised. ``const``, ``enum``, ``default`` and ``also`` hold JSON values as the schema gave
-    them: quote them with :func:`quote`, never ``repr()``. Structure (arms, items, fields, extra) is left out when a
-    scalar ``const``/``enum`` pins the value."""
+    """One schema, normalised. `const`, `enum`, `default` and `also` hold JSON values as the schema gave
+    them: quote them with `quote`, never `repr()`. Structure (arms, items, fields, extra) is left out when a
+    scalar `const`/`enum` pins the value."""
 
     cut: str | None = None  # why it was not expanded: "recursive Name", "unresolved reference …", "…" past a limit
     types: tuple[str, ...] = ()  # type names, object/array inferred if absent or malformed; a cut: its target's
@@ -197,7 +197,7 @@ class Node:
     model_description: str = ""  # the $ref target's description
     default: Any = MISSING
     prefix: tuple[Node, ...] | None = None  # tuple items
-    items: Node | bool | None = None  # every item (after ``prefix``); False: none allowed
+    items: Node | bool | None = None  # every item (after `prefix`); False: none allowed
     fields: tuple[tuple[str, Node], ...] | None = None  # None: no property named or required, or a const/enum given
     fields_cut: bool = False  # more fields exist than were expanded
     required: tuple[str, ...] = ()
@@ -212,7 +212,7 @@ _ELIDED = Node(cut="…")
 
 @dataclass
 class _View:
-    """A schema node with ``$ref`` / single-``allOf`` wrappers followed and their sibling keywords merged in."""
+    """A schema node with `$ref` / single-`allOf` wrappers followed and their sibling keywords merged in."""
 
     schema: dict
     stack: tuple[str, ...]
@@ -224,10 +224,10 @@ class _View:
 
 
 class Normaliser:
-    """Normalises the schemas of one tool against ``root`` with one work budget and one list of notes.
+    """Normalises the schemas of one tool against `root` with one work budget and one list of notes.
 
     A work unit is spent per schema node plus one per keyword, enum value and alternative in it; once
-    ``max_nodes`` are spent, the rest is cut ("…", typed Any).
+    `max_nodes` are spent, the rest is cut ("…", typed Any).
     """
 
     def __init__(self, root: Any, max_nodes: int) -> None:
@@ -241,7 +241,7 @@ class Normaliser:
             self.notes.append(message)
 
     def tick(self, cost: int = 1) -> bool:
-        """Spend ``cost`` work units; False (and a note) once the budget is exhausted."""
+        """Spend `cost` work units; False (and a note) once the budget is exhausted."""
         if self.left <= 0:
             self.note("schema too large: the rest of it is typed Any and elided in descriptions")
             return False
@@ -251,14 +251,14 @@ class Normaliser:
     # -- entry points
 
     def parameter(self, raw: Any, stack: tuple[str, ...], text: int, depth: int = 0) -> Node:
-        """Normalise one argument's schema, expanding no more object fields than ``text`` characters can list."""
+        """Normalise one argument's schema, expanding no more object fields than `text` characters can list."""
         self.text_left = text
         return self.node(raw, stack, depth, depth)
 
     def arguments(self, text: int, input_text: int) -> tuple[list[tuple[str, Node]], set[str], list]:
         """Normalise the root as a tool's input: its arguments (wire name, node), which are required, and sentences
-        about the input as a whole: text, or ``(text, node)`` that the node's type label completes. An argument's
-        description may list ``text`` characters of fields, the sentences ``input_text`` in all."""
+        about the input as a whole: text, or `(text, node)` that the node's type label completes. An argument's
+        description may list `text` characters of fields, the sentences `input_text` in all."""
         if self.root in (None, {}, True):
             return [], set(), []
         root = self.deref(self.root, ())
@@ -317,7 +317,7 @@ class Normaliser:
         return {}
 
     def resolve(self, ref: str) -> Any:
-        """Resolve a local reference (``#``, ``#/$defs/X``, ``#/definitions/X``, any JSON pointer)."""
+        """Resolve a local reference (`#`, `#/$defs/X`, `#/definitions/X`, any JSON pointer)."""
         if not ref.startswith("#"):
             return MISSING
         pointer = unquote(ref[1:])
@@ -337,7 +337,7 @@ class Normaliser:
         return node
 
     def deref(self, node: Any, stack: tuple[str, ...]) -> _View:
-        """Follow ``$ref`` and single-element ``allOf``; outer keywords override the target's."""
+        """Follow `$ref` and single-element `allOf`; outer keywords override the target's."""
         outer: dict = {}
         model: str | None = None
         description = as_text(self.as_schema(node).get("description"))
@@ -377,7 +377,7 @@ class Normaliser:
         return _View(merged, stack, model, model_description, description)
 
     def _merge_all_of(self, schema: dict, arms: list, stack: tuple[str, ...]) -> dict:
-        """Merge ``allOf`` arms into one schema: properties are united, other keywords first-come."""
+        """Merge `allOf` arms into one schema: properties are united, other keywords first-come."""
         merged = {key: value for key, value in schema.items() if key != "allOf"}
         properties = dict(merged["properties"]) if isinstance(merged.get("properties"), dict) else {}
         required = _names(merged.get("required"), list)
@@ -413,7 +413,7 @@ class Normaliser:
     # -- nodes
 
     def node(self, raw: Any, stack: tuple[str, ...], depth: int, nested: int) -> Node:
-        """Normalise one schema; ``depth`` counts enclosing containers and fields, ``nested`` alternatives too."""
+        """Normalise one schema; `depth` counts enclosing containers and fields, `nested` alternatives too."""
         if nested > _MAX_DEPTH:
             self.note("schema nested too deeply: inner part typed Any")
             return _ELIDED
@@ -549,24 +549,24 @@ def _notes(schema: dict) -> tuple[str, ...]:
 
 
 def _names(value: Any, into: type = set) -> Any:
-    """The strings in a ``required`` list (none when it is not a list)."""
+    """The strings in a `required` list (none when it is not a list)."""
     return into(name for name in value if isinstance(name, str)) if isinstance(value, list) else into()
 
 
 def _field_text(name: str, node: Node) -> int:
-    """The least text a description spends on listing a field, ``name (label): description``, subfields apart."""
+    """The least text a description spends on listing a field, `name (label): description`, subfields apart."""
     description = max(len(one_line(text).rstrip(".")) for text in (node.description, node.model_description))
     return min(len(name), _SNIPPET) + 4 + (description + 2 if description else 0)
 
 
 def _model_name(target: Any, name: str) -> str:
-    """A ``$ref`` target's title when it has one, else the name the reference gives it."""
+    """A `$ref` target's title when it has one, else the name the reference gives it."""
     title = target.get("title") if isinstance(target, dict) else None
     return title if isinstance(title, str) and title.strip() else name
 
 
 def _structural_type(target: Any) -> tuple[str, ...]:
-    """What a recursive reference's target is at the top: its type, or ``object`` when it has properties."""
+    """What a recursive reference's target is at the top: its type, or `object` when it has properties."""
     kind = target.get("type") if isinstance(target, dict) else None
     if kind is None and isinstance(target, dict) and "properties" in target:
         kind = "object"

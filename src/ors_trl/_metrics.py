@@ -222,10 +222,14 @@ class _Window:
 
 
 class EnvMetrics:
-    """Thread-safe accumulator; one per spec or mix, shared by its adapters and engine.
+    """Thread-safe accumulator of what the environments did; one per spec or mix (`spec.metrics`), shared by its
+    adapters and engine. `flush()` turns it into the `env/...` metrics TRL logs.
 
-    `success_threshold`: the reward at or above which an episode counts as a success (`success_rate`);
-    `no_call_warning`: the share of a step's episodes without a tool call that is warned about (once it was below).
+    Args:
+        success_threshold (`float`, *optional*, defaults to `DEFAULT_SUCCESS_THRESHOLD`):
+            The reward at or above which an episode counts as a success (`success_rate`).
+        no_call_warning (`float`, *optional*, defaults to `NO_CALL_WARNING`):
+            The share of a step's episodes without a tool call that is warned about (once it was below).
     """
 
     #: Bound on stored latency samples per window, so a huge step cannot grow memory without limit.
@@ -244,9 +248,27 @@ class EnvMetrics:
         return _Window(EpisodeStats(self.success_threshold))
 
     def set_open_sessions_gauge(self, env: str, gauge: object) -> None:
+        """Report an environment's open sessions as `env/<name>/sessions_open` at every flush.
+
+        Args:
+            env (`str`):
+                The environment's name.
+            gauge (`Callable[[], float]`):
+                Called at each flush for the number of open sessions.
+        """
         self._gauges[env] = gauge
 
     def record_open(self, env: str, seconds: float | None, error_kind: str | None = None) -> None:
+        """One session open, or one that failed.
+
+        Args:
+            env (`str`):
+                The environment's name.
+            seconds (`float` or `None`):
+                How long opening took (`None`: no latency sample).
+            error_kind (`str`, *optional*):
+                The `ORSError.kind` of a failed open.
+        """
         with self._lock:
             w = self._windows[env]
             if error_kind is not None:
@@ -259,9 +281,20 @@ class EnvMetrics:
 
     def record_call(self, env: str, seconds: float | None, error_kind: str | None = None, *,
                     terminal: bool = False) -> None:
-        """One tool call of the model, or (`terminal`) the harness's call of the environment's hidden terminal
-        tool: counted apart (`terminal_calls`, `terminal_call_s`), as the model never called it. `seconds` None: a
-        call refused before it reached the environment (no latency sample)."""
+        """One tool call of the model, or the harness's call of the environment's hidden terminal tool.
+
+        Args:
+            env (`str`):
+                The environment's name.
+            seconds (`float` or `None`):
+                How long the call took; `None` for a call refused before it reached the environment (no latency
+                sample).
+            error_kind (`str`, *optional*):
+                The `ORSError.kind` of a failed or refused call.
+            terminal (`bool`, *optional*, defaults to `False`):
+                A call of the terminal tool: counted apart (`terminal_calls`, `terminal_call_s`), as the model never
+                called it.
+        """
         with self._lock:
             w = self._windows[env]
             if terminal:
@@ -276,25 +309,65 @@ class EnvMetrics:
 
     def record_episode(self, env: str, *, reward: float | None, finished: bool, calls: int,
                        unscored: str | None = None, turns: Any = ()) -> None:
-        """One finished episode; `turns`: its turn records (their count and tool-call health)."""
+        """One finished episode.
+
+        Args:
+            env (`str`):
+                The environment's name.
+            reward (`float` or `None`):
+                Its reward.
+            finished (`bool`):
+                Whether the environment said it is over.
+            calls (`int`):
+                The model's tool calls.
+            unscored (`str`, *optional*):
+                Why it has no reward, if it has none.
+            turns (`Sequence[TurnRecord]`, *optional*, defaults to `()`):
+                Its turn records (their count and tool-call health).
+        """
         unparsed, malformed = tool_health(turns)
         with self._lock:
             self._windows[env].stats.add(reward=reward, finished=finished, tool_calls=calls, unscored=unscored,
                                          turns=len(turns), unparsed_turns=unparsed, malformed_calls=malformed)
 
     def record_session(self, env: str, seconds: float, *, unscored: bool) -> None:
-        """Session-seconds an episode's session spent on the server (since the last count), apart when it scored None."""
+        """Session-seconds an episode's session spent on the server (since the last count).
+
+        Args:
+            env (`str`):
+                The environment's name.
+            seconds (`float`):
+                The seconds.
+            unscored (`bool`):
+                Whether the episode scored `None` (counted apart too).
+        """
         with self._lock:
             self._windows[env].stats.add_session(seconds, unscored=unscored)
 
     def record_group(self, env: str, *, ok: bool) -> None:
-        """One GRPO group sent to `/score_group` (scored, or failed: its rollouts get None)."""
+        """One GRPO group sent to `/score_group`.
+
+        Args:
+            env (`str`):
+                The environment's name.
+            ok (`bool`):
+                Whether it was scored (a failed one's rollouts get `None`).
+        """
         with self._lock:
             w = self._windows[env]
             w.groups += 1
             w.group_failures += int(not ok)
 
     def snapshot(self, *, reset: bool) -> dict[str, _Window]:
+        """What accumulated since the last reset, per environment.
+
+        Args:
+            reset (`bool`):
+                Start a new window.
+
+        Returns:
+            `dict[str, _Window]`: The windows, by environment (for `summarize`).
+        """
         with self._lock:
             windows = dict(self._windows)
             if reset:
@@ -302,7 +375,11 @@ class EnvMetrics:
         return windows
 
     def flush(self) -> dict[str, float]:
-        """Metrics since the last flush, then start a new window. Environments without activity are omitted."""
+        """Metrics since the last flush, then start a new window. Environments without activity are omitted.
+
+        Returns:
+            `dict[str, float]`: Scalars named `env/<name>/<metric>` (and `env/<metric>` over several environments).
+        """
         windows = self.snapshot(reset=True)
         self._watch(windows)
         return self.summarize(windows, gauges=self._gauges)
@@ -325,6 +402,17 @@ class EnvMetrics:
                     s.malformed_calls)
 
     def summarize(self, windows: dict[str, _Window], gauges: dict[str, object] | None = None) -> dict[str, float]:
+        """The metrics of some windows.
+
+        Args:
+            windows (`dict[str, _Window]`):
+                The windows, by environment (from `snapshot`).
+            gauges (`dict[str, Callable[[], float]]`, *optional*):
+                Open-session gauges, by environment.
+
+        Returns:
+            `dict[str, float]`: Scalars named `env/<name>/<metric>` (and `env/<metric>` over several environments).
+        """
         out: dict[str, float] = {}
         total = self._window()
         for env, w in sorted(windows.items()):

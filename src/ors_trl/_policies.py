@@ -43,12 +43,17 @@ class PolicyReply:
     """One assistant turn.
 
     Attributes:
-        content: the assistant's text ("" if none).
-        tool_calls: `[{"id": str, "name": str, "arguments": dict | str}]`; `arguments` is the raw text when the
+        content (`str`, *optional*, defaults to `""`):
+            The assistant's text (`""` if none).
+        tool_calls (`list[dict[str, Any]]`, *optional*, defaults to `[]`):
+            The calls, `[{"id": str, "name": str, "arguments": dict | str}]`; `arguments` is the raw text when the
             model's arguments were not a JSON object.
-        raw: the raw completion text, when the policy has one (local models), for the episode record.
-        usage: token counts reported by an endpoint, if any.
-        truncated: the reply was cut by the token limit (an endpoint's `finish_reason: "length"`).
+        raw (`str`, *optional*):
+            The raw completion text, when the policy has one (local models), for the episode record.
+        usage (`dict[str, Any]`, *optional*):
+            Token counts reported by an endpoint, if any.
+        truncated (`bool`, *optional*, defaults to `False`):
+            Whether the reply was cut by the token limit (an endpoint's `finish_reason: "length"`).
     """
 
     content: str = ""
@@ -62,7 +67,22 @@ class PolicyReply:
 class Policy(Protocol):
     """What `evaluate` drives: given the conversation and the tool schemas, return the assistant's reply."""
 
-    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply: ...
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        """The assistant's next turn.
+
+        Args:
+            messages (`list[dict[str, Any]]`):
+                The conversation so far: chat messages (system, user, assistant with `tool_calls`, tool); a content
+                holding images is a list of content parts.
+            tools (`list[dict[str, Any]]`):
+                The tools' JSON schemas, as training renders them.
+
+        Returns:
+            `PolicyReply`: The assistant's turn.
+
+        Raises:
+            PolicyError: no reply could be produced (`ContextLengthExceeded` when the conversation no longer fits).
+        """
 
 
 def _openai_parts(content: Any) -> Any:
@@ -99,21 +119,34 @@ class OpenAIPolicy:
     """A model behind any OpenAI-compatible `/chat/completions` endpoint (vLLM, SGLang, TGI, OpenAI...).
 
     Args:
-        base_url: the API root, e.g. `"http://127.0.0.1:8001/v1"` (requests go to `{base_url}/chat/completions`).
-        model: the model name the endpoint serves.
-        api_key: sent as `Authorization: Bearer ...`; defaults to `OPENAI_API_KEY`. Never logged or recorded: it is
+        base_url (`str`):
+            The API root, e.g. `"http://127.0.0.1:8001/v1"` (requests go to `{base_url}/chat/completions`).
+        model (`str`):
+            The model name the endpoint serves.
+        api_key (`str`, *optional*):
+            Sent as `Authorization: Bearer ...`; defaults to `OPENAI_API_KEY`. Never logged or recorded: it is
             masked as `***` in the endpoint's answers and in every error quoting them.
-        temperature, max_tokens, seed: sampling options sent with every request (None = not sent).
-        extra_body: more fields merged into every request body.
-        timeout: seconds allowed for one request.
-        max_attempts: tries per request for connection errors and 429/5xx answers (backoff as `RetryPolicy`).
-        include_return_schema: also send the `"return"` entry `get_json_schema` adds to each function (not part
-            of OpenAI's function schema, so left out by default; the model-facing names, descriptions and
-            parameters are exactly the bound functions' schemas either way).
-        tool_images: where a tool output's images go: `"tool"` (the default) as `image_url` parts of the tool
-            message itself (what vLLM's server takes, and where a model trained through ors-trl saw them);
-            `"user"` in a user message right after the turn's tool messages (for APIs that take no images in a
-            tool message, such as OpenAI's), the tool message keeping its text.
+        temperature (`float`, *optional*):
+            Sampling temperature sent with every request (not sent when `None`).
+        max_tokens (`int`, *optional*):
+            Token limit of one reply, sent with every request (not sent when `None`).
+        seed (`int`, *optional*):
+            Sampling seed sent with every request (not sent when `None`).
+        extra_body (`dict[str, Any]`, *optional*):
+            More fields merged into every request body.
+        timeout (`float`, *optional*, defaults to `300.0`):
+            Seconds allowed for one request.
+        max_attempts (`int`, *optional*, defaults to `4`):
+            Tries per request for connection errors and 429/5xx answers (backoff as `RetryPolicy`).
+        include_return_schema (`bool`, *optional*, defaults to `False`):
+            Also send the `"return"` entry `get_json_schema` adds to each function (not part of OpenAI's function
+            schema, so left out by default; the model-facing names, descriptions and parameters are exactly the
+            bound functions' schemas either way).
+        tool_images (`str`, *optional*, defaults to `"tool"`):
+            Where a tool output's images go: `"tool"` as `image_url` parts of the tool message itself (what vLLM's
+            server takes, and where a model trained through ors-trl saw them); `"user"` in a user message right
+            after the turn's tool messages (for APIs that take no images in a tool message, such as OpenAI's), the
+            tool message keeping its text.
     """
 
     def __init__(
@@ -161,6 +194,7 @@ class OpenAIPolicy:
 
     @property
     def description(self) -> str:
+        """The policy's name in records and reports: `"{model} @ {base_url}"`."""
         return f"{self.model} @ {self.base_url}"
 
     def _tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -218,7 +252,20 @@ class OpenAIPolicy:
         return self._http
 
     async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        """The assistant's next turn, asked of the endpoint (retried under `max_attempts`).
 
+        Args:
+            messages (`list[dict[str, Any]]`):
+                The conversation so far (the `Policy` protocol's form; images are sent as `image_url` parts).
+            tools (`list[dict[str, Any]]`):
+                The tools' JSON schemas.
+
+        Returns:
+            `PolicyReply`: The assistant's turn.
+
+        Raises:
+            PolicyError: the endpoint answered an error, or not a chat completion, or could not be reached.
+        """
         body: dict[str, Any] = {"model": self.model, "messages": self._messages(messages)}
         if tools:
             body["tools"] = self._tools(tools)
@@ -275,6 +322,7 @@ class OpenAIPolicy:
                            truncated=body["choices"][0].get("finish_reason") == "length")
 
     async def aclose(self) -> None:
+        """Close the HTTP connections; the policy stays usable (a later request opens new ones)."""
         if self._http is not None:
             await self._http.close()
             self._http = None
@@ -293,25 +341,41 @@ class LocalPolicy:
 
     Episodes waiting for a turn are batched by the engine's rule (`GatherWindow`): the first request waits for the
     other running episodes (until `max_batch_size` are waiting, or the window passes), then one left-padded
-    `generate` call answers all of them, in a worker thread so that tool calls and keepalives go on meanwhile. Replies are parsed with
-    TRL's `parse_response` (the tokenizer's `response_template`, set with `add_response_schema` when missing),
-    as `GRPOTrainer` does.
+    `generate` call answers all of them, in a worker thread so that tool calls and keepalives go on meanwhile.
+    Replies are parsed with TRL's `parse_response` (the tokenizer's `response_template`, set with
+    `add_response_schema` when missing), as `GRPOTrainer` does.
 
     Args:
-        model: a model object with `generate` (e.g. `AutoModelForCausalLM`, `AutoModelForImageTextToText`).
-        tokenizer: its tokenizer, with a chat template; for a vision-language model, its processor.
-        temperature: 0 = greedy; otherwise sampled with `top_p`.
-        max_new_tokens: tokens generated per turn (capped by the model's context).
-        seed: seeds torch's generator once, when generation starts.
-        max_batch_size, batch_wait: at most this many requests per `generate` call, gathered for at most this long
-            (None: the engine's automatic window, at most 0.05 s and half of what a `generate` call takes).
-        name: the policy's name in records (default: the model's path).
-        chat_template: render with this template instead of the tokenizer's (e.g. TRL's training template).
-        join_turns: build a later turn's input as GRPO's tool loop does: the previous input, the ids the model
-            generated, then the tool messages' suffix (TRL's computation), instead of re-rendering the whole
-            conversation. Re-rendering can differ from what the model was trained on (an empty `<think>` block
-            added to a past turn, a generated sequence that is not the canonical tokenization of its text).
-            A conversation whose past turns this policy did not generate is rendered whole.
+        model (`Any`):
+            A model object with `generate` (e.g. `AutoModelForCausalLM`, `AutoModelForImageTextToText`).
+        tokenizer (`Any`):
+            Its tokenizer, with a chat template; for a vision-language model, its processor.
+        temperature (`float`, *optional*, defaults to `0.0`):
+            0 = greedy; otherwise sampled with `top_p`.
+        max_new_tokens (`int`, *optional*, defaults to `256`):
+            Tokens generated per turn (capped by the model's context).
+        top_p (`float`, *optional*, defaults to `1.0`):
+            Nucleus sampling's probability mass, when sampling (`temperature > 0`).
+        seed (`int`, *optional*, defaults to `0`):
+            Seeds torch's generator once, when generation starts (`None`: not seeded).
+        max_batch_size (`int`, *optional*, defaults to `64`):
+            At most this many requests per `generate` call.
+        batch_wait (`float`, *optional*):
+            How long requests are gathered for one `generate` call, at most (`None`: the engine's automatic
+            window, at most 0.05 s and half of what a `generate` call takes).
+        name (`str`, *optional*):
+            The policy's name in records (default: the model's path).
+        chat_template (`str`, *optional*):
+            Render with this template instead of the tokenizer's (e.g. TRL's training template).
+        join_turns (`bool`, *optional*, defaults to `True`):
+            Build a later turn's input as GRPO's tool loop does: the previous input, the ids the model generated,
+            then the tool messages' suffix (TRL's computation), instead of re-rendering the whole conversation.
+            Re-rendering can differ from what the model was trained on (an empty `<think>` block added to a past
+            turn, a generated sequence that is not the canonical tokenization of its text). A conversation whose
+            past turns this policy did not generate is rendered whole.
+
+    Raises:
+        ConfigurationError: the tokenizer has no chat template.
     """
 
     def __init__(
@@ -360,7 +424,23 @@ class LocalPolicy:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], *, device: str | None = None, **kwargs: Any) -> LocalPolicy:
         """Load a model and tokenizer from a local directory (never from the Hub); a directory with an image
-        processor (`preprocessor_config.json`) is a vision-language model, loaded with its processor."""
+        processor (`preprocessor_config.json`) is a vision-language model, loaded with its processor.
+
+        Args:
+            path (`str` or `os.PathLike`):
+                The model's directory.
+            device (`str`, *optional*):
+                Where the model runs (`"cuda"` when available, else `"cpu"`, when omitted).
+            **kwargs:
+                `LocalPolicy`'s other arguments (`name` defaults to `path`).
+
+        Returns:
+            `LocalPolicy`: The policy, its model in eval mode on `device`.
+
+        Raises:
+            ConfigurationError: `path` is not a directory holding a model and tokenizer, or torch or transformers
+                is not installed.
+        """
         path = os.fspath(path)
         if not os.path.isdir(path):
             raise ConfigurationError(f"{path!r} is not a local model directory")
@@ -390,6 +470,7 @@ class LocalPolicy:
 
     @property
     def description(self) -> str:
+        """The policy's name in records and reports (`name`)."""
         return str(self.name)
 
     # -- the Policy protocol ---------------------------------------------------------------------------------
@@ -398,6 +479,21 @@ class LocalPolicy:
         self._active = active
 
     async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        """The assistant's next turn, generated in a batch with the other episodes waiting for theirs.
+
+        Args:
+            messages (`list[dict[str, Any]]`):
+                The conversation so far (the `Policy` protocol's form).
+            tools (`list[dict[str, Any]]`):
+                The tools' JSON schemas, rendered by the chat template.
+
+        Returns:
+            `PolicyReply`: The assistant's turn, with the raw completion text.
+
+        Raises:
+            PolicyError: generation failed, or the conversation cannot be rendered (`ContextLengthExceeded` when
+                it fills the model's context).
+        """
         loop = asyncio.get_running_loop()
         if self._wakeup is None:
             self._wakeup = asyncio.Event()
@@ -467,6 +563,8 @@ class LocalPolicy:
                 self._wakeup.set()
 
     async def aclose(self) -> None:
+        """Stop generating (an ongoing `generate` call is aborted), cancel the replies still waited for and forget
+        the generated turns; the next evaluation starts from the same seed."""
         self._abort.set()
         if self._worker is not None:
             self._worker.cancel()

@@ -104,12 +104,70 @@ class TurnRecord(TypedDict, total=False):
 
 
 class EpisodeRecord(TypedDict, total=False):
-    """One episode, the same for every driver (`source`: trl, engine, eval). `final` is the final plain message
-    and, for an environment with a terminal tool, its grade (`tool`, `output`, `reward`, ... or `error`);
-    `unscored` says why `reward` is None (timeout, error, cut_off, no_reward). Drivers add `repeat` and
-    `policy` (eval), `step` (an evaluation during training: the training step) and `stop_detail` (why the model
-    was stopped). An episode with images lists them in `images` (by hash) and the prompt's in `prompt_images`; a
-    text-only episode's record has neither."""
+    """One episode as a record (schema version `RECORD_VERSION`), the same for every driver: one JSON line of an
+    episode log (`episode_log=`) or an eval output (`ors-trl eval --output`), and `Episode.record()`.
+
+    Attributes:
+        version (`int`):
+            The schema's version (`RECORD_VERSION`; the reader upgrades older records).
+        run (`str`):
+            The process run that wrote it (tells runs apart in merged logs).
+        source (`str`):
+            The driver that played it: `"trl"`, `"engine"` or `"eval"`.
+        environment (`str`):
+            The environment's name.
+        target (`str`):
+            The environment's target (a catalog name or a server's URL).
+        split (`str`):
+            The task's split.
+        task_index (`int` or `None`):
+            The task's index in `split` (`None` for an explicit task).
+        task_spec (`dict[str, Any]` or `None`):
+            The explicit task, if the episode ran one.
+        repeat (`int`):
+            Added by eval: the repeat index of the task's episode.
+        policy (`str`):
+            Added by eval: the policy's name.
+        step (`int`):
+            Added by an evaluation during training: the training step.
+        stop_detail (`str`):
+            Added by a driver that stopped the model: why.
+        started_at (`str`):
+            When the episode started (ISO 8601, UTC).
+        system (`str` or `None`):
+            The prompt's system message.
+        prompt (`str` or `None`):
+            The prompt's text.
+        turns (`list[TurnRecord]`):
+            Each model reply and its tool calls, in order.
+        final (`dict[str, Any]` or `None`):
+            The final plain message and, for an environment with a terminal tool, its grade (`tool`, `output`,
+            `reward`, ... or `error`).
+        rewards (`list[float | None]`):
+            The reward of each tool call that ran.
+        reward (`float` or `None`):
+            The episode's reward: its last non-`None` one.
+        group_reward (`float` or `None`):
+            The comparative reward from `/score_group`, when asked for.
+        finished (`bool`):
+            Whether the environment said the episode is over.
+        end_reason (`str` or `None`):
+            `finished`, `no_tool_calls`, `max_turns`, `length`, `context_length`, `timeout`, `error` or `released`.
+        unscored (`str` or `None`):
+            Why `reward` is `None`: `timeout`, `error`, `cut_off` or `no_reward`.
+        tool_calls (`int`):
+            The model's tool calls.
+        tool_failures (`int`):
+            How many of them failed or were refused.
+        error (`ErrorRecord` or `None`):
+            Why the episode failed outside a tool call.
+        timings (`dict[str, float]`):
+            Seconds spent: `open`, `prompt`, `generation`, `tools`, `session`, `total`.
+        images (`dict[str, ImageRecord]`):
+            An episode with images: each, by its SHA-256 (a text-only episode's record has no such key).
+        prompt_images (`list[str]`):
+            An episode with images: the hashes of the prompt's, in order.
+    """
 
     version: int
     run: str

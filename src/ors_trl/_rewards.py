@@ -70,9 +70,25 @@ def outcome_reward(environments: Sequence[Any] | None = None, *, unscored_reward
 
     0.0 and negative rewards are real scores; a later unscored or failed call does not erase an
     earlier score. An environment with a terminal tool is graded here, on its final plain message
-    (a rollout cut off before one scores None). `unscored_reward` (via `OpenRewardSpec(unscored_reward=)`)
-    replaces None, e.g. 0.0 so that not calling a tool is no escape from negative advantages; the
-    metrics still count those rollouts as ungraded.
+    (a rollout cut off before one scores None). The metrics still count rollouts scored `unscored_reward` as
+    ungraded.
+
+    Args:
+        environments (`Sequence[OpenRewardEnvironment]`, *optional*):
+            The batch's adapters, which TRL passes with `environment_factory`; without them (`rollout_func`), the
+            rewards are read from the `ors_reward` column.
+        unscored_reward (`float`, *optional*):
+            Replaces `None` (via `OpenRewardSpec(unscored_reward=)`), e.g. 0.0 so that not calling a tool is no
+            escape from negative advantages.
+        **kwargs:
+            What TRL passes reward functions: `completions`, the dataset's columns (`ors_reward`, `ors_env` with
+            `rollout_func`), `log_metric`, which receives the environment metrics of the batch.
+
+    Returns:
+        `list[float | None]`: One reward per rollout, in the batch's order.
+
+    Raises:
+        ConfigurationError: neither `environments` nor the `ors_reward` column was passed.
     """
     episodes = _episodes(environments, kwargs, "ors_reward")
     if episodes is None:

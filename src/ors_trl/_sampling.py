@@ -51,9 +51,24 @@ class TaskSampler(Protocol):
     logged as `curriculum/<env>/<name>`).
     """
 
-    def draw(self) -> int: ...
+    def draw(self) -> int:
+        """The next task.
 
-    def update(self, task: int, rewards: Sequence[float | None]) -> None: ...
+        Returns:
+            `int`: A task index, one of the spec's selected tasks.
+        """
+        ...
+
+    def update(self, task: int, rewards: Sequence[float | None]) -> None:
+        """Learn from one group of a task.
+
+        Args:
+            task (`int`):
+                The task the group ran.
+            rewards (`Sequence[float | None]`):
+                Its rollouts' rewards, `None` for one the environment never scored.
+        """
+        ...
 
 
 class _Pool:
@@ -125,12 +140,22 @@ class UniformSampler:
             self.bind(tasks)
 
     def bind(self, tasks: Sequence[int]) -> None:
-        """Draw from `tasks` (the spec's selection)."""
+        """Draw from these tasks (a spec binds its selection).
+
+        Args:
+            tasks (`Sequence[int]`):
+                The task indices.
+        """
         self._tasks = _tasks(tasks)
         self._order, self._pos = [], 0
 
     def reseed(self, seed: int) -> None:
-        """Seed the order again (a spec does, with the trainer's seed, before the first draw)."""
+        """Seed the order again (a spec does, with the trainer's seed, before the first draw).
+
+        Args:
+            seed (`int`):
+                The new seed.
+        """
         self.seed = seed
         self._rng.seed(seed)
         self._order, self._pos = [], 0
@@ -146,14 +171,26 @@ class UniformSampler:
         return self._order[self._pos - 1]
 
     def update(self, task: int, rewards: Sequence[float | None]) -> None:
-        """Nothing: uniform draws do not depend on rewards."""
+        """Nothing: uniform draws do not depend on rewards.
+
+        Args:
+            task (`int`):
+                The task the group ran.
+            rewards (`Sequence[float | None]`):
+                Its rollouts' rewards.
+        """
 
     def state_dict(self) -> dict[str, Any]:
         """The order of this pass, the position in it and the generator's state."""
         return {"kind": "uniform", "rng": rng_state(self._rng), "order": self._order, "pos": self._pos}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state_dict()`'s output."""
+        """Continue from `state_dict()`'s output.
+
+        Args:
+            state (`dict[str, Any]`):
+                What `state_dict()` returned (read back from JSON).
+        """
         set_rng_state(self._rng, state["rng"])
         self._order, self._pos = [int(t) for t in state["order"]], int(state["pos"])
 
@@ -202,13 +239,23 @@ class AdaptiveSampler:
             self.bind(tasks)
 
     def bind(self, tasks: Sequence[int]) -> None:
-        """Draw from `tasks` (the spec's selection); what is known of them is kept."""
+        """Draw from these tasks (a spec binds its selection); what is known of them is kept.
+
+        Args:
+            tasks (`Sequence[int]`):
+                The task indices.
+        """
         self._tasks = _tasks(tasks)
         self._known = set(self._tasks)
         self._repool(self._order)
 
     def reseed(self, seed: int) -> None:
-        """Seed the draws again (a spec does, with the trainer's seed, before the first draw)."""
+        """Seed the draws again (a spec does, with the trainer's seed, before the first draw).
+
+        Args:
+            seed (`int`):
+                The new seed.
+        """
         self.seed = seed
         self._rng.seed(seed)
 
@@ -263,7 +310,14 @@ class AdaptiveSampler:
         return task
 
     def update(self, task: int, rewards: Sequence[float | None]) -> None:
-        """Take one group's rewards of `task` (None left out; a group with no score changes nothing)."""
+        """Take one group's rewards: the task's pool follows its last `window` groups.
+
+        Args:
+            task (`int`):
+                The task the group ran (ignored when it is not one of the sampler's).
+            rewards (`Sequence[float | None]`):
+                Its rollouts' rewards; `None` is left out, and a group with no score changes nothing.
+        """
         scored = [float(r) for r in rewards if r is not None and math.isfinite(r)]
         if not scored or task not in self._known:
             return
@@ -277,7 +331,16 @@ class AdaptiveSampler:
                 "solved": len(p.get("solved", ())), "unsolved": len(p.get("unsolved", ()))}
 
     def pass_rate(self, task: int) -> float | None:
-        """The share of successes in `task`'s recent groups (None when never scored)."""
+        """The share of successes in a task's recent groups.
+
+        Args:
+            task (`int`):
+                The task.
+
+        Returns:
+            `float` or `None`: The share of its recent rewards at or above `success_threshold`; None when it was
+            never scored.
+        """
         pooled = [r for group in self._history.get(task, ()) for r in group]
         return sum(r >= self.success_threshold for r in pooled) / len(pooled) if pooled else None
 
@@ -293,7 +356,12 @@ class AdaptiveSampler:
                 "pools": {name: list(pool.items) for name, pool in self._pools.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state_dict()`'s output."""
+        """Continue from `state_dict()`'s output.
+
+        Args:
+            state (`dict[str, Any]`):
+                What `state_dict()` returned (read back from JSON).
+        """
         set_rng_state(self._rng, state["rng"])
         self._history = {int(t): deque(([float(r) for r in g] for g in groups), maxlen=self.window)
                          for t, groups in state["history"].items()}

@@ -1,8 +1,8 @@
 """Render ORS tool input schemas as Python annotations plus one-line parameter and tool descriptions.
 
-TRL shows tools to the model through ``transformers.utils.get_json_schema``, which reads only type hints (scalars,
-``list``, ``tuple``, ``dict[str, T]``, ``Literal``, ``Union``, ``Optional``) and docstrings. Each schema, normalised
-once by :mod:`ors_trl._jsonschema`, becomes the annotation ``get_json_schema`` turns back into its structure, plus a
+TRL shows tools to the model through `transformers.utils.get_json_schema`, which reads only type hints (scalars,
+`list`, `tuple`, `dict[str, T]`, `Literal`, `Union`, `Optional`) and docstrings. Each schema, normalised
+once by `ors_trl._jsonschema`, becomes the annotation `get_json_schema` turns back into its structure, plus a
 deterministic single-line description of all the annotation cannot carry (nested fields and whether they are
 required, defaults, bounds, patterns, formats, counts, titles, ...), so nothing the environment says is lost.
 """
@@ -34,12 +34,12 @@ __all__ = [
     "single_line",
 ]
 
-#: A parameter description longer than this is cut and marked with :data:`TRUNCATION_MARK`.
+#: A parameter description longer than this is cut and marked with `TRUNCATION_MARK`.
 DEFAULT_MAX_PARAM_DESCRIPTION = 2_000
-#: A tool description longer than this is cut and marked with :data:`TRUNCATION_MARK`.
+#: A tool description longer than this is cut and marked with `TRUNCATION_MARK`.
 DEFAULT_MAX_TOOL_DESCRIPTION = 8_000
 #: Work units per tool (one per schema node visited plus one per keyword / enum value / alternative in it) before
-#: the rest is typed ``Any`` and elided as "…": bounds hostile or huge schemas (a pydantic model uses a few hundred).
+#: the rest is typed `Any` and elided as "…": bounds hostile or huge schemas (a pydantic model uses a few hundred).
 DEFAULT_MAX_SCHEMA_NODES = 100_000
 TRUNCATION_MARK = " …[truncated]"
 
@@ -52,9 +52,9 @@ _PRIMITIVES: dict[str, Any] = {"string": str, "integer": int, "number": float, "
 class ParameterInfo:
     """One argument of a tool, ready to become a Python parameter.
 
-    ``remote_name`` is the property name on the wire, ``python_name`` the identifier used in the signature (equal
-    unless the wire name is a keyword, not an identifier, a dunder or ``self``), ``annotation`` the type hint
-    ``get_json_schema`` turns back into the schema, and ``description`` the single-line text for the docstring.
+    `remote_name` is the property name on the wire, `python_name` the identifier used in the signature (equal
+    unless the wire name is a keyword, not an identifier, a dunder or `self`), `annotation` the type hint
+    `get_json_schema` turns back into the schema, and `description` the single-line text for the docstring.
     """
 
     remote_name: str
@@ -68,7 +68,7 @@ class ParameterInfo:
 class ToolInfo:
     """Everything needed to bind one tool: its remote name, description, parameters (required first) and notes.
 
-    ``notes`` lists what could not be represented exactly (recursion cut, unresolved ``$ref``, truncation, ...).
+    `notes` lists what could not be represented exactly (recursion cut, unresolved `$ref`, truncation, ...).
     """
 
     name: str
@@ -132,18 +132,18 @@ class _Summary:
     constraints: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     fields: str | None = None
-    header: str | None = None  # whose fields ``fields`` lists ("Object", "Item (Loc object)", "" when several)
-    lossy: bool = False  # the label says something the annotation cannot (and ``fields`` does not)
+    header: str | None = None  # whose fields `fields` lists ("Object", "Item (Loc object)", "" when several)
+    lossy: bool = False  # the label says something the annotation cannot (and `fields` does not)
 
 
 @dataclass
 class _Describer:
-    """Summarizes normalised schemas within ``text_left`` characters of field text (one budget per parameter)."""
+    """Summarizes normalised schemas within `text_left` characters of field text (one budget per parameter)."""
 
     text_left: int
 
     def summarize(self, node: Node) -> _Summary:
-        """Describe a schema node (see :class:`_Summary`)."""
+        """Describe a schema node (see `_Summary`)."""
         out = _Summary(node, node.model_description)
         if node.cut:
             out.label, out.lossy = node.cut, True
@@ -307,7 +307,7 @@ class _Describer:
         return label
 
     def _field(self, name: str, node: Node, required: bool) -> str:
-        """``name (label, required, constraints, default X): description {subfields}``."""
+        """`name (label, required, constraints, default X): description {subfields}`."""
         sub = self.summarize(node)
         parts = [sub.label]
         if required:
@@ -331,7 +331,7 @@ class _Describer:
 
 
 def _details(summary: _Summary, model: bool) -> list[str]:
-    """What a container says about one of its parts: notes, description, model description (if ``model``), default."""
+    """What a container says about one of its parts: notes, description, model description (if `model`), default."""
     texts = (summary.node.description, summary.model_description if model else "")
     details = [*summary.notes, *(one_line(text) for text in texts if text)]
     if summary.node.default is not MISSING:
@@ -365,7 +365,7 @@ def _parameter_description(node: Node, wire: str, python: str, max_length: int) 
 
 
 def _text_budget(max_length: int) -> int:
-    """Characters of field text worth producing for a description cut at ``max_length``."""
+    """Characters of field text worth producing for a description cut at `max_length`."""
     return max(max_length, 200) * 2
 
 
@@ -382,7 +382,7 @@ def _sentence(text: str) -> str:
 
 
 def _is_auto_title(title: str, name: str) -> bool:
-    """True for titles generated from the property name (pydantic's ``"days" -> "Days"``): they carry nothing."""
+    """True for titles generated from the property name (pydantic's `"days" -> "Days"`): they carry nothing."""
     return re.sub(r"[^0-9a-z]", "", title.lower()) == re.sub(r"[^0-9a-z]", "", name.lower())
 
 
@@ -394,9 +394,9 @@ def _paren(label: str) -> str:
 
 
 def schema_to_annotation(schema: Any, *, root: Any = None, max_nodes: int = DEFAULT_MAX_SCHEMA_NODES) -> Any:
-    """The type hint that ``get_json_schema`` renders as (the structural part of) ``schema``.
+    """The type hint that `get_json_schema` renders as (the structural part of) `schema`.
 
-    ``root`` is the document ``$ref`` pointers resolve against (defaults to ``schema`` itself).
+    `root` is the document `$ref` pointers resolve against (defaults to `schema` itself).
     """
     normaliser = Normaliser(schema if root is None else root, max_nodes)
     return _annotation(normaliser.parameter(schema, (), 0))  # an annotation lists no fields
@@ -410,7 +410,7 @@ def describe_schema(
     max_length: int = DEFAULT_MAX_PARAM_DESCRIPTION,
     max_nodes: int = DEFAULT_MAX_SCHEMA_NODES,
 ) -> str:
-    """The one-line parameter description for ``schema``: its own description plus everything types cannot say."""
+    """The one-line parameter description for `schema`: its own description plus everything types cannot say."""
     normaliser = Normaliser(schema if root is None else root, max_nodes)
     node = normaliser.parameter(schema, (), _text_budget(max_length))
     return _parameter_description(node, name, name, max_length)[0]
@@ -419,10 +419,10 @@ def describe_schema(
 def python_parameter_names(wire_names: list[str]) -> dict[str, str]:
     """Map wire property names to distinct, safe Python parameter names.
 
-    A name is kept when it is an identifier (matching ``\\w+``, NFKC-stable), not a keyword, not ``self`` and not a
-    dunder; otherwise it is sanitized (``"class"`` -> ``"class_"``, ``"self"`` -> ``"self_"``, ``"x-y"`` -> ``"x_y"``,
-    ``"__init__"`` -> ``"init_"``, ``"1st"`` -> ``"arg_1st"``, ``""`` -> ``"arg"``) and de-duplicated with ``_2``,
-    ``_3``... so it never equals another property's wire or Python name.
+    A name is kept when it is an identifier (matching `\\w+`, NFKC-stable), not a keyword, not `self` and not a
+    dunder; otherwise it is sanitized (`"class"` -> `"class_"`, `"self"` -> `"self_"`, `"x-y"` -> `"x_y"`,
+    `"__init__"` -> `"init_"`, `"1st"` -> `"arg_1st"`, `""` -> `"arg"`) and de-duplicated with `_2`,
+    `_3`... so it never equals another property's wire or Python name.
     """
     kept = {name for name in wire_names if _is_safe_parameter_name(name)}
     taken = set(kept) | set(wire_names) | {"self"}
@@ -481,9 +481,9 @@ def describe_tool(
 ) -> ToolInfo:
     """Compute the parameters (required first) and description of one ORS tool spec.
 
-    ``tool_spec`` is a mapping (or an object with attributes) with ``name``, ``description`` and ``input_schema``
-    (a JSON Schema object, ``{}`` or ``None``). Never raises on odd schemas: what cannot be represented is described
-    and listed in :attr:`ToolInfo.notes`.
+    `tool_spec` is a mapping (or an object with attributes) with `name`, `description` and `input_schema`
+    (a JSON Schema object, `{}` or `None`). Never raises on odd schemas: what cannot be represented is described
+    and listed in `ToolInfo.notes`.
     """
     name = as_text(_tool_text(tool_spec, "name"))
     normaliser = Normaliser(_tool_text(tool_spec, "input_schema"), max_schema_nodes)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["ascii_fold", "clean_json", "clip", "escape_controls", "json_size", "one_line", "repair", "shorten",
-           "show_json", "unescape_json"]
+           "show_json", "show_name", "unescape_json"]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _JSON_ESCAPE = re.compile(r'\\(?:u([0-9a-fA-F]{4})|(["\\/bfnrt]))')
@@ -34,6 +34,12 @@ def ascii_fold(text: str) -> str:
 def shorten(text: str, limit: int) -> str:
     """`text` cut to at most `limit` characters, ending with `…` when cut (for messages and tables)."""
     return text if len(text) <= limit else text[: max(limit - 1, 0)] + "…"
+
+
+def show_name(name: str, limit: int = 80) -> str:
+    """A name for a message or a warning (a tool's, which the server chooses): its repr, so that control characters
+    show escaped, cut to `limit` characters with a `…` (a name of 10,000 characters would bury the message)."""
+    return repr(name) if len(name) <= limit else repr(name[:limit]) + "…"
 
 
 def show_json(value: Any, limit: int = 120) -> str:

@@ -103,12 +103,16 @@ _SURROGATE_ESCAPES = re.compile(r"\\(?:(\\)|u[dD][89abAB][0-9a-fA-F]{2}(\\u[dD][
 class Timeouts:
     """Deadlines, in seconds. `None` disables one (not recommended).
 
-    Attributes:
-        connect: establishing a TCP/TLS connection.
-        request: one whole non-streaming request (metadata, create, prompt, ping, delete).
-        stream_idle: silence allowed on a `/call` stream; servers send a comment every 10 s while
-            a tool runs, so a longer silence means the stream is dead and it is resumed.
-        tool_call: one whole tool call, resumes included.
+    Args:
+        connect (`float`, *optional*, defaults to `10.0`):
+            Establishing a TCP/TLS connection.
+        request (`float`, *optional*, defaults to `60.0`):
+            One whole non-streaming request (metadata, create, prompt, ping, delete).
+        stream_idle (`float`, *optional*, defaults to `45.0`):
+            Silence allowed on a `/call` stream; servers send a comment every 10 s while a tool runs, so a longer
+            silence means the stream is dead and it is resumed.
+        tool_call (`float`, *optional*, defaults to `3600.0`):
+            One whole tool call, resumes included.
     """
 
     connect: float | None = 10.0
@@ -121,12 +125,17 @@ class Timeouts:
 class RetryPolicy:
     """How hard the client tries before an error reaches the caller.
 
-    Attributes:
-        max_attempts: tries per request for network errors and 429/502/503/504 (1 = no retry).
-        backoff_initial: first backoff delay; doubled each attempt, with jitter.
-        backoff_max: cap on one backoff delay (a server's `Retry-After` is honoured up to this).
-        starting_timeout: how long to wait out a backend answering 503 `X-Backend-State: starting`.
-        resume_attempts: re-attachments to one dropped `/call` stream by its task id.
+    Args:
+        max_attempts (`int`, *optional*, defaults to `6`):
+            Tries per request for network errors and 429/502/503/504 (1 = no retry).
+        backoff_initial (`float`, *optional*, defaults to `0.25`):
+            First backoff delay, in seconds; doubled each attempt, with jitter.
+        backoff_max (`float`, *optional*, defaults to `8.0`):
+            Cap on one backoff delay, in seconds (a server's `Retry-After` is honoured up to this).
+        starting_timeout (`float`, *optional*, defaults to `600.0`):
+            Seconds to wait out a backend answering 503 `X-Backend-State: starting`.
+        resume_attempts (`int`, *optional*, defaults to `8`):
+            Re-attachments to one dropped `/call` stream by its task id.
     """
 
     max_attempts: int = 6
@@ -136,6 +145,18 @@ class RetryPolicy:
     resume_attempts: int = 8
 
     def delay(self, attempt: int, retry_after: float | None = None) -> float:
+        """The backoff before retrying.
+
+        Args:
+            attempt (`int`):
+                The attempt that just failed, from 1.
+            retry_after (`float`, *optional*):
+                The server's `Retry-After`, in seconds; honoured up to `backoff_max` instead of the exponential
+                backoff.
+
+        Returns:
+            `float`: Seconds to wait.
+        """
         if retry_after is not None:
             return min(max(retry_after, 0.0), self.backoff_max)
         base = min(self.backoff_initial * (2 ** max(attempt - 1, 0)), self.backoff_max)

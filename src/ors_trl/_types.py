@@ -18,7 +18,7 @@ from typing import Any
 
 from . import _images
 from ._exceptions import ImageError, ProtocolError
-from ._text import json_size
+from ._text import json_size, show_name
 
 __all__ = [
     "MAX_ENVIRONMENTS",
@@ -81,7 +81,16 @@ def quoted(value: Any, limit: int = 200) -> str:
 
 @dataclass(frozen=True, slots=True)
 class TextBlock:
-    """A text block: `{"type": "text", "text": ..., "detail": ...}`."""
+    """A text block: `{"type": "text", "text": ..., "detail": ...}`.
+
+    Attributes:
+        text (`str`):
+            The text.
+        detail (`dict[str, Any]`, *optional*):
+            The block's `detail` object as the server sent it, if any.
+        type (`str`, *optional*, defaults to `"text"`):
+            The block's type.
+    """
 
     text: str
     detail: dict[str, Any] | None = None
@@ -94,6 +103,16 @@ class ImageBlock:
 
     Checked once (`info()`: what it is, or why it cannot be shown; `ors_trl._images` has the bounds) and decoded
     once (`image()`); both are remembered by the block.
+
+    Attributes:
+        data (`str`):
+            The image, base64-encoded, without a `data:` prefix.
+        mime_type (`str`):
+            Its MIME type (`"image/png"`, `"image/jpeg"`, ...).
+        detail (`dict[str, Any]`, *optional*):
+            The block's `detail` object as the server sent it, if any.
+        type (`str`, *optional*, defaults to `"image"`):
+            The block's type.
     """
 
     data: str
@@ -103,7 +122,11 @@ class ImageBlock:
     _memo: list[Any] = field(default_factory=lambda: [None, None], compare=False, repr=False)
 
     def data_url(self) -> str:
-        """The image as a `data:` URL, the form chat templates and OpenAI-style APIs accept."""
+        """The image as a `data:` URL, the form chat templates and OpenAI-style APIs accept.
+
+        Returns:
+            `str`: The URL, `data:<mime_type>;base64,<data>`.
+        """
         return f"data:{self.mime_type};base64,{self.data}"
 
     def info(self) -> _images.ImageInfo:
@@ -113,7 +136,14 @@ class ImageBlock:
         return self._memo[0]
 
     def image(self) -> Any:
-        """The pixels, an RGB `PIL.Image.Image`; raises `ImageError` for an image that cannot be shown."""
+        """The pixels, an RGB `PIL.Image.Image`, decoded once.
+
+        Returns:
+            `PIL.Image.Image`: The image in RGB.
+
+        Raises:
+            ImageError: the image cannot be shown (`info().error` says why).
+        """
         if self._memo[1] is None:
             info = self.info()
             if info.error is not None:
@@ -131,7 +161,16 @@ class ImageBlock:
 
 @dataclass(frozen=True, slots=True)
 class ReasoningBlock:
-    """A reasoning segment of an assistant turn (`/messages`, SDK >= 0.1.157)."""
+    """A reasoning segment of an assistant turn (`/messages`, SDK >= 0.1.157).
+
+    Attributes:
+        text (`str`):
+            The reasoning text.
+        signature (`str`, *optional*):
+            The provider's signature of the segment, if any.
+        type (`str`, *optional*, defaults to `"reasoning"`):
+            The block's type.
+    """
 
     text: str
     signature: str | None = None
@@ -140,7 +179,18 @@ class ReasoningBlock:
 
 @dataclass(frozen=True, slots=True)
 class ToolCallBlock:
-    """A tool invocation inside an assistant turn (`/messages`)."""
+    """A tool invocation inside an assistant turn (`/messages`).
+
+    Attributes:
+        id (`str`):
+            The call's id, which a `ToolResultBlock`'s `tool_call_id` refers to.
+        name (`str`):
+            The tool called.
+        input (`dict[str, Any]`):
+            The call's arguments.
+        type (`str`, *optional*, defaults to `"tool_call"`):
+            The block's type.
+    """
 
     id: str
     name: str
@@ -150,7 +200,18 @@ class ToolCallBlock:
 
 @dataclass(frozen=True, slots=True)
 class ToolResultBlock:
-    """A tool result inside a user turn, matched to a `ToolCallBlock` by `tool_call_id` (`/messages`)."""
+    """A tool result inside a user turn, matched to a `ToolCallBlock` by `tool_call_id` (`/messages`).
+
+    Attributes:
+        tool_call_id (`str`):
+            The `id` of the `ToolCallBlock` this answers.
+        blocks (`list[Block]`):
+            The result's blocks.
+        is_error (`bool`, *optional*, defaults to `False`):
+            Whether the tool failed.
+        type (`str`, *optional*, defaults to `"tool_result"`):
+            The block's type.
+    """
 
     tool_call_id: str
     blocks: list[Block]
@@ -160,7 +221,14 @@ class ToolResultBlock:
 
 @dataclass(frozen=True, slots=True)
 class UnknownBlock:
-    """A block of a type this client does not know; kept as received."""
+    """A block of a type this client does not know; kept as received.
+
+    Attributes:
+        type (`str`):
+            The block's type.
+        raw (`dict[str, Any]`, *optional*, defaults to `{}`):
+            The block as received.
+    """
 
     type: str
     raw: dict[str, Any] = field(default_factory=dict)
@@ -283,16 +351,25 @@ def block_json(block: Block) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """One turn of a task conversation (`GET /{env}/messages`); `role` is system, user or assistant."""
+    """One turn of a task conversation (`GET /{env}/messages`).
+
+    Attributes:
+        role (`str`):
+            `"system"`, `"user"` or `"assistant"`.
+        blocks (`list[Block]`):
+            The turn's blocks.
+    """
 
     role: str
     blocks: list[Block]
 
     @property
     def text(self) -> str:
+        """The text a language model sees for the turn's blocks, joined with newlines."""
         return blocks_text(self.blocks)
 
     def to_json(self) -> dict[str, Any]:
+        """The message in its wire form, `{"role": ..., "blocks": [...]}` (what `/score_group` candidates carry)."""
         return {"role": self.role, "blocks": [block_json(b) for b in self.blocks]}
 
 
@@ -312,7 +389,14 @@ def parse_messages(value: Any, *, where: str = "messages") -> list[Message]:
 
 @dataclass(frozen=True, slots=True)
 class Split:
-    """A task split, e.g. `Split("train", "train")`."""
+    """A task split, e.g. `Split("train", "train")`.
+
+    Attributes:
+        name (`str`):
+            The split's name, as tasks are asked for by.
+        type (`str`):
+            Its kind (`"train"`, `"validation"`, `"test"`, ...; the name where the server gives none).
+    """
 
     name: str
     type: str
@@ -320,7 +404,16 @@ class Split:
 
 @dataclass(frozen=True, slots=True)
 class ToolSpec:
-    """A tool as the environment advertises it: name, description, JSON Schema of its input."""
+    """A tool as the environment advertises it: name, description, JSON Schema of its input.
+
+    Attributes:
+        name (`str`):
+            The tool's name.
+        description (`str`, *optional*, defaults to `""`):
+            What the tool says about itself.
+        input_schema (`dict[str, Any]`, *optional*):
+            The JSON Schema of its input, if it has one.
+    """
 
     name: str
     description: str = ""
@@ -328,15 +421,28 @@ class ToolSpec:
 
     @classmethod
     def from_json(cls, raw: Any) -> ToolSpec:
+        """A tool spec from its wire form.
+
+        Args:
+            raw (`Any`):
+                The decoded JSON: `{"name", "description"?, "input_schema"?}`.
+
+        Returns:
+            `ToolSpec`: The spec (a description that is not a string reads as `""`).
+
+        Raises:
+            ProtocolError: `raw` has no string `name`, or its `input_schema` is not an object.
+        """
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
             raise ProtocolError(f"tool spec must be an object with a string 'name', got {quoted(raw)}")
         schema = raw.get("input_schema")
         if schema is not None and not isinstance(schema, dict):
-            raise ProtocolError(f"tool {raw['name']!r}: input_schema must be an object or null")
+            raise ProtocolError(f"tool {show_name(raw['name'])}: input_schema must be an object or null")
         desc = raw.get("description")
         return cls(name=raw["name"], description=desc if isinstance(desc, str) else "", input_schema=schema)
 
     def to_json(self) -> dict[str, Any]:
+        """The spec in its wire form, `{"name", "description", "input_schema"}`."""
         return {"name": self.name, "description": self.description, "input_schema": self.input_schema}
 
 
@@ -345,9 +451,12 @@ class TerminalTool:
     """An environment's `@terminal` tool: hidden from the model, called with its final plain message.
 
     Attributes:
-        name: the remote tool name.
-        arg: the single argument the message is passed as, or None for a tool that takes none.
-        description: what the tool says about itself.
+        name (`str`):
+            The remote tool name.
+        arg (`str`, *optional*):
+            The single argument the message is passed as, or `None` for a tool that takes none.
+        description (`str`, *optional*, defaults to `""`):
+            What the tool says about itself.
     """
 
     name: str
@@ -355,7 +464,15 @@ class TerminalTool:
     description: str = ""
 
     def arguments(self, message: str) -> dict[str, Any]:
-        """The wire arguments for a final message: `{arg: message}`, or `{}` when the tool takes none."""
+        """The wire arguments for a final message.
+
+        Args:
+            message (`str`):
+                The model's final plain message.
+
+        Returns:
+            `dict[str, Any]`: `{arg: message}`, or `{}` when the tool takes none.
+        """
         return {} if self.arg is None else {self.arg: message}
 
 
@@ -365,6 +482,16 @@ class ToolList:
 
     Fields an older server does not send mean "not supported": `terminal_tool` None,
     `supports_score_group` False, `message_block_types` None (the server has no `/messages`).
+
+    Attributes:
+        tools (`list[ToolSpec]`):
+            The tools the model is shown.
+        terminal_tool (`TerminalTool`, *optional*):
+            The environment's `@terminal` tool, hidden from the model, if it has one.
+        supports_score_group (`bool`, *optional*, defaults to `False`):
+            Whether the environment scores GRPO groups (`/score_group`).
+        message_block_types (`tuple[str, ...]`, *optional*):
+            The block types `/messages` may carry; `None` when the server has no `/messages`.
     """
 
     tools: list[ToolSpec]
@@ -374,6 +501,21 @@ class ToolList:
 
     @classmethod
     def from_json(cls, raw: Any, *, where: str) -> ToolList:
+        """A tool list from the wire form of `/tools` or `/task_tools`, checked against the bounds (`MAX_TOOLS`,
+        `MAX_TOOL_SIZE`, `MAX_TOOLS_SIZE`).
+
+        Args:
+            raw (`Any`):
+                The decoded JSON: `{"tools": [...], ...}`, or a bare list of tools.
+            where (`str`):
+                The route it came from, named in errors.
+
+        Returns:
+            `ToolList`: The tools.
+
+        Raises:
+            ProtocolError: `raw` is not a tool list, or lists too many or too large tools.
+        """
         if isinstance(raw, list):  # tolerate servers answering a bare list
             raw = {"tools": raw}
         if not isinstance(raw, dict) or not isinstance(raw.get("tools"), list):
@@ -404,6 +546,7 @@ class ToolList:
         )
 
     def names(self) -> list[str]:
+        """The tools' names, in order."""
         return [t.name for t in self.tools]
 
 
@@ -431,11 +574,16 @@ class ToolResult:
     """What a successful tool call returned.
 
     Attributes:
-        blocks: the output blocks (text, images, unknown kinds kept as-is).
-        reward: the step reward, or None when this call was not scored.
-        finished: True once the episode is over; later calls in the session are refused.
-        metadata: the environment's free-form metadata for this call, or None.
-        task_id: the server's id for this call (used to resume a dropped stream).
+        blocks (`list[Block]`):
+            The output blocks (text, images, unknown kinds kept as-is).
+        reward (`float`, *optional*):
+            The step reward, or `None` when this call was not scored.
+        finished (`bool`, *optional*, defaults to `False`):
+            `True` once the episode is over; later calls in the session are refused.
+        metadata (`dict[str, Any]`, *optional*):
+            The environment's free-form metadata for this call, or `None`.
+        task_id (`str`, *optional*):
+            The server's id for this call (used to resume a dropped stream).
     """
 
     blocks: list[Block]
@@ -446,15 +594,32 @@ class ToolResult:
 
     @property
     def text(self) -> str:
+        """The text a language model sees for the output blocks, joined with newlines."""
         return blocks_text(self.blocks)
 
     @classmethod
     def from_output(cls, output: Any, *, tool: str, task_id: str | None = None) -> ToolResult:
+        """A result from the `output` of a successful `/call`.
+
+        Args:
+            output (`Any`):
+                The decoded `output` object: `{"blocks", "reward"?, "finished"?, "metadata"?}`.
+            tool (`str`):
+                The tool called, named in errors.
+            task_id (`str`, *optional*):
+                The server's id for the call.
+
+        Returns:
+            `ToolResult`: The result (metadata that is not an object is kept as `{"value": metadata}`).
+
+        Raises:
+            ProtocolError: `output` is not an object, a block is malformed or the reward is not a finite number.
+        """
         if not isinstance(output, dict):
-            raise ProtocolError(f"tool {tool!r}: 'output' must be an object")
+            raise ProtocolError(f"tool {show_name(tool)}: 'output' must be an object")
         return cls(
-            blocks=parse_blocks(output.get("blocks"), where=f"tool {tool!r} output"),
-            reward=parse_reward(output.get("reward"), what=f"tool {tool!r}"),
+            blocks=parse_blocks(output.get("blocks"), where=f"tool {show_name(tool)} output"),
+            reward=parse_reward(output.get("reward"), what=f"tool {show_name(tool)}"),
             finished=bool(output.get("finished", False)),
             metadata=_metadata(output.get("metadata")),
             task_id=task_id,
@@ -463,14 +628,34 @@ class ToolResult:
 
 @dataclass(frozen=True, slots=True)
 class GroupScore:
-    """One candidate's comparative reward from `/score_group` (index-aligned with the candidates)."""
+    """One candidate's comparative reward from `/score_group` (index-aligned with the candidates).
+
+    Attributes:
+        reward (`float`):
+            The candidate's reward.
+        metadata (`dict[str, Any]`, *optional*):
+            The environment's free-form metadata for the candidate, or `None`.
+    """
 
     reward: float
     metadata: dict[str, Any] | None = None
 
     @classmethod
     def parse_all(cls, body: Any, *, expected: int) -> list[GroupScore]:
-        """Parse a decoded `/score_group` result (`{"scores": [{"reward", "metadata"?}]}`) of `expected` scores."""
+        """Parse a decoded `/score_group` result (`{"scores": [{"reward", "metadata"?}]}`).
+
+        Args:
+            body (`Any`):
+                The decoded result.
+            expected (`int`):
+                How many scores it must hold: one per candidate.
+
+        Returns:
+            `list[GroupScore]`: The scores, in the candidates' order.
+
+        Raises:
+            ProtocolError: `body` does not hold `expected` scores, or a reward is missing or not a finite number.
+        """
         scores = body.get("scores") if isinstance(body, dict) else None
         if not isinstance(scores, list) or len(scores) != expected:
             raise ProtocolError(f"score_group: expected {{'scores': [...]}} with {expected} entries, got "

@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import textwrap
 import unicodedata
@@ -101,6 +102,44 @@ def _label(text: str) -> tuple[str, str]:
     if not sep or not name.strip() or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=FILE, got {text!r}")
     return name.strip(), path
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _env_override(text: str) -> tuple[str, str]:
+    """KEY=VALUE of --env-override; the value is never quoted back (it may be a key)."""
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError("expected KEY=VALUE (no '=' in it; the text is not shown: it may be a secret)")
+    if not _ENV_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError("expected KEY=VALUE with KEY an environment variable name (letters, digits "
+                                         "and underscores, not starting with a digit; the text is not shown: it may "
+                                         "be a secret)")
+    return name, value
+
+
+def _session_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`toolset=`, `toolset_fallback=` and `env_overrides=` from --toolset, --toolset-fallback and --env-override (a
+    name given twice, or a fallback without a toolset, is a usage error)."""
+    overrides: dict[str, str] = {}
+    for name, value in args.env_override:
+        if name in overrides:
+            raise _UsageError(f"--env-override {name} is given twice")
+        overrides[name] = value
+    if args.toolset_fallback and not args.toolset:
+        raise _UsageError("--toolset-fallback needs --toolset (the toolset to fall back from)")
+    return {"toolset": args.toolset, "toolset_fallback": args.toolset_fallback, "env_overrides": overrides or None}
+
+
+def _add_session_options(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--toolset-fallback", action="store_true",
+                   help=f"when the server refuses --toolset, open {what} without it (one log line) instead of "
+                        "failing")
+    p.add_argument("--env-override", metavar="KEY=VALUE", type=_env_override, action="append", default=[],
+                   help=f"an environment variable for {what} (repeatable; on the platform, callers other than the "
+                        "environment's owner may set only OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL and "
+                        "ANTHROPIC_API_KEY); values are masked like secrets in every output")
 
 
 def _indices(text: str) -> list[int]:
@@ -206,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "its output holds (text, images); repeatable. Tools can have effects: only on request")
     p.add_argument("--toolset", metavar="NAME",
                    help="give the probe session this platform toolset (e.g. codex) and list its tools")
+    _add_session_options(p, "the probe session")
     p.add_argument("--difficulty", metavar="SOURCE", nargs="?", const="platform",
                    help="show the distribution of the split's per-task mean rewards: from an `ors-trl eval --output` "
                         "file or an episode log, or (no SOURCE, catalog environments) the OpenReward platform's")
@@ -273,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "as refused failures, as in training (default: no limit)")
     p.add_argument("--toolset", metavar="NAME",
                    help="the platform toolset every session gets (e.g. codex, claude-code); its tools are bound too")
+    _add_session_options(p, "every session")
     p.add_argument("--per-task-tools", action="store_true",
                    help="bind each episode's own tool list instead of the tools training binds")
     p.add_argument("--score-groups", action="store_true",
@@ -290,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", metavar="N", type=int, required=True, help="TCP port to listen on")
     p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
     p.add_argument("--envs", default="echo",
-                   help="comma-separated bundled environments (echo, demo, look), or 'all' (default echo)")
+                   help="comma-separated bundled environments (echo, demo, look, and card: the answer only in "
+                        "an image, needs Pillow), or 'all' (default echo)")
     p.add_argument("--log-level", default="warning", help="server log level (default warning)")
 
     from ._metrics import DEFAULT_SUCCESS_THRESHOLD
@@ -406,8 +448,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         calls.append((name, arguments))
     difficulty = _difficulty_source(args)
     info = inspect_target(args.target, env_name=args.env_name, split=args.split, tasks=args.tasks,
-                          probe=not args.no_probe, probe_index=args.probe_index, calls=calls, toolset=args.toolset,
-                          **_client_options(args, INSPECT_TIMEOUT, INSPECT_RETRIES))
+                          probe=not args.no_probe, probe_index=args.probe_index, calls=calls,
+                          **_session_options(args), **_client_options(args, INSPECT_TIMEOUT, INSPECT_RETRIES))
     if difficulty is not None:
         from ._client import Client
         from ._difficulty import describe
@@ -479,10 +521,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.weights is not None and len(args.weights) != len(pairs):
         raise _UsageError(f"--weights has {len(args.weights)} values for {len(pairs)} environments")
     threshold = {} if args.success_threshold is None else {"success_threshold": args.success_threshold}
+    session = _session_options(args)
     # Each spec is built like a training spec with the same selection, so the tools bound are those training binds.
     specs = [OpenRewardSpec(target, split=args.split, env_name=env_name, num_tasks=args.num_tasks,
                             indices=args.indices, score_groups=args.score_groups, **threshold,
-                            max_tool_calls=args.max_tool_calls, toolset=args.toolset,
+                            max_tool_calls=args.max_tool_calls, **session,
                             **_client_options(args, tool_timeout=args.tool_timeout)) for target, env_name in pairs]
     evaluated: Any = specs[0]
     if len(specs) > 1:
@@ -586,10 +629,17 @@ def _cmd_serve_echo(args: argparse.Namespace) -> int:
     from .demo._environments import ENVIRONMENTS
     from .testing.server import main as serve
 
-    names = list(ENVIRONMENTS) if args.envs.strip() == "all" else [n.strip() for n in args.envs.split(",") if n.strip()]
+    every = args.envs.strip() == "all"
+    names = list(ENVIRONMENTS) if every else [n.strip() for n in args.envs.split(",") if n.strip()]
     unknown = [n for n in names if n not in ENVIRONMENTS]
     if unknown or not names:
         raise _UsageError(f"unknown environment(s) {unknown}; known: {', '.join(ENVIRONMENTS)}, all")
+    missing = {n: why for n in names if (why := ENVIRONMENTS[n].unavailable())}  # type: ignore[attr-defined]
+    for name, why in missing.items():  # named: an error; in 'all': left out, said
+        print(f"ors-trl: {'note: leaving out' if every else 'error: cannot serve'} {name}: {why}", file=sys.stderr)
+    if missing and not every:
+        return EXIT_ERROR
+    names = [n for n in names if n not in missing]
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"ors-trl: serving {', '.join(names)} on http://{host}:{args.port} (Ctrl-C to stop)", file=sys.stderr,
           flush=True)

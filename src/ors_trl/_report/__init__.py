@@ -37,18 +37,30 @@ class ReportSummary:
     """What [`write_report`] wrote: the counts behind the page and where it is.
 
     Attributes:
-        output (`str`): The page's path.
-        episodes (`int`): Episode records counted (every one, embedded or not).
-        embedded (`int`): Episode bodies embedded in the page (a deterministic sample).
-        environments (`list[str]`): The environments' names, sorted.
-        runs (`int`): The runs set side by side (named inputs; else by process run, source, policy and step).
-        run_names (`list[str]`): Their names, in the page's order.
-        tasks (`int`): Distinct tasks (environment and task).
-        trainer_states (`int`): Trainer states read for the curves.
-        log_steps (`int`): Logged training steps the curves draw.
-        bytes (`int`): The page's size.
-        skipped (`int`): Lines of the inputs that were not episode records (cut, corrupt, foreign).
-        skipped_reasons (`dict[str, int]`): `skipped` by reason.
+        output (`str`):
+            The page's path.
+        episodes (`int`):
+            Episode records counted (every one, embedded or not).
+        embedded (`int`):
+            Episode bodies embedded in the page (a deterministic sample).
+        environments (`list[str]`):
+            The environments' names, sorted.
+        runs (`int`):
+            The runs set side by side (named inputs; else by process run, source, policy and step).
+        run_names (`list[str]`):
+            Their names, in the page's order.
+        tasks (`int`):
+            Distinct tasks (environment and task).
+        trainer_states (`int`):
+            Trainer states read for the curves.
+        log_steps (`int`):
+            Logged training steps the curves draw.
+        bytes (`int`):
+            The page's size.
+        skipped (`int`):
+            Lines of the inputs that were not episode records (cut, corrupt, foreign).
+        skipped_reasons (`dict[str, int]`):
+            `skipped` by reason.
     """
 
     output: str

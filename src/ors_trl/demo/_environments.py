@@ -1,29 +1,47 @@
 """The environments the demo and `ors-trl serve-echo` serve, written with the `openreward` scaffolding.
 
-- ``EchoEnvironment``: TRL's guide echo task (call ``echo`` with the target word; reward 1.0 and the
+- `EchoEnvironment`: TRL's guide echo task (call `echo` with the target word; reward 1.0 and the
   episode ends on an exact match), the quickest way to try ors-trl against a real server.
-- ``DemoEnvironment``: the task ``ors-trl demo --task echo`` trains on (``ors_trl.demo._task``).
-- ``LookEnvironment``: the task ``ors-trl demo`` trains on by default: rules in a system turn, the answer only in
-  ``look()``'s output, the model's plain final message graded by a ``@terminal`` tool.
+- `DemoEnvironment`: the task `ors-trl demo --task echo` trains on (`ors_trl.demo._task`).
+- `LookEnvironment`: the task `ors-trl demo` trains on by default: rules in a system turn, the answer only in
+  `look()`'s output, the model's plain final message graded by a `@terminal` tool.
+- `CardEnvironment` (`card`): a visual environment for vision-language models: the word to say is readable only
+  in the image `look()` returns (a card drawn locally with Pillow, nothing downloaded); Pillow is needed only to
+  serve it (`CountedEnvironment.unavailable` says so before it is served).
 
-Each counts its setups, teardowns and tool calls with ``ors_trl.testing.counters``, so the server's
-``/_test/stats`` shows what ran. Importing this module imports ``openreward``.
+Each counts its setups, teardowns and tool calls with `ors_trl.testing.counters`, so the server's
+`/_test/stats` shows what ran. Importing this module imports `openreward`.
 """
 
 from __future__ import annotations
 
-from openreward.environments import Environment, JSONObject, Message, Split, TextBlock, ToolOutput, terminal, tool
+import base64
+import importlib.util
+import io
+
+from openreward.environments import (
+    Environment,
+    ImageBlock,
+    JSONObject,
+    Message,
+    Split,
+    TextBlock,
+    ToolOutput,
+    terminal,
+    tool,
+)
 from pydantic import BaseModel, Field
 
 from ors_trl.testing import counters
 
 from . import _task
 
-__all__ = ["ENVIRONMENTS", "CountedEnvironment", "DemoEnvironment", "EchoEnvironment", "LookEnvironment"]
+__all__ = ["CARD_SAMPLE", "CARD_SIZE", "CARD_SYSTEM", "CARD_WORDS", "ENVIRONMENTS", "CardEnvironment",
+           "CountedEnvironment", "DemoEnvironment", "EchoEnvironment", "LookEnvironment", "card_png"]
 
 
 class CountedEnvironment(Environment):
-    """Base class: train/test splits, and setups, teardowns and tool calls counted for ``/_test/stats``."""
+    """Base class: train/test splits, and setups, teardowns and tool calls counted for `/_test/stats`."""
 
     @classmethod
     def list_splits(cls) -> list[Split | str]:
@@ -42,6 +60,11 @@ class CountedEnvironment(Environment):
 
     def _count(self, tool_name: str) -> None:
         counters.count(f"{self.key()}/{tool_name}")
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        """Why the environment cannot be served here (a package it needs is missing), or None."""
+        return None
 
 
 def _text(text: str) -> TextBlock:
@@ -92,8 +115,8 @@ class DemoEchoInput(BaseModel):
 class DemoEnvironment(CountedEnvironment):
     """The environment `ors-trl demo` trains against: the task logic of `ors_trl.demo._task`, served over ORS.
 
-    Splits: ``train`` (the training tasks) and ``test`` (held-out phrasings). One tool, ``echo(text)``,
-    scored by ``_task.score``: reward 1.0 and finished on the rewarded word, 0.0 otherwise.
+    Splits: `train` (the training tasks) and `test` (held-out phrasings). One tool, `echo(text)`,
+    scored by `_task.score`: reward 1.0 and finished on the rewarded word, 0.0 otherwise.
     """
 
     @classmethod
@@ -118,10 +141,11 @@ class LookAnswer(BaseModel):
 class LookEnvironment(CountedEnvironment):
     """The environment `ors-trl demo` trains against by default: the task logic of `ors_trl.demo._task` (look).
 
-    Splits: ``train``, ``test`` (held-out phrasings of ``look()``'s answer) and ``blind`` (``look()`` names a
-    decoy: the shortcut control), ``mixed`` and ``kinds`` (pools of mixed difficulty: `_task.pool_tasks`). The prompt is a conversation (``/messages``): the rules as a system turn, then a
-    short user turn, the same whatever word is hidden. ``look()`` is an ordinary, unscored tool; ``answer`` is the
-    ``@terminal`` tool: hidden from the model, it receives the model's final plain message and grades it (1.0 for
+    Splits: `train`, `test` (held-out phrasings of `look()`'s answer), `blind` (`look()` names a decoy: the
+    shortcut control), `mixed` and `kinds` (pools of mixed difficulty: `_task.pool_tasks`). The prompt is a
+    conversation (`/messages`): the rules as a system turn, then a
+    short user turn, the same whatever word is hidden. `look()` is an ordinary, unscored tool; `answer` is the
+    `@terminal` tool: hidden from the model, it receives the model's final plain message and grades it (1.0 for
     the hidden word, else 0.0), and the episode is finished either way.
     """
 
@@ -152,5 +176,69 @@ class LookEnvironment(CountedEnvironment):
         return ToolOutput(blocks=[_text(reply)], reward=reward, finished=True, metadata=metadata)
 
 
+#: CardEnvironment's words (task i shows CARD_WORDS[i]), its system turn, the sample card's word, a card's size.
+CARD_WORDS = ["cat", "sun", "map", "key"]
+CARD_SYSTEM = "Read the word on the card: call `look`, then `say` the word you read."
+CARD_SAMPLE = "demo"
+CARD_SIZE = (56, 28)
+_NEEDS_PILLOW = "the card environment draws its cards with Pillow, which is not installed: pip install 'ors-trl[vision]'"
+
+
+def card_png(word: str, size: tuple[int, int] = CARD_SIZE) -> bytes:
+    """A card with `word` written on it, drawn with Pillow (black on white, Pillow's default font), as PNG bytes."""
+    try:
+        from PIL import Image, ImageDraw
+    except ImportError:
+        raise ImportError(_NEEDS_PILLOW) from None
+
+    image = Image.new("RGB", size, "white")
+    ImageDraw.Draw(image).text((4, 8), word, fill="black")
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def card_block(word: str) -> ImageBlock:
+    """`card_png(word)` as an ORS image block."""
+    return ImageBlock(data=base64.b64encode(card_png(word)).decode("ascii"), mimeType="image/png")
+
+
+class CardWord(BaseModel):
+    text: str = Field(description="The word you read on your card.")
+
+
+class CardEnvironment(CountedEnvironment):
+    """The word is only in an image: a conversation (`/messages`: the rules as a system turn, a user turn with a
+    sample card; split `test`: no sample, a text-only prompt), `look()` answers with the task's card,
+    `say(text)` gives 1.0 and finishes for the card's word, 0.0 (and goes on) otherwise. Needs Pillow."""
+
+    @classmethod
+    def unavailable(cls) -> str | None:
+        return _NEEDS_PILLOW if importlib.util.find_spec("PIL") is None else None
+
+    @classmethod
+    def list_tasks(cls, split: str) -> list[JSONObject]:
+        return [{"id": f"card-{split}-{i}", "word": word, "sample": split == "train"} for i, word in enumerate(CARD_WORDS)]
+
+    async def get_messages(self) -> list[Message]:
+        sample = [_text("A sample card:"), card_block(CARD_SAMPLE)] if self.task_spec["sample"] else []
+        return [Message(role="system", blocks=[_text(CARD_SYSTEM)]),
+                Message(role="user", blocks=[*sample, _text("Now read yours.")])]
+
+    @tool
+    async def look(self) -> ToolOutput:
+        """Look at your card."""
+        self._count("look")
+        return ToolOutput(blocks=[_text("Your card:"), card_block(self.task_spec["word"])], reward=None)
+
+    @tool
+    async def say(self, params: CardWord) -> ToolOutput:
+        """Say the word on your card."""
+        self._count("say")
+        right = params.text == self.task_spec["word"]
+        return ToolOutput(blocks=[_text("right" if right else "wrong")], reward=1.0 if right else 0.0, finished=right)
+
+
 #: Short name -> class, for `ors-trl serve-echo --envs` (the first is the server's default environment).
-ENVIRONMENTS: dict[str, type[Environment]] = {"echo": EchoEnvironment, "demo": DemoEnvironment, "look": LookEnvironment}
+ENVIRONMENTS: dict[str, type[Environment]] = {"echo": EchoEnvironment, "demo": DemoEnvironment, "look": LookEnvironment,
+                                              "card": CardEnvironment}

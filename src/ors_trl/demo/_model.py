@@ -1,9 +1,9 @@
 """Build the demo's tiny tool-calling Qwen3 model and byte-level BPE tokenizer, fully locally.
 
-Nothing here touches the Hugging Face Hub: the tokenizer is trained on the fly with the ``tokenizers`` library on a
-corpus of conversations rendered with TRL's Qwen3 chat template (``trl/chat_templates/qwen3.jinja``, read from the
-installed TRL, so that ``trl.chat_template_utils.add_response_schema`` recognises it and TRL can parse tool calls),
-and the model is a randomly initialised ``Qwen3ForCausalLM`` of a few hundred thousand parameters.
+Nothing here touches the Hugging Face Hub: the tokenizer is trained on the fly with the `tokenizers` library on a
+corpus of conversations rendered with TRL's Qwen3 chat template (`trl/chat_templates/qwen3.jinja`, read from the
+installed TRL, so that `trl.chat_template_utils.add_response_schema` recognises it and TRL can parse tool calls),
+and the model is a randomly initialised `Qwen3ForCausalLM` of a few hundred thousand parameters.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ LOOK_MODEL_DIMS: dict[str, Any] = {"sliding_window": 16}
 
 @cache
 def chat_template() -> str:
-    """The Qwen3 chat template, as the installed TRL ships it (``trl/chat_templates/qwen3.jinja``): the one its
+    """The Qwen3 chat template, as the installed TRL ships it (`trl/chat_templates/qwen3.jinja`): the one its
     response parser recognises, so a copy cannot drift from the TRL that parses it."""
     return files("trl").joinpath("chat_templates", "qwen3.jinja").read_text(encoding="utf-8")
 
@@ -103,7 +103,7 @@ def conversation(
 
 
 def episode_parts(episode: Sequence[Any]) -> tuple[str, dict[str, Any], str, str]:
-    """``(tool_name, arguments, reply)`` or ``(..., final_message)`` as a 4-tuple (default final: "Done.")."""
+    """`(tool_name, arguments, reply)` or `(..., final_message)` as a 4-tuple (default final: "Done.")."""
     name, arguments, reply, *rest = episode
     return name, arguments, reply, (rest[0] if rest else FINAL_MESSAGE)
 
@@ -119,14 +119,14 @@ def render_corpus(
     seed: int = 0,
     template: str | None = None,
 ) -> list[str]:
-    """Render full tool-calling conversations for ``tasks`` with the Qwen3 template, as tokenizer-training text.
+    """Render full tool-calling conversations for `tasks` with the Qwen3 template, as tokenizer-training text.
 
-    Each task is rendered ``copies`` times, each time with one episode ``(tool_name, arguments, reply[, final])``
-    (``prompt_fn`` returns the user text, or chat messages such as a system turn and a user turn): picked at
-    random from ``episodes_fn(task)`` (the demo lists one episode per allowed argument value, see
-    ``_task.warm_start_episodes``), or drawn by ``episode_fn(task, rng)``. Either way the corpus carries the format
-    but not the answer. ``tools`` must be the tools the trainer will expose (the rendered system prompt includes
-    their JSON schema), so the tokenizer learns merges for the exact text the model will see. ``template``: render
+    Each task is rendered `copies` times, each time with one episode `(tool_name, arguments, reply[, final])`
+    (`prompt_fn` returns the user text, or chat messages such as a system turn and a user turn): picked at
+    random from `episodes_fn(task)` (the demo lists one episode per allowed argument value, see
+    `_task.warm_start_episodes`), or drawn by `episode_fn(task, rng)`. Either way the corpus carries the format
+    but not the answer. `tools` must be the tools the trainer will expose (the rendered system prompt includes
+    their JSON schema), so the tokenizer learns merges for the exact text the model will see. `template`: render
     with this chat template instead of TRL's Qwen3 one.
     """
     from transformers.utils.chat_template_utils import render_jinja_template
@@ -151,18 +151,18 @@ def render_corpus(
 
 def build_tokenizer(corpus: list[str], vocab_size: int = 640, isolate: Sequence[str] = (),
                     special: Sequence[str] = (), template: str | None = None):
-    """Train a byte-level BPE tokenizer on ``corpus`` and wrap it as a Qwen3-style ``PreTrainedTokenizerFast``.
+    """Train a byte-level BPE tokenizer on `corpus` and wrap it as a Qwen3-style `PreTrainedTokenizerFast`.
 
-    The returned tokenizer has at most ``vocab_size`` entries (256 byte symbols + merges + the 9 Qwen3 added tokens;
-    fewer if the corpus runs out of pairs to merge), ``eos_token="<|im_end|>"``, ``pad_token="<|endoftext|>"``, no
+    The returned tokenizer has at most `vocab_size` entries (256 byte symbols + merges + the 9 Qwen3 added tokens;
+    fewer if the corpus runs out of pairs to merge), `eos_token="<|im_end|>"`, `pad_token="<|endoftext|>"`, no
     BOS, left padding, and TRL's Qwen3 chat template. Deterministic for a given corpus.
 
     The default of 640 is the smallest size at which, on the demo corpus, every target word and JSON key becomes a
     single token after the tool preamble has taken its merges (at 512 the target words stay split into letters).
 
-    ``isolate``: more words to cut out as pre-tokens of their own wherever they stand (the "look" task passes its
-    six target words, so that a word is one and the same token in ``look()``'s sentence and in the model's answer).
-    ``special``: more special tokens (a vision-language model's image markers); ``template``: the chat template to
+    `isolate`: more words to cut out as pre-tokens of their own wherever they stand (the "look" task passes its
+    six target words, so that a word is one and the same token in `look()`'s sentence and in the model's answer).
+    `special`: more special tokens (a vision-language model's image markers); `template`: the chat template to
     set instead of TRL's Qwen3 one.
     """
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -220,11 +220,11 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 640, isolate: Sequence[
 
 
 def build_model(tokenizer, seed: int, **overrides: Any):
-    """A randomly initialised tiny ``Qwen3ForCausalLM`` sized for ``tokenizer`` (deterministic for ``seed``).
+    """A randomly initialised tiny `Qwen3ForCausalLM` sized for `tokenizer` (deterministic for `seed`).
 
-    Defaults (:data:`MODEL_DIMS`): hidden 128, 2 layers, 4 heads (2 KV heads, head_dim 32), MLP 384, untied
+    Defaults (`MODEL_DIMS`): hidden 128, 2 layers, 4 heads (2 KV heads, head_dim 32), MLP 384, untied
     embeddings, 32-token sliding-window attention, 512 positions: ~0.56M parameters with a 640-token vocabulary.
-    ``overrides`` are passed to ``Qwen3Config``.
+    `overrides` are passed to `Qwen3Config`.
     """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -266,7 +266,7 @@ VISION_TOWER: dict[str, Any] = {"depth": 1, "embed_dim": 32, "hidden_size": 64, 
 
 @cache
 def vision_chat_template() -> str:
-    """TRL's Qwen3-VL chat template (``trl/chat_templates/qwen3_vl.jinja``): tools, and images in user turns and
+    """TRL's Qwen3-VL chat template (`trl/chat_templates/qwen3_vl.jinja`): tools, and images in user turns and
     tool responses; TRL's response parser recognises it."""
     return files("trl").joinpath("chat_templates", "qwen3_vl.jinja").read_text(encoding="utf-8")
 
@@ -289,8 +289,8 @@ def _processor_class() -> type:
 
 
 def build_vision_processor(tokenizer) -> Any:
-    """A Qwen2-VL processor for ``tokenizer`` (built with ``special=VISION_TOKENS``), with the slow (PIL/numpy) image
-    processor resizing every image to within ``VISION_PIXELS``: no torchvision, nothing downloaded."""
+    """A Qwen2-VL processor for `tokenizer` (built with `special=VISION_TOKENS`), with the slow (PIL/numpy) image
+    processor resizing every image to within `VISION_PIXELS`: no torchvision, nothing downloaded."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     images = Qwen2VLImageProcessorPil(min_pixels=VISION_PIXELS[0], max_pixels=VISION_PIXELS[1])
@@ -298,8 +298,8 @@ def build_vision_processor(tokenizer) -> Any:
 
 
 def build_vision_model(tokenizer, seed: int, **overrides: Any):
-    """A randomly initialised tiny ``Qwen2VLForConditionalGeneration`` (a one-block vision tower, a two-layer language
-    model: ~0.2M parameters with a 400-token vocabulary), deterministic for ``seed``; ``overrides`` go to the text
+    """A randomly initialised tiny `Qwen2VLForConditionalGeneration` (a one-block vision tower, a two-layer language
+    model: ~0.2M parameters with a 400-token vocabulary), deterministic for `seed`; `overrides` go to the text
     config."""
     import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
@@ -322,7 +322,7 @@ def build_vision_model(tokenizer, seed: int, **overrides: Any):
 
 
 def save_vision(path: str, model, processor) -> None:
-    """Save a tiny vision-language model, its tokenizer and its image processor to ``path`` (``load_vision`` reads
+    """Save a tiny vision-language model, its tokenizer and its image processor to `path` (`load_vision` reads
     them back)."""
     model.save_pretrained(path)
     processor.tokenizer.save_pretrained(path)
@@ -330,7 +330,7 @@ def save_vision(path: str, model, processor) -> None:
 
 
 def load_vision(path: str) -> tuple[Any, Any]:
-    """``(model, processor)`` from a folder ``save_vision`` wrote."""
+    """`(model, processor)` from a folder `save_vision` wrote."""
     from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
     tokenizer = AutoTokenizer.from_pretrained(path)

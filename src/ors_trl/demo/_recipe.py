@@ -1,19 +1,19 @@
 """Training recipe for the demo: supervised warm start, the GRPO configuration that learns, and policy evaluation.
 
-Everything here mirrors what TRL's ``GRPOTrainer`` does with ``environment_factory``, so that the warm start teaches
+Everything here mirrors what TRL's `GRPOTrainer` does with `environment_factory`, so that the warm start teaches
 exactly the token sequences GRPO will sample and the evaluation measures exactly what GRPO rewards:
 
 - prompts are rendered with the trainer's chat template (TRL swaps Qwen3's template for its prefix-preserving training
-  variant, ``get_training_chat_template``) with the environment's tools and ``add_generation_prompt=True``;
-- a rollout is ``prompt + assistant tool call + <tool suffix> + final assistant message``, concatenated at the token
+  variant, `get_training_chat_template`) with the environment's tools and `add_generation_prompt=True`;
+- a rollout is `prompt + assistant tool call + <tool suffix> + final assistant message`, concatenated at the token
   level exactly as TRL's tool loop concatenates them (the tool suffix computed the way TRL computes it);
-- completions are parsed with ``trl.chat_template_utils.parse_response(tokenizer, ids, prefix=prompt_ids, tools=...)``;
-- a conversation's system turn is shown as the trainer shows it: joined to the user text on the ``environment_factory``
-  path (TRL's ``reset()`` can only append text), a system message through ``spec.rollout_func``;
-- the evaluation (``spec.evaluate`` with ``LocalPolicy``, whose ``join_turns`` builds each turn after a tool call by
+- completions are parsed with `trl.chat_template_utils.parse_response(tokenizer, ids, prefix=prompt_ids, tools=...)`;
+- a conversation's system turn is shown as the trainer shows it: joined to the user text on the `environment_factory`
+  path (TRL's `reset()` can only append text), a system message through `spec.rollout_func`;
+- the evaluation (`spec.evaluate` with `LocalPolicy`, whose `join_turns` builds each turn after a tool call by
   concatenating ids as GRPO does). Re-rendering the conversation would give other ids: TRL's training template for
-  Qwen3 renders an empty ``<think>`` block in the assistant's tool-call turn, which the model never generated in
-  GRPO; ``check_prompt_rendering`` and the ``rerender_differs`` count keep this visible.
+  Qwen3 renders an empty `<think>` block in the assistant's tool-call turn, which the model never generated in
+  GRPO; `check_prompt_rendering` and the `rerender_differs` count keep this visible.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def prompt_ids(render: Any, prompt: str | Sequence[dict[str, Any]], tools: Seque
 def tool_call_text(tokenizer, name: str, arguments: dict[str, Any]) -> str:
     """The assistant turn the template renders for one tool call, ending with the end-of-turn token.
 
-    Rendered with the model's own template on a non-final assistant turn (no empty ``<think>`` block), e.g.
-    ``<tool_call>\\n{"name": "echo", "arguments": {"text": "apple"}}\\n</tool_call><|im_end|>``.
+    Rendered with the model's own template on a non-final assistant turn (no empty `<think>` block), e.g.
+    `<tool_call>\\n{"name": "echo", "arguments": {"text": "apple"}}\\n</tool_call><|im_end|>`.
     """
     header = "<|im_start|>assistant\n"
     messages = [
@@ -122,17 +122,17 @@ def warm_start(
     """Teach the tool-call *format* with a short supervised loop (assistant-only loss), not the answer.
 
     Each example is a full rollout rendered exactly the way GRPO will sample it (prompt, tool call, tool reply, final
-    message). ``prompt_fn(task)`` is the prompt as GRPO renders it (the user text, or chat messages).
-    ``episodes_fn(task)`` returns the episodes to imitate for a task as ``(tool_name, arguments, reply)`` triples, or
-    ``(tool_name, arguments, reply, final_message)`` (default final message "Done."); the echo task returns one
+    message). `prompt_fn(task)` is the prompt as GRPO renders it (the user text, or chat messages).
+    `episodes_fn(task)` returns the episodes to imitate for a task as `(tool_name, arguments, reply)` triples, or
+    `(tool_name, arguments, reply, final_message)` (default final message "Done."); the echo task returns one
     episode per allowed argument value, the look task one per allowed final answer, and every batch contains *all* of a task's
     episodes. The loss is thus minimised by emitting a well-formed call whose argument is uniform over the allowed
     values whatever the prompt says: the warm start teaches the format and the vocabulary of answers, not the answer.
     (Sampling one random argument per example has the same optimum but its label noise makes the model markedly
-    slower to learn the prompt -> argument mapping afterwards.) Returns ``{"loss", "seconds"}``.
+    slower to learn the prompt -> argument mapping afterwards.) Returns `{"loss", "seconds"}`.
 
-    ``episode_fn(task, rng) -> (tool_name, arguments, reply)`` is the older, noisier alternative: one sampled episode
-    per example (e.g. a uniformly random word). Pass exactly one of ``episodes_fn`` / ``episode_fn``.
+    `episode_fn(task, rng) -> (tool_name, arguments, reply)` is the older, noisier alternative: one sampled episode
+    per example (e.g. a uniformly random word). Pass exactly one of `episodes_fn` / `episode_fn`.
     """
     import torch
 
@@ -216,10 +216,10 @@ def warm_start(
 def grpo_config_kwargs(
     steps: int = 200, seed: int = 0, output_dir: str = "outputs/demo", task: str = "echo", **overrides: Any
 ) -> dict[str, Any]:
-    """``GRPOConfig`` keyword arguments that make the tiny model learn from the environment's reward on CPU.
+    """`GRPOConfig` keyword arguments that make the tiny model learn from the environment's reward on CPU.
 
-    ``task`` picks the recipe ("echo" or "look", see ``LOOK_RECIPE``). For echo, 200 steps x 64 rollouts take
-    ~2.2 minutes on one CPU thread (in-process environment). ``overrides`` replace any entry.
+    `task` picks the recipe ("echo" or "look", see `LOOK_RECIPE`). For echo, 200 steps x 64 rollouts take
+    ~2.2 minutes on one CPU thread (in-process environment). `overrides` replace any entry.
     """
     kwargs: dict[str, Any] = {
         "output_dir": output_dir,

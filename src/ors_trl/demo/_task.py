@@ -1,18 +1,18 @@
-"""The demo's tasks, as pure Python (no ``openreward`` import), so they can be wrapped in ORS ``Environment`` classes.
+"""The demo's tasks, as pure Python (no `openreward` import), so they can be wrapped in ORS `Environment` classes.
 
-Two tasks share the closed vocabulary :data:`TARGETS` (six short words, each one token for the demo's tokenizer):
+Two tasks share the closed vocabulary `TARGETS` (six short words, each one token for the demo's tokenizer):
 
-**look** (the default ``ors-trl demo``; below): one of the six words is hidden, the conversation (a system turn with the
-rules, a short user turn) is the same whatever the word, and only the ``look()`` tool's output names it. The model
-answers with a plain final message, which the environment's terminal tool grades. Held-out tasks phrase ``look()``'s
-answer in ways never seen in training; the ``blind`` split (``look()`` names a decoy) is the shortcut control.
+**look** (the default `ors-trl demo`; below): one of the six words is hidden, the conversation (a system turn with the
+rules, a short user turn) is the same whatever the word, and only the `look()` tool's output names it. The model
+answers with a plain final message, which the environment's terminal tool grades. Held-out tasks phrase `look()`'s
+answer in ways never seen in training; the `blind` split (`look()` names a decoy) is the shortcut control.
 
-**echo** (``ors-trl demo --task echo``), "closed-vocabulary echo":
+**echo** (`ors-trl demo --task echo`), "closed-vocabulary echo":
 
 The environment follows the spirit of TRL's OpenReward echo environment: the prompt names a target word and the
-model must call ``echo(text=...)`` with exactly that word; the reward is 1.0 on a correct call and 0.0 otherwise, and
+model must call `echo(text=...)` with exactly that word; the reward is 1.0 on a correct call and 0.0 otherwise, and
 the episode finishes on success. To keep it learnable by a ~0.5M-parameter model in a CPU budget, the target is always
-one of a small, fixed set of words (:data:`TARGETS`), quoted in the prompt. The model therefore has to *read which of
+one of a small, fixed set of words (`TARGETS`), quoted in the prompt. The model therefore has to *read which of
 the K words the prompt asks for* and put it in the tool call: a K-way choice conditioned on the prompt, not free-form
 copying of arbitrary text (which a model this small does not learn in minutes on CPU).
 
@@ -22,13 +22,13 @@ for, independent of the wording it was trained on.
 
 The echo interface is deliberately trivial to wrap:
 
-- tasks are JSON-able dicts ``{"id", "target", "prompt"}`` (:func:`train_tasks`, :func:`heldout_tasks`);
-- :func:`prompt` returns the prompt text for a task;
-- :func:`score` maps ``(task, tool_args)`` to ``(reward, finished, reply_text)``.
+- tasks are JSON-able dicts `{"id", "target", "prompt"}` (`train_tasks`, `heldout_tasks`);
+- `prompt` returns the prompt text for a task;
+- `score` maps `(task, tool_args)` to `(reward, finished, reply_text)`.
 
-The look interface: :func:`look_tasks` (per split), :func:`look_messages` / :func:`look_prompt` (the conversation, as
-messages or flattened as TRL's ``environment_factory`` shows it), :func:`grade` (the terminal tool's rule) and
-:func:`look_warm_start_episodes`.
+The look interface: `look_tasks` (per split), `look_messages` / `look_prompt` (the conversation, as
+messages or flattened as TRL's `environment_factory` shows it), `grade` (the terminal tool's rule) and
+`look_warm_start_episodes`.
 """
 
 from __future__ import annotations
@@ -114,9 +114,9 @@ def prompt(task: dict[str, Any]) -> str:
 
 
 def score(task: dict[str, Any], tool_args: dict[str, Any]) -> tuple[float, bool, str]:
-    """Score one ``echo`` call: ``(reward, finished, reply_text)``.
+    """Score one `echo` call: `(reward, finished, reply_text)`.
 
-    Reward is 1.0 and the episode finishes when ``text`` is exactly the task's target word; otherwise the reward is
+    Reward is 1.0 and the episode finishes when `text` is exactly the task's target word; otherwise the reward is
     0.0 and the episode continues. The reply text is the echoed word either way (it never reveals the target or
     whether the call was right).
     """
@@ -129,9 +129,9 @@ def score(task: dict[str, Any], tool_args: dict[str, Any]) -> tuple[float, bool,
 
 
 def warm_start_episodes(task: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
-    """Episodes the format-only warm start imitates for a task: one ``echo`` call per allowed word, equally weighted.
+    """Episodes the format-only warm start imitates for a task: one `echo` call per allowed word, equally weighted.
 
-    Returned as ``(tool_name, arguments, reply_text)``. Uniform over :data:`TARGETS` whatever the prompt says, so
+    Returned as `(tool_name, arguments, reply_text)`. Uniform over `TARGETS` whatever the prompt says, so
     imitating them teaches the call format and the answer vocabulary but not which word a prompt asks for.
     """
     return [(TOOL_NAME, {"text": word}, score(task, {"text": word})[2]) for word in TARGETS]
@@ -140,15 +140,15 @@ def warm_start_episodes(task: dict[str, Any]) -> list[tuple[str, dict[str, Any],
 # ── the "look" task: the answer is only in a tool's output ──────────────────────────────────────────────────────────
 #
 # One of the six TARGETS is hidden in each task. The conversation (a system turn with the rules, then a short user
-# turn) is the same whatever the hidden word, so a rollout that does not call ``look()`` can only guess. ``look()``
+# turn) is the same whatever the hidden word, so a rollout that does not call `look()` can only guess. `look()`
 # returns a sentence naming the hidden word (train and held-out tasks use disjoint phrasings, built from shared
 # words); the model then answers with a plain final message, which the environment's terminal tool grades: 1.0 for
 # the hidden word, 0.0 otherwise, and the episode is over either way.
 #
-# The "blind" split is the shortcut control: ``look()`` there names a decoy, drawn independently of the hidden word.
+# The "blind" split is the shortcut control: `look()` there names a decoy, drawn independently of the hidden word.
 # Every (conversation, decoy sentence) pair occurs once with each of the six hidden words, so any policy scores
 # exactly 1/6 there unless something other than the tool tells it the word. A policy that reads the tool answers the
-# decoy (``follow`` in the terminal tool's metadata).
+# decoy (`follow` in the terminal tool's metadata).
 
 LOOK_TOOL = "look"
 ANSWER_TOOL = "answer"
@@ -191,10 +191,10 @@ LOOK_SPLITS: tuple[str, ...] = ("train", "test", "blind", "mixed", "kinds")
 
 
 def look_tasks(split: str) -> list[dict[str, Any]]:
-    """The tasks of a split: ``train`` (train phrasings), ``test`` (held-out phrasings), ``blind`` (decoys).
+    """The tasks of a split: `train` (train phrasings), `test` (held-out phrasings), `blind` (decoys).
 
-    A task is ``{"id", "word", "shown", "question", "reply"}``: ``word`` is hidden, ``shown`` is what ``look()``
-    names (``word`` except in ``blind``), ``reply`` is ``look()``'s whole answer.
+    A task is `{"id", "word", "shown", "question", "reply"}`: `word` is hidden, `shown` is what `look()`
+    names (`word` except in `blind`), `reply` is `look()`'s whole answer.
     """
     tasks: list[dict[str, Any]] = []
     if split == "train":
@@ -220,21 +220,21 @@ def look_tasks(split: str) -> list[dict[str, Any]]:
 # ── task pools of mixed difficulty (task selection: `ors-trl demo --pool mixed`, benchmarks/bench_task_selection.py) ──
 #
 # The conversation is the same for every task, so a policy cannot tell the kinds apart: it can only spend episodes
-# on them. ``look`` tasks are the demo's (solvable by reading ``look()``: at chance, then learnable); ``free`` tasks
-# score 1.0 whatever the answer (any attempt solves them), ``locked`` ones 0.0 (none does); a ``coin`` task's
-# ``look()`` shows nothing and three of the six words win (a policy solves it by chance, half the time).
+# on them. `look` tasks are the demo's (solvable by reading `look()`: at chance, then learnable); `free` tasks
+# score 1.0 whatever the answer (any attempt solves them), `locked` ones 0.0 (none does); a `coin` task's
+# `look()` shows nothing and three of the six words win (a policy solves it by chance, half the time).
 # Every group of a free or locked task has zero reward spread: it costs sessions and teaches GRPO nothing.
 
 POOL_KINDS: tuple[str, ...] = ("look", "free", "locked", "coin")
-#: Split -> (kinds, tasks of each kind): ``mixed`` is the demo's mixed pool, ``kinds`` the benchmark's.
+#: Split -> (kinds, tasks of each kind): `mixed` is the demo's mixed pool, `kinds` the benchmark's.
 POOLS: dict[str, tuple[tuple[str, ...], int]] = {"mixed": (("look", "free", "locked"), 40),
                                                  "kinds": (POOL_KINDS, 30)}
 COIN_REPLY = "The card is face down."
 
 
 def pool_tasks(split: str) -> list[dict[str, Any]]:
-    """The tasks of a mixed pool (``mixed`` or ``kinds``), kinds interleaved: look tasks are the first training
-    tasks of the look task; every task has a ``kind`` (and a coin task its three ``winners``)."""
+    """The tasks of a mixed pool (`mixed` or `kinds`), kinds interleaved: look tasks are the first training
+    tasks of the look task; every task has a `kind` (and a coin task its three `winners`)."""
     kinds, per_kind = POOLS[split]
     rng = random.Random(4)
     look = look_tasks("train")
@@ -258,9 +258,9 @@ def look_messages(task: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def look_prompt(task: dict[str, Any]) -> str:
-    """The conversation as one text, as TRL's ``environment_factory`` path shows it (system turn first).
+    """The conversation as one text, as TRL's `environment_factory` path shows it (system turn first).
 
-    The same text ``OpenRewardEnvironment.reset()`` returns (``Prompt.flat``); the demo checks that at start-up.
+    The same text `OpenRewardEnvironment.reset()` returns (`Prompt.flat`); the demo checks that at start-up.
     """
     return f"{LOOK_SYSTEM}\n\n{task['question']}"
 
@@ -271,11 +271,11 @@ def normalise_answer(message: str) -> str:
 
 
 def grade(task: dict[str, Any], message: str) -> tuple[float, str, dict[str, Any]]:
-    """Grade a final message: ``(reward, reply_text, metadata)``; 1.0 when it is the hidden word, else 0.0 (a pool
+    """Grade a final message: `(reward, reply_text, metadata)`; 1.0 when it is the hidden word, else 0.0 (a pool
     task: 1.0 for any answer to a free task, never for a locked one, for one of a coin task's winners).
 
-    ``metadata`` says what was hidden and shown, what was given, and whether the answer named what ``look()``
-    showed (``follow``: the blind control reads it to tell "read the tool" from "guessed").
+    `metadata` says what was hidden and shown, what was given, and whether the answer named what `look()`
+    showed (`follow`: the blind control reads it to tell "read the tool" from "guessed").
     """
     given = normalise_answer(message)
     kind = task.get("kind", "look")
@@ -286,10 +286,10 @@ def grade(task: dict[str, Any], message: str) -> tuple[float, str, dict[str, Any
 
 
 def look_warm_start_episodes(task: dict[str, Any]) -> list[tuple[str, dict[str, Any], str, str]]:
-    """Episodes the format-only warm start imitates: call ``look()``, then answer each allowed word once.
+    """Episodes the format-only warm start imitates: call `look()`, then answer each allowed word once.
 
-    Returned as ``(tool_name, arguments, reply_text, final_message)``. The answers are uniform over
-    :data:`TARGETS` whatever ``look()`` said, so imitating them teaches the format (look, then one bare word)
+    Returned as `(tool_name, arguments, reply_text, final_message)`. The answers are uniform over
+    `TARGETS` whatever `look()` said, so imitating them teaches the format (look, then one bare word)
     and not which word to give: the warm-started model answers at chance (about 1/6).
     """
     return [(LOOK_TOOL, {}, task["reply"], word) for word in TARGETS]

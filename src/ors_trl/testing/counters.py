@@ -28,13 +28,25 @@ _counts: dict[str, Counter[str]] = {name: Counter() for name in
 
 
 def count(key: str, kind: str = "tool_calls") -> None:
-    """One more `kind` ("tool_calls", "setups" or "teardowns") under `key` (e.g. "env/tool")."""
+    """Count one more event.
+
+    Args:
+        key (`str`):
+            What is counted, e.g. `"env/tool"`.
+        kind (`str`, *optional*, defaults to `"tool_calls"`):
+            `"tool_calls"`, `"setups"` or `"teardowns"`.
+    """
     with _lock:
         _counts[kind][key] += 1
 
 
 class tracked:
-    """Counts one piece of work in progress under `key` (`in_flight`, its peak, and `done` when it ends well)."""
+    """Counts one piece of work in progress (`in_flight`, its peak, and `done` when it ends well); a context manager.
+
+    Args:
+        key (`str`):
+            What is counted, e.g. `"env/judge"`.
+    """
 
     def __init__(self, key: str) -> None:
         self.key = key

@@ -1,6 +1,6 @@
 """Fault injection for reliability tests: a loopback HTTP proxy whose faults a test programs.
 
-``FaultProxy`` sits between a client and a real ORS server (usually a ``ReferenceServer``) and
+`FaultProxy` sits between a client and a real ORS server (usually a `ReferenceServer`) and
 forwards every request, streams included, unless a rule says otherwise::
 
     with ReferenceServer([MyEnvironment]) as server, FaultProxy(server.url) as proxy:
@@ -9,20 +9,20 @@ forwards every request, streams included, unless a rule says otherwise::
         client.num_tasks()
         proxy.count("/num_tasks")                             # 3 requests reached the proxy
 
-With ``upstream=None`` it is a purpose-built misbehaving ORS server: rules answer everything, and
+With `upstream=None` it is a purpose-built misbehaving ORS server: rules answer everything, and
 a request no rule matches gets a 404.
 
 It is written on raw asyncio streams rather than a web framework, so that a fault does exactly
-what a broken network or server does: reset the connection (``Reset``), cut a stream in the
-middle of a chunk (``DropStream``), accept a request and never answer (``Hang``, ``Silent``),
-send only SSE comments (``Pings``), send malformed or endless bodies (``Reply``, ``SSEReply``,
-``Flood``), redirect (``Redirect``) or echo the request's headers back (``EchoHeaders``).
+what a broken network or server does: reset the connection (`Reset`), cut a stream in the
+middle of a chunk (`DropStream`), accept a request and never answer (`Hang`, `Silent`),
+send only SSE comments (`Pings`), send malformed or endless bodies (`Reply`, `SSEReply`,
+`Flood`), redirect (`Redirect`) or echo the request's headers back (`EchoHeaders`).
 Every request is logged (method, path, headers, body, which fault answered it), so a test can
 count attempts and check what was sent. The proxy runs its own event loop in a daemon thread,
 works with the synchronous and the async client alike, binds to loopback only, and bounds every
-wait (``max_seconds``) so that a forgotten hang cannot outlive a test by long.
+wait (`max_seconds`) so that a forgotten hang cannot outlive a test by long.
 
-``Blackhole`` is a listening socket that never accepts: connections open, nothing is ever read.
+`Blackhole` is a listening socket that never accepts: connections open, nothing is ever read.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class Seen:
     """One request as the proxy received it.
 
     Attributes:
-        method, path: the request line (``path`` without the query string).
+        method, path: the request line (`path` without the query string).
         headers: the request headers, names lower-cased.
         body: the request body.
         fault: the name of the fault that answered it, or None when it was forwarded untouched.
@@ -481,9 +481,16 @@ class FaultProxy:
     """A loopback HTTP proxy (or, without upstream, a fake server) with programmable faults.
 
     Args:
-        upstream: base URL requests are forwarded to (``http://127.0.0.1:PORT``), or None.
-        host: loopback address to bind.
-        max_log: how many of the newest requests `requests` and `count` remember (a soak run stays bounded).
+        upstream (`str`, *optional*):
+            Base URL requests are forwarded to (`http://127.0.0.1:PORT`); without one, the proxy is a fake server
+            whose every answer is a programmed fault.
+        host (`str`, *optional*, defaults to `"127.0.0.1"`):
+            Loopback address to bind.
+        max_log (`int`, *optional*, defaults to `100000`):
+            How many of the newest requests `requests` and `count` remember (a soak run stays bounded).
+
+    Raises:
+        ValueError: `host` is not a loopback address, or `max_log` is below 1.
     """
 
     def __init__(self, upstream: str | None = None, *, host: str = LOOPBACK, max_log: int = 100_000) -> None:
@@ -507,10 +514,23 @@ class FaultProxy:
 
     def add(self, fault: Fault, *, path: str | None = None, method: str | None = None, times: int | None = 1,
             when: Callable[[Seen], bool] | None = None) -> FaultProxy:
-        """Answer the next `times` matching requests (None: all of them) with `fault`.
+        """Answer the next `times` matching requests with `fault`. Rules are tried in the order they were added;
+        the first that matches and has uses left wins.
 
-        `path` matches the whole request path or its end (``"/call"`` matches ``/echoenvironment/call``).
-        Rules are tried in the order they were added; the first that matches and has uses left wins.
+        Args:
+            fault (`Fault`):
+                How to answer (`Status`, `Reset`, `DropStream`, ... from `ors_trl.testing.faults`).
+            path (`str`, *optional*):
+                The whole request path or its end (`"/call"` matches `/echoenvironment/call`); any path when omitted.
+            method (`str`, *optional*):
+                The HTTP method; any when omitted.
+            times (`int`, *optional*, defaults to `1`):
+                How many requests the rule answers (`None`: all of them).
+            when (`Callable[[Seen], bool]`, *optional*):
+                A further condition on the request.
+
+        Returns:
+            `FaultProxy`: The proxy, so that rules can be chained.
         """
         with self._lock:
             self._rules.append(_Rule(fault, path, method, times, when))
@@ -529,8 +549,19 @@ class FaultProxy:
             return list(self._log)
 
     def count(self, path: str | None = None, method: str | None = None, fault: str | bool | None = False) -> int:
-        """How many requests matched `path` (exact or suffix) and `method`; with `fault`, only those
-        that fault answered (None: only forwarded ones)."""
+        """How many of the requests received so far matched.
+
+        Args:
+            path (`str`, *optional*):
+                The whole request path or its end; any path when omitted.
+            method (`str`, *optional*):
+                The HTTP method; any when omitted.
+            fault (`str`, `bool` or `None`, *optional*, defaults to `False`):
+                Only the requests the fault of this name answered (`None`: only forwarded ones; `False`: all).
+
+        Returns:
+            `int`: The number of matching requests (of the newest `max_log`).
+        """
         n = 0
         for seen in self.requests:
             if method is not None and seen.method != method.upper():
@@ -544,6 +575,7 @@ class FaultProxy:
 
     @property
     def url(self) -> str:
+        """The proxy's base URL, `http://127.0.0.1:PORT` (a `RuntimeError` before `start()`)."""
         if self.port is None:
             raise RuntimeError("proxy not started")
         return f"http://{self.host}:{self.port}"
@@ -551,6 +583,14 @@ class FaultProxy:
     # -- lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> FaultProxy:
+        """Start serving on a free port, in a thread of its own.
+
+        Returns:
+            `FaultProxy`: The proxy, started.
+
+        Raises:
+            RuntimeError: the proxy did not start within 10 s.
+        """
         loop = asyncio.new_event_loop()
         ready = threading.Event()
         failure: list[BaseException] = []
@@ -583,6 +623,7 @@ class FaultProxy:
         return self
 
     def close(self) -> None:
+        """Stop serving: close the connections and stop the thread. Idempotent."""
         loop, thread = self._loop, self._thread
         if loop is None or thread is None:
             return
@@ -681,7 +722,15 @@ class FaultProxy:
 
 
 class Blackhole:
-    """A loopback port that accepts TCP connections (the kernel completes them) and never reads or answers."""
+    """A loopback port that accepts TCP connections (the kernel completes them) and never reads or answers.
+
+    Args:
+        host (`str`, *optional*, defaults to `"127.0.0.1"`):
+            Loopback address to bind.
+
+    Raises:
+        ValueError: `host` is not a loopback address.
+    """
 
     def __init__(self, host: str = LOOPBACK) -> None:
         _require_loopback(host)
@@ -693,9 +742,11 @@ class Blackhole:
 
     @property
     def url(self) -> str:
+        """The port's URL, `http://127.0.0.1:PORT`."""
         return f"http://{self.host}:{self.port}"
 
     def close(self) -> None:
+        """Close the port."""
         self._sock.close()
 
     def __enter__(self) -> Blackhole:

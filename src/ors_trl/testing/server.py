@@ -1,7 +1,7 @@
 """Run your ORS environments under the reference server, on loopback, in a subprocess, for tests.
 
-``ReferenceServer`` starts ``python -m ors_trl.testing.server`` (this module's ``main``) on a free
-port of 127.0.0.1 with the environment classes you give it (classes, or ``"module:Class"`` paths)
+`ReferenceServer` starts `python -m ors_trl.testing.server` (this module's `main`) on a free
+port of 127.0.0.1 with the environment classes you give it (classes, or `"module:Class"` paths)
 and waits until it answers; it is the real ORS peer of ors-trl's own tests, benchmarks and demo::
 
     with ReferenceServer([MyEnvironment], idle_timeout=5) as server:
@@ -9,13 +9,13 @@ and waits until it answers; it is the real ORS peer of ors-trl's own tests, benc
         server.stats()  # {"open_sessions": 0, "tool_calls": {...}, ...}
         server.close_sessions()  # delete whatever a failed test left open
 
-The server process is the reference ``openreward.environments.Server`` plus a thin outer ASGI layer
-that answers ``GET /_test/stats`` (live sessions, pings, requests, and the counters environments bump
-with ``ors_trl.testing.counters``). ``idle_timeout`` makes the reference idle reaper (900 s, not
+The server process is the reference `openreward.environments.Server` plus a thin outer ASGI layer
+that answers `GET /_test/stats` (live sessions, pings, requests, and the counters environments bump
+with `ors_trl.testing.counters`). `idle_timeout` makes the reference idle reaper (900 s, not
 configurable) reap sessions idle for more than that many seconds, by scaling the clock it reads.
 
-Only the standard library is imported at module level, so ``ors_trl.testing`` stays cheap to import;
-``main`` imports ``openreward`` and ``uvicorn`` in the server process.
+Only the standard library is imported at module level, so `ors_trl.testing` stays cheap to import;
+`main` imports `openreward` and `uvicorn` in the server process.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ __all__ = [
 
 #: The only host the launcher binds to by default.
 LOOPBACK = "127.0.0.1"
-#: The reference server reaps sessions idle for longer than this (``reaper_coro``'s default).
+#: The reference server reaps sessions idle for longer than this (`reaper_coro`'s default).
 REFERENCE_IDLE_LIMIT_S = 900.0
 #: Introspection endpoint answered by the launcher's outer ASGI layer.
 STATS_PATH = "/_test/stats"
@@ -63,7 +63,18 @@ _SRC_DIR = str(Path(__file__).resolve().parents[2])  # .../src, so the child fin
 
 
 def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it, close)."""
+    """A TCP port that was free on `host` a moment ago (bind to port 0, read it, close).
+
+    Args:
+        host (`str`, *optional*, defaults to `"127.0.0.1"`):
+            The loopback address to find a port on.
+
+    Returns:
+        `int`: The port.
+
+    Raises:
+        ValueError: `host` is not a loopback address.
+    """
     _require_loopback(host)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -92,7 +103,7 @@ def _url_host(host: str) -> str:
 
 
 class _ScaledClock:
-    """Stands in for the ``time`` module: ``monotonic()`` runs ``factor`` times faster, the rest is real."""
+    """Stands in for the `time` module: `monotonic()` runs `factor` times faster, the rest is real."""
 
     def __init__(self, real: types.ModuleType, factor: float) -> None:
         self._real = real
@@ -106,11 +117,11 @@ class _ScaledClock:
 
 
 def install_idle_timeout(seconds: float) -> None:
-    """Make the reference server reap sessions idle for more than ``seconds`` real seconds.
+    """Make the reference server reap sessions idle for more than `seconds` real seconds.
 
-    Its reaper compares ``time.monotonic()`` differences against 900 s every 5 s; we replace the
-    ``time`` its module reads with a clock scaled by ``900 / seconds``. The 5 s check interval is
-    unchanged, so a session is reaped between ``seconds`` and ``seconds + 5`` after its last activity.
+    Its reaper compares `time.monotonic()` differences against 900 s every 5 s; we replace the
+    `time` its module reads with a clock scaled by `900 / seconds`. The 5 s check interval is
+    unchanged, so a session is reaped between `seconds` and `seconds + 5` after its last activity.
     Side effect: the latencies in the server's request logs are scaled by the same factor.
     """
     if seconds <= 0:
@@ -124,7 +135,7 @@ def install_idle_timeout(seconds: float) -> None:
 
 
 class _TestRoutes:
-    """Outer ASGI layer: answers ``/_test/*`` itself (the reference app would 308 it), counts pings."""
+    """Outer ASGI layer: answers `/_test/*` itself (the reference app would 308 it), counts pings."""
 
     def __init__(self, app: Any, server: Any, idle_timeout: float | None) -> None:
         self.app = app
@@ -177,7 +188,7 @@ class _TestRoutes:
 
 
 def _load(path: str) -> type:
-    """The class a ``"module:Class"`` path names."""
+    """The class a `"module:Class"` path names."""
     module, sep, name = path.partition(":")
     if not sep or not module or not name:
         raise ValueError(f"environment {path!r} is not a 'module:Class' path")
@@ -190,8 +201,8 @@ def _load(path: str) -> type:
 
 
 def build_app(envs: Sequence[str], idle_timeout: float | None = None) -> Any:
-    """The ASGI app the launcher serves: the reference ``Server`` for ``envs`` (``module:Class`` paths) under
-    ``_TestRoutes``. Call it in the process that serves it: ``idle_timeout`` patches a module-global clock."""
+    """The ASGI app the launcher serves: the reference `Server` for `envs` (`module:Class` paths) under
+    `_TestRoutes`. Call it in the process that serves it: `idle_timeout` patches a module-global clock."""
     os.environ.setdefault(_UPDATE_CHECK_ENV, "1")
     from openreward.environments import Server
 
@@ -215,7 +226,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m ors_trl.testing.server --port N --env module:Class [--env ...] [--idle-timeout S]``."""
+    """`python -m ors_trl.testing.server --port N --env module:Class [--env ...] [--idle-timeout S]`."""
     parser = argparse.ArgumentParser(prog="python -m ors_trl.testing.server", description=__doc__.split("\n")[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default=LOOPBACK, help="loopback address to bind (default 127.0.0.1)")
@@ -308,16 +319,25 @@ class ReferenceServer:
     """A reference ORS server in a subprocess on loopback, for tests, benchmarks and the demo.
 
     Args:
-        envs: the environment classes to serve, as classes or ``"module:Class"`` paths (one, or a list); the
-            first is the server's default environment. A class's module must be importable from a file (not
-            ``__main__``); its folder is put on the server's ``PYTHONPATH``.
-        idle_timeout: reap sessions idle for more than this many seconds (checked every 5 s)
-            instead of the reference 900 s.
-        env: extra environment variables for the server process (e.g. ``ORS_TEST_TOOL_LATENCY``).
-        port: fixed port; by default a free one is picked (and re-picked if it was taken meanwhile).
-        host: loopback address to bind.
-        startup_timeout: seconds to wait for the server to answer before raising ``ServerStartError``.
-        log_level: the server's log level; its output goes to ``log_path``.
+        envs (`type`, `str` or `Sequence[type | str]`):
+            The environment classes to serve, as classes or `"module:Class"` paths (one, or a list); the first is
+            the server's default environment. A class's module must be importable from a file (not `__main__`);
+            its folder is put on the server's `PYTHONPATH`.
+        idle_timeout (`float`, *optional*):
+            Reap sessions idle for more than this many seconds (checked every 5 s) instead of the reference 900 s.
+        env (`Mapping[str, str]`, *optional*):
+            Extra environment variables for the server process (e.g. `ORS_TEST_TOOL_LATENCY`).
+        port (`int`, *optional*):
+            Fixed port; by default a free one is picked (and re-picked if it was taken meanwhile).
+        host (`str`, *optional*, defaults to `"127.0.0.1"`):
+            Loopback address to bind.
+        startup_timeout (`float`, *optional*, defaults to `30.0`):
+            Seconds to wait for the server to answer before raising `ServerStartError`.
+        log_level (`str`, *optional*, defaults to `"warning"`):
+            The server's log level; its output goes to `log_path`.
+
+    Raises:
+        ValueError: `host` is not a loopback address.
     """
 
     def __init__(
@@ -347,28 +367,38 @@ class ReferenceServer:
 
     @property
     def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:PORT`` (no trailing slash)."""
+        """Base URL, e.g. `http://127.0.0.1:PORT` (no trailing slash)."""
         if self.port is None:
             raise RuntimeError("server has not been started")
         return f"http://{_url_host(self.host)}:{self.port}"
 
     @property
     def pid(self) -> int | None:
+        """The server process's id (`None` before `start()`)."""
         return self._proc.pid if self._proc is not None else None
 
     @property
     def running(self) -> bool:
+        """Whether the server process is alive."""
         return self._proc is not None and self._proc.poll() is None
 
     @property
     def log_path(self) -> str | None:
-        """The file the server's stdout and stderr go to (deleted on ``close()``, collection or process exit)."""
+        """The file the server's stdout and stderr go to (deleted on `close()`, collection or process exit)."""
         return self._log_path
 
     # -- lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> ReferenceServer:
-        """Launch the server and wait until it answers ``/health`` as this process; returns self."""
+        """Launch the server and wait until it answers `/health` as this process.
+
+        Returns:
+            `ReferenceServer`: The server, started.
+
+        Raises:
+            ServerStartError: the server exited or did not answer within `startup_timeout`.
+            RuntimeError: the server is already running.
+        """
         if self.running:
             raise RuntimeError(f"server already running at {self.url}")
         attempts = 1 if self._fixed_port else 3
@@ -390,7 +420,15 @@ class ReferenceServer:
         raise AssertionError("unreachable")
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        """Terminate the server (SIGTERM: sessions are torn down), then kill after ``timeout`` s."""
+        """Terminate the server (SIGTERM: sessions are torn down), then kill it if it outlives `timeout`.
+
+        Args:
+            timeout (`float`, *optional*, defaults to `10.0`):
+                Seconds to wait for it to exit before killing it.
+
+        Returns:
+            `int` or `None`: Its exit status (`None` if it was never started).
+        """
         proc = self._proc
         if proc is None:
             return None
@@ -405,7 +443,11 @@ class ReferenceServer:
         return proc.returncode
 
     def kill(self) -> int | None:
-        """Kill the server at once (SIGKILL: no teardowns), as a crash would."""
+        """Kill the server at once (SIGKILL: no teardowns), as a crash would.
+
+        Returns:
+            `int` or `None`: Its exit status (`None` if it was never started).
+        """
         proc = self._proc
         if proc is None:
             return None
@@ -416,7 +458,15 @@ class ReferenceServer:
         return proc.returncode
 
     def restart(self, timeout: float = 10.0) -> ReferenceServer:
-        """Stop the server and start a fresh process on the same port (all sessions are lost)."""
+        """Stop the server and start a fresh process on the same port (all sessions are lost).
+
+        Args:
+            timeout (`float`, *optional*, defaults to `10.0`):
+                Seconds to wait for the old process to exit before killing it.
+
+        Returns:
+            `ReferenceServer`: The server, started again.
+        """
         self.stop(timeout)
         return self.start()
 
@@ -440,15 +490,39 @@ class ReferenceServer:
     # -- introspection ----------------------------------------------------------------------------
 
     def stats(self, timeout: float = 5.0) -> dict[str, Any]:
-        """``GET /_test/stats``: ``open_sessions``, ``sessions``, ``tool_calls`` ({"env/tool": n}),
-        ``setups``, ``teardowns``, ``pings``, ``requests``, ``pid``, ``idle_timeout``, ``environments``."""
+        """The server's introspection, `GET /_test/stats`.
+
+        Args:
+            timeout (`float`, *optional*, defaults to `5.0`):
+                Seconds allowed for the request.
+
+        Returns:
+            `dict[str, Any]`: `open_sessions`, `peak_sessions`, `sessions`, `pings`, `requests`, `pid`,
+            `idle_timeout`, `environments`, and the `counters` (`tool_calls` as `{"env/tool": n}`, `setups`,
+            `teardowns`, ...).
+        """
         with _OPENER.open(self.url + STATS_PATH, timeout=timeout) as resp:
             return json.loads(resp.read())
 
     def wait_for_stats(
         self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10.0, interval: float = 0.05
     ) -> dict[str, Any]:
-        """Poll ``stats()`` until ``predicate(stats)`` holds; ``TimeoutError`` (with the last stats) if not."""
+        """Poll `stats()` until a condition holds.
+
+        Args:
+            predicate (`Callable[[dict[str, Any]], bool]`):
+                The condition, on the stats.
+            timeout (`float`, *optional*, defaults to `10.0`):
+                Seconds to wait for it.
+            interval (`float`, *optional*, defaults to `0.05`):
+                Seconds between polls.
+
+        Returns:
+            `dict[str, Any]`: The first stats that met the condition.
+
+        Raises:
+            TimeoutError: the condition did not hold within `timeout` (the message shows the last stats).
+        """
         deadline = time.monotonic() + timeout
         while True:
             stats = self.stats()
@@ -459,10 +533,17 @@ class ReferenceServer:
             time.sleep(interval)
 
     def close_sessions(self, timeout: float = 10.0) -> list[str]:
-        """Delete every session the server holds (over the protocol, as a client would); returns their ids.
+        """Delete every session the server holds (over the protocol, as a client would).
 
         For a test fixture that found sessions left behind: it can fail that one test and leave the server
         clean for the next.
+
+        Args:
+            timeout (`float`, *optional*, defaults to `10.0`):
+                Seconds allowed for each request.
+
+        Returns:
+            `list[str]`: The ids of the sessions deleted.
         """
         sessions = list(self.stats(timeout)["sessions"])
         for sid in sessions:
@@ -473,7 +554,15 @@ class ReferenceServer:
         return sessions
 
     def log_tail(self, max_chars: int = 4000) -> str:
-        """The last ``max_chars`` characters of the server's output."""
+        """The end of the server's output.
+
+        Args:
+            max_chars (`int`, *optional*, defaults to `4000`):
+                How much of it, at most.
+
+        Returns:
+            `str`: The last `max_chars` characters (`""` when there is no log).
+        """
         if self._log_path is None:
             return ""
         try:
@@ -534,7 +623,7 @@ class ReferenceServer:
             time.sleep(0.05)
 
     def _answers(self) -> bool:
-        """True once ``/health`` is ok and ``/_test/stats`` reports our child's pid (not a stranger's)."""
+        """True once `/health` is ok and `/_test/stats` reports our child's pid (not a stranger's)."""
         try:
             with _OPENER.open(self.url + "/health", timeout=1.0) as resp:
                 if resp.status != 200 or json.loads(resp.read()).get("status") != "ok":
