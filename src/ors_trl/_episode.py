@@ -200,7 +200,9 @@ class EnvironmentRuntime:
         self.prompt_mismatches = 0
         self.cached_resets = 0
         self.calls_ahead = 0  # tool calls started ahead of TRL's loop (batch_tool_calls)
-        self.last_turn: object = None  # the turn of TRL's tool loop whose calls were last started ahead
+        # The turn of TRL's tool loop whose calls were last started ahead (its `tool_calls` list, which no weak reference
+        # can hold, and whose id a later turn's list may take): dropped at step end (`release_all`), not kept alive.
+        self.last_turn: object = None
         # In TRL's async worker: each ended rollout's episode by the identity of its transcript (what TRL hands reward
         # functions as its `completions` entry), with how many reading reward functions are still to come.
         self.handover: OrderedDict[int, tuple[list[Any], Episode, int]] = OrderedDict()
@@ -332,6 +334,7 @@ class EnvironmentRuntime:
         """Close every live episode in the background (step end): account it, write its record, free its session."""
         with self._lock:
             episodes = list(self.live)
+            self.last_turn = None
         for ep in episodes:
             ep.release()
 
