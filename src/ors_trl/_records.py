@@ -36,8 +36,9 @@ from typing import Any, Literal, NotRequired, TypedDict
 from ._images import as_bytes
 from ._text import clean_json, clip, repair
 
-__all__ = ["MAX_DEPTH", "RECORD_VERSION", "RUN_ID", "CallRecord", "EpisodeRecord", "ImageRecord", "RecordWriter",
-           "TurnRecord", "error_record", "image_record", "jsonable", "parse_line", "read_records", "upgrade"]
+__all__ = ["MAX_DEPTH", "RECORD_VERSION", "RUN_ID", "CallRecord", "EndReason", "EpisodeRecord", "ImageRecord",
+           "RecordWriter", "TurnRecord", "Unscored", "error_record", "image_record", "jsonable", "parse_line",
+           "read_records", "upgrade"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -103,17 +104,24 @@ class TurnRecord(TypedDict, total=False):
     generation_seconds: float
 
 
+#: Why an episode ended (`released`: it was closed before it ended).
+EndReason = Literal["finished", "no_tool_calls", "max_turns", "length", "context_length", "timeout", "error",
+                    "released"]
+#: Why an episode has no reward.
+Unscored = Literal["timeout", "error", "cut_off", "no_reward"]
+
+
 class EpisodeRecord(TypedDict, total=False):
     """One episode, the same for every driver (`source`: trl, engine, eval). `final` is the final plain message
     and, for an environment with a terminal tool, its grade (`tool`, `output`, `reward`, ... or `error`);
-    `unscored` says why `reward` is None (timeout, error, cut_off, no_reward). Drivers add `repeat` and
-    `policy` (eval), `step` (an evaluation during training: the training step) and `stop_detail` (why the model
+    `end_reason` says why it ended (`EndReason`), `unscored` why `reward` is None (`Unscored`). Drivers add `repeat`
+    and `policy` (eval), `step` (an evaluation during training: the training step) and `stop_detail` (why the model
     was stopped). An episode with images lists them in `images` (by hash) and the prompt's in `prompt_images`; a
     text-only episode's record has neither."""
 
     version: int
     run: str
-    source: str
+    source: Literal["trl", "engine", "eval"]
     environment: str
     target: str
     split: str
@@ -132,8 +140,8 @@ class EpisodeRecord(TypedDict, total=False):
     reward: float | None
     group_reward: float | None
     finished: bool
-    end_reason: str | None
-    unscored: str | None
+    end_reason: EndReason | None
+    unscored: Unscored | None
     tool_calls: int
     tool_failures: int
     error: ErrorRecord | None
