@@ -41,9 +41,10 @@ def batch_rows(spec, indices: list[int], generations: int) -> list[dict]:
 
 @pytest.fixture
 def echo_spec(ref_server):
-    # A fixed gather window: every rollout of a turn joins its generation call, so the batches (and with them
-    # the padded greedy numerics) are TRL's own, turn by turn; the automatic window would not wait for them.
-    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", gather_window=1.0)
+    # A gather window no rollout outlasts on any machine (a bound, never reached: generation starts as soon as no
+    # rollout is busy): every rollout of a turn joins its generation call, so the batches (and with them the padded
+    # greedy numerics) are TRL's own, turn by turn, however loaded the machine; the automatic window would not wait.
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", gather_window=300.0)
     yield spec
     spec.close()
 
