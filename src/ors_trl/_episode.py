@@ -210,7 +210,7 @@ class EnvironmentRuntime:
         self.bg = get_loop()
         self.live: set[Episode] = set()
         self._pending: set[concurrent.futures.Future[None]] = set()
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # guards the shared state: live episodes, the turn started ahead, the hand-over
         self._gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = \
             weakref.WeakKeyDictionary()
         self._toolsets: dict[str, Toolset] = {}
@@ -228,11 +228,6 @@ class EnvironmentRuntime:
         """The trainer driving this environment, while it exists (held weakly: a model is not kept alive)."""
         return self._trainer() if self._trainer is not None else None
 
-    @property
-    def lock(self) -> threading.Lock:
-        """Guards the runtime's shared state (live episodes, the turn started ahead, the async hand-over)."""
-        return self._lock
-
     def rename(self, name: str, metrics: EnvMetrics, recorder: RecordWriter | None) -> None:
         """Join a mix: report under `name`, into the mix's metrics and record writer."""
         self.name, self.metrics = name, metrics
@@ -249,7 +244,7 @@ class EnvironmentRuntime:
         ep = Episode(self, task, source=source, rules=rules, metrics=self.metrics if metrics else None,
                      writer=writer if writer is not None else self.recorder,
                      uploads=uploads if uploads is not None else self.uploads, **info)
-        with self._lock:
+        with self.lock:
             self.live.add(ep)
         return ep
 
@@ -299,14 +294,14 @@ class EnvironmentRuntime:
 
     def hand_over(self, messages: list[Any], ep: Episode, readers: int) -> None:
         """Keep `ep` for the `readers` reward functions that will come with `messages` as its `completions` entry."""
-        with self._lock:
+        with self.lock:
             self.handover[id(messages)] = (messages, ep, readers)
             while len(self.handover) > _HANDOVER_MAX:
                 self.handover.popitem(last=False)
 
     def take(self, messages: Any) -> Episode | None:
         """The episode handed over with `messages` (forgotten once every reading reward function has had it)."""
-        with self._lock:
+        with self.lock:
             hit = self.handover.get(id(messages))
             if hit is None or hit[0] is not messages:
                 return None
@@ -321,18 +316,18 @@ class EnvironmentRuntime:
     def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
         """Run `coro` on the background loop, tracked until done (so `close_all` can wait for it)."""
         fut = self.bg.submit(coro)
-        with self._lock:
+        with self.lock:
             self._pending.add(fut)
         fut.add_done_callback(self._forget)
         return fut
 
     def _forget(self, fut: concurrent.futures.Future[Any]) -> None:
-        with self._lock:
+        with self.lock:
             self._pending.discard(fut)
 
     def release_all(self) -> None:
         """Close every live episode in the background (step end): account it, write its record, free its session."""
-        with self._lock:
+        with self.lock:
             episodes = list(self.live)
             self.last_turn = None
         for ep in episodes:
@@ -341,7 +336,7 @@ class EnvironmentRuntime:
     def close_all(self, timeout: float | None = 60.0) -> None:
         """Close every episode and session of this environment and wait (bounded) until the server has them gone."""
         self.release_all()
-        with self._lock:
+        with self.lock:
             pending = list(self._pending)
         concurrent.futures.wait(pending, timeout=timeout)
         try:

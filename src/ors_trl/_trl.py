@@ -227,11 +227,12 @@ def tool_turn(adapter: Any, skip: int = 4) -> tuple[object, list[tuple[Any, list
     return calls, out
 
 
-def eos_token_ids(trainer: Any) -> set[int]:
-    """The token ids that end a completion in TRL's eyes (EOS and padding); empty if unknown."""
-    ids = set(getattr(trainer, "eos_token_ids", None) or [])
-    pad = getattr(getattr(trainer, "_tokenizer", None), "pad_token_id", None) if verified() else None
-    return ids | ({pad} if pad is not None else set())
+def eos_token_ids(trainer: Any, tokenizer: Any = None) -> set[int]:
+    """The token ids that end a completion in TRL's eyes (`trainer.eos_token_ids` and the padding id of `tokenizer`,
+    by default the trainer's); empty if unknown."""
+    tokenizer = tokenizer or (getattr(trainer, "_tokenizer", None) if verified() else None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return set(getattr(trainer, "eos_token_ids", None) or []) | ({pad} if pad is not None else set())
 
 
 # -- TRL's asynchronous trainer (trl.experimental.async_grpo) --------------------------------------
@@ -271,9 +272,7 @@ def finished_rollout(adapter: Any, skip: int = 2) -> FinishedRollout | None:
     worker, messages, ids = loc.get("self"), loc.get("completion"), loc.get("completion_ids")
     if loc.get("environment") is not adapter or not isinstance(messages, list) or not isinstance(ids, list):
         return None
-    eos = set(getattr(worker, "eos_token_ids", None) or [])
-    pad = getattr(getattr(worker, "tokenizer", None), "pad_token_id", None)
-    return FinishedRollout(messages, ids, eos | ({pad} if pad is not None else set()),
+    return FinishedRollout(messages, ids, eos_token_ids(worker, getattr(worker, "tokenizer", None)),
                            list(getattr(worker, "reward_funcs", None) or []))
 
 
@@ -533,7 +532,6 @@ class Rendering:
         from trl.chat_template_utils import parse_response
 
         return parse_response(self._tokenizer, ids, prefix=prefix, tools=tools)
-
 
     def image_inputs(self, prompt_ids: list[list[int]], images: list[list[Any]]) -> dict[str, Any]:
         """What the model takes beside `prompt_ids` for their images (`image_inputs`)."""

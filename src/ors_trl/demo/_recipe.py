@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._metrics import EpisodeStats
-from ._model import EOS_TOKEN, FINAL_MESSAGE, episode_parts, tool_call_message
+from ._model import EOS_TOKEN, episode_parts, tool_call_message
 
 # ── chat-template plumbing shared by SFT and evaluation ─────────────────────────────────────────────────────────────
 
@@ -73,31 +73,6 @@ def tool_call_text(tokenizer, name: str, arguments: dict[str, Any]) -> str:
     start = rendered.index(header) + len(header)
     end = rendered.index(EOS_TOKEN, start) + len(EOS_TOKEN)
     return rendered[start:end]
-
-
-def tool_suffix_ids(render: Any, name: str, reply: str) -> list[int]:
-    """Token ids TRL inserts after a tool call: the tool reply turn plus the next assistant header."""
-    return render.tool_suffix_ids([{"role": "tool", "name": name, "content": reply}])
-
-
-def rollout_ids(
-    tokenizer,
-    prompt_text: str | Sequence[dict[str, Any]],
-    tools: Sequence,
-    name: str,
-    arguments: dict[str, Any],
-    reply: str,
-    final: str = FINAL_MESSAGE,
-) -> tuple[list[int], list[int]]:
-    """Token ids of one full rollout as GRPO builds it, and a loss mask (1 on model-written tokens)."""
-    render = rendering(tokenizer)
-    p = prompt_ids(render, prompt_text, tools)
-    call = tokenizer.encode(tool_call_text(tokenizer, name, arguments), add_special_tokens=False)
-    suffix = tool_suffix_ids(render, name, reply)
-    last = tokenizer.encode(final + EOS_TOKEN, add_special_tokens=False)
-    ids = p + call + suffix + last
-    mask = [0] * len(p) + [1] * len(call) + [0] * len(suffix) + [1] * len(last)
-    return ids, mask
 
 
 # ── warm start (supervised) ─────────────────────────────────────────────────────────────────────────────────────────
@@ -158,7 +133,8 @@ def warm_start(
         for name, arguments, reply, final in map(episode_parts, episodes):
             call = tokenizer.encode(tool_call_text(tokenizer, name, arguments), add_special_tokens=False)
             if (name, reply) not in suffix_cache:
-                suffix_cache[(name, reply)] = tool_suffix_ids(render, name, reply)
+                suffix_cache[(name, reply)] = render.tool_suffix_ids([{"role": "tool", "name": name,
+                                                                       "content": reply}])
             suffix = suffix_cache[(name, reply)]
             if final not in final_cache:
                 final_cache[final] = tokenizer.encode(final + EOS_TOKEN, add_special_tokens=False)
