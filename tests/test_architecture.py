@@ -164,11 +164,13 @@ TURN_DECISIONS = {"no_tool_calls", "max_turns", "episode_finished", "max_tool_ca
 
 
 def _code_strings(path: Path) -> set[str]:
-    """The string constants of a module's code (docstrings left out)."""
+    """The string constants of a module's code (docstrings and the values a `Literal[...]` type names left out)."""
     tree = ast.parse(path.read_text())
     docs = {id(node.body[0].value) for node in ast.walk(tree)
             if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body
             and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    docs |= {id(c) for node in ast.walk(tree) if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
+             and node.value.id == "Literal" for c in ast.walk(node.slice)}
     return {node.value for node in ast.walk(tree)
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs}
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import gc
 import re
+import types
 
 import pytest
 
-from ors_trl import OpenRewardSpec
+from ors_trl import OpenRewardSpec, _trl
 from tests.fixtures.generation import (
     cpu_grpo_trainer,
     echo_generation,
@@ -39,9 +41,10 @@ def batch_rows(spec, indices: list[int], generations: int) -> list[dict]:
 
 @pytest.fixture
 def echo_spec(ref_server):
-    # A fixed gather window: every rollout of a turn joins its generation call, so the batches (and with them
-    # the padded greedy numerics) are TRL's own, turn by turn; the automatic window would not wait for them.
-    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", gather_window=1.0)
+    # A gather window no rollout outlasts on any machine (a bound, never reached: generation starts as soon as no
+    # rollout is busy): every rollout of a turn joins its generation call, so the batches (and with them the padded
+    # greedy numerics) are TRL's own, turn by turn, however loaded the machine; the automatic window would not wait.
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", gather_window=300.0)
     yield spec
     spec.close()
 
@@ -250,7 +253,7 @@ def _work_calls(trainer, steps: list[int]):
 
 
 @pytest.mark.parametrize("batched", [True, False])
-def test_trl_loop_runs_a_turns_tool_calls_at_once(tiny_model_dir, make_server, tmp_path, batched):
+def test_trl_loop_runs_a_turns_tool_calls_at_once(tiny_model_dir, make_server, tmp_path, batched, monkeypatch):
     """TRL's own tool loop calls rollouts one after another; with batch_tool_calls a turn's calls all start at once.
 
     Each rollout sends work(0), work(1), work(2) in one message: they must still run in order on its session,
@@ -260,6 +263,16 @@ def test_trl_loop_runs_a_turns_tool_calls_at_once(tiny_model_dir, make_server, t
     spec = OpenRewardSpec(server.url, num_tasks=4, batch_tool_calls=batched)
     trainer = make_trainer(tiny_model_dir, spec, "env", tmp_path, per_device_train_batch_size=8)
     replace_generation(trainer, _work_calls(trainer, [0, 1, 2]))
+    turns: list[object] = []
+    tool_turn = _trl.tool_turn
+
+    def seen_turn(adapter, skip=4):
+        seen = tool_turn(adapter, skip + 1)
+        if seen is not None and not any(t is seen[0] for t in turns):
+            turns.append(seen[0])
+        return seen
+
+    monkeypatch.setattr(_trl, "tool_turn", seen_turn)
     result = run_batch(trainer, batch_rows(spec, [0, 1, 2, 3], 2))
     stats = server.stats()
     assert result["rewards"] == [1.0] * 8
@@ -271,6 +284,12 @@ def test_trl_loop_runs_a_turns_tool_calls_at_once(tiny_model_dir, make_server, t
         assert env.tool_calls == 3 and env.tool_failures == 1
     assert logged_metric(trainer, "tools/failure_frequency")[-1] == pytest.approx(1 / 3)  # TRL saw the refusal
     assert spec._runtime.calls_ahead == (24 if batched else 0)
+    if batched:  # TRL's turn lists (`tool_calls`) the calls were started from are not kept past the step's end
+        trainer.callback_handler.on_step_end(trainer.args, trainer.state, trainer.control)
+        gc.collect()
+        assert turns and not [r for t in turns for r in gc.get_referrers(t)
+                              if r is not turns and not isinstance(r, types.FrameType)]
+        turns.clear()
     # The next step (a new run of TRL's tool loop, whose frame and turn counter look like the last one's) too.
     assert run_batch(trainer, batch_rows(spec, [0, 1, 2, 3], 2))["rewards"] == [1.0] * 8
     assert server.stats()["tool_calls"]["slowenvironment/work"] == 32

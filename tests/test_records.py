@@ -5,6 +5,7 @@ training episode log and `spec.evaluate(output=)` against the reference server t
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections import Counter
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from ors_trl import OpenRewardSpec, PolicyReply, write_report
-from ors_trl._records import MAX_DEPTH, RecordWriter, read_records
+from ors_trl._records import MAX_DEPTH, RECORD_VERSION, RecordWriter, read_records, upgrade
 
 pytestmark = pytest.mark.usefixtures("no_leaked_sessions")
 
@@ -137,6 +138,53 @@ def test_reader_never_fails_on_fields_of_the_wrong_type(tmp_path) -> None:
     records = list(read_records(path))
     assert records[:3] == odd[:3]
     assert records[3]["turns"][0]["tool_calls"] == [{"name": "t", "status": "ok"}, "x"]
+
+
+def test_upgrade_reads_every_version_in_the_current_shape() -> None:
+    """Version 1 (one flat `calls` list) becomes one turn whose calls have their status; version 2 calls gain their
+    status (eval's `{"skipped": ...}` entries, calls after `finished`, become `not_run`); version 3 is left as is."""
+    v1 = {"version": 1, "reward": 1.0, "calls": [
+        {"tool": "echo", "arguments": {"text": "a"}, "output": "a", "reward": 1.0, "finished": True},
+        {"tool": "echo", "arguments": {"txt": "a"}, "error": "bad arguments", "error_kind": "refused"},
+        {"tool": "echo", "arguments": {"text": "b"}, "error": "connection reset", "error_kind": "transport"},
+        "not a call",
+    ]}
+    up = upgrade(copy.deepcopy(v1))
+    assert "calls" not in up and up["reward"] == 1.0
+    assert up["turns"] == [{"index": 0, "assistant": None, "tool_calls": [
+        {"name": "echo", "arguments": {"text": "a"}, "output": "a", "reward": 1.0, "finished": True, "status": "ok"},
+        {"name": "echo", "arguments": {"txt": "a"}, "error": {"kind": "refused", "message": "bad arguments"},
+         "status": "refused"},
+        {"name": "echo", "arguments": {"text": "b"}, "error": {"kind": "transport", "message": "connection reset"},
+         "status": "failed"},
+    ]}]
+    assert (up["tool_calls"], up["tool_failures"]) == (3, 2)
+
+    v2 = {"version": 2, "end_reason": "finished", "turns": [
+        {"index": 0, "assistant": None, "tool_calls": [
+            {"name": "echo", "arguments": {"text": "a"}, "output": "a", "reward": 1.0, "finished": True},
+            {"name": "echo", "arguments": {"text": "again"}, "skipped": "the episode has finished"},
+        ]},
+        {"index": 1, "assistant": None, "tool_calls": [
+            {"name": "nope", "arguments": {}, "error": {"kind": "refused", "message": "Tool nope not found."}},
+            {"name": "echo", "arguments": {"text": "b"}, "error": {"kind": "timeout", "message": "slow"}},
+        ]},
+        {"index": 2, "assistant": "Done.", "tool_calls": []},
+    ]}
+    up = upgrade(copy.deepcopy(v2))
+    assert [[c["status"] for c in t["tool_calls"]] for t in up["turns"]] == [["ok", "not_run"], ["refused", "failed"], []]
+    assert up["turns"][0]["tool_calls"][1]["skipped"] == "the episode has finished"  # nothing else changes
+    assert {k: v for k, v in up.items() if k != "turns"} == {k: v for k, v in v2.items() if k != "turns"}
+
+    v3 = {"version": RECORD_VERSION, "source": "eval", "end_reason": "finished", "unscored": None, "turns": [
+        {"index": 0, "assistant": None, "tool_calls": [
+            {"name": "echo", "arguments": {"text": "a"}, "status": "ok", "output": "a"},
+            {"name": "echo", "arguments": {"text": "again"}, "status": "refused",
+             "error": {"kind": "refused", "message": "finished", "reason": "episode_finished"}},
+            {"name": "echo", "arguments": {"text": "c"}, "status": "not_run"},
+        ]},
+    ]}
+    assert upgrade(copy.deepcopy(v3)) == v3
 
 
 def test_training_episode_log_keeps_a_record_with_a_lone_surrogate(ref_server, tmp_path) -> None:

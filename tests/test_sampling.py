@@ -379,3 +379,53 @@ def test_a_resumed_run_continues_the_same_draws(look_server, look_model_dir, tmp
     assert second.runtime.curriculum.sampler.state_dict()["history"] == \
         first.runtime.curriculum.sampler.state_dict()["history"]
     second.close()
+
+
+def test_the_platforms_difficulty_selects_tasks_and_inspect_shows_it(look_server, tmp_path, monkeypatch,
+                                                                     capsys) -> None:
+    """A catalog environment's per-task difficulty from the platform's API (a loopback stand-in answering the
+    `task-difficulty` route, in front of the reference server), filtered by model and stage; `inspect --difficulty`
+    shows its distribution, and reads an eval output the same way."""
+    from ors_trl.cli import EXIT_ERROR, EXIT_OK, EXIT_USAGE, main
+    from ors_trl.testing import FaultProxy
+    from ors_trl.testing.faults import Reply
+
+    key = "sk-difficulty-test"
+    rows = [{"task_index": i, "avg_reward": mean, "min_reward": 0.0, "max_reward": 1.0, "num_rollouts": 8,
+             "response_chars": {}, "split": "kinds", "variant": None}
+            for i, mean in ((0, 0.5), (1, 1.0), (2, 0.0), (3, 0.25))]
+    rows.append({**rows[0], "task_index": 5, "avg_reward": 0.0, "split": "train"})  # another split: not these tasks
+    with FaultProxy(look_server.url) as platform:
+        platform.add(Reply(json.dumps({"tasks": rows})), path="/task-difficulty", method="GET", times=None)
+        monkeypatch.setenv("OPENREWARD_URL", platform.url)
+        monkeypatch.setenv("OPENREWARD_API_KEY", key)
+        spec = OpenRewardSpec("acme/look", env_name="lookenvironment", split="kinds", num_tasks=8, difficulty=(0.2, 0.8),
+                              difficulty_from=PlatformDifficulty(model_name="tiny", training_stage="rl"))
+        assert list(spec.train_dataset["task_index"]) == [0, 3, 4, 5, 6, 7]  # 1 (1.0) and 2 (0.0) out; no data: kept
+        (asked,) = [r for r in platform.requests if r.path.endswith("/task-difficulty")]
+        assert asked.path == "/v1/environments/acme/look/task-difficulty" and asked.headers["x-api-key"] == key
+        assert "split=kinds" in asked.target and "model_name=tiny" in asked.target and "training_stage=rl" in asked.target
+        spec.close()
+        target = ["inspect", "acme/look", "--env-name", "lookenvironment", "--split", "kinds", "--no-probe"]
+        assert main([*target, "--difficulty", "--difficulty-filter", "model_name=tiny", "--json"]) == EXIT_OK
+        shown = json.loads(capsys.readouterr().out)["difficulty"]
+        assert (shown["with_data"], shown["tasks"], sum(b["tasks"] for b in shown["bins"])) == (4, 120, 4)
+        assert shown["mean"] == pytest.approx(0.4375) and "model_name=tiny" in shown["source"]
+        assert main([*target, "--difficulty"]) == EXIT_OK
+        text = capsys.readouterr().out
+        assert "4 of 120 tasks have data" in text and "[0.00, 0.10)       1  #" in text and key not in text
+        assert main([*target, "--difficulty-filter", "model_name=x"]) == EXIT_USAGE  # a filter needs --difficulty
+        assert main([*target, "--difficulty", "--difficulty-filter", "size=1"]) == EXIT_USAGE
+    # a self-hosted server has no platform data: the error says to pass a file; a file works
+    capsys.readouterr()
+    assert main(["inspect", look_server.url, "--split", "kinds", "--no-probe", "--difficulty"]) in (EXIT_USAGE,
+                                                                                                   EXIT_ERROR)
+    assert "eval --output" in capsys.readouterr().err
+    probe = OpenRewardSpec(look_server.url, split="kinds", indices=[0, 1, 2])
+    out = tmp_path / "probe.jsonl"
+    probe.evaluate(ScriptedPolicy(lambda reply: "apple"), repeats=2, output=str(out))
+    probe.close()
+    assert main(["inspect", look_server.url, "--split", "kinds", "--no-probe", "--difficulty", str(out), "--json"]) \
+        == EXIT_OK
+    shown = json.loads(capsys.readouterr().out)["difficulty"]
+    assert (shown["with_data"], shown["episodes"]) == (3, 6)

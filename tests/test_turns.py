@@ -4,11 +4,12 @@ engine (`rollout_func`) and evaluation, gives the same records and the same coun
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from ors_trl import OpenRewardSpec, PolicyReply
+from ors_trl import EvalReport, OpenRewardSpec, PolicyReply
 from tests.fixtures.generation import (
     cpu_grpo_trainer,
     generate_and_score,
@@ -28,6 +29,7 @@ SCRIPT: dict[str, list[Any]] = {
     "trl": ["No."],  # a reply with no call
     "openreward": [[("echo", {"txt": "openreward"})], "Done..."],  # arguments the server refuses, then a cut-off reply
     "spec": [[("echo", {"text": "a"})], [("echo", {"text": "b"})], [("echo", {"text": "c"})]],  # past the turn limit
+    "factory": ['<tool_call>\n{"name": "echo", "arguments": {"text": "factory"}\n</tool_call>'],  # markup, no call
 }
 TARGETS = list(SCRIPT)
 ITERATIONS = 2  # TRL's max_tool_calling_iterations: three replies, the last one's calls are not run
@@ -62,7 +64,9 @@ def scripted_generation(trainer: Any):
 
 
 class ScriptedPolicy:
-    """The same script as a `Policy` for evaluation."""
+    """The same script as a `Policy` for evaluation; its tool-call markup is the chat template's (qwen3)."""
+
+    rendering = SimpleNamespace(tool_markup="<tool_call>")
 
     async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
         step = SCRIPT[target_of(messages[0]["content"])][sum(m["role"] == "assistant" for m in messages)]
@@ -95,9 +99,10 @@ def comparable(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def play_every_path(model_dir: str, url: str, tmp_path: Any, **options: Any
-                    ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, dict[str, float]]]:
+                    ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, dict[str, float]], EvalReport]:
     """The script played through TRL's loop (`env`), the engine and eval, each with its own spec (`options`): each
-    path's records (one per task) and the metrics the trainer paths logged. Every session is closed after."""
+    path's records (one per task), the metrics the trainer paths logged (two rollouts per task) and eval's report.
+    Every session is closed after."""
     specs = {mode: OpenRewardSpec(url, env_name=ECHO, num_tasks=len(TARGETS), gather_window=0.0, **options)
              for mode in ("env", "engine", "eval")}
     records: dict[str, list[dict[str, Any]]] = {}
@@ -112,15 +117,34 @@ def play_every_path(model_dir: str, url: str, tmp_path: Any, **options: Any
             episodes = ([env.episode for env in trainer.environments] if mode == "env"
                         else specs[mode].rollout_func.last_episodes)
             records[mode] = [ep.record() for ep in episodes][::2]
-        records["eval"] = specs["eval"].evaluate(ScriptedPolicy(), max_turns=ITERATIONS + 1, progress=False).episodes
+        report = specs["eval"].evaluate(ScriptedPolicy(), max_turns=ITERATIONS + 1, progress=False)
+        records["eval"] = report.episodes
     finally:
         for spec in specs.values():
             spec.close()
-    return records, metrics
+    return records, metrics, report
+
+
+def assert_eval_counts_as_training(report: EvalReport, metrics: dict[str, float]) -> None:
+    """Eval's report counts the script (one episode per task) as the engine's metrics do (two rollouts per task)."""
+    m = {k.removeprefix(f"env/{ECHO}/"): v for k, v in metrics.items()}
+    n = report.num_episodes
+    assert m["episodes"] == 2 * n == 2 * len(TARGETS)
+    assert (m["tool_calls"], m["malformed_calls"]) == (2 * n * report.tool_calls_per_episode, 2 * report.malformed_calls)
+    assert sum(v for k, v in m.items() if k.startswith("failures/")) == 2 * n * report.tool_failures_per_episode
+    assert m["unscored/error"] == 2 * report.num_errors
+    assert m["unscored/no_reward"] + m["unscored/cut_off"] + m["unscored/error"] + m["unscored/timeout"] \
+        == 2 * (n - report.num_scored)
+    for metric, value in (("reward_mean", report.mean_reward), ("graded_fraction", report.coverage),
+                          ("success_rate", report.success_rate), ("finished_fraction", report.finished_rate),
+                          ("tool_calls_per_episode", report.tool_calls_per_episode),
+                          ("no_tool_call_fraction", report.no_tool_call_rate),
+                          ("unparsed_turn_fraction", report.unparsed_turn_rate)):
+        assert m[metric] == pytest.approx(value), metric
 
 
 def test_every_driver_plays_and_records_a_turn_the_same_way(tiny_model_dir, ref_server, tmp_path) -> None:
-    records, metrics = play_every_path(tiny_model_dir, ref_server.url, tmp_path)
+    records, metrics, report = play_every_path(tiny_model_dir, ref_server.url, tmp_path)
     by_target = {mode: {r["prompt"]: comparable(r) for r in recs} for mode, recs in records.items()}
     for prompt in by_target["env"]:
         assert by_target["env"][prompt] == by_target["engine"][prompt], prompt
@@ -134,12 +158,17 @@ def test_every_driver_plays_and_records_a_turn_the_same_way(tiny_model_dir, ref_
         "trl": ("no_tool_calls", None, 0, 0, [[]]),
         "openreward": ("length", None, 1, 1, [["refused"], []]),
         "spec": ("max_turns", 0.0, 2, 0, [["ok"], ["ok"], ["not_run"]]),
+        "factory": ("no_tool_calls", None, 0, 0, [[]]),
     }
+    for mode in by_target:  # the markup that parsed to no call is marked on every path
+        assert [r["turns"][0].get("unparsed") for r in records[mode] if "factory" in r["prompt"]] == [True], mode
+    assert report.unparsed_turn_rate == pytest.approx(1 / 12)  # of 2 + 3 + 1 + 2 + 3 + 1 turns
     after = next(c for r in records["eval"] if "hello" in r["prompt"] for c in r["turns"][0]["tool_calls"][1:])
     assert after["error"]["reason"] == "episode_finished" and "finished" in after["output"]
     for key in ("tool_calls", "failures/refused", "failures/failed", "episodes", "tool_calls_per_episode",
                 "unscored/no_reward"):
         assert metrics["env"][f"env/{ECHO}/{key}"] == metrics["engine"][f"env/{ECHO}/{key}"], key
+    assert_eval_counts_as_training(report, metrics["engine"])
     assert ref_server.stats()["open_sessions"] == 0
 
 
@@ -149,8 +178,8 @@ def test_max_tool_calls_refuses_the_same_calls_on_every_path(tiny_model_dir, ref
     """`max_tool_calls=1`: the model's second call (counting one TRL failed itself, an unknown tool) is refused
     locally with reason `max_tool_calls`, recorded and counted the same in TRL's loop (its calls started ahead
     across the batch, or one by one), the engine and eval."""
-    records, metrics = play_every_path(tiny_model_dir, ref_server.url, tmp_path, max_tool_calls=1,
-                                       batch_tool_calls=batch_tool_calls)
+    records, metrics, report = play_every_path(tiny_model_dir, ref_server.url, tmp_path, max_tool_calls=1,
+                                               batch_tool_calls=batch_tool_calls)
     assert ref_server.stats()["open_sessions"] == 0
     by_target = {mode: {r["prompt"]: comparable(r) for r in recs} for mode, recs in records.items()}
     for prompt in by_target["env"]:
@@ -165,11 +194,13 @@ def test_max_tool_calls_refuses_the_same_calls_on_every_path(tiny_model_dir, ref
         "trl": ("no_tool_calls", None, 0, 0, [[]]),
         "openreward": ("length", None, 1, 1, [["input_validation"], []]),
         "spec": ("max_turns", 0.0, 2, 1, [["ok"], ["max_tool_calls"], ["not_run"]]),
+        "factory": ("no_tool_calls", None, 0, 0, [[]]),
     }
     refused = next(c for r in records["eval"] if "spec" in r["prompt"] for c in r["turns"][1]["tool_calls"])
     assert "at most 1 tool calls" in refused["output"]  # what the model reads
     for key in ("tool_calls", "failures/refused", "episodes", "tool_calls_per_episode"):
         assert metrics["env"][f"env/{ECHO}/{key}"] == metrics["engine"][f"env/{ECHO}/{key}"], key
+    assert_eval_counts_as_training(report, metrics["engine"])
     for mode in ("env", "engine"):  # the cost of the step, logged with it
         assert metrics[mode][f"env/{ECHO}/sessions_opened"] == 2 * len(TARGETS), mode
         assert 0 < metrics[mode][f"env/{ECHO}/session_seconds_unscored"] < metrics[mode][f"env/{ECHO}/session_seconds"]

@@ -162,9 +162,17 @@ def histogram(means: Sequence[float], count: int = 5) -> str:
                      for i, b in enumerate(parts)) or "no task with data"
 
 
-async def describe(client: Any, split: str, source: Any, *, environment: str | None = None) -> dict[str, Any]:
+async def describe(target: str, split: str, source: Any, *, environment: str | None = None,
+                   **client_options: Any) -> dict[str, Any]:
     """What is known of a split's difficulty, for `ors-trl inspect --difficulty`: where from, how many tasks have
-    data, their mean and the distribution of their mean rewards (ten bins)."""
+    data, their mean and the distribution of their mean rewards (ten bins). `client_options` are `AsyncClient`'s."""
+    from ._client import AsyncClient
+
+    async with AsyncClient(target, env_name=environment, **client_options) as client:
+        return await _describe(client, split, source, environment=environment)
+
+
+async def _describe(client: Any, split: str, source: Any, *, environment: str | None) -> dict[str, Any]:
     if isinstance(source, PlatformDifficulty):
         raw = await client.task_difficulty(split, source.params())
         known = {i: Difficulty(mean, n) for i, (mean, n) in raw.items()}

@@ -378,7 +378,7 @@ class RolloutEngine:
     @staticmethod
     def _output(rollouts: list[_Rollout]) -> dict[str, Any]:
         logprobs = [r.logprobs for r in rollouts]
-        out = {
+        return {
             "prompt_ids": [r.prompt_ids for r in rollouts],
             "completion_ids": [r.completion_ids for r in rollouts],
             "logprobs": logprobs if all(lp is not None for lp in logprobs) else None,
@@ -390,7 +390,6 @@ class RolloutEngine:
             "ors_tool_failures": [r.ep.tool_failures for r in rollouts],
             "ors_env": [r.ep.env.key for r in rollouts],
         }
-        return out
 
 
 async def _close_sessions(episodes: list[Episode]) -> None:

@@ -30,11 +30,12 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from . import _trl
 from ._binding import Toolset
 from ._client import AsyncClient, AsyncSession
 from ._conversation import Content, Prompt, content, transcript
@@ -44,6 +45,7 @@ from ._metrics import EnvMetrics
 from ._records import RUN_ID, CallRecord, EpisodeRecord, RecordWriter, TurnRecord, error_record, image_record
 from ._sampling import Curriculum
 from ._text import clip, show_name
+from ._trl import Rules
 from ._types import Block, ImageBlock, TerminalTool, ToolList, ToolResult, image_blocks
 
 __all__ = ["Call", "EnvironmentRuntime", "Episode", "Outcome", "Reply", "Rules", "Task", "find_ended", "runtimes",
@@ -127,26 +129,6 @@ class Reply:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Rules:
-    """The limits a driver plays its episodes under, and how a failed call reads to the model.
-
-    Attributes:
-        max_replies: model replies an episode may have (TRL: `max_tool_calling_iterations + 1`). The calls of the
-            last one are not run (no reply would read their results): the episode ends with `max_turns`.
-        max_tool_calls: tool calls an episode may make; later ones are refused locally and counted.
-        error_text: the text the model reads for a failed call (TRL's `{'error': ...}`, from `ors_trl._trl`).
-        tool_markup: the text that opens a tool call in the chat template the replies are parsed with (qwen3:
-            `<tool_call>`): a reply without calls whose text holds it is a call the parser missed, and its turn is
-            marked `unparsed`. None: not known.
-    """
-
-    max_replies: int | None = None
-    max_tool_calls: int | None = None
-    error_text: Callable[[BaseException], str] = str
-    tool_markup: str | None = None
-
-
 class Outcome:
     """What one tool call gave the model: `content` is what it reads (the output, or `Rules.error_text` of `error`):
     a text, or content parts where the output holds an image that is shown; `text` is the text of that (what the
@@ -222,7 +204,9 @@ class EnvironmentRuntime:
         self.prompt_mismatches = 0
         self.cached_resets = 0
         self.calls_ahead = 0  # tool calls started ahead of TRL's loop (batch_tool_calls)
-        self.last_turn: object = None  # the turn of TRL's tool loop whose calls were last started ahead
+        # The turn of TRL's tool loop whose calls were last started ahead (its `tool_calls` list, which no weak reference
+        # can hold, and whose id a later turn's list may take): dropped at step end (`release_all`), not kept alive.
+        self.last_turn: object = None
         # In TRL's async worker: each ended rollout's episode by the identity of its transcript (what TRL hands reward
         # functions as its `completions` entry), with how many reading reward functions are still to come.
         self.handover: OrderedDict[int, tuple[list[Any], Episode, int]] = OrderedDict()
@@ -230,7 +214,7 @@ class EnvironmentRuntime:
         self.bg = get_loop()
         self.live: set[Episode] = set()
         self._pending: set[concurrent.futures.Future[None]] = set()
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # guards the shared state: live episodes, the turn started ahead, the hand-over
         self._gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = \
             weakref.WeakKeyDictionary()
         self._toolsets: dict[str, Toolset] = {}
@@ -247,11 +231,6 @@ class EnvironmentRuntime:
     def trainer(self) -> Any:
         """The trainer driving this environment, while it exists (held weakly: a model is not kept alive)."""
         return self._trainer() if self._trainer is not None else None
-
-    @property
-    def lock(self) -> threading.Lock:
-        """Guards the runtime's shared state (live episodes, the turn started ahead, the async hand-over)."""
-        return self._lock
 
     def rename(self, name: str, metrics: EnvMetrics, recorder: RecordWriter | None) -> None:
         """Join a mix: report under `name`, into the mix's metrics and record writer."""
@@ -271,7 +250,7 @@ class EnvironmentRuntime:
         ep = Episode(self, task, source=source, rules=rules, metrics=self.metrics if metrics else None,
                      writer=writer if writer is not None else self.recorder,
                      uploads=uploads if uploads is not None else self.uploads, **info)
-        with self._lock:
+        with self.lock:
             self.live.add(ep)
         return ep
 
@@ -321,14 +300,14 @@ class EnvironmentRuntime:
 
     def hand_over(self, messages: list[Any], ep: Episode, readers: int) -> None:
         """Keep `ep` for the `readers` reward functions that will come with `messages` as its `completions` entry."""
-        with self._lock:
+        with self.lock:
             self.handover[id(messages)] = (messages, ep, readers)
             while len(self.handover) > _HANDOVER_MAX:
                 self.handover.popitem(last=False)
 
     def take(self, messages: Any) -> Episode | None:
         """The episode handed over with `messages` (forgotten once every reading reward function has had it)."""
-        with self._lock:
+        with self.lock:
             hit = self.handover.get(id(messages))
             if hit is None or hit[0] is not messages:
                 return None
@@ -343,26 +322,27 @@ class EnvironmentRuntime:
     def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
         """Run `coro` on the background loop, tracked until done (so `close_all` can wait for it)."""
         fut = self.bg.submit(coro)
-        with self._lock:
+        with self.lock:
             self._pending.add(fut)
         fut.add_done_callback(self._forget)
         return fut
 
     def _forget(self, fut: concurrent.futures.Future[Any]) -> None:
-        with self._lock:
+        with self.lock:
             self._pending.discard(fut)
 
     def release_all(self) -> None:
         """Close every live episode in the background (step end): account it, write its record, free its session."""
-        with self._lock:
+        with self.lock:
             episodes = list(self.live)
+            self.last_turn = None
         for ep in episodes:
             ep.release()
 
     def close_all(self, timeout: float | None = 60.0) -> None:
         """Close every episode and session of this environment and wait (bounded) until the server has them gone."""
         self.release_all()
-        with self._lock:
+        with self.lock:
             pending = list(self._pending)
         concurrent.futures.wait(pending, timeout=timeout)
         try:
@@ -767,25 +747,19 @@ class Episode:
         self.turns, self._unseen = [], 0
         reason: str | None = "no_tool_calls"
         message: str | None = None
-        replies = [i for i, m in enumerate(messages) if m.get("role", "assistant") == "assistant"]
-        for i in replies:
-            m = messages[i]
-            shown = []  # the tool messages TRL appended after this reply (none: rolled back, over budget)
-            for later in messages[i + 1:]:
-                if later.get("role") != "tool":
-                    break
-                shown.append(later)
+        replies, cut = _trl.replies_of(messages)
+        for k, (m, shown) in enumerate(replies):  # `shown`: the tool messages TRL appended after this reply
             content = m.get("content")
             reply = Reply(None if content is None else content if isinstance(content, str)
                           else json.dumps(content, default=str),
                           tuple(Call.from_chat(c) for c in m.get("tool_calls") or ()),
-                          truncated=truncated and i == replies[-1])
+                          truncated=truncated and k == len(replies) - 1)
             turn = self._turn(reply)
             reason, message = self._rule(reply)
-            if reason is None and not shown:  # TRL appended no results: it rolled them back (over budget) or, at
-                ran = bool(made) and made[0].get("name") == reply.calls[0].name  # its turn limit, ran nothing
-                reason = "length" if ran else "max_turns"
-            for k, call in enumerate(reply.calls):
+            if reason is None and not shown:  # TRL appended no results: it rolled them back or ran none
+                ran = bool(made) and made[0].get("name") == reply.calls[0].name
+                reason = "length" if _trl.rolled_back(ran) else "max_turns"
+            for j, call in enumerate(reply.calls):
                 if reason == "max_turns":
                     turn["tool_calls"].append(self._not_run(call))
                 elif made and made[0].get("name") == call.name:
@@ -793,9 +767,9 @@ class Episode:
                 else:  # TRL failed it before it reached the adapter
                     self.tool_calls += 1
                     turn["tool_calls"].append({"id": call.id, "name": call.name, "arguments": call.arguments})
-                    self._failed(turn["tool_calls"][-1], self._refusal_of(call, shown[k] if k < len(shown) else None),
+                    self._failed(turn["tool_calls"][-1], self._refusal_of(call, shown[j] if j < len(shown) else None),
                                  None)
-        if replies and replies[-1] < len(messages) - 1 and reason is None:  # the next reply was cut to nothing
+        if cut and reason is None:  # the next reply was cut to nothing
             self._turn(Reply(None, truncated=True))
             reason = "length"
         if made:  # calls the transcript does not show (it was cut): keep them in the last turn
@@ -811,7 +785,7 @@ class Episode:
             self._route(call)
         except ToolRefusedError as exc:
             return exc
-        return ToolRefusedError(_trl_said(str(shown.get("content"))) if shown else "the call was not made",
+        return ToolRefusedError(_trl.shown_error(str(shown.get("content"))) if shown else "the call was not made",
                                 tool=call.name)
 
     # -- the end -----------------------------------------------------------------------------------
@@ -979,16 +953,6 @@ class Episode:
         if self._closing is None:
             self._closing = self.env.submit(self.close())
         return self._closing
-
-
-def _trl_said(content: str) -> str:
-    """The error TRL showed the model for a call it failed itself (its `{'error': ...}` text unwrapped)."""
-    prefix, suffix = "{'error': ", "}"
-    if content.startswith(prefix) and content.endswith(suffix):
-        inner = content[len(prefix):-len(suffix)]
-        if len(inner) >= 2 and inner[0] == inner[-1] and inner[0] in "'\"":
-            return inner[1:-1]
-    return content
 
 
 async def score_groups(episodes: Sequence[Episode]) -> None:

@@ -488,14 +488,11 @@ class EvalReport:
             `EvalReport`: The report.
         """
         stats = EpisodeStats(success_threshold)
-        counts: dict[str, list[int]] = {}  # task -> [episodes, successes]
+        tasks: dict[str, EpisodeStats] = {}  # the one definition of success, per task too
         for record in episodes:
             stats.add_record(record)
-            n_c = counts.setdefault(task_label(record), [0, 0])
-            reward = record.get("reward")
-            n_c[0] += 1
-            n_c[1] += isinstance(reward, int | float) and reward >= success_threshold
-        passed = pass_at_ks(map(tuple, counts.values()))  # type: ignore[arg-type]
+            tasks.setdefault(task_label(record), EpisodeStats(success_threshold)).add_record(record)
+        passed = pass_at_ks((s.episodes, s.successes) for s in tasks.values())
         return cls(
             num_episodes=stats.episodes, num_scored=stats.scored, mean_reward=stats.mean_reward,
             coverage=stats.coverage, finished_rate=stats.share(stats.finished),
@@ -504,9 +501,10 @@ class EvalReport:
             num_errors=stats.unscored.get("error", 0), end_reasons=dict(stats.end_reasons),
             mean_group_reward=stats.mean_group_reward, success_rate=stats.success_rate,
             success_threshold=success_threshold, episodes=episodes, pass_at_k=passed,
-            pass_at_1_interval=wilson(passed[1], len(counts)) if passed else None,
-            tasks=[{"task": task, "episodes": n, "successes": c,
-                    "pass_at_k": {k: pass_at_k(n, c, k) for k in range(1, n + 1)}} for task, (n, c) in counts.items()],
+            pass_at_1_interval=wilson(passed[1], len(tasks)) if passed else None,
+            tasks=[{"task": task, "episodes": s.episodes, "successes": s.successes,
+                    "pass_at_k": {k: pass_at_k(s.episodes, s.successes, k) for k in range(1, s.episodes + 1)}}
+                   for task, s in tasks.items()],
             no_tool_call_rate=stats.no_call_rate, unparsed_turn_rate=stats.unparsed_rate,
             malformed_calls=stats.malformed_calls, sessions_opened=stats.sessions,
             session_seconds=round(stats.session_seconds, 3),

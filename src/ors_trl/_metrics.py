@@ -25,7 +25,7 @@ import math
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 __all__ = ["DEFAULT_SUCCESS_THRESHOLD", "FAILURE_KINDS", "UNSCORED_REASONS", "EnvMetrics", "EpisodeStats",
@@ -142,12 +142,9 @@ class EpisodeStats:
 
     def merge(self, other: EpisodeStats) -> None:
         """Add `other`'s counts (the same success threshold is assumed)."""
-        for name in ("episodes", "scored", "reward_sum", "successes", "finished", "tool_calls", "tool_failures",
-                     "turns", "group_scored", "group_reward_sum", "no_calls", "unparsed_turns", "malformed_calls",
-                     "sessions", "session_seconds", "session_seconds_unscored"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.end_reasons.update(other.end_reasons)
-        self.unscored.update(other.unscored)
+        for f in fields(self):
+            if f.name != "success_threshold":  # counts and Counters alike
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     @property
     def mean_reward(self) -> float | None:

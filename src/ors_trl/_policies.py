@@ -216,21 +216,11 @@ class OpenAIPolicy:
                 moved = []
             if role == "assistant":
                 item: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
-                calls = message.get("tool_calls") or []
+                calls = [(c["id"], c["function"]) for c in message.get("tool_calls") or []]
                 if calls:
-                    item["tool_calls"] = [
-                        {
-                            "id": call["id"],
-                            "type": "function",
-                            "function": {
-                                "name": call["function"]["name"],
-                                "arguments": call["function"]["arguments"]
-                                if isinstance(call["function"]["arguments"], str)
-                                else json.dumps(call["function"]["arguments"], ensure_ascii=False),
-                            },
-                        }
-                        for call in calls
-                    ]
+                    item["tool_calls"] = [{"id": i, "type": "function", "function": {"name": f["name"], "arguments": (
+                        a if isinstance(a := f["arguments"], str) else json.dumps(a, ensure_ascii=False))}}
+                        for i, f in calls]
                 out.append(item)
             elif role == "tool":
                 parts = _openai_parts(message["content"])
@@ -617,29 +607,24 @@ class LocalPolicy:
         prompts: list[list[int] | None] = []
         images: list[list[Any]] = []
         results: list[Any] = [None] * len(requests)
-        for i, (messages, tools) in enumerate(requests):
+        for i, (messages, tools) in enumerate(requests):  # a conversation that cannot be rendered fails alone
             images.append(images_of(messages))
+            prompts.append(None)
             try:
                 if images[-1] and not self.rendering.takes_images:
                     raise PolicyError("the conversation holds an image, and this model's tokenizer takes none: "
                                       "evaluate a vision-language model with its processor, or pass "
                                       'OpenRewardSpec(..., images="placeholder")')
                 ids = self._render(messages, tools)
-            except PolicyError as exc:
-                results[i] = exc
-                prompts.append(None)
-                continue
-            except Exception as exc:  # one conversation the template cannot render fails alone
-                results[i] = PolicyError(f"the chat template failed: {type(exc).__name__}: {exc}")
-                prompts.append(None)
+            except Exception as exc:
+                results[i] = exc if isinstance(exc, PolicyError) else PolicyError(
+                    f"the chat template failed: {type(exc).__name__}: {exc}")
                 continue
             if limit is not None and len(ids) >= limit:
-                results[i] = ContextLengthExceeded(
-                    f"the conversation ({len(ids)} tokens) fills the model's context ({limit})"
-                )
-                prompts.append(None)
+                results[i] = ContextLengthExceeded(f"the conversation ({len(ids)} tokens) fills the model's context "
+                                                   f"({limit})")
             else:
-                prompts.append(ids)
+                prompts[i] = ids
         live = [i for i, p in enumerate(prompts) if p is not None]
         if not live:
             return results

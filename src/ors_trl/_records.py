@@ -36,8 +36,9 @@ from typing import Any, Literal, NotRequired, TypedDict
 from ._images import as_bytes
 from ._text import clean_json, clip, repair
 
-__all__ = ["MAX_DEPTH", "RECORD_VERSION", "RUN_ID", "CallRecord", "EpisodeRecord", "ImageRecord", "RecordWriter",
-           "TurnRecord", "error_record", "image_record", "jsonable", "parse_line", "read_records", "upgrade"]
+__all__ = ["MAX_DEPTH", "RECORD_VERSION", "RUN_ID", "CallRecord", "EndReason", "EpisodeRecord", "ImageRecord",
+           "RecordWriter", "TurnRecord", "Unscored", "error_record", "image_record", "jsonable", "parse_line",
+           "read_records", "upgrade"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -103,6 +104,13 @@ class TurnRecord(TypedDict, total=False):
     generation_seconds: float
 
 
+#: Why an episode ended (`released`: it was closed before it ended).
+EndReason = Literal["finished", "no_tool_calls", "max_turns", "length", "context_length", "timeout", "error",
+                    "released"]
+#: Why an episode has no reward.
+Unscored = Literal["timeout", "error", "cut_off", "no_reward"]
+
+
 class EpisodeRecord(TypedDict, total=False):
     """One episode as a record (schema version `RECORD_VERSION`), the same for every driver: one JSON line of an
     episode log (`episode_log=`) or an eval output (`ors-trl eval --output`), and `Episode.record()`.
@@ -151,9 +159,9 @@ class EpisodeRecord(TypedDict, total=False):
             The comparative reward from `/score_group`, when asked for.
         finished (`bool`):
             Whether the environment said the episode is over.
-        end_reason (`str` or `None`):
+        end_reason (`EndReason` or `None`):
             `finished`, `no_tool_calls`, `max_turns`, `length`, `context_length`, `timeout`, `error` or `released`.
-        unscored (`str` or `None`):
+        unscored (`Unscored` or `None`):
             Why `reward` is `None`: `timeout`, `error`, `cut_off` or `no_reward`.
         tool_calls (`int`):
             The model's tool calls.
@@ -171,7 +179,7 @@ class EpisodeRecord(TypedDict, total=False):
 
     version: int
     run: str
-    source: str
+    source: Literal["trl", "engine", "eval"]
     environment: str
     target: str
     split: str
@@ -190,8 +198,8 @@ class EpisodeRecord(TypedDict, total=False):
     reward: float | None
     group_reward: float | None
     finished: bool
-    end_reason: str | None
-    unscored: str | None
+    end_reason: EndReason | None
+    unscored: Unscored | None
     tool_calls: int
     tool_failures: int
     error: ErrorRecord | None

@@ -35,21 +35,23 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import itertools
 import logging
 import multiprocessing
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 from ._exceptions import ConfigurationError, UsageError
 
-__all__ = ["TRL_KEYWORDS", "VERIFIED", "FinishedRollout", "Rendering", "add_step_metrics", "calling_trainer",
-           "check_images", "clip_post_tool", "error_text", "finished_rollout", "generate", "hand_images", "in_async_worker",
-           "install_image_handoff", "log_outside_step", "overflows", "resetting_batch", "rules", "tool_markup",
-           "tool_message", "tool_turn", "training_trainer", "verified"]
+__all__ = ["TRL_KEYWORDS", "VERIFIED", "FinishedRollout", "Rendering", "Rules", "add_step_metrics", "calling_trainer",
+           "check_images", "clip_post_tool", "error_text", "finished_rollout", "generate", "hand_images",
+           "in_async_worker", "install_image_handoff", "log_outside_step", "overflows", "replies_of", "resetting_batch",
+           "rolled_back", "rules", "shown_error", "tool_markup", "tool_message", "tool_turn", "training_trainer",
+           "verified"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -245,11 +247,12 @@ def tool_turn(adapter: Any, skip: int = 4) -> tuple[object, list[tuple[Any, list
     return calls, out
 
 
-def eos_token_ids(trainer: Any) -> set[int]:
-    """The token ids that end a completion in TRL's eyes (EOS and padding); empty if unknown."""
-    ids = set(getattr(trainer, "eos_token_ids", None) or [])
-    pad = getattr(getattr(trainer, "_tokenizer", None), "pad_token_id", None) if verified() else None
-    return ids | ({pad} if pad is not None else set())
+def eos_token_ids(trainer: Any, tokenizer: Any = None) -> set[int]:
+    """The token ids that end a completion in TRL's eyes (`trainer.eos_token_ids` and the padding id of `tokenizer`,
+    by default the trainer's); empty if unknown."""
+    tokenizer = tokenizer or (getattr(trainer, "_tokenizer", None) if verified() else None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return set(getattr(trainer, "eos_token_ids", None) or []) | ({pad} if pad is not None else set())
 
 
 # -- TRL's asynchronous trainer (trl.experimental.async_grpo) --------------------------------------
@@ -289,9 +292,7 @@ def finished_rollout(adapter: Any, skip: int = 2) -> FinishedRollout | None:
     worker, messages, ids = loc.get("self"), loc.get("completion"), loc.get("completion_ids")
     if loc.get("environment") is not adapter or not isinstance(messages, list) or not isinstance(ids, list):
         return None
-    eos = set(getattr(worker, "eos_token_ids", None) or [])
-    pad = getattr(getattr(worker, "tokenizer", None), "pad_token_id", None)
-    return FinishedRollout(messages, ids, eos | ({pad} if pad is not None else set()),
+    return FinishedRollout(messages, ids, eos_token_ids(worker, getattr(worker, "tokenizer", None)),
                            list(getattr(worker, "reward_funcs", None) or []))
 
 
@@ -316,11 +317,61 @@ def error_text(exc: BaseException) -> str:
     return str({"error": str(exc)})
 
 
-def rules(trainer: Any) -> Any:
+def shown_error(content: str) -> str:
+    """The error in what TRL's tool loop showed the model for a call it failed itself (the inverse of `error_text`:
+    its `{'error': ...}` text unwrapped); `content` itself when it is not in that form."""
+    prefix, suffix = "{'error': ", "}"
+    if content.startswith(prefix) and content.endswith(suffix):
+        inner = content[len(prefix):-len(suffix)]
+        if len(inner) >= 2 and inner[0] == inner[-1] and inner[0] in "'\"":
+            return inner[1:-1]
+    return content
+
+
+def replies_of(messages: Sequence[Mapping[str, Any]]) -> tuple[list[tuple[Mapping[str, Any], list[Mapping[str, Any]]]],
+                                                                bool]:
+    """TRL's transcript of one rollout (the messages after the prompt) read back: each reply (an assistant message)
+    with the tool messages TRL's loop appended after it, and whether the transcript ends after tool results (the reply
+    after them was cut to nothing: `clip_post_tool`).
+
+    No tool messages after a reply with calls: TRL rolled them back (`rolled_back`) or stopped at its turn limit.
+    """
+    at = [i for i, m in enumerate(messages) if m.get("role", "assistant") == "assistant"]
+    replies = [(messages[i], list(itertools.takewhile(lambda m: m.get("role") == "tool", messages[i + 1:])))
+               for i in at]
+    return replies, bool(at) and at[-1] < len(messages) - 1
+
+
+def rolled_back(ran: bool) -> bool:
+    """After a reply with calls that TRL's loop appended no results for: True when it ran them (`ran`: they reached
+    the adapter) and then dropped their results, which would overflow its budget (`overflows`: the episode was cut by
+    length); False when it ran none, at its turn limit (`max_tool_calling_iterations`: the episode ends `max_turns`)."""
+    return ran
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The limits a driver plays its episodes under, and how a failed call reads to the model.
+
+    Attributes:
+        max_replies: model replies an episode may have (TRL: `max_tool_calling_iterations + 1`). The calls of the
+            last one are not run (no reply would read their results): the episode ends with `max_turns`.
+        max_tool_calls: tool calls an episode may make; later ones are refused locally and counted.
+        error_text: the text the model reads for a failed call (TRL's `{'error': ...}`: `error_text`).
+        tool_markup: the text that opens a tool call in the chat template the replies are parsed with (qwen3:
+            `<tool_call>`): a reply without calls whose text holds it is a call the parser missed, and its turn is
+            marked `unparsed`. None: not known.
+    """
+
+    max_replies: int | None = None
+    max_tool_calls: int | None = None
+    error_text: Callable[[BaseException], str] = str
+    tool_markup: str | None = None
+
+
+def rules(trainer: Any) -> Rules:
     """The turn rules of TRL's tool loop: `max_tool_calling_iterations` tool turns, then one more reply, whose calls
     are not run; failures read as TRL writes them. Without a trainer (outside TRL's loop): no turn limit."""
-    from ._episode import Rules
-
     iterations = getattr(trainer, "max_tool_calling_iterations", None)
     limit = iterations + 1 if isinstance(iterations, int) and iterations < sys.maxsize else None
     return Rules(max_replies=limit, error_text=error_text, tool_markup=tool_markup(getattr(trainer, "processing_class",
@@ -501,7 +552,6 @@ class Rendering:
         from trl.chat_template_utils import parse_response
 
         return parse_response(self._tokenizer, ids, prefix=prefix, tools=tools)
-
 
     def image_inputs(self, prompt_ids: list[list[int]], images: list[list[Any]]) -> dict[str, Any]:
         """What the model takes beside `prompt_ids` for their images (`image_inputs`)."""

@@ -451,14 +451,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                           probe=not args.no_probe, probe_index=args.probe_index, calls=calls,
                           **_session_options(args), **_client_options(args, INSPECT_TIMEOUT, INSPECT_RETRIES))
     if difficulty is not None:
-        from ._client import Client
         from ._difficulty import describe
+        from ._loop import get_loop
 
-        split = args.split or info.get("split") or "train"
-        with Client(args.target, env_name=args.env_name, **_client_options(args, INSPECT_TIMEOUT, INSPECT_RETRIES)) \
-                as client:
-            info["difficulty"] = client.async_client.bg.run(
-                describe(client.async_client, split, difficulty, environment=info.get("environment")))
+        info["difficulty"] = get_loop().run(describe(
+            args.target, info.get("split") or "train", difficulty, environment=info.get("environment"),
+            **_client_options(args, INSPECT_TIMEOUT, INSPECT_RETRIES)))
     if args.json:
         _print_json(info)
     else:

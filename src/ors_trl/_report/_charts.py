@@ -32,6 +32,7 @@ _METRIC_KEY = re.compile(r"^env/(?:(.+?)/)??(reward_mean|graded_fraction|finishe
                          r"failures/[\w.-]+|session_open_failures|session_open_s/p\d+|tool_call_s/p\d+|"
                          r"session_seconds(?:_unscored)?)$")
 _EVAL_KEY = re.compile(r"^eval/(.+)/(pass@\d+)$")  # evaluation during training (`spec.eval_callback`)
+_POOL_KEY = re.compile(r"^curriculum/(.+)/(unseen|mixed|solved|unsolved|zero_std_fraction)$")  # task sampling
 _CHARTS = (
     ("heldout", "Held-out pass@k during training (evaluation every N steps)"),
     ("reward", "Reward (mean over graded episodes)"),
@@ -41,6 +42,8 @@ _CHARTS = (
     ("failures", "Tool-call failures per logging step"),
     ("latency", "Latency, seconds: p50 (solid), p95 (dashed)"),
     ("cost", "Session-seconds per logging step (dashed: of episodes scored None)"),
+    ("spread", "Share of groups with zero reward spread (GRPO learns nothing from them)"),
+    ("pools", "Task sampling: tasks per pool (unseen, mixed, solved, unsolved)"),
 )
 
 
@@ -60,6 +63,11 @@ def _series(state: dict[str, Any], label: str) -> tuple[dict[str, dict[str, list
                 where = ("reward", "TRL reward (every rollout)")
             elif key == "tools/call_frequency":
                 where = ("calls", "TRL tools/call_frequency")
+            elif key == "frac_reward_zero_std":
+                where = ("spread", "TRL frac_reward_zero_std (every group)")
+            elif m := _POOL_KEY.match(key):
+                spread = m.group(2) == "zero_std_fraction"
+                where = ("spread", f"{m.group(1)} (drawn groups)") if spread else ("pools", f"{m.group(1)} {m.group(2)}")
             elif m := _EVAL_KEY.match(key):
                 where = ("heldout", f"{m.group(1)} {m.group(2)}")
             elif m := _METRIC_KEY.match(key):

@@ -25,7 +25,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._model import EOS_TOKEN, FINAL_MESSAGE, episode_parts, tool_call_message
+from .._metrics import EpisodeStats
+from ._model import EOS_TOKEN, episode_parts, tool_call_message
 
 # ── chat-template plumbing shared by SFT and evaluation ─────────────────────────────────────────────────────────────
 
@@ -72,31 +73,6 @@ def tool_call_text(tokenizer, name: str, arguments: dict[str, Any]) -> str:
     start = rendered.index(header) + len(header)
     end = rendered.index(EOS_TOKEN, start) + len(EOS_TOKEN)
     return rendered[start:end]
-
-
-def tool_suffix_ids(render: Any, name: str, reply: str) -> list[int]:
-    """Token ids TRL inserts after a tool call: the tool reply turn plus the next assistant header."""
-    return render.tool_suffix_ids([{"role": "tool", "name": name, "content": reply}])
-
-
-def rollout_ids(
-    tokenizer,
-    prompt_text: str | Sequence[dict[str, Any]],
-    tools: Sequence,
-    name: str,
-    arguments: dict[str, Any],
-    reply: str,
-    final: str = FINAL_MESSAGE,
-) -> tuple[list[int], list[int]]:
-    """Token ids of one full rollout as GRPO builds it, and a loss mask (1 on model-written tokens)."""
-    render = rendering(tokenizer)
-    p = prompt_ids(render, prompt_text, tools)
-    call = tokenizer.encode(tool_call_text(tokenizer, name, arguments), add_special_tokens=False)
-    suffix = tool_suffix_ids(render, name, reply)
-    last = tokenizer.encode(final + EOS_TOKEN, add_special_tokens=False)
-    ids = p + call + suffix + last
-    mask = [0] * len(p) + [1] * len(call) + [0] * len(suffix) + [1] * len(last)
-    return ids, mask
 
 
 # ── warm start (supervised) ─────────────────────────────────────────────────────────────────────────────────────────
@@ -157,7 +133,8 @@ def warm_start(
         for name, arguments, reply, final in map(episode_parts, episodes):
             call = tokenizer.encode(tool_call_text(tokenizer, name, arguments), add_special_tokens=False)
             if (name, reply) not in suffix_cache:
-                suffix_cache[(name, reply)] = tool_suffix_ids(render, name, reply)
+                suffix_cache[(name, reply)] = render.tool_suffix_ids([{"role": "tool", "name": name,
+                                                                       "content": reply}])
             suffix = suffix_cache[(name, reply)]
             if final not in final_cache:
                 final_cache[final] = tokenizer.encode(final + EOS_TOKEN, add_special_tokens=False)
@@ -398,8 +375,8 @@ def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, ma
     model replies (the recipe's `max_tool_calling_iterations` + 1, the limit GRPO plays under); tool calls go through the same binding and episode core as training, and every
     turn's input ids are built as GRPO builds them (`LocalPolicy(join_turns=True)`). `output`: also write the episode records.
 
-    Returns `success_rate` (reward == 1), `tool_call_rate` (episodes with a tool call), `tool_failure_rate`
-    (failed calls / calls), `mean_reward` (unscored counted as 0), `n`, `seconds` and the `report`. With `look_tool`
+    Returns `success_rate` (`EvalReport.success_rate`: reward at or above the spec's `success_threshold`),
+    `tool_call_rate` (episodes with a tool call), `tool_failure_rate` (failed calls / calls), `mean_reward` (unscored counted as 0), `n`, `seconds` and the `report`. With `look_tool`
     (a conversation task graded by a terminal tool) also: `look_rate` (episodes that called it before answering),
     `turns` (model turns per episode), `answered_rate` (episodes whose final message the terminal tool graded),
     `follow_rate` (answers naming what the tool showed, from the terminal tool's metadata), `no_look_n` and
@@ -417,7 +394,7 @@ def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, ma
     n = max(len(episodes), 1)
     calls = sum(e["tool_calls"] for e in episodes)
     out: dict[str, Any] = {
-        "success_rate": sum(e.get("reward") == 1.0 for e in episodes) / n,
+        "success_rate": report.success_rate,
         "tool_call_rate": sum(e["tool_calls"] > 0 for e in episodes) / n,
         "tool_failure_rate": sum(e["tool_failures"] for e in episodes) / calls if calls else 0.0,
         "mean_reward": sum(e.get("reward") or 0.0 for e in episodes) / n,
@@ -430,6 +407,9 @@ def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, ma
             return any(c.get("name") == look_tool for t in e.get("turns") or [] for c in t.get("tool_calls") or [])
 
         blind = [e for e in episodes if not looked(e)]
+        blind_stats = EpisodeStats(report.success_threshold)
+        for e in blind:
+            blind_stats.add_record(e)
         finals = [e.get("final") or {} for e in episodes]
         out.update({
             "look_rate": sum(map(looked, episodes)) / n,
@@ -437,7 +417,7 @@ def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, ma
             "answered_rate": sum("tool" in f and "reward" in f for f in finals) / n,
             "follow_rate": sum(bool((f.get("metadata") or {}).get("follow")) for f in finals) / n,
             "no_look_n": len(blind),
-            "no_look_success": sum(e.get("reward") == 1.0 for e in blind) / len(blind) if blind else None,
+            "no_look_success": blind_stats.success_rate if blind else None,
             "later_turns": policy.later_turns,
             "rerender_differs": policy.rerender_differs,
         })

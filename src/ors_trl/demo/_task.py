@@ -37,8 +37,6 @@ import random
 from typing import Any
 
 TOOL_NAME = "echo"
-TOOL_DESCRIPTION = "Echo a word back to the environment."
-TEXT_PARAM_DESCRIPTION = "The word to echo."
 
 # The closed vocabulary of target words. Short, common and distinct, so each one becomes a single BPE token.
 TARGETS: tuple[str, ...] = ("apple", "river", "stone", "cloud", "tiger", "piano")
