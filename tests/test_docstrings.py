@@ -19,7 +19,7 @@ import ors_trl
 import ors_trl.testing
 
 # converted by the lead in _spec.py/_mix.py
-EXEMPT = {"OpenRewardSpec", "OpenRewardMix"}
+EXEMPT: set[str] = set()
 
 RST = re.compile(r"``|:(?:class|func|meth|data|attr|mod|exc|obj|ref|py:\w+):`")
 #: The sections whose entries name parameters or attributes, one each: `name (`type`, *optional*, defaults to `x`):`.

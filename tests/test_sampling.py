@@ -351,6 +351,13 @@ def test_adaptive_training_leaves_all_equal_tasks_and_comes_back_to_one_that_cha
     assert len(logged) == 24 and logged[-1][f"curriculum/{name}/unseen"] == 0
     zero = [e[f"curriculum/{name}/zero_std_fraction"] for e in logged]
     assert zero == [e["frac_reward_zero_std"] for e in logged]  # the same groups TRL saw
+    # the report draws the pools over training
+    from ors_trl import write_report
+
+    trainer.state.save_to_json(str(tmp_path / "trainer_state.json"))
+    write_report([str(tmp_path / "trainer_state.json")], str(tmp_path / "report.html"))
+    page = (tmp_path / "report.html").read_text()
+    assert "Task sampling: tasks per pool" in page and f"{name} unseen" in page and "zero reward spread" in page
     spec.close()
 
 

@@ -35,6 +35,8 @@ from ._tasks import log_notes, task_columns
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
 
+    from ._eval import MixEvalReport
+
 __all__ = ["OpenRewardMix"]
 
 #: The column TRL routes rows by in multi-environment mode.
@@ -70,15 +72,22 @@ class OpenRewardMix:
     """Combine several `OpenRewardSpec`s into one set of `GRPOTrainer` inputs.
 
     Args:
-        specs: a list of specs (named after each spec's environment) or a `{name: spec}` dict.
-        weights: sampling weights, as a list aligned with `specs` or a `{name: weight}` dict: the share of
-            the dataset each environment gets (rows are repeated or subsampled to match, deterministically
-            for `seed`). None keeps every spec's tasks once.
-        seed: seed for that sampling.
-        episode_log: a JSON-lines file receiving every finished episode of every environment.
-        unscored_reward: as on `OpenRewardSpec`: the reward of rollouts never scored (None: unscored).
-        gather_window: the engine's gather window (`rollout_func`) for the whole mix; None: the specs' own (which
-            must agree).
+        specs (`Sequence[OpenRewardSpec]` or `Mapping[str, OpenRewardSpec]`):
+            A list of specs (named after each spec's environment) or a `{name: spec}` dict.
+        weights (`Sequence[float]` or `Mapping[str, float]`, *optional*):
+            Sampling weights, as a list aligned with `specs` or a `{name: weight}` dict: the share of the dataset each
+            environment gets (rows are repeated or subsampled to match, deterministically for `seed`; with task
+            sampling, the chance each draw picks the environment). `None` keeps every spec's tasks once.
+        seed (`int`, *optional*, defaults to `0`):
+            Seed for that sampling.
+        episode_log (`str`, *optional*):
+            A JSON-lines file receiving every finished episode of every environment.
+        unscored_reward (`float`, *optional*):
+            As on `OpenRewardSpec`: the reward of rollouts never scored (`None`: unscored).
+        gather_window (`float`, *optional*):
+            The engine's gather window (`rollout_func`) for the whole mix; `None`: the specs' own (which must agree).
+
+    The specs' `success_threshold`s must agree: the mix's metrics count successes with it.
     """
 
     def __init__(self, specs: Sequence[OpenRewardSpec] | Mapping[str, OpenRewardSpec], *,
@@ -113,7 +122,11 @@ class OpenRewardMix:
         if gather_window is not None and not gather_window >= 0:  # also refuses NaN
             raise ConfigurationError(f"gather_window must be >= 0 seconds or None (automatic), got {gather_window!r}")
         self.gather_window = gather_window
-        self.metrics = EnvMetrics()
+        thresholds = {spec.runtime.metrics.success_threshold for _, spec in named}
+        if len(thresholds) > 1:
+            raise ConfigurationError(f"the specs of this mix count success differently (success_threshold "
+                                     f"{sorted(thresholds)}); give them one success_threshold")
+        self.metrics = EnvMetrics(thresholds.pop())
         writer = (RecordWriter(episode_log, max_bytes=EPISODE_LOG_MAX_BYTES, max_text=EPISODE_LOG_MAX_TEXT)
                   if episode_log is not None else None)
         for name, spec in self.specs.items():
@@ -259,7 +272,12 @@ class OpenRewardMix:
         return callbacks
 
     def evaluate(self, policy: Any, *, output: str | None = None, resume: bool = False, overwrite: bool = False,
-                 **kwargs: Any) -> Any:
+                 num_tasks: int | None = None, indices: Sequence[int] | None = None, repeats: int = 1,
+                 concurrency: int = 8, max_turns: int = 10, episode_timeout: float | None = None,
+                 per_task_tools: bool = False, score_groups: bool = False, flatten_prompt: bool = False,
+                 success_threshold: float | None = None, upload: bool | str = False, temperature: float = 0.0,
+                 max_new_tokens: int | None = None, seed: int | None = 0, device: str | None = None,
+                 progress: bool = True) -> MixEvalReport:
         """Evaluate `policy` on every environment of the mix, one after the other, through each spec's `evaluate`.
 
         Args:
@@ -271,23 +289,56 @@ class OpenRewardMix:
                 Continue `output`: run only the episodes it lacks, per environment.
             overwrite (`bool`, *optional*, defaults to `False`):
                 Replace an existing `output`.
-            **kwargs:
-                As for `OpenRewardSpec.evaluate` (`repeats`, `num_tasks`, `concurrency`, `upload`, ...), for every
-                environment.
+            num_tasks (`int`, *optional*):
+                As for `OpenRewardSpec.evaluate`, for every environment.
+            indices (`Sequence[int]`, *optional*):
+                As for `OpenRewardSpec.evaluate`, for every environment.
+            repeats (`int`, *optional*, defaults to `1`):
+                Episodes per task.
+            concurrency (`int`, *optional*, defaults to `8`):
+                Episodes running at once.
+            max_turns (`int`, *optional*, defaults to `10`):
+                Policy replies allowed per episode.
+            episode_timeout (`float`, *optional*):
+                Seconds one episode may take (default: each spec's own).
+            per_task_tools (`bool`, *optional*, defaults to `False`):
+                Bind each episode's own tool list.
+            score_groups (`bool`, *optional*, defaults to `False`):
+                Also score each task's episodes together with `/score_group`.
+            flatten_prompt (`bool`, *optional*, defaults to `False`):
+                Give the policy the prompt as TRL's `environment_factory` loop does.
+            success_threshold (`float`, *optional*):
+                The reward at or above which an episode succeeded (default: the specs' own).
+            upload (`bool` or `str`, *optional*, defaults to `False`):
+                Send every episode to the OpenReward rollout viewer.
+            temperature (`float`, *optional*, defaults to `0.0`):
+                Sampling temperature for a policy given as a path or pair.
+            max_new_tokens (`int`, *optional*):
+                Tokens generated per turn for a policy given as a path or pair.
+            seed (`int`, *optional*, defaults to `0`):
+                Generation seed for a policy given as a path or pair.
+            device (`str`, *optional*):
+                Where a policy given as a path runs.
+            progress (`bool`, *optional*, defaults to `True`):
+                Show a progress bar on stderr.
 
         Returns:
-            `MixEvalReport`: each environment's `EvalReport`, and the overall numbers weighted by the mix's weights
+            `MixEvalReport`: Each environment's `EvalReport`, and the overall numbers weighted by the mix's weights
             (without weights: by each environment's episodes).
         """
         from ._eval import MixEvalReport
         from ._policies import resolve_policy
 
-        options = {k: kwargs[k] for k in ("temperature", "max_new_tokens", "seed", "device") if k in kwargs}
-        policy, _ = resolve_policy(policy, **options)
+        loaded, _ = resolve_policy(policy, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
+                                   device=device)
         reports = {}
         for i, (name, spec) in enumerate(self.specs.items()):
-            reports[name] = spec.evaluate(policy, output=output, resume=resume or (i > 0 and output is not None),
-                                          overwrite=overwrite and i == 0, others=list(self.specs), **kwargs)
+            reports[name] = spec.evaluate(
+                loaded, output=output, resume=resume or (i > 0 and output is not None), overwrite=overwrite and i == 0,
+                num_tasks=num_tasks, indices=indices, repeats=repeats, concurrency=concurrency, max_turns=max_turns,
+                episode_timeout=episode_timeout, per_task_tools=per_task_tools, score_groups=score_groups,
+                flatten_prompt=flatten_prompt, success_threshold=success_threshold, upload=upload, progress=progress,
+                _others=list(self.specs))
         return MixEvalReport.of(reports, dict(zip(self.specs, self.weights, strict=True)) if self.weights else None)
 
     def close(self) -> None:

@@ -52,6 +52,8 @@ from ._types import TerminalTool, ToolSpec
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
 
+    from ._eval import EvalReport
+
 __all__ = ["OpenRewardSpec"]
 
 logger = logging.getLogger("ors_trl")
@@ -98,7 +100,7 @@ def _restore(options: dict[str, Any], tools: tuple[Any, ...] | None,
                 name, log = joined
                 writer = (RecordWriter(log, max_bytes=EPISODE_LOG_MAX_BYTES, max_text=EPISODE_LOG_MAX_TEXT)
                           if log is not None else None)
-                spec._runtime.rename(name, EnvMetrics(), writer)
+                spec._runtime.rename(name, EnvMetrics(spec._runtime.metrics.success_threshold), writer)
         return spec
 
 
@@ -106,67 +108,112 @@ class OpenRewardSpec:
     """Wire an ORS environment into `GRPOTrainer`: `train_dataset`, `environment_factory`, `reward_funcs`.
 
     Args:
-        target: an openreward.ai catalog name (`"Eigent/SETA"`) or the URL of any ORS server
-            (`"http://127.0.0.1:8000"`), told apart by `://`.
-        num_tasks: use the first `num_tasks` tasks of the split (capped at its size). Default: all.
-        split: the split tasks are drawn from.
-        indices: exactly these task indices (mutually exclusive with `num_tasks`).
-        api_key: overrides `OPENREWARD_API_KEY` for catalog names; for a URL, sent only if given.
-        secrets: per-session secrets (`X-Secrets`), for every session. In catalog mode, when not given,
-            the API key is forwarded as the conventional `api_key` secret.
-        env_name: which environment on a server that hosts several.
-        include_metadata: copy each task's fields into dataset columns (reward functions see them); a field
-            named like a keyword TRL passes itself (`self`, `prompts`, `completions`, ...: `RESERVED_COLUMNS`
-            of `ors_trl._tasks`) is kept as `task_<name>`, and the log says so once.
-        discover_task_tools: open probe sessions to bind task-specific tools (`/task_tools`), not only
-            the shared ones: one per distinct task of `indices` (task 0 otherwise), `PROBE_CONCURRENCY` (4)
-            at once; every probed task's tools are bound.
-        task_tools_discovery_index: probe only this task index.
-        cache_prompts: return cached prompts from repeated resets of one task while sessions open in
-            the background (one session-open wait per distinct task, not per rollout).
-        max_output_chars: cap on the tool output text the model sees (truncation is marked).
-        keepalive_interval: seconds between keepalive pings of idle sessions (None disables).
-        timeouts: `Timeouts` for connects, requests, tool-call streams and whole tool calls.
-        retry: `RetryPolicy` for transient failures.
-        max_sessions: cap on sessions open at once through this spec; more wait for a free slot.
-        episode_log: path of a JSON-lines file receiving every finished episode (off by default).
-        batch_tool_calls: in TRL's own tool loop (`environment_factory`), start all of a turn's tool calls
-            across the batch at once at its first call (each rollout's calls still in order).
-        async_tools: bind tools as coroutine methods (TRL gathers a rollout's parallel calls).
-        max_concurrent_tool_calls: tool calls in flight at once, per environment.
-        episode_timeout: with `rollout_func` (and as `evaluate`'s default), wall-clock seconds an episode may
-            take before it is closed and scored None.
-        unscored_reward: what `reward_funcs` gives a rollout the environment never scored. None (the
-            default, TRL's convention) leaves it out of the advantage baseline; a number (e.g. 0.0)
-            counts it as that score.
-        score_groups: provide `group_reward_func`, the environment's comparative reward of each GRPO
-            group (`/score_group`), and keep finished sessions until the step ends for it.
-        gather_window: with `rollout_func`, seconds generation waits for more rollouts to be ready; None
-            (default): at most 0.05 s and at most half of what a generation call takes.
-        max_tool_calls: tool calls one episode may make (None: no cap); later calls are refused locally (the
-            model reads why) and counted, on every path.
-        success_threshold: the reward at or above which an episode counts as a success (`success_rate` in the
-            metrics, evaluation and reports).
-        upload_rollouts: send every finished episode to the OpenReward rollout viewer (`True`, or the run's name
-            there), with the run's metadata (model name and size, training stage, step); in the background, bounded,
-            failures counted and never failing a step (`ors_trl._upload`). The platform's API key as for catalog
-            targets: `api_key=` for a catalog name, else `OPENREWARD_API_KEY`.
-        images: `"pass"` (the default): image blocks of prompts, conversations and tool outputs reach the model as
-            image parts of their message (a vision-language model's processor takes them; a trainer whose
-            processing class is a tokenizer gets a `ConfigurationError` at its first rollout); `"placeholder"`: as
-            the text `[image: <media type>]`, for a text-only model on purpose. Text-only environments give the same
-            text either way. The bounds an image must keep are in `ors_trl._images`.
-        max_session_rate: sessions created per second by this process's copy of the spec, or `(rate, burst)`
-            (burst 1 otherwise); opens past it wait their turn, and a 429 or `503 starting` slows it down. None
-            (default): a batch opens at once. `ORS_TRL_MAX_SESSION_RATE="RATE[:BURST]"` sets one pace shared by
-            every process of the working directory.
-        toolset: the platform toolset every session gets (e.g. `"codex"`, `"claude-code"`): its tools are
-            discovered in a probe session and bound like the environment's. A toolset the server refuses is a
-            `ConfigurationError` at the first open.
-        toolset_fallback: when the server refuses `toolset`, open sessions without it (one log line) instead.
-        env_overrides: environment variables for every session (`{"OPENAI_BASE_URL": ...}`); on the platform,
-            callers other than the environment's owner may set only the OpenAI/Anthropic URL and key variables.
-            Masked like secrets.
+        target (`str`):
+            An openreward.ai catalog name (`"Eigent/SETA"`) or the URL of any ORS server (`"http://127.0.0.1:8000"`),
+            told apart by `://`.
+        num_tasks (`int`, *optional*):
+            Use the first `num_tasks` tasks of the split (capped at its size). Default: all.
+        split (`str`, *optional*, defaults to `"train"`):
+            The split tasks are drawn from.
+        indices (`list[int]`, *optional*):
+            Exactly these task indices (mutually exclusive with `num_tasks`).
+        api_key (`str`, *optional*):
+            Overrides `OPENREWARD_API_KEY` for catalog names; for a URL, sent only if given.
+        secrets (`Mapping[str, str | dict]`, *optional*):
+            Per-session secrets (`X-Secrets`), for every session. In catalog mode, when not given, the API key is
+            forwarded as the conventional `api_key` secret.
+        env_name (`str`, *optional*):
+            Which environment on a server that hosts several.
+        include_metadata (`bool`, *optional*, defaults to `True`):
+            Copy each task's fields into dataset columns (reward functions see them); a field named like a keyword
+            TRL passes itself (`self`, `prompts`, `completions`, ...: `RESERVED_COLUMNS` of `ors_trl._tasks`) is
+            kept as `task_<name>`, and the log says so once.
+        discover_task_tools (`bool`, *optional*, defaults to `True`):
+            Open probe sessions to bind task-specific tools (`/task_tools`), not only the shared ones: one per
+            distinct task of `indices` (task 0 otherwise), `PROBE_CONCURRENCY` (4) at once; every probed task's
+            tools are bound.
+        task_tools_discovery_index (`int`, *optional*):
+            Probe only this task index.
+        cache_prompts (`bool`, *optional*, defaults to `True`):
+            Return cached prompts from repeated resets of one task while sessions open in the background (one
+            session-open wait per distinct task, not per rollout).
+        max_output_chars (`int`, *optional*):
+            Cap on the tool output text the model sees (truncation is marked).
+        keepalive_interval (`float`, *optional*, defaults to `10.0`):
+            Seconds between keepalive pings of idle sessions (`None` disables them).
+        timeouts (`Timeouts`, *optional*):
+            Limits for connects, requests, tool-call streams and whole tool calls.
+        retry (`RetryPolicy`, *optional*):
+            Retries of transient failures.
+        max_sessions (`int`, *optional*):
+            Cap on sessions open at once through this spec; more wait for a free slot.
+        episode_log (`str`, *optional*):
+            Path of a JSON-lines file receiving every finished episode (off by default).
+        batch_tool_calls (`bool`, *optional*, defaults to `True`):
+            In TRL's own tool loop (`environment_factory`), start all of a turn's tool calls across the batch at once
+            at its first call (each rollout's calls still in order).
+        async_tools (`bool`, *optional*, defaults to `False`):
+            Bind tools as coroutine methods (TRL gathers a rollout's parallel calls).
+        max_concurrent_tool_calls (`int`, *optional*, defaults to `64`):
+            Tool calls in flight at once, per environment.
+        episode_timeout (`float`, *optional*):
+            With `rollout_func` (and as `evaluate`'s default), wall-clock seconds an episode may take before it is
+            closed and scored `None`.
+        unscored_reward (`float`, *optional*):
+            What `reward_funcs` gives a rollout the environment never scored. `None` (the default, TRL's convention)
+            leaves it out of the advantage baseline; a number (e.g. `0.0`) counts it as that score.
+        score_groups (`bool`, *optional*, defaults to `False`):
+            Provide `group_reward_func`, the environment's comparative reward of each GRPO group (`/score_group`),
+            and keep finished sessions until the step ends for it.
+        gather_window (`float`, *optional*):
+            With `rollout_func`, seconds generation waits for more rollouts to be ready; `None` (default): at most
+            0.05 s and at most half of what a generation call takes.
+        max_tool_calls (`int`, *optional*):
+            Tool calls one episode may make (`None`: no cap); later calls are refused locally (the model reads why)
+            and counted, on every path.
+        success_threshold (`float`, *optional*, defaults to `1.0`):
+            The reward at or above which an episode counts as a success (`success_rate` in the metrics, evaluation,
+            reports and task sampling).
+        upload_rollouts (`bool` or `str`, *optional*, defaults to `False`):
+            Send every finished episode to the OpenReward rollout viewer (`True`, or the run's name there), with the
+            run's metadata (model name and size, training stage, step); in the background, bounded, failures counted
+            and never failing a step (`ors_trl._upload`). The platform's API key as for catalog targets: `api_key=`
+            for a catalog name, else `OPENREWARD_API_KEY`.
+        images (`str`, *optional*, defaults to `"pass"`):
+            `"pass"`: image blocks of prompts, conversations and tool outputs reach the model as image parts of their
+            message (a vision-language model's processor takes them; a trainer whose processing class is a tokenizer
+            gets a `ConfigurationError` at its first rollout); `"placeholder"`: as the text `[image: <media type>]`,
+            for a text-only model on purpose. Text-only environments give the same text either way. The bounds an
+            image must keep are in `ors_trl._images`.
+        max_session_rate (`float` or `tuple[float, int]`, *optional*):
+            Sessions created per second by this process's copy of the spec, or `(rate, burst)` (burst 1 otherwise);
+            opens past it wait their turn, and a 429 or `503 starting` slows it down. `None` (default): a batch opens
+            at once. `ORS_TRL_MAX_SESSION_RATE="RATE[:BURST]"` sets one pace shared by every process of the working
+            directory.
+        toolset (`str`, *optional*):
+            The platform toolset every session gets (e.g. `"codex"`, `"claude-code"`): its tools are discovered in a
+            probe session and bound like the environment's. A toolset the server refuses is a `ConfigurationError` at
+            the first open.
+        toolset_fallback (`bool`, *optional*, defaults to `False`):
+            When the server refuses `toolset`, open sessions without it (one log line) instead.
+        env_overrides (`Mapping[str, str]`, *optional*):
+            Environment variables for every session (`{"OPENAI_BASE_URL": ...}`); on the platform, callers other than
+            the environment's owner may set only the OpenAI/Anthropic URL and key variables. Masked like secrets.
+        task_sampling (`str` or `TaskSampler`, *optional*, defaults to `"uniform"`):
+            How training draws its tasks. `"uniform"`: `train_dataset` is a `Dataset` of the tasks and TRL orders
+            them (TRL's own behaviour). `"adaptive"`: an `AdaptiveSampler` draws each group's task as TRL reads the
+            rows of an endless `IterableDataset` (`GRPOConfig(max_steps=...)` is then needed), from the rewards of
+            the groups before: tasks never scored first, tasks whose recent groups were all equal (all solved or all
+            failed) down-weighted but re-probed. Or any object with `draw()` and `update(task, rewards)`
+            (`TaskSampler`). Its state is saved with checkpoints and every process of a run draws alike.
+        difficulty (`tuple[float, float]`, *optional*):
+            Keep only the tasks whose known mean reward lies in `[low, high]` (tasks with no data are kept, and the
+            log says how many); a range that keeps none is a `ConfigurationError`.
+        difficulty_from (`str`, `os.PathLike`, `Mapping[int, float]` or `PlatformDifficulty`, *optional*):
+            Where `difficulty` reads the mean rewards: an `ors-trl eval --output` file (its per-task mean over
+            `--repeats`), any episode log, a `{task_index: mean reward}` mapping, or `PlatformDifficulty(...)`
+            (also `"platform"`, the default for a catalog name): the OpenReward platform's per-task difficulty,
+            filtered by model and training stage. A self-hosted URL has no platform data: pass a file.
     """
 
     def __init__(
@@ -296,10 +343,12 @@ class OpenRewardSpec:
 
     @property
     def target(self) -> str:
+        """The catalog name or server URL given."""
         return self._client.target.name
 
     @property
     def split(self) -> str:
+        """The split the tasks are drawn from."""
         return self._split
 
     @property
@@ -337,7 +386,15 @@ class OpenRewardSpec:
         return self._options["gather_window"]
 
     def run(self, coro: Any) -> Any:
-        """Run a coroutine using this spec's client on the background loop and return its result."""
+        """Run a coroutine using this spec's client on the background loop and return its result.
+
+        Args:
+            coro (`Coroutine`):
+                The coroutine (e.g. `spec.client.tasks("train")`).
+
+        Returns:
+            `Any`: What it returned.
+        """
         return get_loop().run(coro)
 
     # -- dataset -----------------------------------------------------------------------------------
@@ -360,7 +417,17 @@ class OpenRewardSpec:
 
     def dataset_rows(self, indices: list[int], env: str | None = None) -> dict[str, list[Any]]:
         """The `prompt` and `task_index` columns of these tasks: an empty user message carrying the task's identity
-        (for `rollout_func`, which sees only prompts); `env` names the environment in a mix."""
+        (for `rollout_func`, which sees only prompts).
+
+        Args:
+            indices (`list[int]`):
+                The task indices.
+            env (`str`, *optional*):
+                The environment's name in a mix.
+
+        Returns:
+            `dict[str, list[Any]]`: The two columns.
+        """
         return {
             "prompt": [[{"role": "user", "content": "", TASK_KEY: Task(self._split, i, env=env).identity()}]
                        for i in indices],
@@ -612,24 +679,70 @@ class OpenRewardSpec:
         self._runtime.close_all()
 
     def evaluate(self, policy: Any, *, num_tasks: int | None = None, indices: Sequence[int] | None = None,
-                 **kwargs: Any) -> Any:
-        """Run `policy` over this spec's tasks through the same client and tool binding as training.
+                 repeats: int = 1, concurrency: int = 8, max_turns: int = 10, episode_timeout: float | None = None,
+                 output: str | os.PathLike[str] | None = None, resume: bool = False, overwrite: bool = False,
+                 per_task_tools: bool = False, score_groups: bool = False, flatten_prompt: bool = False,
+                 success_threshold: float | None = None, upload: bool | str = False, temperature: float = 0.0,
+                 max_new_tokens: int | None = None, seed: int | None = 0, device: str | None = None,
+                 progress: bool = True, _others: Sequence[str] = ()) -> EvalReport:
+        """Run `policy` over this spec's tasks through the same client, tool binding and episode core as training.
 
         Args:
-            policy: a local model directory, a `(model, tokenizer)` pair, an `OpenAIPolicy`, or any `Policy`.
-            num_tasks: the first `num_tasks` tasks; `indices`: exactly these. Default: the spec's own selection.
-            **kwargs: see `ors_trl._eval.evaluate` (repeats, concurrency, max_turns, output, resume, upload, ...);
-                `episode_timeout` defaults to this spec's own.
+            policy (`str`, `os.PathLike`, `tuple[Any, Any]` or `Policy`):
+                A local model directory, a `(model, tokenizer)` pair, an `OpenAIPolicy`, or any object with
+                `async respond(messages, tools) -> PolicyReply`.
+            num_tasks (`int`, *optional*):
+                The first `num_tasks` tasks of the split. Default, with no `indices`: the spec's own selection.
+            indices (`Sequence[int]`, *optional*):
+                Exactly these task indices, instead of `num_tasks`.
+            repeats (`int`, *optional*, defaults to `1`):
+                Episodes per task (pass@k for k = 1..`repeats`).
+            concurrency (`int`, *optional*, defaults to `8`):
+                Episodes (and so sessions) running at once.
+            max_turns (`int`, *optional*, defaults to `10`):
+                Policy replies allowed per episode (TRL's limit is `max_tool_calling_iterations + 1`).
+            episode_timeout (`float`, *optional*):
+                Wall-clock seconds one episode may take (default: the spec's `episode_timeout`).
+            output (`str` or `os.PathLike`, *optional*):
+                JSON-lines file receiving every finished episode.
+            resume (`bool`, *optional*, defaults to `False`):
+                Run only the episodes `output` lacks.
+            overwrite (`bool`, *optional*, defaults to `False`):
+                Replace an existing non-empty `output`.
+            per_task_tools (`bool`, *optional*, defaults to `False`):
+                Bind each episode's own tool list (`/task_tools` of its session) instead of the spec's tools.
+            score_groups (`bool`, *optional*, defaults to `False`):
+                Also score each task's episodes (its repeats) together with `/score_group`.
+            flatten_prompt (`bool`, *optional*, defaults to `False`):
+                Give the policy the prompt as TRL's `environment_factory` loop does (one user message).
+            success_threshold (`float`, *optional*):
+                The reward at or above which an episode succeeded (default: the spec's `success_threshold`).
+            upload (`bool` or `str`, *optional*, defaults to `False`):
+                Send every episode to the OpenReward rollout viewer (`True`, or the run's name there).
+            temperature (`float`, *optional*, defaults to `0.0`):
+                Sampling temperature for a policy given as a path or pair (0: greedy).
+            max_new_tokens (`int`, *optional*):
+                Tokens generated per turn for a policy given as a path or pair.
+            seed (`int`, *optional*, defaults to `0`):
+                Generation seed for a policy given as a path or pair.
+            device (`str`, *optional*):
+                Where a policy given as a path runs (`"cuda"` when available, else `"cpu"`).
+            progress (`bool`, *optional*, defaults to `True`):
+                Show a progress bar on stderr.
 
         Returns:
-            An `EvalReport` (mean reward, success rate, pass@k over `repeats`, grading coverage, finished rate, tool
-            calls and their health).
+            `EvalReport`: Mean reward, success rate, pass@k over `repeats`, grading coverage, finished rate, tool calls
+            and their health; `report.episodes` holds every record. See `ors_trl._eval.evaluate` for the details.
         """
         from ._eval import evaluate
 
         if num_tasks is None and indices is None:
             num_tasks, indices = self._num_tasks, self._indices
         _ = self._tools  # bind as training does
-        kwargs.setdefault("success_threshold", self._options["success_threshold"])
-        kwargs.setdefault("episode_timeout", self._options["episode_timeout"])
-        return evaluate(self._runtime, policy, num_tasks=num_tasks, indices=indices, **kwargs)
+        return evaluate(
+            self._runtime, policy, num_tasks=num_tasks, indices=indices, repeats=repeats, concurrency=concurrency,
+            max_turns=max_turns, output=output, resume=resume, overwrite=overwrite, per_task_tools=per_task_tools,
+            score_groups=score_groups, flatten_prompt=flatten_prompt, upload=upload, others=_others,
+            temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, device=device, progress=progress,
+            episode_timeout=self._options["episode_timeout"] if episode_timeout is None else episode_timeout,
+            success_threshold=self._options["success_threshold"] if success_threshold is None else success_threshold)

@@ -170,3 +170,22 @@ def test_progress_lines_escape_the_environments_text(capsys) -> None:
     err = capsys.readouterr().err
     assert "environment title\\u202eenv\\x1b]0;pwned\\x07: tools ['peek\\x1b[2J']" in err
     assert not any(c in err for c in ("\x1b", "\x07", "\u202e"))
+
+
+def test_demo_on_the_mixed_pool_with_adaptive_sampling(look_server, tmp_path) -> None:
+    """`ors-trl demo --pool mixed --task-sampling adaptive --eval-every N`: GRPO draws the mixed pool's tasks
+    adaptively (every task once first), and the held-out curve is measured as training goes."""
+    from ors_trl.demo._main import run_demo
+
+    result = run_demo(task="look", url=look_server.url, steps=2, sft_steps=5, seed=0, output_dir=str(tmp_path),
+                      report=True, blind=False, pool="mixed", task_sampling="adaptive", eval_every=1,
+                      config_overrides={"logging_steps": 1, "per_device_train_batch_size": 16})
+    assert (result.pool, result.task_sampling) == ("mixed", "adaptive")
+    assert [(p["step"], p["episodes"]) for p in result.curve] == [(1, 16), (2, 32)]
+    assert all(0.0 <= p["success"] <= 1.0 for p in result.curve)
+    records = [json.loads(line) for line in Path(result.episode_log).read_text(encoding="utf-8").splitlines()]
+    tasks = [r["task_index"] for r in records if r["source"] == "trl" and r["split"] == "mixed"]
+    assert len(tasks) == 2 * 16 and len(set(tasks)) == 4  # 2 groups of 8 a step, unseen tasks first: 4 distinct
+    logged = [h for h in result.log_history if any(k.startswith("curriculum/") for k in h)]
+    assert len(logged) == 2 and result.to_json()["task_sampling"] == "adaptive"
+    assert "episodes to 0.8 held out" in result.table()

@@ -46,6 +46,8 @@ DEFAULT_TASK = "look"
 BUNDLED_ENV = "demoenvironment"  # the echo task's environment (`DemoEnvironment`)
 LOOK_ENV = "lookenvironment"
 DEFAULT_STEPS = {"look": 100, "echo": 150}
+#: The held-out success `--eval-every` reports the episodes to (the demo's trained models reach 0.83-1.00).
+TARGET = 0.8
 EPISODE_LOG = "episodes.jsonl"
 REPORT = "report.html"
 #: What a run with a report writes into its output folder (a rerun replaces them, and says so).
@@ -77,6 +79,14 @@ class DemoResult:
     episode_log: str | None = None
     output_dir: str | None = None
     alignment: dict[str, int] | None = None
+    curve: list[dict[str, float]] = field(default_factory=list)
+    pool: str = "train"
+    task_sampling: str = "uniform"
+
+    def episodes_to(self, target: float) -> int | None:
+        """Training episodes (a difficulty probe's included) until held-out success first reached `target` (None:
+        not within the run; needs `eval_every`)."""
+        return next((int(p["episodes"]) for p in self.curve if p["success"] >= target), None)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {f"{k}_{when}": v for when, d in (("before", self.before), ("after", self.after))
@@ -90,7 +100,11 @@ class DemoResult:
             "model": self.model,
             "environment": self.environment,
             "task": self.task,
+            "pool": self.pool,
+            "task_sampling": self.task_sampling,
         })
+        if self.curve:
+            out["curve"] = self.curve
         if self.task == "look":
             out.update({
                 "look_rate_before": self.before.get("look_rate"),
@@ -135,6 +149,11 @@ class DemoResult:
                 lines.append(f"{'blind-variant success':{width}}{'':10}{cell(self.blind['success_rate'])}"
                              "   (chance: 1/6 = 0.167)")
                 lines.append(f"{'blind: answered the decoy':{width}}{'':10}{cell(self.blind.get('follow_rate'))}")
+        if self.curve:
+            reached = self.episodes_to(TARGET)
+            lines.append(f"{f'episodes to {TARGET:g} held out':{width}}{'':10}"
+                         + (f"{reached:>10d}" if reached is not None else f"{'not yet':>10}")
+                         + f"   ({self.pool} pool, {self.task_sampling} sampling)")
         lines.append(f"{'wall time':{width}}{self.seconds:>19.1f}s")
         return "\n".join(lines)
 
@@ -254,6 +273,10 @@ def run_demo(
     config_overrides: dict[str, Any] | None = None,
     sft_overrides: dict[str, Any] | None = None,
     model_overrides: dict[str, Any] | None = None,
+    pool: str = "train",
+    task_sampling: str = "uniform",
+    difficulty: tuple[float, float] | None = None,
+    eval_every: int = 0,
 ) -> DemoResult:
     """The demo pipeline.
 
@@ -269,6 +292,13 @@ def run_demo(
         blind: with the look task, also evaluate the blind variant after training.
         config_overrides, sft_overrides, model_overrides: replace entries of the GRPO configuration, the warm
             start's options, the tiny model's dimensions.
+        pool: the look task's training split: "train", or "mixed" (a third look tasks, a third any answer solves, a
+            third none does: `_task.pool_tasks`).
+        task_sampling: `OpenRewardSpec(task_sampling=)` of the training spec ("uniform" or "adaptive").
+        difficulty: keep the training tasks whose mean reward in a probe evaluation of the warm-started model (4
+            attempts each, greedy tokens aside) lies in this range (`OpenRewardSpec(difficulty=)`); the probe's
+            episodes count as training episodes in `curve`.
+        eval_every: also measure held-out success every this many steps (`DemoResult.curve`).
     """
     import torch
     from transformers.utils import logging as hf_logging
@@ -319,14 +349,17 @@ def run_demo(
         # The demo scores a rollout the environment never scored (no tool call in echo; cut off before a final
         # answer in look) as 0.0 rather than leaving it out: with TRL's None convention a model this small learns
         # to dodge the penalty for wrong answers by not answering.
-        train = OpenRewardSpec(target, env_name=name, split="train", unscored_reward=0.0 if bundled else None,
-                               episode_log=str(episode_log) if episode_log is not None else None)
+        split = pool if look else "train"
+        train = OpenRewardSpec(target, env_name=name, split=split, unscored_reward=0.0 if bundled else None,
+                               episode_log=str(episode_log) if episode_log is not None else None,
+                               task_sampling=task_sampling)
         heldout = OpenRewardSpec(target, env_name=name, split="test")
         specs += [train, heldout]
         heldout_rows = list(heldout.train_dataset)
         factory = train.environment_factory
         tools = _recipe.environment_tools(factory())
-        say(f"environment {train.name}: {len(train.train_dataset)} training tasks, {len(heldout_rows)} held-out "
+        train_tasks = train.run(train.select_tasks())[0]
+        say(f"environment {train.name}: {len(train_tasks)} training tasks ({split}), {len(heldout_rows)} held-out "
             f"tasks, tools {sorted(f.__name__ for f in tools)}"
             + (f", terminal tool {train.terminal_tool.name!r}" if train.terminal_tool else ""))
 
@@ -341,7 +374,7 @@ def run_demo(
             model, tokenizer = _load_model(model_name)
         else:
             say("building a tiny Qwen3 model and its byte-level BPE tokenizer (local, nothing downloaded)")
-            tasks = train.run(train.client.tasks("train")) if bundled else []
+            tasks = train.run(train.client.tasks(split)) if bundled else []
             corpus = (_model.render_corpus(tasks, tools, prompt_fn, episodes_fn=episodes_fn, copies=2, seed=seed)
                       if bundled else _prompt_corpus(train, tools))
             tokenizer = _model.build_tokenizer(corpus, isolate=_task.TARGETS if look else ())
@@ -368,6 +401,26 @@ def run_demo(
 
         config = _recipe.grpo_config_kwargs(steps=steps, seed=seed, output_dir=str(out_dir), task=task,
                                             **(config_overrides or {}))
+        probe_episodes = 0
+        if difficulty is not None:
+            probe = OpenRewardSpec(target, env_name=name, split=split)
+            specs.append(probe)
+            probe_out = out_dir / "difficulty_probe.jsonl"
+            _recipe.evaluate_policy(model, tokenizer, probe, **eval_kwargs, repeats=4, temperature=1.0,
+                                    output=str(probe_out))
+            probe_episodes = 4 * len(train_tasks)
+            train = OpenRewardSpec(target, env_name=name, split=split, unscored_reward=0.0,
+                                   episode_log=str(episode_log) if episode_log is not None else None,
+                                   task_sampling=task_sampling, difficulty=difficulty, difficulty_from=probe_out)
+            specs.append(train)
+            say(f"  difficulty {difficulty}: {len(train.run(train.select_tasks())[0])} of {len(train_tasks)} tasks kept "
+                f"after a probe of {probe_episodes} episodes")
+        curve: list[dict[str, float]] = []
+        callbacks = [_progress_callback(say)]
+        if eval_every:
+            episodes_per_step = config["per_device_train_batch_size"] * config.get("gradient_accumulation_steps", 1)
+            callbacks.append(_curve_callback(lambda m: _recipe.evaluate_policy(m, tokenizer, heldout, **eval_kwargs),
+                                             eval_every, episodes_per_step, probe_episodes, curve, say))
         path = "spec.rollout_func" if rollout_func else "environment_factory"
         say(f"GRPO for {steps} steps through OpenRewardSpec({target!r}) ({path})"
             + (" with SHUFFLED rewards" if control else ""))
@@ -382,7 +435,7 @@ def run_demo(
             args=GRPOConfig(**config),
             train_dataset=train.train_dataset,
             reward_funcs=rewards,
-            callbacks=[_progress_callback(say)],
+            callbacks=callbacks,
             **loop,
         )
         from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -423,12 +476,29 @@ def run_demo(
                           log_history=list(trainer.state.log_history), task=task if bundled else "env",
                           rollout_func=rollout_func, blind=blind_result, report=report_path,
                           episode_log=str(episode_log) if episode_log is not None else None,
-                          output_dir=str(out_dir), alignment=alignment or None)
+                          output_dir=str(out_dir), alignment=alignment or None, curve=curve, pool=split,
+                          task_sampling=task_sampling if difficulty is None else f"{task_sampling}+difficulty")
     finally:
         for spec in specs:
             spec.close()
         if server is not None:
             server.close()
+
+
+def _curve_callback(evaluate: Callable[[Any], dict[str, Any]], every: int, per_step: int, offset: int,
+                    into: list[dict[str, float]], say: Callable[[str], None]) -> Any:
+    """A trainer callback measuring held-out success every `every` steps into `into` (step, episodes, success)."""
+    from transformers import TrainerCallback
+
+    class Curve(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **_: Any) -> None:
+            if state.global_step % every == 0 and model is not None:
+                success = evaluate(model)["success_rate"]
+                into.append({"step": state.global_step, "episodes": offset + state.global_step * per_step,
+                             "success": success})
+                say(f"  step {state.global_step}: held-out success {success:.3f}")
+
+    return Curve()
 
 
 def _checking_alignment(reward_func: Callable[..., list[float | None]], tokenizer: Any, tools: list[Any],
@@ -511,6 +581,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: cores are shared)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the results as the last line")
     p.add_argument("--quiet", action="store_true", help="no progress lines, only the results")
+    p.add_argument("--pool", choices=("train", "mixed"), default="train",
+                   help="look task: train on its tasks (default), or on the mixed pool: a third look tasks, a third any "
+                        "answer solves, a third none does (task selection)")
+    p.add_argument("--task-sampling", choices=("uniform", "adaptive"), default="uniform",
+                   help="how the training tasks are drawn (OpenRewardSpec(task_sampling=...)); default uniform")
+    p.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="also measure held-out success every N steps, and say when it first reached 0.8")
     return p
 
 
@@ -528,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, args.threads))
     result = run_demo(task=args.task, env=args.env, env_name=args.env_name, model_name=args.model, steps=args.steps,
                       sft_steps=args.sft_steps, seed=args.seed, output_dir=args.output_dir,
-                      rollout_func=args.rollout_func, report=args.report, say=_say_to(args.quiet))
+                      rollout_func=args.rollout_func, report=args.report, say=_say_to(args.quiet), pool=args.pool,
+                      task_sampling=args.task_sampling, eval_every=args.eval_every)
     print(result.table())
     if result.report:
         print(f"report: {result.report}")

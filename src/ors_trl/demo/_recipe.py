@@ -302,9 +302,10 @@ def flat(messages: list[dict[str, Any]], flatten_system: bool) -> list[dict[str,
     return [{"role": "user", "content": system["content"]}, *rest]
 
 
-def demo_policy(model, tokenizer, *, max_new_tokens: int = 32) -> Any:
-    """The greedy evaluation policy, rendering with the trainer's chat template and joining turns as GRPO does."""
-    return _counting_policy_class()(model, tokenizer, temperature=0.0, max_new_tokens=max_new_tokens, seed=0,
+def demo_policy(model, tokenizer, *, max_new_tokens: int = 32, temperature: float = 0.0) -> Any:
+    """The evaluation policy (greedy unless `temperature`), rendering with the trainer's chat template and joining
+    turns as GRPO does."""
+    return _counting_policy_class()(model, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens, seed=0,
                                     chat_template=rendering(tokenizer).chat_template, name="demo-policy")
 
 
@@ -367,8 +368,8 @@ def second_turn_alignment(tokenizer, tools: Sequence, completion_ids: Sequence[S
 
 
 def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, max_turns: int = 2,
-                    flatten_system: bool = True, look_tool: str | None = None, output: str | None = None
-                    ) -> dict[str, Any]:
+                    flatten_system: bool = True, look_tool: str | None = None, output: str | None = None,
+                    repeats: int = 1, temperature: float = 0.0) -> dict[str, Any]:
     """Roll the policy out once per task of `spec` (held-out) through `spec.evaluate`, the way GRPO renders it.
 
     Greedy, with the trainer's chat template (`rendering`), at most `max_new_tokens` per turn and `max_turns`
@@ -385,8 +386,9 @@ def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, ma
     """
     was_training = model.training
     model.eval()
-    policy = demo_policy(model, tokenizer, max_new_tokens=max_new_tokens)
+    policy = demo_policy(model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature)
     report = spec.evaluate(policy, concurrency=64, max_turns=max_turns, progress=False, flatten_prompt=flatten_system,
+                           repeats=repeats,
                            **({"output": output, "overwrite": True} if output else {}))
     if was_training:
         model.train()
