@@ -275,6 +275,31 @@ def test_policy_errors_and_bad_endpoint(ref_server) -> None:
     assert report.episodes[0]["error"]["kind"] == "policy"
 
 
+def test_a_policy_failing_after_a_reward_is_an_error(ref_server, tmp_path) -> None:
+    """An episode rewarded by its first call whose policy then fails is counted in `num_errors` (the CLI's
+    all-failed check reads it) and run again by `resume`, not reported as a clean success."""
+    from ors_trl import PolicyError
+
+    class FailsSecondTurn:
+        calls = 0
+
+        async def respond(self, messages, tools):
+            self.calls += 1
+            if not any(m["role"] == "tool" for m in messages):
+                target = re.search(r'exactly this text: "([^"]+)"', str(messages[-1]["content"])).group(1)
+                return PolicyReply(tool_calls=[{"id": "c", "name": "echo", "arguments": {"text": target}}])
+            raise PolicyError("the model server went away")
+
+    spec = OpenRewardSpec(ref_server.url, env_name=ECHO)
+    out = tmp_path / "ep.jsonl"
+    report = spec.evaluate(FailsSecondTurn(), num_tasks=2, output=str(out), progress=False)
+    assert [e["reward"] for e in report.episodes] == [1.0, 1.0] and report.end_reasons == {"error": 2}
+    assert report.num_errors == 2
+    again = FailsSecondTurn()
+    spec.evaluate(again, num_tasks=2, output=str(out), resume=True, progress=False)
+    assert again.calls == 4  # both episodes ran again
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Output file and resume
 
