@@ -275,6 +275,31 @@ def test_policy_errors_and_bad_endpoint(ref_server) -> None:
     assert report.episodes[0]["error"]["kind"] == "policy"
 
 
+def test_a_policy_failing_after_a_reward_is_an_error(ref_server, tmp_path) -> None:
+    """An episode rewarded by its first call whose policy then fails is counted in `num_errors` (the CLI's
+    all-failed check reads it) and run again by `resume`, not reported as a clean success."""
+    from ors_trl import PolicyError
+
+    class FailsSecondTurn:
+        calls = 0
+
+        async def respond(self, messages, tools):
+            self.calls += 1
+            if not any(m["role"] == "tool" for m in messages):
+                target = re.search(r'exactly this text: "([^"]+)"', str(messages[-1]["content"])).group(1)
+                return PolicyReply(tool_calls=[{"id": "c", "name": "echo", "arguments": {"text": target}}])
+            raise PolicyError("the model server went away")
+
+    spec = OpenRewardSpec(ref_server.url, env_name=ECHO)
+    out = tmp_path / "ep.jsonl"
+    report = spec.evaluate(FailsSecondTurn(), num_tasks=2, output=str(out), progress=False)
+    assert [e["reward"] for e in report.episodes] == [1.0, 1.0] and report.end_reasons == {"error": 2}
+    assert report.num_errors == 2
+    again = FailsSecondTurn()
+    spec.evaluate(again, num_tasks=2, output=str(out), resume=True, progress=False)
+    assert again.calls == 4  # both episodes ran again
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Output file and resume
 
@@ -390,7 +415,7 @@ class ScriptedModel:
         self.config = PretrainedConfig(max_position_embeddings=4096)
         self.batches: list[int] = []
 
-    def generate(self, input_ids, attention_mask, max_new_tokens, **kwargs):
+    def generate(self, input_ids, attention_mask, max_new_tokens=None, **kwargs):
         self.batches.append(int(input_ids.shape[0]))
         rows = []
         for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
@@ -422,6 +447,49 @@ def test_local_policy_batches_and_parses_tool_calls(ref_server, tiny_model_dir) 
     assert model.batches[0] == policy.batch_sizes[0] == 4  # the four episodes' first turns shared one generate call
     call = report.episodes[0]["turns"][0]["tool_calls"][0]
     assert call["arguments"] == {"text": "hello"} and call["remote_name"] == "echo"
+    # the turn after the tool call ran too, its input joined as GRPO joins it (TRL's training template for Qwen3)
+    assert report.end_reasons == {"finished": 4} and policy.join_turns
+    assert [[t["assistant"] for t in e["turns"]] for e in report.episodes] == [["", "Done."]] * 4
+    assert model.batches == policy.batch_sizes == [4, 4]
+
+
+def test_local_policy_falls_back_to_whole_conversations(ref_server, tiny_model_dir, caplog) -> None:
+    """A chat template TRL has no training variant of, and cannot build tool turns with (not prefix-preserving):
+    rendered with the tokenizer's own template and, from the first tool turn on, whole; one log line for each, and
+    every episode plays on."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import add_response_schema
+
+    tokenizer = add_response_schema(AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True))
+    tokenizer.chat_template = "{#- a template TRL does not know -#}\n" + tokenizer.chat_template  # renders the same
+    model = ScriptedModel(tokenizer)
+    with caplog.at_level("WARNING", logger="ors_trl.eval"):
+        policy = LocalPolicy(model, tokenizer, batch_wait=300.0, name="tiny")
+        report = OpenRewardSpec(ref_server.url, env_name=ECHO).evaluate(policy, num_tasks=4, concurrency=4,
+                                                                        progress=False)
+    assert policy.rendering.chat_template is None and not policy.join_turns
+    assert report.end_reasons == {"finished": 4} and report.mean_reward == 1.0
+    assert [[t["assistant"] for t in e["turns"]] for e in report.episodes] == [["", "Done."]] * 4
+    logged = [r.getMessage() for r in caplog.records if r.name == "ors_trl.eval"]
+    assert len(logged) == 2, logged
+    assert "the tokenizer's own chat template" in logged[0] and "ValueError" in logged[0]
+    assert logged[1].startswith("tiny renders every conversation whole from now on (join_turns=False)")
+
+
+def test_cli_eval_of_a_model_directory_plays_tool_turns(ref_server, tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """`ors-trl eval --model DIR` loads the policy as `LocalPolicy.from_pretrained` does (the model's generate
+    scripted: a tool call, then a final message); the turn after the tool call is built as GRPO builds it."""
+    import transformers
+
+    scripted = ScriptedModel(transformers.AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True))
+    (architecture,) = transformers.AutoConfig.from_pretrained(tiny_model_dir).architectures
+    monkeypatch.setattr(getattr(transformers, architecture), "generate", lambda self, **kw: scripted.generate(**kw))
+    out = tmp_path / "episodes.jsonl"
+    assert main(["eval", ref_server.url, "--env-name", ECHO, "--model", str(tiny_model_dir), "--num-tasks", "2",
+                 "--output", str(out), "--no-progress"]) == 0
+    records = read_lines(out)
+    assert [r["end_reason"] for r in records] == ["finished", "finished"] and scripted.batches == [2, 2]
+    assert [[t["assistant"] for t in r["turns"]] for r in records] == [["", "Done."]] * 2
 
 
 def test_toolset_schemas_match_training_binding(ref_server) -> None:
@@ -466,9 +534,9 @@ def test_local_policy_joins_turns_as_grpo_does(tiny_model_dir) -> None:
     from trl.chat_template_utils import get_training_chat_template
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
-    template = get_training_chat_template(tokenizer)
-    joined = LocalPolicy(object(), tokenizer, chat_template=template)
-    plain = LocalPolicy(object(), tokenizer, chat_template=template, join_turns=False)
+    joined = LocalPolicy(object(), tokenizer)  # by default, the template GRPOTrainer trains tools with
+    assert joined.rendering.chat_template == get_training_chat_template(tokenizer) is not None
+    plain = LocalPolicy(object(), tokenizer, join_turns=False)
     user = [{"role": "user", "content": 'Call the `echo` tool with exactly this text: "hello".'}]
     first = joined._render(user, [])
     assert first == plain._render(user, [])
@@ -666,9 +734,10 @@ def test_tool_call_health_with_broken_markup(ref_server, tiny_model_dir) -> None
         return torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
 
     model.generate = generate
-    policy = LocalPolicy(model, tok, max_new_tokens=64, join_turns=False)
+    policy = LocalPolicy(model, tok, max_new_tokens=64)
     assert policy.rendering.tool_markup == "<tool_call>"  # read off the template's response schema
     report = OpenRewardSpec(ref_server.url, env_name=ECHO).evaluate(policy, num_tasks=4, progress=False)
+    assert "error" not in report.end_reasons and policy.join_turns
     by_word = {words[e["task_index"]]: e for e in report.episodes}
     assert by_word["hello"]["reward"] == 1.0 and by_word["hello"]["tool_calls"] == 1
     (broken,) = by_word["world"]["turns"]

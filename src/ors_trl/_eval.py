@@ -68,6 +68,11 @@ def _key(record: dict[str, Any]) -> EpisodeKey | None:
         return None
 
 
+def failed(record: dict[str, Any]) -> bool:
+    """An episode that failed (its session, or the policy): counted in `num_errors`, run again by `resume`."""
+    return "error" in (record.get("end_reason"), record.get("unscored"))
+
+
 def load_episodes(path: str | os.PathLike[str], environments: Collection[str] | None = None
                   ) -> dict[EpisodeKey, dict[str, Any]]:
     """An episodes file as `{(split, task_index, repeat): record}`, the last record of each key winning; only the
@@ -278,8 +283,7 @@ def evaluate(
             logger.warning("%s holds episodes of other environments (%s); they are not reused", out_path,
                            ", ".join(map(str, foreign)))
     wanted = set(keys)
-    kept = {k: r for k, r in previous.items()
-            if k in wanted and "error" not in (r.get("end_reason"), r.get("unscored"))}
+    kept = {k: r for k, r in previous.items() if k in wanted and not failed(r)}
     todo = [k for k in keys if k not in kept]
 
     # the uploader first: a missing key is said before a model is loaded
@@ -396,8 +400,8 @@ class EvalReport:
         turns_per_episode (`float`):
             Mean policy replies per episode.
         num_errors (`int`):
-            Episodes that failed: their session did not open or was lost, or the policy failed
-            (`unscored == "error"`).
+            Episodes that failed: their session did not open or was lost (`unscored == "error"`), or the policy
+            failed (`end_reason == "error"`, even after a reward): the episodes `resume` runs again.
         end_reasons (`dict[str, int]`):
             Episodes per end reason (`no_tool_calls`, `finished`, `max_turns`, `context_length`, `timeout`,
             `error`).
@@ -498,7 +502,7 @@ class EvalReport:
             coverage=stats.coverage, finished_rate=stats.share(stats.finished),
             tool_calls_per_episode=stats.share(stats.tool_calls),
             tool_failures_per_episode=stats.share(stats.tool_failures), turns_per_episode=stats.share(stats.turns),
-            num_errors=stats.unscored.get("error", 0), end_reasons=dict(stats.end_reasons),
+            num_errors=sum(1 for e in episodes if failed(e)), end_reasons=dict(stats.end_reasons),
             mean_group_reward=stats.mean_group_reward, success_rate=stats.success_rate,
             success_threshold=success_threshold, episodes=episodes, pass_at_k=passed,
             pass_at_1_interval=wilson(passed[1], len(tasks)) if passed else None,

@@ -326,8 +326,9 @@ class _Pending:
 
 
 class LocalPolicy:
-    """A local transformers causal LM, prompted with its tokenizer's chat template (tools included); or a
-    vision-language model with its processor, which then takes the images of the conversation as training does.
+    """A local transformers causal LM, prompted with the chat template `GRPOTrainer` trains tools with (tools
+    included); or a vision-language model with its processor, which then takes the images of the conversation as
+    training does.
 
     Episodes waiting for a turn are batched by the engine's rule (`GatherWindow`): the first request waits for the
     other running episodes (until `max_batch_size` are waiting, or the window passes), then one left-padded
@@ -356,13 +357,17 @@ class LocalPolicy:
         name (`str`, *optional*):
             The policy's name in records (default: the model's path).
         chat_template (`str`, *optional*):
-            Render with this template instead of the tokenizer's (e.g. TRL's training template).
+            Render with this template. By default, the one `GRPOTrainer` trains tools with: the tokenizer's own if
+            it is prefix-preserving, else TRL's training variant of it (`trl/chat_templates`, e.g. for Qwen3); the
+            tokenizer's own, with one log line, where TRL has no such variant.
         join_turns (`bool`, *optional*, defaults to `True`):
             Build a later turn's input as GRPO's tool loop does: the previous input, the ids the model generated,
             then the tool messages' suffix (TRL's computation), instead of re-rendering the whole conversation.
             Re-rendering can differ from what the model was trained on (an empty `<think>` block added to a past
             turn, a generated sequence that is not the canonical tokenization of its text). A conversation whose
-            past turns this policy did not generate is rendered whole.
+            past turns this policy did not generate is rendered whole; so is every conversation, with one log line
+            (and `join_turns` set to `False`), once TRL cannot build a tool turn with the chat template (one that is
+            not prefix-preserving).
 
     Raises:
         ConfigurationError: the tokenizer has no chat template.
@@ -399,7 +404,15 @@ class LocalPolicy:
         self.batch_sizes: list[int] = []
         from ._trl import Rendering
 
-        self.rendering = Rendering(tokenizer, chat_template=chat_template)
+        if chat_template is not None:
+            self.rendering = Rendering(tokenizer, chat_template=chat_template)
+        else:
+            try:  # the template GRPOTrainer trains tools with (TRL's training variant of a template it knows)
+                self.rendering = Rendering.for_training(tokenizer)
+            except Exception as exc:  # a template TRL has no training variant of, or no TRL
+                logger.warning("LocalPolicy renders with the tokenizer's own chat template: the one GRPOTrainer trains "
+                               "tools with could not be determined (%s: %s).", type(exc).__name__, exc)
+                self.rendering = Rendering(tokenizer)
         if self.rendering.parse_error is not None:
             logger.warning("cannot parse tool calls from this model's replies (%s): no response template for its chat "
                            "template; replies are decoded as plain text, so every episode ends after one turn.",
@@ -588,8 +601,16 @@ class LocalPolicy:
                 while i < len(messages) and messages[i].get("role") == "tool":
                     i += 1
                 if i > start:
-                    ids += rendering.tool_suffix_ids([{"role": "tool", "name": m.get("name") or "tool",
-                                                       "content": m["content"]} for m in messages[start:i]])
+                    try:
+                        ids += rendering.tool_suffix_ids([{"role": "tool", "name": m.get("name") or "tool",
+                                                           "content": m["content"]} for m in messages[start:i]])
+                    except Exception as exc:  # a template that is not prefix-preserving: TRL cannot join its turns
+                        logger.warning("%s renders every conversation whole from now on (join_turns=False): TRL "
+                                       "cannot build a turn after tool calls with this chat template (%s: %s).",
+                                       self.name, type(exc).__name__, exc)
+                        self.join_turns = False
+                        self._generated.clear()
+                        return rendering.prompt_ids(messages, tools)
             return ids
         return rendering.prompt_ids(messages, tools)
 
