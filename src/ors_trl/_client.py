@@ -16,8 +16,8 @@ import functools
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ._exceptions import (
     BadRequestError,
@@ -35,9 +35,8 @@ from ._loop import BackgroundLoop, get_loop
 from ._pool import OPENING_WAIT_S, Lease, SessionPool
 from ._target import SecretValue, Target, encode_secrets, resolve_target
 from ._text import show_name
-from ._transport import RetryPolicy, Timeouts, Transport, readable
+from ._transport import RetryPolicy, Timeouts, Transport, masking, readable
 from ._types import (
-    MASK,
     MAX_ENVIRONMENTS,
     MAX_SPLITS,
     MAX_TASK_COUNT,
@@ -59,33 +58,14 @@ logger = logging.getLogger("ors_trl.client")
 # Retries for deleting sessions while shutting down: a dead server must not hold up interpreter exit.
 _QUICK_RETRY = RetryPolicy(max_attempts=2, backoff_initial=0.1, backoff_max=0.5)
 _ORPHAN_CONCURRENCY = 16
-F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 #: A session id the server hands out travels in the `X-Session-ID` header of every later request: visible ASCII only.
 _SESSION_ID = re.compile(r"[\x21-\x7e]{1,256}")
 #: An environment name from `/list_environments` becomes a URL path segment: no `/`, `?`, `#`, `%`, nothing to escape.
 _ENV_NAME = re.compile(r"[A-Za-z0-9._~!$&'()*+,;=:@-]{1,200}")
 
 
-def _masked(method: F) -> F:
-    """Decorator for the calls of `AsyncClient` and `AsyncSession`: mask secrets in every ORSError they raise, and
-    drop its exception chain.
-
-    The transport masks its own errors; this covers the ones raised here while checking an answer, which quote
-    what the server said (and a server may echo the credentials it was sent)."""
-
-    @functools.wraps(method)
-    async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        transport = (self if isinstance(self, AsyncClient) else self.client)._transport
-        token = MASK.set(transport.mask)  # what `quoted` shows of an answer is masked before it is cut
-        try:
-            return await method(self, *args, **kwargs)
-        except ORSError as exc:
-            transport.mask_error(exc)
-            raise
-        finally:
-            MASK.reset(token)
-
-    return wrapper  # type: ignore[return-value]
+#: The calls of `AsyncClient` and `AsyncSession` mask their transport's secrets in the errors they raise.
+_masked = masking(lambda self: self._transport)
 
 
 class AsyncSession:
@@ -122,6 +102,7 @@ class AsyncSession:
     def __init__(self, client: AsyncClient, sid: str, *, split: str | None, index: int | None,
                  task_spec: Mapping[str, Any] | None, open_seconds: float, created_at: float) -> None:
         self.client = client
+        self._transport: Transport = client._transport
         self.created_at = created_at
         self.closed_at: float | None = None
         self.sid = sid
@@ -151,13 +132,13 @@ class AsyncSession:
         if self.closed:
             raise UsageError(f"session {self.sid} is closed; open a new one")
 
-    async def _request(self, method: str, suffix: str, *, body: Any = None) -> Any:
+    async def _request(self, method: str, suffix: str, *, scoped: bool = True) -> Any:
+        """A request in this session: refused once it is closed; its start is activity (keepalive); a 404 (`scoped`)
+        or a 410 marks the session expired."""
         self._check_open()
         self.last_activity = time.monotonic()
         try:
-            return await self.client._transport.request(
-                method, self.client._path(suffix), body=body, sid=self.sid, session_scoped=True
-            )
+            return await self._transport.request(method, self.client._path(suffix), sid=self.sid, session_scoped=scoped)
         except SessionExpiredError:
             self.expired = True
             raise
@@ -176,16 +157,13 @@ class AsyncSession:
             NotFoundError: an older server has no such route (use `prompt()` there).
             SessionExpiredError: the session is gone.
         """
-        self._check_open()
         try:
-            raw = await self.client._transport.request("GET", self.client._path("/messages"), sid=self.sid)
+            raw = await self._request("GET", "/messages", scoped=False)  # a 404 may be an older server's: no route
         except NotFoundError as exc:
             if "active environment not found" in exc.detail.lower():  # the session is gone, not the route
                 self.expired = True
                 raise SessionExpiredError(str(exc), status_code=404, detail=exc.detail, path=exc.path) from None
             raise
-        finally:
-            self.last_activity = time.monotonic()
         return parse_messages(raw)
 
     @_masked
@@ -216,7 +194,7 @@ class AsyncSession:
         body, task_id = await self._stream("/call", {"name": name, "input": dict(arguments or {})},
                                            what=f"tool {show_name(name)}", tool=name)
         # A refusal quotes the server: `quote` masks secrets it echoed and escapes control characters.
-        return _parse_call_result(body, tool=name, task_id=task_id, quote=self.client._transport.quote)
+        return _parse_call_result(body, tool=name, task_id=task_id, quote=self._transport.decoder.quote)
 
     @_masked
     async def score_group(self, candidates: list[dict[str, Any]]) -> list[GroupScore]:
@@ -243,7 +221,7 @@ class AsyncSession:
         """One streamed call, bounded by `Timeouts.tool_call`, resumed by task id if its stream drops."""
         self._check_open()
         self.last_activity = time.monotonic()
-        transport = self.client._transport
+        transport = self._transport
         limit = transport.timeouts.tool_call
         try:
             async with asyncio.timeout(limit):
@@ -265,7 +243,7 @@ class AsyncSession:
             return False
         self.last_activity = time.monotonic()
         try:
-            await self.client._transport.request("POST", "/ping", sid=self.sid, session_scoped=True)
+            await self._transport.request("POST", "/ping", sid=self.sid, session_scoped=True)
         except NotFoundError:
             self.expired = True
             return False
@@ -396,13 +374,13 @@ class AsyncClient:
             self.target, timeouts=timeouts or Timeouts(), retry=retry or RetryPolicy(), max_connections=max_connections
         )
         self._transport.on_throttle = self._pool.throttled
-        if self._secret_headers:  # masked from the start, not only once a session has sent them
-            self._transport._learn_secrets(self._secret_headers["X-Secrets"])
-        for value in self._overrides.values():  # an override may be a key (OPENAI_API_KEY)
+        # Masked from the start: the X-Secrets header, each secret's value, each override (it may be a key).
+        for value in [*self._secret_headers.values(), *self._overrides.values(),
+                      *(v if isinstance(v, str) else v[0] for v in (secrets or {}).values())]:
             self._transport.decoder.add(value)
         self._env: str | None = None
         self._env_resolved = False
-        self._env_lock: asyncio.Lock | None = None
+        self._env_lock = asyncio.Lock()  # bound to a loop only once it is waited on
         self._control_sid: str | None = None
 
     def __repr__(self) -> str:
@@ -439,8 +417,6 @@ class AsyncClient:
         """
         if self._env_resolved:
             return self._env
-        if self._env_lock is None:
-            self._env_lock = asyncio.Lock()
         async with self._env_lock:
             if not self._env_resolved:
                 self._env = await self._resolve_env()
@@ -673,7 +649,7 @@ class AsyncClient:
                 await self._pool.record(sid, self.target.name)
                 return sid
             if event == "error":
-                raise ProtocolError(f"/create_session failed: {self._transport.quote(data)}")
+                raise ProtocolError(f"/create_session failed: {self._transport.decoder.quote(data)}")
         raise ProtocolError("/create_session: the stream carried no session id")
 
     def _session_id(self, sid: str) -> str:

@@ -30,7 +30,6 @@ no exception chain (a `JSONDecodeError` keeps the raw body, an aiohttp error the
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import functools
 import json
@@ -65,12 +64,14 @@ from ._exceptions import (
 )
 from ._target import Target, _host_port
 from ._text import clean_json, escape_controls, repair, unescape_json
+from ._types import MASK
 from ._version import __version__
 
-__all__ = ["Decoder", "RetryPolicy", "Timeouts", "Transport"]
+__all__ = ["Decoder", "RetryPolicy", "Timeouts", "Transport", "masking"]
 
 logger = logging.getLogger("ors_trl.client")
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 USER_AGENT = f"ors-trl/{__version__}"
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
@@ -308,18 +309,33 @@ def status_error(status: int, detail: str, path: str, *, session_scoped: bool) -
     return APIStatusError(f"{where}unexpected status {status}: {detail}", **kw)
 
 
-def _masked(method: Any) -> Any:
-    """Decorator for Transport's request methods: mask secrets in every ORSError they raise, and drop its chain."""
+def masking(transport_of: Callable[[Any], Transport]) -> Callable[[F], F]:
+    """Decorator for the calls that talk to a server (`Transport`'s, `AsyncClient`'s and `AsyncSession`'s): mask the
+    secrets of the transport `transport_of(self)` in every ORSError they raise (and drop its exception chain), and in
+    what `quoted` shows of an answer, before it is cut.
 
-    @functools.wraps(method)
-    async def wrapper(self: Transport, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await method(self, *args, **kwargs)
-        except ORSError as exc:
-            self.mask_error(exc)
-            raise
+    The transport masks its own errors; a client's call also raises errors while checking an answer, which quote what
+    the server said (and a server may echo the credentials it was sent)."""
 
-    return wrapper
+    def decorate(method: F) -> F:
+        @functools.wraps(method)
+        async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            transport = transport_of(self)
+            token = MASK.set(transport.mask)
+            try:
+                return await method(self, *args, **kwargs)
+            except ORSError as exc:
+                transport.mask_error(exc)
+                raise
+            finally:
+                MASK.reset(token)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+_masked = masking(lambda transport: transport)
 
 
 class _Dropped(Exception):
@@ -401,9 +417,8 @@ class Transport:
         )
         self.on_request: Callable[[str, str], None] | None = None  # (method, path) hook for tests/metrics
         self.on_throttle: Callable[[], None] | None = None  # told of each 429 and `503 starting` (the pace slows)
-        # Masked in every answer and message: the API key, plus every X-Secrets header sent and its values.
+        # Masked in every answer and message: the API key, and what the client adds (its X-Secrets header and values).
         self.decoder = Decoder([str(target.api_key)] if target.api_key else [])
-        self._headers_seen: set[str] = set()
 
     # -- connection pool ---------------------------------------------------------------------
 
@@ -444,30 +459,13 @@ class Transport:
             h["X-Session-ID"] = sid
         if extra:
             h.update(extra)
-            if "X-Secrets" in extra:
-                self._learn_secrets(extra["X-Secrets"])
         return h
 
     # -- masking secrets in errors ---------------------------------------------------------------
 
-    def _learn_secrets(self, header: str) -> None:
-        if header in self._headers_seen:
-            return
-        self._headers_seen.add(header)
-        self.decoder.add(header)
-        with contextlib.suppress(ValueError, TypeError, AttributeError):
-            for entry in json.loads(base64.b64decode(header)).values():
-                value = entry.get("value") if isinstance(entry, dict) else None
-                if isinstance(value, str):
-                    self.decoder.add(value)
-
     def mask(self, text: str) -> str:
         """`text` with every known secret (API key, secret values, X-Secrets header) replaced by `***`."""
         return self.decoder.mask(text)
-
-    def quote(self, text: str) -> str:
-        """What a server said, for a message: secrets masked, then made `readable` (bounded, no control characters)."""
-        return self.decoder.quote(text)
 
     def mask_error(self, exc: ORSError) -> ORSError:
         """Mask secrets in an error's message (and `detail`) in place, and drop its exception chain (a decoder's
@@ -538,7 +536,7 @@ class Transport:
     async def _status(self, resp: aiohttp.ClientResponse, path: str, *, session_scoped: bool) -> _Again:
         """An error answer as the exception to raise, wrapped as `_Again` when retrying may help."""
         head = await _read_head(resp, _ERROR_BODY_LIMIT)
-        detail = self.quote(_detail_of(self.decoder, head))
+        detail = self.decoder.quote(_detail_of(self.decoder, head))
         starting = resp.status == 503 and resp.headers.get("X-Backend-State") == "starting"
         if (starting or resp.status == 429) and self.on_throttle is not None:
             self.on_throttle()
@@ -676,7 +674,7 @@ class Transport:
                         f"{what}: the stream dropped and the server no longer knows the call (results are kept "
                         "60 s); its result is lost. It was not re-run."
                     )
-                raise ToolFailedError(f"{what} raised in the environment: {self.quote(data)}", tool=tool)
+                raise ToolFailedError(f"{what} raised in the environment: {self.decoder.quote(data)}", tool=tool)
         raise _Dropped()
 
     def _count(self, method: str, path: str) -> None:
