@@ -452,14 +452,10 @@ class AsyncClient:
 
     async def _env_request(self, method: str, suffix: str, body: Any = None) -> Any:
         await self.environment()
-        sid = await self._control() if not self.target.is_url else None
-        return await self._transport.request(method, self._path(suffix), body=body, sid=sid)
-
-    async def _control(self) -> str:
-        """Catalog mode routes even metadata calls by session; one is kept for the client's lifetime."""
-        if self._control_sid is None:
+        if not self.target.is_url and self._control_sid is None:
+            # Catalog mode routes even metadata calls by session; one is kept for the client's lifetime.
             self._control_sid = await self._create_sid()
-        return self._control_sid
+        return await self._transport.request(method, self._path(suffix), body=body, sid=self._control_sid)
 
     # -- environment calls -----------------------------------------------------------------
 
@@ -499,31 +495,29 @@ class AsyncClient:
                 raise ProtocolError(f"/splits: bad entry {quoted(item)}")
         return out
 
-    async def _split_error(self, split: str, exc: BadRequestError) -> BadRequestError:
-        """Turn the server's bare "Invalid split" into a message that lists the real splits."""
-        if "split" not in exc.detail.lower():
+    async def _task_error(self, split: str, index: int | None, exc: BadRequestError) -> BadRequestError:
+        """Turn the server's bare "Invalid index" (when `index` was asked for) into a message with the valid range, and
+        its bare "Invalid split" into one that lists the real splits."""
+        if index is not None and "index" in exc.detail.lower():
+            n = await self.num_tasks(split)
+            message = f"task index {index} is out of range for split {split!r}, which has {n} tasks (0..{n - 1})."
+        elif "split" in exc.detail.lower():
+            names = [s.name for s in await self.splits()]
+            message = f"split {split!r} does not exist on {self.target.name}; available splits: {', '.join(names)}."
+        else:
             return exc
-        names = [s.name for s in await self.splits()]
-        return BadRequestError(
-            f"split {split!r} does not exist on {self.target.name}; available splits: {', '.join(names)}.",
-            status_code=exc.status_code, detail=exc.detail, path=exc.path,
-        )
+        return BadRequestError(message, status_code=exc.status_code, detail=exc.detail, path=exc.path)
 
-    async def _index_error(self, split: str, index: int, exc: BadRequestError) -> BadRequestError:
-        """Turn the server's bare "Invalid index" into a message with the valid range."""
-        if "index" not in exc.detail.lower():
-            return await self._split_error(split, exc)
-        n = await self.num_tasks(split)
-        return BadRequestError(
-            f"task index {index} is out of range for split {split!r}, which has {n} tasks (0..{n - 1}).",
-            status_code=exc.status_code, detail=exc.detail, path=exc.path,
-        )
-
-    async def _split_request(self, split: str, suffix: str, body: dict[str, Any]) -> Any:
+    async def _split_request(self, suffix: str, body: dict[str, Any], key: str | None = None) -> Any:
+        """POST a request about `body["split"]` (and `body["index"]`); the answer's `key` when given, checked to be a
+        list."""
         try:
-            return await self._env_request("POST", suffix, body)
+            raw = await self._env_request("POST", suffix, body)
         except BadRequestError as exc:
-            raise await self._split_error(split, exc) from None
+            raise await self._task_error(body["split"], body.get("index"), exc) from None
+        if key is not None and not (isinstance(raw, dict) and isinstance(raw.get(key), list)):
+            raise ProtocolError(f"{suffix}: expected {{'{key}': [...]}}, got {quoted(raw)}")
+        return raw if key is None else raw[key]
 
     @_masked
     async def num_tasks(self, split: str = "train") -> int:
@@ -539,7 +533,7 @@ class AsyncClient:
         Raises:
             BadRequestError: `split` does not exist (the message lists those that do).
         """
-        raw = await self._split_request(split, "/num_tasks", {"split": split})
+        raw = await self._split_request("/num_tasks", {"split": split})
         count = raw.get("num_tasks") if isinstance(raw, dict) else None
         if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_TASK_COUNT:
             raise ProtocolError(f"/num_tasks: expected {{'num_tasks': n}} with n an integer from 0 to 2**53, got "
@@ -562,10 +556,7 @@ class AsyncClient:
         Raises:
             BadRequestError: `split` does not exist, or `index` is out of its range (the message says which).
         """
-        try:
-            raw = await self._env_request("POST", "/task", {"split": split, "index": index})
-        except BadRequestError as exc:
-            raise await self._index_error(split, index, exc) from None
+        raw = await self._split_request("/task", {"split": split, "index": index})
         if not isinstance(raw, dict) or "task" not in raw:
             raise ProtocolError(f"/task: expected {{'task': ...}}, got {quoted(raw)}")
         return raw["task"]
@@ -588,19 +579,13 @@ class AsyncClient:
         Raises:
             BadRequestError: `split` does not exist (the message lists those that do).
         """
-        body: dict[str, Any] = {"split": split}
-        if start is not None:
-            body["start"] = start
-        if stop is not None:
-            body["stop"] = stop
-        raw = await self._split_request(split, "/task_range", body)
-        if not isinstance(raw, dict) or not isinstance(raw.get("tasks"), list):
-            raise ProtocolError(f"/task_range: expected {{'tasks': [...]}}, got {quoted(raw)}")
+        bounds = {k: v for k, v in (("start", start), ("stop", stop)) if v is not None}
+        tasks = await self._split_request("/task_range", {"split": split, **bounds}, "tasks")
         asked = len(range(start or 0, stop)) if stop is not None and (start or 0) >= 0 and stop >= 0 else None
-        if asked is not None and len(raw["tasks"]) > asked:
+        if asked is not None and len(tasks) > asked:
             raise ProtocolError(f"/task_range: asked for tasks {start or 0}..{stop} ({asked}), the server answered "
-                                f"{len(raw['tasks'])}")
-        return raw["tasks"]
+                                f"{len(tasks)}")
+        return tasks
 
     @_masked
     async def tasks(self, split: str = "train") -> list[dict[str, Any]]:
@@ -616,10 +601,7 @@ class AsyncClient:
         Raises:
             BadRequestError: `split` does not exist (the message lists those that do).
         """
-        raw = await self._split_request(split, "/tasks", {"split": split})
-        if not isinstance(raw, dict) or not isinstance(raw.get("tasks"), list):
-            raise ProtocolError(f"/tasks: expected {{'tasks': [...]}}, got {quoted(raw)}")
-        return raw["tasks"]
+        return await self._split_request("/tasks", {"split": split}, "tasks")
 
     @_masked
     async def tools(self) -> ToolList:
@@ -732,7 +714,7 @@ class AsyncClient:
                 elif index is None:
                     raise
                 else:
-                    raise await self._index_error(split or "train", index, exc) from None
+                    raise await self._task_error(split or "train", index, exc) from None
             session = AsyncSession(self, sid, split=split if index is not None else None, index=index,
                                    task_spec=task_spec, open_seconds=time.monotonic() - started, created_at=created)
             session._lease = lease
