@@ -342,14 +342,16 @@ class _Dropped(Exception):
     """Internal: a stream ended without its final event."""
 
 
-async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int) -> AsyncIterator[tuple[str, str]]:
-    """Yield `(event, data)` per the SSE spec: one space after `data:` stripped, comments skipped.
+async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> AsyncIterator[tuple[str, str]]:
+    """Yield `(event, data)` per the SSE spec: one space after `data:` stripped, comments skipped; `what` names the
+    request in errors.
 
     Lines are split here rather than with `resp.content.readline()`: aiohttp's readline refuses lines
     longer than its buffer (128-512 KiB, depending on the version) with an exception outside our
     hierarchy, while the protocol lets a server send a whole result as one `data:` line. The only
     bound is `max_bytes` for the whole stream.
     """
+    _check_length(resp, max_bytes, what)
     event: str | None = None
     data: list[str] = []
     total = 0
@@ -363,17 +365,11 @@ async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int) -> AsyncIterato
             raise ProtocolError(f"event stream exceeded {max_bytes} bytes")
         start = len(buf)
         buf += chunk
-        lines: list[bytes] = []
-        begin = 0
-        while (end := buf.find(b"\n", start)) != -1:
-            lines.append(bytes(buf[begin:end]))
-            begin = start = end + 1
-        if begin:
-            del buf[:begin]
+        if (cut := buf.rfind(b"\n", start)) == -1:  # what was kept holds no newline: only new bytes are searched
+            continue
+        lines, buf = bytes(buf[:cut]).split(b"\n"), buf[cut + 1:]
         for raw in lines:
-            line = raw.decode("utf-8", errors="replace")
-            if line.endswith("\r"):
-                line = line[:-1]
+            line = raw.decode("utf-8", errors="replace").removesuffix("\r")
             if not line:
                 if data or event is not None:
                     yield (event or "message", "\n".join(data))
@@ -381,9 +377,8 @@ async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int) -> AsyncIterato
                 continue
             if line.startswith(":"):
                 continue
-            name, sep, value = line.partition(":")
-            if sep and value.startswith(" "):
-                value = value[1:]
+            name, _, value = line.partition(":")
+            value = value.removeprefix(" ")
             if name == "event":
                 event = value
             elif name == "data":
@@ -484,12 +479,10 @@ class Transport:
                     timeout: aiohttp.ClientTimeout | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
         """One request, following redirects like aiohttp would, except that credentials are dropped
         on a hop to a host the API key does not belong to (aiohttp strips only `Authorization`)."""
-        kwargs: dict[str, Any] = {"allow_redirects": False}
-        if timeout is not None:
-            kwargs["timeout"] = timeout
         for _ in range(_MAX_REDIRECTS + 1):
             try:
-                resp = await self._client().request(method, url, data=data, headers=headers, **kwargs)
+                resp = await self._client().request(method, url, data=data, headers=headers, allow_redirects=False,
+                                                    timeout=timeout or self._request_timeout)
             except aiohttp.ClientError:
                 raise
             except ValueError as exc:  # a header or URL HTTP cannot carry (aiohttp checks, untyped)
@@ -592,8 +585,7 @@ class Transport:
                     self._send("POST", base + path, data=data, headers=headers) as resp:
                 if resp.status >= 400:
                     raise await self._status(resp, path, session_scoped=False)
-                _check_length(resp, self.max_response_bytes, path)
-                return [ev async for ev in iter_sse(resp, self.max_response_bytes)]
+                return [ev async for ev in iter_sse(resp, self.max_response_bytes, path)]
 
         return await retrying(self.retry, attempt, what=f"POST {path}", base=base, sent_is_safe=idempotent,
                               timeout=self.timeouts.request, mask=self.mask)
@@ -656,8 +648,7 @@ class Transport:
         """Read one call's event stream to its decoded result: `task_id`, `chunk`... `end`, or `error`."""
         chunks: list[str] = []
         size = 0
-        _check_length(resp, self.max_response_bytes, what)
-        async for event, data in iter_sse(resp, self.max_response_bytes):
+        async for event, data in iter_sse(resp, self.max_response_bytes, what):
             if event == "task_id":
                 on_task_id(self.decoder.text(data).strip())
             elif event in ("chunk", "end"):
