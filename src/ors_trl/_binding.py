@@ -33,7 +33,7 @@ import inspect
 import keyword
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import FunctionType
 from typing import Any
@@ -47,6 +47,7 @@ from ._schema import (
     ToolInfo,
     describe_tool,
     single_line,
+    tool_field,
 )
 from ._text import ascii_fold, one_line, show_name
 
@@ -71,12 +72,6 @@ class _Unset:
     applies."""
 
     __slots__ = ()
-    _instance: _Unset | None = None
-
-    def __new__(cls) -> _Unset:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
 
     def __repr__(self) -> str:
         return "<unset>"
@@ -207,25 +202,6 @@ class _CallPlan:
         return out
 
 
-def _make_function(plan: _CallPlan, asynchronous: bool) -> FunctionType:
-    """A fresh generic closure; the receiver is positional-only so any argument name (even `self`) fits kwargs.
-
-    It hands the adapter the call as the model made it (the name it saw, the arguments by name): the episode
-    core routes it, so a call TRL makes and one the engine makes go through the same router."""
-    display, named = plan.display, plan.named
-    if asynchronous:
-
-        async def _tool(_ors_self: Any, /, *args: Any, **kwargs: Any) -> Any:
-            return await _ors_self._acall_tool(display, named(args, kwargs))
-
-    else:
-
-        def _tool(_ors_self: Any, /, *args: Any, **kwargs: Any) -> Any:
-            return _ors_self._call_tool(display, named(args, kwargs))
-
-    return _tool
-
-
 def _docstring(info: ToolInfo) -> str:
     description = defuse_docstring_text(info.description).strip() or "Call this tool."
     if not info.parameters:
@@ -250,12 +226,6 @@ def _signature(parameters: tuple[ParameterInfo, ...]) -> inspect.Signature:
         for parameter in parameters
     ]
     return inspect.Signature(params, return_annotation=str)
-
-
-def _spec_field(spec: Any, key: str) -> Any:
-    if isinstance(spec, Mapping):
-        return spec.get(key)
-    return getattr(spec, key, None)
 
 
 def bind_tools(
@@ -285,7 +255,7 @@ def bind_tools(
     entries: list[tuple[str, Any]] = []
     seen: set[str] = set()
     for index, spec in enumerate(tool_specs):
-        remote = _spec_field(spec, "name")
+        remote = tool_field(spec, "name")
         if not isinstance(remote, str):
             warnings.append(f"skipped tool spec #{index}: its name is not a string")
             continue
@@ -357,15 +327,24 @@ def bind_tools(
     return result
 
 
-def _build_function(
-    info: ToolInfo,
-    plan: _CallPlan,
-    attribute: str,
-    asynchronous: bool,
-    module: str | None,
-    qualname_prefix: str | None,
-) -> FunctionType:
-    function = _make_function(plan, asynchronous)
+def _build_function(info: ToolInfo, plan: _CallPlan, attribute: str, asynchronous: bool, module: str | None,
+                    qualname_prefix: str | None) -> FunctionType:
+    """A fresh generic closure; the receiver is positional-only so any argument name (even `self`) fits kwargs.
+
+    It hands the adapter the call as the model made it (the name it saw, the arguments by name): the episode
+    core routes it, so a call TRL makes and one the engine makes go through the same router."""
+    display, named = plan.display, plan.named
+    if asynchronous:
+
+        async def _tool(_ors_self: Any, /, *args: Any, **kwargs: Any) -> Any:
+            return await _ors_self._acall_tool(display, named(args, kwargs))
+
+    else:
+
+        def _tool(_ors_self: Any, /, *args: Any, **kwargs: Any) -> Any:
+            return _ors_self._call_tool(display, named(args, kwargs))
+
+    function: FunctionType = _tool
     function.__name__ = plan.display
     function.__qualname__ = f"{qualname_prefix}.{attribute}" if qualname_prefix else attribute
     function.__module__ = module if module is not None else __name__
