@@ -48,6 +48,7 @@ from ._schema import (
     describe_tool,
     single_line,
     tool_field,
+    unique_name,
 )
 from ._text import ascii_fold, one_line, show_name
 
@@ -147,16 +148,6 @@ def _attribute_base(remote: str, reserved: frozenset[str]) -> str:
     while text[0].isdigit() or text.startswith("_") or keyword.iskeyword(text) or text in reserved:
         text = "tool_" + text
     return text
-
-
-def _unique(base: str, taken: set[str], *, limit: int | None = None, avoid: frozenset[str] = frozenset()) -> str:
-    candidate, index = base, 2
-    while candidate in taken or candidate in avoid:
-        suffix = f"_{index}"
-        stem = base if limit is None else base[: limit - len(suffix)]
-        candidate, index = f"{stem}{suffix}", index + 1
-    taken.add(candidate)
-    return candidate
 
 
 class _CallPlan:
@@ -273,7 +264,7 @@ def bind_tools(
         if _DISPLAY_NAME_RE.fullmatch(remote):
             display = remote
         else:
-            display = _unique(_display_base(remote), display_taken, limit=_MAX_DISPLAY_NAME)
+            display = unique_name(_display_base(remote), display_taken, limit=_MAX_DISPLAY_NAME)
             warnings.append(
                 f"tool {show_name(remote)}: not a valid tool name for models, shown to the model as "
                 f"{show_name(display)}"
@@ -282,7 +273,7 @@ def bind_tools(
             attribute = remote
         else:
             base = _attribute_base(remote, reserved_set)
-            attribute = _unique(base, attribute_taken, avoid=reserved_set)
+            attribute = unique_name(base, attribute_taken, avoid=reserved_set)
             why = "is reserved" if remote in reserved_set else "is not a public Python identifier"
             suffix = f" (deduplicated from {show_name(base)})" if attribute != base else ""
             warnings.append(f"tool {show_name(remote)}: name {why}; bound as attribute {show_name(attribute)}{suffix}")

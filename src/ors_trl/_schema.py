@@ -33,6 +33,7 @@ __all__ = [
     "schema_to_annotation",
     "single_line",
     "tool_field",
+    "unique_name",
 ]
 
 #: A parameter description longer than this is cut and marked with `TRUNCATION_MARK`.
@@ -429,18 +430,21 @@ def python_parameter_names(wire_names: list[str]) -> dict[str, str]:
     taken = set(kept) | set(wire_names) | {"self"}
     mapping: dict[str, str] = {}
     for name in wire_names:
-        if name in mapping:
-            continue
-        if name in kept:
-            mapping[name] = name
-            continue
-        base = _sanitize_parameter_name(name)
-        candidate, index = base, 2
-        while candidate in taken:
-            candidate, index = f"{base}_{index}", index + 1
-        taken.add(candidate)
-        mapping[name] = candidate
+        if name not in mapping:
+            mapping[name] = name if name in kept else unique_name(_sanitize_parameter_name(name), taken)
     return mapping
+
+
+def unique_name(base: str, taken: set[str], *, limit: int | None = None, avoid: frozenset[str] = frozenset()) -> str:
+    """`base`, else the first of `base_2`, `base_3`... (cut to `limit` characters, suffix included) in neither
+    `taken` nor `avoid`; it is added to `taken`."""
+    candidate, index = base, 2
+    while candidate in taken or candidate in avoid:
+        suffix = f"_{index}"
+        stem = base if limit is None else base[: limit - len(suffix)]
+        candidate, index = f"{stem}{suffix}", index + 1
+    taken.add(candidate)
+    return candidate
 
 
 def _is_safe_parameter_name(name: str) -> bool:
