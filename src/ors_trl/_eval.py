@@ -296,8 +296,7 @@ def evaluate(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(keys), initial=len(kept), desc=escape_controls(f"eval {environment or runtime.name}"),
-                   unit="ep",
-                   file=sys.stderr, dynamic_ncols=True)
+                   unit="ep", file=sys.stderr, dynamic_ncols=True)
     evaluation = _Evaluation(runtime, policy_obj, max_turns=max_turns, writer=writer, bar=bar,
                              per_task_tools=per_task_tools, groups=score_groups, flatten_prompt=flatten_prompt,
                              episode_timeout=episode_timeout, uploads=uploads)
