@@ -372,7 +372,6 @@ class Toolset:
                                   reserved=reserved | DEFAULT_RESERVED, asynchronous=asynchronous, module=module,
                                   qualname_prefix=qualname_prefix)
         self.by_name = {bound.name: bound for bound in self.binding.tools.values()}
-        self.by_remote = {bound.remote_name: bound for bound in self.binding.tools.values()}
 
     def __repr__(self) -> str:
         terminal = f", terminal={self.terminal.name!r}" if self.terminal is not None else ""

@@ -470,8 +470,7 @@ class EchoHeaders(Fault):
     name = "echo_headers"
 
     async def handle(self, ex: _Exchange) -> None:
-        detail = "request headers: " + json.dumps(ex.seen.headers, sort_keys=True)
-        await ex.reply(self.status, json.dumps({"detail": detail}).encode())
+        await Status(self.status, "request headers: " + json.dumps(ex.seen.headers, sort_keys=True)).handle(ex)
 
 
 class FaultProxy:
@@ -667,7 +666,7 @@ class FaultProxy:
                     await fault.handle(ex)
                 except aiohttp.ClientError as exc:  # upstream unreachable: answer like a gateway would
                     if ex.keep_alive and not ex._chunked:
-                        await ex.reply(502, json.dumps({"detail": f"upstream: {exc}"}).encode())
+                        await Status(502, f"upstream: {exc}").handle(ex)
                     else:
                         break
                 if not ex.keep_alive or writer.is_closing():
