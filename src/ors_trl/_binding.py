@@ -33,7 +33,7 @@ import inspect
 import keyword
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import FunctionType
 from typing import Any
@@ -47,6 +47,8 @@ from ._schema import (
     ToolInfo,
     describe_tool,
     single_line,
+    tool_field,
+    unique_name,
 )
 from ._text import ascii_fold, one_line, show_name
 
@@ -71,12 +73,6 @@ class _Unset:
     applies."""
 
     __slots__ = ()
-    _instance: _Unset | None = None
-
-    def __new__(cls) -> _Unset:
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
 
     def __repr__(self) -> str:
         return "<unset>"
@@ -154,16 +150,6 @@ def _attribute_base(remote: str, reserved: frozenset[str]) -> str:
     return text
 
 
-def _unique(base: str, taken: set[str], *, limit: int | None = None, avoid: frozenset[str] = frozenset()) -> str:
-    candidate, index = base, 2
-    while candidate in taken or candidate in avoid:
-        suffix = f"_{index}"
-        stem = base if limit is None else base[: limit - len(suffix)]
-        candidate, index = f"{stem}{suffix}", index + 1
-    taken.add(candidate)
-    return candidate
-
-
 class _CallPlan:
     """Maps a call's positional and keyword arguments to the remote tool's argument dict."""
 
@@ -207,25 +193,6 @@ class _CallPlan:
         return out
 
 
-def _make_function(plan: _CallPlan, asynchronous: bool) -> FunctionType:
-    """A fresh generic closure; the receiver is positional-only so any argument name (even `self`) fits kwargs.
-
-    It hands the adapter the call as the model made it (the name it saw, the arguments by name): the episode
-    core routes it, so a call TRL makes and one the engine makes go through the same router."""
-    display, named = plan.display, plan.named
-    if asynchronous:
-
-        async def _tool(_ors_self: Any, /, *args: Any, **kwargs: Any) -> Any:
-            return await _ors_self._acall_tool(display, named(args, kwargs))
-
-    else:
-
-        def _tool(_ors_self: Any, /, *args: Any, **kwargs: Any) -> Any:
-            return _ors_self._call_tool(display, named(args, kwargs))
-
-    return _tool
-
-
 def _docstring(info: ToolInfo) -> str:
     description = defuse_docstring_text(info.description).strip() or "Call this tool."
     if not info.parameters:
@@ -250,12 +217,6 @@ def _signature(parameters: tuple[ParameterInfo, ...]) -> inspect.Signature:
         for parameter in parameters
     ]
     return inspect.Signature(params, return_annotation=str)
-
-
-def _spec_field(spec: Any, key: str) -> Any:
-    if isinstance(spec, Mapping):
-        return spec.get(key)
-    return getattr(spec, key, None)
 
 
 def bind_tools(
@@ -285,7 +246,7 @@ def bind_tools(
     entries: list[tuple[str, Any]] = []
     seen: set[str] = set()
     for index, spec in enumerate(tool_specs):
-        remote = _spec_field(spec, "name")
+        remote = tool_field(spec, "name")
         if not isinstance(remote, str):
             warnings.append(f"skipped tool spec #{index}: its name is not a string")
             continue
@@ -303,7 +264,7 @@ def bind_tools(
         if _DISPLAY_NAME_RE.fullmatch(remote):
             display = remote
         else:
-            display = _unique(_display_base(remote), display_taken, limit=_MAX_DISPLAY_NAME)
+            display = unique_name(_display_base(remote), display_taken, limit=_MAX_DISPLAY_NAME)
             warnings.append(
                 f"tool {show_name(remote)}: not a valid tool name for models, shown to the model as "
                 f"{show_name(display)}"
@@ -312,7 +273,7 @@ def bind_tools(
             attribute = remote
         else:
             base = _attribute_base(remote, reserved_set)
-            attribute = _unique(base, attribute_taken, avoid=reserved_set)
+            attribute = unique_name(base, attribute_taken, avoid=reserved_set)
             why = "is reserved" if remote in reserved_set else "is not a public Python identifier"
             suffix = f" (deduplicated from {show_name(base)})" if attribute != base else ""
             warnings.append(f"tool {show_name(remote)}: name {why}; bound as attribute {show_name(attribute)}{suffix}")
@@ -357,15 +318,24 @@ def bind_tools(
     return result
 
 
-def _build_function(
-    info: ToolInfo,
-    plan: _CallPlan,
-    attribute: str,
-    asynchronous: bool,
-    module: str | None,
-    qualname_prefix: str | None,
-) -> FunctionType:
-    function = _make_function(plan, asynchronous)
+def _build_function(info: ToolInfo, plan: _CallPlan, attribute: str, asynchronous: bool, module: str | None,
+                    qualname_prefix: str | None) -> FunctionType:
+    """A fresh generic closure; the receiver is positional-only so any argument name (even `self`) fits kwargs.
+
+    It hands the adapter the call as the model made it (the name it saw, the arguments by name): the episode
+    core routes it, so a call TRL makes and one the engine makes go through the same router."""
+    display, named = plan.display, plan.named
+    if asynchronous:
+
+        async def _tool(_ors_self: Any, /, *args: Any, **kwargs: Any) -> Any:
+            return await _ors_self._acall_tool(display, named(args, kwargs))
+
+    else:
+
+        def _tool(_ors_self: Any, /, *args: Any, **kwargs: Any) -> Any:
+            return _ors_self._call_tool(display, named(args, kwargs))
+
+    function: FunctionType = _tool
     function.__name__ = plan.display
     function.__qualname__ = f"{qualname_prefix}.{attribute}" if qualname_prefix else attribute
     function.__module__ = module if module is not None else __name__
@@ -402,7 +372,6 @@ class Toolset:
                                   reserved=reserved | DEFAULT_RESERVED, asynchronous=asynchronous, module=module,
                                   qualname_prefix=qualname_prefix)
         self.by_name = {bound.name: bound for bound in self.binding.tools.values()}
-        self.by_remote = {bound.remote_name: bound for bound in self.binding.tools.values()}
 
     def __repr__(self) -> str:
         terminal = f", terminal={self.terminal.name!r}" if self.terminal is not None else ""

@@ -87,12 +87,8 @@ def process_semaphore() -> asyncio.Semaphore | None:
     limit = get_max_sessions()
     if limit is None:
         return None
-    loop = asyncio.get_running_loop()
     with _lock:
-        sem = _semaphores.get(loop)
-        if sem is None:
-            sem = _semaphores[loop] = asyncio.Semaphore(limit)
-        return sem
+        return _semaphores.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(limit))
 
 
 class Pace:
@@ -226,5 +222,4 @@ def _after_fork_in_child() -> None:
     _semaphores.clear()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=_after_fork_in_child)

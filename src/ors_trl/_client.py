@@ -18,8 +18,8 @@ import math
 import re
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ._exceptions import (
     BadRequestError,
@@ -37,9 +37,8 @@ from ._loop import BackgroundLoop, get_loop
 from ._pool import OPENING_WAIT_S, Lease, SessionPool
 from ._target import SecretValue, Target, encode_secrets, resolve_target
 from ._text import show_name
-from ._transport import RetryPolicy, Timeouts, Transport, readable
+from ._transport import RetryPolicy, Timeouts, Transport, masking, readable
 from ._types import (
-    MASK,
     MAX_ENVIRONMENTS,
     MAX_SPLITS,
     MAX_TASK_COUNT,
@@ -61,7 +60,6 @@ logger = logging.getLogger("ors_trl.client")
 # Retries for deleting sessions while shutting down: a dead server must not hold up interpreter exit.
 _QUICK_RETRY = RetryPolicy(max_attempts=2, backoff_initial=0.1, backoff_max=0.5)
 _ORPHAN_CONCURRENCY = 16
-F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 #: A session id the server hands out travels in the `X-Session-ID` header of every later request: visible ASCII only.
 _SESSION_ID = re.compile(r"[\x21-\x7e]{1,256}")
 #: An environment name from `/list_environments` becomes a URL path segment: no `/`, `?`, `#`, `%`, nothing to escape.
@@ -70,26 +68,8 @@ _ENV_NAME = re.compile(r"[A-Za-z0-9._~!$&'()*+,;=:@-]{1,200}")
 MAX_DIFFICULTY_ROWS = 100_000
 
 
-def _masked(method: F) -> F:
-    """Decorator for the calls of `AsyncClient` and `AsyncSession`: mask secrets in every ORSError they raise, and
-    drop its exception chain.
-
-    The transport masks its own errors; this covers the ones raised here while checking an answer, which quote
-    what the server said (and a server may echo the credentials it was sent)."""
-
-    @functools.wraps(method)
-    async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        transport = (self if isinstance(self, AsyncClient) else self.client)._transport
-        token = MASK.set(transport.mask)  # what `quoted` shows of an answer is masked before it is cut
-        try:
-            return await method(self, *args, **kwargs)
-        except ORSError as exc:
-            transport.mask_error(exc)
-            raise
-        finally:
-            MASK.reset(token)
-
-    return wrapper  # type: ignore[return-value]
+#: The calls of `AsyncClient` and `AsyncSession` mask their transport's secrets in the errors they raise.
+_masked = masking(lambda self: self._transport)
 
 
 class AsyncSession:
@@ -126,6 +106,7 @@ class AsyncSession:
     def __init__(self, client: AsyncClient, sid: str, *, split: str | None, index: int | None,
                  task_spec: Mapping[str, Any] | None, open_seconds: float, created_at: float) -> None:
         self.client = client
+        self._transport: Transport = client._transport
         self.created_at = created_at
         self.closed_at: float | None = None
         self.sid = sid
@@ -155,13 +136,13 @@ class AsyncSession:
         if self.closed:
             raise UsageError(f"session {self.sid} is closed; open a new one")
 
-    async def _request(self, method: str, suffix: str, *, body: Any = None) -> Any:
+    async def _request(self, method: str, suffix: str, *, scoped: bool = True) -> Any:
+        """A request in this session: refused once it is closed; its start is activity (keepalive); a 404 (`scoped`)
+        or a 410 marks the session expired."""
         self._check_open()
         self.last_activity = time.monotonic()
         try:
-            return await self.client._transport.request(
-                method, self.client._path(suffix), body=body, sid=self.sid, session_scoped=True
-            )
+            return await self._transport.request(method, self.client._path(suffix), sid=self.sid, session_scoped=scoped)
         except SessionExpiredError:
             self.expired = True
             raise
@@ -180,16 +161,13 @@ class AsyncSession:
             NotFoundError: an older server has no such route (use `prompt()` there).
             SessionExpiredError: the session is gone.
         """
-        self._check_open()
         try:
-            raw = await self.client._transport.request("GET", self.client._path("/messages"), sid=self.sid)
+            raw = await self._request("GET", "/messages", scoped=False)  # a 404 may be an older server's: no route
         except NotFoundError as exc:
             if "active environment not found" in exc.detail.lower():  # the session is gone, not the route
                 self.expired = True
                 raise SessionExpiredError(str(exc), status_code=404, detail=exc.detail, path=exc.path) from None
             raise
-        finally:
-            self.last_activity = time.monotonic()
         return parse_messages(raw)
 
     @_masked
@@ -220,7 +198,7 @@ class AsyncSession:
         body, task_id = await self._stream("/call", {"name": name, "input": dict(arguments or {})},
                                            what=f"tool {show_name(name)}", tool=name)
         # A refusal quotes the server: `quote` masks secrets it echoed and escapes control characters.
-        return _parse_call_result(body, tool=name, task_id=task_id, quote=self.client._transport.quote)
+        return _parse_call_result(body, tool=name, task_id=task_id, quote=self._transport.decoder.quote)
 
     @_masked
     async def score_group(self, candidates: list[dict[str, Any]]) -> list[GroupScore]:
@@ -247,7 +225,7 @@ class AsyncSession:
         """One streamed call, bounded by `Timeouts.tool_call`, resumed by task id if its stream drops."""
         self._check_open()
         self.last_activity = time.monotonic()
-        transport = self.client._transport
+        transport = self._transport
         limit = transport.timeouts.tool_call
         try:
             async with asyncio.timeout(limit):
@@ -269,7 +247,7 @@ class AsyncSession:
             return False
         self.last_activity = time.monotonic()
         try:
-            await self.client._transport.request("POST", "/ping", sid=self.sid, session_scoped=True)
+            await self._transport.request("POST", "/ping", sid=self.sid, session_scoped=True)
         except NotFoundError:
             self.expired = True
             return False
@@ -400,13 +378,13 @@ class AsyncClient:
             self.target, timeouts=timeouts or Timeouts(), retry=retry or RetryPolicy(), max_connections=max_connections
         )
         self._transport.on_throttle = self._pool.throttled
-        if self._secret_headers:  # masked from the start, not only once a session has sent them
-            self._transport._learn_secrets(self._secret_headers["X-Secrets"])
-        for value in self._overrides.values():  # an override may be a key (OPENAI_API_KEY)
+        # Masked from the start: the X-Secrets header, each secret's value, each override (it may be a key).
+        for value in [*self._secret_headers.values(), *self._overrides.values(),
+                      *(v if isinstance(v, str) else v[0] for v in (secrets or {}).values())]:
             self._transport.decoder.add(value)
         self._env: str | None = None
         self._env_resolved = False
-        self._env_lock: asyncio.Lock | None = None
+        self._env_lock = asyncio.Lock()  # bound to a loop only once it is waited on
         self._control_sid: str | None = None
 
     def __repr__(self) -> str:
@@ -443,8 +421,6 @@ class AsyncClient:
         """
         if self._env_resolved:
             return self._env
-        if self._env_lock is None:
-            self._env_lock = asyncio.Lock()
         async with self._env_lock:
             if not self._env_resolved:
                 self._env = await self._resolve_env()
@@ -480,14 +456,10 @@ class AsyncClient:
 
     async def _env_request(self, method: str, suffix: str, body: Any = None) -> Any:
         await self.environment()
-        sid = await self._control() if not self.target.is_url else None
-        return await self._transport.request(method, self._path(suffix), body=body, sid=sid)
-
-    async def _control(self) -> str:
-        """Catalog mode routes even metadata calls by session; one is kept for the client's lifetime."""
-        if self._control_sid is None:
+        if not self.target.is_url and self._control_sid is None:
+            # Catalog mode routes even metadata calls by session; one is kept for the client's lifetime.
             self._control_sid = await self._create_sid()
-        return self._control_sid
+        return await self._transport.request(method, self._path(suffix), body=body, sid=self._control_sid)
 
     # -- environment calls -----------------------------------------------------------------
 
@@ -527,31 +499,29 @@ class AsyncClient:
                 raise ProtocolError(f"/splits: bad entry {quoted(item)}")
         return out
 
-    async def _split_error(self, split: str, exc: BadRequestError) -> BadRequestError:
-        """Turn the server's bare "Invalid split" into a message that lists the real splits."""
-        if "split" not in exc.detail.lower():
+    async def _task_error(self, split: str, index: int | None, exc: BadRequestError) -> BadRequestError:
+        """Turn the server's bare "Invalid index" (when `index` was asked for) into a message with the valid range, and
+        its bare "Invalid split" into one that lists the real splits."""
+        if index is not None and "index" in exc.detail.lower():
+            n = await self.num_tasks(split)
+            message = f"task index {index} is out of range for split {split!r}, which has {n} tasks (0..{n - 1})."
+        elif "split" in exc.detail.lower():
+            names = [s.name for s in await self.splits()]
+            message = f"split {split!r} does not exist on {self.target.name}; available splits: {', '.join(names)}."
+        else:
             return exc
-        names = [s.name for s in await self.splits()]
-        return BadRequestError(
-            f"split {split!r} does not exist on {self.target.name}; available splits: {', '.join(names)}.",
-            status_code=exc.status_code, detail=exc.detail, path=exc.path,
-        )
+        return BadRequestError(message, status_code=exc.status_code, detail=exc.detail, path=exc.path)
 
-    async def _index_error(self, split: str, index: int, exc: BadRequestError) -> BadRequestError:
-        """Turn the server's bare "Invalid index" into a message with the valid range."""
-        if "index" not in exc.detail.lower():
-            return await self._split_error(split, exc)
-        n = await self.num_tasks(split)
-        return BadRequestError(
-            f"task index {index} is out of range for split {split!r}, which has {n} tasks (0..{n - 1}).",
-            status_code=exc.status_code, detail=exc.detail, path=exc.path,
-        )
-
-    async def _split_request(self, split: str, suffix: str, body: dict[str, Any]) -> Any:
+    async def _split_request(self, suffix: str, body: dict[str, Any], key: str | None = None) -> Any:
+        """POST a request about `body["split"]` (and `body["index"]`); the answer's `key` when given, checked to be a
+        list."""
         try:
-            return await self._env_request("POST", suffix, body)
+            raw = await self._env_request("POST", suffix, body)
         except BadRequestError as exc:
-            raise await self._split_error(split, exc) from None
+            raise await self._task_error(body["split"], body.get("index"), exc) from None
+        if key is not None and not (isinstance(raw, dict) and isinstance(raw.get(key), list)):
+            raise ProtocolError(f"{suffix}: expected {{'{key}': [...]}}, got {quoted(raw)}")
+        return raw if key is None else raw[key]
 
     @_masked
     async def num_tasks(self, split: str = "train") -> int:
@@ -567,7 +537,7 @@ class AsyncClient:
         Raises:
             BadRequestError: `split` does not exist (the message lists those that do).
         """
-        raw = await self._split_request(split, "/num_tasks", {"split": split})
+        raw = await self._split_request("/num_tasks", {"split": split})
         count = raw.get("num_tasks") if isinstance(raw, dict) else None
         if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_TASK_COUNT:
             raise ProtocolError(f"/num_tasks: expected {{'num_tasks': n}} with n an integer from 0 to 2**53, got "
@@ -590,10 +560,7 @@ class AsyncClient:
         Raises:
             BadRequestError: `split` does not exist, or `index` is out of its range (the message says which).
         """
-        try:
-            raw = await self._env_request("POST", "/task", {"split": split, "index": index})
-        except BadRequestError as exc:
-            raise await self._index_error(split, index, exc) from None
+        raw = await self._split_request("/task", {"split": split, "index": index})
         if not isinstance(raw, dict) or "task" not in raw:
             raise ProtocolError(f"/task: expected {{'task': ...}}, got {quoted(raw)}")
         return raw["task"]
@@ -616,19 +583,13 @@ class AsyncClient:
         Raises:
             BadRequestError: `split` does not exist (the message lists those that do).
         """
-        body: dict[str, Any] = {"split": split}
-        if start is not None:
-            body["start"] = start
-        if stop is not None:
-            body["stop"] = stop
-        raw = await self._split_request(split, "/task_range", body)
-        if not isinstance(raw, dict) or not isinstance(raw.get("tasks"), list):
-            raise ProtocolError(f"/task_range: expected {{'tasks': [...]}}, got {quoted(raw)}")
+        bounds = {k: v for k, v in (("start", start), ("stop", stop)) if v is not None}
+        tasks = await self._split_request("/task_range", {"split": split, **bounds}, "tasks")
         asked = len(range(start or 0, stop)) if stop is not None and (start or 0) >= 0 and stop >= 0 else None
-        if asked is not None and len(raw["tasks"]) > asked:
+        if asked is not None and len(tasks) > asked:
             raise ProtocolError(f"/task_range: asked for tasks {start or 0}..{stop} ({asked}), the server answered "
-                                f"{len(raw['tasks'])}")
-        return raw["tasks"]
+                                f"{len(tasks)}")
+        return tasks
 
     @_masked
     async def tasks(self, split: str = "train") -> list[dict[str, Any]]:
@@ -644,10 +605,7 @@ class AsyncClient:
         Raises:
             BadRequestError: `split` does not exist (the message lists those that do).
         """
-        raw = await self._split_request(split, "/tasks", {"split": split})
-        if not isinstance(raw, dict) or not isinstance(raw.get("tasks"), list):
-            raise ProtocolError(f"/tasks: expected {{'tasks': [...]}}, got {quoted(raw)}")
-        return raw["tasks"]
+        return await self._split_request("/tasks", {"split": split}, "tasks")
 
     @_masked
     async def task_difficulty(self, split: str, filters: Mapping[str, str] | None = None) -> dict[int, Any]:
@@ -718,7 +676,7 @@ class AsyncClient:
                 await self._pool.record(sid, self.target.name)
                 return sid
             if event == "error":
-                raise ProtocolError(f"/create_session failed: {self._transport.quote(data)}")
+                raise ProtocolError(f"/create_session failed: {self._transport.decoder.quote(data)}")
         raise ProtocolError("/create_session: the stream carried no session id")
 
     def _session_id(self, sid: str) -> str:
@@ -801,7 +759,7 @@ class AsyncClient:
                 elif index is None:
                     raise
                 else:
-                    raise await self._index_error(split or "train", index, exc) from None
+                    raise await self._task_error(split or "train", index, exc) from None
             session = AsyncSession(self, sid, split=split if index is not None else None, index=index,
                                    task_spec=task_spec, open_seconds=time.monotonic() - started, created_at=created)
             session._lease = lease

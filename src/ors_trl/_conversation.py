@@ -173,8 +173,8 @@ def _as_parts(value: Any) -> list[Any]:
 def _chat(message: Message, images: bool) -> list[dict[str, Any]]:
     """One ORS message as chat messages (a user turn's tool results become `tool` messages before its text)."""
     if message.role == "assistant":
-        out: dict[str, Any] = {"role": "assistant",
-                               "content": blocks_text([b for b in message.blocks if _plain(b)])}
+        out: dict[str, Any] = {"role": "assistant", "content": blocks_text(
+            [b for b in message.blocks if not isinstance(b, ToolCallBlock | ReasoningBlock)])}
         calls = [b for b in message.blocks if isinstance(b, ToolCallBlock)]
         if calls:
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.input}}
@@ -188,10 +188,6 @@ def _chat(message: Message, images: bool) -> list[dict[str, Any]]:
              for b in message.blocks if isinstance(b, ToolResultBlock)]
     rest = [b for b in message.blocks if not isinstance(b, ToolResultBlock)]
     return tools + ([{"role": message.role, "content": content(rest, images=images)}] if rest or not tools else [])
-
-
-def _plain(block: Block) -> bool:
-    return not isinstance(block, ToolCallBlock | ReasoningBlock)
 
 
 def transcript(prompt: Prompt | None, turns: Sequence[Mapping[str, Any]], final: str | None,
@@ -212,17 +208,14 @@ def transcript(prompt: Prompt | None, turns: Sequence[Mapping[str, Any]], final:
         out += [Message(m.role, keep(list(m.blocks))) for m in prompt.messages]
     for turn in turns:
         calls = turn.get("tool_calls") or []
+        ids = [str(c.get("id") or f"call_{turn.get('index', 0)}_{k}") for k, c in enumerate(calls)]
         blocks: list[Block] = [TextBlock(turn["assistant"])] if turn.get("assistant") else []
-        blocks += [ToolCallBlock(str(c.get("id") or f"call_{turn.get('index', 0)}_{k}"), str(c.get("name")),
-                                 c["arguments"] if isinstance(c.get("arguments"), dict) else {"raw": c.get("arguments")})
-                   for k, c in enumerate(calls)]
+        blocks += [ToolCallBlock(i, str(c.get("name")), c["arguments"] if isinstance(c.get("arguments"), dict)
+                                 else {"raw": c.get("arguments")}) for i, c in zip(ids, calls, strict=True)]
         if blocks:
             out.append(Message("assistant", keep(blocks)))
-        results: list[Block] = [
-            ToolResultBlock(str(c.get("id") or f"call_{turn.get('index', 0)}_{k}"),
-                            [TextBlock(str(c.get("output", "")))], is_error="error" in c)
-            for k, c in enumerate(calls) if "output" in c
-        ]
+        results: list[Block] = [ToolResultBlock(i, [TextBlock(str(c.get("output", "")))], is_error="error" in c)
+                                for i, c in zip(ids, calls, strict=True) if "output" in c]
         if results:
             out.append(Message("user", keep(results)))
     if final:

@@ -48,7 +48,7 @@ from ._loop import get_loop
 from ._metrics import DEFAULT_SUCCESS_THRESHOLD, NO_CALL_WARNING, EpisodeStats
 from ._policies import describe_policy, resolve_policy
 from ._records import RecordWriter, read_records
-from ._stats import pass_at_k, pass_at_ks, task_label, wilson
+from ._stats import pass_at_k, pass_over_tasks, task_label
 from ._tasks import check_selection, select
 from ._text import escape_controls, one_line
 
@@ -296,8 +296,7 @@ def evaluate(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(keys), initial=len(kept), desc=escape_controls(f"eval {environment or runtime.name}"),
-                   unit="ep",
-                   file=sys.stderr, dynamic_ncols=True)
+                   unit="ep", file=sys.stderr, dynamic_ncols=True)
     evaluation = _Evaluation(runtime, policy_obj, max_turns=max_turns, writer=writer, bar=bar,
                              per_task_tools=per_task_tools, groups=score_groups, flatten_prompt=flatten_prompt,
                              episode_timeout=episode_timeout, uploads=uploads)
@@ -496,7 +495,7 @@ class EvalReport:
         for record in episodes:
             stats.add_record(record)
             tasks.setdefault(task_label(record), EpisodeStats(success_threshold)).add_record(record)
-        passed = pass_at_ks((s.episodes, s.successes) for s in tasks.values())
+        passed, interval = pass_over_tasks(tasks.values())
         return cls(
             num_episodes=stats.episodes, num_scored=stats.scored, mean_reward=stats.mean_reward,
             coverage=stats.coverage, finished_rate=stats.share(stats.finished),
@@ -504,8 +503,7 @@ class EvalReport:
             tool_failures_per_episode=stats.share(stats.tool_failures), turns_per_episode=stats.share(stats.turns),
             num_errors=sum(1 for e in episodes if failed(e)), end_reasons=dict(stats.end_reasons),
             mean_group_reward=stats.mean_group_reward, success_rate=stats.success_rate,
-            success_threshold=success_threshold, episodes=episodes, pass_at_k=passed,
-            pass_at_1_interval=wilson(passed[1], len(tasks)) if passed else None,
+            success_threshold=success_threshold, episodes=episodes, pass_at_k=passed, pass_at_1_interval=interval,
             tasks=[{"task": task, "episodes": s.episodes, "successes": s.successes,
                     "pass_at_k": {k: pass_at_k(s.episodes, s.successes, k) for k in range(1, s.episodes + 1)}}
                    for task, s in tasks.items()],

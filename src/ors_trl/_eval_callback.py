@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 from . import _trl
 from ._engine import RolloutEngine
 from ._metrics import EpisodeStats, stats_metrics, tool_health
-from ._stats import pass_at_ks, wilson
+from ._stats import pass_over_tasks
 
 __all__ = ["EvalCallback"]
 
@@ -95,17 +95,16 @@ class EvalCallback(TrainerCallback):
         """The logged metrics of one evaluation's episodes (`(task, reward, finished, calls, failures, turns,
         unscored, unparsed, malformed)` each)."""
         stats = EpisodeStats(self.runtime.metrics.success_threshold)
-        counts: dict[str, list[int]] = {}
+        tasks: dict[str, EpisodeStats] = {}  # the one definition of success, per task too
         for task, reward, finished, calls, failures, turns, unscored, unparsed, malformed in rows:
-            stats.add(reward=reward, finished=finished, tool_calls=calls, tool_failures=failures, turns=turns,
-                      unscored=unscored, unparsed_turns=unparsed, malformed_calls=malformed)
-            n_c = counts.setdefault(task, [0, 0])
-            n_c[0] += 1
-            n_c[1] += reward is not None and reward >= stats.success_threshold
+            episode = dict(reward=reward, finished=finished, tool_calls=calls, tool_failures=failures, turns=turns,
+                           unscored=unscored, unparsed_turns=unparsed, malformed_calls=malformed)
+            stats.add(**episode)
+            tasks.setdefault(task, EpisodeStats(stats.success_threshold)).add(**episode)
         prefix = f"eval/{self.runtime.name}/"
         out = stats_metrics(prefix, stats)
-        passed = pass_at_ks((n, c) for n, c in counts.values())
+        passed, interval = pass_over_tasks(tasks.values())
         out.update({f"{prefix}pass@{k}": v for k, v in passed.items()})
-        if passed:
-            out[f"{prefix}pass@1_low"], out[f"{prefix}pass@1_high"] = wilson(passed[1], len(counts))
+        if interval is not None:
+            out[f"{prefix}pass@1_low"], out[f"{prefix}pass@1_high"] = interval
         return out

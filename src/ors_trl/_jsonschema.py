@@ -10,6 +10,7 @@ What it cannot represent becomes a note. Nothing in a schema is executed and for
 from __future__ import annotations
 
 import json
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -156,23 +157,18 @@ def count_range(low: Any, high: Any, unit: str) -> str:
 
 
 def _numeric_bounds(schema: dict) -> str:
-    low, high = schema.get("minimum"), schema.get("maximum")
-    low = low if _is_number(low) else None
-    high = high if _is_number(high) else None
-    low_strict = high_strict = False
-    exclusive_low, exclusive_high = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
-    if exclusive_low is True and low is not None:  # draft 4 boolean form
-        low_strict = True
-    elif _is_number(exclusive_low) and (low is None or exclusive_low >= low):
-        low, low_strict = exclusive_low, True
-    if exclusive_high is True and high is not None:
-        high_strict = True
-    elif _is_number(exclusive_high) and (high is None or exclusive_high <= high):
-        high, high_strict = exclusive_high, True
-    # No variable: "0 ≤ x ≤ 9" would read as a bound on a field named x (`y (integer, 0 ≤ x ≤ 9)`).
-    bounds = [f"{'>' if low_strict else '≥'} {quote(low)}" if low is not None else "",
-              f"{'<' if high_strict else '≤'} {quote(high)}" if high is not None else ""]
-    return " and ".join(bound for bound in bounds if bound)
+    bounds = []
+    for key, exclusive_key, signs, tighter in (("minimum", "exclusiveMinimum", "≥>", operator.ge),
+                                               ("maximum", "exclusiveMaximum", "≤<", operator.le)):
+        bound, exclusive = schema.get(key), schema.get(exclusive_key)
+        bound = bound if _is_number(bound) else None
+        strict = exclusive is True and bound is not None  # draft 4 boolean form
+        if _is_number(exclusive) and (bound is None or tighter(exclusive, bound)):
+            bound, strict = exclusive, True
+        if bound is not None:
+            # No variable: "0 ≤ x ≤ 9" would read as a bound on a field named x (`y (integer, 0 ≤ x ≤ 9)`).
+            bounds.append(f"{signs[strict]} {quote(bound)}")
+    return " and ".join(bounds)
 
 
 # ----------------------------------------------------------------------------------------------------------- tree

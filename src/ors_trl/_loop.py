@@ -52,9 +52,6 @@ class BackgroundLoop:
         if not ready.wait(10):
             raise RuntimeError("ors-trl background event loop did not start")
 
-    def in_loop_thread(self) -> bool:
-        return threading.get_ident() == self.thread.ident
-
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule `coro` on the loop and return a thread-safe future."""
         if self._closed:
@@ -71,7 +68,7 @@ class BackgroundLoop:
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run `coro` on the loop and wait for it, from any thread but the loop's own."""
-        if self.in_loop_thread():
+        if threading.get_ident() == self.thread.ident:
             coro.close()
             raise UsageError(
                 "A synchronous ors-trl call was made from inside its own event loop; use the async API "
@@ -136,9 +133,6 @@ _current_lock = threading.Lock()
 def get_loop() -> BackgroundLoop:
     """The process's background loop, started on first use (and again in a forked child)."""
     global _current
-    cur = _current
-    if cur is not None and cur.pid == os.getpid() and not cur._closed:
-        return cur
     with _current_lock:
         cur = _current
         if cur is None or cur.pid != os.getpid():

@@ -204,18 +204,15 @@ class _Window:
     calls: int = 0
     terminal_latency: list[float] = field(default_factory=list)
     terminal_calls: int = 0
-    failures: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    failures: Counter[str] = field(default_factory=Counter)
     groups: int = 0
     group_failures: int = 0
 
     def merge(self, other: _Window) -> None:
         self.stats.merge(other.stats)
-        for name in ("open_latency", "call_latency", "terminal_latency"):
-            getattr(self, name).extend(getattr(other, name))
-        for name in ("opens", "open_failures", "calls", "terminal_calls", "groups", "group_failures"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        for k, v in other.failures.items():
-            self.failures[k] += v
+        for f in fields(self):
+            if f.name != "stats":  # counts, latency lists and Counters alike
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 class EnvMetrics:
@@ -464,10 +461,8 @@ def _window_metrics(prefix: str, w: _Window) -> dict[str, float]:
         out[prefix + "session_seconds_unscored"] = s.session_seconds_unscored
     if w.open_failures:
         out[prefix + "session_open_failures"] = float(w.open_failures)
-    if w.open_latency:
-        out[prefix + "session_open_s/p50"] = _percentile(w.open_latency, 0.5)
-        out[prefix + "session_open_s/p95"] = _percentile(w.open_latency, 0.95)
-    for name, latency in (("tool_call_s", w.call_latency), ("terminal_call_s", w.terminal_latency)):
+    for name, latency in (("session_open_s", w.open_latency), ("tool_call_s", w.call_latency),
+                          ("terminal_call_s", w.terminal_latency)):
         if latency:
             out[prefix + f"{name}/p50"] = _percentile(latency, 0.5)
             out[prefix + f"{name}/p95"] = _percentile(latency, 0.95)

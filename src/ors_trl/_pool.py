@@ -106,6 +106,8 @@ class SessionPool:
                 for sem in wanted:
                     await sem.acquire()
                     held.append(sem)
+            for pace in self._paces():  # past the slot wait: a pace's moment is not bounded by `session_wait`
+                await pace.wait()
         except BaseException as exc:
             self.release(tuple(held))
             if isinstance(exc, TimeoutError):
@@ -113,12 +115,6 @@ class SessionPool:
                     f"no session slot freed within {self.session_wait} s (max_sessions={self.max_sessions}, "
                     f"process cap={get_max_sessions()}); raise the cap or close sessions sooner."
                 ) from None
-            raise
-        try:
-            for pace in self._paces():
-                await pace.wait()
-        except BaseException:
-            self.release(tuple(held))
             raise
         return tuple(held)
 
@@ -192,8 +188,6 @@ class SessionPool:
     async def aclose(self) -> None:
         """Stop keepalive and close every session; the pool opens nothing more."""
         self.closed = True
-        if self._opening:  # let opens in flight finish (bounded) so that what they create is deleted below
-            await asyncio.wait(list(self._opening), timeout=OPENING_WAIT_S)
         if self._keepalive_task is not None:
             self._keepalive_task.cancel()
             with contextlib.suppress(BaseException):

@@ -230,12 +230,10 @@ async def sweep(deleter: Deleter, folder: Path | None = None, *, any_host: bool 
         except OSError:
             continue  # swept meanwhile
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                out.live += 1
-                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             await _sweep_file(path, fd, deleter, out, any_host)
+        except BlockingIOError:  # its process still holds it, or another sweep does
+            out.live += 1
         finally:
             os.close(fd)
     return out

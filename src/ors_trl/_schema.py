@@ -32,6 +32,8 @@ __all__ = [
     "python_parameter_names",
     "schema_to_annotation",
     "single_line",
+    "tool_field",
+    "unique_name",
 ]
 
 #: A parameter description longer than this is cut and marked with `TRUNCATION_MARK`.
@@ -428,18 +430,21 @@ def python_parameter_names(wire_names: list[str]) -> dict[str, str]:
     taken = set(kept) | set(wire_names) | {"self"}
     mapping: dict[str, str] = {}
     for name in wire_names:
-        if name in mapping:
-            continue
-        if name in kept:
-            mapping[name] = name
-            continue
-        base = _sanitize_parameter_name(name)
-        candidate, index = base, 2
-        while candidate in taken:
-            candidate, index = f"{base}_{index}", index + 1
-        taken.add(candidate)
-        mapping[name] = candidate
+        if name not in mapping:
+            mapping[name] = name if name in kept else unique_name(_sanitize_parameter_name(name), taken)
     return mapping
+
+
+def unique_name(base: str, taken: set[str], *, limit: int | None = None, avoid: frozenset[str] = frozenset()) -> str:
+    """`base`, else the first of `base_2`, `base_3`... (cut to `limit` characters, suffix included) in neither
+    `taken` nor `avoid`; it is added to `taken`."""
+    candidate, index = base, 2
+    while candidate in taken or candidate in avoid:
+        suffix = f"_{index}"
+        stem = base if limit is None else base[: limit - len(suffix)]
+        candidate, index = f"{stem}{suffix}", index + 1
+    taken.add(candidate)
+    return candidate
 
 
 def _is_safe_parameter_name(name: str) -> bool:
@@ -466,7 +471,8 @@ def _sanitize_parameter_name(name: str) -> str:
     return text
 
 
-def _tool_text(spec: Any, key: str) -> Any:
+def tool_field(spec: Any, key: str) -> Any:
+    """A tool spec's `name`, `description` or `input_schema`, from a mapping or an object's attributes."""
     if isinstance(spec, Mapping):
         return spec.get(key)
     return getattr(spec, key, None) if key in ("name", "description", "input_schema") else None
@@ -485,8 +491,8 @@ def describe_tool(
     (a JSON Schema object, `{}` or `None`). Never raises on odd schemas: what cannot be represented is described
     and listed in `ToolInfo.notes`.
     """
-    name = as_text(_tool_text(tool_spec, "name"))
-    normaliser = Normaliser(_tool_text(tool_spec, "input_schema"), max_schema_nodes)
+    name = as_text(tool_field(tool_spec, "name"))
+    normaliser = Normaliser(tool_field(tool_spec, "input_schema"), max_schema_nodes)
     arguments, required, sentences = normaliser.arguments(_text_budget(max_param_description), _INPUT_TEXT)
     names = python_parameter_names([wire for wire, _ in arguments])
     parameters: list[ParameterInfo] = []
@@ -498,7 +504,7 @@ def describe_tool(
             )
         parameters.append(ParameterInfo(wire, names[wire], _annotation(node), text, wire in required))
     parameters.sort(key=lambda parameter: not parameter.required)  # stable: required first, order kept
-    description = as_text(_tool_text(tool_spec, "description")).replace("\r\n", "\n").replace("\r", "\n").strip()
+    description = as_text(tool_field(tool_spec, "description")).replace("\r\n", "\n").replace("\r", "\n").strip()
     if not description:
         description = f"Call the {one_line(name) or 'unnamed'} tool."
     describer = _Describer(_INPUT_TEXT)  # one text budget for all the sentences about the input as a whole

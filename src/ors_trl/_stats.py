@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from ._exceptions import ConfigurationError
 from ._records import jsonable
 from ._text import shorten, show_json
 
-__all__ = ["check_threshold", "label", "paired_test", "pass_at_k", "pass_at_ks", "task_label", "wilson"]
+__all__ = ["check_threshold", "label", "paired_test", "pass_at_k", "pass_at_ks", "pass_over_tasks", "task_label",
+           "wilson"]
 
 _Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
 _MAX_SUMS = 200_000  # distinct partial sums the exact paired test keeps before it uses the normal approximation
@@ -39,6 +40,13 @@ def pass_at_ks(counts: Iterable[tuple[int, int]]) -> dict[int, float]:
     if not pairs:
         return {}
     return {k: sum(pass_at_k(n, c, k) for n, c in pairs) / len(pairs) for k in range(1, min(n for n, _ in pairs) + 1)}
+
+
+def pass_over_tasks(tasks: Collection[Any]) -> tuple[dict[int, float], tuple[float, float] | None]:
+    """pass@k over tasks (each an `EpisodeStats`: its `episodes` and `successes`, see `pass_at_ks`) and the 95%
+    interval of pass@1 over them (`wilson`; `None` for no task)."""
+    passed = pass_at_ks((t.episodes, t.successes) for t in tasks)
+    return passed, (wilson(passed[1], len(tasks)) if passed else None)
 
 
 def wilson(p: float, n: int) -> tuple[float, float]:

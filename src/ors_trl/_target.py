@@ -76,9 +76,7 @@ class Target:
 
     def key_for(self, url: str) -> str | None:
         """The API key if `url` is one of the hosts it belongs to, else None."""
-        if not self.api_key:
-            return None
-        return self.api_key if _host_port(url) in self.key_hosts else None
+        return self.api_key if self.api_key and _host_port(url) in self.key_hosts else None
 
     def __repr__(self) -> str:
         key = "set" if self.api_key else "none"
@@ -205,12 +203,10 @@ def encode_secrets(secrets: Mapping[str, SecretValue]) -> str:
     for name, entry in secrets.items():
         if not isinstance(name, str) or not name:
             raise ConfigurationError("secret names must be non-empty strings")
-        if isinstance(entry, tuple):
-            if len(entry) != 2 or not isinstance(entry[0], str):
-                raise ConfigurationError(f"secret {name!r} must be a string or a (value, allowed_domains) tuple")
-            value, domains = entry[0], [str(d) for d in entry[1]]
-        elif isinstance(entry, str):
+        if isinstance(entry, str):
             value, domains = entry, list(_WELL_KNOWN_SECRET_DOMAINS.get(name.lower(), []))
+        elif isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str):
+            value, domains = entry[0], [str(d) for d in entry[1]]
         else:
             raise ConfigurationError(f"secret {name!r} must be a string or a (value, allowed_domains) tuple")
         payload[name] = {"value": value, "allowed_domains": domains}

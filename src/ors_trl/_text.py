@@ -70,15 +70,8 @@ def clean_json(value: Any, fix: Callable[[str], str] = repair) -> Any:
     stack = [value] if isinstance(value, dict | list) else []
     while stack:
         node = stack.pop()
-        if isinstance(node, list):
-            for i, item in enumerate(node):
-                if isinstance(item, str):
-                    node[i] = fix(item)
-                elif isinstance(item, dict | list):
-                    stack.append(item)
-            continue
-        renamed = False
-        for key, item in node.items():
+        renamed = False  # a dict's keys are fixed too: a list's keys are its indices
+        for key, item in enumerate(node) if isinstance(node, list) else node.items():
             if isinstance(item, str):
                 node[key] = fix(item)
             elif isinstance(item, dict | list):

@@ -30,7 +30,6 @@ no exception chain (a `JSONDecodeError` keeps the raw body, an aiohttp error the
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import functools
 import json
@@ -65,12 +64,14 @@ from ._exceptions import (
 )
 from ._target import Target, _host_port
 from ._text import clean_json, escape_controls, repair, unescape_json
+from ._types import MASK
 from ._version import __version__
 
-__all__ = ["Decoder", "RetryPolicy", "Timeouts", "Transport"]
+__all__ = ["Decoder", "RetryPolicy", "Timeouts", "Transport", "masking"]
 
 logger = logging.getLogger("ors_trl.client")
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 USER_AGENT = f"ors-trl/{__version__}"
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
@@ -308,32 +309,49 @@ def status_error(status: int, detail: str, path: str, *, session_scoped: bool) -
     return APIStatusError(f"{where}unexpected status {status}: {detail}", **kw)
 
 
-def _masked(method: Any) -> Any:
-    """Decorator for Transport's request methods: mask secrets in every ORSError they raise, and drop its chain."""
+def masking(transport_of: Callable[[Any], Transport]) -> Callable[[F], F]:
+    """Decorator for the calls that talk to a server (`Transport`'s, `AsyncClient`'s and `AsyncSession`'s): mask the
+    secrets of the transport `transport_of(self)` in every ORSError they raise (and drop its exception chain), and in
+    what `quoted` shows of an answer, before it is cut.
 
-    @functools.wraps(method)
-    async def wrapper(self: Transport, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await method(self, *args, **kwargs)
-        except ORSError as exc:
-            self.mask_error(exc)
-            raise
+    The transport masks its own errors; a client's call also raises errors while checking an answer, which quote what
+    the server said (and a server may echo the credentials it was sent)."""
 
-    return wrapper
+    def decorate(method: F) -> F:
+        @functools.wraps(method)
+        async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            transport = transport_of(self)
+            token = MASK.set(transport.mask)
+            try:
+                return await method(self, *args, **kwargs)
+            except ORSError as exc:
+                transport.mask_error(exc)
+                raise
+            finally:
+                MASK.reset(token)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+_masked = masking(lambda transport: transport)
 
 
 class _Dropped(Exception):
     """Internal: a stream ended without its final event."""
 
 
-async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int) -> AsyncIterator[tuple[str, str]]:
-    """Yield `(event, data)` per the SSE spec: one space after `data:` stripped, comments skipped.
+async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> AsyncIterator[tuple[str, str]]:
+    """Yield `(event, data)` per the SSE spec: one space after `data:` stripped, comments skipped; `what` names the
+    request in errors.
 
     Lines are split here rather than with `resp.content.readline()`: aiohttp's readline refuses lines
     longer than its buffer (128-512 KiB, depending on the version) with an exception outside our
     hierarchy, while the protocol lets a server send a whole result as one `data:` line. The only
     bound is `max_bytes` for the whole stream.
     """
+    _check_length(resp, max_bytes, what)
     event: str | None = None
     data: list[str] = []
     total = 0
@@ -347,17 +365,11 @@ async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int) -> AsyncIterato
             raise ProtocolError(f"event stream exceeded {max_bytes} bytes")
         start = len(buf)
         buf += chunk
-        lines: list[bytes] = []
-        begin = 0
-        while (end := buf.find(b"\n", start)) != -1:
-            lines.append(bytes(buf[begin:end]))
-            begin = start = end + 1
-        if begin:
-            del buf[:begin]
+        if (cut := buf.rfind(b"\n", start)) == -1:  # what was kept holds no newline: only new bytes are searched
+            continue
+        lines, buf = bytes(buf[:cut]).split(b"\n"), buf[cut + 1:]
         for raw in lines:
-            line = raw.decode("utf-8", errors="replace")
-            if line.endswith("\r"):
-                line = line[:-1]
+            line = raw.decode("utf-8", errors="replace").removesuffix("\r")
             if not line:
                 if data or event is not None:
                     yield (event or "message", "\n".join(data))
@@ -365,9 +377,8 @@ async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int) -> AsyncIterato
                 continue
             if line.startswith(":"):
                 continue
-            name, sep, value = line.partition(":")
-            if sep and value.startswith(" "):
-                value = value[1:]
+            name, _, value = line.partition(":")
+            value = value.removeprefix(" ")
             if name == "event":
                 event = value
             elif name == "data":
@@ -401,9 +412,8 @@ class Transport:
         )
         self.on_request: Callable[[str, str], None] | None = None  # (method, path) hook for tests/metrics
         self.on_throttle: Callable[[], None] | None = None  # told of each 429 and `503 starting` (the pace slows)
-        # Masked in every answer and message: the API key, plus every X-Secrets header sent and its values.
+        # Masked in every answer and message: the API key, and what the client adds (its X-Secrets header and values).
         self.decoder = Decoder([str(target.api_key)] if target.api_key else [])
-        self._headers_seen: set[str] = set()
 
     # -- connection pool ---------------------------------------------------------------------
 
@@ -444,30 +454,13 @@ class Transport:
             h["X-Session-ID"] = sid
         if extra:
             h.update(extra)
-            if "X-Secrets" in extra:
-                self._learn_secrets(extra["X-Secrets"])
         return h
 
     # -- masking secrets in errors ---------------------------------------------------------------
 
-    def _learn_secrets(self, header: str) -> None:
-        if header in self._headers_seen:
-            return
-        self._headers_seen.add(header)
-        self.decoder.add(header)
-        with contextlib.suppress(ValueError, TypeError, AttributeError):
-            for entry in json.loads(base64.b64decode(header)).values():
-                value = entry.get("value") if isinstance(entry, dict) else None
-                if isinstance(value, str):
-                    self.decoder.add(value)
-
     def mask(self, text: str) -> str:
         """`text` with every known secret (API key, secret values, X-Secrets header) replaced by `***`."""
         return self.decoder.mask(text)
-
-    def quote(self, text: str) -> str:
-        """What a server said, for a message: secrets masked, then made `readable` (bounded, no control characters)."""
-        return self.decoder.quote(text)
 
     def mask_error(self, exc: ORSError) -> ORSError:
         """Mask secrets in an error's message (and `detail`) in place, and drop its exception chain (a decoder's
@@ -486,12 +479,10 @@ class Transport:
                     timeout: aiohttp.ClientTimeout | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
         """One request, following redirects like aiohttp would, except that credentials are dropped
         on a hop to a host the API key does not belong to (aiohttp strips only `Authorization`)."""
-        kwargs: dict[str, Any] = {"allow_redirects": False}
-        if timeout is not None:
-            kwargs["timeout"] = timeout
         for _ in range(_MAX_REDIRECTS + 1):
             try:
-                resp = await self._client().request(method, url, data=data, headers=headers, **kwargs)
+                resp = await self._client().request(method, url, data=data, headers=headers, allow_redirects=False,
+                                                    timeout=timeout or self._request_timeout)
             except aiohttp.ClientError:
                 raise
             except ValueError as exc:  # a header or URL HTTP cannot carry (aiohttp checks, untyped)
@@ -538,7 +529,7 @@ class Transport:
     async def _status(self, resp: aiohttp.ClientResponse, path: str, *, session_scoped: bool) -> _Again:
         """An error answer as the exception to raise, wrapped as `_Again` when retrying may help."""
         head = await _read_head(resp, _ERROR_BODY_LIMIT)
-        detail = self.quote(_detail_of(self.decoder, head))
+        detail = self.decoder.quote(_detail_of(self.decoder, head))
         starting = resp.status == 503 and resp.headers.get("X-Backend-State") == "starting"
         if (starting or resp.status == 429) and self.on_throttle is not None:
             self.on_throttle()
@@ -596,8 +587,7 @@ class Transport:
                     self._send("POST", base + path, data=data, headers=headers) as resp:
                 if resp.status >= 400:
                     raise await self._status(resp, path, session_scoped=False)
-                _check_length(resp, self.max_response_bytes, path)
-                return [ev async for ev in iter_sse(resp, self.max_response_bytes)]
+                return [ev async for ev in iter_sse(resp, self.max_response_bytes, path)]
 
         return await retrying(self.retry, attempt, what=f"POST {path}", base=base, sent_is_safe=idempotent,
                               timeout=self.timeouts.request, mask=self.mask)
@@ -660,8 +650,7 @@ class Transport:
         """Read one call's event stream to its decoded result: `task_id`, `chunk`... `end`, or `error`."""
         chunks: list[str] = []
         size = 0
-        _check_length(resp, self.max_response_bytes, what)
-        async for event, data in iter_sse(resp, self.max_response_bytes):
+        async for event, data in iter_sse(resp, self.max_response_bytes, what):
             if event == "task_id":
                 on_task_id(self.decoder.text(data).strip())
             elif event in ("chunk", "end"):
@@ -678,7 +667,7 @@ class Transport:
                         f"{what}: the stream dropped and the server no longer knows the call (results are kept "
                         "60 s); its result is lost. It was not re-run."
                     )
-                raise ToolFailedError(f"{what} raised in the environment: {self.quote(data)}", tool=tool)
+                raise ToolFailedError(f"{what} raised in the environment: {self.decoder.quote(data)}", tool=tool)
         raise _Dropped()
 
     def _count(self, method: str, path: str) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._metrics import EpisodeStats
-from .._stats import paired_test, pass_at_ks, wilson
+from .._stats import paired_test, pass_over_tasks
 from ._tally import RunKey, Tally
 
 #: The p-value under which a difference is called beyond noise.
@@ -71,9 +71,7 @@ def runs(tally: Tally) -> list[Run]:
         if not stats.episodes:
             continue
         tasks = cells.get(key, {})
-        passed = pass_at_ks((s.episodes, s.successes) for s in tasks.values())
-        out.append(Run(key, tally.run_names[key], stats, tasks, passed,
-                       wilson(passed[1], len(tasks)) if passed else None))
+        out.append(Run(key, tally.run_names[key], stats, tasks, *pass_over_tasks(tasks.values())))
     return out
 
 

@@ -23,7 +23,6 @@ import hashlib
 import html
 import json
 import math
-import re
 import secrets
 from array import array
 from collections import Counter
@@ -36,6 +35,7 @@ from typing import Any
 
 from .._images import MAX_IMAGE_BYTES, thumbnail
 from .._metrics import EpisodeStats, _percentile
+from .._records import _SHA256
 from .._text import repair, shorten
 from . import _compare
 from ._charts import curves
@@ -45,7 +45,6 @@ from ._tally import EMBED_TEXT, SAMPLE_BYTES, Sample, Tally
 _MAX_ROWS = 10_000  # per table of tasks or runs; the ones with the most episodes are shown
 THUMB_SIZE = 160  # pixels on the longer side
 THUMB_BYTES = 4 * 1024 * 1024  # thumbnails a page embeds, in all
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _data(name: str) -> str:

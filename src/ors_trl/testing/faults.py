@@ -139,26 +139,24 @@ class _Exchange:
         self.writer.write(data)
         await self.writer.drain()
 
-    async def reply(self, status: int, body: bytes = b"", headers: Sequence[tuple[str, str]] = (),
-                    content_type: str = "application/json") -> None:
-        """A complete response with a Content-Length (the connection stays usable)."""
-        head = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}", f"Content-Length: {len(body)}"]
-        names = {k.lower() for k, _ in headers}
-        if "content-type" not in names and content_type:
+    async def _head(self, status: int, framing: str, headers: Sequence[tuple[str, str]], content_type: str | None,
+                    body: bytes = b"") -> None:
+        head = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}", framing]
+        if content_type and "content-type" not in {k.lower() for k, _ in headers}:
             head.append(f"Content-Type: {content_type}")
         head += [f"{k}: {v}" for k, v in headers]
         await self._write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
 
+    async def reply(self, status: int, body: bytes = b"", headers: Sequence[tuple[str, str]] = (),
+                    content_type: str = "application/json") -> None:
+        """A complete response with a Content-Length (the connection stays usable)."""
+        await self._head(status, f"Content-Length: {len(body)}", headers, content_type, body)
+
     async def start_stream(self, status: int = 200, headers: Sequence[tuple[str, str]] = (),
                            content_type: str | None = "text/event-stream") -> None:
         """Response headers of a chunked body; follow with `chunk()` and `end()` (or a fault)."""
-        head = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}", "Transfer-Encoding: chunked"]
-        names = {k.lower() for k, _ in headers}
-        if content_type and "content-type" not in names:
-            head.append(f"Content-Type: {content_type}")
-        head += [f"{k}: {v}" for k, v in headers]
         self._chunked = True
-        await self._write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1"))
+        await self._head(status, "Transfer-Encoding: chunked", headers, content_type)
 
     async def chunk(self, data: bytes) -> None:
         if data:
@@ -406,11 +404,10 @@ class SSEReply(Fault):
             await ex.chunk(_sse(event, data))
         if self.then == "end":
             await ex.end()
-        elif self.then == "hang":
+            return
+        if self.then == "hang":
             await ex.wait(120.0)
-            await ex.close()
-        else:
-            await ex.close()
+        await ex.close()
 
 
 @dataclass(repr=False)
@@ -473,8 +470,7 @@ class EchoHeaders(Fault):
     name = "echo_headers"
 
     async def handle(self, ex: _Exchange) -> None:
-        detail = "request headers: " + json.dumps(ex.seen.headers, sort_keys=True)
-        await ex.reply(self.status, json.dumps({"detail": detail}).encode())
+        await Status(self.status, "request headers: " + json.dumps(ex.seen.headers, sort_keys=True)).handle(ex)
 
 
 class FaultProxy:
@@ -562,16 +558,8 @@ class FaultProxy:
         Returns:
             `int`: The number of matching requests (of the newest `max_log`).
         """
-        n = 0
-        for seen in self.requests:
-            if method is not None and seen.method != method.upper():
-                continue
-            if path is not None and not (seen.path == path or seen.path.endswith(path)):
-                continue
-            if fault is not False and seen.fault != fault:
-                continue
-            n += 1
-        return n
+        matching = _Rule(Forward(), path, method, None, None)  # a rule's own test, never used up
+        return sum(1 for seen in self.requests if matching.matches(seen) and (fault is False or seen.fault == fault))
 
     @property
     def url(self) -> str:
@@ -678,14 +666,13 @@ class FaultProxy:
                     await fault.handle(ex)
                 except aiohttp.ClientError as exc:  # upstream unreachable: answer like a gateway would
                     if ex.keep_alive and not ex._chunked:
-                        await ex.reply(502, json.dumps({"detail": f"upstream: {exc}"}).encode())
+                        await Status(502, f"upstream: {exc}").handle(ex)
                     else:
                         break
                 if not ex.keep_alive or writer.is_closing():
                     break
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
-            pass
-        except asyncio.CancelledError:
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError,
+                asyncio.CancelledError):
             pass
         finally:
             self._conns.discard(task)

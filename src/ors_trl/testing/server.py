@@ -430,17 +430,11 @@ class ReferenceServer:
             `int` or `None`: Its exit status (`None` if it was never started).
         """
         proc = self._proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             proc.terminate()
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5.0)
-        _LIVE.discard(self)
-        return proc.returncode
+        return self.kill()  # what outlived `timeout`
 
     def kill(self) -> int | None:
         """Kill the server at once (SIGKILL: no teardowns), as a crash would.
@@ -596,11 +590,12 @@ class ReferenceServer:
         child_env["PYTHONUNBUFFERED"] = "1"
         child_env["PYTHONPATH"] = os.pathsep.join(
             dict.fromkeys(p for p in (_SRC_DIR, *self._paths, child_env.get("PYTHONPATH")) if p))
+        command = self._command()
         with open(self._log_path, "ab") as log:
-            log.write(f"--- {' '.join(self._command())}\n".encode())
+            log.write(f"--- {' '.join(command)}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(
-                self._command(),
+                command,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
