@@ -20,7 +20,7 @@ Part B (`--train`), the demo's tiny model trained on the demo's mixed pool (a th
 third locked) with each way of choosing: environment episodes until held-out success first reaches 0.8 (measured
 every `--eval-every` steps), and the training's zero-spread share (TRL's `frac_reward_zero_std`).
 
-`.venv/bin/python benchmarks/bench_task_selection.py [--groups 600] [--train --steps 100] [--json]`
+`.venv/bin/python benchmarks/bench_task_selection.py [--groups 900] [--train --steps 100] [--json]`
 (part A: about a minute per arm and pool; part B: about 3-4 minutes per arm on 2 cores).
 """
 
@@ -164,7 +164,7 @@ def part_b(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--groups", type=int, default=600, help="part A: groups per arm and pool (default 600)")
+    parser.add_argument("--groups", type=int, default=900, help="part A: groups per arm and pool (default 900)")
     parser.add_argument("--skill", type=float, default=0.5, help="part A: how often the policy reads look() right")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train", action="store_true", help="also part B: the tiny model trained with each arm")

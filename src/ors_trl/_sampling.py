@@ -38,6 +38,12 @@ __all__ = ["AdaptiveSampler", "Curriculum", "TaskSampler", "UniformSampler", "ma
 #: The names `task_sampling=` takes.
 SAMPLINGS = ("uniform", "adaptive")
 _EQUAL = 1e-9  # rewards closer than this are equal (a group with no spread has no advantage)
+#: AdaptiveSampler's pools: never drawn, drawn but not scored yet, groups disagreed, and by how many all-equal
+#: groups in a row (1: a suspect; 2 to `LEVELS`: confirmed, each level drawn half as often as the one before).
+LEVELS = 5
+PRIOR_GROUPS = 5  # how many groups the prior share of an all-equal pool is worth
+POOLS = ("fresh", "unscored", "mixed", *(f"{side}{level}" for side in ("solved", "unsolved")
+                                          for level in range(1, LEVELS + 1)))
 
 
 @runtime_checkable
@@ -198,11 +204,16 @@ class UniformSampler:
 class AdaptiveSampler:
     """Draw tasks where groups disagree: unseen tasks first, all-equal tasks down-weighted but re-probed.
 
-    Each task's pool follows its last `window` scored groups, pooled: `mixed` when their rewards differ (a GRPO
-    group of it is likely to teach), `solved` when they are all equal and at or above `success_threshold`,
-    `unsolved` when all equal below it. A draw takes a never-drawn unseen task while there is one, else a task from
-    `mixed` or from the drawn-but-unscored ones with weight 1 each, or from `solved`/`unsolved` with weight
-    `flat_weight` each. Rewards of `None` (unscored) are left out: an unscored rollout is no failure.
+    A task is `mixed` while its last group, or its last `window` groups pooled, had rewards that differ (a GRPO
+    group of it is likely to teach): weight 1. A task whose last k groups were all equal, to one value, is `solved`
+    (at or above `success_threshold`) or `unsolved` at level k (1 to 5): its weight is the share of the tasks at
+    that level and side whose next group changed, measured during the run from a prior (`suspect_weight` for one
+    group, `flat_weight` for two, halved for each further one). So one unlucky group does not starve a task a policy
+    solves sometimes (at a pass rate of 1/6 a group of 8 all fails a quarter of the time, and the next group of
+    such a task mostly differs), while always- and never-solved tasks, whose next groups never change, fall to the
+    floor (`flat_weight / 8`) within a few re-probes and are still drawn now and then, so a task that becomes
+    learnable comes back. A never-drawn task is drawn first; a drawn task not scored yet weighs 1. Rewards of `None`
+    (unscored) are left out: an unscored rollout is no failure.
 
     Args:
         tasks (`Sequence[int]`, *optional*):
@@ -210,10 +221,13 @@ class AdaptiveSampler:
         seed (`int`, *optional*, defaults to `0`):
             Seed of the draws (every process of a run uses the same seed and so draws the same tasks).
         flat_weight (`float`, *optional*, defaults to `0.05`):
-            Weight of a task whose recent groups were all equal, relative to 1 for a task whose groups disagreed.
-            With a third each of always-solved, never-solved and coin-flip tasks, 0.05 leaves about a tenth of the
-            draws to the first two (re-probes); prime-rl's 0.2 leaves about 0.4 of the groups zero-variance.
-        window (`int`, *optional*, defaults to `2`):
+            The prior weight of a task whose last two groups were all equal (relative to 1 for a task whose groups
+            disagreed; halved for each further one), and an eighth of it the floor. With a third each of
+            always-solved, never-solved and coin-flip tasks this leaves about a fifth of the groups zero-spread;
+            prime-rl's pool weight of 0.2 leaves about 0.4.
+        suspect_weight (`float`, *optional*, defaults to `0.2`):
+            The prior weight of a task with one all-equal group.
+        window (`int`, *optional*, defaults to `3`):
             How many of a task's last groups decide its pool.
         success_threshold (`float`, *optional*, defaults to `1.0`):
             The reward at or above which an all-equal task counts as solved (and a rollout as a success in the pass
@@ -221,15 +235,19 @@ class AdaptiveSampler:
     """
 
     def __init__(self, tasks: Sequence[int] | None = None, *, seed: int = 0, flat_weight: float = 0.05,
-                 window: int = 2, success_threshold: float = 1.0) -> None:
-        if isinstance(flat_weight, bool) or not isinstance(flat_weight, int | float) or not 0 < flat_weight <= 1:
-            raise ConfigurationError(f"flat_weight must be a number in (0, 1], got {flat_weight!r}")
+                 suspect_weight: float = 0.2, window: int = 3, success_threshold: float = 1.0) -> None:
+        for name, value in (("flat_weight", flat_weight), ("suspect_weight", suspect_weight)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+                raise ConfigurationError(f"{name} must be a number in (0, 1], got {value!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigurationError(f"window must be an int >= 1, got {window!r}")
-        self.seed, self.flat_weight, self.window = seed, float(flat_weight), window
+        self.seed, self.flat_weight, self.suspect_weight, self.window = seed, float(flat_weight), float(suspect_weight), window
         self.success_threshold = float(success_threshold)
         self._rng = random.Random(seed)
         self._history: dict[int, deque[list[float]]] = {}
+        self._streak: dict[int, int] = {}  # all-equal groups in a row (to one value), the last one included
+        # per pool of all-equal tasks (side and level): how their next group went, [changed, confirmed]
+        self._next: dict[str, list[int]] = {name: [0, 0] for name in POOLS[3:]}
         self._drawn: dict[int, int] = defaultdict(int)
         self._pools: dict[str, _Pool] = {}
         self._tasks: list[int] = []
@@ -261,7 +279,7 @@ class AdaptiveSampler:
 
     def _repool(self, order: dict[str, list[int]] | None = None) -> None:
         """Sort the tasks into their pools; `order`: each pool's order as saved (a draw picks by position)."""
-        self._pools = {name: _Pool() for name in ("fresh", "unscored", "mixed", "solved", "unsolved")}
+        self._pools = {name: _Pool() for name in POOLS}
         for name, tasks in (order or {}).items():
             for task in tasks:
                 if task in self._known and self._pool_of(task) == name:
@@ -274,10 +292,27 @@ class AdaptiveSampler:
         groups = self._history.get(task)
         if not groups:
             return "unscored" if self._drawn.get(task) else "fresh"
+        streak, side = self._streak.get(task, 0), self._side(groups[-1][0])
+        if streak >= 2:
+            return f"{side}{min(streak, LEVELS)}"
         pooled = [r for group in groups for r in group]
-        if max(pooled) - min(pooled) > _EQUAL:
-            return "mixed"
-        return "solved" if pooled[0] >= self.success_threshold else "unsolved"
+        return "mixed" if streak == 0 or max(pooled) - min(pooled) > _EQUAL else f"{side}1"
+
+    def _weight(self, pool: str) -> float:
+        """1 for a task whose groups disagreed (or not scored yet); for one with k all-equal groups in a row, the
+        share of such tasks whose next group changed, measured in this run, from a prior (`suspect_weight` for one
+        group, `flat_weight` halved per group after two) worth `PRIOR_GROUPS` groups, never below an eighth of
+        `flat_weight`: always- and never-solved tasks drive it down within a few re-probes, tasks a policy solves
+        sometimes keep it up."""
+        if pool in ("mixed", "unscored"):
+            return 1.0
+        level = int(pool[-1])
+        prior = self.suspect_weight if level == 1 else self.flat_weight / 2 ** (level - 2)
+        changed, confirmed = self._next[pool]
+        return max(self.flat_weight / 8, (changed + PRIOR_GROUPS * prior) / (changed + confirmed + PRIOR_GROUPS))
+
+    def _side(self, reward: float) -> str:
+        return "solved" if reward >= self.success_threshold else "unsolved"
 
     def _move(self, task: int) -> None:
         for pool in self._pools.values():
@@ -292,9 +327,7 @@ class AdaptiveSampler:
         if pools["fresh"]:
             task = pools["fresh"].choice(self._rng)
         else:
-            weighted = [(pools[name], weight) for name, weight in (("mixed", 1.0), ("unscored", 1.0),
-                                                                   ("solved", self.flat_weight),
-                                                                   ("unsolved", self.flat_weight)) if pools[name]]
+            weighted = [(pool, self._weight(name)) for name, pool in pools.items() if pool and name != "fresh"]
             total = sum(len(pool) * weight for pool, weight in weighted)
             pick = self._rng.random() * total
             pool = weighted[-1][0]
@@ -321,14 +354,22 @@ class AdaptiveSampler:
         scored = [float(r) for r in rewards if r is not None and math.isfinite(r)]
         if not scored or task not in self._known:
             return
-        self._history.setdefault(task, deque(maxlen=self.window)).append(scored)
+        history = self._history.setdefault(task, deque(maxlen=self.window))
+        was = self._pool_of(task)
+        flat = max(scored) - min(scored) <= _EQUAL
+        same = flat and bool(history) and self._streak.get(task, 0) > 0 and abs(history[-1][0] - scored[0]) <= _EQUAL
+        self._streak[task] = self._streak.get(task, 0) + 1 if same else int(flat)
+        history.append(scored)
+        if was in self._next:  # an all-equal task's next group: did it change, or confirm?
+            self._next[was][1 if self._streak[task] > int(was[-1]) else 0] += 1
         self._move(task)
 
     def pool_sizes(self) -> dict[str, int]:
         """Tasks per pool: `unseen` (never scored), `mixed`, `solved`, `unsolved`."""
-        p = self._pools
-        return {"unseen": len(p.get("fresh", ())) + len(p.get("unscored", ())), "mixed": len(p.get("mixed", ())),
-                "solved": len(p.get("solved", ())), "unsolved": len(p.get("unsolved", ()))}
+        sizes = dict.fromkeys(("unseen", "mixed", "solved", "unsolved"), 0)
+        for name, pool in self._pools.items():
+            sizes["unseen" if name in ("fresh", "unscored") else name.rstrip("0123456789")] += len(pool)
+        return sizes
 
     def pass_rate(self, task: int) -> float | None:
         """The share of successes in a task's recent groups.
@@ -353,6 +394,7 @@ class AdaptiveSampler:
         return {"kind": "adaptive", "rng": rng_state(self._rng),
                 "history": {str(t): [list(g) for g in groups] for t, groups in self._history.items()},
                 "drawn": {str(t): n for t, n in self._drawn.items()},
+                "streak": {str(t): n for t, n in self._streak.items()}, "next": self._next,
                 "pools": {name: list(pool.items) for name, pool in self._pools.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -366,6 +408,8 @@ class AdaptiveSampler:
         self._history = {int(t): deque(([float(r) for r in g] for g in groups), maxlen=self.window)
                          for t, groups in state["history"].items()}
         self._drawn = defaultdict(int, {int(t): int(n) for t, n in state["drawn"].items()})
+        self._streak = {int(t): int(n) for t, n in state.get("streak", {}).items()}
+        self._next = {name: [int(n) for n in state.get("next", {}).get(name, (0, 0))] for name in POOLS[3:]}
         self._order = {name: [int(t) for t in tasks] for name, tasks in state.get("pools", {}).items()}
         if self._tasks:
             self._repool(self._order)
