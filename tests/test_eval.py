@@ -488,7 +488,9 @@ def test_cli_eval_of_a_model_directory_plays_tool_turns(ref_server, tiny_model_d
     assert main(["eval", ref_server.url, "--env-name", ECHO, "--model", str(tiny_model_dir), "--num-tasks", "2",
                  "--output", str(out), "--no-progress"]) == 0
     records = read_lines(out)
-    assert [r["end_reason"] for r in records] == ["finished", "finished"] and scripted.batches == [2, 2]
+    # two replies each, generated in whatever batches the episodes' timing formed (the batching rule is tested with
+    # LocalPolicy itself)
+    assert [r["end_reason"] for r in records] == ["finished", "finished"] and sum(scripted.batches) == 4
     assert [[t["assistant"] for t in r["turns"]] for r in records] == [["", "Done."]] * 2
 
 
