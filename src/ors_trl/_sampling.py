@@ -470,7 +470,7 @@ class Curriculum:
         for task, reward in observed:
             groups[int(task)].append(reward)
         w = self._window
-        for task, rewards in groups.items():
+        for task, rewards in sorted(groups.items()):  # the order episodes ended in must not change the draws
             self.sampler.update(task, rewards)
             scored = [r for r in rewards if r is not None]
             if scored:
