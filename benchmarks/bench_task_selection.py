@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'arm':10}{'episodes to ' + str(TARGET):>18}{'held-out after':>16}{'zero-spread':>13}{'seconds':>9}")
         for row in b:
             reached = row["episodes_to_target"]
-            print(f"{row['arm']:10}{reached if reached is not None else 'not reached':>18}{row['success_after']:>16.3f}"
+            shown = reached if reached is not None else "not reached"
+            print(f"{row['arm']:10}{shown:>18}{row['success_after']:>16.3f}"
                   f"{row['zero_spread']:>13.3f}{row['seconds']:>9.0f}")
     if args.json:
         print(json.dumps({"part_a": a, "part_b": b}, sort_keys=True))

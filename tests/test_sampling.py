@@ -425,12 +425,13 @@ def test_the_platforms_difficulty_selects_tasks_and_inspect_shows_it(look_server
         platform.add(Reply(json.dumps({"tasks": rows})), path="/task-difficulty", method="GET", times=None)
         monkeypatch.setenv("OPENREWARD_URL", platform.url)
         monkeypatch.setenv("OPENREWARD_API_KEY", key)
-        spec = OpenRewardSpec("acme/look", env_name="lookenvironment", split="kinds", num_tasks=8, difficulty=(0.2, 0.8),
+        spec = OpenRewardSpec("acme/look", env_name="lookenvironment", split="kinds", num_tasks=8,
+                              difficulty=(0.2, 0.8),
                               difficulty_from=PlatformDifficulty(model_name="tiny", training_stage="rl"))
         assert list(spec.train_dataset["task_index"]) == [0, 3, 4, 5, 6, 7]  # 1 (1.0) and 2 (0.0) out; no data: kept
         (asked,) = [r for r in platform.requests if r.path.endswith("/task-difficulty")]
         assert asked.path == "/v1/environments/acme/look/task-difficulty" and asked.headers["x-api-key"] == key
-        assert "split=kinds" in asked.target and "model_name=tiny" in asked.target and "training_stage=rl" in asked.target
+        assert all(part in asked.target for part in ("split=kinds", "model_name=tiny", "training_stage=rl"))
         spec.close()
         target = ["inspect", "acme/look", "--env-name", "lookenvironment", "--split", "kinds", "--no-probe"]
         assert main([*target, "--difficulty", "--difficulty-filter", "model_name=tiny", "--json"]) == EXIT_OK

@@ -21,7 +21,7 @@ from ._exceptions import ConfigurationError
 from ._records import read_records
 
 __all__ = ["Difficulty", "PlatformDifficulty", "bins", "check_range", "describe", "histogram", "known_rewards",
-           "select_by_difficulty"]
+           "platform_known", "select_by_difficulty"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -48,7 +48,8 @@ class PlatformDifficulty:
 
     def __post_init__(self) -> None:
         if self.training_stage not in (None, "pretrained", "sft", "rl"):
-            raise ConfigurationError(f'training_stage must be "pretrained", "sft" or "rl", got {self.training_stage!r}')
+            raise ConfigurationError(
+                f'training_stage must be "pretrained", "sft" or "rl", got {self.training_stage!r}')
         for name in ("min_model_params", "max_model_params"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -162,6 +163,14 @@ def histogram(means: Sequence[float], count: int = 5) -> str:
                      for i, b in enumerate(parts)) or "no task with data"
 
 
+async def platform_known(client: Any, split: str, source: PlatformDifficulty) -> tuple[dict[int, Difficulty], str]:
+    """The platform's per-task difficulty of `split` as what is known of each task, and where it came from."""
+    raw = await client.task_difficulty(split, source.params())
+    filters = ", ".join(f"{k}={v}" for k, v in source.params().items())
+    return ({i: Difficulty(mean, n) for i, (mean, n) in raw.items()},
+            "the OpenReward platform" + (f" ({filters})" if filters else ""))
+
+
 async def describe(target: str, split: str, source: Any, *, environment: str | None = None,
                    **client_options: Any) -> dict[str, Any]:
     """What is known of a split's difficulty, for `ors-trl inspect --difficulty`: where from, how many tasks have
@@ -174,10 +183,7 @@ async def describe(target: str, split: str, source: Any, *, environment: str | N
 
 async def _describe(client: Any, split: str, source: Any, *, environment: str | None) -> dict[str, Any]:
     if isinstance(source, PlatformDifficulty):
-        raw = await client.task_difficulty(split, source.params())
-        known = {i: Difficulty(mean, n) for i, (mean, n) in raw.items()}
-        where = "the OpenReward platform" + (f" ({', '.join(f'{k}={v}' for k, v in source.params().items())})"
-                                             if source.params() else "")
+        known, where = await platform_known(client, split, source)
     else:
         known, where = known_rewards(source, split=split, environment=environment), str(source)
     total = await client.num_tasks(split)

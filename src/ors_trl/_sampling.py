@@ -32,7 +32,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from ._exceptions import ConfigurationError
 
-__all__ = ["AdaptiveSampler", "Curriculum", "TaskSampler", "UniformSampler", "make_sampler", "mirror_path", "rng_state",
+__all__ = ["AdaptiveSampler", "Curriculum", "TaskSampler", "UniformSampler", "make_sampler", "mirror_path",
+           "rng_state",
            "set_rng_state"]
 
 #: The names `task_sampling=` takes.
@@ -241,7 +242,8 @@ class AdaptiveSampler:
                 raise ConfigurationError(f"{name} must be a number in (0, 1], got {value!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigurationError(f"window must be an int >= 1, got {window!r}")
-        self.seed, self.flat_weight, self.suspect_weight, self.window = seed, float(flat_weight), float(suspect_weight), window
+        self.seed, self.window = seed, window
+        self.flat_weight, self.suspect_weight = float(flat_weight), float(suspect_weight)
         self.success_threshold = float(success_threshold)
         self._rng = random.Random(seed)
         self._history: dict[int, deque[list[float]]] = {}

@@ -35,7 +35,14 @@ from ._adapter import RESERVED as ADAPTER_NAMES
 from ._adapter import OpenRewardEnvironment, for_this_process
 from ._binding import Toolset
 from ._client import AsyncClient
-from ._difficulty import Difficulty, PlatformDifficulty, check_range, known_rewards, select_by_difficulty
+from ._difficulty import (
+    Difficulty,
+    PlatformDifficulty,
+    check_range,
+    known_rewards,
+    platform_known,
+    select_by_difficulty,
+)
 from ._engine import TASK_KEY, RolloutEngine
 from ._episode import EnvironmentRuntime, Task
 from ._exceptions import BadRequestError, ConfigurationError, NotFoundError, ORSError
@@ -327,6 +334,7 @@ class OpenRewardSpec:
                 run_info=lambda: training_info(rt.trainer),
                 step=lambda: getattr(getattr(rt.trainer, "state", None), "global_step", None))
         self.dataset_notes: list[str] = []
+        self._selection: tuple[list[int], list[Any]] | None = None
 
     def __repr__(self) -> str:
         return f"OpenRewardSpec({self.target!r}, split={self._split!r})"
@@ -400,14 +408,19 @@ class OpenRewardSpec:
     # -- dataset -----------------------------------------------------------------------------------
 
     async def select_tasks(self) -> tuple[list[int], list[Any]]:
-        """The selected task indices and their task specs (`{}` for each when `include_metadata=False`)."""
+        """The selected task indices and their task specs (`{}` for each when `include_metadata=False`), asked of
+        the server once (difficulty data included) and kept."""
+        if self._selection is None:
+            self._selection = await self._select()
+        return self._selection
+
+    async def _select(self) -> tuple[list[int], list[Any]]:
         total = await self._client.num_tasks(self._split)
         indices = select(total, self._split, self._num_tasks, self._indices, name=self.name)
         if self._difficulty is not None:
             known, where = self._known, str(self._options["difficulty_from"])
             if isinstance(known, PlatformDifficulty):
-                raw = await self._client.task_difficulty(self._split, known.params())
-                known, where = {i: Difficulty(mean, n) for i, (mean, n) in raw.items()}, "the OpenReward platform"
+                known, where = await platform_known(self._client, self._split, known)
             assert known is not None
             indices = select_by_difficulty(indices, known, *self._difficulty, name=self.name, source=where)
         if not self._options["include_metadata"]:

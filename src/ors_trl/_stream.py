@@ -321,7 +321,8 @@ def attach_task_sampling(source: Any, trainer: Any) -> None:
     """A task stream's first read: have `trainer` (found reading it, or None) update and checkpoint its samplers."""
     if trainer is None:
         logger.warning("task sampling: no trainer was found reading the dataset, so the samplers learn from rewards "
-                       "as they come but are neither saved with checkpoints nor logged; pass callbacks=spec.callbacks.")
+                       "as they come but are neither saved with checkpoints nor logged; "
+                       "pass callbacks=spec.callbacks.")
         return
     for cb in trainer.callback_handler.callbacks:
         if isinstance(cb, TaskSamplingCallback) and cb.source is source:

@@ -413,7 +413,8 @@ def run_demo(
                                    episode_log=str(episode_log) if episode_log is not None else None,
                                    task_sampling=task_sampling, difficulty=difficulty, difficulty_from=probe_out)
             specs.append(train)
-            say(f"  difficulty {difficulty}: {len(train.run(train.select_tasks())[0])} of {len(train_tasks)} tasks kept "
+            kept = len(train.run(train.select_tasks())[0])
+            say(f"  difficulty {difficulty}: {kept} of {len(train_tasks)} tasks kept "
                 f"after a probe of {probe_episodes} episodes")
         curve: list[dict[str, float]] = []
         callbacks = [_progress_callback(say)]
@@ -582,8 +583,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object with the results as the last line")
     p.add_argument("--quiet", action="store_true", help="no progress lines, only the results")
     p.add_argument("--pool", choices=("train", "mixed"), default="train",
-                   help="look task: train on its tasks (default), or on the mixed pool: a third look tasks, a third any "
-                        "answer solves, a third none does (task selection)")
+                   help="look task: train on its tasks (default), or on the mixed pool: a third look tasks, a third "
+                        "any answer solves, a third none does (task selection)")
     p.add_argument("--task-sampling", choices=("uniform", "adaptive"), default="uniform",
                    help="how the training tasks are drawn (OpenRewardSpec(task_sampling=...)); default uniform")
     p.add_argument("--eval-every", type=int, default=0, metavar="N",
