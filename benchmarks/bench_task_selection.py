@@ -16,12 +16,15 @@ were all equal (zero advantage: GRPO learns nothing from them) after a warm-up o
 informative groups per 100 environment episodes. Two pools: `third` (free, locked and coin tasks, a third each: the
 design's target pool) and `kinds` (all four kinds).
 
-Part B (`--train`), the demo's tiny model trained on the demo's mixed pool (a third look tasks, a third free, a
-third locked) with each way of choosing: environment episodes until held-out success first reaches 0.8 (measured
-every `--eval-every` steps), and the training's zero-spread share (TRL's `frac_reward_zero_std`).
+Part B (`--train`), the demo's tiny model trained with each way of choosing on two of the demo's pools: `mixed` (a
+third look tasks, a third free, a third locked) and `sparse` (a fifth look tasks: as on most real environments,
+most tasks are already solved or beyond reach). Per pool and arm, over `--seeds`: environment episodes until
+held-out success first reaches 0.8 (measured every `--eval-every` steps; the median over seeds, a run that never
+reached it counting as never), the held-out success after, and the training's zero-spread share (TRL's
+`frac_reward_zero_std`).
 
-`.venv/bin/python benchmarks/bench_task_selection.py [--groups 900] [--train --steps 100] [--json]`
-(part A: about a minute per arm and pool; part B: about 3-4 minutes per arm on 2 cores).
+`.venv/bin/python benchmarks/bench_task_selection.py [--groups 900] [--train [--pools mixed sparse] [--seeds 0 1 2] [--arms ...] [--jobs 2]] [--skip-a] [--json]`
+(part A: about half a minute per arm and pool; part B: about 3.5 minutes per run on one core, `--jobs` at a time).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import math
+import multiprocessing
 import os
 import random
 import statistics
@@ -47,6 +52,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 GROUP = 4  # rollouts per group
 PER_STEP = 8  # groups drawn before any of their rewards come back (one GRPO step)
 ARMS = ("uniform", "adaptive", "static")
+TRAIN_POOLS = ("mixed", "sparse")  # part B
 TARGET = 0.8
 
 
@@ -135,7 +141,8 @@ def part_a(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
-def part_b(args: argparse.Namespace) -> list[dict[str, Any]]:
+def train_one(arm: str, seed: int, steps: int, eval_every: int, pool: str) -> dict[str, Any]:
+    """Part B for one arm and seed: the demo's tiny model on a pool, its own reference server."""
     import torch
 
     from ors_trl.demo._environments import LookEnvironment
@@ -143,23 +150,45 @@ def part_b(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ors_trl.testing import ReferenceServer
 
     torch.set_num_threads(1)
-    results = []
-    with ReferenceServer([LookEnvironment]) as server:
-        for arm in ARMS:
-            with tempfile.TemporaryDirectory() as out:
-                result = run_demo(task="look", url=server.url, steps=args.steps, seed=args.seed, output_dir=out,
-                                  pool="mixed", task_sampling="adaptive" if arm == "adaptive" else "uniform",
-                                  difficulty=(0.01, 0.99) if arm == "static" else None, eval_every=args.eval_every,
-                                  report=False, blind=False)
-            spread = [h["frac_reward_zero_std"] for h in result.log_history if "frac_reward_zero_std" in h]
-            row = {"arm": arm, "episodes_to_target": result.episodes_to(TARGET),
-                   "success_after": result.after["success_rate"], "curve": result.curve,
-                   "zero_spread": statistics.fmean(spread) if spread else None, "seconds": result.seconds}
-            results.append(row)
-            print(f"  {arm:9} episodes to {TARGET}: {row['episodes_to_target']}  held-out after "
-                  f"{row['success_after']:.3f}  zero-spread {row['zero_spread']:.3f}  ({row['seconds']:.0f} s)",
-                  flush=True)
-    return results
+    with ReferenceServer([LookEnvironment]) as server, tempfile.TemporaryDirectory() as out:
+        result = run_demo(task="look", url=server.url, steps=steps, seed=seed, output_dir=out, pool=pool,
+                          task_sampling="adaptive" if arm == "adaptive" else "uniform",
+                          difficulty=(0.01, 0.99) if arm == "static" else None, eval_every=eval_every,
+                          report=False, blind=False)
+    spread = [h["frac_reward_zero_std"] for h in result.log_history if "frac_reward_zero_std" in h]
+    return {"arm": arm, "seed": seed, "pool": pool, "episodes_to_target": result.episodes_to(TARGET),
+            "success_after": result.after["success_rate"], "curve": result.curve,
+            "zero_spread": statistics.fmean(spread) if spread else None, "seconds": result.seconds}
+
+
+def part_b(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every (pool, arm, seed) run, `--jobs` at a time in spawned processes (one torch thread each)."""
+    runs = [(pool, arm, seed) for pool in args.pools for seed in args.seeds for arm in args.arms]
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as executor:
+        futures = [executor.submit(train_one, arm, seed, args.steps, args.eval_every, pool) for pool, arm, seed in runs]
+        for future in concurrent.futures.as_completed(futures):
+            row = future.result()
+            print(f"  {row['pool']:7}{row['arm']:9} seed {row['seed']}: episodes to {TARGET}: "
+                  f"{row['episodes_to_target']}  held-out after {row['success_after']:.3f}  zero-spread "
+                  f"{row['zero_spread']:.3f}  ({row['seconds']:.0f} s)", flush=True)
+        return [future.result() for future in futures]
+
+
+def summary(b: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per pool and arm, over its seeds: the median of the episodes to the target (a run that did not reach it
+    counts as never: None when half or more did not), how many reached it, the mean held-out success after, and the
+    mean zero-spread share."""
+    rows = []
+    for pool, arm in dict.fromkeys((r["pool"], r["arm"]) for r in b):
+        mine = [r for r in b if r["pool"] == pool and r["arm"] == arm]
+        spent = [r["episodes_to_target"] if r["episodes_to_target"] is not None else math.inf for r in mine]
+        median = statistics.median_high(spent)
+        rows.append({"pool": pool, "arm": arm, "median_episodes": None if median == math.inf else median,
+                     "per_seed": [r["episodes_to_target"] for r in mine], "reached": sum(s < math.inf for s in spent),
+                     "runs": len(mine), "success_after": statistics.fmean(r["success_after"] for r in mine),
+                     "zero_spread": statistics.fmean(r["zero_spread"] or 0.0 for r in mine)})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,33 +197,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skill", type=float, default=0.5, help="part A: how often the policy reads look() right")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train", action="store_true", help="also part B: the tiny model trained with each arm")
-    parser.add_argument("--steps", type=int, default=100, help="part B: GRPO steps per arm (default 100)")
+    parser.add_argument("--steps", type=int, default=150, help="part B: GRPO steps per run (default 150)")
     parser.add_argument("--eval-every", type=int, default=10, help="part B: held-out evaluation every N steps")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="part B: one run per arm and seed")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="part B: the arms to train")
+    parser.add_argument("--pools", nargs="+", choices=TRAIN_POOLS, default=list(TRAIN_POOLS),
+                        help="part B: the demo's pools to train on")
+    parser.add_argument("--jobs", type=int, default=2, help="part B: runs at a time (one CPU thread each)")
+    parser.add_argument("--skip-a", action="store_true", help="part B only")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
-    print(f"part A: scripted policy (skill {args.skill}), {args.groups} groups of {GROUP} per arm, {PER_STEP} drawn "
-          "at a time", flush=True)
-    a = part_a(args)
-    b = []
+    a: list[dict[str, Any]] = []
+    if not args.skip_a:
+        print(f"part A: scripted policy (skill {args.skill}), {args.groups} groups of {GROUP} per arm, {PER_STEP} "
+              "drawn at a time", flush=True)
+        a = part_a(args)
+    b: list[dict[str, Any]] = []
     if args.train:
-        print(f"part B: the demo's tiny model on the mixed pool, {args.steps} GRPO steps per arm", flush=True)
+        print(f"part B: the demo's tiny model, {args.steps} GRPO steps per run, pools {args.pools}, seeds "
+              f"{args.seeds}, {args.jobs} at a time", flush=True)
         b = part_b(args)
-    print()
-    print(f"{'pool':7}{'arm':10}{'tasks':>6}{'episodes':>9}{'zero-spread':>12}{'informative/100 ep':>19}"
-          f"{'vs uniform':>11}")
-    for row in a:
-        base = next(r for r in a if r["pool"] == row["pool"] and r["arm"] == "uniform")
-        ratio = row["informative_per_100_episodes"] / max(base["informative_per_100_episodes"], 1e-9)
-        print(f"{row['pool']:7}{row['arm']:10}{row['tasks']:>6}{row['episodes']:>9}"
-              f"{row['zero_spread_after_warmup']:>12.3f}{row['informative_per_100_episodes']:>19.1f}{ratio:>10.2f}x")
+    if a:
+        print()
+        print(f"{'pool':7}{'arm':10}{'tasks':>6}{'episodes':>9}{'zero-spread':>12}{'informative/100 ep':>19}"
+              f"{'vs uniform':>11}")
+        for row in a:
+            base = next(r for r in a if r["pool"] == row["pool"] and r["arm"] == "uniform")
+            ratio = row["informative_per_100_episodes"] / max(base["informative_per_100_episodes"], 1e-9)
+            print(f"{row['pool']:7}{row['arm']:10}{row['tasks']:>6}{row['episodes']:>9}"
+                  f"{row['zero_spread_after_warmup']:>12.3f}{row['informative_per_100_episodes']:>19.1f}"
+                  f"{ratio:>10.2f}x")
     if b:
         print()
-        print(f"{'arm':10}{'episodes to ' + str(TARGET):>18}{'held-out after':>16}{'zero-spread':>13}{'seconds':>9}")
-        for row in b:
-            reached = row["episodes_to_target"]
-            shown = reached if reached is not None else "not reached"
-            print(f"{row['arm']:10}{shown:>18}{row['success_after']:>16.3f}"
-                  f"{row['zero_spread']:>13.3f}{row['seconds']:>9.0f}")
+        print(f"{'pool':7}{'arm':10}{'median episodes to ' + str(TARGET):>24}{'reached':>9}{'per seed':>22}"
+              f"{'held-out after':>16}{'zero-spread':>13}")
+        for row in summary(b):
+            shown = row["median_episodes"] if row["median_episodes"] is not None else "not reached"
+            seeds = " ".join("-" if e is None else str(e) for e in row["per_seed"])
+            print(f"{row['pool']:7}{row['arm']:10}{shown:>24}{row['reached']:>6}/{row['runs']:<2}{seeds:>22}"
+                  f"{row['success_after']:>16.3f}{row['zero_spread']:>13.3f}")
     if args.json:
         print(json.dumps({"part_a": a, "part_b": b}, sort_keys=True))
     return 0

@@ -112,6 +112,28 @@ def test_one_all_equal_group_is_weak_evidence_for_a_task_solved_sometimes() -> N
     assert sum(never[:10]) / sum(never) < 0.1  # the never-solved tasks: re-probes only
 
 
+def test_a_task_that_was_solved_sometimes_is_not_starved_with_the_never_solved_ones() -> None:
+    """A task whose groups once disagreed and now all fail (a policy that drifted away from it: a word the demo's
+    model stopped answering) is what the policy has left to learn: it keeps `lapsed_weight` (1: drawn about as
+    often as a task whose groups disagree), where the never-solved tasks fall to the floor."""
+    kinds = ["never"] * 40 + ["always"] * 40 + ["coin"] * 30 + ["lapsed"] * 6
+    sampler, rng = AdaptiveSampler(range(len(kinds)), seed=2), random.Random(2)
+    counts = Counter()
+    for step in range(4000):
+        task = sampler.draw()
+        kind = kinds[task]
+        # a lapsed task: a coin flip for the first 600 groups, then 1 attempt in 40 succeeds
+        rate = {"never": 0.0, "always": 1.0, "coin": 0.5, "lapsed": 0.5 if step < 600 else 0.025}[kind]
+        sampler.update(task, [float(rng.random() < rate) for _ in range(8)])
+        if step >= 1000:
+            counts[kind] += 1
+    per_task = {kind: counts[kind] / kinds.count(kind) for kind in ("never", "lapsed", "coin")}
+    # judged with the never-solved tasks (the rule before): 2.5x and 0.06
+    assert per_task["lapsed"] > 20 * per_task["never"], per_task
+    assert per_task["lapsed"] > 0.5 * per_task["coin"], per_task
+    assert sampler.pool_sizes()["unsolved"] >= 40  # the lapsed tasks count as unsolved in the metrics
+
+
 def test_unscored_rewards_are_no_failures() -> None:
     sampler = AdaptiveSampler([0, 1], seed=0)
     sampler.update(0, [None, None])
@@ -142,7 +164,7 @@ def test_sampler_state_round_trips_and_continues_the_same_draws() -> None:
 
 
 def test_sampler_arguments_are_checked() -> None:
-    for bad in ({"flat_weight": 0}, {"flat_weight": 2}, {"window": 0}):
+    for bad in ({"flat_weight": 0}, {"flat_weight": 2}, {"window": 0}, {"lapsed_weight": -1}, {"suspect_weight": True}):
         with pytest.raises(ConfigurationError):
             AdaptiveSampler(range(3), **bad)
     with pytest.raises(ConfigurationError, match="no tasks"):

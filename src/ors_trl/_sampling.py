@@ -4,7 +4,7 @@ GRPO learns only from groups whose rewards differ: a group that all succeeded or
 costs a full set of sessions. `AdaptiveSampler` keeps, per task, the rewards of its last groups and draws the next
 task from three pools: tasks never scored first; then tasks whose recent groups disagreed (weight 1) and tasks whose
 recent groups were all equal, solved or unsolved (weight `flat_weight`, small but never zero, so a task that
-becomes learnable is re-probed and comes back). The draw is seeded; the state (a few numbers per seen task and the
+becomes learnable is re-probed and comes back; larger for a task whose groups once disagreed). The draw is seeded; the state (a few numbers per seen task and the
 random generator's) goes into checkpoints.
 
 A `Curriculum` sits between a spec's episodes and its sampler: every training episode's reward is observed when the
@@ -39,12 +39,15 @@ __all__ = ["AdaptiveSampler", "Curriculum", "TaskSampler", "UniformSampler", "ma
 #: The names `task_sampling=` takes.
 SAMPLINGS = ("uniform", "adaptive")
 _EQUAL = 1e-9  # rewards closer than this are equal (a group with no spread has no advantage)
-#: AdaptiveSampler's pools: never drawn, drawn but not scored yet, groups disagreed, and by how many all-equal
-#: groups in a row (1: a suspect; 2 to `LEVELS`: confirmed, each level drawn half as often as the one before).
+#: AdaptiveSampler's pools: never drawn, drawn but not scored yet, groups disagreed, and the all-equal ones by
+#: side, by how many all-equal groups in a row (1: a suspect; 2 to `LEVELS`: confirmed, each level drawn half as
+#: often as the one before), and by whether the task's groups ever disagreed (`was_`: a policy solved it sometimes).
 LEVELS = 5
 PRIOR_GROUPS = 5  # how many groups the prior share of an all-equal pool is worth
-POOLS = ("fresh", "unscored", "mixed", *(f"{side}{level}" for side in ("solved", "unsolved")
-                                          for level in range(1, LEVELS + 1)))
+SPREAD = "was_"
+FLAT_POOLS = tuple(f"{was}{side}{level}" for was in ("", SPREAD) for side in ("solved", "unsolved")
+                   for level in range(1, LEVELS + 1))
+POOLS = ("fresh", "unscored", "mixed", *FLAT_POOLS)
 
 
 @runtime_checkable
@@ -213,7 +216,10 @@ class AdaptiveSampler:
     solves sometimes (at a pass rate of 1/6 a group of 8 all fails a quarter of the time, and the next group of
     such a task mostly differs), while always- and never-solved tasks, whose next groups never change, fall to the
     floor (`flat_weight / 8`) within a few re-probes and are still drawn now and then, so a task that becomes
-    learnable comes back. A never-drawn task is drawn first; a drawn task not scored yet weighs 1. Rewards of `None`
+    learnable comes back. A task whose groups once disagreed is no never-solved task: while its last groups all
+    fail it weighs `lapsed_weight` (it is what the policy has left to learn: starving it, as the never-solved
+    tasks' record would, left the demo's model drawing its own best words and learning fewer of them than
+    uniform draws), and once solved its record is kept apart (prior `suspect_weight`, floor `flat_weight`). A never-drawn task is drawn first; a drawn task not scored yet weighs 1. Rewards of `None`
     (unscored) are left out: an unscored rollout is no failure.
 
     Args:
@@ -228,6 +234,8 @@ class AdaptiveSampler:
             prime-rl's pool weight of 0.2 leaves about 0.4.
         suspect_weight (`float`, *optional*, defaults to `0.2`):
             The prior weight of a task with one all-equal group.
+        lapsed_weight (`float`, *optional*, defaults to `1.0`):
+            The weight of a task whose groups once disagreed and whose last groups all failed.
         window (`int`, *optional*, defaults to `3`):
             How many of a task's last groups decide its pool.
         success_threshold (`float`, *optional*, defaults to `1.0`):
@@ -236,20 +244,24 @@ class AdaptiveSampler:
     """
 
     def __init__(self, tasks: Sequence[int] | None = None, *, seed: int = 0, flat_weight: float = 0.05,
-                 suspect_weight: float = 0.2, window: int = 3, success_threshold: float = 1.0) -> None:
-        for name, value in (("flat_weight", flat_weight), ("suspect_weight", suspect_weight)):
+                 suspect_weight: float = 0.2, lapsed_weight: float = 1.0, window: int = 3,
+                 success_threshold: float = 1.0) -> None:
+        for name, value in (("flat_weight", flat_weight), ("suspect_weight", suspect_weight),
+                            ("lapsed_weight", lapsed_weight)):
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
                 raise ConfigurationError(f"{name} must be a number in (0, 1], got {value!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigurationError(f"window must be an int >= 1, got {window!r}")
         self.seed, self.window = seed, window
         self.flat_weight, self.suspect_weight = float(flat_weight), float(suspect_weight)
+        self.lapsed_weight = float(lapsed_weight)
         self.success_threshold = float(success_threshold)
         self._rng = random.Random(seed)
         self._history: dict[int, deque[list[float]]] = {}
         self._streak: dict[int, int] = {}  # all-equal groups in a row (to one value), the last one included
         # per pool of all-equal tasks (side and level): how their next group went, [changed, confirmed]
-        self._next: dict[str, list[int]] = {name: [0, 0] for name in POOLS[3:]}
+        self._next: dict[str, list[int]] = {name: [0, 0] for name in FLAT_POOLS}
+        self._spread: set[int] = set()  # tasks whose groups ever disagreed
         self._drawn: dict[int, int] = defaultdict(int)
         self._pools: dict[str, _Pool] = {}
         self._tasks: list[int] = []
@@ -295,10 +307,11 @@ class AdaptiveSampler:
         if not groups:
             return "unscored" if self._drawn.get(task) else "fresh"
         streak, side = self._streak.get(task, 0), self._side(groups[-1][0])
+        was = SPREAD if task in self._spread else ""
         if streak >= 2:
-            return f"{side}{min(streak, LEVELS)}"
+            return f"{was}{side}{min(streak, LEVELS)}"
         pooled = [r for group in groups for r in group]
-        return "mixed" if streak == 0 or max(pooled) - min(pooled) > _EQUAL else f"{side}1"
+        return "mixed" if streak == 0 or max(pooled) - min(pooled) > _EQUAL else f"{was}{side}1"
 
     def _weight(self, pool: str) -> float:
         """1 for a task whose groups disagreed (or not scored yet); for one with k all-equal groups in a row, the
@@ -308,10 +321,13 @@ class AdaptiveSampler:
         sometimes keep it up."""
         if pool in ("mixed", "unscored"):
             return 1.0
-        level = int(pool[-1])
-        prior = self.suspect_weight if level == 1 else self.flat_weight / 2 ** (level - 2)
+        if pool.startswith(f"{SPREAD}unsolved"):
+            return self.lapsed_weight
+        level, spread = int(pool[-1]), pool.startswith(SPREAD)
+        prior = self.suspect_weight if level == 1 or spread else self.flat_weight / 2 ** (level - 2)
         changed, confirmed = self._next[pool]
-        return max(self.flat_weight / 8, (changed + PRIOR_GROUPS * prior) / (changed + confirmed + PRIOR_GROUPS))
+        floor = self.flat_weight if spread else self.flat_weight / 8
+        return max(floor, (changed + PRIOR_GROUPS * prior) / (changed + confirmed + PRIOR_GROUPS))
 
     def _side(self, reward: float) -> str:
         return "solved" if reward >= self.success_threshold else "unsolved"
@@ -362,6 +378,8 @@ class AdaptiveSampler:
         same = flat and bool(history) and self._streak.get(task, 0) > 0 and abs(history[-1][0] - scored[0]) <= _EQUAL
         self._streak[task] = self._streak.get(task, 0) + 1 if same else int(flat)
         history.append(scored)
+        if not flat:
+            self._spread.add(task)
         if was in self._next:  # an all-equal task's next group: did it change, or confirm?
             self._next[was][1 if self._streak[task] > int(was[-1]) else 0] += 1
         self._move(task)
@@ -370,7 +388,8 @@ class AdaptiveSampler:
         """Tasks per pool: `unseen` (never scored), `mixed`, `solved`, `unsolved`."""
         sizes = dict.fromkeys(("unseen", "mixed", "solved", "unsolved"), 0)
         for name, pool in self._pools.items():
-            sizes["unseen" if name in ("fresh", "unscored") else name.rstrip("0123456789")] += len(pool)
+            sizes["unseen" if name in ("fresh", "unscored") else name.removeprefix(SPREAD).rstrip("0123456789")] += (
+                len(pool))
         return sizes
 
     def pass_rate(self, task: int) -> float | None:
@@ -397,6 +416,7 @@ class AdaptiveSampler:
                 "history": {str(t): [list(g) for g in groups] for t, groups in self._history.items()},
                 "drawn": {str(t): n for t, n in self._drawn.items()},
                 "streak": {str(t): n for t, n in self._streak.items()}, "next": self._next,
+                "spread": sorted(self._spread),
                 "pools": {name: list(pool.items) for name, pool in self._pools.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -411,7 +431,8 @@ class AdaptiveSampler:
                          for t, groups in state["history"].items()}
         self._drawn = defaultdict(int, {int(t): int(n) for t, n in state["drawn"].items()})
         self._streak = {int(t): int(n) for t, n in state.get("streak", {}).items()}
-        self._next = {name: [int(n) for n in state.get("next", {}).get(name, (0, 0))] for name in POOLS[3:]}
+        self._next = {name: [int(n) for n in state.get("next", {}).get(name, (0, 0))] for name in FLAT_POOLS}
+        self._spread = {int(t) for t in state.get("spread", ())}
         self._order = {name: [int(t) for t in tasks] for name, tasks in state.get("pools", {}).items()}
         if self._tasks:
             self._repool(self._order)

@@ -152,7 +152,7 @@ class LookEnvironment(CountedEnvironment):
     @classmethod
     def list_splits(cls) -> list[Split | str]:
         return [Split(name="train", type="train"), Split(name="test", type="test"), Split(name="blind", type="test"),
-                Split(name="mixed", type="train"), Split(name="kinds", type="train")]
+                *(Split(name=pool, type="train") for pool in _task.POOLS)]
 
     @classmethod
     def list_tasks(cls, split: str) -> list[JSONObject]:

@@ -293,7 +293,7 @@ def run_demo(
         config_overrides, sft_overrides, model_overrides: replace entries of the GRPO configuration, the warm
             start's options, the tiny model's dimensions.
         pool: the look task's training split: "train", or "mixed" (a third look tasks, a third any answer solves, a
-            third none does: `_task.pool_tasks`).
+            third none does: `_task.pool_tasks`), or "sparse" (a fifth look tasks).
         task_sampling: `OpenRewardSpec(task_sampling=)` of the training spec ("uniform" or "adaptive").
         difficulty: keep the training tasks whose mean reward in a probe evaluation of the warm-started model (4
             attempts each, greedy tokens aside) lies in this range (`OpenRewardSpec(difficulty=)`); the probe's
@@ -582,9 +582,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: cores are shared)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the results as the last line")
     p.add_argument("--quiet", action="store_true", help="no progress lines, only the results")
-    p.add_argument("--pool", choices=("train", "mixed"), default="train",
+    p.add_argument("--pool", choices=("train", "mixed", "sparse"), default="train",
                    help="look task: train on its tasks (default), or on the mixed pool: a third look tasks, a third "
-                        "any answer solves, a third none does (task selection)")
+                        "any answer solves, a third none does, or on the sparse one: a fifth look tasks, two fifths "
+                        "each of the others (task selection)")
     p.add_argument("--task-sampling", choices=("uniform", "adaptive"), default="uniform",
                    help="how the training tasks are drawn (OpenRewardSpec(task_sampling=...)); default uniform")
     p.add_argument("--eval-every", type=int, default=0, metavar="N",

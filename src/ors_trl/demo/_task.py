@@ -185,7 +185,7 @@ LOOK_HELDOUT_REPLIES: tuple[str, ...] = (
     "You see the word {w} on the card.",
     "Written here: {w}.",
 )
-LOOK_SPLITS: tuple[str, ...] = ("train", "test", "blind", "mixed", "kinds")
+LOOK_SPLITS: tuple[str, ...] = ("train", "test", "blind", "mixed", "sparse", "kinds")
 
 
 def look_tasks(split: str) -> list[dict[str, Any]]:
@@ -224,8 +224,10 @@ def look_tasks(split: str) -> list[dict[str, Any]]:
 # Every group of a free or locked task has zero reward spread: it costs sessions and teaches GRPO nothing.
 
 POOL_KINDS: tuple[str, ...] = ("look", "free", "locked", "coin")
-#: Split -> (kinds, tasks of each kind): `mixed` is the demo's mixed pool, `kinds` the benchmark's.
+#: Split -> (kinds, tasks of each): `mixed` is the demo's mixed pool (a third look tasks), `sparse` a pool where, as
+#: on most real environments, most tasks are already solved or beyond reach (a fifth look tasks), `kinds` part A's.
 POOLS: dict[str, tuple[tuple[str, ...], int]] = {"mixed": (("look", "free", "locked"), 40),
+                                                 "sparse": (("look", "free", "locked", "free", "locked"), 24),
                                                  "kinds": (POOL_KINDS, 30)}
 COIN_REPLY = "The card is face down."
 
@@ -236,7 +238,7 @@ def pool_tasks(split: str) -> list[dict[str, Any]]:
     kinds, per_kind = POOLS[split]
     rng = random.Random(4)
     look = look_tasks("train")
-    by_kind: dict[str, list[dict[str, Any]]] = {}
+    by_kind: list[list[dict[str, Any]]] = []  # by position in `kinds` (a kind may come more than once)
     for k, kind in enumerate(kinds):
         tasks = []
         for i in range(per_kind):
@@ -245,8 +247,8 @@ def pool_tasks(split: str) -> list[dict[str, Any]]:
             if kind == "coin":
                 task.update(shown="", reply=COIN_REPLY, winners=sorted(rng.sample(TARGETS, 3)))
             tasks.append(task)
-        by_kind[kind] = tasks
-    ordered = [by_kind[kind][i] for i in range(per_kind) for kind in kinds]
+        by_kind.append(tasks)
+    ordered = [by_kind[k][i] for i in range(per_kind) for k in range(len(kinds))]
     return [{"id": f"look-{split}-{i:03d}", **task} for i, task in enumerate(ordered)]
 
 
