@@ -128,9 +128,25 @@ def test_task_fields_named_like_trl_keywords_keep_their_data_under_a_free_name()
     cols, notes = task_columns(tasks)
     assert cols == {"task_task_self": [1], "task_self": [2], "task_prompts": ["p"], "task_ors_reward": [0.5],
                     "task_environment": ["e"], "task_image": ["i"], "x": [3]}  # `task_self` was taken: prefixed again
-    assert notes == ["task fields renamed in the dataset (TRL or ors-trl passes these names itself): environment -> "
-                     "task_environment, image -> task_image, ors_reward -> task_ors_reward, prompts -> task_prompts, "
-                     "self -> task_task_self"]
+    assert notes == ["task fields renamed in the dataset (TRL or ors-trl passes these names itself, or Arrow cannot "
+                     "store them): environment -> task_environment, image -> task_image, ors_reward -> "
+                     "task_ors_reward, prompts -> task_prompts, self -> task_task_self"]
+
+
+def test_a_nul_in_a_task_field_name_or_nested_key_loses_nothing() -> None:
+    """Bug (the fuzz run, terminal escapes in task fields): Arrow cuts a name at a NUL, so a field named `a\\x00b`
+    failed to build the dataset (an untyped CastError out of `train_dataset`), and a nested key `k\\x00` lost its
+    value silently. The name gets U+FFFD (prefixed when that is taken); nested NUL keys keep the value as JSON."""
+    from datasets import Dataset
+
+    tasks = [{"a\x00b": 1, "a\ufffdb": 2, "n": {"k\x00": 3}, "id\x00": "x"}, {"a\x00b": 4, "n": {"k": 5}}]
+    cols, notes = task_columns(tasks)
+    rows = Dataset.from_dict(cols).to_list()
+    assert rows == [{"task_a\ufffdb": 1, "a\ufffdb": 2, "n": '{"k\\u0000": 3}', "id\ufffd": "x"},
+                    {"task_a\ufffdb": 4, "a\ufffdb": None, "n": '{"k": 5}', "id\ufffd": None}]
+    assert json.loads(rows[0]["n"]) == {"k\x00": 3}
+    assert "'a\\x00b' -> 'task_a\ufffdb'" in notes[0] and "'id\\x00' -> 'id\ufffd'" in notes[0]
+    assert notes[1:] == ["task field 'n' has keys with a NUL in them; stored as JSON text"]
 
 
 def test_environment_factory_binds_exactly_the_tools(ref_server) -> None:

@@ -123,6 +123,21 @@ def _arrow_safe(values: list[Any]) -> bool:
     return True
 
 
+def _nul_keys(values: list[Any]) -> bool:
+    """Whether a mapping anywhere in `values` has a key with a NUL in it: Arrow cuts such a name at the NUL (a column
+    fails to build; a nested value silently loses its entry)."""
+    stack: list[Any] = list(values)
+    while stack:
+        value = stack.pop()
+        if isinstance(value, Mapping):
+            if any(isinstance(k, str) and "\x00" in k for k in value):
+                return True
+            stack.extend(value.values())
+        elif isinstance(value, list | tuple):
+            stack.extend(value)
+    return False
+
+
 def _reserved(name: str, reserved: frozenset[str]) -> bool:
     return name in reserved or name.startswith(_RESERVED_PREFIX)
 
@@ -132,9 +147,10 @@ def task_columns(task_specs: Sequence[Any], reserved: frozenset[str] = RESERVED_
     """Task fields as dataset columns, plus notes on what had to change.
 
     A field named like a reserved column (see `RESERVED_COLUMNS`) is kept as `task_<name>` (prefixed again until
-    the name is free), so that TRL can still call `reset(**row)` and the reward functions with the row; a field
-    whose values Arrow cannot store in one column (mixed types, ragged nesting) is stored as JSON text, so dataset
-    creation never fails.
+    the name is free), so that TRL can still call `reset(**row)` and the reward functions with the row; a NUL in a
+    field's name, which Arrow cannot store, becomes U+FFFD; a field whose values Arrow cannot store in one column
+    (mixed types, ragged nesting, a NUL in a nested key) is stored as JSON text, so dataset creation never fails
+    and loses nothing.
     """
     notes: list[str] = []
     keys = list(dict.fromkeys(k for spec in task_specs if isinstance(spec, Mapping) for k in spec if isinstance(k, str)))
@@ -142,19 +158,22 @@ def task_columns(task_specs: Sequence[Any], reserved: frozenset[str] = RESERVED_
     renamed: list[str] = []
     columns: dict[str, list[Any]] = {}
     for key in sorted(keys):
-        column = key
-        if _reserved(key, reserved):
+        column = key.replace("\x00", "\ufffd")
+        if column != key or _reserved(key, reserved):
             while column in taken or _reserved(column, reserved):
                 column = f"task_{column}"
             taken.add(column)
-            renamed.append(f"{key} -> {column}")
+            renamed.append(f"{key!r} -> {column!r}" if "\x00" in key else f"{key} -> {column}")
         values = [spec.get(key) if isinstance(spec, Mapping) else None for spec in task_specs]
-        if not _arrow_safe(values):
+        nul = _nul_keys(values)
+        if nul or not _arrow_safe(values):
             values = [None if v is None else json.dumps(v, sort_keys=True, default=str) for v in values]
-            notes.append(f"task field {key!r} has values of mixed shapes; stored as JSON text")
+            why = "keys with a NUL in them" if nul else "values of mixed shapes"
+            notes.append(f"task field {column!r} has {why}; stored as JSON text")
         columns[column] = values
     if renamed:
-        notes.insert(0, f"task fields renamed in the dataset (TRL or ors-trl passes these names itself): "
+        notes.insert(0, f"task fields renamed in the dataset (TRL or ors-trl passes these names itself, or "
+                        "Arrow cannot store them): "
                         f"{', '.join(renamed)}")
     return columns, notes
 
