@@ -23,7 +23,8 @@ held-out success first reaches 0.8 (measured every `--eval-every` steps; the med
 reached it counting as never), the held-out success after, and the training's zero-spread share (TRL's
 `frac_reward_zero_std`).
 
-`.venv/bin/python benchmarks/bench_task_selection.py [--groups 900] [--train [--pools mixed sparse] [--seeds 0 1 2] [--arms ...] [--jobs 2]] [--skip-a] [--json]`
+`.venv/bin/python benchmarks/bench_task_selection.py [--groups 900] [--skip-a] [--json]
+[--train [--pools mixed sparse] [--seeds 0 1 2] [--arms ...] [--jobs 2]]`
 (part A: about half a minute per arm and pool; part B: about 3.5 minutes per run on one core, `--jobs` at a time).
 """
 
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, default=900, help="part A: groups per arm and pool (default 900)")
     parser.add_argument("--skill", type=float, default=0.5, help="part A: how often the policy reads look() right")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="part A: seed of the draws and the scripted answers")
     parser.add_argument("--train", action="store_true", help="also part B: the tiny model trained with each arm")
     parser.add_argument("--steps", type=int, default=150, help="part B: GRPO steps per run (default 150)")
     parser.add_argument("--eval-every", type=int, default=10, help="part B: held-out evaluation every N steps")

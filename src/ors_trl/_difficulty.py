@@ -165,8 +165,9 @@ def histogram(means: Sequence[float], count: int = 5) -> str:
 
 async def platform_known(client: Any, split: str, source: PlatformDifficulty) -> tuple[dict[int, Difficulty], str]:
     """The platform's per-task difficulty of `split` as what is known of each task, and where it came from."""
-    raw = await client.task_difficulty(split, source.params())
-    filters = ", ".join(f"{k}={v}" for k, v in source.params().items())
+    params = source.params()
+    raw = await client.task_difficulty(split, params)
+    filters = ", ".join(f"{k}={v}" for k, v in params.items())
     return ({i: Difficulty(mean, n) for i, (mean, n) in raw.items()},
             "the OpenReward platform" + (f" ({filters})" if filters else ""))
 

@@ -4,8 +4,8 @@ GRPO learns only from groups whose rewards differ: a group that all succeeded or
 costs a full set of sessions. `AdaptiveSampler` keeps, per task, the rewards of its last groups and draws the next
 task from three pools: tasks never scored first; then tasks whose recent groups disagreed (weight 1) and tasks whose
 recent groups were all equal, solved or unsolved (weight `flat_weight`, small but never zero, so a task that
-becomes learnable is re-probed and comes back; larger for a task whose groups once disagreed). The draw is seeded; the state (a few numbers per seen task and the
-random generator's) goes into checkpoints.
+becomes learnable is re-probed and comes back; larger for a task whose groups once disagreed). The draw is seeded;
+the state (a few numbers per seen task and the random generator's) goes into checkpoints.
 
 A `Curriculum` sits between a spec's episodes and its sampler: every training episode's reward is observed when the
 episode is counted (`Episode.account`), the observations of one task are one group, and they reach the sampler
@@ -33,8 +33,7 @@ from typing import Any, Protocol, runtime_checkable
 from ._exceptions import ConfigurationError
 
 __all__ = ["AdaptiveSampler", "Curriculum", "TaskSampler", "UniformSampler", "make_sampler", "mirror_path",
-           "rng_state",
-           "set_rng_state"]
+           "rng_state", "set_rng_state"]
 
 #: The names `task_sampling=` takes.
 SAMPLINGS = ("uniform", "adaptive")
@@ -45,6 +44,7 @@ _EQUAL = 1e-9  # rewards closer than this are equal (a group with no spread has 
 LEVELS = 5
 PRIOR_GROUPS = 5  # how many groups the prior share of an all-equal pool is worth
 SPREAD = "was_"
+LAPSED = f"{SPREAD}unsolved"  # its groups once disagreed, now all fail: weighs `lapsed_weight`, nothing measured
 FLAT_POOLS = tuple(f"{was}{side}{level}" for was in ("", SPREAD) for side in ("solved", "unsolved")
                    for level in range(1, LEVELS + 1))
 POOLS = ("fresh", "unscored", "mixed", *FLAT_POOLS)
@@ -219,8 +219,9 @@ class AdaptiveSampler:
     learnable comes back. A task whose groups once disagreed is no never-solved task: while its last groups all
     fail it weighs `lapsed_weight` (it is what the policy has left to learn: starving it, as the never-solved
     tasks' record would, left the demo's model drawing its own best words and learning fewer of them than
-    uniform draws), and once solved its record is kept apart (prior `suspect_weight`, floor `flat_weight`). A never-drawn task is drawn first; a drawn task not scored yet weighs 1. Rewards of `None`
-    (unscored) are left out: an unscored rollout is no failure.
+    uniform draws), and once solved its record is kept apart (prior `suspect_weight`, floor `flat_weight`). A
+    never-drawn task is drawn first; a drawn task not scored yet weighs 1. Rewards of `None` (unscored) are left
+    out: an unscored rollout is no failure.
 
     Args:
         tasks (`Sequence[int]`, *optional*):
@@ -259,8 +260,8 @@ class AdaptiveSampler:
         self._rng = random.Random(seed)
         self._history: dict[int, deque[list[float]]] = {}
         self._streak: dict[int, int] = {}  # all-equal groups in a row (to one value), the last one included
-        # per pool of all-equal tasks (side and level): how their next group went, [changed, confirmed]
-        self._next: dict[str, list[int]] = {name: [0, 0] for name in FLAT_POOLS}
+        # per pool of all-equal tasks whose weight is measured: how their next group went, [changed, confirmed]
+        self._next: dict[str, list[int]] = {name: [0, 0] for name in FLAT_POOLS if not name.startswith(LAPSED)}
         self._spread: set[int] = set()  # tasks whose groups ever disagreed
         self._drawn: dict[int, int] = defaultdict(int)
         self._pools: dict[str, _Pool] = {}
@@ -314,14 +315,15 @@ class AdaptiveSampler:
         return "mixed" if streak == 0 or max(pooled) - min(pooled) > _EQUAL else f"{was}{side}1"
 
     def _weight(self, pool: str) -> float:
-        """1 for a task whose groups disagreed (or not scored yet); for one with k all-equal groups in a row, the
-        share of such tasks whose next group changed, measured in this run, from a prior (`suspect_weight` for one
-        group, `flat_weight` halved per group after two) worth `PRIOR_GROUPS` groups, never below an eighth of
-        `flat_weight`: always- and never-solved tasks drive it down within a few re-probes, tasks a policy solves
-        sometimes keep it up."""
+        """1 for a task whose groups disagreed (or not scored yet); `lapsed_weight` for one whose groups once
+        disagreed and now all fail; for another with k all-equal groups in a row, the share of such tasks whose next
+        group changed, measured in this run, from a prior (`suspect_weight` for one group or a task whose groups
+        once disagreed, else `flat_weight` halved per group after two) worth `PRIOR_GROUPS` groups, never below
+        `flat_weight` (groups once disagreed) or an eighth of it: always- and never-solved tasks drive it down within
+        a few re-probes, tasks a policy solves sometimes keep it up."""
         if pool in ("mixed", "unscored"):
             return 1.0
-        if pool.startswith(f"{SPREAD}unsolved"):
+        if pool.startswith(LAPSED):
             return self.lapsed_weight
         level, spread = int(pool[-1]), pool.startswith(SPREAD)
         prior = self.suspect_weight if level == 1 or spread else self.flat_weight / 2 ** (level - 2)
@@ -431,7 +433,7 @@ class AdaptiveSampler:
                          for t, groups in state["history"].items()}
         self._drawn = defaultdict(int, {int(t): int(n) for t, n in state["drawn"].items()})
         self._streak = {int(t): int(n) for t, n in state.get("streak", {}).items()}
-        self._next = {name: [int(n) for n in state.get("next", {}).get(name, (0, 0))] for name in FLAT_POOLS}
+        self._next = {name: [int(n) for n in state.get("next", {}).get(name, (0, 0))] for name in self._next}
         self._spread = {int(t) for t in state.get("spread", ())}
         self._order = {name: [int(t) for t in tasks] for name, tasks in state.get("pools", {}).items()}
         if self._tasks:

@@ -185,7 +185,6 @@ LOOK_HELDOUT_REPLIES: tuple[str, ...] = (
     "You see the word {w} on the card.",
     "Written here: {w}.",
 )
-LOOK_SPLITS: tuple[str, ...] = ("train", "test", "blind", "mixed", "sparse", "kinds")
 
 
 def look_tasks(split: str) -> list[dict[str, Any]]:
@@ -230,6 +229,8 @@ POOLS: dict[str, tuple[tuple[str, ...], int]] = {"mixed": (("look", "free", "loc
                                                  "sparse": (("look", "free", "locked", "free", "locked"), 24),
                                                  "kinds": (POOL_KINDS, 30)}
 COIN_REPLY = "The card is face down."
+#: Every split the look environment serves.
+LOOK_SPLITS: tuple[str, ...] = ("train", "test", "blind", *POOLS)
 
 
 def pool_tasks(split: str) -> list[dict[str, Any]]:
