@@ -93,6 +93,8 @@ _QUOTE_HEAD = 64 * 1024
 _SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "/": "\\/", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
                   "\t": "\\t"}
 _ESCAPE = re.compile(r"\\u")  # a regex: with many backslashes in a text, `"\\u" in text` is slower
+#: A line end of an event stream: CRLF, LF or CR alone.
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 #: In JSON text: an escaped backslash (kept, so that the text "backslash, ud800" stays text), a surrogate pair (kept:
 #: one character), or a lone surrogate (written as U+FFFD). Repaired before decoding: a scan of the text, not a walk.
@@ -343,8 +345,9 @@ class _Dropped(Exception):
 
 
 async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> AsyncIterator[tuple[str, str]]:
-    """Yield `(event, data)` per the SSE spec: one space after `data:` stripped, comments skipped; `what` names the
-    request in errors.
+    """Yield `(event, data)` per the SSE spec: lines end with CRLF, LF or CR alone (a CRLF split between two reads
+    is one line end), a BOM opening the stream is dropped, one space after `data:` is stripped, comments are skipped;
+    `what` names the request in errors.
 
     Lines are split here rather than with `resp.content.readline()`: aiohttp's readline refuses lines
     longer than its buffer (128-512 KiB, depending on the version) with an exception outside our
@@ -355,7 +358,9 @@ async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> A
     event: str | None = None
     data: list[str] = []
     total = 0
-    buf = bytearray()
+    buf = bytearray()  # the unfinished line: never holds a line end
+    after_cr = False  # the last line ended with CR at the end of a read: an LF opening the next read belongs to it
+    first = True
     while True:
         chunk = await resp.content.readany()
         if not chunk:
@@ -363,13 +368,19 @@ async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> A
         total += len(chunk)
         if total > max_bytes:
             raise ProtocolError(f"event stream exceeded {max_bytes} bytes")
+        if after_cr and chunk.startswith(b"\n"):
+            chunk = chunk[1:]
         start = len(buf)
         buf += chunk
-        if (cut := buf.rfind(b"\n", start)) == -1:  # what was kept holds no newline: only new bytes are searched
+        cut = max(buf.rfind(b"\n", start), buf.rfind(b"\r", start))  # only the new bytes can hold a line end
+        after_cr = cut == len(buf) - 1 and buf.endswith(b"\r")
+        if cut == -1:
             continue
-        lines, buf = bytes(buf[:cut]).split(b"\n"), buf[cut + 1:]
-        for raw in lines:
-            line = raw.decode("utf-8", errors="replace").removesuffix("\r")
+        block, buf = bytes(buf[:cut + 1]), buf[cut + 1:]
+        for raw in _LINE_END.split(block)[:-1]:  # the block ends with a line end: the last piece is empty
+            line = raw.decode("utf-8", errors="replace")
+            if first:
+                line, first = line.removeprefix("\ufeff"), False
             if not line:
                 if data or event is not None:
                     yield (event or "message", "\n".join(data))
