@@ -320,7 +320,8 @@ def test_encodings_a_client_must_decode(body, encoding) -> None:
     (b"\x28\xb5\x2f\xfd" + NUM, "zstd"),
     (gzip.compress(NUM) + b"trailing garbage", "gzip"),
     (zlib.compress(NUM), "gzip"),
-], ids=["stacked", "br-unasked", "zstd-unasked", "gzip-trailing-garbage", "zlib-labelled-gzip"])
+    (gzip.compress(NUM), "x-gzip"),
+], ids=["stacked", "br-unasked", "zstd-unasked", "gzip-trailing-garbage", "zlib-labelled-gzip", "x-gzip"])
 def test_a_body_the_client_cannot_decode_is_a_protocol_error_naming_the_encoding(body, encoding) -> None:
     """Stacked, unasked-for or corrupt encodings: the answer is malformed, not the network broken. Not retried (the
     same bytes would come back), and the message names the encoding instead of quoting compressed bytes."""

@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 from urllib.parse import urljoin
 
 import aiohttp
+from aiohttp.http_exceptions import ContentEncodingError
 
 from ._exceptions import (
     APIStatusError,
@@ -76,6 +77,8 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 USER_AGENT = f"ors-trl/{__version__}"
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
 _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+#: The `Content-Encoding`s aiohttp decodes (or that need none); any other leaves the body as it came.
+_DECODED = frozenset({"", "identity", "gzip", "deflate", "br", "zstd"})
 _MAX_REDIRECTS = 10
 # Headers that carry credentials: never sent to a host the API key does not belong to.
 _CREDENTIAL_HEADERS = ("X-API-Key", "X-Secrets")
@@ -494,8 +497,10 @@ class Transport:
             try:
                 resp = await self._client().request(method, url, data=data, headers=headers, allow_redirects=False,
                                                     timeout=timeout or self._request_timeout)
-            except aiohttp.ClientError:
-                raise
+            except aiohttp.ClientError as exc:
+                if (err := _undecodable(exc, f"{method} {url.split('?', 1)[0]}")) is None:
+                    raise
+                raise err from None
             except ValueError as exc:  # a header or URL HTTP cannot carry (aiohttp checks, untyped)
                 raise ProtocolError(f"{method} {url.split('?', 1)[0]}: the request cannot be sent "
                                     f"({self.decoder.quote(str(exc), 200)})") from None
@@ -520,8 +525,13 @@ class Transport:
             url = target
         else:
             raise TransportError(f"{method} {url.split('?', 1)[0]}: more than {_MAX_REDIRECTS} redirects")
-        async with resp:  # release() and wait_for_close(), as aiohttp's own request context manager does
-            yield resp
+        try:
+            async with resp:  # release() and wait_for_close(), as aiohttp's own request context manager does
+                yield resp
+        except aiohttp.ClientError as exc:  # raised while the caller read the body
+            if (err := _undecodable(exc, f"{method} {url.split('?', 1)[0]}")) is None:
+                raise
+            raise err from None
 
     # -- the three request kinds, one retry loop --------------------------------------------------
 
@@ -547,6 +557,19 @@ class Transport:
         err = status_error(resp.status, detail, path, session_scoped=session_scoped)
         return _Again(err, retry_after=_retry_after(resp.headers), starting=starting,
                       final=resp.status not in _RETRY_STATUSES)
+
+    def _json(self, resp: aiohttp.ClientResponse, raw: bytes, what: str) -> Any:
+        """A JSON answer's body as values. One in a `Content-Encoding` aiohttp leaves undecoded (stacked, `x-gzip`, a
+        label that is no encoding) is read as it came, and if that is no JSON the error names the encoding rather
+        than quoting compressed bytes."""
+        try:
+            return self.decoder.decode(raw, what)
+        except ProtocolError:
+            encoding = resp.headers.get("Content-Encoding", "")
+            if encoding.strip().lower() in _DECODED:
+                raise
+            raise ProtocolError(f"{what}: the answer is in Content-Encoding {readable(encoding, 100)!r}, which this "
+                                "client cannot decode (it asks for gzip or deflate)") from None
 
     @_masked
     async def request(
@@ -576,7 +599,7 @@ class Transport:
                     self._send(method, base + path, data=data, headers=headers) as resp:
                 if resp.status < 400 or resp.status in ok_statuses:
                     raw = await _read_capped(resp, self.max_response_bytes, path)
-                    return None if resp.status >= 400 else self.decoder.decode(raw, path)
+                    return None if resp.status >= 400 else self._json(resp, raw, path)
                 raise await self._status(resp, path, session_scoped=session_scoped)
 
         return await retrying(retry or self.retry, attempt, what=f"{method} {path}", base=base,
@@ -755,6 +778,21 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
             delay = policy.delay(attempts)
         logger.debug("%s: attempt %d failed; retrying in %.2f s", what, attempts, delay)
         await asyncio.sleep(delay)
+
+
+def _undecodable(exc: BaseException, where: str) -> ProtocolError | None:
+    """The error to raise for an aiohttp error that is a body aiohttp could not decompress (an encoding it did not
+    ask for, corrupt or trailing bytes), else None. Such an answer is malformed, not a network failure: retrying or
+    resuming would fetch the same bytes."""
+    cause: BaseException | None = exc
+    for _ in range(4):  # ClientResponseError -> HttpProcessingError -> ContentEncodingError, at most
+        if isinstance(cause, ContentEncodingError):
+            return ProtocolError(f"{where}: the answer's body cannot be decoded ({readable(str(cause.message), 200)}): "
+                                 "compressed data that is corrupt, or in an encoding this client did not ask for")
+        if cause is None:
+            return None
+        cause = cause.__cause__
+    return None
 
 
 def _describe(exc: BaseException, mask: Callable[[str], str] = lambda text: text) -> str:
