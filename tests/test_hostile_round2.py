@@ -522,8 +522,13 @@ TASKS = {"tasks": [{"id": "café ☕"}], "env_name": ENV}
     (codecs.BOM_UTF16_LE + json.dumps(TASKS, ensure_ascii=False).encode("utf-16-le"), "application/json"),
     (json.dumps(TASKS, ensure_ascii=False).encode("utf-32-be"), "application/json"),
     (codecs.BOM_UTF8 + json.dumps(TASKS, ensure_ascii=False).encode(), "application/json; charset=utf-8"),
-], ids=["declared-latin-1", "utf-16-with-bom", "utf-32-no-bom", "utf-8-bom-declared"])
+    (json.dumps(TASKS, ensure_ascii=False).encode(), "application/json; charset=US-ASCII"),
+    (json.dumps(TASKS, ensure_ascii=False).encode(), "application/json; charset=no-such-codec"),
+], ids=["declared-latin-1", "utf-16-with-bom", "utf-32-no-bom", "utf-8-bom-declared", "utf-8-declared-ascii",
+        "unknown-charset"])
 def test_json_in_a_declared_or_detectable_encoding_is_read_as_such(body, content_type) -> None:
+    """RFC 8259 wants UTF-8, but a server that says which charset it wrote (old Java stacks: ISO-8859-1) is read in
+    it, and UTF-16 or -32 are recognised as `json.loads` recognises them; ASCII is read as the UTF-8 it is part of."""
     with fake((Reply(body, content_type=content_type), "/task_range")) as proxy:
         tasks = run(proxy.url, lambda c: c.task_range("train", 0, 1))
     expected = "café ?" if "latin-1" in content_type else "café ☕"

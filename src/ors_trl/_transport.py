@@ -30,6 +30,7 @@ no exception chain (a `JSONDecodeError` keeps the raw body, an aiohttp error the
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import functools
 import json
@@ -559,11 +560,12 @@ class Transport:
                       final=resp.status not in _RETRY_STATUSES)
 
     def _json(self, resp: aiohttp.ClientResponse, raw: bytes, what: str) -> Any:
-        """A JSON answer's body as values. One in a `Content-Encoding` aiohttp leaves undecoded (stacked, `x-gzip`, a
-        label that is no encoding) is read as it came, and if that is no JSON the error names the encoding rather
-        than quoting compressed bytes."""
+        """A JSON answer's body as values, read in the charset its `Content-Type` declares, else in the UTF JSON's own
+        detection finds (UTF-16 and -32 by their BOM or zero bytes). One in a `Content-Encoding` aiohttp leaves
+        undecoded (stacked, `x-gzip`, a label that is no encoding) is read as it came, and if that is no JSON the error
+        names the encoding rather than quoting compressed bytes."""
         try:
-            return self.decoder.decode(raw, what)
+            return self.decoder.decode(_unless_utf8(raw, resp.charset), what)
         except ProtocolError:
             encoding = resp.headers.get("Content-Encoding", "")
             if encoding.strip().lower() in _DECODED:
@@ -778,6 +780,16 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
             delay = policy.delay(attempts)
         logger.debug("%s: attempt %d failed; retrying in %.2f s", what, attempts, delay)
         await asyncio.sleep(delay)
+
+
+def _unless_utf8(raw: bytes, charset: str | None) -> bytes | str:
+    """`raw` as text when it is not UTF-8 (in its declared `charset`, else the encoding `json.detect_encoding` finds);
+    UTF-8, by far the common case, and ASCII (a part of it) stay bytes for the decoder."""
+    codec = json.detect_encoding(raw)
+    if charset:
+        with contextlib.suppress(LookupError):
+            codec = codecs.lookup(charset).name
+    return raw if codec in ("utf-8", "utf-8-sig", "ascii") else raw.decode(codec, errors="replace")
 
 
 def _undecodable(exc: BaseException, where: str) -> ProtocolError | None:
