@@ -550,7 +550,7 @@ class Transport:
 
     async def _status(self, resp: aiohttp.ClientResponse, path: str, *, session_scoped: bool) -> _Again:
         """An error answer as the exception to raise, wrapped as `_Again` when retrying may help."""
-        head = await _read_head(resp, _ERROR_BODY_LIMIT)
+        head = await _read_head(resp, _ERROR_BODY_LIMIT, self.timeouts.request)
         detail = self.decoder.quote(_detail_of(self.decoder, head))
         starting = resp.status == 503 and resp.headers.get("X-Backend-State") == "starting"
         if (starting or resp.status == 429) and self.on_throttle is not None:
@@ -837,16 +837,19 @@ def _check_length(resp: aiohttp.ClientResponse, limit: int, path: str) -> None:
         raise ProtocolError(f"{path}: response of {length} bytes is larger than the {limit}-byte limit")
 
 
-async def _read_head(resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    """At most the first `limit` bytes of the body (an error answer's detail); the rest is never read."""
+async def _read_head(resp: aiohttp.ClientResponse, limit: int, seconds: float | None = None) -> bytes:
+    """At most the first `limit` bytes of the body (an error answer's detail), and what came within `seconds`: the rest
+    is never read. On a stream (`/call`) nothing else bounds an error body that trickles."""
     parts: list[bytes] = []
     total = 0
-    while total < limit:
-        chunk = await resp.content.read(limit - total)
-        if not chunk:
-            break
-        parts.append(chunk)
-        total += len(chunk)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            while total < limit:
+                chunk = await resp.content.read(limit - total)
+                if not chunk:
+                    break
+                parts.append(chunk)
+                total += len(chunk)
     return b"".join(parts)
 
 
