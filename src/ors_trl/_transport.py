@@ -17,7 +17,8 @@ may be running; re-posting could run it twice) which raises `StreamInterruptedEr
 
 Credentials: redirects are followed by hand, and a redirect to a host the API key does not belong
 to is followed without `X-API-Key` and `X-Secrets` (aiohttp itself would forward every custom
-header to any host).
+header to any host), or not at all when the body it would re-send holds a credential (the env
+overrides of `/create_session`).
 
 What a server sends is untrusted input, made fit to keep where it is decoded: `Decoder` is the one way
 its bytes become Python values (JSON answers, SSE fields, error bodies). Invalid UTF-8 is replaced,
@@ -487,13 +488,19 @@ class Transport:
         exc.__suppress_context__ = True
         return exc
 
+    def _holds_secret(self, body: bytes) -> bool:
+        """Whether a request body holds a known secret (also spelled with JSON escapes)."""
+        text = unescape_json(body.decode("utf-8", errors="replace"))
+        return self.mask(text) != text
+
     # -- one exchange, redirects followed by hand ----------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def _send(self, method: str, url: str, *, data: bytes | None, headers: dict[str, str],
                     timeout: aiohttp.ClientTimeout | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
         """One request, following redirects like aiohttp would, except that credentials are dropped
-        on a hop to a host the API key does not belong to (aiohttp strips only `Authorization`)."""
+        on a hop to a host the API key does not belong to (aiohttp strips only `Authorization`), and a hop
+        there that would re-send a body holding one is not made."""
         for _ in range(_MAX_REDIRECTS + 1):
             try:
                 resp = await self._client().request(method, url, data=data, headers=headers, allow_redirects=False,
@@ -519,6 +526,11 @@ class Transport:
                 method, data = "GET", None
                 headers = {k: v for k, v in headers.items() if k != "Content-Type"}
             if not same_host and self.target.key_for(target) is None:
+                if data is not None and self._holds_secret(data):  # a body cannot be followed without what it says
+                    raise TransportError(
+                        f"{method} {url.split('?', 1)[0]}: redirected to another host "
+                        f"({readable(_host_port(target), 200)}); not followed, since the request's body holds a "
+                        "credential (a secret or an env override) that host was not given")
                 dropped = [k for k in _CREDENTIAL_HEADERS if k in headers]
                 if dropped:
                     logger.debug("redirected to another host; not sending %s there", ", ".join(dropped))
