@@ -647,7 +647,8 @@ class Transport:
 
         Error answers and connection failures before anything was sent are retried; a stream that drops
         after the server named the call is resumed by that task id (the server replays the result), never
-        re-posted without it; one that drops before is a `StreamInterruptedError`.
+        re-posted without it; one that drops before is a `StreamInterruptedError`. A stream naming another
+        task than the one it resumes is a `ProtocolError`.
         """
         base, headers, _ = self._prepared(None, sid=sid, extra=None, stream=True)
         headers["Content-Type"] = "application/json"
@@ -670,6 +671,11 @@ class Transport:
 
         def remember(value: str) -> None:
             nonlocal task_id
+            if task_id is not None and value and value != task_id:  # another call's stream: not this call's result
+                raise ProtocolError(
+                    f"{what}: the server answered the stream of task {readable(task_id, 80)!r} with another task's "
+                    f"({readable(value, 80)!r}); its result is not this call's, and the call was not re-run."
+                )
             task_id = value or task_id
 
         while True:
