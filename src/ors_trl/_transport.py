@@ -346,7 +346,12 @@ _masked = masking(lambda transport: transport)
 
 
 class _Dropped(Exception):
-    """Internal: a stream ended without its final event."""
+    """Internal: a stream ended without its final event; `unknown`: the names of the events it sent that the protocol
+    has not (an `END`, an `end ` with a space: why a stream that looked complete had no result)."""
+
+    def __init__(self, unknown: Iterable[str] = ()) -> None:
+        super().__init__()
+        self.unknown = tuple(unknown)
 
 
 async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> AsyncIterator[tuple[str, str]]:
@@ -704,6 +709,7 @@ class Transport:
         """Read one call's event stream to its decoded result: `task_id`, `chunk`... `end`, or `error`."""
         chunks: list[str] = []
         size = 0
+        unknown: dict[str, None] = {}  # names of events the protocol has not, the first few, in order
         async for event, data in iter_sse(resp, self.max_response_bytes, what):
             if event == "task_id":
                 on_task_id(self.decoder.text(data).strip())
@@ -722,7 +728,9 @@ class Transport:
                         "60 s); its result is lost. It was not re-run."
                     )
                 raise ToolFailedError(f"{what} raised in the environment: {self.decoder.quote(data)}", tool=tool)
-        raise _Dropped()
+            elif len(unknown) < 3:
+                unknown[event] = None
+        raise _Dropped(unknown)
 
     def _count(self, method: str, path: str) -> None:
         if self.on_request is not None:
@@ -827,7 +835,9 @@ def _undecodable(exc: BaseException, where: str) -> ProtocolError | None:
 
 def _describe(exc: BaseException, mask: Callable[[str], str] = lambda text: text) -> str:
     if isinstance(exc, _Dropped):
-        return "stream ended before the result"
+        unknown = ", ".join(repr(escape_controls(mask(name)[:40])) for name in exc.unknown)
+        return "stream ended before the result" + (f"; it sent events this client does not know: {unknown}"
+                                                   if unknown else "")
     if isinstance(exc, TimeoutError):
         return "timed out"
     text = str(exc) or type(exc).__name__
