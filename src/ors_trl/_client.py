@@ -363,6 +363,9 @@ class AsyncClient:
         env_overrides: Mapping[str, str] | None = None,
     ) -> None:
         self.target: Target = resolve_target(target, api_key=api_key)
+        if env_name is not None and not _is_segment(env_name):  # it goes into every request's path as it is
+            raise ConfigurationError(f"env_name {quoted(env_name, 100)} cannot be part of a URL path; pass an "
+                                     f"environment's key as the server lists it ({_SEGMENT_RULE})")
         self.requested_env = env_name
         if toolset is not None and (not isinstance(toolset, str) or not toolset.strip()):
             raise ConfigurationError(f"toolset must be a toolset's name (e.g. 'codex') or None, got {toolset!r}")
@@ -952,9 +955,18 @@ async def delete_orphans(target: str, sids: list[str]) -> list[bool]:
         return list(await asyncio.gather(*(delete(sid) for sid in sids)))
 
 
+_SEGMENT_RULE = "1 to 200 of A-Z a-z 0-9 . _ ~ - and the other characters a path segment takes unescaped"
+
+
+def _is_segment(name: object) -> bool:
+    """Whether `name` can be a URL path segment as it is: nothing to escape, and neither `.` nor `..` (which a URL
+    parser resolves, so `/../admin/x` would reach `/admin/x`)."""
+    return isinstance(name, str) and _ENV_NAME.fullmatch(name) is not None and name not in (".", "..")
+
+
 def _env_segment(name: str) -> str:
     """An environment name the server listed, checked before it becomes part of every request's URL path."""
-    if _ENV_NAME.fullmatch(name) and name not in (".", ".."):
+    if _is_segment(name):
         return name
     raise ProtocolError(f"/list_environments: the environment name {quoted(name, 100)} cannot be part of a URL path "
-                        "(1 to 200 of A-Z a-z 0-9 . _ ~ - and the other characters a path segment takes unescaped)")
+                        f"({_SEGMENT_RULE})")
