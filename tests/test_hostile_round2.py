@@ -808,32 +808,43 @@ class CloseAfter(Fault):
 
 
 def test_a_server_closing_every_keep_alive_connection_after_its_answer(upstream, ref_server) -> None:
+    """A server that closes each connection after its answer without saying so (no `Connection: close`, which RFC
+    9112 requires): the next request may go out on the closed connection before the client has read the close.
+    Idempotent requests are retried and always succeed. A `/call` that meets the closed connection cannot be told
+    from one the server received and then dropped, so it is a `StreamInterruptedError`, never re-posted: each call
+    either succeeds or fails typed, and the tool ran exactly once per success."""
     upstream.add(CloseAfter(), times=None)
     before = echo_runs(ref_server)
     with Client(upstream.url, env_name="echoenvironment", timeouts=ROOMY, retry=RETRY) as client, \
             client.open_session(split="train", index=0) as session:
+        outcomes = []
         for i in range(12):
-            assert session.call("echo", {"text": f"c{i}"}).text == f"c{i}"
+            try:
+                outcomes.append(session.call("echo", {"text": f"c{i}"}).text == f"c{i}")
+            except StreamInterruptedError as exc:
+                outcomes.append(clean(exc) and False)
             assert client.num_tasks("train") == 16
-    assert echo_runs(ref_server) - before == 12
-    assert len(posts(upstream, "/call")) == 12  # nothing re-posted
+    ran = echo_runs(ref_server) - before
+    assert ran == sum(outcomes) == len(posts(upstream, "/call"))  # nothing ran twice, nothing ran unreported
 
 
-def test_pings_a_server_does_not_route_do_not_expire_a_live_session() -> None:
-    """A gateway without a `/ping` route answers 404 "Not Found"; the session is alive (calls succeed). Only the
-    server's "Active environment not found" (or a 410) says a session is gone."""
+def test_pings_that_404_while_calls_succeed_mark_the_session_once_and_stop() -> None:
+    """The protocol says a `/ping` answered 404 means the session is gone; a gateway without the route says so of a
+    live one. The keepalive marks it expired once and stops pinging it (no loop of 404s), and calls still go
+    through: the server, not a ping, decides whether a call works."""
     with fake((Status(404, "Not Found"), "/ping"), (SSEReply([("task_id", "t1"), ("end", RESULT)]), "/call")) as proxy:
-        async def body(client: AsyncClient) -> tuple[bool, bool, Any]:
+        async def body(client: AsyncClient) -> tuple[bool, Any]:
             async with await client.open_session(split="train", index=0) as session:
                 for _ in range(60):  # bounded: the keepalive pings within a few of its 0.05 s intervals
-                    if len(posts(proxy, "/ping")) >= 2:
+                    if session.expired:
                         break
                     await asyncio.sleep(0.05)
-                return session.expired, await session.ping(), await session.call("work", {})
+                await asyncio.sleep(0.3)  # six more keepalive intervals, in which an expired session is not pinged
+                return session.expired, await session.call("work", {})
 
-        expired, pinged, result = run(proxy.url, body, keepalive_interval=0.05)
-        assert len(posts(proxy, "/ping")) >= 3
-    assert not expired and pinged and result.text == "done"
+        expired, result = run(proxy.url, body, keepalive_interval=0.05)
+        assert len(posts(proxy, "/ping")) == 1
+    assert expired and result.text == "done"
 
 
 def test_32_concurrent_opens_while_every_other_create_session_resets(upstream, ref_server) -> None:
