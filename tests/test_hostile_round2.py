@@ -613,6 +613,21 @@ def test_an_empty_session_id_is_no_session_id(events) -> None:
         assert posts(proxy, "/create") == []
 
 
+def test_a_cr_in_a_session_id_ends_its_line_and_injects_no_header() -> None:
+    """`data: sid-1\rX-Injected: yes`: by the SSE spec a bare CR ends the line, so the id is `sid-1` and the rest is a
+    field no one knows; no request carries the injected header."""
+    with fake((raw_sse(b"event: task_id\ndata: sid-1\rX-Injected: yes\n\n"), "/create_session"),
+              (Reply(json.dumps([{"type": "text", "text": "hi"}])), "/prompt")) as proxy:
+        async def body(client: AsyncClient) -> None:
+            async with await client.open_session(split="train", index=0) as session:
+                await session.prompt()
+
+        run(proxy.url, body)
+        created = posts(proxy, "/create")
+    assert [r.headers.get("x-session-id") for r in created] == ["sid-1"]
+    assert not any("x-injected" in r.headers for r in proxy.requests)
+
+
 def test_a_task_id_with_line_breaks_and_escapes_goes_back_exactly_and_is_logged_escaped(caplog) -> None:
     odd = "a\nb\x1b[2J\u202e"
     with fake((raw_sse(sse(("task_id", odd))), "/call", 1), (SSEReply([("task_id", odd), ("end", RESULT)]), "/call")
