@@ -4,8 +4,9 @@ Slow or trickling answers (the request deadline is a total, the stream deadline 
 unasked-for and corrupt encodings, raw and zlib deflate, gzip on an event stream), redirects (method and body per
 status, credentials across ports, chains at the limit, relative and parser-confusing `Location`s), encodings (BOMs,
 charsets, the three SSE line endings, odd fields), huge or odd identifiers (session ids, task ids, names with path
-characters) and concurrency against faults (resets every third connection, a flapping gateway, resumes under load,
-a server that closes every keep-alive connection, pings a server does not route).
+characters), concurrency against faults (resets every third connection, a flapping gateway, resumes under load, a
+server that closes every keep-alive connection, pings that 404 while calls succeed) and odd HTTP (`103 Early Hints`,
+endless `102 Processing`, HTTP/1.0 read to the close, 600,000 keepalive comments in bounded memory).
 
 Each probe drives the public surface (`AsyncClient`, its sessions, `Client`) against a purpose-built loopback server
 (`ors_trl.testing.FaultProxy` with scripted answers) or the reference server behind one, and asserts on typed errors,
@@ -22,6 +23,7 @@ import gzip
 import json
 import logging
 import threading
+import tracemalloc
 import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -52,9 +54,10 @@ SECRET = "hunter2-R2SECRET-1a2b3c4d"
 OVERRIDE = "sk-openai-R2OVERRIDE-99887766"
 SECRETS = {"db_password": SECRET}
 LEAKS = (KEY, SECRET, OVERRIDE, encode_secrets(SECRETS))
+#: For the probes about deadlines.
 TIMEOUTS = Timeouts(connect=1.0, request=0.5, stream_idle=0.3, tool_call=1.5)
 RETRY = RetryPolicy(max_attempts=2, backoff_initial=0.01, backoff_max=0.05, starting_timeout=0.3, resume_attempts=2)
-#: A deadline no probe meant to succeed comes near (scheduling on a busy 2-core box), never a performance claim.
+#: The default: deadlines no probe comes near unless it is about them (scheduling on a busy 2-core box).
 ROOMY = Timeouts(connect=5.0, request=20.0, stream_idle=20.0, tool_call=30.0)
 NUM = json.dumps({"num_tasks": 4}).encode()
 RESULT = json.dumps({"ok": True, "output": {"blocks": [{"type": "text", "text": "done"}], "reward": 1.0,
@@ -135,7 +138,7 @@ def fake(*rules: tuple[Fault, str | None] | tuple[Fault, str | None, int | None]
 
 
 def run(url: str, body: Callable[[AsyncClient], Awaitable[Any]], **kwargs: Any) -> Any:
-    options: dict[str, Any] = {"env_name": ENV, "api_key": KEY, "secrets": SECRETS, "timeouts": TIMEOUTS,
+    options: dict[str, Any] = {"env_name": ENV, "api_key": KEY, "secrets": SECRETS, "timeouts": ROOMY,
                                "retry": RETRY, "keepalive_interval": None, **kwargs}
 
     async def go() -> Any:
@@ -187,7 +190,7 @@ def test_status_line_and_headers_trickled_past_the_request_deadline() -> None:
 
     with fake((Script(go), "/num_tasks")) as proxy:
         with pytest.raises(ORSTimeoutError) as info:
-            run(proxy.url, num_tasks)
+            run(proxy.url, num_tasks, timeouts=TIMEOUTS)
         assert len(posts(proxy, "/num_tasks")) == RETRY.max_attempts  # idempotent: retried, then given up
     clean(info.value)
 
@@ -199,7 +202,7 @@ def test_a_json_body_trickled_past_the_request_deadline() -> None:
 
     with fake((Script(go), "/num_tasks")) as proxy:
         with pytest.raises(ORSTimeoutError, match=r"no answer within 0\.5 s"):
-            run(proxy.url, num_tasks)
+            run(proxy.url, num_tasks, timeouts=TIMEOUTS)
         assert len(posts(proxy, "/num_tasks")) == RETRY.max_attempts
 
 
@@ -212,7 +215,7 @@ def test_a_body_trickled_within_the_deadline_is_read_whole() -> None:
         await ex.end()
 
     with fake((Script(go), "/num_tasks")) as proxy:
-        assert run(proxy.url, num_tasks, timeouts=ROOMY) == 4
+        assert run(proxy.url, num_tasks) == 4
         assert len(posts(proxy, "/num_tasks")) == 1
 
 
@@ -230,7 +233,7 @@ def test_create_session_events_trickled_past_the_request_deadline() -> None:
                 assert client.open_sessions == 0
 
         with pytest.raises(ORSTimeoutError):
-            run(proxy.url, body)
+            run(proxy.url, body, timeouts=TIMEOUTS)
         assert len(posts(proxy, "/create_session")) == RETRY.max_attempts
         assert posts(proxy, "/create") == []
 
@@ -245,7 +248,7 @@ def test_a_call_stream_trickling_one_unterminated_line_hits_the_tool_call_deadli
 
     with fake((Script(go), "/call")) as proxy:
         with pytest.raises(ORSTimeoutError, match=r"Timeouts\.tool_call") as info:
-            run(proxy.url, one_call)
+            run(proxy.url, one_call, timeouts=Timeouts(request=1.0, stream_idle=1.0, tool_call=2.0))
         assert len(posts(proxy, "/call")) == 1
     clean(info.value)
 
@@ -272,7 +275,7 @@ def test_a_partial_event_before_a_stall_is_not_glued_to_the_replay() -> None:
     """Half an `end` event, then silence: the resumed stream's replay is read on its own."""
     first = raw_sse(sse(("task_id", "part-1")), b'event: end\ndata: {"ok": tr', then="hang")
     with fake((first, "/call", 1), (SSEReply([("task_id", "part-1"), ("end", RESULT)]), "/call")) as proxy:
-        result = run(proxy.url, one_call)
+        result = run(proxy.url, one_call, timeouts=TIMEOUTS)
         assert result.text == "done" and result.reward == 1.0
         calls = posts(proxy, "/call")
         assert len(calls) == 2 and calls[1].json()["task_id"] == "part-1"
@@ -757,8 +760,7 @@ def test_64_concurrent_calls_while_every_third_call_connection_resets(upstream, 
         finally:
             await asyncio.gather(*(s.close() for s in sessions))
 
-    results = run(upstream.url, body, env_name="echoenvironment", api_key=None, secrets=None,
-                  timeouts=ROOMY, retry=RETRY)
+    results = run(upstream.url, body, env_name="echoenvironment", api_key=None, secrets=None)
     failed = [r for r in results if isinstance(r, BaseException)]
     assert len(results) == 64 and len(failed) == resets.hit == 64 // 3
     assert all(isinstance(f, StreamInterruptedError) for f in failed), failed[:3]
@@ -801,8 +803,7 @@ def test_16_concurrent_calls_each_dropped_after_its_task_id_resume_their_own(ups
         finally:
             await asyncio.gather(*(s.close() for s in sessions))
 
-    results = run(upstream.url, body, env_name="echoenvironment", api_key=None, secrets=None, timeouts=ROOMY,
-                  retry=RETRY)
+    results = run(upstream.url, body, env_name="echoenvironment", api_key=None, secrets=None)
     assert [r.text for r in results] == [f"own{i}" for i in range(16)]
     calls = posts(upstream, "/call")
     resumed = {c.json()["task_id"]: c.json()["input"]["text"] for c in calls if "task_id" in c.json()}
@@ -837,7 +838,8 @@ def test_a_server_closing_every_keep_alive_connection_after_its_answer(upstream,
             try:
                 outcomes.append(session.call("echo", {"text": f"c{i}"}).text == f"c{i}")
             except StreamInterruptedError as exc:
-                outcomes.append(clean(exc) and False)
+                clean(exc)
+                outcomes.append(False)
             assert client.num_tasks("train") == 16
     ran = echo_runs(ref_server) - before
     assert ran == sum(outcomes) == len(posts(upstream, "/call"))  # nothing ran twice, nothing ran unreported
@@ -873,7 +875,7 @@ def test_32_concurrent_opens_while_every_other_create_session_resets(upstream, r
         await asyncio.gather(*(s.close() for s in sessions))
         return opened
 
-    assert run(upstream.url, body, env_name="echoenvironment", api_key=None, secrets=None, timeouts=ROOMY,
+    assert run(upstream.url, body, env_name="echoenvironment", api_key=None, secrets=None,
                retry=RetryPolicy(max_attempts=8, backoff_initial=0.01, backoff_max=0.02)) == 32
     assert resets.hit >= 16 and len(posts(upstream, "/create")) == 32
     ref_server.wait_for_stats(lambda s: s["open_sessions"] == open_before)
@@ -886,3 +888,47 @@ def test_an_early_hints_answer_before_the_real_one() -> None:
 
     with fake((Script(go), "/num_tasks")) as proxy:
         assert run(proxy.url, num_tasks) == 4
+
+
+def test_an_http_1_0_answer_without_a_length_is_read_to_the_close() -> None:
+    async def go(ex: Any) -> None:
+        await ex._write(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + NUM)
+        await ex.close()
+
+    with fake((Script(go), "/num_tasks")) as proxy:
+        assert run(proxy.url, lambda c: asyncio.gather(*(c.num_tasks("train") for _ in range(3)))) == [4, 4, 4]
+
+
+def test_informational_answers_trickled_forever_are_bounded_by_the_request_deadline() -> None:
+    """`102 Processing` after `102 Processing`: each one is skipped, none is an answer; the total deadline ends it."""
+    async def go(ex: Any) -> None:
+        await drip(ex, b"HTTP/1.1 102 Processing\r\n\r\n" * 100, every=0.002)
+
+    with fake((Script(go), "/num_tasks")) as proxy:
+        with pytest.raises(ORSTimeoutError):
+            run(proxy.url, num_tasks, timeouts=TIMEOUTS)
+        assert len(posts(proxy, "/num_tasks")) == RETRY.max_attempts
+
+
+def test_a_stream_of_600000_comments_holds_no_memory_per_comment() -> None:
+    """Keepalive comments are skipped as they are read: 600,000 of them (15 MB) cost what one costs."""
+    comments = b": ping - 1700000000.123\r\n" * 600_000
+
+    async def go(ex: Any) -> None:
+        await ex.start_stream(200)
+        await ex.chunk(sse(("task_id", "many-1")))
+        for i in range(0, len(comments), 1 << 16):
+            await ex.chunk(comments[i:i + (1 << 16)])
+        await ex.chunk(sse(("end", RESULT)))
+        await ex.end()
+
+    with fake((Script(go), "/call")) as proxy:
+        tracemalloc.start()
+        try:
+            result = run(proxy.url, one_call)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert result.text == "done"
+    assert peak < len(comments) // 2, peak  # retaining the comments (as bytes or str) would take several times this
+
