@@ -188,8 +188,9 @@ def test_control_sequences_are_printed_escaped(trap_server, capsys) -> None:
     assert "  peek\\x1b[2J: Peek." in text  # a tool name
     # a description that would retitle the terminal and rewrite its line: one line, escaped
     assert "  look: Look around.\\x1b]0;pwned\\x07 then Binding warnings: none \\u202edrawkcab\n" in text
-    # a name that cannot be a URL path segment is refused (it would go into every request's path), and said escaped
-    assert main(["inspect", trap_server.url, "--env-name", title_env]) == 1
+    # a name that cannot be a URL path segment is refused before anything is sent (it would go into every request's
+    # path): a usage error, said escaped
+    assert main(["inspect", trap_server.url, "--env-name", title_env]) == 2
     err = capsys.readouterr().err
     assert "cannot be part of a URL path" in err and "title\\u202eenv\\x1b]0;pwned\\x07" in err
     assert raw_controls(err) == []
