@@ -582,8 +582,7 @@ class Episode:
 
     def _turn(self, reply: Reply) -> TurnRecord:
         turn: TurnRecord = {"index": len(self.turns), "assistant": reply.text, "tool_calls": [], **reply.extra}
-        markup = self.rules.tool_markup
-        if markup and not reply.calls and markup in f"{reply.text or ''}{reply.extra.get('raw') or ''}":
+        if not reply.calls and self.rules.holds_call(f"{reply.text or ''}{reply.extra.get('raw') or ''}"):
             turn["unparsed"] = True  # the model wrote a tool call the parser did not turn into one
         self.timings["generation"] += float(reply.extra.get("generation_seconds") or 0.0)
         self.turns.append(turn)

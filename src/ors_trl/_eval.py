@@ -120,8 +120,8 @@ class _Evaluation:
                  bar: Any, per_task_tools: bool, groups: bool, flatten_prompt: bool,
                  episode_timeout: float | None = None, uploads: Any = None) -> None:
         self.runtime, self.policy, self.flatten_prompt = runtime, policy, flatten_prompt
-        markup = getattr(getattr(policy, "rendering", None), "tool_markup", None)  # a local model's chat template
-        self.rules = Rules(max_replies=max_turns, error_text=_trl.error_text, tool_markup=markup)
+        self.rules = Rules(max_replies=max_turns, error_text=_trl.error_text,
+                           tool_markup=getattr(policy, "tool_markup", None))  # a chat template's, an endpoint's
         self.uploads = uploads
         self.episode_timeout = episode_timeout
         self.writer, self.bar, self.per_task_tools, self.groups = writer, bar, per_task_tools, groups
@@ -423,8 +423,8 @@ class EvalReport:
         no_tool_call_rate (`float`, *optional*, defaults to `0.0`):
             The share of episodes without a tool call.
         unparsed_turn_rate (`float`, *optional*, defaults to `0.0`):
-            The share of policy replies whose tool-call markup parsed to no call (a local model's chat template says
-            what the markup is).
+            The share of policy replies whose tool-call markup parsed to no call (the policy's `tool_markup` says
+            what the markup is: a local model's chat template, an endpoint's common or named markups).
         malformed_calls (`int`, *optional*, defaults to `0`):
             Tool calls refused for malformed arguments (not an object, or not the tool's schema).
         sessions_opened (`int`, *optional*, defaults to `0`):

@@ -39,6 +39,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -359,14 +360,22 @@ class Rules:
         max_tool_calls: tool calls an episode may make; later ones are refused locally and counted.
         error_text: the text the model reads for a failed call (TRL's `{'error': ...}`: `error_text`).
         tool_markup: the text that opens a tool call in the chat template the replies are parsed with (qwen3:
-            `<tool_call>`): a reply without calls whose text holds it is a call the parser missed, and its turn is
-            marked `unparsed`. None: not known.
+            `<tool_call>`), or a pattern of such texts (an endpoint's: `ors_trl._policies.TOOL_MARKUPS`): a reply
+            without calls whose text holds it is a call the parser missed, and its turn is marked `unparsed`.
+            None: not known.
     """
 
     max_replies: int | None = None
     max_tool_calls: int | None = None
     error_text: Callable[[BaseException], str] = str
-    tool_markup: str | None = None
+    tool_markup: str | re.Pattern[str] | None = None
+
+    def holds_call(self, text: str) -> bool:
+        """Whether `text` holds tool-call markup (`tool_markup`)."""
+        markup = self.tool_markup
+        if isinstance(markup, str):
+            return bool(markup) and markup in text
+        return markup is not None and markup.search(text) is not None
 
 
 def rules(trainer: Any) -> Rules:

@@ -272,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", metavar="URL", help="OpenAI-compatible API root, e.g. http://127.0.0.1:8001/v1")
     p.add_argument("--api-key", metavar="KEY",
                    help="key for --base-url (default: $OPENAI_API_KEY); never logged or recorded")
+    p.add_argument("--tool-markup", metavar="TEXT", action="append",
+                   help="with --base-url: the text that opens a tool call in the served model's replies, for a "
+                        "server without a tool-call parser (a reply holding it counts as an unparsed tool call); "
+                        "repeatable (default: the common markups of the major chat templates, e.g. <tool_call>, "
+                        "[TOOL_CALLS], <|python_tag|>)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--num-tasks", metavar="N", type=_positive_int, help="the first N tasks (default: all)")
     group.add_argument("--indices", metavar="LIST", type=_indices,
@@ -497,15 +502,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise _UsageError("--resume and --overwrite exclude each other")
     if args.base_url:
         policy: Any = OpenAIPolicy(args.base_url, args.model, api_key=args.api_key, temperature=args.temperature,
-                                   max_tokens=args.max_new_tokens, seed=args.seed)
+                                   max_tokens=args.max_new_tokens, seed=args.seed, tool_markup=args.tool_markup)
     else:
         if not os.path.isdir(args.model):
             raise _UsageError(
                 f"--model {args.model!r} is not a local model directory; to evaluate a served model pass "
                 "--base-url http://HOST:PORT/v1 with --model NAME"
             )
-        if args.api_key:
-            raise _UsageError("--api-key is only used with --base-url")
+        for flag, given in (("--api-key", args.api_key), ("--tool-markup", args.tool_markup)):
+            if given:
+                raise _UsageError(f"{flag} is only used with --base-url")
         policy = args.model
     targets, names = args.target, args.env_name or []
     if len(targets) == 1 and len(names) > 1:
