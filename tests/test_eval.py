@@ -864,3 +864,33 @@ def test_mix_evaluate_and_cli_several_environments(ref_server, fake_openai, tmp_
     assert info["environments"][SPARSE]["target"] == proxy.url and info["environments"][ECHO]["target"] == ref_server.url
     assert seen == {SPARSE} and creates == [SPARSE] * 3  # its tool probe and 2 episodes there, nothing of ECHO
     assert info["overall"]["success_rate"] == 1.0 and len(read_lines(out)) == 4
+
+
+def test_an_environment_that_never_opened_is_said_as_such(ref_server, fake_openai) -> None:
+    """Two environments, one whose every session is refused at `/create` (through a fault proxy): its episodes never
+    opened, so they are not episodes "without a tool call" (the model never saw them) but N that failed to open; and the
+    overall mean reward is the scored environment's alone, which the report says (never 1.0 as if both counted)."""
+    from ors_trl import OpenRewardMix
+    from ors_trl.testing.faults import FaultProxy, Status
+
+    with FaultProxy(ref_server.url) as proxy:
+        proxy.add(Status(400), path="/create", times=None)
+        mix = OpenRewardMix({"echo": OpenRewardSpec(ref_server.url, env_name=ECHO),
+                             "broken": OpenRewardSpec(proxy.url, env_name=ECHO, discover_task_tools=False)},
+                            weights=[1, 1])
+        report = mix.evaluate(OpenAIPolicy(fake_openai.url, "scripted"), num_tasks=2, progress=False)
+        creates = proxy.count("/create")
+    mix.close()
+    echo, broken = report.environments["echo"], report.environments["broken"]
+    assert creates == 2 and (broken.num_episodes, broken.num_errors, broken.mean_reward, echo.mean_reward) == (
+        2, 2, None, 1.0)
+    text = broken.summary()
+    assert "made no tool call" not in text and broken.no_tool_call_rate == 0.0
+    assert "warning: 2 episode(s) failed to open (the environment's failure" in text and broken.num_unopened == 2
+    overall = report.summary().split("Overall")[1]
+    assert "mean reward           1.0000  (over 0.500 of the weight: no episode of broken was scored)" in overall
+    assert "warning: 2 episode(s) failed to open" in overall and "made no tool call" not in overall
+    assert report.mean_reward == 1.0 and report.mean_reward_weight == 0.5 and report.unscored_environments == ["broken"]
+    info = report.to_dict()["overall"]
+    assert info["mean_reward_weight"] == 0.5 and info["unscored_environments"] == ["broken"]
+    assert info["num_unopened"] == 2

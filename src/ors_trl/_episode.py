@@ -876,7 +876,8 @@ class Episode:
         self._accounted = True
         if self._metrics is not None:
             self._metrics.record_episode(self.env.name, reward=self.reward, finished=self.finished,
-                                         calls=self.tool_calls, unscored=self.unscored, turns=self.turns)
+                                         calls=self.tool_calls, unscored=self.unscored, turns=self.turns,
+                                         opened=self.prompt is not None)
         if self.env.curriculum is not None and self.source in TRAINING_SOURCES:
             self.env.curriculum.observe(self.task.index, self.reward)
         self._bill()
