@@ -894,3 +894,27 @@ def test_an_environment_that_never_opened_is_said_as_such(ref_server, fake_opena
     info = report.to_dict()["overall"]
     assert info["mean_reward_weight"] == 0.5 and info["unscored_environments"] == ["broken"]
     assert info["num_unopened"] == 2
+
+
+def test_cli_indices_probe_sessions_are_the_tool_discovery(ref_server, fake_openai, capsys) -> None:
+    """`eval --indices 0,3` opens one session per listed task before the episodes: the spec's tool discovery (each
+    task's own tools bound, as training with that selection binds them), said in `--help`; with `--per-task-tools`
+    each episode binds its own session's tools and no probe session is opened. Counted at the server (its creates)."""
+    from ors_trl.testing.faults import FaultProxy
+
+    base = ["eval", "--env-name", SPARSE, "--base-url", fake_openai.url, "--model", "m", "--indices", "0,3",
+            "--no-progress", "--json"]
+    with FaultProxy(ref_server.url) as proxy:
+        assert main([base[0], proxy.url, *base[1:]]) == 0
+        probed = proxy.count("/create")
+        assert main([base[0], proxy.url, *base[1:], "--per-task-tools"]) == 0
+        per_task = proxy.count("/create") - probed
+    out, decoder, reports = capsys.readouterr().out.strip(), json.JSONDecoder(), []
+    while out:
+        report, end = decoder.raw_decode(out)
+        reports.append(report)
+        out = out[end:].strip()
+    assert [(r["num_episodes"], r["mean_reward"]) for r in reports] == [(2, 1.0), (2, 1.0)]
+    assert (probed, per_task) == (4, 2)  # 2 probes + 2 episodes, then the 2 episodes alone
+    assert main(["eval", "--help"]) == 0
+    assert "one session per distinct listed task" in " ".join(capsys.readouterr().out.split())

@@ -280,7 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--num-tasks", metavar="N", type=_positive_int, help="the first N tasks (default: all)")
     group.add_argument("--indices", metavar="LIST", type=_indices,
-                       help="exactly these task indices, e.g. 0,3,5 or 0-9")
+                       help="exactly these task indices, e.g. 0,3,5 or 0-9. Before the episodes, one session per "
+                            "distinct listed task (task 0 without --indices) is opened and closed to find its "
+                            "task-specific tools, which are bound as training with the same selection binds them; "
+                            "--per-task-tools opens none")
     p.add_argument("--split", metavar="S", default="train", help="split to draw tasks from (default train)")
     p.add_argument("--repeats", metavar="R", type=_positive_int, default=1,
                    help="episodes per task (default 1); pass@k is reported for k = 1..R")
@@ -320,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the platform toolset every session gets (e.g. codex, claude-code); its tools are bound too")
     _add_session_options(p, "every session")
     p.add_argument("--per-task-tools", action="store_true",
-                   help="bind each episode's own tool list instead of the tools training binds")
+                   help="bind each episode's own tool list instead of the tools training binds (no tool-discovery "
+                        "sessions are opened first)")
     p.add_argument("--score-groups", action="store_true",
                    help="also score each task's episodes (--repeats) together with the environment's /score_group")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -526,9 +530,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise _UsageError(f"--weights has {len(args.weights)} values for {len(pairs)} environments")
     threshold = {} if args.success_threshold is None else {"success_threshold": args.success_threshold}
     session = _session_options(args)
-    # Each spec is built like a training spec with the same selection, so the tools bound are those training binds.
+    # Each spec is built like a training spec with the same selection, so the tools bound are those training binds:
+    # its probe sessions (one per distinct task of --indices, else task 0) find the task-specific ones. Each episode
+    # binds its own session's tools with --per-task-tools: no probe then.
     specs = [OpenRewardSpec(target, split=args.split, env_name=env_name, num_tasks=args.num_tasks,
-                            indices=args.indices, score_groups=args.score_groups, **threshold,
+                            indices=args.indices, discover_task_tools=not args.per_task_tools,
+                            score_groups=args.score_groups, **threshold,
                             max_tool_calls=args.max_tool_calls, **session,
                             **_client_options(args, tool_timeout=args.tool_timeout)) for target, env_name in pairs]
     evaluated: Any = specs[0]
