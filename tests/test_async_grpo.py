@@ -198,6 +198,7 @@ def test_async_grpo_trainer_trains_against_the_reference_server(tiny_model_dir, 
     records = list(read_records(log))
     assert len(records) == setups
     assert {_worker_pid(r) for r in records} == {process.pid}
+    assert {r["source"] for r in records} == {"trl"}  # no trainer in the worker, yet training's episodes
     assert sum(r["tool_calls"] for r in records) == calls
     scored = [r["reward"] for r in records if r["reward"] is not None]
     assert scored and set(scored) <= {0.0, 1.0} and 0.0 in scored and 1.0 in scored

@@ -348,6 +348,17 @@ class EnvMetrics:
         with self._lock:
             self._windows[env].stats.add_session(seconds, unscored=unscored)
 
+    def absorb(self, other: EnvMetrics) -> None:
+        """Add what `other` accumulated, and empty it (counts kept apart until they turned out to belong here).
+
+        Args:
+            other (`EnvMetrics`):
+                The metrics to move into these.
+        """
+        for env, window in other.snapshot(reset=True).items():
+            with self._lock:
+                self._windows[env].merge(window)
+
     def record_group(self, env: str, *, ok: bool) -> None:
         """One GRPO group sent to `/score_group`.
 
