@@ -192,3 +192,32 @@ def test_an_episode_opened_before_training_is_not_a_training_episode(ref_server,
     sources = [r["source"] for r in map(json.loads, log.read_text().splitlines())]
     assert sorted(sources) == ["manual"] + ["trl"] * 8
     assert env.episode.source == "manual" and env.episode.record()["task_index"] == 0
+
+
+def test_episodes_that_never_opened_are_not_episodes_without_a_tool_call(ref_server, tiny_model_dir, tmp_path) -> None:
+    """Every session is refused at `/create` (a fault proxy, after tool discovery): the step's episodes and the
+    held-out evaluation's never opened. They are the environment's failure, counted as open failures, not as
+    episodes in which the model made no tool call (no_tool_call_fraction 0, not 1)."""
+    pytest.importorskip("trl")
+    from ors_trl.testing.faults import FaultProxy, Status
+    from tests.fixtures.generation import cpu_grpo_trainer, replace_generation
+
+    with FaultProxy(ref_server.url) as proxy:
+        spec = OpenRewardSpec(proxy.url, env_name="echoenvironment", num_tasks=2)
+        callback = spec.eval_callback(tasks=2, split="test", every=1)
+        trainer = cpu_grpo_trainer(tiny_model_dir, str(tmp_path), batch=2, generations=2, turns=1,
+                                   completion_length=32, spec=spec, callbacks=[callback])
+        tok = trainer.processing_class
+        replace_generation(trainer, lambda prompt_ids, *a, **k: (
+            [tok.encode("Done.<|im_end|>", add_special_tokens=False) for _ in prompt_ids], None))
+        proxy.add(Status(400), path="/create", times=None)
+        trainer.train()
+        spec.close()
+        refused = proxy.count("/create", fault="status")
+    name = "echoenvironment"
+    (step,) = [h for h in trainer.state.log_history if "reward" in h]
+    assert step[f"env/{name}/episodes"] == 2 and step[f"env/{name}/session_open_failures"] == 2
+    assert step[f"env/{name}/no_tool_call_fraction"] == 0.0 and step[f"env/{name}/graded_fraction"] == 0.0
+    evals = [h for h in trainer.state.log_history if f"eval/{name}/episodes" in h]
+    assert [h[f"eval/{name}/no_tool_call_fraction"] for h in evals] == [0.0, 0.0]
+    assert refused == 2 + 2 * 2  # the step's 2 episodes, the evaluation's 2 at step 0 and at step 1
