@@ -1,4 +1,5 @@
-"""TRL's asynchronous trainer (`trl.experimental.async_grpo`) with ors-trl's factory and reward functions, on CPU.
+"""TRL's asynchronous trainer (`AsyncGRPOTrainer`, wherever TRL keeps it) with ors-trl's factory and reward functions,
+on CPU.
 
 `AsyncGRPOTrainer` runs rollouts in a spawned worker process (`AsyncRolloutWorker`) that receives
 `environment_factory` and `reward_funcs` by pickle, generates through a vLLM server and trains on what
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import pickle
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -102,18 +104,18 @@ def _worker_pid(record: dict[str, Any]) -> int:
 def test_async_grpo_trainer_trains_against_the_reference_server(tiny_model_dir, make_server, tmp_path, monkeypatch,
                                                                 sampling):
     pytest.importorskip("torch")
-    pytest.importorskip("trl.experimental.async_grpo")
     from transformers import AutoTokenizer
-    from trl.experimental.async_grpo import (
-        AsyncGRPOConfig,
-        AsyncGRPOTrainer,
-        async_grpo_trainer,
-        async_rollout_worker,
-    )
 
     from ors_trl._records import read_records
+    from ors_trl._trl import async_grpo
     from tests.fixtures.generation import bounded_worker_stop, use_flash_attention
     from tests.fixtures.vllm_server import VLLMDouble
+
+    found = async_grpo()  # trl.AsyncGRPOTrainer, or the experimental path before TRL 1.18
+    if found is None:
+        pytest.skip("the installed TRL has no AsyncGRPOTrainer")
+    AsyncGRPOConfig, AsyncGRPOTrainer = found.config, found.trainer
+    async_grpo_trainer, async_rollout_worker = found.trainer_module, found.worker_module
 
     # vLLM itself is never imported (the worker talks HTTP to the double), but TRL checks it is installed.
     monkeypatch.setattr(async_rollout_worker, "is_vllm_available", lambda: True)
@@ -198,6 +200,7 @@ def test_async_grpo_trainer_trains_against_the_reference_server(tiny_model_dir, 
     records = list(read_records(log))
     assert len(records) == setups
     assert {_worker_pid(r) for r in records} == {process.pid}
+    assert {r["source"] for r in records} == {"trl"}  # no trainer in the worker, yet training's episodes
     assert sum(r["tool_calls"] for r in records) == calls
     scored = [r["reward"] for r in records if r["reward"] is not None]
     assert scored and set(scored) <= {0.0, 1.0} and 0.0 in scored and 1.0 in scored
@@ -389,3 +392,44 @@ def test_get_reward_hook_hands_the_episode_to_the_reward_function_or_scores_itse
     assert asyncio.run(env.get_reward()) == 0.0
     spec.close()
     ref_server.wait_for_stats(lambda st: st["open_sessions"] == 0, timeout=10)
+
+
+# -- 4. where TRL keeps the trainer ------------------------------------------------------------------
+
+
+class _Tripwire(types.ModuleType):
+    """`trl.experimental.async_grpo` as a TRL >= 1.18 has it (deprecated, warns): any use of it fails the test."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the experimental path was used ({self.__name__}.{name})")
+
+
+def test_the_stable_async_trainer_is_found_before_the_experimental_one(monkeypatch) -> None:
+    """TRL 1.18 exports `AsyncGRPOTrainer` from `trl` itself and keeps `trl.experimental.async_grpo` only as a warning
+    alias: simulated here (a trainer module and a worker module at new places, the trainer on `trl`, the experimental
+    package a tripwire), ors-trl finds the stable one, its config and its worker's module, and never touches the
+    experimental path. On the installed TRL (1.16) it finds the experimental one."""
+    pytest.importorskip("trl")
+    import sys
+
+    import trl
+
+    from ors_trl._trl import async_grpo
+
+    installed = async_grpo()
+    assert installed is not None and installed.trainer.__name__ == "AsyncGRPOTrainer"
+    assert installed.worker_module.AsyncRolloutWorker.__name__ == "AsyncRolloutWorker"
+    assert installed.config.__name__ == "AsyncGRPOConfig"
+
+    worker = types.ModuleType("trl.trainer.async_rollout_worker")
+    stable = types.ModuleType("trl.trainer.async_grpo_trainer")
+    for module, names in ((worker, ["AsyncRolloutWorker"]), (stable, ["AsyncGRPOTrainer", "AsyncGRPOConfig"])):
+        for name in names:
+            setattr(module, name, type(name, (), {"__module__": module.__name__}))
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    stable.AsyncRolloutWorker = worker.AsyncRolloutWorker  # as the trainer module imports it
+    monkeypatch.setattr(trl, "AsyncGRPOTrainer", stable.AsyncGRPOTrainer, raising=False)
+    monkeypatch.setitem(sys.modules, "trl.experimental.async_grpo", _Tripwire("trl.experimental.async_grpo"))
+    found = async_grpo()
+    assert found is not None and found.trainer is stable.AsyncGRPOTrainer and found.config is stable.AsyncGRPOConfig
+    assert found.trainer_module is stable and found.worker_module is worker

@@ -44,11 +44,19 @@ def _tool_reply(name: str, arguments: dict[str, Any], n: int) -> dict[str, Any]:
     return {"role": "assistant", "content": None, "tool_calls": [call]}
 
 
+#: Models whose call comes back as plain content, as from a server without a tool-call parser (the echo task's call).
+AS_CONTENT = {"unparsed": '<tool_call>\n{{"name": "echo", "arguments": {{"text": "{}"}}}}\n</tool_call>',
+              "custom": 'CALL echo text="{}"'}
+
+
 def scripted_reply(body: dict[str, Any], n: int) -> dict[str, Any]:
-    """What a competent model would answer, read off the request (model "faulty" first makes a failing call)."""
+    """What a competent model would answer, read off the request (model "faulty" first makes a failing call; the
+    models of `AS_CONTENT` write their call as content)."""
     names = {tool["function"]["name"] for tool in body.get("tools", [])}
     messages = body["messages"]
     prompt = messages[0]["content"]
+    if body["model"] in AS_CONTENT:
+        return {"role": "assistant", "content": AS_CONTENT[body["model"]].format(re.search(r'"([^"]+)"', prompt)[1])}
     turns = sum(1 for m in messages if m["role"] == "assistant")
     faulty = body["model"] == "faulty"
     if "echo" in names:
@@ -709,6 +717,66 @@ def test_cli_repeats_pass_at_k_json_and_bad_input(ref_server, fake_openai, tmp_p
     assert "3 --env-name values for 2 TARGETs" in capsys.readouterr().err
 
 
+def test_unparsed_tool_calls_of_an_endpoint_are_counted(ref_server, fake_openai, capsys) -> None:
+    """A server without a tool-call parser returns the model's call as content (`<tool_call>{...}` and no
+    `tool_calls`): the turn is marked unparsed and counted, by the common markups by default, by the markup the
+    user names (`tool_markup=`, `--tool-markup`) otherwise."""
+    spec = OpenRewardSpec(ref_server.url, env_name=ECHO)
+    report = spec.evaluate(OpenAIPolicy(fake_openai.url, "unparsed"), num_tasks=2, progress=False)
+    assert report.unparsed_turn_rate == 1.0 and report.end_reasons == {"no_tool_calls": 2}
+    (turn,) = report.episodes[0]["turns"]
+    assert turn["unparsed"] is True and turn["assistant"].startswith("<tool_call>") and turn["tool_calls"] == []
+    assert "unparsed tool calls   1.000 of turns" in report.summary()
+    # a markup no chat template of the defaults writes: not seen, until named
+    assert spec.evaluate(OpenAIPolicy(fake_openai.url, "custom"), num_tasks=2, progress=False).unparsed_turn_rate == 0
+    named = spec.evaluate(OpenAIPolicy(fake_openai.url, "custom", tool_markup=["<<fn>>", "CALL "]), num_tasks=2,
+                          progress=False)
+    assert named.unparsed_turn_rate == 1.0
+    none = spec.evaluate(OpenAIPolicy(fake_openai.url, "unparsed", tool_markup=()), num_tasks=1, progress=False)
+    assert none.unparsed_turn_rate == 0.0 and "unparsed" not in none.episodes[0]["turns"][0]
+    with pytest.raises(ConfigurationError, match="tool_markup"):
+        OpenAIPolicy(fake_openai.url, "m", tool_markup=" ")
+
+    base = ["eval", ref_server.url, "--env-name", ECHO, "--base-url", fake_openai.url, "--model", "custom",
+            "--num-tasks", "2", "--no-progress", "--json"]
+    assert main([*base, "--tool-markup", "CALL "]) == 0
+    assert json.loads(capsys.readouterr().out)["unparsed_turn_rate"] == 1.0
+    assert main([*base]) == 0
+    assert json.loads(capsys.readouterr().out)["unparsed_turn_rate"] == 0.0
+    assert main(["eval", ref_server.url, "--model", str(Path(SRC)), "--tool-markup", "CALL "]) == 2
+    assert "--tool-markup is only used with --base-url" in capsys.readouterr().err
+
+
+def test_the_common_tool_call_markups() -> None:
+    """Each chat template's tool call, as a server without its parser returns it, is seen; prose and JSON answers
+    that are not calls are not."""
+    from ors_trl._policies import TOOL_MARKUPS, markup_pattern
+    from ors_trl._trl import Rules
+
+    rules = Rules(tool_markup=markup_pattern())
+    calls = [
+        '<tool_call>\n{"name": "echo", "arguments": {"text": "hi"}}\n</tool_call>',  # Qwen, Hermes
+        'Sure.<|python_tag|>{"name": "echo", "parameters": {"text": "hi"}}',  # Llama 3.1 (python_tag)
+        '{"name": "echo", "parameters": {"text": "hi"}}',  # Llama 3.x JSON
+        'I will call it:\n  { "name" : "echo" , "arguments": {}}',  # a bare JSON call on a line of its own
+        '[TOOL_CALLS][{"name": "echo", "arguments": {"text": "hi"}}]',  # Mistral
+        '<\uff5ctool\u2581calls\u2581begin\uff5c><\uff5ctool\u2581call\u2581begin\uff5c>function<\uff5ctool\u2581sep'
+        '\uff5c>echo\n```json\n{"text": "hi"}\n```',  # DeepSeek V3
+        '<|channel|>commentary to=functions.echo <|constrain|>json<|message|>{"text": "hi"}',  # gpt-oss, tokens kept
+        'commentary to=functions.echo json{"text": "hi"}',  # gpt-oss, special tokens skipped
+        '<|tool_call|>[{"name": "echo", "arguments": {"text": "hi"}}]',  # Granite 3.0
+        '<|tool_calls_section_begin|><|tool_call_begin|>functions.echo:0<|tool_call_argument_begin|>{}',  # Kimi K2
+        '<tool_calls>\n{"name": "echo", "arguments": {}}\n</tool_calls>',  # Jamba, MiniMax-M1
+        '<|action_start|><|plugin|>\n{"name": "echo", "parameters": {}}<|action_end|>',  # InternLM 2
+    ]
+    assert [c for c in calls if not rules.holds_call(c)] == []
+    assert all(rules.holds_call(f"x {m} y") for m in TOOL_MARKUPS)
+    prose = ["The answer is 42.", 'Use {"name": "x"} as the key.', 'The tool_call tag is written <tool-call>.',
+             '{"name": "Paris", "population": 2100000}', "Call me at functions dot py"]
+    assert [p for p in prose if rules.holds_call(p)] == []
+    assert Rules(tool_markup="<tool_call>").holds_call("a <tool_call>") and not Rules().holds_call("<tool_call>")
+
+
 def test_tool_call_health_with_broken_markup(ref_server, tiny_model_dir) -> None:
     """The tiny model writes, on purpose: a good call, tool-call markup whose JSON is cut (the parser makes no call of
     it), a call with an argument the tool does not have (refused: malformed), and plain text. Each is counted where
@@ -796,3 +864,57 @@ def test_mix_evaluate_and_cli_several_environments(ref_server, fake_openai, tmp_
     assert info["environments"][SPARSE]["target"] == proxy.url and info["environments"][ECHO]["target"] == ref_server.url
     assert seen == {SPARSE} and creates == [SPARSE] * 3  # its tool probe and 2 episodes there, nothing of ECHO
     assert info["overall"]["success_rate"] == 1.0 and len(read_lines(out)) == 4
+
+
+def test_an_environment_that_never_opened_is_said_as_such(ref_server, fake_openai) -> None:
+    """Two environments, one whose every session is refused at `/create` (through a fault proxy): its episodes never
+    opened, so they are not episodes "without a tool call" (the model never saw them) but N that failed to open; and the
+    overall mean reward is the scored environment's alone, which the report says (never 1.0 as if both counted)."""
+    from ors_trl import OpenRewardMix
+    from ors_trl.testing.faults import FaultProxy, Status
+
+    with FaultProxy(ref_server.url) as proxy:
+        proxy.add(Status(400), path="/create", times=None)
+        mix = OpenRewardMix({"echo": OpenRewardSpec(ref_server.url, env_name=ECHO),
+                             "broken": OpenRewardSpec(proxy.url, env_name=ECHO, discover_task_tools=False)},
+                            weights=[1, 1])
+        report = mix.evaluate(OpenAIPolicy(fake_openai.url, "scripted"), num_tasks=2, progress=False)
+        creates = proxy.count("/create")
+    mix.close()
+    echo, broken = report.environments["echo"], report.environments["broken"]
+    assert creates == 2 and (broken.num_episodes, broken.num_errors, broken.mean_reward, echo.mean_reward) == (
+        2, 2, None, 1.0)
+    text = broken.summary()
+    assert "made no tool call" not in text and broken.no_tool_call_rate == 0.0
+    assert "warning: 2 episode(s) failed to open (the environment's failure" in text and broken.num_unopened == 2
+    overall = report.summary().split("Overall")[1]
+    assert "mean reward           1.0000  (over 0.500 of the weight: no episode of broken was scored)" in overall
+    assert "warning: 2 episode(s) failed to open" in overall and "made no tool call" not in overall
+    assert report.mean_reward == 1.0 and report.mean_reward_weight == 0.5 and report.unscored_environments == ["broken"]
+    info = report.to_dict()["overall"]
+    assert info["mean_reward_weight"] == 0.5 and info["unscored_environments"] == ["broken"]
+    assert info["num_unopened"] == 2
+
+
+def test_cli_indices_probe_sessions_are_the_tool_discovery(ref_server, fake_openai, capsys) -> None:
+    """`eval --indices 0,3` opens one session per listed task before the episodes: the spec's tool discovery (each
+    task's own tools bound, as training with that selection binds them), said in `--help`; with `--per-task-tools`
+    each episode binds its own session's tools and no probe session is opened. Counted at the server (its creates)."""
+    from ors_trl.testing.faults import FaultProxy
+
+    base = ["eval", "--env-name", SPARSE, "--base-url", fake_openai.url, "--model", "m", "--indices", "0,3",
+            "--no-progress", "--json"]
+    with FaultProxy(ref_server.url) as proxy:
+        assert main([base[0], proxy.url, *base[1:]]) == 0
+        probed = proxy.count("/create")
+        assert main([base[0], proxy.url, *base[1:], "--per-task-tools"]) == 0
+        per_task = proxy.count("/create") - probed
+    out, decoder, reports = capsys.readouterr().out.strip(), json.JSONDecoder(), []
+    while out:
+        report, end = decoder.raw_decode(out)
+        reports.append(report)
+        out = out[end:].strip()
+    assert [(r["num_episodes"], r["mean_reward"]) for r in reports] == [(2, 1.0), (2, 1.0)]
+    assert (probed, per_task) == (4, 2)  # 2 probes + 2 episodes, then the 2 episodes alone
+    assert main(["eval", "--help"]) == 0
+    assert "one session per distinct listed task" in " ".join(capsys.readouterr().out.split())

@@ -157,3 +157,67 @@ def test_terminal_calls_only_make_no_tool_call_metrics() -> None:
     assert "env/q/tool_calls" not in out and "env/q/tool_call_s/p50" not in out
     assert out["env/q/tool_calls_per_episode"] == 0 and out["env/q/terminal_calls"] == 9
     assert out["env/q/terminal_call_s/p50"] == pytest.approx(0.2) and out["env/q/failures/timeout"] == 1
+
+
+def test_an_episode_opened_before_training_is_not_a_training_episode(ref_server, tiny_model_dir, tmp_path) -> None:
+    """Bug: a user opens an episode to look at a prompt (`env = spec.environment_factory(); env.reset(task_index=0)`),
+    then trains: its session open was logged in step 1, and the episode itself (closed at step 1's end) in step 2,
+    as a training episode never graded (graded_fraction 0.8 for 4 rollouts all scored 1.0). Now it is a `manual`
+    episode: out of every step's metrics, written with its own source."""
+    pytest.importorskip("trl")
+    import re
+
+    from tests.fixtures.generation import cpu_grpo_trainer, replace_generation, tool_call_text
+
+    log = tmp_path / "episodes.jsonl"
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=2, episode_log=str(log))
+    env = spec.environment_factory()
+    assert "exactly this text" in env.reset(task_index=0)  # a look at a prompt, left open
+    trainer = cpu_grpo_trainer(tiny_model_dir, str(tmp_path / "out"), batch=4, generations=2, turns=1,
+                               completion_length=64, spec=spec, config={"max_steps": 2})
+    tok = trainer.processing_class
+
+    def generate(prompt_ids, *args, **kwargs):  # echo the target, then close
+        return [tok.encode(("Done." if "<tool_response>" in (text := tok.decode(ids)) else tool_call_text(
+            "echo", {"text": re.findall(r'exactly this text: "(\w+)"', text)[0]})) + "<|im_end|>",
+            add_special_tokens=False) for ids in prompt_ids], None
+
+    replace_generation(trainer, generate)
+    trainer.train()
+    spec.close()
+    steps = [entry for entry in trainer.state.log_history if "env/echoenvironment/episodes" in entry]
+    name = "env/echoenvironment/"
+    assert [(s[name + "sessions_opened"], s[name + "episodes"], s[name + "graded_fraction"]) for s in steps] == [
+        (4, 4, 1.0), (4, 4, 1.0)]
+    sources = [r["source"] for r in map(json.loads, log.read_text().splitlines())]
+    assert sorted(sources) == ["manual"] + ["trl"] * 8
+    assert env.episode.source == "manual" and env.episode.record()["task_index"] == 0
+
+
+def test_episodes_that_never_opened_are_not_episodes_without_a_tool_call(ref_server, tiny_model_dir, tmp_path) -> None:
+    """Every session is refused at `/create` (a fault proxy, after tool discovery): the step's episodes and the
+    held-out evaluation's never opened. They are the environment's failure, counted as open failures, not as
+    episodes in which the model made no tool call (no_tool_call_fraction 0, not 1)."""
+    pytest.importorskip("trl")
+    from ors_trl.testing.faults import FaultProxy, Status
+    from tests.fixtures.generation import cpu_grpo_trainer, replace_generation
+
+    with FaultProxy(ref_server.url) as proxy:
+        spec = OpenRewardSpec(proxy.url, env_name="echoenvironment", num_tasks=2)
+        callback = spec.eval_callback(tasks=2, split="test", every=1)
+        trainer = cpu_grpo_trainer(tiny_model_dir, str(tmp_path), batch=2, generations=2, turns=1,
+                                   completion_length=32, spec=spec, callbacks=[callback])
+        tok = trainer.processing_class
+        replace_generation(trainer, lambda prompt_ids, *a, **k: (
+            [tok.encode("Done.<|im_end|>", add_special_tokens=False) for _ in prompt_ids], None))
+        proxy.add(Status(400), path="/create", times=None)
+        trainer.train()
+        spec.close()
+        refused = proxy.count("/create", fault="status")
+    name = "echoenvironment"
+    (step,) = [h for h in trainer.state.log_history if "reward" in h]
+    assert step[f"env/{name}/episodes"] == 2 and step[f"env/{name}/session_open_failures"] == 2
+    assert step[f"env/{name}/no_tool_call_fraction"] == 0.0 and step[f"env/{name}/graded_fraction"] == 0.0
+    evals = [h for h in trainer.state.log_history if f"eval/{name}/episodes" in h]
+    assert [h[f"eval/{name}/no_tool_call_fraction"] for h in evals] == [0.0, 0.0]
+    assert refused == 2 + 2 * 2  # the step's 2 episodes, the evaluation's 2 at step 0 and at step 1

@@ -39,6 +39,7 @@ target = spec.run(spec.client.tasks("train"))[0]["target"]
 env = spec.environment_factory()
 env.reset(task_index=0)
 env.echo(text=target)
+spec.reward_funcs([env])  # scored as a step scores it: a training episode
 spec.close()
 """
 

@@ -17,6 +17,7 @@ Then: an unverified TRL version (the fallback that lets ors-trl install beside a
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -186,9 +187,10 @@ def test_close_frees_the_session_now_and_records_the_episode_once(echo_server, e
     env.close()
     env._close()  # idempotent, under either name
     assert env.reward == 0.0 and env.tool_calls == 1  # the episode's state stays readable
-    assert len(log.read_text().splitlines()) == 1  # recorded once, as a release records it
-    metrics = spec.metrics.flush()
-    assert metrics["env/echoenvironment/episodes"] == 1.0 and metrics["env/echoenvironment/tool_calls"] == 1.0
+    (record,) = map(json.loads, log.read_text().splitlines())  # recorded once, as a release records it
+    assert record["tool_calls"] == 1 and record["reward"] == 0.0
+    # no trainer drove it, no reward function read it: a manual episode, not in the training metrics
+    assert record["source"] == "manual" and "env/echoenvironment/episodes" not in spec.metrics.flush()
     calls = echo_server.stats()["tool_calls"]["echoenvironment/echo"]
     with pytest.raises(ToolRefusedError):  # the episode is over: refused here, never sent
         env.echo(text="world")

@@ -4,7 +4,6 @@ engine (`rollout_func`) and evaluation, gives the same records and the same coun
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -66,7 +65,7 @@ def scripted_generation(trainer: Any):
 class ScriptedPolicy:
     """The same script as a `Policy` for evaluation; its tool-call markup is the chat template's (qwen3)."""
 
-    rendering = SimpleNamespace(tool_markup="<tool_call>")
+    tool_markup = "<tool_call>"
 
     async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
         step = SCRIPT[target_of(messages[0]["content"])][sum(m["role"] == "assistant" for m in messages)]

@@ -15,6 +15,11 @@ An environment failure never raises out of `reset()`: the episode is recorded as
 None, and the model is told what happened. Tool failures raise from the tool method (that is how
 TRL counts them in `tools/failure_frequency`) with a message the model can read.
 
+An episode opened with no trainer driving it (`env = spec.environment_factory(); env.reset(task_index=0)`, to look
+at a prompt before training) is not a training episode: its record says source `manual`, and it is counted apart,
+out of the `env/...` metrics of the step that closes it and out of task sampling, unless the reward functions read
+it (`settle_all`: a loop of one's own that scores with `spec.reward_funcs` trains, and is counted).
+
 In TRL's asynchronous trainer the adapters live in a spawned rollout worker, which reuses them from a
 pool and calls reward functions long after, without them. There the adapter class gains TRL's
 `get_reward` hook (`for_this_process`): when a rollout ends it settles the episode on its transcript
@@ -33,7 +38,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from . import _trl
-from ._episode import Call, EnvironmentRuntime, Episode, Outcome, Task
+from ._episode import MANUAL, Call, EnvironmentRuntime, Episode, Outcome, Task
 from ._exceptions import ConfigurationError, ORSError, ToolRefusedError, UsageError
 from ._loop import get_loop
 from ._text import show_json
@@ -155,7 +160,7 @@ class OpenRewardEnvironment:
         else:
             if pre is not None:
                 pre[1].release()
-            ep = rt.episode(task, source="trl", rules=_trl.rules(trainer))
+            ep = rt.episode(task, source=_source(trainer), rules=_trl.rules(trainer))
             opened = rt.submit(ep.open())
         self._episode = ep
         cached = rt.prompt_cache.get(task.key) if rt.cache_prompts else None
@@ -177,7 +182,7 @@ class OpenRewardEnvironment:
             task = Task.from_row(rt.split, row.get("task_index"), row.get("task_spec"))
         except ValueError:
             return  # reset() will say what is wrong with the row
-        ep = rt.episode(task, source="trl", rules=_trl.rules(trainer))
+        ep = rt.episode(task, source=_source(trainer), rules=_trl.rules(trainer))
         self._preopened = (task, ep, rt.submit(ep.open()))
 
     def _end(self) -> None:
@@ -298,6 +303,12 @@ class OpenRewardEnvironment:
             logger.warning("%s: %d tool call(s) started ahead are still running", self._runtime.name, len(running))
 
 
+def _source(trainer: Any) -> str:
+    """An adapter episode's source: `trl` when a trainer drives it (`trainer`, found calling `reset`, or TRL's async
+    worker), else `MANUAL`."""
+    return "trl" if trainer is not None or _trl.in_async_worker() else MANUAL
+
+
 async def _close_episodes(episodes: list[Episode]) -> None:
     """Close each episode (its record, once), then wait for its session's delete, also one started elsewhere."""
     await asyncio.gather(*(ep.close() for ep in episodes), return_exceptions=True)
@@ -325,7 +336,8 @@ RESERVED = frozenset({"reset", "get_reward", "last_output", *(n for n in vars(Op
 def settle_all(environments: list[Any], completions: list[Any] | None, completion_ids: list[Any] | None,
                eos_token_ids: set[int] | None = None) -> None:
     """After TRL's loop: replay each rollout's transcript through the turn rule (`Episode.replay`), and run the
-    batch's ends (terminal tools) at once, so that the rewards read next are final. `eos_token_ids`: the ids that
+    batch's ends (terminal tools) at once, so that the rewards read next are final. Episodes read for their rewards
+    are training episodes, also those opened with no trainer seen (`Episode.adopt`). `eos_token_ids`: the ids that
     end a completion, when no trainer is there to say (TRL's async worker)."""
     for env in environments:  # an image a text-only trainer could not take: the step stops here, saying why
         error = getattr(getattr(env, "_runtime", None), "image_error", None)
@@ -334,6 +346,8 @@ def settle_all(environments: list[Any], completions: list[Any] | None, completio
     ends: list[Any] = []
     for i, env in enumerate(environments):
         ep = env._episode if isinstance(env, OpenRewardEnvironment) else None
+        if ep is not None:
+            ep.adopt()  # read for its reward: a training episode, whoever opened it
         if ep is None or ep.over:
             continue
         env._settle_ahead()

@@ -48,8 +48,8 @@ from ._text import clip, show_name
 from ._trl import Rules
 from ._types import Block, ImageBlock, TerminalTool, ToolList, ToolResult, image_blocks
 
-__all__ = ["Call", "EnvironmentRuntime", "Episode", "Outcome", "Reply", "Rules", "Task", "find_ended", "runtimes",
-           "score_groups"]
+__all__ = ["MANUAL", "Call", "EnvironmentRuntime", "Episode", "Outcome", "Reply", "Rules", "Task", "find_ended",
+           "runtimes", "score_groups"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -60,6 +60,10 @@ _RUNTIMES: weakref.WeakValueDictionary[str, EnvironmentRuntime] = weakref.WeakVa
 _HANDOVER_MAX = 16_384
 #: The episode sources that train (TRL's loop, the engine): their outcomes teach task sampling; evaluation's do not.
 TRAINING_SOURCES = frozenset({"trl", "engine"})
+#: The source of an adapter's episode opened with no trainer driving it (`env = spec.environment_factory();
+#: env.reset(...)` to look at a prompt): counted apart, out of the training metrics and task sampling, until a reward
+#: function reads it (`Episode.adopt`: a loop of one's own that scores with `spec.reward_funcs` trains).
+MANUAL = "manual"
 
 
 def runtimes(keys: Sequence[Any]) -> list[EnvironmentRuntime]:
@@ -247,7 +251,8 @@ class EnvironmentRuntime:
         `uploads` (a `RolloutUploader`; False: none) receive its record instead of the runtime's own."""
         if self.max_tool_calls is not None and rules.max_tool_calls is None:
             rules = dataclasses.replace(rules, max_tool_calls=self.max_tool_calls)
-        ep = Episode(self, task, source=source, rules=rules, metrics=self.metrics if metrics else None,
+        counts = self.metrics if source != MANUAL else EnvMetrics(self.metrics.success_threshold)  # apart, see MANUAL
+        ep = Episode(self, task, source=source, rules=rules, metrics=counts if metrics else None,
                      writer=writer if writer is not None else self.recorder,
                      uploads=uploads if uploads is not None else self.uploads, **info)
         with self.lock:
@@ -582,8 +587,7 @@ class Episode:
 
     def _turn(self, reply: Reply) -> TurnRecord:
         turn: TurnRecord = {"index": len(self.turns), "assistant": reply.text, "tool_calls": [], **reply.extra}
-        markup = self.rules.tool_markup
-        if markup and not reply.calls and markup in f"{reply.text or ''}{reply.extra.get('raw') or ''}":
+        if not reply.calls and self.rules.holds_call(f"{reply.text or ''}{reply.extra.get('raw') or ''}"):
             turn["unparsed"] = True  # the model wrote a tool call the parser did not turn into one
         self.timings["generation"] += float(reply.extra.get("generation_seconds") or 0.0)
         self.turns.append(turn)
@@ -877,10 +881,23 @@ class Episode:
         self._accounted = True
         if self._metrics is not None:
             self._metrics.record_episode(self.env.name, reward=self.reward, finished=self.finished,
-                                         calls=self.tool_calls, unscored=self.unscored, turns=self.turns)
+                                         calls=self.tool_calls, unscored=self.unscored, turns=self.turns,
+                                         opened=self.prompt is not None)
         if self.env.curriculum is not None and self.source in TRAINING_SOURCES:
             self.env.curriculum.observe(self.task.index, self.reward)
         self._bill()
+
+    def adopt(self) -> None:
+        """Make a manual episode (`MANUAL`) that a reward function read a training one: its counts so far join the
+        environment's metrics, and its outcome teaches task sampling."""
+        if self.source != MANUAL:
+            return
+        self.source, apart = "trl", self._metrics
+        if apart is not None:
+            self._metrics = self.env.metrics
+            self.env.metrics.absorb(apart)
+        if self._accounted and self.env.curriculum is not None:
+            self.env.curriculum.observe(self.task.index, self.reward)
 
     def _bill(self) -> None:
         """Count the session-seconds spent since the last count (`timings.session`: the session's life so far, all of

@@ -120,8 +120,8 @@ class _Evaluation:
                  bar: Any, per_task_tools: bool, groups: bool, flatten_prompt: bool,
                  episode_timeout: float | None = None, uploads: Any = None) -> None:
         self.runtime, self.policy, self.flatten_prompt = runtime, policy, flatten_prompt
-        markup = getattr(getattr(policy, "rendering", None), "tool_markup", None)  # a local model's chat template
-        self.rules = Rules(max_replies=max_turns, error_text=_trl.error_text, tool_markup=markup)
+        self.rules = Rules(max_replies=max_turns, error_text=_trl.error_text,
+                           tool_markup=getattr(policy, "tool_markup", None))  # a chat template's, an endpoint's
         self.uploads = uploads
         self.episode_timeout = episode_timeout
         self.writer, self.bar, self.per_task_tools, self.groups = writer, bar, per_task_tools, groups
@@ -421,10 +421,13 @@ class EvalReport:
         tasks (`list[dict[str, Any]]`, *optional*, defaults to `[]`):
             Per task (`task`, `episodes`, `successes`, `pass_at_k`), in task order.
         no_tool_call_rate (`float`, *optional*, defaults to `0.0`):
-            The share of episodes without a tool call.
+            The share of the opened episodes (the model saw them) without a tool call.
+        num_unopened (`int`, *optional*, defaults to `0`):
+            Episodes that never opened (their session or prompt never came: the environment's failure, counted in
+            `num_errors`), left out of `no_tool_call_rate`.
         unparsed_turn_rate (`float`, *optional*, defaults to `0.0`):
-            The share of policy replies whose tool-call markup parsed to no call (a local model's chat template says
-            what the markup is).
+            The share of policy replies whose tool-call markup parsed to no call (the policy's `tool_markup` says
+            what the markup is: a local model's chat template, an endpoint's common or named markups).
         malformed_calls (`int`, *optional*, defaults to `0`):
             Tool calls refused for malformed arguments (not an object, or not the tool's schema).
         sessions_opened (`int`, *optional*, defaults to `0`):
@@ -464,6 +467,7 @@ class EvalReport:
     pass_at_1_interval: tuple[float, float] | None = None
     tasks: list[dict[str, Any]] = field(default_factory=list, repr=False)
     no_tool_call_rate: float = 0.0
+    num_unopened: int = 0
     unparsed_turn_rate: float = 0.0
     malformed_calls: int = 0
     sessions_opened: int = 0
@@ -507,7 +511,7 @@ class EvalReport:
             tasks=[{"task": task, "episodes": s.episodes, "successes": s.successes,
                     "pass_at_k": {k: pass_at_k(s.episodes, s.successes, k) for k in range(1, s.episodes + 1)}}
                    for task, s in tasks.items()],
-            no_tool_call_rate=stats.no_call_rate, unparsed_turn_rate=stats.unparsed_rate,
+            no_tool_call_rate=stats.no_call_rate, num_unopened=stats.unopened, unparsed_turn_rate=stats.unparsed_rate,
             malformed_calls=stats.malformed_calls, sessions_opened=stats.sessions,
             session_seconds=round(stats.session_seconds, 3),
             session_seconds_unscored=round(stats.session_seconds_unscored, 3), **info,
@@ -578,17 +582,20 @@ class EvalReport:
 
 
 def _health_lines(report: Any) -> list[str]:
-    """Tool-call health, and a warning where it looks like the tool calls fail silently."""
+    """Tool-call health, and a warning where it looks like the tool calls fail silently (episodes that never opened
+    are the environment's failure, said as such, not the model's)."""
     lines = [f"  no tool call          {report.no_tool_call_rate:.3f} of episodes",
              f"  unparsed tool calls   {report.unparsed_turn_rate:.3f} of turns (tool-call markup that parsed to no "
              "call)",
              f"  malformed arguments   {report.malformed_calls} call(s)"]
-    if report.no_tool_call_rate >= NO_CALL_WARNING or report.unparsed_turn_rate > 0:
-        lines.append("  warning: " + (f"{report.no_tool_call_rate:.0%} of the episodes made no tool call; "
-                                      if report.no_tool_call_rate >= NO_CALL_WARNING else "")
-                     + (f"{report.unparsed_turn_rate:.0%} of the turns wrote tool-call markup the parser did not "
-                        "turn into a call" if report.unparsed_turn_rate > 0 else "").rstrip("; "))
-    return lines
+    warnings = [f"{report.num_unopened} episode(s) failed to open (the environment's failure: the model never saw "
+                "them)"] if report.num_unopened else []
+    if report.no_tool_call_rate >= NO_CALL_WARNING:
+        warnings.append(f"{report.no_tool_call_rate:.0%} of the episodes made no tool call")
+    if report.unparsed_turn_rate > 0:
+        warnings.append(f"{report.unparsed_turn_rate:.0%} of the turns wrote tool-call markup the parser did not "
+                        "turn into a call")
+    return lines + (["  warning: " + "; ".join(warnings)] if warnings else [])
 
 
 @dataclass
@@ -597,7 +604,10 @@ class MixEvalReport:
     them the weighted means.
 
     The weighted means (`mean_reward`, `success_rate`, `pass_at_k`, `no_tool_call_rate`, `unparsed_turn_rate`)
-    and the totals (`num_episodes`, `num_resumed`, `num_errors`, `malformed_calls`, `episodes`) are properties.
+    and the totals (`num_episodes`, `num_resumed`, `num_errors`, `num_unopened`, `malformed_calls`, `episodes`) are
+    properties. An environment none of whose episodes was scored has no mean reward: `mean_reward` is over the others
+    (`unscored_environments` names it, `mean_reward_weight` is the share of the weight the mean stands for, and the
+    summary says so), never as if it had counted.
 
     Attributes:
         environments (`dict[str, EvalReport]`):
@@ -637,7 +647,13 @@ class MixEvalReport:
         return sum(getattr(r, name) for r in self.environments.values())
 
     mean_reward = property(lambda self: self._mean(lambda r: r.mean_reward),
-                           doc="The weighted mean reward (over the environments with a scored episode), or `None`.")
+                           doc="The weighted mean reward over the environments with a scored episode (see "
+                               "`mean_reward_weight`), or `None`.")
+    unscored_environments = property(lambda self: [n for n, r in self.environments.items() if r.mean_reward is None],
+                                     doc="The environments none of whose episodes was scored: not in `mean_reward`.")
+    mean_reward_weight = property(lambda self: sum(self.weights[n] for n, r in self.environments.items()
+                                                   if r.mean_reward is not None),
+                                  doc="The share of the weight `mean_reward` stands for (1.0: every environment).")
     success_rate = property(lambda self: self._mean(lambda r: r.success_rate) or 0.0,
                             doc="The weighted success rate.")
     no_tool_call_rate = property(lambda self: self._mean(lambda r: r.no_tool_call_rate) or 0.0,
@@ -649,6 +665,8 @@ class MixEvalReport:
     num_episodes = property(lambda self: self._total("num_episodes"), doc="Episodes, in every environment.")
     num_resumed = property(lambda self: self._total("num_resumed"), doc="Episodes resumed, in every environment.")
     num_errors = property(lambda self: self._total("num_errors"), doc="Episodes that failed, in every environment.")
+    num_unopened = property(lambda self: self._total("num_unopened"),
+                            doc="Episodes that never opened, in every environment.")
     episodes = property(lambda self: [e for r in self.environments.values() for e in r.episodes],
                         doc="Every episode record, environment by environment.")
 
@@ -670,14 +688,19 @@ class MixEvalReport:
         """
         return {"environments": {n: r.to_dict(episodes=episodes) for n, r in self.environments.items()},
                 "weights": dict(self.weights),
-                "overall": {"mean_reward": self.mean_reward, "success_rate": self.success_rate,
+                "overall": {"mean_reward": self.mean_reward, "mean_reward_weight": self.mean_reward_weight,
+                            "unscored_environments": self.unscored_environments, "success_rate": self.success_rate,
                             "pass_at_k": self.pass_at_k, "no_tool_call_rate": self.no_tool_call_rate,
                             "unparsed_turn_rate": self.unparsed_turn_rate, "malformed_calls": self.malformed_calls,
-                            "num_episodes": self.num_episodes, "num_errors": self.num_errors}}
+                            "num_episodes": self.num_episodes, "num_errors": self.num_errors,
+                            "num_unopened": self.num_unopened}}
 
     def summary(self) -> str:
         """Every environment's summary, then the weighted overall."""
         reward = "n/a" if self.mean_reward is None else f"{self.mean_reward:.4f}"
+        if self.unscored_environments and self.mean_reward is not None:
+            reward += (f"  (over {self.mean_reward_weight:.3f} of the weight: no episode of "
+                       f"{', '.join(map(one_line, self.unscored_environments))} was scored)")
         weights = ", ".join(f"{one_line(n)} {w:.3f}" for n, w in self.weights.items())
         lines = [r.summary() for r in self.environments.values()]
         lines.append("\n".join([

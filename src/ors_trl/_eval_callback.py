@@ -81,7 +81,7 @@ class EvalCallback(TrainerCallback):
         self.engine.info = {"step": step, "policy": "the model in training"}
         self.engine(self.prompts[accelerator.process_index::accelerator.num_processes], trainer)
         rows = [(ep.task.key, ep.reward, ep.finished, ep.tool_calls, ep.tool_failures, len(ep.turns), ep.unscored,
-                 *tool_health(ep.turns)) for ep in self.engine.last_episodes]
+                 *tool_health(ep.turns), ep.prompt is not None) for ep in self.engine.last_episodes]
         self.runtime.metrics.flush()  # its own window, apart from the training metrics: started again each time
         if accelerator.num_processes > 1:
             from accelerate.utils import gather_object
@@ -93,12 +93,12 @@ class EvalCallback(TrainerCallback):
 
     def metrics(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, float]:
         """The logged metrics of one evaluation's episodes (`(task, reward, finished, calls, failures, turns,
-        unscored, unparsed, malformed)` each)."""
+        unscored, unparsed, malformed, opened)` each)."""
         stats = EpisodeStats(self.runtime.metrics.success_threshold)
         tasks: dict[str, EpisodeStats] = {}  # the one definition of success, per task too
-        for task, reward, finished, calls, failures, turns, unscored, unparsed, malformed in rows:
+        for task, reward, finished, calls, failures, turns, unscored, unparsed, malformed, opened in rows:
             episode = dict(reward=reward, finished=finished, tool_calls=calls, tool_failures=failures, turns=turns,
-                           unscored=unscored, unparsed_turns=unparsed, malformed_calls=malformed)
+                           unscored=unscored, unparsed_turns=unparsed, malformed_calls=malformed, opened=opened)
             stats.add(**episode)
             tasks.setdefault(task, EpisodeStats(stats.success_threshold)).add(**episode)
         prefix = f"eval/{self.runtime.name}/"

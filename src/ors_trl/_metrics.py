@@ -7,8 +7,10 @@ definition of success: a reward at or above `success_threshold` (1.0 by default:
 
 Tool-call health is what fails silently: episodes without a single tool call, model turns whose text holds the
 chat template's tool-call markup yet parsed to no call (the turn rule marks them `unparsed`), and calls refused
-for malformed arguments (`input_validation`: not an object, or not the tool's schema). When the share of a step's
-episodes without a tool call crosses `no_call_warning` after having been below it, the log says so.
+for malformed arguments (`input_validation`: not an object, or not the tool's schema). An episode that never opened
+(its session or its prompt never came: the environment's failure) is counted apart (`unopened`), never as one
+without a tool call. When the share of a step's opened episodes without a tool call crosses `no_call_warning` after
+having been below it, the log says so.
 
 Episodes (`ors_trl._episode`, whatever drives them) record events in an `EnvMetrics`: session opens,
 tool calls, terminal-tool calls, finished episodes, group scorings, and the session-seconds their
@@ -80,6 +82,7 @@ class EpisodeStats:
     group_scored: int = 0
     group_reward_sum: float = 0.0
     no_calls: int = 0
+    unopened: int = 0
     unparsed_turns: int = 0
     malformed_calls: int = 0
     sessions: int = 0
@@ -91,15 +94,17 @@ class EpisodeStats:
     def add(self, *, reward: float | None, finished: bool = False, tool_calls: int = 0, tool_failures: int = 0,
             turns: int = 0, end_reason: str | None = None, unscored: str | None = None,
             group_reward: float | None = None, unparsed_turns: int = 0, malformed_calls: int = 0,
-            session_seconds: float | None = None) -> None:
-        """Count one episode (`session_seconds`: how long its session lived, when it had one)."""
+            session_seconds: float | None = None, opened: bool = True) -> None:
+        """Count one episode (`session_seconds`: how long its session lived, when it had one; `opened`: whether its
+        session and prompt came, so that the model saw it)."""
         self.episodes += 1
         if session_seconds is not None:
             self.sessions += 1
             self.add_session(session_seconds, unscored=reward is None)
         self.finished += bool(finished)
         self.tool_calls += tool_calls
-        self.no_calls += tool_calls == 0
+        self.unopened += not opened
+        self.no_calls += opened and tool_calls == 0
         self.unparsed_turns += unparsed_turns
         self.malformed_calls += malformed_calls
         self.tool_failures += tool_failures
@@ -138,7 +143,8 @@ class EpisodeStats:
                  turns=len(turns) if isinstance(turns, list) else 0, end_reason=None if end is None else str(end),
                  unscored=unscored if isinstance(unscored, str) else None,
                  group_reward=_number(record.get("group_reward")), unparsed_turns=unparsed, malformed_calls=malformed,
-                 session_seconds=session if session is not None and session >= 0 else None)
+                 session_seconds=session if session is not None and session >= 0 else None,
+                 opened=record.get("prompt", "") is not None)  # no prompt: the episode never opened
 
     def merge(self, other: EpisodeStats) -> None:
         """Add `other`'s counts (the same success threshold is assumed)."""
@@ -171,8 +177,9 @@ class EpisodeStats:
 
     @property
     def no_call_rate(self) -> float:
-        """The share of episodes in which the model made no tool call."""
-        return self.share(self.no_calls)
+        """The share of the opened episodes (the model saw them) in which the model made no tool call."""
+        opened = self.episodes - self.unopened
+        return self.no_calls / opened if opened > 0 else 0.0
 
     @property
     def unparsed_rate(self) -> float:
@@ -302,7 +309,7 @@ class EnvMetrics:
                 w.failures[failure_kind(error_kind)] += 1
 
     def record_episode(self, env: str, *, reward: float | None, finished: bool, calls: int,
-                       unscored: str | None = None, turns: Any = ()) -> None:
+                       unscored: str | None = None, turns: Any = (), opened: bool = True) -> None:
         """One finished episode.
 
         Args:
@@ -318,11 +325,14 @@ class EnvMetrics:
                 Why it has no reward, if it has none.
             turns (`Sequence[TurnRecord]`, *optional*, defaults to `()`):
                 Its turn records (their count and tool-call health).
+            opened (`bool`, *optional*, defaults to `True`):
+                Whether its session and prompt came (one that never opened is not an episode without a tool call).
         """
         unparsed, malformed = tool_health(turns)
         with self._lock:
             self._windows[env].stats.add(reward=reward, finished=finished, tool_calls=calls, unscored=unscored,
-                                         turns=len(turns), unparsed_turns=unparsed, malformed_calls=malformed)
+                                         turns=len(turns), unparsed_turns=unparsed, malformed_calls=malformed,
+                                         opened=opened)
 
     def record_session(self, env: str, seconds: float, *, unscored: bool) -> None:
         """Session-seconds an episode's session spent on the server (since the last count).
@@ -337,6 +347,17 @@ class EnvMetrics:
         """
         with self._lock:
             self._windows[env].stats.add_session(seconds, unscored=unscored)
+
+    def absorb(self, other: EnvMetrics) -> None:
+        """Add what `other` accumulated, and empty it (counts kept apart until they turned out to belong here).
+
+        Args:
+            other (`EnvMetrics`):
+                The metrics to move into these.
+        """
+        for env, window in other.snapshot(reset=True).items():
+            with self._lock:
+                self._windows[env].merge(window)
 
     def record_group(self, env: str, *, ok: bool) -> None:
         """One GRPO group sent to `/score_group`.

@@ -10,6 +10,12 @@ A message whose content holds images is a list of content parts (`{"type": "text
 `{"type": "image", "image": <RGB PIL image>}`, `ors_trl._conversation.content`): `LocalPolicy` hands
 them to a vision-language model's processor as training does, `OpenAIPolicy` sends them as
 OpenAI-style `image_url` parts with `data:` URLs.
+
+A policy's `tool_markup` (optional) says what a tool call looks like in its replies' text: a reply
+without calls that holds it is a call the parser missed (the turn is marked `unparsed`). A local model's
+comes from its chat template; an endpoint's is the common markups of the major chat templates
+(`TOOL_MARKUPS`), unless named (`OpenAIPolicy(tool_markup=...)`), for a server without a tool-call parser
+returns the call as plain content.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ import contextlib
 import json
 import logging
 import os
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -31,11 +38,41 @@ from ._exceptions import ConfigurationError, ContextLengthExceeded, ORSError, Po
 from ._target import check_header_value
 from ._transport import Decoder, RetryPolicy, _Again, _read_capped, retrying
 
-__all__ = ["LocalPolicy", "OpenAIPolicy", "Policy", "PolicyReply", "describe_policy", "resolve_policy"]
+__all__ = ["TOOL_MARKUPS", "LocalPolicy", "OpenAIPolicy", "Policy", "PolicyReply", "describe_policy", "markup_pattern",
+           "resolve_policy"]
 
 logger = logging.getLogger("ors_trl.eval")
 #: The largest chat completion read from an endpoint (as for ORS answers).
 _MAX_ANSWER_BYTES = 64 * 1024 * 1024
+#: The texts that open (or, for gpt-oss, address or end) a tool call in the major open-weight chat templates: what the
+#: tool-call parsers of vLLM and SGLang look for. A server run without the model's parser returns them as content.
+TOOL_MARKUPS: dict[str, str] = {
+    "<tool_call>": "Qwen 2.5 / 3, QwQ, Hermes 2 Pro / 3, GLM-4.5, Granite 3.1",
+    "<tool_calls>": "Jamba, MiniMax-M1, Hunyuan-A13B",
+    "<minimax:tool_call>": "MiniMax-M2",
+    "<|tool_call|>": "Granite 3.0, Phi-4-mini",
+    "<|python_tag|>": "Llama 3.1 / 3.2 / 3.3",
+    "[TOOL_CALLS]": "Mistral, Mixtral, Ministral, Magistral, Devstral",
+    "<\uff5ctool\u2581calls\u2581begin\uff5c>": "DeepSeek V3 / R1 / V3.1",
+    "<|tool_calls_section_begin|>": "Kimi K2",
+    "<|action_start|><|plugin|>": "InternLM 2 / 2.5",
+    "to=functions.": "gpt-oss (harmony: a message to a function)",
+    "<|call|>": "gpt-oss (harmony: the end of a call)",
+}
+#: A JSON call on a line of its own, `{"name": "...", "parameters": ...}`: Llama 3.x's JSON tool calling (vLLM's
+#: `llama3_json`), and Hermes' body without its tags (`"arguments"`).
+_JSON_CALL = r'^[ \t]*\{\s*"name"\s*:\s*"[^"\n]*"\s*,\s*"(?:parameters|arguments)"\s*:'
+
+
+def markup_pattern(texts: str | Sequence[str] | None = None) -> re.Pattern[str] | None:
+    """What a tool call looks like in a reply's text: any of `texts` (literal), or by default any of `TOOL_MARKUPS`
+    and a JSON call on a line of its own; None for no text (`()`: look for nothing)."""
+    if texts is None:
+        return re.compile("|".join([*map(re.escape, TOOL_MARKUPS), _JSON_CALL]), re.MULTILINE)
+    given = [texts] if isinstance(texts, str) else list(texts)
+    if not all(isinstance(t, str) and t.strip() for t in given):
+        raise ConfigurationError(f"tool_markup must be texts that open a tool call (not blank), got {given!r}")
+    return re.compile("|".join(map(re.escape, given))) if given else None
 
 
 @dataclass
@@ -65,7 +102,11 @@ class PolicyReply:
 
 @runtime_checkable
 class Policy(Protocol):
-    """What `evaluate` drives: given the conversation and the tool schemas, return the assistant's reply."""
+    """What `evaluate` drives: given the conversation and the tool schemas, return the assistant's reply.
+
+    A policy may also have `tool_markup` (a text, or a compiled pattern): what a tool call looks like in its replies'
+    text, so that a reply holding one that parsed to no call is counted (`unparsed`).
+    """
 
     async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
         """The assistant's next turn.
@@ -147,6 +188,11 @@ class OpenAIPolicy:
             server takes, and where a model trained through ors-trl saw them); `"user"` in a user message right
             after the turn's tool messages (for APIs that take no images in a tool message, such as OpenAI's), the
             tool message keeping its text.
+        tool_markup (`str` or `Sequence[str]`, *optional*):
+            The text (or texts) that opens a tool call in the served model's replies, for a server that returns
+            calls it did not parse as plain content: a reply without calls that holds it has its turn marked
+            `unparsed` (`EvalReport.unparsed_turn_rate`). By default the common markups of the major chat templates
+            (`TOOL_MARKUPS`, and a JSON call on a line of its own); `()` looks for none.
     """
 
     def __init__(
@@ -163,7 +209,9 @@ class OpenAIPolicy:
         max_attempts: int = 4,
         include_return_schema: bool = False,
         tool_images: str = "tool",
+        tool_markup: str | Sequence[str] | None = None,
     ) -> None:
+        self.tool_markup = markup_pattern(tool_markup)
         if tool_images not in ("tool", "user"):
             raise ConfigurationError(f'tool_images must be "tool" or "user", got {tool_images!r}')
         self.tool_images = tool_images
@@ -475,6 +523,11 @@ class LocalPolicy:
     def description(self) -> str:
         """The policy's name in records and reports (`name`)."""
         return str(self.name)
+
+    @property
+    def tool_markup(self) -> str | None:
+        """The text that opens a tool call in the chat template's replies (`Rendering.tool_markup`)."""
+        return self.rendering.tool_markup
 
     # -- the Policy protocol ---------------------------------------------------------------------------------
 

@@ -121,7 +121,8 @@ class EpisodeRecord(TypedDict, total=False):
         run (`str`):
             The process run that wrote it (tells runs apart in merged logs).
         source (`str`):
-            The driver that played it: `"trl"`, `"engine"` or `"eval"`.
+            The driver that played it: `"trl"`, `"engine"` or `"eval"`; `"manual"` for an adapter's episode opened
+            with no trainer driving it and never read by a reward function (not a training episode).
         environment (`str`):
             The environment's name.
         target (`str`):
@@ -179,7 +180,7 @@ class EpisodeRecord(TypedDict, total=False):
 
     version: int
     run: str
-    source: Literal["trl", "engine", "eval"]
+    source: Literal["trl", "engine", "eval", "manual"]
     environment: str
     target: str
     split: str

@@ -14,10 +14,12 @@ their `log_metric` keyword, callbacks) everywhere else. What needs more lives he
 - evaluation during training finds its trainer up the stack from the callback event (`calling_trainer`), and
   logs beside GRPO's own metrics without flushing them (`log_outside_step`); task sampling finds the trainer
   reading its dataset (`training_trainer`) and logs into GRPO's per-step metrics (`add_step_metrics`);
-- in TRL's asynchronous trainer (`trl.experimental.async_grpo`), whose spawned rollout worker gives
-  reward functions neither the adapters nor `log_metric`, the adapter's `get_reward` hook reads the
-  finished rollout (its transcript, and which reward functions will run) off the worker's loop
-  (`finished_rollout`), and the worker process is recognised by its name (`in_async_worker`).
+- in TRL's asynchronous trainer (`AsyncGRPOTrainer`: `trl.AsyncGRPOTrainer` from TRL 1.18, where the experimental
+  path warns; `trl.experimental.async_grpo` before; `async_grpo` finds it, never importing the experimental path
+  where the stable one exists), whose spawned rollout worker gives reward functions neither the adapters nor
+  `log_metric`, the adapter's `get_reward` hook reads the finished rollout (its transcript, and which reward
+  functions will run) off the worker's loop (`finished_rollout`, by the function's name), and the worker process is
+  recognised by its name (`in_async_worker`): neither depends on the module the trainer lives in.
 
 They were verified against the TRL versions in `VERIFIED`; the package metadata has a lower bound
 only (`trl>=1.16`), so ors-trl installs beside a newer TRL, and this is the contract there: the
@@ -34,21 +36,23 @@ from a dataset row: task fields with these names are renamed (`ors_trl._tasks.ta
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
 import itertools
 import logging
 import multiprocessing
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import FrameType
+from types import FrameType, ModuleType
 from typing import Any
 
 from ._exceptions import ConfigurationError, UsageError
 
-__all__ = ["TRL_KEYWORDS", "VERIFIED", "FinishedRollout", "Rendering", "Rules", "add_step_metrics", "calling_trainer",
-           "check_images", "clip_post_tool", "error_text", "finished_rollout", "generate", "hand_images",
+__all__ = ["TRL_KEYWORDS", "VERIFIED", "AsyncGRPO", "FinishedRollout", "Rendering", "Rules", "add_step_metrics",
+           "async_grpo", "calling_trainer", "check_images", "clip_post_tool", "error_text", "finished_rollout", "generate", "hand_images",
            "in_async_worker", "install_image_handoff", "log_outside_step", "overflows", "replies_of", "resetting_batch",
            "rolled_back", "rules", "shown_error", "tool_markup", "tool_message", "tool_turn", "training_trainer",
            "verified"]
@@ -56,7 +60,8 @@ __all__ = ["TRL_KEYWORDS", "VERIFIED", "FinishedRollout", "Rendering", "Rules", 
 logger = logging.getLogger("ors_trl")
 
 #: TRL releases (major.minor) the fast paths were verified against (`requirements/constraints.txt` pins the tested
-#: one; `pyproject.toml` has only the lower bound).
+#: one; `pyproject.toml` has only the lower bound). Nothing here depends on where TRL keeps `AsyncGRPOTrainer`
+#: (`async_grpo` finds it in either layout), so verifying a release is running the tests against it and adding it.
 VERIFIED = ("1.16",)
 TRUST_ENV = "ORS_TRL_TRUST_TRL"
 #: What changes on a TRL that is not in `VERIFIED` (the log line and the engine's error say it).
@@ -255,10 +260,44 @@ def eos_token_ids(trainer: Any, tokenizer: Any = None) -> set[int]:
     return set(getattr(trainer, "eos_token_ids", None) or []) | ({pad} if pad is not None else set())
 
 
-# -- TRL's asynchronous trainer (trl.experimental.async_grpo) --------------------------------------
+# -- TRL's asynchronous trainer (trl.AsyncGRPOTrainer, or trl.experimental.async_grpo before TRL 1.18) ---------
 
 #: The name `AsyncRolloutWorker` gives the process it spawns for rollouts.
 ASYNC_WORKER_PROCESS = "grpo-rollout-worker-child"
+
+
+@dataclass(frozen=True)
+class AsyncGRPO:
+    """Where the installed TRL keeps its asynchronous GRPO trainer (`async_grpo`).
+
+    Attributes:
+        trainer: `AsyncGRPOTrainer`.
+        config: `AsyncGRPOConfig`.
+        trainer_module: the module that defines the trainer.
+        worker_module: the module that defines `AsyncRolloutWorker`, the code of the spawned rollout process.
+    """
+
+    trainer: type
+    config: type
+    trainer_module: ModuleType
+    worker_module: ModuleType
+
+
+def async_grpo() -> AsyncGRPO | None:
+    """TRL's `AsyncGRPOTrainer` where the installed TRL has it: `trl.AsyncGRPOTrainer` (a stable trainer from TRL 1.18),
+    else `trl.experimental.async_grpo` (which warns from 1.18: never imported where the stable one exists); None
+    when TRL has neither."""
+    import trl
+
+    trainer = getattr(trl, "AsyncGRPOTrainer", None)
+    if trainer is None:
+        try:
+            trainer = importlib.import_module("trl.experimental.async_grpo").AsyncGRPOTrainer
+        except (ImportError, AttributeError):
+            return None
+    module = sys.modules[trainer.__module__]
+    return AsyncGRPO(trainer, getattr(module, "AsyncGRPOConfig", None) or trl.AsyncGRPOConfig, module,
+                     sys.modules[module.AsyncRolloutWorker.__module__])
 
 
 def in_async_worker() -> bool:
@@ -359,14 +398,22 @@ class Rules:
         max_tool_calls: tool calls an episode may make; later ones are refused locally and counted.
         error_text: the text the model reads for a failed call (TRL's `{'error': ...}`: `error_text`).
         tool_markup: the text that opens a tool call in the chat template the replies are parsed with (qwen3:
-            `<tool_call>`): a reply without calls whose text holds it is a call the parser missed, and its turn is
-            marked `unparsed`. None: not known.
+            `<tool_call>`), or a pattern of such texts (an endpoint's: `ors_trl._policies.TOOL_MARKUPS`): a reply
+            without calls whose text holds it is a call the parser missed, and its turn is marked `unparsed`.
+            None: not known.
     """
 
     max_replies: int | None = None
     max_tool_calls: int | None = None
     error_text: Callable[[BaseException], str] = str
-    tool_markup: str | None = None
+    tool_markup: str | re.Pattern[str] | None = None
+
+    def holds_call(self, text: str) -> bool:
+        """Whether `text` holds tool-call markup (`tool_markup`)."""
+        markup = self.tool_markup
+        if isinstance(markup, str):
+            return bool(markup) and markup in text
+        return markup is not None and markup.search(text) is not None
 
 
 def rules(trainer: Any) -> Rules:

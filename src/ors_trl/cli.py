@@ -272,10 +272,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-url", metavar="URL", help="OpenAI-compatible API root, e.g. http://127.0.0.1:8001/v1")
     p.add_argument("--api-key", metavar="KEY",
                    help="key for --base-url (default: $OPENAI_API_KEY); never logged or recorded")
+    p.add_argument("--tool-markup", metavar="TEXT", action="append",
+                   help="with --base-url: the text that opens a tool call in the served model's replies, for a "
+                        "server without a tool-call parser (a reply holding it counts as an unparsed tool call); "
+                        "repeatable (default: the common markups of the major chat templates, e.g. <tool_call>, "
+                        "[TOOL_CALLS], <|python_tag|>)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--num-tasks", metavar="N", type=_positive_int, help="the first N tasks (default: all)")
     group.add_argument("--indices", metavar="LIST", type=_indices,
-                       help="exactly these task indices, e.g. 0,3,5 or 0-9")
+                       help="exactly these task indices, e.g. 0,3,5 or 0-9. Before the episodes, one session per "
+                            "distinct listed task (task 0 without --indices) is opened and closed to find its "
+                            "task-specific tools, which are bound as training with the same selection binds them; "
+                            "--per-task-tools opens none")
     p.add_argument("--split", metavar="S", default="train", help="split to draw tasks from (default train)")
     p.add_argument("--repeats", metavar="R", type=_positive_int, default=1,
                    help="episodes per task (default 1); pass@k is reported for k = 1..R")
@@ -315,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the platform toolset every session gets (e.g. codex, claude-code); its tools are bound too")
     _add_session_options(p, "every session")
     p.add_argument("--per-task-tools", action="store_true",
-                   help="bind each episode's own tool list instead of the tools training binds")
+                   help="bind each episode's own tool list instead of the tools training binds (no tool-discovery "
+                        "sessions are opened first)")
     p.add_argument("--score-groups", action="store_true",
                    help="also score each task's episodes (--repeats) together with the environment's /score_group")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -497,15 +506,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise _UsageError("--resume and --overwrite exclude each other")
     if args.base_url:
         policy: Any = OpenAIPolicy(args.base_url, args.model, api_key=args.api_key, temperature=args.temperature,
-                                   max_tokens=args.max_new_tokens, seed=args.seed)
+                                   max_tokens=args.max_new_tokens, seed=args.seed, tool_markup=args.tool_markup)
     else:
         if not os.path.isdir(args.model):
             raise _UsageError(
                 f"--model {args.model!r} is not a local model directory; to evaluate a served model pass "
                 "--base-url http://HOST:PORT/v1 with --model NAME"
             )
-        if args.api_key:
-            raise _UsageError("--api-key is only used with --base-url")
+        for flag, given in (("--api-key", args.api_key), ("--tool-markup", args.tool_markup)):
+            if given:
+                raise _UsageError(f"{flag} is only used with --base-url")
         policy = args.model
     targets, names = args.target, args.env_name or []
     if len(targets) == 1 and len(names) > 1:
@@ -520,9 +530,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise _UsageError(f"--weights has {len(args.weights)} values for {len(pairs)} environments")
     threshold = {} if args.success_threshold is None else {"success_threshold": args.success_threshold}
     session = _session_options(args)
-    # Each spec is built like a training spec with the same selection, so the tools bound are those training binds.
+    # Each spec is built like a training spec with the same selection, so the tools bound are those training binds:
+    # its probe sessions (one per distinct task of --indices, else task 0) find the task-specific ones. Each episode
+    # binds its own session's tools with --per-task-tools: no probe then.
     specs = [OpenRewardSpec(target, split=args.split, env_name=env_name, num_tasks=args.num_tasks,
-                            indices=args.indices, score_groups=args.score_groups, **threshold,
+                            indices=args.indices, discover_task_tools=not args.per_task_tools,
+                            score_groups=args.score_groups, **threshold,
                             max_tool_calls=args.max_tool_calls, **session,
                             **_client_options(args, tool_timeout=args.tool_timeout)) for target, env_name in pairs]
     evaluated: Any = specs[0]
