@@ -272,6 +272,180 @@ def test_the_sweep_tells_dead_from_live_processes(tmp_path) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# 1b. State folders that someone else wrote to, and registries of servers that are gone
+
+
+def _victim(tmp_path: Path) -> tuple[Path, bytes]:
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious bytes\n")
+    return victim, victim.read_bytes()
+
+
+def _dead_header() -> dict[str, Any]:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    return {"host": socket.gethostname(), "boot": _boot_id(), "pid": gone.pid, "start": "1"}
+
+
+def test_no_state_file_is_written_through_a_planted_symlink(tmp_path, monkeypatch) -> None:
+    """Symlinks planted at every name a registry, a shared pace and an image store write: the target keeps its bytes
+    (the registry's temporary name was predictable, the pace file was opened through the link and truncated)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from ors_trl._records import RecordWriter
+    from ors_trl._types import parse_blocks
+
+    victim, original = _victim(tmp_path)
+    folder = tmp_path / "state" / "sessions"
+    folder.mkdir(parents=True)
+    reg = Registry(folder)
+    for name in (reg.path.with_suffix(".tmp"), folder / f".{reg.path.name}.tmp"):
+        name.symlink_to(victim)
+    for i in range(3):
+        reg.opened(f"sid-{i}", "http://127.0.0.1:1")
+    assert reg.path.is_file() and not reg.path.is_symlink() and "sid-2" in reg.path.read_text()
+    reg.closed("sid-0")
+    # the shared pace: a link at its name is refused (typed), never written through
+    (tmp_path / "state" / "session-pace.lock").symlink_to(victim)
+    with pytest.raises(ConfigurationError, match=r"session-pace\.lock"):
+        asyncio.run(Pace(1000.0, 1, path=tmp_path / "state" / "session-pace.lock").wait())
+    # the image store: links at the old temporary name and at the image's own name
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4), "red").save(buf, format="PNG")
+    [block] = parse_blocks([{"type": "image", "data": base64.b64encode(buf.getvalue()).decode(), "mimeType":
+                             "image/png"}], where="test")
+    sha = block.info().sha256
+    images = tmp_path / "log.jsonl.images"
+    images.mkdir()
+    (images / f".{sha}.png.{os.getpid()}.tmp").symlink_to(victim)
+    (images / f"{sha}.png").symlink_to(victim)
+    writer = RecordWriter(tmp_path / "log.jsonl")
+    writer.write({"images": {sha: {"mime_type": "image/png"}}}, images={sha: block})
+    assert (images / f"{sha}.png").read_bytes() == buf.getvalue() and not (images / f"{sha}.png").is_symlink()
+    assert victim.read_bytes() == original
+
+
+@pytest.mark.parametrize("content", [b"not a number at all", b"nan nan nan nan", b"1 2 3", b"1e300 1 0 0",
+                                     b"0 99 0 0", b"\xff\xfe garbage"])
+def test_a_pace_file_with_bad_content_starts_afresh_with_a_warning(tmp_path, caplog, content) -> None:
+    path = tmp_path / "session-pace.lock"
+    path.write_bytes(content)
+    caplog.set_level(logging.WARNING, logger="ors_trl")
+    pace = Pace(1000.0, 1, path=path)
+
+    async def opens() -> None:
+        for _ in range(3):
+            await asyncio.wait_for(pace.wait(), 30)  # not a wait of 1e300 s: the file's moment was not trusted
+        pace.throttled()
+        pace.eased()
+
+    asyncio.run(opens())
+    assert sum("no pace wrote" in r.getMessage() for r in caplog.records) == 1
+    state = [float(x) for x in path.read_text().split()]
+    assert len(state) == 4 and 1.0 <= state[1] <= Pace.MAX_SLOWDOWN
+
+
+def test_cleanup_deletes_every_good_orphan_and_reports_what_it_skipped(ref_server, tmp_path, capsys,
+                                                                        monkeypatch) -> None:
+    """Beside a good orphan: a file whose header is malformed (a pid that is text, a header that is a list), a FIFO,
+    a symlink to a registry outside the folder, a folder. The orphan is deleted, the rest is skipped, listed and left
+    as it was; the exit code is 0 (nothing could not be deleted)."""
+    monkeypatch.setenv("ORS_TRL_SESSION_REGISTRY", "0")  # the session below is an orphan only by the fake file
+    async def orphan() -> str:
+        client = AsyncClient(ref_server.url, env_name=ECHO, keepalive_interval=None)
+        session = await client.open_session(split="train", index=0)
+        client._pool.sessions.clear()  # forgotten, as by a process killed with SIGKILL
+        await client._transport.aclose()
+        return session.sid
+
+    sid = asyncio.run(orphan())
+    assert sid in sessions(ref_server)
+    monkeypatch.delenv("ORS_TRL_SESSION_REGISTRY")
+    state = tmp_path / "state"
+    folder = state / "sessions"
+    dead = _dead_header()
+    good = _fake_registry(folder, "good", dead, [])
+    good.write_text(json.dumps(dead) + "\n" + json.dumps({"sid": sid, "target": ref_server.url}) + "\n")
+    outside = _fake_registry(tmp_path / "outside", "elsewhere", dead, ["never-asked"])
+    before = outside.read_bytes()
+    bad = {
+        "text-pid": _fake_registry(folder, "text-pid", {**dead, "pid": "12x"}, ["b1"]),
+        "list-header": _fake_registry(folder, "list-header", [1, 2], ["b2"]),  # type: ignore[arg-type]
+        "not-json": _fake_registry(folder, "not-json", {}, ["b3"]),
+    }
+    bad["not-json"].write_text("\x00garbage\n" + bad["not-json"].read_text())
+    os.mkfifo(folder / "fifo.sessions")
+    (folder / "link.sessions").symlink_to(outside)
+    (folder / "dir.sessions").mkdir()
+    assert main(["cleanup", str(state), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["deleted"] == 1 and report["failed"] == 0
+    assert sid not in sessions(ref_server)
+    assert not good.exists()
+    skipped = {Path(p).name for p in report["skipped"]}
+    assert skipped == {"text-pid.sessions", "list-header.sessions", "not-json.sessions", "fifo.sessions",
+                       "link.sessions", "dir.sessions"}, report["skipped"]
+    assert all(p.exists() for p in bad.values()) and outside.read_bytes() == before
+    assert main(["cleanup", str(state)]) == 0
+    err = capsys.readouterr().err
+    assert "skipped" in err and "fifo.sessions" in err
+
+
+def test_a_gone_loopback_server_costs_one_sweep_and_no_request(tmp_path) -> None:
+    """A dead process's sessions on a loopback server that refuses connections (killed, or a test server on a random
+    port): the first sweep drops them without a request, the file goes, later sweeps ask nothing, cleanup says 0."""
+    from ors_trl._client import delete_orphans
+    from ors_trl.testing.server import free_port
+
+    folder = tmp_path / "state" / "sessions"
+    url = f"http://127.0.0.1:{free_port()}"
+    path = _fake_registry(folder, "gone", _dead_header(), [])
+    path.write_text(json.dumps(_dead_header()) + "\n" +
+                    "".join(json.dumps({"sid": f"s{i}", "target": url}) + "\n" for i in range(3)))
+    with FaultProxy(None) as witness:  # a live loopback target in the same file: still asked
+        path.write_text(path.read_text() + json.dumps({"sid": "w1", "target": witness.url}) + "\n")
+        witness.add(Status(200), times=None)
+        asked: list[tuple[str, int]] = []
+
+        async def deleter(target: str, sids: list[str]) -> list[bool | None]:
+            asked.append((target, len(sids)))
+            return await delete_orphans(target, sids)
+
+        result = asyncio.run(sweep(deleter, folder))
+        assert (result.deleted, result.dropped, result.failed) == (1, 3, 0)
+        assert witness.count("/delete") == 1 and witness.count() == 2  # /delete, /delete_session of w1 only
+    assert not path.exists()
+    asked.clear()
+    assert asyncio.run(sweep(deleter, folder)).processes == 0 and asked == []
+    assert main(["cleanup", str(tmp_path / "state")]) == 0
+
+
+def test_a_sweep_does_not_wait_for_itself(tmp_path, monkeypatch) -> None:
+    """The clients a sweep deletes orphans with wait, when they close, for the process's sweeps: not for the sweep
+    they run in (that cost every process with orphans the whole bound, 10 s, at exit)."""
+    import ors_trl._registry as registry_module
+
+    folder = tmp_path / "sessions"
+    _fake_registry(folder, "gone", _dead_header(), ["s1"])
+    monkeypatch.setattr(registry_module, "_registry", Registry(folder))
+
+    async def deleter(target: str, sids: list[str]) -> list[bool | None]:
+        await registry_module.sweeps_done(120)  # what a sweep's own AsyncClient does in aclose()
+        return [True] * len(sids)
+
+    async def run() -> None:
+        registry_module.sweep_in_background(deleter)
+        [task] = registry_module._sweeps
+        await asyncio.wait_for(asyncio.shield(task), 60)  # bounds the test only: done at once when correct
+
+    asyncio.run(run())
+    assert list(folder.glob("*.sessions")) == []
+
+
+# --------------------------------------------------------------------------------------------------
 # 2. Paced creation
 
 

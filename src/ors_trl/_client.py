@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import ipaddress
 import logging
 import math
 import re
+import socket
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -60,6 +62,8 @@ logger = logging.getLogger("ors_trl.client")
 # Retries for deleting sessions while shutting down: a dead server must not hold up interpreter exit.
 _QUICK_RETRY = RetryPolicy(max_attempts=2, backoff_initial=0.1, backoff_max=0.5)
 _ORPHAN_CONCURRENCY = 16
+#: Bound on the connection that tells whether a loopback server is gone (a refusal is immediate).
+_PROBE_S = 2.0
 #: A session id the server hands out travels in the `X-Session-ID` header of every later request: visible ASCII only.
 _SESSION_ID = re.compile(r"[\x21-\x7e]{1,256}")
 #: An environment name from `/list_environments` becomes a URL path segment: no `/`, `?`, `#`, `%`, nothing to escape.
@@ -806,15 +810,19 @@ class AsyncClient:
         never raises. Once the client is closing, retries are kept short so that exit is not held up by a dead
         server."""
         retry = _QUICK_RETRY if self._pool.closed else None
-        gone = True
+        failed: list[str] = []
         for path in ("/delete", "/delete_session"):
             try:
                 await self._transport.request("POST", path, sid=sid, ok_statuses=(404, 410), retry=retry)
             except ORSError as exc:
-                gone = False
-                (logger.debug if quiet else logger.warning)("could not %s session %s: %s", path.lstrip("/"),
-                                                            sid[:8], exc)
-        return gone
+                failed.append(f"could not {path.lstrip('/')} session {sid[:8]}: {exc}")
+        if failed and self.target.is_url and await server_gone(self.target.session_url):
+            logger.debug("session %s: %s refuses connections on loopback; the session died with it", sid[:8],
+                         self.target.name)
+            return True
+        for message in failed:
+            (logger.debug if quiet else logger.warning)("%s", message)
+        return not failed
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -940,9 +948,13 @@ if Client.__doc__ and AsyncClient.__doc__:
     Client.__doc__ = f"{Client.__doc__}\n    {AsyncClient.__doc__[AsyncClient.__doc__.index('Args:'):]}"
 
 
-async def delete_orphans(target: str, sids: list[str]) -> list[bool]:
+async def delete_orphans(target: str, sids: list[str]) -> list[bool | None]:
     """Delete session ids of `target` that a dead process left open (the orphan registry's sweep); per id, whether
-    the server has it gone. A catalog target needs `OPENREWARD_API_KEY`."""
+    the server has it gone, or None for every id when the target is a loopback server that refuses connections (the
+    sessions died with it: no request is sent). A catalog target needs `OPENREWARD_API_KEY`."""
+    if "://" in target and await server_gone(target):
+        logger.debug("%s refuses connections on loopback: its %d session(s) died with it", target, len(sids))
+        return [None] * len(sids)
     gate = asyncio.Semaphore(_ORPHAN_CONCURRENCY)
     async with AsyncClient(target, retry=_QUICK_RETRY, keepalive_interval=None) as client:
         async def delete(sid: str) -> bool:
@@ -950,6 +962,33 @@ async def delete_orphans(target: str, sids: list[str]) -> list[bool]:
                 return await client._delete(sid, quiet=True)
 
         return list(await asyncio.gather(*(delete(sid) for sid in sids)))
+
+
+async def server_gone(url: str) -> bool:
+    """Whether `url` is a server on this machine's loopback that refuses connections: nothing listens on its port any
+    more, so whatever sessions it held died with it. False for any other host, or when unsure (a timeout)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+        if host != "localhost" and not ipaddress.ip_address(host).is_loopback:
+            return False
+        addresses = {info[4][:2] for info in await asyncio.get_running_loop().getaddrinfo(
+            host, port, type=socket.SOCK_STREAM)}
+    except (ValueError, OSError):
+        return False
+    for address, at in addresses:
+        if not ipaddress.ip_address(address.split("%")[0]).is_loopback:
+            return False  # a `localhost` that is not loopback: not ours to judge
+        try:
+            async with asyncio.timeout(_PROBE_S):
+                _, writer = await asyncio.open_connection(address, at)
+        except ConnectionRefusedError:
+            continue
+        except (OSError, TimeoutError):
+            return False
+        writer.close()
+        return False  # something listens there
+    return bool(addresses)
 
 
 def _env_segment(name: str) -> str:
