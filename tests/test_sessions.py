@@ -22,7 +22,15 @@ from typing import Any
 
 import pytest
 
-from ors_trl import AsyncClient, ConfigurationError, OpenRewardSpec, RetryPolicy
+from ors_trl import (
+    AsyncClient,
+    ConfigurationError,
+    OpenRewardSpec,
+    ORSTimeoutError,
+    ProtocolError,
+    RetryPolicy,
+    Timeouts,
+)
 from ors_trl._budget import Pace
 from ors_trl._registry import Registry, _boot_id, _started, sweep
 from ors_trl.cli import main
@@ -423,6 +431,24 @@ def test_a_gone_loopback_server_costs_one_sweep_and_no_request(tmp_path) -> None
     assert main(["cleanup", str(tmp_path / "state")]) == 0
 
 
+def test_a_client_whose_loopback_server_died_leaves_no_registry_entry(make_server, caplog) -> None:
+    """The demo's own server stopped (Ctrl-C) before its client closed: the deletes are refused, and the sessions
+    died with the server, so the registry forgets them (it kept them a day, and `cleanup` exited 1 meanwhile)."""
+    from ors_trl import Client
+    from ors_trl._registry import registry
+
+    server = make_server("echo")
+    c = Client(server.url, env_name=ECHO, retry=RetryPolicy(max_attempts=2, backoff_initial=0.01))
+    sids = [c.open_session(split="train", index=i).sid for i in range(2)]
+    reg = registry()
+    assert reg is not None and set(sids) <= set(reg._open)
+    server.kill()
+    caplog.set_level(logging.WARNING, logger="ors_trl")
+    c.close()
+    assert not set(sids) & set(reg._open)
+    assert not [r for r in caplog.records if "could not delete" in r.getMessage()]
+
+
 def test_a_sweep_does_not_wait_for_itself(tmp_path, monkeypatch) -> None:
     """The clients a sweep deletes orphans with wait, when they close, for the process's sweeps: not for the sweep
     they run in (that cost every process with orphans the whole bound, 10 s, at exit)."""
@@ -443,6 +469,163 @@ def test_a_sweep_does_not_wait_for_itself(tmp_path, monkeypatch) -> None:
 
     asyncio.run(run())
     assert list(folder.glob("*.sessions")) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# 1c. Sessions never shared, never left behind, never waited on
+
+
+class Gate(Fault):
+    """Hold every request it answers until `open()` (bounded), then forward it: a `/delete` that does not answer."""
+
+    name = "gate"
+
+    def __init__(self) -> None:
+        import threading
+
+        self.event = threading.Event()
+
+    def open(self) -> None:
+        self.event.set()
+
+    async def handle(self, ex: Any) -> None:
+        await asyncio.to_thread(self.event.wait, START_S)
+        await ex.forward()
+
+
+def _prompt_word(text: str) -> str:
+    return text.split('"')[1]
+
+
+def test_a_session_id_handed_out_twice_is_never_shared(ref_server) -> None:
+    """`/create_session` answers the id of a session that is open (here, in this process): the second rollout gets
+    a fresh one, counted; each reads its own task's prompt."""
+    from ors_trl import Client
+    from ors_trl.testing.faults import SSEReply
+
+    with FaultProxy(ref_server.url) as proxy, Client(proxy.url, env_name=ECHO, retry=RetryPolicy(max_attempts=2,
+                                                                                                backoff_initial=0.01)) as c:
+        proxy.add(SSEReply([("task_id", "twice-handed-out"), ("end", "")]), path="/create_session", times=2)
+        first = c.open_session(split="train", index=0)
+        second = c.open_session(split="train", index=1)
+        assert first.sid == "twice-handed-out" and second.sid != first.sid
+        assert c.async_client.duplicate_sessions == 1 and proxy.count("/create_session") == 3
+        words = [_prompt_word(s.prompt()[0].text) for s in (first, second)]
+        assert words == [c.task("train", i)["target"] for i in (0, 1)]
+        first.close()
+        second.close()
+        # every id the server hands out is in use: a typed error after a bounded number of tries, nothing deleted
+        third = c.open_session(split="train", index=0)
+        proxy.add(SSEReply([("task_id", third.sid), ("end", "")]), path="/create_session", times=None)
+        with pytest.raises(ProtocolError, match="already in use 3 times"):
+            c.open_session(split="train", index=1)
+        assert _prompt_word(third.prompt()[0].text) == c.task("train", 0)["target"]  # still its own, still open
+        deletes = [r.headers.get("x-session-id") for r in proxy.requests if r.path.endswith("/delete")]
+        assert third.sid not in deletes
+        third.close()
+
+
+def test_a_session_id_another_process_has_is_given_up_not_deleted(ref_server) -> None:
+    """The server gives an id to this process that a session of another process (another client, target) has: its
+    `/create` finds the session there at the first try. The id is dropped without a delete (which would end the
+    other's session) and a fresh one asked for."""
+    from ors_trl import Client
+    from ors_trl.testing.faults import SSEReply
+
+    with Client(ref_server.url, env_name=ECHO) as other, other.open_session(split="train", index=2) as theirs, \
+            FaultProxy(ref_server.url) as proxy, Client(proxy.url, env_name=ECHO) as c:
+        proxy.add(SSEReply([("task_id", theirs.sid), ("end", "")]), path="/create_session", times=1)
+        with c.open_session(split="train", index=0) as mine:
+            assert mine.sid != theirs.sid and c.async_client.duplicate_sessions == 1
+            assert _prompt_word(mine.prompt()[0].text) == c.task("train", 0)["target"]
+        assert _prompt_word(theirs.prompt()[0].text) == c.task("train", 2)["target"]  # the other's session lives
+        deletes = [r.headers.get("x-session-id") for r in proxy.requests if r.path.endswith("/delete")]
+        assert theirs.sid not in deletes and deletes == [mine.sid]
+
+
+@pytest.mark.parametrize("recovers", [True, False])
+def test_a_create_session_that_names_its_session_then_stalls_deletes_it(ref_server, recovers) -> None:
+    """The answer names the session, then never ends: the attempt times out (typed when no retry recovers), and the
+    session it named is deleted, since the server may have allocated it."""
+    from ors_trl._registry import registry
+    from ors_trl.testing.faults import SSEReply
+
+    stalled = f"stalled-{recovers}"
+    with FaultProxy(ref_server.url) as proxy:
+        proxy.add(SSEReply([("task_id", stalled)], then="hang"), path="/create_session",
+                  times=1 if recovers else None)
+
+        async def run() -> None:
+            async with AsyncClient(proxy.url, env_name=ECHO, timeouts=Timeouts(request=0.5),
+                                    retry=RetryPolicy(max_attempts=2, backoff_initial=0.01)) as c:
+                if recovers:
+                    async with await c.open_session(split="train", index=0) as s:
+                        assert s.sid != stalled
+                else:
+                    with pytest.raises(ORSTimeoutError, match="create_session"):
+                        await c.open_session(split="train", index=0)
+
+        asyncio.run(run())
+        deleted = [r.headers.get("x-session-id") for r in proxy.requests if r.path == "/delete"]
+        assert deleted.count(stalled) == 1
+        reg = registry()
+        assert reg is None or stalled not in reg._open  # the server has it gone: no orphan left
+
+
+def test_a_delete_that_never_answers_holds_neither_environment_factory_nor_reset(make_server) -> None:
+    """`/delete` held (a dead sandbox): `environment_factory` (its discovery probe) and `reset()` (under
+    `max_sessions=1`, whose slot the closing session held) return while no delete has finished; the sessions stay
+    in the orphan registry until the server has them gone; closing the spec waits for the deletes."""
+    from ors_trl._registry import registry
+
+    server = make_server("echo")
+    gate = Gate()
+    with FaultProxy(server.url) as proxy:
+        proxy.add(gate, path="/delete", times=None)
+        spec = OpenRewardSpec(proxy.url, num_tasks=3, max_sessions=1, timeouts=Timeouts(request=30.0),
+                              retry=RetryPolicy(max_attempts=2, backoff_initial=0.01))
+        rows = spec.train_dataset
+        try:
+            env = spec.environment_factory()
+            prompts = [env.reset(**rows[i]) for i in range(3)]
+            assert proxy.count("/delete_session") == 0  # no delete got past its held /delete, yet nothing waited
+            assert [_prompt_word(p) for p in prompts] == [r["target"] for r in rows]
+            held = {r.headers["x-session-id"] for r in proxy.requests if r.path == "/delete"}
+            reg = registry()
+            assert reg is not None and held and held <= set(reg._open)
+        finally:
+            gate.open()
+        spec.close()
+        assert not held & set(reg._open)
+    assert server.stats()["open_sessions"] == 0
+
+
+def test_closing_a_client_is_bounded_by_a_delete_that_never_answers(make_server, monkeypatch) -> None:
+    """At exit a delete that never answers is given up after the bound; the session stays in the orphan registry,
+    for the next sweep."""
+    import ors_trl._pool as pool_module
+    from ors_trl._registry import registry
+
+    monkeypatch.setattr(pool_module, "OPENING_WAIT_S", 0.5)
+    server = make_server("echo")
+    gate = Gate()
+    with FaultProxy(server.url) as proxy:
+        proxy.add(gate, path="/delete", times=None)
+
+        async def run() -> str:
+            c = AsyncClient(proxy.url, env_name=ECHO, timeouts=Timeouts(request=60.0))
+            s = await c.open_session(split="train", index=0)
+            await c.aclose()  # bounded by OPENING_WAIT_S, not by the 60 s request deadline
+            assert c.open_sessions == 0 and proxy.count("/delete_session") == 0
+            return s.sid
+
+        try:
+            sid = asyncio.run(run())
+            reg = registry()
+            assert reg is not None and sid in reg._open
+        finally:
+            gate.open()
+    reg.closed(sid)  # (the next sweep's part; this test's server goes with it)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -590,16 +590,19 @@ class Transport:
         ok_statuses: tuple[int, ...] = (),
         retry: RetryPolicy | None = None,
         api: bool = False,
+        on_attempt: Callable[[], None] | None = None,
     ) -> Any:
         """Send one JSON request with retries; return the decoded JSON (None for an empty or `ok_statuses` body).
 
         Every request kind sent this way is idempotent: a reset after sending is retried too. `api`: to the
-        platform's stateless API (`Target.api_url`) instead of the session host.
+        platform's stateless API (`Target.api_url`) instead of the session host. `on_attempt` is told of each try.
         """
         base, headers, data = self._prepared(body, sid=sid, extra=extra_headers, api=api)
 
         async def attempt() -> Any:
             self._count(method, path)
+            if on_attempt is not None:
+                on_attempt()
             # One deadline for the whole exchange, redirects included (each hop alone would get a fresh one).
             async with asyncio.timeout(self.timeouts.request), \
                     self._send(method, base + path, data=data, headers=headers) as resp:
@@ -613,21 +616,28 @@ class Transport:
 
     @_masked
     async def events(self, path: str, *, body: Any, sid: str | None = None,
-                     extra_headers: dict[str, str] | None = None, idempotent: bool = True) -> list[tuple[str, str]]:
+                     extra_headers: dict[str, str] | None = None, idempotent: bool = True,
+                     on_event: Callable[[str, str], None] | None = None) -> list[tuple[str, str]]:
         """POST and collect a short SSE answer (`/create_session`).
 
         With `idempotent=False` (the platform allocates a session per request) a failure after the request
-        was sent is not re-posted, since a second allocation would leave the first one orphaned.
+        was sent is not re-posted, since a second allocation would leave the first one orphaned. `on_event` is told
+        of each event as it arrives, of every attempt, also of one that then stalls or breaks.
         """
         base, headers, data = self._prepared(body, sid=sid, extra=extra_headers, stream=True)
 
         async def attempt() -> list[tuple[str, str]]:
             self._count("POST", path)
+            events: list[tuple[str, str]] = []
             async with asyncio.timeout(self.timeouts.request), \
                     self._send("POST", base + path, data=data, headers=headers) as resp:
                 if resp.status >= 400:
                     raise await self._status(resp, path, session_scoped=False)
-                return [ev async for ev in iter_sse(resp, self.max_response_bytes, path)]
+                async for event in iter_sse(resp, self.max_response_bytes, path):
+                    events.append(event)
+                    if on_event is not None:
+                        on_event(*event)
+                return events
 
         return await retrying(self.retry, attempt, what=f"POST {path}", base=base, sent_is_safe=idempotent,
                               timeout=self.timeouts.request, mask=self.mask)
