@@ -333,10 +333,11 @@ def sweep_in_background(deleter: Deleter) -> None:
 
     async def run() -> None:
         result = await sweep(deleter, reg.folder)
-        if result.deleted or result.failed or result.dropped:
-            logger.warning("ors-trl: %d session(s) left open by %d dead process(es) deleted from %s (%d could not be "
-                           "deleted yet, %d given up); `ors-trl cleanup` does this by hand", result.deleted,
-                           result.processes, reg.folder, result.failed, result.dropped)
+        if result.deleted or result.failed or result.dropped:  # only dropped ones (a test server gone): said quietly
+            (logger.warning if result.deleted or result.failed else logger.info)(
+                "ors-trl: %d session(s) left open by %d dead process(es) deleted from %s (%d could not be deleted yet, "
+                "%d given up: a day old, or their loopback server is gone); `ors-trl cleanup` does this by hand",
+                result.deleted, result.processes, reg.folder, result.failed, result.dropped)
 
     task = asyncio.get_running_loop().create_task(run())
     _sweeps.add(task)
