@@ -41,9 +41,9 @@ exit codes:
   0    success
   1    runtime or environment error: server unreachable, unknown environment or split, the environment
        or the policy failed; for eval, also when every episode ended in an error; for report, an
-       --output that cannot be written; for cleanup, an orphaned session that could not be deleted (kept
-       for the next run; names in the folder that are not registry files are skipped and listed, and do
-       not change the exit code)
+       --output that cannot be written; for cleanup, an orphaned session that could not be deleted
+       (kept for the next run; names in the folder that are not registry files are skipped and
+       listed, and do not change the exit code)
   2    usage error: invalid arguments, malformed target, missing API key, a --model path that is not a
        model directory, an existing --output without --resume/--overwrite, a --success-threshold
        outside the rewards seen; a report INPUT or --label file that is missing, unreadable, or not an
