@@ -39,6 +39,26 @@ def test_environment_resolution(ref_server) -> None:
     assert "echoenvironment" in str(info.value) and "sparseenvironment" in info.value.available
 
 
+@pytest.mark.parametrize("listed", [["echoenvironment", "EchoEnvironment"], ["EchoEnvironment", "echoenvironment"]])
+def test_an_exact_environment_name_wins_over_one_that_differs_in_case(ref_server, listed) -> None:
+    """A server listing two names that differ only in case: the exact one is used (the last one listed won), and a
+    name matching both only in case is a typed error that lists them."""
+    import json
+
+    from ors_trl.testing.faults import FaultProxy, Reply
+
+    with FaultProxy(ref_server.url) as proxy:
+        proxy.add(Reply(json.dumps(listed)), path="/list_environments", times=None)
+        with Client(proxy.url, env_name="echoenvironment") as c:
+            assert c.environment() == "echoenvironment"
+            c.num_tasks("train")
+        assert [r.path for r in proxy.requests if r.path.endswith("/num_tasks")] == ["/echoenvironment/num_tasks"]
+        with pytest.raises(EnvironmentNotFoundError, match="differ only in case") as info, \
+                Client(proxy.url, env_name="ECHOENVIRONMENT") as c:
+            c.environment()
+        assert sorted(info.value.available) == sorted(listed)
+
+
 def test_single_environment_server_needs_no_name(make_server) -> None:
     server = make_server("sparse")
     with Client(server.url) as c:

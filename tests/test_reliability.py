@@ -7,7 +7,9 @@ server, so "retried", "not retried" and "ran exactly once" are facts, not hopes.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import threading
 import time
 
@@ -15,7 +17,9 @@ import pytest
 
 from ors_trl import (
     Client,
+    ConfigurationError,
     OpenRewardSpec,
+    ORSError,
     ORSTimeoutError,
     ProtocolError,
     RetryPolicy,
@@ -204,6 +208,63 @@ def test_a_backend_that_never_finishes_starting_is_bounded_by_starting_timeout(p
             s.prompt() if where == "/prompt" else s.call("echo", {"text": "world"})
         assert time.monotonic() - t0 < NOT_FOREVER_S
     assert proxy.count(where) >= 3  # it did wait (several polls), then stopped
+
+
+#: What a server may put in `Retry-After` to make a client poll in a loop: zero, negative, tiny, not a number, a date in
+#: the past; and a huge value, which must not stall it either.
+HOSTILE_RETRY_AFTER = ["0", "-1", "0.000001", "1e-9", "nan", "Wed, 21 Oct 2015 07:28:00 GMT", "\u00b2", "9" * 40]
+
+
+def gaps(proxy, path: str) -> list[float]:
+    """Seconds between consecutive requests to `path` as the proxy read them (a lower bound of the client's waits)."""
+    at = [r.at for r in proxy.requests if r.path.endswith(path)]
+    return [b - a for a, b in itertools.pairwise(at)]
+
+
+@pytest.mark.parametrize("retry_after", HOSTILE_RETRY_AFTER)
+def test_a_starting_backend_is_polled_no_faster_than_the_floor(proxy, retry_after) -> None:
+    # A boot that never ends, answering with a Retry-After that asks for no wait: over a bounded wait of 1 s, polls
+    # are at least `backoff_initial` apart, so there are few of them (a hot loop made ~600 a second).
+    floor = 0.05
+    policy = RetryPolicy(max_attempts=2, backoff_initial=floor, backoff_max=0.2, starting_timeout=1.0)
+    headers = {"X-Backend-State": "starting", "Retry-After": retry_after.encode("utf-8").decode("latin-1")}
+    proxy.add(Status(503, "Environment still starting.", headers=headers), path="/num_tasks", times=None)
+    with Client(proxy.url, env_name="echoenvironment", retry=policy) as c, \
+            pytest.raises(ServiceUnavailableError, match="still starting"):
+        c.num_tasks("train")
+    polls = proxy.count("/num_tasks")
+    assert 2 <= polls <= 1.0 / floor + 2
+    assert min(gaps(proxy, "/num_tasks")) >= floor
+
+
+@pytest.mark.parametrize("status", [429, 503])
+@pytest.mark.parametrize("retry_after", HOSTILE_RETRY_AFTER)
+def test_retries_never_come_sooner_than_the_floor_whatever_retry_after_says(proxy, status, retry_after) -> None:
+    floor = 0.05
+    policy = RetryPolicy(max_attempts=4, backoff_initial=floor, backoff_max=0.1)
+    headers = {"Retry-After": retry_after.encode("utf-8").decode("latin-1")}
+    proxy.add(Status(status, headers=headers), path="/num_tasks", times=None)
+    with Client(proxy.url, env_name="echoenvironment", retry=policy) as c, \
+            pytest.raises(ORSError, match="gave up after 4 attempts"):
+        c.num_tasks("train")
+    assert proxy.count("/num_tasks") == 4
+    assert min(gaps(proxy, "/num_tasks")) >= floor
+
+
+@pytest.mark.parametrize("bad", [{"backoff_initial": 0.0}, {"backoff_initial": -1.0}, {"backoff_initial": math.nan},
+                                 {"backoff_max": math.inf}, {"backoff_initial": 2.0, "backoff_max": 1.0},
+                                 {"max_attempts": 0}, {"starting_timeout": math.nan}, {"resume_attempts": -1}])
+def test_a_retry_policy_without_a_floor_is_refused(bad) -> None:
+    with pytest.raises(ConfigurationError, match="RetryPolicy"):
+        RetryPolicy(**bad)
+
+
+def test_every_retry_delay_is_within_the_policy_bounds() -> None:
+    policy = RetryPolicy(backoff_initial=0.5, backoff_max=4.0)
+    for attempt in (0, 1, 2, 10, 10_000):
+        for retry_after in (None, 0.0, -5.0, 1e-12, math.nan, math.inf, 1e300, 2.0):
+            assert 0.5 <= policy.delay(attempt, retry_after) <= 4.0
+    assert policy.delay(1, 3.0) == 3.0  # a longer Retry-After is honoured
 
 
 # --------------------------------------------------------------------------------------------------

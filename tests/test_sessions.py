@@ -22,7 +22,15 @@ from typing import Any
 
 import pytest
 
-from ors_trl import AsyncClient, ConfigurationError, OpenRewardSpec, RetryPolicy
+from ors_trl import (
+    AsyncClient,
+    ConfigurationError,
+    OpenRewardSpec,
+    ORSTimeoutError,
+    ProtocolError,
+    RetryPolicy,
+    Timeouts,
+)
 from ors_trl._budget import Pace
 from ors_trl._registry import Registry, _boot_id, _started, sweep
 from ors_trl.cli import main
@@ -269,6 +277,355 @@ def test_the_sweep_tells_dead_from_live_processes(tmp_path) -> None:
     assert "x1" in files["unreachable"].read_text()
     asked.clear()
     assert asyncio.run(sweep(deleter, folder, any_host=True)).deleted == 1 and sorted(asked) == ["e1", "x1"]
+
+
+# --------------------------------------------------------------------------------------------------
+# 1b. State folders that someone else wrote to, and registries of servers that are gone
+
+
+def _victim(tmp_path: Path) -> tuple[Path, bytes]:
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious bytes\n")
+    return victim, victim.read_bytes()
+
+
+def _dead_header() -> dict[str, Any]:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    return {"host": socket.gethostname(), "boot": _boot_id(), "pid": gone.pid, "start": "1"}
+
+
+def test_no_state_file_is_written_through_a_planted_symlink(tmp_path, monkeypatch) -> None:
+    """Symlinks planted at every name a registry, a shared pace and an image store write: the target keeps its bytes
+    (the registry's temporary name was predictable, the pace file was opened through the link and truncated)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from ors_trl._records import RecordWriter
+    from ors_trl._types import parse_blocks
+
+    victim, original = _victim(tmp_path)
+    folder = tmp_path / "state" / "sessions"
+    folder.mkdir(parents=True)
+    reg = Registry(folder)
+    for name in (reg.path.with_suffix(".tmp"), folder / f".{reg.path.name}.tmp"):
+        name.symlink_to(victim)
+    for i in range(3):
+        reg.opened(f"sid-{i}", "http://127.0.0.1:1")
+    assert reg.path.is_file() and not reg.path.is_symlink() and "sid-2" in reg.path.read_text()
+    reg.closed("sid-0")
+    # the shared pace: a link at its name is refused (typed), never written through
+    (tmp_path / "state" / "session-pace.lock").symlink_to(victim)
+    with pytest.raises(ConfigurationError, match=r"session-pace\.lock"):
+        asyncio.run(Pace(1000.0, 1, path=tmp_path / "state" / "session-pace.lock").wait())
+    # the image store: links at the old temporary name and at the image's own name
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4), "red").save(buf, format="PNG")
+    [block] = parse_blocks([{"type": "image", "data": base64.b64encode(buf.getvalue()).decode(), "mimeType":
+                             "image/png"}], where="test")
+    sha = block.info().sha256
+    images = tmp_path / "log.jsonl.images"
+    images.mkdir()
+    (images / f".{sha}.png.{os.getpid()}.tmp").symlink_to(victim)
+    (images / f"{sha}.png").symlink_to(victim)
+    writer = RecordWriter(tmp_path / "log.jsonl")
+    writer.write({"images": {sha: {"mime_type": "image/png"}}}, images={sha: block})
+    assert (images / f"{sha}.png").read_bytes() == buf.getvalue() and not (images / f"{sha}.png").is_symlink()
+    assert victim.read_bytes() == original
+
+
+@pytest.mark.parametrize("content", [b"not a number at all", b"nan nan nan nan", b"1 2 3", b"1e300 1 0 0",
+                                     b"0 99 0 0", b"\xff\xfe garbage"])
+def test_a_pace_file_with_bad_content_starts_afresh_with_a_warning(tmp_path, caplog, content) -> None:
+    path = tmp_path / "session-pace.lock"
+    path.write_bytes(content)
+    caplog.set_level(logging.WARNING, logger="ors_trl")
+    pace = Pace(1000.0, 1, path=path)
+
+    async def opens() -> None:
+        for _ in range(3):
+            await asyncio.wait_for(pace.wait(), 30)  # not a wait of 1e300 s: the file's moment was not trusted
+        pace.throttled()
+        pace.eased()
+
+    asyncio.run(opens())
+    assert sum("no pace wrote" in r.getMessage() for r in caplog.records) == 1
+    state = [float(x) for x in path.read_text().split()]
+    assert len(state) == 4 and 1.0 <= state[1] <= Pace.MAX_SLOWDOWN
+
+
+def test_cleanup_deletes_every_good_orphan_and_reports_what_it_skipped(ref_server, tmp_path, capsys,
+                                                                        monkeypatch) -> None:
+    """Beside a good orphan: a file whose header is malformed (a pid that is text, a header that is a list), a FIFO,
+    a symlink to a registry outside the folder, a folder. The orphan is deleted, the rest is skipped, listed and left
+    as it was; the exit code is 0 (nothing could not be deleted)."""
+    monkeypatch.setenv("ORS_TRL_SESSION_REGISTRY", "0")  # the session below is an orphan only by the fake file
+    async def orphan() -> str:
+        client = AsyncClient(ref_server.url, env_name=ECHO, keepalive_interval=None)
+        session = await client.open_session(split="train", index=0)
+        client._pool.sessions.clear()  # forgotten, as by a process killed with SIGKILL
+        await client._transport.aclose()
+        return session.sid
+
+    sid = asyncio.run(orphan())
+    assert sid in sessions(ref_server)
+    monkeypatch.delenv("ORS_TRL_SESSION_REGISTRY")
+    state = tmp_path / "state"
+    folder = state / "sessions"
+    dead = _dead_header()
+    good = _fake_registry(folder, "good", dead, [])
+    good.write_text(json.dumps(dead) + "\n" + json.dumps({"sid": sid, "target": ref_server.url}) + "\n")
+    outside = _fake_registry(tmp_path / "outside", "elsewhere", dead, ["never-asked"])
+    before = outside.read_bytes()
+    bad = {
+        "text-pid": _fake_registry(folder, "text-pid", {**dead, "pid": "12x"}, ["b1"]),
+        "list-header": _fake_registry(folder, "list-header", [1, 2], ["b2"]),  # type: ignore[arg-type]
+        "not-json": _fake_registry(folder, "not-json", {}, ["b3"]),
+    }
+    bad["not-json"].write_text("\x00garbage\n" + bad["not-json"].read_text())
+    os.mkfifo(folder / "fifo.sessions")
+    (folder / "link.sessions").symlink_to(outside)
+    (folder / "dir.sessions").mkdir()
+    assert main(["cleanup", str(state), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["deleted"] == 1 and report["failed"] == 0
+    assert sid not in sessions(ref_server)
+    assert not good.exists()
+    skipped = {Path(p).name for p in report["skipped"]}
+    assert skipped == {"text-pid.sessions", "list-header.sessions", "not-json.sessions", "fifo.sessions",
+                       "link.sessions", "dir.sessions"}, report["skipped"]
+    assert all(p.exists() for p in bad.values()) and outside.read_bytes() == before
+    assert main(["cleanup", str(state)]) == 0
+    err = capsys.readouterr().err
+    assert "skipped" in err and "fifo.sessions" in err
+
+
+def test_a_gone_loopback_server_costs_one_sweep_and_no_request(tmp_path) -> None:
+    """A dead process's sessions on a loopback server that refuses connections (killed, or a test server on a random
+    port): the first sweep drops them without a request, the file goes, later sweeps ask nothing, cleanup says 0."""
+    from ors_trl._client import delete_orphans
+    from ors_trl.testing.server import free_port
+
+    folder = tmp_path / "state" / "sessions"
+    url = f"http://127.0.0.1:{free_port()}"
+    path = _fake_registry(folder, "gone", _dead_header(), [])
+    path.write_text(json.dumps(_dead_header()) + "\n" +
+                    "".join(json.dumps({"sid": f"s{i}", "target": url}) + "\n" for i in range(3)))
+    with FaultProxy(None) as witness:  # a live loopback target in the same file: still asked
+        path.write_text(path.read_text() + json.dumps({"sid": "w1", "target": witness.url}) + "\n")
+        witness.add(Status(200), times=None)
+        asked: list[tuple[str, int]] = []
+
+        async def deleter(target: str, sids: list[str]) -> list[bool | None]:
+            asked.append((target, len(sids)))
+            return await delete_orphans(target, sids)
+
+        result = asyncio.run(sweep(deleter, folder))
+        assert (result.deleted, result.dropped, result.failed) == (1, 3, 0)
+        assert witness.count("/delete") == 1 and witness.count() == 2  # /delete, /delete_session of w1 only
+    assert not path.exists()
+    asked.clear()
+    assert asyncio.run(sweep(deleter, folder)).processes == 0 and asked == []
+    assert main(["cleanup", str(tmp_path / "state")]) == 0
+
+
+def test_a_client_whose_loopback_server_died_leaves_no_registry_entry(make_server, caplog) -> None:
+    """The demo's own server stopped (Ctrl-C) before its client closed: the deletes are refused, and the sessions
+    died with the server, so the registry forgets them (it kept them a day, and `cleanup` exited 1 meanwhile)."""
+    from ors_trl import Client
+    from ors_trl._registry import registry
+
+    server = make_server("echo")
+    c = Client(server.url, env_name=ECHO, retry=RetryPolicy(max_attempts=2, backoff_initial=0.01))
+    sids = [c.open_session(split="train", index=i).sid for i in range(2)]
+    reg = registry()
+    assert reg is not None and set(sids) <= set(reg._open)
+    server.kill()
+    caplog.set_level(logging.WARNING, logger="ors_trl")
+    c.close()
+    assert not set(sids) & set(reg._open)
+    assert not [r for r in caplog.records if "could not delete" in r.getMessage()]
+
+
+def test_a_sweep_does_not_wait_for_itself(tmp_path, monkeypatch) -> None:
+    """The clients a sweep deletes orphans with wait, when they close, for the process's sweeps: not for the sweep
+    they run in (that cost every process with orphans the whole bound, 10 s, at exit)."""
+    import ors_trl._registry as registry_module
+
+    folder = tmp_path / "sessions"
+    _fake_registry(folder, "gone", _dead_header(), ["s1"])
+    monkeypatch.setattr(registry_module, "_registry", Registry(folder))
+
+    async def deleter(target: str, sids: list[str]) -> list[bool | None]:
+        await registry_module.sweeps_done(120)  # what a sweep's own AsyncClient does in aclose()
+        return [True] * len(sids)
+
+    async def run() -> None:
+        registry_module.sweep_in_background(deleter)
+        [task] = registry_module._sweeps
+        await asyncio.wait_for(asyncio.shield(task), 60)  # bounds the test only: done at once when correct
+
+    asyncio.run(run())
+    assert list(folder.glob("*.sessions")) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# 1c. Sessions never shared, never left behind, never waited on
+
+
+class Gate(Fault):
+    """Hold every request it answers until `open()` (bounded), then forward it: a `/delete` that does not answer."""
+
+    name = "gate"
+
+    def __init__(self) -> None:
+        import threading
+
+        self.event = threading.Event()
+
+    def open(self) -> None:
+        self.event.set()
+
+    async def handle(self, ex: Any) -> None:
+        await asyncio.to_thread(self.event.wait, START_S)
+        await ex.forward()
+
+
+def _prompt_word(text: str) -> str:
+    return text.split('"')[1]
+
+
+def test_a_session_id_handed_out_twice_is_never_shared(ref_server) -> None:
+    """`/create_session` answers the id of a session that is open (here, in this process): the second rollout gets
+    a fresh one, counted; each reads its own task's prompt."""
+    from ors_trl import Client
+    from ors_trl.testing.faults import SSEReply
+
+    with FaultProxy(ref_server.url) as proxy, Client(proxy.url, env_name=ECHO, retry=RetryPolicy(max_attempts=2,
+                                                                                                backoff_initial=0.01)) as c:
+        proxy.add(SSEReply([("task_id", "twice-handed-out"), ("end", "")]), path="/create_session", times=2)
+        first = c.open_session(split="train", index=0)
+        second = c.open_session(split="train", index=1)
+        assert first.sid == "twice-handed-out" and second.sid != first.sid
+        assert c.async_client.duplicate_sessions == 1 and proxy.count("/create_session") == 3
+        words = [_prompt_word(s.prompt()[0].text) for s in (first, second)]
+        assert words == [c.task("train", i)["target"] for i in (0, 1)]
+        first.close()
+        second.close()
+        # every id the server hands out is in use: a typed error after a bounded number of tries, nothing deleted
+        third = c.open_session(split="train", index=0)
+        proxy.add(SSEReply([("task_id", third.sid), ("end", "")]), path="/create_session", times=None)
+        with pytest.raises(ProtocolError, match="already in use 3 times"):
+            c.open_session(split="train", index=1)
+        assert _prompt_word(third.prompt()[0].text) == c.task("train", 0)["target"]  # still its own, still open
+        deletes = [r.headers.get("x-session-id") for r in proxy.requests if r.path.endswith("/delete")]
+        assert third.sid not in deletes
+        third.close()
+
+
+def test_a_session_id_another_process_has_is_given_up_not_deleted(ref_server) -> None:
+    """The server gives an id to this process that a session of another process (another client, target) has: its
+    `/create` finds the session there at the first try. The id is dropped without a delete (which would end the
+    other's session) and a fresh one asked for."""
+    from ors_trl import Client
+    from ors_trl.testing.faults import SSEReply
+
+    with Client(ref_server.url, env_name=ECHO) as other, other.open_session(split="train", index=2) as theirs, \
+            FaultProxy(ref_server.url) as proxy, Client(proxy.url, env_name=ECHO) as c:
+        proxy.add(SSEReply([("task_id", theirs.sid), ("end", "")]), path="/create_session", times=1)
+        with c.open_session(split="train", index=0) as mine:
+            assert mine.sid != theirs.sid and c.async_client.duplicate_sessions == 1
+            assert _prompt_word(mine.prompt()[0].text) == c.task("train", 0)["target"]
+        assert _prompt_word(theirs.prompt()[0].text) == c.task("train", 2)["target"]  # the other's session lives
+        deletes = [r.headers.get("x-session-id") for r in proxy.requests if r.path.endswith("/delete")]
+        assert theirs.sid not in deletes and deletes == [mine.sid]
+
+
+@pytest.mark.parametrize("recovers", [True, False])
+def test_a_create_session_that_names_its_session_then_stalls_deletes_it(ref_server, recovers) -> None:
+    """The answer names the session, then never ends: the attempt times out (typed when no retry recovers), and the
+    session it named is deleted, since the server may have allocated it."""
+    from ors_trl._registry import registry
+    from ors_trl.testing.faults import SSEReply
+
+    stalled = f"stalled-{recovers}"
+    with FaultProxy(ref_server.url) as proxy:
+        proxy.add(SSEReply([("task_id", stalled)], then="hang"), path="/create_session",
+                  times=1 if recovers else None)
+
+        async def run() -> None:
+            async with AsyncClient(proxy.url, env_name=ECHO, timeouts=Timeouts(request=0.5),
+                                    retry=RetryPolicy(max_attempts=2, backoff_initial=0.01)) as c:
+                if recovers:
+                    async with await c.open_session(split="train", index=0) as s:
+                        assert s.sid != stalled
+                else:
+                    with pytest.raises(ORSTimeoutError, match="create_session"):
+                        await c.open_session(split="train", index=0)
+
+        asyncio.run(run())
+        deleted = [r.headers.get("x-session-id") for r in proxy.requests if r.path == "/delete"]
+        assert deleted.count(stalled) == 1
+        reg = registry()
+        assert reg is None or stalled not in reg._open  # the server has it gone: no orphan left
+
+
+def test_a_delete_that_never_answers_holds_neither_environment_factory_nor_reset(make_server) -> None:
+    """`/delete` held (a dead sandbox): `environment_factory` (its discovery probe) and `reset()` (under
+    `max_sessions=1`, whose slot the closing session held) return while no delete has finished; the sessions stay
+    in the orphan registry until the server has them gone; closing the spec waits for the deletes."""
+    from ors_trl._registry import registry
+
+    server = make_server("echo")
+    gate = Gate()
+    with FaultProxy(server.url) as proxy:
+        proxy.add(gate, path="/delete", times=None)
+        spec = OpenRewardSpec(proxy.url, num_tasks=3, max_sessions=1, timeouts=Timeouts(request=30.0),
+                              retry=RetryPolicy(max_attempts=2, backoff_initial=0.01))
+        rows = spec.train_dataset
+        try:
+            env = spec.environment_factory()
+            prompts = [env.reset(**rows[i]) for i in range(3)]
+            assert proxy.count("/delete_session") == 0  # no delete got past its held /delete, yet nothing waited
+            assert [_prompt_word(p) for p in prompts] == [r["target"] for r in rows]
+            held = {r.headers["x-session-id"] for r in proxy.requests if r.path == "/delete"}
+            reg = registry()
+            assert reg is not None and held and held <= set(reg._open)
+        finally:
+            gate.open()
+        spec.close()
+        assert not held & set(reg._open)
+    assert server.stats()["open_sessions"] == 0
+
+
+def test_closing_a_client_is_bounded_by_a_delete_that_never_answers(make_server, monkeypatch) -> None:
+    """At exit a delete that never answers is given up after the bound; the session stays in the orphan registry,
+    for the next sweep."""
+    import ors_trl._pool as pool_module
+    from ors_trl._registry import registry
+
+    monkeypatch.setattr(pool_module, "OPENING_WAIT_S", 0.5)
+    server = make_server("echo")
+    gate = Gate()
+    with FaultProxy(server.url) as proxy:
+        proxy.add(gate, path="/delete", times=None)
+
+        async def run() -> str:
+            c = AsyncClient(proxy.url, env_name=ECHO, timeouts=Timeouts(request=60.0))
+            s = await c.open_session(split="train", index=0)
+            await c.aclose()  # bounded by OPENING_WAIT_S, not by the 60 s request deadline
+            assert c.open_sessions == 0 and proxy.count("/delete_session") == 0
+            return s.sid
+
+        try:
+            sid = asyncio.run(run())
+            reg = registry()
+            assert reg is not None and sid in reg._open
+        finally:
+            gate.open()
+    reg.closed(sid)  # (the next sweep's part; this test's server goes with it)
 
 
 # --------------------------------------------------------------------------------------------------

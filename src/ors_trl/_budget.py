@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import logging
 import math
 import os
 import threading
@@ -26,12 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from ._exceptions import ConfigurationError
+from ._files import open_regular
 from ._registry import state_dir
 
 __all__ = ["Pace", "get_max_sessions", "process_pace", "set_max_sessions"]
 
 ENV_VAR = "ORS_TRL_MAX_SESSIONS"
 RATE_VAR = "ORS_TRL_MAX_SESSION_RATE"
+#: A shared pace's moment further ahead than this (seconds) is not one a pace wrote: the file is reset.
+_FAR_S = 86_400.0
+
+logger = logging.getLogger("ors_trl")
 
 _lock = threading.Lock()
 _limit: int | None = None
@@ -121,6 +127,7 @@ class Pace:
         self._clock, self._sleep = time.time, asyncio.sleep
         # (the schedule's next free moment, the slow-down factor, how many times it slowed down, when it last did)
         self._state: tuple[float, ...] = (0.0, 1.0, 0.0, 0.0)
+        self._warned = False
 
     def __repr__(self) -> str:
         return f"Pace({self.rate:g}/s, burst={self.burst}{', shared' if self.path else ''})"
@@ -135,7 +142,7 @@ class Pace:
             if self._fd is None or self._pid != os.getpid():  # a forked child must not share the parent's lock
                 try:
                     self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                    self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                    self._fd = open_regular(self.path, os.O_RDWR | os.O_CREAT)
                 except OSError as exc:
                     raise ConfigurationError(f"{RATE_VAR} shares its pace through {self.path}, which cannot be "
                                              f"written ({exc.strerror or exc}); set ORS_TRL_STATE_DIR to a writable "
@@ -143,15 +150,31 @@ class Pace:
                 self._pid = os.getpid()
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
-                state = tuple(float(x) for x in os.pread(self._fd, 128, 0).split())
-                if len(state) != len(self._state):  # new, or torn by a crash: start afresh
-                    state = self._state
-                *state, result = change(self._clock(), *state)
+                now = self._clock()
+                state = self._read(os.pread(self._fd, 128, 0), now)
+                *state, result = change(now, *state)
                 os.ftruncate(self._fd, 0)
                 os.pwrite(self._fd, " ".join(f"{x:.6f}" for x in state).encode(), 0)
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
             return result
+
+    def _read(self, raw: bytes, now: float) -> tuple[float, ...]:
+        """The shared state from the pace file; what no pace wrote (text, NaN, a slow-down out of range, a moment days
+        away) is treated as absent: the schedule starts afresh, said once."""
+        try:
+            state = tuple(float(x) for x in raw.split())
+        except ValueError:
+            state = ()
+        if not raw.strip() or (len(state) == len(self._state) and all(map(math.isfinite, state))
+                               and 1.0 <= state[1] <= self.MAX_SLOWDOWN and state[0] - now <= _FAR_S
+                               and state[3] - now <= _FAR_S and state[2] >= 0):
+            return state or self._state
+        if not self._warned:
+            self._warned = True
+            logger.warning("ors-trl: the shared session pace %s held %r, which no pace wrote; starting its schedule "
+                           "afresh", self.path, raw[:64])
+        return self._state
 
     def _take(self, now: float, tat: float, slow: float, epoch: float, last: float) -> tuple[Any, ...]:
         """The next free moment: `(delay from now, the slow-downs so far)` as the result."""

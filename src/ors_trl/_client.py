@@ -13,9 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import ipaddress
+import itertools
 import logging
 import math
 import re
+import socket
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -34,7 +37,7 @@ from ._exceptions import (
     UsageError,
 )
 from ._loop import BackgroundLoop, get_loop
-from ._pool import OPENING_WAIT_S, Lease, SessionPool
+from ._pool import CLOSE_WAIT_S, OPENING_WAIT_S, Lease, SessionPool
 from ._target import SecretValue, Target, encode_secrets, resolve_target
 from ._text import show_name
 from ._transport import RetryPolicy, Timeouts, Transport, masking, readable
@@ -60,6 +63,8 @@ logger = logging.getLogger("ors_trl.client")
 # Retries for deleting sessions while shutting down: a dead server must not hold up interpreter exit.
 _QUICK_RETRY = RetryPolicy(max_attempts=2, backoff_initial=0.1, backoff_max=0.5)
 _ORPHAN_CONCURRENCY = 16
+#: Bound on the connection that tells whether a loopback server is gone (a refusal is immediate).
+_PROBE_S = 2.0
 #: A session id the server hands out travels in the `X-Session-ID` header of every later request: visible ASCII only.
 _SESSION_ID = re.compile(r"[\x21-\x7e]{1,256}")
 #: An environment name from `/list_environments` becomes a URL path segment: no `/`, `?`, `#`, `%`, nothing to escape.
@@ -118,7 +123,7 @@ class AsyncSession:
         self.last_activity = time.monotonic()
         self.expired = False
         self.closed = False
-        self._close_task: asyncio.Future[None] | None = None
+        self._close_task: asyncio.Task[None] | None = None
         self._lease: Lease = ()  # session-cap slots, given back on close
 
     def __repr__(self) -> str:
@@ -255,11 +260,15 @@ class AsyncSession:
 
     async def close(self) -> None:
         """Delete the session on the server (`/delete`, then `/delete_session`). Idempotent, never raises
-        for a session that is already gone; concurrent callers share one close."""
+        for a session that is already gone; concurrent callers share one close.
+
+        Its slot under `max_sessions` is free at once, and the server is waited for at most `CLOSE_WAIT_S` (1 s): a
+        slower delete goes on in the background, the client's `aclose()` waits for it (bounded), and until the server
+        has the session gone it stays in the orphan registry."""
         if self._close_task is None:
             self.closed = True
-            self._close_task = asyncio.ensure_future(self.client._pool.discard(self.sid, session=self))
-        await asyncio.shield(self._close_task)
+            self._close_task = self.client._pool.delete_soon(self.sid, session=self)
+        await asyncio.wait([self._close_task], timeout=CLOSE_WAIT_S)
 
     async def __aenter__(self) -> AsyncSession:
         return self
@@ -375,7 +384,8 @@ class AsyncClient:
         self.toolset, self.toolset_fallback = toolset, toolset_fallback
         self._overrides = dict(env_overrides or {})
         self._pool = SessionPool(self._delete, delete_orphans, max_sessions=max_sessions, session_wait=session_wait,
-                                 keepalive_interval=keepalive_interval, max_session_rate=max_session_rate)
+                                 keepalive_interval=keepalive_interval, max_session_rate=max_session_rate,
+                                 target=self.target.name)
         self._secret_headers = {"X-Secrets": encode_secrets(secrets)} if secrets else {}
         self._transport = Transport(
             self.target, timeouts=timeouts or Timeouts(), retry=retry or RetryPolicy(), max_connections=max_connections
@@ -408,6 +418,12 @@ class AsyncClient:
     def max_sessions(self) -> int | None:
         """This client's cap on sessions open at once (None: no cap)."""
         return self._pool.max_sessions
+
+    @property
+    def duplicate_sessions(self) -> int:
+        """Session ids the server handed out that another session already had: each was refused (never used, never
+        deleted) and a fresh one asked for."""
+        return self._pool.duplicates
 
     # -- environment resolution ------------------------------------------------------------
 
@@ -448,9 +464,17 @@ class AsyncClient:
                     self.target.name, len(available), readable(", ".join(available), 1000), available[0],
                 )
             return _env_segment(available[0])
-        by_lower = {name.lower(): name for name in available}
-        if wanted.lower() in by_lower:
-            return _env_segment(by_lower[wanted.lower()])
+        if wanted in available:  # the exact name first: `Echo` and `echo` may both be served
+            return _env_segment(wanted)
+        matches = [name for name in available if name.lower() == wanted.lower()]
+        if len(matches) == 1:
+            return _env_segment(matches[0])
+        if matches:
+            raise EnvironmentNotFoundError(
+                f"environment {wanted!r} matches {len(matches)} environments of {self.target.name} that differ only in "
+                f"case ({readable(', '.join(matches), 1000)}); pass one of them exactly as env_name=.",
+                available=available,
+            )
         raise EnvironmentNotFoundError(
             f"environment {wanted!r} is not on {self.target.name}; available: {readable(', '.join(available), 1000)}. "
             "Pass one of these as env_name=.",
@@ -659,12 +683,38 @@ class AsyncClient:
     # -- sessions ----------------------------------------------------------------------------
 
     async def _create_sid(self) -> str:
+        """A new session id of this process's own: `/create_session`, claimed (an id another session of this process
+        has is refused and another one asked for, `SessionPool.duplicate`) and in the orphan registry before this
+        returns. Every other id the answers named (an attempt that named one, then stalled or broke, and was
+        re-posted or failed) is deleted in the background."""
+        for tries in itertools.count(1):
+            named: list[str] = []
+            sid = None
+            try:
+                sid = await self._new_sid(named)
+                if self._pool.claim(sid):
+                    await self._pool.record(sid)
+                    return sid
+                self._pool.duplicate(sid, tries)  # raises at the last try
+            finally:
+                for other in dict.fromkeys(named):
+                    if other != sid and self._sendable(other) and self._pool.claim(other):
+                        await self._pool.record(other)
+                        self._pool.delete_soon(other, quiet=True)
+        raise AssertionError("unreachable")
+
+    async def _new_sid(self, named: list[str]) -> str:
         """`/create_session` (with the env overrides); on the platform (an allocation per request) never re-posted
-        after it may have landed. The id is in the orphan registry before this returns."""
+        after it may have landed. Each id any attempt's stream names is appended to `named` as it arrives."""
         body = {"env": self._overrides} if self._overrides else {}
+
+        def seen(event: str, data: str) -> None:
+            if event == "task_id" and data.strip():
+                named.append(data.strip())
+
         try:
             events = await self._transport.events("/create_session", body=body, extra_headers=self._secret_headers,
-                                                  idempotent=self.target.is_url)
+                                                  idempotent=self.target.is_url, on_event=seen)
         except BadRequestError as exc:
             if not self._overrides:
                 raise
@@ -675,16 +725,17 @@ class AsyncClient:
             ) from None
         for event, data in events:
             if event == "task_id" and data.strip():
-                sid = self._session_id(data.strip())
-                await self._pool.record(sid, self.target.name)
-                return sid
+                return self._session_id(data.strip())
             if event == "error":
                 raise ProtocolError(f"/create_session failed: {self._transport.decoder.quote(data)}")
         raise ProtocolError("/create_session: the stream carried no session id")
 
+    def _sendable(self, sid: str) -> bool:
+        return _SESSION_ID.fullmatch(sid) is not None and self._transport.mask(sid) == sid
+
     def _session_id(self, sid: str) -> str:
         """The server's session id, checked where it is received: it goes into a header of every later request."""
-        if _SESSION_ID.fullmatch(sid) and self._transport.mask(sid) == sid:
+        if self._sendable(sid):
             return sid
         raise ProtocolError(
             f"/create_session: the server's session id {self._transport.decoder.quote(sid, 100)!r} ({len(sid)} "
@@ -747,29 +798,34 @@ class AsyncClient:
         sids: list[str] = []
         try:
             self._check_usable()
-            sid = await _landed(self._create_sid(), sids)
             body: dict[str, Any] = {"task_spec": dict(task_spec)} if task_spec is not None else {
                 "split": split, "index": index}
             if env:
                 body["env_name"] = env
-            toolset = toolset_name or self.toolset
-            try:
-                await self._create(sid, {**body, "toolset_name": toolset} if toolset else body)
-            except BadRequestError as exc:
-                if toolset and "toolset" in exc.detail.lower():
-                    self._refused_toolset(toolset, exc)  # raises, unless toolset_fallback: then without it
-                    await self._create(sid, body)
-                elif index is None:
-                    raise
-                else:
-                    raise await self._task_error(split or "train", index, exc) from None
+            for tries in itertools.count(1):
+                sid = await _landed(self._create_sid(), sids)
+                toolset = toolset_name or self.toolset
+                try:
+                    ours = await self._create(sid, {**body, "toolset_name": toolset} if toolset else body, first=True)
+                except BadRequestError as exc:
+                    if toolset and "toolset" in exc.detail.lower():
+                        self._refused_toolset(toolset, exc)  # raises, unless toolset_fallback: then without it
+                        ours = await self._create(sid, body)
+                    elif index is None:
+                        raise
+                    else:
+                        raise await self._task_error(split or "train", index, exc) from None
+                if ours:
+                    break
+                sids.clear()  # another process's session: given up, not deleted
+                self._pool.duplicate(sid, tries, mine=True)
             session = AsyncSession(self, sid, split=split if index is not None else None, index=index,
                                    task_spec=task_spec, open_seconds=time.monotonic() - started, created_at=created)
             session._lease = lease
         except BaseException:
             if sids:
                 with contextlib.suppress(BaseException):
-                    await asyncio.shield(self._pool.discard(sids[0], lease))
+                    await self._pool.discard(sids[0], lease)
             else:
                 self._pool.release(lease)
             raise
@@ -777,14 +833,24 @@ class AsyncClient:
         self._pool.opened()
         return session
 
-    async def _create(self, sid: str, body: dict[str, Any]) -> None:
-        """`/create`; "Session already exists" means our own retried request had already landed."""
+    async def _create(self, sid: str, body: dict[str, Any], *, first: bool = False) -> bool:
+        """`/create`; False when the session is not ours. "Session already exists" means our own retried request had
+        already landed, but answered to the `first` try of the first `/create` of a new id, that the server gave the
+        id to another process too."""
+        tries = 0
+
+        def tried() -> None:
+            nonlocal tries
+            tries += 1
+
         try:
             await _landed(self._transport.request("POST", "/create", body=body, sid=sid,
-                                                  extra_headers=self._secret_headers), [])
+                                                  extra_headers=self._secret_headers, on_attempt=tried), [])
         except BadRequestError as exc:
             if exc.detail != "Session already exists":
                 raise
+            return not (first and tries == 1)
+        return True
 
     def _refused_toolset(self, toolset: str, exc: BadRequestError) -> None:
         """The server refused `toolset` at `/create`: a `ConfigurationError`, or (`toolset_fallback`) sessions from now
@@ -809,15 +875,19 @@ class AsyncClient:
         never raises. Once the client is closing, retries are kept short so that exit is not held up by a dead
         server."""
         retry = _QUICK_RETRY if self._pool.closed else None
-        gone = True
+        failed: list[str] = []
         for path in ("/delete", "/delete_session"):
             try:
                 await self._transport.request("POST", path, sid=sid, ok_statuses=(404, 410), retry=retry)
             except ORSError as exc:
-                gone = False
-                (logger.debug if quiet else logger.warning)("could not %s session %s: %s", path.lstrip("/"),
-                                                            sid[:8], exc)
-        return gone
+                failed.append(f"could not {path.lstrip('/')} session {sid[:8]}: {exc}")
+        if failed and self.target.is_url and await server_gone(self.target.session_url):
+            logger.debug("session %s: %s refuses connections on loopback; the session died with it", sid[:8],
+                         self.target.name)
+            return True
+        for message in failed:
+            (logger.debug if quiet else logger.warning)("%s", message)
+        return not failed
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -829,11 +899,11 @@ class AsyncClient:
         """Close every open session (and those still opening), then the connection pool. Idempotent."""
         if self._pool.closed:
             return
-        await self._pool.aclose()
         if self._control_sid is not None:
             # Only routes metadata calls; nothing runs in it, so failing to delete it is not worth a warning.
-            await self._pool.discard(self._control_sid, quiet=True)
+            self._pool.delete_soon(self._control_sid, quiet=True)
             self._control_sid = None
+        await self._pool.aclose()
         await self._transport.aclose()
 
     async def __aenter__(self) -> AsyncClient:
@@ -943,9 +1013,13 @@ if Client.__doc__ and AsyncClient.__doc__:
     Client.__doc__ = f"{Client.__doc__}\n    {AsyncClient.__doc__[AsyncClient.__doc__.index('Args:'):]}"
 
 
-async def delete_orphans(target: str, sids: list[str]) -> list[bool]:
+async def delete_orphans(target: str, sids: list[str]) -> list[bool | None]:
     """Delete session ids of `target` that a dead process left open (the orphan registry's sweep); per id, whether
-    the server has it gone. A catalog target needs `OPENREWARD_API_KEY`."""
+    the server has it gone, or None for every id when the target is a loopback server that refuses connections (the
+    sessions died with it: no request is sent). A catalog target needs `OPENREWARD_API_KEY`."""
+    if "://" in target and await server_gone(target):
+        logger.debug("%s refuses connections on loopback: its %d session(s) died with it", target, len(sids))
+        return [None] * len(sids)
     gate = asyncio.Semaphore(_ORPHAN_CONCURRENCY)
     async with AsyncClient(target, retry=_QUICK_RETRY, keepalive_interval=None) as client:
         async def delete(sid: str) -> bool:
@@ -962,6 +1036,33 @@ def _is_segment(name: object) -> bool:
     """Whether `name` can be a URL path segment as it is: nothing to escape, and neither `.` nor `..` (which a URL
     parser resolves, so `/../admin/x` would reach `/admin/x`)."""
     return isinstance(name, str) and _ENV_NAME.fullmatch(name) is not None and name not in (".", "..")
+
+
+async def server_gone(url: str) -> bool:
+    """Whether `url` is a server on this machine's loopback that refuses connections: nothing listens on its port any
+    more, so whatever sessions it held died with it. False for any other host, or when unsure (a timeout)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+        if host != "localhost" and not ipaddress.ip_address(host).is_loopback:
+            return False
+        addresses = {info[4][:2] for info in await asyncio.get_running_loop().getaddrinfo(
+            host, port, type=socket.SOCK_STREAM)}
+    except (ValueError, OSError):
+        return False
+    for address, at in addresses:
+        if not ipaddress.ip_address(address.split("%")[0]).is_loopback:
+            return False  # a `localhost` that is not loopback: not ours to judge
+        try:
+            async with asyncio.timeout(_PROBE_S):
+                _, writer = await asyncio.open_connection(address, at)
+        except ConnectionRefusedError:
+            continue
+        except (OSError, TimeoutError):
+            return False
+        writer.close()
+        return False  # something listens there
+    return bool(addresses)
 
 
 def _env_segment(name: str) -> str:

@@ -33,6 +33,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, NotRequired, TypedDict
 
+from ._files import is_regular, write_atomic
 from ._images import as_bytes
 from ._text import clean_json, clip, repair
 
@@ -342,7 +343,7 @@ class RecordWriter:
         self.max_image_bytes = max_bytes if max_image_bytes is None else max_image_bytes
         self.images_dir = self.path.with_name(self.path.name + ".images")
         self._stored: set[str] = set()
-        self._image_size = sum(f.stat().st_size for f in self.images_dir.iterdir()) if self.images_dir.is_dir() else 0
+        self._image_size = sum(f.lstat().st_size for f in self.images_dir.iterdir()) if self.images_dir.is_dir() else 0
         self._lock = threading.Lock()
         if not append:
             self.path.write_bytes(b"")
@@ -405,16 +406,14 @@ class RecordWriter:
             return entry
         name = f"{sha}.{block.info().extension}"
         with self._lock:
-            if name not in self._stored and not (self.images_dir / name).is_file():
+            if name not in self._stored and not is_regular(self.images_dir / name):
                 raw = as_bytes(block.data)  # checked where it was parsed
                 if self.max_image_bytes is not None and self._image_size + len(raw) > self.max_image_bytes:
                     self._drop_image(f"the images reached their {self.max_image_bytes}-byte limit")
                     return entry
                 try:
                     self.images_dir.mkdir(exist_ok=True)
-                    tmp = self.images_dir / f".{name}.{os.getpid()}.tmp"
-                    tmp.write_bytes(raw)
-                    os.replace(tmp, self.images_dir / name)
+                    write_atomic(self.images_dir / name, raw, 0o644)  # never through a name planted there
                 except OSError as exc:
                     self._drop_image(f"an image could not be written: {exc.strerror or exc}")
                     return entry

@@ -13,7 +13,12 @@ turns the registry (and the sweep) off.
 process, or the machine has rebooted since: `/proc/sys/kernel/random/boot_id`) and never a live process's: a
 file whose owner still holds its lock, or that another sweep holds, is left alone, so N processes starting at
 once delete each orphan once. It runs in the background at a process's first session open, and as
-`ors-trl cleanup [DIR]`.
+`ors-trl cleanup [DIR]`. A session of a loopback server that refuses connections died with that server: it is
+dropped without a request (a test server on a random port, a demo stopped with Ctrl-C).
+
+The folder is not trusted: files are written under unguessable temporary names and moved into place, and read
+without following symlinks or blocking on a FIFO (`ors_trl._files`); a name that holds anything but a regular file,
+or a file without a registry header, is skipped and reported (`Sweep.skipped`), never a reason to stop.
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ._files import create_temp, open_regular
 
 __all__ = ["MAX_BYTES", "STALE_S", "Registry", "Sweep", "enabled", "registry", "state_dir", "sweep", "sweep_in_background",
            "sweeps_done"]
@@ -46,7 +53,6 @@ MAX_BYTES = 1 << 20
 STALE_S = 86_400.0
 _SUFFIX = ".sessions"
 _READ_LIMIT = 64 << 20
-_O_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
 
 
 def state_dir() -> Path:
@@ -74,21 +80,33 @@ def _started(pid: int) -> str | None:
             return None
     try:  # no /proc: the pid alone
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return None
     except PermissionError:
         pass
     return "?"
 
 
+def _header(raw: bytes) -> dict[str, Any] | None:
+    """A registry file's first line as its header, or None when it is not one (the file is then not swept)."""
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not (isinstance(header, dict) and isinstance(header.get("host"), str) and isinstance(header.get("boot"), str)
+            and type(header.get("pid")) is int and header["pid"] > 0 and isinstance(header.get("start"), str | None)):
+        return None
+    return header
+
+
 def _owner_alive(header: dict[str, Any]) -> bool | None:
     """Whether the process that wrote `header` still runs; None for another host's file (it cannot be told here)."""
-    if header.get("host") != socket.gethostname():
+    if header["host"] != socket.gethostname():
         return None
-    if header.get("boot") != _boot_id():
+    if header["boot"] != _boot_id():
         return False
-    started = _started(int(header.get("pid") or 0))
-    return started is not None and started in (header.get("start"), "?")
+    started = _started(header["pid"])
+    return started is not None and started in (header["start"], "?")
 
 
 class Registry:
@@ -117,14 +135,20 @@ class Registry:
                             "start": _started(self.pid), "run": RUN_ID}) + "\n").encode()
 
     def _new_file(self, body: bytes) -> int:
-        """Write the file whole under a temporary name, locked, then move it in place (a sweep never sees it half
-        written); the shared lock is held for the process's life: a sweep leaves a locked file alone."""
-        tmp = self.path.with_suffix(".tmp")
-        fd = os.open(tmp, _O_FLAGS, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        os.write(fd, self._header() + body)
-        os.fsync(fd)
-        os.replace(tmp, self.path)
+        """Write the file whole under a new temporary name, locked, then move it in place (a sweep never sees it half
+        written, and nothing planted in the folder is written through); the shared lock is held for the process's
+        life: a sweep leaves a locked file alone."""
+        fd, tmp = create_temp(self.folder, self.path.name)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.write(fd, self._header() + body)
+            os.fsync(fd)
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
         self._size = os.fstat(fd).st_size
         return fd
 
@@ -196,10 +220,13 @@ class Sweep:
     Attributes:
         deleted: sessions of dead processes deleted on the server.
         failed: sessions that could not be deleted (kept for the next sweep).
-        dropped: sessions given up on: their file was older than `STALE_S` (the server reaped them long ago).
+        dropped: sessions given up on: their file was older than `STALE_S` (the server reaped them long ago), or their
+            server was on loopback and refuses connections (they died with it).
         processes: dead processes whose sessions were handled.
         live: files of live processes, or held by another sweep: left alone.
         other_hosts: files written on another host (their processes cannot be checked here): left alone.
+        skipped: names in the folder that are not registry files (a symlink, a FIFO, a folder, no header), each with
+            why: left alone, and said.
     """
 
     deleted: int = 0
@@ -208,10 +235,12 @@ class Sweep:
     processes: int = 0
     live: int = 0
     other_hosts: int = 0
+    skipped: dict[str, str] = field(default_factory=dict)
 
 
-#: Deletes session ids of one target on its server; answers, per id, whether the server deleted it.
-Deleter = Callable[[str, list[str]], Awaitable[list[bool]]]
+#: Deletes session ids of one target on its server; answers, per id, whether the server has it gone (True), or None
+#: for the ids of a server that is gone itself (a loopback port nothing listens on: its sessions died with it).
+Deleter = Callable[[str, list[str]], Awaitable[list[bool | None]]]
 
 
 async def sweep(deleter: Deleter, folder: Path | None = None, *, any_host: bool = False) -> Sweep:
@@ -226,26 +255,36 @@ async def sweep(deleter: Deleter, folder: Path | None = None, *, any_host: bool 
         if path == own:
             continue
         try:
-            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
-        except OSError:
+            fd = open_regular(path, os.O_RDWR | os.O_APPEND)
+        except FileNotFoundError:
             continue  # swept meanwhile
+        except OSError as exc:  # a symlink, a FIFO, a folder, no permission: not ours to read
+            out.skipped[str(path)] = exc.strerror or str(exc)
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             await _sweep_file(path, fd, deleter, out, any_host)
         except BlockingIOError:  # its process still holds it, or another sweep does
             out.live += 1
+        except OSError as exc:
+            out.skipped[str(path)] = exc.strerror or str(exc)
         finally:
             os.close(fd)
+    for path, why in out.skipped.items():
+        logger.debug("ors-trl: %s in the session registry skipped: %s", path, why)
     return out
 
 
 async def _sweep_file(path: Path, fd: int, deleter: Deleter, out: Sweep, any_host: bool) -> None:
-    lines = []
-    for raw in os.pread(fd, min(os.fstat(fd).st_size, _READ_LIMIT), 0).splitlines():
-        with contextlib.suppress(ValueError):
-            if isinstance(entry := json.loads(raw), dict):
-                lines.append(entry)
-    alive = _owner_alive(lines[0]) if lines else False
+    first, *rest = os.pread(fd, min(os.fstat(fd).st_size, _READ_LIMIT), 0).splitlines() or [b""]
+    header = _header(first)
+    if header is None:
+        if first.strip() or rest:
+            out.skipped[str(path)] = "its first line is not a session registry header"
+            return
+        alive: bool | None = False  # empty: nothing to delete
+    else:
+        alive = _owner_alive(header)
     if alive is None and not any_host:
         out.other_hosts += 1
         return
@@ -253,10 +292,14 @@ async def _sweep_file(path: Path, fd: int, deleter: Deleter, out: Sweep, any_hos
         out.live += 1
         return
     left: dict[str, str] = {}
-    for entry in lines[1:]:
-        if isinstance(entry.get("sid"), str) and isinstance(entry.get("target"), str):
+    for raw in rest:
+        try:
+            entry = json.loads(raw)
+        except (ValueError, RecursionError):
+            continue  # a line cut short by a crash
+        if isinstance(entry, dict) and isinstance(entry.get("sid"), str) and isinstance(entry.get("target"), str):
             left[entry["sid"]] = entry["target"]
-        elif isinstance(entry.get("closed"), str):
+        elif isinstance(entry, dict) and isinstance(entry.get("closed"), str):
             left.pop(entry["closed"], None)
     stale = time.time() - os.fstat(fd).st_mtime > STALE_S
     out.processes += 1
@@ -269,9 +312,10 @@ async def _sweep_file(path: Path, fd: int, deleter: Deleter, out: Sweep, any_hos
             logger.warning("ors-trl: could not delete %d orphaned session(s) of %s: %s", len(sids), target, exc)
             done = [False] * len(sids)
         os.write(fd, b"".join((json.dumps({"closed": sid}) + "\n").encode()
-                              for sid, ok in zip(sids, done, strict=True) if ok))
-        out.deleted += sum(done)
-        failed += len(sids) - sum(done)
+                              for sid, ok in zip(sids, done, strict=True) if ok is not False))
+        out.deleted += done.count(True)
+        out.dropped += done.count(None)
+        failed += done.count(False)
     if failed and not stale:
         out.failed += failed
         return
@@ -289,10 +333,11 @@ def sweep_in_background(deleter: Deleter) -> None:
 
     async def run() -> None:
         result = await sweep(deleter, reg.folder)
-        if result.deleted or result.failed or result.dropped:
-            logger.warning("ors-trl: %d session(s) left open by %d dead process(es) deleted from %s (%d could not be "
-                           "deleted yet, %d given up); `ors-trl cleanup` does this by hand", result.deleted,
-                           result.processes, reg.folder, result.failed, result.dropped)
+        if result.deleted or result.failed or result.dropped:  # only dropped ones (a test server gone): said quietly
+            (logger.warning if result.deleted or result.failed else logger.info)(
+                "ors-trl: %d session(s) left open by %d dead process(es) deleted from %s (%d could not be deleted yet, "
+                "%d given up: a day old, or their loopback server is gone); `ors-trl cleanup` does this by hand",
+                result.deleted, result.processes, reg.folder, result.failed, result.dropped)
 
     task = asyncio.get_running_loop().create_task(run())
     _sweeps.add(task)
@@ -301,9 +346,10 @@ def sweep_in_background(deleter: Deleter) -> None:
 
 async def sweeps_done(timeout: float) -> None:
     """Wait (bounded) for the sweeps running on this loop: a process that exits soon after its first open still
-    deletes the orphans it found."""
-    loop = asyncio.get_running_loop()
-    if running := [t for t in _sweeps if t.get_loop() is loop]:
+    deletes the orphans it found. A sweep's own clients (closed inside it) do not wait for it: that cost every
+    sweep with orphans the whole bound."""
+    loop, current = asyncio.get_running_loop(), asyncio.current_task()
+    if running := [t for t in _sweeps if t.get_loop() is loop and t is not current]:
         await asyncio.wait(running, timeout=timeout)
 
 

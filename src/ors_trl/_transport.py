@@ -5,11 +5,15 @@ What is retried (with exponential backoff and jitter, bounded by `RetryPolicy`):
 - connection failures before the request was sent, for every request;
 - 429, 502, 503 and 504 answers, for every request, `/call` included: an error status instead of
   an event stream means the tool was not started;
-- a 503 carrying `X-Backend-State: starting` (a backend still booting) is waited out, honouring
-  `Retry-After`, for up to `RetryPolicy.starting_timeout` seconds;
+- a 503 carrying `X-Backend-State: starting` (a backend still booting) is waited out, for up to
+  `RetryPolicy.starting_timeout` seconds, its polls backing off like retries;
 - connection resets and read timeouts after the request was sent, for idempotent requests only;
 - a `/call` stream that drops after the server sent the call's task id is resumed by that id
   (the server replays the result), never re-posted without it.
+
+Every wait before another try (a retry, a `starting` poll, a stream resume) is `RetryPolicy.delay`: at least
+`backoff_initial`, at most `backoff_max`. A server's `Retry-After` can lengthen it, never shorten it (0, a negative
+or fractional value, NaN or a date in the past cannot make the client poll in a loop).
 
 Not retried: 400/401/402/403/404/422 (the request itself is wrong), 500 (the environment's code
 failed and would fail again), and a `/call` stream that drops before any task id arrived (the tool
@@ -33,11 +37,14 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import email.utils
 import functools
 import json
 import logging
+import math
 import random
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -50,6 +57,7 @@ from ._exceptions import (
     APIStatusError,
     AuthenticationError,
     BadRequestError,
+    ConfigurationError,
     EnvironmentNotFoundError,
     NotFoundError,
     ORSError,
@@ -137,13 +145,18 @@ class RetryPolicy:
         max_attempts (`int`, *optional*, defaults to `6`):
             Tries per request for network errors and 429/502/503/504 (1 = no retry).
         backoff_initial (`float`, *optional*, defaults to `0.25`):
-            First backoff delay, in seconds; doubled each attempt, with jitter.
+            First backoff delay, in seconds; doubled each attempt, with jitter. Also the floor: no retry or poll
+            comes sooner, whatever a server's `Retry-After` says.
         backoff_max (`float`, *optional*, defaults to `8.0`):
             Cap on one backoff delay, in seconds (a server's `Retry-After` is honoured up to this).
         starting_timeout (`float`, *optional*, defaults to `600.0`):
             Seconds to wait out a backend answering 503 `X-Backend-State: starting`.
         resume_attempts (`int`, *optional*, defaults to `8`):
             Re-attachments to one dropped `/call` stream by its task id.
+
+    Raises:
+        ConfigurationError: a count below its minimum (1 attempt, 0 resumes), or a delay that is not a positive finite
+            number of seconds with `backoff_initial <= backoff_max`.
     """
 
     max_attempts: int = 6
@@ -152,34 +165,61 @@ class RetryPolicy:
     starting_timeout: float = 600.0
     resume_attempts: int = 8
 
+    def __post_init__(self) -> None:
+        def number(value: Any) -> bool:
+            return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+        if not (number(self.backoff_initial) and number(self.backoff_max)
+                and 0 < self.backoff_initial <= self.backoff_max):
+            raise ConfigurationError(f"RetryPolicy: backoff_initial and backoff_max must be positive seconds with "
+                                     f"backoff_initial <= backoff_max, got {self.backoff_initial!r} and "
+                                     f"{self.backoff_max!r}")
+        if not (number(self.starting_timeout) and self.starting_timeout >= 0):
+            raise ConfigurationError(f"RetryPolicy: starting_timeout must be seconds >= 0, got "
+                                     f"{self.starting_timeout!r}")
+        for name, low in (("max_attempts", 1), ("resume_attempts", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigurationError(f"RetryPolicy: {name} must be an int >= {low}, got {value!r}")
+
     def delay(self, attempt: int, retry_after: float | None = None) -> float:
-        """The backoff before retrying.
+        """The wait before the next try: the backoff of `attempt` (`backoff_initial`, doubled per attempt, plus up
+        to half again of jitter), or the server's `Retry-After` where that is longer; within
+        `[backoff_initial, backoff_max]`. A server can ask for a longer wait, never a shorter one.
 
         Args:
             attempt (`int`):
-                The attempt that just failed, from 1.
+                The attempt that just failed (or the poll that was answered `starting`), from 1.
             retry_after (`float`, *optional*):
-                The server's `Retry-After`, in seconds; honoured up to `backoff_max` instead of the exponential
-                backoff.
+                The server's `Retry-After`, in seconds (`_retry_after`).
 
         Returns:
             `float`: Seconds to wait.
         """
-        if retry_after is not None:
-            return min(max(retry_after, 0.0), self.backoff_max)
-        base = min(self.backoff_initial * (2 ** max(attempt - 1, 0)), self.backoff_max)
-        return base * (0.5 + random.random() / 2)
+        wait = self.backoff_initial * 2.0 ** min(max(attempt - 1, 0), 64) * (1 + random.random() / 2)
+        if retry_after is not None and not math.isnan(retry_after):
+            wait = max(wait, retry_after)
+        return min(wait, self.backoff_max)
 
 
 def _attempts(n: int) -> str:
     return "1 attempt" if n == 1 else f"{n} attempts"
 
 
+_DELAY_SECONDS = re.compile(r"[0-9]+(?:\.[0-9]*)?")
+
+
 def _retry_after(headers: Any) -> float | None:
-    value = headers.get("Retry-After") if headers is not None else None
-    if value and value.strip().replace(".", "", 1).isdigit():
-        return float(value.strip())
-    return None
+    """A `Retry-After` header in seconds from now (delay-seconds or an HTTP-date; a past date is 0); None when absent
+    or unreadable. Untrusted: `RetryPolicy.delay` bounds what it does."""
+    value = (headers.get("Retry-After") or "").strip()[:100] if headers is not None else ""
+    if _DELAY_SECONDS.fullmatch(value):
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+        return max(when.timestamp() - time.time(), 0.0)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
 
 
 def readable(text: str, limit: int = _QUOTE_LIMIT) -> str:
@@ -603,16 +643,19 @@ class Transport:
         ok_statuses: tuple[int, ...] = (),
         retry: RetryPolicy | None = None,
         api: bool = False,
+        on_attempt: Callable[[], None] | None = None,
     ) -> Any:
         """Send one JSON request with retries; return the decoded JSON (None for an empty or `ok_statuses` body).
 
         Every request kind sent this way is idempotent: a reset after sending is retried too. `api`: to the
-        platform's stateless API (`Target.api_url`) instead of the session host.
+        platform's stateless API (`Target.api_url`) instead of the session host. `on_attempt` is told of each try.
         """
         base, headers, data = self._prepared(body, sid=sid, extra=extra_headers, api=api)
 
         async def attempt() -> Any:
             self._count(method, path)
+            if on_attempt is not None:
+                on_attempt()
             # One deadline for the whole exchange, redirects included (each hop alone would get a fresh one).
             async with asyncio.timeout(self.timeouts.request), \
                     self._send(method, base + path, data=data, headers=headers) as resp:
@@ -626,21 +669,28 @@ class Transport:
 
     @_masked
     async def events(self, path: str, *, body: Any, sid: str | None = None,
-                     extra_headers: dict[str, str] | None = None, idempotent: bool = True) -> list[tuple[str, str]]:
+                     extra_headers: dict[str, str] | None = None, idempotent: bool = True,
+                     on_event: Callable[[str, str], None] | None = None) -> list[tuple[str, str]]:
         """POST and collect a short SSE answer (`/create_session`).
 
         With `idempotent=False` (the platform allocates a session per request) a failure after the request
-        was sent is not re-posted, since a second allocation would leave the first one orphaned.
+        was sent is not re-posted, since a second allocation would leave the first one orphaned. `on_event` is told
+        of each event as it arrives, of every attempt, also of one that then stalls or breaks.
         """
         base, headers, data = self._prepared(body, sid=sid, extra=extra_headers, stream=True)
 
         async def attempt() -> list[tuple[str, str]]:
             self._count("POST", path)
+            events: list[tuple[str, str]] = []
             async with asyncio.timeout(self.timeouts.request), \
                     self._send("POST", base + path, data=data, headers=headers) as resp:
                 if resp.status >= 400:
                     raise await self._status(resp, path, session_scoped=False)
-                return [ev async for ev in iter_sse(resp, self.max_response_bytes, path)]
+                async for event in iter_sse(resp, self.max_response_bytes, path):
+                    events.append(event)
+                    if on_event is not None:
+                        on_event(*event)
+                return events
 
         return await retrying(self.retry, attempt, what=f"POST {path}", base=base, sent_is_safe=idempotent,
                               timeout=self.timeouts.request, mask=self.mask)
@@ -760,11 +810,12 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
     Retried with backoff: an `_Again` that is not final (429/502/503/504, honouring `Retry-After`) and a
     connection that could not be made (nothing was sent). A connection reset or a timeout after the request
     was sent is retried only when `sent_is_safe`. A `503` with `X-Backend-State: starting` is waited out
-    for up to `policy.starting_timeout`, without counting as an attempt. `mask` hides secrets in what an aiohttp
-    error says (a URL), before it is cut.
+    for up to `policy.starting_timeout`, without counting as an attempt (its polls back off as attempts do). Every
+    wait is `policy.delay`, never under `backoff_initial`. `mask` hides secrets in what an aiohttp error says (a
+    URL), before it is cut.
     """
     loop = asyncio.get_running_loop()
-    attempts = 0
+    attempts = polls = 0
     starting_since: float | None = None
     while True:
         attempts += 1
@@ -780,8 +831,8 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
                         f"({getattr(err, 'detail', err)}); raise RetryPolicy.starting_timeout if it needs longer.",
                         status_code=503, detail=getattr(err, "detail", ""), path=getattr(err, "path", ""),
                     ) from None
-                attempts -= 1  # waiting for a boot is not a failed attempt
-                delay = min(again.retry_after or 2.0, policy.backoff_max)
+                attempts, polls = attempts - 1, polls + 1  # waiting for a boot is not a failed attempt
+                delay = policy.delay(polls, again.retry_after)
             elif again.final:
                 raise err from None
             elif attempts >= policy.max_attempts:

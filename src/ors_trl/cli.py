@@ -42,6 +42,8 @@ exit codes:
   1    runtime or environment error: server unreachable, unknown environment or split, the environment
        or the policy failed; for eval, also when every episode ended in an error; for report, an
        --output that cannot be written; for cleanup, an orphaned session that could not be deleted
+       (kept for the next run; names in the folder that are not registry files are skipped and
+       listed, and do not change the exit code)
   2    usage error: invalid arguments, malformed target, missing API key, a --model path that is not a
        model directory, an existing --output without --resume/--overwrite, a --success-threshold
        outside the rewards seen; a report INPUT or --label file that is missing, unreadable, or not an
@@ -617,8 +619,10 @@ def _cmd_cleanup(args: argparse.Namespace) -> int:
     else:
         _say(f"Deleted {result.deleted} session(s) left open by {result.processes} dead process(es) in "
              f"{folder / 'sessions'}; {result.failed} could not be deleted (kept: run again once the server is "
-             f"reachable), {result.dropped} given up (older than a day); {result.live} live process(es) and "
-             f"{result.other_hosts} other host(s)' registries left alone")
+             f"reachable), {result.dropped} given up (older than a day, or their loopback server is gone); "
+             f"{result.live} live process(es) and {result.other_hosts} other host(s)' registries left alone")
+        for path, why in result.skipped.items():
+            _say(f"ors-trl cleanup: skipped {path}: {why} (not a session registry file; left alone)", sys.stderr)
     return EXIT_ERROR if result.failed else EXIT_OK
 
 

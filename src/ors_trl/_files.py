@@ -1,0 +1,91 @@
+"""State files (the orphan registry, the shared pace, the images beside an episode log) written and read safely in a
+folder that someone else may have written to.
+
+A name planted in advance is never followed: a new file is created under an unguessable temporary name with
+`O_CREAT | O_EXCL | O_NOFOLLOW` and moved into place with `os.replace` (which replaces a symlink at the final name,
+never writes through it); an existing file is opened with `O_NOFOLLOW | O_NONBLOCK` (a FIFO cannot block the
+open) and refused unless `fstat` says it is a regular file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import stat
+from pathlib import Path
+
+__all__ = ["NotRegularFile", "create_temp", "is_regular", "open_regular", "write_atomic"]
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
+
+class NotRegularFile(OSError):
+    """A state file's name holds something else: a symlink, a FIFO, a folder, a device."""
+
+
+def create_temp(folder: Path, name: str, mode: int = 0o600) -> tuple[int, Path]:
+    """A new, empty file in `folder` for `name` (`.<name>.<random>.tmp`), open for reading and writing; `mode` is
+    narrowed by the umask."""
+    for _ in range(8):
+        path = folder / f".{name}.{secrets.token_hex(8)}.tmp"
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW | os.O_CLOEXEC, mode), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", str(folder))
+
+
+def write_atomic(path: Path, data: bytes, mode: int = 0o600, *, fsync: bool = False) -> None:
+    """Write `path` whole: a temporary file beside it, then `os.replace` (a reader sees the old file or the new)."""
+    fd, tmp = create_temp(path.parent, path.name, mode)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def open_regular(path: Path, flags: int, mode: int = 0o600) -> int:
+    """`os.open(path, flags)` without following a symlink and without blocking on a FIFO; the descriptor of a regular
+    file (blocking again).
+
+    Raises:
+        NotRegularFile: `path` is a symlink or anything but a regular file (an `OSError`).
+        OSError: it cannot be opened.
+    """
+    try:
+        fd = os.open(path, flags | _NOFOLLOW | _NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or (exc.errno == errno.ENXIO and _is_fifo(path)):
+            raise NotRegularFile(exc.errno, "not a regular file (a symlink or a FIFO)", str(path)) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFile(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def is_regular(path: Path) -> bool:
+    """Whether `path` itself (not what a symlink there points to) is a regular file."""
+    with contextlib.suppress(OSError):
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    return False
+
+
+def _is_fifo(path: Path) -> bool:
+    with contextlib.suppress(OSError):
+        return stat.S_ISFIFO(os.lstat(path).st_mode)
+    return False
