@@ -1,0 +1,111 @@
+"""Hostile but valid answers (issue "Survive the field, round 2"): numbers and booleans TRL cannot take as sent,
+tool schemas whose `$ref`s expand, answers whose decoding costs many times their size, and task lists that would
+build a dense table or fields nested deeper than Arrow holds.
+
+Each test serves the answer from a real server (the seeded hostile server, or a `FaultProxy` rule in front of the
+reference server) and failed on the code before its fix. Costs are counted (characters, work units, traced bytes),
+never timed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from ors_trl import OpenRewardSpec, ProtocolError
+from ors_trl._types import MAX_REWARD
+from ors_trl.testing.faults import FaultProxy, Reply, SSEReply
+from tests.fixtures.hostile_server import ENV
+from tests.test_fuzz import RETRY, TIMEOUTS, _in_session, run_client
+
+# --------------------------------------------------------------------------------------------------
+# 1. Numbers and booleans
+# --------------------------------------------------------------------------------------------------
+
+
+def _result(route: str, reward: str = "1.0", finished: str | None = "true") -> str:
+    """A `/call` or `/score_group` result with `reward` and `finished` written as raw JSON text."""
+    if route == "/score_group":
+        return f'{{"scores": [{{"reward": {reward}, "metadata": {{"huge": 1e300}}}}]}}'
+    flag = "" if finished is None else f', "finished": {finished}'
+    return f'{{"ok": true, "output": {{"blocks": [], "reward": {reward}{flag}, "metadata": {{"huge": 1e300}}}}}}'
+
+
+def _answered(route: str, result: str) -> Any:
+    """What the client makes of `result` answered on `route` (a session opened on a proxy that knows nothing else)."""
+    with FaultProxy(None) as proxy:
+        proxy.add(SSEReply([("task_id", "sid-1")]), path="/create_session", times=None)
+        proxy.add(SSEReply([("task_id", "t"), ("end", result)]), path=route, times=None)
+        proxy.add(Reply(json.dumps([ENV])), path="/list_environments", times=None)
+        proxy.add(Reply("{}"), times=None)
+        return run_client(proxy.url, lambda c: _in_session(c, route.strip("/")))
+
+
+@pytest.mark.parametrize("route", ["/call", "/score_group"])
+@pytest.mark.parametrize("reward,match", [
+    ("1e300", "past the"), ("-1e300", "past the"), ("3.5e38", "past the"), ("1e20", "past the"),
+    ("9007199254740994", "past the"), ('"0.5"', "string reward"), ('"\\uff11"', "string reward"),
+    ('" 1_0 "', "string reward"), ('"1e2"', "string reward"), ('"NaN"', "string reward"),
+])
+def test_a_reward_float32_cannot_hold_or_sent_as_a_string_is_a_protocol_error(route, reward, match) -> None:
+    """Bug: 1e300 was a finite float64, accepted, and `inf` in TRL's float32 reward tensor (a group's advantages NaN);
+    a reward sent as a string was parsed with `float()` (Unicode digits, underscores and padding accepted)."""
+    with pytest.raises(ProtocolError, match=match):
+        _answered(route, _result(route, reward))
+
+
+@pytest.mark.parametrize("route", ["/call", "/score_group"])
+@pytest.mark.parametrize("reward,expected", [("9007199254740992", float(2**53)), ("-1e15", -1e15), ("0.5", 0.5),
+                                             ("3", 3.0)])
+def test_a_reward_within_the_bound_is_kept_exactly(route, reward, expected) -> None:
+    answer = _answered(route, _result(route, reward))
+    got = answer[0].reward if route == "/score_group" else answer.reward
+    assert got == expected
+    metadata = answer[0].metadata if route == "/score_group" else answer.metadata
+    assert metadata == {"huge": 1e300}  # metadata numbers are not rewards: kept as sent
+
+
+def test_rewards_within_the_bound_give_finite_advantages_in_float32() -> None:
+    """Why `MAX_REWARD` is 2**53: TRL sums, squares and divides rewards in float32 (`nanstd`); at the bound a whole
+    batch of them still gives finite advantages, while 1e300 (a finite float64) is `inf` there and NaN after."""
+    torch = pytest.importorskip("torch")
+    from trl.trainer.utils import nanstd
+
+    def advantages(values: list[float]) -> Any:
+        rewards = torch.tensor(values, dtype=torch.float32)
+        return (rewards - torch.nanmean(rewards)) / (nanstd(rewards) + 1e-4)
+
+    assert torch.isfinite(advantages([MAX_REWARD, -MAX_REWARD] * 512)).all()
+    assert torch.isnan(advantages([1e300, 0.0, 1.0, 0.0])).any()
+
+
+@pytest.mark.parametrize("finished", ['"false"', '"no"', '"0"', '"true"', "0", "1", "[]", "{}"])
+def test_finished_that_is_not_a_json_boolean_is_a_protocol_error(finished) -> None:
+    """Bug: `finished: "false"` (or "no", "0") was `bool("false")`, True: the episode ended."""
+    with pytest.raises(ProtocolError, match=r"'finished' is .* not a JSON boolean"):
+        _answered("/call", _result("/call", finished=finished))
+
+
+@pytest.mark.parametrize("finished,expected", [("true", True), ("false", False), ("null", False), (None, False)])
+def test_finished_as_a_json_boolean_or_left_out_is_read_as_sent(finished, expected) -> None:
+    assert _answered("/call", _result("/call", finished=finished)).finished is expected
+
+
+def test_a_reward_past_the_bound_through_trl_s_loop_scores_the_rollout_none_counted(ref_server) -> None:
+    """Through the adapter and the reward functions, as TRL calls them: the call fails as a protocol error, the
+    rollout is scored None (TRL leaves it out of the group's baseline) and counted, never a reward of 1e300."""
+    with FaultProxy(ref_server.url) as proxy:
+        spec = OpenRewardSpec(proxy.url, env_name="echoenvironment", num_tasks=1, retry=RETRY, timeouts=TIMEOUTS)
+        try:
+            env = spec.environment_factory()
+            env.reset(**spec.train_dataset[0])
+            proxy.add(SSEReply([("task_id", "t"), ("end", _result("/call", "1e300"))]), path="/call", times=1)
+            with pytest.raises(ProtocolError, match="past the"):
+                env.echo(text="hello")
+            metrics: dict[str, float] = {}
+            assert spec.reward_funcs(environments=[env], log_metric=metrics.__setitem__) == [None]
+            assert metrics["env/echoenvironment/failures/protocol"] == 1.0
+        finally:
+            spec.close()
