@@ -17,7 +17,7 @@ import pytest
 from ors_trl import OpenRewardSpec, ProtocolError
 from ors_trl._types import MAX_REWARD
 from ors_trl.testing.faults import FaultProxy, Reply, SSEReply
-from tests.fixtures.hostile_server import ENV
+from tests.fixtures.hostile_server import ENV, HostileServer
 from tests.test_fuzz import RETRY, TIMEOUTS, _in_session, run_client
 
 # --------------------------------------------------------------------------------------------------
@@ -109,3 +109,56 @@ def test_a_reward_past_the_bound_through_trl_s_loop_scores_the_rollout_none_coun
             assert metrics["env/echoenvironment/failures/protocol"] == 1.0
         finally:
             spec.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# 2. Schemas that expand
+# --------------------------------------------------------------------------------------------------
+
+
+def _bound(tools: list[Any]) -> tuple[Any, int, int]:
+    """Bind `tools` as training does; (the toolset, characters of JSON received, characters TRL renders)."""
+    from ors_trl._binding import Toolset
+    from ors_trl._text import json_size
+
+    toolset = Toolset(tools)
+    return toolset, json_size([t.to_json() for t in tools], 1 << 62), len(json.dumps(toolset.schemas))
+
+
+def test_tool_schemas_whose_refs_expand_cost_a_small_multiple_of_the_json_received() -> None:
+    """Bug: a dozen 2 KB tools whose `$ref`s expand (each definition a union of the next, a list and a map of it) took
+    12 s to bind and rendered 24 KB of tools as 8 MB of schema (x325) in every prompt: the work bound was per tool
+    (100,000 units each), and nothing bounded what expansion copied. Now the whole list has one budget: expansion
+    copies at most 4x the JSON received + 64 KiB, the rest is typed by its target's top-level type, counted and
+    said, and what TRL renders is a small multiple of what was received."""
+    from ors_trl._jsonschema import EXPANSION_FACTOR, EXPANSION_FLOOR
+
+    with HostileServer(seed=3, only=frozenset({"valid"})) as hostile:
+        hostile.force("schemas_expanding", path="/tools")
+        listed = run_client(hostile.url, lambda c: c.tools())
+    toolset, received, rendered = _bound(listed.tools)
+    assert len(listed.tools) == 12 and received < 32_000
+    assert rendered <= (EXPANSION_FACTOR + 2) * received + EXPANSION_FLOOR, (rendered, received)  # was 8 MB
+    budget = toolset.binding.budget
+    assert budget.expanded <= EXPANSION_FACTOR * received + EXPANSION_FLOOR
+    assert budget.work_spent <= (1 + EXPANSION_FACTOR) * received + EXPANSION_FLOOR
+    assert budget.refs_cut > 0
+    assert any(f"{budget.refs_cut} $ref expansion(s) left unexpanded" in w for w in toolset.binding.warnings)
+    # Every tool is still bound with all its parameters; a reference left unexpanded says so to the model.
+    assert all(len(schema["function"]["parameters"]["properties"]) == 4 for schema in toolset.schemas)
+    assert "not expanded" in json.dumps(toolset.schemas)
+
+
+def test_the_expansion_budget_is_the_tool_list_s_not_each_tool_s() -> None:
+    """Twice the tools, twice the budget (not twelve per-tool budgets): rendering grows with what was received, and
+    one expanding tool cannot spend the others' share (a small tool after it still expands its own reference)."""
+    from ors_trl._types import ToolSpec
+    from tests.fixtures.hostile_server import expanding_tool
+
+    plain = {"name": "plain", "input_schema": {"type": "object", "$defs": {"P": {"type": "object", "properties": {
+        "x": {"type": "integer", "description": "The x."}}}}, "properties": {"p": {"$ref": "#/$defs/P"}}}}
+    for count in (6, 12, 24):
+        tools = [ToolSpec.from_json(expanding_tool(i)) for i in range(count)] + [ToolSpec.from_json(plain)]
+        toolset, received, rendered = _bound(tools)
+        assert rendered <= 6 * received + 64 * 1024, (count, rendered, received)
+        assert "x (integer): The x" in toolset.binding.functions["plain"].__doc__
