@@ -162,3 +162,55 @@ def test_the_expansion_budget_is_the_tool_list_s_not_each_tool_s() -> None:
         toolset, received, rendered = _bound(tools)
         assert rendered <= 6 * received + 64 * 1024, (count, rendered, received)
         assert "x (integer): The x" in toolset.binding.functions["plain"].__doc__
+
+
+# --------------------------------------------------------------------------------------------------
+# 3. Memory per answer
+# --------------------------------------------------------------------------------------------------
+
+
+def _decoded_with_peak(result: str) -> tuple[Any, Any]:
+    """(The ToolResult or the error, the traced peak) of a `/call` answered `result`, decoded as training does."""
+    from ors_trl import Timeouts
+    from tests.test_fuzz import Peak
+
+    with FaultProxy(None) as proxy:
+        proxy.add(SSEReply([("task_id", "sid-1")]), path="/create_session", times=None)
+        proxy.add(SSEReply([("task_id", "t"), ("end", result)]), path="/call", times=None)
+        proxy.add(Reply(json.dumps([ENV])), path="/list_environments", times=None)
+        proxy.add(Reply("{}"), times=None)
+        with Peak() as peak:
+            try:
+                answer = run_client(proxy.url, lambda c: _in_session(c, "call"),
+                                    timeouts=Timeouts(request=30.0, stream_idle=30.0, tool_call=60.0))
+            except ProtocolError as exc:
+                answer = exc
+    return answer, peak
+
+
+@pytest.mark.parametrize("shape", ["blocks", "lists", "dicts", "strings"])
+def test_an_answer_that_would_cost_many_times_its_size_to_decode_is_refused_before_it_is(shape) -> None:
+    """Bug: a `/call` answer under the 64 MiB cap cost 18-27x its size while decoded (40 MB of tiny blocks or of
+    metadata: +0.7-1.1 GB), and the cap is per call. Now what decoding would build is estimated from the text first
+    (containers, keys, strings: `_transport.DECODE_BYTES_PER_CHAR`), and an answer past it is a protocol error that
+    costs only its buffers."""
+    from tests.fixtures.hostile_server import dense_result
+
+    result = dense_result(shape)
+    answer, peak = _decoded_with_peak(result)
+    assert isinstance(answer, ProtocolError) and "would take about" in str(answer), answer
+    assert peak.traced < 5 * len(result), (peak.traced / len(result), shape)
+
+
+@pytest.mark.parametrize("shape,pad", [("blocks", 18), ("dicts", 18), ("keys", 0), ("digits", 0)])
+def test_an_answer_within_the_decode_bound_costs_a_small_multiple_of_its_size(shape, pad) -> None:
+    """Just inside the bound (the same shapes, a little sparser), and dense digits (small ints cost only a slot):
+    decoded whole, at most the bound's 8 bytes per character plus the buffers of reading it (measured: 7.9-8.2x)."""
+    from ors_trl._transport import DECODE_BYTES_PER_CHAR
+    from tests.fixtures.hostile_server import dense_result
+
+    result = dense_result(shape, pad=pad)
+    answer, peak = _decoded_with_peak(result)
+    assert not isinstance(answer, Exception), answer
+    assert len(answer.blocks if shape == "blocks" else answer.metadata["dense"]) > 200_000
+    assert peak.traced < (DECODE_BYTES_PER_CHAR + 3) * len(result), (peak.traced / len(result), shape)
