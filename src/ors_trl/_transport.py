@@ -106,10 +106,11 @@ _SURROGATE_ESCAPES = re.compile(r"\\(?:(\\)|u[dD][89abAB][0-9a-fA-F]{2}(\\u[dD][
 #: `ProtocolError`. 40 MB of tiny blocks, empty lists or one-key dicts once cost 0.7-1.1 GB to decode (18-27x).
 DECODE_BYTES_PER_CHAR = 8
 DECODE_MIN_BYTES = 16 << 20
-#: About the most CPython spends per `{` (a dict with its first keys), `[` (an empty list), `:` (a dict entry, its key
-#: a new string where keys differ), `,` (a slot) and string value (a new str). Numbers are left out: a number costs
-#: at most 9 bytes per character (`1.5,`: a 24-byte float and a slot), a small int, `true` or `null` only its slot.
-_COSTS = ((",", 8), (":", 88), ("[", 64), ("{", 120))
+#: What CPython spends per `{` (a dict with up to five keys: 184 bytes), `[` (an empty list), `:` (a dict entry, its
+#: key counted once per name as json decodes it: an answer of distinct short keys costs up to 12x), `,` (a slot) and
+#: string value (a new str). Numbers are left out: a number costs at most 9 bytes per character (`1.5,`: a 24-byte
+#: float and a slot), a small int, `true` or `null` only its slot.
+_COSTS = ((",", 8), (":", 48), ("[", 64), ("{", 184))
 _STRING_COST = 56
 _CLASSES = bytes(c if c in b'",:[{' else ord("w") if c in b" \t\r\n" else ord("x") for c in range(256))
 _WINDOW = 1 << 18
