@@ -145,7 +145,7 @@ def _as_json(values: list[Any]) -> str | None:
     objects: Counter[int] = Counter()
     keys: dict[int, set[str]] = {}
     entries = 0
-    stack: list[tuple[Any, int, int]] = [(value, 1, 0) for value in values]
+    stack: list[tuple[Any, int, int]] = [(value, 1, 0) for value in values if isinstance(value, Mapping | list | tuple)]
     while stack:
         value, depth, path = stack.pop()
         if isinstance(value, Mapping | list | tuple) and depth > MAX_FIELD_DEPTH:
@@ -158,10 +158,11 @@ def _as_json(values: list[Any]) -> str | None:
                     return "keys with a NUL in them"
                 seen.add(key)
                 entries += 1
-                stack.append((item, depth + 1, paths.setdefault((path, key), len(paths) + 1)))
+                if isinstance(item, Mapping | list | tuple):
+                    stack.append((item, depth + 1, paths.setdefault((path, key), len(paths) + 1)))
         elif isinstance(value, list | tuple):
             items = paths.setdefault((path, None), len(paths) + 1)
-            stack.extend((item, depth + 1, items) for item in value)
+            stack.extend((item, depth + 1, items) for item in value if isinstance(item, Mapping | list | tuple))
     if sum(count * len(keys[path]) for path, count in objects.items()) > SPARSE_FIELD * entries + _MIN_CELLS:
         return "objects whose keys differ from task to task"
     return None
