@@ -1012,7 +1012,7 @@ def test_a_split_claiming_more_tasks_than_a_whole_split_may_needs_a_selection(cl
 
 
 @pytest.mark.parametrize("answer,match", [
-    ({"tools": [{"name": f"t{i}"} for i in range(200_000)]}, "200000 tools, more than the 4096"),
+    ({"tools": [{"name": f"t{i}"} for i in range(200_000)]}, r"would take about \d+ MiB of memory"),  # refused decoding
     ({"tools": [{"name": f"t{i}"} for i in range(4097)]}, "4097 tools, more than the 4096"),
     ({"tools": [{"name": "big", "description": "d" * (2 << 20)}]}, "tool 'big' is larger than 1 MiB"),
     ({"tools": [{"name": f"t{i}", "input_schema": {"type": "object", "description": "d" * 900_000}}

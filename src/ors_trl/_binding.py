@@ -39,6 +39,7 @@ from types import FunctionType
 from typing import Any
 
 from ._exceptions import ToolRefusedError
+from ._jsonschema import EXPANSION_FACTOR, EXPANSION_FLOOR, Budget
 from ._schema import (
     DEFAULT_MAX_PARAM_DESCRIPTION,
     DEFAULT_MAX_SCHEMA_NODES,
@@ -50,7 +51,7 @@ from ._schema import (
     tool_field,
     unique_name,
 )
-from ._text import ascii_fold, one_line, show_name
+from ._text import ascii_fold, json_size, one_line, show_name
 
 __all__ = [
     "DEFAULT_RESERVED", "UNSET", "BindingResult", "BoundTool", "Toolset", "bind_tools", "defuse_docstring_text",
@@ -102,7 +103,9 @@ class BindingResult:
     """The functions to set on an adapter class plus a report of everything renamed, skipped or simplified.
 
     `functions` maps attribute name -> function, `remote_names` attribute name -> remote tool name,
-    `display_names` attribute name -> `__name__` (the name the model sees).
+    `display_names` attribute name -> `__name__` (the name the model sees). `budget` is what normalising the
+    schemas cost over the whole list (`ors_trl._jsonschema.Budget`: characters received, work units spent, `$ref`
+    expansions left unexpanded).
     """
 
     functions: dict[str, FunctionType] = field(default_factory=dict)
@@ -110,6 +113,7 @@ class BindingResult:
     display_names: dict[str, str] = field(default_factory=dict)
     tools: dict[str, BoundTool] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    budget: Budget = field(default_factory=lambda: Budget(0))
 
     def install(self, cls: type) -> None:
         """Set every function as an attribute of `cls` (replacing same-named attributes)."""
@@ -236,7 +240,10 @@ def bind_tools(
     `asynchronous`). `reserved` lists attribute names tools must not take (add the adapter's own public methods).
     `module` and `qualname_prefix` set `__module__` and the `__qualname__` prefix (e.g. the adapter class name).
     Never raises for odd specs: what was renamed, skipped or simplified is in `BindingResult.warnings` and
-    logged on the `ors_trl.binding` logger.
+    logged on the `ors_trl.binding` logger. The whole list shares one schema budget (`BindingResult.budget`): `$ref`
+    expansions copy at most `EXPANSION_FACTOR` times the list's JSON plus `EXPANSION_FLOOR` characters, and a
+    reference past it is typed by its target's top-level type (counted, and said in a warning); `max_schema_nodes`
+    bounds each tool's work besides.
     """
     reserved_set = frozenset([reserved] if isinstance(reserved, str) else reserved)
     result = BindingResult()
@@ -282,7 +289,8 @@ def bind_tools(
                             f"{show_name(display)}")
         names.append((display, attribute))
 
-    # 3. Functions.
+    # 3. Functions, within one schema budget for the whole list.
+    budget = result.budget = Budget(sum(json_size(tool_field(spec, "input_schema"), 1 << 62) for _, spec in entries))
     for (remote, spec), (display, attribute) in zip(entries, names, strict=True):
         try:
             info = describe_tool(
@@ -290,6 +298,7 @@ def bind_tools(
                 max_param_description=max_param_description,
                 max_tool_description=max_tool_description,
                 max_schema_nodes=max_schema_nodes,
+                budget=budget,
             )
         except Exception as error:  # a bug must not take the whole environment down; the tool stays callable
             warnings.append(
@@ -311,6 +320,9 @@ def bind_tools(
         result.display_names[attribute] = display
         result.tools[attribute] = BoundTool(attribute, display, remote, function, info, plan)
 
+    if budget.refs_cut:
+        warnings.append(f"the tools' input schemas expand past {EXPANSION_FACTOR}x their {budget.received} characters "
+                        f"of JSON + {EXPANSION_FLOOR >> 10} KiB: {budget.refs_cut} $ref expansion(s) left unexpanded")
     for message in warnings[:_MAX_LOGGED_WARNINGS]:
         logger.warning("%s", message)
     if len(warnings) > _MAX_LOGGED_WARNINGS:

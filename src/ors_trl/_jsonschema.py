@@ -2,9 +2,11 @@
 
 This is the only code that reads raw schemas. It resolves local `$ref` pointers (a cycle is cut and labelled
 `recursive Name`), unwraps a single `allOf` and merges several, and bounds what a hostile schema could blow up:
-work units per tool (`max_nodes`), nesting depth, `$ref` chains and the object fields expanded per argument.
-What it cannot represent becomes a note. Nothing in a schema is executed and foreign objects are never `repr()`-ed
-(`quote` writes values as JSON). `ors_trl._schema` renders the tree as type hints and descriptions.
+work units per tool (`max_nodes`), nesting depth, `$ref` chains and the object fields expanded per argument, and,
+over a whole tool list (`Budget`), the JSON that `$ref` expansions copy and the work, both a small multiple of the
+JSON received (a dozen 2 KB tools whose references expand exponentially once took 15 s to bind and rendered 13.7 MB
+of schema into every prompt). What it cannot represent becomes a note. Nothing in a schema is executed and foreign
+objects are never `repr()`-ed (`quote` writes values as JSON). `ors_trl._schema` renders the tree as type hints and descriptions.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
+from ._text import json_size
 from ._text import one_line as _one_line
 
 __all__ = [
-    "MISSING", "Node", "Normaliser", "as_text", "count_range", "is_scalar", "name_text", "one_line",
-    "quote", "single_line",
+    "EXPANSION_FACTOR", "EXPANSION_FLOOR", "MISSING", "Budget", "Node", "Normaliser", "as_text", "count_range",
+    "is_scalar", "name_text", "one_line", "quote", "single_line",
 ]  # fmt: skip
 
 _MAX_DEPTH = 24  # schemas inside schemas: list[list[...]], alternatives of alternatives, fields of fields
@@ -29,6 +32,11 @@ _MAX_REF_HOPS = 64  # $ref -> $ref -> ... chains
 _SNIPPET = 160  # longest JSON value quoted inside a description
 _MAX_TEXT = 10_000  # longest free text (description, title) read from one schema node
 _MAX_JSON_DEPTH = 32
+#: What `$ref` expansions may copy over one tool list (see `Budget`): `EXPANSION_FACTOR` times the characters of JSON
+#: of each tool's input schema, plus `EXPANSION_FLOOR` shared by the list (a pydantic schema expands each of its
+#: definitions about once: x1-2).
+EXPANSION_FACTOR = 4
+EXPANSION_FLOOR = 64 * 1024
 _SIMPLE_NAME_RE = re.compile(r"[\w.-]+")
 _SHAPES = (
     ("object", ("properties", "additionalProperties", "patternProperties")),
@@ -219,18 +227,54 @@ class _View:
     target: Any = None  # for a recursive cut: the schema the reference points back to
 
 
+class Budget:
+    """What normalising the schemas of one tool list may cost, shared by its tools (`Normaliser(budget=...)`).
+
+    `$ref` expansions copy JSON (a target's size, each time it is expanded): each tool may copy `EXPANSION_FACTOR`
+    times its own size, and the tools together `EXPANSION_FLOOR` more (first come), so one tool cannot spend the
+    others' part. A reference past that is not expanded: it is typed by its target's top-level type (`dict` for an
+    object), its label says so, and `refs_cut` counts it. Work units (see `Normaliser`): one per character of what the
+    schemas may amount to, received plus expanded (a schema node or keyword takes at least two); `work_spent` counts
+    them, `expanded` the characters copied.
+
+    Args:
+        received (`int`):
+            Characters of JSON the tool list's input schemas take (`ors_trl._text.json_size`).
+    """
+
+    def __init__(self, received: int) -> None:
+        self.received = received
+        self.floor = EXPANSION_FLOOR
+        self.work = (1 + EXPANSION_FACTOR) * received + EXPANSION_FLOOR
+        self.expanded = self.refs_cut = self.work_spent = 0
+
+
 class Normaliser:
     """Normalises the schemas of one tool against `root` with one work budget and one list of notes.
 
     A work unit is spent per schema node plus one per keyword, enum value and alternative in it; once
-    `max_nodes` are spent, the rest is cut ("…", typed Any).
+    `max_nodes` are spent (or the tool list's `budget` has no work left), the rest is cut ("…", typed Any). Each `$ref`
+    expansion spends its target's size from the tool's share of expansion (see `Budget`); past it, the reference is
+    not expanded.
+
+    Args:
+        root (`Any`):
+            The tool's input schema, which `$ref` pointers resolve against.
+        max_nodes (`int`):
+            Work units for this tool.
+        budget (`Budget`, *optional*):
+            The budget of the tool list it belongs to; by default one for this schema alone.
     """
 
-    def __init__(self, root: Any, max_nodes: int) -> None:
+    def __init__(self, root: Any, max_nodes: int, budget: Budget | None = None) -> None:
         self.root = root
-        self.left = max_nodes
+        size = json_size(root, 1 << 62)
+        self.budget = Budget(size) if budget is None else budget
+        self.left = min(max_nodes, self.budget.work)
+        self.own = EXPANSION_FACTOR * size  # characters this tool may expand before it draws on the shared floor
         self.text_left = 0  # characters of field text a description can still list (see _field_text)
         self.notes: list[str] = []
+        self._sizes: dict[int, int] = {}  # id of a $ref target -> its size (measured once)
 
     def note(self, message: str) -> None:
         if message not in self.notes:
@@ -242,6 +286,24 @@ class Normaliser:
             self.note("schema too large: the rest of it is typed Any and elided in descriptions")
             return False
         self.left -= cost
+        self.budget.work -= cost
+        self.budget.work_spent += cost
+        return True
+
+    def expand(self, target: Any) -> bool:
+        """Spend a `$ref` target's size on expanding it; False (and a note) when the tool's share cannot pay it."""
+        left = self.own + self.budget.floor
+        size = self._sizes.get(id(target))
+        if size is None:  # measured once, only as far as what is left (which only shrinks)
+            size = self._sizes[id(target)] = json_size(target, left)
+        if size > left:
+            self.budget.refs_cut += 1
+            self.note("schema expansion budget spent: references past it are not expanded (typed by what they point "
+                      "to at its top level, an object as dict)")
+            return False
+        self.budget.floor -= max(size - self.own, 0)
+        self.own = max(self.own - size, 0)
+        self.budget.expanded += size
         return True
 
     # -- entry points
@@ -359,6 +421,10 @@ class Normaliser:
             if target is MISSING:
                 self.note(f"unresolved reference {quote(ref, 80)} typed Any")
                 return _View(outer, stack, description=description, cut=f"unresolved reference {quote(ref)}")
+            if not self.expand(target):
+                name = _model_name(target, name)
+                return _View(outer, stack, name, description=description, cut=f"{name} (not expanded: schema too "
+                             "large)", target=target)
             stack, model, node = (*stack, ref), name, target
         else:
             self.note("reference chain too long, typed Any")

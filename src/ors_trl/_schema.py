@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from ._jsonschema import MISSING, Node, Normaliser, as_text, is_scalar, name_text, one_line, quote
+from ._jsonschema import MISSING, Budget, Node, Normaliser, as_text, is_scalar, name_text, one_line, quote
 from ._jsonschema import single_line as single_line  # part of this module's API
 from ._text import ascii_fold
 
@@ -484,15 +484,17 @@ def describe_tool(
     max_param_description: int = DEFAULT_MAX_PARAM_DESCRIPTION,
     max_tool_description: int = DEFAULT_MAX_TOOL_DESCRIPTION,
     max_schema_nodes: int = DEFAULT_MAX_SCHEMA_NODES,
+    budget: Budget | None = None,
 ) -> ToolInfo:
     """Compute the parameters (required first) and description of one ORS tool spec.
 
     `tool_spec` is a mapping (or an object with attributes) with `name`, `description` and `input_schema`
-    (a JSON Schema object, `{}` or `None`). Never raises on odd schemas: what cannot be represented is described
-    and listed in `ToolInfo.notes`.
+    (a JSON Schema object, `{}` or `None`). `budget` is the work and `$ref` expansion budget of the tool list it
+    belongs to (`ors_trl._jsonschema.Budget`; by default, one for this schema alone). Never raises on odd schemas:
+    what cannot be represented is described and listed in `ToolInfo.notes`.
     """
     name = as_text(tool_field(tool_spec, "name"))
-    normaliser = Normaliser(tool_field(tool_spec, "input_schema"), max_schema_nodes)
+    normaliser = Normaliser(tool_field(tool_spec, "input_schema"), max_schema_nodes, budget)
     arguments, required, sentences = normaliser.arguments(_text_budget(max_param_description), _INPUT_TEXT)
     names = python_parameter_names([wire for wire, _ in arguments])
     parameters: list[ParameterInfo] = []

@@ -8,15 +8,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._client import AsyncClient
 from ._exceptions import ConfigurationError, ProtocolError
+from ._text import show_name
 from ._trl import TRL_KEYWORDS
 
-__all__ = ["MAX_WHOLE_SPLIT", "RESERVED_COLUMNS", "check_in_range", "check_selection", "fetch_tasks", "select",
-           "task_columns"]
+__all__ = ["EXTRA_COLUMN", "MAX_FIELD_DEPTH", "MAX_TASK_COLUMNS", "MAX_WHOLE_SPLIT", "RESERVED_COLUMNS", "SPARSE_FIELD",
+           "check_in_range", "check_selection", "fetch_tasks", "json_text", "select", "task_columns"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -30,6 +32,16 @@ _RESERVED_PREFIX = "ors_"
 #: choosing which tasks is the user's (`num_tasks=N` takes the first N, `indices=` a page), not a server's count.
 MAX_WHOLE_SPLIT = 100_000
 _PAGE = 500
+#: A task field has a column of its own when at least one task in `SPARSE_FIELD` has it, and it is among the
+#: `MAX_TASK_COLUMNS` most common; the others share one column of JSON text, `EXTRA_COLUMN`. So a table has at most
+#: `SPARSE_FIELD` cells per field value the tasks hold (nested objects too: past that, a field is JSON text).
+SPARSE_FIELD = 16
+MAX_TASK_COLUMNS = 128
+EXTRA_COLUMN = "task_extra"
+_MIN_CELLS = 4096
+#: A field's value nested deeper than this (lists or objects) is stored as JSON text: Arrow refuses 64 levels, and
+#: `datasets` recurses about 16 frames per level (60 levels: a RecursionError at Python's default limit).
+MAX_FIELD_DEPTH = 16
 _FETCH_CONCURRENCY = 8
 
 
@@ -118,28 +130,83 @@ def _arrow_safe(values: list[Any]) -> bool:
 
     try:
         pa.array(values)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError, TypeError, ValueError):
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError, TypeError, ValueError,
+            RecursionError):
         return False
     return True
 
 
-def _nul_keys(values: list[Any]) -> bool:
-    """Whether a mapping anywhere in `values` has a key with a NUL in it: Arrow cuts such a name at the NUL (a column
-    fails to build; a nested value silently loses its entry)."""
-    stack: list[Any] = list(values)
+def _as_json(values: list[Any]) -> str | None:
+    """Why a column's values cannot be an Arrow column of their own and are stored as JSON text, or None: nested more
+    than `MAX_FIELD_DEPTH` levels, a key with a NUL (Arrow cuts a name there, losing the entry), or objects whose keys
+    differ so much that Arrow's struct would be a sparse table (a field per key ever seen, for every object). Walked
+    without recursion, each value once."""
+    paths: dict[tuple[int, str | None], int] = {}  # (parent path, key; None: a list's items) -> path id
+    objects: Counter[int] = Counter()
+    keys: dict[int, set[str]] = {}
+    entries = 0
+    stack: list[tuple[Any, int, int]] = [(value, 1, 0) for value in values if isinstance(value, Mapping | list | tuple)]
     while stack:
-        value = stack.pop()
+        value, depth, path = stack.pop()
+        if isinstance(value, Mapping | list | tuple) and depth > MAX_FIELD_DEPTH:
+            return f"values nested more than {MAX_FIELD_DEPTH} levels deep"
         if isinstance(value, Mapping):
-            if any(isinstance(k, str) and "\x00" in k for k in value):
-                return True
-            stack.extend(value.values())
+            objects[path] += 1
+            seen = keys.setdefault(path, set())
+            for key, item in value.items():
+                if isinstance(key, str) and "\x00" in key:
+                    return "keys with a NUL in them"
+                seen.add(key)
+                entries += 1
+                if isinstance(item, Mapping | list | tuple):
+                    stack.append((item, depth + 1, paths.setdefault((path, key), len(paths) + 1)))
         elif isinstance(value, list | tuple):
-            stack.extend(value)
-    return False
+            items = paths.setdefault((path, None), len(paths) + 1)
+            stack.extend((item, depth + 1, items) for item in value if isinstance(item, Mapping | list | tuple))
+    if sum(count * len(keys[path]) for path, count in objects.items()) > SPARSE_FIELD * entries + _MIN_CELLS:
+        return "objects whose keys differ from task to task"
+    return None
+
+
+def json_text(value: Any) -> str:
+    """`value` as JSON text (keys sorted, what JSON cannot hold as its `str`), however deeply nested: the encoder
+    recurses, so a value nested past what it reaches is written without recursion instead."""
+    try:
+        return json.dumps(value, sort_keys=True, default=str)
+    except RecursionError:
+        pass
+    parts: list[str] = []
+    stack: list[tuple[bool, Any]] = [(False, value)]  # (literal text?, item)
+    while stack:
+        literal, item = stack.pop()
+        if literal:
+            parts.append(item)
+        elif isinstance(item, Mapping | list | tuple):
+            pairs = sorted(item.items(), key=lambda kv: str(kv[0])) if isinstance(item, Mapping) else list(item)
+            stack.append((True, "}" if isinstance(item, Mapping) else "]"))
+            for i, pair in enumerate(reversed(pairs)):
+                if isinstance(item, Mapping):
+                    stack += [(False, pair[1]), (True, json.dumps(str(pair[0])) + ": ")]
+                else:
+                    stack.append((False, pair))
+                if i < len(pairs) - 1:
+                    stack.append((True, ", "))
+            stack.append((True, "{" if isinstance(item, Mapping) else "["))
+        else:
+            parts.append(json.dumps(item, default=str))
+    return "".join(parts)
 
 
 def _reserved(name: str, reserved: frozenset[str]) -> bool:
     return name in reserved or name.startswith(_RESERVED_PREFIX)
+
+
+def _free(name: str, taken: set[str], reserved: frozenset[str]) -> str:
+    """`name` as a column: prefixed with `task_` until it is neither taken nor reserved; it is taken then."""
+    while name in taken or _reserved(name, reserved):
+        name = f"task_{name}"
+    taken.add(name)
+    return name
 
 
 def task_columns(task_specs: Sequence[Any], reserved: frozenset[str] = RESERVED_COLUMNS
@@ -149,28 +216,42 @@ def task_columns(task_specs: Sequence[Any], reserved: frozenset[str] = RESERVED_
     A field named like a reserved column (see `RESERVED_COLUMNS`) is kept as `task_<name>` (prefixed again until
     the name is free), so that TRL can still call `reset(**row)` and the reward functions with the row; a NUL in a
     field's name, which Arrow cannot store, becomes U+FFFD; a field whose values Arrow cannot store in one column
-    (mixed types, ragged nesting, a NUL in a nested key) is stored as JSON text, so dataset creation never fails
-    and loses nothing.
+    (mixed types, ragged nesting, a NUL in a nested key, nesting deeper than `MAX_FIELD_DEPTH`, objects whose keys
+    differ from task to task) is stored as JSON text. A field fewer than one task in `SPARSE_FIELD` has, or past the
+    `MAX_TASK_COLUMNS` most common, goes with the others like it into one column of JSON text, `task_extra` (an
+    object of that task's such fields, or None): tasks that each carry a different field would otherwise make a
+    table of tasks x fields (6,000 tasks of 69 KB: 36 million cells, +1.9 GB). So dataset creation never fails, costs
+    what the tasks hold, and loses nothing.
     """
     notes: list[str] = []
-    keys = list(dict.fromkeys(k for spec in task_specs if isinstance(spec, Mapping) for k in spec if isinstance(k, str)))
-    taken = set(keys) | set(reserved)
+    counts = Counter(k for spec in task_specs if isinstance(spec, Mapping) for k in spec if isinstance(k, str))
+    ranked = sorted(counts, key=lambda k: (-counts[k], k))
+    own = {k for k in ranked[:MAX_TASK_COLUMNS] if counts[k] * SPARSE_FIELD >= len(task_specs)}
+    extra = [k for k in ranked if k not in own]
+    taken = set(counts) | set(reserved)
     renamed: list[str] = []
     columns: dict[str, list[Any]] = {}
-    for key in sorted(keys):
+    for key in sorted(own):
         column = key.replace("\x00", "\ufffd")
         if column != key or _reserved(key, reserved):
-            while column in taken or _reserved(column, reserved):
-                column = f"task_{column}"
-            taken.add(column)
+            column = _free(column, taken, reserved)
             renamed.append(f"{key!r} -> {column!r}" if "\x00" in key else f"{key} -> {column}")
         values = [spec.get(key) if isinstance(spec, Mapping) else None for spec in task_specs]
-        nul = _nul_keys(values)
-        if nul or not _arrow_safe(values):
-            values = [None if v is None else json.dumps(v, sort_keys=True, default=str) for v in values]
-            why = "keys with a NUL in them" if nul else "values of mixed shapes"
+        why = _as_json(values) or (None if _arrow_safe(values) else "values of mixed shapes")
+        if why:
+            values = [None if v is None else json_text(v) for v in values]
             notes.append(f"task field {column!r} has {why}; stored as JSON text")
         columns[column] = values
+    if extra:
+        column = _free(EXTRA_COLUMN, taken, reserved)
+        wanted = set(extra)
+        columns[column] = [json_text(rest) if isinstance(spec, Mapping) and (rest := {
+            k: v for k, v in spec.items() if k in wanted}) else None for spec in task_specs]
+        shown = ", ".join(show_name(k, 40) for k in extra[:20]) + (f" (+{len(extra) - 20} more)" if len(extra) > 20
+                                                                    else "")
+        notes.append(f"{len(extra)} task field(s) that fewer than 1 in {SPARSE_FIELD} tasks have, or past the "
+                     f"{MAX_TASK_COLUMNS} most common, are stored together as JSON text in column {column!r} (an "
+                     f"object of each task's own): {shown}")
     if renamed:
         notes.insert(0, f"task fields renamed in the dataset (TRL or ors-trl passes these names itself, or "
                         "Arrow cannot store them): "

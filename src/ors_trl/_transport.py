@@ -29,7 +29,10 @@ its bytes become Python values (JSON answers, SSE fields, error bodies). Invalid
 lone surrogates are repaired (U+FFFD), and the API key, the secret values and the encoded `X-Secrets`
 header are masked as `***` in every string, also where the JSON spells them with escapes; so no
 message, record, log line or model prompt built from an answer holds them. Errors raised here carry
-no exception chain (a `JSONDecodeError` keeps the raw body, an aiohttp error the URL).
+no exception chain (a `JSONDecodeError` keeps the raw body, an aiohttp error the URL). An answer whose objects would
+take more than 8 bytes per character of it (`DECODE_BYTES_PER_CHAR`: tiny blocks, empty containers, one-key dicts,
+by the million) is refused before it is decoded. Decoding runs on the one background loop, an answer at a time, so
+no process-wide budget is needed: concurrent calls hold their undecoded bytes (at most `max_response_bytes` each).
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ from ._text import clean_json, escape_controls, repair, unescape_json
 from ._types import MASK
 from ._version import __version__
 
-__all__ = ["Decoder", "RetryPolicy", "Timeouts", "Transport", "masking"]
+__all__ = ["DECODE_BYTES_PER_CHAR", "DECODE_MIN_BYTES", "Decoder", "RetryPolicy", "Timeouts", "Transport", "masking"]
 
 logger = logging.getLogger("ors_trl.client")
 T = TypeVar("T")
@@ -113,6 +116,19 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 #: one character), or a lone surrogate (written as U+FFFD). Repaired before decoding: a scan of the text, not a walk.
 _SURROGATE_ESCAPES = re.compile(r"\\(?:(\\)|u[dD][89abAB][0-9a-fA-F]{2}(\\u[dD][c-fC-F][0-9a-fA-F]{2})?|"
                                 r"u[dD][c-fC-F][0-9a-fA-F]{2})")  # one literal first: the regex engine skips ahead
+#: What decoding an answer may build, estimated from its text before it is decoded (`_decoded_size`): Python objects
+#: of `DECODE_BYTES_PER_CHAR` bytes per character of it, and `DECODE_MIN_BYTES` whatever its size. Past that it is a
+#: `ProtocolError`. 40 MB of tiny blocks, empty lists or one-key dicts once cost 0.7-1.1 GB to decode (18-27x).
+DECODE_BYTES_PER_CHAR = 8
+DECODE_MIN_BYTES = 16 << 20
+#: What CPython spends per `{` (a dict with up to five keys: 184 bytes), `[` (an empty list), `:` (a dict entry, its
+#: key counted once per name as json decodes it: an answer of distinct short keys costs up to 12x), `,` (a slot) and
+#: string value (a new str). Numbers are left out: a number costs at most 9 bytes per character (`1.5,`: a 24-byte
+#: float and a slot), a small int, `true` or `null` only its slot.
+_COSTS = ((",", 8), (":", 48), ("[", 64), ("{", 184))
+_STRING_COST = 56
+_CLASSES = bytes(c if c in b'",:[{' else ord("w") if c in b" \t\r\n" else ord("x") for c in range(256))
+_WINDOW = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -284,11 +300,13 @@ class Decoder:
         """A JSON answer as Python values (None for an empty body), every string repaired and masked.
 
         Raises:
-            ProtocolError: not JSON, or nested too deeply to decode (quoting the start of it, masked).
+            ProtocolError: not JSON, nested too deeply to decode (quoting the start of it, masked), or holding more
+                objects than its size allows (`DECODE_BYTES_PER_CHAR`), refused before it is decoded.
         """
         text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8-sig", errors="replace")
         if not text.strip():
             return None
+        _check_size(text, what)
         escaped = _ESCAPE.search(text) is not None  # stops at the first escape: most answers have one early or none
         if escaped and _SURROGATE_ESCAPE.search(text) is not None:  # decoded UTF-8 holds none: only escapes make them
             text = _SURROGATE_ESCAPES.sub(lambda m: m[0] if m[1] or m[2] else "\\ufffd", text)
@@ -302,6 +320,43 @@ class Decoder:
         if self._secrets and (escaped or any(p in text for p in self._probes)):
             value = clean_json(value, self.mask)
         return value
+
+
+def _check_size(text: str, what: str) -> None:
+    """Refuse JSON text whose decoded objects would take more than `DECODE_BYTES_PER_CHAR` bytes per character (and
+    `DECODE_MIN_BYTES`), before decoding it: a few `str.count`s, and only when those say it may, a count outside its
+    strings (a text full of commas is no dense JSON)."""
+    limit = DECODE_BYTES_PER_CHAR * len(text) + DECODE_MIN_BYTES
+    if len(text) * _COSTS[-1][1] <= limit:
+        return
+    upper = sum(cost * text.count(c) for c, cost in _COSTS) + _STRING_COST * (text.count('"') // 2)
+    if upper <= limit or (size := _decoded_size(text)) <= limit:
+        return
+    raise ProtocolError(f"{what}: decoding the answer's {len(text)} characters would take about {size >> 20} MiB of "
+                        f"memory, more than the {DECODE_BYTES_PER_CHAR} bytes per character (and "
+                        f"{DECODE_MIN_BYTES >> 20} MiB) an answer may: it holds too many containers, keys or strings "
+                        "for its size")
+
+
+def _decoded_size(text: str) -> int:
+    """About the most the objects `json.loads(text)` builds take (see `_COSTS`), counted without decoding it and with
+    no object per string: its escaped backslashes and quotes dropped, every byte but quotes and `,:[{` made an `x` (or
+    dropped, whitespace), then (quotes alternating) the `,:[{` between strings counted, a window at a time, and the
+    strings but keys (a string before a `:`, decoded once per name) and empty ones."""
+    data = text.encode("utf-8", "replace")
+    if b"\\" in data:
+        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    data = data.translate(_CLASSES)
+    strings = data.count(b'"') // 2 - data.count(b'""')  # empty ones cost nothing
+    data = data.translate(None, b"w")  # so that a key's colon follows it
+    size, keys, inside = 0, 0, False
+    for start in range(0, len(data), _WINDOW):
+        parts = data[start:start + _WINDOW].split(b'"')
+        outside = b'"'.join(parts[inside::2])  # a quote where each string was
+        size += sum(cost * outside.count(c.encode()) for c, cost in _COSTS)
+        keys += outside.count(b'":')
+        inside ^= len(parts) % 2 == 0
+    return size + _STRING_COST * max(strings - keys, 0)
 
 
 def _detail_of(decoder: Decoder, body: bytes) -> str:
@@ -427,14 +482,17 @@ async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> A
         if cut == -1:
             continue
         block, buf = bytes(buf[:cut + 1]), buf[cut + 1:]
-        for raw in _LINE_END.split(block)[:-1]:  # the block ends with a line end: the last piece is empty
-            line = raw.decode("utf-8", errors="replace")
+        lines = _LINE_END.split(block)[-2::-1]  # the block ends with a line end: the last piece is empty
+        del block
+        while lines:  # popped, so that neither a line nor an event's data is still held while the caller decodes it
+            line = lines.pop().decode("utf-8", errors="replace")
             if first:
                 line, first = line.removeprefix("\ufeff"), False
             if not line:
                 if data or event is not None:
-                    yield (event or "message", "\n".join(data))
-                event, data = None, []
+                    out, event, data = (event or "message", "\n".join(data)), None, []
+                    yield out
+                event = None
                 continue
             if line.startswith(":"):
                 continue
@@ -770,7 +828,9 @@ class Transport:
                     raise ProtocolError(f"{what}: result larger than {self.max_response_bytes} bytes")
                 if event == "end":
                     await _drain(resp)
-                    return self.decoder.decode("".join(chunks), what)
+                    text = "".join(chunks)
+                    chunks.clear()  # not held twice while it is decoded
+                    return self.decoder.decode(text, what)
             elif event == "error":
                 if resumed and data.strip() == "unknown task_id":
                     raise StreamInterruptedError(

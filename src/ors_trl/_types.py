@@ -22,6 +22,7 @@ from ._text import json_size, show_name
 
 __all__ = [
     "MAX_ENVIRONMENTS",
+    "MAX_REWARD",
     "MAX_SPLITS",
     "MAX_TASK_COUNT",
     "MAX_TOOLS",
@@ -46,7 +47,9 @@ __all__ = [
     "check_images",
     "image_blocks",
     "parse_blocks",
+    "parse_flag",
     "parse_messages",
+    "parse_reward",
     "quoted",
 ]
 
@@ -266,8 +269,8 @@ def _block(raw: Any, i: int, where: str, depth: int) -> Block:
         if depth >= _MAX_BLOCK_DEPTH:
             raise ProtocolError(f"{where}: tool_result blocks nested more than {_MAX_BLOCK_DEPTH} deep")
         blocks = parse_blocks(raw.get("blocks"), where=f"{where} tool_result {i}", _depth=depth + 1)
-        return ToolResultBlock(tool_call_id=str(raw.get("tool_call_id") or ""), is_error=bool(raw.get("is_error")),
-                               blocks=blocks)
+        is_error = parse_flag(raw.get("is_error"), what=f"{where}: tool_result block {i} 'is_error'")
+        return ToolResultBlock(tool_call_id=str(raw.get("tool_call_id") or ""), is_error=is_error, blocks=blocks)
     return UnknownBlock(type=str(kind), raw=raw)
 
 
@@ -550,19 +553,45 @@ class ToolList:
         return [t.name for t in self.tools]
 
 
+#: The largest reward magnitude a server may send (2**53, the last integer a float holds exactly). TRL sums, squares
+#: and divides a group's rewards in float32: past about 1e19 a square overflows to inf, and the group's advantages
+#: become NaN (1e300 is "finite" as a float64 and `inf` as soon as it is a float32).
+MAX_REWARD = float(2**53)
+
+
 def parse_reward(value: Any, *, what: str) -> float | None:
-    """A reward as sent by the server: None, or a finite number; anything else is a `ProtocolError`."""
+    """A reward as sent by the server: None, or a JSON number of magnitude at most `MAX_REWARD`.
+
+    Anything else (a string however numeric it reads, a boolean, NaN, an infinity, a number past `MAX_REWARD`) is a
+    `ProtocolError`: a reward that is guessed at or that float32 cannot hold would corrupt a whole group's advantages,
+    and an error scores the rollout None, counted, instead.
+    """
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ProtocolError(f"{what} returned a non-numeric reward {quoted(value, 100)}")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        kind = "a string" if isinstance(value, str) else "non-numeric"
+        raise ProtocolError(f"{what} returned {kind} reward {quoted(value, 100)} (a reward is a JSON number or null)")
     try:
         reward = float(value)
-    except (ValueError, OverflowError):  # OverflowError: an integer too large for a float
+    except OverflowError:  # an integer too large for a float
         raise ProtocolError(f"{what} returned a non-numeric reward {quoted(value, 100)}") from None
     if not math.isfinite(reward):
         raise ProtocolError(f"{what} returned a non-finite reward {quoted(value, 100)}")
+    if abs(reward) > MAX_REWARD:
+        raise ProtocolError(f"{what} returned a reward of {reward:.3g}, past the ±{MAX_REWARD:.3g} a reward may be "
+                            "(TRL computes advantages in float32, where it would overflow into NaN)")
     return reward
+
+
+def parse_flag(value: Any, *, what: str) -> bool:
+    """A boolean a server sends (`finished`, `is_error`): JSON `true` or `false`, missing or null read as false.
+
+    A string (`"false"`, `"no"`, `"0"`), a number or anything else is a `ProtocolError`: `bool("false")` is True, and
+    guessing which spellings mean what would end (or continue) episodes on a server's typo.
+    """
+    if value is None or isinstance(value, bool):
+        return value is True
+    raise ProtocolError(f"{what} is {quoted(value, 100)}, not a JSON boolean (true or false)")
 
 
 def _metadata(value: Any) -> dict[str, Any] | None:
@@ -620,7 +649,7 @@ class ToolResult:
         return cls(
             blocks=parse_blocks(output.get("blocks"), where=f"tool {show_name(tool)} output"),
             reward=parse_reward(output.get("reward"), what=f"tool {show_name(tool)}"),
-            finished=bool(output.get("finished", False)),
+            finished=parse_flag(output.get("finished"), what=f"tool {show_name(tool)}: 'finished'"),
             metadata=_metadata(output.get("metadata")),
             task_id=task_id,
         )
