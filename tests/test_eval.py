@@ -636,9 +636,9 @@ def test_summary_escapes_the_environments_text(fake_openai, capsys) -> None:
     with ReferenceServer([TrapEnvironment, TitleEnvironment]) as server:
         assert main(["eval", server.url, "--env-name", "trapenvironment", "--base-url", fake_openai.url, "--model",
                      "m", "--num-tasks", "1", "--no-progress"]) == 0
-        # a name that cannot be part of a URL path is refused, and said escaped
+        # a name that cannot be part of a URL path is a usage error, said escaped
         assert main(["eval", server.url, "--env-name", name, "--base-url", fake_openai.url, "--model", "m",
-                     "--num-tasks", "1", "--no-progress"]) == 1
+                     "--num-tasks", "1", "--no-progress"]) == 2
         server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=30)
     out = capsys.readouterr()
     assert "of trapenvironment (split 'train')" in out.out and "title\\u202eenv\\x1b]0;pwned\\x07" in out.err
