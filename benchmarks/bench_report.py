@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # the package, and the suite's fixtures (tests.fixtures)
 
 from ors_trl import write_report  # noqa: E402
-from ors_trl._report._tally import DEFAULT_MAX_EPISODES  # noqa: E402
-from ors_trl._text import clip  # noqa: E402
+from ors_trl.protocol.text import clip  # noqa: E402
+from ors_trl.report.tally import DEFAULT_MAX_EPISODES  # noqa: E402
 
 TARGET_SECONDS = 30.0
 TARGET_MB = 20.0

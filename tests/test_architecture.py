@@ -67,7 +67,7 @@ TEST_TRL_INTERNALS = (TRL_INTERNALS + r"|_env_tools\b|\._logs\b|\._metrics\[|_la
 def test_trl_internals_live_in_one_module() -> None:
     internals = re.compile(TRL_INTERNALS)
     users = sorted(str(p.relative_to(SRC)) for p in PACKAGE.rglob("*.py") if internals.search(p.read_text()))
-    assert users == ["ors_trl/_trl.py"], users
+    assert users == ["ors_trl/trl/backend.py"], users
 
 
 def test_tests_reach_trl_internals_through_one_fixture() -> None:
@@ -142,10 +142,10 @@ def test_every_name_trl_calls_with_is_reserved_for_task_fields() -> None:
     pytest.importorskip("trl")
     import importlib.util
 
-    from ors_trl._adapter import OpenRewardEnvironment
-    from ors_trl._rewards import group_reward, outcome_reward
-    from ors_trl._tasks import RESERVED_COLUMNS
-    from ors_trl._trl import TRL_KEYWORDS, async_grpo
+    from ors_trl.tasks.selection import RESERVED_COLUMNS
+    from ors_trl.trl.adapter import OpenRewardEnvironment
+    from ors_trl.trl.backend import TRL_KEYWORDS, async_grpo
+    from ors_trl.trl.rewards import group_reward, outcome_reward
 
     found: set[str] = set()
     spec = importlib.util.find_spec("trl.trainer.grpo_trainer")
@@ -183,4 +183,4 @@ def test_only_the_core_decides_a_turn() -> None:
     call after `finished` or past the cap is, and when a reply ends the episode are written in `_episode.py` alone."""
     deciders = sorted(str(p.relative_to(SRC)) for p in PACKAGE.rglob("*.py")
                       if _code_strings(p) & TURN_DECISIONS)
-    assert deciders == ["ors_trl/_episode.py"], deciders
+    assert deciders == ["ors_trl/core/episode.py"], deciders

@@ -106,8 +106,8 @@ def test_async_grpo_trainer_trains_against_the_reference_server(tiny_model_dir, 
     pytest.importorskip("torch")
     from transformers import AutoTokenizer
 
-    from ors_trl._records import read_records
-    from ors_trl._trl import async_grpo
+    from ors_trl.core.records import read_records
+    from ors_trl.trl.backend import async_grpo
     from tests.fixtures.generation import bounded_worker_stop, use_flash_attention
     from tests.fixtures.vllm_server import VLLMDouble
 
@@ -267,7 +267,7 @@ def _run_episodes(jobs: list[dict[str, Any]], conn: Any) -> None:
 def test_pickled_factories_and_reward_funcs_run_in_a_spawned_process(make_server, tmp_path) -> None:
     import os
 
-    from ors_trl._records import read_records
+    from ors_trl.core.records import read_records
 
     server = make_server("echo,sparse")
     spec = OpenRewardSpec(server.url, env_name="echoenvironment")
@@ -341,8 +341,8 @@ def test_get_reward_hook_hands_the_episode_to_the_reward_function_or_scores_itse
     import asyncio
     import inspect
 
-    from ors_trl import _trl
-    from ors_trl._adapter import for_this_process
+    from ors_trl.trl import backend as _trl
+    from ors_trl.trl.adapter import for_this_process
 
     spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=2)
     row = spec.train_dataset[0]
@@ -414,7 +414,7 @@ def test_the_stable_async_trainer_is_found_before_the_experimental_one(monkeypat
 
     import trl
 
-    from ors_trl._trl import async_grpo
+    from ors_trl.trl.backend import async_grpo
 
     installed = async_grpo()
     assert installed is not None and installed.trainer.__name__ == "AsyncGRPOTrainer"

@@ -17,8 +17,8 @@ from pydantic import BaseModel, Field
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from ors_trl._binding import UNSET, BindingResult, bind_tools, defuse_docstring_text
-from ors_trl._schema import describe_tool
+from ors_trl.core.binding import UNSET, BindingResult, bind_tools, defuse_docstring_text
+from ors_trl.core.schema import describe_tool
 
 # ------------------------------------------------------------------------------------------------------ helpers
 
@@ -498,7 +498,7 @@ def test_chat_template_renders_bound_tools() -> None:
 
 
 def test_internal_error_falls_back_to_pass_through(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ors_trl._binding as binding
+    import ors_trl.core.binding as binding
 
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("bug")

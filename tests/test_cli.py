@@ -44,7 +44,7 @@ def test_python_m_help() -> None:
 
 
 def test_import_stays_light() -> None:
-    code = ("import sys, ors_trl, ors_trl.cli, ors_trl._eval, ors_trl._inspect; "
+    code = ("import sys, ors_trl, ors_trl.cli, ors_trl.evaluation.runner, ors_trl.cli.inspect; "
             "print(json.dumps([m for m in ('torch', 'transformers', 'trl', 'datasets', 'openreward') "
             "if m in sys.modules]))")
     result = subprocess.run([sys.executable, "-c", "import json; " + code], env=ENV, capture_output=True, text=True,

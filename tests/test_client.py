@@ -301,7 +301,7 @@ def test_catalog_mode_against_a_single_host(ref_server, monkeypatch) -> None:
 
 def test_process_session_cap_queues_instead_of_failing(ref_server) -> None:
     from ors_trl import get_max_sessions, set_max_sessions
-    from ors_trl._budget import process_semaphore
+    from ors_trl.protocol.budget import process_semaphore
 
     async def main() -> None:
         cap, queued = process_semaphore(), asyncio.Event()  # the process-wide cap on this loop
@@ -349,7 +349,7 @@ def test_client_session_cap_times_out_with_a_clear_error(ref_server) -> None:
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 def test_a_fork_while_another_thread_holds_the_session_cap_lock_does_not_deadlock_the_child() -> None:
-    from ors_trl import _budget
+    from ors_trl.protocol import budget as _budget
 
     held, release = threading.Event(), threading.Event()
 

@@ -219,7 +219,7 @@ def test_fork_gives_the_child_its_own_loop_and_sessions(runs):
     assert "error" not in child, child.get("error")
     assert child["exit_status"] == 0
     assert child["pid"] != runs["engine"]["reports"][0]["pid"]
-    assert child["loop_reset_after_fork"] is True  # ors_trl._loop dropped the parent's loop in the child
+    assert child["loop_reset_after_fork"] is True  # ors_trl.protocol.loop dropped the parent's loop in the child
     assert child["fresh_loop"] is True  # and started its own on first use
     assert child["reward"] == 1.0  # a session opened, called and closed from the child
     assert parent["sid"] not in child["sids"]

@@ -186,7 +186,7 @@ def test_no_rst_in_any_docstring(path: Path) -> None:
 
 def test_inspect_target_lists_the_parameters_it_forwards() -> None:
     """`inspect_target` spells out `collect`'s parameters (no `**kwargs` hiding them), and documents each."""
-    from ors_trl._inspect import collect, inspect_target
+    from ors_trl.cli.inspect import collect, inspect_target
 
     assert inspect.signature(inspect_target).parameters == inspect.signature(collect).parameters
     assert _problems("inspect_target", inspect_target) == []

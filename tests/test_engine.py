@@ -137,8 +137,8 @@ def test_engine_episode_timeout_scores_none(tiny_model_dir, make_server, tmp_pat
 def test_the_gather_window_waits_only_when_generating_costs_more(monkeypatch) -> None:
     """The rule itself, on a controlled clock: the automatic window is capped at half of what a generation call
     takes (and at AUTO_GATHER_WINDOW); a fixed one is kept; nobody waits when no one else can come."""
-    from ors_trl import _engine
-    from ors_trl._engine import AUTO_GATHER_WINDOW, GatherWindow
+    from ors_trl.trl import engine as _engine
+    from ors_trl.trl.engine import AUTO_GATHER_WINDOW, GatherWindow
 
     now = [100.0]
     monkeypatch.setattr(_engine.time, "monotonic", lambda: now[0])

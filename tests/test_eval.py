@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from ors_trl import ConfigurationError, EvalReport, LocalPolicy, OpenAIPolicy, OpenRewardSpec, PolicyReply
-from ors_trl._binding import Toolset
-from ors_trl._eval import load_episodes
 from ors_trl.cli import main
+from ors_trl.core.binding import Toolset
+from ors_trl.evaluation.runner import load_episodes
 from ors_trl.testing.server import free_port
 
 torch.set_num_threads(1)
@@ -676,7 +676,7 @@ def test_pass_at_k_of_repeats(ref_server, tmp_path) -> None:
     the unbiased estimator, and the interval for pass@1 is over the four tasks."""
     from math import comb
 
-    from ors_trl._stats import wilson
+    from ors_trl.core.stats import wilson
 
     words = ["hello", "world", "trl", "openreward"]
     right = dict(zip(words, (0, 1, 3, 5), strict=True))
@@ -750,8 +750,8 @@ def test_unparsed_tool_calls_of_an_endpoint_are_counted(ref_server, fake_openai,
 def test_the_common_tool_call_markups() -> None:
     """Each chat template's tool call, as a server without its parser returns it, is seen; prose and JSON answers
     that are not calls are not."""
-    from ors_trl._policies import TOOL_MARKUPS, markup_pattern
-    from ors_trl._trl import Rules
+    from ors_trl.evaluation.policies import TOOL_MARKUPS, markup_pattern
+    from ors_trl.trl.backend import Rules
 
     rules = Rules(tool_markup=markup_pattern())
     calls = [

@@ -49,11 +49,11 @@ from ors_trl import (
     Timeouts,
     write_report,
 )
-from ors_trl._episode import Task, score_groups
-from ors_trl._inspect import inspect_target, render_text
-from ors_trl._loop import get_loop
-from ors_trl._target import encode_secrets
-from ors_trl._tasks import RESERVED_COLUMNS
+from ors_trl.cli.inspect import inspect_target, render_text
+from ors_trl.core.episode import Task, score_groups
+from ors_trl.protocol.loop import get_loop
+from ors_trl.protocol.target import encode_secrets
+from ors_trl.tasks.selection import RESERVED_COLUMNS
 from tests.fixtures.hostile_server import BIG, COLLIDE_MARK, DEEP_NAN_KEY, ENV, HostileServer
 
 KEY = "sk-fuzz-APIKEY-7f3a9c2e1b4d"
@@ -416,7 +416,7 @@ def op_engine(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
     cut-off) reply, group score, close.
 
     As in the engine, the tool schemas are rendered in the calling thread, never on the event loop."""
-    from ors_trl._episode import Call, Reply, Rules
+    from ors_trl.core.episode import Call, Reply, Rules
 
     spec = spec_for(url, tmp)
     episodes: list[Any] = []
@@ -987,7 +987,7 @@ def test_a_split_claiming_more_tasks_than_a_whole_split_may_needs_a_selection(cl
     claim of 10**9). Past `MAX_WHOLE_SPLIT` a whole split is a ConfigurationError that says how to page; a
     selection of three tasks out of 10**9 costs what three tasks cost."""
     from ors_trl import ConfigurationError
-    from ors_trl._tasks import MAX_WHOLE_SPLIT
+    from ors_trl.tasks.selection import MAX_WHOLE_SPLIT
     from ors_trl.testing.faults import FaultProxy, Reply
 
     tasks = {"tasks": [{"id": f"t{i}"} for i in range(3)]}
@@ -1025,7 +1025,7 @@ def test_tool_lists_past_the_bounds_are_protocol_errors(answer, match) -> None:
 
 
 def test_a_tool_list_at_the_bound_binds() -> None:
-    from ors_trl._types import MAX_TOOLS
+    from ors_trl.protocol.types import MAX_TOOLS
 
     listed = proxy_client({"/tools": {"tools": [{"name": f"t{i}"} for i in range(MAX_TOOLS)]}}, lambda c: c.tools())
     assert len(listed.tools) == MAX_TOOLS

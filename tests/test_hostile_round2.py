@@ -44,8 +44,8 @@ from ors_trl import (
     Timeouts,
     TransportError,
 )
-from ors_trl._loop import get_loop
-from ors_trl._target import encode_secrets
+from ors_trl.protocol.loop import get_loop
+from ors_trl.protocol.target import encode_secrets
 from ors_trl.testing.faults import DropStream, Fault, FaultProxy, Redirect, Reply, Reset, SSEReply, Status
 
 ENV = "hostileenv"

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from ors_trl import OpenRewardSpec, ProtocolError
-from ors_trl._types import MAX_REWARD
+from ors_trl.protocol.types import MAX_REWARD
 from ors_trl.testing.faults import FaultProxy, Reply, SSEReply
 from tests.fixtures.hostile_server import ENV, HostileServer
 from tests.test_fuzz import RETRY, TIMEOUTS, _in_session, run_client
@@ -118,8 +118,8 @@ def test_a_reward_past_the_bound_through_trl_s_loop_scores_the_rollout_none_coun
 
 def _bound(tools: list[Any]) -> tuple[Any, int, int]:
     """Bind `tools` as training does; (the toolset, characters of JSON received, characters TRL renders)."""
-    from ors_trl._binding import Toolset
-    from ors_trl._text import json_size
+    from ors_trl.core.binding import Toolset
+    from ors_trl.protocol.text import json_size
 
     toolset = Toolset(tools)
     return toolset, json_size([t.to_json() for t in tools], 1 << 62), len(json.dumps(toolset.schemas))
@@ -131,7 +131,7 @@ def test_tool_schemas_whose_refs_expand_cost_a_small_multiple_of_the_json_receiv
     (100,000 units each), and nothing bounded what expansion copied. Now the whole list has one budget: expansion
     copies at most 4x the JSON received + 64 KiB, the rest is typed by its target's top-level type, counted and
     said, and what TRL renders is a small multiple of what was received."""
-    from ors_trl._jsonschema import EXPANSION_FACTOR, EXPANSION_FLOOR
+    from ors_trl.core.jsonschema import EXPANSION_FACTOR, EXPANSION_FLOOR
 
     with HostileServer(seed=3, only=frozenset({"valid"})) as hostile:
         hostile.force("schemas_expanding", path="/tools")
@@ -152,7 +152,7 @@ def test_tool_schemas_whose_refs_expand_cost_a_small_multiple_of_the_json_receiv
 def test_the_expansion_budget_is_the_tool_list_s_not_each_tool_s() -> None:
     """Twice the tools, twice the budget (not twelve per-tool budgets): rendering grows with what was received, and
     one expanding tool cannot spend the others' share (a small tool after it still expands its own reference)."""
-    from ors_trl._types import ToolSpec
+    from ors_trl.protocol.types import ToolSpec
     from tests.fixtures.hostile_server import expanding_tool
 
     plain = {"name": "plain", "input_schema": {"type": "object", "$defs": {"P": {"type": "object", "properties": {
@@ -206,7 +206,7 @@ def test_an_answer_that_would_cost_many_times_its_size_to_decode_is_refused_befo
 def test_an_answer_within_the_decode_bound_costs_a_small_multiple_of_its_size(shape, pad) -> None:
     """Just inside the bound (the same shapes, a little sparser), and dense digits (small ints cost only a slot):
     decoded whole, at most the bound's 8 bytes per character plus the buffers of reading it (measured: 3.8-9.1x)."""
-    from ors_trl._transport import DECODE_BYTES_PER_CHAR
+    from ors_trl.protocol.transport import DECODE_BYTES_PER_CHAR
     from tests.fixtures.hostile_server import dense_result
 
     result = dense_result(shape, pad=pad)
@@ -251,7 +251,7 @@ def test_tasks_that_each_carry_their_own_field_build_no_dense_table_and_lose_not
     of its own makes Arrow's struct the same table. Now a field fewer than 1 task in 16 has goes, with the others like
     it, into one JSON text column `task_extra` (said in a log line), and a field whose objects' keys differ from task
     to task is JSON text: the table has a cell per field value, and every value is still there."""
-    from ors_trl._tasks import EXTRA_COLUMN, SPARSE_FIELD
+    from ors_trl.tasks.selection import EXTRA_COLUMN, SPARSE_FIELD
     from tests.fixtures.hostile_server import SPARSE_TASKS, sparse_task
 
     dataset, peak, logged = _dataset("tasks_sparse")
@@ -273,7 +273,7 @@ def test_task_fields_nested_deeper_than_arrow_holds_are_stored_as_json_text() ->
     """Bug: a task field nested 64 levels deep was an untyped ArrowInvalid out of `train_dataset`, 500 levels an
     untyped RecursionError: one task stopped training before step 0. Past `MAX_FIELD_DEPTH` (16) levels, measured
     without recursion, the field is JSON text (written without recursion where the encoder's own would not reach)."""
-    from ors_trl._tasks import MAX_FIELD_DEPTH
+    from ors_trl.tasks.selection import MAX_FIELD_DEPTH
     from tests.fixtures.hostile_server import DEEP_FIELDS, deep_task
 
     dataset, _, logged = _dataset("tasks_deep")
@@ -290,7 +290,7 @@ def test_a_task_field_at_or_past_the_depth_bound_builds_a_dataset(levels) -> Non
     """At the bound a field keeps its Arrow type; one level past it, and at Arrow's own limit, it is JSON text."""
     from datasets import Dataset
 
-    from ors_trl._tasks import MAX_FIELD_DEPTH, task_columns
+    from ors_trl.tasks.selection import MAX_FIELD_DEPTH, task_columns
 
     value: Any = "x"
     for level in range(levels):
@@ -304,7 +304,7 @@ def test_a_task_field_at_or_past_the_depth_bound_builds_a_dataset(levels) -> Non
 def test_json_text_writes_what_the_encoder_cannot_reach() -> None:
     import sys
 
-    from ors_trl._tasks import json_text
+    from ors_trl.tasks.selection import json_text
 
     value: Any = {"b": 1, "a": [True, None, 1.5, "s"]}
     assert json_text(value) == json.dumps(value, sort_keys=True)

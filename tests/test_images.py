@@ -31,13 +31,13 @@ from ors_trl import (
     _trl,
     write_report,
 )
-from ors_trl._conversation import content
-from ors_trl._inspect import collect, render_text
-from ors_trl._loop import get_loop
-from ors_trl._records import RecordWriter, read_records
-from ors_trl._types import parse_blocks
 from ors_trl.cli import main
+from ors_trl.cli.inspect import collect, render_text
+from ors_trl.core.conversation import content
+from ors_trl.core.records import RecordWriter, read_records
 from ors_trl.demo._model import load_vision
+from ors_trl.protocol.loop import get_loop
+from ors_trl.protocol.types import parse_blocks
 from ors_trl.testing import ReferenceServer
 from tests.conftest import check_no_leaks
 from tests.fixtures.environments import (

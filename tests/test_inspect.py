@@ -10,9 +10,9 @@ import unicodedata
 import pytest
 from transformers.utils import get_json_schema
 
-from ors_trl._binding import DEFAULT_RESERVED, bind_tools
-from ors_trl._inspect import describe_binding, inspect_target, render_text
 from ors_trl.cli import main
+from ors_trl.cli.inspect import describe_binding, inspect_target, render_text
+from ors_trl.core.binding import DEFAULT_RESERVED, bind_tools
 
 pytestmark = pytest.mark.usefixtures("no_leaked_sessions")
 

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from ors_trl import OpenRewardMix, OpenRewardSpec, ToolError
-from ors_trl._metrics import EnvMetrics, _percentile
-from ors_trl._records import RecordWriter
+from ors_trl.core.metrics import EnvMetrics, _percentile
+from ors_trl.core.records import RecordWriter
 
 
 def strip(row: dict) -> dict:

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from ors_trl import ConfigurationError, OpenRewardMix, OpenRewardSpec
-from ors_trl._mix import mixture_counts, sample_rows
+from ors_trl.mix import mixture_counts, sample_rows
 
 
 def tools_of(cls: type) -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""The record writer and reader (`ors_trl._records`): whatever a record holds (lone surrogates, values nested
+"""The record writer and reader (`ors_trl.core.records`): whatever a record holds (lone surrogates, values nested
 thousands deep, NaN, things that are not JSON), the writer writes valid JSON and the rest of the record, counts
 what it cannot write and says why once; the reader skips, counts and names what is not a record. Through the
 training episode log and `spec.evaluate(output=)` against the reference server too."""
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from ors_trl import OpenRewardSpec, PolicyReply, write_report
-from ors_trl._records import MAX_DEPTH, RECORD_VERSION, RecordWriter, read_records, upgrade
+from ors_trl.core.records import MAX_DEPTH, RECORD_VERSION, RecordWriter, read_records, upgrade
 
 pytestmark = pytest.mark.usefixtures("no_leaked_sessions")
 

@@ -78,7 +78,7 @@ def loop_tasks() -> set:
     """The tasks running on ors-trl's background loop (where a `Client` does its I/O) right now."""
     import asyncio
 
-    from ors_trl._loop import get_loop
+    from ors_trl.protocol.loop import get_loop
 
     async def others() -> set:
         return asyncio.all_tasks() - {asyncio.current_task()}

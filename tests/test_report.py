@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from ors_trl import ConfigurationError, OpenRewardSpec, PolicyReply, ToolError, write_report
-from ors_trl._report._inputs import recognise
 from ors_trl.cli import EXIT_ERROR, EXIT_OK, EXIT_USAGE, main
+from ors_trl.report.inputs import recognise
 from tests.fixtures.environments import QUIZ_SYSTEM
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -431,7 +431,7 @@ def test_cli_exit_codes(tmp_path, capsys) -> None:
 
 
 def test_matplotlib_is_imported_only_for_curves() -> None:
-    code = "import sys, ors_trl, ors_trl.cli, ors_trl._report; print('matplotlib' in sys.modules)"
+    code = "import sys, ors_trl, ors_trl.cli, ors_trl.report; print('matplotlib' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
@@ -616,7 +616,7 @@ def test_success_threshold_sets_what_succeeds(tmp_path, capsys) -> None:
 def test_page_styles_script_and_skeleton_are_the_package_data(tmp_path) -> None:
     write_report([write_lines(tmp_path / "e.jsonl", [v2(0)])], tmp_path / "r.html")
     page = (tmp_path / "r.html").read_text()
-    data = files("ors_trl._report")
+    data = files("ors_trl.report")
     for name in ("page.css", "page.js"):
         text = data.joinpath(name).read_text(encoding="utf-8")
         assert len(text) > 1000 and text in page, name
@@ -624,7 +624,7 @@ def test_page_styles_script_and_skeleton_are_the_package_data(tmp_path) -> None:
     assert len(skeleton) > 20 and all(line in page for line in skeleton)
     # a wheel ships them: every data file of the package folder is declared as package data
     pyproject = tomllib.loads((Path(SRC).parent / "pyproject.toml").read_text())
-    declared = pyproject["tool"]["setuptools"]["package-data"]["ors_trl._report"]
+    declared = pyproject["tool"]["setuptools"]["package-data"]["ors_trl.report"]
     folder = Path(SRC) / "ors_trl" / "_report"
     assert sorted(declared) == sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix != ".py")
 

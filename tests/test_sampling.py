@@ -1,4 +1,4 @@
-"""Task selection (`ors_trl._sampling`, `_stream`, `_difficulty`): which tasks a run spends its episodes on.
+"""Task selection (`ors_trl.tasks.sampling`, `_stream`, `_difficulty`): which tasks a run spends its episodes on.
 
 The samplers on their own first (their rules, seeded and deterministic), then a spec's and a mix's stream, then real
 `GRPOTrainer` runs on CPU against the reference server with the look environment's pool of mixed difficulty

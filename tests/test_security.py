@@ -30,8 +30,7 @@ from ors_trl import (
     RetryPolicy,
     Timeouts,
 )
-from ors_trl._adapter import OpenRewardEnvironment
-from ors_trl._target import encode_secrets
+from ors_trl.protocol.target import encode_secrets
 from ors_trl.testing.faults import (
     DropStream,
     EchoHeaders,
@@ -44,6 +43,7 @@ from ors_trl.testing.faults import (
     Status,
 )
 from ors_trl.testing.server import free_port
+from ors_trl.trl.adapter import OpenRewardEnvironment
 from tests.fixtures.environments import MANY_TOOLS, PWNED_PATH
 
 FAST = RetryPolicy(max_attempts=2, backoff_initial=0.01, backoff_max=0.02, starting_timeout=0.3, resume_attempts=1)
@@ -451,7 +451,7 @@ def test_the_endpoint_key_of_eval_is_masked_in_errors_records_and_chains(ref_ser
     import traceback
 
     from ors_trl import OpenAIPolicy, PolicyError, cli
-    from ors_trl._loop import get_loop
+    from ors_trl.protocol.loop import get_loop
 
     out = tmp_path / "eval.jsonl"
     with FaultProxy(None) as endpoint:

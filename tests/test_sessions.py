@@ -31,9 +31,9 @@ from ors_trl import (
     RetryPolicy,
     Timeouts,
 )
-from ors_trl._budget import Pace
-from ors_trl._registry import Registry, _boot_id, _started, sweep
 from ors_trl.cli import main
+from ors_trl.protocol.budget import Pace
+from ors_trl.protocol.registry import Registry, _boot_id, _started, sweep
 from ors_trl.testing import ReferenceServer
 from ors_trl.testing.faults import Fault, FaultProxy, Status
 from tests.fixtures.environments import EchoEnvironment, SandboxEnvironment
@@ -206,7 +206,7 @@ def test_no_registry_for_a_process_without_sessions_nor_with_the_switch_off(ref_
 
 
 def test_the_registry_file_is_private_synced_first_and_bounded(tmp_path, monkeypatch) -> None:
-    import ors_trl._registry as registry_module
+    import ors_trl.protocol.registry as registry_module
 
     monkeypatch.setattr(registry_module, "MAX_BYTES", 4096)
     reg = Registry(tmp_path / "sessions")
@@ -303,8 +303,8 @@ def test_no_state_file_is_written_through_a_planted_symlink(tmp_path, monkeypatc
 
     from PIL import Image
 
-    from ors_trl._records import RecordWriter
-    from ors_trl._types import parse_blocks
+    from ors_trl.core.records import RecordWriter
+    from ors_trl.protocol.types import parse_blocks
 
     victim, original = _victim(tmp_path)
     folder = tmp_path / "state" / "sessions"
@@ -405,7 +405,7 @@ def test_cleanup_deletes_every_good_orphan_and_reports_what_it_skipped(ref_serve
 def test_a_gone_loopback_server_costs_one_sweep_and_no_request(tmp_path) -> None:
     """A dead process's sessions on a loopback server that refuses connections (killed, or a test server on a random
     port): the first sweep drops them without a request, the file goes, later sweeps ask nothing, cleanup says 0."""
-    from ors_trl._client import delete_orphans
+    from ors_trl.protocol.client import delete_orphans
     from ors_trl.testing.server import free_port
 
     folder = tmp_path / "state" / "sessions"
@@ -435,7 +435,7 @@ def test_a_client_whose_loopback_server_died_leaves_no_registry_entry(make_serve
     """The demo's own server stopped (Ctrl-C) before its client closed: the deletes are refused, and the sessions
     died with the server, so the registry forgets them (it kept them a day, and `cleanup` exited 1 meanwhile)."""
     from ors_trl import Client
-    from ors_trl._registry import registry
+    from ors_trl.protocol.registry import registry
 
     server = make_server("echo")
     c = Client(server.url, env_name=ECHO, retry=RetryPolicy(max_attempts=2, backoff_initial=0.01))
@@ -452,7 +452,7 @@ def test_a_client_whose_loopback_server_died_leaves_no_registry_entry(make_serve
 def test_a_sweep_does_not_wait_for_itself(tmp_path, monkeypatch) -> None:
     """The clients a sweep deletes orphans with wait, when they close, for the process's sweeps: not for the sweep
     they run in (that cost every process with orphans the whole bound, 10 s, at exit)."""
-    import ors_trl._registry as registry_module
+    import ors_trl.protocol.registry as registry_module
 
     folder = tmp_path / "sessions"
     _fake_registry(folder, "gone", _dead_header(), ["s1"])
@@ -547,7 +547,7 @@ def test_a_session_id_another_process_has_is_given_up_not_deleted(ref_server) ->
 def test_a_create_session_that_names_its_session_then_stalls_deletes_it(ref_server, recovers) -> None:
     """The answer names the session, then never ends: the attempt times out (typed when no retry recovers), and the
     session it named is deleted, since the server may have allocated it."""
-    from ors_trl._registry import registry
+    from ors_trl.protocol.registry import registry
     from ors_trl.testing.faults import SSEReply
 
     stalled = f"stalled-{recovers}"
@@ -576,7 +576,7 @@ def test_a_delete_that_never_answers_holds_neither_environment_factory_nor_reset
     """`/delete` held (a dead sandbox): `environment_factory` (its discovery probe) and `reset()` (under
     `max_sessions=1`, whose slot the closing session held) return while no delete has finished; the sessions stay
     in the orphan registry until the server has them gone; closing the spec waits for the deletes."""
-    from ors_trl._registry import registry
+    from ors_trl.protocol.registry import registry
 
     server = make_server("echo")
     gate = Gate()
@@ -603,8 +603,8 @@ def test_a_delete_that_never_answers_holds_neither_environment_factory_nor_reset
 def test_closing_a_client_is_bounded_by_a_delete_that_never_answers(make_server, monkeypatch) -> None:
     """At exit a delete that never answers is given up after the bound; the session stays in the orphan registry,
     for the next sweep."""
-    import ors_trl._pool as pool_module
-    from ors_trl._registry import registry
+    import ors_trl.protocol.pool as pool_module
+    from ors_trl.protocol.registry import registry
 
     monkeypatch.setattr(pool_module, "OPENING_WAIT_S", 0.5)
     server = make_server("echo")

@@ -9,7 +9,7 @@ import pickle
 import pytest
 
 from ors_trl import ConfigurationError, MissingAPIKeyError, OpenRewardSpec, ToolRefusedError
-from ors_trl._spec import task_columns
+from ors_trl.spec import task_columns
 from ors_trl.testing.server import free_port
 from tests.fixtures.environments import COLLIDING_FIELDS, PROBE_DISTINCT, PROBE_TASKS, PROBE_VARIANTS
 
@@ -387,8 +387,8 @@ def test_grpo_trainer_collects_and_renders_the_environments_schemas(ref_server, 
 def test_calls_started_ahead_that_trl_does_not_ask_for_are_recorded_not_lost(make_server, caplog, tmp_path) -> None:
     """batch_tool_calls safety net: if TRL asks for something other than the calls started ahead of it (a turn
     cut short), those calls are recorded in order first, then the asked-for call runs as usual."""
-    from ors_trl._adapter import _Ahead, _run_chain
-    from ors_trl._episode import Call
+    from ors_trl.core.episode import Call
+    from ors_trl.trl.adapter import _Ahead, _run_chain
 
     def _start_ahead(batch):  # what the adapter does at the first call of a turn of TRL's loop
         for env, calls in batch:
@@ -493,7 +493,7 @@ def test_task_fields_named_like_trl_keywords_are_renamed_and_a_real_step_trains(
 def test_tool_discovery_is_bounded_and_probes_each_distinct_task_once(make_server) -> None:
     """48 indices (twice each) of 40 distinct tasks: at most PROBE_CONCURRENCY probe sessions at once, one probe per
     distinct task, and every listed task's tools bound (TRL's union)."""
-    from ors_trl._spec import PROBE_CONCURRENCY
+    from ors_trl.spec import PROBE_CONCURRENCY
 
     server = make_server("probe")
     indices = [*range(PROBE_TASKS), *range(PROBE_TASKS)]

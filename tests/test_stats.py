@@ -10,7 +10,7 @@ import random
 import pytest
 
 from ors_trl import ConfigurationError
-from ors_trl._stats import check_threshold, paired_test, pass_at_k, pass_at_ks, wilson
+from ors_trl.core.stats import check_threshold, paired_test, pass_at_k, pass_at_ks, wilson
 
 
 def brute_pass_at_k(outcomes: list[bool], k: int) -> float:

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from ors_trl import ConfigurationError, MissingAPIKeyError
-from ors_trl._target import encode_secrets, platform_key_secret, resolve_target
-from ors_trl._transport import RetryPolicy, Timeouts, Transport
+from ors_trl.protocol.target import encode_secrets, platform_key_secret, resolve_target
+from ors_trl.protocol.transport import RetryPolicy, Timeouts, Transport
 
 
 def test_url_target_is_single_host_and_gets_no_key_by_default() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from ors_trl import OpenRewardSpec, write_report
-from ors_trl._stats import wilson
+from ors_trl.core.stats import wilson
 from tests.fixtures.generation import cpu_grpo_trainer, replace_generation, tool_call_text
 
 pytest.importorskip("trl")

@@ -204,7 +204,7 @@ def test_close_frees_the_session_now_and_records_the_episode_once(echo_server, e
 @pytest.fixture
 def unverified_trl(monkeypatch) -> Iterator[str]:
     """Make the installed TRL look like a release `_trl.VERIFIED` does not list (nothing is installed)."""
-    from ors_trl import _trl
+    from ors_trl.trl import backend as _trl
 
     monkeypatch.setattr(_trl, "trl_version", lambda: "99.0.0")
     monkeypatch.delenv(_trl.TRUST_ENV, raising=False)

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from ors_trl import MissingAPIKeyError, OpenRewardSpec, PolicyReply, __version__
-from ors_trl._upload import RolloutUploader
 from ors_trl.cli import EXIT_OK, EXIT_USAGE, main
+from ors_trl.protocol.upload import RolloutUploader
 from ors_trl.testing.server import free_port
 
 pytest.importorskip("openreward")

@@ -293,7 +293,7 @@ class _ScriptedAccelerator:
     (0, 0, None),  # nobody has work: no call at all
 ])
 def test_generate_pads_to_the_largest_process(local, other, called_with):
-    from ors_trl._engine import RolloutEngine
+    from ors_trl.trl.engine import RolloutEngine
 
     calls = []
 

@@ -7,12 +7,16 @@ light: torch, trl, transformers, datasets and the openreward SDK are imported on
 first used.
 """
 
-from ._budget import get_max_sessions, set_max_sessions
-from ._client import AsyncClient, AsyncSession, Client, Session
-from ._difficulty import PlatformDifficulty
-from ._episode import Episode
-from ._eval import EvalReport, MixEvalReport
-from ._exceptions import (
+from ._version import __version__
+from .core.episode import Episode
+from .core.metrics import EnvMetrics
+from .core.records import EpisodeRecord
+from .evaluation.policies import LocalPolicy, OpenAIPolicy, Policy, PolicyReply
+from .evaluation.runner import EvalReport, MixEvalReport
+from .mix import OpenRewardMix
+from .protocol.budget import get_max_sessions, set_max_sessions
+from .protocol.client import AsyncClient, AsyncSession, Client, Session
+from .protocol.errors import (
     APIStatusError,
     AuthenticationError,
     BadRequestError,
@@ -38,16 +42,8 @@ from ._exceptions import (
     TransportError,
     UsageError,
 )
-from ._metrics import EnvMetrics
-from ._mix import OpenRewardMix
-from ._policies import LocalPolicy, OpenAIPolicy, Policy, PolicyReply
-from ._records import EpisodeRecord
-from ._report import ReportSummary, write_report
-from ._rewards import outcome_reward
-from ._sampling import AdaptiveSampler, TaskSampler, UniformSampler
-from ._spec import OpenRewardSpec
-from ._transport import RetryPolicy, Timeouts
-from ._types import (
+from .protocol.transport import RetryPolicy, Timeouts
+from .protocol.types import (
     GroupScore,
     ImageBlock,
     Message,
@@ -62,7 +58,11 @@ from ._types import (
     ToolSpec,
     UnknownBlock,
 )
-from ._version import __version__
+from .report import ReportSummary, write_report
+from .spec import OpenRewardSpec
+from .tasks.difficulty import PlatformDifficulty
+from .tasks.sampling import AdaptiveSampler, TaskSampler, UniformSampler
+from .trl.rewards import outcome_reward
 
 __all__ = [
     "APIStatusError",

@@ -98,7 +98,7 @@ def test_look_grpo_through_the_spec(look_server, tmp_path) -> None:
                         "seconds", "steps", "seed", "look_rate_before", "look_rate_after", "turns_after",
                         "blind_success_after", "no_look_success_after"}
     assert "looked before answering" in result.table() and "blind-variant success" in result.table()
-    if result.report is not None:  # ors_trl._report is there: the page covers the training episodes
+    if result.report is not None:  # ors_trl.report is there: the page covers the training episodes
         page = Path(result.report).read_text(encoding="utf-8")
         assert "<html" in page.lower() and LOOK in page
         # the page opens with after against before, over the same held-out tasks, as the table's success rates

@@ -111,7 +111,7 @@ def scripted_generation(trainer, rank: int, calls: list):
 
 def fork_check(spec: OpenRewardSpec, url: str, out_path: str) -> dict:
     """Fork after the spec was used; the child must get a fresh loop and its own sessions, the parent keeps its own."""
-    import ors_trl._loop as loop_module
+    import ors_trl.protocol.loop as loop_module
     from ors_trl import Client
 
     parent_loop = loop_module.get_loop()

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ors_trl._text import escape_controls
+from ors_trl.protocol.text import escape_controls
 
 __all__ = ["DemoResult", "main", "run_demo"]
 
@@ -232,7 +232,7 @@ def _trl_prompt(spec: Any, *, rollout_func: bool) -> tuple[Any, list[dict[str, A
     conversation merged into the dataset's prompt (the rollout engine). Evaluation: the conversation's chat
     messages (system turn kept).
     """
-    from ors_trl._conversation import Prompt
+    from ors_trl.core.conversation import Prompt
 
     row = spec.train_dataset[0]
 

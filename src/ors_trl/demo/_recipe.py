@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._metrics import EpisodeStats
+from ..core.metrics import EpisodeStats
 from ._model import EOS_TOKEN, episode_parts, tool_call_message
 
 # ── chat-template plumbing shared by SFT and evaluation ─────────────────────────────────────────────────────────────
@@ -42,8 +42,8 @@ def environment_tools(environment: Any) -> list[Callable]:
 
 def rendering(tokenizer) -> Any:
     """How GRPO renders and parses with this tokenizer (TRL's training chat template, tool turns, parsing):
-    the one `ors_trl._trl.Rendering` the engine and `LocalPolicy` use too."""
-    from ors_trl._trl import Rendering
+    the one `ors_trl.trl.backend.Rendering` the engine and `LocalPolicy` use too."""
+    from ors_trl.trl.backend import Rendering
 
     out = Rendering.for_training(tokenizer)
     if out.parse_error is not None:

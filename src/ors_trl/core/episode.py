@@ -1,0 +1,1010 @@
+"""One episode, written once: the core every driver (TRL's loop, the engine, eval, the demo) drives.
+
+An `Episode` owns one rollout of one task from open to close: its session, its prompt (a
+conversation from `/messages` where the server has it, else `/prompt`), what each model reply does
+(**the turn rule**, `Episode.reply`, the one place that decides which calls run, what a call after
+`finished` or past the call cap is, when the episode ends and why, and what it scores), the end (a
+`@terminal` tool grades the final plain message) and one record (`ors_trl.core.records`). Metrics are
+counted here and nowhere else. A driver only generates, schedules and says what the model replied;
+TRL's own loop makes its calls live (`Episode.call`), and the adapter replays TRL's transcript
+through the same rule afterwards (`Episode.replay`). The limits and the failure text TRL imposes
+come from `ors_trl.trl.backend` as `Rules`.
+
+Lifecycle: new -> opening -> open -> ended -> closed. `close()` is the one way to close (`release()`
+runs it in the background from any thread).
+
+`EnvironmentRuntime` is what the episodes of one environment share: the client, the bound
+tools, the prompt cache, metrics, the record writer, and the set of live episodes that are
+closed at step end, at `close()` and at interpreter exit. It lives on the process's background
+loop (`ors_trl.protocol.loop`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import threading
+import time
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from ..protocol.client import AsyncClient, AsyncSession
+from ..protocol.errors import ConfigurationError, NotFoundError, ORSError, ToolError, ToolRefusedError
+from ..protocol.loop import get_loop
+from ..protocol.text import clip, show_name
+from ..protocol.types import Block, ImageBlock, TerminalTool, ToolList, ToolResult, image_blocks
+from ..tasks.sampling import Curriculum
+from ..trl import backend as _trl
+from ..trl.backend import Rules
+from .binding import Toolset
+from .conversation import Content, Prompt, content, transcript
+from .metrics import EnvMetrics
+from .records import RUN_ID, CallRecord, EpisodeRecord, RecordWriter, TurnRecord, error_record, image_record
+
+__all__ = ["MANUAL", "Call", "EnvironmentRuntime", "Episode", "Outcome", "Reply", "Rules", "Task", "find_ended",
+           "runtimes", "score_groups"]
+
+logger = logging.getLogger("ors_trl")
+
+# Live runtimes by key: how a reward function finds the metrics of the engine's episodes (only their keys
+# travel through TRL's extra columns), and the episodes TRL's async worker handed over.
+_RUNTIMES: weakref.WeakValueDictionary[str, EnvironmentRuntime] = weakref.WeakValueDictionary()
+#: Bound on the episodes an async worker's runtime keeps for reward functions that never come for them.
+_HANDOVER_MAX = 16_384
+#: The episode sources that train (TRL's loop, the engine): their outcomes teach task sampling; evaluation's do not.
+TRAINING_SOURCES = frozenset({"trl", "engine"})
+#: The source of an adapter's episode opened with no trainer driving it (`env = spec.environment_factory();
+#: env.reset(...)` to look at a prompt): counted apart, out of the training metrics and task sampling, until a reward
+#: function reads it (`Episode.adopt`: a loop of one's own that scores with `spec.reward_funcs` trains).
+MANUAL = "manual"
+
+
+def runtimes(keys: Sequence[Any]) -> list[EnvironmentRuntime]:
+    """The live runtimes named by `keys` (an engine's `ors_env` column), each once."""
+    return [rt for key in dict.fromkeys(keys) if (rt := _RUNTIMES.get(key)) is not None]
+
+
+@dataclass(frozen=True)
+class Task:
+    """Which task an episode runs: `index` of `split`, or an explicit `spec`; `env` names it in a mix."""
+
+    split: str
+    index: int | None = None
+    spec: Mapping[str, Any] | None = None
+    env: str | None = None
+
+    @property
+    def key(self) -> str:
+        """Identity for the prompt cache and for grouping a GRPO group's rollouts."""
+        if self.spec is not None:
+            return f"{self.env}:spec:" + json.dumps(self.spec, sort_keys=True, default=str)
+        return f"{self.env}:index:{self.split}:{self.index}"
+
+    def identity(self) -> str:
+        """The JSON a dataset row carries so that `rollout_func` (which sees only prompts) knows its task."""
+        return json.dumps({"env": self.env, "split": self.split, "index": self.index})
+
+    @classmethod
+    def from_row(cls, split: str, task_index: Any = None, task_spec: Any = None, env: str | None = None) -> Task:
+        """The task of a dataset row's `reset(task_index=..., task_spec=...)` arguments, validated."""
+        if task_spec is None and task_index is None:
+            raise ConfigurationError("reset() needs task_index= (the rows of spec.train_dataset carry it) or task_spec=.")
+        if task_spec is None and (isinstance(task_index, bool) or not isinstance(task_index, int)):
+            raise ConfigurationError(f"task_index must be an int, got {task_index!r}")
+        if task_spec is not None and not isinstance(task_spec, Mapping):
+            raise ConfigurationError(f"task_spec must be a mapping, got {type(task_spec).__name__}")
+        return cls(split, None if task_spec is not None else task_index,
+                   dict(task_spec) if task_spec is not None else None, env)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One tool call as the model wrote it: the name it saw, its arguments (an object, or whatever it wrote)."""
+
+    name: str
+    arguments: Any = None
+    id: str | None = None
+    type: str = "function"
+
+    @classmethod
+    def from_chat(cls, call: Mapping[str, Any]) -> Call:
+        """A chat message's `tool_calls` entry (TRL's `parse_response`, an OpenAI-style API)."""
+        if call.get("type", "function") != "function":
+            return cls(str(call.get("name", "unknown")), None, call.get("id"), str(call.get("type")))
+        function = call.get("function") or {}
+        return cls(str(function.get("name", "unknown")), function.get("arguments"), call.get("id"))
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One model reply: its visible text (None when nothing was parsed), its calls, and whether the length limit
+    cut it. `extra` goes into the turn's record (`raw`, `usage`, `generation_seconds`)."""
+
+    text: str | None
+    calls: tuple[Call, ...] = ()
+    truncated: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Outcome:
+    """What one tool call gave the model: `content` is what it reads (the output, or `Rules.error_text` of `error`):
+    a text, or content parts where the output holds an image that is shown; `text` is the text of that (what the
+    record keeps, an image written as its `[image: ...]` marker)."""
+
+    __slots__ = ("content", "error", "result", "text")
+
+    def __init__(self, content: Content, error: ORSError | None = None, result: ToolResult | None = None,
+                 text: str | None = None) -> None:
+        self.content, self.error, self.result = content, error, result
+        self.text = text if text is not None else content if isinstance(content, str) else ""
+
+    @property
+    def fatal(self) -> bool:
+        """True when the failure is the session's or the network's, not only this call's."""
+        return self.error is not None and not isinstance(self.error, ToolError)
+
+
+def _refusal(tool: str, reason: str, why: str) -> ToolRefusedError:
+    return ToolRefusedError(f"tool {show_name(tool)} was refused ({reason}): {why}", tool=tool, reason=reason)
+
+
+class EnvironmentRuntime:
+    """What every episode of one environment shares; one per spec.
+
+    Args:
+        client: the environment's client (its sessions live on the background loop).
+        name: the environment's name in metrics and records.
+        split: the split tasks are drawn from.
+        max_output_chars: cap on tool output the model sees (the cut is marked).
+        cache_prompts: answer repeated resets of a task from the cached prompt while the session opens.
+        max_concurrent_tool_calls: tool calls in flight at once, across the environment's episodes.
+        max_tool_calls: tool calls one episode may make (None: no cap); later calls are refused locally.
+        episode_timeout: seconds one episode may take where a driver keeps the time (the engine, eval).
+        batch_tool_calls: in TRL's own loop, start a turn's calls across the batch at once.
+        episode_log: a record writer receiving every finished episode, or None.
+        score_groups: keep finished sessions until the step ends, so group scoring can use them.
+        success_threshold: the reward at or above which an episode counts as a success (metrics).
+        images: "pass" (image blocks reach the model as image parts) or "placeholder" (as their text marker).
+    """
+
+    def __init__(self, client: AsyncClient, *, name: str, split: str, max_output_chars: int | None = None,
+                 cache_prompts: bool = True, max_concurrent_tool_calls: int = 64, max_tool_calls: int | None = None,
+                 episode_timeout: float | None = None, batch_tool_calls: bool = True,
+                 episode_log: RecordWriter | None = None, score_groups: bool = False,
+                 success_threshold: float = 1.0, images: str = "pass") -> None:
+        self.client = client
+        self.name = name
+        self.split = split
+        self.max_output_chars = max_output_chars
+        self.cache_prompts = cache_prompts
+        self.max_concurrent_tool_calls = max_concurrent_tool_calls
+        self.max_tool_calls = max_tool_calls
+        self.episode_timeout = episode_timeout
+        self.batch_tool_calls = batch_tool_calls
+        self.recorder = episode_log
+        self.score_groups = score_groups
+        self.pass_images = images == "pass"
+        #: Set when an image met a trainer that cannot take images, where TRL's loop would swallow the error (a tool
+        #: call): the reward functions raise it at the end of that step.
+        self.image_error: ConfigurationError | None = None
+        self.metrics = EnvMetrics(success_threshold)
+        self.metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
+        self.uploads: Any = None  # a RolloutUploader (ors_trl.protocol.upload) sent every closed episode's record, opt-in
+        self.curriculum: Curriculum | None = None  # task sampling (ors_trl.tasks.sampling): told each training outcome
+        self.toolset: Toolset | None = None  # bound by the spec before the first episode
+        self.uses_messages: bool | None = None  # /messages supported (None: not known yet)
+        self.block_types: tuple[str, ...] | None = None  # block types the server accepts in messages
+        self.supports_score_group = False
+        self.key = f"{name}-{id(self):x}"
+        _RUNTIMES[self.key] = self
+        self.prompt_cache: dict[str, Prompt] = {}
+        self.prompt_mismatches = 0
+        self.cached_resets = 0
+        self.calls_ahead = 0  # tool calls started ahead of TRL's loop (batch_tool_calls)
+        # The turn of TRL's tool loop whose calls were last started ahead (its `tool_calls` list, which no weak reference
+        # can hold, and whose id a later turn's list may take): dropped at step end (`release_all`), not kept alive.
+        self.last_turn: object = None
+        # In TRL's async worker: each ended rollout's episode by the identity of its transcript (what TRL hands reward
+        # functions as its `completions` entry), with how many reading reward functions are still to come.
+        self.handover: OrderedDict[int, tuple[list[Any], Episode, int]] = OrderedDict()
+        self._trainer: weakref.ref[Any] | None = None  # the trainer driving this environment, once seen
+        self.bg = get_loop()
+        self.live: set[Episode] = set()
+        self._pending: set[concurrent.futures.Future[None]] = set()
+        self.lock = threading.Lock()  # guards the shared state: live episodes, the turn started ahead, the hand-over
+        self._gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = \
+            weakref.WeakKeyDictionary()
+        self._toolsets: dict[str, Toolset] = {}
+        self.bg.add_closer(self.aclose)
+
+    def __repr__(self) -> str:
+        return f"<EnvironmentRuntime {self.name!r} live={len(self.live)}>"
+
+    @property
+    def terminal(self) -> TerminalTool | None:
+        return self.toolset.terminal if self.toolset is not None else None
+
+    @property
+    def trainer(self) -> Any:
+        """The trainer driving this environment, while it exists (held weakly: a model is not kept alive)."""
+        return self._trainer() if self._trainer is not None else None
+
+    def rename(self, name: str, metrics: EnvMetrics, recorder: RecordWriter | None) -> None:
+        """Join a mix: report under `name`, into the mix's metrics and record writer."""
+        self.name, self.metrics = name, metrics
+        if self.curriculum is not None:
+            self.curriculum.name = name
+        metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
+        if recorder is not None:
+            self.recorder = recorder
+
+    def episode(self, task: Task, *, source: str, rules: Rules, metrics: bool = True,
+                writer: RecordWriter | None = None, uploads: Any = None, **info: Any) -> Episode:
+        """A new, not yet opened episode of `task` played under `rules`, tracked until it is closed; `writer` and
+        `uploads` (a `RolloutUploader`; False: none) receive its record instead of the runtime's own."""
+        if self.max_tool_calls is not None and rules.max_tool_calls is None:
+            rules = dataclasses.replace(rules, max_tool_calls=self.max_tool_calls)
+        counts = self.metrics if source != MANUAL else EnvMetrics(self.metrics.success_threshold)  # apart, see MANUAL
+        ep = Episode(self, task, source=source, rules=rules, metrics=counts if metrics else None,
+                     writer=writer if writer is not None else self.recorder,
+                     uploads=uploads if uploads is not None else self.uploads, **info)
+        with self.lock:
+            self.live.add(ep)
+        return ep
+
+    def toolset_of(self, listed: ToolList) -> Toolset:
+        """The toolset of one session's own tool list (`/task_tools`), bound once per distinct list."""
+        key = json.dumps([t.to_json() for t in listed.tools], sort_keys=True, default=str) + repr(listed.terminal_tool)
+        toolset = self._toolsets.get(key)
+        if toolset is None:
+            toolset = self._toolsets[key] = Toolset(listed.tools, terminal=listed.terminal_tool)
+        return toolset
+
+    def tool_gate(self) -> asyncio.Semaphore:
+        """The running loop's bound on this environment's tool calls in flight."""
+        loop = asyncio.get_running_loop()
+        gate = self._gates.get(loop)
+        if gate is None:
+            gate = self._gates[loop] = asyncio.Semaphore(max(1, self.max_concurrent_tool_calls))
+        return gate
+
+    async def read_prompt(self, session: AsyncSession) -> Prompt:
+        """The session's prompt: `/messages` where the server has it (probed once), else `/prompt`."""
+        if self.uses_messages is not False:
+            try:
+                prompt = Prompt.from_messages(await session.messages(), images=self.pass_images)
+            except NotFoundError:
+                if self.uses_messages:  # advertised, yet missing: say so once, then stop asking
+                    logger.warning("%s: the server advertises /messages but has no such route; using /prompt",
+                                   self.name)
+                self.uses_messages = False
+            else:
+                self.uses_messages = True
+                return prompt
+        return Prompt.from_blocks(await session.prompt(), images=self.pass_images)
+
+    def remember_prompt(self, key: str, prompt: Prompt) -> None:
+        cached = self.prompt_cache.setdefault(key, prompt)
+        if cached.text != prompt.text:
+            self.prompt_mismatches += 1
+            if self.prompt_mismatches == 1:
+                logger.warning(
+                    "%s: task %s gave a different prompt in a new session than the cached one, so the model saw a "
+                    "stale prompt. Pass cache_prompts=False if prompts vary between sessions of a task.",
+                    self.name, key,
+                )
+
+    # -- the async worker's hand-over --------------------------------------------------------------
+
+    def hand_over(self, messages: list[Any], ep: Episode, readers: int) -> None:
+        """Keep `ep` for the `readers` reward functions that will come with `messages` as its `completions` entry."""
+        with self.lock:
+            self.handover[id(messages)] = (messages, ep, readers)
+            while len(self.handover) > _HANDOVER_MAX:
+                self.handover.popitem(last=False)
+
+    def take(self, messages: Any) -> Episode | None:
+        """The episode handed over with `messages` (forgotten once every reading reward function has had it)."""
+        with self.lock:
+            hit = self.handover.get(id(messages))
+            if hit is None or hit[0] is not messages:
+                return None
+            if hit[2] <= 1:
+                del self.handover[id(messages)]
+            else:
+                self.handover[id(messages)] = (hit[0], hit[1], hit[2] - 1)
+            return hit[1]
+
+    # -- lifecycle (any thread) ---------------------------------------------------------------
+
+    def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
+        """Run `coro` on the background loop, tracked until done (so `close_all` can wait for it)."""
+        fut = self.bg.submit(coro)
+        with self.lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._forget)
+        return fut
+
+    def _forget(self, fut: concurrent.futures.Future[Any]) -> None:
+        with self.lock:
+            self._pending.discard(fut)
+
+    def release_all(self) -> None:
+        """Close every live episode in the background (step end): account it, write its record, free its session."""
+        with self.lock:
+            episodes = list(self.live)
+            self.last_turn = None
+        for ep in episodes:
+            ep.release()
+
+    def close_all(self, timeout: float | None = 60.0) -> None:
+        """Close every episode and session of this environment and wait (bounded) until the server has them gone."""
+        self.release_all()
+        with self.lock:
+            pending = list(self._pending)
+        concurrent.futures.wait(pending, timeout=timeout)
+        try:
+            self.bg.run(self.client.close_sessions(), timeout=timeout)
+        except ORSError as exc:
+            logger.warning("%s: closing sessions failed: %s", self.name, exc)
+        if self.uploads is not None:
+            self.uploads.close(timeout or 60.0)
+
+    async def aclose(self) -> None:
+        """At exit: close every live episode, then the client (which deletes whatever is still open)."""
+        await asyncio.gather(*(ep.close() for ep in list(self.live)), return_exceptions=True)
+        await self.client.aclose()
+
+    def attach_to(self, trainer: Any) -> None:
+        """Make `trainer` release this environment's sessions at each step's end and close them at the end.
+
+        Adds a `SessionCleanupCallback` (public Trainer API) unless one already covers this runtime.
+        """
+        if self.trainer is trainer or not hasattr(trainer, "add_callback"):
+            return
+        from ..trl.callbacks import SessionCleanupCallback
+
+        self._trainer = weakref.ref(trainer)
+        for cb in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
+            if isinstance(cb, SessionCleanupCallback) and self in cb.runtimes:
+                return
+        trainer.add_callback(SessionCleanupCallback([self]))
+
+
+def find_ended(messages: Any) -> Episode | None:
+    """In TRL's async worker: the episode a runtime was handed over with transcript `messages`, if any."""
+    for rt in list(_RUNTIMES.values()):
+        ep = rt.take(messages)
+        if ep is not None:
+            return ep
+    return None
+
+
+NEW, OPENING, OPEN, ENDED, CLOSED = "new", "opening", "open", "ended", "closed"
+
+
+class Episode:
+    """One rollout of one task. Create it with `EnvironmentRuntime.episode`; run its coroutines on one loop.
+
+    Users receive episodes from `adapter.episode` (`environment_factory`) and `rollout_func.last_episodes`.
+
+    Args:
+        env (`EnvironmentRuntime`):
+            The environment the episode runs in; kept as the attribute `env`.
+        task (`Task`):
+            The task it runs; kept as the attribute `task`.
+        source (`str`):
+            Which driver plays it (`"trl"`, `"engine"`, `"eval"`, ...), for the record.
+        rules (`Rules`):
+            The limits it is played under, and how a failed call reads to the model.
+        metrics (`EnvMetrics` or `None`):
+            The metrics it is counted in (`None`: none).
+        writer (`RecordWriter` or `None`):
+            Where its record is written when it closes (`None`: nowhere).
+        task_tools (`bool`, *optional*, defaults to `False`):
+            Bind the session's own tool list (`/task_tools`) when it opens, instead of the environment's.
+        uploads (`RolloutUploader`, *optional*):
+            Where its record is uploaded when it closes.
+        **info:
+            Extra record fields (`repeat`, `policy`, ...).
+
+    Attributes:
+        state (`str`):
+            `"new"`, `"opening"`, `"open"`, `"ended"` (the model stopped, or the episode failed or timed out) or
+            `"closed"`.
+        reward (`float` or `None`):
+            Last non-`None` reward (the outcome convention); `None` if nothing was scored, or the episode timed out.
+        rewards (`list[float | None]`):
+            Per tool call, the reward (`None` where absent).
+        metadata (`list[dict[str, Any] | None]`):
+            Per tool call, the environment's metadata (`None` where absent).
+        finished (`bool`):
+            `True` once the environment said the episode is over (the model may still reply).
+        tool_calls (`int`):
+            The model's tool calls this episode.
+        tool_failures (`int`):
+            How many of them failed or were refused.
+        turns (`list[TurnRecord]`):
+            The record of each model reply.
+        final (`dict[str, Any]` or `None`):
+            The final plain message and its terminal grade.
+        error (`dict[str, Any]` or `None`):
+            Why the episode failed outside a tool call (`{"kind", "message"}`), else `None`.
+        end_reason (`str` or `None`):
+            `finished`, `no_tool_calls`, `max_turns`, `length`, `context_length`, `timeout` or `error` (once ended).
+        group_reward (`float` or `None`):
+            The comparative reward from `/score_group`, when asked for.
+    """
+
+    def __init__(self, env: EnvironmentRuntime, task: Task, *, source: str, rules: Rules,
+                 metrics: EnvMetrics | None, writer: RecordWriter | None, task_tools: bool = False,
+                 uploads: Any = None, **info: Any) -> None:
+        self.env = env
+        self.task = task
+        self.source = source
+        self.rules = rules
+        self.info = info  # extra record fields: repeat, policy, ...
+        self.toolset = None if task_tools else env.toolset  # None: bind the session's own tool list when it opens
+        self.state = NEW
+        self.session: AsyncSession | None = None
+        self.prompt: Prompt | None = None
+        self.turns: list[TurnRecord] = []
+        self.final: dict[str, Any] | None = None
+        self.reward: float | None = None
+        self.rewards: list[float | None] = []
+        self.metadata: list[dict[str, Any] | None] = []
+        self.finished = False
+        self.tool_calls = 0
+        self.tool_failures = 0
+        self.error: dict[str, Any] | None = None
+        self.end_reason: str | None = None
+        self.group_reward: float | None = None
+        self.timings: dict[str, float] = {"generation": 0.0, "tools": 0.0}
+        self.started = time.monotonic()
+        self.started_at = datetime.now(UTC).isoformat(timespec="seconds")
+        self._lost = False  # a call failed for the session's or the network's reasons
+        self._metrics = metrics
+        self._writer = writer
+        self._uploads = uploads
+        self._opening: asyncio.Future[bool] | None = None
+        self._open_error: ORSError | None = None
+        self._accounted = False
+        self._closing: concurrent.futures.Future[None] | None = None
+        self._freeing: asyncio.Future[None] | None = None
+        self._ended: float | None = None
+        self.images: dict[str, ImageBlock] = {}  # the episode's images by hash (its record lists each once)
+        self._billed = 0.0  # session-seconds already counted in the metrics
+        self._unseen = 0  # the model's calls TRL failed itself, seen in its transcript: they count toward the cap
+
+    def __repr__(self) -> str:
+        return f"<Episode {self.env.name} {self.task.key} reward={self.reward} {self.state}>"
+
+    @property
+    def terminal(self) -> TerminalTool | None:
+        """The environment's `@terminal` tool, which grades the final plain message, if it has one."""
+        return self.toolset.terminal if self.toolset is not None else None
+
+    @property
+    def seconds(self) -> float:
+        """Wall time of the episode so far (until it was closed)."""
+        return (self._ended or time.monotonic()) - self.started
+
+    @property
+    def over(self) -> bool:
+        """True once the episode has ended or closed: nothing the model does changes it any more."""
+        return self.state in (ENDED, CLOSED)
+
+    @property
+    def final_message(self) -> str | None:
+        """The model's final plain message, when it wrote one."""
+        return self.final.get("message") if self.final else None
+
+    # -- open --------------------------------------------------------------------------------------
+
+    async def open(self) -> bool:
+        """Open the session and read the prompt (once; later callers share the first open).
+
+        Returns:
+            `bool`: Whether it opened. A failure is recorded: the episode then ends with `error` and scores `None`.
+        """
+        if self._opening is None:
+            self.state = OPENING
+            self._opening = asyncio.ensure_future(self._open())
+        return await asyncio.shield(self._opening)
+
+    async def _open(self) -> bool:
+        env, task = self.env, self.task
+        started = time.monotonic()
+        try:
+            where = {"task_spec": task.spec} if task.spec is not None else {"split": task.split, "index": task.index}
+            self.session = await env.client.open_session(**where)
+            self.timings["open"] = time.monotonic() - started
+            self.prompt = await env.read_prompt(self.session)
+            for block in (b for m in self.prompt.messages for b in image_blocks(m.blocks)):
+                self._keep(block)
+            if self.toolset is None:
+                self.toolset = env.toolset_of(await self.session.tools())
+        except ORSError as exc:
+            if self._metrics is not None:
+                self._metrics.record_open(env.name, None, exc.kind)
+            logger.warning("%s: could not open a session for task %s: %s", env.name, task.key, exc)
+            self._open_error = exc
+            self.fail(exc)
+            if self.session is not None:
+                await self.session.close()
+            return False
+        self.timings["prompt"] = time.monotonic() - started - self.timings["open"]
+        if self._metrics is not None:
+            self._metrics.record_open(env.name, time.monotonic() - started)
+        env.remember_prompt(task.key, self.prompt)
+        if self.state == OPENING:
+            self.state = OPEN
+        return True
+
+    # -- the turn rule ---------------------------------------------------------------------------------
+
+    def _rule(self, reply: Reply) -> tuple[str | None, str | None]:
+        """For a reply already counted in `turns`: (None, None) when its calls run, else why the episode ends and
+        the final plain message (for a terminal tool)."""
+        if reply.calls:
+            limit = self.rules.max_replies
+            return ("max_turns", None) if limit is not None and len(self.turns) >= limit else (None, None)
+        if reply.truncated:
+            return "length", None
+        return "no_tool_calls", reply.text
+
+    async def reply(self, reply: Reply) -> list[Outcome] | None:
+        """What a model reply does: the turn rule, for every driver.
+
+        A reply with calls runs them in order on the episode's session (see `call`), unless it is the last reply
+        the rules allow (then they are not run and the episode ends with `max_turns`); a reply without calls ends
+        the episode (`no_tool_calls`, or `length` when the length limit cut it) and its text, the final message,
+        goes to a terminal tool.
+
+        Args:
+            reply (`Reply`):
+                The model's reply: its text, its calls, whether the length limit cut it.
+
+        Returns:
+            `list[Outcome]` or `None`: The calls' outcomes (generate again, with them), or `None` once it ended.
+        """
+        if self.over:
+            return None
+        turn = self._turn(reply)
+        reason, message = self._rule(reply)
+        if reason is None:
+            return [await self.call(c) for c in reply.calls]
+        turn["tool_calls"] = [self._not_run(c) for c in reply.calls]
+        await self.end(reason, message)
+        return None
+
+    def _turn(self, reply: Reply) -> TurnRecord:
+        turn: TurnRecord = {"index": len(self.turns), "assistant": reply.text, "tool_calls": [], **reply.extra}
+        if not reply.calls and self.rules.holds_call(f"{reply.text or ''}{reply.extra.get('raw') or ''}"):
+            turn["unparsed"] = True  # the model wrote a tool call the parser did not turn into one
+        self.timings["generation"] += float(reply.extra.get("generation_seconds") or 0.0)
+        self.turns.append(turn)
+        return turn
+
+    @staticmethod
+    def _not_run(call: Call) -> CallRecord:
+        return {"id": call.id, "name": call.name, "arguments": call.arguments, "status": "not_run"}
+
+    async def call(self, call: Call) -> Outcome:
+        """One tool call of the model, by the name it saw: checked, routed, run, recorded and counted once.
+
+        Refused locally (recorded, counted, the model reads why): an unsupported call type, a call after the
+        environment said `finished` or after the episode ended, a call past `Rules.max_tool_calls`, and a tool or
+        arguments the binding does not know (TRL's own messages). Never raises for environment failures.
+
+        Args:
+            call (`Call`):
+                The call as the model wrote it.
+
+        Returns:
+            `Outcome`: What the model reads of it, and the result or the error.
+        """
+        entry: CallRecord = {"id": call.id, "name": call.name, "arguments": call.arguments}
+        (self.turns[-1] if self.turns else self._turn(Reply(None)))["tool_calls"].append(entry)
+        self.tool_calls += 1
+        started = time.monotonic()
+        try:
+            remote, wire = self._admit(call)
+            entry["remote_name"] = remote
+            if wire != call.arguments:
+                entry["remote_arguments"] = wire
+            result = await self._remote(remote, wire)
+        except ORSError as exc:
+            return self._failed(entry, exc, time.monotonic() - started if "remote_name" in entry else None)
+        elapsed = time.monotonic() - started
+        shown, text = self._shown(result.blocks)
+        entry.update(status="ok", output=text, reward=result.reward, finished=result.finished,
+                     metadata=result.metadata, seconds=round(elapsed, 4))
+        images = [self._keep(b) for b in image_blocks(result.blocks)]
+        if images:
+            entry["images"] = images
+        self._scored(result)
+        self._count_call(elapsed, None)
+        return Outcome(shown, None, result, text)
+
+    def _shown(self, blocks: list[Block]) -> tuple[Content, str]:
+        """What the model reads of a tool's output, each text cut to `max_output_chars`, and the text of it."""
+        limit, images = self.env.max_output_chars, self.env.pass_images
+        text = clip(content(blocks, images=images, view=True), limit) or "(no output)"  # type: ignore[arg-type]
+        shown = content(blocks, images=images)
+        if isinstance(shown, str):
+            return text, text
+        return [dict(p, text=clip(p["text"], limit)) if p["type"] == "text" else p for p in shown], text
+
+    def _keep(self, block: ImageBlock) -> str:
+        """Remember an image of the episode for its record (each once, by hash); its hash."""
+        sha = block.info().sha256
+        self.images.setdefault(sha, block)
+        return sha
+
+    def made_before(self, calls: int | None) -> None:
+        """TRL's own loop: say how many tool calls the model made before the one coming in. Those TRL failed itself
+        (an unknown tool, arguments that do not bind) never reach the episode, yet count toward
+        `Rules.max_tool_calls` as on every other path; `replay` counts them for good.
+
+        Args:
+            calls (`int` or `None`):
+                The model's tool calls so far (`None`: unknown).
+        """
+        if calls is not None:
+            self._unseen = max(self._unseen, calls - self.tool_calls)
+
+    def _admit(self, call: Call) -> tuple[str, dict[str, Any]]:
+        """The remote tool and wire arguments of a call the episode accepts; raises the local refusal otherwise."""
+        if call.type == "function":
+            if self._open_error is not None:  # the model reads why its session is not there
+                raise self._open_error
+            if self.finished:
+                raise _refusal(call.name, "episode_finished",
+                               "the episode has finished, so no further tool calls are accepted.")
+            if self.over:
+                raise _refusal(call.name, "episode_finished",
+                               f"the episode has ended ({self.end_reason or 'closed'}).")
+            cap = self.rules.max_tool_calls
+            if cap is not None and self.tool_calls + self._unseen > cap:
+                raise _refusal(call.name, "max_tool_calls", f"this episode allows at most {cap} tool calls.")
+        return self._route(call)
+
+    def _route(self, call: Call) -> tuple[str, dict[str, Any]]:
+        if call.type != "function":
+            raise ToolRefusedError(f"Unsupported tool call type: {call.type}", tool=call.name)
+        if self.toolset is None:
+            raise ToolRefusedError(f"Tool {call.name} not found.", tool=call.name, reason="not_found")
+        return self.toolset.route(call.name, call.arguments)
+
+    def _failed(self, entry: CallRecord, exc: ORSError, seconds: float | None) -> Outcome:
+        self.tool_failures += 1
+        self.rewards.append(None)
+        self.metadata.append(None)
+        refused = isinstance(exc, ToolRefusedError)
+        entry.update(status="refused" if refused else "failed", error=error_record(exc),
+                     output=self.rules.error_text(exc))
+        if seconds is not None:
+            entry["seconds"] = round(seconds, 4)
+        if not isinstance(exc, ToolError):
+            self._lost = True
+        self._count_call(seconds, exc.kind)
+        return Outcome(entry["output"], exc)
+
+    async def _remote(self, remote: str, wire: dict[str, Any]) -> ToolResult:
+        """Call remote tool `remote` in this episode's session (opening it first if still opening)."""
+        if not await self.open():
+            assert self._open_error is not None
+            raise self._open_error
+        assert self.session is not None
+        started = time.monotonic()
+        try:
+            async with self.env.tool_gate():
+                return await self.session.call(remote, wire)
+        finally:
+            self.timings["tools"] += time.monotonic() - started
+
+    def _scored(self, result: ToolResult) -> None:
+        self.rewards.append(result.reward)
+        self.metadata.append(result.metadata)
+        if self.end_reason == "timeout":  # a call that came back after the deadline scores nothing
+            return
+        if result.reward is not None:
+            self.reward = result.reward
+        if result.finished and not self.finished:
+            self.finished = True
+            if not self.env.score_groups:  # every later call is refused anyway: free the session now
+                session = self.session
+                if session is not None and not session.closed:
+                    self._freeing = asyncio.ensure_future(session.close())  # close() awaits the same close
+
+    def _count_call(self, seconds: float | None, kind: str | None, *, terminal: bool = False) -> None:
+        """Count a call: the model's tool call, or (`terminal`) the harness's call of the hidden terminal tool;
+        `seconds` None for a call refused before it reached the environment."""
+        if self._metrics is not None:
+            self._metrics.record_call(self.env.name, seconds, kind, terminal=terminal)
+
+    def replay(self, messages: Sequence[Mapping[str, Any]], *, truncated: bool) -> tuple[str, str | None]:
+        """TRL's own loop played this episode (its calls came in through `call`): rebuild the turns from TRL's
+        transcript (the messages after the prompt) by the same turn rule, so that the record and the counts are
+        those the engine and eval give for the same replies. A call TRL failed itself, before it reached the
+        adapter (an unknown tool, arguments that are not an object, an unsupported type), is recorded and counted
+        as refused with what TRL showed the model.
+
+        Args:
+            messages (`Sequence[Mapping[str, Any]]`):
+                TRL's transcript after the prompt.
+            truncated (`bool`):
+                Whether the last reply was cut by the length limit.
+
+        Returns:
+            `tuple[str, str | None]`: What to `end` with: the reason and the final plain message.
+        """
+        made = deque(c for t in self.turns for c in t["tool_calls"])
+        self.turns, self._unseen = [], 0
+        reason: str | None = "no_tool_calls"
+        message: str | None = None
+        replies, cut = _trl.replies_of(messages)
+        for k, (m, shown) in enumerate(replies):  # `shown`: the tool messages TRL appended after this reply
+            content = m.get("content")
+            reply = Reply(None if content is None else content if isinstance(content, str)
+                          else json.dumps(content, default=str),
+                          tuple(Call.from_chat(c) for c in m.get("tool_calls") or ()),
+                          truncated=truncated and k == len(replies) - 1)
+            turn = self._turn(reply)
+            reason, message = self._rule(reply)
+            if reason is None and not shown:  # TRL appended no results: it rolled them back or ran none
+                ran = bool(made) and made[0].get("name") == reply.calls[0].name
+                reason = "length" if _trl.rolled_back(ran) else "max_turns"
+            for j, call in enumerate(reply.calls):
+                if reason == "max_turns":
+                    turn["tool_calls"].append(self._not_run(call))
+                elif made and made[0].get("name") == call.name:
+                    turn["tool_calls"].append(made.popleft())
+                else:  # TRL failed it before it reached the adapter
+                    self.tool_calls += 1
+                    turn["tool_calls"].append({"id": call.id, "name": call.name, "arguments": call.arguments})
+                    self._failed(turn["tool_calls"][-1], self._refusal_of(call, shown[j] if j < len(shown) else None),
+                                 None)
+        if cut and reason is None:  # the next reply was cut to nothing
+            self._turn(Reply(None, truncated=True))
+            reason = "length"
+        if made:  # calls the transcript does not show (it was cut): keep them in the last turn
+            (self.turns[-1] if self.turns else self._turn(Reply(None)))["tool_calls"].extend(made)
+        ran = [c for t in self.turns for c in t["tool_calls"] if c.get("status") != "not_run"]
+        self.rewards, self.metadata = [c.get("reward") for c in ran], [c.get("metadata") for c in ran]
+        return reason or "length", message
+
+    def _refusal_of(self, call: Call, shown: Mapping[str, Any] | None) -> ToolRefusedError:
+        """What the binding says of a call TRL failed itself (the refusal the engine and eval give), else what TRL
+        showed the model."""
+        try:
+            self._route(call)
+        except ToolRefusedError as exc:
+            return exc
+        return ToolRefusedError(_trl.shown_error(str(shown.get("content"))) if shown else "the call was not made",
+                                tool=call.name)
+
+    # -- the end -----------------------------------------------------------------------------------
+
+    async def end(self, reason: str, message: str | None = None, *, detail: str | None = None) -> None:
+        """The model stopped. An environment's terminal tool grades the final message (a cut-off episode of such an
+        environment scores `None`); the end reason is `finished` whenever the environment said so.
+
+        Args:
+            reason (`str`):
+                Why: `no_tool_calls`, `max_turns`, `length`, `context_length`, ...
+            message (`str`, *optional*):
+                The model's final plain message; `None` when it was cut off.
+            detail (`str`, *optional*):
+                Why, in words, for the record.
+        """
+        if self.over:
+            return
+        terminal = self.terminal
+        if terminal is not None and message is not None and not self.finished and self.error is None:
+            self.final = {"message": message, "tool": terminal.name}
+            started = time.monotonic()
+            try:
+                result = await self._remote(terminal.name, terminal.arguments(message))
+            except ORSError as exc:
+                self.final.update(error=error_record(exc), seconds=round(time.monotonic() - started, 4))
+                self._count_call(time.monotonic() - started, exc.kind, terminal=True)
+            else:
+                self.final.update(output=clip(result.text, self.env.max_output_chars), reward=result.reward,
+                                  finished=result.finished, metadata=result.metadata,
+                                  seconds=round(time.monotonic() - started, 4))
+                self._scored(result)
+                self._count_call(time.monotonic() - started, None, terminal=True)
+        elif message is not None:
+            self.final = {"message": message}
+        if detail:
+            self.info["stop_detail"] = detail
+        if not self.over:
+            self.end_reason, self.state = ("finished" if self.finished else reason), ENDED
+
+    def time_out(self, limit: float) -> None:
+        """The episode ran past its deadline: it ends now, scored `None`, whatever it was doing.
+
+        Args:
+            limit (`float`):
+                The deadline it ran past, in seconds (for the record).
+        """
+        if self.over:
+            return
+        self.error = self.error or {"kind": "timeout", "message": f"the episode exceeded episode_timeout={limit:g}s"}
+        self.reward = None
+        self.end_reason, self.state = "timeout", ENDED
+        logger.warning("%s: episode for task %s exceeded its %gs deadline; closing it, scored None", self.env.name,
+                       self.task.key, limit)
+
+    def fail(self, exc: BaseException) -> None:
+        """The episode failed outside any tool call (its session did not open, the policy failed): it ends.
+
+        Args:
+            exc (`BaseException`):
+                The failure, recorded as the episode's `error` (unless it already has one).
+        """
+        if self.error is None:
+            self.error = error_record(exc)
+        if not self.over:
+            self.end_reason, self.state = "error", ENDED
+
+    # -- accounting, record, close ---------------------------------------------------------------
+
+    @property
+    def unscored(self) -> str | None:
+        """Why the episode has no reward: timeout, error (it failed, or a call lost its session or the network),
+        cut_off (a terminal tool never got an answer) or no_reward (the environment scored nothing); None when
+        it was scored."""
+        if self.end_reason == "timeout":
+            return "timeout"
+        if self.reward is not None:
+            return None
+        if self.error is not None or self._lost:
+            return "error"
+        if self.terminal is not None and self.final is None and not self.finished:
+            return "cut_off"
+        return "no_reward"
+
+    def account(self) -> None:
+        """Count the episode in the metrics (once)."""
+        if self._accounted:
+            return
+        self._accounted = True
+        if self._metrics is not None:
+            self._metrics.record_episode(self.env.name, reward=self.reward, finished=self.finished,
+                                         calls=self.tool_calls, unscored=self.unscored, turns=self.turns,
+                                         opened=self.prompt is not None)
+        if self.env.curriculum is not None and self.source in TRAINING_SOURCES:
+            self.env.curriculum.observe(self.task.index, self.reward)
+        self._bill()
+
+    def adopt(self) -> None:
+        """Make a manual episode (`MANUAL`) that a reward function read a training one: its counts so far join the
+        environment's metrics, and its outcome teaches task sampling."""
+        if self.source != MANUAL:
+            return
+        self.source, apart = "trl", self._metrics
+        if apart is not None:
+            self._metrics = self.env.metrics
+            self.env.metrics.absorb(apart)
+        if self._accounted and self.env.curriculum is not None:
+            self.env.curriculum.observe(self.task.index, self.reward)
+
+    def _bill(self) -> None:
+        """Count the session-seconds spent since the last count (`timings.session`: the session's life so far, all of
+        it once closed): at the reward, and the rest when the session is gone."""
+        if self.session is None:
+            return
+        spent = self.timings["session"] = self.session.seconds
+        if self._metrics is not None:
+            self._metrics.record_session(self.env.name, spent - self._billed, unscored=self.reward is None)
+        self._billed = spent
+
+    def record(self) -> EpisodeRecord:
+        """The episode as one record (schema `ors_trl.core.records.RECORD_VERSION`), the same for every driver."""
+        prompt = self.prompt
+        timings = {k: round(v, 4) for k, v in self.timings.items()}
+        timings["total"] = round(self.seconds, 4)
+        seen = [b.info().sha256 for m in (prompt.messages if prompt else ()) for b in image_blocks(m.blocks)]
+        images: dict[str, Any] = {}
+        if self.images:  # only then: a text-only episode's record is what it always was
+            images["images"] = {sha: image_record(b.info()) for sha, b in self.images.items()}
+            if seen:
+                images["prompt_images"] = seen
+        return EpisodeRecord(
+            version=3, run=RUN_ID, source=self.source, environment=self.env.name,
+            target=self.env.client.target.name, split=self.task.split, task_index=self.task.index,
+            task_spec=self.task.spec, **self.info, started_at=self.started_at,  # type: ignore[typeddict-item]
+            system=prompt.system if prompt else None, prompt=prompt.text if prompt else None, turns=self.turns,
+            final=self.final, rewards=self.rewards, reward=self.reward, group_reward=self.group_reward,
+            finished=self.finished, end_reason=self.end_reason, unscored=self.unscored, tool_calls=self.tool_calls,
+            tool_failures=self.tool_failures, error=self.error, timings=timings, **images,
+        )
+
+    async def close_session(self) -> None:
+        """Free the server session (idempotent; waits, bounded, for an open still in flight)."""
+        if self._opening is not None and not self._opening.done():
+            await asyncio.wait([self._opening], timeout=30)
+        if self.session is not None:
+            await self.session.close()
+
+    async def close(self, *, keep: bool = True) -> None:
+        """Free the session, then (once) count the episode and write its record. The one way an episode closes.
+
+        Args:
+            keep (`bool`, *optional*, defaults to `True`):
+                Count and record it; `False` (an interrupted episode, which is no result) does neither.
+        """
+        if self.state == CLOSED:
+            return
+        self.end_reason = self.end_reason or "released"
+        self.state, self._ended = CLOSED, time.monotonic()
+        try:
+            await self.close_session()
+        finally:
+            self._bill()
+            with self.env.lock:
+                self.env.live.discard(self)
+            if keep:
+                self.account()
+                record = self.record()
+                if self._writer is not None:
+                    self._writer.write(record, images=self.images)
+                if self._uploads:
+                    self._uploads.submit(record)
+
+    def release(self) -> concurrent.futures.Future[None] | None:
+        """Count the episode now and `close()` it in the background, from any thread (tracked by the runtime)."""
+        self.account()
+        if self.state == CLOSED:
+            return None
+        if self._closing is None:
+            self._closing = self.env.submit(self.close())
+        return self._closing
+
+
+async def score_groups(episodes: Sequence[Episode]) -> None:
+    """Send each GRPO group (the episodes of one task) to `/score_group` once, all groups concurrently, and set
+    each episode's `group_reward`. A group whose scoring fails keeps None, is counted and logged."""
+    groups: dict[tuple[int, str], list[Episode]] = {}
+    for ep in episodes:
+        groups.setdefault((id(ep.env), ep.task.key), []).append(ep)
+
+    async def score(group: list[Episode]) -> None:
+        env = group[0].env
+        session = next((ep.session for ep in group if ep.session is not None and not ep.session.closed
+                        and not ep.session.expired), None)
+        opened = None
+        try:
+            if session is None:  # every session of the group is gone: score through a fresh one
+                task = group[0].task
+                session = opened = await env.client.open_session(
+                    **({"task_spec": task.spec} if task.spec is not None else {"split": task.split, "index": task.index}))
+            candidates = [{"messages": [m.to_json() for m in transcript(ep.prompt, ep.turns, ep.final_message,
+                                                                         env.block_types)],
+                           "metadata": {"rollout": i}} for i, ep in enumerate(group)]
+            scores = await session.score_group(candidates)
+        except ORSError as exc:
+            logger.warning("%s: group scoring of task %s failed (%d rollouts get None): %s", env.name,
+                           group[0].task.key, len(group), exc)
+            if group[0]._metrics is not None:
+                group[0]._metrics.record_group(env.name, ok=False)
+            return
+        finally:
+            if opened is not None:
+                await opened.close()
+        for ep, result in zip(group, scores, strict=True):
+            ep.group_reward = result.reward
+        if group[0]._metrics is not None:
+            group[0]._metrics.record_group(env.name, ok=True)
+
+    await asyncio.gather(*(score(g) for g in groups.values()))

@@ -1,0 +1,490 @@
+"""What the environment did, measured once: episode statistics and the numbers behind the training logs.
+
+`EpisodeStats` is the one tally of episodes (reward, grading, success, finished, calls, turns, end and
+unscored reasons, tool-call health) behind the training metrics, `EvalReport` and the report page, with one
+definition of success: a reward at or above `success_threshold` (1.0 by default: a binary environment's
+"solved"; settable wherever statistics are shown).
+
+Tool-call health is what fails silently: episodes without a single tool call, model turns whose text holds the
+chat template's tool-call markup yet parsed to no call (the turn rule marks them `unparsed`), and calls refused
+for malformed arguments (`input_validation`: not an object, or not the tool's schema). An episode that never opened
+(its session or its prompt never came: the environment's failure) is counted apart (`unopened`), never as one
+without a tool call. When the share of a step's opened episodes without a tool call crosses `no_call_warning` after
+having been below it, the log says so.
+
+Episodes (`ors_trl.core.episode`, whatever drives them) record events in an `EnvMetrics`: session opens,
+tool calls, terminal-tool calls, finished episodes, group scorings, and the session-seconds their
+sessions lived on the server (what a sandbox platform bills; apart, those of episodes scored None).
+`EnvMetrics.flush()` turns what accumulated since the last flush into flat scalar metrics named
+`env/<name>/<metric>` (and `env/<metric>` over all environments), which the reward functions hand to
+the trainer's `log_metric`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections import Counter, defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = ["DEFAULT_SUCCESS_THRESHOLD", "FAILURE_KINDS", "UNSCORED_REASONS", "EnvMetrics", "EpisodeStats",
+           "tool_health"]
+
+logger = logging.getLogger("ors_trl")
+
+#: Failure reasons counted separately (anything else is counted as "failed").
+FAILURE_KINDS = ("refused", "failed", "expired", "transport", "timeout", "protocol")
+#: Why an episode has no reward (see `Episode.unscored`), each counted as `unscored/<reason>`.
+UNSCORED_REASONS = ("no_reward", "cut_off", "error", "timeout")
+#: An episode succeeded when its reward is at least this (a binary environment's 1.0).
+DEFAULT_SUCCESS_THRESHOLD = 1.0
+#: The share of a step's episodes without a tool call that is warned about once it was below it.
+NO_CALL_WARNING = 0.5
+#: The refusal reason of a call whose arguments are malformed (not an object, or not the tool's schema).
+MALFORMED = "input_validation"
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def tool_health(turns: Any) -> tuple[int, int]:
+    """Of a record's turns: how many held tool-call markup that parsed to no call (`unparsed`), and how many calls
+    were refused for malformed arguments."""
+    unparsed = malformed = 0
+    for turn in turns if isinstance(turns, list) else ():
+        if isinstance(turn, dict):
+            unparsed += turn.get("unparsed") is True
+            calls = turn.get("tool_calls")
+            malformed += sum(1 for c in calls if isinstance(c, dict) and isinstance(c.get("error"), dict)
+                             and c["error"].get("reason") == MALFORMED) if isinstance(calls, list) else 0
+    return unparsed, malformed
+
+
+@dataclass
+class EpisodeStats:
+    """Counts over a set of episodes. Success: a reward at or above `success_threshold`."""
+
+    success_threshold: float = DEFAULT_SUCCESS_THRESHOLD
+    episodes: int = 0
+    scored: int = 0
+    reward_sum: float = 0.0
+    successes: int = 0
+    finished: int = 0
+    tool_calls: int = 0
+    tool_failures: int = 0
+    turns: int = 0
+    group_scored: int = 0
+    group_reward_sum: float = 0.0
+    no_calls: int = 0
+    unopened: int = 0
+    unparsed_turns: int = 0
+    malformed_calls: int = 0
+    sessions: int = 0
+    session_seconds: float = 0.0
+    session_seconds_unscored: float = 0.0
+    end_reasons: Counter[str] = field(default_factory=Counter)
+    unscored: Counter[str] = field(default_factory=Counter)
+
+    def add(self, *, reward: float | None, finished: bool = False, tool_calls: int = 0, tool_failures: int = 0,
+            turns: int = 0, end_reason: str | None = None, unscored: str | None = None,
+            group_reward: float | None = None, unparsed_turns: int = 0, malformed_calls: int = 0,
+            session_seconds: float | None = None, opened: bool = True) -> None:
+        """Count one episode (`session_seconds`: how long its session lived, when it had one; `opened`: whether its
+        session and prompt came, so that the model saw it)."""
+        self.episodes += 1
+        if session_seconds is not None:
+            self.sessions += 1
+            self.add_session(session_seconds, unscored=reward is None)
+        self.finished += bool(finished)
+        self.tool_calls += tool_calls
+        self.unopened += not opened
+        self.no_calls += opened and tool_calls == 0
+        self.unparsed_turns += unparsed_turns
+        self.malformed_calls += malformed_calls
+        self.tool_failures += tool_failures
+        self.turns += turns
+        if end_reason is not None:
+            self.end_reasons[end_reason] += 1
+        if reward is not None:
+            self.scored += 1
+            self.reward_sum += reward
+            self.successes += reward >= self.success_threshold
+        else:
+            self.unscored[unscored or "no_reward"] += 1
+        if group_reward is not None:
+            self.group_scored += 1
+            self.group_reward_sum += group_reward
+
+    def add_session(self, seconds: float, *, unscored: bool) -> None:
+        """Count session-seconds, apart for an episode scored None."""
+        self.session_seconds += seconds
+        self.session_seconds_unscored += seconds if unscored else 0.0
+
+    def add_record(self, record: Mapping[str, Any]) -> None:
+        """Count one episode record (any version; malformed fields count as absent)."""
+        def count(key: str) -> int:
+            value = _number(record.get(key))
+            return int(value) if value is not None and value >= 0 else 0
+
+        turns = record.get("turns")
+        timings = record.get("timings")
+        session = _number(timings.get("session")) if isinstance(timings, dict) else None
+        end = record.get("end_reason")
+        unscored = record.get("unscored")
+        unparsed, malformed = tool_health(turns)
+        self.add(reward=_number(record.get("reward")), finished=record.get("finished") is True,
+                 tool_calls=count("tool_calls"), tool_failures=count("tool_failures"),
+                 turns=len(turns) if isinstance(turns, list) else 0, end_reason=None if end is None else str(end),
+                 unscored=unscored if isinstance(unscored, str) else None,
+                 group_reward=_number(record.get("group_reward")), unparsed_turns=unparsed, malformed_calls=malformed,
+                 session_seconds=session if session is not None and session >= 0 else None,
+                 opened=record.get("prompt", "") is not None)  # no prompt: the episode never opened
+
+    def merge(self, other: EpisodeStats) -> None:
+        """Add `other`'s counts (the same success threshold is assumed)."""
+        for f in fields(self):
+            if f.name != "success_threshold":  # counts and Counters alike
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @property
+    def mean_reward(self) -> float | None:
+        """Mean reward over the scored episodes; None when none was scored."""
+        return self.reward_sum / self.scored if self.scored else None
+
+    @property
+    def mean_group_reward(self) -> float | None:
+        return self.group_reward_sum / self.group_scored if self.group_scored else None
+
+    def share(self, n: float) -> float:
+        """`n` per episode (0.0 for no episodes)."""
+        return n / self.episodes if self.episodes else 0.0
+
+    @property
+    def coverage(self) -> float:
+        """Grading coverage: the share of episodes the environment scored."""
+        return self.share(self.scored)
+
+    @property
+    def success_rate(self) -> float:
+        """The share of episodes that succeeded (unscored ones count as failures)."""
+        return self.share(self.successes)
+
+    @property
+    def no_call_rate(self) -> float:
+        """The share of the opened episodes (the model saw them) in which the model made no tool call."""
+        opened = self.episodes - self.unopened
+        return self.no_calls / opened if opened > 0 else 0.0
+
+    @property
+    def unparsed_rate(self) -> float:
+        """The share of model turns whose tool-call markup parsed to no call (the parser's failures)."""
+        return self.unparsed_turns / self.turns if self.turns else 0.0
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def failure_kind(kind: str) -> str:
+    """Bucket an `ORSError.kind` into one of `FAILURE_KINDS` (anything else is "failed")."""
+    return kind if kind in FAILURE_KINDS else "failed"
+
+
+@dataclass
+class _Window:
+    stats: EpisodeStats
+    open_latency: list[float] = field(default_factory=list)
+    opens: int = 0
+    open_failures: int = 0
+    call_latency: list[float] = field(default_factory=list)
+    calls: int = 0
+    terminal_latency: list[float] = field(default_factory=list)
+    terminal_calls: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    groups: int = 0
+    group_failures: int = 0
+
+    def merge(self, other: _Window) -> None:
+        self.stats.merge(other.stats)
+        for f in fields(self):
+            if f.name != "stats":  # counts, latency lists and Counters alike
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+class EnvMetrics:
+    """Thread-safe accumulator of what the environments did; one per spec or mix (`spec.metrics`), shared by its
+    adapters and engine. `flush()` turns it into the `env/...` metrics TRL logs.
+
+    Args:
+        success_threshold (`float`, *optional*, defaults to `DEFAULT_SUCCESS_THRESHOLD`):
+            The reward at or above which an episode counts as a success (`success_rate`).
+        no_call_warning (`float`, *optional*, defaults to `NO_CALL_WARNING`):
+            The share of a step's episodes without a tool call that is warned about (once it was below).
+    """
+
+    #: Bound on stored latency samples per window, so a huge step cannot grow memory without limit.
+    MAX_SAMPLES = 100_000
+
+    def __init__(self, success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
+                 no_call_warning: float = NO_CALL_WARNING) -> None:
+        self.success_threshold = success_threshold
+        self.no_call_warning = no_call_warning
+        self._calling: set[str] = set()  # environments whose last step was below the warning share
+        self._lock = threading.Lock()
+        self._windows: dict[str, _Window] = defaultdict(self._window)
+        self._gauges: dict[str, object] = {}
+
+    def _window(self) -> _Window:
+        return _Window(EpisodeStats(self.success_threshold))
+
+    def set_open_sessions_gauge(self, env: str, gauge: object) -> None:
+        """Report an environment's open sessions as `env/<name>/sessions_open` at every flush.
+
+        Args:
+            env (`str`):
+                The environment's name.
+            gauge (`Callable[[], float]`):
+                Called at each flush for the number of open sessions.
+        """
+        self._gauges[env] = gauge
+
+    def record_open(self, env: str, seconds: float | None, error_kind: str | None = None) -> None:
+        """One session open, or one that failed.
+
+        Args:
+            env (`str`):
+                The environment's name.
+            seconds (`float` or `None`):
+                How long opening took (`None`: no latency sample).
+            error_kind (`str`, *optional*):
+                The `ORSError.kind` of a failed open.
+        """
+        with self._lock:
+            w = self._windows[env]
+            if error_kind is not None:
+                w.open_failures += 1
+                w.failures[failure_kind(error_kind)] += 1
+                return
+            w.opens += 1
+            if seconds is not None and len(w.open_latency) < self.MAX_SAMPLES:
+                w.open_latency.append(seconds)
+
+    def record_call(self, env: str, seconds: float | None, error_kind: str | None = None, *,
+                    terminal: bool = False) -> None:
+        """One tool call of the model, or the harness's call of the environment's hidden terminal tool.
+
+        Args:
+            env (`str`):
+                The environment's name.
+            seconds (`float` or `None`):
+                How long the call took; `None` for a call refused before it reached the environment (no latency
+                sample).
+            error_kind (`str`, *optional*):
+                The `ORSError.kind` of a failed or refused call.
+            terminal (`bool`, *optional*, defaults to `False`):
+                A call of the terminal tool: counted apart (`terminal_calls`, `terminal_call_s`), as the model never
+                called it.
+        """
+        with self._lock:
+            w = self._windows[env]
+            if terminal:
+                w.terminal_calls += 1
+            else:
+                w.calls += 1
+            latency = w.terminal_latency if terminal else w.call_latency
+            if seconds is not None and len(latency) < self.MAX_SAMPLES:
+                latency.append(seconds)
+            if error_kind is not None:
+                w.failures[failure_kind(error_kind)] += 1
+
+    def record_episode(self, env: str, *, reward: float | None, finished: bool, calls: int,
+                       unscored: str | None = None, turns: Any = (), opened: bool = True) -> None:
+        """One finished episode.
+
+        Args:
+            env (`str`):
+                The environment's name.
+            reward (`float` or `None`):
+                Its reward.
+            finished (`bool`):
+                Whether the environment said it is over.
+            calls (`int`):
+                The model's tool calls.
+            unscored (`str`, *optional*):
+                Why it has no reward, if it has none.
+            turns (`Sequence[TurnRecord]`, *optional*, defaults to `()`):
+                Its turn records (their count and tool-call health).
+            opened (`bool`, *optional*, defaults to `True`):
+                Whether its session and prompt came (one that never opened is not an episode without a tool call).
+        """
+        unparsed, malformed = tool_health(turns)
+        with self._lock:
+            self._windows[env].stats.add(reward=reward, finished=finished, tool_calls=calls, unscored=unscored,
+                                         turns=len(turns), unparsed_turns=unparsed, malformed_calls=malformed,
+                                         opened=opened)
+
+    def record_session(self, env: str, seconds: float, *, unscored: bool) -> None:
+        """Session-seconds an episode's session spent on the server (since the last count).
+
+        Args:
+            env (`str`):
+                The environment's name.
+            seconds (`float`):
+                The seconds.
+            unscored (`bool`):
+                Whether the episode scored `None` (counted apart too).
+        """
+        with self._lock:
+            self._windows[env].stats.add_session(seconds, unscored=unscored)
+
+    def absorb(self, other: EnvMetrics) -> None:
+        """Add what `other` accumulated, and empty it (counts kept apart until they turned out to belong here).
+
+        Args:
+            other (`EnvMetrics`):
+                The metrics to move into these.
+        """
+        for env, window in other.snapshot(reset=True).items():
+            with self._lock:
+                self._windows[env].merge(window)
+
+    def record_group(self, env: str, *, ok: bool) -> None:
+        """One GRPO group sent to `/score_group`.
+
+        Args:
+            env (`str`):
+                The environment's name.
+            ok (`bool`):
+                Whether it was scored (a failed one's rollouts get `None`).
+        """
+        with self._lock:
+            w = self._windows[env]
+            w.groups += 1
+            w.group_failures += int(not ok)
+
+    def snapshot(self, *, reset: bool) -> dict[str, _Window]:
+        """What accumulated since the last reset, per environment.
+
+        Args:
+            reset (`bool`):
+                Start a new window.
+
+        Returns:
+            `dict[str, _Window]`: The windows, by environment (for `summarize`).
+        """
+        with self._lock:
+            windows = dict(self._windows)
+            if reset:
+                self._windows = defaultdict(self._window)
+        return windows
+
+    def flush(self) -> dict[str, float]:
+        """Metrics since the last flush, then start a new window. Environments without activity are omitted.
+
+        Returns:
+            `dict[str, float]`: Scalars named `env/<name>/<metric>` (and `env/<metric>` over several environments).
+        """
+        windows = self.snapshot(reset=True)
+        self._watch(windows)
+        return self.summarize(windows, gauges=self._gauges)
+
+    def _watch(self, windows: dict[str, _Window]) -> None:
+        """Warn when the share of a step's episodes without a tool call crosses `no_call_warning` from below."""
+        for env, w in sorted(windows.items()):
+            s = w.stats
+            if not s.episodes:
+                continue
+            if s.no_call_rate < self.no_call_warning:
+                self._calling.add(env)
+            elif env in self._calling:
+                self._calling.discard(env)
+                logger.warning(
+                    "%s: %.0f%% of this step's %d episode(s) made no tool call (it was under %.0f%% before); %d of "
+                    "%d model turn(s) held tool-call markup that parsed to no call, %d call(s) had malformed "
+                    "arguments. The model may have stopped calling tools, or its calls no longer parse.", env,
+                    100 * s.no_call_rate, s.episodes, 100 * self.no_call_warning, s.unparsed_turns, s.turns,
+                    s.malformed_calls)
+
+    def summarize(self, windows: dict[str, _Window], gauges: dict[str, object] | None = None) -> dict[str, float]:
+        """The metrics of some windows.
+
+        Args:
+            windows (`dict[str, _Window]`):
+                The windows, by environment (from `snapshot`).
+            gauges (`dict[str, Callable[[], float]]`, *optional*):
+                Open-session gauges, by environment.
+
+        Returns:
+            `dict[str, float]`: Scalars named `env/<name>/<metric>` (and `env/<metric>` over several environments).
+        """
+        out: dict[str, float] = {}
+        total = self._window()
+        for env, w in sorted(windows.items()):
+            out.update(_window_metrics(f"env/{env}/", w))
+            total.merge(w)
+        if len(windows) > 1:
+            out.update(_window_metrics("env/", total))
+        for env, gauge in sorted((gauges or {}).items()):
+            try:
+                out[f"env/{env}/sessions_open"] = float(gauge())  # type: ignore[operator]
+            except Exception:  # a gauge must never break logging
+                continue
+        return out
+
+
+def stats_metrics(prefix: str, stats: EpisodeStats) -> dict[str, float]:
+    """The episode metrics of `stats` (reward, grading, success, tool calls and their health) as `prefix<metric>`."""
+    return _window_metrics(prefix, _Window(stats))
+
+
+def _window_metrics(prefix: str, w: _Window) -> dict[str, float]:
+    out: dict[str, float] = {}
+    s = w.stats
+    if s.episodes:
+        out[prefix + "episodes"] = float(s.episodes)
+        out[prefix + "reward_mean"] = s.mean_reward if s.mean_reward is not None else float("nan")
+        out[prefix + "graded_fraction"] = s.coverage
+        out[prefix + "success_rate"] = s.success_rate
+        out[prefix + "finished_fraction"] = s.share(s.finished)
+        out[prefix + "tool_calls_per_episode"] = s.share(s.tool_calls)
+        out[prefix + "no_tool_call_fraction"] = s.no_call_rate
+        out[prefix + "unparsed_turn_fraction"] = s.unparsed_rate
+        out[prefix + "malformed_calls"] = float(s.malformed_calls)
+        for reason in UNSCORED_REASONS:
+            out[prefix + f"unscored/{reason}"] = float(s.unscored.get(reason, 0))
+        if s.unscored.get("timeout"):
+            out[prefix + "timed_out_fraction"] = s.share(s.unscored["timeout"])
+    if w.groups:
+        out[prefix + "groups_scored"] = float(w.groups - w.group_failures)
+        out[prefix + "group_failures"] = float(w.group_failures)
+    if w.calls:
+        out[prefix + "tool_calls"] = float(w.calls)
+    if w.terminal_calls:
+        out[prefix + "terminal_calls"] = float(w.terminal_calls)
+    if w.calls or w.terminal_calls or w.failures:
+        for kind in FAILURE_KINDS:
+            out[prefix + f"failures/{kind}"] = float(w.failures.get(kind, 0))
+    if w.opens:
+        out[prefix + "sessions_opened"] = float(w.opens)
+    if s.session_seconds:
+        out[prefix + "session_seconds"] = s.session_seconds
+        out[prefix + "session_seconds_unscored"] = s.session_seconds_unscored
+    if w.open_failures:
+        out[prefix + "session_open_failures"] = float(w.open_failures)
+    for name, latency in (("session_open_s", w.open_latency), ("tool_call_s", w.call_latency),
+                          ("terminal_call_s", w.terminal_latency)):
+        if latency:
+            out[prefix + f"{name}/p50"] = _percentile(latency, 0.5)
+            out[prefix + f"{name}/p95"] = _percentile(latency, 0.95)
+    return out

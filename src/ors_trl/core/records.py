@@ -1,0 +1,467 @@
+"""Episode records: the schema (version 3, typed below), the one writer (training's `episode_log=`,
+`ors-trl eval --output`) and the one reader (eval's `--resume`, `ors-trl report`), which upgrades the
+records of versions 1 and 2 to the current shape.
+
+Every record is appended and flushed at once, from any thread, so an interrupted run loses at
+most its running episodes. An episode's images are listed once in its record (`images`: hash, size,
+media type, dimensions, or why the model was not shown one), referred to by hash where they were
+seen (`prompt_images`, a call's `images`), and their bytes are written once beside the log
+(`<log>.images/<sha256>.<ext>`, bounded by `max_image_bytes`), the record naming the file. Optional bounds keep a training log from growing without limit: each
+long text is cut with a visible mark (`max_text`), and the file stops growing at `max_bytes`
+(with one warning). Nothing transport-level (headers, keys, secrets) is ever part of a record.
+
+A record holds untrusted text (the environment's, the model's, the user's), so the writer never
+fails on it and never loses it silently: every record is written as valid, encodable JSON
+(`jsonable`: lone surrogates repaired, NaN and infinities spelled as strings, anything else that
+is not JSON written as its text, a value nested deeper than `MAX_DEPTH` replaced by a marker), and
+a record it still cannot write (the size bound, a failing disk) is counted in `dropped`, its
+reason logged once. The reader skips, counts and names whatever is not a record.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal, NotRequired, TypedDict
+
+from ..protocol.files import is_regular, write_atomic
+from ..protocol.images import as_bytes
+from ..protocol.text import clean_json, clip, repair
+
+__all__ = ["MAX_DEPTH", "RECORD_VERSION", "RUN_ID", "CallRecord", "EndReason", "EpisodeRecord", "ImageRecord",
+           "RecordWriter", "TurnRecord", "Unscored", "error_record", "image_record", "jsonable", "parse_line",
+           "read_records", "upgrade"]
+
+logger = logging.getLogger("ors_trl")
+
+#: Version of the episode record schema (`EpisodeRecord`).
+RECORD_VERSION = 3
+#: Tells the records of one process run apart from another's in merged logs.
+RUN_ID = f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
+
+
+class ErrorRecord(TypedDict):
+    """A failure: `kind` is the error's `ORSError.kind` (the label metrics count), `reason` a refusal's reason."""
+
+    kind: str
+    message: str
+    reason: NotRequired[str]
+
+
+class ImageRecord(TypedDict, total=False):
+    """One image of an episode (the key of `EpisodeRecord.images` is its SHA-256): its media type, size in bytes,
+    width and height; `error` why the model was not shown it; `file` where its bytes are, relative to the log's
+    folder (absent where they were not written)."""
+
+    mime_type: str
+    bytes: int
+    width: int | None
+    height: int | None
+    error: str
+    file: str
+
+
+class CallRecord(TypedDict, total=False):
+    """One tool call of the model. `status`: ok, failed (the tool or the network failed), refused (locally or by
+    the server: the model is told why) or not_run (the reply was the last one the turn limit allows). `name` is
+    the name the model saw, `remote_name` the environment's; `output` is what the model read (TRL's
+    `{'error': ...}` text for a failure; an image as its `[image: ...]` marker), `images` the hashes of its images."""
+
+    id: str | None
+    name: str
+    arguments: Any
+    status: Literal["ok", "failed", "refused", "not_run"]
+    remote_name: str
+    remote_arguments: dict[str, Any]
+    output: str
+    error: ErrorRecord
+    reward: float | None
+    finished: bool
+    metadata: dict[str, Any] | None
+    seconds: float
+    images: list[str]
+
+
+class TurnRecord(TypedDict, total=False):
+    """One model reply: its visible text (None when nothing was parsed) and its calls, in order; drivers add
+    `raw` (the completion text), `usage` and `generation_seconds` where they have them. `unparsed`: the text held
+    the chat template's tool-call markup, yet parsed to no call."""
+
+    index: int
+    assistant: str | None
+    tool_calls: list[CallRecord]
+    unparsed: bool
+    raw: str
+    usage: dict[str, Any]
+    generation_seconds: float
+
+
+#: Why an episode ended (`released`: it was closed before it ended).
+EndReason = Literal["finished", "no_tool_calls", "max_turns", "length", "context_length", "timeout", "error",
+                    "released"]
+#: Why an episode has no reward.
+Unscored = Literal["timeout", "error", "cut_off", "no_reward"]
+
+
+class EpisodeRecord(TypedDict, total=False):
+    """One episode as a record (schema version `RECORD_VERSION`), the same for every driver: one JSON line of an
+    episode log (`episode_log=`) or an eval output (`ors-trl eval --output`), and `Episode.record()`.
+
+    Attributes:
+        version (`int`):
+            The schema's version (`RECORD_VERSION`; the reader upgrades older records).
+        run (`str`):
+            The process run that wrote it (tells runs apart in merged logs).
+        source (`str`):
+            The driver that played it: `"trl"`, `"engine"` or `"eval"`; `"manual"` for an adapter's episode opened
+            with no trainer driving it and never read by a reward function (not a training episode).
+        environment (`str`):
+            The environment's name.
+        target (`str`):
+            The environment's target (a catalog name or a server's URL).
+        split (`str`):
+            The task's split.
+        task_index (`int` or `None`):
+            The task's index in `split` (`None` for an explicit task).
+        task_spec (`dict[str, Any]` or `None`):
+            The explicit task, if the episode ran one.
+        repeat (`int`):
+            Added by eval: the repeat index of the task's episode.
+        policy (`str`):
+            Added by eval: the policy's name.
+        step (`int`):
+            Added by an evaluation during training: the training step.
+        stop_detail (`str`):
+            Added by a driver that stopped the model: why.
+        started_at (`str`):
+            When the episode started (ISO 8601, UTC).
+        system (`str` or `None`):
+            The prompt's system message.
+        prompt (`str` or `None`):
+            The prompt's text.
+        turns (`list[TurnRecord]`):
+            Each model reply and its tool calls, in order.
+        final (`dict[str, Any]` or `None`):
+            The final plain message and, for an environment with a terminal tool, its grade (`tool`, `output`,
+            `reward`, ... or `error`).
+        rewards (`list[float | None]`):
+            The reward of each tool call that ran.
+        reward (`float` or `None`):
+            The episode's reward: its last non-`None` one.
+        group_reward (`float` or `None`):
+            The comparative reward from `/score_group`, when asked for.
+        finished (`bool`):
+            Whether the environment said the episode is over.
+        end_reason (`EndReason` or `None`):
+            `finished`, `no_tool_calls`, `max_turns`, `length`, `context_length`, `timeout`, `error` or `released`.
+        unscored (`Unscored` or `None`):
+            Why `reward` is `None`: `timeout`, `error`, `cut_off` or `no_reward`.
+        tool_calls (`int`):
+            The model's tool calls.
+        tool_failures (`int`):
+            How many of them failed or were refused.
+        error (`ErrorRecord` or `None`):
+            Why the episode failed outside a tool call.
+        timings (`dict[str, float]`):
+            Seconds spent: `open`, `prompt`, `generation`, `tools`, `session`, `total`.
+        images (`dict[str, ImageRecord]`):
+            An episode with images: each, by its SHA-256 (a text-only episode's record has no such key).
+        prompt_images (`list[str]`):
+            An episode with images: the hashes of the prompt's, in order.
+    """
+
+    version: int
+    run: str
+    source: Literal["trl", "engine", "eval", "manual"]
+    environment: str
+    target: str
+    split: str
+    task_index: int | None
+    task_spec: dict[str, Any] | None
+    repeat: int
+    policy: str
+    step: int
+    stop_detail: str
+    started_at: str
+    system: str | None
+    prompt: str | None
+    turns: list[TurnRecord]
+    final: dict[str, Any] | None
+    rewards: list[float | None]
+    reward: float | None
+    group_reward: float | None
+    finished: bool
+    end_reason: EndReason | None
+    unscored: Unscored | None
+    tool_calls: int
+    tool_failures: int
+    error: ErrorRecord | None
+    timings: dict[str, float]
+    images: dict[str, ImageRecord]
+    prompt_images: list[str]
+
+
+def image_record(info: Any) -> ImageRecord:
+    """How an image is recorded (`info`: an `ors_trl.protocol.images.ImageInfo`)."""
+    out = ImageRecord(mime_type=info.mime_type, bytes=info.bytes, width=info.width, height=info.height)
+    if info.error is not None:
+        out["error"] = info.error
+    return out
+
+
+def error_record(exc: BaseException) -> ErrorRecord:
+    """How a failure is recorded."""
+    out = ErrorRecord(kind=getattr(exc, "kind", "internal"), message=str(exc))
+    if getattr(exc, "reason", None):
+        out["reason"] = exc.reason  # type: ignore[attr-defined]
+    return out
+
+
+def _status(call: dict[str, Any]) -> str:
+    if call.get("skipped"):
+        return "not_run"
+    error = call.get("error")
+    if error is None:
+        return "ok"
+    return "refused" if isinstance(error, dict) and error.get("kind") == "refused" else "failed"
+
+
+def upgrade(record: dict[str, Any]) -> EpisodeRecord:
+    """A record of any version in the current shape. Version 1 (training logs before the episode core) had one
+    flat `calls` list (`tool`, `arguments`, `output` or `error` text, `error_kind`): it becomes one turn. Version 2
+    calls gain their `status` (eval's `skipped` entries, calls after the episode finished, become `not_run`)."""
+    if "turns" not in record and isinstance(record.get("calls"), list):
+        calls = []
+        for c in record["calls"]:
+            if not isinstance(c, dict):
+                continue
+            entry: dict[str, Any] = {"name": c.get("tool", c.get("name")), "arguments": c.get("arguments")}
+            entry.update({k: c[k] for k in ("output", "reward", "finished", "metadata", "seconds") if k in c})
+            if c.get("error") is not None or c.get("error_kind"):
+                entry["error"] = {"kind": c.get("error_kind") or "failed", "message": c.get("error")}
+            calls.append(entry)
+        record = {k: v for k, v in record.items() if k != "calls"}
+        record["turns"] = [{"index": 0, "assistant": None, "tool_calls": calls}]
+        record.setdefault("tool_calls", len(calls))
+        record.setdefault("tool_failures", sum(1 for c in calls if "error" in c))
+    if record.get("version") != RECORD_VERSION:  # fields of the wrong type are left as they are, never fatal
+        turns = record.get("turns")
+        for turn in turns if isinstance(turns, list) else []:
+            made = turn.get("tool_calls") if isinstance(turn, dict) else None
+            for call in made if isinstance(made, list) else []:
+                if isinstance(call, dict) and "status" not in call:
+                    call["status"] = _status(call)
+    return record  # type: ignore[return-value]
+
+# Record fields holding long free text, cut by `max_text` (top level, in turns, in tool calls).
+_TEXT_FIELDS = frozenset(("prompt", "system", "assistant", "output", "message", "raw"))
+#: Nesting a record keeps (the record itself is level 0); a deeper value is replaced by a marker string.
+MAX_DEPTH = 100
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a surrogate written as a JSON escape
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def jsonable(value: Any, *, max_text: int | None = None, fields: frozenset[str] | None = _TEXT_FIELDS,
+             max_depth: int = MAX_DEPTH) -> Any:
+    """A copy of `value` that `json.dumps(..., allow_nan=False)` writes and any JSON reader reads.
+
+    Text has its lone surrogates repaired (`repair`); NaN and the infinities become the strings `"nan"`,
+    `"inf"`, `"-inf"`; a dict key that is not text becomes its text; anything else that is not JSON (a
+    set, bytes, an object) becomes its text too. A list or dict at `max_depth`, or one containing itself,
+    becomes a marker saying so. `max_text` cuts, with a visible mark, the strings under the keys in
+    `fields` (every string with `fields=None`).
+    """
+
+    def copy(v: Any, depth: int, cut: bool, path: set[int]) -> Any:
+        if isinstance(v, str):
+            v = repair(v)
+            return clip(v, max_text) if cut else v
+        if v is None or isinstance(v, bool):
+            return v
+        if isinstance(v, int):
+            return v if v.bit_length() < 4096 else f"[... an integer of {v.bit_length()} bits ...]"
+        if isinstance(v, float):
+            return v if math.isfinite(v) else str(v)
+        if not isinstance(v, dict | list | tuple):
+            return repair(_text(v))
+        if depth >= max_depth:
+            return f"[... nested deeper than {max_depth} levels: not recorded ...]"
+        if id(v) in path:
+            return "[... a value containing itself: not recorded ...]"
+        path.add(id(v))
+        if isinstance(v, dict):
+            out: Any = {}
+            for k, item in v.items():
+                key = repair(k if isinstance(k, str) else _text(k))
+                out[key] = copy(item, depth + 1, max_text is not None and (fields is None or key in fields), path)
+        else:
+            out = [copy(item, depth + 1, cut and fields is None, path) for item in v]
+        path.discard(id(v))
+        return out
+
+    return copy(value, 0, max_text is not None and fields is None, set())
+
+
+def _text(value: Any) -> str:
+    try:
+        return str(value)
+    except Exception:  # a hostile or broken __str__: the type is all there is to say
+        return f"<{type(value).__name__}>"
+
+
+class RecordWriter:
+    """Append records to a JSON-lines file.
+
+    Args:
+        path: the file (created with its parent folders).
+        append: keep what the file holds (a line cut short by an interruption is ended first);
+            False truncates it.
+        max_bytes: stop writing once the file would grow past this size (None: no bound).
+        max_text: cut every long text (prompt, model text, tool output) to this many characters.
+        max_image_bytes: stop writing image files beside the log once they take this much (None: `max_bytes`).
+
+    Attributes:
+        written, dropped: records written, and records that could not be (`drop_reasons` says why).
+        images_dir: the folder beside the log where images are written (`<log name>.images`).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, append: bool = True, max_bytes: int | None = None,
+                 max_text: int | None = None, max_image_bytes: int | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.max_text = max_text
+        self.max_image_bytes = max_bytes if max_image_bytes is None else max_image_bytes
+        self.images_dir = self.path.with_name(self.path.name + ".images")
+        self._stored: set[str] = set()
+        self._image_size = sum(f.lstat().st_size for f in self.images_dir.iterdir()) if self.images_dir.is_dir() else 0
+        self._lock = threading.Lock()
+        if not append:
+            self.path.write_bytes(b"")
+        elif self.path.exists() and self.path.stat().st_size > 0:
+            with self.path.open("rb+") as fh:
+                fh.seek(-1, os.SEEK_END)
+                if fh.read(1) != b"\n":  # a line cut short must not swallow the next record
+                    fh.write(b"\n")
+        self._size = self.path.stat().st_size if self.path.exists() else 0
+        self._cut = False  # the last write failed part-way: end its line before the next record
+        self.written = 0
+        self.dropped = 0
+        self.images_dropped = 0
+        self.drop_reasons: Counter[str] = Counter()
+
+    def __repr__(self) -> str:
+        return f"RecordWriter({str(self.path)!r}, written={self.written}, dropped={self.dropped})"
+
+    def _drop(self, reason: str) -> None:
+        self.dropped += 1
+        self.drop_reasons[reason] += 1
+        if self.drop_reasons[reason] == 1:
+            logger.warning("episode log %s: a record was not written (%s); later ones for the same reason are "
+                           "only counted", self.path, reason)
+
+    def write(self, record: dict[str, Any], images: Mapping[str, Any] | None = None) -> None:
+        """Append one record and flush it. Never raises: what cannot be written is counted in `dropped`.
+
+        `images`: the episode's image blocks by hash (`Episode.images`): the bytes of each one its record lists are
+        written beside the log, once per log, and its entry names the file."""
+        listed = record.get("images")
+        if images and isinstance(listed, dict):
+            record = {**record, "images": {sha: self._store(sha, entry, images.get(sha)) for sha, entry in listed.items()}}
+        try:
+            data = (json.dumps(jsonable(record, max_text=self.max_text), ensure_ascii=False, allow_nan=False)
+                    + "\n").encode("utf-8")
+        except Exception as exc:  # jsonable leaves nothing json.dumps refuses; should it still, count it
+            self._drop(f"it could not be encoded: {type(exc).__name__}")
+            return
+        with self._lock:
+            if self.max_bytes is not None and self._size + len(data) > self.max_bytes:
+                self._drop(f"the file reached its {self.max_bytes}-byte limit")
+                return
+            data = b"\n" + data if self._cut else data
+            try:
+                with self.path.open("ab") as fh:
+                    fh.write(data)
+            except OSError as exc:
+                self._cut = True
+                self._drop(f"the file could not be written: {exc.strerror or exc}")
+                return
+            self._cut = False
+            self._size += len(data)
+            self.written += 1
+
+
+    def _store(self, sha: str, entry: Any, block: Any) -> Any:
+        """An image's record entry, with its `file` once its bytes are beside the log (written the first time)."""
+        if block is None or not isinstance(entry, dict) or "error" in entry or not _SHA256.fullmatch(sha):
+            return entry
+        name = f"{sha}.{block.info().extension}"
+        with self._lock:
+            if name not in self._stored and not is_regular(self.images_dir / name):
+                raw = as_bytes(block.data)  # checked where it was parsed
+                if self.max_image_bytes is not None and self._image_size + len(raw) > self.max_image_bytes:
+                    self._drop_image(f"the images reached their {self.max_image_bytes}-byte limit")
+                    return entry
+                try:
+                    self.images_dir.mkdir(exist_ok=True)
+                    write_atomic(self.images_dir / name, raw, 0o644)  # never through a name planted there
+                except OSError as exc:
+                    self._drop_image(f"an image could not be written: {exc.strerror or exc}")
+                    return entry
+                self._image_size += len(raw)
+            self._stored.add(name)
+        return {**entry, "file": f"{self.images_dir.name}/{name}"}
+
+    def _drop_image(self, reason: str) -> None:
+        self.images_dropped += 1
+        if self.images_dropped == 1:
+            logger.warning("episode log %s: an image was not written beside it (%s); later ones are only counted",
+                           self.path, reason)
+
+
+def parse_line(line: str | bytes) -> tuple[Any, str | None]:
+    """One JSON line as `(value, None)`, or `(None, why)` where it cannot be read (the line is never quoted).
+
+    Invalid UTF-8 is replaced (U+FFFD), lone surrogates written as escapes are repaired."""
+    text = line.decode("utf-8", "replace") if isinstance(line, bytes) else line
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        return None, "nested too deeply to read"
+    except ValueError:
+        return None, "not JSON (a cut or corrupt line)"
+    return (clean_json(value) if _SURROGATE_ESCAPE.search(text) else value), None
+
+
+def read_records(path: str | os.PathLike[str], skipped: Counter[str] | None = None) -> Iterator[dict[str, Any]]:
+    """The records of a JSON-lines file, in order. Lines that are not JSON objects (an interrupted write, a
+    foreign line) are skipped, with one warning, and counted by reason in `skipped` when given."""
+    p = Path(path)
+    if not p.exists():
+        return
+    bad: Counter[str] = Counter()
+    with p.open("r", encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            record, why = parse_line(line)
+            if why is None and not isinstance(record, dict):
+                why = "not a JSON object"
+            if why is None:
+                yield upgrade(record)
+            else:
+                bad[why] += 1
+    if bad:
+        logger.warning("%s: skipped %d unreadable line(s): %s", p, bad.total(),
+                       ", ".join(f"{n} {why}" for why, n in bad.most_common()))
+        if skipped is not None:
+            skipped.update(bad)

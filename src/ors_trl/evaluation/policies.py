@@ -1,0 +1,812 @@
+"""Policies: what `evaluate` asks for the model's next turn, given the conversation and the tool schemas.
+
+`await policy.respond(messages, tools) -> PolicyReply`: `messages` are chat messages (system, user,
+assistant with `tool_calls`, tool), `tools` the JSON schemas training renders. Two are built in:
+`LocalPolicy` (a transformers model, generation batched across the episodes waiting for a turn,
+replies parsed with TRL's `parse_response`) and `OpenAIPolicy` (any OpenAI-compatible
+chat-completions endpoint, retried under a `RetryPolicy` like every ORS request).
+
+A message whose content holds images is a list of content parts (`{"type": "text", "text": ...}`,
+`{"type": "image", "image": <RGB PIL image>}`, `ors_trl.core.conversation.content`): `LocalPolicy` hands
+them to a vision-language model's processor as training does, `OpenAIPolicy` sends them as
+OpenAI-style `image_url` parts with `data:` URLs.
+
+A policy's `tool_markup` (optional) says what a tool call looks like in its replies' text: a reply
+without calls that holds it is a call the parser missed (the turn is marked `unparsed`). A local model's
+comes from its chat template; an endpoint's is the common markups of the major chat templates
+(`TOOL_MARKUPS`), unless named (`OpenAIPolicy(tool_markup=...)`), for a server without a tool-call parser
+returns the call as plain content.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from ..core.conversation import images_of
+from ..protocol.errors import ConfigurationError, ContextLengthExceeded, ORSError, PolicyError
+from ..protocol.target import check_header_value
+from ..protocol.transport import Decoder, RetryPolicy, _Again, _read_capped, retrying
+from ..trl.engine import GatherWindow
+
+__all__ = ["TOOL_MARKUPS", "LocalPolicy", "OpenAIPolicy", "Policy", "PolicyReply", "describe_policy", "markup_pattern",
+           "resolve_policy"]
+
+logger = logging.getLogger("ors_trl.eval")
+#: The largest chat completion read from an endpoint (as for ORS answers).
+_MAX_ANSWER_BYTES = 64 * 1024 * 1024
+#: The texts that open (or, for gpt-oss, address or end) a tool call in the major open-weight chat templates: what the
+#: tool-call parsers of vLLM and SGLang look for. A server run without the model's parser returns them as content.
+TOOL_MARKUPS: dict[str, str] = {
+    "<tool_call>": "Qwen 2.5 / 3, QwQ, Hermes 2 Pro / 3, GLM-4.5, Granite 3.1",
+    "<tool_calls>": "Jamba, MiniMax-M1, Hunyuan-A13B",
+    "<minimax:tool_call>": "MiniMax-M2",
+    "<|tool_call|>": "Granite 3.0, Phi-4-mini",
+    "<|python_tag|>": "Llama 3.1 / 3.2 / 3.3",
+    "[TOOL_CALLS]": "Mistral, Mixtral, Ministral, Magistral, Devstral",
+    "<\uff5ctool\u2581calls\u2581begin\uff5c>": "DeepSeek V3 / R1 / V3.1",
+    "<|tool_calls_section_begin|>": "Kimi K2",
+    "<|action_start|><|plugin|>": "InternLM 2 / 2.5",
+    "to=functions.": "gpt-oss (harmony: a message to a function)",
+    "<|call|>": "gpt-oss (harmony: the end of a call)",
+}
+#: A JSON call on a line of its own, `{"name": "...", "parameters": ...}`: Llama 3.x's JSON tool calling (vLLM's
+#: `llama3_json`), and Hermes' body without its tags (`"arguments"`).
+_JSON_CALL = r'^[ \t]*\{\s*"name"\s*:\s*"[^"\n]*"\s*,\s*"(?:parameters|arguments)"\s*:'
+
+
+def markup_pattern(texts: str | Sequence[str] | None = None) -> re.Pattern[str] | None:
+    """What a tool call looks like in a reply's text: any of `texts` (literal), or by default any of `TOOL_MARKUPS`
+    and a JSON call on a line of its own; None for no text (`()`: look for nothing)."""
+    if texts is None:
+        return re.compile("|".join([*map(re.escape, TOOL_MARKUPS), _JSON_CALL]), re.MULTILINE)
+    given = [texts] if isinstance(texts, str) else list(texts)
+    if not all(isinstance(t, str) and t.strip() for t in given):
+        raise ConfigurationError(f"tool_markup must be texts that open a tool call (not blank), got {given!r}")
+    return re.compile("|".join(map(re.escape, given))) if given else None
+
+
+@dataclass
+class PolicyReply:
+    """One assistant turn.
+
+    Attributes:
+        content (`str`, *optional*, defaults to `""`):
+            The assistant's text (`""` if none).
+        tool_calls (`list[dict[str, Any]]`, *optional*, defaults to `[]`):
+            The calls, `[{"id": str, "name": str, "arguments": dict | str}]`; `arguments` is the raw text when the
+            model's arguments were not a JSON object.
+        raw (`str`, *optional*):
+            The raw completion text, when the policy has one (local models), for the episode record.
+        usage (`dict[str, Any]`, *optional*):
+            Token counts reported by an endpoint, if any.
+        truncated (`bool`, *optional*, defaults to `False`):
+            Whether the reply was cut by the token limit (an endpoint's `finish_reason: "length"`).
+    """
+
+    content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    raw: str | None = None
+    usage: dict[str, Any] | None = None
+    truncated: bool = False
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """What `evaluate` drives: given the conversation and the tool schemas, return the assistant's reply.
+
+    A policy may also have `tool_markup` (a text, or a compiled pattern): what a tool call looks like in its replies'
+    text, so that a reply holding one that parsed to no call is counted (`unparsed`).
+    """
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        """The assistant's next turn.
+
+        Args:
+            messages (`list[dict[str, Any]]`):
+                The conversation so far: chat messages (system, user, assistant with `tool_calls`, tool); a content
+                holding images is a list of content parts.
+            tools (`list[dict[str, Any]]`):
+                The tools' JSON schemas, as training renders them.
+
+        Returns:
+            `PolicyReply`: The assistant's turn.
+
+        Raises:
+            PolicyError: no reply could be produced (`ContextLengthExceeded` when the conversation no longer fits).
+        """
+
+
+def _openai_parts(content: Any) -> Any:
+    """A message's content as OpenAI's chat API takes it: a text as it is, image parts as `image_url` parts with a
+    `data:` URL (an image given as a URL or `data:` URL already is sent as it is)."""
+    if not isinstance(content, list):
+        return content
+    out = []
+    for part in content:
+        if part.get("type") != "image":
+            out.append(part)
+        elif isinstance(part.get("image"), str):
+            out.append({"type": "image_url", "image_url": {"url": part["image"]}})
+        else:
+            from ..protocol.images import data_url
+
+            out.append({"type": "image_url", "image_url": {"url": data_url(part["image"])}})
+    return out
+
+
+def _parse_arguments(value: Any) -> dict[str, Any] | str:
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value) if value.strip() else {}
+        except ValueError:
+            return value
+        return parsed if isinstance(parsed, dict) else value
+    return json.dumps(value, default=str)
+
+
+class OpenAIPolicy:
+    """A model behind any OpenAI-compatible `/chat/completions` endpoint (vLLM, SGLang, TGI, OpenAI...).
+
+    Args:
+        base_url (`str`):
+            The API root, e.g. `"http://127.0.0.1:8001/v1"` (requests go to `{base_url}/chat/completions`).
+        model (`str`):
+            The model name the endpoint serves.
+        api_key (`str`, *optional*):
+            Sent as `Authorization: Bearer ...`; defaults to `OPENAI_API_KEY`. Never logged or recorded: it is
+            masked as `***` in the endpoint's answers and in every error quoting them.
+        temperature (`float`, *optional*):
+            Sampling temperature sent with every request (not sent when `None`).
+        max_tokens (`int`, *optional*):
+            Token limit of one reply, sent with every request (not sent when `None`).
+        seed (`int`, *optional*):
+            Sampling seed sent with every request (not sent when `None`).
+        extra_body (`dict[str, Any]`, *optional*):
+            More fields merged into every request body.
+        timeout (`float`, *optional*, defaults to `300.0`):
+            Seconds allowed for one request.
+        max_attempts (`int`, *optional*, defaults to `4`):
+            Tries per request for connection errors and 429/5xx answers (backoff as `RetryPolicy`).
+        include_return_schema (`bool`, *optional*, defaults to `False`):
+            Also send the `"return"` entry `get_json_schema` adds to each function (not part of OpenAI's function
+            schema, so left out by default; the model-facing names, descriptions and parameters are exactly the
+            bound functions' schemas either way).
+        tool_images (`str`, *optional*, defaults to `"tool"`):
+            Where a tool output's images go: `"tool"` as `image_url` parts of the tool message itself (what vLLM's
+            server takes, and where a model trained through ors-trl saw them); `"user"` in a user message right
+            after the turn's tool messages (for APIs that take no images in a tool message, such as OpenAI's), the
+            tool message keeping its text.
+        tool_markup (`str` or `Sequence[str]`, *optional*):
+            The text (or texts) that opens a tool call in the served model's replies, for a server that returns
+            calls it did not parse as plain content: a reply without calls that holds it has its turn marked
+            `unparsed` (`EvalReport.unparsed_turn_rate`). By default the common markups of the major chat templates
+            (`TOOL_MARKUPS`, and a JSON call on a line of its own); `()` looks for none.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        temperature: float | None = None,
+        max_tokens: int | None = None,
+        seed: int | None = None,
+        extra_body: dict[str, Any] | None = None,
+        timeout: float = 300.0,
+        max_attempts: int = 4,
+        include_return_schema: bool = False,
+        tool_images: str = "tool",
+        tool_markup: str | Sequence[str] | None = None,
+    ) -> None:
+        self.tool_markup = markup_pattern(tool_markup)
+        if tool_images not in ("tool", "user"):
+            raise ConfigurationError(f'tool_images must be "tool" or "user", got {tool_images!r}')
+        self.tool_images = tool_images
+        if not isinstance(base_url, str) or "://" not in base_url:
+            raise ConfigurationError(
+                f"base_url must be an http(s) URL like 'http://127.0.0.1:8001/v1', got {base_url!r}"
+            )
+        if not model:
+            raise ConfigurationError("OpenAIPolicy needs the served model's name (model=...)")
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self._api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
+        if self._api_key:
+            check_header_value(self._api_key, "the API key")
+        self._decoder = Decoder([self._api_key] if self._api_key else [])  # the endpoint may reflect the header
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+        self.seed = seed
+        self.extra_body = dict(extra_body or {})
+        self.timeout = timeout
+        self.retry = RetryPolicy(max_attempts=max(1, int(max_attempts)), backoff_initial=0.5)
+        self.include_return_schema = include_return_schema
+        self._http: Any = None
+        self.requests = 0
+
+    def __repr__(self) -> str:  # never shows the key
+        return f"OpenAIPolicy({self.base_url!r}, {self.model!r})"
+
+    @property
+    def description(self) -> str:
+        """The policy's name in records and reports: `"{model} @ {base_url}"`."""
+        return f"{self.model} @ {self.base_url}"
+
+    def _tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = []
+        for schema in tools:
+            function = dict(schema.get("function", schema))
+            if not self.include_return_schema:
+                function.pop("return", None)
+            out.append({"type": "function", "function": function})
+        return out
+
+    def _messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        moved: list[dict[str, Any]] = []  # tool images that go in a user message after the tool messages
+        for message in messages:
+            role = message["role"]
+            if moved and role != "tool":
+                out.append({"role": "user", "content": moved})
+                moved = []
+            if role == "assistant":
+                item: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+                calls = [(c["id"], c["function"]) for c in message.get("tool_calls") or []]
+                if calls:
+                    item["tool_calls"] = [{"id": i, "type": "function", "function": {"name": f["name"], "arguments": (
+                        a if isinstance(a := f["arguments"], str) else json.dumps(a, ensure_ascii=False))}}
+                        for i, f in calls]
+                out.append(item)
+            elif role == "tool":
+                parts = _openai_parts(message["content"])
+                if self.tool_images == "user" and isinstance(parts, list):
+                    moved += [p for p in parts if p["type"] == "image_url"]
+                    parts = "".join(p.get("text", "") for p in parts)
+                out.append({"role": "tool", "tool_call_id": message["tool_call_id"], "content": parts})
+            else:
+                out.append({"role": role, "content": _openai_parts(message["content"])})
+        if moved:
+            out.append({"role": "user", "content": moved})
+        return out
+
+    async def _session(self) -> Any:
+        import aiohttp
+
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout), trust_env=False)
+        return self._http
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        """The assistant's next turn, asked of the endpoint (retried under `max_attempts`).
+
+        Args:
+            messages (`list[dict[str, Any]]`):
+                The conversation so far (the `Policy` protocol's form; images are sent as `image_url` parts).
+            tools (`list[dict[str, Any]]`):
+                The tools' JSON schemas.
+
+        Returns:
+            `PolicyReply`: The assistant's turn.
+
+        Raises:
+            PolicyError: the endpoint answered an error, or not a chat completion, or could not be reached.
+        """
+        body: dict[str, Any] = {"model": self.model, "messages": self._messages(messages)}
+        if tools:
+            body["tools"] = self._tools(tools)
+        for key, value in (("temperature", self.temperature), ("max_tokens", self.max_tokens), ("seed", self.seed)):
+            if value is not None:
+                body[key] = value
+        body.update(self.extra_body)
+        headers = {"Content-Type": "application/json"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        url = f"{self.base_url}/chat/completions"
+        http = await self._session()
+
+        async def attempt() -> PolicyReply:
+            self.requests += 1
+            async with http.post(url, json=body, headers=headers) as resp:
+                raw = await _read_capped(resp, _MAX_ANSWER_BYTES, url)
+                if resp.status == 200:
+                    return self._parse(raw)
+                raise _Again(PolicyError(f"HTTP {resp.status} from {url}: {self._decoder.quote(raw, 300)}"),
+                             final=resp.status != 429 and resp.status < 500)
+
+        try:
+            return await retrying(self.retry, attempt, what=f"POST {url}", base=self.base_url, mask=self._decoder.mask)
+        except ORSError as exc:  # an error answer, the network (TransportError), an answer past the cap
+            error = exc if isinstance(exc, PolicyError) else PolicyError(str(exc))
+        # Outside the `except`: the error carries no chain (aiohttp's errors and the raw answer stay behind).
+        error.args = (self._decoder.mask(str(error)),)
+        error.__cause__ = error.__context__ = None
+        raise error
+
+    def _parse(self, raw: bytes) -> PolicyReply:
+        """A chat completion, decoded as every server answer is (repaired, the key masked)."""
+        try:
+            body = self._decoder.decode(raw, "the endpoint")
+            message = body["choices"][0]["message"]
+            if not isinstance(message, dict):
+                raise TypeError
+        except (ORSError, KeyError, IndexError, TypeError):
+            raise PolicyError(f"the endpoint's answer is not a chat completion: {self._decoder.quote(raw, 300)}"
+                              ) from None
+        calls = []
+        for call in message.get("tool_calls") or []:
+            if not isinstance(call, dict):
+                continue
+            function = call.get("function") if isinstance(call.get("function"), dict) else {}
+            calls.append({
+                "id": call.get("id") or None,
+                "name": function.get("name") or "",
+                "arguments": _parse_arguments(function.get("arguments")),
+            })
+        usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
+        return PolicyReply(content=message.get("content") or "", tool_calls=calls, usage=usage,
+                           truncated=body["choices"][0].get("finish_reason") == "length")
+
+    async def aclose(self) -> None:
+        """Close the HTTP connections; the policy stays usable (a later request opens new ones)."""
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+
+@dataclass
+class _Pending:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    future: asyncio.Future[PolicyReply]
+
+
+class LocalPolicy:
+    """A local transformers causal LM, prompted with the chat template `GRPOTrainer` trains tools with (tools
+    included); or a vision-language model with its processor, which then takes the images of the conversation as
+    training does.
+
+    Episodes waiting for a turn are batched by the engine's rule (`GatherWindow`): the first request waits for the
+    other running episodes (until `max_batch_size` are waiting, or the window passes), then one left-padded
+    `generate` call answers all of them, in a worker thread so that tool calls and keepalives go on meanwhile.
+    Replies are parsed with TRL's `parse_response` (the tokenizer's `response_template`, set with
+    `add_response_schema` when missing), as `GRPOTrainer` does.
+
+    Args:
+        model (`Any`):
+            A model object with `generate` (e.g. `AutoModelForCausalLM`, `AutoModelForImageTextToText`).
+        tokenizer (`Any`):
+            Its tokenizer, with a chat template; for a vision-language model, its processor.
+        temperature (`float`, *optional*, defaults to `0.0`):
+            0 = greedy; otherwise sampled with `top_p`.
+        max_new_tokens (`int`, *optional*, defaults to `256`):
+            Tokens generated per turn (capped by the model's context).
+        top_p (`float`, *optional*, defaults to `1.0`):
+            Nucleus sampling's probability mass, when sampling (`temperature > 0`).
+        seed (`int`, *optional*, defaults to `0`):
+            Seeds torch's generator once, when generation starts (`None`: not seeded).
+        max_batch_size (`int`, *optional*, defaults to `64`):
+            At most this many requests per `generate` call.
+        batch_wait (`float`, *optional*):
+            How long requests are gathered for one `generate` call, at most (`None`: the engine's automatic
+            window, at most 0.05 s and half of what a `generate` call takes).
+        name (`str`, *optional*):
+            The policy's name in records (default: the model's path).
+        chat_template (`str`, *optional*):
+            Render with this template. By default, the one `GRPOTrainer` trains tools with: the tokenizer's own if
+            it is prefix-preserving, else TRL's training variant of it (`trl/chat_templates`, e.g. for Qwen3); the
+            tokenizer's own, with one log line, where TRL has no such variant.
+        join_turns (`bool`, *optional*, defaults to `True`):
+            Build a later turn's input as GRPO's tool loop does: the previous input, the ids the model generated,
+            then the tool messages' suffix (TRL's computation), instead of re-rendering the whole conversation.
+            Re-rendering can differ from what the model was trained on (an empty `<think>` block added to a past
+            turn, a generated sequence that is not the canonical tokenization of its text). A conversation whose
+            past turns this policy did not generate is rendered whole; so is every conversation, with one log line
+            (and `join_turns` set to `False`), once TRL cannot build a tool turn with the chat template (one that is
+            not prefix-preserving).
+
+    Raises:
+        ConfigurationError: the tokenizer has no chat template.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        temperature: float = 0.0,
+        max_new_tokens: int = 256,
+        top_p: float = 1.0,
+        seed: int | None = 0,
+        max_batch_size: int = 64,
+        batch_wait: float | None = None,
+        name: str | None = None,
+        chat_template: str | None = None,
+        join_turns: bool = True,
+    ) -> None:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ConfigurationError("the tokenizer has no chat template; LocalPolicy needs one to render tools")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.temperature = float(temperature)
+        self.max_new_tokens = int(max_new_tokens)
+        self.top_p = top_p
+        self.seed = seed
+        self.max_batch_size = max(1, int(max_batch_size))
+        self.gather = GatherWindow(batch_wait)
+        self.name = name or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
+        self.join_turns = join_turns
+        self._generated: dict[tuple[int, ...], list[int]] = {}  # prompt ids -> the ids generated from them
+        self.batch_sizes: list[int] = []
+        from ..trl.backend import Rendering
+
+        if chat_template is not None:
+            self.rendering = Rendering(tokenizer, chat_template=chat_template)
+        else:
+            try:  # the template GRPOTrainer trains tools with (TRL's training variant of a template it knows)
+                self.rendering = Rendering.for_training(tokenizer)
+            except Exception as exc:  # a template TRL has no training variant of, or no TRL
+                logger.warning("LocalPolicy renders with the tokenizer's own chat template: the one GRPOTrainer trains "
+                               "tools with could not be determined (%s: %s).", type(exc).__name__, exc)
+                self.rendering = Rendering(tokenizer)
+        if self.rendering.parse_error is not None:
+            logger.warning("cannot parse tool calls from this model's replies (%s): no response template for its chat "
+                           "template; replies are decoded as plain text, so every episode ends after one turn.",
+                           self.rendering.parse_error)
+        self._queue: list[_Pending] = []
+        self._wakeup: asyncio.Event | None = None
+        self._worker: asyncio.Task[None] | None = None
+        self._active: Callable[[], int] = lambda: 1
+        self._abort = threading.Event()
+        self._seeded = False
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str], *, device: str | None = None, **kwargs: Any) -> LocalPolicy:
+        """Load a model and tokenizer from a local directory (never from the Hub); a directory with an image
+        processor (`preprocessor_config.json`) is a vision-language model, loaded with its processor.
+
+        Args:
+            path (`str` or `os.PathLike`):
+                The model's directory.
+            device (`str`, *optional*):
+                Where the model runs (`"cuda"` when available, else `"cpu"`, when omitted).
+            **kwargs:
+                `LocalPolicy`'s other arguments (`name` defaults to `path`).
+
+        Returns:
+            `LocalPolicy`: The policy, its model in eval mode on `device`.
+
+        Raises:
+            ConfigurationError: `path` is not a directory holding a model and tokenizer, or torch or transformers
+                is not installed.
+        """
+        path = os.fspath(path)
+        if not os.path.isdir(path):
+            raise ConfigurationError(f"{path!r} is not a local model directory")
+        try:
+            import torch
+            import transformers
+        except ImportError as exc:
+            raise ConfigurationError(
+                f"evaluating a local model needs torch and transformers ({exc}); pip install 'ors-trl[trl]'"
+            ) from None
+        vision = os.path.isfile(os.path.join(path, "preprocessor_config.json"))
+        loaders = ((transformers.AutoProcessor, transformers.AutoModelForImageTextToText) if vision else
+                   (transformers.AutoTokenizer, transformers.AutoModelForCausalLM))
+        try:
+            tokenizer = loaders[0].from_pretrained(path, local_files_only=True)
+            model = loaders[1].from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigurationError(f"cannot load a model and tokenizer from {path!r}: {exc}") from exc
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        model.to(device)
+        model.eval()
+        return cls(model, tokenizer, name=kwargs.pop("name", path), **kwargs)
+
+    def __repr__(self) -> str:
+        return f"LocalPolicy({self.name!r})"
+
+    @property
+    def description(self) -> str:
+        """The policy's name in records and reports (`name`)."""
+        return str(self.name)
+
+    @property
+    def tool_markup(self) -> str | None:
+        """The text that opens a tool call in the chat template's replies (`Rendering.tool_markup`)."""
+        return self.rendering.tool_markup
+
+    # -- the Policy protocol ---------------------------------------------------------------------------------
+
+    def _set_active_counter(self, active: Callable[[], int]) -> None:
+        self._active = active
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        """The assistant's next turn, generated in a batch with the other episodes waiting for theirs.
+
+        Args:
+            messages (`list[dict[str, Any]]`):
+                The conversation so far (the `Policy` protocol's form).
+            tools (`list[dict[str, Any]]`):
+                The tools' JSON schemas, rendered by the chat template.
+
+        Returns:
+            `PolicyReply`: The assistant's turn, with the raw completion text.
+
+        Raises:
+            PolicyError: generation failed, or the conversation cannot be rendered (`ContextLengthExceeded` when
+                it fills the model's context).
+        """
+        loop = asyncio.get_running_loop()
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
+        if self._worker is None or self._worker.done():
+            self._abort.clear()
+            self._worker = loop.create_task(self._work())
+        pending = _Pending(messages, tools, loop.create_future())
+        self._queue.append(pending)
+        self._wakeup.set()
+        try:
+            return await pending.future
+        finally:
+            if pending in self._queue:
+                self._queue.remove(pending)
+
+    async def _work(self) -> None:
+        try:
+            await self._work_loop()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # never leave an episode waiting for a reply that cannot come
+            for p in self._queue:
+                if not p.future.done():
+                    p.future.set_exception(PolicyError(f"the generation worker failed: {type(exc).__name__}: {exc}"))
+            self._queue.clear()
+            raise
+
+    async def _work_loop(self) -> None:
+        assert self._wakeup is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            if not self._queue:
+                continue
+            # Give the other running episodes a moment to ask too, so they share one generate call (the engine's rule).
+            since = time.monotonic()
+            while (left := self.gather.left(len(self._queue), min(self._active(), self.max_batch_size)
+                                            - len(self._queue), since)) > 0:
+                self._wakeup.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(left):
+                        await self._wakeup.wait()
+            batch = [p for p in self._queue[: self.max_batch_size] if not p.future.done()]
+            del self._queue[: self.max_batch_size]
+            if not batch:
+                continue
+            self.batch_sizes.append(len(batch))
+            started = time.monotonic()
+            try:
+                replies = await loop.run_in_executor(None, self._generate, [(p.messages, p.tools) for p in batch])
+            except Exception as exc:
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(exc if isinstance(exc, PolicyError) else PolicyError(
+                            f"generation failed: {type(exc).__name__}: {exc}"))
+                continue
+            self.gather.took(time.monotonic() - started)
+            for p, reply in zip(batch, replies, strict=True):
+                if p.future.done():
+                    continue
+                if isinstance(reply, BaseException):
+                    p.future.set_exception(reply)
+                else:
+                    p.future.set_result(reply)
+            if self._queue:
+                self._wakeup.set()
+
+    async def aclose(self) -> None:
+        """Stop generating (an ongoing `generate` call is aborted), cancel the replies still waited for and forget
+        the generated turns; the next evaluation starts from the same seed."""
+        self._abort.set()
+        if self._worker is not None:
+            self._worker.cancel()
+            with contextlib.suppress(BaseException):
+                await self._worker
+            self._worker = None
+        for p in self._queue:
+            if not p.future.done():
+                p.future.cancel()
+        self._queue.clear()
+        self._wakeup = None
+        self._seeded = False  # the next evaluation starts from the same seed
+        self._generated.clear()
+
+    # -- generation (worker thread) --------------------------------------------------------------------------
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+        """The input ids of the next turn: joined as GRPO joins them (`join_turns`), else the whole conversation (its
+        images expanded into their image tokens, in the order `images_of` lists them)."""
+        rendering = self.rendering
+        first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+        if self.join_turns and first < len(messages):
+            ids = rendering.prompt_ids(messages[:first], tools)
+            i = first
+            while i < len(messages):
+                generated = self._generated.get(tuple(ids)) if messages[i].get("role") == "assistant" else None
+                if generated is None:  # a past turn this policy did not generate: render the conversation whole
+                    return rendering.prompt_ids(messages, tools)
+                ids, i = ids + generated, i + 1
+                start = i
+                while i < len(messages) and messages[i].get("role") == "tool":
+                    i += 1
+                if i > start:
+                    try:
+                        ids += rendering.tool_suffix_ids([{"role": "tool", "name": m.get("name") or "tool",
+                                                           "content": m["content"]} for m in messages[start:i]])
+                    except Exception as exc:  # a template that is not prefix-preserving: TRL cannot join its turns
+                        logger.warning("%s renders every conversation whole from now on (join_turns=False): TRL "
+                                       "cannot build a turn after tool calls with this chat template (%s: %s).",
+                                       self.name, type(exc).__name__, exc)
+                        self.join_turns = False
+                        self._generated.clear()
+                        return rendering.prompt_ids(messages, tools)
+            return ids
+        return rendering.prompt_ids(messages, tools)
+
+    def _context_limit(self) -> int | None:
+        config = getattr(self.model, "config", None)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        limit = getattr(config, "max_position_embeddings", None)
+        return limit if isinstance(limit, int) and limit > 0 else None
+
+    def _generate(self, requests: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]) -> list[Any]:
+        import torch
+
+        tok = self.rendering.tokenizer
+        limit = self._context_limit()
+        prompts: list[list[int] | None] = []
+        images: list[list[Any]] = []
+        results: list[Any] = [None] * len(requests)
+        for i, (messages, tools) in enumerate(requests):  # a conversation that cannot be rendered fails alone
+            images.append(images_of(messages))
+            prompts.append(None)
+            try:
+                if images[-1] and not self.rendering.takes_images:
+                    raise PolicyError("the conversation holds an image, and this model's tokenizer takes none: "
+                                      "evaluate a vision-language model with its processor, or pass "
+                                      'OpenRewardSpec(..., images="placeholder")')
+                ids = self._render(messages, tools)
+            except Exception as exc:
+                results[i] = exc if isinstance(exc, PolicyError) else PolicyError(
+                    f"the chat template failed: {type(exc).__name__}: {exc}")
+                continue
+            if limit is not None and len(ids) >= limit:
+                results[i] = ContextLengthExceeded(f"the conversation ({len(ids)} tokens) fills the model's context "
+                                                   f"({limit})")
+            else:
+                prompts[i] = ids
+        live = [i for i, p in enumerate(prompts) if p is not None]
+        if not live:
+            return results
+        width = max(len(prompts[i]) for i in live)  # type: ignore[arg-type]
+        max_new = self.max_new_tokens if limit is None else max(1, min(self.max_new_tokens, limit - width))
+        eos_id = tok.eos_token_id
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_id
+        device = getattr(self.model, "device", "cpu")
+        input_ids = torch.full((len(live), width), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(live), width), dtype=torch.long)
+        for row, i in enumerate(live):  # left padding
+            p = prompts[i]
+            assert p is not None
+            input_ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            attention[row, width - len(p):] = 1
+        extra: dict[str, Any] = {}
+        if any(images[i] for i in live):
+            fields = self.rendering.image_inputs(input_ids.tolist(), [images[i] for i in live])
+            extra = {k: torch.as_tensor(v).to(device) for k, v in fields.items()}
+        sampling: dict[str, Any] = (
+            {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
+            if self.temperature > 0 else {"do_sample": False}
+        )
+        if self.seed is not None and not self._seeded:
+            torch.manual_seed(self.seed)
+            self._seeded = True
+        abort = self._abort
+
+        def stop(input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+            return torch.full((input_ids.shape[0],), abort.is_set(), dtype=torch.bool, device=input_ids.device)
+
+        from transformers import StoppingCriteriaList
+
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention.to(device),
+                max_new_tokens=max_new,
+                eos_token_id=eos_id,
+                pad_token_id=pad_id,
+                stopping_criteria=StoppingCriteriaList([stop]),
+                **extra,
+                **sampling,
+            )
+        if abort.is_set():
+            raise PolicyError("generation aborted")
+        for row, i in enumerate(live):
+            ids = out[row, width:].tolist()
+            ended = eos_id is not None and eos_id in ids
+            if ended:
+                ids = ids[: ids.index(eos_id) + 1]
+            else:
+                while ids and ids[-1] == pad_id:
+                    ids.pop()
+            results[i] = self._parse(ids, prompts[i], requests[i][1], truncated=not ended)
+        return results
+
+    def _parse(self, ids: list[int], prefix: list[int] | None, tools: list[dict[str, Any]], *,
+               truncated: bool = False) -> PolicyReply:
+        if prefix is not None and self.join_turns:
+            self._generated[tuple(prefix)] = list(ids)
+        raw = self.rendering.tokenizer.decode(ids, skip_special_tokens=False)
+        if not ids:
+            return PolicyReply(content="", raw=raw, truncated=truncated)
+        parsed = self.rendering.parse(ids, prefix, tools or None)
+        calls = []
+        for call in parsed.get("tool_calls") or []:
+            function = call.get("function") or {}
+            calls.append({"id": None, "name": str(function.get("name") or ""),
+                          "arguments": _parse_arguments(function.get("arguments"))})
+        content = parsed.get("content")
+        return PolicyReply(content=content if isinstance(content, str) else "", tool_calls=calls, raw=raw,
+                           truncated=truncated)
+
+
+def resolve_policy(
+    policy: Any,
+    *,
+    temperature: float = 0.0,
+    max_new_tokens: int | None = None,
+    seed: int | None = 0,
+    device: str | None = None,
+) -> tuple[Any, bool]:
+    """Turn what the user passed into a policy object; returns `(policy, created_here)`.
+
+    Accepts a local model directory, a `(model, tokenizer)` pair, or any object with `respond` (`OpenAIPolicy`).
+    """
+    local_kwargs: dict[str, Any] = {"temperature": temperature, "seed": seed}
+    if max_new_tokens is not None:
+        local_kwargs["max_new_tokens"] = max_new_tokens
+    if isinstance(policy, str | os.PathLike):
+        path = os.fspath(policy)
+        if not os.path.isdir(path):
+            raise ConfigurationError(
+                f"policy {path!r} is not a local model directory. To evaluate a served model, pass "
+                "OpenAIPolicy(base_url, model) (CLI: --base-url URL --model NAME)."
+            )
+        return LocalPolicy.from_pretrained(path, device=device, **local_kwargs), True
+    if isinstance(policy, tuple) and len(policy) == 2:
+        return LocalPolicy(policy[0], policy[1], **local_kwargs), True
+    if callable(getattr(policy, "respond", None)):
+        return policy, False
+    raise ConfigurationError(
+        f"cannot evaluate {type(policy).__name__}: pass a local model directory, a (model, tokenizer) pair, "
+        "an OpenAIPolicy, or an object with `async respond(messages, tools) -> PolicyReply`."
+    )
+
+
+def describe_policy(policy: Any) -> str:
+    """A policy's name for records and reports."""
+    return str(getattr(policy, "description", None) or repr(policy))

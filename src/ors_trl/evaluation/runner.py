@@ -1,0 +1,715 @@
+"""Evaluate a policy against an ORS environment: the episode core driven by a policy instead of a trainer.
+
+    report = OpenRewardSpec("http://127.0.0.1:8000", split="test").evaluate("./my-checkpoint", num_tasks=32)
+    report = spec.evaluate(OpenAIPolicy("http://127.0.0.1:8001/v1", "my-model"), output="episodes.jsonl")
+    print(report.mean_reward, report.coverage)
+
+An episode: open a session for the task, read its conversation, then hand each policy reply to the
+episode core (`Episode.reply`, the turn rule training uses too) until it ends: the policy answers
+without a tool call (an environment's terminal tool then grades that answer), or `max_turns` replies
+were made (the calls of the last one are not run, as in TRL's loop). A call after the environment said
+`finished` is refused and counted, as in training. The model sees the tools exactly as TRL shows them,
+its calls go through the same binding, and a failed call reads as TRL writes it (`{'error': ...}`).
+The episode's reward is its last non-None reward; an episode the environment never scored has reward
+None and does not count in `mean_reward`. An episode past its deadline
+(`episode_timeout`) is closed there, recorded with end reason `timeout` and scored None.
+
+Every finished episode is appended to `output` as one record (the schema every driver writes) and
+flushed at once, so an interrupted evaluation loses at most its running episodes; `resume=True` reads
+the file back and runs only the episodes it lacks (by environment, split, task index and repeat index).
+Every session is closed, also on errors and on Ctrl-C.
+
+With `repeats=n` the report has the unbiased pass@k for k = 1..n per task and over tasks, with a 95% interval
+for pass@1 over tasks (`ors_trl.core.stats`), and the tool-call health of the episodes (no tool call, tool-call
+markup the parser missed, malformed arguments). `OpenRewardMix.evaluate` evaluates every environment of a mix
+and weighs them together (`MixEvalReport`); `upload=True` sends every episode to the OpenReward rollout viewer
+(`ors_trl.protocol.upload`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..core import episode as _episode
+from ..core.episode import Call, EnvironmentRuntime, Episode, Reply, Rules, Task
+from ..core.metrics import DEFAULT_SUCCESS_THRESHOLD, NO_CALL_WARNING, EpisodeStats
+from ..core.records import RecordWriter, read_records
+from ..core.stats import pass_at_k, pass_over_tasks, task_label
+from ..protocol.errors import ConfigurationError, ContextLengthExceeded, ORSError, PolicyError
+from ..protocol.loop import get_loop
+from ..protocol.text import escape_controls, one_line
+from ..tasks.selection import check_selection, select
+from ..trl import backend as _trl
+from .policies import describe_policy, resolve_policy
+
+__all__ = ["EvalReport", "MixEvalReport", "evaluate", "load_episodes"]
+
+logger = logging.getLogger("ors_trl.eval")
+
+#: How long Ctrl-C waits for the running episodes to close their sessions.
+_CLEANUP_WAIT_S = 30.0
+EpisodeKey = tuple[str, int, int]
+
+
+def _key(record: dict[str, Any]) -> EpisodeKey | None:
+    try:
+        return (str(record["split"]), int(record["task_index"]), int(record.get("repeat") or 0))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def failed(record: dict[str, Any]) -> bool:
+    """An episode that failed (its session, or the policy): counted in `num_errors`, run again by `resume`."""
+    return "error" in (record.get("end_reason"), record.get("unscored"))
+
+
+def load_episodes(path: str | os.PathLike[str], environments: Collection[str] | None = None
+                  ) -> dict[EpisodeKey, dict[str, Any]]:
+    """An episodes file as `{(split, task_index, repeat): record}`, the last record of each key winning; only the
+    records of `environments` (their names) when given."""
+    return {key: record for record in read_records(path) if (key := _key(record)) is not None
+            and (environments is None or record.get("environment") in environments)}
+
+
+async def _play(ep: Episode, policy: Any, flatten_prompt: bool = False) -> None:
+    """One evaluation episode: the policy replies, the turn rule (`Episode.reply`) decides what they do."""
+    if not await ep.open():
+        return
+    assert ep.prompt is not None and ep.toolset is not None
+    messages = [{"role": "user", "content": ep.prompt.flat}] if flatten_prompt else ep.prompt.chat()
+    schemas = ep.toolset.schemas
+    while not ep.over:  # bounded: the rules' max_replies ends the episode
+        started = time.monotonic()
+        try:
+            reply = await policy.respond(messages, schemas)
+        except ContextLengthExceeded as exc:
+            await ep.end("context_length", detail=str(exc))
+            return
+        except ORSError:
+            raise
+        except Exception as exc:
+            raise PolicyError(f"{type(exc).__name__}: {exc}") from exc
+        extra = {k: v for k, v in (("raw", reply.raw), ("usage", reply.usage)) if v}
+        calls = tuple(Call(c["name"], c["arguments"], c.get("id")) for c in reply.tool_calls)
+        outcomes = await ep.reply(Reply(reply.content, calls, reply.truncated,
+                                        {**extra, "generation_seconds": round(time.monotonic() - started, 4)}))
+        if outcomes is None:
+            return
+        ids = [c.id or f"call_{len(ep.turns) - 1}_{k}" for k, c in enumerate(calls)]
+        messages.append({"role": "assistant", "content": reply.content, "tool_calls": [
+            {"id": i, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for i, c in zip(ids, calls, strict=True)]})
+        messages += [{"role": "tool", "tool_call_id": i, "name": c.name, "content": o.content}
+                     for i, c, o in zip(ids, calls, outcomes, strict=True)]
+
+
+class _Evaluation:
+    """The episodes of one `evaluate` call, run `concurrency` at a time."""
+
+    def __init__(self, runtime: EnvironmentRuntime, policy: Any, *, max_turns: int, writer: RecordWriter | None,
+                 bar: Any, per_task_tools: bool, groups: bool, flatten_prompt: bool,
+                 episode_timeout: float | None = None, uploads: Any = None) -> None:
+        self.runtime, self.policy, self.flatten_prompt = runtime, policy, flatten_prompt
+        self.rules = Rules(max_replies=max_turns, error_text=_trl.error_text,
+                           tool_markup=getattr(policy, "tool_markup", None))  # a chat template's, an endpoint's
+        self.uploads = uploads
+        self.episode_timeout = episode_timeout
+        self.writer, self.bar, self.per_task_tools, self.groups = writer, bar, per_task_tools, groups
+        self.policy_name = describe_policy(policy)
+        self.active = 0
+        self.done: list[Episode] = []
+
+    async def run_one(self, gate: asyncio.Semaphore, key: EpisodeKey) -> None:
+        split, index, repeat = key
+        async with gate:
+            self.active += 1
+            ep = self.runtime.episode(Task(split, index), source="eval", rules=self.rules, metrics=False,
+                                      writer=None if self.groups else self.writer, task_tools=self.per_task_tools,
+                                      # group-scored: written and uploaded once scored, in `evaluate`
+                                      uploads=(False if self.groups else self.uploads) if self.uploads else None,
+                                      repeat=repeat, policy=self.policy_name)
+            deadline = asyncio.timeout(self.episode_timeout)
+            try:
+                async with deadline:
+                    await _play(ep, self.policy, self.flatten_prompt)
+            except TimeoutError as exc:
+                if not deadline.expired():  # not our deadline: a failure like any other
+                    ep.fail(exc)
+                else:
+                    ep.time_out(self.episode_timeout or 0.0)
+            except (ORSError, PolicyError) as exc:
+                ep.fail(exc)
+            except Exception as exc:  # a bug or an unexpected failure: recorded, not fatal for the other episodes
+                logger.warning("episode %s/%d/%d failed unexpectedly: %s", split, index, repeat, exc, exc_info=True)
+                ep.fail(exc)
+            except BaseException:  # interrupted (Ctrl-C): not a result, so not recorded; resume reruns it
+                await asyncio.shield(ep.close(keep=False))
+                raise
+            finally:
+                self.active -= 1
+            await ep.close()
+        self.done.append(ep)
+        if self.bar is not None:
+            scored = [e.reward for e in self.done if e.reward is not None]
+            if scored:
+                self.bar.set_postfix(reward=f"{sum(scored) / len(scored):.3f}", refresh=False)
+            self.bar.update(1)
+
+
+def evaluate(
+    runtime: EnvironmentRuntime,
+    policy: Any,
+    *,
+    num_tasks: int | None = None,
+    indices: Any = None,
+    repeats: int = 1,
+    concurrency: int = 8,
+    max_turns: int = 10,
+    episode_timeout: float | None = None,
+    output: str | os.PathLike[str] | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    per_task_tools: bool = False,
+    score_groups: bool = False,
+    flatten_prompt: bool = False,
+    success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
+    upload: bool | str = False,
+    others: Collection[str] = (),
+    temperature: float = 0.0,
+    max_new_tokens: int | None = None,
+    seed: int | None = 0,
+    device: str | None = None,
+    progress: bool = True,
+) -> EvalReport:
+    """Run `policy` over tasks of an environment and score it (`OpenRewardSpec.evaluate` is the entry point).
+
+    Args:
+        runtime (`EnvironmentRuntime`):
+            The environment (a spec's runtime: its client, split, bound tools apply).
+        policy (`str`, `os.PathLike`, `tuple[Any, Any]` or `Policy`):
+            A local model directory, a `(model, tokenizer)` pair, an `OpenAIPolicy`, or any object with
+            `async respond(messages, tools) -> PolicyReply`.
+        num_tasks (`int`, *optional*):
+            The first `num_tasks` tasks of the split (default, with no `indices`: the whole split).
+        indices (`Sequence[int]`, *optional*):
+            Exactly these task indices (non-negative ints), instead of `num_tasks`.
+        repeats (`int`, *optional*, defaults to `1`):
+            Episodes per task (told apart by their repeat index).
+        concurrency (`int`, *optional*, defaults to `8`):
+            Episodes (and so sessions) running at once.
+        max_turns (`int`, *optional*, defaults to `10`):
+            Policy replies allowed per episode (the calls of the last one are not run, as in TRL's loop, whose limit
+            is `max_tool_calling_iterations + 1` replies).
+        episode_timeout (`float`, *optional*):
+            Wall-clock seconds one episode may take (`None`: no limit); past it the episode is closed (its session
+            deleted), recorded with end reason `timeout` and scored `None`.
+        output (`str` or `os.PathLike`, *optional*):
+            JSON-lines file receiving every finished episode at once (append + flush).
+        resume (`bool`, *optional*, defaults to `False`):
+            Read `output` back and run only the episodes it lacks (episodes that ended in an error are rerun).
+        overwrite (`bool`, *optional*, defaults to `False`):
+            Replace an existing non-empty `output` (without `resume`, an existing file is an error).
+        per_task_tools (`bool`, *optional*, defaults to `False`):
+            Bind each episode's own tool list (`/task_tools` of its session) instead of the spec's tools, i.e. what
+            training binds (shared plus the probed task-specific tools).
+        score_groups (`bool`, *optional*, defaults to `False`):
+            Also score each task's episodes (its repeats) together with `/score_group`.
+        flatten_prompt (`bool`, *optional*, defaults to `False`):
+            Give the policy the prompt as TRL's `environment_factory` loop does (one user message, the system turn
+            first) rather than as a conversation: for a model trained through that loop.
+        success_threshold (`float`, *optional*, defaults to `DEFAULT_SUCCESS_THRESHOLD`):
+            An episode succeeded when its reward is at least this (`EvalReport.success_rate`, pass@k).
+        upload (`bool` or `str`, *optional*, defaults to `False`):
+            Send every episode to the OpenReward rollout viewer (`True`, or the run's name there), with the
+            policy's name and size; the platform's API key as for catalog targets (`OPENREWARD_API_KEY`).
+        others (`Collection[str]`, *optional*, defaults to `()`):
+            Environments whose episodes `output` holds too (a mix's), left alone without a warning.
+        temperature (`float`, *optional*, defaults to `0.0`):
+            Sampling temperature for a policy given as a path or pair (0: greedy).
+        max_new_tokens (`int`, *optional*):
+            Tokens generated per turn for a policy given as a path or pair (`LocalPolicy`'s default when omitted).
+        seed (`int`, *optional*, defaults to `0`):
+            Generation seed for a policy given as a path or pair.
+        device (`str`, *optional*):
+            Where a policy given as a path runs (`"cuda"` when available, else `"cpu"`, when omitted).
+        progress (`bool`, *optional*, defaults to `True`):
+            Show a progress bar on stderr.
+
+    Returns:
+        `EvalReport`: What the evaluation measured; `report.episodes` holds every record.
+
+    Raises:
+        ConfigurationError: an argument cannot work (a count below 1, `resume` without `output`, an `output` that
+            exists without `resume` or `overwrite`, `score_groups` on an environment without group scoring).
+    """
+    indices = check_selection(num_tasks, indices)
+    for name, value in dict(repeats=repeats, concurrency=concurrency, max_turns=max_turns).items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
+    if episode_timeout is not None and not episode_timeout > 0:  # also refuses NaN
+        raise ConfigurationError(f"episode_timeout must be positive seconds or None, got {episode_timeout!r}")
+    out_path = Path(output) if output is not None else None
+    if resume and out_path is None:
+        raise ConfigurationError("resume=True needs output= (the episodes file to continue)")
+    if out_path is not None and not resume and not overwrite and out_path.exists() and out_path.stat().st_size > 0:
+        raise ConfigurationError(f"{out_path} already exists; pass resume=True to continue it or overwrite=True to "
+                                 "replace it")
+    if score_groups and not runtime.supports_score_group:
+        raise ConfigurationError(f"{runtime.name} does not support group scoring (its /tools does not say "
+                                 "supports_score_group: true)")
+
+    started = time.monotonic()
+    bg = get_loop()
+    client = runtime.client
+    environment = bg.run(client.environment())
+    split = runtime.split
+    selected = list(dict.fromkeys(select(bg.run(client.num_tasks(split)), split, num_tasks, indices, warn=False)))
+    keys: list[EpisodeKey] = [(split, i, r) for i in selected for r in range(repeats)]
+    mine = {runtime.name, environment}
+    previous = load_episodes(out_path, mine) if resume and out_path else {}
+    if resume and out_path:
+        foreign = {r.get("environment") for r in read_records(out_path)} - mine - set(others)
+        if foreign:
+            logger.warning("%s holds episodes of other environments (%s); they are not reused", out_path,
+                           ", ".join(map(str, foreign)))
+    wanted = set(keys)
+    kept = {k: r for k, r in previous.items() if k in wanted and not failed(r)}
+    todo = [k for k in keys if k not in kept]
+
+    # the uploader first: a missing key is said before a model is loaded
+    uploads = _uploader(upload, lambda: policy_obj, client.target) if upload else None
+    policy_obj, _ = resolve_policy(policy, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
+                                   device=device)
+    writer = RecordWriter(out_path, append=resume) if out_path is not None else None
+    bar = None
+    if progress and todo:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(keys), initial=len(kept), desc=escape_controls(f"eval {environment or runtime.name}"),
+                   unit="ep", file=sys.stderr, dynamic_ncols=True)
+    evaluation = _Evaluation(runtime, policy_obj, max_turns=max_turns, writer=writer, bar=bar,
+                             per_task_tools=per_task_tools, groups=score_groups, flatten_prompt=flatten_prompt,
+                             episode_timeout=episode_timeout, uploads=uploads)
+    if hasattr(policy_obj, "_set_active_counter"):
+        policy_obj._set_active_counter(lambda: evaluation.active)
+    finished_event = threading.Event()
+
+    async def run_all() -> None:
+        gate = asyncio.Semaphore(concurrency)
+        tasks = [asyncio.ensure_future(evaluation.run_one(gate, k)) for k in todo]
+        try:
+            await asyncio.gather(*tasks)
+            if score_groups:
+                await _episode.score_groups(evaluation.done)
+                for ep in evaluation.done:
+                    record = ep.record()
+                    if writer is not None:
+                        writer.write(record, images=ep.images)
+                    if uploads is not None:
+                        uploads.submit(record)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # every session closed before we return
+            aclose = getattr(policy_obj, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+            finished_event.set()
+
+    fut = bg.submit(run_all())
+    try:
+        fut.result()
+    except BaseException:
+        fut.cancel()  # Ctrl-C: cancel the running episodes, then wait (bounded) until their sessions are closed
+        finished_event.wait(_CLEANUP_WAIT_S)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        if uploads is not None:
+            uploads.close()
+
+    by_key = dict(kept)
+    by_key.update({(ep.task.split, int(ep.task.index or 0), int(ep.info.get("repeat", 0))): ep.record()
+                   for ep in evaluation.done})
+    return EvalReport.from_episodes(
+        [by_key[k] for k in keys if k in by_key], success_threshold=success_threshold,
+        target=client.target.name,
+        environment=environment,
+        split=split,
+        policy=evaluation.policy_name,
+        num_resumed=len(kept),
+        seconds=round(time.monotonic() - started, 3),
+        output=os.fspath(out_path) if out_path is not None else None,
+        uploads=uploads.counts() if uploads is not None else None,
+    )
+
+
+def _uploader(upload: bool | str, policy: Any, target: Any) -> Any:
+    """The uploader of one evaluation (a catalog target's key): the `policy()`'s name and, for a local model, size."""
+    from ..protocol.upload import RolloutUploader
+
+    def run_info() -> dict[str, Any]:
+        model = getattr(policy(), "model", None)
+        size = sum(p.numel() for p in model.parameters()) if callable(getattr(model, "parameters", None)) else None
+        return {"model_name": describe_policy(policy()), "model_params": size, "run_type": "eval"}
+
+    return RolloutUploader(api_key=str(target.api_key) if target.kind == "catalog" else None,
+                           run_name=upload if isinstance(upload, str) else None, run_info=run_info)
+
+
+@dataclass
+class EvalReport:
+    """What an evaluation measured.
+
+    Attributes:
+        target (`str`):
+            The target evaluated (a catalog name or a server's URL).
+        environment (`str` or `None`):
+            The environment evaluated on that server.
+        split (`str`):
+            The split its tasks came from.
+        policy (`str`):
+            The policy's name.
+        num_episodes (`int`):
+            Episodes in the report (run now plus those resumed from `output`).
+        num_scored (`int`):
+            Episodes the environment gave a reward (a non-`None` one).
+        mean_reward (`float` or `None`):
+            Mean episode reward over the scored episodes; `None` if none was scored.
+        coverage (`float`):
+            Grading coverage, `num_scored / num_episodes`.
+        finished_rate (`float`):
+            Fraction of episodes a tool result marked finished.
+        tool_calls_per_episode (`float`):
+            Mean tool calls per episode.
+        tool_failures_per_episode (`float`):
+            Mean failed tool calls per episode.
+        turns_per_episode (`float`):
+            Mean policy replies per episode.
+        num_errors (`int`):
+            Episodes that failed: their session did not open or was lost (`unscored == "error"`), or the policy
+            failed (`end_reason == "error"`, even after a reward): the episodes `resume` runs again.
+        end_reasons (`dict[str, int]`):
+            Episodes per end reason (`no_tool_calls`, `finished`, `max_turns`, `context_length`, `timeout`,
+            `error`).
+        num_resumed (`int`):
+            Episodes read back from `output` rather than run.
+        seconds (`float`):
+            Wall time of this run.
+        mean_group_reward (`float`, *optional*):
+            Mean comparative reward from `/score_group` (when asked for), else `None`.
+        success_rate (`float`, *optional*, defaults to `0.0`):
+            The share of episodes whose reward reached `success_threshold` (unscored ones count as not).
+        success_threshold (`float`, *optional*, defaults to `DEFAULT_SUCCESS_THRESHOLD`):
+            The reward an episode must reach to count as a success.
+        pass_at_k (`dict[int, float]`, *optional*, defaults to `{}`):
+            The unbiased pass@k over tasks, `{k: value}` for k = 1 .. the fewest episodes of a task.
+        pass_at_1_interval (`tuple[float, float]`, *optional*):
+            A 95% interval of pass@1 over tasks (Wilson's, the tasks as the sample), or `None`.
+        tasks (`list[dict[str, Any]]`, *optional*, defaults to `[]`):
+            Per task (`task`, `episodes`, `successes`, `pass_at_k`), in task order.
+        no_tool_call_rate (`float`, *optional*, defaults to `0.0`):
+            The share of the opened episodes (the model saw them) without a tool call.
+        num_unopened (`int`, *optional*, defaults to `0`):
+            Episodes that never opened (their session or prompt never came: the environment's failure, counted in
+            `num_errors`), left out of `no_tool_call_rate`.
+        unparsed_turn_rate (`float`, *optional*, defaults to `0.0`):
+            The share of policy replies whose tool-call markup parsed to no call (the policy's `tool_markup` says
+            what the markup is: a local model's chat template, an endpoint's common or named markups).
+        malformed_calls (`int`, *optional*, defaults to `0`):
+            Tool calls refused for malformed arguments (not an object, or not the tool's schema).
+        sessions_opened (`int`, *optional*, defaults to `0`):
+            The episodes' sessions.
+        session_seconds (`float`, *optional*, defaults to `0.0`):
+            The seconds those sessions lived on the server (what a sandbox platform bills).
+        session_seconds_unscored (`float`, *optional*, defaults to `0.0`):
+            The part of `session_seconds` spent by episodes scored `None`.
+        output (`str`, *optional*):
+            The episodes file, if any.
+        uploads (`dict[str, int]`, *optional*):
+            With `upload=True`, episodes `sent`, `failed` and `dropped`.
+        episodes (`list[dict[str, Any]]`, *optional*, defaults to `[]`):
+            Every episode record (the dicts written to `output`), in task order.
+    """
+
+    target: str
+    environment: str | None
+    split: str
+    policy: str
+    num_episodes: int
+    num_scored: int
+    mean_reward: float | None
+    coverage: float
+    finished_rate: float
+    tool_calls_per_episode: float
+    tool_failures_per_episode: float
+    turns_per_episode: float
+    num_errors: int
+    end_reasons: dict[str, int]
+    num_resumed: int
+    seconds: float
+    mean_group_reward: float | None = None
+    success_rate: float = 0.0
+    success_threshold: float = DEFAULT_SUCCESS_THRESHOLD
+    pass_at_k: dict[int, float] = field(default_factory=dict)
+    pass_at_1_interval: tuple[float, float] | None = None
+    tasks: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    no_tool_call_rate: float = 0.0
+    num_unopened: int = 0
+    unparsed_turn_rate: float = 0.0
+    malformed_calls: int = 0
+    sessions_opened: int = 0
+    session_seconds: float = 0.0
+    session_seconds_unscored: float = 0.0
+    output: str | None = None
+    uploads: dict[str, int] | None = None
+    episodes: list[dict[str, Any]] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def from_episodes(cls, episodes: list[dict[str, Any]], *, success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
+                      **info: Any) -> EvalReport:
+        """The report of a list of episode records (the tallies over them; what was evaluated from `info`).
+
+        Args:
+            episodes (`list[dict[str, Any]]`):
+                The episode records, in task order.
+            success_threshold (`float`, *optional*, defaults to `DEFAULT_SUCCESS_THRESHOLD`):
+                The reward an episode must reach to count as a success.
+            **info:
+                The other fields: `target`, `environment`, `split`, `policy`, `num_resumed` and `seconds` (required),
+                `output` and `uploads`.
+
+        Returns:
+            `EvalReport`: The report.
+        """
+        stats = EpisodeStats(success_threshold)
+        tasks: dict[str, EpisodeStats] = {}  # the one definition of success, per task too
+        for record in episodes:
+            stats.add_record(record)
+            tasks.setdefault(task_label(record), EpisodeStats(success_threshold)).add_record(record)
+        passed, interval = pass_over_tasks(tasks.values())
+        return cls(
+            num_episodes=stats.episodes, num_scored=stats.scored, mean_reward=stats.mean_reward,
+            coverage=stats.coverage, finished_rate=stats.share(stats.finished),
+            tool_calls_per_episode=stats.share(stats.tool_calls),
+            tool_failures_per_episode=stats.share(stats.tool_failures), turns_per_episode=stats.share(stats.turns),
+            num_errors=sum(1 for e in episodes if failed(e)), end_reasons=dict(stats.end_reasons),
+            mean_group_reward=stats.mean_group_reward, success_rate=stats.success_rate,
+            success_threshold=success_threshold, episodes=episodes, pass_at_k=passed, pass_at_1_interval=interval,
+            tasks=[{"task": task, "episodes": s.episodes, "successes": s.successes,
+                    "pass_at_k": {k: pass_at_k(s.episodes, s.successes, k) for k in range(1, s.episodes + 1)}}
+                   for task, s in tasks.items()],
+            no_tool_call_rate=stats.no_call_rate, num_unopened=stats.unopened, unparsed_turn_rate=stats.unparsed_rate,
+            malformed_calls=stats.malformed_calls, sessions_opened=stats.sessions,
+            session_seconds=round(stats.session_seconds, 3),
+            session_seconds_unscored=round(stats.session_seconds_unscored, 3), **info,
+        )
+
+    def to_dict(self, *, episodes: bool = False) -> dict[str, Any]:
+        """The report as JSON-able data.
+
+        Args:
+            episodes (`bool`, *optional*, defaults to `False`):
+                Include the episode records.
+
+        Returns:
+            `dict[str, Any]`: Every field (the episode records only with `episodes=True`).
+        """
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "episodes"}
+        out["end_reasons"] = dict(self.end_reasons)
+        if episodes:
+            out["episodes"] = list(self.episodes)
+        return out
+
+    def summary(self) -> str:
+        """A few readable lines, safe to print: the environment's text in them has its control characters escaped."""
+        reward = "n/a (no episode was scored)" if self.mean_reward is None else f"{self.mean_reward:.4f}"
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.end_reasons.items())) or "-"
+        lines = [
+            f"Evaluated {self.num_episodes} episode(s) of {one_line(self.environment or self.target)} "
+            f"(split {self.split!r}) with {self.policy}",
+            f"  mean reward           {reward}" + (f"  (over {self.num_scored} scored)" if self.num_scored else ""),
+            f"  success rate          {self.success_rate:.3f}  (reward >= {self.success_threshold:g})",
+            *self._pass_lines(),
+            f"  grading coverage      {self.coverage:.3f}",
+            f"  finished rate         {self.finished_rate:.3f}",
+            f"  tool calls / episode  {self.tool_calls_per_episode:.2f}",
+            f"  tool failures / ep.   {self.tool_failures_per_episode:.2f}",
+            f"  turns / episode       {self.turns_per_episode:.2f}",
+            *_health_lines(self),
+            f"  errors                {self.num_errors}",
+            f"  end reasons           {reasons}",
+            *([f"  mean group reward     {self.mean_group_reward:.4f}"] if self.mean_group_reward is not None else []),
+            f"  session-seconds       {self.session_seconds:.1f}  ({self.session_seconds_unscored:.1f} unscored, "
+            f"{self.sessions_opened} sessions)",
+            f"  time                  {self.seconds:.1f} s",
+        ]
+        if self.uploads is not None:
+            lines.append("  uploaded              " + ", ".join(f"{v} {k}" for k, v in self.uploads.items()))
+        if self.num_resumed:
+            lines.append(f"  resumed               {self.num_resumed} episode(s) from {self.output}")
+        if self.output:
+            lines.append(f"Episodes: {self.output}")
+        return escape_controls("\n".join(lines))
+
+    def _pass_lines(self, shown_tasks: int = 20) -> list[str]:
+        if not self.pass_at_k:
+            return []
+        lo, hi = self.pass_at_1_interval or (0.0, 1.0)
+        ks = "  ".join(f"pass@{k} {v:.3f}" for k, v in self.pass_at_k.items())
+        lines = [f"  pass@k over {len(self.tasks)} task(s)  {ks}",
+                 f"                        pass@1 95% interval over tasks [{lo:.3f}, {hi:.3f}]"]
+        if len(self.pass_at_k) > 1:  # several episodes per task: each task's own
+            for task in self.tasks[:shown_tasks]:
+                values = " ".join(f"{v:.2f}" for v in task["pass_at_k"].values())
+                lines.append(f"    {one_line(task['task']):<20}  {task['successes']}/{task['episodes']} succeeded"
+                             f"  pass@1..{task['episodes']} {values}")
+            if len(self.tasks) > shown_tasks:
+                lines.append(f"    ... {len(self.tasks) - shown_tasks} more task(s) (--json has every task)")
+        return lines
+
+
+def _health_lines(report: Any) -> list[str]:
+    """Tool-call health, and a warning where it looks like the tool calls fail silently (episodes that never opened
+    are the environment's failure, said as such, not the model's)."""
+    lines = [f"  no tool call          {report.no_tool_call_rate:.3f} of episodes",
+             f"  unparsed tool calls   {report.unparsed_turn_rate:.3f} of turns (tool-call markup that parsed to no "
+             "call)",
+             f"  malformed arguments   {report.malformed_calls} call(s)"]
+    warnings = [f"{report.num_unopened} episode(s) failed to open (the environment's failure: the model never saw "
+                "them)"] if report.num_unopened else []
+    if report.no_tool_call_rate >= NO_CALL_WARNING:
+        warnings.append(f"{report.no_tool_call_rate:.0%} of the episodes made no tool call")
+    if report.unparsed_turn_rate > 0:
+        warnings.append(f"{report.unparsed_turn_rate:.0%} of the turns wrote tool-call markup the parser did not "
+                        "turn into a call")
+    return lines + (["  warning: " + "; ".join(warnings)] if warnings else [])
+
+
+@dataclass
+class MixEvalReport:
+    """What the evaluation of a mix measured (`OpenRewardMix.evaluate`): every environment's `EvalReport`, and over
+    them the weighted means.
+
+    The weighted means (`mean_reward`, `success_rate`, `pass_at_k`, `no_tool_call_rate`, `unparsed_turn_rate`)
+    and the totals (`num_episodes`, `num_resumed`, `num_errors`, `num_unopened`, `malformed_calls`, `episodes`) are
+    properties. An environment none of whose episodes was scored has no mean reward: `mean_reward` is over the others
+    (`unscored_environments` names it, `mean_reward_weight` is the share of the weight the mean stands for, and the
+    summary says so), never as if it had counted.
+
+    Attributes:
+        environments (`dict[str, EvalReport]`):
+            The report of each environment, by its name in the mix.
+        weights (`dict[str, float]`):
+            Each environment's weight in the overall numbers, summing to 1: the mix's weights where it has them,
+            else each environment's share of the episodes.
+    """
+
+    environments: dict[str, EvalReport]
+    weights: dict[str, float]
+
+    @classmethod
+    def of(cls, reports: Mapping[str, EvalReport], weights: Mapping[str, float] | None = None) -> MixEvalReport:
+        """The report of a mix, from its environments' reports.
+
+        Args:
+            reports (`Mapping[str, EvalReport]`):
+                The report of each environment, by its name in the mix.
+            weights (`Mapping[str, float]`, *optional*):
+                The mix's weights, normalised to sum to 1 (an environment without one weighs 0); by default each
+                environment's share of the episodes.
+
+        Returns:
+            `MixEvalReport`: The report.
+        """
+        raw = dict(weights) if weights else {name: float(r.num_episodes) for name, r in reports.items()}
+        total = sum(raw.get(name, 0.0) for name in reports) or 1.0
+        return cls(dict(reports), {name: raw.get(name, 0.0) / total for name in reports})
+
+    def _mean(self, pick: Any) -> float | None:
+        values = [(self.weights[n], v) for n, r in self.environments.items() if (v := pick(r)) is not None]
+        weight = sum(w for w, _ in values)
+        return sum(w * v for w, v in values) / weight if weight else None
+
+    def _total(self, name: str) -> int:
+        return sum(getattr(r, name) for r in self.environments.values())
+
+    mean_reward = property(lambda self: self._mean(lambda r: r.mean_reward),
+                           doc="The weighted mean reward over the environments with a scored episode (see "
+                               "`mean_reward_weight`), or `None`.")
+    unscored_environments = property(lambda self: [n for n, r in self.environments.items() if r.mean_reward is None],
+                                     doc="The environments none of whose episodes was scored: not in `mean_reward`.")
+    mean_reward_weight = property(lambda self: sum(self.weights[n] for n, r in self.environments.items()
+                                                   if r.mean_reward is not None),
+                                  doc="The share of the weight `mean_reward` stands for (1.0: every environment).")
+    success_rate = property(lambda self: self._mean(lambda r: r.success_rate) or 0.0,
+                            doc="The weighted success rate.")
+    no_tool_call_rate = property(lambda self: self._mean(lambda r: r.no_tool_call_rate) or 0.0,
+                                 doc="The weighted share of episodes without a tool call.")
+    unparsed_turn_rate = property(lambda self: self._mean(lambda r: r.unparsed_turn_rate) or 0.0,
+                                  doc="The weighted share of replies whose tool-call markup parsed to no call.")
+    malformed_calls = property(lambda self: self._total("malformed_calls"),
+                               doc="Tool calls refused for malformed arguments, in every environment.")
+    num_episodes = property(lambda self: self._total("num_episodes"), doc="Episodes, in every environment.")
+    num_resumed = property(lambda self: self._total("num_resumed"), doc="Episodes resumed, in every environment.")
+    num_errors = property(lambda self: self._total("num_errors"), doc="Episodes that failed, in every environment.")
+    num_unopened = property(lambda self: self._total("num_unopened"),
+                            doc="Episodes that never opened, in every environment.")
+    episodes = property(lambda self: [e for r in self.environments.values() for e in r.episodes],
+                        doc="Every episode record, environment by environment.")
+
+    @property
+    def pass_at_k(self) -> dict[int, float]:
+        """The weighted pass@k, for the k every environment has."""
+        ks = set.intersection(*(set(r.pass_at_k) for r in self.environments.values())) if self.environments else set()
+        return {k: self._mean(lambda r, k=k: r.pass_at_k[k]) or 0.0 for k in sorted(ks)}
+
+    def to_dict(self, *, episodes: bool = False) -> dict[str, Any]:
+        """Every environment's report and the weighted overall, as JSON-able data.
+
+        Args:
+            episodes (`bool`, *optional*, defaults to `False`):
+                Include the episode records in each environment's report.
+
+        Returns:
+            `dict[str, Any]`: `{"environments": {...}, "weights": {...}, "overall": {...}}`.
+        """
+        return {"environments": {n: r.to_dict(episodes=episodes) for n, r in self.environments.items()},
+                "weights": dict(self.weights),
+                "overall": {"mean_reward": self.mean_reward, "mean_reward_weight": self.mean_reward_weight,
+                            "unscored_environments": self.unscored_environments, "success_rate": self.success_rate,
+                            "pass_at_k": self.pass_at_k, "no_tool_call_rate": self.no_tool_call_rate,
+                            "unparsed_turn_rate": self.unparsed_turn_rate, "malformed_calls": self.malformed_calls,
+                            "num_episodes": self.num_episodes, "num_errors": self.num_errors,
+                            "num_unopened": self.num_unopened}}
+
+    def summary(self) -> str:
+        """Every environment's summary, then the weighted overall."""
+        reward = "n/a" if self.mean_reward is None else f"{self.mean_reward:.4f}"
+        if self.unscored_environments and self.mean_reward is not None:
+            reward += (f"  (over {self.mean_reward_weight:.3f} of the weight: no episode of "
+                       f"{', '.join(map(one_line, self.unscored_environments))} was scored)")
+        weights = ", ".join(f"{one_line(n)} {w:.3f}" for n, w in self.weights.items())
+        lines = [r.summary() for r in self.environments.values()]
+        lines.append("\n".join([
+            f"Overall, {len(self.environments)} environments weighted ({weights})",
+            f"  mean reward           {reward}",
+            f"  success rate          {self.success_rate:.3f}",
+            *([f"  pass@k                {'  '.join(f'pass@{k} {v:.3f}' for k, v in self.pass_at_k.items())}"]
+              if self.pass_at_k else []),
+            *_health_lines(self),
+        ]))
+        return escape_controls("\n\n".join(lines))

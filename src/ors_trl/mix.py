@@ -1,0 +1,347 @@
+"""`OpenRewardMix`: several ORS environments in one training run.
+
+    mix = OpenRewardMix({"terminal": OpenRewardSpec("kanishk/EndlessTerminals", num_tasks=64),
+                         "math": OpenRewardSpec("http://127.0.0.1:8000", env_name="sparseenvironment")},
+                        weights={"terminal": 0.75, "math": 0.25})
+    GRPOTrainer(..., train_dataset=mix.train_dataset, environment_factory=mix.environment_factory,
+                reward_funcs=mix.reward_funcs)
+
+The dataset carries TRL's `environment` routing column, the factory is the `{name: factory}` dict
+TRL accepts (TRL then renders each environment's tools only for that environment's rows), and the
+reward functions score every rollout with its own environment. Metrics are reported per
+environment (`env/<name>/...`) and over all of them (`env/...`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+from collections.abc import Callable, Mapping, Sequence
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from .core.metrics import EnvMetrics
+from .core.records import RecordWriter
+from .protocol.errors import ConfigurationError
+from .protocol.loop import get_loop
+from .spec import EPISODE_LOG_MAX_BYTES, EPISODE_LOG_MAX_TEXT, OpenRewardSpec
+from .tasks.sampling import Curriculum, UniformSampler
+from .tasks.selection import log_notes, task_columns
+from .trl import backend as _trl
+from .trl.engine import RolloutEngine
+from .trl.rewards import group_reward, outcome_reward, reward_function
+
+if TYPE_CHECKING:
+    from datasets import Dataset, IterableDataset
+
+    from .evaluation.runner import MixEvalReport
+
+__all__ = ["OpenRewardMix"]
+
+#: The column TRL routes rows by in multi-environment mode.
+ENVIRONMENT_COLUMN = "environment"
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[^0-9A-Za-z_.-]+", "_", name).strip("_") or "env"
+
+
+def mixture_counts(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
+    """Rows per environment so that their shares follow `weights`, keeping the total at `sum(sizes)`.
+
+    Largest-remainder rounding; every environment with a positive weight keeps at least one row.
+    """
+    total = sum(sizes)
+    wsum = sum(weights)
+    raw = [total * w / wsum for w in weights]
+    counts = [int(r) for r in raw]
+    for i in sorted(range(len(raw)), key=lambda i: raw[i] - counts[i], reverse=True)[: total - sum(counts)]:
+        counts[i] += 1
+    return [max(c, 1) if w > 0 else 0 for c, w in zip(counts, weights, strict=True)]
+
+
+def sample_rows(n_rows: int, count: int, rng: random.Random) -> list[int]:
+    """`count` row positions out of `n_rows`: whole passes over the rows, then a seeded sample of the rest."""
+    out = list(range(n_rows)) * (count // n_rows)
+    out += sorted(rng.sample(range(n_rows), count % n_rows))
+    return out
+
+
+class OpenRewardMix:
+    """Combine several `OpenRewardSpec`s into one set of `GRPOTrainer` inputs.
+
+    Args:
+        specs (`Sequence[OpenRewardSpec]` or `Mapping[str, OpenRewardSpec]`):
+            A list of specs (named after each spec's environment) or a `{name: spec}` dict.
+        weights (`Sequence[float]` or `Mapping[str, float]`, *optional*):
+            Sampling weights, as a list aligned with `specs` or a `{name: weight}` dict: the share of the dataset each
+            environment gets (rows are repeated or subsampled to match, deterministically for `seed`; with task
+            sampling, the chance each draw picks the environment). `None` keeps every spec's tasks once.
+        seed (`int`, *optional*, defaults to `0`):
+            Seed for that sampling.
+        episode_log (`str`, *optional*):
+            A JSON-lines file receiving every finished episode of every environment.
+        unscored_reward (`float`, *optional*):
+            As on `OpenRewardSpec`: the reward of rollouts never scored (`None`: unscored).
+        gather_window (`float`, *optional*):
+            The engine's gather window (`rollout_func`) for the whole mix; `None`: the specs' own (which must agree).
+
+    The specs' `success_threshold`s must agree: the mix's metrics count successes with it.
+    """
+
+    def __init__(self, specs: Sequence[OpenRewardSpec] | Mapping[str, OpenRewardSpec], *,
+                 weights: Sequence[float] | Mapping[str, float] | None = None, seed: int = 0,
+                 episode_log: str | None = None, unscored_reward: float | None = None,
+                 gather_window: float | None = None) -> None:
+        if isinstance(specs, Mapping):
+            named = [(str(k), v) for k, v in specs.items()]
+        else:
+            named = []
+            taken: set[str] = set()
+            for spec in specs:
+                base = _key(spec.name) if isinstance(spec, OpenRewardSpec) else "env"
+                name, n = base, 2
+                while name in taken:
+                    name, n = f"{base}_{n}", n + 1
+                taken.add(name)
+                named.append((name, spec))
+        if not named:
+            raise ConfigurationError("OpenRewardMix needs at least one OpenRewardSpec")
+        for name, spec in named:
+            if not isinstance(spec, OpenRewardSpec):
+                raise ConfigurationError(f"{name!r} is a {type(spec).__name__}, not an OpenRewardSpec")
+        if len({id(s) for _, s in named}) != len(named):
+            raise ConfigurationError("the same OpenRewardSpec object appears twice; create one spec per entry")
+        self.specs: dict[str, OpenRewardSpec] = dict(named)
+        if len(self.specs) != len(named):
+            raise ConfigurationError("environment names in a mix must be unique")
+        self.weights = self._weights(weights)
+        self.seed = seed
+        self.unscored_reward = None if unscored_reward is None else float(unscored_reward)
+        if gather_window is not None and not gather_window >= 0:  # also refuses NaN
+            raise ConfigurationError(f"gather_window must be >= 0 seconds or None (automatic), got {gather_window!r}")
+        self.gather_window = gather_window
+        thresholds = {spec.runtime.metrics.success_threshold for _, spec in named}
+        if len(thresholds) > 1:
+            raise ConfigurationError(f"the specs of this mix count success differently (success_threshold "
+                                     f"{sorted(thresholds)}); give them one success_threshold")
+        self.metrics = EnvMetrics(thresholds.pop())
+        writer = (RecordWriter(episode_log, max_bytes=EPISODE_LOG_MAX_BYTES, max_text=EPISODE_LOG_MAX_TEXT)
+                  if episode_log is not None else None)
+        for name, spec in self.specs.items():
+            spec.runtime.rename(name, self.metrics, writer)
+        self.dataset_notes: list[str] = []
+
+    def __repr__(self) -> str:
+        return f"OpenRewardMix({list(self.specs)}, weights={self.weights})"
+
+    def _weights(self, weights: Sequence[float] | Mapping[str, float] | None) -> list[float] | None:
+        if weights is None:
+            return None
+        if isinstance(weights, Mapping):
+            unknown = set(weights) - set(self.specs)
+            if unknown:
+                raise ConfigurationError(f"weights name unknown environments {sorted(unknown)}; known: {list(self.specs)}")
+            values = [float(weights.get(name, 0.0)) for name in self.specs]
+        else:
+            values = [float(w) for w in weights]
+            if len(values) != len(self.specs):
+                raise ConfigurationError(f"got {len(values)} weights for {len(self.specs)} environments")
+        if any(w < 0 or w != w for w in values) or sum(values) <= 0:
+            raise ConfigurationError("weights must be non-negative numbers with a positive sum")
+        return values
+
+    # -- trainer inputs ----------------------------------------------------------------------------
+
+    @cached_property
+    def train_dataset(self) -> Dataset | IterableDataset:
+        """Every environment's tasks with TRL's `environment` routing column, in the mixture's proportions.
+
+        When a spec of the mix has a `task_sampling` other than "uniform", an endless `datasets.IterableDataset`
+        instead: each row's environment is drawn by the mixture's weights, then its task by that environment's
+        sampler (a seeded pass after pass for the uniform specs).
+        """
+        from datasets import Dataset
+
+        async def fetch_all() -> list[tuple[list[int], list[Any]]]:
+            return list(await asyncio.gather(*(spec.select_tasks() for spec in self.specs.values())))
+
+        fetched = get_loop().run(fetch_all())
+        sizes = [len(indices) for indices, _ in fetched]
+        if any(spec.runtime.curriculum is not None for spec in self.specs.values()):
+            return self._stream(fetched)
+        counts = sizes if self.weights is None else mixture_counts(sizes, self.weights)
+        rng = random.Random(self.seed)
+        rows: dict[str, list[Any]] = {"prompt": [], "task_index": [], ENVIRONMENT_COLUMN: []}
+        tasks: list[Any] = []
+        for (name, spec), (indices, spec_tasks), count in zip(self.specs.items(), fetched, counts, strict=True):
+            if not indices:
+                continue
+            picks = sample_rows(len(indices), count, rng)
+            part = spec.dataset_rows([indices[p] for p in picks], env=name)
+            rows["prompt"] += part["prompt"]
+            rows["task_index"] += part["task_index"]
+            rows[ENVIRONMENT_COLUMN] += [name] * len(picks)
+            tasks += [spec_tasks[p] for p in picks]
+        columns, self.dataset_notes = task_columns(tasks)  # the routing column is reserved too
+        log_notes(self.dataset_notes, "mix")
+        rows.update(columns)
+        return Dataset.from_dict(rows)
+
+    def _stream(self, fetched: list[tuple[list[int], list[Any]]]) -> IterableDataset:
+        """The sampled form of `train_dataset`: one row per (environment, task), drawn as TRL reads them."""
+        from datasets import Dataset
+
+        from .tasks.stream import sampled_stream
+
+        rows: dict[str, list[Any]] = {"prompt": [], "task_index": [], ENVIRONMENT_COLUMN: []}
+        tasks: list[Any] = []
+        where: dict[tuple[str | None, int], int] = {}
+        for (name, spec), (indices, spec_tasks) in zip(self.specs.items(), fetched, strict=True):
+            if spec.runtime.curriculum is None:
+                spec.runtime.curriculum = Curriculum(UniformSampler(seed=self.seed), name=name,
+                                                     success_threshold=spec.runtime.metrics.success_threshold)
+            where.update({(name, i): len(rows["prompt"]) + k for k, i in enumerate(indices)})
+            part = spec.dataset_rows(indices, env=name)
+            rows["prompt"] += part["prompt"]
+            rows["task_index"] += part["task_index"]
+            rows[ENVIRONMENT_COLUMN] += [name] * len(indices)
+            tasks += spec_tasks
+        columns, self.dataset_notes = task_columns(tasks)
+        log_notes(self.dataset_notes, "mix")
+        rows.update(columns)
+        chosen = {name: indices for name, (indices, _) in zip(self.specs, fetched, strict=True) if indices}
+        weights = None if self.weights is None else [w for name, w in zip(self.specs, self.weights, strict=True)
+                                                      if name in chosen]
+        return sampled_stream(Dataset.from_dict(rows), where, {name: self.specs[name] for name in chosen}, chosen,
+                              weights=weights, seed=self.seed)
+
+    @cached_property
+    def environment_factory(self) -> dict[str, Callable[[], Any]]:
+        """`{name: factory}`, the multi-environment form of TRL's `environment_factory`."""
+        return {name: spec.environment_factory for name, spec in self.specs.items()}
+
+    @property
+    def reward_funcs(self) -> Callable[..., list[float | None]]:
+        """Each rollout's own environment's outcome reward (picklable)."""
+        return reward_function(outcome_reward, self.unscored_reward)
+
+    @property
+    def group_reward_func(self) -> Callable[..., list[float | None]]:
+        """Each rollout's comparative reward in its GRPO group, from its own environment's `/score_group`.
+
+        Every spec of the mix that is to be group-scored needs `score_groups=True`.
+        """
+        if not any(spec.score_groups for spec in self.specs.values()):
+            raise ConfigurationError("group_reward_func needs score_groups=True on at least one spec of the mix")
+        for spec in self.specs.values():
+            if spec.score_groups:
+                _ = spec.group_reward_func  # fails clearly for an environment that cannot
+        return group_reward
+
+    @cached_property
+    def rollout_func(self) -> RolloutEngine:
+        """The rollout engine over every environment of the mix (use instead of environment_factory).
+
+        Each environment keeps its own spec's `episode_timeout`; the gather window is one for the whole engine:
+        the mix's `gather_window`, else the specs' (which must then agree)."""
+        _trl.require_engine()
+        for spec in self.specs.values():
+            _ = spec.tool_specs
+        window = self.gather_window
+        if window is None:
+            windows = {spec.gather_window for spec in self.specs.values()}
+            if len(windows) > 1:
+                raise ConfigurationError(f"the specs of this mix ask for different gather windows ({sorted(windows, key=str)}); "
+                                         "pass OpenRewardMix(..., gather_window=...) to choose one")
+            window = windows.pop()
+        return RolloutEngine({name: spec.runtime for name, spec in self.specs.items()}, gather_window=window)
+
+    @cached_property
+    def callbacks(self) -> list[Any]:
+        """Trainer callbacks: release sessions after each step and close them all at the end of training, and (when a
+        spec samples tasks) update, log and checkpoint the samplers."""
+        from .trl.callbacks import SessionCleanupCallback
+
+        callbacks = [SessionCleanupCallback([spec.runtime for spec in self.specs.values()])]
+        if any(spec.runtime.curriculum is not None for spec in self.specs.values()):
+            from .tasks.stream import stream_callbacks
+
+            callbacks += stream_callbacks(self.train_dataset)
+        return callbacks
+
+    def evaluate(self, policy: Any, *, output: str | None = None, resume: bool = False, overwrite: bool = False,
+                 num_tasks: int | None = None, indices: Sequence[int] | None = None, repeats: int = 1,
+                 concurrency: int = 8, max_turns: int = 10, episode_timeout: float | None = None,
+                 per_task_tools: bool = False, score_groups: bool = False, flatten_prompt: bool = False,
+                 success_threshold: float | None = None, upload: bool | str = False, temperature: float = 0.0,
+                 max_new_tokens: int | None = None, seed: int | None = 0, device: str | None = None,
+                 progress: bool = True) -> MixEvalReport:
+        """Evaluate `policy` on every environment of the mix, one after the other, through each spec's `evaluate`.
+
+        Args:
+            policy (`str`, a `(model, tokenizer)` pair or a `Policy`):
+                What to evaluate, as for `OpenRewardSpec.evaluate` (a model directory is loaded once).
+            output (`str`, *optional*):
+                One JSON-lines file receiving every environment's episodes (each record names its environment).
+            resume (`bool`, *optional*, defaults to `False`):
+                Continue `output`: run only the episodes it lacks, per environment.
+            overwrite (`bool`, *optional*, defaults to `False`):
+                Replace an existing `output`.
+            num_tasks (`int`, *optional*):
+                As for `OpenRewardSpec.evaluate`, for every environment.
+            indices (`Sequence[int]`, *optional*):
+                As for `OpenRewardSpec.evaluate`, for every environment.
+            repeats (`int`, *optional*, defaults to `1`):
+                Episodes per task.
+            concurrency (`int`, *optional*, defaults to `8`):
+                Episodes running at once.
+            max_turns (`int`, *optional*, defaults to `10`):
+                Policy replies allowed per episode.
+            episode_timeout (`float`, *optional*):
+                Seconds one episode may take (default: each spec's own).
+            per_task_tools (`bool`, *optional*, defaults to `False`):
+                Bind each episode's own tool list.
+            score_groups (`bool`, *optional*, defaults to `False`):
+                Also score each task's episodes together with `/score_group`.
+            flatten_prompt (`bool`, *optional*, defaults to `False`):
+                Give the policy the prompt as TRL's `environment_factory` loop does.
+            success_threshold (`float`, *optional*):
+                The reward at or above which an episode succeeded (default: the specs' own).
+            upload (`bool` or `str`, *optional*, defaults to `False`):
+                Send every episode to the OpenReward rollout viewer.
+            temperature (`float`, *optional*, defaults to `0.0`):
+                Sampling temperature for a policy given as a path or pair.
+            max_new_tokens (`int`, *optional*):
+                Tokens generated per turn for a policy given as a path or pair.
+            seed (`int`, *optional*, defaults to `0`):
+                Generation seed for a policy given as a path or pair.
+            device (`str`, *optional*):
+                Where a policy given as a path runs.
+            progress (`bool`, *optional*, defaults to `True`):
+                Show a progress bar on stderr.
+
+        Returns:
+            `MixEvalReport`: Each environment's `EvalReport`, and the overall numbers weighted by the mix's weights
+            (without weights: by each environment's episodes).
+        """
+        from .evaluation.policies import resolve_policy
+        from .evaluation.runner import MixEvalReport
+
+        loaded, _ = resolve_policy(policy, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
+                                   device=device)
+        reports = {}
+        for i, (name, spec) in enumerate(self.specs.items()):
+            reports[name] = spec.evaluate(
+                loaded, output=output, resume=resume or (i > 0 and output is not None), overwrite=overwrite and i == 0,
+                num_tasks=num_tasks, indices=indices, repeats=repeats, concurrency=concurrency, max_turns=max_turns,
+                episode_timeout=episode_timeout, per_task_tools=per_task_tools, score_groups=score_groups,
+                flatten_prompt=flatten_prompt, success_threshold=success_threshold, upload=upload, progress=progress,
+                _others=list(self.specs))
+        return MixEvalReport.of(reports, dict(zip(self.specs, self.weights, strict=True)) if self.weights else None)
+
+    def close(self) -> None:
+        """Close every session of every environment."""
+        for spec in self.specs.values():
+            spec.close()

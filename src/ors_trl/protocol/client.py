@@ -1,0 +1,1073 @@
+"""The ORS client: the environment's endpoints and its sessions; async API plus a synchronous facade.
+
+`AsyncClient` / `AsyncSession` run on whatever event loop awaits them (the CLI, the rollout
+engine). `Client` / `Session` are the same objects driven from any thread through the process's
+background loop (`ors_trl.protocol.loop`), which is what TRL's synchronous `reset()` and tool methods use.
+
+When a session may open, keepalive and closing what is left are the client's `SessionPool`
+(`ors_trl.protocol.pool`); this module speaks the requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import ipaddress
+import itertools
+import logging
+import math
+import re
+import socket
+import time
+import urllib.parse
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .errors import (
+    BadRequestError,
+    ConfigurationError,
+    EnvironmentNotFoundError,
+    NotFoundError,
+    ORSError,
+    ORSTimeoutError,
+    ProtocolError,
+    SessionExpiredError,
+    ToolRefusedError,
+    UsageError,
+)
+from .loop import BackgroundLoop, get_loop
+from .pool import CLOSE_WAIT_S, OPENING_WAIT_S, Lease, SessionPool
+from .target import SecretValue, Target, encode_secrets, resolve_target
+from .text import show_name
+from .transport import RetryPolicy, Timeouts, Transport, masking, readable
+from .types import (
+    MAX_ENVIRONMENTS,
+    MAX_SPLITS,
+    MAX_TASK_COUNT,
+    Block,
+    GroupScore,
+    Message,
+    Split,
+    ToolList,
+    ToolResult,
+    parse_blocks,
+    parse_messages,
+    quoted,
+)
+
+__all__ = ["AsyncClient", "AsyncSession", "Client", "Session"]
+
+logger = logging.getLogger("ors_trl.client")
+
+# Retries for deleting sessions while shutting down: a dead server must not hold up interpreter exit.
+_QUICK_RETRY = RetryPolicy(max_attempts=2, backoff_initial=0.1, backoff_max=0.5)
+_ORPHAN_CONCURRENCY = 16
+#: Bound on the connection that tells whether a loopback server is gone (a refusal is immediate).
+_PROBE_S = 2.0
+#: A session id the server hands out travels in the `X-Session-ID` header of every later request: visible ASCII only.
+_SESSION_ID = re.compile(r"[\x21-\x7e]{1,256}")
+#: An environment name from `/list_environments` becomes a URL path segment: no `/`, `?`, `#`, `%`, nothing to escape.
+_ENV_NAME = re.compile(r"[A-Za-z0-9._~!$&'()*+,;=:@-]{1,200}")
+#: Rows of the platform's task difficulty accepted in one answer (one per task, like a whole split's tasks).
+MAX_DIFFICULTY_ROWS = 100_000
+
+
+#: The calls of `AsyncClient` and `AsyncSession` mask their transport's secrets in the errors they raise.
+_masked = masking(lambda self: self._transport)
+
+
+class AsyncSession:
+    """One ORS session (one episode of one task). Create it with `AsyncClient.open_session`, which passes the
+    arguments; each is kept as the attribute of the same name.
+
+    Args:
+        client (`AsyncClient`):
+            The client the session belongs to.
+        sid (`str`):
+            The server's session id.
+        split (`str` or `None`):
+            The split of the task this session runs (`None` for an explicit `task_spec`).
+        index (`int` or `None`):
+            The index of that task in `split` (`None` for an explicit `task_spec`).
+        task_spec (`Mapping[str, Any]` or `None`):
+            The explicit task this session runs, if it was opened with one.
+        open_seconds (`float`):
+            How long opening took (waits included).
+        created_at (`float`):
+            `time.monotonic()` when its creation was asked for.
+
+    Attributes:
+        opened_at (`float`):
+            `time.monotonic()` when it was opened.
+        closed_at (`float` or `None`):
+            `time.monotonic()` when the server deleted it; `None` until then.
+        expired (`bool`):
+            `True` once the server said the session is gone.
+        closed (`bool`):
+            `True` after `close()`.
+    """
+
+    def __init__(self, client: AsyncClient, sid: str, *, split: str | None, index: int | None,
+                 task_spec: Mapping[str, Any] | None, open_seconds: float, created_at: float) -> None:
+        self.client = client
+        self._transport: Transport = client._transport
+        self.created_at = created_at
+        self.closed_at: float | None = None
+        self.sid = sid
+        self.split = split
+        self.index = index
+        self.task_spec = dict(task_spec) if task_spec is not None else None
+        self.opened_at = time.monotonic()
+        self.open_seconds = open_seconds
+        self.last_activity = time.monotonic()
+        self.expired = False
+        self.closed = False
+        self._close_task: asyncio.Task[None] | None = None
+        self._lease: Lease = ()  # session-cap slots, given back on close
+
+    def __repr__(self) -> str:
+        task = f"index={self.index}" if self.index is not None else "task_spec=..."
+        state = "closed" if self.closed else "expired" if self.expired else "open"
+        return f"<AsyncSession {self.sid[:8]} {task} {state}>"
+
+    @property
+    def seconds(self) -> float:
+        """Session-seconds: how long the session has existed on the server (what a sandbox platform bills), until
+        it was deleted."""
+        return (self.closed_at or time.monotonic()) - self.created_at
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise UsageError(f"session {self.sid} is closed; open a new one")
+
+    async def _request(self, method: str, suffix: str, *, scoped: bool = True) -> Any:
+        """A request in this session: refused once it is closed; its start is activity (keepalive); a 404 (`scoped`)
+        or a 410 marks the session expired."""
+        self._check_open()
+        self.last_activity = time.monotonic()
+        try:
+            return await self._transport.request(method, self.client._path(suffix), sid=self.sid, session_scoped=scoped)
+        except SessionExpiredError:
+            self.expired = True
+            raise
+
+    @_masked
+    async def prompt(self) -> list[Block]:
+        """The task's prompt blocks (waits for the environment's setup, riding out `starting`)."""
+        raw = await self._request("GET", "/prompt")
+        return parse_blocks(raw, where="prompt")
+
+    @_masked
+    async def messages(self) -> list[Message]:
+        """The task's prompt as a role-tagged conversation (`/messages`, servers from SDK 0.1.157 on).
+
+        Raises:
+            NotFoundError: an older server has no such route (use `prompt()` there).
+            SessionExpiredError: the session is gone.
+        """
+        try:
+            raw = await self._request("GET", "/messages", scoped=False)  # a 404 may be an older server's: no route
+        except NotFoundError as exc:
+            if "active environment not found" in exc.detail.lower():  # the session is gone, not the route
+                self.expired = True
+                raise SessionExpiredError(str(exc), status_code=404, detail=exc.detail, path=exc.path) from None
+            raise
+        return parse_messages(raw)
+
+    @_masked
+    async def tools(self) -> ToolList:
+        """The session's full tool list: shared, task-specific and toolset tools."""
+        return ToolList.from_json(await self._request("GET", "/task_tools"), where="task_tools")
+
+    @_masked
+    async def call(self, name: str, arguments: Mapping[str, Any] | None = None) -> ToolResult:
+        """Call a tool in this session.
+
+        Args:
+            name (`str`):
+                The tool's name.
+            arguments (`Mapping[str, Any]`, *optional*):
+                Its arguments (none when omitted).
+
+        Returns:
+            `ToolResult`: What the tool returned.
+
+        Raises:
+            ToolRefusedError: the server refused the call (`.reason` says why).
+            ToolFailedError: the tool raised inside the environment.
+            SessionExpiredError: the session is gone.
+            StreamInterruptedError: the stream broke before the call was acknowledged (not re-run).
+            ORSTimeoutError: the call outlived `Timeouts.tool_call`.
+        """
+        body, task_id = await self._stream("/call", {"name": name, "input": dict(arguments or {})},
+                                           what=f"tool {show_name(name)}", tool=name)
+        # A refusal quotes the server: `quote` masks secrets it echoed and escapes control characters.
+        return _parse_call_result(body, tool=name, task_id=task_id, quote=self._transport.decoder.quote)
+
+    @_masked
+    async def score_group(self, candidates: list[dict[str, Any]]) -> list[GroupScore]:
+        """Score a GRPO group of this session's task (`/score_group`).
+
+        Streamed like a tool call (keepalive, resume by task id).
+
+        Args:
+            candidates (`list[dict[str, Any]]`):
+                The group's completions, each `{"messages": [Message.to_json(), ...], "metadata"?: {...}}`.
+
+        Returns:
+            `list[GroupScore]`: One score per candidate, in order.
+
+        Raises:
+            NotFoundError: the environment does not support group scoring (a 404).
+            ProtocolError: the answer does not hold one score per candidate.
+        """
+        body, _ = await self._stream("/score_group", {"candidates": list(candidates)}, what="score_group",
+                                     tool="score_group")
+        return GroupScore.parse_all(body, expected=len(candidates))
+
+    async def _stream(self, suffix: str, body: dict[str, Any], *, what: str, tool: str) -> tuple[Any, str | None]:
+        """One streamed call, bounded by `Timeouts.tool_call`, resumed by task id if its stream drops."""
+        self._check_open()
+        self.last_activity = time.monotonic()
+        transport = self._transport
+        limit = transport.timeouts.tool_call
+        try:
+            async with asyncio.timeout(limit):
+                return await transport.stream(self.client._path(suffix), body=body, sid=self.sid, what=what, tool=tool)
+        except SessionExpiredError:
+            self.expired = True
+            raise
+        except TimeoutError:
+            raise ORSTimeoutError(
+                f"{what} did not finish within {limit} s (Timeouts.tool_call); it may still be running on the server."
+            ) from None
+        finally:
+            self.last_activity = time.monotonic()
+
+    @_masked
+    async def ping(self) -> bool:
+        """Refresh the server's idle timer. Returns False (and marks the session expired) if it is gone."""
+        if self.closed:
+            return False
+        self.last_activity = time.monotonic()
+        try:
+            await self._transport.request("POST", "/ping", sid=self.sid, session_scoped=True)
+        except NotFoundError:
+            self.expired = True
+            return False
+        return True
+
+    async def close(self) -> None:
+        """Delete the session on the server (`/delete`, then `/delete_session`). Idempotent, never raises
+        for a session that is already gone; concurrent callers share one close.
+
+        Its slot under `max_sessions` is free at once, and the server is waited for at most `CLOSE_WAIT_S` (1 s): a
+        slower delete goes on in the background, the client's `aclose()` waits for it (bounded), and until the server
+        has the session gone it stays in the orphan registry."""
+        if self._close_task is None:
+            self.closed = True
+            self._close_task = self.client._pool.delete_soon(self.sid, session=self)
+        await asyncio.wait([self._close_task], timeout=CLOSE_WAIT_S)
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+def _parse_call_result(body: Any, *, tool: str, task_id: str | None, quote: Callable[[str], str]) -> ToolResult:
+    """A decoded `/call` result; `quote` makes what the server said fit for a message (escaped, bounded)."""
+    if not isinstance(body, dict) or "ok" not in body:
+        raise ProtocolError(f"tool {show_name(tool)}: the result has no 'ok' field: {quoted(body)}")
+    if body["ok"] is True:
+        if "output" not in body:
+            raise ProtocolError(f"tool {show_name(tool)}: a successful result has no 'output'")
+        return ToolResult.from_output(body["output"], tool=tool, task_id=task_id)
+    reason = body.get("reason")
+    error = body.get("error") or "the server refused the call"
+    shown = quote(error if isinstance(error, str) else quoted(error, 2000))
+    raise ToolRefusedError(
+        f"tool {show_name(tool)} was refused ({quote(str(reason)) if reason else 'no reason given'}): {shown}",
+        tool=tool,
+        reason=reason if isinstance(reason, str) else None,
+    )
+
+
+async def _landed(request: Any, into: list[Any]) -> Any:
+    """Await a request that may create something on the server, appending its result to `into`; if cancelled
+    meanwhile, first let it land (bounded), so the caller can delete what it made.
+
+    Cancelling the request itself would leave the server free to finish it after our clean-up ran: a delete
+    overtaking its create, and a session left behind.
+    """
+    task = asyncio.ensure_future(request)
+    try:
+        into.append(await asyncio.shield(task))
+    except asyncio.CancelledError:
+        with contextlib.suppress(BaseException):
+            into.append(await asyncio.wait_for(task, OPENING_WAIT_S))
+        raise
+    return into[-1]
+
+
+class AsyncClient:
+    """Async client for one ORS environment.
+
+    Args:
+        target (`str`):
+            A catalog name (`"Eigent/SETA"`) or the URL of a self-hosted server (`"http://127.0.0.1:8000"`), told
+            apart by `://`.
+        env_name (`str`, *optional*):
+            Which environment on a server hosting several (case-insensitive). Not needed when the server hosts one.
+        api_key (`str`, *optional*):
+            The OpenReward key; defaults to `OPENREWARD_API_KEY` for catalog names. Sent only to the platform's
+            hosts, or to a self-hosted URL when passed explicitly.
+        secrets (`Mapping[str, str | tuple[str, Sequence[str]]]`, *optional*):
+            Sent with every session in `X-Secrets`; a value is a string or `(value, allowed_domains)`.
+        timeouts (`Timeouts`, *optional*):
+            Connect, request and tool-call deadlines.
+        retry (`RetryPolicy`, *optional*):
+            Retries of transient failures.
+        keepalive_interval (`float`, *optional*, defaults to `10.0`):
+            Seconds between pings of an idle open session; None disables keepalive.
+        max_sessions (`int`, *optional*):
+            Cap on sessions open at once through this client; `open_session` queues (up to `session_wait` seconds)
+            rather than fails when it is reached.
+        session_wait (`float`, *optional*, defaults to `1800.0`):
+            How long `open_session` may wait for a free slot under `max_sessions`.
+        max_connections (`int`, *optional*, defaults to `0`):
+            Connection pool size (0: unlimited).
+        max_session_rate (`float` or `tuple[float, int]`, *optional*):
+            Sessions this client creates per second, or `(rate, burst)` (burst 1 otherwise); opens past it wait
+            their turn, and a 429 or `503 starting` slows it. None: a batch opens at once.
+        toolset (`str`, *optional*):
+            The platform toolset every session gets (`toolset_name`, e.g. `"codex"`); a toolset the server refuses
+            is a `ConfigurationError` at the first open.
+        toolset_fallback (`bool`, *optional*, defaults to `False`):
+            When the server refuses `toolset`, open sessions without it (said once in the log) instead.
+        env_overrides (`Mapping[str, str]`, *optional*):
+            Environment variables for every session (sent with `/create_session`; on the platform, callers other
+            than the environment's owner may set only the OpenAI/Anthropic URL and key variables). Masked like
+            secrets; a self-hosted reference server ignores them.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        env_name: str | None = None,
+        api_key: str | None = None,
+        secrets: Mapping[str, SecretValue] | None = None,
+        timeouts: Timeouts | None = None,
+        retry: RetryPolicy | None = None,
+        keepalive_interval: float | None = 10.0,
+        max_sessions: int | None = None,
+        session_wait: float | None = 1800.0,
+        max_connections: int = 0,
+        max_session_rate: float | tuple[float, int] | None = None,
+        toolset: str | None = None,
+        toolset_fallback: bool = False,
+        env_overrides: Mapping[str, str] | None = None,
+    ) -> None:
+        self.target: Target = resolve_target(target, api_key=api_key)
+        if env_name is not None and not _is_segment(env_name):  # it goes into every request's path as it is
+            raise ConfigurationError(f"env_name {quoted(env_name, 100)} cannot be part of a URL path; pass an "
+                                     f"environment's key as the server lists it ({_SEGMENT_RULE})")
+        self.requested_env = env_name
+        if toolset is not None and (not isinstance(toolset, str) or not toolset.strip()):
+            raise ConfigurationError(f"toolset must be a toolset's name (e.g. 'codex') or None, got {toolset!r}")
+        if env_overrides is not None and not (isinstance(env_overrides, Mapping) and all(
+                isinstance(k, str) and k and isinstance(v, str) for k, v in env_overrides.items())):
+            raise ConfigurationError("env_overrides must map environment variable names to string values")
+        self.toolset, self.toolset_fallback = toolset, toolset_fallback
+        self._overrides = dict(env_overrides or {})
+        self._pool = SessionPool(self._delete, delete_orphans, max_sessions=max_sessions, session_wait=session_wait,
+                                 keepalive_interval=keepalive_interval, max_session_rate=max_session_rate,
+                                 target=self.target.name)
+        self._secret_headers = {"X-Secrets": encode_secrets(secrets)} if secrets else {}
+        self._transport = Transport(
+            self.target, timeouts=timeouts or Timeouts(), retry=retry or RetryPolicy(), max_connections=max_connections
+        )
+        self._transport.on_throttle = self._pool.throttled
+        # Masked from the start: the X-Secrets header, each secret's value, each override (it may be a key).
+        for value in [*self._secret_headers.values(), *self._overrides.values(),
+                      *(v if isinstance(v, str) else v[0] for v in (secrets or {}).values())]:
+            self._transport.decoder.add(value)
+        self._env: str | None = None
+        self._env_resolved = False
+        self._env_lock = asyncio.Lock()  # bound to a loop only once it is waited on
+        self._control_sid: str | None = None
+
+    def __repr__(self) -> str:
+        env = self._env if self._env_resolved else (self.requested_env or "?")
+        return f"<AsyncClient {self.target.name!r} env={env!r} open_sessions={len(self._pool)}>"
+
+    @property
+    def timeouts(self) -> Timeouts:
+        """The deadlines this client's requests run under."""
+        return self._transport.timeouts
+
+    @property
+    def open_sessions(self) -> int:
+        """Sessions opened through this client and not yet closed."""
+        return len(self._pool)
+
+    @property
+    def max_sessions(self) -> int | None:
+        """This client's cap on sessions open at once (None: no cap)."""
+        return self._pool.max_sessions
+
+    @property
+    def duplicate_sessions(self) -> int:
+        """Session ids the server handed out that another session already had: each was refused (never used, never
+        deleted) and a fresh one asked for."""
+        return self._pool.duplicates
+
+    # -- environment resolution ------------------------------------------------------------
+
+    def _path(self, suffix: str) -> str:
+        return f"/{self._env}{suffix}" if self._env else suffix
+
+    @_masked
+    async def environment(self) -> str | None:
+        """Resolve (once) and return the environment key used in request paths.
+
+        For a URL, the server's `/list_environments` is consulted: `env_name` is matched
+        case-insensitively, a single environment needs no name, and with several the server's
+        default (the first) is used. For a catalog name, `env_name` (if any) selects a variant.
+        """
+        if self._env_resolved:
+            return self._env
+        async with self._env_lock:
+            if not self._env_resolved:
+                self._env = await self._resolve_env()
+                self._env_resolved = True
+        return self._env
+
+    async def _resolve_env(self) -> str | None:
+        wanted = self.requested_env
+        if not self.target.is_url:
+            return wanted
+        try:
+            available = await self.list_environments()
+        except NotFoundError:
+            # A server without /list_environments: trust the name, or let the server route by default.
+            return wanted
+        if not available:
+            raise EnvironmentNotFoundError(f"{self.target.name} hosts no environments", available=[])
+        if wanted is None:
+            if len(available) > 1:
+                logger.warning(
+                    "%s hosts %d environments (%s); using the server's default %r. Pass env_name= to choose.",
+                    self.target.name, len(available), readable(", ".join(available), 1000), available[0],
+                )
+            return _env_segment(available[0])
+        if wanted in available:  # the exact name first: `Echo` and `echo` may both be served
+            return _env_segment(wanted)
+        matches = [name for name in available if name.lower() == wanted.lower()]
+        if len(matches) == 1:
+            return _env_segment(matches[0])
+        if matches:
+            raise EnvironmentNotFoundError(
+                f"environment {wanted!r} matches {len(matches)} environments of {self.target.name} that differ only in "
+                f"case ({readable(', '.join(matches), 1000)}); pass one of them exactly as env_name=.",
+                available=available,
+            )
+        raise EnvironmentNotFoundError(
+            f"environment {wanted!r} is not on {self.target.name}; available: {readable(', '.join(available), 1000)}. "
+            "Pass one of these as env_name=.",
+            available=available,
+        )
+
+    async def _env_request(self, method: str, suffix: str, body: Any = None) -> Any:
+        await self.environment()
+        if not self.target.is_url and self._control_sid is None:
+            # Catalog mode routes even metadata calls by session; one is kept for the client's lifetime.
+            self._control_sid = await self._create_sid()
+        return await self._transport.request(method, self._path(suffix), body=body, sid=self._control_sid)
+
+    # -- environment calls -----------------------------------------------------------------
+
+    @_masked
+    async def list_environments(self) -> list[str]:
+        """The environment keys a self-hosted server serves."""
+        raw = await self._transport.request("GET", "/list_environments")
+        if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw):
+            raise ProtocolError(f"/list_environments: expected a list of names, got {quoted(raw)}")
+        if len(raw) > MAX_ENVIRONMENTS:
+            raise ProtocolError(f"/list_environments: the server lists {len(raw)} environments, more than the "
+                                f"{MAX_ENVIRONMENTS} a server may host")
+        return raw
+
+    @_masked
+    async def health(self) -> bool:
+        """True when the server answers `/health`."""
+        raw = await self._transport.request("GET", "/health")
+        return isinstance(raw, dict) and raw.get("status") == "ok"
+
+    @_masked
+    async def splits(self) -> list[Split]:
+        """The environment's task splits (`/splits`)."""
+        raw = await self._env_request("GET", "/splits")
+        if not isinstance(raw, list):
+            raise ProtocolError(f"/splits: expected a list, got {quoted(raw)}")
+        if len(raw) > MAX_SPLITS:
+            raise ProtocolError(f"/splits: the server lists {len(raw)} splits, more than the {MAX_SPLITS} an "
+                                "environment may have")
+        out = []
+        for item in raw:
+            if isinstance(item, str):
+                out.append(Split(item, item))
+            elif isinstance(item, dict) and isinstance(item.get("name"), str):
+                out.append(Split(item["name"], str(item.get("type", item["name"]))))
+            else:
+                raise ProtocolError(f"/splits: bad entry {quoted(item)}")
+        return out
+
+    async def _task_error(self, split: str, index: int | None, exc: BadRequestError) -> BadRequestError:
+        """Turn the server's bare "Invalid index" (when `index` was asked for) into a message with the valid range, and
+        its bare "Invalid split" into one that lists the real splits."""
+        if index is not None and "index" in exc.detail.lower():
+            n = await self.num_tasks(split)
+            message = f"task index {index} is out of range for split {split!r}, which has {n} tasks (0..{n - 1})."
+        elif "split" in exc.detail.lower():
+            names = [s.name for s in await self.splits()]
+            message = f"split {split!r} does not exist on {self.target.name}; available splits: {', '.join(names)}."
+        else:
+            return exc
+        return BadRequestError(message, status_code=exc.status_code, detail=exc.detail, path=exc.path)
+
+    async def _split_request(self, suffix: str, body: dict[str, Any], key: str | None = None) -> Any:
+        """POST a request about `body["split"]` (and `body["index"]`); the answer's `key` when given, checked to be a
+        list."""
+        try:
+            raw = await self._env_request("POST", suffix, body)
+        except BadRequestError as exc:
+            raise await self._task_error(body["split"], body.get("index"), exc) from None
+        if key is not None and not (isinstance(raw, dict) and isinstance(raw.get(key), list)):
+            raise ProtocolError(f"{suffix}: expected {{'{key}': [...]}}, got {quoted(raw)}")
+        return raw if key is None else raw[key]
+
+    @_masked
+    async def num_tasks(self, split: str = "train") -> int:
+        """The number of tasks in a split (`/num_tasks`).
+
+        Args:
+            split (`str`, *optional*, defaults to `"train"`):
+                The split to count.
+
+        Returns:
+            `int`: How many tasks `split` has.
+
+        Raises:
+            BadRequestError: `split` does not exist (the message lists those that do).
+        """
+        raw = await self._split_request("/num_tasks", {"split": split})
+        count = raw.get("num_tasks") if isinstance(raw, dict) else None
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_TASK_COUNT:
+            raise ProtocolError(f"/num_tasks: expected {{'num_tasks': n}} with n an integer from 0 to 2**53, got "
+                                f"{quoted(raw)}")
+        return count
+
+    @_masked
+    async def task(self, split: str, index: int) -> dict[str, Any]:
+        """One task spec (`/task`).
+
+        Args:
+            split (`str`):
+                The split the task is in.
+            index (`int`):
+                Its index in `split`.
+
+        Returns:
+            `dict[str, Any]`: The task spec.
+
+        Raises:
+            BadRequestError: `split` does not exist, or `index` is out of its range (the message says which).
+        """
+        raw = await self._split_request("/task", {"split": split, "index": index})
+        if not isinstance(raw, dict) or "task" not in raw:
+            raise ProtocolError(f"/task: expected {{'task': ...}}, got {quoted(raw)}")
+        return raw["task"]
+
+    @_masked
+    async def task_range(self, split: str, start: int | None = None, stop: int | None = None) -> list[dict[str, Any]]:
+        """Tasks `start:stop` of a split in one request (`/task_range`, Python slice rules).
+
+        Args:
+            split (`str`):
+                The split the tasks are in.
+            start (`int`, *optional*):
+                The first task's index (the split's start when omitted).
+            stop (`int`, *optional*):
+                The index past the last task (the split's end when omitted).
+
+        Returns:
+            `list[dict[str, Any]]`: The task specs, in order.
+
+        Raises:
+            BadRequestError: `split` does not exist (the message lists those that do).
+        """
+        bounds = {k: v for k, v in (("start", start), ("stop", stop)) if v is not None}
+        tasks = await self._split_request("/task_range", {"split": split, **bounds}, "tasks")
+        asked = len(range(start or 0, stop)) if stop is not None and (start or 0) >= 0 and stop >= 0 else None
+        if asked is not None and len(tasks) > asked:
+            raise ProtocolError(f"/task_range: asked for tasks {start or 0}..{stop} ({asked}), the server answered "
+                                f"{len(tasks)}")
+        return tasks
+
+    @_masked
+    async def tasks(self, split: str = "train") -> list[dict[str, Any]]:
+        """Every task of a split (`/tasks`, one request; slow on large catalogs: prefer `task_range`).
+
+        Args:
+            split (`str`, *optional*, defaults to `"train"`):
+                The split whose tasks are listed.
+
+        Returns:
+            `list[dict[str, Any]]`: The task specs, in order.
+
+        Raises:
+            BadRequestError: `split` does not exist (the message lists those that do).
+        """
+        return await self._split_request("/tasks", {"split": split}, "tasks")
+
+    @_masked
+    async def task_difficulty(self, split: str, filters: Mapping[str, str] | None = None) -> dict[int, Any]:
+        """The OpenReward platform's per-task difficulty of a catalog environment's `split`.
+
+        Args:
+            split (`str`):
+                The split.
+            filters (`Mapping[str, str]`, *optional*):
+                Query filters of the platform (`model_name`, `min_model_params`, `max_model_params`,
+                `training_stage`): `PlatformDifficulty.params()`.
+
+        Returns:
+            `dict[int, tuple[float, int]]`: the mean reward and the number of logged rollouts, per task index.
+
+        Raises:
+            ConfigurationError: for a self-hosted URL, which serves no difficulty data.
+        """
+        if self.target.is_url:
+            raise ConfigurationError(
+                f"{self.target.name} is a self-hosted server: the platform's task difficulty exists only for "
+                "openreward.ai catalog environments; pass difficulty_from= an `ors-trl eval --output` file or an "
+                "episode log instead.")
+        owner, _, name = self.target.name.partition("/")
+        query = urllib.parse.urlencode({"split": split, **(filters or {})})
+        path = f"/v1/environments/{urllib.parse.quote(owner)}/{urllib.parse.quote(name)}/task-difficulty?{query}"
+        raw = await self._transport.request("GET", path, api=True)
+        rows = raw.get("tasks") if isinstance(raw, dict) else None
+        if not isinstance(rows, list) or len(rows) > MAX_DIFFICULTY_ROWS:
+            raise ProtocolError(f"task-difficulty: expected {{'tasks': [...]}} (at most {MAX_DIFFICULTY_ROWS}), got "
+                                f"{quoted(raw)}")
+        out: dict[int, Any] = {}
+        for row in rows:
+            index, mean, count = (row.get(k) if isinstance(row, dict) else None
+                                  for k in ("task_index", "avg_reward", "num_rollouts"))
+            if not (isinstance(index, int) and isinstance(mean, int | float) and isinstance(count, int)) \
+                    or isinstance(index, bool) or not math.isfinite(mean):
+                raise ProtocolError(f"task-difficulty: a malformed row {quoted(row)}")
+            if row.get("split") in (None, split):
+                out[index] = (float(mean), count)
+        return out
+
+    @_masked
+    async def tools(self) -> ToolList:
+        """The environment's shared tools (task-specific ones need a session: `AsyncSession.tools`)."""
+        return ToolList.from_json(await self._env_request("GET", "/tools"), where="tools")
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    async def _create_sid(self) -> str:
+        """A new session id of this process's own: `/create_session`, claimed (an id another session of this process
+        has is refused and another one asked for, `SessionPool.duplicate`) and in the orphan registry before this
+        returns. Every other id the answers named (an attempt that named one, then stalled or broke, and was
+        re-posted or failed) is deleted in the background."""
+        for tries in itertools.count(1):
+            named: list[str] = []
+            sid = None
+            try:
+                sid = await self._new_sid(named)
+                if self._pool.claim(sid):
+                    await self._pool.record(sid)
+                    return sid
+                self._pool.duplicate(sid, tries)  # raises at the last try
+            finally:
+                for other in dict.fromkeys(named):
+                    if other != sid and self._sendable(other) and self._pool.claim(other):
+                        await self._pool.record(other)
+                        self._pool.delete_soon(other, quiet=True)
+        raise AssertionError("unreachable")
+
+    async def _new_sid(self, named: list[str]) -> str:
+        """`/create_session` (with the env overrides); on the platform (an allocation per request) never re-posted
+        after it may have landed. Each id any attempt's stream names is appended to `named` as it arrives."""
+        body = {"env": self._overrides} if self._overrides else {}
+
+        def seen(event: str, data: str) -> None:
+            if event == "task_id" and data.strip():
+                named.append(data.strip())
+
+        try:
+            events = await self._transport.events("/create_session", body=body, extra_headers=self._secret_headers,
+                                                  idempotent=self.target.is_url, on_event=seen)
+        except BadRequestError as exc:
+            if not self._overrides:
+                raise
+            raise ConfigurationError(
+                f"{self.target.name} refused the session's env_overrides ({', '.join(sorted(self._overrides))}): "
+                f"{exc.detail.rstrip('.')}. On the platform, callers other than the environment's owner may set only "
+                "OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY."
+            ) from None
+        for event, data in events:
+            if event == "task_id" and data.strip():
+                return self._session_id(data.strip())
+            if event == "error":
+                raise ProtocolError(f"/create_session failed: {self._transport.decoder.quote(data)}")
+        raise ProtocolError("/create_session: the stream carried no session id")
+
+    def _sendable(self, sid: str) -> bool:
+        return _SESSION_ID.fullmatch(sid) is not None and self._transport.mask(sid) == sid
+
+    def _session_id(self, sid: str) -> str:
+        """The server's session id, checked where it is received: it goes into a header of every later request."""
+        if self._sendable(sid):
+            return sid
+        raise ProtocolError(
+            f"/create_session: the server's session id {self._transport.decoder.quote(sid, 100)!r} ({len(sid)} "
+            "characters) cannot be sent back as a header (1 to 256 visible ASCII characters, no credential); the "
+            "session was not used. The server is broken: report it to its authors."
+        )
+
+    @_masked
+    async def open_session(
+        self,
+        *,
+        split: str | None = None,
+        index: int | None = None,
+        task_spec: Mapping[str, Any] | None = None,
+        toolset_name: str | None = None,
+    ) -> AsyncSession:
+        """Open a session for task `split`/`index`, or for an explicit `task_spec` (exactly one of `index` and
+        `task_spec`).
+
+        Whatever this creates on the server is deleted again if the open fails or is cancelled halfway; a request
+        that may have created something is waited for first (bounded), so that the delete cannot overtake it.
+        `aclose()` waits for opens still in flight and closes what they opened. Under `max_sessions`, waits (up to
+        `session_wait`) for a free slot.
+
+        Args:
+            split (`str`, *optional*):
+                The split of the task at `index`; `"train"` when omitted.
+            index (`int`, *optional*):
+                The task's index in `split`.
+            task_spec (`Mapping[str, Any]`, *optional*):
+                An explicit task to run instead of one by index.
+            toolset_name (`str`, *optional*):
+                The platform toolset for this session; overrides the client's `toolset`.
+
+        Returns:
+            `AsyncSession`: The open session (a `Session` from `Client.open_session`).
+
+        Raises:
+            ConfigurationError: both or neither of `index` and `task_spec` were given, or the server refused the
+                toolset (without `toolset_fallback`) or the client's `env_overrides`.
+            BadRequestError: `split` does not exist, or `index` is out of its range.
+            UsageError: the client is closed.
+        """
+        if (task_spec is None) == (index is None):
+            raise ConfigurationError("open_session needs exactly one of index= (with split=) or task_spec=")
+        if index is not None:
+            split = split or "train"
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise ConfigurationError(f"task index must be an int, got {index!r}")
+        self._check_usable()
+        async with self._pool.opening():
+            return await self._open(split, index, task_spec, toolset_name)
+
+    async def _open(self, split: str | None, index: int | None, task_spec: Mapping[str, Any] | None,
+                    toolset_name: str | None) -> AsyncSession:
+        env = await self.environment()
+        started = time.monotonic()
+        lease = await self._pool.acquire()
+        created = time.monotonic()
+        sids: list[str] = []
+        try:
+            self._check_usable()
+            body: dict[str, Any] = {"task_spec": dict(task_spec)} if task_spec is not None else {
+                "split": split, "index": index}
+            if env:
+                body["env_name"] = env
+            for tries in itertools.count(1):
+                sid = await _landed(self._create_sid(), sids)
+                toolset = toolset_name or self.toolset
+                try:
+                    ours = await self._create(sid, {**body, "toolset_name": toolset} if toolset else body, first=True)
+                except BadRequestError as exc:
+                    if toolset and "toolset" in exc.detail.lower():
+                        self._refused_toolset(toolset, exc)  # raises, unless toolset_fallback: then without it
+                        ours = await self._create(sid, body)
+                    elif index is None:
+                        raise
+                    else:
+                        raise await self._task_error(split or "train", index, exc) from None
+                if ours:
+                    break
+                sids.clear()  # another process's session: given up, not deleted
+                self._pool.duplicate(sid, tries, mine=True)
+            session = AsyncSession(self, sid, split=split if index is not None else None, index=index,
+                                   task_spec=task_spec, open_seconds=time.monotonic() - started, created_at=created)
+            session._lease = lease
+        except BaseException:
+            if sids:
+                with contextlib.suppress(BaseException):
+                    await self._pool.discard(sids[0], lease)
+            else:
+                self._pool.release(lease)
+            raise
+        self._pool.add(session)
+        self._pool.opened()
+        return session
+
+    async def _create(self, sid: str, body: dict[str, Any], *, first: bool = False) -> bool:
+        """`/create`; False when the session is not ours. "Session already exists" means our own retried request had
+        already landed, but answered to the `first` try of the first `/create` of a new id, that the server gave the
+        id to another process too."""
+        tries = 0
+
+        def tried() -> None:
+            nonlocal tries
+            tries += 1
+
+        try:
+            await _landed(self._transport.request("POST", "/create", body=body, sid=sid,
+                                                  extra_headers=self._secret_headers, on_attempt=tried), [])
+        except BadRequestError as exc:
+            if exc.detail != "Session already exists":
+                raise
+            return not (first and tries == 1)
+        return True
+
+    def _refused_toolset(self, toolset: str, exc: BadRequestError) -> None:
+        """The server refused `toolset` at `/create`: a `ConfigurationError`, or (`toolset_fallback`) sessions from now
+        on open without it, said once."""
+        if not self.toolset_fallback:
+            raise ConfigurationError(
+                f"{self.target.name} refused toolset {toolset!r} at session open: {exc.detail.rstrip('.')}. Pass a "
+                "toolset it offers, none, or toolset_fallback=True to open sessions without it."
+            ) from None
+        if self.toolset is not None:
+            logger.warning("%s refused toolset %r (%s); opening sessions without it (toolset_fallback=True)",
+                           self.target.name, toolset, exc.detail)
+            self.toolset = None
+
+    def _check_usable(self) -> None:
+        if self._pool.closed:
+            raise UsageError("this client is closed; create a new one")
+
+    async def _delete(self, sid: str, *, quiet: bool = False) -> bool:
+        """Delete `sid` on the server: `/delete` (environment teardown) and `/delete_session` (platform
+        allocation), each attempted even if the other fails. True when both went through (or found it gone); logs,
+        never raises. Once the client is closing, retries are kept short so that exit is not held up by a dead
+        server."""
+        retry = _QUICK_RETRY if self._pool.closed else None
+        failed: list[str] = []
+        for path in ("/delete", "/delete_session"):
+            try:
+                await self._transport.request("POST", path, sid=sid, ok_statuses=(404, 410), retry=retry)
+            except ORSError as exc:
+                failed.append(f"could not {path.lstrip('/')} session {sid[:8]}: {exc}")
+        if failed and self.target.is_url and await server_gone(self.target.session_url):
+            logger.debug("session %s: %s refuses connections on loopback; the session died with it", sid[:8],
+                         self.target.name)
+            return True
+        for message in failed:
+            (logger.debug if quiet else logger.warning)("%s", message)
+        return not failed
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def close_sessions(self) -> None:
+        """Close every session open through this client, and those still opening; the client stays usable."""
+        await self._pool.close_sessions()
+
+    async def aclose(self) -> None:
+        """Close every open session (and those still opening), then the connection pool. Idempotent."""
+        if self._pool.closed:
+            return
+        if self._control_sid is not None:
+            # Only routes metadata calls; nothing runs in it, so failing to delete it is not worth a warning.
+            self._pool.delete_soon(self._control_sid, quiet=True)
+            self._control_sid = None
+        await self._pool.aclose()
+        await self._transport.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+# ---------------------------------------------------------------------------------------------
+# Synchronous facade: the async objects, driven through the process's background loop
+
+
+def _blocking(method: Callable[..., Any], wrap: Callable[[Any, Any], Any] = lambda facade, result: result
+              ) -> Callable[..., Any]:
+    """The synchronous form of an async method of the facade's `_inner` (same signature and docstring): run on the
+    background loop, from any thread; `wrap` turns its result into what the facade returns."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return wrap(self, self._bg.run(getattr(self._inner, name)(*args, **kwargs)))
+
+    return run
+
+
+def _facade(of: type, methods: tuple[str, ...], attributes: tuple[str, ...]) -> Callable[[type], type]:
+    """Class decorator: give the facade the blocking form of `of`'s `methods` and read-only views of `attributes`
+    (documented as `of` documents them)."""
+    def install(cls: type) -> type:
+        for name in methods:
+            if name not in cls.__dict__:
+                setattr(cls, name, _blocking(getattr(of, name)))
+        for name in attributes:
+            doc = getattr(vars(of).get(name), "__doc__", None) or f"The `{of.__name__}`'s `{name}` (read-only)."
+            setattr(cls, name, property(lambda self, name=name: getattr(self._inner, name), doc=doc))
+        return cls
+
+    return install
+
+
+class _Facade:
+    _inner: Any
+    _bg: BackgroundLoop
+
+    def __repr__(self) -> str:
+        return repr(self._inner).replace("<Async", "<", 1)
+
+    def _run(self, coro: Any) -> Any:
+        return self._bg.run(coro)
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # type: ignore[attr-defined]
+
+
+@_facade(AsyncSession, ("prompt", "messages", "tools", "call", "score_group", "ping", "close"),
+         ("sid", "index", "expired", "closed", "seconds"))
+class Session(_Facade):
+    """Synchronous view of an `AsyncSession` (from `Client.open_session`), safe to use from any thread.
+
+    Its methods are `AsyncSession`'s, blocking; `sid`, `index`, `expired`, `closed` and `seconds` read the
+    `AsyncSession`'s.
+
+    Args:
+        inner (`AsyncSession`):
+            The session this view drives.
+        bg (`BackgroundLoop`):
+            The process's background event loop, which runs `inner`'s calls.
+    """
+
+    def __init__(self, inner: AsyncSession, bg: BackgroundLoop) -> None:
+        self._inner, self._bg = inner, bg
+
+    async_session = property(lambda self: self._inner, doc="The `AsyncSession` this view drives.")
+
+
+@_facade(AsyncClient, ("environment", "list_environments", "health", "splits", "num_tasks", "task", "task_range",
+                       "tasks", "task_difficulty", "tools"), ("target", "open_sessions"))
+class Client(_Facade):
+    """Synchronous ORS client: the `AsyncClient` API driven through the process's background loop.
+
+    Takes the arguments of `AsyncClient` (below); its methods are `AsyncClient`'s, blocking. Closed by `close()`,
+    by `with`, or at the latest at interpreter exit (before thread pools shut down), deleting every session it still
+    has open.
+    """
+
+    @functools.wraps(AsyncClient.__init__)
+    def __init__(self, target: str, **kwargs: Any) -> None:
+        self._inner = AsyncClient(target, **kwargs)
+        self._bg = get_loop()
+        self._bg.add_closer(self._inner.aclose)
+
+    async_client = property(lambda self: self._inner, doc="The `AsyncClient` this client drives.")
+    open_session = _blocking(AsyncClient.open_session, lambda self, session: Session(session, self._bg))
+
+    def close(self) -> None:
+        """Close every open session, then the connection pool."""
+        self._bg.remove_closer(self._inner.aclose)
+        self._run(self._inner.aclose())
+
+
+# The constructor's parameters are `AsyncClient`'s: so is their documentation (no docstrings under `python -OO`).
+if Client.__doc__ and AsyncClient.__doc__:
+    Client.__doc__ = f"{Client.__doc__}\n    {AsyncClient.__doc__[AsyncClient.__doc__.index('Args:'):]}"
+
+
+async def delete_orphans(target: str, sids: list[str]) -> list[bool | None]:
+    """Delete session ids of `target` that a dead process left open (the orphan registry's sweep); per id, whether
+    the server has it gone, or None for every id when the target is a loopback server that refuses connections (the
+    sessions died with it: no request is sent). A catalog target needs `OPENREWARD_API_KEY`."""
+    if "://" in target and await server_gone(target):
+        logger.debug("%s refuses connections on loopback: its %d session(s) died with it", target, len(sids))
+        return [None] * len(sids)
+    gate = asyncio.Semaphore(_ORPHAN_CONCURRENCY)
+    async with AsyncClient(target, retry=_QUICK_RETRY, keepalive_interval=None) as client:
+        async def delete(sid: str) -> bool:
+            async with gate:
+                return await client._delete(sid, quiet=True)
+
+        return list(await asyncio.gather(*(delete(sid) for sid in sids)))
+
+
+_SEGMENT_RULE = "1 to 200 of A-Z a-z 0-9 . _ ~ - and the other characters a path segment takes unescaped"
+
+
+def _is_segment(name: object) -> bool:
+    """Whether `name` can be a URL path segment as it is: nothing to escape, and neither `.` nor `..` (which a URL
+    parser resolves, so `/../admin/x` would reach `/admin/x`)."""
+    return isinstance(name, str) and _ENV_NAME.fullmatch(name) is not None and name not in (".", "..")
+
+
+async def server_gone(url: str) -> bool:
+    """Whether `url` is a server on this machine's loopback that refuses connections: nothing listens on its port any
+    more, so whatever sessions it held died with it. False for any other host, or when unsure (a timeout)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+        if host != "localhost" and not ipaddress.ip_address(host).is_loopback:
+            return False
+        addresses = {info[4][:2] for info in await asyncio.get_running_loop().getaddrinfo(
+            host, port, type=socket.SOCK_STREAM)}
+    except (ValueError, OSError):
+        return False
+    for address, at in addresses:
+        if not ipaddress.ip_address(address.split("%")[0]).is_loopback:
+            return False  # a `localhost` that is not loopback: not ours to judge
+        try:
+            async with asyncio.timeout(_PROBE_S):
+                _, writer = await asyncio.open_connection(address, at)
+        except ConnectionRefusedError:
+            continue
+        except (OSError, TimeoutError):
+            return False
+        writer.close()
+        return False  # something listens there
+    return bool(addresses)
+
+
+def _env_segment(name: str) -> str:
+    """An environment name the server listed, checked before it becomes part of every request's URL path."""
+    if _is_segment(name):
+        return name
+    raise ProtocolError(f"/list_environments: the environment name {quoted(name, 100)} cannot be part of a URL path "
+                        f"({_SEGMENT_RULE})")

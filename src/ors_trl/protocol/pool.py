@@ -1,0 +1,284 @@
+"""The sessions one client keeps open: when one may open, keeping it alive, the orphan registry, closing.
+
+`AsyncClient` speaks the endpoints; its `SessionPool` decides the rest. An open waits for a free slot
+under the client's and the process's caps, then for its moment under the client's and the processes'
+creation paces (`ors_trl.protocol.budget`; a 429 or `503 starting` slows them). Each session id is written to
+the orphan registry (`ors_trl.protocol.registry`) before the session is created on the server and marked
+closed once the server deleted it; the first one a process writes starts the sweep of dead processes'
+orphans. Every open session is pinged on a timer, also while a tool call is running, so an episode
+longer than the server's idle limit (900 s on the reference server) survives; closing the client waits
+(bounded) for the opens still in flight and deletes every session that is still open.
+
+A session id is claimed for the process while it is opening, open or being deleted: one the server hands out
+again meanwhile is refused and replaced by a fresh one (counted), so two rollouts never share a session.
+Closing a session gives its slot back at once and deletes it in the background (`delete_soon`): a slow or dead
+server holds a caller at most `CLOSE_WAIT_S`; the client's `aclose()` waits for the deletes (bounded), and a
+session the server never confirmed gone stays in the orphan registry for the next sweep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from .budget import Pace, get_max_sessions, parse_rate, process_pace, process_semaphore
+from .errors import ConfigurationError, ORSError, ORSTimeoutError, ProtocolError
+from .registry import Deleter, registry, sweep_in_background, sweeps_done
+
+__all__ = ["CLOSE_WAIT_S", "DUPLICATE_TRIES", "OPENING_WAIT_S", "SessionPool"]
+
+logger = logging.getLogger("ors_trl.client")
+
+_KEEPALIVE_CONCURRENCY = 64
+#: How long closing waits for session opens still in flight, so it can delete what they create (and, closing the
+#: client, for the deletes still running).
+OPENING_WAIT_S = 10.0
+#: How long closing one session waits for the server's delete before leaving it to run in the background.
+CLOSE_WAIT_S = 1.0
+#: Session ids already in use that one open takes from the server before it gives up (a `ProtocolError`).
+DUPLICATE_TRIES = 3
+#: `(target, session id)` of every session this process is opening, has open or is deleting, over all clients.
+_claimed: set[tuple[str, str]] = set()
+_claimed_lock = threading.Lock()
+Lease = tuple[asyncio.Semaphore, ...]
+#: An `ors_trl.protocol.client.AsyncSession` (the pool sits below the client: it only pings and closes them).
+OpenSession = Any
+
+
+class SessionPool:
+    """The open sessions of one client: caps, keepalive, closing.
+
+    Args:
+        delete (`Callable[..., Awaitable[bool]]`):
+            deletes a session id on the server (the client's `/delete` + `/delete_session`; `quiet=True` logs
+            failures at debug level); True once the server has it gone; never raises.
+        delete_orphans (`Callable[[str, list[str]], Awaitable[list[bool]]]`):
+            deletes session ids of a target (for the sweep of dead processes' orphans).
+        max_sessions (`int`, *optional*):
+            sessions open at once through this pool; an open past it waits for a slot.
+        session_wait (`float`, *optional*, defaults to `1800.0`):
+            how long an open may wait for a slot (None: no limit).
+        keepalive_interval (`float`, *optional*, defaults to `10.0`):
+            seconds between pings of an idle open session; None disables keepalive.
+        max_session_rate (`float` or `tuple[float, int]`, *optional*):
+            sessions this pool creates per second, or `(rate, burst)`; None: no pace of its own.
+        target (`str`, *optional*):
+            the server's name (the client's target), which the ids it hands out are claimed under.
+
+    Attributes:
+        duplicates (`int`):
+            session ids the server handed out that were already in use (refused; a fresh one was asked for).
+    """
+
+    def __init__(self, delete: Callable[..., Awaitable[bool]], delete_orphans: Deleter, *,
+                 max_sessions: int | None = None, session_wait: float | None = 1800.0,
+                 keepalive_interval: float | None = 10.0,
+                 max_session_rate: float | tuple[float, int] | None = None, target: str = "") -> None:
+        if keepalive_interval is not None and keepalive_interval <= 0:
+            raise ConfigurationError("keepalive_interval must be positive, or None to disable keepalive")
+        if max_sessions is not None and max_sessions < 1:
+            raise ConfigurationError("max_sessions must be at least 1, or None for no cap")
+        self.delete, self.delete_orphans = delete, delete_orphans
+        self.pace = None if max_session_rate is None else Pace(*parse_rate(max_session_rate, "max_session_rate"))
+        self.max_sessions = max_sessions
+        self.session_wait = session_wait
+        self.keepalive_interval = keepalive_interval
+        self.sessions: set[OpenSession] = set()
+        self.closed = False
+        self.target = target
+        self.duplicates = 0
+        self._claims: set[str] = set()
+        self._deleting: set[asyncio.Task[None]] = set()
+        self._opening: set[asyncio.Task[Any]] = set()
+        self._slots: asyncio.Semaphore | None = None
+        self._keepalive_task: asyncio.Task[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    @contextlib.asynccontextmanager
+    async def opening(self) -> AsyncIterator[None]:
+        """Mark the running task as an open in flight (closing waits for it, then deletes what it made)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._opening.add(task)
+        try:
+            yield
+        finally:
+            self._opening.discard(task)
+
+    def _paces(self) -> list[Pace]:
+        return [p for p in (self.pace, process_pace()) if p is not None]
+
+    async def acquire(self) -> Lease:
+        """Wait for a free slot under this pool's `max_sessions` and the process-wide cap, then for this open's moment
+        under the paces; return the slots taken."""
+        wanted = []
+        if self.max_sessions is not None:
+            if self._slots is None:
+                self._slots = asyncio.Semaphore(self.max_sessions)
+            wanted.append(self._slots)
+        if (process := process_semaphore()) is not None:
+            wanted.append(process)
+        held: list[asyncio.Semaphore] = []
+        try:
+            async with asyncio.timeout(self.session_wait):
+                for sem in wanted:
+                    await sem.acquire()
+                    held.append(sem)
+            for pace in self._paces():  # past the slot wait: a pace's moment is not bounded by `session_wait`
+                await pace.wait()
+        except BaseException as exc:
+            self.release(tuple(held))
+            if isinstance(exc, TimeoutError):
+                raise ORSTimeoutError(
+                    f"no session slot freed within {self.session_wait} s (max_sessions={self.max_sessions}, "
+                    f"process cap={get_max_sessions()}); raise the cap or close sessions sooner."
+                ) from None
+            raise
+        return tuple(held)
+
+    def throttled(self) -> None:
+        """The server said 429 or `503 starting`: every pace this pool opens under slows down."""
+        for pace in self._paces():
+            pace.throttled()
+
+    def opened(self) -> None:
+        """A session was created: the paces recover a little."""
+        for pace in self._paces():
+            pace.eased()
+
+    async def record(self, sid: str) -> None:
+        """Write `sid` to the orphan registry, on disk before the session is created on the server; the process's
+        first also starts the sweep of dead processes' orphans."""
+        reg = registry()
+        if reg is not None:
+            await asyncio.to_thread(reg.opened, sid, self.target)
+            sweep_in_background(self.delete_orphans)
+
+    def claim(self, sid: str) -> bool:
+        """Take `sid` for a session of this pool; False when a session of this process already has it."""
+        with _claimed_lock:
+            if (self.target, sid) in _claimed:
+                return False
+            _claimed.add((self.target, sid))
+        self._claims.add(sid)
+        return True
+
+    def _unclaim(self, sid: str) -> None:
+        if sid in self._claims:
+            self._claims.discard(sid)
+            with _claimed_lock:
+                _claimed.discard((self.target, sid))
+
+    def duplicate(self, sid: str, tries: int, *, mine: bool = False) -> None:
+        """The server handed out `sid` while it was in use (by this process, or by another: `mine` says it was
+        claimed and recorded here, and is now given up without a delete, which would end the other's session).
+        Counted and said; the `tries`-th in one open is a `ProtocolError`."""
+        if mine:
+            self._unclaim(sid)
+            if (reg := registry()) is not None:
+                reg.closed(sid)
+        self.duplicates += 1
+        logger.warning("%s handed out session id %s, which another session already has; %s", self.target,
+                       sid[:8], "asking for another" if tries < DUPLICATE_TRIES else "giving up")
+        if tries >= DUPLICATE_TRIES:
+            raise ProtocolError(
+                f"/create_session: {self.target} handed out session ids already in use {tries} times in a row; two "
+                "rollouts would share one session. The server is broken: report it to its authors.")
+
+    @staticmethod
+    def release(lease: Lease) -> None:
+        for sem in lease:
+            sem.release()
+
+    def add(self, session: OpenSession) -> None:
+        """Track a session that opened (its lease is given back when it closes) and keep it alive."""
+        self.sessions.add(session)
+        if self.keepalive_interval is not None and (self._keepalive_task is None or self._keepalive_task.done()):
+            self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive(self.keepalive_interval))
+
+    def delete_soon(self, sid: str, lease: Lease = (), session: OpenSession | None = None, *,
+                    quiet: bool = False) -> asyncio.Task[None]:
+        """Give `sid`'s slot back and stop keeping it alive now, and delete it on the server in the background (a
+        task this pool tracks: `aclose()` waits for it, bounded). The registry forgets it once the server has it
+        gone. Never raises."""
+        if session is not None:
+            self.sessions.discard(session)
+            lease, session._lease = session._lease, ()
+        self.release(lease)
+        task = asyncio.get_running_loop().create_task(self._delete(sid, session, quiet))
+        self._deleting.add(task)
+        task.add_done_callback(self._deleting.discard)
+        return task
+
+    async def discard(self, sid: str, lease: Lease = (), session: OpenSession | None = None, *,
+                      quiet: bool = False) -> None:
+        """`delete_soon`, waiting for the server at most `CLOSE_WAIT_S`. Never raises."""
+        await asyncio.wait([self.delete_soon(sid, lease, session, quiet=quiet)], timeout=CLOSE_WAIT_S)
+
+    async def _delete(self, sid: str, session: OpenSession | None, quiet: bool) -> None:
+        try:
+            if await self.delete(sid, quiet=quiet) and (reg := registry()) is not None:
+                reg.closed(sid)
+        finally:
+            self._unclaim(sid)
+            if session is not None:
+                session.closed_at = time.monotonic()
+
+    async def _keepalive(self, interval: float) -> None:
+        gate = asyncio.Semaphore(_KEEPALIVE_CONCURRENCY)
+
+        async def ping(session: OpenSession) -> None:
+            async with gate:
+                try:
+                    if not await session.ping():
+                        logger.warning("session %s expired on the server", session.sid[:8])
+                except ORSError as exc:
+                    logger.debug("keepalive ping of %s failed: %s", session.sid[:8], exc)
+
+        while self.sessions and not self.closed:
+            await asyncio.sleep(interval / 2)
+            now = time.monotonic()
+            due = [s for s in list(self.sessions) if not s.closed and not s.expired and now - s.last_activity >= interval]
+            if due:
+                await asyncio.gather(*(ping(s) for s in due))
+
+    async def close_sessions(self) -> None:
+        """Close every session of the pool, after the opens still in flight, and wait for their deletes (each
+        bounded)."""
+        if self._opening:
+            await asyncio.wait(list(self._opening), timeout=OPENING_WAIT_S)
+        await asyncio.gather(*(s.close() for s in list(self.sessions)), return_exceptions=True)
+        if self._deleting:
+            await asyncio.wait(list(self._deleting), timeout=OPENING_WAIT_S)
+
+    async def aclose(self) -> None:
+        """Stop keepalive and close every session; the pool opens nothing more. A delete still running after the
+        bound is stopped: its session stays in the orphan registry, for the next sweep."""
+        self.closed = True
+        if self._keepalive_task is not None:
+            self._keepalive_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._keepalive_task
+        await self.close_sessions()
+        await sweeps_done(OPENING_WAIT_S)
+        for task in list(self._deleting):
+            task.cancel()
+        if self._deleting:
+            await asyncio.wait(list(self._deleting), timeout=OPENING_WAIT_S)
+
+
+def _after_fork_in_child() -> None:
+    global _claimed_lock
+    _claimed.clear()  # the parent's sessions are not the child's
+    _claimed_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,1007 @@
+"""HTTP and SSE over aiohttp: keep-alive connections, retries, timeouts, error mapping.
+
+What is retried (with exponential backoff and jitter, bounded by `RetryPolicy`):
+
+- connection failures before the request was sent, for every request;
+- 429, 502, 503 and 504 answers, for every request, `/call` included: an error status instead of
+  an event stream means the tool was not started;
+- a 503 carrying `X-Backend-State: starting` (a backend still booting) is waited out, for up to
+  `RetryPolicy.starting_timeout` seconds, its polls backing off like retries;
+- connection resets and read timeouts after the request was sent, for idempotent requests only;
+- a `/call` stream that drops after the server sent the call's task id is resumed by that id
+  (the server replays the result), never re-posted without it.
+
+Every wait before another try (a retry, a `starting` poll, a stream resume) is `RetryPolicy.delay`: at least
+`backoff_initial`, at most `backoff_max`. A server's `Retry-After` can lengthen it, never shorten it (0, a negative
+or fractional value, NaN or a date in the past cannot make the client poll in a loop).
+
+Not retried: 400/401/402/403/404/422 (the request itself is wrong), 500 (the environment's code
+failed and would fail again), and a `/call` stream that drops before any task id arrived (the tool
+may be running; re-posting could run it twice) which raises `StreamInterruptedError`.
+
+Credentials: redirects are followed by hand, and a redirect to a host the API key does not belong
+to is followed without `X-API-Key` and `X-Secrets` (aiohttp itself would forward every custom
+header to any host), or not at all when the body it would re-send holds a credential (the env
+overrides of `/create_session`).
+
+What a server sends is untrusted input, made fit to keep where it is decoded: `Decoder` is the one way
+its bytes become Python values (JSON answers, SSE fields, error bodies). Invalid UTF-8 is replaced,
+lone surrogates are repaired (U+FFFD), and the API key, the secret values and the encoded `X-Secrets`
+header are masked as `***` in every string, also where the JSON spells them with escapes; so no
+message, record, log line or model prompt built from an answer holds them. Errors raised here carry
+no exception chain (a `JSONDecodeError` keeps the raw body, an aiohttp error the URL). An answer whose objects would
+take more than 8 bytes per character of it (`DECODE_BYTES_PER_CHAR`: tiny blocks, empty containers, one-key dicts,
+by the million) is refused before it is decoded. Decoding runs on the one background loop, an answer at a time, so
+no process-wide budget is needed: concurrent calls hold their undecoded bytes (at most `max_response_bytes` each).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import email.utils
+import functools
+import json
+import logging
+import math
+import random
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urljoin
+
+import aiohttp
+from aiohttp.http_exceptions import ContentEncodingError
+
+from .._version import __version__
+from .errors import (
+    APIStatusError,
+    AuthenticationError,
+    BadRequestError,
+    ConfigurationError,
+    EnvironmentNotFoundError,
+    NotFoundError,
+    ORSError,
+    ORSTimeoutError,
+    PaymentRequiredError,
+    ProtocolError,
+    RateLimitError,
+    ServerError,
+    ServiceUnavailableError,
+    SessionExpiredError,
+    StreamInterruptedError,
+    ToolFailedError,
+    TransportError,
+    UsageError,
+)
+from .target import Target, _host_port
+from .text import clean_json, escape_controls, repair, unescape_json
+from .types import MASK
+
+__all__ = ["DECODE_BYTES_PER_CHAR", "DECODE_MIN_BYTES", "Decoder", "RetryPolicy", "Timeouts", "Transport", "masking"]
+
+logger = logging.getLogger("ors_trl.client")
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+USER_AGENT = f"ors-trl/{__version__}"
+_RETRY_STATUSES = frozenset({429, 502, 503, 504})
+_REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+#: The `Content-Encoding`s aiohttp decodes (or that need none); any other leaves the body as it came.
+_DECODED = frozenset({"", "identity", "gzip", "deflate", "br", "zstd"})
+_MAX_REDIRECTS = 10
+# Headers that carry credentials: never sent to a host the API key does not belong to.
+_CREDENTIAL_HEADERS = ("X-API-Key", "X-Secrets")
+# Secret values shorter than this are not masked in error messages: masking "1" or "abc" would garble
+# every message, and such values are not secrets worth the name.
+_MIN_MASKED_SECRET = 6
+_MASK = "***"
+#: Server-provided text quoted in a message (an error's detail, a tool's error event) is cut to this many characters.
+_QUOTE_LIMIT = 2000
+#: How much of an error answer's body is read for its detail; the rest is dropped unread.
+_ERROR_BODY_LIMIT = 64 * 1024
+#: How much of an answer that is not JSON is looked at for the message that says so.
+_QUOTE_HEAD = 64 * 1024
+#: JSON's short escapes: a secret holding one of these characters may be spelled with its escape in an answer.
+_SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "/": "\\/", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
+                  "\t": "\\t"}
+_ESCAPE = re.compile(r"\\u")  # a regex: with many backslashes in a text, `"\\u" in text` is slower
+#: A line end of an event stream: CRLF, LF or CR alone.
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+#: In JSON text: an escaped backslash (kept, so that the text "backslash, ud800" stays text), a surrogate pair (kept:
+#: one character), or a lone surrogate (written as U+FFFD). Repaired before decoding: a scan of the text, not a walk.
+_SURROGATE_ESCAPES = re.compile(r"\\(?:(\\)|u[dD][89abAB][0-9a-fA-F]{2}(\\u[dD][c-fC-F][0-9a-fA-F]{2})?|"
+                                r"u[dD][c-fC-F][0-9a-fA-F]{2})")  # one literal first: the regex engine skips ahead
+#: What decoding an answer may build, estimated from its text before it is decoded (`_decoded_size`): Python objects
+#: of `DECODE_BYTES_PER_CHAR` bytes per character of it, and `DECODE_MIN_BYTES` whatever its size. Past that it is a
+#: `ProtocolError`. 40 MB of tiny blocks, empty lists or one-key dicts once cost 0.7-1.1 GB to decode (18-27x).
+DECODE_BYTES_PER_CHAR = 8
+DECODE_MIN_BYTES = 16 << 20
+#: What CPython spends per `{` (a dict with up to five keys: 184 bytes), `[` (an empty list), `:` (a dict entry, its
+#: key counted once per name as json decodes it: an answer of distinct short keys costs up to 12x), `,` (a slot) and
+#: string value (a new str). Numbers are left out: a number costs at most 9 bytes per character (`1.5,`: a 24-byte
+#: float and a slot), a small int, `true` or `null` only its slot.
+_COSTS = ((",", 8), (":", 48), ("[", 64), ("{", 184))
+_STRING_COST = 56
+_CLASSES = bytes(c if c in b'",:[{' else ord("w") if c in b" \t\r\n" else ord("x") for c in range(256))
+_WINDOW = 1 << 18
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Deadlines, in seconds. `None` disables one (not recommended).
+
+    Args:
+        connect (`float`, *optional*, defaults to `10.0`):
+            Establishing a TCP/TLS connection.
+        request (`float`, *optional*, defaults to `60.0`):
+            One whole non-streaming request (metadata, create, prompt, ping, delete).
+        stream_idle (`float`, *optional*, defaults to `45.0`):
+            Silence allowed on a `/call` stream; servers send a comment every 10 s while a tool runs, so a longer
+            silence means the stream is dead and it is resumed.
+        tool_call (`float`, *optional*, defaults to `3600.0`):
+            One whole tool call, resumes included.
+    """
+
+    connect: float | None = 10.0
+    request: float | None = 60.0
+    stream_idle: float | None = 45.0
+    tool_call: float | None = 3600.0
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How hard the client tries before an error reaches the caller.
+
+    Args:
+        max_attempts (`int`, *optional*, defaults to `6`):
+            Tries per request for network errors and 429/502/503/504 (1 = no retry).
+        backoff_initial (`float`, *optional*, defaults to `0.25`):
+            First backoff delay, in seconds; doubled each attempt, with jitter. Also the floor: no retry or poll
+            comes sooner, whatever a server's `Retry-After` says.
+        backoff_max (`float`, *optional*, defaults to `8.0`):
+            Cap on one backoff delay, in seconds (a server's `Retry-After` is honoured up to this).
+        starting_timeout (`float`, *optional*, defaults to `600.0`):
+            Seconds to wait out a backend answering 503 `X-Backend-State: starting`.
+        resume_attempts (`int`, *optional*, defaults to `8`):
+            Re-attachments to one dropped `/call` stream by its task id.
+
+    Raises:
+        ConfigurationError: a count below its minimum (1 attempt, 0 resumes), or a delay that is not a positive finite
+            number of seconds with `backoff_initial <= backoff_max`.
+    """
+
+    max_attempts: int = 6
+    backoff_initial: float = 0.25
+    backoff_max: float = 8.0
+    starting_timeout: float = 600.0
+    resume_attempts: int = 8
+
+    def __post_init__(self) -> None:
+        def number(value: Any) -> bool:
+            return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+        if not (number(self.backoff_initial) and number(self.backoff_max)
+                and 0 < self.backoff_initial <= self.backoff_max):
+            raise ConfigurationError(f"RetryPolicy: backoff_initial and backoff_max must be positive seconds with "
+                                     f"backoff_initial <= backoff_max, got {self.backoff_initial!r} and "
+                                     f"{self.backoff_max!r}")
+        if not (number(self.starting_timeout) and self.starting_timeout >= 0):
+            raise ConfigurationError(f"RetryPolicy: starting_timeout must be seconds >= 0, got "
+                                     f"{self.starting_timeout!r}")
+        for name, low in (("max_attempts", 1), ("resume_attempts", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigurationError(f"RetryPolicy: {name} must be an int >= {low}, got {value!r}")
+
+    def delay(self, attempt: int, retry_after: float | None = None) -> float:
+        """The wait before the next try: the backoff of `attempt` (`backoff_initial`, doubled per attempt, plus up
+        to half again of jitter), or the server's `Retry-After` where that is longer; within
+        `[backoff_initial, backoff_max]`. A server can ask for a longer wait, never a shorter one.
+
+        Args:
+            attempt (`int`):
+                The attempt that just failed (or the poll that was answered `starting`), from 1.
+            retry_after (`float`, *optional*):
+                The server's `Retry-After`, in seconds (`_retry_after`).
+
+        Returns:
+            `float`: Seconds to wait.
+        """
+        wait = self.backoff_initial * 2.0 ** min(max(attempt - 1, 0), 64) * (1 + random.random() / 2)
+        if retry_after is not None and not math.isnan(retry_after):
+            wait = max(wait, retry_after)
+        return min(wait, self.backoff_max)
+
+
+def _attempts(n: int) -> str:
+    return "1 attempt" if n == 1 else f"{n} attempts"
+
+
+_DELAY_SECONDS = re.compile(r"[0-9]+(?:\.[0-9]*)?")
+
+
+def _retry_after(headers: Any) -> float | None:
+    """A `Retry-After` header in seconds from now (delay-seconds or an HTTP-date; a past date is 0); None when absent
+    or unreadable. Untrusted: `RetryPolicy.delay` bounds what it does."""
+    value = (headers.get("Retry-After") or "").strip()[:100] if headers is not None else ""
+    if _DELAY_SECONDS.fullmatch(value):
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+        return max(when.timestamp() - time.time(), 0.0)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+
+
+def readable(text: str, limit: int = _QUOTE_LIMIT) -> str:
+    """Server-provided `text` fit for a message: at most `limit` characters (the cut is marked), and control and
+    format characters escaped (`\\x1b`, `\\u202e`), so that a terminal or a log shows them instead of obeying them.
+    Mask secrets before calling this: a cut through a secret would leave part of it unmasked."""
+    text = text.strip()
+    if len(text) > limit:
+        text = f"{text[:limit]}... [{len(text) - limit} more characters]"
+    return escape_controls(text)
+
+
+class Decoder:
+    """The one way a server's bytes become Python values, so that every string of every answer is fit to keep.
+
+    Invalid UTF-8 is replaced (U+FFFD) rather than refused; lone surrogates (`"\\ud800"`: valid JSON, fatal to a
+    tokenizer or a file write) are written as U+FFFD in the JSON text before it is decoded; every known secret
+    (`add`; at least 6 characters) is masked as `***` in every string, dict keys included, also where the raw JSON
+    spells it with escapes (`"\\u0073k-..."`). Each step runs only when a scan of the raw text finds something it
+    could have to fix, so a plain answer costs one `json.loads` and a few substring searches.
+    """
+
+    def __init__(self, secrets: Iterable[str] = ()) -> None:
+        self._secrets: tuple[str, ...] = ()  # longest first: the X-Secrets header contains the values
+        self._probes: tuple[str, ...] = ()  # what in raw JSON text can spell a secret
+        for secret in secrets:
+            self.add(secret)
+
+    def add(self, secret: str) -> None:
+        """Mask `secret` from now on (values shorter than 6 characters are not secrets worth garbling text for)."""
+        if len(secret) < _MIN_MASKED_SECRET or secret in self._secrets:
+            return
+        self._secrets = tuple(sorted({*self._secrets, secret}, key=len, reverse=True))
+        escapes = (_SHORT_ESCAPES[c] for s in self._secrets for c in s if c in _SHORT_ESCAPES)
+        self._probes = tuple(dict.fromkeys([*self._secrets, *escapes]))
+
+    def mask(self, text: str) -> str:
+        """`text` with every known secret replaced by `***`."""
+        for secret in self._secrets:
+            if secret in text:
+                text = text.replace(secret, _MASK)
+        return text
+
+    def text(self, raw: str | bytes) -> str:
+        """Server text that is not JSON (an SSE field, an error body): invalid UTF-8 replaced, repaired, masked."""
+        if not isinstance(raw, str):
+            raw = bytes(raw).decode("utf-8", errors="replace")
+        return self.mask(repair(raw))
+
+    def quote(self, raw: str | bytes, limit: int = _QUOTE_LIMIT) -> str:
+        """What a server said, for a message: `text`, then `readable` (bounded, no control characters). A secret
+        spelled with JSON escapes (in a body that is not valid JSON) is masked too: the quote then shows the text
+        with its escapes written out."""
+        text = self.text(raw)
+        if self._secrets and "\\" in text:
+            plain = self.mask(unescape_json(text))
+            if plain.count(_MASK) > text.count(_MASK):
+                text = plain
+        return readable(text, limit)
+
+    def decode(self, raw: str | bytes, what: str) -> Any:
+        """A JSON answer as Python values (None for an empty body), every string repaired and masked.
+
+        Raises:
+            ProtocolError: not JSON, nested too deeply to decode (quoting the start of it, masked), or holding more
+                objects than its size allows (`DECODE_BYTES_PER_CHAR`), refused before it is decoded.
+        """
+        text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8-sig", errors="replace")
+        if not text.strip():
+            return None
+        _check_size(text, what)
+        escaped = _ESCAPE.search(text) is not None  # stops at the first escape: most answers have one early or none
+        if escaped and _SURROGATE_ESCAPE.search(text) is not None:  # decoded UTF-8 holds none: only escapes make them
+            text = _SURROGATE_ESCAPES.sub(lambda m: m[0] if m[1] or m[2] else "\\ufffd", text)
+        try:
+            value = json.loads(text)
+        except RecursionError:
+            raise ProtocolError(f"{what}: the server answered JSON nested too deeply to decode") from None
+        except ValueError:
+            shown = self.quote(text.lstrip()[:_QUOTE_HEAD], 200)
+            raise ProtocolError(f"{what}: the server answered invalid JSON: {shown!r}") from None
+        if self._secrets and (escaped or any(p in text for p in self._probes)):
+            value = clean_json(value, self.mask)
+        return value
+
+
+def _check_size(text: str, what: str) -> None:
+    """Refuse JSON text whose decoded objects would take more than `DECODE_BYTES_PER_CHAR` bytes per character (and
+    `DECODE_MIN_BYTES`), before decoding it: a few `str.count`s, and only when those say it may, a count outside its
+    strings (a text full of commas is no dense JSON)."""
+    limit = DECODE_BYTES_PER_CHAR * len(text) + DECODE_MIN_BYTES
+    if len(text) * _COSTS[-1][1] <= limit:
+        return
+    upper = sum(cost * text.count(c) for c, cost in _COSTS) + _STRING_COST * (text.count('"') // 2)
+    if upper <= limit or (size := _decoded_size(text)) <= limit:
+        return
+    raise ProtocolError(f"{what}: decoding the answer's {len(text)} characters would take about {size >> 20} MiB of "
+                        f"memory, more than the {DECODE_BYTES_PER_CHAR} bytes per character (and "
+                        f"{DECODE_MIN_BYTES >> 20} MiB) an answer may: it holds too many containers, keys or strings "
+                        "for its size")
+
+
+def _decoded_size(text: str) -> int:
+    """About the most the objects `json.loads(text)` builds take (see `_COSTS`), counted without decoding it and with
+    no object per string: its escaped backslashes and quotes dropped, every byte but quotes and `,:[{` made an `x` (or
+    dropped, whitespace), then (quotes alternating) the `,:[{` between strings counted, a window at a time, and the
+    strings but keys (a string before a `:`, decoded once per name) and empty ones."""
+    data = text.encode("utf-8", "replace")
+    if b"\\" in data:
+        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    data = data.translate(_CLASSES)
+    strings = data.count(b'"') // 2 - data.count(b'""')  # empty ones cost nothing
+    data = data.translate(None, b"w")  # so that a key's colon follows it
+    size, keys, inside = 0, 0, False
+    for start in range(0, len(data), _WINDOW):
+        parts = data[start:start + _WINDOW].split(b'"')
+        outside = b'"'.join(parts[inside::2])  # a quote where each string was
+        size += sum(cost * outside.count(c.encode()) for c, cost in _COSTS)
+        keys += outside.count(b'":')
+        inside ^= len(parts) % 2 == 0
+    return size + _STRING_COST * max(strings - keys, 0)
+
+
+def _detail_of(decoder: Decoder, body: bytes) -> str:
+    """The `detail` of an error answer (FastAPI's `{"detail": ...}`), else its body, whole (`quote` cuts it)."""
+    try:
+        value = decoder.decode(body, "")
+    except ProtocolError:
+        return decoder.text(body)
+    if isinstance(value, dict) and "detail" in value:
+        detail = value["detail"]
+        if isinstance(detail, str):
+            return detail
+        with contextlib.suppress(ValueError, RecursionError):
+            return json.dumps(detail, ensure_ascii=False)
+    return decoder.text(body)
+
+
+def status_error(status: int, detail: str, path: str, *, session_scoped: bool) -> APIStatusError | EnvironmentNotFoundError:
+    """Map an HTTP error status to our exception, with a message that says what to do."""
+    kw = {"status_code": status, "detail": detail, "path": path}
+    where = f"{path}: " if path else ""
+    if status in (400, 422):
+        return BadRequestError(f"{where}bad request ({status}): {detail}", **kw)
+    if status in (401, 403):
+        return AuthenticationError(
+            f"{where}the server rejected the credentials ({status}): {detail}. Check OPENREWARD_API_KEY or the "
+            "api_key= you passed.",
+            **kw,
+        )
+    if status == 402:
+        return PaymentRequiredError(
+            f"{where}payment required (402): {detail}. The OpenReward account has no credits left; top up at "
+            "https://openreward.ai.",
+            **kw,
+        )
+    if status == 404 and "unknown environment" in detail.lower():
+        return EnvironmentNotFoundError(f"{where}{detail}")
+    if status == 410 or (status == 404 and session_scoped):
+        return SessionExpiredError(
+            f"{where}the session no longer exists on the server ({status}: {detail}); it was deleted, reaped "
+            "after being idle, or the server restarted.",
+            **kw,
+        )
+    if status == 404:
+        return NotFoundError(f"{where}not found (404): {detail}", **kw)
+    if status == 429:
+        return RateLimitError(f"{where}rate limited (429): {detail}", **kw)
+    if status in (502, 503, 504):
+        return ServiceUnavailableError(f"{where}service unavailable ({status}): {detail}", **kw)
+    if status >= 500:
+        return ServerError(f"{where}the environment failed ({status}): {detail}", **kw)
+    return APIStatusError(f"{where}unexpected status {status}: {detail}", **kw)
+
+
+def masking(transport_of: Callable[[Any], Transport]) -> Callable[[F], F]:
+    """Decorator for the calls that talk to a server (`Transport`'s, `AsyncClient`'s and `AsyncSession`'s): mask the
+    secrets of the transport `transport_of(self)` in every ORSError they raise (and drop its exception chain), and in
+    what `quoted` shows of an answer, before it is cut.
+
+    The transport masks its own errors; a client's call also raises errors while checking an answer, which quote what
+    the server said (and a server may echo the credentials it was sent)."""
+
+    def decorate(method: F) -> F:
+        @functools.wraps(method)
+        async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            transport = transport_of(self)
+            token = MASK.set(transport.mask)
+            try:
+                return await method(self, *args, **kwargs)
+            except ORSError as exc:
+                transport.mask_error(exc)
+                raise
+            finally:
+                MASK.reset(token)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+_masked = masking(lambda transport: transport)
+
+
+class _Dropped(Exception):
+    """Internal: a stream ended without its final event; `unknown`: the names of the events it sent that the protocol
+    has not (an `END`, an `end ` with a space: why a stream that looked complete had no result)."""
+
+    def __init__(self, unknown: Iterable[str] = ()) -> None:
+        super().__init__()
+        self.unknown = tuple(unknown)
+
+
+async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> AsyncIterator[tuple[str, str]]:
+    """Yield `(event, data)` per the SSE spec: lines end with CRLF, LF or CR alone (a CRLF split between two reads
+    is one line end), a BOM opening the stream is dropped, one space after `data:` is stripped, comments are skipped;
+    `what` names the request in errors.
+
+    Lines are split here rather than with `resp.content.readline()`: aiohttp's readline refuses lines
+    longer than its buffer (128-512 KiB, depending on the version) with an exception outside our
+    hierarchy, while the protocol lets a server send a whole result as one `data:` line. The only
+    bound is `max_bytes` for the whole stream.
+    """
+    _check_length(resp, max_bytes, what)
+    event: str | None = None
+    data: list[str] = []
+    total = 0
+    buf = bytearray()  # the unfinished line: never holds a line end
+    after_cr = False  # the last line ended with CR at the end of a read: an LF opening the next read belongs to it
+    first = True
+    while True:
+        chunk = await resp.content.readany()
+        if not chunk:
+            return  # end of stream; an unterminated last line is an incomplete event and is dropped
+        total += len(chunk)
+        if total > max_bytes:
+            raise ProtocolError(f"event stream exceeded {max_bytes} bytes")
+        if after_cr and chunk.startswith(b"\n"):
+            chunk = chunk[1:]
+        start = len(buf)
+        buf += chunk
+        cut = max(buf.rfind(b"\n", start), buf.rfind(b"\r", start))  # only the new bytes can hold a line end
+        after_cr = cut == len(buf) - 1 and buf.endswith(b"\r")
+        if cut == -1:
+            continue
+        block, buf = bytes(buf[:cut + 1]), buf[cut + 1:]
+        lines = _LINE_END.split(block)[-2::-1]  # the block ends with a line end: the last piece is empty
+        del block
+        while lines:  # popped, so that neither a line nor an event's data is still held while the caller decodes it
+            line = lines.pop().decode("utf-8", errors="replace")
+            if first:
+                line, first = line.removeprefix("\ufeff"), False
+            if not line:
+                if data or event is not None:
+                    out, event, data = (event or "message", "\n".join(data)), None, []
+                    yield out
+                event = None
+                continue
+            if line.startswith(":"):
+                continue
+            name, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if name == "event":
+                event = value
+            elif name == "data":
+                data.append(value)
+
+
+class Transport:
+    """One aiohttp session (keep-alive pool) bound to the event loop that first uses it."""
+
+    def __init__(
+        self,
+        target: Target,
+        *,
+        timeouts: Timeouts,
+        retry: RetryPolicy,
+        max_connections: int = 0,
+        max_response_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
+        self.target = target
+        self.timeouts = timeouts
+        self.retry = retry
+        self.max_connections = max_connections
+        self.max_response_bytes = max_response_bytes
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._request_timeout = aiohttp.ClientTimeout(
+            total=timeouts.request, connect=timeouts.connect, sock_connect=timeouts.connect
+        )
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=None, connect=timeouts.connect, sock_connect=timeouts.connect, sock_read=timeouts.stream_idle
+        )
+        self.on_request: Callable[[str, str], None] | None = None  # (method, path) hook for tests/metrics
+        self.on_throttle: Callable[[], None] | None = None  # told of each 429 and `503 starting` (the pace slows)
+        # Masked in every answer and message: the API key, and what the client adds (its X-Secrets header and values).
+        self.decoder = Decoder([str(target.api_key)] if target.api_key else [])
+
+    # -- connection pool ---------------------------------------------------------------------
+
+    def _client(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, keepalive_timeout=30)
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=self._request_timeout,
+                headers={"User-Agent": USER_AGENT},
+                auto_decompress=True,
+                trust_env=False,
+            )
+            self._loop = loop
+        elif self._loop is not loop:
+            raise UsageError(
+                "This ors-trl client is bound to another event loop; create one client per event loop "
+                "(the synchronous Client handles this for you)."
+            )
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    # -- headers ---------------------------------------------------------------------------------
+
+    def headers(self, base: str, *, sid: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+        h: dict[str, str] = {}
+        key = self.target.key_for(base)
+        if key:
+            h["X-API-Key"] = str(key)
+        if self.target.deployment:
+            h["X-Deployment"] = self.target.deployment
+        if sid:
+            h["X-Session-ID"] = sid
+        if extra:
+            h.update(extra)
+        return h
+
+    # -- masking secrets in errors ---------------------------------------------------------------
+
+    def mask(self, text: str) -> str:
+        """`text` with every known secret (API key, secret values, X-Secrets header) replaced by `***`."""
+        return self.decoder.mask(text)
+
+    def mask_error(self, exc: ORSError) -> ORSError:
+        """Mask secrets in an error's message (and `detail`) in place, and drop its exception chain (a decoder's
+        error keeps the raw body, an aiohttp error the URL); returns it for `raise`."""
+        exc.args = tuple(self.mask(a) if isinstance(a, str) else a for a in exc.args)
+        if isinstance(getattr(exc, "detail", None), str):
+            exc.detail = self.mask(exc.detail)  # type: ignore[attr-defined]
+        exc.__cause__ = exc.__context__ = None
+        exc.__suppress_context__ = True
+        return exc
+
+    def _holds_secret(self, body: bytes) -> bool:
+        """Whether a request body holds a known secret (also spelled with JSON escapes)."""
+        text = unescape_json(body.decode("utf-8", errors="replace"))
+        return self.mask(text) != text
+
+    # -- one exchange, redirects followed by hand ----------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _send(self, method: str, url: str, *, data: bytes | None, headers: dict[str, str],
+                    timeout: aiohttp.ClientTimeout | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
+        """One request, following redirects like aiohttp would, except that credentials are dropped
+        on a hop to a host the API key does not belong to (aiohttp strips only `Authorization`), and a hop
+        there that would re-send a body holding one is not made."""
+        for _ in range(_MAX_REDIRECTS + 1):
+            try:
+                resp = await self._client().request(method, url, data=data, headers=headers, allow_redirects=False,
+                                                    timeout=timeout or self._request_timeout)
+            except aiohttp.ClientError as exc:
+                if (err := _undecodable(exc, f"{method} {url.split('?', 1)[0]}")) is None:
+                    raise
+                raise err from None
+            except ValueError as exc:  # a header or URL HTTP cannot carry (aiohttp checks, untyped)
+                raise ProtocolError(f"{method} {url.split('?', 1)[0]}: the request cannot be sent "
+                                    f"({self.decoder.quote(str(exc), 200)})") from None
+            location = resp.headers.get("Location")
+            if resp.status not in _REDIRECT_STATUSES or not location:
+                break
+            resp.release()
+            try:
+                target = urljoin(url, location)
+                same_host = _host_port(target) == _host_port(url)
+            except ValueError:  # a port out of range, a broken IPv6 literal: nothing to follow
+                raise TransportError(f"{method} {url.split('?', 1)[0]}: redirected to an invalid URL "
+                                     f"{readable(self.mask(location), 200)!r}") from None
+            if resp.status == 303 or (resp.status in (301, 302) and method == "POST"):
+                method, data = "GET", None
+                headers = {k: v for k, v in headers.items() if k != "Content-Type"}
+            if not same_host and self.target.key_for(target) is None:
+                if data is not None and self._holds_secret(data):  # a body cannot be followed without what it says
+                    raise TransportError(
+                        f"{method} {url.split('?', 1)[0]}: redirected to another host "
+                        f"({readable(_host_port(target), 200)}); not followed, since the request's body holds a "
+                        "credential (a secret or an env override) that host was not given")
+                dropped = [k for k in _CREDENTIAL_HEADERS if k in headers]
+                if dropped:
+                    logger.debug("redirected to another host; not sending %s there", ", ".join(dropped))
+                    headers = {k: v for k, v in headers.items() if k not in _CREDENTIAL_HEADERS}
+            url = target
+        else:
+            raise TransportError(f"{method} {url.split('?', 1)[0]}: more than {_MAX_REDIRECTS} redirects")
+        try:
+            async with resp:  # release() and wait_for_close(), as aiohttp's own request context manager does
+                yield resp
+        except aiohttp.ClientError as exc:  # raised while the caller read the body
+            if (err := _undecodable(exc, f"{method} {url.split('?', 1)[0]}")) is None:
+                raise
+            raise err from None
+
+    # -- the three request kinds, one retry loop --------------------------------------------------
+
+    def _prepared(self, body: Any, *, sid: str | None, extra: dict[str, str] | None,
+                  stream: bool = False, api: bool = False) -> tuple[str, dict[str, str], bytes | None]:
+        base = self.target.api_url if api else self.target.session_url
+        headers = self.headers(base, sid=sid, extra=extra)
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        if stream:
+            headers["Accept"] = "text/event-stream"
+        return base, headers, data
+
+    async def _status(self, resp: aiohttp.ClientResponse, path: str, *, session_scoped: bool) -> _Again:
+        """An error answer as the exception to raise, wrapped as `_Again` when retrying may help."""
+        head = await _read_head(resp, _ERROR_BODY_LIMIT, self.timeouts.request)
+        detail = self.decoder.quote(_detail_of(self.decoder, head))
+        starting = resp.status == 503 and resp.headers.get("X-Backend-State") == "starting"
+        if (starting or resp.status == 429) and self.on_throttle is not None:
+            self.on_throttle()
+        err = status_error(resp.status, detail, path, session_scoped=session_scoped)
+        return _Again(err, retry_after=_retry_after(resp.headers), starting=starting,
+                      final=resp.status not in _RETRY_STATUSES)
+
+    def _json(self, resp: aiohttp.ClientResponse, raw: bytes, what: str) -> Any:
+        """A JSON answer's body as values, read in the charset its `Content-Type` declares, else in the UTF JSON's own
+        detection finds (UTF-16 and -32 by their BOM or zero bytes). One in a `Content-Encoding` aiohttp leaves
+        undecoded (stacked, `x-gzip`, a label that is no encoding) is read as it came, and if that is no JSON the error
+        names the encoding rather than quoting compressed bytes."""
+        try:
+            return self.decoder.decode(_unless_utf8(raw, resp.charset), what)
+        except ProtocolError:
+            encoding = resp.headers.get("Content-Encoding", "")
+            if encoding.strip().lower() in _DECODED:
+                raise
+            raise ProtocolError(f"{what}: the answer is in Content-Encoding {readable(encoding, 100)!r}, which this "
+                                "client cannot decode (it asks for gzip or deflate)") from None
+
+    @_masked
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        sid: str | None = None,
+        extra_headers: dict[str, str] | None = None,
+        session_scoped: bool = False,
+        ok_statuses: tuple[int, ...] = (),
+        retry: RetryPolicy | None = None,
+        api: bool = False,
+        on_attempt: Callable[[], None] | None = None,
+    ) -> Any:
+        """Send one JSON request with retries; return the decoded JSON (None for an empty or `ok_statuses` body).
+
+        Every request kind sent this way is idempotent: a reset after sending is retried too. `api`: to the
+        platform's stateless API (`Target.api_url`) instead of the session host. `on_attempt` is told of each try.
+        """
+        base, headers, data = self._prepared(body, sid=sid, extra=extra_headers, api=api)
+
+        async def attempt() -> Any:
+            self._count(method, path)
+            if on_attempt is not None:
+                on_attempt()
+            # One deadline for the whole exchange, redirects included (each hop alone would get a fresh one).
+            async with asyncio.timeout(self.timeouts.request), \
+                    self._send(method, base + path, data=data, headers=headers) as resp:
+                if resp.status < 400 or resp.status in ok_statuses:
+                    raw = await _read_capped(resp, self.max_response_bytes, path)
+                    return None if resp.status >= 400 else self._json(resp, raw, path)
+                raise await self._status(resp, path, session_scoped=session_scoped)
+
+        return await retrying(retry or self.retry, attempt, what=f"{method} {path}", base=base,
+                              sent_is_safe=True, timeout=self.timeouts.request, mask=self.mask)
+
+    @_masked
+    async def events(self, path: str, *, body: Any, sid: str | None = None,
+                     extra_headers: dict[str, str] | None = None, idempotent: bool = True,
+                     on_event: Callable[[str, str], None] | None = None) -> list[tuple[str, str]]:
+        """POST and collect a short SSE answer (`/create_session`).
+
+        With `idempotent=False` (the platform allocates a session per request) a failure after the request
+        was sent is not re-posted, since a second allocation would leave the first one orphaned. `on_event` is told
+        of each event as it arrives, of every attempt, also of one that then stalls or breaks.
+        """
+        base, headers, data = self._prepared(body, sid=sid, extra=extra_headers, stream=True)
+
+        async def attempt() -> list[tuple[str, str]]:
+            self._count("POST", path)
+            events: list[tuple[str, str]] = []
+            async with asyncio.timeout(self.timeouts.request), \
+                    self._send("POST", base + path, data=data, headers=headers) as resp:
+                if resp.status >= 400:
+                    raise await self._status(resp, path, session_scoped=False)
+                async for event in iter_sse(resp, self.max_response_bytes, path):
+                    events.append(event)
+                    if on_event is not None:
+                        on_event(*event)
+                return events
+
+        return await retrying(self.retry, attempt, what=f"POST {path}", base=base, sent_is_safe=idempotent,
+                              timeout=self.timeouts.request, mask=self.mask)
+
+    @_masked
+    async def stream(self, path: str, *, body: dict[str, Any], sid: str, what: str, tool: str
+                     ) -> tuple[Any, str | None]:
+        """Run one streamed call (`/call`, `/score_group`): returns (the decoded result, task id).
+
+        Error answers and connection failures before anything was sent are retried; a stream that drops
+        after the server named the call is resumed by that task id (the server replays the result), never
+        re-posted without it; one that drops before is a `StreamInterruptedError`. A stream naming another
+        task than the one it resumes is a `ProtocolError`.
+        """
+        base, headers, _ = self._prepared(None, sid=sid, extra=None, stream=True)
+        headers["Content-Type"] = "application/json"
+        task_id: str | None = None
+        resumes = 0
+
+        async def attempt() -> Any:
+            payload = body if task_id is None else {**body, "task_id": task_id}
+            self._count("POST", path)
+            try:
+                async with self._send("POST", base + path, data=json.dumps(payload).encode(), headers=headers,
+                                      timeout=self._stream_timeout) as resp:
+                    if resp.status >= 400:
+                        raise await self._status(resp, path, session_scoped=True)
+                    return await self._result(resp, what, tool, resumed=resumes > 0, on_task_id=remember)
+            except aiohttp.ClientConnectorError:
+                raise  # nothing was sent: `retrying` tries again
+            except (_Dropped, aiohttp.ClientError, TimeoutError) as exc:
+                raise _Broken(exc) from None
+
+        def remember(value: str) -> None:
+            nonlocal task_id
+            if task_id is not None and value and value != task_id:  # another call's stream: not this call's result
+                raise ProtocolError(
+                    f"{what}: the server answered the stream of task {readable(task_id, 80)!r} with another task's "
+                    f"({readable(value, 80)!r}); its result is not this call's, and the call was not re-run."
+                )
+            task_id = value or task_id
+
+        while True:
+            try:
+                return await retrying(self.retry, attempt, what=what, base=base, sent_is_safe=False,
+                                      timeout=self.timeouts.stream_idle, mask=self.mask), task_id
+            except _Broken as broken:
+                if task_id is None:
+                    raise StreamInterruptedError(
+                        f"{what}: the connection broke before the server acknowledged the call "
+                        f"({_describe(broken.cause, self.mask)}); it was not retried because it may already be "
+                        "running."
+                    ) from None
+                resumes += 1
+                if resumes > self.retry.resume_attempts:
+                    raise StreamInterruptedError(
+                        f"{what}: the result stream kept dropping ({_describe(broken.cause, self.mask)}); gave up "
+                        f"after {resumes - 1} resumes."
+                    ) from None
+                logger.debug("%s: stream dropped (%s); resuming task %s", what, _describe(broken.cause, self.mask),
+                             readable(task_id, 80))
+                await asyncio.sleep(self.retry.delay(resumes))
+
+    async def _result(self, resp: aiohttp.ClientResponse, what: str, tool: str, *, resumed: bool,
+                      on_task_id: Callable[[str], None]) -> Any:
+        """Read one call's event stream to its decoded result: `task_id`, `chunk`... `end`, or `error`."""
+        chunks: list[str] = []
+        size = 0
+        unknown: dict[str, None] = {}  # names of events the protocol has not, the first few, in order
+        async for event, data in iter_sse(resp, self.max_response_bytes, what):
+            if event == "task_id":
+                on_task_id(self.decoder.text(data).strip())
+            elif event in ("chunk", "end"):
+                chunks.append(data)
+                size += len(data)
+                if size > self.max_response_bytes:
+                    raise ProtocolError(f"{what}: result larger than {self.max_response_bytes} bytes")
+                if event == "end":
+                    await _drain(resp)
+                    text = "".join(chunks)
+                    chunks.clear()  # not held twice while it is decoded
+                    return self.decoder.decode(text, what)
+            elif event == "error":
+                if resumed and data.strip() == "unknown task_id":
+                    raise StreamInterruptedError(
+                        f"{what}: the stream dropped and the server no longer knows the call (results are kept "
+                        "60 s); its result is lost. It was not re-run."
+                    )
+                raise ToolFailedError(f"{what} raised in the environment: {self.decoder.quote(data)}", tool=tool)
+            elif len(unknown) < 3:
+                unknown[event] = None
+        raise _Dropped(unknown)
+
+    def _count(self, method: str, path: str) -> None:
+        if self.on_request is not None:
+            self.on_request(method, path)
+
+
+class _Again(Exception):
+    """Internal: an attempt failed with `error`; `retrying` decides whether to try again."""
+
+    def __init__(self, error: ORSError, *, retry_after: float | None = None, starting: bool = False,
+                 final: bool = False) -> None:
+        self.error, self.retry_after, self.starting, self.final = error, retry_after, starting, final
+
+
+class _Broken(Exception):
+    """Internal: a stream broke after its answer began (resumable by task id, never retried blindly)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        self.cause = cause
+
+
+async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, what: str, base: str = "",
+                   sent_is_safe: bool = True, timeout: float | None = None,
+                   mask: Callable[[str], str] = lambda text: text) -> T:
+    """Run `attempt()` until it succeeds, under `policy`: the one retry loop for every request kind.
+
+    Retried with backoff: an `_Again` that is not final (429/502/503/504, honouring `Retry-After`) and a
+    connection that could not be made (nothing was sent). A connection reset or a timeout after the request
+    was sent is retried only when `sent_is_safe`. A `503` with `X-Backend-State: starting` is waited out
+    for up to `policy.starting_timeout`, without counting as an attempt (its polls back off as attempts do). Every
+    wait is `policy.delay`, never under `backoff_initial`. `mask` hides secrets in what an aiohttp error says (a
+    URL), before it is cut.
+    """
+    loop = asyncio.get_running_loop()
+    attempts = polls = 0
+    starting_since: float | None = None
+    while True:
+        attempts += 1
+        try:
+            return await attempt()
+        except _Again as again:
+            err, delay = again.error, policy.delay(attempts, again.retry_after)
+            if again.starting:
+                starting_since = starting_since or loop.time()
+                if loop.time() - starting_since >= policy.starting_timeout:
+                    raise ServiceUnavailableError(
+                        f"{what}: the environment backend was still starting after {policy.starting_timeout:.0f} s "
+                        f"({getattr(err, 'detail', err)}); raise RetryPolicy.starting_timeout if it needs longer.",
+                        status_code=503, detail=getattr(err, "detail", ""), path=getattr(err, "path", ""),
+                    ) from None
+                attempts, polls = attempts - 1, polls + 1  # waiting for a boot is not a failed attempt
+                delay = policy.delay(polls, again.retry_after)
+            elif again.final:
+                raise err from None
+            elif attempts >= policy.max_attempts:
+                err.args = (f"{err.args[0]} (gave up after {_attempts(attempts)})", *err.args[1:])
+                raise err from None
+        except aiohttp.ClientConnectorError as exc:  # nothing was sent: always safe to retry
+            if attempts >= policy.max_attempts:
+                raise TransportError(
+                    f"{what}: cannot connect to {base} after {_attempts(attempts)} ({_describe(exc, mask)}). "
+                    "Is the server running and the URL right?"
+                ) from None
+            delay = policy.delay(attempts)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            if not sent_is_safe or attempts >= policy.max_attempts:
+                if isinstance(exc, TimeoutError):
+                    raise ORSTimeoutError(
+                        f"{what}: no answer within {timeout} s (attempt {attempts}); raise Timeouts.request if the "
+                        "server is slow."
+                    ) from None
+                raise TransportError(f"{what}: connection failed after {_attempts(attempts)} ({_describe(exc, mask)})"
+                                     ) from None
+            delay = policy.delay(attempts)
+        logger.debug("%s: attempt %d failed; retrying in %.2f s", what, attempts, delay)
+        await asyncio.sleep(delay)
+
+
+def _unless_utf8(raw: bytes, charset: str | None) -> bytes | str:
+    """`raw` as text when it is not UTF-8 (in its declared `charset`, else the encoding `json.detect_encoding` finds);
+    UTF-8, by far the common case, and ASCII (a part of it) stay bytes for the decoder."""
+    codec = json.detect_encoding(raw)
+    if charset:
+        with contextlib.suppress(LookupError):
+            codec = codecs.lookup(charset).name
+    return raw if codec in ("utf-8", "utf-8-sig", "ascii") else raw.decode(codec, errors="replace")
+
+
+def _undecodable(exc: BaseException, where: str) -> ProtocolError | None:
+    """The error to raise for an aiohttp error that is a body aiohttp could not decompress (an encoding it did not
+    ask for, corrupt or trailing bytes), else None. Such an answer is malformed, not a network failure: retrying or
+    resuming would fetch the same bytes."""
+    cause: BaseException | None = exc
+    for _ in range(4):  # ClientResponseError -> HttpProcessingError -> ContentEncodingError, at most
+        if isinstance(cause, ContentEncodingError):
+            return ProtocolError(f"{where}: the answer's body cannot be decoded ({readable(str(cause.message), 200)}): "
+                                 "compressed data that is corrupt, or in an encoding this client did not ask for")
+        if cause is None:
+            return None
+        cause = cause.__cause__
+    return None
+
+
+def _describe(exc: BaseException, mask: Callable[[str], str] = lambda text: text) -> str:
+    if isinstance(exc, _Dropped):
+        unknown = ", ".join(repr(escape_controls(mask(name)[:40])) for name in exc.unknown)
+        return "stream ended before the result" + (f"; it sent events this client does not know: {unknown}"
+                                                   if unknown else "")
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    text = str(exc) or type(exc).__name__
+    return readable(mask(f"{type(exc).__name__}: {text}"), 300)
+
+
+async def _drain(resp: aiohttp.ClientResponse, seconds: float = 1.0) -> None:
+    """Read a stream to its end (bounded), so that its connection goes back to the keep-alive pool.
+
+    A response left before its last chunk is closed by aiohttp instead of reused, which would cost the
+    next request a new TCP connection.
+    """
+    try:
+        async with asyncio.timeout(seconds):
+            while await resp.content.readany():
+                pass
+    except (TimeoutError, aiohttp.ClientError):
+        pass
+
+
+def _check_length(resp: aiohttp.ClientResponse, limit: int, path: str) -> None:
+    """Refuse an answer whose declared size is past `limit` before reading any of it."""
+    length = resp.content_length
+    if length is not None and length > limit:
+        raise ProtocolError(f"{path}: response of {length} bytes is larger than the {limit}-byte limit")
+
+
+async def _read_head(resp: aiohttp.ClientResponse, limit: int, seconds: float | None = None) -> bytes:
+    """At most the first `limit` bytes of the body (an error answer's detail), and what came within `seconds`: the rest
+    is never read. On a stream (`/call`) nothing else bounds an error body that trickles."""
+    parts: list[bytes] = []
+    total = 0
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            while total < limit:
+                chunk = await resp.content.read(limit - total)
+                if not chunk:
+                    break
+                parts.append(chunk)
+                total += len(chunk)
+    return b"".join(parts)
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, limit: int, path: str) -> bytes:
+    """The whole body, refusing (rather than buffering) more than `limit` bytes."""
+    _check_length(resp, limit, path)
+    parts: list[bytes] = []
+    total = 0
+    while True:
+        chunk = await resp.content.read(1 << 16)
+        if not chunk:
+            return b"".join(parts)
+        total += len(chunk)
+        if total > limit:
+            raise ProtocolError(f"{path}: response larger than the {limit}-byte limit")
+        parts.append(chunk)

@@ -1,0 +1,175 @@
+"""What the report reads, and how it writes the page.
+
+Inputs are recognised by content, not by name: JSON lines of episode records (training's `episode_log=`,
+`ors-trl eval --output`, of any record version: `ors_trl.core.records.read_records` upgrades them) and trainer
+states (a `trainer_state.json`, or a trainer output folder holding one, also in its latest `checkpoint-*`).
+An input that is none of them is a `ConfigurationError` that says what was expected; so is a label (`--label
+NAME=FILE`, which names the run an input holds) that names no file. The page never
+replaces one of its inputs, and is written whole or not at all, through a private temporary file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+import tempfile
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..core.records import parse_line, read_records
+from ..protocol.errors import ConfigurationError
+
+logger = logging.getLogger("ors_trl")
+
+_LONG_LINE = 64 * 1024 * 1024  # a line longer than this is not an episode record
+_MAX_STATE_BYTES = 1024 ** 3
+_EXPECTED = ("expected JSON lines of episode records (episode_log=, ors-trl eval --output), a trainer output folder, "
+             "or a trainer_state.json")
+
+
+@dataclass
+class Input:
+    """One recognised input: `kind` is "episodes" or "trainer_state" (whose parsed document is `state`); `run` is
+    the name the user gave it (its episodes are that run; a trainer state's curves are named so)."""
+
+    path: Path
+    kind: str
+    label: str
+    state: dict[str, Any] | None = None
+    run: str | None = None
+
+
+def is_record(obj: Any) -> bool:
+    """A JSON object shaped like an episode record of any version."""
+    return isinstance(obj, dict) and ("turns" in obj or "calls" in obj or (
+        "reward" in obj and ("environment" in obj or "task_index" in obj)))
+
+
+def _trainer_state_in(folder: Path) -> Path | None:
+    """A trainer output folder's `trainer_state.json`: its own, else the latest checkpoint's."""
+    if (folder / "trainer_state.json").is_file():
+        return folder / "trainer_state.json"
+    checkpoints = [p for p in folder.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
+    if not checkpoints:
+        return None
+    latest = max(checkpoints, key=lambda p: (int(p.name.rsplit("-", 1)[1]) if p.name.rsplit("-", 1)[1].isdigit()
+                                            else -1, p.name))
+    return latest / "trainer_state.json"
+
+
+def _state_label(path: Path) -> str:
+    parent = path.parent
+    return (parent.parent if parent.name.startswith("checkpoint-") else parent).name or str(parent)
+
+
+def recognise(raw: str | os.PathLike[str]) -> Input:
+    """What one input is, by content; a ConfigurationError says clearly why it is none of them."""
+    path = Path(raw)
+    if not path.exists():
+        raise ConfigurationError(f"{path}: no such file or folder")
+    if path.is_dir():
+        state = _trainer_state_in(path)
+        if state is None:
+            raise ConfigurationError(f"{path}: a folder without trainer_state.json (nor in checkpoint-*/); {_EXPECTED}")
+        return _recognise_state(state, _state_label(state))
+    try:
+        with path.open("rb") as fh:
+            head = [fh.readline(_LONG_LINE) for _ in range(20)]
+    except OSError as exc:
+        raise ConfigurationError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+    lines = [line for line in head if line.strip()]
+    if not lines:
+        logger.warning("%s is empty: no episodes in it", path)
+        return Input(path, "episodes", path.name)
+    for line in lines:
+        obj, _ = parse_line(line)  # None: a cut line, a pretty-printed document, not JSON at all
+        if isinstance(obj, dict) and isinstance(obj.get("log_history"), list):
+            return Input(path, "trainer_state", _state_label(path), obj)
+        if is_record(obj):
+            return Input(path, "episodes", path.name)
+    if lines[0].lstrip().startswith(b"{"):
+        return _recognise_state(path, _state_label(path))
+    raise ConfigurationError(f"{path}: not an episode log, eval output or trainer state; {_EXPECTED}")
+
+
+def _recognise_state(path: Path, label: str) -> Input:
+    try:
+        if path.stat().st_size > _MAX_STATE_BYTES:
+            raise ConfigurationError(f"{path}: too large for a trainer state")
+        doc, _ = parse_line(path.read_bytes())
+    except OSError as exc:
+        raise ConfigurationError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("log_history"), list):
+        raise ConfigurationError(f"{path}: not an episode log, eval output or trainer state (no episode records, "
+                                 f"no log_history); {_EXPECTED}")
+    return Input(path, "trainer_state", label, doc)
+
+
+def recognise_all(inputs: Sequence[str | os.PathLike[str]],
+                  labels: Sequence[tuple[str, str | os.PathLike[str]]] = ()) -> list[Input]:
+    """Every input recognised, each file once (a folder and its own trainer_state.json count once); each labelled
+    file (an input already, or one more) named after its label."""
+    found: dict[Path, Input] = {}
+    for raw in inputs:
+        item = recognise(raw)
+        found.setdefault(item.path.resolve(), item)
+    for name, raw in labels:
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigurationError(f"the label of {raw} has no name; write NAME=FILE")
+        item = recognise(raw)
+        item = found.setdefault(item.path.resolve(), item)
+        if item.run is not None and item.run != name:
+            raise ConfigurationError(f"{raw} is labelled twice, {item.run!r} and {name!r}; give it one name")
+        item.run = name
+        if item.kind == "trainer_state":
+            item.label = name
+    return list(found.values())
+
+
+def episode_records(items: Sequence[Input], skipped: Counter[str]) -> Iterator[tuple[dict[str, Any], Input]]:
+    """Every episode record of the episode inputs, in the current shape, with its input; a line that is not one is
+    counted by reason in `skipped`."""
+    for item in items:
+        if item.kind != "episodes":
+            continue
+        for record in read_records(item.path, skipped):
+            if is_record(record):
+                yield record, item
+            else:
+                skipped["not an episode record"] += 1
+
+
+def check_not_an_input(out: Path, items: Sequence[Input]) -> None:
+    """Refuse to write the page over a file it is made from (also through a link or another path to it)."""
+    for item in items:
+        with contextlib.suppress(OSError):  # an output that does not exist (or cannot be looked at) is no input
+            if os.path.samefile(out, item.path):
+                raise ConfigurationError(f"the output {out} is the input {item.path}: writing the page there would "
+                                         "replace it; pass another --output")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """`data` as `path`, whole or not at all: written to a private temporary file beside it (`mkstemp`: a name
+    nobody can predict, created 0600, never through a link someone planted), given the mode `path` has (else the
+    usual 0666 less the umask), then renamed over `path`, so a reader never sees half a page."""
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        mask = os.umask(0o022)  # reading the umask means setting it (pip does the same)
+        os.umask(mask)
+        mode = 0o666 & ~mask
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            os.fchmod(fh.fileno(), mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

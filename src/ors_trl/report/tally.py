@@ -1,0 +1,232 @@
+"""The tallies: every episode counted once, in one pass, and a bounded sample of episode bodies to embed.
+
+Counts are `ors_trl.core.metrics.EpisodeStats` (the one tally of episodes, with its one definition of success:
+a reward at or above the threshold) over everything, per environment, per task, per run and per task of each run;
+beside them only what `EpisodeStats` does not count: tool-call failures by kind, episode errors by kind, sources,
+latency samples, the rewards' range, and how many of a task's episodes are embedded. Record values are untrusted:
+every label is shortened, and the number of kinds the sample reserves for is bounded.
+
+A run is what the inputs say was run once: the episodes of an input given a name (`--label NAME=FILE`), else the
+records sharing a process run id, a source (trl, engine, eval), a policy and an evaluation step. Two inputs that
+hold episodes of one such run for the same task (the same process evaluating before and after training, say) are
+refused: only their names can tell them apart. A run is shown by the parts of its key that differ between runs.
+
+Only a bounded, deterministic sample of episode bodies is kept (`max_episodes`, and at most
+`SAMPLE_BYTES` of JSON), so a 100,000-episode log still makes a page a browser opens. The sample is the
+episodes of smallest hash (a stable pseudo-random pick), after a few reserved for each failure kind,
+episode error, unscored reason, end reason, environment and run, so that every kind of problem has an example.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+from array import array
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from functools import cached_property, partial
+from typing import Any
+
+from ..core.metrics import EpisodeStats, _number
+from ..core.records import jsonable
+from ..core.stats import label
+from ..core.stats import task_label as _task_label
+from ..protocol.errors import ConfigurationError
+
+#: Episode bodies embedded in the page unless told otherwise.
+DEFAULT_MAX_EPISODES = 2000
+SAMPLE_BYTES = 12 * 1024 * 1024  # embedded episode JSON stops here whatever max_episodes says (page < 20 MB)
+EMBED_TEXT = 100_000  # an episode too large for what is left of the budget is embedded with its texts cut to this
+_RESERVED_PER_KIND = 5  # episodes kept for each failure kind, unscored reason, end reason, environment, run
+_MAX_KINDS = 200  # distinct kinds reserved for
+
+_Item = tuple[int, int, dict[str, Any]]  # (-hash, sequence number, the episode as the page's script reads it)
+#: A run: ("label", name) for a named input, else ("auto", source, policy, step, run id).
+RunKey = tuple[str | None, ...]
+
+
+def _calls(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every tool call entry of a record, the terminal tool's `final` call last."""
+    out = [c for t in record.get("turns") or [] if isinstance(t, dict)
+           for c in (t.get("tool_calls") or []) if isinstance(c, dict)]
+    final = record.get("final")
+    if isinstance(final, dict) and final.get("tool"):
+        out.append(final)
+    return out
+
+
+def _kind(error: Any, fallback: str) -> str:
+    return label(error.get("kind") or fallback) if isinstance(error, dict) else fallback
+
+
+@dataclass
+class Sample:
+    """The embedded episodes in input order; how many the byte bound made embed with their texts cut, and how many
+    it left out."""
+
+    episodes: list[dict[str, Any]]
+    clipped: int
+    left_out: int
+
+
+class Tally:
+    """Everything the page says about episodes, built in one pass over the records: each record is counted per task
+    and per run; the counts per environment and in total are merged from those once every record is in."""
+
+    def __init__(self, max_episodes: int, success_threshold: float, labels: list[str] | None = None) -> None:
+        self.max_episodes = max_episodes
+        self.success_threshold = success_threshold
+        self._stats = partial(EpisodeStats, success_threshold)
+        self.tasks: defaultdict[tuple[str, str], EpisodeStats] = defaultdict(self._stats)  # (environment, task)
+        self.runs: dict[RunKey, EpisodeStats] = {("label", name): self._stats() for name in labels or []}
+        self.run_tasks: defaultdict[tuple[RunKey, str, str], EpisodeStats] = defaultdict(self._stats)
+        self.rewards: list[float] = []  # the lowest and highest reward seen
+        self._claims: dict[tuple[Any, ...], str] = {}  # (run, environment, task, repeat) -> the input holding it
+        self.sources: Counter[str] = Counter()
+        self.call_failures: Counter[str] = Counter()  # by error kind, the terminal tool's included
+        self.episode_errors: Counter[str] = Counter()
+        self.embedded: Counter[tuple[str, str]] = Counter()  # per (environment, task)
+        self.open_s: defaultdict[str, array[float]] = defaultdict(lambda: array("d"))
+        self.call_s: defaultdict[str, array[float]] = defaultdict(lambda: array("d"))
+        self.seq = 0
+        self._sample: list[_Item] = []  # a max-heap by hash
+        self._reserved: dict[str, list[_Item]] = {}
+
+    def add(self, rec: dict[str, Any], source: str, run_name: str | None = None, origin: str | None = None) -> None:
+        """Count one record (current shape) of the input labelled `source` (at `origin`; named `run_name` by the
+        user) and offer it to the sample."""
+        env = label(rec.get("environment") or rec.get("target") or "(unknown)")
+        task = _task_label(rec)
+        run = self._run_of(rec, source, run_name, env, task, origin or source)
+        reward = _number(rec.get("reward"))
+        if reward is not None:
+            self.rewards = [min([reward, *self.rewards[:1]]), max([reward, *self.rewards[1:]])]
+        error = rec.get("error")
+        unscored = None if reward is not None else label(rec.get("unscored") or ("error" if error else "no_reward"))
+        end = label(rec.get("end_reason") or "(none)")
+        calls = _calls(rec)
+        fails = [_kind(c["error"], "failed") for c in calls if c.get("error")]
+        tags = sorted({f"failure: {k}" for k in fails} | ({f"error: {_kind(error, 'error')}"} if error else set())
+                      | ({f"unscored: {unscored}"} if unscored else set()))
+
+        counted = {**rec, "end_reason": end, "unscored": unscored}  # the labels, bounded
+        self.tasks[(env, task)].add_record(counted)
+        self.runs.setdefault(run, self._stats()).add_record(counted)
+        self.run_tasks[(run, env, task)].add_record(counted)
+        self.sources[label(rec.get("source") or "-")] += 1
+        self.call_failures.update(fails)
+        if error:
+            self.episode_errors[_kind(error, "error")] += 1
+        timings = rec.get("timings")
+        if isinstance(timings, dict) and (opened := _number(timings.get("open"))) is not None:
+            self.open_s[env].append(opened)
+        for c in calls:
+            if (seconds := _number(c.get("seconds"))) is not None:
+                self.call_s[env].append(seconds)
+
+        self.seq += 1
+        run_text = "|".join(map(str, run))
+        key = f"{self.seq}|{run_text}|{label(rec.get('started_at'))}|{env}|{task}".encode("utf-8", "replace")
+        h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
+        item = (-h, self.seq, {"env": env, "task": task, "run": run, "reward": reward, "tags": tags, "rec": rec})
+        self._offer(self._sample, item, self.max_episodes)
+        if self.max_episodes:
+            for kind in (*tags, f"end: {end}", f"env: {env}", f"run: {run_text}"):
+                bucket = self._reserved.get(kind)
+                if bucket is None:
+                    if len(self._reserved) >= _MAX_KINDS:
+                        continue
+                    bucket = self._reserved[kind] = []
+                self._offer(bucket, item, _RESERVED_PER_KIND)
+
+    def _run_of(self, rec: dict[str, Any], source: str, name: str | None, env: str, task: str, origin: str) -> RunKey:
+        """The run a record belongs to; refuses a second input holding the same run's episode of a task."""
+        if name is not None:
+            return ("label", name)
+        step = _number(rec.get("step"))
+        run: RunKey = ("auto", label(rec.get("source") or "") or None, label(rec.get("policy") or "") or None,
+                       None if step is None else f"step {step:g}", label(rec.get("run") or source))
+        claim = (run, env, task, label(rec.get("repeat")))
+        holder = self._claims.setdefault(claim, origin)
+        if holder != origin:
+            raise ConfigurationError(
+                f"{holder} and {origin} both hold episodes of one run (run id {run[4]}, source {run[1] or '-'}, "
+                f"policy {run[2] or '-'}) for the same task ({env} {task}), so they cannot be told apart; name them "
+                f"with --label NAME=FILE (write_report(labels=...)), e.g. --label before={holder} --label "
+                f"after={origin}")
+        return run
+
+    @cached_property
+    def run_names(self) -> dict[RunKey, str]:
+        """How each run is shown: its label, else the parts of its key (source, policy, step) that differ between
+        the runs, with the run id where that leaves two alike (or nothing)."""
+        auto = [k for k in self.runs if k[0] == "auto"]
+        varies = [len({k[i] for k in auto}) > 1 for i in (1, 2, 3)]
+        names: dict[RunKey, str] = {}
+        for k in self.runs:
+            parts = [str(p) for p, v in zip(k[1:4], varies, strict=True) if v and p] if k[0] == "auto" else []
+            names[k] = str(k[1]) if k[0] == "label" else " · ".join(parts) or (
+                str(k[4]) if len(auto) > 1 else str(k[1] or k[4]))
+        alike = Counter(names[k] for k in auto)
+        for k in auto:
+            if alike[names[k]] > 1 and names[k] != k[4]:
+                names[k] = f"{names[k]} · {k[4]}"
+        return names
+
+    @cached_property
+    def envs(self) -> dict[str, EpisodeStats]:
+        out: defaultdict[str, EpisodeStats] = defaultdict(self._stats)
+        for (env, _), stats in self.tasks.items():
+            out[env].merge(stats)
+        return dict(out)
+
+    @cached_property
+    def total(self) -> EpisodeStats:
+        out = self._stats()
+        for stats in self.runs.values():
+            out.merge(stats)
+        return out
+
+    @staticmethod
+    def _offer(heap: list[_Item], item: _Item, size: int) -> None:
+        if len(heap) < size:
+            heapq.heappush(heap, item)
+        elif size and item[0] > heap[0][0]:  # smaller hash than the largest kept
+            heapq.heapreplace(heap, item)
+
+    def sample(self) -> Sample:
+        """The episodes to embed. First, round-robin over the kinds, the reserved episodes (up to half the sample,
+        at least one per kind where the sample has room); then the rest by hash. An episode too large for what is
+        left of the byte budget is embedded with its texts cut (marked), else left out; the ones after it still
+        get their turn. Counts the embedded episodes of each task."""
+        by_hash = sorted(self._sample, reverse=True)
+        buckets = [sorted(b, reverse=True) for _, b in sorted(self._reserved.items())]
+        reserve = min(self.max_episodes, max(len(buckets), self.max_episodes // 2))
+        order: dict[int, dict[str, Any]] = {}
+        for r in range(_RESERVED_PER_KIND):
+            for bucket in buckets:
+                if len(order) < reserve and r < len(bucket):
+                    order.setdefault(bucket[r][1], bucket[r][2])
+        for _, seq, ep in by_hash:
+            if len(order) >= self.max_episodes:
+                break
+            order.setdefault(seq, ep)
+        chosen, size, clipped, left_out = [], 0, 0, 0
+        for seq, ep in order.items():
+            ep["run"] = self.run_names.get(ep["run"], ep["run"])
+            rec = ep["rec"]
+            ep["rec"] = jsonable(rec)  # JSON.parse-able: no NaN, no lone surrogate, bounded depth
+            n = len(json.dumps(ep, ensure_ascii=False))
+            if size + n > SAMPLE_BYTES:
+                ep["rec"] = jsonable(rec, max_text=EMBED_TEXT, fields=None)
+                n = len(json.dumps(ep, ensure_ascii=False))
+                if size + n > SAMPLE_BYTES:
+                    left_out += 1
+                    continue
+                clipped += 1
+            size += n
+            chosen.append((seq, ep))
+        chosen.sort(key=lambda x: x[0])
+        self.embedded = Counter((ep["env"], ep["task"]) for _, ep in chosen)
+        return Sample([dict(ep, id=i) for i, (_, ep) in enumerate(chosen)], clipped, left_out)

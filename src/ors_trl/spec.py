@@ -1,0 +1,761 @@
+"""`OpenRewardSpec`: one object that wires an ORS environment into TRL's `GRPOTrainer`.
+
+    spec = OpenRewardSpec("Eigent/SETA", num_tasks=64)        # or "http://127.0.0.1:8000"
+    trainer = GRPOTrainer(
+        model=...,
+        args=GRPOConfig(...),
+        train_dataset=spec.train_dataset,
+        environment_factory=spec.environment_factory,
+        reward_funcs=spec.reward_funcs,
+    )
+
+Same signature and meaning as `trl.experimental.openreward.OpenRewardSpec`; everything new is
+keyword-only with a default that keeps the documented behaviour. A spec, its factory and its
+reward functions pickle (for TRL's asynchronous trainer, whose rollout worker is a spawned
+process): the copy opens its own sessions on its own loop, with the tools already discovered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copyreg
+import json
+import logging
+import math
+import os
+import re
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .core.binding import Toolset
+from .core.episode import EnvironmentRuntime, Task
+from .core.metrics import EnvMetrics
+from .core.records import RecordWriter
+from .protocol.client import AsyncClient
+from .protocol.errors import BadRequestError, ConfigurationError, NotFoundError, ORSError
+from .protocol.loop import get_loop
+from .protocol.target import SecretValue, platform_key_secret, resolve_target
+from .protocol.transport import RetryPolicy, Timeouts
+from .protocol.types import TerminalTool, ToolSpec
+from .tasks.difficulty import (
+    Difficulty,
+    PlatformDifficulty,
+    check_range,
+    known_rewards,
+    platform_known,
+    select_by_difficulty,
+)
+from .tasks.sampling import Curriculum, TaskSampler, make_sampler
+from .tasks.selection import check_in_range, check_selection, fetch_tasks, log_notes, select, task_columns
+from .trl import backend as _trl
+from .trl.adapter import RESERVED as ADAPTER_NAMES
+from .trl.adapter import OpenRewardEnvironment, for_this_process
+from .trl.engine import TASK_KEY, RolloutEngine
+from .trl.rewards import group_reward, outcome_reward, reward_function
+
+if TYPE_CHECKING:
+    from datasets import Dataset, IterableDataset
+
+    from .evaluation.runner import EvalReport
+
+__all__ = ["OpenRewardSpec"]
+
+logger = logging.getLogger("ors_trl")
+
+#: Tool-discovery sessions open at once (each may be a sandbox on a catalog environment).
+PROBE_CONCURRENCY = 4
+#: Episode logs are bounded: long texts are cut, and the file stops growing at this size.
+EPISODE_LOG_MAX_BYTES = 256 * 1024 * 1024
+EPISODE_LOG_MAX_TEXT = 8_000
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^0-9A-Za-z]+", "_", text).strip("_")[:48] or "env"
+
+
+class _AdapterClass(type):
+    """Metaclass of the adapter classes specs generate: a generated class pickles as its spec."""
+
+
+def _adapter_class_of(spec: OpenRewardSpec) -> type:
+    """What an unpickled adapter class is: its spec's (in TRL's async rollout worker, with `get_reward`)."""
+    return for_this_process(spec.environment_factory)
+
+
+copyreg.pickle(_AdapterClass, lambda cls: (_adapter_class_of, (cls._spec,)))  # type: ignore[attr-defined]
+_restored: dict[tuple[Any, ...], OpenRewardSpec] = {}
+_restored_lock = threading.Lock()
+
+
+def _restore(options: dict[str, Any], tools: tuple[Any, ...] | None,
+             joined: tuple[str, str | None] | None = None) -> OpenRewardSpec:
+    """A spec rebuilt from its pickled state, once per process (every copy of it shares sessions and metrics).
+
+    `joined`: the name and episode log a mix gave it (`OpenRewardMix` renames its specs' runtimes).
+    """
+    key = (repr(sorted(options.items(), key=lambda kv: kv[0])), repr(tools), repr(joined))
+    with _restored_lock:
+        spec = _restored.get(key)
+        if spec is None:
+            spec = _restored[key] = OpenRewardSpec(**options)
+            if tools is not None:
+                spec._set_tools(*tools)
+            if joined is not None:
+                name, log = joined
+                writer = (RecordWriter(log, max_bytes=EPISODE_LOG_MAX_BYTES, max_text=EPISODE_LOG_MAX_TEXT)
+                          if log is not None else None)
+                spec._runtime.rename(name, EnvMetrics(spec._runtime.metrics.success_threshold), writer)
+        return spec
+
+
+class OpenRewardSpec:
+    """Wire an ORS environment into `GRPOTrainer`: `train_dataset`, `environment_factory`, `reward_funcs`.
+
+    Args:
+        target (`str`):
+            An openreward.ai catalog name (`"Eigent/SETA"`) or the URL of any ORS server (`"http://127.0.0.1:8000"`),
+            told apart by `://`.
+        num_tasks (`int`, *optional*):
+            Use the first `num_tasks` tasks of the split (capped at its size). Default: all.
+        split (`str`, *optional*, defaults to `"train"`):
+            The split tasks are drawn from.
+        indices (`list[int]`, *optional*):
+            Exactly these task indices (mutually exclusive with `num_tasks`).
+        api_key (`str`, *optional*):
+            Overrides `OPENREWARD_API_KEY` for catalog names; for a URL, sent only if given.
+        secrets (`Mapping[str, str | dict]`, *optional*):
+            Per-session secrets (`X-Secrets`), for every session. In catalog mode, when not given, the API key is
+            forwarded as the conventional `api_key` secret.
+        env_name (`str`, *optional*):
+            Which environment on a server that hosts several.
+        include_metadata (`bool`, *optional*, defaults to `True`):
+            Copy each task's fields into dataset columns (reward functions see them); a field named like a keyword
+            TRL passes itself (`self`, `prompts`, `completions`, ...: `RESERVED_COLUMNS` of `ors_trl.tasks.selection`) is
+            kept as `task_<name>`, and the log says so once.
+        discover_task_tools (`bool`, *optional*, defaults to `True`):
+            Open probe sessions to bind task-specific tools (`/task_tools`), not only the shared ones: one per
+            distinct task of `indices` (task 0 otherwise), `PROBE_CONCURRENCY` (4) at once; every probed task's
+            tools are bound.
+        task_tools_discovery_index (`int`, *optional*):
+            Probe only this task index.
+        cache_prompts (`bool`, *optional*, defaults to `True`):
+            Return cached prompts from repeated resets of one task while sessions open in the background (one
+            session-open wait per distinct task, not per rollout).
+        max_output_chars (`int`, *optional*):
+            Cap on the tool output text the model sees (truncation is marked).
+        keepalive_interval (`float`, *optional*, defaults to `10.0`):
+            Seconds between keepalive pings of idle sessions (`None` disables them).
+        timeouts (`Timeouts`, *optional*):
+            Limits for connects, requests, tool-call streams and whole tool calls.
+        retry (`RetryPolicy`, *optional*):
+            Retries of transient failures.
+        max_sessions (`int`, *optional*):
+            Cap on sessions open at once through this spec; more wait for a free slot.
+        episode_log (`str`, *optional*):
+            Path of a JSON-lines file receiving every finished episode (off by default).
+        batch_tool_calls (`bool`, *optional*, defaults to `True`):
+            In TRL's own tool loop (`environment_factory`), start all of a turn's tool calls across the batch at once
+            at its first call (each rollout's calls still in order).
+        async_tools (`bool`, *optional*, defaults to `False`):
+            Bind tools as coroutine methods (TRL gathers a rollout's parallel calls).
+        max_concurrent_tool_calls (`int`, *optional*, defaults to `64`):
+            Tool calls in flight at once, per environment.
+        episode_timeout (`float`, *optional*):
+            With `rollout_func` (and as `evaluate`'s default), wall-clock seconds an episode may take before it is
+            closed and scored `None`.
+        unscored_reward (`float`, *optional*):
+            What `reward_funcs` gives a rollout the environment never scored. `None` (the default, TRL's convention)
+            leaves it out of the advantage baseline; a number (e.g. `0.0`) counts it as that score.
+        score_groups (`bool`, *optional*, defaults to `False`):
+            Provide `group_reward_func`, the environment's comparative reward of each GRPO group (`/score_group`),
+            and keep finished sessions until the step ends for it.
+        gather_window (`float`, *optional*):
+            With `rollout_func`, seconds generation waits for more rollouts to be ready; `None` (default): at most
+            0.05 s and at most half of what a generation call takes.
+        max_tool_calls (`int`, *optional*):
+            Tool calls one episode may make (`None`: no cap); later calls are refused locally (the model reads why)
+            and counted, on every path.
+        success_threshold (`float`, *optional*, defaults to `1.0`):
+            The reward at or above which an episode counts as a success (`success_rate` in the metrics, evaluation,
+            reports and task sampling).
+        upload_rollouts (`bool` or `str`, *optional*, defaults to `False`):
+            Send every finished episode to the OpenReward rollout viewer (`True`, or the run's name there), with the
+            run's metadata (model name and size, training stage, step); in the background, bounded, failures counted
+            and never failing a step (`ors_trl.protocol.upload`). The platform's API key as for catalog targets: `api_key=`
+            for a catalog name, else `OPENREWARD_API_KEY`.
+        images (`str`, *optional*, defaults to `"pass"`):
+            `"pass"`: image blocks of prompts, conversations and tool outputs reach the model as image parts of their
+            message (a vision-language model's processor takes them; a trainer whose processing class is a tokenizer
+            gets a `ConfigurationError` at its first rollout); `"placeholder"`: as the text `[image: <media type>]`,
+            for a text-only model on purpose. Text-only environments give the same text either way. The bounds an
+            image must keep are in `ors_trl.protocol.images`.
+        max_session_rate (`float` or `tuple[float, int]`, *optional*):
+            Sessions created per second by this process's copy of the spec, or `(rate, burst)` (burst 1 otherwise);
+            opens past it wait their turn, and a 429 or `503 starting` slows it down. `None` (default): a batch opens
+            at once. `ORS_TRL_MAX_SESSION_RATE="RATE[:BURST]"` sets one pace shared by every process of the working
+            directory.
+        toolset (`str`, *optional*):
+            The platform toolset every session gets (e.g. `"codex"`, `"claude-code"`): its tools are discovered in a
+            probe session and bound like the environment's. A toolset the server refuses is a `ConfigurationError` at
+            the first open.
+        toolset_fallback (`bool`, *optional*, defaults to `False`):
+            When the server refuses `toolset`, open sessions without it (one log line) instead.
+        env_overrides (`Mapping[str, str]`, *optional*):
+            Environment variables for every session (`{"OPENAI_BASE_URL": ...}`); on the platform, callers other than
+            the environment's owner may set only the OpenAI/Anthropic URL and key variables. Masked like secrets.
+        task_sampling (`str` or `TaskSampler`, *optional*, defaults to `"uniform"`):
+            How training draws its tasks. `"uniform"`: `train_dataset` is a `Dataset` of the tasks and TRL orders
+            them (TRL's own behaviour). `"adaptive"`: an `AdaptiveSampler` draws each group's task as TRL reads the
+            rows of an endless `IterableDataset` (`GRPOConfig(max_steps=...)` is then needed), from the rewards of
+            the groups before: tasks never scored first, tasks whose recent groups were all equal (all solved or all
+            failed) down-weighted but re-probed. Or any object with `draw()` and `update(task, rewards)`
+            (`TaskSampler`). Its state is saved with checkpoints and every process of a run draws alike.
+        difficulty (`tuple[float, float]`, *optional*):
+            Keep only the tasks whose known mean reward lies in `[low, high]` (tasks with no data are kept, and the
+            log says how many); a range that keeps none is a `ConfigurationError`.
+        difficulty_from (`str`, `os.PathLike`, `Mapping[int, float]` or `PlatformDifficulty`, *optional*):
+            Where `difficulty` reads the mean rewards: an `ors-trl eval --output` file (its per-task mean over
+            `--repeats`), any episode log, a `{task_index: mean reward}` mapping, or `PlatformDifficulty(...)`
+            (also `"platform"`, the default for a catalog name): the OpenReward platform's per-task difficulty,
+            filtered by model and training stage. A self-hosted URL has no platform data: pass a file.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        num_tasks: int | None = None,
+        split: str = "train",
+        indices: list[int] | None = None,
+        api_key: str | None = None,
+        secrets: Mapping[str, SecretValue] | None = None,
+        env_name: str | None = None,
+        include_metadata: bool = True,
+        discover_task_tools: bool = True,
+        task_tools_discovery_index: int | None = None,
+        cache_prompts: bool = True,
+        max_output_chars: int | None = None,
+        keepalive_interval: float | None = 10.0,
+        timeouts: Timeouts | None = None,
+        retry: RetryPolicy | None = None,
+        max_sessions: int | None = None,
+        episode_log: str | None = None,
+        batch_tool_calls: bool = True,
+        async_tools: bool = False,
+        max_concurrent_tool_calls: int = 64,
+        episode_timeout: float | None = None,
+        unscored_reward: float | None = None,
+        score_groups: bool = False,
+        gather_window: float | None = None,
+        max_tool_calls: int | None = None,
+        success_threshold: float = 1.0,
+        upload_rollouts: bool | str = False,
+        images: str = "pass",
+        max_session_rate: float | tuple[float, int] | None = None,
+        toolset: str | None = None,
+        toolset_fallback: bool = False,
+        env_overrides: Mapping[str, str] | None = None,
+        task_sampling: str | TaskSampler = "uniform",
+        difficulty: tuple[float, float] | None = None,
+        difficulty_from: str | os.PathLike[str] | Mapping[int, float] | PlatformDifficulty | None = None,
+    ) -> None:
+        options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
+        self._options = options
+        self._indices = check_selection(num_tasks, indices)
+        self._num_tasks = num_tasks
+        if not isinstance(split, str) or not split:
+            raise ConfigurationError("split must be a non-empty string")
+        if max_output_chars is not None and max_output_chars < 1:
+            raise ConfigurationError("max_output_chars must be positive or None")
+        if isinstance(max_concurrent_tool_calls, bool) or not isinstance(max_concurrent_tool_calls, int) \
+                or max_concurrent_tool_calls < 1:
+            raise ConfigurationError(f"max_concurrent_tool_calls must be an int >= 1, got {max_concurrent_tool_calls!r}")
+        if episode_timeout is not None and episode_timeout <= 0:
+            raise ConfigurationError("episode_timeout must be positive or None")
+        if gather_window is not None and not gather_window >= 0:  # also refuses NaN
+            raise ConfigurationError(f"gather_window must be >= 0 seconds or None (automatic), got {gather_window!r}")
+        if max_tool_calls is not None and (isinstance(max_tool_calls, bool) or not isinstance(max_tool_calls, int)
+                                           or max_tool_calls < 0):
+            raise ConfigurationError(f"max_tool_calls must be an int >= 0 or None, got {max_tool_calls!r}")
+        if isinstance(success_threshold, bool) or not isinstance(success_threshold, int | float) \
+                or not math.isfinite(success_threshold):
+            raise ConfigurationError(f"success_threshold must be a finite number, got {success_threshold!r}")
+        if images not in ("pass", "placeholder"):
+            raise ConfigurationError(f'images must be "pass" or "placeholder", got {images!r}')
+        sampler = make_sampler(task_sampling, success_threshold=float(success_threshold))
+        self._difficulty = None if difficulty is None else check_range(difficulty)
+        if difficulty_from is not None and difficulty is None:
+            raise ConfigurationError("difficulty_from= says where task difficulty comes from; pass difficulty=(low, "
+                                     "high) too, the range of mean rewards to keep.")
+        self._split = split
+        self._unscored_reward = None if unscored_reward is None else float(unscored_reward)
+        # In catalog mode the key also goes to the environment as its conventional `api_key` secret, unless the
+        # caller chose the secrets.
+        resolved = resolve_target(target, api_key=api_key)
+        effective = dict(secrets) if secrets is not None else platform_key_secret(resolved)
+        self._client = AsyncClient(target, env_name=env_name, api_key=api_key, secrets=effective or None,
+                                   timeouts=timeouts, retry=retry, keepalive_interval=keepalive_interval,
+                                   max_sessions=max_sessions, max_session_rate=max_session_rate, toolset=toolset,
+                                   toolset_fallback=toolset_fallback, env_overrides=env_overrides)
+        writer = None
+        if episode_log is not None:
+            writer = RecordWriter(episode_log, max_bytes=EPISODE_LOG_MAX_BYTES, max_text=EPISODE_LOG_MAX_TEXT)
+        self._runtime = EnvironmentRuntime(
+            self._client, name=self.name, split=split, max_output_chars=max_output_chars,
+            cache_prompts=cache_prompts, max_concurrent_tool_calls=max_concurrent_tool_calls,
+            max_tool_calls=max_tool_calls, episode_timeout=episode_timeout, batch_tool_calls=batch_tool_calls,
+            episode_log=writer, score_groups=score_groups, success_threshold=float(success_threshold), images=images,
+        )
+        if sampler is not None:
+            self._runtime.curriculum = Curriculum(sampler, name=self.name, success_threshold=float(success_threshold))
+        self._known: dict[int, Difficulty] | PlatformDifficulty | None = None
+        if self._difficulty is not None:
+            if difficulty_from is None or difficulty_from == "platform":
+                difficulty_from = PlatformDifficulty()
+            if isinstance(difficulty_from, PlatformDifficulty):
+                if resolved.kind != "catalog":
+                    raise ConfigurationError(
+                        f"{self.name} is a self-hosted server, which serves no task difficulty (only openreward.ai "
+                        "catalog environments do); pass difficulty_from= an `ors-trl eval --repeats N --output` file, "
+                        "an episode log, or a {task_index: mean reward} mapping.")
+                self._known = difficulty_from
+            else:
+                self._known = known_rewards(difficulty_from, split=split, environment=self.name)
+        if upload_rollouts:
+            from .protocol.upload import RolloutUploader, training_info
+
+            rt = self._runtime
+            rt.uploads = RolloutUploader(
+                api_key=api_key if resolved.kind == "catalog" else None,
+                run_name=upload_rollouts if isinstance(upload_rollouts, str) else None,
+                run_info=lambda: training_info(rt.trainer),
+                step=lambda: getattr(getattr(rt.trainer, "state", None), "global_step", None))
+        self.dataset_notes: list[str] = []
+        self._selection: tuple[list[int], list[Any]] | None = None
+
+    def __repr__(self) -> str:
+        return f"OpenRewardSpec({self.target!r}, split={self._split!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        tools = self._tools if "_tools" in self.__dict__ else None
+        rt = self._runtime
+        log = str(rt.recorder.path) if rt.recorder is not None else None
+        own_log = self._options["episode_log"]
+        joined = (rt.name, log) if rt.name != self.name or log != (own_log and str(Path(own_log))) else None
+        return _restore, (self._options, tools, joined)
+
+    # -- identity ----------------------------------------------------------------------------------
+
+    @property
+    def target(self) -> str:
+        """The catalog name or server URL given."""
+        return self._client.target.name
+
+    @property
+    def split(self) -> str:
+        """The split the tasks are drawn from."""
+        return self._split
+
+    @property
+    def name(self) -> str:
+        """A short name for logs and metrics: the environment name, else the catalog name or host."""
+        t = self._client.target
+        if self._client.requested_env:
+            return self._client.requested_env.lower()
+        return t.name if t.kind == "catalog" else t.name.split("://", 1)[1].rstrip("/")
+
+    @property
+    def client(self) -> AsyncClient:
+        """The underlying async client (bound to the background loop; drive it with `spec.run(...)`)."""
+        return self._client
+
+    @property
+    def metrics(self) -> EnvMetrics:
+        """What the environment did, accumulated since the last flush."""
+        return self._runtime.metrics
+
+    @property
+    def runtime(self) -> EnvironmentRuntime:
+        """What this spec's episodes share (client, bound tools, metrics, record writer, live episodes): what a mix
+        combines and the engine drives."""
+        return self._runtime
+
+    @property
+    def score_groups(self) -> bool:
+        """True when the spec was asked for group scores (`score_groups=True`)."""
+        return bool(self._options["score_groups"])
+
+    @property
+    def gather_window(self) -> float | None:
+        """The engine's gather window this spec asks for (None: automatic)."""
+        return self._options["gather_window"]
+
+    def run(self, coro: Any) -> Any:
+        """Run a coroutine using this spec's client on the background loop and return its result.
+
+        Args:
+            coro (`Coroutine`):
+                The coroutine (e.g. `spec.client.tasks("train")`).
+
+        Returns:
+            `Any`: What it returned.
+        """
+        return get_loop().run(coro)
+
+    # -- dataset -----------------------------------------------------------------------------------
+
+    async def select_tasks(self) -> tuple[list[int], list[Any]]:
+        """The selected task indices and their task specs (`{}` for each when `include_metadata=False`), asked of
+        the server once (difficulty data included) and kept."""
+        if self._selection is None:
+            self._selection = await self._select()
+        return self._selection
+
+    async def _select(self) -> tuple[list[int], list[Any]]:
+        total = await self._client.num_tasks(self._split)
+        indices = select(total, self._split, self._num_tasks, self._indices, name=self.name)
+        if self._difficulty is not None:
+            known, where = self._known, str(self._options["difficulty_from"])
+            if isinstance(known, PlatformDifficulty):
+                known, where = await platform_known(self._client, self._split, known)
+            assert known is not None
+            indices = select_by_difficulty(indices, known, *self._difficulty, name=self.name, source=where)
+        if not self._options["include_metadata"]:
+            return indices, [{} for _ in indices]
+        by_index = await fetch_tasks(self._client, self._split, indices, name=self.name)
+        return indices, [by_index[i] for i in indices]
+
+    def dataset_rows(self, indices: list[int], env: str | None = None) -> dict[str, list[Any]]:
+        """The `prompt` and `task_index` columns of these tasks: an empty user message carrying the task's identity
+        (for `rollout_func`, which sees only prompts).
+
+        Args:
+            indices (`list[int]`):
+                The task indices.
+            env (`str`, *optional*):
+                The environment's name in a mix.
+
+        Returns:
+            `dict[str, list[Any]]`: The two columns.
+        """
+        return {
+            "prompt": [[{"role": "user", "content": "", TASK_KEY: Task(self._split, i, env=env).identity()}]
+                       for i in indices],
+            "task_index": list(indices),
+        }
+
+    @cached_property
+    def train_dataset(self) -> Dataset | IterableDataset:
+        """The selected tasks as TRL's `train_dataset`, built on first access.
+
+        A `datasets.Dataset` with one row per task (`task_sampling="uniform"`, TRL's own order), or, with another
+        `task_sampling`, an endless `datasets.IterableDataset` whose rows the sampler draws as TRL reads them
+        (`GRPOConfig(max_steps=...)` is then needed). Columns: `prompt` (a conversational prompt with an empty user
+        message, to which TRL appends the environment's prompt), `task_index`, and with `include_metadata` every
+        task field.
+        """
+        from datasets import Dataset
+
+        indices, tasks = self.run(self.select_tasks())
+        rows = self.dataset_rows(indices)
+        if self._options["include_metadata"] and tasks:
+            columns, self.dataset_notes = task_columns(tasks)
+            log_notes(self.dataset_notes, self.name)
+            rows.update(columns)
+        dataset = Dataset.from_dict(rows)
+        if self._runtime.curriculum is None:
+            return dataset
+        from .tasks.stream import sampled_stream
+
+        return sampled_stream(dataset, {(None, i): row for row, i in enumerate(indices)}, {None: self},
+                              {None: indices})
+
+    # -- tools -----------------------------------------------------------------------------------
+
+    def _probe_indices(self) -> list[int]:
+        if self._options["task_tools_discovery_index"] is not None:
+            return [self._options["task_tools_discovery_index"]]
+        if self._indices is not None:
+            return sorted(set(self._indices))
+        return [0]
+
+    async def _discover(self) -> tuple[list[ToolSpec], TerminalTool | None, bool, tuple[str, ...] | None]:
+        """Shared tools plus the task-specific ones of the probe tasks, and what the server supports."""
+        client = self._client
+        listed = await client.tools()
+        features = (listed.supports_score_group, listed.message_block_types)
+        merged: dict[str, ToolSpec] = {t.name: t for t in listed.tools}
+        terminal = listed.terminal_tool
+        if not self._options["discover_task_tools"] and self._options["toolset"] is None:  # a toolset's tools show
+            return list(merged.values()), terminal, *features  # only in a session
+        try:
+            total = await client.num_tasks(self._split)
+        except (BadRequestError, NotFoundError):
+            raise  # a wrong split or environment is the user's to fix, now, not a degraded tool set
+        except ORSError as exc:
+            logger.warning("%s: num_tasks failed (%s); binding shared tools only.", self.name, exc)
+            return list(merged.values()), terminal, *features
+        if self._indices is not None:
+            check_in_range(self._indices, total, self._split)
+        probes = [i for i in self._probe_indices() if 0 <= i < total]
+        dropped = sorted(set(self._probe_indices()) - set(probes))
+        if dropped:
+            logger.warning("%s: tool discovery indices %s are out of range (split %r has %d tasks); ignored.",
+                           self.name, dropped, self._split, total)
+        probes = await self._distinct_tasks(probes)
+        gate = asyncio.Semaphore(PROBE_CONCURRENCY)
+
+        async def probe(index: int) -> Any:
+            async with gate:
+                session = await client.open_session(split=self._split, index=index)
+                try:
+                    return await session.tools()
+                finally:
+                    await session.close()
+
+        results = await asyncio.gather(*(probe(i) for i in probes), return_exceptions=True)
+        shared = set(merged)
+        for index, result in zip(probes, results, strict=True):
+            if isinstance(result, BaseException):
+                if not isinstance(result, Exception) or isinstance(result, ConfigurationError):
+                    raise result  # a refused toolset or env override: the user's to fix, now
+                logger.warning("%s: tool discovery for task %d failed (%s); skipping it.", self.name, index, result)
+                continue
+            terminal = terminal or result.terminal_tool
+            for spec in result.tools:
+                known = merged.setdefault(spec.name, spec)
+                if known != spec and spec.name not in shared:
+                    logger.warning("%s: tool %r has different schemas in different tasks; keeping the first.",
+                                   self.name, spec.name)
+        if probes and all(isinstance(r, BaseException) for r in results):
+            logger.warning("%s: every tool discovery session failed; binding shared tools only.", self.name)
+        return list(merged.values()), terminal, *features
+
+    async def _distinct_tasks(self, indices: list[int]) -> list[int]:
+        """One index per distinct task among `indices` (tasks with equal specs advertise the same task tools)."""
+        if len(indices) < 2:
+            return indices
+        try:
+            specs = await fetch_tasks(self._client, self._split, indices, name=self.name)
+        except ORSError as exc:
+            logger.warning("%s: could not fetch the tasks to probe (%s); probing every index.", self.name, exc)
+            return indices
+        first: dict[str, int] = {}
+        for index in indices:
+            first.setdefault(json.dumps(specs.get(index), sort_keys=True, default=str), index)
+        return list(first.values())
+
+    @cached_property
+    def _tools(self) -> tuple[list[ToolSpec], TerminalTool | None, bool, tuple[str, ...] | None]:
+        tools = self.run(self._discover())
+        self._set_tools(*tools)
+        return tools
+
+    def _set_tools(self, specs: list[ToolSpec], terminal: TerminalTool | None, score_group: bool,
+                   block_types: tuple[str, ...] | None) -> None:
+        rt = self._runtime
+        self.__dict__["_tools"] = (specs, terminal, score_group, block_types)
+        rt.supports_score_group, rt.block_types = score_group, block_types
+        rt.uses_messages = block_types is not None  # an older server (no message_block_types) has no /messages
+        rt.toolset = Toolset(specs, terminal=terminal, asynchronous=self._options["async_tools"], module=__name__,
+                             qualname_prefix=f"OpenRewardEnvironment_{_slug(self.name)}", reserved=ADAPTER_NAMES)
+
+    @property
+    def tool_specs(self) -> list[ToolSpec]:
+        """The tools the adapter binds (shared plus discovered task-specific ones)."""
+        return self._tools[0]
+
+    @property
+    def terminal_tool(self) -> TerminalTool | None:
+        """The environment's `@terminal` tool (hidden from the model, called with its final message), if any."""
+        return self._tools[1]
+
+    @property
+    def binding(self) -> Any:
+        """What binding did: the functions, their names, and every warning (`BindingResult`)."""
+        _ = self._tools
+        assert self._runtime.toolset is not None
+        return self._runtime.toolset.binding
+
+    @cached_property
+    def environment_factory(self) -> Callable[[], OpenRewardEnvironment]:
+        """A zero-argument callable returning a fresh adapter per rollout (TRL's `environment_factory`).
+
+        It is the adapter class itself, generated for this environment: one method per tool.
+        """
+        _ = self._tools
+        toolset = self._runtime.toolset
+        assert toolset is not None
+        name = f"OpenRewardEnvironment_{_slug(self.name)}"
+        cls = _AdapterClass(name, (OpenRewardEnvironment,), {"_runtime": self._runtime, "_spec": self,
+                                                              "__module__": __name__})
+        return toolset.install(cls)
+
+    @cached_property
+    def rollout_func(self) -> RolloutEngine:
+        """The rollout engine for `GRPOTrainer(rollout_func=...)`.
+
+        Use it instead of `environment_factory` (not with it), with `train_dataset` and `reward_funcs`: every
+        episode of a batch runs on its own, sessions open concurrently and tool calls overlap. Raises `UsageError`
+        on a TRL version it was not verified against (`environment_factory` works there).
+        """
+        _trl.require_engine()
+        _ = self._tools
+        return RolloutEngine({None: self._runtime}, gather_window=self._options["gather_window"])
+
+    # -- rewards and callbacks -------------------------------------------------------------------
+
+    @property
+    def reward_funcs(self) -> Callable[..., list[float | None]]:
+        """The outcome reward function (picklable): last non-None reward per rollout."""
+        return reward_function(outcome_reward, self._unscored_reward)
+
+    @property
+    def group_reward_func(self) -> Callable[..., list[float | None]]:
+        """The environment's comparative reward of each GRPO group (`/score_group`), for `reward_funcs=[...]`.
+
+        Needs `OpenRewardSpec(..., score_groups=True)` and an environment that supports group scoring.
+        """
+        if not self._options["score_groups"]:
+            raise ConfigurationError("group_reward_func needs OpenRewardSpec(..., score_groups=True)")
+        if not self._tools[2]:
+            raise ConfigurationError(
+                f"{self.name} does not support group scoring (its /tools does not say supports_score_group: true); "
+                "use spec.reward_funcs alone."
+            )
+        return group_reward
+
+    @cached_property
+    def callbacks(self) -> list[Any]:
+        """Trainer callbacks for `GRPOTrainer(callbacks=...)`: close sessions after each step and at the end, and
+        (with `task_sampling`) update, log and checkpoint the task sampler.
+
+        Optional with `GRPOTrainer`: it gets them automatically the first time it reads the dataset, resets an
+        adapter or runs the engine. `AsyncGRPOTrainer` needs them for task sampling's checkpoints and metrics.
+        """
+        from .trl.callbacks import SessionCleanupCallback
+
+        if self._runtime.curriculum is None:
+            return [SessionCleanupCallback([self._runtime])]
+        from .tasks.stream import stream_callbacks
+
+        return [SessionCleanupCallback([self._runtime]), *stream_callbacks(self.train_dataset)]
+
+    def eval_callback(self, tasks: int | Sequence[int] | None = None, *, split: str = "test", every: int = 50,
+                      repeats: int = 1, at_start: bool = True) -> Any:
+        """A trainer callback that evaluates held-out tasks during training, with the model being trained.
+
+        Every `every` steps (and before the first), `repeats` episodes of each held-out task run through the rollout
+        engine with the trainer's own generation (so a vLLM run evaluates on vLLM) and TRL's turn rules, the same
+        episode core and tools as training. `eval/<env>/pass@k` (k = 1..`repeats`), a 95% interval of pass@1 and the
+        episode metrics go to `log_history` (the report draws them); the episodes go to this spec's `episode_log`
+        with `source: "eval"` and their `step`. Needs the engine's verified TRL (as `rollout_func` does); works with
+        either rollout path.
+
+        Args:
+            tasks (`int` or `Sequence[int]`, *optional*):
+                The first `tasks` tasks of `split`, or exactly these indices; default: the whole split.
+            split (`str`, *optional*, defaults to `"test"`):
+                The held-out split.
+            every (`int`, *optional*, defaults to `50`):
+                Evaluate when the global step is a multiple of it.
+            repeats (`int`, *optional*, defaults to `1`):
+                Episodes per task and evaluation (sampled with the trainer's generation settings).
+            at_start (`bool`, *optional*, defaults to `True`):
+                Also evaluate before the first step.
+
+        Returns:
+            `EvalCallback`: for `GRPOTrainer(callbacks=[...])`.
+        """
+        from .trl.eval_callback import EvalCallback
+
+        _trl.require_engine()
+        for name, value in {"every": every, "repeats": repeats}.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
+        count, chosen = (tasks, None) if tasks is None or isinstance(tasks, int) else (None, list(tasks))
+        held = OpenRewardSpec(**{**self._options, "split": split, "num_tasks": count, "indices": chosen,
+                                 "episode_log": None, "upload_rollouts": False, "include_metadata": False,
+                                 "task_sampling": "uniform", "difficulty": None, "difficulty_from": None})
+        held._set_tools(*self._tools)  # the tools training binds
+        rt = held.runtime
+        rt.rename(self._runtime.name, rt.metrics, self._runtime.recorder)  # its own metrics, the training's log
+        rt.uploads = self._runtime.uploads
+        indices, _ = held.run(held.select_tasks())
+        return EvalCallback(held, held.dataset_rows(indices)["prompt"], every=every, repeats=repeats, at_start=at_start)
+
+    def close(self) -> None:
+        """Close every session this spec opened and wait until the server has them deleted."""
+        self._runtime.close_all()
+
+    def evaluate(self, policy: Any, *, num_tasks: int | None = None, indices: Sequence[int] | None = None,
+                 repeats: int = 1, concurrency: int = 8, max_turns: int = 10, episode_timeout: float | None = None,
+                 output: str | os.PathLike[str] | None = None, resume: bool = False, overwrite: bool = False,
+                 per_task_tools: bool = False, score_groups: bool = False, flatten_prompt: bool = False,
+                 success_threshold: float | None = None, upload: bool | str = False, temperature: float = 0.0,
+                 max_new_tokens: int | None = None, seed: int | None = 0, device: str | None = None,
+                 progress: bool = True, _others: Sequence[str] = ()) -> EvalReport:
+        """Run `policy` over this spec's tasks through the same client, tool binding and episode core as training.
+
+        Args:
+            policy (`str`, `os.PathLike`, `tuple[Any, Any]` or `Policy`):
+                A local model directory, a `(model, tokenizer)` pair, an `OpenAIPolicy`, or any object with
+                `async respond(messages, tools) -> PolicyReply`.
+            num_tasks (`int`, *optional*):
+                The first `num_tasks` tasks of the split. Default, with no `indices`: the spec's own selection.
+            indices (`Sequence[int]`, *optional*):
+                Exactly these task indices, instead of `num_tasks`.
+            repeats (`int`, *optional*, defaults to `1`):
+                Episodes per task (pass@k for k = 1..`repeats`).
+            concurrency (`int`, *optional*, defaults to `8`):
+                Episodes (and so sessions) running at once.
+            max_turns (`int`, *optional*, defaults to `10`):
+                Policy replies allowed per episode (TRL's limit is `max_tool_calling_iterations + 1`).
+            episode_timeout (`float`, *optional*):
+                Wall-clock seconds one episode may take (default: the spec's `episode_timeout`).
+            output (`str` or `os.PathLike`, *optional*):
+                JSON-lines file receiving every finished episode.
+            resume (`bool`, *optional*, defaults to `False`):
+                Run only the episodes `output` lacks.
+            overwrite (`bool`, *optional*, defaults to `False`):
+                Replace an existing non-empty `output`.
+            per_task_tools (`bool`, *optional*, defaults to `False`):
+                Bind each episode's own tool list (`/task_tools` of its session) instead of the spec's tools.
+            score_groups (`bool`, *optional*, defaults to `False`):
+                Also score each task's episodes (its repeats) together with `/score_group`.
+            flatten_prompt (`bool`, *optional*, defaults to `False`):
+                Give the policy the prompt as TRL's `environment_factory` loop does (one user message).
+            success_threshold (`float`, *optional*):
+                The reward at or above which an episode succeeded (default: the spec's `success_threshold`).
+            upload (`bool` or `str`, *optional*, defaults to `False`):
+                Send every episode to the OpenReward rollout viewer (`True`, or the run's name there).
+            temperature (`float`, *optional*, defaults to `0.0`):
+                Sampling temperature for a policy given as a path or pair (0: greedy).
+            max_new_tokens (`int`, *optional*):
+                Tokens generated per turn for a policy given as a path or pair.
+            seed (`int`, *optional*, defaults to `0`):
+                Generation seed for a policy given as a path or pair.
+            device (`str`, *optional*):
+                Where a policy given as a path runs (`"cuda"` when available, else `"cpu"`).
+            progress (`bool`, *optional*, defaults to `True`):
+                Show a progress bar on stderr.
+
+        Returns:
+            `EvalReport`: Mean reward, success rate, pass@k over `repeats`, grading coverage, finished rate, tool calls
+            and their health; `report.episodes` holds every record. See `ors_trl.evaluation.runner.evaluate` for the details.
+        """
+        from .evaluation.runner import evaluate
+
+        if num_tasks is None and indices is None:
+            num_tasks, indices = self._num_tasks, self._indices
+        _ = self._tools  # bind as training does
+        return evaluate(
+            self._runtime, policy, num_tasks=num_tasks, indices=indices, repeats=repeats, concurrency=concurrency,
+            max_turns=max_turns, output=output, resume=resume, overwrite=overwrite, per_task_tools=per_task_tools,
+            score_groups=score_groups, flatten_prompt=flatten_prompt, upload=upload, others=_others,
+            temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, device=device, progress=progress,
+            episode_timeout=self._options["episode_timeout"] if episode_timeout is None else episode_timeout,
+            success_threshold=self._options["success_threshold"] if success_threshold is None else success_threshold)

@@ -1,0 +1,578 @@
+"""Choosing tasks as training goes: the samplers, and the curriculum that feeds them each group's rewards.
+
+GRPO learns only from groups whose rewards differ: a group that all succeeded or all failed has zero advantage and
+costs a full set of sessions. `AdaptiveSampler` keeps, per task, the rewards of its last groups and draws the next
+task from three pools: tasks never scored first; then tasks whose recent groups disagreed (weight 1) and tasks whose
+recent groups were all equal, solved or unsolved (weight `flat_weight`, small but never zero, so a task that
+becomes learnable is re-probed and comes back; larger for a task whose groups once disagreed). The draw is seeded;
+the state (a few numbers per seen task and the random generator's) goes into checkpoints.
+
+A `Curriculum` sits between a spec's episodes and its sampler: every training episode's reward is observed when the
+episode is counted (`Episode.account`), the observations of one task are one group, and they reach the sampler
+before its next draw; in a run of several processes they are gathered at each step's end so that every process
+applies the same groups at the same point and draws the same tasks (`ors_trl.trl.callbacks.TaskSamplingCallback`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import random
+import re
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from ..protocol.errors import ConfigurationError
+
+__all__ = ["AdaptiveSampler", "Curriculum", "TaskSampler", "UniformSampler", "make_sampler", "mirror_path",
+           "rng_state", "set_rng_state"]
+
+#: The names `task_sampling=` takes.
+SAMPLINGS = ("uniform", "adaptive")
+_EQUAL = 1e-9  # rewards closer than this are equal (a group with no spread has no advantage)
+#: AdaptiveSampler's pools: never drawn, drawn but not scored yet, groups disagreed, and the all-equal ones by
+#: side, by how many all-equal groups in a row (1: a suspect; 2 to `LEVELS`: confirmed, each level drawn half as
+#: often as the one before), and by whether the task's groups ever disagreed (`was_`: a policy solved it sometimes).
+LEVELS = 5
+PRIOR_GROUPS = 5  # how many groups the prior share of an all-equal pool is worth
+SPREAD = "was_"
+LAPSED = f"{SPREAD}unsolved"  # its groups once disagreed, now all fail: weighs `lapsed_weight`, nothing measured
+FLAT_POOLS = tuple(f"{was}{side}{level}" for was in ("", SPREAD) for side in ("solved", "unsolved")
+                   for level in range(1, LEVELS + 1))
+POOLS = ("fresh", "unscored", "mixed", *FLAT_POOLS)
+
+
+@runtime_checkable
+class TaskSampler(Protocol):
+    """What `OpenRewardSpec(task_sampling=...)` takes in place of `"uniform"` or `"adaptive"`.
+
+    `draw()` returns the next task index (one of the spec's selected tasks); `update(task, rewards)` receives the
+    rewards of one group of that task (`None` for a rollout the environment never scored). Optional methods:
+    `bind(tasks)` (called once with the selected task indices before the first draw), `state_dict()` and
+    `load_state_dict(state)` (JSON-able; saved with checkpoints and restored on resume), `metrics()` (numbers
+    logged as `curriculum/<env>/<name>`).
+    """
+
+    def draw(self) -> int:
+        """The next task.
+
+        Returns:
+            `int`: A task index, one of the spec's selected tasks.
+        """
+        ...
+
+    def update(self, task: int, rewards: Sequence[float | None]) -> None:
+        """Learn from one group of a task.
+
+        Args:
+            task (`int`):
+                The task the group ran.
+            rewards (`Sequence[float | None]`):
+                Its rollouts' rewards, `None` for one the environment never scored.
+        """
+        ...
+
+
+class _Pool:
+    """A set with O(1) add, remove and uniform choice (a list and each member's position in it)."""
+
+    def __init__(self) -> None:
+        self.items: list[int] = []
+        self.where: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __contains__(self, item: int) -> bool:
+        return item in self.where
+
+    def add(self, item: int) -> None:
+        if item not in self.where:
+            self.where[item] = len(self.items)
+            self.items.append(item)
+
+    def discard(self, item: int) -> None:
+        pos = self.where.pop(item, None)
+        if pos is not None:
+            last = self.items.pop()
+            if pos < len(self.items):
+                self.items[pos] = last
+                self.where[last] = pos
+
+    def choice(self, rng: random.Random) -> int:
+        return self.items[rng.randrange(len(self.items))]
+
+
+def rng_state(rng: random.Random) -> list[Any]:
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def set_rng_state(rng: random.Random, state: Sequence[Any]) -> None:
+    version, internal, gauss = state
+    rng.setstate((version, tuple(internal), gauss))
+
+
+def _tasks(tasks: Iterable[int]) -> list[int]:
+    out = list(dict.fromkeys(tasks))
+    if not out:
+        raise ConfigurationError("a task sampler needs at least one task")
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in out):
+        raise ConfigurationError("task indices must be ints")
+    return out
+
+
+class UniformSampler:
+    """Every task once per pass, in a seeded random order; a new order each pass (feedback is ignored).
+
+    Args:
+        tasks (`Sequence[int]`, *optional*):
+            The task indices to draw from; a spec binds its selection when not given.
+        seed (`int`, *optional*, defaults to `0`):
+            Seed of the order.
+    """
+
+    def __init__(self, tasks: Sequence[int] | None = None, *, seed: int = 0) -> None:
+        self.seed = seed
+        self._rng = random.Random(seed)
+        self._tasks: list[int] = []
+        self._order: list[int] = []
+        self._pos = 0
+        if tasks is not None:
+            self.bind(tasks)
+
+    def bind(self, tasks: Sequence[int]) -> None:
+        """Draw from these tasks (a spec binds its selection).
+
+        Args:
+            tasks (`Sequence[int]`):
+                The task indices.
+        """
+        self._tasks = _tasks(tasks)
+        self._order, self._pos = [], 0
+
+    def reseed(self, seed: int) -> None:
+        """Seed the order again (a spec does, with the trainer's seed, before the first draw).
+
+        Args:
+            seed (`int`):
+                The new seed.
+        """
+        self.seed = seed
+        self._rng.seed(seed)
+        self._order, self._pos = [], 0
+
+    def draw(self) -> int:
+        """The next task of this pass (a new seeded order once a pass is done)."""
+        if not self._tasks:
+            raise ConfigurationError("UniformSampler has no tasks: pass tasks= or give it to a spec")
+        if self._pos >= len(self._order):
+            self._order = self._rng.sample(self._tasks, len(self._tasks))
+            self._pos = 0
+        self._pos += 1
+        return self._order[self._pos - 1]
+
+    def update(self, task: int, rewards: Sequence[float | None]) -> None:
+        """Nothing: uniform draws do not depend on rewards.
+
+        Args:
+            task (`int`):
+                The task the group ran.
+            rewards (`Sequence[float | None]`):
+                Its rollouts' rewards.
+        """
+
+    def state_dict(self) -> dict[str, Any]:
+        """The order of this pass, the position in it and the generator's state."""
+        return {"kind": "uniform", "rng": rng_state(self._rng), "order": self._order, "pos": self._pos}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()`'s output.
+
+        Args:
+            state (`dict[str, Any]`):
+                What `state_dict()` returned (read back from JSON).
+        """
+        set_rng_state(self._rng, state["rng"])
+        self._order, self._pos = [int(t) for t in state["order"]], int(state["pos"])
+
+
+class AdaptiveSampler:
+    """Draw tasks where groups disagree: unseen tasks first, all-equal tasks down-weighted but re-probed.
+
+    A task is `mixed` while its last group, or its last `window` groups pooled, had rewards that differ (a GRPO
+    group of it is likely to teach): weight 1. A task whose last k groups were all equal, to one value, is `solved`
+    (at or above `success_threshold`) or `unsolved` at level k (1 to 5): its weight is the share of the tasks at
+    that level and side whose next group changed, measured during the run from a prior (`suspect_weight` for one
+    group, `flat_weight` for two, halved for each further one). So one unlucky group does not starve a task a policy
+    solves sometimes (at a pass rate of 1/6 a group of 8 all fails a quarter of the time, and the next group of
+    such a task mostly differs), while always- and never-solved tasks, whose next groups never change, fall to the
+    floor (`flat_weight / 8`) within a few re-probes and are still drawn now and then, so a task that becomes
+    learnable comes back. A task whose groups once disagreed is no never-solved task: while its last groups all
+    fail it weighs `lapsed_weight` (it is what the policy has left to learn: starving it, as the never-solved
+    tasks' record would, left the demo's model drawing its own best words and learning fewer of them than
+    uniform draws), and once solved its record is kept apart (prior `suspect_weight`, floor `flat_weight`). A
+    never-drawn task is drawn first; a drawn task not scored yet weighs 1. Rewards of `None` (unscored) are left
+    out: an unscored rollout is no failure.
+
+    Args:
+        tasks (`Sequence[int]`, *optional*):
+            The task indices to draw from; a spec binds its selection when not given.
+        seed (`int`, *optional*, defaults to `0`):
+            Seed of the draws (every process of a run uses the same seed and so draws the same tasks).
+        flat_weight (`float`, *optional*, defaults to `0.05`):
+            The prior weight of a task whose last two groups were all equal (relative to 1 for a task whose groups
+            disagreed; halved for each further one), and an eighth of it the floor. With a third each of
+            always-solved, never-solved and coin-flip tasks this leaves about a fifth of the groups zero-spread;
+            prime-rl's pool weight of 0.2 leaves about 0.4.
+        suspect_weight (`float`, *optional*, defaults to `0.2`):
+            The prior weight of a task with one all-equal group.
+        lapsed_weight (`float`, *optional*, defaults to `1.0`):
+            The weight of a task whose groups once disagreed and whose last groups all failed.
+        window (`int`, *optional*, defaults to `3`):
+            How many of a task's last groups decide its pool.
+        success_threshold (`float`, *optional*, defaults to `1.0`):
+            The reward at or above which an all-equal task counts as solved (and a rollout as a success in the pass
+            rate metrics).
+    """
+
+    def __init__(self, tasks: Sequence[int] | None = None, *, seed: int = 0, flat_weight: float = 0.05,
+                 suspect_weight: float = 0.2, lapsed_weight: float = 1.0, window: int = 3,
+                 success_threshold: float = 1.0) -> None:
+        for name, value in (("flat_weight", flat_weight), ("suspect_weight", suspect_weight),
+                            ("lapsed_weight", lapsed_weight)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+                raise ConfigurationError(f"{name} must be a number in (0, 1], got {value!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ConfigurationError(f"window must be an int >= 1, got {window!r}")
+        self.seed, self.window = seed, window
+        self.flat_weight, self.suspect_weight = float(flat_weight), float(suspect_weight)
+        self.lapsed_weight = float(lapsed_weight)
+        self.success_threshold = float(success_threshold)
+        self._rng = random.Random(seed)
+        self._history: dict[int, deque[list[float]]] = {}
+        self._streak: dict[int, int] = {}  # all-equal groups in a row (to one value), the last one included
+        # per pool of all-equal tasks whose weight is measured: how their next group went, [changed, confirmed]
+        self._next: dict[str, list[int]] = {name: [0, 0] for name in FLAT_POOLS if not name.startswith(LAPSED)}
+        self._spread: set[int] = set()  # tasks whose groups ever disagreed
+        self._drawn: dict[int, int] = defaultdict(int)
+        self._pools: dict[str, _Pool] = {}
+        self._tasks: list[int] = []
+        self._known: set[int] = set()
+        self._order: dict[str, list[int]] | None = None  # the pools' order a loaded state had
+        if tasks is not None:
+            self.bind(tasks)
+
+    def bind(self, tasks: Sequence[int]) -> None:
+        """Draw from these tasks (a spec binds its selection); what is known of them is kept.
+
+        Args:
+            tasks (`Sequence[int]`):
+                The task indices.
+        """
+        self._tasks = _tasks(tasks)
+        self._known = set(self._tasks)
+        self._repool(self._order)
+
+    def reseed(self, seed: int) -> None:
+        """Seed the draws again (a spec does, with the trainer's seed, before the first draw).
+
+        Args:
+            seed (`int`):
+                The new seed.
+        """
+        self.seed = seed
+        self._rng.seed(seed)
+
+    def _repool(self, order: dict[str, list[int]] | None = None) -> None:
+        """Sort the tasks into their pools; `order`: each pool's order as saved (a draw picks by position)."""
+        self._pools = {name: _Pool() for name in POOLS}
+        for name, tasks in (order or {}).items():
+            for task in tasks:
+                if task in self._known and self._pool_of(task) == name:
+                    self._pools[name].add(task)
+        for task in self._tasks:
+            if not any(task in pool for pool in self._pools.values()):
+                self._pools[self._pool_of(task)].add(task)
+
+    def _pool_of(self, task: int) -> str:
+        groups = self._history.get(task)
+        if not groups:
+            return "unscored" if self._drawn.get(task) else "fresh"
+        streak, side = self._streak.get(task, 0), self._side(groups[-1][0])
+        was = SPREAD if task in self._spread else ""
+        if streak >= 2:
+            return f"{was}{side}{min(streak, LEVELS)}"
+        pooled = [r for group in groups for r in group]
+        return "mixed" if streak == 0 or max(pooled) - min(pooled) > _EQUAL else f"{was}{side}1"
+
+    def _weight(self, pool: str) -> float:
+        """1 for a task whose groups disagreed (or not scored yet); `lapsed_weight` for one whose groups once
+        disagreed and now all fail; for another with k all-equal groups in a row, the share of such tasks whose next
+        group changed, measured in this run, from a prior (`suspect_weight` for one group or a task whose groups
+        once disagreed, else `flat_weight` halved per group after two) worth `PRIOR_GROUPS` groups, never below
+        `flat_weight` (groups once disagreed) or an eighth of it: always- and never-solved tasks drive it down within
+        a few re-probes, tasks a policy solves sometimes keep it up."""
+        if pool in ("mixed", "unscored"):
+            return 1.0
+        if pool.startswith(LAPSED):
+            return self.lapsed_weight
+        level, spread = int(pool[-1]), pool.startswith(SPREAD)
+        prior = self.suspect_weight if level == 1 or spread else self.flat_weight / 2 ** (level - 2)
+        changed, confirmed = self._next[pool]
+        floor = self.flat_weight if spread else self.flat_weight / 8
+        return max(floor, (changed + PRIOR_GROUPS * prior) / (changed + confirmed + PRIOR_GROUPS))
+
+    def _side(self, reward: float) -> str:
+        return "solved" if reward >= self.success_threshold else "unsolved"
+
+    def _move(self, task: int) -> None:
+        for pool in self._pools.values():
+            pool.discard(task)
+        self._pools[self._pool_of(task)].add(task)
+
+    def draw(self) -> int:
+        """The next task: a fresh one while any is left, else by pool weight."""
+        if not self._tasks:
+            raise ConfigurationError("AdaptiveSampler has no tasks: pass tasks= or give it to a spec")
+        pools = self._pools
+        if pools["fresh"]:
+            task = pools["fresh"].choice(self._rng)
+        else:
+            weighted = [(pool, self._weight(name)) for name, pool in pools.items() if pool and name != "fresh"]
+            total = sum(len(pool) * weight for pool, weight in weighted)
+            pick = self._rng.random() * total
+            pool = weighted[-1][0]
+            for candidate, weight in weighted:
+                pick -= len(candidate) * weight
+                if pick < 0:
+                    pool = candidate
+                    break
+            task = pool.choice(self._rng)
+        self._drawn[task] += 1
+        if task in pools["fresh"]:
+            self._move(task)
+        return task
+
+    def update(self, task: int, rewards: Sequence[float | None]) -> None:
+        """Take one group's rewards: the task's pool follows its last `window` groups.
+
+        Args:
+            task (`int`):
+                The task the group ran (ignored when it is not one of the sampler's).
+            rewards (`Sequence[float | None]`):
+                Its rollouts' rewards; `None` is left out, and a group with no score changes nothing.
+        """
+        scored = [float(r) for r in rewards if r is not None and math.isfinite(r)]
+        if not scored or task not in self._known:
+            return
+        history = self._history.setdefault(task, deque(maxlen=self.window))
+        was = self._pool_of(task)
+        flat = max(scored) - min(scored) <= _EQUAL
+        same = flat and bool(history) and self._streak.get(task, 0) > 0 and abs(history[-1][0] - scored[0]) <= _EQUAL
+        self._streak[task] = self._streak.get(task, 0) + 1 if same else int(flat)
+        history.append(scored)
+        if not flat:
+            self._spread.add(task)
+        if was in self._next:  # an all-equal task's next group: did it change, or confirm?
+            self._next[was][1 if self._streak[task] > int(was[-1]) else 0] += 1
+        self._move(task)
+
+    def pool_sizes(self) -> dict[str, int]:
+        """Tasks per pool: `unseen` (never scored), `mixed`, `solved`, `unsolved`."""
+        sizes = dict.fromkeys(("unseen", "mixed", "solved", "unsolved"), 0)
+        for name, pool in self._pools.items():
+            sizes["unseen" if name in ("fresh", "unscored") else name.removeprefix(SPREAD).rstrip("0123456789")] += (
+                len(pool))
+        return sizes
+
+    def pass_rate(self, task: int) -> float | None:
+        """The share of successes in a task's recent groups.
+
+        Args:
+            task (`int`):
+                The task.
+
+        Returns:
+            `float` or `None`: The share of its recent rewards at or above `success_threshold`; None when it was
+            never scored.
+        """
+        pooled = [r for group in self._history.get(task, ()) for r in group]
+        return sum(r >= self.success_threshold for r in pooled) / len(pooled) if pooled else None
+
+    def metrics(self) -> dict[str, float]:
+        """The pool sizes (logged as `curriculum/<env>/<pool>`)."""
+        return {k: float(v) for k, v in self.pool_sizes().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the sampler knows: each seen task's recent groups and draws, and the generator's state."""
+        return {"kind": "adaptive", "rng": rng_state(self._rng),
+                "history": {str(t): [list(g) for g in groups] for t, groups in self._history.items()},
+                "drawn": {str(t): n for t, n in self._drawn.items()},
+                "streak": {str(t): n for t, n in self._streak.items()}, "next": self._next,
+                "spread": sorted(self._spread),
+                "pools": {name: list(pool.items) for name, pool in self._pools.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()`'s output.
+
+        Args:
+            state (`dict[str, Any]`):
+                What `state_dict()` returned (read back from JSON).
+        """
+        set_rng_state(self._rng, state["rng"])
+        self._history = {int(t): deque(([float(r) for r in g] for g in groups), maxlen=self.window)
+                         for t, groups in state["history"].items()}
+        self._drawn = defaultdict(int, {int(t): int(n) for t, n in state["drawn"].items()})
+        self._streak = {int(t): int(n) for t, n in state.get("streak", {}).items()}
+        self._next = {name: [int(n) for n in state.get("next", {}).get(name, (0, 0))] for name in self._next}
+        self._spread = {int(t) for t in state.get("spread", ())}
+        self._order = {name: [int(t) for t in tasks] for name, tasks in state.get("pools", {}).items()}
+        if self._tasks:
+            self._repool(self._order)
+
+
+def make_sampler(task_sampling: Any, *, seed: int = 0, success_threshold: float = 1.0) -> Any:
+    """The sampler `task_sampling=` names (None for `"uniform"`: TRL's own dataset and order), or the object given."""
+    if task_sampling == "uniform":
+        return None
+    if task_sampling == "adaptive":
+        return AdaptiveSampler(seed=seed, success_threshold=success_threshold)
+    if isinstance(task_sampling, str) or not isinstance(task_sampling, TaskSampler):
+        raise ConfigurationError(
+            f"task_sampling must be 'uniform', 'adaptive' or an object with draw() and update(task, rewards) "
+            f"methods, got {task_sampling!r}")
+    return task_sampling
+
+
+class Curriculum:
+    """One environment's sampler and what its training episodes told it since the last update.
+
+    `observe()` is called from any thread as episodes are counted; `draw()` applies what was observed, then draws
+    (unless `synced`: then only `sync()`, at each step's end on every process, applies the gathered groups).
+    `mirror`: when the sampler runs in TRL's async rollout worker, a file the worker's copy writes its state and
+    metrics to after an update (at most every `MIRROR_EVERY` seconds), which the trainer's process reads.
+    """
+
+    MIRROR_EVERY = 1.0
+
+    def __init__(self, sampler: Any, *, name: str, success_threshold: float = 1.0) -> None:
+        self.sampler, self.name = sampler, name
+        self.success_threshold = success_threshold
+        self.synced = False
+        self.bound_to: Any = None  # weakly: the trainer whose callback updates this curriculum (see the callback)
+        self.mirror: str | None = None
+        self.writes_mirror = False  # a copy in TRL's async worker writes; the trainer's process reads
+        self._mirrored = 0.0
+        self._lock = threading.Lock()
+        self._observed: list[tuple[int, float | None]] = []
+        self._window: dict[str, float] = defaultdict(float)
+        self.draws = 0
+
+    def observe(self, task: int | None, reward: float | None) -> None:
+        """Note one training episode's outcome (thread-safe; applied at the next update)."""
+        if task is not None:
+            with self._lock:
+                self._observed.append((task, reward))
+
+    def take(self) -> list[tuple[int, float | None]]:
+        """What was observed since the last call (this process's part, for gathering)."""
+        with self._lock:
+            out, self._observed = self._observed, []
+        return out
+
+    def apply(self, observed: Sequence[tuple[int, float | None]]) -> None:
+        """Hand the sampler one group per task of `observed`, and count what the groups were like."""
+        groups: dict[int, list[float | None]] = defaultdict(list)
+        for task, reward in observed:
+            groups[int(task)].append(reward)
+        w = self._window
+        for task, rewards in sorted(groups.items()):  # the order episodes ended in must not change the draws
+            self.sampler.update(task, rewards)
+            scored = [r for r in rewards if r is not None]
+            if scored:
+                w["groups"] += 1
+                w["zero_std_groups"] += max(scored) - min(scored) <= _EQUAL
+                w["successes"] += sum(r >= self.success_threshold for r in scored)
+                w["scored"] += len(scored)
+        if self.writes_mirror and groups and time.monotonic() - self._mirrored >= self.MIRROR_EVERY:
+            self.write_mirror()
+
+    def draw(self) -> int:
+        """The next task (after applying what was observed, unless the run syncs at step ends)."""
+        if not self.synced:
+            self.apply(self.take())
+        task = self.sampler.draw()
+        self.draws += 1
+        self._window["draws"] += 1
+        return task
+
+    def metrics(self) -> dict[str, float]:
+        """`curriculum/<env>/...` since the last call: the pools, draws, and the groups applied (their share with
+        zero reward spread, their pass rate)."""
+        w, self._window = self._window, defaultdict(float)
+        out = {f"curriculum/{self.name}/{k}": float(v) for k, v in _sampler_metrics(self.sampler).items()}
+        out[f"curriculum/{self.name}/draws"] = w["draws"]
+        out[f"curriculum/{self.name}/groups"] = w["groups"]
+        if w["groups"]:
+            out[f"curriculum/{self.name}/zero_std_fraction"] = w["zero_std_groups"] / w["groups"]
+            out[f"curriculum/{self.name}/pass_rate"] = w["successes"] / w["scored"]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state (when it has one) and the number of draws."""
+        state = self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else None
+        return {"sampler": state, "draws": self.draws}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()`'s output (what was observed and not yet applied is dropped)."""
+        if state.get("sampler") is not None and hasattr(self.sampler, "load_state_dict"):
+            self.sampler.load_state_dict(state["sampler"])
+        self.draws = int(state.get("draws") or 0)
+        self.take()
+
+    def write_mirror(self) -> None:
+        """Write the state and the pending metrics to `mirror` (replaced whole, so a reader never sees half)."""
+        assert self.mirror is not None
+        self._mirrored = time.monotonic()
+        doc = json.dumps({"state": self.state_dict(), "metrics": self.metrics(), "at": time.time()})
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.mirror), suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(doc)
+        os.replace(tmp, self.mirror)
+
+    def read_mirror(self) -> dict[str, Any] | None:
+        """What the async worker's copy last wrote (None before it wrote anything)."""
+        if self.mirror is None:
+            return None
+        try:
+            with open(self.mirror, encoding="utf-8") as f:
+                text = f.read()
+        except OSError:
+            return None
+        return json.loads(text) if text else None
+
+
+def _sampler_metrics(sampler: Any) -> dict[str, float]:
+    metrics = getattr(sampler, "metrics", None)
+    return dict(metrics()) if callable(metrics) else {}
+
+
+_mirror_dir: str | None = None
+
+
+def mirror_path(name: str) -> str:
+    """A new file path for a curriculum's mirror, in a private folder of this process (removed at exit)."""
+    global _mirror_dir
+    if _mirror_dir is None:
+        _mirror_dir = tempfile.mkdtemp(prefix="ors-trl-sampling-")
+        atexit.register(shutil.rmtree, _mirror_dir, True)
+    return os.path.join(_mirror_dir, f"{re.sub(r'[^0-9A-Za-z_.-]+', '_', name)[:48]}-{secrets.token_hex(6)}.json")

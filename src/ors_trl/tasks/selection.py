@@ -1,0 +1,265 @@
+"""Which tasks a run uses, and their fields: selection checks, batched fetching, dataset columns.
+
+Shared by the spec, the mix and evaluation, below all three (so none of them imports another).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..protocol.client import AsyncClient
+from ..protocol.errors import ConfigurationError, ProtocolError
+from ..protocol.text import show_name
+from ..trl.backend import TRL_KEYWORDS
+
+__all__ = ["EXTRA_COLUMN", "MAX_FIELD_DEPTH", "MAX_TASK_COLUMNS", "MAX_WHOLE_SPLIT", "RESERVED_COLUMNS", "SPARSE_FIELD",
+           "check_in_range", "check_selection", "fetch_tasks", "json_text", "select", "task_columns"]
+
+logger = logging.getLogger("ors_trl")
+
+#: Names a task field may not keep as its dataset column: ors-trl's own columns (`prompt`, `task_index`, `task_spec`),
+#: what TRL passes to `reset(**row)` and reward functions itself or reads from a row (`ors_trl.trl.backend.TRL_KEYWORDS`),
+#: the adapter's and the reward functions' own parameters (`self`, `unscored_reward`) and the fields the rollout
+#: engine adds to every row (`env_mask`, and any name starting with `ors_`). Such a field is kept as `task_<name>`.
+RESERVED_COLUMNS = frozenset({"prompt", "task_index", "task_spec", "self", "unscored_reward", "env_mask"}) | TRL_KEYWORDS
+_RESERVED_PREFIX = "ors_"
+#: The most tasks a split may claim when the whole of it is selected (no `num_tasks`, no `indices`): past it,
+#: choosing which tasks is the user's (`num_tasks=N` takes the first N, `indices=` a page), not a server's count.
+MAX_WHOLE_SPLIT = 100_000
+_PAGE = 500
+#: A task field has a column of its own when at least one task in `SPARSE_FIELD` has it, and it is among the
+#: `MAX_TASK_COLUMNS` most common; the others share one column of JSON text, `EXTRA_COLUMN`. So a table has at most
+#: `SPARSE_FIELD` cells per field value the tasks hold (nested objects too: past that, a field is JSON text).
+SPARSE_FIELD = 16
+MAX_TASK_COLUMNS = 128
+EXTRA_COLUMN = "task_extra"
+_MIN_CELLS = 4096
+#: A field's value nested deeper than this (lists or objects) is stored as JSON text: Arrow refuses 64 levels, and
+#: `datasets` recurses about 16 frames per level (60 levels: a RecursionError at Python's default limit).
+MAX_FIELD_DEPTH = 16
+_FETCH_CONCURRENCY = 8
+
+
+def check_selection(num_tasks: int | None, indices: Sequence[int] | None) -> list[int] | None:
+    """Validate a `num_tasks` / `indices` choice (mutually exclusive); return `indices` as a list."""
+    if num_tasks is not None and indices is not None:
+        raise ConfigurationError("Provide num_tasks or indices, not both.")
+    if num_tasks is not None and (isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1):
+        raise ConfigurationError(f"num_tasks must be a positive int, got {num_tasks!r}")
+    if indices is None:
+        return None
+    indices = list(indices)
+    if not indices:
+        raise ConfigurationError("indices is empty; pass at least one task index or leave it None.")
+    bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+    if bad:
+        raise ConfigurationError(f"indices must be non-negative ints; got {bad[:5]}")
+    return indices
+
+
+def check_in_range(indices: Sequence[int], total: int, split: str) -> None:
+    """Raise a `ConfigurationError` naming the valid range if any index is past the split's end."""
+    out_of_range = sorted({i for i in indices if i >= total})
+    if out_of_range:
+        raise ConfigurationError(
+            f"indices {out_of_range[:10]} are out of range for split {split!r}, which has {total} tasks "
+            f"(0..{total - 1})."
+        )
+
+
+def select(total: int, split: str, num_tasks: int | None, indices: Sequence[int] | None, *, name: str = "",
+           warn: bool = True) -> list[int]:
+    """The task indices of a selection: `indices` as given (checked), else the first `num_tasks`, else all (at most
+    `MAX_WHOLE_SPLIT`). The work is that of the selection, never of the split's size."""
+    if indices is not None:
+        check_in_range(indices, total, split)
+        return list(indices)
+    if num_tasks is None and total > MAX_WHOLE_SPLIT:
+        raise ConfigurationError(
+            f"{name + ': ' if name else ''}split {split!r} has {total} tasks, more than the {MAX_WHOLE_SPLIT} a whole "
+            "split may be loaded with; pass num_tasks=N (the first N tasks) or indices=[...] (a page of them).")
+    if num_tasks is not None and num_tasks > total and warn:
+        logger.warning("%s: num_tasks=%d but split %r has %d tasks; using all %d.", name, num_tasks, split, total,
+                       total)
+    return list(range(total if num_tasks is None else min(num_tasks, total)))
+
+
+async def fetch_tasks(client: AsyncClient, split: str, wanted: Sequence[int], *, name: str = "") -> dict[int, Any]:
+    """The task specs of `wanted` indices, in as few `task_range` requests as sensible (pages of contiguous runs)."""
+    runs: list[tuple[int, int]] = []
+    for i in sorted(set(wanted)):
+        if runs and i - runs[-1][1] <= 8 and i - runs[-1][0] < _PAGE:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    gate = asyncio.Semaphore(_FETCH_CONCURRENCY)
+    wanted_set = set(wanted)
+    bar = None
+    if len(runs) > 4 or len(wanted_set) > 2 * _PAGE:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(wanted_set), desc=f"tasks from {name}", unit="task", leave=False)
+    out: dict[int, Any] = {}
+
+    async def fetch(start: int, stop: int) -> None:
+        async with gate:
+            tasks = await client.task_range(split, start, stop)
+        if len(tasks) != stop - start:
+            raise ProtocolError(f"task_range({start}, {stop}) returned {len(tasks)} tasks")
+        for offset, task in enumerate(tasks):
+            if start + offset in wanted_set:
+                out[start + offset] = task
+        if bar is not None:
+            bar.update(sum(1 for i in range(start, stop) if i in wanted_set))
+
+    try:
+        await asyncio.gather(*(fetch(a, b) for a, b in runs))
+    finally:
+        if bar is not None:
+            bar.close()
+    return out
+
+
+def _arrow_safe(values: list[Any]) -> bool:
+    import pyarrow as pa
+
+    try:
+        pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError, TypeError, ValueError,
+            RecursionError):
+        return False
+    return True
+
+
+def _as_json(values: list[Any]) -> str | None:
+    """Why a column's values cannot be an Arrow column of their own and are stored as JSON text, or None: nested more
+    than `MAX_FIELD_DEPTH` levels, a key with a NUL (Arrow cuts a name there, losing the entry), or objects whose keys
+    differ so much that Arrow's struct would be a sparse table (a field per key ever seen, for every object). Walked
+    without recursion, each value once."""
+    paths: dict[tuple[int, str | None], int] = {}  # (parent path, key; None: a list's items) -> path id
+    objects: Counter[int] = Counter()
+    keys: dict[int, set[str]] = {}
+    entries = 0
+    stack: list[tuple[Any, int, int]] = [(value, 1, 0) for value in values if isinstance(value, Mapping | list | tuple)]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, Mapping | list | tuple) and depth > MAX_FIELD_DEPTH:
+            return f"values nested more than {MAX_FIELD_DEPTH} levels deep"
+        if isinstance(value, Mapping):
+            objects[path] += 1
+            seen = keys.setdefault(path, set())
+            for key, item in value.items():
+                if isinstance(key, str) and "\x00" in key:
+                    return "keys with a NUL in them"
+                seen.add(key)
+                entries += 1
+                if isinstance(item, Mapping | list | tuple):
+                    stack.append((item, depth + 1, paths.setdefault((path, key), len(paths) + 1)))
+        elif isinstance(value, list | tuple):
+            items = paths.setdefault((path, None), len(paths) + 1)
+            stack.extend((item, depth + 1, items) for item in value if isinstance(item, Mapping | list | tuple))
+    if sum(count * len(keys[path]) for path, count in objects.items()) > SPARSE_FIELD * entries + _MIN_CELLS:
+        return "objects whose keys differ from task to task"
+    return None
+
+
+def json_text(value: Any) -> str:
+    """`value` as JSON text (keys sorted, what JSON cannot hold as its `str`), however deeply nested: the encoder
+    recurses, so a value nested past what it reaches is written without recursion instead."""
+    try:
+        return json.dumps(value, sort_keys=True, default=str)
+    except RecursionError:
+        pass
+    parts: list[str] = []
+    stack: list[tuple[bool, Any]] = [(False, value)]  # (literal text?, item)
+    while stack:
+        literal, item = stack.pop()
+        if literal:
+            parts.append(item)
+        elif isinstance(item, Mapping | list | tuple):
+            pairs = sorted(item.items(), key=lambda kv: str(kv[0])) if isinstance(item, Mapping) else list(item)
+            stack.append((True, "}" if isinstance(item, Mapping) else "]"))
+            for i, pair in enumerate(reversed(pairs)):
+                if isinstance(item, Mapping):
+                    stack += [(False, pair[1]), (True, json.dumps(str(pair[0])) + ": ")]
+                else:
+                    stack.append((False, pair))
+                if i < len(pairs) - 1:
+                    stack.append((True, ", "))
+            stack.append((True, "{" if isinstance(item, Mapping) else "["))
+        else:
+            parts.append(json.dumps(item, default=str))
+    return "".join(parts)
+
+
+def _reserved(name: str, reserved: frozenset[str]) -> bool:
+    return name in reserved or name.startswith(_RESERVED_PREFIX)
+
+
+def _free(name: str, taken: set[str], reserved: frozenset[str]) -> str:
+    """`name` as a column: prefixed with `task_` until it is neither taken nor reserved; it is taken then."""
+    while name in taken or _reserved(name, reserved):
+        name = f"task_{name}"
+    taken.add(name)
+    return name
+
+
+def task_columns(task_specs: Sequence[Any], reserved: frozenset[str] = RESERVED_COLUMNS
+                 ) -> tuple[dict[str, list[Any]], list[str]]:
+    """Task fields as dataset columns, plus notes on what had to change.
+
+    A field named like a reserved column (see `RESERVED_COLUMNS`) is kept as `task_<name>` (prefixed again until
+    the name is free), so that TRL can still call `reset(**row)` and the reward functions with the row; a NUL in a
+    field's name, which Arrow cannot store, becomes U+FFFD; a field whose values Arrow cannot store in one column
+    (mixed types, ragged nesting, a NUL in a nested key, nesting deeper than `MAX_FIELD_DEPTH`, objects whose keys
+    differ from task to task) is stored as JSON text. A field fewer than one task in `SPARSE_FIELD` has, or past the
+    `MAX_TASK_COLUMNS` most common, goes with the others like it into one column of JSON text, `task_extra` (an
+    object of that task's such fields, or None): tasks that each carry a different field would otherwise make a
+    table of tasks x fields (6,000 tasks of 69 KB: 36 million cells, +1.9 GB). So dataset creation never fails, costs
+    what the tasks hold, and loses nothing.
+    """
+    notes: list[str] = []
+    counts = Counter(k for spec in task_specs if isinstance(spec, Mapping) for k in spec if isinstance(k, str))
+    ranked = sorted(counts, key=lambda k: (-counts[k], k))
+    own = {k for k in ranked[:MAX_TASK_COLUMNS] if counts[k] * SPARSE_FIELD >= len(task_specs)}
+    extra = [k for k in ranked if k not in own]
+    taken = set(counts) | set(reserved)
+    renamed: list[str] = []
+    columns: dict[str, list[Any]] = {}
+    for key in sorted(own):
+        column = key.replace("\x00", "\ufffd")
+        if column != key or _reserved(key, reserved):
+            column = _free(column, taken, reserved)
+            renamed.append(f"{key!r} -> {column!r}" if "\x00" in key else f"{key} -> {column}")
+        values = [spec.get(key) if isinstance(spec, Mapping) else None for spec in task_specs]
+        why = _as_json(values) or (None if _arrow_safe(values) else "values of mixed shapes")
+        if why:
+            values = [None if v is None else json_text(v) for v in values]
+            notes.append(f"task field {column!r} has {why}; stored as JSON text")
+        columns[column] = values
+    if extra:
+        column = _free(EXTRA_COLUMN, taken, reserved)
+        wanted = set(extra)
+        columns[column] = [json_text(rest) if isinstance(spec, Mapping) and (rest := {
+            k: v for k, v in spec.items() if k in wanted}) else None for spec in task_specs]
+        shown = ", ".join(show_name(k, 40) for k in extra[:20]) + (f" (+{len(extra) - 20} more)" if len(extra) > 20
+                                                                    else "")
+        notes.append(f"{len(extra)} task field(s) that fewer than 1 in {SPARSE_FIELD} tasks have, or past the "
+                     f"{MAX_TASK_COLUMNS} most common, are stored together as JSON text in column {column!r} (an "
+                     f"object of each task's own): {shown}")
+    if renamed:
+        notes.insert(0, f"task fields renamed in the dataset (TRL or ors-trl passes these names itself, or "
+                        "Arrow cannot store them): "
+                        f"{', '.join(renamed)}")
+    return columns, notes
+
+
+def log_notes(notes: list[str], name: str) -> None:
+    """Say once, in one line each, what building the dataset changed (renamed fields, values stored as JSON)."""
+    for note in notes:
+        logger.warning("%s: %s", name, note)

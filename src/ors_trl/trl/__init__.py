@@ -1,0 +1,1 @@
+"""trl: see ARCHITECTURE.md."""

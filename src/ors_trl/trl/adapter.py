@@ -1,0 +1,409 @@
+"""The per-rollout adapter TRL's `environment_factory` hands out: a thin driver of `ors_trl.core.episode.Episode`.
+
+TRL constructs adapters once, then for every rollout calls `reset(**row)` and the tool methods the
+model asks for, from its training thread. Each `reset` starts a new episode (the previous one is
+closed in the background); each tool method is one `Episode.call`. Both return text, or content
+parts (text and images, `ors_trl.core.conversation.content`) where the prompt or the output holds an
+image: TRL's loop takes them to the processor and the model's forward passes.
+
+No serial waiting, where TRL's loop state allows it (`ors_trl.trl.backend`): the batch's first reset starts
+opening every session of the batch, later resets of a task return its cached prompt at once while
+their sessions open, and the first tool call of a turn starts the whole turn's calls across the
+batch (`batch_tool_calls`; each rollout's own calls still in order, nothing TRL will not ask for).
+
+An environment failure never raises out of `reset()`: the episode is recorded as failed, scored
+None, and the model is told what happened. Tool failures raise from the tool method (that is how
+TRL counts them in `tools/failure_frequency`) with a message the model can read.
+
+An episode opened with no trainer driving it (`env = spec.environment_factory(); env.reset(task_index=0)`, to look
+at a prompt before training) is not a training episode: its record says source `manual`, and it is counted apart,
+out of the `env/...` metrics of the step that closes it and out of task sampling, unless the reward functions read
+it (`settle_all`: a loop of one's own that scores with `spec.reward_funcs` trains, and is counted).
+
+In TRL's asynchronous trainer the adapters live in a spawned rollout worker, which reuses them from a
+pool and calls reward functions long after, without them. There the adapter class gains TRL's
+`get_reward` hook (`for_this_process`): when a rollout ends it settles the episode on its transcript
+and frees the session, and the spec's reward functions find the episode by that transcript
+(`ended_episodes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import types
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+from ..core.episode import MANUAL, Call, EnvironmentRuntime, Episode, Outcome, Task
+from ..protocol.errors import ConfigurationError, ORSError, ToolRefusedError, UsageError
+from ..protocol.loop import get_loop
+from ..protocol.text import show_json
+from . import backend as _trl
+
+__all__ = ["READS_EPISODES", "RESERVED", "OpenRewardEnvironment", "for_this_process", "settle_all"]
+
+logger = logging.getLogger("ors_trl")
+
+#: Bounds the wait for calls started ahead that TRL then did not ask for (an aborted turn).
+_SETTLE_TIMEOUT_S = 300.0
+#: The marker of a reward function that reads the episodes (`ors_trl.trl.rewards`): in TRL's async worker,
+#: `get_reward` leaves the reward to such functions when one of them will run.
+READS_EPISODES = "_ors_reads_episodes"
+
+
+class _Ahead:
+    """A call started ahead of TRL's loop, and the future of its outcome."""
+
+    __slots__ = ("call", "future")
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+        self.future: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
+
+
+class _NotATool:
+    """A public adapter method that TRL does not take for a tool.
+
+    TRL offers the model every public function of the adapter class (`inspect.getmembers(cls, inspect.isfunction)`
+    but `reset` and `get_reward`); read off the class, this is a descriptor object, not a function.
+    """
+
+    def __init__(self, func: Callable[..., Any]) -> None:
+        self.__func__ = func
+        self.__doc__, self.__name__ = func.__doc__, func.__name__
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else types.MethodType(self.__func__, obj)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # `OpenRewardEnvironment.close(env)`
+        return self.__func__(*args, **kwargs)
+
+
+class OpenRewardEnvironment:
+    """One rollout's view of an ORS environment; TRL's `environment_factory` returns these.
+
+    What TRL collects (`inspect.getmembers(type(env), inspect.isfunction)`): `reset(**row)` and one method
+    per environment tool, under the environment's exact tool name (`__name__`). `close()` (TRL's adapter
+    calls it `_close()`) ends the rollout's episode and frees its session now.
+
+    Attributes:
+        reward: last non-None reward of the episode (outcome convention); None if nothing was scored.
+        rewards, metadata: per tool call, the reward / the environment's metadata (None where absent).
+        finished: True once the environment said the episode is over.
+        last_output: the text of the most recent tool result (or error).
+        tool_calls, tool_failures: this episode's tool calls and how many failed.
+        error: why the episode failed outside any tool call (its session could not open), else None.
+    """
+
+    _runtime: ClassVar[EnvironmentRuntime]
+
+    def __init__(self) -> None:
+        self._episode: Episode | None = None
+        self._preopened: tuple[Task, Episode, concurrent.futures.Future[bool]] | None = None
+        self._ahead: deque[_Ahead] = deque()
+        self.last_output = ""
+
+    def __repr__(self) -> str:
+        ep = self._episode
+        return f"<{type(self).__name__} task={ep.task.index if ep else None} reward={self.reward}>"
+
+    # -- state, read off the episode --------------------------------------------------------------
+
+    def _get(self, name: str, default: Any) -> Any:
+        return getattr(self._episode, name) if self._episode is not None else default
+
+    reward = property(lambda self: self._get("reward", None), doc="Last non-None reward, else None.")
+    rewards = property(lambda self: self._get("rewards", []), doc="Per tool call: its reward or None.")
+    metadata = property(lambda self: self._get("metadata", []), doc="Per tool call: its metadata or None.")
+    finished = property(lambda self: self._get("finished", False), doc="True once the episode is over.")
+    tool_calls = property(lambda self: self._get("tool_calls", 0), doc="Tool calls this episode.")
+    tool_failures = property(lambda self: self._get("tool_failures", 0), doc="Failed tool calls this episode.")
+    task_index = property(lambda self: self._episode.task.index if self._episode else None)
+    task_spec = property(lambda self: self._episode.task.spec if self._episode else None)
+
+    @property
+    def error(self) -> str | None:
+        err = self._get("error", None)
+        return err["message"] if err else None
+
+    @property
+    def episode(self) -> Episode | None:
+        """The current episode (its full record: `episode.record()`)."""
+        return self._episode
+
+    # -- the TRL contract --------------------------------------------------------------------------
+
+    def reset(self, task_index: int | None = None, task_spec: Mapping[str, Any] | None = None,
+              **row: Any) -> str | list[dict[str, Any]]:
+        """Start a new episode for the row's task and return its prompt: its text, or content parts (text and
+        images, the form TRL's loop takes) when it holds an image.
+
+        Closes the previous episode (in the background). Never raises for environment failures: the
+        episode is then recorded as failed and the returned text says why. Raises `ConfigurationError` for a
+        prompt with an image when the trainer's processing class takes no images (see `images=` of the spec).
+        """
+        rt = self._runtime
+        trainer, batch = _trl.resetting_batch(self)
+        if trainer is not None:
+            rt.attach_to(trainer)
+        for env, batch_row in batch or ():
+            if isinstance(env, OpenRewardEnvironment) and env._preopened is None:
+                env._preopen(batch_row, trainer)
+        self._end()
+        task = Task.from_row(rt.split, task_index, task_spec)
+        pre, self._preopened = self._preopened, None
+        if pre is not None and pre[0] == task:
+            _, ep, opened = pre
+        else:
+            if pre is not None:
+                pre[1].release()
+            ep = rt.episode(task, source=_source(trainer), rules=_trl.rules(trainer))
+            opened = rt.submit(ep.open())
+        self._episode = ep
+        cached = rt.prompt_cache.get(task.key) if rt.cache_prompts else None
+        if cached is not None:
+            rt.cached_resets += 1
+        elif not opened.result():
+            return f"[The environment failed to start this task: {self.error}]"
+        prompt = cached or ep.prompt
+        assert prompt is not None
+        shown = prompt.content()
+        if isinstance(shown, list):
+            _trl.check_images(trainer or rt.trainer, f"The prompt of task {task.key}")
+        return shown
+
+    def _preopen(self, row: Mapping[str, Any], trainer: Any) -> None:
+        """Start opening the session for `row` now (the batch's first reset does this for every adapter)."""
+        rt = self._runtime
+        try:
+            task = Task.from_row(rt.split, row.get("task_index"), row.get("task_spec"))
+        except ValueError:
+            return  # reset() will say what is wrong with the row
+        ep = rt.episode(task, source=_source(trainer), rules=_trl.rules(trainer))
+        self._preopened = (task, ep, rt.submit(ep.open()))
+
+    def _end(self) -> None:
+        """Settle calls started ahead and close the current episode in the background (`reset` and the async
+        worker's `get_reward` do this; `close()` also waits for the server)."""
+        self._settle_ahead()
+        if self._episode is not None:
+            self._episode.release()
+
+    def _close_now(self) -> None:
+        """End this rollout's episode now: account it, write its record and wait (bounded) until the server has
+        deleted its session, as a release does in the background. Idempotent; the reward and the rest of the
+        episode's state stay readable. Never raises for environment failures (a slow delete is logged).
+
+        `_close()` is the name TRL's own adapter (and scripts written against it) use.
+        """
+        self._settle_ahead()
+        pre, self._preopened = self._preopened, None
+        episodes = [ep for ep in (self._episode, pre[1] if pre is not None else None) if ep is not None]
+        if not episodes:
+            return
+        try:
+            self._runtime.bg.run(_close_episodes(episodes), timeout=_SETTLE_TIMEOUT_S)
+        except ORSError as exc:
+            logger.warning("%s: closing the episode's session did not finish: %s", self._runtime.name, exc)
+
+    close = _NotATool(_close_now)
+    _close = _close_now
+
+    # -- tool calls --------------------------------------------------------------------------------
+
+    def _current(self) -> Episode:
+        if self._episode is None:
+            raise UsageError("call reset() before calling a tool")
+        return self._episode
+
+    def _answer(self, outcome: Outcome) -> str | list[dict[str, Any]]:
+        self.last_output = outcome.text
+        if outcome.error is not None:
+            raise outcome.error
+        if isinstance(outcome.content, list):
+            rt = self._runtime
+            try:
+                _trl.check_images(rt.trainer, f"The output of a {rt.name} tool")
+            except ConfigurationError as exc:  # TRL's loop would swallow it here: the step's reward functions raise it
+                rt.image_error = rt.image_error or exc
+                return outcome.text
+        return outcome.content
+
+    def _call_tool(self, name: str, arguments: dict[str, Any]) -> str | list[dict[str, Any]]:
+        """The tool `name` (as the model saw it) called by TRL's loop: one `Episode.call`; raises, for TRL's failure
+        count, on failure (TRL shows the model `{'error': ...}`)."""
+        ep = self._current()
+        call = Call(name, arguments)
+        ep.made_before(_trl.calls_before(self))
+        if not self._ahead and self._runtime.batch_tool_calls:
+            self._start_turn(call)
+        if self._ahead:
+            head = self._ahead[0]
+            if head.call == call:
+                self._ahead.popleft()
+                return self._answer(head.future.result())
+            logger.warning("%s: TRL asked for %s(%s), not the call started ahead of it (%s(%s))", self._runtime.name,
+                           name, show_json(arguments), head.call.name, show_json(head.call.arguments))
+            self._settle_ahead()
+        return self._answer(self._runtime.bg.run(ep.call(call)))
+
+    async def _acall_tool(self, name: str, arguments: dict[str, Any]) -> str | list[dict[str, Any]]:
+        """Coroutine twin of `_call_tool`, for async tool methods (the call runs on the background loop)."""
+        call = self._current().call(Call(name, arguments))
+        return self._answer(await asyncio.wrap_future(self._runtime.bg.submit(call)))
+
+    def _start_turn(self, first: Call) -> None:
+        """At the first call of a turn of TRL's tool loop, start the turn's calls across the batch at once.
+
+        For each rollout (this one from the current call on), the longest prefix of its calls TRL will make
+        exactly as given: a tool of the rollout's own adapter with arguments that bind. Each rollout's calls
+        run in order on its session, bounded per environment by `max_concurrent_tool_calls`.
+        """
+        seen = _trl.tool_turn(self)
+        if seen is None:
+            return
+        turn, rollouts = seen
+        rt = self._runtime
+        with rt.lock:
+            if rt.last_turn is turn:
+                return
+            rt.last_turn = turn
+        planned: list[tuple[OpenRewardEnvironment, list[_Ahead], int]] = []
+        for env, calls, made in rollouts:
+            if (not isinstance(env, OpenRewardEnvironment) or env._episode is None or env._episode.finished
+                    or env._ahead or env._runtime.toolset is None):
+                continue
+            chain = []
+            for name, arguments in calls:
+                try:
+                    env._runtime.toolset.route(name, arguments)
+                except ToolRefusedError:  # TRL fails this call itself (an unknown tool, arguments that do not bind)
+                    break
+                chain.append(_Ahead(Call(name, arguments)))
+            if chain:
+                planned.append((env, chain, made))
+        if not planned or planned[0][0] is not self or planned[0][1][0].call != first:
+            return  # what we read is not the call being made: run nothing ahead
+        for env, chain, made in planned:
+            env._current().made_before(made)
+            env._ahead.extend(chain)
+            env._runtime.calls_ahead += len(chain)
+            env._runtime.submit(_run_chain(env._current(), chain))
+
+    def _settle_ahead(self) -> None:
+        """Wait (bounded) for calls started ahead that TRL did not ask for: they are recorded, nothing is lost."""
+        if not self._ahead:
+            return
+        entries, self._ahead = list(self._ahead), deque()
+        _, running = concurrent.futures.wait([a.future for a in entries], timeout=_SETTLE_TIMEOUT_S)
+        if running:
+            logger.warning("%s: %d tool call(s) started ahead are still running", self._runtime.name, len(running))
+
+
+def _source(trainer: Any) -> str:
+    """An adapter episode's source: `trl` when a trainer drives it (`trainer`, found calling `reset`, or TRL's async
+    worker), else `MANUAL`."""
+    return "trl" if trainer is not None or _trl.in_async_worker() else MANUAL
+
+
+async def _close_episodes(episodes: list[Episode]) -> None:
+    """Close each episode (its record, once), then wait for its session's delete, also one started elsewhere."""
+    await asyncio.gather(*(ep.close() for ep in episodes), return_exceptions=True)
+    await asyncio.gather(*(ep.close_session() for ep in episodes), return_exceptions=True)
+
+
+async def _run_chain(ep: Episode, chain: list[_Ahead]) -> None:
+    """One rollout's calls of a turn, in order on its session; resolves each entry's future."""
+    for i, entry in enumerate(chain):
+        try:
+            outcome = await ep.call(entry.call)
+        except BaseException as exc:  # cancelled (loop shutting down) or a bug: nobody may wait forever
+            for rest in chain[i:]:
+                if not rest.future.done():
+                    rest.future.set_exception(exc if isinstance(exc, Exception) else UsageError(f"aborted: {exc!r}"))
+            raise
+        entry.future.set_result(outcome)
+
+
+#: Names a tool may not take as an attribute of the adapter class (bound under another attribute, shown to the model
+#: under its own name): the adapter's own API and TRL's hooks.
+RESERVED = frozenset({"reset", "get_reward", "last_output", *(n for n in vars(OpenRewardEnvironment) if not n.startswith("_"))})
+
+
+def settle_all(environments: list[Any], completions: list[Any] | None, completion_ids: list[Any] | None,
+               eos_token_ids: set[int] | None = None) -> None:
+    """After TRL's loop: replay each rollout's transcript through the turn rule (`Episode.replay`), and run the
+    batch's ends (terminal tools) at once, so that the rewards read next are final. Episodes read for their rewards
+    are training episodes, also those opened with no trainer seen (`Episode.adopt`). `eos_token_ids`: the ids that
+    end a completion, when no trainer is there to say (TRL's async worker)."""
+    for env in environments:  # an image a text-only trainer could not take: the step stops here, saying why
+        error = getattr(getattr(env, "_runtime", None), "image_error", None)
+        if error is not None:
+            raise error
+    ends: list[Any] = []
+    for i, env in enumerate(environments):
+        ep = env._episode if isinstance(env, OpenRewardEnvironment) else None
+        if ep is not None:
+            ep.adopt()  # read for its reward: a training episode, whoever opened it
+        if ep is None or ep.over:
+            continue
+        env._settle_ahead()
+        messages = completions[i] if completions is not None and isinstance(completions[i], list) else []
+        eos = (eos_token_ids if eos_token_ids is not None else
+               _trl.eos_token_ids(env._runtime.trainer) if env._runtime.trainer is not None else set())
+        ids = completion_ids[i] if completion_ids is not None else None
+        reason, message = ep.replay(messages, truncated=bool(eos) and bool(ids) and int(ids[-1]) not in eos)
+        ends.append(ep.end(reason, message))
+    if ends:
+        async def run() -> None:
+            await asyncio.gather(*ends)
+
+        get_loop().run(run())
+
+
+# -- TRL's asynchronous trainer ------------------------------------------------------------------
+
+
+async def _get_reward(self: OpenRewardEnvironment) -> float | None:
+    """TRL's async rollout worker awaits this once per finished rollout, before the adapter returns to its pool.
+
+    Settles the episode on the rollout's transcript (a terminal tool gets the final message), frees its session,
+    and, when one of the spec's reward functions will run, leaves the reward to it (returns None, so TRL's
+    column for this class stays empty); otherwise returns the episode's reward itself (None when unscored).
+    """
+    seen = _trl.finished_rollout(self)  # before the first await: it reads the worker loop's frame
+    return await asyncio.to_thread(_rollout_ended, self, seen)
+
+
+def _rollout_ended(env: OpenRewardEnvironment, seen: _trl.FinishedRollout | None) -> float | None:
+    ep = env._episode
+    if ep is None:
+        return None
+    if seen is None:
+        settle_all([env], None, None)
+    else:
+        settle_all([env], [seen.messages], [seen.completion_ids], eos_token_ids=seen.eos_token_ids)
+    readers = sum(bool(getattr(getattr(f, "func", f), READS_EPISODES, False)) for f in seen.reward_funcs) \
+        if seen is not None else 0
+    env._end()  # the rollout is over: close its session now, not when TRL reuses this adapter
+    if seen is not None and readers:
+        env._runtime.hand_over(seen.messages, ep, readers)
+        return None
+    return ep.reward
+
+
+def for_this_process(cls: type[OpenRewardEnvironment]) -> type[OpenRewardEnvironment]:
+    """The adapter class as this process uses it: in TRL's async rollout worker, a subclass with TRL's
+    `get_reward` hook (same name, same tools); anywhere else `cls` itself (`GRPOTrainer` would add a
+    `get_reward` class as a second reward source)."""
+    if not _trl.in_async_worker():
+        return cls
+    sub = cls.__dict__.get("_worker_class")
+    if sub is None:
+        sub = type(cls)(cls.__name__, (cls,), {"get_reward": _get_reward, "__module__": cls.__module__,
+                                                "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+        type.__setattr__(cls, "_worker_class", sub)
+    return sub

@@ -1,0 +1,697 @@
+"""The one seam to TRL's internals: everything that reads `GRPOTrainer`'s private methods or loop state.
+
+ors-trl uses TRL's public surface (`environment_factory`, `rollout_func`, reward functions and
+their `log_metric` keyword, callbacks) everywhere else. What needs more lives here:
+
+- batch pre-open and `batch_tool_calls` read the locals of TRL's `environment_factory` loop
+  (`_generate_and_score_completions`'s `inputs`, `_tool_call_loop`'s `tool_calls`, ...) to start a
+  batch's session opens and a turn's tool calls at once;
+- the rollout engine generates through `_generate_single_turn` and builds tool turns with
+  `_get_tool_suffix_ids`, exactly as TRL's own loop does; its images reach TRL's loss through
+  `_generate`'s return (`install_image_handoff`: TRL 1.16 keeps no images of a `rollout_func`), as the
+  images of TRL's own tool loop do;
+- terminal tools need to know whether a completion was cut (`eos_token_ids`);
+- evaluation during training finds its trainer up the stack from the callback event (`calling_trainer`), and
+  logs beside GRPO's own metrics without flushing them (`log_outside_step`); task sampling finds the trainer
+  reading its dataset (`training_trainer`) and logs into GRPO's per-step metrics (`add_step_metrics`);
+- in TRL's asynchronous trainer (`AsyncGRPOTrainer`: `trl.AsyncGRPOTrainer` from TRL 1.18, where the experimental
+  path warns; `trl.experimental.async_grpo` before; `async_grpo` finds it, never importing the experimental path
+  where the stable one exists), whose spawned rollout worker gives reward functions neither the adapters nor
+  `log_metric`, the adapter's `get_reward` hook reads the finished rollout (its transcript, and which reward
+  functions will run) off the worker's loop (`finished_rollout`, by the function's name), and the worker process is
+  recognised by its name (`in_async_worker`): neither depends on the module the trainer lives in.
+
+They were verified against the TRL versions in `VERIFIED`; the package metadata has a lower bound
+only (`trl>=1.16`), so ors-trl installs beside a newer TRL, and this is the contract there: the
+adapter falls back to TRL's public behaviour (one session open and one tool call at a time, still
+correct; sessions are closed at each step's end only with `callbacks=spec.callbacks`, as ors-trl
+cannot find the trainer by itself) with one log line, the engine refuses to start with a clear error,
+and in the async worker `get_reward` returns each episode's reward itself (TRL's public contract for
+it). `ORS_TRL_TRUST_TRL=1` opts in to the fast paths on an unverified TRL (for trying a newer release).
+
+`TRL_KEYWORDS` are the names TRL itself passes to `reset(**row)` and to reward functions, or reads
+from a dataset row: task fields with these names are renamed (`ors_trl.tasks.selection.task_columns`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import itertools
+import logging
+import multiprocessing
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import FrameType, ModuleType
+from typing import Any
+
+from ..protocol.errors import ConfigurationError, UsageError
+
+__all__ = ["TRL_KEYWORDS", "VERIFIED", "AsyncGRPO", "FinishedRollout", "Rendering", "Rules", "add_step_metrics",
+           "async_grpo", "calling_trainer", "check_images", "clip_post_tool", "error_text", "finished_rollout", "generate", "hand_images",
+           "in_async_worker", "install_image_handoff", "log_outside_step", "overflows", "replies_of", "resetting_batch",
+           "rolled_back", "rules", "shown_error", "tool_markup", "tool_message", "tool_turn", "training_trainer",
+           "verified"]
+
+logger = logging.getLogger("ors_trl")
+
+#: TRL releases (major.minor) the fast paths were verified against (`requirements/constraints.txt` pins the tested
+#: one; `pyproject.toml` has only the lower bound). Nothing here depends on where TRL keeps `AsyncGRPOTrainer`
+#: (`async_grpo` finds it in either layout), so verifying a release is running the tests against it and adding it.
+VERIFIED = ("1.16",)
+TRUST_ENV = "ORS_TRL_TRUST_TRL"
+#: What changes on a TRL that is not in `VERIFIED` (the log line and the engine's error say it).
+_UNVERIFIED = ("TRL's environment_factory loop runs on TRL's public behaviour (one session open and one tool call at a "
+               "time: correct, slower; pass callbacks=spec.callbacks so that sessions close at each step's end), and "
+               "spec.rollout_func will not run")
+
+#: Names TRL passes as keywords itself or reads from a dataset row, as verified for `VERIFIED`
+#: (tests/test_architecture.py reads them out of the installed TRL's source, so a TRL that adds one fails there):
+#: - GRPOTrainer._calculate_rewards and the async worker's _score_group call every reward function with
+#:   `prompts`, `completions`, `completion_ids` and every other row column, plus `trainer_state`, `log_extra`,
+#:   `log_metric` and `environments`; they leave the columns `prompt`, `completion` and `completion_ids` out;
+#: - rows are read for `prompt`, the multimodal `image` / `images`, and the routing column `environment` (which
+#:   multi-environment mode also leaves out of `reset(**row)`).
+TRL_KEYWORDS = frozenset({
+    "prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments",
+    "prompt", "completion", "image", "images", "environment",
+})
+
+
+def trl_version() -> str | None:
+    try:
+        return importlib.metadata.version("trl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def verified() -> bool:
+    """True when the installed TRL is one the fast paths were verified against (or the user opted in)."""
+    version = trl_version() or "?"
+    if any(version == v or version.startswith(v + ".") for v in VERIFIED):
+        return True
+    if os.environ.get(TRUST_ENV) == "1":
+        logger.warning("ors-trl: TRL %s is not a verified version (%s); %s=1 turns the fast paths on anyway.",
+                       version, ", ".join(VERIFIED), TRUST_ENV)
+        return True
+    logger.warning("ors-trl: TRL %s is not a version ors-trl was verified against (%s): %s. Set %s=1 to try the "
+                   "fast paths on it.", version, ", ".join(VERIFIED), _UNVERIFIED, TRUST_ENV)
+    return False
+
+
+def _frame(skip: int, hops: int, match: Callable[[FrameType], bool]) -> FrameType | None:
+    """Walking up from `skip` frames above our caller, the first of `hops` frames for which `match` holds."""
+    try:
+        frame: FrameType | None = sys._getframe(skip + 1)
+    except ValueError:  # the stack is not that deep: not called from TRL's loop
+        return None
+    for _ in range(hops):
+        if frame is None or match(frame):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _locals_of(skip: int, hops: int, function: str) -> dict[str, Any] | None:
+    """The locals of TRL's `function` among the `hops` frames from `skip` above our caller; None if not there
+    or TRL is unverified."""
+    if not verified():
+        return None
+    frame = _frame(skip, hops, lambda f: f.f_code.co_name == function)
+    return frame.f_locals if frame is not None else None
+
+
+def _is_trainer(obj: Any) -> bool:
+    return obj is not None and hasattr(obj, "add_callback") and hasattr(obj, "callback_handler")
+
+
+def calling_trainer(skip: int = 1) -> Any:
+    """The trainer whose callback event (`on_train_begin`, `on_step_end`, ...) is running: found up the stack from
+    `skip` frames above our caller (the callback's method), since transformers hands callbacks no trainer."""
+    frame = _frame(skip, 8, lambda f: _is_trainer(f.f_locals.get("self")))
+    return frame.f_locals["self"] if frame is not None else None
+
+
+def training_trainer() -> Any:
+    """The trainer whose training loop is reading a dataset, from inside the read (a dataset row's generator): found
+    up the stack (datasets' and torch's iteration stand between), since a dataset is handed no trainer."""
+    frame = _frame(1, 96, lambda f: _is_trainer(f.f_locals.get("self")))
+    return frame.f_locals["self"] if frame is not None else None
+
+
+def add_step_metrics(trainer: Any, metrics: Mapping[str, float]) -> None:
+    """Log `metrics` with the current step's own (GRPO's per-step metric store, averaged and logged at the next
+    logging step); on a trainer without that store, or an unverified TRL, as an entry of their own."""
+    store = getattr(trainer, "_metrics", None)
+    if verified() and isinstance(store, dict) and isinstance(store.get("train"), dict):
+        for name, value in metrics.items():
+            store["train"].setdefault(name, []).append(value)
+    elif metrics:
+        log_outside_step(trainer, dict(metrics))
+
+
+def log_outside_step(trainer: Any, logs: dict[str, float]) -> None:
+    """Log `logs` to the trainer's `log_history` and its `on_log` callbacks from a callback event. `GRPOTrainer.log`
+    would fold in (and clear) the metrics its current step collected; the base `Trainer.log` adds only these."""
+    from transformers import Trainer
+
+    Trainer.log(trainer, logs)
+
+
+# -- TRL's environment_factory loop --------------------------------------------------------------
+
+
+def resetting_batch(adapter: Any, skip: int = 2) -> tuple[Any, list[tuple[Any, Mapping[str, Any]]] | None]:
+    """Look at the trainer calling `adapter.reset()`: returns `(trainer, batch)`.
+
+    `skip`: frames between this function's caller and TRL's loop (reset itself). `batch` is the
+    (environment, row) pairs TRL is about to reset, when `adapter` is the first of them
+    (`trainer.environments` beside `_generate_and_score_completions`'s `inputs`), so that all their
+    sessions can start opening at once; otherwise None. `(None, None)` when no trainer is found or TRL
+    is unverified.
+    """
+    if not verified():
+        return None, None
+    frame = _frame(skip, 6, lambda f: _is_trainer(f.f_locals.get("self")))
+    if frame is None:
+        return None, None
+    trainer = frame.f_locals["self"]
+    envs, inputs = getattr(trainer, "environments", None), frame.f_locals.get("inputs")
+    if (isinstance(envs, list) and isinstance(inputs, list) and len(envs) == len(inputs) > 1
+            and envs[0] is adapter and all(isinstance(row, Mapping) for row in inputs)):
+        return trainer, list(zip(envs, inputs, strict=True))
+    return trainer, None
+
+
+def _at_call(adapter: Any, skip: int) -> tuple[dict[str, Any], int] | None:
+    """At a call TRL's tool loop makes on `adapter`: the loop's locals and the call's place in its turn, checked."""
+    loc = _locals_of(skip + 1, 4, "_tool_call_loop")
+    if loc is None:
+        return None
+    trainer, idxs, calls = loc.get("self"), loc.get("idxs_with_tool"), loc.get("tool_calls")
+    idx, current, completions = loc.get("idx"), loc.get("tool_call"), loc.get("completions")
+    envs = getattr(trainer, "environments", None)
+    if not (isinstance(idxs, list) and isinstance(calls, list) and len(idxs) == len(calls)
+            and isinstance(idx, int) and 0 <= idx < len(idxs) and isinstance(envs, list)
+            and isinstance(completions, list) and len(completions) == len(envs)
+            and all(isinstance(i, int) and 0 <= i < len(envs) for i in idxs)
+            and envs[idxs[idx]] is adapter and isinstance(calls[idx], list)):
+        return None
+    position = next((j for j, call in enumerate(calls[idx]) if call is current), None)
+    return None if position is None else (loc, position)
+
+
+def _calls_made(completion: Any) -> int:
+    """The tool calls of a rollout's replies before its current one (TRL's `completions` entry, which ends with it),
+    those TRL failed itself included."""
+    return sum(len(m.get("tool_calls") or []) for m in completion[:-1] if isinstance(m, dict)
+               and m.get("role") == "assistant") if isinstance(completion, list) else 0
+
+
+def calls_before(adapter: Any, skip: int = 2) -> int | None:
+    """At a call TRL's tool loop makes on `adapter`: how many calls the model made before it in this rollout (the
+    calls TRL failed itself, which never reach the adapter, included); None when the loop does not look as
+    expected. `skip`: frames between this function's caller and TRL's loop."""
+    at = _at_call(adapter, skip + 1)
+    if at is None:
+        return None
+    loc, position = at
+    return _calls_made(loc["completions"][loc["idxs_with_tool"][loc["idx"]]]) + position
+
+
+def tool_turn(adapter: Any, skip: int = 4) -> tuple[object, list[tuple[Any, list[tuple[str, Any]], int]]] | None:
+    """At a call TRL's tool loop makes on `adapter`: the calls of that turn not yet made, per rollout.
+
+    `skip`: frames between this function's caller and TRL's loop (the adapter's own, and the bound tool).
+    Reads `_tool_call_loop`'s locals (`idxs_with_tool`, `tool_calls`, `idx`, `tool_call`, `completions`) and
+    `trainer.environments`. Returns `(turn, [(environment, [(name, arguments), ...], made), ...])`, starting with
+    `adapter` at the call being made, then every later rollout of the turn, with the calls the model made before
+    the first (`calls_before`); `turn` identifies the turn (TRL builds a new `tool_calls` list each turn). None
+    when the loop does not look as expected.
+    """
+    at = _at_call(adapter, skip + 1)
+    if at is None:
+        return None
+    loc, position = at
+    idxs, calls, idx, envs = loc["idxs_with_tool"], loc["tool_calls"], loc["idx"], loc["self"].environments
+    out = []
+    for k in range(idx, len(idxs)):
+        turn = calls[k] if isinstance(calls[k], list) else []
+        chain = []
+        for call in turn[position if k == idx else 0:]:
+            function = call.get("function") if isinstance(call, dict) and call.get("type") == "function" else None
+            if not isinstance(function, dict):
+                break
+            chain.append((function.get("name"), function.get("arguments")))
+        out.append((envs[idxs[k]], chain, _calls_made(loc["completions"][idxs[k]]) + (position if k == idx else 0)))
+    return calls, out
+
+
+def eos_token_ids(trainer: Any, tokenizer: Any = None) -> set[int]:
+    """The token ids that end a completion in TRL's eyes (`trainer.eos_token_ids` and the padding id of `tokenizer`,
+    by default the trainer's); empty if unknown."""
+    tokenizer = tokenizer or (getattr(trainer, "_tokenizer", None) if verified() else None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return set(getattr(trainer, "eos_token_ids", None) or []) | ({pad} if pad is not None else set())
+
+
+# -- TRL's asynchronous trainer (trl.AsyncGRPOTrainer, or trl.experimental.async_grpo before TRL 1.18) ---------
+
+#: The name `AsyncRolloutWorker` gives the process it spawns for rollouts.
+ASYNC_WORKER_PROCESS = "grpo-rollout-worker-child"
+
+
+@dataclass(frozen=True)
+class AsyncGRPO:
+    """Where the installed TRL keeps its asynchronous GRPO trainer (`async_grpo`).
+
+    Attributes:
+        trainer: `AsyncGRPOTrainer`.
+        config: `AsyncGRPOConfig`.
+        trainer_module: the module that defines the trainer.
+        worker_module: the module that defines `AsyncRolloutWorker`, the code of the spawned rollout process.
+    """
+
+    trainer: type
+    config: type
+    trainer_module: ModuleType
+    worker_module: ModuleType
+
+
+def async_grpo() -> AsyncGRPO | None:
+    """TRL's `AsyncGRPOTrainer` where the installed TRL has it: `trl.AsyncGRPOTrainer` (a stable trainer from TRL 1.18),
+    else `trl.experimental.async_grpo` (which warns from 1.18: never imported where the stable one exists); None
+    when TRL has neither."""
+    import trl
+
+    trainer = getattr(trl, "AsyncGRPOTrainer", None)
+    if trainer is None:
+        try:
+            trainer = importlib.import_module("trl.experimental.async_grpo").AsyncGRPOTrainer
+        except (ImportError, AttributeError):
+            return None
+    module = sys.modules[trainer.__module__]
+    return AsyncGRPO(trainer, getattr(module, "AsyncGRPOConfig", None) or trl.AsyncGRPOConfig, module,
+                     sys.modules[module.AsyncRolloutWorker.__module__])
+
+
+def in_async_worker() -> bool:
+    """True in the rollout process TRL's `AsyncGRPOTrainer` spawns (also while it unpickles its arguments)."""
+    return multiprocessing.current_process().name == ASYNC_WORKER_PROCESS
+
+
+@dataclass(frozen=True)
+class FinishedRollout:
+    """A rollout TRL's async worker has just finished, as its `_generate_loop` holds it when it asks `get_reward`.
+
+    `messages` is the very list TRL later hands reward functions as that rollout's `completions` entry.
+    """
+
+    messages: list[Any]
+    completion_ids: list[int]
+    eos_token_ids: set[int]
+    reward_funcs: list[Any]
+
+
+def finished_rollout(adapter: Any, skip: int = 2) -> FinishedRollout | None:
+    """At TRL's async worker's `await environment.get_reward()`: the rollout `adapter` just finished.
+
+    `skip`: frames between this function's caller and the worker's loop (the `get_reward` coroutine itself).
+    Reads `_generate_loop`'s locals (`environment`, `completion`, `completion_ids`, `self`). None when the loop
+    does not look as expected or TRL is unverified.
+    """
+    loc = _locals_of(skip + 1, 3, "_generate_loop")
+    if loc is None:
+        return None
+    worker, messages, ids = loc.get("self"), loc.get("completion"), loc.get("completion_ids")
+    if loc.get("environment") is not adapter or not isinstance(messages, list) or not isinstance(ids, list):
+        return None
+    return FinishedRollout(messages, ids, eos_token_ids(worker, getattr(worker, "tokenizer", None)),
+                           list(getattr(worker, "reward_funcs", None) or []))
+
+
+# -- the rollout engine ----------------------------------------------------------------------------
+
+
+def require_engine() -> None:
+    """Fail early, and say why, when the engine's TRL internals are not verified for the installed TRL."""
+    if not verified():
+        raise UsageError(
+            f"spec.rollout_func drives TRL internals verified for TRL {', '.join(VERIFIED)} only, and TRL "
+            f"{trl_version()} is installed. Use environment_factory=spec.environment_factory (TRL's public API; "
+            f"with callbacks=spec.callbacks), or set {TRUST_ENV}=1 to try the engine anyway."
+        )
+
+
+# -- TRL's rules and rendering: what TRL's tool loop does, in one place ----------------------------------
+
+
+def error_text(exc: BaseException) -> str:
+    """What TRL's tool loop shows the model for a failed call: `str({"error": str(exc)})`."""
+    return str({"error": str(exc)})
+
+
+def shown_error(content: str) -> str:
+    """The error in what TRL's tool loop showed the model for a call it failed itself (the inverse of `error_text`:
+    its `{'error': ...}` text unwrapped); `content` itself when it is not in that form."""
+    prefix, suffix = "{'error': ", "}"
+    if content.startswith(prefix) and content.endswith(suffix):
+        inner = content[len(prefix):-len(suffix)]
+        if len(inner) >= 2 and inner[0] == inner[-1] and inner[0] in "'\"":
+            return inner[1:-1]
+    return content
+
+
+def replies_of(messages: Sequence[Mapping[str, Any]]) -> tuple[list[tuple[Mapping[str, Any], list[Mapping[str, Any]]]],
+                                                                bool]:
+    """TRL's transcript of one rollout (the messages after the prompt) read back: each reply (an assistant message)
+    with the tool messages TRL's loop appended after it, and whether the transcript ends after tool results (the reply
+    after them was cut to nothing: `clip_post_tool`).
+
+    No tool messages after a reply with calls: TRL rolled them back (`rolled_back`) or stopped at its turn limit.
+    """
+    at = [i for i, m in enumerate(messages) if m.get("role", "assistant") == "assistant"]
+    replies = [(messages[i], list(itertools.takewhile(lambda m: m.get("role") == "tool", messages[i + 1:])))
+               for i in at]
+    return replies, bool(at) and at[-1] < len(messages) - 1
+
+
+def rolled_back(ran: bool) -> bool:
+    """After a reply with calls that TRL's loop appended no results for: True when it ran them (`ran`: they reached
+    the adapter) and then dropped their results, which would overflow its budget (`overflows`: the episode was cut by
+    length); False when it ran none, at its turn limit (`max_tool_calling_iterations`: the episode ends `max_turns`)."""
+    return ran
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The limits a driver plays its episodes under, and how a failed call reads to the model.
+
+    Attributes:
+        max_replies: model replies an episode may have (TRL: `max_tool_calling_iterations + 1`). The calls of the
+            last one are not run (no reply would read their results): the episode ends with `max_turns`.
+        max_tool_calls: tool calls an episode may make; later ones are refused locally and counted.
+        error_text: the text the model reads for a failed call (TRL's `{'error': ...}`: `error_text`).
+        tool_markup: the text that opens a tool call in the chat template the replies are parsed with (qwen3:
+            `<tool_call>`), or a pattern of such texts (an endpoint's: `ors_trl.evaluation.policies.TOOL_MARKUPS`): a reply
+            without calls whose text holds it is a call the parser missed, and its turn is marked `unparsed`.
+            None: not known.
+    """
+
+    max_replies: int | None = None
+    max_tool_calls: int | None = None
+    error_text: Callable[[BaseException], str] = str
+    tool_markup: str | re.Pattern[str] | None = None
+
+    def holds_call(self, text: str) -> bool:
+        """Whether `text` holds tool-call markup (`tool_markup`)."""
+        markup = self.tool_markup
+        if isinstance(markup, str):
+            return bool(markup) and markup in text
+        return markup is not None and markup.search(text) is not None
+
+
+def rules(trainer: Any) -> Rules:
+    """The turn rules of TRL's tool loop: `max_tool_calling_iterations` tool turns, then one more reply, whose calls
+    are not run; failures read as TRL writes them. Without a trainer (outside TRL's loop): no turn limit."""
+    iterations = getattr(trainer, "max_tool_calling_iterations", None)
+    limit = iterations + 1 if isinstance(iterations, int) and iterations < sys.maxsize else None
+    return Rules(max_replies=limit, error_text=error_text, tool_markup=tool_markup(getattr(trainer, "processing_class",
+                                                                                            None)))
+
+
+def _literal_start(pattern: str) -> str:
+    """The text every match of a regular expression starts with (its leading literal characters)."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern[i] == "\\" and i + 1 < len(pattern) and not pattern[i + 1].isalnum():
+            out.append(pattern[i + 1])
+            i += 2
+        elif pattern[i] not in "\\^$.|?*+()[]{}":
+            out.append(pattern[i])
+            i += 1
+        else:
+            break
+    if i < len(pattern) and pattern[i] in "?*{" and out:  # the last character is optional
+        out.pop()
+    return "".join(out)
+
+
+def tool_markup(processing_class: Any) -> str | None:
+    """The text that opens a tool call in the replies TRL parses for this processing class (qwen3: `<tool_call>`),
+    read off the response template `add_response_schema` set (or the legacy schema); None where there is none."""
+    tok = getattr(processing_class, "tokenizer", processing_class)
+    template = getattr(tok, "response_template", None)
+    fields = template.get("fields") if isinstance(template, dict) else None
+    call = fields.get("tool_calls") if isinstance(fields, dict) else None
+    if isinstance(call, dict):
+        opener = call.get("open") or _literal_start(str(call.get("open_pattern") or ""))
+    else:
+        schema = getattr(tok, "response_schema", None)
+        props = schema.get("properties") if isinstance(schema, dict) else None
+        call = props.get("tool_calls") if isinstance(props, dict) else None
+        opener = _literal_start(str(call.get("x-regex-iterator") or "")) if isinstance(call, dict) else None
+    return opener if isinstance(opener, str) and len(opener.strip()) > 1 else None
+
+
+def tool_message(name: str, content: str | list[dict[str, Any]]) -> dict[str, Any]:
+    """A tool result as TRL's loop appends it to the conversation (content parts as a tool returned them)."""
+    return {"role": "tool", "name": name, "content": content}
+
+
+def _is_vlm(trainer: Any) -> bool:
+    vlm = getattr(trainer, "_is_vlm", None)
+    return vlm if isinstance(vlm, bool) else getattr(getattr(trainer, "processing_class", None), "image_processor",
+                                                     None) is not None
+
+
+def check_images(trainer: Any, what: str) -> None:
+    """Raise a `ConfigurationError` when `trainer` cannot take the images `what` holds: its processing class is a
+    tokenizer, not a processor (`GRPOTrainer._is_vlm`). No trainer (an adapter driven by hand): nothing to check."""
+    if trainer is not None and not _is_vlm(trainer):
+        raise ConfigurationError(
+            f"{what} holds an image, and this trainer's processing class "
+            f"({type(getattr(trainer, 'processing_class', None)).__name__}) is a tokenizer, which takes no images. "
+            "Train a vision-language model with its processor (GRPOTrainer(model=..., processing_class="
+            "AutoProcessor.from_pretrained(...))), or pass OpenRewardSpec(..., images=\"placeholder\") to show the "
+            "model the text [image: <media type>] in its place.")
+
+
+def clip_post_tool(new_ids: list[int], used: int, budget: int) -> list[int]:
+    """TRL's cut of a reply generated after tool results: the completion (`used` tokens so far) stays within
+    `max_completion_length` (`budget`)."""
+    excess = used + len(new_ids) - budget
+    return new_ids[: len(new_ids) - excess] if excess > 0 else new_ids
+
+
+def overflows(completion_length: int, total_length: int, budget: int, model_length: int) -> bool:
+    """TRL's rule for tool results that would not fit: past the completion budget or the backend's context."""
+    return completion_length > budget or total_length >= model_length
+
+
+class Rendering:
+    """How TRL turns a tool conversation into token ids, and a completion back into a message, for one processing
+    class. The engine (for a trainer), `LocalPolicy` and the demo (without one) all render through it, so a TRL bump
+    is re-verified in this one place. The tool turn is TRL's own `GRPOTrainer._get_tool_suffix_ids`.
+
+    Args:
+        processing_class: the tokenizer (or processor) the model is trained with; its response schema is set as
+            `GRPOTrainer` sets it for tools, so that tool calls parse. Where TRL knows no schema for its template
+            (`parse_error` says why), completions parse as plain text.
+        chat_template: the template to render with (None: the tokenizer's own). `Rendering.for_training` picks the
+            one `GRPOTrainer` trains tools with.
+        chat_template_kwargs: extra template variables (`GRPOConfig.chat_template_kwargs`).
+    """
+
+    def __init__(self, processing_class: Any, *, chat_template: str | None = None,
+                 chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
+        self.processing_class = processing_class
+        self._tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        self._is_vlm = self._tokenizer is not processing_class
+        #: The id of the token a processor expands each image into (None for a tokenizer).
+        self.image_token_id = getattr(processing_class, "image_token_id", None) if self._is_vlm else None
+        self.parse_error: Exception | None = None
+        if getattr(self._tokenizer, "response_template", None) is None and \
+                getattr(self._tokenizer, "response_schema", None) is None:
+            try:
+                from trl.chat_template_utils import add_response_schema
+
+                add_response_schema(processing_class)
+            except Exception as exc:  # an unknown chat template, or no TRL
+                self.parse_error = exc
+        self.chat_template = chat_template
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+
+    @classmethod
+    def for_training(cls, processing_class: Any, **kwargs: Any) -> Rendering:
+        """Rendered with the template `GRPOTrainer` trains tools with: the tokenizer's own if it is prefix-preserving,
+        else TRL's training variant of it (`get_training_chat_template`)."""
+        from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
+
+        rendering = cls(processing_class, **kwargs)  # sets the response schema the checks below need
+        if rendering.parse_error is None and not is_chat_template_prefix_preserving(processing_class):
+            rendering.chat_template = get_training_chat_template(processing_class)
+        return rendering
+
+    @classmethod
+    def of(cls, trainer: Any) -> Rendering:
+        """The rendering of `trainer`: its processing class, chat template (or the training one) and template kwargs.
+        Raises `ConfigurationError` when TRL cannot parse tool calls for its chat template."""
+        template = getattr(trainer, "chat_template", None)
+        kwargs = {"chat_template_kwargs": getattr(trainer, "chat_template_kwargs", None)}
+        rendering = (cls(trainer.processing_class, chat_template=template, **kwargs) if template is not None
+                     else cls.for_training(trainer.processing_class, **kwargs))
+        if rendering.parse_error is not None:
+            raise ConfigurationError(f"TRL cannot parse tool calls with this model's chat template "
+                                     f"({rendering.parse_error}); use one TRL knows (trl/chat_templates).")
+        return rendering
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def tool_markup(self) -> str | None:
+        """The text that opens a tool call in this template's replies (`tool_markup`)."""
+        return tool_markup(self.processing_class)
+
+    @property
+    def takes_images(self) -> bool:
+        """True for a processor (a vision-language model's), False for a tokenizer."""
+        return self._is_vlm
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """The ids that end a completion (EOS and padding)."""
+        tok = self._tokenizer
+        return {t for t in (tok.eos_token_id, tok.pad_token_id) if t is not None}
+
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
+        """Prompt token ids for `messages` with `tools`, rendered as `GRPOTrainer` renders its prompts (a processor
+        expands each image part into its image tokens)."""
+        if self._is_vlm:
+            from trl.data_utils import prepare_multimodal_messages
+
+            messages = prepare_multimodal_messages(messages)
+        tokenized = self.processing_class.apply_chat_template(
+            conversation=[messages], tools=tools or None, chat_template=self.chat_template,
+            add_generation_prompt=True, tokenize=True, return_dict=True, **self.chat_template_kwargs,
+        )
+        return list(tokenized["input_ids"][0])
+
+    def tool_suffix_ids(self, tool_messages: list[dict[str, Any]]) -> list[int]:
+        """The tokens TRL's loop appends after a turn's tool calls: the tool results and the next assistant header."""
+        from trl import GRPOTrainer
+
+        return list(GRPOTrainer._get_tool_suffix_ids(self, tool_messages))  # type: ignore[arg-type]
+
+    def parse(self, ids: list[int], prefix: list[int] | None, tools: list[Any] | None) -> dict[str, Any]:
+        """A completion as the assistant message TRL parses it to (`{}` for no tokens)."""
+        if not ids:
+            return {}
+        if self.parse_error is not None:
+            return {"role": "assistant", "content": self._tokenizer.decode(ids, skip_special_tokens=True)}
+        from trl.chat_template_utils import parse_response
+
+        return parse_response(self._tokenizer, ids, prefix=prefix, tools=tools)
+
+    def image_inputs(self, prompt_ids: list[list[int]], images: list[list[Any]]) -> dict[str, Any]:
+        """What the model takes beside `prompt_ids` for their images (`image_inputs`)."""
+        return image_inputs(self.processing_class, prompt_ids, images, self.image_token_id)
+
+
+def image_inputs(processing_class: Any, prompt_ids: list[list[int]], images: list[list[Any]],
+                 image_token_id: int | None) -> dict[str, Any]:
+    """What a vision-language model takes beside `prompt_ids` (whose image tokens are expanded already) for the images
+    of each prompt, in order: the processor's pixel fields and the per-token type ids (1 on an image token), as TRL's
+    tool loop builds them (`mm_token_type_ids` for a model with `image_grid_thw`, else `token_type_ids`)."""
+    flat = [image for row in images for image in row or ()]
+    fields = dict(processing_class.image_processor(images=flat, return_tensors="pt")) if flat else {}
+    types = [[int(t == image_token_id) for t in ids] for ids in prompt_ids]
+    fields["mm_token_type_ids" if "image_grid_thw" in fields else "token_type_ids"] = types
+    return fields
+
+
+def generate(trainer: Any, prompt_ids: list[list[int]], images: list[list[Any]] | None = None
+             ) -> tuple[list[list[int]], list[list[float]] | None]:
+    """One completion per prompt through TRL's generation backend (transformers, vLLM server or colocate); `images`:
+    each prompt's images, in the order of its image tokens."""
+    if not images or not any(images):
+        return trainer._generate_single_turn(prompt_ids, None, {}, num_generations=1)
+    if getattr(trainer, "use_transformers_continuous_batching", False):
+        raise ConfigurationError("TRL's continuous-batching generation takes no images; generate with transformers' "
+                                 "generate (the default) or vLLM for an environment that shows images.")
+    processing_class = trainer.processing_class
+    token = getattr(trainer, "_image_pad_token_id", None) or getattr(processing_class, "image_token_id", None)
+    fields = {} if getattr(trainer, "use_vllm", False) else image_inputs(processing_class, prompt_ids, images, token)
+    return trainer._generate_single_turn(prompt_ids, [row or None for row in images], fields, num_generations=1)
+
+
+_HANDOFF = "_ors_images"
+
+
+def _no_tool() -> None:
+    """A stand-in tool: see `install_image_handoff`."""
+
+
+def install_image_handoff() -> None:
+    """Make `GRPOTrainer` take the images a `rollout_func` hands it (`hand_images`) into its loss, as it takes the
+    images of its own tool loop: `_generate` returns them, beside token ids that already hold their image tokens,
+    and for that step the trainer counts as one with tools (TRL builds those images' pixel fields and token types
+    only then). Installed on the class once (a `rollout_func` runs inside `_generate`: too late to wrap the
+    instance's first step); a trainer that was handed nothing runs exactly as before. Verified TRL only."""
+    if not verified():
+        return
+    from trl import GRPOTrainer
+
+    generate_, score = GRPOTrainer._generate, GRPOTrainer._generate_and_score_completions
+    if getattr(generate_, _HANDOFF, False):
+        return
+
+    @functools.wraps(generate_)
+    def _generate(self: Any, prompts: list[Any]) -> Any:
+        out = generate_(self, prompts)
+        images = self.__dict__.pop(_HANDOFF, None)
+        if images is None:
+            return out
+        self.tools = self.tools or [_no_tool]  # put back when the step's scoring ends (below)
+        return (*out[:-2], images, images)
+
+    @functools.wraps(score)
+    def _generate_and_score_completions(self: Any, inputs: Any) -> Any:
+        tools = self.tools
+        try:
+            return score(self, inputs)
+        finally:
+            self.tools = tools
+
+    for wrapper in (_generate, _generate_and_score_completions):
+        setattr(wrapper, _HANDOFF, True)
+    GRPOTrainer._generate = _generate
+    GRPOTrainer._generate_and_score_completions = _generate_and_score_completions
+
+
+def hand_images(trainer: Any, images: list[list[Any]]) -> None:
+    """Hand TRL the images of a `rollout_func`'s rollouts (each one's, in the order of its image tokens) for the
+    loss of this step (`install_image_handoff`); nothing when there are none."""
+    if not any(images):
+        return
+    if not getattr(getattr(type(trainer), "_generate", None), _HANDOFF, False):
+        raise ConfigurationError(f"{type(trainer).__name__} does not hand a rollout_func's images to its loss (its "
+                                 "_generate is not GRPOTrainer's, or TRL is not a verified version); use "
+                                 "environment_factory=spec.environment_factory for an environment that shows images.")
+    trainer.__dict__[_HANDOFF] = [row or None for row in images]
+
+
+def max_model_len(trainer: Any) -> int:
+    """The longest sequence the generation backend accepts (TRL's own bound in its tool loop)."""
+    if getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_mode", None) == "colocate":
+        return trainer.vllm_generation.llm.llm_engine.model_config.max_model_len
+    config = trainer.model.config
+    config = getattr(config, "text_config", None) or config
+    return getattr(config, "max_position_embeddings", 1 << 30)

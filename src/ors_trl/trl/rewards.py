@@ -1,0 +1,140 @@
+"""The reward functions a spec hands `GRPOTrainer`: the environment's outcome reward and its group score.
+
+Both follow TRL's reward-function convention and work on either path: with `environment_factory`
+they receive the batch's adapters (`environments=`) and the transcripts (`completions=`), finish
+each episode first (a `@terminal` tool gets the model's final plain message, the whole batch at
+once), then read the rewards; with `rollout_func` the engine has already done all of it and its
+extra columns carry the results. Both hand the environment metrics of the batch to TRL's public
+`log_metric` keyword. They are plain module-level functions (picklable, for TRL's async trainer).
+
+In TRL's async trainer (`trl.experimental.async_grpo`) they run in its spawned rollout worker, which
+passes neither `environments` nor `log_metric`: the adapter's `get_reward` hook has settled each
+episode when its rollout ended, and they find it by its transcript (`completions`). The environment
+metrics are not logged there (TRL gives reward functions in its worker no way to log); see `episode_log`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..core.episode import EnvironmentRuntime, Episode, find_ended, runtimes, score_groups
+from ..protocol.errors import ConfigurationError
+from ..protocol.loop import get_loop
+from . import backend as _trl
+from .adapter import READS_EPISODES, OpenRewardEnvironment, settle_all
+
+__all__ = ["group_reward", "outcome_reward", "reward_function"]
+
+
+def _episodes(environments: Sequence[Any] | None, kwargs: dict[str, Any], column: str) -> list[Episode | None] | None:
+    """Where the batch's episodes are, by what TRL passed: the adapters (`environment_factory`, settled here), the
+    transcripts of TRL's async worker (episodes its `get_reward` hook handed over), or None: the engine's columns."""
+    if environments is not None:
+        settle_all(list(environments), kwargs.get("completions"), kwargs.get("completion_ids"))
+        return [env.episode if isinstance(env, OpenRewardEnvironment) else None for env in environments]
+    completions = kwargs.get("completions")
+    if column not in kwargs and _trl.in_async_worker() and isinstance(completions, list):
+        return [find_ended(messages) for messages in completions]
+    return None
+
+
+def _flush(rts: Sequence[EnvironmentRuntime], log_metric: Any) -> None:
+    """Hand what the environments did since the last flush to TRL's `log_metric` (each metrics object once).
+    TRL's async worker has none: the window starts again anyway there, so that the metrics do not pile up."""
+    if not callable(log_metric) and not _trl.in_async_worker():
+        return
+    seen: set[int] = set()
+    for rt in rts:
+        if id(rt.metrics) not in seen:
+            seen.add(id(rt.metrics))
+            for name, value in rt.metrics.flush().items():
+                if callable(log_metric):
+                    log_metric(name, value)
+
+
+def _column(kwargs: dict[str, Any], name: str, func: str) -> list[Any]:
+    values = kwargs.get(name)
+    if values is None:
+        raise ConfigurationError(
+            f"{func} needs `environments` (environment_factory) or the `{name}` column (spec.rollout_func); "
+            "pass one of them to GRPOTrainer."
+        )
+    return [None if v is None or (isinstance(v, float) and v != v) else float(v) for v in values]
+
+
+def outcome_reward(environments: Sequence[Any] | None = None, *, unscored_reward: float | None = None,
+                   **kwargs: Any) -> list[float | None]:
+    """The outcome reward: each rollout's last non-None reward, None when nothing was scored.
+
+    0.0 and negative rewards are real scores; a later unscored or failed call does not erase an
+    earlier score. An environment with a terminal tool is graded here, on its final plain message
+    (a rollout cut off before one scores None). The metrics still count rollouts scored `unscored_reward` as
+    ungraded.
+
+    Args:
+        environments (`Sequence[OpenRewardEnvironment]`, *optional*):
+            The batch's adapters, which TRL passes with `environment_factory`; without them (`rollout_func`), the
+            rewards are read from the `ors_reward` column.
+        unscored_reward (`float`, *optional*):
+            Replaces `None` (via `OpenRewardSpec(unscored_reward=)`), e.g. 0.0 so that not calling a tool is no
+            escape from negative advantages.
+        **kwargs:
+            What TRL passes reward functions: `completions`, the dataset's columns (`ors_reward`, `ors_env` with
+            `rollout_func`), `log_metric`, which receives the environment metrics of the batch.
+
+    Returns:
+        `list[float | None]`: One reward per rollout, in the batch's order.
+
+    Raises:
+        ConfigurationError: neither `environments` nor the `ors_reward` column was passed.
+    """
+    episodes = _episodes(environments, kwargs, "ors_reward")
+    if episodes is None:
+        rewards = _column(kwargs, "ors_reward", "outcome_reward")
+        rts = runtimes(kwargs.get("ors_env") or [])
+    else:
+        for ep in episodes:
+            if ep is not None:
+                ep.account()
+        rewards = [ep.reward if ep is not None else getattr(env, "reward", None)
+                   for env, ep in zip(environments or [None] * len(episodes), episodes, strict=True)]
+        rts = [ep.env for ep in episodes if ep is not None]
+    _flush(rts, kwargs.get("log_metric"))
+    return [unscored_reward if r is None else r for r in rewards]
+
+
+def group_reward(environments: Sequence[Any] | None = None, **kwargs: Any) -> list[float | None]:
+    """The comparative reward of each rollout within its GRPO group, from the environment's `/score_group`.
+
+    The batch's rollouts are grouped by task; each group's transcripts go to `/score_group` once (through
+    one of the task's sessions), all groups concurrently. A group whose scoring fails is None for its
+    rollouts (and counted under `env/<name>/group_failures`).
+    """
+    episodes = _episodes(environments, kwargs, "ors_group_reward")
+    if episodes is None:
+        return _column(kwargs, "ors_group_reward", "group_reward")
+    scored = [ep for ep in episodes if ep is not None and ep.group_reward is None]
+    for ep in scored:
+        if not ep.env.supports_score_group:
+            raise ConfigurationError(f"{ep.env.name} does not support score_group (its /tools does not say "
+                                     "supports_score_group); remove its group reward function.")
+    if scored:
+        get_loop().run(score_groups(scored))
+    _flush([ep.env for ep in scored], kwargs.get("log_metric"))
+    return [ep.group_reward if ep is not None else None for ep in episodes]
+
+
+for _reader in (outcome_reward, group_reward):
+    setattr(_reader, READS_EPISODES, True)
+
+
+def reward_function(func: Callable[..., list[float | None]], unscored_reward: float | None = None
+                    ) -> Callable[..., list[float | None]]:
+    """`func` itself, or bound to an `unscored_reward` (a picklable partial that keeps `func`'s name for TRL)."""
+    if unscored_reward is None:
+        return func
+    bound = functools.partial(func, unscored_reward=unscored_reward)
+    functools.update_wrapper(bound, func)
+    return bound
