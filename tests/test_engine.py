@@ -9,7 +9,8 @@ import types
 
 import pytest
 
-from ors_trl import OpenRewardSpec, _trl
+from ors_trl import OpenRewardSpec
+from ors_trl.trl import backend as _trl
 from tests.fixtures.generation import (
     cpu_grpo_trainer,
     echo_generation,
