@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import gc
 import re
@@ -135,27 +136,30 @@ def test_engine_episode_timeout_scores_none(tiny_model_dir, make_server, tmp_pat
     assert server.stats()["open_sessions"] == 0
 
 
-def test_the_gather_window_waits_only_when_generating_costs_more(monkeypatch) -> None:
-    """The rule itself, on a controlled clock: the automatic window is capped at half of what a generation call
-    takes (and at AUTO_GATHER_WINDOW); a fixed one is kept; nobody waits when no one else can come."""
-    from ors_trl.trl import engine as _engine
-    from ors_trl.trl.engine import AUTO_GATHER_WINDOW, GatherWindow
+def test_the_gather_window_waits_only_when_generating_costs_more() -> None:
+    """The rule itself: the automatic window is capped at half of what a generation call takes (and at AUTO_WINDOW);
+    a fixed one is kept; nobody waits when no one else can come."""
+    from ors_trl.core.rollout import AUTO_WINDOW, Batcher
 
-    now = [100.0]
-    monkeypatch.setattr(_engine.time, "monotonic", lambda: now[0])
-    auto, fixed = GatherWindow(), GatherWindow(5.0)
-    assert auto.left(3, 2, since=100.0) == AUTO_GATHER_WINDOW  # nothing measured yet: the cap
-    auto.took(0.02)
-    assert auto.left(3, 2, since=100.0) == pytest.approx(0.01)  # cheap generation: hardly any wait
+    auto, fixed = Batcher(), Batcher(5.0)
+    assert auto.seconds == AUTO_WINDOW  # nothing measured yet: the cap
+    auto.give([], [], seconds=0.02)
+    assert auto.seconds == pytest.approx(0.01)  # cheap generation: hardly any wait
     for _ in range(30):
-        auto.took(10.0)
-    assert auto.seconds == pytest.approx(AUTO_GATHER_WINDOW)  # costly: the cap again
-    fixed.took(0.0)
-    now[0] = 102.0
-    assert fixed.left(3, 2, since=100.0) == pytest.approx(3.0)  # a fixed window is waited out
-    assert fixed.left(3, 0, since=100.0) == 0.0 and fixed.left(0, 2, since=100.0) == 0.0
-    now[0] = 106.0
-    assert fixed.left(3, 2, since=100.0) == 0.0
+        auto.give([], [], seconds=10.0)
+    assert auto.seconds == pytest.approx(AUTO_WINDOW)  # costly: the cap again
+    fixed.give([], [], seconds=0.0)
+    assert fixed.seconds == 5.0  # a fixed window is kept
+
+    async def lone_request() -> list[int]:  # the only member asks: nobody else can come, so it goes at once
+        fixed.enter()
+        asked = asyncio.ensure_future(fixed.ask("x"))
+        await asyncio.sleep(0)
+        batch = await asyncio.to_thread(fixed.take)
+        fixed.give(batch, [1])
+        return [await asked]
+
+    assert asyncio.run(lone_request()) == [1] and fixed.batch_sizes == [1]
 
 
 @pytest.mark.parametrize(("window", "straggler_s", "calls"), [

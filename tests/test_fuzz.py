@@ -416,7 +416,7 @@ def op_engine(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
     cut-off) reply, group score, close.
 
     As in the engine, the tool schemas are rendered in the calling thread, never on the event loop."""
-    from ors_trl.core.episode import Call, Reply, Rules
+    from ors_trl.core.episode import Reply, Rules
 
     spec = spec_for(url, tmp)
     episodes: list[Any] = []
@@ -441,7 +441,7 @@ def op_engine(url: str, rng: random.Random, tally: Tally, tmp: str) -> None:
 
         async def play() -> None:
             async def one(ep: Any, calls: list[dict[str, Any]]) -> None:
-                await ep.reply(Reply(None, tuple(Call.from_chat(c) for c in calls)))
+                await ep.reply(Reply(None, calls))
                 final = rng.choice(["final answer", None])
                 await ep.reply(Reply(final, truncated=final is None))
 

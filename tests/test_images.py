@@ -204,8 +204,7 @@ def test_text_only_environments_give_todays_strings(image_server, name: str) -> 
         prompt = env.episode.prompt
         assert prompt.chat([{"role": "system", "content": "S"}, {"role": "user", "content": "Hi "}],
                            images=name != SQUARES) == today["chat"]
-        assert prompt.flat == today["reset"] and _trl.tool_message("t", today["outputs"][0])["content"] == \
-            today["outputs"][0]
+        assert prompt.flat == today["reset"]
         record = env.episode.record()
         if name != SQUARES:  # a text-only episode's record is what it always was
             assert "images" not in record and "prompt_images" not in record
@@ -566,8 +565,8 @@ def test_a_trainer_whose_generate_is_its_own_is_refused() -> None:
             return prompts
 
     with pytest.raises(ConfigurationError, match="environment_factory"):
-        _trl.hand_images(Own(), [[object()]])
-    _trl.hand_images(Own(), [[], []])  # no images: nothing to hand
+        _trl.Backend.of(Own()).hand_images([[object()]])
+    _trl.Backend.of(Own()).hand_images([[], []])  # no images: nothing to hand
 
 
 def test_continuous_batching_meeting_images_is_refused_before_generating() -> None:
@@ -580,12 +579,13 @@ def test_continuous_batching_meeting_images_is_refused_before_generating() -> No
 
     card = pixels(card_png("cat"))
     trainer = stub_trainer(generate, use_transformers_continuous_batching=True, use_vllm=True, processing_class=None)
+    backend = _trl.Backend.of(trainer)
     with pytest.raises(ConfigurationError, match="continuous-batching generation takes no images"):
-        _trl.generate(trainer, [[1, 2]], [[card]])
+        backend.generate([([1, 2], [card])], ([], []))
     assert seen == []
-    assert _trl.generate(trainer, [[1, 2]], [[]]) == ([[7]], None)  # no image: generated as usual
+    assert backend.generate([([1, 2], [])], ([], [])) == [([7], None)]  # no image: generated as usual
     trainer.use_transformers_continuous_batching = False
-    assert _trl.generate(trainer, [[1, 2]], [[card]]) == ([[7]], None) and seen[-1] == [[card]]
+    assert backend.generate([([1, 2], [card])], ([], [])) == [([7], None)] and seen[-1] == [[card]]
 
 
 # -- inspect --------------------------------------------------------------------------------------------------------

@@ -387,12 +387,12 @@ def test_grpo_trainer_collects_and_renders_the_environments_schemas(ref_server, 
 def test_calls_started_ahead_that_trl_does_not_ask_for_are_recorded_not_lost(make_server, caplog, tmp_path) -> None:
     """batch_tool_calls safety net: if TRL asks for something other than the calls started ahead of it (a turn
     cut short), those calls are recorded in order first, then the asked-for call runs as usual."""
-    from ors_trl.core.episode import Call
+    from ors_trl.core.episode import ToolCall
     from ors_trl.trl.adapter import _Ahead, _run_chain
 
     def _start_ahead(batch):  # what the adapter does at the first call of a turn of TRL's loop
         for env, calls in batch:
-            chain = [_Ahead(Call(name, arguments)) for name, arguments in calls]
+            chain = [_Ahead(ToolCall(name, arguments)) for name, arguments in calls]
             env._ahead.extend(chain)
             env._runtime.submit(_run_chain(env.episode, chain))
 

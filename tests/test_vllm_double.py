@@ -293,7 +293,7 @@ class _ScriptedAccelerator:
     (0, 0, None),  # nobody has work: no call at all
 ])
 def test_generate_pads_to_the_largest_process(local, other, called_with):
-    from ors_trl.trl.engine import RolloutEngine
+    from ors_trl.trl.backend import Backend
 
     calls = []
 
@@ -302,14 +302,14 @@ def test_generate_pads_to_the_largest_process(local, other, called_with):
         return [[7, i] for i in range(len(prompt_ids))], [[-0.5, -0.25] for _ in prompt_ids]
 
     trainer = stub_trainer(generate_single_turn, accelerator=_ScriptedAccelerator(other))
-    engine = RolloutEngine({})
+    backend = Backend.of(trainer)
     prompts = [[1, 2 + i] for i in range(local)]
-    ids, lps = engine._generate(trainer, [(p, []) for p in prompts], fallback=([9], []))
-    assert ids == [[7, i] for i in range(local)] and lps == [[-0.5, -0.25]] * local  # only this process's own
+    out = backend.generate([(p, []) for p in prompts], fallback=([9], []))
+    assert out == [([7, i], [-0.5, -0.25]) for i in range(local)]  # only this process's own
     if called_with is None:
         assert calls == []
     else:
         assert len(calls) == 1 and len(calls[0]) == called_with
         assert calls[0][:local] == prompts
         assert calls[0][local:] == [prompts[0] if prompts else [9]] * (called_with - local)
-    assert RolloutEngine._anyone(trainer, bool(local)) is bool(local or other)
+    assert backend.anyone(bool(local)) is bool(local or other)

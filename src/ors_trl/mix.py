@@ -35,7 +35,7 @@ from .trl.rewards import group_reward, outcome_reward, reward_function
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
 
-    from .evaluation.runner import MixEvalReport
+    from .evaluation.runner import EvalOptions, MixEvalReport
 
 __all__ = ["OpenRewardMix"]
 
@@ -271,74 +271,31 @@ class OpenRewardMix:
             callbacks += stream_callbacks(self.train_dataset)
         return callbacks
 
-    def evaluate(self, policy: Any, *, output: str | None = None, resume: bool = False, overwrite: bool = False,
-                 num_tasks: int | None = None, indices: Sequence[int] | None = None, repeats: int = 1,
-                 concurrency: int = 8, max_turns: int = 10, episode_timeout: float | None = None,
-                 per_task_tools: bool = False, score_groups: bool = False, flatten_prompt: bool = False,
-                 success_threshold: float | None = None, upload: bool | str = False, temperature: float = 0.0,
-                 max_new_tokens: int | None = None, seed: int | None = 0, device: str | None = None,
-                 progress: bool = True) -> MixEvalReport:
-        """Evaluate `policy` on every environment of the mix, one after the other, through each spec's `evaluate`.
+    def evaluate(self, policy: Any, options: EvalOptions | None = None, **kwargs: Any) -> MixEvalReport:
+        """Evaluate `policy` on every environment of the mix, one after the other, through each spec's `evaluate`
+        (a model directory is loaded once). `output` is one JSON-lines file receiving every environment's episodes
+        (each record names its environment).
 
         Args:
             policy (`str`, a `(model, tokenizer)` pair or a `Policy`):
-                What to evaluate, as for `OpenRewardSpec.evaluate` (a model directory is loaded once).
-            output (`str`, *optional*):
-                One JSON-lines file receiving every environment's episodes (each record names its environment).
-            resume (`bool`, *optional*, defaults to `False`):
-                Continue `output`: run only the episodes it lacks, per environment.
-            overwrite (`bool`, *optional*, defaults to `False`):
-                Replace an existing `output`.
-            num_tasks (`int`, *optional*):
-                As for `OpenRewardSpec.evaluate`, for every environment.
-            indices (`Sequence[int]`, *optional*):
-                As for `OpenRewardSpec.evaluate`, for every environment.
-            repeats (`int`, *optional*, defaults to `1`):
-                Episodes per task.
-            concurrency (`int`, *optional*, defaults to `8`):
-                Episodes running at once.
-            max_turns (`int`, *optional*, defaults to `10`):
-                Policy replies allowed per episode.
-            episode_timeout (`float`, *optional*):
-                Seconds one episode may take (default: each spec's own).
-            per_task_tools (`bool`, *optional*, defaults to `False`):
-                Bind each episode's own tool list.
-            score_groups (`bool`, *optional*, defaults to `False`):
-                Also score each task's episodes together with `/score_group`.
-            flatten_prompt (`bool`, *optional*, defaults to `False`):
-                Give the policy the prompt as TRL's `environment_factory` loop does.
-            success_threshold (`float`, *optional*):
-                The reward at or above which an episode succeeded (default: the specs' own).
-            upload (`bool` or `str`, *optional*, defaults to `False`):
-                Send every episode to the OpenReward rollout viewer.
-            temperature (`float`, *optional*, defaults to `0.0`):
-                Sampling temperature for a policy given as a path or pair.
-            max_new_tokens (`int`, *optional*):
-                Tokens generated per turn for a policy given as a path or pair.
-            seed (`int`, *optional*, defaults to `0`):
-                Generation seed for a policy given as a path or pair.
-            device (`str`, *optional*):
-                Where a policy given as a path runs.
-            progress (`bool`, *optional*, defaults to `True`):
-                Show a progress bar on stderr.
+                What to evaluate, as for `OpenRewardSpec.evaluate`.
+            options (`EvalOptions`, *optional*):
+                How to run, for every environment; `**kwargs` set its fields (`EvalOptions` documents them).
 
         Returns:
             `MixEvalReport`: Each environment's `EvalReport`, and the overall numbers weighted by the mix's weights
             (without weights: by each environment's episodes).
         """
         from .evaluation.policies import resolve_policy
-        from .evaluation.runner import MixEvalReport
+        from .evaluation.runner import EvalOptions, MixEvalReport
 
-        loaded, _ = resolve_policy(policy, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
-                                   device=device)
+        opts = EvalOptions.of(options, **kwargs)
+        loaded, _ = resolve_policy(policy, temperature=opts.temperature, max_new_tokens=opts.max_new_tokens,
+                                   seed=opts.seed, device=opts.device)
         reports = {}
         for i, (name, spec) in enumerate(self.specs.items()):
-            reports[name] = spec.evaluate(
-                loaded, output=output, resume=resume or (i > 0 and output is not None), overwrite=overwrite and i == 0,
-                num_tasks=num_tasks, indices=indices, repeats=repeats, concurrency=concurrency, max_turns=max_turns,
-                episode_timeout=episode_timeout, per_task_tools=per_task_tools, score_groups=score_groups,
-                flatten_prompt=flatten_prompt, success_threshold=success_threshold, upload=upload, progress=progress,
-                _others=list(self.specs))
+            reports[name] = spec.evaluate(loaded, opts, resume=opts.resume or (i > 0 and opts.output is not None),
+                                          overwrite=opts.overwrite and i == 0, _others=list(self.specs))
         return MixEvalReport.of(reports, dict(zip(self.specs, self.weights, strict=True)) if self.weights else None)
 
     def close(self) -> None:

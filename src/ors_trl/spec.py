@@ -59,7 +59,7 @@ from .trl.rewards import group_reward, outcome_reward, reward_function
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
 
-    from .evaluation.runner import EvalReport
+    from .evaluation.runner import EvalOptions, EvalReport
 
 __all__ = ["OpenRewardSpec"]
 
@@ -691,71 +691,30 @@ class OpenRewardSpec:
         """Close every session this spec opened and wait until the server has them deleted."""
         self._runtime.close_all()
 
-    def evaluate(self, policy: Any, *, num_tasks: int | None = None, indices: Sequence[int] | None = None,
-                 repeats: int = 1, concurrency: int = 8, max_turns: int = 10, episode_timeout: float | None = None,
-                 output: str | os.PathLike[str] | None = None, resume: bool = False, overwrite: bool = False,
-                 per_task_tools: bool = False, score_groups: bool = False, flatten_prompt: bool = False,
-                 success_threshold: float | None = None, upload: bool | str = False, temperature: float = 0.0,
-                 max_new_tokens: int | None = None, seed: int | None = 0, device: str | None = None,
-                 progress: bool = True, _others: Sequence[str] = ()) -> EvalReport:
+    def evaluate(self, policy: Any, options: EvalOptions | None = None, *, _others: Sequence[str] = (),
+                 **kwargs: Any) -> EvalReport:
         """Run `policy` over this spec's tasks through the same client, tool binding and episode core as training.
 
         Args:
             policy (`str`, `os.PathLike`, `tuple[Any, Any]` or `Policy`):
-                A local model directory, a `(model, tokenizer)` pair, an `OpenAIPolicy`, or any object with
-                `async respond(messages, tools) -> PolicyReply`.
-            num_tasks (`int`, *optional*):
-                The first `num_tasks` tasks of the split. Default, with no `indices`: the spec's own selection.
-            indices (`Sequence[int]`, *optional*):
-                Exactly these task indices, instead of `num_tasks`.
-            repeats (`int`, *optional*, defaults to `1`):
-                Episodes per task (pass@k for k = 1..`repeats`).
-            concurrency (`int`, *optional*, defaults to `8`):
-                Episodes (and so sessions) running at once.
-            max_turns (`int`, *optional*, defaults to `10`):
-                Policy replies allowed per episode (TRL's limit is `max_tool_calling_iterations + 1`).
-            episode_timeout (`float`, *optional*):
-                Wall-clock seconds one episode may take (default: the spec's `episode_timeout`).
-            output (`str` or `os.PathLike`, *optional*):
-                JSON-lines file receiving every finished episode.
-            resume (`bool`, *optional*, defaults to `False`):
-                Run only the episodes `output` lacks.
-            overwrite (`bool`, *optional*, defaults to `False`):
-                Replace an existing non-empty `output`.
-            per_task_tools (`bool`, *optional*, defaults to `False`):
-                Bind each episode's own tool list (`/task_tools` of its session) instead of the spec's tools.
-            score_groups (`bool`, *optional*, defaults to `False`):
-                Also score each task's episodes (its repeats) together with `/score_group`.
-            flatten_prompt (`bool`, *optional*, defaults to `False`):
-                Give the policy the prompt as TRL's `environment_factory` loop does (one user message).
-            success_threshold (`float`, *optional*):
-                The reward at or above which an episode succeeded (default: the spec's `success_threshold`).
-            upload (`bool` or `str`, *optional*, defaults to `False`):
-                Send every episode to the OpenReward rollout viewer (`True`, or the run's name there).
-            temperature (`float`, *optional*, defaults to `0.0`):
-                Sampling temperature for a policy given as a path or pair (0: greedy).
-            max_new_tokens (`int`, *optional*):
-                Tokens generated per turn for a policy given as a path or pair.
-            seed (`int`, *optional*, defaults to `0`):
-                Generation seed for a policy given as a path or pair.
-            device (`str`, *optional*):
-                Where a policy given as a path runs (`"cuda"` when available, else `"cpu"`).
-            progress (`bool`, *optional*, defaults to `True`):
-                Show a progress bar on stderr.
+                A local model directory, a `(model, tokenizer)` pair, an `OpenAIPolicy`, a generator, or any object
+                with `async respond(messages, tools) -> Reply`.
+            options (`EvalOptions`, *optional*):
+                How to run; `**kwargs` set its fields (`EvalOptions` documents them). By default the spec's own task
+                selection, `episode_timeout` and `success_threshold`.
 
         Returns:
             `EvalReport`: Mean reward, success rate, pass@k over `repeats`, grading coverage, finished rate, tool calls
-            and their health; `report.episodes` holds every record. See `ors_trl.evaluation.runner.evaluate` for the details.
+            and their health; `report.episodes` holds every record.
         """
-        from .evaluation.runner import evaluate
+        from .evaluation.runner import EvalOptions, evaluate
 
-        if num_tasks is None and indices is None:
-            num_tasks, indices = self._num_tasks, self._indices
+        opts = EvalOptions.of(options, **kwargs)
+        if opts.num_tasks is None and opts.indices is None:
+            opts.num_tasks, opts.indices = self._num_tasks, self._indices
+        if opts.episode_timeout is None:
+            opts.episode_timeout = self._options["episode_timeout"]
+        if opts.success_threshold is None:
+            opts.success_threshold = self._options["success_threshold"]
         _ = self._tools  # bind as training does
-        return evaluate(
-            self._runtime, policy, num_tasks=num_tasks, indices=indices, repeats=repeats, concurrency=concurrency,
-            max_turns=max_turns, output=output, resume=resume, overwrite=overwrite, per_task_tools=per_task_tools,
-            score_groups=score_groups, flatten_prompt=flatten_prompt, upload=upload, others=_others,
-            temperature=temperature, max_new_tokens=max_new_tokens, seed=seed, device=device, progress=progress,
-            episode_timeout=self._options["episode_timeout"] if episode_timeout is None else episode_timeout,
-            success_threshold=self._options["success_threshold"] if success_threshold is None else success_threshold)
+        return evaluate(self._runtime, policy, opts, others=_others)

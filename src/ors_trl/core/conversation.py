@@ -36,7 +36,7 @@ from ..protocol.types import (
     blocks_text,
 )
 
-__all__ = ["Prompt", "content", "images_of", "transcript"]
+__all__ = ["Prompt", "assistant_message", "content", "images_of", "tool_message", "transcript"]
 
 #: What `content` gives a model: a text, or content parts (`{"type": "text", "text": ...}`,
 #: `{"type": "image", "image": <RGB PIL image>}`) where an image is shown.
@@ -83,6 +83,23 @@ def content(blocks: Sequence[Block], *, images: bool = True, view: bool = False,
     """What a model reads for `blocks`: their text (`blocks_text`, as ever for text-only blocks), or with `images`
     and an image that can be shown among them, content parts; `view`: the text a record keeps of that."""
     return _merge([prefix, *_pieces(blocks, images, view)])
+
+
+def assistant_message(reply: Any, ids: Sequence[str]) -> dict[str, Any]:
+    """A reply (`ors_trl.core.episode.Reply`) as the chat message that follows it in the conversation, its calls under
+    `ids`: the one builder of assistant messages (with `tool_message`)."""
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content or ""}
+    if reply.tool_calls:
+        message["tool_calls"] = [call.chat(i) for call, i in zip(reply.tool_calls, ids, strict=True)]
+    return message
+
+
+def tool_message(call: Any, content: Content, id: str | None = None) -> dict[str, Any]:
+    """What a call (`ToolCall`) gave, as the chat message after its reply (`tool_call_id` where the call has an id)."""
+    message: dict[str, Any] = {"role": "tool", "name": call.name, "content": content}
+    if id is not None:
+        message["tool_call_id"] = id
+    return message
 
 
 def images_of(messages: Iterable[Mapping[str, Any]]) -> list[Any]:

@@ -26,12 +26,13 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import re
 import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -40,16 +41,13 @@ from ..protocol.errors import ConfigurationError, NotFoundError, ORSError, ToolE
 from ..protocol.loop import get_loop
 from ..protocol.text import clip, show_name
 from ..protocol.types import Block, ImageBlock, TerminalTool, ToolList, ToolResult, image_blocks
-from ..tasks.sampling import Curriculum
-from ..trl import backend as _trl
-from ..trl.backend import Rules
 from .binding import Toolset
 from .conversation import Content, Prompt, content, transcript
 from .metrics import EnvMetrics
 from .records import RUN_ID, CallRecord, EpisodeRecord, RecordWriter, TurnRecord, error_record, image_record
 
-__all__ = ["MANUAL", "Call", "EnvironmentRuntime", "Episode", "Outcome", "Reply", "Rules", "Task", "find_ended",
-           "runtimes", "score_groups"]
+__all__ = ["MANUAL", "TRAINING_SOURCES", "EnvironmentRuntime", "Episode", "Outcome", "Reply", "Rules", "Task", "ToolCall",
+           "find_ended", "runtimes", "score_groups"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -104,9 +102,22 @@ class Task:
                    dict(task_spec) if task_spec is not None else None, env)
 
 
+def _arguments(value: Any) -> Any:
+    """A call's arguments as the binding takes them: an object as it is, a JSON object's text decoded (an endpoint's
+    wire form), anything else as the model wrote it."""
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value) if value.strip() else {}
+        except ValueError:
+            return value
+        return parsed if isinstance(parsed, dict) else value
+    return value
+
+
 @dataclass(frozen=True)
-class Call:
-    """One tool call as the model wrote it: the name it saw, its arguments (an object, or whatever it wrote)."""
+class ToolCall:
+    """One tool call as the model wrote it: the name it saw, its arguments (an object, or whatever it wrote), the id
+    a generator gave it and its type (only `function` calls run)."""
 
     name: str
     arguments: Any = None
@@ -114,23 +125,77 @@ class Call:
     type: str = "function"
 
     @classmethod
-    def from_chat(cls, call: Mapping[str, Any]) -> Call:
-        """A chat message's `tool_calls` entry (TRL's `parse_response`, an OpenAI-style API)."""
-        if call.get("type", "function") != "function":
-            return cls(str(call.get("name", "unknown")), None, call.get("id"), str(call.get("type")))
-        function = call.get("function") or {}
-        return cls(str(function.get("name", "unknown")), function.get("arguments"), call.get("id"))
+    def of(cls, call: ToolCall | Mapping[str, Any]) -> ToolCall:
+        """A call from a chat message's `tool_calls` entry (`{"id", "type", "function": {"name", "arguments"}}`, as
+        TRL's `parse_response` and OpenAI-style APIs write it) or a flat `{"id", "name", "arguments"}`."""
+        if isinstance(call, ToolCall):
+            return call
+        kind = str(call.get("type") or "function")
+        function = call.get("function") if isinstance(call.get("function"), Mapping) else call
+        name = str(function.get("name") or ("unknown" if kind != "function" or "function" in call else ""))
+        return cls(name, _arguments(function.get("arguments")) if kind == "function" else None,
+                   call.get("id") or None, kind)
+
+    def chat(self, id: str | None = None) -> dict[str, Any]:
+        """The call as a chat message's `tool_calls` entry."""
+        return {"id": id or self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class Reply:
+    """One model reply, from any generator to the record (`PolicyReply` is the same type).
+
+    Attributes:
+        content (`str`, *optional*, defaults to `""`):
+            The visible text (`None`: nothing could be parsed).
+        tool_calls (`Sequence[ToolCall | dict]`, *optional*, defaults to `()`):
+            The calls, in order: `ToolCall`s, or dicts as chat messages or `{"id", "name", "arguments"}` write them.
+        truncated (`bool`, *optional*, defaults to `False`):
+            Whether the length limit cut the reply.
+        raw (`str`, *optional*):
+            The raw completion text, special tokens included, where the generator has it.
+        usage (`dict[str, Any]`, *optional*):
+            Token counts an endpoint reported.
+        seconds (`float`, *optional*):
+            What generating it took.
+    """
+
+    content: str | None = ""
+    tool_calls: Sequence[ToolCall | Mapping[str, Any]] = ()
+    truncated: bool = False
+    raw: str | None = None
+    usage: dict[str, Any] | None = None
+    seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        self.tool_calls = tuple(ToolCall.of(c) for c in self.tool_calls or ())
 
 
 @dataclass(frozen=True)
-class Reply:
-    """One model reply: its visible text (None when nothing was parsed), its calls, and whether the length limit
-    cut it. `extra` goes into the turn's record (`raw`, `usage`, `generation_seconds`)."""
+class Rules:
+    """The limits a driver plays its episodes under, and how a failed call reads to the model.
 
-    text: str | None
-    calls: tuple[Call, ...] = ()
-    truncated: bool = False
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    Attributes:
+        max_replies: model replies an episode may have (TRL: `max_tool_calling_iterations + 1`). The calls of the
+            last one are not run (no reply would read their results): the episode ends with `max_turns`.
+        max_tool_calls: tool calls an episode may make; later ones are refused locally and counted.
+        error_text: the text the model reads for a failed call (TRL's `{'error': ...}`).
+        tool_markup: the text that opens a tool call in the chat template the replies are parsed with (qwen3:
+            `<tool_call>`), or a pattern of such texts (an endpoint's, `ors_trl.evaluation.policies.TOOL_MARKUPS`): a
+            reply without calls whose text holds it is a call the parser missed, and its turn is marked `unparsed`.
+    """
+
+    max_replies: int | None = None
+    max_tool_calls: int | None = None
+    error_text: Callable[[BaseException], str] = str
+    tool_markup: str | re.Pattern[str] | None = None
+
+    def holds_call(self, text: str) -> bool:
+        """Whether `text` holds tool-call markup (`tool_markup`)."""
+        markup = self.tool_markup
+        if isinstance(markup, str):
+            return bool(markup) and markup in text
+        return markup is not None and markup.search(text) is not None
 
 
 class Outcome:
@@ -197,7 +262,10 @@ class EnvironmentRuntime:
         self.metrics = EnvMetrics(success_threshold)
         self.metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
         self.uploads: Any = None  # a RolloutUploader (ors_trl.protocol.upload) sent every closed episode's record, opt-in
-        self.curriculum: Curriculum | None = None  # task sampling (ors_trl.tasks.sampling): told each training outcome
+        #: Called once with each episode as it is counted (`Episode.account`, `Episode.adopt`): how the drivers'
+        #: task sources (`ors_trl.tasks`) hear outcomes without the core knowing them.
+        self.listeners: list[Callable[[Episode], None]] = [self._teach]
+        self.curriculum: Any = None  # TEMPORARY until the tasks layer subscribes itself (h-tasks)
         self.toolset: Toolset | None = None  # bound by the spec before the first episode
         self.uses_messages: bool | None = None  # /messages supported (None: not known yet)
         self.block_types: tuple[str, ...] | None = None  # block types the server accepts in messages
@@ -239,8 +307,6 @@ class EnvironmentRuntime:
     def rename(self, name: str, metrics: EnvMetrics, recorder: RecordWriter | None) -> None:
         """Join a mix: report under `name`, into the mix's metrics and record writer."""
         self.name, self.metrics = name, metrics
-        if self.curriculum is not None:
-            self.curriculum.name = name
         metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
         if recorder is not None:
             self.recorder = recorder
@@ -362,20 +428,16 @@ class EnvironmentRuntime:
         await asyncio.gather(*(ep.close() for ep in list(self.live)), return_exceptions=True)
         await self.client.aclose()
 
-    def attach_to(self, trainer: Any) -> None:
-        """Make `trainer` release this environment's sessions at each step's end and close them at the end.
+    def _teach(self, ep: Episode) -> None:  # TEMPORARY (h-tasks)
+        if self.curriculum is not None and ep.source in TRAINING_SOURCES:
+            self.curriculum.observe(ep.task.index, ep.reward)
 
-        Adds a `SessionCleanupCallback` (public Trainer API) unless one already covers this runtime.
-        """
-        if self.trainer is trainer or not hasattr(trainer, "add_callback"):
-            return
-        from ..trl.callbacks import SessionCleanupCallback
-
+    def bind(self, trainer: Any) -> bool:
+        """Note the trainer driving this environment (held weakly); False when it was already the one noted."""
+        if self.trainer is trainer:
+            return False
         self._trainer = weakref.ref(trainer)
-        for cb in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
-            if isinstance(cb, SessionCleanupCallback) and self in cb.runtimes:
-                return
-        trainer.add_callback(SessionCleanupCallback([self]))
+        return True
 
 
 def find_ended(messages: Any) -> Episode | None:
@@ -553,12 +615,12 @@ class Episode:
     def _rule(self, reply: Reply) -> tuple[str | None, str | None]:
         """For a reply already counted in `turns`: (None, None) when its calls run, else why the episode ends and
         the final plain message (for a terminal tool)."""
-        if reply.calls:
+        if reply.tool_calls:
             limit = self.rules.max_replies
             return ("max_turns", None) if limit is not None and len(self.turns) >= limit else (None, None)
         if reply.truncated:
             return "length", None
-        return "no_tool_calls", reply.text
+        return "no_tool_calls", reply.content
 
     async def reply(self, reply: Reply) -> list[Outcome] | None:
         """What a model reply does: the turn rule, for every driver.
@@ -580,24 +642,27 @@ class Episode:
         turn = self._turn(reply)
         reason, message = self._rule(reply)
         if reason is None:
-            return [await self.call(c) for c in reply.calls]
-        turn["tool_calls"] = [self._not_run(c) for c in reply.calls]
+            return [await self.call(c) for c in reply.tool_calls]  # type: ignore[arg-type]
+        turn["tool_calls"] = [self._not_run(c) for c in reply.tool_calls]  # type: ignore[arg-type]
         await self.end(reason, message)
         return None
 
     def _turn(self, reply: Reply) -> TurnRecord:
-        turn: TurnRecord = {"index": len(self.turns), "assistant": reply.text, "tool_calls": [], **reply.extra}
-        if not reply.calls and self.rules.holds_call(f"{reply.text or ''}{reply.extra.get('raw') or ''}"):
+        turn: TurnRecord = {"index": len(self.turns), "assistant": reply.content, "tool_calls": []}
+        for key, value in (("raw", reply.raw), ("usage", reply.usage), ("generation_seconds", reply.seconds)):
+            if value:
+                turn[key] = value  # type: ignore[literal-required]
+        if not reply.tool_calls and self.rules.holds_call(f"{reply.content or ''}{reply.raw or ''}"):
             turn["unparsed"] = True  # the model wrote a tool call the parser did not turn into one
-        self.timings["generation"] += float(reply.extra.get("generation_seconds") or 0.0)
+        self.timings["generation"] += float(reply.seconds or 0.0)
         self.turns.append(turn)
         return turn
 
     @staticmethod
-    def _not_run(call: Call) -> CallRecord:
+    def _not_run(call: ToolCall) -> CallRecord:
         return {"id": call.id, "name": call.name, "arguments": call.arguments, "status": "not_run"}
 
-    async def call(self, call: Call) -> Outcome:
+    async def call(self, call: ToolCall) -> Outcome:
         """One tool call of the model, by the name it saw: checked, routed, run, recorded and counted once.
 
         Refused locally (recorded, counted, the model reads why): an unsupported call type, a call after the
@@ -605,7 +670,7 @@ class Episode:
         arguments the binding does not know (TRL's own messages). Never raises for environment failures.
 
         Args:
-            call (`Call`):
+            call (`ToolCall`):
                 The call as the model wrote it.
 
         Returns:
@@ -661,7 +726,7 @@ class Episode:
         if calls is not None:
             self._unseen = max(self._unseen, calls - self.tool_calls)
 
-    def _admit(self, call: Call) -> tuple[str, dict[str, Any]]:
+    def _admit(self, call: ToolCall) -> tuple[str, dict[str, Any]]:
         """The remote tool and wire arguments of a call the episode accepts; raises the local refusal otherwise."""
         if call.type == "function":
             if self._open_error is not None:  # the model reads why its session is not there
@@ -677,7 +742,7 @@ class Episode:
                 raise _refusal(call.name, "max_tool_calls", f"this episode allows at most {cap} tool calls.")
         return self._route(call)
 
-    def _route(self, call: Call) -> tuple[str, dict[str, Any]]:
+    def _route(self, call: ToolCall) -> tuple[str, dict[str, Any]]:
         if call.type != "function":
             raise ToolRefusedError(f"Unsupported tool call type: {call.type}", tool=call.name)
         if self.toolset is None:
@@ -731,44 +796,30 @@ class Episode:
         if self._metrics is not None:
             self._metrics.record_call(self.env.name, seconds, kind, terminal=terminal)
 
-    def replay(self, messages: Sequence[Mapping[str, Any]], *, truncated: bool) -> tuple[str, str | None]:
-        """TRL's own loop played this episode (its calls came in through `call`): rebuild the turns from TRL's
-        transcript (the messages after the prompt) by the same turn rule, so that the record and the counts are
-        those the engine and eval give for the same replies. A call TRL failed itself, before it reached the
-        adapter (an unknown tool, arguments that are not an object, an unsupported type), is recorded and counted
-        as refused with what TRL showed the model.
-
-        Args:
-            messages (`Sequence[Mapping[str, Any]]`):
-                TRL's transcript after the prompt.
-            truncated (`bool`):
-                Whether the last reply was cut by the length limit.
-
-        Returns:
-            `tuple[str, str | None]`: What to `end` with: the reason and the final plain message.
-        """
+    def replay(self, replies: Sequence[tuple[Reply, Sequence[str]]], *, cut: bool) -> tuple[str, str | None]:
+        """A loop that is not ours played this episode (TRL's: its calls came in through `call`): rebuild the turns
+        from its transcript by the same turn rule, so that the record and the counts are those the engine and eval
+        give for the same replies. `replies`: each reply with what the loop showed the model after it (one text per
+        call; none when it appended no results: it rolled them back, which ends the episode `length`, or it ran
+        none, at its turn limit); `cut`: the transcript ends after results (the next reply was cut to nothing). A call
+        the loop failed itself, before it reached us, is recorded and counted as refused. Returns what to `end` with:
+        the reason and the final plain message."""
         made = deque(c for t in self.turns for c in t["tool_calls"])
         self.turns, self._unseen = [], 0
         reason: str | None = "no_tool_calls"
         message: str | None = None
-        replies, cut = _trl.replies_of(messages)
-        for k, (m, shown) in enumerate(replies):  # `shown`: the tool messages TRL appended after this reply
-            content = m.get("content")
-            reply = Reply(None if content is None else content if isinstance(content, str)
-                          else json.dumps(content, default=str),
-                          tuple(Call.from_chat(c) for c in m.get("tool_calls") or ()),
-                          truncated=truncated and k == len(replies) - 1)
+        for reply, shown in replies:
             turn = self._turn(reply)
             reason, message = self._rule(reply)
-            if reason is None and not shown:  # TRL appended no results: it rolled them back or ran none
-                ran = bool(made) and made[0].get("name") == reply.calls[0].name
-                reason = "length" if _trl.rolled_back(ran) else "max_turns"
-            for j, call in enumerate(reply.calls):
+            calls: tuple[ToolCall, ...] = reply.tool_calls  # type: ignore[assignment]
+            if reason is None and not shown:  # no results appended: rolled back (the calls ran) or none run
+                reason = "length" if made and made[0].get("name") == calls[0].name else "max_turns"
+            for j, call in enumerate(calls):
                 if reason == "max_turns":
                     turn["tool_calls"].append(self._not_run(call))
                 elif made and made[0].get("name") == call.name:
                     turn["tool_calls"].append(made.popleft())
-                else:  # TRL failed it before it reached the adapter
+                else:  # the loop failed it before it reached us
                     self.tool_calls += 1
                     turn["tool_calls"].append({"id": call.id, "name": call.name, "arguments": call.arguments})
                     self._failed(turn["tool_calls"][-1], self._refusal_of(call, shown[j] if j < len(shown) else None),
@@ -782,15 +833,14 @@ class Episode:
         self.rewards, self.metadata = [c.get("reward") for c in ran], [c.get("metadata") for c in ran]
         return reason or "length", message
 
-    def _refusal_of(self, call: Call, shown: Mapping[str, Any] | None) -> ToolRefusedError:
-        """What the binding says of a call TRL failed itself (the refusal the engine and eval give), else what TRL
-        showed the model."""
+    def _refusal_of(self, call: ToolCall, shown: str | None) -> ToolRefusedError:
+        """What the binding says of a call the loop failed itself (the refusal the engine and eval give), else what
+        the loop showed the model."""
         try:
             self._route(call)
         except ToolRefusedError as exc:
             return exc
-        return ToolRefusedError(_trl.shown_error(str(shown.get("content"))) if shown else "the call was not made",
-                                tool=call.name)
+        return ToolRefusedError(shown if shown is not None else "the call was not made", tool=call.name)
 
     # -- the end -----------------------------------------------------------------------------------
 
@@ -883,8 +933,8 @@ class Episode:
             self._metrics.record_episode(self.env.name, reward=self.reward, finished=self.finished,
                                          calls=self.tool_calls, unscored=self.unscored, turns=self.turns,
                                          opened=self.prompt is not None)
-        if self.env.curriculum is not None and self.source in TRAINING_SOURCES:
-            self.env.curriculum.observe(self.task.index, self.reward)
+        for listener in self.env.listeners:
+            listener(self)
         self._bill()
 
     def adopt(self) -> None:
@@ -896,8 +946,9 @@ class Episode:
         if apart is not None:
             self._metrics = self.env.metrics
             self.env.metrics.absorb(apart)
-        if self._accounted and self.env.curriculum is not None:
-            self.env.curriculum.observe(self.task.index, self.reward)
+        if self._accounted:
+            for listener in self.env.listeners:
+                listener(self)
 
     def _bill(self) -> None:
         """Count the session-seconds spent since the last count (`timings.session`: the session's life so far, all of

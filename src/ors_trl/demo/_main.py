@@ -59,9 +59,7 @@ class DemoResult:
     """What a demo run measured, plus what a test wants to check afterwards.
 
     `blind` holds the look task's blind-variant evaluation after training (None for echo); `report` the
-    path of the HTML report, `episode_log` the training episodes' records, when written; `alignment` how many
-    rollouts of GRPO's first step were checked (`checked`) against the evaluation's rendering of the turn after
-    the tool call, and how many matched TRL's ids exactly (`identical`).
+    path of the HTML report, `episode_log` the training episodes' records, when written.
     """
 
     before: dict[str, Any]
@@ -78,7 +76,6 @@ class DemoResult:
     report: str | None = None
     episode_log: str | None = None
     output_dir: str | None = None
-    alignment: dict[str, int] | None = None
     curve: list[dict[str, float]] = field(default_factory=list)
     pool: str = "train"
     task_sampling: str = "uniform"
@@ -114,8 +111,6 @@ class DemoResult:
                 "no_look_success_after": self.after.get("no_look_success"),
                 "rollout_func": self.rollout_func,
             })
-            if self.alignment:
-                out.update({f"trl_alignment_{k}": v for k, v in self.alignment.items()})
             if self.blind is not None:
                 out.update({"blind_success_after": self.blind["success_rate"],
                             "blind_follow_after": self.blind.get("follow_rate"),
@@ -223,35 +218,6 @@ def _bundled_class(task: str) -> type:
     from ._environments import DemoEnvironment, LookEnvironment
 
     return LookEnvironment if task == "look" else DemoEnvironment
-
-
-def _trl_prompt(spec: Any, *, rollout_func: bool) -> tuple[Any, list[dict[str, Any]]]:
-    """Held-out task 0 as GRPO renders it, and as `spec.evaluate` hands it to the policy.
-
-    GRPO: the adapter's `reset()` text in the dataset's user message (`environment_factory`), or the
-    conversation merged into the dataset's prompt (the rollout engine). Evaluation: the conversation's chat
-    messages (system turn kept).
-    """
-    from ors_trl.core.conversation import Prompt
-
-    row = spec.train_dataset[0]
-
-    async def read() -> Prompt:
-        session = await spec.client.open_session(split=spec.split, index=row["task_index"])
-        try:
-            return Prompt.from_messages(await session.messages())
-        finally:
-            await session.close()
-
-    prompt = spec.run(read())
-    if rollout_func:
-        return prompt.chat([{"role": "user", "content": ""}]), prompt.chat()
-    adapter = spec.environment_factory()
-    text = adapter.reset(**row)
-    episode = adapter.episode
-    if episode is not None:
-        episode.release()  # free its session now rather than when the spec closes
-    return text, prompt.chat()
 
 
 def run_demo(
@@ -392,8 +358,6 @@ def run_demo(
         eval_kwargs: dict[str, Any] = {"flatten_system": flatten}
         if look:
             eval_kwargs.update(look_tool=_task.LOOK_TOOL)
-            trl_prompt, eval_messages = _trl_prompt(heldout, rollout_func=rollout_func)
-            _recipe.check_prompt_rendering(tokenizer, tools, trl_prompt, eval_messages, flatten_system=flatten)
         say("measuring the model on held-out tasks (before)")
         before = _recipe.evaluate_policy(model, tokenizer, heldout, **eval_kwargs,
                                          output=str(out_dir / "eval_before.jsonl") if report else None)
@@ -426,9 +390,6 @@ def run_demo(
         say(f"GRPO for {steps} steps through OpenRewardSpec({target!r}) ({path})"
             + (" with SHUFFLED rewards" if control else ""))
         rewards = shuffled(train.reward_funcs, seed) if control else train.reward_funcs
-        alignment: dict[str, int] = {}
-        if look and not rollout_func:
-            rewards = _checking_alignment(rewards, tokenizer, tools, alignment)
         loop = {"rollout_func": train.rollout_func} if rollout_func else {"environment_factory": train.environment_factory}
         trainer = GRPOTrainer(
             model=model,
@@ -457,14 +418,6 @@ def run_demo(
             blind_result = _recipe.evaluate_policy(trainer.model, tokenizer, blind_spec, **eval_kwargs)
             say(f"  blind variant: success {blind_result['success_rate']:.3f} (chance 0.167), answered the decoy "
                 f"{blind_result['follow_rate']:.3f}")
-        if alignment:
-            say(f"  GRPO's first step: the evaluation builds the turn after look() with TRL's very ids in "
-                f"{alignment['identical']} of {alignment['checked']} rollouts checked")
-        if look:
-            differs = before["rerender_differs"] + after["rerender_differs"]
-            turns = before["later_turns"] + after["later_turns"]
-            say(f"  turns after a tool call: {turns}, built as GRPO builds them; a plain re-render of the "
-                f"conversation would have given other token ids in {differs}")
         for spec in specs:
             spec.close()
         report_path = None
@@ -477,7 +430,7 @@ def run_demo(
                           log_history=list(trainer.state.log_history), task=task if bundled else "env",
                           rollout_func=rollout_func, blind=blind_result, report=report_path,
                           episode_log=str(episode_log) if episode_log is not None else None,
-                          output_dir=str(out_dir), alignment=alignment or None, curve=curve, pool=split,
+                          output_dir=str(out_dir), curve=curve, pool=split,
                           task_sampling=task_sampling if difficulty is None else f"{task_sampling}+difficulty")
     finally:
         for spec in specs:
@@ -500,24 +453,6 @@ def _curve_callback(evaluate: Callable[[Any], dict[str, Any]], every: int, per_s
                 say(f"  step {state.global_step}: held-out success {success:.3f}")
 
     return Curve()
-
-
-def _checking_alignment(reward_func: Callable[..., list[float | None]], tokenizer: Any, tools: list[Any],
-                        into: dict[str, int]) -> Callable[..., list[float | None]]:
-    """`reward_func`, which on its first call also checks the evaluation's rendering against TRL's ids (`into`)."""
-    import functools
-
-    from . import _recipe
-
-    @functools.wraps(reward_func)
-    def checked(*args: Any, **kwargs: Any) -> list[float | None]:
-        rewards = reward_func(*args, **kwargs)  # settles the episodes first (terminal tool included)
-        if not into and kwargs.get("environments") is not None and kwargs.get("completion_ids") is not None:
-            n, same = _recipe.second_turn_alignment(tokenizer, tools, kwargs["completion_ids"], kwargs["environments"])
-            into.update(checked=n, identical=same)
-        return rewards
-
-    return checked
 
 
 def _write_report(out_dir: Path, task: str, say: Callable[[str], None]) -> str | None:

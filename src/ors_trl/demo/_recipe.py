@@ -10,10 +10,10 @@ exactly the token sequences GRPO will sample and the evaluation measures exactly
 - completions are parsed with `trl.chat_template_utils.parse_response(tokenizer, ids, prefix=prompt_ids, tools=...)`;
 - a conversation's system turn is shown as the trainer shows it: joined to the user text on the `environment_factory`
   path (TRL's `reset()` can only append text), a system message through `spec.rollout_func`;
-- the evaluation (`spec.evaluate` with `LocalPolicy`, whose `join_turns` builds each turn after a tool call by
-  concatenating ids as GRPO does). Re-rendering the conversation would give other ids: TRL's training template for
-  Qwen3 renders an empty `<think>` block in the assistant's tool-call turn, which the model never generated in
-  GRPO; `check_prompt_rendering` and the `rerender_differs` count keep this visible.
+- the evaluation (`spec.evaluate` with `LocalPolicy`, whose ids are built as GRPO builds them, `ors_trl.trl.tokens`;
+  `tests/test_rollout.py` checks them against TRL's own). Re-rendering the conversation would give other ids: TRL's
+  training template for Qwen3 renders an empty `<think>` block in the assistant's tool-call turn, which the model
+  never generated in GRPO.
 """
 
 from __future__ import annotations
@@ -268,29 +268,6 @@ def _checkpointing_option() -> str:
 # ── evaluation ──────────────────────────────────────────────────────────────────────────────────────────────────────
 
 
-def _counting_policy_class() -> type:
-    from ors_trl import LocalPolicy
-
-    class CountingPolicy(LocalPolicy):
-        """`LocalPolicy` (which builds a later turn's ids as GRPO's tool loop does, `join_turns`) that also counts
-        what a plain re-render of the conversation would have given: `later_turns` (turns after a tool call) and
-        `rerender_differs` (of those, how many re-rendered ids differ from the joined ones)."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.later_turns = 0
-            self.rerender_differs = 0
-
-        def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
-            ids = super()._render(messages, tools)
-            if any(m.get("role") == "assistant" for m in messages):
-                self.later_turns += 1
-                self.rerender_differs += self.rendering.prompt_ids(messages, tools) != ids
-            return ids
-
-    return CountingPolicy
-
-
 def flat(messages: list[dict[str, Any]], flatten_system: bool) -> list[dict[str, Any]]:
     """The conversation as `spec.evaluate(..., flatten_prompt=flatten_system)` hands it to the policy."""
     if not (flatten_system and messages and messages[0].get("role") == "system"):
@@ -305,66 +282,10 @@ def flat(messages: list[dict[str, Any]], flatten_system: bool) -> list[dict[str,
 def demo_policy(model, tokenizer, *, max_new_tokens: int = 32, temperature: float = 0.0) -> Any:
     """The evaluation policy (greedy unless `temperature`), rendering with the trainer's chat template and joining
     turns as GRPO does."""
-    return _counting_policy_class()(model, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens, seed=0,
-                                    chat_template=rendering(tokenizer).chat_template, name="demo-policy")
+    from ors_trl import LocalPolicy
 
-
-def check_prompt_rendering(tokenizer, tools: Sequence, trl_prompt: str | Sequence[dict[str, Any]],
-                           eval_messages: list[dict[str, Any]], *, flatten_system: bool) -> None:
-    """Fail loudly unless the evaluation renders a task's prompt to the very ids GRPO renders it to.
-
-    `trl_prompt` is what the trainer renders (the `reset()` text on the `environment_factory` path, the
-    engine's messages with `--rollout-func`) with the adapter's tool methods; `eval_messages` what
-    `spec.evaluate` hands the policy, with the tools' JSON schemas (what the binding renders for evaluation).
-    """
-    from transformers.utils import get_json_schema
-
-    schemas = [get_json_schema(f) for f in tools]
-    policy = demo_policy(None, tokenizer)
-    want = prompt_ids(policy.rendering, trl_prompt, tools)
-    got = policy._render(flat(list(eval_messages), flatten_system), schemas)
-    if got != want:
-        raise AssertionError(
-            "the evaluation would render the prompt differently from GRPO:\n"
-            f"  GRPO: {tokenizer.decode(want)!r}\n  eval: {tokenizer.decode(got)!r}"
-        )
-
-
-def second_turn_alignment(tokenizer, tools: Sequence, completion_ids: Sequence[Sequence[int]],
-                          environments: Sequence[Any], *, flatten_system: bool = True) -> tuple[int, int]:
-    """Compare, rollout by rollout, the ids GRPO generated the turn after the tool call from with the ids the
-    evaluation policy would build for that turn: `(checked, identical)`.
-
-    GRPO's side is TRL's own record: the prompt ids (the `reset()` text rendered as TRL renders it) plus the
-    rollout's `completion_ids` up to that turn. The evaluation's side is `demo_policy` given the episode's
-    conversation as `spec.evaluate` hands it over (system turn kept), the ids the model generated for its first
-    turn, and the tool message. Checked for rollouts whose first turn made exactly one successful tool call.
-    """
-    from transformers.utils import get_json_schema
-
-    schemas = [get_json_schema(f) for f in tools]
-    policy = demo_policy(None, tokenizer)
-    eos = tokenizer.eos_token_id
-    checked = identical = 0
-    for ids, env in zip(completion_ids, environments, strict=True):
-        ep = getattr(env, "episode", None)
-        ids = list(ids)
-        if ep is None or ep.prompt is None or len(ep.turns) < 2 or eos not in ids:
-            continue
-        calls = ep.turns[0]["tool_calls"]
-        if len(calls) != 1 or "output" not in calls[0] or "error" in calls[0]:
-            continue
-        trl_prompt = prompt_ids(policy.rendering, ep.prompt.flat if flatten_system else ep.prompt.chat(
-            [{"role": "user", "content": ""}]), tools)
-        messages = flat(ep.prompt.chat(), flatten_system)
-        first = policy._render(messages, schemas)
-        policy._generated[tuple(first)] = ids[: ids.index(eos) + 1]
-        call = {"type": "function", "function": {"name": calls[0]["name"], "arguments": calls[0]["arguments"]}}
-        rendered = policy._render([*messages, {"role": "assistant", "content": "", "tool_calls": [call]},
-                                   {"role": "tool", "name": calls[0]["name"], "content": calls[0]["output"]}], schemas)
-        checked += 1
-        identical += rendered == trl_prompt + ids[: len(rendered) - len(trl_prompt)]
-    return checked, identical
+    return LocalPolicy(model, tokenizer, temperature=temperature, max_new_tokens=max_new_tokens, seed=0,
+                       chat_template=rendering(tokenizer).chat_template, name="demo-policy")
 
 
 def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, max_turns: int = 2,
@@ -381,8 +302,7 @@ def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, ma
     (a conversation task graded by a terminal tool) also: `look_rate` (episodes that called it before answering),
     `turns` (model turns per episode), `answered_rate` (episodes whose final message the terminal tool graded),
     `follow_rate` (answers naming what the tool showed, from the terminal tool's metadata), `no_look_n` and
-    `no_look_success` (success of the episodes that answered without looking; None when there are none), and
-    `later_turns` / `rerender_differs` (see `demo_policy`).
+    `no_look_success` (success of the episodes that answered without looking; None when there are none).
     """
     was_training = model.training
     model.eval()
@@ -420,7 +340,5 @@ def evaluate_policy(model, tokenizer, spec: Any, *, max_new_tokens: int = 32, ma
             "follow_rate": sum(bool((f.get("metadata") or {}).get("follow")) for f in finals) / n,
             "no_look_n": len(blind),
             "no_look_success": blind_stats.success_rate if blind else None,
-            "later_turns": policy.later_turns,
-            "rerender_differs": policy.rerender_differs,
         })
     return out

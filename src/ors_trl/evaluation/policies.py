@@ -1,10 +1,11 @@
-"""Policies: what `evaluate` asks for the model's next turn, given the conversation and the tool schemas.
+"""Policies: what `evaluate` asks for the model's next turn.
 
-`await policy.respond(messages, tools) -> PolicyReply`: `messages` are chat messages (system, user,
-assistant with `tool_calls`, tool), `tools` the JSON schemas training renders. Two are built in:
-`LocalPolicy` (a transformers model, generation batched across the episodes waiting for a turn,
-replies parsed with TRL's `parse_response`) and `OpenAIPolicy` (any OpenAI-compatible
-chat-completions endpoint, retried under a `RetryPolicy` like every ORS request).
+A policy is either a generator (`ors_trl.core.rollout.Generator`: `reply(conversation)`, as `LocalPolicy` is) or
+anything with `await policy.respond(messages, tools) -> Reply` (the `Policy` protocol): `messages` are chat messages
+(system, user, assistant with `tool_calls`, tool), `tools` the JSON schemas training renders. Two are built in:
+`LocalPolicy` (a transformers model: its ids built as GRPO builds them, `ors_trl.trl.tokens`, and generation batched
+across the episodes waiting for a turn) and `OpenAIPolicy` (any OpenAI-compatible chat-completions endpoint, retried
+under a `RetryPolicy` like every ORS request).
 
 A message whose content holds images is a list of content parts (`{"type": "text", "text": ...}`,
 `{"type": "image", "image": <RGB PIL image>}`, `ors_trl.core.conversation.content`): `LocalPolicy` hands
@@ -21,25 +22,28 @@ returns the call as plain content.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from ..core.conversation import images_of
+from ..core.episode import Reply
+from ..core.rollout import Batcher, Conversation
 from ..protocol.errors import ConfigurationError, ContextLengthExceeded, ORSError, PolicyError
 from ..protocol.target import check_header_value
 from ..protocol.transport import Decoder, RetryPolicy, _Again, _read_capped, retrying
-from ..trl.engine import GatherWindow
+from ..trl.backend import Rendering
+from ..trl.tokens import TokenGenerator, Tokens
 
-__all__ = ["TOOL_MARKUPS", "LocalPolicy", "OpenAIPolicy", "Policy", "PolicyReply", "describe_policy", "markup_pattern",
-           "resolve_policy"]
+__all__ = ["TOOL_MARKUPS", "LocalPolicy", "OpenAIPolicy", "Policy", "PolicyReply", "Responder", "as_generator",
+           "describe_policy", "markup_pattern", "resolve_policy"]
+
+#: The reply type of the `Policy` protocol: `ors_trl.core.episode.Reply` itself.
+PolicyReply = Reply
 
 logger = logging.getLogger("ors_trl.eval")
 #: The largest chat completion read from an endpoint (as for ORS answers).
@@ -75,31 +79,6 @@ def markup_pattern(texts: str | Sequence[str] | None = None) -> re.Pattern[str] 
     return re.compile("|".join(map(re.escape, given))) if given else None
 
 
-@dataclass
-class PolicyReply:
-    """One assistant turn.
-
-    Attributes:
-        content (`str`, *optional*, defaults to `""`):
-            The assistant's text (`""` if none).
-        tool_calls (`list[dict[str, Any]]`, *optional*, defaults to `[]`):
-            The calls, `[{"id": str, "name": str, "arguments": dict | str}]`; `arguments` is the raw text when the
-            model's arguments were not a JSON object.
-        raw (`str`, *optional*):
-            The raw completion text, when the policy has one (local models), for the episode record.
-        usage (`dict[str, Any]`, *optional*):
-            Token counts reported by an endpoint, if any.
-        truncated (`bool`, *optional*, defaults to `False`):
-            Whether the reply was cut by the token limit (an endpoint's `finish_reason: "length"`).
-    """
-
-    content: str = ""
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    raw: str | None = None
-    usage: dict[str, Any] | None = None
-    truncated: bool = False
-
-
 @runtime_checkable
 class Policy(Protocol):
     """What `evaluate` drives: given the conversation and the tool schemas, return the assistant's reply.
@@ -108,7 +87,7 @@ class Policy(Protocol):
     text, so that a reply holding one that parsed to no call is counted (`unparsed`).
     """
 
-    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Reply:
         """The assistant's next turn.
 
         Args:
@@ -119,7 +98,7 @@ class Policy(Protocol):
                 The tools' JSON schemas, as training renders them.
 
         Returns:
-            `PolicyReply`: The assistant's turn.
+            `Reply`: The assistant's turn.
 
         Raises:
             PolicyError: no reply could be produced (`ContextLengthExceeded` when the conversation no longer fits).
@@ -142,18 +121,6 @@ def _openai_parts(content: Any) -> Any:
 
             out.append({"type": "image_url", "image_url": {"url": data_url(part["image"])}})
     return out
-
-
-def _parse_arguments(value: Any) -> dict[str, Any] | str:
-    if isinstance(value, dict):
-        return value
-    if isinstance(value, str):
-        try:
-            parsed = json.loads(value) if value.strip() else {}
-        except ValueError:
-            return value
-        return parsed if isinstance(parsed, dict) else value
-    return json.dumps(value, default=str)
 
 
 class OpenAIPolicy:
@@ -289,7 +256,7 @@ class OpenAIPolicy:
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout), trust_env=False)
         return self._http
 
-    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Reply:
         """The assistant's next turn, asked of the endpoint (retried under `max_attempts`).
 
         Args:
@@ -299,7 +266,7 @@ class OpenAIPolicy:
                 The tools' JSON schemas.
 
         Returns:
-            `PolicyReply`: The assistant's turn.
+            `Reply`: The assistant's turn.
 
         Raises:
             PolicyError: the endpoint answered an error, or not a chat completion, or could not be reached.
@@ -317,7 +284,7 @@ class OpenAIPolicy:
         url = f"{self.base_url}/chat/completions"
         http = await self._session()
 
-        async def attempt() -> PolicyReply:
+        async def attempt() -> Reply:
             self.requests += 1
             async with http.post(url, json=body, headers=headers) as resp:
                 raw = await _read_capped(resp, _MAX_ANSWER_BYTES, url)
@@ -335,7 +302,7 @@ class OpenAIPolicy:
         error.__cause__ = error.__context__ = None
         raise error
 
-    def _parse(self, raw: bytes) -> PolicyReply:
+    def _parse(self, raw: bytes) -> Reply:
         """A chat completion, decoded as every server answer is (repaired, the key masked)."""
         try:
             body = self._decoder.decode(raw, "the endpoint")
@@ -345,19 +312,10 @@ class OpenAIPolicy:
         except (ORSError, KeyError, IndexError, TypeError):
             raise PolicyError(f"the endpoint's answer is not a chat completion: {self._decoder.quote(raw, 300)}"
                               ) from None
-        calls = []
-        for call in message.get("tool_calls") or []:
-            if not isinstance(call, dict):
-                continue
-            function = call.get("function") if isinstance(call.get("function"), dict) else {}
-            calls.append({
-                "id": call.get("id") or None,
-                "name": function.get("name") or "",
-                "arguments": _parse_arguments(function.get("arguments")),
-            })
+        calls = [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
-        return PolicyReply(content=message.get("content") or "", tool_calls=calls, usage=usage,
-                           truncated=body["choices"][0].get("finish_reason") == "length")
+        return Reply(message.get("content") or "", calls, usage=usage,
+                     truncated=body["choices"][0].get("finish_reason") == "length")
 
     async def aclose(self) -> None:
         """Close the HTTP connections; the policy stays usable (a later request opens new ones)."""
@@ -366,23 +324,16 @@ class OpenAIPolicy:
             self._http = None
 
 
-@dataclass
-class _Pending:
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]]
-    future: asyncio.Future[PolicyReply]
-
-
-class LocalPolicy:
+class LocalPolicy(TokenGenerator):
     """A local transformers causal LM, prompted with the chat template `GRPOTrainer` trains tools with (tools
     included); or a vision-language model with its processor, which then takes the images of the conversation as
     training does.
 
-    Episodes waiting for a turn are batched by the engine's rule (`GatherWindow`): the first request waits for the
-    other running episodes (until `max_batch_size` are waiting, or the window passes), then one left-padded
-    `generate` call answers all of them, in a worker thread so that tool calls and keepalives go on meanwhile.
-    Replies are parsed with TRL's `parse_response` (the tokenizer's `response_template`, set with
-    `add_response_schema` when missing), as `GRPOTrainer` does.
+    Each episode's ids are built as GRPO builds them (`ors_trl.trl.tokens`: the previous input, the ids the model
+    generated, then TRL's tool suffix), so the model is evaluated on exactly the ids it is trained on. Episodes waiting
+    for a turn are batched by the one `Batcher` (until `max_batch_size` are waiting, or the window passes), then one
+    left-padded `generate` call answers all of them, on a worker thread so that tool calls and keepalives go on
+    meanwhile. Replies are parsed with TRL's `parse_response`, as `GRPOTrainer` does.
 
     Args:
         model (`Any`):
@@ -400,8 +351,7 @@ class LocalPolicy:
         max_batch_size (`int`, *optional*, defaults to `64`):
             At most this many requests per `generate` call.
         batch_wait (`float`, *optional*):
-            How long requests are gathered for one `generate` call, at most (`None`: the engine's automatic
-            window, at most 0.05 s and half of what a `generate` call takes).
+            How long requests are gathered for one `generate` call, at most (`None`: automatic, see `Batcher`).
         name (`str`, *optional*):
             The policy's name in records (default: the model's path).
         chat_template (`str`, *optional*):
@@ -409,67 +359,41 @@ class LocalPolicy:
             it is prefix-preserving, else TRL's training variant of it (`trl/chat_templates`, e.g. for Qwen3); the
             tokenizer's own, with one log line, where TRL has no such variant.
         join_turns (`bool`, *optional*, defaults to `True`):
-            Build a later turn's input as GRPO's tool loop does: the previous input, the ids the model generated,
-            then the tool messages' suffix (TRL's computation), instead of re-rendering the whole conversation.
-            Re-rendering can differ from what the model was trained on (an empty `<think>` block added to a past
-            turn, a generated sequence that is not the canonical tokenization of its text). A conversation whose
-            past turns this policy did not generate is rendered whole; so is every conversation, with one log line
-            (and `join_turns` set to `False`), once TRL cannot build a tool turn with the chat template (one that is
-            not prefix-preserving).
+            Build a later turn's ids as GRPO does; `False` re-renders the whole conversation each turn, which can
+            differ from what the model was trained on (an empty `<think>` block added to a past turn, a generated
+            sequence that is not the canonical tokenization of its text). Set to `False`, with one log line, once TRL
+            cannot build a tool turn with the chat template (one that is not prefix-preserving).
 
     Raises:
         ConfigurationError: the tokenizer has no chat template.
     """
 
-    def __init__(
-        self,
-        model: Any,
-        tokenizer: Any,
-        *,
-        temperature: float = 0.0,
-        max_new_tokens: int = 256,
-        top_p: float = 1.0,
-        seed: int | None = 0,
-        max_batch_size: int = 64,
-        batch_wait: float | None = None,
-        name: str | None = None,
-        chat_template: str | None = None,
-        join_turns: bool = True,
-    ) -> None:
+    def __init__(self, model: Any, tokenizer: Any, *, temperature: float = 0.0, max_new_tokens: int = 256,
+                 top_p: float = 1.0, seed: int | None = 0, max_batch_size: int = 64, batch_wait: float | None = None,
+                 name: str | None = None, chat_template: str | None = None, join_turns: bool = True) -> None:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ConfigurationError("the tokenizer has no chat template; LocalPolicy needs one to render tools")
-        self.model = model
-        self.tokenizer = tokenizer
-        self.temperature = float(temperature)
-        self.max_new_tokens = int(max_new_tokens)
-        self.top_p = top_p
-        self.seed = seed
-        self.max_batch_size = max(1, int(max_batch_size))
-        self.gather = GatherWindow(batch_wait)
-        self.name = name or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
-        self.join_turns = join_turns
-        self._generated: dict[tuple[int, ...], list[int]] = {}  # prompt ids -> the ids generated from them
-        self.batch_sizes: list[int] = []
-        from ..trl.backend import Rendering
-
         if chat_template is not None:
-            self.rendering = Rendering(tokenizer, chat_template=chat_template)
+            rendering = Rendering(tokenizer, chat_template=chat_template)
         else:
             try:  # the template GRPOTrainer trains tools with (TRL's training variant of a template it knows)
-                self.rendering = Rendering.for_training(tokenizer)
+                rendering = Rendering.for_training(tokenizer)
             except Exception as exc:  # a template TRL has no training variant of, or no TRL
                 logger.warning("LocalPolicy renders with the tokenizer's own chat template: the one GRPOTrainer trains "
                                "tools with could not be determined (%s: %s).", type(exc).__name__, exc)
-                self.rendering = Rendering(tokenizer)
-        if self.rendering.parse_error is not None:
+                rendering = Rendering(tokenizer)
+        if rendering.parse_error is not None:
             logger.warning("cannot parse tool calls from this model's replies (%s): no response template for its chat "
                            "template; replies are decoded as plain text, so every episode ends after one turn.",
-                           self.rendering.parse_error)
-        self._queue: list[_Pending] = []
-        self._wakeup: asyncio.Event | None = None
-        self._worker: asyncio.Task[None] | None = None
-        self._active: Callable[[], int] = lambda: 1
+                           rendering.parse_error)
+        super().__init__(rendering, Batcher(batch_wait, max_batch=max(1, int(max_batch_size))))
+        self.model, self.tokenizer = model, tokenizer
+        self.temperature, self.max_new_tokens, self.top_p, self.seed = float(temperature), int(max_new_tokens), top_p, seed
+        self.name = name or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
+        self.rerender = not join_turns
         self._abort = threading.Event()
+        self._worker: threading.Thread | None = None
+        self._lock = threading.Lock()
         self._seeded = False
 
     @classmethod
@@ -529,143 +453,89 @@ class LocalPolicy:
         """The text that opens a tool call in the chat template's replies (`Rendering.tool_markup`)."""
         return self.rendering.tool_markup
 
-    # -- the Policy protocol ---------------------------------------------------------------------------------
+    @property
+    def join_turns(self) -> bool:
+        return not self.rerender
 
-    def _set_active_counter(self, active: Callable[[], int]) -> None:
-        self._active = active
+    @property
+    def batch_sizes(self) -> list[int]:
+        """Requests per `generate` call so far."""
+        return self.batcher.batch_sizes
 
-    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
-        """The assistant's next turn, generated in a batch with the other episodes waiting for theirs.
+    # -- the generator protocol, and the Policy protocol on top -----------------------------------------------
 
-        Args:
-            messages (`list[dict[str, Any]]`):
-                The conversation so far (the `Policy` protocol's form).
-            tools (`list[dict[str, Any]]`):
-                The tools' JSON schemas, rendered by the chat template.
+    def start(self, conversation: Conversation) -> None:
+        super().start(conversation)
+        with self._lock:
+            if self._worker is None:
+                self._abort.clear()
+                self._worker = threading.Thread(target=self._pump, name="ors-trl-local-policy", daemon=True)
+                self._worker.start()
 
-        Returns:
-            `PolicyReply`: The assistant's turn, with the raw completion text.
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Reply:
+        """The assistant's next turn to a conversation given whole (rendered whole: its past turns' ids are not
+        known), generated in a batch with the other episodes waiting for theirs.
 
         Raises:
             PolicyError: generation failed, or the conversation cannot be rendered (`ContextLengthExceeded` when
                 it fills the model's context).
         """
-        loop = asyncio.get_running_loop()
-        if self._wakeup is None:
-            self._wakeup = asyncio.Event()
-        if self._worker is None or self._worker.done():
-            self._abort.clear()
-            self._worker = loop.create_task(self._work())
-        pending = _Pending(messages, tools, loop.create_future())
-        self._queue.append(pending)
-        self._wakeup.set()
+        conversation = Conversation(None, list(messages), list(tools) or None)  # type: ignore[arg-type]
+        self.start(conversation)
         try:
-            return await pending.future
+            return await self.reply(conversation)
         finally:
-            if pending in self._queue:
-                self._queue.remove(pending)
-
-    async def _work(self) -> None:
-        try:
-            await self._work_loop()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # never leave an episode waiting for a reply that cannot come
-            for p in self._queue:
-                if not p.future.done():
-                    p.future.set_exception(PolicyError(f"the generation worker failed: {type(exc).__name__}: {exc}"))
-            self._queue.clear()
-            raise
-
-    async def _work_loop(self) -> None:
-        assert self._wakeup is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            if not self._queue:
-                continue
-            # Give the other running episodes a moment to ask too, so they share one generate call (the engine's rule).
-            since = time.monotonic()
-            while (left := self.gather.left(len(self._queue), min(self._active(), self.max_batch_size)
-                                            - len(self._queue), since)) > 0:
-                self._wakeup.clear()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(left):
-                        await self._wakeup.wait()
-            batch = [p for p in self._queue[: self.max_batch_size] if not p.future.done()]
-            del self._queue[: self.max_batch_size]
-            if not batch:
-                continue
-            self.batch_sizes.append(len(batch))
-            started = time.monotonic()
-            try:
-                replies = await loop.run_in_executor(None, self._generate, [(p.messages, p.tools) for p in batch])
-            except Exception as exc:
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(exc if isinstance(exc, PolicyError) else PolicyError(
-                            f"generation failed: {type(exc).__name__}: {exc}"))
-                continue
-            self.gather.took(time.monotonic() - started)
-            for p, reply in zip(batch, replies, strict=True):
-                if p.future.done():
-                    continue
-                if isinstance(reply, BaseException):
-                    p.future.set_exception(reply)
-                else:
-                    p.future.set_result(reply)
-            if self._queue:
-                self._wakeup.set()
+            self.finish(conversation)
 
     async def aclose(self) -> None:
-        """Stop generating (an ongoing `generate` call is aborted), cancel the replies still waited for and forget
-        the generated turns; the next evaluation starts from the same seed."""
+        """Stop generating (an ongoing `generate` call is aborted) and fail the replies still waited for; the next
+        evaluation starts from the same seed."""
         self._abort.set()
-        if self._worker is not None:
-            self._worker.cancel()
-            with contextlib.suppress(BaseException):
-                await self._worker
-            self._worker = None
-        for p in self._queue:
-            if not p.future.done():
-                p.future.cancel()
-        self._queue.clear()
-        self._wakeup = None
-        self._seeded = False  # the next evaluation starts from the same seed
-        self._generated.clear()
+        self.batcher.wake()
+        worker = self._worker
+        if worker is not None:
+            await asyncio.to_thread(worker.join, 60)
+        self._seeded = False
 
-    # -- generation (worker thread) --------------------------------------------------------------------------
+    # -- generation (the worker thread) --------------------------------------------------------------------
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
-        """The input ids of the next turn: joined as GRPO joins them (`join_turns`), else the whole conversation (its
-        images expanded into their image tokens, in the order `images_of` lists them)."""
-        rendering = self.rendering
-        first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
-        if self.join_turns and first < len(messages):
-            ids = rendering.prompt_ids(messages[:first], tools)
-            i = first
-            while i < len(messages):
-                generated = self._generated.get(tuple(ids)) if messages[i].get("role") == "assistant" else None
-                if generated is None:  # a past turn this policy did not generate: render the conversation whole
-                    return rendering.prompt_ids(messages, tools)
-                ids, i = ids + generated, i + 1
-                start = i
-                while i < len(messages) and messages[i].get("role") == "tool":
-                    i += 1
-                if i > start:
-                    try:
-                        ids += rendering.tool_suffix_ids([{"role": "tool", "name": m.get("name") or "tool",
-                                                           "content": m["content"]} for m in messages[start:i]])
-                    except Exception as exc:  # a template that is not prefix-preserving: TRL cannot join its turns
-                        logger.warning("%s renders every conversation whole from now on (join_turns=False): TRL "
-                                       "cannot build a turn after tool calls with this chat template (%s: %s).",
-                                       self.name, type(exc).__name__, exc)
-                        self.join_turns = False
-                        self._generated.clear()
-                        return rendering.prompt_ids(messages, tools)
-            return ids
-        return rendering.prompt_ids(messages, tools)
+    def _idle(self) -> bool:
+        return self._abort.is_set() or self.batcher.members <= 0
+
+    def _pump(self) -> None:
+        """Generate for the waiting episodes until none is left (started again by the next one)."""
+        while True:
+            batch = self.batcher.take(stop=self._idle)
+            if not batch:
+                with self._lock:  # `start` counts its episode before it looks for a worker: none is stranded
+                    if self._idle():
+                        self._worker = None
+                        return
+                continue
+            try:
+                self.answer(batch)
+            except Exception as exc:  # never leave an episode waiting for a reply that cannot come
+                error = exc if isinstance(exc, PolicyError) else PolicyError(
+                    f"generation failed: {type(exc).__name__}: {exc}")
+                self.batcher.give(batch, [error] * len(batch))
+
+    def extend(self, conversation: Conversation) -> None:
+        try:
+            super().extend(conversation)
+        except (PolicyError, ORSError):
+            raise
+        except Exception as exc:
+            if conversation.state is None or self.rerender:
+                raise PolicyError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
+            logger.warning("%s renders every conversation whole from now on (join_turns=False): TRL cannot build a "
+                           "turn after tool calls with this chat template (%s: %s).", self.name, type(exc).__name__, exc)
+            self.rerender = True
+            super().extend(conversation)
+
+    def refuse_images(self, what: str) -> None:
+        if not self.rendering.takes_images:
+            raise PolicyError("the conversation holds an image, and this model's tokenizer takes none: evaluate a "
+                              'vision-language model with its processor, or pass OpenRewardSpec(..., images="placeholder")')
 
     def _context_limit(self) -> int | None:
         config = getattr(self.model, "config", None)
@@ -673,55 +543,34 @@ class LocalPolicy:
         limit = getattr(config, "max_position_embeddings", None)
         return limit if isinstance(limit, int) and limit > 0 else None
 
-    def _generate(self, requests: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]) -> list[Any]:
-        import torch
+    def fits(self, tokens: Tokens, suffix: list[int]) -> None:
+        limit, length = self._context_limit(), len(tokens.ids) + len(suffix)
+        if limit is not None and length >= limit:
+            raise ContextLengthExceeded(f"the conversation ({length} tokens) fills the model's context ({limit})")
 
-        tok = self.rendering.tokenizer
-        limit = self._context_limit()
-        prompts: list[list[int] | None] = []
-        images: list[list[Any]] = []
-        results: list[Any] = [None] * len(requests)
-        for i, (messages, tools) in enumerate(requests):  # a conversation that cannot be rendered fails alone
-            images.append(images_of(messages))
-            prompts.append(None)
-            try:
-                if images[-1] and not self.rendering.takes_images:
-                    raise PolicyError("the conversation holds an image, and this model's tokenizer takes none: "
-                                      "evaluate a vision-language model with its processor, or pass "
-                                      'OpenRewardSpec(..., images="placeholder")')
-                ids = self._render(messages, tools)
-            except Exception as exc:
-                results[i] = exc if isinstance(exc, PolicyError) else PolicyError(
-                    f"the chat template failed: {type(exc).__name__}: {exc}")
-                continue
-            if limit is not None and len(ids) >= limit:
-                results[i] = ContextLengthExceeded(f"the conversation ({len(ids)} tokens) fills the model's context "
-                                                   f"({limit})")
-            else:
-                prompts[i] = ids
-        live = [i for i, p in enumerate(prompts) if p is not None]
-        if not live:
-            return results
-        width = max(len(prompts[i]) for i in live)  # type: ignore[arg-type]
+    def generate_ids(self, tokens: list[Tokens]) -> list[tuple[list[int], list[float] | None]]:
+        if not tokens:
+            return []
+        import torch
+        from transformers import StoppingCriteriaList
+
+        tok, limit = self.rendering.tokenizer, self._context_limit()
+        width = max(len(t.ids) for t in tokens)
         max_new = self.max_new_tokens if limit is None else max(1, min(self.max_new_tokens, limit - width))
         eos_id = tok.eos_token_id
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_id
         device = getattr(self.model, "device", "cpu")
-        input_ids = torch.full((len(live), width), pad_id, dtype=torch.long)
-        attention = torch.zeros((len(live), width), dtype=torch.long)
-        for row, i in enumerate(live):  # left padding
-            p = prompts[i]
-            assert p is not None
-            input_ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            attention[row, width - len(p):] = 1
+        input_ids = torch.full((len(tokens), width), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(tokens), width), dtype=torch.long)
+        for row, t in enumerate(tokens):  # left padding
+            input_ids[row, width - len(t.ids):] = torch.tensor(t.ids, dtype=torch.long)
+            attention[row, width - len(t.ids):] = 1
         extra: dict[str, Any] = {}
-        if any(images[i] for i in live):
-            fields = self.rendering.image_inputs(input_ids.tolist(), [images[i] for i in live])
+        if any(t.images for t in tokens):
+            fields = self.rendering.image_inputs(input_ids.tolist(), [t.images for t in tokens])
             extra = {k: torch.as_tensor(v).to(device) for k, v in fields.items()}
-        sampling: dict[str, Any] = (
-            {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
-            if self.temperature > 0 else {"do_sample": False}
-        )
+        sampling: dict[str, Any] = ({"do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
+                                     "top_k": 0} if self.temperature > 0 else {"do_sample": False})
         if self.seed is not None and not self._seeded:
             torch.manual_seed(self.seed)
             self._seeded = True
@@ -730,48 +579,22 @@ class LocalPolicy:
         def stop(input_ids: Any, scores: Any, **kwargs: Any) -> Any:
             return torch.full((input_ids.shape[0],), abort.is_set(), dtype=torch.bool, device=input_ids.device)
 
-        from transformers import StoppingCriteriaList
-
         with torch.no_grad():
-            out = self.model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention.to(device),
-                max_new_tokens=max_new,
-                eos_token_id=eos_id,
-                pad_token_id=pad_id,
-                stopping_criteria=StoppingCriteriaList([stop]),
-                **extra,
-                **sampling,
-            )
+            out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                                      max_new_tokens=max_new, eos_token_id=eos_id, pad_token_id=pad_id,
+                                      stopping_criteria=StoppingCriteriaList([stop]), **extra, **sampling)
         if abort.is_set():
             raise PolicyError("generation aborted")
-        for row, i in enumerate(live):
+        results = []
+        for row in range(len(tokens)):
             ids = out[row, width:].tolist()
-            ended = eos_id is not None and eos_id in ids
-            if ended:
+            if eos_id is not None and eos_id in ids:
                 ids = ids[: ids.index(eos_id) + 1]
             else:
                 while ids and ids[-1] == pad_id:
                     ids.pop()
-            results[i] = self._parse(ids, prompts[i], requests[i][1], truncated=not ended)
+            results.append((ids, None))
         return results
-
-    def _parse(self, ids: list[int], prefix: list[int] | None, tools: list[dict[str, Any]], *,
-               truncated: bool = False) -> PolicyReply:
-        if prefix is not None and self.join_turns:
-            self._generated[tuple(prefix)] = list(ids)
-        raw = self.rendering.tokenizer.decode(ids, skip_special_tokens=False)
-        if not ids:
-            return PolicyReply(content="", raw=raw, truncated=truncated)
-        parsed = self.rendering.parse(ids, prefix, tools or None)
-        calls = []
-        for call in parsed.get("tool_calls") or []:
-            function = call.get("function") or {}
-            calls.append({"id": None, "name": str(function.get("name") or ""),
-                          "arguments": _parse_arguments(function.get("arguments"))})
-        content = parsed.get("content")
-        return PolicyReply(content=content if isinstance(content, str) else "", tool_calls=calls, raw=raw,
-                           truncated=truncated)
 
 
 def resolve_policy(
@@ -805,6 +628,33 @@ def resolve_policy(
         f"cannot evaluate {type(policy).__name__}: pass a local model directory, a (model, tokenizer) pair, "
         "an OpenAIPolicy, or an object with `async respond(messages, tools) -> PolicyReply`."
     )
+
+
+class Responder:
+    """A `Policy` (`respond(messages, tools)`) as a generator (`ors_trl.core.rollout`); what it raises, other than an
+    ors-trl error, is the policy's failure (`PolicyError`)."""
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+
+    async def reply(self, conversation: Conversation) -> Reply:
+        started = time.monotonic()
+        try:
+            reply = await self.policy.respond(conversation.messages, conversation.tools or [])
+        except ORSError:
+            raise
+        except Exception as exc:
+            raise PolicyError(f"{type(exc).__name__}: {exc}") from exc
+        if not isinstance(reply, Reply):
+            raise PolicyError(f"respond() returned {type(reply).__name__}, not a Reply (PolicyReply)")
+        if reply.seconds is None:
+            reply.seconds = round(time.monotonic() - started, 4)
+        return reply
+
+
+def as_generator(policy: Any) -> Any:
+    """`policy` as a generator: itself when it is one (`LocalPolicy`), else its `respond` (`Responder`)."""
+    return policy if callable(getattr(policy, "reply", None)) else Responder(policy)
 
 
 def describe_policy(policy: Any) -> str:

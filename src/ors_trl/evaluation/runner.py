@@ -31,29 +31,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import difflib
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..core import episode as _episode
-from ..core.episode import Call, EnvironmentRuntime, Episode, Reply, Rules, Task
+from ..core.episode import EnvironmentRuntime, Episode, Rules, Task
 from ..core.metrics import DEFAULT_SUCCESS_THRESHOLD, NO_CALL_WARNING, EpisodeStats
 from ..core.records import RecordWriter, read_records
+from ..core.rollout import play
 from ..core.stats import pass_at_k, pass_over_tasks, task_label
-from ..protocol.errors import ConfigurationError, ContextLengthExceeded, ORSError, PolicyError
+from ..protocol.errors import ConfigurationError, ORSError, PolicyError
 from ..protocol.loop import get_loop
 from ..protocol.text import escape_controls, one_line
 from ..tasks.selection import check_selection, select
 from ..trl import backend as _trl
-from .policies import describe_policy, resolve_policy
+from .policies import as_generator, describe_policy, resolve_policy
 
-__all__ = ["EvalReport", "MixEvalReport", "evaluate", "load_episodes"]
+__all__ = ["EvalOptions", "EvalReport", "MixEvalReport", "evaluate", "load_episodes"]
 
 logger = logging.getLogger("ors_trl.eval")
 
@@ -82,137 +84,25 @@ def load_episodes(path: str | os.PathLike[str], environments: Collection[str] | 
             and (environments is None or record.get("environment") in environments)}
 
 
-async def _play(ep: Episode, policy: Any, flatten_prompt: bool = False) -> None:
-    """One evaluation episode: the policy replies, the turn rule (`Episode.reply`) decides what they do."""
-    if not await ep.open():
-        return
-    assert ep.prompt is not None and ep.toolset is not None
-    messages = [{"role": "user", "content": ep.prompt.flat}] if flatten_prompt else ep.prompt.chat()
-    schemas = ep.toolset.schemas
-    while not ep.over:  # bounded: the rules' max_replies ends the episode
-        started = time.monotonic()
-        try:
-            reply = await policy.respond(messages, schemas)
-        except ContextLengthExceeded as exc:
-            await ep.end("context_length", detail=str(exc))
-            return
-        except ORSError:
-            raise
-        except Exception as exc:
-            raise PolicyError(f"{type(exc).__name__}: {exc}") from exc
-        extra = {k: v for k, v in (("raw", reply.raw), ("usage", reply.usage)) if v}
-        calls = tuple(Call(c["name"], c["arguments"], c.get("id")) for c in reply.tool_calls)
-        outcomes = await ep.reply(Reply(reply.content, calls, reply.truncated,
-                                        {**extra, "generation_seconds": round(time.monotonic() - started, 4)}))
-        if outcomes is None:
-            return
-        ids = [c.id or f"call_{len(ep.turns) - 1}_{k}" for k, c in enumerate(calls)]
-        messages.append({"role": "assistant", "content": reply.content, "tool_calls": [
-            {"id": i, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for i, c in zip(ids, calls, strict=True)]})
-        messages += [{"role": "tool", "tool_call_id": i, "name": c.name, "content": o.content}
-                     for i, c, o in zip(ids, calls, outcomes, strict=True)]
+@dataclass
+class EvalOptions:
+    """How an evaluation runs: `OpenRewardSpec.evaluate`, `OpenRewardMix.evaluate` and `ors-trl eval` take these
+    (as keywords, or one `EvalOptions`), documented here once.
 
-
-class _Evaluation:
-    """The episodes of one `evaluate` call, run `concurrency` at a time."""
-
-    def __init__(self, runtime: EnvironmentRuntime, policy: Any, *, max_turns: int, writer: RecordWriter | None,
-                 bar: Any, per_task_tools: bool, groups: bool, flatten_prompt: bool,
-                 episode_timeout: float | None = None, uploads: Any = None) -> None:
-        self.runtime, self.policy, self.flatten_prompt = runtime, policy, flatten_prompt
-        self.rules = Rules(max_replies=max_turns, error_text=_trl.error_text,
-                           tool_markup=getattr(policy, "tool_markup", None))  # a chat template's, an endpoint's
-        self.uploads = uploads
-        self.episode_timeout = episode_timeout
-        self.writer, self.bar, self.per_task_tools, self.groups = writer, bar, per_task_tools, groups
-        self.policy_name = describe_policy(policy)
-        self.active = 0
-        self.done: list[Episode] = []
-
-    async def run_one(self, gate: asyncio.Semaphore, key: EpisodeKey) -> None:
-        split, index, repeat = key
-        async with gate:
-            self.active += 1
-            ep = self.runtime.episode(Task(split, index), source="eval", rules=self.rules, metrics=False,
-                                      writer=None if self.groups else self.writer, task_tools=self.per_task_tools,
-                                      # group-scored: written and uploaded once scored, in `evaluate`
-                                      uploads=(False if self.groups else self.uploads) if self.uploads else None,
-                                      repeat=repeat, policy=self.policy_name)
-            deadline = asyncio.timeout(self.episode_timeout)
-            try:
-                async with deadline:
-                    await _play(ep, self.policy, self.flatten_prompt)
-            except TimeoutError as exc:
-                if not deadline.expired():  # not our deadline: a failure like any other
-                    ep.fail(exc)
-                else:
-                    ep.time_out(self.episode_timeout or 0.0)
-            except (ORSError, PolicyError) as exc:
-                ep.fail(exc)
-            except Exception as exc:  # a bug or an unexpected failure: recorded, not fatal for the other episodes
-                logger.warning("episode %s/%d/%d failed unexpectedly: %s", split, index, repeat, exc, exc_info=True)
-                ep.fail(exc)
-            except BaseException:  # interrupted (Ctrl-C): not a result, so not recorded; resume reruns it
-                await asyncio.shield(ep.close(keep=False))
-                raise
-            finally:
-                self.active -= 1
-            await ep.close()
-        self.done.append(ep)
-        if self.bar is not None:
-            scored = [e.reward for e in self.done if e.reward is not None]
-            if scored:
-                self.bar.set_postfix(reward=f"{sum(scored) / len(scored):.3f}", refresh=False)
-            self.bar.update(1)
-
-
-def evaluate(
-    runtime: EnvironmentRuntime,
-    policy: Any,
-    *,
-    num_tasks: int | None = None,
-    indices: Any = None,
-    repeats: int = 1,
-    concurrency: int = 8,
-    max_turns: int = 10,
-    episode_timeout: float | None = None,
-    output: str | os.PathLike[str] | None = None,
-    resume: bool = False,
-    overwrite: bool = False,
-    per_task_tools: bool = False,
-    score_groups: bool = False,
-    flatten_prompt: bool = False,
-    success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
-    upload: bool | str = False,
-    others: Collection[str] = (),
-    temperature: float = 0.0,
-    max_new_tokens: int | None = None,
-    seed: int | None = 0,
-    device: str | None = None,
-    progress: bool = True,
-) -> EvalReport:
-    """Run `policy` over tasks of an environment and score it (`OpenRewardSpec.evaluate` is the entry point).
-
-    Args:
-        runtime (`EnvironmentRuntime`):
-            The environment (a spec's runtime: its client, split, bound tools apply).
-        policy (`str`, `os.PathLike`, `tuple[Any, Any]` or `Policy`):
-            A local model directory, a `(model, tokenizer)` pair, an `OpenAIPolicy`, or any object with
-            `async respond(messages, tools) -> PolicyReply`.
+    Attributes:
         num_tasks (`int`, *optional*):
-            The first `num_tasks` tasks of the split (default, with no `indices`: the whole split).
+            The first `num_tasks` tasks of the split (default, with no `indices`: the spec's own selection).
         indices (`Sequence[int]`, *optional*):
             Exactly these task indices (non-negative ints), instead of `num_tasks`.
         repeats (`int`, *optional*, defaults to `1`):
-            Episodes per task (told apart by their repeat index).
+            Episodes per task, told apart by their repeat index (pass@k for k = 1..`repeats`).
         concurrency (`int`, *optional*, defaults to `8`):
             Episodes (and so sessions) running at once.
         max_turns (`int`, *optional*, defaults to `10`):
             Policy replies allowed per episode (the calls of the last one are not run, as in TRL's loop, whose limit
             is `max_tool_calling_iterations + 1` replies).
         episode_timeout (`float`, *optional*):
-            Wall-clock seconds one episode may take (`None`: no limit); past it the episode is closed (its session
+            Wall-clock seconds one episode may take (default: the spec's); past it the episode is closed (its session
             deleted), recorded with end reason `timeout` and scored `None`.
         output (`str` or `os.PathLike`, *optional*):
             JSON-lines file receiving every finished episode at once (append + flush).
@@ -221,20 +111,17 @@ def evaluate(
         overwrite (`bool`, *optional*, defaults to `False`):
             Replace an existing non-empty `output` (without `resume`, an existing file is an error).
         per_task_tools (`bool`, *optional*, defaults to `False`):
-            Bind each episode's own tool list (`/task_tools` of its session) instead of the spec's tools, i.e. what
-            training binds (shared plus the probed task-specific tools).
+            Bind each episode's own tool list (`/task_tools` of its session) instead of the spec's tools.
         score_groups (`bool`, *optional*, defaults to `False`):
             Also score each task's episodes (its repeats) together with `/score_group`.
         flatten_prompt (`bool`, *optional*, defaults to `False`):
             Give the policy the prompt as TRL's `environment_factory` loop does (one user message, the system turn
             first) rather than as a conversation: for a model trained through that loop.
-        success_threshold (`float`, *optional*, defaults to `DEFAULT_SUCCESS_THRESHOLD`):
-            An episode succeeded when its reward is at least this (`EvalReport.success_rate`, pass@k).
+        success_threshold (`float`, *optional*):
+            An episode succeeded when its reward is at least this (default: the spec's).
         upload (`bool` or `str`, *optional*, defaults to `False`):
             Send every episode to the OpenReward rollout viewer (`True`, or the run's name there), with the
             policy's name and size; the platform's API key as for catalog targets (`OPENREWARD_API_KEY`).
-        others (`Collection[str]`, *optional*, defaults to `()`):
-            Environments whose episodes `output` holds too (a mix's), left alone without a warning.
         temperature (`float`, *optional*, defaults to `0.0`):
             Sampling temperature for a policy given as a path or pair (0: greedy).
         max_new_tokens (`int`, *optional*):
@@ -245,40 +132,142 @@ def evaluate(
             Where a policy given as a path runs (`"cuda"` when available, else `"cpu"`, when omitted).
         progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar on stderr.
+    """
+
+    num_tasks: int | None = None
+    indices: Sequence[int] | None = None
+    repeats: int = 1
+    concurrency: int = 8
+    max_turns: int = 10
+    episode_timeout: float | None = None
+    output: str | os.PathLike[str] | None = None
+    resume: bool = False
+    overwrite: bool = False
+    per_task_tools: bool = False
+    score_groups: bool = False
+    flatten_prompt: bool = False
+    success_threshold: float | None = None
+    upload: bool | str = False
+    temperature: float = 0.0
+    max_new_tokens: int | None = None
+    seed: int | None = 0
+    device: str | None = None
+    progress: bool = True
+
+    @classmethod
+    def of(cls, options: EvalOptions | None = None, **kwargs: Any) -> EvalOptions:
+        """`options` (or the defaults) with `kwargs` set; an unknown name is a `ConfigurationError` naming the
+        known ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            close = {u: difflib.get_close_matches(u, names, 1) for u in unknown}
+            hints = ", ".join(f"{u!r}" + (f" (did you mean {c[0]!r}?)" if c else "") for u, c in close.items())
+            raise ConfigurationError(f"unknown evaluation option {hints}; the options are: {', '.join(sorted(names))}")
+        return dataclasses.replace(options or cls(), **kwargs)
+
+    def check(self) -> None:
+        """Raise a `ConfigurationError` for options that cannot work together."""
+        self.indices = check_selection(self.num_tasks, self.indices)
+        for name in ("repeats", "concurrency", "max_turns"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
+        if self.episode_timeout is not None and not self.episode_timeout > 0:  # also refuses NaN
+            raise ConfigurationError(f"episode_timeout must be positive seconds or None, got {self.episode_timeout!r}")
+        out = self.path
+        if self.resume and out is None:
+            raise ConfigurationError("resume=True needs output= (the episodes file to continue)")
+        if out is not None and not self.resume and not self.overwrite and out.exists() and out.stat().st_size > 0:
+            raise ConfigurationError(f"{out} already exists; pass resume=True to continue it or overwrite=True to "
+                                     "replace it")
+
+    @property
+    def path(self) -> Path | None:
+        return Path(self.output) if self.output is not None else None
+
+
+class _Evaluation:
+    """The episodes of one `evaluate` call, run `concurrency` at a time."""
+
+    def __init__(self, runtime: EnvironmentRuntime, policy: Any, options: EvalOptions, *, writer: RecordWriter | None,
+                 bar: Any, uploads: Any = None) -> None:
+        self.runtime, self.options, self.generator = runtime, options, as_generator(policy)
+        self.rules = Rules(max_replies=options.max_turns, error_text=_trl.error_text,
+                           tool_markup=getattr(policy, "tool_markup", None))  # a chat template's, an endpoint's
+        self.writer, self.bar, self.uploads = writer, bar, uploads
+        self.policy_name = describe_policy(policy)
+        self.done: list[Episode] = []
+
+    async def run_one(self, gate: asyncio.Semaphore, key: EpisodeKey) -> None:
+        split, index, repeat = key
+        groups = self.options.score_groups
+        async with gate:
+            ep = self.runtime.episode(Task(split, index), source="eval", rules=self.rules, metrics=False,
+                                      writer=None if groups else self.writer, task_tools=self.options.per_task_tools,
+                                      # group-scored: written and uploaded once scored, in `evaluate`
+                                      uploads=(False if groups else self.uploads) if self.uploads else None,
+                                      repeat=repeat, policy=self.policy_name)
+            try:
+                await play(ep, self.generator, flatten=self.options.flatten_prompt,
+                           timeout=self.options.episode_timeout)
+            except (ORSError, PolicyError, TimeoutError) as exc:
+                ep.fail(exc)
+            except Exception as exc:  # a bug or an unexpected failure: recorded, not fatal for the other episodes
+                logger.warning("episode %s/%d/%d failed unexpectedly: %s", split, index, repeat, exc, exc_info=True)
+                ep.fail(exc)
+            except BaseException:  # interrupted (Ctrl-C): not a result, so not recorded; resume reruns it
+                await asyncio.shield(ep.close(keep=False))
+                raise
+            await ep.close()
+        self.done.append(ep)
+        if self.bar is not None:
+            scored = [e.reward for e in self.done if e.reward is not None]
+            if scored:
+                self.bar.set_postfix(reward=f"{sum(scored) / len(scored):.3f}", refresh=False)
+            self.bar.update(1)
+
+
+def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | None = None, *,
+             others: Collection[str] = (), **kwargs: Any) -> EvalReport:
+    """Run `policy` over tasks of an environment and score it (`OpenRewardSpec.evaluate` is the entry point).
+
+    Args:
+        runtime (`EnvironmentRuntime`):
+            The environment (a spec's runtime: its client, split, bound tools apply).
+        policy (`str`, `os.PathLike`, `tuple[Any, Any]` or `Policy`):
+            A local model directory, a `(model, tokenizer)` pair, an `OpenAIPolicy`, a generator, or any object with
+            `async respond(messages, tools) -> Reply`.
+        options (`EvalOptions`, *optional*):
+            How to run; `**kwargs` set its fields.
+        others (`Collection[str]`, *optional*, defaults to `()`):
+            Environments whose episodes `output` holds too (a mix's), left alone without a warning.
 
     Returns:
         `EvalReport`: What the evaluation measured; `report.episodes` holds every record.
 
     Raises:
-        ConfigurationError: an argument cannot work (a count below 1, `resume` without `output`, an `output` that
-            exists without `resume` or `overwrite`, `score_groups` on an environment without group scoring).
+        ConfigurationError: an option cannot work (see `EvalOptions.check`), or `score_groups` on an environment
+            without group scoring.
     """
-    indices = check_selection(num_tasks, indices)
-    for name, value in dict(repeats=repeats, concurrency=concurrency, max_turns=max_turns).items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
-    if episode_timeout is not None and not episode_timeout > 0:  # also refuses NaN
-        raise ConfigurationError(f"episode_timeout must be positive seconds or None, got {episode_timeout!r}")
-    out_path = Path(output) if output is not None else None
-    if resume and out_path is None:
-        raise ConfigurationError("resume=True needs output= (the episodes file to continue)")
-    if out_path is not None and not resume and not overwrite and out_path.exists() and out_path.stat().st_size > 0:
-        raise ConfigurationError(f"{out_path} already exists; pass resume=True to continue it or overwrite=True to "
-                                 "replace it")
-    if score_groups and not runtime.supports_score_group:
+    opts = EvalOptions.of(options, **kwargs)
+    opts.check()
+    if opts.score_groups and not runtime.supports_score_group:
         raise ConfigurationError(f"{runtime.name} does not support group scoring (its /tools does not say "
                                  "supports_score_group: true)")
-
+    success_threshold = DEFAULT_SUCCESS_THRESHOLD if opts.success_threshold is None else opts.success_threshold
+    out_path = opts.path
     started = time.monotonic()
     bg = get_loop()
     client = runtime.client
     environment = bg.run(client.environment())
     split = runtime.split
-    selected = list(dict.fromkeys(select(bg.run(client.num_tasks(split)), split, num_tasks, indices, warn=False)))
-    keys: list[EpisodeKey] = [(split, i, r) for i in selected for r in range(repeats)]
+    selected = list(dict.fromkeys(select(bg.run(client.num_tasks(split)), split, opts.num_tasks, opts.indices,
+                                         warn=False)))
+    keys: list[EpisodeKey] = [(split, i, r) for i in selected for r in range(opts.repeats)]
     mine = {runtime.name, environment}
-    previous = load_episodes(out_path, mine) if resume and out_path else {}
-    if resume and out_path:
+    previous = load_episodes(out_path, mine) if opts.resume and out_path else {}
+    if opts.resume and out_path:
         foreign = {r.get("environment") for r in read_records(out_path)} - mine - set(others)
         if foreign:
             logger.warning("%s holds episodes of other environments (%s); they are not reused", out_path,
@@ -288,29 +277,25 @@ def evaluate(
     todo = [k for k in keys if k not in kept]
 
     # the uploader first: a missing key is said before a model is loaded
-    uploads = _uploader(upload, lambda: policy_obj, client.target) if upload else None
-    policy_obj, _ = resolve_policy(policy, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed,
-                                   device=device)
-    writer = RecordWriter(out_path, append=resume) if out_path is not None else None
+    uploads = _uploader(opts.upload, lambda: policy_obj, client.target) if opts.upload else None
+    policy_obj, _ = resolve_policy(policy, temperature=opts.temperature, max_new_tokens=opts.max_new_tokens,
+                                   seed=opts.seed, device=opts.device)
+    writer = RecordWriter(out_path, append=opts.resume) if out_path is not None else None
     bar = None
-    if progress and todo:
+    if opts.progress and todo:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(keys), initial=len(kept), desc=escape_controls(f"eval {environment or runtime.name}"),
                    unit="ep", file=sys.stderr, dynamic_ncols=True)
-    evaluation = _Evaluation(runtime, policy_obj, max_turns=max_turns, writer=writer, bar=bar,
-                             per_task_tools=per_task_tools, groups=score_groups, flatten_prompt=flatten_prompt,
-                             episode_timeout=episode_timeout, uploads=uploads)
-    if hasattr(policy_obj, "_set_active_counter"):
-        policy_obj._set_active_counter(lambda: evaluation.active)
+    evaluation = _Evaluation(runtime, policy_obj, opts, writer=writer, bar=bar, uploads=uploads)
     finished_event = threading.Event()
 
     async def run_all() -> None:
-        gate = asyncio.Semaphore(concurrency)
+        gate = asyncio.Semaphore(opts.concurrency)
         tasks = [asyncio.ensure_future(evaluation.run_one(gate, k)) for k in todo]
         try:
             await asyncio.gather(*tasks)
-            if score_groups:
+            if opts.score_groups:
                 await _episode.score_groups(evaluation.done)
                 for ep in evaluation.done:
                     record = ep.record()

@@ -308,7 +308,7 @@ class TaskSamplingCallback(TrainerCallback):
             metrics.update(curriculum.metrics())
         mirrored, states = self._mirrored() if not source.drew else ({}, {})
         metrics.update(mirrored)
-        _trl.add_step_metrics(trainer, metrics)
+        _trl.Backend.of(trainer).add_step_metrics(metrics)
         if source.drew:
             source.trim(source.consumed(args, state.global_step))
         if control.should_save:

@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from ..core.episode import MANUAL, Call, EnvironmentRuntime, Episode, Outcome, Task
+from ..core.episode import MANUAL, EnvironmentRuntime, Episode, Outcome, Task, ToolCall
 from ..protocol.errors import ConfigurationError, ORSError, ToolRefusedError, UsageError
 from ..protocol.loop import get_loop
 from ..protocol.text import show_json
@@ -59,7 +59,7 @@ class _Ahead:
 
     __slots__ = ("call", "future")
 
-    def __init__(self, call: Call) -> None:
+    def __init__(self, call: ToolCall) -> None:
         self.call = call
         self.future: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
 
@@ -148,7 +148,7 @@ class OpenRewardEnvironment:
         rt = self._runtime
         trainer, batch = _trl.resetting_batch(self)
         if trainer is not None:
-            rt.attach_to(trainer)
+            _trl.Backend.of(trainer).attach(rt)
         for env, batch_row in batch or ():
             if isinstance(env, OpenRewardEnvironment) and env._preopened is None:
                 env._preopen(batch_row, trainer)
@@ -172,7 +172,7 @@ class OpenRewardEnvironment:
         assert prompt is not None
         shown = prompt.content()
         if isinstance(shown, list):
-            _trl.check_images(trainer or rt.trainer, f"The prompt of task {task.key}")
+            _refuse_images(trainer or rt.trainer, f"The prompt of task {task.key}")
         return shown
 
     def _preopen(self, row: Mapping[str, Any], trainer: Any) -> None:
@@ -226,7 +226,7 @@ class OpenRewardEnvironment:
         if isinstance(outcome.content, list):
             rt = self._runtime
             try:
-                _trl.check_images(rt.trainer, f"The output of a {rt.name} tool")
+                _refuse_images(rt.trainer, f"The output of a {rt.name} tool")
             except ConfigurationError as exc:  # TRL's loop would swallow it here: the step's reward functions raise it
                 rt.image_error = rt.image_error or exc
                 return outcome.text
@@ -236,7 +236,7 @@ class OpenRewardEnvironment:
         """The tool `name` (as the model saw it) called by TRL's loop: one `Episode.call`; raises, for TRL's failure
         count, on failure (TRL shows the model `{'error': ...}`)."""
         ep = self._current()
-        call = Call(name, arguments)
+        call = ToolCall(name, arguments)
         ep.made_before(_trl.calls_before(self))
         if not self._ahead and self._runtime.batch_tool_calls:
             self._start_turn(call)
@@ -252,10 +252,10 @@ class OpenRewardEnvironment:
 
     async def _acall_tool(self, name: str, arguments: dict[str, Any]) -> str | list[dict[str, Any]]:
         """Coroutine twin of `_call_tool`, for async tool methods (the call runs on the background loop)."""
-        call = self._current().call(Call(name, arguments))
+        call = self._current().call(ToolCall(name, arguments))
         return self._answer(await asyncio.wrap_future(self._runtime.bg.submit(call)))
 
-    def _start_turn(self, first: Call) -> None:
+    def _start_turn(self, first: ToolCall) -> None:
         """At the first call of a turn of TRL's tool loop, start the turn's calls across the batch at once.
 
         For each rollout (this one from the current call on), the longest prefix of its calls TRL will make
@@ -282,7 +282,7 @@ class OpenRewardEnvironment:
                     env._runtime.toolset.route(name, arguments)
                 except ToolRefusedError:  # TRL fails this call itself (an unknown tool, arguments that do not bind)
                     break
-                chain.append(_Ahead(Call(name, arguments)))
+                chain.append(_Ahead(ToolCall(name, arguments)))
             if chain:
                 planned.append((env, chain, made))
         if not planned or planned[0][0] is not self or planned[0][1][0].call != first:
@@ -307,6 +307,13 @@ def _source(trainer: Any) -> str:
     """An adapter episode's source: `trl` when a trainer drives it (`trainer`, found calling `reset`, or TRL's async
     worker), else `MANUAL`."""
     return "trl" if trainer is not None or _trl.in_async_worker() else MANUAL
+
+
+def _refuse_images(trainer: Any, what: str) -> None:
+    """An image a trainer cannot take is a `ConfigurationError`; no trainer (an adapter driven by hand): nothing to
+    check."""
+    if trainer is not None:
+        _trl.Backend.of(trainer).refuse_images(what)
 
 
 async def _close_episodes(episodes: list[Episode]) -> None:
@@ -355,7 +362,8 @@ def settle_all(environments: list[Any], completions: list[Any] | None, completio
         eos = (eos_token_ids if eos_token_ids is not None else
                _trl.eos_token_ids(env._runtime.trainer) if env._runtime.trainer is not None else set())
         ids = completion_ids[i] if completion_ids is not None else None
-        reason, message = ep.replay(messages, truncated=bool(eos) and bool(ids) and int(ids[-1]) not in eos)
+        replies, cut = _trl.replies_of(messages, bool(eos) and bool(ids) and int(ids[-1]) not in eos)
+        reason, message = ep.replay(replies, cut=cut)
         ends.append(ep.end(reason, message))
     if ends:
         async def run() -> None:

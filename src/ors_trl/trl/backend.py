@@ -1,6 +1,8 @@
 """The one seam to TRL's internals: everything that reads `GRPOTrainer`'s private methods or loop state.
 
-ors-trl uses TRL's public surface (`environment_factory`, `rollout_func`, reward functions and
+Given a trainer, that is one object, `Backend.of(trainer)` (built once per trainer): its rendering, turn rules and
+limits, generation, the image hand-off, its logs and the callbacks ors-trl attaches. Before there is a trainer in
+hand, the functions here find it (or TRL's loop state) up the stack. ors-trl uses TRL's public surface (`environment_factory`, `rollout_func`, reward functions and
 their `log_metric` keyword, callbacks) everywhere else. What needs more lives here:
 
 - batch pre-open and `batch_tool_calls` read the locals of TRL's `environment_factory` loop
@@ -39,23 +41,23 @@ import functools
 import importlib
 import importlib.metadata
 import itertools
+import json
 import logging
 import multiprocessing
 import os
-import re
 import sys
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType, ModuleType
 from typing import Any
 
+from ..core.episode import Reply, Rules
 from ..protocol.errors import ConfigurationError, UsageError
 
-__all__ = ["TRL_KEYWORDS", "VERIFIED", "AsyncGRPO", "FinishedRollout", "Rendering", "Rules", "add_step_metrics",
-           "async_grpo", "calling_trainer", "check_images", "clip_post_tool", "error_text", "finished_rollout", "generate", "hand_images",
-           "in_async_worker", "install_image_handoff", "log_outside_step", "overflows", "replies_of", "resetting_batch",
-           "rolled_back", "rules", "shown_error", "tool_markup", "tool_message", "tool_turn", "training_trainer",
-           "verified"]
+__all__ = ["TRL_KEYWORDS", "VERIFIED", "AsyncGRPO", "Backend", "FinishedRollout", "Rendering", "async_grpo",
+           "calling_trainer", "error_text", "finished_rollout", "in_async_worker", "install_image_handoff", "replies_of",
+           "resetting_batch", "rules", "shown_error", "tool_markup", "tool_turn", "training_trainer", "verified"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -142,25 +144,6 @@ def training_trainer() -> Any:
     up the stack (datasets' and torch's iteration stand between), since a dataset is handed no trainer."""
     frame = _frame(1, 96, lambda f: _is_trainer(f.f_locals.get("self")))
     return frame.f_locals["self"] if frame is not None else None
-
-
-def add_step_metrics(trainer: Any, metrics: Mapping[str, float]) -> None:
-    """Log `metrics` with the current step's own (GRPO's per-step metric store, averaged and logged at the next
-    logging step); on a trainer without that store, or an unverified TRL, as an entry of their own."""
-    store = getattr(trainer, "_metrics", None)
-    if verified() and isinstance(store, dict) and isinstance(store.get("train"), dict):
-        for name, value in metrics.items():
-            store["train"].setdefault(name, []).append(value)
-    elif metrics:
-        log_outside_step(trainer, dict(metrics))
-
-
-def log_outside_step(trainer: Any, logs: dict[str, float]) -> None:
-    """Log `logs` to the trainer's `log_history` and its `on_log` callbacks from a callback event. `GRPOTrainer.log`
-    would fold in (and clear) the metrics its current step collected; the base `Trainer.log` adds only these."""
-    from transformers import Trainer
-
-    Trainer.log(trainer, logs)
 
 
 # -- TRL's environment_factory loop --------------------------------------------------------------
@@ -367,53 +350,22 @@ def shown_error(content: str) -> str:
     return content
 
 
-def replies_of(messages: Sequence[Mapping[str, Any]]) -> tuple[list[tuple[Mapping[str, Any], list[Mapping[str, Any]]]],
-                                                                bool]:
-    """TRL's transcript of one rollout (the messages after the prompt) read back: each reply (an assistant message)
-    with the tool messages TRL's loop appended after it, and whether the transcript ends after tool results (the reply
-    after them was cut to nothing: `clip_post_tool`).
-
-    No tool messages after a reply with calls: TRL rolled them back (`rolled_back`) or stopped at its turn limit.
-    """
+def replies_of(messages: Sequence[Mapping[str, Any]], truncated: bool
+               ) -> tuple[list[tuple[Reply, list[str]]], bool]:
+    """TRL's transcript of one rollout (the messages after the prompt) read back for `Episode.replay`: each reply (an
+    assistant message; `truncated`: the last was cut) with what TRL's loop showed the model after it (the error of a
+    call it failed itself unwrapped: `shown_error`), and whether the transcript ends after tool results (the reply
+    after them was cut to nothing: TRL's budget)."""
     at = [i for i, m in enumerate(messages) if m.get("role", "assistant") == "assistant"]
-    replies = [(messages[i], list(itertools.takewhile(lambda m: m.get("role") == "tool", messages[i + 1:])))
-               for i in at]
+    replies = []
+    for k, i in enumerate(at):
+        content = messages[i].get("content")
+        reply = Reply(None if content is None else content if isinstance(content, str)
+                      else json.dumps(content, default=str), messages[i].get("tool_calls") or (),
+                      truncated=truncated and k == len(at) - 1)
+        shown = itertools.takewhile(lambda m: m.get("role") == "tool", messages[i + 1:])
+        replies.append((reply, [shown_error(str(m.get("content"))) for m in shown]))
     return replies, bool(at) and at[-1] < len(messages) - 1
-
-
-def rolled_back(ran: bool) -> bool:
-    """After a reply with calls that TRL's loop appended no results for: True when it ran them (`ran`: they reached
-    the adapter) and then dropped their results, which would overflow its budget (`overflows`: the episode was cut by
-    length); False when it ran none, at its turn limit (`max_tool_calling_iterations`: the episode ends `max_turns`)."""
-    return ran
-
-
-@dataclass(frozen=True)
-class Rules:
-    """The limits a driver plays its episodes under, and how a failed call reads to the model.
-
-    Attributes:
-        max_replies: model replies an episode may have (TRL: `max_tool_calling_iterations + 1`). The calls of the
-            last one are not run (no reply would read their results): the episode ends with `max_turns`.
-        max_tool_calls: tool calls an episode may make; later ones are refused locally and counted.
-        error_text: the text the model reads for a failed call (TRL's `{'error': ...}`: `error_text`).
-        tool_markup: the text that opens a tool call in the chat template the replies are parsed with (qwen3:
-            `<tool_call>`), or a pattern of such texts (an endpoint's: `ors_trl.evaluation.policies.TOOL_MARKUPS`): a reply
-            without calls whose text holds it is a call the parser missed, and its turn is marked `unparsed`.
-            None: not known.
-    """
-
-    max_replies: int | None = None
-    max_tool_calls: int | None = None
-    error_text: Callable[[BaseException], str] = str
-    tool_markup: str | re.Pattern[str] | None = None
-
-    def holds_call(self, text: str) -> bool:
-        """Whether `text` holds tool-call markup (`tool_markup`)."""
-        markup = self.tool_markup
-        if isinstance(markup, str):
-            return bool(markup) and markup in text
-        return markup is not None and markup.search(text) is not None
 
 
 def rules(trainer: Any) -> Rules:
@@ -457,41 +409,6 @@ def tool_markup(processing_class: Any) -> str | None:
         call = props.get("tool_calls") if isinstance(props, dict) else None
         opener = _literal_start(str(call.get("x-regex-iterator") or "")) if isinstance(call, dict) else None
     return opener if isinstance(opener, str) and len(opener.strip()) > 1 else None
-
-
-def tool_message(name: str, content: str | list[dict[str, Any]]) -> dict[str, Any]:
-    """A tool result as TRL's loop appends it to the conversation (content parts as a tool returned them)."""
-    return {"role": "tool", "name": name, "content": content}
-
-
-def _is_vlm(trainer: Any) -> bool:
-    vlm = getattr(trainer, "_is_vlm", None)
-    return vlm if isinstance(vlm, bool) else getattr(getattr(trainer, "processing_class", None), "image_processor",
-                                                     None) is not None
-
-
-def check_images(trainer: Any, what: str) -> None:
-    """Raise a `ConfigurationError` when `trainer` cannot take the images `what` holds: its processing class is a
-    tokenizer, not a processor (`GRPOTrainer._is_vlm`). No trainer (an adapter driven by hand): nothing to check."""
-    if trainer is not None and not _is_vlm(trainer):
-        raise ConfigurationError(
-            f"{what} holds an image, and this trainer's processing class "
-            f"({type(getattr(trainer, 'processing_class', None)).__name__}) is a tokenizer, which takes no images. "
-            "Train a vision-language model with its processor (GRPOTrainer(model=..., processing_class="
-            "AutoProcessor.from_pretrained(...))), or pass OpenRewardSpec(..., images=\"placeholder\") to show the "
-            "model the text [image: <media type>] in its place.")
-
-
-def clip_post_tool(new_ids: list[int], used: int, budget: int) -> list[int]:
-    """TRL's cut of a reply generated after tool results: the completion (`used` tokens so far) stays within
-    `max_completion_length` (`budget`)."""
-    excess = used + len(new_ids) - budget
-    return new_ids[: len(new_ids) - excess] if excess > 0 else new_ids
-
-
-def overflows(completion_length: int, total_length: int, budget: int, model_length: int) -> bool:
-    """TRL's rule for tool results that would not fit: past the completion budget or the backend's context."""
-    return completion_length > budget or total_length >= model_length
 
 
 class Rendering:
@@ -617,22 +534,8 @@ def image_inputs(processing_class: Any, prompt_ids: list[list[int]], images: lis
     return fields
 
 
-def generate(trainer: Any, prompt_ids: list[list[int]], images: list[list[Any]] | None = None
-             ) -> tuple[list[list[int]], list[list[float]] | None]:
-    """One completion per prompt through TRL's generation backend (transformers, vLLM server or colocate); `images`:
-    each prompt's images, in the order of its image tokens."""
-    if not images or not any(images):
-        return trainer._generate_single_turn(prompt_ids, None, {}, num_generations=1)
-    if getattr(trainer, "use_transformers_continuous_batching", False):
-        raise ConfigurationError("TRL's continuous-batching generation takes no images; generate with transformers' "
-                                 "generate (the default) or vLLM for an environment that shows images.")
-    processing_class = trainer.processing_class
-    token = getattr(trainer, "_image_pad_token_id", None) or getattr(processing_class, "image_token_id", None)
-    fields = {} if getattr(trainer, "use_vllm", False) else image_inputs(processing_class, prompt_ids, images, token)
-    return trainer._generate_single_turn(prompt_ids, [row or None for row in images], fields, num_generations=1)
-
-
 _HANDOFF = "_ors_images"
+_BACKEND = "_ors_backend"
 
 
 def _no_tool() -> None:
@@ -676,22 +579,173 @@ def install_image_handoff() -> None:
     GRPOTrainer._generate_and_score_completions = _generate_and_score_completions
 
 
-def hand_images(trainer: Any, images: list[list[Any]]) -> None:
-    """Hand TRL the images of a `rollout_func`'s rollouts (each one's, in the order of its image tokens) for the
-    loss of this step (`install_image_handoff`); nothing when there are none."""
-    if not any(images):
-        return
-    if not getattr(getattr(type(trainer), "_generate", None), _HANDOFF, False):
-        raise ConfigurationError(f"{type(trainer).__name__} does not hand a rollout_func's images to its loss (its "
-                                 "_generate is not GRPOTrainer's, or TRL is not a verified version); use "
-                                 "environment_factory=spec.environment_factory for an environment that shows images.")
-    trainer.__dict__[_HANDOFF] = [row or None for row in images]
+class Backend:
+    """TRL's private surface for one trainer, built once per trainer (`Backend.of`): its rendering, turn rules and
+    limits, generation (padded across processes), the image hand-off, its logs and the callbacks ors-trl attaches.
+    Holds the trainer weakly."""
 
+    def __init__(self, trainer: Any) -> None:
+        try:
+            self._trainer: Callable[[], Any] = weakref.ref(trainer)
+        except TypeError:  # a stand-in trainer (tests): held as it is
+            self._trainer = lambda: trainer
 
-def max_model_len(trainer: Any) -> int:
-    """The longest sequence the generation backend accepts (TRL's own bound in its tool loop)."""
-    if getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_mode", None) == "colocate":
-        return trainer.vllm_generation.llm.llm_engine.model_config.max_model_len
-    config = trainer.model.config
-    config = getattr(config, "text_config", None) or config
-    return getattr(config, "max_position_embeddings", 1 << 30)
+    @classmethod
+    def of(cls, trainer: Any) -> Backend:
+        """The trainer's backend, kept on the trainer itself (built at the first use)."""
+        backend = vars(trainer).get(_BACKEND)
+        if backend is None:
+            backend = cls(trainer)
+            vars(trainer)[_BACKEND] = backend
+        return backend
+
+    @property
+    def trainer(self) -> Any:
+        return self._trainer()
+
+    @functools.cached_property
+    def rendering(self) -> Rendering:
+        return Rendering.of(self.trainer)
+
+    @property
+    def rules(self) -> Rules:
+        return rules(self.trainer)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return eos_token_ids(self.trainer)
+
+    @property
+    def max_completion_length(self) -> int:
+        return self.trainer.max_completion_length
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence the generation backend accepts (TRL's own bound in its tool loop)."""
+        trainer = self.trainer
+        if getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_mode", None) == "colocate":
+            return trainer.vllm_generation.llm.llm_engine.model_config.max_model_len
+        config = trainer.model.config
+        config = getattr(config, "text_config", None) or config
+        return getattr(config, "max_position_embeddings", 1 << 30)
+
+    def clip_post_tool(self, new_ids: list[int], used: int) -> list[int]:
+        """TRL's cut of a reply generated after tool results: the completion (`used` tokens so far) stays within
+        `max_completion_length`."""
+        excess = used + len(new_ids) - self.max_completion_length
+        return new_ids[: len(new_ids) - excess] if excess > 0 else new_ids
+
+    def overflows(self, completion_length: int, total_length: int) -> bool:
+        """TRL's rule for tool results that would not fit: past the completion budget or the backend's context."""
+        return completion_length > self.max_completion_length or total_length >= self.max_model_len
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether the processing class is a processor (`GRPOTrainer._is_vlm`), not a tokenizer."""
+        trainer = self.trainer
+        vlm = getattr(trainer, "_is_vlm", None)
+        return vlm if isinstance(vlm, bool) else getattr(getattr(trainer, "processing_class", None),
+                                                         "image_processor", None) is not None
+
+    def refuse_images(self, what: str) -> None:
+        """Raise a `ConfigurationError` when the trainer cannot take the images `what` holds."""
+        if not self.takes_images:
+            raise ConfigurationError(
+                f"{what} holds an image, and this trainer's processing class "
+                f"({type(getattr(self.trainer, 'processing_class', None)).__name__}) is a tokenizer, which takes no "
+                "images. Train a vision-language model with its processor (GRPOTrainer(model=..., processing_class="
+                "AutoProcessor.from_pretrained(...))), or pass OpenRewardSpec(..., images=\"placeholder\") to show "
+                "the model the text [image: <media type>] in its place.")
+
+    # -- generation, across processes ---------------------------------------------------------------
+
+    @property
+    def processes(self) -> int:
+        return getattr(getattr(self.trainer, "accelerator", None), "num_processes", 1)
+
+    def anyone(self, local: bool) -> bool:
+        """True if any process still has work (every process must then join the next generation call)."""
+        if self.processes == 1:
+            return local
+        import torch
+
+        accelerator = self.trainer.accelerator
+        return bool(accelerator.gather(torch.tensor([1 if local else 0], device=accelerator.device)).max().item())
+
+    def generate(self, requests: Sequence[tuple[list[int], list[Any]]], fallback: tuple[list[int], list[Any]]
+                 ) -> list[tuple[list[int], list[float] | None]]:
+        """One completion per prompt (its ids and their images) through TRL's generation backend (transformers,
+        vLLM server or colocate), padded to a common count across processes (collective backends need every
+        process in every call: a process with fewer prompts repeats one, or `fallback`)."""
+        n, target = len(requests), len(requests)
+        if self.processes > 1:
+            import torch
+
+            accelerator = self.trainer.accelerator
+            target = int(accelerator.gather(torch.tensor([n], device=accelerator.device)).max().item())
+        if target == 0:
+            return []
+        padded = list(requests) + [requests[0] if requests else fallback] * (target - n)
+        ids, logprobs = self._generate([list(p) for p, _ in padded], [im for _, im in padded])
+        return [(list(ids[i]), list(logprobs[i]) if logprobs is not None else None) for i in range(n)]
+
+    def _generate(self, prompt_ids: list[list[int]], images: list[list[Any]]
+                  ) -> tuple[list[list[int]], list[list[float]] | None]:
+        trainer = self.trainer
+        if not any(images):
+            return trainer._generate_single_turn(prompt_ids, None, {}, num_generations=1)
+        if getattr(trainer, "use_transformers_continuous_batching", False):
+            raise ConfigurationError("TRL's continuous-batching generation takes no images; generate with "
+                                     "transformers' generate (the default) or vLLM for an environment that shows "
+                                     "images.")
+        processing_class = trainer.processing_class
+        token = getattr(trainer, "_image_pad_token_id", None) or getattr(processing_class, "image_token_id", None)
+        fields = {} if getattr(trainer, "use_vllm", False) else image_inputs(processing_class, prompt_ids, images,
+                                                                             token)
+        return trainer._generate_single_turn(prompt_ids, [row or None for row in images], fields, num_generations=1)
+
+    # -- the image hand-off, logs, callbacks ---------------------------------------------------------
+
+    def hand_images(self, images: list[list[Any]]) -> None:
+        """Hand TRL the images of a `rollout_func`'s rollouts (each one's, in the order of its image tokens) for the
+        loss of this step (`install_image_handoff`); nothing when there are none."""
+        if not any(images):
+            return
+        trainer = self.trainer
+        if not getattr(getattr(type(trainer), "_generate", None), _HANDOFF, False):
+            raise ConfigurationError(f"{type(trainer).__name__} does not hand a rollout_func's images to its loss (its "
+                                     "_generate is not GRPOTrainer's, or TRL is not a verified version); use "
+                                     "environment_factory=spec.environment_factory for an environment that shows "
+                                     "images.")
+        trainer.__dict__[_HANDOFF] = [row or None for row in images]
+
+    def add_step_metrics(self, metrics: Mapping[str, float]) -> None:
+        """Log `metrics` with the current step's own (GRPO's per-step metric store, averaged and logged at the next
+        logging step); on a trainer without that store, or an unverified TRL, as an entry of their own."""
+        store = getattr(self.trainer, "_metrics", None)
+        if verified() and isinstance(store, dict) and isinstance(store.get("train"), dict):
+            for name, value in metrics.items():
+                store["train"].setdefault(name, []).append(value)
+        elif metrics:
+            self.log_outside_step(dict(metrics))
+
+    def log_outside_step(self, logs: dict[str, float]) -> None:
+        """Log `logs` to the trainer's `log_history` and its `on_log` callbacks from a callback event.
+        `GRPOTrainer.log` would fold in (and clear) the metrics its current step collected; `Trainer.log` adds only
+        these."""
+        from transformers import Trainer
+
+        Trainer.log(self.trainer, logs)
+
+    def attach(self, runtime: Any) -> None:
+        """Make the trainer release `runtime`'s sessions at each step's end and close them at the end (a
+        `SessionCleanupCallback`, public Trainer API, unless one already covers the runtime)."""
+        trainer = self.trainer
+        if not hasattr(trainer, "add_callback") or not runtime.bind(trainer):
+            return
+        from .callbacks import SessionCleanupCallback
+
+        for cb in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
+            if isinstance(cb, SessionCleanupCallback) and runtime in cb.runtimes:
+                return
+        trainer.add_callback(SessionCleanupCallback([runtime]))

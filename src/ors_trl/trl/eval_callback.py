@@ -88,7 +88,7 @@ class EvalCallback(TrainerCallback):
 
             rows = gather_object(rows)
         logs = self.metrics(rows)
-        _trl.log_outside_step(trainer, dict(logs))
+        _trl.Backend.of(trainer).log_outside_step(dict(logs))
         self.history.append({"step": step, **logs})
 
     def metrics(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, float]:

@@ -1,0 +1,219 @@
+"""The one rollout loop (design decision 14): an episode played with a generator.
+
+`play(episode, generator)` opens the episode, shows the generator the conversation, hands each reply to the turn
+rule (`Episode.reply`) and appends what its calls gave, until the episode ends. The engine (training), `evaluate`
+and the eval callback drive it; TRL's own loop replays the same rule (`Episode.replay`). A generator answers "the
+model's next reply, given this conversation": the trainer's backend or a local model (token ids built once,
+`ors_trl.trl.tokens`), an OpenAI-compatible endpoint, a scripted one. `Batcher` is the one micro-batcher in front of
+a batched generator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from ..protocol.errors import ConfigurationError, ContextLengthExceeded
+from .conversation import assistant_message, tool_message
+from .episode import Episode, Outcome, Reply
+
+__all__ = ["AUTO_WINDOW", "Batcher", "Conversation", "Generator", "StopEpisode", "play"]
+
+#: The automatic gather window's longest wait, in seconds.
+AUTO_WINDOW = 0.05
+
+
+class Conversation:
+    """One episode as a generator sees it: its chat `messages` so far (what a message-level generator sends), the
+    tools' schemas, and `state`, the generator's own view of it (a token generator's `Tokens`)."""
+
+    __slots__ = ("episode", "messages", "state", "tools")
+
+    def __init__(self, episode: Episode, messages: list[dict[str, Any]] | None = None,
+                 tools: list[dict[str, Any]] | None = None) -> None:
+        self.episode, self.messages, self.tools, self.state = episode, messages or [], tools, None
+
+    def add(self, reply: Reply, outcomes: Sequence[Outcome]) -> None:
+        """Append a reply whose calls ran, and their results (the one message builder, `ors_trl.core.conversation`)."""
+        turn = len(self.episode.turns) - 1
+        ids = [c.id or f"call_{turn}_{k}" for k, c in enumerate(reply.tool_calls)]
+        self.messages.append(assistant_message(reply, ids))
+        self.messages += [tool_message(c, o.content, i) for c, o, i in zip(reply.tool_calls, outcomes, ids, strict=True)]
+
+
+class StopEpisode(Exception):
+    """Raised by a generator instead of a reply: the episode ends with `reason` (`length`: a budget) and `detail`."""
+
+    def __init__(self, reason: str, detail: str | None = None) -> None:
+        super().__init__(detail or reason)
+        self.reason, self.detail = reason, detail
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """What `play` asks for the model's next reply. Optional hooks: `start(conversation)` before the episode opens
+    and `finish(conversation)` after it ended (a batched generator counts the episodes that may still ask)."""
+
+    async def reply(self, conversation: Conversation) -> Reply:
+        """The model's next reply to `conversation`; raises `StopEpisode` or `ContextLengthExceeded` to end it."""
+
+
+async def play(episode: Episode, generator: Any, *, base: Sequence[Mapping[str, Any]] = (), flatten: bool = False,
+               timeout: float | None = None) -> Conversation:
+    """Play `episode` with `generator` until it ends (the rules' reply limit bounds the loop).
+
+    `base`: the dataset row's prompt messages the episode's prompt joins (`Prompt.chat`); `flatten`: show the prompt
+    as one user message, as TRL's `environment_factory` loop does; `timeout`: seconds the episode may take, past
+    which it ends scored None (`Episode.time_out`). An episode that does not open is left failed (its conversation
+    has no messages). What the generator raises, other than a stop, propagates.
+    """
+    conversation = Conversation(episode)
+    start, finish = getattr(generator, "start", None), getattr(generator, "finish", None)
+    if start is not None:
+        start(conversation)
+    deadline = asyncio.timeout(timeout)
+    try:
+        async with deadline:
+            await _play(conversation, generator, base, flatten)
+    except TimeoutError:
+        if not deadline.expired():  # not our deadline: a failure like any other
+            raise
+        episode.time_out(timeout or 0.0)
+    finally:
+        if finish is not None:
+            finish(conversation)
+    return conversation
+
+
+async def _play(conversation: Conversation, generator: Any, base: Sequence[Mapping[str, Any]], flatten: bool) -> None:
+    episode = conversation.episode
+    if not await episode.open():
+        return
+    prompt, toolset = episode.prompt, episode.toolset
+    assert prompt is not None
+    conversation.messages = [{"role": "user", "content": prompt.flat}] if flatten else prompt.chat(base)
+    conversation.tools = toolset.schemas if toolset is not None and toolset.by_name else None
+    while not episode.over:
+        try:
+            reply = await generator.reply(conversation)
+        except StopEpisode as stop:
+            await episode.end(stop.reason, detail=stop.detail)
+            return
+        except ContextLengthExceeded as exc:
+            await episode.end("context_length", detail=str(exc))
+            return
+        outcomes = await episode.reply(reply)
+        if outcomes is None:
+            return
+        conversation.add(reply, outcomes)
+
+
+class _Request:
+    __slots__ = ("future", "item", "loop", "order", "since")
+
+    def __init__(self, item: Any, future: asyncio.Future[Any], order: int) -> None:
+        self.item, self.future, self.loop, self.since = item, future, future.get_loop(), time.monotonic()
+        self.order = order
+
+
+def _settle(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+
+
+class Batcher:
+    """The one micro-batcher in front of a batched generator: a request that is ready waits for the members (episodes
+    being played, `enter`/`leave`) that can still ask, for at most `window` seconds, then goes with the others as one
+    batch. `None` (automatic): at most `AUTO_WINDOW` and at most half of what a batch has been taking, since company
+    is worth waiting for only when generating costs more than the wait. `barrier`: wait for every member (TRL's
+    turn-by-turn schedule). Requests come from coroutines (`ask`); one pump thread takes batches (`take`), in the order
+    their members entered (a batch's rows keep the rollouts' order, whenever each became ready), and answers them
+    (`give`)."""
+
+    def __init__(self, window: float | None = None, *, max_batch: int | None = None, barrier: bool = False) -> None:
+        if window is not None and not window >= 0:  # also refuses NaN
+            raise ConfigurationError(f"the gather window must be >= 0 seconds or None (automatic), got {window!r}")
+        self.window, self.max_batch, self.barrier = window, max_batch, barrier
+        self.members = 0
+        self.batch_sizes: list[int] = []  # requests per batch taken, for inspection
+        self._queue: list[_Request] = []
+        self._took: float | None = None  # moving average of a batch's generation time
+        self._entered = 0
+        self._cond = threading.Condition()
+
+    @property
+    def seconds(self) -> float:
+        """How long a ready request waits for company at most."""
+        if self.window is not None:
+            return self.window
+        return AUTO_WINDOW if self._took is None else min(AUTO_WINDOW, self._took / 2)
+
+    def enter(self) -> int:
+        """A member joins; its place in the order of batches' rows (pass it to `ask`)."""
+        with self._cond:
+            self.members += 1
+            self._entered += 1
+            return self._entered
+
+    def leave(self) -> None:
+        with self._cond:
+            self.members -= 1
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Make `take` look again (its `stop` condition may hold now)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    async def ask(self, item: Any, order: int = 0) -> Any:
+        """Queue `item` (its member's place `order`) for the next batch and wait for its answer (an exception answer
+        is raised)."""
+        request = _Request(item, asyncio.get_running_loop().create_future(), order)
+        with self._cond:
+            self._queue.append(request)
+            self._queue.sort(key=lambda r: r.order)
+            self._cond.notify_all()
+        try:
+            return await request.future
+        finally:
+            if not request.future.done():  # cancelled (a deadline): never generated for
+                with self._cond:
+                    if request in self._queue:
+                        self._queue.remove(request)
+
+    def take(self, stop: Callable[[], bool] = lambda: False) -> list[_Request]:
+        """Block until a batch is ready (requests waiting, and no member left that may still ask or the window gone
+        since the first of them waited); `[]` once `stop()` holds with nothing waiting."""
+        with self._cond:
+            while True:
+                self._queue = [r for r in self._queue if not r.future.done()]
+                waiting = len(self._queue)
+                if waiting:
+                    coming = self.members - waiting
+                    if coming <= 0 or (not self.barrier and self._left() <= 0):
+                        size = min(waiting, self.max_batch or waiting)
+                        batch, self._queue = self._queue[:size], self._queue[size:]
+                        self.batch_sizes.append(size)
+                        return batch
+                    self._cond.wait(1.0 if self.barrier else min(max(self._left(), 0.001), 1.0))
+                elif stop():
+                    return []
+                else:
+                    self._cond.wait(1.0)  # woken by ask, leave and wake; bounded all the same
+
+    def _left(self) -> float:
+        return self.seconds - (time.monotonic() - min(r.since for r in self._queue)) if self._queue else math.inf
+
+    def give(self, batch: Sequence[_Request], results: Sequence[Any], seconds: float | None = None) -> None:
+        """Answer a batch (in order; an exception is raised in its asker); `seconds`: what generating it took."""
+        if seconds is not None:
+            self._took = seconds if self._took is None else 0.7 * self._took + 0.3 * seconds
+        for request, result in zip(batch, results, strict=True):
+            request.loop.call_soon_threadsafe(_settle, request.future, result)

@@ -1,0 +1,168 @@
+"""One construction of a rollout's token ids (design decision 14), and the generator of token ids built on it.
+
+`Tokens` is what GRPO trains on for one rollout, built as TRL's tool loop builds it: the prompt rendered once with the
+tools, each reply's ids as they were generated, each turn's tool results as TRL's tool suffix (masked out of the
+loss). The engine trains on it and a local model is evaluated on the very same ids (never a re-render of the
+conversation), so what the model is trained on and what it was evaluated on agree by construction.
+`TokenGenerator` is a generator (`ors_trl.core.rollout`) of token ids behind the one `Batcher`; the trainer's backend
+(`ors_trl.trl.engine`) and `LocalPolicy` (`ors_trl.evaluation.policies`) are its two kinds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..core.conversation import images_of
+from ..core.episode import Reply
+from ..core.rollout import Batcher, Conversation
+from .backend import Rendering
+
+__all__ = ["TokenGenerator", "Tokens"]
+
+
+class Tokens:
+    """One rollout's token ids: `prompt_ids`, then `completion_ids` with their `mask` (1: generated, 0: a tool
+    result) and `logprobs` (None once a generation gave none); `images` in the order of their image tokens; `shown`:
+    the conversation's messages already in the ids."""
+
+    __slots__ = ("completion_ids", "images", "logprobs", "mask", "prompt_ids", "shown")
+
+    def __init__(self, prompt_ids: list[int], images: list[Any], shown: int) -> None:
+        self.prompt_ids, self.images, self.shown = prompt_ids, images, shown
+        self.completion_ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] | None = []
+
+    @property
+    def ids(self) -> list[int]:
+        """Everything so far: the next generation's input."""
+        return self.prompt_ids + self.completion_ids
+
+    def add(self, ids: Sequence[int], logprobs: Sequence[float] | None = None, *, generated: bool = True) -> None:
+        """Append generated ids (with their logprobs) or, `generated=False`, a tool suffix."""
+        self.completion_ids += ids
+        self.mask += [int(generated)] * len(ids)
+        if self.logprobs is not None and (logprobs is not None or not generated):
+            self.logprobs += list(logprobs) if generated and logprobs is not None else [0.0] * len(ids)
+        else:
+            self.logprobs = None
+
+
+class TokenGenerator:
+    """A batched generator of token ids: each conversation's ids built once (`Tokens`), a batch generated at a time
+    (`generate_ids`, what each kind provides), each completion parsed to a `Reply` as TRL parses it.
+
+    The rendering and the parsing run where the batch is generated (`answer`, on the pump's thread), not on the
+    event loop that plays the episodes. Hooks a kind may override: `fits` (a budget before the tool suffix is
+    added), `clip` (a budget on a reply), `refuse_images` (a model that takes none), `rerender` (render the whole
+    conversation each turn instead of joining ids)."""
+
+    rerender = False
+
+    def __init__(self, rendering: Rendering, batcher: Batcher) -> None:
+        self.rendering, self.batcher = rendering, batcher
+        self._renders: dict[str, list[int]] = {}  # renders of equal inputs (a group's rollouts share them)
+        self._order: dict[int, int] = {}  # each playing conversation's place in a batch's rows
+
+    # -- the generator protocol (any loop) ---------------------------------------------------------------
+
+    def start(self, conversation: Conversation) -> None:
+        self._order[id(conversation)] = self.batcher.enter()
+
+    def finish(self, conversation: Conversation) -> None:
+        self._order.pop(id(conversation), None)
+        self.batcher.leave()
+
+    async def reply(self, conversation: Conversation) -> Reply:
+        return await self.batcher.ask(conversation, self._order.get(id(conversation), 0))
+
+    # -- the pump's side -------------------------------------------------------------------------------
+
+    def answer(self, batch: Sequence[Any]) -> None:
+        """Generate for a batch the batcher gave (`Batcher.take`) and answer each request with its `Reply`, or with
+        the exception that ends its episode instead."""
+        results: list[Any] = [None] * len(batch)
+        live = []
+        for i, request in enumerate(batch):
+            try:
+                self.extend(request.item)
+                live.append(i)
+            except Exception as exc:  # a stop, a budget, an image the model cannot take: that episode's alone
+                results[i] = exc
+        started = time.monotonic()
+        outs = self.generate_ids([batch[i].item.state for i in live])
+        seconds = time.monotonic() - started
+        for i, (ids, logprobs) in zip(live, outs, strict=True):
+            results[i] = self.parse(batch[i].item, ids, logprobs, seconds)
+        self.batcher.give(batch, results, seconds)
+
+    def extend(self, conversation: Conversation) -> None:
+        """Bring the conversation's ids up to date: its prompt rendered (the first time), else the tool results since
+        the last reply as TRL's tool suffix."""
+        tokens: Tokens | None = conversation.state
+        messages = conversation.messages
+        if tokens is None or self.rerender:
+            images = images_of(messages)
+            if images:
+                self.refuse_images(f"The prompt of task {conversation.episode.task.key}")
+            prompt = self.render(["prompt", messages, conversation.tools],
+                                 lambda: self.rendering.prompt_ids(messages, conversation.tools))
+            conversation.state = Tokens(prompt, images, len(messages))
+            self.fits(conversation.state, [])
+            return
+        shown = [m for m in messages[tokens.shown:] if m.get("role") == "tool"]
+        tokens.shown = len(messages)
+        trl_shaped = [{"role": "tool", "name": m["name"], "content": m["content"]} for m in shown]  # as TRL appends
+        suffix = self.render(["tools", trl_shaped], lambda: self.rendering.tool_suffix_ids(trl_shaped))
+        self.fits(tokens, suffix)
+        images = images_of(shown)
+        if images:
+            self.refuse_images(f"The output of a {conversation.episode.env.name} tool")
+        tokens.add(suffix, generated=False)
+        tokens.images += images
+
+    def parse(self, conversation: Conversation, ids: list[int], logprobs: list[float] | None,
+              seconds: float) -> Reply:
+        """A completion as the reply TRL parses it to; its ids join the conversation's."""
+        tokens: Tokens = conversation.state
+        prefix = tokens.ids
+        ids, logprobs, cut = self.clip(tokens, ids, logprobs)
+        tokens.add(ids, logprobs)
+        eos = self.rendering.eos_token_ids
+        parsed = self.rendering.parse(ids, prefix, conversation.tools)
+        content = parsed.get("content")
+        return Reply(content if isinstance(content, str) else None, parsed.get("tool_calls") or (),
+                     truncated=cut or (bool(eos) and (not ids or ids[-1] not in eos)),
+                     raw=self.rendering.tokenizer.decode(ids, skip_special_tokens=False) if ids else None,
+                     seconds=round(seconds, 4))
+
+    def render(self, key: list[Any], render: Any) -> list[int]:
+        """Tokens from `render()`, computed once for equal inputs until `forget()` (tokenizing dominates the pump)."""
+        text = json.dumps(key, sort_keys=True, default=repr)
+        if text not in self._renders:
+            self._renders[text] = render()
+        return list(self._renders[text])
+
+    def forget(self) -> None:
+        self._renders = {}
+
+    # -- what a kind provides --------------------------------------------------------------------------
+
+    def generate_ids(self, tokens: list[Tokens]) -> list[tuple[list[int], list[float] | None]]:
+        """One completion per rollout's ids (with its logprobs, or None)."""
+        raise NotImplementedError
+
+    def fits(self, tokens: Tokens, suffix: list[int]) -> None:
+        """Raise `StopEpisode` (or `ContextLengthExceeded`) when the tool suffix (`[]`: a prompt just rendered) may not
+        be added, or the ids may not be generated from."""
+
+    def clip(self, tokens: Tokens, ids: list[int], logprobs: list[float] | None
+             ) -> tuple[list[int], list[float] | None, bool]:
+        """A reply kept within a budget: its ids, logprobs and whether they were cut."""
+        return ids, logprobs, False
+
+    def refuse_images(self, what: str) -> None:
+        """Raise when the model cannot take the images `what` holds."""
