@@ -424,8 +424,7 @@ def test_a_resumed_run_continues_the_same_draws(look_server, look_model_dir, tmp
                        resume=str(tmp_path / "a" / "checkpoint-3"), **config)
     assert sorted(resumed) == [4, 5, 6]
     assert {s: whole[s] for s in (4, 5, 6)} == resumed
-    assert second.runtime.curriculum.sampler.state_dict()["history"] == \
-        first.runtime.curriculum.sampler.state_dict()["history"]
+    assert second.curriculum.sampler.state_dict()["history"] == first.curriculum.sampler.state_dict()["history"]
     second.close()
 
 

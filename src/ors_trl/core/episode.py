@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -40,7 +40,6 @@ from ..protocol.errors import ConfigurationError, NotFoundError, ORSError, ToolE
 from ..protocol.loop import get_loop
 from ..protocol.text import clip, show_name
 from ..protocol.types import Block, ImageBlock, TerminalTool, ToolList, ToolResult, image_blocks
-from ..tasks.sampling import Curriculum
 from ..trl import backend as _trl
 from ..trl.backend import Rules
 from .binding import Toolset
@@ -197,7 +196,9 @@ class EnvironmentRuntime:
         self.metrics = EnvMetrics(success_threshold)
         self.metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
         self.uploads: Any = None  # a RolloutUploader (ors_trl.protocol.upload) sent every closed episode's record, opt-in
-        self.curriculum: Curriculum | None = None  # task sampling (ors_trl.tasks.sampling): told each training outcome
+        #: Called once with each episode as it is counted (`Episode.account`, `Episode.adopt`): how the drivers'
+        #: task sources (`ors_trl.tasks`) hear outcomes without the core knowing them.
+        self.listeners: list[Callable[[Episode], None]] = []
         self.toolset: Toolset | None = None  # bound by the spec before the first episode
         self.uses_messages: bool | None = None  # /messages supported (None: not known yet)
         self.block_types: tuple[str, ...] | None = None  # block types the server accepts in messages
@@ -239,8 +240,6 @@ class EnvironmentRuntime:
     def rename(self, name: str, metrics: EnvMetrics, recorder: RecordWriter | None) -> None:
         """Join a mix: report under `name`, into the mix's metrics and record writer."""
         self.name, self.metrics = name, metrics
-        if self.curriculum is not None:
-            self.curriculum.name = name
         metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
         if recorder is not None:
             self.recorder = recorder
@@ -883,8 +882,8 @@ class Episode:
             self._metrics.record_episode(self.env.name, reward=self.reward, finished=self.finished,
                                          calls=self.tool_calls, unscored=self.unscored, turns=self.turns,
                                          opened=self.prompt is not None)
-        if self.env.curriculum is not None and self.source in TRAINING_SOURCES:
-            self.env.curriculum.observe(self.task.index, self.reward)
+        for listener in self.env.listeners:
+            listener(self)
         self._bill()
 
     def adopt(self) -> None:
@@ -896,8 +895,9 @@ class Episode:
         if apart is not None:
             self._metrics = self.env.metrics
             self.env.metrics.absorb(apart)
-        if self._accounted and self.env.curriculum is not None:
-            self.env.curriculum.observe(self.task.index, self.reward)
+        if self._accounted:
+            for listener in self.env.listeners:
+                listener(self)
 
     def _bill(self) -> None:
         """Count the session-seconds spent since the last count (`timings.session`: the session's life so far, all of

@@ -1,16 +1,11 @@
 """Choosing tasks as training goes: the samplers, and the curriculum that feeds them each group's rewards.
 
 GRPO learns only from groups whose rewards differ: a group that all succeeded or all failed has zero advantage and
-costs a full set of sessions. `AdaptiveSampler` keeps, per task, the rewards of its last groups and draws the next
-task from three pools: tasks never scored first; then tasks whose recent groups disagreed (weight 1) and tasks whose
-recent groups were all equal, solved or unsolved (weight `flat_weight`, small but never zero, so a task that
-becomes learnable is re-probed and comes back; larger for a task whose groups once disagreed). The draw is seeded;
+costs a full set of sessions, so `AdaptiveSampler` draws where groups disagree. A `Curriculum` listens to one
+environment's runtime (`EnvironmentRuntime.listeners`): every training episode's reward is observed as the episode
+is counted, one task's observations are one group, and they reach the sampler before its next draw (in a run of
+several processes, at each step's end on every process alike: `ors_trl.trl.sampling_callback`). Draws are seeded;
 the state (a few numbers per seen task and the random generator's) goes into checkpoints.
-
-A `Curriculum` sits between a spec's episodes and its sampler: every training episode's reward is observed when the
-episode is counted (`Episode.account`), the observations of one task are one group, and they reach the sampler
-before its next draw; in a run of several processes they are gathered at each step's end so that every process
-applies the same groups at the same point and draws the same tasks (`ors_trl.trl.callbacks.TaskSamplingCallback`).
 """
 
 from __future__ import annotations
@@ -28,9 +23,12 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from ..core.episode import TRAINING_SOURCES
 from ..protocol.errors import ConfigurationError
+from ..protocol.files import write_atomic
 
 __all__ = ["AdaptiveSampler", "Curriculum", "TaskSampler", "UniformSampler", "make_sampler", "mirror_path",
            "rng_state", "set_rng_state"]
@@ -454,34 +452,39 @@ def make_sampler(task_sampling: Any, *, seed: int = 0, success_threshold: float 
 
 
 class Curriculum:
-    """One environment's sampler and what its training episodes told it since the last update.
+    """One environment's sampler, and what that environment's training episodes told it since the last update.
 
-    `observe()` is called from any thread as episodes are counted; `draw()` applies what was observed, then draws
-    (unless `synced`: then only `sync()`, at each step's end on every process, applies the gathered groups).
-    `mirror`: when the sampler runs in TRL's async rollout worker, a file the worker's copy writes its state and
-    metrics to after an update (at most every `MIRROR_EVERY` seconds), which the trainer's process reads.
+    It listens to the environment's runtime: each episode of a training source is observed as it is counted (from
+    any thread); `draw()` applies what was observed, then draws (unless `synced`: then the step end's `apply` of
+    what every process observed does). `mirror`: when the sampler runs in TRL's async rollout worker, a file the
+    worker's copy writes its state and metrics to after an update (at most every `MIRROR_EVERY` seconds), which the
+    trainer's process reads.
     """
 
     MIRROR_EVERY = 1.0
 
-    def __init__(self, sampler: Any, *, name: str, success_threshold: float = 1.0) -> None:
-        self.sampler, self.name = sampler, name
-        self.success_threshold = success_threshold
+    def __init__(self, sampler: Any, runtime: Any) -> None:
+        self.sampler, self.runtime = sampler, runtime
         self.synced = False
-        self.bound_to: Any = None  # weakly: the trainer whose callback updates this curriculum (see the callback)
         self.mirror: str | None = None
         self.writes_mirror = False  # a copy in TRL's async worker writes; the trainer's process reads
+        self.draws = 0
         self._mirrored = 0.0
         self._lock = threading.Lock()
         self._observed: list[tuple[int, float | None]] = []
         self._window: dict[str, float] = defaultdict(float)
-        self.draws = 0
+        runtime.listeners.append(self.observe)
 
-    def observe(self, task: int | None, reward: float | None) -> None:
-        """Note one training episode's outcome (thread-safe; applied at the next update)."""
-        if task is not None:
+    @property
+    def name(self) -> str:
+        """The environment's name, as it reports (a mix renames its environments)."""
+        return self.runtime.name
+
+    def observe(self, episode: Any) -> None:
+        """Note a counted episode's outcome when a training source played it (applied at the next update)."""
+        if episode.source in TRAINING_SOURCES and episode.task.index is not None:
             with self._lock:
-                self._observed.append((task, reward))
+                self._observed.append((episode.task.index, episode.reward))
 
     def take(self) -> list[tuple[int, float | None]]:
         """What was observed since the last call (this process's part, for gathering)."""
@@ -494,14 +497,14 @@ class Curriculum:
         groups: dict[int, list[float | None]] = defaultdict(list)
         for task, reward in observed:
             groups[int(task)].append(reward)
-        w = self._window
+        w, threshold = self._window, self.runtime.metrics.success_threshold
         for task, rewards in sorted(groups.items()):  # the order episodes ended in must not change the draws
             self.sampler.update(task, rewards)
             scored = [r for r in rewards if r is not None]
             if scored:
                 w["groups"] += 1
                 w["zero_std_groups"] += max(scored) - min(scored) <= _EQUAL
-                w["successes"] += sum(r >= self.success_threshold for r in scored)
+                w["successes"] += sum(r >= threshold for r in scored)
                 w["scored"] += len(scored)
         if self.writes_mirror and groups and time.monotonic() - self._mirrored >= self.MIRROR_EVERY:
             self.write_mirror()
@@ -516,10 +519,11 @@ class Curriculum:
         return task
 
     def metrics(self) -> dict[str, float]:
-        """`curriculum/<env>/...` since the last call: the pools, draws, and the groups applied (their share with
-        zero reward spread, their pass rate)."""
+        """`curriculum/<env>/...` since the last call: the sampler's own (an adaptive one's pools), the draws, and
+        the groups applied (their share with zero reward spread, their pass rate)."""
         w, self._window = self._window, defaultdict(float)
-        out = {f"curriculum/{self.name}/{k}": float(v) for k, v in _sampler_metrics(self.sampler).items()}
+        own = getattr(self.sampler, "metrics", None)
+        out = {f"curriculum/{self.name}/{k}": float(v) for k, v in (own() if callable(own) else {}).items()}
         out[f"curriculum/{self.name}/draws"] = w["draws"]
         out[f"curriculum/{self.name}/groups"] = w["groups"]
         if w["groups"]:
@@ -543,11 +547,8 @@ class Curriculum:
         """Write the state and the pending metrics to `mirror` (replaced whole, so a reader never sees half)."""
         assert self.mirror is not None
         self._mirrored = time.monotonic()
-        doc = json.dumps({"state": self.state_dict(), "metrics": self.metrics(), "at": time.time()})
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.mirror), suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(doc)
-        os.replace(tmp, self.mirror)
+        doc = {"state": self.state_dict(), "metrics": self.metrics(), "at": time.time()}
+        write_atomic(Path(self.mirror), json.dumps(doc).encode())
 
     def read_mirror(self) -> dict[str, Any] | None:
         """What the async worker's copy last wrote (None before it wrote anything)."""
@@ -559,11 +560,6 @@ class Curriculum:
         except OSError:
             return None
         return json.loads(text) if text else None
-
-
-def _sampler_metrics(sampler: Any) -> dict[str, float]:
-    metrics = getattr(sampler, "metrics", None)
-    return dict(metrics()) if callable(metrics) else {}
 
 
 _mirror_dir: str | None = None
