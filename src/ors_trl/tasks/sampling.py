@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -31,10 +31,8 @@ from ..protocol.errors import ConfigurationError
 from ..protocol.files import write_atomic
 
 __all__ = ["AdaptiveSampler", "Curriculum", "TaskSampler", "UniformSampler", "make_sampler", "mirror_path",
-           "rng_state", "set_rng_state"]
+           "rng_state", "set_rng_state", "uniform_draws"]
 
-#: The names `task_sampling=` takes.
-SAMPLINGS = ("uniform", "adaptive")
 _EQUAL = 1e-9  # rewards closer than this are equal (a group with no spread has no advantage)
 #: AdaptiveSampler's pools: never drawn, drawn but not scored yet, groups disagreed, and the all-equal ones by
 #: side, by how many all-equal groups in a row (1: a suspect; 2 to `LEVELS`: confirmed, each level drawn half as
@@ -54,21 +52,17 @@ class TaskSampler(Protocol):
 
     `draw()` returns the next task index (one of the spec's selected tasks); `update(task, rewards)` receives the
     rewards of one group of that task (`None` for a rollout the environment never scored). Optional methods:
-    `bind(tasks)` (called once with the selected task indices before the first draw), `state_dict()` and
-    `load_state_dict(state)` (JSON-able; saved with checkpoints and restored on resume), `metrics()` (numbers
-    logged as `curriculum/<env>/<name>`).
+    `bind(tasks)` (called once with the selected task indices before the first draw), `reseed(seed)` (with the
+    trainer's seed, before the first draw), `state_dict()` and `load_state_dict(state)` (JSON-able; saved with
+    checkpoints and restored on resume), `metrics()` (numbers logged as `curriculum/<env>/<name>`).
     """
 
     def draw(self) -> int:
-        """The next task.
-
-        Returns:
-            `int`: A task index, one of the spec's selected tasks.
-        """
+        """The next task: one of the spec's selected task indices."""
         ...
 
     def update(self, task: int, rewards: Sequence[float | None]) -> None:
-        """Learn from one group of a task.
+        """Learn from one group of a task (the uniform sampler ignores it).
 
         Args:
             task (`int`):
@@ -119,46 +113,42 @@ def set_rng_state(rng: random.Random, state: Sequence[Any]) -> None:
     rng.setstate((version, tuple(internal), gauss))
 
 
-def _tasks(tasks: Iterable[int]) -> list[int]:
-    out = list(dict.fromkeys(tasks))
-    if not out:
-        raise ConfigurationError("a task sampler needs at least one task")
-    if any(isinstance(t, bool) or not isinstance(t, int) for t in out):
-        raise ConfigurationError("task indices must be ints")
+def uniform_draws(tasks: Sequence[int], count: int, rng: random.Random) -> list[int]:
+    """`count` of `tasks`, each once per pass, in a seeded order per pass: every uniform choice of tasks."""
+    out: list[int] = []
+    while tasks and len(out) < count:
+        out += rng.sample(tasks, min(len(tasks), count - len(out)))
     return out
 
 
-class UniformSampler:
-    """Every task once per pass, in a seeded random order; a new order each pass (feedback is ignored).
+class _Sampler(TaskSampler):
+    """What the built-in samplers share: the bound tasks, a seeded generator, and their state for checkpoints."""
 
-    Args:
-        tasks (`Sequence[int]`, *optional*):
-            The task indices to draw from; a spec binds its selection when not given.
-        seed (`int`, *optional*, defaults to `0`):
-            Seed of the order.
-    """
+    kind = ""
 
-    def __init__(self, tasks: Sequence[int] | None = None, *, seed: int = 0) -> None:
-        self.seed = seed
-        self._rng = random.Random(seed)
-        self._tasks: list[int] = []
-        self._order: list[int] = []
-        self._pos = 0
+    def __init__(self, tasks: Sequence[int] | None, seed: int) -> None:
+        self.seed, self._rng = seed, random.Random(seed)
+        self._tasks: dict[int, None] = {}  # in order, with O(1) membership
         if tasks is not None:
             self.bind(tasks)
 
     def bind(self, tasks: Sequence[int]) -> None:
-        """Draw from these tasks (a spec binds its selection).
+        """Draw from these tasks (a spec binds its selection); what is known of them is kept.
 
         Args:
             tasks (`Sequence[int]`):
                 The task indices.
         """
-        self._tasks = _tasks(tasks)
-        self._order, self._pos = [], 0
+        chosen = dict.fromkeys(tasks)
+        if not chosen:
+            raise ConfigurationError("a task sampler needs at least one task")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in chosen):
+            raise ConfigurationError("task indices must be ints")
+        self._tasks = chosen
+        self._restart()
 
     def reseed(self, seed: int) -> None:
-        """Seed the order again (a spec does, with the trainer's seed, before the first draw).
+        """Seed the draws again (a spec does, with the trainer's seed, before the first draw).
 
         Args:
             seed (`int`):
@@ -166,31 +156,17 @@ class UniformSampler:
         """
         self.seed = seed
         self._rng.seed(seed)
-        self._order, self._pos = [], 0
+        self._restart()
 
     def draw(self) -> int:
-        """The next task of this pass (a new seeded order once a pass is done)."""
+        """The next task: one of the bound tasks."""
         if not self._tasks:
-            raise ConfigurationError("UniformSampler has no tasks: pass tasks= or give it to a spec")
-        if self._pos >= len(self._order):
-            self._order = self._rng.sample(self._tasks, len(self._tasks))
-            self._pos = 0
-        self._pos += 1
-        return self._order[self._pos - 1]
-
-    def update(self, task: int, rewards: Sequence[float | None]) -> None:
-        """Nothing: uniform draws do not depend on rewards.
-
-        Args:
-            task (`int`):
-                The task the group ran.
-            rewards (`Sequence[float | None]`):
-                Its rollouts' rewards.
-        """
+            raise ConfigurationError(f"{type(self).__name__} has no tasks: pass tasks= or give it to a spec")
+        return self._draw()
 
     def state_dict(self) -> dict[str, Any]:
-        """The order of this pass, the position in it and the generator's state."""
-        return {"kind": "uniform", "rng": rng_state(self._rng), "order": self._order, "pos": self._pos}
+        """What the sampler knows, and the generator's state (JSON-able: checkpoints keep it)."""
+        return {"kind": self.kind, "rng": rng_state(self._rng), **self._state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state_dict()`'s output.
@@ -200,26 +176,61 @@ class UniformSampler:
                 What `state_dict()` returned (read back from JSON).
         """
         set_rng_state(self._rng, state["rng"])
+        self._load(state)
+
+    def _restart(self) -> None: ...
+    def _draw(self) -> int: ...
+    def _state(self) -> dict[str, Any]: ...
+    def _load(self, state: dict[str, Any]) -> None: ...
+
+
+class UniformSampler(_Sampler):
+    """Every task once per pass, in a seeded random order; a new order each pass (feedback is ignored).
+
+    Args:
+        tasks (`Sequence[int]`, *optional*):
+            The task indices to draw from; a spec binds its selection when not given.
+        seed (`int`, *optional*, defaults to `0`):
+            Seed of the order.
+    """
+
+    kind = "uniform"
+
+    def __init__(self, tasks: Sequence[int] | None = None, *, seed: int = 0) -> None:
+        self._order: list[int] = []
+        self._pos = 0
+        super().__init__(tasks, seed)
+
+    def _restart(self) -> None:
+        self._order, self._pos = [], 0
+
+    def _draw(self) -> int:
+        if self._pos >= len(self._order):
+            self._order, self._pos = uniform_draws(list(self._tasks), len(self._tasks), self._rng), 0
+        self._pos += 1
+        return self._order[self._pos - 1]
+
+    def _state(self) -> dict[str, Any]:
+        return {"order": self._order, "pos": self._pos}
+
+    def _load(self, state: dict[str, Any]) -> None:
         self._order, self._pos = [int(t) for t in state["order"]], int(state["pos"])
 
 
-class AdaptiveSampler:
+class AdaptiveSampler(_Sampler):
     """Draw tasks where groups disagree: unseen tasks first, all-equal tasks down-weighted but re-probed.
 
-    A task is `mixed` while its last group, or its last `window` groups pooled, had rewards that differ (a GRPO
-    group of it is likely to teach): weight 1. A task whose last k groups were all equal, to one value, is `solved`
-    (at or above `success_threshold`) or `unsolved` at level k (1 to 5): its weight is the share of the tasks at
-    that level and side whose next group changed, measured during the run from a prior (`suspect_weight` for one
-    group, `flat_weight` for two, halved for each further one). So one unlucky group does not starve a task a policy
-    solves sometimes (at a pass rate of 1/6 a group of 8 all fails a quarter of the time, and the next group of
-    such a task mostly differs), while always- and never-solved tasks, whose next groups never change, fall to the
-    floor (`flat_weight / 8`) within a few re-probes and are still drawn now and then, so a task that becomes
-    learnable comes back. A task whose groups once disagreed is no never-solved task: while its last groups all
-    fail it weighs `lapsed_weight` (it is what the policy has left to learn: starving it, as the never-solved
-    tasks' record would, left the demo's model drawing its own best words and learning fewer of them than
-    uniform draws), and once solved its record is kept apart (prior `suspect_weight`, floor `flat_weight`). A
-    never-drawn task is drawn first; a drawn task not scored yet weighs 1. Rewards of `None` (unscored) are left
-    out: an unscored rollout is no failure.
+    A never-drawn task is drawn first. A task drawn but not scored yet, or whose last group (or last `window` groups
+    pooled) had rewards that differ, weighs 1. A task whose last k groups were all equal, to one value, is `solved`
+    (at or above `success_threshold`) or `unsolved` at level k (1 to 5): it weighs the share of the tasks at that
+    level and side whose next group changed, measured during the run from a prior (`suspect_weight` for one group,
+    `flat_weight` for two, halved for each further one) and never below `flat_weight / 8`. So one unlucky group does
+    not starve a task a policy solves sometimes (at a pass rate of 1/6 a group of 8 all fails a quarter of the
+    time), while always- and never-solved tasks fall to the floor within a few re-probes and are still drawn now and
+    then, so a task that becomes learnable comes back. A task whose groups once disagreed is what the policy has left
+    to learn: while its last groups all fail it weighs `lapsed_weight` (the never-solved tasks' record starved such
+    tasks in the demo), and once solved its record is kept apart (prior `suspect_weight`, floor `flat_weight`).
+    Rewards of `None` (unscored) are left out: an unscored rollout is no failure.
 
     Args:
         tasks (`Sequence[int]`, *optional*):
@@ -228,9 +239,8 @@ class AdaptiveSampler:
             Seed of the draws (every process of a run uses the same seed and so draws the same tasks).
         flat_weight (`float`, *optional*, defaults to `0.05`):
             The prior weight of a task whose last two groups were all equal (relative to 1 for a task whose groups
-            disagreed; halved for each further one), and an eighth of it the floor. With a third each of
-            always-solved, never-solved and coin-flip tasks this leaves about a fifth of the groups zero-spread;
-            prime-rl's pool weight of 0.2 leaves about 0.4.
+            disagreed). With a third each of always-solved, never-solved and coin-flip tasks this leaves about a
+            fifth of the groups zero-spread; prime-rl's pool weight of 0.2 leaves about 0.4.
         suspect_weight (`float`, *optional*, defaults to `0.2`):
             The prior weight of a task with one all-equal group.
         lapsed_weight (`float`, *optional*, defaults to `1.0`):
@@ -242,6 +252,8 @@ class AdaptiveSampler:
             rate metrics).
     """
 
+    kind = "adaptive"
+
     def __init__(self, tasks: Sequence[int] | None = None, *, seed: int = 0, flat_weight: float = 0.05,
                  suspect_weight: float = 0.2, lapsed_weight: float = 1.0, window: int = 3,
                  success_threshold: float = 1.0) -> None:
@@ -251,11 +263,9 @@ class AdaptiveSampler:
                 raise ConfigurationError(f"{name} must be a number in (0, 1], got {value!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigurationError(f"window must be an int >= 1, got {window!r}")
-        self.seed, self.window = seed, window
+        self.window, self.success_threshold = window, float(success_threshold)
         self.flat_weight, self.suspect_weight = float(flat_weight), float(suspect_weight)
         self.lapsed_weight = float(lapsed_weight)
-        self.success_threshold = float(success_threshold)
-        self._rng = random.Random(seed)
         self._history: dict[int, deque[list[float]]] = {}
         self._streak: dict[int, int] = {}  # all-equal groups in a row (to one value), the last one included
         # per pool of all-equal tasks whose weight is measured: how their next group went, [changed, confirmed]
@@ -263,39 +273,15 @@ class AdaptiveSampler:
         self._spread: set[int] = set()  # tasks whose groups ever disagreed
         self._drawn: dict[int, int] = defaultdict(int)
         self._pools: dict[str, _Pool] = {}
-        self._tasks: list[int] = []
-        self._known: set[int] = set()
         self._order: dict[str, list[int]] | None = None  # the pools' order a loaded state had
-        if tasks is not None:
-            self.bind(tasks)
+        super().__init__(tasks, seed)
 
-    def bind(self, tasks: Sequence[int]) -> None:
-        """Draw from these tasks (a spec binds its selection); what is known of them is kept.
-
-        Args:
-            tasks (`Sequence[int]`):
-                The task indices.
-        """
-        self._tasks = _tasks(tasks)
-        self._known = set(self._tasks)
-        self._repool(self._order)
-
-    def reseed(self, seed: int) -> None:
-        """Seed the draws again (a spec does, with the trainer's seed, before the first draw).
-
-        Args:
-            seed (`int`):
-                The new seed.
-        """
-        self.seed = seed
-        self._rng.seed(seed)
-
-    def _repool(self, order: dict[str, list[int]] | None = None) -> None:
-        """Sort the tasks into their pools; `order`: each pool's order as saved (a draw picks by position)."""
+    def _restart(self) -> None:
+        """Sort the tasks into their pools, in the order a loaded state had them (a draw picks by position)."""
         self._pools = {name: _Pool() for name in POOLS}
-        for name, tasks in (order or {}).items():
+        for name, tasks in (self._order or {}).items():
             for task in tasks:
-                if task in self._known and self._pool_of(task) == name:
+                if task in self._tasks and self._pool_of(task) == name:
                     self._pools[name].add(task)
         for task in self._tasks:
             if not any(task in pool for pool in self._pools.values()):
@@ -305,7 +291,7 @@ class AdaptiveSampler:
         groups = self._history.get(task)
         if not groups:
             return "unscored" if self._drawn.get(task) else "fresh"
-        streak, side = self._streak.get(task, 0), self._side(groups[-1][0])
+        streak, side = self._streak.get(task, 0), "solved" if groups[-1][0] >= self.success_threshold else "unsolved"
         was = SPREAD if task in self._spread else ""
         if streak >= 2:
             return f"{was}{side}{min(streak, LEVELS)}"
@@ -313,12 +299,7 @@ class AdaptiveSampler:
         return "mixed" if streak == 0 or max(pooled) - min(pooled) > _EQUAL else f"{was}{side}1"
 
     def _weight(self, pool: str) -> float:
-        """1 for a task whose groups disagreed (or not scored yet); `lapsed_weight` for one whose groups once
-        disagreed and now all fail; for another with k all-equal groups in a row, the share of such tasks whose next
-        group changed, measured in this run, from a prior (`suspect_weight` for one group or a task whose groups
-        once disagreed, else `flat_weight` halved per group after two) worth `PRIOR_GROUPS` groups, never below
-        `flat_weight` (groups once disagreed) or an eighth of it: always- and never-solved tasks drive it down within
-        a few re-probes, tasks a policy solves sometimes keep it up."""
+        """A pool's weight per task (see the class): its measured share from the prior, above the floor."""
         if pool in ("mixed", "unscored"):
             return 1.0
         if pool.startswith(LAPSED):
@@ -329,32 +310,19 @@ class AdaptiveSampler:
         floor = self.flat_weight if spread else self.flat_weight / 8
         return max(floor, (changed + PRIOR_GROUPS * prior) / (changed + confirmed + PRIOR_GROUPS))
 
-    def _side(self, reward: float) -> str:
-        return "solved" if reward >= self.success_threshold else "unsolved"
-
     def _move(self, task: int) -> None:
         for pool in self._pools.values():
             pool.discard(task)
         self._pools[self._pool_of(task)].add(task)
 
-    def draw(self) -> int:
-        """The next task: a fresh one while any is left, else by pool weight."""
-        if not self._tasks:
-            raise ConfigurationError("AdaptiveSampler has no tasks: pass tasks= or give it to a spec")
+    def _draw(self) -> int:
         pools = self._pools
         if pools["fresh"]:
             task = pools["fresh"].choice(self._rng)
         else:
-            weighted = [(pool, self._weight(name)) for name, pool in pools.items() if pool and name != "fresh"]
-            total = sum(len(pool) * weight for pool, weight in weighted)
-            pick = self._rng.random() * total
-            pool = weighted[-1][0]
-            for candidate, weight in weighted:
-                pick -= len(candidate) * weight
-                if pick < 0:
-                    pool = candidate
-                    break
-            task = pool.choice(self._rng)
+            drawn = [name for name, pool in pools.items() if pool and name != "fresh"]
+            weights = [len(pools[name]) * self._weight(name) for name in drawn]
+            task = pools[self._rng.choices(drawn, weights)[0]].choice(self._rng)
         self._drawn[task] += 1
         if task in pools["fresh"]:
             self._move(task)
@@ -370,7 +338,7 @@ class AdaptiveSampler:
                 Its rollouts' rewards; `None` is left out, and a group with no score changes nothing.
         """
         scored = [float(r) for r in rewards if r is not None and math.isfinite(r)]
-        if not scored or task not in self._known:
+        if not scored or task not in self._tasks:
             return
         history = self._history.setdefault(task, deque(maxlen=self.window))
         was = self._pool_of(task)
@@ -393,15 +361,11 @@ class AdaptiveSampler:
         return sizes
 
     def pass_rate(self, task: int) -> float | None:
-        """The share of successes in a task's recent groups.
+        """The share of a task's recent rewards at or above `success_threshold` (None when it was never scored).
 
         Args:
             task (`int`):
                 The task.
-
-        Returns:
-            `float` or `None`: The share of its recent rewards at or above `success_threshold`; None when it was
-            never scored.
         """
         pooled = [r for group in self._history.get(task, ()) for r in group]
         return sum(r >= self.success_threshold for r in pooled) / len(pooled) if pooled else None
@@ -410,23 +374,14 @@ class AdaptiveSampler:
         """The pool sizes (logged as `curriculum/<env>/<pool>`)."""
         return {k: float(v) for k, v in self.pool_sizes().items()}
 
-    def state_dict(self) -> dict[str, Any]:
-        """What the sampler knows: each seen task's recent groups and draws, and the generator's state."""
-        return {"kind": "adaptive", "rng": rng_state(self._rng),
-                "history": {str(t): [list(g) for g in groups] for t, groups in self._history.items()},
+    def _state(self) -> dict[str, Any]:
+        return {"history": {str(t): [list(g) for g in groups] for t, groups in self._history.items()},
                 "drawn": {str(t): n for t, n in self._drawn.items()},
                 "streak": {str(t): n for t, n in self._streak.items()}, "next": self._next,
                 "spread": sorted(self._spread),
                 "pools": {name: list(pool.items) for name, pool in self._pools.items()}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state_dict()`'s output.
-
-        Args:
-            state (`dict[str, Any]`):
-                What `state_dict()` returned (read back from JSON).
-        """
-        set_rng_state(self._rng, state["rng"])
+    def _load(self, state: dict[str, Any]) -> None:
         self._history = {int(t): deque(([float(r) for r in g] for g in groups), maxlen=self.window)
                          for t, groups in state["history"].items()}
         self._drawn = defaultdict(int, {int(t): int(n) for t, n in state["drawn"].items()})
@@ -435,7 +390,7 @@ class AdaptiveSampler:
         self._spread = {int(t) for t in state.get("spread", ())}
         self._order = {name: [int(t) for t in tasks] for name, tasks in state.get("pools", {}).items()}
         if self._tasks:
-            self._repool(self._order)
+            self._restart()
 
 
 def make_sampler(task_sampling: Any, *, seed: int = 0, success_threshold: float = 1.0) -> Any:
