@@ -99,19 +99,18 @@ def select(total: int, split: str, num_tasks: int | None, indices: Sequence[int]
 
 async def fetch_tasks(client: AsyncClient, split: str, wanted: Sequence[int], *, name: str = "") -> dict[int, Any]:
     """The task specs of `wanted` indices, in as few `task_range` requests as sensible (pages of contiguous runs)."""
+    from tqdm.auto import tqdm
+
+    wanted_set = set(wanted)
     runs: list[tuple[int, int]] = []
-    for i in sorted(set(wanted)):
+    for i in sorted(wanted_set):
         if runs and i - runs[-1][1] <= 8 and i - runs[-1][0] < _PAGE:
             runs[-1] = (runs[-1][0], i + 1)
         else:
             runs.append((i, i + 1))
     gate = asyncio.Semaphore(_FETCH_CONCURRENCY)
-    wanted_set = set(wanted)
-    bar = None
-    if len(runs) > 4 or len(wanted_set) > 2 * _PAGE:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(wanted_set), desc=f"tasks from {name}", unit="task", leave=False)
+    bar = tqdm(total=len(wanted_set), desc=f"tasks from {name}", unit="task", leave=False,
+               disable=len(runs) <= 4 and len(wanted_set) <= 2 * _PAGE)
     out: dict[int, Any] = {}
 
     async def fetch(start: int, stop: int) -> None:
@@ -122,14 +121,12 @@ async def fetch_tasks(client: AsyncClient, split: str, wanted: Sequence[int], *,
         for offset, task in enumerate(tasks):
             if start + offset in wanted_set:
                 out[start + offset] = task
-        if bar is not None:
-            bar.update(sum(1 for i in range(start, stop) if i in wanted_set))
+        bar.update(sum(1 for i in range(start, stop) if i in wanted_set))
 
     try:
         await asyncio.gather(*(fetch(a, b) for a, b in runs))
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     return out
 
 
