@@ -75,20 +75,6 @@ class TaskSamplingCallback(TrainerCallback):
         if trainer is not None:
             self.bind(trainer)
 
-    def _mirrored(self) -> tuple[dict[str, float], dict[str, Any]]:
-        """What the async worker's copies wrote since the last look: their metrics, and their state."""
-        metrics: dict[str, float] = {}
-        states: dict[str, Any] = {}
-        for env, curriculum in self.source.curricula.items():
-            doc = curriculum.read_mirror()
-            if doc is None:
-                continue
-            states[env or ""] = doc["state"]
-            if doc["at"] != self._seen.get(curriculum.name):
-                self._seen[curriculum.name] = doc["at"]
-                metrics.update(doc["metrics"])
-        return metrics, states
-
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer, source = self.trainer, self.source
         if trainer is None:
@@ -100,11 +86,16 @@ class TaskSamplingCallback(TrainerCallback):
             gathered = gather_object([observed])
             observed = {env: [o for part in gathered for o in part[env]] for env in source.curricula}
         metrics: dict[str, float] = {}
+        states: dict[str, Any] = {}  # what the async worker's copies last wrote, when this process draws nothing
         for env, curriculum in source.curricula.items():
             curriculum.apply(observed[env])
             metrics.update(curriculum.metrics())
-        mirrored, states = self._mirrored() if not source.drew else ({}, {})
-        metrics.update(mirrored)
+            doc = None if source.drew else curriculum.read_mirror()
+            if doc is not None:
+                states[env or ""] = doc["state"]
+                if doc["at"] != self._seen.get(curriculum.name):  # its metrics are logged once
+                    self._seen[curriculum.name] = doc["at"]
+                    metrics.update(doc["metrics"])
         _trl.add_step_metrics(trainer, metrics)
         if source.drew:
             source.trim(consumed(args, state.global_step))
