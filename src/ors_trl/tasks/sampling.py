@@ -1,11 +1,8 @@
-"""Choosing tasks as training goes: the samplers, and the curriculum that feeds them each group's rewards.
+"""Choosing tasks as training goes: the samplers (seeded; their state goes into checkpoints), and the `Curriculum`
+that feeds one environment's sampler the rewards of its training episodes, one group per task.
 
 GRPO learns only from groups whose rewards differ: a group that all succeeded or all failed has zero advantage and
-costs a full set of sessions, so `AdaptiveSampler` draws where groups disagree. A `Curriculum` listens to one
-environment's runtime (`EnvironmentRuntime.listeners`): every training episode's reward is observed as the episode
-is counted, one task's observations are one group, and they reach the sampler before its next draw (in a run of
-several processes, at each step's end on every process alike: `ors_trl.trl.sampling_callback`). Draws are seeded;
-the state (a few numbers per seen task and the random generator's) goes into checkpoints.
+costs a full set of sessions, so `AdaptiveSampler` draws where groups disagree.
 """
 
 from __future__ import annotations
@@ -220,17 +217,16 @@ class UniformSampler(_Sampler):
 class AdaptiveSampler(_Sampler):
     """Draw tasks where groups disagree: unseen tasks first, all-equal tasks down-weighted but re-probed.
 
-    A never-drawn task is drawn first. A task drawn but not scored yet, or whose last group (or last `window` groups
-    pooled) had rewards that differ, weighs 1. A task whose last k groups were all equal, to one value, is `solved`
-    (at or above `success_threshold`) or `unsolved` at level k (1 to 5): it weighs the share of the tasks at that
-    level and side whose next group changed, measured during the run from a prior (`suspect_weight` for one group,
-    `flat_weight` for two, halved for each further one) and never below `flat_weight / 8`. So one unlucky group does
-    not starve a task a policy solves sometimes (at a pass rate of 1/6 a group of 8 all fails a quarter of the
-    time), while always- and never-solved tasks fall to the floor within a few re-probes and are still drawn now and
-    then, so a task that becomes learnable comes back. A task whose groups once disagreed is what the policy has left
-    to learn: while its last groups all fail it weighs `lapsed_weight` (the never-solved tasks' record starved such
-    tasks in the demo), and once solved its record is kept apart (prior `suspect_weight`, floor `flat_weight`).
-    Rewards of `None` (unscored) are left out: an unscored rollout is no failure.
+    A task drawn but not scored yet, or whose last group (or last `window` groups pooled) had rewards that differ,
+    weighs 1. One whose last k groups were all equal, to one value, is `solved` (at or above `success_threshold`) or
+    `unsolved` at level k (1 to 5), and weighs the share of such tasks whose next group changed, measured in the run
+    from a prior (`suspect_weight` at k = 1, `flat_weight` at 2, halved per further level), floored at
+    `flat_weight / 8`: one unlucky group does not starve a task a policy solves sometimes (at a pass rate of 1/6 a
+    group of 8 all fails a quarter of the time), while always- and never-solved tasks sink to the floor within a few
+    re-probes and still come back if they become learnable. A task whose groups once disagreed is what the policy
+    has left to learn: while it fails it weighs `lapsed_weight` (the never-solved record starved such tasks in the
+    demo); once solved, its record is kept apart (prior `suspect_weight`, floor `flat_weight`). Rewards of `None`
+    are left out: an unscored rollout is no failure.
 
     Args:
         tasks (`Sequence[int]`, *optional*):
@@ -409,11 +405,11 @@ def make_sampler(task_sampling: Any, *, seed: int = 0, success_threshold: float 
 class Curriculum:
     """One environment's sampler, and what that environment's training episodes told it since the last update.
 
-    It listens to the environment's runtime: each episode of a training source is observed as it is counted (from
-    any thread); `draw()` applies what was observed, then draws (unless `synced`: then the step end's `apply` of
-    what every process observed does). `mirror`: when the sampler runs in TRL's async rollout worker, a file the
-    worker's copy writes its state and metrics to after an update (at most every `MIRROR_EVERY` seconds), which the
-    trainer's process reads.
+    It listens to the runtime (`EnvironmentRuntime.listeners`): each episode of a training source is observed as it
+    is counted, from any thread; `draw()` applies what was observed, then draws (unless `synced`: in a run of several
+    processes, `ors_trl.trl.sampling_callback` applies what every process observed at each step's end, so all draw
+    alike). `mirror`: when the sampler runs in TRL's async rollout worker, a file the worker's copy writes its state
+    and metrics to after an update (at most every `MIRROR_EVERY` seconds), which the trainer's process reads.
     """
 
     MIRROR_EVERY = 1.0

@@ -1,20 +1,13 @@
 """The dataset a spec (or mix) with `task_sampling` other than "uniform" gives TRL: an endless stream of task rows,
-each drawn by a sampler when TRL reads it.
+each drawn by a sampler when TRL reads it (the trainer's side is `ors_trl.trl.sampling_callback`).
 
 TRL 1.16 trains on a `datasets.IterableDataset` (with `max_steps`) and repeats each row it reads `num_generations`
 times itself (`trl.trainer.utils.repeat_iterable_dataset`), so a row is drawn at most a generation batch or two
-before its group runs, and the sampler has seen the rewards of every group before. Two things are arranged for it:
-
-- TRL shuffles an iterable train set through a 1,000-row buffer (`shuffle_dataset=True`): that would draw 1,000
-  tasks before any reward came back, and adaptive draws would look uniform. The stream's `shuffle` keeps it as it
-  is (the sampler draws at random itself).
-- Resuming from a checkpoint, the trainer reads and drops the rows of the steps already trained. The source knows
-  how many draws those steps consumed and which were drawn but not yet trained on when the checkpoint was taken:
-  it answers the dropped reads with a filler row (no draw), then replays the pending draws, then draws on, so a
-  resumed run continues the very draws of an uninterrupted one.
-
-The trainer's side (updating the samplers at each step's end, checkpoints, metrics) is the TRL layer's
-(`ors_trl.trl.sampling_callback`), handed in as the source's `on_bind`.
+before its group runs, and the sampler has seen the rewards of every group before. TRL's 1,000-row shuffle buffer
+would draw far ahead of the rewards, so the stream's `shuffle` keeps it as it is (the sampler draws at random
+itself). Resuming from a checkpoint, the trainer reads and drops the rows of the steps already trained: the source
+answers those reads with a filler row (no draw), replays the draws pending at the checkpoint, then draws on, so a
+resumed run continues the very draws of an uninterrupted one.
 """
 
 from __future__ import annotations
