@@ -474,13 +474,10 @@ class Curriculum:
         the groups applied (their share with zero reward spread, their pass rate)."""
         w, self._window = self._window, defaultdict(float)
         own = getattr(self.sampler, "metrics", None)
-        out = {f"curriculum/{self.name}/{k}": float(v) for k, v in (own() if callable(own) else {}).items()}
-        out[f"curriculum/{self.name}/draws"] = w["draws"]
-        out[f"curriculum/{self.name}/groups"] = w["groups"]
+        out = {**(own() if callable(own) else {}), "draws": w["draws"], "groups": w["groups"]}
         if w["groups"]:
-            out[f"curriculum/{self.name}/zero_std_fraction"] = w["zero_std_groups"] / w["groups"]
-            out[f"curriculum/{self.name}/pass_rate"] = w["successes"] / w["scored"]
-        return out
+            out |= {"zero_std_fraction": w["zero_std_groups"] / w["groups"], "pass_rate": w["successes"] / w["scored"]}
+        return {f"curriculum/{self.name}/{k}": float(v) for k, v in out.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's state (when it has one) and the number of draws."""
@@ -503,11 +500,8 @@ class Curriculum:
 
     def read_mirror(self) -> dict[str, Any] | None:
         """What the async worker's copy last wrote (None before it wrote anything)."""
-        if self.mirror is None:
-            return None
         try:
-            with open(self.mirror, encoding="utf-8") as f:
-                text = f.read()
+            text = Path(self.mirror).read_text(encoding="utf-8") if self.mirror else ""
         except OSError:
             return None
         return json.loads(text) if text else None
