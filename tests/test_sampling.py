@@ -26,6 +26,7 @@ from ors_trl import (
     UniformSampler,
 )
 from ors_trl.demo import _task
+from ors_trl.tasks.sampling import uniform_draws
 from ors_trl.testing import ReferenceServer
 
 KINDS = {t["id"]: t["kind"] for t in _task.pool_tasks("kinds")}
@@ -161,6 +162,8 @@ def test_sampler_state_round_trips_and_continues_the_same_draws() -> None:
     assert [uniform.draw() for _ in range(20)] == [copy.draw() for _ in range(20)]
     one_pass = UniformSampler(range(7), seed=5)
     assert sorted(one_pass.draw() for _ in range(7)) == list(range(7))  # every task once per pass
+    draws = uniform_draws(range(4), 10, random.Random(0))  # the one uniform choice (the sampler's, a mix's rows)
+    assert len(draws) == 10 and sorted(draws[:4]) == sorted(draws[4:8]) == [0, 1, 2, 3] and len(set(draws[8:])) == 2
 
 
 def test_sampler_arguments_are_checked() -> None:
@@ -424,8 +427,7 @@ def test_a_resumed_run_continues_the_same_draws(look_server, look_model_dir, tmp
                        resume=str(tmp_path / "a" / "checkpoint-3"), **config)
     assert sorted(resumed) == [4, 5, 6]
     assert {s: whole[s] for s in (4, 5, 6)} == resumed
-    assert second.runtime.curriculum.sampler.state_dict()["history"] == \
-        first.runtime.curriculum.sampler.state_dict()["history"]
+    assert second.curriculum.sampler.state_dict()["history"] == first.curriculum.sampler.state_dict()["history"]
     second.close()
 
 

@@ -169,7 +169,7 @@ class OpenRewardMix:
 
         fetched = get_loop().run(fetch_all())
         sizes = [len(indices) for indices, _ in fetched]
-        if any(spec.runtime.curriculum is not None for spec in self.specs.values()):
+        if any(spec.curriculum is not None for spec in self.specs.values()):
             return self._stream(fetched)
         counts = sizes if self.weights is None else mixture_counts(sizes, self.weights)
         rng = random.Random(self.seed)
@@ -194,14 +194,14 @@ class OpenRewardMix:
         from datasets import Dataset
 
         from .tasks.stream import sampled_stream
+        from .trl.sampling_callback import attach_task_sampling
 
         rows: dict[str, list[Any]] = {"prompt": [], "task_index": [], ENVIRONMENT_COLUMN: []}
         tasks: list[Any] = []
         where: dict[tuple[str | None, int], int] = {}
         for (name, spec), (indices, spec_tasks) in zip(self.specs.items(), fetched, strict=True):
-            if spec.runtime.curriculum is None:
-                spec.runtime.curriculum = Curriculum(UniformSampler(seed=self.seed), name=name,
-                                                     success_threshold=spec.runtime.metrics.success_threshold)
+            if spec.curriculum is None:
+                spec.curriculum = Curriculum(UniformSampler(seed=self.seed), spec.runtime)
             where.update({(name, i): len(rows["prompt"]) + k for k, i in enumerate(indices)})
             part = spec.dataset_rows(indices, env=name)
             rows["prompt"] += part["prompt"]
@@ -215,7 +215,7 @@ class OpenRewardMix:
         weights = None if self.weights is None else [w for name, w in zip(self.specs, self.weights, strict=True)
                                                       if name in chosen]
         return sampled_stream(Dataset.from_dict(rows), where, {name: self.specs[name] for name in chosen}, chosen,
-                              weights=weights, seed=self.seed)
+                              weights=weights, seed=self.seed, on_bind=attach_task_sampling)
 
     @cached_property
     def environment_factory(self) -> dict[str, Callable[[], Any]]:
@@ -265,8 +265,8 @@ class OpenRewardMix:
         from .trl.callbacks import SessionCleanupCallback
 
         callbacks = [SessionCleanupCallback([spec.runtime for spec in self.specs.values()])]
-        if any(spec.runtime.curriculum is not None for spec in self.specs.values()):
-            from .tasks.stream import stream_callbacks
+        if any(spec.curriculum is not None for spec in self.specs.values()):
+            from .trl.sampling_callback import stream_callbacks
 
             callbacks += stream_callbacks(self.train_dataset)
         return callbacks

@@ -309,8 +309,8 @@ class OpenRewardSpec:
             max_tool_calls=max_tool_calls, episode_timeout=episode_timeout, batch_tool_calls=batch_tool_calls,
             episode_log=writer, score_groups=score_groups, success_threshold=float(success_threshold), images=images,
         )
-        if sampler is not None:
-            self._runtime.curriculum = Curriculum(sampler, name=self.name, success_threshold=float(success_threshold))
+        #: Task sampling (`ors_trl.tasks.sampling`): draws the stream's tasks, hears the runtime's training episodes.
+        self.curriculum = None if sampler is None else Curriculum(sampler, self._runtime)
         self._known: dict[int, Difficulty] | PlatformDifficulty | None = None
         if self._difficulty is not None:
             if difficulty_from is None or difficulty_from == "platform":
@@ -466,12 +466,13 @@ class OpenRewardSpec:
             log_notes(self.dataset_notes, self.name)
             rows.update(columns)
         dataset = Dataset.from_dict(rows)
-        if self._runtime.curriculum is None:
+        if self.curriculum is None:
             return dataset
         from .tasks.stream import sampled_stream
+        from .trl.sampling_callback import attach_task_sampling
 
         return sampled_stream(dataset, {(None, i): row for row, i in enumerate(indices)}, {None: self},
-                              {None: indices})
+                              {None: indices}, on_bind=attach_task_sampling)
 
     # -- tools -----------------------------------------------------------------------------------
 
@@ -638,9 +639,9 @@ class OpenRewardSpec:
         """
         from .trl.callbacks import SessionCleanupCallback
 
-        if self._runtime.curriculum is None:
+        if self.curriculum is None:
             return [SessionCleanupCallback([self._runtime])]
-        from .tasks.stream import stream_callbacks
+        from .trl.sampling_callback import stream_callbacks
 
         return [SessionCleanupCallback([self._runtime]), *stream_callbacks(self.train_dataset)]
 

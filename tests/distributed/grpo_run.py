@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     report["client_open_sessions_after_train"] = client.open_sessions
     report["global_step"] = trainer.state.global_step
     if sampled:
-        report["sampler_state"] = spec.runtime.curriculum.sampler.state_dict()
+        report["sampler_state"] = spec.curriculum.sampler.state_dict()
     if args.mode == "engine":
         report["engine_last_episodes"] = [
             {"task_index": ep.task.index, "sid": ep.session.sid if ep.session else None, "reward": ep.reward}

@@ -264,8 +264,7 @@ class EnvironmentRuntime:
         self.uploads: Any = None  # a RolloutUploader (ors_trl.protocol.upload) sent every closed episode's record, opt-in
         #: Called once with each episode as it is counted (`Episode.account`, `Episode.adopt`): how the drivers'
         #: task sources (`ors_trl.tasks`) hear outcomes without the core knowing them.
-        self.listeners: list[Callable[[Episode], None]] = [self._teach]
-        self.curriculum: Any = None  # TEMPORARY until the tasks layer subscribes itself (h-tasks)
+        self.listeners: list[Callable[[Episode], None]] = []
         self.toolset: Toolset | None = None  # bound by the spec before the first episode
         self.uses_messages: bool | None = None  # /messages supported (None: not known yet)
         self.block_types: tuple[str, ...] | None = None  # block types the server accepts in messages
@@ -427,10 +426,6 @@ class EnvironmentRuntime:
         """At exit: close every live episode, then the client (which deletes whatever is still open)."""
         await asyncio.gather(*(ep.close() for ep in list(self.live)), return_exceptions=True)
         await self.client.aclose()
-
-    def _teach(self, ep: Episode) -> None:  # TEMPORARY (h-tasks)
-        if self.curriculum is not None and ep.source in TRAINING_SOURCES:
-            self.curriculum.observe(ep.task.index, ep.reward)
 
     def bind(self, trainer: Any) -> bool:
         """Note the trainer driving this environment (held weakly); False when it was already the one noted."""

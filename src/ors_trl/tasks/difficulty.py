@@ -179,15 +179,11 @@ async def describe(target: str, split: str, source: Any, *, environment: str | N
     from ..protocol.client import AsyncClient
 
     async with AsyncClient(target, env_name=environment, **client_options) as client:
-        return await _describe(client, split, source, environment=environment)
-
-
-async def _describe(client: Any, split: str, source: Any, *, environment: str | None) -> dict[str, Any]:
-    if isinstance(source, PlatformDifficulty):
-        known, where = await platform_known(client, split, source)
-    else:
-        known, where = known_rewards(source, split=split, environment=environment), str(source)
-    total = await client.num_tasks(split)
+        if isinstance(source, PlatformDifficulty):
+            known, where = await platform_known(client, split, source)
+        else:
+            known, where = known_rewards(source, split=split, environment=environment), str(source)
+        total = await client.num_tasks(split)
     means = [d.mean for d in known.values()]
     return {"split": split, "source": where, "tasks": total, "with_data": len(known),
             "episodes": sum(d.count for d in known.values()), "mean": sum(means) / len(means) if means else None,

@@ -1,16 +1,8 @@
-"""Choosing tasks as training goes: the samplers, and the curriculum that feeds them each group's rewards.
+"""Choosing tasks as training goes: the samplers (seeded; their state goes into checkpoints), and the `Curriculum`
+that feeds one environment's sampler the rewards of its training episodes, one group per task.
 
 GRPO learns only from groups whose rewards differ: a group that all succeeded or all failed has zero advantage and
-costs a full set of sessions. `AdaptiveSampler` keeps, per task, the rewards of its last groups and draws the next
-task from three pools: tasks never scored first; then tasks whose recent groups disagreed (weight 1) and tasks whose
-recent groups were all equal, solved or unsolved (weight `flat_weight`, small but never zero, so a task that
-becomes learnable is re-probed and comes back; larger for a task whose groups once disagreed). The draw is seeded;
-the state (a few numbers per seen task and the random generator's) goes into checkpoints.
-
-A `Curriculum` sits between a spec's episodes and its sampler: every training episode's reward is observed when the
-episode is counted (`Episode.account`), the observations of one task are one group, and they reach the sampler
-before its next draw; in a run of several processes they are gathered at each step's end so that every process
-applies the same groups at the same point and draws the same tasks (`ors_trl.trl.callbacks.TaskSamplingCallback`).
+costs a full set of sessions, so `AdaptiveSampler` draws where groups disagree.
 """
 
 from __future__ import annotations
@@ -27,16 +19,17 @@ import tempfile
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from ..core.episode import TRAINING_SOURCES
 from ..protocol.errors import ConfigurationError
+from ..protocol.files import write_atomic
 
 __all__ = ["AdaptiveSampler", "Curriculum", "TaskSampler", "UniformSampler", "make_sampler", "mirror_path",
-           "rng_state", "set_rng_state"]
+           "rng_state", "set_rng_state", "uniform_draws"]
 
-#: The names `task_sampling=` takes.
-SAMPLINGS = ("uniform", "adaptive")
 _EQUAL = 1e-9  # rewards closer than this are equal (a group with no spread has no advantage)
 #: AdaptiveSampler's pools: never drawn, drawn but not scored yet, groups disagreed, and the all-equal ones by
 #: side, by how many all-equal groups in a row (1: a suspect; 2 to `LEVELS`: confirmed, each level drawn half as
@@ -56,21 +49,17 @@ class TaskSampler(Protocol):
 
     `draw()` returns the next task index (one of the spec's selected tasks); `update(task, rewards)` receives the
     rewards of one group of that task (`None` for a rollout the environment never scored). Optional methods:
-    `bind(tasks)` (called once with the selected task indices before the first draw), `state_dict()` and
-    `load_state_dict(state)` (JSON-able; saved with checkpoints and restored on resume), `metrics()` (numbers
-    logged as `curriculum/<env>/<name>`).
+    `bind(tasks)` (called once with the selected task indices before the first draw), `reseed(seed)` (with the
+    trainer's seed, before the first draw), `state_dict()` and `load_state_dict(state)` (JSON-able; saved with
+    checkpoints and restored on resume), `metrics()` (numbers logged as `curriculum/<env>/<name>`).
     """
 
     def draw(self) -> int:
-        """The next task.
-
-        Returns:
-            `int`: A task index, one of the spec's selected tasks.
-        """
+        """The next task: one of the spec's selected task indices."""
         ...
 
     def update(self, task: int, rewards: Sequence[float | None]) -> None:
-        """Learn from one group of a task.
+        """Learn from one group of a task (the uniform sampler ignores it).
 
         Args:
             task (`int`):
@@ -121,46 +110,42 @@ def set_rng_state(rng: random.Random, state: Sequence[Any]) -> None:
     rng.setstate((version, tuple(internal), gauss))
 
 
-def _tasks(tasks: Iterable[int]) -> list[int]:
-    out = list(dict.fromkeys(tasks))
-    if not out:
-        raise ConfigurationError("a task sampler needs at least one task")
-    if any(isinstance(t, bool) or not isinstance(t, int) for t in out):
-        raise ConfigurationError("task indices must be ints")
+def uniform_draws(tasks: Sequence[int], count: int, rng: random.Random) -> list[int]:
+    """`count` of `tasks`, each once per pass, in a seeded order per pass: every uniform choice of tasks."""
+    out: list[int] = []
+    while tasks and len(out) < count:
+        out += rng.sample(tasks, min(len(tasks), count - len(out)))
     return out
 
 
-class UniformSampler:
-    """Every task once per pass, in a seeded random order; a new order each pass (feedback is ignored).
+class _Sampler(TaskSampler):
+    """What the built-in samplers share: the bound tasks, a seeded generator, and their state for checkpoints."""
 
-    Args:
-        tasks (`Sequence[int]`, *optional*):
-            The task indices to draw from; a spec binds its selection when not given.
-        seed (`int`, *optional*, defaults to `0`):
-            Seed of the order.
-    """
+    kind = ""
 
-    def __init__(self, tasks: Sequence[int] | None = None, *, seed: int = 0) -> None:
-        self.seed = seed
-        self._rng = random.Random(seed)
-        self._tasks: list[int] = []
-        self._order: list[int] = []
-        self._pos = 0
+    def __init__(self, tasks: Sequence[int] | None, seed: int) -> None:
+        self.seed, self._rng = seed, random.Random(seed)
+        self._tasks: dict[int, None] = {}  # in order, with O(1) membership
         if tasks is not None:
             self.bind(tasks)
 
     def bind(self, tasks: Sequence[int]) -> None:
-        """Draw from these tasks (a spec binds its selection).
+        """Draw from these tasks (a spec binds its selection); what is known of them is kept.
 
         Args:
             tasks (`Sequence[int]`):
                 The task indices.
         """
-        self._tasks = _tasks(tasks)
-        self._order, self._pos = [], 0
+        chosen = dict.fromkeys(tasks)
+        if not chosen:
+            raise ConfigurationError("a task sampler needs at least one task")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in chosen):
+            raise ConfigurationError("task indices must be ints")
+        self._tasks = chosen
+        self._restart()
 
     def reseed(self, seed: int) -> None:
-        """Seed the order again (a spec does, with the trainer's seed, before the first draw).
+        """Seed the draws again (a spec does, with the trainer's seed, before the first draw).
 
         Args:
             seed (`int`):
@@ -168,31 +153,17 @@ class UniformSampler:
         """
         self.seed = seed
         self._rng.seed(seed)
-        self._order, self._pos = [], 0
+        self._restart()
 
     def draw(self) -> int:
-        """The next task of this pass (a new seeded order once a pass is done)."""
+        """The next task: one of the bound tasks."""
         if not self._tasks:
-            raise ConfigurationError("UniformSampler has no tasks: pass tasks= or give it to a spec")
-        if self._pos >= len(self._order):
-            self._order = self._rng.sample(self._tasks, len(self._tasks))
-            self._pos = 0
-        self._pos += 1
-        return self._order[self._pos - 1]
-
-    def update(self, task: int, rewards: Sequence[float | None]) -> None:
-        """Nothing: uniform draws do not depend on rewards.
-
-        Args:
-            task (`int`):
-                The task the group ran.
-            rewards (`Sequence[float | None]`):
-                Its rollouts' rewards.
-        """
+            raise ConfigurationError(f"{type(self).__name__} has no tasks: pass tasks= or give it to a spec")
+        return self._draw()
 
     def state_dict(self) -> dict[str, Any]:
-        """The order of this pass, the position in it and the generator's state."""
-        return {"kind": "uniform", "rng": rng_state(self._rng), "order": self._order, "pos": self._pos}
+        """What the sampler knows, and the generator's state (JSON-able: checkpoints keep it)."""
+        return {"kind": self.kind, "rng": rng_state(self._rng), **self._state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state_dict()`'s output.
@@ -202,26 +173,60 @@ class UniformSampler:
                 What `state_dict()` returned (read back from JSON).
         """
         set_rng_state(self._rng, state["rng"])
+        self._load(state)
+
+    def _restart(self) -> None: ...
+    def _draw(self) -> int: ...
+    def _state(self) -> dict[str, Any]: ...
+    def _load(self, state: dict[str, Any]) -> None: ...
+
+
+class UniformSampler(_Sampler):
+    """Every task once per pass, in a seeded random order; a new order each pass (feedback is ignored).
+
+    Args:
+        tasks (`Sequence[int]`, *optional*):
+            The task indices to draw from; a spec binds its selection when not given.
+        seed (`int`, *optional*, defaults to `0`):
+            Seed of the order.
+    """
+
+    kind = "uniform"
+
+    def __init__(self, tasks: Sequence[int] | None = None, *, seed: int = 0) -> None:
+        self._order: list[int] = []
+        self._pos = 0
+        super().__init__(tasks, seed)
+
+    def _restart(self) -> None:
+        self._order, self._pos = [], 0
+
+    def _draw(self) -> int:
+        if self._pos >= len(self._order):
+            self._order, self._pos = uniform_draws(list(self._tasks), len(self._tasks), self._rng), 0
+        self._pos += 1
+        return self._order[self._pos - 1]
+
+    def _state(self) -> dict[str, Any]:
+        return {"order": self._order, "pos": self._pos}
+
+    def _load(self, state: dict[str, Any]) -> None:
         self._order, self._pos = [int(t) for t in state["order"]], int(state["pos"])
 
 
-class AdaptiveSampler:
+class AdaptiveSampler(_Sampler):
     """Draw tasks where groups disagree: unseen tasks first, all-equal tasks down-weighted but re-probed.
 
-    A task is `mixed` while its last group, or its last `window` groups pooled, had rewards that differ (a GRPO
-    group of it is likely to teach): weight 1. A task whose last k groups were all equal, to one value, is `solved`
-    (at or above `success_threshold`) or `unsolved` at level k (1 to 5): its weight is the share of the tasks at
-    that level and side whose next group changed, measured during the run from a prior (`suspect_weight` for one
-    group, `flat_weight` for two, halved for each further one). So one unlucky group does not starve a task a policy
-    solves sometimes (at a pass rate of 1/6 a group of 8 all fails a quarter of the time, and the next group of
-    such a task mostly differs), while always- and never-solved tasks, whose next groups never change, fall to the
-    floor (`flat_weight / 8`) within a few re-probes and are still drawn now and then, so a task that becomes
-    learnable comes back. A task whose groups once disagreed is no never-solved task: while its last groups all
-    fail it weighs `lapsed_weight` (it is what the policy has left to learn: starving it, as the never-solved
-    tasks' record would, left the demo's model drawing its own best words and learning fewer of them than
-    uniform draws), and once solved its record is kept apart (prior `suspect_weight`, floor `flat_weight`). A
-    never-drawn task is drawn first; a drawn task not scored yet weighs 1. Rewards of `None` (unscored) are left
-    out: an unscored rollout is no failure.
+    A task drawn but not scored yet, or whose last group (or last `window` groups pooled) had rewards that differ,
+    weighs 1. One whose last k groups were all equal, to one value, is `solved` (at or above `success_threshold`) or
+    `unsolved` at level k (1 to 5), and weighs the share of such tasks whose next group changed, measured in the run
+    from a prior (`suspect_weight` at k = 1, `flat_weight` at 2, halved per further level), floored at
+    `flat_weight / 8`: one unlucky group does not starve a task a policy solves sometimes (at a pass rate of 1/6 a
+    group of 8 all fails a quarter of the time), while always- and never-solved tasks sink to the floor within a few
+    re-probes and still come back if they become learnable. A task whose groups once disagreed is what the policy
+    has left to learn: while it fails it weighs `lapsed_weight` (the never-solved record starved such tasks in the
+    demo); once solved, its record is kept apart (prior `suspect_weight`, floor `flat_weight`). Rewards of `None`
+    are left out: an unscored rollout is no failure.
 
     Args:
         tasks (`Sequence[int]`, *optional*):
@@ -230,9 +235,8 @@ class AdaptiveSampler:
             Seed of the draws (every process of a run uses the same seed and so draws the same tasks).
         flat_weight (`float`, *optional*, defaults to `0.05`):
             The prior weight of a task whose last two groups were all equal (relative to 1 for a task whose groups
-            disagreed; halved for each further one), and an eighth of it the floor. With a third each of
-            always-solved, never-solved and coin-flip tasks this leaves about a fifth of the groups zero-spread;
-            prime-rl's pool weight of 0.2 leaves about 0.4.
+            disagreed). With a third each of always-solved, never-solved and coin-flip tasks this leaves about a
+            fifth of the groups zero-spread; prime-rl's pool weight of 0.2 leaves about 0.4.
         suspect_weight (`float`, *optional*, defaults to `0.2`):
             The prior weight of a task with one all-equal group.
         lapsed_weight (`float`, *optional*, defaults to `1.0`):
@@ -244,6 +248,8 @@ class AdaptiveSampler:
             rate metrics).
     """
 
+    kind = "adaptive"
+
     def __init__(self, tasks: Sequence[int] | None = None, *, seed: int = 0, flat_weight: float = 0.05,
                  suspect_weight: float = 0.2, lapsed_weight: float = 1.0, window: int = 3,
                  success_threshold: float = 1.0) -> None:
@@ -253,11 +259,9 @@ class AdaptiveSampler:
                 raise ConfigurationError(f"{name} must be a number in (0, 1], got {value!r}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigurationError(f"window must be an int >= 1, got {window!r}")
-        self.seed, self.window = seed, window
+        self.window, self.success_threshold = window, float(success_threshold)
         self.flat_weight, self.suspect_weight = float(flat_weight), float(suspect_weight)
         self.lapsed_weight = float(lapsed_weight)
-        self.success_threshold = float(success_threshold)
-        self._rng = random.Random(seed)
         self._history: dict[int, deque[list[float]]] = {}
         self._streak: dict[int, int] = {}  # all-equal groups in a row (to one value), the last one included
         # per pool of all-equal tasks whose weight is measured: how their next group went, [changed, confirmed]
@@ -265,39 +269,15 @@ class AdaptiveSampler:
         self._spread: set[int] = set()  # tasks whose groups ever disagreed
         self._drawn: dict[int, int] = defaultdict(int)
         self._pools: dict[str, _Pool] = {}
-        self._tasks: list[int] = []
-        self._known: set[int] = set()
         self._order: dict[str, list[int]] | None = None  # the pools' order a loaded state had
-        if tasks is not None:
-            self.bind(tasks)
+        super().__init__(tasks, seed)
 
-    def bind(self, tasks: Sequence[int]) -> None:
-        """Draw from these tasks (a spec binds its selection); what is known of them is kept.
-
-        Args:
-            tasks (`Sequence[int]`):
-                The task indices.
-        """
-        self._tasks = _tasks(tasks)
-        self._known = set(self._tasks)
-        self._repool(self._order)
-
-    def reseed(self, seed: int) -> None:
-        """Seed the draws again (a spec does, with the trainer's seed, before the first draw).
-
-        Args:
-            seed (`int`):
-                The new seed.
-        """
-        self.seed = seed
-        self._rng.seed(seed)
-
-    def _repool(self, order: dict[str, list[int]] | None = None) -> None:
-        """Sort the tasks into their pools; `order`: each pool's order as saved (a draw picks by position)."""
+    def _restart(self) -> None:
+        """Sort the tasks into their pools, in the order a loaded state had them (a draw picks by position)."""
         self._pools = {name: _Pool() for name in POOLS}
-        for name, tasks in (order or {}).items():
+        for name, tasks in (self._order or {}).items():
             for task in tasks:
-                if task in self._known and self._pool_of(task) == name:
+                if task in self._tasks and self._pool_of(task) == name:
                     self._pools[name].add(task)
         for task in self._tasks:
             if not any(task in pool for pool in self._pools.values()):
@@ -307,7 +287,7 @@ class AdaptiveSampler:
         groups = self._history.get(task)
         if not groups:
             return "unscored" if self._drawn.get(task) else "fresh"
-        streak, side = self._streak.get(task, 0), self._side(groups[-1][0])
+        streak, side = self._streak.get(task, 0), "solved" if groups[-1][0] >= self.success_threshold else "unsolved"
         was = SPREAD if task in self._spread else ""
         if streak >= 2:
             return f"{was}{side}{min(streak, LEVELS)}"
@@ -315,12 +295,7 @@ class AdaptiveSampler:
         return "mixed" if streak == 0 or max(pooled) - min(pooled) > _EQUAL else f"{was}{side}1"
 
     def _weight(self, pool: str) -> float:
-        """1 for a task whose groups disagreed (or not scored yet); `lapsed_weight` for one whose groups once
-        disagreed and now all fail; for another with k all-equal groups in a row, the share of such tasks whose next
-        group changed, measured in this run, from a prior (`suspect_weight` for one group or a task whose groups
-        once disagreed, else `flat_weight` halved per group after two) worth `PRIOR_GROUPS` groups, never below
-        `flat_weight` (groups once disagreed) or an eighth of it: always- and never-solved tasks drive it down within
-        a few re-probes, tasks a policy solves sometimes keep it up."""
+        """A pool's weight per task (see the class): its measured share from the prior, above the floor."""
         if pool in ("mixed", "unscored"):
             return 1.0
         if pool.startswith(LAPSED):
@@ -331,32 +306,19 @@ class AdaptiveSampler:
         floor = self.flat_weight if spread else self.flat_weight / 8
         return max(floor, (changed + PRIOR_GROUPS * prior) / (changed + confirmed + PRIOR_GROUPS))
 
-    def _side(self, reward: float) -> str:
-        return "solved" if reward >= self.success_threshold else "unsolved"
-
     def _move(self, task: int) -> None:
         for pool in self._pools.values():
             pool.discard(task)
         self._pools[self._pool_of(task)].add(task)
 
-    def draw(self) -> int:
-        """The next task: a fresh one while any is left, else by pool weight."""
-        if not self._tasks:
-            raise ConfigurationError("AdaptiveSampler has no tasks: pass tasks= or give it to a spec")
+    def _draw(self) -> int:
         pools = self._pools
         if pools["fresh"]:
             task = pools["fresh"].choice(self._rng)
         else:
-            weighted = [(pool, self._weight(name)) for name, pool in pools.items() if pool and name != "fresh"]
-            total = sum(len(pool) * weight for pool, weight in weighted)
-            pick = self._rng.random() * total
-            pool = weighted[-1][0]
-            for candidate, weight in weighted:
-                pick -= len(candidate) * weight
-                if pick < 0:
-                    pool = candidate
-                    break
-            task = pool.choice(self._rng)
+            drawn = [name for name, pool in pools.items() if pool and name != "fresh"]
+            weights = [len(pools[name]) * self._weight(name) for name in drawn]
+            task = pools[self._rng.choices(drawn, weights)[0]].choice(self._rng)
         self._drawn[task] += 1
         if task in pools["fresh"]:
             self._move(task)
@@ -372,7 +334,7 @@ class AdaptiveSampler:
                 Its rollouts' rewards; `None` is left out, and a group with no score changes nothing.
         """
         scored = [float(r) for r in rewards if r is not None and math.isfinite(r)]
-        if not scored or task not in self._known:
+        if not scored or task not in self._tasks:
             return
         history = self._history.setdefault(task, deque(maxlen=self.window))
         was = self._pool_of(task)
@@ -395,15 +357,11 @@ class AdaptiveSampler:
         return sizes
 
     def pass_rate(self, task: int) -> float | None:
-        """The share of successes in a task's recent groups.
+        """The share of a task's recent rewards at or above `success_threshold` (None when it was never scored).
 
         Args:
             task (`int`):
                 The task.
-
-        Returns:
-            `float` or `None`: The share of its recent rewards at or above `success_threshold`; None when it was
-            never scored.
         """
         pooled = [r for group in self._history.get(task, ()) for r in group]
         return sum(r >= self.success_threshold for r in pooled) / len(pooled) if pooled else None
@@ -412,23 +370,14 @@ class AdaptiveSampler:
         """The pool sizes (logged as `curriculum/<env>/<pool>`)."""
         return {k: float(v) for k, v in self.pool_sizes().items()}
 
-    def state_dict(self) -> dict[str, Any]:
-        """What the sampler knows: each seen task's recent groups and draws, and the generator's state."""
-        return {"kind": "adaptive", "rng": rng_state(self._rng),
-                "history": {str(t): [list(g) for g in groups] for t, groups in self._history.items()},
+    def _state(self) -> dict[str, Any]:
+        return {"history": {str(t): [list(g) for g in groups] for t, groups in self._history.items()},
                 "drawn": {str(t): n for t, n in self._drawn.items()},
                 "streak": {str(t): n for t, n in self._streak.items()}, "next": self._next,
                 "spread": sorted(self._spread),
                 "pools": {name: list(pool.items) for name, pool in self._pools.items()}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state_dict()`'s output.
-
-        Args:
-            state (`dict[str, Any]`):
-                What `state_dict()` returned (read back from JSON).
-        """
-        set_rng_state(self._rng, state["rng"])
+    def _load(self, state: dict[str, Any]) -> None:
         self._history = {int(t): deque(([float(r) for r in g] for g in groups), maxlen=self.window)
                          for t, groups in state["history"].items()}
         self._drawn = defaultdict(int, {int(t): int(n) for t, n in state["drawn"].items()})
@@ -437,7 +386,7 @@ class AdaptiveSampler:
         self._spread = {int(t) for t in state.get("spread", ())}
         self._order = {name: [int(t) for t in tasks] for name, tasks in state.get("pools", {}).items()}
         if self._tasks:
-            self._repool(self._order)
+            self._restart()
 
 
 def make_sampler(task_sampling: Any, *, seed: int = 0, success_threshold: float = 1.0) -> Any:
@@ -454,34 +403,39 @@ def make_sampler(task_sampling: Any, *, seed: int = 0, success_threshold: float 
 
 
 class Curriculum:
-    """One environment's sampler and what its training episodes told it since the last update.
+    """One environment's sampler, and what that environment's training episodes told it since the last update.
 
-    `observe()` is called from any thread as episodes are counted; `draw()` applies what was observed, then draws
-    (unless `synced`: then only `sync()`, at each step's end on every process, applies the gathered groups).
-    `mirror`: when the sampler runs in TRL's async rollout worker, a file the worker's copy writes its state and
-    metrics to after an update (at most every `MIRROR_EVERY` seconds), which the trainer's process reads.
+    It listens to the runtime (`EnvironmentRuntime.listeners`): each episode of a training source is observed as it
+    is counted, from any thread; `draw()` applies what was observed, then draws (unless `synced`: in a run of several
+    processes, `ors_trl.trl.sampling_callback` applies what every process observed at each step's end, so all draw
+    alike). `mirror`: when the sampler runs in TRL's async rollout worker, a file the worker's copy writes its state
+    and metrics to after an update (at most every `MIRROR_EVERY` seconds), which the trainer's process reads.
     """
 
     MIRROR_EVERY = 1.0
 
-    def __init__(self, sampler: Any, *, name: str, success_threshold: float = 1.0) -> None:
-        self.sampler, self.name = sampler, name
-        self.success_threshold = success_threshold
+    def __init__(self, sampler: Any, runtime: Any) -> None:
+        self.sampler, self.runtime = sampler, runtime
         self.synced = False
-        self.bound_to: Any = None  # weakly: the trainer whose callback updates this curriculum (see the callback)
         self.mirror: str | None = None
         self.writes_mirror = False  # a copy in TRL's async worker writes; the trainer's process reads
+        self.draws = 0
         self._mirrored = 0.0
         self._lock = threading.Lock()
         self._observed: list[tuple[int, float | None]] = []
         self._window: dict[str, float] = defaultdict(float)
-        self.draws = 0
+        runtime.listeners.append(self.observe)
 
-    def observe(self, task: int | None, reward: float | None) -> None:
-        """Note one training episode's outcome (thread-safe; applied at the next update)."""
-        if task is not None:
+    @property
+    def name(self) -> str:
+        """The environment's name, as it reports (a mix renames its environments)."""
+        return self.runtime.name
+
+    def observe(self, episode: Any) -> None:
+        """Note a counted episode's outcome when a training source played it (applied at the next update)."""
+        if episode.source in TRAINING_SOURCES and episode.task.index is not None:
             with self._lock:
-                self._observed.append((task, reward))
+                self._observed.append((episode.task.index, episode.reward))
 
     def take(self) -> list[tuple[int, float | None]]:
         """What was observed since the last call (this process's part, for gathering)."""
@@ -494,14 +448,14 @@ class Curriculum:
         groups: dict[int, list[float | None]] = defaultdict(list)
         for task, reward in observed:
             groups[int(task)].append(reward)
-        w = self._window
+        w, threshold = self._window, self.runtime.metrics.success_threshold
         for task, rewards in sorted(groups.items()):  # the order episodes ended in must not change the draws
             self.sampler.update(task, rewards)
             scored = [r for r in rewards if r is not None]
             if scored:
                 w["groups"] += 1
                 w["zero_std_groups"] += max(scored) - min(scored) <= _EQUAL
-                w["successes"] += sum(r >= self.success_threshold for r in scored)
+                w["successes"] += sum(r >= threshold for r in scored)
                 w["scored"] += len(scored)
         if self.writes_mirror and groups and time.monotonic() - self._mirrored >= self.MIRROR_EVERY:
             self.write_mirror()
@@ -516,16 +470,14 @@ class Curriculum:
         return task
 
     def metrics(self) -> dict[str, float]:
-        """`curriculum/<env>/...` since the last call: the pools, draws, and the groups applied (their share with
-        zero reward spread, their pass rate)."""
+        """`curriculum/<env>/...` since the last call: the sampler's own (an adaptive one's pools), the draws, and
+        the groups applied (their share with zero reward spread, their pass rate)."""
         w, self._window = self._window, defaultdict(float)
-        out = {f"curriculum/{self.name}/{k}": float(v) for k, v in _sampler_metrics(self.sampler).items()}
-        out[f"curriculum/{self.name}/draws"] = w["draws"]
-        out[f"curriculum/{self.name}/groups"] = w["groups"]
+        own = getattr(self.sampler, "metrics", None)
+        out = {**(own() if callable(own) else {}), "draws": w["draws"], "groups": w["groups"]}
         if w["groups"]:
-            out[f"curriculum/{self.name}/zero_std_fraction"] = w["zero_std_groups"] / w["groups"]
-            out[f"curriculum/{self.name}/pass_rate"] = w["successes"] / w["scored"]
-        return out
+            out |= {"zero_std_fraction": w["zero_std_groups"] / w["groups"], "pass_rate": w["successes"] / w["scored"]}
+        return {f"curriculum/{self.name}/{k}": float(v) for k, v in out.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's state (when it has one) and the number of draws."""
@@ -543,27 +495,16 @@ class Curriculum:
         """Write the state and the pending metrics to `mirror` (replaced whole, so a reader never sees half)."""
         assert self.mirror is not None
         self._mirrored = time.monotonic()
-        doc = json.dumps({"state": self.state_dict(), "metrics": self.metrics(), "at": time.time()})
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.mirror), suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(doc)
-        os.replace(tmp, self.mirror)
+        doc = {"state": self.state_dict(), "metrics": self.metrics(), "at": time.time()}
+        write_atomic(Path(self.mirror), json.dumps(doc).encode())
 
     def read_mirror(self) -> dict[str, Any] | None:
         """What the async worker's copy last wrote (None before it wrote anything)."""
-        if self.mirror is None:
-            return None
         try:
-            with open(self.mirror, encoding="utf-8") as f:
-                text = f.read()
+            text = Path(self.mirror).read_text(encoding="utf-8") if self.mirror else ""
         except OSError:
             return None
         return json.loads(text) if text else None
-
-
-def _sampler_metrics(sampler: Any) -> dict[str, float]:
-    metrics = getattr(sampler, "metrics", None)
-    return dict(metrics()) if callable(metrics) else {}
 
 
 _mirror_dir: str | None = None

@@ -15,18 +15,28 @@ from typing import Any
 from ..protocol.client import AsyncClient
 from ..protocol.errors import ConfigurationError, ProtocolError
 from ..protocol.text import show_name
-from ..trl.backend import TRL_KEYWORDS
 
-__all__ = ["EXTRA_COLUMN", "MAX_FIELD_DEPTH", "MAX_TASK_COLUMNS", "MAX_WHOLE_SPLIT", "RESERVED_COLUMNS", "SPARSE_FIELD",
-           "check_in_range", "check_selection", "fetch_tasks", "json_text", "select", "task_columns"]
+__all__ = ["EXTRA_COLUMN", "MAX_FIELD_DEPTH", "MAX_TASK_COLUMNS", "MAX_WHOLE_SPLIT", "RESERVED_COLUMNS",
+           "SPARSE_FIELD", "TRL_KEYWORDS", "check_in_range", "check_selection", "fetch_tasks", "json_text", "select",
+           "task_columns"]
 
 logger = logging.getLogger("ors_trl")
 
-#: Names a task field may not keep as its dataset column: ors-trl's own columns (`prompt`, `task_index`, `task_spec`),
-#: what TRL passes to `reset(**row)` and reward functions itself or reads from a row (`ors_trl.trl.backend.TRL_KEYWORDS`),
-#: the adapter's and the reward functions' own parameters (`self`, `unscored_reward`) and the fields the rollout
-#: engine adds to every row (`env_mask`, and any name starting with `ors_`). Such a field is kept as `task_<name>`.
-RESERVED_COLUMNS = frozenset({"prompt", "task_index", "task_spec", "self", "unscored_reward", "env_mask"}) | TRL_KEYWORDS
+#: Names TRL passes as keywords itself or reads from a dataset row, as verified for `ors_trl.trl.backend.VERIFIED`
+#: (tests/test_architecture.py reads them out of the installed TRL's source, so a TRL that adds one fails there):
+#: GRPOTrainer._calculate_rewards and the async worker's _score_group call every reward function with `prompts`,
+#: `completions`, `completion_ids` and every other row column, plus `trainer_state`, `log_extra`, `log_metric` and
+#: `environments`, and leave the columns `prompt`, `completion` and `completion_ids` out; rows are read for
+#: `prompt`, the multimodal `image` / `images`, and the routing column `environment` (which multi-environment mode
+#: also leaves out of `reset(**row)`).
+TRL_KEYWORDS = frozenset({
+    "prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments",
+    "prompt", "completion", "image", "images", "environment",
+})
+#: Names a task field may not keep as its dataset column (it is kept as `task_<name>`): `TRL_KEYWORDS`, ors-trl's
+#: own columns (`prompt`, `task_index`, `task_spec`), the adapter's and the reward functions' own parameters
+#: (`self`, `unscored_reward`) and the fields the rollout engine adds to every row (`env_mask`, any `ors_...`).
+RESERVED_COLUMNS = TRL_KEYWORDS | {"prompt", "task_index", "task_spec", "self", "unscored_reward", "env_mask"}
 _RESERVED_PREFIX = "ors_"
 #: The most tasks a split may claim when the whole of it is selected (no `num_tasks`, no `indices`): past it,
 #: choosing which tasks is the user's (`num_tasks=N` takes the first N, `indices=` a page), not a server's count.
@@ -66,10 +76,8 @@ def check_in_range(indices: Sequence[int], total: int, split: str) -> None:
     """Raise a `ConfigurationError` naming the valid range if any index is past the split's end."""
     out_of_range = sorted({i for i in indices if i >= total})
     if out_of_range:
-        raise ConfigurationError(
-            f"indices {out_of_range[:10]} are out of range for split {split!r}, which has {total} tasks "
-            f"(0..{total - 1})."
-        )
+        raise ConfigurationError(f"indices {out_of_range[:10]} are out of range for split {split!r}, which has "
+                                 f"{total} tasks (0..{total - 1}).")
 
 
 def select(total: int, split: str, num_tasks: int | None, indices: Sequence[int] | None, *, name: str = "",
@@ -91,19 +99,18 @@ def select(total: int, split: str, num_tasks: int | None, indices: Sequence[int]
 
 async def fetch_tasks(client: AsyncClient, split: str, wanted: Sequence[int], *, name: str = "") -> dict[int, Any]:
     """The task specs of `wanted` indices, in as few `task_range` requests as sensible (pages of contiguous runs)."""
+    from tqdm.auto import tqdm
+
+    wanted_set = set(wanted)
     runs: list[tuple[int, int]] = []
-    for i in sorted(set(wanted)):
+    for i in sorted(wanted_set):
         if runs and i - runs[-1][1] <= 8 and i - runs[-1][0] < _PAGE:
             runs[-1] = (runs[-1][0], i + 1)
         else:
             runs.append((i, i + 1))
     gate = asyncio.Semaphore(_FETCH_CONCURRENCY)
-    wanted_set = set(wanted)
-    bar = None
-    if len(runs) > 4 or len(wanted_set) > 2 * _PAGE:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(wanted_set), desc=f"tasks from {name}", unit="task", leave=False)
+    bar = tqdm(total=len(wanted_set), desc=f"tasks from {name}", unit="task", leave=False,
+               disable=len(runs) <= 4 and len(wanted_set) <= 2 * _PAGE)
     out: dict[int, Any] = {}
 
     async def fetch(start: int, stop: int) -> None:
@@ -114,14 +121,12 @@ async def fetch_tasks(client: AsyncClient, split: str, wanted: Sequence[int], *,
         for offset, task in enumerate(tasks):
             if start + offset in wanted_set:
                 out[start + offset] = task
-        if bar is not None:
-            bar.update(sum(1 for i in range(start, stop) if i in wanted_set))
+        bar.update(sum(1 for i in range(start, stop) if i in wanted_set))
 
     try:
         await asyncio.gather(*(fetch(a, b) for a, b in runs))
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     return out
 
 
@@ -145,7 +150,7 @@ def _as_json(values: list[Any]) -> str | None:
     objects: Counter[int] = Counter()
     keys: dict[int, set[str]] = {}
     entries = 0
-    stack: list[tuple[Any, int, int]] = [(value, 1, 0) for value in values if isinstance(value, Mapping | list | tuple)]
+    stack: list[tuple[Any, int, int]] = [(v, 1, 0) for v in values if isinstance(v, Mapping | list | tuple)]
     while stack:
         value, depth, path = stack.pop()
         if isinstance(value, Mapping | list | tuple) and depth > MAX_FIELD_DEPTH:
@@ -211,17 +216,15 @@ def _free(name: str, taken: set[str], reserved: frozenset[str]) -> str:
 
 def task_columns(task_specs: Sequence[Any], reserved: frozenset[str] = RESERVED_COLUMNS
                  ) -> tuple[dict[str, list[Any]], list[str]]:
-    """Task fields as dataset columns, plus notes on what had to change.
+    """Task fields as dataset columns, plus notes on what had to change: dataset creation never fails, costs what
+    the tasks hold, and loses nothing.
 
-    A field named like a reserved column (see `RESERVED_COLUMNS`) is kept as `task_<name>` (prefixed again until
-    the name is free), so that TRL can still call `reset(**row)` and the reward functions with the row; a NUL in a
-    field's name, which Arrow cannot store, becomes U+FFFD; a field whose values Arrow cannot store in one column
-    (mixed types, ragged nesting, a NUL in a nested key, nesting deeper than `MAX_FIELD_DEPTH`, objects whose keys
-    differ from task to task) is stored as JSON text. A field fewer than one task in `SPARSE_FIELD` has, or past the
-    `MAX_TASK_COLUMNS` most common, goes with the others like it into one column of JSON text, `task_extra` (an
-    object of that task's such fields, or None): tasks that each carry a different field would otherwise make a
-    table of tasks x fields (6,000 tasks of 69 KB: 36 million cells, +1.9 GB). So dataset creation never fails, costs
-    what the tasks hold, and loses nothing.
+    A field named like a reserved column (`RESERVED_COLUMNS`) is kept as `task_<name>` (prefixed again until free),
+    so TRL can still call `reset(**row)` and the reward functions with the row; a NUL in a field's name becomes
+    U+FFFD; a field whose values Arrow cannot store in one column (`_as_json`, mixed shapes) is stored as JSON text;
+    fields fewer than one task in `SPARSE_FIELD` has, or past the `MAX_TASK_COLUMNS` most common, share one column of
+    JSON text, `task_extra` (else tasks that each carry a different field make a table of tasks x fields: 6,000
+    tasks of 69 KB, 36 million cells, +1.9 GB).
     """
     notes: list[str] = []
     counts = Counter(k for spec in task_specs if isinstance(spec, Mapping) for k in spec if isinstance(k, str))
@@ -247,15 +250,14 @@ def task_columns(task_specs: Sequence[Any], reserved: frozenset[str] = RESERVED_
         wanted = set(extra)
         columns[column] = [json_text(rest) if isinstance(spec, Mapping) and (rest := {
             k: v for k, v in spec.items() if k in wanted}) else None for spec in task_specs]
-        shown = ", ".join(show_name(k, 40) for k in extra[:20]) + (f" (+{len(extra) - 20} more)" if len(extra) > 20
-                                                                    else "")
+        more = f" (+{len(extra) - 20} more)" if len(extra) > 20 else ""
+        shown = ", ".join(show_name(k, 40) for k in extra[:20]) + more
         notes.append(f"{len(extra)} task field(s) that fewer than 1 in {SPARSE_FIELD} tasks have, or past the "
                      f"{MAX_TASK_COLUMNS} most common, are stored together as JSON text in column {column!r} (an "
                      f"object of each task's own): {shown}")
     if renamed:
-        notes.insert(0, f"task fields renamed in the dataset (TRL or ors-trl passes these names itself, or "
-                        "Arrow cannot store them): "
-                        f"{', '.join(renamed)}")
+        notes.insert(0, "task fields renamed in the dataset (TRL or ors-trl passes these names itself, or Arrow "
+                        f"cannot store them): {', '.join(renamed)}")
     return columns, notes
 
 

@@ -31,8 +31,8 @@ cannot find the trainer by itself) with one log line, the engine refuses to star
 and in the async worker `get_reward` returns each episode's reward itself (TRL's public contract for
 it). `ORS_TRL_TRUST_TRL=1` opts in to the fast paths on an unverified TRL (for trying a newer release).
 
-`TRL_KEYWORDS` are the names TRL itself passes to `reset(**row)` and to reward functions, or reads
-from a dataset row: task fields with these names are renamed (`ors_trl.tasks.selection.task_columns`).
+`TRL_KEYWORDS` (kept with the dataset columns they reserve, `ors_trl.tasks.selection`) are the names TRL itself
+passes to `reset(**row)` and to reward functions, or reads from a dataset row.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from typing import Any
 
 from ..core.episode import Reply, Rules
 from ..protocol.errors import ConfigurationError, UsageError
+from ..tasks.selection import TRL_KEYWORDS
 
 __all__ = ["TRL_KEYWORDS", "VERIFIED", "AsyncGRPO", "Backend", "FinishedRollout", "Rendering", "async_grpo",
            "calling_trainer", "error_text", "finished_rollout", "in_async_worker", "install_image_handoff", "replies_of",
@@ -71,17 +72,6 @@ _UNVERIFIED = ("TRL's environment_factory loop runs on TRL's public behaviour (o
                "time: correct, slower; pass callbacks=spec.callbacks so that sessions close at each step's end), and "
                "spec.rollout_func will not run")
 
-#: Names TRL passes as keywords itself or reads from a dataset row, as verified for `VERIFIED`
-#: (tests/test_architecture.py reads them out of the installed TRL's source, so a TRL that adds one fails there):
-#: - GRPOTrainer._calculate_rewards and the async worker's _score_group call every reward function with
-#:   `prompts`, `completions`, `completion_ids` and every other row column, plus `trainer_state`, `log_extra`,
-#:   `log_metric` and `environments`; they leave the columns `prompt`, `completion` and `completion_ids` out;
-#: - rows are read for `prompt`, the multimodal `image` / `images`, and the routing column `environment` (which
-#:   multi-environment mode also leaves out of `reset(**row)`).
-TRL_KEYWORDS = frozenset({
-    "prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments",
-    "prompt", "completion", "image", "images", "environment",
-})
 
 
 def trl_version() -> str | None:
