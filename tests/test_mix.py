@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 
 from ors_trl import ConfigurationError, OpenRewardMix, OpenRewardSpec
-from ors_trl.mix import mixture_counts, sample_rows
+from ors_trl.mix import mixture_counts
+from ors_trl.tasks.sampling import uniform_draws
 
 
 def tools_of(cls: type) -> dict[str, object]:
@@ -93,7 +94,7 @@ def test_weights_set_the_mixture() -> None:
     assert mixture_counts([10, 10], [3, 1]) == [15, 5]
     assert sum(mixture_counts([7, 5, 3], [1, 1, 1])) == 15
     assert mixture_counts([100, 1], [1, 1]) == [51, 50]  # the small env is repeated to reach its share
-    rows = sample_rows(4, 10, __import__("random").Random(0))
+    rows = uniform_draws(range(4), 10, __import__("random").Random(0))
     assert Counter(rows)[0] >= 2 and len(rows) == 10 and set(rows) == {0, 1, 2, 3}
 
 

@@ -26,7 +26,7 @@ from .core.records import RecordWriter
 from .protocol.errors import ConfigurationError
 from .protocol.loop import get_loop
 from .spec import EPISODE_LOG_MAX_BYTES, EPISODE_LOG_MAX_TEXT, OpenRewardSpec
-from .tasks.sampling import Curriculum, UniformSampler
+from .tasks.sampling import Curriculum, UniformSampler, uniform_draws
 from .tasks.selection import log_notes, task_columns
 from .trl import backend as _trl
 from .trl.engine import RolloutEngine
@@ -59,13 +59,6 @@ def mixture_counts(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
     for i in sorted(range(len(raw)), key=lambda i: raw[i] - counts[i], reverse=True)[: total - sum(counts)]:
         counts[i] += 1
     return [max(c, 1) if w > 0 else 0 for c, w in zip(counts, weights, strict=True)]
-
-
-def sample_rows(n_rows: int, count: int, rng: random.Random) -> list[int]:
-    """`count` row positions out of `n_rows`: whole passes over the rows, then a seeded sample of the rest."""
-    out = list(range(n_rows)) * (count // n_rows)
-    out += sorted(rng.sample(range(n_rows), count % n_rows))
-    return out
 
 
 class OpenRewardMix:
@@ -178,7 +171,7 @@ class OpenRewardMix:
         for (name, spec), (indices, spec_tasks), count in zip(self.specs.items(), fetched, counts, strict=True):
             if not indices:
                 continue
-            picks = sample_rows(len(indices), count, rng)
+            picks = uniform_draws(range(len(indices)), count, rng)
             part = spec.dataset_rows([indices[p] for p in picks], env=name)
             rows["prompt"] += part["prompt"]
             rows["task_index"] += part["task_index"]
