@@ -46,20 +46,42 @@ def target_of(text: str) -> str:
     return next(t for t in TARGETS if f'"{t}"' in text)
 
 
-def scripted_generation(trainer: Any):
+def script_step(tok: Any, ids: list[int]) -> list[int]:
+    """The script's reply to a generation input: by its task's target and the replies it already holds."""
+    text = tok.decode(ids)
+    return scripted_ids(tok, SCRIPT[target_of(text)][text.count("<|im_start|>assistant") - 1])  # the prompt opens one
+
+
+def scripted_generation(trainer: Any, inputs: list[list[int]] | None = None):
     tok = trl_tokenizer(trainer)
-    response = tok.convert_tokens_to_ids("<|im_start|>")
 
     def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        out = []
-        for ids in prompt_ids:
-            text = tok.decode(ids)
-            replies = text.count("<|im_start|>assistant") - 1  # the generation prompt opens one
-            out.append(scripted_ids(tok, SCRIPT[target_of(text)][replies]))
-        assert response is not None
-        return out, None
+        if inputs is not None:
+            inputs.extend(list(ids) for ids in prompt_ids)
+        return [script_step(tok, list(ids)) for ids in prompt_ids], None
 
     return generate
+
+
+class ScriptModel:
+    """The script as a causal LM for `LocalPolicy`: it generates the script's ids from each (left-padded) input and
+    keeps every input."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        from transformers import PretrainedConfig
+
+        self.tokenizer, self.config, self.device = tokenizer, PretrainedConfig(max_position_embeddings=4096), "cpu"
+        self.inputs: list[list[int]] = []
+
+    def generate(self, input_ids: Any, attention_mask: Any, **kwargs: Any) -> Any:
+        import torch
+
+        rows = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
+            self.inputs.append([i for i, m in zip(ids, mask, strict=True) if m])
+            rows.append(ids + script_step(self.tokenizer, self.inputs[-1]))
+        width, pad = max(map(len, rows)), self.tokenizer.pad_token_id
+        return torch.tensor([r + [pad] * (width - len(r)) for r in rows])
 
 
 class ScriptedPolicy:
@@ -75,14 +97,15 @@ class ScriptedPolicy:
         return PolicyReply(content="", tool_calls=[{"name": n, "arguments": a} for n, a in step])
 
 
-def make_trainer(model_dir: str, spec: OpenRewardSpec, mode: str, tmp_path: Any, logged: dict[str, float]) -> Any:
+def make_trainer(model_dir: str, spec: OpenRewardSpec, mode: str, tmp_path: Any, logged: dict[str, float],
+                 inputs: list[list[int]] | None = None) -> Any:
     def outcome_reward(**kwargs: Any) -> list[float | None]:  # the spec's, with what it logs kept
         return spec.reward_funcs(**{**kwargs, "log_metric": logged.__setitem__})
 
     trainer = cpu_grpo_trainer(model_dir, str(tmp_path / mode), batch=len(TARGETS) * 2, generations=2,
                                turns=ITERATIONS, completion_length=256, spec=spec, mode=mode,
                                reward_funcs=outcome_reward)
-    replace_generation(trainer, scripted_generation(trainer))
+    replace_generation(trainer, scripted_generation(trainer, inputs))
     return trainer
 
 
@@ -203,3 +226,41 @@ def test_max_tool_calls_refuses_the_same_calls_on_every_path(tiny_model_dir, ref
     for mode in ("env", "engine"):  # the cost of the step, logged with it
         assert metrics[mode][f"env/{ECHO}/sessions_opened"] == 2 * len(TARGETS), mode
         assert 0 < metrics[mode][f"env/{ECHO}/session_seconds_unscored"] < metrics[mode][f"env/{ECHO}/session_seconds"]
+
+
+def test_training_and_evaluation_build_the_same_ids(tiny_model_dir, ref_server, tmp_path) -> None:
+    """One construction of each turn's ids: the script played through TRL's loop (`environment_factory`), the engine
+    and evaluation with a local model (`LocalPolicy`) gives the model the very same input ids at every turn, and the
+    same records. (The demo used to check this at run time, for the turn after a tool call.)"""
+    from transformers import AutoTokenizer
+
+    from ors_trl import LocalPolicy
+
+    specs = {mode: OpenRewardSpec(ref_server.url, env_name=ECHO, num_tasks=len(TARGETS), gather_window=0.0)
+             for mode in ("env", "engine", "eval")}
+    inputs: dict[str, list[list[int]]] = {"env": [], "engine": []}
+    records = {}
+    try:
+        rows = [copy.deepcopy(row) for row in specs["env"].train_dataset for _ in range(2)]
+        for mode in ("env", "engine"):
+            trainer = make_trainer(tiny_model_dir, specs[mode], mode, tmp_path, {}, inputs[mode])
+            generate_and_score(trainer, rows)
+            episodes = ([env.episode for env in trainer.environments] if mode == "env"
+                        else specs[mode].rollout_func.last_episodes)
+            records[mode] = [ep.record() for ep in episodes][::2]
+        model = ScriptModel(AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True))
+        report = specs["eval"].evaluate(LocalPolicy(model, model.tokenizer, max_new_tokens=256),
+                                        max_turns=ITERATIONS + 1, progress=False)
+        inputs["eval"], records["eval"] = model.inputs, report.episodes
+    finally:
+        for spec in specs.values():
+            spec.close()
+    seen = {mode: sorted(map(tuple, ids)) for mode, ids in inputs.items()}
+    assert len(seen["eval"]) == 2 + 3 + 1 + 2 + 3 + 1  # every reply of the script, generated once per task
+    assert seen["env"] == seen["engine"] == sorted(t for t in seen["eval"] for _ in range(2))  # two rollouts a task
+    later = [ids for ids in seen["eval"] if b"<tool_response>" in model.tokenizer.decode(ids).encode()]
+    assert len(later) == 2 + 1 + 1 + 2  # the turns after tool results are among them (the demo's check)
+    by_target = {mode: {r["prompt"]: comparable(r) for r in recs} for mode, recs in records.items()}
+    for prompt in by_target["env"]:
+        assert by_target["env"][prompt] == by_target["engine"][prompt] == by_target["eval"][prompt], prompt
+    assert ref_server.stats()["open_sessions"] == 0

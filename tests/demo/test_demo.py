@@ -85,12 +85,7 @@ def test_look_grpo_through_the_spec(look_server, tmp_path) -> None:
     # the warm start taught the format: look, then answer (two turns), before any GRPO step
     assert result.before["look_rate"] > 0.5 and result.before["turns"] > 1.5
     assert result.before["answered_rate"] > 0.5
-    # the evaluation builds the turn after look() from the generated ids as GRPO does: checked against TRL's own
-    # completion ids on the first step; a plain re-render of the conversation would differ (an empty think block)
-    assert result.alignment is not None and result.alignment["checked"] > 32
-    assert result.alignment["identical"] == result.alignment["checked"]
-    assert result.before["later_turns"] == sum(r["tool_calls"] > 0 for r in result.before["report"].episodes)
-    assert result.before["rerender_differs"] == result.before["later_turns"]
+    # (that the evaluation builds the turn after look() with TRL's very ids is tests/test_turns.py's to show)
     # blind variant: a greedy policy gives one answer per (question, decoy) view, so at most 1/6 can be right
     assert result.blind is not None and result.blind["success_rate"] <= 1 / 6 + 1e-9
     out = result.to_json()
