@@ -1,5 +1,6 @@
-"""The package's shape, checked: no import cycles, TRL internals behind one seam, a light core import, and every
-name TRL calls with kept free of task fields."""
+"""The package's shape, checked: the layers and their import rules (ARCHITECTURE.md), no import cycles, TRL internals
+behind one seam, only the transport builds a request, a light core import, and every name TRL calls with kept free of
+task fields."""
 
 from __future__ import annotations
 
@@ -36,6 +37,83 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
     return {m for m in out if m in modules and m != name}
+
+
+#: The layers, bottom to top (ARCHITECTURE.md): a module imports only its own layer and those below it.
+LAYERS = ("protocol", "core", "tasks", "trl", "evaluation", "surface")
+#: Third-party packages a layer must never import: the core and the protocol know neither TRL nor torch (the openreward
+#: SDK is the protocol's, for the platform's rollout upload alone); the tasks layer knows datasets, not TRL.
+_TRAINING = {"torch", "trl", "transformers", "accelerate"}
+FORBIDDEN = {"protocol": _TRAINING | {"datasets"}, "core": _TRAINING | {"datasets", "openreward"},
+             "tasks": _TRAINING | {"openreward"}}
+#: HTTP client libraries: only the transport uses one (the test kit's servers and proxies aside).
+HTTP = {"aiohttp", "httpx", "requests", "urllib3", "http.client"}
+
+
+def layer(module: str) -> str:
+    """The layer of a module by its path: its folder, or the surface (spec, mix, cli, report, demo, testing)."""
+    parts = module.split(".")
+    if parts[1:2] == ["_version"]:
+        return "protocol"
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "surface"
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every module a file imports, by its absolute name (relative imports resolved), at any depth of the code."""
+    name = ".".join(path.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
+            target = ".".join(p for p in (base, node.module or "") if p)
+            out |= {target} | {f"{target}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return out
+
+
+def layer_violations(modules: dict[str, set[str]]) -> list[str]:
+    """What breaks the layer rules in `modules` (module name -> what it imports): an import of a layer above, a
+    third-party package a layer must not know, an HTTP client outside the transport."""
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    out = []
+    for module, imported in sorted(modules.items()):
+        mine = layer(module)
+        for target in sorted(imported):
+            top = target.split(".")[0]
+            if top == "ors_trl" and target.count(".") and rank[layer(target)] > rank[mine]:
+                out.append(f"{module} ({mine}) imports {target} ({layer(target)})")
+            if top in FORBIDDEN.get(mine, ()):
+                out.append(f"{module} ({mine}) imports {target}")
+            if (top in HTTP or target in HTTP) and module != "ors_trl.protocol.transport" \
+                    and not module.startswith("ors_trl.testing"):
+                out.append(f"{module} builds HTTP requests ({target}): only ors_trl.protocol.transport may")
+    return out
+
+
+def test_every_module_keeps_to_its_layer() -> None:
+    modules = {".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): _all_imports(p)
+               for p in PACKAGE.rglob("*.py")}
+    assert {layer(m) for m in modules} == set(LAYERS)
+    assert layer_violations(modules) == []
+
+
+def test_the_layer_rules_catch_what_they_forbid() -> None:
+    """The check itself can fail: a core module importing the TRL layer or transformers, the protocol importing
+    the core, an HTTP client outside the transport, each a violation; the same imports the right way round none."""
+    bad = {"ors_trl.core.episode": {"ors_trl.trl.backend", "transformers"},
+           "ors_trl.protocol.client": {"ors_trl.core.records", "aiohttp"},
+           "ors_trl.evaluation.policies": {"httpx"}}
+    assert layer_violations(bad) == [
+        "ors_trl.core.episode (core) imports ors_trl.trl.backend (trl)",
+        "ors_trl.core.episode (core) imports transformers",
+        "ors_trl.evaluation.policies builds HTTP requests (httpx): only ors_trl.protocol.transport may",
+        "ors_trl.protocol.client builds HTTP requests (aiohttp): only ors_trl.protocol.transport may",
+        "ors_trl.protocol.client (protocol) imports ors_trl.core.records (core)"]
+    good = {"ors_trl.trl.engine": {"ors_trl.core.episode", "transformers"}, "ors_trl.protocol.transport": {"aiohttp"},
+            "ors_trl.spec": {"ors_trl.evaluation.runner", "datasets"}}
+    assert layer_violations(good) == []
 
 
 def test_no_import_cycles() -> None:

@@ -84,6 +84,9 @@ def load_episodes(path: str | os.PathLike[str], environments: Collection[str] | 
             and (environments is None or record.get("environment") in environments)}
 
 
+_COUNT = {"at least": 1}  # the metadata of a count option
+
+
 @dataclass
 class EvalOptions:
     """How an evaluation runs: `OpenRewardSpec.evaluate`, `OpenRewardMix.evaluate` and `ors-trl eval` take these
@@ -136,9 +139,9 @@ class EvalOptions:
 
     num_tasks: int | None = None
     indices: Sequence[int] | None = None
-    repeats: int = 1
-    concurrency: int = 8
-    max_turns: int = 10
+    repeats: int = field(default=1, metadata=_COUNT)
+    concurrency: int = field(default=8, metadata=_COUNT)
+    max_turns: int = field(default=10, metadata=_COUNT)
     episode_timeout: float | None = None
     output: str | os.PathLike[str] | None = None
     resume: bool = False
@@ -169,10 +172,10 @@ class EvalOptions:
     def check(self) -> None:
         """Raise a `ConfigurationError` for options that cannot work together."""
         self.indices = check_selection(self.num_tasks, self.indices)
-        for name in ("repeats", "concurrency", "max_turns"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.metadata is _COUNT and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigurationError(f"{f.name} must be an int >= 1, got {value!r}")
         if self.episode_timeout is not None and not self.episode_timeout > 0:  # also refuses NaN
             raise ConfigurationError(f"episode_timeout must be positive seconds or None, got {self.episode_timeout!r}")
         out = self.path
