@@ -20,28 +20,15 @@ from ..protocol.text import ascii_fold
 from .jsonschema import MISSING, Budget, Node, Normaliser, as_text, is_scalar, name_text, one_line, quote
 from .jsonschema import single_line as single_line
 
-__all__ = [
-    "DEFAULT_MAX_PARAM_DESCRIPTION",
-    "DEFAULT_MAX_SCHEMA_NODES",
-    "DEFAULT_MAX_TOOL_DESCRIPTION",
-    "TRUNCATION_MARK",
-    "ParameterInfo",
-    "ToolInfo",
-    "describe_schema",
-    "describe_tool",
-    "python_parameter_names",
-    "schema_to_annotation",
-    "single_line",
-    "tool_field",
-    "unique_name",
-]
+__all__ = ["DEFAULT_MAX_PARAM_DESCRIPTION", "DEFAULT_MAX_SCHEMA_NODES", "DEFAULT_MAX_TOOL_DESCRIPTION", "TRUNCATION_MARK",
+           "ParameterInfo", "ToolInfo", "describe_schema", "describe_tool", "python_parameter_names",
+           "schema_to_annotation", "single_line", "tool_field", "unique_name"]
 
 #: A parameter description longer than this is cut and marked with `TRUNCATION_MARK`.
 DEFAULT_MAX_PARAM_DESCRIPTION = 2_000
 #: A tool description longer than this is cut and marked with `TRUNCATION_MARK`.
 DEFAULT_MAX_TOOL_DESCRIPTION = 8_000
-#: Work units per tool (one per schema node visited plus one per keyword / enum value / alternative in it) before
-#: the rest is typed `Any` and elided as "…": bounds hostile or huge schemas (a pydantic model uses a few hundred).
+#: Work units per tool (see `ors_trl.core.jsonschema.Budget`; a pydantic model uses a few hundred).
 DEFAULT_MAX_SCHEMA_NODES = 100_000
 TRUNCATION_MARK = " …[truncated]"
 
@@ -52,26 +39,19 @@ _PRIMITIVES: dict[str, Any] = {"string": str, "integer": int, "number": float, "
 
 @dataclass(frozen=True)
 class ParameterInfo:
-    """One argument of a tool, ready to become a Python parameter.
+    """One argument of a tool, ready to become a Python parameter."""
 
-    `remote_name` is the property name on the wire, `python_name` the identifier used in the signature (equal
-    unless the wire name is a keyword, not an identifier, a dunder or `self`), `annotation` the type hint
-    `get_json_schema` turns back into the schema, and `description` the single-line text for the docstring.
-    """
-
-    remote_name: str
-    python_name: str
-    annotation: Any
-    description: str
+    remote_name: str  # the property name on the wire
+    python_name: str  # the signature's identifier (see `python_parameter_names`)
+    annotation: Any  # the type hint `get_json_schema` turns back into the schema
+    description: str  # single-line text for the docstring
     required: bool
 
 
 @dataclass(frozen=True)
 class ToolInfo:
-    """Everything needed to bind one tool: its remote name, description, parameters (required first) and notes.
-
-    `notes` lists what could not be represented exactly (recursion cut, unresolved `$ref`, truncation, ...).
-    """
+    """Everything needed to bind one tool: its remote name, description, parameters (required first) and `notes`:
+    what could not be represented exactly (recursion cut, unresolved `$ref`, truncation, ...)."""
 
     name: str
     description: str
@@ -486,13 +466,9 @@ def describe_tool(
     max_schema_nodes: int = DEFAULT_MAX_SCHEMA_NODES,
     budget: Budget | None = None,
 ) -> ToolInfo:
-    """Compute the parameters (required first) and description of one ORS tool spec.
-
-    `tool_spec` is a mapping (or an object with attributes) with `name`, `description` and `input_schema`
-    (a JSON Schema object, `{}` or `None`). `budget` is the work and `$ref` expansion budget of the tool list it
-    belongs to (`ors_trl.core.jsonschema.Budget`; by default, one for this schema alone). Never raises on odd schemas:
-    what cannot be represented is described and listed in `ToolInfo.notes`.
-    """
+    """The parameters (required first) and description of one ORS tool spec (see `tool_field`; `input_schema`: a JSON
+    Schema object, `{}` or `None`), within the tool list's `budget` (see `Normaliser`). Never raises on odd schemas:
+    what cannot be represented is described and listed in `ToolInfo.notes`."""
     name = as_text(tool_field(tool_spec, "name"))
     normaliser = Normaliser(tool_field(tool_spec, "input_schema"), max_schema_nodes, budget)
     arguments, required, sentences = normaliser.arguments(_text_budget(max_param_description), _INPUT_TEXT)
