@@ -34,27 +34,20 @@ _MAX_JSON_DEPTH = 32
 EXPANSION_FACTOR = 4
 EXPANSION_FLOOR = 64 * 1024
 _SIMPLE_NAME_RE = re.compile(r"[\w.-]+")
-_SHAPES = (
-    ("object", ("properties", "additionalProperties", "patternProperties")),
-    ("array", ("items", "prefixItems")),
-)
+_SHAPES = (("object", ("properties", "additionalProperties", "patternProperties")),
+           ("array", ("items", "prefixItems")))
 
 # Keywords this module reads (or deliberately ignores); every other keyword becomes the note "key <json>".
-_HANDLED_KEYS = frozenset(
-    {
-        "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properties", "required", "additionalProperties",
-        "patternProperties", "propertyNames", "items", "prefixItems", "title", "description", "default", "minimum",
-        "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "format",
-        "minItems", "maxItems", "uniqueItems", "contains", "minContains", "maxContains", "minProperties",
-        "maxProperties", "not", "deprecated", "readOnly", "writeOnly", "examples", "example", "discriminator",
-        "nullable", "contentEncoding", "contentMediaType", "definitions", "x-also-must-match",
-    }
-)  # fmt: skip
+_HANDLED_KEYS = frozenset({
+    "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properties", "required", "additionalProperties",
+    "patternProperties", "propertyNames", "items", "prefixItems", "title", "description", "default", "minimum",
+    "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "format",
+    "minItems", "maxItems", "uniqueItems", "contains", "minContains", "maxContains", "minProperties", "maxProperties",
+    "not", "deprecated", "readOnly", "writeOnly", "examples", "example", "discriminator", "nullable",
+    "contentEncoding", "contentMediaType", "definitions", "x-also-must-match"})
 
 
 MISSING: Any = type("_Missing", (), {"__repr__": lambda self: "<missing>"})()
-
-# ----------------------------------------------------------------------------------------------------------- text
 
 # Characters that str.splitlines() breaks on: none may survive in a parameter description.
 _LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"
@@ -167,9 +160,6 @@ def _numeric_bounds(schema: dict) -> str:
     return " and ".join(bounds)
 
 
-# ----------------------------------------------------------------------------------------------------------- tree
-
-
 @dataclass(frozen=True, slots=True)
 class Node:
     """One schema, normalised. `const`, `enum`, `default` and `also` hold JSON values as the schema gave
@@ -280,8 +270,6 @@ class Normaliser:
         self.budget.expanded += size
         return True
 
-    # -- entry points
-
     def parameter(self, raw: Any, stack: tuple[str, ...], text: int, depth: int = 0) -> Node:
         """One argument's schema, expanding no more object fields than `text` characters can list."""
         self.text_left = text
@@ -319,9 +307,8 @@ class Normaliser:
                     common = arm_required if common is None else common & arm_required
                 required = common or set()
                 if sets:
-                    sentences.append(
-                        "Accepts one of these argument sets (? = optional): " + " | ".join(f"({s})" for s in sets)
-                    )
+                    sentences.append("Accepts one of these argument sets (? = optional): "
+                                     + " | ".join(f"({s})" for s in sets))
             elif kind not in (None, "object"):
                 self.note(f"input schema is not an object (type {quote(kind, 40)}); arguments are passed through")
                 sentences.append(("Input: ", self.parameter(schema, (), input_text)))
@@ -335,8 +322,6 @@ class Normaliser:
         if count := count_range(schema.get("minProperties"), schema.get("maxProperties"), "arguments"):
             sentences.append(f"Input constraints: {count}")
         return [(wire, self.parameter(sub, root.stack, text)) for wire, sub in properties.items()], required, sentences
-
-    # -- references
 
     def as_schema(self, node: Any) -> dict:
         if isinstance(node, dict):
@@ -376,9 +361,8 @@ class Normaliser:
         for _ in range(_MAX_REF_HOPS):
             node = self.as_schema(node)
             ref, all_of = node.get("$ref"), node.get("allOf")
-            wrapper = (
-                "$ref" if isinstance(ref, str) else "allOf" if isinstance(all_of, list) and len(all_of) == 1 else ""
-            )
+            single = isinstance(all_of, list) and len(all_of) == 1
+            wrapper = "$ref" if isinstance(ref, str) else "allOf" if single else ""
             if not wrapper:
                 break
             for key, value in node.items():
@@ -446,8 +430,6 @@ class Normaliser:
             merged["x-also-must-match"] = leftovers
         return merged
 
-    # -- nodes
-
     def node(self, raw: Any, stack: tuple[str, ...], depth: int, nested: int) -> Node:
         """Normalise one schema; `depth` counts enclosing containers and fields, `nested` alternatives too."""
         if nested > _MAX_DEPTH:
@@ -483,25 +465,16 @@ class Normaliser:
                 elif name == "object":
                     described = "const" not in schema and not isinstance(enum, list)  # else fields go unlisted
                     structure.update(self._object(schema, stack, depth, nested + 1, described))
-        return Node(
-            types=types,
-            const=const,
-            enum=tuple(enum) if isinstance(enum, list) else None,
-            also=tuple(arms) if arms and (kind is not None or "const" in schema or "enum" in schema) else (),
-            nullable=schema.get("nullable") is True,
-            checks=self._checks(schema, stack, depth + 1, nested + 1),
-            notes=_notes(schema),
-            **about,
-            **structure,
-        )
+        also = tuple(arms) if arms and (kind is not None or "const" in schema or "enum" in schema) else ()
+        return Node(types=types, const=const, enum=tuple(enum) if isinstance(enum, list) else None, also=also,
+                    nullable=schema.get("nullable") is True, checks=self._checks(schema, stack, depth + 1, nested + 1),
+                    notes=_notes(schema), **about, **structure)
 
     def _array(self, schema: dict, stack: tuple[str, ...], depth: int, nested: int) -> dict[str, Any]:
         prefix = _prefix_items(schema)
         items = schema.get("items") if prefix is None or isinstance(schema.get("prefixItems"), list) else None
-        return {
-            "prefix": None if prefix is None else tuple(self.node(part, stack, depth, nested) for part in prefix),
-            "items": self._optional(items, stack, depth, nested),
-        }
+        return {"prefix": None if prefix is None else tuple(self.node(part, stack, depth, nested) for part in prefix),
+                "items": self._optional(items, stack, depth, nested)}
 
     def _object(self, schema: dict, stack: tuple[str, ...], depth: int, nested: int, described: bool) -> dict:
         properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
@@ -576,11 +549,8 @@ def _notes(schema: dict) -> tuple[str, ...]:
     also = schema.get("x-also-must-match")
     if isinstance(also, list) and also and all(isinstance(item, str) for item in also):
         notes.append("also must match " + ", ".join(also))
-    notes += (
-        f"{name_text(key)} {quote(value)}"
-        for key, value in schema.items()
-        if isinstance(key, str) and key not in _HANDLED_KEYS and not key.startswith("$")
-    )
+    notes += (f"{name_text(key)} {quote(value)}" for key, value in schema.items()
+              if isinstance(key, str) and key not in _HANDLED_KEYS and not key.startswith("$"))
     return tuple(notes)
 
 

@@ -296,7 +296,8 @@ class RecordWriter:
         written beside the log, once per log, and its entry names the file."""
         listed = record.get("images")
         if images and isinstance(listed, dict):
-            record = {**record, "images": {sha: self._store(sha, entry, images.get(sha)) for sha, entry in listed.items()}}
+            stored = {sha: self._store(sha, entry, images.get(sha)) for sha, entry in listed.items()}
+            record = {**record, "images": stored}
         try:
             data = (json.dumps(jsonable(record, max_text=self.max_text), ensure_ascii=False, allow_nan=False)
                     + "\n").encode("utf-8")

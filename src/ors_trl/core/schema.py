@@ -20,9 +20,9 @@ from ..protocol.text import ascii_fold
 from .jsonschema import MISSING, Budget, Node, Normaliser, as_text, is_scalar, name_text, one_line, quote
 from .jsonschema import single_line as single_line
 
-__all__ = ["DEFAULT_MAX_PARAM_DESCRIPTION", "DEFAULT_MAX_SCHEMA_NODES", "DEFAULT_MAX_TOOL_DESCRIPTION", "TRUNCATION_MARK",
-           "ParameterInfo", "ToolInfo", "describe_schema", "describe_tool", "python_parameter_names",
-           "schema_to_annotation", "single_line", "tool_field", "unique_name"]
+__all__ = ["DEFAULT_MAX_PARAM_DESCRIPTION", "DEFAULT_MAX_SCHEMA_NODES", "DEFAULT_MAX_TOOL_DESCRIPTION",
+           "TRUNCATION_MARK", "ParameterInfo", "ToolInfo", "describe_schema", "describe_tool",
+           "python_parameter_names", "schema_to_annotation", "single_line", "tool_field", "unique_name"]
 
 #: A parameter description longer than this is cut and marked with `TRUNCATION_MARK`.
 DEFAULT_MAX_PARAM_DESCRIPTION = 2_000
@@ -57,9 +57,6 @@ class ToolInfo:
     description: str
     parameters: tuple[ParameterInfo, ...]
     notes: tuple[str, ...] = ()
-
-
-# ------------------------------------------------------------------------------------------------------ annotations
 
 
 def _annotation(node: Node) -> Any:
@@ -101,9 +98,6 @@ def _union(annotations: list[Any]) -> Any:
     return unique[0] if len(unique) == 1 else Union[tuple(unique)]  # noqa: UP007 - built from a runtime list
 
 
-# ----------------------------------------------------------------------------------------------------- descriptions
-
-
 @dataclass
 class _Summary:
     """What a schema says, as text: a type label, constraints, notes and the fields of objects inside it."""
@@ -116,6 +110,19 @@ class _Summary:
     fields: str | None = None
     header: str | None = None  # whose fields `fields` lists ("Object", "Item (Loc object)", "" when several)
     lossy: bool = False  # the label says something the annotation cannot (and `fields` does not)
+
+    def carry(self, part: _Summary, constraints: str, notes: str, model: bool) -> None:
+        """Take up what a part (an alternative, an item, a value) says, its constraints and its details (notes,
+        description, model description if `model`, default), each under its prefix."""
+        if part.constraints:
+            self.constraints.append(constraints + ", ".join(part.constraints))
+        texts = (part.node.description, part.model_description if model else "")
+        details = [*part.notes, *(one_line(text) for text in texts if text)]
+        if part.node.default is not MISSING:
+            details.append(f"default {quote(part.node.default)}")
+        if details:
+            self.notes.append(notes + "; ".join(details))
+        self.lossy = self.lossy or (part.lossy and not part.fields)
 
 
 @dataclass
@@ -187,13 +194,8 @@ class _Describer:
         labels = list(dict.fromkeys(s.label for s in summaries))
         with_fields = [s for s in summaries if s.fields]
         for s in summaries:
-            out.lossy = out.lossy or (s.lossy and not s.fields)
             prefix = "" if len(non_null) <= 1 else f"if {s.label}: "
-            if s.constraints:
-                out.constraints.append(prefix + ", ".join(s.constraints))
-            extra = _details(s, model=not (len(non_null) == 1 and s.fields))
-            if extra:
-                out.notes.append(prefix + "; ".join(extra))
+            out.carry(s, prefix, prefix, model=not (len(non_null) == 1 and s.fields))
         if len(with_fields) == 1:
             out.fields, out.header = with_fields[0].fields, with_fields[0].header
             if len(non_null) == 1 and not out.model_description:
@@ -241,11 +243,7 @@ class _Describer:
 
     def _lift(self, out: _Summary, header: str, phrase: str, inner: _Summary) -> _Summary:
         """Carry an array item's / map value's constraints, notes and fields up to the container."""
-        if inner.constraints:
-            out.constraints.append(f"{phrase} " + ", ".join(inner.constraints))
-        notes = _details(inner, model=not inner.fields)
-        if notes:
-            out.notes.append(f"{phrase}: " + "; ".join(notes))
+        out.carry(inner, f"{phrase} ", f"{phrase}: ", model=not inner.fields)
         if inner.fields:
             about = inner.header or ""
             if inner.model_description:
@@ -253,7 +251,6 @@ class _Describer:
                 about = f"{about}: {model}" if about else model
             out.fields = inner.fields
             out.header = header if about in ("", "Object") else f"{header} ({about})"
-        out.lossy = out.lossy or (inner.lossy and not inner.fields)
         return inner
 
     def _fill_object(self, out: _Summary, node: Node) -> str:
@@ -312,15 +309,6 @@ class _Describer:
         return text
 
 
-def _details(summary: _Summary, model: bool) -> list[str]:
-    """What a container says about one of its parts: notes, description, model description (if `model`), default."""
-    texts = (summary.node.description, summary.model_description if model else "")
-    details = [*summary.notes, *(one_line(text) for text in texts if text)]
-    if summary.node.default is not MISSING:
-        details.append(f"default {quote(summary.node.default)}")
-    return details
-
-
 def _parameter_description(node: Node, wire: str, python: str, max_length: int) -> tuple[str, bool]:
     summary = _Describer(_text_budget(max_length)).summarize(node)
     description = one_line(summary.node.description)
@@ -372,26 +360,15 @@ def _paren(label: str) -> str:
     return f"({label})" if " | " in label or ", " in label else label
 
 
-# ------------------------------------------------------------------------------------------------------- public API
-
-
 def schema_to_annotation(schema: Any, *, root: Any = None, max_nodes: int = DEFAULT_MAX_SCHEMA_NODES) -> Any:
-    """The type hint that `get_json_schema` renders as (the structural part of) `schema`.
-
-    `root` is the document `$ref` pointers resolve against (defaults to `schema` itself).
-    """
+    """The type hint that `get_json_schema` renders as (the structural part of) `schema`; `root`: the document `$ref`
+    pointers resolve against (`schema` itself by default)."""
     normaliser = Normaliser(schema if root is None else root, max_nodes)
     return _annotation(normaliser.parameter(schema, (), 0))  # an annotation lists no fields
 
 
-def describe_schema(
-    schema: Any,
-    *,
-    name: str = "value",
-    root: Any = None,
-    max_length: int = DEFAULT_MAX_PARAM_DESCRIPTION,
-    max_nodes: int = DEFAULT_MAX_SCHEMA_NODES,
-) -> str:
+def describe_schema(schema: Any, *, name: str = "value", root: Any = None,
+                    max_length: int = DEFAULT_MAX_PARAM_DESCRIPTION, max_nodes: int = DEFAULT_MAX_SCHEMA_NODES) -> str:
     """The one-line parameter description for `schema`: its own description plus everything types cannot say."""
     normaliser = Normaliser(schema if root is None else root, max_nodes)
     node = normaliser.parameter(schema, (), _text_budget(max_length))
@@ -428,14 +405,9 @@ def unique_name(base: str, taken: set[str], *, limit: int | None = None, avoid: 
 
 
 def _is_safe_parameter_name(name: str) -> bool:
-    return (
-        name.isidentifier()
-        and re.fullmatch(r"\w+", name) is not None
-        and unicodedata.normalize("NFKC", name) == name
-        and not keyword.iskeyword(name)
-        and name != "self"
-        and not (name.startswith("__") and name.endswith("__"))
-    )
+    return (name.isidentifier() and re.fullmatch(r"\w+", name) is not None and not keyword.iskeyword(name)
+            and unicodedata.normalize("NFKC", name) == name and name != "self"
+            and not (name.startswith("__") and name.endswith("__")))
 
 
 def _sanitize_parameter_name(name: str) -> str:
@@ -458,14 +430,9 @@ def tool_field(spec: Any, key: str) -> Any:
     return getattr(spec, key, None) if key in ("name", "description", "input_schema") else None
 
 
-def describe_tool(
-    tool_spec: Any,
-    *,
-    max_param_description: int = DEFAULT_MAX_PARAM_DESCRIPTION,
-    max_tool_description: int = DEFAULT_MAX_TOOL_DESCRIPTION,
-    max_schema_nodes: int = DEFAULT_MAX_SCHEMA_NODES,
-    budget: Budget | None = None,
-) -> ToolInfo:
+def describe_tool(tool_spec: Any, *, max_param_description: int = DEFAULT_MAX_PARAM_DESCRIPTION,
+                  max_tool_description: int = DEFAULT_MAX_TOOL_DESCRIPTION,
+                  max_schema_nodes: int = DEFAULT_MAX_SCHEMA_NODES, budget: Budget | None = None) -> ToolInfo:
     """The parameters (required first) and description of one ORS tool spec (see `tool_field`; `input_schema`: a JSON
     Schema object, `{}` or `None`), within the tool list's `budget` (see `Normaliser`). Never raises on odd schemas:
     what cannot be represented is described and listed in `ToolInfo.notes`."""
@@ -477,9 +444,8 @@ def describe_tool(
     for wire, node in arguments:
         text, cut = _parameter_description(node, wire, names[wire], max_param_description)
         if cut:
-            normaliser.note(
-                f"description of parameter {quote(wire, 80)} truncated to {max_param_description} characters"
-            )
+            normaliser.note(f"description of parameter {quote(wire, 80)} truncated to {max_param_description} "
+                            "characters")
         parameters.append(ParameterInfo(wire, names[wire], _annotation(node), text, wire in required))
     parameters.sort(key=lambda parameter: not parameter.required)  # stable: required first, order kept
     description = as_text(tool_field(tool_spec, "description")).replace("\r\n", "\n").replace("\r", "\n").strip()
