@@ -53,49 +53,44 @@ class ErrorRecord(TypedDict):
 
 
 class ImageRecord(TypedDict, total=False):
-    """One image of an episode (the key of `EpisodeRecord.images` is its SHA-256): its media type, size in bytes,
-    width and height; `error` why the model was not shown it; `file` where its bytes are, relative to the log's
-    folder (absent where they were not written)."""
+    """One image of an episode (the key of `EpisodeRecord.images` is its SHA-256)."""
 
     mime_type: str
-    bytes: int
+    bytes: int  # its size
     width: int | None
     height: int | None
-    error: str
-    file: str
+    error: str  # why the model was not shown it
+    file: str  # where its bytes are, relative to the log's folder (absent where they were not written)
 
 
 class CallRecord(TypedDict, total=False):
     """One tool call of the model. `status`: ok, failed (the tool or the network failed), refused (locally or by
-    the server: the model is told why) or not_run (the reply was the last one the turn limit allows). `name` is
-    the name the model saw, `remote_name` the environment's; `output` is what the model read (TRL's
-    `{'error': ...}` text for a failure; an image as its `[image: ...]` marker), `images` the hashes of its images."""
+    the server: the model is told why) or not_run (the reply was the last one the turn limit allows)."""
 
     id: str | None
-    name: str
+    name: str  # the name the model saw
     arguments: Any
     status: Literal["ok", "failed", "refused", "not_run"]
-    remote_name: str
+    remote_name: str  # the environment's
     remote_arguments: dict[str, Any]
-    output: str
+    output: str  # what the model read (TRL's `{'error': ...}` text for a failure; an image as `[image: ...]`)
     error: ErrorRecord
     reward: float | None
     finished: bool
     metadata: dict[str, Any] | None
     seconds: float
-    images: list[str]
+    images: list[str]  # the hashes of its images
 
 
 class TurnRecord(TypedDict, total=False):
-    """One model reply: its visible text (None when nothing was parsed) and its calls, in order; drivers add
-    `raw` (the completion text), `usage` and `generation_seconds` where they have them. `unparsed`: the text held
-    the chat template's tool-call markup, yet parsed to no call."""
+    """One model reply and its calls, in order; drivers add `raw`, `usage` and `generation_seconds` where they have
+    them."""
 
     index: int
-    assistant: str | None
+    assistant: str | None  # its visible text (None when nothing was parsed)
     tool_calls: list[CallRecord]
-    unparsed: bool
-    raw: str
+    unparsed: bool  # the text held the chat template's tool-call markup, yet parsed to no call
+    raw: str  # the completion text
     usage: dict[str, Any]
     generation_seconds: float
 
