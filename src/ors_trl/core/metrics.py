@@ -436,39 +436,29 @@ def _window_metrics(prefix: str, w: _Window) -> dict[str, float]:
     out: dict[str, float] = {}
     s = w.stats
     if s.episodes:
-        out[prefix + "episodes"] = float(s.episodes)
-        out[prefix + "reward_mean"] = s.mean_reward if s.mean_reward is not None else float("nan")
-        out[prefix + "graded_fraction"] = s.coverage
-        out[prefix + "success_rate"] = s.success_rate
-        out[prefix + "finished_fraction"] = s.share(s.finished)
-        out[prefix + "tool_calls_per_episode"] = s.share(s.tool_calls)
-        out[prefix + "no_tool_call_fraction"] = s.no_call_rate
-        out[prefix + "unparsed_turn_fraction"] = s.unparsed_rate
-        out[prefix + "malformed_calls"] = float(s.malformed_calls)
-        for reason in UNSCORED_REASONS:
-            out[prefix + f"unscored/{reason}"] = float(s.unscored.get(reason, 0))
+        out.update(episodes=float(s.episodes), reward_mean=s.mean_reward if s.mean_reward is not None else math.nan,
+                   graded_fraction=s.coverage, success_rate=s.success_rate, finished_fraction=s.share(s.finished),
+                   tool_calls_per_episode=s.share(s.tool_calls), no_tool_call_fraction=s.no_call_rate,
+                   unparsed_turn_fraction=s.unparsed_rate, malformed_calls=float(s.malformed_calls))
+        out.update({f"unscored/{reason}": float(s.unscored.get(reason, 0)) for reason in UNSCORED_REASONS})
         if s.unscored.get("timeout"):
-            out[prefix + "timed_out_fraction"] = s.share(s.unscored["timeout"])
+            out["timed_out_fraction"] = s.share(s.unscored["timeout"])
     if w.groups:
-        out[prefix + "groups_scored"] = float(w.groups - w.group_failures)
-        out[prefix + "group_failures"] = float(w.group_failures)
+        out.update(groups_scored=float(w.groups - w.group_failures), group_failures=float(w.group_failures))
     if w.calls:
-        out[prefix + "tool_calls"] = float(w.calls)
+        out["tool_calls"] = float(w.calls)
     if w.terminal_calls:
-        out[prefix + "terminal_calls"] = float(w.terminal_calls)
+        out["terminal_calls"] = float(w.terminal_calls)
     if w.calls or w.terminal_calls or w.failures:
-        for kind in FAILURE_KINDS:
-            out[prefix + f"failures/{kind}"] = float(w.failures.get(kind, 0))
+        out.update({f"failures/{kind}": float(w.failures.get(kind, 0)) for kind in FAILURE_KINDS})
     if w.opens:
-        out[prefix + "sessions_opened"] = float(w.opens)
+        out["sessions_opened"] = float(w.opens)
     if s.session_seconds:
-        out[prefix + "session_seconds"] = s.session_seconds
-        out[prefix + "session_seconds_unscored"] = s.session_seconds_unscored
+        out.update(session_seconds=s.session_seconds, session_seconds_unscored=s.session_seconds_unscored)
     if w.open_failures:
-        out[prefix + "session_open_failures"] = float(w.open_failures)
+        out["session_open_failures"] = float(w.open_failures)
     for name, latency in (("session_open_s", w.open_latency), ("tool_call_s", w.call_latency),
                           ("terminal_call_s", w.terminal_latency)):
         if latency:
-            out[prefix + f"{name}/p50"] = _percentile(latency, 0.5)
-            out[prefix + f"{name}/p95"] = _percentile(latency, 0.95)
-    return out
+            out.update({f"{name}/p50": _percentile(latency, 0.5), f"{name}/p95": _percentile(latency, 0.95)})
+    return {prefix + name: value for name, value in out.items()}

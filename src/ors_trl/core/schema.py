@@ -271,18 +271,14 @@ class _Describer:
             out.header = label[:1].upper() + label[1:]
             if isinstance(node.extra, Node):
                 other = self.summarize(node.extra)
-                out.constraints.append(
-                    f"other keys {_paren(other.label)}" + "".join(f", {detail}" for detail in other.constraints)
-                )
-            elif node.extra is False:
-                out.constraints.append("no other keys")
+                out.constraints.append(", ".join([f"other keys {_paren(other.label)}", *other.constraints]))
         elif isinstance(node.extra, Node):
             value = self._lift(out, "Value", "each value", self.summarize(node.extra))
             return f"{label} of {_paren(value.label)}"
         else:
             out.lossy = out.lossy or bool(node.model)
-            if node.extra is False:
-                out.constraints.append("no keys")
+        if node.extra is False:
+            out.constraints.append("no other keys" if node.fields is not None else "no keys")
         return label
 
     def _field(self, name: str, node: Node, required: bool) -> str:
