@@ -19,7 +19,9 @@ import threading
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any
+from typing import Any, get_args
+
+from .records import Unscored
 
 __all__ = ["DEFAULT_SUCCESS_THRESHOLD", "FAILURE_KINDS", "UNSCORED_REASONS", "EnvMetrics", "EpisodeStats",
            "tool_health"]
@@ -29,7 +31,7 @@ logger = logging.getLogger("ors_trl")
 #: Failure reasons counted separately (anything else is counted as "failed").
 FAILURE_KINDS = ("refused", "failed", "expired", "transport", "timeout", "protocol")
 #: Why an episode has no reward (see `Episode.unscored`), each counted as `unscored/<reason>`.
-UNSCORED_REASONS = ("no_reward", "cut_off", "error", "timeout")
+UNSCORED_REASONS: tuple[str, ...] = get_args(Unscored)
 #: An episode succeeded when its reward is at least this (a binary environment's 1.0).
 DEFAULT_SUCCESS_THRESHOLD = 1.0
 #: The share of a step's episodes without a tool call that is warned about once it was below it.

@@ -99,7 +99,7 @@ class TurnRecord(TypedDict, total=False):
 EndReason = Literal["finished", "no_tool_calls", "max_turns", "length", "context_length", "timeout", "error",
                     "released"]
 #: Why an episode has no reward.
-Unscored = Literal["timeout", "error", "cut_off", "no_reward"]
+Unscored = Literal["no_reward", "cut_off", "error", "timeout"]
 
 
 class EpisodeRecord(TypedDict, total=False):
