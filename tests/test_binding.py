@@ -40,7 +40,7 @@ class FakeEnv:
 
     def _route(self, name: str, arguments: dict) -> tuple[str, dict]:
         bound = next(b for b in self.result.tools.values() if b.name == name)
-        return bound.remote_name, bound.plan.arguments(arguments)
+        return bound.remote_name, bound.arguments(arguments)
 
     def _call_tool(self, name: str, arguments: dict) -> str:
         remote, wire = self._route(name, arguments)

@@ -1,30 +1,24 @@
 """Bind ORS tool specs to real Python functions that TRL's GRPOTrainer can collect, render and call.
 
-TRL lists an environment adapter's tools with `inspect.getmembers(type(env), inspect.isfunction)` (skipping
-`reset`, `get_reward` and names starting with `_`), keys them by `function.__name__`, renders them with
-`transformers.utils.get_json_schema` and calls them as `method(**arguments)`. `bind_tools` builds, for each
-tool, a generic closure (no `exec`/`eval`/`compile` of generated source, so a hostile name or description can
-never run as code) and dresses it with `__signature__`, `__annotations__` and a Google-style `__doc__` computed
-by `ors_trl.core.schema`, so `get_json_schema` reproduces the environment's schema.
+TRL lists an adapter's tools with `inspect.getmembers(type(env), inspect.isfunction)` (skipping `reset`,
+`get_reward` and names starting with `_`), keys them by `__name__`, renders them with
+`transformers.utils.get_json_schema` and calls them as `method(**arguments)`. Each tool becomes a generic closure (no
+`exec`/`eval`/`compile` of generated source: a hostile name or description never runs as code) dressed with
+`__signature__`, `__annotations__` and a Google-style `__doc__` from `ors_trl.core.schema`, so `get_json_schema`
+reproduces the environment's schema; `defuse_docstring_text` keeps any description from breaking its parse.
 
 Naming policy
-    * `__name__` (what the model sees, what TRL routes by) is the environment's exact tool name whenever it is a sane
-      display name (`^[A-Za-z0-9_.:-]{1,64}$`); otherwise it is sanitized (ASCII-folded, other characters -> `_`,
-      at most 64 characters, `"tool"` if nothing is left) and a warning says so.
-    * The attribute name (what `inspect.getmembers` sees) equals the remote name when that is an ASCII identifier,
-      not a keyword, not starting with `_` and not in `reserved`; otherwise it is a sanitized identifier
-      (`"run-shell"` -> `"run_shell"`, `"reset"` -> `"tool_reset"`, `"class"` -> `"tool_class"`,
-      `"_private"` -> `"tool__private"`). A tool named `reset` is therefore shown as `reset` and routed to the
-      remote `reset` tool without shadowing the adapter's own `reset()`.
-    * Exact names are claimed first; sanitized names that collide get deterministic `_2`, `_3`... suffixes (with a
-      warning), so every tool stays reachable. A repeated remote name is skipped with a warning.
-    * Parameter names follow `ors_trl.core.schema.python_parameter_names` (`class` -> `class_`, `x-y` ->
-      `x_y`, `self` -> `self_`); the function accepts both the Python name and the original wire name.
-
-Docstring safety
-    `get_json_schema` parses docstrings with regexes. Every `Args:`, `Returns:` and `Raises:` in environment
-    text becomes `Args :` (a normal space before the colon), every `(choices:` becomes `(choices :`, parameter
-    descriptions are collapsed to one line, and empty descriptions get a default, so any description binds and renders.
+    * `__name__` (what the model sees, what TRL routes by) is the exact tool name when it is a sane display name
+      (`^[A-Za-z0-9_.:-]{1,64}$`); else it is sanitized (ASCII-folded, other characters -> `_`, at most 64, `"tool"`
+      if nothing is left), with a warning.
+    * The attribute name (what `inspect.getmembers` sees) is the remote name when that is an ASCII identifier, not a
+      keyword, not starting with `_` and not in `reserved`; else a sanitized identifier (`"run-shell"` ->
+      `"run_shell"`, `"reset"` -> `"tool_reset"`, `"class"` -> `"tool_class"`, `"_private"` -> `"tool__private"`):
+      a tool named `reset` is shown as `reset` without shadowing the adapter's own `reset()`.
+    * Exact names are claimed first; sanitized names that collide get `_2`, `_3`... suffixes (with a warning), so
+      every tool stays reachable. A repeated remote name is skipped with a warning.
+    * Parameter names follow `ors_trl.core.schema.python_parameter_names`; a function accepts the Python name and
+      the wire name alike.
 """
 
 from __future__ import annotations
@@ -35,23 +29,14 @@ import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import FunctionType
 from typing import Any
 
 from ..protocol.errors import ToolRefusedError
 from ..protocol.text import ascii_fold, json_size, one_line, show_name
 from .jsonschema import EXPANSION_FACTOR, EXPANSION_FLOOR, Budget
-from .schema import (
-    DEFAULT_MAX_PARAM_DESCRIPTION,
-    DEFAULT_MAX_SCHEMA_NODES,
-    DEFAULT_MAX_TOOL_DESCRIPTION,
-    ParameterInfo,
-    ToolInfo,
-    describe_tool,
-    single_line,
-    tool_field,
-    unique_name,
-)
+from .schema import ParameterInfo, ToolInfo, describe_tool, single_line, tool_field, unique_name
 
 __all__ = [
     "DEFAULT_RESERVED", "UNSET", "BindingResult", "BoundTool", "Toolset", "bind_tools", "defuse_docstring_text",
@@ -70,9 +55,6 @@ _CHOICES_RE = re.compile(r"\((choices):", re.IGNORECASE)
 
 
 class _Unset:
-    """Default of optional parameters: an argument left at this value is not sent, so the environment's default
-    applies."""
-
     __slots__ = ()
 
     def __repr__(self) -> str:
@@ -82,38 +64,61 @@ class _Unset:
         return "UNSET"
 
 
-#: Sentinel default of optional parameters (see `_Unset`).
+#: Default of optional parameters: an argument left at it is not sent, so the environment's default applies.
 UNSET: Any = _Unset()
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class BoundTool:
-    """One bound tool: where it lives on the class, what the model sees, and what it calls remotely."""
+    """One bound tool: where it lives on the class (`attribute`), what the model sees (`name`), what it calls
+    remotely, and how a call's arguments become the remote tool's (`named`, `arguments`)."""
 
     attribute: str
     name: str
     remote_name: str
-    function: FunctionType
     info: ToolInfo
-    plan: _CallPlan
+    function: FunctionType = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.order = tuple(p.remote_name for p in self.info.parameters)
+        self.to_wire = {name: p.remote_name for p in self.info.parameters for name in (p.remote_name, p.python_name)}
+
+    def named(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """The call's arguments by name: positional ones under their wire names, then the keywords unchanged."""
+        if len(args) > len(self.order):
+            raise TypeError(f"{self.name}() takes {len(self.order)} positional argument(s) but {len(args)} were given")
+        out = dict(zip(self.order, args, strict=False))
+        for key, value in kwargs.items():
+            if key in out:
+                raise TypeError(f"{self.name}() got multiple values for argument {key!r}")
+            out[key] = value
+        return out
+
+    def arguments(self, kwargs: dict) -> dict[str, Any]:
+        """Named arguments (Python or wire names; unknown ones unchanged) as the remote tool's argument dict, without
+        those left at `UNSET`; missing arguments and values are the environment's to check."""
+        out: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if value is UNSET:
+                continue
+            wire = self.to_wire.get(key, key)
+            if wire in out:
+                raise TypeError(f"{self.name}() got multiple values for argument {wire!r}")
+            out[wire] = value
+        return out
 
 
 @dataclass
 class BindingResult:
-    """The functions to set on an adapter class plus a report of everything renamed, skipped or simplified.
-
-    `functions` maps attribute name -> function, `remote_names` attribute name -> remote tool name,
-    `display_names` attribute name -> `__name__` (the name the model sees). `budget` is what normalising the
-    schemas cost over the whole list (`ors_trl.core.jsonschema.Budget`: characters received, work units spent, `$ref`
-    expansions left unexpanded).
-    """
+    """The functions to set on an adapter class plus a report of everything renamed, skipped or simplified; each
+    mapping is keyed by attribute name."""
 
     functions: dict[str, FunctionType] = field(default_factory=dict)
     remote_names: dict[str, str] = field(default_factory=dict)
-    display_names: dict[str, str] = field(default_factory=dict)
+    display_names: dict[str, str] = field(default_factory=dict)  # the `__name__` the model sees
     tools: dict[str, BoundTool] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-    budget: Budget = field(default_factory=lambda: Budget(0))
+    budget: Budget = field(default_factory=lambda: Budget(0))  # what the list's schemas cost (see `Budget`)
 
     def install(self, cls: type) -> None:
         """Set every function as an attribute of `cls` (replacing same-named attributes)."""
@@ -122,12 +127,8 @@ class BindingResult:
 
 
 def defuse_docstring_text(text: str) -> str:
-    """Neutralize the markers `get_json_schema`'s docstring regexes react to.
-
-    `Args:`/`Returns:`/`Raises:` would end the description or argument block early, so a space is inserted
-    before the colon (`Args :`); a trailing `(choices: ...)` would be JSON-parsed into an enum, so `(choices:`
-    becomes `(choices :`.
-    """
+    """Neutralize the markers `get_json_schema`'s docstring regexes react to: `Args:`/`Returns:`/`Raises:` would end
+    a block early (-> `Args :`), a trailing `(choices: ...)` would be JSON-parsed into an enum (-> `(choices :`)."""
     text = _DOC_SECTION_RE.sub(r"\1 :", text)
     return _CHOICES_RE.sub(r"(\1 :", text)
 
@@ -138,13 +139,8 @@ def _display_base(remote: str) -> str:
 
 
 def _is_exact_attribute(remote: str, reserved: frozenset[str]) -> bool:
-    return (
-        remote.isascii()
-        and remote.isidentifier()
-        and not keyword.iskeyword(remote)
-        and not remote.startswith("_")
-        and remote not in reserved
-    )
+    return (remote.isascii() and remote.isidentifier() and not keyword.iskeyword(remote)
+            and not remote.startswith("_") and remote not in reserved)
 
 
 def _attribute_base(remote: str, reserved: frozenset[str]) -> str:
@@ -152,49 +148,6 @@ def _attribute_base(remote: str, reserved: frozenset[str]) -> str:
     while text[0].isdigit() or text.startswith("_") or keyword.iskeyword(text) or text in reserved:
         text = "tool_" + text
     return text
-
-
-class _CallPlan:
-    """Maps a call's positional and keyword arguments to the remote tool's argument dict."""
-
-    __slots__ = ("display", "order", "remote_name", "to_wire")
-
-    def __init__(self, remote_name: str, display: str, parameters: tuple[ParameterInfo, ...]) -> None:
-        self.remote_name = remote_name
-        self.display = display
-        self.order = tuple(parameter.remote_name for parameter in parameters)
-        self.to_wire = {parameter.remote_name: parameter.remote_name for parameter in parameters}
-        self.to_wire.update({parameter.python_name: parameter.remote_name for parameter in parameters})
-
-    def named(self, args: tuple, kwargs: dict) -> dict[str, Any]:
-        """The call's arguments by name, as the model (or a hand-written call) gave them: positional ones under
-        their wire names, in signature order, then the keywords unchanged."""
-        if len(args) > len(self.order):
-            raise TypeError(
-                f"{self.display}() takes {len(self.order)} positional argument(s) but {len(args)} were given"
-            )
-        out = dict(zip(self.order, args, strict=False))
-        for key, value in kwargs.items():
-            if key in out:
-                raise TypeError(f"{self.display}() got multiple values for argument {key!r}")
-            out[key] = value
-        return out
-
-    def arguments(self, kwargs: dict) -> dict[str, Any]:
-        """Named arguments (Python or wire names; unknown ones unchanged) as the remote tool's argument dict.
-
-        Optional arguments left at `UNSET` are dropped so the environment applies its own defaults; missing
-        required arguments and values are left for the environment to check.
-        """
-        out: dict[str, Any] = {}
-        for key, value in kwargs.items():
-            if value is UNSET:
-                continue
-            wire = self.to_wire.get(key, key)
-            if wire in out:
-                raise TypeError(f"{self.display}() got multiple values for argument {wire!r}")
-            out[wire] = value
-        return out
 
 
 def _docstring(info: ToolInfo) -> str:
@@ -209,18 +162,10 @@ def _docstring(info: ToolInfo) -> str:
 
 
 def _signature(parameters: tuple[ParameterInfo, ...]) -> inspect.Signature:
-    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    params = [inspect.Parameter("self", kind)]
-    params += [
-        inspect.Parameter(
-            parameter.python_name,
-            kind,
-            annotation=parameter.annotation,
-            default=inspect.Parameter.empty if parameter.required else UNSET,
-        )
-        for parameter in parameters
-    ]
-    return inspect.Signature(params, return_annotation=str)
+    kind, empty = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty
+    params = [inspect.Parameter(p.python_name, kind, annotation=p.annotation, default=empty if p.required else UNSET)
+              for p in parameters]
+    return inspect.Signature([inspect.Parameter("self", kind), *params], return_annotation=str)
 
 
 def bind_tools(
@@ -230,21 +175,12 @@ def bind_tools(
     asynchronous: bool = False,
     module: str | None = None,
     qualname_prefix: str | None = None,
-    max_param_description: int = DEFAULT_MAX_PARAM_DESCRIPTION,
-    max_tool_description: int = DEFAULT_MAX_TOOL_DESCRIPTION,
-    max_schema_nodes: int = DEFAULT_MAX_SCHEMA_NODES,
 ) -> BindingResult:
-    """Build one function per ORS tool spec (`{"name", "description", "input_schema"}` mappings or objects).
-
-    Each function calls `self._call_tool(remote_name, arguments)` (or awaits `self._acall_tool(...)` when
-    `asynchronous`). `reserved` lists attribute names tools must not take (add the adapter's own public methods).
-    `module` and `qualname_prefix` set `__module__` and the `__qualname__` prefix (e.g. the adapter class name).
-    Never raises for odd specs: what was renamed, skipped or simplified is in `BindingResult.warnings` and
-    logged on the `ors_trl.binding` logger. The whole list shares one schema budget (`BindingResult.budget`): `$ref`
-    expansions copy at most `EXPANSION_FACTOR` times the list's JSON plus `EXPANSION_FLOOR` characters, and a
-    reference past it is typed by its target's top-level type (counted, and said in a warning); `max_schema_nodes`
-    bounds each tool's work besides.
-    """
+    """One function per ORS tool spec (see `tool_field`), calling `self._call_tool(name, arguments)` (awaiting
+    `self._acall_tool` when `asynchronous`) with the name the model saw; `reserved`: attribute names tools must not
+    take; `module`, `qualname_prefix`: `__module__` and the `__qualname__` prefix. The list shares one schema
+    `Budget`. Never raises for odd specs: what was renamed, skipped or simplified is in `BindingResult.warnings`
+    and logged on the `ors_trl.binding` logger."""
     reserved_set = frozenset([reserved] if isinstance(reserved, str) else reserved)
     result = BindingResult()
     warnings = result.warnings
@@ -272,10 +208,8 @@ def bind_tools(
             display = remote
         else:
             display = unique_name(_display_base(remote), display_taken, limit=_MAX_DISPLAY_NAME)
-            warnings.append(
-                f"tool {show_name(remote)}: not a valid tool name for models, shown to the model as "
-                f"{show_name(display)}"
-            )
+            warnings.append(f"tool {show_name(remote)}: not a valid tool name for models, shown to the model as "
+                            f"{show_name(display)}")
         if _is_exact_attribute(remote, reserved_set):
             attribute = remote
         else:
@@ -293,32 +227,18 @@ def bind_tools(
     budget = result.budget = Budget(sum(json_size(tool_field(spec, "input_schema"), 1 << 62) for _, spec in entries))
     for (remote, spec), (display, attribute) in zip(entries, names, strict=True):
         try:
-            info = describe_tool(
-                spec,
-                max_param_description=max_param_description,
-                max_tool_description=max_tool_description,
-                max_schema_nodes=max_schema_nodes,
-                budget=budget,
-            )
+            info = describe_tool(spec, budget=budget)
         except Exception as error:  # a bug must not take the whole environment down; the tool stays callable
-            warnings.append(
-                f"tool {show_name(remote)}: input schema could not be converted ({type(error).__name__}); "
-                "bound without parameters, arguments are passed through"
-            )
+            warnings.append(f"tool {show_name(remote)}: input schema could not be converted ({type(error).__name__}); "
+                            "bound without parameters, arguments are passed through")
             info = ToolInfo(remote, f"Call the {one_line(remote) or 'unnamed'} tool.", ())
-        for parameter in info.parameters:
-            if parameter.python_name != parameter.remote_name:
-                warnings.append(
-                    f"tool {show_name(remote)}: parameter {show_name(parameter.remote_name)} is exposed as "
-                    f"{show_name(parameter.python_name)}"
-                )
+        warnings.extend(f"tool {show_name(remote)}: parameter {show_name(p.remote_name)} is exposed as "
+                        f"{show_name(p.python_name)}" for p in info.parameters if p.python_name != p.remote_name)
         warnings.extend(f"tool {show_name(remote)}: {note}" for note in info.notes)
-        plan = _CallPlan(remote, display, info.parameters)
-        function = _build_function(info, plan, attribute, asynchronous, module, qualname_prefix)
-        result.functions[attribute] = function
+        bound = result.tools[attribute] = BoundTool(attribute, display, remote, info)
+        result.functions[attribute] = _build_function(bound, asynchronous, module, qualname_prefix)
         result.remote_names[attribute] = remote
         result.display_names[attribute] = display
-        result.tools[attribute] = BoundTool(attribute, display, remote, function, info, plan)
 
     if budget.refs_cut:
         warnings.append(f"the tools' input schemas expand past {EXPANSION_FACTOR}x their {budget.received} characters "
@@ -330,13 +250,11 @@ def bind_tools(
     return result
 
 
-def _build_function(info: ToolInfo, plan: _CallPlan, attribute: str, asynchronous: bool, module: str | None,
-                    qualname_prefix: str | None) -> FunctionType:
-    """A fresh generic closure; the receiver is positional-only so any argument name (even `self`) fits kwargs.
-
-    It hands the adapter the call as the model made it (the name it saw, the arguments by name): the episode
-    core routes it, so a call TRL makes and one the engine makes go through the same router."""
-    display, named = plan.display, plan.named
+def _build_function(bound: BoundTool, asynchronous: bool, module: str | None, qualname_prefix: str | None
+                    ) -> FunctionType:
+    """A fresh generic closure (the receiver positional-only, so any argument name, even `self`, fits kwargs) that
+    hands the adapter the call as the model made it, for `Toolset.route` to route like every other call."""
+    display, named, info = bound.name, bound.named, bound.info
     if asynchronous:
 
         async def _tool(_ors_self: Any, /, *args: Any, **kwargs: Any) -> Any:
@@ -348,31 +266,23 @@ def _build_function(info: ToolInfo, plan: _CallPlan, attribute: str, asynchronou
             return _ors_self._call_tool(display, named(args, kwargs))
 
     function: FunctionType = _tool
-    function.__name__ = plan.display
-    function.__qualname__ = f"{qualname_prefix}.{attribute}" if qualname_prefix else attribute
+    function.__name__ = display
+    function.__qualname__ = f"{qualname_prefix}.{bound.attribute}" if qualname_prefix else bound.attribute
     function.__module__ = module if module is not None else __name__
     function.__doc__ = _docstring(info)
-    annotations: dict[str, Any] = {parameter.python_name: parameter.annotation for parameter in info.parameters}
-    annotations["return"] = str
-    function.__annotations__ = annotations
+    function.__annotations__ = {**{p.python_name: p.annotation for p in info.parameters}, "return": str}
     function.__signature__ = _signature(info.parameters)  # type: ignore[attr-defined]
+    bound.function = function
     return function
 
 
 class Toolset:
-    """One environment's tools as the model sees them: the bound functions, their schemas, the routing.
+    """One environment's tools (shared plus task-specific `specs`) as the model sees them: the bound functions, their
+    schemas, the routing (see `bind_tools` for the options; `asynchronous`: TRL gathers a rollout's parallel calls).
 
-    The one router of ors-trl: `route(name, arguments)` turns a model's call (the name it saw, its
-    arguments) into the remote tool name and wire arguments, through the same bound functions TRL
-    calls, so the adapter, the engine and evaluation cannot disagree. The `terminal` tool is never
-    bound: the model does not see it.
-
-    Args:
-        specs: the tools to bind (shared plus task-specific ones).
-        terminal: the environment's `@terminal` tool, if any.
-        asynchronous: bind coroutine methods (TRL gathers a rollout's parallel calls).
-        qualname_prefix: `__qualname__` prefix of the functions (the adapter class name).
-        reserved: attribute names the functions may not take (the adapter's own API).
+    The one router of ors-trl: `route` turns a model's call into the remote tool name and wire arguments through
+    the same bound functions TRL calls, so the adapter, the engine and evaluation cannot disagree. The `@terminal`
+    tool (`terminal`) is never bound: the model does not see it.
     """
 
     def __init__(self, specs: Iterable[Any], *, terminal: Any = None, asynchronous: bool = False,
@@ -393,20 +303,15 @@ class Toolset:
     def functions(self) -> list[FunctionType]:
         return [bound.function for bound in self.binding.tools.values()]
 
-    @property
+    @cached_property
     def schemas(self) -> list[dict[str, Any]]:
         """The JSON schemas TRL renders for these tools (`transformers.utils.get_json_schema`), computed once."""
-        cached = self.__dict__.get("_schemas")
-        if cached is None:
-            try:
-                from transformers.utils import get_json_schema
-            except ImportError:
-                raise ImportError(
-                    "rendering tool schemas needs transformers, exactly as training renders them: "
-                    "pip install 'ors-trl[trl]'"
-                ) from None
-            cached = self.__dict__["_schemas"] = [get_json_schema(f) for f in self.functions]
-        return cached
+        try:
+            from transformers.utils import get_json_schema
+        except ImportError:
+            raise ImportError("rendering tool schemas needs transformers, exactly as training renders them: "
+                              "pip install 'ors-trl[trl]'") from None
+        return [get_json_schema(f) for f in self.functions]
 
     def route(self, name: str, arguments: Any) -> tuple[str, dict[str, Any]]:
         """The remote tool name and wire arguments of a model's call.
@@ -422,7 +327,7 @@ class Toolset:
             raise ToolRefusedError(f"{bound.function.__qualname__}() argument after ** must be a mapping, not "
                                    f"{type(arguments).__name__}", tool=name, reason="input_validation")
         try:
-            return bound.remote_name, bound.plan.arguments({str(k): v for k, v in arguments.items()})
+            return bound.remote_name, bound.arguments({str(k): v for k, v in arguments.items()})
         except TypeError as exc:
             raise ToolRefusedError(str(exc), tool=name, reason="input_validation") from None
 

@@ -1,12 +1,9 @@
 """Normalise a tool's input schema (untrusted JSON Schema from the network) into a small tree of `Node`.
 
-This is the only code that reads raw schemas. It resolves local `$ref` pointers (a cycle is cut and labelled
-`recursive Name`), unwraps a single `allOf` and merges several, and bounds what a hostile schema could blow up:
-work units per tool (`max_nodes`), nesting depth, `$ref` chains and the object fields expanded per argument, and,
-over a whole tool list (`Budget`), the JSON that `$ref` expansions copy and the work, both a small multiple of the
-JSON received (a dozen 2 KB tools whose references expand exponentially once took 15 s to bind and rendered 13.7 MB
-of schema into every prompt). What it cannot represent becomes a note. Nothing in a schema is executed and foreign
-objects are never `repr()`-ed (`quote` writes values as JSON). `ors_trl.core.schema` renders the tree as type hints and descriptions.
+The only code that reads raw schemas: it resolves local `$ref` pointers (a cycle is cut and labelled `recursive
+Name`), unwraps a single `allOf` and merges several, and bounds all a hostile schema could blow up (see `Budget`).
+What it cannot represent becomes a note. Nothing in a schema is executed and foreign objects are never `repr()`-ed
+(`quote` writes values as JSON). `ors_trl.core.schema` renders the tree as type hints and descriptions.
 """
 
 from __future__ import annotations
@@ -14,6 +11,7 @@ from __future__ import annotations
 import json
 import operator
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -32,38 +30,24 @@ _MAX_REF_HOPS = 64  # $ref -> $ref -> ... chains
 _SNIPPET = 160  # longest JSON value quoted inside a description
 _MAX_TEXT = 10_000  # longest free text (description, title) read from one schema node
 _MAX_JSON_DEPTH = 32
-#: What `$ref` expansions may copy over one tool list (see `Budget`): `EXPANSION_FACTOR` times the characters of JSON
-#: of each tool's input schema, plus `EXPANSION_FLOOR` shared by the list (a pydantic schema expands each of its
-#: definitions about once: x1-2).
+#: What `$ref` expansions may copy (see `Budget`; a pydantic schema expands each of its definitions about once: x1-2).
 EXPANSION_FACTOR = 4
 EXPANSION_FLOOR = 64 * 1024
 _SIMPLE_NAME_RE = re.compile(r"[\w.-]+")
-_SHAPES = (
-    ("object", ("properties", "additionalProperties", "patternProperties")),
-    ("array", ("items", "prefixItems")),
-)
+_SHAPES = (("object", ("properties", "additionalProperties", "patternProperties")),
+           ("array", ("items", "prefixItems")))
 
 # Keywords this module reads (or deliberately ignores); every other keyword becomes the note "key <json>".
-_HANDLED_KEYS = frozenset(
-    {
-        "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properties", "required", "additionalProperties",
-        "patternProperties", "propertyNames", "items", "prefixItems", "title", "description", "default", "minimum",
-        "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "format",
-        "minItems", "maxItems", "uniqueItems", "contains", "minContains", "maxContains", "minProperties",
-        "maxProperties", "not", "deprecated", "readOnly", "writeOnly", "examples", "example", "discriminator",
-        "nullable", "contentEncoding", "contentMediaType", "definitions", "x-also-must-match",
-    }
-)  # fmt: skip
+_HANDLED_KEYS = frozenset({
+    "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properties", "required", "additionalProperties",
+    "patternProperties", "propertyNames", "items", "prefixItems", "title", "description", "default", "minimum",
+    "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "format",
+    "minItems", "maxItems", "uniqueItems", "contains", "minContains", "maxContains", "minProperties", "maxProperties",
+    "not", "deprecated", "readOnly", "writeOnly", "examples", "example", "discriminator", "nullable",
+    "contentEncoding", "contentMediaType", "definitions", "x-also-must-match"})
 
 
-class _Missing:
-    def __repr__(self) -> str:
-        return "<missing>"
-
-
-MISSING: Any = _Missing()
-
-# ----------------------------------------------------------------------------------------------------------- text
+MISSING: Any = type("_Missing", (), {"__repr__": lambda self: "<missing>"})()
 
 # Characters that str.splitlines() breaks on: none may survive in a parameter description.
 _LINE_BREAKS = "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"
@@ -93,14 +77,6 @@ def quote(value: Any, limit: int | None = _SNIPPET) -> str:
     stays valid JSON on one line, and objects that are not JSON are shown as `<type>` (never `repr()`-ed).
     """
     budget = _MAX_TEXT * 10 if limit is None else limit + 1
-    parts: list[str] = []
-    size = 0
-
-    def emit(text: str) -> bool:
-        nonlocal size
-        parts.append(text)
-        size += len(text)
-        return size < budget
 
     def scalar(item: Any) -> str:
         if isinstance(item, str):
@@ -110,27 +86,32 @@ def quote(value: Any, limit: int | None = _SNIPPET) -> str:
         except ValueError:  # an int too long to print
             return "<number>"
 
-    def walk(item: Any, depth: int) -> bool:
+    def tokens(item: Any, depth: int) -> Iterator[str]:
         if item is None or isinstance(item, str | int | float):
-            return emit(scalar(item))
-        if depth >= _MAX_JSON_DEPTH:
-            return emit("…")
-        if not isinstance(item, dict | list | tuple):
-            return emit(f"<{type(item).__name__}>")
-        pairs = item.items() if isinstance(item, dict) else ((None, sub) for sub in item)
-        if not emit("{" if isinstance(item, dict) else "["):
-            return False
-        for index, (key, sub) in enumerate(pairs):
-            key_text = key if isinstance(key, str) else scalar(key) if is_scalar(key) else f"<{type(key).__name__}>"
-            if index and not emit(", "):
-                return False
-            if isinstance(item, dict) and not emit(scalar(key_text) + ": "):
-                return False
-            if not walk(sub, depth + 1):
-                return False
-        return emit("}" if isinstance(item, dict) else "]")
+            yield scalar(item)
+        elif depth >= _MAX_JSON_DEPTH:
+            yield "…"
+        elif not isinstance(item, dict | list | tuple):
+            yield f"<{type(item).__name__}>"
+        else:
+            mapping = isinstance(item, dict)
+            yield "{" if mapping else "["
+            for index, (key, sub) in enumerate(item.items() if mapping else ((None, sub) for sub in item)):
+                if index:
+                    yield ", "
+                if mapping:
+                    yield scalar(key if isinstance(key, str) else scalar(key) if is_scalar(key) else
+                                 f"<{type(key).__name__}>") + ": "
+                yield from tokens(sub, depth + 1)
+            yield "}" if mapping else "]"
 
-    walk(value, 0)
+    parts: list[str] = []
+    size = 0
+    for token in tokens(value, 0):  # stops as soon as `budget` characters are written, whatever the value's size
+        parts.append(token)
+        size += len(token)
+        if size >= budget:
+            break
     text = "".join(parts).translate(_LINE_BREAKS_TO_ESCAPE)
     if limit is not None and len(text) > limit:
         text = text[: limit - 1] + "…"
@@ -179,9 +160,6 @@ def _numeric_bounds(schema: dict) -> str:
     return " and ".join(bounds)
 
 
-# ----------------------------------------------------------------------------------------------------------- tree
-
-
 @dataclass(frozen=True, slots=True)
 class Node:
     """One schema, normalised. `const`, `enum`, `default` and `also` hold JSON values as the schema gave
@@ -228,18 +206,17 @@ class _View:
 
 
 class Budget:
-    """What normalising the schemas of one tool list may cost, shared by its tools (`Normaliser(budget=...)`).
+    """What normalising the input schemas of one tool list (`received`: their characters of JSON) may cost.
 
-    `$ref` expansions copy JSON (a target's size, each time it is expanded): each tool may copy `EXPANSION_FACTOR`
-    times its own size, and the tools together `EXPANSION_FLOOR` more (first come), so one tool cannot spend the
-    others' part. A reference past that is not expanded: it is typed by its target's top-level type (`dict` for an
-    object), its label says so, and `refs_cut` counts it. Work units (see `Normaliser`): one per character of what the
-    schemas may amount to, received plus expanded (a schema node or keyword takes at least two); `work_spent` counts
-    them, `expanded` the characters copied.
-
-    Args:
-        received (`int`):
-            Characters of JSON the tool list's input schemas take (`ors_trl.protocol.text.json_size`).
+    The one account of the bounds (a dozen 2 KB tools whose references expand exponentially once took 15 s to bind
+    and rendered 13.7 MB of schema into every prompt). Work units: one per schema node plus one per keyword, enum
+    value and alternative in it; each tool may spend `max_nodes` (`Normaliser`), the list `work`: one per character
+    of what its schemas may amount to, received plus expanded. A `$ref` expansion copies its target's JSON: each
+    tool may copy `EXPANSION_FACTOR` times its own size, the tools together `EXPANSION_FLOOR` more (first come), so
+    one tool cannot spend the others' part. Past a bound, the rest is cut ("…", typed Any), or a reference is left
+    unexpanded: typed by its target's top-level type (`dict` for an object), labelled so, counted in `refs_cut`.
+    `work_spent` counts the work, `expanded` the characters copied. Nesting depth, `$ref` chains and the object
+    fields expanded per argument (as many as its description can list) are bounded besides.
     """
 
     def __init__(self, received: int) -> None:
@@ -250,21 +227,8 @@ class Budget:
 
 
 class Normaliser:
-    """Normalises the schemas of one tool against `root` with one work budget and one list of notes.
-
-    A work unit is spent per schema node plus one per keyword, enum value and alternative in it; once
-    `max_nodes` are spent (or the tool list's `budget` has no work left), the rest is cut ("…", typed Any). Each `$ref`
-    expansion spends its target's size from the tool's share of expansion (see `Budget`); past it, the reference is
-    not expanded.
-
-    Args:
-        root (`Any`):
-            The tool's input schema, which `$ref` pointers resolve against.
-        max_nodes (`int`):
-            Work units for this tool.
-        budget (`Budget`, *optional*):
-            The budget of the tool list it belongs to; by default one for this schema alone.
-    """
+    """Normalises the schemas of one tool against `root` (what `$ref` resolves against) with `max_nodes` work units
+    and the tool list's `budget` (by default one for this schema alone), collecting one list of notes."""
 
     def __init__(self, root: Any, max_nodes: int, budget: Budget | None = None) -> None:
         self.root = root
@@ -306,10 +270,8 @@ class Normaliser:
         self.budget.expanded += size
         return True
 
-    # -- entry points
-
     def parameter(self, raw: Any, stack: tuple[str, ...], text: int, depth: int = 0) -> Node:
-        """Normalise one argument's schema, expanding no more object fields than `text` characters can list."""
+        """One argument's schema, expanding no more object fields than `text` characters can list."""
         self.text_left = text
         return self.node(raw, stack, depth, depth)
 
@@ -345,9 +307,8 @@ class Normaliser:
                     common = arm_required if common is None else common & arm_required
                 required = common or set()
                 if sets:
-                    sentences.append(
-                        "Accepts one of these argument sets (? = optional): " + " | ".join(f"({s})" for s in sets)
-                    )
+                    sentences.append("Accepts one of these argument sets (? = optional): "
+                                     + " | ".join(f"({s})" for s in sets))
             elif kind not in (None, "object"):
                 self.note(f"input schema is not an object (type {quote(kind, 40)}); arguments are passed through")
                 sentences.append(("Input: ", self.parameter(schema, (), input_text)))
@@ -361,8 +322,6 @@ class Normaliser:
         if count := count_range(schema.get("minProperties"), schema.get("maxProperties"), "arguments"):
             sentences.append(f"Input constraints: {count}")
         return [(wire, self.parameter(sub, root.stack, text)) for wire, sub in properties.items()], required, sentences
-
-    # -- references
 
     def as_schema(self, node: Any) -> dict:
         if isinstance(node, dict):
@@ -402,9 +361,8 @@ class Normaliser:
         for _ in range(_MAX_REF_HOPS):
             node = self.as_schema(node)
             ref, all_of = node.get("$ref"), node.get("allOf")
-            wrapper = (
-                "$ref" if isinstance(ref, str) else "allOf" if isinstance(all_of, list) and len(all_of) == 1 else ""
-            )
+            single = isinstance(all_of, list) and len(all_of) == 1
+            wrapper = "$ref" if isinstance(ref, str) else "allOf" if single else ""
             if not wrapper:
                 break
             for key, value in node.items():
@@ -472,8 +430,6 @@ class Normaliser:
             merged["x-also-must-match"] = leftovers
         return merged
 
-    # -- nodes
-
     def node(self, raw: Any, stack: tuple[str, ...], depth: int, nested: int) -> Node:
         """Normalise one schema; `depth` counts enclosing containers and fields, `nested` alternatives too."""
         if nested > _MAX_DEPTH:
@@ -509,25 +465,16 @@ class Normaliser:
                 elif name == "object":
                     described = "const" not in schema and not isinstance(enum, list)  # else fields go unlisted
                     structure.update(self._object(schema, stack, depth, nested + 1, described))
-        return Node(
-            types=types,
-            const=const,
-            enum=tuple(enum) if isinstance(enum, list) else None,
-            also=tuple(arms) if arms and (kind is not None or "const" in schema or "enum" in schema) else (),
-            nullable=schema.get("nullable") is True,
-            checks=self._checks(schema, stack, depth + 1, nested + 1),
-            notes=_notes(schema),
-            **about,
-            **structure,
-        )
+        also = tuple(arms) if arms and (kind is not None or "const" in schema or "enum" in schema) else ()
+        return Node(types=types, const=const, enum=tuple(enum) if isinstance(enum, list) else None, also=also,
+                    nullable=schema.get("nullable") is True, checks=self._checks(schema, stack, depth + 1, nested + 1),
+                    notes=_notes(schema), **about, **structure)
 
     def _array(self, schema: dict, stack: tuple[str, ...], depth: int, nested: int) -> dict[str, Any]:
         prefix = _prefix_items(schema)
         items = schema.get("items") if prefix is None or isinstance(schema.get("prefixItems"), list) else None
-        return {
-            "prefix": None if prefix is None else tuple(self.node(part, stack, depth, nested) for part in prefix),
-            "items": self._optional(items, stack, depth, nested),
-        }
+        return {"prefix": None if prefix is None else tuple(self.node(part, stack, depth, nested) for part in prefix),
+                "items": self._optional(items, stack, depth, nested)}
 
     def _object(self, schema: dict, stack: tuple[str, ...], depth: int, nested: int, described: bool) -> dict:
         properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
@@ -602,11 +549,8 @@ def _notes(schema: dict) -> tuple[str, ...]:
     also = schema.get("x-also-must-match")
     if isinstance(also, list) and also and all(isinstance(item, str) for item in also):
         notes.append("also must match " + ", ".join(also))
-    notes += (
-        f"{name_text(key)} {quote(value)}"
-        for key, value in schema.items()
-        if isinstance(key, str) and key not in _HANDLED_KEYS and not key.startswith("$")
-    )
+    notes += (f"{name_text(key)} {quote(value)}" for key, value in schema.items()
+              if isinstance(key, str) and key not in _HANDLED_KEYS and not key.startswith("$"))
     return tuple(notes)
 
 

@@ -1,23 +1,14 @@
 """What the environment did, measured once: episode statistics and the numbers behind the training logs.
 
-`EpisodeStats` is the one tally of episodes (reward, grading, success, finished, calls, turns, end and
-unscored reasons, tool-call health) behind the training metrics, `EvalReport` and the report page, with one
-definition of success: a reward at or above `success_threshold` (1.0 by default: a binary environment's
-"solved"; settable wherever statistics are shown).
+`EpisodeStats` is the one tally of episodes behind the training metrics, `EvalReport` and the report page, with one
+definition of success: a reward at or above `success_threshold` (1.0 by default: a binary environment's "solved").
+Tool-call health is what fails silently: episodes without a tool call, turns whose tool-call markup parsed to no
+call (`unparsed`), calls refused for malformed arguments (`input_validation`). An episode that never opened (the
+environment's failure) is counted apart (`unopened`), never as one without a tool call.
 
-Tool-call health is what fails silently: episodes without a single tool call, model turns whose text holds the
-chat template's tool-call markup yet parsed to no call (the turn rule marks them `unparsed`), and calls refused
-for malformed arguments (`input_validation`: not an object, or not the tool's schema). An episode that never opened
-(its session or its prompt never came: the environment's failure) is counted apart (`unopened`), never as one
-without a tool call. When the share of a step's opened episodes without a tool call crosses `no_call_warning` after
-having been below it, the log says so.
-
-Episodes (`ors_trl.core.episode`, whatever drives them) record events in an `EnvMetrics`: session opens,
-tool calls, terminal-tool calls, finished episodes, group scorings, and the session-seconds their
-sessions lived on the server (what a sandbox platform bills; apart, those of episodes scored None).
-`EnvMetrics.flush()` turns what accumulated since the last flush into flat scalar metrics named
-`env/<name>/<metric>` (and `env/<metric>` over all environments), which the reward functions hand to
-the trainer's `log_metric`.
+Episodes record events in an `EnvMetrics` (among them the seconds their sessions lived on the server: what a
+sandbox platform bills), whose `flush()` turns what accumulated since the last flush into flat scalar metrics
+named `env/<name>/<metric>` (and `env/<metric>` over all environments) for the trainer's `log_metric`.
 """
 
 from __future__ import annotations
@@ -27,8 +18,10 @@ import math
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, get_args
+
+from .records import Unscored
 
 __all__ = ["DEFAULT_SUCCESS_THRESHOLD", "FAILURE_KINDS", "UNSCORED_REASONS", "EnvMetrics", "EpisodeStats",
            "tool_health"]
@@ -38,7 +31,7 @@ logger = logging.getLogger("ors_trl")
 #: Failure reasons counted separately (anything else is counted as "failed").
 FAILURE_KINDS = ("refused", "failed", "expired", "transport", "timeout", "protocol")
 #: Why an episode has no reward (see `Episode.unscored`), each counted as `unscored/<reason>`.
-UNSCORED_REASONS = ("no_reward", "cut_off", "error", "timeout")
+UNSCORED_REASONS: tuple[str, ...] = get_args(Unscored)
 #: An episode succeeded when its reward is at least this (a binary environment's 1.0).
 DEFAULT_SUCCESS_THRESHOLD = 1.0
 #: The share of a step's episodes without a tool call that is warned about once it was below it.
@@ -148,9 +141,7 @@ class EpisodeStats:
 
     def merge(self, other: EpisodeStats) -> None:
         """Add `other`'s counts (the same success threshold is assumed)."""
-        for f in fields(self):
-            if f.name != "success_threshold":  # counts and Counters alike
-                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        _add(self, other)
 
     @property
     def mean_reward(self) -> float | None:
@@ -215,22 +206,27 @@ class _Window:
     groups: int = 0
     group_failures: int = 0
 
-    def merge(self, other: _Window) -> None:
-        self.stats.merge(other.stats)
-        for f in fields(self):
-            if f.name != "stats":  # counts, latency lists and Counters alike
-                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+def _add(into: Any, other: Any) -> None:
+    """Add `other`'s counts, latency lists and Counters to `into`'s (the threshold is not a count)."""
+    for f in fields(into):
+        mine = getattr(into, f.name)
+        if is_dataclass(mine):
+            _add(mine, getattr(other, f.name))
+        elif f.name != "success_threshold":
+            setattr(into, f.name, mine + getattr(other, f.name))
 
 
 class EnvMetrics:
     """Thread-safe accumulator of what the environments did; one per spec or mix (`spec.metrics`), shared by its
-    adapters and engine. `flush()` turns it into the `env/...` metrics TRL logs.
+    adapters and engine. `flush()` turns it into the `env/...` metrics TRL logs. In every method, `env` is the
+    environment's name and `error_kind` the `ORSError.kind` of a failure.
 
     Args:
         success_threshold (`float`, *optional*, defaults to `DEFAULT_SUCCESS_THRESHOLD`):
             The reward at or above which an episode counts as a success (`success_rate`).
         no_call_warning (`float`, *optional*, defaults to `NO_CALL_WARNING`):
-            The share of a step's episodes without a tool call that is warned about (once it was below).
+            The share of a step's opened episodes without a tool call that is warned about (once it was below).
     """
 
     #: Bound on stored latency samples per window, so a huge step cannot grow memory without limit.
@@ -248,12 +244,16 @@ class EnvMetrics:
     def _window(self) -> _Window:
         return _Window(EpisodeStats(self.success_threshold))
 
+    def _sample(self, latency: list[float], seconds: float | None) -> None:
+        if seconds is not None and len(latency) < self.MAX_SAMPLES:
+            latency.append(seconds)
+
     def set_open_sessions_gauge(self, env: str, gauge: object) -> None:
         """Report an environment's open sessions as `env/<name>/sessions_open` at every flush.
 
         Args:
             env (`str`):
-                The environment's name.
+                See `EnvMetrics`.
             gauge (`Callable[[], float]`):
                 Called at each flush for the number of open sessions.
         """
@@ -264,11 +264,11 @@ class EnvMetrics:
 
         Args:
             env (`str`):
-                The environment's name.
+                See `EnvMetrics`.
             seconds (`float` or `None`):
                 How long opening took (`None`: no latency sample).
             error_kind (`str`, *optional*):
-                The `ORSError.kind` of a failed open.
+                See `EnvMetrics`.
         """
         with self._lock:
             w = self._windows[env]
@@ -277,8 +277,7 @@ class EnvMetrics:
                 w.failures[failure_kind(error_kind)] += 1
                 return
             w.opens += 1
-            if seconds is not None and len(w.open_latency) < self.MAX_SAMPLES:
-                w.open_latency.append(seconds)
+            self._sample(w.open_latency, seconds)
 
     def record_call(self, env: str, seconds: float | None, error_kind: str | None = None, *,
                     terminal: bool = False) -> None:
@@ -286,15 +285,13 @@ class EnvMetrics:
 
         Args:
             env (`str`):
-                The environment's name.
+                See `EnvMetrics`.
             seconds (`float` or `None`):
-                How long the call took; `None` for a call refused before it reached the environment (no latency
-                sample).
+                How long the call took; `None` for one refused before it reached the environment (no sample).
             error_kind (`str`, *optional*):
-                The `ORSError.kind` of a failed or refused call.
+                See `EnvMetrics` (a refused call's too).
             terminal (`bool`, *optional*, defaults to `False`):
-                A call of the terminal tool: counted apart (`terminal_calls`, `terminal_call_s`), as the model never
-                called it.
+                A call of the terminal tool, which the model never made: counted apart (`terminal_calls`).
         """
         with self._lock:
             w = self._windows[env]
@@ -302,9 +299,7 @@ class EnvMetrics:
                 w.terminal_calls += 1
             else:
                 w.calls += 1
-            latency = w.terminal_latency if terminal else w.call_latency
-            if seconds is not None and len(latency) < self.MAX_SAMPLES:
-                latency.append(seconds)
+            self._sample(w.terminal_latency if terminal else w.call_latency, seconds)
             if error_kind is not None:
                 w.failures[failure_kind(error_kind)] += 1
 
@@ -314,7 +309,7 @@ class EnvMetrics:
 
         Args:
             env (`str`):
-                The environment's name.
+                See `EnvMetrics`.
             reward (`float` or `None`):
                 Its reward.
             finished (`bool`):
@@ -326,7 +321,7 @@ class EnvMetrics:
             turns (`Sequence[TurnRecord]`, *optional*, defaults to `()`):
                 Its turn records (their count and tool-call health).
             opened (`bool`, *optional*, defaults to `True`):
-                Whether its session and prompt came (one that never opened is not an episode without a tool call).
+                Whether its session and prompt came (see `EpisodeStats.add`).
         """
         unparsed, malformed = tool_health(turns)
         with self._lock:
@@ -335,11 +330,11 @@ class EnvMetrics:
                                          opened=opened)
 
     def record_session(self, env: str, seconds: float, *, unscored: bool) -> None:
-        """Session-seconds an episode's session spent on the server (since the last count).
+        """Seconds an episode's session spent on the server since the last count.
 
         Args:
             env (`str`):
-                The environment's name.
+                See `EnvMetrics`.
             seconds (`float`):
                 The seconds.
             unscored (`bool`):
@@ -349,22 +344,22 @@ class EnvMetrics:
             self._windows[env].stats.add_session(seconds, unscored=unscored)
 
     def absorb(self, other: EnvMetrics) -> None:
-        """Add what `other` accumulated, and empty it (counts kept apart until they turned out to belong here).
+        """Move what `other` accumulated into these (counts kept apart until they turned out to belong here).
 
         Args:
             other (`EnvMetrics`):
-                The metrics to move into these.
+                The metrics to empty into these.
         """
         for env, window in other.snapshot(reset=True).items():
             with self._lock:
-                self._windows[env].merge(window)
+                _add(self._windows[env], window)
 
     def record_group(self, env: str, *, ok: bool) -> None:
         """One GRPO group sent to `/score_group`.
 
         Args:
             env (`str`):
-                The environment's name.
+                See `EnvMetrics`.
             ok (`bool`):
                 Whether it was scored (a failed one's rollouts get `None`).
         """
@@ -374,14 +369,11 @@ class EnvMetrics:
             w.group_failures += int(not ok)
 
     def snapshot(self, *, reset: bool) -> dict[str, _Window]:
-        """What accumulated since the last reset, per environment.
+        """What accumulated since the last reset, by environment (for `summarize`).
 
         Args:
             reset (`bool`):
                 Start a new window.
-
-        Returns:
-            `dict[str, _Window]`: The windows, by environment (for `summarize`).
         """
         with self._lock:
             windows = dict(self._windows)
@@ -390,17 +382,13 @@ class EnvMetrics:
         return windows
 
     def flush(self) -> dict[str, float]:
-        """Metrics since the last flush, then start a new window. Environments without activity are omitted.
-
-        Returns:
-            `dict[str, float]`: Scalars named `env/<name>/<metric>` (and `env/<metric>` over several environments).
-        """
+        """The metrics since the last flush (see `summarize`), then start a new window; warn once the share of a step's
+        episodes without a tool call crosses `no_call_warning` from below."""
         windows = self.snapshot(reset=True)
         self._watch(windows)
         return self.summarize(windows, gauges=self._gauges)
 
     def _watch(self, windows: dict[str, _Window]) -> None:
-        """Warn when the share of a step's episodes without a tool call crosses `no_call_warning` from below."""
         for env, w in sorted(windows.items()):
             s = w.stats
             if not s.episodes:
@@ -417,22 +405,20 @@ class EnvMetrics:
                     s.malformed_calls)
 
     def summarize(self, windows: dict[str, _Window], gauges: dict[str, object] | None = None) -> dict[str, float]:
-        """The metrics of some windows.
+        """The metrics of some windows: scalars named `env/<name>/<metric>` (and `env/<metric>` over several
+        environments); environments without activity are omitted.
 
         Args:
             windows (`dict[str, _Window]`):
                 The windows, by environment (from `snapshot`).
             gauges (`dict[str, Callable[[], float]]`, *optional*):
                 Open-session gauges, by environment.
-
-        Returns:
-            `dict[str, float]`: Scalars named `env/<name>/<metric>` (and `env/<metric>` over several environments).
         """
         out: dict[str, float] = {}
         total = self._window()
         for env, w in sorted(windows.items()):
             out.update(_window_metrics(f"env/{env}/", w))
-            total.merge(w)
+            _add(total, w)
         if len(windows) > 1:
             out.update(_window_metrics("env/", total))
         for env, gauge in sorted((gauges or {}).items()):
@@ -452,39 +438,29 @@ def _window_metrics(prefix: str, w: _Window) -> dict[str, float]:
     out: dict[str, float] = {}
     s = w.stats
     if s.episodes:
-        out[prefix + "episodes"] = float(s.episodes)
-        out[prefix + "reward_mean"] = s.mean_reward if s.mean_reward is not None else float("nan")
-        out[prefix + "graded_fraction"] = s.coverage
-        out[prefix + "success_rate"] = s.success_rate
-        out[prefix + "finished_fraction"] = s.share(s.finished)
-        out[prefix + "tool_calls_per_episode"] = s.share(s.tool_calls)
-        out[prefix + "no_tool_call_fraction"] = s.no_call_rate
-        out[prefix + "unparsed_turn_fraction"] = s.unparsed_rate
-        out[prefix + "malformed_calls"] = float(s.malformed_calls)
-        for reason in UNSCORED_REASONS:
-            out[prefix + f"unscored/{reason}"] = float(s.unscored.get(reason, 0))
+        out.update(episodes=float(s.episodes), reward_mean=s.mean_reward if s.mean_reward is not None else math.nan,
+                   graded_fraction=s.coverage, success_rate=s.success_rate, finished_fraction=s.share(s.finished),
+                   tool_calls_per_episode=s.share(s.tool_calls), no_tool_call_fraction=s.no_call_rate,
+                   unparsed_turn_fraction=s.unparsed_rate, malformed_calls=float(s.malformed_calls))
+        out.update({f"unscored/{reason}": float(s.unscored.get(reason, 0)) for reason in UNSCORED_REASONS})
         if s.unscored.get("timeout"):
-            out[prefix + "timed_out_fraction"] = s.share(s.unscored["timeout"])
+            out["timed_out_fraction"] = s.share(s.unscored["timeout"])
     if w.groups:
-        out[prefix + "groups_scored"] = float(w.groups - w.group_failures)
-        out[prefix + "group_failures"] = float(w.group_failures)
+        out.update(groups_scored=float(w.groups - w.group_failures), group_failures=float(w.group_failures))
     if w.calls:
-        out[prefix + "tool_calls"] = float(w.calls)
+        out["tool_calls"] = float(w.calls)
     if w.terminal_calls:
-        out[prefix + "terminal_calls"] = float(w.terminal_calls)
+        out["terminal_calls"] = float(w.terminal_calls)
     if w.calls or w.terminal_calls or w.failures:
-        for kind in FAILURE_KINDS:
-            out[prefix + f"failures/{kind}"] = float(w.failures.get(kind, 0))
+        out.update({f"failures/{kind}": float(w.failures.get(kind, 0)) for kind in FAILURE_KINDS})
     if w.opens:
-        out[prefix + "sessions_opened"] = float(w.opens)
+        out["sessions_opened"] = float(w.opens)
     if s.session_seconds:
-        out[prefix + "session_seconds"] = s.session_seconds
-        out[prefix + "session_seconds_unscored"] = s.session_seconds_unscored
+        out.update(session_seconds=s.session_seconds, session_seconds_unscored=s.session_seconds_unscored)
     if w.open_failures:
-        out[prefix + "session_open_failures"] = float(w.open_failures)
+        out["session_open_failures"] = float(w.open_failures)
     for name, latency in (("session_open_s", w.open_latency), ("tool_call_s", w.call_latency),
                           ("terminal_call_s", w.terminal_latency)):
         if latency:
-            out[prefix + f"{name}/p50"] = _percentile(latency, 0.5)
-            out[prefix + f"{name}/p95"] = _percentile(latency, 0.95)
-    return out
+            out.update({f"{name}/p50": _percentile(latency, 0.5), f"{name}/p95": _percentile(latency, 0.95)})
+    return {prefix + name: value for name, value in out.items()}

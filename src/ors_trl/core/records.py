@@ -1,21 +1,16 @@
-"""Episode records: the schema (version 3, typed below), the one writer (training's `episode_log=`,
-`ors-trl eval --output`) and the one reader (eval's `--resume`, `ors-trl report`), which upgrades the
-records of versions 1 and 2 to the current shape.
+"""Episode records: the schema (version 3, typed below), the one writer (training's `episode_log=`, `ors-trl eval
+--output`) and the one reader (eval's `--resume`, `ors-trl report`), which upgrades records of versions 1 and 2.
 
-Every record is appended and flushed at once, from any thread, so an interrupted run loses at
-most its running episodes. An episode's images are listed once in its record (`images`: hash, size,
-media type, dimensions, or why the model was not shown one), referred to by hash where they were
-seen (`prompt_images`, a call's `images`), and their bytes are written once beside the log
-(`<log>.images/<sha256>.<ext>`, bounded by `max_image_bytes`), the record naming the file. Optional bounds keep a training log from growing without limit: each
-long text is cut with a visible mark (`max_text`), and the file stops growing at `max_bytes`
-(with one warning). Nothing transport-level (headers, keys, secrets) is ever part of a record.
+Every record is appended and flushed at once, from any thread, so an interrupted run loses at most its running
+episodes. An episode's images are listed once in its record (`images`), referred to by hash where they were seen
+(`prompt_images`, a call's `images`), their bytes written once beside the log (`<log>.images/<sha256>.<ext>`).
+Optional bounds keep a training log from growing without limit (see `RecordWriter`). Nothing transport-level
+(headers, keys, secrets) is ever part of a record.
 
-A record holds untrusted text (the environment's, the model's, the user's), so the writer never
-fails on it and never loses it silently: every record is written as valid, encodable JSON
-(`jsonable`: lone surrogates repaired, NaN and infinities spelled as strings, anything else that
-is not JSON written as its text, a value nested deeper than `MAX_DEPTH` replaced by a marker), and
-a record it still cannot write (the size bound, a failing disk) is counted in `dropped`, its
-reason logged once. The reader skips, counts and names whatever is not a record.
+A record holds untrusted text (the environment's, the model's, the user's), so the writer never fails on it and
+never loses it silently: every record is written as valid, encodable JSON (`jsonable`), and one it still cannot
+write (the size bound, a failing disk) is counted in `dropped`, its reason logged once. The reader skips, counts
+and names whatever is not a record.
 """
 
 from __future__ import annotations
@@ -58,49 +53,44 @@ class ErrorRecord(TypedDict):
 
 
 class ImageRecord(TypedDict, total=False):
-    """One image of an episode (the key of `EpisodeRecord.images` is its SHA-256): its media type, size in bytes,
-    width and height; `error` why the model was not shown it; `file` where its bytes are, relative to the log's
-    folder (absent where they were not written)."""
+    """One image of an episode (the key of `EpisodeRecord.images` is its SHA-256)."""
 
     mime_type: str
-    bytes: int
+    bytes: int  # its size
     width: int | None
     height: int | None
-    error: str
-    file: str
+    error: str  # why the model was not shown it
+    file: str  # where its bytes are, relative to the log's folder (absent where they were not written)
 
 
 class CallRecord(TypedDict, total=False):
     """One tool call of the model. `status`: ok, failed (the tool or the network failed), refused (locally or by
-    the server: the model is told why) or not_run (the reply was the last one the turn limit allows). `name` is
-    the name the model saw, `remote_name` the environment's; `output` is what the model read (TRL's
-    `{'error': ...}` text for a failure; an image as its `[image: ...]` marker), `images` the hashes of its images."""
+    the server: the model is told why) or not_run (the reply was the last one the turn limit allows)."""
 
     id: str | None
-    name: str
+    name: str  # the name the model saw
     arguments: Any
     status: Literal["ok", "failed", "refused", "not_run"]
-    remote_name: str
+    remote_name: str  # the environment's
     remote_arguments: dict[str, Any]
-    output: str
+    output: str  # what the model read (TRL's `{'error': ...}` text for a failure; an image as `[image: ...]`)
     error: ErrorRecord
     reward: float | None
     finished: bool
     metadata: dict[str, Any] | None
     seconds: float
-    images: list[str]
+    images: list[str]  # the hashes of its images
 
 
 class TurnRecord(TypedDict, total=False):
-    """One model reply: its visible text (None when nothing was parsed) and its calls, in order; drivers add
-    `raw` (the completion text), `usage` and `generation_seconds` where they have them. `unparsed`: the text held
-    the chat template's tool-call markup, yet parsed to no call."""
+    """One model reply and its calls, in order; drivers add `raw`, `usage` and `generation_seconds` where they have
+    them."""
 
     index: int
-    assistant: str | None
+    assistant: str | None  # its visible text (None when nothing was parsed)
     tool_calls: list[CallRecord]
-    unparsed: bool
-    raw: str
+    unparsed: bool  # the text held the chat template's tool-call markup, yet parsed to no call
+    raw: str  # the completion text
     usage: dict[str, Any]
     generation_seconds: float
 
@@ -109,105 +99,44 @@ class TurnRecord(TypedDict, total=False):
 EndReason = Literal["finished", "no_tool_calls", "max_turns", "length", "context_length", "timeout", "error",
                     "released"]
 #: Why an episode has no reward.
-Unscored = Literal["timeout", "error", "cut_off", "no_reward"]
+Unscored = Literal["no_reward", "cut_off", "error", "timeout"]
 
 
 class EpisodeRecord(TypedDict, total=False):
     """One episode as a record (schema version `RECORD_VERSION`), the same for every driver: one JSON line of an
-    episode log (`episode_log=`) or an eval output (`ors-trl eval --output`), and `Episode.record()`.
+    episode log (`episode_log=`) or an eval output (`ors-trl eval --output`), and `Episode.record()`. README's
+    "Metrics and episode records" tells users what each field holds."""
 
-    Attributes:
-        version (`int`):
-            The schema's version (`RECORD_VERSION`; the reader upgrades older records).
-        run (`str`):
-            The process run that wrote it (tells runs apart in merged logs).
-        source (`str`):
-            The driver that played it: `"trl"`, `"engine"` or `"eval"`; `"manual"` for an adapter's episode opened
-            with no trainer driving it and never read by a reward function (not a training episode).
-        environment (`str`):
-            The environment's name.
-        target (`str`):
-            The environment's target (a catalog name or a server's URL).
-        split (`str`):
-            The task's split.
-        task_index (`int` or `None`):
-            The task's index in `split` (`None` for an explicit task).
-        task_spec (`dict[str, Any]` or `None`):
-            The explicit task, if the episode ran one.
-        repeat (`int`):
-            Added by eval: the repeat index of the task's episode.
-        policy (`str`):
-            Added by eval: the policy's name.
-        step (`int`):
-            Added by an evaluation during training: the training step.
-        stop_detail (`str`):
-            Added by a driver that stopped the model: why.
-        started_at (`str`):
-            When the episode started (ISO 8601, UTC).
-        system (`str` or `None`):
-            The prompt's system message.
-        prompt (`str` or `None`):
-            The prompt's text.
-        turns (`list[TurnRecord]`):
-            Each model reply and its tool calls, in order.
-        final (`dict[str, Any]` or `None`):
-            The final plain message and, for an environment with a terminal tool, its grade (`tool`, `output`,
-            `reward`, ... or `error`).
-        rewards (`list[float | None]`):
-            The reward of each tool call that ran.
-        reward (`float` or `None`):
-            The episode's reward: its last non-`None` one.
-        group_reward (`float` or `None`):
-            The comparative reward from `/score_group`, when asked for.
-        finished (`bool`):
-            Whether the environment said the episode is over.
-        end_reason (`EndReason` or `None`):
-            `finished`, `no_tool_calls`, `max_turns`, `length`, `context_length`, `timeout`, `error` or `released`.
-        unscored (`Unscored` or `None`):
-            Why `reward` is `None`: `timeout`, `error`, `cut_off` or `no_reward`.
-        tool_calls (`int`):
-            The model's tool calls.
-        tool_failures (`int`):
-            How many of them failed or were refused.
-        error (`ErrorRecord` or `None`):
-            Why the episode failed outside a tool call.
-        timings (`dict[str, float]`):
-            Seconds spent: `open`, `prompt`, `generation`, `tools`, `session`, `total`.
-        images (`dict[str, ImageRecord]`):
-            An episode with images: each, by its SHA-256 (a text-only episode's record has no such key).
-        prompt_images (`list[str]`):
-            An episode with images: the hashes of the prompt's, in order.
-    """
-
-    version: int
-    run: str
+    version: int  # `RECORD_VERSION` (the reader upgrades older records)
+    run: str  # the process run that wrote it (`RUN_ID`: tells runs apart in merged logs)
+    # "manual": an adapter's episode opened with no trainer driving it, never read by a reward function
     source: Literal["trl", "engine", "eval", "manual"]
     environment: str
-    target: str
+    target: str  # a catalog name or a server's URL
     split: str
-    task_index: int | None
-    task_spec: dict[str, Any] | None
-    repeat: int
-    policy: str
-    step: int
-    stop_detail: str
-    started_at: str
-    system: str | None
-    prompt: str | None
+    task_index: int | None  # the task's index in `split` (None for an explicit task)
+    task_spec: dict[str, Any] | None  # the explicit task, if the episode ran one
+    repeat: int  # added by eval: the repeat index of the task's episode
+    policy: str  # added by eval: the policy's name
+    step: int  # added by an evaluation during training: the training step
+    stop_detail: str  # added by a driver that stopped the model: why
+    started_at: str  # ISO 8601, UTC
+    system: str | None  # the prompt's system message
+    prompt: str | None  # the prompt's text (None: the episode never opened)
     turns: list[TurnRecord]
-    final: dict[str, Any] | None
-    rewards: list[float | None]
-    reward: float | None
-    group_reward: float | None
-    finished: bool
+    final: dict[str, Any] | None  # the final plain message and a terminal tool's grade (`tool`, `output`, ... `error`)
+    rewards: list[float | None]  # of each tool call that ran
+    reward: float | None  # the episode's: its last non-None one
+    group_reward: float | None  # the comparative reward from `/score_group`, when asked for
+    finished: bool  # the environment said the episode is over
     end_reason: EndReason | None
-    unscored: Unscored | None
-    tool_calls: int
-    tool_failures: int
-    error: ErrorRecord | None
-    timings: dict[str, float]
-    images: dict[str, ImageRecord]
-    prompt_images: list[str]
+    unscored: Unscored | None  # why `reward` is None
+    tool_calls: int  # the model's tool calls
+    tool_failures: int  # how many of them failed or were refused
+    error: ErrorRecord | None  # why the episode failed outside a tool call
+    timings: dict[str, float]  # seconds: `open`, `prompt`, `generation`, `tools`, `session`, `total`
+    images: dict[str, ImageRecord]  # an episode with images: each, by its SHA-256 (else no such key)
+    prompt_images: list[str]  # an episode with images: the hashes of the prompt's, in order
 
 
 def image_record(info: Any) -> ImageRecord:
@@ -224,15 +153,6 @@ def error_record(exc: BaseException) -> ErrorRecord:
     if getattr(exc, "reason", None):
         out["reason"] = exc.reason  # type: ignore[attr-defined]
     return out
-
-
-def _status(call: dict[str, Any]) -> str:
-    if call.get("skipped"):
-        return "not_run"
-    error = call.get("error")
-    if error is None:
-        return "ok"
-    return "refused" if isinstance(error, dict) and error.get("kind") == "refused" else "failed"
 
 
 def upgrade(record: dict[str, Any]) -> EpisodeRecord:
@@ -259,8 +179,12 @@ def upgrade(record: dict[str, Any]) -> EpisodeRecord:
             made = turn.get("tool_calls") if isinstance(turn, dict) else None
             for call in made if isinstance(made, list) else []:
                 if isinstance(call, dict) and "status" not in call:
-                    call["status"] = _status(call)
+                    error = call.get("error")
+                    refused = isinstance(error, dict) and error.get("kind") == "refused"
+                    call["status"] = ("not_run" if call.get("skipped") else "ok" if error is None
+                                      else "refused" if refused else "failed")
     return record  # type: ignore[return-value]
+
 
 # Record fields holding long free text, cut by `max_text` (top level, in turns, in tool calls).
 _TEXT_FIELDS = frozenset(("prompt", "system", "assistant", "output", "message", "raw"))
@@ -319,19 +243,12 @@ def _text(value: Any) -> str:
 
 
 class RecordWriter:
-    """Append records to a JSON-lines file.
+    """Append records to a JSON-lines file `path` (created with its parent folders).
 
-    Args:
-        path: the file (created with its parent folders).
-        append: keep what the file holds (a line cut short by an interruption is ended first);
-            False truncates it.
-        max_bytes: stop writing once the file would grow past this size (None: no bound).
-        max_text: cut every long text (prompt, model text, tool output) to this many characters.
-        max_image_bytes: stop writing image files beside the log once they take this much (None: `max_bytes`).
-
-    Attributes:
-        written, dropped: records written, and records that could not be (`drop_reasons` says why).
-        images_dir: the folder beside the log where images are written (`<log name>.images`).
+    `append=False` truncates the file (else a line an interruption cut short is ended first); `max_bytes` stops
+    writing once the file would grow past it, `max_text` cuts every long text (prompt, model text, tool output) with
+    a visible mark, `max_image_bytes` stops writing images into `images_dir` (`<log name>.images`) past it (None:
+    `max_bytes`). `written` and `dropped` count records written and not (`drop_reasons` says why).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, append: bool = True, max_bytes: int | None = None,
@@ -354,9 +271,7 @@ class RecordWriter:
                     fh.write(b"\n")
         self._size = self.path.stat().st_size if self.path.exists() else 0
         self._cut = False  # the last write failed part-way: end its line before the next record
-        self.written = 0
-        self.dropped = 0
-        self.images_dropped = 0
+        self.written = self.dropped = self.images_dropped = 0
         self.drop_reasons: Counter[str] = Counter()
 
     def __repr__(self) -> str:
@@ -376,7 +291,8 @@ class RecordWriter:
         written beside the log, once per log, and its entry names the file."""
         listed = record.get("images")
         if images and isinstance(listed, dict):
-            record = {**record, "images": {sha: self._store(sha, entry, images.get(sha)) for sha, entry in listed.items()}}
+            stored = {sha: self._store(sha, entry, images.get(sha)) for sha, entry in listed.items()}
+            record = {**record, "images": stored}
         try:
             data = (json.dumps(jsonable(record, max_text=self.max_text), ensure_ascii=False, allow_nan=False)
                     + "\n").encode("utf-8")
@@ -398,7 +314,6 @@ class RecordWriter:
             self._cut = False
             self._size += len(data)
             self.written += 1
-
 
     def _store(self, sha: str, entry: Any, block: Any) -> Any:
         """An image's record entry, with its `file` once its bytes are beside the log (written the first time)."""

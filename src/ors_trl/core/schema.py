@@ -20,28 +20,15 @@ from ..protocol.text import ascii_fold
 from .jsonschema import MISSING, Budget, Node, Normaliser, as_text, is_scalar, name_text, one_line, quote
 from .jsonschema import single_line as single_line
 
-__all__ = [
-    "DEFAULT_MAX_PARAM_DESCRIPTION",
-    "DEFAULT_MAX_SCHEMA_NODES",
-    "DEFAULT_MAX_TOOL_DESCRIPTION",
-    "TRUNCATION_MARK",
-    "ParameterInfo",
-    "ToolInfo",
-    "describe_schema",
-    "describe_tool",
-    "python_parameter_names",
-    "schema_to_annotation",
-    "single_line",
-    "tool_field",
-    "unique_name",
-]
+__all__ = ["DEFAULT_MAX_PARAM_DESCRIPTION", "DEFAULT_MAX_SCHEMA_NODES", "DEFAULT_MAX_TOOL_DESCRIPTION",
+           "TRUNCATION_MARK", "ParameterInfo", "ToolInfo", "describe_schema", "describe_tool",
+           "python_parameter_names", "schema_to_annotation", "single_line", "tool_field", "unique_name"]
 
 #: A parameter description longer than this is cut and marked with `TRUNCATION_MARK`.
 DEFAULT_MAX_PARAM_DESCRIPTION = 2_000
 #: A tool description longer than this is cut and marked with `TRUNCATION_MARK`.
 DEFAULT_MAX_TOOL_DESCRIPTION = 8_000
-#: Work units per tool (one per schema node visited plus one per keyword / enum value / alternative in it) before
-#: the rest is typed `Any` and elided as "…": bounds hostile or huge schemas (a pydantic model uses a few hundred).
+#: Work units per tool (see `ors_trl.core.jsonschema.Budget`; a pydantic model uses a few hundred).
 DEFAULT_MAX_SCHEMA_NODES = 100_000
 TRUNCATION_MARK = " …[truncated]"
 
@@ -52,34 +39,24 @@ _PRIMITIVES: dict[str, Any] = {"string": str, "integer": int, "number": float, "
 
 @dataclass(frozen=True)
 class ParameterInfo:
-    """One argument of a tool, ready to become a Python parameter.
+    """One argument of a tool, ready to become a Python parameter."""
 
-    `remote_name` is the property name on the wire, `python_name` the identifier used in the signature (equal
-    unless the wire name is a keyword, not an identifier, a dunder or `self`), `annotation` the type hint
-    `get_json_schema` turns back into the schema, and `description` the single-line text for the docstring.
-    """
-
-    remote_name: str
-    python_name: str
-    annotation: Any
-    description: str
+    remote_name: str  # the property name on the wire
+    python_name: str  # the signature's identifier (see `python_parameter_names`)
+    annotation: Any  # the type hint `get_json_schema` turns back into the schema
+    description: str  # single-line text for the docstring
     required: bool
 
 
 @dataclass(frozen=True)
 class ToolInfo:
-    """Everything needed to bind one tool: its remote name, description, parameters (required first) and notes.
-
-    `notes` lists what could not be represented exactly (recursion cut, unresolved `$ref`, truncation, ...).
-    """
+    """Everything needed to bind one tool: its remote name, description, parameters (required first) and `notes`:
+    what could not be represented exactly (recursion cut, unresolved `$ref`, truncation, ...)."""
 
     name: str
     description: str
     parameters: tuple[ParameterInfo, ...]
     notes: tuple[str, ...] = ()
-
-
-# ------------------------------------------------------------------------------------------------------ annotations
 
 
 def _annotation(node: Node) -> Any:
@@ -121,9 +98,6 @@ def _union(annotations: list[Any]) -> Any:
     return unique[0] if len(unique) == 1 else Union[tuple(unique)]  # noqa: UP007 - built from a runtime list
 
 
-# ----------------------------------------------------------------------------------------------------- descriptions
-
-
 @dataclass
 class _Summary:
     """What a schema says, as text: a type label, constraints, notes and the fields of objects inside it."""
@@ -136,6 +110,19 @@ class _Summary:
     fields: str | None = None
     header: str | None = None  # whose fields `fields` lists ("Object", "Item (Loc object)", "" when several)
     lossy: bool = False  # the label says something the annotation cannot (and `fields` does not)
+
+    def carry(self, part: _Summary, constraints: str, notes: str, model: bool) -> None:
+        """Take up what a part (an alternative, an item, a value) says, its constraints and its details (notes,
+        description, model description if `model`, default), each under its prefix."""
+        if part.constraints:
+            self.constraints.append(constraints + ", ".join(part.constraints))
+        texts = (part.node.description, part.model_description if model else "")
+        details = [*part.notes, *(one_line(text) for text in texts if text)]
+        if part.node.default is not MISSING:
+            details.append(f"default {quote(part.node.default)}")
+        if details:
+            self.notes.append(notes + "; ".join(details))
+        self.lossy = self.lossy or (part.lossy and not part.fields)
 
 
 @dataclass
@@ -207,13 +194,8 @@ class _Describer:
         labels = list(dict.fromkeys(s.label for s in summaries))
         with_fields = [s for s in summaries if s.fields]
         for s in summaries:
-            out.lossy = out.lossy or (s.lossy and not s.fields)
             prefix = "" if len(non_null) <= 1 else f"if {s.label}: "
-            if s.constraints:
-                out.constraints.append(prefix + ", ".join(s.constraints))
-            extra = _details(s, model=not (len(non_null) == 1 and s.fields))
-            if extra:
-                out.notes.append(prefix + "; ".join(extra))
+            out.carry(s, prefix, prefix, model=not (len(non_null) == 1 and s.fields))
         if len(with_fields) == 1:
             out.fields, out.header = with_fields[0].fields, with_fields[0].header
             if len(non_null) == 1 and not out.model_description:
@@ -261,11 +243,7 @@ class _Describer:
 
     def _lift(self, out: _Summary, header: str, phrase: str, inner: _Summary) -> _Summary:
         """Carry an array item's / map value's constraints, notes and fields up to the container."""
-        if inner.constraints:
-            out.constraints.append(f"{phrase} " + ", ".join(inner.constraints))
-        notes = _details(inner, model=not inner.fields)
-        if notes:
-            out.notes.append(f"{phrase}: " + "; ".join(notes))
+        out.carry(inner, f"{phrase} ", f"{phrase}: ", model=not inner.fields)
         if inner.fields:
             about = inner.header or ""
             if inner.model_description:
@@ -273,7 +251,6 @@ class _Describer:
                 about = f"{about}: {model}" if about else model
             out.fields = inner.fields
             out.header = header if about in ("", "Object") else f"{header} ({about})"
-        out.lossy = out.lossy or (inner.lossy and not inner.fields)
         return inner
 
     def _fill_object(self, out: _Summary, node: Node) -> str:
@@ -294,18 +271,14 @@ class _Describer:
             out.header = label[:1].upper() + label[1:]
             if isinstance(node.extra, Node):
                 other = self.summarize(node.extra)
-                out.constraints.append(
-                    f"other keys {_paren(other.label)}" + "".join(f", {detail}" for detail in other.constraints)
-                )
-            elif node.extra is False:
-                out.constraints.append("no other keys")
+                out.constraints.append(", ".join([f"other keys {_paren(other.label)}", *other.constraints]))
         elif isinstance(node.extra, Node):
             value = self._lift(out, "Value", "each value", self.summarize(node.extra))
             return f"{label} of {_paren(value.label)}"
         else:
             out.lossy = out.lossy or bool(node.model)
-            if node.extra is False:
-                out.constraints.append("no keys")
+        if node.extra is False:
+            out.constraints.append("no other keys" if node.fields is not None else "no keys")
         return label
 
     def _field(self, name: str, node: Node, required: bool) -> str:
@@ -330,15 +303,6 @@ class _Describer:
         if sub.fields:
             text += f" {{{sub.fields}}}"
         return text
-
-
-def _details(summary: _Summary, model: bool) -> list[str]:
-    """What a container says about one of its parts: notes, description, model description (if `model`), default."""
-    texts = (summary.node.description, summary.model_description if model else "")
-    details = [*summary.notes, *(one_line(text) for text in texts if text)]
-    if summary.node.default is not MISSING:
-        details.append(f"default {quote(summary.node.default)}")
-    return details
 
 
 def _parameter_description(node: Node, wire: str, python: str, max_length: int) -> tuple[str, bool]:
@@ -392,26 +356,15 @@ def _paren(label: str) -> str:
     return f"({label})" if " | " in label or ", " in label else label
 
 
-# ------------------------------------------------------------------------------------------------------- public API
-
-
 def schema_to_annotation(schema: Any, *, root: Any = None, max_nodes: int = DEFAULT_MAX_SCHEMA_NODES) -> Any:
-    """The type hint that `get_json_schema` renders as (the structural part of) `schema`.
-
-    `root` is the document `$ref` pointers resolve against (defaults to `schema` itself).
-    """
+    """The type hint that `get_json_schema` renders as (the structural part of) `schema`; `root`: the document `$ref`
+    pointers resolve against (`schema` itself by default)."""
     normaliser = Normaliser(schema if root is None else root, max_nodes)
     return _annotation(normaliser.parameter(schema, (), 0))  # an annotation lists no fields
 
 
-def describe_schema(
-    schema: Any,
-    *,
-    name: str = "value",
-    root: Any = None,
-    max_length: int = DEFAULT_MAX_PARAM_DESCRIPTION,
-    max_nodes: int = DEFAULT_MAX_SCHEMA_NODES,
-) -> str:
+def describe_schema(schema: Any, *, name: str = "value", root: Any = None,
+                    max_length: int = DEFAULT_MAX_PARAM_DESCRIPTION, max_nodes: int = DEFAULT_MAX_SCHEMA_NODES) -> str:
     """The one-line parameter description for `schema`: its own description plus everything types cannot say."""
     normaliser = Normaliser(schema if root is None else root, max_nodes)
     node = normaliser.parameter(schema, (), _text_budget(max_length))
@@ -448,14 +401,9 @@ def unique_name(base: str, taken: set[str], *, limit: int | None = None, avoid: 
 
 
 def _is_safe_parameter_name(name: str) -> bool:
-    return (
-        name.isidentifier()
-        and re.fullmatch(r"\w+", name) is not None
-        and unicodedata.normalize("NFKC", name) == name
-        and not keyword.iskeyword(name)
-        and name != "self"
-        and not (name.startswith("__") and name.endswith("__"))
-    )
+    return (name.isidentifier() and re.fullmatch(r"\w+", name) is not None and not keyword.iskeyword(name)
+            and unicodedata.normalize("NFKC", name) == name and name != "self"
+            and not (name.startswith("__") and name.endswith("__")))
 
 
 def _sanitize_parameter_name(name: str) -> str:
@@ -478,21 +426,12 @@ def tool_field(spec: Any, key: str) -> Any:
     return getattr(spec, key, None) if key in ("name", "description", "input_schema") else None
 
 
-def describe_tool(
-    tool_spec: Any,
-    *,
-    max_param_description: int = DEFAULT_MAX_PARAM_DESCRIPTION,
-    max_tool_description: int = DEFAULT_MAX_TOOL_DESCRIPTION,
-    max_schema_nodes: int = DEFAULT_MAX_SCHEMA_NODES,
-    budget: Budget | None = None,
-) -> ToolInfo:
-    """Compute the parameters (required first) and description of one ORS tool spec.
-
-    `tool_spec` is a mapping (or an object with attributes) with `name`, `description` and `input_schema`
-    (a JSON Schema object, `{}` or `None`). `budget` is the work and `$ref` expansion budget of the tool list it
-    belongs to (`ors_trl.core.jsonschema.Budget`; by default, one for this schema alone). Never raises on odd schemas:
-    what cannot be represented is described and listed in `ToolInfo.notes`.
-    """
+def describe_tool(tool_spec: Any, *, max_param_description: int = DEFAULT_MAX_PARAM_DESCRIPTION,
+                  max_tool_description: int = DEFAULT_MAX_TOOL_DESCRIPTION,
+                  max_schema_nodes: int = DEFAULT_MAX_SCHEMA_NODES, budget: Budget | None = None) -> ToolInfo:
+    """The parameters (required first) and description of one ORS tool spec (see `tool_field`; `input_schema`: a JSON
+    Schema object, `{}` or `None`), within the tool list's `budget` (see `Normaliser`). Never raises on odd schemas:
+    what cannot be represented is described and listed in `ToolInfo.notes`."""
     name = as_text(tool_field(tool_spec, "name"))
     normaliser = Normaliser(tool_field(tool_spec, "input_schema"), max_schema_nodes, budget)
     arguments, required, sentences = normaliser.arguments(_text_budget(max_param_description), _INPUT_TEXT)
@@ -501,9 +440,8 @@ def describe_tool(
     for wire, node in arguments:
         text, cut = _parameter_description(node, wire, names[wire], max_param_description)
         if cut:
-            normaliser.note(
-                f"description of parameter {quote(wire, 80)} truncated to {max_param_description} characters"
-            )
+            normaliser.note(f"description of parameter {quote(wire, 80)} truncated to {max_param_description} "
+                            "characters")
         parameters.append(ParameterInfo(wire, names[wire], _annotation(node), text, wire in required))
     parameters.sort(key=lambda parameter: not parameter.required)  # stable: required first, order kept
     description = as_text(tool_field(tool_spec, "description")).replace("\r\n", "\n").replace("\r", "\n").strip()

@@ -90,9 +90,8 @@ def check_threshold(threshold: float, rewards: Iterable[float | None]) -> None:
     if scored and not min(scored) <= threshold <= max(scored):
         raise ConfigurationError(
             f"success threshold {threshold:g} is outside the rewards seen ({min(scored):g} to {max(scored):g}): "
-            f"{'no' if threshold > max(scored) else 'every'} episode would count as a success. Pass a threshold within "
-            "them (the default 1.0 suits environments that reward 0 or 1)."
-        )
+            f"{'no' if threshold > max(scored) else 'every'} episode would count as a success. Pass a threshold "
+            "within them (the default 1.0 suits environments that reward 0 or 1).")
 
 
 def label(value: Any, limit: int = 200) -> str:
