@@ -510,6 +510,7 @@ class LocalPolicy(TokenGenerator):
                 with self._lock:  # `start` counts its episode before it looks for a worker: none is stranded
                     if self._idle():
                         self._worker = None
+                        self.forget()  # no episode left: what was rendered for them is not kept
                         return
                 continue
             try:
