@@ -625,7 +625,7 @@ def test_page_styles_script_and_skeleton_are_the_package_data(tmp_path) -> None:
     # a wheel ships them: every data file of the package folder is declared as package data
     pyproject = tomllib.loads((Path(SRC).parent / "pyproject.toml").read_text())
     declared = pyproject["tool"]["setuptools"]["package-data"]["ors_trl.report"]
-    folder = Path(SRC) / "ors_trl" / "_report"
+    folder = Path(SRC) / "ors_trl" / "report"
     assert sorted(declared) == sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix != ".py")
 
 
