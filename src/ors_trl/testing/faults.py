@@ -12,15 +12,11 @@ forwards every request, streams included, unless a rule says otherwise::
 With `upstream=None` it is a purpose-built misbehaving ORS server: rules answer everything, and
 a request no rule matches gets a 404.
 
-It is written on raw asyncio streams rather than a web framework, so that a fault does exactly
-what a broken network or server does: reset the connection (`Reset`), cut a stream in the
-middle of a chunk (`DropStream`), accept a request and never answer (`Hang`, `Silent`),
-send only SSE comments (`Pings`), send malformed or endless bodies (`Reply`, `SSEReply`,
-`Flood`), redirect (`Redirect`) or echo the request's headers back (`EchoHeaders`).
-Every request is logged (method, path, headers, body, which fault answered it), so a test can
-count attempts and check what was sent. The proxy runs its own event loop in a daemon thread,
-works with the synchronous and the async client alike, binds to loopback only, and bounds every
-wait (`max_seconds`) so that a forgotten hang cannot outlive a test by long.
+It is written on raw asyncio streams rather than a web framework, so that a fault does exactly what a
+broken network or server does (a reset, a stream cut mid-chunk, a request never answered, malformed or
+endless bodies). Every request is logged (`Seen`), so a test can count attempts and check what was sent.
+The proxy runs its own event loop in a daemon thread, binds to loopback only, and bounds every wait
+(`max_seconds`) so that a forgotten hang cannot outlive a test by long.
 
 `Blackhole` is a listening socket that never accepts: connections open, nothing is ever read.
 """
@@ -30,7 +26,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import http.client
 import json
+import math
 import socket
 import struct
 import threading
@@ -43,39 +41,12 @@ import aiohttp
 
 from .server import LOOPBACK, _require_loopback
 
-__all__ = [
-    "Blackhole",
-    "Delay",
-    "DropStream",
-    "EchoHeaders",
-    "Fault",
-    "FaultProxy",
-    "Flood",
-    "Forward",
-    "Hang",
-    "Pings",
-    "Raw",
-    "Redirect",
-    "Reply",
-    "Reset",
-    "SSEReply",
-    "Seen",
-    "Silent",
-    "Stall",
-    "Status",
-]
+__all__ = ["Blackhole", "Delay", "DropStream", "EchoHeaders", "Fault", "FaultProxy", "Flood", "Forward", "Hang", "Pings",
+           "Raw", "Redirect", "Reply", "Reset", "SSEReply", "Seen", "Silent", "Stall", "Status"]
 
 # Headers that describe one hop, not the message: never forwarded as received.
-_HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
-    "content-length", "host",
-})
-_REASONS = {
-    200: "OK", 307: "Temporary Redirect", 308: "Permanent Redirect", 400: "Bad Request", 401: "Unauthorized",
-    402: "Payment Required", 403: "Forbidden", 404: "Not Found", 410: "Gone", 422: "Unprocessable Entity",
-    429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable",
-    504: "Gateway Timeout",
-}
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
+                         "content-length", "host"})
 _MAX_HEAD = 64 * 1024
 _MAX_BODY = 64 * 1024 * 1024
 
@@ -114,13 +85,10 @@ class _Rule:
     used: int = 0
 
     def matches(self, seen: Seen) -> bool:
-        if self.times is not None and self.used >= self.times:
-            return False
-        if self.method is not None and seen.method != self.method.upper():
-            return False
-        if self.path is not None and not (seen.path == self.path or seen.path.endswith(self.path)):
-            return False
-        return self.when is None or bool(self.when(seen))
+        return ((self.times is None or self.used < self.times)
+                and (self.method is None or seen.method == self.method.upper())
+                and (self.path is None or seen.path.endswith(self.path))  # the whole path, or its end
+                and (self.when is None or bool(self.when(seen))))
 
 
 class _Exchange:
@@ -141,7 +109,7 @@ class _Exchange:
 
     async def _head(self, status: int, framing: str, headers: Sequence[tuple[str, str]], content_type: str | None,
                     body: bytes = b"") -> None:
-        head = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}", framing]
+        head = [f"HTTP/1.1 {status} {http.client.responses.get(status, 'Status')}", framing]
         if content_type and "content-type" not in {k.lower() for k, _ in headers}:
             head.append(f"Content-Type: {content_type}")
         head += [f"{k}: {v}" for k, v in headers]
@@ -185,6 +153,22 @@ class _Exchange:
         """Sleep up to `seconds`, or less if the proxy is stopping."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.proxy._stopping.wait(), timeout=seconds)
+
+    async def pour(self, piece: Callable[[], bytes], *, pause: float | None = None, seconds: float = math.inf,
+                   limit: float = math.inf) -> None:
+        """Chunk after chunk of `piece()` (`pause` seconds apart) until `seconds` or `limit` bytes have passed or the
+        proxy stops, then close; a client that went away ends it."""
+        deadline, sent = time.monotonic() + seconds, 0
+        try:
+            while time.monotonic() < deadline and sent < limit and not self.proxy._stopping.is_set():
+                data = piece()
+                await self.chunk(data)
+                sent += len(data)
+                if pause is not None:
+                    await self.wait(pause)
+        except (ConnectionError, RuntimeError):
+            return  # the client went away
+        await self.close()
 
     # -- forwarding ----------------------------------------------------------------------------
 
@@ -373,19 +357,7 @@ class Pings(Fault):
         await ex.start_stream(200)
         if self.task_id is not None:
             await ex.chunk(f"event: task_id\ndata: {self.task_id}\n\n".encode())
-        deadline = time.monotonic() + self.max_seconds
-        try:
-            while time.monotonic() < deadline and not ex.proxy._stopping.is_set():
-                await ex.chunk(f": ping - {time.time():.3f}\n\n".encode())
-                await ex.wait(self.interval)
-        except (ConnectionError, RuntimeError):
-            return  # the client went away
-        await ex.close()
-
-
-def _sse(event: str, data: str) -> bytes:
-    lines = data.split("\n")
-    return (f"event: {event}\n" + "".join(f"data: {line}\n" for line in lines) + "\n").encode()
+        await ex.pour(lambda: f": ping - {time.time():.3f}\n\n".encode(), pause=self.interval, seconds=self.max_seconds)
 
 
 @dataclass(repr=False)
@@ -401,7 +373,8 @@ class SSEReply(Fault):
     async def handle(self, ex: _Exchange) -> None:
         await ex.start_stream(self.status)
         for event, data in self.events:
-            await ex.chunk(_sse(event, data))
+            lines = "".join(f"data: {line}\n" for line in data.split("\n"))
+            await ex.chunk(f"event: {event}\n{lines}\n".encode())
         if self.then == "end":
             await ex.end()
             return
@@ -428,14 +401,7 @@ class Flood(Fault):
         else:
             await ex.start_stream(200, content_type="application/json")
             piece = b"[" + b"1," * (self.chunk_size // 2)
-        sent = 0
-        try:
-            while sent < self.limit and not ex.proxy._stopping.is_set():
-                await ex.chunk(piece)
-                sent += len(piece)
-        except (ConnectionError, RuntimeError):
-            return
-        await ex.close()
+        await ex.pour(lambda: piece, limit=self.limit)
 
 
 @dataclass(repr=False)
@@ -579,35 +545,22 @@ class FaultProxy:
         Raises:
             RuntimeError: the proxy did not start within 10 s.
         """
-        loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        failure: list[BaseException] = []
 
         async def startup() -> None:
             self._stopping = asyncio.Event()
-            self._session = aiohttp.ClientSession(
-                auto_decompress=False, trust_env=False,
-                timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=None),
-            )
+            self._session = aiohttp.ClientSession(auto_decompress=False, trust_env=False, timeout=aiohttp.ClientTimeout(
+                total=None, connect=10, sock_read=None))
             self._server = await asyncio.start_server(self._serve, self.host, 0, limit=_MAX_HEAD)
             self.port = self._server.sockets[0].getsockname()[1]
 
-        def run() -> None:
-            asyncio.set_event_loop(loop)
-            try:
-                loop.run_until_complete(startup())
-            except BaseException as exc:  # pragma: no cover - reported to start()
-                failure.append(exc)
-                ready.set()
-                return
-            ready.set()
-            loop.run_forever()
-
-        self._loop = loop
-        self._thread = threading.Thread(target=run, name="ors-fault-proxy", daemon=True)
+        self._loop = loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=loop.run_forever, name="ors-fault-proxy", daemon=True)
         self._thread.start()
-        if not ready.wait(10) or failure:
-            raise RuntimeError(f"fault proxy did not start: {failure[:1]}")
+        try:
+            asyncio.run_coroutine_threadsafe(startup(), loop).result(10)
+        except Exception as exc:
+            self.close()
+            raise RuntimeError(f"fault proxy did not start: {exc!r}") from exc
         return self
 
     def close(self) -> None:
