@@ -24,6 +24,7 @@ import argparse
 import atexit
 import contextlib
 import http.client
+import importlib
 import ipaddress
 import json
 import os
@@ -34,22 +35,13 @@ import tempfile
 import threading
 import time
 import types
-import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "LOOPBACK",
-    "REFERENCE_IDLE_LIMIT_S",
-    "STATS_PATH",
-    "ReferenceServer",
-    "ServerStartError",
-    "free_port",
-    "main",
-]
+__all__ = ["LOOPBACK", "REFERENCE_IDLE_LIMIT_S", "STATS_PATH", "ReferenceServer", "ServerStartError", "free_port", "main"]
 
 #: The only host the launcher binds to by default.
 LOOPBACK = "127.0.0.1"
@@ -83,23 +75,17 @@ def free_port(host: str = LOOPBACK) -> int:
 
 
 def _require_loopback(host: str) -> None:
-    if host == "localhost":
-        return
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        raise ValueError(f"the test server only binds to loopback addresses, not {host!r}")
+    with contextlib.suppress(ValueError):  # not an IP address: not loopback
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
+            return
+    raise ValueError(f"the test server only binds to loopback addresses, not {host!r}")
 
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-# --------------------------------------------------------------------------------------------------
-# Server side (runs in the subprocess)
-# --------------------------------------------------------------------------------------------------
+# -- server side (runs in the subprocess) ---------------------------------------------------------------------------
 
 
 class _ScaledClock:
@@ -146,35 +132,24 @@ class _TestRoutes:
         self.peak_sessions = 0  # most sessions alive at once since start (sampled after each /create)
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-        if scope["type"] == "http":
-            path = scope.get("path", "")
-            if path.startswith("/_test/"):
-                await self._answer(path, send)
-                return
-            self.requests += 1
-            if path == "/ping":
-                self.pings += 1
-            await self.app(scope, receive, send)
-            if path == "/create":
-                self.peak_sessions = max(self.peak_sessions, len(self.server._active_envs))
+        path = scope.get("path", "") if scope["type"] == "http" else None
+        if path is not None and path.startswith("/_test/"):
+            await self._answer(path, send)
             return
+        if path is not None:
+            self.requests += 1
+            self.pings += path == "/ping"
         await self.app(scope, receive, send)
+        if path == "/create":
+            self.peak_sessions = max(self.peak_sessions, len(self.server._active_envs))
 
     def stats(self) -> dict[str, Any]:
         from ors_trl.testing import counters
 
         sessions = list(self.server._active_envs)
-        return {
-            "pid": os.getpid(),
-            "open_sessions": len(sessions),
-            "peak_sessions": self.peak_sessions,
-            "sessions": sessions,
-            "pings": self.pings,
-            "requests": self.requests,
-            "idle_timeout": self.idle_timeout,
-            "environments": list(self.server._env_classes),
-            **counters.snapshot(),
-        }
+        return {"pid": os.getpid(), "open_sessions": len(sessions), "peak_sessions": self.peak_sessions,
+                "sessions": sessions, "pings": self.pings, "requests": self.requests, "idle_timeout": self.idle_timeout,
+                "environments": list(self.server._env_classes), **counters.snapshot()}
 
     async def _answer(self, path: str, send: Callable[..., Any]) -> None:
         if path == STATS_PATH:
@@ -192,8 +167,6 @@ def _load(path: str) -> type:
     module, sep, name = path.partition(":")
     if not sep or not module or not name:
         raise ValueError(f"environment {path!r} is not a 'module:Class' path")
-    import importlib
-
     obj: Any = importlib.import_module(module)
     for part in name.split("."):
         obj = getattr(obj, part)
@@ -255,23 +228,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.parent_pid is not None:
         _watch_parent(args.parent_pid)
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        timeout_keep_alive=60,
-        timeout_graceful_shutdown=3,
-        access_log=False,
-        log_level=args.log_level.lower(),
-        lifespan="on",
-    )
-    uvicorn.Server(config).run()
+    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_keep_alive=60, timeout_graceful_shutdown=3,
+                                  access_log=False, log_level=args.log_level.lower(), lifespan="on")).run()
     return 0
 
 
-# --------------------------------------------------------------------------------------------------
-# Client side (runs in the test process)
-# --------------------------------------------------------------------------------------------------
+# -- client side (runs in the test process) -------------------------------------------------------------------------
 
 
 def _environment_paths(envs: type | str | Sequence[type | str]) -> tuple[list[str], list[str]]:
@@ -340,17 +302,9 @@ class ReferenceServer:
         ValueError: `host` is not a loopback address.
     """
 
-    def __init__(
-        self,
-        envs: type | str | Sequence[type | str],
-        idle_timeout: float | None = None,
-        env: Mapping[str, str] | None = None,
-        port: int | None = None,
-        *,
-        host: str = LOOPBACK,
-        startup_timeout: float = 30.0,
-        log_level: str = "warning",
-    ) -> None:
+    def __init__(self, envs: type | str | Sequence[type | str], idle_timeout: float | None = None,
+                 env: Mapping[str, str] | None = None, port: int | None = None, *, host: str = LOOPBACK,
+                 startup_timeout: float = 30.0, log_level: str = "warning") -> None:
         _require_loopback(host)
         self.envs, self._paths = _environment_paths(envs)
         self.idle_timeout = idle_timeout
@@ -498,9 +452,8 @@ class ReferenceServer:
         with _OPENER.open(self.url + STATS_PATH, timeout=timeout) as resp:
             return json.loads(resp.read())
 
-    def wait_for_stats(
-        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10.0, interval: float = 0.05
-    ) -> dict[str, Any]:
+    def wait_for_stats(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10.0,
+                       interval: float = 0.05) -> dict[str, Any]:
         """Poll `stats()` until a condition holds.
 
         Args:
@@ -570,13 +523,10 @@ class ReferenceServer:
     # -- internals --------------------------------------------------------------------------------
 
     def _command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "ors_trl.testing.server", "--host", self.host, "--port", str(self.port)]
-        for env in self.envs:
-            cmd += ["--env", env]
-        cmd += ["--log-level", self.log_level, "--parent-pid", str(os.getpid())]
-        if self.idle_timeout is not None:
-            cmd += ["--idle-timeout", repr(float(self.idle_timeout))]
-        return cmd
+        envs = [arg for env in self.envs for arg in ("--env", env)]
+        idle = ["--idle-timeout", repr(float(self.idle_timeout))] if self.idle_timeout is not None else []
+        return [sys.executable, "-m", "ors_trl.testing.server", "--host", self.host, "--port", str(self.port), *envs,
+                "--log-level", self.log_level, "--parent-pid", str(os.getpid()), *idle]
 
     def _spawn(self) -> None:
         if self._log_path is None:
@@ -584,23 +534,15 @@ class ReferenceServer:
             os.close(fd)
             # Deleted on close(), or when this object is collected or the process exits without one.
             self._drop_log = weakref.finalize(self, _unlink_quietly, self._log_path)
-        child_env = dict(os.environ)
-        child_env.update(self.extra_env)
-        child_env[_UPDATE_CHECK_ENV] = "1"
-        child_env["PYTHONUNBUFFERED"] = "1"
+        child_env = {**os.environ, **self.extra_env, _UPDATE_CHECK_ENV: "1", "PYTHONUNBUFFERED": "1"}
         child_env["PYTHONPATH"] = os.pathsep.join(
             dict.fromkeys(p for p in (_SRC_DIR, *self._paths, child_env.get("PYTHONPATH")) if p))
         command = self._command()
         with open(self._log_path, "ab") as log:
             log.write(f"--- {' '.join(command)}\n".encode())
             log.flush()
-            self._proc = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=child_env,
-            )
+            self._proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                          env=child_env)
 
     def _wait_ready(self) -> None:
         assert self._proc is not None
@@ -612,9 +554,8 @@ class ReferenceServer:
             if self._answers():
                 return
             if time.monotonic() >= deadline:
-                raise ServerStartError(
-                    f"server did not answer on {self.url} within {self.startup_timeout} s\n{self.log_tail()}"
-                )
+                raise ServerStartError(f"server did not answer on {self.url} within {self.startup_timeout} s\n"
+                                       f"{self.log_tail()}")
             time.sleep(0.05)
 
     def _answers(self) -> bool:
