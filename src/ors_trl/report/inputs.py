@@ -52,19 +52,12 @@ def is_record(obj: Any) -> bool:
 
 def _trainer_state_in(folder: Path) -> Path | None:
     """A trainer output folder's `trainer_state.json`: its own, else the latest checkpoint's."""
-    if (folder / "trainer_state.json").is_file():
-        return folder / "trainer_state.json"
-    checkpoints = [p for p in folder.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
-    if not checkpoints:
-        return None
-    latest = max(checkpoints, key=lambda p: (int(p.name.rsplit("-", 1)[1]) if p.name.rsplit("-", 1)[1].isdigit()
-                                            else -1, p.name))
-    return latest / "trainer_state.json"
+    def latest_first(p: Path) -> tuple[int, str]:
+        step = p.name.rsplit("-", 1)[1]
+        return (int(step) if step.isdigit() else -1), p.name
 
-
-def _state_label(path: Path) -> str:
-    parent = path.parent
-    return (parent.parent if parent.name.startswith("checkpoint-") else parent).name or str(parent)
+    folders = (folder, *sorted(folder.glob("checkpoint-*"), key=latest_first, reverse=True))
+    return next((p / "trainer_state.json" for p in folders if (p / "trainer_state.json").is_file()), None)
 
 
 def recognise(raw: str | os.PathLike[str]) -> Input:
@@ -75,8 +68,9 @@ def recognise(raw: str | os.PathLike[str]) -> Input:
     if path.is_dir():
         state = _trainer_state_in(path)
         if state is None:
-            raise ConfigurationError(f"{path}: a folder without trainer_state.json (nor in checkpoint-*/); {_EXPECTED}")
-        return _recognise_state(state, _state_label(state))
+            raise ConfigurationError(f"{path}: a folder without trainer_state.json (nor in checkpoint-*/); "
+                                     f"{_EXPECTED}")
+        return _state(state)
     try:
         with path.open("rb") as fh:
             head = [fh.readline(_LONG_LINE) for _ in range(20)]
@@ -89,24 +83,28 @@ def recognise(raw: str | os.PathLike[str]) -> Input:
     for line in lines:
         obj, _ = parse_line(line)  # None: a cut line, a pretty-printed document, not JSON at all
         if isinstance(obj, dict) and isinstance(obj.get("log_history"), list):
-            return Input(path, "trainer_state", _state_label(path), obj)
+            return _state(path, obj)
         if is_record(obj):
             return Input(path, "episodes", path.name)
     if lines[0].lstrip().startswith(b"{"):
-        return _recognise_state(path, _state_label(path))
+        return _state(path)
     raise ConfigurationError(f"{path}: not an episode log, eval output or trainer state; {_EXPECTED}")
 
 
-def _recognise_state(path: Path, label: str) -> Input:
-    try:
-        if path.stat().st_size > _MAX_STATE_BYTES:
-            raise ConfigurationError(f"{path}: too large for a trainer state")
-        doc, _ = parse_line(path.read_bytes())
-    except OSError as exc:
-        raise ConfigurationError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+def _state(path: Path, doc: Any = None) -> Input:
+    """A trainer state (its document read whole unless given), named after its trainer output folder."""
+    if doc is None:
+        try:
+            if path.stat().st_size > _MAX_STATE_BYTES:
+                raise ConfigurationError(f"{path}: too large for a trainer state")
+            doc, _ = parse_line(path.read_bytes())
+        except OSError as exc:
+            raise ConfigurationError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("log_history"), list):
         raise ConfigurationError(f"{path}: not an episode log, eval output or trainer state (no episode records, "
                                  f"no log_history); {_EXPECTED}")
+    parent = path.parent
+    label = (parent.parent if parent.name.startswith("checkpoint-") else parent).name or str(parent)
     return Input(path, "trainer_state", label, doc)
 
 

@@ -41,12 +41,12 @@ import aiohttp
 
 from .server import LOOPBACK, _require_loopback
 
-__all__ = ["Blackhole", "Delay", "DropStream", "EchoHeaders", "Fault", "FaultProxy", "Flood", "Forward", "Hang", "Pings",
-           "Raw", "Redirect", "Reply", "Reset", "SSEReply", "Seen", "Silent", "Stall", "Status"]
+__all__ = ["Blackhole", "Delay", "DropStream", "EchoHeaders", "Fault", "FaultProxy", "Flood", "Forward", "Hang",
+           "Pings", "Raw", "Redirect", "Reply", "Reset", "SSEReply", "Seen", "Silent", "Stall", "Status"]
 
 # Headers that describe one hop, not the message: never forwarded as received.
-_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
-                         "content-length", "host"})
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
+                         "upgrade", "content-length", "host"})
 _MAX_HEAD = 64 * 1024
 _MAX_BODY = 64 * 1024 * 1024
 

@@ -41,7 +41,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOOPBACK", "REFERENCE_IDLE_LIMIT_S", "STATS_PATH", "ReferenceServer", "ServerStartError", "free_port", "main"]
+__all__ = ["LOOPBACK", "REFERENCE_IDLE_LIMIT_S", "STATS_PATH", "ReferenceServer", "ServerStartError", "free_port",
+           "main"]
 
 #: The only host the launcher binds to by default.
 LOOPBACK = "127.0.0.1"
@@ -228,8 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.parent_pid is not None:
         _watch_parent(args.parent_pid)
-    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_keep_alive=60, timeout_graceful_shutdown=3,
-                                  access_log=False, log_level=args.log_level.lower(), lifespan="on")).run()
+    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_keep_alive=60,
+                                  timeout_graceful_shutdown=3, access_log=False, log_level=args.log_level.lower(),
+                                  lifespan="on")).run()
     return 0
 
 
