@@ -100,12 +100,8 @@ class EchoEnvironment(CountedEnvironment):
         self._count("echo")
         target = str(self.task_spec["target"])
         match = params.text == target
-        return ToolOutput(
-            blocks=[_text(params.text)],
-            reward=1.0 if match else 0.0,
-            finished=match,
-            metadata={"target_length": len(target)},
-        )
+        return ToolOutput(blocks=[_text(params.text)], reward=1.0 if match else 0.0, finished=match,
+                          metadata={"target_length": len(target)})
 
 
 class DemoEchoInput(BaseModel):
@@ -113,11 +109,7 @@ class DemoEchoInput(BaseModel):
 
 
 class DemoEnvironment(CountedEnvironment):
-    """The environment `ors-trl demo` trains against: the task logic of `ors_trl.demo._task`, served over ORS.
-
-    Splits: `train` (the training tasks) and `test` (held-out phrasings). One tool, `echo(text)`,
-    scored by `_task.score`: reward 1.0 and finished on the rewarded word, 0.0 otherwise.
-    """
+    """`ors-trl demo --task echo`'s environment: `_task`'s echo tasks (`test`: held-out phrasings) and its `score`."""
 
     @classmethod
     def list_tasks(cls, split: str) -> list[JSONObject]:
@@ -139,15 +131,9 @@ class LookAnswer(BaseModel):
 
 
 class LookEnvironment(CountedEnvironment):
-    """The environment `ors-trl demo` trains against by default: the task logic of `ors_trl.demo._task` (look).
-
-    Splits: `train`, `test` (held-out phrasings of `look()`'s answer), `blind` (`look()` names a decoy: the
-    shortcut control), `mixed` and `kinds` (pools of mixed difficulty: `_task.pool_tasks`). The prompt is a
-    conversation (`/messages`): the rules as a system turn, then a
-    short user turn, the same whatever word is hidden. `look()` is an ordinary, unscored tool; `answer` is the
-    `@terminal` tool: hidden from the model, it receives the model's final plain message and grades it (1.0 for
-    the hidden word, else 0.0), and the episode is finished either way.
-    """
+    """`ors-trl demo`'s environment: `_task`'s look tasks (splits `train`, `test`, `blind` and the pools), the
+    conversation as `/messages`; `look()` is an ordinary, unscored tool, `answer` the `@terminal` tool that grades the
+    model's final plain message (`_task.grade`) and finishes the episode."""
 
     @classmethod
     def list_splits(cls) -> list[Split | str]:
