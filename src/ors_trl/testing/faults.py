@@ -39,7 +39,7 @@ from typing import Any
 
 import aiohttp
 
-from .server import LOOPBACK, _require_loopback
+from .server import LOOPBACK, _require_loopback, _url
 
 __all__ = ["Blackhole", "Delay", "DropStream", "EchoHeaders", "Fault", "FaultProxy", "Flood", "Forward", "Hang",
            "Pings", "Raw", "Redirect", "Reply", "Reset", "SSEReply", "Seen", "Silent", "Stall", "Status"]
@@ -297,9 +297,8 @@ class DropStream(Fault):
 
     `after_bytes`: relay that many bytes of the server's body, then close the connection in the
     middle of the chunked body. With `after_bytes=0` the client gets the status line and headers
-    and nothing else. `wait_first_bytes` (the default) holds the cut until the server has started
-    answering, i.e. until the tool has started, so "the tool ran" is deterministic.
-    `headers=False` cuts before even the status line (the connection just closes).
+    and nothing else, once the server has started answering (the tool has started, so "the tool ran"
+    is deterministic); `headers=False` cuts before even the status line (the connection just closes).
     """
 
     after_bytes: int = 0
@@ -357,7 +356,8 @@ class Pings(Fault):
         await ex.start_stream(200)
         if self.task_id is not None:
             await ex.chunk(f"event: task_id\ndata: {self.task_id}\n\n".encode())
-        await ex.pour(lambda: f": ping - {time.time():.3f}\n\n".encode(), pause=self.interval, seconds=self.max_seconds)
+        await ex.pour(lambda: f": ping - {time.time():.3f}\n\n".encode(), pause=self.interval,
+                      seconds=self.max_seconds)
 
 
 @dataclass(repr=False)
@@ -476,8 +476,8 @@ class FaultProxy:
 
     def add(self, fault: Fault, *, path: str | None = None, method: str | None = None, times: int | None = 1,
             when: Callable[[Seen], bool] | None = None) -> FaultProxy:
-        """Answer the next `times` matching requests with `fault`. Rules are tried in the order they were added;
-        the first that matches and has uses left wins.
+        """Answer the next `times` matching requests with `fault`; returns the proxy, so that rules can be chained.
+        Rules are tried in the order they were added; the first that matches and has uses left wins.
 
         Args:
             fault (`Fault`):
@@ -490,9 +490,6 @@ class FaultProxy:
                 How many requests the rule answers (`None`: all of them).
             when (`Callable[[Seen], bool]`, *optional*):
                 A further condition on the request.
-
-        Returns:
-            `FaultProxy`: The proxy, so that rules can be chained.
         """
         with self._lock:
             self._rules.append(_Rule(fault, path, method, times, when))
@@ -511,7 +508,7 @@ class FaultProxy:
             return list(self._log)
 
     def count(self, path: str | None = None, method: str | None = None, fault: str | bool | None = False) -> int:
-        """How many of the requests received so far matched.
+        """How many of the requests received so far (the newest `max_log`) matched.
 
         Args:
             path (`str`, *optional*):
@@ -520,9 +517,6 @@ class FaultProxy:
                 The HTTP method; any when omitted.
             fault (`str`, `bool` or `None`, *optional*, defaults to `False`):
                 Only the requests the fault of this name answered (`None`: only forwarded ones; `False`: all).
-
-        Returns:
-            `int`: The number of matching requests (of the newest `max_log`).
         """
         matching = _Rule(Forward(), path, method, None, None)  # a rule's own test, never used up
         return sum(1 for seen in self.requests if matching.matches(seen) and (fault is False or seen.fault == fault))
@@ -530,17 +524,12 @@ class FaultProxy:
     @property
     def url(self) -> str:
         """The proxy's base URL, `http://127.0.0.1:PORT` (a `RuntimeError` before `start()`)."""
-        if self.port is None:
-            raise RuntimeError("proxy not started")
-        return f"http://{self.host}:{self.port}"
+        return _url(self.host, self.port, "proxy not started")
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> FaultProxy:
-        """Start serving on a free port, in a thread of its own.
-
-        Returns:
-            `FaultProxy`: The proxy, started.
+        """Start serving on a free port, in a thread of its own; returns the proxy.
 
         Raises:
             RuntimeError: the proxy did not start within 10 s.
@@ -548,8 +537,8 @@ class FaultProxy:
 
         async def startup() -> None:
             self._stopping = asyncio.Event()
-            self._session = aiohttp.ClientSession(auto_decompress=False, trust_env=False, timeout=aiohttp.ClientTimeout(
-                total=None, connect=10, sock_read=None))
+            timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=None)
+            self._session = aiohttp.ClientSession(auto_decompress=False, trust_env=False, timeout=timeout)
             self._server = await asyncio.start_server(self._serve, self.host, 0, limit=_MAX_HEAD)
             self.port = self._server.sockets[0].getsockname()[1]
 
@@ -683,7 +672,7 @@ class Blackhole:
     @property
     def url(self) -> str:
         """The port's URL, `http://127.0.0.1:PORT`."""
-        return f"http://{self.host}:{self.port}"
+        return _url(self.host, self.port, "")
 
     def close(self) -> None:
         """Close the port."""

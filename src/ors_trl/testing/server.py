@@ -62,9 +62,6 @@ def free_port(host: str = LOOPBACK) -> int:
         host (`str`, *optional*, defaults to `"127.0.0.1"`):
             The loopback address to find a port on.
 
-    Returns:
-        `int`: The port.
-
     Raises:
         ValueError: `host` is not a loopback address.
     """
@@ -82,8 +79,11 @@ def _require_loopback(host: str) -> None:
     raise ValueError(f"the test server only binds to loopback addresses, not {host!r}")
 
 
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
+def _url(host: str, port: int | None, not_started: str) -> str:
+    """`http://HOST:PORT` (an IPv6 host in brackets); a RuntimeError saying `not_started` before there is a port."""
+    if port is None:
+        raise RuntimeError(not_started)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 # -- server side (runs in the subprocess) ---------------------------------------------------------------------------
@@ -149,14 +149,12 @@ class _TestRoutes:
 
         sessions = list(self.server._active_envs)
         return {"pid": os.getpid(), "open_sessions": len(sessions), "peak_sessions": self.peak_sessions,
-                "sessions": sessions, "pings": self.pings, "requests": self.requests, "idle_timeout": self.idle_timeout,
-                "environments": list(self.server._env_classes), **counters.snapshot()}
+                "sessions": sessions, "pings": self.pings, "requests": self.requests,
+                "idle_timeout": self.idle_timeout, "environments": list(self.server._env_classes),
+                **counters.snapshot()}
 
     async def _answer(self, path: str, send: Callable[..., Any]) -> None:
-        if path == STATS_PATH:
-            status, body = 200, self.stats()
-        else:
-            status, body = 404, {"detail": f"unknown test route {path!r}"}
+        status, body = (200, self.stats()) if path == STATS_PATH else (404, {"detail": f"unknown test route {path!r}"})
         payload = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -324,9 +322,7 @@ class ReferenceServer:
     @property
     def url(self) -> str:
         """Base URL, e.g. `http://127.0.0.1:PORT` (no trailing slash)."""
-        if self.port is None:
-            raise RuntimeError("server has not been started")
-        return f"http://{_url_host(self.host)}:{self.port}"
+        return _url(self.host, self.port, "server has not been started")
 
     @property
     def pid(self) -> int | None:
@@ -346,10 +342,7 @@ class ReferenceServer:
     # -- lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> ReferenceServer:
-        """Launch the server and wait until it answers `/health` as this process.
-
-        Returns:
-            `ReferenceServer`: The server, started.
+        """Launch the server and wait until it answers `/health` as this process; returns the server.
 
         Raises:
             ServerStartError: the server exited or did not answer within `startup_timeout`.
@@ -357,33 +350,28 @@ class ReferenceServer:
         """
         if self.running:
             raise RuntimeError(f"server already running at {self.url}")
-        attempts = 1 if self._fixed_port else 3
-        for attempt in range(attempts):
+        for attempt in range(3):  # a free port re-picked if another process took it meanwhile
             if not self._fixed_port:
                 self.port = free_port(self.host)
             self._spawn()
             try:
                 self._wait_ready()
+                break
             except ServerStartError as exc:
                 self.kill()
-                port_taken = "address already in use" in str(exc).lower()
-                if port_taken and attempt + 1 < attempts:
-                    continue
-                raise
-            self._fixed_port = True  # restart() comes back on the same port
-            _LIVE.add(self)
-            return self
-        raise AssertionError("unreachable")
+                if self._fixed_port or attempt == 2 or "address already in use" not in str(exc).lower():
+                    raise
+        self._fixed_port = True  # restart() comes back on the same port
+        _LIVE.add(self)
+        return self
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        """Terminate the server (SIGTERM: sessions are torn down), then kill it if it outlives `timeout`.
+        """Terminate the server (SIGTERM: sessions are torn down), then kill it if it outlives `timeout`; returns its
+        exit status (`None` if it was never started).
 
         Args:
             timeout (`float`, *optional*, defaults to `10.0`):
                 Seconds to wait for it to exit before killing it.
-
-        Returns:
-            `int` or `None`: Its exit status (`None` if it was never started).
         """
         proc = self._proc
         if proc is not None and proc.poll() is None:
@@ -393,11 +381,8 @@ class ReferenceServer:
         return self.kill()  # what outlived `timeout`
 
     def kill(self) -> int | None:
-        """Kill the server at once (SIGKILL: no teardowns), as a crash would.
-
-        Returns:
-            `int` or `None`: Its exit status (`None` if it was never started).
-        """
+        """Kill the server at once (SIGKILL: no teardowns), as a crash would; returns its exit status (`None` if it
+        was never started)."""
         proc = self._proc
         if proc is None:
             return None
@@ -408,14 +393,11 @@ class ReferenceServer:
         return proc.returncode
 
     def restart(self, timeout: float = 10.0) -> ReferenceServer:
-        """Stop the server and start a fresh process on the same port (all sessions are lost).
+        """Stop the server and start a fresh process on the same port (all sessions are lost); returns the server.
 
         Args:
             timeout (`float`, *optional*, defaults to `10.0`):
                 Seconds to wait for the old process to exit before killing it.
-
-        Returns:
-            `ReferenceServer`: The server, started again.
         """
         self.stop(timeout)
         return self.start()
@@ -440,23 +422,20 @@ class ReferenceServer:
     # -- introspection ----------------------------------------------------------------------------
 
     def stats(self, timeout: float = 5.0) -> dict[str, Any]:
-        """The server's introspection, `GET /_test/stats`.
+        """The server's introspection, `GET /_test/stats`: `open_sessions`, `peak_sessions`, `sessions`, `pings`,
+        `requests`, `pid`, `idle_timeout`, `environments`, and the `counters` (`tool_calls` as `{"env/tool": n}`,
+        `setups`, `teardowns`, ...).
 
         Args:
             timeout (`float`, *optional*, defaults to `5.0`):
                 Seconds allowed for the request.
-
-        Returns:
-            `dict[str, Any]`: `open_sessions`, `peak_sessions`, `sessions`, `pings`, `requests`, `pid`,
-            `idle_timeout`, `environments`, and the `counters` (`tool_calls` as `{"env/tool": n}`, `setups`,
-            `teardowns`, ...).
         """
         with _OPENER.open(self.url + STATS_PATH, timeout=timeout) as resp:
             return json.loads(resp.read())
 
     def wait_for_stats(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10.0,
                        interval: float = 0.05) -> dict[str, Any]:
-        """Poll `stats()` until a condition holds.
+        """Poll `stats()` until a condition holds; returns the first stats that met it.
 
         Args:
             predicate (`Callable[[dict[str, Any]], bool]`):
@@ -465,9 +444,6 @@ class ReferenceServer:
                 Seconds to wait for it.
             interval (`float`, *optional*, defaults to `0.05`):
                 Seconds between polls.
-
-        Returns:
-            `dict[str, Any]`: The first stats that met the condition.
 
         Raises:
             TimeoutError: the condition did not hold within `timeout` (the message shows the last stats).
@@ -482,7 +458,7 @@ class ReferenceServer:
             time.sleep(interval)
 
     def close_sessions(self, timeout: float = 10.0) -> list[str]:
-        """Delete every session the server holds (over the protocol, as a client would).
+        """Delete every session the server holds (over the protocol, as a client would); returns their ids.
 
         For a test fixture that found sessions left behind: it can fail that one test and leave the server
         clean for the next.
@@ -490,9 +466,6 @@ class ReferenceServer:
         Args:
             timeout (`float`, *optional*, defaults to `10.0`):
                 Seconds allowed for each request.
-
-        Returns:
-            `list[str]`: The ids of the sessions deleted.
         """
         sessions = list(self.stats(timeout)["sessions"])
         for sid in sessions:
@@ -503,14 +476,11 @@ class ReferenceServer:
         return sessions
 
     def log_tail(self, max_chars: int = 4000) -> str:
-        """The end of the server's output.
+        """The end of the server's output (`""` when there is no log).
 
         Args:
             max_chars (`int`, *optional*, defaults to `4000`):
                 How much of it, at most.
-
-        Returns:
-            `str`: The last `max_chars` characters (`""` when there is no log).
         """
         if self._log_path is None:
             return ""
@@ -524,12 +494,6 @@ class ReferenceServer:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _command(self) -> list[str]:
-        envs = [arg for env in self.envs for arg in ("--env", env)]
-        idle = ["--idle-timeout", repr(float(self.idle_timeout))] if self.idle_timeout is not None else []
-        return [sys.executable, "-m", "ors_trl.testing.server", "--host", self.host, "--port", str(self.port), *envs,
-                "--log-level", self.log_level, "--parent-pid", str(os.getpid()), *idle]
-
     def _spawn(self) -> None:
         if self._log_path is None:
             fd, self._log_path = tempfile.mkstemp(prefix="ors-ref-server-", suffix=".log")
@@ -539,7 +503,10 @@ class ReferenceServer:
         child_env = {**os.environ, **self.extra_env, _UPDATE_CHECK_ENV: "1", "PYTHONUNBUFFERED": "1"}
         child_env["PYTHONPATH"] = os.pathsep.join(
             dict.fromkeys(p for p in (_SRC_DIR, *self._paths, child_env.get("PYTHONPATH")) if p))
-        command = self._command()
+        envs = [arg for env in self.envs for arg in ("--env", env)]
+        idle = ["--idle-timeout", repr(float(self.idle_timeout))] if self.idle_timeout is not None else []
+        command = [sys.executable, "-m", "ors_trl.testing.server", "--host", self.host, "--port", str(self.port),
+                   *envs, "--log-level", self.log_level, "--parent-pid", str(os.getpid()), *idle]
         with open(self._log_path, "ab") as log:
             log.write(f"--- {' '.join(command)}\n".encode())
             log.flush()
