@@ -1,16 +1,13 @@
 """`ors-trl report`: one self-contained HTML page of what the episodes did and how training went.
 
     write_report(["episodes.jsonl", "eval.jsonl", "./trainer-output"], "report.html")
-    write_report(["episodes.jsonl"], "report.html", labels={"before": "eval_before.jsonl", "after": "eval_after.jsonl"})
+    write_report(["episodes.jsonl"], "report.html", labels={"before": "eval_before.jsonl", "after": "eval.jsonl"})
 
-The flow, a module each: `_inputs` recognises the inputs by content and reads their records (any record
-version); `_tally` counts every episode (`EpisodeStats`) per task and per run, and keeps a bounded sample of
-episode bodies; `_compare` sets the runs side by side; `_charts` draws the trainer's curves; `_render` writes the
-page from the package's `page.html`, `page.css` and `page.js`.
-
-Whatever the inputs hold, the page is written: a line that is not a record (cut, corrupt, nested too
-deeply, foreign) is skipped and counted on the page; the embedded bodies are made JSON-safe (`jsonable`:
-lone surrogates repaired, NaN spelled as text, nesting bounded); a chart matplotlib cannot draw is a note.
+A module each: `inputs` recognises the inputs by content and reads their records (any record version); `tally`
+counts every episode per task and per run and keeps a bounded sample of episode bodies; `compare` sets the runs
+side by side; `charts` draws the trainer's curves; `render` writes the page from `page.html`, `page.css`, `page.js`.
+Whatever the inputs hold, the page is written: a line that is not a record is skipped and counted on the page, the
+embedded bodies are made JSON-safe (`jsonable`), a chart matplotlib cannot draw is a note.
 """
 
 from __future__ import annotations

@@ -118,9 +118,7 @@ class Tally:
         timings = rec.get("timings")
         if isinstance(timings, dict) and (opened := _number(timings.get("open"))) is not None:
             self.open_s[env].append(opened)
-        for c in calls:
-            if (seconds := _number(c.get("seconds"))) is not None:
-                self.call_s[env].append(seconds)
+        self.call_s[env].extend(s for c in calls if (s := _number(c.get("seconds"))) is not None)
 
         self.seq += 1
         run_text = "|".join(map(str, run))
