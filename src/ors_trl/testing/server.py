@@ -172,18 +172,6 @@ def _load(path: str) -> type:
     return obj
 
 
-def build_app(envs: Sequence[str], idle_timeout: float | None = None) -> Any:
-    """The ASGI app the launcher serves: the reference `Server` for `envs` (`module:Class` paths) under
-    `_TestRoutes`. Call it in the process that serves it: `idle_timeout` patches a module-global clock."""
-    os.environ.setdefault(_UPDATE_CHECK_ENV, "1")
-    from openreward.environments import Server
-
-    if idle_timeout is not None:
-        install_idle_timeout(idle_timeout)
-    server = Server([_load(path) for path in envs])
-    return _TestRoutes(server.app, server, idle_timeout)
-
-
 def _watch_parent(parent_pid: int) -> None:
     """Shut this server down if the process that launched it dies (no orphaned servers)."""
 
@@ -218,8 +206,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ[_UPDATE_CHECK_ENV] = "1"
     # The SDK's loggers read their level when openreward is first imported.
     os.environ.setdefault("OPENREWARD_LOG_LEVEL", args.log_level.upper())
-    try:
-        app = build_app(args.env, args.idle_timeout)
+    try:  # the reference Server for the environments, under _TestRoutes
+        from openreward.environments import Server
+
+        if args.idle_timeout is not None:
+            install_idle_timeout(args.idle_timeout)
+        server = Server([_load(path) for path in args.env])
     except (ValueError, ImportError, AttributeError) as exc:
         parser.error(f"cannot load the environments: {exc}")
 
@@ -227,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.parent_pid is not None:
         _watch_parent(args.parent_pid)
+    app = _TestRoutes(server.app, server, args.idle_timeout)
     uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_keep_alive=60,
                                   timeout_graceful_shutdown=3, access_log=False, log_level=args.log_level.lower(),
                                   lifespan="on")).run()
