@@ -145,7 +145,8 @@ class LookEnvironment(CountedEnvironment):
         return _task.look_tasks(split) if split in _task.LOOK_SPLITS else []
 
     async def get_messages(self) -> list[Message]:
-        return [Message(role=m["role"], blocks=[_text(m["content"])]) for m in _task.look_messages(dict(self.task_spec))]
+        messages = _task.look_messages(dict(self.task_spec))
+        return [Message(role=m["role"], blocks=[_text(m["content"])]) for m in messages]
 
     @tool
     async def look(self) -> ToolOutput:
@@ -167,7 +168,8 @@ CARD_WORDS = ["cat", "sun", "map", "key"]
 CARD_SYSTEM = "Read the word on the card: call `look`, then `say` the word you read."
 CARD_SAMPLE = "demo"
 CARD_SIZE = (56, 28)
-_NEEDS_PILLOW = "the card environment draws its cards with Pillow, which is not installed: pip install 'ors-trl[vision]'"
+_NEEDS_PILLOW = ("the card environment draws its cards with Pillow, which is not installed: "
+                 "pip install 'ors-trl[vision]'")
 
 
 def card_png(word: str, size: tuple[int, int] = CARD_SIZE) -> bytes:
@@ -204,7 +206,8 @@ class CardEnvironment(CountedEnvironment):
 
     @classmethod
     def list_tasks(cls, split: str) -> list[JSONObject]:
-        return [{"id": f"card-{split}-{i}", "word": word, "sample": split == "train"} for i, word in enumerate(CARD_WORDS)]
+        return [{"id": f"card-{split}-{i}", "word": word, "sample": split == "train"}
+                for i, word in enumerate(CARD_WORDS)]
 
     async def get_messages(self) -> list[Message]:
         sample = [_text("A sample card:"), card_block(CARD_SAMPLE)] if self.task_spec["sample"] else []
@@ -226,5 +229,5 @@ class CardEnvironment(CountedEnvironment):
 
 
 #: Short name -> class, for `ors-trl serve-echo --envs` (the first is the server's default environment).
-ENVIRONMENTS: dict[str, type[Environment]] = {"echo": EchoEnvironment, "demo": DemoEnvironment, "look": LookEnvironment,
-                                              "card": CardEnvironment}
+ENVIRONMENTS: dict[str, type[Environment]] = {"echo": EchoEnvironment, "demo": DemoEnvironment,
+                                              "look": LookEnvironment, "card": CardEnvironment}

@@ -83,12 +83,8 @@ def prompt(task: dict[str, Any]) -> str:
 
 
 def score(task: dict[str, Any], tool_args: dict[str, Any]) -> tuple[float, bool, str]:
-    """Score one `echo` call: `(reward, finished, reply_text)`.
-
-    Reward is 1.0 and the episode finishes when `text` is exactly the task's target word; otherwise the reward is
-    0.0 and the episode continues. The reply text is the echoed word either way (it never reveals the target or
-    whether the call was right).
-    """
+    """Score one `echo` call: `(reward, finished, reply_text)`: 1.0 and finished when `text` is exactly the target,
+    else 0.0 (the episode goes on); the reply is the echoed word either way (see `REPLY_INVALID`)."""
     text = tool_args.get("text")
     if not isinstance(text, str):
         return 0.0, False, REPLY_INVALID
@@ -192,10 +188,8 @@ def look_messages(task: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def look_prompt(task: dict[str, Any]) -> str:
-    """The conversation as one text, as TRL's `environment_factory` path shows it (system turn first).
-
-    The same text `OpenRewardEnvironment.reset()` returns (`Prompt.flat`); the demo checks that at start-up.
-    """
+    """The conversation as one text, as TRL's `environment_factory` path shows it (system turn first): the text
+    `OpenRewardEnvironment.reset()` returns (`Prompt.flat`), which the demo checks at start-up."""
     return f"{LOOK_SYSTEM}\n\n{task['question']}"
 
 
@@ -206,11 +200,8 @@ def normalise_answer(message: str) -> str:
 
 def grade(task: dict[str, Any], message: str) -> tuple[float, str, dict[str, Any]]:
     """Grade a final message: `(reward, reply_text, metadata)`; 1.0 when it is the hidden word, else 0.0 (a pool
-    task: 1.0 for any answer to a free task, never for a locked one, for one of a coin task's winners).
-
-    `metadata` says what was hidden and shown, what was given, and whether the answer named what `look()`
-    showed (`follow`: the blind control reads it to tell "read the tool" from "guessed").
-    """
+    task: 1.0 for any answer to a free task, never for a locked one, for one of a coin task's winners). `metadata`
+    says what was hidden, shown and given, and whether the answer named what `look()` showed (`follow`)."""
     given = normalise_answer(message)
     kind = task.get("kind", "look")
     right = (kind == "free" or (kind == "look" and given == task["word"])
@@ -220,10 +211,6 @@ def grade(task: dict[str, Any], message: str) -> tuple[float, str, dict[str, Any
 
 
 def look_warm_start_episodes(task: dict[str, Any]) -> list[tuple[str, dict[str, Any], str, str]]:
-    """Episodes the format-only warm start imitates: call `look()`, then answer each allowed word once.
-
-    Returned as `(tool_name, arguments, reply_text, final_message)`. The answers are uniform over
-    `TARGETS` whatever `look()` said, so imitating them teaches the format (look, then one bare word)
-    and not which word to give: the warm-started model answers at chance (about 1/6).
-    """
+    """`warm_start_episodes` for the look task, as `(tool_name, arguments, reply_text, final_message)`: call
+    `look()`, then answer each allowed word once (the warm-started model answers at chance, about 1/6)."""
     return [(LOOK_TOOL, {}, task["reply"], word) for word in TARGETS]
