@@ -330,16 +330,14 @@ class Stall(Fault):
 
 
 @dataclass(repr=False)
-class Silent(Fault):
-    """Answer 200 with event-stream headers, then send nothing at all (not even comments)."""
+class Silent(Hang):
+    """Answer 200 with event-stream headers, then send nothing at all (not even comments) as `Hang` does."""
 
-    max_seconds: float = 120.0
     name = "silent"
 
     async def handle(self, ex: _Exchange) -> None:
         await ex.start_stream(200)
-        await ex.wait(self.max_seconds)
-        await ex.close()
+        await super().handle(ex)
 
 
 @dataclass(repr=False)
