@@ -38,9 +38,7 @@ MODEL_DIMS: dict[str, Any] = {
     # model learns to read it far more slowly (same recipe, seed 0: held-out success 0.29 after 200 GRPO steps instead
     # of 1.0; with GPT-2-style tokenization not even supervised training learned it in 160 steps). A 32-token window
     # covers the whole instruction (the target sits 16-25 tokens before the argument being written) and keeps most
-    # of the preamble out of view. The look task keeps it: there the answer is written right after the tool turn,
-    # and the word it needs sits 7-14 tokens back (the tool turn is 13-19 tokens, the look call 10 before it), so the
-    # window holds the whole tool turn and the call while the rules (which list all six words) stay mostly out of view.
+    # of the preamble out of view (the look task's window: `LOOK_MODEL_DIMS`).
     "use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0,
     # Untied input/output embeddings. After the format-only warm start, a tied model learned the prompt -> argument
     # mapping much more slowly (supervised probe: not within 60 steps, vs 40-60 untied), presumably because imitating
@@ -50,9 +48,9 @@ MODEL_DIMS: dict[str, Any] = {
 
 
 #: What the look task changes in MODEL_DIMS: a 16-token window. The answer needs one token of the tool turn (the word,
-#: 7-14 tokens back); with 16 tokens in view instead of 32 the word is one of fewer competitors for attention and
-#: GRPO found it sooner (seed 0: the reward left chance after ~25 steps instead of ~45-60). The look call needs no
-#: context at all, and the second layer still sees 32 tokens back.
+#: 7-14 tokens back: the tool turn is 13-19 tokens, the look call 10 before it); with 16 tokens in view instead of 32
+#: the word is one of fewer competitors for attention and GRPO found it sooner (seed 0: the reward left chance after
+#: ~25 steps instead of ~45-60). The look call needs no context at all, and the second layer still sees 32 tokens back.
 LOOK_MODEL_DIMS: dict[str, Any] = {"sliding_window": 16}
 
 
@@ -152,10 +150,8 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 640, isolate: Sequence[
     # other text may merge across spaces. The chat template adds a ~700-character tool preamble to every prompt, and
     # letting BPE merge it shrinks a prompt from ~185 tokens (GPT-2-style word splitting) to ~60, which makes every
     # training step ~3x cheaper and keeps the instruction close to where the model writes the argument.
-    splits = [pre_tokenizers.Split(pattern=Regex(QUOTED_WORD_PATTERN), behavior="isolated")]
-    if isolate:
-        words = "|".join(re.escape(w) for w in isolate)
-        splits.append(pre_tokenizers.Split(pattern=Regex(rf"\b(?:{words})\b"), behavior="isolated"))
+    patterns = [QUOTED_WORD_PATTERN, *([rf"\b(?:{'|'.join(map(re.escape, isolate))})\b"] if isolate else [])]
+    splits = [pre_tokenizers.Split(pattern=Regex(p), behavior="isolated") for p in patterns]
     bpe.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                                                    use_regex=False)])
     bpe.decoder = decoders.ByteLevel()
