@@ -39,7 +39,7 @@ from typing import Any
 
 import aiohttp
 
-from .server import LOOPBACK, _require_loopback, _url
+from .server import LOOPBACK, _Loopback, _require_loopback
 
 __all__ = ["Blackhole", "Delay", "DropStream", "EchoHeaders", "Fault", "FaultProxy", "Flood", "Forward", "Hang",
            "Pings", "Raw", "Redirect", "Reply", "Reset", "SSEReply", "Seen", "Silent", "Stall", "Status"]
@@ -437,7 +437,7 @@ class EchoHeaders(Fault):
         await Status(self.status, "request headers: " + json.dumps(ex.seen.headers, sort_keys=True)).handle(ex)
 
 
-class FaultProxy:
+class FaultProxy(_Loopback):
     """A loopback HTTP proxy (or, without upstream, a fake server) with programmable faults.
 
     Args:
@@ -519,11 +519,6 @@ class FaultProxy:
         matching = _Rule(Forward(), path, method, None, None)  # a rule's own test, never used up
         return sum(1 for seen in self.requests if matching.matches(seen) and (fault is False or seen.fault == fault))
 
-    @property
-    def url(self) -> str:
-        """The proxy's base URL, `http://127.0.0.1:PORT` (a `RuntimeError` before `start()`)."""
-        return _url(self.host, self.port, "proxy not started")
-
     # -- lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> FaultProxy:
@@ -573,12 +568,6 @@ class FaultProxy:
         thread.join(10)
         if not thread.is_alive():
             loop.close()
-
-    def __enter__(self) -> FaultProxy:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"FaultProxy(upstream={self.upstream!r}, port={self.port})"
@@ -648,7 +637,7 @@ class FaultProxy:
         return Seen(method=method.upper(), path=target.split("?", 1)[0], headers=headers, body=body, target=target)
 
 
-class Blackhole:
+class Blackhole(_Loopback):
     """A loopback port that accepts TCP connections (the kernel completes them) and never reads or answers.
 
     Args:
@@ -667,17 +656,6 @@ class Blackhole:
         self.host = host
         self.port = int(self._sock.getsockname()[1])
 
-    @property
-    def url(self) -> str:
-        """The port's URL, `http://127.0.0.1:PORT`."""
-        return _url(self.host, self.port, "")
-
     def close(self) -> None:
         """Close the port."""
         self._sock.close()
-
-    def __enter__(self) -> Blackhole:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

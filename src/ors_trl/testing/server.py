@@ -39,7 +39,7 @@ import urllib.request
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 __all__ = ["LOOPBACK", "REFERENCE_IDLE_LIMIT_S", "STATS_PATH", "ReferenceServer", "ServerStartError", "free_port",
            "main"]
@@ -79,11 +79,28 @@ def _require_loopback(host: str) -> None:
     raise ValueError(f"the test server only binds to loopback addresses, not {host!r}")
 
 
-def _url(host: str, port: int | None, not_started: str) -> str:
-    """`http://HOST:PORT` (an IPv6 host in brackets); a RuntimeError saying `not_started` before there is a port."""
-    if port is None:
-        raise RuntimeError(not_started)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+class _Loopback:
+    """A server on a loopback port (`ReferenceServer`, `FaultProxy`, `Blackhole`): its URL, and `with`."""
+
+    host: str
+    port: int | None
+
+    @property
+    def url(self) -> str:
+        """Its base URL, `http://127.0.0.1:PORT` (no trailing slash; a `RuntimeError` before `start()`)."""
+        if self.port is None:
+            raise RuntimeError(f"{type(self).__name__} has not been started")
+        return f"http://[{self.host}]:{self.port}" if ":" in self.host else f"http://{self.host}:{self.port}"
+
+    def start(self) -> Self:
+        """Nothing to start: it serves from construction; returns it."""
+        return self
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # type: ignore[attr-defined]
 
 
 # -- server side (runs in the subprocess) ---------------------------------------------------------------------------
@@ -270,7 +287,7 @@ def _stop_leftovers() -> None:
             server.kill()
 
 
-class ReferenceServer:
+class ReferenceServer(_Loopback):
     """A reference ORS server in a subprocess on loopback, for tests, benchmarks and the demo.
 
     Args:
@@ -311,11 +328,6 @@ class ReferenceServer:
         self._log_path: str | None = None
 
     # -- properties -------------------------------------------------------------------------------
-
-    @property
-    def url(self) -> str:
-        """Base URL, e.g. `http://127.0.0.1:PORT` (no trailing slash)."""
-        return _url(self.host, self.port, "server has not been started")
 
     @property
     def pid(self) -> int | None:
@@ -401,12 +413,6 @@ class ReferenceServer:
         if self._log_path is not None:
             self._drop_log()
             self._log_path = None
-
-    def __enter__(self) -> ReferenceServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
