@@ -137,7 +137,7 @@ class LookEnvironment(CountedEnvironment):
 
     @classmethod
     def list_splits(cls) -> list[Split | str]:
-        return [Split(name="train", type="train"), Split(name="test", type="test"), Split(name="blind", type="test"),
+        return [*super().list_splits(), Split(name="blind", type="test"),
                 *(Split(name=pool, type="train") for pool in _task.POOLS)]
 
     @classmethod

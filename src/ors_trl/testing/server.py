@@ -11,11 +11,8 @@ and waits until it answers; it is the real ORS peer of ors-trl's own tests, benc
 
 The server process is the reference `openreward.environments.Server` plus a thin outer ASGI layer
 that answers `GET /_test/stats` (live sessions, pings, requests, and the counters environments bump
-with `ors_trl.testing.counters`). `idle_timeout` makes the reference idle reaper (900 s, not
-configurable) reap sessions idle for more than that many seconds, by scaling the clock it reads.
-
-Only the standard library is imported at module level, so `ors_trl.testing` stays cheap to import;
-`main` imports `openreward` and `uvicorn` in the server process.
+with `ors_trl.testing.counters`). Only the standard library is imported at module level, so
+`ors_trl.testing` stays cheap to import; `main` imports `openreward` and `uvicorn` in the server process.
 """
 
 from __future__ import annotations
