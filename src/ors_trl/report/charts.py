@@ -111,7 +111,8 @@ def _svg(chart: dict[str, list[tuple[float, float]]], title: str, uid: str) -> s
     from matplotlib.ticker import MaxNLocator
 
     # text.parse_math off: a `$` in a metric or run name is text, not mathtext (which fails on most of them)
-    with matplotlib.rc_context({"svg.hashsalt": uid, "svg.fonttype": "none", "font.size": 8, "text.parse_math": False}):
+    style = {"svg.hashsalt": uid, "svg.fonttype": "none", "font.size": 8, "text.parse_math": False}
+    with matplotlib.rc_context(style):
         fig = Figure(figsize=(6.2, 3.3), layout="constrained")
         ax = fig.add_subplot()
         colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -122,8 +123,8 @@ def _svg(chart: dict[str, list[tuple[float, float]]], title: str, uid: str) -> s
             if len(points) > _MAX_POINTS:  # thin evenly, keep the last point
                 stride = math.ceil(len(points) / _MAX_POINTS)
                 points = points[::stride] + ([points[-1]] if (len(points) - 1) % stride else [])
-            style = "--" if name.endswith((" finished", " p95", " p99", " unparsed", " unscored")) else "-"
-            ax.plot([p[0] for p in points], [p[1] for p in points], style, color=color, label=repair(shorten(name, 60)),
+            line = "--" if name.endswith((" finished", " p95", " p99", " unparsed", " unscored")) else "-"
+            ax.plot([p[0] for p in points], [p[1] for p in points], line, color=color, label=repair(shorten(name, 60)),
                     marker="." if len(points) < 40 else None, linewidth=1.3)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("training step")
@@ -156,7 +157,8 @@ def curves(states: Sequence[Input]) -> tuple[str, int]:
     where = ", ".join(str(s.path) for s in states)
     if not any(merged.values()):
         entries = sum(len(s.state.get("log_history") or []) for s in states if s.state)
-        what = "has no log_history" if not entries else f"has {entries} log_history entries but no reward or env/ metrics"
+        what = (f"has {entries} log_history entries but no reward or env/ metrics" if entries
+                else "has no log_history")
         return f"<p class=note>The trainer log ({html.escape(where)}) {what}: no curves to draw.</p>", 0
     try:
         import matplotlib  # noqa: F401

@@ -133,8 +133,8 @@ def _summary(t: Tally) -> str:
         ("tool-call failures", str(s.tool_failures),
          _pct(s.tool_failures / s.tool_calls) + " of calls" if s.tool_calls else "–"),
         ("no tool call", _pct(s.no_call_rate), "of episodes: the model called no tool"),
-        ("unparsed tool calls", str(s.unparsed_turns), f"{_pct(s.unparsed_rate)} of model turns wrote tool-call markup "
-                                                       "that parsed to no call"),
+        ("unparsed tool calls", str(s.unparsed_turns),
+         f"{_pct(s.unparsed_rate)} of model turns wrote tool-call markup that parsed to no call"),
         ("malformed arguments", str(s.malformed_calls), "calls refused: arguments not the tool's schema"),
     ]
     if s.group_scored:
@@ -283,11 +283,9 @@ def render(items: Sequence[Input], tally: Tally, sample: Sample, skipped: Counte
     curves_html, steps = curves([i for i in items if i.kind == "trainer_state"])
     envs = sorted(tally.envs)
     page_title = title or ("ors-trl report: " + shorten(", ".join(envs), 80) if envs else "ors-trl report")
-    skipped_note = ""
-    if skipped:
-        skipped_note = (f"<p class=note id=skipped>{skipped.total()} record(s) skipped: "
-                        + _e(", ".join(f"{v} {k}" for k, v in sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0]))))
-                        + ".</p>")
+    reasons = ", ".join(f"{v} {k}" for k, v in sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0])))
+    skipped_note = (f"<p class=note id=skipped>{skipped.total()} record(s) skipped: {_e(reasons)}.</p>"
+                    if skipped else "")
     sources = "".join(f"<li><code>{_e(i.path)}</code> ({'trainer state' if i.kind == 'trainer_state' else 'episodes'})"
                       "</li>" for i in items)
     page = Template(_data("page.html")).substitute(
