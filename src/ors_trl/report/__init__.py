@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,8 @@ from pathlib import Path
 from ..core.metrics import DEFAULT_SUCCESS_THRESHOLD
 from ..core.stats import check_threshold
 from ..protocol.errors import ConfigurationError
-from .inputs import check_not_an_input, episode_records, recognise_all, write_atomic
+from ..protocol.files import write_atomic
+from .inputs import check_not_an_input, episode_records, recognise_all
 from .render import render
 from .tally import DEFAULT_MAX_EPISODES, Tally
 
@@ -145,7 +147,11 @@ def write_report(inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str
     sample = tally.sample()
     page, steps = render(items, tally, sample, skipped, title)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, page.encode("utf-8"))
+    try:  # the page keeps the mode a page it replaces had; a new one is 0666 less the umask
+        mode = stat.S_IMODE(out.stat().st_mode)
+    except OSError:
+        mode = 0o666
+    write_atomic(out, page.encode("utf-8"), mode)  # whole or not at all, never through a name planted there
     names = [name for key, name in tally.run_names.items() if tally.runs[key].episodes]
     return ReportSummary(output=os.fspath(out), episodes=tally.total.episodes, embedded=len(sample.episodes),
                          environments=sorted(tally.envs), runs=len(names), run_names=names, tasks=len(tally.tasks),

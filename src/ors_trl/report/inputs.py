@@ -4,8 +4,7 @@ Inputs are recognised by content, not by name: JSON lines of episode records (tr
 `ors-trl eval --output`, of any record version: `ors_trl.core.records.read_records` upgrades them) and trainer
 states (a `trainer_state.json`, or a trainer output folder holding one, also in its latest `checkpoint-*`).
 An input that is none of them is a `ConfigurationError` that says what was expected; so is a label (`--label
-NAME=FILE`, which names the run an input holds) that names no file. The page never
-replaces one of its inputs, and is written whole or not at all, through a private temporary file.
+NAME=FILE`, which names the run an input holds) that names no file. The page never replaces one of its inputs.
 """
 
 from __future__ import annotations
@@ -13,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import stat
-import tempfile
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -149,25 +146,3 @@ def check_not_an_input(out: Path, items: Sequence[Input]) -> None:
             if os.path.samefile(out, item.path):
                 raise ConfigurationError(f"the output {out} is the input {item.path}: writing the page there would "
                                          "replace it; pass another --output")
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """`data` as `path`, whole or not at all: written to a private temporary file beside it (`mkstemp`: a name
-    nobody can predict, created 0600, never through a link someone planted), given the mode `path` has (else the
-    usual 0666 less the umask), then renamed over `path`, so a reader never sees half a page."""
-    try:
-        mode = stat.S_IMODE(path.stat().st_mode)
-    except OSError:
-        mask = os.umask(0o022)  # reading the umask means setting it (pip does the same)
-        os.umask(mask)
-        mode = 0o666 & ~mask
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            os.fchmod(fh.fileno(), mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
