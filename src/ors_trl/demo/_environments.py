@@ -1,16 +1,9 @@
-"""The environments the demo and `ors-trl serve-echo` serve, written with the `openreward` scaffolding.
-
-- `EchoEnvironment`: TRL's guide echo task (call `echo` with the target word; reward 1.0 and the
-  episode ends on an exact match), the quickest way to try ors-trl against a real server.
-- `DemoEnvironment`: the task `ors-trl demo --task echo` trains on (`ors_trl.demo._task`).
-- `LookEnvironment`: the task `ors-trl demo` trains on by default: rules in a system turn, the answer only in
-  `look()`'s output, the model's plain final message graded by a `@terminal` tool.
-- `CardEnvironment` (`card`): a visual environment for vision-language models: the word to say is readable only
-  in the image `look()` returns (a card drawn locally with Pillow, nothing downloaded); Pillow is needed only to
-  serve it (`CountedEnvironment.unavailable` says so before it is served).
-
-Each counts its setups, teardowns and tool calls with `ors_trl.testing.counters`, so the server's
-`/_test/stats` shows what ran. Importing this module imports `openreward`.
+"""The environments the demo and `ors-trl serve-echo` serve (`ENVIRONMENTS`), written with `openreward`'s scaffolding:
+`EchoEnvironment` (TRL's guide echo task, the quickest way to try ors-trl against a real server), `DemoEnvironment`
+and `LookEnvironment` (the tasks of `ors_trl.demo._task`), and `CardEnvironment` (for vision-language models: the
+word is only in an image drawn locally with Pillow, which it alone needs). Each counts its setups, teardowns and tool
+calls with `ors_trl.testing.counters`, so the server's `/_test/stats` shows what ran. Importing it imports
+`openreward`.
 """
 
 from __future__ import annotations
