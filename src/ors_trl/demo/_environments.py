@@ -1,16 +1,9 @@
-"""The environments the demo and `ors-trl serve-echo` serve, written with the `openreward` scaffolding.
-
-- `EchoEnvironment`: TRL's guide echo task (call `echo` with the target word; reward 1.0 and the
-  episode ends on an exact match), the quickest way to try ors-trl against a real server.
-- `DemoEnvironment`: the task `ors-trl demo --task echo` trains on (`ors_trl.demo._task`).
-- `LookEnvironment`: the task `ors-trl demo` trains on by default: rules in a system turn, the answer only in
-  `look()`'s output, the model's plain final message graded by a `@terminal` tool.
-- `CardEnvironment` (`card`): a visual environment for vision-language models: the word to say is readable only
-  in the image `look()` returns (a card drawn locally with Pillow, nothing downloaded); Pillow is needed only to
-  serve it (`CountedEnvironment.unavailable` says so before it is served).
-
-Each counts its setups, teardowns and tool calls with `ors_trl.testing.counters`, so the server's
-`/_test/stats` shows what ran. Importing this module imports `openreward`.
+"""The environments the demo and `ors-trl serve-echo` serve (`ENVIRONMENTS`), written with `openreward`'s scaffolding:
+`EchoEnvironment` (TRL's guide echo task, the quickest way to try ors-trl against a real server), `DemoEnvironment`
+and `LookEnvironment` (the tasks of `ors_trl.demo._task`), and `CardEnvironment` (for vision-language models: the
+word is only in an image drawn locally with Pillow, which it alone needs). Each counts its setups, teardowns and tool
+calls with `ors_trl.testing.counters`, so the server's `/_test/stats` shows what ran. Importing it imports
+`openreward`.
 """
 
 from __future__ import annotations
@@ -100,12 +93,8 @@ class EchoEnvironment(CountedEnvironment):
         self._count("echo")
         target = str(self.task_spec["target"])
         match = params.text == target
-        return ToolOutput(
-            blocks=[_text(params.text)],
-            reward=1.0 if match else 0.0,
-            finished=match,
-            metadata={"target_length": len(target)},
-        )
+        return ToolOutput(blocks=[_text(params.text)], reward=1.0 if match else 0.0, finished=match,
+                          metadata={"target_length": len(target)})
 
 
 class DemoEchoInput(BaseModel):
@@ -113,11 +102,7 @@ class DemoEchoInput(BaseModel):
 
 
 class DemoEnvironment(CountedEnvironment):
-    """The environment `ors-trl demo` trains against: the task logic of `ors_trl.demo._task`, served over ORS.
-
-    Splits: `train` (the training tasks) and `test` (held-out phrasings). One tool, `echo(text)`,
-    scored by `_task.score`: reward 1.0 and finished on the rewarded word, 0.0 otherwise.
-    """
+    """`ors-trl demo --task echo`'s environment: `_task`'s echo tasks (`test`: held-out phrasings) and its `score`."""
 
     @classmethod
     def list_tasks(cls, split: str) -> list[JSONObject]:
@@ -139,19 +124,13 @@ class LookAnswer(BaseModel):
 
 
 class LookEnvironment(CountedEnvironment):
-    """The environment `ors-trl demo` trains against by default: the task logic of `ors_trl.demo._task` (look).
-
-    Splits: `train`, `test` (held-out phrasings of `look()`'s answer), `blind` (`look()` names a decoy: the
-    shortcut control), `mixed` and `kinds` (pools of mixed difficulty: `_task.pool_tasks`). The prompt is a
-    conversation (`/messages`): the rules as a system turn, then a
-    short user turn, the same whatever word is hidden. `look()` is an ordinary, unscored tool; `answer` is the
-    `@terminal` tool: hidden from the model, it receives the model's final plain message and grades it (1.0 for
-    the hidden word, else 0.0), and the episode is finished either way.
-    """
+    """`ors-trl demo`'s environment: `_task`'s look tasks (splits `train`, `test`, `blind` and the pools), the
+    conversation as `/messages`; `look()` is an ordinary, unscored tool, `answer` the `@terminal` tool that grades the
+    model's final plain message (`_task.grade`) and finishes the episode."""
 
     @classmethod
     def list_splits(cls) -> list[Split | str]:
-        return [Split(name="train", type="train"), Split(name="test", type="test"), Split(name="blind", type="test"),
+        return [*super().list_splits(), Split(name="blind", type="test"),
                 *(Split(name=pool, type="train") for pool in _task.POOLS)]
 
     @classmethod
@@ -159,7 +138,8 @@ class LookEnvironment(CountedEnvironment):
         return _task.look_tasks(split) if split in _task.LOOK_SPLITS else []
 
     async def get_messages(self) -> list[Message]:
-        return [Message(role=m["role"], blocks=[_text(m["content"])]) for m in _task.look_messages(dict(self.task_spec))]
+        messages = _task.look_messages(dict(self.task_spec))
+        return [Message(role=m["role"], blocks=[_text(m["content"])]) for m in messages]
 
     @tool
     async def look(self) -> ToolOutput:
@@ -181,7 +161,8 @@ CARD_WORDS = ["cat", "sun", "map", "key"]
 CARD_SYSTEM = "Read the word on the card: call `look`, then `say` the word you read."
 CARD_SAMPLE = "demo"
 CARD_SIZE = (56, 28)
-_NEEDS_PILLOW = "the card environment draws its cards with Pillow, which is not installed: pip install 'ors-trl[vision]'"
+_NEEDS_PILLOW = ("the card environment draws its cards with Pillow, which is not installed: "
+                 "pip install 'ors-trl[vision]'")
 
 
 def card_png(word: str, size: tuple[int, int] = CARD_SIZE) -> bytes:
@@ -218,7 +199,8 @@ class CardEnvironment(CountedEnvironment):
 
     @classmethod
     def list_tasks(cls, split: str) -> list[JSONObject]:
-        return [{"id": f"card-{split}-{i}", "word": word, "sample": split == "train"} for i, word in enumerate(CARD_WORDS)]
+        return [{"id": f"card-{split}-{i}", "word": word, "sample": split == "train"}
+                for i, word in enumerate(CARD_WORDS)]
 
     async def get_messages(self) -> list[Message]:
         sample = [_text("A sample card:"), card_block(CARD_SAMPLE)] if self.task_spec["sample"] else []
@@ -240,5 +222,5 @@ class CardEnvironment(CountedEnvironment):
 
 
 #: Short name -> class, for `ors-trl serve-echo --envs` (the first is the server's default environment).
-ENVIRONMENTS: dict[str, type[Environment]] = {"echo": EchoEnvironment, "demo": DemoEnvironment, "look": LookEnvironment,
-                                              "card": CardEnvironment}
+ENVIRONMENTS: dict[str, type[Environment]] = {"echo": EchoEnvironment, "demo": DemoEnvironment,
+                                              "look": LookEnvironment, "card": CardEnvironment}

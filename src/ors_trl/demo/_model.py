@@ -18,14 +18,8 @@ from typing import Any
 # Qwen3's added tokens. The first three are "special" (dropped by skip_special_tokens); the tool/think markers are
 # plain added tokens, as in the real Qwen3 tokenizer, so they survive decoding.
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-CONTROL_TOKENS: tuple[str, ...] = (
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-    "<think>",
-    "</think>",
-)
+CONTROL_TOKENS: tuple[str, ...] = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
+                                   "</think>")
 EOS_TOKEN = "<|im_end|>"  # end of turn: generation stops here, and TRL aligns tool suffixes on it
 PAD_TOKEN = "<|endoftext|>"
 
@@ -37,24 +31,15 @@ FINAL_MESSAGE = "Done."
 
 # ~0.56M parameters with the default 640-token vocabulary (untied embeddings: 2 x 640 x 128 of them).
 MODEL_DIMS: dict[str, Any] = {
-    "hidden_size": 128,
-    "intermediate_size": 384,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "max_position_embeddings": 512,
+    "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 512,
     # Sliding-window attention (a stock Qwen3 option) on both layers. The chat template puts the tool preamble in
     # front of every instruction; with full attention the one prompt token that matters is diluted among it and the
     # model learns to read it far more slowly (same recipe, seed 0: held-out success 0.29 after 200 GRPO steps instead
     # of 1.0; with GPT-2-style tokenization not even supervised training learned it in 160 steps). A 32-token window
     # covers the whole instruction (the target sits 16-25 tokens before the argument being written) and keeps most
-    # of the preamble out of view. The look task keeps it: there the answer is written right after the tool turn,
-    # and the word it needs sits 7-14 tokens back (the tool turn is 13-19 tokens, the look call 10 before it), so the
-    # window holds the whole tool turn and the call while the rules (which list all six words) stay mostly out of view.
-    "use_sliding_window": True,
-    "sliding_window": 32,
-    "max_window_layers": 0,
+    # of the preamble out of view (the look task's window: `LOOK_MODEL_DIMS`).
+    "use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0,
     # Untied input/output embeddings. After the format-only warm start, a tied model learned the prompt -> argument
     # mapping much more slowly (supervised probe: not within 60 steps, vs 40-60 untied), presumably because imitating
     # "any of the K words" pulls the K words' shared embeddings together, which also blurs them in the prompt.
@@ -63,9 +48,9 @@ MODEL_DIMS: dict[str, Any] = {
 
 
 #: What the look task changes in MODEL_DIMS: a 16-token window. The answer needs one token of the tool turn (the word,
-#: 7-14 tokens back); with 16 tokens in view instead of 32 the word is one of fewer competitors for attention and
-#: GRPO found it sooner (seed 0: the reward left chance after ~25 steps instead of ~45-60). The look call needs no
-#: context at all, and the second layer still sees 32 tokens back.
+#: 7-14 tokens back: the tool turn is 13-19 tokens, the look call 10 before it); with 16 tokens in view instead of 32
+#: the word is one of fewer competitors for attention and GRPO found it sooner (seed 0: the reward left chance after
+#: ~25 steps instead of ~45-60). The look call needs no context at all, and the second layer still sees 32 tokens back.
 LOOK_MODEL_DIMS: dict[str, Any] = {"sliding_window": 16}
 
 
@@ -81,25 +66,16 @@ def chat_template() -> str:
 
 def tool_call_message(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     """An assistant message carrying one tool call, in the shape chat templates expect."""
-    return {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}],
-    }
+    return {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
 
 
-def conversation(
-    prompt: str | Sequence[dict[str, Any]], tool_name: str, arguments: dict[str, Any], reply: str,
-    final: str = FINAL_MESSAGE,
-) -> list[dict[str, Any]]:
+def conversation(prompt: str | Sequence[dict[str, Any]], tool_name: str, arguments: dict[str, Any], reply: str,
+                 final: str = FINAL_MESSAGE) -> list[dict[str, Any]]:
     """One full episode: the prompt (a user text, or chat messages), assistant tool call, tool reply, final message."""
     head = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-    return [
-        *head,
-        tool_call_message(tool_name, arguments),
-        {"role": "tool", "name": tool_name, "content": reply},
-        {"role": "assistant", "content": final},
-    ]
+    return [*head, tool_call_message(tool_name, arguments), {"role": "tool", "name": tool_name, "content": reply},
+            {"role": "assistant", "content": final}]
 
 
 def episode_parts(episode: Sequence[Any]) -> tuple[str, dict[str, Any], str, str]:
@@ -108,17 +84,11 @@ def episode_parts(episode: Sequence[Any]) -> tuple[str, dict[str, Any], str, str
     return name, arguments, reply, (rest[0] if rest else FINAL_MESSAGE)
 
 
-def render_corpus(
-    tasks: Sequence[dict[str, Any]],
-    tools: Sequence[Callable | dict],
-    prompt_fn: Callable[[dict[str, Any]], str | list[dict[str, Any]]],
-    episode_fn: Callable[[dict[str, Any], random.Random], tuple[Any, ...]] | None = None,
-    *,
-    episodes_fn: Callable[[dict[str, Any]], Sequence[tuple[Any, ...]]] | None = None,
-    copies: int = 2,
-    seed: int = 0,
-    template: str | None = None,
-) -> list[str]:
+def render_corpus(tasks: Sequence[dict[str, Any]], tools: Sequence[Callable | dict],
+                  prompt_fn: Callable[[dict[str, Any]], str | list[dict[str, Any]]],
+                  episode_fn: Callable[[dict[str, Any], random.Random], tuple[Any, ...]] | None = None, *,
+                  episodes_fn: Callable[[dict[str, Any]], Sequence[tuple[Any, ...]]] | None = None, copies: int = 2,
+                  seed: int = 0, template: str | None = None) -> list[str]:
     """Render full tool-calling conversations for `tasks` with the Qwen3 template, as tokenizer-training text.
 
     Each task is rendered `copies` times, each time with one episode `(tool_name, arguments, reply[, final])`
@@ -137,11 +107,8 @@ def render_corpus(
     conversations = []
     for _ in range(copies):
         for task in tasks:
-            if episodes_fn is not None:
-                episode = episode_parts(rng.choice(list(episodes_fn(task))))
-            else:
-                episode = episode_parts(episode_fn(task, rng))  # type: ignore[misc]
-            conversations.append(conversation(prompt_fn(task), *episode))
+            episode = rng.choice(list(episodes_fn(task))) if episodes_fn else episode_fn(task, rng)  # type: ignore
+            conversations.append(conversation(prompt_fn(task), *episode_parts(episode)))
     rendered, _ = render_jinja_template(conversations, tools=list(tools), chat_template=template or chat_template())
     return rendered
 
@@ -183,35 +150,20 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 640, isolate: Sequence[
     # other text may merge across spaces. The chat template adds a ~700-character tool preamble to every prompt, and
     # letting BPE merge it shrinks a prompt from ~185 tokens (GPT-2-style word splitting) to ~60, which makes every
     # training step ~3x cheaper and keeps the instruction close to where the model writes the argument.
-    splits = [pre_tokenizers.Split(pattern=Regex(QUOTED_WORD_PATTERN), behavior="isolated")]
-    if isolate:
-        words = "|".join(re.escape(w) for w in isolate)
-        splits.append(pre_tokenizers.Split(pattern=Regex(rf"\b(?:{words})\b"), behavior="isolated"))
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    )
+    patterns = [QUOTED_WORD_PATTERN, *([rf"\b(?:{'|'.join(map(re.escape, isolate))})\b"] if isolate else [])]
+    splits = [pre_tokenizers.Split(pattern=Regex(p), behavior="isolated") for p in patterns]
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                   use_regex=False)])
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=n_merged,
-        min_frequency=2,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[],
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=n_merged, min_frequency=2, special_tokens=[], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator(pieces, trainer=trainer)
     bpe.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*SPECIAL_TOKENS, *special)])
     bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in CONTROL_TOKENS])
 
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        bos_token=None,
-        unk_token=None,
-        clean_up_tokenization_spaces=False,
-        model_max_length=MODEL_DIMS["max_position_embeddings"],
-        padding_side="left",
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, bos_token=None,
+                                        unk_token=None, clean_up_tokenization_spaces=False, padding_side="left",
+                                        model_max_length=MODEL_DIMS["max_position_embeddings"])
     tokenizer.chat_template = template or chat_template()
     return tokenizer
 
@@ -226,24 +178,23 @@ def build_model(tokenizer, seed: int, **overrides: Any):
     embeddings, 32-token sliding-window attention, 512 positions: ~0.56M parameters with a 640-token vocabulary.
     `overrides` are passed to `Qwen3Config`.
     """
-    import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        bos_token_id=None,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        **{**MODEL_DIMS, **overrides},
-    )
+    eos_id, pad_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    config = Qwen3Config(vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id,
+                         **{**MODEL_DIMS, **overrides})
+    return _random_model(Qwen3ForCausalLM, config, seed, eos_id, pad_id)
+
+
+def _random_model(model_class: Any, config: Any, seed: int, eos_id: int, pad_id: int) -> Any:
+    """`model_class(config)` initialised at random for `seed`, generating up to `eos_id`, padding with `pad_id`."""
+    import torch
+
     with torch.random.fork_rng(devices=[]):  # seed the CPU generator without disturbing the caller's RNG state
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
-    model.generation_config.eos_token_id = eos_id
-    model.generation_config.pad_token_id = pad_id
-    model.generation_config.bos_token_id = None
+        model = model_class(config)
+    generation = model.generation_config
+    generation.eos_token_id, generation.pad_token_id, generation.bos_token_id = eos_id, pad_id, None
     return model
 
 
@@ -301,24 +252,18 @@ def build_vision_model(tokenizer, seed: int, **overrides: Any):
     """A randomly initialised tiny `Qwen2VLForConditionalGeneration` (a one-block vision tower, a two-layer language
     model: ~0.2M parameters with a 400-token vocabulary), deterministic for `seed`; `overrides` go to the text
     config."""
-    import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (*VISION_TOKENS, EOS_TOKEN, PAD_TOKEN)}
-    text = {**VISION_DIMS, "vocab_size": len(tokenizer), "eos_token_id": ids[EOS_TOKEN], "pad_token_id": ids[PAD_TOKEN],
-            "bos_token_id": None, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                       "mrope_section": [2, 3, 3]}, **overrides}
+    eos, pad = ids[EOS_TOKEN], ids[PAD_TOKEN]
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = {**VISION_DIMS, "vocab_size": len(tokenizer), "eos_token_id": eos, "pad_token_id": pad,
+            "bos_token_id": None, "rope_parameters": rope, **overrides}
     config = Qwen2VLConfig(text_config=text, vision_config=VISION_TOWER, image_token_id=ids["<|image_pad|>"],
                            video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                           vision_end_token_id=ids["<|vision_end|>"], bos_token_id=None, eos_token_id=ids[EOS_TOKEN],
-                           pad_token_id=ids[PAD_TOKEN])
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(config)
-    model.generation_config.eos_token_id = ids[EOS_TOKEN]
-    model.generation_config.pad_token_id = ids[PAD_TOKEN]
-    model.generation_config.bos_token_id = None
-    return model
+                           vision_end_token_id=ids["<|vision_end|>"], bos_token_id=None, eos_token_id=eos,
+                           pad_token_id=pad)
+    return _random_model(Qwen2VLForConditionalGeneration, config, seed, eos, pad)
 
 
 def save_vision(path: str, model, processor) -> None:

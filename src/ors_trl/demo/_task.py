@@ -1,39 +1,28 @@
 """The demo's tasks, as pure Python (no `openreward` import), so they can be wrapped in ORS `Environment` classes.
 
-Two tasks share the closed vocabulary `TARGETS` (six short words, each one token for the demo's tokenizer):
+Both tasks draw on the closed vocabulary `TARGETS` (six short words, each one token for the demo's tokenizer).
 
-**look** (the default `ors-trl demo`; below): one of the six words is hidden, the conversation (a system turn with the
+**look** (the default `ors-trl demo`): one of the six words is hidden; the conversation (a system turn with the
 rules, a short user turn) is the same whatever the word, and only the `look()` tool's output names it. The model
-answers with a plain final message, which the environment's terminal tool grades. Held-out tasks phrase `look()`'s
-answer in ways never seen in training; the `blind` split (`look()` names a decoy) is the shortcut control.
+answers with a plain final message, which the environment's terminal tool grades (`grade`). Held-out tasks phrase
+`look()`'s answer in ways never seen in training; the `blind` split (`look()` names a decoy) is the shortcut control.
+`look_tasks` (per split), `look_messages` / `look_prompt` (the conversation, as messages or flattened as TRL's
+`environment_factory` shows it) and `look_warm_start_episodes` are its interface.
 
-**echo** (`ors-trl demo --task echo`), "closed-vocabulary echo":
-
-The environment follows the spirit of TRL's OpenReward echo environment: the prompt names a target word and the
-model must call `echo(text=...)` with exactly that word; the reward is 1.0 on a correct call and 0.0 otherwise, and
-the episode finishes on success. To keep it learnable by a ~0.5M-parameter model in a CPU budget, the target is always
-one of a small, fixed set of words (`TARGETS`), quoted in the prompt. The model therefore has to *read which of
-the K words the prompt asks for* and put it in the tool call: a K-way choice conditioned on the prompt, not free-form
-copying of arbitrary text (which a model this small does not learn in minutes on CPU).
-
-Train and held-out tasks use disjoint phrasings (templates) and disjoint filler sentences; the target words are shared
-(closed vocabulary). Held-out success therefore measures whether the policy learned to pick the word the prompt asks
-for, independent of the wording it was trained on.
-
-The echo interface is deliberately trivial to wrap:
-
-- tasks are JSON-able dicts `{"id", "target", "prompt"}` (`train_tasks`, `heldout_tasks`);
-- `prompt` returns the prompt text for a task;
-- `score` maps `(task, tool_args)` to `(reward, finished, reply_text)`.
-
-The look interface: `look_tasks` (per split), `look_messages` / `look_prompt` (the conversation, as
-messages or flattened as TRL's `environment_factory` shows it), `grade` (the terminal tool's rule) and
-`look_warm_start_episodes`.
+**echo** (`ors-trl demo --task echo`), in the spirit of TRL's OpenReward echo environment: the prompt quotes one of
+the `TARGETS` and the model must call `echo(text=...)` with exactly that word (reward 1.0, and the episode finishes).
+A K-way choice conditioned on the prompt, not free-form copying, which a ~0.5M-parameter model does not learn in
+minutes on CPU. Train and held-out tasks (`train_tasks`, `heldout_tasks`: `{"id", "target", "prompt"}`) use
+disjoint phrasings and fillers over the shared words, so held-out success measures reading the word the prompt asks
+for, whatever the wording. `prompt` gives a task's text, `score` maps `(task, tool_args)` to
+`(reward, finished, reply_text)`.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections.abc import Sequence
 from typing import Any
 
 TOOL_NAME = "echo"
@@ -46,35 +35,16 @@ TARGETS: tuple[str, ...] = ("apple", "river", "stone", "cloud", "tiger", "piano"
 # (tokenized differently from anything trained on, and in one template with the target further from the end than in
 # any training prompt), not robustness to unseen symbols.
 TRAIN_TEMPLATES: tuple[str, ...] = (
-    'Echo the word "{t}".',
-    'Please echo "{t}" back.',
-    'The target is "{t}". Echo it.',
-    '"{t}" is the word to echo.',
-    'Send "{t}" to the echo tool.',
-    'Call echo with "{t}".',
-    'Use the echo tool on "{t}".',
-    'Echo back the word "{t}" now.',
-    'Your task: echo "{t}".',
-    'Repeat the word "{t}" with echo.',
+    'Echo the word "{t}".', 'Please echo "{t}" back.', 'The target is "{t}". Echo it.', '"{t}" is the word to echo.',
+    'Send "{t}" to the echo tool.', 'Call echo with "{t}".', 'Use the echo tool on "{t}".',
+    'Echo back the word "{t}" now.', 'Your task: echo "{t}".', 'Repeat the word "{t}" with echo.',
 )
-HELDOUT_TEMPLATES: tuple[str, ...] = (
-    'The word to echo is "{t}".',
-    'Call the echo tool with "{t}".',
-    'Send the word "{t}" back.',
-    '"{t}" is the target. Echo it.',
-)
+HELDOUT_TEMPLATES: tuple[str, ...] = ('The word to echo is "{t}".', 'Call the echo tool with "{t}".',
+                                      'Send the word "{t}" back.', '"{t}" is the target. Echo it.')
 
 # Filler sentences placed before the instruction: train and held-out sets are disjoint (again from shared words).
-TRAIN_FILLERS: tuple[str, ...] = (
-    "",
-    "Hello.",
-    "Task ready.",
-    "Here is a job.",
-    "Quick one.",
-    "Good morning.",
-    "Next task.",
-    "Please help.",
-)
+TRAIN_FILLERS: tuple[str, ...] = ("", "Hello.", "Task ready.", "Here is a job.", "Quick one.", "Good morning.",
+                                  "Next task.", "Please help.")
 HELDOUT_FILLERS: tuple[str, ...] = ("Here is one.", "Quick job.", "Hello. Task ready.")
 
 # The tool's text reply is the echo itself, whether the call was right or wrong; correctness is reported only through
@@ -84,16 +54,17 @@ HELDOUT_FILLERS: tuple[str, ...] = ("Here is one.", "Quick job.", "Hello. Task r
 REPLY_INVALID = "Invalid call: pass the word as text."
 
 
+def _shuffled(seed: int, *axes: Sequence[str]) -> list[tuple[str, ...]]:
+    """Every combination of one item per axis, in a fixed shuffled order (mixed targets)."""
+    combos = list(itertools.product(*axes))
+    random.Random(seed).shuffle(combos)
+    return combos
+
+
 def _make_tasks(split: str, templates: tuple[str, ...], fillers: tuple[str, ...], seed: int) -> list[dict[str, Any]]:
-    combos = [(t, tpl, fil) for t in TARGETS for tpl in templates for fil in fillers]
-    random.Random(seed).shuffle(combos)  # fixed order, mixed targets
-    tasks = []
-    for i, (target, template, filler) in enumerate(combos):
-        text = template.format(t=target)
-        if filler:
-            text = f"{filler} {text}"
-        tasks.append({"id": f"{split}-{i:03d}", "target": target, "prompt": text})
-    return tasks
+    return [{"id": f"{split}-{i:03d}", "target": target,
+             "prompt": (f"{filler} " if filler else "") + template.format(t=target)}
+            for i, (target, template, filler) in enumerate(_shuffled(seed, TARGETS, templates, fillers))]
 
 
 def train_tasks() -> list[dict[str, Any]]:
@@ -112,18 +83,12 @@ def prompt(task: dict[str, Any]) -> str:
 
 
 def score(task: dict[str, Any], tool_args: dict[str, Any]) -> tuple[float, bool, str]:
-    """Score one `echo` call: `(reward, finished, reply_text)`.
-
-    Reward is 1.0 and the episode finishes when `text` is exactly the task's target word; otherwise the reward is
-    0.0 and the episode continues. The reply text is the echoed word either way (it never reveals the target or
-    whether the call was right).
-    """
+    """Score one `echo` call: `(reward, finished, reply_text)`: 1.0 and finished when `text` is exactly the target,
+    else 0.0 (the episode goes on); the reply is the echoed word either way (see `REPLY_INVALID`)."""
     text = tool_args.get("text")
     if not isinstance(text, str):
         return 0.0, False, REPLY_INVALID
-    if text == task["target"]:
-        return 1.0, True, text
-    return 0.0, False, text
+    return (1.0, True, text) if text == task["target"] else (0.0, False, text)
 
 
 def warm_start_episodes(task: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
@@ -137,12 +102,6 @@ def warm_start_episodes(task: dict[str, Any]) -> list[tuple[str, dict[str, Any],
 
 # ── the "look" task: the answer is only in a tool's output ──────────────────────────────────────────────────────────
 #
-# One of the six TARGETS is hidden in each task. The conversation (a system turn with the rules, then a short user
-# turn) is the same whatever the hidden word, so a rollout that does not call `look()` can only guess. `look()`
-# returns a sentence naming the hidden word (train and held-out tasks use disjoint phrasings, built from shared
-# words); the model then answers with a plain final message, which the environment's terminal tool grades: 1.0 for
-# the hidden word, 0.0 otherwise, and the episode is over either way.
-#
 # The "blind" split is the shortcut control: `look()` there names a decoy, drawn independently of the hidden word.
 # Every (conversation, decoy sentence) pair occurs once with each of the six hidden words, so any policy scores
 # exactly 1/6 there unless something other than the tool tells it the word. A policy that reads the tool answers the
@@ -152,61 +111,38 @@ LOOK_TOOL = "look"
 ANSWER_TOOL = "answer"
 ANSWER_DESCRIPTION = "The model's final message: the hidden word."
 
-LOOK_SYSTEM = (
-    "You play a hidden word game. The hidden word is one of: " + ", ".join(TARGETS) + ". "
-    "Call the look tool to see it, then reply with the word alone."
-)
+LOOK_SYSTEM = ("You play a hidden word game. The hidden word is one of: " + ", ".join(TARGETS) + ". "
+               "Call the look tool to see it, then reply with the word alone.")
 # The user turn. Held-out tasks ask the same questions: what is held out is the wording of look()'s answer. (With
 # unseen questions too, GRPO's updates broke the tool-call format on them in some seeds: the first turn then depends
 # on tokens it never trained on, which tests robustness to a new prompt, not reading the tool.)
-LOOK_QUESTIONS: tuple[str, ...] = (
-    "Which word is hidden?",
-    "Find the hidden word.",
-    "What is the word?",
-    "Play one round.",
-)
+LOOK_QUESTIONS: tuple[str, ...] = ("Which word is hidden?", "Find the hidden word.", "What is the word?",
+                                   "Play one round.")
 
 # What look() says; "{w}" is the word, bare (the demo tokenizer keeps each target word one token wherever it stands).
 LOOK_TRAIN_REPLIES: tuple[str, ...] = (
-    "The hidden word is {w}.",
-    "You see {w}.",
-    "{w} is written on the card.",
-    "Under the cup: {w}.",
-    "The card says {w}.",
-    "It is {w}.",
-    "Found it: {w}.",
-    "The word on the card is {w}.",
-    "You lift the cup and see {w}.",
-    "Hidden here: {w}.",
+    "The hidden word is {w}.", "You see {w}.", "{w} is written on the card.", "Under the cup: {w}.",
+    "The card says {w}.", "It is {w}.", "Found it: {w}.", "The word on the card is {w}.",
+    "You lift the cup and see {w}.", "Hidden here: {w}.",
 )
-LOOK_HELDOUT_REPLIES: tuple[str, ...] = (
-    "The card under the cup says {w}.",
-    "{w} is the hidden word.",
-    "You see the word {w} on the card.",
-    "Written here: {w}.",
-)
+LOOK_HELDOUT_REPLIES: tuple[str, ...] = ("The card under the cup says {w}.", "{w} is the hidden word.",
+                                         "You see the word {w} on the card.", "Written here: {w}.")
 
 
 def look_tasks(split: str) -> list[dict[str, Any]]:
-    """The tasks of a split: `train` (train phrasings), `test` (held-out phrasings), `blind` (decoys).
+    """The tasks of a split: `train` (train phrasings), `test` (held-out phrasings), `blind` (decoys), or a pool.
 
     A task is `{"id", "word", "shown", "question", "reply"}`: `word` is hidden, `shown` is what `look()`
     names (`word` except in `blind`), `reply` is `look()`'s whole answer.
     """
-    tasks: list[dict[str, Any]] = []
-    if split == "train":
-        combos = [(w, r, q) for w in TARGETS for r in LOOK_TRAIN_REPLIES for q in LOOK_QUESTIONS]
-        random.Random(2).shuffle(combos)
-        tasks = [{"word": w, "shown": w, "question": q, "reply": r.format(w=w)} for w, r, q in combos]
-    elif split == "test":
-        combos = [(w, r, q) for w in TARGETS for r in LOOK_HELDOUT_REPLIES for q in LOOK_QUESTIONS]
-        random.Random(3).shuffle(combos)
-        tasks = [{"word": w, "shown": w, "question": q, "reply": r.format(w=w)} for w, r, q in combos]
-    elif split == "blind":
-        for i, decoy in enumerate(TARGETS):  # the sentence and the question depend on the decoy only
-            reply = LOOK_HELDOUT_REPLIES[i % len(LOOK_HELDOUT_REPLIES)].format(w=decoy)
-            question = LOOK_QUESTIONS[i % len(LOOK_QUESTIONS)]
-            tasks += [{"word": w, "shown": decoy, "question": question, "reply": reply} for w in TARGETS]
+    if split in ("train", "test"):
+        seed, replies = (2, LOOK_TRAIN_REPLIES) if split == "train" else (3, LOOK_HELDOUT_REPLIES)
+        tasks = [{"word": w, "shown": w, "question": q, "reply": r.format(w=w)}
+                 for w, r, q in _shuffled(seed, TARGETS, replies, LOOK_QUESTIONS)]
+    elif split == "blind":  # the sentence and the question depend on the decoy only
+        tasks = [{"word": w, "shown": decoy, "question": LOOK_QUESTIONS[i % len(LOOK_QUESTIONS)],
+                  "reply": LOOK_HELDOUT_REPLIES[i % len(LOOK_HELDOUT_REPLIES)].format(w=decoy)}
+                 for i, decoy in enumerate(TARGETS) for w in TARGETS]
     elif split in POOLS:
         return pool_tasks(split)
     else:
@@ -214,7 +150,7 @@ def look_tasks(split: str) -> list[dict[str, Any]]:
     return [{"id": f"look-{split}-{i:03d}", **task} for i, task in enumerate(tasks)]
 
 
-# ── task pools of mixed difficulty (task selection: `ors-trl demo --pool mixed`, benchmarks/bench_task_selection.py) ──
+# ── task pools of mixed difficulty (`ors-trl demo --pool mixed`, benchmarks/bench_task_selection.py) ───────────────
 #
 # The conversation is the same for every task, so a policy cannot tell the kinds apart: it can only spend episodes
 # on them. `look` tasks are the demo's (solvable by reading `look()`: at chance, then learnable); `free` tasks
@@ -237,18 +173,11 @@ def pool_tasks(split: str) -> list[dict[str, Any]]:
     """The tasks of a mixed pool (`mixed` or `kinds`), kinds interleaved: look tasks are the first training
     tasks of the look task; every task has a `kind` (and a coin task its three `winners`)."""
     kinds, per_kind = POOLS[split]
-    rng = random.Random(4)
-    look = look_tasks("train")
-    by_kind: list[list[dict[str, Any]]] = []  # by position in `kinds` (a kind may come more than once)
-    for k, kind in enumerate(kinds):
-        tasks = []
-        for i in range(per_kind):
-            base = {key: look[(i + k * per_kind) % len(look)][key] for key in ("word", "shown", "question", "reply")}
-            task = {**base, "kind": kind}
-            if kind == "coin":
-                task.update(shown="", reply=COIN_REPLY, winners=sorted(rng.sample(TARGETS, 3)))
-            tasks.append(task)
-        by_kind.append(tasks)
+    rng, look = random.Random(4), look_tasks("train")
+    by_kind = [[{**{key: look[(i + k * per_kind) % len(look)][key] for key in ("word", "shown", "question", "reply")},
+                 "kind": kind} for i in range(per_kind)] for k, kind in enumerate(kinds)]  # a kind may come twice
+    for task in (task for tasks in by_kind for task in tasks if task["kind"] == "coin"):
+        task.update(shown="", reply=COIN_REPLY, winners=sorted(rng.sample(TARGETS, 3)))
     ordered = [by_kind[k][i] for i in range(per_kind) for k in range(len(kinds))]
     return [{"id": f"look-{split}-{i:03d}", **task} for i, task in enumerate(ordered)]
 
@@ -259,10 +188,8 @@ def look_messages(task: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def look_prompt(task: dict[str, Any]) -> str:
-    """The conversation as one text, as TRL's `environment_factory` path shows it (system turn first).
-
-    The same text `OpenRewardEnvironment.reset()` returns (`Prompt.flat`); the demo checks that at start-up.
-    """
+    """The conversation as one text, as TRL's `environment_factory` path shows it (system turn first): the text
+    `OpenRewardEnvironment.reset()` returns (`Prompt.flat`), which the demo checks at start-up."""
     return f"{LOOK_SYSTEM}\n\n{task['question']}"
 
 
@@ -273,11 +200,8 @@ def normalise_answer(message: str) -> str:
 
 def grade(task: dict[str, Any], message: str) -> tuple[float, str, dict[str, Any]]:
     """Grade a final message: `(reward, reply_text, metadata)`; 1.0 when it is the hidden word, else 0.0 (a pool
-    task: 1.0 for any answer to a free task, never for a locked one, for one of a coin task's winners).
-
-    `metadata` says what was hidden and shown, what was given, and whether the answer named what `look()`
-    showed (`follow`: the blind control reads it to tell "read the tool" from "guessed").
-    """
+    task: 1.0 for any answer to a free task, never for a locked one, for one of a coin task's winners). `metadata`
+    says what was hidden, shown and given, and whether the answer named what `look()` showed (`follow`)."""
     given = normalise_answer(message)
     kind = task.get("kind", "look")
     right = (kind == "free" or (kind == "look" and given == task["word"])
@@ -287,10 +211,6 @@ def grade(task: dict[str, Any], message: str) -> tuple[float, str, dict[str, Any
 
 
 def look_warm_start_episodes(task: dict[str, Any]) -> list[tuple[str, dict[str, Any], str, str]]:
-    """Episodes the format-only warm start imitates: call `look()`, then answer each allowed word once.
-
-    Returned as `(tool_name, arguments, reply_text, final_message)`. The answers are uniform over
-    `TARGETS` whatever `look()` said, so imitating them teaches the format (look, then one bare word)
-    and not which word to give: the warm-started model answers at chance (about 1/6).
-    """
+    """`warm_start_episodes` for the look task, as `(tool_name, arguments, reply_text, final_message)`: call
+    `look()`, then answer each allowed word once (the warm-started model answers at chance, about 1/6)."""
     return [(LOOK_TOOL, {}, task["reply"], word) for word in TARGETS]

@@ -1,22 +1,20 @@
 """`ors-trl report`: one self-contained HTML page of what the episodes did and how training went.
 
     write_report(["episodes.jsonl", "eval.jsonl", "./trainer-output"], "report.html")
-    write_report(["episodes.jsonl"], "report.html", labels={"before": "eval_before.jsonl", "after": "eval_after.jsonl"})
+    write_report(["episodes.jsonl"], "report.html", labels={"before": "eval_before.jsonl", "after": "eval.jsonl"})
 
-The flow, a module each: `_inputs` recognises the inputs by content and reads their records (any record
-version); `_tally` counts every episode (`EpisodeStats`) per task and per run, and keeps a bounded sample of
-episode bodies; `_compare` sets the runs side by side; `_charts` draws the trainer's curves; `_render` writes the
-page from the package's `page.html`, `page.css` and `page.js`.
-
-Whatever the inputs hold, the page is written: a line that is not a record (cut, corrupt, nested too
-deeply, foreign) is skipped and counted on the page; the embedded bodies are made JSON-safe (`jsonable`:
-lone surrogates repaired, NaN spelled as text, nesting bounded); a chart matplotlib cannot draw is a note.
+A module each: `inputs` recognises the inputs by content and reads their records (any record version); `tally`
+counts every episode per task and per run and keeps a bounded sample of episode bodies; `compare` sets the runs
+side by side; `charts` draws the trainer's curves; `render` writes the page from `page.html`, `page.css`, `page.js`.
+Whatever the inputs hold, the page is written: a line that is not a record is skipped and counted on the page, the
+embedded bodies are made JSON-safe (`jsonable`), a chart matplotlib cannot draw is a note.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import stat
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +23,8 @@ from pathlib import Path
 from ..core.metrics import DEFAULT_SUCCESS_THRESHOLD
 from ..core.stats import check_threshold
 from ..protocol.errors import ConfigurationError
-from .inputs import check_not_an_input, episode_records, recognise_all, write_atomic
+from ..protocol.files import write_atomic
+from .inputs import check_not_an_input, episode_records, recognise_all
 from .render import render
 from .tally import DEFAULT_MAX_EPISODES, Tally
 
@@ -148,7 +147,11 @@ def write_report(inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str
     sample = tally.sample()
     page, steps = render(items, tally, sample, skipped, title)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, page.encode("utf-8"))
+    try:  # the page keeps the mode a page it replaces had; a new one is 0666 less the umask
+        mode = stat.S_IMODE(out.stat().st_mode)
+    except OSError:
+        mode = 0o666
+    write_atomic(out, page.encode("utf-8"), mode)  # whole or not at all, never through a name planted there
     names = [name for key, name in tally.run_names.items() if tally.runs[key].episodes]
     return ReportSummary(output=os.fspath(out), episodes=tally.total.episodes, embedded=len(sample.episodes),
                          environments=sorted(tally.envs), runs=len(names), run_names=names, tasks=len(tally.tasks),

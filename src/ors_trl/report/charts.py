@@ -47,6 +47,36 @@ _CHARTS = (
 )
 
 
+_TRL_KEYS = {"reward": ("reward", "TRL reward (every rollout)"),
+             "tools/call_frequency": ("calls", "TRL tools/call_frequency"),
+             "frac_reward_zero_std": ("spread", "TRL frac_reward_zero_std (every group)")}
+
+
+def _where(key: str) -> tuple[str, str] | None:
+    """The chart and the series a logged key is drawn in, if any."""
+    if key in _TRL_KEYS:
+        return _TRL_KEYS[key]
+    if m := _POOL_KEY.match(key):
+        return ("spread", f"{m[1]} (drawn groups)") if m[2] == "zero_std_fraction" else ("pools", f"{m[1]} {m[2]}")
+    if m := _EVAL_KEY.match(key):
+        return "heldout", f"{m[1]} {m[2]}"
+    if not (m := _METRIC_KEY.match(key)):
+        return None
+    env, metric = m[1] or "all environments", m[2]
+    if metric in ("reward_mean", "tool_calls_per_episode"):
+        return ("reward" if metric == "reward_mean" else "calls"), env
+    if metric in ("graded_fraction", "finished_fraction"):
+        return "graded", f"{env} {metric.split('_')[0]}"
+    if metric.endswith("_fraction"):
+        return "health", f"{env} {'unparsed' if metric.startswith('unparsed') else 'no call'}"
+    if metric.startswith("session_seconds"):
+        return "cost", f"{env} {'unscored' if metric.endswith('unscored') else 'all'}"
+    if metric.startswith("failures/") or metric == "session_open_failures":
+        return "failures", f"{env}: {metric.removeprefix('failures/')}"
+    what, q = metric.split("/")
+    return "latency", f"{env} {'session open' if what.startswith('session') else 'tool call'} {q}"
+
+
 def _series(state: dict[str, Any], label: str) -> tuple[dict[str, dict[str, list[tuple[float, float]]]], int]:
     """Chart -> series name -> (step, value) points from one trainer state's `log_history`; and its step count."""
     charts: dict[str, dict[str, list[tuple[float, float]]]] = {name: defaultdict(list) for name, _ in _CHARTS}
@@ -55,41 +85,10 @@ def _series(state: dict[str, Any], label: str) -> tuple[dict[str, dict[str, list
         if not isinstance(entry, dict) or (step := _number(entry.get("step"))) is None:
             continue
         for key, value in entry.items():
-            if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, int | float):
-                continue
-            y = float(value)  # NaN (nothing scored that step) is a gap in the line
-            where: tuple[str, str] | None = None
-            if key == "reward":
-                where = ("reward", "TRL reward (every rollout)")
-            elif key == "tools/call_frequency":
-                where = ("calls", "TRL tools/call_frequency")
-            elif key == "frac_reward_zero_std":
-                where = ("spread", "TRL frac_reward_zero_std (every group)")
-            elif m := _POOL_KEY.match(key):
-                spread = m.group(2) == "zero_std_fraction"
-                where = ("spread", f"{m.group(1)} (drawn groups)") if spread else ("pools", f"{m.group(1)} {m.group(2)}")
-            elif m := _EVAL_KEY.match(key):
-                where = ("heldout", f"{m.group(1)} {m.group(2)}")
-            elif m := _METRIC_KEY.match(key):
-                env, metric = m.group(1) or "all environments", m.group(2)
-                if metric == "reward_mean":
-                    where = ("reward", env)
-                elif metric in ("graded_fraction", "finished_fraction"):
-                    where = ("graded", f"{env} {metric.split('_')[0]}")
-                elif metric == "tool_calls_per_episode":
-                    where = ("calls", env)
-                elif metric.endswith("_fraction") and metric not in ("graded_fraction", "finished_fraction"):
-                    where = ("health", f"{env} {'unparsed' if metric.startswith('unparsed') else 'no call'}")
-                elif metric.startswith("session_seconds"):
-                    where = ("cost", f"{env} {'unscored' if metric.endswith('unscored') else 'all'}")
-                elif metric.startswith("failures/") or metric == "session_open_failures":
-                    where = ("failures", f"{env}: {metric.removeprefix('failures/')}")
-                else:
-                    what, q = metric.split("/")
-                    where = ("latency", f"{env} {'session open' if what.startswith('session') else 'tool call'} {q}")
-            if where is not None:
+            if isinstance(key, str) and not isinstance(value, bool) and isinstance(value, int | float) and (
+                    where := _where(key)):
                 name = where[1] if not label else f"{label}: {where[1]}"
-                charts[where[0]][name].append((step, y))
+                charts[where[0]][name].append((step, float(value)))  # NaN (nothing scored that step): a gap
                 steps.add(step)
     failing = {k: v for k, v in charts["failures"].items() if any(y for _, y in v)}
     if not failing and charts["failures"]:  # none at all: one flat line per environment says so
@@ -112,7 +111,8 @@ def _svg(chart: dict[str, list[tuple[float, float]]], title: str, uid: str) -> s
     from matplotlib.ticker import MaxNLocator
 
     # text.parse_math off: a `$` in a metric or run name is text, not mathtext (which fails on most of them)
-    with matplotlib.rc_context({"svg.hashsalt": uid, "svg.fonttype": "none", "font.size": 8, "text.parse_math": False}):
+    style = {"svg.hashsalt": uid, "svg.fonttype": "none", "font.size": 8, "text.parse_math": False}
+    with matplotlib.rc_context(style):
         fig = Figure(figsize=(6.2, 3.3), layout="constrained")
         ax = fig.add_subplot()
         colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -123,8 +123,8 @@ def _svg(chart: dict[str, list[tuple[float, float]]], title: str, uid: str) -> s
             if len(points) > _MAX_POINTS:  # thin evenly, keep the last point
                 stride = math.ceil(len(points) / _MAX_POINTS)
                 points = points[::stride] + ([points[-1]] if (len(points) - 1) % stride else [])
-            style = "--" if name.endswith((" finished", " p95", " p99", " unparsed", " unscored")) else "-"
-            ax.plot([p[0] for p in points], [p[1] for p in points], style, color=color, label=repair(shorten(name, 60)),
+            line = "--" if name.endswith((" finished", " p95", " p99", " unparsed", " unscored")) else "-"
+            ax.plot([p[0] for p in points], [p[1] for p in points], line, color=color, label=repair(shorten(name, 60)),
                     marker="." if len(points) < 40 else None, linewidth=1.3)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("training step")
@@ -157,7 +157,8 @@ def curves(states: Sequence[Input]) -> tuple[str, int]:
     where = ", ".join(str(s.path) for s in states)
     if not any(merged.values()):
         entries = sum(len(s.state.get("log_history") or []) for s in states if s.state)
-        what = "has no log_history" if not entries else f"has {entries} log_history entries but no reward or env/ metrics"
+        what = (f"has {entries} log_history entries but no reward or env/ metrics" if entries
+                else "has no log_history")
         return f"<p class=note>The trainer log ({html.escape(where)}) {what}: no curves to draw.</p>", 0
     try:
         import matplotlib  # noqa: F401

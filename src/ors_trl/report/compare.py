@@ -45,20 +45,11 @@ class Pair:
     p: float
     method: str
 
-    @property
-    def change(self) -> float:
-        return self.other_rate - self.base_rate
-
-    @property
-    def beyond_noise(self) -> bool:
-        return self.p < ALPHA
-
     def flipped(self, up: bool) -> list[tuple[str, str]]:
-        """The tasks solved in the other run and not in the baseline (`up`), or the other way round."""
-        def solved(s: EpisodeStats) -> bool:
-            return s.success_rate >= 0.5
-
-        return [task for task, a, b in self.tasks if solved(a if not up else b) and not solved(b if not up else a)]
+        """The tasks solved (a share of at least one half) in the other run and not in the baseline (`up`), or the
+        other way round."""
+        return [task for task, a, b in self.tasks
+                if (b if up else a).success_rate >= 0.5 > (a if up else b).success_rate]
 
 
 def runs(tally: Tally) -> list[Run]:
@@ -84,9 +75,9 @@ def pairs(rows: list[Run]) -> list[Pair]:
         shared = [(task, base.tasks[task], cell) for task, cell in other.tasks.items() if task in base.tasks]
         if not shared:
             continue
-        shared.sort(key=lambda t: (-abs(t[2].success_rate - t[1].success_rate), -(t[2].success_rate - t[1].success_rate),
-                                   t[0]))
-        p, method = paired_test([b.success_rate - a.success_rate for _, a, b in shared])
+        diffs = {task: b.success_rate - a.success_rate for task, a, b in shared}
+        shared.sort(key=lambda t: (-abs(diffs[t[0]]), -diffs[t[0]], t[0]))
+        p, method = paired_test([diffs[task] for task, _, _ in shared])
         out.append(Pair(base, other, shared, sum(a.success_rate for _, a, _ in shared) / len(shared),
                         sum(b.success_rate for _, _, b in shared) / len(shared), p, method))
     return out
@@ -94,10 +85,11 @@ def pairs(rows: list[Run]) -> list[Pair]:
 
 def headline(pair: Pair) -> dict[str, Any]:
     """The pair in words and numbers, for the page's first lines."""
-    verdict = "beyond noise" if pair.beyond_noise else "within noise"
+    change, beyond = pair.other_rate - pair.base_rate, pair.p < ALPHA
     return {
         "text": (f"{pair.other.name} vs {pair.base.name}: success {pair.base_rate:.1%} → {pair.other_rate:.1%} "
-                 f"({100 * pair.change:+.1f} points) over {len(pair.tasks)} shared task(s); paired test over tasks "
-                 f"p = {pair.p:.3g} ({pair.method}): {verdict} (p < {ALPHA:g} is beyond)."),
-        "verdict": ("better" if pair.change > 0 else "worse") if pair.beyond_noise else "noise",
+                 f"({100 * change:+.1f} points) over {len(pair.tasks)} shared task(s); paired test over tasks "
+                 f"p = {pair.p:.3g} ({pair.method}): {'beyond' if beyond else 'within'} noise (p < {ALPHA:g} is "
+                 "beyond)."),
+        "verdict": ("better" if change > 0 else "worse") if beyond else "noise",
     }

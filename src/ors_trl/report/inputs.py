@@ -4,8 +4,7 @@ Inputs are recognised by content, not by name: JSON lines of episode records (tr
 `ors-trl eval --output`, of any record version: `ors_trl.core.records.read_records` upgrades them) and trainer
 states (a `trainer_state.json`, or a trainer output folder holding one, also in its latest `checkpoint-*`).
 An input that is none of them is a `ConfigurationError` that says what was expected; so is a label (`--label
-NAME=FILE`, which names the run an input holds) that names no file. The page never
-replaces one of its inputs, and is written whole or not at all, through a private temporary file.
+NAME=FILE`, which names the run an input holds) that names no file. The page never replaces one of its inputs.
 """
 
 from __future__ import annotations
@@ -13,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import stat
-import tempfile
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -52,19 +49,12 @@ def is_record(obj: Any) -> bool:
 
 def _trainer_state_in(folder: Path) -> Path | None:
     """A trainer output folder's `trainer_state.json`: its own, else the latest checkpoint's."""
-    if (folder / "trainer_state.json").is_file():
-        return folder / "trainer_state.json"
-    checkpoints = [p for p in folder.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
-    if not checkpoints:
-        return None
-    latest = max(checkpoints, key=lambda p: (int(p.name.rsplit("-", 1)[1]) if p.name.rsplit("-", 1)[1].isdigit()
-                                            else -1, p.name))
-    return latest / "trainer_state.json"
+    def latest_first(p: Path) -> tuple[int, str]:
+        step = p.name.rsplit("-", 1)[1]
+        return (int(step) if step.isdigit() else -1), p.name
 
-
-def _state_label(path: Path) -> str:
-    parent = path.parent
-    return (parent.parent if parent.name.startswith("checkpoint-") else parent).name or str(parent)
+    folders = (folder, *sorted(folder.glob("checkpoint-*"), key=latest_first, reverse=True))
+    return next((p / "trainer_state.json" for p in folders if (p / "trainer_state.json").is_file()), None)
 
 
 def recognise(raw: str | os.PathLike[str]) -> Input:
@@ -75,8 +65,9 @@ def recognise(raw: str | os.PathLike[str]) -> Input:
     if path.is_dir():
         state = _trainer_state_in(path)
         if state is None:
-            raise ConfigurationError(f"{path}: a folder without trainer_state.json (nor in checkpoint-*/); {_EXPECTED}")
-        return _recognise_state(state, _state_label(state))
+            raise ConfigurationError(f"{path}: a folder without trainer_state.json (nor in checkpoint-*/); "
+                                     f"{_EXPECTED}")
+        return _state(state)
     try:
         with path.open("rb") as fh:
             head = [fh.readline(_LONG_LINE) for _ in range(20)]
@@ -89,24 +80,28 @@ def recognise(raw: str | os.PathLike[str]) -> Input:
     for line in lines:
         obj, _ = parse_line(line)  # None: a cut line, a pretty-printed document, not JSON at all
         if isinstance(obj, dict) and isinstance(obj.get("log_history"), list):
-            return Input(path, "trainer_state", _state_label(path), obj)
+            return _state(path, obj)
         if is_record(obj):
             return Input(path, "episodes", path.name)
     if lines[0].lstrip().startswith(b"{"):
-        return _recognise_state(path, _state_label(path))
+        return _state(path)
     raise ConfigurationError(f"{path}: not an episode log, eval output or trainer state; {_EXPECTED}")
 
 
-def _recognise_state(path: Path, label: str) -> Input:
-    try:
-        if path.stat().st_size > _MAX_STATE_BYTES:
-            raise ConfigurationError(f"{path}: too large for a trainer state")
-        doc, _ = parse_line(path.read_bytes())
-    except OSError as exc:
-        raise ConfigurationError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+def _state(path: Path, doc: Any = None) -> Input:
+    """A trainer state (its document read whole unless given), named after its trainer output folder."""
+    if doc is None:
+        try:
+            if path.stat().st_size > _MAX_STATE_BYTES:
+                raise ConfigurationError(f"{path}: too large for a trainer state")
+            doc, _ = parse_line(path.read_bytes())
+        except OSError as exc:
+            raise ConfigurationError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
     if not isinstance(doc, dict) or not isinstance(doc.get("log_history"), list):
         raise ConfigurationError(f"{path}: not an episode log, eval output or trainer state (no episode records, "
                                  f"no log_history); {_EXPECTED}")
+    parent = path.parent
+    label = (parent.parent if parent.name.startswith("checkpoint-") else parent).name or str(parent)
     return Input(path, "trainer_state", label, doc)
 
 
@@ -151,25 +146,3 @@ def check_not_an_input(out: Path, items: Sequence[Input]) -> None:
             if os.path.samefile(out, item.path):
                 raise ConfigurationError(f"the output {out} is the input {item.path}: writing the page there would "
                                          "replace it; pass another --output")
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """`data` as `path`, whole or not at all: written to a private temporary file beside it (`mkstemp`: a name
-    nobody can predict, created 0600, never through a link someone planted), given the mode `path` has (else the
-    usual 0666 less the umask), then renamed over `path`, so a reader never sees half a page."""
-    try:
-        mode = stat.S_IMODE(path.stat().st_mode)
-    except OSError:
-        mask = os.umask(0o022)  # reading the umask means setting it (pip does the same)
-        os.umask(mask)
-        mode = 0o666 & ~mask
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            os.fchmod(fh.fileno(), mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise

@@ -1,20 +1,14 @@
 """The page: one self-contained HTML file from the tallies, the sample and the curves.
 
-The skeleton, the styles and the script are the package's data files `page.html`, `page.css` and `page.js`,
-put inside the page, so nothing is fetched when it opens (its Content-Security-Policy forbids any other
-source). Record text is untrusted: whatever is rendered here is HTML-escaped, the episode bodies travel
-as JSON in a `<script type="application/json">` block with `<`, `>` and `&` escaped, and the page's
-script writes them with `textContent` only. Records are shown as written (secrets were masked before
-they were written): nothing is unescaped and nothing else is read.
+The skeleton, styles and script are the package's data files `page.html`, `page.css` and `page.js`, put inside the
+page, so nothing is fetched when it opens (its Content-Security-Policy forbids any other source). Record text is
+untrusted: whatever is rendered here is HTML-escaped, the episode bodies travel as JSON in a
+`<script type="application/json">` block with `<`, `>` and `&` escaped, and the page's script writes them with
+`textContent` only. Records are shown as written (secrets were masked before they were written).
 
-Definitions: an episode is graded when its reward is not None; mean reward is over graded episodes;
-success is a reward at or above the threshold, and a success rate is over every episode. The page opens with the
-runs side by side (`_compare`): a row per run and, against the first run, the tasks that changed.
-
-Images: an embedded episode's images are shown as thumbnails (`thumbnails`), made from the files written
-beside its log (`ors_trl.core.records`), found by the name the record gives, kept only when their bytes hash to
-the record's SHA-256, and checked and decoded like any image a server sends (`ors_trl.protocol.images`); the page
-embeds them as PNG `data:` URLs (its only other source), at most `THUMB_BYTES` in all.
+An embedded episode's images are shown as thumbnails (`thumbnails`) of the files written beside its log, kept only
+when their bytes hash to the record's SHA-256 and decoded like any image a server sends (`ors_trl.protocol.images`),
+embedded as PNG `data:` URLs (the page's only other source), at most `THUMB_BYTES` in all.
 """
 
 from __future__ import annotations
@@ -64,6 +58,19 @@ def _pct(value: float | None) -> str:
     return "–" if value is None else f"{value:.1%}"
 
 
+# A sortable cell: (text, sort value).
+def _n(value: int) -> tuple[str, int]:
+    return str(value), value
+
+
+def _f(value: float | None, digits: int = 3) -> tuple[str, float | None]:
+    return _fmt(value, digits), value
+
+
+def _p(value: float | None) -> tuple[str, float | None]:
+    return _pct(value), value
+
+
 def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], cls: str = "",
            row_attrs: Iterable[str] | None = None) -> str:
     """An HTML table; a cell is text, or (text, sort value) for a sortable table. Every cell is escaped."""
@@ -91,36 +98,23 @@ _STATS_HEADS = ("episodes", "mean reward", "graded", "finished", "success rate",
 
 def _stats_cells(s: EpisodeStats) -> list[tuple[str, float | None]]:
     """The `_STATS_HEADS` cells of one scope."""
-    calls = s.share(s.tool_calls)
-    return [(str(s.episodes), s.episodes), (_fmt(s.mean_reward), s.mean_reward), (_pct(s.coverage), s.coverage),
-            (_pct(s.share(s.finished)), s.share(s.finished)), (_pct(s.success_rate), s.success_rate),
-            (_fmt(calls, 2), calls), (str(s.tool_failures), s.tool_failures), (_pct(s.no_call_rate), s.no_call_rate)]
-
-
-def _most(scopes: Mapping[Any, EpisodeStats], what: str) -> tuple[list[tuple[Any, EpisodeStats]], str]:
-    """The scopes with the most episodes (at most `_MAX_ROWS`), and a note when some were left out."""
-    items = sorted(scopes.items(), key=lambda kv: (-kv[1].episodes, kv[0]))
-    if len(items) <= _MAX_ROWS:
-        return items, ""
-    return items[:_MAX_ROWS], f"<p class=note>The {_MAX_ROWS} {what} with the most episodes of {len(items)}.</p>"
+    return [_n(s.episodes), _f(s.mean_reward), _p(s.coverage), _p(s.share(s.finished)), _p(s.success_rate),
+            _f(s.share(s.tool_calls), 2), _n(s.tool_failures), _p(s.no_call_rate)]
 
 
 def _counts(title: str, counter: Counter[str], total: int, what: str) -> str:
-    rows = [(k, (str(n), n), (_pct(n / total if total else None), n)) for k, n in counter.most_common()]
+    rows = [(k, _n(n), (_pct(n / total if total else None), n)) for k, n in counter.most_common()]
     body = _table(["reason", "count", f"of {what}"], rows) if rows else "<p class=note>none</p>"
     return f"<div class=box><h3>{_e(title)}</h3>{body}</div>"
 
 
 def _latency_rows(name: str, samples: dict[str, array[float]], envs: list[str]) -> list[list[Any]]:
-    rows = []
-    scopes = [("all environments", [v for a in samples.values() for v in a])]
-    if len(envs) > 1:
-        scopes += [(env, list(samples.get(env, ()))) for env in envs]
-    for scope, values in scopes:
-        values.sort()
-        qs = [(f"{_percentile(values, q):.4f}" if values else "–") for q in (0.5, 0.9, 0.95, 0.99)]
-        rows.append([name, scope, str(len(values)), *qs, f"{values[-1]:.4f}" if values else "–"])
-    return rows
+    """p50, p90, p95, p99 and max over every environment, then per environment where there are several."""
+    scopes = [("all environments", sorted(v for a in samples.values() for v in a))]
+    scopes += [(env, sorted(samples.get(env, ()))) for env in envs] if len(envs) > 1 else []
+    return [[name, scope, str(len(values)), *([f"{_percentile(values, q):.4f}" for q in (0.5, 0.9, 0.95, 0.99)]
+                                              + [f"{values[-1]:.4f}"] if values else ["–"] * 5)]
+            for scope, values in scopes]
 
 
 def _summary(t: Tally) -> str:
@@ -139,8 +133,8 @@ def _summary(t: Tally) -> str:
         ("tool-call failures", str(s.tool_failures),
          _pct(s.tool_failures / s.tool_calls) + " of calls" if s.tool_calls else "–"),
         ("no tool call", _pct(s.no_call_rate), "of episodes: the model called no tool"),
-        ("unparsed tool calls", str(s.unparsed_turns), f"{_pct(s.unparsed_rate)} of model turns wrote tool-call markup "
-                                                       "that parsed to no call"),
+        ("unparsed tool calls", str(s.unparsed_turns),
+         f"{_pct(s.unparsed_rate)} of model turns wrote tool-call markup that parsed to no call"),
         ("malformed arguments", str(s.malformed_calls), "calls refused: arguments not the tool's schema"),
     ]
     if s.group_scored:
@@ -148,24 +142,18 @@ def _summary(t: Tally) -> str:
     if s.sessions:
         cards.append(("session-seconds", f"{s.session_seconds:.0f}",
                       f"{s.session_seconds_unscored:.0f} on unscored episodes; {s.sessions} session(s)"))
-    out = ["<div class=cards>"]
-    out += [f"<div class=card><div class=k>{_e(k)}</div><div class=v>{_e(v)}</div><div class=h>{_e(h)}</div></div>"
-            for k, v, h in cards]
-    out.append("</div><div class=boxes>")
-    out.append(_counts("Tool-call failures by reason (error.kind; a terminal tool's grading included)",
-                       t.call_failures, s.tool_calls, "calls"))
-    out.append(_counts("Episode errors (error.kind)", t.episode_errors, s.episodes, "episodes"))
-    out.append(_counts("End reasons (end_reason)", s.end_reasons, s.episodes, "episodes"))
-    out.append(_counts("Unscored reasons (unscored)", s.unscored, s.episodes, "episodes"))
-    out.append("</div>")
-    out.append("<h3>Per environment</h3>")
-    out.append(_table(["environment", *_STATS_HEADS], ([env, *_stats_cells(x)] for env, x in sorted(t.envs.items())),
-                      "sortable"))
-    lat = _latency_rows("session open (timings.open)", t.open_s, envs) + _latency_rows(
-        "tool call (seconds)", t.call_s, envs)
-    out.append("<h3>Latency, seconds</h3>")
-    out.append(_table(["what", "scope", "n", "p50", "p90", "p95", "p99", "max"], lat))
-    return "".join(out)
+    counts = [("Tool-call failures by reason (error.kind; a terminal tool's grading included)", t.call_failures,
+               s.tool_calls, "calls"), ("Episode errors (error.kind)", t.episode_errors, s.episodes, "episodes"),
+              ("End reasons (end_reason)", s.end_reasons, s.episodes, "episodes"),
+              ("Unscored reasons (unscored)", s.unscored, s.episodes, "episodes")]
+    latency = (_latency_rows("session open (timings.open)", t.open_s, envs)
+               + _latency_rows("tool call (seconds)", t.call_s, envs))
+    return ("<div class=cards>" + "".join(f"<div class=card><div class=k>{_e(k)}</div><div class=v>{_e(v)}</div>"
+                                          f"<div class=h>{_e(h)}</div></div>" for k, v, h in cards)
+            + "</div><div class=boxes>" + "".join(_counts(*c) for c in counts) + "</div><h3>Per environment</h3>"
+            + _table(["environment", *_STATS_HEADS], ([env, *_stats_cells(x)] for env, x in sorted(t.envs.items())),
+                     "sortable")
+            + "<h3>Latency, seconds</h3>" + _table(["what", "scope", "n", "p50", "p90", "p95", "p99", "max"], latency))
 
 
 def _runs(t: Tally) -> str:
@@ -174,28 +162,26 @@ def _runs(t: Tally) -> str:
     if not rows:
         return "<p class=note>No episodes.</p>"
     pairs = _compare.pairs(rows)
-    lines = [_compare.headline(p) for p in pairs]
-    out = [f"<p class=headline data-verdict={h['verdict']}>{_e(h['text'])}</p>" for h in lines]
+    out = [f"<p class=headline data-verdict={h['verdict']}>{_e(h['text'])}</p>" for h in map(_compare.headline, pairs)]
     if len(rows) > 1 and not pairs:
         out.append("<p class=note>The runs share no task, so none is compared task by task.</p>")
     k_max = max((max(r.pass_at_k, default=1) for r in rows), default=1)
 
-    def pass_cells(r: _compare.Run) -> list[Any]:
-        one = r.pass_at_k.get(1)
+    def row(r: _compare.Run) -> list[Any]:
+        s, one, k = r.stats, r.pass_at_k.get(1), max(r.pass_at_k, default=1)
         lo, hi = r.interval or (None, None)
-        k = max(r.pass_at_k, default=1)
-        return [(_fmt(one) + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else ""), one),
-                (f"pass@{k} {_fmt(r.pass_at_k[k])}" if k > 1 else "–", r.pass_at_k.get(k) if k > 1 else None)]
+        return [r.name, _n(s.episodes), _n(len(r.tasks)), _p(s.success_rate),
+                (_fmt(one) + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else ""), one),
+                (f"pass@{k} {_fmt(r.pass_at_k[k])}" if k > 1 else "–", r.pass_at_k.get(k) if k > 1 else None),
+                _f(s.mean_reward), _p(s.coverage), _f(s.share(s.tool_calls), 2), _p(s.no_call_rate),
+                _p(s.unparsed_rate), _n(s.malformed_calls)]
+
+    def of(x: EpisodeStats) -> tuple[str, float]:
+        return f"{_pct(x.success_rate)} of {x.episodes}", x.success_rate
 
     heads = ["run", "episodes", "tasks", "success rate", "pass@1 [95% over tasks]", f"pass@k (k ≤ {k_max})",
              "mean reward", "graded", "tool calls / episode", "no tool call", "unparsed turns", "malformed calls"]
-    body = [[r.name, (str(r.stats.episodes), r.stats.episodes), (str(len(r.tasks)), len(r.tasks)),
-             (_pct(r.stats.success_rate), r.stats.success_rate), *pass_cells(r),
-             (_fmt(r.stats.mean_reward), r.stats.mean_reward), (_pct(r.stats.coverage), r.stats.coverage),
-             (_fmt(r.stats.share(r.stats.tool_calls), 2), r.stats.share(r.stats.tool_calls)),
-             (_pct(r.stats.no_call_rate), r.stats.no_call_rate), (_pct(r.stats.unparsed_rate), r.stats.unparsed_rate),
-             (str(r.stats.malformed_calls), r.stats.malformed_calls)] for r in rows[:_MAX_ROWS]]
-    out.append("<h3>Per run</h3>" + _table(heads, body, "sortable runs"))
+    out.append("<h3>Per run</h3>" + _table(heads, map(row, rows[:_MAX_ROWS]), "sortable runs"))
     for p in pairs:
         out.append(f"<h3>{_e(p.other.name)} vs {_e(p.base.name)}, per task (largest change first)</h3>")
         for up, what in ((True, "solved now, not before"), (False, "solved before, not now")):
@@ -203,9 +189,8 @@ def _runs(t: Tally) -> str:
             names = ", ".join(f"{env} {task}" for env, task in flipped[:12]) + (" …" if len(flipped) > 12 else "")
             out.append(f"<p class='flipped {'up' if up else 'down'}'>Flipped, {what}: {len(flipped)}"
                        + (f" ({_e(names)})" if flipped else "") + "</p>")
-        rows_html = [[env, task, (f"{_pct(a.success_rate)} of {a.episodes}", a.success_rate),
-                      (f"{_pct(b.success_rate)} of {b.episodes}", b.success_rate),
-                      (f"{100 * (b.success_rate - a.success_rate):+.1f}", b.success_rate - a.success_rate)]
+        rows_html = [[env, task, of(a), of(b), (f"{100 * (b.success_rate - a.success_rate):+.1f}",
+                                                b.success_rate - a.success_rate)]
                      for (env, task), a, b in p.tasks[:_MAX_ROWS]]
         out.append(_table(["environment", "task", f"success: {p.base.name}", f"success: {p.other.name}",
                            "change (points)"], rows_html, "sortable compare"))
@@ -213,9 +198,11 @@ def _runs(t: Tally) -> str:
 
 
 def _tasks(t: Tally) -> str:
-    items, note = _most(t.tasks, "tasks")
-    rows = [[env, task, *_stats_cells(x), (str(t.embedded[(env, task)]), t.embedded[(env, task)])]
-            for (env, task), x in items]
+    ranked = sorted(t.tasks.items(), key=lambda kv: (-kv[1].episodes, kv[0]))  # the most episodes first
+    items = ranked[:_MAX_ROWS]
+    note = (f"<p class=note>The {_MAX_ROWS} tasks with the most episodes of {len(ranked)}.</p>"
+            if len(ranked) > _MAX_ROWS else "")
+    rows = [[env, task, *_stats_cells(x), _n(t.embedded[(env, task)])] for (env, task), x in items]
     attrs = [f' class=task data-env="{_e(env)}" data-task="{_e(task)}"' for (env, task), _ in items]
     return (note + f"<p class=note>Success: reward &ge; {t.success_threshold:g} (success rate is over every "
             "episode, an unscored one counts as no success; mean reward over graded ones). Click a header to sort, a "
@@ -296,11 +283,9 @@ def render(items: Sequence[Input], tally: Tally, sample: Sample, skipped: Counte
     curves_html, steps = curves([i for i in items if i.kind == "trainer_state"])
     envs = sorted(tally.envs)
     page_title = title or ("ors-trl report: " + shorten(", ".join(envs), 80) if envs else "ors-trl report")
-    skipped_note = ""
-    if skipped:
-        skipped_note = (f"<p class=note id=skipped>{skipped.total()} record(s) skipped: "
-                        + _e(", ".join(f"{v} {k}" for k, v in sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0]))))
-                        + ".</p>")
+    reasons = ", ".join(f"{v} {k}" for k, v in sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0])))
+    skipped_note = (f"<p class=note id=skipped>{skipped.total()} record(s) skipped: {_e(reasons)}.</p>"
+                    if skipped else "")
     sources = "".join(f"<li><code>{_e(i.path)}</code> ({'trainer state' if i.kind == 'trainer_state' else 'episodes'})"
                       "</li>" for i in items)
     page = Template(_data("page.html")).substitute(

@@ -1,19 +1,16 @@
 """The tallies: every episode counted once, in one pass, and a bounded sample of episode bodies to embed.
 
-Counts are `ors_trl.core.metrics.EpisodeStats` (the one tally of episodes, with its one definition of success:
-a reward at or above the threshold) over everything, per environment, per task, per run and per task of each run;
-beside them only what `EpisodeStats` does not count: tool-call failures by kind, episode errors by kind, sources,
-latency samples, the rewards' range, and how many of a task's episodes are embedded. Record values are untrusted:
-every label is shortened, and the number of kinds the sample reserves for is bounded.
+Counts are `ors_trl.core.metrics.EpisodeStats` (with its one definition of success: a reward at or above the
+threshold) per task and per run, merged per environment and in total; beside them only what `EpisodeStats` does
+not count: tool-call failures and episode errors by kind, sources, latency samples, the rewards' range. Record
+values are untrusted: every label is shortened, and the kinds the sample reserves for are bounded.
 
-A run is what the inputs say was run once: the episodes of an input given a name (`--label NAME=FILE`), else the
-records sharing a process run id, a source (trl, engine, eval), a policy and an evaluation step. Two inputs that
-hold episodes of one such run for the same task (the same process evaluating before and after training, say) are
-refused: only their names can tell them apart. A run is shown by the parts of its key that differ between runs.
+A run is the episodes of an input given a name (`--label NAME=FILE`), else the records sharing a process run id, a
+source, a policy and an evaluation step; two inputs holding one such run's episodes of the same task are refused
+(only names can tell them apart). A run is shown by the parts of its key that differ between runs.
 
-Only a bounded, deterministic sample of episode bodies is kept (`max_episodes`, and at most
-`SAMPLE_BYTES` of JSON), so a 100,000-episode log still makes a page a browser opens. The sample is the
-episodes of smallest hash (a stable pseudo-random pick), after a few reserved for each failure kind,
+The sample (`max_episodes`, at most `SAMPLE_BYTES` of JSON, so a 100,000-episode log still makes a page a browser
+opens) is the episodes of smallest hash (a stable pseudo-random pick), after a few reserved for each failure kind,
 episode error, unscored reason, end reason, environment and run, so that every kind of problem has an example.
 """
 
@@ -121,9 +118,7 @@ class Tally:
         timings = rec.get("timings")
         if isinstance(timings, dict) and (opened := _number(timings.get("open"))) is not None:
             self.open_s[env].append(opened)
-        for c in calls:
-            if (seconds := _number(c.get("seconds"))) is not None:
-                self.call_s[env].append(seconds)
+        self.call_s[env].extend(s for c in calls if (s := _number(c.get("seconds"))) is not None)
 
         self.seq += 1
         run_text = "|".join(map(str, run))
@@ -133,12 +128,8 @@ class Tally:
         self._offer(self._sample, item, self.max_episodes)
         if self.max_episodes:
             for kind in (*tags, f"end: {end}", f"env: {env}", f"run: {run_text}"):
-                bucket = self._reserved.get(kind)
-                if bucket is None:
-                    if len(self._reserved) >= _MAX_KINDS:
-                        continue
-                    bucket = self._reserved[kind] = []
-                self._offer(bucket, item, _RESERVED_PER_KIND)
+                if kind in self._reserved or len(self._reserved) < _MAX_KINDS:
+                    self._offer(self._reserved.setdefault(kind, []), item, _RESERVED_PER_KIND)
 
     def _run_of(self, rec: dict[str, Any], source: str, name: str | None, env: str, task: str, origin: str) -> RunKey:
         """The run a record belongs to; refuses a second input holding the same run's episode of a task."""

@@ -12,15 +12,11 @@ forwards every request, streams included, unless a rule says otherwise::
 With `upstream=None` it is a purpose-built misbehaving ORS server: rules answer everything, and
 a request no rule matches gets a 404.
 
-It is written on raw asyncio streams rather than a web framework, so that a fault does exactly
-what a broken network or server does: reset the connection (`Reset`), cut a stream in the
-middle of a chunk (`DropStream`), accept a request and never answer (`Hang`, `Silent`),
-send only SSE comments (`Pings`), send malformed or endless bodies (`Reply`, `SSEReply`,
-`Flood`), redirect (`Redirect`) or echo the request's headers back (`EchoHeaders`).
-Every request is logged (method, path, headers, body, which fault answered it), so a test can
-count attempts and check what was sent. The proxy runs its own event loop in a daemon thread,
-works with the synchronous and the async client alike, binds to loopback only, and bounds every
-wait (`max_seconds`) so that a forgotten hang cannot outlive a test by long.
+It is written on raw asyncio streams rather than a web framework, so that a fault does exactly what a
+broken network or server does (a reset, a stream cut mid-chunk, a request never answered, malformed or
+endless bodies). Every request is logged (`Seen`), so a test can count attempts and check what was sent.
+The proxy runs its own event loop in a daemon thread, binds to loopback only, and bounds every wait
+(`max_seconds`) so that a forgotten hang cannot outlive a test by long.
 
 `Blackhole` is a listening socket that never accepts: connections open, nothing is ever read.
 """
@@ -30,7 +26,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import http.client
 import json
+import math
 import socket
 import struct
 import threading
@@ -41,41 +39,14 @@ from typing import Any
 
 import aiohttp
 
-from .server import LOOPBACK, _require_loopback
+from .server import LOOPBACK, _Loopback, _require_loopback
 
-__all__ = [
-    "Blackhole",
-    "Delay",
-    "DropStream",
-    "EchoHeaders",
-    "Fault",
-    "FaultProxy",
-    "Flood",
-    "Forward",
-    "Hang",
-    "Pings",
-    "Raw",
-    "Redirect",
-    "Reply",
-    "Reset",
-    "SSEReply",
-    "Seen",
-    "Silent",
-    "Stall",
-    "Status",
-]
+__all__ = ["Blackhole", "Delay", "DropStream", "EchoHeaders", "Fault", "FaultProxy", "Flood", "Forward", "Hang",
+           "Pings", "Raw", "Redirect", "Reply", "Reset", "SSEReply", "Seen", "Silent", "Stall", "Status"]
 
 # Headers that describe one hop, not the message: never forwarded as received.
-_HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
-    "content-length", "host",
-})
-_REASONS = {
-    200: "OK", 307: "Temporary Redirect", 308: "Permanent Redirect", 400: "Bad Request", 401: "Unauthorized",
-    402: "Payment Required", 403: "Forbidden", 404: "Not Found", 410: "Gone", 422: "Unprocessable Entity",
-    429: "Too Many Requests", 500: "Internal Server Error", 502: "Bad Gateway", 503: "Service Unavailable",
-    504: "Gateway Timeout",
-}
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
+                         "upgrade", "content-length", "host"})
 _MAX_HEAD = 64 * 1024
 _MAX_BODY = 64 * 1024 * 1024
 
@@ -114,13 +85,10 @@ class _Rule:
     used: int = 0
 
     def matches(self, seen: Seen) -> bool:
-        if self.times is not None and self.used >= self.times:
-            return False
-        if self.method is not None and seen.method != self.method.upper():
-            return False
-        if self.path is not None and not (seen.path == self.path or seen.path.endswith(self.path)):
-            return False
-        return self.when is None or bool(self.when(seen))
+        return ((self.times is None or self.used < self.times)
+                and (self.method is None or seen.method == self.method.upper())
+                and (self.path is None or seen.path.endswith(self.path))  # the whole path, or its end
+                and (self.when is None or bool(self.when(seen))))
 
 
 class _Exchange:
@@ -141,7 +109,7 @@ class _Exchange:
 
     async def _head(self, status: int, framing: str, headers: Sequence[tuple[str, str]], content_type: str | None,
                     body: bytes = b"") -> None:
-        head = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}", framing]
+        head = [f"HTTP/1.1 {status} {http.client.responses.get(status, 'Status')}", framing]
         if content_type and "content-type" not in {k.lower() for k, _ in headers}:
             head.append(f"Content-Type: {content_type}")
         head += [f"{k}: {v}" for k, v in headers]
@@ -185,6 +153,22 @@ class _Exchange:
         """Sleep up to `seconds`, or less if the proxy is stopping."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.proxy._stopping.wait(), timeout=seconds)
+
+    async def pour(self, piece: Callable[[], bytes], *, pause: float | None = None, seconds: float = math.inf,
+                   limit: float = math.inf) -> None:
+        """Chunk after chunk of `piece()` (`pause` seconds apart) until `seconds` or `limit` bytes have passed or the
+        proxy stops, then close; a client that went away ends it."""
+        deadline, sent = time.monotonic() + seconds, 0
+        try:
+            while time.monotonic() < deadline and sent < limit and not self.proxy._stopping.is_set():
+                data = piece()
+                await self.chunk(data)
+                sent += len(data)
+                if pause is not None:
+                    await self.wait(pause)
+        except (ConnectionError, RuntimeError):
+            return  # the client went away
+        await self.close()
 
     # -- forwarding ----------------------------------------------------------------------------
 
@@ -313,9 +297,8 @@ class DropStream(Fault):
 
     `after_bytes`: relay that many bytes of the server's body, then close the connection in the
     middle of the chunked body. With `after_bytes=0` the client gets the status line and headers
-    and nothing else. `wait_first_bytes` (the default) holds the cut until the server has started
-    answering, i.e. until the tool has started, so "the tool ran" is deterministic.
-    `headers=False` cuts before even the status line (the connection just closes).
+    and nothing else, once the server has started answering (the tool has started, so "the tool ran"
+    is deterministic); `headers=False` cuts before even the status line (the connection just closes).
     """
 
     after_bytes: int = 0
@@ -347,16 +330,14 @@ class Stall(Fault):
 
 
 @dataclass(repr=False)
-class Silent(Fault):
-    """Answer 200 with event-stream headers, then send nothing at all (not even comments)."""
+class Silent(Hang):
+    """Answer 200 with event-stream headers, then send nothing at all (not even comments) as `Hang` does."""
 
-    max_seconds: float = 120.0
     name = "silent"
 
     async def handle(self, ex: _Exchange) -> None:
         await ex.start_stream(200)
-        await ex.wait(self.max_seconds)
-        await ex.close()
+        await super().handle(ex)
 
 
 @dataclass(repr=False)
@@ -373,19 +354,8 @@ class Pings(Fault):
         await ex.start_stream(200)
         if self.task_id is not None:
             await ex.chunk(f"event: task_id\ndata: {self.task_id}\n\n".encode())
-        deadline = time.monotonic() + self.max_seconds
-        try:
-            while time.monotonic() < deadline and not ex.proxy._stopping.is_set():
-                await ex.chunk(f": ping - {time.time():.3f}\n\n".encode())
-                await ex.wait(self.interval)
-        except (ConnectionError, RuntimeError):
-            return  # the client went away
-        await ex.close()
-
-
-def _sse(event: str, data: str) -> bytes:
-    lines = data.split("\n")
-    return (f"event: {event}\n" + "".join(f"data: {line}\n" for line in lines) + "\n").encode()
+        await ex.pour(lambda: f": ping - {time.time():.3f}\n\n".encode(), pause=self.interval,
+                      seconds=self.max_seconds)
 
 
 @dataclass(repr=False)
@@ -401,7 +371,8 @@ class SSEReply(Fault):
     async def handle(self, ex: _Exchange) -> None:
         await ex.start_stream(self.status)
         for event, data in self.events:
-            await ex.chunk(_sse(event, data))
+            lines = "".join(f"data: {line}\n" for line in data.split("\n"))
+            await ex.chunk(f"event: {event}\n{lines}\n".encode())
         if self.then == "end":
             await ex.end()
             return
@@ -428,14 +399,7 @@ class Flood(Fault):
         else:
             await ex.start_stream(200, content_type="application/json")
             piece = b"[" + b"1," * (self.chunk_size // 2)
-        sent = 0
-        try:
-            while sent < self.limit and not ex.proxy._stopping.is_set():
-                await ex.chunk(piece)
-                sent += len(piece)
-        except (ConnectionError, RuntimeError):
-            return
-        await ex.close()
+        await ex.pour(lambda: piece, limit=self.limit)
 
 
 @dataclass(repr=False)
@@ -473,7 +437,7 @@ class EchoHeaders(Fault):
         await Status(self.status, "request headers: " + json.dumps(ex.seen.headers, sort_keys=True)).handle(ex)
 
 
-class FaultProxy:
+class FaultProxy(_Loopback):
     """A loopback HTTP proxy (or, without upstream, a fake server) with programmable faults.
 
     Args:
@@ -510,8 +474,8 @@ class FaultProxy:
 
     def add(self, fault: Fault, *, path: str | None = None, method: str | None = None, times: int | None = 1,
             when: Callable[[Seen], bool] | None = None) -> FaultProxy:
-        """Answer the next `times` matching requests with `fault`. Rules are tried in the order they were added;
-        the first that matches and has uses left wins.
+        """Answer the next `times` matching requests with `fault`; returns the proxy, so that rules can be chained.
+        Rules are tried in the order they were added; the first that matches and has uses left wins.
 
         Args:
             fault (`Fault`):
@@ -524,9 +488,6 @@ class FaultProxy:
                 How many requests the rule answers (`None`: all of them).
             when (`Callable[[Seen], bool]`, *optional*):
                 A further condition on the request.
-
-        Returns:
-            `FaultProxy`: The proxy, so that rules can be chained.
         """
         with self._lock:
             self._rules.append(_Rule(fault, path, method, times, when))
@@ -545,7 +506,7 @@ class FaultProxy:
             return list(self._log)
 
     def count(self, path: str | None = None, method: str | None = None, fault: str | bool | None = False) -> int:
-        """How many of the requests received so far matched.
+        """How many of the requests received so far (the newest `max_log`) matched.
 
         Args:
             path (`str`, *optional*):
@@ -554,60 +515,34 @@ class FaultProxy:
                 The HTTP method; any when omitted.
             fault (`str`, `bool` or `None`, *optional*, defaults to `False`):
                 Only the requests the fault of this name answered (`None`: only forwarded ones; `False`: all).
-
-        Returns:
-            `int`: The number of matching requests (of the newest `max_log`).
         """
         matching = _Rule(Forward(), path, method, None, None)  # a rule's own test, never used up
         return sum(1 for seen in self.requests if matching.matches(seen) and (fault is False or seen.fault == fault))
 
-    @property
-    def url(self) -> str:
-        """The proxy's base URL, `http://127.0.0.1:PORT` (a `RuntimeError` before `start()`)."""
-        if self.port is None:
-            raise RuntimeError("proxy not started")
-        return f"http://{self.host}:{self.port}"
-
     # -- lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> FaultProxy:
-        """Start serving on a free port, in a thread of its own.
-
-        Returns:
-            `FaultProxy`: The proxy, started.
+        """Start serving on a free port, in a thread of its own; returns the proxy.
 
         Raises:
             RuntimeError: the proxy did not start within 10 s.
         """
-        loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        failure: list[BaseException] = []
 
         async def startup() -> None:
             self._stopping = asyncio.Event()
-            self._session = aiohttp.ClientSession(
-                auto_decompress=False, trust_env=False,
-                timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=None),
-            )
+            timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=None)
+            self._session = aiohttp.ClientSession(auto_decompress=False, trust_env=False, timeout=timeout)
             self._server = await asyncio.start_server(self._serve, self.host, 0, limit=_MAX_HEAD)
             self.port = self._server.sockets[0].getsockname()[1]
 
-        def run() -> None:
-            asyncio.set_event_loop(loop)
-            try:
-                loop.run_until_complete(startup())
-            except BaseException as exc:  # pragma: no cover - reported to start()
-                failure.append(exc)
-                ready.set()
-                return
-            ready.set()
-            loop.run_forever()
-
-        self._loop = loop
-        self._thread = threading.Thread(target=run, name="ors-fault-proxy", daemon=True)
+        self._loop = loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=loop.run_forever, name="ors-fault-proxy", daemon=True)
         self._thread.start()
-        if not ready.wait(10) or failure:
-            raise RuntimeError(f"fault proxy did not start: {failure[:1]}")
+        try:
+            asyncio.run_coroutine_threadsafe(startup(), loop).result(10)
+        except Exception as exc:
+            self.close()
+            raise RuntimeError(f"fault proxy did not start: {exc!r}") from exc
         return self
 
     def close(self) -> None:
@@ -633,12 +568,6 @@ class FaultProxy:
         thread.join(10)
         if not thread.is_alive():
             loop.close()
-
-    def __enter__(self) -> FaultProxy:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"FaultProxy(upstream={self.upstream!r}, port={self.port})"
@@ -708,7 +637,7 @@ class FaultProxy:
         return Seen(method=method.upper(), path=target.split("?", 1)[0], headers=headers, body=body, target=target)
 
 
-class Blackhole:
+class Blackhole(_Loopback):
     """A loopback port that accepts TCP connections (the kernel completes them) and never reads or answers.
 
     Args:
@@ -727,17 +656,6 @@ class Blackhole:
         self.host = host
         self.port = int(self._sock.getsockname()[1])
 
-    @property
-    def url(self) -> str:
-        """The port's URL, `http://127.0.0.1:PORT`."""
-        return f"http://{self.host}:{self.port}"
-
     def close(self) -> None:
         """Close the port."""
         self._sock.close()
-
-    def __enter__(self) -> Blackhole:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -11,11 +11,8 @@ and waits until it answers; it is the real ORS peer of ors-trl's own tests, benc
 
 The server process is the reference `openreward.environments.Server` plus a thin outer ASGI layer
 that answers `GET /_test/stats` (live sessions, pings, requests, and the counters environments bump
-with `ors_trl.testing.counters`). `idle_timeout` makes the reference idle reaper (900 s, not
-configurable) reap sessions idle for more than that many seconds, by scaling the clock it reads.
-
-Only the standard library is imported at module level, so `ors_trl.testing` stays cheap to import;
-`main` imports `openreward` and `uvicorn` in the server process.
+with `ors_trl.testing.counters`). Only the standard library is imported at module level, so
+`ors_trl.testing` stays cheap to import; `main` imports `openreward` and `uvicorn` in the server process.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ import argparse
 import atexit
 import contextlib
 import http.client
+import importlib
 import ipaddress
 import json
 import os
@@ -34,22 +32,14 @@ import tempfile
 import threading
 import time
 import types
-import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
-__all__ = [
-    "LOOPBACK",
-    "REFERENCE_IDLE_LIMIT_S",
-    "STATS_PATH",
-    "ReferenceServer",
-    "ServerStartError",
-    "free_port",
-    "main",
-]
+__all__ = ["LOOPBACK", "REFERENCE_IDLE_LIMIT_S", "STATS_PATH", "ReferenceServer", "ServerStartError", "free_port",
+           "main"]
 
 #: The only host the launcher binds to by default.
 LOOPBACK = "127.0.0.1"
@@ -69,9 +59,6 @@ def free_port(host: str = LOOPBACK) -> int:
         host (`str`, *optional*, defaults to `"127.0.0.1"`):
             The loopback address to find a port on.
 
-    Returns:
-        `int`: The port.
-
     Raises:
         ValueError: `host` is not a loopback address.
     """
@@ -83,23 +70,37 @@ def free_port(host: str = LOOPBACK) -> int:
 
 
 def _require_loopback(host: str) -> None:
-    if host == "localhost":
-        return
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        raise ValueError(f"the test server only binds to loopback addresses, not {host!r}")
+    with contextlib.suppress(ValueError):  # not an IP address: not loopback
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
+            return
+    raise ValueError(f"the test server only binds to loopback addresses, not {host!r}")
 
 
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
+class _Loopback:
+    """A server on a loopback port (`ReferenceServer`, `FaultProxy`, `Blackhole`): its URL, and `with`."""
+
+    host: str
+    port: int | None
+
+    @property
+    def url(self) -> str:
+        """Its base URL, `http://127.0.0.1:PORT` (no trailing slash; a `RuntimeError` before `start()`)."""
+        if self.port is None:
+            raise RuntimeError(f"{type(self).__name__} has not been started")
+        return f"http://[{self.host}]:{self.port}" if ":" in self.host else f"http://{self.host}:{self.port}"
+
+    def start(self) -> Self:
+        """Nothing to start: it serves from construction; returns it."""
+        return self
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # type: ignore[attr-defined]
 
 
-# --------------------------------------------------------------------------------------------------
-# Server side (runs in the subprocess)
-# --------------------------------------------------------------------------------------------------
+# -- server side (runs in the subprocess) ---------------------------------------------------------------------------
 
 
 class _ScaledClock:
@@ -146,41 +147,28 @@ class _TestRoutes:
         self.peak_sessions = 0  # most sessions alive at once since start (sampled after each /create)
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-        if scope["type"] == "http":
-            path = scope.get("path", "")
-            if path.startswith("/_test/"):
-                await self._answer(path, send)
-                return
-            self.requests += 1
-            if path == "/ping":
-                self.pings += 1
-            await self.app(scope, receive, send)
-            if path == "/create":
-                self.peak_sessions = max(self.peak_sessions, len(self.server._active_envs))
+        path = scope.get("path", "") if scope["type"] == "http" else None
+        if path is not None and path.startswith("/_test/"):
+            await self._answer(path, send)
             return
+        if path is not None:
+            self.requests += 1
+            self.pings += path == "/ping"
         await self.app(scope, receive, send)
+        if path == "/create":
+            self.peak_sessions = max(self.peak_sessions, len(self.server._active_envs))
 
     def stats(self) -> dict[str, Any]:
         from ors_trl.testing import counters
 
         sessions = list(self.server._active_envs)
-        return {
-            "pid": os.getpid(),
-            "open_sessions": len(sessions),
-            "peak_sessions": self.peak_sessions,
-            "sessions": sessions,
-            "pings": self.pings,
-            "requests": self.requests,
-            "idle_timeout": self.idle_timeout,
-            "environments": list(self.server._env_classes),
-            **counters.snapshot(),
-        }
+        return {"pid": os.getpid(), "open_sessions": len(sessions), "peak_sessions": self.peak_sessions,
+                "sessions": sessions, "pings": self.pings, "requests": self.requests,
+                "idle_timeout": self.idle_timeout, "environments": list(self.server._env_classes),
+                **counters.snapshot()}
 
     async def _answer(self, path: str, send: Callable[..., Any]) -> None:
-        if path == STATS_PATH:
-            status, body = 200, self.stats()
-        else:
-            status, body = 404, {"detail": f"unknown test route {path!r}"}
+        status, body = (200, self.stats()) if path == STATS_PATH else (404, {"detail": f"unknown test route {path!r}"})
         payload = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -192,24 +180,10 @@ def _load(path: str) -> type:
     module, sep, name = path.partition(":")
     if not sep or not module or not name:
         raise ValueError(f"environment {path!r} is not a 'module:Class' path")
-    import importlib
-
     obj: Any = importlib.import_module(module)
     for part in name.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-def build_app(envs: Sequence[str], idle_timeout: float | None = None) -> Any:
-    """The ASGI app the launcher serves: the reference `Server` for `envs` (`module:Class` paths) under
-    `_TestRoutes`. Call it in the process that serves it: `idle_timeout` patches a module-global clock."""
-    os.environ.setdefault(_UPDATE_CHECK_ENV, "1")
-    from openreward.environments import Server
-
-    if idle_timeout is not None:
-        install_idle_timeout(idle_timeout)
-    server = Server([_load(path) for path in envs])
-    return _TestRoutes(server.app, server, idle_timeout)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -246,8 +220,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ[_UPDATE_CHECK_ENV] = "1"
     # The SDK's loggers read their level when openreward is first imported.
     os.environ.setdefault("OPENREWARD_LOG_LEVEL", args.log_level.upper())
-    try:
-        app = build_app(args.env, args.idle_timeout)
+    try:  # the reference Server for the environments, under _TestRoutes
+        from openreward.environments import Server
+
+        if args.idle_timeout is not None:
+            install_idle_timeout(args.idle_timeout)
+        server = Server([_load(path) for path in args.env])
     except (ValueError, ImportError, AttributeError) as exc:
         parser.error(f"cannot load the environments: {exc}")
 
@@ -255,23 +233,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.parent_pid is not None:
         _watch_parent(args.parent_pid)
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        timeout_keep_alive=60,
-        timeout_graceful_shutdown=3,
-        access_log=False,
-        log_level=args.log_level.lower(),
-        lifespan="on",
-    )
-    uvicorn.Server(config).run()
+    app = _TestRoutes(server.app, server, args.idle_timeout)
+    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_keep_alive=60,
+                                  timeout_graceful_shutdown=3, access_log=False, log_level=args.log_level.lower(),
+                                  lifespan="on")).run()
     return 0
 
 
-# --------------------------------------------------------------------------------------------------
-# Client side (runs in the test process)
-# --------------------------------------------------------------------------------------------------
+# -- client side (runs in the test process) -------------------------------------------------------------------------
 
 
 def _environment_paths(envs: type | str | Sequence[type | str]) -> tuple[list[str], list[str]]:
@@ -315,7 +284,7 @@ def _stop_leftovers() -> None:
             server.kill()
 
 
-class ReferenceServer:
+class ReferenceServer(_Loopback):
     """A reference ORS server in a subprocess on loopback, for tests, benchmarks and the demo.
 
     Args:
@@ -340,17 +309,9 @@ class ReferenceServer:
         ValueError: `host` is not a loopback address.
     """
 
-    def __init__(
-        self,
-        envs: type | str | Sequence[type | str],
-        idle_timeout: float | None = None,
-        env: Mapping[str, str] | None = None,
-        port: int | None = None,
-        *,
-        host: str = LOOPBACK,
-        startup_timeout: float = 30.0,
-        log_level: str = "warning",
-    ) -> None:
+    def __init__(self, envs: type | str | Sequence[type | str], idle_timeout: float | None = None,
+                 env: Mapping[str, str] | None = None, port: int | None = None, *, host: str = LOOPBACK,
+                 startup_timeout: float = 30.0, log_level: str = "warning") -> None:
         _require_loopback(host)
         self.envs, self._paths = _environment_paths(envs)
         self.idle_timeout = idle_timeout
@@ -364,13 +325,6 @@ class ReferenceServer:
         self._log_path: str | None = None
 
     # -- properties -------------------------------------------------------------------------------
-
-    @property
-    def url(self) -> str:
-        """Base URL, e.g. `http://127.0.0.1:PORT` (no trailing slash)."""
-        if self.port is None:
-            raise RuntimeError("server has not been started")
-        return f"http://{_url_host(self.host)}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -390,10 +344,7 @@ class ReferenceServer:
     # -- lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> ReferenceServer:
-        """Launch the server and wait until it answers `/health` as this process.
-
-        Returns:
-            `ReferenceServer`: The server, started.
+        """Launch the server and wait until it answers `/health` as this process; returns the server.
 
         Raises:
             ServerStartError: the server exited or did not answer within `startup_timeout`.
@@ -401,33 +352,28 @@ class ReferenceServer:
         """
         if self.running:
             raise RuntimeError(f"server already running at {self.url}")
-        attempts = 1 if self._fixed_port else 3
-        for attempt in range(attempts):
+        for attempt in range(3):  # a free port re-picked if another process took it meanwhile
             if not self._fixed_port:
                 self.port = free_port(self.host)
             self._spawn()
             try:
                 self._wait_ready()
+                break
             except ServerStartError as exc:
                 self.kill()
-                port_taken = "address already in use" in str(exc).lower()
-                if port_taken and attempt + 1 < attempts:
-                    continue
-                raise
-            self._fixed_port = True  # restart() comes back on the same port
-            _LIVE.add(self)
-            return self
-        raise AssertionError("unreachable")
+                if self._fixed_port or attempt == 2 or "address already in use" not in str(exc).lower():
+                    raise
+        self._fixed_port = True  # restart() comes back on the same port
+        _LIVE.add(self)
+        return self
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        """Terminate the server (SIGTERM: sessions are torn down), then kill it if it outlives `timeout`.
+        """Terminate the server (SIGTERM: sessions are torn down), then kill it if it outlives `timeout`; returns its
+        exit status (`None` if it was never started).
 
         Args:
             timeout (`float`, *optional*, defaults to `10.0`):
                 Seconds to wait for it to exit before killing it.
-
-        Returns:
-            `int` or `None`: Its exit status (`None` if it was never started).
         """
         proc = self._proc
         if proc is not None and proc.poll() is None:
@@ -437,11 +383,8 @@ class ReferenceServer:
         return self.kill()  # what outlived `timeout`
 
     def kill(self) -> int | None:
-        """Kill the server at once (SIGKILL: no teardowns), as a crash would.
-
-        Returns:
-            `int` or `None`: Its exit status (`None` if it was never started).
-        """
+        """Kill the server at once (SIGKILL: no teardowns), as a crash would; returns its exit status (`None` if it
+        was never started)."""
         proc = self._proc
         if proc is None:
             return None
@@ -452,14 +395,11 @@ class ReferenceServer:
         return proc.returncode
 
     def restart(self, timeout: float = 10.0) -> ReferenceServer:
-        """Stop the server and start a fresh process on the same port (all sessions are lost).
+        """Stop the server and start a fresh process on the same port (all sessions are lost); returns the server.
 
         Args:
             timeout (`float`, *optional*, defaults to `10.0`):
                 Seconds to wait for the old process to exit before killing it.
-
-        Returns:
-            `ReferenceServer`: The server, started again.
         """
         self.stop(timeout)
         return self.start()
@@ -471,12 +411,6 @@ class ReferenceServer:
             self._drop_log()
             self._log_path = None
 
-    def __enter__(self) -> ReferenceServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"ReferenceServer(envs={[e.rsplit(':', 1)[-1] for e in self.envs]}, port={self.port}, {state})"
@@ -484,24 +418,20 @@ class ReferenceServer:
     # -- introspection ----------------------------------------------------------------------------
 
     def stats(self, timeout: float = 5.0) -> dict[str, Any]:
-        """The server's introspection, `GET /_test/stats`.
+        """The server's introspection, `GET /_test/stats`: `open_sessions`, `peak_sessions`, `sessions`, `pings`,
+        `requests`, `pid`, `idle_timeout`, `environments`, and the `counters` (`tool_calls` as `{"env/tool": n}`,
+        `setups`, `teardowns`, ...).
 
         Args:
             timeout (`float`, *optional*, defaults to `5.0`):
                 Seconds allowed for the request.
-
-        Returns:
-            `dict[str, Any]`: `open_sessions`, `peak_sessions`, `sessions`, `pings`, `requests`, `pid`,
-            `idle_timeout`, `environments`, and the `counters` (`tool_calls` as `{"env/tool": n}`, `setups`,
-            `teardowns`, ...).
         """
         with _OPENER.open(self.url + STATS_PATH, timeout=timeout) as resp:
             return json.loads(resp.read())
 
-    def wait_for_stats(
-        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10.0, interval: float = 0.05
-    ) -> dict[str, Any]:
-        """Poll `stats()` until a condition holds.
+    def wait_for_stats(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10.0,
+                       interval: float = 0.05) -> dict[str, Any]:
+        """Poll `stats()` until a condition holds; returns the first stats that met it.
 
         Args:
             predicate (`Callable[[dict[str, Any]], bool]`):
@@ -510,9 +440,6 @@ class ReferenceServer:
                 Seconds to wait for it.
             interval (`float`, *optional*, defaults to `0.05`):
                 Seconds between polls.
-
-        Returns:
-            `dict[str, Any]`: The first stats that met the condition.
 
         Raises:
             TimeoutError: the condition did not hold within `timeout` (the message shows the last stats).
@@ -527,7 +454,7 @@ class ReferenceServer:
             time.sleep(interval)
 
     def close_sessions(self, timeout: float = 10.0) -> list[str]:
-        """Delete every session the server holds (over the protocol, as a client would).
+        """Delete every session the server holds (over the protocol, as a client would); returns their ids.
 
         For a test fixture that found sessions left behind: it can fail that one test and leave the server
         clean for the next.
@@ -535,9 +462,6 @@ class ReferenceServer:
         Args:
             timeout (`float`, *optional*, defaults to `10.0`):
                 Seconds allowed for each request.
-
-        Returns:
-            `list[str]`: The ids of the sessions deleted.
         """
         sessions = list(self.stats(timeout)["sessions"])
         for sid in sessions:
@@ -548,14 +472,11 @@ class ReferenceServer:
         return sessions
 
     def log_tail(self, max_chars: int = 4000) -> str:
-        """The end of the server's output.
+        """The end of the server's output (`""` when there is no log).
 
         Args:
             max_chars (`int`, *optional*, defaults to `4000`):
                 How much of it, at most.
-
-        Returns:
-            `str`: The last `max_chars` characters (`""` when there is no log).
         """
         if self._log_path is None:
             return ""
@@ -569,38 +490,24 @@ class ReferenceServer:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "ors_trl.testing.server", "--host", self.host, "--port", str(self.port)]
-        for env in self.envs:
-            cmd += ["--env", env]
-        cmd += ["--log-level", self.log_level, "--parent-pid", str(os.getpid())]
-        if self.idle_timeout is not None:
-            cmd += ["--idle-timeout", repr(float(self.idle_timeout))]
-        return cmd
-
     def _spawn(self) -> None:
         if self._log_path is None:
             fd, self._log_path = tempfile.mkstemp(prefix="ors-ref-server-", suffix=".log")
             os.close(fd)
             # Deleted on close(), or when this object is collected or the process exits without one.
             self._drop_log = weakref.finalize(self, _unlink_quietly, self._log_path)
-        child_env = dict(os.environ)
-        child_env.update(self.extra_env)
-        child_env[_UPDATE_CHECK_ENV] = "1"
-        child_env["PYTHONUNBUFFERED"] = "1"
+        child_env = {**os.environ, **self.extra_env, _UPDATE_CHECK_ENV: "1", "PYTHONUNBUFFERED": "1"}
         child_env["PYTHONPATH"] = os.pathsep.join(
             dict.fromkeys(p for p in (_SRC_DIR, *self._paths, child_env.get("PYTHONPATH")) if p))
-        command = self._command()
+        envs = [arg for env in self.envs for arg in ("--env", env)]
+        idle = ["--idle-timeout", repr(float(self.idle_timeout))] if self.idle_timeout is not None else []
+        command = [sys.executable, "-m", "ors_trl.testing.server", "--host", self.host, "--port", str(self.port),
+                   *envs, "--log-level", self.log_level, "--parent-pid", str(os.getpid()), *idle]
         with open(self._log_path, "ab") as log:
             log.write(f"--- {' '.join(command)}\n".encode())
             log.flush()
-            self._proc = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=child_env,
-            )
+            self._proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                          env=child_env)
 
     def _wait_ready(self) -> None:
         assert self._proc is not None
@@ -612,9 +519,8 @@ class ReferenceServer:
             if self._answers():
                 return
             if time.monotonic() >= deadline:
-                raise ServerStartError(
-                    f"server did not answer on {self.url} within {self.startup_timeout} s\n{self.log_tail()}"
-                )
+                raise ServerStartError(f"server did not answer on {self.url} within {self.startup_timeout} s\n"
+                                       f"{self.log_tail()}")
             time.sleep(0.05)
 
     def _answers(self) -> bool:
