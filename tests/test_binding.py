@@ -7,8 +7,11 @@ import builtins
 import inspect
 import json
 import logging
+import os
 import random
 import re
+import subprocess
+import sys
 import types
 from typing import Any
 
@@ -510,3 +513,29 @@ def test_internal_error_falls_back_to_pass_through(monkeypatch: pytest.MonkeyPat
     assert get_json_schema(result.functions["t"])["function"]["parameters"] == {"type": "object", "properties": {}}
     env.t(anything=1)
     assert env.calls == [("t", {"anything": 1})]
+
+
+# --------------------------------------------------------------------------------------------------- determinism
+
+_SIGNATURES = """
+import inspect, json, sys
+from ors_trl.core.binding import Toolset
+ghosts = {"type": "object", "required": ["alpha", "beta", "gamma", "delta", "epsilon"]}
+arms = {"anyOf": [{"type": "object", "properties": {"x": {}}, "required": [*"zyxwvu"]},
+                  {"type": "object", "properties": {"y": {}}, "required": [*"uvwxyz"]}]}
+toolset = Toolset([{"name": "ghosts", "input_schema": ghosts}, {"name": "arms", "input_schema": arms}])
+json.dump([[str(inspect.signature(f)) for f in toolset.functions], toolset.schemas], sys.stdout)
+"""
+
+
+def test_signatures_and_schemas_do_not_depend_on_the_hash_seed() -> None:
+    """Bug: parameters required but missing from `properties` came in set order (PYTHONHASHSEED), so two training
+    processes built different signatures and prompts for one tool. Now `required`'s order is kept."""
+    outputs = {subprocess.run([sys.executable, "-c", _SIGNATURES], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "3")}
+    assert len(outputs) == 1
+    signatures, schemas = json.loads(outputs.pop())
+    assert signatures[0] == "(self, alpha: Any, beta: Any, gamma: Any, delta: Any, epsilon: Any) -> str"
+    # Properties first, then what both arms require, in the first arm's order.
+    assert signatures[1] == "(self, x: Any, y: Any, z: Any, w: Any, v: Any, u: Any) -> str"
+    assert schemas[0]["function"]["parameters"]["required"] == ["alpha", "beta", "gamma", "delta", "epsilon"]
