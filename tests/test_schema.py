@@ -398,57 +398,59 @@ def test_pydantic_v1_definitions_and_allof_wrapper() -> None:
     assert by_name["items"].annotation == tuple[int, str]
 
 
-@pytest.mark.parametrize(
-    ("schema", "annotation"),
-    [
-        ({"type": "string"}, str),
-        ({"type": "integer"}, int),
-        ({"type": "number"}, float),
-        ({"type": "boolean"}, bool),
-        ({"type": "null"}, type(None)),
-        ({}, Any),
-        (True, Any),
-        ({"type": "array"}, list),
-        ({"type": "array", "items": {"type": "string"}}, list[str]),
-        ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}, tuple[int, str]),
-        ({"type": "array", "prefixItems": [{"type": "integer"}]}, list[int]),
-        ({"type": "object"}, dict),
-        ({"type": "object", "additionalProperties": {"type": "integer"}}, dict[str, int]),
-        ({"type": "object", "additionalProperties": True}, dict),
-        ({"type": "object", "properties": {"a": {"type": "string"}}}, dict),
-        ({"enum": ["a", "b"]}, Literal["a", "b"]),
-        ({"enum": [1, "a", None, True]}, Literal[1, "a", None, True]),
-        ({"const": 3}, Literal[3]),
-        ({"enum": [[1], {"a": 1}], "type": "array"}, list),
-        ({"enum": [{"a": 1}]}, Any),
-        ({"type": ["string", "null"]}, Optional[str]),  # noqa: UP045
-        ({"type": ["string", "integer"]}, typing.Union[str, int]),  # noqa: UP007
-        ({"anyOf": [{"type": "integer"}, {"type": "string"}]}, typing.Union[int, str]),  # noqa: UP007
-        ({"oneOf": [{"type": "integer"}, {"type": "null"}]}, Optional[int]),  # noqa: UP045
-        ({"anyOf": [{"type": "integer"}, {}]}, Any),
-        ({"type": "string", "nullable": True}, Optional[str]),  # noqa: UP045
-        ({"allOf": [{"type": "integer"}], "minimum": 1}, int),
-        ({"$ref": "#/nowhere"}, Any),
-        ({"$ref": "https://example.com/schema.json"}, Any),
-        ({"type": "wat"}, Any),
-        ("garbage", Any),
-        ({"items": {"type": "integer"}}, list[int]),
-        ({"properties": {"a": {}}}, dict),
-    ],
-)
+ANNOTATION_CASES = [
+    ({"type": "string"}, str),
+    ({"type": "integer"}, int),
+    ({"type": "number"}, float),
+    ({"type": "boolean"}, bool),
+    ({"type": "null"}, type(None)),
+    ({}, Any),
+    (True, Any),
+    ({"type": "array"}, list),
+    ({"type": "array", "items": {"type": "string"}}, list[str]),
+    ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}, tuple[int, str]),
+    ({"type": "array", "prefixItems": [{"type": "integer"}]}, list[int]),
+    ({"type": "object"}, dict),
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, dict[str, int]),
+    ({"type": "object", "additionalProperties": True}, dict),
+    ({"type": "object", "properties": {"a": {"type": "string"}}}, dict),
+    ({"enum": ["a", "b"]}, Literal["a", "b"]),
+    ({"enum": [1, "a", None, True]}, Literal[1, "a", None, True]),
+    ({"const": 3}, Literal[3]),
+    ({"enum": [[1], {"a": 1}], "type": "array"}, list),
+    ({"enum": [{"a": 1}]}, Any),
+    ({"type": ["string", "null"]}, Optional[str]),  # noqa: UP045
+    ({"type": ["string", "integer"]}, typing.Union[str, int]),  # noqa: UP007
+    ({"anyOf": [{"type": "integer"}, {"type": "string"}]}, typing.Union[int, str]),  # noqa: UP007
+    ({"oneOf": [{"type": "integer"}, {"type": "null"}]}, Optional[int]),  # noqa: UP045
+    ({"anyOf": [{"type": "integer"}, {}]}, Any),
+    ({"type": "string", "nullable": True}, Optional[str]),  # noqa: UP045
+    ({"allOf": [{"type": "integer"}], "minimum": 1}, int),
+    ({"$ref": "#/nowhere"}, Any),
+    ({"$ref": "https://example.com/schema.json"}, Any),
+    ({"type": "wat"}, Any),
+    ("garbage", Any),
+    ({"items": {"type": "integer"}}, list[int]),
+    ({"properties": {"a": {}}}, dict),
+]
+
+
+@pytest.mark.parametrize(("schema", "annotation"), ANNOTATION_CASES)
 def test_annotation_mapping(schema: Any, annotation: Any) -> None:
     assert schema_to_annotation(schema) == annotation
 
 
+ROUND_TRIP_CASES = [
+    {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "array", "items": {"type": "string"}}]}},
+    {"type": "array", "prefixItems": [{"enum": ["x", "y"]}, {"type": ["number", "null"]}], "maxItems": 2},
+    {"type": "object", "additionalProperties": {"type": "array", "items": {"type": "boolean"}}},
+    {"anyOf": [{"const": "auto"}, {"type": "integer", "minimum": 0}, {"type": "null"}]},
+    {"anyOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "string"}]},
+]
+
+
 def test_annotation_mapping_round_trips_through_get_json_schema() -> None:
-    cases = [
-        {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "array", "items": {"type": "string"}}]}},
-        {"type": "array", "prefixItems": [{"enum": ["x", "y"]}, {"type": ["number", "null"]}], "maxItems": 2},
-        {"type": "object", "additionalProperties": {"type": "array", "items": {"type": "boolean"}}},
-        {"anyOf": [{"const": "auto"}, {"type": "integer", "minimum": 0}, {"type": "null"}]},
-        {"anyOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "string"}]},
-    ]
-    for index, schema in enumerate(cases):
+    for index, schema in enumerate(ROUND_TRIP_CASES):
         spec = {
             "name": f"c{index}",
             "input_schema": {"type": "object", "properties": {"v": schema}, "required": ["v"]},
