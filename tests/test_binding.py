@@ -58,9 +58,7 @@ class FakeEnv:
 
 def adapter(result: BindingResult) -> type:
     """A fresh adapter class with the bound functions installed (like the real adapter does)."""
-    cls = type("Adapter", (FakeEnv,), {"result": result})
-    result.install(cls)
-    return cls
+    return type("Adapter", (FakeEnv,), {"result": result, **result.functions})
 
 
 def trl_tool_attributes(cls: type) -> list[str]:
@@ -561,7 +559,7 @@ def test_schemas_are_what_get_json_schema_renders() -> None:
     tools = 0
     for specs in _rendering_corpus():
         toolset = Toolset(specs)
-        expected = [get_json_schema(function) for function in toolset.functions]
+        expected = [get_json_schema(function) for function in toolset.binding.functions.values()]
         for got, want in zip(toolset.schemas, expected, strict=True):
             assert json.dumps(got) == json.dumps(want)
         seen.update(re.findall(r'"(\w+)": ', json.dumps(expected)))
@@ -621,7 +619,7 @@ ghosts = {"type": "object", "required": ["alpha", "beta", "gamma", "delta", "eps
 arms = {"anyOf": [{"type": "object", "properties": {"x": {}}, "required": [*"zyxwvu"]},
                   {"type": "object", "properties": {"y": {}}, "required": [*"uvwxyz"]}]}
 toolset = Toolset([{"name": "ghosts", "input_schema": ghosts}, {"name": "arms", "input_schema": arms}])
-json.dump([[str(inspect.signature(f)) for f in toolset.functions], toolset.schemas], sys.stdout)
+json.dump([[str(inspect.signature(f)) for f in toolset.binding.functions.values()], toolset.schemas], sys.stdout)
 """
 
 

@@ -18,13 +18,7 @@ from pydantic import BaseModel, Field
 from transformers.utils import get_json_schema
 
 from ors_trl.core.binding import bind_tools
-from ors_trl.core.schema import (
-    TRUNCATION_MARK,
-    describe_schema,
-    describe_tool,
-    python_parameter_names,
-    schema_to_annotation,
-)
+from ors_trl.core.schema import TRUNCATION_MARK, ParameterInfo, describe_tool, python_parameter_names
 
 # ------------------------------------------------------------------------------------------------------- models
 
@@ -256,6 +250,11 @@ def assert_reproduces(spec: dict) -> dict:
     return rendered
 
 
+def parameter(schema: Any) -> ParameterInfo:
+    """The one parameter, `value`, of a tool whose input has the property `{"value": schema}`."""
+    return describe_tool({"name": "t", "input_schema": {"type": "object", "properties": {"value": schema}}}).parameters[0]
+
+
 # ------------------------------------------------------------------------------------------------------- tests
 
 
@@ -437,7 +436,7 @@ ANNOTATION_CASES = [
 
 @pytest.mark.parametrize(("schema", "annotation"), ANNOTATION_CASES)
 def test_annotation_mapping(schema: Any, annotation: Any) -> None:
-    assert schema_to_annotation(schema) == annotation
+    assert parameter(schema).annotation == annotation
 
 
 ROUND_TRIP_CASES = [
@@ -623,8 +622,8 @@ def test_huge_and_deep_schemas_are_bounded() -> None:
         assert len(parameter.description) <= 2000
 
 
-def test_describe_schema_helper() -> None:
-    assert describe_schema({"type": "integer", "minimum": 1, "default": 2, "description": "Count"}) == (
+def test_a_parameter_description() -> None:
+    assert parameter({"type": "integer", "minimum": 1, "default": 2, "description": "Count"}).description == (
         "Count. Constraints: ≥ 1. Default: 2."
     )
 
@@ -634,7 +633,7 @@ def test_a_bound_names_no_variable_that_could_be_another_field() -> None:
     point = {"type": "object", "properties": {"x": {"type": "integer"},
                                               "y": {"type": "integer", "minimum": 0, "exclusiveMaximum": 10}},
              "required": ["x", "y"]}
-    text = describe_schema({"type": "object", "properties": {"p": point}, "required": ["p"]})
+    text = parameter({"type": "object", "properties": {"p": point}, "required": ["p"]}).description
     assert "x (integer, required); y (integer, required, ≥ 0 and < 10)" in text
     args = {p.remote_name: p.description for p in describe_tool({"name": "t", "input_schema": point}).parameters}
     assert args["y"] == "Y. Constraints: ≥ 0 and < 10."

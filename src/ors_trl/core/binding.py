@@ -135,17 +135,11 @@ class BindingResult:
     warnings: list[str] = field(default_factory=list)
     budget: Budget = field(default_factory=lambda: Budget(0))  # what the list's schemas cost (see `Budget`)
 
-    def install(self, cls: type) -> None:
-        """Set every function as an attribute of `cls` (replacing same-named attributes)."""
-        for attribute, function in self.functions.items():
-            setattr(cls, attribute, function)
-
 
 def defuse_docstring_text(text: str) -> str:
     """Neutralize the markers `get_json_schema`'s docstring regexes react to: `Args:`/`Returns:`/`Raises:` would end
     a block early (-> `Args :`), a trailing `(choices: ...)` would be JSON-parsed into an enum (-> `(choices :`)."""
-    text = _DOC_SECTION_RE.sub(r"\1 :", text)
-    return _CHOICES_RE.sub(r"(\1 :", text)
+    return _CHOICES_RE.sub(r"(\1 :", _DOC_SECTION_RE.sub(r"\1 :", text))
 
 
 def _display_base(remote: str) -> str:
@@ -314,10 +308,6 @@ class Toolset:
         terminal = f", terminal={self.terminal.name!r}" if self.terminal is not None else ""
         return f"Toolset({sorted(self.by_name)}{terminal})"
 
-    @property
-    def functions(self) -> list[FunctionType]:
-        return [bound.function for bound in self.binding.tools.values()]
-
     @cached_property
     def schemas(self) -> list[dict[str, Any]]:
         """The JSON schemas TRL renders for these tools (see `BoundTool.schema`), computed once."""
@@ -342,6 +332,7 @@ class Toolset:
             raise ToolRefusedError(str(exc), tool=name, reason="input_validation") from None
 
     def install(self, cls: type) -> type:
-        """Set every bound function on `cls` (an adapter class); returns `cls`."""
-        self.binding.install(cls)
+        """Set every bound function on `cls` (an adapter class), replacing same-named attributes; returns `cls`."""
+        for attribute, function in self.binding.functions.items():
+            setattr(cls, attribute, function)
         return cls

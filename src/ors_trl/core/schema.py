@@ -22,8 +22,8 @@ from .jsonschema import MISSING, Budget, Node, Normaliser, as_text, is_scalar, n
 from .jsonschema import single_line as single_line
 
 __all__ = ["DEFAULT_MAX_PARAM_DESCRIPTION", "DEFAULT_MAX_SCHEMA_NODES", "DEFAULT_MAX_TOOL_DESCRIPTION",
-           "TRUNCATION_MARK", "ParameterInfo", "ToolInfo", "describe_schema", "describe_tool", "hint_schema",
-           "python_parameter_names", "schema_to_annotation", "single_line", "tool_field", "unique_name"]
+           "TRUNCATION_MARK", "ParameterInfo", "ToolInfo", "describe_tool", "hint_schema", "python_parameter_names",
+           "single_line", "tool_field", "unique_name"]
 
 #: A parameter description longer than this is cut and marked with `TRUNCATION_MARK`.
 DEFAULT_MAX_PARAM_DESCRIPTION = 2_000
@@ -382,21 +382,6 @@ def _is_auto_title(title: str, name: str) -> bool:
 
 def _paren(label: str) -> str:
     return f"({label})" if " | " in label or ", " in label else label
-
-
-def schema_to_annotation(schema: Any, *, root: Any = None, max_nodes: int = DEFAULT_MAX_SCHEMA_NODES) -> Any:
-    """The type hint that `get_json_schema` renders as (the structural part of) `schema`; `root`: the document `$ref`
-    pointers resolve against (`schema` itself by default)."""
-    normaliser = Normaliser(schema if root is None else root, max_nodes)
-    return _annotation(normaliser.parameter(schema, (), 0))  # an annotation lists no fields
-
-
-def describe_schema(schema: Any, *, name: str = "value", root: Any = None,
-                    max_length: int = DEFAULT_MAX_PARAM_DESCRIPTION, max_nodes: int = DEFAULT_MAX_SCHEMA_NODES) -> str:
-    """The one-line parameter description for `schema`: its own description plus everything types cannot say."""
-    normaliser = Normaliser(schema if root is None else root, max_nodes)
-    node = normaliser.parameter(schema, (), _text_budget(max_length))
-    return _parameter_description(node, name, name, max_length)[0]
 
 
 def python_parameter_names(wire_names: list[str]) -> dict[str, str]:
