@@ -7,8 +7,11 @@ import builtins
 import inspect
 import json
 import logging
+import os
 import random
 import re
+import subprocess
+import sys
 import types
 from typing import Any
 
@@ -17,7 +20,7 @@ from pydantic import BaseModel, Field
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from ors_trl.core.binding import UNSET, BindingResult, bind_tools, defuse_docstring_text
+from ors_trl.core.binding import UNSET, BindingResult, Toolset, bind_tools, defuse_docstring_text
 from ors_trl.core.schema import describe_tool
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -55,9 +58,7 @@ class FakeEnv:
 
 def adapter(result: BindingResult) -> type:
     """A fresh adapter class with the bound functions installed (like the real adapter does)."""
-    cls = type("Adapter", (FakeEnv,), {"result": result})
-    result.install(cls)
-    return cls
+    return type("Adapter", (FakeEnv,), {"result": result, **result.functions})
 
 
 def trl_tool_attributes(cls: type) -> list[str]:
@@ -472,6 +473,102 @@ def test_fuzzed_schemas_never_crash() -> None:
         assert env.calls[-1][0] == result.remote_names[attribute]
 
 
+# ------------------------------------------------------------------------------- rendering without transformers
+
+#: Texts that stress `get_json_schema`'s docstring parse: tabs (expanded by column), indented lines (`inspect.getdoc`
+#: strips a common margin), Unicode spaces and line breaks, section and `(choices: ...)` markers.
+DOC_TEXTS = [*HOSTILE_STRINGS, "a\tb\tc", "\tlead", "x\n\ty\n\t\tz", "  in\n    more\n      most", "\u3000\u3000w\n\u3000x",
+             "first\n    second (choices: [\"a\"])", "Args\t: tab", "(choices\t: [1])", "end\t", "\x1c\x1d\x1e\x1f",
+             "a\u2028b\x85c", "\v\f", "a\r\nb\rc", "MyArgs: x\n\nReturns:\n  y", "x (choiceſ: [\"a\"])", "ß 名前",
+             "Returns:\n    str", "x\n\nArgs:\n    y: z"]  # fmt: skip
+_SCALARS = ["a", "", "x\ty", 1, 1.0, 0, 0.0, -0.0, True, False, None, 10**30, 2.5]
+_KINDS = ["string", "integer", "number", "boolean", "null", "array", "object"]
+
+
+def _typed(rng: random.Random, depth: int = 0) -> Any:
+    """A random schema of the shapes annotations carry (scalars, enums, arrays, tuples, maps, unions, nulls)."""
+    roll = rng.randrange(10) if depth < 4 else 0
+    out: dict[str, Any] = {"description": rng.choice(DOC_TEXTS)} if rng.random() < 0.3 else {}
+    if roll < 3:
+        out["type"] = rng.choice(_KINDS[:5])
+    elif roll == 3:
+        out["enum"] = rng.sample(_SCALARS, rng.randint(1, 5))
+    elif roll == 4:
+        out["const"] = rng.choice(_SCALARS)
+    elif roll == 5:
+        out.update(type="array", items=_typed(rng, depth + 1))
+    elif roll == 6:
+        out.update(type="array", prefixItems=[_typed(rng, depth + 1) for _ in range(rng.randint(1, 3))])
+    elif roll == 7:
+        key = rng.choice(["additionalProperties", "properties"])
+        out.update(type="object", **{key: _typed(rng, depth + 1) if key[0] == "a" else {"k": _typed(rng, depth + 1)}})
+    elif roll == 8:
+        out[rng.choice(["anyOf", "oneOf"])] = [_typed(rng, depth + 1) for _ in range(rng.randint(1, 4))]
+    else:
+        out["type"] = rng.sample(_KINDS, rng.randint(1, 3))
+    if rng.random() < 0.1:
+        out["nullable"] = True
+    return out
+
+
+def _rendering_corpus() -> list[list[dict]]:
+    """Tool lists from the schema, binding and fuzz tests, seeded random ones and hostile names and descriptions."""
+    from tests.fixtures.hostile_server import _deep_schema, expanding_tool
+    from tests.test_schema import ANNOTATION_CASES, ROUND_TRIP_CASES, TRAVEL, Cat, Dog, Location, Node, Stop
+
+    def tool(name: str, schema: Any, description: Any = "A tool.") -> dict:
+        return {"name": name, "description": description, "input_schema": schema}
+
+    def argument(schema: Any, required: bool = True) -> dict:
+        return {"type": "object", "properties": {"v": schema}, "required": ["v"] if required else []}
+
+    rng = random.Random(20240611)
+    models = [TRAVEL, *(model.model_json_schema() for model in (Location, Stop, Node, Cat, Dog, Args))]
+    schemas = [*(schema for schema, _ in ANNOTATION_CASES), *ROUND_TRIP_CASES]
+    loop = {"type": "object", "properties": {"x": {"$ref": "#/$defs/A"}},
+            "$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}}
+    hostile = [loop, {"$ref": "#"}, [], "string", {"properties": []}, {"type": ["object", "null"]}, {"anyOf": []},
+               {"allOf": [{"$ref": "#/nope"}]}, {"type": "object", "required": ["missing"], "properties": {}},
+               {"type": "object", "properties": {"": {}, "a": {"additionalProperties": {"$ref": "#"}}}},
+               {"type": "object", "properties": {"e": {"enum": [f"v{i}" for i in range(5000)]}}},
+               {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(300)}},
+               json.loads(_deep_schema(50)), json.loads(_deep_schema(400))]  # fmt: skip
+    return [
+        [tool(f"m{i}", model, model.get("description", "Model.")) for i, model in enumerate(models)],
+        [tool(f"a{i}", argument(schema, i % 2 == 0)) for i, schema in enumerate(schemas)],
+        [tool(f"h{i}", schema, f"Hostile {i}.") for i, schema in enumerate(hostile)],
+        [expanding_tool(i) for i in range(12)],
+        [simple_spec("search"), renamed_spec(), tool("reset", None, 'Restart.\nArgs:\n  evil: """')],
+        [tool(text, {"type": "object", "properties": {text: {"type": "string", "description": text, "title": text,
+                                                               "default": text, "pattern": text},
+                                                        "nested": {"properties": {text: {"description": text}}}},
+                     "required": [text]}, text) for text in DOC_TEXTS],
+        [tool(f"d{i}", None if i % 2 else {}, text) for i, text in enumerate(DOC_TEXTS)],  # no parameters
+        [tool(f"f{i}", _junk(rng), _junk(rng)) for i in range(800)],
+        [tool(f"g{i}", {"type": "object", "properties": {"a": _junk(rng), "b": _junk(rng)}, "required": _junk(rng),
+                        "$defs": {"A": _junk(rng), "B": _junk(rng)}}) for i in range(800)],
+        [tool(f"t{i}", {"type": "object", "properties": {rng.choice(DOC_TEXTS) + str(k): _typed(rng) for k in range(4)},
+                        "required": [rng.choice(DOC_TEXTS) + "0"]}, rng.choice(DOC_TEXTS)) for i in range(1500)],
+    ]
+
+
+def test_schemas_are_what_get_json_schema_renders() -> None:
+    """`Toolset.schemas` is computed without transformers (the core must not import it; evaluation against an
+    endpoint runs on a core install) and must be byte for byte what TRL renders into prompts with it."""
+    seen: set[str] = set()
+    tools = 0
+    for specs in _rendering_corpus():
+        toolset = Toolset(specs)
+        expected = [get_json_schema(function) for function in toolset.binding.functions.values()]
+        for got, want in zip(toolset.schemas, expected, strict=True):
+            assert json.dumps(got) == json.dumps(want)
+        seen.update(re.findall(r'"(\w+)": ', json.dumps(expected)))
+        tools += len(expected)
+    # The corpus reaches every shape of annotation and docstring the binding makes.
+    assert {"enum", "anyOf", "nullable", "items", "prefixItems", "additionalProperties", "return"} <= seen
+    assert tools > 3000
+
+
 # ------------------------------------------------------------------------------------------- chat templates
 
 TEMPLATE = (
@@ -510,3 +607,30 @@ def test_internal_error_falls_back_to_pass_through(monkeypatch: pytest.MonkeyPat
     assert get_json_schema(result.functions["t"])["function"]["parameters"] == {"type": "object", "properties": {}}
     env.t(anything=1)
     assert env.calls == [("t", {"anything": 1})]
+
+
+# --------------------------------------------------------------------------------------------------- determinism
+
+_SIGNATURES = """
+import inspect, json, sys
+sys.modules["transformers"] = None  # a core install: schemas are rendered without it
+from ors_trl.core.binding import Toolset
+ghosts = {"type": "object", "required": ["alpha", "beta", "gamma", "delta", "epsilon"]}
+arms = {"anyOf": [{"type": "object", "properties": {"x": {}}, "required": [*"zyxwvu"]},
+                  {"type": "object", "properties": {"y": {}}, "required": [*"uvwxyz"]}]}
+toolset = Toolset([{"name": "ghosts", "input_schema": ghosts}, {"name": "arms", "input_schema": arms}])
+json.dump([[str(inspect.signature(f)) for f in toolset.binding.functions.values()], toolset.schemas], sys.stdout)
+"""
+
+
+def test_signatures_and_schemas_do_not_depend_on_the_hash_seed() -> None:
+    """Bug: parameters required but missing from `properties` came in set order (PYTHONHASHSEED), so two training
+    processes built different signatures and prompts for one tool. Now `required`'s order is kept."""
+    outputs = {subprocess.run([sys.executable, "-c", _SIGNATURES], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "3")}
+    assert len(outputs) == 1
+    signatures, schemas = json.loads(outputs.pop())
+    assert signatures[0] == "(self, alpha: Any, beta: Any, gamma: Any, delta: Any, epsilon: Any) -> str"
+    # Properties first, then what both arms require, in the first arm's order.
+    assert signatures[1] == "(self, x: Any, y: Any, z: Any, w: Any, v: Any, u: Any) -> str"
+    assert schemas[0]["function"]["parameters"]["required"] == ["alpha", "beta", "gamma", "delta", "epsilon"]

@@ -18,13 +18,7 @@ from pydantic import BaseModel, Field
 from transformers.utils import get_json_schema
 
 from ors_trl.core.binding import bind_tools
-from ors_trl.core.schema import (
-    TRUNCATION_MARK,
-    describe_schema,
-    describe_tool,
-    python_parameter_names,
-    schema_to_annotation,
-)
+from ors_trl.core.schema import TRUNCATION_MARK, ParameterInfo, describe_tool, python_parameter_names
 
 # ------------------------------------------------------------------------------------------------------- models
 
@@ -256,6 +250,11 @@ def assert_reproduces(spec: dict) -> dict:
     return rendered
 
 
+def parameter(schema: Any) -> ParameterInfo:
+    """The one parameter, `value`, of a tool whose input has the property `{"value": schema}`."""
+    return describe_tool({"name": "t", "input_schema": {"type": "object", "properties": {"value": schema}}}).parameters[0]
+
+
 # ------------------------------------------------------------------------------------------------------- tests
 
 
@@ -398,57 +397,59 @@ def test_pydantic_v1_definitions_and_allof_wrapper() -> None:
     assert by_name["items"].annotation == tuple[int, str]
 
 
-@pytest.mark.parametrize(
-    ("schema", "annotation"),
-    [
-        ({"type": "string"}, str),
-        ({"type": "integer"}, int),
-        ({"type": "number"}, float),
-        ({"type": "boolean"}, bool),
-        ({"type": "null"}, type(None)),
-        ({}, Any),
-        (True, Any),
-        ({"type": "array"}, list),
-        ({"type": "array", "items": {"type": "string"}}, list[str]),
-        ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}, tuple[int, str]),
-        ({"type": "array", "prefixItems": [{"type": "integer"}]}, list[int]),
-        ({"type": "object"}, dict),
-        ({"type": "object", "additionalProperties": {"type": "integer"}}, dict[str, int]),
-        ({"type": "object", "additionalProperties": True}, dict),
-        ({"type": "object", "properties": {"a": {"type": "string"}}}, dict),
-        ({"enum": ["a", "b"]}, Literal["a", "b"]),
-        ({"enum": [1, "a", None, True]}, Literal[1, "a", None, True]),
-        ({"const": 3}, Literal[3]),
-        ({"enum": [[1], {"a": 1}], "type": "array"}, list),
-        ({"enum": [{"a": 1}]}, Any),
-        ({"type": ["string", "null"]}, Optional[str]),  # noqa: UP045
-        ({"type": ["string", "integer"]}, typing.Union[str, int]),  # noqa: UP007
-        ({"anyOf": [{"type": "integer"}, {"type": "string"}]}, typing.Union[int, str]),  # noqa: UP007
-        ({"oneOf": [{"type": "integer"}, {"type": "null"}]}, Optional[int]),  # noqa: UP045
-        ({"anyOf": [{"type": "integer"}, {}]}, Any),
-        ({"type": "string", "nullable": True}, Optional[str]),  # noqa: UP045
-        ({"allOf": [{"type": "integer"}], "minimum": 1}, int),
-        ({"$ref": "#/nowhere"}, Any),
-        ({"$ref": "https://example.com/schema.json"}, Any),
-        ({"type": "wat"}, Any),
-        ("garbage", Any),
-        ({"items": {"type": "integer"}}, list[int]),
-        ({"properties": {"a": {}}}, dict),
-    ],
-)
+ANNOTATION_CASES = [
+    ({"type": "string"}, str),
+    ({"type": "integer"}, int),
+    ({"type": "number"}, float),
+    ({"type": "boolean"}, bool),
+    ({"type": "null"}, type(None)),
+    ({}, Any),
+    (True, Any),
+    ({"type": "array"}, list),
+    ({"type": "array", "items": {"type": "string"}}, list[str]),
+    ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}, tuple[int, str]),
+    ({"type": "array", "prefixItems": [{"type": "integer"}]}, list[int]),
+    ({"type": "object"}, dict),
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, dict[str, int]),
+    ({"type": "object", "additionalProperties": True}, dict),
+    ({"type": "object", "properties": {"a": {"type": "string"}}}, dict),
+    ({"enum": ["a", "b"]}, Literal["a", "b"]),
+    ({"enum": [1, "a", None, True]}, Literal[1, "a", None, True]),
+    ({"const": 3}, Literal[3]),
+    ({"enum": [[1], {"a": 1}], "type": "array"}, list),
+    ({"enum": [{"a": 1}]}, Any),
+    ({"type": ["string", "null"]}, Optional[str]),  # noqa: UP045
+    ({"type": ["string", "integer"]}, typing.Union[str, int]),  # noqa: UP007
+    ({"anyOf": [{"type": "integer"}, {"type": "string"}]}, typing.Union[int, str]),  # noqa: UP007
+    ({"oneOf": [{"type": "integer"}, {"type": "null"}]}, Optional[int]),  # noqa: UP045
+    ({"anyOf": [{"type": "integer"}, {}]}, Any),
+    ({"type": "string", "nullable": True}, Optional[str]),  # noqa: UP045
+    ({"allOf": [{"type": "integer"}], "minimum": 1}, int),
+    ({"$ref": "#/nowhere"}, Any),
+    ({"$ref": "https://example.com/schema.json"}, Any),
+    ({"type": "wat"}, Any),
+    ("garbage", Any),
+    ({"items": {"type": "integer"}}, list[int]),
+    ({"properties": {"a": {}}}, dict),
+]
+
+
+@pytest.mark.parametrize(("schema", "annotation"), ANNOTATION_CASES)
 def test_annotation_mapping(schema: Any, annotation: Any) -> None:
-    assert schema_to_annotation(schema) == annotation
+    assert parameter(schema).annotation == annotation
+
+
+ROUND_TRIP_CASES = [
+    {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "array", "items": {"type": "string"}}]}},
+    {"type": "array", "prefixItems": [{"enum": ["x", "y"]}, {"type": ["number", "null"]}], "maxItems": 2},
+    {"type": "object", "additionalProperties": {"type": "array", "items": {"type": "boolean"}}},
+    {"anyOf": [{"const": "auto"}, {"type": "integer", "minimum": 0}, {"type": "null"}]},
+    {"anyOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "string"}]},
+]
 
 
 def test_annotation_mapping_round_trips_through_get_json_schema() -> None:
-    cases = [
-        {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "array", "items": {"type": "string"}}]}},
-        {"type": "array", "prefixItems": [{"enum": ["x", "y"]}, {"type": ["number", "null"]}], "maxItems": 2},
-        {"type": "object", "additionalProperties": {"type": "array", "items": {"type": "boolean"}}},
-        {"anyOf": [{"const": "auto"}, {"type": "integer", "minimum": 0}, {"type": "null"}]},
-        {"anyOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "string"}]},
-    ]
-    for index, schema in enumerate(cases):
+    for index, schema in enumerate(ROUND_TRIP_CASES):
         spec = {
             "name": f"c{index}",
             "input_schema": {"type": "object", "properties": {"v": schema}, "required": ["v"]},
@@ -621,8 +622,8 @@ def test_huge_and_deep_schemas_are_bounded() -> None:
         assert len(parameter.description) <= 2000
 
 
-def test_describe_schema_helper() -> None:
-    assert describe_schema({"type": "integer", "minimum": 1, "default": 2, "description": "Count"}) == (
+def test_a_parameter_description() -> None:
+    assert parameter({"type": "integer", "minimum": 1, "default": 2, "description": "Count"}).description == (
         "Count. Constraints: ≥ 1. Default: 2."
     )
 
@@ -632,7 +633,7 @@ def test_a_bound_names_no_variable_that_could_be_another_field() -> None:
     point = {"type": "object", "properties": {"x": {"type": "integer"},
                                               "y": {"type": "integer", "minimum": 0, "exclusiveMaximum": 10}},
              "required": ["x", "y"]}
-    text = describe_schema({"type": "object", "properties": {"p": point}, "required": ["p"]})
+    text = parameter({"type": "object", "properties": {"p": point}, "required": ["p"]}).description
     assert "x (integer, required); y (integer, required, ≥ 0 and < 10)" in text
     args = {p.remote_name: p.description for p in describe_tool({"name": "t", "input_schema": point}).parameters}
     assert args["y"] == "Y. Constraints: ≥ 0 and < 10."

@@ -6,6 +6,7 @@ TRL lists an adapter's tools with `inspect.getmembers(type(env), inspect.isfunct
 `exec`/`eval`/`compile` of generated source: a hostile name or description never runs as code) dressed with
 `__signature__`, `__annotations__` and a Google-style `__doc__` from `ors_trl.core.schema`, so `get_json_schema`
 reproduces the environment's schema; `defuse_docstring_text` keeps any description from breaking its parse.
+`BoundTool.schema` computes that very rendering without transformers (evaluation against an endpoint needs no TRL).
 
 Naming policy
     * `__name__` (what the model sees, what TRL routes by) is the exact tool name when it is a sane display name
@@ -36,7 +37,7 @@ from typing import Any
 from ..protocol.errors import ToolRefusedError
 from ..protocol.text import ascii_fold, json_size, one_line, show_name
 from .jsonschema import EXPANSION_FACTOR, EXPANSION_FLOOR, Budget
-from .schema import ParameterInfo, ToolInfo, describe_tool, single_line, tool_field, unique_name
+from .schema import ParameterInfo, ToolInfo, describe_tool, hint_schema, single_line, tool_field, unique_name
 
 __all__ = [
     "DEFAULT_RESERVED", "UNSET", "BindingResult", "BoundTool", "Toolset", "bind_tools", "defuse_docstring_text",
@@ -107,6 +108,20 @@ class BoundTool:
             out[wire] = value
         return out
 
+    def schema(self) -> dict[str, Any]:
+        """`transformers.utils.get_json_schema(self.function)`, without transformers: the docstring `_docstring` wrote
+        read back as its parser reads it (cleaned by `inspect.getdoc`, which expands tabs; defused, it has no marker
+        but ours) and each annotation as `hint_schema` renders it."""
+        description, _, block = inspect.getdoc(self.function).partition("\n\nArgs:\n")  # type: ignore[union-attr]
+        texts = [line.split(": ", 1)[1] for line in block.split("\n")] if block else []
+        properties = {p.python_name: {**hint_schema(p.annotation), "description": text}
+                      for p, text in zip(self.info.parameters, texts, strict=True)}
+        parameters: dict[str, Any] = {"type": "object", "properties": properties}
+        if required := [p.python_name for p in self.info.parameters if p.required]:
+            parameters["required"] = required
+        return {"type": "function", "function": {"name": self.name, "description": description,
+                                                 "parameters": parameters, "return": {"type": "string"}}}
+
 
 @dataclass
 class BindingResult:
@@ -120,17 +135,11 @@ class BindingResult:
     warnings: list[str] = field(default_factory=list)
     budget: Budget = field(default_factory=lambda: Budget(0))  # what the list's schemas cost (see `Budget`)
 
-    def install(self, cls: type) -> None:
-        """Set every function as an attribute of `cls` (replacing same-named attributes)."""
-        for attribute, function in self.functions.items():
-            setattr(cls, attribute, function)
-
 
 def defuse_docstring_text(text: str) -> str:
     """Neutralize the markers `get_json_schema`'s docstring regexes react to: `Args:`/`Returns:`/`Raises:` would end
     a block early (-> `Args :`), a trailing `(choices: ...)` would be JSON-parsed into an enum (-> `(choices :`)."""
-    text = _DOC_SECTION_RE.sub(r"\1 :", text)
-    return _CHOICES_RE.sub(r"(\1 :", text)
+    return _CHOICES_RE.sub(r"(\1 :", _DOC_SECTION_RE.sub(r"\1 :", text))
 
 
 def _display_base(remote: str) -> str:
@@ -299,19 +308,10 @@ class Toolset:
         terminal = f", terminal={self.terminal.name!r}" if self.terminal is not None else ""
         return f"Toolset({sorted(self.by_name)}{terminal})"
 
-    @property
-    def functions(self) -> list[FunctionType]:
-        return [bound.function for bound in self.binding.tools.values()]
-
     @cached_property
     def schemas(self) -> list[dict[str, Any]]:
-        """The JSON schemas TRL renders for these tools (`transformers.utils.get_json_schema`), computed once."""
-        try:
-            from transformers.utils import get_json_schema
-        except ImportError:
-            raise ImportError("rendering tool schemas needs transformers, exactly as training renders them: "
-                              "pip install 'ors-trl[trl]'") from None
-        return [get_json_schema(f) for f in self.functions]
+        """The JSON schemas TRL renders for these tools (see `BoundTool.schema`), computed once."""
+        return [bound.schema() for bound in self.binding.tools.values()]
 
     def route(self, name: str, arguments: Any) -> tuple[str, dict[str, Any]]:
         """The remote tool name and wire arguments of a model's call.
@@ -332,6 +332,7 @@ class Toolset:
             raise ToolRefusedError(str(exc), tool=name, reason="input_validation") from None
 
     def install(self, cls: type) -> type:
-        """Set every bound function on `cls` (an adapter class); returns `cls`."""
-        self.binding.install(cls)
+        """Set every bound function on `cls` (an adapter class), replacing same-named attributes; returns `cls`."""
+        for attribute, function in self.binding.functions.items():
+            setattr(cls, attribute, function)
         return cls

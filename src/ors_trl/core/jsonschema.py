@@ -275,18 +275,19 @@ class Normaliser:
         self.text_left = text
         return self.node(raw, stack, depth, depth)
 
-    def arguments(self, text: int, input_text: int) -> tuple[list[tuple[str, Node]], set[str], list]:
+    def arguments(self, text: int, input_text: int) -> tuple[list[tuple[str, Node]], dict[str, None], list]:
         """Normalise the root as a tool's input: its arguments (wire name, node), which are required, and sentences
         about the input as a whole: text, or `(text, node)` that the node's type label completes. An argument's
-        description may list `text` characters of fields, the sentences `input_text` in all."""
+        description may list `text` characters of fields, the sentences `input_text` in all. `required` keeps the
+        schema's order (a set's would change with PYTHONHASHSEED, and the signature with it)."""
         if self.root in (None, {}, True):
-            return [], set(), []
+            return [], {}, []
         root = self.deref(self.root, ())
         if root.cut:
-            return [], set(), [f"Input: {root.cut}"]
+            return [], {}, [f"Input: {root.cut}"]
         schema = root.schema
         properties = schema.get("properties")
-        required = _names(schema.get("required"))
+        required = dict.fromkeys(_names(schema.get("required")))
         sentences: list[str | tuple[str, Node]] = []
         if isinstance(properties, dict):
             properties = {name: sub for name, sub in properties.items() if isinstance(name, str)}
@@ -298,14 +299,14 @@ class Normaliser:
                 for arm in arms:
                     view = self.deref(arm, root.stack)
                     arm_properties = view.schema.get("properties")
-                    arm_required = _names(view.schema.get("required"))
+                    arm_required = dict.fromkeys(_names(view.schema.get("required")))
                     if isinstance(arm_properties, dict):
                         names = [name for name in arm_properties if isinstance(name, str)]
                         for name in names:
                             properties.setdefault(name, arm_properties[name])
                         sets.append(", ".join(f"{name_text(n)}{'' if n in arm_required else '?'}" for n in names))
-                    common = arm_required if common is None else common & arm_required
-                required = common or set()
+                    common = arm_required if common is None else dict.fromkeys(n for n in common if n in arm_required)
+                required = common or {}
                 if sets:
                     sentences.append("Accepts one of these argument sets (? = optional): "
                                      + " | ".join(f"({s})" for s in sets))
@@ -400,7 +401,7 @@ class Normaliser:
         """Merge `allOf` arms into one schema: properties are united, other keywords first-come."""
         merged = {key: value for key, value in schema.items() if key != "allOf"}
         properties = dict(merged["properties"]) if isinstance(merged.get("properties"), dict) else {}
-        required = _names(merged.get("required"), list)
+        required = _names(merged.get("required"))
         leftovers: list[str] = []
         for arm in arms:
             if not self.tick():
@@ -478,7 +479,7 @@ class Normaliser:
 
     def _object(self, schema: dict, stack: tuple[str, ...], depth: int, nested: int, described: bool) -> dict:
         properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-        required = _names(schema.get("required"), tuple)
+        required = tuple(_names(schema.get("required")))
         keyed = bool(properties or schema.get("patternProperties") or schema.get("required"))
         out: dict[str, Any] = {"required": required, "keyed": keyed}
         if (properties or required) and described:
@@ -554,9 +555,9 @@ def _notes(schema: dict) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def _names(value: Any, into: type = set) -> Any:
-    """The strings in a `required` list (none when it is not a list)."""
-    return into(name for name in value if isinstance(name, str)) if isinstance(value, list) else into()
+def _names(value: Any) -> list[str]:
+    """The strings in a `required` list, in order (none when it is not a list)."""
+    return [name for name in value if isinstance(name, str)] if isinstance(value, list) else []
 
 
 def _field_text(name: str, node: Node) -> int:

@@ -2,9 +2,10 @@
 
 TRL shows tools to the model through `transformers.utils.get_json_schema`, which reads only type hints (scalars,
 `list`, `tuple`, `dict[str, T]`, `Literal`, `Union`, `Optional`) and docstrings. Each schema, normalised
-once by `ors_trl.core.jsonschema`, becomes the annotation `get_json_schema` turns back into its structure, plus a
-deterministic single-line description of all the annotation cannot carry (nested fields and whether they are
-required, defaults, bounds, patterns, formats, counts, titles, ...), so nothing the environment says is lost.
+once by `ors_trl.core.jsonschema`, becomes the annotation `get_json_schema` turns back into its structure (as
+`hint_schema` does here, without transformers), plus a deterministic single-line description of all the annotation
+cannot carry (nested fields and whether they are required, defaults, bounds, patterns, formats, counts, titles, ...),
+so nothing the environment says is lost.
 """
 
 from __future__ import annotations
@@ -14,15 +15,15 @@ import re
 import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, get_args, get_origin
 
 from ..protocol.text import ascii_fold
 from .jsonschema import MISSING, Budget, Node, Normaliser, as_text, is_scalar, name_text, one_line, quote
 from .jsonschema import single_line as single_line
 
 __all__ = ["DEFAULT_MAX_PARAM_DESCRIPTION", "DEFAULT_MAX_SCHEMA_NODES", "DEFAULT_MAX_TOOL_DESCRIPTION",
-           "TRUNCATION_MARK", "ParameterInfo", "ToolInfo", "describe_schema", "describe_tool",
-           "python_parameter_names", "schema_to_annotation", "single_line", "tool_field", "unique_name"]
+           "TRUNCATION_MARK", "ParameterInfo", "ToolInfo", "describe_tool", "hint_schema", "python_parameter_names",
+           "single_line", "tool_field", "unique_name"]
 
 #: A parameter description longer than this is cut and marked with `TRUNCATION_MARK`.
 DEFAULT_MAX_PARAM_DESCRIPTION = 2_000
@@ -35,6 +36,7 @@ TRUNCATION_MARK = " …[truncated]"
 _INPUT_TEXT = DEFAULT_MAX_PARAM_DESCRIPTION * 2  # characters of field text worth producing for the tool description
 _NONE = type(None)
 _PRIMITIVES: dict[str, Any] = {"string": str, "integer": int, "number": float, "boolean": bool, "null": _NONE}
+_JSON_TYPES: dict[Any, str] = {hint: name for name, hint in _PRIMITIVES.items()} | {list: "array", dict: "object"}
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,32 @@ def _union(annotations: list[Any]) -> Any:
     if not unique or any(annotation is Any for annotation in unique):
         return Any
     return unique[0] if len(unique) == 1 else Union[tuple(unique)]  # noqa: UP007 - built from a runtime list
+
+
+def hint_schema(hint: Any) -> dict[str, Any]:
+    """The JSON schema `get_json_schema` writes for a type hint `_annotation` makes (transformers'
+    `_parse_type_hint`, for these hints only), so the core renders tools as TRL does without importing it."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is None:  # a plain type, or Any
+        return {"type": _JSON_TYPES[hint]} if hint in _JSON_TYPES else {}
+    if origin is Union:
+        parts = [hint_schema(arg) for arg in args if arg is not _NONE]
+        if len(parts) == 1:
+            out = parts[0]
+        elif all(part.keys() == {"type"} and isinstance(part["type"], str) for part in parts):
+            names = sorted({part["type"] for part in parts})
+            out = {"type": names[0] if len(names) == 1 else names}
+        else:
+            out = {"anyOf": parts}
+        return {**out, "nullable": True} if _NONE in args else out
+    if origin is Literal:
+        names = list(dict.fromkeys(_JSON_TYPES[type(value)] for value in args))
+        return {"type": names[0] if len(names) == 1 else names, "enum": list(args)}
+    if origin is list:
+        return {"type": "array", "items": hint_schema(args[0])}
+    if origin is tuple:
+        return {"type": "array", "prefixItems": [hint_schema(arg) for arg in args]}
+    return {"type": "object", "additionalProperties": hint_schema(args[1])}  # dict[str, T]
 
 
 @dataclass
@@ -354,21 +382,6 @@ def _is_auto_title(title: str, name: str) -> bool:
 
 def _paren(label: str) -> str:
     return f"({label})" if " | " in label or ", " in label else label
-
-
-def schema_to_annotation(schema: Any, *, root: Any = None, max_nodes: int = DEFAULT_MAX_SCHEMA_NODES) -> Any:
-    """The type hint that `get_json_schema` renders as (the structural part of) `schema`; `root`: the document `$ref`
-    pointers resolve against (`schema` itself by default)."""
-    normaliser = Normaliser(schema if root is None else root, max_nodes)
-    return _annotation(normaliser.parameter(schema, (), 0))  # an annotation lists no fields
-
-
-def describe_schema(schema: Any, *, name: str = "value", root: Any = None,
-                    max_length: int = DEFAULT_MAX_PARAM_DESCRIPTION, max_nodes: int = DEFAULT_MAX_SCHEMA_NODES) -> str:
-    """The one-line parameter description for `schema`: its own description plus everything types cannot say."""
-    normaliser = Normaliser(schema if root is None else root, max_nodes)
-    node = normaliser.parameter(schema, (), _text_budget(max_length))
-    return _parameter_description(node, name, name, max_length)[0]
 
 
 def python_parameter_names(wire_names: list[str]) -> dict[str, str]:
