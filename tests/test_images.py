@@ -27,8 +27,6 @@ from ors_trl import (
     LocalPolicy,
     OpenAIPolicy,
     OpenRewardSpec,
-    _images,
-    _trl,
     write_report,
 )
 from ors_trl.cli import main
@@ -36,9 +34,11 @@ from ors_trl.cli.inspect import collect, render_text
 from ors_trl.core.conversation import content
 from ors_trl.core.records import RecordWriter, read_records
 from ors_trl.demo._model import load_vision
+from ors_trl.protocol import images as _images
 from ors_trl.protocol.loop import get_loop
 from ors_trl.protocol.types import parse_blocks
 from ors_trl.testing import ReferenceServer
+from ors_trl.trl import backend as _trl
 from tests.conftest import check_no_leaks
 from tests.fixtures.environments import (
     BAD_IMAGES,
