@@ -85,20 +85,13 @@ def process_semaphore() -> asyncio.Semaphore | None:
 
 
 class Pace:
-    """Session opens per second, with a burst: each open takes the next free moment of one schedule (the generic
-    cell rate algorithm), kept in memory or, with `path`, in a lock file that local processes share.
+    """At most `rate` session opens per second, `burst` of them at once after a quiet spell: each open takes the next
+    free moment of one schedule (the generic cell rate algorithm), kept in memory or in the lock file `path` that local
+    processes share (created 0600 at the first open).
 
     A `429` or a `503 starting` halves the pace (once per interval: a batch refused at once halves it once; down to
     1/16 of `rate`) and starts the schedule again from then: opens already waiting take new moments at the slower
     pace. Each open that went through gives a fifth of the slow-down back.
-
-    Args:
-        rate (`float`):
-            sessions opened per second, at most.
-        burst (`int`, *optional*, defaults to `1`):
-            opens that may go at once after a quiet spell.
-        path (`Path`, *optional*):
-            the lock file that shares the schedule between processes (created 0600 at the first open).
     """
 
     MAX_SLOWDOWN = 16.0

@@ -161,8 +161,9 @@ class ClientOptions:
 
 
 class AsyncSession:
-    """One ORS session (one episode of one task). Create it with `AsyncClient.open_session`, which passes the
-    arguments; each is kept as the attribute of the same name.
+    """One ORS session (one episode of one task), from `AsyncClient.open_session`, which passes the arguments; each is
+    kept as the attribute of the same name, beside `opened_at` and `closed_at` (`time.monotonic()` when it was opened,
+    and when the server deleted it: None until then), `expired` (the server said it is gone) and `closed`.
 
     Args:
         client (`AsyncClient`):
@@ -179,16 +180,6 @@ class AsyncSession:
             How long opening took (waits included).
         created_at (`float`):
             `time.monotonic()` when its creation was asked for.
-
-    Attributes:
-        opened_at (`float`):
-            `time.monotonic()` when it was opened.
-        closed_at (`float` or `None`):
-            `time.monotonic()` when the server deleted it; `None` until then.
-        expired (`bool`):
-            `True` once the server said the session is gone.
-        closed (`bool`):
-            `True` after `close()`.
     """
 
     def __init__(self, client: AsyncClient, sid: str, *, split: str | None, index: int | None,
@@ -229,16 +220,15 @@ class AsyncSession:
         finally:
             self.last_activity = time.monotonic()
 
-    async def _request(self, method: str, suffix: str, *, scoped: bool = True) -> Any:
+    async def _get(self, suffix: str, *, scoped: bool = True) -> Any:
         """A GET in this session; a 404 (`scoped`) or a 410 marks it expired."""
         async with self._active():
-            return await self._transport.request(method, self.client._path(suffix), sid=self.sid,
-                                                 session_scoped=scoped)
+            return await self._transport.request("GET", self.client._path(suffix), sid=self.sid, session_scoped=scoped)
 
     @masked
     async def prompt(self) -> list[Block]:
         """The task's prompt blocks (waits for the environment's setup, riding out `starting`)."""
-        return parse_blocks(await self._request("GET", "/prompt"), where="prompt")
+        return parse_blocks(await self._get("/prompt"), where="prompt")
 
     @masked
     async def messages(self) -> list[Message]:
@@ -249,7 +239,7 @@ class AsyncSession:
             SessionExpiredError: the session is gone.
         """
         try:
-            raw = await self._request("GET", "/messages", scoped=False)  # a 404 may be an older server's: no route
+            raw = await self._get("/messages", scoped=False)  # a 404 may be an older server's: no route
         except NotFoundError as exc:
             if "active environment not found" in exc.detail.lower():  # the session is gone, not the route
                 self.expired = True
@@ -260,7 +250,7 @@ class AsyncSession:
     @masked
     async def tools(self) -> ToolList:
         """The session's full tool list: shared, task-specific and toolset tools."""
-        return ToolList.from_json(await self._request("GET", "/task_tools"), where="task_tools")
+        return ToolList.from_json(await self._get("/task_tools"), where="task_tools")
 
     @masked
     async def call(self, name: str, arguments: Mapping[str, Any] | None = None) -> ToolResult:
@@ -327,12 +317,9 @@ class AsyncSession:
         return True
 
     async def close(self) -> None:
-        """Delete the session on the server (`/delete`, then `/delete_session`). Idempotent, never raises for a
-        session that is already gone; concurrent callers share one close.
-
-        Its slot under `max_sessions` is free at once, and the server is waited for at most `CLOSE_WAIT_S` (1 s): a
-        slower delete goes on in the background, the client's `aclose()` waits for it (bounded), and until the server
-        has the session gone it stays in the orphan registry."""
+        """Delete the session on the server (`/delete`, then `/delete_session`); idempotent, never raises for one that
+        is already gone, concurrent callers share one close. Its slot is free at once; the server is waited for at
+        most `CLOSE_WAIT_S` (1 s), a slower delete going on in the background (`ors_trl.protocol.pool`)."""
         if self._close_task is None:
             self.closed = True
             self._close_task = self.client._pool.delete_soon(self.sid, session=self)
@@ -721,10 +708,9 @@ class AsyncClient:
         """Open a session for task `split`/`index`, or for an explicit `task_spec` (exactly one of `index` and
         `task_spec`): an `AsyncSession` (a `Session` from `Client.open_session`).
 
-        Whatever this creates on the server is deleted again if the open fails or is cancelled halfway; a request
-        that may have created something is waited for first (bounded), so that the delete cannot overtake it.
-        `aclose()` waits for opens still in flight and closes what they opened. Under `max_sessions`, waits (up to
-        `session_wait`) for a free slot.
+        Whatever this creates on the server is deleted again if the open fails or is cancelled halfway (a request that
+        may have created something is waited for first, bounded, so that the delete cannot overtake it). Under
+        `max_sessions`, waits (up to `session_wait`) for a free slot.
 
         Args:
             split (`str`, *optional*):

@@ -52,31 +52,17 @@ OpenSession = Any
 
 
 class SessionPool:
-    """The open sessions of one client: caps, keepalive, closing.
-
-    Args:
-        delete (`Callable[..., Awaitable[bool]]`):
-            deletes a session id on the server (the client's `/delete` + `/delete_session`; `quiet=True` logs
-            failures at debug level); True once the server has it gone; never raises.
-        delete_orphans (`Deleter`):
-            deletes session ids of a target (for the sweep of dead processes' orphans).
-        options (`ClientOptions`):
-            the client's options (`max_sessions`, `session_wait`, `keepalive_interval`, `max_session_rate`).
-        target (`str`, *optional*):
-            the server's name (the client's target), which the ids it hands out are claimed under.
-
-    Attributes:
-        duplicates (`int`):
-            session ids the server handed out that were already in use (refused; a fresh one was asked for).
-    """
+    """The open sessions of one client: caps, keepalive, closing, under the client's `options` (a `ClientOptions`).
+    `delete(sid, quiet=...)` deletes a session on the server (True once it is gone; never raises), `delete_orphans`
+    the ids of a target (the sweep of dead processes' orphans); the ids the server hands out are claimed under its
+    name, `target`. `duplicates` counts the ids it handed out that were already in use (refused, another asked for)."""
 
     def __init__(self, delete: Callable[..., Awaitable[bool]], delete_orphans: Deleter, options: Any,
                  target: str = "") -> None:
         self.delete, self.delete_orphans, self.target = delete, delete_orphans, target
         rate = options.max_session_rate
         self.pace = None if rate is None else Pace(*parse_rate(rate, "max_session_rate"))
-        self.max_sessions = options.max_sessions
-        self.session_wait = options.session_wait
+        self.max_sessions, self.session_wait = options.max_sessions, options.session_wait
         self.keepalive_interval = options.keepalive_interval
         self.sessions: set[OpenSession] = set()
         self.closed = False

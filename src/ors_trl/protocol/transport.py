@@ -564,7 +564,7 @@ class Transport:
                     headers = {k: v for k, v in headers.items() if k not in _CREDENTIAL_HEADERS}
             url = target
         else:
-            raise TransportError(f"{where}: more than {_MAX_REDIRECTS} redirects")
+            raise TransportError(f"{method} {url.split('?', 1)[0]}: more than {_MAX_REDIRECTS} redirects")
         try:
             async with resp:  # release() and wait_for_close(), as aiohttp's own request context manager does
                 yield resp
@@ -668,13 +668,9 @@ class Transport:
     @masked
     async def stream(self, path: str, *, body: dict[str, Any], sid: str, what: str, tool: str
                      ) -> tuple[Any, str | None]:
-        """Run one streamed call (`/call`, `/score_group`): returns (the decoded result, task id).
-
-        Error answers and connection failures before anything was sent are retried; a stream that drops after the
-        server named the call is resumed by that task id (the server replays the result), never re-posted without it;
-        one that drops before is a `StreamInterruptedError`. A stream naming another task than the one it resumes is a
-        `ProtocolError`.
-        """
+        """Run one streamed call (`/call`, `/score_group`): (the decoded result, task id). Resumed by its task id where
+        the stream drops (see the module docstring); a stream naming another task than the one it resumes is a
+        `ProtocolError`."""
         base, headers, _ = self._prepared(None, sid=sid, extra={"Content-Type": "application/json"}, stream=True)
         task_id: str | None = None
         resumes = 0
@@ -779,12 +775,9 @@ class _Dropped(Exception):
 async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, what: str, base: str = "",
                    sent_is_safe: bool = True, timeout: float | None = None,
                    mask: Callable[[str], str] = lambda text: text) -> T:
-    """Run `attempt()` until it succeeds, under `policy`: the one retry loop for every request kind.
-
-    Retried with backoff: an `_Again` that is not final (honouring `Retry-After`) and a connection that could not be
-    made (nothing was sent); a reset or a timeout after the request was sent only when `sent_is_safe`. A `503` with
-    `X-Backend-State: starting` is waited out for up to `policy.starting_timeout`, its polls backing off as attempts do
-    without counting as one. `mask` hides secrets in what an aiohttp error says (a URL), before it is cut.
+    """Run `attempt()` until it succeeds, under `policy`: the one retry loop (the module docstring says what is
+    retried). A reset or a timeout after sending is retried only when `sent_is_safe`; a `starting` poll backs off as
+    attempts do without counting as one. `mask` hides secrets in what an aiohttp error says (a URL), before it is cut.
     """
     loop = asyncio.get_running_loop()
     attempts = polls = 0
