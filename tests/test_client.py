@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import threading
 
@@ -371,3 +372,80 @@ def test_a_fork_while_another_thread_holds_the_session_cap_lock_does_not_deadloc
         release.set()
         thread.join(10)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def test_a_json_api_goes_through_the_one_transport() -> None:
+    """`Transport.for_url(...).post_json` (what `OpenAIPolicy` needs of an OpenAI-compatible endpoint): 429 and 5xx
+    retried, other statuses final, the key masked in answers and errors (no exception chain), every failure the
+    caller's error class, and a redirect to another host followed without `Authorization`."""
+    import traceback
+
+    from ors_trl import PolicyError
+    from ors_trl.protocol.loop import get_loop
+    from ors_trl.protocol.transport import RetryPolicy, Transport
+    from ors_trl.testing.faults import EchoHeaders, FaultProxy, Redirect, Reply, Status
+
+    key = "sk-json-api-" + "7" * 24
+    retry = RetryPolicy(max_attempts=3, backoff_initial=0.01, backoff_max=0.02)
+    with FaultProxy(None) as endpoint, FaultProxy(None) as elsewhere:
+        api = Transport.for_url(endpoint.url + "/v1/", error=PolicyError, headers={"Authorization": f"Bearer {key}"},
+                                secrets=[key], retry=retry)
+
+        def post() -> object:
+            return get_loop().run(api.post_json("/chat/completions", {"model": "m"}))
+
+        def failure() -> PolicyError:
+            with pytest.raises(PolicyError) as info:
+                post()
+            chain = "".join(traceback.format_exception(info.value))
+            assert info.value.__context__ is None and info.value.__cause__ is None and key not in chain, chain
+            return info.value
+
+        endpoint.add(Status(429)).add(Status(500)).add(Reply(json.dumps({"echo": f"key {key}"})))
+        assert post() == {"echo": "key ***"} and endpoint.count("/v1/chat/completions") == 3
+        assert endpoint.requests[-1].json() == {"model": "m"}
+        assert endpoint.requests[-1].headers["authorization"] == f"Bearer {key}"
+
+        endpoint.clear()
+        endpoint.add(EchoHeaders(401), times=None)
+        error = failure()
+        assert "HTTP 401 from" in str(error) and "Bearer ***" in str(error) and endpoint.count() == 1  # final
+
+        endpoint.clear()
+        endpoint.add(Status(503), times=None)
+        assert "gave up after 3 attempts" in str(failure()) and endpoint.count() == 3
+
+        endpoint.clear()
+        endpoint.add(Reply(f"not JSON, {key}"))
+        assert "invalid JSON" in str(failure())
+
+        endpoint.clear()
+        endpoint.add(Redirect(elsewhere.url + "/v1/chat/completions"))
+        elsewhere.add(Reply('{"ok": true}'))
+        assert post() == {"ok": True}
+        assert "authorization" not in elsewhere.requests[-1].headers
+        get_loop().run(api.aclose())
+
+    gone = Transport.for_url(f"http://127.0.0.1:{free_port()}", error=PolicyError, retry=retry)
+    with pytest.raises(PolicyError, match="cannot connect"):
+        get_loop().run(gone.post_json("/chat/completions", {}))
+    get_loop().run(gone.aclose())
+    with pytest.raises(ConfigurationError, match="base_url"):
+        Transport.for_url("127.0.0.1:8000/v1", error=PolicyError)
+
+
+def test_client_options_are_one_object_and_keywords_still_work(ref_server) -> None:
+    """The client's options are one `ClientOptions` (documented once); each may still be passed as a keyword, which
+    replaces the object's, and an unknown keyword is a `ConfigurationError` that names it and the valid ones."""
+    from ors_trl import ClientOptions, RetryPolicy, Timeouts
+
+    options = ClientOptions(env_name="EchoEnvironment", timeouts=Timeouts(request=30.0))
+    with Client(ref_server.url, options, retry=RetryPolicy(max_attempts=2)) as c:
+        assert c.environment() == "echoenvironment" and c.num_tasks("train") > 0
+        assert c.options.timeouts == Timeouts(request=30.0) and c.options.retry == RetryPolicy(max_attempts=2)
+        assert c.async_client.timeouts.request == 30.0
+    with pytest.raises(ConfigurationError, match=r"'max_session'; the options are .*max_sessions.*see ClientOptions"):
+        AsyncClient(ref_server.url, max_session=3)
+    with pytest.raises(ConfigurationError, match="max_sessions must be at least 1"):
+        ClientOptions(max_sessions=0)
+    assert "sk-hidden" not in repr(ClientOptions(api_key="sk-hidden-123", secrets={"k": "sk-hidden-456"}))

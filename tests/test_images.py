@@ -143,7 +143,7 @@ def test_hostile_images_are_placeholders_in_prompts_and_tool_outputs(image_serve
         if kind == "bomb":
             [bomb] = [b for b in env.episode.prompt.messages[0].blocks if isinstance(b, ImageBlock)
                       and b.info().error]
-            assert bomb._memo[1] is None  # Pillow refused it at its header: no pixel was decoded
+            assert bomb._image is None  # Pillow refused it at its header: no pixel was decoded
             with pytest.raises(ImageError, match="decompression bomb"):
                 bomb.image()
         assert env.good() != []  # the session goes on

@@ -15,7 +15,7 @@ from .evaluation.policies import LocalPolicy, OpenAIPolicy, Policy, PolicyReply
 from .evaluation.runner import EvalReport, MixEvalReport
 from .mix import OpenRewardMix
 from .protocol.budget import get_max_sessions, set_max_sessions
-from .protocol.client import AsyncClient, AsyncSession, Client, Session
+from .protocol.client import AsyncClient, AsyncSession, Client, ClientOptions, Session
 from .protocol.errors import (
     APIStatusError,
     AuthenticationError,
@@ -72,6 +72,7 @@ __all__ = [
     "AuthenticationError",
     "BadRequestError",
     "Client",
+    "ClientOptions",
     "ConfigurationError",
     "ContextLengthExceeded",
     "EnvMetrics",

@@ -20,9 +20,7 @@ import logging
 import math
 import os
 import re
-import socket
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -30,6 +28,7 @@ from typing import Any, Literal, NotRequired, TypedDict
 
 from ..protocol.files import is_regular, write_atomic
 from ..protocol.images import as_bytes
+from ..protocol.registry import RUN_ID
 from ..protocol.text import clean_json, clip, repair
 
 __all__ = ["MAX_DEPTH", "RECORD_VERSION", "RUN_ID", "CallRecord", "EndReason", "EpisodeRecord", "ImageRecord",
@@ -40,8 +39,6 @@ logger = logging.getLogger("ors_trl")
 
 #: Version of the episode record schema (`EpisodeRecord`).
 RECORD_VERSION = 3
-#: Tells the records of one process run apart from another's in merged logs.
-RUN_ID = f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
 
 
 class ErrorRecord(TypedDict):

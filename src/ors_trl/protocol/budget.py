@@ -1,14 +1,10 @@
 """What a process may open: a cap on open ORS sessions, and a pace of session creation.
 
-64 training processes x 64 rollouts would otherwise open 4,096 sessions at once against a server
-that may not take them. With a cap, opening a session past it waits (queues) for one to close
-instead of failing. Set it with `set_max_sessions(n)` or the `ORS_TRL_MAX_SESSIONS` environment
-variable; per-client caps (`max_sessions=` on a spec or client) apply on top.
-
-A sandbox platform also throttles how fast sessions are *created*. A `Pace` spreads opens at a
-rate, with a burst: per client (`max_session_rate=` on a spec or client), and for every process
-that shares a working directory (`ORS_TRL_MAX_SESSION_RATE="RATE[:BURST]"`, one budget kept in a
-lock file under `ors_trl.protocol.registry.state_dir()`). Without a pace a batch opens at once.
+64 training processes x 64 rollouts would otherwise open 4,096 sessions at once against a server that may not take
+them. Past the cap (`set_max_sessions(n)` or `ORS_TRL_MAX_SESSIONS`; a client's `max_sessions` applies on top) an open
+waits for a session to close instead of failing. A sandbox platform also throttles how fast sessions are *created*: a
+`Pace` spreads opens at a rate, with a burst, per client (`max_session_rate`) and for every process sharing a working
+directory (`ORS_TRL_MAX_SESSION_RATE="RATE[:BURST]"`, one schedule in a lock file under `registry.state_dir()`).
 """
 
 from __future__ import annotations
@@ -47,15 +43,12 @@ _semaphores: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaph
 
 
 def set_max_sessions(limit: int | None) -> None:
-    """Cap the sessions this process keeps open at once. Call before opening sessions.
+    """Cap the sessions this process keeps open at once, over all its clients (call before opening sessions); a
+    `ConfigurationError` for a `limit` that is not a positive int or `None`.
 
     Args:
         limit (`int` or `None`):
-            The most sessions open at once, over every client of the process (`None`: no cap). Overrides
-            `ORS_TRL_MAX_SESSIONS`.
-
-    Raises:
-        ConfigurationError: `limit` is not a positive int or `None`.
+            The most sessions open at once (`None`: no cap). Overrides `ORS_TRL_MAX_SESSIONS`.
     """
     global _limit, _limit_set
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
@@ -66,14 +59,8 @@ def set_max_sessions(limit: int | None) -> None:
 
 
 def get_max_sessions() -> int | None:
-    """The process-wide session cap.
-
-    Returns:
-        `int` or `None`: The cap `set_max_sessions` set, else `ORS_TRL_MAX_SESSIONS`, else `None` (no cap).
-
-    Raises:
-        ConfigurationError: `ORS_TRL_MAX_SESSIONS` is not an integer of at least 1.
-    """
+    """The process-wide session cap: the one `set_max_sessions` set, else `ORS_TRL_MAX_SESSIONS` (a
+    `ConfigurationError` if it is not an integer of at least 1), else `None` (no cap)."""
     if _limit_set:
         return _limit
     raw = os.environ.get(ENV_VAR, "").strip()
@@ -98,20 +85,13 @@ def process_semaphore() -> asyncio.Semaphore | None:
 
 
 class Pace:
-    """Session opens per second, with a burst: each open takes the next free moment of one schedule (the generic
-    cell rate algorithm), kept in memory or, with `path`, in a lock file that local processes share.
+    """At most `rate` session opens per second, `burst` of them at once after a quiet spell: each open takes the next
+    free moment of one schedule (the generic cell rate algorithm), kept in memory or in the lock file `path` that local
+    processes share (created 0600 at the first open).
 
     A `429` or a `503 starting` halves the pace (once per interval: a batch refused at once halves it once; down to
     1/16 of `rate`) and starts the schedule again from then: opens already waiting take new moments at the slower
     pace. Each open that went through gives a fifth of the slow-down back.
-
-    Args:
-        rate (`float`):
-            sessions opened per second, at most.
-        burst (`int`, *optional*, defaults to `1`):
-            opens that may go at once after a quiet spell.
-        path (`Path`, *optional*):
-            the lock file that shares the schedule between processes (created 0600 at the first open).
     """
 
     MAX_SLOWDOWN = 16.0

@@ -1,10 +1,9 @@
 """The ORS client: the environment's endpoints and its sessions; async API plus a synchronous facade.
 
-`AsyncClient` / `AsyncSession` run on whatever event loop awaits them (the CLI, the rollout
-engine). `Client` / `Session` are the same objects driven from any thread through the process's
-background loop (`ors_trl.protocol.loop`), which is what TRL's synchronous `reset()` and tool methods use.
-
-When a session may open, keepalive and closing what is left are the client's `SessionPool`
+`AsyncClient` / `AsyncSession` run on whatever event loop awaits them (the CLI, the rollout engine). `Client` /
+`Session` are the same objects driven from any thread through the process's background loop
+(`ors_trl.protocol.loop`), which is what TRL's synchronous `reset()` and tool methods use. Their options are one
+`ClientOptions`. When a session may open, keepalive and closing what is left are the client's `SessionPool`
 (`ors_trl.protocol.pool`); this module speaks the requests.
 """
 
@@ -12,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import ipaddress
 import itertools
@@ -21,9 +21,11 @@ import re
 import socket
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from .budget import parse_rate
 from .errors import (
     BadRequestError,
     ConfigurationError,
@@ -39,8 +41,8 @@ from .errors import (
 from .loop import BackgroundLoop, get_loop
 from .pool import CLOSE_WAIT_S, OPENING_WAIT_S, Lease, SessionPool
 from .target import SecretValue, Target, encode_secrets, resolve_target
-from .text import show_name
-from .transport import RetryPolicy, Timeouts, Transport, masking, readable
+from .text import readable, show_name
+from .transport import RetryPolicy, Timeouts, Transport, masked
 from .types import (
     MAX_ENVIRONMENTS,
     MAX_SPLITS,
@@ -56,30 +58,112 @@ from .types import (
     quoted,
 )
 
-__all__ = ["AsyncClient", "AsyncSession", "Client", "Session"]
+__all__ = ["AsyncClient", "AsyncSession", "Client", "ClientOptions", "Session"]
 
 logger = logging.getLogger("ors_trl.client")
 
 # Retries for deleting sessions while shutting down: a dead server must not hold up interpreter exit.
 _QUICK_RETRY = RetryPolicy(max_attempts=2, backoff_initial=0.1, backoff_max=0.5)
 _ORPHAN_CONCURRENCY = 16
-#: Bound on the connection that tells whether a loopback server is gone (a refusal is immediate).
-_PROBE_S = 2.0
+_PROBE_S = 2.0  # bound on the connection that tells whether a loopback server is gone (a refusal is immediate)
 #: A session id the server hands out travels in the `X-Session-ID` header of every later request: visible ASCII only.
 _SESSION_ID = re.compile(r"[\x21-\x7e]{1,256}")
 #: An environment name from `/list_environments` becomes a URL path segment: no `/`, `?`, `#`, `%`, nothing to escape.
 _ENV_NAME = re.compile(r"[A-Za-z0-9._~!$&'()*+,;=:@-]{1,200}")
+_SEGMENT_RULE = "1 to 200 of A-Z a-z 0-9 . _ ~ - and the other characters a path segment takes unescaped"
 #: Rows of the platform's task difficulty accepted in one answer (one per task, like a whole split's tasks).
 MAX_DIFFICULTY_ROWS = 100_000
 
 
-#: The calls of `AsyncClient` and `AsyncSession` mask their transport's secrets in the errors they raise.
-_masked = masking(lambda self: self._transport)
+@dataclass(frozen=True)
+class ClientOptions:
+    """How a client reaches an environment and keeps its sessions: the options `AsyncClient`, `Client`,
+    `OpenRewardSpec`, `OpenRewardMix` and the CLI take, documented here once. Each may also be passed to a client as
+    a keyword of its own (`AsyncClient(url, api_key=..., timeouts=...)`).
+
+    Args:
+        env_name (`str`, *optional*):
+            Which environment on a server hosting several (case-insensitive). Not needed when the server hosts one.
+        api_key (`str`, *optional*):
+            The OpenReward key; defaults to `OPENREWARD_API_KEY` for catalog names. Sent only to the platform's
+            hosts, or to a self-hosted URL when passed explicitly.
+        secrets (`Mapping[str, str | tuple[str, Sequence[str]]]`, *optional*):
+            Sent with every session in `X-Secrets`; a value is a string or `(value, allowed_domains)`.
+        timeouts (`Timeouts`, *optional*):
+            Connect, request and tool-call deadlines (`Timeouts()` when omitted).
+        retry (`RetryPolicy`, *optional*):
+            Retries of transient failures (`RetryPolicy()` when omitted).
+        keepalive_interval (`float`, *optional*, defaults to `10.0`):
+            Seconds between pings of an idle open session; None disables keepalive.
+        max_sessions (`int`, *optional*):
+            Cap on sessions open at once through this client; `open_session` queues (up to `session_wait` seconds)
+            rather than fails when it is reached.
+        session_wait (`float`, *optional*, defaults to `1800.0`):
+            How long `open_session` may wait for a free slot under `max_sessions` (None: no limit).
+        max_connections (`int`, *optional*, defaults to `0`):
+            Connection pool size (0: unlimited).
+        max_session_rate (`float` or `tuple[float, int]`, *optional*):
+            Sessions this client creates per second, or `(rate, burst)` (burst 1 otherwise); opens past it wait
+            their turn, and a 429 or `503 starting` slows it. None: a batch opens at once.
+        toolset (`str`, *optional*):
+            The platform toolset every session gets (`toolset_name`, e.g. `"codex"`); a toolset the server refuses
+            is a `ConfigurationError` at the first open.
+        toolset_fallback (`bool`, *optional*, defaults to `False`):
+            When the server refuses `toolset`, open sessions without it (said once in the log) instead.
+        env_overrides (`Mapping[str, str]`, *optional*):
+            Environment variables for every session (sent with `/create_session`; on the platform, callers other
+            than the environment's owner may set only the OpenAI/Anthropic URL and key variables). Masked like
+            secrets; a self-hosted reference server ignores them.
+
+    Raises:
+        ConfigurationError: an option that cannot work (named in the message).
+    """
+
+    env_name: str | None = None
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    secrets: Mapping[str, SecretValue] | None = dataclasses.field(default=None, repr=False)
+    timeouts: Timeouts | None = None
+    retry: RetryPolicy | None = None
+    keepalive_interval: float | None = 10.0
+    max_sessions: int | None = None
+    session_wait: float | None = 1800.0
+    max_connections: int = 0
+    max_session_rate: float | tuple[float, int] | None = None
+    toolset: str | None = None
+    toolset_fallback: bool = False
+    env_overrides: Mapping[str, str] | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.env_name is not None and not _is_segment(self.env_name):  # it goes into every request's path as it is
+            raise ConfigurationError(f"env_name {quoted(self.env_name, 100)} cannot be part of a URL path; pass an "
+                                     f"environment's key as the server lists it ({_SEGMENT_RULE})")
+        if self.toolset is not None and (not isinstance(self.toolset, str) or not self.toolset.strip()):
+            raise ConfigurationError(f"toolset must be a toolset's name (e.g. 'codex') or None, got {self.toolset!r}")
+        if self.env_overrides is not None and not (isinstance(self.env_overrides, Mapping) and all(
+                isinstance(k, str) and k and isinstance(v, str) for k, v in self.env_overrides.items())):
+            raise ConfigurationError("env_overrides must map environment variable names to string values")
+        if self.keepalive_interval is not None and self.keepalive_interval <= 0:
+            raise ConfigurationError("keepalive_interval must be positive, or None to disable keepalive")
+        if self.max_sessions is not None and self.max_sessions < 1:
+            raise ConfigurationError("max_sessions must be at least 1, or None for no cap")
+        if self.max_session_rate is not None:
+            parse_rate(self.max_session_rate, "max_session_rate")
+
+    @classmethod
+    def _of(cls, options: ClientOptions | None, overrides: Mapping[str, Any]) -> ClientOptions:
+        """`options` (default ones when None) with the fields `overrides` names replaced; a `ConfigurationError`
+        naming any key that is no option, and the options there are."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        if unknown := sorted(set(overrides) - set(names)):
+            raise ConfigurationError(f"unknown client option(s) {', '.join(map(repr, unknown))}; the options are "
+                                     f"{', '.join(names)} (see ClientOptions)")
+        return dataclasses.replace(options or cls(), **overrides)
 
 
 class AsyncSession:
-    """One ORS session (one episode of one task). Create it with `AsyncClient.open_session`, which passes the
-    arguments; each is kept as the attribute of the same name.
+    """One ORS session (one episode of one task), from `AsyncClient.open_session`, which passes the arguments; each is
+    kept as the attribute of the same name, beside `opened_at` and `closed_at` (`time.monotonic()` when it was opened,
+    and when the server deleted it: None until then), `expired` (the server said it is gone) and `closed`.
 
     Args:
         client (`AsyncClient`):
@@ -96,33 +180,17 @@ class AsyncSession:
             How long opening took (waits included).
         created_at (`float`):
             `time.monotonic()` when its creation was asked for.
-
-    Attributes:
-        opened_at (`float`):
-            `time.monotonic()` when it was opened.
-        closed_at (`float` or `None`):
-            `time.monotonic()` when the server deleted it; `None` until then.
-        expired (`bool`):
-            `True` once the server said the session is gone.
-        closed (`bool`):
-            `True` after `close()`.
     """
 
     def __init__(self, client: AsyncClient, sid: str, *, split: str | None, index: int | None,
                  task_spec: Mapping[str, Any] | None, open_seconds: float, created_at: float) -> None:
-        self.client = client
+        self.client, self.sid, self.split, self.index = client, sid, split, index
         self._transport: Transport = client._transport
-        self.created_at = created_at
-        self.closed_at: float | None = None
-        self.sid = sid
-        self.split = split
-        self.index = index
         self.task_spec = dict(task_spec) if task_spec is not None else None
-        self.opened_at = time.monotonic()
-        self.open_seconds = open_seconds
-        self.last_activity = time.monotonic()
-        self.expired = False
-        self.closed = False
+        self.created_at, self.open_seconds = created_at, open_seconds
+        self.opened_at = self.last_activity = time.monotonic()
+        self.closed_at: float | None = None
+        self.expired = self.closed = False
         self._close_task: asyncio.Task[None] | None = None
         self._lease: Lease = ()  # session-cap slots, given back on close
 
@@ -137,28 +205,32 @@ class AsyncSession:
         it was deleted."""
         return (self.closed_at or time.monotonic()) - self.created_at
 
-    def _check_open(self) -> None:
+    @contextlib.asynccontextmanager
+    async def _active(self) -> AsyncIterator[None]:
+        """A request in this session: refused once it is closed; its start and end are activity (keepalive); an answer
+        saying the session is gone marks it expired."""
         if self.closed:
             raise UsageError(f"session {self.sid} is closed; open a new one")
-
-    async def _request(self, method: str, suffix: str, *, scoped: bool = True) -> Any:
-        """A request in this session: refused once it is closed; its start is activity (keepalive); a 404 (`scoped`)
-        or a 410 marks the session expired."""
-        self._check_open()
         self.last_activity = time.monotonic()
         try:
-            return await self._transport.request(method, self.client._path(suffix), sid=self.sid, session_scoped=scoped)
+            yield
         except SessionExpiredError:
             self.expired = True
             raise
+        finally:
+            self.last_activity = time.monotonic()
 
-    @_masked
+    async def _get(self, suffix: str, *, scoped: bool = True) -> Any:
+        """A GET in this session; a 404 (`scoped`) or a 410 marks it expired."""
+        async with self._active():
+            return await self._transport.request("GET", self.client._path(suffix), sid=self.sid, session_scoped=scoped)
+
+    @masked
     async def prompt(self) -> list[Block]:
         """The task's prompt blocks (waits for the environment's setup, riding out `starting`)."""
-        raw = await self._request("GET", "/prompt")
-        return parse_blocks(raw, where="prompt")
+        return parse_blocks(await self._get("/prompt"), where="prompt")
 
-    @_masked
+    @masked
     async def messages(self) -> list[Message]:
         """The task's prompt as a role-tagged conversation (`/messages`, servers from SDK 0.1.157 on).
 
@@ -167,7 +239,7 @@ class AsyncSession:
             SessionExpiredError: the session is gone.
         """
         try:
-            raw = await self._request("GET", "/messages", scoped=False)  # a 404 may be an older server's: no route
+            raw = await self._get("/messages", scoped=False)  # a 404 may be an older server's: no route
         except NotFoundError as exc:
             if "active environment not found" in exc.detail.lower():  # the session is gone, not the route
                 self.expired = True
@@ -175,12 +247,12 @@ class AsyncSession:
             raise
         return parse_messages(raw)
 
-    @_masked
+    @masked
     async def tools(self) -> ToolList:
         """The session's full tool list: shared, task-specific and toolset tools."""
-        return ToolList.from_json(await self._request("GET", "/task_tools"), where="task_tools")
+        return ToolList.from_json(await self._get("/task_tools"), where="task_tools")
 
-    @_masked
+    @masked
     async def call(self, name: str, arguments: Mapping[str, Any] | None = None) -> ToolResult:
         """Call a tool in this session.
 
@@ -189,9 +261,6 @@ class AsyncSession:
                 The tool's name.
             arguments (`Mapping[str, Any]`, *optional*):
                 Its arguments (none when omitted).
-
-        Returns:
-            `ToolResult`: What the tool returned.
 
         Raises:
             ToolRefusedError: the server refused the call (`.reason` says why).
@@ -205,18 +274,14 @@ class AsyncSession:
         # A refusal quotes the server: `quote` masks secrets it echoed and escapes control characters.
         return _parse_call_result(body, tool=name, task_id=task_id, quote=self._transport.decoder.quote)
 
-    @_masked
+    @masked
     async def score_group(self, candidates: list[dict[str, Any]]) -> list[GroupScore]:
-        """Score a GRPO group of this session's task (`/score_group`).
-
-        Streamed like a tool call (keepalive, resume by task id).
+        """Score a GRPO group of this session's task (`/score_group`), streamed like a tool call: one score per
+        candidate, in order.
 
         Args:
             candidates (`list[dict[str, Any]]`):
                 The group's completions, each `{"messages": [Message.to_json(), ...], "metadata"?: {...}}`.
-
-        Returns:
-            `list[GroupScore]`: One score per candidate, in order.
 
         Raises:
             NotFoundError: the environment does not support group scoring (a 404).
@@ -228,24 +293,17 @@ class AsyncSession:
 
     async def _stream(self, suffix: str, body: dict[str, Any], *, what: str, tool: str) -> tuple[Any, str | None]:
         """One streamed call, bounded by `Timeouts.tool_call`, resumed by task id if its stream drops."""
-        self._check_open()
-        self.last_activity = time.monotonic()
-        transport = self._transport
-        limit = transport.timeouts.tool_call
+        limit = self._transport.timeouts.tool_call
         try:
-            async with asyncio.timeout(limit):
-                return await transport.stream(self.client._path(suffix), body=body, sid=self.sid, what=what, tool=tool)
-        except SessionExpiredError:
-            self.expired = True
-            raise
+            async with self._active(), asyncio.timeout(limit):
+                return await self._transport.stream(self.client._path(suffix), body=body, sid=self.sid, what=what,
+                                                    tool=tool)
         except TimeoutError:
             raise ORSTimeoutError(
                 f"{what} did not finish within {limit} s (Timeouts.tool_call); it may still be running on the server."
             ) from None
-        finally:
-            self.last_activity = time.monotonic()
 
-    @_masked
+    @masked
     async def ping(self) -> bool:
         """Refresh the server's idle timer. Returns False (and marks the session expired) if it is gone."""
         if self.closed:
@@ -259,12 +317,9 @@ class AsyncSession:
         return True
 
     async def close(self) -> None:
-        """Delete the session on the server (`/delete`, then `/delete_session`). Idempotent, never raises
-        for a session that is already gone; concurrent callers share one close.
-
-        Its slot under `max_sessions` is free at once, and the server is waited for at most `CLOSE_WAIT_S` (1 s): a
-        slower delete goes on in the background, the client's `aclose()` waits for it (bounded), and until the server
-        has the session gone it stays in the orphan registry."""
+        """Delete the session on the server (`/delete`, then `/delete_session`); idempotent, never raises for one that
+        is already gone, concurrent callers share one close. Its slot is free at once; the server is waited for at
+        most `CLOSE_WAIT_S` (1 s), a slower delete going on in the background (`ors_trl.protocol.pool`)."""
         if self._close_task is None:
             self.closed = True
             self._close_task = self.client._pool.delete_soon(self.sid, session=self)
@@ -290,18 +345,13 @@ def _parse_call_result(body: Any, *, tool: str, task_id: str | None, quote: Call
     shown = quote(error if isinstance(error, str) else quoted(error, 2000))
     raise ToolRefusedError(
         f"tool {show_name(tool)} was refused ({quote(str(reason)) if reason else 'no reason given'}): {shown}",
-        tool=tool,
-        reason=reason if isinstance(reason, str) else None,
-    )
+        tool=tool, reason=reason if isinstance(reason, str) else None)
 
 
 async def _landed(request: Any, into: list[Any]) -> Any:
     """Await a request that may create something on the server, appending its result to `into`; if cancelled
-    meanwhile, first let it land (bounded), so the caller can delete what it made.
-
-    Cancelling the request itself would leave the server free to finish it after our clean-up ran: a delete
-    overtaking its create, and a session left behind.
-    """
+    meanwhile, first let it land (bounded), so the caller can delete what it made (cancelling the request itself
+    would leave the server free to finish it after our clean-up ran: a delete overtaking its create)."""
     task = asyncio.ensure_future(request)
     try:
         into.append(await asyncio.shield(task))
@@ -319,81 +369,31 @@ class AsyncClient:
         target (`str`):
             A catalog name (`"Eigent/SETA"`) or the URL of a self-hosted server (`"http://127.0.0.1:8000"`), told
             apart by `://`.
-        env_name (`str`, *optional*):
-            Which environment on a server hosting several (case-insensitive). Not needed when the server hosts one.
-        api_key (`str`, *optional*):
-            The OpenReward key; defaults to `OPENREWARD_API_KEY` for catalog names. Sent only to the platform's
-            hosts, or to a self-hosted URL when passed explicitly.
-        secrets (`Mapping[str, str | tuple[str, Sequence[str]]]`, *optional*):
-            Sent with every session in `X-Secrets`; a value is a string or `(value, allowed_domains)`.
-        timeouts (`Timeouts`, *optional*):
-            Connect, request and tool-call deadlines.
-        retry (`RetryPolicy`, *optional*):
-            Retries of transient failures.
-        keepalive_interval (`float`, *optional*, defaults to `10.0`):
-            Seconds between pings of an idle open session; None disables keepalive.
-        max_sessions (`int`, *optional*):
-            Cap on sessions open at once through this client; `open_session` queues (up to `session_wait` seconds)
-            rather than fails when it is reached.
-        session_wait (`float`, *optional*, defaults to `1800.0`):
-            How long `open_session` may wait for a free slot under `max_sessions`.
-        max_connections (`int`, *optional*, defaults to `0`):
-            Connection pool size (0: unlimited).
-        max_session_rate (`float` or `tuple[float, int]`, *optional*):
-            Sessions this client creates per second, or `(rate, burst)` (burst 1 otherwise); opens past it wait
-            their turn, and a 429 or `503 starting` slows it. None: a batch opens at once.
-        toolset (`str`, *optional*):
-            The platform toolset every session gets (`toolset_name`, e.g. `"codex"`); a toolset the server refuses
-            is a `ConfigurationError` at the first open.
-        toolset_fallback (`bool`, *optional*, defaults to `False`):
-            When the server refuses `toolset`, open sessions without it (said once in the log) instead.
-        env_overrides (`Mapping[str, str]`, *optional*):
-            Environment variables for every session (sent with `/create_session`; on the platform, callers other
-            than the environment's owner may set only the OpenAI/Anthropic URL and key variables). Masked like
-            secrets; a self-hosted reference server ignores them.
+        options (`ClientOptions`, *optional*):
+            How to reach it and keep its sessions (`ClientOptions()` when omitted).
+        **kwargs:
+            `ClientOptions` fields, each replacing the one of `options` (`AsyncClient(url, api_key=..., timeouts=...)`).
+
+    Raises:
+        ConfigurationError: a malformed target, an unknown keyword or an option that cannot work.
+        MissingAPIKeyError: a catalog name with no API key.
     """
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        env_name: str | None = None,
-        api_key: str | None = None,
-        secrets: Mapping[str, SecretValue] | None = None,
-        timeouts: Timeouts | None = None,
-        retry: RetryPolicy | None = None,
-        keepalive_interval: float | None = 10.0,
-        max_sessions: int | None = None,
-        session_wait: float | None = 1800.0,
-        max_connections: int = 0,
-        max_session_rate: float | tuple[float, int] | None = None,
-        toolset: str | None = None,
-        toolset_fallback: bool = False,
-        env_overrides: Mapping[str, str] | None = None,
-    ) -> None:
-        self.target: Target = resolve_target(target, api_key=api_key)
-        if env_name is not None and not _is_segment(env_name):  # it goes into every request's path as it is
-            raise ConfigurationError(f"env_name {quoted(env_name, 100)} cannot be part of a URL path; pass an "
-                                     f"environment's key as the server lists it ({_SEGMENT_RULE})")
-        self.requested_env = env_name
-        if toolset is not None and (not isinstance(toolset, str) or not toolset.strip()):
-            raise ConfigurationError(f"toolset must be a toolset's name (e.g. 'codex') or None, got {toolset!r}")
-        if env_overrides is not None and not (isinstance(env_overrides, Mapping) and all(
-                isinstance(k, str) and k and isinstance(v, str) for k, v in env_overrides.items())):
-            raise ConfigurationError("env_overrides must map environment variable names to string values")
-        self.toolset, self.toolset_fallback = toolset, toolset_fallback
-        self._overrides = dict(env_overrides or {})
-        self._pool = SessionPool(self._delete, delete_orphans, max_sessions=max_sessions, session_wait=session_wait,
-                                 keepalive_interval=keepalive_interval, max_session_rate=max_session_rate,
-                                 target=self.target.name)
+    def __init__(self, target: str, options: ClientOptions | None = None, **kwargs: Any) -> None:
+        self.options = options = ClientOptions._of(options, kwargs)
+        self.target: Target = resolve_target(target, api_key=options.api_key)
+        self.requested_env = options.env_name
+        self.toolset, self.toolset_fallback = options.toolset, options.toolset_fallback
+        self._overrides = dict(options.env_overrides or {})
+        self._pool = SessionPool(self._delete, delete_orphans, options, self.target.name)
+        secrets = options.secrets or {}
         self._secret_headers = {"X-Secrets": encode_secrets(secrets)} if secrets else {}
-        self._transport = Transport(
-            self.target, timeouts=timeouts or Timeouts(), retry=retry or RetryPolicy(), max_connections=max_connections
-        )
+        self._transport = Transport(self.target, timeouts=options.timeouts, retry=options.retry,
+                                    max_connections=options.max_connections)
         self._transport.on_throttle = self._pool.throttled
         # Masked from the start: the X-Secrets header, each secret's value, each override (it may be a key).
         for value in [*self._secret_headers.values(), *self._overrides.values(),
-                      *(v if isinstance(v, str) else v[0] for v in (secrets or {}).values())]:
+                      *(v if isinstance(v, str) else v[0] for v in secrets.values())]:
             self._transport.decoder.add(value)
         self._env: str | None = None
         self._env_resolved = False
@@ -425,25 +425,24 @@ class AsyncClient:
         deleted) and a fresh one asked for."""
         return self._pool.duplicates
 
-    # -- environment resolution ------------------------------------------------------------
+    # -- environment resolution and calls ------------------------------------------------------------------------
 
     def _path(self, suffix: str) -> str:
         return f"/{self._env}{suffix}" if self._env else suffix
 
-    @_masked
+    @masked
     async def environment(self) -> str | None:
         """Resolve (once) and return the environment key used in request paths.
 
-        For a URL, the server's `/list_environments` is consulted: `env_name` is matched
-        case-insensitively, a single environment needs no name, and with several the server's
-        default (the first) is used. For a catalog name, `env_name` (if any) selects a variant.
+        For a URL, the server's `/list_environments` is consulted: `env_name` is matched case-insensitively (the exact
+        name first), a single environment needs no name, and with several the server's default (the first) is used.
+        For a catalog name, `env_name` (if any) selects a variant.
         """
-        if self._env_resolved:
-            return self._env
-        async with self._env_lock:
-            if not self._env_resolved:
-                self._env = await self._resolve_env()
-                self._env_resolved = True
+        if not self._env_resolved:
+            async with self._env_lock:
+                if not self._env_resolved:
+                    self._env = await self._resolve_env()
+                    self._env_resolved = True
         return self._env
 
     async def _resolve_env(self) -> str | None:
@@ -452,34 +451,26 @@ class AsyncClient:
             return wanted
         try:
             available = await self.list_environments()
-        except NotFoundError:
-            # A server without /list_environments: trust the name, or let the server route by default.
+        except NotFoundError:  # a server without /list_environments: trust the name, or let the server route
             return wanted
         if not available:
             raise EnvironmentNotFoundError(f"{self.target.name} hosts no environments", available=[])
+        listed = readable(", ".join(available), 1000)
         if wanted is None:
             if len(available) > 1:
-                logger.warning(
-                    "%s hosts %d environments (%s); using the server's default %r. Pass env_name= to choose.",
-                    self.target.name, len(available), readable(", ".join(available), 1000), available[0],
-                )
+                logger.warning("%s hosts %d environments (%s); using the server's default %r. Pass env_name= to "
+                               "choose.", self.target.name, len(available), listed, available[0])
             return _env_segment(available[0])
-        if wanted in available:  # the exact name first: `Echo` and `echo` may both be served
-            return _env_segment(wanted)
-        matches = [name for name in available if name.lower() == wanted.lower()]
+        matches = [wanted] if wanted in available else [n for n in available if n.lower() == wanted.lower()]
         if len(matches) == 1:
             return _env_segment(matches[0])
         if matches:
             raise EnvironmentNotFoundError(
                 f"environment {wanted!r} matches {len(matches)} environments of {self.target.name} that differ only in "
                 f"case ({readable(', '.join(matches), 1000)}); pass one of them exactly as env_name=.",
-                available=available,
-            )
-        raise EnvironmentNotFoundError(
-            f"environment {wanted!r} is not on {self.target.name}; available: {readable(', '.join(available), 1000)}. "
-            "Pass one of these as env_name=.",
-            available=available,
-        )
+                available=available)
+        raise EnvironmentNotFoundError(f"environment {wanted!r} is not on {self.target.name}; available: {listed}. "
+                                       "Pass one of these as env_name=.", available=available)
 
     async def _env_request(self, method: str, suffix: str, body: Any = None) -> Any:
         await self.environment()
@@ -488,9 +479,7 @@ class AsyncClient:
             self._control_sid = await self._create_sid()
         return await self._transport.request(method, self._path(suffix), body=body, sid=self._control_sid)
 
-    # -- environment calls -----------------------------------------------------------------
-
-    @_masked
+    @masked
     async def list_environments(self) -> list[str]:
         """The environment keys a self-hosted server serves."""
         raw = await self._transport.request("GET", "/list_environments")
@@ -501,13 +490,13 @@ class AsyncClient:
                                 f"{MAX_ENVIRONMENTS} a server may host")
         return raw
 
-    @_masked
+    @masked
     async def health(self) -> bool:
         """True when the server answers `/health`."""
         raw = await self._transport.request("GET", "/health")
         return isinstance(raw, dict) and raw.get("status") == "ok"
 
-    @_masked
+    @masked
     async def splits(self) -> list[Split]:
         """The environment's task splits (`/splits`)."""
         raw = await self._env_request("GET", "/splits")
@@ -550,19 +539,14 @@ class AsyncClient:
             raise ProtocolError(f"{suffix}: expected {{'{key}': [...]}}, got {quoted(raw)}")
         return raw if key is None else raw[key]
 
-    @_masked
+    @masked
     async def num_tasks(self, split: str = "train") -> int:
-        """The number of tasks in a split (`/num_tasks`).
+        """The number of tasks in a split (`/num_tasks`); a `BadRequestError` listing the splits for one that does not
+        exist.
 
         Args:
             split (`str`, *optional*, defaults to `"train"`):
                 The split to count.
-
-        Returns:
-            `int`: How many tasks `split` has.
-
-        Raises:
-            BadRequestError: `split` does not exist (the message lists those that do).
         """
         raw = await self._split_request("/num_tasks", {"split": split})
         count = raw.get("num_tasks") if isinstance(raw, dict) else None
@@ -571,30 +555,26 @@ class AsyncClient:
                                 f"{quoted(raw)}")
         return count
 
-    @_masked
+    @masked
     async def task(self, split: str, index: int) -> dict[str, Any]:
-        """One task spec (`/task`).
+        """One task spec (`/task`); a `BadRequestError` saying which, for a split that does not exist or an index out
+        of its range.
 
         Args:
             split (`str`):
                 The split the task is in.
             index (`int`):
                 Its index in `split`.
-
-        Returns:
-            `dict[str, Any]`: The task spec.
-
-        Raises:
-            BadRequestError: `split` does not exist, or `index` is out of its range (the message says which).
         """
         raw = await self._split_request("/task", {"split": split, "index": index})
         if not isinstance(raw, dict) or "task" not in raw:
             raise ProtocolError(f"/task: expected {{'task': ...}}, got {quoted(raw)}")
         return raw["task"]
 
-    @_masked
+    @masked
     async def task_range(self, split: str, start: int | None = None, stop: int | None = None) -> list[dict[str, Any]]:
-        """Tasks `start:stop` of a split in one request (`/task_range`, Python slice rules).
+        """Task specs `start:stop` of a split, in order, in one request (`/task_range`, Python slice rules); a
+        `BadRequestError` listing the splits for one that does not exist.
 
         Args:
             split (`str`):
@@ -603,12 +583,6 @@ class AsyncClient:
                 The first task's index (the split's start when omitted).
             stop (`int`, *optional*):
                 The index past the last task (the split's end when omitted).
-
-        Returns:
-            `list[dict[str, Any]]`: The task specs, in order.
-
-        Raises:
-            BadRequestError: `split` does not exist (the message lists those that do).
         """
         bounds = {k: v for k, v in (("start", start), ("stop", stop)) if v is not None}
         tasks = await self._split_request("/task_range", {"split": split, **bounds}, "tasks")
@@ -618,25 +592,21 @@ class AsyncClient:
                                 f"{len(tasks)}")
         return tasks
 
-    @_masked
+    @masked
     async def tasks(self, split: str = "train") -> list[dict[str, Any]]:
-        """Every task of a split (`/tasks`, one request; slow on large catalogs: prefer `task_range`).
+        """Every task spec of a split, in order (`/tasks`, one request; slow on large catalogs: prefer `task_range`); a
+        `BadRequestError` listing the splits for one that does not exist.
 
         Args:
             split (`str`, *optional*, defaults to `"train"`):
                 The split whose tasks are listed.
-
-        Returns:
-            `list[dict[str, Any]]`: The task specs, in order.
-
-        Raises:
-            BadRequestError: `split` does not exist (the message lists those that do).
         """
         return await self._split_request("/tasks", {"split": split}, "tasks")
 
-    @_masked
+    @masked
     async def task_difficulty(self, split: str, filters: Mapping[str, str] | None = None) -> dict[int, Any]:
-        """The OpenReward platform's per-task difficulty of a catalog environment's `split`.
+        """The OpenReward platform's per-task difficulty of a catalog environment's `split`: `{task index: (mean
+        reward, number of logged rollouts)}`. A `ConfigurationError` for a self-hosted URL, which serves none.
 
         Args:
             split (`str`):
@@ -644,12 +614,6 @@ class AsyncClient:
             filters (`Mapping[str, str]`, *optional*):
                 Query filters of the platform (`model_name`, `min_model_params`, `max_model_params`,
                 `training_stage`): `PlatformDifficulty.params()`.
-
-        Returns:
-            `dict[int, tuple[float, int]]`: the mean reward and the number of logged rollouts, per task index.
-
-        Raises:
-            ConfigurationError: for a self-hosted URL, which serves no difficulty data.
         """
         if self.target.is_url:
             raise ConfigurationError(
@@ -675,12 +639,12 @@ class AsyncClient:
                 out[index] = (float(mean), count)
         return out
 
-    @_masked
+    @masked
     async def tools(self) -> ToolList:
         """The environment's shared tools (task-specific ones need a session: `AsyncSession.tools`)."""
         return ToolList.from_json(await self._env_request("GET", "/tools"), where="tools")
 
-    # -- sessions ----------------------------------------------------------------------------
+    # -- sessions ----------------------------------------------------------------------------------------------
 
     async def _create_sid(self) -> str:
         """A new session id of this process's own: `/create_session`, claimed (an id another session of this process
@@ -706,26 +670,30 @@ class AsyncClient:
     async def _new_sid(self, named: list[str]) -> str:
         """`/create_session` (with the env overrides); on the platform (an allocation per request) never re-posted
         after it may have landed. Each id any attempt's stream names is appended to `named` as it arrives."""
-        body = {"env": self._overrides} if self._overrides else {}
-
         def seen(event: str, data: str) -> None:
             if event == "task_id" and data.strip():
                 named.append(data.strip())
 
         try:
-            events = await self._transport.events("/create_session", body=body, extra_headers=self._secret_headers,
-                                                  idempotent=self.target.is_url, on_event=seen)
+            events = await self._transport.request(
+                "POST", "/create_session", body={"env": self._overrides} if self._overrides else {},
+                extra_headers=self._secret_headers, idempotent=self.target.is_url, on_event=seen)
         except BadRequestError as exc:
             if not self._overrides:
                 raise
             raise ConfigurationError(
                 f"{self.target.name} refused the session's env_overrides ({', '.join(sorted(self._overrides))}): "
                 f"{exc.detail.rstrip('.')}. On the platform, callers other than the environment's owner may set only "
-                "OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY."
-            ) from None
+                "OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY.") from None
         for event, data in events:
             if event == "task_id" and data.strip():
-                return self._session_id(data.strip())
+                sid = data.strip()
+                if not self._sendable(sid):  # checked where it is received: it goes into a header of every request
+                    raise ProtocolError(
+                        f"/create_session: the server's session id {self._transport.decoder.quote(sid, 100)!r} "
+                        f"({len(sid)} characters) cannot be sent back as a header (1 to 256 visible ASCII characters, "
+                        "no credential); the session was not used. The server is broken: report it to its authors.")
+                return sid
             if event == "error":
                 raise ProtocolError(f"/create_session failed: {self._transport.decoder.quote(data)}")
         raise ProtocolError("/create_session: the stream carried no session id")
@@ -733,32 +701,16 @@ class AsyncClient:
     def _sendable(self, sid: str) -> bool:
         return _SESSION_ID.fullmatch(sid) is not None and self._transport.mask(sid) == sid
 
-    def _session_id(self, sid: str) -> str:
-        """The server's session id, checked where it is received: it goes into a header of every later request."""
-        if self._sendable(sid):
-            return sid
-        raise ProtocolError(
-            f"/create_session: the server's session id {self._transport.decoder.quote(sid, 100)!r} ({len(sid)} "
-            "characters) cannot be sent back as a header (1 to 256 visible ASCII characters, no credential); the "
-            "session was not used. The server is broken: report it to its authors."
-        )
-
-    @_masked
-    async def open_session(
-        self,
-        *,
-        split: str | None = None,
-        index: int | None = None,
-        task_spec: Mapping[str, Any] | None = None,
-        toolset_name: str | None = None,
-    ) -> AsyncSession:
+    @masked
+    async def open_session(self, *, split: str | None = None, index: int | None = None,
+                           task_spec: Mapping[str, Any] | None = None, toolset_name: str | None = None
+                           ) -> AsyncSession:
         """Open a session for task `split`/`index`, or for an explicit `task_spec` (exactly one of `index` and
-        `task_spec`).
+        `task_spec`): an `AsyncSession` (a `Session` from `Client.open_session`).
 
-        Whatever this creates on the server is deleted again if the open fails or is cancelled halfway; a request
-        that may have created something is waited for first (bounded), so that the delete cannot overtake it.
-        `aclose()` waits for opens still in flight and closes what they opened. Under `max_sessions`, waits (up to
-        `session_wait`) for a free slot.
+        Whatever this creates on the server is deleted again if the open fails or is cancelled halfway (a request that
+        may have created something is waited for first, bounded, so that the delete cannot overtake it). Under
+        `max_sessions`, waits (up to `session_wait`) for a free slot.
 
         Args:
             split (`str`, *optional*):
@@ -769,9 +721,6 @@ class AsyncClient:
                 An explicit task to run instead of one by index.
             toolset_name (`str`, *optional*):
                 The platform toolset for this session; overrides the client's `toolset`.
-
-        Returns:
-            `AsyncSession`: The open session (a `Session` from `Client.open_session`).
 
         Raises:
             ConfigurationError: both or neither of `index` and `task_spec` were given, or the server refused the
@@ -858,8 +807,7 @@ class AsyncClient:
         if not self.toolset_fallback:
             raise ConfigurationError(
                 f"{self.target.name} refused toolset {toolset!r} at session open: {exc.detail.rstrip('.')}. Pass a "
-                "toolset it offers, none, or toolset_fallback=True to open sessions without it."
-            ) from None
+                "toolset it offers, none, or toolset_fallback=True to open sessions without it.") from None
         if self.toolset is not None:
             logger.warning("%s refused toolset %r (%s); opening sessions without it (toolset_fallback=True)",
                            self.target.name, toolset, exc.detail)
@@ -870,10 +818,9 @@ class AsyncClient:
             raise UsageError("this client is closed; create a new one")
 
     async def _delete(self, sid: str, *, quiet: bool = False) -> bool:
-        """Delete `sid` on the server: `/delete` (environment teardown) and `/delete_session` (platform
-        allocation), each attempted even if the other fails. True when both went through (or found it gone); logs,
-        never raises. Once the client is closing, retries are kept short so that exit is not held up by a dead
-        server."""
+        """Delete `sid` on the server: `/delete` (environment teardown) and `/delete_session` (platform allocation),
+        each attempted even if the other fails. True when both went through (or found it gone); logs, never raises.
+        Once the client is closing, retries are kept short so that exit is not held up by a dead server."""
         retry = _QUICK_RETRY if self._pool.closed else None
         failed: list[str] = []
         for path in ("/delete", "/delete_session"):
@@ -888,8 +835,6 @@ class AsyncClient:
         for message in failed:
             (logger.debug if quiet else logger.warning)("%s", message)
         return not failed
-
-    # -- lifecycle -----------------------------------------------------------------------------
 
     async def close_sessions(self) -> None:
         """Close every session open through this client, and those still opening; the client stays usable."""
@@ -913,8 +858,7 @@ class AsyncClient:
         await self.aclose()
 
 
-# ---------------------------------------------------------------------------------------------
-# Synchronous facade: the async objects, driven through the process's background loop
+# -- the synchronous facade: the async objects, driven through the process's background loop --------------------
 
 
 def _blocking(method: Callable[..., Any], wrap: Callable[[Any, Any], Any] = lambda facade, result: result
@@ -965,10 +909,8 @@ class _Facade:
 @_facade(AsyncSession, ("prompt", "messages", "tools", "call", "score_group", "ping", "close"),
          ("sid", "index", "expired", "closed", "seconds"))
 class Session(_Facade):
-    """Synchronous view of an `AsyncSession` (from `Client.open_session`), safe to use from any thread.
-
-    Its methods are `AsyncSession`'s, blocking; `sid`, `index`, `expired`, `closed` and `seconds` read the
-    `AsyncSession`'s.
+    """Synchronous view of an `AsyncSession` (from `Client.open_session`), safe to use from any thread: its methods
+    are `AsyncSession`'s, blocking; `sid`, `index`, `expired`, `closed` and `seconds` read the `AsyncSession`'s.
 
     Args:
         inner (`AsyncSession`):
@@ -984,18 +926,23 @@ class Session(_Facade):
 
 
 @_facade(AsyncClient, ("environment", "list_environments", "health", "splits", "num_tasks", "task", "task_range",
-                       "tasks", "task_difficulty", "tools"), ("target", "open_sessions"))
+                       "tasks", "task_difficulty", "tools"), ("target", "options", "open_sessions"))
 class Client(_Facade):
-    """Synchronous ORS client: the `AsyncClient` API driven through the process's background loop.
+    """Synchronous ORS client: the `AsyncClient` API driven through the process's background loop, its methods
+    blocking. Closed by `close()`, by `with`, or at the latest at interpreter exit (before thread pools shut down),
+    deleting every session it still has open.
 
-    Takes the arguments of `AsyncClient` (below); its methods are `AsyncClient`'s, blocking. Closed by `close()`,
-    by `with`, or at the latest at interpreter exit (before thread pools shut down), deleting every session it still
-    has open.
+    Args:
+        target (`str`):
+            See `AsyncClient`.
+        options (`ClientOptions`, *optional*):
+            See `AsyncClient`.
+        **kwargs:
+            See `AsyncClient`.
     """
 
-    @functools.wraps(AsyncClient.__init__)
-    def __init__(self, target: str, **kwargs: Any) -> None:
-        self._inner = AsyncClient(target, **kwargs)
+    def __init__(self, target: str, options: ClientOptions | None = None, **kwargs: Any) -> None:
+        self._inner = AsyncClient(target, options, **kwargs)
         self._bg = get_loop()
         self._bg.add_closer(self._inner.aclose)
 
@@ -1006,11 +953,6 @@ class Client(_Facade):
         """Close every open session, then the connection pool."""
         self._bg.remove_closer(self._inner.aclose)
         self._run(self._inner.aclose())
-
-
-# The constructor's parameters are `AsyncClient`'s: so is their documentation (no docstrings under `python -OO`).
-if Client.__doc__ and AsyncClient.__doc__:
-    Client.__doc__ = f"{Client.__doc__}\n    {AsyncClient.__doc__[AsyncClient.__doc__.index('Args:'):]}"
 
 
 async def delete_orphans(target: str, sids: list[str]) -> list[bool | None]:
@@ -1029,13 +971,18 @@ async def delete_orphans(target: str, sids: list[str]) -> list[bool | None]:
         return list(await asyncio.gather(*(delete(sid) for sid in sids)))
 
 
-_SEGMENT_RULE = "1 to 200 of A-Z a-z 0-9 . _ ~ - and the other characters a path segment takes unescaped"
-
-
 def _is_segment(name: object) -> bool:
     """Whether `name` can be a URL path segment as it is: nothing to escape, and neither `.` nor `..` (which a URL
     parser resolves, so `/../admin/x` would reach `/admin/x`)."""
     return isinstance(name, str) and _ENV_NAME.fullmatch(name) is not None and name not in (".", "..")
+
+
+def _env_segment(name: str) -> str:
+    """An environment name the server listed, checked before it becomes part of every request's URL path."""
+    if _is_segment(name):
+        return name
+    raise ProtocolError(f"/list_environments: the environment name {quoted(name, 100)} cannot be part of a URL path "
+                        f"({_SEGMENT_RULE})")
 
 
 async def server_gone(url: str) -> bool:
@@ -1063,11 +1010,3 @@ async def server_gone(url: str) -> bool:
         writer.close()
         return False  # something listens there
     return bool(addresses)
-
-
-def _env_segment(name: str) -> str:
-    """An environment name the server listed, checked before it becomes part of every request's URL path."""
-    if _is_segment(name):
-        return name
-    raise ProtocolError(f"/list_environments: the environment name {quoted(name, 100)} cannot be part of a URL path "
-                        f"({_SEGMENT_RULE})")

@@ -37,32 +37,11 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-__all__ = [
-    "APIStatusError",
-    "AuthenticationError",
-    "BadRequestError",
-    "ConfigurationError",
-    "ContextLengthExceeded",
-    "EnvironmentNotFoundError",
-    "ImageError",
-    "MissingAPIKeyError",
-    "NotFoundError",
-    "ORSError",
-    "ORSTimeoutError",
-    "PaymentRequiredError",
-    "PolicyError",
-    "ProtocolError",
-    "RateLimitError",
-    "ServerError",
-    "ServiceUnavailableError",
-    "SessionExpiredError",
-    "StreamInterruptedError",
-    "ToolError",
-    "ToolFailedError",
-    "ToolRefusedError",
-    "TransportError",
-    "UsageError",
-]
+__all__ = ["APIStatusError", "AuthenticationError", "BadRequestError", "ConfigurationError", "ContextLengthExceeded",
+           "EnvironmentNotFoundError", "ImageError", "MissingAPIKeyError", "NotFoundError", "ORSError",
+           "ORSTimeoutError", "PaymentRequiredError", "PolicyError", "ProtocolError", "RateLimitError",
+           "ServerError", "ServiceUnavailableError", "SessionExpiredError", "StreamInterruptedError", "ToolError",
+           "ToolFailedError", "ToolRefusedError", "TransportError", "UsageError"]
 
 
 class ORSError(Exception):

@@ -55,13 +55,8 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o600, *, fsync: bool = Fa
 
 
 def open_regular(path: Path, flags: int, mode: int = 0o600) -> int:
-    """`os.open(path, flags)` without following a symlink and without blocking on a FIFO; the descriptor of a regular
-    file (blocking again).
-
-    Raises:
-        NotRegularFile: `path` is a symlink or anything but a regular file (an `OSError`).
-        OSError: it cannot be opened.
-    """
+    """`os.open(path, flags)` without following a symlink and without blocking on a FIFO: the descriptor of a regular
+    file (blocking again), a `NotRegularFile` (an `OSError`) for anything else."""
     try:
         fd = os.open(path, flags | _NOFOLLOW | _NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as exc:

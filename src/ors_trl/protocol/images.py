@@ -1,22 +1,20 @@
-"""Images a server sends: checked once, where their block is parsed, with Pillow's own guards, and decoded to pixels
-once, where a model first needs them.
+"""The Pillow work on the images a server sends: checked without decoding a pixel (`check`), decoded once when a model
+first needs them (`decode`). `ors_trl.protocol.types.ImageBlock` calls these and remembers what they found.
 
-An image block (`{"type": "image", "data": <base64>, "mimeType": ...}`) is untrusted input. Where it is parsed
-(`ors_trl.protocol.types.parse_blocks`) it is checked without decoding a pixel (`check`):
+An image block (`{"type": "image", "data": <base64>, "mimeType": ...}`) is untrusted input. `check` refuses one
 
-- its media type must be one of `FORMATS` (PNG, JPEG, GIF, WebP, BMP), and it is opened with that format's Pillow
-  plugin only (a PNG sent as `image/jpeg` is refused, not sniffed);
-- its base64 text is at most `MAX_IMAGE_CHARS` characters (`MAX_IMAGE_BYTES`, 16 MiB, decoded), measured before
-  anything is decoded, and must be valid base64;
-- its header may declare at most `MAX_IMAGE_PIXELS` pixels (4096 x 4096; Pillow's `Image.MAX_IMAGE_PIXELS` where it
-  is lower, and Pillow's `DecompressionBombError`), and the file must pass Pillow's `verify()`;
-- one answer (a prompt, a conversation, a tool result) holds at most `MAX_IMAGES` images and `MAX_ANSWER_PIXELS`
-  pixels together (`ors_trl.protocol.types`).
+- whose media type is not one of `FORMATS` (PNG, JPEG, GIF, WebP, BMP); it is opened with that format's Pillow plugin
+  only (a PNG sent as `image/jpeg` is refused, not sniffed);
+- whose base64 text is past `MAX_IMAGE_CHARS` (`MAX_IMAGE_BYTES`, 16 MiB, decoded; measured before decoding), or
+  not valid base64;
+- whose header declares more than `MAX_IMAGE_PIXELS` (4096 x 4096, or Pillow's `Image.MAX_IMAGE_PIXELS` where lower;
+  and Pillow's `DecompressionBombError`), or that fails Pillow's `verify()`.
 
-An image that fails keeps its reason (`ImageInfo.error`): the model reads a text placeholder in its place
-(`placeholder`), the record says why, and the rest of the answer stands. The pixels are decoded once, on first use
-(`decode`, RGB), so an image costs at most 3 bytes per pixel (48 MiB at the bound). Without Pillow
-(`pip install 'ors-trl[vision]'`) every image is a placeholder. Pillow is imported only when an image arrives.
+One answer (a prompt, a conversation, a tool result) holds at most `MAX_IMAGES` images and `MAX_ANSWER_PIXELS` pixels
+together (`types.check_answer_images`). An image that fails keeps why (`ImageInfo.error`): the model reads a
+`placeholder`, the record says why, the rest of the answer stands. Decoded pixels are RGB: at most 3 bytes per pixel
+(48 MiB at the bound). Without Pillow (`pip install 'ors-trl[vision]'`) every image is a placeholder; Pillow is
+imported only when an image arrives.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ImageError
-from .text import repair, shorten
+from .text import cut, repair
 
 __all__ = ["FORMATS", "MAX_ANSWER_PIXELS", "MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX_IMAGE_CHARS", "MAX_IMAGE_PIXELS",
            "ImageInfo", "as_bytes", "check", "check_bytes", "data_url", "decode", "placeholder", "thumbnail"]
@@ -38,16 +36,16 @@ __all__ = ["FORMATS", "MAX_ANSWER_PIXELS", "MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX
 #: Media types passed to a model, and the one Pillow format each is opened as.
 FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/gif": "GIF", "image/webp": "WEBP",
            "image/bmp": "BMP"}
-#: The largest image (decoded bytes), and the base64 text that holds it (refused by its length, before decoding).
 MAX_IMAGE_BYTES = 16 << 20
 MAX_IMAGE_CHARS = -(-MAX_IMAGE_BYTES // 3) * 4
-#: The most pixels one image may declare (read from its header, before any pixel is decoded).
 MAX_IMAGE_PIXELS = 4096 * 4096
-#: Images, and pixels of all of them, one answer (a prompt, a conversation, a tool result) may hold.
 MAX_IMAGES = 64
 MAX_ANSWER_PIXELS = 4 * MAX_IMAGE_PIXELS
 _EXTENSIONS = {"PNG": "png", "JPEG": "jpg", "GIF": "gif", "WEBP": "webp", "BMP": "bmp"}
 _NO_PILLOW = "Pillow is not installed (pip install 'ors-trl[vision]')"
+#: The last images `data_url` encoded, by SHA-256 (a conversation is sent whole at every turn).
+_URLS: OrderedDict[str, str] = OrderedDict()
+_URLS_KEPT = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,21 +86,22 @@ def _pillow() -> Any:
 
 
 def _why(exc: BaseException) -> str:
-    return shorten(f"{type(exc).__name__}: {exc}", 200)
+    return cut(f"{type(exc).__name__}: {exc}", 200)
 
 
 def check(data: str, mime_type: str) -> ImageInfo:
     """Check a block's base64 `data` of media type `mime_type` (see the module docstring); never raises."""
+    text = data.encode("utf-8", "replace")
     if _format(mime_type) is None:
-        return _failed(data.encode("utf-8", "replace"), mime_type, f"its media type {shorten(mime_type, 60)!r} is not "
-                       f"an image type ors-trl passes ({', '.join(FORMATS)})")
+        return _failed(text, mime_type, f"its media type {cut(mime_type, 60)!r} is not an image type ors-trl passes "
+                       f"({', '.join(FORMATS)})")
     if len(data) > MAX_IMAGE_CHARS:
-        return _failed(data.encode("utf-8", "replace"), mime_type, f"its {len(data)} characters of base64 are more "
-                       f"than the {MAX_IMAGE_CHARS} a {MAX_IMAGE_BYTES >> 20} MiB image takes")
+        return _failed(text, mime_type, f"its {len(data)} characters of base64 are more than the {MAX_IMAGE_CHARS} a "
+                       f"{MAX_IMAGE_BYTES >> 20} MiB image takes")
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
-        return _failed(data.encode("utf-8", "replace"), mime_type, "its data is not valid base64")
+        return _failed(text, mime_type, "its data is not valid base64")
     return check_bytes(raw, mime_type)
 
 
@@ -110,24 +109,24 @@ def check_bytes(raw: bytes, mime_type: str) -> ImageInfo:
     """Check an image's bytes: its format, its declared size, Pillow's `verify()`. Never raises."""
     fmt = _format(mime_type)
     if fmt is None:
-        return _failed(raw, mime_type, f"its media type {shorten(mime_type, 60)!r} is not an image type")
+        return _failed(raw, mime_type, f"its media type {cut(mime_type, 60)!r} is not an image type")
     if len(raw) > MAX_IMAGE_BYTES:
         return _failed(raw, mime_type, f"its {len(raw)} bytes are more than the {MAX_IMAGE_BYTES >> 20} MiB bound")
-    image_module = _pillow()
-    if image_module is None:
+    pil = _pillow()
+    if pil is None:
         return _failed(raw, mime_type, _NO_PILLOW)
     width = height = None
     try:
-        with image_module.open(io.BytesIO(raw), formats=[fmt]) as im:
+        with pil.open(io.BytesIO(raw), formats=[fmt]) as im:
             width, height = im.size
-            limit = min(MAX_IMAGE_PIXELS, image_module.MAX_IMAGE_PIXELS or MAX_IMAGE_PIXELS)
+            limit = min(MAX_IMAGE_PIXELS, pil.MAX_IMAGE_PIXELS or MAX_IMAGE_PIXELS)
             if width * height > limit:
                 return _failed(raw, mime_type, f"it declares {width}x{height} pixels, more than the {limit} an image "
                                "may have", width, height)
             im.verify()
-    except image_module.DecompressionBombError as exc:
+    except pil.DecompressionBombError as exc:
         return _failed(raw, mime_type, f"Pillow refused it as a decompression bomb ({_why(exc)})", width, height)
-    except image_module.UnidentifiedImageError:
+    except pil.UnidentifiedImageError:
         return _failed(raw, mime_type, f"it is not a {fmt} file")
     except Exception as exc:  # a hostile file can make a decoder raise almost anything; all mean "not a valid image"
         return _failed(raw, mime_type, f"it is not a valid {fmt} image ({_why(exc)})", width, height)
@@ -137,11 +136,11 @@ def check_bytes(raw: bytes, mime_type: str) -> ImageInfo:
 def decode(raw: bytes, info: ImageInfo) -> Any:
     """The pixels of an image that passed `check`, as an RGB `PIL.Image.Image` (the first frame; transparency over
     white). Raises `ImageError` for one whose pixels turn out not to decode (a cut file)."""
-    image_module = _pillow()
-    if image_module is None:
+    pil = _pillow()
+    if pil is None:
         raise ImageError(_NO_PILLOW)
     try:
-        with image_module.open(io.BytesIO(raw), formats=[_format(info.mime_type)]) as im:
+        with pil.open(io.BytesIO(raw), formats=[_format(info.mime_type)]) as im:
             if im.size != (info.width, info.height):
                 raise ValueError(f"the image is {im.size}, not the {info.width}x{info.height} it was checked as")
             im.load()
@@ -149,8 +148,7 @@ def decode(raw: bytes, info: ImageInfo) -> Any:
                 image = im.copy()
             else:
                 rgba = im.convert("RGBA")
-                image = image_module.alpha_composite(image_module.new("RGBA", rgba.size, (255, 255, 255, 255)),
-                                                     rgba).convert("RGB")
+                image = pil.alpha_composite(pil.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
     except Exception as exc:
         raise ImageError(f"its pixels do not decode ({_why(exc)})") from None
     image.info = {"ors_sha256": info.sha256}  # identity for whoever holds only the pixels (`data_url`, caches)
@@ -159,12 +157,12 @@ def decode(raw: bytes, info: ImageInfo) -> Any:
 
 def placeholder(info: ImageInfo) -> str:
     """What a model reads in place of an image that cannot be shown."""
-    return f"[image not shown ({shorten(info.mime_type, 60)}): {info.error}]"
+    return f"[image not shown ({cut(info.mime_type, 60)}): {info.error}]"
 
 
 def data_url(image: Any) -> str:
     """A `PIL.Image` as a PNG `data:` URL (the form OpenAI-style APIs take); the last `_URLS_KEPT` images decoded
-    here are encoded once (a conversation is sent whole at every turn)."""
+    here are encoded once."""
     sha = image.info.get("ors_sha256") if isinstance(getattr(image, "info", None), dict) else None
     if sha in _URLS:
         _URLS.move_to_end(sha)
@@ -179,13 +177,9 @@ def data_url(image: Any) -> str:
     return url
 
 
-_URLS: OrderedDict[str, str] = OrderedDict()
-_URLS_KEPT = 32
-
-
 def thumbnail(raw: bytes, mime_type: str, size: int) -> str | None:
     """A PNG `data:` URL of the image at most `size` pixels on a side, checked and decoded as any image a server
-    sends (the report reads image files beside a log: they are untrusted too); None where it cannot be shown."""
+    sends (the report reads image files beside a log: untrusted too); None where it cannot be shown."""
     info = check_bytes(raw, mime_type)
     try:
         image = decode(raw, info) if info.error is None else None

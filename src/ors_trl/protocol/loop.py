@@ -1,11 +1,9 @@
 """The one background event loop per process that owns all synchronous-facade ORS I/O.
 
-TRL calls `reset()` and tool methods from its training thread; they submit coroutines here and
-wait only for what they need. The loop thread is a daemon; at interpreter exit, registered
-closers run from `threading._register_atexit`, i.e. before Python shuts down thread pools, so
-that closing sessions over HTTP still works (a plain `atexit` hook runs too late and fails with
-"cannot schedule new futures after shutdown"). After `fork()` the child starts its own loop on
-first use; nothing is shared across processes.
+TRL calls `reset()` and tool methods from its training thread; they submit coroutines here and wait only for what they
+need. The loop thread is a daemon; at interpreter exit the registered closers run from `threading._register_atexit`,
+before Python shuts down thread pools, so that closing sessions over HTTP still works (a plain `atexit` hook runs too
+late: "cannot schedule new futures after shutdown"). After `fork()` the child starts its own loop on first use.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ __all__ = ["BackgroundLoop", "get_loop"]
 logger = logging.getLogger("ors_trl")
 T = TypeVar("T")
 
-# How long interpreter exit may spend closing sessions before giving up.
-EXIT_TIMEOUT_S = 15.0
+EXIT_TIMEOUT_S = 15.0  # how long interpreter exit may spend closing sessions
 
 
 class BackgroundLoop:
@@ -42,12 +39,12 @@ class BackgroundLoop:
         self._closed = False
         ready = threading.Event()
 
-        def _run() -> None:
+        def run() -> None:
             asyncio.set_event_loop(self.loop)
             self.loop.call_soon(ready.set)
             self.loop.run_forever()
 
-        self.thread = threading.Thread(target=_run, name="ors-trl-loop", daemon=True)
+        self.thread = threading.Thread(target=run, name="ors-trl-loop", daemon=True)
         self.thread.start()
         if not ready.wait(10):
             raise RuntimeError("ors-trl background event loop did not start")
@@ -57,8 +54,7 @@ class BackgroundLoop:
         if self._closed:
             coro.close()
             raise UsageError("the ors-trl background loop is shut down (interpreter exiting)")
-        if os.getpid() != self.pid:
-            # Inherited across fork(): no thread runs this loop here, so the work would wait forever.
+        if os.getpid() != self.pid:  # inherited across fork(): no thread runs this loop here, the work would never run
             coro.close()
             raise UsageError(
                 "This ors-trl object was created in another process (before a fork); its sessions belong to that "
@@ -78,15 +74,13 @@ class BackgroundLoop:
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
-            # Since Python 3.11 concurrent.futures.TimeoutError *is* the builtin TimeoutError, so this
-            # also catches a TimeoutError the coroutine itself raised (ORSTimeoutError: "Timeouts.tool_call
-            # ..."). Only a wait that ran out is ours to translate; a finished future speaks for itself.
+            # Also a TimeoutError the coroutine raised (ORSTimeoutError: "Timeouts.tool_call ..."): only a wait that ran
+            # out is ours to translate; a finished future speaks for itself.
             if fut.done():
                 return fut.result()
             fut.cancel()
             raise ORSTimeoutError(f"operation did not finish within {timeout} s") from None
-        except BaseException:
-            # KeyboardInterrupt in the waiting thread: stop the work instead of leaving it running.
+        except BaseException:  # KeyboardInterrupt in the waiting thread: stop the work instead of leaving it running
             fut.cancel()
             raise
 
@@ -148,15 +142,13 @@ def _shutdown_at_exit() -> None:
         cur.shutdown()
 
 
-def _reset_after_fork() -> None:
-    # The child has no loop thread; a fresh one starts on first use. The parent's sessions belong
-    # to the parent, so the child must not try to close them.
+def _reset_after_fork() -> None:  # the child has no loop thread, and must not close the parent's sessions
     global _current, _current_lock
     _current = None
     _current_lock = threading.Lock()
 
 
-# Runs before thread pools are shut down (unlike atexit): `threading._shutdown` calls these hooks
-# newest first, and concurrent.futures.thread registered its own on import above, so ours runs first.
+# Before thread pools shut down: `threading._shutdown` calls these hooks newest first, and concurrent.futures.thread
+# registered its own on import above.
 threading._register_atexit(_shutdown_at_exit)  # type: ignore[attr-defined]
 os.register_at_fork(after_in_child=_reset_after_fork)

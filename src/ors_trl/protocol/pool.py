@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from .budget import Pace, get_max_sessions, parse_rate, process_pace, process_semaphore
-from .errors import ConfigurationError, ORSError, ORSTimeoutError, ProtocolError
+from .errors import ORSError, ORSTimeoutError, ProtocolError
 from .registry import Deleter, registry, sweep_in_background, sweeps_done
 
 __all__ = ["CLOSE_WAIT_S", "DUPLICATE_TRIES", "OPENING_WAIT_S", "SessionPool"]
@@ -52,46 +52,20 @@ OpenSession = Any
 
 
 class SessionPool:
-    """The open sessions of one client: caps, keepalive, closing.
+    """The open sessions of one client: caps, keepalive, closing, under the client's `options` (a `ClientOptions`).
+    `delete(sid, quiet=...)` deletes a session on the server (True once it is gone; never raises), `delete_orphans`
+    the ids of a target (the sweep of dead processes' orphans); the ids the server hands out are claimed under its
+    name, `target`. `duplicates` counts the ids it handed out that were already in use (refused, another asked for)."""
 
-    Args:
-        delete (`Callable[..., Awaitable[bool]]`):
-            deletes a session id on the server (the client's `/delete` + `/delete_session`; `quiet=True` logs
-            failures at debug level); True once the server has it gone; never raises.
-        delete_orphans (`Callable[[str, list[str]], Awaitable[list[bool]]]`):
-            deletes session ids of a target (for the sweep of dead processes' orphans).
-        max_sessions (`int`, *optional*):
-            sessions open at once through this pool; an open past it waits for a slot.
-        session_wait (`float`, *optional*, defaults to `1800.0`):
-            how long an open may wait for a slot (None: no limit).
-        keepalive_interval (`float`, *optional*, defaults to `10.0`):
-            seconds between pings of an idle open session; None disables keepalive.
-        max_session_rate (`float` or `tuple[float, int]`, *optional*):
-            sessions this pool creates per second, or `(rate, burst)`; None: no pace of its own.
-        target (`str`, *optional*):
-            the server's name (the client's target), which the ids it hands out are claimed under.
-
-    Attributes:
-        duplicates (`int`):
-            session ids the server handed out that were already in use (refused; a fresh one was asked for).
-    """
-
-    def __init__(self, delete: Callable[..., Awaitable[bool]], delete_orphans: Deleter, *,
-                 max_sessions: int | None = None, session_wait: float | None = 1800.0,
-                 keepalive_interval: float | None = 10.0,
-                 max_session_rate: float | tuple[float, int] | None = None, target: str = "") -> None:
-        if keepalive_interval is not None and keepalive_interval <= 0:
-            raise ConfigurationError("keepalive_interval must be positive, or None to disable keepalive")
-        if max_sessions is not None and max_sessions < 1:
-            raise ConfigurationError("max_sessions must be at least 1, or None for no cap")
-        self.delete, self.delete_orphans = delete, delete_orphans
-        self.pace = None if max_session_rate is None else Pace(*parse_rate(max_session_rate, "max_session_rate"))
-        self.max_sessions = max_sessions
-        self.session_wait = session_wait
-        self.keepalive_interval = keepalive_interval
+    def __init__(self, delete: Callable[..., Awaitable[bool]], delete_orphans: Deleter, options: Any,
+                 target: str = "") -> None:
+        self.delete, self.delete_orphans, self.target = delete, delete_orphans, target
+        rate = options.max_session_rate
+        self.pace = None if rate is None else Pace(*parse_rate(rate, "max_session_rate"))
+        self.max_sessions, self.session_wait = options.max_sessions, options.session_wait
+        self.keepalive_interval = options.keepalive_interval
         self.sessions: set[OpenSession] = set()
         self.closed = False
-        self.target = target
         self.duplicates = 0
         self._claims: set[str] = set()
         self._deleting: set[asyncio.Task[None]] = set()

@@ -1,24 +1,22 @@
 """The orphan registry: the session ids a process has open, on disk, so that a process killed by SIGKILL (the
 out-of-memory killer, a pre-empted node, a scheduler's hard timeout, `kill -9`) leaves a list of what to delete.
 
-A process that opens a session writes `<state>/sessions/<host>-<pid>-<start>.sessions` (`<state>` is
-`ORS_TRL_STATE_DIR`, else `.ors-trl` in the working directory; the file 0600, its folder 0700): a header line
-(host, boot id, pid, the process's start time, run id), then one line per session id, written and fsync'd
-before the session is created on the server, and a `closed` line once the server deleted it. While the process
-lives it holds a shared `flock` on its file. The file is compacted when it outgrows `MAX_BYTES` and removed at
-exit when nothing is left open; a process that opens no session writes nothing. `ORS_TRL_SESSION_REGISTRY=0`
-turns the registry (and the sweep) off.
+A process that opens a session writes `<state>/sessions/<host>-<pid>-<start>.sessions` (`<state>`: `ORS_TRL_STATE_DIR`,
+else `.ors-trl` in the working directory; the file 0600, its folder 0700): a header line (host, boot id, pid, start
+time, run id), then a line per session id, fsync'd before the session is created on the server, and a `closed` line
+once the server deleted it. While the process lives it holds a shared `flock` on its file. The file is compacted past
+`MAX_BYTES` and removed at exit when nothing is left open. `ORS_TRL_SESSION_REGISTRY=0` turns the registry (and the
+sweep) off.
 
-`sweep()` deletes the sessions left in the files of this host's dead processes (the pid is gone or now another
-process, or the machine has rebooted since: `/proc/sys/kernel/random/boot_id`) and never a live process's: a
-file whose owner still holds its lock, or that another sweep holds, is left alone, so N processes starting at
-once delete each orphan once. It runs in the background at a process's first session open, and as
-`ors-trl cleanup [DIR]`. A session of a loopback server that refuses connections died with that server: it is
-dropped without a request (a test server on a random port, a demo stopped with Ctrl-C).
+`sweep()` deletes the sessions left in the files of this host's dead processes (the pid gone or now another process,
+or the machine rebooted since: `/proc/sys/kernel/random/boot_id`), never a live process's: a file whose owner still
+holds its lock, or that another sweep holds, is left alone, so N processes starting at once delete each orphan once.
+It runs in the background at a process's first session open, and as `ors-trl cleanup [DIR]`. A session of a loopback
+server that refuses connections died with it: dropped without a request.
 
-The folder is not trusted: files are written under unguessable temporary names and moved into place, and read
-without following symlinks or blocking on a FIFO (`ors_trl.protocol.files`); a name that holds anything but a regular file,
-or a file without a registry header, is skipped and reported (`Sweep.skipped`), never a reason to stop.
+The folder is not trusted: files are written under unguessable temporary names and moved into place, and read without
+following symlinks or blocking on a FIFO (`ors_trl.protocol.files`); a name holding anything but a regular file, or a
+file without a registry header, is skipped and reported (`Sweep.skipped`), never a reason to stop.
 """
 
 from __future__ import annotations
@@ -40,11 +38,13 @@ from typing import Any
 
 from .files import create_temp, open_regular
 
-__all__ = ["MAX_BYTES", "STALE_S", "Registry", "Sweep", "enabled", "registry", "state_dir", "sweep", "sweep_in_background",
-           "sweeps_done"]
+__all__ = ["MAX_BYTES", "RUN_ID", "STALE_S", "Registry", "Sweep", "enabled", "registry", "state_dir", "sweep",
+           "sweep_in_background", "sweeps_done"]
 
 logger = logging.getLogger("ors_trl")
 
+#: Tells one process run from another: in the registry's header, and in every episode record (`core.records`).
+RUN_ID = f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
 DIR_VAR = "ORS_TRL_STATE_DIR"
 SWITCH_VAR = "ORS_TRL_SESSION_REGISTRY"
 #: A registry file is compacted (only the open sessions kept) when it grows past this, or past twice what is open.
@@ -110,12 +110,7 @@ def _owner_alive(header: dict[str, Any]) -> bool | None:
 
 
 class Registry:
-    """This process's file of open session ids, created at the first one.
-
-    Args:
-        folder (`Path`):
-            where the process's file goes (`<state>/sessions`).
-    """
+    """This process's file of open session ids in `folder` (`<state>/sessions`), created at the first one."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -129,8 +124,6 @@ class Registry:
         self._lock = threading.Lock()
 
     def _header(self) -> bytes:
-        from ..core.records import RUN_ID
-
         return (json.dumps({"host": socket.gethostname(), "boot": _boot_id(), "pid": self.pid,
                             "start": _started(self.pid), "run": RUN_ID}) + "\n").encode()
 
@@ -215,19 +208,10 @@ def registry() -> Registry | None:
 
 @dataclass
 class Sweep:
-    """What a sweep did.
-
-    Attributes:
-        deleted: sessions of dead processes deleted on the server.
-        failed: sessions that could not be deleted (kept for the next sweep).
-        dropped: sessions given up on: their file was older than `STALE_S` (the server reaped them long ago), or their
-            server was on loopback and refuses connections (they died with it).
-        processes: dead processes whose sessions were handled.
-        live: files of live processes, or held by another sweep: left alone.
-        other_hosts: files written on another host (their processes cannot be checked here): left alone.
-        skipped: names in the folder that are not registry files (a symlink, a FIFO, a folder, no header), each with
-            why: left alone, and said.
-    """
+    """What a sweep did: sessions of dead processes `deleted` on the server, those that `failed` (kept for the next
+    sweep), and those `dropped` (their file older than `STALE_S`: the server reaped them, or their loopback server is
+    gone); the dead `processes` handled; files left alone: of `live` processes (or held by another sweep), of
+    `other_hosts`, and `skipped` names that are no registry file (a symlink, a FIFO, a folder, no header), with why."""
 
     deleted: int = 0
     failed: int = 0

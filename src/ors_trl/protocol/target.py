@@ -1,10 +1,9 @@
 """Where a target lives: catalog names vs self-hosted URLs, hosts, keys and secrets.
 
-A target with `://` is a URL of a self-hosted server: one host serves everything and the API key
-is sent only when the caller passes one explicitly. Anything else is a catalog name
-(`owner/name`) on the OpenReward platform: a stateless API host and a sessions host, derived from
-`OPENREWARD_URL` (default https://openreward.ai) unless `OPENREWARD_API_URL` /
-`OPENREWARD_SESSION_URL` override them, with the key from `api_key=` or `OPENREWARD_API_KEY`.
+A target with `://` is a URL of a self-hosted server: one host serves everything and the API key is sent only when the
+caller passes one explicitly. Anything else is a catalog name (`owner/name`) on the OpenReward platform: a stateless
+API host and a sessions host, derived from `OPENREWARD_URL` (default https://openreward.ai) unless
+`OPENREWARD_API_URL` / `OPENREWARD_SESSION_URL` override them, with the key from `api_key=` or `OPENREWARD_API_KEY`.
 """
 
 from __future__ import annotations
@@ -26,9 +25,9 @@ __all__ = ["Target", "encode_secrets", "resolve_target"]
 DEFAULT_PLATFORM_URL = "https://openreward.ai"
 _CATALOG_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _HEADER_TOKEN = re.compile(r"[\x21-\x7e]+")
-
-# Domains a well-known secret may be used against inside a platform sandbox (the platform's
-# egress proxy reads `allowed_domains`); self-hosted servers ignore it.
+_EXAMPLE = "expected something like 'http://127.0.0.1:8000'."
+# Domains a well-known secret may be used against inside a platform sandbox (the platform's egress proxy reads
+# `allowed_domains`); self-hosted servers ignore it.
 _WELL_KNOWN_SECRET_DOMAINS: dict[str, list[str]] = {
     "openai_api_key": ["api.openai.com"],
     "anthropic_api_key": ["api.anthropic.com"],
@@ -39,6 +38,7 @@ _WELL_KNOWN_SECRET_DOMAINS: dict[str, list[str]] = {
     "tavily_api_key": ["api.tavily.com"],
     "github_token": ["github.com", "api.github.com"],
 }
+SecretValue = str | tuple[str, Sequence[str]]
 
 
 class _Secret(str):
@@ -50,17 +50,10 @@ class _Secret(str):
 
 @dataclass(frozen=True)
 class Target:
-    """A resolved target.
-
-    Attributes:
-        kind: "url" (self-hosted) or "catalog" (OpenReward platform).
-        name: the target as the user wrote it (URL or `owner/name`).
-        session_url: base URL for environment and session requests.
-        api_url: base URL of the platform's stateless API (equal to `session_url` when self-hosted).
-        deployment: the `X-Deployment` routing value (catalog only).
-        api_key: the key to send, or None. Sent only to `key_hosts`.
-        key_hosts: the hosts (`host:port`) allowed to receive the key.
-    """
+    """A resolved target: its `kind` ("url", self-hosted, or "catalog", the OpenReward platform), `name` as the user
+    wrote it, the base URLs of environment and session requests (`session_url`) and of the platform's stateless API
+    (`api_url`; the same when self-hosted), the `X-Deployment` routing value (catalog only), and the `api_key`, sent
+    only to `key_hosts` (`host:port`)."""
 
     kind: Literal["url", "catalog"]
     name: str
@@ -94,49 +87,36 @@ def _host_port(url: str) -> str:
 
 
 def _validate_url(url: str, what: str) -> str:
+    """`url` without its query, fragment and trailing `/`; a `ConfigurationError` for one that is not http(s), or that
+    embeds credentials (messages show it without them, so a password never reaches an error or a log)."""
     parts = urlsplit(url)
-    # Messages show the URL without any `user:password@` part, so a password never reaches an error or a log.
     shown = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])) if "@" in parts.netloc else url
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigurationError(
-            f"{what} {shown!r} is not a valid http(s) URL; expected something like 'http://127.0.0.1:8000'."
-        )
+        raise ConfigurationError(f"{what} {shown!r} is not a valid http(s) URL; {_EXAMPLE}")
     if parts.username or parts.password:
         raise ConfigurationError(f"{what} must not embed credentials; pass api_key= instead.")
     try:
         parts.port  # noqa: B018 - raises ValueError for a non-numeric port
     except ValueError:
-        raise ConfigurationError(
-            f"{what} {shown!r} has an invalid port; expected something like 'http://127.0.0.1:8000'."
-        ) from None
-    path = parts.path.rstrip("/")
-    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+        raise ConfigurationError(f"{what} {shown!r} has an invalid port; {_EXAMPLE}") from None
+    return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
 
 
-def _is_single_host(url: str) -> bool:
-    """True for loopback names and IP literals, where `api.`/`sessions.` subdomains cannot exist."""
-    host = (urlsplit(url).hostname or "").lower()
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
+def _platform_url(base: str, sub: str) -> str:
+    """The platform's `sub` host: `sub.` before the base host, except for loopback names and IP literals (no such
+    subdomains there), where the base serves everything."""
+    parts = urlsplit(base)
+    host = (parts.hostname or "").lower()
     try:
-        ipaddress.ip_address(host)
+        single = host == "localhost" or host.endswith(".localhost") or ipaddress.ip_address(host) is not None
     except ValueError:
-        return False
-    return True
-
-
-def _with_subdomain(url: str, sub: str) -> str:
-    parts = urlsplit(url)
-    return urlunsplit((parts.scheme, f"{sub}.{parts.netloc}", parts.path, "", ""))
+        single = False
+    return base if single else urlunsplit((parts.scheme, f"{sub}.{parts.netloc}", parts.path, "", ""))
 
 
 def resolve_target(target: str, *, api_key: str | None = None, environ: Mapping[str, str] | None = None) -> Target:
-    """Resolve `target` into hosts and credentials without any network traffic.
-
-    Raises:
-        ConfigurationError: malformed URL or catalog name.
-        MissingAPIKeyError: a catalog name with no key available.
-    """
+    """Resolve `target` into hosts and credentials without any network traffic: a `ConfigurationError` for a
+    malformed URL or catalog name, a `MissingAPIKeyError` for a catalog name with no key available."""
     env = os.environ if environ is None else environ
     if not isinstance(target, str) or not target.strip():
         raise ConfigurationError("target must be a catalog name like 'Eigent/SETA' or a URL like 'http://127.0.0.1:8000'.")
@@ -144,41 +124,23 @@ def resolve_target(target: str, *, api_key: str | None = None, environ: Mapping[
     if "://" in target:
         url = _validate_url(target, "Target URL")
         key = _Secret(check_header_value(api_key, "api_key")) if api_key else None
-        return Target(
-            kind="url",
-            name=target,
-            session_url=url,
-            api_url=url,
-            api_key=key,
-            key_hosts=frozenset({_host_port(url)}) if key else frozenset(),
-        )
+        return Target("url", target, url, url, api_key=key, key_hosts=frozenset({_host_port(url)} if key else ()))
     if not _CATALOG_NAME.match(target):
-        raise ConfigurationError(
-            f"{target!r} is neither a URL (it has no '://') nor a catalog name of the form 'owner/name' "
-            "(e.g. 'Eigent/SETA')."
-        )
+        raise ConfigurationError(f"{target!r} is neither a URL (it has no '://') nor a catalog name of the form "
+                                 "'owner/name' (e.g. 'Eigent/SETA').")
     base = _validate_url(env.get("OPENREWARD_URL") or DEFAULT_PLATFORM_URL, "OPENREWARD_URL")
-    single = _is_single_host(base)
-    api_url = env.get("OPENREWARD_API_URL") or (base if single else _with_subdomain(base, "api"))
-    session_url = env.get("OPENREWARD_SESSION_URL") or (base if single else _with_subdomain(base, "sessions"))
-    api_url = _validate_url(api_url, "OPENREWARD_API_URL")
-    session_url = _validate_url(session_url, "OPENREWARD_SESSION_URL")
+    api_url = _validate_url(env.get("OPENREWARD_API_URL") or _platform_url(base, "api"), "OPENREWARD_API_URL")
+    session_url = _validate_url(env.get("OPENREWARD_SESSION_URL") or _platform_url(base, "sessions"),
+                                "OPENREWARD_SESSION_URL")
     key = api_key or env.get("OPENREWARD_API_KEY")
     if not key:
         raise MissingAPIKeyError(
             f"{target!r} is an OpenReward catalog environment and needs an API key: set OPENREWARD_API_KEY "
             "or pass api_key=... (get one at https://openreward.ai/keys). To use a self-hosted server, pass "
-            "its URL instead, e.g. 'http://127.0.0.1:8000'."
-        )
-    return Target(
-        kind="catalog",
-        name=target,
-        session_url=session_url,
-        api_url=api_url,
-        deployment=target,
-        api_key=_Secret(check_header_value(key, "the API key")),
-        key_hosts=frozenset({_host_port(api_url), _host_port(session_url)}),
-    )
+            "its URL instead, e.g. 'http://127.0.0.1:8000'.")
+    return Target("catalog", target, session_url, api_url, deployment=target,
+                  api_key=_Secret(check_header_value(key, "the API key")),
+                  key_hosts=frozenset({_host_port(api_url), _host_port(session_url)}))
 
 
 def check_header_value(value: str, what: str) -> str:
@@ -190,15 +152,10 @@ def check_header_value(value: str, what: str) -> str:
     return value
 
 
-SecretValue = str | tuple[str, Sequence[str]]
-
-
 def encode_secrets(secrets: Mapping[str, SecretValue]) -> str:
-    """Encode secrets for the `X-Secrets` header: base64(JSON {name: {value, allowed_domains}}).
-
-    A value is a string, or `(value, allowed_domains)` to say which external hosts a platform
-    sandbox may use it against; a plain string gets the well-known domains for its name, if any.
-    """
+    """Encode secrets for the `X-Secrets` header: base64(JSON {name: {value, allowed_domains}}). A value is a string
+    (given the well-known domains for its name, if any), or `(value, allowed_domains)`: the external hosts a platform
+    sandbox may use it against."""
     payload: dict[str, dict[str, object]] = {}
     for name, entry in secrets.items():
         if not isinstance(name, str) or not name:
@@ -217,5 +174,4 @@ def platform_key_secret(target: Target) -> dict[str, SecretValue]:
     """The conventional `api_key` session secret for a catalog target (what platform environments read)."""
     if target.kind != "catalog" or not target.api_key:
         return {}
-    domains = sorted({h.rsplit(":", 1)[0] for h in target.key_hosts})
-    return {"api_key": (str(target.api_key), domains)}
+    return {"api_key": (str(target.api_key), sorted({h.rsplit(":", 1)[0] for h in target.key_hosts}))}

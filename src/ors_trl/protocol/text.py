@@ -1,8 +1,7 @@
-"""Text helpers shared by every module: one line, ASCII folding, shortening with a visible mark, and the
-two repairs untrusted text needs (lone surrogates, terminal control characters).
+"""Text helpers shared by every module: the one rule for cutting text (`cut`), one line, ASCII folding, and the repairs
+untrusted text needs (lone surrogates, terminal control characters, secrets spelled with JSON escapes).
 
-Whatever ors-trl cuts says so in the text itself, so neither a model nor a reader mistakes a cut
-for the whole.
+Whatever ors-trl cuts says so in the text itself, so neither a model nor a reader mistakes a cut for the whole.
 """
 
 from __future__ import annotations
@@ -11,14 +10,72 @@ import json
 import re
 import unicodedata
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["ascii_fold", "clean_json", "clip", "escape_controls", "json_size", "one_line", "repair", "shorten",
-           "show_json", "show_name", "unescape_json"]
+__all__ = ["ascii_fold", "clean_json", "clip", "cut", "escape_controls", "json_size", "label", "one_line", "readable",
+           "repair", "shorten", "show_json", "show_name", "task_label", "unescape_json"]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _JSON_ESCAPE = re.compile(r'\\(?:u([0-9a-fA-F]{4})|(["\\/bfnrt]))')
 _SHORT_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+
+def cut(text: str, limit: int | None, mark: Literal["…", "output", "more", ""] = "…") -> str:
+    """`text` cut to `limit` characters (None: never), the cut said by `mark`:
+
+    - `"…"` ends it, the whole within `limit` (log lines, tables, names);
+    - `"output"` adds a line `[... output truncated: N of M characters shown ...]` (tool output: models read it and
+      records keep it);
+    - `"more"` adds `... [N more characters]` (what a server said, quoted in a message);
+    - `""` adds nothing (a repr quoted in an error).
+    """
+    if limit is None or len(text) <= limit:
+        return text
+    if mark == "…":
+        return text[: max(limit - 1, 0)] + "…"
+    if mark == "output":
+        return f"{text[:limit]}\n[... output truncated: {limit} of {len(text)} characters shown ...]"
+    return f"{text[:limit]}... [{len(text) - limit} more characters]" if mark == "more" else text[:limit]
+
+
+def shorten(text: str, limit: int) -> str:
+    """`cut(text, limit)`: kept for the callers outside `protocol/` until they call `cut`."""
+    return cut(text, limit)
+
+
+def clip(text: str, limit: int | None) -> str:
+    """`cut(text, limit, "output")`: kept for the callers outside `protocol/` until they call `cut`."""
+    return cut(text, limit, "output")
+
+
+def readable(text: str, limit: int = 2000) -> str:
+    """Server-provided `text` fit for a message: stripped, cut to `limit` (`"more"`), control and format characters
+    escaped. Mask secrets before: a cut through a secret would leave part of it."""
+    return escape_controls(cut(text.strip(), limit, "more"))
+
+
+def show_name(name: str, limit: int = 80) -> str:
+    """A name a server chose (a tool's), for a message: its repr (control characters escaped), cut with `…`."""
+    return repr(name) if len(name) <= limit else repr(name[:limit]) + "…"
+
+
+def show_json(value: Any, limit: int = 120) -> str:
+    """`value` as JSON (anything else as `str`), cut with `…` for a log line or a table cell."""
+    return cut(json.dumps(value, ensure_ascii=False, default=str), limit)
+
+
+def label(value: Any, limit: int = 200) -> str:
+    """A record value as a short label: text as it is, a number or None as `str` gives it, anything else as JSON."""
+    if not isinstance(value, str):
+        value = str(value) if value is None or isinstance(value, int | float) else show_json(value, limit)
+    return cut(value, limit)
+
+
+def task_label(split: Any, index: Any, task_spec: Any = None) -> str:
+    """Which task ran, as reports, eval and the rollout viewer name it: `test #3`, or `train spec {...}`."""
+    if task_spec is not None:
+        return f"{label(split or '-')} spec {label(task_spec, 60)}"
+    return f"{label(split or '-')} #{label(index)}"
 
 
 def one_line(text: str) -> str:
@@ -31,40 +88,14 @@ def ascii_fold(text: str) -> str:
     return unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
 
 
-def shorten(text: str, limit: int) -> str:
-    """`text` cut to at most `limit` characters, ending with `…` when cut (for messages and tables)."""
-    return text if len(text) <= limit else text[: max(limit - 1, 0)] + "…"
-
-
-def show_name(name: str, limit: int = 80) -> str:
-    """A name for a message or a warning (a tool's, which the server chooses): its repr, so that control characters
-    show escaped, cut to `limit` characters with a `…` (a name of 10,000 characters would bury the message)."""
-    return repr(name) if len(name) <= limit else repr(name[:limit]) + "…"
-
-
-def show_json(value: Any, limit: int = 120) -> str:
-    """A JSON rendering of `value` (anything else as `str`), shortened for a log line or a table cell."""
-    return shorten(json.dumps(value, ensure_ascii=False, default=str), limit)
-
-
-def clip(text: str, limit: int | None) -> str:
-    """`text` cut to `limit` characters with a mark saying how much was shown (tool output, records)."""
-    if limit is None or len(text) <= limit:
-        return text
-    return text[:limit] + f"\n[... output truncated: {limit} of {len(text)} characters shown ...]"
-
-
 def repair(text: str) -> str:
-    """`text` with every lone surrogate (valid in JSON as `"\\ud800"`, not encodable as UTF-8, so fatal to a
-    tokenizer or a file write) replaced by U+FFFD."""
+    """`text` with every lone surrogate (valid in JSON as `"\\ud800"`, fatal to a tokenizer or a file write) as U+FFFD."""
     return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
 
 
 def clean_json(value: Any, fix: Callable[[str], str] = repair) -> Any:
-    """Every string of a decoded JSON value, dict keys included, passed through `fix`, in place where possible.
-
-    Iterative, so a value nested as deeply as the JSON decoder allows is no recursion problem here.
-    """
+    """Every string of a decoded JSON value, dict keys included, passed through `fix`, in place where possible
+    (iterative: a value nested as deeply as the decoder allows is no recursion problem)."""
     if isinstance(value, str):
         return fix(value)
     stack = [value] if isinstance(value, dict | list) else []
@@ -103,8 +134,8 @@ def unescape_json(text: str) -> str:
 
 
 def json_size(value: Any, limit: int) -> int:
-    """About how many characters `value` takes as JSON, counted without serialising it (iteratively, so depth is no
-    problem) and only until the count passes `limit`: what bounding a decoded answer costs stays bounded too."""
+    """About how many characters `value` takes as JSON, counted without serialising it (iteratively) and only until
+    the count passes `limit`: what bounding a decoded answer costs stays bounded too."""
     total, stack = 0, [value]
     while stack and total <= limit:
         node = stack.pop()

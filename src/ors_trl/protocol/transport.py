@@ -1,38 +1,21 @@
-"""HTTP and SSE over aiohttp: keep-alive connections, retries, timeouts, error mapping.
+"""HTTP and SSE over aiohttp: the one module of ors-trl that builds HTTP requests, for the ORS client and for a JSON
+API such as an OpenAI-compatible endpoint (`Transport.for_url`, `post_json`).
 
-What is retried (with exponential backoff and jitter, bounded by `RetryPolicy`):
+Retried (`retrying`, backoff with jitter under `RetryPolicy`): a connection that could not be made; 429, 502, 503 and
+504 answers (any 5xx for `for_url`), `/call` included (an error status instead of a stream: the tool did not start);
+a reset or read timeout after sending, for idempotent requests only. A 503 `X-Backend-State: starting` is waited out
+(`RetryPolicy.starting_timeout`). A `/call` stream that drops after the server named the call's task id is resumed by
+that id, never re-posted without it. A server's `Retry-After` can lengthen a wait, never shorten it. Not retried:
+400/401/402/403/404/422 (the request is wrong), 500 on ORS (the environment's code would fail again), a `/call` stream
+that drops before its task id (the tool may be running): a `StreamInterruptedError`.
 
-- connection failures before the request was sent, for every request;
-- 429, 502, 503 and 504 answers, for every request, `/call` included: an error status instead of
-  an event stream means the tool was not started;
-- a 503 carrying `X-Backend-State: starting` (a backend still booting) is waited out, for up to
-  `RetryPolicy.starting_timeout` seconds, its polls backing off like retries;
-- connection resets and read timeouts after the request was sent, for idempotent requests only;
-- a `/call` stream that drops after the server sent the call's task id is resumed by that id
-  (the server replays the result), never re-posted without it.
+Redirects are followed by hand: a hop to a host the API key does not belong to goes without `X-API-Key`, `X-Secrets`
+and `Authorization` (aiohttp forwards custom headers anywhere), or not at all when its body holds a credential.
 
-Every wait before another try (a retry, a `starting` poll, a stream resume) is `RetryPolicy.delay`: at least
-`backoff_initial`, at most `backoff_max`. A server's `Retry-After` can lengthen it, never shorten it (0, a negative
-or fractional value, NaN or a date in the past cannot make the client poll in a loop).
-
-Not retried: 400/401/402/403/404/422 (the request itself is wrong), 500 (the environment's code
-failed and would fail again), and a `/call` stream that drops before any task id arrived (the tool
-may be running; re-posting could run it twice) which raises `StreamInterruptedError`.
-
-Credentials: redirects are followed by hand, and a redirect to a host the API key does not belong
-to is followed without `X-API-Key` and `X-Secrets` (aiohttp itself would forward every custom
-header to any host), or not at all when the body it would re-send holds a credential (the env
-overrides of `/create_session`).
-
-What a server sends is untrusted input, made fit to keep where it is decoded: `Decoder` is the one way
-its bytes become Python values (JSON answers, SSE fields, error bodies). Invalid UTF-8 is replaced,
-lone surrogates are repaired (U+FFFD), and the API key, the secret values and the encoded `X-Secrets`
-header are masked as `***` in every string, also where the JSON spells them with escapes; so no
-message, record, log line or model prompt built from an answer holds them. Errors raised here carry
-no exception chain (a `JSONDecodeError` keeps the raw body, an aiohttp error the URL). An answer whose objects would
-take more than 8 bytes per character of it (`DECODE_BYTES_PER_CHAR`: tiny blocks, empty containers, one-key dicts,
-by the million) is refused before it is decoded. Decoding runs on the one background loop, an answer at a time, so
-no process-wide budget is needed: concurrent calls hold their undecoded bytes (at most `max_response_bytes` each).
+What a server sends is untrusted: `Decoder` is the one way its bytes become values, fit to keep (UTF-8 and surrogates
+repaired, every secret masked as `***`, an answer too dense for its size refused before decoding). Errors raised here
+carry no exception chain (a `JSONDecodeError` keeps the raw body, an aiohttp error the URL). Decoding runs on the one
+background loop, an answer at a time: concurrent calls hold only their undecoded bytes (`max_response_bytes` each).
 """
 
 from __future__ import annotations
@@ -48,7 +31,7 @@ import math
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urljoin
@@ -77,11 +60,11 @@ from .errors import (
     TransportError,
     UsageError,
 )
-from .target import Target, _host_port
-from .text import clean_json, escape_controls, repair, unescape_json
+from .target import Target, _host_port, _validate_url
+from .text import clean_json, cut, escape_controls, readable, repair, unescape_json
 from .types import MASK
 
-__all__ = ["DECODE_BYTES_PER_CHAR", "DECODE_MIN_BYTES", "Decoder", "RetryPolicy", "Timeouts", "Transport", "masking"]
+__all__ = ["DECODE_BYTES_PER_CHAR", "DECODE_MIN_BYTES", "Decoder", "RetryPolicy", "Timeouts", "Transport", "masked"]
 
 logger = logging.getLogger("ors_trl.client")
 T = TypeVar("T")
@@ -93,24 +76,18 @@ _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 #: The `Content-Encoding`s aiohttp decodes (or that need none); any other leaves the body as it came.
 _DECODED = frozenset({"", "identity", "gzip", "deflate", "br", "zstd"})
 _MAX_REDIRECTS = 10
-# Headers that carry credentials: never sent to a host the API key does not belong to.
-_CREDENTIAL_HEADERS = ("X-API-Key", "X-Secrets")
-# Secret values shorter than this are not masked in error messages: masking "1" or "abc" would garble
-# every message, and such values are not secrets worth the name.
+_CREDENTIAL_HEADERS = ("X-API-Key", "X-Secrets", "Authorization")
+#: Shorter secret values are not masked: masking "1" or "abc" would garble every message, and they are no secrets.
 _MIN_MASKED_SECRET = 6
 _MASK = "***"
-#: Server-provided text quoted in a message (an error's detail, a tool's error event) is cut to this many characters.
-_QUOTE_LIMIT = 2000
-#: How much of an error answer's body is read for its detail; the rest is dropped unread.
-_ERROR_BODY_LIMIT = 64 * 1024
-#: How much of an answer that is not JSON is looked at for the message that says so.
-_QUOTE_HEAD = 64 * 1024
+#: How much of an error answer's body is read for its detail (the rest is dropped unread), and how much of an answer
+#: that is not JSON is looked at for the message that says so.
+_ERROR_BODY_LIMIT = _QUOTE_HEAD = 64 * 1024
 #: JSON's short escapes: a secret holding one of these characters may be spelled with its escape in an answer.
 _SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "/": "\\/", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
                   "\t": "\\t"}
 _ESCAPE = re.compile(r"\\u")  # a regex: with many backslashes in a text, `"\\u" in text` is slower
-#: A line end of an event stream: CRLF, LF or CR alone.
-_LINE_END = re.compile(rb"\r\n|\r|\n")
+_LINE_END = re.compile(rb"\r\n|\r|\n")  # of an event stream: CRLF, LF or CR alone
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 #: In JSON text: an escaped backslash (kept, so that the text "backslash, ud800" stays text), a surrogate pair (kept:
 #: one character), or a lone surrogate (written as U+FFFD). Repaired before decoding: a scan of the text, not a walk.
@@ -121,14 +98,14 @@ _SURROGATE_ESCAPES = re.compile(r"\\(?:(\\)|u[dD][89abAB][0-9a-fA-F]{2}(\\u[dD][
 #: `ProtocolError`. 40 MB of tiny blocks, empty lists or one-key dicts once cost 0.7-1.1 GB to decode (18-27x).
 DECODE_BYTES_PER_CHAR = 8
 DECODE_MIN_BYTES = 16 << 20
-#: What CPython spends per `{` (a dict with up to five keys: 184 bytes), `[` (an empty list), `:` (a dict entry, its
-#: key counted once per name as json decodes it: an answer of distinct short keys costs up to 12x), `,` (a slot) and
-#: string value (a new str). Numbers are left out: a number costs at most 9 bytes per character (`1.5,`: a 24-byte
-#: float and a slot), a small int, `true` or `null` only its slot.
+#: What CPython spends per `{` (a dict of up to five keys), `[` (an empty list), `:` (a dict entry, its key counted once
+#: per name as json decodes it), `,` (a slot) and string value (a new str). A number costs at most 9 bytes per
+#: character (`1.5,`: a 24-byte float and a slot), a small int, `true` or `null` only its slot: left out.
 _COSTS = ((",", 8), (":", 48), ("[", 64), ("{", 184))
 _STRING_COST = 56
 _CLASSES = bytes(c if c in b'",:[{' else ord("w") if c in b" \t\r\n" else ord("x") for c in range(256))
 _WINDOW = 1 << 18
+_DELAY_SECONDS = re.compile(r"[0-9]+(?:\.[0-9]*)?")
 
 
 @dataclass(frozen=True)
@@ -199,18 +176,15 @@ class RetryPolicy:
                 raise ConfigurationError(f"RetryPolicy: {name} must be an int >= {low}, got {value!r}")
 
     def delay(self, attempt: int, retry_after: float | None = None) -> float:
-        """The wait before the next try: the backoff of `attempt` (`backoff_initial`, doubled per attempt, plus up
-        to half again of jitter), or the server's `Retry-After` where that is longer; within
-        `[backoff_initial, backoff_max]`. A server can ask for a longer wait, never a shorter one.
+        """Seconds to wait before the next try: the backoff of `attempt` (`backoff_initial`, doubled per attempt, plus
+        up to half again of jitter), or the server's `Retry-After` where longer; within `[backoff_initial,
+        backoff_max]`.
 
         Args:
             attempt (`int`):
                 The attempt that just failed (or the poll that was answered `starting`), from 1.
             retry_after (`float`, *optional*):
-                The server's `Retry-After`, in seconds (`_retry_after`).
-
-        Returns:
-            `float`: Seconds to wait.
+                The server's `Retry-After`, in seconds.
         """
         wait = self.backoff_initial * 2.0 ** min(max(attempt - 1, 0), 64) * (1 + random.random() / 2)
         if retry_after is not None and not math.isnan(retry_after):
@@ -222,9 +196,6 @@ def _attempts(n: int) -> str:
     return "1 attempt" if n == 1 else f"{n} attempts"
 
 
-_DELAY_SECONDS = re.compile(r"[0-9]+(?:\.[0-9]*)?")
-
-
 def _retry_after(headers: Any) -> float | None:
     """A `Retry-After` header in seconds from now (delay-seconds or an HTTP-date; a past date is 0); None when absent
     or unreadable. Untrusted: `RetryPolicy.delay` bounds what it does."""
@@ -232,30 +203,17 @@ def _retry_after(headers: Any) -> float | None:
     if _DELAY_SECONDS.fullmatch(value):
         return float(value)
     try:
-        when = email.utils.parsedate_to_datetime(value)
-        return max(when.timestamp() - time.time(), 0.0)
+        return max(email.utils.parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
     except (TypeError, ValueError, IndexError, OverflowError):
         return None
 
 
-def readable(text: str, limit: int = _QUOTE_LIMIT) -> str:
-    """Server-provided `text` fit for a message: at most `limit` characters (the cut is marked), and control and
-    format characters escaped (`\\x1b`, `\\u202e`), so that a terminal or a log shows them instead of obeying them.
-    Mask secrets before calling this: a cut through a secret would leave part of it unmasked."""
-    text = text.strip()
-    if len(text) > limit:
-        text = f"{text[:limit]}... [{len(text) - limit} more characters]"
-    return escape_controls(text)
-
-
 class Decoder:
-    """The one way a server's bytes become Python values, so that every string of every answer is fit to keep.
-
-    Invalid UTF-8 is replaced (U+FFFD) rather than refused; lone surrogates (`"\\ud800"`: valid JSON, fatal to a
-    tokenizer or a file write) are written as U+FFFD in the JSON text before it is decoded; every known secret
-    (`add`; at least 6 characters) is masked as `***` in every string, dict keys included, also where the raw JSON
-    spells it with escapes (`"\\u0073k-..."`). Each step runs only when a scan of the raw text finds something it
-    could have to fix, so a plain answer costs one `json.loads` and a few substring searches.
+    """The one way a server's bytes become Python values. Invalid UTF-8 is replaced (U+FFFD); lone surrogates
+    (`"\\ud800"`: valid JSON, fatal to a tokenizer or a file write) become U+FFFD in the JSON text before decoding;
+    every known secret (`add`) is masked as `***` in every string, dict keys included, also where the raw JSON spells it
+    with escapes (`"\\u0073k-..."`). Each step runs only when a scan of the raw text finds something to fix: a plain
+    answer costs one `json.loads` and a few substring searches.
     """
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
@@ -285,10 +243,9 @@ class Decoder:
             raw = bytes(raw).decode("utf-8", errors="replace")
         return self.mask(repair(raw))
 
-    def quote(self, raw: str | bytes, limit: int = _QUOTE_LIMIT) -> str:
-        """What a server said, for a message: `text`, then `readable` (bounded, no control characters). A secret
-        spelled with JSON escapes (in a body that is not valid JSON) is masked too: the quote then shows the text
-        with its escapes written out."""
+    def quote(self, raw: str | bytes, limit: int = 2000) -> str:
+        """What a server said, for a message: `text`, then `readable`. A secret spelled with JSON escapes (in a body
+        that is not valid JSON) is masked too: the quote then shows the text with its escapes written out."""
         text = self.text(raw)
         if self._secrets and "\\" in text:
             plain = self.mask(unescape_json(text))
@@ -297,12 +254,9 @@ class Decoder:
         return readable(text, limit)
 
     def decode(self, raw: str | bytes, what: str) -> Any:
-        """A JSON answer as Python values (None for an empty body), every string repaired and masked.
-
-        Raises:
-            ProtocolError: not JSON, nested too deeply to decode (quoting the start of it, masked), or holding more
-                objects than its size allows (`DECODE_BYTES_PER_CHAR`), refused before it is decoded.
-        """
+        """A JSON answer as Python values (None for an empty body), every string repaired and masked; a
+        `ProtocolError` for one that is not JSON, nested too deeply to decode (quoting the start of it, masked), or
+        holding more objects than its size allows (`DECODE_BYTES_PER_CHAR`, refused before it is decoded)."""
         text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8-sig", errors="replace")
         if not text.strip():
             return None
@@ -374,79 +328,54 @@ def _detail_of(decoder: Decoder, body: bytes) -> str:
     return decoder.text(body)
 
 
-def status_error(status: int, detail: str, path: str, *, session_scoped: bool) -> APIStatusError | EnvironmentNotFoundError:
-    """Map an HTTP error status to our exception, with a message that says what to do."""
-    kw = {"status_code": status, "detail": detail, "path": path}
+def status_error(status: int, detail: str, path: str, *, session_scoped: bool) -> ORSError:
+    """An ORS server's HTTP error status as our exception, with a message that says what to do."""
     where = f"{path}: " if path else ""
-    if status in (400, 422):
-        return BadRequestError(f"{where}bad request ({status}): {detail}", **kw)
-    if status in (401, 403):
-        return AuthenticationError(
-            f"{where}the server rejected the credentials ({status}): {detail}. Check OPENREWARD_API_KEY or the "
-            "api_key= you passed.",
-            **kw,
-        )
-    if status == 402:
-        return PaymentRequiredError(
-            f"{where}payment required (402): {detail}. The OpenReward account has no credits left; top up at "
-            "https://openreward.ai.",
-            **kw,
-        )
     if status == 404 and "unknown environment" in detail.lower():
         return EnvironmentNotFoundError(f"{where}{detail}")
-    if status == 410 or (status == 404 and session_scoped):
-        return SessionExpiredError(
-            f"{where}the session no longer exists on the server ({status}: {detail}); it was deleted, reaped "
-            "after being idle, or the server restarted.",
-            **kw,
-        )
-    if status == 404:
-        return NotFoundError(f"{where}not found (404): {detail}", **kw)
-    if status == 429:
-        return RateLimitError(f"{where}rate limited (429): {detail}", **kw)
-    if status in (502, 503, 504):
-        return ServiceUnavailableError(f"{where}service unavailable ({status}): {detail}", **kw)
-    if status >= 500:
-        return ServerError(f"{where}the environment failed ({status}): {detail}", **kw)
-    return APIStatusError(f"{where}unexpected status {status}: {detail}", **kw)
+    cls: type[APIStatusError] = APIStatusError
+    text = f"unexpected status {status}: {detail}"
+    if status in (400, 422):
+        cls, text = BadRequestError, f"bad request ({status}): {detail}"
+    elif status in (401, 403):
+        cls, text = AuthenticationError, (f"the server rejected the credentials ({status}): {detail}. Check "
+                                          "OPENREWARD_API_KEY or the api_key= you passed.")
+    elif status == 402:
+        cls, text = PaymentRequiredError, (f"payment required (402): {detail}. The OpenReward account has no credits "
+                                           "left; top up at https://openreward.ai.")
+    elif status == 410 or (status == 404 and session_scoped):
+        cls, text = SessionExpiredError, (f"the session no longer exists on the server ({status}: {detail}); it was "
+                                          "deleted, reaped after being idle, or the server restarted.")
+    elif status == 404:
+        cls, text = NotFoundError, f"not found (404): {detail}"
+    elif status == 429:
+        cls, text = RateLimitError, f"rate limited (429): {detail}"
+    elif status in (502, 503, 504):
+        cls, text = ServiceUnavailableError, f"service unavailable ({status}): {detail}"
+    elif status >= 500:
+        cls, text = ServerError, f"the environment failed ({status}): {detail}"
+    return cls(where + text, status_code=status, detail=detail, path=path)
 
 
-def masking(transport_of: Callable[[Any], Transport]) -> Callable[[F], F]:
-    """Decorator for the calls that talk to a server (`Transport`'s, `AsyncClient`'s and `AsyncSession`'s): mask the
-    secrets of the transport `transport_of(self)` in every ORSError they raise (and drop its exception chain), and in
-    what `quoted` shows of an answer, before it is cut.
+def masked(method: F) -> F:
+    """Decorator for the calls that talk to a server (the `Transport`'s, and `AsyncClient`'s and `AsyncSession`'s,
+    through their `_transport`): mask its secrets in every ORSError they raise (dropping its exception chain), and in
+    what `types.quoted` shows of an answer while they run. The transport masks its own errors; a client's call also
+    raises errors while checking an answer, which quote what the server said (and may echo the credentials)."""
 
-    The transport masks its own errors; a client's call also raises errors while checking an answer, which quote what
-    the server said (and a server may echo the credentials it was sent)."""
+    @functools.wraps(method)
+    async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        transport = getattr(self, "_transport", self)
+        token = MASK.set(transport.mask)
+        try:
+            return await method(self, *args, **kwargs)
+        except ORSError as exc:
+            transport.mask_error(exc)
+            raise
+        finally:
+            MASK.reset(token)
 
-    def decorate(method: F) -> F:
-        @functools.wraps(method)
-        async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            transport = transport_of(self)
-            token = MASK.set(transport.mask)
-            try:
-                return await method(self, *args, **kwargs)
-            except ORSError as exc:
-                transport.mask_error(exc)
-                raise
-            finally:
-                MASK.reset(token)
-
-        return wrapper  # type: ignore[return-value]
-
-    return decorate
-
-
-_masked = masking(lambda transport: transport)
-
-
-class _Dropped(Exception):
-    """Internal: a stream ended without its final event; `unknown`: the names of the events it sent that the protocol
-    has not (an `END`, an `end ` with a space: why a stream that looked complete had no result)."""
-
-    def __init__(self, unknown: Iterable[str] = ()) -> None:
-        super().__init__()
-        self.unknown = tuple(unknown)
+    return wrapper  # type: ignore[return-value]
 
 
 async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> AsyncIterator[tuple[str, str]]:
@@ -454,10 +383,9 @@ async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> A
     is one line end), a BOM opening the stream is dropped, one space after `data:` is stripped, comments are skipped;
     `what` names the request in errors.
 
-    Lines are split here rather than with `resp.content.readline()`: aiohttp's readline refuses lines
-    longer than its buffer (128-512 KiB, depending on the version) with an exception outside our
-    hierarchy, while the protocol lets a server send a whole result as one `data:` line. The only
-    bound is `max_bytes` for the whole stream.
+    Lines are split here rather than with `resp.content.readline()`, which refuses lines longer than aiohttp's buffer
+    (128-512 KiB) with an exception outside our hierarchy, while a server may send a whole result as one `data:` line.
+    The only bound is `max_bytes` for the whole stream.
     """
     _check_length(resp, max_bytes, what)
     event: str | None = None
@@ -477,11 +405,11 @@ async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> A
             chunk = chunk[1:]
         start = len(buf)
         buf += chunk
-        cut = max(buf.rfind(b"\n", start), buf.rfind(b"\r", start))  # only the new bytes can hold a line end
-        after_cr = cut == len(buf) - 1 and buf.endswith(b"\r")
-        if cut == -1:
+        end = max(buf.rfind(b"\n", start), buf.rfind(b"\r", start))  # only the new bytes can hold a line end
+        after_cr = end == len(buf) - 1 and buf.endswith(b"\r")
+        if end == -1:
             continue
-        block, buf = bytes(buf[:cut + 1]), buf[cut + 1:]
+        block, buf = bytes(buf[:end + 1]), buf[end + 1:]
         lines = _LINE_END.split(block)[-2::-1]  # the block ends with a line end: the last piece is empty
         del block
         while lines:  # popped, so that neither a line nor an event's data is still held while the caller decodes it
@@ -505,77 +433,77 @@ async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> A
 
 
 class Transport:
-    """One aiohttp session (keep-alive pool) bound to the event loop that first uses it."""
+    """One aiohttp session (keep-alive pool) to `target`'s hosts, bound to the event loop that first uses it. `error`
+    (a `for_url` transport): every failure is that class (`post_json`), an error status `HTTP <status> from <url>:
+    <body>`, any 5xx retried; None: ORS's errors (`status_error`). `headers` go with every request."""
 
-    def __init__(
-        self,
-        target: Target,
-        *,
-        timeouts: Timeouts,
-        retry: RetryPolicy,
-        max_connections: int = 0,
-        max_response_bytes: int = 64 * 1024 * 1024,
-    ) -> None:
+    def __init__(self, target: Target, *, timeouts: Timeouts | None = None, retry: RetryPolicy | None = None,
+                 max_connections: int = 0, max_response_bytes: int = 64 * 1024 * 1024,
+                 headers: Mapping[str, str] | None = None, error: type[ORSError] | None = None) -> None:
         self.target = target
-        self.timeouts = timeouts
-        self.retry = retry
+        self.timeouts = timeouts = timeouts or Timeouts()
+        self.retry = retry or RetryPolicy()
         self.max_connections = max_connections
         self.max_response_bytes = max_response_bytes
+        self.error = error
+        self._headers = dict(headers or {})
+        self._retried = _RETRY_STATUSES if error is None else frozenset({429, *range(500, 600)})
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._request_timeout = aiohttp.ClientTimeout(
-            total=timeouts.request, connect=timeouts.connect, sock_connect=timeouts.connect
-        )
-        self._stream_timeout = aiohttp.ClientTimeout(
-            total=None, connect=timeouts.connect, sock_connect=timeouts.connect, sock_read=timeouts.stream_idle
-        )
+        connect = {"connect": timeouts.connect, "sock_connect": timeouts.connect}
+        self._request_timeout = aiohttp.ClientTimeout(total=timeouts.request, **connect)
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_read=timeouts.stream_idle, **connect)
         self.on_request: Callable[[str, str], None] | None = None  # (method, path) hook for tests/metrics
         self.on_throttle: Callable[[], None] | None = None  # told of each 429 and `503 starting` (the pace slows)
         # Masked in every answer and message: the API key, and what the client adds (its X-Secrets header and values).
         self.decoder = Decoder([str(target.api_key)] if target.api_key else [])
 
-    # -- connection pool ---------------------------------------------------------------------
+    @classmethod
+    def for_url(cls, base_url: str, *, error: type[ORSError], headers: Mapping[str, str] | None = None,
+                secrets: Iterable[str] = (), timeouts: Timeouts | None = None,
+                retry: RetryPolicy | None = None) -> Transport:
+        """A transport to a JSON API at `base_url` (`http(s)://host[:port][/path]`; request paths are appended), for
+        `post_json`: the one retry loop (connection failures, 429 and 5xx), response cap and decoder, every failure an
+        `error` (`PolicyError` for a policy's endpoint), `secrets` (the key sent in `headers`, which an endpoint may
+        reflect) masked in answers and errors, a redirect to another host followed without `Authorization`. A
+        `ConfigurationError` for a `base_url` that is not an http(s) URL.
+        """
+        url = _validate_url(base_url, "base_url")
+        transport = cls(Target("url", base_url, url, url), timeouts=timeouts, retry=retry, headers=headers,
+                        error=error)
+        for secret in secrets:
+            transport.decoder.add(secret)
+        return transport
 
     def _client(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, keepalive_timeout=30)
             self._session = aiohttp.ClientSession(
-                connector=connector,
-                timeout=self._request_timeout,
-                headers={"User-Agent": USER_AGENT},
-                auto_decompress=True,
-                trust_env=False,
-            )
+                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0, keepalive_timeout=30),
+                timeout=self._request_timeout, headers={"User-Agent": USER_AGENT}, auto_decompress=True,
+                trust_env=False)
             self._loop = loop
         elif self._loop is not loop:
-            raise UsageError(
-                "This ors-trl client is bound to another event loop; create one client per event loop "
-                "(the synchronous Client handles this for you)."
-            )
+            raise UsageError("This ors-trl client is bound to another event loop; create one client per event loop "
+                             "(the synchronous Client handles this for you).")
         return self._session
 
     async def aclose(self) -> None:
+        """Close the connections (a later request opens new ones)."""
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
 
-    # -- headers ---------------------------------------------------------------------------------
-
     def headers(self, base: str, *, sid: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
-        h: dict[str, str] = {}
-        key = self.target.key_for(base)
-        if key:
+        """The headers of a request to `base`: the API key where it belongs, the deployment, the session id."""
+        h = dict(self._headers)
+        if key := self.target.key_for(base):
             h["X-API-Key"] = str(key)
         if self.target.deployment:
             h["X-Deployment"] = self.target.deployment
         if sid:
             h["X-Session-ID"] = sid
-        if extra:
-            h.update(extra)
-        return h
-
-    # -- masking secrets in errors ---------------------------------------------------------------
+        return {**h, **(extra or {})}
 
     def mask(self, text: str) -> str:
         """`text` with every known secret (API key, secret values, X-Secrets header) replaced by `***`."""
@@ -596,25 +524,22 @@ class Transport:
         text = unescape_json(body.decode("utf-8", errors="replace"))
         return self.mask(text) != text
 
-    # -- one exchange, redirects followed by hand ----------------------------------------------------
-
     @contextlib.asynccontextmanager
     async def _send(self, method: str, url: str, *, data: bytes | None, headers: dict[str, str],
                     timeout: aiohttp.ClientTimeout | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
-        """One request, following redirects like aiohttp would, except that credentials are dropped
-        on a hop to a host the API key does not belong to (aiohttp strips only `Authorization`), and a hop
-        there that would re-send a body holding one is not made."""
+        """One request, following redirects like aiohttp would, except that credentials are dropped on a hop to a host
+        the API key does not belong to (aiohttp strips only `Authorization`), and a hop there that would re-send a
+        body holding one is not made."""
         for _ in range(_MAX_REDIRECTS + 1):
+            where = f"{method} {url.split('?', 1)[0]}"
             try:
                 resp = await self._client().request(method, url, data=data, headers=headers, allow_redirects=False,
                                                     timeout=timeout or self._request_timeout)
             except aiohttp.ClientError as exc:
-                if (err := _undecodable(exc, f"{method} {url.split('?', 1)[0]}")) is None:
-                    raise
-                raise err from None
+                raise _undecodable(exc, where) or exc from None
             except ValueError as exc:  # a header or URL HTTP cannot carry (aiohttp checks, untyped)
-                raise ProtocolError(f"{method} {url.split('?', 1)[0]}: the request cannot be sent "
-                                    f"({self.decoder.quote(str(exc), 200)})") from None
+                raise ProtocolError(f"{where}: the request cannot be sent ({self.decoder.quote(str(exc), 200)})"
+                                    ) from None
             location = resp.headers.get("Location")
             if resp.status not in _REDIRECT_STATUSES or not location:
                 break
@@ -623,19 +548,18 @@ class Transport:
                 target = urljoin(url, location)
                 same_host = _host_port(target) == _host_port(url)
             except ValueError:  # a port out of range, a broken IPv6 literal: nothing to follow
-                raise TransportError(f"{method} {url.split('?', 1)[0]}: redirected to an invalid URL "
-                                     f"{readable(self.mask(location), 200)!r}") from None
+                raise TransportError(f"{where}: redirected to an invalid URL {readable(self.mask(location), 200)!r}"
+                                     ) from None
             if resp.status == 303 or (resp.status in (301, 302) and method == "POST"):
                 method, data = "GET", None
                 headers = {k: v for k, v in headers.items() if k != "Content-Type"}
             if not same_host and self.target.key_for(target) is None:
                 if data is not None and self._holds_secret(data):  # a body cannot be followed without what it says
                     raise TransportError(
-                        f"{method} {url.split('?', 1)[0]}: redirected to another host "
-                        f"({readable(_host_port(target), 200)}); not followed, since the request's body holds a "
-                        "credential (a secret or an env override) that host was not given")
-                dropped = [k for k in _CREDENTIAL_HEADERS if k in headers]
-                if dropped:
+                        f"{where}: redirected to another host ({readable(_host_port(target), 200)}); not followed, "
+                        "since the request's body holds a credential (a secret or an env override) that host was not "
+                        "given")
+                if dropped := [k for k in _CREDENTIAL_HEADERS if k in headers]:
                     logger.debug("redirected to another host; not sending %s there", ", ".join(dropped))
                     headers = {k: v for k, v in headers.items() if k not in _CREDENTIAL_HEADERS}
             url = target
@@ -645,11 +569,7 @@ class Transport:
             async with resp:  # release() and wait_for_close(), as aiohttp's own request context manager does
                 yield resp
         except aiohttp.ClientError as exc:  # raised while the caller read the body
-            if (err := _undecodable(exc, f"{method} {url.split('?', 1)[0]}")) is None:
-                raise
-            raise err from None
-
-    # -- the three request kinds, one retry loop --------------------------------------------------
+            raise _undecodable(exc, where) or exc from None
 
     def _prepared(self, body: Any, *, sid: str | None, extra: dict[str, str] | None,
                   stream: bool = False, api: bool = False) -> tuple[str, dict[str, str], bytes | None]:
@@ -666,13 +586,16 @@ class Transport:
     async def _status(self, resp: aiohttp.ClientResponse, path: str, *, session_scoped: bool) -> _Again:
         """An error answer as the exception to raise, wrapped as `_Again` when retrying may help."""
         head = await _read_head(resp, _ERROR_BODY_LIMIT, self.timeouts.request)
-        detail = self.decoder.quote(_detail_of(self.decoder, head))
         starting = resp.status == 503 and resp.headers.get("X-Backend-State") == "starting"
         if (starting or resp.status == 429) and self.on_throttle is not None:
             self.on_throttle()
-        err = status_error(resp.status, detail, path, session_scoped=session_scoped)
+        if self.error is not None:
+            err = self.error(f"HTTP {resp.status} from {self.target.session_url}{path}: {self.decoder.quote(head, 300)}")
+        else:
+            detail = self.decoder.quote(_detail_of(self.decoder, head))
+            err = status_error(resp.status, detail, path, session_scoped=session_scoped)
         return _Again(err, retry_after=_retry_after(resp.headers), starting=starting,
-                      final=resp.status not in _RETRY_STATUSES)
+                      final=resp.status not in self._retried)
 
     def _json(self, resp: aiohttp.ClientResponse, raw: bytes, what: str) -> Any:
         """A JSON answer's body as values, read in the charset its `Content-Type` declares, else in the UTF JSON's own
@@ -688,27 +611,21 @@ class Transport:
             raise ProtocolError(f"{what}: the answer is in Content-Encoding {readable(encoding, 100)!r}, which this "
                                 "client cannot decode (it asks for gzip or deflate)") from None
 
-    @_masked
-    async def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: Any = None,
-        sid: str | None = None,
-        extra_headers: dict[str, str] | None = None,
-        session_scoped: bool = False,
-        ok_statuses: tuple[int, ...] = (),
-        retry: RetryPolicy | None = None,
-        api: bool = False,
-        on_attempt: Callable[[], None] | None = None,
-    ) -> Any:
+    @masked
+    async def request(self, method: str, path: str, *, body: Any = None, sid: str | None = None,
+                      extra_headers: dict[str, str] | None = None, session_scoped: bool = False,
+                      ok_statuses: tuple[int, ...] = (), retry: RetryPolicy | None = None, api: bool = False,
+                      on_attempt: Callable[[], None] | None = None, on_event: Callable[[str, str], None] | None = None,
+                      idempotent: bool = True) -> Any:
         """Send one JSON request with retries; return the decoded JSON (None for an empty or `ok_statuses` body).
 
-        Every request kind sent this way is idempotent: a reset after sending is retried too. `api`: to the
-        platform's stateless API (`Target.api_url`) instead of the session host. `on_attempt` is told of each try.
+        `api`: to the platform's stateless API (`Target.api_url`) instead of the session host. `on_attempt` is told of
+        each try. With `on_event`, the answer is a short event stream (`/create_session`): its events are returned, and
+        each is told to `on_event` as it arrives, of every attempt, also of one that then stalls or breaks. A request
+        that is not `idempotent` (the platform allocates a session per request) is not re-posted after a failure once
+        it was sent: a second allocation would orphan the first.
         """
-        base, headers, data = self._prepared(body, sid=sid, extra=extra_headers, api=api)
+        base, headers, data = self._prepared(body, sid=sid, extra=extra_headers, api=api, stream=on_event is not None)
 
         async def attempt() -> Any:
             self._count(method, path)
@@ -717,54 +634,44 @@ class Transport:
             # One deadline for the whole exchange, redirects included (each hop alone would get a fresh one).
             async with asyncio.timeout(self.timeouts.request), \
                     self._send(method, base + path, data=data, headers=headers) as resp:
-                if resp.status < 400 or resp.status in ok_statuses:
-                    raw = await _read_capped(resp, self.max_response_bytes, path)
-                    return None if resp.status >= 400 else self._json(resp, raw, path)
-                raise await self._status(resp, path, session_scoped=session_scoped)
+                if resp.status >= 400 and resp.status not in ok_statuses:
+                    raise await self._status(resp, path, session_scoped=session_scoped)
+                if on_event is not None:
+                    events = []
+                    async for event in iter_sse(resp, self.max_response_bytes, path):
+                        events.append(event)
+                        on_event(*event)
+                    return events
+                raw = await _read_capped(resp, self.max_response_bytes, path)
+                return None if resp.status >= 400 else self._json(resp, raw, path)
 
         return await retrying(retry or self.retry, attempt, what=f"{method} {path}", base=base,
-                              sent_is_safe=True, timeout=self.timeouts.request, mask=self.mask)
+                              sent_is_safe=idempotent, timeout=self.timeouts.request, mask=self.mask)
 
-    @_masked
-    async def events(self, path: str, *, body: Any, sid: str | None = None,
-                     extra_headers: dict[str, str] | None = None, idempotent: bool = True,
-                     on_event: Callable[[str, str], None] | None = None) -> list[tuple[str, str]]:
-        """POST and collect a short SSE answer (`/create_session`).
+    async def post_json(self, path: str, body: Any) -> Any:
+        """POST `body` as JSON to `path` under the base URL and return the decoded answer (see `for_url`): 429 and 5xx
+        retried, other error statuses final; every failure the transport's `error` class, masked, with no chain.
 
-        With `idempotent=False` (the platform allocates a session per request) a failure after the request
-        was sent is not re-posted, since a second allocation would leave the first one orphaned. `on_event` is told
-        of each event as it arrives, of every attempt, also of one that then stalls or breaks.
+        Args:
+            path (`str`):
+                Appended to the base URL (`"/chat/completions"`).
+            body (`Any`):
+                The JSON body.
         """
-        base, headers, data = self._prepared(body, sid=sid, extra=extra_headers, stream=True)
+        error_class = self.error or ORSError
+        try:
+            return await self.request("POST", path, body=body)
+        except ORSError as exc:  # an error answer, the network, an answer past the cap or not JSON
+            error = exc if isinstance(exc, error_class) else error_class(str(exc))
+        raise self.mask_error(error)  # outside the `except`: no chain
 
-        async def attempt() -> list[tuple[str, str]]:
-            self._count("POST", path)
-            events: list[tuple[str, str]] = []
-            async with asyncio.timeout(self.timeouts.request), \
-                    self._send("POST", base + path, data=data, headers=headers) as resp:
-                if resp.status >= 400:
-                    raise await self._status(resp, path, session_scoped=False)
-                async for event in iter_sse(resp, self.max_response_bytes, path):
-                    events.append(event)
-                    if on_event is not None:
-                        on_event(*event)
-                return events
-
-        return await retrying(self.retry, attempt, what=f"POST {path}", base=base, sent_is_safe=idempotent,
-                              timeout=self.timeouts.request, mask=self.mask)
-
-    @_masked
+    @masked
     async def stream(self, path: str, *, body: dict[str, Any], sid: str, what: str, tool: str
                      ) -> tuple[Any, str | None]:
-        """Run one streamed call (`/call`, `/score_group`): returns (the decoded result, task id).
-
-        Error answers and connection failures before anything was sent are retried; a stream that drops
-        after the server named the call is resumed by that task id (the server replays the result), never
-        re-posted without it; one that drops before is a `StreamInterruptedError`. A stream naming another
-        task than the one it resumes is a `ProtocolError`.
-        """
-        base, headers, _ = self._prepared(None, sid=sid, extra=None, stream=True)
-        headers["Content-Type"] = "application/json"
+        """Run one streamed call (`/call`, `/score_group`): (the decoded result, task id). Resumed by its task id where
+        the stream drops (see the module docstring); a stream naming another task than the one it resumes is a
+        `ProtocolError`."""
+        base, headers, _ = self._prepared(None, sid=sid, extra={"Content-Type": "application/json"}, stream=True)
         task_id: str | None = None
         resumes = 0
 
@@ -787,8 +694,7 @@ class Transport:
             if task_id is not None and value and value != task_id:  # another call's stream: not this call's result
                 raise ProtocolError(
                     f"{what}: the server answered the stream of task {readable(task_id, 80)!r} with another task's "
-                    f"({readable(value, 80)!r}); its result is not this call's, and the call was not re-run."
-                )
+                    f"({readable(value, 80)!r}); its result is not this call's, and the call was not re-run.")
             task_id = value or task_id
 
         while True:
@@ -796,20 +702,16 @@ class Transport:
                 return await retrying(self.retry, attempt, what=what, base=base, sent_is_safe=False,
                                       timeout=self.timeouts.stream_idle, mask=self.mask), task_id
             except _Broken as broken:
+                why = _describe(broken.cause, self.mask)
                 if task_id is None:
                     raise StreamInterruptedError(
-                        f"{what}: the connection broke before the server acknowledged the call "
-                        f"({_describe(broken.cause, self.mask)}); it was not retried because it may already be "
-                        "running."
-                    ) from None
+                        f"{what}: the connection broke before the server acknowledged the call ({why}); it was not "
+                        "retried because it may already be running.") from None
                 resumes += 1
                 if resumes > self.retry.resume_attempts:
-                    raise StreamInterruptedError(
-                        f"{what}: the result stream kept dropping ({_describe(broken.cause, self.mask)}); gave up "
-                        f"after {resumes - 1} resumes."
-                    ) from None
-                logger.debug("%s: stream dropped (%s); resuming task %s", what, _describe(broken.cause, self.mask),
-                             readable(task_id, 80))
+                    raise StreamInterruptedError(f"{what}: the result stream kept dropping ({why}); gave up after "
+                                                 f"{resumes - 1} resumes.") from None
+                logger.debug("%s: stream dropped (%s); resuming task %s", what, why, readable(task_id, 80))
                 await asyncio.sleep(self.retry.delay(resumes))
 
     async def _result(self, resp: aiohttp.ClientResponse, what: str, tool: str, *, resumed: bool,
@@ -835,8 +737,7 @@ class Transport:
                 if resumed and data.strip() == "unknown task_id":
                     raise StreamInterruptedError(
                         f"{what}: the stream dropped and the server no longer knows the call (results are kept "
-                        "60 s); its result is lost. It was not re-run."
-                    )
+                        "60 s); its result is lost. It was not re-run.")
                 raise ToolFailedError(f"{what} raised in the environment: {self.decoder.quote(data)}", tool=tool)
             elif len(unknown) < 3:
                 unknown[event] = None
@@ -862,17 +763,21 @@ class _Broken(Exception):
         self.cause = cause
 
 
+class _Dropped(Exception):
+    """Internal: a stream ended without its final event; `unknown`: the names of the events it sent that the protocol
+    has not (an `END`, an `end ` with a space: why a stream that looked complete had no result)."""
+
+    def __init__(self, unknown: Iterable[str] = ()) -> None:
+        super().__init__()
+        self.unknown = tuple(unknown)
+
+
 async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, what: str, base: str = "",
                    sent_is_safe: bool = True, timeout: float | None = None,
                    mask: Callable[[str], str] = lambda text: text) -> T:
-    """Run `attempt()` until it succeeds, under `policy`: the one retry loop for every request kind.
-
-    Retried with backoff: an `_Again` that is not final (429/502/503/504, honouring `Retry-After`) and a
-    connection that could not be made (nothing was sent). A connection reset or a timeout after the request
-    was sent is retried only when `sent_is_safe`. A `503` with `X-Backend-State: starting` is waited out
-    for up to `policy.starting_timeout`, without counting as an attempt (its polls back off as attempts do). Every
-    wait is `policy.delay`, never under `backoff_initial`. `mask` hides secrets in what an aiohttp error says (a
-    URL), before it is cut.
+    """Run `attempt()` until it succeeds, under `policy`: the one retry loop (the module docstring says what is
+    retried). A reset or a timeout after sending is retried only when `sent_is_safe`; a `starting` poll backs off as
+    attempts do without counting as one. `mask` hides secrets in what an aiohttp error says (a URL), before it is cut.
     """
     loop = asyncio.get_running_loop()
     attempts = polls = 0
@@ -900,18 +805,14 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
                 raise err from None
         except aiohttp.ClientConnectorError as exc:  # nothing was sent: always safe to retry
             if attempts >= policy.max_attempts:
-                raise TransportError(
-                    f"{what}: cannot connect to {base} after {_attempts(attempts)} ({_describe(exc, mask)}). "
-                    "Is the server running and the URL right?"
-                ) from None
+                raise TransportError(f"{what}: cannot connect to {base} after {_attempts(attempts)} "
+                                     f"({_describe(exc, mask)}). Is the server running and the URL right?") from None
             delay = policy.delay(attempts)
         except (aiohttp.ClientError, TimeoutError) as exc:
             if not sent_is_safe or attempts >= policy.max_attempts:
                 if isinstance(exc, TimeoutError):
-                    raise ORSTimeoutError(
-                        f"{what}: no answer within {timeout} s (attempt {attempts}); raise Timeouts.request if the "
-                        "server is slow."
-                    ) from None
+                    raise ORSTimeoutError(f"{what}: no answer within {timeout} s (attempt {attempts}); raise "
+                                          "Timeouts.request if the server is slow.") from None
                 raise TransportError(f"{what}: connection failed after {_attempts(attempts)} ({_describe(exc, mask)})"
                                      ) from None
             delay = policy.delay(attempts)
@@ -946,27 +847,21 @@ def _undecodable(exc: BaseException, where: str) -> ProtocolError | None:
 
 def _describe(exc: BaseException, mask: Callable[[str], str] = lambda text: text) -> str:
     if isinstance(exc, _Dropped):
-        unknown = ", ".join(repr(escape_controls(mask(name)[:40])) for name in exc.unknown)
+        unknown = ", ".join(repr(escape_controls(cut(mask(name), 40, ""))) for name in exc.unknown)
         return "stream ended before the result" + (f"; it sent events this client does not know: {unknown}"
                                                    if unknown else "")
     if isinstance(exc, TimeoutError):
         return "timed out"
-    text = str(exc) or type(exc).__name__
-    return readable(mask(f"{type(exc).__name__}: {text}"), 300)
+    return readable(mask(f"{type(exc).__name__}: {str(exc) or type(exc).__name__}"), 300)
 
 
 async def _drain(resp: aiohttp.ClientResponse, seconds: float = 1.0) -> None:
-    """Read a stream to its end (bounded), so that its connection goes back to the keep-alive pool.
-
-    A response left before its last chunk is closed by aiohttp instead of reused, which would cost the
-    next request a new TCP connection.
-    """
-    try:
+    """Read a stream to its end (bounded), so that its connection goes back to the keep-alive pool (a response left
+    before its last chunk is closed instead of reused, costing the next request a new TCP connection)."""
+    with contextlib.suppress(TimeoutError, aiohttp.ClientError):
         async with asyncio.timeout(seconds):
             while await resp.content.readany():
                 pass
-    except (TimeoutError, aiohttp.ClientError):
-        pass
 
 
 def _check_length(resp: aiohttp.ClientResponse, limit: int, path: str) -> None:
@@ -983,10 +878,7 @@ async def _read_head(resp: aiohttp.ClientResponse, limit: int, seconds: float | 
     total = 0
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(seconds):
-            while total < limit:
-                chunk = await resp.content.read(limit - total)
-                if not chunk:
-                    break
+            while total < limit and (chunk := await resp.content.read(limit - total)):
                 parts.append(chunk)
                 total += len(chunk)
     return b"".join(parts)
@@ -997,11 +889,9 @@ async def _read_capped(resp: aiohttp.ClientResponse, limit: int, path: str) -> b
     _check_length(resp, limit, path)
     parts: list[bytes] = []
     total = 0
-    while True:
-        chunk = await resp.content.read(1 << 16)
-        if not chunk:
-            return b"".join(parts)
+    while chunk := await resp.content.read(1 << 16):
         total += len(chunk)
         if total > limit:
             raise ProtocolError(f"{path}: response larger than the {limit}-byte limit")
         parts.append(chunk)
+    return b"".join(parts)

@@ -1,9 +1,9 @@
 """Plain data types for what an ORS server returns: blocks, messages, tool specs and results, splits.
 
-Parsing is strict where a wrong value would corrupt training (a reward that is not a finite
-number is a protocol error, not a silent 0.0) and lenient where nothing is lost (an unknown
-block type is kept, with a placeholder in the text view). Counts and lists a server sends are
-bounded (`MAX_*`): a twenty-byte answer must not cost gigabytes or a million requests.
+Parsing is strict where a wrong value would corrupt training (a reward that is not a finite number is a protocol
+error, not a silent 0.0) and lenient where nothing is lost (an unknown block type is kept, with a placeholder in the
+text view). Counts and lists a server sends are bounded (`MAX_*`): a twenty-byte answer must not cost gigabytes or a
+million requests.
 """
 
 from __future__ import annotations
@@ -16,47 +16,19 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import images as _images
+from . import images
 from .errors import ImageError, ProtocolError
-from .text import json_size, show_name
+from .text import cut, json_size, show_name
 
-__all__ = [
-    "MAX_ENVIRONMENTS",
-    "MAX_REWARD",
-    "MAX_SPLITS",
-    "MAX_TASK_COUNT",
-    "MAX_TOOLS",
-    "MAX_TOOLS_SIZE",
-    "MAX_TOOL_SIZE",
-    "Block",
-    "GroupScore",
-    "ImageBlock",
-    "Message",
-    "ReasoningBlock",
-    "Split",
-    "TerminalTool",
-    "TextBlock",
-    "ToolCallBlock",
-    "ToolList",
-    "ToolResult",
-    "ToolResultBlock",
-    "ToolSpec",
-    "UnknownBlock",
-    "block_json",
-    "blocks_text",
-    "check_images",
-    "image_blocks",
-    "parse_blocks",
-    "parse_flag",
-    "parse_messages",
-    "parse_reward",
-    "quoted",
-]
+__all__ = ["MAX_ENVIRONMENTS", "MAX_REWARD", "MAX_SPLITS", "MAX_TASK_COUNT", "MAX_TOOLS", "MAX_TOOLS_SIZE",
+           "MAX_TOOL_SIZE", "Block", "GroupScore", "ImageBlock", "Message", "ReasoningBlock", "Split", "TerminalTool",
+           "TextBlock", "ToolCallBlock", "ToolList", "ToolResult", "ToolResultBlock", "ToolSpec", "UnknownBlock",
+           "block_json", "blocks_text", "check_answer_images", "image_blocks", "parse_blocks", "parse_flag",
+           "parse_messages", "parse_reward", "quoted"]
 
-#: How secrets are masked in what an error message quotes of an answer. The client sets its transport's masking
-#: around each of its calls (`ors_trl.protocol.client`); outside of one, nothing is masked.
+#: How secrets are masked in what an error message quotes of an answer: the transport sets its masking around each
+#: call of a client (`transport.masking`); outside of one, nothing is masked.
 MASK: ContextVar[Callable[[str], str] | None] = ContextVar("ors_trl_mask", default=None)
-
 #: The largest task count `/num_tasks` may claim (2**53: the last integer every JSON reader holds exactly).
 MAX_TASK_COUNT = 2**53
 #: Tools one `/tools` or `/task_tools` answer may list: each is bound as a method and rendered into every prompt.
@@ -67,8 +39,10 @@ MAX_TOOLS_SIZE = 16 << 20
 #: Splits `/splits` may list (inspect asks each one for its count) and environments `/list_environments` may.
 MAX_SPLITS = 256
 MAX_ENVIRONMENTS = 1024
-#: How deeply `tool_result` blocks may hold blocks (parsing and rendering them recurse).
-_MAX_BLOCK_DEPTH = 16
+#: The largest reward magnitude a server may send (2**53). TRL sums, squares and divides a group's rewards in
+#: float32: past about 1e19 a square overflows to inf and the group's advantages become NaN.
+MAX_REWARD = float(2**53)
+_MAX_BLOCK_DEPTH = 16  # how deeply `tool_result` blocks may hold blocks (parsing and rendering recurse)
 
 
 def quoted(value: Any, limit: int = 200) -> str:
@@ -79,7 +53,7 @@ def quoted(value: Any, limit: int = 200) -> str:
     except (ValueError, RecursionError):  # an int past the digit limit, a structure nested too deeply
         return f"<{type(value).__name__}>"
     mask = MASK.get()
-    return (mask(text) if mask is not None else text)[:limit]
+    return cut(mask(text) if mask is not None else text, limit, "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,10 +76,8 @@ class TextBlock:
 
 @dataclass(frozen=True, slots=True)
 class ImageBlock:
-    """An image block; `data` is base64 without a `data:` prefix.
-
-    Checked once (`info()`: what it is, or why it cannot be shown; `ors_trl.protocol.images` has the bounds) and decoded
-    once (`image()`); both are remembered by the block.
+    """An image block. What it is (`info()`, checked by `images.check`) and its pixels (`image()`, `images.decode`)
+    are found once and remembered here, in `_info` and `_image`: the block's one memo.
 
     Attributes:
         data (`str`):
@@ -122,41 +94,40 @@ class ImageBlock:
     mime_type: str
     detail: dict[str, Any] | None = None
     type: str = "image"
-    _memo: list[Any] = field(default_factory=lambda: [None, None], compare=False, repr=False)
+    _info: images.ImageInfo | None = field(default=None, compare=False, repr=False)
+    _image: Any = field(default=None, compare=False, repr=False)
 
     def data_url(self) -> str:
-        """The image as a `data:` URL, the form chat templates and OpenAI-style APIs accept.
-
-        Returns:
-            `str`: The URL, `data:<mime_type>;base64,<data>`.
-        """
+        """The image as a `data:` URL (`data:<mime_type>;base64,<data>`), the form chat templates and OpenAI-style
+        APIs accept."""
         return f"data:{self.mime_type};base64,{self.data}"
 
-    def info(self) -> _images.ImageInfo:
+    def info(self) -> images.ImageInfo:
         """What the image is (hash, size, dimensions), or why a model will not be shown it (`error`)."""
-        if self._memo[0] is None:
-            self._memo[0] = _images.check(self.data, self.mime_type)
-        return self._memo[0]
+        if self._info is None:
+            object.__setattr__(self, "_info", images.check(self.data, self.mime_type))
+        return self._info  # type: ignore[return-value]
+
+    def _refuse(self, why: str) -> None:
+        """Not shown after all (a bound of its answer, pixels that do not decode): `info().error` says why."""
+        object.__setattr__(self, "_info", dataclasses.replace(self.info(), error=why))
 
     def image(self) -> Any:
         """The pixels, an RGB `PIL.Image.Image`, decoded once.
 
-        Returns:
-            `PIL.Image.Image`: The image in RGB.
-
         Raises:
             ImageError: the image cannot be shown (`info().error` says why).
         """
-        if self._memo[1] is None:
+        if self._image is None:
             info = self.info()
             if info.error is not None:
                 raise ImageError(f"image {info.sha256[:12]} cannot be shown: {info.error}")
             try:
-                self._memo[1] = _images.decode(_images.as_bytes(self.data), info)
+                object.__setattr__(self, "_image", images.decode(images.as_bytes(self.data), info))
             except ImageError as exc:  # it checked out, yet its pixels do not decode (a cut file)
-                self._memo[0] = dataclasses.replace(info, error=str(exc))
+                self._refuse(str(exc))
                 raise
-        return self._memo[1]
+        return self._image
 
     def __repr__(self) -> str:  # base64 payloads are long; keep reprs readable
         return f"ImageBlock(mime_type={self.mime_type!r}, data=<{len(self.data)} chars>)"
@@ -257,9 +228,8 @@ def _block(raw: Any, i: int, where: str, depth: int) -> Block:
         if not isinstance(data, str) or not isinstance(mime, str):
             raise ProtocolError(f"{where}: image block {i} needs string 'data' and 'mimeType'")
         block = ImageBlock(data=data, mime_type=mime)
-        if len(data) > _images.MAX_IMAGE_CHARS:  # refused by its length: keep why, not the text
-            block = ImageBlock(data="", mime_type=mime, _memo=[block.info(), None])
-        return block
+        # refused by its length: keep why, not the text
+        return block if len(data) <= images.MAX_IMAGE_CHARS else ImageBlock("", mime, _info=block.info())
     if kind == "tool_call":
         arguments = raw.get("input") or {}
         if not isinstance(raw.get("name"), str) or not isinstance(arguments, dict):
@@ -276,14 +246,14 @@ def _block(raw: Any, i: int, where: str, depth: int) -> Block:
 
 def parse_blocks(value: Any, *, where: str, _depth: int = 0, _whole: bool = True) -> list[Block]:
     """Parse a JSON list of blocks, raising `ProtocolError` for shapes that cannot be blocks. Its images are checked
-    (`ImageBlock.info`), within the bounds of one answer (`check_images`)."""
+    (`ImageBlock.info`), within the bounds of one answer (`check_answer_images`)."""
     if value is None:
         return []
     if not isinstance(value, list):
         raise ProtocolError(f"{where}: expected a list of blocks, got {type(value).__name__}")
     blocks = [_block(raw, i, where, _depth) for i, raw in enumerate(value)]
     if _depth == 0 and _whole:  # a whole answer (a conversation checks its messages together)
-        check_images(blocks)
+        check_answer_images(blocks)
     return blocks
 
 
@@ -296,19 +266,19 @@ def image_blocks(blocks: Iterable[Block]) -> Iterator[ImageBlock]:
             yield from image_blocks(block.blocks)
 
 
-def check_images(blocks: Iterable[Block]) -> None:
-    """Check every image of one answer (`ImageBlock.info`, at most `_images.MAX_IMAGES` of them and
-    `_images.MAX_ANSWER_PIXELS` pixels together: the ones past either bound are not shown, each saying why)."""
+def check_answer_images(blocks: Iterable[Block]) -> None:
+    """Check every image of one answer (`ImageBlock.info`) and the answer's bounds: at most `images.MAX_IMAGES` of them
+    and `images.MAX_ANSWER_PIXELS` pixels together; the ones past either are not shown, each saying why."""
     count = pixels = 0
     for block in image_blocks(blocks):
         info = block.info()
         if info.error is not None:
             continue
         count, pixels = count + 1, pixels + info.pixels
-        if count > _images.MAX_IMAGES or pixels > _images.MAX_ANSWER_PIXELS:
-            block._memo[0] = dataclasses.replace(info, error=(
-                f"the answer holds more than {_images.MAX_IMAGES} images" if count > _images.MAX_IMAGES else
-                f"the answer's images have more than {_images.MAX_ANSWER_PIXELS} pixels together"))
+        if count > images.MAX_IMAGES:
+            block._refuse(f"the answer holds more than {images.MAX_IMAGES} images")
+        elif pixels > images.MAX_ANSWER_PIXELS:
+            block._refuse(f"the answer's images have more than {images.MAX_ANSWER_PIXELS} pixels together")
 
 
 def block_text(block: Block) -> str:
@@ -386,7 +356,7 @@ def parse_messages(value: Any, *, where: str = "messages") -> list[Message]:
         if role not in ("system", "user", "assistant"):
             raise ProtocolError(f"{where}: message {i} has no role system, user or assistant")
         out.append(Message(role=role, blocks=parse_blocks(raw.get("blocks"), where=f"{where}[{i}]", _whole=False)))
-    check_images(b for m in out for b in m.blocks)
+    check_answer_images(b for m in out for b in m.blocks)
     return out
 
 
@@ -424,17 +394,12 @@ class ToolSpec:
 
     @classmethod
     def from_json(cls, raw: Any) -> ToolSpec:
-        """A tool spec from its wire form.
+        """A tool spec from its wire form (a description that is not a string reads as `""`); a `ProtocolError` for
+        one without a string `name`, or whose `input_schema` is not an object.
 
         Args:
             raw (`Any`):
                 The decoded JSON: `{"name", "description"?, "input_schema"?}`.
-
-        Returns:
-            `ToolSpec`: The spec (a description that is not a string reads as `""`).
-
-        Raises:
-            ProtocolError: `raw` has no string `name`, or its `input_schema` is not an object.
         """
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
             raise ProtocolError(f"tool spec must be an object with a string 'name', got {quoted(raw)}")
@@ -467,14 +432,11 @@ class TerminalTool:
     description: str = ""
 
     def arguments(self, message: str) -> dict[str, Any]:
-        """The wire arguments for a final message.
+        """The wire arguments for a final message: `{arg: message}`, or `{}` when the tool takes none.
 
         Args:
             message (`str`):
                 The model's final plain message.
-
-        Returns:
-            `dict[str, Any]`: `{arg: message}`, or `{}` when the tool takes none.
         """
         return {} if self.arg is None else {self.arg: message}
 
@@ -504,20 +466,14 @@ class ToolList:
 
     @classmethod
     def from_json(cls, raw: Any, *, where: str) -> ToolList:
-        """A tool list from the wire form of `/tools` or `/task_tools`, checked against the bounds (`MAX_TOOLS`,
-        `MAX_TOOL_SIZE`, `MAX_TOOLS_SIZE`).
+        """A tool list from the wire form of `/tools` or `/task_tools`; a `ProtocolError` for one that is not a tool
+        list or past the bounds (`MAX_TOOLS`, `MAX_TOOL_SIZE`, `MAX_TOOLS_SIZE`).
 
         Args:
             raw (`Any`):
                 The decoded JSON: `{"tools": [...], ...}`, or a bare list of tools.
             where (`str`):
                 The route it came from, named in errors.
-
-        Returns:
-            `ToolList`: The tools.
-
-        Raises:
-            ProtocolError: `raw` is not a tool list, or lists too many or too large tools.
         """
         if isinstance(raw, list):  # tolerate servers answering a bare list
             raw = {"tools": raw}
@@ -551,12 +507,6 @@ class ToolList:
     def names(self) -> list[str]:
         """The tools' names, in order."""
         return [t.name for t in self.tools]
-
-
-#: The largest reward magnitude a server may send (2**53, the last integer a float holds exactly). TRL sums, squares
-#: and divides a group's rewards in float32: past about 1e19 a square overflows to inf, and the group's advantages
-#: become NaN (1e300 is "finite" as a float64 and `inf` as soon as it is a float32).
-MAX_REWARD = float(2**53)
 
 
 def parse_reward(value: Any, *, what: str) -> float | None:
@@ -628,7 +578,9 @@ class ToolResult:
 
     @classmethod
     def from_output(cls, output: Any, *, tool: str, task_id: str | None = None) -> ToolResult:
-        """A result from the `output` of a successful `/call`.
+        """A result from the `output` of a successful `/call` (metadata that is not an object is kept as
+        `{"value": metadata}`); a `ProtocolError` where `output` is not an object, a block is malformed or the reward
+        is not a finite number.
 
         Args:
             output (`Any`):
@@ -637,12 +589,6 @@ class ToolResult:
                 The tool called, named in errors.
             task_id (`str`, *optional*):
                 The server's id for the call.
-
-        Returns:
-            `ToolResult`: The result (metadata that is not an object is kept as `{"value": metadata}`).
-
-        Raises:
-            ProtocolError: `output` is not an object, a block is malformed or the reward is not a finite number.
         """
         if not isinstance(output, dict):
             raise ProtocolError(f"tool {show_name(tool)}: 'output' must be an object")
@@ -671,19 +617,14 @@ class GroupScore:
 
     @classmethod
     def parse_all(cls, body: Any, *, expected: int) -> list[GroupScore]:
-        """Parse a decoded `/score_group` result (`{"scores": [{"reward", "metadata"?}]}`).
+        """The scores of a decoded `/score_group` result (`{"scores": [{"reward", "metadata"?}]}`), in the candidates'
+        order; a `ProtocolError` where it does not hold `expected` scores, or a reward is missing or not finite.
 
         Args:
             body (`Any`):
                 The decoded result.
             expected (`int`):
                 How many scores it must hold: one per candidate.
-
-        Returns:
-            `list[GroupScore]`: The scores, in the candidates' order.
-
-        Raises:
-            ProtocolError: `body` does not hold `expected` scores, or a reward is missing or not a finite number.
         """
         scores = body.get("scores") if isinstance(body, dict) else None
         if not isinstance(scores, list) or len(scores) != expected:

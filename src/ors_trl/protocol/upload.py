@@ -1,18 +1,18 @@
-"""Opt-in upload of finished episodes to the OpenReward rollout viewer, through the `openreward` SDK's rollout API.
+"""Opt-in upload of finished episodes to the OpenReward rollout viewer, through the `openreward` SDK's rollout API
+(`spec.evaluate(..., upload=True)`, `ors-trl eval --upload`, `OpenRewardSpec(..., upload_rollouts=True)`).
 
-    spec.evaluate("./checkpoint", upload=True)            # ors-trl eval ... --upload
-    OpenRewardSpec("Eigent/SETA", upload_rollouts=True)   # every training episode
+Each episode record becomes one rollout (`RolloutAPI.create`) holding its conversation as the SDK's events: the system
+turn and prompt, every model turn, each tool call and its result (with the call's reward), the terminal tool's grade,
+the episode's reward and `finished` on the last event; the run's metadata (model name and size, training stage,
+framework `ors-trl` and its version) is the SDK's `RunInfo`, the step its `RolloutInfo`.
 
-Each episode record becomes one rollout of the SDK (`RolloutAPI.create`) holding its conversation as the SDK's
-events: the system turn and prompt, every model turn, each tool call and its result (with the call's reward), the
-terminal tool's grade, the episode's reward and `finished` on the last event; the run's metadata (model name and
-size, training stage, framework `ors-trl` and its version) is the SDK's `RunInfo`, the step its `RolloutInfo`.
-
-It never slows or fails a step: `submit` only puts the record in a bounded queue (full: the episode is dropped and
-counted), a few worker threads hand it to the SDK, whose own thread batches and sends it. A rollout the platform did
-not accept or an SDK error is counted as `failed` and logged once. The API key is the platform's, found as for
-catalog targets (`api_key=` or `OPENREWARD_API_KEY`, the host from `OPENREWARD_API_URL` / `OPENREWARD_URL`); only
+It never slows or fails a step: `submit` only puts the record in a bounded queue (full: dropped and counted), a few
+worker threads hand it to the SDK, whose own thread batches and sends it; a rollout the platform did not accept or an
+SDK error is counted as `failed` and logged once. The API key is the platform's, found as for catalog targets; only
 the SDK sends it, and it is masked in every message. The SDK is imported in the worker, when the first episode goes.
+
+Why not `transport.Transport`, the one HTTP stack: the SDK owns the viewer's wire format (event ids, serializers,
+batching, its retries), which moves with the platform; written again here it would be a second copy to drift.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._version import __version__
-from ..core.records import RUN_ID
-from ..core.stats import task_label
 from .errors import ConfigurationError
+from .registry import RUN_ID
 from .target import DEFAULT_PLATFORM_URL, resolve_target
-from .transport import Decoder, readable
+from .text import readable, task_label
+from .transport import Decoder
 
 __all__ = ["RolloutUploader"]
 
@@ -60,8 +60,8 @@ class RolloutUploader:
         workers (`int`, *optional*, defaults to `2`):
             Threads handing episodes to the SDK (its rollout start is one request each).
 
-    Attributes:
-        sent, failed, dropped: episodes handed to the SDK, refused or failed, and not sent for want of room.
+    Attributes `sent`, `failed` and `dropped` count episodes handed to the SDK, refused or failed, and not sent for
+    want of room.
     """
 
     def __init__(self, *, api_key: str | None = None, run_name: str | None = None,
@@ -190,7 +190,8 @@ class RolloutUploader:
                                             "reward", "tool_calls", "tool_failures")}
         target = str(record.get("target") or "")
         rollout = self._rollouts().create(
-            run_name=self.run_name, rollout_name=f"{record.get('environment')} {task_label(record)}",
+            run_name=self.run_name, rollout_name=f"{record.get('environment')} "
+            f"{task_label(record.get('split'), record.get('task_index'), record.get('task_spec'))}",
             environment=target if "/" in target and "://" not in target else record.get("environment"),
             split=record.get("split"), task_spec=record.get("task_spec"),
             metadata={k: v for k, v in shown.items() if v is not None})
