@@ -35,7 +35,7 @@ from ..core.episode import Reply
 from ..core.rollout import Batcher, Conversation
 from ..protocol.errors import ConfigurationError, ContextLengthExceeded, ORSError, PolicyError
 from ..protocol.target import check_header_value
-from ..protocol.transport import Decoder, RetryPolicy, _Again, _read_capped, retrying
+from ..protocol.transport import RetryPolicy, Timeouts, Transport
 from ..trl.backend import Rendering
 from ..trl.tokens import TokenGenerator, Tokens
 
@@ -193,15 +193,18 @@ class OpenAIPolicy:
         self._api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         if self._api_key:
             check_header_value(self._api_key, "the API key")
-        self._decoder = Decoder([self._api_key] if self._api_key else [])  # the endpoint may reflect the header
         self.temperature = temperature
         self.max_tokens = max_tokens
         self.seed = seed
         self.extra_body = dict(extra_body or {})
         self.timeout = timeout
         self.retry = RetryPolicy(max_attempts=max(1, int(max_attempts)), backoff_initial=0.5)
+        self._transport = Transport.for_url(  # the one HTTP stack: its retries, cap, decoder and masking
+            self.base_url, error=PolicyError, secrets=[self._api_key] if self._api_key else [],
+            headers={"Authorization": f"Bearer {self._api_key}"} if self._api_key else None,
+            timeouts=Timeouts(connect=None, request=timeout), retry=self.retry)
+        self._transport.on_request = self._count
         self.include_return_schema = include_return_schema
-        self._http: Any = None
         self.requests = 0
 
     def __repr__(self) -> str:  # never shows the key
@@ -249,12 +252,8 @@ class OpenAIPolicy:
             out.append({"role": "user", "content": moved})
         return out
 
-    async def _session(self) -> Any:
-        import aiohttp
-
-        if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout), trust_env=False)
-        return self._http
+    def _count(self, method: str, path: str) -> None:
+        self.requests += 1
 
     async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Reply:
         """The assistant's next turn, asked of the endpoint (retried under `max_attempts`).
@@ -278,50 +277,22 @@ class OpenAIPolicy:
             if value is not None:
                 body[key] = value
         body.update(self.extra_body)
-        headers = {"Content-Type": "application/json"}
-        if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
-        url = f"{self.base_url}/chat/completions"
-        http = await self._session()
-
-        async def attempt() -> Reply:
-            self.requests += 1
-            async with http.post(url, json=body, headers=headers) as resp:
-                raw = await _read_capped(resp, _MAX_ANSWER_BYTES, url)
-                if resp.status == 200:
-                    return self._parse(raw)
-                raise _Again(PolicyError(f"HTTP {resp.status} from {url}: {self._decoder.quote(raw, 300)}"),
-                             final=resp.status != 429 and resp.status < 500)
-
+        body = await self._transport.post_json("/chat/completions", body)
         try:
-            return await retrying(self.retry, attempt, what=f"POST {url}", base=self.base_url, mask=self._decoder.mask)
-        except ORSError as exc:  # an error answer, the network (TransportError), an answer past the cap
-            error = exc if isinstance(exc, PolicyError) else PolicyError(str(exc))
-        # Outside the `except`: the error carries no chain (aiohttp's errors and the raw answer stay behind).
-        error.args = (self._decoder.mask(str(error)),)
-        error.__cause__ = error.__context__ = None
-        raise error
-
-    def _parse(self, raw: bytes) -> Reply:
-        """A chat completion, decoded as every server answer is (repaired, the key masked)."""
-        try:
-            body = self._decoder.decode(raw, "the endpoint")
-            message = body["choices"][0]["message"]
+            choice = body["choices"][0]
+            message = choice["message"]
             if not isinstance(message, dict):
                 raise TypeError
-        except (ORSError, KeyError, IndexError, TypeError):
-            raise PolicyError(f"the endpoint's answer is not a chat completion: {self._decoder.quote(raw, 300)}"
-                              ) from None
+        except (KeyError, IndexError, TypeError):
+            raise PolicyError("the endpoint's answer is not a chat completion: "
+                              + self._transport.decoder.quote(json.dumps(body, default=str).encode(), 300)) from None
         calls = [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
-        return Reply(message.get("content") or "", calls, usage=usage,
-                     truncated=body["choices"][0].get("finish_reason") == "length")
+        return Reply(message.get("content") or "", calls, usage=usage, truncated=choice.get("finish_reason") == "length")
 
     async def aclose(self) -> None:
         """Close the HTTP connections; the policy stays usable (a later request opens new ones)."""
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
+        await self._transport.aclose()
 
 
 class LocalPolicy(TokenGenerator):
