@@ -53,7 +53,7 @@ exit codes:
 
 TARGET is the URL of a self-hosted ORS server (http://127.0.0.1:8000) or an OpenReward catalog name
 (owner/name, needs OPENREWARD_API_KEY). Text from the environment is printed with its control
-characters escaped (\x1b, \u202e), so it cannot retitle, clear or rewrite the terminal.
+characters escaped (\\x1b, \\u202e), so it cannot retitle, clear or rewrite the terminal.
 """
 
 
@@ -119,6 +119,17 @@ def _env_override(text: str) -> tuple[str, str]:
                                          "and underscores, not starting with a digit; the text is not shown: it may "
                                          "be a secret)")
     return name, value
+
+
+_FILTERS = ("model_name", "min_model_params", "max_model_params", "training_stage")
+
+
+def _difficulty_filter(text: str) -> tuple[str, Any]:
+    """KEY=VALUE of `inspect --difficulty-filter`: a `PlatformDifficulty` filter."""
+    key, sep, value = text.partition("=")
+    if not sep or key not in _FILTERS:
+        raise argparse.ArgumentTypeError(f"{text}: give {'=, '.join(_FILTERS[:-1])}= or {_FILTERS[-1]}=")
+    return key, _non_negative_int(value) if key.endswith("_params") else value
 
 
 def _session_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -251,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--difficulty", metavar="SOURCE", nargs="?", const="platform",
                    help="show the distribution of the split's per-task mean rewards: from an `ors-trl eval --output` "
                         "file or an episode log, or (no SOURCE, catalog environments) the OpenReward platform's")
-    p.add_argument("--difficulty-filter", metavar="KEY=VALUE", action="append", default=[],
+    p.add_argument("--difficulty-filter", metavar="KEY=VALUE", type=_difficulty_filter, action="append", default=[],
                    help="narrow the platform's data: model_name, min_model_params, max_model_params, training_stage "
                         "(pretrained, sft, rl); repeatable")
 
@@ -479,22 +490,11 @@ def _difficulty_source(args: argparse.Namespace) -> Any:
     """`inspect --difficulty [SOURCE] --difficulty-filter K=V`: a file path, or the platform's filtered data."""
     from ..tasks.difficulty import PlatformDifficulty
 
-    if args.difficulty is None:
-        if args.difficulty_filter:
-            raise _UsageError("--difficulty-filter narrows --difficulty's platform data; pass --difficulty too")
-        return None
-    filters: dict[str, Any] = {}
-    for given in args.difficulty_filter:
-        key, sep, value = given.partition("=")
-        if not sep or key not in ("model_name", "min_model_params", "max_model_params", "training_stage"):
-            raise _UsageError(f"--difficulty-filter {given}: give model_name=, min_model_params=, max_model_params= "
-                              "or training_stage=")
-        filters[key] = _non_negative_int(value) if key.endswith("_params") else value
-    if args.difficulty != "platform":
-        if filters:
-            raise _UsageError("--difficulty-filter applies to the platform's data, not to a file")
-        return args.difficulty
-    return PlatformDifficulty(**filters)
+    if args.difficulty_filter and args.difficulty is None:
+        raise _UsageError("--difficulty-filter narrows --difficulty's platform data; pass --difficulty too")
+    if args.difficulty_filter and args.difficulty != "platform":
+        raise _UsageError("--difficulty-filter applies to the platform's data, not to a file")
+    return PlatformDifficulty(**dict(args.difficulty_filter)) if args.difficulty == "platform" else args.difficulty
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
