@@ -1,12 +1,6 @@
-"""`ors-trl inspect`: everything about an environment a user should see before training on it.
+"""`ors-trl inspect`: everything about an environment a user should see before training on it (`inspect_target`).
 
-The environments a server hosts, its splits and their sizes, a few tasks, the shared and task-specific tools (from
-one probe session, closed again), what the server supports (a terminal tool, group scoring, message block types, the
-first task's conversation roles), the images the probed prompt holds and, with `calls`, what chosen tools answer in
-the probe session (a tool's output is known only once it runs and a call can have effects, so none is made unless
-asked for); and what the model will see after binding: the Python signatures of the tool functions, the JSON schemas
-`transformers.utils.get_json_schema` renders from them, and every binding warning.
-
+A tool's output is known only once it runs, and a call can have effects: the probe session calls none unless asked.
 Everything shown comes from the server, so the text puts each name on one line and escapes control and format
 characters (`escape_controls`): an environment cannot retitle or clear the terminal, rewrite a line or reorder the
 listing a user reads before training.
@@ -36,22 +30,11 @@ __all__ = ["collect", "describe_binding", "inspect_target", "render_text"]
 _TASK_TEXT = 240
 
 
-async def collect(
-    target: str,
-    *,
-    env_name: str | None = None,
-    split: str | None = None,
-    tasks: int = 3,
-    probe: bool = True,
-    probe_index: int = 0,
-    api_key: str | None = None,
-    timeouts: Timeouts | None = None,
-    retry: RetryPolicy | None = None,
-    calls: Sequence[tuple[str, dict[str, Any]]] = (),
-    toolset: str | None = None,
-    toolset_fallback: bool = False,
-    env_overrides: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
+async def collect(target: str, *, env_name: str | None = None, split: str | None = None, tasks: int = 3,
+                  probe: bool = True, probe_index: int = 0, api_key: str | None = None,
+                  timeouts: Timeouts | None = None, retry: RetryPolicy | None = None,
+                  calls: Sequence[tuple[str, dict[str, Any]]] = (), toolset: str | None = None,
+                  toolset_fallback: bool = False, env_overrides: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Query the server; returns the JSON-able inspection (without the binding part). Leaves no session open.
     The arguments are `inspect_target`'s."""
     async with AsyncClient(target, env_name=env_name, api_key=api_key, timeouts=timeouts, retry=retry,
@@ -172,9 +155,12 @@ def describe_binding(specs: list[dict[str, Any]]) -> dict[str, Any]:
 
 @functools.wraps(collect, assigned=())  # its signature is `collect`'s: one list of parameters, documented here
 def inspect_target(target: str, **options: Any) -> dict[str, Any]:
-    """Everything about an environment a user should see before training on it (`ors-trl inspect`): what `collect`
-    reads from the server, plus `describe_binding` of the shared and probed task-specific tools. Leaves no session
-    open.
+    """Everything about an environment a user should see before training on it (`ors-trl inspect`): the environments
+    a server hosts, its splits and their sizes, a few tasks, the shared and task-specific tools (from one probe
+    session, closed again), what the server supports (a terminal tool, group scoring, message block types, the first
+    task's conversation roles), the images the probed prompt holds and what `calls` answered (`collect`); and what
+    the model sees after binding (`describe_binding`): the tool functions' Python signatures, the JSON schemas
+    `transformers.utils.get_json_schema` renders from them, and every binding warning. Leaves no session open.
 
     Args:
         target (`str`):
