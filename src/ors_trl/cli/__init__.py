@@ -243,11 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ors-trl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("inspect", help="show environments, splits, tasks, tools and the tool signatures/schemas the "
-                       "model will see", **_layout(
+    p = sub.add_parser("inspect", **_layout(
         "Show what an ORS server offers and exactly what a model trained on it will see: environments, splits and "
         "task counts, a few tasks, shared and task-specific tools (listed from one probe session, closed again) with "
-        "their JSON schemas, and the Python signatures and rendered tool schemas after binding, with its warnings."))
+        "their JSON schemas, and the Python signatures and rendered schemas after binding, with binding warnings."),
+        help="show environments, splits, tasks, tools and the tool signatures/schemas the model will see")
     _add_common(p, "the probe session", "give the probe session this platform toolset (e.g. codex) and list its tools",
                 timeout=f"{INSPECT_TIMEOUT:g}", retries=INSPECT_RETRIES)
     p.add_argument("--split", metavar="S", help="split to show tasks of (default: train, else the first)")
@@ -266,15 +266,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="narrow the platform's data: model_name, min_model_params, max_model_params, training_stage "
                         "(pretrained, sft, rl); repeatable")
 
-    p = sub.add_parser("eval", help="run a policy (local model or OpenAI-compatible endpoint) over tasks and report "
-                       "rewards", **_layout(
+    p = sub.add_parser("eval", **_layout(
         "Run a policy over tasks, concurrently, and report mean reward (over scored episodes), success rate and, with "
         "--repeats N, the unbiased pass@k for k = 1..N per task and over tasks (with a 95% interval for pass@1 over "
         "tasks), grading coverage, finished rate, tool calls and failures per episode, and tool-call health "
         "(episodes without a tool call, tool-call markup the parser missed, malformed arguments). Several TARGETs (or "
         "--env-name values) are evaluated one after the other and weighed together. The policy is a local "
         "transformers model directory (--model PATH) or a model behind an OpenAI-compatible chat-completions endpoint "
-        "(--base-url URL --model NAME, e.g. vLLM). Every finished episode is appended to --output at once."))
+        "(--base-url URL --model NAME, e.g. vLLM). Every finished episode is appended to --output at once."),
+        help="run a policy (local model or OpenAI-compatible endpoint) over tasks and report rewards")
     _add_common(p, "every session", "the platform toolset every session gets (e.g. codex, claude-code); its tools "
                 "are bound too", many=True)
     p.add_argument("--model", metavar="M", required=True,
@@ -291,22 +291,24 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--indices", metavar="LIST", type=_indices,
                        help="exactly these task indices, e.g. 0,3,5 or 0-9. First, one session per distinct listed "
                             "task (task 0 without --indices) is opened and closed to find its task-specific tools, "
-                            "bound as training with the same selection binds them (--per-task-tools: none)")
+                            "bound as training with the same selection binds them; --per-task-tools opens none")
     p.add_argument("--split", metavar="S", default="train", help="split to draw tasks from (default train)")
     p.add_argument("--repeats", metavar="R", type=_positive_int, default=1,
                    help="episodes per task (default 1); pass@k is reported for k = 1..R")
     _add_success_threshold(p)
     p.add_argument("--weights", metavar="W,W", type=_weights,
                    help="with several environments: their weights in the overall numbers (default: by episodes)")
-    p.add_argument("--upload", action="store_true", help="send every episode to the OpenReward rollout viewer (needs "
-                   "OPENREWARD_API_KEY and the openreward package); failures are counted, never fatal")
+    p.add_argument("--upload", action="store_true",
+                   help="send every episode to the OpenReward rollout viewer (needs OPENREWARD_API_KEY and the "
+                        "openreward package); failures are counted, never fatal")
     p.add_argument("--concurrency", metavar="C", type=_positive_int, default=8,
                    help="episodes (sessions) at once (default 8)")
     p.add_argument("--max-turns", metavar="T", type=_positive_int, default=10,
                    help="policy replies per episode; the last one's calls are not run, as in TRL's loop "
                         "(= max_tool_calling_iterations + 1; default 10)")
-    p.add_argument("--tool-timeout", metavar="S", type=_positive_seconds, help="seconds one tool call may take "
-                   "before it fails (the episode is then unscored, counted as an error; default 3600)")
+    p.add_argument("--tool-timeout", metavar="S", type=_positive_seconds,
+                   help="seconds one tool call may take before it fails (the episode is then unscored, counted "
+                        "as an error; default 3600)")
     p.add_argument("--episode-timeout", metavar="S", type=_positive_seconds,
                    help="seconds one episode may take (policy replies and tool calls); past it the episode is "
                         "closed, recorded with end reason timeout and scored None (default: no limit)")
@@ -314,8 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted evaluation from --output: run only the missing episodes")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
-    p.add_argument("--temperature", metavar="X", type=float, default=0.0, help="sampling temperature (default 0: "
-                   "greedy)")
+    p.add_argument("--temperature", metavar="X", type=float, default=0.0,
+                   help="sampling temperature (default 0: greedy)")
     p.add_argument("--max-new-tokens", metavar="K", type=_positive_int,
                    help="tokens per reply (local default 256; endpoint: max_tokens, not sent unless given)")
     p.add_argument("--seed", metavar="S", type=int, default=0, help="sampling seed (default 0)")
@@ -323,27 +325,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tool-calls", metavar="N", type=_non_negative_int,
                    help="tool calls one episode may make; later ones are refused (the model reads why) and counted "
                         "as refused failures, as in training (default: no limit)")
-    p.add_argument("--per-task-tools", action="store_true", help="bind each episode's own tool list instead of the "
-                   "tools training binds (no tool-discovery sessions are opened first)")
+    p.add_argument("--per-task-tools", action="store_true",
+                   help="bind each episode's own tool list instead of the tools training binds (no tool-discovery "
+                        "sessions are opened first)")
     p.add_argument("--score-groups", action="store_true",
                    help="also score each task's episodes (--repeats) together with the environment's /score_group")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    p = sub.add_parser("serve-echo", help="serve the bundled echo environment under the reference server on loopback "
-                       "(needs openreward)", **_layout(
+    p = sub.add_parser("serve-echo", **_layout(
         "Start the reference ORS server with the bundled demo environments (default: echo, TRL's guide task) on a "
         "loopback address, to try ors-trl without an environment of your own. Needs the openreward package (pip "
-        "install 'ors-trl[demo]'). Stop it with Ctrl-C."))
+        "install 'ors-trl[demo]'). Stop it with Ctrl-C."),
+        help="serve the bundled echo environment under the reference server on loopback (needs openreward)")
     p.add_argument("--port", metavar="N", type=int, required=True, help="TCP port to listen on")
     p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
-    p.add_argument("--envs", default="echo", help="comma-separated bundled environments (echo, demo, look, and card: "
-                   "the answer only in an image, needs Pillow), or 'all' (default echo)")
+    p.add_argument("--envs", default="echo",
+                   help="comma-separated bundled environments (echo, demo, look, and card: the answer only in an "
+                        "image, needs Pillow), or 'all' (default echo)")
     p.add_argument("--log-level", default="warning", help="server log level (default warning)")
 
     from ..report.tally import DEFAULT_MAX_EPISODES
 
-    p = sub.add_parser("report", help="write one self-contained HTML page from episode logs, eval outputs and trainer "
-                       "logs", **_layout(
+    p = sub.add_parser("report", **_layout(
         "Write one self-contained HTML page (nothing is fetched when it opens) on what the episodes did and how "
         "training went: a summary (rewards, grading, tool calls, failures by reason, end and unscored reasons, "
         "latency percentiles), curves over training steps from the trainer's log_history, a sortable per-task table "
@@ -353,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
         "every shared task's change, the tasks that flipped and a paired test over tasks of whether the difference "
         "is beyond noise. Inputs are recognised by content: episode logs (episode_log=), eval outputs (ors-trl eval "
         "--output), trainer output folders (their trainer_state.json, also in checkpoint-*/) and trainer_state.json "
-        "files. Every episode is counted; a deterministic sample of at most --max-episodes bodies is embedded."))
+        "files. Every episode is counted; a deterministic sample of at most --max-episodes bodies is embedded."),
+        help="write one self-contained HTML page from episode logs, eval outputs and trainer logs")
     p.add_argument("inputs", metavar="INPUT", nargs="*",
                    help="episode log or eval output (JSON lines), trainer output folder, or trainer_state.json")
     p.add_argument("--label", metavar="NAME=FILE", type=_label, action="append", default=[],
@@ -367,13 +371,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--title", metavar="TEXT", help="the page's title (default: names the environments)")
     _add_output(p)
 
-    p = sub.add_parser("cleanup", help="delete the sessions that killed ors-trl processes left open (the orphan "
-                       "registry)", **_layout(
+    p = sub.add_parser("cleanup", **_layout(
         "Every process that opens ORS sessions registers each before creating it, in its working directory "
         "(.ors-trl/sessions, or $ORS_TRL_STATE_DIR/sessions). A process killed with SIGKILL (the out-of-memory "
         "killer, a pre-empted node, kill -9) cannot close its sessions: the next ors-trl process that opens a session "
         "there deletes them, and so does this command; only dead processes' sessions of this host, never a live "
-        "process's. A catalog target needs OPENREWARD_API_KEY. ORS_TRL_SESSION_REGISTRY=0 turns the registry off."))
+        "process's. A catalog target needs OPENREWARD_API_KEY. ORS_TRL_SESSION_REGISTRY=0 turns the registry off."),
+        help="delete the sessions that killed ors-trl processes left open (the orphan registry)")
     p.add_argument("dir", metavar="DIR", nargs="?", default=None,
                    help="the run's working directory, or a state folder (default: $ORS_TRL_STATE_DIR, else .)")
     p.add_argument("--any-host", action="store_true",
@@ -412,13 +416,13 @@ def _show(args: argparse.Namespace, data: Any, text: str) -> None:
     controls; here the other control and format characters, C1 controls, U+202E..., and lone surrogates are `\\u`
     escapes too: the same data, harmless to a terminal and encodable); else `text`, as `_say` writes it."""
     if not args.json:
-        return _say(text, sys.stdout)
+        _say(text, sys.stdout)
+        return
     out = json.dumps(data, indent=2, ensure_ascii=False, default=str)
     if not out.isascii():
         out = "".join(c if c.isascii() or unicodedata.category(c) not in ("Cc", "Cf", "Cs") else json.dumps(c)[1:-1]
                       for c in out)
-    sys.stdout.write(out + "\n")
-    sys.stdout.flush()
+    print(out, flush=True)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
