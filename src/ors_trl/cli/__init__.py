@@ -157,7 +157,8 @@ def _difficulty_filter(text: str) -> tuple[str, Any]:
     """KEY=VALUE of `inspect --difficulty-filter`: a `PlatformDifficulty` filter."""
     key, sep, value = text.partition("=")
     if not sep or key not in _FILTERS:
-        raise argparse.ArgumentTypeError(f"{text}: give {'=, '.join(_FILTERS[:-1])}= or {_FILTERS[-1]}=")
+        raise argparse.ArgumentTypeError(f"{text}: give model_name=, min_model_params=, max_model_params= or "
+                                         "training_stage=")
     return key, _non_negative_int(value) if key.endswith("_params") else value
 
 
@@ -188,9 +189,9 @@ def _add_common(p: argparse.ArgumentParser, sessions: str, toolset: str, *, many
     several = "; several: a mix, reported per environment and weighted overall" if many else ""
     p.add_argument("target", metavar="TARGET", nargs="+" if many else None,
                    help=f"server URL (http://127.0.0.1:8000) or catalog name (owner/name){several}")
-    several = "; once for every TARGET, once per TARGET, or several for one TARGET" if many else ""
+    each = "; once for every TARGET, once per TARGET, or several for one TARGET" if many else ""
     p.add_argument("--env-name", metavar="N", action="append" if many else "store",
-                   help=f"environment on a server hosting several (default: the first){several}")
+                   help=f"environment on a server hosting several (default: the first){each}")
     _add_output(p)
     p.add_argument("--timeout", metavar="S", type=_positive_seconds,
                    help="seconds for connecting and for each request to the environment server other than a tool "
