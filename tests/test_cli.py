@@ -33,6 +33,8 @@ def test_help(command, capsys) -> None:
     out = capsys.readouterr().out
     assert "exit codes:" in out and "130" in out
     assert "usage: ors-trl" in out
+    # the epilog names the escapes it means; it does not send ESC and U+202E to the terminal itself
+    assert "(\\x1b, \\u202e)" in out and not any(c in out for c in ("\x1b", "\u202e"))
 
 
 def test_python_m_help() -> None:
@@ -62,6 +64,7 @@ def test_import_stays_light() -> None:
     ["eval", "http://127.0.0.1:1", "--model", "m", "--num-tasks", "2", "--indices", "1"],
     ["eval", "http://127.0.0.1:1", "--model", "m", "--indices", "1,x"],
     ["eval", "http://127.0.0.1:1", "--model", "m", "--concurrency", "0"],
+    ["inspect", "http://127.0.0.1:1", "--difficulty", "--difficulty-filter", "min_model_params=x"],  # not a traceback
 ])
 def test_usage_errors_exit_2(argv, capsys) -> None:
     assert main(argv) == EXIT_USAGE

@@ -14,6 +14,7 @@ Heavy packages (torch, transformers, the openreward SDK) are imported only by th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -36,6 +37,11 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
+#: `ors-trl inspect`'s waits where --timeout/--retries are not given: someone at a terminal is waiting, so a server
+#: that accepts and never answers is an error after about half a minute (3 tries of 10 s), not six minutes.
+INSPECT_TIMEOUT = 10.0
+INSPECT_RETRIES = 2
+
 _EPILOG = """\
 exit codes:
   0    success
@@ -53,12 +59,8 @@ exit codes:
 
 TARGET is the URL of a self-hosted ORS server (http://127.0.0.1:8000) or an OpenReward catalog name
 (owner/name, needs OPENREWARD_API_KEY). Text from the environment is printed with its control
-characters escaped (\x1b, \u202e), so it cannot retitle, clear or rewrite the terminal.
+characters escaped (\\x1b, \\u202e), so it cannot retitle, clear or rewrite the terminal.
 """
-
-
-def _para(text: str) -> str:
-    return textwrap.fill(text, width=100, break_on_hyphens=False)
 
 
 class _UsageError(Exception):
@@ -110,46 +112,18 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _env_override(text: str) -> tuple[str, str]:
-    """KEY=VALUE of --env-override; the value is never quoted back (it may be a key)."""
+    """KEY=VALUE of --env-override; the text is never quoted back (the value may be a key)."""
     name, sep, value = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError("expected KEY=VALUE (no '=' in it; the text is not shown: it may be a secret)")
-    if not _ENV_NAME.fullmatch(name):
-        raise argparse.ArgumentTypeError("expected KEY=VALUE with KEY an environment variable name (letters, digits "
-                                         "and underscores, not starting with a digit; the text is not shown: it may "
-                                         "be a secret)")
+    if not sep or not _ENV_NAME.fullmatch(name):
+        want = "KEY=VALUE (no '=' in it" if not sep else ("KEY=VALUE with KEY an environment variable name (letters, "
+                                                           "digits and underscores, not starting with a digit")
+        raise argparse.ArgumentTypeError(f"expected {want}; the text is not shown: it may be a secret)")
     return name, value
-
-
-def _session_options(args: argparse.Namespace) -> dict[str, Any]:
-    """`toolset=`, `toolset_fallback=` and `env_overrides=` from --toolset, --toolset-fallback and --env-override (a
-    name given twice, or a fallback without a toolset, is a usage error)."""
-    overrides: dict[str, str] = {}
-    for name, value in args.env_override:
-        if name in overrides:
-            raise _UsageError(f"--env-override {name} is given twice")
-        overrides[name] = value
-    if args.toolset_fallback and not args.toolset:
-        raise _UsageError("--toolset-fallback needs --toolset (the toolset to fall back from)")
-    return {"toolset": args.toolset, "toolset_fallback": args.toolset_fallback, "env_overrides": overrides or None}
-
-
-def _add_session_options(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--toolset-fallback", action="store_true",
-                   help=f"when the server refuses --toolset, open {what} without it (one log line) instead of "
-                        "failing")
-    p.add_argument("--env-override", metavar="KEY=VALUE", type=_env_override, action="append", default=[],
-                   help=f"an environment variable for {what} (repeatable; on the platform, callers other than the "
-                        "environment's owner may set only OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL and "
-                        "ANTHROPIC_API_KEY); values are masked like secrets in every output")
 
 
 def _indices(text: str) -> list[int]:
     out = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
+    for part in filter(None, (p.strip() for p in text.split(","))):
         if "-" in part[1:]:
             lo, hi = part.split("-", 1)
             if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
@@ -164,134 +138,165 @@ def _indices(text: str) -> list[int]:
     return out
 
 
-#: Every parser's help layout: paragraphs as written, and the common epilog.
-_LAYOUT: dict[str, Any] = {"epilog": _EPILOG, "formatter_class": argparse.RawDescriptionHelpFormatter}
+def _tool_call(text: str) -> tuple[str, dict[str, Any]]:
+    """NAME[=JSON] of `inspect --call`."""
+    name, _, raw = text.partition("=")
+    try:
+        arguments = json.loads(raw) if raw else {}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text}: the arguments after '=' are not JSON") from None
+    if not name or not isinstance(arguments, dict):
+        raise argparse.ArgumentTypeError(f"{text}: give NAME or NAME='{{...}}' (a JSON object)")
+    return name, arguments
 
 
-#: `ors-trl inspect`'s waits where --timeout/--retries are not given: someone at a terminal is waiting, so a server
-#: that accepts and never answers is an error after about half a minute (3 tries of 10 s), not six minutes.
-INSPECT_TIMEOUT = 10.0
-INSPECT_RETRIES = 2
+_FILTERS = ("model_name", "min_model_params", "max_model_params", "training_stage")
 
 
-def _add_common(p: argparse.ArgumentParser, timeout: str = "10 to connect, 60 per request", retries: int = 5,
-                many: bool = False) -> None:
-    if many:
-        p.add_argument("target", metavar="TARGET", nargs="+",
-                       help="server URL (http://127.0.0.1:8000) or catalog name (owner/name); several: a mix, "
-                            "reported per environment and weighted overall")
-        p.add_argument("--env-name", metavar="N", action="append",
-                       help="environment on a server hosting several (default: the first); once for every TARGET, "
-                            "once per TARGET, or several for one TARGET")
-    else:
-        p.add_argument("target", metavar="TARGET",
-                       help="server URL (http://127.0.0.1:8000) or catalog name (owner/name)")
-        p.add_argument("--env-name", metavar="N", help="environment on a server hosting several (default: the first)")
+def _difficulty_filter(text: str) -> tuple[str, Any]:
+    """KEY=VALUE of `inspect --difficulty-filter`: a `PlatformDifficulty` filter."""
+    key, sep, value = text.partition("=")
+    if not sep or key not in _FILTERS:
+        raise argparse.ArgumentTypeError(f"{text}: give model_name=, min_model_params=, max_model_params= or "
+                                         "training_stage=")
+    return key, _non_negative_int(value) if key.endswith("_params") else value
+
+
+def _layout(description: str) -> dict[str, Any]:
+    """A parser's help: `description` as one paragraph, then the exit codes (the common epilog)."""
+    return {"description": textwrap.fill(description, width=100, break_on_hyphens=False), "epilog": _EPILOG,
+            "formatter_class": argparse.RawDescriptionHelpFormatter}
+
+
+def _add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
+
+
+def _add_success_threshold(p: argparse.ArgumentParser) -> None:
+    from ..core.metrics import DEFAULT_SUCCESS_THRESHOLD
+
+    p.add_argument("--success-threshold", metavar="X", type=_finite_number,
+                   help=f"an episode succeeded when its reward is at least X (default {DEFAULT_SUCCESS_THRESHOLD:g}; "
+                        "one given must lie within the rewards seen)")
+
+
+def _add_common(p: argparse.ArgumentParser, sessions: str, toolset: str, *, many: bool = False,
+                timeout: str = "10 to connect, 60 per request", retries: int = 5) -> None:
+    """TARGET (several with `many`), --env-name, the output flags, and the client's flags that `_client_options`
+    reads (--toolset's help is `toolset`; `sessions` says which sessions --toolset-fallback and --env-override act on).
+    """
+    several = "; several: a mix, reported per environment and weighted overall" if many else ""
+    p.add_argument("target", metavar="TARGET", nargs="+" if many else None,
+                   help=f"server URL (http://127.0.0.1:8000) or catalog name (owner/name){several}")
+    each = "; once for every TARGET, once per TARGET, or several for one TARGET" if many else ""
+    p.add_argument("--env-name", metavar="N", action="append" if many else "store",
+                   help=f"environment on a server hosting several (default: the first){each}")
+    _add_output(p)
     p.add_argument("--timeout", metavar="S", type=_positive_seconds,
                    help="seconds for connecting and for each request to the environment server other than a tool "
                         f"call (default {timeout})")
     p.add_argument("--retries", metavar="N", type=_non_negative_int,
                    help=f"retries of a request after a network error or 429/502/503/504 (default {retries})")
+    p.add_argument("--toolset", metavar="NAME", help=toolset)
+    p.add_argument("--toolset-fallback", action="store_true",
+                   help=f"when the server refuses --toolset, open {sessions} without it (one log line) instead of "
+                        "failing")
+    p.add_argument("--env-override", metavar="KEY=VALUE", type=_env_override, action="append", default=[],
+                   help=f"an environment variable for {sessions} (repeatable; on the platform, callers other than "
+                        "the environment's owner may set only OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL and "
+                        "ANTHROPIC_API_KEY); values are masked like secrets in every output")
 
 
 def _client_options(args: argparse.Namespace, timeout: float | None = None, retries: int | None = None,
                     tool_timeout: float | None = None) -> dict[str, Any]:
-    """`timeouts=`/`retry=` for a client from --timeout/--retries, else `timeout`/`retries`, else the client's
-    defaults; `tool_timeout` bounds each tool call (`Timeouts.tool_call`)."""
+    """A client's keywords from the flags `_add_common` adds: `toolset=`, `toolset_fallback=`, `env_overrides=`
+    (a name given twice, or a fallback without a toolset, is a usage error), and `timeouts=`/`retry=` from
+    --timeout/--retries, else `timeout`/`retries`, else the client's defaults (`tool_timeout` bounds each tool call).
+    """
     from ..protocol.transport import RetryPolicy, Timeouts
 
-    options: dict[str, Any] = {}
+    overrides: dict[str, str] = {}
+    for name, value in args.env_override:
+        if name in overrides:
+            raise _UsageError(f"--env-override {name} is given twice")
+        overrides[name] = value
+    if args.toolset_fallback and not args.toolset:
+        raise _UsageError("--toolset-fallback needs --toolset (the toolset to fall back from)")
+    options: dict[str, Any] = {"toolset": args.toolset, "toolset_fallback": args.toolset_fallback,
+                               "env_overrides": overrides or None}
     timeout = args.timeout if args.timeout is not None else timeout
     retries = args.retries if args.retries is not None else retries
     if timeout is not None or tool_timeout is not None:
         request = {} if timeout is None else {"connect": min(timeout, Timeouts.connect or timeout), "request": timeout}
-        tool = {} if tool_timeout is None else {"tool_call": tool_timeout}
-        options["timeouts"] = Timeouts(**request, **tool)
+        options["timeouts"] = Timeouts(**request, **({} if tool_timeout is None else {"tool_call": tool_timeout}))
     if retries is not None:
         options["retry"] = RetryPolicy(max_attempts=retries + 1)
     return options
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="ors-trl",
-        description=_para("Inspect Open Reward Standard (ORS) environments and evaluate policies on them, through the "
-        "same client and tool binding ors-trl uses for training with TRL."),
-        **_LAYOUT,
-    )
+    parser = argparse.ArgumentParser(prog="ors-trl", **_layout(
+        "Inspect Open Reward Standard (ORS) environments and evaluate policies on them, through the same client and "
+        "tool binding ors-trl uses for training with TRL."))
     from .._version import __version__
 
     parser.add_argument("--version", action="version", version=f"ors-trl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser(
-        "inspect",
-        help="show environments, splits, tasks, tools and the tool signatures/schemas the model will see",
-        description=_para("Show what an ORS server offers and exactly what a model trained on it will see: "
-        "environments, "
-        "splits and task counts, a few tasks, shared and task-specific tools with their JSON schemas, and the "
-        "Python signatures and rendered tool schemas after binding, with binding warnings. Opens one probe "
-        "session (closed again) to list task-specific tools."),
-        **_LAYOUT,
-    )
-    _add_common(p, timeout=f"{INSPECT_TIMEOUT:g}", retries=INSPECT_RETRIES)
+    p = sub.add_parser("inspect", **_layout(
+        "Show what an ORS server offers and exactly what a model trained on it will see: environments, splits and "
+        "task counts, a few tasks, shared and task-specific tools (listed from one probe session, closed again) with "
+        "their JSON schemas, and the Python signatures and rendered schemas after binding, with binding warnings."),
+        help="show environments, splits, tasks, tools and the tool signatures/schemas the model will see")
+    _add_common(p, "the probe session", "give the probe session this platform toolset (e.g. codex) and list its tools",
+                timeout=f"{INSPECT_TIMEOUT:g}", retries=INSPECT_RETRIES)
     p.add_argument("--split", metavar="S", help="split to show tasks of (default: train, else the first)")
-    p.add_argument("--tasks", metavar="K", type=int, default=3, help="number of tasks to show (default 3)")
+    p.add_argument("--tasks", metavar="K", type=_non_negative_int, default=3,
+                   help="number of tasks to show (default 3)")
     p.add_argument("--probe-index", metavar="I", type=int, default=0,
                    help="task whose session is probed for task-specific tools (default 0)")
     p.add_argument("--no-probe", action="store_true", help="open no session (task-specific tools are not listed)")
-    p.add_argument("--call", metavar="NAME[=JSON]", action="append", default=[],
-                   help="call this tool in the probe session (arguments as a JSON object, default {}) and show what "
-                        "its output holds (text, images); repeatable. Tools can have effects: only on request")
-    p.add_argument("--toolset", metavar="NAME",
-                   help="give the probe session this platform toolset (e.g. codex) and list its tools")
-    _add_session_options(p, "the probe session")
+    p.add_argument("--call", metavar="NAME[=JSON]", type=_tool_call, action="append", default=[],
+                   help="call this tool in the probe session (arguments: a JSON object, default {}) and show what its "
+                        "output holds (text, images); repeatable. Tools can have effects: only on request")
     p.add_argument("--difficulty", metavar="SOURCE", nargs="?", const="platform",
-                   help="show the distribution of the split's per-task mean rewards: from an `ors-trl eval --output` "
+                   help="show the distribution of the split's per-task mean rewards, from an `ors-trl eval --output` "
                         "file or an episode log, or (no SOURCE, catalog environments) the OpenReward platform's")
-    p.add_argument("--difficulty-filter", metavar="KEY=VALUE", action="append", default=[],
+    p.add_argument("--difficulty-filter", metavar="KEY=VALUE", type=_difficulty_filter, action="append", default=[],
                    help="narrow the platform's data: model_name, min_model_params, max_model_params, training_stage "
                         "(pretrained, sft, rl); repeatable")
 
-    p = sub.add_parser(
-        "eval",
-        help="run a policy (local model or OpenAI-compatible endpoint) over tasks and report rewards",
-        description=_para("Run a policy over tasks, concurrently, and report mean reward (over scored episodes), "
-        "success rate and, with --repeats N, the unbiased pass@k for k = 1..N per task and over tasks (with a 95% "
-        "interval for pass@1 over tasks), grading coverage, finished rate, tool calls and failures per episode, and "
-        "tool-call health (episodes without a tool call, tool-call markup the parser missed, malformed arguments). "
-        "Several TARGETs (or --env-name values) are evaluated one after the other and weighed together. "
-        "The policy is a local transformers model "
-        "directory (--model PATH) or a model behind an OpenAI-compatible chat-completions endpoint (--base-url URL "
-        "--model NAME, e.g. vLLM). Every finished episode is appended to --output as one JSON line at once."),
-        **_LAYOUT,
-    )
-    _add_common(p, many=True)
+    p = sub.add_parser("eval", **_layout(
+        "Run a policy over tasks, concurrently, and report mean reward (over scored episodes), success rate and, with "
+        "--repeats N, the unbiased pass@k for k = 1..N per task and over tasks (with a 95% interval for pass@1 over "
+        "tasks), grading coverage, finished rate, tool calls and failures per episode, and tool-call health "
+        "(episodes without a tool call, tool-call markup the parser missed, malformed arguments). Several TARGETs (or "
+        "--env-name values) are evaluated one after the other and weighed together. The policy is a local "
+        "transformers model directory (--model PATH) or a model behind an OpenAI-compatible chat-completions endpoint "
+        "(--base-url URL --model NAME, e.g. vLLM). Every finished episode is appended to --output at once."),
+        help="run a policy (local model or OpenAI-compatible endpoint) over tasks and report rewards")
+    _add_common(p, "every session", "the platform toolset every session gets (e.g. codex, claude-code); its tools "
+                "are bound too", many=True)
     p.add_argument("--model", metavar="M", required=True,
                    help="local model directory, or the served model's name with --base-url")
     p.add_argument("--base-url", metavar="URL", help="OpenAI-compatible API root, e.g. http://127.0.0.1:8001/v1")
     p.add_argument("--api-key", metavar="KEY",
                    help="key for --base-url (default: $OPENAI_API_KEY); never logged or recorded")
     p.add_argument("--tool-markup", metavar="TEXT", action="append",
-                   help="with --base-url: the text that opens a tool call in the served model's replies, for a "
-                        "server without a tool-call parser (a reply holding it counts as an unparsed tool call); "
-                        "repeatable (default: the common markups of the major chat templates, e.g. <tool_call>, "
-                        "[TOOL_CALLS], <|python_tag|>)")
+                   help="with --base-url and a server without a tool-call parser: text that opens a tool call in the "
+                        "model's replies (a reply holding it counts as an unparsed tool call); repeatable (default: "
+                        "the major chat templates' markups, e.g. <tool_call>, [TOOL_CALLS], <|python_tag|>)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--num-tasks", metavar="N", type=_positive_int, help="the first N tasks (default: all)")
     group.add_argument("--indices", metavar="LIST", type=_indices,
-                       help="exactly these task indices, e.g. 0,3,5 or 0-9. Before the episodes, one session per "
-                            "distinct listed task (task 0 without --indices) is opened and closed to find its "
-                            "task-specific tools, which are bound as training with the same selection binds them; "
-                            "--per-task-tools opens none")
+                       help="exactly these task indices, e.g. 0,3,5 or 0-9. First, one session per distinct listed "
+                            "task (task 0 without --indices) is opened and closed to find its task-specific tools, "
+                            "bound as training with the same selection binds them; --per-task-tools opens none")
     p.add_argument("--split", metavar="S", default="train", help="split to draw tasks from (default train)")
     p.add_argument("--repeats", metavar="R", type=_positive_int, default=1,
                    help="episodes per task (default 1); pass@k is reported for k = 1..R")
-    p.add_argument("--success-threshold", metavar="X", type=_finite_number,
-                   help="an episode succeeded when its reward is at least X (default 1.0; one given must lie within "
-                        "the rewards seen)")
+    _add_success_threshold(p)
     p.add_argument("--weights", metavar="W,W", type=_weights,
                    help="with several environments: their weights in the overall numbers (default: by episodes)")
     p.add_argument("--upload", action="store_true",
@@ -321,9 +326,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tool-calls", metavar="N", type=_non_negative_int,
                    help="tool calls one episode may make; later ones are refused (the model reads why) and counted "
                         "as refused failures, as in training (default: no limit)")
-    p.add_argument("--toolset", metavar="NAME",
-                   help="the platform toolset every session gets (e.g. codex, claude-code); its tools are bound too")
-    _add_session_options(p, "every session")
     p.add_argument("--per-task-tools", action="store_true",
                    help="bind each episode's own tool list instead of the tools training binds (no tool-discovery "
                         "sessions are opened first)")
@@ -331,41 +333,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also score each task's episodes (--repeats) together with the environment's /score_group")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    p = sub.add_parser(
-        "serve-echo",
-        help="serve the bundled echo environment under the reference server on loopback (needs openreward)",
-        description=_para("Start the reference ORS server with the bundled demo environments (default: echo, TRL's "
-        "guide task) on a loopback address, for trying ors-trl without an environment of your own. Needs the "
-        "openreward package (pip install 'ors-trl[demo]'). Stop it with Ctrl-C."),
-        **_LAYOUT,
-    )
+    p = sub.add_parser("serve-echo", **_layout(
+        "Start the reference ORS server with the bundled demo environments (default: echo, TRL's guide task) on a "
+        "loopback address, to try ors-trl without an environment of your own. Needs the openreward package (pip "
+        "install 'ors-trl[demo]'). Stop it with Ctrl-C."),
+        help="serve the bundled echo environment under the reference server on loopback (needs openreward)")
     p.add_argument("--port", metavar="N", type=int, required=True, help="TCP port to listen on")
     p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
     p.add_argument("--envs", default="echo",
-                   help="comma-separated bundled environments (echo, demo, look, and card: the answer only in "
-                        "an image, needs Pillow), or 'all' (default echo)")
+                   help="comma-separated bundled environments (echo, demo, look, and card: the answer only in an "
+                        "image, needs Pillow), or 'all' (default echo)")
     p.add_argument("--log-level", default="warning", help="server log level (default warning)")
 
-    from ..core.metrics import DEFAULT_SUCCESS_THRESHOLD
     from ..report.tally import DEFAULT_MAX_EPISODES
 
-    p = sub.add_parser(
-        "report",
-        help="write one self-contained HTML page from episode logs, eval outputs and trainer logs",
-        description=_para("Write one self-contained HTML page (styles, script and charts inside it; nothing is "
-        "fetched when it opens) about what the episodes did and how training went: a summary (rewards, grading, "
-        "tool calls, failures by reason, end and unscored reasons, latency percentiles), curves over training "
-        "steps from the trainer's log_history, a sortable per-task table, and a browser of episode bodies "
-        "(prompt, every tool call with its arguments, output, reward and failure, the final message and reward). "
-        "The page opens with the runs side by side (named with --label, else told apart by run id, source and "
-        "policy): a row per run with success, pass@k and tool-call health, and, against the first run, every shared "
-        "task's change, the tasks that flipped, and a paired test over tasks of whether the difference is beyond "
-        "noise. Inputs are recognised by content: episode logs (episode_log=), eval outputs (ors-trl eval --output), "
-        "trainer output folders (their trainer_state.json, also in checkpoint-*/) and trainer_state.json files. "
-        "Every episode is counted; a deterministic sample of at most --max-episodes bodies is embedded. An episode "
-        "succeeded when its reward is at least --success-threshold."),
-        **_LAYOUT,
-    )
+    p = sub.add_parser("report", **_layout(
+        "Write one self-contained HTML page (nothing is fetched when it opens) on what the episodes did and how "
+        "training went: a summary (rewards, grading, tool calls, failures by reason, end and unscored reasons, "
+        "latency percentiles), curves over training steps from the trainer's log_history, a sortable per-task table "
+        "and a browser of episode bodies (prompt, every tool call with its arguments, output, reward and failure, the "
+        "final message and reward). It opens with the runs side by side (named with --label, else told apart by run "
+        "id, source and policy): a row per run with success, pass@k and tool-call health and, against the first run, "
+        "every shared task's change, the tasks that flipped and a paired test over tasks of whether the difference "
+        "is beyond noise. Inputs are recognised by content: episode logs (episode_log=), eval outputs (ors-trl eval "
+        "--output), trainer output folders (their trainer_state.json, also in checkpoint-*/) and trainer_state.json "
+        "files. Every episode is counted; a deterministic sample of at most --max-episodes bodies is embedded."),
+        help="write one self-contained HTML page from episode logs, eval outputs and trainer logs")
     p.add_argument("inputs", metavar="INPUT", nargs="*",
                    help="episode log or eval output (JSON lines), trainer output folder, or trainer_state.json")
     p.add_argument("--label", metavar="NAME=FILE", type=_label, action="append", default=[],
@@ -374,38 +367,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="FILE", default="report.html",
                    help="the HTML file to write (default report.html; replaced if it exists)")
     p.add_argument("--max-episodes", metavar="N", type=_non_negative_int, default=DEFAULT_MAX_EPISODES,
-                   help=f"episode bodies embedded in the page, a deterministic sample (default {DEFAULT_MAX_EPISODES})")
-    p.add_argument("--success-threshold", metavar="X", type=_finite_number,
-                   help=f"an episode succeeded when its reward is at least X (default {DEFAULT_SUCCESS_THRESHOLD:g}; "
-                        "one given must lie within the rewards seen)")
+                   help=f"episode bodies embedded, a deterministic sample (default {DEFAULT_MAX_EPISODES})")
+    _add_success_threshold(p)
     p.add_argument("--title", metavar="TEXT", help="the page's title (default: names the environments)")
-    p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
-    p.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
+    _add_output(p)
 
-    p = sub.add_parser(
-        "cleanup",
-        help="delete the sessions that killed ors-trl processes left open (the orphan registry)",
-        description=_para("Every process that opens ORS sessions keeps a registry of them in its working "
-        "directory (.ors-trl/sessions, or $ORS_TRL_STATE_DIR/sessions), written before each session is created. "
-        "A process killed with SIGKILL (the out-of-memory killer, a pre-empted node, kill -9) cannot close its "
-        "sessions: the next ors-trl process that opens a session there deletes them, and so does this command. "
-        "Only sessions of dead processes of this host are deleted, never a live process's. A catalog target "
-        "needs OPENREWARD_API_KEY. ORS_TRL_SESSION_REGISTRY=0 turns the registry off."),
-        **_LAYOUT,
-    )
+    p = sub.add_parser("cleanup", **_layout(
+        "Every process that opens ORS sessions registers each before creating it, in its working directory "
+        "(.ors-trl/sessions, or $ORS_TRL_STATE_DIR/sessions). A process killed with SIGKILL (the out-of-memory "
+        "killer, a pre-empted node, kill -9) cannot close its sessions: the next ors-trl process that opens a session "
+        "there deletes them, and so does this command; only dead processes' sessions of this host, never a live "
+        "process's. A catalog target needs OPENREWARD_API_KEY. ORS_TRL_SESSION_REGISTRY=0 turns the registry off."),
+        help="delete the sessions that killed ors-trl processes left open (the orphan registry)")
     p.add_argument("dir", metavar="DIR", nargs="?", default=None,
                    help="the run's working directory, or a state folder (default: $ORS_TRL_STATE_DIR, else .)")
     p.add_argument("--any-host", action="store_true",
                    help="also treat registries written on other hosts as dead (a shared disk whose nodes are gone)")
-    p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
-    p.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
+    _add_output(p)
 
     sub.add_parser("demo", help="the bundled GRPO demo (options are passed to it; `ors-trl demo --help`)",
                    add_help=False)
     return parser
-
-
-# ---------------------------------------------------------------------------------------------------------
 
 
 class _EscapingFormatter(logging.Formatter):
@@ -424,54 +406,40 @@ def _setup_logging(verbose: bool) -> None:
     root.propagate = False
 
 
-def _print_json(data: Any) -> None:
-    """One JSON document; json.dumps escapes the ASCII controls, and here the other control and format characters
-    (C1 controls, U+202E...) and lone surrogates are written as `\\u` escapes too: the same data, harmless to a
-    terminal and encodable."""
-    text = json.dumps(data, indent=2, ensure_ascii=False, default=str)
-    if not text.isascii():
-        text = "".join(c if c.isascii() or unicodedata.category(c) not in ("Cc", "Cf", "Cs") else json.dumps(c)[1:-1]
-                       for c in text)
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
-
-
 def _say(text: str, file: Any = None) -> None:
-    """A line of the command's output, its control characters escaped and lone surrogates repaired (it quotes the
-    environment's text)."""
-    print(escape_controls(repair(text)), file=file or sys.stdout)
+    """A line for the user (stderr by default), its control characters escaped and lone surrogates repaired (it
+    quotes the environment's text)."""
+    print(escape_controls(repair(text)), file=file or sys.stderr)
+
+
+def _show(args: argparse.Namespace, data: Any, text: str) -> None:
+    """The command's result on stdout: with --json, `data` as one JSON document (json.dumps escapes the ASCII
+    controls; here the other control and format characters, C1 controls, U+202E..., and lone surrogates are `\\u`
+    escapes too: the same data, harmless to a terminal and encodable); else `text`, as `_say` writes it."""
+    if not args.json:
+        _say(text, sys.stdout)
+        return
+    out = json.dumps(data, indent=2, ensure_ascii=False, default=str)
+    if not out.isascii():
+        out = "".join(c if c.isascii() or unicodedata.category(c) not in ("Cc", "Cf", "Cs") else json.dumps(c)[1:-1]
+                      for c in out)
+    print(out, flush=True)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from .inspect import inspect_target, render_text
 
-    if args.tasks < 0:
-        raise _UsageError("--tasks must be >= 0")
-    calls = []
-    for given in args.call:
-        name, _, raw = given.partition("=")
-        try:
-            arguments = json.loads(raw) if raw else {}
-        except ValueError:
-            raise _UsageError(f"--call {given}: the arguments after '=' are not JSON") from None
-        if not name or not isinstance(arguments, dict):
-            raise _UsageError(f"--call {given}: give NAME or NAME='{{...}}' (a JSON object)")
-        calls.append((name, arguments))
     difficulty = _difficulty_source(args)
+    client = _client_options(args, INSPECT_TIMEOUT, INSPECT_RETRIES)
     info = inspect_target(args.target, env_name=args.env_name, split=args.split, tasks=args.tasks,
-                          probe=not args.no_probe, probe_index=args.probe_index, calls=calls,
-                          **_session_options(args), **_client_options(args, INSPECT_TIMEOUT, INSPECT_RETRIES))
+                          probe=not args.no_probe, probe_index=args.probe_index, calls=args.call, **client)
     if difficulty is not None:
         from ..protocol.loop import get_loop
         from ..tasks.difficulty import describe
 
-        info["difficulty"] = get_loop().run(describe(
-            args.target, info.get("split") or "train", difficulty, environment=info.get("environment"),
-            **_client_options(args, INSPECT_TIMEOUT, INSPECT_RETRIES)))
-    if args.json:
-        _print_json(info)
-    else:
-        _say(render_text(info))
+        info["difficulty"] = get_loop().run(describe(args.target, info.get("split") or "train", difficulty,
+                                                     environment=info.get("environment"), **client))
+    _show(args, info, render_text(info))
     return EXIT_OK
 
 
@@ -479,26 +447,17 @@ def _difficulty_source(args: argparse.Namespace) -> Any:
     """`inspect --difficulty [SOURCE] --difficulty-filter K=V`: a file path, or the platform's filtered data."""
     from ..tasks.difficulty import PlatformDifficulty
 
-    if args.difficulty is None:
-        if args.difficulty_filter:
-            raise _UsageError("--difficulty-filter narrows --difficulty's platform data; pass --difficulty too")
-        return None
-    filters: dict[str, Any] = {}
-    for given in args.difficulty_filter:
-        key, sep, value = given.partition("=")
-        if not sep or key not in ("model_name", "min_model_params", "max_model_params", "training_stage"):
-            raise _UsageError(f"--difficulty-filter {given}: give model_name=, min_model_params=, max_model_params= "
-                              "or training_stage=")
-        filters[key] = _non_negative_int(value) if key.endswith("_params") else value
-    if args.difficulty != "platform":
-        if filters:
-            raise _UsageError("--difficulty-filter applies to the platform's data, not to a file")
-        return args.difficulty
-    return PlatformDifficulty(**filters)
+    if args.difficulty_filter and args.difficulty is None:
+        raise _UsageError("--difficulty-filter narrows --difficulty's platform data; pass --difficulty too")
+    if args.difficulty_filter and args.difficulty != "platform":
+        raise _UsageError("--difficulty-filter applies to the platform's data, not to a file")
+    return PlatformDifficulty(**dict(args.difficulty_filter)) if args.difficulty == "platform" else args.difficulty
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from ..evaluation.policies import OpenAIPolicy
+    from ..evaluation.runner import EvalOptions
+    from ..mix import OpenRewardMix
     from ..protocol.errors import ConfigurationError
     from ..spec import OpenRewardSpec
 
@@ -511,48 +470,37 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                                    max_tokens=args.max_new_tokens, seed=args.seed, tool_markup=args.tool_markup)
     else:
         if not os.path.isdir(args.model):
-            raise _UsageError(
-                f"--model {args.model!r} is not a local model directory; to evaluate a served model pass "
-                "--base-url http://HOST:PORT/v1 with --model NAME"
-            )
+            raise _UsageError(f"--model {args.model!r} is not a local model directory; to evaluate a served model "
+                              "pass --base-url http://HOST:PORT/v1 with --model NAME")
         for flag, given in (("--api-key", args.api_key), ("--tool-markup", args.tool_markup)):
             if given:
                 raise _UsageError(f"{flag} is only used with --base-url")
         policy = args.model
     targets, names = args.target, args.env_name or []
-    if len(targets) == 1 and len(names) > 1:
-        pairs = [(targets[0], n) for n in names]
-    elif len(names) in (0, 1, len(targets)):
-        pairs = list(zip(targets, names or [None] * len(targets), strict=True)) if len(names) != 1 else [
-            (t, names[0]) for t in targets]
+    if len(targets) == 1:
+        pairs = [(targets[0], name) for name in names or [None]]
+    elif len(names) in (0, 1):
+        pairs = [(target, names[0] if names else None) for target in targets]
+    elif len(names) == len(targets):
+        pairs = list(zip(targets, names, strict=True))
     else:
         raise _UsageError(f"{len(names)} --env-name values for {len(targets)} TARGETs: give one for all, one per "
                           "TARGET, or several for one TARGET")
     if args.weights is not None and len(args.weights) != len(pairs):
         raise _UsageError(f"--weights has {len(args.weights)} values for {len(pairs)} environments")
     threshold = {} if args.success_threshold is None else {"success_threshold": args.success_threshold}
-    session = _session_options(args)
+    client = _client_options(args, tool_timeout=args.tool_timeout)
     # Each spec is built like a training spec with the same selection, so the tools bound are those training binds:
     # its probe sessions (one per distinct task of --indices, else task 0) find the task-specific ones. Each episode
     # binds its own session's tools with --per-task-tools: no probe then.
     specs = [OpenRewardSpec(target, split=args.split, env_name=env_name, num_tasks=args.num_tasks,
                             indices=args.indices, discover_task_tools=not args.per_task_tools,
-                            score_groups=args.score_groups, **threshold,
-                            max_tool_calls=args.max_tool_calls, **session,
-                            **_client_options(args, tool_timeout=args.tool_timeout)) for target, env_name in pairs]
-    evaluated: Any = specs[0]
-    if len(specs) > 1:
-        from ..mix import OpenRewardMix
-
-        evaluated = OpenRewardMix(specs, weights=args.weights)
-    report = evaluated.evaluate(
-        policy, num_tasks=args.num_tasks, indices=args.indices, repeats=args.repeats,
-        concurrency=args.concurrency, max_turns=args.max_turns, episode_timeout=args.episode_timeout,
-        output=args.output, resume=args.resume,
-        overwrite=args.overwrite, per_task_tools=args.per_task_tools, score_groups=args.score_groups,
-        temperature=args.temperature, upload=args.upload,
-        max_new_tokens=args.max_new_tokens, seed=args.seed, device=args.device, progress=not args.no_progress,
-    )
+                            score_groups=args.score_groups, max_tool_calls=args.max_tool_calls, **threshold, **client)
+             for target, env_name in pairs]
+    evaluated: Any = specs[0] if len(specs) == 1 else OpenRewardMix(specs, weights=args.weights)
+    # the evaluation options are the flags named as `EvalOptions`' fields
+    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(EvalOptions) if hasattr(args, f.name)}
+    report = evaluated.evaluate(policy, progress=not args.no_progress, **options)
     if args.success_threshold is not None:
         from ..core.stats import check_threshold
 
@@ -561,21 +509,16 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         except ConfigurationError as exc:
             kept = f"; the episodes are in {args.output}" if args.output else ""
             raise _UsageError(f"--success-threshold: {exc}{kept}") from None
-    if args.json:
-        _print_json(report.to_dict())
-    else:
-        _say(report.summary())
+    _show(args, report.to_dict(), report.summary())
     ran = report.num_episodes - report.num_resumed
     if ran and report.num_errors >= ran:  # resumed episodes are never errors: they would have been rerun
         first = next((e.get("error") for e in report.episodes if e.get("error")), None)
-        _say(f"ors-trl: error: every episode ended in an error; first: {first}", sys.stderr)
+        _say(f"ors-trl: error: every episode ended in an error; first: {first}")
         return EXIT_ERROR
     return EXIT_OK
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from ..report import write_report
 
     try:
@@ -584,25 +527,21 @@ def _cmd_report(args: argparse.Namespace) -> int:
         summary = write_report(args.inputs, args.output, max_episodes=args.max_episodes, title=args.title,
                                success_threshold=args.success_threshold, labels=args.label)
     except OSError as exc:  # the inputs were readable (else ConfigurationError): the output is not writable
-        print(f"ors-trl report: error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        _say(f"ors-trl report: error: cannot write {args.output}: {exc.strerror or exc}")
         return EXIT_ERROR
-    if args.json:
-        _print_json(dataclasses.asdict(summary))
-    else:
-        envs = ", ".join(summary.environments) or "none"
-        skipped = f"; {summary.skipped} record(s) skipped (see the page)" if summary.skipped else ""
-        runs = ", ".join(summary.run_names) or "none"
-        _say(f"Wrote {summary.output} ({summary.bytes / 2**20:.1f} MB): {summary.episodes} episode(s) of "
-             f"{len(summary.environments)} environment(s) ({envs}), {summary.runs} run(s) ({runs}), "
-             f"{summary.tasks} task(s); "
-             f"{summary.embedded} episode bod{'y' if summary.embedded == 1 else 'ies'} embedded; curves from "
-             f"{summary.trainer_states} trainer state(s), {summary.log_steps} logged step(s){skipped}")
+    envs = ", ".join(summary.environments) or "none"
+    skipped = f"; {summary.skipped} record(s) skipped (see the page)" if summary.skipped else ""
+    runs = ", ".join(summary.run_names) or "none"
+    _show(args, dataclasses.asdict(summary),
+          f"Wrote {summary.output} ({summary.bytes / 2**20:.1f} MB): {summary.episodes} episode(s) of "
+          f"{len(summary.environments)} environment(s) ({envs}), {summary.runs} run(s) ({runs}), {summary.tasks} "
+          f"task(s); {summary.embedded} episode bod{'y' if summary.embedded == 1 else 'ies'} embedded; curves from "
+          f"{summary.trainer_states} trainer state(s), {summary.log_steps} logged step(s){skipped}")
     return EXIT_OK
 
 
 def _cmd_cleanup(args: argparse.Namespace) -> int:
     import asyncio
-    import dataclasses
     from pathlib import Path
 
     from ..protocol.client import delete_orphans
@@ -614,21 +553,20 @@ def _cmd_cleanup(args: argparse.Namespace) -> int:
     if args.dir is not None and not folder.is_dir():
         raise _UsageError(f"{args.dir} is not a directory")
     result = asyncio.run(sweep(delete_orphans, folder / "sessions", any_host=args.any_host))
-    if args.json:
-        _print_json({"folder": str(folder / "sessions"), **dataclasses.asdict(result)})
-    else:
-        _say(f"Deleted {result.deleted} session(s) left open by {result.processes} dead process(es) in "
-             f"{folder / 'sessions'}; {result.failed} could not be deleted (kept: run again once the server is "
-             f"reachable), {result.dropped} given up (older than a day, or their loopback server is gone); "
-             f"{result.live} live process(es) and {result.other_hosts} other host(s)' registries left alone")
+    _show(args, {"folder": str(folder / "sessions"), **dataclasses.asdict(result)},
+          f"Deleted {result.deleted} session(s) left open by {result.processes} dead process(es) in "
+          f"{folder / 'sessions'}; {result.failed} could not be deleted (kept: run again once the server is "
+          f"reachable), {result.dropped} given up (older than a day, or their loopback server is gone); "
+          f"{result.live} live process(es) and {result.other_hosts} other host(s)' registries left alone")
+    if not args.json:
         for path, why in result.skipped.items():
-            _say(f"ors-trl cleanup: skipped {path}: {why} (not a session registry file; left alone)", sys.stderr)
+            _say(f"ors-trl cleanup: skipped {path}: {why} (not a session registry file; left alone)")
     return EXIT_ERROR if result.failed else EXIT_OK
 
 
 def _cmd_serve_echo(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("openreward") is None:
-        print("ors-trl: error: serve-echo needs the openreward package: pip install 'ors-trl[demo]'", file=sys.stderr)
+        _say("ors-trl: error: serve-echo needs the openreward package: pip install 'ors-trl[demo]'")
         return EXIT_ERROR
     import ipaddress
 
@@ -651,13 +589,12 @@ def _cmd_serve_echo(args: argparse.Namespace) -> int:
         raise _UsageError(f"unknown environment(s) {unknown}; known: {', '.join(ENVIRONMENTS)}, all")
     missing = {n: why for n in names if (why := ENVIRONMENTS[n].unavailable())}  # type: ignore[attr-defined]
     for name, why in missing.items():  # named: an error; in 'all': left out, said
-        print(f"ors-trl: {'note: leaving out' if every else 'error: cannot serve'} {name}: {why}", file=sys.stderr)
+        _say(f"ors-trl: {'note: leaving out' if every else 'error: cannot serve'} {name}: {why}")
     if missing and not every:
         return EXIT_ERROR
     names = [n for n in names if n not in missing]
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"ors-trl: serving {', '.join(names)} on http://{host}:{args.port} (Ctrl-C to stop)", file=sys.stderr,
-          flush=True)
+    _say(f"ors-trl: serving {', '.join(names)} on http://{host}:{args.port} (Ctrl-C to stop)")
     paths = [f"{ENVIRONMENTS[n].__module__}:{ENVIRONMENTS[n].__qualname__}" for n in names]
     try:
         return int(serve(["--port", str(args.port), "--host", args.host, *(a for p in paths for a in ("--env", p)),
@@ -665,20 +602,15 @@ def _cmd_serve_echo(args: argparse.Namespace) -> int:
     except SystemExit as exc:  # the server's own argument checks (e.g. an unknown --envs name)
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     except KeyboardInterrupt:  # uvicorn shuts down gracefully, then re-raises: Ctrl-C is how one stops it
-        print("ors-trl: server stopped", file=sys.stderr)
+        _say("ors-trl: server stopped")
         return EXIT_OK
 
 
 def _cmd_demo(argv: list[str]) -> int:
     try:
-        demo = importlib.import_module("ors_trl.demo")
-    except ImportError as exc:
-        print(f"ors-trl: error: the demo is not available: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    run = getattr(demo, "main", None)
-    if not callable(run):
-        print("ors-trl: error: the demo is not available in this version of ors-trl (ors_trl.demo.main is missing)",
-              file=sys.stderr)
+        run = importlib.import_module("ors_trl.demo").main
+    except (ImportError, AttributeError) as exc:  # the demo's extras are missing, or this version has no demo
+        _say(f"ors-trl: error: the demo is not available: {exc}")
         return EXIT_ERROR
     return int(run(argv) or 0)
 
@@ -705,16 +637,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handlers[args.command](args)
     except KeyboardInterrupt:
         hint = ""
-        if args.command == "eval" and getattr(args, "output", None):
+        if args.command == "eval" and args.output:
             hint = f"; finished episodes are in {args.output}, continue with --resume"
-        print(f"ors-trl: interrupted{hint}", file=sys.stderr)
+        _say(f"ors-trl: interrupted{hint}")
         return EXIT_INTERRUPTED
-    except (_UsageError, ConfigurationError) as exc:
-        _say(f"ors-trl {args.command}: error: {exc}", sys.stderr)
-        return EXIT_USAGE
-    except ORSError as exc:
-        _say(f"ors-trl {args.command}: error: {exc}", sys.stderr)
-        return EXIT_ERROR
+    except (_UsageError, ORSError) as exc:
+        _say(f"ors-trl {args.command}: error: {exc}")
+        return EXIT_USAGE if isinstance(exc, _UsageError | ConfigurationError) else EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -1,21 +1,16 @@
-"""`ors-trl inspect`: everything about an environment a user should see before training on it.
+"""`ors-trl inspect`: everything about an environment a user should see before training on it (`inspect_target`).
 
-The environments a server hosts, the splits and their sizes, a few tasks, the shared tools and the
-task-specific ones (read from one probe session, closed again), what the server supports (a terminal
-tool, group scoring, message block types, the first task's conversation roles), which images the
-probed prompt holds (and, with `calls`, what chosen tools answer in the probe session: their output's
-block types and images; a tool's output is known only once it runs, and a call can have effects, so
-none is made unless asked for), and what the model will see after binding: the exact Python signatures of the tool functions and the JSON schemas
-`transformers.utils.get_json_schema` renders from them, with every warning binding raised.
-
-Everything shown comes from the server, so the text rendering puts each name on one line and escapes
-control and format characters (`escape_controls`): an environment cannot retitle or clear the terminal,
-rewrite a line or reorder the listing a user reads before training.
+A tool's output is known only once it runs, and a call can have effects: the probe session calls none unless asked.
+Everything shown comes from the server, so the text puts each name on one line and escapes control and format
+characters (`escape_controls`): an environment cannot retitle or clear the terminal, rewrite a line or reorder the
+listing a user reads before training.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import inspect
 import json
 import logging
@@ -35,22 +30,11 @@ __all__ = ["collect", "describe_binding", "inspect_target", "render_text"]
 _TASK_TEXT = 240
 
 
-async def collect(
-    target: str,
-    *,
-    env_name: str | None = None,
-    split: str | None = None,
-    tasks: int = 3,
-    probe: bool = True,
-    probe_index: int = 0,
-    api_key: str | None = None,
-    timeouts: Timeouts | None = None,
-    retry: RetryPolicy | None = None,
-    calls: Sequence[tuple[str, dict[str, Any]]] = (),
-    toolset: str | None = None,
-    toolset_fallback: bool = False,
-    env_overrides: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
+async def collect(target: str, *, env_name: str | None = None, split: str | None = None, tasks: int = 3,
+                  probe: bool = True, probe_index: int = 0, api_key: str | None = None,
+                  timeouts: Timeouts | None = None, retry: RetryPolicy | None = None,
+                  calls: Sequence[tuple[str, dict[str, Any]]] = (), toolset: str | None = None,
+                  toolset_fallback: bool = False, env_overrides: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Query the server; returns the JSON-able inspection (without the binding part). Leaves no session open.
     The arguments are `inspect_target`'s."""
     async with AsyncClient(target, env_name=env_name, api_key=api_key, timeouts=timeouts, retry=retry,
@@ -59,17 +43,13 @@ async def collect(
                                 "toolset": toolset, "toolset_refused": None,
                                 "env_overrides": sorted(env_overrides or {})}
         if client.target.is_url:
-            try:
+            with contextlib.suppress(NotFoundError):
                 info["environments"] = await client.list_environments()
-            except NotFoundError:
-                info["environments"] = None
         info["environment"] = await client.environment()
         splits = await client.splits()
         counts = await asyncio.gather(*(client.num_tasks(s.name) for s in splits), return_exceptions=True)
-        info["splits"] = [
-            {"name": s.name, "type": s.type, "num_tasks": n if isinstance(n, int) else None}
-            for s, n in zip(splits, counts, strict=True)
-        ]
+        info["splits"] = [{"name": s.name, "type": s.type, "num_tasks": n if isinstance(n, int) else None}
+                          for s, n in zip(splits, counts, strict=True)]
         names = [s.name for s in splits]
         if split is None:
             split = "train" if "train" in names or not names else names[0]
@@ -79,18 +59,14 @@ async def collect(
         rows = await client.task_range(split, 0, shown) if shown else []
         info["tasks"] = [{"index": i, "task": task} for i, task in enumerate(rows)]
         shared = await client.tools()
-        info["shared_tools"] = [t.to_json() for t in shared.tools]
-        info["terminal_tool"] = _terminal(shared.terminal_tool)
-        info["supports_score_group"] = shared.supports_score_group
-        info["message_block_types"] = list(shared.message_block_types or ["text", "image"])
-        info["messages"] = shared.message_block_types is not None
-        info["conversation"] = None
-        info["prompt_images"] = None
-        info["tool_outputs"] = []
+        info.update(shared_tools=[t.to_json() for t in shared.tools], terminal_tool=_terminal(shared.terminal_tool),
+                    supports_score_group=shared.supports_score_group,
+                    message_block_types=list(shared.message_block_types or ["text", "image"]),
+                    messages=shared.message_block_types is not None, conversation=None, prompt_images=None,
+                    tool_outputs=[])
         task_tools: dict[str, Any] = {"probed": False, "index": None, "tools": [], "error": None}
         if probe and 0 <= probe_index < total:
-            task_tools["probed"] = True
-            task_tools["index"] = probe_index
+            task_tools.update(probed=True, index=probe_index)
             try:
                 session = await client.open_session(split=split, index=probe_index)
                 try:
@@ -133,13 +109,9 @@ async def _call(session: Any, name: str, arguments: dict[str, Any]) -> dict[str,
         result = await session.call(name, arguments)
     except ORSError as exc:
         return {**out, "error": f"{type(exc).__name__}: {exc}"}
-    return {**out, "blocks": [b.type for b in result.blocks], "images": [_image(b) for b in image_blocks(result.blocks)],
-            "reward": result.reward, "finished": result.finished}
-
-
-def _images_text(images: list[dict[str, Any]]) -> str:
-    return "; ".join(f"{_one(i['mime_type'])} {i['width']}x{i['height']}, {i['bytes']} bytes"
-                     + (f" (not shown to a model: {_one(i['error'])})" if i.get("error") else "") for i in images)
+    images = [_image(b) for b in image_blocks(result.blocks)]
+    return {**out, "blocks": [b.type for b in result.blocks], "images": images, "reward": result.reward,
+            "finished": result.finished}
 
 
 def _terminal(tool: Any) -> dict[str, Any] | None:
@@ -167,47 +139,28 @@ def describe_binding(specs: list[dict[str, Any]]) -> dict[str, Any]:
         get_json_schema = None
     tools = []
     for bound in binding.tools.values():
-        entry: dict[str, Any] = {
-            "name": bound.name,
-            "remote_name": bound.remote_name,
-            "attribute": bound.attribute,
-            "signature": _signature(bound.function),
-            "schema": None,
-        }
+        entry: dict[str, Any] = {"name": bound.name, "remote_name": bound.remote_name, "attribute": bound.attribute,
+                                 "signature": _signature(bound.function), "schema": None}
         if get_json_schema is not None:
             try:
                 entry["schema"] = get_json_schema(bound.function)
             except Exception as exc:  # would also break training: say so loudly
                 entry["schema_error"] = f"{type(exc).__name__}: {exc}"
         tools.append(entry)
-    return {
-        "schemas_rendered": get_json_schema is not None,
-        "note": None if get_json_schema is not None else
-        "transformers is not installed: showing signatures only (pip install 'ors-trl[trl]' to see the schemas)",
-        "tools": tools,
-        "warnings": list(binding.warnings),
-    }
+    return {"schemas_rendered": get_json_schema is not None,
+            "note": None if get_json_schema is not None else "transformers is not installed: showing signatures only "
+            "(pip install 'ors-trl[trl]' to see the schemas)",
+            "tools": tools, "warnings": list(binding.warnings)}
 
 
-def inspect_target(
-    target: str,
-    *,
-    env_name: str | None = None,
-    split: str | None = None,
-    tasks: int = 3,
-    probe: bool = True,
-    probe_index: int = 0,
-    api_key: str | None = None,
-    timeouts: Timeouts | None = None,
-    retry: RetryPolicy | None = None,
-    calls: Sequence[tuple[str, dict[str, Any]]] = (),
-    toolset: str | None = None,
-    toolset_fallback: bool = False,
-    env_overrides: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
-    """Everything about an environment a user should see before training on it (`ors-trl inspect`): what `collect`
-    reads from the server, plus `describe_binding` of the shared and probed task-specific tools. Leaves no session
-    open.
+@functools.wraps(collect, assigned=())  # its signature is `collect`'s: one list of parameters, documented here
+def inspect_target(target: str, **options: Any) -> dict[str, Any]:
+    """Everything about an environment a user should see before training on it (`ors-trl inspect`): the environments
+    a server hosts, its splits and their sizes, a few tasks, the shared and task-specific tools (from one probe
+    session, closed again), what the server supports (a terminal tool, group scoring, message block types, the first
+    task's conversation roles), the images the probed prompt holds and what `calls` answered (`collect`); and what
+    the model sees after binding (`describe_binding`): the tool functions' Python signatures, the JSON schemas
+    `transformers.utils.get_json_schema` renders from them, and every binding warning. Leaves no session open.
 
     Args:
         target (`str`):
@@ -243,10 +196,7 @@ def inspect_target(
     Raises:
         ConfigurationError: the server refused `toolset` (without `toolset_fallback`).
     """
-    info = get_loop().run(collect(target, env_name=env_name, split=split, tasks=tasks, probe=probe,
-                                  probe_index=probe_index, api_key=api_key, timeouts=timeouts, retry=retry,
-                                  calls=calls, toolset=toolset, toolset_fallback=toolset_fallback,
-                                  env_overrides=env_overrides))
+    info = get_loop().run(collect(target, **options))
     info["binding"] = describe_binding(info["shared_tools"] + info["task_tools"]["tools"])
     return info
 
@@ -260,10 +210,25 @@ def _one(value: Any) -> str:
     return one_line(str(value))
 
 
+def _images_text(images: list[dict[str, Any]]) -> str:
+    return "; ".join(f"{_one(i['mime_type'])} {i['width']}x{i['height']}, {i['bytes']} bytes"
+                     + (f" (not shown to a model: {_one(i['error'])})" if i.get("error") else "") for i in images)
+
+
+def _tool_text(tool: dict[str, Any]) -> str:
+    schema = tool.get("input_schema")
+    shown = " null" if schema is None else "\n" + _indent(json.dumps(schema, indent=2, ensure_ascii=False), " " * 8)
+    description = _one(tool.get("description") or "(no description)")[:300]
+    return f"  {_one(tool['name'])}: {description}\n      input_schema:{shown}"
+
+
 def render_text(info: dict[str, Any]) -> str:
     """The inspection as readable text for a terminal (control characters escaped; see the module docstring)."""
     out: list[str] = []
-    add = out.append
+
+    def add(*lines: str) -> None:
+        out.extend(lines)
+
     add(f"Target: {info['target']} ({'self-hosted server' if info['kind'] == 'url' else 'OpenReward catalog'})")
     envs = info.get("environments")
     if envs is not None:
@@ -271,30 +236,21 @@ def render_text(info: dict[str, Any]) -> str:
         add(f"Environments ({len(envs)}): {', '.join(marked)}")
         if len(envs) > 1:
             add("  (* = inspected below; pick another with --env-name)")
-    add("")
-    add(f"Environment: {_one(info.get('environment') or '(server default)')}")
-    add("Splits:")
+    add("", f"Environment: {_one(info.get('environment') or '(server default)')}", "Splits:")
     width = max([len(_one(s["name"])) for s in info["splits"]] + [1])
     for s in info["splits"]:
         count = "?" if s["num_tasks"] is None else str(s["num_tasks"])
         add(f"  {_one(s['name']):<{width}}  type={_one(s['type']):<8} {count:>7} tasks")
     total = next((s["num_tasks"] for s in info["splits"] if s["name"] == info["split"]), None)
-    add("")
-    add(f"Tasks of split {info['split']!r} (first {len(info['tasks'])} of {total if total is not None else '?'}):")
+    add("", f"Tasks of split {info['split']!r} (first {len(info['tasks'])} of {total if total is not None else '?'}):")
     if not info["tasks"]:
         add("  (none shown)")
     for row in info["tasks"]:
         task = row["task"]
         fields = ", ".join(sorted(map(_one, task))) if isinstance(task, dict) else type(task).__name__
-        add(f"  [{row['index']}] fields: {fields}")
-        add(f"      {show_json(task, _TASK_TEXT)}")
-    add("")
-    shared = info["shared_tools"]
-    add(f"Shared tools ({len(shared)}):")
-    for tool in shared:
-        add(_tool_text(tool))
+        add(f"  [{row['index']}] fields: {fields}", f"      {show_json(task, _TASK_TEXT)}")
+    add("", f"Shared tools ({len(info['shared_tools'])}):", *map(_tool_text, info["shared_tools"]), "")
     tt = info["task_tools"]
-    add("")
     if not tt["probed"]:
         add("Task-specific tools: not probed" + (f" ({_one(tt['error'])})" if tt.get("error") else ""))
     elif tt.get("error"):
@@ -304,11 +260,7 @@ def render_text(info: dict[str, Any]) -> str:
         if info.get("toolset_refused"):
             toolset = f", without toolset {_one(info['toolset_refused'])!r}: the server refused it"
         add(f"Task-specific tools (from a session for task {tt['index']}{toolset}; other tasks may differ) "
-            f"({len(tt['tools'])}):")
-        if not tt["tools"]:
-            add("  (none)")
-        for tool in tt["tools"]:
-            add(_tool_text(tool))
+            f"({len(tt['tools'])}):", *(map(_tool_text, tt["tools"]) if tt["tools"] else ["  (none)"]))
     add("")
     terminal = info.get("terminal_tool")
     if terminal:
@@ -320,7 +272,8 @@ def render_text(info: dict[str, Any]) -> str:
     add(f"Group scoring (/score_group): {'supported' if info.get('supports_score_group') else 'not supported'}")
     messages = "yes" if info.get("messages") else ("no: this server answers /prompt only (an older server, or another "
                                                    "ORS implementation); prompts come from /prompt")
-    add(f"Conversations (/messages): {messages}; block types {', '.join(map(_one, info.get('message_block_types') or []))}")
+    types = ", ".join(map(_one, info.get("message_block_types") or []))
+    add(f"Conversations (/messages): {messages}; block types {types}")
     if info.get("conversation") is not None:
         roles = ", ".join(f"{_one(m['role'])} [{', '.join(map(_one, m['blocks']))}]" for m in info["conversation"])
         add(f"First probed task's conversation: {roles}")
@@ -341,8 +294,7 @@ def render_text(info: dict[str, Any]) -> str:
                "--call NAME[=JSON] calls one in the probe session."))
     binding = info.get("binding")
     if binding is not None:
-        add("")
-        add(f"What the model sees after binding ({len(binding['tools'])} tools; `<unset>` = not sent, the "
+        add("", f"What the model sees after binding ({len(binding['tools'])} tools; `<unset>` = not sent, the "
             "environment's default applies):")
         if binding.get("note"):
             add(f"  NOTE: {binding['note']}")
@@ -352,18 +304,15 @@ def render_text(info: dict[str, Any]) -> str:
                 where += f", adapter attribute {tool['attribute']!r}"
             add(f"  {_one(tool['signature'])}    [{_one(where)}]")
             if tool.get("schema") is not None:
-                add(_indent(json.dumps(tool["schema"], indent=2, ensure_ascii=False), "      "))
+                add(_indent(json.dumps(tool["schema"], indent=2, ensure_ascii=False), " " * 6))
             elif tool.get("schema_error"):
                 add(f"      schema could not be rendered: {_one(tool['schema_error'])}")
         warnings = binding["warnings"]
-        add("")
-        add(f"Binding warnings ({len(warnings)}):" if warnings else "Binding warnings: none")
-        for warning in warnings:
-            add(f"  - {_one(warning)}")
+        add("", f"Binding warnings ({len(warnings)}):" if warnings else "Binding warnings: none",
+            *(f"  - {_one(w)}" for w in warnings))
     difficulty = info.get("difficulty")
     if difficulty is not None:
-        add("")
-        add(f"Task difficulty of split {_one(difficulty['split'])!r} from {_one(difficulty['source'])}: "
+        add("", f"Task difficulty of split {_one(difficulty['split'])!r} from {_one(difficulty['source'])}: "
             f"{difficulty['with_data']} of {difficulty['tasks']} tasks have data ({difficulty['episodes']} episodes)"
             + (f", mean reward {difficulty['mean']:.3f}" if difficulty["mean"] is not None else "") + ".")
         if difficulty["bins"]:
@@ -376,13 +325,3 @@ def render_text(info: dict[str, Any]) -> str:
             add("  Keep a range with OpenRewardSpec(..., difficulty=(low, high), difficulty_from=...): tasks with no "
                 "data are kept.")
     return escape_controls(repair("\n".join(out)))
-
-
-def _tool_text(tool: dict[str, Any]) -> str:
-    lines = [f"  {_one(tool['name'])}: {_one(tool.get('description') or '(no description)')[:300]}"]
-    schema = tool.get("input_schema")
-    lines.append("      input_schema: " + ("null" if schema is None else ""))
-    if schema is not None:
-        lines[-1] = lines[-1].rstrip()
-        lines.append(_indent(json.dumps(schema, indent=2, ensure_ascii=False), "        "))
-    return "\n".join(lines)
