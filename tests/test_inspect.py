@@ -103,7 +103,7 @@ def test_hostile_binding_warnings(ref_server, capsys) -> None:
     assert f"Binding warnings ({len(warnings)}):" in text and "name is reserved" in text
 
 
-def test_signatures_without_transformers(monkeypatch) -> None:
+def test_signatures_and_schemas_without_transformers(monkeypatch) -> None:
     import builtins
 
     real_import = builtins.__import__
@@ -118,9 +118,11 @@ def test_signatures_without_transformers(monkeypatch) -> None:
         "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer", "default": 1}},
         "required": ["a"]}}
     described = describe_binding([spec])
-    assert described["schemas_rendered"] is False and "transformers is not installed" in described["note"]
+    assert described["schemas_rendered"] is True and described["note"] is None
     assert described["tools"][0]["signature"] == "add(a: int, b: int = <unset>) -> str"
-    assert described["tools"][0]["schema"] is None
+    schema = described["tools"][0]["schema"]["function"]
+    assert schema["name"] == "add" and schema["parameters"]["required"] == ["a"]
+    assert set(schema["parameters"]["properties"]) == {"a", "b"}
 
 
 def test_signature_is_the_bound_functions(ref_server) -> None:

@@ -133,24 +133,9 @@ def describe_binding(specs: list[dict[str, Any]]) -> dict[str, Any]:
         binding = Toolset([ToolSpec.from_json(s) for s in specs]).binding
     finally:
         binding_logger.setLevel(level)
-    try:
-        from transformers.utils import get_json_schema
-    except ImportError:
-        get_json_schema = None
-    tools = []
-    for bound in binding.tools.values():
-        entry: dict[str, Any] = {"name": bound.name, "remote_name": bound.remote_name, "attribute": bound.attribute,
-                                 "signature": _signature(bound.function), "schema": None}
-        if get_json_schema is not None:
-            try:
-                entry["schema"] = get_json_schema(bound.function)
-            except Exception as exc:  # would also break training: say so loudly
-                entry["schema_error"] = f"{type(exc).__name__}: {exc}"
-        tools.append(entry)
-    return {"schemas_rendered": get_json_schema is not None,
-            "note": None if get_json_schema is not None else "transformers is not installed: showing signatures only "
-            "(pip install 'ors-trl[trl]' to see the schemas)",
-            "tools": tools, "warnings": list(binding.warnings)}
+    tools = [{"name": bound.name, "remote_name": bound.remote_name, "attribute": bound.attribute,
+              "signature": _signature(bound.function), "schema": bound.schema()} for bound in binding.tools.values()]
+    return {"schemas_rendered": True, "note": None, "tools": tools, "warnings": list(binding.warnings)}
 
 
 @functools.wraps(collect, assigned=())  # its signature is `collect`'s: one list of parameters, documented here
@@ -160,7 +145,7 @@ def inspect_target(target: str, **options: Any) -> dict[str, Any]:
     session, closed again), what the server supports (a terminal tool, group scoring, message block types, the first
     task's conversation roles), the images the probed prompt holds and what `calls` answered (`collect`); and what
     the model sees after binding (`describe_binding`): the tool functions' Python signatures, the JSON schemas
-    `transformers.utils.get_json_schema` renders from them, and every binding warning. Leaves no session open.
+    they render to (exactly `transformers.utils.get_json_schema`'s), and every binding warning. Leaves no session open.
 
     Args:
         target (`str`):
@@ -296,17 +281,12 @@ def render_text(info: dict[str, Any]) -> str:
     if binding is not None:
         add("", f"What the model sees after binding ({len(binding['tools'])} tools; `<unset>` = not sent, the "
             "environment's default applies):")
-        if binding.get("note"):
-            add(f"  NOTE: {binding['note']}")
         for tool in binding["tools"]:
             where = f"remote tool {tool['remote_name']!r}"
             if tool["attribute"] != tool["name"]:
                 where += f", adapter attribute {tool['attribute']!r}"
             add(f"  {_one(tool['signature'])}    [{_one(where)}]")
-            if tool.get("schema") is not None:
-                add(_indent(json.dumps(tool["schema"], indent=2, ensure_ascii=False), " " * 6))
-            elif tool.get("schema_error"):
-                add(f"      schema could not be rendered: {_one(tool['schema_error'])}")
+            add(_indent(json.dumps(tool["schema"], indent=2, ensure_ascii=False), " " * 6))
         warnings = binding["warnings"]
         add("", f"Binding warnings ({len(warnings)}):" if warnings else "Binding warnings: none",
             *(f"  - {_one(w)}" for w in warnings))
