@@ -102,30 +102,29 @@ class DemoResult:
         def cell(value: Any) -> str:
             return f"{value:>10.3f}" if isinstance(value, int | float) else f"{'n/a':>10}"
 
-        look = self.task == "look"
+        def row(label: str, before: str, after: str, note: str = "") -> str:
+            return f"{label:27}{before}{after}{note}"
+
+        look, blank = self.task == "look", " " * 10
         rows = [("held-out success rate", "success_rate")]
-        if look:
-            rows += [("looked before answering", "look_rate"), ("turns per episode", "turns"),
-                     ("answer graded (terminal)", "answered_rate")]
+        rows += [("looked before answering", "look_rate"), ("turns per episode", "turns"),
+                 ("answer graded (terminal)", "answered_rate")] if look else []
         rows += [("tool-call rate", "tool_call_rate"), ("tool failure rate", "tool_failure_rate"),
                  ("mean reward", "mean_reward")]
-        width, blank = 27, " " * 10
-        lines = [f"{'':{width}}{'before':>10}{'after':>10}"]
-        lines += [f"{label:{width}}{cell(self.before.get(key))}{cell(self.after.get(key))}" for label, key in rows]
+        lines = [row("", f"{'before':>10}", f"{'after':>10}")]
+        lines += [row(label, cell(self.before.get(key)), cell(self.after.get(key))) for label, key in rows]
         if look:
-            lines.append(f"{'success without looking':{width}}{cell(self.before.get('no_look_success'))}"
-                         f"{cell(self.after.get('no_look_success'))}   "
-                         f"({self.before.get('no_look_n', 0)} / {self.after.get('no_look_n', 0)} episodes)")
+            lines.append(row("success without looking", cell(self.before.get("no_look_success")),
+                             cell(self.after.get("no_look_success")),
+                             f"   ({self.before.get('no_look_n', 0)} / {self.after.get('no_look_n', 0)} episodes)"))
         if look and self.blind is not None:
-            lines.append(f"{'blind-variant success':{width}}{blank}{cell(self.blind['success_rate'])}"
-                         "   (chance: 1/6 = 0.167)")
-            lines.append(f"{'blind: answered the decoy':{width}}{blank}{cell(self.blind.get('follow_rate'))}")
+            lines.append(row("blind-variant success", blank, cell(self.blind["success_rate"]), "   (chance: 1/6 = 0.167)"))
+            lines.append(row("blind: answered the decoy", blank, cell(self.blind.get("follow_rate"))))
         if self.curve:
             reached = self.episodes_to(TARGET)
-            lines.append(f"{f'episodes to {TARGET:g} held out':{width}}{blank}"
-                         + (f"{reached:>10d}" if reached is not None else f"{'not yet':>10}")
-                         + f"   ({self.pool} pool, {self.task_sampling} sampling)")
-        lines.append(f"{'wall time':{width}}{self.seconds:>19.1f}s")
+            lines.append(row(f"episodes to {TARGET:g} held out", blank, f"{'not yet' if reached is None else reached:>10}",
+                             f"   ({self.pool} pool, {self.task_sampling} sampling)"))
+        lines.append(f"{'wall time':27}{self.seconds:>19.1f}s")
         return "\n".join(lines)
 
 
