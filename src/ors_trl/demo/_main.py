@@ -1,24 +1,19 @@
 """`ors-trl demo`: train a tiny tool-calling model with GRPO against a local ORS environment, end to end.
 
-1. start the bundled demo environment (`ors_trl.demo._environments`, written with the `openreward`
-   scaffolding) under the reference server on a free loopback port;
+1. start the bundled demo environment (`ors_trl.demo._environments`, written with the `openreward` scaffolding)
+   under the reference server on a free loopback port;
 2. build a tiny Qwen3 model and a byte-level BPE tokenizer locally (TRL's `qwen3.jinja` template);
 3. warm start it (supervised, format only: every allowed word equally, whatever the task says);
-4. measure it on held-out tasks; train it with `GRPOTrainer` fed by `OpenRewardSpec(url)`'s
-   `train_dataset`, `environment_factory` and `reward_funcs` (or `spec.rollout_func`); measure it again;
-5. print a before/after table (and, with `--json`, one JSON object as the last line), and write an
-   HTML report of the run next to the trainer's output, which opens with "after" against "before", task by task.
+4. measure it on held-out tasks; train it with `GRPOTrainer` fed by `OpenRewardSpec(url)`'s `train_dataset`,
+   `environment_factory` and `reward_funcs` (or `spec.rollout_func`); measure it again;
+5. print a before/after table (and, with `--json`, one JSON object as the last line), and write an HTML report of
+   the run next to the trainer's output (replacing a previous run's), which opens with "after" against "before",
+   task by task.
 
-An output folder that already holds a previous run's files (episode log, evaluations, trainer state,
-report) has them replaced, and the demo says which: the report must describe this run alone, and a
-rerun into the same folder is how one iterates (a copy of every earlier run would pile up unasked).
-
-Two tasks. `look` (the default): the rules come as a system turn, the hidden word only in the output
-of the `look()` tool, and the model's plain final message is graded by the environment's terminal
-tool. `echo`: the word is in the prompt and the model must call `echo(text=...)` with it.
-
-Nothing is downloaded. With `--model` a real model is trained instead (from a local path, or from
-the hub where there is one); with `--env` another ORS environment is used.
+Two tasks. `look` (the default): the rules come as a system turn, the hidden word only in the output of the `look()`
+tool, and the model's plain final message is graded by the environment's terminal tool. `echo`: the word is in the
+prompt and the model must call `echo(text=...)` with it. Nothing is downloaded. With `--model` a real model is trained
+instead (from a local path, or from the hub where there is one); with `--env` another ORS environment is used.
 """
 
 from __future__ import annotations
@@ -43,8 +38,6 @@ __all__ = ["DemoResult", "main", "run_demo"]
 
 TASKS = ("look", "echo")
 DEFAULT_TASK = "look"
-BUNDLED_ENV = "demoenvironment"  # the echo task's environment (`DemoEnvironment`)
-LOOK_ENV = "lookenvironment"
 DEFAULT_STEPS = {"look": 100, "echo": 150}
 #: The held-out success `--eval-every` reports the episodes to (the demo's trained models reach 0.83-1.00).
 TARGET = 0.8
@@ -86,70 +79,52 @@ class DemoResult:
         return next((int(p["episodes"]) for p in self.curve if p["success"] >= target), None)
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {f"{k}_{when}": v for when, d in (("before", self.before), ("after", self.after))
-                               for k, v in d.items() if isinstance(v, int | float)}
-        out.update({
-            "success_before": self.before["success_rate"],
-            "success_after": self.after["success_rate"],
-            "seconds": self.seconds,
-            "seed": self.seed,
-            "steps": self.steps,
-            "model": self.model,
-            "environment": self.environment,
-            "task": self.task,
-            "pool": self.pool,
-            "task_sampling": self.task_sampling,
-        })
+        """`--json`'s object: every number measured before and after (`<key>_before`, `<key>_after`), the settings."""
+        sides = (("before", self.before), ("after", self.after))
+        out = {f"{k}_{when}": v for when, d in sides for k, v in d.items() if isinstance(v, int | float)}
+        out.update({k: getattr(self, k) for k in ("seconds", "seed", "steps", "model", "environment", "task", "pool",
+                                                  "task_sampling")},
+                   success_before=self.before["success_rate"], success_after=self.after["success_rate"])
         if self.curve:
             out["curve"] = self.curve
-        if self.task == "look":
-            out.update({
-                "look_rate_before": self.before.get("look_rate"),
-                "look_rate_after": self.after.get("look_rate"),
-                "turns_after": self.after.get("turns"),
-                "no_look_success_before": self.before.get("no_look_success"),
-                "no_look_success_after": self.after.get("no_look_success"),
-                "rollout_func": self.rollout_func,
-            })
+        if self.task == "look":  # no_look_success is None where no episode answered without looking
+            out.update({f"no_look_success_{when}": d.get("no_look_success") for when, d in sides},
+                       rollout_func=self.rollout_func)
             if self.blind is not None:
-                out.update({"blind_success_after": self.blind["success_rate"],
-                            "blind_follow_after": self.blind.get("follow_rate"),
-                            "blind_look_rate_after": self.blind.get("look_rate")})
+                out.update(blind_success_after=self.blind["success_rate"], blind_follow_after=self.blind.get("follow_rate"),
+                           blind_look_rate_after=self.blind.get("look_rate"))
         if self.report:
             out["report"] = self.report
         return out
 
     def table(self) -> str:
+        """The before/after table `ors-trl demo` prints."""
         def cell(value: Any) -> str:
             return f"{value:>10.3f}" if isinstance(value, int | float) else f"{'n/a':>10}"
 
+        def row(label: str, before: str, after: str, note: str = "") -> str:
+            return f"{label:27}{before}{after}{note}"
+
+        look, blank = self.task == "look", " " * 10
         rows = [("held-out success rate", "success_rate")]
-        if self.task == "look":
-            rows += [("looked before answering", "look_rate"), ("turns per episode", "turns"),
-                     ("answer graded (terminal)", "answered_rate")]
-        rows += [
-            ("tool-call rate", "tool_call_rate"),
-            ("tool failure rate", "tool_failure_rate"),
-            ("mean reward", "mean_reward"),
-        ]
-        width = 27
-        lines = [f"{'':{width}}{'before':>10}{'after':>10}"]
-        for label, key in rows:
-            lines.append(f"{label:{width}}{cell(self.before.get(key))}{cell(self.after.get(key))}")
-        if self.task == "look":
-            lines.append(f"{'success without looking':{width}}{cell(self.before.get('no_look_success'))}"
-                         f"{cell(self.after.get('no_look_success'))}   "
-                         f"({self.before.get('no_look_n', 0)} / {self.after.get('no_look_n', 0)} episodes)")
-            if self.blind is not None:
-                lines.append(f"{'blind-variant success':{width}}{'':10}{cell(self.blind['success_rate'])}"
-                             "   (chance: 1/6 = 0.167)")
-                lines.append(f"{'blind: answered the decoy':{width}}{'':10}{cell(self.blind.get('follow_rate'))}")
+        rows += [("looked before answering", "look_rate"), ("turns per episode", "turns"),
+                 ("answer graded (terminal)", "answered_rate")] if look else []
+        rows += [("tool-call rate", "tool_call_rate"), ("tool failure rate", "tool_failure_rate"),
+                 ("mean reward", "mean_reward")]
+        lines = [row("", f"{'before':>10}", f"{'after':>10}")]
+        lines += [row(label, cell(self.before.get(key)), cell(self.after.get(key))) for label, key in rows]
+        if look:
+            lines.append(row("success without looking", cell(self.before.get("no_look_success")),
+                             cell(self.after.get("no_look_success")),
+                             f"   ({self.before.get('no_look_n', 0)} / {self.after.get('no_look_n', 0)} episodes)"))
+        if look and self.blind is not None:
+            lines.append(row("blind-variant success", blank, cell(self.blind["success_rate"]), "   (chance: 1/6 = 0.167)"))
+            lines.append(row("blind: answered the decoy", blank, cell(self.blind.get("follow_rate"))))
         if self.curve:
             reached = self.episodes_to(TARGET)
-            lines.append(f"{f'episodes to {TARGET:g} held out':{width}}{'':10}"
-                         + (f"{reached:>10d}" if reached is not None else f"{'not yet':>10}")
-                         + f"   ({self.pool} pool, {self.task_sampling} sampling)")
-        lines.append(f"{'wall time':{width}}{self.seconds:>19.1f}s")
+            lines.append(row(f"episodes to {TARGET:g} held out", blank, f"{'not yet' if reached is None else reached:>10}",
+                             f"   ({self.pool} pool, {self.task_sampling} sampling)"))
+        lines.append(f"{'wall time':27}{self.seconds:>19.1f}s")
         return "\n".join(lines)
 
 
@@ -164,13 +139,15 @@ def _say_to(quiet: bool) -> Callable[[str], None]:
     return say
 
 
-def _progress_callback(say: Callable[[str], None]) -> Any:
+def _callback(say: Callable[[str], None], evaluate: Callable[[Any], dict[str, Any]], every: int, per_step: int,
+              offset: int, curve: list[dict[str, float]]) -> Any:
+    """The demo's trainer callback: one progress line per logging step, and with `every`, held-out success measured
+    every `every` steps into `curve` (step, episodes: `offset` + `per_step` a step, success)."""
     from transformers import TrainerCallback
 
     class DemoProgress(TrainerCallback):
-        """One line per logging step: reward, tool calls per rollout, and the environment's own reward mean."""
-
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **_: Any) -> None:
+            """Reward, tool calls per rollout, and the environment's own reward mean."""
             if not logs or logs.get("reward") is None:
                 return
             parts = [f"step {state.global_step:4d}/{state.max_steps}", f"reward {logs['reward']:.2f}"]
@@ -183,6 +160,13 @@ def _progress_callback(say: Callable[[str], None]) -> Any:
             if env_reward is not None:
                 parts.append(f"env reward (graded rollouts) {env_reward:.2f}")
             say("  " + "  ".join(parts))
+
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **_: Any) -> None:
+            if every and state.global_step % every == 0 and model is not None:
+                success = evaluate(model)["success_rate"]
+                curve.append({"step": state.global_step, "episodes": offset + state.global_step * per_step,
+                              "success": success})
+                say(f"  step {state.global_step}: held-out success {success:.3f}")
 
     return DemoProgress()
 
@@ -215,58 +199,47 @@ def shuffled(reward_func: Callable[..., list[float | None]], seed: int) -> Calla
 
 
 def _bundled_class(task: str) -> type:
+    """The task's bundled environment (the server names it after its class, lowercased)."""
     from ._environments import DemoEnvironment, LookEnvironment
 
     return LookEnvironment if task == "look" else DemoEnvironment
 
 
-def run_demo(
-    *,
-    task: str = DEFAULT_TASK,
-    url: str | None = None,
-    env: str | None = None,
-    env_name: str | None = None,
-    model_name: str | None = None,
-    steps: int | None = None,
-    sft_steps: int | None = None,
-    seed: int = 0,
-    output_dir: str | None = None,
-    control: bool = False,
-    rollout_func: bool = False,
-    report: bool = False,
-    blind: bool = True,
-    say: Callable[[str], None] = lambda _: None,
-    config_overrides: dict[str, Any] | None = None,
-    sft_overrides: dict[str, Any] | None = None,
-    model_overrides: dict[str, Any] | None = None,
-    pool: str = "train",
-    task_sampling: str = "uniform",
-    difficulty: tuple[float, float] | None = None,
-    eval_every: int = 0,
-) -> DemoResult:
-    """The demo pipeline.
+def _clear_previous_run(out_dir: Path) -> None:
+    """Delete a previous run's files (`RUN_FILES`), and say which. The report must describe this run alone (a failed
+    run must not leave a mix of two behind either), and a rerun into the same folder is how one iterates (a copy of
+    every earlier run would pile up unasked)."""
+    replaced = [name for name in RUN_FILES if (out_dir / name).is_file()]
+    if replaced:
+        print(f"ors-trl demo: {out_dir} holds a previous run's {', '.join(replaced)}; this run replaces them",
+              file=sys.stderr, flush=True)
+    for name in replaced:
+        (out_dir / name).unlink()
+
+
+def run_demo(*, task: str = DEFAULT_TASK, url: str | None = None, env: str | None = None, env_name: str | None = None,
+             model_name: str | None = None, steps: int | None = None, sft_steps: int | None = None, seed: int = 0,
+             output_dir: str | None = None, control: bool = False, rollout_func: bool = False, report: bool = False,
+             blind: bool = True, say: Callable[[str], None] = lambda _: None,
+             config_overrides: dict[str, Any] | None = None, sft_overrides: dict[str, Any] | None = None,
+             model_overrides: dict[str, Any] | None = None, pool: str = "train", task_sampling: str = "uniform",
+             difficulty: tuple[float, float] | None = None, eval_every: int = 0) -> DemoResult:
+    """The demo pipeline. The options `ors-trl demo` has are its own (see `_parser`; `--model` is `model_name`,
+    `--env` trains against another environment without a warm start; `report` defaults to off here), and:
 
     Args:
-        task: "look" (the answer is in a tool's output; terminal-tool grading) or "echo" (the word is in the prompt).
         url: an already running server hosting the task's bundled environment (else one is started).
-        env, env_name: train against another ORS environment instead (no warm start).
-        steps, sft_steps: GRPO steps and warm-start steps (defaults: the task's recipe).
         control: shuffle the rewards across each batch (the control arm).
-        rollout_func: train through `spec.rollout_func` (the engine) instead of `environment_factory`.
-        report: write the training episodes (`episodes.jsonl`), the trainer state and an HTML report into the
-            output folder.
         blind: with the look task, also evaluate the blind variant after training.
+        say: where the progress lines go.
         config_overrides, sft_overrides, model_overrides: replace entries of the GRPO configuration, the warm
             start's options, the tiny model's dimensions.
-        pool: the look task's training split: "train", or "mixed" (a third look tasks, a third any answer solves, a
-            third none does: `_task.pool_tasks`), or "sparse" (a fifth look tasks).
-        task_sampling: `OpenRewardSpec(task_sampling=)` of the training spec ("uniform" or "adaptive").
         difficulty: keep the training tasks whose mean reward in a probe evaluation of the warm-started model (4
             attempts each, greedy tokens aside) lies in this range (`OpenRewardSpec(difficulty=)`); the probe's
             episodes count as training episodes in `curve`.
-        eval_every: also measure held-out success every this many steps (`DemoResult.curve`).
     """
     import torch
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from transformers.utils import logging as hf_logging
     from trl import GRPOConfig, GRPOTrainer
 
@@ -287,54 +260,47 @@ def run_demo(
     started = time.perf_counter()
     out_dir = Path(output_dir or tempfile.mkdtemp(prefix="ors-trl-demo-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    episode_log = out_dir / EPISODE_LOG if report else None
-    replaced = [name for name in RUN_FILES if report and (out_dir / name).is_file()]
-    if replaced:  # this run's files only: a failed run must not leave a mix of two runs behind either
-        print(f"ors-trl demo: {out_dir} holds a previous run's {', '.join(replaced)}; this run replaces them",
-              file=sys.stderr, flush=True)
-        for name in replaced:
-            (out_dir / name).unlink()
+    if report:
+        _clear_previous_run(out_dir)
+    episode_log = str(out_dir / EPISODE_LOG) if report else None
     bundled = env is None
     look = bundled and task == "look"
+    split = pool if look else "train"
+    target, name = env, env_name
     server = None
     specs: list[Any] = []
+
+    def spec(part: str, **options: Any) -> Any:
+        """A spec of the environment's split `part`, closed when the run ends."""
+        specs.append(OpenRewardSpec(target, env_name=name, split=part, **options))
+        return specs[-1]
+
     try:
-        if env is not None:
-            target, name = env, env_name
-        else:
-            name = LOOK_ENV if task == "look" else BUNDLED_ENV
-            if url is not None:
-                target = url
-            else:
+        if bundled:
+            name = _bundled_class(task).__name__.lower()
+            if url is None:
                 from ors_trl.testing import ReferenceServer
 
                 say(f"starting the bundled {task!r} environment (the reference ORS server, on loopback)")
                 server = ReferenceServer([_bundled_class(task)]).start()
-                target = server.url
+                url = server.url
                 say(f"  serving {server.url}")
+            target = url
         # The demo scores a rollout the environment never scored (no tool call in echo; cut off before a final
         # answer in look) as 0.0 rather than leaving it out: with TRL's None convention a model this small learns
         # to dodge the penalty for wrong answers by not answering.
-        split = pool if look else "train"
-        train = OpenRewardSpec(target, env_name=name, split=split, unscored_reward=0.0 if bundled else None,
-                               episode_log=str(episode_log) if episode_log is not None else None,
-                               task_sampling=task_sampling)
-        heldout = OpenRewardSpec(target, env_name=name, split="test")
-        specs += [train, heldout]
-        heldout_rows = list(heldout.train_dataset)
-        factory = train.environment_factory
-        tools = _recipe.environment_tools(factory())
+        train_options = {"unscored_reward": 0.0 if bundled else None, "episode_log": episode_log,
+                         "task_sampling": task_sampling}
+        train, heldout = spec(split, **train_options), spec("test")
+        tools = _recipe.environment_tools(train.environment_factory())
         train_tasks = train.run(train.select_tasks())[0]
-        say(f"environment {train.name}: {len(train_tasks)} training tasks ({split}), {len(heldout_rows)} held-out "
-            f"tasks, tools {sorted(f.__name__ for f in tools)}"
+        say(f"environment {train.name}: {len(train_tasks)} training tasks ({split}), "
+            f"{len(list(heldout.train_dataset))} held-out tasks, tools {sorted(f.__name__ for f in tools)}"
             + (f", terminal tool {train.terminal_tool.name!r}" if train.terminal_tool else ""))
 
         flatten = not rollout_func  # how the trainer shows a system turn: joined to the user text, or kept
-        if look:
-            prompt_fn: Callable[[dict[str, Any]], Any] = _task.look_prompt if flatten else _task.look_messages
-            episodes_fn: Callable[[dict[str, Any]], Any] = _task.look_warm_start_episodes
-        else:
-            prompt_fn, episodes_fn = _task.prompt, _task.warm_start_episodes
+        prompt_fn = (_task.look_prompt if flatten else _task.look_messages) if look else _task.prompt
+        episodes_fn = _task.look_warm_start_episodes if look else _task.warm_start_episodes
         if model_name:
             say(f"loading model {model_name}")
             model, tokenizer = _load_model(model_name)
@@ -344,121 +310,81 @@ def run_demo(
             corpus = (_model.render_corpus(tasks, tools, prompt_fn, episodes_fn=episodes_fn, copies=2, seed=seed)
                       if bundled else _prompt_corpus(train, tools))
             tokenizer = _model.build_tokenizer(corpus, isolate=_task.TARGETS if look else ())
-            dims = {**(_model.LOOK_MODEL_DIMS if look else {}), **(model_overrides or {})}
-            model = _model.build_model(tokenizer, seed=seed, **dims)
+            model = _model.build_model(tokenizer, seed=seed,
+                                       **{**(_model.LOOK_MODEL_DIMS if look else {}), **(model_overrides or {})})
             say(f"  {_model.count_parameters(model):,} parameters, vocabulary of {len(tokenizer)}")
             if bundled:
-                what = "look, then answer" if look else "the tool-call format"
-                say(f"warm start: {what}, with every word equally often (not the answers)")
+                say(f"warm start: {'look, then answer' if look else 'the tool-call format'}, with every word "
+                    "equally often (not the answers)")
                 sft = {**(_recipe.LOOK_WARM_START if look else {}), **({} if sft_steps is None else {"steps": sft_steps}),
                        **(sft_overrides or {})}
                 _recipe.warm_start(model, tokenizer, tasks, seed, tools=tools, prompt_fn=prompt_fn,
                                    episodes_fn=episodes_fn, **sft)
 
-        eval_kwargs: dict[str, Any] = {"flatten_system": flatten}
-        if look:
-            eval_kwargs.update(look_tool=_task.LOOK_TOOL)
-        say("measuring the model on held-out tasks (before)")
-        before = _recipe.evaluate_policy(model, tokenizer, heldout, **eval_kwargs,
-                                         output=str(out_dir / "eval_before.jsonl") if report else None)
-        say(f"  held-out success {before['success_rate']:.3f}, tool-call rate {before['tool_call_rate']:.3f}")
+        def evaluate(model: Any, spec: Any = heldout, **options: Any) -> dict[str, Any]:
+            return _recipe.evaluate_policy(model, tokenizer, spec, flatten_system=flatten,
+                                           look_tool=_task.LOOK_TOOL if look else None, **options)
 
-        config = _recipe.grpo_config_kwargs(steps=steps, seed=seed, output_dir=str(out_dir), task=task,
-                                            **(config_overrides or {}))
+        def measure(model: Any, when: str) -> dict[str, Any]:
+            say(f"measuring the model on held-out tasks ({when})")
+            out = evaluate(model, output=str(out_dir / f"eval_{when}.jsonl") if report else None)
+            say(f"  held-out success {out['success_rate']:.3f}, tool-call rate {out['tool_call_rate']:.3f}")
+            return out
+
+        before = measure(model, "before")
+        config = _recipe.grpo_config_kwargs(steps, seed, str(out_dir), task, **(config_overrides or {}))
         probe_episodes = 0
         if difficulty is not None:
-            probe = OpenRewardSpec(target, env_name=name, split=split)
-            specs.append(probe)
             probe_out = out_dir / "difficulty_probe.jsonl"
-            _recipe.evaluate_policy(model, tokenizer, probe, **eval_kwargs, repeats=4, temperature=1.0,
-                                    output=str(probe_out))
+            evaluate(model, spec(split), repeats=4, temperature=1.0, output=str(probe_out))
             probe_episodes = 4 * len(train_tasks)
-            train = OpenRewardSpec(target, env_name=name, split=split, unscored_reward=0.0,
-                                   episode_log=str(episode_log) if episode_log is not None else None,
-                                   task_sampling=task_sampling, difficulty=difficulty, difficulty_from=probe_out)
-            specs.append(train)
+            train = spec(split, **{**train_options, "unscored_reward": 0.0}, difficulty=difficulty,
+                         difficulty_from=probe_out)
             kept = len(train.run(train.select_tasks())[0])
             say(f"  difficulty {difficulty}: {kept} of {len(train_tasks)} tasks kept "
                 f"after a probe of {probe_episodes} episodes")
         curve: list[dict[str, float]] = []
-        callbacks = [_progress_callback(say)]
-        if eval_every:
-            episodes_per_step = config["per_device_train_batch_size"] * config.get("gradient_accumulation_steps", 1)
-            callbacks.append(_curve_callback(lambda m: _recipe.evaluate_policy(m, tokenizer, heldout, **eval_kwargs),
-                                             eval_every, episodes_per_step, probe_episodes, curve, say))
-        path = "spec.rollout_func" if rollout_func else "environment_factory"
-        say(f"GRPO for {steps} steps through OpenRewardSpec({target!r}) ({path})"
+        per_step = config["per_device_train_batch_size"] * config.get("gradient_accumulation_steps", 1)
+        callback = _callback(say, evaluate, eval_every, per_step, probe_episodes, curve)
+        say(f"GRPO for {steps} steps through OpenRewardSpec({target!r}) "
+            f"({'spec.rollout_func' if rollout_func else 'environment_factory'})"
             + (" with SHUFFLED rewards" if control else ""))
-        rewards = shuffled(train.reward_funcs, seed) if control else train.reward_funcs
         loop = {"rollout_func": train.rollout_func} if rollout_func else {"environment_factory": train.environment_factory}
-        trainer = GRPOTrainer(
-            model=model,
-            processing_class=tokenizer,
-            args=GRPOConfig(**config),
-            train_dataset=train.train_dataset,
-            reward_funcs=rewards,
-            callbacks=callbacks,
-            **loop,
-        )
-        from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
-        trainer.remove_callback(PrinterCallback)  # our own progress lines instead of raw log dicts on stdout
-        trainer.remove_callback(ProgressCallback)
+        trainer = GRPOTrainer(model=model, processing_class=tokenizer, args=GRPOConfig(**config),
+                              train_dataset=train.train_dataset, callbacks=[callback],
+                              reward_funcs=shuffled(train.reward_funcs, seed) if control else train.reward_funcs, **loop)
+        for printer in (PrinterCallback, ProgressCallback):  # our own progress lines instead of raw log dicts
+            trainer.remove_callback(printer)
         trainer.train()
         train.close()  # every training episode is closed, and so written to the episode log
 
-        say("measuring the model on held-out tasks (after)")
-        after = _recipe.evaluate_policy(trainer.model, tokenizer, heldout, **eval_kwargs,
-                                        output=str(out_dir / "eval_after.jsonl") if report else None)
-        say(f"  held-out success {after['success_rate']:.3f}, tool-call rate {after['tool_call_rate']:.3f}")
+        after = measure(trainer.model, "after")
         blind_result = None
         if look and blind:
-            blind_spec = OpenRewardSpec(target, env_name=name, split="blind")
-            specs.append(blind_spec)
-            blind_result = _recipe.evaluate_policy(trainer.model, tokenizer, blind_spec, **eval_kwargs)
+            blind_result = evaluate(trainer.model, spec("blind"))
             say(f"  blind variant: success {blind_result['success_rate']:.3f} (chance 0.167), answered the decoy "
                 f"{blind_result['follow_rate']:.3f}")
-        for spec in specs:
-            spec.close()
-        report_path = None
-        if report:
-            trainer.state.save_to_json(str(out_dir / "trainer_state.json"))
-            report_path = _write_report(out_dir, task, say)
-        return DemoResult(before=before, after=after, seconds=time.perf_counter() - started, steps=steps, seed=seed,
-                          model=model_name or "tiny-qwen3",
-                          environment=target if env else f"bundled {task} environment",
-                          log_history=list(trainer.state.log_history), task=task if bundled else "env",
-                          rollout_func=rollout_func, blind=blind_result, report=report_path,
-                          episode_log=str(episode_log) if episode_log is not None else None,
-                          output_dir=str(out_dir), curve=curve, pool=split,
-                          task_sampling=task_sampling if difficulty is None else f"{task_sampling}+difficulty")
     finally:
-        for spec in specs:
-            spec.close()
+        for opened in specs:
+            opened.close()
         if server is not None:
             server.close()
+    report_path = _write_report(out_dir, task, trainer, say) if report else None
+    return DemoResult(before=before, after=after, seconds=time.perf_counter() - started, steps=steps, seed=seed,
+                      model=model_name or "tiny-qwen3", environment=env or f"bundled {task} environment",
+                      log_history=list(trainer.state.log_history), task=task if bundled else "env",
+                      rollout_func=rollout_func, blind=blind_result,
+                      report=report_path, episode_log=episode_log,
+                      output_dir=str(out_dir), curve=curve, pool=split,
+                      task_sampling=task_sampling if difficulty is None else f"{task_sampling}+difficulty")
 
 
-def _curve_callback(evaluate: Callable[[Any], dict[str, Any]], every: int, per_step: int, offset: int,
-                    into: list[dict[str, float]], say: Callable[[str], None]) -> Any:
-    """A trainer callback measuring held-out success every `every` steps into `into` (step, episodes, success)."""
-    from transformers import TrainerCallback
-
-    class Curve(TrainerCallback):
-        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **_: Any) -> None:
-            if state.global_step % every == 0 and model is not None:
-                success = evaluate(model)["success_rate"]
-                into.append({"step": state.global_step, "episodes": offset + state.global_step * per_step,
-                             "success": success})
-                say(f"  step {state.global_step}: held-out success {success:.3f}")
-
-    return Curve()
-
-
-def _write_report(out_dir: Path, task: str, say: Callable[[str], None]) -> str | None:
-    """The HTML report of the run (training episodes, evaluations, trainer state); None where unavailable."""
+def _write_report(out_dir: Path, task: str, trainer: Any, say: Callable[[str], None]) -> str | None:
+    """Save the trainer state, and write the HTML report of the run (training episodes, evaluations, trainer state);
+    its path, None where unavailable."""
     from ors_trl import write_report
 
+    trainer.state.save_to_json(str(out_dir / "trainer_state.json"))
     log = out_dir / EPISODE_LOG
     # The two evaluations come from one process and one policy: only their names tell them apart (before first,
     # the baseline the page compares "after" with).
@@ -491,6 +417,7 @@ def _prompt_corpus(spec: Any, tools: list[Any], limit: int = 32) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """`ors-trl demo`'s options; each one's `dest` is the `run_demo` keyword it sets, but `threads`, `json`, `quiet`."""
     p = argparse.ArgumentParser(
         prog="ors-trl demo",
         description="Train a tiny model with GRPO against a local ORS environment and show what it learned "
@@ -504,7 +431,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed for the model, the warm start and GRPO (default 0)")
     p.add_argument("--rollout-func", action="store_true",
                    help="roll out through spec.rollout_func (the concurrent engine) instead of environment_factory")
-    p.add_argument("--model", default=None, metavar="PATH_OR_NAME",
+    p.add_argument("--model", dest="model_name", default=None, metavar="PATH_OR_NAME",
                    help="train this model (local folder, or hub name where the hub is reachable) instead of the tiny one")
     p.add_argument("--env", default=None, metavar="URL_OR_NAME",
                    help="train against this ORS environment (URL or catalog name) instead of the bundled one")
@@ -530,8 +457,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """`ors-trl demo`; returns a process exit code."""
-    args = _parser().parse_args(argv)
-    if args.steps is not None and args.steps < 1:
+    options = vars(_parser().parse_args(argv))
+    threads, as_json, quiet = options.pop("threads"), options.pop("json"), options.pop("quiet")
+    if options["steps"] is not None and options["steps"] < 1:
         print("ors-trl demo: --steps must be at least 1", file=sys.stderr)
         return 2
     os.environ.setdefault("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
@@ -539,14 +467,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
-    torch.set_num_threads(max(1, args.threads))
-    result = run_demo(task=args.task, env=args.env, env_name=args.env_name, model_name=args.model, steps=args.steps,
-                      sft_steps=args.sft_steps, seed=args.seed, output_dir=args.output_dir,
-                      rollout_func=args.rollout_func, report=args.report, say=_say_to(args.quiet), pool=args.pool,
-                      task_sampling=args.task_sampling, eval_every=args.eval_every)
+    torch.set_num_threads(max(1, threads))
+    result = run_demo(**options, say=_say_to(quiet))
     print(result.table())
     if result.report:
         print(f"report: {result.report}")
-    if args.json:
+    if as_json:
         print(json.dumps(result.to_json(), sort_keys=True))
     return 0
