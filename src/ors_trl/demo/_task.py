@@ -189,7 +189,7 @@ def look_messages(task: dict[str, Any]) -> list[dict[str, str]]:
 
 def look_prompt(task: dict[str, Any]) -> str:
     """The conversation as one text, as TRL's `environment_factory` path shows it (system turn first): the text
-    `OpenRewardEnvironment.reset()` returns (`Prompt.flat`), which the demo checks at start-up."""
+    `OpenRewardEnvironment.reset()` returns (`Prompt.flat`), which tests/test_turns.py checks against TRL's own ids."""
     return f"{LOOK_SYSTEM}\n\n{task['question']}"
 
 
