@@ -76,6 +76,32 @@ def _slug(text: str) -> str:
     return re.sub(r"[^0-9A-Za-z]+", "_", text).strip("_")[:48] or "env"
 
 
+def _check(name: str, value: Any, low: float | None, *, integer: bool = True, optional: bool = False,
+           strict: bool = False) -> None:
+    """Refuse (`ConfigurationError`) a `value` of option `name` that is not an int (with `integer=False`: a number)
+    `>= low` (`> low` when `strict`; a finite number when `low` is None), or None where `optional`."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int if integer else int | float) or not (
+            math.isfinite(value) if low is None else value > low if strict else value >= low):  # NaN fails each
+        bound = "" if low is None else f" {'>' if strict else '>='} {low:g}"
+        what = "an int" if integer else "a finite number" if low is None else "a number"
+        raise ConfigurationError(f"{name} must be {what}{bound}{' or None' if optional else ''}, got {value!r}")
+
+
+def _writer(path: str | None) -> RecordWriter | None:
+    """The bounded episode log at `path` (None: none)."""
+    return None if path is None else RecordWriter(path, max_bytes=EPISODE_LOG_MAX_BYTES, max_text=EPISODE_LOG_MAX_TEXT)
+
+
+def _add_columns(rows: dict[str, list[Any]], tasks: Sequence[Any], name: str) -> list[str]:
+    """Add the tasks' fields to `rows` as columns (`task_columns`); what that changed is logged once, and returned."""
+    columns, notes = task_columns(tasks)
+    log_notes(notes, name)
+    rows.update(columns)
+    return notes
+
+
 class _AdapterClass(type):
     """Metaclass of the adapter classes specs generate: a generated class pickles as its spec."""
 
@@ -105,9 +131,7 @@ def _restore(options: dict[str, Any], tools: tuple[Any, ...] | None,
                 spec._set_tools(*tools)
             if joined is not None:
                 name, log = joined
-                writer = (RecordWriter(log, max_bytes=EPISODE_LOG_MAX_BYTES, max_text=EPISODE_LOG_MAX_TEXT)
-                          if log is not None else None)
-                spec._runtime.rename(name, EnvMetrics(spec._runtime.metrics.success_threshold), writer)
+                spec._runtime.rename(name, EnvMetrics(spec._runtime.metrics.success_threshold), _writer(log))
         return spec
 
 
@@ -262,27 +286,17 @@ class OpenRewardSpec:
         difficulty: tuple[float, float] | None = None,
         difficulty_from: str | os.PathLike[str] | Mapping[int, float] | PlatformDifficulty | None = None,
     ) -> None:
-        options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        self._options = options
+        self._options = options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self._indices = check_selection(num_tasks, indices)
         self._num_tasks = num_tasks
         if not isinstance(split, str) or not split:
             raise ConfigurationError("split must be a non-empty string")
-        if max_output_chars is not None and max_output_chars < 1:
-            raise ConfigurationError("max_output_chars must be positive or None")
-        if isinstance(max_concurrent_tool_calls, bool) or not isinstance(max_concurrent_tool_calls, int) \
-                or max_concurrent_tool_calls < 1:
-            raise ConfigurationError(f"max_concurrent_tool_calls must be an int >= 1, got {max_concurrent_tool_calls!r}")
-        if episode_timeout is not None and episode_timeout <= 0:
-            raise ConfigurationError("episode_timeout must be positive or None")
-        if gather_window is not None and not gather_window >= 0:  # also refuses NaN
-            raise ConfigurationError(f"gather_window must be >= 0 seconds or None (automatic), got {gather_window!r}")
-        if max_tool_calls is not None and (isinstance(max_tool_calls, bool) or not isinstance(max_tool_calls, int)
-                                           or max_tool_calls < 0):
-            raise ConfigurationError(f"max_tool_calls must be an int >= 0 or None, got {max_tool_calls!r}")
-        if isinstance(success_threshold, bool) or not isinstance(success_threshold, int | float) \
-                or not math.isfinite(success_threshold):
-            raise ConfigurationError(f"success_threshold must be a finite number, got {success_threshold!r}")
+        _check("max_output_chars", max_output_chars, 1, optional=True)
+        _check("max_concurrent_tool_calls", max_concurrent_tool_calls, 1)
+        _check("episode_timeout", episode_timeout, 0, integer=False, optional=True, strict=True)
+        _check("gather_window", gather_window, 0, integer=False, optional=True)
+        _check("max_tool_calls", max_tool_calls, 0, optional=True)
+        _check("success_threshold", success_threshold, None, integer=False)
         if images not in ("pass", "placeholder"):
             raise ConfigurationError(f'images must be "pass" or "placeholder", got {images!r}')
         sampler = make_sampler(task_sampling, success_threshold=float(success_threshold))
@@ -300,15 +314,7 @@ class OpenRewardSpec:
                                    timeouts=timeouts, retry=retry, keepalive_interval=keepalive_interval,
                                    max_sessions=max_sessions, max_session_rate=max_session_rate, toolset=toolset,
                                    toolset_fallback=toolset_fallback, env_overrides=env_overrides)
-        writer = None
-        if episode_log is not None:
-            writer = RecordWriter(episode_log, max_bytes=EPISODE_LOG_MAX_BYTES, max_text=EPISODE_LOG_MAX_TEXT)
-        self._runtime = EnvironmentRuntime(
-            self._client, name=self.name, split=split, max_output_chars=max_output_chars,
-            cache_prompts=cache_prompts, max_concurrent_tool_calls=max_concurrent_tool_calls,
-            max_tool_calls=max_tool_calls, episode_timeout=episode_timeout, batch_tool_calls=batch_tool_calls,
-            episode_log=writer, score_groups=score_groups, success_threshold=float(success_threshold), images=images,
-        )
+        self._runtime = EnvironmentRuntime(self._client, self.name, options, _writer(episode_log))
         #: Task sampling (`ors_trl.tasks.sampling`): draws the stream's tasks, hears the runtime's training episodes.
         self.curriculum = None if sampler is None else Curriculum(sampler, self._runtime)
         self._known: dict[int, Difficulty] | PlatformDifficulty | None = None
@@ -461,10 +467,7 @@ class OpenRewardSpec:
 
         indices, tasks = self.run(self.select_tasks())
         rows = self.dataset_rows(indices)
-        if self._options["include_metadata"] and tasks:
-            columns, self.dataset_notes = task_columns(tasks)
-            log_notes(self.dataset_notes, self.name)
-            rows.update(columns)
+        self.dataset_notes = _add_columns(rows, tasks, self.name)  # without include_metadata, tasks are `{}`
         dataset = Dataset.from_dict(rows)
         if self.curriculum is None:
             return dataset
@@ -475,13 +478,6 @@ class OpenRewardSpec:
                               {None: indices}, on_bind=attach_task_sampling)
 
     # -- tools -----------------------------------------------------------------------------------
-
-    def _probe_indices(self) -> list[int]:
-        if self._options["task_tools_discovery_index"] is not None:
-            return [self._options["task_tools_discovery_index"]]
-        if self._indices is not None:
-            return sorted(set(self._indices))
-        return [0]
 
     async def _discover(self) -> tuple[list[ToolSpec], TerminalTool | None, bool, tuple[str, ...] | None]:
         """Shared tools plus the task-specific ones of the probe tasks, and what the server supports."""
@@ -501,8 +497,10 @@ class OpenRewardSpec:
             return list(merged.values()), terminal, *features
         if self._indices is not None:
             check_in_range(self._indices, total, self._split)
-        probes = [i for i in self._probe_indices() if 0 <= i < total]
-        dropped = sorted(set(self._probe_indices()) - set(probes))
+        only = self._options["task_tools_discovery_index"]
+        wanted = [only] if only is not None else sorted(set(self._indices)) if self._indices is not None else [0]
+        probes = [i for i in wanted if 0 <= i < total]
+        dropped = sorted(set(wanted) - set(probes))
         if dropped:
             logger.warning("%s: tool discovery indices %s are out of range (split %r has %d tasks); ignored.",
                            self.name, dropped, self._split, total)
@@ -674,9 +672,8 @@ class OpenRewardSpec:
         from .trl.eval_callback import EvalCallback
 
         _trl.require_engine()
-        for name, value in {"every": every, "repeats": repeats}.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
+        _check("every", every, 1)
+        _check("repeats", repeats, 1)
         count, chosen = (tasks, None) if tasks is None or isinstance(tasks, int) else (None, list(tasks))
         held = OpenRewardSpec(**{**self._options, "split": split, "num_tasks": count, "indices": chosen,
                                  "episode_log": None, "upload_rollouts": False, "include_metadata": False,
