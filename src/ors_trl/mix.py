@@ -6,10 +6,9 @@
     GRPOTrainer(..., train_dataset=mix.train_dataset, environment_factory=mix.environment_factory,
                 reward_funcs=mix.reward_funcs)
 
-The dataset carries TRL's `environment` routing column, the factory is the `{name: factory}` dict
-TRL accepts (TRL then renders each environment's tools only for that environment's rows), and the
-reward functions score every rollout with its own environment. Metrics are reported per
-environment (`env/<name>/...`) and over all of them (`env/...`).
+The dataset carries TRL's `environment` routing column, the factory is the `{name: factory}` dict TRL accepts (TRL
+then renders each environment's tools only for that environment's rows), and the reward functions score every rollout
+with its own environment. Metrics are reported per environment (`env/<name>/...`) and over all of them (`env/...`).
 """
 
 from __future__ import annotations
@@ -72,11 +71,11 @@ class OpenRewardMix:
         seed (`int`, *optional*, defaults to `0`):
             Seed for that sampling.
         episode_log (`str`, *optional*):
-            A JSON-lines file receiving every finished episode of every environment.
+            As for `OpenRewardSpec`, for every environment's episodes.
         unscored_reward (`float`, *optional*):
-            As on `OpenRewardSpec`: the reward of rollouts never scored (`None`: unscored).
+            As for `OpenRewardSpec`.
         gather_window (`float`, *optional*):
-            The engine's gather window (`rollout_func`) for the whole mix; `None`: the specs' own (which must agree).
+            As for `OpenRewardSpec`, for the whole mix; `None`: the specs' own (which must agree).
 
     The specs' `success_threshold`s must agree: the mix's metrics count successes with it.
     """

@@ -1,18 +1,13 @@
 """`OpenRewardSpec`: one object that wires an ORS environment into TRL's `GRPOTrainer`.
 
     spec = OpenRewardSpec("Eigent/SETA", num_tasks=64)        # or "http://127.0.0.1:8000"
-    trainer = GRPOTrainer(
-        model=...,
-        args=GRPOConfig(...),
-        train_dataset=spec.train_dataset,
-        environment_factory=spec.environment_factory,
-        reward_funcs=spec.reward_funcs,
-    )
+    trainer = GRPOTrainer(model=..., args=GRPOConfig(...), train_dataset=spec.train_dataset,
+                          environment_factory=spec.environment_factory, reward_funcs=spec.reward_funcs)
 
-Same signature and meaning as `trl.experimental.openreward.OpenRewardSpec`; everything new is
-keyword-only with a default that keeps the documented behaviour. A spec, its factory and its
-reward functions pickle (for TRL's asynchronous trainer, whose rollout worker is a spawned
-process): the copy opens its own sessions on its own loop, with the tools already discovered.
+Same signature and meaning as `trl.experimental.openreward.OpenRewardSpec`; everything new is keyword-only with a
+default that keeps the documented behaviour. A spec, its factory and its reward functions pickle (for TRL's
+asynchronous trainer, whose rollout worker is a spawned process): the copy opens its own sessions on its own loop,
+with the tools already discovered.
 """
 
 from __future__ import annotations
@@ -118,10 +113,8 @@ _restored_lock = threading.Lock()
 
 def _restore(options: dict[str, Any], tools: tuple[Any, ...] | None,
              joined: tuple[str, str | None] | None = None) -> OpenRewardSpec:
-    """A spec rebuilt from its pickled state, once per process (every copy of it shares sessions and metrics).
-
-    `joined`: the name and episode log a mix gave it (`OpenRewardMix` renames its specs' runtimes).
-    """
+    """A spec rebuilt from its pickled state, once per process (every copy of it shares sessions and metrics);
+    `joined`: the name and episode log a mix gave it (`OpenRewardMix` renames its specs' runtimes)."""
     key = (repr(sorted(options.items(), key=lambda kv: kv[0])), repr(tools), repr(joined))
     with _restored_lock:
         spec = _restored.get(key)
@@ -160,13 +153,12 @@ class OpenRewardSpec:
             TRL passes itself (`self`, `prompts`, `completions`, ...: `RESERVED_COLUMNS` of `ors_trl.tasks.selection`) is
             kept as `task_<name>`, and the log says so once.
         discover_task_tools (`bool`, *optional*, defaults to `True`):
-            Open probe sessions to bind task-specific tools (`/task_tools`), not only the shared ones: one per
-            distinct task of `indices` (task 0 otherwise), `PROBE_CONCURRENCY` (4) at once; every probed task's
-            tools are bound.
+            Open probe sessions to bind task-specific tools (`/task_tools`) too: one per distinct task of `indices`
+            (task 0 otherwise), `PROBE_CONCURRENCY` (4) at once; every probed task's tools are bound.
         task_tools_discovery_index (`int`, *optional*):
             Probe only this task index.
         cache_prompts (`bool`, *optional*, defaults to `True`):
-            Return cached prompts from repeated resets of one task while sessions open in the background (one
+            Answer repeated resets of one task from its cached prompt while sessions open in the background (one
             session-open wait per distinct task, not per rollout).
         max_output_chars (`int`, *optional*):
             Cap on the tool output text the model sees (truncation is marked).
@@ -208,8 +200,8 @@ class OpenRewardSpec:
         upload_rollouts (`bool` or `str`, *optional*, defaults to `False`):
             Send every finished episode to the OpenReward rollout viewer (`True`, or the run's name there), with the
             run's metadata (model name and size, training stage, step); in the background, bounded, failures counted
-            and never failing a step (`ors_trl.protocol.upload`). The platform's API key as for catalog targets: `api_key=`
-            for a catalog name, else `OPENREWARD_API_KEY`.
+            and never failing a step (`ors_trl.protocol.upload`). The platform's API key: `api_key=` for a catalog
+            name, else `OPENREWARD_API_KEY`.
         images (`str`, *optional*, defaults to `"pass"`):
             `"pass"`: image blocks of prompts, conversations and tool outputs reach the model as image parts of their
             message (a vision-language model's processor takes them; a trainer whose processing class is a tokenizer
@@ -247,48 +239,25 @@ class OpenRewardSpec:
             filtered by model and training stage. A self-hosted URL has no platform data: pass a file.
     """
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        num_tasks: int | None = None,
-        split: str = "train",
-        indices: list[int] | None = None,
-        api_key: str | None = None,
-        secrets: Mapping[str, SecretValue] | None = None,
-        env_name: str | None = None,
-        include_metadata: bool = True,
-        discover_task_tools: bool = True,
-        task_tools_discovery_index: int | None = None,
-        cache_prompts: bool = True,
-        max_output_chars: int | None = None,
-        keepalive_interval: float | None = 10.0,
-        timeouts: Timeouts | None = None,
-        retry: RetryPolicy | None = None,
-        max_sessions: int | None = None,
-        episode_log: str | None = None,
-        batch_tool_calls: bool = True,
-        async_tools: bool = False,
-        max_concurrent_tool_calls: int = 64,
-        episode_timeout: float | None = None,
-        unscored_reward: float | None = None,
-        score_groups: bool = False,
-        gather_window: float | None = None,
-        max_tool_calls: int | None = None,
-        success_threshold: float = 1.0,
-        upload_rollouts: bool | str = False,
-        images: str = "pass",
-        max_session_rate: float | tuple[float, int] | None = None,
-        toolset: str | None = None,
-        toolset_fallback: bool = False,
-        env_overrides: Mapping[str, str] | None = None,
-        task_sampling: str | TaskSampler = "uniform",
-        difficulty: tuple[float, float] | None = None,
-        difficulty_from: str | os.PathLike[str] | Mapping[int, float] | PlatformDifficulty | None = None,
-    ) -> None:
+    def __init__(self, target: str, *, num_tasks: int | None = None, split: str = "train",
+                 indices: list[int] | None = None, api_key: str | None = None,
+                 secrets: Mapping[str, SecretValue] | None = None, env_name: str | None = None,
+                 include_metadata: bool = True, discover_task_tools: bool = True,
+                 task_tools_discovery_index: int | None = None, cache_prompts: bool = True,
+                 max_output_chars: int | None = None, keepalive_interval: float | None = 10.0,
+                 timeouts: Timeouts | None = None, retry: RetryPolicy | None = None, max_sessions: int | None = None,
+                 episode_log: str | None = None, batch_tool_calls: bool = True, async_tools: bool = False,
+                 max_concurrent_tool_calls: int = 64, episode_timeout: float | None = None,
+                 unscored_reward: float | None = None, score_groups: bool = False, gather_window: float | None = None,
+                 max_tool_calls: int | None = None, success_threshold: float = 1.0, upload_rollouts: bool | str = False,
+                 images: str = "pass", max_session_rate: float | tuple[float, int] | None = None,
+                 toolset: str | None = None, toolset_fallback: bool = False,
+                 env_overrides: Mapping[str, str] | None = None, task_sampling: str | TaskSampler = "uniform",
+                 difficulty: tuple[float, float] | None = None,
+                 difficulty_from: str | os.PathLike[str] | Mapping[int, float] | PlatformDifficulty | None = None,
+                 ) -> None:
         self._options = options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self._indices = check_selection(num_tasks, indices)
-        self._num_tasks = num_tasks
         if not isinstance(split, str) or not split:
             raise ConfigurationError("split must be a non-empty string")
         _check("max_output_chars", max_output_chars, 1, optional=True)
@@ -304,7 +273,6 @@ class OpenRewardSpec:
         if difficulty_from is not None and difficulty is None:
             raise ConfigurationError("difficulty_from= says where task difficulty comes from; pass difficulty=(low, "
                                      "high) too, the range of mean rewards to keep.")
-        self._split = split
         self._unscored_reward = None if unscored_reward is None else float(unscored_reward)
         # In catalog mode the key also goes to the environment as its conventional `api_key` secret, unless the
         # caller chose the secrets.
@@ -343,7 +311,7 @@ class OpenRewardSpec:
         self._selection: tuple[list[int], list[Any]] | None = None
 
     def __repr__(self) -> str:
-        return f"OpenRewardSpec({self.target!r}, split={self._split!r})"
+        return f"OpenRewardSpec({self.target!r}, split={self.split!r})"
 
     def __reduce__(self) -> tuple[Any, ...]:
         tools = self._tools if "_tools" in self.__dict__ else None
@@ -363,7 +331,7 @@ class OpenRewardSpec:
     @property
     def split(self) -> str:
         """The split the tasks are drawn from."""
-        return self._split
+        return self._options["split"]
 
     @property
     def name(self) -> str:
@@ -405,9 +373,6 @@ class OpenRewardSpec:
         Args:
             coro (`Coroutine`):
                 The coroutine (e.g. `spec.client.tasks("train")`).
-
-        Returns:
-            `Any`: What it returned.
         """
         return get_loop().run(coro)
 
@@ -421,17 +386,17 @@ class OpenRewardSpec:
         return self._selection
 
     async def _select(self) -> tuple[list[int], list[Any]]:
-        total = await self._client.num_tasks(self._split)
-        indices = select(total, self._split, self._num_tasks, self._indices, name=self.name)
+        total = await self._client.num_tasks(self.split)
+        indices = select(total, self.split, self._options["num_tasks"], self._indices, name=self.name)
         if self._difficulty is not None:
             known, where = self._known, str(self._options["difficulty_from"])
             if isinstance(known, PlatformDifficulty):
-                known, where = await platform_known(self._client, self._split, known)
+                known, where = await platform_known(self._client, self.split, known)
             assert known is not None
             indices = select_by_difficulty(indices, known, *self._difficulty, name=self.name, source=where)
         if not self._options["include_metadata"]:
             return indices, [{} for _ in indices]
-        by_index = await fetch_tasks(self._client, self._split, indices, name=self.name)
+        by_index = await fetch_tasks(self._client, self.split, indices, name=self.name)
         return indices, [by_index[i] for i in indices]
 
     def dataset_rows(self, indices: list[int], env: str | None = None) -> dict[str, list[Any]]:
@@ -443,12 +408,9 @@ class OpenRewardSpec:
                 The task indices.
             env (`str`, *optional*):
                 The environment's name in a mix.
-
-        Returns:
-            `dict[str, list[Any]]`: The two columns.
         """
         return {
-            "prompt": [[{"role": "user", "content": "", TASK_KEY: Task(self._split, i, env=env).identity()}]
+            "prompt": [[{"role": "user", "content": "", TASK_KEY: Task(self.split, i, env=env).identity()}]
                        for i in indices],
             "task_index": list(indices),
         }
@@ -489,27 +451,27 @@ class OpenRewardSpec:
         if not self._options["discover_task_tools"] and self._options["toolset"] is None:  # a toolset's tools show
             return list(merged.values()), terminal, *features  # only in a session
         try:
-            total = await client.num_tasks(self._split)
+            total = await client.num_tasks(self.split)
         except (BadRequestError, NotFoundError):
             raise  # a wrong split or environment is the user's to fix, now, not a degraded tool set
         except ORSError as exc:
             logger.warning("%s: num_tasks failed (%s); binding shared tools only.", self.name, exc)
             return list(merged.values()), terminal, *features
         if self._indices is not None:
-            check_in_range(self._indices, total, self._split)
+            check_in_range(self._indices, total, self.split)
         only = self._options["task_tools_discovery_index"]
         wanted = [only] if only is not None else sorted(set(self._indices)) if self._indices is not None else [0]
         probes = [i for i in wanted if 0 <= i < total]
         dropped = sorted(set(wanted) - set(probes))
         if dropped:
             logger.warning("%s: tool discovery indices %s are out of range (split %r has %d tasks); ignored.",
-                           self.name, dropped, self._split, total)
+                           self.name, dropped, self.split, total)
         probes = await self._distinct_tasks(probes)
         gate = asyncio.Semaphore(PROBE_CONCURRENCY)
 
         async def probe(index: int) -> Any:
             async with gate:
-                session = await client.open_session(split=self._split, index=index)
+                session = await client.open_session(split=self.split, index=index)
                 try:
                     return await session.tools()
                 finally:
@@ -538,7 +500,7 @@ class OpenRewardSpec:
         if len(indices) < 2:
             return indices
         try:
-            specs = await fetch_tasks(self._client, self._split, indices, name=self.name)
+            specs = await fetch_tasks(self._client, self.split, indices, name=self.name)
         except ORSError as exc:
             logger.warning("%s: could not fetch the tasks to probe (%s); probing every index.", self.name, exc)
             return indices
@@ -581,10 +543,8 @@ class OpenRewardSpec:
 
     @cached_property
     def environment_factory(self) -> Callable[[], OpenRewardEnvironment]:
-        """A zero-argument callable returning a fresh adapter per rollout (TRL's `environment_factory`).
-
-        It is the adapter class itself, generated for this environment: one method per tool.
-        """
+        """A zero-argument callable returning a fresh adapter per rollout (TRL's `environment_factory`): the adapter
+        class itself, generated for this environment, one method per tool."""
         _ = self._tools
         toolset = self._runtime.toolset
         assert toolset is not None
@@ -595,12 +555,10 @@ class OpenRewardSpec:
 
     @cached_property
     def rollout_func(self) -> RolloutEngine:
-        """The rollout engine for `GRPOTrainer(rollout_func=...)`.
-
-        Use it instead of `environment_factory` (not with it), with `train_dataset` and `reward_funcs`: every
-        episode of a batch runs on its own, sessions open concurrently and tool calls overlap. Raises `UsageError`
-        on a TRL version it was not verified against (`environment_factory` works there).
-        """
+        """The rollout engine for `GRPOTrainer(rollout_func=...)`, instead of `environment_factory` (not with it), with
+        `train_dataset` and `reward_funcs`: every episode of a batch runs on its own, sessions open concurrently and
+        tool calls overlap. Raises `UsageError` on a TRL version it was not verified against (`environment_factory`
+        works there)."""
         _trl.require_engine()
         _ = self._tools
         return RolloutEngine({None: self._runtime}, gather_window=self._options["gather_window"])
@@ -614,17 +572,13 @@ class OpenRewardSpec:
 
     @property
     def group_reward_func(self) -> Callable[..., list[float | None]]:
-        """The environment's comparative reward of each GRPO group (`/score_group`), for `reward_funcs=[...]`.
-
-        Needs `OpenRewardSpec(..., score_groups=True)` and an environment that supports group scoring.
-        """
+        """The environment's comparative reward of each GRPO group (`/score_group`), for `reward_funcs=[...]`; needs
+        `score_groups=True` and an environment that supports group scoring."""
         if not self._options["score_groups"]:
             raise ConfigurationError("group_reward_func needs OpenRewardSpec(..., score_groups=True)")
         if not self._tools[2]:
-            raise ConfigurationError(
-                f"{self.name} does not support group scoring (its /tools does not say supports_score_group: true); "
-                "use spec.reward_funcs alone."
-            )
+            raise ConfigurationError(f"{self.name} does not support group scoring (its /tools does not say "
+                                     "supports_score_group: true); use spec.reward_funcs alone.")
         return group_reward
 
     @cached_property
@@ -636,12 +590,10 @@ class OpenRewardSpec:
         adapter or runs the engine. `AsyncGRPOTrainer` needs them for task sampling's checkpoints and metrics.
         """
         from .trl.callbacks import SessionCleanupCallback
-
-        if self.curriculum is None:
-            return [SessionCleanupCallback([self._runtime])]
         from .trl.sampling_callback import stream_callbacks
 
-        return [SessionCleanupCallback([self._runtime]), *stream_callbacks(self.train_dataset)]
+        sampling = stream_callbacks(self.train_dataset) if self.curriculum is not None else []
+        return [SessionCleanupCallback([self._runtime]), *sampling]
 
     def eval_callback(self, tasks: int | Sequence[int] | None = None, *, split: str = "test", every: int = 50,
                       repeats: int = 1, at_start: bool = True) -> Any:
@@ -667,7 +619,7 @@ class OpenRewardSpec:
                 Also evaluate before the first step.
 
         Returns:
-            `EvalCallback`: for `GRPOTrainer(callbacks=[...])`.
+            `EvalCallback`: For `GRPOTrainer(callbacks=[...])`.
         """
         from .trl.eval_callback import EvalCallback
 
@@ -709,10 +661,9 @@ class OpenRewardSpec:
 
         opts = EvalOptions.of(options, **kwargs)
         if opts.num_tasks is None and opts.indices is None:
-            opts.num_tasks, opts.indices = self._num_tasks, self._indices
-        if opts.episode_timeout is None:
-            opts.episode_timeout = self._options["episode_timeout"]
-        if opts.success_threshold is None:
-            opts.success_threshold = self._options["success_threshold"]
+            opts.num_tasks, opts.indices = self._options["num_tasks"], self._indices
+        for key in ("episode_timeout", "success_threshold"):
+            if getattr(opts, key) is None:
+                setattr(opts, key, self._options[key])
         _ = self._tools  # bind as training does
         return evaluate(self._runtime, policy, opts, others=_others)

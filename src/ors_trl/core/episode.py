@@ -175,17 +175,13 @@ class Reply:
 
 @dataclass(frozen=True)
 class Rules:
-    """The limits a driver plays its episodes under, and how a failed call reads to the model.
-
-    Attributes:
-        max_replies: model replies an episode may have (TRL: `max_tool_calling_iterations + 1`). The calls of the
-            last one are not run (no reply would read their results): the episode ends with `max_turns`.
-        max_tool_calls: tool calls an episode may make; later ones are refused locally and counted.
-        error_text: the text the model reads for a failed call (TRL's `{'error': ...}`).
-        tool_markup: the text that opens a tool call in the chat template the replies are parsed with (qwen3:
-            `<tool_call>`), or a pattern of such texts (an endpoint's, `ors_trl.evaluation.policies.TOOL_MARKUPS`): a
-            reply without calls whose text holds it is a call the parser missed, and its turn is marked `unparsed`.
-    """
+    """The limits a driver plays its episodes under, and how a failed call reads to the model. `max_replies`: model
+    replies an episode may have (TRL: `max_tool_calling_iterations + 1`; the calls of the last are not run, as no reply
+    would read their results: the episode ends `max_turns`); `max_tool_calls`: tool calls it may make (later ones are
+    refused locally and counted); `error_text`: the text the model reads for a failed call (TRL's `{'error': ...}`);
+    `tool_markup`: the text that opens a tool call in the chat template the replies are parsed with (qwen3:
+    `<tool_call>`), or a pattern of such texts (`ors_trl.evaluation.policies.TOOL_MARKUPS`): a reply without calls
+    whose text holds it is a call the parser missed, its turn marked `unparsed`."""
 
     max_replies: int | None = None
     max_tool_calls: int | None = None
@@ -279,10 +275,6 @@ class EnvironmentRuntime:
 
     def __repr__(self) -> str:
         return f"<EnvironmentRuntime {self.name!r} live={len(self.live)}>"
-
-    @property
-    def terminal(self) -> TerminalTool | None:
-        return self.toolset.terminal if self.toolset is not None else None
 
     @property
     def trainer(self) -> Any:
@@ -540,11 +532,8 @@ class Episode:
     # -- open --------------------------------------------------------------------------------------
 
     async def open(self) -> bool:
-        """Open the session and read the prompt (once; later callers share the first open).
-
-        Returns:
-            `bool`: Whether it opened. A failure is recorded: the episode then ends with `error` and scores `None`.
-        """
+        """Open the session and read the prompt (once; later callers share the first open). Returns whether it opened;
+        a failure is recorded, and the episode ends with `error`, scored `None`."""
         if self._opening is None:
             self.state = OPENING
             self._opening = asyncio.ensure_future(self._open())
