@@ -214,11 +214,11 @@ class OpenRewardMix:
 
         Every spec of the mix that is to be group-scored needs `score_groups=True`.
         """
-        if not any(spec.score_groups for spec in self.specs.values()):
+        scored = [spec for spec in self.specs.values() if spec.score_groups]
+        if not scored:
             raise ConfigurationError("group_reward_func needs score_groups=True on at least one spec of the mix")
-        for spec in self.specs.values():
-            if spec.score_groups:
-                _ = spec.group_reward_func  # fails clearly for an environment that cannot
+        for spec in scored:
+            _ = spec.group_reward_func  # fails clearly for an environment that cannot
         return group_reward
 
     @cached_property

@@ -228,7 +228,8 @@ class EnvironmentRuntime:
 
     def __init__(self, client: AsyncClient, name: str, options: Mapping[str, Any],
                  recorder: RecordWriter | None = None) -> None:
-        self.client, self.name, self.recorder = client, name, recorder
+        self.client, self.recorder = client, recorder
+        self.rename(name, EnvMetrics(float(options["success_threshold"])), recorder)
         self.split: str = options["split"]
         self.max_output_chars: int | None = options["max_output_chars"]
         self.cache_prompts: bool = options["cache_prompts"]
@@ -241,8 +242,6 @@ class EnvironmentRuntime:
         #: Set when an image met a trainer that cannot take images, where TRL's loop would swallow the error (a tool
         #: call): the reward functions raise it at the end of that step.
         self.image_error: ConfigurationError | None = None
-        self.metrics = EnvMetrics(float(options["success_threshold"]))
-        self.metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
         self.uploads: Any = None  # a RolloutUploader (ors_trl.protocol.upload) sent every closed episode's record, opt-in
         #: Called once with each episode as it is counted (`Episode.account`, `Episode.adopt`): how the drivers'
         #: task sources (`ors_trl.tasks`) hear outcomes without the core knowing them.
@@ -282,7 +281,7 @@ class EnvironmentRuntime:
         return self._trainer() if self._trainer is not None else None
 
     def rename(self, name: str, metrics: EnvMetrics, recorder: RecordWriter | None) -> None:
-        """Join a mix: report under `name`, into the mix's metrics and record writer."""
+        """Report under `name` into `metrics` and `recorder` (None: keep the current one); how a mix takes it in."""
         self.name, self.metrics = name, metrics
         metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
         if recorder is not None:
