@@ -613,18 +613,16 @@ class Episode:
         return turn
 
     async def call(self, call: ToolCall) -> Outcome:
-        """One tool call of the model, by the name it saw: checked, routed, run, recorded and counted once.
+        """One tool call of the model, by the name it saw: checked, routed, run, recorded and counted once; its
+        `Outcome` is what the model reads of it, and the result or the error. Never raises for environment failures.
 
         Refused locally (recorded, counted, the model reads why): an unsupported call type, a call after the
         environment said `finished` or after the episode ended, a call past `Rules.max_tool_calls`, and a tool or
-        arguments the binding does not know (TRL's own messages). Never raises for environment failures.
+        arguments the binding does not know (TRL's own messages).
 
         Args:
             call (`ToolCall`):
                 The call as the model wrote it.
-
-        Returns:
-            `Outcome`: What the model reads of it, and the result or the error.
         """
         entry = call.record()
         (self.turns[-1] if self.turns else self._turn(Reply(None)))["tool_calls"].append(entry)
