@@ -45,10 +45,8 @@ def _key(name: str) -> str:
 
 
 def mixture_counts(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
-    """Rows per environment so that their shares follow `weights`, keeping the total at `sum(sizes)`.
-
-    Largest-remainder rounding; every environment with a positive weight keeps at least one row.
-    """
+    """Rows per environment so that their shares follow `weights`, keeping the total at `sum(sizes)` (largest-remainder
+    rounding; every environment with a positive weight keeps at least one row)."""
     total = sum(sizes)
     wsum = sum(weights)
     raw = [total * w / wsum for w in weights]
@@ -109,7 +107,7 @@ class OpenRewardMix:
         self.weights = self._weights(weights)
         self.seed = seed
         self.unscored_reward = None if unscored_reward is None else float(unscored_reward)
-        _check("gather_window", gather_window, 0, integer=False, optional=True)
+        _check(0, integer=False, optional=True, gather_window=gather_window)
         self.gather_window = gather_window
         thresholds = {spec.runtime.metrics.success_threshold for _, spec in named}
         if len(thresholds) > 1:
@@ -223,10 +221,9 @@ class OpenRewardMix:
 
     @cached_property
     def rollout_func(self) -> RolloutEngine:
-        """The rollout engine over every environment of the mix (use instead of environment_factory).
-
-        Each environment keeps its own spec's `episode_timeout`; the gather window is one for the whole engine:
-        the mix's `gather_window`, else the specs' (which must then agree)."""
+        """The rollout engine over every environment of the mix (use instead of environment_factory). Each environment
+        keeps its own spec's `episode_timeout`; the gather window is one for the whole engine: the mix's
+        `gather_window`, else the specs' (which must then agree)."""
         _trl.require_engine()
         for spec in self.specs.values():
             _ = spec.tool_specs
@@ -244,13 +241,11 @@ class OpenRewardMix:
         """Trainer callbacks: release sessions after each step and close them all at the end of training, and (when a
         spec samples tasks) update, log and checkpoint the samplers."""
         from .trl.callbacks import SessionCleanupCallback
+        from .trl.sampling_callback import stream_callbacks
 
-        callbacks = [SessionCleanupCallback([spec.runtime for spec in self.specs.values()])]
-        if any(spec.curriculum is not None for spec in self.specs.values()):
-            from .trl.sampling_callback import stream_callbacks
-
-            callbacks += stream_callbacks(self.train_dataset)
-        return callbacks
+        sampling = any(spec.curriculum is not None for spec in self.specs.values())
+        return [SessionCleanupCallback([spec.runtime for spec in self.specs.values()]),
+                *(stream_callbacks(self.train_dataset) if sampling else [])]
 
     def evaluate(self, policy: Any, options: EvalOptions | None = None, **kwargs: Any) -> MixEvalReport:
         """Evaluate `policy` on every environment of the mix, one after the other, through each spec's `evaluate`

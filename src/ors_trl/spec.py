@@ -71,17 +71,18 @@ def _slug(text: str) -> str:
     return re.sub(r"[^0-9A-Za-z]+", "_", text).strip("_")[:48] or "env"
 
 
-def _check(name: str, value: Any, low: float | None, *, integer: bool = True, optional: bool = False,
-           strict: bool = False) -> None:
-    """Refuse (`ConfigurationError`) a `value` of option `name` that is not an int (with `integer=False`: a number)
-    `>= low` (`> low` when `strict`; a finite number when `low` is None), or None where `optional`."""
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int if integer else int | float) or not (
-            math.isfinite(value) if low is None else value > low if strict else value >= low):  # NaN fails each
-        bound = "" if low is None else f" {'>' if strict else '>='} {low:g}"
-        what = "an int" if integer else "a finite number" if low is None else "a number"
-        raise ConfigurationError(f"{name} must be {what}{bound}{' or None' if optional else ''}, got {value!r}")
+def _check(low: float | None, *, integer: bool = True, optional: bool = False, strict: bool = False,
+           **options: Any) -> None:
+    """Refuse (`ConfigurationError`) each of `options` (`name=value`) whose value is not an int (with `integer=False`:
+    a number) `>= low` (`> low` when `strict`; a finite number when `low` is None), nor None where `optional`."""
+    for name, value in options.items():
+        if optional and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int if integer else int | float) or not (
+                math.isfinite(value) if low is None else value > low if strict else value >= low):  # NaN fails each
+            bound = "" if low is None else f" {'>' if strict else '>='} {low:g}"
+            what = "an int" if integer else "a finite number" if low is None else "a number"
+            raise ConfigurationError(f"{name} must be {what}{bound}{' or None' if optional else ''}, got {value!r}")
 
 
 def _writer(path: str | None) -> RecordWriter | None:
@@ -260,12 +261,12 @@ class OpenRewardSpec:
         self._indices = check_selection(num_tasks, indices)
         if not isinstance(split, str) or not split:
             raise ConfigurationError("split must be a non-empty string")
-        _check("max_output_chars", max_output_chars, 1, optional=True)
-        _check("max_concurrent_tool_calls", max_concurrent_tool_calls, 1)
-        _check("episode_timeout", episode_timeout, 0, integer=False, optional=True, strict=True)
-        _check("gather_window", gather_window, 0, integer=False, optional=True)
-        _check("max_tool_calls", max_tool_calls, 0, optional=True)
-        _check("success_threshold", success_threshold, None, integer=False)
+        _check(1, optional=True, max_output_chars=max_output_chars)
+        _check(1, max_concurrent_tool_calls=max_concurrent_tool_calls)
+        _check(0, integer=False, optional=True, strict=True, episode_timeout=episode_timeout)
+        _check(0, integer=False, optional=True, gather_window=gather_window)
+        _check(0, optional=True, max_tool_calls=max_tool_calls)
+        _check(None, integer=False, success_threshold=success_threshold)
         if images not in ("pass", "placeholder"):
             raise ConfigurationError(f'images must be "pass" or "placeholder", got {images!r}')
         sampler = make_sampler(task_sampling, success_threshold=float(success_threshold))
@@ -624,8 +625,7 @@ class OpenRewardSpec:
         from .trl.eval_callback import EvalCallback
 
         _trl.require_engine()
-        _check("every", every, 1)
-        _check("repeats", repeats, 1)
+        _check(1, every=every, repeats=repeats)
         count, chosen = (tasks, None) if tasks is None or isinstance(tasks, int) else (None, list(tasks))
         held = OpenRewardSpec(**{**self._options, "split": split, "num_tasks": count, "indices": chosen,
                                  "episode_log": None, "upload_rollouts": False, "include_metadata": False,
