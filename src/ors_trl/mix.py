@@ -241,11 +241,13 @@ class OpenRewardMix:
         """Trainer callbacks: release sessions after each step and close them all at the end of training, and (when a
         spec samples tasks) update, log and checkpoint the samplers."""
         from .trl.callbacks import SessionCleanupCallback
-        from .trl.sampling_callback import stream_callbacks
 
-        sampling = any(spec.curriculum is not None for spec in self.specs.values())
-        return [SessionCleanupCallback([spec.runtime for spec in self.specs.values()]),
-                *(stream_callbacks(self.train_dataset) if sampling else [])]
+        callbacks = [SessionCleanupCallback([spec.runtime for spec in self.specs.values()])]
+        if any(spec.curriculum is not None for spec in self.specs.values()):
+            from .trl.sampling_callback import stream_callbacks
+
+            callbacks += stream_callbacks(self.train_dataset)
+        return callbacks
 
     def evaluate(self, policy: Any, options: EvalOptions | None = None, **kwargs: Any) -> MixEvalReport:
         """Evaluate `policy` on every environment of the mix, one after the other, through each spec's `evaluate`

@@ -591,10 +591,12 @@ class OpenRewardSpec:
         adapter or runs the engine. `AsyncGRPOTrainer` needs them for task sampling's checkpoints and metrics.
         """
         from .trl.callbacks import SessionCleanupCallback
+
+        if self.curriculum is None:
+            return [SessionCleanupCallback([self._runtime])]
         from .trl.sampling_callback import stream_callbacks
 
-        sampling = stream_callbacks(self.train_dataset) if self.curriculum is not None else []
-        return [SessionCleanupCallback([self._runtime]), *sampling]
+        return [SessionCleanupCallback([self._runtime]), *stream_callbacks(self.train_dataset)]
 
     def eval_callback(self, tasks: int | Sequence[int] | None = None, *, split: str = "test", every: int = 50,
                       repeats: int = 1, at_start: bool = True) -> Any:
