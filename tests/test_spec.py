@@ -51,6 +51,30 @@ def test_argument_errors_are_raised_at_construction(monkeypatch) -> None:
         OpenRewardSpec("Eigent/SETA")
 
 
+@pytest.mark.parametrize(("name", "bad", "need"), [
+    ("max_output_chars", 0, "an int >= 1 or None"),
+    ("max_output_chars", 100.0, "an int >= 1 or None"),  # a float cannot cut a text: refused here, not mid-rollout
+    ("max_concurrent_tool_calls", True, "an int >= 1"),
+    ("episode_timeout", 0, "a number > 0 or None"),
+    ("episode_timeout", float("nan"), "a number > 0 or None"),
+    ("gather_window", -1.0, "a number >= 0 or None"),
+    ("max_tool_calls", 1.5, "an int >= 0 or None"),
+    ("success_threshold", float("inf"), "a finite number"),
+])
+def test_numeric_options_say_what_they_must_be(name: str, bad: object, need: str) -> None:
+    """One check for every numeric option of a spec (and a mix): a `ConfigurationError` at construction naming the
+    option, what it must be and what it got."""
+    import re
+
+    from ors_trl import OpenRewardMix
+
+    with pytest.raises(ConfigurationError, match=re.escape(f"{name} must be {need}, got {bad!r}")):
+        OpenRewardSpec("http://127.0.0.1:1", **{name: bad})
+    if name == "gather_window":
+        with pytest.raises(ConfigurationError, match=re.escape(f"gather_window must be {need}, got {bad!r}")):
+            OpenRewardMix([OpenRewardSpec("http://127.0.0.1:1")], gather_window=bad)
+
+
 def test_construction_is_lazy(ref_server) -> None:
     before = ref_server.stats()["requests"]
     spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=3)

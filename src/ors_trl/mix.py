@@ -6,10 +6,9 @@
     GRPOTrainer(..., train_dataset=mix.train_dataset, environment_factory=mix.environment_factory,
                 reward_funcs=mix.reward_funcs)
 
-The dataset carries TRL's `environment` routing column, the factory is the `{name: factory}` dict
-TRL accepts (TRL then renders each environment's tools only for that environment's rows), and the
-reward functions score every rollout with its own environment. Metrics are reported per
-environment (`env/<name>/...`) and over all of them (`env/...`).
+The dataset carries TRL's `environment` routing column, the factory is the `{name: factory}` dict TRL accepts (TRL
+then renders each environment's tools only for that environment's rows), and the reward functions score every rollout
+with its own environment. Metrics are reported per environment (`env/<name>/...`) and over all of them (`env/...`).
 """
 
 from __future__ import annotations
@@ -22,12 +21,10 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from .core.metrics import EnvMetrics
-from .core.records import RecordWriter
 from .protocol.errors import ConfigurationError
 from .protocol.loop import get_loop
-from .spec import EPISODE_LOG_MAX_BYTES, EPISODE_LOG_MAX_TEXT, OpenRewardSpec
+from .spec import OpenRewardSpec, _add_columns, _check, _writer
 from .tasks.sampling import Curriculum, UniformSampler, uniform_draws
-from .tasks.selection import log_notes, task_columns
 from .trl import backend as _trl
 from .trl.engine import RolloutEngine
 from .trl.rewards import group_reward, outcome_reward, reward_function
@@ -48,10 +45,8 @@ def _key(name: str) -> str:
 
 
 def mixture_counts(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
-    """Rows per environment so that their shares follow `weights`, keeping the total at `sum(sizes)`.
-
-    Largest-remainder rounding; every environment with a positive weight keeps at least one row.
-    """
+    """Rows per environment so that their shares follow `weights`, keeping the total at `sum(sizes)` (largest-remainder
+    rounding; every environment with a positive weight keeps at least one row)."""
     total = sum(sizes)
     wsum = sum(weights)
     raw = [total * w / wsum for w in weights]
@@ -74,11 +69,11 @@ class OpenRewardMix:
         seed (`int`, *optional*, defaults to `0`):
             Seed for that sampling.
         episode_log (`str`, *optional*):
-            A JSON-lines file receiving every finished episode of every environment.
+            As for `OpenRewardSpec`, for every environment's episodes.
         unscored_reward (`float`, *optional*):
-            As on `OpenRewardSpec`: the reward of rollouts never scored (`None`: unscored).
+            As for `OpenRewardSpec`.
         gather_window (`float`, *optional*):
-            The engine's gather window (`rollout_func`) for the whole mix; `None`: the specs' own (which must agree).
+            As for `OpenRewardSpec`, for the whole mix; `None`: the specs' own (which must agree).
 
     The specs' `success_threshold`s must agree: the mix's metrics count successes with it.
     """
@@ -112,16 +107,14 @@ class OpenRewardMix:
         self.weights = self._weights(weights)
         self.seed = seed
         self.unscored_reward = None if unscored_reward is None else float(unscored_reward)
-        if gather_window is not None and not gather_window >= 0:  # also refuses NaN
-            raise ConfigurationError(f"gather_window must be >= 0 seconds or None (automatic), got {gather_window!r}")
+        _check(0, integer=False, optional=True, gather_window=gather_window)
         self.gather_window = gather_window
         thresholds = {spec.runtime.metrics.success_threshold for _, spec in named}
         if len(thresholds) > 1:
             raise ConfigurationError(f"the specs of this mix count success differently (success_threshold "
                                      f"{sorted(thresholds)}); give them one success_threshold")
         self.metrics = EnvMetrics(thresholds.pop())
-        writer = (RecordWriter(episode_log, max_bytes=EPISODE_LOG_MAX_BYTES, max_text=EPISODE_LOG_MAX_TEXT)
-                  if episode_log is not None else None)
+        writer = _writer(episode_log)
         for name, spec in self.specs.items():
             spec.runtime.rename(name, self.metrics, writer)
         self.dataset_notes: list[str] = []
@@ -161,26 +154,28 @@ class OpenRewardMix:
             return list(await asyncio.gather(*(spec.select_tasks() for spec in self.specs.values())))
 
         fetched = get_loop().run(fetch_all())
-        sizes = [len(indices) for indices, _ in fetched]
         if any(spec.curriculum is not None for spec in self.specs.values()):
             return self._stream(fetched)
+        sizes = [len(indices) for indices, _ in fetched]
         counts = sizes if self.weights is None else mixture_counts(sizes, self.weights)
         rng = random.Random(self.seed)
+        picks = [uniform_draws(range(len(indices)), count, rng) if indices else []
+                 for (indices, _), count in zip(fetched, counts, strict=True)]
+        return Dataset.from_dict(self._rows(fetched, picks))
+
+    def _rows(self, fetched: list[tuple[list[int], list[Any]]], picks: Sequence[Sequence[int]]) -> dict[str, list[Any]]:
+        """The dataset's rows: each environment's picked tasks (positions in its selection), with TRL's routing column
+        and the tasks' fields (the routing column is reserved too)."""
         rows: dict[str, list[Any]] = {"prompt": [], "task_index": [], ENVIRONMENT_COLUMN: []}
         tasks: list[Any] = []
-        for (name, spec), (indices, spec_tasks), count in zip(self.specs.items(), fetched, counts, strict=True):
-            if not indices:
-                continue
-            picks = uniform_draws(range(len(indices)), count, rng)
-            part = spec.dataset_rows([indices[p] for p in picks], env=name)
+        for (name, spec), (indices, spec_tasks), chosen in zip(self.specs.items(), fetched, picks, strict=True):
+            part = spec.dataset_rows([indices[p] for p in chosen], env=name)
             rows["prompt"] += part["prompt"]
             rows["task_index"] += part["task_index"]
-            rows[ENVIRONMENT_COLUMN] += [name] * len(picks)
-            tasks += [spec_tasks[p] for p in picks]
-        columns, self.dataset_notes = task_columns(tasks)  # the routing column is reserved too
-        log_notes(self.dataset_notes, "mix")
-        rows.update(columns)
-        return Dataset.from_dict(rows)
+            rows[ENVIRONMENT_COLUMN] += [name] * len(chosen)
+            tasks += [spec_tasks[p] for p in chosen]
+        self.dataset_notes = _add_columns(rows, tasks, "mix")
+        return rows
 
     def _stream(self, fetched: list[tuple[list[int], list[Any]]]) -> IterableDataset:
         """The sampled form of `train_dataset`: one row per (environment, task), drawn as TRL reads them."""
@@ -189,21 +184,12 @@ class OpenRewardMix:
         from .tasks.stream import sampled_stream
         from .trl.sampling_callback import attach_task_sampling
 
-        rows: dict[str, list[Any]] = {"prompt": [], "task_index": [], ENVIRONMENT_COLUMN: []}
-        tasks: list[Any] = []
-        where: dict[tuple[str | None, int], int] = {}
-        for (name, spec), (indices, spec_tasks) in zip(self.specs.items(), fetched, strict=True):
+        for spec in self.specs.values():
             if spec.curriculum is None:
                 spec.curriculum = Curriculum(UniformSampler(seed=self.seed), spec.runtime)
-            where.update({(name, i): len(rows["prompt"]) + k for k, i in enumerate(indices)})
-            part = spec.dataset_rows(indices, env=name)
-            rows["prompt"] += part["prompt"]
-            rows["task_index"] += part["task_index"]
-            rows[ENVIRONMENT_COLUMN] += [name] * len(indices)
-            tasks += spec_tasks
-        columns, self.dataset_notes = task_columns(tasks)
-        log_notes(self.dataset_notes, "mix")
-        rows.update(columns)
+        rows = self._rows(fetched, [range(len(indices)) for indices, _ in fetched])
+        pairs = zip(rows[ENVIRONMENT_COLUMN], rows["task_index"], strict=True)
+        where = {(name, i): row for row, (name, i) in enumerate(pairs)}
         chosen = {name: indices for name, (indices, _) in zip(self.specs, fetched, strict=True) if indices}
         weights = None if self.weights is None else [w for name, w in zip(self.specs, self.weights, strict=True)
                                                       if name in chosen]
@@ -226,19 +212,18 @@ class OpenRewardMix:
 
         Every spec of the mix that is to be group-scored needs `score_groups=True`.
         """
-        if not any(spec.score_groups for spec in self.specs.values()):
+        scored = [spec for spec in self.specs.values() if spec.score_groups]
+        if not scored:
             raise ConfigurationError("group_reward_func needs score_groups=True on at least one spec of the mix")
-        for spec in self.specs.values():
-            if spec.score_groups:
-                _ = spec.group_reward_func  # fails clearly for an environment that cannot
+        for spec in scored:
+            _ = spec.group_reward_func  # fails clearly for an environment that cannot
         return group_reward
 
     @cached_property
     def rollout_func(self) -> RolloutEngine:
-        """The rollout engine over every environment of the mix (use instead of environment_factory).
-
-        Each environment keeps its own spec's `episode_timeout`; the gather window is one for the whole engine:
-        the mix's `gather_window`, else the specs' (which must then agree)."""
+        """The rollout engine over every environment of the mix (use instead of environment_factory). Each environment
+        keeps its own spec's `episode_timeout`; the gather window is one for the whole engine: the mix's
+        `gather_window`, else the specs' (which must then agree)."""
         _trl.require_engine()
         for spec in self.specs.values():
             _ = spec.tool_specs

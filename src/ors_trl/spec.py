@@ -1,18 +1,13 @@
 """`OpenRewardSpec`: one object that wires an ORS environment into TRL's `GRPOTrainer`.
 
     spec = OpenRewardSpec("Eigent/SETA", num_tasks=64)        # or "http://127.0.0.1:8000"
-    trainer = GRPOTrainer(
-        model=...,
-        args=GRPOConfig(...),
-        train_dataset=spec.train_dataset,
-        environment_factory=spec.environment_factory,
-        reward_funcs=spec.reward_funcs,
-    )
+    trainer = GRPOTrainer(model=..., args=GRPOConfig(...), train_dataset=spec.train_dataset,
+                          environment_factory=spec.environment_factory, reward_funcs=spec.reward_funcs)
 
-Same signature and meaning as `trl.experimental.openreward.OpenRewardSpec`; everything new is
-keyword-only with a default that keeps the documented behaviour. A spec, its factory and its
-reward functions pickle (for TRL's asynchronous trainer, whose rollout worker is a spawned
-process): the copy opens its own sessions on its own loop, with the tools already discovered.
+Same signature and meaning as `trl.experimental.openreward.OpenRewardSpec`; everything new is keyword-only with a
+default that keeps the documented behaviour. A spec, its factory and its reward functions pickle (for TRL's
+asynchronous trainer, whose rollout worker is a spawned process): the copy opens its own sessions on its own loop,
+with the tools already discovered.
 """
 
 from __future__ import annotations
@@ -76,6 +71,33 @@ def _slug(text: str) -> str:
     return re.sub(r"[^0-9A-Za-z]+", "_", text).strip("_")[:48] or "env"
 
 
+def _check(low: float | None, *, integer: bool = True, optional: bool = False, strict: bool = False,
+           **options: Any) -> None:
+    """Refuse (`ConfigurationError`) each of `options` (`name=value`) whose value is not an int (with `integer=False`:
+    a number) `>= low` (`> low` when `strict`; a finite number when `low` is None), nor None where `optional`."""
+    for name, value in options.items():
+        if optional and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int if integer else int | float) or not (
+                math.isfinite(value) if low is None else value > low if strict else value >= low):  # NaN fails each
+            bound = "" if low is None else f" {'>' if strict else '>='} {low:g}"
+            what = "an int" if integer else "a finite number" if low is None else "a number"
+            raise ConfigurationError(f"{name} must be {what}{bound}{' or None' if optional else ''}, got {value!r}")
+
+
+def _writer(path: str | None) -> RecordWriter | None:
+    """The bounded episode log at `path` (None: none)."""
+    return None if path is None else RecordWriter(path, max_bytes=EPISODE_LOG_MAX_BYTES, max_text=EPISODE_LOG_MAX_TEXT)
+
+
+def _add_columns(rows: dict[str, list[Any]], tasks: Sequence[Any], name: str) -> list[str]:
+    """Add the tasks' fields to `rows` as columns (`task_columns`); what that changed is logged once, and returned."""
+    columns, notes = task_columns(tasks)
+    log_notes(notes, name)
+    rows.update(columns)
+    return notes
+
+
 class _AdapterClass(type):
     """Metaclass of the adapter classes specs generate: a generated class pickles as its spec."""
 
@@ -92,10 +114,8 @@ _restored_lock = threading.Lock()
 
 def _restore(options: dict[str, Any], tools: tuple[Any, ...] | None,
              joined: tuple[str, str | None] | None = None) -> OpenRewardSpec:
-    """A spec rebuilt from its pickled state, once per process (every copy of it shares sessions and metrics).
-
-    `joined`: the name and episode log a mix gave it (`OpenRewardMix` renames its specs' runtimes).
-    """
+    """A spec rebuilt from its pickled state, once per process (every copy of it shares sessions and metrics);
+    `joined`: the name and episode log a mix gave it (`OpenRewardMix` renames its specs' runtimes)."""
     key = (repr(sorted(options.items(), key=lambda kv: kv[0])), repr(tools), repr(joined))
     with _restored_lock:
         spec = _restored.get(key)
@@ -105,9 +125,7 @@ def _restore(options: dict[str, Any], tools: tuple[Any, ...] | None,
                 spec._set_tools(*tools)
             if joined is not None:
                 name, log = joined
-                writer = (RecordWriter(log, max_bytes=EPISODE_LOG_MAX_BYTES, max_text=EPISODE_LOG_MAX_TEXT)
-                          if log is not None else None)
-                spec._runtime.rename(name, EnvMetrics(spec._runtime.metrics.success_threshold), writer)
+                spec._runtime.rename(name, EnvMetrics(spec._runtime.metrics.success_threshold), _writer(log))
         return spec
 
 
@@ -136,13 +154,12 @@ class OpenRewardSpec:
             TRL passes itself (`self`, `prompts`, `completions`, ...: `RESERVED_COLUMNS` of `ors_trl.tasks.selection`) is
             kept as `task_<name>`, and the log says so once.
         discover_task_tools (`bool`, *optional*, defaults to `True`):
-            Open probe sessions to bind task-specific tools (`/task_tools`), not only the shared ones: one per
-            distinct task of `indices` (task 0 otherwise), `PROBE_CONCURRENCY` (4) at once; every probed task's
-            tools are bound.
+            Open probe sessions to bind task-specific tools (`/task_tools`) too: one per distinct task of `indices`
+            (task 0 otherwise), `PROBE_CONCURRENCY` (4) at once; every probed task's tools are bound.
         task_tools_discovery_index (`int`, *optional*):
             Probe only this task index.
         cache_prompts (`bool`, *optional*, defaults to `True`):
-            Return cached prompts from repeated resets of one task while sessions open in the background (one
+            Answer repeated resets of one task from its cached prompt while sessions open in the background (one
             session-open wait per distinct task, not per rollout).
         max_output_chars (`int`, *optional*):
             Cap on the tool output text the model sees (truncation is marked).
@@ -184,8 +201,8 @@ class OpenRewardSpec:
         upload_rollouts (`bool` or `str`, *optional*, defaults to `False`):
             Send every finished episode to the OpenReward rollout viewer (`True`, or the run's name there), with the
             run's metadata (model name and size, training stage, step); in the background, bounded, failures counted
-            and never failing a step (`ors_trl.protocol.upload`). The platform's API key as for catalog targets: `api_key=`
-            for a catalog name, else `OPENREWARD_API_KEY`.
+            and never failing a step (`ors_trl.protocol.upload`). The platform's API key: `api_key=` for a catalog
+            name, else `OPENREWARD_API_KEY`.
         images (`str`, *optional*, defaults to `"pass"`):
             `"pass"`: image blocks of prompts, conversations and tool outputs reach the model as image parts of their
             message (a vision-language model's processor takes them; a trainer whose processing class is a tokenizer
@@ -223,66 +240,33 @@ class OpenRewardSpec:
             filtered by model and training stage. A self-hosted URL has no platform data: pass a file.
     """
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        num_tasks: int | None = None,
-        split: str = "train",
-        indices: list[int] | None = None,
-        api_key: str | None = None,
-        secrets: Mapping[str, SecretValue] | None = None,
-        env_name: str | None = None,
-        include_metadata: bool = True,
-        discover_task_tools: bool = True,
-        task_tools_discovery_index: int | None = None,
-        cache_prompts: bool = True,
-        max_output_chars: int | None = None,
-        keepalive_interval: float | None = 10.0,
-        timeouts: Timeouts | None = None,
-        retry: RetryPolicy | None = None,
-        max_sessions: int | None = None,
-        episode_log: str | None = None,
-        batch_tool_calls: bool = True,
-        async_tools: bool = False,
-        max_concurrent_tool_calls: int = 64,
-        episode_timeout: float | None = None,
-        unscored_reward: float | None = None,
-        score_groups: bool = False,
-        gather_window: float | None = None,
-        max_tool_calls: int | None = None,
-        success_threshold: float = 1.0,
-        upload_rollouts: bool | str = False,
-        images: str = "pass",
-        max_session_rate: float | tuple[float, int] | None = None,
-        toolset: str | None = None,
-        toolset_fallback: bool = False,
-        env_overrides: Mapping[str, str] | None = None,
-        task_sampling: str | TaskSampler = "uniform",
-        difficulty: tuple[float, float] | None = None,
-        difficulty_from: str | os.PathLike[str] | Mapping[int, float] | PlatformDifficulty | None = None,
-    ) -> None:
-        options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        self._options = options
+    def __init__(self, target: str, *, num_tasks: int | None = None, split: str = "train",
+                 indices: list[int] | None = None, api_key: str | None = None,
+                 secrets: Mapping[str, SecretValue] | None = None, env_name: str | None = None,
+                 include_metadata: bool = True, discover_task_tools: bool = True,
+                 task_tools_discovery_index: int | None = None, cache_prompts: bool = True,
+                 max_output_chars: int | None = None, keepalive_interval: float | None = 10.0,
+                 timeouts: Timeouts | None = None, retry: RetryPolicy | None = None, max_sessions: int | None = None,
+                 episode_log: str | None = None, batch_tool_calls: bool = True, async_tools: bool = False,
+                 max_concurrent_tool_calls: int = 64, episode_timeout: float | None = None,
+                 unscored_reward: float | None = None, score_groups: bool = False, gather_window: float | None = None,
+                 max_tool_calls: int | None = None, success_threshold: float = 1.0, upload_rollouts: bool | str = False,
+                 images: str = "pass", max_session_rate: float | tuple[float, int] | None = None,
+                 toolset: str | None = None, toolset_fallback: bool = False,
+                 env_overrides: Mapping[str, str] | None = None, task_sampling: str | TaskSampler = "uniform",
+                 difficulty: tuple[float, float] | None = None,
+                 difficulty_from: str | os.PathLike[str] | Mapping[int, float] | PlatformDifficulty | None = None,
+                 ) -> None:
+        self._options = options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self._indices = check_selection(num_tasks, indices)
-        self._num_tasks = num_tasks
         if not isinstance(split, str) or not split:
             raise ConfigurationError("split must be a non-empty string")
-        if max_output_chars is not None and max_output_chars < 1:
-            raise ConfigurationError("max_output_chars must be positive or None")
-        if isinstance(max_concurrent_tool_calls, bool) or not isinstance(max_concurrent_tool_calls, int) \
-                or max_concurrent_tool_calls < 1:
-            raise ConfigurationError(f"max_concurrent_tool_calls must be an int >= 1, got {max_concurrent_tool_calls!r}")
-        if episode_timeout is not None and episode_timeout <= 0:
-            raise ConfigurationError("episode_timeout must be positive or None")
-        if gather_window is not None and not gather_window >= 0:  # also refuses NaN
-            raise ConfigurationError(f"gather_window must be >= 0 seconds or None (automatic), got {gather_window!r}")
-        if max_tool_calls is not None and (isinstance(max_tool_calls, bool) or not isinstance(max_tool_calls, int)
-                                           or max_tool_calls < 0):
-            raise ConfigurationError(f"max_tool_calls must be an int >= 0 or None, got {max_tool_calls!r}")
-        if isinstance(success_threshold, bool) or not isinstance(success_threshold, int | float) \
-                or not math.isfinite(success_threshold):
-            raise ConfigurationError(f"success_threshold must be a finite number, got {success_threshold!r}")
+        _check(1, optional=True, max_output_chars=max_output_chars)
+        _check(1, max_concurrent_tool_calls=max_concurrent_tool_calls)
+        _check(0, integer=False, optional=True, strict=True, episode_timeout=episode_timeout)
+        _check(0, integer=False, optional=True, gather_window=gather_window)
+        _check(0, optional=True, max_tool_calls=max_tool_calls)
+        _check(None, integer=False, success_threshold=success_threshold)
         if images not in ("pass", "placeholder"):
             raise ConfigurationError(f'images must be "pass" or "placeholder", got {images!r}')
         sampler = make_sampler(task_sampling, success_threshold=float(success_threshold))
@@ -290,7 +274,6 @@ class OpenRewardSpec:
         if difficulty_from is not None and difficulty is None:
             raise ConfigurationError("difficulty_from= says where task difficulty comes from; pass difficulty=(low, "
                                      "high) too, the range of mean rewards to keep.")
-        self._split = split
         self._unscored_reward = None if unscored_reward is None else float(unscored_reward)
         # In catalog mode the key also goes to the environment as its conventional `api_key` secret, unless the
         # caller chose the secrets.
@@ -300,15 +283,7 @@ class OpenRewardSpec:
                                    timeouts=timeouts, retry=retry, keepalive_interval=keepalive_interval,
                                    max_sessions=max_sessions, max_session_rate=max_session_rate, toolset=toolset,
                                    toolset_fallback=toolset_fallback, env_overrides=env_overrides)
-        writer = None
-        if episode_log is not None:
-            writer = RecordWriter(episode_log, max_bytes=EPISODE_LOG_MAX_BYTES, max_text=EPISODE_LOG_MAX_TEXT)
-        self._runtime = EnvironmentRuntime(
-            self._client, name=self.name, split=split, max_output_chars=max_output_chars,
-            cache_prompts=cache_prompts, max_concurrent_tool_calls=max_concurrent_tool_calls,
-            max_tool_calls=max_tool_calls, episode_timeout=episode_timeout, batch_tool_calls=batch_tool_calls,
-            episode_log=writer, score_groups=score_groups, success_threshold=float(success_threshold), images=images,
-        )
+        self._runtime = EnvironmentRuntime(self._client, self.name, options, _writer(episode_log))
         #: Task sampling (`ors_trl.tasks.sampling`): draws the stream's tasks, hears the runtime's training episodes.
         self.curriculum = None if sampler is None else Curriculum(sampler, self._runtime)
         self._known: dict[int, Difficulty] | PlatformDifficulty | None = None
@@ -337,7 +312,7 @@ class OpenRewardSpec:
         self._selection: tuple[list[int], list[Any]] | None = None
 
     def __repr__(self) -> str:
-        return f"OpenRewardSpec({self.target!r}, split={self._split!r})"
+        return f"OpenRewardSpec({self.target!r}, split={self.split!r})"
 
     def __reduce__(self) -> tuple[Any, ...]:
         tools = self._tools if "_tools" in self.__dict__ else None
@@ -357,7 +332,7 @@ class OpenRewardSpec:
     @property
     def split(self) -> str:
         """The split the tasks are drawn from."""
-        return self._split
+        return self._options["split"]
 
     @property
     def name(self) -> str:
@@ -399,9 +374,6 @@ class OpenRewardSpec:
         Args:
             coro (`Coroutine`):
                 The coroutine (e.g. `spec.client.tasks("train")`).
-
-        Returns:
-            `Any`: What it returned.
         """
         return get_loop().run(coro)
 
@@ -415,17 +387,17 @@ class OpenRewardSpec:
         return self._selection
 
     async def _select(self) -> tuple[list[int], list[Any]]:
-        total = await self._client.num_tasks(self._split)
-        indices = select(total, self._split, self._num_tasks, self._indices, name=self.name)
+        total = await self._client.num_tasks(self.split)
+        indices = select(total, self.split, self._options["num_tasks"], self._indices, name=self.name)
         if self._difficulty is not None:
             known, where = self._known, str(self._options["difficulty_from"])
             if isinstance(known, PlatformDifficulty):
-                known, where = await platform_known(self._client, self._split, known)
+                known, where = await platform_known(self._client, self.split, known)
             assert known is not None
             indices = select_by_difficulty(indices, known, *self._difficulty, name=self.name, source=where)
         if not self._options["include_metadata"]:
             return indices, [{} for _ in indices]
-        by_index = await fetch_tasks(self._client, self._split, indices, name=self.name)
+        by_index = await fetch_tasks(self._client, self.split, indices, name=self.name)
         return indices, [by_index[i] for i in indices]
 
     def dataset_rows(self, indices: list[int], env: str | None = None) -> dict[str, list[Any]]:
@@ -437,12 +409,9 @@ class OpenRewardSpec:
                 The task indices.
             env (`str`, *optional*):
                 The environment's name in a mix.
-
-        Returns:
-            `dict[str, list[Any]]`: The two columns.
         """
         return {
-            "prompt": [[{"role": "user", "content": "", TASK_KEY: Task(self._split, i, env=env).identity()}]
+            "prompt": [[{"role": "user", "content": "", TASK_KEY: Task(self.split, i, env=env).identity()}]
                        for i in indices],
             "task_index": list(indices),
         }
@@ -461,10 +430,7 @@ class OpenRewardSpec:
 
         indices, tasks = self.run(self.select_tasks())
         rows = self.dataset_rows(indices)
-        if self._options["include_metadata"] and tasks:
-            columns, self.dataset_notes = task_columns(tasks)
-            log_notes(self.dataset_notes, self.name)
-            rows.update(columns)
+        self.dataset_notes = _add_columns(rows, tasks, self.name)  # without include_metadata, tasks are `{}`
         dataset = Dataset.from_dict(rows)
         if self.curriculum is None:
             return dataset
@@ -476,13 +442,6 @@ class OpenRewardSpec:
 
     # -- tools -----------------------------------------------------------------------------------
 
-    def _probe_indices(self) -> list[int]:
-        if self._options["task_tools_discovery_index"] is not None:
-            return [self._options["task_tools_discovery_index"]]
-        if self._indices is not None:
-            return sorted(set(self._indices))
-        return [0]
-
     async def _discover(self) -> tuple[list[ToolSpec], TerminalTool | None, bool, tuple[str, ...] | None]:
         """Shared tools plus the task-specific ones of the probe tasks, and what the server supports."""
         client = self._client
@@ -493,25 +452,27 @@ class OpenRewardSpec:
         if not self._options["discover_task_tools"] and self._options["toolset"] is None:  # a toolset's tools show
             return list(merged.values()), terminal, *features  # only in a session
         try:
-            total = await client.num_tasks(self._split)
+            total = await client.num_tasks(self.split)
         except (BadRequestError, NotFoundError):
             raise  # a wrong split or environment is the user's to fix, now, not a degraded tool set
         except ORSError as exc:
             logger.warning("%s: num_tasks failed (%s); binding shared tools only.", self.name, exc)
             return list(merged.values()), terminal, *features
         if self._indices is not None:
-            check_in_range(self._indices, total, self._split)
-        probes = [i for i in self._probe_indices() if 0 <= i < total]
-        dropped = sorted(set(self._probe_indices()) - set(probes))
+            check_in_range(self._indices, total, self.split)
+        only = self._options["task_tools_discovery_index"]
+        wanted = [only] if only is not None else sorted(set(self._indices)) if self._indices is not None else [0]
+        probes = [i for i in wanted if 0 <= i < total]
+        dropped = sorted(set(wanted) - set(probes))
         if dropped:
             logger.warning("%s: tool discovery indices %s are out of range (split %r has %d tasks); ignored.",
-                           self.name, dropped, self._split, total)
+                           self.name, dropped, self.split, total)
         probes = await self._distinct_tasks(probes)
         gate = asyncio.Semaphore(PROBE_CONCURRENCY)
 
         async def probe(index: int) -> Any:
             async with gate:
-                session = await client.open_session(split=self._split, index=index)
+                session = await client.open_session(split=self.split, index=index)
                 try:
                     return await session.tools()
                 finally:
@@ -540,7 +501,7 @@ class OpenRewardSpec:
         if len(indices) < 2:
             return indices
         try:
-            specs = await fetch_tasks(self._client, self._split, indices, name=self.name)
+            specs = await fetch_tasks(self._client, self.split, indices, name=self.name)
         except ORSError as exc:
             logger.warning("%s: could not fetch the tasks to probe (%s); probing every index.", self.name, exc)
             return indices
@@ -583,10 +544,8 @@ class OpenRewardSpec:
 
     @cached_property
     def environment_factory(self) -> Callable[[], OpenRewardEnvironment]:
-        """A zero-argument callable returning a fresh adapter per rollout (TRL's `environment_factory`).
-
-        It is the adapter class itself, generated for this environment: one method per tool.
-        """
+        """A zero-argument callable returning a fresh adapter per rollout (TRL's `environment_factory`): the adapter
+        class itself, generated for this environment, one method per tool."""
         _ = self._tools
         toolset = self._runtime.toolset
         assert toolset is not None
@@ -597,12 +556,10 @@ class OpenRewardSpec:
 
     @cached_property
     def rollout_func(self) -> RolloutEngine:
-        """The rollout engine for `GRPOTrainer(rollout_func=...)`.
-
-        Use it instead of `environment_factory` (not with it), with `train_dataset` and `reward_funcs`: every
-        episode of a batch runs on its own, sessions open concurrently and tool calls overlap. Raises `UsageError`
-        on a TRL version it was not verified against (`environment_factory` works there).
-        """
+        """The rollout engine for `GRPOTrainer(rollout_func=...)`, instead of `environment_factory` (not with it), with
+        `train_dataset` and `reward_funcs`: every episode of a batch runs on its own, sessions open concurrently and
+        tool calls overlap. Raises `UsageError` on a TRL version it was not verified against (`environment_factory`
+        works there)."""
         _trl.require_engine()
         _ = self._tools
         return RolloutEngine({None: self._runtime}, gather_window=self._options["gather_window"])
@@ -616,17 +573,13 @@ class OpenRewardSpec:
 
     @property
     def group_reward_func(self) -> Callable[..., list[float | None]]:
-        """The environment's comparative reward of each GRPO group (`/score_group`), for `reward_funcs=[...]`.
-
-        Needs `OpenRewardSpec(..., score_groups=True)` and an environment that supports group scoring.
-        """
+        """The environment's comparative reward of each GRPO group (`/score_group`), for `reward_funcs=[...]`; needs
+        `score_groups=True` and an environment that supports group scoring."""
         if not self._options["score_groups"]:
             raise ConfigurationError("group_reward_func needs OpenRewardSpec(..., score_groups=True)")
         if not self._tools[2]:
-            raise ConfigurationError(
-                f"{self.name} does not support group scoring (its /tools does not say supports_score_group: true); "
-                "use spec.reward_funcs alone."
-            )
+            raise ConfigurationError(f"{self.name} does not support group scoring (its /tools does not say "
+                                     "supports_score_group: true); use spec.reward_funcs alone.")
         return group_reward
 
     @cached_property
@@ -669,14 +622,12 @@ class OpenRewardSpec:
                 Also evaluate before the first step.
 
         Returns:
-            `EvalCallback`: for `GRPOTrainer(callbacks=[...])`.
+            `EvalCallback`: For `GRPOTrainer(callbacks=[...])`.
         """
         from .trl.eval_callback import EvalCallback
 
         _trl.require_engine()
-        for name, value in {"every": every, "repeats": repeats}.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
+        _check(1, every=every, repeats=repeats)
         count, chosen = (tasks, None) if tasks is None or isinstance(tasks, int) else (None, list(tasks))
         held = OpenRewardSpec(**{**self._options, "split": split, "num_tasks": count, "indices": chosen,
                                  "episode_log": None, "upload_rollouts": False, "include_metadata": False,
@@ -712,10 +663,9 @@ class OpenRewardSpec:
 
         opts = EvalOptions.of(options, **kwargs)
         if opts.num_tasks is None and opts.indices is None:
-            opts.num_tasks, opts.indices = self._num_tasks, self._indices
-        if opts.episode_timeout is None:
-            opts.episode_timeout = self._options["episode_timeout"]
-        if opts.success_threshold is None:
-            opts.success_threshold = self._options["success_threshold"]
+            opts.num_tasks, opts.indices = self._options["num_tasks"], self._indices
+        for key in ("episode_timeout", "success_threshold"):
+            if getattr(opts, key) is None:
+                setattr(opts, key, self._options[key])
         _ = self._tools  # bind as training does
         return evaluate(self._runtime, policy, opts, others=_others)

@@ -1,19 +1,15 @@
 """Conversations both ways: an ORS prompt into chat messages for the model, a rollout back into ORS messages.
 
-Into the model: a `/messages` conversation keeps its roles (the system turn becomes the chat's
-system message; tool calls and results map to the chat fields transformers' templates read:
-`tool_calls`, `role: "tool"`, `reasoning_content`); `/prompt` blocks are one user turn. TRL's own
-loop can only append to the dataset's last user message, so there the whole conversation is
-flattened with every word kept (`Prompt.flat`, `Prompt.content`).
+Into the model: a `/messages` conversation keeps its roles (the system turn becomes the chat's system message; tool
+calls and results map to the chat fields transformers' templates read: `tool_calls`, `role: "tool"`,
+`reasoning_content`); `/prompt` blocks are one user turn. TRL's own loop can only append to the dataset's last user
+message, so there the whole conversation is flattened with every word kept (`Prompt.flat`, `Prompt.content`). An
+image block of a user turn or a tool result becomes an image part of its message (`{"type": "image", "image": <RGB
+PIL image>}`, the form TRL and transformers' processors take; its placeholder text where it cannot be shown, or with
+`images=False`: `OpenRewardSpec(images="placeholder")`); text-only blocks give exactly the text they always gave.
 
-Images: an image block of a user turn or a tool result becomes an image part of its message
-(`content`: `{"type": "image", "image": <RGB PIL image>}`, the form TRL and transformers' processors
-take), an image that cannot be shown its placeholder text (`ors_trl.protocol.images`); text-only blocks give
-exactly the text they always gave. `images=False` (`OpenRewardSpec(images="placeholder")`) keeps the
-`[image: <media type>]` marker instead.
-
-Back to the environment: a rollout's turns become the `[Message]` transcript `/score_group` judges,
-using only the block types the server accepts (others are rendered as text, never dropped).
+Back to the environment: a rollout's turns become the `[Message]` transcript `/score_group` judges, using only the
+block types the server accepts (others are rendered as text, never dropped).
 """
 
 from __future__ import annotations
@@ -44,9 +40,7 @@ Content = str | list[dict[str, Any]]
 
 
 def _pieces(blocks: Sequence[Block], images: bool, view: bool = False) -> list[str | dict[str, Any]]:
-    """`blocks` as pieces of text and image parts, separated as `blocks_text` separates them. `images`: image blocks
-    become image parts (one that cannot be shown: its placeholder), else their `[image: ...]` marker; `view`: the
-    text of that, an image part written as its marker (what a record keeps of what the model read)."""
+    """`blocks` as pieces of text and image parts (separated as `blocks_text` separates them), as `content` says."""
     out: list[str | dict[str, Any]] = []
     for i, block in enumerate(blocks):
         if i:
@@ -80,14 +74,15 @@ def _merge(pieces: Iterable[str | dict[str, Any]]) -> Content:
 
 
 def content(blocks: Sequence[Block], *, images: bool = True, view: bool = False, prefix: str = "") -> Content:
-    """What a model reads for `blocks`: their text (`blocks_text`, as ever for text-only blocks), or with `images`
-    and an image that can be shown among them, content parts; `view`: the text a record keeps of that."""
+    """What a model reads for `blocks`: their text (`blocks_text`), or with `images` and an image that can be shown
+    among them, content parts (one that cannot: its placeholder; without `images`: its `[image: ...]` marker); `view`:
+    the text a record keeps of that (an image part written as its marker)."""
     return _merge([prefix, *_pieces(blocks, images, view)])
 
 
 def assistant_message(reply: Any, ids: Sequence[str]) -> dict[str, Any]:
-    """A reply (`ors_trl.core.episode.Reply`) as the chat message that follows it in the conversation, its calls under
-    `ids`: the one builder of assistant messages (with `tool_message`)."""
+    """A reply (`Reply`) as the chat message that follows it in the conversation, its calls under `ids`: the one
+    builder of assistant messages (with `tool_message`)."""
     message: dict[str, Any] = {"role": "assistant", "content": reply.content or ""}
     if reply.tool_calls:
         message["tool_calls"] = [call.chat(i) for call, i in zip(reply.tool_calls, ids, strict=True)]
@@ -154,26 +149,21 @@ class Prompt:
                                                                                      else images)])
 
     def chat(self, base: Sequence[Mapping[str, Any]] = (), *, images: bool | None = None) -> list[dict[str, Any]]:
-        """Chat messages for the model: `base` (the dataset row's prompt) with this prompt merged in.
-
-        The system turn becomes (or joins) the system message; a first user turn joins the dataset's
-        trailing user message, as TRL's `reset()` text does; later turns follow with their roles. With `images`
-        (default the prompt's own), a user turn or tool result holding an image has content parts (`content`).
-        """
+        """Chat messages for the model: `base` (the dataset row's prompt) with this prompt merged in. The system turn
+        becomes (or joins) the system message; a first user turn joins the dataset's trailing user message, as TRL's
+        `reset()` text does; later turns follow with their roles. With `images` (default the prompt's own), a user
+        turn or tool result holding an image has content parts (`content`)."""
         out = [dict(m) for m in base]
         if self.system:
             if out and out[0].get("role") == "system":
-                out[0]["content"] = _join(out[0].get("content"), self.system)
+                first = out[0].get("content")
+                out[0]["content"] = _append(first, "\n\n" + self.system) if first else self.system
             else:
                 out.insert(0, {"role": "system", "content": self.system})
         turns = [chat for m in self.messages for chat in _chat(m, self.images if images is None else images)]
         if turns and turns[0]["role"] == "user" and out and out[-1].get("role") == "user":
             out[-1]["content"] = _append(out[-1].get("content", ""), turns.pop(0)["content"])
         return out + turns
-
-
-def _join(first: Any, second: str) -> Any:
-    return second if not first else _append(first, "\n\n" + second)
 
 
 def _append(content: Any, more: Content) -> Any:

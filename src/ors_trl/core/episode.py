@@ -1,22 +1,15 @@
 """One episode, written once: the core every driver (TRL's loop, the engine, eval, the demo) drives.
 
-An `Episode` owns one rollout of one task from open to close: its session, its prompt (a
-conversation from `/messages` where the server has it, else `/prompt`), what each model reply does
-(**the turn rule**, `Episode.reply`, the one place that decides which calls run, what a call after
-`finished` or past the call cap is, when the episode ends and why, and what it scores), the end (a
-`@terminal` tool grades the final plain message) and one record (`ors_trl.core.records`). Metrics are
-counted here and nowhere else. A driver only generates, schedules and says what the model replied;
-TRL's own loop makes its calls live (`Episode.call`), and the adapter replays TRL's transcript
-through the same rule afterwards (`Episode.replay`). The limits and the failure text TRL imposes
-come from `ors_trl.trl.backend` as `Rules`.
+An `Episode` owns one rollout of one task from open to close: its session, its prompt (`/messages` where the server
+has it, else `/prompt`), what each model reply does (**the turn rule**, `Episode.reply`, the one place that decides
+which calls run, what a call after `finished` or past the call cap is, when the episode ends and why, and what it
+scores), the end (a `@terminal` tool grades the final plain message) and one record (`ors_trl.core.records`). Metrics
+are counted here and nowhere else. A driver only generates, schedules and says what the model replied; TRL's own loop
+makes its calls live (`Episode.call`) and is replayed through the same rule afterwards (`Episode.replay`), under the
+`Rules` `ors_trl.trl.backend` reads from the trainer. Lifecycle: new -> opening -> open -> ended -> closed.
 
-Lifecycle: new -> opening -> open -> ended -> closed. `close()` is the one way to close (`release()`
-runs it in the background from any thread).
-
-`EnvironmentRuntime` is what the episodes of one environment share: the client, the bound
-tools, the prompt cache, metrics, the record writer, and the set of live episodes that are
-closed at step end, at `close()` and at interpreter exit. It lives on the process's background
-loop (`ors_trl.protocol.loop`).
+`EnvironmentRuntime` is what the episodes of one environment share (client, bound tools, prompt cache, metrics,
+record writer, and the live episodes, closed at step end, at `close()` and at exit), on the background loop.
 """
 
 from __future__ import annotations
@@ -85,6 +78,11 @@ class Task:
             return f"{self.env}:spec:" + json.dumps(self.spec, sort_keys=True, default=str)
         return f"{self.env}:index:{self.split}:{self.index}"
 
+    @property
+    def where(self) -> dict[str, Any]:
+        """The task as `open_session` takes it."""
+        return {"task_spec": self.spec} if self.spec is not None else {"split": self.split, "index": self.index}
+
     def identity(self) -> str:
         """The JSON a dataset row carries so that `rollout_func` (which sees only prompts) knows its task."""
         return json.dumps({"env": self.env, "split": self.split, "index": self.index})
@@ -136,6 +134,10 @@ class ToolCall:
         return cls(name, _arguments(function.get("arguments")) if kind == "function" else None,
                    call.get("id") or None, kind)
 
+    def record(self, **more: Any) -> CallRecord:
+        """The call as its record starts (`more`: further fields)."""
+        return {"id": self.id, "name": self.name, "arguments": self.arguments, **more}  # type: ignore[typeddict-item]
+
     def chat(self, id: str | None = None) -> dict[str, Any]:
         """The call as a chat message's `tool_calls` entry."""
         return {"id": id or self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -173,17 +175,13 @@ class Reply:
 
 @dataclass(frozen=True)
 class Rules:
-    """The limits a driver plays its episodes under, and how a failed call reads to the model.
-
-    Attributes:
-        max_replies: model replies an episode may have (TRL: `max_tool_calling_iterations + 1`). The calls of the
-            last one are not run (no reply would read their results): the episode ends with `max_turns`.
-        max_tool_calls: tool calls an episode may make; later ones are refused locally and counted.
-        error_text: the text the model reads for a failed call (TRL's `{'error': ...}`).
-        tool_markup: the text that opens a tool call in the chat template the replies are parsed with (qwen3:
-            `<tool_call>`), or a pattern of such texts (an endpoint's, `ors_trl.evaluation.policies.TOOL_MARKUPS`): a
-            reply without calls whose text holds it is a call the parser missed, and its turn is marked `unparsed`.
-    """
+    """The limits a driver plays its episodes under, and how a failed call reads to the model. `max_replies`: model
+    replies an episode may have (TRL: `max_tool_calling_iterations + 1`; the calls of the last are not run, as no reply
+    would read their results: the episode ends `max_turns`); `max_tool_calls`: tool calls it may make (later ones are
+    refused locally and counted); `error_text`: the text the model reads for a failed call (TRL's `{'error': ...}`);
+    `tool_markup`: the text that opens a tool call in the chat template the replies are parsed with (qwen3:
+    `<tool_call>`), or a pattern of such texts (`ors_trl.evaluation.policies.TOOL_MARKUPS`): a reply without calls
+    whose text holds it is a call the parser missed, its turn marked `unparsed`."""
 
     max_replies: int | None = None
     max_tool_calls: int | None = None
@@ -223,44 +221,27 @@ def _refusal(tool: str, reason: str, why: str) -> ToolRefusedError:
 class EnvironmentRuntime:
     """What every episode of one environment shares; one per spec.
 
-    Args:
-        client: the environment's client (its sessions live on the background loop).
-        name: the environment's name in metrics and records.
-        split: the split tasks are drawn from.
-        max_output_chars: cap on tool output the model sees (the cut is marked).
-        cache_prompts: answer repeated resets of a task from the cached prompt while the session opens.
-        max_concurrent_tool_calls: tool calls in flight at once, across the environment's episodes.
-        max_tool_calls: tool calls one episode may make (None: no cap); later calls are refused locally.
-        episode_timeout: seconds one episode may take where a driver keeps the time (the engine, eval).
-        batch_tool_calls: in TRL's own loop, start a turn's calls across the batch at once.
-        episode_log: a record writer receiving every finished episode, or None.
-        score_groups: keep finished sessions until the step ends, so group scoring can use them.
-        success_threshold: the reward at or above which an episode counts as a success (metrics).
-        images: "pass" (image blocks reach the model as image parts) or "placeholder" (as their text marker).
+    `client` is the environment's (its sessions live on the background loop), `name` its name in metrics and records,
+    `recorder` the writer of every finished episode's record (or None). `options` are the spec's (`OpenRewardSpec`
+    documents each); the runtime keeps those its episodes and drivers read.
     """
 
-    def __init__(self, client: AsyncClient, *, name: str, split: str, max_output_chars: int | None = None,
-                 cache_prompts: bool = True, max_concurrent_tool_calls: int = 64, max_tool_calls: int | None = None,
-                 episode_timeout: float | None = None, batch_tool_calls: bool = True,
-                 episode_log: RecordWriter | None = None, score_groups: bool = False,
-                 success_threshold: float = 1.0, images: str = "pass") -> None:
-        self.client = client
-        self.name = name
-        self.split = split
-        self.max_output_chars = max_output_chars
-        self.cache_prompts = cache_prompts
-        self.max_concurrent_tool_calls = max_concurrent_tool_calls
-        self.max_tool_calls = max_tool_calls
-        self.episode_timeout = episode_timeout
-        self.batch_tool_calls = batch_tool_calls
-        self.recorder = episode_log
-        self.score_groups = score_groups
-        self.pass_images = images == "pass"
+    def __init__(self, client: AsyncClient, name: str, options: Mapping[str, Any],
+                 recorder: RecordWriter | None = None) -> None:
+        self.client, self.recorder = client, recorder
+        self.rename(name, EnvMetrics(float(options["success_threshold"])), recorder)
+        self.split: str = options["split"]
+        self.max_output_chars: int | None = options["max_output_chars"]
+        self.cache_prompts: bool = options["cache_prompts"]
+        self.max_concurrent_tool_calls: int = options["max_concurrent_tool_calls"]
+        self.max_tool_calls: int | None = options["max_tool_calls"]
+        self.episode_timeout: float | None = options["episode_timeout"]
+        self.batch_tool_calls: bool = options["batch_tool_calls"]  # TRL's loop: start a turn's calls across the batch
+        self.score_groups: bool = options["score_groups"]  # keep finished sessions until the step ends
+        self.pass_images: bool = options["images"] == "pass"
         #: Set when an image met a trainer that cannot take images, where TRL's loop would swallow the error (a tool
         #: call): the reward functions raise it at the end of that step.
         self.image_error: ConfigurationError | None = None
-        self.metrics = EnvMetrics(success_threshold)
-        self.metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
         self.uploads: Any = None  # a RolloutUploader (ors_trl.protocol.upload) sent every closed episode's record, opt-in
         #: Called once with each episode as it is counted (`Episode.account`, `Episode.adopt`): how the drivers'
         #: task sources (`ors_trl.tasks`) hear outcomes without the core knowing them.
@@ -295,16 +276,12 @@ class EnvironmentRuntime:
         return f"<EnvironmentRuntime {self.name!r} live={len(self.live)}>"
 
     @property
-    def terminal(self) -> TerminalTool | None:
-        return self.toolset.terminal if self.toolset is not None else None
-
-    @property
     def trainer(self) -> Any:
         """The trainer driving this environment, while it exists (held weakly: a model is not kept alive)."""
         return self._trainer() if self._trainer is not None else None
 
     def rename(self, name: str, metrics: EnvMetrics, recorder: RecordWriter | None) -> None:
-        """Join a mix: report under `name`, into the mix's metrics and record writer."""
+        """Report under `name` into `metrics` and `recorder` (None: keep the current one); how a mix takes it in."""
         self.name, self.metrics = name, metrics
         metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
         if recorder is not None:
@@ -316,8 +293,8 @@ class EnvironmentRuntime:
         `uploads` (a `RolloutUploader`; False: none) receive its record instead of the runtime's own."""
         if self.max_tool_calls is not None and rules.max_tool_calls is None:
             rules = dataclasses.replace(rules, max_tool_calls=self.max_tool_calls)
-        counts = self.metrics if source != MANUAL else EnvMetrics(self.metrics.success_threshold)  # apart, see MANUAL
-        ep = Episode(self, task, source=source, rules=rules, metrics=counts if metrics else None,
+        apart = source == MANUAL or not metrics  # counted in metrics of its own (see MANUAL), or nowhere
+        ep = Episode(self, task, source=source, rules=rules, metrics=None if apart else self.metrics,
                      writer=writer if writer is not None else self.recorder,
                      uploads=uploads if uploads is not None else self.uploads, **info)
         with self.lock:
@@ -448,15 +425,14 @@ NEW, OPENING, OPEN, ENDED, CLOSED = "new", "opening", "open", "ended", "closed"
 
 
 class Episode:
-    """One rollout of one task. Create it with `EnvironmentRuntime.episode`; run its coroutines on one loop.
-
-    Users receive episodes from `adapter.episode` (`environment_factory`) and `rollout_func.last_episodes`.
+    """One rollout of one task (from `adapter.episode`, `rollout_func.last_episodes`); made by
+    `EnvironmentRuntime.episode`, its coroutines run on one loop.
 
     Args:
         env (`EnvironmentRuntime`):
-            The environment the episode runs in; kept as the attribute `env`.
+            The environment it runs in.
         task (`Task`):
-            The task it runs; kept as the attribute `task`.
+            The task it runs.
         source (`str`):
             Which driver plays it (`"trl"`, `"engine"`, `"eval"`, ...), for the record.
         rules (`Rules`):
@@ -474,26 +450,19 @@ class Episode:
 
     Attributes:
         state (`str`):
-            `"new"`, `"opening"`, `"open"`, `"ended"` (the model stopped, or the episode failed or timed out) or
-            `"closed"`.
+            `new`, `opening`, `open`, `ended` (the model stopped, or it failed or timed out) or `closed`.
         reward (`float` or `None`):
-            Last non-`None` reward (the outcome convention); `None` if nothing was scored, or the episode timed out.
+            The last non-`None` reward (the outcome convention); `None` if nothing was scored, or it timed out.
         rewards (`list[float | None]`):
-            Per tool call, the reward (`None` where absent).
-        metadata (`list[dict[str, Any] | None]`):
-            Per tool call, the environment's metadata (`None` where absent).
+            Per tool call, the reward (`None` where absent); `metadata` likewise the environment's metadata.
         finished (`bool`):
             `True` once the environment said the episode is over (the model may still reply).
         tool_calls (`int`):
-            The model's tool calls this episode.
-        tool_failures (`int`):
-            How many of them failed or were refused.
+            The model's tool calls; `tool_failures` how many of them failed or were refused.
         turns (`list[TurnRecord]`):
-            The record of each model reply.
-        final (`dict[str, Any]` or `None`):
-            The final plain message and its terminal grade.
+            The record of each model reply; `final` the final plain message and its terminal grade.
         error (`dict[str, Any]` or `None`):
-            Why the episode failed outside a tool call (`{"kind", "message"}`), else `None`.
+            Why the episode failed outside a tool call (`{"kind", "message"}`).
         end_reason (`str` or `None`):
             `finished`, `no_tool_calls`, `max_turns`, `length`, `context_length`, `timeout` or `error` (once ended).
         group_reward (`float` or `None`):
@@ -503,11 +472,7 @@ class Episode:
     def __init__(self, env: EnvironmentRuntime, task: Task, *, source: str, rules: Rules,
                  metrics: EnvMetrics | None, writer: RecordWriter | None, task_tools: bool = False,
                  uploads: Any = None, **info: Any) -> None:
-        self.env = env
-        self.task = task
-        self.source = source
-        self.rules = rules
-        self.info = info  # extra record fields: repeat, policy, ...
+        self.env, self.task, self.source, self.rules, self.info = env, task, source, rules, info
         self.toolset = None if task_tools else env.toolset  # None: bind the session's own tool list when it opens
         self.state = NEW
         self.session: AsyncSession | None = None
@@ -527,7 +492,7 @@ class Episode:
         self.started = time.monotonic()
         self.started_at = datetime.now(UTC).isoformat(timespec="seconds")
         self._lost = False  # a call failed for the session's or the network's reasons
-        self._metrics = metrics
+        self._metrics = metrics if metrics is not None else EnvMetrics(env.metrics.success_threshold)  # apart
         self._writer = writer
         self._uploads = uploads
         self._opening: asyncio.Future[bool] | None = None
@@ -566,11 +531,8 @@ class Episode:
     # -- open --------------------------------------------------------------------------------------
 
     async def open(self) -> bool:
-        """Open the session and read the prompt (once; later callers share the first open).
-
-        Returns:
-            `bool`: Whether it opened. A failure is recorded: the episode then ends with `error` and scores `None`.
-        """
+        """Open the session and read the prompt (once; later callers share the first open). Returns whether it opened;
+        a failure is recorded, and the episode ends with `error`, scored `None`."""
         if self._opening is None:
             self.state = OPENING
             self._opening = asyncio.ensure_future(self._open())
@@ -580,8 +542,7 @@ class Episode:
         env, task = self.env, self.task
         started = time.monotonic()
         try:
-            where = {"task_spec": task.spec} if task.spec is not None else {"split": task.split, "index": task.index}
-            self.session = await env.client.open_session(**where)
+            self.session = await env.client.open_session(**task.where)
             self.timings["open"] = time.monotonic() - started
             self.prompt = await env.read_prompt(self.session)
             for block in (b for m in self.prompt.messages for b in image_blocks(m.blocks)):
@@ -589,8 +550,7 @@ class Episode:
             if self.toolset is None:
                 self.toolset = env.toolset_of(await self.session.tools())
         except ORSError as exc:
-            if self._metrics is not None:
-                self._metrics.record_open(env.name, None, exc.kind)
+            self._metrics.record_open(env.name, None, exc.kind)
             logger.warning("%s: could not open a session for task %s: %s", env.name, task.key, exc)
             self._open_error = exc
             self.fail(exc)
@@ -598,8 +558,7 @@ class Episode:
                 await self.session.close()
             return False
         self.timings["prompt"] = time.monotonic() - started - self.timings["open"]
-        if self._metrics is not None:
-            self._metrics.record_open(env.name, time.monotonic() - started)
+        self._metrics.record_open(env.name, time.monotonic() - started)
         env.remember_prompt(task.key, self.prompt)
         if self.state == OPENING:
             self.state = OPEN
@@ -638,7 +597,7 @@ class Episode:
         reason, message = self._rule(reply)
         if reason is None:
             return [await self.call(c) for c in reply.tool_calls]  # type: ignore[arg-type]
-        turn["tool_calls"] = [self._not_run(c) for c in reply.tool_calls]  # type: ignore[arg-type]
+        turn["tool_calls"] = [c.record(status="not_run") for c in reply.tool_calls]  # type: ignore[arg-type]
         await self.end(reason, message)
         return None
 
@@ -653,25 +612,19 @@ class Episode:
         self.turns.append(turn)
         return turn
 
-    @staticmethod
-    def _not_run(call: ToolCall) -> CallRecord:
-        return {"id": call.id, "name": call.name, "arguments": call.arguments, "status": "not_run"}
-
     async def call(self, call: ToolCall) -> Outcome:
-        """One tool call of the model, by the name it saw: checked, routed, run, recorded and counted once.
+        """One tool call of the model, by the name it saw: checked, routed, run, recorded and counted once; its
+        `Outcome` is what the model reads of it, and the result or the error. Never raises for environment failures.
 
         Refused locally (recorded, counted, the model reads why): an unsupported call type, a call after the
         environment said `finished` or after the episode ended, a call past `Rules.max_tool_calls`, and a tool or
-        arguments the binding does not know (TRL's own messages). Never raises for environment failures.
+        arguments the binding does not know (TRL's own messages).
 
         Args:
             call (`ToolCall`):
                 The call as the model wrote it.
-
-        Returns:
-            `Outcome`: What the model reads of it, and the result or the error.
         """
-        entry: CallRecord = {"id": call.id, "name": call.name, "arguments": call.arguments}
+        entry = call.record()
         (self.turns[-1] if self.turns else self._turn(Reply(None)))["tool_calls"].append(entry)
         self.tool_calls += 1
         started = time.monotonic()
@@ -691,7 +644,7 @@ class Episode:
         if images:
             entry["images"] = images
         self._scored(result)
-        self._count_call(elapsed, None)
+        self._metrics.record_call(self.env.name, elapsed, None)
         return Outcome(shown, None, result, text)
 
     def _shown(self, blocks: list[Block]) -> tuple[Content, str]:
@@ -755,7 +708,7 @@ class Episode:
             entry["seconds"] = round(seconds, 4)
         if not isinstance(exc, ToolError):
             self._lost = True
-        self._count_call(seconds, exc.kind)
+        self._metrics.record_call(self.env.name, seconds, exc.kind)  # seconds None: refused before it was sent
         return Outcome(entry["output"], exc)
 
     async def _remote(self, remote: str, wire: dict[str, Any]) -> ToolResult:
@@ -785,20 +738,21 @@ class Episode:
                 if session is not None and not session.closed:
                     self._freeing = asyncio.ensure_future(session.close())  # close() awaits the same close
 
-    def _count_call(self, seconds: float | None, kind: str | None, *, terminal: bool = False) -> None:
-        """Count a call: the model's tool call, or (`terminal`) the harness's call of the hidden terminal tool;
-        `seconds` None for a call refused before it reached the environment."""
-        if self._metrics is not None:
-            self._metrics.record_call(self.env.name, seconds, kind, terminal=terminal)
-
     def replay(self, replies: Sequence[tuple[Reply, Sequence[str]]], *, cut: bool) -> tuple[str, str | None]:
         """A loop that is not ours played this episode (TRL's: its calls came in through `call`): rebuild the turns
         from its transcript by the same turn rule, so that the record and the counts are those the engine and eval
-        give for the same replies. `replies`: each reply with what the loop showed the model after it (one text per
-        call; none when it appended no results: it rolled them back, which ends the episode `length`, or it ran
-        none, at its turn limit); `cut`: the transcript ends after results (the next reply was cut to nothing). A call
-        the loop failed itself, before it reached us, is recorded and counted as refused. Returns what to `end` with:
-        the reason and the final plain message."""
+        give for the same replies. A call the loop failed itself, before it reached us, is counted as refused.
+
+        Args:
+            replies (`Sequence[tuple[Reply, Sequence[str]]]`):
+                Each reply with what the loop showed the model after it: one text per call; none when it appended no
+                results (it rolled them back, which ends the episode `length`, or it ran none, at its turn limit).
+            cut (`bool`):
+                The transcript ends after results (the next reply was cut to nothing).
+
+        Returns:
+            `tuple[str, str | None]`: What to `end` with: the reason and the final plain message.
+        """
         made = deque(c for t in self.turns for c in t["tool_calls"])
         self.turns, self._unseen = [], 0
         reason: str | None = "no_tool_calls"
@@ -811,14 +765,13 @@ class Episode:
                 reason = "length" if made and made[0].get("name") == calls[0].name else "max_turns"
             for j, call in enumerate(calls):
                 if reason == "max_turns":
-                    turn["tool_calls"].append(self._not_run(call))
+                    turn["tool_calls"].append(call.record(status="not_run"))
                 elif made and made[0].get("name") == call.name:
                     turn["tool_calls"].append(made.popleft())
                 else:  # the loop failed it before it reached us
                     self.tool_calls += 1
-                    turn["tool_calls"].append({"id": call.id, "name": call.name, "arguments": call.arguments})
-                    self._failed(turn["tool_calls"][-1], self._refusal_of(call, shown[j] if j < len(shown) else None),
-                                 None)
+                    turn["tool_calls"].append(entry := call.record())
+                    self._failed(entry, self._refusal_of(call, shown[j] if j < len(shown) else None), None)
         if cut and reason is None:  # the next reply was cut to nothing
             self._turn(Reply(None, truncated=True))
             reason = "length"
@@ -856,18 +809,18 @@ class Episode:
         terminal = self.terminal
         if terminal is not None and message is not None and not self.finished and self.error is None:
             self.final = {"message": message, "tool": terminal.name}
-            started = time.monotonic()
+            started, kind = time.monotonic(), None
             try:
                 result = await self._remote(terminal.name, terminal.arguments(message))
             except ORSError as exc:
-                self.final.update(error=error_record(exc), seconds=round(time.monotonic() - started, 4))
-                self._count_call(time.monotonic() - started, exc.kind, terminal=True)
+                self.final["error"], kind = error_record(exc), exc.kind
             else:
                 self.final.update(output=clip(result.text, self.env.max_output_chars), reward=result.reward,
-                                  finished=result.finished, metadata=result.metadata,
-                                  seconds=round(time.monotonic() - started, 4))
+                                  finished=result.finished, metadata=result.metadata)
                 self._scored(result)
-                self._count_call(time.monotonic() - started, None, terminal=True)
+            self.final["seconds"] = round(time.monotonic() - started, 4)
+            # the harness's call of the hidden terminal tool, counted apart from the model's calls
+            self._metrics.record_call(self.env.name, time.monotonic() - started, kind, terminal=True)
         elif message is not None:
             self.final = {"message": message}
         if detail:
@@ -924,10 +877,8 @@ class Episode:
         if self._accounted:
             return
         self._accounted = True
-        if self._metrics is not None:
-            self._metrics.record_episode(self.env.name, reward=self.reward, finished=self.finished,
-                                         calls=self.tool_calls, unscored=self.unscored, turns=self.turns,
-                                         opened=self.prompt is not None)
+        self._metrics.record_episode(self.env.name, reward=self.reward, finished=self.finished, calls=self.tool_calls,
+                                     unscored=self.unscored, turns=self.turns, opened=self.prompt is not None)
         for listener in self.env.listeners:
             listener(self)
         self._bill()
@@ -937,10 +888,8 @@ class Episode:
         environment's metrics, and its outcome teaches task sampling."""
         if self.source != MANUAL:
             return
-        self.source, apart = "trl", self._metrics
-        if apart is not None:
-            self._metrics = self.env.metrics
-            self.env.metrics.absorb(apart)
+        self.env.metrics.absorb(self._metrics)
+        self.source, self._metrics = "trl", self.env.metrics
         if self._accounted:
             for listener in self.env.listeners:
                 listener(self)
@@ -951,8 +900,7 @@ class Episode:
         if self.session is None:
             return
         spent = self.timings["session"] = self.session.seconds
-        if self._metrics is not None:
-            self._metrics.record_session(self.env.name, spent - self._billed, unscored=self.reward is None)
+        self._metrics.record_session(self.env.name, spent - self._billed, unscored=self.reward is None)
         self._billed = spent
 
     def record(self) -> EpisodeRecord:
@@ -1032,9 +980,7 @@ async def score_groups(episodes: Sequence[Episode]) -> None:
         opened = None
         try:
             if session is None:  # every session of the group is gone: score through a fresh one
-                task = group[0].task
-                session = opened = await env.client.open_session(
-                    **({"task_spec": task.spec} if task.spec is not None else {"split": task.split, "index": task.index}))
+                session = opened = await env.client.open_session(**group[0].task.where)
             candidates = [{"messages": [m.to_json() for m in transcript(ep.prompt, ep.turns, ep.final_message,
                                                                          env.block_types)],
                            "metadata": {"rollout": i}} for i, ep in enumerate(group)]
@@ -1042,15 +988,13 @@ async def score_groups(episodes: Sequence[Episode]) -> None:
         except ORSError as exc:
             logger.warning("%s: group scoring of task %s failed (%d rollouts get None): %s", env.name,
                            group[0].task.key, len(group), exc)
-            if group[0]._metrics is not None:
-                group[0]._metrics.record_group(env.name, ok=False)
+            group[0]._metrics.record_group(env.name, ok=False)
             return
         finally:
             if opened is not None:
                 await opened.close()
         for ep, result in zip(group, scores, strict=True):
             ep.group_reward = result.reward
-        if group[0]._metrics is not None:
-            group[0]._metrics.record_group(env.name, ok=True)
+        group[0]._metrics.record_group(env.name, ok=True)
 
     await asyncio.gather(*(score(g) for g in groups.values()))

@@ -64,13 +64,11 @@ class Generator(Protocol):
 
 async def play(episode: Episode, generator: Any, *, base: Sequence[Mapping[str, Any]] = (), flatten: bool = False,
                timeout: float | None = None) -> Conversation:
-    """Play `episode` with `generator` until it ends (the rules' reply limit bounds the loop).
-
-    `base`: the dataset row's prompt messages the episode's prompt joins (`Prompt.chat`); `flatten`: show the prompt
-    as one user message, as TRL's `environment_factory` loop does; `timeout`: seconds the episode may take, past
-    which it ends scored None (`Episode.time_out`). An episode that does not open is left failed (its conversation
-    has no messages). What the generator raises, other than a stop, propagates.
-    """
+    """Play `episode` with `generator` until it ends (the rules' reply limit bounds the loop). `base`: the dataset
+    row's prompt messages the episode's prompt joins (`Prompt.chat`); `flatten`: show the prompt as one user message,
+    as TRL's `environment_factory` loop does; `timeout`: seconds the episode may take, past which it ends scored None
+    (`Episode.time_out`). An episode that does not open is left failed (its conversation has no messages). What the
+    generator raises, other than a stop, propagates."""
     conversation = Conversation(episode)
     start, finish = getattr(generator, "start", None), getattr(generator, "finish", None)
     if start is not None:
@@ -116,8 +114,8 @@ class _Request:
     __slots__ = ("future", "item", "loop", "order", "since")
 
     def __init__(self, item: Any, future: asyncio.Future[Any], order: int) -> None:
-        self.item, self.future, self.loop, self.since = item, future, future.get_loop(), time.monotonic()
-        self.order = order
+        self.item, self.future, self.order = item, future, order
+        self.loop, self.since = future.get_loop(), time.monotonic()
 
 
 def _settle(future: asyncio.Future[Any], result: Any) -> None:
