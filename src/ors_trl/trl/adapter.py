@@ -32,8 +32,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import types
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -374,6 +375,13 @@ def settle_all(environments: list[Any], completions: list[Any] | None, completio
 
 # -- TRL's asynchronous trainer ------------------------------------------------------------------
 
+#: Each ended rollout's episode by the identity of its transcript (what TRL hands reward functions as its
+#: `completions` entry, kept alive here so that no other list takes its id), with how many reading reward functions
+#: are still to come; bounded, for reward functions that never come.
+_HANDOVER: OrderedDict[int, tuple[list[Any], Episode, int]] = OrderedDict()
+_HANDOVER_MAX = 16_384
+_HANDOVER_LOCK = threading.Lock()
+
 
 async def _get_reward(self: OpenRewardEnvironment) -> float | None:
     """TRL's async rollout worker awaits this once per finished rollout, before the adapter returns to its pool.
@@ -398,9 +406,26 @@ def _rollout_ended(env: OpenRewardEnvironment, seen: _trl.FinishedRollout | None
         if seen is not None else 0
     env._end()  # the rollout is over: close its session now, not when TRL reuses this adapter
     if seen is not None and readers:
-        env._runtime.hand_over(seen.messages, ep, readers)
+        with _HANDOVER_LOCK:
+            _HANDOVER[id(seen.messages)] = (seen.messages, ep, readers)
+            while len(_HANDOVER) > _HANDOVER_MAX:
+                _HANDOVER.popitem(last=False)
         return None
     return ep.reward
+
+
+def take_ended(messages: Any) -> Episode | None:
+    """In TRL's async worker: the episode handed over with transcript `messages`, if any (forgotten once every
+    reading reward function has had it)."""
+    with _HANDOVER_LOCK:
+        hit = _HANDOVER.get(id(messages))
+        if hit is None or hit[0] is not messages:
+            return None
+        if hit[2] <= 1:
+            del _HANDOVER[id(messages)]
+        else:
+            _HANDOVER[id(messages)] = (messages, hit[1], hit[2] - 1)
+        return hit[1]
 
 
 def for_this_process(cls: type[OpenRewardEnvironment]) -> type[OpenRewardEnvironment]:

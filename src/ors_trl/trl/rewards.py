@@ -19,11 +19,11 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..core.episode import EnvironmentRuntime, Episode, find_ended, runtimes, score_groups
+from ..core.episode import EnvironmentRuntime, Episode, runtimes, score_groups
 from ..protocol.errors import ConfigurationError
 from ..protocol.loop import get_loop
 from . import backend as _trl
-from .adapter import READS_EPISODES, OpenRewardEnvironment, settle_all
+from .adapter import READS_EPISODES, OpenRewardEnvironment, settle_all, take_ended
 
 __all__ = ["group_reward", "outcome_reward", "reward_function"]
 
@@ -36,7 +36,7 @@ def _episodes(environments: Sequence[Any] | None, kwargs: dict[str, Any], column
         return [env.episode if isinstance(env, OpenRewardEnvironment) else None for env in environments]
     completions = kwargs.get("completions")
     if column not in kwargs and _trl.in_async_worker() and isinstance(completions, list):
-        return [find_ended(messages) for messages in completions]
+        return [take_ended(messages) for messages in completions]
     return None
 
 
