@@ -120,31 +120,21 @@ class RolloutEngine:
         rollouts = [self._rollout(p, backend) for p in prompts]
         episodes = [ep for ep, _ in rollouts]
         conversations: dict[int, Conversation] = {}
-        groups: dict[tuple[int, str], list[Episode]] = {}  # GRPO groups: the rollouts of one task
+        groups: dict[tuple[int, str], list[Episode]] = {}  # GRPO groups to score: the rollouts of one task
         for ep in episodes:
             if ep.env.score_groups:
                 groups.setdefault((id(ep.env), ep.task.key), []).append(ep)
-        bg = get_loop()
         try:
-            done: set[int] = set()
             for wave in self._waves(rollouts):
-                futures = [ep.env.submit(play(ep, generator, base=base, timeout=ep.env.episode_timeout))
-                           for ep, base in wave]
+                future = get_loop().submit(_wave(wave, generator, conversations, groups))
+                future.add_done_callback(lambda _: generator.batcher.wake())
                 try:
-                    for future in futures:
-                        future.add_done_callback(lambda _: generator.batcher.wake())
-                    self._pump(generator, futures)
-                    for (ep, _), future in zip(wave, futures, strict=True):
-                        conversations[id(ep)] = future.result()
-                    done.update(id(ep) for ep, _ in wave)
-                    if groups:  # while their sessions are still open: every group now complete
-                        complete = [k for k, g in groups.items() if all(id(e) in done for e in g)]
-                        bg.run(score_groups([e for k in complete for e in groups.pop(k)]))
+                    self._pump(generator, future)
+                    future.result()
                 finally:
-                    for future in futures:
+                    if not future.done():  # the pump failed: stop the wave, its sessions close all the same
                         future.cancel()
-                    concurrent.futures.wait(futures, timeout=60)
-                    bg.run(_close_sessions([ep for ep, _ in wave]))
+                        get_loop().run(_close_sessions([ep for ep, _ in wave]))
         finally:
             for ep in episodes:
                 ep.release()  # accounts the episode and writes its record
@@ -173,16 +163,12 @@ class RolloutEngine:
         size = max(min(known) if known else len(rollouts), 1)
         return [rollouts[i:i + size] for i in range(0, len(rollouts), size)]
 
-    def _pump(self, generator: _TrainerGenerator, futures: list[concurrent.futures.Future[Any]]) -> None:
-        """Generate, on this (the training) thread, for whatever rollouts are ready, until every one has ended; under
+    def _pump(self, generator: _TrainerGenerator, wave: concurrent.futures.Future[Any]) -> None:
+        """Generate, on this (the training) thread, for whatever rollouts are ready, until the wave has ended; under
         several processes, until none has work (a process without any joins every call with padding)."""
         batcher, backend = generator.batcher, generator.backend
-
-        def ended() -> bool:
-            return all(f.done() for f in futures)
-
         while True:
-            batch = batcher.take(stop=ended)
+            batch = batcher.take(stop=wave.done)
             if not (backend.anyone(bool(batch)) if backend.processes > 1 else batch):
                 return
             self.generation_calls.append(len(batch))
@@ -219,6 +205,23 @@ class RolloutEngine:
             "ors_tool_failures": [ep.tool_failures for ep in episodes],
             "ors_env": [ep.env.key for ep in episodes],
         }
+
+
+async def _wave(wave: list[tuple[Episode, Any]], generator: _TrainerGenerator, conversations: dict[int, Conversation],
+                groups: dict[tuple[int, str], list[Episode]]) -> None:
+    """Play a wave's episodes, score the GRPO groups complete now (while their sessions are open), and close the
+    wave's sessions, also on errors. The first error of a play, in the wave's order, is raised once all have ended."""
+    try:
+        played = await asyncio.gather(*(play(ep, generator, base=base, timeout=ep.env.episode_timeout)
+                                        for ep, base in wave), return_exceptions=True)
+        errors = [p for p in played if isinstance(p, BaseException)]
+        if errors:
+            raise errors[0]
+        conversations.update((id(ep), conversation) for (ep, _), conversation in zip(wave, played, strict=True))
+        complete = [key for key, group in groups.items() if all(id(ep) in conversations for ep in group)]
+        await score_groups([ep for key in complete for ep in groups.pop(key)])
+    finally:
+        await _close_sessions([ep for ep, _ in wave])
 
 
 async def _close_sessions(episodes: list[Episode]) -> None:
