@@ -149,7 +149,9 @@ class OpenRewardEnvironment:
         rt = self._runtime
         trainer, batch = _trl.resetting_batch(self)
         if trainer is not None:
-            _trl.Backend.of(trainer).attach(rt)
+            from .callbacks import attach_session_cleanup
+
+            attach_session_cleanup(trainer, rt)
         for env, batch_row in batch or ():
             if isinstance(env, OpenRewardEnvironment) and env._preopened is None:
                 env._preopen(batch_row, trainer)

@@ -16,10 +16,9 @@ from ..core.metrics import EpisodeStats, stats_metrics, tool_health
 from ..core.stats import pass_over_tasks
 from ..tasks.stream import DrawSource
 from . import backend as _trl
-from .engine import RolloutEngine
 
-__all__ = ["STATE_KEY", "EvalCallback", "SessionCleanupCallback", "TaskSamplingCallback", "attach_task_sampling",
-           "stream_callbacks"]
+__all__ = ["STATE_KEY", "EvalCallback", "SessionCleanupCallback", "TaskSamplingCallback", "attach_session_cleanup",
+           "attach_task_sampling", "stream_callbacks"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -52,6 +51,17 @@ class SessionCleanupCallback(TrainerCallback):
             runtime.close_all()
 
 
+def attach_session_cleanup(trainer: Any, runtime: Any) -> None:
+    """Make `trainer` (seen resetting an adapter or running the engine) release `runtime`'s sessions at each step's
+    end and close them at the end: a `SessionCleanupCallback`, unless one already covers the runtime."""
+    if not hasattr(trainer, "add_callback") or not runtime.bind(trainer):
+        return
+    for cb in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
+        if isinstance(cb, SessionCleanupCallback) and runtime in cb.runtimes:
+            return
+    trainer.add_callback(SessionCleanupCallback([runtime]))
+
+
 class EvalCallback(TrainerCallback):
     """Evaluate held-out tasks with the model being trained, every `every` steps (and, `at_start`, at step 0).
 
@@ -65,7 +75,8 @@ class EvalCallback(TrainerCallback):
                  at_start: bool = True) -> None:
         self.spec = spec  # holds the held-out environment's client
         self.runtime = spec.runtime
-        self.engine = RolloutEngine({None: self.runtime}, gather_window=spec.gather_window, source="eval")
+        self.engine = spec.rollout_func  # the held-out spec's own engine
+        self.engine.source = "eval"
         self.prompts = [p for p in prompts for _ in range(repeats)]
         self.every, self.repeats, self.at_start = every, repeats, at_start
         self.history: list[dict[str, float]] = []

@@ -1,20 +1,16 @@
 """The rollout engine: `spec.rollout_func` for TRL's `rollout_func`, with no turn barriers.
 
-TRL's own loop runs a batch turn by turn: every rollout waits for the slowest tool call of the turn before anyone
-generates again. The engine plays every episode of the batch on its own (`ors_trl.core.rollout.play`, on the
-background loop, concurrently), while the training thread generates for whatever rollouts are ready at that moment
-(the one `Batcher`: by default waiting for others at most 0.05 s and at most half of what a generation call has been
-taking; `gather_window=` fixes the wait). A slow tool call delays only its own rollout, so a step takes about as long
-as its slowest single rollout instead of the sum over turns of each turn's slowest call.
+TRL's own loop runs a batch turn by turn: every rollout waits for the slowest tool call of the turn. The engine plays
+every episode of the batch on its own (`ors_trl.core.rollout.play`, concurrently on the background loop) while the
+training thread generates for whatever rollouts are ready (the one `Batcher`), so a step takes about as long as its
+slowest rollout instead of the sum over turns of each turn's slowest call.
 
-Each rollout follows TRL's tool loop exactly (same chat template, tool-call parsing, tool-result formatting,
-`max_completion_length` and `max_tool_calling_iterations` rules; its ids built by `ors_trl.trl.tokens`), so with
-greedy decoding it produces the same completions, tool calls and rewards as the `environment_factory` path. Under
-several processes every process makes the same number of generation calls with the same number of prompts (a process
-without work joins with dummy prompts), as collective backends (vLLM server mode, ZeRO-3, FSDP) require. A spec's
-`episode_timeout` closes an episode that runs over and scores it None. Images (a prompt's and the tool results')
-are expanded into their image tokens as the rollout is rendered, go to every generation call with their pixel fields,
-and reach TRL's loss with the ids (`Backend.hand_images`).
+Each rollout follows TRL's tool loop exactly (chat template, tool-call parsing, tool-result formatting, its budgets
+and turn rules; ids built by `ors_trl.trl.tokens`), so with greedy decoding it gives the same completions, tool calls
+and rewards as `environment_factory`. Under several processes every process makes the same number of generation
+calls with the same number of prompts (one without work joins with dummy prompts), as collective backends (vLLM
+server mode, ZeRO-3, FSDP) require. Images are expanded into their image tokens as a rollout is rendered, go to every
+generation call with their pixel fields, and reach TRL's loss with the ids (`Backend.hand_images`).
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,8 +30,6 @@ from .backend import Backend, install_image_handoff, require_engine
 from .tokens import TokenGenerator, Tokens
 
 __all__ = ["TASK_KEY", "RolloutEngine", "task_of"]
-
-logger = logging.getLogger("ors_trl")
 
 #: Key of the prompt message that carries a row's task identity (written by the specs' datasets).
 TASK_KEY = "ors_task"
@@ -91,18 +84,18 @@ class RolloutEngine:
             each of its episodes: past it an episode is closed and scored None).
         gather_window: seconds generation waits for more rollouts to be ready (None: automatic, see `Batcher`).
         turn_barrier: wait for every rollout before each generation (TRL's turn-by-turn schedule), for comparison.
-        source: the `source` of its episodes' records (`"eval"`: evaluation during training).
 
-    `info` holds extra record fields for the episodes of the next calls (the evaluation's training `step`).
-    Episodes of an environment whose spec has `score_groups=True` are also scored as GRPO groups with its
-    `/score_group` (the `ors_group_reward` column `spec.group_reward_func` reads).
+    `source` is its episodes' records' source (`"eval"` for evaluation during training) and `info` holds extra record
+    fields for the episodes of the next calls (the evaluation's training `step`). Episodes of an environment whose
+    spec has `score_groups=True` are also scored as GRPO groups with its `/score_group` (the `ors_group_reward`
+    column `spec.group_reward_func` reads).
     """
 
     def __init__(self, environments: Mapping[str | None, EnvironmentRuntime], *, gather_window: float | None = None,
-                 turn_barrier: bool = False, source: str = "engine") -> None:
+                 turn_barrier: bool = False) -> None:
         Batcher(gather_window)  # checks the window now
         self.environments = dict(environments)
-        self.source, self.gather_window, self.turn_barrier = source, gather_window, turn_barrier
+        self.source, self.gather_window, self.turn_barrier = "engine", gather_window, turn_barrier
         self.info: dict[str, Any] = {}
         self.last_episodes: list[Episode] = []
         self.generation_calls: list[int] = []  # prompts per generation call (this process), for inspection
@@ -113,9 +106,11 @@ class RolloutEngine:
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         require_engine()
+        from .callbacks import attach_session_cleanup
+
         backend = Backend.of(trainer)
         for rt in self.environments.values():
-            backend.attach(rt)
+            attach_session_cleanup(trainer, rt)
         generator = _TrainerGenerator(backend, Batcher(self.gather_window, barrier=self.turn_barrier))
         rollouts = [self._rollout(p, backend) for p in prompts]
         episodes = [ep for ep, _ in rollouts]
