@@ -1,30 +1,22 @@
 """The per-rollout adapter TRL's `environment_factory` hands out: a thin driver of `ors_trl.core.episode.Episode`.
 
-TRL constructs adapters once, then for every rollout calls `reset(**row)` and the tool methods the
-model asks for, from its training thread. Each `reset` starts a new episode (the previous one is
-closed in the background); each tool method is one `Episode.call`. Both return text, or content
-parts (text and images, `ors_trl.core.conversation.content`) where the prompt or the output holds an
-image: TRL's loop takes them to the processor and the model's forward passes.
+TRL builds adapters once, then for every rollout calls `reset(**row)` and the tool methods the model asks for, from
+its training thread: a `reset` starts a new episode (closing the previous one in the background), a tool method is
+one `Episode.call`. Both return text, or content parts where the prompt or the output holds an image. An environment
+failure never raises out of `reset()` (the episode is recorded as failed, scored None, and the model told why); a
+tool failure raises from the tool method, as TRL counts failures (`tools/failure_frequency`), with a message the
+model can read.
 
-No serial waiting, where TRL's loop state allows it (`ors_trl.trl.backend`): the batch's first reset starts
-opening every session of the batch, later resets of a task return its cached prompt at once while
-their sessions open, and the first tool call of a turn starts the whole turn's calls across the
-batch (`batch_tool_calls`; each rollout's own calls still in order, nothing TRL will not ask for).
+Where TRL's loop state allows it (`ors_trl.trl.backend`), nothing waits in series: the batch's first reset starts
+opening every session of the batch, and the first tool call of a turn starts the whole turn's calls across the batch
+(`batch_tool_calls`; each rollout's own calls still in order, nothing TRL will not ask for).
 
-An environment failure never raises out of `reset()`: the episode is recorded as failed, scored
-None, and the model is told what happened. Tool failures raise from the tool method (that is how
-TRL counts them in `tools/failure_frequency`) with a message the model can read.
-
-An episode opened with no trainer driving it (`env = spec.environment_factory(); env.reset(task_index=0)`, to look
-at a prompt before training) is not a training episode: its record says source `manual`, and it is counted apart,
-out of the `env/...` metrics of the step that closes it and out of task sampling, unless the reward functions read
-it (`settle_all`: a loop of one's own that scores with `spec.reward_funcs` trains, and is counted).
-
-In TRL's asynchronous trainer the adapters live in a spawned rollout worker, which reuses them from a
-pool and calls reward functions long after, without them. There the adapter class gains TRL's
-`get_reward` hook (`for_this_process`): when a rollout ends it settles the episode on its transcript
-and frees the session, and the spec's reward functions find the episode by that transcript
-(`ended_episodes`).
+An episode opened with no trainer driving it (`spec.environment_factory().reset(task_index=0)`, to look at a prompt)
+has source `manual`: it is counted out of the step's `env/...` metrics and out of task sampling, unless reward
+functions read it (`settle_all`: a loop of one's own scoring with `spec.reward_funcs` trains). In TRL's asynchronous
+trainer the adapters live in a spawned rollout worker that calls reward functions later, without them: there the
+adapter class gains TRL's `get_reward` hook (`for_this_process`), which settles the episode when its rollout ends
+and hands it over to the reward functions by its transcript (`take_ended`).
 """
 
 from __future__ import annotations
@@ -66,11 +58,8 @@ class _Ahead:
 
 
 class _NotATool:
-    """A public adapter method that TRL does not take for a tool.
-
-    TRL offers the model every public function of the adapter class (`inspect.getmembers(cls, inspect.isfunction)`
-    but `reset` and `get_reward`); read off the class, this is a descriptor object, not a function.
-    """
+    """A public adapter method that TRL does not take for a tool: TRL offers the model every function of the adapter
+    class (`inspect.getmembers(cls, inspect.isfunction)` but `reset` and `get_reward`), and this is not one."""
 
     def __init__(self, func: Callable[..., Any]) -> None:
         self.__func__ = func
@@ -189,19 +178,15 @@ class OpenRewardEnvironment:
         self._preopened = (task, ep, rt.submit(ep.open()))
 
     def _end(self) -> None:
-        """Settle calls started ahead and close the current episode in the background (`reset` and the async
-        worker's `get_reward` do this; `close()` also waits for the server)."""
+        """Settle calls started ahead and close the current episode in the background (`close()` also waits)."""
         self._settle_ahead()
         if self._episode is not None:
             self._episode.release()
 
     def _close_now(self) -> None:
         """End this rollout's episode now: account it, write its record and wait (bounded) until the server has
-        deleted its session, as a release does in the background. Idempotent; the reward and the rest of the
-        episode's state stay readable. Never raises for environment failures (a slow delete is logged).
-
-        `_close()` is the name TRL's own adapter (and scripts written against it) use.
-        """
+        deleted its session. Idempotent; the episode's state stays readable; a slow delete is logged, not raised.
+        (`_close()`: the name TRL's own adapter, and scripts written against it, use.)"""
         self._settle_ahead()
         pre, self._preopened = self._preopened, None
         episodes = [ep for ep in (self._episode, pre[1] if pre is not None else None) if ep is not None]
@@ -259,12 +244,9 @@ class OpenRewardEnvironment:
         return self._answer(await asyncio.wrap_future(self._runtime.bg.submit(call)))
 
     def _start_turn(self, first: ToolCall) -> None:
-        """At the first call of a turn of TRL's tool loop, start the turn's calls across the batch at once.
-
-        For each rollout (this one from the current call on), the longest prefix of its calls TRL will make
-        exactly as given: a tool of the rollout's own adapter with arguments that bind. Each rollout's calls
-        run in order on its session, bounded per environment by `max_concurrent_tool_calls`.
-        """
+        """At the first call of a turn of TRL's tool loop, start the turn's calls across the batch at once: per
+        rollout (this one from the current call on), the longest prefix of its calls TRL will make as given (tools of
+        its own adapter, with arguments that bind), in order on its session."""
         seen = _trl.tool_turn(self)
         if seen is None:
             return
@@ -307,14 +289,12 @@ class OpenRewardEnvironment:
 
 
 def _source(trainer: Any) -> str:
-    """An adapter episode's source: `trl` when a trainer drives it (`trainer`, found calling `reset`, or TRL's async
-    worker), else `MANUAL`."""
+    """`trl` when a trainer drives the episode (found calling `reset`, or TRL's async worker), else `MANUAL`."""
     return "trl" if trainer is not None or _trl.in_async_worker() else MANUAL
 
 
 def _refuse_images(trainer: Any, what: str) -> None:
-    """An image a trainer cannot take is a `ConfigurationError`; no trainer (an adapter driven by hand): nothing to
-    check."""
+    """An image a trainer cannot take is a `ConfigurationError` (an adapter driven by hand has nothing to check)."""
     if trainer is not None:
         _trl.Backend.of(trainer).refuse_images(what)
 

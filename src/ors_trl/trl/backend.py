@@ -99,47 +99,34 @@ def require_engine() -> None:
 # -- the stack: TRL's loops and the trainer --------------------------------------------------------------
 
 
-def _frame_locals(skip: int, hops: int, match: Callable[[FrameType], bool]) -> dict[str, Any] | None:
-    """The locals of the first of `hops` frames, walking up from `skip` frames above our caller, for which `match`
-    holds; None if there is none."""
+def _frame_locals(skip: int, hops: int, function: str | None = None) -> dict[str, Any]:
+    """The locals of the first of `hops` frames, walking up from `skip` frames above our caller, of TRL's `function`
+    (None: of a trainer's method); `{}` if there is none."""
     try:
         frame: FrameType | None = sys._getframe(skip + 1)
     except ValueError:  # the stack is not that deep: not called from TRL's loop
-        return None
+        return {}
     for _ in range(hops):
         if frame is None:
-            return None
-        if match(frame):
+            break
+        this = frame.f_locals.get("self")
+        a_trainer = hasattr(this, "add_callback") and hasattr(this, "callback_handler")
+        if (frame.f_code.co_name == function) if function else a_trainer:
             return frame.f_locals
         frame = frame.f_back
-    return None
-
-
-def _locals_of(skip: int, hops: int, function: str) -> dict[str, Any] | None:
-    """The locals of TRL's `function` among the `hops` frames from `skip` above our caller; None if not there
-    or TRL is unverified."""
-    return _frame_locals(skip, hops, lambda f: f.f_code.co_name == function) if verified() else None
-
-
-def _is_trainer(obj: Any) -> bool:
-    return hasattr(obj, "add_callback") and hasattr(obj, "callback_handler")
-
-
-def _trainer_locals(skip: int, hops: int) -> dict[str, Any]:
-    """The locals of a trainer's method among the `hops` frames from `skip` above our caller (`{}` if none is)."""
-    return _frame_locals(skip + 1, hops, lambda f: _is_trainer(f.f_locals.get("self"))) or {}
+    return {}
 
 
 def calling_trainer(skip: int = 1) -> Any:
     """The trainer whose callback event (`on_train_begin`, `on_step_end`, ...) is running: found up the stack from
     `skip` frames above our caller (the callback's method), since transformers hands callbacks no trainer."""
-    return _trainer_locals(skip, 8).get("self")
+    return _frame_locals(skip, 8).get("self")
 
 
 def training_trainer() -> Any:
     """The trainer whose training loop is reading a dataset, from inside the read (a dataset row's generator): found
     up the stack (datasets' and torch's iteration stand between), since a dataset is handed no trainer."""
-    return _trainer_locals(1, 96).get("self")
+    return _frame_locals(1, 96).get("self")
 
 
 def resetting_batch(adapter: Any, skip: int = 2) -> tuple[Any, list[tuple[Any, Mapping[str, Any]]] | None]:
@@ -147,7 +134,7 @@ def resetting_batch(adapter: Any, skip: int = 2) -> tuple[Any, list[tuple[Any, M
     `(trainer, batch)`, `batch` being the (environment, row) pairs TRL is about to reset (`trainer.environments`
     beside `_generate_and_score_completions`'s `inputs`) when `adapter` is the first of them, so that all their
     sessions can start opening at once, else None. `(None, None)` when no trainer is found or TRL is unverified."""
-    loc = _trainer_locals(skip, 6) if verified() else {}
+    loc = _frame_locals(skip, 6) if verified() else {}
     trainer = loc.get("self")
     envs, inputs = getattr(trainer, "environments", None), loc.get("inputs")
     if (isinstance(envs, list) and isinstance(inputs, list) and len(envs) == len(inputs) > 1
@@ -158,9 +145,7 @@ def resetting_batch(adapter: Any, skip: int = 2) -> tuple[Any, list[tuple[Any, M
 
 def _at_call(adapter: Any, skip: int) -> tuple[dict[str, Any], int] | None:
     """At a call TRL's tool loop makes on `adapter`: the loop's locals and the call's place in its turn, checked."""
-    loc = _locals_of(skip + 1, 4, "_tool_call_loop")
-    if loc is None:
-        return None
+    loc = _frame_locals(skip, 4, "_tool_call_loop") if verified() else {}
     trainer, idxs, calls = loc.get("self"), loc.get("idxs_with_tool"), loc.get("tool_calls")
     idx, current, completions = loc.get("idx"), loc.get("tool_call"), loc.get("completions")
     envs = getattr(trainer, "environments", None)
@@ -276,9 +261,7 @@ def finished_rollout(adapter: Any, skip: int = 2) -> FinishedRollout | None:
     `_generate_loop`'s locals (`environment`, `completion`, `completion_ids`, `self`). `skip`: frames between our
     caller and the loop (the `get_reward` coroutine). None when the loop does not look as expected or TRL is
     unverified."""
-    loc = _locals_of(skip + 1, 3, "_generate_loop")
-    if loc is None:
-        return None
+    loc = _frame_locals(skip, 3, "_generate_loop") if verified() else {}
     worker, messages, ids = loc.get("self"), loc.get("completion"), loc.get("completion_ids")
     if loc.get("environment") is not adapter or not isinstance(messages, list) or not isinstance(ids, list):
         return None
@@ -367,19 +350,14 @@ def tool_markup(processing_class: Any) -> str | None:
 
 class Rendering:
     """How TRL turns a tool conversation into token ids, and a completion back into a message, for one processing
-    class: the engine (for a trainer), `LocalPolicy` and the demo all render through it, so a TRL bump is re-verified
-    in this one place.
+    class (a tokenizer, or a vision-language model's processor): the engine, `LocalPolicy` and the demo all render
+    through it, so a TRL bump is re-verified in this one place.
 
-    The tool turn is TRL's own `GRPOTrainer._get_tool_suffix_ids`, called with the rendering as its `self`: it reads
-    `processing_class`, `_tokenizer`, `_is_vlm`, `chat_template` and `chat_template_kwargs` off it (TRL 1.16).
-
-    Args:
-        processing_class: the tokenizer (or a vision-language model's processor) the model is trained with; its
-            response schema is set as `GRPOTrainer` sets it for tools, so that tool calls parse. Where TRL knows no
-            schema for its template (`parse_error` says why), completions parse as plain text.
-        chat_template: the template to render with (None: the tokenizer's own); `for_training` picks the one
-            `GRPOTrainer` trains tools with.
-        chat_template_kwargs: extra template variables (`GRPOConfig.chat_template_kwargs`).
+    The response schema is set as `GRPOTrainer` sets it for tools, so that tool calls parse; where TRL knows none for
+    the template (`parse_error` says why), completions parse as plain text. `chat_template`: None for the tokenizer's
+    own (`for_training` picks the one `GRPOTrainer` trains tools with); `chat_template_kwargs`: `GRPOConfig`'s. The
+    tool turn is TRL's own `GRPOTrainer._get_tool_suffix_ids`, called with the rendering as its `self`: it reads
+    `processing_class`, `_tokenizer`, `_is_vlm`, `chat_template` and `chat_template_kwargs` off it.
     """
 
     def __init__(self, processing_class: Any, *, chat_template: str | None = None,
@@ -614,28 +592,24 @@ class Backend:
         """One completion per prompt (its ids and their images) through TRL's generation backend (transformers,
         vLLM server or colocate), padded to a common count across processes (collective backends need every
         process in every call: a process with fewer prompts repeats one, or `fallback`)."""
-        n = len(requests)
+        n, trainer = len(requests), self.trainer
         target = self._most(n)
         if target == 0:
             return []
         padded = list(requests) + [requests[0] if requests else fallback] * (target - n)
-        ids, logprobs = self._generate([list(p) for p, _ in padded], [im for _, im in padded])
-        return [(list(ids[i]), list(logprobs[i]) if logprobs is not None else None) for i in range(n)]
-
-    def _generate(self, prompt_ids: list[list[int]], images: list[list[Any]]
-                  ) -> tuple[list[list[int]], list[list[float]] | None]:
-        trainer = self.trainer
-        if not any(images):
-            return trainer._generate_single_turn(prompt_ids, None, {}, num_generations=1)
-        if getattr(trainer, "use_transformers_continuous_batching", False):
+        prompt_ids, images = [list(p) for p, _ in padded], [row or None for _, row in padded]
+        fields: dict[str, Any] = {}
+        if any(images) and getattr(trainer, "use_transformers_continuous_batching", False):
             raise ConfigurationError("TRL's continuous-batching generation takes no images; generate with "
                                      "transformers' generate (the default) or vLLM for an environment that shows "
                                      "images.")
-        processing_class = trainer.processing_class
-        token = getattr(trainer, "_image_pad_token_id", None) or getattr(processing_class, "image_token_id", None)
-        fields = {} if getattr(trainer, "use_vllm", False) else image_inputs(processing_class, prompt_ids, images,
-                                                                             token)
-        return trainer._generate_single_turn(prompt_ids, [row or None for row in images], fields, num_generations=1)
+        if any(images) and not getattr(trainer, "use_vllm", False):
+            processing_class = trainer.processing_class
+            token = getattr(trainer, "_image_pad_token_id", None) or getattr(processing_class, "image_token_id", None)
+            fields = image_inputs(processing_class, prompt_ids, images, token)
+        ids, logprobs = trainer._generate_single_turn(prompt_ids, images if any(images) else None, fields,
+                                                      num_generations=1)
+        return [(list(ids[i]), list(logprobs[i]) if logprobs is not None else None) for i in range(n)]
 
     # -- the image hand-off and logs -----------------------------------------------------------------
 

@@ -1,16 +1,11 @@
 """The reward functions a spec hands `GRPOTrainer`: the environment's outcome reward and its group score.
 
-Both follow TRL's reward-function convention and work on either path: with `environment_factory`
-they receive the batch's adapters (`environments=`) and the transcripts (`completions=`), finish
-each episode first (a `@terminal` tool gets the model's final plain message, the whole batch at
-once), then read the rewards; with `rollout_func` the engine has already done all of it and its
-extra columns carry the results. Both hand the environment metrics of the batch to TRL's public
-`log_metric` keyword. They are plain module-level functions (picklable, for TRL's async trainer).
-
-In TRL's async trainer (`trl.experimental.async_grpo`) they run in its spawned rollout worker, which
-passes neither `environments` nor `log_metric`: the adapter's `get_reward` hook has settled each
-episode when its rollout ended, and they find it by its transcript (`completions`). The environment
-metrics are not logged there (TRL gives reward functions in its worker no way to log); see `episode_log`.
+Plain module-level functions (picklable, for TRL's async trainer) that work on every path: with `environment_factory`
+they get the batch's adapters (`environments=`) and transcripts (`completions=`) and finish each episode first (a
+`@terminal` tool grades the final plain message, the whole batch at once); with `rollout_func` the engine did it all
+and its extra columns carry the results; in TRL's async worker (no `environments`, no `log_metric`) the adapter's
+`get_reward` hook settled each episode and they find it by its transcript. The batch's environment metrics go to
+TRL's `log_metric` (not in the async worker, where reward functions cannot log: see `episode_log`).
 """
 
 from __future__ import annotations
