@@ -1,22 +1,17 @@
 """The per-rollout adapter TRL's `environment_factory` hands out: a thin driver of `ors_trl.core.episode.Episode`.
 
 TRL builds adapters once, then for every rollout calls `reset(**row)` and the tool methods the model asks for, from
-its training thread: a `reset` starts a new episode (closing the previous one in the background), a tool method is
-one `Episode.call`. Both return text, or content parts where the prompt or the output holds an image. An environment
-failure never raises out of `reset()` (the episode is recorded as failed, scored None, and the model told why); a
-tool failure raises from the tool method, as TRL counts failures (`tools/failure_frequency`), with a message the
-model can read.
-
-Where TRL's loop state allows it (`ors_trl.trl.backend`), nothing waits in series: the batch's first reset starts
-opening every session of the batch, and the first tool call of a turn starts the whole turn's calls across the batch
-(`batch_tool_calls`; each rollout's own calls still in order, nothing TRL will not ask for).
+its training thread; a tool method is one `Episode.call` and raises on failure (how TRL counts
+`tools/failure_frequency`) with a message the model can read. Where TRL's loop state allows it
+(`ors_trl.trl.backend`), nothing waits in series: the batch's first reset starts opening every session of the batch,
+and the first tool call of a turn starts the turn's calls across the batch (`batch_tool_calls`; each rollout's own in
+order, nothing TRL will not ask for).
 
 An episode opened with no trainer driving it (`spec.environment_factory().reset(task_index=0)`, to look at a prompt)
-has source `manual`: it is counted out of the step's `env/...` metrics and out of task sampling, unless reward
-functions read it (`settle_all`: a loop of one's own scoring with `spec.reward_funcs` trains). In TRL's asynchronous
-trainer the adapters live in a spawned rollout worker that calls reward functions later, without them: there the
-adapter class gains TRL's `get_reward` hook (`for_this_process`), which settles the episode when its rollout ends
-and hands it over to the reward functions by its transcript (`take_ended`).
+has source `manual`: it stays out of the step's `env/...` metrics and out of task sampling, unless reward functions
+read it (`settle_all`). In TRL's asynchronous trainer, whose spawned rollout worker calls reward functions later and
+without the adapters, the adapter class gains TRL's `get_reward` hook (`for_this_process`): it settles the episode
+when its rollout ends and hands it to the reward functions by its transcript (`take_ended`).
 """
 
 from __future__ import annotations
@@ -128,13 +123,10 @@ class OpenRewardEnvironment:
 
     def reset(self, task_index: int | None = None, task_spec: Mapping[str, Any] | None = None,
               **row: Any) -> str | list[dict[str, Any]]:
-        """Start a new episode for the row's task and return its prompt: its text, or content parts (text and
-        images, the form TRL's loop takes) when it holds an image.
-
-        Closes the previous episode (in the background). Never raises for environment failures: the
-        episode is then recorded as failed and the returned text says why. Raises `ConfigurationError` for a
-        prompt with an image when the trainer's processing class takes no images (see `images=` of the spec).
-        """
+        """Start a new episode for the row's task (closing the previous one in the background) and return its
+        prompt: its text, or content parts (text and images, the form TRL's loop takes). An environment failure is
+        recorded and told in the text; an image the trainer's processing class cannot take is a `ConfigurationError`
+        (see the spec's `images=`)."""
         rt = self._runtime
         trainer, batch = _trl.resetting_batch(self)
         if trainer is not None:
@@ -342,8 +334,7 @@ def settle_all(environments: list[Any], completions: list[Any] | None, completio
             continue
         env._settle_ahead()
         messages = completions[i] if completions is not None and isinstance(completions[i], list) else []
-        eos = (eos_token_ids if eos_token_ids is not None else
-               _trl.eos_token_ids(env._runtime.trainer) if env._runtime.trainer is not None else set())
+        eos = eos_token_ids if eos_token_ids is not None else _trl.eos_token_ids(env._runtime.trainer)
         ids = completion_ids[i] if completion_ids is not None else None
         replies, cut = _trl.replies_of(messages, bool(eos) and bool(ids) and int(ids[-1]) not in eos)
         reason, message = ep.replay(replies, cut=cut)
@@ -366,12 +357,9 @@ _HANDOVER_LOCK = threading.Lock()
 
 
 async def _get_reward(self: OpenRewardEnvironment) -> float | None:
-    """TRL's async rollout worker awaits this once per finished rollout, before the adapter returns to its pool.
-
-    Settles the episode on the rollout's transcript (a terminal tool gets the final message), frees its session,
-    and, when one of the spec's reward functions will run, leaves the reward to it (returns None, so TRL's
-    column for this class stays empty); otherwise returns the episode's reward itself (None when unscored).
-    """
+    """TRL's async rollout worker awaits this once per finished rollout: settle the episode on its transcript (a
+    terminal tool gets the final message) and free its session; leave the reward to the spec's reward functions when
+    one will run (None: TRL's column for this class stays empty), else return it (None when unscored)."""
     seen = _trl.finished_rollout(self)  # before the first await: it reads the worker loop's frame
     return await asyncio.to_thread(_rollout_ended, self, seen)
 

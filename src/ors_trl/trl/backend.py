@@ -544,16 +544,6 @@ class Backend:
         config = getattr(config, "text_config", None) or config
         return getattr(config, "max_position_embeddings", 1 << 30)
 
-    def clip_post_tool(self, new_ids: list[int], used: int) -> list[int]:
-        """TRL's cut of a reply generated after tool results: the completion (`used` tokens so far) stays within
-        `max_completion_length`."""
-        excess = used + len(new_ids) - self.trainer.max_completion_length
-        return new_ids[: len(new_ids) - excess] if excess > 0 else new_ids
-
-    def overflows(self, completion_length: int, total_length: int) -> bool:
-        """TRL's rule for tool results that would not fit: past the completion budget or the backend's context."""
-        return completion_length > self.trainer.max_completion_length or total_length >= self.max_model_len
-
     def refuse_images(self, what: str) -> None:
         """Raise a `ConfigurationError` when the trainer's processing class is a tokenizer (`GRPOTrainer._is_vlm`),
         which cannot take the images `what` holds."""

@@ -27,10 +27,8 @@ STATE_KEY = "ors_trl.task_sampling"
 
 
 class SessionCleanupCallback(TrainerCallback):
-    """Release sessions at each step's end (in the background) and close them all at the end of training.
-
-    Rollouts are complete by a step's end (GRPO generates and scores inside the step), so a session released then
-    does not idle on the server until the next batch; the close at the end is waited for.
+    """Release sessions at each step's end (in the background: GRPO generates and scores inside the step, so none
+    is needed after it) and close them all at the end of training, waiting for the server.
 
     Args:
         runtimes: the environment runtimes (one per spec) whose adapters' sessions to manage.
@@ -149,15 +147,11 @@ def consumed(args: Any, global_step: int) -> int | None:
 
 
 class TaskSamplingCallback(TrainerCallback):
-    """Feed a task stream's samplers (`ors_trl.tasks.stream`) each step's groups, log what they do, and keep their
-    state in checkpoints.
-
-    Attached by the stream at its first read (or passed in `spec.callbacks`, which TRL's async trainer needs: there
-    the stream is read in the rollout worker, whose samplers report through a file). At each step's end the
-    groups every process observed are gathered, so every process updates its samplers alike and draws the same
-    tasks; `curriculum/<env>/...` goes to the step's logs; at a checkpoint the state goes to `trainer_state.json`
-    (`stateful_callbacks[STATE_KEY]`), from which a resumed run restores it.
-    """
+    """Feed a task stream's samplers (`ors_trl.tasks.stream`) each step's groups, gathered from every process (so
+    all update alike and draw the same tasks), log `curriculum/<env>/...` with the step, and keep their state in
+    checkpoints (`trainer_state.json`'s `stateful_callbacks[STATE_KEY]`, restored on resume). Attached by the stream
+    at its first read, or passed in `spec.callbacks` (TRL's async trainer needs that: there the stream is read in
+    the rollout worker, whose samplers report through a file)."""
 
     def __init__(self, source: DrawSource) -> None:
         self.source = source

@@ -62,14 +62,16 @@ class _TrainerGenerator(TokenGenerator):
 
     def fits(self, tokens: Tokens, suffix: list[int]) -> None:
         total = len(tokens.ids) + len(suffix)
-        if suffix and self.backend.overflows(total - len(tokens.prompt_ids), total):
-            raise StopEpisode("length")  # TRL rolls the tool results back: they would overflow its budget
+        if suffix and (total - len(tokens.prompt_ids) > self.backend.trainer.max_completion_length
+                       or total >= self.backend.max_model_len):
+            raise StopEpisode("length")  # TRL rolls the tool results back: past its completion budget or context
 
     def clip(self, tokens: Tokens, ids: list[int], logprobs: list[float] | None
              ) -> tuple[list[int], list[float] | None, bool]:
-        if not tokens.completion_ids:
+        excess = len(tokens.completion_ids) + len(ids) - self.backend.trainer.max_completion_length
+        if not tokens.completion_ids or excess <= 0:  # TRL cuts only a reply generated after tool results
             return ids, logprobs, False
-        kept = self.backend.clip_post_tool(ids, len(tokens.completion_ids))
+        kept = ids[: len(ids) - excess]
         return kept, logprobs[: len(kept)] if logprobs is not None else None, len(kept) < len(ids)
 
     def refuse_images(self, what: str) -> None:
@@ -85,10 +87,9 @@ class RolloutEngine:
         gather_window: seconds generation waits for more rollouts to be ready (None: automatic, see `Batcher`).
         turn_barrier: wait for every rollout before each generation (TRL's turn-by-turn schedule), for comparison.
 
-    `source` is its episodes' records' source (`"eval"` for evaluation during training) and `info` holds extra record
-    fields for the episodes of the next calls (the evaluation's training `step`). Episodes of an environment whose
-    spec has `score_groups=True` are also scored as GRPO groups with its `/score_group` (the `ors_group_reward`
-    column `spec.group_reward_func` reads).
+    `source` and `info` go to the records of the next calls' episodes (`"eval"` and the training `step` for the eval
+    callback). An environment whose spec has `score_groups=True` also scores GRPO groups (`/score_group`: the
+    `ors_group_reward` column `spec.group_reward_func` reads).
     """
 
     def __init__(self, environments: Mapping[str | None, EnvironmentRuntime], *, gather_window: float | None = None,

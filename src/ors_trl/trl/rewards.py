@@ -40,13 +40,10 @@ def _flush(rts: Sequence[EnvironmentRuntime], log_metric: Any) -> None:
     TRL's async worker has none: the window starts again anyway there, so that the metrics do not pile up."""
     if not callable(log_metric) and not _trl.in_async_worker():
         return
-    seen: set[int] = set()
-    for rt in rts:
-        if id(rt.metrics) not in seen:
-            seen.add(id(rt.metrics))
-            for name, value in rt.metrics.flush().items():
-                if callable(log_metric):
-                    log_metric(name, value)
+    for metrics in {id(rt.metrics): rt.metrics for rt in rts}.values():
+        for name, value in metrics.flush().items():
+            if callable(log_metric):
+                log_metric(name, value)
 
 
 def _column(kwargs: dict[str, Any], name: str, func: str) -> list[Any]:
