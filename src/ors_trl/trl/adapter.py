@@ -42,14 +42,12 @@ _SETTLE_TIMEOUT_S = 300.0
 READS_EPISODES = "_ors_reads_episodes"
 
 
-class _Ahead:
-    """A call started ahead of TRL's loop, and the future of its outcome."""
-
-    __slots__ = ("call", "future")
+class _Ahead(concurrent.futures.Future[Outcome]):
+    """A call started ahead of TRL's loop: the future of its outcome."""
 
     def __init__(self, call: ToolCall) -> None:
+        super().__init__()
         self.call = call
-        self.future: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
 
 
 class _NotATool:
@@ -224,7 +222,7 @@ class OpenRewardEnvironment:
             head = self._ahead[0]
             if head.call == call:
                 self._ahead.popleft()
-                return self._answer(head.future.result())
+                return self._answer(head.result())
             logger.warning("%s: TRL asked for %s(%s), not the call started ahead of it (%s(%s))", self._runtime.name,
                            name, show_json(arguments), head.call.name, show_json(head.call.arguments))
             self._settle_ahead()
@@ -275,7 +273,7 @@ class OpenRewardEnvironment:
         if not self._ahead:
             return
         entries, self._ahead = list(self._ahead), deque()
-        _, running = concurrent.futures.wait([a.future for a in entries], timeout=_SETTLE_TIMEOUT_S)
+        _, running = concurrent.futures.wait(entries, timeout=_SETTLE_TIMEOUT_S)
         if running:
             logger.warning("%s: %d tool call(s) started ahead are still running", self._runtime.name, len(running))
 
@@ -304,10 +302,10 @@ async def _run_chain(ep: Episode, chain: list[_Ahead]) -> None:
             outcome = await ep.call(entry.call)
         except BaseException as exc:  # cancelled (loop shutting down) or a bug: nobody may wait forever
             for rest in chain[i:]:
-                if not rest.future.done():
-                    rest.future.set_exception(exc if isinstance(exc, Exception) else UsageError(f"aborted: {exc!r}"))
+                if not rest.done():
+                    rest.set_exception(exc if isinstance(exc, Exception) else UsageError(f"aborted: {exc!r}"))
             raise
-        entry.future.set_result(outcome)
+        entry.set_result(outcome)
 
 
 #: Names a tool may not take as an attribute of the adapter class (bound under another attribute, shown to the model

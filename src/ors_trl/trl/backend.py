@@ -7,9 +7,9 @@ hand, the functions here find it (or TRL's loop state) up the stack. What is rea
 - `_generate_and_score_completions`'s `inputs` (`resetting_batch`) and `_tool_call_loop`'s `tool_calls`, `idx`,
   `completions` (`tool_turn`, `calls_before`): the adapter opens a batch's sessions and starts a turn's tool calls
   at once;
-- `_generate_single_turn` and `_get_tool_suffix_ids`: the engine generates and builds tool turns exactly as TRL's
-  loop does; `_generate` returns a `rollout_func`'s images to TRL's loss (`install_image_handoff`: TRL 1.16 keeps
-  none), as it returns those of TRL's own tool loop;
+- `_generate_single_turn` (beside `_is_vlm`, `_image_pad_token_id` and vLLM's `max_model_len`) and
+  `_get_tool_suffix_ids`: the engine generates and builds tool turns exactly as TRL's loop does; `_generate` returns
+  a `rollout_func`'s images to TRL's loss (`install_image_handoff`: TRL 1.16 keeps none), as it does its own loop's;
 - `_tokenizer` and `eos_token_ids`: terminal tools need to know whether a completion was cut;
 - the trainer's frame in a callback event (`calling_trainer`) or a dataset read (`training_trainer`), `_metrics`
   (`add_step_metrics`) and `Trainer.log` (`log_outside_step`): evaluation and task sampling log beside GRPO's
@@ -508,7 +508,7 @@ def install_image_handoff() -> None:
 
 class Backend:
     """TRL's private surface for one trainer (held weakly), built once and kept on it (`Backend.of`): its rendering
-    and turn rules, TRL's budgets, generation padded across processes, the image hand-off and its logs."""
+    and turn rules, its context length, generation padded across processes, the image hand-off and its logs."""
 
     def __init__(self, trainer: Any) -> None:
         try:
