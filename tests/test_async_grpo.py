@@ -342,7 +342,7 @@ def test_get_reward_hook_hands_the_episode_to_the_reward_function_or_scores_itse
     import inspect
 
     from ors_trl.trl import backend as _trl
-    from ors_trl.trl.adapter import for_this_process
+    from ors_trl.trl.adapter import _HANDOVER, for_this_process
 
     spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment", num_tasks=2)
     row = spec.train_dataset[0]
@@ -382,7 +382,8 @@ def test_get_reward_hook_hands_the_episode_to_the_reward_function_or_scores_itse
     assert right[0].episode.end_reason == "finished" and wrong[0].episode.end_reason == "no_tool_calls"
     other = [{"role": "assistant", "content": "Done."}]  # a rollout get_reward never saw
     assert spec.reward_funcs(completions=[right[1], wrong[1], other], task_index=[0, 0, 0]) == [1.0, 0.0, None]
-    assert not spec.runtime.handover  # read once by the one reading reward function, then forgotten
+    # read once by the one reading reward function, then forgotten
+    assert not [ep for _, ep, _ in _HANDOVER.values() if ep.env is spec.runtime]
 
     # without one (the environment owns the reward in TRL's terms), or when TRL's loop cannot be read: get_reward
     # returns the reward itself

@@ -228,6 +228,34 @@ def test_engine_session_cap_queues_in_waves(tiny_model_dir, make_server, tmp_pat
     assert stats["open_sessions"] == 0
 
 
+def test_a_generation_failure_mid_wave_reaches_the_step_and_closes_the_waves_sessions(tiny_model_dir, make_server,
+                                                                                      tmp_path):
+    """The generation backend raises on its second call, while the first wave's episodes wait for replies: the step
+    gets the error, the wave's sessions are closed, and no later wave opens one."""
+    server = make_server("slow")
+    spec = OpenRewardSpec(server.url, num_tasks=4, max_sessions=3)
+    trainer = make_trainer(tiny_model_dir, spec, "engine", tmp_path, per_device_train_batch_size=8,
+                           max_completion_length=256)
+    work = work_turn_by_turn(trl_tokenizer(trainer), turns=3)
+    calls: list[int] = []
+
+    def generate(prompt_ids, *args, **kwargs):
+        calls.append(len(prompt_ids))
+        if len(calls) == 2:
+            raise RuntimeError("the generation backend died")
+        return work(prompt_ids, *args, **kwargs)
+
+    replace_generation(trainer, generate)
+    try:
+        with pytest.raises(RuntimeError, match="the generation backend died"):
+            run_batch(trainer, batch_rows(spec, [0, 1, 2, 3], 2))
+        assert len(calls) == 2  # nothing generated after the failure
+        stats = server.wait_for_stats(lambda st: st["open_sessions"] == 0)
+        assert stats["peak_sessions"] <= 3
+    finally:
+        spec.close()
+
+
 def test_trl_loop_resets_open_the_whole_batch_at_once(tiny_model_dir, make_server, tmp_path):
     """Through TRL's own environment_factory loop: a batch of 4 distinct tasks pays about one setup, not four."""
     server = make_server("slow", env={"ORS_TEST_SETUP_DELAY": "0.6"})

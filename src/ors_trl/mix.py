@@ -182,7 +182,7 @@ class OpenRewardMix:
         from datasets import Dataset
 
         from .tasks.stream import sampled_stream
-        from .trl.sampling_callback import attach_task_sampling
+        from .trl.callbacks import attach_task_sampling
 
         for spec in self.specs.values():
             if spec.curriculum is None:
@@ -244,7 +244,7 @@ class OpenRewardMix:
 
         callbacks = [SessionCleanupCallback([spec.runtime for spec in self.specs.values()])]
         if any(spec.curriculum is not None for spec in self.specs.values()):
-            from .trl.sampling_callback import stream_callbacks
+            from .trl.callbacks import stream_callbacks
 
             callbacks += stream_callbacks(self.train_dataset)
         return callbacks

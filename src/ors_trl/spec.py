@@ -435,7 +435,7 @@ class OpenRewardSpec:
         if self.curriculum is None:
             return dataset
         from .tasks.stream import sampled_stream
-        from .trl.sampling_callback import attach_task_sampling
+        from .trl.callbacks import attach_task_sampling
 
         return sampled_stream(dataset, {(None, i): row for row, i in enumerate(indices)}, {None: self},
                               {None: indices}, on_bind=attach_task_sampling)
@@ -594,7 +594,7 @@ class OpenRewardSpec:
 
         if self.curriculum is None:
             return [SessionCleanupCallback([self._runtime])]
-        from .trl.sampling_callback import stream_callbacks
+        from .trl.callbacks import stream_callbacks
 
         return [SessionCleanupCallback([self._runtime]), *stream_callbacks(self.train_dataset)]
 
@@ -624,7 +624,7 @@ class OpenRewardSpec:
         Returns:
             `EvalCallback`: For `GRPOTrainer(callbacks=[...])`.
         """
-        from .trl.eval_callback import EvalCallback
+        from .trl.callbacks import EvalCallback
 
         _trl.require_engine()
         _check(1, every=every, repeats=repeats)

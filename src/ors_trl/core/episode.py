@@ -23,7 +23,7 @@ import re
 import threading
 import time
 import weakref
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -40,15 +40,13 @@ from .metrics import EnvMetrics
 from .records import RUN_ID, CallRecord, EpisodeRecord, RecordWriter, TurnRecord, error_record, image_record
 
 __all__ = ["MANUAL", "TRAINING_SOURCES", "EnvironmentRuntime", "Episode", "Outcome", "Reply", "Rules", "Task", "ToolCall",
-           "find_ended", "runtimes", "score_groups"]
+           "runtimes", "score_groups"]
 
 logger = logging.getLogger("ors_trl")
 
 # Live runtimes by key: how a reward function finds the metrics of the engine's episodes (only their keys
-# travel through TRL's extra columns), and the episodes TRL's async worker handed over.
+# travel through TRL's extra columns).
 _RUNTIMES: weakref.WeakValueDictionary[str, EnvironmentRuntime] = weakref.WeakValueDictionary()
-#: Bound on the episodes an async worker's runtime keeps for reward functions that never come for them.
-_HANDOVER_MAX = 16_384
 #: The episode sources that train (TRL's loop, the engine): their outcomes teach task sampling; evaluation's do not.
 TRAINING_SOURCES = frozenset({"trl", "engine"})
 #: The source of an adapter's episode opened with no trainer driving it (`env = spec.environment_factory();
@@ -259,14 +257,11 @@ class EnvironmentRuntime:
         # The turn of TRL's tool loop whose calls were last started ahead (its `tool_calls` list, which no weak reference
         # can hold, and whose id a later turn's list may take): dropped at step end (`release_all`), not kept alive.
         self.last_turn: object = None
-        # In TRL's async worker: each ended rollout's episode by the identity of its transcript (what TRL hands reward
-        # functions as its `completions` entry), with how many reading reward functions are still to come.
-        self.handover: OrderedDict[int, tuple[list[Any], Episode, int]] = OrderedDict()
         self._trainer: weakref.ref[Any] | None = None  # the trainer driving this environment, once seen
         self.bg = get_loop()
         self.live: set[Episode] = set()
         self._pending: set[concurrent.futures.Future[None]] = set()
-        self.lock = threading.Lock()  # guards the shared state: live episodes, the turn started ahead, the hand-over
+        self.lock = threading.Lock()  # guards the shared state: live episodes, the turn started ahead
         self._gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = \
             weakref.WeakKeyDictionary()
         self._toolsets: dict[str, Toolset] = {}
@@ -343,27 +338,6 @@ class EnvironmentRuntime:
                     self.name, key,
                 )
 
-    # -- the async worker's hand-over --------------------------------------------------------------
-
-    def hand_over(self, messages: list[Any], ep: Episode, readers: int) -> None:
-        """Keep `ep` for the `readers` reward functions that will come with `messages` as its `completions` entry."""
-        with self.lock:
-            self.handover[id(messages)] = (messages, ep, readers)
-            while len(self.handover) > _HANDOVER_MAX:
-                self.handover.popitem(last=False)
-
-    def take(self, messages: Any) -> Episode | None:
-        """The episode handed over with `messages` (forgotten once every reading reward function has had it)."""
-        with self.lock:
-            hit = self.handover.get(id(messages))
-            if hit is None or hit[0] is not messages:
-                return None
-            if hit[2] <= 1:
-                del self.handover[id(messages)]
-            else:
-                self.handover[id(messages)] = (hit[0], hit[1], hit[2] - 1)
-            return hit[1]
-
     # -- lifecycle (any thread) ---------------------------------------------------------------
 
     def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
@@ -410,15 +384,6 @@ class EnvironmentRuntime:
             return False
         self._trainer = weakref.ref(trainer)
         return True
-
-
-def find_ended(messages: Any) -> Episode | None:
-    """In TRL's async worker: the episode a runtime was handed over with transcript `messages`, if any."""
-    for rt in list(_RUNTIMES.values()):
-        ep = rt.take(messages)
-        if ep is not None:
-            return ep
-    return None
 
 
 NEW, OPENING, OPEN, ENDED, CLOSED = "new", "opening", "open", "ended", "closed"

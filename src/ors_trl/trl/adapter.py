@@ -1,30 +1,17 @@
 """The per-rollout adapter TRL's `environment_factory` hands out: a thin driver of `ors_trl.core.episode.Episode`.
 
-TRL constructs adapters once, then for every rollout calls `reset(**row)` and the tool methods the
-model asks for, from its training thread. Each `reset` starts a new episode (the previous one is
-closed in the background); each tool method is one `Episode.call`. Both return text, or content
-parts (text and images, `ors_trl.core.conversation.content`) where the prompt or the output holds an
-image: TRL's loop takes them to the processor and the model's forward passes.
+TRL builds adapters once, then for every rollout calls `reset(**row)` and the tool methods the model asks for, from
+its training thread; a tool method is one `Episode.call` and raises on failure (how TRL counts
+`tools/failure_frequency`) with a message the model can read. Where TRL's loop state allows it
+(`ors_trl.trl.backend`), nothing waits in series: the batch's first reset starts opening every session of the batch,
+and the first tool call of a turn starts the turn's calls across the batch (`batch_tool_calls`; each rollout's own in
+order, nothing TRL will not ask for).
 
-No serial waiting, where TRL's loop state allows it (`ors_trl.trl.backend`): the batch's first reset starts
-opening every session of the batch, later resets of a task return its cached prompt at once while
-their sessions open, and the first tool call of a turn starts the whole turn's calls across the
-batch (`batch_tool_calls`; each rollout's own calls still in order, nothing TRL will not ask for).
-
-An environment failure never raises out of `reset()`: the episode is recorded as failed, scored
-None, and the model is told what happened. Tool failures raise from the tool method (that is how
-TRL counts them in `tools/failure_frequency`) with a message the model can read.
-
-An episode opened with no trainer driving it (`env = spec.environment_factory(); env.reset(task_index=0)`, to look
-at a prompt before training) is not a training episode: its record says source `manual`, and it is counted apart,
-out of the `env/...` metrics of the step that closes it and out of task sampling, unless the reward functions read
-it (`settle_all`: a loop of one's own that scores with `spec.reward_funcs` trains, and is counted).
-
-In TRL's asynchronous trainer the adapters live in a spawned rollout worker, which reuses them from a
-pool and calls reward functions long after, without them. There the adapter class gains TRL's
-`get_reward` hook (`for_this_process`): when a rollout ends it settles the episode on its transcript
-and frees the session, and the spec's reward functions find the episode by that transcript
-(`ended_episodes`).
+An episode opened with no trainer driving it (`spec.environment_factory().reset(task_index=0)`, to look at a prompt)
+has source `manual`: it stays out of the step's `env/...` metrics and out of task sampling, unless reward functions
+read it (`settle_all`). In TRL's asynchronous trainer, whose spawned rollout worker calls reward functions later and
+without the adapters, the adapter class gains TRL's `get_reward` hook (`for_this_process`): it settles the episode
+when its rollout ends and hands it to the reward functions by its transcript (`take_ended`).
 """
 
 from __future__ import annotations
@@ -32,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import types
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -54,22 +42,17 @@ _SETTLE_TIMEOUT_S = 300.0
 READS_EPISODES = "_ors_reads_episodes"
 
 
-class _Ahead:
-    """A call started ahead of TRL's loop, and the future of its outcome."""
-
-    __slots__ = ("call", "future")
+class _Ahead(concurrent.futures.Future[Outcome]):
+    """A call started ahead of TRL's loop: the future of its outcome."""
 
     def __init__(self, call: ToolCall) -> None:
+        super().__init__()
         self.call = call
-        self.future: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
 
 
 class _NotATool:
-    """A public adapter method that TRL does not take for a tool.
-
-    TRL offers the model every public function of the adapter class (`inspect.getmembers(cls, inspect.isfunction)`
-    but `reset` and `get_reward`); read off the class, this is a descriptor object, not a function.
-    """
+    """A public adapter method that TRL does not take for a tool: TRL offers the model every function of the adapter
+    class (`inspect.getmembers(cls, inspect.isfunction)` but `reset` and `get_reward`), and this is not one."""
 
     def __init__(self, func: Callable[..., Any]) -> None:
         self.__func__ = func
@@ -138,17 +121,16 @@ class OpenRewardEnvironment:
 
     def reset(self, task_index: int | None = None, task_spec: Mapping[str, Any] | None = None,
               **row: Any) -> str | list[dict[str, Any]]:
-        """Start a new episode for the row's task and return its prompt: its text, or content parts (text and
-        images, the form TRL's loop takes) when it holds an image.
-
-        Closes the previous episode (in the background). Never raises for environment failures: the
-        episode is then recorded as failed and the returned text says why. Raises `ConfigurationError` for a
-        prompt with an image when the trainer's processing class takes no images (see `images=` of the spec).
-        """
+        """Start a new episode for the row's task (closing the previous one in the background) and return its
+        prompt: its text, or content parts (text and images, the form TRL's loop takes). An environment failure is
+        recorded and told in the text; an image the trainer's processing class cannot take is a `ConfigurationError`
+        (see the spec's `images=`)."""
         rt = self._runtime
         trainer, batch = _trl.resetting_batch(self)
         if trainer is not None:
-            _trl.Backend.of(trainer).attach(rt)
+            from .callbacks import attach_session_cleanup
+
+            attach_session_cleanup(trainer, rt)
         for env, batch_row in batch or ():
             if isinstance(env, OpenRewardEnvironment) and env._preopened is None:
                 env._preopen(batch_row, trainer)
@@ -186,19 +168,15 @@ class OpenRewardEnvironment:
         self._preopened = (task, ep, rt.submit(ep.open()))
 
     def _end(self) -> None:
-        """Settle calls started ahead and close the current episode in the background (`reset` and the async
-        worker's `get_reward` do this; `close()` also waits for the server)."""
+        """Settle calls started ahead and close the current episode in the background (`close()` also waits)."""
         self._settle_ahead()
         if self._episode is not None:
             self._episode.release()
 
     def _close_now(self) -> None:
         """End this rollout's episode now: account it, write its record and wait (bounded) until the server has
-        deleted its session, as a release does in the background. Idempotent; the reward and the rest of the
-        episode's state stay readable. Never raises for environment failures (a slow delete is logged).
-
-        `_close()` is the name TRL's own adapter (and scripts written against it) use.
-        """
+        deleted its session. Idempotent; the episode's state stays readable; a slow delete is logged, not raised.
+        (`_close()`: the name TRL's own adapter, and scripts written against it, use.)"""
         self._settle_ahead()
         pre, self._preopened = self._preopened, None
         episodes = [ep for ep in (self._episode, pre[1] if pre is not None else None) if ep is not None]
@@ -244,7 +222,7 @@ class OpenRewardEnvironment:
             head = self._ahead[0]
             if head.call == call:
                 self._ahead.popleft()
-                return self._answer(head.future.result())
+                return self._answer(head.result())
             logger.warning("%s: TRL asked for %s(%s), not the call started ahead of it (%s(%s))", self._runtime.name,
                            name, show_json(arguments), head.call.name, show_json(head.call.arguments))
             self._settle_ahead()
@@ -256,12 +234,9 @@ class OpenRewardEnvironment:
         return self._answer(await asyncio.wrap_future(self._runtime.bg.submit(call)))
 
     def _start_turn(self, first: ToolCall) -> None:
-        """At the first call of a turn of TRL's tool loop, start the turn's calls across the batch at once.
-
-        For each rollout (this one from the current call on), the longest prefix of its calls TRL will make
-        exactly as given: a tool of the rollout's own adapter with arguments that bind. Each rollout's calls
-        run in order on its session, bounded per environment by `max_concurrent_tool_calls`.
-        """
+        """At the first call of a turn of TRL's tool loop, start the turn's calls across the batch at once: per
+        rollout (this one from the current call on), the longest prefix of its calls TRL will make as given (tools of
+        its own adapter, with arguments that bind), in order on its session."""
         seen = _trl.tool_turn(self)
         if seen is None:
             return
@@ -298,20 +273,18 @@ class OpenRewardEnvironment:
         if not self._ahead:
             return
         entries, self._ahead = list(self._ahead), deque()
-        _, running = concurrent.futures.wait([a.future for a in entries], timeout=_SETTLE_TIMEOUT_S)
+        _, running = concurrent.futures.wait(entries, timeout=_SETTLE_TIMEOUT_S)
         if running:
             logger.warning("%s: %d tool call(s) started ahead are still running", self._runtime.name, len(running))
 
 
 def _source(trainer: Any) -> str:
-    """An adapter episode's source: `trl` when a trainer drives it (`trainer`, found calling `reset`, or TRL's async
-    worker), else `MANUAL`."""
+    """`trl` when a trainer drives the episode (found calling `reset`, or TRL's async worker), else `MANUAL`."""
     return "trl" if trainer is not None or _trl.in_async_worker() else MANUAL
 
 
 def _refuse_images(trainer: Any, what: str) -> None:
-    """An image a trainer cannot take is a `ConfigurationError`; no trainer (an adapter driven by hand): nothing to
-    check."""
+    """An image a trainer cannot take is a `ConfigurationError` (an adapter driven by hand has nothing to check)."""
     if trainer is not None:
         _trl.Backend.of(trainer).refuse_images(what)
 
@@ -329,10 +302,10 @@ async def _run_chain(ep: Episode, chain: list[_Ahead]) -> None:
             outcome = await ep.call(entry.call)
         except BaseException as exc:  # cancelled (loop shutting down) or a bug: nobody may wait forever
             for rest in chain[i:]:
-                if not rest.future.done():
-                    rest.future.set_exception(exc if isinstance(exc, Exception) else UsageError(f"aborted: {exc!r}"))
+                if not rest.done():
+                    rest.set_exception(exc if isinstance(exc, Exception) else UsageError(f"aborted: {exc!r}"))
             raise
-        entry.future.set_result(outcome)
+        entry.set_result(outcome)
 
 
 #: Names a tool may not take as an attribute of the adapter class (bound under another attribute, shown to the model
@@ -359,8 +332,7 @@ def settle_all(environments: list[Any], completions: list[Any] | None, completio
             continue
         env._settle_ahead()
         messages = completions[i] if completions is not None and isinstance(completions[i], list) else []
-        eos = (eos_token_ids if eos_token_ids is not None else
-               _trl.eos_token_ids(env._runtime.trainer) if env._runtime.trainer is not None else set())
+        eos = eos_token_ids if eos_token_ids is not None else _trl.eos_token_ids(env._runtime.trainer)
         ids = completion_ids[i] if completion_ids is not None else None
         replies, cut = _trl.replies_of(messages, bool(eos) and bool(ids) and int(ids[-1]) not in eos)
         reason, message = ep.replay(replies, cut=cut)
@@ -374,14 +346,18 @@ def settle_all(environments: list[Any], completions: list[Any] | None, completio
 
 # -- TRL's asynchronous trainer ------------------------------------------------------------------
 
+#: Each ended rollout's episode by the identity of its transcript (what TRL hands reward functions as its
+#: `completions` entry, kept alive here so that no other list takes its id), with how many reading reward functions
+#: are still to come; bounded, for reward functions that never come.
+_HANDOVER: OrderedDict[int, tuple[list[Any], Episode, int]] = OrderedDict()
+_HANDOVER_MAX = 16_384
+_HANDOVER_LOCK = threading.Lock()
+
 
 async def _get_reward(self: OpenRewardEnvironment) -> float | None:
-    """TRL's async rollout worker awaits this once per finished rollout, before the adapter returns to its pool.
-
-    Settles the episode on the rollout's transcript (a terminal tool gets the final message), frees its session,
-    and, when one of the spec's reward functions will run, leaves the reward to it (returns None, so TRL's
-    column for this class stays empty); otherwise returns the episode's reward itself (None when unscored).
-    """
+    """TRL's async rollout worker awaits this once per finished rollout: settle the episode on its transcript (a
+    terminal tool gets the final message) and free its session; leave the reward to the spec's reward functions when
+    one will run (None: TRL's column for this class stays empty), else return it (None when unscored)."""
     seen = _trl.finished_rollout(self)  # before the first await: it reads the worker loop's frame
     return await asyncio.to_thread(_rollout_ended, self, seen)
 
@@ -398,9 +374,26 @@ def _rollout_ended(env: OpenRewardEnvironment, seen: _trl.FinishedRollout | None
         if seen is not None else 0
     env._end()  # the rollout is over: close its session now, not when TRL reuses this adapter
     if seen is not None and readers:
-        env._runtime.hand_over(seen.messages, ep, readers)
+        with _HANDOVER_LOCK:
+            _HANDOVER[id(seen.messages)] = (seen.messages, ep, readers)
+            while len(_HANDOVER) > _HANDOVER_MAX:
+                _HANDOVER.popitem(last=False)
         return None
     return ep.reward
+
+
+def take_ended(messages: Any) -> Episode | None:
+    """In TRL's async worker: the episode handed over with transcript `messages`, if any (forgotten once every
+    reading reward function has had it)."""
+    with _HANDOVER_LOCK:
+        hit = _HANDOVER.get(id(messages))
+        if hit is None or hit[0] is not messages:
+            return None
+        if hit[2] <= 1:
+            del _HANDOVER[id(messages)]
+        else:
+            _HANDOVER[id(messages)] = (messages, hit[1], hit[2] - 1)
+        return hit[1]
 
 
 def for_this_process(cls: type[OpenRewardEnvironment]) -> type[OpenRewardEnvironment]:

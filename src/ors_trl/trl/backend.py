@@ -1,38 +1,30 @@
 """The one seam to TRL's internals: everything that reads `GRPOTrainer`'s private methods or loop state.
 
-Given a trainer, that is one object, `Backend.of(trainer)` (built once per trainer): its rendering, turn rules and
-limits, generation, the image hand-off, its logs and the callbacks ors-trl attaches. Before there is a trainer in
-hand, the functions here find it (or TRL's loop state) up the stack. ors-trl uses TRL's public surface (`environment_factory`, `rollout_func`, reward functions and
-their `log_metric` keyword, callbacks) everywhere else. What needs more lives here:
+ors-trl uses TRL's public surface (`environment_factory`, `rollout_func`, reward functions and their `log_metric`,
+callbacks) everywhere else. Given a trainer, the rest is one object, `Backend.of(trainer)`; before a trainer is in
+hand, the functions here find it (or TRL's loop state) up the stack. What is read, and why:
 
-- batch pre-open and `batch_tool_calls` read the locals of TRL's `environment_factory` loop
-  (`_generate_and_score_completions`'s `inputs`, `_tool_call_loop`'s `tool_calls`, ...) to start a
-  batch's session opens and a turn's tool calls at once;
-- the rollout engine generates through `_generate_single_turn` and builds tool turns with
-  `_get_tool_suffix_ids`, exactly as TRL's own loop does; its images reach TRL's loss through
-  `_generate`'s return (`install_image_handoff`: TRL 1.16 keeps no images of a `rollout_func`), as the
-  images of TRL's own tool loop do;
-- terminal tools need to know whether a completion was cut (`eos_token_ids`);
-- evaluation during training finds its trainer up the stack from the callback event (`calling_trainer`), and
-  logs beside GRPO's own metrics without flushing them (`log_outside_step`); task sampling finds the trainer
-  reading its dataset (`training_trainer`) and logs into GRPO's per-step metrics (`add_step_metrics`);
-- in TRL's asynchronous trainer (`AsyncGRPOTrainer`: `trl.AsyncGRPOTrainer` from TRL 1.18, where the experimental
-  path warns; `trl.experimental.async_grpo` before; `async_grpo` finds it, never importing the experimental path
-  where the stable one exists), whose spawned rollout worker gives reward functions neither the adapters nor
-  `log_metric`, the adapter's `get_reward` hook reads the finished rollout (its transcript, and which reward
-  functions will run) off the worker's loop (`finished_rollout`, by the function's name), and the worker process is
-  recognised by its name (`in_async_worker`): neither depends on the module the trainer lives in.
+- `_generate_and_score_completions`'s `inputs` (`resetting_batch`) and `_tool_call_loop`'s `tool_calls`, `idx`,
+  `completions` (`tool_turn`, `calls_before`): the adapter opens a batch's sessions and starts a turn's tool calls
+  at once;
+- `_generate_single_turn` (beside `_is_vlm`, `_image_pad_token_id` and vLLM's `max_model_len`) and
+  `_get_tool_suffix_ids`: the engine generates and builds tool turns exactly as TRL's loop does; `_generate` returns
+  a `rollout_func`'s images to TRL's loss (`install_image_handoff`: TRL 1.16 keeps none), as it does its own loop's;
+- `_tokenizer` and `eos_token_ids`: terminal tools need to know whether a completion was cut;
+- the trainer's frame in a callback event (`calling_trainer`) or a dataset read (`training_trainer`), `_metrics`
+  (`add_step_metrics`) and `Trainer.log` (`log_outside_step`): evaluation and task sampling log beside GRPO's
+  metrics without flushing them;
+- TRL's asynchronous trainer (`async_grpo`: `trl.AsyncGRPOTrainer` from TRL 1.18, else `trl.experimental.async_grpo`,
+  which is never imported where the stable one exists) gives reward functions in its spawned rollout worker neither
+  the adapters nor `log_metric`: the adapter's `get_reward` hook reads the finished rollout off the worker's
+  `_generate_loop` (`finished_rollout`), and the worker is recognised by its process name (`in_async_worker`).
 
-They were verified against the TRL versions in `VERIFIED`; the package metadata has a lower bound
-only (`trl>=1.16`), so ors-trl installs beside a newer TRL, and this is the contract there: the
-adapter falls back to TRL's public behaviour (one session open and one tool call at a time, still
-correct; sessions are closed at each step's end only with `callbacks=spec.callbacks`, as ors-trl
-cannot find the trainer by itself) with one log line, the engine refuses to start with a clear error,
-and in the async worker `get_reward` returns each episode's reward itself (TRL's public contract for
-it). `ORS_TRL_TRUST_TRL=1` opts in to the fast paths on an unverified TRL (for trying a newer release).
-
-`TRL_KEYWORDS` (kept with the dataset columns they reserve, `ors_trl.tasks.selection`) are the names TRL itself
-passes to `reset(**row)` and to reward functions, or reads from a dataset row.
+Verified against the TRL releases in `VERIFIED`; the package requires only `trl>=1.16`, and on another release the
+adapter falls back to TRL's public behaviour (one session open and one tool call at a time: correct, slower; sessions
+close at each step's end only with `callbacks=spec.callbacks`) with one log line, the engine refuses to start with a
+clear error, and in the async worker `get_reward` returns each episode's reward itself. `ORS_TRL_TRUST_TRL=1` opts in
+to the fast paths on an unverified TRL. `TRL_KEYWORDS` (kept with the dataset columns they reserve,
+`ors_trl.tasks.selection`) are the names TRL passes to `reset(**row)` and reward functions, or reads from a row.
 """
 
 from __future__ import annotations
@@ -63,15 +55,13 @@ __all__ = ["TRL_KEYWORDS", "VERIFIED", "AsyncGRPO", "Backend", "FinishedRollout"
 logger = logging.getLogger("ors_trl")
 
 #: TRL releases (major.minor) the fast paths were verified against (`requirements/constraints.txt` pins the tested
-#: one; `pyproject.toml` has only the lower bound). Nothing here depends on where TRL keeps `AsyncGRPOTrainer`
-#: (`async_grpo` finds it in either layout), so verifying a release is running the tests against it and adding it.
+#: one). Verifying a release is running the tests against it and adding it here.
 VERIFIED = ("1.16",)
 TRUST_ENV = "ORS_TRL_TRUST_TRL"
 #: What changes on a TRL that is not in `VERIFIED` (the log line and the engine's error say it).
 _UNVERIFIED = ("TRL's environment_factory loop runs on TRL's public behaviour (one session open and one tool call at a "
                "time: correct, slower; pass callbacks=spec.callbacks so that sessions close at each step's end), and "
                "spec.rollout_func will not run")
-
 
 
 def trl_version() -> str | None:
@@ -96,65 +86,57 @@ def verified() -> bool:
     return False
 
 
-def _frame(skip: int, hops: int, match: Callable[[FrameType], bool]) -> FrameType | None:
-    """Walking up from `skip` frames above our caller, the first of `hops` frames for which `match` holds."""
+def require_engine() -> None:
+    """Fail early, and say why, when the engine's TRL internals are not verified for the installed TRL."""
+    if not verified():
+        raise UsageError(
+            f"spec.rollout_func drives TRL internals verified for TRL {', '.join(VERIFIED)} only, and TRL "
+            f"{trl_version()} is installed. Use environment_factory=spec.environment_factory (TRL's public API; "
+            f"with callbacks=spec.callbacks), or set {TRUST_ENV}=1 to try the engine anyway."
+        )
+
+
+# -- the stack: TRL's loops and the trainer --------------------------------------------------------------
+
+
+def _frame_locals(skip: int, hops: int, function: str | None = None) -> dict[str, Any]:
+    """The locals of the first of `hops` frames, walking up from `skip` frames above our caller, of TRL's `function`
+    (None: of a trainer's method); `{}` if there is none."""
     try:
         frame: FrameType | None = sys._getframe(skip + 1)
     except ValueError:  # the stack is not that deep: not called from TRL's loop
-        return None
+        return {}
     for _ in range(hops):
-        if frame is None or match(frame):
-            return frame
+        if frame is None:
+            break
+        this = frame.f_locals.get("self")
+        a_trainer = hasattr(this, "add_callback") and hasattr(this, "callback_handler")
+        if (frame.f_code.co_name == function) if function else a_trainer:
+            return frame.f_locals
         frame = frame.f_back
-    return None
-
-
-def _locals_of(skip: int, hops: int, function: str) -> dict[str, Any] | None:
-    """The locals of TRL's `function` among the `hops` frames from `skip` above our caller; None if not there
-    or TRL is unverified."""
-    if not verified():
-        return None
-    frame = _frame(skip, hops, lambda f: f.f_code.co_name == function)
-    return frame.f_locals if frame is not None else None
-
-
-def _is_trainer(obj: Any) -> bool:
-    return obj is not None and hasattr(obj, "add_callback") and hasattr(obj, "callback_handler")
+    return {}
 
 
 def calling_trainer(skip: int = 1) -> Any:
     """The trainer whose callback event (`on_train_begin`, `on_step_end`, ...) is running: found up the stack from
     `skip` frames above our caller (the callback's method), since transformers hands callbacks no trainer."""
-    frame = _frame(skip, 8, lambda f: _is_trainer(f.f_locals.get("self")))
-    return frame.f_locals["self"] if frame is not None else None
+    return _frame_locals(skip, 8).get("self")
 
 
 def training_trainer() -> Any:
     """The trainer whose training loop is reading a dataset, from inside the read (a dataset row's generator): found
     up the stack (datasets' and torch's iteration stand between), since a dataset is handed no trainer."""
-    frame = _frame(1, 96, lambda f: _is_trainer(f.f_locals.get("self")))
-    return frame.f_locals["self"] if frame is not None else None
-
-
-# -- TRL's environment_factory loop --------------------------------------------------------------
+    return _frame_locals(1, 96).get("self")
 
 
 def resetting_batch(adapter: Any, skip: int = 2) -> tuple[Any, list[tuple[Any, Mapping[str, Any]]] | None]:
-    """Look at the trainer calling `adapter.reset()`: returns `(trainer, batch)`.
-
-    `skip`: frames between this function's caller and TRL's loop (reset itself). `batch` is the
-    (environment, row) pairs TRL is about to reset, when `adapter` is the first of them
-    (`trainer.environments` beside `_generate_and_score_completions`'s `inputs`), so that all their
-    sessions can start opening at once; otherwise None. `(None, None)` when no trainer is found or TRL
-    is unverified.
-    """
-    if not verified():
-        return None, None
-    frame = _frame(skip, 6, lambda f: _is_trainer(f.f_locals.get("self")))
-    if frame is None:
-        return None, None
-    trainer = frame.f_locals["self"]
-    envs, inputs = getattr(trainer, "environments", None), frame.f_locals.get("inputs")
+    """Look at the trainer calling `adapter.reset()` (`skip`: frames between our caller and TRL's loop): returns
+    `(trainer, batch)`, `batch` being the (environment, row) pairs TRL is about to reset (`trainer.environments`
+    beside `_generate_and_score_completions`'s `inputs`) when `adapter` is the first of them, so that all their
+    sessions can start opening at once, else None. `(None, None)` when no trainer is found or TRL is unverified."""
+    loc = _frame_locals(skip, 6) if verified() else {}
+    trainer = loc.get("self")
+    envs, inputs = getattr(trainer, "environments", None), loc.get("inputs")
     if (isinstance(envs, list) and isinstance(inputs, list) and len(envs) == len(inputs) > 1
             and envs[0] is adapter and all(isinstance(row, Mapping) for row in inputs)):
         return trainer, list(zip(envs, inputs, strict=True))
@@ -163,9 +145,7 @@ def resetting_batch(adapter: Any, skip: int = 2) -> tuple[Any, list[tuple[Any, M
 
 def _at_call(adapter: Any, skip: int) -> tuple[dict[str, Any], int] | None:
     """At a call TRL's tool loop makes on `adapter`: the loop's locals and the call's place in its turn, checked."""
-    loc = _locals_of(skip + 1, 4, "_tool_call_loop")
-    if loc is None:
-        return None
+    loc = _frame_locals(skip, 4, "_tool_call_loop") if verified() else {}
     trainer, idxs, calls = loc.get("self"), loc.get("idxs_with_tool"), loc.get("tool_calls")
     idx, current, completions = loc.get("idx"), loc.get("tool_call"), loc.get("completions")
     envs = getattr(trainer, "environments", None)
@@ -179,33 +159,30 @@ def _at_call(adapter: Any, skip: int) -> tuple[dict[str, Any], int] | None:
     return None if position is None else (loc, position)
 
 
-def _calls_made(completion: Any) -> int:
-    """The tool calls of a rollout's replies before its current one (TRL's `completions` entry, which ends with it),
-    those TRL failed itself included."""
-    return sum(len(m.get("tool_calls") or []) for m in completion[:-1] if isinstance(m, dict)
-               and m.get("role") == "assistant") if isinstance(completion, list) else 0
+def _made(loc: dict[str, Any], k: int, position: int) -> int:
+    """The calls the turn's `k`th rollout made before the `position`th of its current reply: those of its earlier
+    replies (TRL's `completions` entry, which ends with the current one; the calls TRL failed itself included)."""
+    completion = loc["completions"][loc["idxs_with_tool"][k]]
+    return position + (sum(len(m.get("tool_calls") or []) for m in completion[:-1] if isinstance(m, dict)
+                           and m.get("role") == "assistant") if isinstance(completion, list) else 0)
 
 
 def calls_before(adapter: Any, skip: int = 2) -> int | None:
-    """At a call TRL's tool loop makes on `adapter`: how many calls the model made before it in this rollout (the
-    calls TRL failed itself, which never reach the adapter, included); None when the loop does not look as
-    expected. `skip`: frames between this function's caller and TRL's loop."""
+    """At a call TRL's tool loop makes on `adapter` (`skip`: frames between our caller and the loop): how many calls
+    the model made before it in this rollout (those TRL failed itself, which never reach the adapter, included);
+    None when the loop does not look as expected."""
     at = _at_call(adapter, skip + 1)
-    if at is None:
-        return None
-    loc, position = at
-    return _calls_made(loc["completions"][loc["idxs_with_tool"][loc["idx"]]]) + position
+    return None if at is None else _made(at[0], at[0]["idx"], at[1])
 
 
 def tool_turn(adapter: Any, skip: int = 4) -> tuple[object, list[tuple[Any, list[tuple[str, Any]], int]]] | None:
-    """At a call TRL's tool loop makes on `adapter`: the calls of that turn not yet made, per rollout.
+    """At a call TRL's tool loop makes on `adapter` (`skip`: frames between our caller and the loop: the adapter's
+    own, and the bound tool): the calls of that turn not yet made, per rollout.
 
-    `skip`: frames between this function's caller and TRL's loop (the adapter's own, and the bound tool).
-    Reads `_tool_call_loop`'s locals (`idxs_with_tool`, `tool_calls`, `idx`, `tool_call`, `completions`) and
-    `trainer.environments`. Returns `(turn, [(environment, [(name, arguments), ...], made), ...])`, starting with
-    `adapter` at the call being made, then every later rollout of the turn, with the calls the model made before
-    the first (`calls_before`); `turn` identifies the turn (TRL builds a new `tool_calls` list each turn). None
-    when the loop does not look as expected.
+    Returns `(turn, [(environment, [(name, arguments), ...], made), ...])`, starting with `adapter` at the call being
+    made, then every later rollout of the turn, with the calls the model made before the first (`calls_before`);
+    `turn` identifies the turn (TRL builds a new `tool_calls` list each turn). None when the loop does not look as
+    expected.
     """
     at = _at_call(adapter, skip + 1)
     if at is None:
@@ -221,7 +198,7 @@ def tool_turn(adapter: Any, skip: int = 4) -> tuple[object, list[tuple[Any, list
             if not isinstance(function, dict):
                 break
             chain.append((function.get("name"), function.get("arguments")))
-        out.append((envs[idxs[k]], chain, _calls_made(loc["completions"][idxs[k]]) + (position if k == idx else 0)))
+        out.append((envs[idxs[k]], chain, _made(loc, k, position if k == idx else 0)))
     return calls, out
 
 
@@ -233,22 +210,13 @@ def eos_token_ids(trainer: Any, tokenizer: Any = None) -> set[int]:
     return set(getattr(trainer, "eos_token_ids", None) or []) | ({pad} if pad is not None else set())
 
 
-# -- TRL's asynchronous trainer (trl.AsyncGRPOTrainer, or trl.experimental.async_grpo before TRL 1.18) ---------
-
-#: The name `AsyncRolloutWorker` gives the process it spawns for rollouts.
-ASYNC_WORKER_PROCESS = "grpo-rollout-worker-child"
+# -- TRL's asynchronous trainer ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class AsyncGRPO:
-    """Where the installed TRL keeps its asynchronous GRPO trainer (`async_grpo`).
-
-    Attributes:
-        trainer: `AsyncGRPOTrainer`.
-        config: `AsyncGRPOConfig`.
-        trainer_module: the module that defines the trainer.
-        worker_module: the module that defines `AsyncRolloutWorker`, the code of the spawned rollout process.
-    """
+    """Where the installed TRL keeps `AsyncGRPOTrainer` (`trainer`): its `config` class, the `trainer_module`, and
+    the `worker_module` defining `AsyncRolloutWorker` (the code of the spawned rollout process)."""
 
     trainer: type
     config: type
@@ -257,9 +225,8 @@ class AsyncGRPO:
 
 
 def async_grpo() -> AsyncGRPO | None:
-    """TRL's `AsyncGRPOTrainer` where the installed TRL has it: `trl.AsyncGRPOTrainer` (a stable trainer from TRL 1.18),
-    else `trl.experimental.async_grpo` (which warns from 1.18: never imported where the stable one exists); None
-    when TRL has neither."""
+    """TRL's `AsyncGRPOTrainer`: `trl.AsyncGRPOTrainer` (stable from TRL 1.18), else `trl.experimental.async_grpo`
+    (which warns from 1.18: never imported where the stable one exists); None when TRL has neither."""
     import trl
 
     trainer = getattr(trl, "AsyncGRPOTrainer", None)
@@ -275,15 +242,13 @@ def async_grpo() -> AsyncGRPO | None:
 
 def in_async_worker() -> bool:
     """True in the rollout process TRL's `AsyncGRPOTrainer` spawns (also while it unpickles its arguments)."""
-    return multiprocessing.current_process().name == ASYNC_WORKER_PROCESS
+    return multiprocessing.current_process().name == "grpo-rollout-worker-child"  # AsyncRolloutWorker names it so
 
 
 @dataclass(frozen=True)
 class FinishedRollout:
-    """A rollout TRL's async worker has just finished, as its `_generate_loop` holds it when it asks `get_reward`.
-
-    `messages` is the very list TRL later hands reward functions as that rollout's `completions` entry.
-    """
+    """A rollout TRL's async worker has just finished, as its `_generate_loop` holds it when it asks `get_reward`;
+    `messages` is the very list TRL later hands reward functions as that rollout's `completions` entry."""
 
     messages: list[Any]
     completion_ids: list[int]
@@ -292,33 +257,16 @@ class FinishedRollout:
 
 
 def finished_rollout(adapter: Any, skip: int = 2) -> FinishedRollout | None:
-    """At TRL's async worker's `await environment.get_reward()`: the rollout `adapter` just finished.
-
-    `skip`: frames between this function's caller and the worker's loop (the `get_reward` coroutine itself).
-    Reads `_generate_loop`'s locals (`environment`, `completion`, `completion_ids`, `self`). None when the loop
-    does not look as expected or TRL is unverified.
-    """
-    loc = _locals_of(skip + 1, 3, "_generate_loop")
-    if loc is None:
-        return None
+    """At TRL's async worker's `await environment.get_reward()`: the rollout `adapter` just finished, read off
+    `_generate_loop`'s locals (`environment`, `completion`, `completion_ids`, `self`). `skip`: frames between our
+    caller and the loop (the `get_reward` coroutine). None when the loop does not look as expected or TRL is
+    unverified."""
+    loc = _frame_locals(skip, 3, "_generate_loop") if verified() else {}
     worker, messages, ids = loc.get("self"), loc.get("completion"), loc.get("completion_ids")
     if loc.get("environment") is not adapter or not isinstance(messages, list) or not isinstance(ids, list):
         return None
     return FinishedRollout(messages, ids, eos_token_ids(worker, getattr(worker, "tokenizer", None)),
                            list(getattr(worker, "reward_funcs", None) or []))
-
-
-# -- the rollout engine ----------------------------------------------------------------------------
-
-
-def require_engine() -> None:
-    """Fail early, and say why, when the engine's TRL internals are not verified for the installed TRL."""
-    if not verified():
-        raise UsageError(
-            f"spec.rollout_func drives TRL internals verified for TRL {', '.join(VERIFIED)} only, and TRL "
-            f"{trl_version()} is installed. Use environment_factory=spec.environment_factory (TRL's public API; "
-            f"with callbacks=spec.callbacks), or set {TRUST_ENV}=1 to try the engine anyway."
-        )
 
 
 # -- TRL's rules and rendering: what TRL's tool loop does, in one place ----------------------------------
@@ -330,8 +278,8 @@ def error_text(exc: BaseException) -> str:
 
 
 def shown_error(content: str) -> str:
-    """The error in what TRL's tool loop showed the model for a call it failed itself (the inverse of `error_text`:
-    its `{'error': ...}` text unwrapped); `content` itself when it is not in that form."""
+    """The error in what TRL's tool loop showed the model for a call it failed itself (`error_text`'s `{'error': ...}`
+    unwrapped); `content` itself when it is not in that form."""
     prefix, suffix = "{'error': ", "}"
     if content.startswith(prefix) and content.endswith(suffix):
         inner = content[len(prefix):-len(suffix)]
@@ -343,9 +291,8 @@ def shown_error(content: str) -> str:
 def replies_of(messages: Sequence[Mapping[str, Any]], truncated: bool
                ) -> tuple[list[tuple[Reply, list[str]]], bool]:
     """TRL's transcript of one rollout (the messages after the prompt) read back for `Episode.replay`: each reply (an
-    assistant message; `truncated`: the last was cut) with what TRL's loop showed the model after it (the error of a
-    call it failed itself unwrapped: `shown_error`), and whether the transcript ends after tool results (the reply
-    after them was cut to nothing: TRL's budget)."""
+    assistant message; `truncated`: the last was cut) with what TRL's loop showed the model after it (`shown_error`),
+    and whether the transcript ends after tool results (the reply after them was cut to nothing: TRL's budget)."""
     at = [i for i, m in enumerate(messages) if m.get("role", "assistant") == "assistant"]
     replies = []
     for k, i in enumerate(at):
@@ -403,23 +350,21 @@ def tool_markup(processing_class: Any) -> str | None:
 
 class Rendering:
     """How TRL turns a tool conversation into token ids, and a completion back into a message, for one processing
-    class. The engine (for a trainer), `LocalPolicy` and the demo (without one) all render through it, so a TRL bump
-    is re-verified in this one place. The tool turn is TRL's own `GRPOTrainer._get_tool_suffix_ids`.
+    class (a tokenizer, or a vision-language model's processor): the engine, `LocalPolicy` and the demo all render
+    through it, so a TRL bump is re-verified in this one place.
 
-    Args:
-        processing_class: the tokenizer (or processor) the model is trained with; its response schema is set as
-            `GRPOTrainer` sets it for tools, so that tool calls parse. Where TRL knows no schema for its template
-            (`parse_error` says why), completions parse as plain text.
-        chat_template: the template to render with (None: the tokenizer's own). `Rendering.for_training` picks the
-            one `GRPOTrainer` trains tools with.
-        chat_template_kwargs: extra template variables (`GRPOConfig.chat_template_kwargs`).
+    The response schema is set as `GRPOTrainer` sets it for tools, so that tool calls parse; where TRL knows none for
+    the template (`parse_error` says why), completions parse as plain text. `chat_template`: None for the tokenizer's
+    own (`for_training` picks the one `GRPOTrainer` trains tools with); `chat_template_kwargs`: `GRPOConfig`'s. The
+    tool turn is TRL's own `GRPOTrainer._get_tool_suffix_ids`, called with the rendering as its `self`: it reads
+    `processing_class`, `_tokenizer`, `_is_vlm`, `chat_template` and `chat_template_kwargs` off it.
     """
 
     def __init__(self, processing_class: Any, *, chat_template: str | None = None,
                  chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
         self.processing_class = processing_class
-        self._tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        self._is_vlm = self._tokenizer is not processing_class
+        self.tokenizer = self._tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        self.takes_images = self._is_vlm = self._tokenizer is not processing_class  # a processor, not a tokenizer
         #: The id of the token a processor expands each image into (None for a tokenizer).
         self.image_token_id = getattr(processing_class, "image_token_id", None) if self._is_vlm else None
         self.parse_error: Exception | None = None
@@ -459,24 +404,14 @@ class Rendering:
         return rendering
 
     @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @property
     def tool_markup(self) -> str | None:
         """The text that opens a tool call in this template's replies (`tool_markup`)."""
         return tool_markup(self.processing_class)
 
     @property
-    def takes_images(self) -> bool:
-        """True for a processor (a vision-language model's), False for a tokenizer."""
-        return self._is_vlm
-
-    @property
     def eos_token_ids(self) -> set[int]:
         """The ids that end a completion (EOS and padding)."""
-        tok = self._tokenizer
-        return {t for t in (tok.eos_token_id, tok.pad_token_id) if t is not None}
+        return {t for t in (self._tokenizer.eos_token_id, self._tokenizer.pad_token_id) if t is not None}
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
         """Prompt token ids for `messages` with `tools`, rendered as `GRPOTrainer` renders its prompts (a processor
@@ -524,6 +459,8 @@ def image_inputs(processing_class: Any, prompt_ids: list[list[int]], images: lis
     return fields
 
 
+# -- one trainer's backend ---------------------------------------------------------------------------------
+
 _HANDOFF = "_ors_images"
 _BACKEND = "_ors_backend"
 
@@ -533,11 +470,11 @@ def _no_tool() -> None:
 
 
 def install_image_handoff() -> None:
-    """Make `GRPOTrainer` take the images a `rollout_func` hands it (`hand_images`) into its loss, as it takes the
-    images of its own tool loop: `_generate` returns them, beside token ids that already hold their image tokens,
-    and for that step the trainer counts as one with tools (TRL builds those images' pixel fields and token types
-    only then). Installed on the class once (a `rollout_func` runs inside `_generate`: too late to wrap the
-    instance's first step); a trainer that was handed nothing runs exactly as before. Verified TRL only."""
+    """Make `GRPOTrainer` take the images a `rollout_func` hands it (`Backend.hand_images`) into its loss, as it takes
+    the images of its own tool loop: `_generate` returns them beside the ids (which hold their image tokens), and
+    for that step the trainer counts as one with tools (TRL builds the images' pixel fields and token types only
+    then). Installed on the class once (a `rollout_func` runs inside `_generate`: too late to wrap the instance);
+    a trainer that was handed nothing runs exactly as before. Verified TRL only."""
     if not verified():
         return
     from trl import GRPOTrainer
@@ -570,9 +507,8 @@ def install_image_handoff() -> None:
 
 
 class Backend:
-    """TRL's private surface for one trainer, built once per trainer (`Backend.of`): its rendering, turn rules and
-    limits, generation (padded across processes), the image hand-off, its logs and the callbacks ors-trl attaches.
-    Holds the trainer weakly."""
+    """TRL's private surface for one trainer (held weakly), built once and kept on it (`Backend.of`): its rendering
+    and turn rules, its context length, generation padded across processes, the image hand-off and its logs."""
 
     def __init__(self, trainer: Any) -> None:
         try:
@@ -582,12 +518,9 @@ class Backend:
 
     @classmethod
     def of(cls, trainer: Any) -> Backend:
-        """The trainer's backend, kept on the trainer itself (built at the first use)."""
-        backend = vars(trainer).get(_BACKEND)
-        if backend is None:
-            backend = cls(trainer)
-            vars(trainer)[_BACKEND] = backend
-        return backend
+        if _BACKEND not in vars(trainer):
+            vars(trainer)[_BACKEND] = cls(trainer)
+        return vars(trainer)[_BACKEND]
 
     @property
     def trainer(self) -> Any:
@@ -602,14 +535,6 @@ class Backend:
         return rules(self.trainer)
 
     @property
-    def eos_token_ids(self) -> set[int]:
-        return eos_token_ids(self.trainer)
-
-    @property
-    def max_completion_length(self) -> int:
-        return self.trainer.max_completion_length
-
-    @property
     def max_model_len(self) -> int:
         """The longest sequence the generation backend accepts (TRL's own bound in its tool loop)."""
         trainer = self.trainer
@@ -619,30 +544,16 @@ class Backend:
         config = getattr(config, "text_config", None) or config
         return getattr(config, "max_position_embeddings", 1 << 30)
 
-    def clip_post_tool(self, new_ids: list[int], used: int) -> list[int]:
-        """TRL's cut of a reply generated after tool results: the completion (`used` tokens so far) stays within
-        `max_completion_length`."""
-        excess = used + len(new_ids) - self.max_completion_length
-        return new_ids[: len(new_ids) - excess] if excess > 0 else new_ids
-
-    def overflows(self, completion_length: int, total_length: int) -> bool:
-        """TRL's rule for tool results that would not fit: past the completion budget or the backend's context."""
-        return completion_length > self.max_completion_length or total_length >= self.max_model_len
-
-    @property
-    def takes_images(self) -> bool:
-        """Whether the processing class is a processor (`GRPOTrainer._is_vlm`), not a tokenizer."""
+    def refuse_images(self, what: str) -> None:
+        """Raise a `ConfigurationError` when the trainer's processing class is a tokenizer (`GRPOTrainer._is_vlm`),
+        which cannot take the images `what` holds."""
         trainer = self.trainer
         vlm = getattr(trainer, "_is_vlm", None)
-        return vlm if isinstance(vlm, bool) else getattr(getattr(trainer, "processing_class", None),
-                                                         "image_processor", None) is not None
-
-    def refuse_images(self, what: str) -> None:
-        """Raise a `ConfigurationError` when the trainer cannot take the images `what` holds."""
-        if not self.takes_images:
+        if not (vlm if isinstance(vlm, bool) else
+                getattr(getattr(trainer, "processing_class", None), "image_processor", None) is not None):
             raise ConfigurationError(
                 f"{what} holds an image, and this trainer's processing class "
-                f"({type(getattr(self.trainer, 'processing_class', None)).__name__}) is a tokenizer, which takes no "
+                f"({type(getattr(trainer, 'processing_class', None)).__name__}) is a tokenizer, which takes no "
                 "images. Train a vision-language model with its processor (GRPOTrainer(model=..., processing_class="
                 "AutoProcessor.from_pretrained(...))), or pass OpenRewardSpec(..., images=\"placeholder\") to show "
                 "the model the text [image: <media type>] in its place.")
@@ -653,48 +564,44 @@ class Backend:
     def processes(self) -> int:
         return getattr(getattr(self.trainer, "accelerator", None), "num_processes", 1)
 
-    def anyone(self, local: bool) -> bool:
-        """True if any process still has work (every process must then join the next generation call)."""
+    def _most(self, n: int) -> int:
+        """The largest `n` over the processes (each of them must call this, together)."""
         if self.processes == 1:
-            return local
+            return n
         import torch
 
         accelerator = self.trainer.accelerator
-        return bool(accelerator.gather(torch.tensor([1 if local else 0], device=accelerator.device)).max().item())
+        return int(accelerator.gather(torch.tensor([n], device=accelerator.device)).max().item())
+
+    def anyone(self, local: bool) -> bool:
+        """True if any process still has work (every process must then join the next generation call)."""
+        return self._most(int(local)) > 0
 
     def generate(self, requests: Sequence[tuple[list[int], list[Any]]], fallback: tuple[list[int], list[Any]]
                  ) -> list[tuple[list[int], list[float] | None]]:
         """One completion per prompt (its ids and their images) through TRL's generation backend (transformers,
         vLLM server or colocate), padded to a common count across processes (collective backends need every
         process in every call: a process with fewer prompts repeats one, or `fallback`)."""
-        n, target = len(requests), len(requests)
-        if self.processes > 1:
-            import torch
-
-            accelerator = self.trainer.accelerator
-            target = int(accelerator.gather(torch.tensor([n], device=accelerator.device)).max().item())
+        n, trainer = len(requests), self.trainer
+        target = self._most(n)
         if target == 0:
             return []
         padded = list(requests) + [requests[0] if requests else fallback] * (target - n)
-        ids, logprobs = self._generate([list(p) for p, _ in padded], [im for _, im in padded])
-        return [(list(ids[i]), list(logprobs[i]) if logprobs is not None else None) for i in range(n)]
-
-    def _generate(self, prompt_ids: list[list[int]], images: list[list[Any]]
-                  ) -> tuple[list[list[int]], list[list[float]] | None]:
-        trainer = self.trainer
-        if not any(images):
-            return trainer._generate_single_turn(prompt_ids, None, {}, num_generations=1)
-        if getattr(trainer, "use_transformers_continuous_batching", False):
+        prompt_ids, images = [list(p) for p, _ in padded], [row or None for _, row in padded]
+        fields: dict[str, Any] = {}
+        if any(images) and getattr(trainer, "use_transformers_continuous_batching", False):
             raise ConfigurationError("TRL's continuous-batching generation takes no images; generate with "
                                      "transformers' generate (the default) or vLLM for an environment that shows "
                                      "images.")
-        processing_class = trainer.processing_class
-        token = getattr(trainer, "_image_pad_token_id", None) or getattr(processing_class, "image_token_id", None)
-        fields = {} if getattr(trainer, "use_vllm", False) else image_inputs(processing_class, prompt_ids, images,
-                                                                             token)
-        return trainer._generate_single_turn(prompt_ids, [row or None for row in images], fields, num_generations=1)
+        if any(images) and not getattr(trainer, "use_vllm", False):
+            processing_class = trainer.processing_class
+            token = getattr(trainer, "_image_pad_token_id", None) or getattr(processing_class, "image_token_id", None)
+            fields = image_inputs(processing_class, prompt_ids, images, token)
+        ids, logprobs = trainer._generate_single_turn(prompt_ids, images if any(images) else None, fields,
+                                                      num_generations=1)
+        return [(list(ids[i]), list(logprobs[i]) if logprobs is not None else None) for i in range(n)]
 
-    # -- the image hand-off, logs, callbacks ---------------------------------------------------------
+    # -- the image hand-off and logs -----------------------------------------------------------------
 
     def hand_images(self, images: list[list[Any]]) -> None:
         """Hand TRL the images of a `rollout_func`'s rollouts (each one's, in the order of its image tokens) for the
@@ -720,22 +627,8 @@ class Backend:
             self.log_outside_step(dict(metrics))
 
     def log_outside_step(self, logs: dict[str, float]) -> None:
-        """Log `logs` to the trainer's `log_history` and its `on_log` callbacks from a callback event.
-        `GRPOTrainer.log` would fold in (and clear) the metrics its current step collected; `Trainer.log` adds only
-        these."""
+        """Log `logs` to the trainer's `log_history` and its `on_log` callbacks from a callback event: with
+        `Trainer.log`, as `GRPOTrainer.log` would fold in (and clear) the metrics its current step collected."""
         from transformers import Trainer
 
         Trainer.log(self.trainer, logs)
-
-    def attach(self, runtime: Any) -> None:
-        """Make the trainer release `runtime`'s sessions at each step's end and close them at the end (a
-        `SessionCleanupCallback`, public Trainer API, unless one already covers the runtime)."""
-        trainer = self.trainer
-        if not hasattr(trainer, "add_callback") or not runtime.bind(trainer):
-            return
-        from .callbacks import SessionCleanupCallback
-
-        for cb in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
-            if isinstance(cb, SessionCleanupCallback) and runtime in cb.runtimes:
-                return
-        trainer.add_callback(SessionCleanupCallback([runtime]))

@@ -1,23 +1,34 @@
-"""A `transformers.TrainerCallback` that keeps session lifetimes tied to the training loop.
-
-Rollouts are complete by the end of a training step (GRPO generates and scores inside the step),
-so every adapter's session is released then instead of idling on the server until the next
-batch; at the end of training every session is closed and the close is waited for. Imported only
-when `spec.callbacks` is used, so the core package does not need transformers.
+"""The `transformers.TrainerCallback`s ors-trl gives a trainer: session cleanup, evaluation during training and task
+sampling. Imported only when one is used, so `import ors_trl` needs no transformers.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from transformers import TrainerCallback
 
-__all__ = ["SessionCleanupCallback"]
+from ..core.metrics import EpisodeStats, stats_metrics, tool_health
+from ..core.stats import pass_over_tasks
+from ..tasks.stream import DrawSource
+from . import backend as _trl
+
+__all__ = ["STATE_KEY", "EvalCallback", "SessionCleanupCallback", "TaskSamplingCallback", "attach_session_cleanup",
+           "attach_task_sampling", "stream_callbacks"]
+
+logger = logging.getLogger("ors_trl")
+
+#: Where the sampling state lives in a checkpoint's `trainer_state.json` (`stateful_callbacks`).
+STATE_KEY = "ors_trl.task_sampling"
 
 
 class SessionCleanupCallback(TrainerCallback):
-    """Release sessions at each step's end (in the background) and close them all at the end of training.
+    """Release sessions at each step's end (in the background: GRPO generates and scores inside the step, so none
+    is needed after it) and close them all at the end of training, waiting for the server.
 
     Args:
         runtimes: the environment runtimes (one per spec) whose adapters' sessions to manage.
@@ -37,3 +48,189 @@ class SessionCleanupCallback(TrainerCallback):
         for runtime in self.runtimes:
             runtime.close_all()
 
+
+def attach_session_cleanup(trainer: Any, runtime: Any) -> None:
+    """Make `trainer` (seen resetting an adapter or running the engine) release `runtime`'s sessions at each step's
+    end and close them at the end: a `SessionCleanupCallback`, unless one already covers the runtime."""
+    if not hasattr(trainer, "add_callback") or not runtime.bind(trainer):
+        return
+    for cb in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
+        if isinstance(cb, SessionCleanupCallback) and runtime in cb.runtimes:
+            return
+    trainer.add_callback(SessionCleanupCallback([runtime]))
+
+
+class EvalCallback(TrainerCallback):
+    """Evaluate held-out tasks with the model being trained, every `every` steps (and, `at_start`, at step 0).
+
+    Built by `OpenRewardSpec.eval_callback` (which documents what it logs and its options) from the held-out tasks'
+    `spec` and one dataset prompt per task. Each evaluation runs `repeats` episodes of every task through the rollout
+    engine (split across processes, `source: "eval"`), logs `eval/<env>/...` beside GRPO's metrics and keeps them in
+    `history`.
+    """
+
+    def __init__(self, spec: Any, prompts: Sequence[Any], *, every: int, repeats: int = 1,
+                 at_start: bool = True) -> None:
+        self.spec = spec  # holds the held-out environment's client
+        self.runtime = spec.runtime
+        self.engine = spec.rollout_func  # the held-out spec's own engine
+        self.engine.source = "eval"
+        self.prompts = [p for p in prompts for _ in range(repeats)]
+        self.every, self.repeats, self.at_start = every, repeats, at_start
+        self.history: list[dict[str, float]] = []
+        self._missing = False
+
+    def __repr__(self) -> str:
+        return f"EvalCallback({self.runtime.name!r}, tasks={len(self.prompts) // self.repeats}, every={self.every})"
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.at_start:
+            self._evaluate(state.global_step)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step % self.every == 0:
+            self._evaluate(state.global_step)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.runtime.close_all()
+
+    def _evaluate(self, step: int) -> None:
+        trainer = _trl.calling_trainer()
+        if trainer is None:
+            if not self._missing:
+                self._missing = True
+                logger.warning("EvalCallback: the trainer of this callback event cannot be found; no evaluation")
+            return
+        accelerator = trainer.accelerator
+        self.engine.info = {"step": step, "policy": "the model in training"}
+        self.engine(self.prompts[accelerator.process_index::accelerator.num_processes], trainer)
+        rows = [(ep.task.key, ep.reward, ep.finished, ep.tool_calls, ep.tool_failures, len(ep.turns), ep.unscored,
+                 *tool_health(ep.turns), ep.prompt is not None) for ep in self.engine.last_episodes]
+        self.runtime.metrics.flush()  # its own window, apart from the training metrics: started again each time
+        if accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            rows = gather_object(rows)
+        logs = self.metrics(rows)
+        _trl.Backend.of(trainer).log_outside_step(dict(logs))
+        self.history.append({"step": step, **logs})
+
+    def metrics(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, float]:
+        """The logged metrics of one evaluation's episodes (`(task, reward, finished, calls, failures, turns,
+        unscored, unparsed, malformed, opened)` each)."""
+        stats = EpisodeStats(self.runtime.metrics.success_threshold)
+        tasks: dict[str, EpisodeStats] = {}  # the one definition of success, per task too
+        for task, reward, finished, calls, failures, turns, unscored, unparsed, malformed, opened in rows:
+            episode = dict(reward=reward, finished=finished, tool_calls=calls, tool_failures=failures, turns=turns,
+                           unscored=unscored, unparsed_turns=unparsed, malformed_calls=malformed, opened=opened)
+            stats.add(**episode)
+            tasks.setdefault(task, EpisodeStats(stats.success_threshold)).add(**episode)
+        prefix = f"eval/{self.runtime.name}/"
+        out = stats_metrics(prefix, stats)
+        passed, interval = pass_over_tasks(tasks.values())
+        out.update({f"{prefix}pass@{k}": v for k, v in passed.items()})
+        if interval is not None:
+            out[f"{prefix}pass@1_low"], out[f"{prefix}pass@1_high"] = interval
+        return out
+
+
+def consumed(args: Any, global_step: int) -> int | None:
+    """How many draws the trainer's first `global_step` optimizer steps read: TRL reads `generation_batch_size /
+    num_generations` draws at a time and each of them `num_iterations * steps_per_generation` times over, one
+    generation batch per micro-step (`repeat_iterable_dataset`). None for arguments that are not GRPO's."""
+    try:
+        per_read = args.generation_batch_size // args.num_generations
+        repeat = args.num_iterations * args.steps_per_generation
+        return math.ceil(global_step * args.gradient_accumulation_steps / repeat) * per_read
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return None
+
+
+class TaskSamplingCallback(TrainerCallback):
+    """Feed a task stream's samplers (`ors_trl.tasks.stream`) each step's groups, gathered from every process (so
+    all update alike and draw the same tasks), log `curriculum/<env>/...` with the step, and keep their state in
+    checkpoints (`trainer_state.json`'s `stateful_callbacks[STATE_KEY]`, restored on resume). Attached by the stream
+    at its first read, or passed in `spec.callbacks` (TRL's async trainer needs that: there the stream is read in
+    the rollout worker, whose samplers report through a file)."""
+
+    def __init__(self, source: DrawSource) -> None:
+        self.source = source
+        self._trainer: Any = None
+        self._seen: dict[str, float] = {}  # the async worker's mirror writes already logged, by curriculum
+
+    @property
+    def trainer(self) -> Any:
+        return self._trainer() if self._trainer is not None else None
+
+    def bind(self, trainer: Any) -> None:
+        """Update the samplers from `trainer`'s steps: alike on every process, from its checkpoint if resumed."""
+        if self.trainer is trainer:
+            return
+        self._trainer = weakref.ref(trainer)
+        self.source.on_bind = None
+        processes = getattr(getattr(trainer, "accelerator", None), "num_processes", 1)
+        for curriculum in self.source.curricula.values():
+            curriculum.synced = processes > 1
+        saved = (getattr(trainer.state, "stateful_callbacks", None) or {}).get(STATE_KEY)
+        if saved and trainer.state.global_step > 0:
+            self.source.load_state_dict(saved)
+        else:
+            self.source.reseed(trainer.args.seed)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = _trl.calling_trainer()
+        if trainer is not None:
+            self.bind(trainer)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer, source = self.trainer, self.source
+        if trainer is None:
+            return
+        observed = {env: c.take() for env, c in source.curricula.items()}
+        if getattr(trainer.accelerator, "num_processes", 1) > 1:
+            from accelerate.utils import gather_object
+
+            gathered = gather_object([observed])
+            observed = {env: [o for part in gathered for o in part[env]] for env in source.curricula}
+        metrics: dict[str, float] = {}
+        states: dict[str, Any] = {}  # what the async worker's copies last wrote, when this process draws nothing
+        for env, curriculum in source.curricula.items():
+            curriculum.apply(observed[env])
+            metrics.update(curriculum.metrics())
+            doc = None if source.drew else curriculum.read_mirror()
+            if doc is not None:
+                states[env or ""] = doc["state"]
+                if doc["at"] != self._seen.get(curriculum.name):  # its metrics are logged once
+                    self._seen[curriculum.name] = doc["at"]
+                    metrics.update(doc["metrics"])
+        _trl.Backend.of(trainer).add_step_metrics(metrics)
+        if source.drew:
+            source.trim(consumed(args, state.global_step))
+        if control.should_save:
+            saved = source.state_dict()
+            saved["curricula"].update(states)
+            state.stateful_callbacks[STATE_KEY] = saved
+
+
+def attach_task_sampling(source: DrawSource) -> None:
+    """A task stream's first read (its `on_bind`): have the trainer reading it, found up the stack, update and
+    checkpoint its samplers."""
+    trainer = _trl.training_trainer()
+    if trainer is None:
+        logger.warning("task sampling: no trainer was found reading the dataset, so the samplers learn from rewards "
+                       "as they come but are neither saved with checkpoints nor logged; "
+                       "pass callbacks=spec.callbacks.")
+        return
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, TaskSamplingCallback) and cb.source is source:
+            break
+    else:
+        cb = TaskSamplingCallback(source)
+        trainer.add_callback(cb)
+    cb.bind(trainer)
+
+
+def stream_callbacks(dataset: Any) -> list[TrainerCallback]:
+    """The `TaskSamplingCallback` a task stream needs (none for a map-style dataset)."""
+    source = getattr(dataset, "source", None)
+    return [TaskSamplingCallback(source)] if isinstance(source, DrawSource) else []

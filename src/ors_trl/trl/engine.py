@@ -1,20 +1,16 @@
 """The rollout engine: `spec.rollout_func` for TRL's `rollout_func`, with no turn barriers.
 
-TRL's own loop runs a batch turn by turn: every rollout waits for the slowest tool call of the turn before anyone
-generates again. The engine plays every episode of the batch on its own (`ors_trl.core.rollout.play`, on the
-background loop, concurrently), while the training thread generates for whatever rollouts are ready at that moment
-(the one `Batcher`: by default waiting for others at most 0.05 s and at most half of what a generation call has been
-taking; `gather_window=` fixes the wait). A slow tool call delays only its own rollout, so a step takes about as long
-as its slowest single rollout instead of the sum over turns of each turn's slowest call.
+TRL's own loop runs a batch turn by turn: every rollout waits for the slowest tool call of the turn. The engine plays
+every episode of the batch on its own (`ors_trl.core.rollout.play`, concurrently on the background loop) while the
+training thread generates for whatever rollouts are ready (the one `Batcher`), so a step takes about as long as its
+slowest rollout instead of the sum over turns of each turn's slowest call.
 
-Each rollout follows TRL's tool loop exactly (same chat template, tool-call parsing, tool-result formatting,
-`max_completion_length` and `max_tool_calling_iterations` rules; its ids built by `ors_trl.trl.tokens`), so with
-greedy decoding it produces the same completions, tool calls and rewards as the `environment_factory` path. Under
-several processes every process makes the same number of generation calls with the same number of prompts (a process
-without work joins with dummy prompts), as collective backends (vLLM server mode, ZeRO-3, FSDP) require. A spec's
-`episode_timeout` closes an episode that runs over and scores it None. Images (a prompt's and the tool results')
-are expanded into their image tokens as the rollout is rendered, go to every generation call with their pixel fields,
-and reach TRL's loss with the ids (`Backend.hand_images`).
+Each rollout follows TRL's tool loop exactly (chat template, tool-call parsing, tool-result formatting, its budgets
+and turn rules; ids built by `ors_trl.trl.tokens`), so with greedy decoding it gives the same completions, tool calls
+and rewards as `environment_factory`. Under several processes every process makes the same number of generation
+calls with the same number of prompts (one without work joins with dummy prompts), as collective backends (vLLM
+server mode, ZeRO-3, FSDP) require. Images are expanded into their image tokens as a rollout is rendered, go to every
+generation call with their pixel fields, and reach TRL's loss with the ids (`Backend.hand_images`).
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,8 +30,6 @@ from .backend import Backend, install_image_handoff, require_engine
 from .tokens import TokenGenerator, Tokens
 
 __all__ = ["TASK_KEY", "RolloutEngine", "task_of"]
-
-logger = logging.getLogger("ors_trl")
 
 #: Key of the prompt message that carries a row's task identity (written by the specs' datasets).
 TASK_KEY = "ors_task"
@@ -69,14 +62,16 @@ class _TrainerGenerator(TokenGenerator):
 
     def fits(self, tokens: Tokens, suffix: list[int]) -> None:
         total = len(tokens.ids) + len(suffix)
-        if suffix and self.backend.overflows(total - len(tokens.prompt_ids), total):
-            raise StopEpisode("length")  # TRL rolls the tool results back: they would overflow its budget
+        if suffix and (total - len(tokens.prompt_ids) > self.backend.trainer.max_completion_length
+                       or total >= self.backend.max_model_len):
+            raise StopEpisode("length")  # TRL rolls the tool results back: past its completion budget or context
 
     def clip(self, tokens: Tokens, ids: list[int], logprobs: list[float] | None
              ) -> tuple[list[int], list[float] | None, bool]:
-        if not tokens.completion_ids:
+        excess = len(tokens.completion_ids) + len(ids) - self.backend.trainer.max_completion_length
+        if not tokens.completion_ids or excess <= 0:  # TRL cuts only a reply generated after tool results
             return ids, logprobs, False
-        kept = self.backend.clip_post_tool(ids, len(tokens.completion_ids))
+        kept = ids[: len(ids) - excess]
         return kept, logprobs[: len(kept)] if logprobs is not None else None, len(kept) < len(ids)
 
     def refuse_images(self, what: str) -> None:
@@ -91,18 +86,17 @@ class RolloutEngine:
             each of its episodes: past it an episode is closed and scored None).
         gather_window: seconds generation waits for more rollouts to be ready (None: automatic, see `Batcher`).
         turn_barrier: wait for every rollout before each generation (TRL's turn-by-turn schedule), for comparison.
-        source: the `source` of its episodes' records (`"eval"`: evaluation during training).
 
-    `info` holds extra record fields for the episodes of the next calls (the evaluation's training `step`).
-    Episodes of an environment whose spec has `score_groups=True` are also scored as GRPO groups with its
-    `/score_group` (the `ors_group_reward` column `spec.group_reward_func` reads).
+    `source` and `info` go to the records of the next calls' episodes (`"eval"` and the training `step` for the eval
+    callback). An environment whose spec has `score_groups=True` also scores GRPO groups (`/score_group`: the
+    `ors_group_reward` column `spec.group_reward_func` reads).
     """
 
     def __init__(self, environments: Mapping[str | None, EnvironmentRuntime], *, gather_window: float | None = None,
-                 turn_barrier: bool = False, source: str = "engine") -> None:
+                 turn_barrier: bool = False) -> None:
         Batcher(gather_window)  # checks the window now
         self.environments = dict(environments)
-        self.source, self.gather_window, self.turn_barrier = source, gather_window, turn_barrier
+        self.source, self.gather_window, self.turn_barrier = "engine", gather_window, turn_barrier
         self.info: dict[str, Any] = {}
         self.last_episodes: list[Episode] = []
         self.generation_calls: list[int] = []  # prompts per generation call (this process), for inspection
@@ -113,38 +107,30 @@ class RolloutEngine:
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         require_engine()
+        from .callbacks import attach_session_cleanup
+
         backend = Backend.of(trainer)
         for rt in self.environments.values():
-            backend.attach(rt)
+            attach_session_cleanup(trainer, rt)
         generator = _TrainerGenerator(backend, Batcher(self.gather_window, barrier=self.turn_barrier))
         rollouts = [self._rollout(p, backend) for p in prompts]
         episodes = [ep for ep, _ in rollouts]
         conversations: dict[int, Conversation] = {}
-        groups: dict[tuple[int, str], list[Episode]] = {}  # GRPO groups: the rollouts of one task
+        groups: dict[tuple[int, str], list[Episode]] = {}  # GRPO groups to score: the rollouts of one task
         for ep in episodes:
             if ep.env.score_groups:
                 groups.setdefault((id(ep.env), ep.task.key), []).append(ep)
-        bg = get_loop()
         try:
-            done: set[int] = set()
             for wave in self._waves(rollouts):
-                futures = [ep.env.submit(play(ep, generator, base=base, timeout=ep.env.episode_timeout))
-                           for ep, base in wave]
+                future = get_loop().submit(_wave(wave, generator, conversations, groups))
+                future.add_done_callback(lambda _: generator.batcher.wake())
                 try:
-                    for future in futures:
-                        future.add_done_callback(lambda _: generator.batcher.wake())
-                    self._pump(generator, futures)
-                    for (ep, _), future in zip(wave, futures, strict=True):
-                        conversations[id(ep)] = future.result()
-                    done.update(id(ep) for ep, _ in wave)
-                    if groups:  # while their sessions are still open: every group now complete
-                        complete = [k for k, g in groups.items() if all(id(e) in done for e in g)]
-                        bg.run(score_groups([e for k in complete for e in groups.pop(k)]))
+                    self._pump(generator, future)
+                    future.result()
                 finally:
-                    for future in futures:
+                    if not future.done():  # the pump failed: stop the wave, its sessions close all the same
                         future.cancel()
-                    concurrent.futures.wait(futures, timeout=60)
-                    bg.run(_close_sessions([ep for ep, _ in wave]))
+                        get_loop().run(_close_sessions([ep for ep, _ in wave]))
         finally:
             for ep in episodes:
                 ep.release()  # accounts the episode and writes its record
@@ -173,16 +159,12 @@ class RolloutEngine:
         size = max(min(known) if known else len(rollouts), 1)
         return [rollouts[i:i + size] for i in range(0, len(rollouts), size)]
 
-    def _pump(self, generator: _TrainerGenerator, futures: list[concurrent.futures.Future[Any]]) -> None:
-        """Generate, on this (the training) thread, for whatever rollouts are ready, until every one has ended; under
+    def _pump(self, generator: _TrainerGenerator, wave: concurrent.futures.Future[Any]) -> None:
+        """Generate, on this (the training) thread, for whatever rollouts are ready, until the wave has ended; under
         several processes, until none has work (a process without any joins every call with padding)."""
         batcher, backend = generator.batcher, generator.backend
-
-        def ended() -> bool:
-            return all(f.done() for f in futures)
-
         while True:
-            batch = batcher.take(stop=ended)
+            batch = batcher.take(stop=wave.done)
             if not (backend.anyone(bool(batch)) if backend.processes > 1 else batch):
                 return
             self.generation_calls.append(len(batch))
@@ -219,6 +201,23 @@ class RolloutEngine:
             "ors_tool_failures": [ep.tool_failures for ep in episodes],
             "ors_env": [ep.env.key for ep in episodes],
         }
+
+
+async def _wave(wave: list[tuple[Episode, Any]], generator: _TrainerGenerator, conversations: dict[int, Conversation],
+                groups: dict[tuple[int, str], list[Episode]]) -> None:
+    """Play a wave's episodes, score the GRPO groups complete now (while their sessions are open), and close the
+    wave's sessions, also on errors. The first error of a play, in the wave's order, is raised once all have ended."""
+    try:
+        played = await asyncio.gather(*(play(ep, generator, base=base, timeout=ep.env.episode_timeout)
+                                        for ep, base in wave), return_exceptions=True)
+        errors = [p for p in played if isinstance(p, BaseException)]
+        if errors:
+            raise errors[0]
+        conversations.update((id(ep), conversation) for (ep, _), conversation in zip(wave, played, strict=True))
+        complete = [key for key, group in groups.items() if all(id(ep) in conversations for ep in group)]
+        await score_groups([ep for key in complete for ep in groups.pop(key)])
+    finally:
+        await _close_sessions([ep for ep, _ in wave])
 
 
 async def _close_sessions(episodes: list[Episode]) -> None:

@@ -1,16 +1,11 @@
 """The reward functions a spec hands `GRPOTrainer`: the environment's outcome reward and its group score.
 
-Both follow TRL's reward-function convention and work on either path: with `environment_factory`
-they receive the batch's adapters (`environments=`) and the transcripts (`completions=`), finish
-each episode first (a `@terminal` tool gets the model's final plain message, the whole batch at
-once), then read the rewards; with `rollout_func` the engine has already done all of it and its
-extra columns carry the results. Both hand the environment metrics of the batch to TRL's public
-`log_metric` keyword. They are plain module-level functions (picklable, for TRL's async trainer).
-
-In TRL's async trainer (`trl.experimental.async_grpo`) they run in its spawned rollout worker, which
-passes neither `environments` nor `log_metric`: the adapter's `get_reward` hook has settled each
-episode when its rollout ended, and they find it by its transcript (`completions`). The environment
-metrics are not logged there (TRL gives reward functions in its worker no way to log); see `episode_log`.
+Plain module-level functions (picklable, for TRL's async trainer) that work on every path: with `environment_factory`
+they get the batch's adapters (`environments=`) and transcripts (`completions=`) and finish each episode first (a
+`@terminal` tool grades the final plain message, the whole batch at once); with `rollout_func` the engine did it all
+and its extra columns carry the results; in TRL's async worker (no `environments`, no `log_metric`) the adapter's
+`get_reward` hook settled each episode and they find it by its transcript. The batch's environment metrics go to
+TRL's `log_metric` (not in the async worker, where reward functions cannot log: see `episode_log`).
 """
 
 from __future__ import annotations
@@ -19,11 +14,11 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..core.episode import EnvironmentRuntime, Episode, find_ended, runtimes, score_groups
+from ..core.episode import EnvironmentRuntime, Episode, runtimes, score_groups
 from ..protocol.errors import ConfigurationError
 from ..protocol.loop import get_loop
 from . import backend as _trl
-from .adapter import READS_EPISODES, OpenRewardEnvironment, settle_all
+from .adapter import READS_EPISODES, OpenRewardEnvironment, settle_all, take_ended
 
 __all__ = ["group_reward", "outcome_reward", "reward_function"]
 
@@ -36,7 +31,7 @@ def _episodes(environments: Sequence[Any] | None, kwargs: dict[str, Any], column
         return [env.episode if isinstance(env, OpenRewardEnvironment) else None for env in environments]
     completions = kwargs.get("completions")
     if column not in kwargs and _trl.in_async_worker() and isinstance(completions, list):
-        return [find_ended(messages) for messages in completions]
+        return [take_ended(messages) for messages in completions]
     return None
 
 
@@ -45,13 +40,10 @@ def _flush(rts: Sequence[EnvironmentRuntime], log_metric: Any) -> None:
     TRL's async worker has none: the window starts again anyway there, so that the metrics do not pile up."""
     if not callable(log_metric) and not _trl.in_async_worker():
         return
-    seen: set[int] = set()
-    for rt in rts:
-        if id(rt.metrics) not in seen:
-            seen.add(id(rt.metrics))
-            for name, value in rt.metrics.flush().items():
-                if callable(log_metric):
-                    log_metric(name, value)
+    for metrics in {id(rt.metrics): rt.metrics for rt in rts}.values():
+        for name, value in metrics.flush().items():
+            if callable(log_metric):
+                log_metric(name, value)
 
 
 def _column(kwargs: dict[str, Any], name: str, func: str) -> list[Any]:

@@ -1,11 +1,10 @@
 """One construction of a rollout's token ids (design decision 14), and the generator of token ids built on it.
 
 `Tokens` is what GRPO trains on for one rollout, built as TRL's tool loop builds it: the prompt rendered once with the
-tools, each reply's ids as they were generated, each turn's tool results as TRL's tool suffix (masked out of the
-loss). The engine trains on it and a local model is evaluated on the very same ids (never a re-render of the
-conversation), so what the model is trained on and what it was evaluated on agree by construction.
-`TokenGenerator` is a generator (`ors_trl.core.rollout`) of token ids behind the one `Batcher`; the trainer's backend
-(`ors_trl.trl.engine`) and `LocalPolicy` (`ors_trl.evaluation.policies`) are its two kinds.
+tools, each reply's ids as generated, each turn's tool results as TRL's tool suffix (masked out of the loss). The
+engine trains on these ids and a local model is evaluated on the very same (never a re-render of the conversation),
+so training and evaluation agree by construction. `TokenGenerator`, a generator (`ors_trl.core.rollout`) behind the
+one `Batcher`, has two kinds: the trainer's backend (`ors_trl.trl.engine`) and `LocalPolicy`.
 """
 
 from __future__ import annotations
@@ -53,12 +52,9 @@ class Tokens:
 
 class TokenGenerator:
     """A batched generator of token ids: each conversation's ids built once (`Tokens`), a batch generated at a time
-    (`generate_ids`, what each kind provides), each completion parsed to a `Reply` as TRL parses it.
-
-    The rendering and the parsing run where the batch is generated (`answer`, on the pump's thread), not on the
-    event loop that plays the episodes. Hooks a kind may override: `fits` (a budget before the tool suffix is
-    added), `clip` (a budget on a reply), `refuse_images` (a model that takes none), `rerender` (render the whole
-    conversation each turn instead of joining ids)."""
+    (`generate_ids`, what each kind provides), each completion parsed to a `Reply` as TRL parses it. Rendering and
+    parsing run on the pump's thread (`answer`), not on the event loop that plays the episodes. A kind may also
+    override `fits`, `clip`, `refuse_images` and `rerender` (render the whole conversation each turn)."""
 
     rerender = False
 
@@ -66,8 +62,6 @@ class TokenGenerator:
         self.rendering, self.batcher = rendering, batcher
         self._renders: dict[str, list[int]] = {}  # renders of equal inputs (a group's rollouts share them)
         self._order: dict[int, int] = {}  # each playing conversation's place in a batch's rows
-
-    # -- the generator protocol (any loop) ---------------------------------------------------------------
 
     def start(self, conversation: Conversation) -> None:
         self._order[id(conversation)] = self.batcher.enter()
@@ -79,11 +73,9 @@ class TokenGenerator:
     async def reply(self, conversation: Conversation) -> Reply:
         return await self.batcher.ask(conversation, self._order.get(id(conversation), 0))
 
-    # -- the pump's side -------------------------------------------------------------------------------
-
     def answer(self, batch: Sequence[Any]) -> None:
-        """Generate for a batch the batcher gave (`Batcher.take`) and answer each request with its `Reply`, or with
-        the exception that ends its episode instead."""
+        """Generate for a batch of the batcher's (`Batcher.take`) and answer each request with its `Reply`, or with
+        the exception that ends its episode."""
         results: list[Any] = [None] * len(batch)
         live = []
         for i, request in enumerate(batch):
@@ -149,15 +141,13 @@ class TokenGenerator:
     def forget(self) -> None:
         self._renders = {}
 
-    # -- what a kind provides --------------------------------------------------------------------------
-
     def generate_ids(self, tokens: list[Tokens]) -> list[tuple[list[int], list[float] | None]]:
         """One completion per rollout's ids (with its logprobs, or None)."""
         raise NotImplementedError
 
     def fits(self, tokens: Tokens, suffix: list[int]) -> None:
-        """Raise `StopEpisode` (or `ContextLengthExceeded`) when the tool suffix (`[]`: a prompt just rendered) may not
-        be added, or the ids may not be generated from."""
+        """Raise `StopEpisode` (or `ContextLengthExceeded`) when the tool suffix (`[]`: after the prompt) may not be
+        added, or the ids may not be generated from."""
 
     def clip(self, tokens: Tokens, ids: list[int], logprobs: list[float] | None
              ) -> tuple[list[int], list[float] | None, bool]:
