@@ -551,23 +551,23 @@ def test_local_policy_joins_turns_as_grpo_does(tiny_model_dir) -> None:
     plain = LocalPolicy(object(), tokenizer, join_turns=False)
     user = [{"role": "user", "content": 'Call the `echo` tool with exactly this text: "hello".'}]
     conversation, whole = Conversation(None, list(user)), Conversation(None, list(user))  # type: ignore[arg-type]
-    joined.extend(conversation)
-    plain.extend(whole)
+    joined._extend(conversation)
+    plain._extend(whole)
     first = conversation.state.ids
     assert first == whole.state.ids
     # what the model generated: a well-formed call, tokenized piece by piece (not the canonical tokenization)
     call = '<tool_call>\n{"name": "echo", "arguments": {"text": "hello"}}\n</tool_call>'
     generated = [t for piece in call for t in tokenizer.encode(piece, add_special_tokens=False)]
     generated += tokenizer.encode("<|im_end|>", add_special_tokens=False)
-    reply = joined.parse(conversation, generated, None, 0.0)
+    reply = joined._parse(conversation, generated, None, 0.0)
     assert reply.tool_calls[0].name == "echo"
     history = [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "echo", "arguments": {"text": "hello"}}}]},
         {"role": "tool", "tool_call_id": "c", "name": "echo", "content": "hello"}]
     conversation.messages += history
     whole.messages += history
-    joined.extend(conversation)
-    plain.extend(whole)
+    joined._extend(conversation)
+    plain._extend(whole)
     suffix = joined.rendering.tool_suffix_ids([{"role": "tool", "name": "echo", "content": "hello"}])
     assert conversation.state.ids == first + generated + suffix
     assert conversation.state.mask == [1] * len(generated) + [0] * len(suffix)
@@ -575,7 +575,7 @@ def test_local_policy_joins_turns_as_grpo_does(tiny_model_dir) -> None:
     assert whole.state.ids != conversation.state.ids  # re-rendering gives the model other ids than it was trained on
     other = Conversation(None, [*user, {"role": "assistant", "content": "not generated here"},  # type: ignore[arg-type]
                                 {"role": "user", "content": "and?"}])
-    joined.extend(other)  # a history given whole (`respond`): rendered whole
+    joined._extend(other)  # a history given whole (`respond`): rendered whole
     assert other.state.ids == plain.rendering.prompt_ids(other.messages, None)
 
 

@@ -426,6 +426,7 @@ class LocalPolicy(TokenGenerator):
 
     @property
     def join_turns(self) -> bool:
+        """Whether a later turn's ids are built as GRPO builds them (see `join_turns=`)."""
         return not self.rerender
 
     @property
@@ -436,6 +437,12 @@ class LocalPolicy(TokenGenerator):
     # -- the generator protocol, and the Policy protocol on top -----------------------------------------------
 
     def start(self, conversation: Conversation) -> None:
+        """An episode begins: as `TokenGenerator.start`, and the generation worker starts if it is not running.
+
+        Args:
+            conversation (`Conversation`):
+                The episode's conversation.
+        """
         super().start(conversation)
         with self._lock:
             if self._worker is None:
@@ -446,6 +453,12 @@ class LocalPolicy(TokenGenerator):
     async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Reply:
         """The assistant's next turn to a conversation given whole (rendered whole: its past turns' ids are not
         known), generated in a batch with the other episodes waiting for theirs.
+
+        Args:
+            messages (`list[dict[str, Any]]`):
+                The conversation so far (chat messages).
+            tools (`list[dict[str, Any]]`):
+                The tools' JSON schemas.
 
         Raises:
             PolicyError: generation failed, or the conversation cannot be rendered (`ContextLengthExceeded` when
@@ -481,19 +494,19 @@ class LocalPolicy(TokenGenerator):
                 with self._lock:  # `start` counts its episode before it looks for a worker: none is stranded
                     if self._idle():
                         self._worker = None
-                        self.forget()  # no episode left: what was rendered for them is not kept
+                        self._forget()  # no episode left: what was rendered for them is not kept
                         return
                 continue
             try:
-                self.answer(batch)
+                self._answer(batch)
             except Exception as exc:  # never leave an episode waiting for a reply that cannot come
                 error = exc if isinstance(exc, PolicyError) else PolicyError(
                     f"generation failed: {type(exc).__name__}: {exc}")
                 self.batcher.give(batch, [error] * len(batch))
 
-    def extend(self, conversation: Conversation) -> None:
+    def _extend(self, conversation: Conversation) -> None:
         try:
-            super().extend(conversation)
+            super()._extend(conversation)
         except (PolicyError, ORSError):
             raise
         except Exception as exc:
@@ -502,9 +515,9 @@ class LocalPolicy(TokenGenerator):
             logger.warning("%s renders every conversation whole from now on (join_turns=False): TRL cannot build a "
                            "turn after tool calls with this chat template (%s: %s).", self.name, type(exc).__name__, exc)
             self.rerender = True
-            super().extend(conversation)
+            super()._extend(conversation)
 
-    def refuse_images(self, what: str) -> None:
+    def _refuse_images(self, what: str) -> None:
         if not self.rendering.takes_images:
             raise PolicyError("the conversation holds an image, and this model's tokenizer takes none: evaluate a "
                               'vision-language model with its processor, or pass OpenRewardSpec(..., images="placeholder")')
@@ -515,12 +528,12 @@ class LocalPolicy(TokenGenerator):
         limit = getattr(config, "max_position_embeddings", None)
         return limit if isinstance(limit, int) and limit > 0 else None
 
-    def fits(self, tokens: Tokens, suffix: list[int]) -> None:
+    def _fits(self, tokens: Tokens, suffix: list[int]) -> None:
         limit, length = self._context_limit(), len(tokens.ids) + len(suffix)
         if limit is not None and length >= limit:
             raise ContextLengthExceeded(f"the conversation ({length} tokens) fills the model's context ({limit})")
 
-    def generate_ids(self, tokens: list[Tokens]) -> list[tuple[list[int], list[float] | None]]:
+    def _generate_ids(self, tokens: list[Tokens]) -> list[tuple[list[int], list[float] | None]]:
         if not tokens:
             return []
         import torch

@@ -407,7 +407,7 @@ class Curriculum:
 
     It listens to the runtime (`EnvironmentRuntime.listeners`): each episode of a training source is observed as it
     is counted, from any thread; `draw()` applies what was observed, then draws (unless `synced`: in a run of several
-    processes, `ors_trl.trl.sampling_callback` applies what every process observed at each step's end, so all draw
+    processes, `ors_trl.trl.callbacks` applies what every process observed at each step's end, so all draw
     alike). `mirror`: when the sampler runs in TRL's async rollout worker, a file the worker's copy writes its state
     and metrics to after an update (at most every `MIRROR_EVERY` seconds), which the trainer's process reads.
     """

@@ -1,5 +1,5 @@
 """The dataset a spec (or mix) with `task_sampling` other than "uniform" gives TRL: an endless stream of task rows,
-each drawn by a sampler when TRL reads it (the trainer's side is `ors_trl.trl.sampling_callback`).
+each drawn by a sampler when TRL reads it (the trainer's side is `ors_trl.trl.callbacks`).
 
 TRL 1.16 trains on a `datasets.IterableDataset` (with `max_steps`) and repeats each row it reads `num_generations`
 times itself (`trl.trainer.utils.repeat_iterable_dataset`), so a row is drawn at most a generation batch or two
@@ -93,7 +93,7 @@ class DrawSource:
 
     def __reduce__(self) -> tuple[Any, ...]:
         """A copy for TRL's async rollout worker: it draws on from this state, and its curricula write what they
-        learn to mirror files this process reads (`ors_trl.trl.sampling_callback`)."""
+        learn to mirror files this process reads (`ors_trl.trl.callbacks`)."""
         for c in self.curricula.values():
             c.mirror = c.mirror or mirror_path(c.name)
         mirrors = {env: c.mirror for env, c in self.curricula.items()}

@@ -56,17 +56,17 @@ class _TrainerGenerator(TokenGenerator):
         self.backend = backend
         self.fallback: tuple[list[int], list[Any]] | None = None  # a prompt to pad with, once one was rendered
 
-    def generate_ids(self, tokens: list[Tokens]) -> list[tuple[list[int], list[float] | None]]:
+    def _generate_ids(self, tokens: list[Tokens]) -> list[tuple[list[int], list[float] | None]]:
         self.fallback = self.fallback or next(((t.prompt_ids, t.images) for t in tokens), None)
         return self.backend.generate([(t.ids, t.images) for t in tokens], self.fallback or ([], []))
 
-    def fits(self, tokens: Tokens, suffix: list[int]) -> None:
+    def _fits(self, tokens: Tokens, suffix: list[int]) -> None:
         total = len(tokens.ids) + len(suffix)
         if suffix and (total - len(tokens.prompt_ids) > self.backend.trainer.max_completion_length
                        or total >= self.backend.max_model_len):
             raise StopEpisode("length")  # TRL rolls the tool results back: past its completion budget or context
 
-    def clip(self, tokens: Tokens, ids: list[int], logprobs: list[float] | None
+    def _clip(self, tokens: Tokens, ids: list[int], logprobs: list[float] | None
              ) -> tuple[list[int], list[float] | None, bool]:
         excess = len(tokens.completion_ids) + len(ids) - self.backend.trainer.max_completion_length
         if not tokens.completion_ids or excess <= 0:  # TRL cuts only a reply generated after tool results
@@ -74,7 +74,7 @@ class _TrainerGenerator(TokenGenerator):
         kept = ids[: len(ids) - excess]
         return kept, logprobs[: len(kept)] if logprobs is not None else None, len(kept) < len(ids)
 
-    def refuse_images(self, what: str) -> None:
+    def _refuse_images(self, what: str) -> None:
         self.backend.refuse_images(what)
 
 
@@ -168,7 +168,7 @@ class RolloutEngine:
             if not (backend.anyone(bool(batch)) if backend.processes > 1 else batch):
                 return
             self.generation_calls.append(len(batch))
-            generator.answer(batch)
+            generator._answer(batch)
 
     def _tokens(self, generator: _TrainerGenerator, conversation: Conversation, base: list[dict[str, Any]]) -> Tokens:
         """The rollout's ids; for one that never generated (its session did not open), the dataset prompt with what
@@ -181,7 +181,7 @@ class RolloutEngine:
             messages[-1]["content"] = messages[-1].get("content", "") + \
                 f"[The environment failed to start this task: {ep.error.get('message')}]"
         tools = ep.toolset.schemas if ep.toolset is not None and ep.toolset.by_name else None
-        tokens = Tokens(generator.render(["prompt", messages, tools],
+        tokens = Tokens(generator._render(["prompt", messages, tools],
                                          lambda: generator.rendering.prompt_ids(messages, tools)), [], len(messages))
         tokens.add([generator.rendering.tokenizer.eos_token_id], [0.0])
         return tokens

@@ -52,9 +52,9 @@ class Tokens:
 
 class TokenGenerator:
     """A batched generator of token ids: each conversation's ids built once (`Tokens`), a batch generated at a time
-    (`generate_ids`, what each kind provides), each completion parsed to a `Reply` as TRL parses it. Rendering and
-    parsing run on the pump's thread (`answer`), not on the event loop that plays the episodes. A kind may also
-    override `fits`, `clip`, `refuse_images` and `rerender` (render the whole conversation each turn)."""
+    (`_generate_ids`, what each kind provides), each completion parsed to a `Reply` as TRL parses it. Rendering and
+    parsing run on the pump's thread (`_answer`), not on the event loop that plays the episodes. A kind may also
+    override `_fits`, `_clip`, `_refuse_images` and `rerender` (render the whole conversation each turn)."""
 
     rerender = False
 
@@ -64,34 +64,52 @@ class TokenGenerator:
         self._order: dict[int, int] = {}  # each playing conversation's place in a batch's rows
 
     def start(self, conversation: Conversation) -> None:
+        """An episode begins (`play` calls it): one more that may ask, which batches wait for.
+
+        Args:
+            conversation (`Conversation`):
+                The episode's conversation.
+        """
         self._order[id(conversation)] = self.batcher.enter()
 
     def finish(self, conversation: Conversation) -> None:
+        """The episode ended (`play` calls it): batches no longer wait for it.
+
+        Args:
+            conversation (`Conversation`):
+                The episode's conversation.
+        """
         self._order.pop(id(conversation), None)
         self.batcher.leave()
 
     async def reply(self, conversation: Conversation) -> Reply:
+        """The model's next reply, generated in a batch with the other episodes waiting for theirs.
+
+        Args:
+            conversation (`Conversation`):
+                The episode's conversation; its ids are built (or extended) as GRPO builds them.
+        """
         return await self.batcher.ask(conversation, self._order.get(id(conversation), 0))
 
-    def answer(self, batch: Sequence[Any]) -> None:
+    def _answer(self, batch: Sequence[Any]) -> None:
         """Generate for a batch of the batcher's (`Batcher.take`) and answer each request with its `Reply`, or with
         the exception that ends its episode."""
         results: list[Any] = [None] * len(batch)
         live = []
         for i, request in enumerate(batch):
             try:
-                self.extend(request.item)
+                self._extend(request.item)
                 live.append(i)
             except Exception as exc:  # a stop, a budget, an image the model cannot take: that episode's alone
                 results[i] = exc
         started = time.monotonic()
-        outs = self.generate_ids([batch[i].item.state for i in live])
+        outs = self._generate_ids([batch[i].item.state for i in live])
         seconds = time.monotonic() - started
         for i, (ids, logprobs) in zip(live, outs, strict=True):
-            results[i] = self.parse(batch[i].item, ids, logprobs, seconds)
+            results[i] = self._parse(batch[i].item, ids, logprobs, seconds)
         self.batcher.give(batch, results, seconds)
 
-    def extend(self, conversation: Conversation) -> None:
+    def _extend(self, conversation: Conversation) -> None:
         """Bring the conversation's ids up to date: its prompt rendered (the first time), else the tool results since
         the last reply as TRL's tool suffix."""
         tokens: Tokens | None = conversation.state
@@ -99,29 +117,29 @@ class TokenGenerator:
         if tokens is None or self.rerender:
             images = images_of(messages)
             if images:
-                self.refuse_images(f"The prompt of task {conversation.episode.task.key}")
-            prompt = self.render(["prompt", messages, conversation.tools],
+                self._refuse_images(f"The prompt of task {conversation.episode.task.key}")
+            prompt = self._render(["prompt", messages, conversation.tools],
                                  lambda: self.rendering.prompt_ids(messages, conversation.tools))
             conversation.state = Tokens(prompt, images, len(messages))
-            self.fits(conversation.state, [])
+            self._fits(conversation.state, [])
             return
         shown = [m for m in messages[tokens.shown:] if m.get("role") == "tool"]
         tokens.shown = len(messages)
         trl_shaped = [{"role": "tool", "name": m["name"], "content": m["content"]} for m in shown]  # as TRL appends
-        suffix = self.render(["tools", trl_shaped], lambda: self.rendering.tool_suffix_ids(trl_shaped))
-        self.fits(tokens, suffix)
+        suffix = self._render(["tools", trl_shaped], lambda: self.rendering.tool_suffix_ids(trl_shaped))
+        self._fits(tokens, suffix)
         images = images_of(shown)
         if images:
-            self.refuse_images(f"The output of a {conversation.episode.env.name} tool")
+            self._refuse_images(f"The output of a {conversation.episode.env.name} tool")
         tokens.add(suffix, generated=False)
         tokens.images += images
 
-    def parse(self, conversation: Conversation, ids: list[int], logprobs: list[float] | None,
+    def _parse(self, conversation: Conversation, ids: list[int], logprobs: list[float] | None,
               seconds: float) -> Reply:
         """A completion as the reply TRL parses it to; its ids join the conversation's."""
         tokens: Tokens = conversation.state
         prefix = tokens.ids
-        ids, logprobs, cut = self.clip(tokens, ids, logprobs)
+        ids, logprobs, cut = self._clip(tokens, ids, logprobs)
         tokens.add(ids, logprobs)
         eos = self.rendering.eos_token_ids
         parsed = self.rendering.parse(ids, prefix, conversation.tools)
@@ -131,28 +149,28 @@ class TokenGenerator:
                      raw=self.rendering.tokenizer.decode(ids, skip_special_tokens=False) if ids else None,
                      seconds=round(seconds, 4))
 
-    def render(self, key: list[Any], render: Any) -> list[int]:
+    def _render(self, key: list[Any], render: Any) -> list[int]:
         """Tokens from `render()`, computed once for equal inputs until `forget()` (tokenizing dominates the pump)."""
         text = json.dumps(key, sort_keys=True, default=repr)
         if text not in self._renders:
             self._renders[text] = render()
         return list(self._renders[text])
 
-    def forget(self) -> None:
+    def _forget(self) -> None:
         self._renders = {}
 
-    def generate_ids(self, tokens: list[Tokens]) -> list[tuple[list[int], list[float] | None]]:
+    def _generate_ids(self, tokens: list[Tokens]) -> list[tuple[list[int], list[float] | None]]:
         """One completion per rollout's ids (with its logprobs, or None)."""
         raise NotImplementedError
 
-    def fits(self, tokens: Tokens, suffix: list[int]) -> None:
+    def _fits(self, tokens: Tokens, suffix: list[int]) -> None:
         """Raise `StopEpisode` (or `ContextLengthExceeded`) when the tool suffix (`[]`: after the prompt) may not be
         added, or the ids may not be generated from."""
 
-    def clip(self, tokens: Tokens, ids: list[int], logprobs: list[float] | None
+    def _clip(self, tokens: Tokens, ids: list[int], logprobs: list[float] | None
              ) -> tuple[list[int], list[float] | None, bool]:
         """A reply kept within a budget: its ids, logprobs and whether they were cut."""
         return ids, logprobs, False
 
-    def refuse_images(self, what: str) -> None:
+    def _refuse_images(self, what: str) -> None:
         """Raise when the model cannot take the images `what` holds."""
