@@ -1,25 +1,12 @@
 """Bind ORS tool specs to real Python functions that TRL's GRPOTrainer can collect, render and call.
 
-TRL lists an adapter's tools with `inspect.getmembers(type(env), inspect.isfunction)` (skipping `reset`,
-`get_reward` and names starting with `_`), keys them by `__name__`, renders them with
-`transformers.utils.get_json_schema` and calls them as `method(**arguments)`. Each tool becomes a generic closure (no
-`exec`/`eval`/`compile` of generated source: a hostile name or description never runs as code) dressed with
-`__signature__`, `__annotations__` and a Google-style `__doc__` from `ors_trl.core.schema`, so `get_json_schema`
-reproduces the environment's schema; `defuse_docstring_text` keeps any description from breaking its parse.
-`BoundTool.schema` computes that very rendering without transformers (evaluation against an endpoint needs no TRL).
-
-Naming policy
-    * `__name__` (what the model sees, what TRL routes by) is the exact tool name when it is a sane display name
-      (`^[A-Za-z0-9_.:-]{1,64}$`); else it is sanitized (ASCII-folded, other characters -> `_`, at most 64, `"tool"`
-      if nothing is left), with a warning.
-    * The attribute name (what `inspect.getmembers` sees) is the remote name when that is an ASCII identifier, not a
-      keyword, not starting with `_` and not in `reserved`; else a sanitized identifier (`"run-shell"` ->
-      `"run_shell"`, `"reset"` -> `"tool_reset"`, `"class"` -> `"tool_class"`, `"_private"` -> `"tool__private"`):
-      a tool named `reset` is shown as `reset` without shadowing the adapter's own `reset()`.
-    * Exact names are claimed first; sanitized names that collide get `_2`, `_3`... suffixes (with a warning), so
-      every tool stays reachable. A repeated remote name is skipped with a warning.
-    * Parameter names follow `ors_trl.core.schema.python_parameter_names`; a function accepts the Python name and
-      the wire name alike.
+TRL lists an adapter's tools with `inspect.getmembers` (skipping `reset`, `get_reward` and `_` names), keys them by
+`__name__`, renders them with `transformers.utils.get_json_schema` and calls `method(**arguments)`. Each tool is a
+generic closure (no generated source: a hostile name or description never runs as code) dressed with the signature,
+annotations and docstring `ors_trl.core.schema` makes; `BoundTool.schema` renders it as TRL does, without
+transformers. Names: `__name__` is the tool's name if a sane display name (`_DISPLAY_NAME_RE`), the attribute the
+name if a public unreserved identifier (`"reset"` -> `"tool_reset"`); else each is sanitized, exact names claimed
+first, collisions suffixed `_2`, `_3`...; a repeated name is skipped. Every rename is a warning.
 """
 
 from __future__ import annotations
@@ -71,8 +58,8 @@ UNSET: Any = _Unset()
 
 @dataclass(eq=False)
 class BoundTool:
-    """One bound tool: where it lives on the class (`attribute`), what the model sees (`name`), what it calls
-    remotely, and how a call's arguments become the remote tool's (`named`, `arguments`)."""
+    """One bound tool: its attribute on the class, the `name` the model sees, the remote name, and how a call's
+    arguments become the remote tool's (`named`, `arguments`)."""
 
     attribute: str
     name: str
@@ -96,8 +83,8 @@ class BoundTool:
         return out
 
     def arguments(self, kwargs: dict) -> dict[str, Any]:
-        """Named arguments (Python or wire names; unknown ones unchanged) as the remote tool's argument dict, without
-        those left at `UNSET`; missing arguments and values are the environment's to check."""
+        """Named arguments (Python or wire names; unknown ones unchanged) as wire arguments, without those left at
+        `UNSET`; missing arguments and values are the environment's to check."""
         out: dict[str, Any] = {}
         for key, value in kwargs.items():
             if value is UNSET:
@@ -109,9 +96,9 @@ class BoundTool:
         return out
 
     def schema(self) -> dict[str, Any]:
-        """`transformers.utils.get_json_schema(self.function)`, without transformers: the docstring `_docstring` wrote
-        read back as its parser reads it (cleaned by `inspect.getdoc`, which expands tabs; defused, it has no marker
-        but ours) and each annotation as `hint_schema` renders it."""
+        """`transformers.utils.get_json_schema(self.function)` without transformers: the docstring read back as its
+        parser reads it (`inspect.getdoc` expands tabs; defused, it has no marker but ours), annotations by
+        `hint_schema`."""
         description, _, block = inspect.getdoc(self.function).partition("\n\nArgs:\n")  # type: ignore[union-attr]
         texts = [line.split(": ", 1)[1] for line in block.split("\n")] if block else []
         properties = {p.python_name: {**hint_schema(p.annotation), "description": text}
@@ -125,8 +112,7 @@ class BoundTool:
 
 @dataclass
 class BindingResult:
-    """The functions to set on an adapter class plus a report of everything renamed, skipped or simplified; each
-    mapping is keyed by attribute name."""
+    """The functions to set on an adapter class, by attribute name, and what was renamed, skipped or simplified."""
 
     functions: dict[str, FunctionType] = field(default_factory=dict)
     remote_names: dict[str, str] = field(default_factory=dict)
@@ -185,11 +171,10 @@ def bind_tools(
     module: str | None = None,
     qualname_prefix: str | None = None,
 ) -> BindingResult:
-    """One function per ORS tool spec (see `tool_field`), calling `self._call_tool(name, arguments)` (awaiting
-    `self._acall_tool` when `asynchronous`) with the name the model saw; `reserved`: attribute names tools must not
-    take; `module`, `qualname_prefix`: `__module__` and the `__qualname__` prefix. The list shares one schema
-    `Budget`. Never raises for odd specs: what was renamed, skipped or simplified is in `BindingResult.warnings`
-    and logged on the `ors_trl.binding` logger."""
+    """One function per ORS tool spec, calling `self._call_tool(name, arguments)` (awaiting `self._acall_tool` when
+    `asynchronous`) with the name the model saw; `reserved`: attribute names tools must not take. The list shares
+    one schema `Budget`. Never raises for odd specs: what was renamed, skipped or simplified is a warning (in
+    `BindingResult.warnings` and on the `ors_trl.binding` logger)."""
     reserved_set = frozenset([reserved] if isinstance(reserved, str) else reserved)
     result = BindingResult()
     warnings = result.warnings
@@ -262,7 +247,7 @@ def bind_tools(
 def _build_function(bound: BoundTool, asynchronous: bool, module: str | None, qualname_prefix: str | None
                     ) -> FunctionType:
     """A fresh generic closure (the receiver positional-only, so any argument name, even `self`, fits kwargs) that
-    hands the adapter the call as the model made it, for `Toolset.route` to route like every other call."""
+    hands the adapter the call as the model made it, for `Toolset.route`."""
     display, named, info = bound.name, bound.named, bound.info
     if asynchronous:
 
@@ -286,13 +271,9 @@ def _build_function(bound: BoundTool, asynchronous: bool, module: str | None, qu
 
 
 class Toolset:
-    """One environment's tools (shared plus task-specific `specs`) as the model sees them: the bound functions, their
-    schemas, the routing (see `bind_tools` for the options; `asynchronous`: TRL gathers a rollout's parallel calls).
-
-    The one router of ors-trl: `route` turns a model's call into the remote tool name and wire arguments through
-    the same bound functions TRL calls, so the adapter, the engine and evaluation cannot disagree. The `@terminal`
-    tool (`terminal`) is never bound: the model does not see it.
-    """
+    """One environment's tools as the model sees them: the bound functions, their schemas, and the one router of
+    ors-trl (`route`, through the functions TRL calls, so adapter, engine and evaluation cannot disagree). Options:
+    see `bind_tools`. The `@terminal` tool (`terminal`) is never bound: the model does not see it."""
 
     def __init__(self, specs: Iterable[Any], *, terminal: Any = None, asynchronous: bool = False,
                  module: str | None = None, qualname_prefix: str = "OpenRewardEnvironment",
@@ -314,12 +295,8 @@ class Toolset:
         return [bound.schema() for bound in self.binding.tools.values()]
 
     def route(self, name: str, arguments: Any) -> tuple[str, dict[str, Any]]:
-        """The remote tool name and wire arguments of a model's call.
-
-        Raises:
-            ToolRefusedError: no such tool (`reason="not_found"`) or arguments that do not bind
-                (`reason="input_validation"`), with the message TRL's loop shows for the same call.
-        """
+        """The remote tool name and wire arguments of a model's call; `ToolRefusedError` (`not_found`,
+        `input_validation`) with the message TRL's loop shows for the same call."""
         bound = self.by_name.get(name)
         if bound is None:
             raise ToolRefusedError(f"Tool {name} not found.", tool=name, reason="not_found")
