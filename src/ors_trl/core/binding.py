@@ -24,7 +24,7 @@ from typing import Any
 from ..protocol.errors import ToolRefusedError
 from ..protocol.text import ascii_fold, json_size, one_line, show_name
 from .jsonschema import EXPANSION_FACTOR, EXPANSION_FLOOR, Budget
-from .schema import ParameterInfo, ToolInfo, describe_tool, hint_schema, single_line, tool_field, unique_name
+from .schema import ToolInfo, describe_tool, hint_schema, single_line, tool_field, unique_name
 
 __all__ = [
     "DEFAULT_RESERVED", "UNSET", "BindingResult", "BoundTool", "Toolset", "bind_tools", "defuse_docstring_text",
@@ -42,18 +42,8 @@ _DOC_SECTION_RE = re.compile(r"(Args|Returns|Raises):")
 _CHOICES_RE = re.compile(r"\((choices):", re.IGNORECASE)
 
 
-class _Unset:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<unset>"
-
-    def __reduce__(self) -> str:
-        return "UNSET"
-
-
 #: Default of optional parameters: an argument left at it is not sent, so the environment's default applies.
-UNSET: Any = _Unset()
+UNSET: Any = type("_Unset", (), {"__slots__": (), "__repr__": lambda _: "<unset>", "__reduce__": lambda _: "UNSET"})()
 
 
 @dataclass(eq=False)
@@ -154,13 +144,6 @@ def _docstring(info: ToolInfo) -> str:
         text = defuse_docstring_text(single_line(parameter.description)) or "The argument."
         lines.append(f"    {parameter.python_name}: {text}")
     return "\n".join(lines)
-
-
-def _signature(parameters: tuple[ParameterInfo, ...]) -> inspect.Signature:
-    kind, empty = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty
-    params = [inspect.Parameter(p.python_name, kind, annotation=p.annotation, default=empty if p.required else UNSET)
-              for p in parameters]
-    return inspect.Signature([inspect.Parameter("self", kind), *params], return_annotation=str)
 
 
 def bind_tools(
@@ -265,7 +248,11 @@ def _build_function(bound: BoundTool, asynchronous: bool, module: str | None, qu
     function.__module__ = module if module is not None else __name__
     function.__doc__ = _docstring(info)
     function.__annotations__ = {**{p.python_name: p.annotation for p in info.parameters}, "return": str}
-    function.__signature__ = _signature(info.parameters)  # type: ignore[attr-defined]
+    kind, empty = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty
+    params = [inspect.Parameter("self", kind)]
+    params += (inspect.Parameter(p.python_name, kind, annotation=p.annotation, default=empty if p.required else UNSET)
+               for p in info.parameters)
+    function.__signature__ = inspect.Signature(params, return_annotation=str)  # type: ignore[attr-defined]
     bound.function = function
     return function
 

@@ -278,7 +278,7 @@ class EnvironmentRuntime:
     def rename(self, name: str, metrics: EnvMetrics, recorder: RecordWriter | None) -> None:
         """Report under `name` into `metrics` and `recorder` (None: keep the current one); how a mix takes it in."""
         self.name, self.metrics = name, metrics
-        metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
+        metrics._set_open_sessions_gauge(name, lambda: self.client.open_sessions)
         if recorder is not None:
             self.recorder = recorder
 
@@ -853,7 +853,7 @@ class Episode:
         environment's metrics, and its outcome teaches task sampling."""
         if self.source != MANUAL:
             return
-        self.env.metrics.absorb(self._metrics)
+        self.env.metrics._absorb(self._metrics)
         self.source, self._metrics = "trl", self.env.metrics
         if self._accounted:
             for listener in self.env.listeners:

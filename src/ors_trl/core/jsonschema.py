@@ -362,18 +362,17 @@ class Normaliser:
             if wrapper == "allOf":
                 node = all_of[0]
                 continue
-            name, target = _ref_name(ref), self.resolve(ref)
-            if ref in stack:
-                self.note(f"recursive reference {quote(ref, 80)} cut")
-                name = _model_name(target, name)
-                return _View(outer, stack, name, description=description, cut=f"recursive {name}", target=target)
+            target = self.resolve(ref)
+            name = unquote(ref.rsplit("/", 1)[-1] or ref).replace("~1", "/").replace("~0", "~")
             if target is MISSING:
                 self.note(f"unresolved reference {quote(ref, 80)} typed Any")
                 return _View(outer, stack, description=description, cut=f"unresolved reference {quote(ref)}")
-            if not self.expand(target):
+            if ref in stack or not self.expand(target):  # a ref in the stack resolved before: never MISSING
+                if ref in stack:
+                    self.note(f"recursive reference {quote(ref, 80)} cut")
                 name = _model_name(target, name)
-                return _View(outer, stack, name, description=description, cut=f"{name} (not expanded: schema too "
-                             "large)", target=target)
+                cut = f"recursive {name}" if ref in stack else f"{name} (not expanded: schema too large)"
+                return _View(outer, stack, name, description=description, cut=cut, target=target)
             stack, model, node = (*stack, ref), name, target
         else:
             self.note("reference chain too long, typed Any")
@@ -436,8 +435,11 @@ class Normaliser:
         title = schema.get("title") if view.model is None else raw.get("title") if isinstance(raw, dict) else None
         about = dict(model=view.model, description=view.description, model_description=view.model_description)
         about.update(title=one_line(title) if isinstance(title, str) else "", default=schema.get("default", MISSING))
-        if view.cut:
-            return Node(cut=view.cut, types=_structural_type(view.target), **about)
+        if view.cut:  # typed by what its target is at the top: its type, or an object when it has properties
+            target = view.target if isinstance(view.target, dict) else {}
+            kind = target.get("type")
+            kind = "object" if kind is None and "properties" in target else kind
+            return Node(cut=view.cut, types=(kind,) if isinstance(kind, str) else (), **about)
         kind = schema.get("type")
         names = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else None
         if names is not None:
@@ -462,8 +464,9 @@ class Normaliser:
                     notes=_notes(schema), **about, **structure)
 
     def _array(self, schema: dict, stack: tuple[str, ...], depth: int, nested: int) -> dict[str, Any]:
-        prefix = _prefix_items(schema)
-        items = schema.get("items") if prefix is None or isinstance(schema.get("prefixItems"), list) else None
+        prefix, items = schema.get("prefixItems"), schema.get("items")
+        if not isinstance(prefix, list):  # a list of items: draft 4-2019 tuple form (pydantic v1)
+            prefix, items = (items, None) if isinstance(items, list) else (None, items)
         return {"prefix": None if prefix is None else tuple(self.node(part, stack, depth, nested) for part in prefix),
                 "items": self._optional(items, stack, depth, nested)}
 
@@ -562,30 +565,9 @@ def _model_name(target: Any, name: str) -> str:
     return title if isinstance(title, str) and title.strip() else name
 
 
-def _structural_type(target: Any) -> tuple[str, ...]:
-    """What a recursive reference's target is at the top: its type, or `object` when it has properties."""
-    kind = target.get("type") if isinstance(target, dict) else None
-    if kind is None and isinstance(target, dict) and "properties" in target:
-        kind = "object"
-    return (kind,) if isinstance(kind, str) else ()
-
-
 def _arms(schema: dict) -> list:
     for key in ("anyOf", "oneOf"):
         arms = schema.get(key)
         if isinstance(arms, list) and arms:
             return arms
     return []
-
-
-def _prefix_items(schema: dict) -> list | None:
-    prefix = schema.get("prefixItems")
-    if isinstance(prefix, list):
-        return prefix
-    items = schema.get("items")
-    return items if isinstance(items, list) else None  # a list of items: draft 4-2019 tuple form (pydantic v1)
-
-
-def _ref_name(ref: str) -> str:
-    tail = ref.rsplit("/", 1)[-1] or ref
-    return unquote(tail).replace("~1", "/").replace("~0", "~")

@@ -243,15 +243,8 @@ class EnvMetrics:
         if seconds is not None and len(latency) < self.MAX_SAMPLES:
             latency.append(seconds)
 
-    def set_open_sessions_gauge(self, env: str, gauge: object) -> None:
-        """Report an environment's open sessions as `env/<name>/sessions_open` at every flush.
-
-        Args:
-            env (`str`):
-                See `EnvMetrics`.
-            gauge (`Callable[[], float]`):
-                Called at each flush for the number of open sessions.
-        """
+    def _set_open_sessions_gauge(self, env: str, gauge: object) -> None:
+        """Report `gauge()` (a callable) as `env/<name>/sessions_open` at every flush."""
         self._gauges[env] = gauge
 
     def _record_open(self, env: str, seconds: float | None, error_kind: str | None = None) -> None:
@@ -293,13 +286,8 @@ class EnvMetrics:
         with self._lock:
             self._windows[env].stats.add_session(seconds, unscored=unscored)
 
-    def absorb(self, other: EnvMetrics) -> None:
-        """Move what `other` accumulated into these (counts kept apart until they turned out to belong here).
-
-        Args:
-            other (`EnvMetrics`):
-                The metrics to empty into these.
-        """
+    def _absorb(self, other: EnvMetrics) -> None:
+        """Move what `other` accumulated into these (counts kept apart until they turned out to belong here)."""
         for env, window in other._snapshot(reset=True).items():
             with self._lock:
                 _add(self._windows[env], window)
