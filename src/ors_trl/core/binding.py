@@ -163,24 +163,22 @@ def bind_tools(
     warnings = result.warnings
 
     # 1. Valid, distinct specs.
-    entries: list[tuple[str, Any]] = []
-    seen: set[str] = set()
+    entries: dict[str, Any] = {}  # remote name -> spec
     for index, spec in enumerate(tool_specs):
         remote = tool_field(spec, "name")
         if not isinstance(remote, str):
             warnings.append(f"skipped tool spec #{index}: its name is not a string")
             continue
-        if remote in seen:
+        if remote in entries:
             warnings.append(f"skipped tool spec #{index}: duplicate tool name {show_name(remote)}")
             continue
-        seen.add(remote)
-        entries.append((remote, spec))
+        entries[remote] = spec
 
     # 2. Names: exact names are claimed first, sanitized ones get deterministic suffixes.
-    display_taken = {remote for remote, _ in entries if _DISPLAY_NAME_RE.fullmatch(remote)}
-    attribute_taken = {remote for remote, _ in entries if _is_exact_attribute(remote, reserved_set)}
+    display_taken = {remote for remote in entries if _DISPLAY_NAME_RE.fullmatch(remote)}
+    attribute_taken = {remote for remote in entries if _is_exact_attribute(remote, reserved_set)}
     names: list[tuple[str, str]] = []
-    for remote, _ in entries:
+    for remote in entries:
         if _DISPLAY_NAME_RE.fullmatch(remote):
             display = remote
         else:
@@ -201,8 +199,8 @@ def bind_tools(
         names.append((display, attribute))
 
     # 3. Functions, within one schema budget for the whole list.
-    budget = result.budget = Budget(sum(json_size(tool_field(spec, "input_schema"), 1 << 62) for _, spec in entries))
-    for (remote, spec), (display, attribute) in zip(entries, names, strict=True):
+    budget = result.budget = Budget(sum(json_size(tool_field(s, "input_schema"), 1 << 62) for s in entries.values()))
+    for (remote, spec), (display, attribute) in zip(entries.items(), names, strict=True):
         try:
             info = describe_tool(spec, budget=budget)
         except Exception as error:  # a bug must not take the whole environment down; the tool stays callable

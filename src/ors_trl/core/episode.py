@@ -843,7 +843,7 @@ class Episode:
             return
         self._accounted = True
         self._metrics._record_episode(self.env.name, reward=self.reward, finished=self.finished, calls=self.tool_calls,
-                                     unscored=self.unscored, turns=self.turns, opened=self.prompt is not None)
+                                      unscored=self.unscored, turns=self.turns, opened=self.prompt is not None)
         for listener in self.env.listeners:
             listener(self)
         self._bill()

@@ -308,10 +308,7 @@ class _Describer:
     def _field(self, name: str, node: Node, required: bool) -> str:
         """`name (label, required, constraints, default X): description {subfields}`."""
         sub = self.summarize(node)
-        parts = [sub.label]
-        if required:
-            parts.append("required")
-        parts += sub.constraints + sub.notes
+        parts = [sub.label, *(["required"] if required else []), *sub.constraints, *sub.notes]
         if sub.node.default is not MISSING:
             parts.append(f"default {quote(sub.node.default)}")
         description = one_line(sub.node.description)
