@@ -1,12 +1,10 @@
 """Bind ORS tool specs to real Python functions that TRL's GRPOTrainer can collect, render and call.
 
-TRL lists an adapter's tools with `inspect.getmembers` (skipping `reset`, `get_reward` and `_` names), keys them by
-`__name__`, renders them with `transformers.utils.get_json_schema` and calls `method(**arguments)`. Each tool is a
-generic closure (no generated source: a hostile name or description never runs as code) dressed with the signature,
-annotations and docstring `ors_trl.core.schema` makes; `BoundTool.schema` renders it as TRL does, without
-transformers. Names: `__name__` is the tool's name if a sane display name (`_DISPLAY_NAME_RE`), the attribute the
-name if a public unreserved identifier (`"reset"` -> `"tool_reset"`); else each is sanitized, exact names claimed
-first, collisions suffixed `_2`, `_3`...; a repeated name is skipped. Every rename is a warning.
+TRL lists an adapter's tools with `inspect.getmembers` (skipping `reset`, `get_reward`, `_` names), keys them by
+`__name__`, renders them with `get_json_schema` and calls `method(**arguments)`. Each tool is a generic closure (no
+generated source: a hostile name never runs as code) dressed with what `ors_trl.core.schema` makes. `__name__` is the
+tool's name if a sane display name, the attribute its name if a public unreserved identifier (`reset` ->
+`tool_reset`); else each is sanitized (exact names first, collisions suffixed `_2`...), with a warning.
 """
 
 from __future__ import annotations
