@@ -61,10 +61,8 @@ def _text(text: str) -> TextBlock:
     return TextBlock(text=text)
 
 
-_ECHO_TRAIN_WORDS = [
-    "hello", "world", "trl", "openreward", "spec", "factory", "delta", "gradient",
-    "policy", "reward", "rollout", "token", "sample", "banana", "quartz", "lantern",
-]  # fmt: skip
+_ECHO_TRAIN_WORDS = ["hello", "world", "trl", "openreward", "spec", "factory", "delta", "gradient", "policy", "reward",
+                     "rollout", "token", "sample", "banana", "quartz", "lantern"]
 _ECHO_TEST_WORDS = ["orbit", "meadow", "cipher", "pebble", "violet", "harbor", "zephyr", "nimbus"]
 
 
