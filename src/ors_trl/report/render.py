@@ -1,14 +1,9 @@
 """The page: one self-contained HTML file from the tallies, the sample and the curves.
 
-The skeleton, styles and script are the package's data files `page.html`, `page.css` and `page.js`, put inside the
-page, so nothing is fetched when it opens (its Content-Security-Policy forbids any other source). Record text is
-untrusted: whatever is rendered here is HTML-escaped, the episode bodies travel as JSON in a
-`<script type="application/json">` block with `<`, `>` and `&` escaped, and the page's script writes them with
-`textContent` only. Records are shown as written (secrets were masked before they were written).
-
-An embedded episode's images are shown as thumbnails (`thumbnails`) of the files written beside its log, kept only
-when their bytes hash to the record's SHA-256 and decoded like any image a server sends (`ors_trl.protocol.images`),
-embedded as PNG `data:` URLs (the page's only other source), at most `THUMB_BYTES` in all.
+The package's data files `page.html`, `page.css` and `page.js` are put inside it: its Content-Security-Policy
+forbids any other source but the thumbnails' PNG `data:` URLs. Record text is untrusted: whatever is rendered here
+is HTML-escaped, the episode bodies travel as JSON with `<`, `>` and `&` escaped, and the page's script writes them
+with `textContent` only. A thumbnail is kept only when its file's bytes hash to the record's SHA-256.
 """
 
 from __future__ import annotations
@@ -256,8 +251,8 @@ def _thumbnail(folders: Sequence[Path], sha: str, entry: Mapping[str, Any]) -> s
 
 
 def thumbnails(items: Sequence[Input], sample: Sample) -> None:
-    """Give each embedded episode with recorded images their thumbnails (`ep["thumbs"]`: hash -> PNG `data:` URL),
-    at most `THUMB_BYTES` of them in all; an image without one is named on the page, with why where known."""
+    """Each embedded episode's thumbnails (`ep["thumbs"]`: hash -> PNG `data:` URL), `THUMB_BYTES` of them in all;
+    an image without one is named on the page."""
     folders = [i.path.parent for i in items if i.kind == "episodes"]
     made: dict[str, str | None] = {}
     left = THUMB_BYTES
