@@ -135,8 +135,7 @@ class _Exchange:
 
     async def pour(self, piece: Callable[[], bytes], *, pause: float | None = None, seconds: float = math.inf,
                    limit: float = math.inf) -> None:
-        """Chunks of `piece()`, `pause` seconds apart, until `seconds` or `limit` bytes have passed or the proxy
-        stops, then close (or until the client went away)."""
+        """Chunks of `piece()`, `pause` s apart, until `seconds`, `limit` bytes, the proxy's stop, then close."""
         deadline, sent = time.monotonic() + seconds, 0
         try:
             while time.monotonic() < deadline and sent < limit and not self.proxy._stopping.is_set():
@@ -315,8 +314,7 @@ class Silent(Hang):
 
 @dataclass(repr=False)
 class Pings(Fault):
-    """Answer 200 and send only `: ping` comments every `interval` seconds until `max_seconds` (with `task_id`,
-    an `event: task_id` first)."""
+    """Answer 200, then only `: ping` comments every `interval` s until `max_seconds` (`task_id`: that event first)."""
 
     interval: float = 0.1
     task_id: str | None = None
@@ -413,15 +411,11 @@ class FaultProxy(_Loopback):
 
     Args:
         upstream (`str`, *optional*):
-            Base URL requests are forwarded to (`http://127.0.0.1:PORT`); without one, the proxy is a fake server
-            whose every answer is a programmed fault.
+            Base URL to forward to (`http://127.0.0.1:PORT`); without one, every answer is a programmed fault.
         host (`str`, *optional*, defaults to `"127.0.0.1"`):
-            Loopback address to bind.
+            Loopback address to bind (another: a `ValueError`).
         max_log (`int`, *optional*, defaults to `100000`):
-            How many of the newest requests `requests` and `count` remember (a soak run stays bounded).
-
-    Raises:
-        ValueError: `host` is not a loopback address, or `max_log` is below 1.
+            How many of the newest requests `requests` and `count` remember (at least 1; a soak run stays bounded).
     """
 
     def __init__(self, upstream: str | None = None, *, host: str = LOOPBACK, max_log: int = 100_000) -> None:
@@ -443,8 +437,8 @@ class FaultProxy(_Loopback):
 
     def add(self, fault: Fault, *, path: str | None = None, method: str | None = None, times: int | None = 1,
             when: Callable[[Seen], bool] | None = None) -> FaultProxy:
-        """Answer the next `times` matching requests with `fault`; returns the proxy, so that rules can be chained.
-        Rules are tried in the order they were added; the first that matches and has uses left wins.
+        """Answer the next `times` matching requests with `fault` (the first rule added that matches and has uses
+        left wins); returns the proxy, so that rules can be chained.
 
         Args:
             fault (`Fault`):
@@ -489,11 +483,7 @@ class FaultProxy(_Loopback):
         return sum(1 for seen in self.requests if matching.matches(seen) and (fault is False or seen.fault == fault))
 
     def start(self) -> FaultProxy:
-        """Start serving on a free port, in a thread of its own; returns the proxy.
-
-        Raises:
-            RuntimeError: the proxy did not start within 10 s.
-        """
+        """Start serving on a free port, in a thread of its own (a `RuntimeError` if not within 10 s); returns it."""
 
         async def startup() -> None:
             self._stopping = asyncio.Event()
@@ -607,10 +597,7 @@ class Blackhole(_Loopback):
 
     Args:
         host (`str`, *optional*, defaults to `"127.0.0.1"`):
-            Loopback address to bind.
-
-    Raises:
-        ValueError: `host` is not a loopback address.
+            Loopback address to bind (another: a `ValueError`).
     """
 
     def __init__(self, host: str = LOOPBACK) -> None:

@@ -51,10 +51,7 @@ def free_port(host: str = LOOPBACK) -> int:
 
     Args:
         host (`str`, *optional*, defaults to `"127.0.0.1"`):
-            The loopback address to find a port on.
-
-    Raises:
-        ValueError: `host` is not a loopback address.
+            The loopback address to find a port on (another: a `ValueError`).
     """
     _require_loopback(host)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -277,9 +274,8 @@ class ReferenceServer(_Loopback):
 
     Args:
         envs (`type`, `str` or `Sequence[type | str]`):
-            The environment classes to serve, as classes or `"module:Class"` paths (one, or a list); the first is
-            the server's default environment. A class's module must be importable from a file (not `__main__`);
-            its folder is put on the server's `PYTHONPATH`.
+            The environment classes (or `"module:Class"` paths) to serve, the first the default one; a class's module
+            must be importable from a file (not `__main__`), whose folder goes on the server's `PYTHONPATH`.
         idle_timeout (`float`, *optional*):
             Reap sessions idle for more than this many seconds (checked every 5 s) instead of the reference 900 s.
         env (`Mapping[str, str]`, *optional*):
@@ -287,14 +283,11 @@ class ReferenceServer(_Loopback):
         port (`int`, *optional*):
             Fixed port; by default a free one is picked (and re-picked if it was taken meanwhile).
         host (`str`, *optional*, defaults to `"127.0.0.1"`):
-            Loopback address to bind.
+            Loopback address to bind (another: a `ValueError`).
         startup_timeout (`float`, *optional*, defaults to `30.0`):
             Seconds to wait for the server to answer before raising `ServerStartError`.
         log_level (`str`, *optional*, defaults to `"warning"`):
             The server's log level; its output goes to `log_path`.
-
-    Raises:
-        ValueError: `host` is not a loopback address.
     """
 
     def __init__(self, envs: type | str | Sequence[type | str], idle_timeout: float | None = None,
@@ -324,12 +317,8 @@ class ReferenceServer(_Loopback):
         return self._log_path
 
     def start(self) -> ReferenceServer:
-        """Launch the server and wait until it answers `/health` as this process; returns the server.
-
-        Raises:
-            ServerStartError: the server exited or did not answer within `startup_timeout`.
-            RuntimeError: the server is already running.
-        """
+        """Launch the server and wait until it answers `/health` as this process; returns the server (a
+        `ServerStartError` if it exits or does not answer in `startup_timeout`; a `RuntimeError` if it is running)."""
         if self.running:
             raise RuntimeError(f"server already running at {self.url}")
         for attempt in range(3):  # a free port re-picked if another process took it meanwhile
@@ -348,7 +337,7 @@ class ReferenceServer(_Loopback):
         return self
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        """Terminate the server (SIGTERM: sessions are torn down), then kill it if it outlives `timeout`; returns its
+        """Terminate the server (SIGTERM: sessions are torn down), killing it if it outlives `timeout`; returns its
         exit status (`None` if it was never started).
 
         Args:
@@ -363,8 +352,7 @@ class ReferenceServer(_Loopback):
         return self.kill()  # what outlived `timeout`
 
     def kill(self) -> int | None:
-        """Kill the server at once (SIGKILL: no teardowns), as a crash would; returns its exit status (`None` if it
-        was never started)."""
+        """Kill the server at once (SIGKILL: no teardowns), as a crash would; returns its exit status (or `None`)."""
         proc = self._proc
         if proc is None:
             return None
@@ -397,8 +385,7 @@ class ReferenceServer(_Loopback):
 
     def stats(self, timeout: float = 5.0) -> dict[str, Any]:
         """The server's introspection, `GET /_test/stats`: `open_sessions`, `peak_sessions`, `sessions`, `pings`,
-        `requests`, `pid`, `idle_timeout`, `environments`, and the `counters` (`tool_calls` as `{"env/tool": n}`,
-        `setups`, `teardowns`, ...).
+        `requests`, `pid`, `idle_timeout`, `environments`, and the `counters` (`tool_calls` as `{"env/tool": n}`, ...).
 
         Args:
             timeout (`float`, *optional*, defaults to `5.0`):
@@ -415,12 +402,9 @@ class ReferenceServer(_Loopback):
             predicate (`Callable[[dict[str, Any]], bool]`):
                 The condition, on the stats.
             timeout (`float`, *optional*, defaults to `10.0`):
-                Seconds to wait for it.
+                Seconds to wait for it (then a `TimeoutError` showing the last stats).
             interval (`float`, *optional*, defaults to `0.05`):
                 Seconds between polls.
-
-        Raises:
-            TimeoutError: the condition did not hold within `timeout` (the message shows the last stats).
         """
         deadline = time.monotonic() + timeout
         while True:
