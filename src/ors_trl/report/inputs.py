@@ -28,8 +28,7 @@ _EXPECTED = ("expected JSON lines of episode records (episode_log=, ors-trl eval
 
 @dataclass
 class Input:
-    """One recognised input: "episodes" or a "trainer_state" (parsed as `state`); `run` is the name the user gave
-    it."""
+    """One recognised input: "episodes" or a "trainer_state" (parsed: `state`); `run`: the name the user gave it."""
 
     path: Path
     kind: str
@@ -104,8 +103,7 @@ def _state(path: Path, doc: Any = None) -> Input:
 
 def recognise_all(inputs: Sequence[str | os.PathLike[str]],
                   labels: Sequence[tuple[str, str | os.PathLike[str]]] = ()) -> list[Input]:
-    """Every input recognised, each file once (a folder and its trainer_state.json too), each labelled file (an input
-    already, or one more) named after its label."""
+    """Every input (and labelled file) recognised, each file once, a labelled one named after its label."""
     found: dict[Path, Input] = {}
     for raw in inputs:
         item = recognise(raw)
@@ -124,8 +122,7 @@ def recognise_all(inputs: Sequence[str | os.PathLike[str]],
 
 
 def episode_records(items: Sequence[Input], skipped: Counter[str]) -> Iterator[tuple[dict[str, Any], Input]]:
-    """Every episode record (current shape) of the episode inputs, with its input; the other lines are counted in
-    `skipped` by reason."""
+    """Every episode record (current shape) with its input; the other lines are counted in `skipped` by reason."""
     for item in items:
         if item.kind != "episodes":
             continue

@@ -60,8 +60,7 @@ class Sample:
 
 
 class Tally:
-    """Everything the page says about episodes, in one pass: each record counted per task and per run (the counts
-    per environment and in total merged from those)."""
+    """Everything the page says about episodes, counted in one pass per task and per run (then merged)."""
 
     def __init__(self, max_episodes: int, success_threshold: float, labels: list[str] | None = None) -> None:
         self.max_episodes = max_episodes
@@ -83,8 +82,7 @@ class Tally:
         self._reserved: dict[str, list[_Item]] = {}
 
     def add(self, rec: dict[str, Any], source: str, run_name: str | None = None, origin: str | None = None) -> None:
-        """Count one record (current shape) of the input labelled `source` (at `origin`; named `run_name` by the
-        user) and offer it to the sample."""
+        """Count one record (current shape) of the input `source` and offer it to the sample."""
         env = label(rec.get("environment") or rec.get("target") or "(unknown)")
         task = _task_label(rec)
         run = self._run_of(rec, source, run_name, env, task, origin or source)
@@ -142,8 +140,7 @@ class Tally:
 
     @cached_property
     def run_names(self) -> dict[RunKey, str]:
-        """How each run is shown: its label, else the parts of its key (source, policy, step) that differ between
-        the runs, with the run id where that leaves two alike (or nothing)."""
+        """Each run's label, else the parts of its key that differ between runs (with the run id where needed)."""
         auto = [k for k in self.runs if k[0] == "auto"]
         varies = [len({k[i] for k in auto}) > 1 for i in (1, 2, 3)]
         names: dict[RunKey, str] = {}
