@@ -20,6 +20,7 @@ from ..core.metrics import DEFAULT_SUCCESS_THRESHOLD
 from ..core.stats import check_threshold
 from ..protocol.errors import ConfigurationError
 from ..protocol.files import write_atomic
+from ..tasks.selection import is_int
 from .inputs import check_not_an_input, episode_records, recognise_all
 from .render import render
 from .tally import DEFAULT_MAX_EPISODES, Tally
@@ -110,7 +111,7 @@ def write_report(inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str
             `success_threshold`. Nothing is written then.
         `OSError`: The page cannot be written.
     """
-    if isinstance(max_episodes, bool) or not isinstance(max_episodes, int) or max_episodes < 0:
+    if not is_int(max_episodes, 0):
         raise ConfigurationError(f"max_episodes must be an int >= 0, got {max_episodes!r}")
     threshold = DEFAULT_SUCCESS_THRESHOLD if success_threshold is None else success_threshold
     if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not math.isfinite(threshold):

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from ..core.records import read_records
 from ..protocol.errors import ConfigurationError
+from .selection import is_int
 
 __all__ = ["Difficulty", "PlatformDifficulty", "bins", "check_range", "describe", "histogram", "known_rewards",
            "platform_known", "select_by_difficulty"]
@@ -51,7 +52,7 @@ class PlatformDifficulty:
                 f'training_stage must be "pretrained", "sft" or "rl", got {self.training_stage!r}')
         for name in ("min_model_params", "max_model_params"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            if value is not None and not is_int(value, 0):
                 raise ConfigurationError(f"{name} must be a non-negative int, got {value!r}")
 
     def params(self) -> dict[str, str]:
@@ -80,13 +81,11 @@ def check_range(difficulty: Any) -> tuple[float, float]:
 
 def known_rewards(source: str | os.PathLike[str] | Mapping[int, float], *, split: str,
                   environment: str | None = None) -> dict[int, Difficulty]:
-    """Per task index of `split`: the mean reward an eval output or episode log recorded (of `environment`'s
-    episodes where it holds several environments'), or a mapping's value."""
+    """Per task index of `split`: the mean reward a log recorded (of `environment`'s), or a mapping's value."""
     if isinstance(source, Mapping):
         out = {}
         for task, mean in source.items():
-            if isinstance(task, bool) or not isinstance(task, int) or not isinstance(mean, int | float) \
-                    or not math.isfinite(mean):
+            if not is_int(task) or not isinstance(mean, int | float) or not math.isfinite(mean):
                 raise ConfigurationError(f"difficulty_from as a mapping takes {{task_index: mean reward}}, got "
                                          f"{task!r}: {mean!r}")
             out[task] = Difficulty(float(mean), 1)
@@ -122,8 +121,7 @@ def known_rewards(source: str | os.PathLike[str] | Mapping[int, float], *, split
 
 def select_by_difficulty(indices: Sequence[int], known: Mapping[int, Difficulty], low: float, high: float, *,
                          name: str, source: str) -> list[int]:
-    """The indices whose known mean lies in `[low, high]`, and those with no data; one log line says so (none left:
-    a `ConfigurationError`)."""
+    """The indices whose known mean lies in `[low, high]`, and those with no data; one log line says so."""
     kept = [i for i in indices if i not in known or low <= known[i].mean <= high]
     unknown = sum(1 for i in indices if i not in known)
     means = [d.mean for d in known.values()]

@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 from ..core.episode import TRAINING_SOURCES
 from ..protocol.errors import ConfigurationError
 from ..protocol.files import write_atomic
+from .selection import is_int
 
 __all__ = ["AdaptiveSampler", "Curriculum", "TaskSampler", "UniformSampler", "make_sampler", "mirror_path",
            "rng_state", "set_rng_state", "uniform_draws"]
@@ -133,7 +134,7 @@ class _Sampler(TaskSampler):
         chosen = dict.fromkeys(tasks)
         if not chosen:
             raise ConfigurationError("a task sampler needs at least one task")
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in chosen):
+        if not all(map(is_int, chosen)):
             raise ConfigurationError("task indices must be ints")
         self._tasks = chosen
         self._restart()
@@ -245,7 +246,7 @@ class AdaptiveSampler(_Sampler):
                             ("lapsed_weight", lapsed_weight)):
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
                 raise ConfigurationError(f"{name} must be a number in (0, 1], got {value!r}")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        if not is_int(window, 1):
             raise ConfigurationError(f"window must be an int >= 1, got {window!r}")
         self.window, self.success_threshold = window, float(success_threshold)
         self.flat_weight, self.suspect_weight = float(flat_weight), float(suspect_weight)
@@ -455,8 +456,7 @@ class Curriculum:
         return task
 
     def metrics(self) -> dict[str, float]:
-        """`curriculum/<env>/...` since the last call: the sampler's own, the draws, and the groups applied (their
-        share with zero reward spread, their pass rate)."""
+        """`curriculum/<env>/...` since the last call: the sampler's own, the draws, and the groups applied."""
         w, self._window = self._window, defaultdict(float)
         own = getattr(self.sampler, "metrics", None)
         out = {**(own() if callable(own) else {}), "draws": w["draws"], "groups": w["groups"]}

@@ -15,8 +15,8 @@ from ..protocol.errors import ConfigurationError, ProtocolError
 from ..protocol.text import show_name
 
 __all__ = ["EXTRA_COLUMN", "MAX_FIELD_DEPTH", "MAX_TASK_COLUMNS", "MAX_WHOLE_SPLIT", "RESERVED_COLUMNS",
-           "SPARSE_FIELD", "TRL_KEYWORDS", "check_in_range", "check_selection", "fetch_tasks", "json_text", "select",
-           "task_columns"]
+           "SPARSE_FIELD", "TRL_KEYWORDS", "check_in_range", "check_selection", "fetch_tasks", "is_int", "json_text",
+           "select", "task_columns"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -45,18 +45,23 @@ MAX_FIELD_DEPTH = 16
 _FETCH_CONCURRENCY = 8
 
 
+def is_int(value: Any, low: int | None = None) -> bool:
+    """`value` is an int (not a bool), at least `low` where given."""
+    return isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
+
+
 def check_selection(num_tasks: int | None, indices: Sequence[int] | None) -> list[int] | None:
     """A `num_tasks` / `indices` choice checked; `indices` as a list."""
     if num_tasks is not None and indices is not None:
         raise ConfigurationError("Provide num_tasks or indices, not both.")
-    if num_tasks is not None and (isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1):
+    if num_tasks is not None and not is_int(num_tasks, 1):
         raise ConfigurationError(f"num_tasks must be a positive int, got {num_tasks!r}")
     if indices is None:
         return None
     indices = list(indices)
     if not indices:
         raise ConfigurationError("indices is empty; pass at least one task index or leave it None.")
-    bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+    bad = [i for i in indices if not is_int(i, 0)]
     if bad:
         raise ConfigurationError(f"indices must be non-negative ints; got {bad[:5]}")
     return indices
@@ -72,8 +77,7 @@ def check_in_range(indices: Sequence[int], total: int, split: str) -> None:
 
 def select(total: int, split: str, num_tasks: int | None, indices: Sequence[int] | None, *, name: str = "",
            warn: bool = True) -> list[int]:
-    """The task indices of a selection: `indices` (checked), else the first `num_tasks`, else all (at most
-    `MAX_WHOLE_SPLIT`)."""
+    """The task indices of a selection: `indices`, else the first `num_tasks`, else all (`MAX_WHOLE_SPLIT` at most)."""
     if indices is not None:
         check_in_range(indices, total, split)
         return list(indices)

@@ -108,8 +108,7 @@ class DrawSource:
             return self.rows[self.where[(env, task)]]
 
     def trim(self, consumed: int | None) -> None:
-        """Forget the draws before stream position `consumed` (trained on); when unknown, keep the last
-        `MAX_PENDING`."""
+        """Forget the draws before stream position `consumed` (unknown: keep the last `MAX_PENDING`)."""
         with self._lock:
             if consumed is None:
                 consumed = self._recent[-1][0] + 1 - MAX_PENDING if self._recent else 0
@@ -125,8 +124,7 @@ class DrawSource:
                 c.sampler.reseed(seed)
 
     def state_dict(self) -> dict[str, Any]:
-        """The curricula's and the mixture draw's states, the draws trained on, and those read since (replayed on
-        resume)."""
+        """The curricula's and mixture's states, the draws trained on, and those read since (replayed on resume)."""
         with self._lock:
             return {"rng": rng_state(self._rng), "consumed": self._consumed,
                     "pending": [[env, task] for _, env, task in self._recent],
@@ -146,8 +144,7 @@ class DrawSource:
 def _rebuild(rows: Dataset, where: Mapping[tuple[str | None, int], int], owners: Mapping[str | None, Any],
              samplers: Mapping[str | None, Any], mirrors: Mapping[str | None, str], weights: list[float],
              state: dict[str, Any]) -> DrawSource:
-    """The copy in TRL's async worker: it draws on from `state`, each spec's copy feeding the sampler that came
-    along."""
+    """The copy in TRL's async worker: it draws on from `state`, feeding the samplers that came along."""
     for env, spec in owners.items():
         c = spec.curriculum = spec.curriculum or Curriculum(samplers[env], spec.runtime)
         c.sampler, c.mirror, c.writes_mirror = samplers[env], mirrors[env], True
