@@ -23,10 +23,8 @@ logger = logging.getLogger("ors_trl")
 #: Names TRL passes as keywords itself (to every reward function, with every other row column) or reads from a row
 #: (`prompt`, `image(s)`, the routing column `environment`), as verified for `ors_trl.trl.backend.VERIFIED`
 #: (tests/test_architecture.py reads them out of the installed TRL's source).
-TRL_KEYWORDS = frozenset({
-    "prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments",
-    "prompt", "completion", "image", "images", "environment",
-})
+TRL_KEYWORDS = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
+                          "environments", "prompt", "completion", "image", "images", "environment"})
 #: Names a task field may not keep as its column (it becomes `task_<name>`): `TRL_KEYWORDS`, ors-trl's own columns
 #: and parameters, and the fields the rollout engine adds to every row (`env_mask`, any `ors_...`).
 RESERVED_COLUMNS = TRL_KEYWORDS | {"prompt", "task_index", "task_spec", "self", "unscored_reward", "env_mask"}
