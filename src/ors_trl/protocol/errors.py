@@ -11,7 +11,7 @@ __all__ = ["APIStatusError", "AuthenticationError", "BadRequestError", "Configur
            "EnvironmentNotFoundError", "ImageError", "MissingAPIKeyError", "NotFoundError", "ORSError",
            "ORSTimeoutError", "PaymentRequiredError", "PolicyError", "ProtocolError", "RateLimitError",
            "ServerError", "ServiceUnavailableError", "SessionExpiredError", "StreamInterruptedError", "ToolError",
-           "ToolFailedError", "ToolRefusedError", "TransportError", "UsageError"]
+           "ToolFailedError", "ToolRefusedError", "TransportError", "UsageError", "status_error"]
 
 
 class ORSError(Exception):
@@ -191,3 +191,32 @@ class PolicyError(ORSError):
 class ContextLengthExceeded(PolicyError):
     """The conversation no longer fits the model's context: the episode ends (`end_reason="context_length"`)."""
     kind = "context_length"
+
+
+def status_error(status: int, detail: str, path: str, *, session_scoped: bool) -> ORSError:
+    """An ORS server's HTTP error status as our exception, with a message that says what to do."""
+    where = f"{path}: " if path else ""
+    if status == 404 and "unknown environment" in detail.lower():
+        return EnvironmentNotFoundError(f"{where}{detail}")
+    cls: type[APIStatusError] = APIStatusError
+    text = f"unexpected status {status}: {detail}"
+    if status in (400, 422):
+        cls, text = BadRequestError, f"bad request ({status}): {detail}"
+    elif status in (401, 403):
+        cls, text = AuthenticationError, (f"the server rejected the credentials ({status}): {detail}. Check "
+                                          "OPENREWARD_API_KEY or the api_key= you passed.")
+    elif status == 402:
+        cls, text = PaymentRequiredError, (f"payment required (402): {detail}. The OpenReward account has no credits "
+                                           "left; top up at https://openreward.ai.")
+    elif status == 410 or (status == 404 and session_scoped):
+        cls, text = SessionExpiredError, (f"the session no longer exists on the server ({status}: {detail}); it was "
+                                          "deleted, reaped after being idle, or the server restarted.")
+    elif status == 404:
+        cls, text = NotFoundError, f"not found (404): {detail}"
+    elif status == 429:
+        cls, text = RateLimitError, f"rate limited (429): {detail}"
+    elif status in (502, 503, 504):
+        cls, text = ServiceUnavailableError, f"service unavailable ({status}): {detail}"
+    elif status >= 500:
+        cls, text = ServerError, f"the environment failed ({status}): {detail}"
+    return cls(where + text, status_code=status, detail=detail, path=path)

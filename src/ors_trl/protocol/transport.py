@@ -32,24 +32,16 @@ from aiohttp.http_exceptions import ContentEncodingError
 
 from .._version import __version__
 from .errors import (
-    APIStatusError,
-    AuthenticationError,
-    BadRequestError,
     ConfigurationError,
-    EnvironmentNotFoundError,
-    NotFoundError,
     ORSError,
     ORSTimeoutError,
-    PaymentRequiredError,
     ProtocolError,
-    RateLimitError,
-    ServerError,
     ServiceUnavailableError,
-    SessionExpiredError,
     StreamInterruptedError,
     ToolFailedError,
     TransportError,
     UsageError,
+    status_error,
 )
 from .target import Target, _host_port, _validate_url
 from .text import clean_json, cut, escape_controls, readable, repair, unescape_json
@@ -209,7 +201,6 @@ class Decoder:
         self._probes = tuple(dict.fromkeys([*self._secrets, *escapes]))
 
     def mask(self, text: str) -> str:
-        """`text` with every known secret replaced by `***`."""
         for secret in self._secrets:
             if secret in text:
                 text = text.replace(secret, _MASK)
@@ -301,35 +292,6 @@ def _detail_of(decoder: Decoder, body: bytes) -> str:
         with contextlib.suppress(ValueError, RecursionError):
             return json.dumps(detail, ensure_ascii=False)
     return decoder.text(body)
-
-
-def status_error(status: int, detail: str, path: str, *, session_scoped: bool) -> ORSError:
-    """An ORS server's HTTP error status as our exception, with a message that says what to do."""
-    where = f"{path}: " if path else ""
-    if status == 404 and "unknown environment" in detail.lower():
-        return EnvironmentNotFoundError(f"{where}{detail}")
-    cls: type[APIStatusError] = APIStatusError
-    text = f"unexpected status {status}: {detail}"
-    if status in (400, 422):
-        cls, text = BadRequestError, f"bad request ({status}): {detail}"
-    elif status in (401, 403):
-        cls, text = AuthenticationError, (f"the server rejected the credentials ({status}): {detail}. Check "
-                                          "OPENREWARD_API_KEY or the api_key= you passed.")
-    elif status == 402:
-        cls, text = PaymentRequiredError, (f"payment required (402): {detail}. The OpenReward account has no credits "
-                                           "left; top up at https://openreward.ai.")
-    elif status == 410 or (status == 404 and session_scoped):
-        cls, text = SessionExpiredError, (f"the session no longer exists on the server ({status}: {detail}); it was "
-                                          "deleted, reaped after being idle, or the server restarted.")
-    elif status == 404:
-        cls, text = NotFoundError, f"not found (404): {detail}"
-    elif status == 429:
-        cls, text = RateLimitError, f"rate limited (429): {detail}"
-    elif status in (502, 503, 504):
-        cls, text = ServiceUnavailableError, f"service unavailable ({status}): {detail}"
-    elif status >= 500:
-        cls, text = ServerError, f"the environment failed ({status}): {detail}"
-    return cls(where + text, status_code=status, detail=detail, path=path)
 
 
 def masked(method: F) -> F:
@@ -451,7 +413,6 @@ class Transport:
         return self._session
 
     async def aclose(self) -> None:
-        """Close the connections (a later request opens new ones)."""
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
@@ -468,7 +429,6 @@ class Transport:
         return {**h, **(extra or {})}
 
     def mask(self, text: str) -> str:
-        """`text` with every known secret replaced by `***`."""
         return self.decoder.mask(text)
 
     def mask_error(self, exc: ORSError) -> ORSError:
@@ -603,14 +563,8 @@ class Transport:
                               sent_is_safe=idempotent, timeout=self.timeouts.request, mask=self.mask)
 
     async def post_json(self, path: str, body: Any) -> Any:
-        """POST `body` as JSON to `path` under the base URL: the decoded answer; every failure an `error` (`for_url`).
-
-        Args:
-            path (`str`):
-                Appended to the base URL (`"/chat/completions"`).
-            body (`Any`):
-                The JSON body.
-        """
+        """POST `body` as JSON to `path` (`"/chat/completions"`) under the base URL: the decoded answer; every failure
+        an `error` (`for_url`)."""
         error_class = self.error or ORSError
         try:
             return await self.request("POST", path, body=body)
@@ -811,7 +765,6 @@ async def _drain(resp: aiohttp.ClientResponse, seconds: float = 1.0) -> None:
 
 
 def _check_length(resp: aiohttp.ClientResponse, limit: int, path: str) -> None:
-    """Refuse an answer whose declared size is past `limit` before reading any of it."""
     length = resp.content_length
     if length is not None and length > limit:
         raise ProtocolError(f"{path}: response of {length} bytes is larger than the {limit}-byte limit")
