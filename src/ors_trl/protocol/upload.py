@@ -34,24 +34,10 @@ _PLATFORM = "openreward/rollouts"
 
 
 class RolloutUploader:
-    """Send episode records to the OpenReward rollout viewer in the background.
-
-    Args:
-        api_key (`str`, *optional*):
-            The platform's API key; defaults to `OPENREWARD_API_KEY` (a `MissingAPIKeyError` when there is none).
-        run_name (`str`, *optional*):
-            The run's name in the viewer; defaults to `ors-trl-<run id>`.
-        run_info (`Mapping` or a callable returning one, *optional*):
-            The SDK's `RunInfo` fields (`model_name`, `model_params`, ...), read when the first episode is sent.
-        step (`Callable[[], int | None]`, *optional*):
-            The training step an episode belongs to, when its record does not say.
-        max_pending (`int`, *optional*, defaults to `1024`):
-            Episodes waiting to be sent; more are dropped (and counted).
-        workers (`int`, *optional*, defaults to `2`):
-            Threads handing episodes to the SDK.
-
-    `sent`, `failed` and `dropped` count the episodes handed to the SDK, failed, and dropped for want of room.
-    """
+    """Send episode records to the OpenReward rollout viewer in the background. `api_key` defaults to
+    `OPENREWARD_API_KEY`, `run_name` to `ors-trl-<run id>`; `run_info` (or a callable giving it, called when the first
+    episode goes) holds the SDK's `RunInfo` fields; `step()` gives the training step of a record that does not say;
+    past `max_pending` queued episodes more are dropped. `sent`, `failed` and `dropped` count the episodes."""
 
     def __init__(self, *, api_key: str | None = None, run_name: str | None = None,
                  run_info: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
@@ -201,8 +187,7 @@ class RolloutUploader:
             events.append((ToolCall(name=str(final["tool"]), content=json.dumps({"message": final.get("message")}),
                                     call_id="final"), {}))
             events.append((ToolResult(content=str(final.get("output") or ""), call_id="final"), {}))
-        last = events[-1][1]
-        last.update(reward=record.get("reward"), is_finished=True)
+        events[-1][1].update(reward=record.get("reward"), is_finished=True)
         index = record.get("task_index")
         if isinstance(index, int):
             seconds = (record.get("timings") or {}).get("total")
