@@ -71,7 +71,6 @@ def get_max_sessions() -> int | None:
 
 
 def process_semaphore() -> asyncio.Semaphore | None:
-    """The running loop's semaphore for the process-wide cap, or None when there is no cap."""
     limit = get_max_sessions()
     if limit is None:
         return None

@@ -385,8 +385,6 @@ class AsyncClient:
         """Session ids the server handed out that another session already had (each refused, another asked for)."""
         return self._pool.duplicates
 
-    # -- environment resolution and calls ------------------------------------------------------------------------
-
     def _path(self, suffix: str) -> str:
         return f"/{self._env}{suffix}" if self._env else suffix
 
@@ -591,8 +589,6 @@ class AsyncClient:
     async def tools(self) -> ToolList:
         """The environment's shared tools (task-specific ones need a session: `AsyncSession.tools`)."""
         return ToolList.from_json(await self._env_request("GET", "/tools"), where="tools")
-
-    # -- sessions ----------------------------------------------------------------------------------------------
 
     async def _create_sid(self) -> str:
         """A new session id, claimed for this process and in the orphan registry before this returns. Every other id

@@ -182,5 +182,4 @@ def thumbnail(raw: bytes, mime_type: str, size: int) -> str | None:
 
 
 def as_bytes(data: str) -> bytes:
-    """The bytes of a block's base64 `data` (checked already)."""
     return base64.b64decode(data)

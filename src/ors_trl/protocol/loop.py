@@ -48,7 +48,6 @@ class BackgroundLoop:
             raise RuntimeError("ors-trl background event loop did not start")
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule `coro` on the loop and return a thread-safe future."""
         if self._closed:
             coro.close()
             raise UsageError("the ors-trl background loop is shut down (interpreter exiting)")

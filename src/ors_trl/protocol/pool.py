@@ -113,7 +113,6 @@ class SessionPool:
             pace.throttled()
 
     def opened(self) -> None:
-        """A session was created: the paces recover a little."""
         for pace in self._paces():
             pace.eased()
 

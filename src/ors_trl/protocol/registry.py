@@ -78,7 +78,6 @@ def _started(pid: int) -> str | None:
 
 
 def _header(raw: bytes) -> dict[str, Any] | None:
-    """A registry file's first line as its header, or None when it is not one."""
     try:
         header = json.loads(raw)
     except (ValueError, RecursionError):
@@ -170,7 +169,6 @@ class Registry:
         self._size += len(line)
 
     def finish(self) -> None:
-        """At exit: remove the file if nothing is left open."""
         with self._lock:
             if self._fd is not None and not self._open:
                 with contextlib.suppress(OSError):

@@ -247,7 +247,6 @@ def parse_blocks(value: Any, *, where: str, _depth: int = 0, _whole: bool = True
 
 
 def image_blocks(blocks: Iterable[Block]) -> Iterator[ImageBlock]:
-    """The image blocks among `blocks`, those inside tool results included."""
     for block in blocks:
         if isinstance(block, ImageBlock):
             yield block
@@ -291,7 +290,6 @@ def block_text(block: Block) -> str:
 
 
 def blocks_text(blocks: list[Block]) -> str:
-    """The text of a list of blocks, joined with newlines."""
     return "\n".join(block_text(b) for b in blocks)
 
 
