@@ -314,6 +314,19 @@ def rules(trainer: Any) -> Rules:
                                                                                             None)))
 
 
+def training_info(trainer: Any) -> dict[str, Any]:
+    """The run's metadata for training uploads (`RolloutUploader`'s `run_info`), from the trainer driving it."""
+    info: dict[str, Any] = {"run_type": "train", "training_stage": "rl", "rl_algorithm": "grpo"}
+    if (model := getattr(trainer, "model", None)) is not None:
+        info["model_name"] = getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
+        if callable(getattr(model, "parameters", None)):
+            info["model_params"] = sum(p.numel() for p in model.parameters())
+    args = getattr(trainer, "args", None)
+    info.update(batch_size=getattr(args, "per_device_train_batch_size", None), lr=getattr(args, "learning_rate", None),
+                initial_step=getattr(getattr(trainer, "state", None), "global_step", None))
+    return info
+
+
 def _literal_start(pattern: str) -> str:
     """The text every match of a regular expression starts with (its leading literal characters)."""
     out, i = [], 0
