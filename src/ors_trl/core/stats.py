@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..protocol.errors import ConfigurationError
 from ..protocol.text import shorten, show_json
+from .metrics import EpisodeStats
 from .records import jsonable
 
 __all__ = ["check_threshold", "label", "paired_test", "pass_at_k", "pass_at_ks", "pass_over_tasks", "task_label",
@@ -107,3 +108,16 @@ def task_label(record: Mapping[str, Any]) -> str:
     if record.get("task_spec") is not None:
         return f"{split} spec {label(record['task_spec'], 60)}"
     return f"{split} #{label(record.get('task_index'))}"
+
+
+def by_task(episodes: Iterable[tuple[Any, Any]], success_threshold: float,
+            count: Callable[[EpisodeStats, Any], None] = EpisodeStats.add_record
+            ) -> tuple[EpisodeStats, dict[Any, EpisodeStats], dict[int, float], tuple[float, float] | None]:
+    """`(task, episode)` pairs counted overall and per task (`count`: a record by default), then `pass_over_tasks`:
+    what an evaluation reports, after training or during it."""
+    stats = EpisodeStats(success_threshold)
+    tasks: dict[Any, EpisodeStats] = {}
+    for task, episode in episodes:
+        count(stats, episode)
+        count(tasks.setdefault(task, EpisodeStats(success_threshold)), episode)
+    return stats, tasks, *pass_over_tasks(tasks.values())

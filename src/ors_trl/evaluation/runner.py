@@ -44,10 +44,10 @@ from typing import Any
 
 from ..core import episode as _episode
 from ..core.episode import EnvironmentRuntime, Episode, Rules, Task
-from ..core.metrics import DEFAULT_SUCCESS_THRESHOLD, NO_CALL_WARNING, EpisodeStats
+from ..core.metrics import DEFAULT_SUCCESS_THRESHOLD, NO_CALL_WARNING
 from ..core.records import RecordWriter, read_records
 from ..core.rollout import play
-from ..core.stats import pass_at_k, pass_over_tasks, task_label
+from ..core.stats import by_task, pass_at_k, task_label
 from ..protocol.errors import ConfigurationError, ORSError, PolicyError
 from ..protocol.loop import get_loop
 from ..protocol.text import escape_controls, one_line
@@ -483,12 +483,7 @@ class EvalReport:
         Returns:
             `EvalReport`: The report.
         """
-        stats = EpisodeStats(success_threshold)
-        tasks: dict[str, EpisodeStats] = {}  # the one definition of success, per task too
-        for record in episodes:
-            stats.add_record(record)
-            tasks.setdefault(task_label(record), EpisodeStats(success_threshold)).add_record(record)
-        passed, interval = pass_over_tasks(tasks.values())
+        stats, tasks, passed, interval = by_task(((task_label(r), r) for r in episodes), success_threshold)
         return cls(
             num_episodes=stats.episodes, num_scored=stats.scored, mean_reward=stats.mean_reward,
             coverage=stats.coverage, finished_rate=stats.share(stats.finished),

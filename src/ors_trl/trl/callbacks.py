@@ -12,8 +12,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..core.metrics import EpisodeStats, stats_metrics, tool_health
-from ..core.stats import pass_over_tasks
+from ..core.metrics import stats_metrics, tool_health
+from ..core.stats import by_task
 from ..tasks.stream import DrawSource
 from . import backend as _trl
 
@@ -104,34 +104,25 @@ class EvalCallback(TrainerCallback):
         accelerator = trainer.accelerator
         self.engine.info = {"step": step, "policy": "the model in training"}
         self.engine(self.prompts[accelerator.process_index::accelerator.num_processes], trainer)
-        rows = [(ep.task.key, ep.reward, ep.finished, ep.tool_calls, ep.tool_failures, len(ep.turns), ep.unscored,
-                 *tool_health(ep.turns), ep.prompt is not None) for ep in self.engine.last_episodes]
+        rows = []
+        for ep in self.engine.last_episodes:
+            unparsed, malformed = tool_health(ep.turns)
+            rows.append((ep.task.key, dict(reward=ep.reward, finished=ep.finished, tool_calls=ep.tool_calls,
+                                           tool_failures=ep.tool_failures, turns=len(ep.turns), unscored=ep.unscored,
+                                           unparsed_turns=unparsed, malformed_calls=malformed,
+                                           opened=ep.prompt is not None)))
         self.runtime.metrics.flush()  # its own window, apart from the training metrics: started again each time
         if accelerator.num_processes > 1:
             from accelerate.utils import gather_object
 
             rows = gather_object(rows)
-        logs = self.metrics(rows)
+        stats, _, passed, interval = by_task(rows, self.runtime.metrics.success_threshold, lambda s, e: s.add(**e))
+        prefix = f"eval/{self.runtime.name}/"
+        logs = {**stats_metrics(prefix, stats), **{f"{prefix}pass@{k}": v for k, v in passed.items()}}
+        if interval is not None:
+            logs[f"{prefix}pass@1_low"], logs[f"{prefix}pass@1_high"] = interval
         _trl.Backend.of(trainer).log_outside_step(dict(logs))
         self.history.append({"step": step, **logs})
-
-    def metrics(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, float]:
-        """The logged metrics of one evaluation's episodes (`(task, reward, finished, calls, failures, turns,
-        unscored, unparsed, malformed, opened)` each)."""
-        stats = EpisodeStats(self.runtime.metrics.success_threshold)
-        tasks: dict[str, EpisodeStats] = {}  # the one definition of success, per task too
-        for task, reward, finished, calls, failures, turns, unscored, unparsed, malformed, opened in rows:
-            episode = dict(reward=reward, finished=finished, tool_calls=calls, tool_failures=failures, turns=turns,
-                           unscored=unscored, unparsed_turns=unparsed, malformed_calls=malformed, opened=opened)
-            stats.add(**episode)
-            tasks.setdefault(task, EpisodeStats(stats.success_threshold)).add(**episode)
-        prefix = f"eval/{self.runtime.name}/"
-        out = stats_metrics(prefix, stats)
-        passed, interval = pass_over_tasks(tasks.values())
-        out.update({f"{prefix}pass@{k}": v for k, v in passed.items()})
-        if interval is not None:
-            out[f"{prefix}pass@1_low"], out[f"{prefix}pass@1_high"] = interval
-        return out
 
 
 def consumed(args: Any, global_step: int) -> int | None:
