@@ -1,30 +1,16 @@
 """The one seam to TRL's internals: everything that reads `GRPOTrainer`'s private methods or loop state.
 
-ors-trl uses TRL's public surface (`environment_factory`, `rollout_func`, reward functions and their `log_metric`,
-callbacks) everywhere else. Given a trainer, the rest is one object, `Backend.of(trainer)`; before a trainer is in
-hand, the functions here find it (or TRL's loop state) up the stack. What is read, and why:
+Elsewhere ors-trl uses TRL's public surface (`environment_factory`, `rollout_func`, reward functions, callbacks). Given
+a trainer, the rest is one object, `Backend.of(trainer)`; before one is in hand, the functions here find it (or TRL's
+loop state) up the stack. Read, and why: `_generate_and_score_completions`' batch and `_tool_call_loop`'s turn (the
+adapter opens a batch's sessions and starts a turn's calls at once); `_generate_single_turn` and
+`_get_tool_suffix_ids` (the engine generates and builds tool turns as TRL's loop does); `_generate` (a `rollout_func`'s
+images reach the loss); `_metrics` and `Trainer.log` (callbacks log beside GRPO's metrics); the async worker's
+`_generate_loop` (the adapter's `get_reward` reads the finished rollout there).
 
-- `_generate_and_score_completions`'s `inputs` (`resetting_batch`) and `_tool_call_loop`'s `tool_calls`, `idx`,
-  `completions` (`tool_turn`, `calls_before`): the adapter opens a batch's sessions and starts a turn's tool calls
-  at once;
-- `_generate_single_turn` (beside `_is_vlm`, `_image_pad_token_id` and vLLM's `max_model_len`) and
-  `_get_tool_suffix_ids`: the engine generates and builds tool turns exactly as TRL's loop does; `_generate` returns
-  a `rollout_func`'s images to TRL's loss (`install_image_handoff`: TRL 1.16 keeps none), as it does its own loop's;
-- `_tokenizer` and `eos_token_ids`: terminal tools need to know whether a completion was cut;
-- the trainer's frame in a callback event (`calling_trainer`) or a dataset read (`training_trainer`), `_metrics`
-  (`add_step_metrics`) and `Trainer.log` (`log_outside_step`): evaluation and task sampling log beside GRPO's
-  metrics without flushing them;
-- TRL's asynchronous trainer (`async_grpo`: `trl.AsyncGRPOTrainer` from TRL 1.18, else `trl.experimental.async_grpo`,
-  which is never imported where the stable one exists) gives reward functions in its spawned rollout worker neither
-  the adapters nor `log_metric`: the adapter's `get_reward` hook reads the finished rollout off the worker's
-  `_generate_loop` (`finished_rollout`), and the worker is recognised by its process name (`in_async_worker`).
-
-Verified against the TRL releases in `VERIFIED`; the package requires only `trl>=1.16`, and on another release the
-adapter falls back to TRL's public behaviour (one session open and one tool call at a time: correct, slower; sessions
-close at each step's end only with `callbacks=spec.callbacks`) with one log line, the engine refuses to start with a
-clear error, and in the async worker `get_reward` returns each episode's reward itself. `ORS_TRL_TRUST_TRL=1` opts in
-to the fast paths on an unverified TRL. `TRL_KEYWORDS` (kept with the dataset columns they reserve,
-`ors_trl.tasks.selection`) are the names TRL passes to `reset(**row)` and reward functions, or reads from a row.
+Verified against the TRL releases in `VERIFIED` (`trl>=1.16` is required): on another one the adapter falls back to
+TRL's public behaviour (correct, slower) with one log line and the engine refuses to start; `ORS_TRL_TRUST_TRL=1`
+opts in to the fast paths anyway.
 """
 
 from __future__ import annotations
@@ -118,14 +104,13 @@ def _frame_locals(skip: int, hops: int, function: str | None = None) -> dict[str
 
 
 def calling_trainer(skip: int = 1) -> Any:
-    """The trainer whose callback event (`on_train_begin`, `on_step_end`, ...) is running: found up the stack from
-    `skip` frames above our caller (the callback's method), since transformers hands callbacks no trainer."""
+    """The trainer whose callback event is running (`skip` frames above our caller), found up the stack: transformers
+    hands callbacks none."""
     return _frame_locals(skip, 8).get("self")
 
 
 def training_trainer() -> Any:
-    """The trainer whose training loop is reading a dataset, from inside the read (a dataset row's generator): found
-    up the stack (datasets' and torch's iteration stand between), since a dataset is handed no trainer."""
+    """The trainer whose training loop is reading a dataset, found up the stack from inside the read."""
     return _frame_locals(1, 96).get("self")
 
 
@@ -168,22 +153,17 @@ def _made(loc: dict[str, Any], k: int, position: int) -> int:
 
 
 def calls_before(adapter: Any, skip: int = 2) -> int | None:
-    """At a call TRL's tool loop makes on `adapter` (`skip`: frames between our caller and the loop): how many calls
-    the model made before it in this rollout (those TRL failed itself, which never reach the adapter, included);
-    None when the loop does not look as expected."""
+    """At a call TRL's tool loop makes on `adapter` (`skip`: frames between our caller and the loop): the calls the
+    model made before it in this rollout (those TRL failed itself included); None if the loop looks unexpected."""
     at = _at_call(adapter, skip + 1)
     return None if at is None else _made(at[0], at[0]["idx"], at[1])
 
 
 def tool_turn(adapter: Any, skip: int = 4) -> tuple[object, list[tuple[Any, list[tuple[str, Any]], int]]] | None:
-    """At a call TRL's tool loop makes on `adapter` (`skip`: frames between our caller and the loop: the adapter's
-    own, and the bound tool): the calls of that turn not yet made, per rollout.
-
-    Returns `(turn, [(environment, [(name, arguments), ...], made), ...])`, starting with `adapter` at the call being
-    made, then every later rollout of the turn, with the calls the model made before the first (`calls_before`);
-    `turn` identifies the turn (TRL builds a new `tool_calls` list each turn). None when the loop does not look as
-    expected.
-    """
+    """At a call TRL's tool loop makes on `adapter` (`skip`: frames between our caller and the loop): `(turn,
+    [(environment, [(name, arguments), ...], made), ...])`, the calls of the turn not yet made per rollout, from
+    `adapter`'s current call on, with the calls made before (`calls_before`); `turn` identifies the turn (TRL builds a
+    new `tool_calls` list each turn). None when the loop does not look as expected."""
     at = _at_call(adapter, skip + 1)
     if at is None:
         return None
@@ -215,8 +195,7 @@ def eos_token_ids(trainer: Any, tokenizer: Any = None) -> set[int]:
 
 @dataclass(frozen=True)
 class AsyncGRPO:
-    """Where the installed TRL keeps `AsyncGRPOTrainer` (`trainer`): its `config` class, the `trainer_module`, and
-    the `worker_module` defining `AsyncRolloutWorker` (the code of the spawned rollout process)."""
+    """Where the installed TRL keeps `AsyncGRPOTrainer`: its config class, its module, and its rollout worker's."""
 
     trainer: type
     config: type
@@ -257,10 +236,8 @@ class FinishedRollout:
 
 
 def finished_rollout(adapter: Any, skip: int = 2) -> FinishedRollout | None:
-    """At TRL's async worker's `await environment.get_reward()`: the rollout `adapter` just finished, read off
-    `_generate_loop`'s locals (`environment`, `completion`, `completion_ids`, `self`). `skip`: frames between our
-    caller and the loop (the `get_reward` coroutine). None when the loop does not look as expected or TRL is
-    unverified."""
+    """At TRL's async worker's `await environment.get_reward()` (`skip`: frames up to `_generate_loop`): the rollout
+    `adapter` just finished, read off the loop's locals. None when the loop looks unexpected or TRL is unverified."""
     loc = _frame_locals(skip, 3, "_generate_loop") if verified() else {}
     worker, messages, ids = loc.get("self"), loc.get("completion"), loc.get("completion_ids")
     if loc.get("environment") is not adapter or not isinstance(messages, list) or not isinstance(ids, list):
@@ -351,13 +328,10 @@ def tool_markup(processing_class: Any) -> str | None:
 class Rendering:
     """How TRL turns a tool conversation into token ids, and a completion back into a message, for one processing
     class (a tokenizer, or a vision-language model's processor): the engine, `LocalPolicy` and the demo all render
-    through it, so a TRL bump is re-verified in this one place.
-
-    The response schema is set as `GRPOTrainer` sets it for tools, so that tool calls parse; where TRL knows none for
-    the template (`parse_error` says why), completions parse as plain text. `chat_template`: None for the tokenizer's
-    own (`for_training` picks the one `GRPOTrainer` trains tools with); `chat_template_kwargs`: `GRPOConfig`'s. The
-    tool turn is TRL's own `GRPOTrainer._get_tool_suffix_ids`, called with the rendering as its `self`: it reads
-    `processing_class`, `_tokenizer`, `_is_vlm`, `chat_template` and `chat_template_kwargs` off it.
+    through it. Its response schema is set as `GRPOTrainer` sets it for tools; where TRL knows none for the template
+    (`parse_error`), completions parse as plain text. The tool turn is TRL's own `_get_tool_suffix_ids`, called with
+    the rendering as its `self` (it reads `processing_class`, `_tokenizer`, `_is_vlm`, `chat_template`,
+    `chat_template_kwargs`).
     """
 
     def __init__(self, processing_class: Any, *, chat_template: str | None = None,
@@ -471,10 +445,9 @@ def _no_tool() -> None:
 
 def install_image_handoff() -> None:
     """Make `GRPOTrainer` take the images a `rollout_func` hands it (`Backend.hand_images`) into its loss, as it takes
-    the images of its own tool loop: `_generate` returns them beside the ids (which hold their image tokens), and
-    for that step the trainer counts as one with tools (TRL builds the images' pixel fields and token types only
-    then). Installed on the class once (a `rollout_func` runs inside `_generate`: too late to wrap the instance);
-    a trainer that was handed nothing runs exactly as before. Verified TRL only."""
+    its own tool loop's: `_generate` returns them beside the ids, and for that step the trainer counts as one with
+    tools (only then does TRL build their pixel fields). Installed on the class once (a `rollout_func` runs inside
+    `_generate`: too late to wrap the instance); a trainer handed nothing runs as before. Verified TRL only."""
     if not verified():
         return
     from trl import GRPOTrainer
