@@ -35,8 +35,6 @@ __all__ = ["TOOL_MARKUPS", "LocalPolicy", "OpenAIPolicy", "Policy", "PolicyReply
 PolicyReply = Reply
 
 logger = logging.getLogger("ors_trl.eval")
-#: The largest chat completion read from an endpoint (as for ORS answers).
-_MAX_ANSWER_BYTES = 64 * 1024 * 1024
 #: The texts that open (or, for gpt-oss, address or end) a tool call in the major open-weight chat templates: what the
 #: tool-call parsers of vLLM and SGLang look for. A server run without the model's parser returns them as content.
 TOOL_MARKUPS: dict[str, str] = {
@@ -321,10 +319,8 @@ class LocalPolicy(TokenGenerator):
         self.temperature, self.max_new_tokens, self.top_p, self.seed = float(temperature), int(max_new_tokens), top_p, seed
         self.name = name or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
         self.rerender = not join_turns
-        self._abort = threading.Event()
+        self._abort, self._lock, self._seeded = threading.Event(), threading.Lock(), False
         self._worker: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._seeded = False
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], *, device: str | None = None, **kwargs: Any) -> LocalPolicy:
@@ -349,9 +345,8 @@ class LocalPolicy(TokenGenerator):
             import torch
             import transformers
         except ImportError as exc:
-            raise ConfigurationError(
-                f"evaluating a local model needs torch and transformers ({exc}); pip install 'ors-trl[trl]'"
-            ) from None
+            raise ConfigurationError(f"evaluating a local model needs torch and transformers ({exc}); pip install "
+                                     "'ors-trl[trl]'") from None
         vision = os.path.isfile(os.path.join(path, "preprocessor_config.json"))
         loaders = ((transformers.AutoProcessor, transformers.AutoModelForImageTextToText) if vision else
                    (transformers.AutoTokenizer, transformers.AutoModelForCausalLM))
@@ -360,9 +355,7 @@ class LocalPolicy(TokenGenerator):
             model = loaders[1].from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
             raise ConfigurationError(f"cannot load a model and tokenizer from {path!r}: {exc}") from exc
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        model.to(device)
+        model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model.eval()
         return cls(model, tokenizer, name=kwargs.pop("name", path), **kwargs)
 
@@ -388,8 +381,6 @@ class LocalPolicy(TokenGenerator):
     def batch_sizes(self) -> list[int]:
         """Requests per `generate` call so far."""
         return self.batcher.batch_sizes
-
-    # -- the generator protocol, and the Policy protocol on top -----------------------------------------------
 
     def start(self, conversation: Conversation) -> None:
         """An episode begins (see `TokenGenerator.start`); the generation worker starts if it is not running.
@@ -434,8 +425,6 @@ class LocalPolicy(TokenGenerator):
         if worker is not None:
             await asyncio.to_thread(worker.join, 60)
         self._seeded = False
-
-    # -- generation (the worker thread) --------------------------------------------------------------------
 
     def _idle(self) -> bool:
         return self._abort.is_set() or self.batcher.members <= 0

@@ -169,47 +169,6 @@ class EvalOptions:
         return Path(self.output) if self.output is not None else None
 
 
-class _Evaluation:
-    """The episodes of one `evaluate` call, run `concurrency` at a time."""
-
-    def __init__(self, runtime: EnvironmentRuntime, policy: Any, options: EvalOptions, *, writer: RecordWriter | None,
-                 bar: Any, uploads: Any = None) -> None:
-        self.runtime, self.options, self.generator = runtime, options, as_generator(policy)
-        self.rules = Rules(max_replies=options.max_turns, error_text=_trl.error_text,
-                           tool_markup=getattr(policy, "tool_markup", None))  # a chat template's, an endpoint's
-        self.writer, self.bar, self.uploads = writer, bar, uploads
-        self.policy_name = describe_policy(policy)
-        self.done: list[Episode] = []
-
-    async def run_one(self, gate: asyncio.Semaphore, key: EpisodeKey) -> None:
-        split, index, repeat = key
-        groups = self.options.score_groups
-        async with gate:
-            ep = self.runtime.episode(Task(split, index), source="eval", rules=self.rules, metrics=False,
-                                      writer=None if groups else self.writer, task_tools=self.options.per_task_tools,
-                                      # group-scored: written and uploaded once scored, in `evaluate`
-                                      uploads=(False if groups else self.uploads) if self.uploads else None,
-                                      repeat=repeat, policy=self.policy_name)
-            try:
-                await play(ep, self.generator, flatten=self.options.flatten_prompt,
-                           timeout=self.options.episode_timeout)
-            except (ORSError, PolicyError, TimeoutError) as exc:
-                ep.fail(exc)
-            except Exception as exc:  # a bug or an unexpected failure: recorded, not fatal for the other episodes
-                logger.warning("episode %s/%d/%d failed unexpectedly: %s", split, index, repeat, exc, exc_info=True)
-                ep.fail(exc)
-            except BaseException:  # interrupted (Ctrl-C): not a result, so not recorded; resume reruns it
-                await asyncio.shield(ep.close(keep=False))
-                raise
-            await ep.close()
-        self.done.append(ep)
-        if self.bar is not None:
-            scored = [e.reward for e in self.done if e.reward is not None]
-            if scored:
-                self.bar.set_postfix(reward=f"{sum(scored) / len(scored):.3f}", refresh=False)
-            self.bar.update(1)
-
-
 def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | None = None, *,
              others: Collection[str] = (), **kwargs: Any) -> EvalReport:
     """Run `policy` (see `OpenRewardSpec.evaluate`) over tasks of `runtime` and report what it did; `options` and
@@ -219,7 +178,6 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | No
     if opts.score_groups and not runtime.supports_score_group:
         raise ConfigurationError(f"{runtime.name} does not support group scoring (its /tools does not say "
                                  "supports_score_group: true)")
-    success_threshold = DEFAULT_SUCCESS_THRESHOLD if opts.success_threshold is None else opts.success_threshold
     out_path = opts.path
     started = time.monotonic()
     bg = get_loop()
@@ -251,17 +209,45 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | No
 
         bar = tqdm(total=len(keys), initial=len(kept), desc=escape_controls(f"eval {environment or runtime.name}"),
                    unit="ep", file=sys.stderr, dynamic_ncols=True)
-    evaluation = _Evaluation(runtime, policy_obj, opts, writer=writer, bar=bar, uploads=uploads)
+    generator, policy_name = as_generator(policy_obj), describe_policy(policy_obj)
+    rules = Rules(max_replies=opts.max_turns, error_text=_trl.error_text,
+                  tool_markup=getattr(policy_obj, "tool_markup", None))  # a chat template's, an endpoint's
+    done: list[Episode] = []
     finished_event = threading.Event()
+
+    async def run_one(gate: asyncio.Semaphore, key: EpisodeKey) -> None:
+        async with gate:
+            ep = runtime.episode(Task(split, key[1]), source="eval", rules=rules, metrics=False,
+                                 writer=None if opts.score_groups else writer, task_tools=opts.per_task_tools,
+                                 # group-scored: written and uploaded once scored, in `run_all`
+                                 uploads=(False if opts.score_groups else uploads) if uploads else None,
+                                 repeat=key[2], policy=policy_name)
+            try:
+                await play(ep, generator, flatten=opts.flatten_prompt, timeout=opts.episode_timeout)
+            except (ORSError, PolicyError, TimeoutError) as exc:
+                ep.fail(exc)
+            except Exception as exc:  # a bug or an unexpected failure: recorded, not fatal for the other episodes
+                logger.warning("episode %s/%d/%d failed unexpectedly: %s", *key, exc, exc_info=True)
+                ep.fail(exc)
+            except BaseException:  # interrupted (Ctrl-C): not a result, so not recorded; resume reruns it
+                await asyncio.shield(ep.close(keep=False))
+                raise
+            await ep.close()
+        done.append(ep)
+        if bar is not None:
+            scored = [e.reward for e in done if e.reward is not None]
+            if scored:
+                bar.set_postfix(reward=f"{sum(scored) / len(scored):.3f}", refresh=False)
+            bar.update(1)
 
     async def run_all() -> None:
         gate = asyncio.Semaphore(opts.concurrency)
-        tasks = [asyncio.ensure_future(evaluation.run_one(gate, k)) for k in todo]
+        tasks = [asyncio.ensure_future(run_one(gate, k)) for k in todo]
         try:
             await asyncio.gather(*tasks)
             if opts.score_groups:
-                await _episode.score_groups(evaluation.done)
-                for ep in evaluation.done:
+                await _episode.score_groups(done)
+                for ep in done:
                     record = ep.record()
                     if writer is not None:
                         writer.write(record, images=ep.images)
@@ -292,10 +278,11 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | No
 
     by_key = dict(kept)
     by_key.update({(ep.task.split, int(ep.task.index or 0), int(ep.info.get("repeat", 0))): ep.record()
-                   for ep in evaluation.done})
+                   for ep in done})
+    threshold = DEFAULT_SUCCESS_THRESHOLD if opts.success_threshold is None else opts.success_threshold
     return EvalReport.from_episodes(
-        [by_key[k] for k in keys if k in by_key], success_threshold=success_threshold, target=client.target.name,
-        environment=environment, split=split, policy=evaluation.policy_name, num_resumed=len(kept),
+        [by_key[k] for k in keys if k in by_key], success_threshold=threshold, target=client.target.name,
+        environment=environment, split=split, policy=policy_name, num_resumed=len(kept),
         seconds=round(time.monotonic() - started, 3), output=os.fspath(out_path) if out_path is not None else None,
         uploads=uploads.counts() if uploads is not None else None)
 
