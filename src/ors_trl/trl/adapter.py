@@ -1,17 +1,10 @@
 """The per-rollout adapter TRL's `environment_factory` hands out: a thin driver of `ors_trl.core.episode.Episode`.
 
-TRL builds adapters once, then for every rollout calls `reset(**row)` and the tool methods the model asks for, from
-its training thread; a tool method is one `Episode.call` and raises on failure (how TRL counts
-`tools/failure_frequency`) with a message the model can read. Where TRL's loop state allows it
-(`ors_trl.trl.backend`), nothing waits in series: the batch's first reset starts opening every session of the batch,
-and the first tool call of a turn starts the turn's calls across the batch (`batch_tool_calls`; each rollout's own in
-order, nothing TRL will not ask for).
-
-An episode opened with no trainer driving it (`spec.environment_factory().reset(task_index=0)`, to look at a prompt)
-has source `manual`: it stays out of the step's `env/...` metrics and out of task sampling, unless reward functions
-read it (`settle_all`). In TRL's asynchronous trainer, whose spawned rollout worker calls reward functions later and
-without the adapters, the adapter class gains TRL's `get_reward` hook (`for_this_process`): it settles the episode
-when its rollout ends and hands it to the reward functions by its transcript (`take_ended`).
+A tool method is one `Episode.call` and raises on failure (how TRL counts `tools/failure_frequency`). Where TRL's loop
+state allows it (`ors_trl.trl.backend`), nothing waits in series: the batch's first reset opens every session of the
+batch, and a turn's first tool call starts the turn's calls across the batch (`batch_tool_calls`). An episode no
+trainer drives has source `manual`: out of the `env/...` metrics and task sampling unless reward functions read it
+(`settle_all`). In TRL's async worker the adapter class gains TRL's `get_reward` hook (`for_this_process`).
 """
 
 from __future__ import annotations
@@ -68,17 +61,9 @@ class _NotATool:
 class OpenRewardEnvironment:
     """One rollout's view of an ORS environment; TRL's `environment_factory` returns these.
 
-    What TRL collects (`inspect.getmembers(type(env), inspect.isfunction)`): `reset(**row)` and one method
-    per environment tool, under the environment's exact tool name (`__name__`). `close()` (TRL's adapter
-    calls it `_close()`) ends the rollout's episode and frees its session now.
-
-    Attributes:
-        reward: last non-None reward of the episode (outcome convention); None if nothing was scored.
-        rewards, metadata: per tool call, the reward / the environment's metadata (None where absent).
-        finished: True once the environment said the episode is over.
-        last_output: the text of the most recent tool result (or error).
-        tool_calls, tool_failures: this episode's tool calls and how many failed.
-        error: why the episode failed outside any tool call (its session could not open), else None.
+    TRL collects `reset(**row)` and one method per environment tool, under the tool's exact name (`__name__`).
+    `close()` (`_close()` in TRL's adapter) ends the rollout's episode and frees its session now. The properties read
+    the episode's state; `last_output` is the text of the latest tool result (or error).
     """
 
     _runtime: ClassVar[EnvironmentRuntime]
@@ -109,6 +94,7 @@ class OpenRewardEnvironment:
 
     @property
     def error(self) -> str | None:
+        """Why the episode failed outside any tool call (its session could not open), else None."""
         err = self._get("error", None)
         return err["message"] if err else None
 

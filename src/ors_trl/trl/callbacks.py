@@ -27,22 +27,15 @@ STATE_KEY = "ors_trl.task_sampling"
 
 
 class SessionCleanupCallback(TrainerCallback):
-    """Release sessions at each step's end (in the background: GRPO generates and scores inside the step, so none
-    is needed after it) and close them all at the end of training, waiting for the server.
+    """Release the sessions of `runtimes` (one per spec) at each step's end, in the background (GRPO generates and
+    scores inside the step, so none is needed after it), and close them all at the end of training."""
 
-    Args:
-        runtimes: the environment runtimes (one per spec) whose adapters' sessions to manage.
-        close_each_step: release sessions at every step end (default) rather than only at the end.
-    """
-
-    def __init__(self, runtimes: Sequence[Any], *, close_each_step: bool = True) -> None:
+    def __init__(self, runtimes: Sequence[Any]) -> None:
         self.runtimes = list(runtimes)
-        self.close_each_step = close_each_step
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.close_each_step:
-            for runtime in self.runtimes:
-                runtime.release_all()
+        for runtime in self.runtimes:
+            runtime.release_all()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         for runtime in self.runtimes:
