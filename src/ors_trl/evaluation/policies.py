@@ -135,22 +135,10 @@ class OpenAIPolicy:
             as content (counted `unparsed`); default: `TOOL_MARKUPS` and a JSON call on its own line; `()`: none.
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        model: str,
-        *,
-        api_key: str | None = None,
-        temperature: float | None = None,
-        max_tokens: int | None = None,
-        seed: int | None = None,
-        extra_body: dict[str, Any] | None = None,
-        timeout: float = 300.0,
-        max_attempts: int = 4,
-        include_return_schema: bool = False,
-        tool_images: str = "tool",
-        tool_markup: str | Sequence[str] | None = None,
-    ) -> None:
+    def __init__(self, base_url: str, model: str, *, api_key: str | None = None, temperature: float | None = None,
+                 max_tokens: int | None = None, seed: int | None = None, extra_body: dict[str, Any] | None = None,
+                 timeout: float = 300.0, max_attempts: int = 4, include_return_schema: bool = False,
+                 tool_images: str = "tool", tool_markup: str | Sequence[str] | None = None) -> None:
         self.tool_markup = markup_pattern(tool_markup)
         if tool_images not in ("tool", "user"):
             raise ConfigurationError(f'tool_images must be "tool" or "user", got {tool_images!r}')

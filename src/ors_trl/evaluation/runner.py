@@ -589,12 +589,10 @@ class MixEvalReport:
         """
         return {"environments": {n: r.to_dict(episodes=episodes) for n, r in self.environments.items()},
                 "weights": dict(self.weights),
-                "overall": {"mean_reward": self.mean_reward, "mean_reward_weight": self.mean_reward_weight,
-                            "unscored_environments": self.unscored_environments, "success_rate": self.success_rate,
-                            "pass_at_k": self.pass_at_k, "no_tool_call_rate": self.no_tool_call_rate,
-                            "unparsed_turn_rate": self.unparsed_turn_rate, "malformed_calls": self.malformed_calls,
-                            "num_episodes": self.num_episodes, "num_errors": self.num_errors,
-                            "num_unopened": self.num_unopened}}
+                "overall": {name: getattr(self, name) for name in (
+                    "mean_reward", "mean_reward_weight", "unscored_environments", "success_rate", "pass_at_k",
+                    "no_tool_call_rate", "unparsed_turn_rate", "malformed_calls", "num_episodes", "num_errors",
+                    "num_unopened")}}
 
     def summary(self) -> str:
         """Every environment's summary, then the weighted overall."""

@@ -78,8 +78,6 @@ class OpenRewardEnvironment:
         ep = self._episode
         return f"<{type(self).__name__} task={ep.task.index if ep else None} reward={self.reward}>"
 
-    # -- state, read off the episode --------------------------------------------------------------
-
     def _get(self, name: str, default: Any) -> Any:
         return getattr(self._episode, name) if self._episode is not None else default
 
@@ -102,8 +100,6 @@ class OpenRewardEnvironment:
     def episode(self) -> Episode | None:
         """The current episode (its full record: `episode.record()`)."""
         return self._episode
-
-    # -- the TRL contract --------------------------------------------------------------------------
 
     def reset(self, task_index: int | None = None, task_spec: Mapping[str, Any] | None = None,
               **row: Any) -> str | list[dict[str, Any]]:
@@ -175,8 +171,6 @@ class OpenRewardEnvironment:
 
     close = _NotATool(_close_now)
     _close = _close_now
-
-    # -- tool calls --------------------------------------------------------------------------------
 
     def _current(self) -> Episode:
         if self._episode is None:
@@ -329,8 +323,6 @@ def settle_all(environments: list[Any], completions: list[Any] | None, completio
 
         get_loop().run(run())
 
-
-# -- TRL's asynchronous trainer ------------------------------------------------------------------
 
 #: Each ended rollout's episode by the identity of its transcript (what TRL hands reward functions as its
 #: `completions` entry, kept alive here so that no other list takes its id), with how many reading reward functions

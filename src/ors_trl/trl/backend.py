@@ -75,14 +75,9 @@ def verified() -> bool:
 def require_engine() -> None:
     """Fail early, and say why, when the engine's TRL internals are not verified for the installed TRL."""
     if not verified():
-        raise UsageError(
-            f"spec.rollout_func drives TRL internals verified for TRL {', '.join(VERIFIED)} only, and TRL "
-            f"{trl_version()} is installed. Use environment_factory=spec.environment_factory (TRL's public API; "
-            f"with callbacks=spec.callbacks), or set {TRUST_ENV}=1 to try the engine anyway."
-        )
-
-
-# -- the stack: TRL's loops and the trainer --------------------------------------------------------------
+        raise UsageError(f"spec.rollout_func drives TRL internals verified for TRL {', '.join(VERIFIED)} only, and TRL "
+                         f"{trl_version()} is installed. Use environment_factory=spec.environment_factory (TRL's "
+                         f"public API; with callbacks=spec.callbacks), or set {TRUST_ENV}=1 to try the engine anyway.")
 
 
 def _frame_locals(skip: int, hops: int, function: str | None = None) -> dict[str, Any]:
@@ -190,9 +185,6 @@ def eos_token_ids(trainer: Any, tokenizer: Any = None) -> set[int]:
     return set(getattr(trainer, "eos_token_ids", None) or []) | ({pad} if pad is not None else set())
 
 
-# -- TRL's asynchronous trainer ----------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class AsyncGRPO:
     """Where the installed TRL keeps `AsyncGRPOTrainer`: its config class, its module, and its rollout worker's."""
@@ -244,9 +236,6 @@ def finished_rollout(adapter: Any, skip: int = 2) -> FinishedRollout | None:
         return None
     return FinishedRollout(messages, ids, eos_token_ids(worker, getattr(worker, "tokenizer", None)),
                            list(getattr(worker, "reward_funcs", None) or []))
-
-
-# -- TRL's rules and rendering: what TRL's tool loop does, in one place ----------------------------------
 
 
 def error_text(exc: BaseException) -> str:
@@ -396,8 +385,7 @@ class Rendering:
             messages = prepare_multimodal_messages(messages)
         tokenized = self.processing_class.apply_chat_template(
             conversation=[messages], tools=tools or None, chat_template=self.chat_template,
-            add_generation_prompt=True, tokenize=True, return_dict=True, **self.chat_template_kwargs,
-        )
+            add_generation_prompt=True, tokenize=True, return_dict=True, **self.chat_template_kwargs)
         return list(tokenized["input_ids"][0])
 
     def tool_suffix_ids(self, tool_messages: list[dict[str, Any]]) -> list[int]:
@@ -432,8 +420,6 @@ def image_inputs(processing_class: Any, prompt_ids: list[list[int]], images: lis
     fields["mm_token_type_ids" if "image_grid_thw" in fields else "token_type_ids"] = types
     return fields
 
-
-# -- one trainer's backend ---------------------------------------------------------------------------------
 
 _HANDOFF = "_ors_images"
 _BACKEND = "_ors_backend"
@@ -504,10 +490,6 @@ class Backend:
         return Rendering.of(self.trainer)
 
     @property
-    def rules(self) -> Rules:
-        return rules(self.trainer)
-
-    @property
     def max_model_len(self) -> int:
         """The longest sequence the generation backend accepts (TRL's own bound in its tool loop)."""
         trainer = self.trainer
@@ -530,8 +512,6 @@ class Backend:
                 "images. Train a vision-language model with its processor (GRPOTrainer(model=..., processing_class="
                 "AutoProcessor.from_pretrained(...))), or pass OpenRewardSpec(..., images=\"placeholder\") to show "
                 "the model the text [image: <media type>] in its place.")
-
-    # -- generation, across processes ---------------------------------------------------------------
 
     @property
     def processes(self) -> int:

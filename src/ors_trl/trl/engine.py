@@ -21,7 +21,7 @@ from ..core.rollout import Batcher, Conversation, StopEpisode, play
 from ..protocol.budget import get_max_sessions
 from ..protocol.errors import ConfigurationError
 from ..protocol.loop import get_loop
-from .backend import Backend, install_image_handoff, require_engine
+from .backend import Backend, install_image_handoff, require_engine, rules
 from .tokens import TokenGenerator, Tokens
 
 __all__ = ["TASK_KEY", "RolloutEngine", "task_of"]
@@ -37,10 +37,8 @@ def task_of(prompt: Sequence[Mapping[str, Any]]) -> Task:
         if raw:
             ident = json.loads(raw) if isinstance(raw, str) else dict(raw)
             return Task(ident.get("split", "train"), ident.get("index"), ident.get("task_spec"), ident.get("env"))
-    raise ConfigurationError(
-        "This prompt carries no ORS task identity. The rollout engine needs the rows of spec.train_dataset "
-        "(or mix.train_dataset), whose prompt messages carry it."
-    )
+    raise ConfigurationError("This prompt carries no ORS task identity. The rollout engine needs the rows of "
+                             "spec.train_dataset (or mix.train_dataset), whose prompt messages carry it.")
 
 
 class _TrainerGenerator(TokenGenerator):
@@ -155,7 +153,7 @@ class RolloutEngine:
                                          f"({list(self.environments)})")
             rt = next(iter(self.environments.values()))
         base = [{k: v for k, v in m.items() if k != TASK_KEY} for m in prompt]
-        return rt.episode(task, source=self.source, rules=backend.rules, **self.info), base
+        return rt.episode(task, source=self.source, rules=rules(backend.trainer), **self.info), base
 
     def _waves(self, rollouts: list[Any]) -> list[list[Any]]:
         """Split the batch so that no wave opens more sessions than a session cap allows (queuing, not failing).

@@ -48,10 +48,8 @@ def _flush(rts: Sequence[EnvironmentRuntime], log_metric: Any) -> None:
 def _column(kwargs: dict[str, Any], name: str, func: str) -> list[Any]:
     values = kwargs.get(name)
     if values is None:
-        raise ConfigurationError(
-            f"{func} needs `environments` (environment_factory) or the `{name}` column (spec.rollout_func); "
-            "pass one of them to GRPOTrainer."
-        )
+        raise ConfigurationError(f"{func} needs `environments` (environment_factory) or the `{name}` column "
+                                 "(spec.rollout_func); pass one of them to GRPOTrainer.")
     return [None if v is None or (isinstance(v, float) and v != v) else float(v) for v in values]
 
 
