@@ -90,17 +90,10 @@ def _openai_parts(content: Any) -> Any:
     URL)."""
     if not isinstance(content, list):
         return content
-    out = []
-    for part in content:
-        if part.get("type") != "image":
-            out.append(part)
-        elif isinstance(part.get("image"), str):
-            out.append({"type": "image_url", "image_url": {"url": part["image"]}})
-        else:
-            from ..protocol.images import data_url
+    from ..protocol.images import data_url
 
-            out.append({"type": "image_url", "image_url": {"url": data_url(part["image"])}})
-    return out
+    return [part if part.get("type") != "image" else {"type": "image_url", "image_url": {
+        "url": part["image"] if isinstance(part["image"], str) else data_url(part["image"])}} for part in content]
 
 
 class OpenAIPolicy:
@@ -164,19 +157,12 @@ class OpenAIPolicy:
     def __repr__(self) -> str:  # never shows the key
         return f"OpenAIPolicy({self.base_url!r}, {self.model!r})"
 
-    @property
-    def description(self) -> str:
-        """The policy's name in records and reports: `"{model} @ {base_url}"`."""
-        return f"{self.model} @ {self.base_url}"
+    description = property(lambda self: f"{self.model} @ {self.base_url}",
+                           doc='The policy\'s name in records and reports: `"{model} @ {base_url}"`.')
 
     def _tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        out = []
-        for schema in tools:
-            function = dict(schema.get("function", schema))
-            if not self.include_return_schema:
-                function.pop("return", None)
-            out.append({"type": "function", "function": function})
-        return out
+        return [{"type": "function", "function": {k: v for k, v in schema.get("function", schema).items()
+                                                  if k != "return" or self.include_return_schema}} for schema in tools]
 
     def _messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -350,25 +336,12 @@ class LocalPolicy(TokenGenerator):
     def __repr__(self) -> str:
         return f"LocalPolicy({self.name!r})"
 
-    @property
-    def description(self) -> str:
-        """The policy's name in records and reports (`name`)."""
-        return str(self.name)
-
-    @property
-    def tool_markup(self) -> str | None:
-        """The text that opens a tool call in the chat template's replies (`Rendering.tool_markup`)."""
-        return self.rendering.tool_markup
-
-    @property
-    def join_turns(self) -> bool:
-        """Whether a later turn's ids are built as GRPO builds them (see `join_turns=`)."""
-        return not self.rerender
-
-    @property
-    def batch_sizes(self) -> list[int]:
-        """Requests per `generate` call so far."""
-        return self.batcher.batch_sizes
+    description = property(lambda self: str(self.name), doc="The policy's name in records and reports (`name`).")
+    tool_markup = property(lambda self: self.rendering.tool_markup,
+                           doc="The text that opens a tool call in the chat template's replies (`Rendering.tool_markup`).")
+    join_turns = property(lambda self: not self.rerender,
+                          doc="Whether a later turn's ids are built as GRPO builds them (see `join_turns=`).")
+    batch_sizes = property(lambda self: self.batcher.batch_sizes, doc="Requests per `generate` call so far.")
 
     def start(self, conversation: Conversation) -> None:
         """An episode begins (see `TokenGenerator.start`); the generation worker starts if it is not running.
@@ -425,7 +398,7 @@ class LocalPolicy(TokenGenerator):
                 with self._lock:  # `start` counts its episode before it looks for a worker: none is stranded
                     if self._idle():
                         self._worker = None
-                        self._forget()  # no episode left: what was rendered for them is not kept
+                        self._renders = {}  # no episode left: what was rendered for them is not kept
                         return
                 continue
             try:

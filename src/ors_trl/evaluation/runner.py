@@ -164,9 +164,7 @@ class EvalOptions:
             raise ConfigurationError(f"{out} already exists; pass resume=True to continue it or overwrite=True to "
                                      "replace it")
 
-    @property
-    def path(self) -> Path | None:
-        return Path(self.output) if self.output is not None else None
+    path = property(lambda self: Path(self.output) if self.output is not None else None, doc="`output` as a `Path`.")
 
 
 def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | None = None, *,

@@ -96,10 +96,7 @@ class OpenRewardEnvironment:
         err = self._get("error", None)
         return err["message"] if err else None
 
-    @property
-    def episode(self) -> Episode | None:
-        """The current episode (its full record: `episode.record()`)."""
-        return self._episode
+    episode = property(lambda self: self._episode, doc="The current episode (its full record: `episode.record()`).")
 
     def reset(self, task_index: int | None = None, task_spec: Mapping[str, Any] | None = None,
               **row: Any) -> str | list[dict[str, Any]]:

@@ -366,15 +366,10 @@ class Rendering:
                                      f"({rendering.parse_error}); use one TRL knows (trl/chat_templates).")
         return rendering
 
-    @property
-    def tool_markup(self) -> str | None:
-        """The text that opens a tool call in this template's replies (`tool_markup`)."""
-        return tool_markup(self.processing_class)
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        """The ids that end a completion (EOS and padding)."""
-        return {t for t in (self._tokenizer.eos_token_id, self._tokenizer.pad_token_id) if t is not None}
+    tool_markup = property(lambda self: tool_markup(self.processing_class),
+                           doc="The text that opens a tool call in this template's replies (`tool_markup`).")
+    eos_token_ids = property(lambda self: {t for t in (self._tokenizer.eos_token_id, self._tokenizer.pad_token_id)
+                                           if t is not None}, doc="The ids that end a completion (EOS and padding).")
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
         """Prompt token ids for `messages` with `tools`, rendered as `GRPOTrainer` renders its prompts (a processor
@@ -481,9 +476,7 @@ class Backend:
             vars(trainer)[_BACKEND] = cls(trainer)
         return vars(trainer)[_BACKEND]
 
-    @property
-    def trainer(self) -> Any:
-        return self._trainer()
+    trainer = property(lambda self: self._trainer())
 
     @functools.cached_property
     def rendering(self) -> Rendering:
@@ -513,9 +506,7 @@ class Backend:
                 "AutoProcessor.from_pretrained(...))), or pass OpenRewardSpec(..., images=\"placeholder\") to show "
                 "the model the text [image: <media type>] in its place.")
 
-    @property
-    def processes(self) -> int:
-        return getattr(getattr(self.trainer, "accelerator", None), "num_processes", 1)
+    processes = property(lambda self: getattr(getattr(self.trainer, "accelerator", None), "num_processes", 1))
 
     def _most(self, n: int) -> int:
         """The largest `n` over the processes (each of them must call this, together)."""

@@ -142,9 +142,7 @@ class TaskSamplingCallback(TrainerCallback):
         self._trainer: Any = None
         self._seen: dict[str, float] = {}  # the async worker's mirror writes already logged, by curriculum
 
-    @property
-    def trainer(self) -> Any:
-        return self._trainer() if self._trainer is not None else None
+    trainer = property(lambda self: self._trainer() if self._trainer is not None else None)
 
     def bind(self, trainer: Any) -> None:
         """Update the samplers from `trainer`'s steps: alike on every process, from its checkpoint if resumed."""

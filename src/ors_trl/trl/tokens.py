@@ -1,10 +1,8 @@
 """One construction of a rollout's token ids (design decision 14), and the generator of token ids built on it.
 
 `Tokens` is what GRPO trains on for one rollout, built as TRL's tool loop builds it: the prompt rendered once with the
-tools, each reply's ids as generated, each turn's tool results as TRL's tool suffix (masked out of the loss). The
-engine trains on these ids and a local model is evaluated on the very same (never a re-render of the conversation),
-so training and evaluation agree by construction. `TokenGenerator`, a generator (`ors_trl.core.rollout`) behind the
-one `Batcher`, has two kinds: the trainer's backend (`ors_trl.trl.engine`) and `LocalPolicy`.
+tools, each reply's ids as generated, each turn's tool results as TRL's tool suffix (masked out of the loss). The engine
+trains on these ids and `LocalPolicy` is evaluated on the very same, so training and evaluation agree by construction.
 """
 
 from __future__ import annotations
@@ -150,14 +148,11 @@ class TokenGenerator:
                      seconds=round(seconds, 4))
 
     def _render(self, key: list[Any], render: Any) -> list[int]:
-        """Tokens from `render()`, computed once for equal inputs until `forget()` (tokenizing dominates the pump)."""
+        """Tokens from `render()`, computed once for equal inputs (tokenizing dominates the pump)."""
         text = json.dumps(key, sort_keys=True, default=repr)
         if text not in self._renders:
             self._renders[text] = render()
         return list(self._renders[text])
-
-    def _forget(self) -> None:
-        self._renders = {}
 
     def _generate_ids(self, tokens: list[Tokens]) -> list[tuple[list[int], list[float] | None]]:
         """One completion per rollout's ids (with its logprobs, or None)."""
