@@ -25,7 +25,7 @@ from ..core.rollout import Batcher, Conversation
 from ..protocol.errors import ConfigurationError, ContextLengthExceeded, ORSError, PolicyError
 from ..protocol.target import check_header_value
 from ..protocol.transport import RetryPolicy, Timeouts, Transport
-from ..trl.backend import Rendering
+from ..trl.backend import Rendering, image_inputs
 from ..trl.tokens import TokenGenerator, Tokens
 
 __all__ = ["TOOL_MARKUPS", "LocalPolicy", "OpenAIPolicy", "Policy", "PolicyReply", "Responder", "as_generator",
@@ -86,8 +86,7 @@ class Policy(Protocol):
 
 
 def _openai_parts(content: Any) -> Any:
-    """A message's content as OpenAI's chat API takes it: image parts as `image_url` parts (a PIL image as a `data:`
-    URL)."""
+    """A message's content as OpenAI's chat API takes it: image parts as `image_url` parts (`data:` URLs)."""
     if not isinstance(content, list):
         return content
     from ..protocol.images import data_url
@@ -137,15 +136,16 @@ class OpenAIPolicy:
             raise ConfigurationError(f'tool_images must be "tool" or "user", got {tool_images!r}')
         self.tool_images = tool_images
         if not isinstance(base_url, str) or "://" not in base_url:
-            raise ConfigurationError(f"base_url must be an http(s) URL like 'http://127.0.0.1:8001/v1', got {base_url!r}")
+            raise ConfigurationError(f"base_url must be an http(s) URL like 'http://127.0.0.1:8001/v1', got "
+                                     f"{base_url!r}")
         if not model:
             raise ConfigurationError("OpenAIPolicy needs the served model's name (model=...)")
         self.base_url, self.model = base_url.rstrip("/"), model
         self._api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         if self._api_key:
             check_header_value(self._api_key, "the API key")
-        self.temperature, self.max_tokens, self.seed = temperature, max_tokens, seed
-        self.extra_body, self.timeout, self.include_return_schema = dict(extra_body or {}), timeout, include_return_schema
+        self.temperature, self.max_tokens, self.seed, self.timeout = temperature, max_tokens, seed, timeout
+        self.extra_body, self.include_return_schema = dict(extra_body or {}), include_return_schema
         self.retry = RetryPolicy(max_attempts=max(1, int(max_attempts)), backoff_initial=0.5)
         self._transport = Transport.for_url(  # the one HTTP stack: its retries, cap, decoder and masking
             self.base_url, error=PolicyError, secrets=[self._api_key] if self._api_key else [],
@@ -225,7 +225,8 @@ class OpenAIPolicy:
                               + self._transport.decoder.quote(json.dumps(body, default=str).encode(), 300)) from None
         calls = [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
-        return Reply(message.get("content") or "", calls, usage=usage, truncated=choice.get("finish_reason") == "length")
+        return Reply(message.get("content") or "", calls, usage=usage,
+                     truncated=choice.get("finish_reason") == "length")
 
     async def aclose(self) -> None:
         """Close the HTTP connections; the policy stays usable (a later request opens new ones)."""
@@ -281,8 +282,8 @@ class LocalPolicy(TokenGenerator):
             try:  # the template GRPOTrainer trains tools with (TRL's training variant of a template it knows)
                 rendering = Rendering.for_training(tokenizer)
             except Exception as exc:  # a template TRL has no training variant of, or no TRL
-                logger.warning("LocalPolicy renders with the tokenizer's own chat template: the one GRPOTrainer trains "
-                               "tools with could not be determined (%s: %s).", type(exc).__name__, exc)
+                logger.warning("LocalPolicy renders with the tokenizer's own chat template: the one GRPOTrainer "
+                               "trains tools with could not be determined (%s: %s).", type(exc).__name__, exc)
                 rendering = Rendering(tokenizer)
         if rendering.parse_error is not None:
             logger.warning("cannot parse tool calls from this model's replies (%s): no response template for its chat "
@@ -290,7 +291,8 @@ class LocalPolicy(TokenGenerator):
                            rendering.parse_error)
         super().__init__(rendering, Batcher(batch_wait, max_batch=max(1, int(max_batch_size))))
         self.model, self.tokenizer = model, tokenizer
-        self.temperature, self.max_new_tokens, self.top_p, self.seed = float(temperature), int(max_new_tokens), top_p, seed
+        self.temperature, self.max_new_tokens = float(temperature), int(max_new_tokens)
+        self.top_p, self.seed = top_p, seed
         self.name = name or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
         self.rerender = not join_turns
         self._abort, self._lock, self._seeded = threading.Event(), threading.Lock(), False
@@ -338,7 +340,7 @@ class LocalPolicy(TokenGenerator):
 
     description = property(lambda self: str(self.name), doc="The policy's name in records and reports (`name`).")
     tool_markup = property(lambda self: self.rendering.tool_markup,
-                           doc="The text that opens a tool call in the chat template's replies (`Rendering.tool_markup`).")
+                           doc="The text that opens a tool call in the chat template's replies.")
     join_turns = property(lambda self: not self.rerender,
                           doc="Whether a later turn's ids are built as GRPO builds them (see `join_turns=`).")
     batch_sizes = property(lambda self: self.batcher.batch_sizes, doc="Requests per `generate` call so far.")
@@ -417,14 +419,16 @@ class LocalPolicy(TokenGenerator):
             if conversation.state is None or self.rerender:
                 raise PolicyError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
             logger.warning("%s renders every conversation whole from now on (join_turns=False): TRL cannot build a "
-                           "turn after tool calls with this chat template (%s: %s).", self.name, type(exc).__name__, exc)
+                           "turn after tool calls with this chat template (%s: %s).", self.name, type(exc).__name__,
+                           exc)
             self.rerender = True
             super()._extend(conversation)
 
     def _refuse_images(self, what: str) -> None:
         if not self.rendering.takes_images:
             raise PolicyError("the conversation holds an image, and this model's tokenizer takes none: evaluate a "
-                              'vision-language model with its processor, or pass OpenRewardSpec(..., images="placeholder")')
+                              "vision-language model with its processor, or pass OpenRewardSpec(..., "
+                              'images="placeholder")')
 
     def _context_limit(self) -> int | None:
         config = getattr(self.model, "config", None)
@@ -456,7 +460,8 @@ class LocalPolicy(TokenGenerator):
             attention[row, width - len(t.ids):] = 1
         extra: dict[str, Any] = {}
         if any(t.images for t in tokens):
-            fields = self.rendering.image_inputs(input_ids.tolist(), [t.images for t in tokens])
+            fields = image_inputs(self.rendering.processing_class, input_ids.tolist(), [t.images for t in tokens],
+                                  self.rendering.image_token_id)
             extra = {k: torch.as_tensor(v).to(device) for k, v in fields.items()}
         sampling: dict[str, Any] = ({"do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
                                      "top_k": 0} if self.temperature > 0 else {"do_sample": False})
@@ -488,16 +493,15 @@ class LocalPolicy(TokenGenerator):
 
 def resolve_policy(policy: Any, *, temperature: float = 0.0, max_new_tokens: int | None = None, seed: int | None = 0,
                    device: str | None = None) -> tuple[Any, bool]:
-    """What the user passed (a local model directory, a `(model, tokenizer)` pair, or an object with `respond`) as a
-    policy object: `(policy, created_here)`."""
+    """`(policy object, created_here)` for a local model directory, a `(model, tokenizer)` pair or a `Policy`."""
     local_kwargs: dict[str, Any] = {"temperature": temperature, "seed": seed}
     if max_new_tokens is not None:
         local_kwargs["max_new_tokens"] = max_new_tokens
     if isinstance(policy, str | os.PathLike):
         path = os.fspath(policy)
         if not os.path.isdir(path):
-            raise ConfigurationError(f"policy {path!r} is not a local model directory. To evaluate a served model, pass "
-                                     "OpenAIPolicy(base_url, model) (CLI: --base-url URL --model NAME).")
+            raise ConfigurationError(f"policy {path!r} is not a local model directory. To evaluate a served model, "
+                                     "pass OpenAIPolicy(base_url, model) (CLI: --base-url URL --model NAME).")
         return LocalPolicy.from_pretrained(path, device=device, **local_kwargs), True
     if isinstance(policy, tuple) and len(policy) == 2:
         return LocalPolicy(policy[0], policy[1], **local_kwargs), True

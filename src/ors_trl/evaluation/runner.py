@@ -138,8 +138,7 @@ class EvalOptions:
 
     @classmethod
     def of(cls, options: EvalOptions | None = None, **kwargs: Any) -> EvalOptions:
-        """`options` (or the defaults) with `kwargs` set; an unknown name is a `ConfigurationError` naming the
-        known ones."""
+        """`options` (or the defaults) with `kwargs` set; an unknown name is a `ConfigurationError`."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
@@ -418,8 +417,9 @@ class EvalReport:
         """
         stats, tasks, passed, interval = by_task(((task_label(r), r) for r in episodes), success_threshold)
         return cls(
-            num_episodes=stats.episodes, num_scored=stats.scored, mean_reward=stats.mean_reward, coverage=stats.coverage,
-            finished_rate=stats.share(stats.finished), tool_calls_per_episode=stats.share(stats.tool_calls),
+            num_episodes=stats.episodes, num_scored=stats.scored, mean_reward=stats.mean_reward,
+            coverage=stats.coverage, finished_rate=stats.share(stats.finished),
+            tool_calls_per_episode=stats.share(stats.tool_calls),
             tool_failures_per_episode=stats.share(stats.tool_failures), turns_per_episode=stats.share(stats.turns),
             num_errors=sum(1 for e in episodes if failed(e)), end_reasons=dict(stats.end_reasons),
             mean_group_reward=stats.mean_group_reward, success_rate=stats.success_rate,
@@ -494,8 +494,7 @@ class EvalReport:
 
 
 def _health_lines(report: Any) -> list[str]:
-    """Tool-call health, and a warning where it looks like the tool calls fail silently (episodes that never opened
-    are the environment's failure, said as such, not the model's)."""
+    """Tool-call health, and a warning where tool calls seem to fail silently (unopened: the environment's failure)."""
     lines = [f"  no tool call          {report.no_tool_call_rate:.3f} of episodes",
              f"  unparsed tool calls   {report.unparsed_turn_rate:.3f} of turns (tool-call markup that parsed to no "
              "call)",
@@ -563,7 +562,7 @@ class MixEvalReport:
                                   doc="The share of the weight `mean_reward` stands for (1.0: every environment).")
     success_rate = _weighted("success_rate", "The weighted success rate.")
     no_tool_call_rate = _weighted("no_tool_call_rate", "The weighted share of episodes without a tool call.")
-    unparsed_turn_rate = _weighted("unparsed_turn_rate", "The weighted share of replies with unparsed tool-call markup.")
+    unparsed_turn_rate = _weighted("unparsed_turn_rate", "The weighted share of replies with unparsed tool calls.")
     malformed_calls = _total("malformed_calls", "Tool calls refused for malformed arguments")
     num_episodes = _total("num_episodes", "Episodes")
     num_resumed = _total("num_resumed", "Episodes resumed")

@@ -188,8 +188,7 @@ class OpenRewardEnvironment:
         return outcome.content
 
     def _call_tool(self, name: str, arguments: dict[str, Any]) -> str | list[dict[str, Any]]:
-        """The tool `name` (as the model saw it) called by TRL's loop: one `Episode.call`; raises, for TRL's failure
-        count, on failure (TRL shows the model `{'error': ...}`)."""
+        """A tool call of TRL's loop: one `Episode.call`; raises on failure (TRL counts it, shows `{'error': ...}`)."""
         ep = self._current()
         call = ToolCall(name, arguments)
         ep.made_before(_trl.calls_before(self))
@@ -287,7 +286,8 @@ async def _run_chain(ep: Episode, chain: list[_Ahead]) -> None:
 
 #: Names a tool may not take as an attribute of the adapter class (bound under another attribute, shown to the model
 #: under its own name): the adapter's own API and TRL's hooks.
-RESERVED = frozenset({"reset", "get_reward", "last_output", *(n for n in vars(OpenRewardEnvironment) if not n.startswith("_"))})
+RESERVED = frozenset({"reset", "get_reward", "last_output",
+                      *(n for n in vars(OpenRewardEnvironment) if not n.startswith("_"))})
 
 
 def settle_all(environments: list[Any], completions: list[Any] | None, completion_ids: list[Any] | None,

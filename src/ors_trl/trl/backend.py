@@ -75,8 +75,8 @@ def verified() -> bool:
 def require_engine() -> None:
     """Fail early, and say why, when the engine's TRL internals are not verified for the installed TRL."""
     if not verified():
-        raise UsageError(f"spec.rollout_func drives TRL internals verified for TRL {', '.join(VERIFIED)} only, and TRL "
-                         f"{trl_version()} is installed. Use environment_factory=spec.environment_factory (TRL's "
+        raise UsageError(f"spec.rollout_func drives TRL internals verified for TRL {', '.join(VERIFIED)} only, and "
+                         f"TRL {trl_version()} is installed. Use environment_factory=spec.environment_factory (TRL's "
                          f"public API; with callbacks=spec.callbacks), or set {TRUST_ENV}=1 to try the engine anyway.")
 
 
@@ -99,8 +99,7 @@ def _frame_locals(skip: int, hops: int, function: str | None = None) -> dict[str
 
 
 def calling_trainer(skip: int = 1) -> Any:
-    """The trainer whose callback event is running (`skip` frames above our caller), found up the stack: transformers
-    hands callbacks none."""
+    """The trainer whose callback event is running (`skip` frames above our caller), found up the stack."""
     return _frame_locals(skip, 8).get("self")
 
 
@@ -110,10 +109,9 @@ def training_trainer() -> Any:
 
 
 def resetting_batch(adapter: Any, skip: int = 2) -> tuple[Any, list[tuple[Any, Mapping[str, Any]]] | None]:
-    """Look at the trainer calling `adapter.reset()` (`skip`: frames between our caller and TRL's loop): returns
-    `(trainer, batch)`, `batch` being the (environment, row) pairs TRL is about to reset (`trainer.environments`
-    beside `_generate_and_score_completions`'s `inputs`) when `adapter` is the first of them, so that all their
-    sessions can start opening at once, else None. `(None, None)` when no trainer is found or TRL is unverified."""
+    """`(trainer, batch)` of the trainer calling `adapter.reset()` (`skip`: frames between our caller and TRL's loop):
+    `batch` the (environment, row) pairs TRL is about to reset when `adapter` is the first of them (so that all their
+    sessions start opening at once), else None. `(None, None)` when no trainer is found or TRL is unverified."""
     loc = _frame_locals(skip, 6) if verified() else {}
     trainer = loc.get("self")
     envs, inputs = getattr(trainer, "environments", None), loc.get("inputs")
@@ -178,8 +176,7 @@ def tool_turn(adapter: Any, skip: int = 4) -> tuple[object, list[tuple[Any, list
 
 
 def eos_token_ids(trainer: Any, tokenizer: Any = None) -> set[int]:
-    """The token ids that end a completion in TRL's eyes (`trainer.eos_token_ids` and the padding id of `tokenizer`,
-    by default the trainer's); empty if unknown."""
+    """The ids that end a completion for TRL: `trainer.eos_token_ids` and `tokenizer`'s (the trainer's) padding id."""
     tokenizer = tokenizer or (getattr(trainer, "_tokenizer", None) if verified() else None)
     pad = getattr(tokenizer, "pad_token_id", None)
     return set(getattr(trainer, "eos_token_ids", None) or []) | ({pad} if pad is not None else set())
@@ -244,8 +241,7 @@ def error_text(exc: BaseException) -> str:
 
 
 def shown_error(content: str) -> str:
-    """The error in what TRL's tool loop showed the model for a call it failed itself (`error_text`'s `{'error': ...}`
-    unwrapped); `content` itself when it is not in that form."""
+    """What TRL showed the model for a call it failed itself, `{'error': ...}` unwrapped (else `content` itself)."""
     prefix, suffix = "{'error': ", "}"
     if content.startswith(prefix) and content.endswith(suffix):
         inner = content[len(prefix):-len(suffix)]
@@ -372,8 +368,7 @@ class Rendering:
                                            if t is not None}, doc="The ids that end a completion (EOS and padding).")
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
-        """Prompt token ids for `messages` with `tools`, rendered as `GRPOTrainer` renders its prompts (a processor
-        expands each image part into its image tokens)."""
+        """Prompt ids for `messages` with `tools`, as `GRPOTrainer` renders them (images expanded into tokens)."""
         if self._is_vlm:
             from trl.data_utils import prepare_multimodal_messages
 
@@ -398,10 +393,6 @@ class Rendering:
         from trl.chat_template_utils import parse_response
 
         return parse_response(self._tokenizer, ids, prefix=prefix, tools=tools)
-
-    def image_inputs(self, prompt_ids: list[list[int]], images: list[list[Any]]) -> dict[str, Any]:
-        """What the model takes beside `prompt_ids` for their images (`image_inputs`)."""
-        return image_inputs(self.processing_class, prompt_ids, images, self.image_token_id)
 
 
 def image_inputs(processing_class: Any, prompt_ids: list[list[int]], images: list[list[Any]],
@@ -493,8 +484,7 @@ class Backend:
         return getattr(config, "max_position_embeddings", 1 << 30)
 
     def refuse_images(self, what: str) -> None:
-        """Raise a `ConfigurationError` when the trainer's processing class is a tokenizer (`GRPOTrainer._is_vlm`),
-        which cannot take the images `what` holds."""
+        """Raise a `ConfigurationError` when the trainer's processing class is a tokenizer, which takes no images."""
         trainer = self.trainer
         vlm = getattr(trainer, "_is_vlm", None)
         if not (vlm if isinstance(vlm, bool) else

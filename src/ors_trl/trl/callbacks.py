@@ -195,8 +195,7 @@ class TaskSamplingCallback(TrainerCallback):
 
 
 def attach_task_sampling(source: DrawSource) -> None:
-    """A task stream's first read (its `on_bind`): have the trainer reading it, found up the stack, update and
-    checkpoint its samplers."""
+    """A task stream's first read (`on_bind`): the trainer reading it updates and checkpoints its samplers."""
     trainer = _trl.training_trainer()
     if trainer is None:
         logger.warning("task sampling: no trainer was found reading the dataset, so the samplers learn from rewards "

@@ -1,8 +1,9 @@
 """One construction of a rollout's token ids (design decision 14), and the generator of token ids built on it.
 
 `Tokens` is what GRPO trains on for one rollout, built as TRL's tool loop builds it: the prompt rendered once with the
-tools, each reply's ids as generated, each turn's tool results as TRL's tool suffix (masked out of the loss). The engine
-trains on these ids and `LocalPolicy` is evaluated on the very same, so training and evaluation agree by construction.
+tools, each reply's ids as generated, each turn's tool results as TRL's tool suffix (masked out of the loss). The
+engine trains on these ids and `LocalPolicy` is evaluated on the very same: training and evaluation agree by
+construction.
 """
 
 from __future__ import annotations
@@ -90,8 +91,7 @@ class TokenGenerator:
         return await self.batcher.ask(conversation, self._order.get(id(conversation), 0))
 
     def _answer(self, batch: Sequence[Any]) -> None:
-        """Generate for a batch of the batcher's (`Batcher.take`) and answer each request with its `Reply`, or with
-        the exception that ends its episode."""
+        """Generate for a batch (`Batcher.take`); answer each request with its `Reply` or the exception ending it."""
         results: list[Any] = [None] * len(batch)
         live = []
         for i, request in enumerate(batch):
@@ -108,8 +108,7 @@ class TokenGenerator:
         self.batcher.give(batch, results, seconds)
 
     def _extend(self, conversation: Conversation) -> None:
-        """Bring the conversation's ids up to date: its prompt rendered (the first time), else the tool results since
-        the last reply as TRL's tool suffix."""
+        """Bring the ids up to date: the prompt rendered the first time, else the tool results as TRL's tool suffix."""
         tokens: Tokens | None = conversation.state
         messages = conversation.messages
         if tokens is None or self.rerender:
