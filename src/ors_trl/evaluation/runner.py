@@ -177,10 +177,8 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | No
                                  "supports_score_group: true)")
     out_path = opts.path
     started = time.monotonic()
-    bg = get_loop()
-    client = runtime.client
+    bg, client, split = get_loop(), runtime.client, runtime.split
     environment = bg.run(client.environment())
-    split = runtime.split
     selected = list(dict.fromkeys(select(bg.run(client.num_tasks(split)), split, opts.num_tasks, opts.indices,
                                          warn=False)))
     keys: list[EpisodeKey] = [(split, i, r) for i in selected for r in range(opts.repeats)]

@@ -97,13 +97,10 @@ class EvalCallback(TrainerCallback):
         accelerator = trainer.accelerator
         self.engine.info = {"step": step, "policy": "the model in training"}
         self.engine(self.prompts[accelerator.process_index::accelerator.num_processes], trainer)
-        rows = []
-        for ep in self.engine.last_episodes:
-            unparsed, malformed = tool_health(ep.turns)
-            rows.append((ep.task.key, dict(reward=ep.reward, finished=ep.finished, tool_calls=ep.tool_calls,
-                                           tool_failures=ep.tool_failures, turns=len(ep.turns), unscored=ep.unscored,
-                                           unparsed_turns=unparsed, malformed_calls=malformed,
-                                           opened=ep.prompt is not None)))
+        rows = [(ep.task.key, dict(zip(("unparsed_turns", "malformed_calls"), tool_health(ep.turns), strict=True),
+                                   reward=ep.reward, finished=ep.finished, tool_calls=ep.tool_calls,
+                                   tool_failures=ep.tool_failures, turns=len(ep.turns), unscored=ep.unscored,
+                                   opened=ep.prompt is not None)) for ep in self.engine.last_episodes]
         self.runtime.metrics.flush()  # its own window, apart from the training metrics: started again each time
         if accelerator.num_processes > 1:
             from accelerate.utils import gather_object
