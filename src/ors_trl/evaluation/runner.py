@@ -271,9 +271,8 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | No
         if uploads is not None:
             uploads.close()
 
-    by_key = dict(kept)
-    by_key.update({(ep.task.split, int(ep.task.index or 0), int(ep.info.get("repeat", 0))): ep.record()
-                   for ep in done})
+    by_key = {**kept, **{(ep.task.split, int(ep.task.index or 0), int(ep.info.get("repeat", 0))): ep.record()
+                         for ep in done}}
     threshold = DEFAULT_SUCCESS_THRESHOLD if opts.success_threshold is None else opts.success_threshold
     return EvalReport.from_episodes(
         [by_key[k] for k in keys if k in by_key], success_threshold=threshold, target=client.target.name,
