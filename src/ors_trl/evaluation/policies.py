@@ -331,7 +331,7 @@ class LocalPolicy(TokenGenerator):
             model = loaders[1].from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
             raise ConfigurationError(f"cannot load a model and tokenizer from {path!r}: {exc}") from exc
-        model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model.to(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
         model.eval()
         return cls(model, tokenizer, name=kwargs.pop("name", path), **kwargs)
 
