@@ -90,8 +90,6 @@ def check_threshold(threshold: float, rewards: Iterable[float | None]) -> None:
             "within them (the default 1.0 suits environments that reward 0 or 1).")
 
 
-
-
 def by_task(episodes: Iterable[tuple[Any, Any]], success_threshold: float,
             count: Callable[[EpisodeStats, Any], None] = EpisodeStats.add_record
             ) -> tuple[EpisodeStats, dict[Any, EpisodeStats], dict[int, float], tuple[float, float] | None]:
