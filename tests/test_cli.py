@@ -115,7 +115,7 @@ def test_serve_echo_needs_openreward(monkeypatch, capsys) -> None:
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openreward" else real(name, *a))
-    assert main(["serve-echo", "--port", "1"]) == EXIT_ERROR
+    assert main(["serve-echo", "--port", "1"]) == EXIT_USAGE
     assert "pip install 'ors-trl[demo]'" in capsys.readouterr().err
 
 

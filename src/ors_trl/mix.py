@@ -21,7 +21,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from .core.metrics import EnvMetrics
-from .protocol.errors import ConfigurationError
+from .protocol.errors import ConfigurationError, checked_keywords, extra_module
 from .protocol.loop import get_loop
 from .spec import OpenRewardSpec, _add_columns, _check, _writer
 from .tasks.sampling import Curriculum, UniformSampler, uniform_draws
@@ -78,6 +78,7 @@ class OpenRewardMix:
     The specs' `success_threshold`s must agree: the mix's metrics count successes with it.
     """
 
+    @checked_keywords
     def __init__(self, specs: Sequence[OpenRewardSpec] | Mapping[str, OpenRewardSpec], *,
                  weights: Sequence[float] | Mapping[str, float] | None = None, seed: int = 0,
                  episode_log: str | None = None, unscored_reward: float | None = None,
@@ -148,7 +149,7 @@ class OpenRewardMix:
         instead: each row's environment is drawn by the mixture's weights, then its task by that environment's
         sampler (a seeded pass after pass for the uniform specs).
         """
-        from datasets import Dataset
+        Dataset = extra_module("datasets", "mix.train_dataset").Dataset
 
         async def fetch_all() -> list[tuple[list[int], list[Any]]]:
             return list(await asyncio.gather(*(spec.select_tasks() for spec in self.specs.values())))
@@ -224,7 +225,7 @@ class OpenRewardMix:
         """The rollout engine over every environment of the mix (use instead of environment_factory). Each environment
         keeps its own spec's `episode_timeout`; the gather window is one for the whole engine: the mix's
         `gather_window`, else the specs' (which must then agree)."""
-        _trl.require_engine()
+        _trl.require_engine("mix.rollout_func")
         for spec in self.specs.values():
             _ = spec.tool_specs
         window = self.gather_window

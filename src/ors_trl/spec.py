@@ -30,7 +30,14 @@ from .core.episode import EnvironmentRuntime, Task
 from .core.metrics import EnvMetrics
 from .core.records import RecordWriter
 from .protocol.client import AsyncClient
-from .protocol.errors import BadRequestError, ConfigurationError, NotFoundError, ORSError
+from .protocol.errors import (
+    BadRequestError,
+    ConfigurationError,
+    NotFoundError,
+    ORSError,
+    checked_keywords,
+    extra_module,
+)
 from .protocol.loop import get_loop
 from .protocol.target import SecretValue, platform_key_secret, resolve_target
 from .protocol.transport import RetryPolicy, Timeouts
@@ -240,6 +247,7 @@ class OpenRewardSpec:
             filtered by model and training stage. A self-hosted URL has no platform data: pass a file.
     """
 
+    @checked_keywords
     def __init__(self, target: str, *, num_tasks: int | None = None, split: str = "train",
                  indices: list[int] | None = None, api_key: str | None = None,
                  secrets: Mapping[str, SecretValue] | None = None, env_name: str | None = None,
@@ -427,7 +435,7 @@ class OpenRewardSpec:
         message, to which TRL appends the environment's prompt), `task_index`, and with `include_metadata` every
         task field.
         """
-        from datasets import Dataset
+        Dataset = extra_module("datasets", "spec.train_dataset").Dataset
 
         indices, tasks = self.run(self.select_tasks())
         rows = self.dataset_rows(indices)
@@ -627,7 +635,7 @@ class OpenRewardSpec:
         """
         from .trl.callbacks import EvalCallback
 
-        _trl.require_engine()
+        _trl.require_engine("spec.eval_callback")
         _check(1, every=every, repeats=repeats)
         count, chosen = (tasks, None) if tasks is None or isinstance(tasks, int) else (None, list(tasks))
         held = OpenRewardSpec(**{**self._options, "split": split, "num_tasks": count, "indices": chosen,

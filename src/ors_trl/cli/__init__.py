@@ -20,11 +20,13 @@ import os
 import re
 import sys
 import textwrap
+import traceback
 import unicodedata
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..protocol.text import escape_controls, repair
+from ..protocol.errors import require_extra
+from ..protocol.text import escape_controls, one_line, repair
 
 __all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -32,6 +34,8 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+#: Set to 1 for tracebacks on failure, as --debug does.
+DEBUG_ENV = "ORS_TRL_DEBUG"
 
 #: `ors-trl inspect`'s waits where --timeout/--retries are not given: someone at a terminal is waiting, so a server
 #: that accepts and never answers is an error after about half a minute (3 tries of 10 s), not six minutes.
@@ -46,12 +50,14 @@ exit codes:
        --output that cannot be written; for cleanup, an orphaned session that could not be deleted
        (kept for the next run; names in the folder that are not registry files are skipped and
        listed, and do not change the exit code)
-  2    usage error: invalid arguments, malformed target, missing API key, a --model path that is not a
+  2    usage error: invalid arguments, malformed target, missing API key, a missing extra (the error
+       names it: pip install 'ors-trl[trl]', [demo], [report]), a --model path that is not a
        model directory, an existing --output without --resume/--overwrite, a --success-threshold
        outside the rewards seen; a report INPUT or --label file that is missing, unreadable, or not an
        episode log, eval output or trainer state, two INPUTs holding one run's episodes of a task
        (name them with --label), or a report --output that is one of its INPUTs
   130  interrupted (Ctrl-C); eval keeps every finished episode in --output, continue with --resume
+Every failure is one line, "ors-trl COMMAND: error: ..."; --debug (or ORS_TRL_DEBUG=1) adds the traceback.
 
 TARGET is the URL of a self-hosted ORS server (http://127.0.0.1:8000) or an OpenReward catalog name
 (owner/name, needs OPENREWARD_API_KEY). Text from the environment is printed with its control
@@ -375,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also treat registries written on other hosts as dead (a shared disk whose nodes are gone)")
     _add_output(p)
 
+    for p in (parser, *sub.choices.values()):  # one flag before or after the command
+        p.add_argument("--debug", action="store_true", default=False if p is parser else argparse.SUPPRESS,
+                       help=f"on failure, also print the traceback (also: {DEBUG_ENV}=1)")
     sub.add_parser("demo", help="the bundled GRPO demo (options are passed to it; `ors-trl demo --help`)",
                    add_help=False)
     return parser
@@ -437,6 +446,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from ..protocol.errors import ConfigurationError
     from ..spec import OpenRewardSpec
 
+    if not args.base_url:
+        require_extra("trl", "ors-trl eval --model DIR (a local model)")
+    if args.upload:
+        require_extra("demo", "ors-trl eval --upload", modules=("openreward",))
     if args.resume and not args.output:
         raise _UsageError("--resume needs --output (the episodes file to continue)")
     if args.resume and args.overwrite:
@@ -494,6 +507,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    require_extra("report", "ors-trl report")
     from ..report import write_report
 
     try:
@@ -540,9 +554,7 @@ def _cmd_cleanup(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve_echo(args: argparse.Namespace) -> int:
-    if importlib.util.find_spec("openreward") is None:
-        _say("ors-trl: error: serve-echo needs the openreward package: pip install 'ors-trl[demo]'")
-        return EXIT_ERROR
+    require_extra("demo", "ors-trl serve-echo", modules=("openreward",))
     from ..testing import server
 
     try:
@@ -579,19 +591,78 @@ def _cmd_serve_echo(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(argv: list[str]) -> int:
+    if not {"-h", "--help"} & set(argv):
+        require_extra("demo", "ors-trl demo")
     try:
         run = importlib.import_module("ors_trl.demo").main
-    except (ImportError, AttributeError) as exc:  # the demo's extras are missing, or this version has no demo
-        _say(f"ors-trl: error: the demo is not available: {exc}")
+    except AttributeError as exc:  # this version has no demo
+        _say(f"ors-trl demo: error: the demo is not available: {exc}")
         return EXIT_ERROR
     return int(run(argv) or 0)
+
+#: Python keywords that a message may name and the CLI has no flag for under the same name (`api_key=` is the
+#: platform's key; `--api-key` is the endpoint's).
+_NOT_FLAGS = frozenset({"api_key"})
+_KEYWORD = re.compile(r"\b([a-z][a-z0-9_]*)=(True\b|N\b|\[\.\.\.\]|(?![\w'\"{\[(]))")
+
+
+def _as_flags(text: str, parser: argparse.ArgumentParser | None) -> str:
+    """A library message as the command line says it: each Python keyword it names (`resume=True`, `env_name=`,
+    `num_tasks=N`) as the command's flag (`--resume`, `--env-name`, `--num-tasks N`) where it has that flag."""
+    flags = {o for a in parser._actions for o in a.option_strings} if parser else set()
+
+    def flag(match: re.Match[str]) -> str:
+        name, value = match.groups()
+        option = "--" + name.replace("_", "-")
+        if name in _NOT_FLAGS or option not in flags:
+            return match.group(0)
+        return option + {"N": " N", "[...]": " LIST"}.get(value, "")
+
+    return _KEYWORD.sub(flag, text)
+
+
+def _guarded(command: str, run: Callable[[], int], *, debug: bool, parser: argparse.ArgumentParser | None = None,
+             interrupted: str = "") -> int:
+    """`run()`'s exit code, and every failure as one line `ors-trl COMMAND: error: ...` with its exit code: a usage
+    error, a bad configuration or a missing extra 2, an environment or runtime failure 1, Ctrl-C 130 (`interrupted`
+    says what is kept). The traceback only with --debug or ORS_TRL_DEBUG=1."""
+    from ..protocol.errors import ConfigurationError, ORSError, missing_extra
+
+    try:
+        return run()
+    except SystemExit as exc:  # a parser's --help (0) or error (2, said already), or a message to print
+        if isinstance(exc.code, int) or exc.code is None:
+            return exc.code or EXIT_OK
+        error, code = str(exc.code).removeprefix(f"ors-trl {command}: "), EXIT_USAGE
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        _say(f"ors-trl {command}: interrupted{interrupted}")
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if debug:
+            traceback.print_exc()
+        extra = missing_extra(exc, f"ors-trl {command}")
+        if extra is not None or isinstance(exc, _UsageError | ConfigurationError):
+            error, code = str(extra or exc), EXIT_USAGE
+        elif isinstance(exc, ORSError):
+            error, code = str(exc), EXIT_ERROR
+        else:  # not ors-trl's own error: its type says what it is
+            error, code = f"{type(exc).__name__}: {exc}", EXIT_ERROR
+            if not debug:
+                error += f" (--debug or {DEBUG_ENV}=1 shows the traceback)"
+    error = error.removeprefix(f"ors-trl {command} ")  # a message naming the command it is written under
+    _say(f"ors-trl {command}: error: {one_line(_as_flags(error, parser))}")
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `ors-trl` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "demo":  # everything after `demo` belongs to the demo's own parser
-        return _cmd_demo(argv[1:])
+    debug = os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    if argv and argv[0] == "demo":  # everything after `demo` belongs to the demo's own parser, but --debug
+        rest = [a for a in argv[1:] if a != "--debug"]
+        return _guarded("demo", lambda: _cmd_demo(rest), debug=debug or len(rest) < len(argv) - 1)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -606,21 +677,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING)
     root.propagate = False
-    from ..protocol.errors import ConfigurationError, ORSError
-
     handlers = {"inspect": _cmd_inspect, "eval": _cmd_eval, "serve-echo": _cmd_serve_echo, "report": _cmd_report,
                 "cleanup": _cmd_cleanup}
-    try:
-        return handlers[args.command](args)
-    except KeyboardInterrupt:
-        hint = ""
-        if args.command == "eval" and args.output:
-            hint = f"; finished episodes are in {args.output}, continue with --resume"
-        _say(f"ors-trl: interrupted{hint}")
-        return EXIT_INTERRUPTED
-    except (_UsageError, ORSError) as exc:
-        _say(f"ors-trl {args.command}: error: {exc}")
-        return EXIT_USAGE if isinstance(exc, _UsageError | ConfigurationError) else EXIT_ERROR
+    kept = (f"; finished episodes are in {args.output}, continue with --resume"
+            if args.command == "eval" and args.output else "")
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    return _guarded(args.command, lambda: handlers[args.command](args), debug=debug or args.debug,
+                    parser=commands[args.command], interrupted=kept)
 
 
 if __name__ == "__main__":

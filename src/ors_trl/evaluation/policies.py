@@ -22,7 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..core.episode import Reply
 from ..core.rollout import Batcher, Conversation
-from ..protocol.errors import ConfigurationError, ContextLengthExceeded, ORSError, PolicyError
+from ..protocol.errors import ConfigurationError, ContextLengthExceeded, ORSError, PolicyError, checked_keywords
 from ..protocol.target import check_header_value
 from ..protocol.transport import RetryPolicy, Timeouts, Transport
 from ..trl.backend import Rendering, image_inputs
@@ -127,6 +127,7 @@ class OpenAIPolicy:
             as content (counted `unparsed`); default: `TOOL_MARKUPS` and a JSON call on its own line; `()`: none.
     """
 
+    @checked_keywords
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None, temperature: float | None = None,
                  max_tokens: int | None = None, seed: int | None = None, extra_body: dict[str, Any] | None = None,
                  timeout: float = 300.0, max_attempts: int = 4, include_return_schema: bool = False,
@@ -271,6 +272,7 @@ class LocalPolicy(TokenGenerator):
         ConfigurationError: the tokenizer has no chat template.
     """
 
+    @checked_keywords
     def __init__(self, model: Any, tokenizer: Any, *, temperature: float = 0.0, max_new_tokens: int = 256,
                  top_p: float = 1.0, seed: int | None = 0, max_batch_size: int = 64, batch_wait: float | None = None,
                  name: str | None = None, chat_template: str | None = None, join_turns: bool = True) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import difflib
 import logging
 import os
 import sys
@@ -29,7 +28,7 @@ from ..core.metrics import DEFAULT_SUCCESS_THRESHOLD, NO_CALL_WARNING
 from ..core.records import RecordWriter, read_records
 from ..core.rollout import play
 from ..core.stats import by_task, pass_at_k, task_label
-from ..protocol.errors import ConfigurationError, ORSError, PolicyError
+from ..protocol.errors import ConfigurationError, ORSError, PolicyError, unknown_keywords
 from ..protocol.loop import get_loop
 from ..protocol.text import escape_controls, one_line
 from ..tasks.selection import check_selection, select
@@ -138,13 +137,10 @@ class EvalOptions:
 
     @classmethod
     def of(cls, options: EvalOptions | None = None, **kwargs: Any) -> EvalOptions:
-        """`options` (or the defaults) with `kwargs` set; an unknown name is a `ConfigurationError`."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            close = {u: difflib.get_close_matches(u, names, 1) for u in unknown}
-            hints = ", ".join(f"{u!r}" + (f" (did you mean {c[0]!r}?)" if c else "") for u, c in close.items())
-            raise ConfigurationError(f"unknown evaluation option {hints}; the options are: {', '.join(sorted(names))}")
+        """`options` (or the defaults) with `kwargs` set; an unknown name is an `UnknownKeywordError` (a
+        `ConfigurationError`)."""
+        if error := unknown_keywords("evaluation options", kwargs, [f.name for f in dataclasses.fields(cls)]):
+            raise error
         return dataclasses.replace(options or cls(), **kwargs)
 
     def check(self) -> None:

@@ -5,13 +5,47 @@ LookupError, `ORSTimeoutError` a TimeoutError). Messages never hold API keys or 
 
 from __future__ import annotations
 
-from typing import ClassVar
+import difflib
+import functools
+import importlib
+import importlib.util
+import inspect
+from collections.abc import Callable, Collection, Iterable
+from typing import Any, ClassVar, TypeVar
 
-__all__ = ["APIStatusError", "AuthenticationError", "BadRequestError", "ConfigurationError", "ContextLengthExceeded",
-           "EnvironmentNotFoundError", "ImageError", "MissingAPIKeyError", "NotFoundError", "ORSError",
-           "ORSTimeoutError", "PaymentRequiredError", "PolicyError", "ProtocolError", "RateLimitError",
-           "ServerError", "ServiceUnavailableError", "SessionExpiredError", "StreamInterruptedError", "ToolError",
-           "ToolFailedError", "ToolRefusedError", "TransportError", "UsageError", "status_error"]
+__all__ = [
+    "APIStatusError",
+    "AuthenticationError",
+    "BadRequestError",
+    "ConfigurationError",
+    "ContextLengthExceeded",
+    "EnvironmentNotFoundError",
+    "ImageError",
+    "MissingAPIKeyError",
+    "MissingExtraError",
+    "NotFoundError",
+    "ORSError",
+    "ORSTimeoutError",
+    "PaymentRequiredError",
+    "PolicyError",
+    "ProtocolError",
+    "RateLimitError",
+    "ServerError",
+    "ServiceUnavailableError",
+    "SessionExpiredError",
+    "StreamInterruptedError",
+    "ToolError",
+    "ToolFailedError",
+    "ToolRefusedError",
+    "TransportError",
+    "UnknownKeywordError",
+    "UsageError",
+    "checked_keywords",
+    "extra_module",
+    "missing_extra",
+    "require_extra",
+    "status_error",
+]
 
 
 class ORSError(Exception):
@@ -29,6 +63,88 @@ class ConfigurationError(ORSError, ValueError):
 
 class MissingAPIKeyError(ConfigurationError):
     """A catalog environment was requested without an API key."""
+
+
+class UnknownKeywordError(ConfigurationError, TypeError):
+    """A keyword argument that does not exist (a typo); the message names the closest one. A `TypeError` too, as
+    Python's own would be."""
+
+
+def unknown_keywords(what: str, given: Iterable[str], names: Collection[str]) -> UnknownKeywordError | None:
+    """The error for the names in `given` that are not in `names` (None if all are), each with its closest name."""
+    unknown = sorted(set(given) - set(names))
+    if not unknown:
+        return None
+    close = {u: difflib.get_close_matches(u, names, 1) for u in unknown}
+    hints = ", ".join(f"{u!r}" + (f" (did you mean {c[0]!r}?)" if c else "") for u, c in close.items())
+    listed = "" if all(close.values()) else f"; the keywords are: {', '.join(sorted(names))}"
+    return UnknownKeywordError(f"{what}: unknown keyword {hints}{listed}")
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def checked_keywords(func: _F) -> _F:
+    """`func`, raising `UnknownKeywordError` that names the closest keyword for a mistyped one (Python's own
+    TypeError names none)."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    names = [n for n, p in inspect.signature(func).parameters.items() if p.kind in kinds and n != "self"]
+    what = func.__qualname__.removesuffix(".__init__") + "()"
+
+    @functools.wraps(func)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if error := unknown_keywords(what, kwargs, names):
+            raise error
+        return func(*args, **kwargs)
+
+    return checked  # type: ignore[return-value]
+
+
+class MissingExtraError(ConfigurationError, ImportError):
+    """An optional dependency is not installed; the message names the extra that installs it (`extra`)."""
+
+    def __init__(self, message: str, *, extra: str, name: str | None = None) -> None:
+        super().__init__(message)
+        self.extra, self.name = extra, name
+
+
+#: What each extra of pyproject.toml installs that ors-trl imports (torch comes with TRL).
+EXTRAS = {"trl": ("torch", "transformers", "trl", "datasets", "accelerate"),
+          "demo": ("torch", "transformers", "trl", "datasets", "accelerate", "openreward", "tokenizers"),
+          "report": ("matplotlib",), "vision": ("PIL",)}
+
+
+def _extra_of(module: str) -> str | None:
+    top = module.partition(".")[0]
+    return next((extra for extra, names in EXTRAS.items() if top in names), None)
+
+
+def require_extra(extra: str, what: str, modules: Iterable[str] | None = None) -> None:
+    """Raise `MissingExtraError` naming `extra` before any work when one of its modules (or of those of them that
+    `what` needs) is not installed; `what` is what needs it (`"ors-trl demo"`, `"spec.rollout_func"`)."""
+    missing = [m for m in (EXTRAS[extra] if modules is None else modules) if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingExtraError(f"{what} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
+                                f"installed: pip install 'ors-trl[{extra}]'", extra=extra, name=missing[0])
+
+
+def extra_module(name: str, what: str) -> Any:
+    """`import name` for `what`, or `MissingExtraError` naming the extra that installs it."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        raise missing_extra(exc, what) or exc from None
+
+
+def missing_extra(exc: BaseException, what: str) -> MissingExtraError | None:
+    """`exc` as `MissingExtraError` when it is a missing optional dependency's `ModuleNotFoundError` (else None)."""
+    if isinstance(exc, MissingExtraError):
+        return exc
+    extra = _extra_of(exc.name or "") if isinstance(exc, ModuleNotFoundError) else None
+    if extra is None:
+        return None
+    return MissingExtraError(f"{what} needs {exc.name}, which is not installed: pip install 'ors-trl[{extra}]'",
+                             extra=extra, name=exc.name)
 
 
 class UsageError(ORSError, RuntimeError):

@@ -31,7 +31,7 @@ from types import FrameType, ModuleType
 from typing import Any
 
 from ..core.episode import Reply, Rules
-from ..protocol.errors import ConfigurationError, UsageError
+from ..protocol.errors import ConfigurationError, UsageError, require_extra
 from ..tasks.selection import TRL_KEYWORDS
 
 __all__ = ["TRL_KEYWORDS", "VERIFIED", "AsyncGRPO", "Backend", "FinishedRollout", "Rendering", "async_grpo",
@@ -59,8 +59,11 @@ def trl_version() -> str | None:
 
 @functools.cache
 def verified() -> bool:
-    """True when the installed TRL is one the fast paths were verified against (or the user opted in)."""
-    version = trl_version() or "?"
+    """True when the installed TRL is one the fast paths were verified against (or the user opted in); False without
+    TRL (no trainer to read: nothing to warn about)."""
+    version = trl_version()
+    if version is None:
+        return False
     if any(version == v or version.startswith(v + ".") for v in VERIFIED):
         return True
     if os.environ.get(TRUST_ENV) == "1":
@@ -72,8 +75,10 @@ def verified() -> bool:
     return False
 
 
-def require_engine() -> None:
-    """Fail early, and say why, when the engine's TRL internals are not verified for the installed TRL."""
+def require_engine(what: str = "spec.rollout_func") -> None:
+    """Fail early, and say why, when TRL is not installed (`MissingExtraError`) or the engine's TRL internals are not
+    verified for the installed TRL."""
+    require_extra("trl", what)
     if not verified():
         raise UsageError(f"spec.rollout_func drives TRL internals verified for TRL {', '.join(VERIFIED)} only, and "
                          f"TRL {trl_version()} is installed. Use environment_factory=spec.environment_factory (TRL's "
