@@ -501,7 +501,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     ran = report.num_episodes - report.num_resumed
     if ran and report.num_errors >= ran:  # resumed episodes are never errors: they would have been rerun
         first = next((e.get("error") for e in report.episodes if e.get("error")), None)
-        _say(f"ors-trl: error: every episode ended in an error; first: {first}")
+        _say(f"ors-trl eval: error: every episode ended in an error; first: {first}")
         return EXIT_ERROR
     return EXIT_OK
 
