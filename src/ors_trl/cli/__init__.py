@@ -564,6 +564,8 @@ def _cmd_serve_echo(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise _UsageError(f"--port must be 1..65535, got {args.port}")
     os.environ.setdefault("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
+    # before openreward is imported (below): its loggers read their level once, at import
+    os.environ.setdefault("OPENREWARD_LOG_LEVEL", args.log_level.upper())
     from ..demo._environments import ENVIRONMENTS
 
     every = args.envs.strip() == "all"
