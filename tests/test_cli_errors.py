@@ -116,6 +116,19 @@ def test_errors_name_flags_on_the_command_line(ref_server, tmp_path, capsys) -> 
         OpenRewardSpec(ref_server.url, env_name=ECHO).evaluate(object(), output=str(out))
 
 
+def test_no_progress_hides_the_task_fetch_bar_of_scattered_indices(ref_server, capsys) -> None:
+    from tests.test_eval import FakeOpenAI
+
+    endpoint = FakeOpenAI().start()
+    try:
+        for flags, shown in (([], True), (["--no-progress"], False)):
+            assert main(["eval", ref_server.url, "--env-name", "slowenvironment", "--indices", "0,20,40,60,80,100",
+                         "--base-url", endpoint.url, "--model", "m", *flags]) == EXIT_OK
+            assert ("tasks from slowenvironment" in capsys.readouterr().err) is shown
+    finally:
+        endpoint.stop()
+
+
 def test_a_mistyped_keyword_names_the_closest_one() -> None:
     from ors_trl import ConfigurationError, OpenAIPolicy, OpenRewardMix, OpenRewardSpec
 

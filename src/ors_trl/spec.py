@@ -267,6 +267,7 @@ class OpenRewardSpec:
                  ) -> None:
         self._options = options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self._indices = check_selection(num_tasks, indices)
+        self._progress = True  # the tool discovery's progress bar; an evaluation sets its own `progress`
         if not isinstance(split, str) or not split:
             raise ConfigurationError("split must be a non-empty string")
         _check(1, optional=True, max_output_chars=max_output_chars)
@@ -510,7 +511,7 @@ class OpenRewardSpec:
         if len(indices) < 2:
             return indices
         try:
-            specs = await fetch_tasks(self._client, self.split, indices, name=self.name)
+            specs = await fetch_tasks(self._client, self.split, indices, name=self.name, progress=self._progress)
         except ORSError as exc:
             logger.warning("%s: could not fetch the tasks to probe (%s); probing every index.", self.name, exc)
             return indices
@@ -676,5 +677,6 @@ class OpenRewardSpec:
         for key in ("episode_timeout", "success_threshold"):
             if getattr(opts, key) is None:
                 setattr(opts, key, self._options[key])
+        self._progress = opts.progress
         _ = self._tools  # bind as training does
         return evaluate(self._runtime, policy, opts, others=_others)

@@ -89,8 +89,10 @@ def select(total: int, split: str, num_tasks: int | None, indices: Sequence[int]
     return list(range(total if num_tasks is None else min(num_tasks, total)))
 
 
-async def fetch_tasks(client: AsyncClient, split: str, wanted: Sequence[int], *, name: str = "") -> dict[int, Any]:
-    """The task specs of `wanted` indices, in pages of contiguous runs."""
+async def fetch_tasks(client: AsyncClient, split: str, wanted: Sequence[int], *, name: str = "",
+                      progress: bool = True) -> dict[int, Any]:
+    """The task specs of `wanted` indices, in pages of contiguous runs; a progress bar where there are many and
+    `progress`."""
     from tqdm.auto import tqdm
 
     wanted_set = set(wanted)
@@ -102,7 +104,7 @@ async def fetch_tasks(client: AsyncClient, split: str, wanted: Sequence[int], *,
             runs.append((i, i + 1))
     gate = asyncio.Semaphore(_FETCH_CONCURRENCY)
     bar = tqdm(total=len(wanted_set), desc=f"tasks from {name}", unit="task", leave=False,
-               disable=len(runs) <= 4 and len(wanted_set) <= 2 * _PAGE)
+               disable=not progress or (len(runs) <= 4 and len(wanted_set) <= 2 * _PAGE))
     out: dict[int, Any] = {}
 
     async def fetch(start: int, stop: int) -> None:
