@@ -142,6 +142,30 @@ def test_a_mistyped_keyword_names_the_closest_one() -> None:
         OpenAIPolicy("http://127.0.0.1:1/v1", "m", zzz=1)
 
 
+def test_trls_unscored_rollout_warning_is_one_line_pointing_at_unscored_reward(tiny_model_dir, ref_server, tmp_path,
+                                                                                caplog) -> None:
+    """An untrained model calls no tool: the echo environment scores nothing, and TRL warns with the whole prompt and
+    completion for each such rollout at every step. With ors-trl's reward functions it is one line of ours, once."""
+    import logging
+
+    from ors_trl import OpenRewardSpec
+    from ors_trl.trl import rewards
+    from tests.fixtures.generation import cpu_grpo_trainer
+
+    caplog.set_level(logging.WARNING)
+    rewards._UnscoredNotice.said = False
+    spec = OpenRewardSpec(ref_server.url, env_name=ECHO, num_tasks=2)
+    try:
+        trainer = cpu_grpo_trainer(tiny_model_dir, str(tmp_path), batch=2, generations=2, turns=1,
+                                   completion_length=8, spec=spec, config={"max_steps": 2})
+        trainer.train()
+    finally:
+        spec.close()
+    assert not [r for r in caplog.records if "All reward functions returned None" in r.getMessage()]
+    ours = [r.getMessage() for r in caplog.records if "unscored_reward=0.0" in r.getMessage()]
+    assert len(ours) == 1 and "\n" not in ours[0]
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_grpo_is_one_line_and_leaves_no_orphan(tmp_path) -> None:
     """A real SIGINT at the demo's first GRPO step: exit 130, one line, no traceback; the demo's own loopback server

@@ -10,6 +10,7 @@ worker has none).
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,8 @@ from . import backend as _trl
 from .adapter import READS_EPISODES, OpenRewardEnvironment, settle_all, take_ended
 
 __all__ = ["group_reward", "outcome_reward", "reward_function"]
+
+logger = logging.getLogger("ors_trl")
 
 
 def _episodes(environments: Sequence[Any] | None, kwargs: dict[str, Any], column: str) -> list[Episode | None] | None:
@@ -112,7 +115,35 @@ def reward_function(func: Callable[..., list[float | None]], unscored_reward: fl
                     ) -> Callable[..., list[float | None]]:
     """`func` itself, or bound to an `unscored_reward` (a picklable partial that keeps `func`'s name for TRL)."""
     if unscored_reward is None:
+        for name in _TRL_LOGGERS:  # TRL may now warn of rollouts nothing scored: we say it once, and what to do
+            if _UNSCORED not in logging.getLogger(name).filters:
+                logging.getLogger(name).addFilter(_UNSCORED)
         return func
     bound = functools.partial(func, unscored_reward=unscored_reward)
     functools.update_wrapper(bound, func)
     return bound
+
+
+#: The trainers' loggers that warn of a rollout no reward function scored, quoting its whole prompt and completion,
+#: at every step: `All reward functions returned None for the following kwargs: ...`.
+_TRL_LOGGERS = ("trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer")
+
+
+class _UnscoredNotice(logging.Filter):
+    """TRL's warning of an unscored rollout, as one line of ours, once per process, pointing at `unscored_reward=`."""
+
+    said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "All reward functions returned None" not in str(record.msg)[:80]:  # after accelerate's "[RANK 0] "
+            return True
+        if not self.said:
+            type(self).said = True
+            logger.warning("ors-trl: a rollout got no reward from the environment (no tool call, or cut off before the "
+                           "final answer), so TRL trains nothing on it (advantage 0); pass unscored_reward=0.0 to "
+                           "OpenRewardSpec / OpenRewardMix to score such rollouts 0.0 instead (said once; TRL's warning "
+                           "for each is silenced)")
+        return False
+
+
+_UNSCORED = _UnscoredNotice()
