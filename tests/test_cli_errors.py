@@ -110,6 +110,14 @@ def test_errors_name_flags_on_the_command_line(ref_server, tmp_path, capsys) -> 
     assert main(["eval", ref_server.url, "--env-name", "nope", *args[4:-3], "--no-progress"]) == EXIT_ERROR
     line = _one_line(capsys.readouterr().err, "eval")
     assert "as --env-name" in line and "env_name=" not in line
+    assert main(["inspect", ref_server.url, "--no-probe", "--tasks", "0"]) == EXIT_OK  # the server hosts several
+    err = capsys.readouterr().err
+    assert "Pass --env-name to choose" in err and "env_name=" not in err
+    from ors_trl.cli import _as_flags
+
+    eval_parser = build_parser()._subparsers._group_actions[0].choices["eval"]
+    assert _as_flags("pass num_tasks=N or indices=[...]; api_key= and difficulty_from= stay, as does x=3",
+                     eval_parser) == "pass --num-tasks N or --indices LIST; api_key= and difficulty_from= stay, as does x=3"
     from ors_trl import ConfigurationError, OpenRewardSpec
 
     with pytest.raises(ConfigurationError, match=r"pass resume=True"):

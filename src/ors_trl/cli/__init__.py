@@ -390,10 +390,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _EscapingFormatter(logging.Formatter):
-    """Log lines with control characters escaped: they quote the environment's names and messages."""
+    """Log lines with control characters escaped (they quote the environment's names and messages), and the Python
+    keywords they name as `parser`'s flags."""
+
+    def __init__(self, fmt: str, parser: argparse.ArgumentParser | None = None) -> None:
+        super().__init__(fmt)
+        self.parser = parser
 
     def format(self, record: logging.LogRecord) -> str:
-        return escape_controls(repair(super().format(record)))
+        return escape_controls(repair(_as_flags(super().format(record), self.parser)))
 
 
 def _say(text: str, file: Any = None) -> None:
@@ -673,8 +678,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_EscapingFormatter("ors-trl: %(levelname)s: %(message)s"))
+    handler.setFormatter(_EscapingFormatter("ors-trl: %(levelname)s: %(message)s", commands[args.command]))
     root = logging.getLogger("ors_trl")
     root.handlers[:] = [handler]
     root.setLevel(logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING)
@@ -683,7 +689,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "cleanup": _cmd_cleanup}
     kept = (f"; finished episodes are in {args.output}, continue with --resume"
             if args.command == "eval" and args.output else "")
-    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     return _guarded(args.command, lambda: handlers[args.command](args), debug=debug or args.debug,
                     parser=commands[args.command], interrupted=kept)
 
