@@ -101,7 +101,16 @@ def checked_keywords(func: _F) -> _F:
 
 
 class MissingExtraError(ConfigurationError, ImportError):
-    """An optional dependency is not installed; the message names the extra that installs it (`extra`)."""
+    """An optional dependency is not installed; the message names the extra that installs it.
+
+    Args:
+        message (`str`):
+            What needs what, and the `pip install 'ors-trl[...]'` line.
+        extra (`str`):
+            The extra of pyproject.toml that installs it (`trl`, `demo`, `report`, `vision`; the attribute `extra`).
+        name (`str`, *optional*):
+            The missing module (the attribute `name`, as `ImportError`'s).
+    """
 
     def __init__(self, message: str, *, extra: str, name: str | None = None) -> None:
         super().__init__(message)
