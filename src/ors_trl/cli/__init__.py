@@ -580,7 +580,7 @@ def _cmd_serve_echo(args: argparse.Namespace) -> int:
         raise _UsageError(f"unknown environment(s) {unknown}; known: {', '.join(ENVIRONMENTS)}, all")
     missing = {n: why for n in names if (why := ENVIRONMENTS[n].unavailable())}  # type: ignore[attr-defined]
     for name, why in missing.items():  # named: an error; in 'all': left out, said
-        _say(f"ors-trl: {'note: leaving out' if every else 'error: cannot serve'} {name}: {why}")
+        _say(f"ors-trl serve-echo: {'note: leaving out' if every else 'error: cannot serve'} {name}: {why}")
     if missing and not every:
         return EXIT_ERROR
     names = [n for n in names if n not in missing]
@@ -606,6 +606,7 @@ def _cmd_demo(argv: list[str]) -> int:
         _say(f"ors-trl demo: error: the demo is not available: {exc}")
         return EXIT_ERROR
     return int(run(argv) or 0)
+
 
 #: Python keywords that a message may name and the CLI has no flag for under the same name (`api_key=` is the
 #: platform's key; `--api-key` is the endpoint's).
