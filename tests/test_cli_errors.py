@@ -98,6 +98,25 @@ def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(monkeypat
         assert err.strip().splitlines()[-1] == "ors-trl inspect: error: RuntimeError: boom on two lines"
 
 
+def test_the_demo_takes_debug_too(monkeypatch, capsys) -> None:
+    import ors_trl.demo
+
+    seen = []
+
+    def broken(argv):
+        seen.append(argv)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(ors_trl.demo, "main", broken)
+    monkeypatch.delenv("ORS_TRL_DEBUG", raising=False)
+    assert main(["demo", "--steps", "1"]) == EXIT_ERROR
+    assert "Traceback" not in capsys.readouterr().err
+    assert main(["demo", "--debug", "--steps", "1"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and err.strip().endswith("RuntimeError: boom")
+    assert seen == [["--steps", "1"], ["--steps", "1"]]  # --debug is the command line's, not the demo's
+
+
 def test_errors_name_flags_on_the_command_line(ref_server, tmp_path, capsys) -> None:
     """The evaluation's own message says `resume=True` in Python; the command line says `--resume`."""
     out = tmp_path / "episodes.jsonl"

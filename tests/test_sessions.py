@@ -892,7 +892,7 @@ def test_cli_env_overrides_reach_the_server_masked_and_a_refused_toolset_falls_b
         captured = capsys.readouterr()
         shown += [captured.out, captured.err]
         assert "mean reward           1.0000" in captured.out
-        assert captured.err.count("opening sessions without it (toolset_fallback=True)") == 1
+        assert captured.err.count("opening sessions without it (--toolset-fallback)") == 1  # the flag, on the CLI
         assert main(["inspect", proxy.url, "--env-name", ECHO, "--tasks", "0", "--toolset", "codex",
                      "--toolset-fallback", *given]) == 0
         captured = capsys.readouterr()
