@@ -170,7 +170,7 @@ def test_a_mistyped_keyword_names_the_closest_one() -> None:
 
 
 def test_trls_unscored_rollout_warning_is_one_line_pointing_at_unscored_reward(tiny_model_dir, ref_server, tmp_path,
-                                                                                caplog) -> None:
+                                                                                caplog, monkeypatch) -> None:
     """An untrained model calls no tool: the echo environment scores nothing, and TRL warns with the whole prompt and
     completion for each such rollout at every step. With ors-trl's reward functions it is one line of ours, once."""
     import logging
@@ -180,6 +180,7 @@ def test_trls_unscored_rollout_warning_is_one_line_pointing_at_unscored_reward(t
     from tests.fixtures.generation import cpu_grpo_trainer
 
     caplog.set_level(logging.WARNING)
+    monkeypatch.setattr(logging.getLogger("ors_trl"), "propagate", True)  # `main()` of an earlier test turned it off
     rewards._UnscoredNotice.said = False
     spec = OpenRewardSpec(ref_server.url, env_name=ECHO, num_tasks=2)
     try:
