@@ -80,16 +80,14 @@ class Policy(Protocol):
     results) or answers in plain text (`content`; the episode ends, graded by the environment's terminal tool if it has
     one). For example, a policy that echoes the word its prompt quotes:
 
-    ```python
-    class Echo:
-        async def respond(self, messages, tools):
-            if any(m["role"] == "tool" for m in messages):
-                return PolicyReply("Done.")
-            word = messages[-1]["content"].split('"')[1]
-            return PolicyReply("", [{"name": "echo", "arguments": {"text": word}}])
+        class Echo:
+            async def respond(self, messages, tools):
+                if any(m["role"] == "tool" for m in messages):
+                    return PolicyReply("Done.")
+                word = messages[-1]["content"].split('"')[1]
+                return PolicyReply("", [{"name": "echo", "arguments": {"text": word}}])
 
-    report = OpenRewardSpec(url, split="test").evaluate(Echo())
-    ```
+        report = OpenRewardSpec(url, split="test").evaluate(Echo())
     """
 
     async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Reply:
@@ -547,7 +545,14 @@ class RandomPolicy:
                            doc='The policy\'s name in records and reports: `"random (seed N)"`.')
 
     async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Reply:
-        """A random tool call, or the plain-text answer (see the class)."""
+        """A random tool call, or the plain-text answer (see the class).
+
+        Args:
+            messages (`list[dict[str, Any]]`):
+                The conversation so far (see `Policy.respond`).
+            tools (`list[dict[str, Any]]`):
+                The tools' JSON schemas, as the model is shown them.
+        """
         key = _conversation_key(messages)
         self._seen[key] += 1
         rng = random.Random(f"{self.seed}:{self._seen[key]}:{key}")
