@@ -103,3 +103,8 @@ def test_demo_steps_0_saves_the_untrained_tiny_model(tmp_path) -> None:
     refused = subprocess.run([sys.executable, "-m", "ors_trl", "demo", "--steps", "0"], capture_output=True, text=True,
                              timeout=300)
     assert refused.returncode == 2 and "--steps must be at least 1 (0 only with --save-model" in refused.stderr
+    (tmp_path / "file").write_text("mine")
+    refused = subprocess.run([sys.executable, "-m", "ors_trl", "demo", "--save-model", str(tmp_path / "file")],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "is a file; give a folder" in refused.stderr  # before any work
+    assert (tmp_path / "file").read_text() == "mine"

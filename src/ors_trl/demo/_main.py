@@ -467,6 +467,10 @@ def main(argv: list[str] | None = None) -> int:
     """`ors-trl demo`; returns a process exit code."""
     options = vars(_parser().parse_args(argv))
     threads, as_json, quiet = options.pop("threads"), options.pop("json"), options.pop("quiet")
+    if options["save_model"] and os.path.exists(options["save_model"]) and not os.path.isdir(options["save_model"]):
+        print(f"ors-trl demo: error: --save-model {options['save_model']!r} is a file; give a folder (made if missing)",
+              file=sys.stderr)
+        return 2
     if options["steps"] == 0 and options["save_model"]:  # no server, no training: the untrained tiny model
         if options["model_name"] or options["env"]:
             print("ors-trl demo: error: --steps 0 saves the tiny untrained model; it takes no --model or --env",
