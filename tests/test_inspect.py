@@ -103,6 +103,8 @@ def test_inspect_shows_what_the_model_reads_and_what_a_call_returns(ref_server, 
     # the tools as the model gets them: the rendered schema of each bound tool
     (tool,) = info["binding"]["tools"]
     assert tool["schema"]["function"]["name"] == "echo"
+    assert "The tools as the model gets them, after binding (1 tools: the Python signature, then the schema" in \
+        render_text(info)
 
 
 def test_task_specific_tools(ref_server, capsys) -> None:

@@ -304,8 +304,9 @@ def render_text(info: dict[str, Any]) -> str:
                "--call NAME[=JSON] calls one in the probe session."))
     binding = info.get("binding")
     if binding is not None:
-        add("", f"What the model sees after binding ({len(binding['tools'])} tools; `<unset>` = not sent, the "
-            "environment's default applies):")
+        add("", f"The tools as the model gets them, after binding ({len(binding['tools'])} tools: the Python "
+            "signature, then the schema rendered into its prompt; `<unset>` = not sent, the environment's default "
+            "applies):")
         for tool in binding["tools"]:
             where = f"remote tool {tool['remote_name']!r}"
             if tool["attribute"] != tool["name"]:
