@@ -2,7 +2,8 @@
 tokenizer locally (nothing downloaded), warm start it (format only), measure it on held-out tasks, train it with
 `GRPOTrainer` fed by `OpenRewardSpec(url)` (or `spec.rollout_func`), measure it again, print a before/after table
 (`--json`: and a JSON line) and write an HTML report next to the trainer's output, "after" against "before". `--model`
-trains a real model, `--env` against another ORS environment.
+trains a real model, `--env` against another ORS environment (held out: its `test` split, else the last quarter of its
+training split); `--save-model DIR` saves the trained model (`--steps 0`: the tiny one, untrained, and nothing else).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class DemoResult:
     pool: str = "train"
     task_sampling: str = "uniform"
     saved_model: str | None = None
-    heldout: str = "the test split"
+    heldout: str = "the 'test' split"
 
     def episodes_to(self, target: float) -> int | None:
         """Training episodes (a difficulty probe's included) until held-out success first reached `target` (None:
