@@ -105,6 +105,13 @@ def test_inspect_shows_what_the_model_reads_and_what_a_call_returns(ref_server, 
     assert tool["schema"]["function"]["name"] == "echo"
     assert "The tools as the model gets them, after binding (1 tools: the Python signature, then the schema" in \
         render_text(info)
+    # a long output: whole in --json, its first 4,000 characters in the text, then how many more
+    info = run_json(capsys, ref_server.url, "--env-name", "longoutputenvironment", "--call", 'dump={"size": 9000}')
+    assert len(info["tool_outputs"][0]["text"]) == 9000 and info["tool_outputs"][0]["reward"] is None
+    assert main(["inspect", ref_server.url, "--env-name", "longoutputenvironment", "--call", 'dump={"size": 9000}']) == 0
+    text = capsys.readouterr().out
+    assert "  reward none (not scored); finished no; metadata {\"size\": 9000, \"seed\": 0}\n  text:\n" in text
+    assert "\n    ... (5000 more characters; --json has them all)\n" in text
 
 
 def test_task_specific_tools(ref_server, capsys) -> None:

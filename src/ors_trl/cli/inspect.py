@@ -205,7 +205,7 @@ def _clip(text: str) -> str:
 
 
 def _indent(text: str, prefix: str) -> str:
-    return "\n".join(prefix + line for line in text.splitlines())
+    return "\n".join(prefix + line for line in text.split("\n"))  # other separators: escaped, not broken at
 
 
 def _one(value: Any) -> str:
