@@ -70,10 +70,48 @@ def test_the_newer_surface_is_shown(ref_server, capsys) -> None:
     assert "answer(" not in text  # the model is never offered the terminal tool
     info = run_json(capsys, ref_server.url, "--env-name", "judgeenvironment")
     assert info["terminal_tool"] is None and info["supports_score_group"] is True
-    assert info["conversation"] == [{"role": "user", "blocks": ["text"]}]
+    assert [(m["role"], m["blocks"]) for m in info["conversation"]] == [("user", ["text"])]
     info = run_json(capsys, ref_server.url, "--env-name", "switchenvironment", "--no-probe")
     assert info["terminal_tool"] == {"name": "check", "arg": None, "description": "Grade: is the switch on?"}
     assert info["conversation"] is None
+
+
+def test_inspect_shows_what_the_model_reads_and_what_a_call_returns(ref_server, capsys) -> None:
+    """The prompt's text (an image as a numbered placeholder saying its size and kind), and for `--call` the output's
+    text, reward, `finished` and metadata: in text and in --json."""
+    call = 'snapshot={"color": "red", "size": 64}'
+    assert main(["inspect", ref_server.url, "--env-name", "imageenvironment", "--call", call]) == 0
+    text = capsys.readouterr().out
+    assert ("The prompt the model reads (task 0; images as placeholders):\n  user:\n    What colour is this square? "
+            "Call `snapshot` with the colour.\n    [image 1: 4x4 png]\n") in text
+    assert ('Tool output of snapshot({"color": "red", "size": 64}): blocks [image, text]; images (1): image/png '
+            '64x64, 178 bytes\n  reward 1.0; finished yes; metadata {"image": {"width": 64, "height": 64, "mime_type": '
+            '"image/png"}, "guess": {"color": "red", "rgb": [220, 30, 30], "correct": true}, "tags": ["snapshot", '
+            '"red"]}\n  text:\n    [image 1: 64x64 png]\n    A 64x64 red square.\n') in text
+    info = run_json(capsys, ref_server.url, "--env-name", "imageenvironment", "--call", call, "--call",
+                    'snapshot={"color": "blue"}')
+    assert info["conversation"] == [{"role": "user", "blocks": ["text", "image"], "text": (
+        "What colour is this square? Call `snapshot` with the colour.\n[image 1: 4x4 png]")}]
+    red, blue = info["tool_outputs"]
+    assert (red["text"], red["reward"], red["finished"]) == ("[image 1: 64x64 png]\nA 64x64 red square.", 1.0, True)
+    assert red["metadata"]["guess"] == {"color": "red", "rgb": [220, 30, 30], "correct": True}
+    assert blue["error"].startswith("ToolRefusedError")  # the episode finished with the first call
+    info = run_json(capsys, ref_server.url, "--env-name", "echoenvironment", "--call", 'echo={"text": "nope"}')
+    (echo,) = info["tool_outputs"]
+    assert (echo["text"], echo["reward"], echo["finished"], echo["metadata"]) == ("nope", 0.0, False,
+                                                                                 {"target_length": 5})
+    # the tools as the model gets them: the rendered schema of each bound tool
+    (tool,) = info["binding"]["tools"]
+    assert tool["schema"]["function"]["name"] == "echo"
+    assert "The tools as the model gets them, after binding (1 tools: the Python signature, then the schema" in \
+        render_text(info)
+    # a long output: whole in --json, its first 4,000 characters in the text, then how many more
+    info = run_json(capsys, ref_server.url, "--env-name", "longoutputenvironment", "--call", 'dump={"size": 9000}')
+    assert len(info["tool_outputs"][0]["text"]) == 9000 and info["tool_outputs"][0]["reward"] is None
+    assert main(["inspect", ref_server.url, "--env-name", "longoutputenvironment", "--call", 'dump={"size": 9000}']) == 0
+    text = capsys.readouterr().out
+    assert "  reward none (not scored); finished no; metadata {\"size\": 9000, \"seed\": 0}\n  text:\n" in text
+    assert "\n    ... (5000 more characters; --json has them all)\n" in text
 
 
 def test_task_specific_tools(ref_server, capsys) -> None:

@@ -11,7 +11,7 @@ from ._version import __version__
 from .core.episode import Episode
 from .core.metrics import EnvMetrics
 from .core.records import EpisodeRecord
-from .evaluation.policies import LocalPolicy, OpenAIPolicy, Policy, PolicyReply
+from .evaluation.policies import LocalPolicy, OpenAIPolicy, Policy, PolicyReply, RandomPolicy
 from .evaluation.runner import EvalReport, MixEvalReport
 from .mix import OpenRewardMix
 from .protocol.budget import get_max_sessions, set_max_sessions
@@ -101,6 +101,7 @@ __all__ = [
     "PolicyError",
     "PolicyReply",
     "ProtocolError",
+    "RandomPolicy",
     "RateLimitError",
     "ReasoningBlock",
     "ReportSummary",

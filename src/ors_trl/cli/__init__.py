@@ -274,8 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a policy (local model or OpenAI-compatible endpoint) over tasks and report rewards")
     _add_common(p, "every session", "the platform toolset every session gets (e.g. codex, claude-code); its tools "
                 "are bound too", many=True)
-    p.add_argument("--model", metavar="M", required=True,
-                   help="local model directory, or the served model's name with --base-url")
+    p.add_argument("--model", metavar="M",
+                   help="local model directory, or the served model's name with --base-url (or --policy instead)")
+    p.add_argument("--policy", choices=("random",),
+                   help="no model: random (RandomPolicy) calls a random tool each turn with arguments drawn from its "
+                        "schema, seeded by --seed; to try an environment end to end")
     p.add_argument("--base-url", metavar="URL", help="OpenAI-compatible API root, e.g. http://127.0.0.1:8001/v1")
     p.add_argument("--api-key", metavar="KEY",
                    help="key for --base-url (default: $OPENAI_API_KEY); never logged or recorded")
@@ -459,8 +462,17 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise _UsageError("--resume needs --output (the episodes file to continue)")
     if args.resume and args.overwrite:
         raise _UsageError("--resume and --overwrite exclude each other")
-    if args.base_url:
-        policy: Any = OpenAIPolicy(args.base_url, args.model, api_key=args.api_key, temperature=args.temperature,
+    if args.policy:
+        from ..evaluation.policies import RandomPolicy
+
+        if args.model or args.base_url:
+            raise _UsageError(f"--policy {args.policy} is the policy: it takes no --model or --base-url")
+        policy: Any = RandomPolicy(args.seed)
+    elif not args.model:
+        raise _UsageError("give --model DIR (a local model), --base-url URL --model NAME (a served model) or "
+                          "--policy random (no model)")
+    elif args.base_url:
+        policy = OpenAIPolicy(args.base_url, args.model, api_key=args.api_key, temperature=args.temperature,
                                    max_tokens=args.max_new_tokens, seed=args.seed, tool_markup=args.tool_markup)
     else:
         if not os.path.isdir(args.model):

@@ -22,11 +22,12 @@ from ..protocol.errors import ConfigurationError, NotFoundError, ORSError
 from ..protocol.loop import get_loop
 from ..protocol.text import escape_controls, one_line, repair, show_json
 from ..protocol.transport import RetryPolicy, Timeouts
-from ..protocol.types import ImageBlock, Message, ToolSpec, image_blocks
+from ..protocol.types import Block, ImageBlock, Message, ToolSpec, block_text, image_blocks
 
-__all__ = ["collect", "describe_binding", "inspect_target", "render_text"]
+__all__ = ["collect", "describe_binding", "inspect_target", "model_text", "render_text"]
 
 _TASK_TEXT = 240
+_MODEL_TEXT = 4000  # characters of a prompt or tool output shown as text (--json has them whole)
 
 
 async def collect(target: str, *, env_name: str | None = None, split: str | None = None, tasks: int = 3,
@@ -72,8 +73,8 @@ async def collect(target: str, *, env_name: str | None = None, split: str | None
                     listed = await session.tools()
                     conversation = (await session.messages() if info["messages"] else
                                     [Message("user", await session.prompt())])
-                    info["conversation"] = [{"role": m.role, "blocks": [b.type for b in m.blocks]}
-                                            for m in conversation]
+                    info["conversation"] = [{"role": m.role, "blocks": [b.type for b in m.blocks],
+                                             "text": model_text(m.blocks)} for m in conversation]
                     info["prompt_images"] = [_image(b, m.role) for m in conversation for b in image_blocks(m.blocks)]
                     for name, arguments in calls:
                         info["tool_outputs"].append(await _call(session, name, arguments))
@@ -109,8 +110,23 @@ async def _call(session: Any, name: str, arguments: dict[str, Any]) -> dict[str,
     except ORSError as exc:
         return {**out, "error": f"{type(exc).__name__}: {exc}"}
     images = [_image(b) for b in image_blocks(result.blocks)]
-    return {**out, "blocks": [b.type for b in result.blocks], "images": images, "reward": result.reward,
-            "finished": result.finished}
+    return {**out, "blocks": [b.type for b in result.blocks], "images": images, "text": model_text(result.blocks),
+            "reward": result.reward, "finished": result.finished, "metadata": result.metadata}
+
+
+def model_text(blocks: Sequence[Block]) -> str:
+    """The text a model reads for `blocks` (`block_text`), each image a numbered placeholder saying what it is:
+    `[image 1: 64x64 png]`, or why a model is not shown it."""
+    out, n = [], 0
+    for block in blocks:
+        if not isinstance(block, ImageBlock):
+            out.append(block_text(block))
+            continue
+        n, info = n + 1, block.info()
+        kind = info.mime_type.rpartition("/")[2] or info.mime_type
+        shown = f"{info.width}x{info.height} {kind}" if info.error is None else f"{kind}, not shown: {info.error}"
+        out.append(f"[image {n}: {one_line(shown)}]")
+    return "\n".join(out)
 
 
 def _terminal(tool: Any) -> dict[str, Any] | None:
@@ -180,8 +196,16 @@ def inspect_target(target: str, **options: Any) -> dict[str, Any]:
     return info
 
 
+def _clip(text: str) -> str:
+    """A model-facing text for the terminal: at most `_MODEL_TEXT` characters, then how many more; '(empty)'."""
+    if not text:
+        return "(empty)"
+    more = len(text) - _MODEL_TEXT
+    return text if more <= 0 else f"{text[:_MODEL_TEXT]}\n... ({more} more characters; --json has them all)"
+
+
 def _indent(text: str, prefix: str) -> str:
-    return "\n".join(prefix + line for line in text.splitlines())
+    return "\n".join(prefix + line for line in text.split("\n"))  # other separators: escaped, not broken at
 
 
 def _one(value: Any) -> str:
@@ -255,7 +279,10 @@ def render_text(info: dict[str, Any]) -> str:
     add(f"Conversations (/messages): {messages}; block types {types}")
     if info.get("conversation") is not None:
         roles = ", ".join(f"{_one(m['role'])} [{', '.join(map(_one, m['blocks']))}]" for m in info["conversation"])
-        add(f"First probed task's conversation: {roles}")
+        add(f"First probed task's conversation: {roles}",
+            f"The prompt the model reads (task {tt['index']}; images as placeholders):")
+        for m in info["conversation"]:
+            add(f"  {_one(m['role'])}:", _indent(_clip(m.get("text", "")), " " * 4))
     if info.get("prompt_images") is not None:
         shown = info["prompt_images"]
         add(f"Images in the probed prompt ({len(shown)}): {_images_text(shown) or 'none'}")
@@ -265,7 +292,11 @@ def render_text(info: dict[str, Any]) -> str:
             add(f"Tool output of {what}: failed: {_one(called['error'])}")
         else:
             add(f"Tool output of {what}: blocks [{', '.join(map(_one, called['blocks']))}]; images "
-                f"({len(called['images'])}): {_images_text(called['images']) or 'none'}")
+                f"({len(called['images'])}): {_images_text(called['images']) or 'none'}",
+                f"  reward {'none (not scored)' if called['reward'] is None else called['reward']}; finished "
+                f"{'yes' if called['finished'] else 'no'}; metadata "
+                f"{'none' if called['metadata'] is None else show_json(called['metadata'], 300)}",
+                "  text:", _indent(_clip(called["text"]), " " * 4))
     if info.get("prompt_images") is not None or info.get("tool_outputs"):
         add("  Images reach a model as image parts (a vision-language model's processor takes them); "
             'OpenRewardSpec(images="placeholder") shows the text [image: <media type>] instead.'
@@ -273,8 +304,9 @@ def render_text(info: dict[str, Any]) -> str:
                "--call NAME[=JSON] calls one in the probe session."))
     binding = info.get("binding")
     if binding is not None:
-        add("", f"What the model sees after binding ({len(binding['tools'])} tools; `<unset>` = not sent, the "
-            "environment's default applies):")
+        add("", f"The tools as the model gets them, after binding ({len(binding['tools'])} tools: the Python "
+            "signature, then the schema rendered into its prompt; `<unset>` = not sent, the environment's default "
+            "applies):")
         for tool in binding["tools"]:
             where = f"remote tool {tool['remote_name']!r}"
             if tool["attribute"] != tool["name"]:

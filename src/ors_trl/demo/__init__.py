@@ -17,6 +17,36 @@ How the look recipe was tuned (held-out success after 100 GRPO steps, greedy, se
   (`_recipe.LOOK_RECIPE`, `_recipe.LOOK_WARM_START`, `_model.LOOK_MODEL_DIMS`).
 """
 
+import os
+
+__all__ = ["main", "save_tiny_model"]
+
+
+def save_tiny_model(path: str | os.PathLike[str] = "tiny-model", *, seed: int = 0) -> str:
+    """Save the demo's tiny Qwen3 model and its tokenizer, untrained (a few hundred thousand random weights, built
+    locally: nothing is downloaded), to the folder `path`: a model for trying ors-trl without a model hub.
+
+    The folder is what `ors-trl eval --model DIR`, `LocalPolicy.from_pretrained(DIR)` and `GRPOTrainer(model=DIR,
+    ...)` load (on CPU: `GRPOConfig(use_cpu=True, ...)`). It writes well-formed text, not sensible tool calls: to see
+    a model learn, run `ors-trl demo --save-model DIR`, which saves the model it trained. The command line:
+    `ors-trl demo --steps 0 --save-model DIR`.
+
+    Args:
+        path (`str` or `os.PathLike`, *optional*, defaults to `"tiny-model"`):
+            The folder to write (made if missing; files of an earlier save are replaced).
+        seed (`int`, *optional*, defaults to `0`):
+            Seeds the tokenizer's corpus and the weights (the same seed gives the same model).
+
+    Returns:
+        `str`: `path`.
+
+    Raises:
+        ConfigurationError: `path` is a file.
+    """
+    from ._model import save_tiny_model as save
+
+    return save(path, seed=seed)
+
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `ors-trl demo`."""

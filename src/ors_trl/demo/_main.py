@@ -2,7 +2,8 @@
 tokenizer locally (nothing downloaded), warm start it (format only), measure it on held-out tasks, train it with
 `GRPOTrainer` fed by `OpenRewardSpec(url)` (or `spec.rollout_func`), measure it again, print a before/after table
 (`--json`: and a JSON line) and write an HTML report next to the trainer's output, "after" against "before". `--model`
-trains a real model, `--env` against another ORS environment.
+trains a real model, `--env` against another ORS environment (held out: its `test` split, else the last quarter of its
+training split); `--save-model DIR` saves the trained model (`--steps 0`: the tiny one, untrained, and nothing else).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ors_trl.protocol.errors import ConfigurationError
 from ors_trl.protocol.text import escape_controls
 
 __all__ = ["DemoResult", "main", "run_demo"]
@@ -58,6 +60,8 @@ class DemoResult:
     curve: list[dict[str, float]] = field(default_factory=list)
     pool: str = "train"
     task_sampling: str = "uniform"
+    saved_model: str | None = None
+    heldout: str = "the 'test' split"
 
     def episodes_to(self, target: float) -> int | None:
         """Training episodes (a difficulty probe's included) until held-out success first reached `target` (None:
@@ -69,7 +73,7 @@ class DemoResult:
         sides = (("before", self.before), ("after", self.after))
         out = {f"{k}_{when}": v for when, d in sides for k, v in d.items() if isinstance(v, int | float)}
         out.update({k: getattr(self, k) for k in ("seconds", "seed", "steps", "model", "environment", "task", "pool",
-                                                  "task_sampling")},
+                                                  "task_sampling", "heldout")},
                    success_before=self.before["success_rate"], success_after=self.after["success_rate"])
         if self.curve:
             out["curve"] = self.curve
@@ -82,6 +86,8 @@ class DemoResult:
                            blind_look_rate_after=self.blind.get("look_rate"))
         if self.report:
             out["report"] = self.report
+        if self.saved_model:
+            out["saved_model"] = self.saved_model
         return out
 
     def table(self) -> str:
@@ -198,13 +204,15 @@ def run_demo(*, task: str = DEFAULT_TASK, url: str | None = None, env: str | Non
              output_dir: str | None = None, control: bool = False, rollout_func: bool = False, report: bool = False,
              blind: bool = True, say: Callable[[str], None] = lambda _: None,
              config_overrides: dict[str, Any] | None = None, pool: str = "train", task_sampling: str = "uniform",
-             difficulty: tuple[float, float] | None = None, eval_every: int = 0) -> DemoResult:
+             difficulty: tuple[float, float] | None = None, eval_every: int = 0,
+             save_model: str | None = None) -> DemoResult:
     """The demo pipeline; `ors-trl demo`'s options are its own (`_parser`: `--model` is `model_name`, `--env` trains
     without a warm start; `report` is off here). `url`: a running server hosting the bundled environment (else one is
     started); `control`: shuffle the rewards across each batch (the control arm); `blind`: also evaluate the look
     task's blind variant; `say`: the progress lines; `config_overrides`: entries of the GRPO configuration;
     `difficulty`: keep the training tasks whose mean reward in a probe
-    of the warm-started model (4 sampled attempts each) lies in this range (its episodes count in `curve`)."""
+    of the warm-started model (4 sampled attempts each) lies in this range (its episodes count in `curve`);
+    `save_model`: a folder to save the trained model and its tokenizer to (`ors-trl eval --model DIR` loads it)."""
     import torch
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from transformers.utils import logging as hf_logging
@@ -218,6 +226,7 @@ def run_demo(*, task: str = DEFAULT_TASK, url: str | None = None, env: str | Non
         raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
     steps = DEFAULT_STEPS[task] if steps is None else steps
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # saving the model (--save-model) would draw one
     logging.getLogger("trl").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*experimental feature.*")
@@ -261,9 +270,15 @@ def run_demo(*, task: str = DEFAULT_TASK, url: str | None = None, env: str | Non
         # The demo scores a rollout the environment never scored (no tool call in echo; cut off before a final
         # answer in look) as 0.0 rather than leaving it out: with TRL's None convention a model this small learns
         # to dodge the penalty for wrong answers by not answering.
-        train_options = {"unscored_reward": 0.0 if bundled else None, "episode_log": episode_log,
-                         "task_sampling": task_sampling}
-        train, heldout = spec(split, **train_options), spec("test")
+        train_options: dict[str, Any] = {"unscored_reward": 0.0 if bundled else None, "episode_log": episode_log,
+                                         "task_sampling": task_sampling}
+        train = spec(split, **train_options)
+        heldout_split, indices, held_indices, held = _heldout_plan(train, split)
+        if indices is not None:  # a slice of the training split, held out: the other tasks are trained on
+            train_options["indices"] = indices
+            train = spec(split, **train_options)
+            say(f"environment has no 'test' split: {held}")
+        heldout = spec(heldout_split, indices=held_indices)
         tools = _recipe.environment_tools(train.environment_factory())
         train_tasks = train.run(train.select_tasks())[0]
         say(f"environment {train.name}: {len(train_tasks)} training tasks ({split}), "
@@ -307,7 +322,7 @@ def run_demo(*, task: str = DEFAULT_TASK, url: str | None = None, env: str | Non
         probe_episodes = 0
         if difficulty is not None:
             probe_out = out_dir / "difficulty_probe.jsonl"
-            evaluate(model, spec(split), repeats=4, temperature=1.0, output=str(probe_out))
+            evaluate(model, spec(split, indices=indices), repeats=4, temperature=1.0, output=str(probe_out))
             probe_episodes = 4 * len(train_tasks)
             train = spec(split, **{**train_options, "unscored_reward": 0.0}, difficulty=difficulty,
                          difficulty_from=probe_out)
@@ -329,6 +344,8 @@ def run_demo(*, task: str = DEFAULT_TASK, url: str | None = None, env: str | Non
             trainer.remove_callback(printer)
         trainer.train()
         train.close()  # every training episode is closed, and so written to the episode log
+        if save_model:
+            say(f"saved the trained model and its tokenizer to {_model.save(trainer.model, tokenizer, save_model)}")
 
         after = measure(trainer.model, "after")
         blind_result = None
@@ -347,7 +364,24 @@ def run_demo(*, task: str = DEFAULT_TASK, url: str | None = None, env: str | Non
                       log_history=list(trainer.state.log_history), task=task if bundled else "env",
                       rollout_func=rollout_func, blind=blind_result, report=report_path, episode_log=episode_log,
                       output_dir=str(out_dir), curve=curve, pool=split,
-                      task_sampling=task_sampling if difficulty is None else f"{task_sampling}+difficulty")
+                      task_sampling=task_sampling if difficulty is None else f"{task_sampling}+difficulty",
+                      saved_model=save_model, heldout=held)
+
+
+def _heldout_plan(train: Any, split: str) -> tuple[str, list[int] | None, list[int] | None, str]:
+    """Where the held-out evaluation draws from: `(split, training indices, held-out indices, said)`: the server's
+    `test` split when it has one (indices None: all), else the last quarter (at least one) of `split`'s tasks, which
+    training then leaves out."""
+    names = [s.name for s in train.run(train.client.splits())]
+    if "test" in names:
+        return "test", None, None, "the 'test' split"
+    total = train.run(train.client.num_tasks(split))
+    if total < 2:
+        raise ConfigurationError(f"the environment has no 'test' split and {total} task(s) in {split!r}: the demo "
+                                 "needs a 'test' split or two tasks (one to train on, one held out) to measure on")
+    kept = total - max(1, total // 4)
+    return split, list(range(kept)), list(range(kept, total)), (
+        f"the last {total - kept} of the {total} {split!r} tasks, held out of training (splits: {', '.join(names)})")
 
 
 def _write_report(out_dir: Path, task: str, trainer: Any, say: Callable[[str], None]) -> str | None:
@@ -397,7 +431,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="look (default): the answer is only in the look() tool's output and the final message is "
                         "graded by the environment's terminal tool; echo: the word is in the prompt, call echo(text)")
     p.add_argument("--steps", type=int, default=None,
-                   help="GRPO steps (default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_STEPS.items()) + ")")
+                   help="GRPO steps (default: " + ", ".join(f"{k} {v}" for k, v in DEFAULT_STEPS.items()) + "); 0 "
+                        "with --save-model: train nothing, only save the tiny model untrained")
     p.add_argument("--seed", type=int, default=0, help="seed for the model, the warm start and GRPO (default 0)")
     p.add_argument("--rollout-func", action="store_true",
                    help="roll out through spec.rollout_func (the concurrent engine) instead of environment_factory")
@@ -409,6 +444,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--env-name", default=None, help="with --env: the environment on a server hosting several")
     p.add_argument("--output-dir", default=None,
                    help="where the trainer, the episode log and the report go (default: a temporary folder)")
+    p.add_argument("--save-model", metavar="DIR", default=None,
+                   help="save the trained model and its tokenizer to DIR (made if missing), for ors-trl eval --model "
+                        "DIR, LocalPolicy.from_pretrained(DIR) or GRPOTrainer(model=DIR); printed as 'model: DIR'")
     p.add_argument("--report", action=argparse.BooleanOptionalAction, default=True,
                    help="write an HTML report of the run into the output folder (default: on)")
     p.add_argument("--sft-steps", type=int, default=None, help="warm-start steps (default: the task's recipe)")
@@ -430,8 +468,22 @@ def main(argv: list[str] | None = None) -> int:
     """`ors-trl demo`; returns a process exit code."""
     options = vars(_parser().parse_args(argv))
     threads, as_json, quiet = options.pop("threads"), options.pop("json"), options.pop("quiet")
+    if options["save_model"] and os.path.exists(options["save_model"]) and not os.path.isdir(options["save_model"]):
+        print(f"ors-trl demo: error: --save-model {options['save_model']!r} is a file; give a folder (made if missing)",
+              file=sys.stderr)
+        return 2
+    if options["steps"] == 0 and options["save_model"]:  # no server, no training: the untrained tiny model
+        if options["model_name"] or options["env"]:
+            print("ors-trl demo: error: --steps 0 saves the tiny untrained model; it takes no --model or --env",
+                  file=sys.stderr)
+            return 2
+        from ._model import save_tiny_model
+
+        print(f"model: {save_tiny_model(options['save_model'], seed=options['seed'])} (untrained)")
+        return 0
     if options["steps"] is not None and options["steps"] < 1:
-        print("ors-trl demo: --steps must be at least 1", file=sys.stderr)
+        print("ors-trl demo: error: --steps must be at least 1 (0 only with --save-model: save the untrained tiny "
+              "model)", file=sys.stderr)
         return 2
     os.environ.setdefault("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -443,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     print(result.table())
     if result.report:
         print(f"report: {result.report}")
+    if result.saved_model:
+        print(f"model: {result.saved_model}")
+    print(f"held-out tasks: {result.heldout}")
     if as_json:
         print(json.dumps(result.to_json(), sort_keys=True))
     return 0

@@ -151,3 +151,43 @@ def _random_model(model_class: Any, config: Any, seed: int, eos_id: int, pad_id:
     generation = model.generation_config
     generation.eos_token_id, generation.pad_token_id, generation.bos_token_id = eos_id, pad_id, None
     return model
+
+
+#: The saved tiny model's context: room for another environment's prompt, tools and a few turns (rotary positions cost
+#: no parameters).
+SAVED_POSITIONS = 2048
+
+#: The tool the saved tiny model's tokenizer was trained with (the demo's echo task: the format, not the task).
+_ECHO_SCHEMA: dict[str, Any] = {"type": "function", "function": {
+    "name": "echo", "description": "Echo a word back to the environment.",
+    "parameters": {"type": "object", "properties": {"text": {"type": "string", "description": "The word to echo."}},
+                   "required": ["text"]}}}
+
+
+def save(model: Any, tokenizer: Any, path: str | Any) -> str:
+    """Write `model` and `tokenizer` (its chat template included) to the folder `path`, made if missing; its path.
+    What `ors-trl eval --model DIR`, `LocalPolicy.from_pretrained(DIR)` and `GRPOTrainer(model=DIR)` load."""
+    import os
+
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        from ..protocol.errors import ConfigurationError
+
+        raise ConfigurationError(f"cannot save the model to {path!r}: it is a file, not a folder")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def save_tiny_model(path: str | Any = "tiny-model", *, seed: int = 0) -> str:
+    """Build the demo's tiny Qwen3 and its tokenizer, untrained, and save them to the folder `path` (nothing is
+    downloaded); returns `path`. The tokenizer is trained on the demo's echo conversations (any text still encodes:
+    it is byte-level), the template is TRL's Qwen3 one (so `GRPOTrainer` parses its tool calls), the context
+    `SAVED_POSITIONS` tokens."""
+    from . import _task
+
+    corpus = render_corpus(_task.train_tasks(), [_ECHO_SCHEMA], _task.prompt, episodes_fn=_task.warm_start_episodes,
+                           seed=seed)
+    tokenizer = build_tokenizer(corpus)
+    tokenizer.model_max_length = SAVED_POSITIONS
+    return save(build_model(tokenizer, seed=seed, max_position_embeddings=SAVED_POSITIONS), tokenizer, path)

@@ -2,7 +2,8 @@
 
 A policy is a generator (`ors_trl.core.rollout.Generator`, as `LocalPolicy` is) or has `await respond(messages, tools)
 -> Reply` (the `Policy` protocol, driven through `Responder`). Built in: `LocalPolicy` (a transformers model, its ids
-built as GRPO builds them) and `OpenAIPolicy` (any OpenAI-compatible chat-completions endpoint). Image content parts
+built as GRPO builds them), `OpenAIPolicy` (any OpenAI-compatible chat-completions endpoint) and `RandomPolicy` (no
+model: random tool calls, to try an environment end to end; `ors-trl eval --policy random`). Image content parts
 (`ors_trl.core.conversation.content`) go to a vision-language model's processor as in training, or to an endpoint as
 `data:` URLs. A policy's `tool_markup` says what a tool call looks like in its text: a reply without calls that holds
 it is a call the parser missed (`unparsed`).
@@ -11,12 +12,15 @@ it is a call the parser missed (`unparsed`).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
+import random
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -28,8 +32,8 @@ from ..protocol.transport import RetryPolicy, Timeouts, Transport
 from ..trl.backend import Rendering, image_inputs
 from ..trl.tokens import TokenGenerator, Tokens
 
-__all__ = ["TOOL_MARKUPS", "LocalPolicy", "OpenAIPolicy", "Policy", "PolicyReply", "Responder", "as_generator",
-           "describe_policy", "markup_pattern", "resolve_policy"]
+__all__ = ["TOOL_MARKUPS", "LocalPolicy", "OpenAIPolicy", "Policy", "PolicyReply", "RandomPolicy", "Responder",
+           "as_generator", "describe_policy", "markup_pattern", "random_arguments", "resolve_policy"]
 
 #: The reply type of the `Policy` protocol: `ors_trl.core.episode.Reply` itself.
 PolicyReply = Reply
@@ -69,7 +73,22 @@ def markup_pattern(texts: str | Sequence[str] | None = None) -> re.Pattern[str] 
 @runtime_checkable
 class Policy(Protocol):
     """What `evaluate` drives: given the conversation and the tool schemas, return the assistant's reply. It may also
-    have `tool_markup` (a text, or a compiled pattern): what a tool call looks like in its replies' text."""
+    have `tool_markup` (a text, or a compiled pattern): what a tool call looks like in its replies' text, and
+    `description`: its name in records and reports.
+
+    A reply calls tools (`tool_calls`: `{"name": ..., "arguments": {...}}` each; the episode goes on with their
+    results) or answers in plain text (`content`; the episode ends, graded by the environment's terminal tool if it has
+    one). For example, a policy that echoes the word its prompt quotes:
+
+        class Echo:
+            async def respond(self, messages, tools):
+                if any(m["role"] == "tool" for m in messages):
+                    return PolicyReply("Done.")
+                word = messages[-1]["content"].split('"')[1]
+                return PolicyReply("", [{"name": "echo", "arguments": {"text": word}}])
+
+        report = OpenRewardSpec(url, split="test").evaluate(Echo())
+    """
 
     async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Reply:
         """The assistant's next turn.
@@ -491,6 +510,184 @@ class LocalPolicy(TokenGenerator):
                     ids.pop()
             results.append((ids, None))
         return results
+
+
+class RandomPolicy:
+    """A policy without a model, to try an environment end to end (`ors-trl eval --policy random`): each turn it calls
+    one of the tools offered, picked at random, with arguments drawn from its JSON schema (`random_arguments`), or,
+    with probability `answer_probability` and whenever no tool is offered, answers `answer` in plain text (which ends
+    the episode). Seeded: a reply depends on `seed`, the conversation so far and how often that conversation was seen
+    before (so `--repeats` differ), not on the order episodes run in (tasks whose conversations are identical share
+    their draws: which of them gets which may vary).
+
+    The schemas are those the model is shown, whose constraints ors-trl writes into the descriptions: a call can
+    still fail the environment's own checks (counted as a tool failure, as a model's would be).
+
+    Args:
+        seed (`int`, *optional*, defaults to `0`):
+            Seeds every choice.
+        answer_probability (`float`, *optional*, defaults to `0.2`):
+            The chance of a plain-text answer on a turn that offers tools.
+        answer (`str`, *optional*, defaults to `"I am done."`):
+            The plain-text answer.
+    """
+
+    tool_markup = None  # its calls are structured: no text to search for missed ones
+
+    def __init__(self, seed: int = 0, *, answer_probability: float = 0.2, answer: str = "I am done.") -> None:
+        if not 0.0 <= answer_probability <= 1.0:
+            raise ConfigurationError(f"answer_probability must lie in [0, 1], got {answer_probability!r}")
+        self.seed, self.answer_probability, self.answer = seed, answer_probability, answer
+        self._seen: Counter[str] = Counter()
+
+    def __repr__(self) -> str:
+        return f"RandomPolicy(seed={self.seed})"
+
+    description = property(lambda self: f"random (seed {self.seed})",
+                           doc='The policy\'s name in records and reports: `"random (seed N)"`.')
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Reply:
+        """A random tool call, or the plain-text answer (see the class).
+
+        Args:
+            messages (`list[dict[str, Any]]`):
+                The conversation so far (see `Policy.respond`).
+            tools (`list[dict[str, Any]]`):
+                The tools' JSON schemas, as the model is shown them.
+        """
+        key = _conversation_key(messages)
+        self._seen[key] += 1
+        rng = random.Random(f"{self.seed}:{self._seen[key]}:{key}")
+        functions = [t.get("function", t) for t in tools if isinstance(t, dict)]
+        functions = [f for f in functions if isinstance(f, dict) and isinstance(f.get("name"), str)]
+        if not functions or rng.random() < self.answer_probability:
+            return Reply(self.answer)
+        function = rng.choice(functions)
+        return Reply("", [{"name": function["name"], "arguments": random_arguments(function.get("parameters"), rng)}])
+
+
+def _conversation_key(messages: list[dict[str, Any]]) -> str:
+    """A digest of what a conversation says (roles, text, images' pixels, tool calls; not call ids)."""
+    def part(p: dict[str, Any]) -> Any:
+        image = p.get("image")
+        if image is None or isinstance(image, str):
+            return p.get("text", image)
+        pixels = image.tobytes() if hasattr(image, "tobytes") else repr(getattr(image, "size", None)).encode()
+        return hashlib.sha256(pixels).hexdigest()
+
+    def text(content: Any) -> Any:
+        return content if not isinstance(content, list) else [part(p) for p in content if isinstance(p, dict)]
+
+    def call(c: dict[str, Any]) -> Any:
+        return [c.get("function", c).get("name"), c.get("function", c).get("arguments")]
+
+    said = [[m.get("role"), text(m.get("content")), [call(c) for c in m.get("tool_calls") or [] if isinstance(c, dict)]]
+            for m in messages]
+    return hashlib.sha256(json.dumps(said, sort_keys=True, default=str).encode()).hexdigest()
+
+
+_WORDS = ("alpha", "river", "stone", "cloud", "hello", "piano", "seven", "green")
+_MAX_VALUE_DEPTH = 8
+_MAX_TEXT = 10_000  # the longest string drawn (a hostile minLength asks for more: the call may then fail)
+
+
+def random_arguments(schema: Any, rng: random.Random | None = None) -> dict[str, Any]:
+    """Arguments drawn at random for a tool's parameters `schema` (a JSON Schema object; anything else: `{}`): every
+    required property and about half the others, values of their `type` within `enum`/`const`, `minimum`/`maximum`
+    (and the exclusive ones), `minLength`/`maxLength`, `minItems`/`maxItems`, `prefixItems`, `anyOf`/`oneOf` (a non-null
+    arm), `allOf` and local `$ref`s; small where unbounded. A `pattern` or `format` is not followed."""
+    value = _random_value(schema if isinstance(schema, dict) else {}, rng or random.Random(0), schema, 0)
+    return value if isinstance(value, dict) else {}
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    """A local `$ref` (`#/$defs/Name`) in `root`; None where it does not resolve."""
+    node = root
+    for part in ref.removeprefix("#").split("/")[1:] if ref.startswith("#") else [None]:
+        if not isinstance(node, dict) or part is None:
+            return None
+        node = node.get(part.replace("~1", "/").replace("~0", "~"))
+    return node if isinstance(node, dict) else None
+
+
+def _bound(schema: dict[str, Any], low: str, high: str) -> tuple[Any, Any]:
+    """A number keyword pair's values (a bool, another non-number or one past 1e15: unset)."""
+    def num(key: str) -> Any:
+        value = schema.get(key)
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and abs(value) < 1e15  # finite, exact
+        return value if ok else None
+
+    return num(low), num(high)
+
+
+def _random_value(schema: Any, rng: random.Random, root: Any, depth: int) -> Any:
+    if not isinstance(schema, dict):
+        return rng.choice(_WORDS) if schema is not False else None
+    for _ in range(_MAX_VALUE_DEPTH):  # $ref and allOf wrappers, merged (bounded: a reference cycle stops)
+        ref, every = schema.get("$ref"), schema.get("allOf")
+        if isinstance(ref, str):
+            schema = {**(_resolve(root, ref) or {}), **{k: v for k, v in schema.items() if k != "$ref"}}
+        elif isinstance(every, list):
+            merged = {k: v for k, v in schema.items() if k != "allOf"}
+            for arm in every:
+                merged.update(arm if isinstance(arm, dict) else {})
+            schema = merged
+        else:
+            break
+    if "const" in schema:
+        return schema["const"]
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return rng.choice(schema["enum"])
+    arms = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(arms, list) and arms and depth < _MAX_VALUE_DEPTH:
+        real = [a for a in arms if not (isinstance(a, dict) and a.get("type") == "null")] or arms
+        rest = {k: v for k, v in schema.items() if k not in ("anyOf", "oneOf")}
+        return _random_value({**rest, **(a if isinstance(a := rng.choice(real), dict) else {})}, rng, root, depth + 1)
+    kinds = schema.get("type")
+    kinds = [k for k in (kinds if isinstance(kinds, list) else [kinds]) if isinstance(k, str)]
+    kind = rng.choice([k for k in kinds if k != "null"] or kinds or [
+        "object" if "properties" in schema else "array" if "items" in schema or "prefixItems" in schema else "string"])
+    if kind == "null":
+        return None
+    if kind == "boolean":
+        return rng.random() < 0.5
+    if kind in ("integer", "number"):
+        low, high = _bound(schema, "minimum", "maximum")
+        above, below = _bound(schema, "exclusiveMinimum", "exclusiveMaximum")
+        step = 1 if kind == "integer" else 1e-3
+        low = max([b for b in (low, None if above is None else above + step) if b is not None], default=None)
+        high = min([b for b in (high, None if below is None else below - step) if b is not None], default=None)
+        # unbounded: small and positive (a count, a size: what an unwritten `>= 1` most often asks)
+        if low is None:
+            low = (step if kind == "number" else 1) if high is None or high >= 1 else 0 if high >= 0 else high - 9
+        high = high if high is not None and high >= low else low + 9
+        if kind == "integer":
+            low, high = int(-(-low // 1)), int(high // 1)
+            return rng.randint(low, max(low, high))
+        return round(rng.uniform(low, high), 3) if high - low > 2e-3 else low
+    if kind == "string":
+        low, high = _bound(schema, "minLength", "maxLength")
+        word, low = rng.choice(_WORDS), min(max(0, int(low or 0)), _MAX_TEXT)
+        text = word * (1 + low // len(word))
+        return text[:max(low, len(word)) if high is None else max(0, min(max(low, len(word)), int(high)))]
+    if depth >= _MAX_VALUE_DEPTH:
+        return [] if kind == "array" else {}
+    if kind == "array":
+        low, high = _bound(schema, "minItems", "maxItems")
+        prefix = schema.get("prefixItems") if isinstance(schema.get("prefixItems"), list) else []
+        out = [_random_value(p, rng, root, depth + 1) for p in prefix]
+        items = schema.get("items")
+        if items is not False and not (prefix and items is None):
+            low = max(int(low or 0), len(out), 0 if prefix else 1)
+            count = min(rng.randint(low, low + 2), int(high) if high is not None else low + 2)
+            out += [_random_value(items if isinstance(items, dict) else {}, rng, root, depth + 1)
+                    for _ in range(max(0, count - len(out)))]
+        return out
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = [k for k in schema.get("required") or [] if isinstance(k, str)]
+    keys = [k for k in properties if k in required or rng.random() < 0.5]
+    keys += [k for k in required if k not in properties]
+    return {k: _random_value(properties.get(k, {}), rng, root, depth + 1) for k in keys}
 
 
 def resolve_policy(policy: Any, *, temperature: float = 0.0, max_new_tokens: int | None = None, seed: int | None = 0,
