@@ -191,8 +191,9 @@ def test_report_of_real_episodes(logs, tmp_path, no_leaked_sessions) -> None:
     # the runs: training in this process and in the subprocess (told apart by run id), and one eval per policy
     records = [json.loads(line) for key in LOGS for line in logs[key].read_text().splitlines()]
     here, sub = records[0]["run"], json.loads(logs["sub"].read_text())["run"]
-    assert summary.runs == 5 and summary.run_names == [f"trl · {here}", f"trl · {sub}", "eval · scripted-echo",
-                                                        "eval · scripted-quiz", "eval · scripted-judge"]
+    assert summary.runs == 5 and summary.run_names == [f"training (trl) · {here}", f"training (trl) · {sub}",
+                                                        "eval · scripted-echo", "eval · scripted-quiz",
+                                                        "eval · scripted-judge"]
     assert summary.trainer_states == 1 and summary.log_steps == 3  # checkpoint-3, not checkpoint-2
     page = out.read_text(encoding="utf-8")
     assert_self_contained(page)
@@ -217,7 +218,8 @@ def test_report_of_real_episodes(logs, tmp_path, no_leaked_sessions) -> None:
     assert all(isinstance(e["rec"]["group_reward"], float) for e in episodes if e["env"] == "judgeenvironment")
 
     # The summary and the task table: rewards, failures by reason, end and unscored reasons, latencies.
-    for text in ("Tool-call failures by reason", "refused", "failed", "no_reward", "finished", "no_tool_calls",
+    for text in ("tool call failed: refused", "tool call failed: failed", "unscored: no_reward", "end: finished",
+                 "end: no_tool_calls", "refused", "failed", "no_reward", "finished", "no_tool_calls",
                  "session open (timings.open)", "tool call (seconds)", "train #0", "train #3", "echoenvironment",
                  "sparseenvironment", "scripted-echo"):
         assert text in page or text in json.dumps(episodes), text
@@ -330,7 +332,7 @@ def test_inputs_are_recognised_by_content(tmp_path) -> None:
     assert [c["name"] for c in calls] == ["echo", "echo"] and calls[1]["error"] == {
         "kind": "refused", "message": "1 validation error"}
     assert old["tags"] == ["failure: refused", "unscored: no_reward"] and old["run"] == "old.jsonl"
-    assert "Tool-call failures by reason" in page and ">refused<" in page
+    assert "<td>tool call failed: refused</td>" in page
 
 
 @pytest.mark.parametrize("name, content, message", [
@@ -405,9 +407,10 @@ def test_sample_is_bounded_deterministic_and_keeps_every_kind(tmp_path) -> None:
     assert len(data) == 20
     tags = {t for e in data for t in e["tags"]}
     assert {"unscored: timeout", "failure: expired", "error: transport", "unscored: error"} <= tags
-    assert {"run-0", "run-1", "run-2"} <= {e["run"] for e in data}
-    # the summary still counts all 600
-    assert ">600<" in page and "Tool-call failures by reason" in page
+    assert {f"training (trl) · run-{i}" for i in range(3)} <= {e["run"] for e in data}
+    # the per-run table still counts all 600
+    runs = page.split("<table class='sortable runs'>")[1].split("</table>")[0]
+    assert runs.count('<td class=num data-v="200">200</td>') == 3 and "tool call failed: expired" in page
     write_report([log], tmp_path / "b.html", max_episodes=20)
     assert _episode_data((tmp_path / "b.html").read_text()) == data  # the same sample every time
     assert write_report([log], tmp_path / "c.html", max_episodes=0).embedded == 0
@@ -581,28 +584,30 @@ def test_a_key_in_the_inputs_is_not_spread(tmp_path, capsys) -> None:
 
 
 def task_cells(page: str) -> dict[str, list[str]]:
-    """The per-task table: task -> the sort values of its number cells (episodes, mean reward, graded, finished,
-    success rate, tool calls / episode, tool-call failures, in sample)."""
+    """The per-task table: task -> the sort values of its number cells (one run: episodes, mean reward, graded,
+    finished, success rate, tool calls / episode, tool-call failures, no tool call; several: each run's success, the
+    change; then in sample)."""
     rows = re.findall(r'<tr class=task data-env="[^"]*" data-task="([^"]*)">(.*?)</tr>', page)
     return {task: re.findall(r'data-v="([^"]*)"', cells) for task, cells in rows}
 
 
 def test_success_threshold_sets_what_succeeds(tmp_path, capsys) -> None:
-    rewards = {0: [1.0, 0.5], 1: [0.7, None], 2: [0.2, 0.0]}
+    rewards = {0: [1.0, 0.5], 1: [0.7, None], 2: [0.2, 0.0]}  # task: [run-0's reward, run-1's]
     log = write_lines(tmp_path / "e.jsonl", [v2(i, reward=r, run=f"run-{k}") for i, rs in rewards.items()
                                              for k, r in enumerate(rs)])
-    expected = {1.0: {0: 0.5, 1: 0.0, 2: 0.0}, 0.5: {0: 1.0, 1: 0.5, 2: 0.0}, 0.1: {0: 1.0, 1: 0.5, 2: 0.5}}
-    for threshold, by_task in expected.items():
+    for threshold in (1.0, 0.5, 0.1):
         out = tmp_path / f"r-{threshold}.html"
         kwargs = {} if threshold == 1.0 else {"success_threshold": threshold}  # 1.0: the default
         write_report(log if threshold == 0.1 else [log], out, **kwargs)  # one input needs no list
         page = out.read_text()
-        cells = task_cells(page)
-        assert {int(task.split("#")[1]): float(v[4]) for task, v in cells.items()} == by_task, threshold
-        assert f"Success: reward &ge; {threshold:g}" in page and f"reward ≥ {threshold:g}, of every episode" in page
-        total = sum(r is not None and r >= threshold for rs in rewards.values() for r in rs) / 6
-        assert f"<div class=k>success rate</div><div class=v>{total:.1%}</div>" in page
-    assert re.search(r"<h3>Per run</h3><table class='sortable runs'>.*?<td>run-0</td><td class=num data-v=\"3\">", page)
+        by_task = {i: [float(r is not None and r >= threshold) for r in rs] for i, rs in rewards.items()}
+        assert {int(task.split("#")[1]): [float(x) for x in v[:2]] for task, v in task_cells(page).items()} == by_task
+        assert f"Success: reward &ge; {threshold:g}" in page
+        runs = page.split("<table class='sortable runs'>")[1].split("</table>")[0]
+        for k in (0, 1):  # each run's success over its own three episodes, never the six pooled
+            rate = sum(rs[k] is not None and rs[k] >= threshold for rs in rewards.values()) / 3
+            assert re.search(rf"<td>training \(trl\) · run-{k}</td><td>echo train</td><td class=num data-v=\"3\">3</td>"
+                             rf"<td class=num data-v=\"3\">3</td><td class=num data-v=\"{rate}\">", runs), threshold
     out = tmp_path / "cli.html"
     assert main(["report", str(log), "-o", str(out), "--success-threshold", "0.5"]) == EXIT_OK
     assert task_cells(out.read_text()) == task_cells((tmp_path / "r-0.5.html").read_text())
