@@ -191,7 +191,7 @@ def test_report_of_real_episodes(logs, tmp_path, no_leaked_sessions) -> None:
     # the runs: training in this process and in the subprocess (told apart by run id), and one eval per policy
     records = [json.loads(line) for key in LOGS for line in logs[key].read_text().splitlines()]
     here, sub = records[0]["run"], json.loads(logs["sub"].read_text())["run"]
-    assert summary.runs == 5 and summary.run_names == [f"training (trl) · {here}", f"training (trl) · {sub}",
+    assert summary.runs == 5 and summary.run_names == [f"training · {here}", f"training · {sub}",
                                                         "eval · scripted-echo", "eval · scripted-quiz",
                                                         "eval · scripted-judge"]
     assert summary.trainer_states == 1 and summary.log_steps == 3  # checkpoint-3, not checkpoint-2
@@ -394,10 +394,10 @@ def test_hostile_text_stays_text(tmp_path) -> None:
 
 def test_sample_is_bounded_deterministic_and_keeps_every_kind(tmp_path) -> None:
     records = [v2(i % 50, run=f"run-{i % 3}") for i in range(600)]
-    records[123] = v2(7, reward=None, unscored="timeout", end_reason="timeout", finished=False)
+    records[123] = v2(7, reward=None, unscored="timeout", end_reason="timeout", finished=False, run="run-0")
     records[321]["turns"][0]["tool_calls"][0].update(error={"kind": "expired", "message": "gone"}, reward=None)
     records[456] = v2(8, reward=None, unscored="error", end_reason="error",
-                      error={"kind": "transport", "message": "refused"})
+                      error={"kind": "transport", "message": "refused"}, run="run-0")
     log = write_lines(tmp_path / "e.jsonl", records)
     summary = write_report([log], tmp_path / "a.html", max_episodes=20)
     page = (tmp_path / "a.html").read_text()
@@ -407,7 +407,7 @@ def test_sample_is_bounded_deterministic_and_keeps_every_kind(tmp_path) -> None:
     assert len(data) == 20
     tags = {t for e in data for t in e["tags"]}
     assert {"unscored: timeout", "failure: expired", "error: transport", "unscored: error"} <= tags
-    assert {f"training (trl) · run-{i}" for i in range(3)} <= {e["run"] for e in data}
+    assert {f"training · run-{i}" for i in range(3)} <= {e["run"] for e in data}
     # the per-run table still counts all 600
     runs = page.split("<table class='sortable runs'>")[1].split("</table>")[0]
     assert runs.count('<td class=num data-v="200">200</td>') == 3 and "tool call failed: expired" in page
@@ -606,7 +606,7 @@ def test_success_threshold_sets_what_succeeds(tmp_path, capsys) -> None:
         runs = page.split("<table class='sortable runs'>")[1].split("</table>")[0]
         for k in (0, 1):  # each run's success over its own three episodes, never the six pooled
             rate = sum(rs[k] is not None and rs[k] >= threshold for rs in rewards.values()) / 3
-            assert re.search(rf"<td>training \(trl\) · run-{k}</td><td>echo train</td><td class=num data-v=\"3\">3</td>"
+            assert re.search(rf"<td>training · run-{k}</td><td>echo train</td><td class=num data-v=\"3\">3</td>"
                              rf"<td class=num data-v=\"3\">3</td><td class=num data-v=\"{rate}\">", runs), threshold
     out = tmp_path / "cli.html"
     assert main(["report", str(log), "-o", str(out), "--success-threshold", "0.5"]) == EXIT_OK
@@ -693,17 +693,23 @@ def test_two_runs_compared_task_by_task(before_after, tmp_path, capsys) -> None:
     info = json.loads(capsys.readouterr().out)
     assert info["run_names"] == ["before", "after"] and info["episodes"] == 24 and info["skipped"] == 0
     page = out.read_text()
-    assert page.index('id="runs"') < page.index('id="summary"')  # the comparison comes first
+    # the answer first, then each run apart, the curves, and the task table (collapsed)
+    assert page.index('id="headline"') < page.index('id="runs"') < page.index('id="curves"') < page.index('id="tasks"')
+    headline = page.split('id="headline"')[1].split('id="runs"')[0]
     assert ("after vs before: success 41.7% → 66.7% (+25.0 points) over 6 shared task(s); paired test over tasks "
-            "p = 0.625 (exact): within noise") in page
-    assert "Flipped, solved now, not before: 2 (echoenvironment train #0, echoenvironment train #1)" in page
-    assert "Flipped, solved before, not now: 1 (echoenvironment train #4)" in page
-    table = page.split("<table class='sortable compare'>")[1].split("</table>")[0]
-    rows = re.findall(r"<tr><td>echoenvironment</td><td>train #(\d)</td>.*?data-v=\"([-\d.]+)\">[^<]*</td></tr>",
-                      table)
-    assert rows == [("0", "1.0"), ("1", "1.0"), ("4", "-1.0"), ("2", "0.5"), ("3", "0.0"), ("5", "0.0")]
+            "p = 0.625 (exact): within noise") in headline
+    assert "Flipped, solved now, not before: 2 (echoenvironment train #0, echoenvironment train #1)" in headline
+    assert "Flipped, solved before, not now: 1 (echoenvironment train #4)" in headline
+    tasks = page.split('id="tasks"')[1].split("</section>")[0]
+    assert tasks.startswith("><h2>Tasks</h2><details id=task-table><summary>Per task: 6 task(s), in their numbers")
+    assert "after vs before: 3 improved, 1 worse, 2 unchanged, 0 not run by both before and after" in tasks
+    # grouped by change (improved, worse, unchanged), each group in task order: before, after, change, in sample
+    groups = [re.findall(r'data-task="train #(\d)">.*?data-v="([^"]*)".*?data-v="([^"]*)".*?data-v="([^"]*)"', g)
+              for g in re.split(r"<h3>", tasks)[1:]]
+    assert groups == [[("0", "0.0", "1.0", "1.0"), ("1", "0.0", "1.0", "1.0"), ("2", "0.5", "1.0", "0.5")],
+                      [("4", "1.0", "0.0", "-1.0")], [("3", "1.0", "1.0", "0.0"), ("5", "0.0", "0.0", "0.0")]]
     runs = page.split("<table class='sortable runs'>")[1].split("</table>")[0]
-    assert re.search(r"<td>before</td><td class=num data-v=\"12\">12</td><td class=num data-v=\"6\">6</td>"
+    assert re.search(r"<td>before</td><td>echoenvironment train</td><td class=num data-v=\"12\">12</td><td class=num data-v=\"6\">6</td>"
                      r"<td class=num data-v=\"0.4166", runs)
     assert runs.count('<td class=num data-v="1.0">100.0%</td>') == 2  # every episode graded, in both runs
     # pass@2 of "before": tasks with 0, 0, 1, 2, 2, 0 successes of 2 -> (0 + 0 + 1 + 1 + 1 + 0) / 6
@@ -730,7 +736,8 @@ def test_comparison_page_opens_in_chromium(before_after, chromium, tmp_path) -> 
     assert 'data-report-ready="1"' in dom, (result.returncode, result.stderr[-3000:])
     assert "data-js-error" not in re.search(r"<body[^>]*>", dom).group(0)
     assert '<p class="headline" data-verdict="noise">after vs before: success 41.7% → 66.7%' in dom
-    assert dom.count("<tr><td>echoenvironment</td><td>train #") == 6  # the comparison's rows
+    assert dom.count('<tr class="task" data-env="echoenvironment" data-task="train #') == 6  # the task rows
+    assert '<details id="task-table"><summary>' in dom  # collapsed: the answer is on the first screen
     assert '<option value="after">after</option>' in dom and '<option value="before">before</option>' in dom
     shot = tmp_path / "first-screen.png"
     run_chromium(chromium, tmp_path / "profile-shot", f"--screenshot={shot}", "--window-size=1280,800",

@@ -190,11 +190,10 @@ def _tasks(t: Tally, rows: list[_compare.Run], pairs: list[_compare.Pair]) -> st
     for title, member in groups:
         group = [(k, x) for k, x in items if member(k)]
         counts.append(f"{len(group)} {title[:1].lower() + title[1:]}")
-        if title:
-            parts.append(f"<h3>{_e(title)}: {len(group)}</h3>")
-        parts.append(_table(heads, (row(k, x) for k, x in group), "sortable tasks",
-                            (f' class=task data-env="{_e(k[0])}" data-task="{_e(k[1])}"' for k, _ in group))
-                     if group else "<p class=note>none</p>")
+        if group or not title:
+            parts.append((f"<h3>{_e(title)}: {len(group)}</h3>" if title else "") + _table(
+                heads, (row(k, x) for k, x in group), "sortable tasks",
+                (f' class=task data-env="{_e(k[0])}" data-task="{_e(k[1])}"' for k, _ in group)))
     what = f"{len(items)} task(s), in their numbers' order" + (
         f"; {pairs[0].other.name} vs {pairs[0].base.name}: " + ", ".join(counts) if first else "")
     note = (f"<p class=note>The {_MAX_ROWS} tasks with the most episodes of {len(ranked)}.</p>"

@@ -242,7 +242,7 @@ class Tally:
     @cached_property
     def run_names(self) -> dict[RunKey, str]:
         """Each run's label, else the parts of its key that differ between runs (with the run id where needed); a
-        training source is said as such: `training (trl)`."""
+        training source (`trl`, `engine`) is said as such: `training`."""
         auto = [k for k in self.runs if k[0] == "auto"]
         varies = [len({k[i] for k in auto}) > 1 for i in (1, 2, 3)]
         names: dict[RunKey, str] = {}
@@ -250,7 +250,7 @@ class Tally:
             if k[0] == "label":
                 names[k] = str(k[1])
                 continue
-            source = f"training ({k[1]})" if k[1] in TRAINING_SOURCES else k[1]
+            source = "training" if k[1] in TRAINING_SOURCES else k[1]
             parts = [str(p) for p, v in zip((source, *k[2:4]), varies, strict=True) if v and p]
             names[k] = " · ".join(parts) or str(source or k[4])
         alike = Counter(names[k] for k in auto)
