@@ -591,6 +591,20 @@ def task_cells(page: str) -> dict[str, list[str]]:
     return {task: re.findall(r'data-v="([^"]*)"', cells) for task, cells in rows}
 
 
+def test_tasks_are_in_their_numbers_order(tmp_path) -> None:
+    """`train #2` before `train #19` (not as strings: #10, #19, #2), in the table, the flips and the filters."""
+    order = [19, 2, 20, 1, 10]
+    before = write_lines(tmp_path / "before.jsonl", [v2(i, reward=0.0) for i in order])
+    after = write_lines(tmp_path / "after.jsonl", [v2(i, reward=1.0, run="host-1-2") for i in order])
+    out = tmp_path / "r.html"
+    write_report([], out, labels={"before": before, "after": after})
+    page = out.read_text()
+    assert list(task_cells(page)) == [f"train #{i}" for i in sorted(order)]
+    assert ("Flipped, solved now, not before: 5 (echo train #1, echo train #2, echo train #10, echo train #19, "
+            "echo train #20)") in page
+    assert "localeCompare(b, undefined, {numeric: true})" in page  # the episode browser's task filter too
+
+
 def test_success_threshold_sets_what_succeeds(tmp_path, capsys) -> None:
     rewards = {0: [1.0, 0.5], 1: [0.7, None], 2: [0.2, 0.0]}  # task: [run-0's reward, run-1's]
     log = write_lines(tmp_path / "e.jsonl", [v2(i, reward=r, run=f"run-{k}") for i, rs in rewards.items()
