@@ -741,6 +741,42 @@ def test_two_runs_compared_task_by_task(before_after, tmp_path, capsys) -> None:
     assert "outside the rewards seen (0 to 1)" in capsys.readouterr().err and not fresh.exists()
 
 
+def test_one_environment_on_two_ports_is_one_name_and_compares(make_server, tmp_path) -> None:
+    """The environment's own name in records, metrics and the eval report (not its server's `127.0.0.1:PORT`), so a
+    run on one port compares with a run on another; the page says where each ran."""
+    servers = [make_server("echo"), make_server("echo")]
+    assert servers[0].url != servers[1].url
+    outputs, flushed = [], []
+    for when, server, right in (("before", servers[0], BEFORE), ("after", servers[1], AFTER)):
+        log, out = tmp_path / f"train_{when}.jsonl", tmp_path / f"eval_{when}.jsonl"
+        spec = OpenRewardSpec(server.url, num_tasks=6, episode_log=str(log))  # no env_name: the server's one
+        try:
+            row = {k: v for k, v in spec.train_dataset[0].items() if k != "environment"}
+            env = spec.environment_factory()
+            env.reset(**row)
+            env.echo(text=row["target"])
+            logged: dict[str, float] = {}
+            assert spec.reward_funcs([env], log_metric=logged.__setitem__) == [1.0]
+            flushed.append(logged)
+            report = spec.evaluate(CountingEchoPolicy(right), repeats=2, output=str(out), progress=False)
+        finally:
+            spec.close()
+        assert spec.name == report.environment == "echoenvironment"
+        assert {r["environment"] for r in map(json.loads, [*log.read_text().splitlines(),
+                                                           *out.read_text().splitlines()])} == {"echoenvironment"}
+        assert {json.loads(line)["target"] for line in out.read_text().splitlines()} == {server.url}
+        outputs.append(out)
+    for metrics in flushed:
+        assert metrics["env/echoenvironment/episodes"] == 1 and "env/echoenvironment/sessions_open" in metrics
+        assert not [k for k in metrics if "127.0.0.1" in k]
+    page = tmp_path / "r.html"
+    write_report([], page, labels={"before": outputs[0], "after": outputs[1]})
+    text = page.read_text()
+    assert "after vs before: success 41.7% → 66.7% (+25.0 points) over 6 shared task(s)" in text
+    for when, server in zip(("before", "after"), servers, strict=True):  # where each ran: the two servers differ
+        assert f"<td>{when}</td><td>echoenvironment train at {server.url.split('://')[1]}</td>" in text
+
+
 def test_comparison_page_opens_in_chromium(before_after, chromium, tmp_path) -> None:
     before, after = before_after
     out = tmp_path / "r.html"

@@ -133,7 +133,6 @@ def write_report(inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str
             raise
         except Exception as exc:  # a record shaped like no version: counted on the page, the rest stands
             skipped[f"unreadable as an episode ({type(exc).__name__})"] += 1
-    tally.resolve()
     if success_threshold is not None:
         check_threshold(threshold, tally.rewards)
     sample = tally.sample()

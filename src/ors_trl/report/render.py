@@ -154,14 +154,10 @@ def _runs(t: Tally, rows: list[_compare.Run]) -> str:
 
     heads = ["run", "environment and split", "episodes", "tasks", "success rate", "pass@1 [95% over tasks]",
              f"pass@k (k ≤ {k_max})", "mean reward", "graded"]
-    aliases = "; ".join(f"{host} as {name}" for host, name in sorted(t.aliases.items()))
     return (_table(heads, map(row, rows[:_MAX_ROWS]), "sortable runs")
             + f"<p class=note>Success: reward &ge; {t.success_threshold:g}, over every episode (an unscored one "
               "counts as no success); mean reward over the graded ones. A training run's episodes are the "
-              "rollouts training scored, on its own tasks.</p>"
-            + (f"<p class=note id=aliases>Older records name no environment (the server's host stands in): taken "
-               f"as one environment, their shared tasks having the same prompts: {_e(cut(aliases, 2000))}.</p>"
-               if aliases else ""))
+              "rollouts training scored, on its own tasks.</p>")
 
 
 def _tasks(t: Tally, rows: list[_compare.Run], pairs: list[_compare.Pair]) -> str:

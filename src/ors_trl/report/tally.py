@@ -7,9 +7,7 @@ one such run's episodes of a task are refused). The sample (`max_episodes`, `SAM
 episodes reserved for each kind of problem, environment and run, then those of smallest hash (a stable pick).
 
 An environment is keyed by its own name (`environment`), whatever server (`target`) ran it, so runs of one
-environment on two ports compare. Older records of an unnamed environment hold the server's host there instead;
-`resolve` takes such hosts as one environment with each other, or with a named one, when every task they share has
-the same prompt.
+environment on two ports compare; the servers are kept to tell apart where a run's environment ran.
 """
 
 from __future__ import annotations
@@ -51,12 +49,10 @@ def host_of(target: Any) -> str | None:
     return text.split("://", 1)[1].rstrip("/") if "://" in text else text
 
 
-def place(rec: dict[str, Any]) -> tuple[str, str | None, bool]:
-    """The environment a record ran: (its name, else the host standing in for it; the host; whether it is named).
-    A server URL's host written as the name is a stand-in (older records of an environment not named)."""
-    host, name = host_of(rec.get("target")), rec.get("environment")
-    named = bool(name) and not ("://" in str(rec.get("target")) and label(name) == host)
-    return label(name or host or "(unknown)"), host, named
+def place(rec: dict[str, Any]) -> tuple[str, str | None]:
+    """The environment a record ran (its name, else its server's host) and that server's host."""
+    host = host_of(rec.get("target"))
+    return label(rec.get("environment") or host or "(unknown)"), host
 
 
 def _calls(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -95,9 +91,6 @@ class Tally:
         # run -> environment -> (splits, hosts): where each run's episodes ran
         self.places: defaultdict[RunKey, dict[str, tuple[set[str], set[str]]]] = defaultdict(dict)
         self.run_failures: defaultdict[RunKey, Counter[str]] = defaultdict(Counter)  # tool-call and episode errors
-        self.aliases: dict[str, str] = {}  # a host standing in for a name -> the environment `resolve` found it is
-        self._unnamed: set[str] = set()
-        self._prompts: dict[tuple[str, str], int | None] = {}  # (environment, task) -> its prompt's hash; None: varied
         self.rewards: list[float] = []  # the lowest and highest reward seen
         self._claims: dict[tuple[Any, ...], str] = {}  # (run, environment, task, repeat) -> the input holding it
         self.sources: Counter[str] = Counter()
@@ -112,7 +105,7 @@ class Tally:
 
     def add(self, rec: dict[str, Any], source: str, run_name: str | None = None, origin: str | None = None) -> None:
         """Count one record (current shape) of the input `source` and offer it to the sample."""
-        env, host, named = place(rec)
+        env, host = place(rec)
         task = _task_label(rec)
         run = self._run_of(rec, source, run_name, env, task, origin or source)
         splits, hosts = self.places[run].setdefault(env, (set(), set()))
@@ -120,12 +113,6 @@ class Tally:
             splits.add(label(rec.get("split") or "-"))
         if host and len(hosts) < _MAX_KINDS:
             hosts.add(host)
-        if not named:
-            self._unnamed.add(env)
-        if rec.get("prompt") is not None:
-            digest = hash(json.dumps([rec.get("system"), rec.get("prompt")], sort_keys=True, default=str))
-            if self._prompts.setdefault((env, task), digest) != digest:
-                self._prompts[(env, task)] = None
         reward = _number(rec.get("reward"))
         if reward is not None:
             self.rewards = [min([reward, *self.rewards[:1]]), max([reward, *self.rewards[1:]])]
@@ -170,70 +157,14 @@ class Tally:
         step = _number(rec.get("step"))
         run: RunKey = ("auto", label(rec.get("source") or "") or None, label(rec.get("policy") or "") or None,
                        None if step is None else f"step {step:g}", label(rec.get("run") or source))
-        self._claim((run, env, task, label(rec.get("repeat"))), origin, self._claims)
-        return run
-
-    @staticmethod
-    def _claim(claim: tuple[Any, ...], origin: str, claims: dict[tuple[Any, ...], str]) -> None:
-        """Note that `origin` holds this run's episode of a task; a second input holding it is refused."""
-        holder = claims.setdefault(claim, origin)
+        holder = self._claims.setdefault((run, env, task, label(rec.get("repeat"))), origin)
         if holder != origin:
-            run, env, task = claim[0], claim[1], claim[2]
             raise ConfigurationError(
                 f"{holder} and {origin} both hold episodes of one run (run id {run[4]}, source {run[1] or '-'}, "
                 f"policy {run[2] or '-'}) for the same task ({env} {task}), so they cannot be told apart; name them "
                 f"with --label NAME=FILE (write_report(labels=...)), e.g. --label before={holder} --label "
                 f"after={origin}")
-
-    def resolve(self) -> None:
-        """After the last record: each host standing in for an environment's name joins the environment (named or
-        another such host) whose shared tasks all have its prompts, if exactly one named one matches; the counts
-        are moved under that name (and a run's two inputs of one task there refused as `add` refuses them)."""
-        tasks: defaultdict[str, dict[str, int | None]] = defaultdict(dict)
-        for (env, task), digest in self._prompts.items():
-            tasks[env][task] = digest
-
-        def same(a: str, b: str) -> bool:
-            shared = tasks[a].keys() & tasks[b].keys()
-            return bool(shared) and all(tasks[a][t] is not None and tasks[a][t] == tasks[b][t] for t in shared)
-
-        group = {env: {env} for env in tasks}
-        for env in sorted(self._unnamed & tasks.keys()):
-            matches = [other for other in tasks if other != env and same(env, other)]
-            if sum(m not in self._unnamed for m in matches) > 1:
-                continue
-            for other in matches:
-                if group[other] is not group[env]:
-                    joined = group[env] | group[other]
-                    for member in joined:
-                        group[member] = joined
-        for members in {id(g): g for g in group.values() if len(g) > 1}.values():
-            named = sorted(members - self._unnamed)
-            if len(named) > 1:
-                continue
-            name = named[0] if named else "unnamed environment at " + ", ".join(sorted(members))
-            self.aliases.update((m, name) for m in members if m != name)
-        if not self.aliases:
-            return
-        a = self.aliases.get
-        for attr in ("tasks", "run_tasks"):
-            moved: defaultdict[Any, EpisodeStats] = defaultdict(self._stats)
-            for key, stats in getattr(self, attr).items():
-                moved[(*key[:-2], a(key[-2], key[-2]), key[-1])].merge(stats)
-            setattr(self, attr, moved)
-        for run, envs in self.places.items():
-            merged: dict[str, tuple[set[str], set[str]]] = {}
-            for env, (splits, hosts) in envs.items():
-                into = merged.setdefault(a(env, env), (set(), set()))
-                into[0].update(splits)
-                into[1].update(hosts)
-            self.places[run] = merged
-        for samples in (self.open_s, self.call_s):
-            for env in [e for e in samples if e in self.aliases]:
-                samples[self.aliases[env]].extend(samples.pop(env))
-        claims: dict[tuple[Any, ...], str] = {}
-        for (run, env, task, repeat), origin in self._claims.items():
-            self._claim((run, a(env, env), task, repeat), origin, claims)
+        return run
 
     def hosts(self, env: str) -> list[str]:
         """The servers that ran an environment, over every run."""
@@ -299,7 +230,6 @@ class Tally:
         chosen, size, clipped, left_out = [], 0, 0, 0
         for seq, ep in order.items():
             ep["run"] = self.run_names.get(ep["run"], ep["run"])
-            ep["env"] = self.aliases.get(ep["env"], ep["env"])
             rec = ep["rec"]
             ep["rec"] = jsonable(rec)  # JSON.parse-able: no NaN, no lone surrogate, bounded depth
             n = len(json.dumps(ep, ensure_ascii=False))
