@@ -191,8 +191,9 @@ def test_report_of_real_episodes(logs, tmp_path, no_leaked_sessions) -> None:
     # the runs: training in this process and in the subprocess (told apart by run id), and one eval per policy
     records = [json.loads(line) for key in LOGS for line in logs[key].read_text().splitlines()]
     here, sub = records[0]["run"], json.loads(logs["sub"].read_text())["run"]
-    assert summary.runs == 5 and summary.run_names == [f"trl · {here}", f"trl · {sub}", "eval · scripted-echo",
-                                                        "eval · scripted-quiz", "eval · scripted-judge"]
+    assert summary.runs == 5 and summary.run_names == [f"training · {here}", f"training · {sub}",
+                                                        "eval · scripted-echo", "eval · scripted-quiz",
+                                                        "eval · scripted-judge"]
     assert summary.trainer_states == 1 and summary.log_steps == 3  # checkpoint-3, not checkpoint-2
     page = out.read_text(encoding="utf-8")
     assert_self_contained(page)
@@ -217,7 +218,8 @@ def test_report_of_real_episodes(logs, tmp_path, no_leaked_sessions) -> None:
     assert all(isinstance(e["rec"]["group_reward"], float) for e in episodes if e["env"] == "judgeenvironment")
 
     # The summary and the task table: rewards, failures by reason, end and unscored reasons, latencies.
-    for text in ("Tool-call failures by reason", "refused", "failed", "no_reward", "finished", "no_tool_calls",
+    for text in ("tool call failed: refused", "tool call failed: failed", "unscored: no_reward", "end: finished",
+                 "end: no_tool_calls", "refused", "failed", "no_reward", "finished", "no_tool_calls",
                  "session open (timings.open)", "tool call (seconds)", "train #0", "train #3", "echoenvironment",
                  "sparseenvironment", "scripted-echo"):
         assert text in page or text in json.dumps(episodes), text
@@ -330,7 +332,7 @@ def test_inputs_are_recognised_by_content(tmp_path) -> None:
     assert [c["name"] for c in calls] == ["echo", "echo"] and calls[1]["error"] == {
         "kind": "refused", "message": "1 validation error"}
     assert old["tags"] == ["failure: refused", "unscored: no_reward"] and old["run"] == "old.jsonl"
-    assert "Tool-call failures by reason" in page and ">refused<" in page
+    assert "<td>tool call failed: refused</td>" in page
 
 
 @pytest.mark.parametrize("name, content, message", [
@@ -392,10 +394,10 @@ def test_hostile_text_stays_text(tmp_path) -> None:
 
 def test_sample_is_bounded_deterministic_and_keeps_every_kind(tmp_path) -> None:
     records = [v2(i % 50, run=f"run-{i % 3}") for i in range(600)]
-    records[123] = v2(7, reward=None, unscored="timeout", end_reason="timeout", finished=False)
+    records[123] = v2(7, reward=None, unscored="timeout", end_reason="timeout", finished=False, run="run-0")
     records[321]["turns"][0]["tool_calls"][0].update(error={"kind": "expired", "message": "gone"}, reward=None)
     records[456] = v2(8, reward=None, unscored="error", end_reason="error",
-                      error={"kind": "transport", "message": "refused"})
+                      error={"kind": "transport", "message": "refused"}, run="run-0")
     log = write_lines(tmp_path / "e.jsonl", records)
     summary = write_report([log], tmp_path / "a.html", max_episodes=20)
     page = (tmp_path / "a.html").read_text()
@@ -405,9 +407,10 @@ def test_sample_is_bounded_deterministic_and_keeps_every_kind(tmp_path) -> None:
     assert len(data) == 20
     tags = {t for e in data for t in e["tags"]}
     assert {"unscored: timeout", "failure: expired", "error: transport", "unscored: error"} <= tags
-    assert {"run-0", "run-1", "run-2"} <= {e["run"] for e in data}
-    # the summary still counts all 600
-    assert ">600<" in page and "Tool-call failures by reason" in page
+    assert {f"training · run-{i}" for i in range(3)} <= {e["run"] for e in data}
+    # the per-run table still counts all 600
+    runs = page.split("<table class='sortable runs'>")[1].split("</table>")[0]
+    assert runs.count('<td class=num data-v="200">200</td>') == 3 and "tool call failed: expired" in page
     write_report([log], tmp_path / "b.html", max_episodes=20)
     assert _episode_data((tmp_path / "b.html").read_text()) == data  # the same sample every time
     assert write_report([log], tmp_path / "c.html", max_episodes=0).embedded == 0
@@ -581,28 +584,44 @@ def test_a_key_in_the_inputs_is_not_spread(tmp_path, capsys) -> None:
 
 
 def task_cells(page: str) -> dict[str, list[str]]:
-    """The per-task table: task -> the sort values of its number cells (episodes, mean reward, graded, finished,
-    success rate, tool calls / episode, tool-call failures, in sample)."""
+    """The per-task table: task -> the sort values of its number cells (one run: episodes, mean reward, graded,
+    finished, success rate, tool calls / episode, tool-call failures, no tool call; several: each run's success, the
+    change; then in sample)."""
     rows = re.findall(r'<tr class=task data-env="[^"]*" data-task="([^"]*)">(.*?)</tr>', page)
     return {task: re.findall(r'data-v="([^"]*)"', cells) for task, cells in rows}
 
 
+def test_tasks_are_in_their_numbers_order(tmp_path) -> None:
+    """`train #2` before `train #19` (not as strings: #10, #19, #2), in the table, the flips and the filters."""
+    order = [19, 2, 20, 1, 10]
+    before = write_lines(tmp_path / "before.jsonl", [v2(i, reward=0.0) for i in order])
+    after = write_lines(tmp_path / "after.jsonl", [v2(i, reward=1.0, run="host-1-2") for i in order])
+    out = tmp_path / "r.html"
+    write_report([], out, labels={"before": before, "after": after})
+    page = out.read_text()
+    assert list(task_cells(page)) == [f"train #{i}" for i in sorted(order)]
+    assert ("Flipped, solved now, not before: 5 (echo train #1, echo train #2, echo train #10, echo train #19, "
+            "echo train #20)") in page
+    assert "localeCompare(b, undefined, {numeric: true})" in page  # the episode browser's task filter too
+
+
 def test_success_threshold_sets_what_succeeds(tmp_path, capsys) -> None:
-    rewards = {0: [1.0, 0.5], 1: [0.7, None], 2: [0.2, 0.0]}
+    rewards = {0: [1.0, 0.5], 1: [0.7, None], 2: [0.2, 0.0]}  # task: [run-0's reward, run-1's]
     log = write_lines(tmp_path / "e.jsonl", [v2(i, reward=r, run=f"run-{k}") for i, rs in rewards.items()
                                              for k, r in enumerate(rs)])
-    expected = {1.0: {0: 0.5, 1: 0.0, 2: 0.0}, 0.5: {0: 1.0, 1: 0.5, 2: 0.0}, 0.1: {0: 1.0, 1: 0.5, 2: 0.5}}
-    for threshold, by_task in expected.items():
+    for threshold in (1.0, 0.5, 0.1):
         out = tmp_path / f"r-{threshold}.html"
         kwargs = {} if threshold == 1.0 else {"success_threshold": threshold}  # 1.0: the default
         write_report(log if threshold == 0.1 else [log], out, **kwargs)  # one input needs no list
         page = out.read_text()
-        cells = task_cells(page)
-        assert {int(task.split("#")[1]): float(v[4]) for task, v in cells.items()} == by_task, threshold
-        assert f"Success: reward &ge; {threshold:g}" in page and f"reward ≥ {threshold:g}, of every episode" in page
-        total = sum(r is not None and r >= threshold for rs in rewards.values() for r in rs) / 6
-        assert f"<div class=k>success rate</div><div class=v>{total:.1%}</div>" in page
-    assert re.search(r"<h3>Per run</h3><table class='sortable runs'>.*?<td>run-0</td><td class=num data-v=\"3\">", page)
+        by_task = {i: [float(r is not None and r >= threshold) for r in rs] for i, rs in rewards.items()}
+        assert {int(task.split("#")[1]): [float(x) for x in v[:2]] for task, v in task_cells(page).items()} == by_task
+        assert f"Success: reward &ge; {threshold:g}" in page
+        runs = page.split("<table class='sortable runs'>")[1].split("</table>")[0]
+        for k in (0, 1):  # each run's success over its own three episodes, never the six pooled
+            rate = sum(rs[k] is not None and rs[k] >= threshold for rs in rewards.values()) / 3
+            assert re.search(rf"<td>training · run-{k}</td><td>echo train</td><td class=num data-v=\"3\">3</td>"
+                             rf"<td class=num data-v=\"3\">3</td><td class=num data-v=\"{rate}\">", runs), threshold
     out = tmp_path / "cli.html"
     assert main(["report", str(log), "-o", str(out), "--success-threshold", "0.5"]) == EXIT_OK
     assert task_cells(out.read_text()) == task_cells((tmp_path / "r-0.5.html").read_text())
@@ -688,17 +707,23 @@ def test_two_runs_compared_task_by_task(before_after, tmp_path, capsys) -> None:
     info = json.loads(capsys.readouterr().out)
     assert info["run_names"] == ["before", "after"] and info["episodes"] == 24 and info["skipped"] == 0
     page = out.read_text()
-    assert page.index('id="runs"') < page.index('id="summary"')  # the comparison comes first
+    # the answer first, then each run apart, the curves, and the task table (collapsed)
+    assert page.index('id="headline"') < page.index('id="runs"') < page.index('id="curves"') < page.index('id="tasks"')
+    headline = page.split('id="headline"')[1].split('id="runs"')[0]
     assert ("after vs before: success 41.7% → 66.7% (+25.0 points) over 6 shared task(s); paired test over tasks "
-            "p = 0.625 (exact): within noise") in page
-    assert "Flipped, solved now, not before: 2 (echoenvironment train #0, echoenvironment train #1)" in page
-    assert "Flipped, solved before, not now: 1 (echoenvironment train #4)" in page
-    table = page.split("<table class='sortable compare'>")[1].split("</table>")[0]
-    rows = re.findall(r"<tr><td>echoenvironment</td><td>train #(\d)</td>.*?data-v=\"([-\d.]+)\">[^<]*</td></tr>",
-                      table)
-    assert rows == [("0", "1.0"), ("1", "1.0"), ("4", "-1.0"), ("2", "0.5"), ("3", "0.0"), ("5", "0.0")]
+            "p = 0.625 (exact): within noise") in headline
+    assert "Flipped, solved now, not before: 2 (echoenvironment train #0, echoenvironment train #1)" in headline
+    assert "Flipped, solved before, not now: 1 (echoenvironment train #4)" in headline
+    tasks = page.split('id="tasks"')[1].split("</section>")[0]
+    assert tasks.startswith("><h2>Tasks</h2><details id=task-table><summary>Per task: 6 task(s), in their numbers")
+    assert "after vs before: 3 improved, 1 worse, 2 unchanged, 0 not run by both before and after" in tasks
+    # grouped by change (improved, worse, unchanged), each group in task order: before, after, change, in sample
+    groups = [re.findall(r'data-task="train #(\d)">.*?data-v="([^"]*)".*?data-v="([^"]*)".*?data-v="([^"]*)"', g)
+              for g in re.split(r"<h3>", tasks)[1:]]
+    assert groups == [[("0", "0.0", "1.0", "1.0"), ("1", "0.0", "1.0", "1.0"), ("2", "0.5", "1.0", "0.5")],
+                      [("4", "1.0", "0.0", "-1.0")], [("3", "1.0", "1.0", "0.0"), ("5", "0.0", "0.0", "0.0")]]
     runs = page.split("<table class='sortable runs'>")[1].split("</table>")[0]
-    assert re.search(r"<td>before</td><td class=num data-v=\"12\">12</td><td class=num data-v=\"6\">6</td>"
+    assert re.search(r"<td>before</td><td>echoenvironment train</td><td class=num data-v=\"12\">12</td><td class=num data-v=\"6\">6</td>"
                      r"<td class=num data-v=\"0.4166", runs)
     assert runs.count('<td class=num data-v="1.0">100.0%</td>') == 2  # every episode graded, in both runs
     # pass@2 of "before": tasks with 0, 0, 1, 2, 2, 0 successes of 2 -> (0 + 0 + 1 + 1 + 1 + 0) / 6
@@ -716,6 +741,42 @@ def test_two_runs_compared_task_by_task(before_after, tmp_path, capsys) -> None:
     assert "outside the rewards seen (0 to 1)" in capsys.readouterr().err and not fresh.exists()
 
 
+def test_one_environment_on_two_ports_is_one_name_and_compares(make_server, tmp_path) -> None:
+    """The environment's own name in records, metrics and the eval report (not its server's `127.0.0.1:PORT`), so a
+    run on one port compares with a run on another; the page says where each ran."""
+    servers = [make_server("echo"), make_server("echo")]
+    assert servers[0].url != servers[1].url
+    outputs, flushed = [], []
+    for when, server, right in (("before", servers[0], BEFORE), ("after", servers[1], AFTER)):
+        log, out = tmp_path / f"train_{when}.jsonl", tmp_path / f"eval_{when}.jsonl"
+        spec = OpenRewardSpec(server.url, num_tasks=6, episode_log=str(log))  # no env_name: the server's one
+        try:
+            row = {k: v for k, v in spec.train_dataset[0].items() if k != "environment"}
+            env = spec.environment_factory()
+            env.reset(**row)
+            env.echo(text=row["target"])
+            logged: dict[str, float] = {}
+            assert spec.reward_funcs([env], log_metric=logged.__setitem__) == [1.0]
+            flushed.append(logged)
+            report = spec.evaluate(CountingEchoPolicy(right), repeats=2, output=str(out), progress=False)
+        finally:
+            spec.close()
+        assert spec.name == report.environment == "echoenvironment"
+        assert {r["environment"] for r in map(json.loads, [*log.read_text().splitlines(),
+                                                           *out.read_text().splitlines()])} == {"echoenvironment"}
+        assert {json.loads(line)["target"] for line in out.read_text().splitlines()} == {server.url}
+        outputs.append(out)
+    for metrics in flushed:
+        assert metrics["env/echoenvironment/episodes"] == 1 and "env/echoenvironment/sessions_open" in metrics
+        assert not [k for k in metrics if "127.0.0.1" in k]
+    page = tmp_path / "r.html"
+    write_report([], page, labels={"before": outputs[0], "after": outputs[1]})
+    text = page.read_text()
+    assert "after vs before: success 41.7% → 66.7% (+25.0 points) over 6 shared task(s)" in text
+    for when, server in zip(("before", "after"), servers, strict=True):  # where each ran: the two servers differ
+        assert f"<td>{when}</td><td>echoenvironment train at {server.url.split('://')[1]}</td>" in text
+
+
 def test_comparison_page_opens_in_chromium(before_after, chromium, tmp_path) -> None:
     before, after = before_after
     out = tmp_path / "r.html"
@@ -725,7 +786,8 @@ def test_comparison_page_opens_in_chromium(before_after, chromium, tmp_path) -> 
     assert 'data-report-ready="1"' in dom, (result.returncode, result.stderr[-3000:])
     assert "data-js-error" not in re.search(r"<body[^>]*>", dom).group(0)
     assert '<p class="headline" data-verdict="noise">after vs before: success 41.7% → 66.7%' in dom
-    assert dom.count("<tr><td>echoenvironment</td><td>train #") == 6  # the comparison's rows
+    assert dom.count('<tr class="task" data-env="echoenvironment" data-task="train #') == 6  # the task rows
+    assert '<details id="task-table"><summary>' in dom  # collapsed: the answer is on the first screen
     assert '<option value="after">after</option>' in dom and '<option value="before">before</option>' in dom
     shot = tmp_path / "first-screen.png"
     run_chromium(chromium, tmp_path / "profile-shot", f"--screenshot={shot}", "--window-size=1280,800",

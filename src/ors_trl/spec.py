@@ -120,7 +120,7 @@ _restored_lock = threading.Lock()
 
 
 def _restore(options: dict[str, Any], tools: tuple[Any, ...] | None,
-             joined: tuple[str, str | None] | None = None) -> OpenRewardSpec:
+             joined: tuple[str | None, str | None] | None = None) -> OpenRewardSpec:
     """A spec rebuilt from its pickled state, once per process (every copy of it shares sessions and metrics);
     `joined`: the name and episode log a mix gave it (`OpenRewardMix` renames its specs' runtimes)."""
     key = (repr(sorted(options.items(), key=lambda kv: kv[0])), repr(tools), repr(joined))
@@ -292,7 +292,7 @@ class OpenRewardSpec:
                                    timeouts=timeouts, retry=retry, keepalive_interval=keepalive_interval,
                                    max_sessions=max_sessions, max_session_rate=max_session_rate, toolset=toolset,
                                    toolset_fallback=toolset_fallback, env_overrides=env_overrides)
-        self._runtime = EnvironmentRuntime(self._client, self.name, options, _writer(episode_log))
+        self._runtime = EnvironmentRuntime(self._client, None, options, _writer(episode_log))
         #: Task sampling (`ors_trl.tasks.sampling`): draws the stream's tasks, hears the runtime's training episodes.
         self.curriculum = None if sampler is None else Curriculum(sampler, self._runtime)
         self._known: dict[int, Difficulty] | PlatformDifficulty | None = None
@@ -329,7 +329,7 @@ class OpenRewardSpec:
         rt = self._runtime
         log = str(rt.recorder.path) if rt.recorder is not None else None
         own_log = self._options["episode_log"]
-        joined = (rt.name, log) if rt.name != self.name or log != (own_log and str(Path(own_log))) else None
+        joined = (rt.given_name, log) if rt.given_name is not None or log != (own_log and str(Path(own_log))) else None
         return _restore, (self._options, tools, joined)
 
     # -- identity ----------------------------------------------------------------------------------
@@ -346,11 +346,8 @@ class OpenRewardSpec:
 
     @property
     def name(self) -> str:
-        """A short name for logs and metrics: the environment name, else the catalog name or host."""
-        t = self._client.target
-        if self._client.requested_env:
-            return self._client.requested_env.lower()
-        return t.name if t.kind == "catalog" else t.name.split("://", 1)[1].rstrip("/")
+        """A short name for logs, metrics and records: the environment's (`AsyncClient.env_label`)."""
+        return self._client.env_label
 
     @property
     def client(self) -> AsyncClient:
@@ -644,7 +641,7 @@ class OpenRewardSpec:
                                  "task_sampling": "uniform", "difficulty": None, "difficulty_from": None})
         held._set_tools(*self._tools)  # the tools training binds
         rt = held.runtime
-        rt.rename(self._runtime.name, rt.metrics, self._runtime.recorder)  # its own metrics, the training's log
+        rt.rename(self._runtime.given_name, rt.metrics, self._runtime.recorder)  # its own metrics, the training's log
         rt.uploads = self._runtime.uploads
         indices, _ = held.run(held.select_tasks())
         return EvalCallback(held, held.dataset_rows(indices)["prompt"], every=every, repeats=repeats, at_start=at_start)

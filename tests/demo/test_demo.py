@@ -96,11 +96,12 @@ def test_look_grpo_through_the_spec(look_server, tmp_path) -> None:
     if result.report is not None:  # ors_trl.report is there: the page covers the training episodes
         page = Path(result.report).read_text(encoding="utf-8")
         assert "<html" in page.lower() and LOOK in page
-        # the page opens with after against before, over the same held-out tasks, as the table's success rates
-        first = page.split('id="summary"')[0]
+        # the page opens with after against before, over the same held-out tasks, as the table's success rates;
+        # then a row per run, training apart, before the curves and the (collapsed) task table
+        headline, first = page.split('id="runs"')[0], page.split('id="curves"')[0]
         before, after = result.before["success_rate"], result.after["success_rate"]
-        assert f"after vs before: success {before:.1%} → {after:.1%}" in first
-        assert "<td>before</td>" in first and "<td>after</td>" in first and "<td>trl</td>" in first
+        assert f"after vs before: success {before:.1%} → {after:.1%}" in headline.split('id="headline"')[1]
+        assert "<td>before</td>" in first and "<td>after</td>" in first and "<td>training</td>" in first
     assert (tmp_path / "trainer_state.json").exists()
     look_server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=10)  # nothing left open
 

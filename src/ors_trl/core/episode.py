@@ -219,12 +219,12 @@ def _refusal(tool: str, reason: str, why: str) -> ToolRefusedError:
 class EnvironmentRuntime:
     """What every episode of one environment shares; one per spec.
 
-    `client` is the environment's (its sessions live on the background loop), `name` its name in metrics and records,
-    `recorder` the writer of every finished episode's record (or None). `options` are the spec's (`OpenRewardSpec`
+    `client` is the environment's (its sessions live on the background loop), `name` its name in metrics and records
+    (the one a mix gave it, else the environment's own, `AsyncClient.env_label`), `recorder` the writer of every finished episode's record (or None). `options` are the spec's (`OpenRewardSpec`
     documents each); the runtime keeps those its episodes and drivers read.
     """
 
-    def __init__(self, client: AsyncClient, name: str, options: Mapping[str, Any],
+    def __init__(self, client: AsyncClient, name: str | None, options: Mapping[str, Any],
                  recorder: RecordWriter | None = None) -> None:
         self.client, self.recorder = client, recorder
         self.rename(name, EnvMetrics(float(options["success_threshold"])), recorder)
@@ -248,7 +248,7 @@ class EnvironmentRuntime:
         self.uses_messages: bool | None = None  # /messages supported (None: not known yet)
         self.block_types: tuple[str, ...] | None = None  # block types the server accepts in messages
         self.supports_score_group = False
-        self.key = f"{name}-{id(self):x}"
+        self.key = f"{self.name}-{id(self):x}"
         _RUNTIMES[self.key] = self
         self.prompt_cache: dict[str, Prompt] = {}
         self.prompt_mismatches = 0
@@ -275,10 +275,17 @@ class EnvironmentRuntime:
         """The trainer driving this environment, while it exists (held weakly: a model is not kept alive)."""
         return self._trainer() if self._trainer is not None else None
 
-    def rename(self, name: str, metrics: EnvMetrics, recorder: RecordWriter | None) -> None:
-        """Report under `name` into `metrics` and `recorder` (None: keep the current one); how a mix takes it in."""
-        self.name, self.metrics = name, metrics
-        metrics._set_open_sessions_gauge(name, lambda: self.client.open_sessions)
+    @property
+    def name(self) -> str:
+        """Its name in metrics and records: the one given, else the environment's (known once the client resolved it:
+        an episode's records and metrics come after its session opened)."""
+        return self.given_name or self.client.env_label
+
+    def rename(self, name: str | None, metrics: EnvMetrics, recorder: RecordWriter | None) -> None:
+        """Report under `name` (None: the environment's own) into `metrics` and `recorder` (None: keep the current
+        one); how a mix takes it in."""
+        self.given_name, self.metrics = name, metrics
+        metrics._set_open_sessions_gauge(id(self), lambda: self.name, lambda: self.client.open_sessions)
         if recorder is not None:
             self.recorder = recorder
 

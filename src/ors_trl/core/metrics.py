@@ -13,7 +13,7 @@ import logging
 import math
 import threading
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, get_args
 
@@ -234,7 +234,7 @@ class EnvMetrics:
         self._calling: set[str] = set()  # environments whose last step was below the warning share
         self._lock = threading.Lock()
         self._windows: dict[str, _Window] = defaultdict(self._window)
-        self._gauges: dict[str, object] = {}
+        self._gauges: dict[int, tuple[Callable[[], str], Callable[[], int]]] = {}  # owner -> (its name, the gauge)
 
     def _window(self) -> _Window:
         return _Window(EpisodeStats(self.success_threshold))
@@ -243,9 +243,10 @@ class EnvMetrics:
         if seconds is not None and len(latency) < self.MAX_SAMPLES:
             latency.append(seconds)
 
-    def _set_open_sessions_gauge(self, env: str, gauge: object) -> None:
-        """Report `gauge()` (a callable) as `env/<name>/sessions_open` at every flush."""
-        self._gauges[env] = gauge
+    def _set_open_sessions_gauge(self, owner: int, name: Callable[[], str], gauge: Callable[[], int]) -> None:
+        """Report `gauge()` as `env/<name()>/sessions_open` at every flush (the name read then: an environment's is
+        known once its server said it)."""
+        self._gauges[owner] = (name, gauge)
 
     def _record_open(self, env: str, seconds: float | None, error_kind: str | None = None) -> None:
         """One session open (`seconds` None: no latency sample), or one that failed."""
@@ -319,9 +320,9 @@ class EnvMetrics:
             _add(total, w)
         if len(windows) > 1:
             out.update(_window_metrics("env/", total))
-        for env, gauge in sorted(self._gauges.items()):
+        for name, gauge in list(self._gauges.values()):
             try:
-                out[f"env/{env}/sessions_open"] = float(gauge())  # type: ignore[operator]
+                out[f"env/{name()}/sessions_open"] = float(gauge())
             except Exception:  # a gauge must never break logging
                 continue
         return out

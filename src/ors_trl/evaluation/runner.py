@@ -174,7 +174,7 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | No
     out_path = opts.path
     started = time.monotonic()
     bg, client, split = get_loop(), runtime.client, runtime.split
-    environment = bg.run(client.environment())
+    environment = bg.run(client.environment())  # resolved: the runtime's name is the environment's from here
     selected = list(dict.fromkeys(select(bg.run(client.num_tasks(split)), split, opts.num_tasks, opts.indices,
                                          warn=False)))
     keys: list[EpisodeKey] = [(split, i, r) for i in selected for r in range(opts.repeats)]
@@ -198,7 +198,7 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | No
     if opts.progress and todo:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(keys), initial=len(kept), desc=escape_controls(f"eval {environment or runtime.name}"),
+        bar = tqdm(total=len(keys), initial=len(kept), desc=escape_controls(f"eval {runtime.name}"),
                    unit="ep", file=sys.stderr, dynamic_ncols=True)
     generator, policy_name = as_generator(policy_obj), describe_policy(policy_obj)
     rules = Rules(max_replies=opts.max_turns, error_text=_trl.error_text,
@@ -272,7 +272,7 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | No
     threshold = DEFAULT_SUCCESS_THRESHOLD if opts.success_threshold is None else opts.success_threshold
     return EvalReport.from_episodes(
         [by_key[k] for k in keys if k in by_key], success_threshold=threshold, target=client.target.name,
-        environment=environment, split=split, policy=policy_name, num_resumed=len(kept),
+        environment=runtime.name, split=split, policy=policy_name, num_resumed=len(kept),
         seconds=round(time.monotonic() - started, 3), output=os.fspath(out_path) if out_path is not None else None,
         uploads=uploads.counts() if uploads is not None else None)
 
@@ -298,7 +298,7 @@ class EvalReport:
         target (`str`):
             The target evaluated (a catalog name or a server's URL).
         environment (`str` or `None`):
-            The environment evaluated on that server.
+            The environment evaluated on that server, named as in its records and metrics.
         split (`str`):
             The split of its tasks.
         policy (`str`):

@@ -371,6 +371,16 @@ class AsyncClient:
         return self._transport.timeouts
 
     @property
+    def env_label(self) -> str:
+        """The environment's name in logs, metrics and records: the one asked for (`env_name`), else the server's once
+        resolved (so one environment served on two ports has one name), else the catalog name or the server's host;
+        lower case."""
+        env = self.requested_env or (self._env if self._env_resolved else None)
+        if env:
+            return env.lower()
+        return self.target.name if not self.target.is_url else self.target.name.split("://", 1)[1].rstrip("/")
+
+    @property
     def open_sessions(self) -> int:
         """Sessions opened through this client and not yet closed."""
         return len(self._pool)

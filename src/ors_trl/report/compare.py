@@ -1,5 +1,6 @@
 """Runs side by side: a row per run (success, pass@k with an interval over tasks, tool-call health) and, for every
 run sharing tasks with the first one (the baseline), the tasks that changed, those that flipped, and a paired test.
+Tasks are in their numbers' order (`task_order`: `test #2` before `test #19`).
 
 A task's success is its share of successful episodes (its pass@1); it is solved at a share of at least one half,
 and flipped when solved in one run and not the other. The test (`ors_trl.core.stats.paired_test`, a sign-flip
@@ -8,6 +9,7 @@ permutation test) compares the two runs' per-task shares.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,12 @@ from .tally import RunKey, Tally
 
 #: The p-value under which a difference is called beyond noise.
 ALPHA = 0.05
+_DIGITS = re.compile(r"(\d+)")
+
+
+def task_order(key: tuple[str, str]) -> list[Any]:
+    """An (environment, task) sort key that reads numbers as numbers: `test #2` before `test #19`."""
+    return [[int(p) if i % 2 else p for i, p in enumerate(_DIGITS.split(text))] for text in key]
 
 
 @dataclass
@@ -33,7 +41,7 @@ class Run:
 
 @dataclass
 class Pair:
-    """A run against the baseline over the tasks both ran: each task's two cells, largest change first."""
+    """A run against the baseline over the tasks both ran: each task's two cells, in task order."""
 
     base: Run
     other: Run
@@ -42,6 +50,10 @@ class Pair:
     other_rate: float
     p: float
     method: str
+
+    def changes(self) -> dict[tuple[str, str], float]:
+        """Each shared task's change of success (the other run's share less the baseline's)."""
+        return {task: b.success_rate - a.success_rate for task, a, b in self.tasks}
 
     def flipped(self, up: bool) -> list[tuple[str, str]]:
         """The tasks solved in the other run and not in the baseline (`up`), or the other way round."""
@@ -69,12 +81,11 @@ def pairs(rows: list[Run]) -> list[Pair]:
         return []
     base, out = rows[0], []
     for other in rows[1:]:
-        shared = [(task, base.tasks[task], cell) for task, cell in other.tasks.items() if task in base.tasks]
+        shared = sorted(((task, base.tasks[task], cell) for task, cell in other.tasks.items() if task in base.tasks),
+                        key=lambda t: task_order(t[0]))
         if not shared:
             continue
-        diffs = {task: b.success_rate - a.success_rate for task, a, b in shared}
-        shared.sort(key=lambda t: (-abs(diffs[t[0]]), -diffs[t[0]], t[0]))
-        p, method = paired_test([diffs[task] for task, _, _ in shared])
+        p, method = paired_test([b.success_rate - a.success_rate for _, a, b in shared])
         out.append(Pair(base, other, shared, sum(a.success_rate for _, a, _ in shared) / len(shared),
                         sum(b.success_rate for _, _, b in shared) / len(shared), p, method))
     return out
@@ -90,3 +101,11 @@ def headline(pair: Pair) -> dict[str, Any]:
                  "beyond)."),
         "verdict": ("better" if change > 0 else "worse") if beyond else "noise",
     }
+
+
+def run_line(run: Run) -> str:
+    """One run's success in words, for the page's first lines where no run is compared with another."""
+    one, (lo, hi) = run.pass_at_k.get(1), run.interval or (None, None)
+    return (f"{run.name}: success {run.stats.success_rate:.1%} of {run.stats.episodes} episode(s) over "
+            f"{len(run.tasks)} task(s)" + (f"; pass@1 {one:.3f} [{lo:.2f}, {hi:.2f}] over tasks" if lo is not None
+                                           and one is not None else "") + ".")

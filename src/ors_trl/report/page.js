@@ -190,7 +190,7 @@
   function uniq(key, eps) {
     var seen = {};
     eps.forEach(function (ep) { [].concat(ep[key]).forEach(function (v) { seen[v] = 1; }); });
-    return Object.keys(seen).sort();
+    return Object.keys(seen).sort(function (a, b) { return a.localeCompare(b, undefined, {numeric: true}); });
   }
   function taskOptions() {
     var env = filters.env.value;
@@ -226,7 +226,7 @@
             p = isNaN(p) ? -Infinity : p; q = isNaN(q) ? -Infinity : q;
             c = p === q ? 0 : (p < q ? -1 : 1);
           } else {
-            c = x.textContent.localeCompare(y.textContent);
+            c = x.textContent.localeCompare(y.textContent, undefined, {numeric: true});  // test #2 before test #19
           }
           return up ? c : -c;
         });

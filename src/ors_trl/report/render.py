@@ -29,7 +29,7 @@ from ..protocol.text import cut, repair
 from . import compare as _compare
 from .charts import curves
 from .inputs import Input
-from .tally import EMBED_TEXT, SAMPLE_BYTES, Sample, Tally
+from .tally import EMBED_TEXT, SAMPLE_BYTES, RunKey, Sample, Tally
 
 _MAX_ROWS = 10_000  # per table of tasks or runs; the ones with the most episodes are shown
 THUMB_SIZE = 160  # pixels on the longer side
@@ -86,6 +86,7 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], cls: str = "",
 
 _STATS_HEADS = ("episodes", "mean reward", "graded", "finished", "success rate", "tool calls / episode",
                 "tool-call failures", "no tool call")
+_MAX_RUN_COLUMNS = 8  # runs the per-task table gives a column each (the first ones, the baseline first)
 
 
 def _stats_cells(s: EpisodeStats) -> list[Any]:
@@ -94,10 +95,9 @@ def _stats_cells(s: EpisodeStats) -> list[Any]:
             _f(s.share(s.tool_calls), 2), s.tool_failures, _p(s.no_call_rate)]
 
 
-def _counts(title: str, counter: Counter[str], total: int, what: str) -> str:
-    rows = [(k, n, (_pct(n / total if total else None), n)) for k, n in counter.most_common()]
-    body = _table(["reason", "count", f"of {what}"], rows) if rows else "<p class=note>none</p>"
-    return f"<div class=box><h3>{_e(title)}</h3>{body}</div>"
+def _of(x: EpisodeStats | None) -> tuple[str, float | None]:
+    """A task's success in one run, as a cell: `50.0% of 2` (`–`: the run did not run it)."""
+    return ("–", None) if x is None else (f"{_pct(x.success_rate)} of {x.episodes}", x.success_rate)
 
 
 def _latency_rows(name: str, samples: dict[str, array[float]], envs: list[str]) -> list[list[Any]]:
@@ -109,97 +109,133 @@ def _latency_rows(name: str, samples: dict[str, array[float]], envs: list[str]) 
             for scope, values in scopes]
 
 
-def _summary(t: Tally) -> str:
-    s = t.total
-    envs = sorted(t.envs)
-    cards = [
-        ("environments", str(len(envs)), ", ".join(envs) or "–"),
-        ("runs", str(sum(1 for r in t.runs.values() if r.episodes)),
-         "by source: " + ", ".join(f"{k} {n}" for k, n in t.sources.most_common())),
-        ("episodes", str(s.episodes), f"{len(t.tasks)} task(s)"),
-        ("mean reward", _fmt(s.mean_reward), f"over {s.scored} graded episode(s)"),
-        ("success rate", _pct(s.success_rate), f"reward ≥ {t.success_threshold:g}, of every episode"),
-        ("graded", _pct(s.coverage), "reward is not None"),
-        ("finished", _pct(s.share(s.finished)), "the environment said the episode is over"),
-        ("tool calls", str(s.tool_calls), f"{_fmt(s.share(s.tool_calls), 2)} per episode"),
-        ("tool-call failures", str(s.tool_failures),
-         _pct(s.tool_failures / s.tool_calls) + " of calls" if s.tool_calls else "–"),
-        ("no tool call", _pct(s.no_call_rate), "of episodes: the model called no tool"),
-        ("unparsed tool calls", str(s.unparsed_turns),
-         f"{_pct(s.unparsed_rate)} of model turns wrote tool-call markup that parsed to no call"),
-        ("malformed arguments", str(s.malformed_calls), "calls refused: arguments not the tool's schema"),
-    ]
-    if s.group_scored:
-        cards.append(("group-scored", str(s.group_scored), "episodes with a group_reward"))
-    if s.sessions:
-        cards.append(("session-seconds", f"{s.session_seconds:.0f}",
-                      f"{s.session_seconds_unscored:.0f} on unscored episodes; {s.sessions} session(s)"))
-    counts = [("Tool-call failures by reason (error.kind; a terminal tool's grading included)", t.call_failures,
-               s.tool_calls, "calls"), ("Episode errors (error.kind)", t.episode_errors, s.episodes, "episodes"),
-              ("End reasons (end_reason)", s.end_reasons, s.episodes, "episodes"),
-              ("Unscored reasons (unscored)", s.unscored, s.episodes, "episodes")]
-    latency = (_latency_rows("session open (timings.open)", t.open_s, envs)
-               + _latency_rows("tool call (seconds)", t.call_s, envs))
-    return ("<div class=cards>" + "".join(f"<div class=card><div class=k>{_e(k)}</div><div class=v>{_e(v)}</div>"
-                                          f"<div class=h>{_e(h)}</div></div>" for k, v, h in cards)
-            + "</div><div class=boxes>" + "".join(_counts(*c) for c in counts) + "</div><h3>Per environment</h3>"
-            + _table(["environment", *_STATS_HEADS], ([env, *_stats_cells(x)] for env, x in sorted(t.envs.items())),
-                     "sortable")
-            + "<h3>Latency, seconds</h3>" + _table(["what", "scope", "n", "p50", "p90", "p95", "p99", "max"], latency))
+def _where(t: Tally, run: _compare.Run) -> str:
+    """Where a run's episodes ran: each environment and its splits, with the servers where an environment of the
+    report ran on several."""
+    envs = sorted(t.places.get(run.key, {}).items())
+    return cut("; ".join(f"{env} {', '.join(sorted(splits))}"
+                         + (f" at {', '.join(sorted(hosts))}" if len(t.hosts(env)) > 1 else "")
+                         for env, (splits, hosts) in envs), 300)
 
 
-def _runs(t: Tally) -> str:
-    """The first section: a row per run, then each run against the first one, task by task."""
-    rows = _compare.runs(t)
+def _headline(rows: list[_compare.Run], pairs: list[_compare.Pair]) -> str:
+    """The answer: each run against the baseline (the tasks that flipped), else each run's success."""
     if not rows:
         return "<p class=note>No episodes.</p>"
-    pairs = _compare.pairs(rows)
-    out = [f"<p class=headline data-verdict={h['verdict']}>{_e(h['text'])}</p>" for h in map(_compare.headline, pairs)]
-    if len(rows) > 1 and not pairs:
-        out.append("<p class=note>The runs share no task, so none is compared task by task.</p>")
-    k_max = max((max(r.pass_at_k, default=1) for r in rows), default=1)
-
-    def row(r: _compare.Run) -> list[Any]:
-        s, one, k = r.stats, r.pass_at_k.get(1), max(r.pass_at_k, default=1)
-        lo, hi = r.interval or (None, None)
-        return [r.name, s.episodes, len(r.tasks), _p(s.success_rate),
-                (_fmt(one) + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else ""), one),
-                (f"pass@{k} {_fmt(r.pass_at_k[k])}" if k > 1 else "–", r.pass_at_k.get(k) if k > 1 else None),
-                _f(s.mean_reward), _p(s.coverage), _f(s.share(s.tool_calls), 2), _p(s.no_call_rate),
-                _p(s.unparsed_rate), s.malformed_calls]
-
-    def of(x: EpisodeStats) -> tuple[str, float]:
-        return f"{_pct(x.success_rate)} of {x.episodes}", x.success_rate
-
-    heads = ["run", "episodes", "tasks", "success rate", "pass@1 [95% over tasks]", f"pass@k (k ≤ {k_max})",
-             "mean reward", "graded", "tool calls / episode", "no tool call", "unparsed turns", "malformed calls"]
-    out.append("<h3>Per run</h3>" + _table(heads, map(row, rows[:_MAX_ROWS]), "sortable runs"))
+    out = []
     for p in pairs:
-        out.append(f"<h3>{_e(p.other.name)} vs {_e(p.base.name)}, per task (largest change first)</h3>")
+        h = _compare.headline(p)
+        out.append(f"<p class=headline data-verdict={h['verdict']}>{_e(h['text'])}</p>")
         for up, what in ((True, "solved now, not before"), (False, "solved before, not now")):
             flipped = p.flipped(up)
             names = ", ".join(f"{env} {task}" for env, task in flipped[:12]) + (" …" if len(flipped) > 12 else "")
             out.append(f"<p class='flipped {'up' if up else 'down'}'>Flipped, {what}: {len(flipped)}"
                        + (f" ({_e(names)})" if flipped else "") + "</p>")
-        rows_html = [[env, task, of(a), of(b), (f"{100 * (b.success_rate - a.success_rate):+.1f}",
-                                                b.success_rate - a.success_rate)]
-                     for (env, task), a, b in p.tasks[:_MAX_ROWS]]
-        out.append(_table(["environment", "task", f"success: {p.base.name}", f"success: {p.other.name}",
-                           "change (points)"], rows_html, "sortable compare"))
+    if not pairs:
+        if len(rows) > 1:
+            out.append("<p class=note>The runs share no task, so none is compared task by task.</p>")
+        out += [f"<p class=headline data-verdict=none>{_e(_compare.run_line(r))}</p>" for r in rows[:12]]
     return "".join(out)
 
 
-def _tasks(t: Tally) -> str:
-    ranked = sorted(t.tasks.items(), key=lambda kv: (-kv[1].episodes, kv[0]))  # the most episodes first
-    items = ranked[:_MAX_ROWS]
+def _runs(t: Tally, rows: list[_compare.Run]) -> str:
+    """A row per run, each apart (evaluations before and after, training): never pooled."""
+    if not rows:
+        return "<p class=note>No episodes.</p>"
+    k_max = max((max(r.pass_at_k, default=1) for r in rows), default=1)
+
+    def row(r: _compare.Run) -> list[Any]:
+        s, one, k = r.stats, r.pass_at_k.get(1), max(r.pass_at_k, default=1)
+        lo, hi = r.interval or (None, None)
+        return [r.name, _where(t, r), s.episodes, len(r.tasks), _p(s.success_rate),
+                (_fmt(one) + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else ""), one),
+                (f"pass@{k} {_fmt(r.pass_at_k[k])}" if k > 1 else "–", r.pass_at_k.get(k) if k > 1 else None),
+                _f(s.mean_reward), _p(s.coverage)]
+
+    heads = ["run", "environment and split", "episodes", "tasks", "success rate", "pass@1 [95% over tasks]",
+             f"pass@k (k ≤ {k_max})", "mean reward", "graded"]
+    return (_table(heads, map(row, rows[:_MAX_ROWS]), "sortable runs")
+            + f"<p class=note>Success: reward &ge; {t.success_threshold:g}, over every episode (an unscored one "
+              "counts as no success); mean reward over the graded ones. A training run's episodes are the "
+              "rollouts training scored, on its own tasks.</p>")
+
+
+def _tasks(t: Tally, rows: list[_compare.Run], pairs: list[_compare.Pair]) -> str:
+    """Every task in its number's order, collapsed: each run's success (one run: all its counts) and each pair's
+    change; grouped by the first pair's change (improved, worse, unchanged, not in both)."""
+    shown = rows[:_MAX_RUN_COLUMNS]
+    ranked = sorted(t.tasks.items(), key=lambda kv: (-kv[1].episodes, _compare.task_order(kv[0])))
+    items = sorted(ranked[:_MAX_ROWS], key=lambda kv: _compare.task_order(kv[0]))
+    pairs = [p for p in pairs if p.other in shown]
+    changes = [p.changes() for p in pairs]
+    single = len(shown) == 1
+    heads = ["environment", "task", *(_STATS_HEADS if single else [f"success: {r.name}" for r in shown]),
+             *(f"change, points: {p.other.name} vs {p.base.name}" for p in pairs), "in sample"]
+
+    def row(key: tuple[str, str], x: EpisodeStats) -> list[Any]:
+        cells = _stats_cells(x) if single else [_of(r.tasks.get(key)) for r in shown]
+        moves = [(f"{100 * c[key]:+.1f}", c[key]) if key in c else ("–", None) for c in changes]
+        return [*key, *cells, *moves, t.embedded[key]]
+
+    first = changes[0] if changes else {}
+    groups = ([("Improved", lambda k: first.get(k, 0) > 0), ("Worse", lambda k: first.get(k, 0) < 0),
+               ("Unchanged", lambda k: first.get(k) == 0),
+               (f"Not run by both {pairs[0].base.name} and {pairs[0].other.name}", lambda k: k not in first)]
+              if first else [("", lambda k: True)])
+    parts, counts = [], []
+    for title, member in groups:
+        group = [(k, x) for k, x in items if member(k)]
+        counts.append(f"{len(group)} {title[:1].lower() + title[1:]}")
+        if group or not title:
+            parts.append((f"<h3>{_e(title)}: {len(group)}</h3>" if title else "") + _table(
+                heads, (row(k, x) for k, x in group), "sortable tasks",
+                (f' class=task data-env="{_e(k[0])}" data-task="{_e(k[1])}"' for k, _ in group)))
+    what = f"{len(items)} task(s), in their numbers' order" + (
+        f"; {pairs[0].other.name} vs {pairs[0].base.name}: " + ", ".join(counts) if first else "")
     note = (f"<p class=note>The {_MAX_ROWS} tasks with the most episodes of {len(ranked)}.</p>"
             if len(ranked) > _MAX_ROWS else "")
-    rows = [[env, task, *_stats_cells(x), t.embedded[(env, task)]] for (env, task), x in items]
-    attrs = [f' class=task data-env="{_e(env)}" data-task="{_e(task)}"' for (env, task), _ in items]
-    return (note + f"<p class=note>Success: reward &ge; {t.success_threshold:g} (success rate is over every "
-            "episode, an unscored one counts as no success; mean reward over graded ones). Click a header to sort, a "
-            "row to browse that task's episodes.</p>"
-            + _table(["environment", "task", *_STATS_HEADS, "in sample"], rows, "sortable tasks", attrs))
+    runs_note = (f"<p class=note>The first {_MAX_RUN_COLUMNS} runs of {len(rows)} have a column.</p>"
+                 if len(rows) > _MAX_RUN_COLUMNS else "")
+    return (f"<details id=task-table><summary>Per task: {_e(what)}</summary>{note}{runs_note}<p class=note>Click a "
+            "header to sort, a row to browse that task's episodes.</p>" + "".join(parts) + "</details>")
+
+
+def _diagnostics(t: Tally, rows: list[_compare.Run]) -> str:
+    """Tool-call and episode health per run, why episodes ended per run, per environment and run, and latency."""
+    if not rows:
+        return "<p class=note>No episodes.</p>"
+    shown = rows[:_MAX_RUN_COLUMNS]
+    health = [[r.name, _p(r.stats.share(r.stats.finished)), _f(r.stats.share(r.stats.tool_calls), 2),
+               r.stats.tool_failures, _p(r.stats.no_call_rate), _p(r.stats.unparsed_rate), r.stats.malformed_calls,
+               (_fmt(r.stats.mean_group_reward), r.stats.mean_group_reward),
+               (f"{r.stats.session_seconds:.0f} ({r.stats.session_seconds_unscored:.0f} unscored)",
+                r.stats.session_seconds)] for r in rows[:_MAX_ROWS]]
+    reasons: dict[RunKey, Counter[str]] = {
+        r.key: Counter({**{f"end: {k}": n for k, n in r.stats.end_reasons.items()},
+                        **{f"unscored: {k}": n for k, n in r.stats.unscored.items()}, **t.run_failures[r.key]})
+        for r in shown}
+    kinds = sorted({k for c in reasons.values() for k in c}, key=lambda k: (k.split(":")[0], -sum(
+        c[k] for c in reasons.values()), k))
+    per_env: dict[tuple[str, str], EpisodeStats] = {}
+    for (run, env, _), stats in t.run_tasks.items():
+        per_env.setdefault((env, t.run_names[run]), EpisodeStats(t.success_threshold)).merge(stats)
+    envs = sorted(t.envs)
+    latency = (_latency_rows("session open (timings.open)", t.open_s, envs)
+               + _latency_rows("tool call (seconds)", t.call_s, envs))
+    return ("<h3>Tool calls per run</h3>"
+            + _table(["run", "finished", "tool calls / episode", "tool-call failures", "no tool call",
+                      "unparsed turns", "malformed calls", "mean group reward", "session-seconds"], health,
+                     "sortable health")
+            + "<h3>Why episodes ended, went unscored or failed, per run (end_reason, unscored, error.kind; a "
+              "terminal tool's grading included)</h3>"
+            + _table(["what", *(r.name for r in shown)], ([k, *(reasons[r.key][k] for r in shown)] for k in kinds),
+                     "sortable reasons")
+            + ("<h3>Per environment and run</h3>" + _table(
+                ["environment", "run", *_STATS_HEADS], ([*key, *_stats_cells(x)] for key, x in sorted(
+                    per_env.items(), key=lambda kv: _compare.task_order(kv[0]))[:_MAX_ROWS]), "sortable")
+               if len(envs) > 1 else "")
+            + "<h3>Latency over every run, seconds</h3>"
+            + _table(["what", "scope", "n", "p50", "p90", "p95", "p99", "max"], latency))
 
 
 def _shown(t: Tally, sample: Sample) -> str:
@@ -212,7 +248,7 @@ def _shown(t: Tally, sample: Sample) -> str:
     else:
         why = (f"the page embeds at most {SAMPLE_BYTES // 2**20} MB of episode bodies" if sample.left_out
                else f"--max-episodes {t.max_episodes}")
-        shown = (f"Showing {n} of {m} episodes (sample; {why}). The summary and the task table count every "
+        shown = (f"Showing {n} of {m} episodes (sample; {why}). The tables above count every "
                  "episode; the sample is chosen deterministically and keeps examples of every failure, error, "
                  "unscored and end reason, environment and run.")
     if sample.clipped:
@@ -271,6 +307,8 @@ def render(items: Sequence[Input], tally: Tally, sample: Sample, skipped: Counte
            title: str | None) -> tuple[str, int]:
     """The page, and the number of logged training steps its curves draw."""
     thumbnails(items, sample)
+    rows = _compare.runs(tally)
+    pairs = _compare.pairs(rows)
     curves_html, steps = curves([i for i in items if i.kind == "trainer_state"])
     envs = sorted(tally.envs)
     page_title = title or ("ors-trl report: " + cut(", ".join(envs), 80) if envs else "ors-trl report")
@@ -282,7 +320,8 @@ def render(items: Sequence[Input], tally: Tally, sample: Sample, skipped: Counte
     page = Template(_data("page.html")).substitute(
         title=_e(page_title), nonce=secrets.token_urlsafe(16), css=_data("page.css"), js=_data("page.js"),
         generated=_e(datetime.now(UTC).isoformat(timespec="seconds")), sources=sources,
-        runs=_runs(tally), summary=skipped_note + _summary(tally), curves=curves_html, tasks=_tasks(tally),
+        headline=_headline(rows, pairs) + skipped_note, runs=_runs(tally, rows), curves=curves_html,
+        tasks=_tasks(tally, rows, pairs), diagnostics=_diagnostics(tally, rows),
         shown=_e(_shown(tally, sample)), data=_json_script(sample.episodes),
     )
     return repair(page), steps  # repair: a title or a file name may hold a lone surrogate

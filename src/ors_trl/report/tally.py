@@ -5,6 +5,9 @@ total; record values are untrusted, so every label is shortened and the kinds re
 labelled input's episodes, else the records sharing a process run id, source, policy and step (two inputs holding
 one such run's episodes of a task are refused). The sample (`max_episodes`, `SAMPLE_BYTES` at most) is a few
 episodes reserved for each kind of problem, environment and run, then those of smallest hash (a stable pick).
+
+An environment is keyed by its own name (`environment`), whatever server (`target`) ran it, so runs of one
+environment on two ports compare; the servers are kept to tell apart where a run's environment ran.
 """
 
 from __future__ import annotations
@@ -34,6 +37,22 @@ _MAX_KINDS = 200  # distinct kinds reserved for
 _Item = tuple[int, int, dict[str, Any]]  # (-hash, sequence number, the episode as the page's script reads it)
 #: A run: ("label", name) for a named input, else ("auto", source, policy, step, run id).
 RunKey = tuple[str | None, ...]
+#: Record sources whose episodes are training's (the rollouts a trainer scored).
+TRAINING_SOURCES = ("trl", "engine")
+
+
+def host_of(target: Any) -> str | None:
+    """A record's server as a host (`127.0.0.1:8080`, a path kept); a catalog name as it is; None: none recorded."""
+    if not target:
+        return None
+    text = label(target)
+    return text.split("://", 1)[1].rstrip("/") if "://" in text else text
+
+
+def place(rec: dict[str, Any]) -> tuple[str, str | None]:
+    """The environment a record ran (its name, else its server's host) and that server's host."""
+    host = host_of(rec.get("target"))
+    return label(rec.get("environment") or host or "(unknown)"), host
 
 
 def _calls(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -69,6 +88,9 @@ class Tally:
         self.tasks: defaultdict[tuple[str, str], EpisodeStats] = defaultdict(self._stats)  # (environment, task)
         self.runs: dict[RunKey, EpisodeStats] = {("label", name): self._stats() for name in labels or []}
         self.run_tasks: defaultdict[tuple[RunKey, str, str], EpisodeStats] = defaultdict(self._stats)
+        # run -> environment -> (splits, hosts): where each run's episodes ran
+        self.places: defaultdict[RunKey, dict[str, tuple[set[str], set[str]]]] = defaultdict(dict)
+        self.run_failures: defaultdict[RunKey, Counter[str]] = defaultdict(Counter)  # tool-call and episode errors
         self.rewards: list[float] = []  # the lowest and highest reward seen
         self._claims: dict[tuple[Any, ...], str] = {}  # (run, environment, task, repeat) -> the input holding it
         self.sources: Counter[str] = Counter()
@@ -83,9 +105,14 @@ class Tally:
 
     def add(self, rec: dict[str, Any], source: str, run_name: str | None = None, origin: str | None = None) -> None:
         """Count one record (current shape) of the input `source` and offer it to the sample."""
-        env = label(rec.get("environment") or rec.get("target") or "(unknown)")
+        env, host = place(rec)
         task = _task_label(rec)
         run = self._run_of(rec, source, run_name, env, task, origin or source)
+        splits, hosts = self.places[run].setdefault(env, (set(), set()))
+        if len(splits) < _MAX_KINDS:
+            splits.add(label(rec.get("split") or "-"))
+        if host and len(hosts) < _MAX_KINDS:
+            hosts.add(host)
         reward = _number(rec.get("reward"))
         if reward is not None:
             self.rewards = [min([reward, *self.rewards[:1]]), max([reward, *self.rewards[1:]])]
@@ -103,8 +130,10 @@ class Tally:
         self.run_tasks[(run, env, task)].add_record(counted)
         self.sources[label(rec.get("source") or "-")] += 1
         self.call_failures.update(fails)
+        self.run_failures[run].update(f"tool call failed: {k}" for k in fails)
         if error:
             self.episode_errors[_kind(error, "error")] += 1
+            self.run_failures[run][f"episode error: {_kind(error, 'error')}"] += 1
         timings = rec.get("timings")
         if isinstance(timings, dict) and (opened := _number(timings.get("open"))) is not None:
             self.open_s[env].append(opened)
@@ -128,8 +157,7 @@ class Tally:
         step = _number(rec.get("step"))
         run: RunKey = ("auto", label(rec.get("source") or "") or None, label(rec.get("policy") or "") or None,
                        None if step is None else f"step {step:g}", label(rec.get("run") or source))
-        claim = (run, env, task, label(rec.get("repeat")))
-        holder = self._claims.setdefault(claim, origin)
+        holder = self._claims.setdefault((run, env, task, label(rec.get("repeat"))), origin)
         if holder != origin:
             raise ConfigurationError(
                 f"{holder} and {origin} both hold episodes of one run (run id {run[4]}, source {run[1] or '-'}, "
@@ -138,16 +166,24 @@ class Tally:
                 f"after={origin}")
         return run
 
+    def hosts(self, env: str) -> list[str]:
+        """The servers that ran an environment, over every run."""
+        return sorted({h for envs in self.places.values() for h in envs.get(env, ((), ()))[1]})
+
     @cached_property
     def run_names(self) -> dict[RunKey, str]:
-        """Each run's label, else the parts of its key that differ between runs (with the run id where needed)."""
+        """Each run's label, else the parts of its key that differ between runs (with the run id where needed); a
+        training source (`trl`, `engine`) is said as such: `training`."""
         auto = [k for k in self.runs if k[0] == "auto"]
         varies = [len({k[i] for k in auto}) > 1 for i in (1, 2, 3)]
         names: dict[RunKey, str] = {}
         for k in self.runs:
-            parts = [str(p) for p, v in zip(k[1:4], varies, strict=True) if v and p] if k[0] == "auto" else []
-            names[k] = str(k[1]) if k[0] == "label" else " · ".join(parts) or (
-                str(k[4]) if len(auto) > 1 else str(k[1] or k[4]))
+            if k[0] == "label":
+                names[k] = str(k[1])
+                continue
+            source = "training" if k[1] in TRAINING_SOURCES else k[1]
+            parts = [str(p) for p, v in zip((source, *k[2:4]), varies, strict=True) if v and p]
+            names[k] = " · ".join(parts) or str(source or k[4])
         alike = Counter(names[k] for k in auto)
         for k in auto:
             if alike[names[k]] > 1 and names[k] != k[4]:
