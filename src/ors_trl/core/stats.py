@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from ..protocol.errors import ConfigurationError
 from ..protocol.text import label, task_label
+from .metrics import EpisodeStats
 
 __all__ = ["check_threshold", "label", "paired_test", "pass_at_k", "pass_at_ks", "pass_over_tasks", "task_label",
            "wilson"]
@@ -87,3 +88,16 @@ def check_threshold(threshold: float, rewards: Iterable[float | None]) -> None:
             f"success threshold {threshold:g} is outside the rewards seen ({min(scored):g} to {max(scored):g}): "
             f"{'no' if threshold > max(scored) else 'every'} episode would count as a success. Pass a threshold "
             "within them (the default 1.0 suits environments that reward 0 or 1).")
+
+
+def by_task(episodes: Iterable[tuple[Any, Any]], success_threshold: float,
+            count: Callable[[EpisodeStats, Any], None] = EpisodeStats.add_record
+            ) -> tuple[EpisodeStats, dict[Any, EpisodeStats], dict[int, float], tuple[float, float] | None]:
+    """`(task, episode)` pairs counted overall and per task (`count`: a record by default), then `pass_over_tasks`:
+    what an evaluation reports, after training or during it."""
+    stats = EpisodeStats(success_threshold)
+    tasks: dict[Any, EpisodeStats] = {}
+    for task, episode in episodes:
+        count(stats, episode)
+        count(tasks.setdefault(task, EpisodeStats(success_threshold)), episode)
+    return stats, tasks, *pass_over_tasks(tasks.values())
