@@ -126,6 +126,7 @@ def _env() -> dict[str, str]:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     env.setdefault("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
+    env["NO_MKDOCS_2_WARNING"] = "1"  # Material's end-of-life banner
     return env
 
 
