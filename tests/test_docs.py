@@ -140,14 +140,14 @@ def test_page_runs(page: Path, tmp_path: Path) -> None:
     pytest.importorskip("trl")
     pytest.importorskip("openreward")
     port, env, servers = _free_port(), _env(), []
-    ran = 0
+    ran, pending = 0, []
     try:
         for block in code_blocks(page):
             if block.kind == "skip":
                 continue
-            pending = [name for name in _LANDING if name in block.code and not _landed(name)]
-            if pending:
-                pytest.skip(f"{block.where} uses {pending}, which another branch of issue 34 adds")
+            if missing := [name for name in _LANDING if name in block.code and not _landed(name)]:
+                pending.append(f"{block.where} ({', '.join(missing)})")
+                continue
             code = block.code.replace(f"127.0.0.1:{PORT}", f"127.0.0.1:{port}").replace(f"--port {PORT}",
                                                                                         f"--port {port}")
             if block.kind == "file":
@@ -179,6 +179,8 @@ def test_page_runs(page: Path, tmp_path: Path) -> None:
                 server.wait(timeout=30)
             log.close()
     assert ran > 0
+    if pending:
+        pytest.skip(f"ran {ran} blocks; not yet, another branch of issue 34 adds what they use: {pending}")
 
 
 def test_site_builds_without_a_warning(tmp_path: Path) -> None:
