@@ -192,3 +192,27 @@ def test_site_builds_without_a_warning(tmp_path: Path) -> None:
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=_env())
     assert run.returncode == 0, run.stderr[-5000:]
     assert (tmp_path / "site" / "reference" / "spec" / "index.html").exists()
+
+
+def test_readme_is_short_and_its_links_resolve() -> None:
+    """The README stays a front page (what it is, the two commands, the quick start, a map of the docs): at most 300
+    lines, every relative link naming a file of the checkout."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if "://" not in link]
+    assert len(local) >= 10
+    assert [link for link in local if not (ROOT / link).exists()] == []
+
+
+def test_every_public_name_is_in_the_reference() -> None:
+    """`ors_trl.__all__` and `ors_trl.testing.__all__`: each name has a `::: ` entry on a reference page."""
+    import ors_trl
+    import ors_trl.testing
+
+    entries = set()
+    for page in (ROOT / "docs" / "reference").glob("*.md"):
+        entries |= {line[4:].strip().rsplit(".", 1)[-1] for line in page.read_text(encoding="utf-8").splitlines()
+                    if line.startswith("::: ")}
+    public = {name for name in [*ors_trl.__all__, *ors_trl.testing.__all__] if not name.startswith("__")}
+    assert public - entries == set()
