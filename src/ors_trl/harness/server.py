@@ -16,6 +16,7 @@ MCP here is the Streamable HTTP transport with JSON responses only (no SSE strea
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -106,12 +107,18 @@ class HarnessServer:
         self.refused = 0
         self.url = ""
         self._runner: web.AppRunner | None = None
+        self._lock: asyncio.Lock | None = None
 
     def __repr__(self) -> str:
         return f"HarnessServer({self.url!r}, episodes={len(self.seats)})"
 
     async def start(self) -> str:
-        """Bind `127.0.0.1` on a free port (once); the base URL."""
+        """Bind `127.0.0.1` on a free port (once, however many episodes start at the same time); the base URL."""
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:
+            return await self._start()
+
+    async def _start(self) -> str:
         if self._runner is None:
             app = web.Application(client_max_size=16 * 2**20)
             app.router.add_route("*", "/mcp", self._mcp)
@@ -126,6 +133,8 @@ class HarnessServer:
         return self.url
 
     async def aclose(self) -> None:
+        """Stop serving (every token stops working)."""
+        self.seats.clear()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner, self.url = None, ""

@@ -1,0 +1,262 @@
+"""Agent harnesses that own their loop (`ors_trl.harness`, issue 35): an unmodified third-party agent library (the
+OpenAI Agents SDK) plays ORS episodes through the loopback MCP endpoint and the chat-completions endpoint backed by a
+scripted ors-trl generator; the training rows are the generator's ids exactly, per-episode tokens keep episodes
+apart, and GRPOTrainer trains through a harness."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import re
+import sys
+import textwrap
+
+import pytest
+
+from ors_trl import OpenRewardSpec
+from ors_trl.core.episode import Rules, Task
+from ors_trl.harness import Harness, build_rows
+from tests.fixtures.generation import (
+    cpu_grpo_trainer,
+    replace_generation,
+    run_batch,
+    tool_call_text,
+    trl_generation,
+    trl_tokenizer,
+)
+
+agents = pytest.importorskip("agents")  # the `harness` extra
+pytest.importorskip("torch")
+from agents import Agent, OpenAIChatCompletionsModel, Runner, set_tracing_disabled  # noqa: E402
+from agents.mcp import MCPServerStreamableHttp  # noqa: E402
+from openai import AsyncOpenAI  # noqa: E402
+
+from ors_trl.evaluation.policies import LocalPolicy  # noqa: E402
+
+set_tracing_disabled(True)  # nothing leaves loopback
+_TARGET = re.compile(r'exactly this text: "([^"]+)"')
+
+
+class Scripted(LocalPolicy):
+    """A token generator with a script for a model: echo the target, then "Done."; `produced` maps each prompt's ids
+    to the ids generated for it (the ground truth the rows are checked against)."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(None, tokenizer, name="scripted")
+        self.produced: dict[tuple[int, ...], list[int]] = {}
+
+    def _generate_ids(self, tokens):
+        out = []
+        for t in tokens:
+            text = self.tokenizer.decode(t.ids)
+            done = "<tool_response>" in text or "Summarise" in text
+            body = "Done." if done else tool_call_text("echo", {"text": _TARGET.findall(text)[0]})
+            ids = self.tokenizer.encode(body + "<|im_end|>", add_special_tokens=False)
+            self.produced[tuple(t.ids)] = ids
+            out.append((ids, [-0.5] * len(ids)))
+        return out
+
+
+def agents_sdk(rewrite: bool = False):
+    """An OpenAI Agents SDK program, unmodified: the policy as its chat-completions model, the episode's tools over MCP.
+    `rewrite`: afterwards it starts over from a summary of its own (a history rewrite: the next call forks)."""
+
+    async def run(ep) -> str | None:
+        client = AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        headers = {"Authorization": f"Bearer {ep.mcp_token}"}
+        async with MCPServerStreamableHttp(params={"url": ep.mcp_url, "headers": headers}) as mcp:
+            agent = Agent(name="ors", instructions=ep.system or "Use the tools.", mcp_servers=[mcp],
+                          model=OpenAIChatCompletionsModel(model="policy", openai_client=client))
+            result = await Runner.run(agent, ep.prompt, max_turns=6)
+            if rewrite:
+                await Runner.run(agent, "Summarise what you did in one word.", max_turns=2)
+        return result.final_output
+
+    return run
+
+
+@pytest.fixture
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def echo_spec(ref_server):
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment")
+    _ = spec.environment_factory  # binds the tools, as rollout_func and evaluate do
+    yield spec
+    spec.close()
+
+
+def _episodes(spec, indices):
+    return [spec._runtime.episode(Task("train", i), source="test", rules=Rules(max_replies=6)) for i in indices]
+
+
+def test_an_agent_library_plays_episodes_token_exactly(echo_spec, ref_server, tokenizer):
+    generator, harness = Scripted(tokenizer), Harness(agents_sdk(rewrite=True))
+    before = ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0)
+    episodes = _episodes(echo_spec, [0, 1])
+
+    async def both():
+        return await asyncio.gather(*(harness.play(ep, generator) for ep in episodes))
+
+    conversations = echo_spec.run(both())
+    for ep, conversation in zip(episodes, conversations, strict=True):
+        calls, rows = conversation.calls, conversation.rows
+        # three model calls: the tool call and the answer merge into one row (the prefix holds); the rewritten
+        # history forks a second row
+        assert [(c.joined, c.row) for c in calls] == [(False, 0), (True, 0), (False, 1)]
+        assert len(rows) == 2 and conversation.state is rows[1]
+        mismatches = 0
+        for i, row in enumerate(rows):
+            mine = [c for c in calls if c.row == i]
+            assert row.prompt_ids == mine[0].prompt_ids
+            generated = [t for t, m in zip(row.completion_ids, row.mask, strict=True) if m]
+            truth = [t for c in mine for t in generator.produced[tuple(c.prompt_ids)]]
+            mismatches += sum(a != b for a, b in zip(generated, truth, strict=True))
+            assert len(generated) == len(truth)
+            for c in mine:  # every call's prompt and completion lie in its row exactly
+                assert (row.prompt_ids + row.completion_ids)[: len(c.prompt_ids) + len(c.completion_ids)] == \
+                    c.prompt_ids + c.completion_ids
+            assert [lp for lp, m in zip(row.logprobs, row.mask, strict=True) if m] == [-0.5] * len(truth)
+        assert mismatches == 0
+        # the tool result between the two calls is context, masked out of the loss
+        masked = tokenizer.decode([t for t, m in zip(rows[0].completion_ids, rows[0].mask, strict=True) if not m])
+        assert "<tool_response>" in masked and ep.task.key and rows[0].mask.count(0) > 0
+        assert ep.reward == 1.0 and ep.finished  # the environment's reward, through its own tool
+        assert ep.info["harness"] == {"model_calls": 3, "trained_calls": 3, "rows": 2, "joined_calls": 1}
+        # the record shows the model calls and the tool call in order
+        assert [(t["assistant"], [c["name"] for c in t["tool_calls"]]) for t in ep.turns] == \
+            [("", ["echo"]), ("Done.", []), ("Done.", [])]
+    # a hook drops the auxiliary call: one row, the one that holds the episode
+    calls = conversations[0].calls
+    assert len(build_rows(calls, train=lambda c: c.index < 2)) == 1 and calls[2].row is None
+    assert ref_server.stats()["tool_calls"]["echoenvironment/echo"] - before == 2
+    for ep in episodes:
+        ep.release()
+    echo_spec.close()
+    assert ref_server.stats()["open_sessions"] == 0
+    assert harness.server.seats == {}  # every token revoked
+
+
+def test_a_wrong_token_reaches_nothing(echo_spec, ref_server, tokenizer):
+    import aiohttp
+
+    generator, harness = Scripted(tokenizer), Harness(agents_sdk())
+    episode, other = _episodes(echo_spec, [0, 1])
+    call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "echo", "arguments": {"text": "hello"}}}
+    chat = {"model": "policy", "messages": [{"role": "user", "content": 'exactly this text: "hello"'}]}
+
+    async def probe():
+        await episode.open()
+        await other.open()
+        url = await harness.server.start()
+        seat, theirs = harness.server.seat(episode, generator), harness.server.seat(other, generator)
+        revoked = harness.server.seat(other, generator)
+        harness.server.revoke(revoked)
+        statuses = []
+        async with aiohttp.ClientSession() as http:
+            for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Bearer {revoked.token}"},
+                            {"Authorization": f"Basic {seat.token}"},
+                            {"Authorization": f"Bearer {seat.token}", "Origin": "http://evil.example"}):
+                for path, body in (("/mcp", call), ("/v1/chat/completions", chat)):
+                    async with http.post(url + path, json=body, headers=headers) as r:
+                        statuses.append(r.status)
+            counted = ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0)
+            async with http.post(url + "/mcp", json=call, headers={"Authorization": f"Bearer {seat.token}"}) as r:
+                ok = await r.json()
+        return statuses, counted, ok, seat, theirs
+
+    before = ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0)
+    statuses, counted, ok, seat, theirs = echo_spec.run(probe())
+    assert statuses == [401] * 8 + [403] * 2 and harness.server.refused == 10
+    assert counted == before and generator.produced == {}  # nothing ran: no tool call, no generation
+    assert other.tool_calls == 0 and other.turns == []
+    # the right token runs exactly one call, on its own episode only
+    assert ok["result"] == {"content": [{"type": "text", "text": "hello"}], "isError": False}
+    assert episode.tool_calls == 1 and other.tool_calls == 0
+    assert ref_server.stats()["tool_calls"]["echoenvironment/echo"] == before + 1
+    assert seat.token not in repr(seat) and seat.token != theirs.token and len(seat.token) >= 40
+    for ep in (episode, other):
+        ep.release()
+    echo_spec.run(harness.aclose())
+
+
+def test_evaluate_with_a_harness_callable_and_command(echo_spec, ref_server, tokenizer, tmp_path):
+    report = echo_spec.evaluate(Scripted(tokenizer), harness=Harness(agents_sdk()), num_tasks=2, progress=False)
+    assert report.mean_reward == 1.0 and report.num_episodes == 2
+    assert all(r["harness"]["model_calls"] == 2 and r["turns"][0]["tool_calls"][0]["status"] == "ok"
+               for r in report.episodes)
+    # a command line: the endpoints reach it as environment variables; its output is the final answer
+    script = tmp_path / "agent.py"
+    script.write_text(textwrap.dedent("""
+        import json, os, urllib.request
+        def post(url, body, token):
+            req = urllib.request.Request(url, json.dumps(body).encode(), {"Authorization": "Bearer " + token,
+                                         "Content-Type": "application/json"})
+            return json.load(urllib.request.urlopen(req))
+        key, mcp, tok = os.environ["OPENAI_API_KEY"], os.environ["ORS_MCP_URL"], os.environ["ORS_MCP_TOKEN"]
+        tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                  "parameters": t["inputSchema"]}}
+                 for t in post(mcp, {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}, tok)["result"]["tools"]]
+        messages = json.loads(os.environ["ORS_MESSAGES"])
+        while True:
+            reply = post(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+                         {"model": "policy", "messages": messages, "tools": tools}, key)["choices"][0]["message"]
+            messages.append(reply)
+            if not reply.get("tool_calls"):
+                print(reply["content"])
+                break
+            for c in reply["tool_calls"]:
+                out = post(mcp, {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+                    "name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}, tok)
+                messages.append({"role": "tool", "tool_call_id": c["id"],
+                                 "content": out["result"]["content"][0]["text"]})
+    """))
+    scored = Harness([sys.executable, str(script)], score=lambda ep, calls: 0.25 * len(calls))
+    report = echo_spec.evaluate(Scripted(tokenizer), harness=scored, num_tasks=2, progress=False)
+    assert report.mean_reward == 0.5  # the score hook: two model calls each
+    assert all(r["env_reward"] == 1.0 and r["final"]["message"] == "Done." and r["harness"]["joined_calls"] == 1
+               for r in report.episodes)
+    failing = Harness([sys.executable, "-c", "raise SystemExit(3)"])
+    report = echo_spec.evaluate(Scripted(tokenizer), harness=failing, num_tasks=1, progress=False)
+    assert report.episodes[0]["end_reason"] == "error" and "status 3" in report.episodes[0]["error"]["message"]
+    echo_spec.close()
+    assert ref_server.stats()["open_sessions"] == 0
+
+
+def test_grpo_trains_through_a_harness(tiny_model_dir, echo_spec, ref_server, tmp_path):
+    harness = Harness(agents_sdk())
+    trainer = cpu_grpo_trainer(tiny_model_dir, str(tmp_path / "h"), spec=echo_spec, mode="engine", batch=4,
+                               rollout_func=harness.rollout_func(echo_spec), completion_length=128)
+    tok = trl_tokenizer(trainer)
+    produced: dict[tuple[int, ...], list[int]] = {}
+
+    def generate(prompt_ids, images, mm, num_generations, has_tool_images=False):
+        out = []
+        for ids in prompt_ids:
+            text = tok.decode(ids)
+            body = "Done." if "<tool_response>" in text else tool_call_text("echo", {"text": _TARGET.findall(text)[0]})
+            produced[tuple(ids)] = tok.encode(body + "<|im_end|>", add_special_tokens=False)
+            out.append(list(produced[tuple(ids)]))
+        return out, None
+
+    real = trl_generation(trainer)
+    replace_generation(trainer, generate)
+    rows = [copy.deepcopy(echo_spec.train_dataset[i]) for i in (0, 1) for _ in range(2)]
+    result = run_batch(trainer, rows)
+    assert result["rewards"] == [1.0] * 4
+    for prompt, completion, mask in zip(result["prompts"], result["completions"], result["tool_mask"], strict=True):
+        ids = prompt + completion
+        truth = [t for key, gen in produced.items() if ids[: len(key)] == list(key) for t in gen]
+        assert [t for t, m in zip(completion, mask, strict=True) if m] == truth  # 0 mismatches, tools masked
+        assert "<tool_response>" in tok.decode([t for t, m in zip(completion, mask, strict=True) if not m])
+    # a real step with the tiny model generating: the harness's episodes count in env/<name>/ like native ones
+    replace_generation(trainer, real)
+    trainer.train()
+    logged = {k for entry in trainer.state.log_history for k in entry}
+    assert "env/echoenvironment/episodes" in logged
+    echo_spec.close()
+    assert ref_server.stats()["open_sessions"] == 0
