@@ -584,8 +584,12 @@ class Episode:
             await self.end(reason)
 
     async def conclude(self, message: str | None) -> None:
-        """The harness stopped with `message`, its final answer (`None`: none): the episode ends as one whose model
-        answered without a tool call (a terminal tool grades `message`)."""
+        """The harness stopped: the episode ends as one whose model answered without a tool call.
+
+        Args:
+            message (`str` or `None`):
+                The harness's final answer, which a terminal tool grades (`None`: it gave none).
+        """
         await self.end("no_tool_calls", message)
 
     def _turn(self, reply: Reply) -> TurnRecord:

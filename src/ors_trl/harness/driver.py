@@ -38,10 +38,18 @@ class Endpoint:
     """What a harness gets for one episode.
 
     Attributes:
-        base_url (`str`): the OpenAI-compatible model endpoint (`.../v1`); `api_key` the episode's key for it.
-        mcp_url (`str`): the episode's MCP endpoint (Streamable HTTP); `mcp_token` its bearer token.
-        messages (`list[dict]`): the episode's prompt as chat messages (a system message first, where it has one).
-        tools (`list[dict]`): the episode's tool schemas (also listed over MCP).
+        base_url (`str`):
+            The OpenAI-compatible model endpoint (`http://127.0.0.1:<port>/v1`).
+        api_key (`str`):
+            The episode's key for it (its calls are this episode's model calls).
+        mcp_url (`str`):
+            The episode's MCP endpoint (Streamable HTTP, JSON responses).
+        mcp_token (`str`):
+            Its bearer token (`Authorization: Bearer <mcp_token>`).
+        messages (`list[dict]`):
+            The episode's prompt as chat messages (a system message first, where it has one).
+        tools (`list[dict]`):
+            The episode's tool schemas (also listed over MCP).
     """
 
     base_url: str
@@ -124,8 +132,12 @@ class Harness:
         return f"Harness({getattr(self.agent, '__qualname__', self.agent)!r})"
 
     def rollout_func(self, spec: Any) -> Any:
-        """`spec.rollout_func` (an `OpenRewardSpec`'s or `OpenRewardMix`'s) with every episode played by this
-        harness: give it to `GRPOTrainer(rollout_func=...)`."""
+        """`spec.rollout_func` with every episode played by this harness: give it to `GRPOTrainer(rollout_func=...)`.
+
+        Args:
+            spec (`OpenRewardSpec` or `OpenRewardMix`):
+                The spec whose environments, dataset and reward functions the trainer uses.
+        """
         engine = spec.rollout_func
         engine.player = self.play
         return engine
@@ -137,7 +149,20 @@ class Harness:
     async def play(self, episode: Episode, generator: Any, *, base: Sequence[Mapping[str, Any]] = (),
                    flatten: bool = False, timeout: float | None = None) -> HarnessConversation:
         """Play `episode` with the harness, the model being `generator` (as `ors_trl.core.rollout.play`). A harness
-        that fails (raises, exits non-zero) fails its episode (scored `None`), never the batch."""
+        that fails (raises, exits non-zero) fails its episode (scored `None`), never the batch.
+
+        Args:
+            episode (`Episode`):
+                The episode (opened here).
+            generator (`Any`):
+                What answers the harness's model calls (a token generator's ids become the training rows).
+            base (`Sequence[Mapping]`, *optional*):
+                The dataset row's prompt messages the episode's prompt joins.
+            flatten (`bool`, *optional*, defaults to `False`):
+                Unused: a harness renders its own prompt.
+            timeout (`float`, *optional*):
+                Seconds the episode may take (with the harness's own `timeout`, the smaller wins).
+        """
         conversation = HarnessConversation(episode)
         start, finish = getattr(generator, "start", None), getattr(generator, "finish", None)
         if start is not None:
