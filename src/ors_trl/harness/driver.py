@@ -12,6 +12,7 @@ their own: the same records, metrics, session cleanup and rewards.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import os
@@ -138,8 +139,8 @@ class Harness:
             spec (`OpenRewardSpec` or `OpenRewardMix`):
                 The spec whose environments, dataset and reward functions the trainer uses.
         """
-        engine = spec.rollout_func
-        engine.player = self.play
+        engine = copy.copy(spec.rollout_func)  # the spec's own engine stays ors-trl's loop
+        engine.info, engine.player = dict(engine.info), self.play
         return engine
 
     async def aclose(self) -> None:
