@@ -15,7 +15,7 @@ import pytest
 
 from ors_trl import OpenRewardSpec
 from ors_trl.core.episode import Rules, Task
-from ors_trl.harness import Harness, build_rows
+from ors_trl.harness import Harness, HarnessConversation, build_rows
 from tests.fixtures.generation import (
     cpu_grpo_trainer,
     replace_generation,
@@ -260,3 +260,60 @@ def test_grpo_trains_through_a_harness(tiny_model_dir, echo_spec, ref_server, tm
     assert "env/echoenvironment/episodes" in logged
     echo_spec.close()
     assert ref_server.stats()["open_sessions"] == 0
+
+
+def test_a_hostile_harness_gets_typed_answers_and_runs_nothing(echo_spec, ref_server, tokenizer):
+    """A harness is untrusted input too: malformed requests are answered 400 / JSON-RPC errors, never a 500, and run
+    nothing on the server; the episode goes on."""
+    import aiohttp
+
+    generator, harness = Scripted(tokenizer), Harness(agents_sdk())
+    (episode,) = _episodes(echo_spec, [0])
+
+    async def probe():
+        await episode.open()
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, generator)
+        generator.start(HarnessConversation(episode))  # as `Harness.play` does: the generator serves it
+        auth = {"Authorization": f"Bearer {seat.token}"}
+        chat, mcp = url + "/v1/chat/completions", url + "/mcp"
+        out = []
+        async with aiohttp.ClientSession(headers=auth) as http:
+            for path, data in ((chat, b"{not json"), (mcp, b"{not json"), (chat, b"[1, 2]"), (mcp, b"[1, 2]")):
+                async with http.post(path, data=data, headers={"Content-Type": "application/json"}) as r:
+                    out.append(r.status)
+            for body in ({"messages": "hi"}, {"messages": []}, {"messages": [{"content": "no role"}]},
+                         {"messages": [{"role": "assistant", "tool_calls": "echo"}]},
+                         {"messages": [{"role": "user", "content": "hi"}], "stream": True},
+                         {"messages": [{"role": "user", "content": "hi"}], "n": 3},
+                         {"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": 7}]}):
+                async with http.post(chat, json=body) as r:
+                    out.append(r.status)
+            async with http.get(mcp) as r:
+                out.append(r.status)
+            rpc = []
+            for message in ({"jsonrpc": "2.0", "id": 1, "method": "resources/list"},
+                            {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"arguments": {}}},
+                            {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+                             "params": {"name": "echo", "arguments": ["hello"]}},
+                            {"jsonrpc": "2.0", "id": 4, "method": "tools/call",
+                             "params": {"name": "rm_rf", "arguments": {}}}):
+                async with http.post(mcp, json=message) as r:
+                    rpc.append((r.status, await r.json()))
+            async with http.post(mcp, json={"jsonrpc": "2.0", "method": "notifications/initialized"}) as r:
+                out.append(r.status)
+        harness.server.revoke(seat)
+        generator.finish(HarnessConversation(episode))
+        return out, rpc
+
+    before = ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0)
+    statuses, rpc = echo_spec.run(probe())
+    assert statuses == [400] * 4 + [400] * 7 + [405, 202], statuses
+    assert [r[1]["error"]["code"] for r in rpc[:2]] == [-32601, -32602]
+    # calls the binding refuses reach the episode's record as refusals, with TRL's own messages; none ran remotely
+    refused = [r[1]["result"] for r in rpc[2:]]
+    assert all(r["isError"] for r in refused) and "Tool rm_rf not found." in refused[1]["content"][0]["text"]
+    assert ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0) == before
+    assert episode.tool_failures == 2 and not episode.over
+    episode.release()
+    echo_spec.run(harness.aclose())

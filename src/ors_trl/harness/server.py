@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from collections.abc import Mapping
@@ -32,6 +33,8 @@ from ..core.rollout import Conversation, StopEpisode
 from ..protocol.errors import ContextLengthExceeded
 
 __all__ = ["HarnessServer", "ModelCall", "Seat"]
+
+logger = logging.getLogger("ors_trl.harness")
 
 #: MCP protocol revisions the endpoint answers `initialize` with (the client's when it is one of them).
 MCP_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
@@ -218,14 +221,16 @@ class HarnessServer:
         except ValueError:
             body = None
         messages = body.get("messages") if isinstance(body, dict) else None
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            return _bad("the request needs `messages`, a list of chat messages")
+        if not isinstance(messages, list) or not messages or not all(_is_message(m) for m in messages):
+            return _bad("the request needs `messages`, a list of chat messages (each with a `role`; `tool_calls`, "
+                        "where given, a list of objects)")
         if body.get("stream") or (body.get("n") or 1) != 1:
             return _bad("this endpoint answers one choice, not streamed (stream=false, n=1)")
         model = str(body.get("model") or "policy")
         if seat.episode.over:  # the episode ended: the harness reads that, nothing is generated or recorded
             return _completion(model, Reply(ENDED), [], "stop")
-        tools = [t for t in body.get("tools") or () if isinstance(t, dict)] or None
+        tools = body.get("tools")
+        tools = [t for t in tools if isinstance(t, dict)] or None if isinstance(tools, list) else None
         conversation, joined = self._conversation(seat, messages, tools)
         try:
             reply = await seat.generator.reply(conversation)
@@ -233,6 +238,9 @@ class HarnessServer:
             reason = stop.reason if isinstance(stop, StopEpisode) else "context_length"
             await seat.episode.end(reason, detail=str(stop))
             return _completion(model, Reply(""), [], "length")
+        except Exception as exc:  # a request the generator cannot take (a template that cannot render it, ...)
+            logger.warning("%s: a harness model call failed: %s: %s", seat.episode.env.name, type(exc).__name__, exc)
+            return _bad(f"the model call failed: {type(exc).__name__}: {exc}")
         call = ModelCall(len(seat.calls), [dict(m) for m in messages], reply, version=_version(seat.generator),
                          joined=joined)
         _take_ids(call, conversation.state)
@@ -261,12 +269,18 @@ class HarnessServer:
         return seat.conversation, False
 
 
+def _is_message(message: Any) -> bool:
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    return (isinstance(message, dict) and isinstance(message.get("role"), str)
+            and (calls is None or (isinstance(calls, list) and all(isinstance(c, dict) for c in calls))))
+
+
 def _normal(message: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
     """A harness's chat message as ors-trl writes one (`ors_trl.core.conversation`): text content, calls with their
     arguments decoded, a tool result named after its call."""
     out: dict[str, Any] = {"role": message.get("role"), "content": _text(message.get("content"))}
     if message.get("tool_calls"):
-        out["tool_calls"] = [ToolCall.of(c).chat(c.get("id")) for c in message["tool_calls"] if isinstance(c, Mapping)]
+        out["tool_calls"] = [ToolCall.of(c).chat(c.get("id")) for c in message["tool_calls"]]
     if out["role"] == "tool":
         out["name"] = message.get("name") or names.get(str(message.get("tool_call_id")), "")
         out["tool_call_id"] = message.get("tool_call_id")
