@@ -27,7 +27,13 @@ from tests.fixtures.generation import (
 
 agents = pytest.importorskip("agents")  # the `harness` extra
 pytest.importorskip("torch")
-from agents import Agent, OpenAIChatCompletionsModel, Runner, set_tracing_disabled  # noqa: E402
+from agents import (  # noqa: E402
+    Agent,
+    OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
+    Runner,
+    set_tracing_disabled,
+)
 from agents.mcp import MCPServerStreamableHttp  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402
 
@@ -57,16 +63,18 @@ class Scripted(LocalPolicy):
         return out
 
 
-def agents_sdk(rewrite: bool = False):
-    """An OpenAI Agents SDK program, unmodified: the policy as its chat-completions model, the episode's tools over MCP.
-    `rewrite`: afterwards it starts over from a summary of its own (a history rewrite: the next call forks)."""
+def agents_sdk(rewrite: bool = False, responses: bool = False):
+    """An OpenAI Agents SDK program, unmodified: the policy as its chat-completions model (`responses`: its Responses
+    model), the episode's tools over MCP. `rewrite`: afterwards it starts over from a summary of its own (a history
+    rewrite: the next call forks)."""
 
     async def run(ep) -> str | None:
         client = AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
         headers = {"Authorization": f"Bearer {ep.mcp_token}"}
+        kind = OpenAIResponsesModel if responses else OpenAIChatCompletionsModel
         async with MCPServerStreamableHttp(params={"url": ep.mcp_url, "headers": headers}) as mcp:
             agent = Agent(name="ors", instructions=ep.system or "Use the tools.", mcp_servers=[mcp],
-                          model=OpenAIChatCompletionsModel(model="policy", openai_client=client))
+                          model=kind(model="policy", openai_client=client))
             result = await Runner.run(agent, ep.prompt, max_turns=6)
             if rewrite:
                 await Runner.run(agent, "Summarise what you did in one word.", max_turns=2)
@@ -139,6 +147,20 @@ def test_an_agent_library_plays_episodes_token_exactly(echo_spec, ref_server, to
     echo_spec.close()
     assert ref_server.stats()["open_sessions"] == 0
     assert harness.server.seats == {}  # every token revoked
+
+
+def test_the_responses_api_joins_as_chat_completions_do(echo_spec, ref_server, tokenizer):
+    generator, harness = Scripted(tokenizer), Harness(agents_sdk(responses=True))
+    (episode,) = _episodes(echo_spec, [3])
+    conversation = echo_spec.run(harness.play(episode, generator))
+    calls = conversation.calls
+    assert [(c.joined, c.row) for c in calls] == [(False, 0), (True, 0)] and len(conversation.rows) == 1
+    row = conversation.rows[0]
+    generated = [t for t, m in zip(row.completion_ids, row.mask, strict=True) if m]
+    assert generated == [t for c in calls for t in generator.produced[tuple(c.prompt_ids)]]
+    assert episode.reward == 1.0 and episode.final_message == "Done."
+    episode.release()
+    echo_spec.run(harness.aclose())
 
 
 def test_a_wrong_token_reaches_nothing(echo_spec, ref_server, tokenizer):

@@ -126,6 +126,7 @@ class HarnessServer:
             app = web.Application(client_max_size=16 * 2**20)
             app.router.add_route("*", "/mcp", self._mcp)
             app.router.add_post("/v1/chat/completions", self._chat)
+            app.router.add_post("/v1/responses", self._responses)
             app.router.add_get("/v1/models", self._models)
             self._runner = web.AppRunner(app, access_log=None)
             await self._runner.setup()
@@ -213,6 +214,16 @@ class HarnessServer:
         return web.json_response({"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "ors-trl"}]})
 
     async def _chat(self, request: web.Request) -> web.Response:
+        """`POST /v1/chat/completions`."""
+        return await self._model_call(request, _from_chat, _completion)
+
+    async def _responses(self, request: web.Request) -> web.Response:
+        """`POST /v1/responses` (the OpenAI Responses API, stateless: the harness sends its whole input)."""
+        return await self._model_call(request, _from_responses, _response)
+
+    async def _model_call(self, request: web.Request, read: Any, answer: Any) -> web.Response:
+        """One model call in a dialect: `read(body)` gives the chat messages and tools (or why not: a 400),
+        `answer(model, reply, ids, finish, call)` the reply in the dialect."""
         seat = self._seat(request)
         if isinstance(seat, web.Response):
             return seat
@@ -220,24 +231,24 @@ class HarnessServer:
             body = await request.json()
         except ValueError:
             body = None
-        messages = body.get("messages") if isinstance(body, dict) else None
-        if not isinstance(messages, list) or not messages or not all(_is_message(m) for m in messages):
-            return _bad("the request needs `messages`, a list of chat messages (each with a `role`; `tool_calls`, "
-                        "where given, a list of objects)")
+        if not isinstance(body, dict):
+            return _bad("the request body must be a JSON object")
         if body.get("stream") or (body.get("n") or 1) != 1:
             return _bad("this endpoint answers one choice, not streamed (stream=false, n=1)")
+        read_out = read(body)
+        if isinstance(read_out, str):
+            return _bad(read_out)
+        messages, tools = read_out
         model = str(body.get("model") or "policy")
         if seat.episode.over:  # the episode ended: the harness reads that, nothing is generated or recorded
-            return _completion(model, Reply(ENDED), [], "stop")
-        tools = body.get("tools")
-        tools = [t for t in tools if isinstance(t, dict)] or None if isinstance(tools, list) else None
+            return answer(model, Reply(ENDED), [], "stop")
         conversation, joined = self._conversation(seat, messages, tools)
         try:
             reply = await seat.generator.reply(conversation)
         except (StopEpisode, ContextLengthExceeded) as stop:
             reason = stop.reason if isinstance(stop, StopEpisode) else "context_length"
             await seat.episode.end(reason, detail=str(stop))
-            return _completion(model, Reply(""), [], "length")
+            return answer(model, Reply(""), [], "length")
         except Exception as exc:  # a request the generator cannot take (a template that cannot render it, ...)
             logger.warning("%s: a harness model call failed: %s: %s", seat.episode.env.name, type(exc).__name__, exc)
             return _bad(f"the model call failed: {type(exc).__name__}: {exc}")
@@ -252,7 +263,7 @@ class HarnessServer:
         seat.names.update((i, c.name) for i, c in zip(ids, reply.tool_calls, strict=True))  # type: ignore[union-attr]
         seat.shown = [*conversation.messages, assistant_message(reply, ids)]
         finish = "tool_calls" if reply.tool_calls else "length" if reply.truncated else "stop"
-        return _completion(model, reply, ids, finish, call)
+        return answer(model, reply, ids, finish, call)
 
     def _conversation(self, seat: Seat, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
                       ) -> tuple[Conversation, bool]:
@@ -287,6 +298,46 @@ def _normal(message: Mapping[str, Any], names: Mapping[str, str]) -> dict[str, A
     return out
 
 
+def _from_chat(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None] | str:
+    """A chat completions request's messages and tools, or why it cannot be answered."""
+    messages, tools = body.get("messages"), body.get("tools")
+    if not isinstance(messages, list) or not messages or not all(_is_message(m) for m in messages):
+        return ("the request needs `messages`, a list of chat messages (each with a `role`; `tool_calls`, where "
+                "given, a list of objects)")
+    return messages, [t for t in tools if isinstance(t, dict)] or None if isinstance(tools, list) else None
+
+
+def _from_responses(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None] | str:
+    """A Responses request (`instructions`, `input` items, `tools`) as chat messages and tools, or why not."""
+    if body.get("previous_response_id") or body.get("conversation"):
+        return "this endpoint keeps no responses: send the whole input (no previous_response_id or conversation)"
+    items = body.get("input")
+    items = [{"role": "user", "content": items}] if isinstance(items, str) else items
+    if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
+        return "the request needs `input`, a text or a list of input items"
+    messages: list[dict[str, Any]] = []
+    if isinstance(body.get("instructions"), str):
+        messages.append({"role": "system", "content": body["instructions"]})
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message" and isinstance(item.get("role"), str):
+            role = "system" if item["role"] == "developer" else item["role"]
+            messages.append({"role": role, "content": _text(item.get("content"))})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if not (messages and messages[-1]["role"] == "assistant"):
+                messages.append({"role": "assistant", "content": ""})
+            messages[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _text(item.get("output"))})
+        elif kind != "reasoning":
+            return f"input items of type {kind!r} are not supported"
+    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
+             for t in body.get("tools") or () if isinstance(t, dict) and t.get("type") == "function"]
+    return messages, tools or None
+
+
 def _take_ids(call: ModelCall, tokens: Any) -> None:
     """A token generator's ids of the call just answered: the trailing generated run of its `Tokens`, and the ids
     before it (the prompt it was generated from)."""
@@ -312,6 +363,27 @@ def _mcp_tools(episode: Episode) -> list[dict[str, Any]]:
 
 def _bad(message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=400)
+
+
+def _response(model: str, reply: Reply, ids: list[str], finish: str, call: ModelCall | None = None
+              ) -> web.Response:
+    """A reply as a Responses API response: a message item (where it has text), then a function call item per call."""
+    output: list[dict[str, Any]] = []
+    if reply.content:
+        output.append({"type": "message", "id": f"msg_{secrets.token_hex(8)}", "role": "assistant",
+                       "status": "completed",
+                       "content": [{"type": "output_text", "text": reply.content, "annotations": []}]})
+    output += [{"type": "function_call", "id": f"fc_{i}", "call_id": i, "name": c.name, "status": "completed",
+                "arguments": c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments)}
+               for i, c in zip(ids, reply.tool_calls, strict=True)]  # type: ignore[union-attr]
+    used = (len(call.prompt_ids), len(call.completion_ids or ())) if call and call.prompt_ids is not None else (0, 0)
+    return web.json_response({
+        "id": f"resp_{secrets.token_hex(8)}", "object": "response", "created_at": int(time.time()), "model": model,
+        "status": "incomplete" if finish == "length" else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+        "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+        "usage": {"input_tokens": used[0], "output_tokens": used[1], "total_tokens": sum(used),
+                  "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}})
 
 
 def _completion(model: str, reply: Reply, ids: list[str], finish: str, call: ModelCall | None = None) -> web.Response:
