@@ -21,6 +21,7 @@ from tests.fixtures.generation import (
     replace_generation,
     run_batch,
     tool_call_text,
+    trl_chain_rows,
     trl_generation,
     trl_tokenizer,
 )
@@ -138,6 +139,10 @@ def test_an_agent_library_plays_episodes_token_exactly(echo_spec, ref_server, to
         # the record shows the model calls and the tool call in order
         assert [(t["assistant"], [c["name"] for c in t["tool_calls"]]) for t in ep.turns] == \
             [("", ["echo"]), ("Done.", []), ("Done.", [])]
+        # the rows TRL's asynchronous harness worker builds from the same calls, losslessly, are these
+        trl_rows = trl_chain_rows([(c.prompt_ids, c.completion_ids, c.logprobs) for c in calls])
+        assert trl_rows == [(r.prompt_ids + r.completion_ids, [0] * len(r.prompt_ids) + r.mask,
+                             [0.0] * len(r.prompt_ids) + r.logprobs) for r in rows]
     # a hook drops the auxiliary call: one row, the one that holds the episode
     calls = conversations[0].calls
     assert len(build_rows(calls, train=lambda c: c.index < 2)) == 1 and calls[2].row is None
