@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import re
 import sys
 import textwrap
@@ -82,6 +83,33 @@ def agents_sdk(rewrite: bool = False, responses: bool = False):
         return result.final_output
 
     return run
+
+
+#: A command-line agent on the standard library alone: the endpoints reach it as environment variables.
+COMMAND_AGENT = textwrap.dedent("""
+        import json, os, urllib.request
+        def post(url, body, token):
+            req = urllib.request.Request(url, json.dumps(body).encode(), {"Authorization": "Bearer " + token,
+                                         "Content-Type": "application/json"})
+            return json.load(urllib.request.urlopen(req))
+        key, mcp, tok = os.environ["OPENAI_API_KEY"], os.environ["ORS_MCP_URL"], os.environ["ORS_MCP_TOKEN"]
+        tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                  "parameters": t["inputSchema"]}}
+                 for t in post(mcp, {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}, tok)["result"]["tools"]]
+        messages = json.loads(os.environ["ORS_MESSAGES"])
+        while True:
+            reply = post(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+                         {"model": "policy", "messages": messages, "tools": tools}, key)["choices"][0]["message"]
+            messages.append(reply)
+            if not reply.get("tool_calls"):
+                print(reply["content"])
+                break
+            for c in reply["tool_calls"]:
+                out = post(mcp, {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+                    "name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}, tok)
+                messages.append({"role": "tool", "tool_call_id": c["id"],
+                                 "content": out["result"]["content"][0]["text"]})
+""")
 
 
 @pytest.fixture
@@ -218,30 +246,7 @@ def test_evaluate_with_a_harness_callable_and_command(echo_spec, ref_server, tok
                for r in report.episodes)
     # a command line: the endpoints reach it as environment variables; its output is the final answer
     script = tmp_path / "agent.py"
-    script.write_text(textwrap.dedent("""
-        import json, os, urllib.request
-        def post(url, body, token):
-            req = urllib.request.Request(url, json.dumps(body).encode(), {"Authorization": "Bearer " + token,
-                                         "Content-Type": "application/json"})
-            return json.load(urllib.request.urlopen(req))
-        key, mcp, tok = os.environ["OPENAI_API_KEY"], os.environ["ORS_MCP_URL"], os.environ["ORS_MCP_TOKEN"]
-        tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
-                  "parameters": t["inputSchema"]}}
-                 for t in post(mcp, {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}, tok)["result"]["tools"]]
-        messages = json.loads(os.environ["ORS_MESSAGES"])
-        while True:
-            reply = post(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
-                         {"model": "policy", "messages": messages, "tools": tools}, key)["choices"][0]["message"]
-            messages.append(reply)
-            if not reply.get("tool_calls"):
-                print(reply["content"])
-                break
-            for c in reply["tool_calls"]:
-                out = post(mcp, {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
-                    "name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}, tok)
-                messages.append({"role": "tool", "tool_call_id": c["id"],
-                                 "content": out["result"]["content"][0]["text"]})
-    """))
+    script.write_text(COMMAND_AGENT)
     scored = Harness([sys.executable, str(script)], score=lambda ep, calls: 0.25 * len(calls))
     report = echo_spec.evaluate(Scripted(tokenizer), harness=scored, num_tasks=2, progress=False)
     assert report.mean_reward == 0.5  # the score hook: two model calls each
@@ -344,3 +349,17 @@ def test_a_hostile_harness_gets_typed_answers_and_runs_nothing(echo_spec, ref_se
     assert episode.tool_failures == 2 and not episode.over
     episode.release()
     echo_spec.run(harness.aclose())
+
+
+def test_cli_eval_runs_a_command_harness(ref_server, tiny_model_dir, tmp_path):
+    from ors_trl.cli import EXIT_OK, main
+
+    script, out = tmp_path / "agent.py", tmp_path / "episodes.jsonl"
+    script.write_text(COMMAND_AGENT)
+    code = main(["eval", ref_server.url, "--env-name", "echoenvironment", "--model", tiny_model_dir, "--num-tasks", "2",
+                 "--max-new-tokens", "16", "--harness", f"{sys.executable} {script}", "--output", str(out),
+                 "--no-progress"])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert code == EXIT_OK and len(records) == 2
+    assert all(r["harness"]["model_calls"] >= 1 and r["source"] == "eval" for r in records)
+    assert ref_server.stats()["open_sessions"] == 0
