@@ -240,10 +240,20 @@ def test_a_wrong_token_reaches_nothing(echo_spec, ref_server, tokenizer):
 
 
 def test_evaluate_with_a_harness_callable_and_command(echo_spec, ref_server, tokenizer, tmp_path):
-    report = echo_spec.evaluate(Scripted(tokenizer), harness=Harness(agents_sdk()), num_tasks=2, progress=False)
+    out = tmp_path / "episodes.jsonl"
+    report = echo_spec.evaluate(Scripted(tokenizer), harness=Harness(agents_sdk()), num_tasks=2, progress=False,
+                                output=out)
     assert report.mean_reward == 1.0 and report.num_episodes == 2
     assert all(r["harness"]["model_calls"] == 2 and r["turns"][0]["tool_calls"][0]["status"] == "ok"
                for r in report.episodes)
+    # the report page shows a harness episode as any other: each model call a turn, with the tool calls it made
+    from ors_trl.cli import EXIT_OK, main
+
+    page = tmp_path / "report.html"
+    assert main(["report", str(out), "-o", str(page)]) == EXIT_OK
+    html = page.read_text()
+    assert '"tool_calls":[{"id":null,"name":"echo"' in html  # the episode bodies, embedded in order
+    assert html.index('"name":"echo"') < html.index('"assistant":"Done."')
     # a command line: the endpoints reach it as environment variables; its output is the final answer
     script = tmp_path / "agent.py"
     script.write_text(COMMAND_AGENT)
