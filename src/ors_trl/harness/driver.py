@@ -127,7 +127,6 @@ class Harness:
         self.agent, self.train_call, self.score, self.timeout = agent, train_call, score, timeout
         self.env = dict(env or {})
         self.server = HarnessServer()
-        self.episodes = 0
 
     def __repr__(self) -> str:
         return f"Harness({getattr(self.agent, '__qualname__', self.agent)!r})"
@@ -180,7 +179,6 @@ class Harness:
                     messages = episode.prompt.chat(base)
                     tools = episode.toolset.schemas if episode.toolset is not None else []
                     endpoint = Endpoint(f"{url}/v1", seat.token, f"{url}/mcp", seat.token, messages, tools)
-                    self.episodes += 1
                     try:
                         final = await self._run(endpoint)
                     except (asyncio.CancelledError, TimeoutError):
