@@ -373,3 +373,24 @@ def test_cli_eval_runs_a_command_harness(ref_server, tiny_model_dir, tmp_path):
     assert code == EXIT_OK and len(records) == 2
     assert all(r["harness"]["model_calls"] >= 1 and r["source"] == "eval" for r in records)
     assert ref_server.stats()["open_sessions"] == 0
+
+
+def test_a_message_level_policy_serves_a_harness_without_ids(echo_spec, ref_server):
+    """A policy with only `respond(messages, tools)` (an endpoint's) answers the harness's calls: the episode plays
+    and is scored, and there are no ids, so no rows."""
+    from ors_trl import PolicyReply
+
+    seen: list[list[dict]] = []
+
+    class Talker:
+        async def respond(self, messages, tools):
+            seen.append(messages)
+            if any(m["role"] == "tool" for m in messages):
+                return PolicyReply("Done.")
+            target = _TARGET.findall(" ".join(str(m["content"]) for m in messages))[0]
+            return PolicyReply("", [{"name": "echo", "arguments": {"text": target}}])
+
+    report = echo_spec.evaluate(Talker(), harness=Harness(agents_sdk()), num_tasks=1, progress=False)
+    assert report.mean_reward == 1.0
+    assert report.episodes[0]["harness"] == {"model_calls": 2, "trained_calls": 0, "rows": 0, "joined_calls": 1}
+    assert [m["role"] for m in seen[1]][-2:] == ["assistant", "tool"]  # the joined conversation, as a whole
