@@ -65,10 +65,10 @@ class Scripted(LocalPolicy):
         return out
 
 
-def agents_sdk(rewrite: bool = False, responses: bool = False):
+def agents_sdk(rewrite: bool = False, responses: bool = False, streamed: bool = False):
     """An OpenAI Agents SDK program, unmodified: the policy as its chat-completions model (`responses`: its Responses
     model), the episode's tools over MCP. `rewrite`: afterwards it starts over from a summary of its own (a history
-    rewrite: the next call forks)."""
+    rewrite: the next call forks). `streamed`: the SDK's streamed run (server-sent chunks)."""
 
     async def run(ep) -> str | None:
         client = AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
@@ -77,7 +77,12 @@ def agents_sdk(rewrite: bool = False, responses: bool = False):
         async with MCPServerStreamableHttp(params={"url": ep.mcp_url, "headers": headers}) as mcp:
             agent = Agent(name="ors", instructions=ep.system or "Use the tools.", mcp_servers=[mcp],
                           model=kind(model="policy", openai_client=client))
-            result = await Runner.run(agent, ep.prompt, max_turns=6)
+            if streamed:
+                result = Runner.run_streamed(agent, ep.prompt, max_turns=6)
+                async for _ in result.stream_events():
+                    pass
+            else:
+                result = await Runner.run(agent, ep.prompt, max_turns=6)
             if rewrite:
                 await Runner.run(agent, "Summarise what you did in one word.", max_turns=2)
         return result.final_output
@@ -182,8 +187,9 @@ def test_an_agent_library_plays_episodes_token_exactly(echo_spec, ref_server, to
     assert harness.server.seats == {}  # every token revoked
 
 
-def test_the_responses_api_joins_as_chat_completions_do(echo_spec, ref_server, tokenizer):
-    generator, harness = Scripted(tokenizer), Harness(agents_sdk(responses=True))
+@pytest.mark.parametrize("dialect", ["responses", "streamed"])
+def test_the_responses_api_and_streaming_join_as_chat_completions_do(echo_spec, ref_server, tokenizer, dialect):
+    generator, harness = Scripted(tokenizer), Harness(agents_sdk(**{dialect: True}))
     (episode,) = _episodes(echo_spec, [3])
     conversation = echo_spec.run(harness.play(episode, generator))
     calls = conversation.calls

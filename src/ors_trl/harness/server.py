@@ -213,15 +213,15 @@ class HarnessServer:
             return seat
         return web.json_response({"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "ors-trl"}]})
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         """`POST /v1/chat/completions`."""
         return await self._model_call(request, _from_chat, _completion)
 
-    async def _responses(self, request: web.Request) -> web.Response:
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
         """`POST /v1/responses` (the OpenAI Responses API, stateless: the harness sends its whole input)."""
         return await self._model_call(request, _from_responses, _response)
 
-    async def _model_call(self, request: web.Request, read: Any, answer: Any) -> web.Response:
+    async def _model_call(self, request: web.Request, read: Any, answer: Any) -> web.StreamResponse:
         """One model call in a dialect: `read(body)` gives the chat messages and tools (or why not: a 400),
         `answer(model, reply, ids, finish, call)` the reply in the dialect."""
         seat = self._seat(request)
@@ -233,22 +233,23 @@ class HarnessServer:
             body = None
         if not isinstance(body, dict):
             return _bad("the request body must be a JSON object")
-        if body.get("stream") or (body.get("n") or 1) != 1:
-            return _bad("this endpoint answers one choice, not streamed (stream=false, n=1)")
+        stream = bool(body.get("stream"))
+        if (stream and read is not _from_chat) or (body.get("n") or 1) != 1:
+            return _bad("this endpoint answers one choice (n=1); streamed only for chat completions")
         read_out = read(body)
         if isinstance(read_out, str):
             return _bad(read_out)
         messages, tools = read_out
         model = str(body.get("model") or "policy")
         if seat.episode.over:  # the episode ended: the harness reads that, nothing is generated or recorded
-            return answer(model, Reply(ENDED), [], "stop")
+            return await _send(request, answer(model, Reply(ENDED), [], "stop"), stream)
         conversation, joined = self._conversation(seat, messages, tools)
         try:
             reply = await seat.generator.reply(conversation)
         except (StopEpisode, ContextLengthExceeded) as stop:
             reason = stop.reason if isinstance(stop, StopEpisode) else "context_length"
             await seat.episode.end(reason, detail=str(stop))
-            return answer(model, Reply(""), [], "length")
+            return await _send(request, answer(model, Reply(""), [], "length"), stream)
         except Exception as exc:  # a request the generator cannot take (a template that cannot render it, ...)
             logger.warning("%s: a harness model call failed: %s: %s", seat.episode.env.name, type(exc).__name__, exc)
             return _bad(f"the model call failed: {type(exc).__name__}: {exc}")
@@ -263,7 +264,7 @@ class HarnessServer:
         seat.names.update((i, c.name) for i, c in zip(ids, reply.tool_calls, strict=True))  # type: ignore[union-attr]
         seat.shown = [*conversation.messages, assistant_message(reply, ids)]
         finish = "tool_calls" if reply.tool_calls else "length" if reply.truncated else "stop"
-        return answer(model, reply, ids, finish, call)
+        return await _send(request, answer(model, reply, ids, finish, call), stream)
 
     def _conversation(self, seat: Seat, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
                       ) -> tuple[Conversation, bool]:
@@ -366,7 +367,7 @@ def _bad(message: str) -> web.Response:
 
 
 def _response(model: str, reply: Reply, ids: list[str], finish: str, call: ModelCall | None = None
-              ) -> web.Response:
+              ) -> dict[str, Any]:
     """A reply as a Responses API response: a message item (where it has text), then a function call item per call."""
     output: list[dict[str, Any]] = []
     if reply.content:
@@ -377,16 +378,17 @@ def _response(model: str, reply: Reply, ids: list[str], finish: str, call: Model
                 "arguments": c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments)}
                for i, c in zip(ids, reply.tool_calls, strict=True)]  # type: ignore[union-attr]
     used = (len(call.prompt_ids), len(call.completion_ids or ())) if call and call.prompt_ids is not None else (0, 0)
-    return web.json_response({
+    return {
         "id": f"resp_{secrets.token_hex(8)}", "object": "response", "created_at": int(time.time()), "model": model,
         "status": "incomplete" if finish == "length" else "completed",
         "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
         "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
         "usage": {"input_tokens": used[0], "output_tokens": used[1], "total_tokens": sum(used),
-                  "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}})
+                  "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
 
 
-def _completion(model: str, reply: Reply, ids: list[str], finish: str, call: ModelCall | None = None) -> web.Response:
+def _completion(model: str, reply: Reply, ids: list[str], finish: str, call: ModelCall | None = None
+                ) -> dict[str, Any]:
     """A chat completion in OpenAI's shape (the ids the call generated included, as vLLM returns them)."""
     message: dict[str, Any] = {"role": "assistant", "content": reply.content if reply.content or not ids else None}
     if ids:
@@ -401,4 +403,25 @@ def _completion(model: str, reply: Reply, ids: list[str], finish: str, call: Mod
         choice["token_ids"], body["prompt_token_ids"] = call.completion_ids, call.prompt_ids
         usage = {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.completion_ids or ())}
     body["usage"] = {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
-    return web.json_response(body)
+    return body
+
+
+async def _send(request: web.Request, body: dict[str, Any], stream: bool) -> web.StreamResponse:
+    """A reply as JSON, or (`stream`) a chat completion replayed as server-sent chunks: the message, then the finish
+    reason and usage, then `[DONE]` (generation is not streamed: the chunks follow it)."""
+    if not stream:
+        return web.json_response(body)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    choice = body["choices"][0]
+    delta = {k: v for k, v in choice["message"].items() if v is not None}
+    if "tool_calls" in delta:
+        delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(delta["tool_calls"])]
+    head = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    for chunk in ({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+                  {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}],
+                   "usage": body["usage"]}):
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
