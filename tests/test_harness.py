@@ -400,3 +400,43 @@ def test_a_message_level_policy_serves_a_harness_without_ids(echo_spec, ref_serv
     assert report.mean_reward == 1.0
     assert report.episodes[0]["harness"] == {"model_calls": 2, "trained_calls": 0, "rows": 0, "joined_calls": 1}
     assert [m["role"] for m in seen[1]][-2:] == ["assistant", "tool"]  # the joined conversation, as a whole
+
+
+def test_a_retried_call_racing_the_first_forks_and_every_row_stays_exact(echo_spec, ref_server, tokenizer):
+    """A harness that resends a call while the first is still generating (a client retry): the two never share a
+    conversation, so neither row holds the other's tokens."""
+    import aiohttp
+
+    generator, harness = Scripted(tokenizer), Harness(agents_sdk())
+    (episode,) = _episodes(echo_spec, [0])
+    holder = HarnessConversation(episode)
+
+    async def race():
+        await episode.open()
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, generator)
+        generator.start(holder)
+        auth = {"Authorization": f"Bearer {seat.token}"}
+        messages = episode.prompt.chat([])
+        tools = episode.toolset.schemas
+        async with aiohttp.ClientSession(headers=auth) as http:
+            async def ask(msgs):
+                async with http.post(url + "/v1/chat/completions", json={"messages": msgs, "tools": tools}) as r:
+                    return (await r.json())["choices"][0]["message"]
+
+            first = await ask(messages)
+            call = first["tool_calls"][0]
+            follow = [*messages, first, {"role": "tool", "tool_call_id": call["id"], "content": "hello"}]
+            await asyncio.gather(ask(follow), ask(follow))
+        generator.finish(holder)
+        harness.server.revoke(seat)
+        return seat.calls
+
+    calls = echo_spec.run(race())
+    assert sorted(c.joined for c in calls) == [False, False, True]
+    rows = build_rows(calls)
+    for i, row in enumerate(rows):
+        generated = [t for t, m in zip(row.completion_ids, row.mask, strict=True) if m]
+        assert generated == [t for c in calls if c.row == i for t in generator.produced[tuple(c.prompt_ids)]]
+    episode.release()
+    echo_spec.run(harness.aclose())

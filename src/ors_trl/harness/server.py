@@ -70,6 +70,7 @@ class Seat:
     conversation: Conversation | None = None
     shown: list[dict[str, Any]] = field(default_factory=list)  # the last request's messages + our reply to it
     names: dict[str, str] = field(default_factory=dict)  # our tool-call ids -> tool names
+    busy: set[int] = field(default_factory=set)  # conversations with a model call in flight: joined by no other
 
     def __repr__(self) -> str:  # never the token
         return f"<Seat {self.episode!r} calls={len(self.calls)}>"
@@ -244,6 +245,14 @@ class HarnessServer:
         if seat.episode.over:  # the episode ended: the harness reads that, nothing is generated or recorded
             return await _send(request, answer(model, Reply(ENDED), [], "stop"), stream)
         conversation, joined = self._conversation(seat, messages, tools)
+        seat.busy.add(id(conversation))
+        try:
+            return await self._generate(request, seat, conversation, joined, messages, answer, model, stream)
+        finally:  # once its reply is in `shown`: a request racing this one (a retry) forks instead of joining
+            seat.busy.discard(id(conversation))
+
+    async def _generate(self, request: web.Request, seat: Seat, conversation: Conversation, joined: bool,
+                        messages: list[dict[str, Any]], answer: Any, model: str, stream: bool) -> web.StreamResponse:
         try:
             reply = await seat.generator.reply(conversation)
         except (StopEpisode, ContextLengthExceeded) as stop:
@@ -259,10 +268,10 @@ class HarnessServer:
         if call.prompt_ids is not None:
             reply.usage = {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.completion_ids or ())}
         seat.calls.append(call)
-        await seat.episode.observe(reply)
         ids = [f"call_{call.index}_{k}" for k in range(len(reply.tool_calls))]
         seat.names.update((i, c.name) for i, c in zip(ids, reply.tool_calls, strict=True))  # type: ignore[union-attr]
         seat.shown = [*conversation.messages, assistant_message(reply, ids)]
+        await seat.episode.observe(reply)
         finish = "tool_calls" if reply.tool_calls else "length" if reply.truncated else "stop"
         return await _send(request, answer(model, reply, ids, finish, call), stream)
 
@@ -272,7 +281,8 @@ class HarnessServer:
         after it), or a new one."""
         shown, tail = seat.shown, messages[len(seat.shown):]
         current = seat.conversation
-        if (current is not None and shown and len(messages) > len(shown) and current.tools == tools
+        if (current is not None and id(current) not in seat.busy and shown and len(messages) > len(shown)
+                and current.tools == tools
                 and all(m.get("role") == "tool" for m in tail)
                 and [_identity(m) for m in messages[: len(shown)]] == [_identity(m) for m in shown]):
             current.messages = [*shown, *(_normal(m, seat.names) for m in tail)]
