@@ -440,3 +440,18 @@ def test_a_retried_call_racing_the_first_forks_and_every_row_stays_exact(echo_sp
         assert generated == [t for c in calls if c.row == i for t in generator.produced[tuple(c.prompt_ids)]]
     episode.release()
     echo_spec.run(harness.aclose())
+
+
+def test_the_reply_limit_holds_for_a_harness(echo_spec, ref_server, tokenizer):
+    """The turn rule is the core's on every path: past `max_replies` the reply's calls are not run (the episode ends
+    `max_turns`), the harness's later tool call is refused, and its next model call reads that the episode ended."""
+    generator, harness = Scripted(tokenizer), Harness(agents_sdk())
+    episode = echo_spec._runtime.episode(Task("train", 0), source="test", rules=Rules(max_replies=1))
+    before = ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0)
+    conversation = echo_spec.run(harness.play(episode, generator))
+    assert episode.end_reason == "max_turns" and episode.reward is None
+    assert [c["status"] for c in episode.turns[0]["tool_calls"]] == ["not_run", "refused"]
+    assert ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0) == before
+    assert len(conversation.calls) == 1  # the call after the end generated nothing and is not a model call
+    episode.release()
+    echo_spec.run(harness.aclose())
