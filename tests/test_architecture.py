@@ -40,7 +40,7 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
 
 
 #: The layers, bottom to top (ARCHITECTURE.md): a module imports only its own layer and those below it.
-LAYERS = ("protocol", "core", "tasks", "trl", "evaluation", "surface")
+LAYERS = ("protocol", "core", "tasks", "trl", "evaluation", "harness", "surface")
 #: Third-party packages a layer must never import: the core and the protocol know neither TRL nor torch (the openreward
 #: SDK is the protocol's, for the platform's rollout upload alone); the tasks layer knows datasets, not TRL.
 _TRAINING = {"torch", "trl", "transformers", "accelerate"}

@@ -74,3 +74,16 @@ def test_train_mix_example(make_server, tiny_model_dir, tmp_path) -> None:
     assert len(episodes) == 8
     (name,) = {ep["environment"] for ep in episodes}  # one task per step: its 8 rollouts share one environment
     assert any(k.startswith(f"env/{name}/") for k in _logged_keys(out)), out[-3000:]
+
+
+def test_train_agent_example(make_server, tiny_model_dir, tmp_path) -> None:
+    import pytest
+
+    pytest.importorskip("agents")  # the `harness` extra
+    server = make_server(envs="echo")
+    args = [server.url, "--env-name", "echoenvironment", "--eval-tasks", "2"]
+    out = _run("train_agent.py", [*args, *_one_step(tiny_model_dir, tmp_path / "out")], cwd=tmp_path)
+    stats = server.stats()
+    assert stats["setups"] >= 2 + 8 and stats["open_sessions"] == 0  # the eval's episodes, then the step's rollouts
+    assert "mean reward" in out  # the evaluation's summary
+    assert "env/echoenvironment/episodes" in _logged_keys(out), out[-3000:]

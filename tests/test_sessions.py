@@ -154,6 +154,21 @@ def test_a_killed_training_process_orphans_are_deleted_by_the_next_start(make_se
     assert registry_files(state) == []  # clean exits leave nothing behind
 
 
+def test_a_killed_harness_runs_sessions_are_orphans_like_any_other(make_server, holders, tmp_path) -> None:
+    """Harness episodes (`ors_trl.Harness`) open their sessions through the same client: a SIGKILLed run's are in
+    the registry, and the next start deletes them."""
+    server = make_server("echo")
+    state = tmp_path / "state"
+    run = holders(server.url, 3, state, "--harness").start()
+    assert len(run.sids) == 3 and set(run.sids) <= sessions(server)
+    run.kill()
+    assert set(run.sids) <= sessions(server)  # SIGKILL: no exit hook ran
+    nxt = holders(server.url, 1, state).start()
+    wait_sessions(server, set(nxt.sids))
+    assert "3 session(s) left open by 1 dead process(es) deleted" in nxt.stop()
+    wait_sessions(server, set())
+
+
 def test_cleanup_deletes_what_two_killed_processes_left_and_nothing_else(make_server, holders, tmp_path,
                                                                         capsys) -> None:
     server = make_server("echo")

@@ -13,6 +13,7 @@ from .core.metrics import EnvMetrics
 from .core.records import EpisodeRecord
 from .evaluation.policies import LocalPolicy, OpenAIPolicy, Policy, PolicyReply, RandomPolicy
 from .evaluation.runner import EvalReport, MixEvalReport
+from .harness import Endpoint, Harness
 from .mix import OpenRewardMix
 from .protocol.budget import get_max_sessions, set_max_sessions
 from .protocol.client import AsyncClient, AsyncSession, Client, ClientOptions, Session
@@ -76,12 +77,14 @@ __all__ = [
     "ClientOptions",
     "ConfigurationError",
     "ContextLengthExceeded",
+    "Endpoint",
     "EnvMetrics",
     "EnvironmentNotFoundError",
     "Episode",
     "EpisodeRecord",
     "EvalReport",
     "GroupScore",
+    "Harness",
     "ImageBlock",
     "ImageError",
     "LocalPolicy",

@@ -330,6 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "sessions are opened first)")
     p.add_argument("--score-groups", action="store_true",
                    help="also score each task's episodes (--repeats) together with the environment's /score_group")
+    p.add_argument("--harness", metavar="CMD",
+                   help="play each episode with this agent command, which owns its loop: it runs once per episode "
+                        "with OPENAI_BASE_URL and OPENAI_API_KEY (the policy, served on loopback), ORS_MCP_URL and "
+                        "ORS_MCP_TOKEN (the episode's tools over MCP), ORS_PROMPT and ORS_MESSAGES set; its standard "
+                        "output is its final answer")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = sub.add_parser("serve-echo", **_layout(
@@ -454,7 +459,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from ..protocol.errors import ConfigurationError
     from ..spec import OpenRewardSpec
 
-    if not args.base_url:
+    if not args.base_url and not args.policy:
         require_extra("trl", "ors-trl eval --model DIR (a local model)")
     if args.upload:
         require_extra("demo", "ors-trl eval --upload", modules=("openreward",))
@@ -462,6 +467,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise _UsageError("--resume needs --output (the episodes file to continue)")
     if args.resume and args.overwrite:
         raise _UsageError("--resume and --overwrite exclude each other")
+    if args.harness is not None:
+        import shlex
+
+        from ..harness import Harness
+
+        args.harness = Harness(shlex.split(args.harness))
     if args.policy:
         from ..evaluation.policies import RandomPolicy
 
@@ -473,7 +484,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                           "--policy random (no model)")
     elif args.base_url:
         policy = OpenAIPolicy(args.base_url, args.model, api_key=args.api_key, temperature=args.temperature,
-                                   max_tokens=args.max_new_tokens, seed=args.seed, tool_markup=args.tool_markup)
+                              max_tokens=args.max_new_tokens, seed=args.seed, tool_markup=args.tool_markup)
     else:
         if not os.path.isdir(args.model):
             raise _UsageError(f"--model {args.model!r} is not a local model directory; to evaluate a served model "

@@ -573,6 +573,32 @@ class Episode:
         await self.end(reason, message)
         return None
 
+    async def observe(self, reply: Reply) -> None:
+        """A model reply in a loop that is not ours (a harness's: its calls come in through `call`), recorded as a
+        turn under the same rule: a reply with calls past the reply limit ends the episode (`max_turns`), and its
+        calls, arriving later, are refused.
+
+        Args:
+            reply (`Reply`):
+                The model's reply, as the harness received it.
+        """
+        if self.over:
+            return
+        turn = self._turn(reply)
+        reason, _ = self._rule(reply)
+        if reason == "max_turns":
+            turn["tool_calls"] = [c.record(status="not_run") for c in reply.tool_calls]  # type: ignore[arg-type]
+            await self.end(reason)
+
+    async def conclude(self, message: str | None) -> None:
+        """The harness stopped: the episode ends as one whose model answered without a tool call.
+
+        Args:
+            message (`str` or `None`):
+                The harness's final answer, which a terminal tool grades (`None`: it gave none).
+        """
+        await self.end("no_tool_calls", message)
+
     def _turn(self, reply: Reply) -> TurnRecord:
         turn: TurnRecord = {"index": len(self.turns), "assistant": reply.content, "tool_calls": []}
         for key, value in (("raw", reply.raw), ("usage", reply.usage), ("generation_seconds", reply.seconds)):

@@ -112,6 +112,8 @@ class EpisodeRecord(TypedDict, total=False):
     policy: str  # added by eval: the policy's name
     step: int  # added by an evaluation during training: the training step
     stop_detail: str  # added by a driver that stopped the model: why
+    harness: dict[str, int]  # a harness's episode: `model_calls`, `trained_calls`, `rows`, `joined_calls`
+    env_reward: float | None  # a harness's episode with a `score` hook: the environment's reward it replaced
     started_at: str  # ISO 8601, UTC
     system: str | None  # the prompt's system message
     prompt: str | None  # the prompt's text (None: the episode never opened)

@@ -113,6 +113,9 @@ class EvalOptions:
             Where a policy given as a path runs (default: `"cuda"` when available, else `"cpu"`).
         progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar on stderr.
+        harness (`ors_trl.harness.Harness`, *optional*):
+            Play each episode with this agent harness (its own loop, the policy behind its model endpoint) instead
+            of ors-trl's loop.
     """
 
     num_tasks: int | None = None
@@ -134,6 +137,7 @@ class EvalOptions:
     seed: int | None = 0
     device: str | None = None
     progress: bool = True
+    harness: Any = None
 
     @classmethod
     def of(cls, options: EvalOptions | None = None, **kwargs: Any) -> EvalOptions:
@@ -214,7 +218,8 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | No
                                  uploads=(False if opts.score_groups else uploads) if uploads else None,
                                  repeat=key[2], policy=policy_name)
             try:
-                await play(ep, generator, flatten=opts.flatten_prompt, timeout=opts.episode_timeout)
+                player = opts.harness.play if opts.harness is not None else play
+                await player(ep, generator, flatten=opts.flatten_prompt, timeout=opts.episode_timeout)
             except (ORSError, PolicyError, TimeoutError) as exc:
                 ep.fail(exc)
             except Exception as exc:  # a bug or an unexpected failure: recorded, not fatal for the other episodes

@@ -90,6 +90,7 @@ class RolloutEngine:
         Batcher(gather_window)  # checks the window now
         self.environments = dict(environments)
         self.source, self.gather_window, self.turn_barrier = "engine", gather_window, turn_barrier
+        self.player: Any = play  # what plays an episode: `play`, or a harness's (`ors_trl.harness.Harness.play`)
         self.info: dict[str, Any] = {}
         self.last_episodes: list[Episode] = []
         self.generation_calls: list[int] = []  # prompts per generation call (this process), for inspection
@@ -115,7 +116,7 @@ class RolloutEngine:
                 groups.setdefault((id(ep.env), ep.task.key), []).append(ep)
         try:
             for wave in self._waves(rollouts):
-                future = get_loop().submit(_wave(wave, generator, conversations, groups))
+                future = get_loop().submit(_wave(wave, generator, conversations, groups, self.player))
                 future.add_done_callback(lambda _: generator.batcher.wake())
                 try:
                     self._pump(generator, future)
@@ -192,11 +193,11 @@ class RolloutEngine:
 
 
 async def _wave(wave: list[tuple[Episode, Any]], generator: _TrainerGenerator, conversations: dict[int, Conversation],
-                groups: dict[tuple[int, str], list[Episode]]) -> None:
+                groups: dict[tuple[int, str], list[Episode]], player: Any = play) -> None:
     """Play a wave's episodes, score the GRPO groups complete now (while their sessions are open), and close the
     wave's sessions, also on errors. The first error of a play, in the wave's order, is raised once all have ended."""
     try:
-        played = await asyncio.gather(*(play(ep, generator, base=base, timeout=ep.env.episode_timeout)
+        played = await asyncio.gather(*(player(ep, generator, base=base, timeout=ep.env.episode_timeout)
                                         for ep, base in wave), return_exceptions=True)
         errors = [p for p in played if isinstance(p, BaseException)]
         if errors:

@@ -1,0 +1,239 @@
+"""Play ORS episodes with an agent harness that owns its loop (design decision 16): `Harness`.
+
+The harness is a Python coroutine function or a command line. Per episode it gets the model endpoint (an
+OpenAI-compatible base URL and API key) and the episode's tools over MCP (URL and bearer token), all on one loopback
+server (`ors_trl.harness.server`), and the episode's prompt. It runs its own loop; when it returns, its final answer
+ends the episode (a terminal tool grades it) and the episode's model calls become training rows
+(`ors_trl.harness.rows`). `Harness.play` has `ors_trl.core.rollout.play`'s signature, so the engine
+(`Harness.rollout_func`) and evaluation (`spec.evaluate(..., harness=...)`) drive harness episodes as they drive
+their own: the same records, metrics, session cleanup and rewards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.episode import Episode
+from ..core.rollout import Conversation
+from ..protocol.errors import ConfigurationError, PolicyError
+from .rows import build_rows
+from .server import HarnessServer, ModelCall
+
+__all__ = ["Endpoint", "Harness", "HarnessConversation"]
+
+logger = logging.getLogger("ors_trl.harness")
+
+#: The most of a command harness's standard output kept (its final answer).
+_MAX_OUTPUT = 1 << 20
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What a harness gets for one episode.
+
+    Attributes:
+        base_url (`str`):
+            The OpenAI-compatible model endpoint (`http://127.0.0.1:<port>/v1`).
+        api_key (`str`):
+            The episode's key for it (its calls are this episode's model calls).
+        mcp_url (`str`):
+            The episode's MCP endpoint (Streamable HTTP, JSON responses).
+        mcp_token (`str`):
+            Its bearer token (`Authorization: Bearer <mcp_token>`).
+        messages (`list[dict]`):
+            The episode's prompt as chat messages (a system message first, where it has one).
+        tools (`list[dict]`):
+            The episode's tool schemas (also listed over MCP).
+    """
+
+    base_url: str
+    api_key: str
+    mcp_url: str
+    mcp_token: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+
+    def __repr__(self) -> str:  # never the key
+        return f"Endpoint({self.base_url!r}, mcp={self.mcp_url!r})"
+
+    @property
+    def prompt(self) -> str:
+        """The prompt's last user message, as text."""
+        users = [m for m in self.messages if m.get("role") == "user"]
+        content = users[-1].get("content") if users else ""
+        return content if isinstance(content, str) else "".join(p.get("text", "") for p in content or ())
+
+    @property
+    def system(self) -> str | None:
+        """The prompt's system message, if any."""
+        return next((str(m.get("content")) for m in self.messages if m.get("role") == "system"), None)
+
+    def environ(self) -> dict[str, str]:
+        """The environment variables a command harness gets: `OPENAI_BASE_URL`, `OPENAI_API_KEY`, `ORS_MCP_URL`,
+        `ORS_MCP_TOKEN`, `ORS_PROMPT` (the last user message) and `ORS_MESSAGES` (the prompt messages, JSON)."""
+        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key, "ORS_MCP_URL": self.mcp_url,
+                "ORS_MCP_TOKEN": self.mcp_token, "ORS_PROMPT": self.prompt,
+                "ORS_MESSAGES": json.dumps(self.messages, default=str)}
+
+
+class HarnessConversation(Conversation):
+    """A harness episode as the drivers see it: `state` is the training row holding the final model call (the
+    engine trains on it), `rows` every row, `calls` every model call in order."""
+
+    __slots__ = ("calls", "rows")
+
+    def __init__(self, episode: Episode) -> None:
+        super().__init__(episode)
+        self.calls: list[ModelCall] = []
+        self.rows: list[Any] = []
+
+
+Agent = Callable[[Endpoint], Awaitable[str | None]] | Sequence[str]
+
+
+class Harness:
+    """An agent harness that plays ORS episodes (see the module docstring).
+
+    Args:
+        agent (`async (Endpoint) -> str | None`, or a command line):
+            A coroutine function returning the agent's final answer (`None`: its last plain reply is taken), or a
+            command (`["python", "agent.py"]`) run per episode with `Endpoint.environ()` added to the environment,
+            its standard output being its final answer.
+        train_call (`(ModelCall) -> bool`, *optional*):
+            Which model calls train (default: all); leave out a harness's auxiliary calls (titles, summaries).
+        score (`(Episode, list[ModelCall]) -> float | None`, *optional*):
+            The episode's reward (default: the environment's, by the episode's reward rule); the environment's is
+            kept in the record as `env_reward`.
+        timeout (`float`, *optional*):
+            Seconds an episode may take (the driver's own deadline applies too); past it the harness is cancelled
+            and the episode ends scored `None`.
+        env (`Mapping[str, str]`, *optional*):
+            More environment variables for a command harness.
+    """
+
+    def __init__(self, agent: Agent, *, train_call: Callable[[ModelCall], bool] | None = None,
+                 score: Callable[[Episode, list[ModelCall]], float | None] | None = None,
+                 timeout: float | None = None, env: Mapping[str, str] | None = None) -> None:
+        if not callable(agent) and (isinstance(agent, str) or not agent or not all(isinstance(a, str) for a in agent)):
+            raise ConfigurationError("a harness is a coroutine function or a command line as a list of strings "
+                                     f"(e.g. ['python', 'agent.py']), got {agent!r}")
+        self.agent, self.train_call, self.score, self.timeout = agent, train_call, score, timeout
+        self.env = dict(env or {})
+        self.server = HarnessServer()
+
+    def __repr__(self) -> str:
+        return f"Harness({getattr(self.agent, '__qualname__', self.agent)!r})"
+
+    def rollout_func(self, spec: Any) -> Any:
+        """`spec.rollout_func` with every episode played by this harness: give it to `GRPOTrainer(rollout_func=...)`.
+
+        Args:
+            spec (`OpenRewardSpec` or `OpenRewardMix`):
+                The spec whose environments, dataset and reward functions the trainer uses.
+        """
+        engine = copy.copy(spec.rollout_func)  # the spec's own engine stays ors-trl's loop
+        engine.info, engine.player = dict(engine.info), self.play
+        return engine
+
+    async def aclose(self) -> None:
+        """Stop the loopback server (a later episode starts it again)."""
+        await self.server.aclose()
+
+    async def play(self, episode: Episode, generator: Any, *, base: Sequence[Mapping[str, Any]] = (),
+                   flatten: bool = False, timeout: float | None = None) -> HarnessConversation:
+        """Play `episode` with the harness, the model being `generator` (as `ors_trl.core.rollout.play`). A harness
+        that fails (raises, exits non-zero) fails its episode (scored `None`), never the batch.
+
+        Args:
+            episode (`Episode`):
+                The episode (opened here).
+            generator (`Any`):
+                What answers the harness's model calls (a token generator's ids become the training rows).
+            base (`Sequence[Mapping]`, *optional*):
+                The dataset row's prompt messages the episode's prompt joins.
+            flatten (`bool`, *optional*, defaults to `False`):
+                Unused: a harness renders its own prompt.
+            timeout (`float`, *optional*):
+                Seconds the episode may take (with the harness's own `timeout`, the smaller wins).
+        """
+        conversation = HarnessConversation(episode)
+        start, finish = getattr(generator, "start", None), getattr(generator, "finish", None)
+        if start is not None:
+            start(conversation)
+        limits = [t for t in (timeout, self.timeout) if t is not None]
+        deadline = asyncio.timeout(min(limits) if limits else None)
+        seat = None
+        try:
+            async with deadline:
+                if await episode.open():
+                    assert episode.prompt is not None
+                    url = await self.server.start()
+                    seat = self.server.seat(episode, generator)
+                    messages = episode.prompt.chat(base)
+                    tools = episode.toolset.schemas if episode.toolset is not None else []
+                    endpoint = Endpoint(f"{url}/v1", seat.token, f"{url}/mcp", seat.token, messages, tools)
+                    try:
+                        final = await self._run(endpoint)
+                    except (asyncio.CancelledError, TimeoutError):
+                        raise
+                    except Exception as exc:
+                        logger.warning("%s: the harness failed on task %s: %s", episode.env.name, episode.task.key,
+                                       exc)
+                        episode.fail(exc if isinstance(exc, PolicyError) else
+                                     PolicyError(f"the harness failed: {type(exc).__name__}: {exc}"))
+                    else:
+                        last = seat.calls[-1].reply if seat.calls else None
+                        if final is None and last is not None and not last.tool_calls:
+                            final = last.content
+                        await episode.conclude(final)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            episode.time_out(min(limits))
+        finally:
+            if seat is not None:
+                self.server.revoke(seat)
+            if finish is not None:
+                finish(conversation)
+        self._finish(conversation, seat.calls if seat is not None else [])
+        return conversation
+
+    def _finish(self, conversation: HarnessConversation, calls: list[ModelCall]) -> None:
+        """The episode's rows, the row to train (the one holding the last trained call), the score hook."""
+        episode = conversation.episode
+        conversation.calls, conversation.rows = calls, build_rows(calls, self.train_call)
+        trained = [c for c in calls if c.row is not None]
+        conversation.state = conversation.rows[trained[-1].row] if trained else None  # type: ignore[index]
+        if calls:
+            conversation.messages = [*calls[-1].messages]
+        episode.info["harness"] = {"model_calls": len(calls), "trained_calls": len(trained),
+                                   "rows": len(conversation.rows), "joined_calls": sum(c.joined for c in calls)}
+        if self.score is not None:
+            episode.info["env_reward"] = episode.reward
+            episode.reward = self.score(episode, calls)
+
+    async def _run(self, endpoint: Endpoint) -> str | None:
+        if callable(self.agent):
+            final = await self.agent(endpoint)
+            return None if final is None else str(final)
+        process = await asyncio.create_subprocess_exec(
+            *self.agent, env={**os.environ, **self.env, **endpoint.environ()}, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await process.communicate()
+        finally:
+            if process.returncode is None:  # cancelled (a deadline): the agent stops with its episode
+                process.kill()
+                await process.wait()
+        if process.returncode:
+            tail = err[-2000:].decode("utf-8", "replace").strip()
+            raise PolicyError(f"the harness command exited with status {process.returncode}: {tail}")
+        text = out[-_MAX_OUTPUT:].decode("utf-8", "replace").strip()
+        return text or None

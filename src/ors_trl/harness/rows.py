@@ -1,0 +1,40 @@
+"""Training rows from a harness's model calls, token-exactly (design decision 16).
+
+A call whose prompt ids extend a row's ids (its prompt, the completions and what came between) joins that row: the
+ids between (tool results, a harness's scaffolding) are context, masked out of the loss, and the call's generated ids
+train with their logprobs. A call that extends no row (the harness summarised or rewrote its history, a subagent)
+forks a new row from its whole prompt. As TRL's harness worker chains turns (`_chain_to_sequences` with
+`fork_threshold_tokens=0`), except that a row is never realigned: no generated token is ever silently masked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ..trl.tokens import Tokens
+from .server import ModelCall
+
+__all__ = ["build_rows"]
+
+
+def build_rows(calls: Sequence[ModelCall], train: Callable[[ModelCall], bool] | None = None) -> list[Tokens]:
+    """The rows of `calls` (in the order they were made), each call's `row` set; `train(call)` says which calls train
+    (default: every call with ids; a harness's auxiliary calls, e.g. titles or summaries, can be left out)."""
+    rows: list[Tokens] = []
+    for call in calls:
+        call.row = None
+        if call.prompt_ids is None or call.completion_ids is None or (train is not None and not train(call)):
+            continue
+        prompt = call.prompt_ids
+        index = next((i for i in range(len(rows) - 1, -1, -1)
+                      if prompt[: len(rows[i].ids)] == rows[i].ids), None)  # the latest row it extends
+        if index is None:
+            rows.append(Tokens(list(prompt), [], 0))
+            index = len(rows) - 1
+        row = rows[index]
+        between = prompt[len(row.ids):]
+        if between:
+            row.add(between, generated=False)
+        row.add(call.completion_ids, call.logprobs)
+        call.row = index
+    return rows

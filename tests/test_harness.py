@@ -1,0 +1,457 @@
+"""Agent harnesses that own their loop (`ors_trl.harness`, issue 35): an unmodified third-party agent library (the
+OpenAI Agents SDK) plays ORS episodes through the loopback MCP endpoint and the chat-completions endpoint backed by a
+scripted ors-trl generator; the training rows are the generator's ids exactly, per-episode tokens keep episodes
+apart, and GRPOTrainer trains through a harness."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import re
+import sys
+import textwrap
+
+import pytest
+
+from ors_trl import OpenRewardSpec
+from ors_trl.core.episode import Rules, Task
+from ors_trl.harness import Harness, HarnessConversation, build_rows
+from tests.fixtures.generation import (
+    cpu_grpo_trainer,
+    replace_generation,
+    run_batch,
+    tool_call_text,
+    trl_chain_rows,
+    trl_generation,
+    trl_tokenizer,
+)
+
+agents = pytest.importorskip("agents")  # the `harness` extra
+pytest.importorskip("torch")
+from agents import (  # noqa: E402
+    Agent,
+    OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
+    Runner,
+    set_tracing_disabled,
+)
+from agents.mcp import MCPServerStreamableHttp  # noqa: E402
+from openai import AsyncOpenAI  # noqa: E402
+
+from ors_trl.evaluation.policies import LocalPolicy  # noqa: E402
+
+set_tracing_disabled(True)  # nothing leaves loopback
+_TARGET = re.compile(r'exactly this text: "([^"]+)"')
+
+
+class Scripted(LocalPolicy):
+    """A token generator with a script for a model: echo the target, then "Done."; `produced` maps each prompt's ids
+    to the ids generated for it (the ground truth the rows are checked against)."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(None, tokenizer, name="scripted")
+        self.produced: dict[tuple[int, ...], list[int]] = {}
+
+    def _generate_ids(self, tokens):
+        out = []
+        for t in tokens:
+            text = self.tokenizer.decode(t.ids)
+            done = "<tool_response>" in text or "Summarise" in text
+            body = "Done." if done else tool_call_text("echo", {"text": _TARGET.findall(text)[0]})
+            ids = self.tokenizer.encode(body + "<|im_end|>", add_special_tokens=False)
+            self.produced[tuple(t.ids)] = ids
+            out.append((ids, [-0.5] * len(ids)))
+        return out
+
+
+def agents_sdk(rewrite: bool = False, responses: bool = False, streamed: bool = False):
+    """An OpenAI Agents SDK program, unmodified: the policy as its chat-completions model (`responses`: its Responses
+    model), the episode's tools over MCP. `rewrite`: afterwards it starts over from a summary of its own (a history
+    rewrite: the next call forks). `streamed`: the SDK's streamed run (server-sent chunks)."""
+
+    async def run(ep) -> str | None:
+        client = AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0)
+        headers = {"Authorization": f"Bearer {ep.mcp_token}"}
+        kind = OpenAIResponsesModel if responses else OpenAIChatCompletionsModel
+        async with MCPServerStreamableHttp(params={"url": ep.mcp_url, "headers": headers}) as mcp:
+            agent = Agent(name="ors", instructions=ep.system or "Use the tools.", mcp_servers=[mcp],
+                          model=kind(model="policy", openai_client=client))
+            if streamed:
+                result = Runner.run_streamed(agent, ep.prompt, max_turns=6)
+                async for _ in result.stream_events():
+                    pass
+            else:
+                result = await Runner.run(agent, ep.prompt, max_turns=6)
+            if rewrite:
+                await Runner.run(agent, "Summarise what you did in one word.", max_turns=2)
+        return result.final_output
+
+    return run
+
+
+#: A command-line agent on the standard library alone: the endpoints reach it as environment variables.
+COMMAND_AGENT = textwrap.dedent("""
+        import json, os, urllib.request
+        def post(url, body, token):
+            req = urllib.request.Request(url, json.dumps(body).encode(), {"Authorization": "Bearer " + token,
+                                         "Content-Type": "application/json"})
+            return json.load(urllib.request.urlopen(req))
+        key, mcp, tok = os.environ["OPENAI_API_KEY"], os.environ["ORS_MCP_URL"], os.environ["ORS_MCP_TOKEN"]
+        tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                  "parameters": t["inputSchema"]}}
+                 for t in post(mcp, {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}, tok)["result"]["tools"]]
+        messages = json.loads(os.environ["ORS_MESSAGES"])
+        while True:
+            reply = post(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+                         {"model": "policy", "messages": messages, "tools": tools}, key)["choices"][0]["message"]
+            messages.append(reply)
+            if not reply.get("tool_calls"):
+                print(reply["content"])
+                break
+            for c in reply["tool_calls"]:
+                out = post(mcp, {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+                    "name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}, tok)
+                messages.append({"role": "tool", "tool_call_id": c["id"],
+                                 "content": out["result"]["content"][0]["text"]})
+""")
+
+
+@pytest.fixture
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def echo_spec(ref_server):
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment")
+    _ = spec.environment_factory  # binds the tools, as rollout_func and evaluate do
+    yield spec
+    spec.close()
+
+
+def _episodes(spec, indices):
+    return [spec._runtime.episode(Task("train", i), source="test", rules=Rules(max_replies=6)) for i in indices]
+
+
+def test_an_agent_library_plays_episodes_token_exactly(echo_spec, ref_server, tokenizer):
+    generator, harness = Scripted(tokenizer), Harness(agents_sdk(rewrite=True))
+    before = ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0)
+    episodes = _episodes(echo_spec, [0, 1])
+
+    async def both():
+        return await asyncio.gather(*(harness.play(ep, generator) for ep in episodes))
+
+    conversations = echo_spec.run(both())
+    for ep, conversation in zip(episodes, conversations, strict=True):
+        calls, rows = conversation.calls, conversation.rows
+        # three model calls: the tool call and the answer merge into one row (the prefix holds); the rewritten
+        # history forks a second row
+        assert [(c.joined, c.row) for c in calls] == [(False, 0), (True, 0), (False, 1)]
+        assert len(rows) == 2 and conversation.state is rows[1]
+        mismatches = 0
+        for i, row in enumerate(rows):
+            mine = [c for c in calls if c.row == i]
+            assert row.prompt_ids == mine[0].prompt_ids
+            generated = [t for t, m in zip(row.completion_ids, row.mask, strict=True) if m]
+            truth = [t for c in mine for t in generator.produced[tuple(c.prompt_ids)]]
+            mismatches += sum(a != b for a, b in zip(generated, truth, strict=True))
+            assert len(generated) == len(truth)
+            for c in mine:  # every call's prompt and completion lie in its row exactly
+                assert (row.prompt_ids + row.completion_ids)[: len(c.prompt_ids) + len(c.completion_ids)] == \
+                    c.prompt_ids + c.completion_ids
+            assert [lp for lp, m in zip(row.logprobs, row.mask, strict=True) if m] == [-0.5] * len(truth)
+        assert mismatches == 0
+        # the tool result between the two calls is context, masked out of the loss
+        masked = tokenizer.decode([t for t, m in zip(rows[0].completion_ids, rows[0].mask, strict=True) if not m])
+        assert "<tool_response>" in masked and ep.task.key and rows[0].mask.count(0) > 0
+        assert ep.reward == 1.0 and ep.finished  # the environment's reward, through its own tool
+        assert ep.info["harness"] == {"model_calls": 3, "trained_calls": 3, "rows": 2, "joined_calls": 1}
+        # the record shows the model calls and the tool call in order
+        assert [(t["assistant"], [c["name"] for c in t["tool_calls"]]) for t in ep.turns] == \
+            [("", ["echo"]), ("Done.", []), ("Done.", [])]
+        # the rows TRL's asynchronous harness worker builds from the same calls, losslessly, are these
+        trl_rows = trl_chain_rows([(c.prompt_ids, c.completion_ids, c.logprobs) for c in calls])
+        assert trl_rows == [(r.prompt_ids + r.completion_ids, [0] * len(r.prompt_ids) + r.mask,
+                             [0.0] * len(r.prompt_ids) + r.logprobs) for r in rows]
+    # a hook drops the auxiliary call: one row, the one that holds the episode
+    calls = conversations[0].calls
+    assert len(build_rows(calls, train=lambda c: c.index < 2)) == 1 and calls[2].row is None
+    assert ref_server.stats()["tool_calls"]["echoenvironment/echo"] - before == 2
+    for ep in episodes:
+        ep.release()
+    echo_spec.close()
+    assert ref_server.stats()["open_sessions"] == 0
+    assert harness.server.seats == {}  # every token revoked
+
+
+@pytest.mark.parametrize("dialect", ["responses", "streamed"])
+def test_the_responses_api_and_streaming_join_as_chat_completions_do(echo_spec, ref_server, tokenizer, dialect):
+    generator, harness = Scripted(tokenizer), Harness(agents_sdk(**{dialect: True}))
+    (episode,) = _episodes(echo_spec, [3])
+    conversation = echo_spec.run(harness.play(episode, generator))
+    calls = conversation.calls
+    assert [(c.joined, c.row) for c in calls] == [(False, 0), (True, 0)] and len(conversation.rows) == 1
+    row = conversation.rows[0]
+    generated = [t for t, m in zip(row.completion_ids, row.mask, strict=True) if m]
+    assert generated == [t for c in calls for t in generator.produced[tuple(c.prompt_ids)]]
+    assert episode.reward == 1.0 and episode.final_message == "Done."
+    episode.release()
+    echo_spec.run(harness.aclose())
+
+
+def test_a_wrong_token_reaches_nothing(echo_spec, ref_server, tokenizer):
+    import aiohttp
+
+    generator, harness = Scripted(tokenizer), Harness(agents_sdk())
+    episode, other = _episodes(echo_spec, [0, 1])
+    call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "echo", "arguments": {"text": "hello"}}}
+    chat = {"model": "policy", "messages": [{"role": "user", "content": 'exactly this text: "hello"'}]}
+
+    async def probe():
+        await episode.open()
+        await other.open()
+        url = await harness.server.start()
+        seat, theirs = harness.server.seat(episode, generator), harness.server.seat(other, generator)
+        revoked = harness.server.seat(other, generator)
+        harness.server.revoke(revoked)
+        statuses = []
+        async with aiohttp.ClientSession() as http:
+            for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Bearer {revoked.token}"},
+                            {"Authorization": f"Basic {seat.token}"},
+                            {"Authorization": f"Bearer {seat.token}", "Origin": "http://evil.example"}):
+                for path, body in (("/mcp", call), ("/v1/chat/completions", chat)):
+                    async with http.post(url + path, json=body, headers=headers) as r:
+                        statuses.append(r.status)
+            counted = ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0)
+            async with http.post(url + "/mcp", json=call, headers={"Authorization": f"Bearer {seat.token}"}) as r:
+                ok = await r.json()
+        return statuses, counted, ok, seat, theirs
+
+    before = ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0)
+    statuses, counted, ok, seat, theirs = echo_spec.run(probe())
+    assert statuses == [401] * 8 + [403] * 2 and harness.server.refused == 10
+    assert counted == before and generator.produced == {}  # nothing ran: no tool call, no generation
+    assert other.tool_calls == 0 and other.turns == []
+    # the right token runs exactly one call, on its own episode only
+    assert ok["result"] == {"content": [{"type": "text", "text": "hello"}], "isError": False}
+    assert episode.tool_calls == 1 and other.tool_calls == 0
+    assert ref_server.stats()["tool_calls"]["echoenvironment/echo"] == before + 1
+    assert seat.token not in repr(seat) and seat.token != theirs.token and len(seat.token) >= 40
+    for ep in (episode, other):
+        ep.release()
+    echo_spec.run(harness.aclose())
+
+
+def test_evaluate_with_a_harness_callable_and_command(echo_spec, ref_server, tokenizer, tmp_path):
+    out = tmp_path / "episodes.jsonl"
+    report = echo_spec.evaluate(Scripted(tokenizer), harness=Harness(agents_sdk()), num_tasks=2, progress=False,
+                                output=out)
+    assert report.mean_reward == 1.0 and report.num_episodes == 2
+    assert all(r["harness"]["model_calls"] == 2 and r["turns"][0]["tool_calls"][0]["status"] == "ok"
+               for r in report.episodes)
+    # the report page shows a harness episode as any other: each model call a turn, with the tool calls it made
+    from ors_trl.cli import EXIT_OK, main
+
+    page = tmp_path / "report.html"
+    assert main(["report", str(out), "-o", str(page)]) == EXIT_OK
+    html = page.read_text()
+    assert '"tool_calls":[{"id":null,"name":"echo"' in html  # the episode bodies, embedded in order
+    assert html.index('"name":"echo"') < html.index('"assistant":"Done."')
+    # a command line: the endpoints reach it as environment variables; its output is the final answer
+    script = tmp_path / "agent.py"
+    script.write_text(COMMAND_AGENT)
+    scored = Harness([sys.executable, str(script)], score=lambda ep, calls: 0.25 * len(calls))
+    report = echo_spec.evaluate(Scripted(tokenizer), harness=scored, num_tasks=2, progress=False)
+    assert report.mean_reward == 0.5  # the score hook: two model calls each
+    assert all(r["env_reward"] == 1.0 and r["final"]["message"] == "Done." and r["harness"]["joined_calls"] == 1
+               for r in report.episodes)
+    failing = Harness([sys.executable, "-c", "raise SystemExit(3)"])
+    report = echo_spec.evaluate(Scripted(tokenizer), harness=failing, num_tasks=1, progress=False)
+    assert report.episodes[0]["end_reason"] == "error" and "status 3" in report.episodes[0]["error"]["message"]
+    echo_spec.close()
+    assert ref_server.stats()["open_sessions"] == 0
+
+
+def test_grpo_trains_through_a_harness(tiny_model_dir, echo_spec, ref_server, tmp_path):
+    harness = Harness(agents_sdk())
+    trainer = cpu_grpo_trainer(tiny_model_dir, str(tmp_path / "h"), spec=echo_spec, mode="engine", batch=4,
+                               rollout_func=harness.rollout_func(echo_spec), completion_length=128)
+    tok = trl_tokenizer(trainer)
+    produced: dict[tuple[int, ...], list[int]] = {}
+
+    def generate(prompt_ids, images, mm, num_generations, has_tool_images=False):
+        out = []
+        for ids in prompt_ids:
+            text = tok.decode(ids)
+            body = "Done." if "<tool_response>" in text else tool_call_text("echo", {"text": _TARGET.findall(text)[0]})
+            produced[tuple(ids)] = tok.encode(body + "<|im_end|>", add_special_tokens=False)
+            out.append(list(produced[tuple(ids)]))
+        return out, None
+
+    real = trl_generation(trainer)
+    replace_generation(trainer, generate)
+    rows = [copy.deepcopy(echo_spec.train_dataset[i]) for i in (0, 1) for _ in range(2)]
+    result = run_batch(trainer, rows)
+    assert result["rewards"] == [1.0] * 4
+    for prompt, completion, mask in zip(result["prompts"], result["completions"], result["tool_mask"], strict=True):
+        ids = prompt + completion
+        truth = [t for key, gen in produced.items() if ids[: len(key)] == list(key) for t in gen]
+        assert [t for t, m in zip(completion, mask, strict=True) if m] == truth  # 0 mismatches, tools masked
+        assert "<tool_response>" in tok.decode([t for t, m in zip(completion, mask, strict=True) if not m])
+    # a real step with the tiny model generating: the harness's episodes count in env/<name>/ like native ones
+    replace_generation(trainer, real)
+    trainer.train()
+    logged = {k for entry in trainer.state.log_history for k in entry}
+    assert "env/echoenvironment/episodes" in logged
+    echo_spec.close()
+    assert ref_server.stats()["open_sessions"] == 0
+
+
+def test_a_hostile_harness_gets_typed_answers_and_runs_nothing(echo_spec, ref_server, tokenizer):
+    """A harness is untrusted input too: malformed requests are answered 400 / JSON-RPC errors, never a 500, and run
+    nothing on the server; the episode goes on."""
+    import aiohttp
+
+    generator, harness = Scripted(tokenizer), Harness(agents_sdk())
+    (episode,) = _episodes(echo_spec, [0])
+
+    async def probe():
+        await episode.open()
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, generator)
+        generator.start(HarnessConversation(episode))  # as `Harness.play` does: the generator serves it
+        auth = {"Authorization": f"Bearer {seat.token}"}
+        chat, mcp = url + "/v1/chat/completions", url + "/mcp"
+        out = []
+        async with aiohttp.ClientSession(headers=auth) as http:
+            for path, data in ((chat, b"{not json"), (mcp, b"{not json"), (chat, b"[1, 2]"), (mcp, b"[1, 2]")):
+                async with http.post(path, data=data, headers={"Content-Type": "application/json"}) as r:
+                    out.append(r.status)
+            for body in ({"messages": "hi"}, {"messages": []}, {"messages": [{"content": "no role"}]},
+                         {"messages": [{"role": "assistant", "tool_calls": "echo"}]},
+                         {"messages": [{"role": "user", "content": "hi"}], "stream": True},
+                         {"messages": [{"role": "user", "content": "hi"}], "n": 3},
+                         {"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": 7}]}):
+                async with http.post(chat, json=body) as r:
+                    out.append(r.status)
+            async with http.get(mcp) as r:
+                out.append(r.status)
+            rpc = []
+            for message in ({"jsonrpc": "2.0", "id": 1, "method": "resources/list"},
+                            {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"arguments": {}}},
+                            {"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+                             "params": {"name": "echo", "arguments": ["hello"]}},
+                            {"jsonrpc": "2.0", "id": 4, "method": "tools/call",
+                             "params": {"name": "rm_rf", "arguments": {}}}):
+                async with http.post(mcp, json=message) as r:
+                    rpc.append((r.status, await r.json()))
+            async with http.post(mcp, json={"jsonrpc": "2.0", "method": "notifications/initialized"}) as r:
+                out.append(r.status)
+        harness.server.revoke(seat)
+        generator.finish(HarnessConversation(episode))
+        return out, rpc
+
+    before = ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0)
+    statuses, rpc = echo_spec.run(probe())
+    assert statuses == [400] * 4 + [400] * 7 + [405, 202], statuses
+    assert [r[1]["error"]["code"] for r in rpc[:2]] == [-32601, -32602]
+    # calls the binding refuses reach the episode's record as refusals, with TRL's own messages; none ran remotely
+    refused = [r[1]["result"] for r in rpc[2:]]
+    assert all(r["isError"] for r in refused) and "Tool rm_rf not found." in refused[1]["content"][0]["text"]
+    assert ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0) == before
+    assert episode.tool_failures == 2 and not episode.over
+    episode.release()
+    echo_spec.run(harness.aclose())
+
+
+def test_cli_eval_runs_a_command_harness(ref_server, tiny_model_dir, tmp_path):
+    from ors_trl.cli import EXIT_OK, main
+
+    script, out = tmp_path / "agent.py", tmp_path / "episodes.jsonl"
+    script.write_text(COMMAND_AGENT)
+    code = main(["eval", ref_server.url, "--env-name", "echoenvironment", "--model", tiny_model_dir, "--num-tasks", "2",
+                 "--max-new-tokens", "16", "--harness", f"{sys.executable} {script}", "--output", str(out),
+                 "--no-progress"])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert code == EXIT_OK and len(records) == 2
+    assert all(r["harness"]["model_calls"] >= 1 and r["source"] == "eval" for r in records)
+    assert ref_server.stats()["open_sessions"] == 0
+
+
+def test_a_message_level_policy_serves_a_harness_without_ids(echo_spec, ref_server):
+    """A policy with only `respond(messages, tools)` (an endpoint's) answers the harness's calls: the episode plays
+    and is scored, and there are no ids, so no rows."""
+    from ors_trl import PolicyReply
+
+    seen: list[list[dict]] = []
+
+    class Talker:
+        async def respond(self, messages, tools):
+            seen.append(messages)
+            if any(m["role"] == "tool" for m in messages):
+                return PolicyReply("Done.")
+            target = _TARGET.findall(" ".join(str(m["content"]) for m in messages))[0]
+            return PolicyReply("", [{"name": "echo", "arguments": {"text": target}}])
+
+    report = echo_spec.evaluate(Talker(), harness=Harness(agents_sdk()), num_tasks=1, progress=False)
+    assert report.mean_reward == 1.0
+    assert report.episodes[0]["harness"] == {"model_calls": 2, "trained_calls": 0, "rows": 0, "joined_calls": 1}
+    assert [m["role"] for m in seen[1]][-2:] == ["assistant", "tool"]  # the joined conversation, as a whole
+
+
+def test_a_retried_call_racing_the_first_forks_and_every_row_stays_exact(echo_spec, ref_server, tokenizer):
+    """A harness that resends a call while the first is still generating (a client retry): the two never share a
+    conversation, so neither row holds the other's tokens."""
+    import aiohttp
+
+    generator, harness = Scripted(tokenizer), Harness(agents_sdk())
+    (episode,) = _episodes(echo_spec, [0])
+    holder = HarnessConversation(episode)
+
+    async def race():
+        await episode.open()
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, generator)
+        generator.start(holder)
+        auth = {"Authorization": f"Bearer {seat.token}"}
+        messages = episode.prompt.chat([])
+        tools = episode.toolset.schemas
+        async with aiohttp.ClientSession(headers=auth) as http:
+            async def ask(msgs):
+                async with http.post(url + "/v1/chat/completions", json={"messages": msgs, "tools": tools}) as r:
+                    return (await r.json())["choices"][0]["message"]
+
+            first = await ask(messages)
+            call = first["tool_calls"][0]
+            follow = [*messages, first, {"role": "tool", "tool_call_id": call["id"], "content": "hello"}]
+            await asyncio.gather(ask(follow), ask(follow))
+        generator.finish(holder)
+        harness.server.revoke(seat)
+        return seat.calls
+
+    calls = echo_spec.run(race())
+    assert sorted(c.joined for c in calls) == [False, False, True]
+    rows = build_rows(calls)
+    for i, row in enumerate(rows):
+        generated = [t for t, m in zip(row.completion_ids, row.mask, strict=True) if m]
+        assert generated == [t for c in calls if c.row == i for t in generator.produced[tuple(c.prompt_ids)]]
+    episode.release()
+    echo_spec.run(harness.aclose())
+
+
+def test_the_reply_limit_holds_for_a_harness(echo_spec, ref_server, tokenizer):
+    """The turn rule is the core's on every path: past `max_replies` the reply's calls are not run (the episode ends
+    `max_turns`), the harness's later tool call is refused, and its next model call reads that the episode ended."""
+    generator, harness = Scripted(tokenizer), Harness(agents_sdk())
+    episode = echo_spec._runtime.episode(Task("train", 0), source="test", rules=Rules(max_replies=1))
+    before = ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0)
+    conversation = echo_spec.run(harness.play(episode, generator))
+    assert episode.end_reason == "max_turns" and episode.reward is None
+    assert [c["status"] for c in episode.turns[0]["tool_calls"]] == ["not_run", "refused"]
+    assert ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0) == before
+    assert len(conversation.calls) == 1  # the call after the end generated nothing and is not a model call
+    episode.release()
+    echo_spec.run(harness.aclose())
