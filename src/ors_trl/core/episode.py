@@ -30,7 +30,15 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ..protocol.client import AsyncClient, AsyncSession
-from ..protocol.errors import ConfigurationError, NotFoundError, ORSError, ToolError, ToolRefusedError
+from ..protocol.errors import (
+    ConfigurationError,
+    NotFoundError,
+    ORSError,
+    SessionExpiredError,
+    ToolError,
+    ToolRefusedError,
+    TransportError,
+)
 from ..protocol.loop import get_loop
 from ..protocol.text import clip, show_name
 from ..protocol.types import Block, ImageBlock, TerminalTool, ToolList, ToolResult, image_blocks
@@ -38,6 +46,7 @@ from .binding import Toolset
 from .conversation import Content, Prompt, content, transcript
 from .metrics import EnvMetrics
 from .records import RUN_ID, CallRecord, EpisodeRecord, RecordWriter, TurnRecord, error_record, image_record
+from .scoring import reward_rule
 
 __all__ = ["MANUAL", "TRAINING_SOURCES", "EnvironmentRuntime", "Episode", "Outcome", "Reply", "Rules", "Task", "ToolCall",
            "runtimes", "score_groups"]
@@ -158,6 +167,9 @@ class Reply:
             Token counts an endpoint reported.
         seconds (`float`, *optional*):
             What generating it took.
+        reasoning (`str`, *optional*):
+            The reasoning an endpoint returned apart from the content (`reasoning_content`): it stays in the history
+            the policy sees next, as training keeps it.
     """
 
     content: str | None = ""
@@ -166,6 +178,7 @@ class Reply:
     raw: str | None = None
     usage: dict[str, Any] | None = None
     seconds: float | None = None
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         self.tool_calls = tuple(ToolCall.of(c) for c in self.tool_calls or ())
@@ -237,6 +250,11 @@ class EnvironmentRuntime:
         self.batch_tool_calls: bool = options["batch_tool_calls"]  # TRL's loop: start a turn's calls across the batch
         self.score_groups: bool = options["score_groups"]  # keep finished sessions until the step ends
         self.pass_images: bool = options["images"] == "pass"
+        self.reward_rule = reward_rule(options.get("reward"))  # how per-call rewards make the episode's reward
+        self.score_failures: bool = bool(options.get("score_failures"))  # keep scores from before a failure
+        #: Whose failure a tool that raised inside the environment is: "model" (it reads the error and goes on, as in
+        #: TRL's loop) or "environment" (a sandbox that died: the episode ends, no score).
+        self.tool_errors: str = options.get("tool_errors") or "model"
         #: Set when an image met a trainer that cannot take images, where TRL's loop would swallow the error (a tool
         #: call): the reward functions raise it at the end of that step.
         self.image_error: ConfigurationError | None = None
@@ -444,7 +462,6 @@ class Episode:
         self.prompt: Prompt | None = None
         self.turns: list[TurnRecord] = []
         self.final: dict[str, Any] | None = None
-        self.reward: float | None = None
         self.rewards: list[float | None] = []
         self.metadata: list[dict[str, Any] | None] = []
         self.finished = False
@@ -456,7 +473,11 @@ class Episode:
         self.timings: dict[str, float] = {"generation": 0.0, "tools": 0.0}
         self.started = time.monotonic()
         self.started_at = datetime.now(UTC).isoformat(timespec="seconds")
-        self._lost = False  # a call failed for the session's or the network's reasons
+        #: The first infrastructure failure of a call (its session lost, the network, the server's 5xx, an answer past
+        #: the protocol; a tool that raised, with `tool_errors="environment"`): the episode is no score (decision 15).
+        self.failure: ORSError | None = None
+        self._dead = False  # the session is known gone: it is never called again
+        self._unseen: set[int] = set()  # positions in `rewards` of calls whose results the model never saw
         self._metrics = metrics if metrics is not None else EnvMetrics(env.metrics.success_threshold)  # apart
         self._writer = writer
         self._uploads = uploads
@@ -468,7 +489,7 @@ class Episode:
         self._ended: float | None = None
         self.images: dict[str, ImageBlock] = {}  # the episode's images by hash (its record lists each once)
         self._billed = 0.0  # session-seconds already counted in the metrics
-        self._unseen = 0  # the model's calls TRL failed itself, seen in its transcript: they count toward the cap
+        self._uncounted = 0  # the model's calls TRL failed itself, seen in its transcript: they count toward the cap
 
     def __repr__(self) -> str:
         return f"<Episode {self.env.name} {self.task.key} reward={self.reward} {self.state}>"
@@ -487,6 +508,34 @@ class Episode:
     def over(self) -> bool:
         """True once the episode has ended or closed: nothing the model does changes it any more."""
         return self.state in (ENDED, CLOSED)
+
+    @property
+    def reward(self) -> float | None:
+        """The episode's reward: the environment's rule (`OpenRewardSpec(reward=)`, `last` by default) over the
+        per-call rewards the model saw; `None` when nothing was scored, past the deadline, or after a failure (unless
+        `score_failures`)."""
+        if self.end_reason == "timeout" or (self.broken and not self.env.score_failures):
+            return None
+        return self.env.reward_rule([None if k in self._unseen else r for k, r in enumerate(self.rewards)], self)
+
+    @property
+    def broken(self) -> bool:
+        """True when the episode failed: an infrastructure failure of a call, or outside any call (its session did not
+        open, the policy failed)."""
+        return self.failure is not None or self.error is not None
+
+    def _stopping(self) -> bool:
+        """No call may be sent any more: the session is gone, or a failure voided the episode."""
+        return self._dead or (self.failure is not None and not self.env.score_failures)
+
+    def unsee(self) -> None:
+        """The results of the last reply's calls never reached the model (they would not fit its budget): their
+        rewards do not count."""
+        ran = sum(1 for t in self.turns for c in t["tool_calls"] if c.get("status") != "not_run")
+        last = [c for c in (self.turns[-1]["tool_calls"] if self.turns else []) if c.get("status") != "not_run"]
+        for k, entry in zip(range(ran - len(last), ran), last, strict=True):
+            self._unseen.add(k)
+            entry["unseen"] = True
 
     @property
     def final_message(self) -> str | None:
@@ -561,8 +610,12 @@ class Episode:
         turn = self._turn(reply)
         reason, message = self._rule(reply)
         if reason is None:
-            return [await self.call(c) for c in reply.tool_calls]  # type: ignore[arg-type]
-        turn["tool_calls"] = [c.record(status="not_run") for c in reply.tool_calls]  # type: ignore[arg-type]
+            outcomes = [await self.call(c) for c in reply.tool_calls]  # type: ignore[arg-type]
+            if not self._stopping():
+                return outcomes
+            reason = "error"  # a dead session is not called again; a failure voids the episode: it ends now
+        else:
+            turn["tool_calls"] = [c.record(status="not_run") for c in reply.tool_calls]  # type: ignore[arg-type]
         await self.end(reason, message)
         return None
 
@@ -591,6 +644,11 @@ class Episode:
         """
         entry = call.record()
         (self.turns[-1] if self.turns else self._turn(Reply(None)))["tool_calls"].append(entry)
+        if self._stopping():  # not the model's doing: neither sent nor counted (TRL's loop calls on regardless)
+            entry["status"] = "not_run"
+            failure = self.failure or self._open_error
+            return Outcome(f"[not run: the environment failed ({failure.kind if failure else 'session lost'}); "
+                           "this episode is over]")
         self.tool_calls += 1
         started = time.monotonic()
         try:
@@ -637,7 +695,7 @@ class Episode:
                 The model's tool calls so far (`None`: unknown).
         """
         if calls is not None:
-            self._unseen = max(self._unseen, calls - self.tool_calls)
+            self._uncounted = max(self._uncounted, calls - self.tool_calls)
 
     def _admit(self, call: ToolCall) -> tuple[str, dict[str, Any]]:
         """The remote tool and wire arguments of a call the episode accepts; raises the local refusal otherwise."""
@@ -651,7 +709,7 @@ class Episode:
                 raise _refusal(call.name, "episode_finished",
                                f"the episode has ended ({self.end_reason or 'closed'}).")
             cap = self.rules.max_tool_calls
-            if cap is not None and self.tool_calls + self._unseen > cap:
+            if cap is not None and self.tool_calls + self._uncounted > cap:
                 raise _refusal(call.name, "max_tool_calls", f"this episode allows at most {cap} tool calls.")
         return self._route(call)
 
@@ -671,8 +729,10 @@ class Episode:
                      output=self.rules.error_text(exc))
         if seconds is not None:
             entry["seconds"] = round(seconds, 4)
-        if not isinstance(exc, ToolError):
-            self._lost = True
+        if not refused and (self.env.tool_errors == "environment" or not isinstance(exc, ToolError)):
+            self.failure = self.failure or exc
+            self._dead = self._dead or isinstance(exc, SessionExpiredError | TransportError) or (
+                self.session is not None and (self.session.expired or self.session.closed))
         self._metrics.record_call(self.env.name, seconds, exc.kind)  # seconds None: refused before it was sent
         return Outcome(entry["output"], exc)
 
@@ -694,8 +754,6 @@ class Episode:
         self.metadata.append(result.metadata)
         if self.end_reason == "timeout":  # a call that came back after the deadline scores nothing
             return
-        if result.reward is not None:
-            self.reward = result.reward
         if result.finished and not self.finished:
             self.finished = True
             if not self.env.score_groups:  # every later call is refused anyway: free the session now
@@ -719,20 +777,25 @@ class Episode:
             `tuple[str, str | None]`: What to `end` with: the reason and the final plain message.
         """
         made = deque(c for t in self.turns for c in t["tool_calls"])
-        self.turns, self._unseen = [], 0
+        self.turns, self._uncounted = [], 0
         reason: str | None = "no_tool_calls"
         message: str | None = None
         for reply, shown in replies:
             turn = self._turn(reply)
             reason, message = self._rule(reply)
             calls: tuple[ToolCall, ...] = reply.tool_calls  # type: ignore[assignment]
+            rolled_back = reason is None and not shown and bool(made) and made[0].get("name") == calls[0].name
             if reason is None and not shown:  # no results appended: rolled back (the calls ran) or none run
-                reason = "length" if made and made[0].get("name") == calls[0].name else "max_turns"
+                reason = "length" if rolled_back else "max_turns"
             for j, call in enumerate(calls):
                 if reason == "max_turns":
                     turn["tool_calls"].append(call.record(status="not_run"))
                 elif made and made[0].get("name") == call.name:
                     turn["tool_calls"].append(made.popleft())
+                    if rolled_back:  # the model never saw what it gave
+                        turn["tool_calls"][-1]["unseen"] = True
+                elif self._stopping():  # after the environment failed: not the model's doing, not counted
+                    turn["tool_calls"].append(call.record(status="not_run"))
                 else:  # the loop failed it before it reached us
                     self.tool_calls += 1
                     turn["tool_calls"].append(entry := call.record())
@@ -744,6 +807,7 @@ class Episode:
             (self.turns[-1] if self.turns else self._turn(Reply(None)))["tool_calls"].extend(made)
         ran = [c for t in self.turns for c in t["tool_calls"] if c.get("status") != "not_run"]
         self.rewards, self.metadata = [c.get("reward") for c in ran], [c.get("metadata") for c in ran]
+        self._unseen = {k for k, c in enumerate(ran) if c.get("unseen")}
         return reason or "length", message
 
     def _refusal_of(self, call: ToolCall, shown: str | None) -> ToolRefusedError:
@@ -772,7 +836,7 @@ class Episode:
         if self.over:
             return
         terminal = self.terminal
-        if terminal is not None and message is not None and not self.finished and self.error is None:
+        if terminal is not None and message is not None and not self.finished and not self.broken:
             self.final = {"message": message, "tool": terminal.name}
             started, kind = time.monotonic(), None
             try:
@@ -791,6 +855,7 @@ class Episode:
         if detail:
             self.info["stop_detail"] = detail
         if not self.over:
+            reason = "error" if self._stopping() else reason  # the rest of its replay does not change what broke it
             self.end_reason, self.state = ("finished" if self.finished else reason), ENDED
 
     def time_out(self, limit: float) -> None:
@@ -803,7 +868,6 @@ class Episode:
         if self.over:
             return
         self.error = self.error or {"kind": "timeout", "message": f"the episode exceeded episode_timeout={limit:g}s"}
-        self.reward = None
         self.end_reason, self.state = "timeout", ENDED
         logger.warning("%s: episode for task %s exceeded its %gs deadline; closing it, scored None", self.env.name,
                        self.task.key, limit)
@@ -824,14 +888,14 @@ class Episode:
 
     @property
     def unscored(self) -> str | None:
-        """Why the episode has no reward: timeout, error (it failed, or a call lost its session or the network),
-        cut_off (a terminal tool never got an answer) or no_reward (the environment scored nothing); None when
-        it was scored."""
+        """Why the episode has no reward: timeout, error (it failed: an infrastructure failure voids what it scored
+        before, unless `score_failures`), cut_off (a terminal tool never got an answer) or no_reward (the environment
+        scored nothing); None when it was scored."""
         if self.end_reason == "timeout":
             return "timeout"
         if self.reward is not None:
             return None
-        if self.error is not None or self._lost:
+        if self.broken:
             return "error"
         if self.terminal is not None and self.final is None and not self.finished:
             return "cut_off"
@@ -884,8 +948,8 @@ class Episode:
             target=self.env.client.target.name, split=self.task.split, task_index=self.task.index,
             task_spec=self.task.spec, **self.info, started_at=self.started_at,  # type: ignore[typeddict-item]
             system=prompt.system if prompt else None, prompt=prompt.text if prompt else None, turns=self.turns,
-            final=self.final, rewards=self.rewards, reward=self.reward, group_reward=self.group_reward,
-            finished=self.finished, end_reason=self.end_reason, unscored=self.unscored, tool_calls=self.tool_calls,
+            final=self.final, rewards=self.rewards, reward=self.reward, reward_rule=self.env.reward_rule.name,
+            group_reward=self.group_reward, finished=self.finished, end_reason=self.end_reason, unscored=self.unscored, tool_calls=self.tool_calls,
             tool_failures=self.tool_failures, error=self.error, timings=timings, **images,
         )
 

@@ -46,7 +46,8 @@ class Conversation:
 
 
 class StopEpisode(Exception):
-    """Raised by a generator instead of a reply: the episode ends with `reason` (`length`: a budget) and `detail`."""
+    """Raised by a generator instead of a reply: the episode ends with `reason` (`length`: the completion budget,
+    `context_length`: the model's context) and `detail`."""
 
     def __init__(self, reason: str, detail: str | None = None) -> None:
         super().__init__(detail or reason)
@@ -59,7 +60,8 @@ class Generator(Protocol):
     and `finish(conversation)` after it ended (a batched generator counts the episodes that may still ask)."""
 
     async def reply(self, conversation: Conversation) -> Reply:
-        """The model's next reply to `conversation`; raises `StopEpisode` or `ContextLengthExceeded` to end it."""
+        """The model's next reply to `conversation`; raises `StopEpisode` or `ContextLengthExceeded` to end it before
+        generating (the results of the last calls, if any, then never reached the model)."""
 
 
 async def play(episode: Episode, generator: Any, *, base: Sequence[Mapping[str, Any]] = (), flatten: bool = False,
@@ -98,11 +100,11 @@ async def _play(conversation: Conversation, generator: Any, base: Sequence[Mappi
     while not episode.over:
         try:
             reply = await generator.reply(conversation)
-        except StopEpisode as stop:
-            await episode.end(stop.reason, detail=stop.detail)
-            return
-        except ContextLengthExceeded as exc:
-            await episode.end("context_length", detail=str(exc))
+        except (StopEpisode, ContextLengthExceeded) as stop:
+            if conversation.messages and conversation.messages[-1].get("role") == "tool":
+                episode.unsee()  # the results the stop came before never reached the model: they set no reward
+            reason = stop.reason if isinstance(stop, StopEpisode) else "context_length"
+            await episode.end(reason, detail=stop.detail if isinstance(stop, StopEpisode) else str(stop))
             return
         outcomes = await episode.reply(reply)
         if outcomes is None:
