@@ -122,9 +122,10 @@ def tiny_model_dir(ref_server, tmp_path_factory) -> str:
 def tiny_vlm_dir(tmp_path_factory) -> str:
     """A tiny random Qwen2-VL model, a BPE tokenizer with its image markers (TRL's qwen3_vl template) and its image
     processor (the PIL one), saved locally, built for the card environment (`CardEnvironment`);
-    `ors_trl.demo._model.load_vision` (and `tests/fixtures/generation.cpu_grpo_trainer`) load it. Untrained, built once
+    `tests.fixtures.vision.load_vision` (and `tests/fixtures/generation.cpu_grpo_trainer`) load it. Untrained, built once
     per session."""
     from ors_trl.demo import _model
+    from tests.fixtures import vision
     from tests.fixtures.environments import CARD_SYSTEM, CARD_WORDS, CardEnvironment
 
     def schema(name: str, description: str, properties: dict) -> dict:
@@ -137,9 +138,9 @@ def tiny_vlm_dir(tmp_path_factory) -> str:
         {"type": "text", "text": "A sample card:\n"}, {"type": "image"}, {"type": "text", "text": "\nNow read yours."}]}]
     corpus = _model.render_corpus(CardEnvironment.list_tasks("train"), tools, lambda task: prompt,
                                   lambda task, rng: ("say", {"text": rng.choice(CARD_WORDS)}, "right"), copies=4,
-                                  template=_model.vision_chat_template())
-    tokenizer = _model.build_tokenizer(corpus, vocab_size=400, special=_model.VISION_TOKENS,
-                                       template=_model.vision_chat_template())
+                                  template=vision.vision_chat_template())
+    tokenizer = _model.build_tokenizer(corpus, vocab_size=400, special=vision.VISION_TOKENS,
+                                       template=vision.vision_chat_template())
     path = str(tmp_path_factory.mktemp("tiny-vlm"))
-    _model.save_vision(path, _model.build_vision_model(tokenizer, seed=0), _model.build_vision_processor(tokenizer))
+    vision.save_vision(path, vision.build_vision_model(tokenizer, seed=0), vision.build_vision_processor(tokenizer))
     return path

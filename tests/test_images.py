@@ -33,7 +33,6 @@ from ors_trl.cli import main
 from ors_trl.cli.inspect import collect, render_text
 from ors_trl.core.conversation import content
 from ors_trl.core.records import RecordWriter, read_records
-from ors_trl.demo._model import load_vision
 from ors_trl.protocol import images as _images
 from ors_trl.protocol.loop import get_loop
 from ors_trl.protocol.types import parse_blocks
@@ -61,6 +60,7 @@ from tests.fixtures.generation import (
     tool_call_text,
     trl_generation,
 )
+from tests.fixtures.vision import load_vision
 from tests.test_eval import FakeOpenAI
 from tests.test_report import chromium, run_chromium  # noqa: F401 - the session fixture
 

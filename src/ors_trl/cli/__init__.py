@@ -1,12 +1,8 @@
 """The `ors-trl` command line (also `python -m ors_trl`): look at an environment, evaluate a policy on it, report.
 
     ors-trl inspect http://127.0.0.1:8000
-    ors-trl eval http://127.0.0.1:8000 --model ./checkpoint --num-tasks 32 --output episodes.jsonl
-    ors-trl eval Eigent/SETA --base-url http://127.0.0.1:8001/v1 --model my-model --concurrency 16
-    ors-trl serve-echo --port 8000
-    ors-trl cleanup ./run-dir
-    ors-trl report episodes.jsonl eval.jsonl ./trainer-output --output report.html
-    ors-trl report ./out --label before=out/eval_before.jsonl --label after=out/eval_after.jsonl
+    ors-trl eval Eigent/SETA --base-url http://127.0.0.1:8001/v1 --model my-model --output episodes.jsonl
+    ors-trl report episodes.jsonl ./trainer-output --output report.html
 
 Heavy packages (torch, transformers, the openreward SDK) are imported only by the subcommand that needs them.
 """
@@ -150,13 +146,10 @@ def _tool_call(text: str) -> tuple[str, dict[str, Any]]:
     return name, arguments
 
 
-_FILTERS = ("model_name", "min_model_params", "max_model_params", "training_stage")
-
-
 def _difficulty_filter(text: str) -> tuple[str, Any]:
     """KEY=VALUE of `inspect --difficulty-filter`: a `PlatformDifficulty` filter."""
     key, sep, value = text.partition("=")
-    if not sep or key not in _FILTERS:
+    if not sep or key not in ("model_name", "min_model_params", "max_model_params", "training_stage"):
         raise argparse.ArgumentTypeError(f"{text}: give model_name=, min_model_params=, max_model_params= or "
                                          "training_stage=")
     return key, _non_negative_int(value) if key.endswith("_params") else value
@@ -183,9 +176,8 @@ def _add_success_threshold(p: argparse.ArgumentParser) -> None:
 
 def _add_common(p: argparse.ArgumentParser, sessions: str, toolset: str, *, many: bool = False,
                 timeout: str = "10 to connect, 60 per request", retries: int = 5) -> None:
-    """TARGET (several with `many`), --env-name, the output flags, and the client's flags that `_client_options`
-    reads (--toolset's help is `toolset`; `sessions` says which sessions --toolset-fallback and --env-override act on).
-    """
+    """TARGET (several with `many`), --env-name, the output flags and the client's flags (`_client_options`);
+    `toolset` is --toolset's help, `sessions` the sessions --toolset-fallback and --env-override act on."""
     several = "; several: a mix, reported per environment and weighted overall" if many else ""
     p.add_argument("target", metavar="TARGET", nargs="+" if many else None,
                    help=f"server URL (http://127.0.0.1:8000) or catalog name (owner/name){several}")
@@ -210,10 +202,8 @@ def _add_common(p: argparse.ArgumentParser, sessions: str, toolset: str, *, many
 
 def _client_options(args: argparse.Namespace, timeout: float | None = None, retries: int | None = None,
                     tool_timeout: float | None = None) -> dict[str, Any]:
-    """A client's keywords from the flags `_add_common` adds: `toolset=`, `toolset_fallback=`, `env_overrides=`
-    (a name given twice, or a fallback without a toolset, is a usage error), and `timeouts=`/`retry=` from
-    --timeout/--retries, else `timeout`/`retries`, else the client's defaults (`tool_timeout` bounds each tool call).
-    """
+    """A client's keywords from `_add_common`'s flags (a name given twice, or a fallback without a toolset: usage
+    errors); the waits from --timeout/--retries, else `timeout`/`retries`, else the client's defaults."""
     from ..protocol.transport import RetryPolicy, Timeouts
 
     overrides: dict[str, str] = {}
@@ -397,25 +387,15 @@ class _EscapingFormatter(logging.Formatter):
         return escape_controls(repair(super().format(record)))
 
 
-def _setup_logging(verbose: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_EscapingFormatter("ors-trl: %(levelname)s: %(message)s"))
-    root = logging.getLogger("ors_trl")
-    root.handlers[:] = [handler]
-    root.setLevel(logging.DEBUG if verbose else logging.WARNING)
-    root.propagate = False
-
-
 def _say(text: str, file: Any = None) -> None:
-    """A line for the user (stderr by default), its control characters escaped and lone surrogates repaired (it
-    quotes the environment's text)."""
+    """A line for the user (stderr by default), control characters escaped, lone surrogates repaired (it quotes the
+    environment's text)."""
     print(escape_controls(repair(text)), file=file or sys.stderr)
 
 
 def _show(args: argparse.Namespace, data: Any, text: str) -> None:
-    """The command's result on stdout: with --json, `data` as one JSON document (json.dumps escapes the ASCII
-    controls; here the other control and format characters, C1 controls, U+202E..., and lone surrogates are `\\u`
-    escapes too: the same data, harmless to a terminal and encodable); else `text`, as `_say` writes it."""
+    """The result on stdout: `text` as `_say` writes it, or with --json `data` as one JSON document whose control and
+    format characters (C1, U+202E...) and lone surrogates are `\\u` escapes too: harmless to a terminal."""
     if not args.json:
         _say(text, sys.stdout)
         return
@@ -427,9 +407,16 @@ def _show(args: argparse.Namespace, data: Any, text: str) -> None:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from ..tasks.difficulty import PlatformDifficulty
     from .inspect import inspect_target, render_text
 
-    difficulty = _difficulty_source(args)
+    if args.difficulty_filter and args.difficulty is None:
+        raise _UsageError("--difficulty-filter narrows --difficulty's platform data; pass --difficulty too")
+    if args.difficulty_filter and args.difficulty != "platform":
+        raise _UsageError("--difficulty-filter applies to the platform's data, not to a file")
+    difficulty = args.difficulty
+    if difficulty == "platform":
+        difficulty = PlatformDifficulty(**dict(args.difficulty_filter))
     client = _client_options(args, INSPECT_TIMEOUT, INSPECT_RETRIES)
     info = inspect_target(args.target, env_name=args.env_name, split=args.split, tasks=args.tasks,
                           probe=not args.no_probe, probe_index=args.probe_index, calls=args.call, **client)
@@ -441,17 +428,6 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                                                      environment=info.get("environment"), **client))
     _show(args, info, render_text(info))
     return EXIT_OK
-
-
-def _difficulty_source(args: argparse.Namespace) -> Any:
-    """`inspect --difficulty [SOURCE] --difficulty-filter K=V`: a file path, or the platform's filtered data."""
-    from ..tasks.difficulty import PlatformDifficulty
-
-    if args.difficulty_filter and args.difficulty is None:
-        raise _UsageError("--difficulty-filter narrows --difficulty's platform data; pass --difficulty too")
-    if args.difficulty_filter and args.difficulty != "platform":
-        raise _UsageError("--difficulty-filter applies to the platform's data, not to a file")
-    return PlatformDifficulty(**dict(args.difficulty_filter)) if args.difficulty == "platform" else args.difficulty
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
@@ -490,9 +466,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         raise _UsageError(f"--weights has {len(args.weights)} values for {len(pairs)} environments")
     threshold = {} if args.success_threshold is None else {"success_threshold": args.success_threshold}
     client = _client_options(args, tool_timeout=args.tool_timeout)
-    # Each spec is built like a training spec with the same selection, so the tools bound are those training binds:
-    # its probe sessions (one per distinct task of --indices, else task 0) find the task-specific ones. Each episode
-    # binds its own session's tools with --per-task-tools: no probe then.
+    # Built as a training spec with the same selection: its probe sessions find the tools training binds (none with
+    # --per-task-tools: each episode binds its own session's).
     specs = [OpenRewardSpec(target, split=args.split, env_name=env_name, num_tasks=args.num_tasks,
                             indices=args.indices, discover_task_tools=not args.per_task_tools,
                             score_groups=args.score_groups, max_tool_calls=args.max_tool_calls, **threshold, **client)
@@ -568,19 +543,16 @@ def _cmd_serve_echo(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("openreward") is None:
         _say("ors-trl: error: serve-echo needs the openreward package: pip install 'ors-trl[demo]'")
         return EXIT_ERROR
-    import ipaddress
+    from ..testing import server
 
     try:
-        loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
+        server._require_loopback(args.host)
     except ValueError:
-        loopback = False
-    if not loopback:
-        raise _UsageError(f"serve-echo only binds to loopback addresses (127.0.0.1, ::1), not {args.host!r}")
+        raise _UsageError(f"serve-echo only binds to loopback addresses (127.0.0.1, ::1), not {args.host!r}") from None
     if not 0 < args.port < 65536:
         raise _UsageError(f"--port must be 1..65535, got {args.port}")
     os.environ.setdefault("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
     from ..demo._environments import ENVIRONMENTS
-    from ..testing.server import main as serve
 
     every = args.envs.strip() == "all"
     names = list(ENVIRONMENTS) if every else [n.strip() for n in args.envs.split(",") if n.strip()]
@@ -597,8 +569,8 @@ def _cmd_serve_echo(args: argparse.Namespace) -> int:
     _say(f"ors-trl: serving {', '.join(names)} on http://{host}:{args.port} (Ctrl-C to stop)")
     paths = [f"{ENVIRONMENTS[n].__module__}:{ENVIRONMENTS[n].__qualname__}" for n in names]
     try:
-        return int(serve(["--port", str(args.port), "--host", args.host, *(a for p in paths for a in ("--env", p)),
-                          "--log-level", args.log_level]) or 0)
+        return int(server.main(["--port", str(args.port), "--host", args.host,
+                                *(a for p in paths for a in ("--env", p)), "--log-level", args.log_level]) or 0)
     except SystemExit as exc:  # the server's own argument checks (e.g. an unknown --envs name)
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     except KeyboardInterrupt:  # uvicorn shuts down gracefully, then re-raises: Ctrl-C is how one stops it
@@ -628,7 +600,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    _setup_logging(getattr(args, "verbose", False))
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_EscapingFormatter("ors-trl: %(levelname)s: %(message)s"))
+    root = logging.getLogger("ors_trl")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING)
+    root.propagate = False
     from ..protocol.errors import ConfigurationError, ORSError
 
     handlers = {"inspect": _cmd_inspect, "eval": _cmd_eval, "serve-echo": _cmd_serve_echo, "report": _cmd_report,

@@ -1,9 +1,8 @@
 """`ors-trl inspect`: everything about an environment a user should see before training on it (`inspect_target`).
 
 A tool's output is known only once it runs, and a call can have effects: the probe session calls none unless asked.
-Everything shown comes from the server, so the text puts each name on one line and escapes control and format
-characters (`escape_controls`): an environment cannot retitle or clear the terminal, rewrite a line or reorder the
-listing a user reads before training.
+The text escapes the server's control and format characters and keeps each name on one line (`escape_controls`): an
+environment cannot retitle or clear the terminal, or rewrite or reorder the listing a user reads before training.
 """
 
 from __future__ import annotations
@@ -140,12 +139,10 @@ def describe_binding(specs: list[dict[str, Any]]) -> dict[str, Any]:
 
 @functools.wraps(collect, assigned=())  # its signature is `collect`'s: one list of parameters, documented here
 def inspect_target(target: str, **options: Any) -> dict[str, Any]:
-    """Everything about an environment a user should see before training on it (`ors-trl inspect`): the environments
-    a server hosts, its splits and their sizes, a few tasks, the shared and task-specific tools (from one probe
-    session, closed again), what the server supports (a terminal tool, group scoring, message block types, the first
-    task's conversation roles), the images the probed prompt holds and what `calls` answered (`collect`); and what
-    the model sees after binding (`describe_binding`): the tool functions' Python signatures, the JSON schemas
-    they render to (exactly `transformers.utils.get_json_schema`'s), and every binding warning. Leaves no session open.
+    """`ors-trl inspect`'s JSON-able result (`render_text` shows it): the server's environments, splits, a few tasks,
+    shared and task-specific tools (one probe session, closed again), what it supports, the probed prompt's images and
+    what `calls` answered (`collect`); then what the model sees after binding (`describe_binding`): signatures, JSON
+    schemas (exactly `transformers.utils.get_json_schema`'s) and binding warnings.
 
     Args:
         target (`str`):
@@ -163,7 +160,7 @@ def inspect_target(target: str, **options: Any) -> dict[str, Any]:
         api_key (`str`, *optional*):
             The OpenReward key, as for `AsyncClient`.
         timeouts (`Timeouts`, *optional*):
-            Bounds every request, as for any client (the defaults allow minutes per request).
+            Bounds every request, as for any client.
         retry (`RetryPolicy`, *optional*):
             Retries of transient failures, as for any client.
         calls (`Sequence[tuple[str, dict[str, Any]]]`, *optional*, defaults to `()`):
@@ -174,9 +171,6 @@ def inspect_target(target: str, **options: Any) -> dict[str, Any]:
             When the server refuses `toolset`, probe without it (`toolset_refused` names it) instead of raising.
         env_overrides (`Mapping[str, str]`, *optional*):
             The probe session's environment variables (only their names are in the result).
-
-    Returns:
-        `dict[str, Any]`: The JSON-able inspection (`render_text` shows it).
 
     Raises:
         ConfigurationError: the server refused `toolset` (without `toolset_fallback`).

@@ -1,25 +1,10 @@
 """Bind ORS tool specs to real Python functions that TRL's GRPOTrainer can collect, render and call.
 
-TRL lists an adapter's tools with `inspect.getmembers(type(env), inspect.isfunction)` (skipping `reset`,
-`get_reward` and names starting with `_`), keys them by `__name__`, renders them with
-`transformers.utils.get_json_schema` and calls them as `method(**arguments)`. Each tool becomes a generic closure (no
-`exec`/`eval`/`compile` of generated source: a hostile name or description never runs as code) dressed with
-`__signature__`, `__annotations__` and a Google-style `__doc__` from `ors_trl.core.schema`, so `get_json_schema`
-reproduces the environment's schema; `defuse_docstring_text` keeps any description from breaking its parse.
-`BoundTool.schema` computes that very rendering without transformers (evaluation against an endpoint needs no TRL).
-
-Naming policy
-    * `__name__` (what the model sees, what TRL routes by) is the exact tool name when it is a sane display name
-      (`^[A-Za-z0-9_.:-]{1,64}$`); else it is sanitized (ASCII-folded, other characters -> `_`, at most 64, `"tool"`
-      if nothing is left), with a warning.
-    * The attribute name (what `inspect.getmembers` sees) is the remote name when that is an ASCII identifier, not a
-      keyword, not starting with `_` and not in `reserved`; else a sanitized identifier (`"run-shell"` ->
-      `"run_shell"`, `"reset"` -> `"tool_reset"`, `"class"` -> `"tool_class"`, `"_private"` -> `"tool__private"`):
-      a tool named `reset` is shown as `reset` without shadowing the adapter's own `reset()`.
-    * Exact names are claimed first; sanitized names that collide get `_2`, `_3`... suffixes (with a warning), so
-      every tool stays reachable. A repeated remote name is skipped with a warning.
-    * Parameter names follow `ors_trl.core.schema.python_parameter_names`; a function accepts the Python name and
-      the wire name alike.
+TRL lists an adapter's tools with `inspect.getmembers` (skipping `reset`, `get_reward`, `_` names), keys them by
+`__name__`, renders them with `get_json_schema` and calls `method(**arguments)`. Each tool is a generic closure (no
+generated source: a hostile name never runs as code) dressed with what `ors_trl.core.schema` makes. `__name__` is the
+tool's name if a sane display name, the attribute its name if a public unreserved identifier (`reset` ->
+`tool_reset`); else each is sanitized (exact names first, collisions suffixed `_2`...), with a warning.
 """
 
 from __future__ import annotations
@@ -37,7 +22,7 @@ from typing import Any
 from ..protocol.errors import ToolRefusedError
 from ..protocol.text import ascii_fold, json_size, one_line, show_name
 from .jsonschema import EXPANSION_FACTOR, EXPANSION_FLOOR, Budget
-from .schema import ParameterInfo, ToolInfo, describe_tool, hint_schema, single_line, tool_field, unique_name
+from .schema import ToolInfo, describe_tool, hint_schema, single_line, tool_field, unique_name
 
 __all__ = [
     "DEFAULT_RESERVED", "UNSET", "BindingResult", "BoundTool", "Toolset", "bind_tools", "defuse_docstring_text",
@@ -55,24 +40,14 @@ _DOC_SECTION_RE = re.compile(r"(Args|Returns|Raises):")
 _CHOICES_RE = re.compile(r"\((choices):", re.IGNORECASE)
 
 
-class _Unset:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<unset>"
-
-    def __reduce__(self) -> str:
-        return "UNSET"
-
-
 #: Default of optional parameters: an argument left at it is not sent, so the environment's default applies.
-UNSET: Any = _Unset()
+UNSET: Any = type("_Unset", (), {"__slots__": (), "__repr__": lambda _: "<unset>", "__reduce__": lambda _: "UNSET"})()
 
 
 @dataclass(eq=False)
 class BoundTool:
-    """One bound tool: where it lives on the class (`attribute`), what the model sees (`name`), what it calls
-    remotely, and how a call's arguments become the remote tool's (`named`, `arguments`)."""
+    """One bound tool: its attribute on the class, the `name` the model sees, the remote name, and how a call's
+    arguments become the remote tool's (`named`, `arguments`)."""
 
     attribute: str
     name: str
@@ -96,8 +71,8 @@ class BoundTool:
         return out
 
     def arguments(self, kwargs: dict) -> dict[str, Any]:
-        """Named arguments (Python or wire names; unknown ones unchanged) as the remote tool's argument dict, without
-        those left at `UNSET`; missing arguments and values are the environment's to check."""
+        """Named arguments (Python or wire names; unknown ones unchanged) as wire arguments, without those left at
+        `UNSET`; missing arguments and values are the environment's to check."""
         out: dict[str, Any] = {}
         for key, value in kwargs.items():
             if value is UNSET:
@@ -109,9 +84,9 @@ class BoundTool:
         return out
 
     def schema(self) -> dict[str, Any]:
-        """`transformers.utils.get_json_schema(self.function)`, without transformers: the docstring `_docstring` wrote
-        read back as its parser reads it (cleaned by `inspect.getdoc`, which expands tabs; defused, it has no marker
-        but ours) and each annotation as `hint_schema` renders it."""
+        """`transformers.utils.get_json_schema(self.function)` without transformers: the docstring read back as its
+        parser reads it (`inspect.getdoc` expands tabs; defused, it has no marker but ours), annotations by
+        `hint_schema`."""
         description, _, block = inspect.getdoc(self.function).partition("\n\nArgs:\n")  # type: ignore[union-attr]
         texts = [line.split(": ", 1)[1] for line in block.split("\n")] if block else []
         properties = {p.python_name: {**hint_schema(p.annotation), "description": text}
@@ -125,8 +100,7 @@ class BoundTool:
 
 @dataclass
 class BindingResult:
-    """The functions to set on an adapter class plus a report of everything renamed, skipped or simplified; each
-    mapping is keyed by attribute name."""
+    """The functions to set on an adapter class, by attribute name, and what was renamed, skipped or simplified."""
 
     functions: dict[str, FunctionType] = field(default_factory=dict)
     remote_names: dict[str, str] = field(default_factory=dict)
@@ -170,13 +144,6 @@ def _docstring(info: ToolInfo) -> str:
     return "\n".join(lines)
 
 
-def _signature(parameters: tuple[ParameterInfo, ...]) -> inspect.Signature:
-    kind, empty = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty
-    params = [inspect.Parameter(p.python_name, kind, annotation=p.annotation, default=empty if p.required else UNSET)
-              for p in parameters]
-    return inspect.Signature([inspect.Parameter("self", kind), *params], return_annotation=str)
-
-
 def bind_tools(
     tool_specs: Iterable[Any],
     *,
@@ -185,34 +152,31 @@ def bind_tools(
     module: str | None = None,
     qualname_prefix: str | None = None,
 ) -> BindingResult:
-    """One function per ORS tool spec (see `tool_field`), calling `self._call_tool(name, arguments)` (awaiting
-    `self._acall_tool` when `asynchronous`) with the name the model saw; `reserved`: attribute names tools must not
-    take; `module`, `qualname_prefix`: `__module__` and the `__qualname__` prefix. The list shares one schema
-    `Budget`. Never raises for odd specs: what was renamed, skipped or simplified is in `BindingResult.warnings`
-    and logged on the `ors_trl.binding` logger."""
+    """One function per ORS tool spec, calling `self._call_tool(name, arguments)` (awaiting `self._acall_tool` when
+    `asynchronous`) with the name the model saw; `reserved`: attribute names tools must not take. The list shares
+    one schema `Budget`. Never raises for odd specs: what was renamed, skipped or simplified is a warning (in
+    `BindingResult.warnings` and on the `ors_trl.binding` logger)."""
     reserved_set = frozenset([reserved] if isinstance(reserved, str) else reserved)
     result = BindingResult()
     warnings = result.warnings
 
     # 1. Valid, distinct specs.
-    entries: list[tuple[str, Any]] = []
-    seen: set[str] = set()
+    entries: dict[str, Any] = {}  # remote name -> spec
     for index, spec in enumerate(tool_specs):
         remote = tool_field(spec, "name")
         if not isinstance(remote, str):
             warnings.append(f"skipped tool spec #{index}: its name is not a string")
             continue
-        if remote in seen:
+        if remote in entries:
             warnings.append(f"skipped tool spec #{index}: duplicate tool name {show_name(remote)}")
             continue
-        seen.add(remote)
-        entries.append((remote, spec))
+        entries[remote] = spec
 
     # 2. Names: exact names are claimed first, sanitized ones get deterministic suffixes.
-    display_taken = {remote for remote, _ in entries if _DISPLAY_NAME_RE.fullmatch(remote)}
-    attribute_taken = {remote for remote, _ in entries if _is_exact_attribute(remote, reserved_set)}
+    display_taken = {remote for remote in entries if _DISPLAY_NAME_RE.fullmatch(remote)}
+    attribute_taken = {remote for remote in entries if _is_exact_attribute(remote, reserved_set)}
     names: list[tuple[str, str]] = []
-    for remote, _ in entries:
+    for remote in entries:
         if _DISPLAY_NAME_RE.fullmatch(remote):
             display = remote
         else:
@@ -233,8 +197,8 @@ def bind_tools(
         names.append((display, attribute))
 
     # 3. Functions, within one schema budget for the whole list.
-    budget = result.budget = Budget(sum(json_size(tool_field(spec, "input_schema"), 1 << 62) for _, spec in entries))
-    for (remote, spec), (display, attribute) in zip(entries, names, strict=True):
+    budget = result.budget = Budget(sum(json_size(tool_field(s, "input_schema"), 1 << 62) for s in entries.values()))
+    for (remote, spec), (display, attribute) in zip(entries.items(), names, strict=True):
         try:
             info = describe_tool(spec, budget=budget)
         except Exception as error:  # a bug must not take the whole environment down; the tool stays callable
@@ -262,7 +226,7 @@ def bind_tools(
 def _build_function(bound: BoundTool, asynchronous: bool, module: str | None, qualname_prefix: str | None
                     ) -> FunctionType:
     """A fresh generic closure (the receiver positional-only, so any argument name, even `self`, fits kwargs) that
-    hands the adapter the call as the model made it, for `Toolset.route` to route like every other call."""
+    hands the adapter the call as the model made it, for `Toolset.route`."""
     display, named, info = bound.name, bound.named, bound.info
     if asynchronous:
 
@@ -280,19 +244,19 @@ def _build_function(bound: BoundTool, asynchronous: bool, module: str | None, qu
     function.__module__ = module if module is not None else __name__
     function.__doc__ = _docstring(info)
     function.__annotations__ = {**{p.python_name: p.annotation for p in info.parameters}, "return": str}
-    function.__signature__ = _signature(info.parameters)  # type: ignore[attr-defined]
+    kind, empty = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty
+    params = [inspect.Parameter("self", kind)]
+    params += (inspect.Parameter(p.python_name, kind, annotation=p.annotation, default=empty if p.required else UNSET)
+               for p in info.parameters)
+    function.__signature__ = inspect.Signature(params, return_annotation=str)  # type: ignore[attr-defined]
     bound.function = function
     return function
 
 
 class Toolset:
-    """One environment's tools (shared plus task-specific `specs`) as the model sees them: the bound functions, their
-    schemas, the routing (see `bind_tools` for the options; `asynchronous`: TRL gathers a rollout's parallel calls).
-
-    The one router of ors-trl: `route` turns a model's call into the remote tool name and wire arguments through
-    the same bound functions TRL calls, so the adapter, the engine and evaluation cannot disagree. The `@terminal`
-    tool (`terminal`) is never bound: the model does not see it.
-    """
+    """One environment's tools as the model sees them: the bound functions, their schemas, and the one router of
+    ors-trl (`route`, through the functions TRL calls, so adapter, engine and evaluation cannot disagree). Options:
+    see `bind_tools`. The `@terminal` tool (`terminal`) is never bound: the model does not see it."""
 
     def __init__(self, specs: Iterable[Any], *, terminal: Any = None, asynchronous: bool = False,
                  module: str | None = None, qualname_prefix: str = "OpenRewardEnvironment",
@@ -314,12 +278,8 @@ class Toolset:
         return [bound.schema() for bound in self.binding.tools.values()]
 
     def route(self, name: str, arguments: Any) -> tuple[str, dict[str, Any]]:
-        """The remote tool name and wire arguments of a model's call.
-
-        Raises:
-            ToolRefusedError: no such tool (`reason="not_found"`) or arguments that do not bind
-                (`reason="input_validation"`), with the message TRL's loop shows for the same call.
-        """
+        """The remote tool name and wire arguments of a model's call; `ToolRefusedError` (`not_found`,
+        `input_validation`) with the message TRL's loop shows for the same call."""
         bound = self.by_name.get(name)
         if bound is None:
             raise ToolRefusedError(f"Tool {name} not found.", tool=name, reason="not_found")

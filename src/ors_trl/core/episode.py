@@ -296,7 +296,7 @@ class EnvironmentRuntime:
     def rename(self, name: str, metrics: EnvMetrics, recorder: RecordWriter | None) -> None:
         """Report under `name` into `metrics` and `recorder` (None: keep the current one); how a mix takes it in."""
         self.name, self.metrics = name, metrics
-        metrics.set_open_sessions_gauge(name, lambda: self.client.open_sessions)
+        metrics._set_open_sessions_gauge(name, lambda: self.client.open_sessions)
         if recorder is not None:
             self.recorder = recorder
 
@@ -564,7 +564,7 @@ class Episode:
             if self.toolset is None:
                 self.toolset = env.toolset_of(await self.session.tools())
         except ORSError as exc:
-            self._metrics.record_open(env.name, None, exc.kind)
+            self._metrics._record_open(env.name, None, exc.kind)
             logger.warning("%s: could not open a session for task %s: %s", env.name, task.key, exc)
             self._open_error = exc
             self.fail(exc)
@@ -572,7 +572,7 @@ class Episode:
                 await self.session.close()
             return False
         self.timings["prompt"] = time.monotonic() - started - self.timings["open"]
-        self._metrics.record_open(env.name, time.monotonic() - started)
+        self._metrics._record_open(env.name, time.monotonic() - started)
         env.remember_prompt(task.key, self.prompt)
         if self.state == OPENING:
             self.state = OPEN
@@ -667,7 +667,7 @@ class Episode:
         if images:
             entry["images"] = images
         self._scored(result)
-        self._metrics.record_call(self.env.name, elapsed, None)
+        self._metrics._record_call(self.env.name, elapsed, None)
         return Outcome(shown, None, result, text)
 
     def _shown(self, blocks: list[Block]) -> tuple[Content, str]:
@@ -733,7 +733,7 @@ class Episode:
             self.failure = self.failure or exc
             self._dead = self._dead or isinstance(exc, SessionExpiredError | TransportError) or (
                 self.session is not None and (self.session.expired or self.session.closed))
-        self._metrics.record_call(self.env.name, seconds, exc.kind)  # seconds None: refused before it was sent
+        self._metrics._record_call(self.env.name, seconds, exc.kind)  # seconds None: refused before it was sent
         return Outcome(entry["output"], exc)
 
     async def _remote(self, remote: str, wire: dict[str, Any]) -> ToolResult:
@@ -849,7 +849,7 @@ class Episode:
                 self._scored(result)
             self.final["seconds"] = round(time.monotonic() - started, 4)
             # the harness's call of the hidden terminal tool, counted apart from the model's calls
-            self._metrics.record_call(self.env.name, time.monotonic() - started, kind, terminal=True)
+            self._metrics._record_call(self.env.name, time.monotonic() - started, kind, terminal=True)
         elif message is not None:
             self.final = {"message": message}
         if detail:
@@ -906,8 +906,8 @@ class Episode:
         if self._accounted:
             return
         self._accounted = True
-        self._metrics.record_episode(self.env.name, reward=self.reward, finished=self.finished, calls=self.tool_calls,
-                                     unscored=self.unscored, turns=self.turns, opened=self.prompt is not None)
+        self._metrics._record_episode(self.env.name, reward=self.reward, finished=self.finished, calls=self.tool_calls,
+                                      unscored=self.unscored, turns=self.turns, opened=self.prompt is not None)
         for listener in self.env.listeners:
             listener(self)
         self._bill()
@@ -917,7 +917,7 @@ class Episode:
         environment's metrics, and its outcome teaches task sampling."""
         if self.source != MANUAL:
             return
-        self.env.metrics.absorb(self._metrics)
+        self.env.metrics._absorb(self._metrics)
         self.source, self._metrics = "trl", self.env.metrics
         if self._accounted:
             for listener in self.env.listeners:
@@ -929,7 +929,7 @@ class Episode:
         if self.session is None:
             return
         spent = self.timings["session"] = self.session.seconds
-        self._metrics.record_session(self.env.name, spent - self._billed, unscored=self.reward is None)
+        self._metrics._record_session(self.env.name, spent - self._billed, unscored=self.reward is None)
         self._billed = spent
 
     def record(self) -> EpisodeRecord:
@@ -1017,13 +1017,13 @@ async def score_groups(episodes: Sequence[Episode]) -> None:
         except ORSError as exc:
             logger.warning("%s: group scoring of task %s failed (%d rollouts get None): %s", env.name,
                            group[0].task.key, len(group), exc)
-            group[0]._metrics.record_group(env.name, ok=False)
+            group[0]._metrics._record_group(env.name, ok=False)
             return
         finally:
             if opened is not None:
                 await opened.close()
         for ep, result in zip(group, scores, strict=True):
             ep.group_reward = result.reward
-        group[0]._metrics.record_group(env.name, ok=True)
+        group[0]._metrics._record_group(env.name, ok=True)
 
     await asyncio.gather(*(score(g) for g in groups.values()))

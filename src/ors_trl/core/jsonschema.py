@@ -1,9 +1,8 @@
 """Normalise a tool's input schema (untrusted JSON Schema from the network) into a small tree of `Node`.
 
-The only code that reads raw schemas: it resolves local `$ref` pointers (a cycle is cut and labelled `recursive
-Name`), unwraps a single `allOf` and merges several, and bounds all a hostile schema could blow up (see `Budget`).
-What it cannot represent becomes a note. Nothing in a schema is executed and foreign objects are never `repr()`-ed
-(`quote` writes values as JSON). `ors_trl.core.schema` renders the tree as type hints and descriptions.
+The only code that reads raw schemas: it resolves local `$ref` pointers (a cycle is cut: `recursive Name`), merges
+`allOf`, and bounds all a hostile schema could blow up (see `Budget`); what it cannot represent becomes a note.
+Foreign objects are never `repr()`-ed (`quote` writes JSON). `ors_trl.core.schema` renders the tree.
 """
 
 from __future__ import annotations
@@ -71,11 +70,8 @@ def as_text(value: Any) -> str:
 
 
 def quote(value: Any, limit: int | None = _SNIPPET) -> str:
-    """Compact JSON (`json.dumps` spacing) for a value quoted in a description, cut to `limit` characters.
-
-    The work is bounded by `limit` whatever the value's size; line breaks inside strings are escaped so the text
-    stays valid JSON on one line, and objects that are not JSON are shown as `<type>` (never `repr()`-ed).
-    """
+    """Compact JSON for a value quoted in a description, cut to `limit` characters (the work bounded by it too), on
+    one line (line breaks escaped); objects that are not JSON are shown as `<type>`."""
     budget = _MAX_TEXT * 10 if limit is None else limit + 1
 
     def scalar(item: Any) -> str:
@@ -107,7 +103,7 @@ def quote(value: Any, limit: int | None = _SNIPPET) -> str:
 
     parts: list[str] = []
     size = 0
-    for token in tokens(value, 0):  # stops as soon as `budget` characters are written, whatever the value's size
+    for token in tokens(value, 0):
         parts.append(token)
         size += len(token)
         if size >= budget:
@@ -162,9 +158,8 @@ def _numeric_bounds(schema: dict) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Node:
-    """One schema, normalised. `const`, `enum`, `default` and `also` hold JSON values as the schema gave
-    them: quote them with `quote`, never `repr()`. Structure (arms, items, fields, extra) is left out when a
-    scalar `const`/`enum` pins the value."""
+    """One schema, normalised; `const`, `enum`, `default` and `also` hold raw JSON values (`quote` them, never
+    `repr()`). Structure (arms, items, fields, extra) is left out when a scalar `const`/`enum` pins the value."""
 
     cut: str | None = None  # why it was not expanded: "recursive Name", "unresolved reference …", "…" past a limit
     types: tuple[str, ...] = ()  # type names, object/array inferred if absent or malformed; a cut: its target's
@@ -206,17 +201,13 @@ class _View:
 
 
 class Budget:
-    """What normalising the input schemas of one tool list (`received`: their characters of JSON) may cost.
+    """What normalising one tool list's input schemas (`received` characters of JSON) may cost; the one account of
+    the bounds (a dozen 2 KB tools with exponentially expanding references once rendered 13.7 MB into every prompt).
 
-    The one account of the bounds (a dozen 2 KB tools whose references expand exponentially once took 15 s to bind
-    and rendered 13.7 MB of schema into every prompt). Work units: one per schema node plus one per keyword, enum
-    value and alternative in it; each tool may spend `max_nodes` (`Normaliser`), the list `work`: one per character
-    of what its schemas may amount to, received plus expanded. A `$ref` expansion copies its target's JSON: each
-    tool may copy `EXPANSION_FACTOR` times its own size, the tools together `EXPANSION_FLOOR` more (first come), so
-    one tool cannot spend the others' part. Past a bound, the rest is cut ("…", typed Any), or a reference is left
-    unexpanded: typed by its target's top-level type (`dict` for an object), labelled so, counted in `refs_cut`.
-    `work_spent` counts the work, `expanded` the characters copied. Nesting depth, `$ref` chains and the object
-    fields expanded per argument (as many as its description can list) are bounded besides.
+    Work: one unit per node, keyword, enum value and alternative; each tool may spend `max_nodes`, the list `work`
+    (received plus expanded characters). A `$ref` expansion copies its target: each tool may copy `EXPANSION_FACTOR`
+    times its own size, the tools together `EXPANSION_FLOOR` more, first come. Past a bound the rest is cut ("…",
+    typed Any) or a reference left unexpanded (typed by its target's top-level type, counted in `refs_cut`).
     """
 
     def __init__(self, received: int) -> None:
@@ -227,8 +218,8 @@ class Budget:
 
 
 class Normaliser:
-    """Normalises the schemas of one tool against `root` (what `$ref` resolves against) with `max_nodes` work units
-    and the tool list's `budget` (by default one for this schema alone), collecting one list of notes."""
+    """Normalises one tool's schemas against `root` (what `$ref` resolves against) within `max_nodes` work units
+    and the tool list's `budget` (default: this schema's own), collecting its notes."""
 
     def __init__(self, root: Any, max_nodes: int, budget: Budget | None = None) -> None:
         self.root = root
@@ -276,10 +267,9 @@ class Normaliser:
         return self.node(raw, stack, depth, depth)
 
     def arguments(self, text: int, input_text: int) -> tuple[list[tuple[str, Node]], dict[str, None], list]:
-        """Normalise the root as a tool's input: its arguments (wire name, node), which are required, and sentences
-        about the input as a whole: text, or `(text, node)` that the node's type label completes. An argument's
-        description may list `text` characters of fields, the sentences `input_text` in all. `required` keeps the
-        schema's order (a set's would change with PYTHONHASHSEED, and the signature with it)."""
+        """The root as a tool's input: its arguments (wire name, node), the required ones (in the schema's order: a
+        set's would change with PYTHONHASHSEED), and sentences about the whole input: text, or `(text, node)` that
+        the node's label completes. Fields listed: `text` characters per argument, `input_text` for the sentences."""
         if self.root in (None, {}, True):
             return [], {}, []
         root = self.deref(self.root, ())
@@ -372,18 +362,17 @@ class Normaliser:
             if wrapper == "allOf":
                 node = all_of[0]
                 continue
-            name, target = _ref_name(ref), self.resolve(ref)
-            if ref in stack:
-                self.note(f"recursive reference {quote(ref, 80)} cut")
-                name = _model_name(target, name)
-                return _View(outer, stack, name, description=description, cut=f"recursive {name}", target=target)
+            target = self.resolve(ref)
+            name = unquote(ref.rsplit("/", 1)[-1] or ref).replace("~1", "/").replace("~0", "~")
             if target is MISSING:
                 self.note(f"unresolved reference {quote(ref, 80)} typed Any")
                 return _View(outer, stack, description=description, cut=f"unresolved reference {quote(ref)}")
-            if not self.expand(target):
+            if ref in stack or not self.expand(target):  # a ref in the stack resolved before: never MISSING
+                if ref in stack:
+                    self.note(f"recursive reference {quote(ref, 80)} cut")
                 name = _model_name(target, name)
-                return _View(outer, stack, name, description=description, cut=f"{name} (not expanded: schema too "
-                             "large)", target=target)
+                cut = f"recursive {name}" if ref in stack else f"{name} (not expanded: schema too large)"
+                return _View(outer, stack, name, description=description, cut=cut, target=target)
             stack, model, node = (*stack, ref), name, target
         else:
             self.note("reference chain too long, typed Any")
@@ -446,8 +435,11 @@ class Normaliser:
         title = schema.get("title") if view.model is None else raw.get("title") if isinstance(raw, dict) else None
         about = dict(model=view.model, description=view.description, model_description=view.model_description)
         about.update(title=one_line(title) if isinstance(title, str) else "", default=schema.get("default", MISSING))
-        if view.cut:
-            return Node(cut=view.cut, types=_structural_type(view.target), **about)
+        if view.cut:  # typed by what its target is at the top: its type, or an object when it has properties
+            target = view.target if isinstance(view.target, dict) else {}
+            kind = target.get("type")
+            kind = "object" if kind is None and "properties" in target else kind
+            return Node(cut=view.cut, types=(kind,) if isinstance(kind, str) else (), **about)
         kind = schema.get("type")
         names = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else None
         if names is not None:
@@ -472,8 +464,9 @@ class Normaliser:
                     notes=_notes(schema), **about, **structure)
 
     def _array(self, schema: dict, stack: tuple[str, ...], depth: int, nested: int) -> dict[str, Any]:
-        prefix = _prefix_items(schema)
-        items = schema.get("items") if prefix is None or isinstance(schema.get("prefixItems"), list) else None
+        prefix, items = schema.get("prefixItems"), schema.get("items")
+        if not isinstance(prefix, list):  # a list of items: draft 4-2019 tuple form (pydantic v1)
+            prefix, items = (items, None) if isinstance(items, list) else (None, items)
         return {"prefix": None if prefix is None else tuple(self.node(part, stack, depth, nested) for part in prefix),
                 "items": self._optional(items, stack, depth, nested)}
 
@@ -572,30 +565,9 @@ def _model_name(target: Any, name: str) -> str:
     return title if isinstance(title, str) and title.strip() else name
 
 
-def _structural_type(target: Any) -> tuple[str, ...]:
-    """What a recursive reference's target is at the top: its type, or `object` when it has properties."""
-    kind = target.get("type") if isinstance(target, dict) else None
-    if kind is None and isinstance(target, dict) and "properties" in target:
-        kind = "object"
-    return (kind,) if isinstance(kind, str) else ()
-
-
 def _arms(schema: dict) -> list:
     for key in ("anyOf", "oneOf"):
         arms = schema.get(key)
         if isinstance(arms, list) and arms:
             return arms
     return []
-
-
-def _prefix_items(schema: dict) -> list | None:
-    prefix = schema.get("prefixItems")
-    if isinstance(prefix, list):
-        return prefix
-    items = schema.get("items")
-    return items if isinstance(items, list) else None  # a list of items: draft 4-2019 tuple form (pydantic v1)
-
-
-def _ref_name(ref: str) -> str:
-    tail = ref.rsplit("/", 1)[-1] or ref
-    return unquote(tail).replace("~1", "/").replace("~0", "~")

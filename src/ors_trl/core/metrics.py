@@ -1,14 +1,10 @@
 """What the environment did, measured once: episode statistics and the numbers behind the training logs.
 
-`EpisodeStats` is the one tally of episodes behind the training metrics, `EvalReport` and the report page, with one
-definition of success: a reward at or above `success_threshold` (1.0 by default: a binary environment's "solved").
-Tool-call health is what fails silently: episodes without a tool call, turns whose tool-call markup parsed to no
-call (`unparsed`), calls refused for malformed arguments (`input_validation`). An episode that never opened (the
-environment's failure) is counted apart (`unopened`), never as one without a tool call.
-
-Episodes record events in an `EnvMetrics` (among them the seconds their sessions lived on the server: what a
-sandbox platform bills), whose `flush()` turns what accumulated since the last flush into flat scalar metrics
-named `env/<name>/<metric>` (and `env/<metric>` over all environments) for the trainer's `log_metric`.
+`EpisodeStats` is the one tally of episodes (training metrics, `EvalReport`, the report page), with one definition
+of success: a reward at or above `success_threshold`. Tool-call health is what fails silently: episodes without a
+tool call, unparsed tool-call markup, malformed arguments; an episode that never opened is counted apart
+(`unopened`). `EnvMetrics.flush()` turns the events since the last flush (session-seconds included: what a sandbox
+platform bills) into scalars named `env/<name>/<metric>` (and `env/<metric>` over all environments).
 """
 
 from __future__ import annotations
@@ -88,8 +84,7 @@ class EpisodeStats:
             turns: int = 0, end_reason: str | None = None, unscored: str | None = None,
             group_reward: float | None = None, unparsed_turns: int = 0, malformed_calls: int = 0,
             session_seconds: float | None = None, opened: bool = True) -> None:
-        """Count one episode (`session_seconds`: how long its session lived, when it had one; `opened`: whether its
-        session and prompt came, so that the model saw it)."""
+        """Count one episode (`opened`: its session and prompt came, so the model saw it)."""
         self.episodes += 1
         if session_seconds is not None:
             self.sessions += 1
@@ -115,7 +110,7 @@ class EpisodeStats:
             self.group_reward_sum += group_reward
 
     def add_session(self, seconds: float, *, unscored: bool) -> None:
-        """Count session-seconds, apart for an episode scored None."""
+        """Count session-seconds (apart too for an episode scored None)."""
         self.session_seconds += seconds
         self.session_seconds_unscored += seconds if unscored else 0.0
 
@@ -145,7 +140,7 @@ class EpisodeStats:
 
     @property
     def mean_reward(self) -> float | None:
-        """Mean reward over the scored episodes; None when none was scored."""
+        """Mean reward over the scored episodes (None: none was)."""
         return self.reward_sum / self.scored if self.scored else None
 
     @property
@@ -248,28 +243,12 @@ class EnvMetrics:
         if seconds is not None and len(latency) < self.MAX_SAMPLES:
             latency.append(seconds)
 
-    def set_open_sessions_gauge(self, env: str, gauge: object) -> None:
-        """Report an environment's open sessions as `env/<name>/sessions_open` at every flush.
-
-        Args:
-            env (`str`):
-                See `EnvMetrics`.
-            gauge (`Callable[[], float]`):
-                Called at each flush for the number of open sessions.
-        """
+    def _set_open_sessions_gauge(self, env: str, gauge: object) -> None:
+        """Report `gauge()` (a callable) as `env/<name>/sessions_open` at every flush."""
         self._gauges[env] = gauge
 
-    def record_open(self, env: str, seconds: float | None, error_kind: str | None = None) -> None:
-        """One session open, or one that failed.
-
-        Args:
-            env (`str`):
-                See `EnvMetrics`.
-            seconds (`float` or `None`):
-                How long opening took (`None`: no latency sample).
-            error_kind (`str`, *optional*):
-                See `EnvMetrics`.
-        """
+    def _record_open(self, env: str, seconds: float | None, error_kind: str | None = None) -> None:
+        """One session open (`seconds` None: no latency sample), or one that failed."""
         with self._lock:
             w = self._windows[env]
             if error_kind is not None:
@@ -279,20 +258,10 @@ class EnvMetrics:
             w.opens += 1
             self._sample(w.open_latency, seconds)
 
-    def record_call(self, env: str, seconds: float | None, error_kind: str | None = None, *,
-                    terminal: bool = False) -> None:
-        """One tool call of the model, or the harness's call of the environment's hidden terminal tool.
-
-        Args:
-            env (`str`):
-                See `EnvMetrics`.
-            seconds (`float` or `None`):
-                How long the call took; `None` for one refused before it reached the environment (no sample).
-            error_kind (`str`, *optional*):
-                See `EnvMetrics` (a refused call's too).
-            terminal (`bool`, *optional*, defaults to `False`):
-                A call of the terminal tool, which the model never made: counted apart (`terminal_calls`).
-        """
+    def _record_call(self, env: str, seconds: float | None, error_kind: str | None = None, *,
+                     terminal: bool = False) -> None:
+        """One tool call of the model (`seconds` None: refused before it reached the environment), or the harness's
+        call of the hidden terminal tool, counted apart."""
         with self._lock:
             w = self._windows[env]
             if terminal:
@@ -303,78 +272,35 @@ class EnvMetrics:
             if error_kind is not None:
                 w.failures[failure_kind(error_kind)] += 1
 
-    def record_episode(self, env: str, *, reward: float | None, finished: bool, calls: int,
-                       unscored: str | None = None, turns: Any = (), opened: bool = True) -> None:
-        """One finished episode.
-
-        Args:
-            env (`str`):
-                See `EnvMetrics`.
-            reward (`float` or `None`):
-                Its reward.
-            finished (`bool`):
-                Whether the environment said it is over.
-            calls (`int`):
-                The model's tool calls.
-            unscored (`str`, *optional*):
-                Why it has no reward, if it has none.
-            turns (`Sequence[TurnRecord]`, *optional*, defaults to `()`):
-                Its turn records (their count and tool-call health).
-            opened (`bool`, *optional*, defaults to `True`):
-                Whether its session and prompt came (see `EpisodeStats.add`).
-        """
+    def _record_episode(self, env: str, *, reward: float | None, finished: bool, calls: int,
+                        unscored: str | None = None, turns: Any = (), opened: bool = True) -> None:
+        """One finished episode: `calls` the model's tool calls, `turns` its turn records (see `EpisodeStats.add`)."""
         unparsed, malformed = tool_health(turns)
         with self._lock:
             self._windows[env].stats.add(reward=reward, finished=finished, tool_calls=calls, unscored=unscored,
                                          turns=len(turns), unparsed_turns=unparsed, malformed_calls=malformed,
                                          opened=opened)
 
-    def record_session(self, env: str, seconds: float, *, unscored: bool) -> None:
-        """Seconds an episode's session spent on the server since the last count.
-
-        Args:
-            env (`str`):
-                See `EnvMetrics`.
-            seconds (`float`):
-                The seconds.
-            unscored (`bool`):
-                Whether the episode scored `None` (counted apart too).
-        """
+    def _record_session(self, env: str, seconds: float, *, unscored: bool) -> None:
+        """Seconds an episode's session spent on the server since the last count."""
         with self._lock:
             self._windows[env].stats.add_session(seconds, unscored=unscored)
 
-    def absorb(self, other: EnvMetrics) -> None:
-        """Move what `other` accumulated into these (counts kept apart until they turned out to belong here).
-
-        Args:
-            other (`EnvMetrics`):
-                The metrics to empty into these.
-        """
-        for env, window in other.snapshot(reset=True).items():
+    def _absorb(self, other: EnvMetrics) -> None:
+        """Move what `other` accumulated into these (counts kept apart until they turned out to belong here)."""
+        for env, window in other._snapshot(reset=True).items():
             with self._lock:
                 _add(self._windows[env], window)
 
-    def record_group(self, env: str, *, ok: bool) -> None:
-        """One GRPO group sent to `/score_group`.
-
-        Args:
-            env (`str`):
-                See `EnvMetrics`.
-            ok (`bool`):
-                Whether it was scored (a failed one's rollouts get `None`).
-        """
+    def _record_group(self, env: str, *, ok: bool) -> None:
+        """One GRPO group sent to `/score_group` (`ok`: it was scored)."""
         with self._lock:
             w = self._windows[env]
             w.groups += 1
             w.group_failures += int(not ok)
 
-    def snapshot(self, *, reset: bool) -> dict[str, _Window]:
-        """What accumulated since the last reset, by environment (for `summarize`).
-
-        Args:
-            reset (`bool`):
-                Start a new window.
-        """
+    def _snapshot(self, *, reset: bool) -> dict[str, _Window]:
+        """What accumulated since the last reset, by environment (`reset`: start a new window)."""
         with self._lock:
             windows = dict(self._windows)
             if reset:
@@ -382,11 +308,23 @@ class EnvMetrics:
         return windows
 
     def flush(self) -> dict[str, float]:
-        """The metrics since the last flush (see `summarize`), then start a new window; warn once the share of a step's
-        episodes without a tool call crosses `no_call_warning` from below."""
-        windows = self.snapshot(reset=True)
+        """The metrics since the last flush (environments without activity omitted), then start a new window; warn
+        once the share of a step's episodes without a tool call crosses `no_call_warning` from below."""
+        windows = self._snapshot(reset=True)
         self._watch(windows)
-        return self.summarize(windows, gauges=self._gauges)
+        out: dict[str, float] = {}
+        total = self._window()
+        for env, w in sorted(windows.items()):
+            out.update(_window_metrics(f"env/{env}/", w))
+            _add(total, w)
+        if len(windows) > 1:
+            out.update(_window_metrics("env/", total))
+        for env, gauge in sorted(self._gauges.items()):
+            try:
+                out[f"env/{env}/sessions_open"] = float(gauge())  # type: ignore[operator]
+            except Exception:  # a gauge must never break logging
+                continue
+        return out
 
     def _watch(self, windows: dict[str, _Window]) -> None:
         for env, w in sorted(windows.items()):
@@ -403,30 +341,6 @@ class EnvMetrics:
                     "arguments. The model may have stopped calling tools, or its calls no longer parse.", env,
                     100 * s.no_call_rate, s.episodes, 100 * self.no_call_warning, s.unparsed_turns, s.turns,
                     s.malformed_calls)
-
-    def summarize(self, windows: dict[str, _Window], gauges: dict[str, object] | None = None) -> dict[str, float]:
-        """The metrics of some windows: scalars named `env/<name>/<metric>` (and `env/<metric>` over several
-        environments); environments without activity are omitted.
-
-        Args:
-            windows (`dict[str, _Window]`):
-                The windows, by environment (from `snapshot`).
-            gauges (`dict[str, Callable[[], float]]`, *optional*):
-                Open-session gauges, by environment.
-        """
-        out: dict[str, float] = {}
-        total = self._window()
-        for env, w in sorted(windows.items()):
-            out.update(_window_metrics(f"env/{env}/", w))
-            _add(total, w)
-        if len(windows) > 1:
-            out.update(_window_metrics("env/", total))
-        for env, gauge in sorted((gauges or {}).items()):
-            try:
-                out[f"env/{env}/sessions_open"] = float(gauge())  # type: ignore[operator]
-            except Exception:  # a gauge must never break logging
-                continue
-        return out
 
 
 def stats_metrics(prefix: str, stats: EpisodeStats) -> dict[str, float]:

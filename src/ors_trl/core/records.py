@@ -1,16 +1,11 @@
-"""Episode records: the schema (version 3, typed below), the one writer (training's `episode_log=`, `ors-trl eval
---output`) and the one reader (eval's `--resume`, `ors-trl report`), which upgrades records of versions 1 and 2.
+"""Episode records: the schema (version 3, typed below), the one writer (`episode_log=`, `ors-trl eval --output`)
+and the one reader (`--resume`, `ors-trl report`), which upgrades versions 1 and 2.
 
-Every record is appended and flushed at once, from any thread, so an interrupted run loses at most its running
-episodes. An episode's images are listed once in its record (`images`), referred to by hash where they were seen
-(`prompt_images`, a call's `images`), their bytes written once beside the log (`<log>.images/<sha256>.<ext>`).
-Optional bounds keep a training log from growing without limit (see `RecordWriter`). Nothing transport-level
-(headers, keys, secrets) is ever part of a record.
-
-A record holds untrusted text (the environment's, the model's, the user's), so the writer never fails on it and
-never loses it silently: every record is written as valid, encodable JSON (`jsonable`), and one it still cannot
-write (the size bound, a failing disk) is counted in `dropped`, its reason logged once. The reader skips, counts
-and names whatever is not a record.
+Records are appended and flushed at once, from any thread: an interrupted run loses at most its running episodes.
+Images are listed once per record (`images`), referred to by hash, their bytes written once beside the log. A record
+holds untrusted text, so the writer never fails on it nor loses it silently: it writes valid JSON (`jsonable`) or
+counts the record in `dropped`, its reason logged once. The reader skips and counts what is not a record. Nothing
+transport-level (headers, keys) is ever part of a record.
 """
 
 from __future__ import annotations
@@ -101,8 +96,7 @@ Unscored = Literal["no_reward", "cut_off", "error", "timeout"]
 
 class EpisodeRecord(TypedDict, total=False):
     """One episode as a record (schema version `RECORD_VERSION`), the same for every driver: one JSON line of an
-    episode log (`episode_log=`) or an eval output (`ors-trl eval --output`), and `Episode.record()`. README's
-    "Metrics and episode records" tells users what each field holds."""
+    episode log or eval output, and `Episode.record()`. README's "Metrics and episode records" documents it."""
 
     version: int  # `RECORD_VERSION` (the reader upgrades older records)
     run: str  # the process run that wrote it (`RUN_ID`: tells runs apart in merged logs)
@@ -153,9 +147,8 @@ def error_record(exc: BaseException) -> ErrorRecord:
 
 
 def upgrade(record: dict[str, Any]) -> EpisodeRecord:
-    """A record of any version in the current shape. Version 1 (training logs before the episode core) had one
-    flat `calls` list (`tool`, `arguments`, `output` or `error` text, `error_kind`): it becomes one turn. Version 2
-    calls gain their `status` (eval's `skipped` entries, calls after the episode finished, become `not_run`)."""
+    """A record of any version in the current shape: version 1's flat `calls` list becomes one turn, version 2's
+    calls gain their `status` (eval's `skipped` entries become `not_run`)."""
     if "turns" not in record and isinstance(record.get("calls"), list):
         calls = []
         for c in record["calls"]:
@@ -193,14 +186,10 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 def jsonable(value: Any, *, max_text: int | None = None, fields: frozenset[str] | None = _TEXT_FIELDS,
              max_depth: int = MAX_DEPTH) -> Any:
-    """A copy of `value` that `json.dumps(..., allow_nan=False)` writes and any JSON reader reads.
-
-    Text has its lone surrogates repaired (`repair`); NaN and the infinities become the strings `"nan"`,
-    `"inf"`, `"-inf"`; a dict key that is not text becomes its text; anything else that is not JSON (a
-    set, bytes, an object) becomes its text too. A list or dict at `max_depth`, or one containing itself,
-    becomes a marker saying so. `max_text` cuts, with a visible mark, the strings under the keys in
-    `fields` (every string with `fields=None`).
-    """
+    """A copy of `value` that `json.dumps(..., allow_nan=False)` writes and any JSON reader reads: lone surrogates
+    repaired, NaN and infinities as `"nan"`, `"inf"`, `"-inf"`, anything else not JSON (keys included) as its text, a
+    list or dict at `max_depth` or containing itself as a marker. `max_text` cuts, with a visible mark, the strings
+    under the keys in `fields` (every string with `fields=None`)."""
 
     def copy(v: Any, depth: int, cut: bool, path: set[int]) -> Any:
         if isinstance(v, str):
@@ -242,10 +231,9 @@ def _text(value: Any) -> str:
 class RecordWriter:
     """Append records to a JSON-lines file `path` (created with its parent folders).
 
-    `append=False` truncates the file (else a line an interruption cut short is ended first); `max_bytes` stops
-    writing once the file would grow past it, `max_text` cuts every long text (prompt, model text, tool output) with
-    a visible mark, `max_image_bytes` stops writing images into `images_dir` (`<log name>.images`) past it (None:
-    `max_bytes`). `written` and `dropped` count records written and not (`drop_reasons` says why).
+    `append=False` truncates it (else a line an interruption cut short is ended first); `max_bytes` stops writing
+    past that size, `max_text` cuts every long text with a visible mark, `max_image_bytes` (None: `max_bytes`) stops
+    writing images into `images_dir` past it. `written` and `dropped` count records (`drop_reasons` says why).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, append: bool = True, max_bytes: int | None = None,
@@ -282,10 +270,8 @@ class RecordWriter:
                            "only counted", self.path, reason)
 
     def write(self, record: dict[str, Any], images: Mapping[str, Any] | None = None) -> None:
-        """Append one record and flush it. Never raises: what cannot be written is counted in `dropped`.
-
-        `images`: the episode's image blocks by hash (`Episode.images`): the bytes of each one its record lists are
-        written beside the log, once per log, and its entry names the file."""
+        """Append one record and flush it; never raises (see `dropped`). `images`: the episode's image blocks by hash:
+        the bytes of each one the record lists are written beside the log once, its entry naming the file."""
         listed = record.get("images")
         if images and isinstance(listed, dict):
             stored = {sha: self._store(sha, entry, images.get(sha)) for sha, entry in listed.items()}
@@ -341,9 +327,8 @@ class RecordWriter:
 
 
 def parse_line(line: str | bytes) -> tuple[Any, str | None]:
-    """One JSON line as `(value, None)`, or `(None, why)` where it cannot be read (the line is never quoted).
-
-    Invalid UTF-8 is replaced (U+FFFD), lone surrogates written as escapes are repaired."""
+    """One JSON line as `(value, None)`, or `(None, why)` (never quoting the line); invalid UTF-8 is replaced, lone
+    surrogates written as escapes repaired."""
     text = line.decode("utf-8", "replace") if isinstance(line, bytes) else line
     try:
         value = json.loads(text)
@@ -355,8 +340,8 @@ def parse_line(line: str | bytes) -> tuple[Any, str | None]:
 
 
 def read_records(path: str | os.PathLike[str], skipped: Counter[str] | None = None) -> Iterator[dict[str, Any]]:
-    """The records of a JSON-lines file, in order. Lines that are not JSON objects (an interrupted write, a
-    foreign line) are skipped, with one warning, and counted by reason in `skipped` when given."""
+    """The records of a JSON-lines file, in order; lines that are not JSON objects are skipped, with one warning,
+    and counted by reason in `skipped`."""
     p = Path(path)
     if not p.exists():
         return

@@ -1,11 +1,10 @@
 """Render ORS tool input schemas as Python annotations plus one-line parameter and tool descriptions.
 
 TRL shows tools to the model through `transformers.utils.get_json_schema`, which reads only type hints (scalars,
-`list`, `tuple`, `dict[str, T]`, `Literal`, `Union`, `Optional`) and docstrings. Each schema, normalised
-once by `ors_trl.core.jsonschema`, becomes the annotation `get_json_schema` turns back into its structure (as
-`hint_schema` does here, without transformers), plus a deterministic single-line description of all the annotation
-cannot carry (nested fields and whether they are required, defaults, bounds, patterns, formats, counts, titles, ...),
-so nothing the environment says is lost.
+`list`, `tuple`, `dict[str, T]`, `Literal`, `Union`, `Optional`) and docstrings. Each schema (normalised by
+`ors_trl.core.jsonschema`) becomes the annotation `get_json_schema` turns back into its structure (`hint_schema`
+here), plus a deterministic one-line description of all the annotation cannot carry (nested fields, defaults,
+bounds, patterns, formats, titles, ...), so nothing the environment says is lost.
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ class ParameterInfo:
 
 @dataclass(frozen=True)
 class ToolInfo:
-    """Everything needed to bind one tool: its remote name, description, parameters (required first) and `notes`:
-    what could not be represented exactly (recursion cut, unresolved `$ref`, truncation, ...)."""
+    """One tool ready to bind: parameters required first; `notes`: what could not be represented exactly."""
 
     name: str
     description: str
@@ -101,8 +99,8 @@ def _union(annotations: list[Any]) -> Any:
 
 
 def hint_schema(hint: Any) -> dict[str, Any]:
-    """The JSON schema `get_json_schema` writes for a type hint `_annotation` makes (transformers'
-    `_parse_type_hint`, for these hints only), so the core renders tools as TRL does without importing it."""
+    """The JSON schema `get_json_schema` writes for a hint `_annotation` makes (transformers' `_parse_type_hint`,
+    for these hints only): the core renders tools as TRL does without importing it."""
     origin, args = get_origin(hint), get_args(hint)
     if origin is None:  # a plain type, or Any
         return {"type": _JSON_TYPES[hint]} if hint in _JSON_TYPES else {}
@@ -140,8 +138,7 @@ class _Summary:
     lossy: bool = False  # the label says something the annotation cannot (and `fields` does not)
 
     def carry(self, part: _Summary, constraints: str, notes: str, model: bool) -> None:
-        """Take up what a part (an alternative, an item, a value) says, its constraints and its details (notes,
-        description, model description if `model`, default), each under its prefix."""
+        """Take up a part's (an alternative's, an item's, a value's) constraints and details, each under its prefix."""
         if part.constraints:
             self.constraints.append(constraints + ", ".join(part.constraints))
         texts = (part.node.description, part.model_description if model else "")
@@ -160,7 +157,6 @@ class _Describer:
     text_left: int
 
     def summarize(self, node: Node) -> _Summary:
-        """Describe a schema node (see `_Summary`)."""
         out = _Summary(node, node.model_description)
         if node.cut:
             out.label, out.lossy = node.cut, True
@@ -312,10 +308,7 @@ class _Describer:
     def _field(self, name: str, node: Node, required: bool) -> str:
         """`name (label, required, constraints, default X): description {subfields}`."""
         sub = self.summarize(node)
-        parts = [sub.label]
-        if required:
-            parts.append("required")
-        parts += sub.constraints + sub.notes
+        parts = [sub.label, *(["required"] if required else []), *sub.constraints, *sub.notes]
         if sub.node.default is not MISSING:
             parts.append(f"default {quote(sub.node.default)}")
         description = one_line(sub.node.description)
@@ -385,13 +378,9 @@ def _paren(label: str) -> str:
 
 
 def python_parameter_names(wire_names: list[str]) -> dict[str, str]:
-    """Map wire property names to distinct, safe Python parameter names.
-
-    A name is kept when it is an identifier (matching `\\w+`, NFKC-stable), not a keyword, not `self` and not a
-    dunder; otherwise it is sanitized (`"class"` -> `"class_"`, `"self"` -> `"self_"`, `"x-y"` -> `"x_y"`,
-    `"__init__"` -> `"init_"`, `"1st"` -> `"arg_1st"`, `""` -> `"arg"`) and de-duplicated with `_2`,
-    `_3`... so it never equals another property's wire or Python name.
-    """
+    """Map wire property names to distinct, safe Python parameter names: a safe identifier is kept, others are
+    sanitized (`"class"` -> `"class_"`, `"x-y"` -> `"x_y"`, `"__init__"` -> `"init_"`, `"1st"` -> `"arg_1st"`,
+    `""` -> `"arg"`) and suffixed `_2`, `_3`... so none equals another property's wire or Python name."""
     kept = {name for name in wire_names if _is_safe_parameter_name(name)}
     taken = set(kept) | set(wire_names) | {"self"}
     mapping: dict[str, str] = {}
@@ -402,8 +391,8 @@ def python_parameter_names(wire_names: list[str]) -> dict[str, str]:
 
 
 def unique_name(base: str, taken: set[str], *, limit: int | None = None, avoid: frozenset[str] = frozenset()) -> str:
-    """`base`, else the first of `base_2`, `base_3`... (cut to `limit` characters, suffix included) in neither
-    `taken` nor `avoid`; it is added to `taken`."""
+    """`base`, else the first of `base_2`, `base_3`... (cut to `limit` characters) in neither `taken` nor `avoid`;
+    added to `taken`."""
     candidate, index = base, 2
     while candidate in taken or candidate in avoid:
         suffix = f"_{index}"
@@ -442,9 +431,8 @@ def tool_field(spec: Any, key: str) -> Any:
 def describe_tool(tool_spec: Any, *, max_param_description: int = DEFAULT_MAX_PARAM_DESCRIPTION,
                   max_tool_description: int = DEFAULT_MAX_TOOL_DESCRIPTION,
                   max_schema_nodes: int = DEFAULT_MAX_SCHEMA_NODES, budget: Budget | None = None) -> ToolInfo:
-    """The parameters (required first) and description of one ORS tool spec (see `tool_field`; `input_schema`: a JSON
-    Schema object, `{}` or `None`), within the tool list's `budget` (see `Normaliser`). Never raises on odd schemas:
-    what cannot be represented is described and listed in `ToolInfo.notes`."""
+    """The parameters and description of one ORS tool spec (see `tool_field`) within the tool list's `budget`.
+    Never raises on odd schemas: what cannot be represented is described and listed in `ToolInfo.notes`."""
     name = as_text(tool_field(tool_spec, "name"))
     normaliser = Normaliser(tool_field(tool_spec, "input_schema"), max_schema_nodes, budget)
     arguments, required, sentences = normaliser.arguments(_text_budget(max_param_description), _INPUT_TEXT)

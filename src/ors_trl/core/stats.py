@@ -1,10 +1,8 @@
 """Statistics over tasks: the unbiased pass@k, an interval for pass@1, and a paired test between two runs.
 
-Success has one definition (`ors_trl.core.metrics.EpisodeStats`): a reward at or above the threshold. A task whose
-n episodes had c successes has pass@k = 1 - C(n-c, k) / C(n, k) (Chen et al., 2021, "Evaluating Large Language
-Models Trained on Code"): the chance that at least one of k of its episodes, drawn without replacement, succeeded.
-Over tasks it is the mean, for k up to the fewest episodes any task has. The interval for pass@1 and the test
-between runs treat the tasks as the sample (episodes of one task are not independent draws of the benchmark).
+A task whose n episodes had c successes (`EpisodeStats`' one definition) has pass@k = 1 - C(n-c, k) / C(n, k) (Chen
+et al., 2021): the chance that one of k of its episodes, drawn without replacement, succeeded; over tasks, the mean.
+The interval and the test treat the tasks as the sample (episodes of one task are not independent draws).
 """
 
 from __future__ import annotations
@@ -50,9 +48,8 @@ def pass_over_tasks(tasks: Collection[Any]) -> tuple[dict[int, float], tuple[flo
 
 
 def wilson(p: float, n: int) -> tuple[float, float]:
-    """The 95% Wilson score interval of a share `p` of `n`. Used for the mean pass@1 of `n` tasks: a per-task pass@1
-    in [0, 1] with mean p varies at most p(1 - p), so the interval is exact for one episode per task and
-    conservative for several."""
+    """The 95% Wilson score interval of a share `p` of `n`; for the mean pass@1 of `n` tasks it is exact with one
+    episode per task and conservative with several (a per-task pass@1 with mean p varies at most p(1 - p))."""
     if n <= 0:
         return (0.0, 1.0)
     z2 = _Z95 * _Z95
@@ -62,10 +59,9 @@ def wilson(p: float, n: int) -> tuple[float, float]:
 
 
 def paired_test(differences: Sequence[float]) -> tuple[float, str]:
-    """Two-sided p-value that the mean of paired per-task differences is zero (a sign-flip permutation test: under
-    no difference each task's difference is as likely negated). Exact, by counting every sign pattern's sum, while
-    the distinct sums stay few (always for success rates of a few episodes per task); else the normal approximation
-    of the same statistic. Returns `(p, "exact" | "normal")`; `(1.0, "exact")` when no task differs."""
+    """Two-sided p-value that the mean of paired per-task differences is zero, and `"exact"` or `"normal"`: a
+    sign-flip permutation test, exact (counting every sign pattern's sum) while the distinct sums stay few, else
+    the normal approximation of the same statistic."""
     d = [x for x in differences if x != 0]
     if not d:
         return 1.0, "exact"

@@ -1,9 +1,6 @@
-"""The environments the demo and `ors-trl serve-echo` serve (`ENVIRONMENTS`), written with `openreward`'s scaffolding:
-`EchoEnvironment` (TRL's guide echo task, the quickest way to try ors-trl against a real server), `DemoEnvironment`
-and `LookEnvironment` (the tasks of `ors_trl.demo._task`), and `CardEnvironment` (for vision-language models: the
-word is only in an image drawn locally with Pillow, which it alone needs). Each counts its setups, teardowns and tool
-calls with `ors_trl.testing.counters`, so the server's `/_test/stats` shows what ran. Importing it imports
-`openreward`.
+"""The environments of the demo and `ors-trl serve-echo` (`ENVIRONMENTS`), on `openreward`'s scaffolding: `echo`
+(TRL's guide task), `demo` and `look` (`_task`'s tasks), `card` (the word only in an image, drawn with Pillow, which
+it alone needs). Each counts its setups, teardowns and tool calls (`ors_trl.testing.counters`: `/_test/stats`).
 """
 
 from __future__ import annotations
@@ -64,10 +61,8 @@ def _text(text: str) -> TextBlock:
     return TextBlock(text=text)
 
 
-_ECHO_TRAIN_WORDS = [
-    "hello", "world", "trl", "openreward", "spec", "factory", "delta", "gradient",
-    "policy", "reward", "rollout", "token", "sample", "banana", "quartz", "lantern",
-]  # fmt: skip
+_ECHO_TRAIN_WORDS = ["hello", "world", "trl", "openreward", "spec", "factory", "delta", "gradient", "policy", "reward",
+                     "rollout", "token", "sample", "banana", "quartz", "lantern"]
 _ECHO_TEST_WORDS = ["orbit", "meadow", "cipher", "pebble", "violet", "harbor", "zephyr", "nimbus"]
 
 

@@ -1,19 +1,8 @@
-"""`ors-trl demo`: train a tiny tool-calling model with GRPO against a local ORS environment, end to end.
-
-1. start the bundled demo environment (`ors_trl.demo._environments`, written with the `openreward` scaffolding)
-   under the reference server on a free loopback port;
-2. build a tiny Qwen3 model and a byte-level BPE tokenizer locally (TRL's `qwen3.jinja` template);
-3. warm start it (supervised, format only: every allowed word equally, whatever the task says);
-4. measure it on held-out tasks; train it with `GRPOTrainer` fed by `OpenRewardSpec(url)`'s `train_dataset`,
-   `environment_factory` and `reward_funcs` (or `spec.rollout_func`); measure it again;
-5. print a before/after table (and, with `--json`, one JSON object as the last line), and write an HTML report of
-   the run next to the trainer's output (replacing a previous run's), which opens with "after" against "before",
-   task by task.
-
-Two tasks. `look` (the default): the rules come as a system turn, the hidden word only in the output of the `look()`
-tool, and the model's plain final message is graded by the environment's terminal tool. `echo`: the word is in the
-prompt and the model must call `echo(text=...)` with it. Nothing is downloaded. With `--model` a real model is trained
-instead (from a local path, or from the hub where there is one); with `--env` another ORS environment is used.
+"""`ors-trl demo` (README "The demo"): serve the bundled environment on loopback, build a tiny Qwen3 and its
+tokenizer locally (nothing downloaded), warm start it (format only), measure it on held-out tasks, train it with
+`GRPOTrainer` fed by `OpenRewardSpec(url)` (or `spec.rollout_func`), measure it again, print a before/after table
+(`--json`: and a JSON line) and write an HTML report next to the trainer's output, "after" against "before". `--model`
+trains a real model, `--env` against another ORS environment.
 """
 
 from __future__ import annotations
@@ -49,11 +38,8 @@ RUN_FILES = (EPISODE_LOG, "eval_before.jsonl", "eval_after.jsonl", "trainer_stat
 
 @dataclass
 class DemoResult:
-    """What a demo run measured, plus what a test wants to check afterwards.
-
-    `blind` holds the look task's blind-variant evaluation after training (None for echo); `report` the
-    path of the HTML report, `episode_log` the training episodes' records, when written.
-    """
+    """What a demo run measured. `blind`: the look task's blind-variant evaluation after training; `report`,
+    `episode_log`: the files written, if any."""
 
     before: dict[str, Any]
     after: dict[str, Any]
@@ -91,7 +77,8 @@ class DemoResult:
             out.update({f"no_look_success_{when}": d.get("no_look_success") for when, d in sides},
                        rollout_func=self.rollout_func)
             if self.blind is not None:
-                out.update(blind_success_after=self.blind["success_rate"], blind_follow_after=self.blind.get("follow_rate"),
+                out.update(blind_success_after=self.blind["success_rate"],
+                           blind_follow_after=self.blind.get("follow_rate"),
                            blind_look_rate_after=self.blind.get("look_rate"))
         if self.report:
             out["report"] = self.report
@@ -118,11 +105,12 @@ class DemoResult:
                              cell(self.after.get("no_look_success")),
                              f"   ({self.before.get('no_look_n', 0)} / {self.after.get('no_look_n', 0)} episodes)"))
         if look and self.blind is not None:
-            lines.append(row("blind-variant success", blank, cell(self.blind["success_rate"]), "   (chance: 1/6 = 0.167)"))
-            lines.append(row("blind: answered the decoy", blank, cell(self.blind.get("follow_rate"))))
+            lines += [row("blind-variant success", blank, cell(self.blind["success_rate"]),
+                          "   (chance: 1/6 = 0.167)"),
+                      row("blind: answered the decoy", blank, cell(self.blind.get("follow_rate")))]
         if self.curve:
-            reached = self.episodes_to(TARGET)
-            lines.append(row(f"episodes to {TARGET:g} held out", blank, f"{'not yet' if reached is None else reached:>10}",
+            reached = "not yet" if (n := self.episodes_to(TARGET)) is None else n
+            lines.append(row(f"episodes to {TARGET:g} held out", blank, f"{reached:>10}",
                              f"   ({self.pool} pool, {self.task_sampling} sampling)"))
         lines.append(f"{'wall time':27}{self.seconds:>19.1f}s")
         return "\n".join(lines)
@@ -205,39 +193,18 @@ def _bundled_class(task: str) -> type:
     return LookEnvironment if task == "look" else DemoEnvironment
 
 
-def _clear_previous_run(out_dir: Path) -> None:
-    """Delete a previous run's files (`RUN_FILES`), and say which. The report must describe this run alone (a failed
-    run must not leave a mix of two behind either), and a rerun into the same folder is how one iterates (a copy of
-    every earlier run would pile up unasked)."""
-    replaced = [name for name in RUN_FILES if (out_dir / name).is_file()]
-    if replaced:
-        print(f"ors-trl demo: {out_dir} holds a previous run's {', '.join(replaced)}; this run replaces them",
-              file=sys.stderr, flush=True)
-    for name in replaced:
-        (out_dir / name).unlink()
-
-
 def run_demo(*, task: str = DEFAULT_TASK, url: str | None = None, env: str | None = None, env_name: str | None = None,
              model_name: str | None = None, steps: int | None = None, sft_steps: int | None = None, seed: int = 0,
              output_dir: str | None = None, control: bool = False, rollout_func: bool = False, report: bool = False,
              blind: bool = True, say: Callable[[str], None] = lambda _: None,
-             config_overrides: dict[str, Any] | None = None, sft_overrides: dict[str, Any] | None = None,
-             model_overrides: dict[str, Any] | None = None, pool: str = "train", task_sampling: str = "uniform",
+             config_overrides: dict[str, Any] | None = None, pool: str = "train", task_sampling: str = "uniform",
              difficulty: tuple[float, float] | None = None, eval_every: int = 0) -> DemoResult:
-    """The demo pipeline. The options `ors-trl demo` has are its own (see `_parser`; `--model` is `model_name`,
-    `--env` trains against another environment without a warm start; `report` defaults to off here), and:
-
-    Args:
-        url: an already running server hosting the task's bundled environment (else one is started).
-        control: shuffle the rewards across each batch (the control arm).
-        blind: with the look task, also evaluate the blind variant after training.
-        say: where the progress lines go.
-        config_overrides, sft_overrides, model_overrides: replace entries of the GRPO configuration, the warm
-            start's options, the tiny model's dimensions.
-        difficulty: keep the training tasks whose mean reward in a probe evaluation of the warm-started model (4
-            attempts each, greedy tokens aside) lies in this range (`OpenRewardSpec(difficulty=)`); the probe's
-            episodes count as training episodes in `curve`.
-    """
+    """The demo pipeline; `ors-trl demo`'s options are its own (`_parser`: `--model` is `model_name`, `--env` trains
+    without a warm start; `report` is off here). `url`: a running server hosting the bundled environment (else one is
+    started); `control`: shuffle the rewards across each batch (the control arm); `blind`: also evaluate the look
+    task's blind variant; `say`: the progress lines; `config_overrides`: entries of the GRPO configuration;
+    `difficulty`: keep the training tasks whose mean reward in a probe
+    of the warm-started model (4 sampled attempts each) lies in this range (its episodes count in `curve`)."""
     import torch
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from transformers.utils import logging as hf_logging
@@ -260,8 +227,13 @@ def run_demo(*, task: str = DEFAULT_TASK, url: str | None = None, env: str | Non
     started = time.perf_counter()
     out_dir = Path(output_dir or tempfile.mkdtemp(prefix="ors-trl-demo-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    if report:
-        _clear_previous_run(out_dir)
+    # A previous run's files go, said: the report describes this run alone, and a rerun is how one iterates.
+    replaced = [name for name in RUN_FILES if report and (out_dir / name).is_file()]
+    if replaced:
+        print(f"ors-trl demo: {out_dir} holds a previous run's {', '.join(replaced)}; this run replaces them",
+              file=sys.stderr, flush=True)
+    for name in replaced:
+        (out_dir / name).unlink()
     episode_log = str(out_dir / EPISODE_LOG) if report else None
     bundled = env is None
     look = bundled and task == "look"
@@ -310,14 +282,13 @@ def run_demo(*, task: str = DEFAULT_TASK, url: str | None = None, env: str | Non
             corpus = (_model.render_corpus(tasks, tools, prompt_fn, episodes_fn=episodes_fn, copies=2, seed=seed)
                       if bundled else _prompt_corpus(train, tools))
             tokenizer = _model.build_tokenizer(corpus, isolate=_task.TARGETS if look else ())
-            model = _model.build_model(tokenizer, seed=seed,
-                                       **{**(_model.LOOK_MODEL_DIMS if look else {}), **(model_overrides or {})})
-            say(f"  {_model.count_parameters(model):,} parameters, vocabulary of {len(tokenizer)}")
+            model = _model.build_model(tokenizer, seed=seed, **(_model.LOOK_MODEL_DIMS if look else {}))
+            say(f"  {sum(p.numel() for p in model.parameters()):,} parameters, vocabulary of {len(tokenizer)}")
             if bundled:
                 say(f"warm start: {'look, then answer' if look else 'the tool-call format'}, with every word "
                     "equally often (not the answers)")
-                sft = {**(_recipe.LOOK_WARM_START if look else {}), **({} if sft_steps is None else {"steps": sft_steps}),
-                       **(sft_overrides or {})}
+                sft = {**(_recipe.LOOK_WARM_START if look else {}),
+                       **({} if sft_steps is None else {"steps": sft_steps})}
                 _recipe.warm_start(model, tokenizer, tasks, seed, tools=tools, prompt_fn=prompt_fn,
                                    episodes_fn=episodes_fn, **sft)
 
@@ -349,10 +320,11 @@ def run_demo(*, task: str = DEFAULT_TASK, url: str | None = None, env: str | Non
         say(f"GRPO for {steps} steps through OpenRewardSpec({target!r}) "
             f"({'spec.rollout_func' if rollout_func else 'environment_factory'})"
             + (" with SHUFFLED rewards" if control else ""))
-        loop = {"rollout_func": train.rollout_func} if rollout_func else {"environment_factory": train.environment_factory}
+        loop = ({"rollout_func": train.rollout_func} if rollout_func
+                else {"environment_factory": train.environment_factory})
+        rewards = shuffled(train.reward_funcs, seed) if control else train.reward_funcs
         trainer = GRPOTrainer(model=model, processing_class=tokenizer, args=GRPOConfig(**config),
-                              train_dataset=train.train_dataset, callbacks=[callback],
-                              reward_funcs=shuffled(train.reward_funcs, seed) if control else train.reward_funcs, **loop)
+                              train_dataset=train.train_dataset, callbacks=[callback], reward_funcs=rewards, **loop)
         for printer in (PrinterCallback, ProgressCallback):  # our own progress lines instead of raw log dicts
             trainer.remove_callback(printer)
         trainer.train()
@@ -373,15 +345,13 @@ def run_demo(*, task: str = DEFAULT_TASK, url: str | None = None, env: str | Non
     return DemoResult(before=before, after=after, seconds=time.perf_counter() - started, steps=steps, seed=seed,
                       model=model_name or "tiny-qwen3", environment=env or f"bundled {task} environment",
                       log_history=list(trainer.state.log_history), task=task if bundled else "env",
-                      rollout_func=rollout_func, blind=blind_result,
-                      report=report_path, episode_log=episode_log,
+                      rollout_func=rollout_func, blind=blind_result, report=report_path, episode_log=episode_log,
                       output_dir=str(out_dir), curve=curve, pool=split,
                       task_sampling=task_sampling if difficulty is None else f"{task_sampling}+difficulty")
 
 
 def _write_report(out_dir: Path, task: str, trainer: Any, say: Callable[[str], None]) -> str | None:
-    """Save the trainer state, and write the HTML report of the run (training episodes, evaluations, trainer state);
-    its path, None where unavailable."""
+    """Save the trainer state and write the run's HTML report; its path (None where it failed)."""
     from ors_trl import write_report
 
     trainer.state.save_to_json(str(out_dir / "trainer_state.json"))
@@ -417,7 +387,7 @@ def _prompt_corpus(spec: Any, tools: list[Any], limit: int = 32) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    """`ors-trl demo`'s options; each one's `dest` is the `run_demo` keyword it sets, but `threads`, `json`, `quiet`."""
+    """`ors-trl demo`'s options; each `dest` is the `run_demo` keyword it sets, but `threads`, `json`, `quiet`."""
     p = argparse.ArgumentParser(
         prog="ors-trl demo",
         description="Train a tiny model with GRPO against a local ORS environment and show what it learned "
@@ -432,7 +402,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rollout-func", action="store_true",
                    help="roll out through spec.rollout_func (the concurrent engine) instead of environment_factory")
     p.add_argument("--model", dest="model_name", default=None, metavar="PATH_OR_NAME",
-                   help="train this model (local folder, or hub name where the hub is reachable) instead of the tiny one")
+                   help="train this model (local folder, or hub name where the hub is reachable) instead of the tiny "
+                        "one")
     p.add_argument("--env", default=None, metavar="URL_OR_NAME",
                    help="train against this ORS environment (URL or catalog name) instead of the bundled one")
     p.add_argument("--env-name", default=None, help="with --env: the environment on a server hosting several")

@@ -1,9 +1,6 @@
-"""Build the demo's tiny tool-calling Qwen3 model and byte-level BPE tokenizer, fully locally.
-
-Nothing here touches the Hugging Face Hub: the tokenizer is trained on the fly with the `tokenizers` library on a
-corpus of conversations rendered with TRL's Qwen3 chat template (`trl/chat_templates/qwen3.jinja`, read from the
-installed TRL, so that `trl.chat_template_utils.add_response_schema` recognises it and TRL can parse tool calls),
-and the model is a randomly initialised `Qwen3ForCausalLM` of a few hundred thousand parameters.
+"""The demo's tiny tool-calling Qwen3 (random weights, a few hundred thousand parameters) and its byte-level BPE
+tokenizer, trained on the fly on conversations rendered with TRL's Qwen3 chat template (read from the installed TRL,
+so that TRL recognises it and parses the tool calls). Nothing touches the Hugging Face Hub.
 """
 
 from __future__ import annotations
@@ -23,59 +20,41 @@ CONTROL_TOKENS: tuple[str, ...] = ("<tool_call>", "</tool_call>", "<tool_respons
 EOS_TOKEN = "<|im_end|>"  # end of turn: generation stops here, and TRL aligns tool suffixes on it
 PAD_TOKEN = "<|endoftext|>"
 
-# Pre-tokenizer pattern: a double-quoted run of lowercase letters/underscores (JSON keys, enum-like string values).
+# A pre-token of its own: a double-quoted run of lowercase letters/underscores (JSON keys, enum-like string values).
 QUOTED_WORD_PATTERN = r'"[a-z_]+"'
 
-# Final assistant message after the tool result, in SFT data (keeps the post-tool turn to a couple of tokens).
+# The warm start's final message after the tool result (keeps the post-tool turn to a couple of tokens).
 FINAL_MESSAGE = "Done."
 
 # ~0.56M parameters with the default 640-token vocabulary (untied embeddings: 2 x 640 x 128 of them).
 MODEL_DIMS: dict[str, Any] = {
     "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 512,
-    # Sliding-window attention (a stock Qwen3 option) on both layers. The chat template puts the tool preamble in
-    # front of every instruction; with full attention the one prompt token that matters is diluted among it and the
-    # model learns to read it far more slowly (same recipe, seed 0: held-out success 0.29 after 200 GRPO steps instead
-    # of 1.0; with GPT-2-style tokenization not even supervised training learned it in 160 steps). A 32-token window
-    # covers the whole instruction (the target sits 16-25 tokens before the argument being written) and keeps most
-    # of the preamble out of view (the look task's window: `LOOK_MODEL_DIMS`).
+    # Sliding-window attention on both layers: with full attention the one prompt token that matters is diluted among
+    # the tool preamble and learned far more slowly (seed 0: held-out success 0.29 after 200 GRPO steps instead of
+    # 1.0). 32 tokens cover the instruction (the target sits 16-25 tokens before the argument) and little preamble.
     "use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0,
-    # Untied input/output embeddings. After the format-only warm start, a tied model learned the prompt -> argument
-    # mapping much more slowly (supervised probe: not within 60 steps, vs 40-60 untied), presumably because imitating
-    # "any of the K words" pulls the K words' shared embeddings together, which also blurs them in the prompt.
+    # Untied: after the format-only warm start a tied model learned the prompt -> argument mapping much more slowly
+    # (imitating "any of the K words" pulls their shared embeddings together, blurring them in the prompt too).
     "tie_word_embeddings": False,
 }
 
 
-#: What the look task changes in MODEL_DIMS: a 16-token window. The answer needs one token of the tool turn (the word,
-#: 7-14 tokens back: the tool turn is 13-19 tokens, the look call 10 before it); with 16 tokens in view instead of 32
-#: the word is one of fewer competitors for attention and GRPO found it sooner (seed 0: the reward left chance after
-#: ~25 steps instead of ~45-60). The look call needs no context at all, and the second layer still sees 32 tokens back.
+#: The look task's window: the answer needs one token of the tool turn, 7-14 tokens back; with 16 in view the word has
+#: fewer competitors for attention and GRPO found it sooner (the reward left chance after ~25 steps, not ~45-60).
 LOOK_MODEL_DIMS: dict[str, Any] = {"sliding_window": 16}
 
 
 @cache
-def chat_template() -> str:
-    """The Qwen3 chat template, as the installed TRL ships it (`trl/chat_templates/qwen3.jinja`): the one its
-    response parser recognises, so a copy cannot drift from the TRL that parses it."""
-    return files("trl").joinpath("chat_templates", "qwen3.jinja").read_text(encoding="utf-8")
-
-
-# ── corpus rendering ────────────────────────────────────────────────────────────────────────────────────────────────
+def chat_template(name: str = "qwen3") -> str:
+    """TRL's `trl/chat_templates/<name>.jinja` as the installed TRL ships it, which its response parser recognises."""
+    return files("trl").joinpath("chat_templates", f"{name}.jinja").read_text(encoding="utf-8")
 
 
 def tool_call_message(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     """An assistant message carrying one tool call, in the shape chat templates expect."""
     return {"role": "assistant", "content": "",
             "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
-
-
-def conversation(prompt: str | Sequence[dict[str, Any]], tool_name: str, arguments: dict[str, Any], reply: str,
-                 final: str = FINAL_MESSAGE) -> list[dict[str, Any]]:
-    """One full episode: the prompt (a user text, or chat messages), assistant tool call, tool reply, final message."""
-    head = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-    return [*head, tool_call_message(tool_name, arguments), {"role": "tool", "name": tool_name, "content": reply},
-            {"role": "assistant", "content": final}]
 
 
 def episode_parts(episode: Sequence[Any]) -> tuple[str, dict[str, Any], str, str]:
@@ -89,16 +68,10 @@ def render_corpus(tasks: Sequence[dict[str, Any]], tools: Sequence[Callable | di
                   episode_fn: Callable[[dict[str, Any], random.Random], tuple[Any, ...]] | None = None, *,
                   episodes_fn: Callable[[dict[str, Any]], Sequence[tuple[Any, ...]]] | None = None, copies: int = 2,
                   seed: int = 0, template: str | None = None) -> list[str]:
-    """Render full tool-calling conversations for `tasks` with the Qwen3 template, as tokenizer-training text.
-
-    Each task is rendered `copies` times, each time with one episode `(tool_name, arguments, reply[, final])`
-    (`prompt_fn` returns the user text, or chat messages such as a system turn and a user turn): picked at
-    random from `episodes_fn(task)` (the demo lists one episode per allowed argument value, see
-    `_task.warm_start_episodes`), or drawn by `episode_fn(task, rng)`. Either way the corpus carries the format
-    but not the answer. `tools` must be the tools the trainer will expose (the rendered system prompt includes
-    their JSON schema), so the tokenizer learns merges for the exact text the model will see. `template`: render
-    with this chat template instead of TRL's Qwen3 one.
-    """
+    """Tokenizer-training text: each task's full tool-calling conversation, `copies` times, rendered with `template`
+    (default TRL's Qwen3 one) and `tools` (those the trainer exposes: their schemas are in the text the model sees).
+    `prompt_fn` gives a user text or chat messages; the episode `(tool_name, arguments, reply[, final])` is picked at
+    random from `episodes_fn(task)` or drawn by `episode_fn(task, rng)`: the format, not the answer."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     if (episode_fn is None) == (episodes_fn is None):
@@ -108,30 +81,22 @@ def render_corpus(tasks: Sequence[dict[str, Any]], tools: Sequence[Callable | di
     for _ in range(copies):
         for task in tasks:
             episode = rng.choice(list(episodes_fn(task))) if episodes_fn else episode_fn(task, rng)  # type: ignore
-            conversations.append(conversation(prompt_fn(task), *episode_parts(episode)))
+            name, arguments, reply, final = episode_parts(episode)
+            prompt = prompt_fn(task)
+            head = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+            tail = [{"role": "tool", "name": name, "content": reply}, {"role": "assistant", "content": final}]
+            conversations.append([*head, tool_call_message(name, arguments), *tail])
     rendered, _ = render_jinja_template(conversations, tools=list(tools), chat_template=template or chat_template())
     return rendered
 
 
-# ── tokenizer ───────────────────────────────────────────────────────────────────────────────────────────────────────
-
-
 def build_tokenizer(corpus: list[str], vocab_size: int = 640, isolate: Sequence[str] = (),
                     special: Sequence[str] = (), template: str | None = None):
-    """Train a byte-level BPE tokenizer on `corpus` and wrap it as a Qwen3-style `PreTrainedTokenizerFast`.
-
-    The returned tokenizer has at most `vocab_size` entries (256 byte symbols + merges + the 9 Qwen3 added tokens;
-    fewer if the corpus runs out of pairs to merge), `eos_token="<|im_end|>"`, `pad_token="<|endoftext|>"`, no
-    BOS, left padding, and TRL's Qwen3 chat template. Deterministic for a given corpus.
-
-    The default of 640 is the smallest size at which, on the demo corpus, every target word and JSON key becomes a
-    single token after the tool preamble has taken its merges (at 512 the target words stay split into letters).
-
-    `isolate`: more words to cut out as pre-tokens of their own wherever they stand (the "look" task passes its
-    six target words, so that a word is one and the same token in `look()`'s sentence and in the model's answer).
-    `special`: more special tokens (a vision-language model's image markers); `template`: the chat template to
-    set instead of TRL's Qwen3 one.
-    """
+    """A byte-level BPE tokenizer trained on `corpus` (deterministic), as a Qwen3-style `PreTrainedTokenizerFast`: at
+    most `vocab_size` entries (640: the smallest at which every demo target word and JSON key is one token once the
+    tool preamble took its merges), `EOS_TOKEN`, `PAD_TOKEN`, no BOS, left padding, `template` (default TRL's Qwen3).
+    `isolate`: words cut out as pre-tokens of their own (the look task's, so a word is one token in `look()`'s
+    sentence and in the answer alike); `special`: more special tokens (a vision-language model's image markers)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -145,11 +110,8 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 640, isolate: Sequence[
     pieces = [piece for text in corpus for piece in splitter.split(text) if piece]
 
     bpe = Tokenizer(models.BPE())
-    # Pre-tokenization: quoted identifiers ("name", "echo", "apple", ...) are cut out as pre-tokens of their own, so a
-    # JSON key or string value becomes one token and the same token wherever it appears (prompt or tool call); all
-    # other text may merge across spaces. The chat template adds a ~700-character tool preamble to every prompt, and
-    # letting BPE merge it shrinks a prompt from ~185 tokens (GPT-2-style word splitting) to ~60, which makes every
-    # training step ~3x cheaper and keeps the instruction close to where the model writes the argument.
+    # A quoted identifier is one token wherever it stands; other text merges across spaces, which shrinks the
+    # ~700-character tool preamble of every prompt (~185 tokens with word splitting, ~60 here: steps ~3x cheaper).
     patterns = [QUOTED_WORD_PATTERN, *([rf"\b(?:{'|'.join(map(re.escape, isolate))})\b"] if isolate else [])]
     splits = [pre_tokenizers.Split(pattern=Regex(p), behavior="isolated") for p in patterns]
     bpe.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False,
@@ -168,16 +130,9 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 640, isolate: Sequence[
     return tokenizer
 
 
-# ── model ───────────────────────────────────────────────────────────────────────────────────────────────────────────
-
-
 def build_model(tokenizer, seed: int, **overrides: Any):
-    """A randomly initialised tiny `Qwen3ForCausalLM` sized for `tokenizer` (deterministic for `seed`).
-
-    Defaults (`MODEL_DIMS`): hidden 128, 2 layers, 4 heads (2 KV heads, head_dim 32), MLP 384, untied
-    embeddings, 32-token sliding-window attention, 512 positions: ~0.56M parameters with a 640-token vocabulary.
-    `overrides` are passed to `Qwen3Config`.
-    """
+    """A randomly initialised tiny `Qwen3ForCausalLM` for `tokenizer` (deterministic for `seed`): `MODEL_DIMS`,
+    `overrides` on top."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     eos_id, pad_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids(PAD_TOKEN)
@@ -196,87 +151,3 @@ def _random_model(model_class: Any, config: Any, seed: int, eos_id: int, pad_id:
     generation = model.generation_config
     generation.eos_token_id, generation.pad_token_id, generation.bos_token_id = eos_id, pad_id, None
     return model
-
-
-def count_parameters(model) -> int:
-    """Number of distinct parameters (tied weights, if any, counted once)."""
-    return sum(p.numel() for p in model.parameters())
-
-
-# ── a tiny vision-language model ─────────────────────────────────────────────────────────────────────────────────────
-
-#: The image markers of Qwen2-VL's tokenizer (special tokens): an image is rendered as start, pads, end.
-VISION_TOKENS: tuple[str, ...] = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-#: Pixels an image is resized to (at least, at most): 28 x 28 is one image token after the 2 x 2 merge.
-VISION_PIXELS = (28 * 28, 28 * 28 * 16)
-VISION_DIMS: dict[str, Any] = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048}
-VISION_TOWER: dict[str, Any] = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
-                                "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
-
-
-@cache
-def vision_chat_template() -> str:
-    """TRL's Qwen3-VL chat template (`trl/chat_templates/qwen3_vl.jinja`): tools, and images in user turns and
-    tool responses; TRL's response parser recognises it."""
-    return files("trl").joinpath("chat_templates", "qwen3_vl.jinja").read_text(encoding="utf-8")
-
-
-@cache
-def _processor_class() -> type:
-    from transformers import ProcessorMixin, Qwen2VLProcessor
-
-    class ImageQwen2VLProcessor(Qwen2VLProcessor):
-        """Qwen2-VL's processor without its video processor (which needs torchvision): images and text only."""
-
-        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
-                     **kwargs: Any) -> None:
-            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
-            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
-
-    return ImageQwen2VLProcessor
-
-
-def build_vision_processor(tokenizer) -> Any:
-    """A Qwen2-VL processor for `tokenizer` (built with `special=VISION_TOKENS`), with the slow (PIL/numpy) image
-    processor resizing every image to within `VISION_PIXELS`: no torchvision, nothing downloaded."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    images = Qwen2VLImageProcessorPil(min_pixels=VISION_PIXELS[0], max_pixels=VISION_PIXELS[1])
-    return _processor_class()(image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
-
-
-def build_vision_model(tokenizer, seed: int, **overrides: Any):
-    """A randomly initialised tiny `Qwen2VLForConditionalGeneration` (a one-block vision tower, a two-layer language
-    model: ~0.2M parameters with a 400-token vocabulary), deterministic for `seed`; `overrides` go to the text
-    config."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (*VISION_TOKENS, EOS_TOKEN, PAD_TOKEN)}
-    eos, pad = ids[EOS_TOKEN], ids[PAD_TOKEN]
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
-    text = {**VISION_DIMS, "vocab_size": len(tokenizer), "eos_token_id": eos, "pad_token_id": pad,
-            "bos_token_id": None, "rope_parameters": rope, **overrides}
-    config = Qwen2VLConfig(text_config=text, vision_config=VISION_TOWER, image_token_id=ids["<|image_pad|>"],
-                           video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                           vision_end_token_id=ids["<|vision_end|>"], bos_token_id=None, eos_token_id=eos,
-                           pad_token_id=pad)
-    return _random_model(Qwen2VLForConditionalGeneration, config, seed, eos, pad)
-
-
-def save_vision(path: str, model, processor) -> None:
-    """Save a tiny vision-language model, its tokenizer and its image processor to `path` (`load_vision` reads
-    them back)."""
-    model.save_pretrained(path)
-    processor.tokenizer.save_pretrained(path)
-    processor.image_processor.save_pretrained(path)
-
-
-def load_vision(path: str) -> tuple[Any, Any]:
-    """`(model, processor)` from a folder `save_vision` wrote."""
-    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return Qwen2VLForConditionalGeneration.from_pretrained(path), build_vision_processor(tokenizer)

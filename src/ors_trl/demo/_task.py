@@ -1,21 +1,11 @@
-"""The demo's tasks, as pure Python (no `openreward` import), so they can be wrapped in ORS `Environment` classes.
+"""The demo's tasks as pure Python (no `openreward` import), over the closed vocabulary `TARGETS` (six words, each
+one token for the demo's tokenizer); `_environments` serves them.
 
-Both tasks draw on the closed vocabulary `TARGETS` (six short words, each one token for the demo's tokenizer).
-
-**look** (the default `ors-trl demo`): one of the six words is hidden; the conversation (a system turn with the
-rules, a short user turn) is the same whatever the word, and only the `look()` tool's output names it. The model
-answers with a plain final message, which the environment's terminal tool grades (`grade`). Held-out tasks phrase
-`look()`'s answer in ways never seen in training; the `blind` split (`look()` names a decoy) is the shortcut control.
-`look_tasks` (per split), `look_messages` / `look_prompt` (the conversation, as messages or flattened as TRL's
-`environment_factory` shows it) and `look_warm_start_episodes` are its interface.
-
-**echo** (`ors-trl demo --task echo`), in the spirit of TRL's OpenReward echo environment: the prompt quotes one of
-the `TARGETS` and the model must call `echo(text=...)` with exactly that word (reward 1.0, and the episode finishes).
-A K-way choice conditioned on the prompt, not free-form copying, which a ~0.5M-parameter model does not learn in
-minutes on CPU. Train and held-out tasks (`train_tasks`, `heldout_tasks`: `{"id", "target", "prompt"}`) use
-disjoint phrasings and fillers over the shared words, so held-out success measures reading the word the prompt asks
-for, whatever the wording. `prompt` gives a task's text, `score` maps `(task, tool_args)` to
-`(reward, finished, reply_text)`.
+**look** (the default): a word is hidden, the conversation (rules as a system turn, a short question) is the same
+whatever the word, and only the `look()` tool's output names it; the plain final message is graded (`grade`). Held-out
+tasks phrase `look()`'s answer in unseen ways; the `blind` split (`look()` names a decoy) is the shortcut control.
+**echo** (`--task echo`): the prompt quotes a word and the model must call `echo(text=...)` with it: a six-way choice
+read from the prompt (free-form copying is beyond a ~0.5M model on CPU); held-out tasks use unseen phrasings.
 """
 
 from __future__ import annotations
@@ -27,13 +17,11 @@ from typing import Any
 
 TOOL_NAME = "echo"
 
-# The closed vocabulary of target words. Short, common and distinct, so each one becomes a single BPE token.
+# Short, common and distinct, so each one becomes a single BPE token.
 TARGETS: tuple[str, ...] = ("apple", "river", "stone", "cloud", "tiger", "piano")
 
-# Phrasings: train and held-out templates are disjoint. "{t}" is the quoted target. The held-out phrasings are new
-# sentences built from words that occur in the training phrasings, so they test reading the target in unseen wording
-# (tokenized differently from anything trained on, and in one template with the target further from the end than in
-# any training prompt), not robustness to unseen symbols.
+# Disjoint train and held-out phrasings ("{t}": the target), the held-out ones new sentences of the training words:
+# they test reading the target in unseen wording, not robustness to unseen symbols.
 TRAIN_TEMPLATES: tuple[str, ...] = (
     'Echo the word "{t}".', 'Please echo "{t}" back.', 'The target is "{t}". Echo it.', '"{t}" is the word to echo.',
     'Send "{t}" to the echo tool.', 'Call echo with "{t}".', 'Use the echo tool on "{t}".',
@@ -42,15 +30,14 @@ TRAIN_TEMPLATES: tuple[str, ...] = (
 HELDOUT_TEMPLATES: tuple[str, ...] = ('The word to echo is "{t}".', 'Call the echo tool with "{t}".',
                                       'Send the word "{t}" back.', '"{t}" is the target. Echo it.')
 
-# Filler sentences placed before the instruction: train and held-out sets are disjoint (again from shared words).
+# Sentences before the instruction, again disjoint over shared words.
 TRAIN_FILLERS: tuple[str, ...] = ("", "Hello.", "Task ready.", "Here is a job.", "Quick one.", "Good morning.",
                                   "Next task.", "Please help.")
 HELDOUT_FILLERS: tuple[str, ...] = ("Here is one.", "Quick job.", "Hello. Task ready.")
 
-# The tool's text reply is the echo itself, whether the call was right or wrong; correctness is reported only through
-# the reward. (A "Correct"/"Wrong" reply hands the model an easy cue to tell failed rollouts apart in its post-tool
-# turn, where GRPO's negative advantages then push it off its closing message; in early experiments that rambling
-# preceded a collapse of the whole tool-call format.)
+# The tool replies with the echo, right or wrong: only the reward tells. (A "Correct"/"Wrong" reply let the model tell
+# failed rollouts apart in its post-tool turn, GRPO pushed it off its closing message there, and the tool-call format
+# collapsed after.)
 REPLY_INVALID = "Invalid call: pass the word as text."
 
 
@@ -68,12 +55,12 @@ def _make_tasks(split: str, templates: tuple[str, ...], fillers: tuple[str, ...]
 
 
 def train_tasks() -> list[dict[str, Any]]:
-    """All training tasks (targets x train templates x train fillers), in a fixed shuffled order."""
+    """Every target x train template x train filler, in a fixed shuffled order (`{"id", "target", "prompt"}`)."""
     return _make_tasks("train", TRAIN_TEMPLATES, TRAIN_FILLERS, seed=0)
 
 
 def heldout_tasks() -> list[dict[str, Any]]:
-    """Held-out tasks: same target words, but phrasings and fillers never used in training."""
+    """The same targets in phrasings and fillers never used in training."""
     return _make_tasks("heldout", HELDOUT_TEMPLATES, HELDOUT_FILLERS, seed=1)
 
 
@@ -83,8 +70,7 @@ def prompt(task: dict[str, Any]) -> str:
 
 
 def score(task: dict[str, Any], tool_args: dict[str, Any]) -> tuple[float, bool, str]:
-    """Score one `echo` call: `(reward, finished, reply_text)`: 1.0 and finished when `text` is exactly the target,
-    else 0.0 (the episode goes on); the reply is the echoed word either way (see `REPLY_INVALID`)."""
+    """One `echo` call's `(reward, finished, reply_text)`: 1.0 and finished when `text` is exactly the target."""
     text = tool_args.get("text")
     if not isinstance(text, str):
         return 0.0, False, REPLY_INVALID
@@ -92,34 +78,24 @@ def score(task: dict[str, Any], tool_args: dict[str, Any]) -> tuple[float, bool,
 
 
 def warm_start_episodes(task: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
-    """Episodes the format-only warm start imitates for a task: one `echo` call per allowed word, equally weighted.
-
-    Returned as `(tool_name, arguments, reply_text)`. Uniform over `TARGETS` whatever the prompt says, so
-    imitating them teaches the call format and the answer vocabulary but not which word a prompt asks for.
-    """
+    """What the format-only warm start imitates, `(tool_name, arguments, reply_text)`: one `echo` call per word of
+    `TARGETS` whatever the prompt says (the format and the vocabulary, not which word a prompt asks for)."""
     return [(TOOL_NAME, {"text": word}, score(task, {"text": word})[2]) for word in TARGETS]
 
 
-# ── the "look" task: the answer is only in a tool's output ──────────────────────────────────────────────────────────
-#
-# The "blind" split is the shortcut control: `look()` there names a decoy, drawn independently of the hidden word.
-# Every (conversation, decoy sentence) pair occurs once with each of the six hidden words, so any policy scores
-# exactly 1/6 there unless something other than the tool tells it the word. A policy that reads the tool answers the
-# decoy (`follow` in the terminal tool's metadata).
-
+# The look task: the answer is only in a tool's output.
 LOOK_TOOL = "look"
 ANSWER_TOOL = "answer"
 ANSWER_DESCRIPTION = "The model's final message: the hidden word."
 
 LOOK_SYSTEM = ("You play a hidden word game. The hidden word is one of: " + ", ".join(TARGETS) + ". "
                "Call the look tool to see it, then reply with the word alone.")
-# The user turn. Held-out tasks ask the same questions: what is held out is the wording of look()'s answer. (With
-# unseen questions too, GRPO's updates broke the tool-call format on them in some seeds: the first turn then depends
-# on tokens it never trained on, which tests robustness to a new prompt, not reading the tool.)
+# The user turn. Held-out tasks ask the same questions (unseen ones made GRPO break the call format on them in some
+# seeds: a test of a new prompt, not of reading the tool); only look()'s wording is held out.
 LOOK_QUESTIONS: tuple[str, ...] = ("Which word is hidden?", "Find the hidden word.", "What is the word?",
                                    "Play one round.")
 
-# What look() says; "{w}" is the word, bare (the demo tokenizer keeps each target word one token wherever it stands).
+# What look() says; "{w}" is the word, bare (one token wherever it stands).
 LOOK_TRAIN_REPLIES: tuple[str, ...] = (
     "The hidden word is {w}.", "You see {w}.", "{w} is written on the card.", "Under the cup: {w}.",
     "The card says {w}.", "It is {w}.", "Found it: {w}.", "The word on the card is {w}.",
@@ -130,10 +106,9 @@ LOOK_HELDOUT_REPLIES: tuple[str, ...] = ("The card under the cup says {w}.", "{w
 
 
 def look_tasks(split: str) -> list[dict[str, Any]]:
-    """The tasks of a split: `train` (train phrasings), `test` (held-out phrasings), `blind` (decoys), or a pool.
-
-    A task is `{"id", "word", "shown", "question", "reply"}`: `word` is hidden, `shown` is what `look()`
-    names (`word` except in `blind`), `reply` is `look()`'s whole answer.
+    """A split's tasks (`train`, `test`: held-out phrasings, `blind`, or a pool): `{"id", "word", "shown", "question",
+    "reply"}`, `word` hidden, `shown` what `look()`'s `reply` names. In `blind` it names a decoy: every (question,
+    sentence) occurs once with each hidden word, so any policy scores exactly 1/6 unless it learns the word elsewhere.
     """
     if split in ("train", "test"):
         seed, replies = (2, LOOK_TRAIN_REPLIES) if split == "train" else (3, LOOK_HELDOUT_REPLIES)
@@ -150,17 +125,11 @@ def look_tasks(split: str) -> list[dict[str, Any]]:
     return [{"id": f"look-{split}-{i:03d}", **task} for i, task in enumerate(tasks)]
 
 
-# ── task pools of mixed difficulty (`ors-trl demo --pool mixed`, benchmarks/bench_task_selection.py) ───────────────
-#
-# The conversation is the same for every task, so a policy cannot tell the kinds apart: it can only spend episodes
-# on them. `look` tasks are the demo's (solvable by reading `look()`: at chance, then learnable); `free` tasks
-# score 1.0 whatever the answer (any attempt solves them), `locked` ones 0.0 (none does); a `coin` task's
-# `look()` shows nothing and three of the six words win (a policy solves it by chance, half the time).
-# Every group of a free or locked task has zero reward spread: it costs sessions and teaches GRPO nothing.
-
+# Pools of mixed difficulty (`--pool`, benchmarks/bench_task_selection.py), all one conversation: a policy cannot tell
+# the kinds apart. `look`: the look task's; `free`: any answer scores 1.0, `locked`: none does (groups of either have
+# no reward spread: sessions spent, nothing learned); `coin`: `look()` shows nothing and three words of six win.
 POOL_KINDS: tuple[str, ...] = ("look", "free", "locked", "coin")
-#: Split -> (kinds, tasks of each): `mixed` is the demo's mixed pool (a third look tasks), `sparse` a pool where, as
-#: on most real environments, most tasks are already solved or beyond reach (a fifth look tasks), `kinds` part A's.
+#: Split -> (kinds, tasks of each): `sparse` is like most real environments (most tasks solved or beyond reach).
 POOLS: dict[str, tuple[tuple[str, ...], int]] = {"mixed": (("look", "free", "locked"), 40),
                                                  "sparse": (("look", "free", "locked", "free", "locked"), 24),
                                                  "kinds": (POOL_KINDS, 30)}
@@ -170,8 +139,8 @@ LOOK_SPLITS: tuple[str, ...] = ("train", "test", "blind", *POOLS)
 
 
 def pool_tasks(split: str) -> list[dict[str, Any]]:
-    """The tasks of a mixed pool (`mixed` or `kinds`), kinds interleaved: look tasks are the first training
-    tasks of the look task; every task has a `kind` (and a coin task its three `winners`)."""
+    """A pool's tasks, kinds interleaved, each with its `kind` (a coin task its `winners`); look tasks are the first
+    training tasks."""
     kinds, per_kind = POOLS[split]
     rng, look = random.Random(4), look_tasks("train")
     by_kind = [[{**{key: look[(i + k * per_kind) % len(look)][key] for key in ("word", "shown", "question", "reply")},
@@ -188,8 +157,7 @@ def look_messages(task: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def look_prompt(task: dict[str, Any]) -> str:
-    """The conversation as one text, as TRL's `environment_factory` path shows it (system turn first): the text
-    `OpenRewardEnvironment.reset()` returns (`Prompt.flat`), which tests/test_turns.py checks against TRL's own ids."""
+    """The conversation as one text, as `environment_factory`'s `reset()` returns it (`Prompt.flat`)."""
     return f"{LOOK_SYSTEM}\n\n{task['question']}"
 
 
@@ -199,9 +167,8 @@ def normalise_answer(message: str) -> str:
 
 
 def grade(task: dict[str, Any], message: str) -> tuple[float, str, dict[str, Any]]:
-    """Grade a final message: `(reward, reply_text, metadata)`; 1.0 when it is the hidden word, else 0.0 (a pool
-    task: 1.0 for any answer to a free task, never for a locked one, for one of a coin task's winners). `metadata`
-    says what was hidden, shown and given, and whether the answer named what `look()` showed (`follow`)."""
+    """A final message's `(reward, reply_text, metadata)`: 1.0 for the hidden word (or by the pool kind's rule);
+    `metadata`: what was hidden, shown, given, and whether the answer named what `look()` showed (`follow`)."""
     given = normalise_answer(message)
     kind = task.get("kind", "look")
     right = (kind == "free" or (kind == "look" and given == task["word"])
@@ -211,6 +178,5 @@ def grade(task: dict[str, Any], message: str) -> tuple[float, str, dict[str, Any
 
 
 def look_warm_start_episodes(task: dict[str, Any]) -> list[tuple[str, dict[str, Any], str, str]]:
-    """`warm_start_episodes` for the look task, as `(tool_name, arguments, reply_text, final_message)`: call
-    `look()`, then answer each allowed word once (the warm-started model answers at chance, about 1/6)."""
+    """`warm_start_episodes` of the look task, `(..., final_message)`: `look()`, then each word once (so chance)."""
     return [(LOOK_TOOL, {}, task["reply"], word) for word in TARGETS]

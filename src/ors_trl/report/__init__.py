@@ -1,13 +1,9 @@
 """`ors-trl report`: one self-contained HTML page of what the episodes did and how training went.
 
-    write_report(["episodes.jsonl", "eval.jsonl", "./trainer-output"], "report.html")
-    write_report(["episodes.jsonl"], "report.html", labels={"before": "eval_before.jsonl", "after": "eval.jsonl"})
-
-A module each: `inputs` recognises the inputs by content and reads their records (any record version); `tally`
-counts every episode per task and per run and keeps a bounded sample of episode bodies; `compare` sets the runs
-side by side; `charts` draws the trainer's curves; `render` writes the page from `page.html`, `page.css`, `page.js`.
-Whatever the inputs hold, the page is written: a line that is not a record is skipped and counted on the page, the
-embedded bodies are made JSON-safe (`jsonable`), a chart matplotlib cannot draw is a note.
+`inputs` recognises the inputs by content; `tally` counts every episode per task and per run and samples episode
+bodies; `compare` sets the runs side by side; `charts` draws the trainer's curves; `render` writes the page from
+`page.html`, `page.css`, `page.js`. Whatever the inputs hold, a page is written: a line that is not a record is
+skipped and counted on it, a chart matplotlib cannot draw is a note.
 """
 
 from __future__ import annotations
@@ -24,6 +20,7 @@ from ..core.metrics import DEFAULT_SUCCESS_THRESHOLD
 from ..core.stats import check_threshold
 from ..protocol.errors import ConfigurationError
 from ..protocol.files import write_atomic
+from ..tasks.selection import is_int
 from .inputs import check_not_an_input, episode_records, recognise_all
 from .render import render
 from .tally import DEFAULT_MAX_EPISODES, Tally
@@ -33,7 +30,7 @@ __all__ = ["ReportSummary", "write_report"]
 
 @dataclass
 class ReportSummary:
-    """What [`write_report`] wrote: the counts behind the page and where it is.
+    """What [`write_report`] wrote: the counts behind the page, and where it is.
 
     Attributes:
         output (`str`):
@@ -84,43 +81,37 @@ def write_report(inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str
                  ) -> ReportSummary:
     """Write one self-contained HTML page about episode logs, eval outputs and trainer logs.
 
-    The page (styles, script and charts inside it; nothing is fetched when it opens) opens with the runs side by
-    side (a row per run; against the first run, each shared task's change, the tasks that flipped, and a paired
-    test over tasks of whether the difference is beyond noise), then a summary of every episode, the curves of
-    training metrics over steps from the trainers' `log_history` (evaluation during training's pass@k included), a
-    sortable table per task and a browser of a deterministic sample of episode bodies. Inputs are recognised by
-    content; a line that is not an episode record is skipped and counted on the page.
+    The page (nothing is fetched when it opens) shows the runs side by side (against the first: each shared task's
+    change, the tasks that flipped, a paired test over tasks of whether the difference is beyond noise), a summary
+    of every episode, the curves of the trainers' `log_history` (evaluation during training's pass@k included), a
+    sortable table per task and a browser of a deterministic sample of episode bodies.
 
     Args:
         inputs (`str`, `os.PathLike` or a sequence of them):
-            One input or several, in any order: episode logs (`episode_log=`) and eval outputs (`ors-trl eval
-            --output`), JSON lines of any record version; trainer output folders (their `trainer_state.json`, also
-            in the latest `checkpoint-*`) and `trainer_state.json` files.
+            Episode logs (`episode_log=`) and eval outputs (`ors-trl eval --output`) of any record version, trainer
+            output folders (their `trainer_state.json`, or the latest `checkpoint-*`'s) and `trainer_state.json`
+            files, in any order: recognised by content.
         output (`str` or `os.PathLike`, *optional*, defaults to `"report.html"`):
             The HTML file to write, replaced whole at once; it may not be one of the `inputs`.
         max_episodes (`int`, *optional*, defaults to `2000`):
-            Episode bodies embedded in the page, a deterministic sample that keeps examples of every failure,
-            error, unscored and end reason, environment and run (`0`: none). The page embeds at most 12 MB of them.
+            Episode bodies embedded (`0`: none; 12 MB at most), a deterministic sample that keeps examples of every
+            failure, error, unscored and end reason, environment and run.
         title (`str`, *optional*):
-            The page's title. Defaults to one naming the environments.
+            The page's title; by default one naming the environments.
         success_threshold (`float`, *optional*):
-            An episode succeeded when its reward is at least this (the success rates and pass@k of the runs, the
-            summary, the environments and the tasks). Defaults to 1.0; one given must lie within the rewards seen.
+            The reward at or above which an episode succeeded (by default 1.0); one given must lie within the
+            rewards seen.
         labels (`Mapping[str, path]` or a sequence of `(name, path)`, *optional*):
-            Names for the runs of these episode inputs (each also an input), in the page's order: the first is the
-            baseline the others are compared with. Inputs holding episodes of one run for the same task (the same
-            process evaluating before and after training) need them.
-
-    Returns:
-        [`ReportSummary`]: What was written.
+            Names for the runs of these episode inputs (each also an input), in the page's order, the first the
+            baseline; needed where inputs hold one process's episodes of the same task (before and after training).
 
     Raises:
         `ConfigurationError`: An input or labelled file that is missing, unreadable or not a log; two inputs that
             hold one run's episodes of a task; an `output` that is one of the inputs; an invalid `max_episodes` or
-            `success_threshold`, or one outside the rewards seen. Nothing is written then.
+            `success_threshold`. Nothing is written then.
         `OSError`: The page cannot be written.
     """
-    if isinstance(max_episodes, bool) or not isinstance(max_episodes, int) or max_episodes < 0:
+    if not is_int(max_episodes, 0):
         raise ConfigurationError(f"max_episodes must be an int >= 0, got {max_episodes!r}")
     threshold = DEFAULT_SUCCESS_THRESHOLD if success_threshold is None else success_threshold
     if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not math.isfinite(threshold):

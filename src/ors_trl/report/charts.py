@@ -1,10 +1,9 @@
 """The curves: training metrics over steps from trainer states' `log_history`, drawn as inline SVG.
 
-TRL's `reward` and `tools/call_frequency` and the `env/[<name>/]<metric>` scalars `EnvMetrics` logs become
-charts (reward, grading, tool calls, tool-call health, failures, latency), and the `eval/<name>/pass@k` that
-evaluation during training logs the held-out curve; several trainer states are drawn together,
-their series named by run. matplotlib is imported here only, and only when there is a curve to draw; a
-`$` in a name is text (mathtext off); a chart matplotlib cannot draw is a note, the rest of the page stands.
+TRL's `reward` and `tools/call_frequency`, `EnvMetrics`'s `env/[<name>/]<metric>`, evaluation during training's
+`eval/<name>/pass@k` and task sampling's `curriculum/...` become charts; several trainer states are drawn together,
+their series named by run. matplotlib is imported only when there is a curve to draw; a chart it cannot draw is a
+note, the rest of the page stands.
 """
 
 from __future__ import annotations

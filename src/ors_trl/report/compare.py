@@ -1,11 +1,9 @@
 """Runs side by side: a row per run (success, pass@k with an interval over tasks, tool-call health) and, for every
-run that shares tasks with the first one (the baseline: the first `--label`, else the first run read), the tasks
-that changed, sorted by how much, those that flipped, and a paired test over the shared tasks of whether the
-difference is beyond noise.
+run sharing tasks with the first one (the baseline), the tasks that changed, those that flipped, and a paired test.
 
-A task's success is its share of successful episodes (its pass@1); a task is solved when that share is at least
-one half, and flipped when it is solved in one run and not in the other. The test compares the per-task shares of
-the two runs (`ors_trl.core.stats.paired_test`, a sign-flip permutation test, exact for such shares).
+A task's success is its share of successful episodes (its pass@1); it is solved at a share of at least one half,
+and flipped when solved in one run and not the other. The test (`ors_trl.core.stats.paired_test`, a sign-flip
+permutation test) compares the two runs' per-task shares.
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ class Pair:
     method: str
 
     def flipped(self, up: bool) -> list[tuple[str, str]]:
-        """The tasks solved (a share of at least one half) in the other run and not in the baseline (`up`), or the
-        other way round."""
+        """The tasks solved in the other run and not in the baseline (`up`), or the other way round."""
         return [task for task, a, b in self.tasks
                 if (b if up else a).success_rate >= 0.5 > (a if up else b).success_rate]
 

@@ -1,10 +1,7 @@
-"""What the report reads, and how it writes the page.
-
-Inputs are recognised by content, not by name: JSON lines of episode records (training's `episode_log=`,
-`ors-trl eval --output`, of any record version: `ors_trl.core.records.read_records` upgrades them) and trainer
-states (a `trainer_state.json`, or a trainer output folder holding one, also in its latest `checkpoint-*`).
-An input that is none of them is a `ConfigurationError` that says what was expected; so is a label (`--label
-NAME=FILE`, which names the run an input holds) that names no file. The page never replaces one of its inputs.
+"""What the report reads, recognised by content: JSON lines of episode records of any record version (training's
+`episode_log=`, `ors-trl eval --output`) and trainer states (a `trainer_state.json`, or a trainer output folder
+holding one, also in its latest `checkpoint-*`). Anything else, or a label that names no file, is a
+`ConfigurationError` that says what was expected; the page never replaces one of its inputs.
 """
 
 from __future__ import annotations
@@ -31,8 +28,7 @@ _EXPECTED = ("expected JSON lines of episode records (episode_log=, ors-trl eval
 
 @dataclass
 class Input:
-    """One recognised input: `kind` is "episodes" or "trainer_state" (whose parsed document is `state`); `run` is
-    the name the user gave it (its episodes are that run; a trainer state's curves are named so)."""
+    """One recognised input: "episodes" or a "trainer_state" (parsed: `state`); `run`: the name the user gave it."""
 
     path: Path
     kind: str
@@ -107,8 +103,7 @@ def _state(path: Path, doc: Any = None) -> Input:
 
 def recognise_all(inputs: Sequence[str | os.PathLike[str]],
                   labels: Sequence[tuple[str, str | os.PathLike[str]]] = ()) -> list[Input]:
-    """Every input recognised, each file once (a folder and its own trainer_state.json count once); each labelled
-    file (an input already, or one more) named after its label."""
+    """Every input (and labelled file) recognised, each file once, a labelled one named after its label."""
     found: dict[Path, Input] = {}
     for raw in inputs:
         item = recognise(raw)
@@ -127,8 +122,7 @@ def recognise_all(inputs: Sequence[str | os.PathLike[str]],
 
 
 def episode_records(items: Sequence[Input], skipped: Counter[str]) -> Iterator[tuple[dict[str, Any], Input]]:
-    """Every episode record of the episode inputs, in the current shape, with its input; a line that is not one is
-    counted by reason in `skipped`."""
+    """Every episode record (current shape) with its input; the other lines are counted in `skipped` by reason."""
     for item in items:
         if item.kind != "episodes":
             continue

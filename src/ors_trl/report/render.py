@@ -1,14 +1,9 @@
 """The page: one self-contained HTML file from the tallies, the sample and the curves.
 
-The skeleton, styles and script are the package's data files `page.html`, `page.css` and `page.js`, put inside the
-page, so nothing is fetched when it opens (its Content-Security-Policy forbids any other source). Record text is
-untrusted: whatever is rendered here is HTML-escaped, the episode bodies travel as JSON in a
-`<script type="application/json">` block with `<`, `>` and `&` escaped, and the page's script writes them with
-`textContent` only. Records are shown as written (secrets were masked before they were written).
-
-An embedded episode's images are shown as thumbnails (`thumbnails`) of the files written beside its log, kept only
-when their bytes hash to the record's SHA-256 and decoded like any image a server sends (`ors_trl.protocol.images`),
-embedded as PNG `data:` URLs (the page's only other source), at most `THUMB_BYTES` in all.
+The package's data files `page.html`, `page.css` and `page.js` are put inside it: its Content-Security-Policy
+forbids any other source but the thumbnails' PNG `data:` URLs. Record text is untrusted: whatever is rendered here
+is HTML-escaped, the episode bodies travel as JSON with `<`, `>` and `&` escaped, and the page's script writes them
+with `textContent` only. A thumbnail is kept only when its file's bytes hash to the record's SHA-256.
 """
 
 from __future__ import annotations
@@ -58,11 +53,6 @@ def _pct(value: float | None) -> str:
     return "–" if value is None else f"{value:.1%}"
 
 
-# A sortable cell: (text, sort value).
-def _n(value: int) -> tuple[str, int]:
-    return str(value), value
-
-
 def _f(value: float | None, digits: int = 3) -> tuple[str, float | None]:
     return _fmt(value, digits), value
 
@@ -73,13 +63,15 @@ def _p(value: float | None) -> tuple[str, float | None]:
 
 def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], cls: str = "",
            row_attrs: Iterable[str] | None = None) -> str:
-    """An HTML table; a cell is text, or (text, sort value) for a sortable table. Every cell is escaped."""
-    nums = set()
+    """An HTML table; a cell is text, or a count or (text, sort value) for a sortable table. Every cell is escaped."""
+    nums: set[int] = set()
     body = []
     attrs = iter(row_attrs or ())
     for row in rows:
         cells = []
         for i, cell in enumerate(row):
+            if isinstance(cell, int):
+                cell = str(cell), cell
             if isinstance(cell, tuple):
                 nums.add(i)
                 text, value = cell
@@ -96,14 +88,14 @@ _STATS_HEADS = ("episodes", "mean reward", "graded", "finished", "success rate",
                 "tool-call failures", "no tool call")
 
 
-def _stats_cells(s: EpisodeStats) -> list[tuple[str, float | None]]:
+def _stats_cells(s: EpisodeStats) -> list[Any]:
     """The `_STATS_HEADS` cells of one scope."""
-    return [_n(s.episodes), _f(s.mean_reward), _p(s.coverage), _p(s.share(s.finished)), _p(s.success_rate),
-            _f(s.share(s.tool_calls), 2), _n(s.tool_failures), _p(s.no_call_rate)]
+    return [s.episodes, _f(s.mean_reward), _p(s.coverage), _p(s.share(s.finished)), _p(s.success_rate),
+            _f(s.share(s.tool_calls), 2), s.tool_failures, _p(s.no_call_rate)]
 
 
 def _counts(title: str, counter: Counter[str], total: int, what: str) -> str:
-    rows = [(k, _n(n), (_pct(n / total if total else None), n)) for k, n in counter.most_common()]
+    rows = [(k, n, (_pct(n / total if total else None), n)) for k, n in counter.most_common()]
     body = _table(["reason", "count", f"of {what}"], rows) if rows else "<p class=note>none</p>"
     return f"<div class=box><h3>{_e(title)}</h3>{body}</div>"
 
@@ -170,11 +162,11 @@ def _runs(t: Tally) -> str:
     def row(r: _compare.Run) -> list[Any]:
         s, one, k = r.stats, r.pass_at_k.get(1), max(r.pass_at_k, default=1)
         lo, hi = r.interval or (None, None)
-        return [r.name, _n(s.episodes), _n(len(r.tasks)), _p(s.success_rate),
+        return [r.name, s.episodes, len(r.tasks), _p(s.success_rate),
                 (_fmt(one) + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else ""), one),
                 (f"pass@{k} {_fmt(r.pass_at_k[k])}" if k > 1 else "–", r.pass_at_k.get(k) if k > 1 else None),
                 _f(s.mean_reward), _p(s.coverage), _f(s.share(s.tool_calls), 2), _p(s.no_call_rate),
-                _p(s.unparsed_rate), _n(s.malformed_calls)]
+                _p(s.unparsed_rate), s.malformed_calls]
 
     def of(x: EpisodeStats) -> tuple[str, float]:
         return f"{_pct(x.success_rate)} of {x.episodes}", x.success_rate
@@ -202,7 +194,7 @@ def _tasks(t: Tally) -> str:
     items = ranked[:_MAX_ROWS]
     note = (f"<p class=note>The {_MAX_ROWS} tasks with the most episodes of {len(ranked)}.</p>"
             if len(ranked) > _MAX_ROWS else "")
-    rows = [[env, task, *_stats_cells(x), _n(t.embedded[(env, task)])] for (env, task), x in items]
+    rows = [[env, task, *_stats_cells(x), t.embedded[(env, task)]] for (env, task), x in items]
     attrs = [f' class=task data-env="{_e(env)}" data-task="{_e(task)}"' for (env, task), _ in items]
     return (note + f"<p class=note>Success: reward &ge; {t.success_threshold:g} (success rate is over every "
             "episode, an unscored one counts as no success; mean reward over graded ones). Click a header to sort, a "
@@ -256,8 +248,7 @@ def _thumbnail(folders: Sequence[Path], sha: str, entry: Mapping[str, Any]) -> s
 
 
 def thumbnails(items: Sequence[Input], sample: Sample) -> None:
-    """Give each embedded episode with recorded images their thumbnails (`ep["thumbs"]`: hash -> PNG `data:` URL),
-    at most `THUMB_BYTES` of them in all; an image without one is named on the page, with why where known."""
+    """Each embedded episode's thumbnails (`ep["thumbs"]`: hash -> PNG `data:` URL), `THUMB_BYTES` in all."""
     folders = [i.path.parent for i in items if i.kind == "episodes"]
     made: dict[str, str | None] = {}
     left = THUMB_BYTES

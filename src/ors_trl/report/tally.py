@@ -1,17 +1,10 @@
 """The tallies: every episode counted once, in one pass, and a bounded sample of episode bodies to embed.
 
-Counts are `ors_trl.core.metrics.EpisodeStats` (with its one definition of success: a reward at or above the
-threshold) per task and per run, merged per environment and in total; beside them only what `EpisodeStats` does
-not count: tool-call failures and episode errors by kind, sources, latency samples, the rewards' range. Record
-values are untrusted: every label is shortened, and the kinds the sample reserves for are bounded.
-
-A run is the episodes of an input given a name (`--label NAME=FILE`), else the records sharing a process run id, a
-source, a policy and an evaluation step; two inputs holding one such run's episodes of the same task are refused
-(only names can tell them apart). A run is shown by the parts of its key that differ between runs.
-
-The sample (`max_episodes`, at most `SAMPLE_BYTES` of JSON, so a 100,000-episode log still makes a page a browser
-opens) is the episodes of smallest hash (a stable pseudo-random pick), after a few reserved for each failure kind,
-episode error, unscored reason, end reason, environment and run, so that every kind of problem has an example.
+Counts are `EpisodeStats` (its one definition of success) per task and per run, merged per environment and in
+total; record values are untrusted, so every label is shortened and the kinds reserved for are bounded. A run is a
+labelled input's episodes, else the records sharing a process run id, source, policy and step (two inputs holding
+one such run's episodes of a task are refused). The sample (`max_episodes`, `SAMPLE_BYTES` at most) is a few
+episodes reserved for each kind of problem, environment and run, then those of smallest hash (a stable pick).
 """
 
 from __future__ import annotations
@@ -59,8 +52,7 @@ def _kind(error: Any, fallback: str) -> str:
 
 @dataclass
 class Sample:
-    """The embedded episodes in input order; how many the byte bound made embed with their texts cut, and how many
-    it left out."""
+    """The embedded episodes in input order; how many the byte bound cut the texts of, and left out."""
 
     episodes: list[dict[str, Any]]
     clipped: int
@@ -68,8 +60,7 @@ class Sample:
 
 
 class Tally:
-    """Everything the page says about episodes, built in one pass over the records: each record is counted per task
-    and per run; the counts per environment and in total are merged from those once every record is in."""
+    """Everything the page says about episodes, counted in one pass per task and per run (then merged)."""
 
     def __init__(self, max_episodes: int, success_threshold: float, labels: list[str] | None = None) -> None:
         self.max_episodes = max_episodes
@@ -91,8 +82,7 @@ class Tally:
         self._reserved: dict[str, list[_Item]] = {}
 
     def add(self, rec: dict[str, Any], source: str, run_name: str | None = None, origin: str | None = None) -> None:
-        """Count one record (current shape) of the input labelled `source` (at `origin`; named `run_name` by the
-        user) and offer it to the sample."""
+        """Count one record (current shape) of the input `source` and offer it to the sample."""
         env = label(rec.get("environment") or rec.get("target") or "(unknown)")
         task = _task_label(rec)
         run = self._run_of(rec, source, run_name, env, task, origin or source)
@@ -150,8 +140,7 @@ class Tally:
 
     @cached_property
     def run_names(self) -> dict[RunKey, str]:
-        """How each run is shown: its label, else the parts of its key (source, policy, step) that differ between
-        the runs, with the run id where that leaves two alike (or nothing)."""
+        """Each run's label, else the parts of its key that differ between runs (with the run id where needed)."""
         auto = [k for k in self.runs if k[0] == "auto"]
         varies = [len({k[i] for k in auto}) > 1 for i in (1, 2, 3)]
         names: dict[RunKey, str] = {}
@@ -187,10 +176,9 @@ class Tally:
             heapq.heapreplace(heap, item)
 
     def sample(self) -> Sample:
-        """The episodes to embed. First, round-robin over the kinds, the reserved episodes (up to half the sample,
-        at least one per kind where the sample has room); then the rest by hash. An episode too large for what is
-        left of the byte budget is embedded with its texts cut (marked), else left out; the ones after it still
-        get their turn. Counts the embedded episodes of each task."""
+        """The episodes to embed: round-robin over the kinds, the reserved ones (up to half the sample, at least one
+        per kind where there is room), then the rest by hash. One too large for what is left of the byte budget is
+        embedded with its texts cut (marked), else left out (the next still get their turn)."""
         by_hash = sorted(self._sample, reverse=True)
         buckets = [sorted(b, reverse=True) for _, b in sorted(self._reserved.items())]
         reserve = min(self.max_episodes, max(len(buckets), self.max_episodes // 2))

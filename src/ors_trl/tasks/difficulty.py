@@ -1,9 +1,8 @@
 """Static task selection: keep the tasks whose known mean reward lies in a range (`OpenRewardSpec(difficulty=...)`).
 
-What is known of a task comes from an `ors-trl eval --output` file (its per-task mean over `--repeats`), any episode
-log, a `{task_index: mean reward}` mapping, or, for a catalog environment, the OpenReward platform's per-task
-difficulty (the rewards of the rollouts logged there, filtered by model and training stage: `PlatformDifficulty`).
-Unscored episodes are left out of a mean (an unscored rollout is no failure); tasks with no data are kept.
+A task's mean is known from an `ors-trl eval --output` file, an episode log, a `{task_index: mean reward}` mapping,
+or the OpenReward platform's rollouts of a catalog environment (`PlatformDifficulty`). Unscored episodes are left out
+of a mean (an unscored rollout is no failure); tasks with no data are kept.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from typing import Any, Literal
 
 from ..core.records import read_records
 from ..protocol.errors import ConfigurationError
+from .selection import is_int
 
 __all__ = ["Difficulty", "PlatformDifficulty", "bins", "check_range", "describe", "histogram", "known_rewards",
            "platform_known", "select_by_difficulty"]
@@ -52,7 +52,7 @@ class PlatformDifficulty:
                 f'training_stage must be "pretrained", "sft" or "rl", got {self.training_stage!r}')
         for name in ("min_model_params", "max_model_params"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            if value is not None and not is_int(value, 0):
                 raise ConfigurationError(f"{name} must be a non-negative int, got {value!r}")
 
     def params(self) -> dict[str, str]:
@@ -69,7 +69,7 @@ class Difficulty:
 
 
 def check_range(difficulty: Any) -> tuple[float, float]:
-    """`difficulty=(low, high)` checked: two finite numbers, low <= high."""
+    """`difficulty=(low, high)` checked."""
     try:
         low, high = (float(x) for x in difficulty)
     except (TypeError, ValueError):
@@ -81,16 +81,11 @@ def check_range(difficulty: Any) -> tuple[float, float]:
 
 def known_rewards(source: str | os.PathLike[str] | Mapping[int, float], *, split: str,
                   environment: str | None = None) -> dict[int, Difficulty]:
-    """Per task index of `split`: the mean reward an eval output or episode log recorded, or a mapping's value.
-
-    A file holding several environments' episodes is narrowed to `environment`'s. Raises `ConfigurationError` for
-    a file that is not an eval output or episode log, or holds no scored episode of `split` (of `environment`).
-    """
+    """Per task index of `split`: the mean reward a log recorded (of `environment`'s), or a mapping's value."""
     if isinstance(source, Mapping):
         out = {}
         for task, mean in source.items():
-            if isinstance(task, bool) or not isinstance(task, int) or not isinstance(mean, int | float) \
-                    or not math.isfinite(mean):
+            if not is_int(task) or not isinstance(mean, int | float) or not math.isfinite(mean):
                 raise ConfigurationError(f"difficulty_from as a mapping takes {{task_index: mean reward}}, got "
                                          f"{task!r}: {mean!r}")
             out[task] = Difficulty(float(mean), 1)
@@ -126,10 +121,7 @@ def known_rewards(source: str | os.PathLike[str] | Mapping[int, float], *, split
 
 def select_by_difficulty(indices: Sequence[int], known: Mapping[int, Difficulty], low: float, high: float, *,
                          name: str, source: str) -> list[int]:
-    """The indices whose known mean lies in `[low, high]`, and those with no data (kept); one log line says so.
-
-    Raises `ConfigurationError` when no task is left (never an empty dataset).
-    """
+    """The indices whose known mean lies in `[low, high]`, and those with no data; one log line says so."""
     kept = [i for i in indices if i not in known or low <= known[i].mean <= high]
     unknown = sum(1 for i in indices if i not in known)
     means = [d.mean for d in known.values()]
@@ -146,8 +138,7 @@ def select_by_difficulty(indices: Sequence[int], known: Mapping[int, Difficulty]
 
 
 def bins(means: Sequence[float], count: int = 5) -> list[dict[str, float]]:
-    """The distribution of mean rewards: `count` equal bins over their range (`[0, 1]` when within), the last one
-    closed: `[{"low", "high", "tasks"}, ...]`."""
+    """`count` equal bins over the means' range (`[0, 1]` when within), the last one closed."""
     if not means:
         return []
     low, high = min(0.0, min(means)), max(1.0, max(means))
@@ -174,8 +165,7 @@ async def platform_known(client: Any, split: str, source: PlatformDifficulty) ->
 
 async def describe(target: str, split: str, source: Any, *, environment: str | None = None,
                    **client_options: Any) -> dict[str, Any]:
-    """What is known of a split's difficulty, for `ors-trl inspect --difficulty`: where from, how many tasks have
-    data, their mean and the distribution of their mean rewards (ten bins). `client_options` are `AsyncClient`'s."""
+    """What is known of a split's difficulty, for `ors-trl inspect --difficulty` (`client_options`: AsyncClient's)."""
     from ..protocol.client import AsyncClient
 
     async with AsyncClient(target, env_name=environment, **client_options) as client:

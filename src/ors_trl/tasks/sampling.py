@@ -1,8 +1,6 @@
 """Choosing tasks as training goes: the samplers (seeded; their state goes into checkpoints), and the `Curriculum`
-that feeds one environment's sampler the rewards of its training episodes, one group per task.
-
-GRPO learns only from groups whose rewards differ: a group that all succeeded or all failed has zero advantage and
-costs a full set of sessions, so `AdaptiveSampler` draws where groups disagree.
+that feeds one environment's sampler the rewards of its training episodes, one group per task. GRPO learns only from
+groups whose rewards differ, so `AdaptiveSampler` draws where groups disagree.
 """
 
 from __future__ import annotations
@@ -26,14 +24,14 @@ from typing import Any, Protocol, runtime_checkable
 from ..core.episode import TRAINING_SOURCES
 from ..protocol.errors import ConfigurationError
 from ..protocol.files import write_atomic
+from .selection import is_int
 
 __all__ = ["AdaptiveSampler", "Curriculum", "TaskSampler", "UniformSampler", "make_sampler", "mirror_path",
            "rng_state", "set_rng_state", "uniform_draws"]
 
 _EQUAL = 1e-9  # rewards closer than this are equal (a group with no spread has no advantage)
-#: AdaptiveSampler's pools: never drawn, drawn but not scored yet, groups disagreed, and the all-equal ones by
-#: side, by how many all-equal groups in a row (1: a suspect; 2 to `LEVELS`: confirmed, each level drawn half as
-#: often as the one before), and by whether the task's groups ever disagreed (`was_`: a policy solved it sometimes).
+#: AdaptiveSampler's pools: "fresh" (never drawn), "unscored", "mixed", and the all-equal ones by whether the
+#: task's groups ever disagreed (`was_`), by side, and by level (all-equal groups in a row, 1 to `LEVELS`).
 LEVELS = 5
 PRIOR_GROUPS = 5  # how many groups the prior share of an all-equal pool is worth
 SPREAD = "was_"
@@ -45,13 +43,10 @@ POOLS = ("fresh", "unscored", "mixed", *FLAT_POOLS)
 
 @runtime_checkable
 class TaskSampler(Protocol):
-    """What `OpenRewardSpec(task_sampling=...)` takes in place of `"uniform"` or `"adaptive"`.
-
-    `draw()` returns the next task index (one of the spec's selected tasks); `update(task, rewards)` receives the
-    rewards of one group of that task (`None` for a rollout the environment never scored). Optional methods:
-    `bind(tasks)` (called once with the selected task indices before the first draw), `reseed(seed)` (with the
-    trainer's seed, before the first draw), `state_dict()` and `load_state_dict(state)` (JSON-able; saved with
-    checkpoints and restored on resume), `metrics()` (numbers logged as `curriculum/<env>/<name>`).
+    """What `OpenRewardSpec(task_sampling=...)` takes in place of `"uniform"` or `"adaptive"`: `draw()` and
+    `update(task, rewards)`. Optional: `bind(tasks)` (the selected tasks, before the first draw), `reseed(seed)` (the
+    trainer's, before the first draw), `state_dict()` and `load_state_dict(state)` (JSON-able, kept in checkpoints),
+    `metrics()` (logged as `curriculum/<env>/<name>`).
     """
 
     def draw(self) -> int:
@@ -71,7 +66,7 @@ class TaskSampler(Protocol):
 
 
 class _Pool:
-    """A set with O(1) add, remove and uniform choice (a list and each member's position in it)."""
+    """A set with O(1) add, remove and uniform choice."""
 
     def __init__(self) -> None:
         self.items: list[int] = []
@@ -130,7 +125,7 @@ class _Sampler(TaskSampler):
             self.bind(tasks)
 
     def bind(self, tasks: Sequence[int]) -> None:
-        """Draw from these tasks (a spec binds its selection); what is known of them is kept.
+        """Draw from these tasks (a spec binds its selection), keeping what is known of them.
 
         Args:
             tasks (`Sequence[int]`):
@@ -139,13 +134,13 @@ class _Sampler(TaskSampler):
         chosen = dict.fromkeys(tasks)
         if not chosen:
             raise ConfigurationError("a task sampler needs at least one task")
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in chosen):
+        if not all(map(is_int, chosen)):
             raise ConfigurationError("task indices must be ints")
         self._tasks = chosen
         self._restart()
 
     def reseed(self, seed: int) -> None:
-        """Seed the draws again (a spec does, with the trainer's seed, before the first draw).
+        """Seed the draws again (a spec does, with the trainer's seed).
 
         Args:
             seed (`int`):
@@ -170,7 +165,7 @@ class _Sampler(TaskSampler):
 
         Args:
             state (`dict[str, Any]`):
-                What `state_dict()` returned (read back from JSON).
+                What `state_dict()` returned.
         """
         set_rng_state(self._rng, state["rng"])
         self._load(state)
@@ -217,26 +212,21 @@ class UniformSampler(_Sampler):
 class AdaptiveSampler(_Sampler):
     """Draw tasks where groups disagree: unseen tasks first, all-equal tasks down-weighted but re-probed.
 
-    A task drawn but not scored yet, or whose last group (or last `window` groups pooled) had rewards that differ,
-    weighs 1. One whose last k groups were all equal, to one value, is `solved` (at or above `success_threshold`) or
-    `unsolved` at level k (1 to 5), and weighs the share of such tasks whose next group changed, measured in the run
-    from a prior (`suspect_weight` at k = 1, `flat_weight` at 2, halved per further level), floored at
-    `flat_weight / 8`: one unlucky group does not starve a task a policy solves sometimes (at a pass rate of 1/6 a
-    group of 8 all fails a quarter of the time), while always- and never-solved tasks sink to the floor within a few
-    re-probes and still come back if they become learnable. A task whose groups once disagreed is what the policy
-    has left to learn: while it fails it weighs `lapsed_weight` (the never-solved record starved such tasks in the
-    demo); once solved, its record is kept apart (prior `suspect_weight`, floor `flat_weight`). Rewards of `None`
-    are left out: an unscored rollout is no failure.
+    A task not scored yet, or whose last groups (`window` of them pooled) disagree, weighs 1. One whose last k
+    groups were all equal, to one value, is `solved` or `unsolved` at level k (1 to 5) and weighs the share of such
+    tasks whose next group changed, measured from a prior (`suspect_weight` at k = 1, `flat_weight` at 2, halved per
+    level) and floored at `flat_weight / 8`: one unlucky group does not starve a task a policy solves sometimes,
+    while always- and never-solved tasks sink within a few re-probes. A task whose groups once disagreed weighs
+    `lapsed_weight` while it fails, and keeps a record apart once solved. A reward of `None` is no failure.
 
     Args:
         tasks (`Sequence[int]`, *optional*):
             The task indices to draw from; a spec binds its selection when not given.
         seed (`int`, *optional*, defaults to `0`):
-            Seed of the draws (every process of a run uses the same seed and so draws the same tasks).
+            Seed of the draws (every process of a run draws the same tasks).
         flat_weight (`float`, *optional*, defaults to `0.05`):
-            The prior weight of a task whose last two groups were all equal (relative to 1 for a task whose groups
-            disagreed). With a third each of always-solved, never-solved and coin-flip tasks this leaves about a
-            fifth of the groups zero-spread; prime-rl's pool weight of 0.2 leaves about 0.4.
+            The prior weight of a task whose last two groups were all equal (relative to 1). A third each of always-,
+            never- and sometimes-solved tasks leaves about a fifth of the groups zero-spread (prime-rl's 0.2: 0.4).
         suspect_weight (`float`, *optional*, defaults to `0.2`):
             The prior weight of a task with one all-equal group.
         lapsed_weight (`float`, *optional*, defaults to `1.0`):
@@ -244,8 +234,7 @@ class AdaptiveSampler(_Sampler):
         window (`int`, *optional*, defaults to `3`):
             How many of a task's last groups decide its pool.
         success_threshold (`float`, *optional*, defaults to `1.0`):
-            The reward at or above which an all-equal task counts as solved (and a rollout as a success in the pass
-            rate metrics).
+            The reward at or above which an all-equal task counts as solved (and a rollout as a success).
     """
 
     kind = "adaptive"
@@ -257,7 +246,7 @@ class AdaptiveSampler(_Sampler):
                             ("lapsed_weight", lapsed_weight)):
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
                 raise ConfigurationError(f"{name} must be a number in (0, 1], got {value!r}")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        if not is_int(window, 1):
             raise ConfigurationError(f"window must be an int >= 1, got {window!r}")
         self.window, self.success_threshold = window, float(success_threshold)
         self.flat_weight, self.suspect_weight = float(flat_weight), float(suspect_weight)
@@ -273,7 +262,7 @@ class AdaptiveSampler(_Sampler):
         super().__init__(tasks, seed)
 
     def _restart(self) -> None:
-        """Sort the tasks into their pools, in the order a loaded state had them (a draw picks by position)."""
+        """Sort the tasks into their pools (in a loaded state's order: a draw picks by position)."""
         self._pools = {name: _Pool() for name in POOLS}
         for name, tasks in (self._order or {}).items():
             for task in tasks:
@@ -295,7 +284,7 @@ class AdaptiveSampler(_Sampler):
         return "mixed" if streak == 0 or max(pooled) - min(pooled) > _EQUAL else f"{was}{side}1"
 
     def _weight(self, pool: str) -> float:
-        """A pool's weight per task (see the class): its measured share from the prior, above the floor."""
+        """A pool's weight per task (see the class)."""
         if pool in ("mixed", "unscored"):
             return 1.0
         if pool.startswith(LAPSED):
@@ -403,13 +392,10 @@ def make_sampler(task_sampling: Any, *, seed: int = 0, success_threshold: float 
 
 
 class Curriculum:
-    """One environment's sampler, and what that environment's training episodes told it since the last update.
-
-    It listens to the runtime (`EnvironmentRuntime.listeners`): each episode of a training source is observed as it
-    is counted, from any thread; `draw()` applies what was observed, then draws (unless `synced`: in a run of several
-    processes, `ors_trl.trl.callbacks` applies what every process observed at each step's end, so all draw
-    alike). `mirror`: when the sampler runs in TRL's async rollout worker, a file the worker's copy writes its state
-    and metrics to after an update (at most every `MIRROR_EVERY` seconds), which the trainer's process reads.
+    """One environment's sampler, and what its training episodes (observed as the runtime counts them, from any
+    thread) told it since the last update; `draw()` applies that first unless `synced` (several processes:
+    `ors_trl.trl.callbacks` applies what all observed at each step's end, so all draw alike). `mirror`: a file the
+    copy in TRL's async rollout worker writes its state and metrics to (every `MIRROR_EVERY` s at most).
     """
 
     MIRROR_EVERY = 1.0
@@ -470,8 +456,7 @@ class Curriculum:
         return task
 
     def metrics(self) -> dict[str, float]:
-        """`curriculum/<env>/...` since the last call: the sampler's own (an adaptive one's pools), the draws, and
-        the groups applied (their share with zero reward spread, their pass rate)."""
+        """`curriculum/<env>/...` since the last call: the sampler's own, the draws, and the groups applied."""
         w, self._window = self._window, defaultdict(float)
         own = getattr(self.sampler, "metrics", None)
         out = {**(own() if callable(own) else {}), "draws": w["draws"], "groups": w["groups"]}

@@ -1,7 +1,5 @@
-"""Which tasks a run uses, and their fields: selection checks, batched fetching, dataset columns.
-
-Shared by the spec, the mix and evaluation, below all three (so none of them imports another).
-"""
+"""Which tasks a run uses, and their fields: selection checks, batched fetching, dataset columns (shared by the
+spec, the mix and evaluation, below all three)."""
 
 from __future__ import annotations
 
@@ -17,63 +15,58 @@ from ..protocol.errors import ConfigurationError, ProtocolError
 from ..protocol.text import show_name
 
 __all__ = ["EXTRA_COLUMN", "MAX_FIELD_DEPTH", "MAX_TASK_COLUMNS", "MAX_WHOLE_SPLIT", "RESERVED_COLUMNS",
-           "SPARSE_FIELD", "TRL_KEYWORDS", "check_in_range", "check_selection", "fetch_tasks", "json_text", "select",
-           "task_columns"]
+           "SPARSE_FIELD", "TRL_KEYWORDS", "check_in_range", "check_selection", "fetch_tasks", "is_int", "json_text",
+           "select", "task_columns"]
 
 logger = logging.getLogger("ors_trl")
 
-#: Names TRL passes as keywords itself or reads from a dataset row, as verified for `ors_trl.trl.backend.VERIFIED`
-#: (tests/test_architecture.py reads them out of the installed TRL's source, so a TRL that adds one fails there):
-#: GRPOTrainer._calculate_rewards and the async worker's _score_group call every reward function with `prompts`,
-#: `completions`, `completion_ids` and every other row column, plus `trainer_state`, `log_extra`, `log_metric` and
-#: `environments`, and leave the columns `prompt`, `completion` and `completion_ids` out; rows are read for
-#: `prompt`, the multimodal `image` / `images`, and the routing column `environment` (which multi-environment mode
-#: also leaves out of `reset(**row)`).
-TRL_KEYWORDS = frozenset({
-    "prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments",
-    "prompt", "completion", "image", "images", "environment",
-})
-#: Names a task field may not keep as its dataset column (it is kept as `task_<name>`): `TRL_KEYWORDS`, ors-trl's
-#: own columns (`prompt`, `task_index`, `task_spec`), the adapter's and the reward functions' own parameters
-#: (`self`, `unscored_reward`) and the fields the rollout engine adds to every row (`env_mask`, any `ors_...`).
+#: Names TRL passes as keywords itself (to every reward function, with every other row column) or reads from a row
+#: (`prompt`, `image(s)`, the routing column `environment`), as verified for `ors_trl.trl.backend.VERIFIED`
+#: (tests/test_architecture.py reads them out of the installed TRL's source).
+TRL_KEYWORDS = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
+                          "environments", "prompt", "completion", "image", "images", "environment"})
+#: Names a task field may not keep as its column (it becomes `task_<name>`): `TRL_KEYWORDS`, ors-trl's own columns
+#: and parameters, and the fields the rollout engine adds to every row (`env_mask`, any `ors_...`).
 RESERVED_COLUMNS = TRL_KEYWORDS | {"prompt", "task_index", "task_spec", "self", "unscored_reward", "env_mask"}
 _RESERVED_PREFIX = "ors_"
-#: The most tasks a split may claim when the whole of it is selected (no `num_tasks`, no `indices`): past it,
-#: choosing which tasks is the user's (`num_tasks=N` takes the first N, `indices=` a page), not a server's count.
+#: The most tasks a split may claim when the whole of it is selected (past it, the user picks: `num_tasks`, `indices`).
 MAX_WHOLE_SPLIT = 100_000
 _PAGE = 500
-#: A task field has a column of its own when at least one task in `SPARSE_FIELD` has it, and it is among the
-#: `MAX_TASK_COLUMNS` most common; the others share one column of JSON text, `EXTRA_COLUMN`. So a table has at most
-#: `SPARSE_FIELD` cells per field value the tasks hold (nested objects too: past that, a field is JSON text).
+#: A task field has a column of its own when one task in `SPARSE_FIELD` has it and it is among the `MAX_TASK_COLUMNS`
+#: most common; the others share `EXTRA_COLUMN`, JSON text (a table has at most `SPARSE_FIELD` cells per value held).
 SPARSE_FIELD = 16
 MAX_TASK_COLUMNS = 128
 EXTRA_COLUMN = "task_extra"
 _MIN_CELLS = 4096
-#: A field's value nested deeper than this (lists or objects) is stored as JSON text: Arrow refuses 64 levels, and
-#: `datasets` recurses about 16 frames per level (60 levels: a RecursionError at Python's default limit).
+#: A field's value nested deeper is JSON text: Arrow refuses 64 levels, `datasets` recurses ~16 frames per level.
 MAX_FIELD_DEPTH = 16
 _FETCH_CONCURRENCY = 8
 
 
+def is_int(value: Any, low: int | None = None) -> bool:
+    """`value` is an int (not a bool), at least `low` where given."""
+    return isinstance(value, int) and not isinstance(value, bool) and (low is None or value >= low)
+
+
 def check_selection(num_tasks: int | None, indices: Sequence[int] | None) -> list[int] | None:
-    """Validate a `num_tasks` / `indices` choice (mutually exclusive); return `indices` as a list."""
+    """A `num_tasks` / `indices` choice checked; `indices` as a list."""
     if num_tasks is not None and indices is not None:
         raise ConfigurationError("Provide num_tasks or indices, not both.")
-    if num_tasks is not None and (isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or num_tasks < 1):
+    if num_tasks is not None and not is_int(num_tasks, 1):
         raise ConfigurationError(f"num_tasks must be a positive int, got {num_tasks!r}")
     if indices is None:
         return None
     indices = list(indices)
     if not indices:
         raise ConfigurationError("indices is empty; pass at least one task index or leave it None.")
-    bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+    bad = [i for i in indices if not is_int(i, 0)]
     if bad:
         raise ConfigurationError(f"indices must be non-negative ints; got {bad[:5]}")
     return indices
 
 
 def check_in_range(indices: Sequence[int], total: int, split: str) -> None:
-    """Raise a `ConfigurationError` naming the valid range if any index is past the split's end."""
+    """Refuse an index past the split's end, naming the valid range."""
     out_of_range = sorted({i for i in indices if i >= total})
     if out_of_range:
         raise ConfigurationError(f"indices {out_of_range[:10]} are out of range for split {split!r}, which has "
@@ -82,8 +75,7 @@ def check_in_range(indices: Sequence[int], total: int, split: str) -> None:
 
 def select(total: int, split: str, num_tasks: int | None, indices: Sequence[int] | None, *, name: str = "",
            warn: bool = True) -> list[int]:
-    """The task indices of a selection: `indices` as given (checked), else the first `num_tasks`, else all (at most
-    `MAX_WHOLE_SPLIT`). The work is that of the selection, never of the split's size."""
+    """The task indices of a selection: `indices`, else the first `num_tasks`, else all (`MAX_WHOLE_SPLIT` at most)."""
     if indices is not None:
         check_in_range(indices, total, split)
         return list(indices)
@@ -98,7 +90,7 @@ def select(total: int, split: str, num_tasks: int | None, indices: Sequence[int]
 
 
 async def fetch_tasks(client: AsyncClient, split: str, wanted: Sequence[int], *, name: str = "") -> dict[int, Any]:
-    """The task specs of `wanted` indices, in as few `task_range` requests as sensible (pages of contiguous runs)."""
+    """The task specs of `wanted` indices, in pages of contiguous runs."""
     from tqdm.auto import tqdm
 
     wanted_set = set(wanted)
@@ -142,10 +134,8 @@ def _arrow_safe(values: list[Any]) -> bool:
 
 
 def _as_json(values: list[Any]) -> str | None:
-    """Why a column's values cannot be an Arrow column of their own and are stored as JSON text, or None: nested more
-    than `MAX_FIELD_DEPTH` levels, a key with a NUL (Arrow cuts a name there, losing the entry), or objects whose keys
-    differ so much that Arrow's struct would be a sparse table (a field per key ever seen, for every object). Walked
-    without recursion, each value once."""
+    """Why a column's values must be JSON text, or None: nested past `MAX_FIELD_DEPTH`, a key with a NUL (Arrow cuts
+    the name there), or objects whose keys differ so much that Arrow's struct would be a sparse table."""
     paths: dict[tuple[int, str | None], int] = {}  # (parent path, key; None: a list's items) -> path id
     objects: Counter[int] = Counter()
     keys: dict[int, set[str]] = {}
@@ -174,8 +164,7 @@ def _as_json(values: list[Any]) -> str | None:
 
 
 def json_text(value: Any) -> str:
-    """`value` as JSON text (keys sorted, what JSON cannot hold as its `str`), however deeply nested: the encoder
-    recurses, so a value nested past what it reaches is written without recursion instead."""
+    """`value` as JSON text (keys sorted, what JSON cannot hold as its `str`), however deeply nested."""
     try:
         return json.dumps(value, sort_keys=True, default=str)
     except RecursionError:
@@ -216,15 +205,10 @@ def _free(name: str, taken: set[str], reserved: frozenset[str]) -> str:
 
 def task_columns(task_specs: Sequence[Any], reserved: frozenset[str] = RESERVED_COLUMNS
                  ) -> tuple[dict[str, list[Any]], list[str]]:
-    """Task fields as dataset columns, plus notes on what had to change: dataset creation never fails, costs what
-    the tasks hold, and loses nothing.
-
-    A field named like a reserved column (`RESERVED_COLUMNS`) is kept as `task_<name>` (prefixed again until free),
-    so TRL can still call `reset(**row)` and the reward functions with the row; a NUL in a field's name becomes
-    U+FFFD; a field whose values Arrow cannot store in one column (`_as_json`, mixed shapes) is stored as JSON text;
-    fields fewer than one task in `SPARSE_FIELD` has, or past the `MAX_TASK_COLUMNS` most common, share one column of
-    JSON text, `task_extra` (else tasks that each carry a different field make a table of tasks x fields: 6,000
-    tasks of 69 KB, 36 million cells, +1.9 GB).
+    """Task fields as dataset columns, and notes on what had to change: it never fails, costs what the tasks hold,
+    and loses nothing. A reserved name becomes `task_<name>`, a NUL in a name U+FFFD; values Arrow cannot hold in
+    one column are JSON text; sparse fields share `EXTRA_COLUMN` (tasks that each carry a different field would make
+    a table of tasks x fields: 6,000 tasks of 69 KB, 36 million cells, +1.9 GB).
     """
     notes: list[str] = []
     counts = Counter(k for spec in task_specs if isinstance(spec, Mapping) for k in spec if isinstance(k, str))
@@ -262,6 +246,6 @@ def task_columns(task_specs: Sequence[Any], reserved: frozenset[str] = RESERVED_
 
 
 def log_notes(notes: list[str], name: str) -> None:
-    """Say once, in one line each, what building the dataset changed (renamed fields, values stored as JSON)."""
+    """Log what building the dataset changed, one line each."""
     for note in notes:
         logger.warning("%s: %s", name, note)

@@ -1,13 +1,10 @@
-"""The dataset a spec (or mix) with `task_sampling` other than "uniform" gives TRL: an endless stream of task rows,
-each drawn by a sampler when TRL reads it (the trainer's side is `ors_trl.trl.callbacks`).
+"""The `train_dataset` of a spec (or mix) with `task_sampling` other than "uniform": an endless stream of task rows,
+each drawn by a sampler as TRL reads it (the trainer's side is `ors_trl.trl.callbacks`).
 
-TRL 1.16 trains on a `datasets.IterableDataset` (with `max_steps`) and repeats each row it reads `num_generations`
-times itself (`trl.trainer.utils.repeat_iterable_dataset`), so a row is drawn at most a generation batch or two
-before its group runs, and the sampler has seen the rewards of every group before. TRL's 1,000-row shuffle buffer
-would draw far ahead of the rewards, so the stream's `shuffle` keeps it as it is (the sampler draws at random
-itself). Resuming from a checkpoint, the trainer reads and drops the rows of the steps already trained: the source
-answers those reads with a filler row (no draw), replays the draws pending at the checkpoint, then draws on, so a
-resumed run continues the very draws of an uninterrupted one.
+TRL 1.16 repeats each row `num_generations` times itself, so a row is drawn a batch or two before its group runs,
+once the sampler saw every earlier group's rewards (TRL's shuffle buffer would draw far ahead: `shuffle` is a
+no-op). On resume, the steps already trained read a filler row, then the pending draws are replayed, so a resumed
+run continues the very draws of an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -35,14 +32,10 @@ class NotMapStyleError(ConfigurationError, TypeError):
 
 
 class TaskStream(IterableDataset):
-    """The `train_dataset` of a spec or mix with `task_sampling` other than "uniform": rows drawn as they are read.
-
-    It has no length and no indexing: a consumer that needs them (an older TRL, a custom trainer) gets a
-    `ConfigurationError` (also a `TypeError`) that says so. TRL's buffered `shuffle` leaves it as it is.
-    """
+    """Rows drawn as they are read: no length, no indexing (a `ConfigurationError`, also a `TypeError`, says so)."""
 
     def shuffle(self, *args: Any, **kwargs: Any) -> TaskStream:
-        """The stream itself: the sampler draws at random, and a shuffle buffer would draw far ahead of rewards."""
+        """The stream itself: a shuffle buffer would draw far ahead of the rewards."""
         return self
 
     def __len__(self) -> int:
@@ -61,12 +54,9 @@ def _rows(source: DrawSource) -> Iterator[dict[str, Any]]:
 
 
 class DrawSource:
-    """Draws the stream's rows: an environment by weight (a mix), then a task by that environment's curriculum.
-
-    `rows` has one row per (environment, task), as the uniform dataset would, `where` says which; `owners` are the
-    specs by environment (the key `None` for a lone spec), each with its `curriculum`; `weights` the mixture's
-    (default: the environments' numbers of tasks). `on_bind` is called with the source at the first read (unless
-    the trainer's side bound it before): the TRL layer finds the trainer reading it there.
+    """Draws the stream's rows: an environment by weight (a mix; by default its number of tasks), then a task by its
+    curriculum. `where` maps (environment, task) to a row of `rows`; `owners` are the specs by environment (`None`
+    for a lone spec); `on_bind` is called with the source at the first read (the TRL layer finds its trainer there).
     """
 
     def __init__(self, rows: Dataset, where: Mapping[tuple[str | None, int], int], owners: Mapping[str | None, Any],
@@ -78,7 +68,7 @@ class DrawSource:
         self.weights = weights if weights is not None else [float(c) for c in counts]
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
-        self.on_bind = on_bind  # None once bound (or in a copy, which no trainer binds)
+        self.on_bind = on_bind  # None once bound
         self.drew = False  # this process has read the stream (TRL's async trainer reads it in its worker only)
         self._tracking = True
         self._skip = 0  # reads to answer with a filler (the steps a resumed trainer drops)
@@ -92,8 +82,7 @@ class DrawSource:
         return {env: spec.curriculum for env, spec in self.owners.items()}
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """A copy for TRL's async rollout worker: it draws on from this state, and its curricula write what they
-        learn to mirror files this process reads (`ors_trl.trl.callbacks`)."""
+        """A copy for TRL's async rollout worker: it draws on from this state, its curricula writing mirror files."""
         for c in self.curricula.values():
             c.mirror = c.mirror or mirror_path(c.name)
         mirrors = {env: c.mirror for env, c in self.curricula.items()}
@@ -119,8 +108,7 @@ class DrawSource:
             return self.rows[self.where[(env, task)]]
 
     def trim(self, consumed: int | None) -> None:
-        """Forget the draws before stream position `consumed` (trained on: no resume replays them); when it is not
-        known, keep the last `MAX_PENDING` only."""
+        """Forget the draws before stream position `consumed` (unknown: keep the last `MAX_PENDING`)."""
         with self._lock:
             if consumed is None:
                 consumed = self._recent[-1][0] + 1 - MAX_PENDING if self._recent else 0
@@ -136,8 +124,7 @@ class DrawSource:
                 c.sampler.reseed(seed)
 
     def state_dict(self) -> dict[str, Any]:
-        """The curricula's and the mixture draw's states, where the stream stands (the draws trained on), and
-        the draws read since (to replay after a resume)."""
+        """The curricula's and mixture's states, the draws trained on, and those read since (replayed on resume)."""
         with self._lock:
             return {"rng": rng_state(self._rng), "consumed": self._consumed,
                     "pending": [[env, task] for _, env, task in self._recent],
@@ -157,8 +144,7 @@ class DrawSource:
 def _rebuild(rows: Dataset, where: Mapping[tuple[str | None, int], int], owners: Mapping[str | None, Any],
              samplers: Mapping[str | None, Any], mirrors: Mapping[str | None, str], weights: list[float],
              state: dict[str, Any]) -> DrawSource:
-    """The copy in TRL's async worker (which restarts its dataset): no trainer binds it, it draws on from `state`,
-    and each spec's copy (one per process) hands its episodes to the sampler that came along."""
+    """The copy in TRL's async worker: it draws on from `state`, feeding the samplers that came along."""
     for env, spec in owners.items():
         c = spec.curriculum = spec.curriculum or Curriculum(samplers[env], spec.runtime)
         c.sampler, c.mirror, c.writes_mirror = samplers[env], mirrors[env], True
@@ -173,9 +159,8 @@ def _rebuild(rows: Dataset, where: Mapping[tuple[str | None, int], int], owners:
 def sampled_stream(rows: Dataset, where: Mapping[tuple[str | None, int], int], owners: Mapping[str | None, Any],
                    tasks: Mapping[str | None, list[int]], *, weights: list[float] | None = None, seed: int = 0,
                    on_bind: Callable[[DrawSource], None] | None = None) -> TaskStream:
-    """The endless `TaskStream` of `rows` drawn by the owners' curricula (each bound to its tasks first; see
-    `DrawSource`): one data shard, so that every process of a run reads the whole stream and draws what the others
-    draw."""
+    """The endless `TaskStream` of `rows` drawn by the owners' curricula (see `DrawSource`), in one data shard so
+    that every process reads the whole stream and draws what the others draw."""
     for env, spec in owners.items():
         bind = getattr(spec.curriculum.sampler, "bind", None)
         if callable(bind):

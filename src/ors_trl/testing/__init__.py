@@ -1,15 +1,9 @@
 """A kit for testing an ORS environment, and code that uses one, against real servers on loopback.
 
-- `ReferenceServer` runs your environment classes under the reference `openreward` server in a
-  subprocess on 127.0.0.1 (`GET /_test/stats` for introspection, an optional short idle timeout,
-  `close_sessions()` to clean up after a failed test).
-- `counters` are what an environment bumps so a test can prove a tool ran exactly once, or that
-  work ran concurrently, without timing anything.
-- `FaultProxy` sits between a client and a server and injects the faults a test programs (5xx,
-  resets, dropped streams, hangs, malformed answers, redirects); `Blackhole` never accepts.
-
-ors-trl's own suite, benchmarks and demo use exactly these. Importing this package is cheap: it
-loads neither `openreward` nor `fastapi`; the names are resolved on first use.
+`ReferenceServer` serves your environment classes under the reference `openreward` server in a subprocess;
+`counters` are what an environment bumps so a test can prove what ran, without timing anything; `FaultProxy`
+injects the faults a test programs between a client and a server (`Blackhole` never accepts). ors-trl's own
+suite, benchmarks and demo use exactly these. Importing it is cheap: the names load on first use.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ _HOMES = {"Blackhole": ".faults", "FaultProxy": ".faults", "counters": ".counter
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so that `python -m ors_trl.testing.server` does not find the module already imported.
+    # lazy: `python -m ors_trl.testing.server` must not find the module already imported
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module = importlib.import_module(_HOMES.get(name, ".server"), __name__)

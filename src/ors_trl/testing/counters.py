@@ -1,17 +1,10 @@
-"""Counters an environment under test bumps, so a test can prove what ran on the server side.
+"""Counters an environment under test bumps, so a test can prove what ran on the server side (no timing).
 
-    from ors_trl.testing import counters
+    counters.count("myenvironment/submit")            # in a tool: exactly once per execution
+    with counters.tracked("myenvironment/judge"):     # work in progress: its peak concurrency
+        ...
 
-    class MyEnvironment(Environment):
-        @tool
-        async def submit(self, params: Answer) -> ToolOutput:
-            counters.count("myenvironment/submit")           # exactly once per execution
-            with counters.tracked("myenvironment/judge"):     # work in progress: peak concurrency
-                ...
-
-`ReferenceServer.stats()` reports them (`tool_calls`, `in_flight`, `peak_in_flight`, `done`, setups and
-teardowns), read from the server process. Process-global and thread-safe; nothing here is imported by
-ors-trl itself.
+`ReferenceServer.stats()` reports them, read from the server process. Process-global and thread-safe.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """Fault injection for reliability tests: a loopback HTTP proxy whose faults a test programs.
 
-`FaultProxy` sits between a client and a real ORS server (usually a `ReferenceServer`) and
-forwards every request, streams included, unless a rule says otherwise::
-
     with ReferenceServer([MyEnvironment]) as server, FaultProxy(server.url) as proxy:
         proxy.add(Status(503), path="/num_tasks", times=2)   # two 503s, then requests pass
-        client = Client(proxy.url, ...)
-        client.num_tasks()
+        Client(proxy.url, ...).num_tasks()
         proxy.count("/num_tasks")                             # 3 requests reached the proxy
 
-With `upstream=None` it is a purpose-built misbehaving ORS server: rules answer everything, and
-a request no rule matches gets a 404.
-
-It is written on raw asyncio streams rather than a web framework, so that a fault does exactly what a
-broken network or server does (a reset, a stream cut mid-chunk, a request never answered, malformed or
-endless bodies). Every request is logged (`Seen`), so a test can count attempts and check what was sent.
-The proxy runs its own event loop in a daemon thread, binds to loopback only, and bounds every wait
-(`max_seconds`) so that a forgotten hang cannot outlive a test by long.
-
-`Blackhole` is a listening socket that never accepts: connections open, nothing is ever read.
+Without an upstream it is a misbehaving ORS server of its own (a request no rule matches gets a 404). Raw asyncio
+streams, not a web framework, so that a fault does exactly what a broken network does (a reset, a stream cut
+mid-chunk, a request never answered); every wait is bounded (`max_seconds`) so a forgotten hang ends.
 """
 
 from __future__ import annotations
@@ -53,15 +42,9 @@ _MAX_BODY = 64 * 1024 * 1024
 
 @dataclass
 class Seen:
-    """One request as the proxy received it.
-
-    Attributes:
-        method, path: the request line (`path` without the query string).
-        headers: the request headers, names lower-cased.
-        body: the request body.
-        fault: the name of the fault that answered it, or None when it was forwarded untouched.
-        at: `time.monotonic()` when it was read (the same clock in every process of the machine).
-    """
+    """One request as the proxy received it: `path` without the query string (`target` with it), header names
+    lower-cased, `fault` the name of the fault that answered it (None: forwarded untouched), `at` its
+    `time.monotonic()` (one clock for every process of the machine)."""
 
     method: str
     path: str
@@ -95,13 +78,9 @@ class _Exchange:
     """One request/response on a client connection, with the primitives faults are made of."""
 
     def __init__(self, proxy: FaultProxy, seen: Seen, writer: asyncio.StreamWriter) -> None:
-        self.proxy = proxy
-        self.seen = seen
-        self.writer = writer
+        self.proxy, self.seen, self.writer = proxy, seen, writer
         self.keep_alive = True
         self._chunked = False
-
-    # -- writing -------------------------------------------------------------------------------
 
     async def _write(self, data: bytes) -> None:
         self.writer.write(data)
@@ -156,8 +135,7 @@ class _Exchange:
 
     async def pour(self, piece: Callable[[], bytes], *, pause: float | None = None, seconds: float = math.inf,
                    limit: float = math.inf) -> None:
-        """Chunk after chunk of `piece()` (`pause` seconds apart) until `seconds` or `limit` bytes have passed or the
-        proxy stops, then close; a client that went away ends it."""
+        """Chunks of `piece()`, `pause` s apart, until `seconds`, `limit` bytes, the proxy's stop, then close."""
         deadline, sent = time.monotonic() + seconds, 0
         try:
             while time.monotonic() < deadline and sent < limit and not self.proxy._stopping.is_set():
@@ -169,8 +147,6 @@ class _Exchange:
         except (ConnectionError, RuntimeError):
             return  # the client went away
         await self.close()
-
-    # -- forwarding ----------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
     async def upstream(self) -> Any:
@@ -187,8 +163,8 @@ class _Exchange:
 
     async def forward(self, *, cut_after: int | None = None, stall_after: int | None = None,
                       stall_seconds: float = 0.0) -> None:
-        """Relay the upstream answer as a chunked stream. `cut_after`: close the connection once that
-        many body bytes were relayed (mid-chunk). `stall_after`: go silent for `stall_seconds` there."""
+        """Relay the upstream answer as a chunked stream; close the connection once `cut_after` body bytes were
+        relayed (mid-chunk), go silent for `stall_seconds` after `stall_after`."""
         async with self.upstream() as resp:
             headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in _HOP_BY_HOP]
             await self.start_stream(resp.status, headers, content_type=None)
@@ -293,13 +269,9 @@ class Delay(Fault):
 
 @dataclass(repr=False)
 class DropStream(Fault):
-    """Forward the request, then cut the answer.
-
-    `after_bytes`: relay that many bytes of the server's body, then close the connection in the
-    middle of the chunked body. With `after_bytes=0` the client gets the status line and headers
-    and nothing else, once the server has started answering (the tool has started, so "the tool ran"
-    is deterministic); `headers=False` cuts before even the status line (the connection just closes).
-    """
+    """Forward the request, then close the connection after `after_bytes` bytes of the server's body (mid-chunk).
+    With 0, once the server has started answering (so "the tool ran" is deterministic), the client gets the status
+    line and headers only (`headers=False`: not even those)."""
 
     after_bytes: int = 0
     headers: bool = True
@@ -342,8 +314,7 @@ class Silent(Hang):
 
 @dataclass(repr=False)
 class Pings(Fault):
-    """Answer 200 and send only `: ping` comments every `interval` seconds, forever (bounded by
-    `max_seconds`); with `task_id`, an `event: task_id` first."""
+    """Answer 200, then only `: ping` comments every `interval` s until `max_seconds` (`task_id`: that event first)."""
 
     interval: float = 0.1
     task_id: str | None = None
@@ -360,8 +331,7 @@ class Pings(Fault):
 
 @dataclass(repr=False)
 class SSEReply(Fault):
-    """Answer with these SSE `(event, data)` pairs; `then` is "end" (a complete body), "close" (cut
-    the connection) or "hang" (stay open, silent)."""
+    """Answer with these SSE `(event, data)` pairs, then "end" (a complete body), "close" or "hang" (silent)."""
 
     events: list[tuple[str, str]]
     then: str = "end"
@@ -383,8 +353,7 @@ class SSEReply(Fault):
 
 @dataclass(repr=False)
 class Flood(Fault):
-    """Answer 200 with an endless body: `sse=True` sends `data:` lines that never end an event,
-    else plain JSON-ish bytes. Stops at `limit` bytes or when the client goes away."""
+    """Answer 200 with an endless body (with `sse`, an event that never ends; else JSON-ish bytes) up to `limit`."""
 
     sse: bool = False
     limit: int = 512 * 1024 * 1024
@@ -442,15 +411,11 @@ class FaultProxy(_Loopback):
 
     Args:
         upstream (`str`, *optional*):
-            Base URL requests are forwarded to (`http://127.0.0.1:PORT`); without one, the proxy is a fake server
-            whose every answer is a programmed fault.
+            Base URL to forward to (`http://127.0.0.1:PORT`); without one, every answer is a programmed fault.
         host (`str`, *optional*, defaults to `"127.0.0.1"`):
-            Loopback address to bind.
+            Loopback address to bind (another: a `ValueError`).
         max_log (`int`, *optional*, defaults to `100000`):
-            How many of the newest requests `requests` and `count` remember (a soak run stays bounded).
-
-    Raises:
-        ValueError: `host` is not a loopback address, or `max_log` is below 1.
+            How many of the newest requests `requests` and `count` remember (at least 1; a soak run stays bounded).
     """
 
     def __init__(self, upstream: str | None = None, *, host: str = LOOPBACK, max_log: int = 100_000) -> None:
@@ -470,12 +435,10 @@ class FaultProxy(_Loopback):
         self._stopping: asyncio.Event
         self._conns: set[asyncio.Task[None]] = set()
 
-    # -- programming -------------------------------------------------------------------------------
-
     def add(self, fault: Fault, *, path: str | None = None, method: str | None = None, times: int | None = 1,
             when: Callable[[Seen], bool] | None = None) -> FaultProxy:
-        """Answer the next `times` matching requests with `fault`; returns the proxy, so that rules can be chained.
-        Rules are tried in the order they were added; the first that matches and has uses left wins.
+        """Answer the next `times` matching requests with `fault` (the first rule added that matches and has uses
+        left wins); returns the proxy, so that rules can be chained.
 
         Args:
             fault (`Fault`):
@@ -519,14 +482,8 @@ class FaultProxy(_Loopback):
         matching = _Rule(Forward(), path, method, None, None)  # a rule's own test, never used up
         return sum(1 for seen in self.requests if matching.matches(seen) and (fault is False or seen.fault == fault))
 
-    # -- lifecycle -----------------------------------------------------------------------------------
-
     def start(self) -> FaultProxy:
-        """Start serving on a free port, in a thread of its own; returns the proxy.
-
-        Raises:
-            RuntimeError: the proxy did not start within 10 s.
-        """
+        """Start serving on a free port, in a thread of its own (a `RuntimeError` if not within 10 s); returns it."""
 
         async def startup() -> None:
             self._stopping = asyncio.Event()
@@ -571,8 +528,6 @@ class FaultProxy(_Loopback):
 
     def __repr__(self) -> str:
         return f"FaultProxy(upstream={self.upstream!r}, port={self.port})"
-
-    # -- serving -------------------------------------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -642,10 +597,7 @@ class Blackhole(_Loopback):
 
     Args:
         host (`str`, *optional*, defaults to `"127.0.0.1"`):
-            Loopback address to bind.
-
-    Raises:
-        ValueError: `host` is not a loopback address.
+            Loopback address to bind (another: a `ValueError`).
     """
 
     def __init__(self, host: str = LOOPBACK) -> None:

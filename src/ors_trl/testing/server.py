@@ -1,18 +1,12 @@
 """Run your ORS environments under the reference server, on loopback, in a subprocess, for tests.
 
-`ReferenceServer` starts `python -m ors_trl.testing.server` (this module's `main`) on a free
-port of 127.0.0.1 with the environment classes you give it (classes, or `"module:Class"` paths)
-and waits until it answers; it is the real ORS peer of ors-trl's own tests, benchmarks and demo::
-
     with ReferenceServer([MyEnvironment], idle_timeout=5) as server:
         spec = OpenRewardSpec(server.url)
         server.stats()  # {"open_sessions": 0, "tool_calls": {...}, ...}
         server.close_sessions()  # delete whatever a failed test left open
 
-The server process is the reference `openreward.environments.Server` plus a thin outer ASGI layer
-that answers `GET /_test/stats` (live sessions, pings, requests, and the counters environments bump
-with `ors_trl.testing.counters`). Only the standard library is imported at module level, so
-`ors_trl.testing` stays cheap to import; `main` imports `openreward` and `uvicorn` in the server process.
+The subprocess (`python -m ors_trl.testing.server`, `main`) is the reference `openreward.environments.Server` under
+a thin ASGI layer that answers `GET /_test/stats`. Only the standard library is imported here at module level.
 """
 
 from __future__ import annotations
@@ -57,10 +51,7 @@ def free_port(host: str = LOOPBACK) -> int:
 
     Args:
         host (`str`, *optional*, defaults to `"127.0.0.1"`):
-            The loopback address to find a port on.
-
-    Raises:
-        ValueError: `host` is not a loopback address.
+            The loopback address to find a port on (another: a `ValueError`).
     """
     _require_loopback(host)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -107,8 +98,7 @@ class _ScaledClock:
     """Stands in for the `time` module: `monotonic()` runs `factor` times faster, the rest is real."""
 
     def __init__(self, real: types.ModuleType, factor: float) -> None:
-        self._real = real
-        self.factor = factor
+        self._real, self.factor = real, factor
 
     def monotonic(self) -> float:
         return self._real.monotonic() * self.factor
@@ -118,12 +108,10 @@ class _ScaledClock:
 
 
 def install_idle_timeout(seconds: float) -> None:
-    """Make the reference server reap sessions idle for more than `seconds` real seconds.
+    """Make the reference server reap sessions idle for more than `seconds` real seconds (checked every 5 s).
 
-    Its reaper compares `time.monotonic()` differences against 900 s every 5 s; we replace the
-    `time` its module reads with a clock scaled by `900 / seconds`. The 5 s check interval is
-    unchanged, so a session is reaped between `seconds` and `seconds + 5` after its last activity.
-    Side effect: the latencies in the server's request logs are scaled by the same factor.
+    Its reaper compares `time.monotonic()` differences with 900 s, so its module's `time` becomes a clock scaled by
+    `900 / seconds` (the latencies in the server's request logs are scaled too).
     """
     if seconds <= 0:
         raise ValueError("idle timeout must be positive")
@@ -139,11 +127,8 @@ class _TestRoutes:
     """Outer ASGI layer: answers `/_test/*` itself (the reference app would 308 it), counts pings."""
 
     def __init__(self, app: Any, server: Any, idle_timeout: float | None) -> None:
-        self.app = app
-        self.server = server
-        self.idle_timeout = idle_timeout
-        self.pings = 0
-        self.requests = 0
+        self.app, self.server, self.idle_timeout = app, server, idle_timeout
+        self.pings = self.requests = 0
         self.peak_sessions = 0  # most sessions alive at once since start (sampled after each /create)
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
@@ -285,13 +270,12 @@ def _stop_leftovers() -> None:
 
 
 class ReferenceServer(_Loopback):
-    """A reference ORS server in a subprocess on loopback, for tests, benchmarks and the demo.
+    """A reference ORS server in a subprocess on loopback.
 
     Args:
         envs (`type`, `str` or `Sequence[type | str]`):
-            The environment classes to serve, as classes or `"module:Class"` paths (one, or a list); the first is
-            the server's default environment. A class's module must be importable from a file (not `__main__`);
-            its folder is put on the server's `PYTHONPATH`.
+            The environment classes (or `"module:Class"` paths) to serve, the first the default one; a class's module
+            must be importable from a file (not `__main__`), whose folder goes on the server's `PYTHONPATH`.
         idle_timeout (`float`, *optional*):
             Reap sessions idle for more than this many seconds (checked every 5 s) instead of the reference 900 s.
         env (`Mapping[str, str]`, *optional*):
@@ -299,14 +283,11 @@ class ReferenceServer(_Loopback):
         port (`int`, *optional*):
             Fixed port; by default a free one is picked (and re-picked if it was taken meanwhile).
         host (`str`, *optional*, defaults to `"127.0.0.1"`):
-            Loopback address to bind.
+            Loopback address to bind (another: a `ValueError`).
         startup_timeout (`float`, *optional*, defaults to `30.0`):
             Seconds to wait for the server to answer before raising `ServerStartError`.
         log_level (`str`, *optional*, defaults to `"warning"`):
             The server's log level; its output goes to `log_path`.
-
-    Raises:
-        ValueError: `host` is not a loopback address.
     """
 
     def __init__(self, envs: type | str | Sequence[type | str], idle_timeout: float | None = None,
@@ -314,17 +295,11 @@ class ReferenceServer(_Loopback):
                  startup_timeout: float = 30.0, log_level: str = "warning") -> None:
         _require_loopback(host)
         self.envs, self._paths = _environment_paths(envs)
-        self.idle_timeout = idle_timeout
-        self.extra_env = dict(env or {})
-        self.host = host
-        self.port = port
-        self.startup_timeout = startup_timeout
-        self.log_level = log_level
+        self.idle_timeout, self.extra_env, self.host, self.port = idle_timeout, dict(env or {}), host, port
+        self.startup_timeout, self.log_level = startup_timeout, log_level
         self._fixed_port = port is not None
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_path: str | None = None
-
-    # -- properties -------------------------------------------------------------------------------
 
     @property
     def pid(self) -> int | None:
@@ -341,15 +316,9 @@ class ReferenceServer(_Loopback):
         """The file the server's stdout and stderr go to (deleted on `close()`, collection or process exit)."""
         return self._log_path
 
-    # -- lifecycle --------------------------------------------------------------------------------
-
     def start(self) -> ReferenceServer:
-        """Launch the server and wait until it answers `/health` as this process; returns the server.
-
-        Raises:
-            ServerStartError: the server exited or did not answer within `startup_timeout`.
-            RuntimeError: the server is already running.
-        """
+        """Launch the server and wait until it answers `/health` as this process; returns the server (a
+        `ServerStartError` if it exits or does not answer in `startup_timeout`; a `RuntimeError` if it is running)."""
         if self.running:
             raise RuntimeError(f"server already running at {self.url}")
         for attempt in range(3):  # a free port re-picked if another process took it meanwhile
@@ -368,7 +337,7 @@ class ReferenceServer(_Loopback):
         return self
 
     def stop(self, timeout: float = 10.0) -> int | None:
-        """Terminate the server (SIGTERM: sessions are torn down), then kill it if it outlives `timeout`; returns its
+        """Terminate the server (SIGTERM: sessions are torn down), killing it if it outlives `timeout`; returns its
         exit status (`None` if it was never started).
 
         Args:
@@ -383,8 +352,7 @@ class ReferenceServer(_Loopback):
         return self.kill()  # what outlived `timeout`
 
     def kill(self) -> int | None:
-        """Kill the server at once (SIGKILL: no teardowns), as a crash would; returns its exit status (`None` if it
-        was never started)."""
+        """Kill the server at once (SIGKILL: no teardowns), as a crash would; returns its exit status (or `None`)."""
         proc = self._proc
         if proc is None:
             return None
@@ -415,12 +383,9 @@ class ReferenceServer(_Loopback):
         state = "running" if self.running else "stopped"
         return f"ReferenceServer(envs={[e.rsplit(':', 1)[-1] for e in self.envs]}, port={self.port}, {state})"
 
-    # -- introspection ----------------------------------------------------------------------------
-
     def stats(self, timeout: float = 5.0) -> dict[str, Any]:
         """The server's introspection, `GET /_test/stats`: `open_sessions`, `peak_sessions`, `sessions`, `pings`,
-        `requests`, `pid`, `idle_timeout`, `environments`, and the `counters` (`tool_calls` as `{"env/tool": n}`,
-        `setups`, `teardowns`, ...).
+        `requests`, `pid`, `idle_timeout`, `environments`, and the `counters` (`tool_calls` as `{"env/tool": n}`, ...).
 
         Args:
             timeout (`float`, *optional*, defaults to `5.0`):
@@ -437,12 +402,9 @@ class ReferenceServer(_Loopback):
             predicate (`Callable[[dict[str, Any]], bool]`):
                 The condition, on the stats.
             timeout (`float`, *optional*, defaults to `10.0`):
-                Seconds to wait for it.
+                Seconds to wait for it (then a `TimeoutError` showing the last stats).
             interval (`float`, *optional*, defaults to `0.05`):
                 Seconds between polls.
-
-        Raises:
-            TimeoutError: the condition did not hold within `timeout` (the message shows the last stats).
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -454,10 +416,8 @@ class ReferenceServer(_Loopback):
             time.sleep(interval)
 
     def close_sessions(self, timeout: float = 10.0) -> list[str]:
-        """Delete every session the server holds (over the protocol, as a client would); returns their ids.
-
-        For a test fixture that found sessions left behind: it can fail that one test and leave the server
-        clean for the next.
+        """Delete every session the server holds (over the protocol, as a client would; a fixture that found some
+        left behind leaves the server clean for the next test); returns their ids.
 
         Args:
             timeout (`float`, *optional*, defaults to `10.0`):
@@ -487,8 +447,6 @@ class ReferenceServer(_Loopback):
                 return fh.read().decode("utf-8", "replace")
         except OSError:
             return ""
-
-    # -- internals --------------------------------------------------------------------------------
 
     def _spawn(self) -> None:
         if self._log_path is None:
