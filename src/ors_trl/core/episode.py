@@ -48,8 +48,20 @@ from .metrics import EnvMetrics
 from .records import RUN_ID, CallRecord, EpisodeRecord, RecordWriter, TurnRecord, error_record, image_record
 from .scoring import reward_rule
 
-__all__ = ["MANUAL", "TRAINING_SOURCES", "EnvironmentRuntime", "Episode", "Outcome", "Reply", "Rules", "Task", "ToolCall",
-           "runtimes", "score_groups"]
+__all__ = [
+    "MANUAL",
+    "TRAINING_SOURCES",
+    "EnvironmentRuntime",
+    "Episode",
+    "Outcome",
+    "Reply",
+    "Rules",
+    "Task",
+    "ToolCall",
+    "drop_failed_groups",
+    "runtimes",
+    "score_groups",
+]
 
 logger = logging.getLogger("ors_trl")
 
@@ -255,6 +267,8 @@ class EnvironmentRuntime:
         #: Whose failure a tool that raised inside the environment is: "model" (it reads the error and goes on, as in
         #: TRL's loop) or "environment" (a sandbox that died: the episode ends, no score).
         self.tool_errors: str = options.get("tool_errors") or "model"
+        self.episode_retries: int = int(options.get("episode_retries") or 0)
+        self.failed_groups: str = options.get("failed_groups") or "partial"
         #: Set when an image met a trainer that cannot take images, where TRL's loop would swallow the error (a tool
         #: call): the reward functions raise it at the end of that step.
         self.image_error: ConfigurationError | None = None
@@ -477,6 +491,10 @@ class Episode:
         #: the protocol; a tool that raised, with `tool_errors="environment"`): the episode is no score (decision 15).
         self.failure: ORSError | None = None
         self._dead = False  # the session is known gone: it is never called again
+        self.dropped = False  # its GRPO group trains on none of its episodes (`failed_groups="drop"`): no score
+        #: Token fidelity, where a driver knows it: whether the ids trained on are the ids generated (plus tool tokens),
+        #: how many were generated, how many of those a re-render changed (`masked`), and the training rows.
+        self.tokens: dict[str, Any] | None = None
         self._unseen: set[int] = set()  # positions in `rewards` of calls whose results the model never saw
         self._metrics = metrics if metrics is not None else EnvMetrics(env.metrics.success_threshold)  # apart
         self._writer = writer
@@ -514,9 +532,15 @@ class Episode:
         """The episode's reward: the environment's rule (`OpenRewardSpec(reward=)`, `last` by default) over the
         per-call rewards the model saw; `None` when nothing was scored, past the deadline, or after a failure (unless
         `score_failures`)."""
-        if self.end_reason == "timeout" or (self.broken and not self.env.score_failures):
+        if self.end_reason == "timeout" or self.dropped or (self.broken and not self.env.score_failures):
             return None
         return self.env.reward_rule([None if k in self._unseen else r for k, r in enumerate(self.rewards)], self)
+
+    @property
+    def retryable(self) -> ORSError | None:
+        """The infrastructure failure that voided the episode (its session did not open or was lost, the environment
+        failed), or None: a replay on a fresh session may succeed, where a policy's failure or a deadline would not."""
+        return self.failure or self._open_error
 
     @property
     def broken(self) -> bool:
@@ -893,6 +917,8 @@ class Episode:
         scored nothing); None when it was scored."""
         if self.end_reason == "timeout":
             return "timeout"
+        if self.dropped:
+            return "dropped"
         if self.reward is not None:
             return None
         if self.broken:
@@ -907,7 +933,8 @@ class Episode:
             return
         self._accounted = True
         self._metrics._record_episode(self.env.name, reward=self.reward, finished=self.finished, calls=self.tool_calls,
-                                      unscored=self.unscored, turns=self.turns, opened=self.prompt is not None)
+                                      unscored=self.unscored, turns=self.turns, opened=self.prompt is not None,
+                                      tokens=self.tokens)
         for listener in self.env.listeners:
             listener(self)
         self._bill()
@@ -951,6 +978,7 @@ class Episode:
             final=self.final, rewards=self.rewards, reward=self.reward, reward_rule=self.env.reward_rule.name,
             group_reward=self.group_reward, finished=self.finished, end_reason=self.end_reason, unscored=self.unscored, tool_calls=self.tool_calls,
             tool_failures=self.tool_failures, error=self.error, timings=timings, **images,
+            **({"tokens": self.tokens} if self.tokens is not None else {}),
         )
 
     async def close_session(self) -> None:
@@ -960,12 +988,14 @@ class Episode:
         if self.session is not None:
             await self.session.close()
 
-    async def close(self, *, keep: bool = True) -> None:
+    async def close(self, *, keep: bool = True, replaced: bool = False) -> None:
         """Free the session, then (once) count the episode and write its record. The one way an episode closes.
 
         Args:
             keep (`bool`, *optional*, defaults to `True`):
                 Count and record it; `False` (an interrupted episode, which is no result) does neither.
+            replaced (`bool`, *optional*, defaults to `False`):
+                A failure voided it and it is played again on a fresh session: recorded, counted as a retry only.
         """
         if self.state == CLOSED:
             return
@@ -977,6 +1007,9 @@ class Episode:
             self._bill()
             with self.env.lock:
                 self.env.live.discard(self)
+            if replaced:
+                self._accounted = True  # the replay is the episode: this attempt is a retry in the metrics
+                self._metrics._record_retry(self.env.name)
             if keep:
                 self.account()
                 record = self.record()
@@ -993,6 +1026,20 @@ class Episode:
         if self._closing is None:
             self._closing = self.env.submit(self.close())
         return self._closing
+
+
+def drop_failed_groups(episodes: Sequence[Episode]) -> None:
+    """`failed_groups="drop"`: a GRPO group (the episodes of one task) with an episode a failure voided trains none
+    of its episodes (each is `dropped`: no score), so a partial group does not bias the advantages; counted once."""
+    groups: dict[tuple[int, str], list[Episode]] = {}
+    for ep in episodes:
+        if ep.env.failed_groups == "drop":
+            groups.setdefault((id(ep.env), ep.task.key), []).append(ep)
+    for group in groups.values():
+        if any(ep.broken for ep in group) and not group[0].dropped:
+            for ep in group:
+                ep.dropped = True
+            group[0]._metrics._record_retry(group[0].env.name, dropped_group=True)
 
 
 async def score_groups(episodes: Sequence[Episode]) -> None:

@@ -11,6 +11,7 @@ a batched generator.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -21,7 +22,9 @@ from ..protocol.errors import ConfigurationError, ContextLengthExceeded
 from .conversation import assistant_message, tool_message
 from .episode import Episode, Outcome, Reply
 
-__all__ = ["AUTO_WINDOW", "Batcher", "Conversation", "Generator", "StopEpisode", "play"]
+__all__ = ["AUTO_WINDOW", "Batcher", "Conversation", "Generator", "StopEpisode", "play", "play_task"]
+
+logger = logging.getLogger("ors_trl")
 
 #: The automatic gather window's longest wait, in seconds.
 AUTO_WINDOW = 0.05
@@ -110,6 +113,26 @@ async def _play(conversation: Conversation, generator: Any, base: Sequence[Mappi
         if outcomes is None:
             return
         conversation.add(reply, outcomes)
+
+
+async def play_task(make: Callable[[int], Episode], generator: Any, **options: Any) -> tuple[Episode, Conversation]:
+    """Play an episode of one task (`make(attempt)` builds it), and replay it from the start on a fresh session while
+    infrastructure voided it (`Episode.retryable`), at most its environment's `episode_retries` times: its tools
+    run again, so the replay is said in the log. Returns the last attempt and its conversation; the voided ones are
+    recorded (`replayed` on the next) and counted as retries. `options` go to `play`."""
+    attempt = 0
+    while True:
+        episode = make(attempt)
+        if attempt:
+            episode.info["replayed"] = attempt
+        conversation = await play(episode, generator, **options)
+        if not episode.retryable or attempt >= episode.env.episode_retries:
+            return episode, conversation
+        attempt += 1
+        logger.warning("%s: task %s failed (%s); replaying it on a fresh session (attempt %d of %d), its tools run "
+                       "again", episode.env.name, episode.task.key, episode.retryable, attempt + 1,
+                       episode.env.episode_retries + 1)
+        await episode.close(replaced=True)
 
 
 class _Request:
