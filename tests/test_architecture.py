@@ -46,8 +46,16 @@ LAYERS = ("protocol", "core", "tasks", "trl", "evaluation", "surface")
 _TRAINING = {"torch", "trl", "transformers", "accelerate"}
 FORBIDDEN = {"protocol": _TRAINING | {"datasets"}, "core": _TRAINING | {"datasets", "openreward"},
              "tasks": _TRAINING | {"openreward"}}
-#: HTTP client libraries: only the transport uses one (the test kit's servers and proxies aside).
+#: HTTP client libraries: only the transport uses one (the test kit's servers and proxies aside); a server built on
+#: `aiohttp.web` alone (an endpoint on loopback) builds no request.
 HTTP = {"aiohttp", "httpx", "requests", "urllib3", "http.client"}
+
+
+def _http_clients(imported: set[str]) -> list[str]:
+    """The HTTP client imports among `imported` (`from aiohttp import web` alone is a server, not a client)."""
+    server = {t for t in imported if t == "aiohttp.web" or t.startswith("aiohttp.web.")}
+    clients = [t for t in imported if (t.split(".")[0] in HTTP or t in HTTP) and t not in server]
+    return [] if server and set(clients) <= {"aiohttp"} else clients
 
 
 def layer(module: str) -> str:
@@ -86,7 +94,7 @@ def layer_violations(modules: dict[str, set[str]]) -> list[str]:
                 out.append(f"{module} ({mine}) imports {target} ({layer(target)})")
             if top in FORBIDDEN.get(mine, ()):
                 out.append(f"{module} ({mine}) imports {target}")
-            if (top in HTTP or target in HTTP) and module != "ors_trl.protocol.transport" \
+            if target in _http_clients(imported) and module != "ors_trl.protocol.transport" \
                     and not module.startswith("ors_trl.testing"):
                 out.append(f"{module} builds HTTP requests ({target}): only ors_trl.protocol.transport may")
     return out
@@ -112,7 +120,8 @@ def test_the_layer_rules_catch_what_they_forbid() -> None:
         "ors_trl.protocol.client builds HTTP requests (aiohttp): only ors_trl.protocol.transport may",
         "ors_trl.protocol.client (protocol) imports ors_trl.core.records (core)"]
     good = {"ors_trl.trl.engine": {"ors_trl.core.episode", "transformers"}, "ors_trl.protocol.transport": {"aiohttp"},
-            "ors_trl.spec": {"ors_trl.evaluation.runner", "datasets"}}
+            "ors_trl.spec": {"ors_trl.evaluation.runner", "datasets"},
+            "ors_trl.evaluation.endpoint": {"aiohttp", "aiohttp.web"}}  # a server on loopback builds no request
     assert layer_violations(good) == []
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ors_trl import OpenRewardSpec, PolicyReply, write_report
+from ors_trl import ConfigurationError, OpenRewardSpec, PolicyReply, write_report
 from ors_trl.core.records import MAX_DEPTH, RECORD_VERSION, RecordWriter, read_records, upgrade
 
 pytestmark = pytest.mark.usefixtures("no_leaked_sessions")
@@ -224,3 +224,21 @@ def test_eval_output_keeps_hostile_model_text_and_reports_it(ref_server, tmp_pat
     assert records[0]["final"] == {"message": "answer \ufffd here"}
     summary = write_report([out], tmp_path / "r.html")
     assert summary.episodes == 2 and summary.skipped == 0
+
+
+def test_a_task_spec_nested_as_deeply_as_a_log_line_reads_gets_a_label_and_a_report(tmp_path) -> None:
+    """A foreign log's task spec nested as deeply as the reader takes (past what the JSON encoder recurses through
+    further down the stack): the one task label names it instead of raising, and the report counts the episode."""
+    from ors_trl.protocol.text import show_json
+
+    log, summary = tmp_path / "foreign.jsonl", None
+    for depth in range(1000, 700, -5):  # the deepest the report reads: the bound depends on the stack
+        log.write_text(f'{{"environment": "e", "split": "test", "task_spec": {"[" * depth + "]" * depth}, '
+                       '"reward": 1.0}\n')
+        try:
+            summary = write_report([log], tmp_path / "r.html")
+        except ConfigurationError:  # not read at all: no episode records
+            continue
+        break
+    assert summary is not None and summary.episodes == 1 and summary.skipped == 0
+    assert show_json(nested(5000, 0)) == "<dict>"

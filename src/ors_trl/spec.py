@@ -332,7 +332,8 @@ class OpenRewardSpec:
             else:
                 self._known = known_rewards(difficulty_from, split=split, environment=self.name)
         if upload_rollouts:
-            from .protocol.upload import RolloutUploader, training_info
+            from .protocol.upload import RolloutUploader
+            from .trl.backend import training_info
 
             rt = self._runtime
             rt.uploads = RolloutUploader(

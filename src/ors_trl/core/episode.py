@@ -40,7 +40,7 @@ from ..protocol.errors import (
     TransportError,
 )
 from ..protocol.loop import get_loop
-from ..protocol.text import clip, show_name
+from ..protocol.text import cut, show_name
 from ..protocol.types import Block, ImageBlock, TerminalTool, ToolList, ToolResult, image_blocks
 from .binding import Toolset
 from .conversation import Content, Prompt, content, transcript
@@ -697,11 +697,12 @@ class Episode:
     def _shown(self, blocks: list[Block]) -> tuple[Content, str]:
         """What the model reads of a tool's output, each text cut to `max_output_chars`, and the text of it."""
         limit, images = self.env.max_output_chars, self.env.pass_images
-        text = clip(content(blocks, images=images, view=True), limit) or "(no output)"  # type: ignore[arg-type]
+        text = cut(content(blocks, images=images, view=True), limit, "output")  # type: ignore[arg-type]
+        text = text or "(no output)"
         shown = content(blocks, images=images)
         if isinstance(shown, str):
             return text, text
-        return [dict(p, text=clip(p["text"], limit)) if p["type"] == "text" else p for p in shown], text
+        return [dict(p, text=cut(p["text"], limit, "output")) if p["type"] == "text" else p for p in shown], text
 
     def _keep(self, block: ImageBlock) -> str:
         """Remember an image of the episode for its record (each once, by hash); its hash."""
@@ -868,7 +869,7 @@ class Episode:
             except ORSError as exc:
                 self.final["error"], kind = error_record(exc), exc.kind
             else:
-                self.final.update(output=clip(result.text, self.env.max_output_chars), reward=result.reward,
+                self.final.update(output=cut(result.text, self.env.max_output_chars, "output"), reward=result.reward,
                                   finished=result.finished, metadata=result.metadata)
                 self._scored(result)
             self.final["seconds"] = round(time.monotonic() - started, 4)

@@ -24,7 +24,8 @@ from typing import Any, Literal, NotRequired, TypedDict
 from ..protocol.files import is_regular, write_atomic
 from ..protocol.images import as_bytes
 from ..protocol.registry import RUN_ID
-from ..protocol.text import clean_json, clip, repair
+from ..protocol.text import clean_json, repair
+from ..protocol.text import cut as cut_text
 
 __all__ = ["MAX_DEPTH", "RECORD_VERSION", "RUN_ID", "CallRecord", "EndReason", "EpisodeRecord", "ImageRecord",
            "RecordWriter", "TurnRecord", "Unscored", "error_record", "image_record", "jsonable", "parse_line",
@@ -198,7 +199,7 @@ def jsonable(value: Any, *, max_text: int | None = None, fields: frozenset[str] 
     def copy(v: Any, depth: int, cut: bool, path: set[int]) -> Any:
         if isinstance(v, str):
             v = repair(v)
-            return clip(v, max_text) if cut else v
+            return cut_text(v, max_text, "output") if cut else v
         if v is None or isinstance(v, bool):
             return v
         if isinstance(v, int):

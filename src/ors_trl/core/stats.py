@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from ..protocol.errors import ConfigurationError
-from ..protocol.text import shorten, show_json
-from .records import jsonable
+from ..protocol.text import label, task_label
+from .metrics import EpisodeStats
 
 __all__ = ["check_threshold", "label", "paired_test", "pass_at_k", "pass_at_ks", "pass_over_tasks", "task_label",
            "wilson"]
@@ -90,16 +90,14 @@ def check_threshold(threshold: float, rewards: Iterable[float | None]) -> None:
             "within them (the default 1.0 suits environments that reward 0 or 1).")
 
 
-def label(value: Any, limit: int = 200) -> str:
-    """A record value as a short label: text as it is, a number or None as `str` gives it, anything else as JSON."""
-    if not isinstance(value, str):
-        value = str(value) if value is None or isinstance(value, int | float) else show_json(jsonable(value), limit)
-    return shorten(value, limit)
-
-
-def task_label(record: Mapping[str, Any]) -> str:
-    """Which task an episode record ran, as the report and eval name it: `test #3`, or `train spec {...}`."""
-    split = label(record.get("split") or "-")
-    if record.get("task_spec") is not None:
-        return f"{split} spec {label(record['task_spec'], 60)}"
-    return f"{split} #{label(record.get('task_index'))}"
+def by_task(episodes: Iterable[tuple[Any, Any]], success_threshold: float,
+            count: Callable[[EpisodeStats, Any], None] = EpisodeStats.add_record
+            ) -> tuple[EpisodeStats, dict[Any, EpisodeStats], dict[int, float], tuple[float, float] | None]:
+    """`(task, episode)` pairs counted overall and per task (`count`: a record by default), then `pass_over_tasks`:
+    what an evaluation reports, after training or during it."""
+    stats = EpisodeStats(success_threshold)
+    tasks: dict[Any, EpisodeStats] = {}
+    for task, episode in episodes:
+        count(stats, episode)
+        count(tasks.setdefault(task, EpisodeStats(success_threshold)), episode)
+    return stats, tasks, *pass_over_tasks(tasks.values())

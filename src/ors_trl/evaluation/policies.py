@@ -1,22 +1,11 @@
 """Policies: what `evaluate` asks for the model's next turn.
 
-A policy is either a generator (`ors_trl.core.rollout.Generator`: `reply(conversation)`, as `LocalPolicy` is) or
-anything with `await policy.respond(messages, tools) -> Reply` (the `Policy` protocol): `messages` are chat messages
-(system, user, assistant with `tool_calls`, tool), `tools` the JSON schemas training renders. Two are built in:
-`LocalPolicy` (a transformers model: its ids built as GRPO builds them, `ors_trl.trl.tokens`, and generation batched
-across the episodes waiting for a turn) and `OpenAIPolicy` (any OpenAI-compatible chat-completions endpoint, retried
-under a `RetryPolicy` like every ORS request).
-
-A message whose content holds images is a list of content parts (`{"type": "text", "text": ...}`,
-`{"type": "image", "image": <RGB PIL image>}`, `ors_trl.core.conversation.content`): `LocalPolicy` hands
-them to a vision-language model's processor as training does, `OpenAIPolicy` sends them as
-OpenAI-style `image_url` parts with `data:` URLs.
-
-A policy's `tool_markup` (optional) says what a tool call looks like in its replies' text: a reply
-without calls that holds it is a call the parser missed (the turn is marked `unparsed`). A local model's
-comes from its chat template; an endpoint's is the common markups of the major chat templates
-(`TOOL_MARKUPS`), unless named (`OpenAIPolicy(tool_markup=...)`), for a server without a tool-call parser
-returns the call as plain content.
+A policy is a generator (`ors_trl.core.rollout.Generator`, as `LocalPolicy` is) or has `await respond(messages, tools)
+-> Reply` (the `Policy` protocol, driven through `Responder`). Built in: `LocalPolicy` (a transformers model, its ids
+built as GRPO builds them) and `OpenAIPolicy` (any OpenAI-compatible chat-completions endpoint). Image content parts
+(`ors_trl.core.conversation.content`) go to a vision-language model's processor as in training, or to an endpoint as
+`data:` URLs. A policy's `tool_markup` says what a tool call looks like in its text: a reply without calls that holds
+it is a call the parser missed (`unparsed`).
 """
 
 from __future__ import annotations
@@ -36,7 +25,7 @@ from ..core.rollout import Batcher, Conversation
 from ..protocol.errors import ConfigurationError, ContextLengthExceeded, ORSError, PolicyError
 from ..protocol.target import check_header_value
 from ..protocol.transport import RetryPolicy, Timeouts, Transport
-from ..trl.backend import Rendering
+from ..trl.backend import Rendering, image_inputs
 from ..trl.tokens import TokenGenerator, Tokens
 
 __all__ = ["TOOL_MARKUPS", "LocalPolicy", "OpenAIPolicy", "Policy", "PolicyReply", "Responder", "as_generator",
@@ -46,8 +35,6 @@ __all__ = ["TOOL_MARKUPS", "LocalPolicy", "OpenAIPolicy", "Policy", "PolicyReply
 PolicyReply = Reply
 
 logger = logging.getLogger("ors_trl.eval")
-#: The largest chat completion read from an endpoint (as for ORS answers).
-_MAX_ANSWER_BYTES = 64 * 1024 * 1024
 #: The texts that open (or, for gpt-oss, address or end) a tool call in the major open-weight chat templates: what the
 #: tool-call parsers of vLLM and SGLang look for. A server run without the model's parser returns them as content.
 TOOL_MARKUPS: dict[str, str] = {
@@ -81,24 +68,17 @@ def markup_pattern(texts: str | Sequence[str] | None = None) -> re.Pattern[str] 
 
 @runtime_checkable
 class Policy(Protocol):
-    """What `evaluate` drives: given the conversation and the tool schemas, return the assistant's reply.
-
-    A policy may also have `tool_markup` (a text, or a compiled pattern): what a tool call looks like in its replies'
-    text, so that a reply holding one that parsed to no call is counted (`unparsed`).
-    """
+    """What `evaluate` drives: given the conversation and the tool schemas, return the assistant's reply. It may also
+    have `tool_markup` (a text, or a compiled pattern): what a tool call looks like in its replies' text."""
 
     async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Reply:
         """The assistant's next turn.
 
         Args:
             messages (`list[dict[str, Any]]`):
-                The conversation so far: chat messages (system, user, assistant with `tool_calls`, tool); a content
-                holding images is a list of content parts.
+                Chat messages (system, user, assistant with `tool_calls`, tool); image content as content parts.
             tools (`list[dict[str, Any]]`):
                 The tools' JSON schemas, as training renders them.
-
-        Returns:
-            `Reply`: The assistant's turn.
 
         Raises:
             PolicyError: no reply could be produced (`ContextLengthExceeded` when the conversation no longer fits).
@@ -106,21 +86,13 @@ class Policy(Protocol):
 
 
 def _openai_parts(content: Any) -> Any:
-    """A message's content as OpenAI's chat API takes it: a text as it is, image parts as `image_url` parts with a
-    `data:` URL (an image given as a URL or `data:` URL already is sent as it is)."""
+    """A message's content as OpenAI's chat API takes it: image parts as `image_url` parts (`data:` URLs)."""
     if not isinstance(content, list):
         return content
-    out = []
-    for part in content:
-        if part.get("type") != "image":
-            out.append(part)
-        elif isinstance(part.get("image"), str):
-            out.append({"type": "image_url", "image_url": {"url": part["image"]}})
-        else:
-            from ..protocol.images import data_url
+    from ..protocol.images import data_url
 
-            out.append({"type": "image_url", "image_url": {"url": data_url(part["image"])}})
-    return out
+    return [part if part.get("type") != "image" else {"type": "image_url", "image_url": {
+        "url": part["image"] if isinstance(part["image"], str) else data_url(part["image"])}} for part in content]
 
 
 class OpenAIPolicy:
@@ -128,18 +100,17 @@ class OpenAIPolicy:
 
     Args:
         base_url (`str`):
-            The API root, e.g. `"http://127.0.0.1:8001/v1"` (requests go to `{base_url}/chat/completions`).
+            The API root, e.g. `"http://127.0.0.1:8001/v1"`.
         model (`str`):
             The model name the endpoint serves.
         api_key (`str`, *optional*):
-            Sent as `Authorization: Bearer ...`; defaults to `OPENAI_API_KEY`. Never logged or recorded: it is
-            masked as `***` in the endpoint's answers and in every error quoting them.
+            Sent as `Authorization: Bearer ...` (default: `OPENAI_API_KEY`); never logged, masked as `***` in errors.
         temperature (`float`, *optional*):
-            Sampling temperature sent with every request (not sent when `None`).
+            Sampling temperature, sent with every request when set.
         max_tokens (`int`, *optional*):
-            Token limit of one reply, sent with every request (not sent when `None`).
+            Token limit of one reply, sent with every request when set.
         seed (`int`, *optional*):
-            Sampling seed sent with every request (not sent when `None`).
+            Sampling seed, sent with every request when set.
         extra_body (`dict[str, Any]`, *optional*):
             More fields merged into every request body.
         timeout (`float`, *optional*, defaults to `300.0`):
@@ -147,82 +118,51 @@ class OpenAIPolicy:
         max_attempts (`int`, *optional*, defaults to `4`):
             Tries per request for connection errors and 429/5xx answers (backoff as `RetryPolicy`).
         include_return_schema (`bool`, *optional*, defaults to `False`):
-            Also send the `"return"` entry `get_json_schema` adds to each function (not part of OpenAI's function
-            schema, so left out by default; the model-facing names, descriptions and parameters are exactly the
-            bound functions' schemas either way).
+            Also send the `"return"` entry `get_json_schema` adds to each function (not in OpenAI's function schema).
         tool_images (`str`, *optional*, defaults to `"tool"`):
-            Where a tool output's images go: `"tool"` as `image_url` parts of the tool message itself (what vLLM's
-            server takes, and where a model trained through ors-trl saw them); `"user"` in a user message right
-            after the turn's tool messages (for APIs that take no images in a tool message, such as OpenAI's), the
-            tool message keeping its text.
+            Where a tool output's images go: `"tool"`, in the tool message (vLLM; where training showed them);
+            `"user"`, in a user message after the turn's tool messages (APIs without images in tool messages).
         tool_markup (`str` or `Sequence[str]`, *optional*):
-            The text (or texts) that opens a tool call in the served model's replies, for a server that returns
-            calls it did not parse as plain content: a reply without calls that holds it has its turn marked
-            `unparsed` (`EvalReport.unparsed_turn_rate`). By default the common markups of the major chat templates
-            (`TOOL_MARKUPS`, and a JSON call on a line of its own); `()` looks for none.
+            The text(s) opening a tool call in the model's replies, for a server that returns calls it did not parse
+            as content (counted `unparsed`); default: `TOOL_MARKUPS` and a JSON call on its own line; `()`: none.
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        model: str,
-        *,
-        api_key: str | None = None,
-        temperature: float | None = None,
-        max_tokens: int | None = None,
-        seed: int | None = None,
-        extra_body: dict[str, Any] | None = None,
-        timeout: float = 300.0,
-        max_attempts: int = 4,
-        include_return_schema: bool = False,
-        tool_images: str = "tool",
-        tool_markup: str | Sequence[str] | None = None,
-    ) -> None:
+    def __init__(self, base_url: str, model: str, *, api_key: str | None = None, temperature: float | None = None,
+                 max_tokens: int | None = None, seed: int | None = None, extra_body: dict[str, Any] | None = None,
+                 timeout: float = 300.0, max_attempts: int = 4, include_return_schema: bool = False,
+                 tool_images: str = "tool", tool_markup: str | Sequence[str] | None = None) -> None:
         self.tool_markup = markup_pattern(tool_markup)
         if tool_images not in ("tool", "user"):
             raise ConfigurationError(f'tool_images must be "tool" or "user", got {tool_images!r}')
         self.tool_images = tool_images
         if not isinstance(base_url, str) or "://" not in base_url:
-            raise ConfigurationError(
-                f"base_url must be an http(s) URL like 'http://127.0.0.1:8001/v1', got {base_url!r}"
-            )
+            raise ConfigurationError(f"base_url must be an http(s) URL like 'http://127.0.0.1:8001/v1', got "
+                                     f"{base_url!r}")
         if not model:
             raise ConfigurationError("OpenAIPolicy needs the served model's name (model=...)")
-        self.base_url = base_url.rstrip("/")
-        self.model = model
+        self.base_url, self.model = base_url.rstrip("/"), model
         self._api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         if self._api_key:
             check_header_value(self._api_key, "the API key")
-        self.temperature = temperature
-        self.max_tokens = max_tokens
-        self.seed = seed
-        self.extra_body = dict(extra_body or {})
-        self.timeout = timeout
+        self.temperature, self.max_tokens, self.seed, self.timeout = temperature, max_tokens, seed, timeout
+        self.extra_body, self.include_return_schema = dict(extra_body or {}), include_return_schema
         self.retry = RetryPolicy(max_attempts=max(1, int(max_attempts)), backoff_initial=0.5)
         self._transport = Transport.for_url(  # the one HTTP stack: its retries, cap, decoder and masking
             self.base_url, error=PolicyError, secrets=[self._api_key] if self._api_key else [],
             headers={"Authorization": f"Bearer {self._api_key}"} if self._api_key else None,
             timeouts=Timeouts(connect=None, request=timeout), retry=self.retry)
         self._transport.on_request = self._count
-        self.include_return_schema = include_return_schema
         self.requests = 0
 
     def __repr__(self) -> str:  # never shows the key
         return f"OpenAIPolicy({self.base_url!r}, {self.model!r})"
 
-    @property
-    def description(self) -> str:
-        """The policy's name in records and reports: `"{model} @ {base_url}"`."""
-        return f"{self.model} @ {self.base_url}"
+    description = property(lambda self: f"{self.model} @ {self.base_url}",
+                           doc='The policy\'s name in records and reports: `"{model} @ {base_url}"`.')
 
     def _tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        out = []
-        for schema in tools:
-            function = dict(schema.get("function", schema))
-            if not self.include_return_schema:
-                function.pop("return", None)
-            out.append({"type": "function", "function": function})
-        return out
+        return [{"type": "function", "function": {k: v for k, v in schema.get("function", schema).items()
+                                                  if k != "return" or self.include_return_schema}} for schema in tools]
 
     def _messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -260,12 +200,9 @@ class OpenAIPolicy:
 
         Args:
             messages (`list[dict[str, Any]]`):
-                The conversation so far (the `Policy` protocol's form; images are sent as `image_url` parts).
+                The conversation so far (see `Policy.respond`).
             tools (`list[dict[str, Any]]`):
                 The tools' JSON schemas.
-
-        Returns:
-            `Reply`: The assistant's turn.
 
         Raises:
             PolicyError: the endpoint answered an error, or not a chat completion, or could not be reached.
@@ -288,7 +225,8 @@ class OpenAIPolicy:
                               + self._transport.decoder.quote(json.dumps(body, default=str).encode(), 300)) from None
         calls = [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
-        return Reply(message.get("content") or "", calls, usage=usage, truncated=choice.get("finish_reason") == "length")
+        return Reply(message.get("content") or "", calls, usage=usage,
+                     truncated=choice.get("finish_reason") == "length")
 
     async def aclose(self) -> None:
         """Close the HTTP connections; the policy stays usable (a later request opens new ones)."""
@@ -296,15 +234,12 @@ class OpenAIPolicy:
 
 
 class LocalPolicy(TokenGenerator):
-    """A local transformers causal LM, prompted with the chat template `GRPOTrainer` trains tools with (tools
-    included); or a vision-language model with its processor, which then takes the images of the conversation as
-    training does.
+    """A local transformers causal LM (or a vision-language model with its processor), prompted with the chat template
+    `GRPOTrainer` trains tools with, tools included.
 
-    Each episode's ids are built as GRPO builds them (`ors_trl.trl.tokens`: the previous input, the ids the model
-    generated, then TRL's tool suffix), so the model is evaluated on exactly the ids it is trained on. Episodes waiting
-    for a turn are batched by the one `Batcher` (until `max_batch_size` are waiting, or the window passes), then one
-    left-padded `generate` call answers all of them, on a worker thread so that tool calls and keepalives go on
-    meanwhile. Replies are parsed with TRL's `parse_response`, as `GRPOTrainer` does.
+    Each episode's ids are built as GRPO builds them (`ors_trl.trl.tokens`), so the model is evaluated on exactly the
+    ids it is trained on. The episodes waiting for a turn are batched (`Batcher`) into one left-padded `generate` call,
+    on a worker thread so that tool calls go on meanwhile; replies parse with TRL's `parse_response`.
 
     Args:
         model (`Any`):
@@ -312,11 +247,11 @@ class LocalPolicy(TokenGenerator):
         tokenizer (`Any`):
             Its tokenizer, with a chat template; for a vision-language model, its processor.
         temperature (`float`, *optional*, defaults to `0.0`):
-            0 = greedy; otherwise sampled with `top_p`.
+            0: greedy; otherwise sampled with `top_p`.
         max_new_tokens (`int`, *optional*, defaults to `256`):
             Tokens generated per turn (capped by the model's context).
         top_p (`float`, *optional*, defaults to `1.0`):
-            Nucleus sampling's probability mass, when sampling (`temperature > 0`).
+            Nucleus sampling's probability mass, when sampling.
         seed (`int`, *optional*, defaults to `0`):
             Seeds torch's generator once, when generation starts (`None`: not seeded).
         max_batch_size (`int`, *optional*, defaults to `64`):
@@ -326,14 +261,11 @@ class LocalPolicy(TokenGenerator):
         name (`str`, *optional*):
             The policy's name in records (default: the model's path).
         chat_template (`str`, *optional*):
-            Render with this template. By default, the one `GRPOTrainer` trains tools with: the tokenizer's own if
-            it is prefix-preserving, else TRL's training variant of it (`trl/chat_templates`, e.g. for Qwen3); the
-            tokenizer's own, with one log line, where TRL has no such variant.
+            Render with this template; by default the one `GRPOTrainer` trains tools with (the tokenizer's own, or
+            TRL's training variant of it, e.g. for Qwen3), or, with one log line, the tokenizer's own.
         join_turns (`bool`, *optional*, defaults to `True`):
-            Build a later turn's ids as GRPO does; `False` re-renders the whole conversation each turn, which can
-            differ from what the model was trained on (an empty `<think>` block added to a past turn, a generated
-            sequence that is not the canonical tokenization of its text). Set to `False`, with one log line, once TRL
-            cannot build a tool turn with the chat template (one that is not prefix-preserving).
+            Build a later turn's ids as GRPO does; `False` re-renders the conversation each turn (which can differ from
+            the trained ids). Turned off, with one log line, where TRL cannot build a tool turn with the template.
 
     Raises:
         ConfigurationError: the tokenizer has no chat template.
@@ -350,8 +282,8 @@ class LocalPolicy(TokenGenerator):
             try:  # the template GRPOTrainer trains tools with (TRL's training variant of a template it knows)
                 rendering = Rendering.for_training(tokenizer)
             except Exception as exc:  # a template TRL has no training variant of, or no TRL
-                logger.warning("LocalPolicy renders with the tokenizer's own chat template: the one GRPOTrainer trains "
-                               "tools with could not be determined (%s: %s).", type(exc).__name__, exc)
+                logger.warning("LocalPolicy renders with the tokenizer's own chat template: the one GRPOTrainer "
+                               "trains tools with could not be determined (%s: %s).", type(exc).__name__, exc)
                 rendering = Rendering(tokenizer)
         if rendering.parse_error is not None:
             logger.warning("cannot parse tool calls from this model's replies (%s): no response template for its chat "
@@ -359,13 +291,12 @@ class LocalPolicy(TokenGenerator):
                            rendering.parse_error)
         super().__init__(rendering, Batcher(batch_wait, max_batch=max(1, int(max_batch_size))))
         self.model, self.tokenizer = model, tokenizer
-        self.temperature, self.max_new_tokens, self.top_p, self.seed = float(temperature), int(max_new_tokens), top_p, seed
+        self.temperature, self.max_new_tokens = float(temperature), int(max_new_tokens)
+        self.top_p, self.seed = top_p, seed
         self.name = name or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
         self.rerender = not join_turns
-        self._abort = threading.Event()
+        self._abort, self._lock, self._seeded = threading.Event(), threading.Lock(), False
         self._worker: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._seeded = False
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], *, device: str | None = None, **kwargs: Any) -> LocalPolicy:
@@ -376,16 +307,12 @@ class LocalPolicy(TokenGenerator):
             path (`str` or `os.PathLike`):
                 The model's directory.
             device (`str`, *optional*):
-                Where the model runs (`"cuda"` when available, else `"cpu"`, when omitted).
+                Where the model runs (default: `"cuda"` when available, else `"cpu"`).
             **kwargs:
                 `LocalPolicy`'s other arguments (`name` defaults to `path`).
 
-        Returns:
-            `LocalPolicy`: The policy, its model in eval mode on `device`.
-
         Raises:
-            ConfigurationError: `path` is not a directory holding a model and tokenizer, or torch or transformers
-                is not installed.
+            ConfigurationError: `path` holds no model and tokenizer, or torch or transformers is not installed.
         """
         path = os.fspath(path)
         if not os.path.isdir(path):
@@ -394,9 +321,8 @@ class LocalPolicy(TokenGenerator):
             import torch
             import transformers
         except ImportError as exc:
-            raise ConfigurationError(
-                f"evaluating a local model needs torch and transformers ({exc}); pip install 'ors-trl[trl]'"
-            ) from None
+            raise ConfigurationError(f"evaluating a local model needs torch and transformers ({exc}); pip install "
+                                     "'ors-trl[trl]'") from None
         vision = os.path.isfile(os.path.join(path, "preprocessor_config.json"))
         loaders = ((transformers.AutoProcessor, transformers.AutoModelForImageTextToText) if vision else
                    (transformers.AutoTokenizer, transformers.AutoModelForCausalLM))
@@ -405,39 +331,22 @@ class LocalPolicy(TokenGenerator):
             model = loaders[1].from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
             raise ConfigurationError(f"cannot load a model and tokenizer from {path!r}: {exc}") from exc
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        model.to(device)
+        model.to(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
         model.eval()
         return cls(model, tokenizer, name=kwargs.pop("name", path), **kwargs)
 
     def __repr__(self) -> str:
         return f"LocalPolicy({self.name!r})"
 
-    @property
-    def description(self) -> str:
-        """The policy's name in records and reports (`name`)."""
-        return str(self.name)
-
-    @property
-    def tool_markup(self) -> str | None:
-        """The text that opens a tool call in the chat template's replies (`Rendering.tool_markup`)."""
-        return self.rendering.tool_markup
-
-    @property
-    def join_turns(self) -> bool:
-        """Whether a later turn's ids are built as GRPO builds them (see `join_turns=`)."""
-        return not self.rerender
-
-    @property
-    def batch_sizes(self) -> list[int]:
-        """Requests per `generate` call so far."""
-        return self.batcher.batch_sizes
-
-    # -- the generator protocol, and the Policy protocol on top -----------------------------------------------
+    description = property(lambda self: str(self.name), doc="The policy's name in records and reports (`name`).")
+    tool_markup = property(lambda self: self.rendering.tool_markup,
+                           doc="The text that opens a tool call in the chat template's replies.")
+    join_turns = property(lambda self: not self.rerender,
+                          doc="Whether a later turn's ids are built as GRPO builds them (see `join_turns=`).")
+    batch_sizes = property(lambda self: self.batcher.batch_sizes, doc="Requests per `generate` call so far.")
 
     def start(self, conversation: Conversation) -> None:
-        """An episode begins: as `TokenGenerator.start`, and the generation worker starts if it is not running.
+        """An episode begins (see `TokenGenerator.start`); the generation worker starts if it is not running.
 
         Args:
             conversation (`Conversation`):
@@ -451,18 +360,17 @@ class LocalPolicy(TokenGenerator):
                 self._worker.start()
 
     async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Reply:
-        """The assistant's next turn to a conversation given whole (rendered whole: its past turns' ids are not
-        known), generated in a batch with the other episodes waiting for theirs.
+        """The assistant's next turn to a conversation given whole (so rendered whole), generated in a batch with the
+        other episodes waiting for theirs.
 
         Args:
             messages (`list[dict[str, Any]]`):
-                The conversation so far (chat messages).
+                The conversation so far (see `Policy.respond`).
             tools (`list[dict[str, Any]]`):
                 The tools' JSON schemas.
 
         Raises:
-            PolicyError: generation failed, or the conversation cannot be rendered (`ContextLengthExceeded` when
-                it fills the model's context).
+            PolicyError: generation or rendering failed (`ContextLengthExceeded`: the conversation fills the context).
         """
         conversation = Conversation(None, list(messages), list(tools) or None)  # type: ignore[arg-type]
         self.start(conversation)
@@ -481,8 +389,6 @@ class LocalPolicy(TokenGenerator):
             await asyncio.to_thread(worker.join, 60)
         self._seeded = False
 
-    # -- generation (the worker thread) --------------------------------------------------------------------
-
     def _idle(self) -> bool:
         return self._abort.is_set() or self.batcher.members <= 0
 
@@ -494,7 +400,7 @@ class LocalPolicy(TokenGenerator):
                 with self._lock:  # `start` counts its episode before it looks for a worker: none is stranded
                     if self._idle():
                         self._worker = None
-                        self._forget()  # no episode left: what was rendered for them is not kept
+                        self._renders = {}  # no episode left: what was rendered for them is not kept
                         return
                 continue
             try:
@@ -513,14 +419,16 @@ class LocalPolicy(TokenGenerator):
             if conversation.state is None or self.rerender:
                 raise PolicyError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
             logger.warning("%s renders every conversation whole from now on (join_turns=False): TRL cannot build a "
-                           "turn after tool calls with this chat template (%s: %s).", self.name, type(exc).__name__, exc)
+                           "turn after tool calls with this chat template (%s: %s).", self.name, type(exc).__name__,
+                           exc)
             self.rerender = True
             super()._extend(conversation)
 
     def _refuse_images(self, what: str) -> None:
         if not self.rendering.takes_images:
             raise PolicyError("the conversation holds an image, and this model's tokenizer takes none: evaluate a "
-                              'vision-language model with its processor, or pass OpenRewardSpec(..., images="placeholder")')
+                              "vision-language model with its processor, or pass OpenRewardSpec(..., "
+                              'images="placeholder")')
 
     def _context_limit(self) -> int | None:
         config = getattr(self.model, "config", None)
@@ -552,7 +460,8 @@ class LocalPolicy(TokenGenerator):
             attention[row, width - len(t.ids):] = 1
         extra: dict[str, Any] = {}
         if any(t.images for t in tokens):
-            fields = self.rendering.image_inputs(input_ids.tolist(), [t.images for t in tokens])
+            fields = image_inputs(self.rendering.processing_class, input_ids.tolist(), [t.images for t in tokens],
+                                  self.rendering.image_token_id)
             extra = {k: torch.as_tensor(v).to(device) for k, v in fields.items()}
         sampling: dict[str, Any] = ({"do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
                                      "top_k": 0} if self.temperature > 0 else {"do_sample": False})
@@ -582,37 +491,25 @@ class LocalPolicy(TokenGenerator):
         return results
 
 
-def resolve_policy(
-    policy: Any,
-    *,
-    temperature: float = 0.0,
-    max_new_tokens: int | None = None,
-    seed: int | None = 0,
-    device: str | None = None,
-) -> tuple[Any, bool]:
-    """Turn what the user passed into a policy object; returns `(policy, created_here)`.
-
-    Accepts a local model directory, a `(model, tokenizer)` pair, or any object with `respond` (`OpenAIPolicy`).
-    """
+def resolve_policy(policy: Any, *, temperature: float = 0.0, max_new_tokens: int | None = None, seed: int | None = 0,
+                   device: str | None = None) -> tuple[Any, bool]:
+    """`(policy object, created_here)` for a local model directory, a `(model, tokenizer)` pair or a `Policy`."""
     local_kwargs: dict[str, Any] = {"temperature": temperature, "seed": seed}
     if max_new_tokens is not None:
         local_kwargs["max_new_tokens"] = max_new_tokens
     if isinstance(policy, str | os.PathLike):
         path = os.fspath(policy)
         if not os.path.isdir(path):
-            raise ConfigurationError(
-                f"policy {path!r} is not a local model directory. To evaluate a served model, pass "
-                "OpenAIPolicy(base_url, model) (CLI: --base-url URL --model NAME)."
-            )
+            raise ConfigurationError(f"policy {path!r} is not a local model directory. To evaluate a served model, "
+                                     "pass OpenAIPolicy(base_url, model) (CLI: --base-url URL --model NAME).")
         return LocalPolicy.from_pretrained(path, device=device, **local_kwargs), True
     if isinstance(policy, tuple) and len(policy) == 2:
         return LocalPolicy(policy[0], policy[1], **local_kwargs), True
     if callable(getattr(policy, "respond", None)):
         return policy, False
-    raise ConfigurationError(
-        f"cannot evaluate {type(policy).__name__}: pass a local model directory, a (model, tokenizer) pair, "
-        "an OpenAIPolicy, or an object with `async respond(messages, tools) -> PolicyReply`."
-    )
+    raise ConfigurationError(f"cannot evaluate {type(policy).__name__}: pass a local model directory, a (model, "
+                             "tokenizer) pair, an OpenAIPolicy, or an object with `async respond(messages, tools) -> "
+                             "PolicyReply`.")
 
 
 class Responder:

@@ -1,29 +1,10 @@
-"""Evaluate a policy against an ORS environment: the episode core driven by a policy instead of a trainer.
+"""Evaluate a policy against an ORS environment: the episode core (`play`, the turn rule training uses) driven by a
+policy instead of a trainer (`OpenRewardSpec.evaluate`, `OpenRewardMix.evaluate`, `ors-trl eval`).
 
-    report = OpenRewardSpec("http://127.0.0.1:8000", split="test").evaluate("./my-checkpoint", num_tasks=32)
-    report = spec.evaluate(OpenAIPolicy("http://127.0.0.1:8001/v1", "my-model"), output="episodes.jsonl")
-    print(report.mean_reward, report.coverage)
-
-An episode: open a session for the task, read its conversation, then hand each policy reply to the
-episode core (`Episode.reply`, the turn rule training uses too) until it ends: the policy answers
-without a tool call (an environment's terminal tool then grades that answer), or `max_turns` replies
-were made (the calls of the last one are not run, as in TRL's loop). A call after the environment said
-`finished` is refused and counted, as in training. The model sees the tools exactly as TRL shows them,
-its calls go through the same binding, and a failed call reads as TRL writes it (`{'error': ...}`).
-The episode's reward is its last non-None reward; an episode the environment never scored has reward
-None and does not count in `mean_reward`. An episode past its deadline
-(`episode_timeout`) is closed there, recorded with end reason `timeout` and scored None.
-
-Every finished episode is appended to `output` as one record (the schema every driver writes) and
-flushed at once, so an interrupted evaluation loses at most its running episodes; `resume=True` reads
-the file back and runs only the episodes it lacks (by environment, split, task index and repeat index).
-Every session is closed, also on errors and on Ctrl-C.
-
-With `repeats=n` the report has the unbiased pass@k for k = 1..n per task and over tasks, with a 95% interval
-for pass@1 over tasks (`ors_trl.core.stats`), and the tool-call health of the episodes (no tool call, tool-call
-markup the parser missed, malformed arguments). `OpenRewardMix.evaluate` evaluates every environment of a mix
-and weighs them together (`MixEvalReport`); `upload=True` sends every episode to the OpenReward rollout viewer
-(`ors_trl.protocol.upload`).
+An episode ends when the policy answers without a tool call (a terminal tool then grades that answer) or after
+`max_turns` replies; its reward is its last non-None one (None: unscored, left out of `mean_reward`). Each finished
+episode is appended to `output` and flushed at once, so an interrupted evaluation loses at most its running episodes
+(`resume=True` runs only the missing ones); every session is closed, also on errors and on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -44,10 +25,10 @@ from typing import Any
 
 from ..core import episode as _episode
 from ..core.episode import EnvironmentRuntime, Episode, Rules, Task
-from ..core.metrics import DEFAULT_SUCCESS_THRESHOLD, NO_CALL_WARNING, EpisodeStats
+from ..core.metrics import DEFAULT_SUCCESS_THRESHOLD, NO_CALL_WARNING
 from ..core.records import RecordWriter, read_records
 from ..core.rollout import play
-from ..core.stats import pass_at_k, pass_over_tasks, task_label
+from ..core.stats import by_task, pass_at_k, task_label
 from ..protocol.errors import ConfigurationError, ORSError, PolicyError
 from ..protocol.loop import get_loop
 from ..protocol.text import escape_controls, one_line
@@ -94,23 +75,21 @@ class EvalOptions:
 
     Attributes:
         num_tasks (`int`, *optional*):
-            The first `num_tasks` tasks of the split (default, with no `indices`: the spec's own selection).
+            The first `num_tasks` tasks of the split (with no `indices` either: the spec's own selection).
         indices (`Sequence[int]`, *optional*):
-            Exactly these task indices (non-negative ints), instead of `num_tasks`.
+            Exactly these task indices, instead of `num_tasks`.
         repeats (`int`, *optional*, defaults to `1`):
             Episodes per task, told apart by their repeat index (pass@k for k = 1..`repeats`).
         concurrency (`int`, *optional*, defaults to `8`):
             Episodes (and so sessions) running at once.
         max_turns (`int`, *optional*, defaults to `10`):
-            Policy replies allowed per episode (the calls of the last one are not run, as in TRL's loop, whose limit
-            is `max_tool_calling_iterations + 1` replies).
+            Policy replies per episode; the calls of the last are not run (TRL's `max_tool_calling_iterations + 1`).
         episode_timeout (`float`, *optional*):
-            Wall-clock seconds one episode may take (default: the spec's); past it the episode is closed (its session
-            deleted), recorded with end reason `timeout` and scored `None`.
+            Seconds one episode may take (default: the spec's); past it the episode ends `timeout`, scored `None`.
         output (`str` or `os.PathLike`, *optional*):
-            JSON-lines file receiving every finished episode at once (append + flush).
+            JSON-lines file receiving every finished episode at once.
         resume (`bool`, *optional*, defaults to `False`):
-            Read `output` back and run only the episodes it lacks (episodes that ended in an error are rerun).
+            Run only the episodes `output` lacks (those that ended in an error are rerun).
         overwrite (`bool`, *optional*, defaults to `False`):
             Replace an existing non-empty `output` (without `resume`, an existing file is an error).
         per_task_tools (`bool`, *optional*, defaults to `False`):
@@ -118,21 +97,21 @@ class EvalOptions:
         score_groups (`bool`, *optional*, defaults to `False`):
             Also score each task's episodes (its repeats) together with `/score_group`.
         flatten_prompt (`bool`, *optional*, defaults to `False`):
-            Give the policy the prompt as TRL's `environment_factory` loop does (one user message, the system turn
-            first) rather than as a conversation: for a model trained through that loop.
+            Prompt as TRL's `environment_factory` loop does (one user message, system turn first): for a model
+            trained through that loop.
         success_threshold (`float`, *optional*):
             An episode succeeded when its reward is at least this (default: the spec's).
         upload (`bool` or `str`, *optional*, defaults to `False`):
-            Send every episode to the OpenReward rollout viewer (`True`, or the run's name there), with the
-            policy's name and size; the platform's API key as for catalog targets (`OPENREWARD_API_KEY`).
+            Send every episode to the OpenReward rollout viewer (`True`, or the run's name there); the key as for
+            catalog targets (`OPENREWARD_API_KEY`).
         temperature (`float`, *optional*, defaults to `0.0`):
-            Sampling temperature for a policy given as a path or pair (0: greedy).
+            Sampling temperature of a policy given as a path or pair (0: greedy).
         max_new_tokens (`int`, *optional*):
-            Tokens generated per turn for a policy given as a path or pair (`LocalPolicy`'s default when omitted).
+            Tokens per turn of a policy given as a path or pair (default: `LocalPolicy`'s).
         seed (`int`, *optional*, defaults to `0`):
-            Generation seed for a policy given as a path or pair.
+            Generation seed of a policy given as a path or pair.
         device (`str`, *optional*):
-            Where a policy given as a path runs (`"cuda"` when available, else `"cpu"`, when omitted).
+            Where a policy given as a path runs (default: `"cuda"` when available, else `"cpu"`).
         progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar on stderr.
     """
@@ -159,8 +138,7 @@ class EvalOptions:
 
     @classmethod
     def of(cls, options: EvalOptions | None = None, **kwargs: Any) -> EvalOptions:
-        """`options` (or the defaults) with `kwargs` set; an unknown name is a `ConfigurationError` naming the
-        known ones."""
+        """`options` (or the defaults) with `kwargs` set; an unknown name is a `ConfigurationError`."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
@@ -185,98 +163,34 @@ class EvalOptions:
             raise ConfigurationError(f"{out} already exists; pass resume=True to continue it or overwrite=True to "
                                      "replace it")
 
-    @property
-    def path(self) -> Path | None:
-        return Path(self.output) if self.output is not None else None
-
-
-class _Evaluation:
-    """The episodes of one `evaluate` call, run `concurrency` at a time."""
-
-    def __init__(self, runtime: EnvironmentRuntime, policy: Any, options: EvalOptions, *, writer: RecordWriter | None,
-                 bar: Any, uploads: Any = None) -> None:
-        self.runtime, self.options, self.generator = runtime, options, as_generator(policy)
-        self.rules = Rules(max_replies=options.max_turns, error_text=_trl.error_text,
-                           tool_markup=getattr(policy, "tool_markup", None))  # a chat template's, an endpoint's
-        self.writer, self.bar, self.uploads = writer, bar, uploads
-        self.policy_name = describe_policy(policy)
-        self.done: list[Episode] = []
-
-    async def run_one(self, gate: asyncio.Semaphore, key: EpisodeKey) -> None:
-        split, index, repeat = key
-        groups = self.options.score_groups
-        async with gate:
-            ep = self.runtime.episode(Task(split, index), source="eval", rules=self.rules, metrics=False,
-                                      writer=None if groups else self.writer, task_tools=self.options.per_task_tools,
-                                      # group-scored: written and uploaded once scored, in `evaluate`
-                                      uploads=(False if groups else self.uploads) if self.uploads else None,
-                                      repeat=repeat, policy=self.policy_name)
-            try:
-                await play(ep, self.generator, flatten=self.options.flatten_prompt,
-                           timeout=self.options.episode_timeout)
-            except (ORSError, PolicyError, TimeoutError) as exc:
-                ep.fail(exc)
-            except Exception as exc:  # a bug or an unexpected failure: recorded, not fatal for the other episodes
-                logger.warning("episode %s/%d/%d failed unexpectedly: %s", split, index, repeat, exc, exc_info=True)
-                ep.fail(exc)
-            except BaseException:  # interrupted (Ctrl-C): not a result, so not recorded; resume reruns it
-                await asyncio.shield(ep.close(keep=False))
-                raise
-            await ep.close()
-        self.done.append(ep)
-        if self.bar is not None:
-            scored = [e.reward for e in self.done if e.reward is not None]
-            if scored:
-                self.bar.set_postfix(reward=f"{sum(scored) / len(scored):.3f}", refresh=False)
-            self.bar.update(1)
+    path = property(lambda self: Path(self.output) if self.output is not None else None, doc="`output` as a `Path`.")
 
 
 def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | None = None, *,
              others: Collection[str] = (), **kwargs: Any) -> EvalReport:
-    """Run `policy` over tasks of an environment and score it (`OpenRewardSpec.evaluate` is the entry point).
-
-    Args:
-        runtime (`EnvironmentRuntime`):
-            The environment (a spec's runtime: its client, split, bound tools apply).
-        policy (`str`, `os.PathLike`, `tuple[Any, Any]` or `Policy`):
-            A local model directory, a `(model, tokenizer)` pair, an `OpenAIPolicy`, a generator, or any object with
-            `async respond(messages, tools) -> Reply`.
-        options (`EvalOptions`, *optional*):
-            How to run; `**kwargs` set its fields.
-        others (`Collection[str]`, *optional*, defaults to `()`):
-            Environments whose episodes `output` holds too (a mix's), left alone without a warning.
-
-    Returns:
-        `EvalReport`: What the evaluation measured; `report.episodes` holds every record.
-
-    Raises:
-        ConfigurationError: an option cannot work (see `EvalOptions.check`), or `score_groups` on an environment
-            without group scoring.
-    """
+    """Run `policy` (see `OpenRewardSpec.evaluate`) over tasks of `runtime` and report what it did; `options` and
+    `kwargs` as `EvalOptions`; `others`: environments whose episodes `output` also holds (a mix's), left alone."""
     opts = EvalOptions.of(options, **kwargs)
     opts.check()
     if opts.score_groups and not runtime.supports_score_group:
         raise ConfigurationError(f"{runtime.name} does not support group scoring (its /tools does not say "
                                  "supports_score_group: true)")
-    success_threshold = DEFAULT_SUCCESS_THRESHOLD if opts.success_threshold is None else opts.success_threshold
     out_path = opts.path
     started = time.monotonic()
-    bg = get_loop()
-    client = runtime.client
+    bg, client, split = get_loop(), runtime.client, runtime.split
     environment = bg.run(client.environment())
-    split = runtime.split
     selected = list(dict.fromkeys(select(bg.run(client.num_tasks(split)), split, opts.num_tasks, opts.indices,
                                          warn=False)))
     keys: list[EpisodeKey] = [(split, i, r) for i in selected for r in range(opts.repeats)]
     mine = {runtime.name, environment}
-    previous = load_episodes(out_path, mine) if opts.resume and out_path else {}
+    kept: dict[EpisodeKey, dict[str, Any]] = {}
     if opts.resume and out_path:
         foreign = {r.get("environment") for r in read_records(out_path)} - mine - set(others)
         if foreign:
             logger.warning("%s holds episodes of other environments (%s); they are not reused", out_path,
                            ", ".join(map(str, foreign)))
-    wanted = set(keys)
-    kept = {k: r for k, r in previous.items() if k in wanted and not failed(r)}
+        wanted = set(keys)
+        kept = {k: r for k, r in load_episodes(out_path, mine).items() if k in wanted and not failed(r)}
     todo = [k for k in keys if k not in kept]
 
     # the uploader first: a missing key is said before a model is loaded
@@ -290,17 +204,45 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | No
 
         bar = tqdm(total=len(keys), initial=len(kept), desc=escape_controls(f"eval {environment or runtime.name}"),
                    unit="ep", file=sys.stderr, dynamic_ncols=True)
-    evaluation = _Evaluation(runtime, policy_obj, opts, writer=writer, bar=bar, uploads=uploads)
+    generator, policy_name = as_generator(policy_obj), describe_policy(policy_obj)
+    rules = Rules(max_replies=opts.max_turns, error_text=_trl.error_text,
+                  tool_markup=getattr(policy_obj, "tool_markup", None))  # a chat template's, an endpoint's
+    done: list[Episode] = []
     finished_event = threading.Event()
+
+    async def run_one(gate: asyncio.Semaphore, key: EpisodeKey) -> None:
+        async with gate:
+            ep = runtime.episode(Task(split, key[1]), source="eval", rules=rules, metrics=False,
+                                 writer=None if opts.score_groups else writer, task_tools=opts.per_task_tools,
+                                 # group-scored: written and uploaded once scored, in `run_all`
+                                 uploads=(False if opts.score_groups else uploads) if uploads else None,
+                                 repeat=key[2], policy=policy_name)
+            try:
+                await play(ep, generator, flatten=opts.flatten_prompt, timeout=opts.episode_timeout)
+            except (ORSError, PolicyError, TimeoutError) as exc:
+                ep.fail(exc)
+            except Exception as exc:  # a bug or an unexpected failure: recorded, not fatal for the other episodes
+                logger.warning("episode %s/%d/%d failed unexpectedly: %s", *key, exc, exc_info=True)
+                ep.fail(exc)
+            except BaseException:  # interrupted (Ctrl-C): not a result, so not recorded; resume reruns it
+                await asyncio.shield(ep.close(keep=False))
+                raise
+            await ep.close()
+        done.append(ep)
+        if bar is not None:
+            scored = [e.reward for e in done if e.reward is not None]
+            if scored:
+                bar.set_postfix(reward=f"{sum(scored) / len(scored):.3f}", refresh=False)
+            bar.update(1)
 
     async def run_all() -> None:
         gate = asyncio.Semaphore(opts.concurrency)
-        tasks = [asyncio.ensure_future(evaluation.run_one(gate, k)) for k in todo]
+        tasks = [asyncio.ensure_future(run_one(gate, k)) for k in todo]
         try:
             await asyncio.gather(*tasks)
             if opts.score_groups:
-                await _episode.score_groups(evaluation.done)
-                for ep in evaluation.done:
+                await _episode.score_groups(done)
+                for ep in done:
                     record = ep.record()
                     if writer is not None:
                         writer.write(record, images=ep.images)
@@ -329,20 +271,14 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | No
         if uploads is not None:
             uploads.close()
 
-    by_key = dict(kept)
-    by_key.update({(ep.task.split, int(ep.task.index or 0), int(ep.info.get("repeat", 0))): ep.record()
-                   for ep in evaluation.done})
+    by_key = {**kept, **{(ep.task.split, int(ep.task.index or 0), int(ep.info.get("repeat", 0))): ep.record()
+                         for ep in done}}
+    threshold = DEFAULT_SUCCESS_THRESHOLD if opts.success_threshold is None else opts.success_threshold
     return EvalReport.from_episodes(
-        [by_key[k] for k in keys if k in by_key], success_threshold=success_threshold,
-        target=client.target.name,
-        environment=environment,
-        split=split,
-        policy=evaluation.policy_name,
-        num_resumed=len(kept),
-        seconds=round(time.monotonic() - started, 3),
-        output=os.fspath(out_path) if out_path is not None else None,
-        uploads=uploads.counts() if uploads is not None else None,
-    )
+        [by_key[k] for k in keys if k in by_key], success_threshold=threshold, target=client.target.name,
+        environment=environment, split=split, policy=policy_name, num_resumed=len(kept),
+        seconds=round(time.monotonic() - started, 3), output=os.fspath(out_path) if out_path is not None else None,
+        uploads=uploads.counts() if uploads is not None else None)
 
 
 def _uploader(upload: bool | str, policy: Any, target: Any) -> Any:
@@ -360,7 +296,7 @@ def _uploader(upload: bool | str, policy: Any, target: Any) -> Any:
 
 @dataclass
 class EvalReport:
-    """What an evaluation measured.
+    """What an evaluation measured (rates are shares of the episodes unless said otherwise).
 
     Attributes:
         target (`str`):
@@ -368,19 +304,19 @@ class EvalReport:
         environment (`str` or `None`):
             The environment evaluated on that server.
         split (`str`):
-            The split its tasks came from.
+            The split of its tasks.
         policy (`str`):
             The policy's name.
         num_episodes (`int`):
-            Episodes in the report (run now plus those resumed from `output`).
+            Episodes in the report (run now or resumed).
         num_scored (`int`):
-            Episodes the environment gave a reward (a non-`None` one).
+            Episodes with a (non-`None`) reward.
         mean_reward (`float` or `None`):
-            Mean episode reward over the scored episodes; `None` if none was scored.
+            Mean reward of the scored episodes (`None`: none was scored).
         coverage (`float`):
-            Grading coverage, `num_scored / num_episodes`.
+            `num_scored / num_episodes`.
         finished_rate (`float`):
-            Fraction of episodes a tool result marked finished.
+            Episodes a tool result marked finished.
         tool_calls_per_episode (`float`):
             Mean tool calls per episode.
         tool_failures_per_episode (`float`):
@@ -388,49 +324,45 @@ class EvalReport:
         turns_per_episode (`float`):
             Mean policy replies per episode.
         num_errors (`int`):
-            Episodes that failed: their session did not open or was lost (`unscored == "error"`), or the policy
-            failed (`end_reason == "error"`, even after a reward): the episodes `resume` runs again.
+            Failed episodes (`unscored == "error"` or `end_reason == "error"`): those `resume` reruns.
         end_reasons (`dict[str, int]`):
-            Episodes per end reason (`no_tool_calls`, `finished`, `max_turns`, `context_length`, `timeout`,
-            `error`).
+            Episodes per end reason (`no_tool_calls`, `finished`, `max_turns`, `context_length`, `timeout`, `error`).
         num_resumed (`int`):
             Episodes read back from `output` rather than run.
         seconds (`float`):
             Wall time of this run.
         mean_group_reward (`float`, *optional*):
-            Mean comparative reward from `/score_group` (when asked for), else `None`.
+            Mean `/score_group` reward (with `score_groups`).
         success_rate (`float`, *optional*, defaults to `0.0`):
-            The share of episodes whose reward reached `success_threshold` (unscored ones count as not).
+            Episodes whose reward reached `success_threshold` (unscored ones did not).
         success_threshold (`float`, *optional*, defaults to `DEFAULT_SUCCESS_THRESHOLD`):
-            The reward an episode must reach to count as a success.
+            The reward of a success.
         pass_at_k (`dict[int, float]`, *optional*, defaults to `{}`):
-            The unbiased pass@k over tasks, `{k: value}` for k = 1 .. the fewest episodes of a task.
+            Unbiased pass@k over tasks, for k = 1 .. the fewest episodes of a task.
         pass_at_1_interval (`tuple[float, float]`, *optional*):
-            A 95% interval of pass@1 over tasks (Wilson's, the tasks as the sample), or `None`.
+            95% interval of pass@1 over tasks (Wilson's, the tasks as the sample).
         tasks (`list[dict[str, Any]]`, *optional*, defaults to `[]`):
-            Per task (`task`, `episodes`, `successes`, `pass_at_k`), in task order.
+            Per task: `task`, `episodes`, `successes`, `pass_at_k`.
         no_tool_call_rate (`float`, *optional*, defaults to `0.0`):
-            The share of the opened episodes (the model saw them) without a tool call.
+            Opened episodes (the model saw them) without a tool call.
         num_unopened (`int`, *optional*, defaults to `0`):
-            Episodes that never opened (their session or prompt never came: the environment's failure, counted in
-            `num_errors`), left out of `no_tool_call_rate`.
+            Episodes that never opened: the environment's failure, in `num_errors`, not in `no_tool_call_rate`.
         unparsed_turn_rate (`float`, *optional*, defaults to `0.0`):
-            The share of policy replies whose tool-call markup parsed to no call (the policy's `tool_markup` says
-            what the markup is: a local model's chat template, an endpoint's common or named markups).
+            Share of replies whose tool-call markup (the policy's `tool_markup`) parsed to no call.
         malformed_calls (`int`, *optional*, defaults to `0`):
-            Tool calls refused for malformed arguments (not an object, or not the tool's schema).
+            Tool calls refused for malformed arguments.
         sessions_opened (`int`, *optional*, defaults to `0`):
             The episodes' sessions.
         session_seconds (`float`, *optional*, defaults to `0.0`):
-            The seconds those sessions lived on the server (what a sandbox platform bills).
+            Seconds those sessions lived on the server (what a sandbox platform bills).
         session_seconds_unscored (`float`, *optional*, defaults to `0.0`):
-            The part of `session_seconds` spent by episodes scored `None`.
+            The part of `session_seconds` spent by unscored episodes.
         output (`str`, *optional*):
-            The episodes file, if any.
+            The episodes file.
         uploads (`dict[str, int]`, *optional*):
-            With `upload=True`, episodes `sent`, `failed` and `dropped`.
+            With `upload`, episodes `sent`, `failed` and `dropped`.
         episodes (`list[dict[str, Any]]`, *optional*, defaults to `[]`):
-            Every episode record (the dicts written to `output`), in task order.
+            Every episode record, in task order.
     """
 
     target: str
@@ -469,26 +401,18 @@ class EvalReport:
     @classmethod
     def from_episodes(cls, episodes: list[dict[str, Any]], *, success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
                       **info: Any) -> EvalReport:
-        """The report of a list of episode records (the tallies over them; what was evaluated from `info`).
+        """The report of episode records (in task order).
 
         Args:
             episodes (`list[dict[str, Any]]`):
-                The episode records, in task order.
+                The episode records.
             success_threshold (`float`, *optional*, defaults to `DEFAULT_SUCCESS_THRESHOLD`):
-                The reward an episode must reach to count as a success.
+                The reward of a success.
             **info:
-                The other fields: `target`, `environment`, `split`, `policy`, `num_resumed` and `seconds` (required),
+                The other fields: `target`, `environment`, `split`, `policy`, `num_resumed`, `seconds` (required),
                 `output` and `uploads`.
-
-        Returns:
-            `EvalReport`: The report.
         """
-        stats = EpisodeStats(success_threshold)
-        tasks: dict[str, EpisodeStats] = {}  # the one definition of success, per task too
-        for record in episodes:
-            stats.add_record(record)
-            tasks.setdefault(task_label(record), EpisodeStats(success_threshold)).add_record(record)
-        passed, interval = pass_over_tasks(tasks.values())
+        stats, tasks, passed, interval = by_task(((task_label(r), r) for r in episodes), success_threshold)
         return cls(
             num_episodes=stats.episodes, num_scored=stats.scored, mean_reward=stats.mean_reward,
             coverage=stats.coverage, finished_rate=stats.share(stats.finished),
@@ -503,18 +427,14 @@ class EvalReport:
             no_tool_call_rate=stats.no_call_rate, num_unopened=stats.unopened, unparsed_turn_rate=stats.unparsed_rate,
             malformed_calls=stats.malformed_calls, sessions_opened=stats.sessions,
             session_seconds=round(stats.session_seconds, 3),
-            session_seconds_unscored=round(stats.session_seconds_unscored, 3), **info,
-        )
+            session_seconds_unscored=round(stats.session_seconds_unscored, 3), **info)
 
     def to_dict(self, *, episodes: bool = False) -> dict[str, Any]:
-        """The report as JSON-able data.
+        """Every field as JSON-able data.
 
         Args:
             episodes (`bool`, *optional*, defaults to `False`):
                 Include the episode records.
-
-        Returns:
-            `dict[str, Any]`: Every field (the episode records only with `episodes=True`).
         """
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "episodes"}
         out["end_reasons"] = dict(self.end_reasons)
@@ -571,8 +491,7 @@ class EvalReport:
 
 
 def _health_lines(report: Any) -> list[str]:
-    """Tool-call health, and a warning where it looks like the tool calls fail silently (episodes that never opened
-    are the environment's failure, said as such, not the model's)."""
+    """Tool-call health, and a warning where tool calls seem to fail silently (unopened: the environment's failure)."""
     lines = [f"  no tool call          {report.no_tool_call_rate:.3f} of episodes",
              f"  unparsed tool calls   {report.unparsed_turn_rate:.3f} of turns (tool-call markup that parsed to no "
              "call)",
@@ -587,23 +506,26 @@ def _health_lines(report: Any) -> list[str]:
     return lines + (["  warning: " + "; ".join(warnings)] if warnings else [])
 
 
+def _weighted(name: str, doc: str) -> property:
+    return property(lambda self: self._mean(lambda r: getattr(r, name)) or 0.0, doc=doc)
+
+
+def _total(name: str, what: str) -> property:
+    return property(lambda self: sum(getattr(r, name) for r in self.environments.values()),
+                    doc=f"{what}, in every environment.")
+
+
 @dataclass
 class MixEvalReport:
-    """What the evaluation of a mix measured (`OpenRewardMix.evaluate`): every environment's `EvalReport`, and over
-    them the weighted means.
-
-    The weighted means (`mean_reward`, `success_rate`, `pass_at_k`, `no_tool_call_rate`, `unparsed_turn_rate`)
-    and the totals (`num_episodes`, `num_resumed`, `num_errors`, `num_unopened`, `malformed_calls`, `episodes`) are
-    properties. An environment none of whose episodes was scored has no mean reward: `mean_reward` is over the others
-    (`unscored_environments` names it, `mean_reward_weight` is the share of the weight the mean stands for, and the
-    summary says so), never as if it had counted.
+    """What the evaluation of a mix measured (`OpenRewardMix.evaluate`): each environment's `EvalReport` and, as
+    properties, the weighted means and totals over them. An environment none of whose episodes was scored is left out
+    of `mean_reward` (`unscored_environments`; `mean_reward_weight`: the share of the weight the mean stands for).
 
     Attributes:
         environments (`dict[str, EvalReport]`):
             The report of each environment, by its name in the mix.
         weights (`dict[str, float]`):
-            Each environment's weight in the overall numbers, summing to 1: the mix's weights where it has them,
-            else each environment's share of the episodes.
+            Each environment's weight, summing to 1: the mix's weights, else its share of the episodes.
     """
 
     environments: dict[str, EvalReport]
@@ -617,11 +539,7 @@ class MixEvalReport:
             reports (`Mapping[str, EvalReport]`):
                 The report of each environment, by its name in the mix.
             weights (`Mapping[str, float]`, *optional*):
-                The mix's weights, normalised to sum to 1 (an environment without one weighs 0); by default each
-                environment's share of the episodes.
-
-        Returns:
-            `MixEvalReport`: The report.
+                The mix's weights, normalised (an environment without one weighs 0); default: shares of the episodes.
         """
         raw = dict(weights) if weights else {name: float(r.num_episodes) for name, r in reports.items()}
         total = sum(raw.get(name, 0.0) for name in reports) or 1.0
@@ -632,30 +550,21 @@ class MixEvalReport:
         weight = sum(w for w, _ in values)
         return sum(w * v for w, v in values) / weight if weight else None
 
-    def _total(self, name: str) -> int:
-        return sum(getattr(r, name) for r in self.environments.values())
-
     mean_reward = property(lambda self: self._mean(lambda r: r.mean_reward),
-                           doc="The weighted mean reward over the environments with a scored episode (see "
-                               "`mean_reward_weight`), or `None`.")
+                           doc="The weighted mean reward over the environments with a scored episode, or `None`.")
     unscored_environments = property(lambda self: [n for n, r in self.environments.items() if r.mean_reward is None],
                                      doc="The environments none of whose episodes was scored: not in `mean_reward`.")
     mean_reward_weight = property(lambda self: sum(self.weights[n] for n, r in self.environments.items()
                                                    if r.mean_reward is not None),
                                   doc="The share of the weight `mean_reward` stands for (1.0: every environment).")
-    success_rate = property(lambda self: self._mean(lambda r: r.success_rate) or 0.0,
-                            doc="The weighted success rate.")
-    no_tool_call_rate = property(lambda self: self._mean(lambda r: r.no_tool_call_rate) or 0.0,
-                                 doc="The weighted share of episodes without a tool call.")
-    unparsed_turn_rate = property(lambda self: self._mean(lambda r: r.unparsed_turn_rate) or 0.0,
-                                  doc="The weighted share of replies whose tool-call markup parsed to no call.")
-    malformed_calls = property(lambda self: self._total("malformed_calls"),
-                               doc="Tool calls refused for malformed arguments, in every environment.")
-    num_episodes = property(lambda self: self._total("num_episodes"), doc="Episodes, in every environment.")
-    num_resumed = property(lambda self: self._total("num_resumed"), doc="Episodes resumed, in every environment.")
-    num_errors = property(lambda self: self._total("num_errors"), doc="Episodes that failed, in every environment.")
-    num_unopened = property(lambda self: self._total("num_unopened"),
-                            doc="Episodes that never opened, in every environment.")
+    success_rate = _weighted("success_rate", "The weighted success rate.")
+    no_tool_call_rate = _weighted("no_tool_call_rate", "The weighted share of episodes without a tool call.")
+    unparsed_turn_rate = _weighted("unparsed_turn_rate", "The weighted share of replies with unparsed tool calls.")
+    malformed_calls = _total("malformed_calls", "Tool calls refused for malformed arguments")
+    num_episodes = _total("num_episodes", "Episodes")
+    num_resumed = _total("num_resumed", "Episodes resumed")
+    num_errors = _total("num_errors", "Episodes that failed")
+    num_unopened = _total("num_unopened", "Episodes that never opened")
     episodes = property(lambda self: [e for r in self.environments.values() for e in r.episodes],
                         doc="Every episode record, environment by environment.")
 
@@ -666,23 +575,18 @@ class MixEvalReport:
         return {k: self._mean(lambda r, k=k: r.pass_at_k[k]) or 0.0 for k in sorted(ks)}
 
     def to_dict(self, *, episodes: bool = False) -> dict[str, Any]:
-        """Every environment's report and the weighted overall, as JSON-able data.
+        """`{"environments": {...}, "weights": {...}, "overall": {...}}` as JSON-able data.
 
         Args:
             episodes (`bool`, *optional*, defaults to `False`):
                 Include the episode records in each environment's report.
-
-        Returns:
-            `dict[str, Any]`: `{"environments": {...}, "weights": {...}, "overall": {...}}`.
         """
         return {"environments": {n: r.to_dict(episodes=episodes) for n, r in self.environments.items()},
                 "weights": dict(self.weights),
-                "overall": {"mean_reward": self.mean_reward, "mean_reward_weight": self.mean_reward_weight,
-                            "unscored_environments": self.unscored_environments, "success_rate": self.success_rate,
-                            "pass_at_k": self.pass_at_k, "no_tool_call_rate": self.no_tool_call_rate,
-                            "unparsed_turn_rate": self.unparsed_turn_rate, "malformed_calls": self.malformed_calls,
-                            "num_episodes": self.num_episodes, "num_errors": self.num_errors,
-                            "num_unopened": self.num_unopened}}
+                "overall": {name: getattr(self, name) for name in (
+                    "mean_reward", "mean_reward_weight", "unscored_environments", "success_rate", "pass_at_k",
+                    "no_tool_call_rate", "unparsed_turn_rate", "malformed_calls", "num_episodes", "num_errors",
+                    "num_unopened")}}
 
     def summary(self) -> str:
         """Every environment's summary, then the weighted overall."""

@@ -1,10 +1,7 @@
-"""What a process may open: a cap on open ORS sessions, and a pace of session creation.
-
-64 training processes x 64 rollouts would otherwise open 4,096 sessions at once against a server that may not take
-them. Past the cap (`set_max_sessions(n)` or `ORS_TRL_MAX_SESSIONS`; a client's `max_sessions` applies on top) an open
-waits for a session to close instead of failing. A sandbox platform also throttles how fast sessions are *created*: a
-`Pace` spreads opens at a rate, with a burst, per client (`max_session_rate`) and for every process sharing a working
-directory (`ORS_TRL_MAX_SESSION_RATE="RATE[:BURST]"`, one schedule in a lock file under `registry.state_dir()`).
+"""What a process may open: a cap on open ORS sessions (`set_max_sessions` or `ORS_TRL_MAX_SESSIONS`; past it an open
+waits), and a `Pace` of session creation, per client (`max_session_rate`) and for every process sharing a working
+directory (`ORS_TRL_MAX_SESSION_RATE="RATE[:BURST]"`, one schedule in a lock file): a sandbox platform throttles how
+fast sessions are created.
 """
 
 from __future__ import annotations
@@ -43,8 +40,7 @@ _semaphores: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaph
 
 
 def set_max_sessions(limit: int | None) -> None:
-    """Cap the sessions this process keeps open at once, over all its clients (call before opening sessions); a
-    `ConfigurationError` for a `limit` that is not a positive int or `None`.
+    """Cap the sessions this process keeps open at once, over all its clients (call before opening sessions).
 
     Args:
         limit (`int` or `None`):
@@ -59,8 +55,7 @@ def set_max_sessions(limit: int | None) -> None:
 
 
 def get_max_sessions() -> int | None:
-    """The process-wide session cap: the one `set_max_sessions` set, else `ORS_TRL_MAX_SESSIONS` (a
-    `ConfigurationError` if it is not an integer of at least 1), else `None` (no cap)."""
+    """The process-wide session cap: `set_max_sessions`'s, else `ORS_TRL_MAX_SESSIONS`, else `None` (no cap)."""
     if _limit_set:
         return _limit
     raw = os.environ.get(ENV_VAR, "").strip()
@@ -76,7 +71,6 @@ def get_max_sessions() -> int | None:
 
 
 def process_semaphore() -> asyncio.Semaphore | None:
-    """The running loop's semaphore for the process-wide cap, or None when there is no cap."""
     limit = get_max_sessions()
     if limit is None:
         return None
@@ -85,14 +79,10 @@ def process_semaphore() -> asyncio.Semaphore | None:
 
 
 class Pace:
-    """At most `rate` session opens per second, `burst` of them at once after a quiet spell: each open takes the next
-    free moment of one schedule (the generic cell rate algorithm), kept in memory or in the lock file `path` that local
-    processes share (created 0600 at the first open).
-
-    A `429` or a `503 starting` halves the pace (once per interval: a batch refused at once halves it once; down to
-    1/16 of `rate`) and starts the schedule again from then: opens already waiting take new moments at the slower
-    pace. Each open that went through gives a fifth of the slow-down back.
-    """
+    """At most `rate` session opens per second, `burst` at once after a quiet spell: each open takes the next free
+    moment of one schedule (the generic cell rate algorithm), in memory or in the lock file `path` processes share. A
+    `429` or `503 starting` halves the pace (once per interval, down to 1/16) and restarts the schedule; each open
+    that went through gives a fifth of the slow-down back."""
 
     MAX_SLOWDOWN = 16.0
     #: Bound on the new moments one open takes because the pace slowed while it waited.
@@ -140,8 +130,7 @@ class Pace:
             return result
 
     def _read(self, raw: bytes, now: float) -> tuple[float, ...]:
-        """The shared state from the pace file; what no pace wrote (text, NaN, a slow-down out of range, a moment days
-        away) is treated as absent: the schedule starts afresh, said once."""
+        """The shared state from the pace file; what no pace wrote is treated as absent (said once)."""
         try:
             state = tuple(float(x) for x in raw.split())
         except ValueError:
@@ -163,8 +152,7 @@ class Pace:
         return start + interval, slow, epoch, last, (max(start - (self.burst - 1) * interval, now) - now, epoch)
 
     async def wait(self) -> None:
-        """Wait for this open's moment (reserved now: later callers queue behind it); if the pace slowed meanwhile,
-        take a new one."""
+        """Wait for this open's moment (reserved now); if the pace slowed meanwhile, take a new one."""
         for _ in range(self.MAX_RETAKES):
             delay, epoch = self._update(self._take)
             if delay > 0:
@@ -173,8 +161,7 @@ class Pace:
                 return
 
     def throttled(self) -> None:
-        """The platform said 429 or `503 starting`: halve the pace (unless it did within the last interval), and start
-        its schedule again one (slower) interval from now."""
+        """The platform said 429 or `503 starting`: halve the pace (once per interval) and restart its schedule."""
         def slower(now: float, tat: float, slow: float, epoch: float, last: float) -> tuple[Any, ...]:
             if now - last >= slow / self.rate:
                 slow, last = min(slow * 2, self.MAX_SLOWDOWN), now
@@ -218,8 +205,7 @@ def process_pace() -> Pace | None:
 
 
 def _after_fork_in_child() -> None:
-    # A fork while another thread held the lock would leave it held forever in the child; the parent's
-    # loops (and so their semaphores) do not run there either.
+    # A lock another thread held at the fork stays held in the child; the parent's loops do not run there.
     global _lock
     _lock = threading.Lock()
     _semaphores.clear()

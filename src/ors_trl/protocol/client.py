@@ -1,11 +1,7 @@
-"""The ORS client: the environment's endpoints and its sessions; async API plus a synchronous facade.
-
-`AsyncClient` / `AsyncSession` run on whatever event loop awaits them (the CLI, the rollout engine). `Client` /
-`Session` are the same objects driven from any thread through the process's background loop
-(`ors_trl.protocol.loop`), which is what TRL's synchronous `reset()` and tool methods use. Their options are one
-`ClientOptions`. When a session may open, keepalive and closing what is left are the client's `SessionPool`
-(`ors_trl.protocol.pool`); this module speaks the requests.
-"""
+"""The ORS client: the environment's endpoints and its sessions. `AsyncClient` / `AsyncSession` run on the event loop
+that awaits them; `Client` / `Session` drive the same objects from any thread through the process's background loop
+(`protocol.loop`). This module speaks the requests; the client's `SessionPool` decides when a session opens, keeps it
+alive and closes what is left."""
 
 from __future__ import annotations
 
@@ -62,7 +58,7 @@ __all__ = ["AsyncClient", "AsyncSession", "Client", "ClientOptions", "Session"]
 
 logger = logging.getLogger("ors_trl.client")
 
-# Retries for deleting sessions while shutting down: a dead server must not hold up interpreter exit.
+# Deleting sessions while shutting down: a dead server must not hold up interpreter exit.
 _QUICK_RETRY = RetryPolicy(max_attempts=2, backoff_initial=0.1, backoff_max=0.5)
 _ORPHAN_CONCURRENCY = 16
 _PROBE_S = 2.0  # bound on the connection that tells whether a loopback server is gone (a refusal is immediate)
@@ -78,45 +74,38 @@ MAX_DIFFICULTY_ROWS = 100_000
 @dataclass(frozen=True)
 class ClientOptions:
     """How a client reaches an environment and keeps its sessions: the options `AsyncClient`, `Client`,
-    `OpenRewardSpec`, `OpenRewardMix` and the CLI take, documented here once. Each may also be passed to a client as
-    a keyword of its own (`AsyncClient(url, api_key=..., timeouts=...)`).
+    `OpenRewardSpec`, `OpenRewardMix` and the CLI take, documented here once; each is also a keyword of a client
+    (`AsyncClient(url, api_key=...)`). An option that cannot work is a `ConfigurationError`.
 
     Args:
         env_name (`str`, *optional*):
-            Which environment on a server hosting several (case-insensitive). Not needed when the server hosts one.
+            Which environment on a server hosting several (case-insensitive).
         api_key (`str`, *optional*):
-            The OpenReward key; defaults to `OPENREWARD_API_KEY` for catalog names. Sent only to the platform's
-            hosts, or to a self-hosted URL when passed explicitly.
+            The OpenReward key (`OPENREWARD_API_KEY` for catalog names); sent only to the platform's hosts, or to a
+            self-hosted URL when passed explicitly.
         secrets (`Mapping[str, str | tuple[str, Sequence[str]]]`, *optional*):
             Sent with every session in `X-Secrets`; a value is a string or `(value, allowed_domains)`.
         timeouts (`Timeouts`, *optional*):
-            Connect, request and tool-call deadlines (`Timeouts()` when omitted).
+            Connect, request and tool-call deadlines.
         retry (`RetryPolicy`, *optional*):
-            Retries of transient failures (`RetryPolicy()` when omitted).
+            Retries of transient failures.
         keepalive_interval (`float`, *optional*, defaults to `10.0`):
             Seconds between pings of an idle open session; None disables keepalive.
         max_sessions (`int`, *optional*):
-            Cap on sessions open at once through this client; `open_session` queues (up to `session_wait` seconds)
-            rather than fails when it is reached.
+            Cap on sessions open at once through this client; past it `open_session` waits (`session_wait`).
         session_wait (`float`, *optional*, defaults to `1800.0`):
-            How long `open_session` may wait for a free slot under `max_sessions` (None: no limit).
+            How long `open_session` may wait for a slot under `max_sessions` (None: no limit).
         max_connections (`int`, *optional*, defaults to `0`):
             Connection pool size (0: unlimited).
         max_session_rate (`float` or `tuple[float, int]`, *optional*):
-            Sessions this client creates per second, or `(rate, burst)` (burst 1 otherwise); opens past it wait
-            their turn, and a 429 or `503 starting` slows it. None: a batch opens at once.
+            Sessions created per second, or `(rate, burst)`; a 429 or `503 starting` slows it (None: no pace).
         toolset (`str`, *optional*):
-            The platform toolset every session gets (`toolset_name`, e.g. `"codex"`); a toolset the server refuses
-            is a `ConfigurationError` at the first open.
+            The platform toolset every session gets (e.g. `"codex"`).
         toolset_fallback (`bool`, *optional*, defaults to `False`):
-            When the server refuses `toolset`, open sessions without it (said once in the log) instead.
+            When the server refuses `toolset`, open sessions without it (said once) instead of failing.
         env_overrides (`Mapping[str, str]`, *optional*):
-            Environment variables for every session (sent with `/create_session`; on the platform, callers other
-            than the environment's owner may set only the OpenAI/Anthropic URL and key variables). Masked like
-            secrets; a self-hosted reference server ignores them.
-
-    Raises:
-        ConfigurationError: an option that cannot work (named in the message).
+            Environment variables for every session (on the platform, non-owners may set only the OpenAI/Anthropic
+            URL and key variables); masked like secrets.
     """
 
     env_name: str | None = None
@@ -151,8 +140,7 @@ class ClientOptions:
 
     @classmethod
     def _of(cls, options: ClientOptions | None, overrides: Mapping[str, Any]) -> ClientOptions:
-        """`options` (default ones when None) with the fields `overrides` names replaced; a `ConfigurationError`
-        naming any key that is no option, and the options there are."""
+        """`options` with the fields in `overrides` replaced; an unknown key is a `ConfigurationError`."""
         names = [f.name for f in dataclasses.fields(cls)]
         if unknown := sorted(set(overrides) - set(names)):
             raise ConfigurationError(f"unknown client option(s) {', '.join(map(repr, unknown))}; the options are "
@@ -161,9 +149,9 @@ class ClientOptions:
 
 
 class AsyncSession:
-    """One ORS session (one episode of one task), from `AsyncClient.open_session`, which passes the arguments; each is
-    kept as the attribute of the same name, beside `opened_at` and `closed_at` (`time.monotonic()` when it was opened,
-    and when the server deleted it: None until then), `expired` (the server said it is gone) and `closed`.
+    """One ORS session (one episode of one task), from `AsyncClient.open_session`. Each argument is kept as the
+    attribute of the same name, beside `opened_at`, `closed_at` (`time.monotonic()`; None until the server deleted
+    it), `expired` (the server said it is gone) and `closed`.
 
     Args:
         client (`AsyncClient`):
@@ -171,11 +159,11 @@ class AsyncSession:
         sid (`str`):
             The server's session id.
         split (`str` or `None`):
-            The split of the task this session runs (`None` for an explicit `task_spec`).
+            The task's split (`None` for an explicit `task_spec`).
         index (`int` or `None`):
-            The index of that task in `split` (`None` for an explicit `task_spec`).
+            The task's index in `split` (`None` for an explicit `task_spec`).
         task_spec (`Mapping[str, Any]` or `None`):
-            The explicit task this session runs, if it was opened with one.
+            The explicit task, if the session was opened with one.
         open_seconds (`float`):
             How long opening took (waits included).
         created_at (`float`):
@@ -201,14 +189,12 @@ class AsyncSession:
 
     @property
     def seconds(self) -> float:
-        """Session-seconds: how long the session has existed on the server (what a sandbox platform bills), until
-        it was deleted."""
+        """How long the session has existed on the server, until deleted (what a sandbox platform bills)."""
         return (self.closed_at or time.monotonic()) - self.created_at
 
     @contextlib.asynccontextmanager
     async def _active(self) -> AsyncIterator[None]:
-        """A request in this session: refused once it is closed; its start and end are activity (keepalive); an answer
-        saying the session is gone marks it expired."""
+        """A request in this session: refused once closed, counted as activity, marking it expired if gone."""
         if self.closed:
             raise UsageError(f"session {self.sid} is closed; open a new one")
         self.last_activity = time.monotonic()
@@ -232,12 +218,8 @@ class AsyncSession:
 
     @masked
     async def messages(self) -> list[Message]:
-        """The task's prompt as a role-tagged conversation (`/messages`, servers from SDK 0.1.157 on).
-
-        Raises:
-            NotFoundError: an older server has no such route (use `prompt()` there).
-            SessionExpiredError: the session is gone.
-        """
+        """The task's prompt as a role-tagged conversation (`/messages`, servers from SDK 0.1.157 on); a
+        `NotFoundError` on an older server (use `prompt()` there)."""
         try:
             raw = await self._get("/messages", scoped=False)  # a 404 may be an older server's: no route
         except NotFoundError as exc:
@@ -254,38 +236,39 @@ class AsyncSession:
 
     @masked
     async def call(self, name: str, arguments: Mapping[str, Any] | None = None) -> ToolResult:
-        """Call a tool in this session.
+        """Call a tool in this session: a `ToolRefusedError` (`.reason` says why), `ToolFailedError` (it raised),
+        `StreamInterruptedError` (the stream broke before the call was acknowledged: not re-run) or `ORSTimeoutError`
+        (past `Timeouts.tool_call`) when it gives no output.
 
         Args:
             name (`str`):
                 The tool's name.
             arguments (`Mapping[str, Any]`, *optional*):
-                Its arguments (none when omitted).
-
-        Raises:
-            ToolRefusedError: the server refused the call (`.reason` says why).
-            ToolFailedError: the tool raised inside the environment.
-            SessionExpiredError: the session is gone.
-            StreamInterruptedError: the stream broke before the call was acknowledged (not re-run).
-            ORSTimeoutError: the call outlived `Timeouts.tool_call`.
+                Its arguments.
         """
-        body, task_id = await self._stream("/call", {"name": name, "input": dict(arguments or {})},
-                                           what=f"tool {show_name(name)}", tool=name)
-        # A refusal quotes the server: `quote` masks secrets it echoed and escapes control characters.
-        return _parse_call_result(body, tool=name, task_id=task_id, quote=self._transport.decoder.quote)
+        what = f"tool {show_name(name)}"
+        body, task_id = await self._stream("/call", {"name": name, "input": dict(arguments or {})}, what=what,
+                                           tool=name)
+        if not isinstance(body, dict) or "ok" not in body:
+            raise ProtocolError(f"{what}: the result has no 'ok' field: {quoted(body)}")
+        if body["ok"] is True:
+            if "output" not in body:
+                raise ProtocolError(f"{what}: a successful result has no 'output'")
+            return ToolResult.from_output(body["output"], tool=name, task_id=task_id)
+        quote = self._transport.decoder.quote  # what the server said: secrets it echoed masked, escaped, bounded
+        reason, error = body.get("reason"), body.get("error") or "the server refused the call"
+        raise ToolRefusedError(f"{what} was refused ({quote(str(reason)) if reason else 'no reason given'}): "
+                               f"{quote(error if isinstance(error, str) else quoted(error, 2000))}",
+                               tool=name, reason=reason if isinstance(reason, str) else None)
 
     @masked
     async def score_group(self, candidates: list[dict[str, Any]]) -> list[GroupScore]:
-        """Score a GRPO group of this session's task (`/score_group`), streamed like a tool call: one score per
-        candidate, in order.
+        """Score a GRPO group of this session's task (`/score_group`, streamed like a tool call): one score per
+        candidate, in order; a `NotFoundError` where the environment does not score groups.
 
         Args:
             candidates (`list[dict[str, Any]]`):
                 The group's completions, each `{"messages": [Message.to_json(), ...], "metadata"?: {...}}`.
-
-        Raises:
-            NotFoundError: the environment does not support group scoring (a 404).
-            ProtocolError: the answer does not hold one score per candidate.
         """
         body, _ = await self._stream("/score_group", {"candidates": list(candidates)}, what="score_group",
                                      tool="score_group")
@@ -305,7 +288,7 @@ class AsyncSession:
 
     @masked
     async def ping(self) -> bool:
-        """Refresh the server's idle timer. Returns False (and marks the session expired) if it is gone."""
+        """Refresh the server's idle timer; False (the session marked expired) if it is gone."""
         if self.closed:
             return False
         self.last_activity = time.monotonic()
@@ -317,9 +300,8 @@ class AsyncSession:
         return True
 
     async def close(self) -> None:
-        """Delete the session on the server (`/delete`, then `/delete_session`); idempotent, never raises for one that
-        is already gone, concurrent callers share one close. Its slot is free at once; the server is waited for at
-        most `CLOSE_WAIT_S` (1 s), a slower delete going on in the background (`ors_trl.protocol.pool`)."""
+        """Delete the session on the server; idempotent, never raises for one already gone. Its slot is free at once;
+        the server is waited for at most `CLOSE_WAIT_S` (1 s), a slower delete going on in the background."""
         if self._close_task is None:
             self.closed = True
             self._close_task = self.client._pool.delete_soon(self.sid, session=self)
@@ -332,26 +314,9 @@ class AsyncSession:
         await self.close()
 
 
-def _parse_call_result(body: Any, *, tool: str, task_id: str | None, quote: Callable[[str], str]) -> ToolResult:
-    """A decoded `/call` result; `quote` makes what the server said fit for a message (escaped, bounded)."""
-    if not isinstance(body, dict) or "ok" not in body:
-        raise ProtocolError(f"tool {show_name(tool)}: the result has no 'ok' field: {quoted(body)}")
-    if body["ok"] is True:
-        if "output" not in body:
-            raise ProtocolError(f"tool {show_name(tool)}: a successful result has no 'output'")
-        return ToolResult.from_output(body["output"], tool=tool, task_id=task_id)
-    reason = body.get("reason")
-    error = body.get("error") or "the server refused the call"
-    shown = quote(error if isinstance(error, str) else quoted(error, 2000))
-    raise ToolRefusedError(
-        f"tool {show_name(tool)} was refused ({quote(str(reason)) if reason else 'no reason given'}): {shown}",
-        tool=tool, reason=reason if isinstance(reason, str) else None)
-
-
 async def _landed(request: Any, into: list[Any]) -> Any:
-    """Await a request that may create something on the server, appending its result to `into`; if cancelled
-    meanwhile, first let it land (bounded), so the caller can delete what it made (cancelling the request itself
-    would leave the server free to finish it after our clean-up ran: a delete overtaking its create)."""
+    """Await a request that may create something on the server, appending its result to `into`; if cancelled, let it
+    land first (bounded), so that the caller's delete cannot overtake the create."""
     task = asyncio.ensure_future(request)
     try:
         into.append(await asyncio.shield(task))
@@ -363,20 +328,16 @@ async def _landed(request: Any, into: list[Any]) -> Any:
 
 
 class AsyncClient:
-    """Async client for one ORS environment.
+    """Async client for one ORS environment; a `ConfigurationError` for a malformed target or option, a
+    `MissingAPIKeyError` for a catalog name with no API key.
 
     Args:
         target (`str`):
-            A catalog name (`"Eigent/SETA"`) or the URL of a self-hosted server (`"http://127.0.0.1:8000"`), told
-            apart by `://`.
+            A catalog name (`"Eigent/SETA"`) or the URL of a self-hosted server (`"http://127.0.0.1:8000"`).
         options (`ClientOptions`, *optional*):
-            How to reach it and keep its sessions (`ClientOptions()` when omitted).
+            How to reach it and keep its sessions.
         **kwargs:
-            `ClientOptions` fields, each replacing the one of `options` (`AsyncClient(url, api_key=..., timeouts=...)`).
-
-    Raises:
-        ConfigurationError: a malformed target, an unknown keyword or an option that cannot work.
-        MissingAPIKeyError: a catalog name with no API key.
+            `ClientOptions` fields, each replacing the one of `options`.
     """
 
     def __init__(self, target: str, options: ClientOptions | None = None, **kwargs: Any) -> None:
@@ -391,7 +352,7 @@ class AsyncClient:
         self._transport = Transport(self.target, timeouts=options.timeouts, retry=options.retry,
                                     max_connections=options.max_connections)
         self._transport.on_throttle = self._pool.throttled
-        # Masked from the start: the X-Secrets header, each secret's value, each override (it may be a key).
+        # Masked from the start: each override may be a key.
         for value in [*self._secret_headers.values(), *self._overrides.values(),
                       *(v if isinstance(v, str) else v[0] for v in secrets.values())]:
             self._transport.decoder.add(value)
@@ -421,23 +382,17 @@ class AsyncClient:
 
     @property
     def duplicate_sessions(self) -> int:
-        """Session ids the server handed out that another session already had: each was refused (never used, never
-        deleted) and a fresh one asked for."""
+        """Session ids the server handed out that another session already had (each refused, another asked for)."""
         return self._pool.duplicates
-
-    # -- environment resolution and calls ------------------------------------------------------------------------
 
     def _path(self, suffix: str) -> str:
         return f"/{self._env}{suffix}" if self._env else suffix
 
     @masked
     async def environment(self) -> str | None:
-        """Resolve (once) and return the environment key used in request paths.
-
-        For a URL, the server's `/list_environments` is consulted: `env_name` is matched case-insensitively (the exact
-        name first), a single environment needs no name, and with several the server's default (the first) is used.
-        For a catalog name, `env_name` (if any) selects a variant.
-        """
+        """The environment key used in request paths, resolved once: for a URL, `env_name` matched against
+        `/list_environments` (exact name first, then case-insensitively; none: the server's first); for a catalog
+        name, `env_name` as it is."""
         if not self._env_resolved:
             async with self._env_lock:
                 if not self._env_resolved:
@@ -475,7 +430,7 @@ class AsyncClient:
     async def _env_request(self, method: str, suffix: str, body: Any = None) -> Any:
         await self.environment()
         if not self.target.is_url and self._control_sid is None:
-            # Catalog mode routes even metadata calls by session; one is kept for the client's lifetime.
+            # The platform routes even metadata calls by session: one is kept for the client's lifetime.
             self._control_sid = await self._create_sid()
         return await self._transport.request(method, self._path(suffix), body=body, sid=self._control_sid)
 
@@ -507,17 +462,14 @@ class AsyncClient:
                                 "environment may have")
         out = []
         for item in raw:
-            if isinstance(item, str):
-                out.append(Split(item, item))
-            elif isinstance(item, dict) and isinstance(item.get("name"), str):
-                out.append(Split(item["name"], str(item.get("type", item["name"]))))
-            else:
+            item = {"name": item} if isinstance(item, str) else item
+            if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
                 raise ProtocolError(f"/splits: bad entry {quoted(item)}")
+            out.append(Split(item["name"], str(item.get("type", item["name"]))))
         return out
 
     async def _task_error(self, split: str, index: int | None, exc: BadRequestError) -> BadRequestError:
-        """Turn the server's bare "Invalid index" (when `index` was asked for) into a message with the valid range, and
-        its bare "Invalid split" into one that lists the real splits."""
+        """The server's bare "Invalid index" as a message with the valid range, "Invalid split" with the splits."""
         if index is not None and "index" in exc.detail.lower():
             n = await self.num_tasks(split)
             message = f"task index {index} is out of range for split {split!r}, which has {n} tasks (0..{n - 1})."
@@ -529,8 +481,7 @@ class AsyncClient:
         return BadRequestError(message, status_code=exc.status_code, detail=exc.detail, path=exc.path)
 
     async def _split_request(self, suffix: str, body: dict[str, Any], key: str | None = None) -> Any:
-        """POST a request about `body["split"]` (and `body["index"]`); the answer's `key` when given, checked to be a
-        list."""
+        """POST a request about `body["split"]`; the answer's `key` when given, checked to be a list."""
         try:
             raw = await self._env_request("POST", suffix, body)
         except BadRequestError as exc:
@@ -541,8 +492,7 @@ class AsyncClient:
 
     @masked
     async def num_tasks(self, split: str = "train") -> int:
-        """The number of tasks in a split (`/num_tasks`); a `BadRequestError` listing the splits for one that does not
-        exist.
+        """The number of tasks in a split (`/num_tasks`); a `BadRequestError` listing the splits for an unknown one.
 
         Args:
             split (`str`, *optional*, defaults to `"train"`):
@@ -557,8 +507,7 @@ class AsyncClient:
 
     @masked
     async def task(self, split: str, index: int) -> dict[str, Any]:
-        """One task spec (`/task`); a `BadRequestError` saying which, for a split that does not exist or an index out
-        of its range.
+        """One task spec (`/task`); a `BadRequestError` for an unknown split or an index out of its range.
 
         Args:
             split (`str`):
@@ -573,16 +522,15 @@ class AsyncClient:
 
     @masked
     async def task_range(self, split: str, start: int | None = None, stop: int | None = None) -> list[dict[str, Any]]:
-        """Task specs `start:stop` of a split, in order, in one request (`/task_range`, Python slice rules); a
-        `BadRequestError` listing the splits for one that does not exist.
+        """Task specs `start:stop` of a split, in one request (`/task_range`, Python slice rules).
 
         Args:
             split (`str`):
                 The split the tasks are in.
             start (`int`, *optional*):
-                The first task's index (the split's start when omitted).
+                The first task's index.
             stop (`int`, *optional*):
-                The index past the last task (the split's end when omitted).
+                The index past the last task.
         """
         bounds = {k: v for k, v in (("start", start), ("stop", stop)) if v is not None}
         tasks = await self._split_request("/task_range", {"split": split, **bounds}, "tasks")
@@ -594,8 +542,7 @@ class AsyncClient:
 
     @masked
     async def tasks(self, split: str = "train") -> list[dict[str, Any]]:
-        """Every task spec of a split, in order (`/tasks`, one request; slow on large catalogs: prefer `task_range`); a
-        `BadRequestError` listing the splits for one that does not exist.
+        """Every task spec of a split (`/tasks`; slow on large catalogs: prefer `task_range`).
 
         Args:
             split (`str`, *optional*, defaults to `"train"`):
@@ -605,15 +552,14 @@ class AsyncClient:
 
     @masked
     async def task_difficulty(self, split: str, filters: Mapping[str, str] | None = None) -> dict[int, Any]:
-        """The OpenReward platform's per-task difficulty of a catalog environment's `split`: `{task index: (mean
-        reward, number of logged rollouts)}`. A `ConfigurationError` for a self-hosted URL, which serves none.
+        """The platform's per-task difficulty of a catalog environment's `split`: `{task index: (mean reward, logged
+        rollouts)}`; a `ConfigurationError` for a self-hosted URL, which serves none.
 
         Args:
             split (`str`):
                 The split.
             filters (`Mapping[str, str]`, *optional*):
-                Query filters of the platform (`model_name`, `min_model_params`, `max_model_params`,
-                `training_stage`): `PlatformDifficulty.params()`.
+                The platform's query filters: `PlatformDifficulty.params()`.
         """
         if self.target.is_url:
             raise ConfigurationError(
@@ -644,13 +590,9 @@ class AsyncClient:
         """The environment's shared tools (task-specific ones need a session: `AsyncSession.tools`)."""
         return ToolList.from_json(await self._env_request("GET", "/tools"), where="tools")
 
-    # -- sessions ----------------------------------------------------------------------------------------------
-
     async def _create_sid(self) -> str:
-        """A new session id of this process's own: `/create_session`, claimed (an id another session of this process
-        has is refused and another one asked for, `SessionPool.duplicate`) and in the orphan registry before this
-        returns. Every other id the answers named (an attempt that named one, then stalled or broke, and was
-        re-posted or failed) is deleted in the background."""
+        """A new session id, claimed for this process and in the orphan registry before this returns. Every other id
+        the answers named (an attempt that then stalled or broke) is deleted in the background."""
         for tries in itertools.count(1):
             named: list[str] = []
             sid = None
@@ -668,8 +610,8 @@ class AsyncClient:
         raise AssertionError("unreachable")
 
     async def _new_sid(self, named: list[str]) -> str:
-        """`/create_session` (with the env overrides); on the platform (an allocation per request) never re-posted
-        after it may have landed. Each id any attempt's stream names is appended to `named` as it arrives."""
+        """`/create_session`, never re-posted on the platform once it may have landed (an allocation per request);
+        each id any attempt names is appended to `named` as it arrives."""
         def seen(event: str, data: str) -> None:
             if event == "task_id" and data.strip():
                 named.append(data.strip())
@@ -705,12 +647,10 @@ class AsyncClient:
     async def open_session(self, *, split: str | None = None, index: int | None = None,
                            task_spec: Mapping[str, Any] | None = None, toolset_name: str | None = None
                            ) -> AsyncSession:
-        """Open a session for task `split`/`index`, or for an explicit `task_spec` (exactly one of `index` and
-        `task_spec`): an `AsyncSession` (a `Session` from `Client.open_session`).
-
-        Whatever this creates on the server is deleted again if the open fails or is cancelled halfway (a request that
-        may have created something is waited for first, bounded, so that the delete cannot overtake it). Under
-        `max_sessions`, waits (up to `session_wait`) for a free slot.
+        """Open a session for task `split`/`index` or an explicit `task_spec` (exactly one of the two). Under
+        `max_sessions`, waits (up to `session_wait`) for a slot; whatever this creates on the server is deleted again
+        if the open fails or is cancelled halfway. A `ConfigurationError` for both or neither, or a refused toolset or
+        `env_overrides`; a `BadRequestError` for an unknown split or an index out of its range.
 
         Args:
             split (`str`, *optional*):
@@ -721,12 +661,6 @@ class AsyncClient:
                 An explicit task to run instead of one by index.
             toolset_name (`str`, *optional*):
                 The platform toolset for this session; overrides the client's `toolset`.
-
-        Raises:
-            ConfigurationError: both or neither of `index` and `task_spec` were given, or the server refused the
-                toolset (without `toolset_fallback`) or the client's `env_overrides`.
-            BadRequestError: `split` does not exist, or `index` is out of its range.
-            UsageError: the client is closed.
         """
         if (task_spec is None) == (index is None):
             raise ConfigurationError("open_session needs exactly one of index= (with split=) or task_spec=")
@@ -783,27 +717,21 @@ class AsyncClient:
         return session
 
     async def _create(self, sid: str, body: dict[str, Any], *, first: bool = False) -> bool:
-        """`/create`; False when the session is not ours. "Session already exists" means our own retried request had
-        already landed, but answered to the `first` try of the first `/create` of a new id, that the server gave the
-        id to another process too."""
-        tries = 0
-
-        def tried() -> None:
-            nonlocal tries
-            tries += 1
-
+        """`/create`; False when the session is not ours: "Session already exists" means that our own retried request
+        had landed, except on the `first` try of a new id, where the server gave the id to another process too."""
+        tries: list[None] = []
         try:
             await _landed(self._transport.request("POST", "/create", body=body, sid=sid,
-                                                  extra_headers=self._secret_headers, on_attempt=tried), [])
+                                                  extra_headers=self._secret_headers,
+                                                  on_attempt=lambda: tries.append(None)), [])
         except BadRequestError as exc:
             if exc.detail != "Session already exists":
                 raise
-            return not (first and tries == 1)
+            return not (first and len(tries) == 1)
         return True
 
     def _refused_toolset(self, toolset: str, exc: BadRequestError) -> None:
-        """The server refused `toolset` at `/create`: a `ConfigurationError`, or (`toolset_fallback`) sessions from now
-        on open without it, said once."""
+        """The server refused `toolset`: a `ConfigurationError`, or (`toolset_fallback`) open without it, said once."""
         if not self.toolset_fallback:
             raise ConfigurationError(
                 f"{self.target.name} refused toolset {toolset!r} at session open: {exc.detail.rstrip('.')}. Pass a "
@@ -818,9 +746,8 @@ class AsyncClient:
             raise UsageError("this client is closed; create a new one")
 
     async def _delete(self, sid: str, *, quiet: bool = False) -> bool:
-        """Delete `sid` on the server: `/delete` (environment teardown) and `/delete_session` (platform allocation),
-        each attempted even if the other fails. True when both went through (or found it gone); logs, never raises.
-        Once the client is closing, retries are kept short so that exit is not held up by a dead server."""
+        """`/delete` (environment teardown) and `/delete_session` (platform allocation) of `sid`, each tried even if
+        the other fails: True when both went through (or found it gone); logs, never raises."""
         retry = _QUICK_RETRY if self._pool.closed else None
         failed: list[str] = []
         for path in ("/delete", "/delete_session"):
@@ -845,7 +772,7 @@ class AsyncClient:
         if self._pool.closed:
             return
         if self._control_sid is not None:
-            # Only routes metadata calls; nothing runs in it, so failing to delete it is not worth a warning.
+            # Nothing runs in it: failing to delete it is not worth a warning.
             self._pool.delete_soon(self._control_sid, quiet=True)
             self._control_sid = None
         await self._pool.aclose()
@@ -863,8 +790,7 @@ class AsyncClient:
 
 def _blocking(method: Callable[..., Any], wrap: Callable[[Any, Any], Any] = lambda facade, result: result
               ) -> Callable[..., Any]:
-    """The synchronous form of an async method of the facade's `_inner` (same signature and docstring): run on the
-    background loop, from any thread; `wrap` turns its result into what the facade returns."""
+    """The blocking form of an async method of the facade's `_inner`; `wrap` turns its result into the facade's."""
     name = method.__name__
 
     @functools.wraps(method)
@@ -875,8 +801,7 @@ def _blocking(method: Callable[..., Any], wrap: Callable[[Any, Any], Any] = lamb
 
 
 def _facade(of: type, methods: tuple[str, ...], attributes: tuple[str, ...]) -> Callable[[type], type]:
-    """Class decorator: give the facade the blocking form of `of`'s `methods` and read-only views of `attributes`
-    (documented as `of` documents them)."""
+    """Class decorator: the blocking form of `of`'s `methods`, and read-only views of its `attributes`."""
     def install(cls: type) -> type:
         for name in methods:
             if name not in cls.__dict__:
@@ -890,8 +815,8 @@ def _facade(of: type, methods: tuple[str, ...], attributes: tuple[str, ...]) -> 
 
 
 class _Facade:
-    _inner: Any
-    _bg: BackgroundLoop
+    def __init__(self, inner: Any, bg: BackgroundLoop) -> None:
+        self._inner, self._bg = inner, bg
 
     def __repr__(self) -> str:
         return repr(self._inner).replace("<Async", "<", 1)
@@ -909,18 +834,8 @@ class _Facade:
 @_facade(AsyncSession, ("prompt", "messages", "tools", "call", "score_group", "ping", "close"),
          ("sid", "index", "expired", "closed", "seconds"))
 class Session(_Facade):
-    """Synchronous view of an `AsyncSession` (from `Client.open_session`), safe to use from any thread: its methods
-    are `AsyncSession`'s, blocking; `sid`, `index`, `expired`, `closed` and `seconds` read the `AsyncSession`'s.
-
-    Args:
-        inner (`AsyncSession`):
-            The session this view drives.
-        bg (`BackgroundLoop`):
-            The process's background event loop, which runs `inner`'s calls.
-    """
-
-    def __init__(self, inner: AsyncSession, bg: BackgroundLoop) -> None:
-        self._inner, self._bg = inner, bg
+    """Synchronous view of an `AsyncSession` (from `Client.open_session`), for any thread: `AsyncSession`'s methods,
+    blocking, and its `sid`, `index`, `expired`, `closed` and `seconds`."""
 
     async_session = property(lambda self: self._inner, doc="The `AsyncSession` this view drives.")
 
@@ -928,9 +843,8 @@ class Session(_Facade):
 @_facade(AsyncClient, ("environment", "list_environments", "health", "splits", "num_tasks", "task", "task_range",
                        "tasks", "task_difficulty", "tools"), ("target", "options", "open_sessions"))
 class Client(_Facade):
-    """Synchronous ORS client: the `AsyncClient` API driven through the process's background loop, its methods
-    blocking. Closed by `close()`, by `with`, or at the latest at interpreter exit (before thread pools shut down),
-    deleting every session it still has open.
+    """Synchronous ORS client: the `AsyncClient` API, blocking, from any thread. Closed by `close()`, `with`, or at
+    the latest at interpreter exit, deleting every session it still has open.
 
     Args:
         target (`str`):
@@ -942,8 +856,7 @@ class Client(_Facade):
     """
 
     def __init__(self, target: str, options: ClientOptions | None = None, **kwargs: Any) -> None:
-        self._inner = AsyncClient(target, options, **kwargs)
-        self._bg = get_loop()
+        super().__init__(AsyncClient(target, options, **kwargs), get_loop())
         self._bg.add_closer(self._inner.aclose)
 
     async_client = property(lambda self: self._inner, doc="The `AsyncClient` this client drives.")
@@ -956,9 +869,8 @@ class Client(_Facade):
 
 
 async def delete_orphans(target: str, sids: list[str]) -> list[bool | None]:
-    """Delete session ids of `target` that a dead process left open (the orphan registry's sweep); per id, whether
-    the server has it gone, or None for every id when the target is a loopback server that refuses connections (the
-    sessions died with it: no request is sent). A catalog target needs `OPENREWARD_API_KEY`."""
+    """Delete session ids of `target` a dead process left open (the orphan registry's `Deleter`): per id, whether the
+    server has it gone; None for each when `target` is a loopback server refusing connections (nothing is sent)."""
     if "://" in target and await server_gone(target):
         logger.debug("%s refuses connections on loopback: its %d session(s) died with it", target, len(sids))
         return [None] * len(sids)
@@ -972,13 +884,11 @@ async def delete_orphans(target: str, sids: list[str]) -> list[bool | None]:
 
 
 def _is_segment(name: object) -> bool:
-    """Whether `name` can be a URL path segment as it is: nothing to escape, and neither `.` nor `..` (which a URL
-    parser resolves, so `/../admin/x` would reach `/admin/x`)."""
+    """Whether `name` can be a URL path segment as it is: nothing to escape, not `.` or `..` (which URLs resolve)."""
     return isinstance(name, str) and _ENV_NAME.fullmatch(name) is not None and name not in (".", "..")
 
 
 def _env_segment(name: str) -> str:
-    """An environment name the server listed, checked before it becomes part of every request's URL path."""
     if _is_segment(name):
         return name
     raise ProtocolError(f"/list_environments: the environment name {quoted(name, 100)} cannot be part of a URL path "
@@ -986,8 +896,8 @@ def _env_segment(name: str) -> str:
 
 
 async def server_gone(url: str) -> bool:
-    """Whether `url` is a server on this machine's loopback that refuses connections: nothing listens on its port any
-    more, so whatever sessions it held died with it. False for any other host, or when unsure (a timeout)."""
+    """Whether `url` is a loopback server that refuses connections (its sessions died with it); False for any other
+    host, or when unsure."""
     parts = urllib.parse.urlsplit(url)
     try:
         host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)

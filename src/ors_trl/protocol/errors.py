@@ -1,36 +1,6 @@
-"""Every error ors-trl raises, in one hierarchy.
-
-    ORSError                          .kind: a short, stable label (metrics, records)
-    ├── ConfigurationError            bad input, caught before anything is sent (also a ValueError)
-    │   └── MissingAPIKeyError        a catalog name with no OPENREWARD_API_KEY / api_key
-    ├── UsageError                    an object used in a state that cannot work (also a RuntimeError):
-    │                                 a closed client or session, a tool before reset(), the wrong event
-    │                                 loop or process, after interpreter shutdown
-    ├── EnvironmentNotFoundError      the server has no such environment (also a LookupError)
-    ├── APIStatusError                the server answered with an error status (.status_code, .detail)
-    │   ├── BadRequestError           400 / 422: invalid split, index, body
-    │   ├── AuthenticationError       401 / 403: missing or wrong API key
-    │   ├── PaymentRequiredError      402: the account has no credits
-    │   ├── NotFoundError             404
-    │   │   └── SessionExpiredError   the session is gone (reaped, deleted, server restarted)
-    │   ├── RateLimitError            429                                      [retried]
-    │   ├── ServerError               500: the environment's own code failed
-    │   └── ServiceUnavailableError   502 / 503 / 504                          [retried]
-    ├── ToolError                     a tool call produced no output
-    │   ├── ToolRefusedError          refused without running (.reason: not_found, input_validation,
-    │   │                             name_collision, episode_finished)
-    │   └── ToolFailedError           the tool raised inside the environment
-    ├── TransportError                the network failed                       [retried where safe]
-    │   ├── ORSTimeoutError           a deadline passed (also a TimeoutError)
-    │   └── StreamInterruptedError    a stream broke before the server named the call; not retried,
-    │                                 since the tool may already be running
-    ├── ProtocolError                 the server's answer was malformed (bad JSON, missing fields)
-    │   └── ImageError                an image block that cannot be shown (not an image, a bomb, too large)
-    └── PolicyError                   the policy (the model being evaluated) produced no reply
-        └── ContextLengthExceeded     the conversation no longer fits the model's context
-
-`retryable` says whether the client retries an error by itself: seeing a retryable one means the
-retry budget is spent. Messages never contain API keys or secrets.
+"""Every error ors-trl raises, in one hierarchy under `ORSError`, in the order below; each one a caller may expect as a
+builtin is one too (`ConfigurationError` a ValueError, `UsageError` a RuntimeError, `EnvironmentNotFoundError` a
+LookupError, `ORSTimeoutError` a TimeoutError). Messages never hold API keys or secrets.
 """
 
 from __future__ import annotations
@@ -41,11 +11,12 @@ __all__ = ["APIStatusError", "AuthenticationError", "BadRequestError", "Configur
            "EnvironmentNotFoundError", "ImageError", "MissingAPIKeyError", "NotFoundError", "ORSError",
            "ORSTimeoutError", "PaymentRequiredError", "PolicyError", "ProtocolError", "RateLimitError",
            "ServerError", "ServiceUnavailableError", "SessionExpiredError", "StreamInterruptedError", "ToolError",
-           "ToolFailedError", "ToolRefusedError", "TransportError", "UsageError"]
+           "ToolFailedError", "ToolRefusedError", "TransportError", "UsageError", "status_error"]
 
 
 class ORSError(Exception):
-    """Base class of every ors-trl error."""
+    """Base class of every ors-trl error. `kind` is a short, stable label (metrics, records); `retryable` says that the
+    client retries it by itself (seeing one means the retries are spent)."""
 
     retryable: ClassVar[bool] = False
     kind: ClassVar[str] = "error"
@@ -53,7 +24,6 @@ class ORSError(Exception):
 
 class ConfigurationError(ORSError, ValueError):
     """The arguments cannot work; fix them before anything is sent."""
-
     kind = "configuration"
 
 
@@ -63,7 +33,6 @@ class MissingAPIKeyError(ConfigurationError):
 
 class UsageError(ORSError, RuntimeError):
     """An object was used in a state where that cannot work (closed, not reset, wrong loop or process)."""
-
     kind = "usage"
 
 
@@ -74,7 +43,7 @@ class EnvironmentNotFoundError(ORSError, LookupError):
         message (`str`):
             What went wrong and what to do.
         available (`list[str]`, *optional*):
-            The environments the server hosts; kept as the attribute `available`.
+            The environments the server hosts (the attribute `available`).
     """
 
     kind = "not_found"
@@ -85,7 +54,7 @@ class EnvironmentNotFoundError(ORSError, LookupError):
 
 
 class APIStatusError(ORSError):
-    """The server answered an HTTP error status. The keyword arguments are kept as attributes of the same name.
+    """The server answered an HTTP error status; the keyword arguments are kept as attributes.
 
     Args:
         message (`str`):
@@ -93,9 +62,9 @@ class APIStatusError(ORSError):
         status_code (`int`):
             The HTTP status.
         detail (`str`, *optional*, defaults to `""`):
-            The server's own message (its JSON `detail`, or the body text).
+            The server's own message (its JSON `detail`, or the body).
         path (`str`, *optional*, defaults to `""`):
-            The request path (never the query, never headers).
+            The request path (never the query).
     """
 
     kind = "http"
@@ -113,13 +82,11 @@ class BadRequestError(APIStatusError):
 
 class AuthenticationError(APIStatusError):
     """401 / 403: the API key is missing or wrong."""
-
     kind = "auth"
 
 
 class PaymentRequiredError(APIStatusError):
     """402: the platform account has no credits left."""
-
     kind = "auth"
 
 
@@ -129,13 +96,11 @@ class NotFoundError(APIStatusError):
 
 class SessionExpiredError(NotFoundError):
     """The session no longer exists on the server (reaped when idle, deleted, or the server restarted)."""
-
     kind = "expired"
 
 
 class RateLimitError(APIStatusError):
     """429: too many requests. Retried with backoff before it reaches you."""
-
     retryable = True
 
 
@@ -145,7 +110,6 @@ class ServerError(APIStatusError):
 
 class ServiceUnavailableError(APIStatusError):
     """502 / 503 / 504: a gateway or a starting backend. Retried with backoff before it reaches you."""
-
     retryable = True
 
 
@@ -156,7 +120,7 @@ class ToolError(ORSError):
         message (`str`):
             What went wrong.
         tool (`str`, *optional*, defaults to `""`):
-            The tool called; kept as the attribute `tool`.
+            The tool called (the attribute `tool`).
     """
 
     def __init__(self, message: str, *, tool: str = "") -> None:
@@ -171,10 +135,10 @@ class ToolRefusedError(ToolError):
         message (`str`):
             What went wrong.
         tool (`str`, *optional*, defaults to `""`):
-            The tool called; kept as the attribute `tool`.
+            The tool called.
         reason (`str`, *optional*):
-            The server's discriminator, kept as the attribute `reason`: `"not_found"`, `"input_validation"`,
-            `"name_collision"`, `"episode_finished"`, or `None` when an older server did not say.
+            The server's reason (the attribute `reason`): `"not_found"`, `"input_validation"`, `"name_collision"`,
+            `"episode_finished"`, or `None` when an older server did not say.
     """
 
     kind = "refused"
@@ -186,53 +150,73 @@ class ToolRefusedError(ToolError):
 
 class ToolFailedError(ToolError):
     """The tool raised inside the environment (an SSE `error` event)."""
-
     kind = "failed"
 
 
 class TransportError(ORSError):
-    """The network failed: connection refused or reset, DNS, TLS."""
-
+    """The network failed: connection refused or reset, DNS, TLS (retried where safe)."""
     retryable = True
     kind = "transport"
 
 
 class ORSTimeoutError(TransportError, TimeoutError):
     """A configured deadline passed."""
-
     kind = "timeout"
 
 
 class StreamInterruptedError(TransportError):
-    """A tool-call stream broke before the server sent the call's task id.
-
-    The tool may or may not have started; it is not re-run, so that no tool ever runs twice
-    because of the client.
-    """
+    """A tool-call stream broke before the server sent the call's task id: the tool may have started, and is not
+    re-run (no tool ever runs twice because of the client)."""
 
     retryable = False
 
 
 class ProtocolError(ORSError):
     """The server's answer does not follow the protocol (invalid JSON, missing fields, bad types)."""
-
     kind = "protocol"
 
 
 class ImageError(ProtocolError):
-    """An image block ors-trl will not show a model (`ors_trl.protocol.images` says why: not an image, undecodable, past a
-    bound). The model reads a text placeholder for that block instead; the rest of the answer stands."""
+    """An image block ors-trl will not show a model (not an image, undecodable, past a bound): the model reads a
+    placeholder instead; the rest of the answer stands."""
 
     kind = "image"
 
 
 class PolicyError(ORSError):
     """The policy could not produce a reply (an endpoint's error answer, a generation failure)."""
-
     kind = "policy"
 
 
 class ContextLengthExceeded(PolicyError):
     """The conversation no longer fits the model's context: the episode ends (`end_reason="context_length"`)."""
-
     kind = "context_length"
+
+
+def status_error(status: int, detail: str, path: str, *, session_scoped: bool) -> ORSError:
+    """An ORS server's HTTP error status as our exception, with a message that says what to do."""
+    where = f"{path}: " if path else ""
+    if status == 404 and "unknown environment" in detail.lower():
+        return EnvironmentNotFoundError(f"{where}{detail}")
+    cls: type[APIStatusError] = APIStatusError
+    text = f"unexpected status {status}: {detail}"
+    if status in (400, 422):
+        cls, text = BadRequestError, f"bad request ({status}): {detail}"
+    elif status in (401, 403):
+        cls, text = AuthenticationError, (f"the server rejected the credentials ({status}): {detail}. Check "
+                                          "OPENREWARD_API_KEY or the api_key= you passed.")
+    elif status == 402:
+        cls, text = PaymentRequiredError, (f"payment required (402): {detail}. The OpenReward account has no credits "
+                                           "left; top up at https://openreward.ai.")
+    elif status == 410 or (status == 404 and session_scoped):
+        cls, text = SessionExpiredError, (f"the session no longer exists on the server ({status}: {detail}); it was "
+                                          "deleted, reaped after being idle, or the server restarted.")
+    elif status == 404:
+        cls, text = NotFoundError, f"not found (404): {detail}"
+    elif status == 429:
+        cls, text = RateLimitError, f"rate limited (429): {detail}"
+    elif status in (502, 503, 504):
+        cls, text = ServiceUnavailableError, f"service unavailable ({status}): {detail}"
+    elif status >= 500:
+        cls, text = ServerError, f"the environment failed ({status}): {detail}"
+    return cls(where + text, status_code=status, detail=detail, path=path)

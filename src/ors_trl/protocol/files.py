@@ -1,10 +1,6 @@
-"""State files (the orphan registry, the shared pace, the images beside an episode log) written and read safely in a
-folder that someone else may have written to.
-
-A name planted in advance is never followed: a new file is created under an unguessable temporary name with
-`O_CREAT | O_EXCL | O_NOFOLLOW` and moved into place with `os.replace` (which replaces a symlink at the final name,
-never writes through it); an existing file is opened with `O_NOFOLLOW | O_NONBLOCK` (a FIFO cannot block the
-open) and refused unless `fstat` says it is a regular file.
+"""State files (the orphan registry, the shared pace, images beside an episode log) written and read safely in a
+folder someone else may have written to: a new file is created under an unguessable temporary name (`O_EXCL |
+O_NOFOLLOW`) and moved into place; an existing one is opened `O_NOFOLLOW | O_NONBLOCK` and refused unless regular.
 """
 
 from __future__ import annotations
@@ -27,8 +23,7 @@ class NotRegularFile(OSError):
 
 
 def create_temp(folder: Path, name: str, mode: int = 0o600) -> tuple[int, Path]:
-    """A new, empty file in `folder` for `name` (`.<name>.<random>.tmp`), open for reading and writing; `mode` is
-    narrowed by the umask."""
+    """A new, empty file `.<name>.<random>.tmp` in `folder`, open for reading and writing."""
     for _ in range(8):
         path = folder / f".{name}.{secrets.token_hex(8)}.tmp"
         try:
@@ -55,8 +50,7 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o600, *, fsync: bool = Fa
 
 
 def open_regular(path: Path, flags: int, mode: int = 0o600) -> int:
-    """`os.open(path, flags)` without following a symlink and without blocking on a FIFO: the descriptor of a regular
-    file (blocking again), a `NotRegularFile` (an `OSError`) for anything else."""
+    """`os.open(path, flags)` of a regular file (never a symlink or FIFO: a `NotRegularFile`, an `OSError`)."""
     try:
         fd = os.open(path, flags | _NOFOLLOW | _NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as exc:

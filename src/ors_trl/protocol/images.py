@@ -1,20 +1,11 @@
-"""The Pillow work on the images a server sends: checked without decoding a pixel (`check`), decoded once when a model
-first needs them (`decode`). `ors_trl.protocol.types.ImageBlock` calls these and remembers what they found.
+"""The Pillow work on the images a server sends (untrusted): checked without decoding a pixel (`check`), decoded once
+when a model first needs them (`decode`); `types.ImageBlock` remembers what they found.
 
-An image block (`{"type": "image", "data": <base64>, "mimeType": ...}`) is untrusted input. `check` refuses one
-
-- whose media type is not one of `FORMATS` (PNG, JPEG, GIF, WebP, BMP); it is opened with that format's Pillow plugin
-  only (a PNG sent as `image/jpeg` is refused, not sniffed);
-- whose base64 text is past `MAX_IMAGE_CHARS` (`MAX_IMAGE_BYTES`, 16 MiB, decoded; measured before decoding), or
-  not valid base64;
-- whose header declares more than `MAX_IMAGE_PIXELS` (4096 x 4096, or Pillow's `Image.MAX_IMAGE_PIXELS` where lower;
-  and Pillow's `DecompressionBombError`), or that fails Pillow's `verify()`.
-
-One answer (a prompt, a conversation, a tool result) holds at most `MAX_IMAGES` images and `MAX_ANSWER_PIXELS` pixels
-together (`types.check_answer_images`). An image that fails keeps why (`ImageInfo.error`): the model reads a
-`placeholder`, the record says why, the rest of the answer stands. Decoded pixels are RGB: at most 3 bytes per pixel
-(48 MiB at the bound). Without Pillow (`pip install 'ors-trl[vision]'`) every image is a placeholder; Pillow is
-imported only when an image arrives.
+`check` refuses a media type not in `FORMATS` (opened with that format's plugin only: never sniffed), base64 past
+`MAX_IMAGE_CHARS` (`MAX_IMAGE_BYTES` decoded) or invalid, a header declaring more than `MAX_IMAGE_PIXELS`, Pillow's
+`DecompressionBombError`, a failed `verify()`; one answer holds at most `MAX_IMAGES` images and `MAX_ANSWER_PIXELS`
+pixels. An image that fails keeps why (`ImageInfo.error`): the model reads a `placeholder`, the rest of the answer
+stands. Without Pillow (`ors-trl[vision]`) every image is a placeholder.
 """
 
 from __future__ import annotations
@@ -50,8 +41,8 @@ _URLS_KEPT = 32
 
 @dataclass(frozen=True, slots=True)
 class ImageInfo:
-    """What the check found: the SHA-256 of the image's bytes (of the base64 text where it does not decode), their
-    size, the declared width and height, the media type, and why it cannot be shown (None: it can)."""
+    """What the check found: the SHA-256 of the bytes (of the base64 text where it does not decode), their size, the
+    declared dimensions, and why it cannot be shown (None: it can)."""
 
     sha256: str
     bytes: int
@@ -90,7 +81,7 @@ def _why(exc: BaseException) -> str:
 
 
 def check(data: str, mime_type: str) -> ImageInfo:
-    """Check a block's base64 `data` of media type `mime_type` (see the module docstring); never raises."""
+    """Check a block's base64 `data` of media type `mime_type`; never raises."""
     text = data.encode("utf-8", "replace")
     if _format(mime_type) is None:
         return _failed(text, mime_type, f"its media type {cut(mime_type, 60)!r} is not an image type ors-trl passes "
@@ -128,14 +119,14 @@ def check_bytes(raw: bytes, mime_type: str) -> ImageInfo:
         return _failed(raw, mime_type, f"Pillow refused it as a decompression bomb ({_why(exc)})", width, height)
     except pil.UnidentifiedImageError:
         return _failed(raw, mime_type, f"it is not a {fmt} file")
-    except Exception as exc:  # a hostile file can make a decoder raise almost anything; all mean "not a valid image"
+    except Exception as exc:  # a hostile file can make a decoder raise almost anything
         return _failed(raw, mime_type, f"it is not a valid {fmt} image ({_why(exc)})", width, height)
     return ImageInfo(hashlib.sha256(raw).hexdigest(), len(raw), mime_type, width, height)
 
 
 def decode(raw: bytes, info: ImageInfo) -> Any:
-    """The pixels of an image that passed `check`, as an RGB `PIL.Image.Image` (the first frame; transparency over
-    white). Raises `ImageError` for one whose pixels turn out not to decode (a cut file)."""
+    """The pixels of an image that passed `check`, as an RGB `PIL.Image.Image` (the first frame, over white); an
+    `ImageError` where they do not decode."""
     pil = _pillow()
     if pil is None:
         raise ImageError(_NO_PILLOW)
@@ -161,8 +152,7 @@ def placeholder(info: ImageInfo) -> str:
 
 
 def data_url(image: Any) -> str:
-    """A `PIL.Image` as a PNG `data:` URL (the form OpenAI-style APIs take); the last `_URLS_KEPT` images decoded
-    here are encoded once."""
+    """A `PIL.Image` as a PNG `data:` URL; the last `_URLS_KEPT` images decoded here are encoded once."""
     sha = image.info.get("ors_sha256") if isinstance(getattr(image, "info", None), dict) else None
     if sha in _URLS:
         _URLS.move_to_end(sha)
@@ -178,8 +168,8 @@ def data_url(image: Any) -> str:
 
 
 def thumbnail(raw: bytes, mime_type: str, size: int) -> str | None:
-    """A PNG `data:` URL of the image at most `size` pixels on a side, checked and decoded as any image a server
-    sends (the report reads image files beside a log: untrusted too); None where it cannot be shown."""
+    """A PNG `data:` URL of the image at most `size` pixels on a side, checked as any image a server sends (image
+    files beside a log are untrusted too); None where it cannot be shown."""
     info = check_bytes(raw, mime_type)
     try:
         image = decode(raw, info) if info.error is None else None
@@ -192,5 +182,4 @@ def thumbnail(raw: bytes, mime_type: str, size: int) -> str | None:
 
 
 def as_bytes(data: str) -> bytes:
-    """The bytes of a block's base64 `data` (checked already)."""
     return base64.b64decode(data)

@@ -1,9 +1,7 @@
-"""The one background event loop per process that owns all synchronous-facade ORS I/O.
+"""The one background event loop per process that runs all synchronous-facade ORS I/O (TRL calls from its thread).
 
-TRL calls `reset()` and tool methods from its training thread; they submit coroutines here and wait only for what they
-need. The loop thread is a daemon; at interpreter exit the registered closers run from `threading._register_atexit`,
-before Python shuts down thread pools, so that closing sessions over HTTP still works (a plain `atexit` hook runs too
-late: "cannot schedule new futures after shutdown"). After `fork()` the child starts its own loop on first use.
+At interpreter exit the closers run from `threading._register_atexit`, before thread pools shut down, so that closing
+sessions over HTTP still works (a plain `atexit` hook is too late). After `fork()` the child starts its own loop.
 """
 
 from __future__ import annotations
@@ -50,7 +48,6 @@ class BackgroundLoop:
             raise RuntimeError("ors-trl background event loop did not start")
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Schedule `coro` on the loop and return a thread-safe future."""
         if self._closed:
             coro.close()
             raise UsageError("the ors-trl background loop is shut down (interpreter exiting)")
@@ -74,8 +71,7 @@ class BackgroundLoop:
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
-            # Also a TimeoutError the coroutine raised (ORSTimeoutError: "Timeouts.tool_call ..."): only a wait that ran
-            # out is ours to translate; a finished future speaks for itself.
+            # Also a TimeoutError the coroutine raised: only a wait that ran out is ours to translate.
             if fut.done():
                 return fut.result()
             fut.cancel()

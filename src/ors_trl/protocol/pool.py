@@ -1,19 +1,10 @@
-"""The sessions one client keeps open: when one may open, keeping it alive, the orphan registry, closing.
+"""The sessions one client keeps open: when one may open (the caps and paces of `protocol.budget`), the orphan
+registry (`protocol.registry`: written before the session is created), keepalive and closing.
 
-`AsyncClient` speaks the endpoints; its `SessionPool` decides the rest. An open waits for a free slot
-under the client's and the process's caps, then for its moment under the client's and the processes'
-creation paces (`ors_trl.protocol.budget`; a 429 or `503 starting` slows them). Each session id is written to
-the orphan registry (`ors_trl.protocol.registry`) before the session is created on the server and marked
-closed once the server deleted it; the first one a process writes starts the sweep of dead processes'
-orphans. Every open session is pinged on a timer, also while a tool call is running, so an episode
-longer than the server's idle limit (900 s on the reference server) survives; closing the client waits
-(bounded) for the opens still in flight and deletes every session that is still open.
-
-A session id is claimed for the process while it is opening, open or being deleted: one the server hands out
-again meanwhile is refused and replaced by a fresh one (counted), so two rollouts never share a session.
-Closing a session gives its slot back at once and deletes it in the background (`delete_soon`): a slow or dead
-server holds a caller at most `CLOSE_WAIT_S`; the client's `aclose()` waits for the deletes (bounded), and a
-session the server never confirmed gone stays in the orphan registry for the next sweep.
+Every open session is pinged on a timer, also while a tool call runs, so an episode longer than the server's idle
+limit survives. A session id is claimed for the process while opening, open or being deleted: one the server hands
+out again meanwhile is refused and replaced, so two rollouts never share a session. Closing gives the slot back at
+once and deletes in the background: a slow server holds a caller at most `CLOSE_WAIT_S`.
 """
 
 from __future__ import annotations
@@ -36,8 +27,7 @@ __all__ = ["CLOSE_WAIT_S", "DUPLICATE_TRIES", "OPENING_WAIT_S", "SessionPool"]
 logger = logging.getLogger("ors_trl.client")
 
 _KEEPALIVE_CONCURRENCY = 64
-#: How long closing waits for session opens still in flight, so it can delete what they create (and, closing the
-#: client, for the deletes still running).
+#: How long closing waits for the opens (and deletes) still in flight.
 OPENING_WAIT_S = 10.0
 #: How long closing one session waits for the server's delete before leaving it to run in the background.
 CLOSE_WAIT_S = 1.0
@@ -47,15 +37,14 @@ DUPLICATE_TRIES = 3
 _claimed: set[tuple[str, str]] = set()
 _claimed_lock = threading.Lock()
 Lease = tuple[asyncio.Semaphore, ...]
-#: An `ors_trl.protocol.client.AsyncSession` (the pool sits below the client: it only pings and closes them).
+#: A `client.AsyncSession` (the pool sits below the client: it only pings and closes them).
 OpenSession = Any
 
 
 class SessionPool:
-    """The open sessions of one client: caps, keepalive, closing, under the client's `options` (a `ClientOptions`).
-    `delete(sid, quiet=...)` deletes a session on the server (True once it is gone; never raises), `delete_orphans`
-    the ids of a target (the sweep of dead processes' orphans); the ids the server hands out are claimed under its
-    name, `target`. `duplicates` counts the ids it handed out that were already in use (refused, another asked for)."""
+    """The open sessions of one client, under its `options` (a `ClientOptions`). `delete(sid, quiet=...)` deletes a
+    session on the server (True once gone; never raises), `delete_orphans` is the sweep's `Deleter`; ids are claimed
+    under `target`. `duplicates` counts the ids handed out that were already in use."""
 
     def __init__(self, delete: Callable[..., Awaitable[bool]], delete_orphans: Deleter, options: Any,
                  target: str = "") -> None:
@@ -91,8 +80,8 @@ class SessionPool:
         return [p for p in (self.pace, process_pace()) if p is not None]
 
     async def acquire(self) -> Lease:
-        """Wait for a free slot under this pool's `max_sessions` and the process-wide cap, then for this open's moment
-        under the paces; return the slots taken."""
+        """Wait for a slot under `max_sessions` and the process-wide cap, then for this open's moment under the paces;
+        the slots taken."""
         wanted = []
         if self.max_sessions is not None:
             if self._slots is None:
@@ -124,13 +113,11 @@ class SessionPool:
             pace.throttled()
 
     def opened(self) -> None:
-        """A session was created: the paces recover a little."""
         for pace in self._paces():
             pace.eased()
 
     async def record(self, sid: str) -> None:
-        """Write `sid` to the orphan registry, on disk before the session is created on the server; the process's
-        first also starts the sweep of dead processes' orphans."""
+        """Write `sid` to the orphan registry (the process's first also starts the sweep of dead processes')."""
         reg = registry()
         if reg is not None:
             await asyncio.to_thread(reg.opened, sid, self.target)
@@ -152,9 +139,8 @@ class SessionPool:
                 _claimed.discard((self.target, sid))
 
     def duplicate(self, sid: str, tries: int, *, mine: bool = False) -> None:
-        """The server handed out `sid` while it was in use (by this process, or by another: `mine` says it was
-        claimed and recorded here, and is now given up without a delete, which would end the other's session).
-        Counted and said; the `tries`-th in one open is a `ProtocolError`."""
+        """The server handed out `sid` while it was in use (`mine`: claimed and recorded here, now given up without a
+        delete, which would end the other's session). Counted and said; the `DUPLICATE_TRIES`-th `tries` raises."""
         if mine:
             self._unclaim(sid)
             if (reg := registry()) is not None:
@@ -180,9 +166,8 @@ class SessionPool:
 
     def delete_soon(self, sid: str, lease: Lease = (), session: OpenSession | None = None, *,
                     quiet: bool = False) -> asyncio.Task[None]:
-        """Give `sid`'s slot back and stop keeping it alive now, and delete it on the server in the background (a
-        task this pool tracks: `aclose()` waits for it, bounded). The registry forgets it once the server has it
-        gone. Never raises."""
+        """Give `sid`'s slot back now and delete it on the server in the background (`aclose()` waits for it, bounded);
+        the registry forgets it once the server has it gone. Never raises."""
         if session is not None:
             self.sessions.discard(session)
             lease, session._lease = session._lease, ()
@@ -225,8 +210,7 @@ class SessionPool:
                 await asyncio.gather(*(ping(s) for s in due))
 
     async def close_sessions(self) -> None:
-        """Close every session of the pool, after the opens still in flight, and wait for their deletes (each
-        bounded)."""
+        """Close every session, after the opens still in flight, and wait (bounded) for their deletes."""
         if self._opening:
             await asyncio.wait(list(self._opening), timeout=OPENING_WAIT_S)
         await asyncio.gather(*(s.close() for s in list(self.sessions)), return_exceptions=True)
@@ -235,7 +219,7 @@ class SessionPool:
 
     async def aclose(self) -> None:
         """Stop keepalive and close every session; the pool opens nothing more. A delete still running after the
-        bound is stopped: its session stays in the orphan registry, for the next sweep."""
+        bound is stopped (its session stays in the orphan registry)."""
         self.closed = True
         if self._keepalive_task is not None:
             self._keepalive_task.cancel()

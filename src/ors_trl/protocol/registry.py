@@ -1,22 +1,12 @@
-"""The orphan registry: the session ids a process has open, on disk, so that a process killed by SIGKILL (the
-out-of-memory killer, a pre-empted node, a scheduler's hard timeout, `kill -9`) leaves a list of what to delete.
+"""The orphan registry: the session ids a process has open, on disk, so that a process killed by SIGKILL leaves a list
+of what to delete.
 
-A process that opens a session writes `<state>/sessions/<host>-<pid>-<start>.sessions` (`<state>`: `ORS_TRL_STATE_DIR`,
-else `.ors-trl` in the working directory; the file 0600, its folder 0700): a header line (host, boot id, pid, start
-time, run id), then a line per session id, fsync'd before the session is created on the server, and a `closed` line
-once the server deleted it. While the process lives it holds a shared `flock` on its file. The file is compacted past
-`MAX_BYTES` and removed at exit when nothing is left open. `ORS_TRL_SESSION_REGISTRY=0` turns the registry (and the
-sweep) off.
-
-`sweep()` deletes the sessions left in the files of this host's dead processes (the pid gone or now another process,
-or the machine rebooted since: `/proc/sys/kernel/random/boot_id`), never a live process's: a file whose owner still
-holds its lock, or that another sweep holds, is left alone, so N processes starting at once delete each orphan once.
-It runs in the background at a process's first session open, and as `ors-trl cleanup [DIR]`. A session of a loopback
-server that refuses connections died with it: dropped without a request.
-
-The folder is not trusted: files are written under unguessable temporary names and moved into place, and read without
-following symlinks or blocking on a FIFO (`ors_trl.protocol.files`); a name holding anything but a regular file, or a
-file without a registry header, is skipped and reported (`Sweep.skipped`), never a reason to stop.
+A process writes `<state>/sessions/<host>-<pid>-<start>.sessions` (0600): a header line (host, boot id, pid, start
+time, run id), a line per session id, fsync'd before the session is created, and a `closed` line once it is deleted;
+it holds a shared `flock` on the file while it lives. `sweep()` (at a process's first open, and `ors-trl cleanup`)
+deletes the sessions of this host's dead processes, never a live one's: a locked file is left alone, so N processes
+starting at once delete each orphan once. The folder is untrusted (`protocol.files`): what is no registry file is
+skipped and reported. `ORS_TRL_SESSION_REGISTRY=0` turns it off.
 """
 
 from __future__ import annotations
@@ -88,7 +78,6 @@ def _started(pid: int) -> str | None:
 
 
 def _header(raw: bytes) -> dict[str, Any] | None:
-    """A registry file's first line as its header, or None when it is not one (the file is then not swept)."""
     try:
         header = json.loads(raw)
     except (ValueError, RecursionError):
@@ -128,9 +117,8 @@ class Registry:
                             "start": _started(self.pid), "run": RUN_ID}) + "\n").encode()
 
     def _new_file(self, body: bytes) -> int:
-        """Write the file whole under a new temporary name, locked, then move it in place (a sweep never sees it half
-        written, and nothing planted in the folder is written through); the shared lock is held for the process's
-        life: a sweep leaves a locked file alone."""
+        """Write the file whole under a temporary name, take the shared lock (held for the process's life), then move
+        it in place: a sweep never sees it half written."""
         fd, tmp = create_temp(self.folder, self.path.name)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
@@ -146,8 +134,8 @@ class Registry:
         return fd
 
     def opened(self, sid: str, target: str) -> None:
-        """Record `sid` (of `target`) and fsync: call before the session is created on the server (blocks). A folder
-        that cannot be written is said once; the process then goes on without a registry."""
+        """Record `sid` (of `target`) and fsync, before the session is created (blocks). A folder that cannot be
+        written is said once; the process then goes on without a registry."""
         line = (json.dumps({"sid": sid, "target": target}) + "\n").encode()
         with self._lock:
             if self.broken:
@@ -167,8 +155,8 @@ class Registry:
             self._open[sid] = line
 
     def closed(self, sid: str) -> None:
-        """Mark `sid` deleted on the server (not fsync'd: a lost mark costs one more delete of a gone session)."""
-        with self._lock, contextlib.suppress(OSError):  # a lost mark costs one more delete, no more
+        """Mark `sid` deleted on the server (not fsync'd: a lost mark costs one more delete, no more)."""
+        with self._lock, contextlib.suppress(OSError):
             if self._open.pop(sid, None) is not None and self._fd is not None:
                 self._append((json.dumps({"closed": sid}) + "\n").encode())
 
@@ -181,7 +169,6 @@ class Registry:
         self._size += len(line)
 
     def finish(self) -> None:
-        """At exit: remove the file if nothing is left open (else it stays for the next sweep)."""
         with self._lock:
             if self._fd is not None and not self._open:
                 with contextlib.suppress(OSError):
@@ -208,10 +195,9 @@ def registry() -> Registry | None:
 
 @dataclass
 class Sweep:
-    """What a sweep did: sessions of dead processes `deleted` on the server, those that `failed` (kept for the next
-    sweep), and those `dropped` (their file older than `STALE_S`: the server reaped them, or their loopback server is
-    gone); the dead `processes` handled; files left alone: of `live` processes (or held by another sweep), of
-    `other_hosts`, and `skipped` names that are no registry file (a symlink, a FIFO, a folder, no header), with why."""
+    """What a sweep did: sessions `deleted`, `failed` (kept for the next sweep) and `dropped` (older than `STALE_S`, or
+    their loopback server is gone); dead `processes` handled; files left alone: `live`, of `other_hosts`, and
+    `skipped` (no registry file), with why."""
 
     deleted: int = 0
     failed: int = 0
@@ -222,16 +208,13 @@ class Sweep:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
-#: Deletes session ids of one target on its server; answers, per id, whether the server has it gone (True), or None
-#: for the ids of a server that is gone itself (a loopback port nothing listens on: its sessions died with it).
+#: Deletes session ids of one target: per id, whether the server has it gone, or None where the server is gone itself.
 Deleter = Callable[[str, list[str]], Awaitable[list[bool | None]]]
 
 
 async def sweep(deleter: Deleter, folder: Path | None = None, *, any_host: bool = False) -> Sweep:
-    """Delete the sessions left open by dead processes in `folder` (default: this working directory's registry).
-
-    `any_host`: also treat other hosts' files as dead (for a folder on a shared disk whose nodes are gone).
-    """
+    """Delete the sessions left open by dead processes in `folder` (default: this working directory's registry);
+    `any_host`: also other hosts' (a shared disk whose nodes are gone)."""
     folder = folder if folder is not None else state_dir() / "sessions"
     out = Sweep()
     own = _registry.path if _registry is not None and _registry.pid == os.getpid() else None
@@ -329,9 +312,8 @@ def sweep_in_background(deleter: Deleter) -> None:
 
 
 async def sweeps_done(timeout: float) -> None:
-    """Wait (bounded) for the sweeps running on this loop: a process that exits soon after its first open still
-    deletes the orphans it found. A sweep's own clients (closed inside it) do not wait for it: that cost every
-    sweep with orphans the whole bound."""
+    """Wait (bounded) for the sweeps running on this loop, so that a short process still deletes the orphans it found
+    (a sweep's own clients do not wait for it)."""
     loop, current = asyncio.get_running_loop(), asyncio.current_task()
     if running := [t for t in _sweeps if t.get_loop() is loop and t is not current]:
         await asyncio.wait(running, timeout=timeout)
@@ -343,8 +325,7 @@ def _finish_at_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
-    # The parent's file and its lock stay the parent's: drop our copy of the descriptor (the lock is the parent's
-    # until it exits); this process gets its own file at its first open.
+    # The parent's file and lock stay the parent's: this process gets its own file at its first open.
     global _registry, _registry_lock
     if _registry is not None and _registry._fd is not None:
         with contextlib.suppress(OSError):

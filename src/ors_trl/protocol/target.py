@@ -1,9 +1,6 @@
-"""Where a target lives: catalog names vs self-hosted URLs, hosts, keys and secrets.
-
-A target with `://` is a URL of a self-hosted server: one host serves everything and the API key is sent only when the
-caller passes one explicitly. Anything else is a catalog name (`owner/name`) on the OpenReward platform: a stateless
-API host and a sessions host, derived from `OPENREWARD_URL` (default https://openreward.ai) unless
-`OPENREWARD_API_URL` / `OPENREWARD_SESSION_URL` override them, with the key from `api_key=` or `OPENREWARD_API_KEY`.
+"""Where a target lives: a URL (with `://`) of a self-hosted server, one host, the API key sent only when passed
+explicitly; or a catalog name (`owner/name`) on the OpenReward platform, an API host and a sessions host derived from
+`OPENREWARD_URL` (or `OPENREWARD_API_URL` / `OPENREWARD_SESSION_URL`), the key from `api_key=` or `OPENREWARD_API_KEY`.
 """
 
 from __future__ import annotations
@@ -50,10 +47,9 @@ class _Secret(str):
 
 @dataclass(frozen=True)
 class Target:
-    """A resolved target: its `kind` ("url", self-hosted, or "catalog", the OpenReward platform), `name` as the user
-    wrote it, the base URLs of environment and session requests (`session_url`) and of the platform's stateless API
-    (`api_url`; the same when self-hosted), the `X-Deployment` routing value (catalog only), and the `api_key`, sent
-    only to `key_hosts` (`host:port`)."""
+    """A resolved target: `kind`, `name` as the user wrote it, the base URLs of session requests and of the
+    platform's stateless API (the same when self-hosted), the `X-Deployment` value, and the `api_key`, sent only to
+    `key_hosts`."""
 
     kind: Literal["url", "catalog"]
     name: str
@@ -77,7 +73,7 @@ class Target:
 
 
 def _host_port(url: str) -> str:
-    """`host:port` of a URL, for deciding where the API key may go; "" (matches no host) for a malformed one."""
+    """`host:port` of a URL, for deciding where the API key may go; "" for a malformed one."""
     parts = urlsplit(url)
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -87,8 +83,8 @@ def _host_port(url: str) -> str:
 
 
 def _validate_url(url: str, what: str) -> str:
-    """`url` without its query, fragment and trailing `/`; a `ConfigurationError` for one that is not http(s), or that
-    embeds credentials (messages show it without them, so a password never reaches an error or a log)."""
+    """`url` without its query, fragment and trailing `/`; a `ConfigurationError` (never showing credentials) for one
+    that is not http(s) or embeds credentials."""
     parts = urlsplit(url)
     shown = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])) if "@" in parts.netloc else url
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -103,8 +99,7 @@ def _validate_url(url: str, what: str) -> str:
 
 
 def _platform_url(base: str, sub: str) -> str:
-    """The platform's `sub` host: `sub.` before the base host, except for loopback names and IP literals (no such
-    subdomains there), where the base serves everything."""
+    """The platform's `sub` host: `sub.` before the base host, except for loopback names and IP literals."""
     parts = urlsplit(base)
     host = (parts.hostname or "").lower()
     try:
@@ -115,8 +110,7 @@ def _platform_url(base: str, sub: str) -> str:
 
 
 def resolve_target(target: str, *, api_key: str | None = None, environ: Mapping[str, str] | None = None) -> Target:
-    """Resolve `target` into hosts and credentials without any network traffic: a `ConfigurationError` for a
-    malformed URL or catalog name, a `MissingAPIKeyError` for a catalog name with no key available."""
+    """Resolve `target` into hosts and credentials, offline; a `MissingAPIKeyError` for a catalog name with no key."""
     env = os.environ if environ is None else environ
     if not isinstance(target, str) or not target.strip():
         raise ConfigurationError("target must be a catalog name like 'Eigent/SETA' or a URL like 'http://127.0.0.1:8000'.")
@@ -144,8 +138,7 @@ def resolve_target(target: str, *, api_key: str | None = None, environ: Mapping[
 
 
 def check_header_value(value: str, what: str) -> str:
-    """`value` if it can be sent as an HTTP header value (visible ASCII, no whitespace), else a ConfigurationError
-    that does not show it (a key read from a file often ends with a newline)."""
+    """`value` if it can be an HTTP header value, else a `ConfigurationError` that does not show it."""
     if not isinstance(value, str) or not _HEADER_TOKEN.fullmatch(value):
         raise ConfigurationError(f"{what} holds whitespace or a character an HTTP header cannot carry (a trailing "
                                  "newline from a file?); pass the key alone.")
@@ -153,9 +146,8 @@ def check_header_value(value: str, what: str) -> str:
 
 
 def encode_secrets(secrets: Mapping[str, SecretValue]) -> str:
-    """Encode secrets for the `X-Secrets` header: base64(JSON {name: {value, allowed_domains}}). A value is a string
-    (given the well-known domains for its name, if any), or `(value, allowed_domains)`: the external hosts a platform
-    sandbox may use it against."""
+    """The `X-Secrets` header: base64(JSON {name: {value, allowed_domains}}). A value is a string (given the
+    well-known domains of its name) or `(value, allowed_domains)`: the hosts a platform sandbox may use it against."""
     payload: dict[str, dict[str, object]] = {}
     for name, entry in secrets.items():
         if not isinstance(name, str) or not name:

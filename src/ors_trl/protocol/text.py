@@ -1,19 +1,16 @@
-"""Text helpers shared by every module: the one rule for cutting text (`cut`), one line, ASCII folding, and the repairs
-untrusted text needs (lone surrogates, terminal control characters, secrets spelled with JSON escapes).
-
-Whatever ors-trl cuts says so in the text itself, so neither a model nor a reader mistakes a cut for the whole.
-"""
+"""Text helpers shared by every module: the one rule for cutting text (`cut`: whatever ors-trl cuts says so in the
+text itself), and the repairs untrusted text needs (lone surrogates, control characters, JSON escapes)."""
 
 from __future__ import annotations
 
 import json
 import re
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-__all__ = ["ascii_fold", "clean_json", "clip", "cut", "escape_controls", "json_size", "label", "one_line", "readable",
-           "repair", "shorten", "show_json", "show_name", "task_label", "unescape_json"]
+__all__ = ["ascii_fold", "clean_json", "cut", "escape_controls", "json_size", "label", "one_line", "readable",
+           "repair", "show_json", "show_name", "task_label", "unescape_json"]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _JSON_ESCAPE = re.compile(r'\\(?:u([0-9a-fA-F]{4})|(["\\/bfnrt]))')
@@ -38,44 +35,40 @@ def cut(text: str, limit: int | None, mark: Literal["…", "output", "more", ""]
     return f"{text[:limit]}... [{len(text) - limit} more characters]" if mark == "more" else text[:limit]
 
 
-def shorten(text: str, limit: int) -> str:
-    """`cut(text, limit)`: kept for the callers outside `protocol/` until they call `cut`."""
-    return cut(text, limit)
-
-
-def clip(text: str, limit: int | None) -> str:
-    """`cut(text, limit, "output")`: kept for the callers outside `protocol/` until they call `cut`."""
-    return cut(text, limit, "output")
-
-
 def readable(text: str, limit: int = 2000) -> str:
-    """Server-provided `text` fit for a message: stripped, cut to `limit` (`"more"`), control and format characters
-    escaped. Mask secrets before: a cut through a secret would leave part of it."""
+    """Server-provided `text` fit for a message: stripped, cut (`"more"`), control characters escaped. Mask secrets
+    before: a cut through a secret would leave part of it."""
     return escape_controls(cut(text.strip(), limit, "more"))
 
 
 def show_name(name: str, limit: int = 80) -> str:
-    """A name a server chose (a tool's), for a message: its repr (control characters escaped), cut with `…`."""
+    """A name a server chose (a tool's), for a message: its repr, cut with `…`."""
     return repr(name) if len(name) <= limit else repr(name[:limit]) + "…"
 
 
 def show_json(value: Any, limit: int = 120) -> str:
-    """`value` as JSON (anything else as `str`), cut with `…` for a log line or a table cell."""
-    return cut(json.dumps(value, ensure_ascii=False, default=str), limit)
+    """`value` as JSON (anything else as `str`), cut with `…` for a log line or a table cell; `<type>` for one the
+    encoder cannot write (a cycle, nesting past what it recurses through)."""
+    try:
+        return cut(json.dumps(value, ensure_ascii=False, default=str), limit)
+    except (ValueError, RecursionError):
+        return f"<{type(value).__name__}>"
 
 
 def label(value: Any, limit: int = 200) -> str:
     """A record value as a short label: text as it is, a number or None as `str` gives it, anything else as JSON."""
     if not isinstance(value, str):
-        value = str(value) if value is None or isinstance(value, int | float) else show_json(value, limit)
+        value = str(value) if value is None or isinstance(value, int | float) else repair(show_json(value, limit))
     return cut(value, limit)
 
 
-def task_label(split: Any, index: Any, task_spec: Any = None) -> str:
-    """Which task ran, as reports, eval and the rollout viewer name it: `test #3`, or `train spec {...}`."""
-    if task_spec is not None:
-        return f"{label(split or '-')} spec {label(task_spec, 60)}"
-    return f"{label(split or '-')} #{label(index)}"
+def task_label(record: Mapping[str, Any]) -> str:
+    """Which task an episode record ran, as reports, eval and the rollout viewer name it: `test #3`, or
+    `train spec {...}`."""
+    split = label(record.get("split") or "-")
+    if record.get("task_spec") is not None:
+        return f"{split} spec {label(record['task_spec'], 60)}"
+    return f"{split} #{label(record.get('task_index'))}"
 
 
 def one_line(text: str) -> str:
@@ -89,19 +82,19 @@ def ascii_fold(text: str) -> str:
 
 
 def repair(text: str) -> str:
-    """`text` with every lone surrogate (valid in JSON as `"\\ud800"`, fatal to a tokenizer or a file write) as U+FFFD."""
+    """`text` with every lone surrogate (valid JSON, fatal to a tokenizer or a file write) as U+FFFD."""
     return text if text.isascii() else _SURROGATE.sub("\ufffd", text)
 
 
 def clean_json(value: Any, fix: Callable[[str], str] = repair) -> Any:
     """Every string of a decoded JSON value, dict keys included, passed through `fix`, in place where possible
-    (iterative: a value nested as deeply as the decoder allows is no recursion problem)."""
+    (iterative: no recursion limit)."""
     if isinstance(value, str):
         return fix(value)
     stack = [value] if isinstance(value, dict | list) else []
     while stack:
         node = stack.pop()
-        renamed = False  # a dict's keys are fixed too: a list's keys are its indices
+        renamed = False
         for key, item in enumerate(node) if isinstance(node, list) else node.items():
             if isinstance(item, str):
                 node[key] = fix(item)
@@ -116,8 +109,8 @@ def clean_json(value: Any, fix: Callable[[str], str] = repair) -> Any:
 
 
 def escape_controls(text: str) -> str:
-    """`text` with control and format characters escaped (`\\x1b`, `\\u202e`; newline and tab kept), so that a
-    terminal or a log shows them instead of obeying them (setting the title, clearing the screen, hiding lines)."""
+    """`text` with control and format characters escaped (newline and tab kept), so that a terminal or a log shows
+    them instead of obeying them (setting the title, hiding lines)."""
     if text.isprintable():
         return text
     return "".join(c if c in "\n\t" or unicodedata.category(c) not in ("Cc", "Cf")
@@ -125,8 +118,8 @@ def escape_controls(text: str) -> str:
 
 
 def unescape_json(text: str) -> str:
-    """`text` with JSON's string escapes (`\\u0073`, `\\n`, `\\/`...) written as the characters they stand for (pairs
-    of surrogate escapes joined, lone ones as U+FFFD): how a piece of JSON that does not decode says what it holds."""
+    """`text` with JSON's string escapes written as the characters they stand for (lone surrogates as U+FFFD): what
+    a piece of JSON that does not decode holds."""
     if "\\" not in text:
         return text
     out = _JSON_ESCAPE.sub(lambda m: chr(int(m[1], 16)) if m[1] else _SHORT_ESCAPES[m[2]], text)
@@ -134,8 +127,7 @@ def unescape_json(text: str) -> str:
 
 
 def json_size(value: Any, limit: int) -> int:
-    """About how many characters `value` takes as JSON, counted without serialising it (iteratively) and only until
-    the count passes `limit`: what bounding a decoded answer costs stays bounded too."""
+    """About how many characters `value` takes as JSON, counted (iteratively) only until the count passes `limit`."""
     total, stack = 0, [value]
     while stack and total <= limit:
         node = stack.pop()

@@ -1,21 +1,12 @@
-"""HTTP and SSE over aiohttp: the one module of ors-trl that builds HTTP requests, for the ORS client and for a JSON
-API such as an OpenAI-compatible endpoint (`Transport.for_url`, `post_json`).
+"""HTTP and SSE over aiohttp: the one module that builds HTTP requests, for the ORS client and for a JSON API such as
+an OpenAI-compatible endpoint (`Transport.for_url`).
 
-Retried (`retrying`, backoff with jitter under `RetryPolicy`): a connection that could not be made; 429, 502, 503 and
-504 answers (any 5xx for `for_url`), `/call` included (an error status instead of a stream: the tool did not start);
-a reset or read timeout after sending, for idempotent requests only. A 503 `X-Backend-State: starting` is waited out
-(`RetryPolicy.starting_timeout`). A `/call` stream that drops after the server named the call's task id is resumed by
-that id, never re-posted without it. A server's `Retry-After` can lengthen a wait, never shorten it. Not retried:
-400/401/402/403/404/422 (the request is wrong), 500 on ORS (the environment's code would fail again), a `/call` stream
-that drops before its task id (the tool may be running): a `StreamInterruptedError`.
-
-Redirects are followed by hand: a hop to a host the API key does not belong to goes without `X-API-Key`, `X-Secrets`
-and `Authorization` (aiohttp forwards custom headers anywhere), or not at all when its body holds a credential.
-
-What a server sends is untrusted: `Decoder` is the one way its bytes become values, fit to keep (UTF-8 and surrogates
-repaired, every secret masked as `***`, an answer too dense for its size refused before decoding). Errors raised here
-carry no exception chain (a `JSONDecodeError` keeps the raw body, an aiohttp error the URL). Decoding runs on the one
-background loop, an answer at a time: concurrent calls hold only their undecoded bytes (`max_response_bytes` each).
+Retried (`retrying`): a connection not made; 429/502/503/504 (any 5xx for `for_url`), `/call` included; a reset or
+timeout after sending, for idempotent requests only; a 503 `X-Backend-State: starting` is waited out. A `/call` stream
+that drops after naming its task id is resumed by that id; one that drops before is a `StreamInterruptedError` (the
+tool may be running). Not retried: 4xx (the request is wrong), 500 on ORS (the environment's code would fail again).
+Redirects are followed by hand, credentials dropped on a hop to another host. What a server sends is untrusted:
+`Decoder` is the one way its bytes become values. Errors raised here carry no exception chain (it may hold secrets).
 """
 
 from __future__ import annotations
@@ -41,24 +32,16 @@ from aiohttp.http_exceptions import ContentEncodingError
 
 from .._version import __version__
 from .errors import (
-    APIStatusError,
-    AuthenticationError,
-    BadRequestError,
     ConfigurationError,
-    EnvironmentNotFoundError,
-    NotFoundError,
     ORSError,
     ORSTimeoutError,
-    PaymentRequiredError,
     ProtocolError,
-    RateLimitError,
-    ServerError,
     ServiceUnavailableError,
-    SessionExpiredError,
     StreamInterruptedError,
     ToolFailedError,
     TransportError,
     UsageError,
+    status_error,
 )
 from .target import Target, _host_port, _validate_url
 from .text import clean_json, cut, escape_controls, readable, repair, unescape_json
@@ -73,15 +56,14 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 USER_AGENT = f"ors-trl/{__version__}"
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
 _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
-#: The `Content-Encoding`s aiohttp decodes (or that need none); any other leaves the body as it came.
+#: The `Content-Encoding`s aiohttp decodes (or that need none).
 _DECODED = frozenset({"", "identity", "gzip", "deflate", "br", "zstd"})
 _MAX_REDIRECTS = 10
 _CREDENTIAL_HEADERS = ("X-API-Key", "X-Secrets", "Authorization")
 #: Shorter secret values are not masked: masking "1" or "abc" would garble every message, and they are no secrets.
 _MIN_MASKED_SECRET = 6
 _MASK = "***"
-#: How much of an error answer's body is read for its detail (the rest is dropped unread), and how much of an answer
-#: that is not JSON is looked at for the message that says so.
+#: How much of an error answer's body is read for its detail, and of an answer that is not JSON for the message.
 _ERROR_BODY_LIMIT = _QUOTE_HEAD = 64 * 1024
 #: JSON's short escapes: a secret holding one of these characters may be spelled with its escape in an answer.
 _SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "/": "\\/", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
@@ -93,14 +75,12 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 #: one character), or a lone surrogate (written as U+FFFD). Repaired before decoding: a scan of the text, not a walk.
 _SURROGATE_ESCAPES = re.compile(r"\\(?:(\\)|u[dD][89abAB][0-9a-fA-F]{2}(\\u[dD][c-fC-F][0-9a-fA-F]{2})?|"
                                 r"u[dD][c-fC-F][0-9a-fA-F]{2})")  # one literal first: the regex engine skips ahead
-#: What decoding an answer may build, estimated from its text before it is decoded (`_decoded_size`): Python objects
-#: of `DECODE_BYTES_PER_CHAR` bytes per character of it, and `DECODE_MIN_BYTES` whatever its size. Past that it is a
-#: `ProtocolError`. 40 MB of tiny blocks, empty lists or one-key dicts once cost 0.7-1.1 GB to decode (18-27x).
+#: What decoding an answer may build, estimated before decoding (`_decoded_size`): `DECODE_BYTES_PER_CHAR` bytes per
+#: character, at least `DECODE_MIN_BYTES`. 40 MB of tiny blocks or empty lists once cost 0.7-1.1 GB to decode.
 DECODE_BYTES_PER_CHAR = 8
 DECODE_MIN_BYTES = 16 << 20
-#: What CPython spends per `{` (a dict of up to five keys), `[` (an empty list), `:` (a dict entry, its key counted once
-#: per name as json decodes it), `,` (a slot) and string value (a new str). A number costs at most 9 bytes per
-#: character (`1.5,`: a 24-byte float and a slot), a small int, `true` or `null` only its slot: left out.
+#: What CPython spends per `{` (a small dict), `[` (an empty list), `:` (a dict entry), `,` (a slot) and string value.
+#: Numbers, `true` and `null` cost at most 9 bytes per character: left out.
 _COSTS = ((",", 8), (":", 48), ("[", 64), ("{", 184))
 _STRING_COST = 56
 _CLASSES = bytes(c if c in b'",:[{' else ord("w") if c in b" \t\r\n" else ord("x") for c in range(256))
@@ -110,16 +90,15 @@ _DELAY_SECONDS = re.compile(r"[0-9]+(?:\.[0-9]*)?")
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Deadlines, in seconds. `None` disables one (not recommended).
+    """Deadlines, in seconds; `None` disables one (not recommended).
 
     Args:
         connect (`float`, *optional*, defaults to `10.0`):
             Establishing a TCP/TLS connection.
         request (`float`, *optional*, defaults to `60.0`):
-            One whole non-streaming request (metadata, create, prompt, ping, delete).
+            One whole non-streaming request.
         stream_idle (`float`, *optional*, defaults to `45.0`):
-            Silence allowed on a `/call` stream; servers send a comment every 10 s while a tool runs, so a longer
-            silence means the stream is dead and it is resumed.
+            Silence allowed on a `/call` stream (servers send a comment every 10 s) before it is resumed.
         tool_call (`float`, *optional*, defaults to `3600.0`):
             One whole tool call, resumes included.
     """
@@ -132,24 +111,20 @@ class Timeouts:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How hard the client tries before an error reaches the caller.
+    """How hard the client tries before an error reaches the caller; a `ConfigurationError` for values that cannot
+    work.
 
     Args:
         max_attempts (`int`, *optional*, defaults to `6`):
             Tries per request for network errors and 429/502/503/504 (1 = no retry).
         backoff_initial (`float`, *optional*, defaults to `0.25`):
-            First backoff delay, in seconds; doubled each attempt, with jitter. Also the floor: no retry or poll
-            comes sooner, whatever a server's `Retry-After` says.
+            First backoff delay, in seconds, doubled each attempt, with jitter; also the floor of every wait.
         backoff_max (`float`, *optional*, defaults to `8.0`):
             Cap on one backoff delay, in seconds (a server's `Retry-After` is honoured up to this).
         starting_timeout (`float`, *optional*, defaults to `600.0`):
             Seconds to wait out a backend answering 503 `X-Backend-State: starting`.
         resume_attempts (`int`, *optional*, defaults to `8`):
             Re-attachments to one dropped `/call` stream by its task id.
-
-    Raises:
-        ConfigurationError: a count below its minimum (1 attempt, 0 resumes), or a delay that is not a positive finite
-            number of seconds with `backoff_initial <= backoff_max`.
     """
 
     max_attempts: int = 6
@@ -176,9 +151,8 @@ class RetryPolicy:
                 raise ConfigurationError(f"RetryPolicy: {name} must be an int >= {low}, got {value!r}")
 
     def delay(self, attempt: int, retry_after: float | None = None) -> float:
-        """Seconds to wait before the next try: the backoff of `attempt` (`backoff_initial`, doubled per attempt, plus
-        up to half again of jitter), or the server's `Retry-After` where longer; within `[backoff_initial,
-        backoff_max]`.
+        """Seconds to wait before the next try: the backoff of `attempt` (plus up to half again of jitter), or the
+        server's `Retry-After` where longer; at most `backoff_max`.
 
         Args:
             attempt (`int`):
@@ -197,8 +171,7 @@ def _attempts(n: int) -> str:
 
 
 def _retry_after(headers: Any) -> float | None:
-    """A `Retry-After` header in seconds from now (delay-seconds or an HTTP-date; a past date is 0); None when absent
-    or unreadable. Untrusted: `RetryPolicy.delay` bounds what it does."""
+    """A `Retry-After` header in seconds from now (delay-seconds or an HTTP-date); None when absent or unreadable."""
     value = (headers.get("Retry-After") or "").strip()[:100] if headers is not None else ""
     if _DELAY_SECONDS.fullmatch(value):
         return float(value)
@@ -209,12 +182,9 @@ def _retry_after(headers: Any) -> float | None:
 
 
 class Decoder:
-    """The one way a server's bytes become Python values. Invalid UTF-8 is replaced (U+FFFD); lone surrogates
-    (`"\\ud800"`: valid JSON, fatal to a tokenizer or a file write) become U+FFFD in the JSON text before decoding;
-    every known secret (`add`) is masked as `***` in every string, dict keys included, also where the raw JSON spells it
-    with escapes (`"\\u0073k-..."`). Each step runs only when a scan of the raw text finds something to fix: a plain
-    answer costs one `json.loads` and a few substring searches.
-    """
+    """The one way a server's bytes become Python values: invalid UTF-8 and lone surrogates as U+FFFD, every known
+    secret (`add`) masked as `***` in every string and key, also where the JSON spells it with escapes. Each step runs
+    only when a scan of the raw text finds something to fix: a plain answer costs one `json.loads`."""
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         self._secrets: tuple[str, ...] = ()  # longest first: the X-Secrets header contains the values
@@ -223,7 +193,7 @@ class Decoder:
             self.add(secret)
 
     def add(self, secret: str) -> None:
-        """Mask `secret` from now on (values shorter than 6 characters are not secrets worth garbling text for)."""
+        """Mask `secret` from now on (one shorter than 6 characters is no secret worth garbling text for)."""
         if len(secret) < _MIN_MASKED_SECRET or secret in self._secrets:
             return
         self._secrets = tuple(sorted({*self._secrets, secret}, key=len, reverse=True))
@@ -231,7 +201,6 @@ class Decoder:
         self._probes = tuple(dict.fromkeys([*self._secrets, *escapes]))
 
     def mask(self, text: str) -> str:
-        """`text` with every known secret replaced by `***`."""
         for secret in self._secrets:
             if secret in text:
                 text = text.replace(secret, _MASK)
@@ -244,8 +213,8 @@ class Decoder:
         return self.mask(repair(raw))
 
     def quote(self, raw: str | bytes, limit: int = 2000) -> str:
-        """What a server said, for a message: `text`, then `readable`. A secret spelled with JSON escapes (in a body
-        that is not valid JSON) is masked too: the quote then shows the text with its escapes written out."""
+        """What a server said, for a message (`text`, then `readable`); a secret spelled with JSON escapes is masked
+        too, the quote then showing the escapes written out."""
         text = self.text(raw)
         if self._secrets and "\\" in text:
             plain = self.mask(unescape_json(text))
@@ -254,9 +223,8 @@ class Decoder:
         return readable(text, limit)
 
     def decode(self, raw: str | bytes, what: str) -> Any:
-        """A JSON answer as Python values (None for an empty body), every string repaired and masked; a
-        `ProtocolError` for one that is not JSON, nested too deeply to decode (quoting the start of it, masked), or
-        holding more objects than its size allows (`DECODE_BYTES_PER_CHAR`, refused before it is decoded)."""
+        """A JSON answer as values (None for an empty body); a `ProtocolError` for one that is not JSON, nested too
+        deeply, or holding more objects than its size allows (refused before decoding)."""
         text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8-sig", errors="replace")
         if not text.strip():
             return None
@@ -277,9 +245,8 @@ class Decoder:
 
 
 def _check_size(text: str, what: str) -> None:
-    """Refuse JSON text whose decoded objects would take more than `DECODE_BYTES_PER_CHAR` bytes per character (and
-    `DECODE_MIN_BYTES`), before decoding it: a few `str.count`s, and only when those say it may, a count outside its
-    strings (a text full of commas is no dense JSON)."""
+    """Refuse JSON text whose objects would take more than `DECODE_BYTES_PER_CHAR` per character: a few `str.count`s,
+    and only when those say it may, a count outside its strings (a text full of commas is no dense JSON)."""
     limit = DECODE_BYTES_PER_CHAR * len(text) + DECODE_MIN_BYTES
     if len(text) * _COSTS[-1][1] <= limit:
         return
@@ -293,10 +260,9 @@ def _check_size(text: str, what: str) -> None:
 
 
 def _decoded_size(text: str) -> int:
-    """About the most the objects `json.loads(text)` builds take (see `_COSTS`), counted without decoding it and with
-    no object per string: its escaped backslashes and quotes dropped, every byte but quotes and `,:[{` made an `x` (or
-    dropped, whitespace), then (quotes alternating) the `,:[{` between strings counted, a window at a time, and the
-    strings but keys (a string before a `:`, decoded once per name) and empty ones."""
+    """About the most the objects `json.loads(text)` builds take (`_COSTS`), counted without an object per string:
+    escaped backslashes and quotes dropped, every byte but `",:[{` made an `x`, then the `,:[{` between strings
+    counted, a window at a time, and the strings but keys and empty ones."""
     data = text.encode("utf-8", "replace")
     if b"\\" in data:
         data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
@@ -314,7 +280,7 @@ def _decoded_size(text: str) -> int:
 
 
 def _detail_of(decoder: Decoder, body: bytes) -> str:
-    """The `detail` of an error answer (FastAPI's `{"detail": ...}`), else its body, whole (`quote` cuts it)."""
+    """The `detail` of an error answer (FastAPI's `{"detail": ...}`), else its body."""
     try:
         value = decoder.decode(body, "")
     except ProtocolError:
@@ -328,40 +294,9 @@ def _detail_of(decoder: Decoder, body: bytes) -> str:
     return decoder.text(body)
 
 
-def status_error(status: int, detail: str, path: str, *, session_scoped: bool) -> ORSError:
-    """An ORS server's HTTP error status as our exception, with a message that says what to do."""
-    where = f"{path}: " if path else ""
-    if status == 404 and "unknown environment" in detail.lower():
-        return EnvironmentNotFoundError(f"{where}{detail}")
-    cls: type[APIStatusError] = APIStatusError
-    text = f"unexpected status {status}: {detail}"
-    if status in (400, 422):
-        cls, text = BadRequestError, f"bad request ({status}): {detail}"
-    elif status in (401, 403):
-        cls, text = AuthenticationError, (f"the server rejected the credentials ({status}): {detail}. Check "
-                                          "OPENREWARD_API_KEY or the api_key= you passed.")
-    elif status == 402:
-        cls, text = PaymentRequiredError, (f"payment required (402): {detail}. The OpenReward account has no credits "
-                                           "left; top up at https://openreward.ai.")
-    elif status == 410 or (status == 404 and session_scoped):
-        cls, text = SessionExpiredError, (f"the session no longer exists on the server ({status}: {detail}); it was "
-                                          "deleted, reaped after being idle, or the server restarted.")
-    elif status == 404:
-        cls, text = NotFoundError, f"not found (404): {detail}"
-    elif status == 429:
-        cls, text = RateLimitError, f"rate limited (429): {detail}"
-    elif status in (502, 503, 504):
-        cls, text = ServiceUnavailableError, f"service unavailable ({status}): {detail}"
-    elif status >= 500:
-        cls, text = ServerError, f"the environment failed ({status}): {detail}"
-    return cls(where + text, status_code=status, detail=detail, path=path)
-
-
 def masked(method: F) -> F:
-    """Decorator for the calls that talk to a server (the `Transport`'s, and `AsyncClient`'s and `AsyncSession`'s,
-    through their `_transport`): mask its secrets in every ORSError they raise (dropping its exception chain), and in
-    what `types.quoted` shows of an answer while they run. The transport masks its own errors; a client's call also
-    raises errors while checking an answer, which quote what the server said (and may echo the credentials)."""
+    """Decorator for the calls that talk to a server (of a `Transport`, or an object with a `_transport`): mask its
+    secrets in every ORSError they raise (dropping the chain) and in what `types.quoted` shows while they run."""
 
     @functools.wraps(method)
     async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -379,14 +314,9 @@ def masked(method: F) -> F:
 
 
 async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> AsyncIterator[tuple[str, str]]:
-    """Yield `(event, data)` per the SSE spec: lines end with CRLF, LF or CR alone (a CRLF split between two reads
-    is one line end), a BOM opening the stream is dropped, one space after `data:` is stripped, comments are skipped;
-    `what` names the request in errors.
-
-    Lines are split here rather than with `resp.content.readline()`, which refuses lines longer than aiohttp's buffer
-    (128-512 KiB) with an exception outside our hierarchy, while a server may send a whole result as one `data:` line.
-    The only bound is `max_bytes` for the whole stream.
-    """
+    """Yield `(event, data)` per the SSE spec (CRLF, LF or CR line ends, a leading BOM dropped, comments skipped), at
+    most `max_bytes` in all. Lines are split here: `resp.content.readline()` refuses a line longer than aiohttp's
+    buffer, while a server may send a whole result as one `data:` line."""
     _check_length(resp, max_bytes, what)
     event: str | None = None
     data: list[str] = []
@@ -433,9 +363,8 @@ async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> A
 
 
 class Transport:
-    """One aiohttp session (keep-alive pool) to `target`'s hosts, bound to the event loop that first uses it. `error`
-    (a `for_url` transport): every failure is that class (`post_json`), an error status `HTTP <status> from <url>:
-    <body>`, any 5xx retried; None: ORS's errors (`status_error`). `headers` go with every request."""
+    """One aiohttp session (keep-alive pool) to `target`'s hosts, bound to the event loop that first uses it. With
+    `error` (`for_url`) every failure is that class and any 5xx is retried; without, ORS's errors (`status_error`)."""
 
     def __init__(self, target: Target, *, timeouts: Timeouts | None = None, retry: RetryPolicy | None = None,
                  max_connections: int = 0, max_response_bytes: int = 64 * 1024 * 1024,
@@ -454,20 +383,15 @@ class Transport:
         self._request_timeout = aiohttp.ClientTimeout(total=timeouts.request, **connect)
         self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_read=timeouts.stream_idle, **connect)
         self.on_request: Callable[[str, str], None] | None = None  # (method, path) hook for tests/metrics
-        self.on_throttle: Callable[[], None] | None = None  # told of each 429 and `503 starting` (the pace slows)
-        # Masked in every answer and message: the API key, and what the client adds (its X-Secrets header and values).
+        self.on_throttle: Callable[[], None] | None = None  # told of each 429 and `503 starting`
         self.decoder = Decoder([str(target.api_key)] if target.api_key else [])
 
     @classmethod
     def for_url(cls, base_url: str, *, error: type[ORSError], headers: Mapping[str, str] | None = None,
                 secrets: Iterable[str] = (), timeouts: Timeouts | None = None,
                 retry: RetryPolicy | None = None) -> Transport:
-        """A transport to a JSON API at `base_url` (`http(s)://host[:port][/path]`; request paths are appended), for
-        `post_json`: the one retry loop (connection failures, 429 and 5xx), response cap and decoder, every failure an
-        `error` (`PolicyError` for a policy's endpoint), `secrets` (the key sent in `headers`, which an endpoint may
-        reflect) masked in answers and errors, a redirect to another host followed without `Authorization`. A
-        `ConfigurationError` for a `base_url` that is not an http(s) URL.
-        """
+        """A transport to a JSON API at `base_url` (request paths appended) for `post_json`: every failure an `error`,
+        `secrets` (the key in `headers`, which an endpoint may reflect) masked."""
         url = _validate_url(base_url, "base_url")
         transport = cls(Target("url", base_url, url, url), timeouts=timeouts, retry=retry, headers=headers,
                         error=error)
@@ -489,13 +413,12 @@ class Transport:
         return self._session
 
     async def aclose(self) -> None:
-        """Close the connections (a later request opens new ones)."""
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
 
     def headers(self, base: str, *, sid: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
-        """The headers of a request to `base`: the API key where it belongs, the deployment, the session id."""
+        """The headers of a request to `base`: the API key where it belongs, the deployment, the session."""
         h = dict(self._headers)
         if key := self.target.key_for(base):
             h["X-API-Key"] = str(key)
@@ -506,12 +429,10 @@ class Transport:
         return {**h, **(extra or {})}
 
     def mask(self, text: str) -> str:
-        """`text` with every known secret (API key, secret values, X-Secrets header) replaced by `***`."""
         return self.decoder.mask(text)
 
     def mask_error(self, exc: ORSError) -> ORSError:
-        """Mask secrets in an error's message (and `detail`) in place, and drop its exception chain (a decoder's
-        error keeps the raw body, an aiohttp error the URL); returns it for `raise`."""
+        """Mask secrets in an error's message and `detail` in place, and drop its chain; returns it for `raise`."""
         exc.args = tuple(self.mask(a) if isinstance(a, str) else a for a in exc.args)
         if isinstance(getattr(exc, "detail", None), str):
             exc.detail = self.mask(exc.detail)  # type: ignore[attr-defined]
@@ -527,9 +448,9 @@ class Transport:
     @contextlib.asynccontextmanager
     async def _send(self, method: str, url: str, *, data: bytes | None, headers: dict[str, str],
                     timeout: aiohttp.ClientTimeout | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
-        """One request, following redirects like aiohttp would, except that credentials are dropped on a hop to a host
-        the API key does not belong to (aiohttp strips only `Authorization`), and a hop there that would re-send a
-        body holding one is not made."""
+        """One request, following redirects, except that credentials are dropped on a hop to a host the API key does
+        not belong to (aiohttp strips only `Authorization`), and a hop there re-sending a body holding one is not
+        made."""
         for _ in range(_MAX_REDIRECTS + 1):
             where = f"{method} {url.split('?', 1)[0]}"
             try:
@@ -584,7 +505,7 @@ class Transport:
         return base, headers, data
 
     async def _status(self, resp: aiohttp.ClientResponse, path: str, *, session_scoped: bool) -> _Again:
-        """An error answer as the exception to raise, wrapped as `_Again` when retrying may help."""
+        """An error answer as the exception to raise, wrapped as `_Again` for `retrying`."""
         head = await _read_head(resp, _ERROR_BODY_LIMIT, self.timeouts.request)
         starting = resp.status == 503 and resp.headers.get("X-Backend-State") == "starting"
         if (starting or resp.status == 429) and self.on_throttle is not None:
@@ -598,10 +519,8 @@ class Transport:
                       final=resp.status not in self._retried)
 
     def _json(self, resp: aiohttp.ClientResponse, raw: bytes, what: str) -> Any:
-        """A JSON answer's body as values, read in the charset its `Content-Type` declares, else in the UTF JSON's own
-        detection finds (UTF-16 and -32 by their BOM or zero bytes). One in a `Content-Encoding` aiohttp leaves
-        undecoded (stacked, `x-gzip`, a label that is no encoding) is read as it came, and if that is no JSON the error
-        names the encoding rather than quoting compressed bytes."""
+        """A JSON answer's body as values, in its declared charset, else the UTF JSON's detection finds. In an
+        encoding aiohttp left undecoded, an answer that is no JSON names the encoding rather than quoting bytes."""
         try:
             return self.decoder.decode(_unless_utf8(raw, resp.charset), what)
         except ProtocolError:
@@ -617,21 +536,16 @@ class Transport:
                       ok_statuses: tuple[int, ...] = (), retry: RetryPolicy | None = None, api: bool = False,
                       on_attempt: Callable[[], None] | None = None, on_event: Callable[[str, str], None] | None = None,
                       idempotent: bool = True) -> Any:
-        """Send one JSON request with retries; return the decoded JSON (None for an empty or `ok_statuses` body).
-
-        `api`: to the platform's stateless API (`Target.api_url`) instead of the session host. `on_attempt` is told of
-        each try. With `on_event`, the answer is a short event stream (`/create_session`): its events are returned, and
-        each is told to `on_event` as it arrives, of every attempt, also of one that then stalls or breaks. A request
-        that is not `idempotent` (the platform allocates a session per request) is not re-posted after a failure once
-        it was sent: a second allocation would orphan the first.
-        """
+        """Send one JSON request with retries; the decoded JSON (None for an empty or `ok_statuses` body). `api`: to
+        `Target.api_url`. With `on_event`, the answer is an event stream (`/create_session`): its events, each told to
+        `on_event` as it arrives, of every attempt. One not `idempotent` is never re-posted once it may have landed."""
         base, headers, data = self._prepared(body, sid=sid, extra=extra_headers, api=api, stream=on_event is not None)
 
         async def attempt() -> Any:
             self._count(method, path)
             if on_attempt is not None:
                 on_attempt()
-            # One deadline for the whole exchange, redirects included (each hop alone would get a fresh one).
+            # One deadline for the whole exchange, redirects included.
             async with asyncio.timeout(self.timeouts.request), \
                     self._send(method, base + path, data=data, headers=headers) as resp:
                 if resp.status >= 400 and resp.status not in ok_statuses:
@@ -649,15 +563,8 @@ class Transport:
                               sent_is_safe=idempotent, timeout=self.timeouts.request, mask=self.mask)
 
     async def post_json(self, path: str, body: Any) -> Any:
-        """POST `body` as JSON to `path` under the base URL and return the decoded answer (see `for_url`): 429 and 5xx
-        retried, other error statuses final; every failure the transport's `error` class, masked, with no chain.
-
-        Args:
-            path (`str`):
-                Appended to the base URL (`"/chat/completions"`).
-            body (`Any`):
-                The JSON body.
-        """
+        """POST `body` as JSON to `path` (`"/chat/completions"`) under the base URL: the decoded answer; every failure
+        an `error` (`for_url`)."""
         error_class = self.error or ORSError
         try:
             return await self.request("POST", path, body=body)
@@ -668,9 +575,8 @@ class Transport:
     @masked
     async def stream(self, path: str, *, body: dict[str, Any], sid: str, what: str, tool: str
                      ) -> tuple[Any, str | None]:
-        """Run one streamed call (`/call`, `/score_group`): (the decoded result, task id). Resumed by its task id where
-        the stream drops (see the module docstring); a stream naming another task than the one it resumes is a
-        `ProtocolError`."""
+        """One streamed call (`/call`, `/score_group`): (the decoded result, task id), resumed by its task id where the
+        stream drops."""
         base, headers, _ = self._prepared(None, sid=sid, extra={"Content-Type": "application/json"}, stream=True)
         task_id: str | None = None
         resumes = 0
@@ -716,7 +622,7 @@ class Transport:
 
     async def _result(self, resp: aiohttp.ClientResponse, what: str, tool: str, *, resumed: bool,
                       on_task_id: Callable[[str], None]) -> Any:
-        """Read one call's event stream to its decoded result: `task_id`, `chunk`... `end`, or `error`."""
+        """One call's event stream (`task_id`, `chunk`... `end`, or `error`) to its decoded result."""
         chunks: list[str] = []
         size = 0
         unknown: dict[str, None] = {}  # names of events the protocol has not, the first few, in order
@@ -749,7 +655,7 @@ class Transport:
 
 
 class _Again(Exception):
-    """Internal: an attempt failed with `error`; `retrying` decides whether to try again."""
+    """An attempt failed with `error`; `retrying` decides whether to try again."""
 
     def __init__(self, error: ORSError, *, retry_after: float | None = None, starting: bool = False,
                  final: bool = False) -> None:
@@ -757,15 +663,14 @@ class _Again(Exception):
 
 
 class _Broken(Exception):
-    """Internal: a stream broke after its answer began (resumable by task id, never retried blindly)."""
+    """A stream broke after its answer began (resumable by task id, never retried blindly)."""
 
     def __init__(self, cause: BaseException) -> None:
         self.cause = cause
 
 
 class _Dropped(Exception):
-    """Internal: a stream ended without its final event; `unknown`: the names of the events it sent that the protocol
-    has not (an `END`, an `end ` with a space: why a stream that looked complete had no result)."""
+    """A stream ended without its final event; `unknown`: events it sent that the protocol has not (an `END`)."""
 
     def __init__(self, unknown: Iterable[str] = ()) -> None:
         super().__init__()
@@ -775,10 +680,8 @@ class _Dropped(Exception):
 async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, what: str, base: str = "",
                    sent_is_safe: bool = True, timeout: float | None = None,
                    mask: Callable[[str], str] = lambda text: text) -> T:
-    """Run `attempt()` until it succeeds, under `policy`: the one retry loop (the module docstring says what is
-    retried). A reset or a timeout after sending is retried only when `sent_is_safe`; a `starting` poll backs off as
-    attempts do without counting as one. `mask` hides secrets in what an aiohttp error says (a URL), before it is cut.
-    """
+    """Run `attempt()` until it succeeds, under `policy`: the one retry loop. A reset or timeout after sending is
+    retried only when `sent_is_safe`; a `starting` poll is no attempt. `mask` hides secrets in an aiohttp error."""
     loop = asyncio.get_running_loop()
     attempts = polls = 0
     starting_since: float | None = None
@@ -821,8 +724,7 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
 
 
 def _unless_utf8(raw: bytes, charset: str | None) -> bytes | str:
-    """`raw` as text when it is not UTF-8 (in its declared `charset`, else the encoding `json.detect_encoding` finds);
-    UTF-8, by far the common case, and ASCII (a part of it) stay bytes for the decoder."""
+    """`raw` as text when it is not UTF-8 (in its `charset`, else what `json.detect_encoding` finds); else bytes."""
     codec = json.detect_encoding(raw)
     if charset:
         with contextlib.suppress(LookupError):
@@ -831,9 +733,8 @@ def _unless_utf8(raw: bytes, charset: str | None) -> bytes | str:
 
 
 def _undecodable(exc: BaseException, where: str) -> ProtocolError | None:
-    """The error to raise for an aiohttp error that is a body aiohttp could not decompress (an encoding it did not
-    ask for, corrupt or trailing bytes), else None. Such an answer is malformed, not a network failure: retrying or
-    resuming would fetch the same bytes."""
+    """A `ProtocolError` for an aiohttp error that is a body it could not decompress (malformed, not a network failure:
+    retrying would fetch the same bytes), else None."""
     cause: BaseException | None = exc
     for _ in range(4):  # ClientResponseError -> HttpProcessingError -> ContentEncodingError, at most
         if isinstance(cause, ContentEncodingError):
@@ -856,8 +757,7 @@ def _describe(exc: BaseException, mask: Callable[[str], str] = lambda text: text
 
 
 async def _drain(resp: aiohttp.ClientResponse, seconds: float = 1.0) -> None:
-    """Read a stream to its end (bounded), so that its connection goes back to the keep-alive pool (a response left
-    before its last chunk is closed instead of reused, costing the next request a new TCP connection)."""
+    """Read a stream to its end (bounded), so that its connection goes back to the keep-alive pool."""
     with contextlib.suppress(TimeoutError, aiohttp.ClientError):
         async with asyncio.timeout(seconds):
             while await resp.content.readany():
@@ -865,15 +765,13 @@ async def _drain(resp: aiohttp.ClientResponse, seconds: float = 1.0) -> None:
 
 
 def _check_length(resp: aiohttp.ClientResponse, limit: int, path: str) -> None:
-    """Refuse an answer whose declared size is past `limit` before reading any of it."""
     length = resp.content_length
     if length is not None and length > limit:
         raise ProtocolError(f"{path}: response of {length} bytes is larger than the {limit}-byte limit")
 
 
 async def _read_head(resp: aiohttp.ClientResponse, limit: int, seconds: float | None = None) -> bytes:
-    """At most the first `limit` bytes of the body (an error answer's detail), and what came within `seconds`: the rest
-    is never read. On a stream (`/call`) nothing else bounds an error body that trickles."""
+    """At most the first `limit` bytes of the body, and what came within `seconds` (an error body may trickle)."""
     parts: list[bytes] = []
     total = 0
     with contextlib.suppress(TimeoutError):

@@ -1,9 +1,8 @@
 """Plain data types for what an ORS server returns: blocks, messages, tool specs and results, splits.
 
 Parsing is strict where a wrong value would corrupt training (a reward that is not a finite number is a protocol
-error, not a silent 0.0) and lenient where nothing is lost (an unknown block type is kept, with a placeholder in the
-text view). Counts and lists a server sends are bounded (`MAX_*`): a twenty-byte answer must not cost gigabytes or a
-million requests.
+error, not a silent 0.0), lenient where nothing is lost (an unknown block type is kept). Counts and lists a server
+sends are bounded (`MAX_*`): a twenty-byte answer must not cost gigabytes or a million requests.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ __all__ = ["MAX_ENVIRONMENTS", "MAX_REWARD", "MAX_SPLITS", "MAX_TASK_COUNT", "MA
            "block_json", "blocks_text", "check_answer_images", "image_blocks", "parse_blocks", "parse_flag",
            "parse_messages", "parse_reward", "quoted"]
 
-#: How secrets are masked in what an error message quotes of an answer: the transport sets its masking around each
-#: call of a client (`transport.masking`); outside of one, nothing is masked.
+#: How `quoted` masks secrets: set around each call of a client (`transport.masked`); outside one, nothing is masked.
 MASK: ContextVar[Callable[[str], str] | None] = ContextVar("ors_trl_mask", default=None)
 #: The largest task count `/num_tasks` may claim (2**53: the last integer every JSON reader holds exactly).
 MAX_TASK_COUNT = 2**53
@@ -36,7 +34,7 @@ MAX_TOOLS = 4096
 #: The size (characters of JSON) of one tool's name, description and input schema, and of a whole tool list.
 MAX_TOOL_SIZE = 1 << 20
 MAX_TOOLS_SIZE = 16 << 20
-#: Splits `/splits` may list (inspect asks each one for its count) and environments `/list_environments` may.
+#: Splits `/splits` may list (inspect counts each) and environments `/list_environments` may.
 MAX_SPLITS = 256
 MAX_ENVIRONMENTS = 1024
 #: The largest reward magnitude a server may send (2**53). TRL sums, squares and divides a group's rewards in
@@ -46,8 +44,7 @@ _MAX_BLOCK_DEPTH = 16  # how deeply `tool_result` blocks may hold blocks (parsin
 
 
 def quoted(value: Any, limit: int = 200) -> str:
-    """`value` as an error message quotes it: its repr, secrets masked (before the cut, so that no part of one is
-    left), at most `limit` characters."""
+    """`value` as an error message quotes it: its repr, secrets masked (before the cut), at most `limit` characters."""
     try:
         text = repr(value)
     except (ValueError, RecursionError):  # an int past the digit limit, a structure nested too deeply
@@ -76,8 +73,7 @@ class TextBlock:
 
 @dataclass(frozen=True, slots=True)
 class ImageBlock:
-    """An image block. What it is (`info()`, checked by `images.check`) and its pixels (`image()`, `images.decode`)
-    are found once and remembered here, in `_info` and `_image`: the block's one memo.
+    """An image block; what it is (`info()`) and its pixels (`image()`) are found once and remembered.
 
     Attributes:
         data (`str`):
@@ -98,8 +94,7 @@ class ImageBlock:
     _image: Any = field(default=None, compare=False, repr=False)
 
     def data_url(self) -> str:
-        """The image as a `data:` URL (`data:<mime_type>;base64,<data>`), the form chat templates and OpenAI-style
-        APIs accept."""
+        """The image as a `data:` URL, the form chat templates and OpenAI-style APIs accept."""
         return f"data:{self.mime_type};base64,{self.data}"
 
     def info(self) -> images.ImageInfo:
@@ -109,27 +104,23 @@ class ImageBlock:
         return self._info  # type: ignore[return-value]
 
     def _refuse(self, why: str) -> None:
-        """Not shown after all (a bound of its answer, pixels that do not decode): `info().error` says why."""
+        """Not shown after all (past its answer's bounds, pixels that do not decode): `info().error` says why."""
         object.__setattr__(self, "_info", dataclasses.replace(self.info(), error=why))
 
     def image(self) -> Any:
-        """The pixels, an RGB `PIL.Image.Image`, decoded once.
-
-        Raises:
-            ImageError: the image cannot be shown (`info().error` says why).
-        """
+        """The pixels, an RGB `PIL.Image.Image`, decoded once; an `ImageError` where it cannot be shown."""
         if self._image is None:
             info = self.info()
             if info.error is not None:
                 raise ImageError(f"image {info.sha256[:12]} cannot be shown: {info.error}")
             try:
                 object.__setattr__(self, "_image", images.decode(images.as_bytes(self.data), info))
-            except ImageError as exc:  # it checked out, yet its pixels do not decode (a cut file)
+            except ImageError as exc:  # it checked out, yet its pixels do not decode
                 self._refuse(str(exc))
                 raise
         return self._image
 
-    def __repr__(self) -> str:  # base64 payloads are long; keep reprs readable
+    def __repr__(self) -> str:
         return f"ImageBlock(mime_type={self.mime_type!r}, data=<{len(self.data)} chars>)"
 
 
@@ -228,7 +219,6 @@ def _block(raw: Any, i: int, where: str, depth: int) -> Block:
         if not isinstance(data, str) or not isinstance(mime, str):
             raise ProtocolError(f"{where}: image block {i} needs string 'data' and 'mimeType'")
         block = ImageBlock(data=data, mime_type=mime)
-        # refused by its length: keep why, not the text
         return block if len(data) <= images.MAX_IMAGE_CHARS else ImageBlock("", mime, _info=block.info())
     if kind == "tool_call":
         arguments = raw.get("input") or {}
@@ -245,20 +235,18 @@ def _block(raw: Any, i: int, where: str, depth: int) -> Block:
 
 
 def parse_blocks(value: Any, *, where: str, _depth: int = 0, _whole: bool = True) -> list[Block]:
-    """Parse a JSON list of blocks, raising `ProtocolError` for shapes that cannot be blocks. Its images are checked
-    (`ImageBlock.info`), within the bounds of one answer (`check_answer_images`)."""
+    """A JSON list of blocks (a `ProtocolError` for shapes that cannot be), its images checked as one answer's."""
     if value is None:
         return []
     if not isinstance(value, list):
         raise ProtocolError(f"{where}: expected a list of blocks, got {type(value).__name__}")
     blocks = [_block(raw, i, where, _depth) for i, raw in enumerate(value)]
-    if _depth == 0 and _whole:  # a whole answer (a conversation checks its messages together)
+    if _depth == 0 and _whole:  # a conversation checks its messages together
         check_answer_images(blocks)
     return blocks
 
 
 def image_blocks(blocks: Iterable[Block]) -> Iterator[ImageBlock]:
-    """The image blocks among `blocks`, those inside tool results included, in order."""
     for block in blocks:
         if isinstance(block, ImageBlock):
             yield block
@@ -267,8 +255,8 @@ def image_blocks(blocks: Iterable[Block]) -> Iterator[ImageBlock]:
 
 
 def check_answer_images(blocks: Iterable[Block]) -> None:
-    """Check every image of one answer (`ImageBlock.info`) and the answer's bounds: at most `images.MAX_IMAGES` of them
-    and `images.MAX_ANSWER_PIXELS` pixels together; the ones past either are not shown, each saying why."""
+    """Check every image of one answer, and its bounds (`images.MAX_IMAGES`, `images.MAX_ANSWER_PIXELS` together):
+    the images past either are not shown, each saying why."""
     count = pixels = 0
     for block in image_blocks(blocks):
         info = block.info()
@@ -292,7 +280,7 @@ def block_text(block: Block) -> str:
     if isinstance(block, ToolCallBlock):
         try:
             arguments = json.dumps(block.input, ensure_ascii=False, default=str)
-        except (ValueError, RecursionError):  # nested past what the encoder recurses through
+        except (ValueError, RecursionError):  # nested past what the encoder recurses through, a huge int
             arguments = "{...}"
         return f"[tool_call {block.name}] {arguments}"
     if isinstance(block, ToolResultBlock):
@@ -302,7 +290,6 @@ def block_text(block: Block) -> str:
 
 
 def blocks_text(blocks: list[Block]) -> str:
-    """The text for a list of blocks, joined with newlines (`[image: image/png]` for an image)."""
     return "\n".join(block_text(b) for b in blocks)
 
 
@@ -342,7 +329,7 @@ class Message:
         return blocks_text(self.blocks)
 
     def to_json(self) -> dict[str, Any]:
-        """The message in its wire form, `{"role": ..., "blocks": [...]}` (what `/score_group` candidates carry)."""
+        """The message in its wire form, `{"role": ..., "blocks": [...]}`."""
         return {"role": self.role, "blocks": [block_json(b) for b in self.blocks]}
 
 
@@ -394,8 +381,7 @@ class ToolSpec:
 
     @classmethod
     def from_json(cls, raw: Any) -> ToolSpec:
-        """A tool spec from its wire form (a description that is not a string reads as `""`); a `ProtocolError` for
-        one without a string `name`, or whose `input_schema` is not an object.
+        """A tool spec from its wire form; a `ProtocolError` for one without a string `name` or an object schema.
 
         Args:
             raw (`Any`):
@@ -422,7 +408,7 @@ class TerminalTool:
         name (`str`):
             The remote tool name.
         arg (`str`, *optional*):
-            The single argument the message is passed as, or `None` for a tool that takes none.
+            The argument the message is passed as (`None`: the tool takes none).
         description (`str`, *optional*, defaults to `""`):
             What the tool says about itself.
     """
@@ -432,7 +418,7 @@ class TerminalTool:
     description: str = ""
 
     def arguments(self, message: str) -> dict[str, Any]:
-        """The wire arguments for a final message: `{arg: message}`, or `{}` when the tool takes none.
+        """The wire arguments for a final message: `{arg: message}`, or `{}`.
 
         Args:
             message (`str`):
@@ -443,10 +429,7 @@ class TerminalTool:
 
 @dataclass(frozen=True, slots=True)
 class ToolList:
-    """The answer of `/tools` or `/task_tools`.
-
-    Fields an older server does not send mean "not supported": `terminal_tool` None,
-    `supports_score_group` False, `message_block_types` None (the server has no `/messages`).
+    """The answer of `/tools` or `/task_tools`; a field an older server does not send means "not supported".
 
     Attributes:
         tools (`list[ToolSpec]`):
@@ -466,8 +449,7 @@ class ToolList:
 
     @classmethod
     def from_json(cls, raw: Any, *, where: str) -> ToolList:
-        """A tool list from the wire form of `/tools` or `/task_tools`; a `ProtocolError` for one that is not a tool
-        list or past the bounds (`MAX_TOOLS`, `MAX_TOOL_SIZE`, `MAX_TOOLS_SIZE`).
+        """A tool list from its wire form; a `ProtocolError` for one that is not, or past the bounds (`MAX_TOOL*`).
 
         Args:
             raw (`Any`):
@@ -510,12 +492,9 @@ class ToolList:
 
 
 def parse_reward(value: Any, *, what: str) -> float | None:
-    """A reward as sent by the server: None, or a JSON number of magnitude at most `MAX_REWARD`.
-
-    Anything else (a string however numeric it reads, a boolean, NaN, an infinity, a number past `MAX_REWARD`) is a
-    `ProtocolError`: a reward that is guessed at or that float32 cannot hold would corrupt a whole group's advantages,
-    and an error scores the rollout None, counted, instead.
-    """
+    """A reward as sent by the server: None, or a JSON number of magnitude at most `MAX_REWARD`. Anything else (a
+    numeric string, a boolean, NaN) is a `ProtocolError`: a guessed reward would corrupt a whole group's advantages,
+    where an error scores the rollout None, counted."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -535,10 +514,7 @@ def parse_reward(value: Any, *, what: str) -> float | None:
 
 def parse_flag(value: Any, *, what: str) -> bool:
     """A boolean a server sends (`finished`, `is_error`): JSON `true` or `false`, missing or null read as false.
-
-    A string (`"false"`, `"no"`, `"0"`), a number or anything else is a `ProtocolError`: `bool("false")` is True, and
-    guessing which spellings mean what would end (or continue) episodes on a server's typo.
-    """
+    Anything else (`"false"`, `0`) is a `ProtocolError`: guessing would end or continue episodes on a server's typo."""
     if value is None or isinstance(value, bool):
         return value is True
     raise ProtocolError(f"{what} is {quoted(value, 100)}, not a JSON boolean (true or false)")
@@ -578,9 +554,8 @@ class ToolResult:
 
     @classmethod
     def from_output(cls, output: Any, *, tool: str, task_id: str | None = None) -> ToolResult:
-        """A result from the `output` of a successful `/call` (metadata that is not an object is kept as
-        `{"value": metadata}`); a `ProtocolError` where `output` is not an object, a block is malformed or the reward
-        is not a finite number.
+        """A result from the `output` of a successful `/call` (metadata that is no object kept as `{"value": ...}`); a
+        `ProtocolError` for a malformed output, block or reward.
 
         Args:
             output (`Any`):
@@ -617,8 +592,8 @@ class GroupScore:
 
     @classmethod
     def parse_all(cls, body: Any, *, expected: int) -> list[GroupScore]:
-        """The scores of a decoded `/score_group` result (`{"scores": [{"reward", "metadata"?}]}`), in the candidates'
-        order; a `ProtocolError` where it does not hold `expected` scores, or a reward is missing or not finite.
+        """The scores of a decoded `/score_group` result, in the candidates' order; a `ProtocolError` where it does
+        not hold `expected` valid scores.
 
         Args:
             body (`Any`):

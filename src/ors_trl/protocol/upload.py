@@ -1,18 +1,9 @@
-"""Opt-in upload of finished episodes to the OpenReward rollout viewer, through the `openreward` SDK's rollout API
-(`spec.evaluate(..., upload=True)`, `ors-trl eval --upload`, `OpenRewardSpec(..., upload_rollouts=True)`).
+"""Opt-in upload of finished episodes to the OpenReward rollout viewer through the `openreward` SDK's rollout API:
+each episode record becomes one rollout holding its conversation as the SDK's events.
 
-Each episode record becomes one rollout (`RolloutAPI.create`) holding its conversation as the SDK's events: the system
-turn and prompt, every model turn, each tool call and its result (with the call's reward), the terminal tool's grade,
-the episode's reward and `finished` on the last event; the run's metadata (model name and size, training stage,
-framework `ors-trl` and its version) is the SDK's `RunInfo`, the step its `RolloutInfo`.
-
-It never slows or fails a step: `submit` only puts the record in a bounded queue (full: dropped and counted), a few
-worker threads hand it to the SDK, whose own thread batches and sends it; a rollout the platform did not accept or an
-SDK error is counted as `failed` and logged once. The API key is the platform's, found as for catalog targets; only
-the SDK sends it, and it is masked in every message. The SDK is imported in the worker, when the first episode goes.
-
-Why not `transport.Transport`, the one HTTP stack: the SDK owns the viewer's wire format (event ids, serializers,
-batching, its retries), which moves with the platform; written again here it would be a second copy to drift.
+It never slows or fails a step: `submit` only queues the record (full: dropped and counted); worker threads hand it to
+the SDK; a failure is counted and logged once, the API key masked. Not `transport.Transport`: the SDK owns the
+viewer's wire format (event ids, batching, retries), which moves with the platform.
 """
 
 from __future__ import annotations
@@ -43,26 +34,10 @@ _PLATFORM = "openreward/rollouts"
 
 
 class RolloutUploader:
-    """Send episode records to the OpenReward rollout viewer in the background.
-
-    Args:
-        api_key (`str`, *optional*):
-            The platform's API key; defaults to `OPENREWARD_API_KEY` (a `MissingAPIKeyError` when there is none).
-        run_name (`str`, *optional*):
-            The run's name in the viewer; defaults to `ors-trl-<run id>`.
-        run_info (`Mapping` or a callable returning one, *optional*):
-            The SDK's `RunInfo` fields (`model_name`, `model_params`, `training_stage`, ...), read when the first
-            episode is sent (a trainer's model is known by then); `framework` is `ors-trl` and its version.
-        step (`Callable[[], int | None]`, *optional*):
-            The training step an episode belongs to, when its record does not say.
-        max_pending (`int`, *optional*, defaults to `1024`):
-            Episodes waiting to be sent; more are dropped (and counted) rather than held.
-        workers (`int`, *optional*, defaults to `2`):
-            Threads handing episodes to the SDK (its rollout start is one request each).
-
-    Attributes `sent`, `failed` and `dropped` count episodes handed to the SDK, refused or failed, and not sent for
-    want of room.
-    """
+    """Send episode records to the OpenReward rollout viewer in the background. `api_key` defaults to
+    `OPENREWARD_API_KEY`, `run_name` to `ors-trl-<run id>`; `run_info` (or a callable giving it, called when the first
+    episode goes) holds the SDK's `RunInfo` fields; `step()` gives the training step of a record that does not say;
+    past `max_pending` queued episodes more are dropped. `sent`, `failed` and `dropped` count the episodes."""
 
     def __init__(self, *, api_key: str | None = None, run_name: str | None = None,
                  run_info: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
@@ -109,8 +84,7 @@ class RolloutUploader:
                 self._warn(f"the upload queue is full ({self._queue.maxsize} episodes); episodes are dropped")
 
     def close(self, timeout: float = 30.0) -> None:
-        """Send what is queued (waiting at most `timeout` seconds), then flush and stop the SDK. A later `submit`
-        starts again."""
+        """Send what is queued (at most `timeout` seconds), then flush and stop the SDK; `submit` starts it again."""
         deadline = time.monotonic() + timeout
         with self._lock:
             threads, self._threads = self._threads, []
@@ -128,8 +102,6 @@ class RolloutUploader:
                 api.close()
             except Exception as exc:
                 self._warn(f"flushing the uploads failed: {type(exc).__name__}: {exc}")
-
-    # -- the worker threads ---------------------------------------------------------------------------------------
 
     def _warn(self, message: str) -> None:
         if not self._warned:
@@ -190,8 +162,7 @@ class RolloutUploader:
                                             "reward", "tool_calls", "tool_failures")}
         target = str(record.get("target") or "")
         rollout = self._rollouts().create(
-            run_name=self.run_name, rollout_name=f"{record.get('environment')} "
-            f"{task_label(record.get('split'), record.get('task_index'), record.get('task_spec'))}",
+            run_name=self.run_name, rollout_name=f"{record.get('environment')} {task_label(record)}",
             environment=target if "/" in target and "://" not in target else record.get("environment"),
             split=record.get("split"), task_spec=record.get("task_spec"),
             metadata={k: v for k, v in shown.items() if v is not None})
@@ -216,8 +187,7 @@ class RolloutUploader:
             events.append((ToolCall(name=str(final["tool"]), content=json.dumps({"message": final.get("message")}),
                                     call_id="final"), {}))
             events.append((ToolResult(content=str(final.get("output") or ""), call_id="final"), {}))
-        last = events[-1][1]
-        last.update(reward=record.get("reward"), is_finished=True)
+        events[-1][1].update(reward=record.get("reward"), is_finished=True)
         index = record.get("task_index")
         if isinstance(index, int):
             seconds = (record.get("timings") or {}).get("total")
@@ -227,18 +197,3 @@ class RolloutUploader:
         for message, extra in events:
             rollout.log(message, **extra)
 
-
-def training_info(trainer: Any) -> dict[str, Any]:
-    """The run's metadata for training uploads, from the trainer driving it (when it is known)."""
-    info: dict[str, Any] = {"run_type": "train", "training_stage": "rl", "rl_algorithm": "grpo"}
-    model = getattr(trainer, "model", None)
-    if model is not None:
-        config = getattr(model, "config", None)
-        info["model_name"] = getattr(config, "_name_or_path", None) or type(model).__name__
-        if callable(getattr(model, "parameters", None)):
-            info["model_params"] = sum(p.numel() for p in model.parameters())
-    args = getattr(trainer, "args", None)
-    info["batch_size"] = getattr(args, "per_device_train_batch_size", None)
-    info["lr"] = getattr(args, "learning_rate", None)
-    info["initial_step"] = getattr(getattr(trainer, "state", None), "global_step", None)
-    return info

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..core.metrics import _number
-from ..protocol.text import repair, shorten
+from ..protocol.text import cut, repair
 from .inputs import Input
 
 logger = logging.getLogger("ors_trl")
@@ -123,7 +123,7 @@ def _svg(chart: dict[str, list[tuple[float, float]]], title: str, uid: str) -> s
                 stride = math.ceil(len(points) / _MAX_POINTS)
                 points = points[::stride] + ([points[-1]] if (len(points) - 1) % stride else [])
             line = "--" if name.endswith((" finished", " p95", " p99", " unparsed", " unscored")) else "-"
-            ax.plot([p[0] for p in points], [p[1] for p in points], line, color=color, label=repair(shorten(name, 60)),
+            ax.plot([p[0] for p in points], [p[1] for p in points], line, color=color, label=repair(cut(name, 60)),
                     marker="." if len(points) < 40 else None, linewidth=1.3)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("training step")

@@ -25,7 +25,7 @@ from typing import Any
 from ..core.metrics import EpisodeStats, _percentile
 from ..core.records import _SHA256
 from ..protocol.images import MAX_IMAGE_BYTES, thumbnail
-from ..protocol.text import repair, shorten
+from ..protocol.text import cut, repair
 from . import compare as _compare
 from .charts import curves
 from .inputs import Input
@@ -273,7 +273,7 @@ def render(items: Sequence[Input], tally: Tally, sample: Sample, skipped: Counte
     thumbnails(items, sample)
     curves_html, steps = curves([i for i in items if i.kind == "trainer_state"])
     envs = sorted(tally.envs)
-    page_title = title or ("ors-trl report: " + shorten(", ".join(envs), 80) if envs else "ors-trl report")
+    page_title = title or ("ors-trl report: " + cut(", ".join(envs), 80) if envs else "ors-trl report")
     reasons = ", ".join(f"{v} {k}" for k, v in sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0])))
     skipped_note = (f"<p class=note id=skipped>{skipped.total()} record(s) skipped: {_e(reasons)}.</p>"
                     if skipped else "")

@@ -1,17 +1,10 @@
 """The per-rollout adapter TRL's `environment_factory` hands out: a thin driver of `ors_trl.core.episode.Episode`.
 
-TRL builds adapters once, then for every rollout calls `reset(**row)` and the tool methods the model asks for, from
-its training thread; a tool method is one `Episode.call` and raises on failure (how TRL counts
-`tools/failure_frequency`) with a message the model can read. Where TRL's loop state allows it
-(`ors_trl.trl.backend`), nothing waits in series: the batch's first reset starts opening every session of the batch,
-and the first tool call of a turn starts the turn's calls across the batch (`batch_tool_calls`; each rollout's own in
-order, nothing TRL will not ask for).
-
-An episode opened with no trainer driving it (`spec.environment_factory().reset(task_index=0)`, to look at a prompt)
-has source `manual`: it stays out of the step's `env/...` metrics and out of task sampling, unless reward functions
-read it (`settle_all`). In TRL's asynchronous trainer, whose spawned rollout worker calls reward functions later and
-without the adapters, the adapter class gains TRL's `get_reward` hook (`for_this_process`): it settles the episode
-when its rollout ends and hands it to the reward functions by its transcript (`take_ended`).
+A tool method is one `Episode.call` and raises on failure (how TRL counts `tools/failure_frequency`). Where TRL's loop
+state allows it (`ors_trl.trl.backend`), nothing waits in series: the batch's first reset opens every session of the
+batch, and a turn's first tool call starts the turn's calls across the batch (`batch_tool_calls`). An episode no
+trainer drives has source `manual`: out of the `env/...` metrics and task sampling unless reward functions read it
+(`settle_all`). In TRL's async worker the adapter class gains TRL's `get_reward` hook (`for_this_process`).
 """
 
 from __future__ import annotations
@@ -68,17 +61,9 @@ class _NotATool:
 class OpenRewardEnvironment:
     """One rollout's view of an ORS environment; TRL's `environment_factory` returns these.
 
-    What TRL collects (`inspect.getmembers(type(env), inspect.isfunction)`): `reset(**row)` and one method
-    per environment tool, under the environment's exact tool name (`__name__`). `close()` (TRL's adapter
-    calls it `_close()`) ends the rollout's episode and frees its session now.
-
-    Attributes:
-        reward: last non-None reward of the episode (outcome convention); None if nothing was scored.
-        rewards, metadata: per tool call, the reward / the environment's metadata (None where absent).
-        finished: True once the environment said the episode is over.
-        last_output: the text of the most recent tool result (or error).
-        tool_calls, tool_failures: this episode's tool calls and how many failed.
-        error: why the episode failed outside any tool call (its session could not open), else None.
+    TRL collects `reset(**row)` and one method per environment tool, under the tool's exact name (`__name__`).
+    `close()` (`_close()` in TRL's adapter) ends the rollout's episode and frees its session now. The properties read
+    the episode's state; `last_output` is the text of the latest tool result (or error).
     """
 
     _runtime: ClassVar[EnvironmentRuntime]
@@ -92,8 +77,6 @@ class OpenRewardEnvironment:
     def __repr__(self) -> str:
         ep = self._episode
         return f"<{type(self).__name__} task={ep.task.index if ep else None} reward={self.reward}>"
-
-    # -- state, read off the episode --------------------------------------------------------------
 
     def _get(self, name: str, default: Any) -> Any:
         return getattr(self._episode, name) if self._episode is not None else default
@@ -109,15 +92,11 @@ class OpenRewardEnvironment:
 
     @property
     def error(self) -> str | None:
+        """Why the episode failed outside any tool call (its session could not open), else None."""
         err = self._get("error", None)
         return err["message"] if err else None
 
-    @property
-    def episode(self) -> Episode | None:
-        """The current episode (its full record: `episode.record()`)."""
-        return self._episode
-
-    # -- the TRL contract --------------------------------------------------------------------------
+    episode = property(lambda self: self._episode, doc="The current episode (its full record: `episode.record()`).")
 
     def reset(self, task_index: int | None = None, task_spec: Mapping[str, Any] | None = None,
               **row: Any) -> str | list[dict[str, Any]]:
@@ -190,8 +169,6 @@ class OpenRewardEnvironment:
     close = _NotATool(_close_now)
     _close = _close_now
 
-    # -- tool calls --------------------------------------------------------------------------------
-
     def _current(self) -> Episode:
         if self._episode is None:
             raise UsageError("call reset() before calling a tool")
@@ -211,8 +188,7 @@ class OpenRewardEnvironment:
         return outcome.content
 
     def _call_tool(self, name: str, arguments: dict[str, Any]) -> str | list[dict[str, Any]]:
-        """The tool `name` (as the model saw it) called by TRL's loop: one `Episode.call`; raises, for TRL's failure
-        count, on failure (TRL shows the model `{'error': ...}`)."""
+        """A tool call of TRL's loop: one `Episode.call`; raises on failure (TRL counts it, shows `{'error': ...}`)."""
         ep = self._current()
         call = ToolCall(name, arguments)
         ep.made_before(_trl.calls_before(self))
@@ -310,7 +286,8 @@ async def _run_chain(ep: Episode, chain: list[_Ahead]) -> None:
 
 #: Names a tool may not take as an attribute of the adapter class (bound under another attribute, shown to the model
 #: under its own name): the adapter's own API and TRL's hooks.
-RESERVED = frozenset({"reset", "get_reward", "last_output", *(n for n in vars(OpenRewardEnvironment) if not n.startswith("_"))})
+RESERVED = frozenset({"reset", "get_reward", "last_output",
+                      *(n for n in vars(OpenRewardEnvironment) if not n.startswith("_"))})
 
 
 def settle_all(environments: list[Any], completions: list[Any] | None, completion_ids: list[Any] | None,
@@ -343,8 +320,6 @@ def settle_all(environments: list[Any], completions: list[Any] | None, completio
 
         get_loop().run(run())
 
-
-# -- TRL's asynchronous trainer ------------------------------------------------------------------
 
 #: Each ended rollout's episode by the identity of its transcript (what TRL hands reward functions as its
 #: `completions` entry, kept alive here so that no other list takes its id), with how many reading reward functions

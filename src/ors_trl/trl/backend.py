@@ -1,30 +1,16 @@
 """The one seam to TRL's internals: everything that reads `GRPOTrainer`'s private methods or loop state.
 
-ors-trl uses TRL's public surface (`environment_factory`, `rollout_func`, reward functions and their `log_metric`,
-callbacks) everywhere else. Given a trainer, the rest is one object, `Backend.of(trainer)`; before a trainer is in
-hand, the functions here find it (or TRL's loop state) up the stack. What is read, and why:
+Elsewhere ors-trl uses TRL's public surface (`environment_factory`, `rollout_func`, reward functions, callbacks). Given
+a trainer, the rest is one object, `Backend.of(trainer)`; before one is in hand, the functions here find it (or TRL's
+loop state) up the stack. Read, and why: `_generate_and_score_completions`' batch and `_tool_call_loop`'s turn (the
+adapter opens a batch's sessions and starts a turn's calls at once); `_generate_single_turn` and
+`_get_tool_suffix_ids` (the engine generates and builds tool turns as TRL's loop does); `_generate` (a `rollout_func`'s
+images reach the loss); `_metrics` and `Trainer.log` (callbacks log beside GRPO's metrics); the async worker's
+`_generate_loop` (the adapter's `get_reward` reads the finished rollout there).
 
-- `_generate_and_score_completions`'s `inputs` (`resetting_batch`) and `_tool_call_loop`'s `tool_calls`, `idx`,
-  `completions` (`tool_turn`, `calls_before`): the adapter opens a batch's sessions and starts a turn's tool calls
-  at once;
-- `_generate_single_turn` (beside `_is_vlm`, `_image_pad_token_id` and vLLM's `max_model_len`) and
-  `_get_tool_suffix_ids`: the engine generates and builds tool turns exactly as TRL's loop does; `_generate` returns
-  a `rollout_func`'s images to TRL's loss (`install_image_handoff`: TRL 1.16 keeps none), as it does its own loop's;
-- `_tokenizer` and `eos_token_ids`: terminal tools need to know whether a completion was cut;
-- the trainer's frame in a callback event (`calling_trainer`) or a dataset read (`training_trainer`), `_metrics`
-  (`add_step_metrics`) and `Trainer.log` (`log_outside_step`): evaluation and task sampling log beside GRPO's
-  metrics without flushing them;
-- TRL's asynchronous trainer (`async_grpo`: `trl.AsyncGRPOTrainer` from TRL 1.18, else `trl.experimental.async_grpo`,
-  which is never imported where the stable one exists) gives reward functions in its spawned rollout worker neither
-  the adapters nor `log_metric`: the adapter's `get_reward` hook reads the finished rollout off the worker's
-  `_generate_loop` (`finished_rollout`), and the worker is recognised by its process name (`in_async_worker`).
-
-Verified against the TRL releases in `VERIFIED`; the package requires only `trl>=1.16`, and on another release the
-adapter falls back to TRL's public behaviour (one session open and one tool call at a time: correct, slower; sessions
-close at each step's end only with `callbacks=spec.callbacks`) with one log line, the engine refuses to start with a
-clear error, and in the async worker `get_reward` returns each episode's reward itself. `ORS_TRL_TRUST_TRL=1` opts in
-to the fast paths on an unverified TRL. `TRL_KEYWORDS` (kept with the dataset columns they reserve,
-`ors_trl.tasks.selection`) are the names TRL passes to `reset(**row)` and reward functions, or reads from a row.
+Verified against the TRL releases in `VERIFIED` (`trl>=1.16` is required): on another one the adapter falls back to
+TRL's public behaviour (correct, slower) with one log line and the engine refuses to start; `ORS_TRL_TRUST_TRL=1`
+opts in to the fast paths anyway.
 """
 
 from __future__ import annotations
@@ -89,14 +75,9 @@ def verified() -> bool:
 def require_engine() -> None:
     """Fail early, and say why, when the engine's TRL internals are not verified for the installed TRL."""
     if not verified():
-        raise UsageError(
-            f"spec.rollout_func drives TRL internals verified for TRL {', '.join(VERIFIED)} only, and TRL "
-            f"{trl_version()} is installed. Use environment_factory=spec.environment_factory (TRL's public API; "
-            f"with callbacks=spec.callbacks), or set {TRUST_ENV}=1 to try the engine anyway."
-        )
-
-
-# -- the stack: TRL's loops and the trainer --------------------------------------------------------------
+        raise UsageError(f"spec.rollout_func drives TRL internals verified for TRL {', '.join(VERIFIED)} only, and "
+                         f"TRL {trl_version()} is installed. Use environment_factory=spec.environment_factory (TRL's "
+                         f"public API; with callbacks=spec.callbacks), or set {TRUST_ENV}=1 to try the engine anyway.")
 
 
 def _frame_locals(skip: int, hops: int, function: str | None = None) -> dict[str, Any]:
@@ -118,22 +99,19 @@ def _frame_locals(skip: int, hops: int, function: str | None = None) -> dict[str
 
 
 def calling_trainer(skip: int = 1) -> Any:
-    """The trainer whose callback event (`on_train_begin`, `on_step_end`, ...) is running: found up the stack from
-    `skip` frames above our caller (the callback's method), since transformers hands callbacks no trainer."""
+    """The trainer whose callback event is running (`skip` frames above our caller), found up the stack."""
     return _frame_locals(skip, 8).get("self")
 
 
 def training_trainer() -> Any:
-    """The trainer whose training loop is reading a dataset, from inside the read (a dataset row's generator): found
-    up the stack (datasets' and torch's iteration stand between), since a dataset is handed no trainer."""
+    """The trainer whose training loop is reading a dataset, found up the stack from inside the read."""
     return _frame_locals(1, 96).get("self")
 
 
 def resetting_batch(adapter: Any, skip: int = 2) -> tuple[Any, list[tuple[Any, Mapping[str, Any]]] | None]:
-    """Look at the trainer calling `adapter.reset()` (`skip`: frames between our caller and TRL's loop): returns
-    `(trainer, batch)`, `batch` being the (environment, row) pairs TRL is about to reset (`trainer.environments`
-    beside `_generate_and_score_completions`'s `inputs`) when `adapter` is the first of them, so that all their
-    sessions can start opening at once, else None. `(None, None)` when no trainer is found or TRL is unverified."""
+    """`(trainer, batch)` of the trainer calling `adapter.reset()` (`skip`: frames between our caller and TRL's loop):
+    `batch` the (environment, row) pairs TRL is about to reset when `adapter` is the first of them (so that all their
+    sessions start opening at once), else None. `(None, None)` when no trainer is found or TRL is unverified."""
     loc = _frame_locals(skip, 6) if verified() else {}
     trainer = loc.get("self")
     envs, inputs = getattr(trainer, "environments", None), loc.get("inputs")
@@ -168,22 +146,17 @@ def _made(loc: dict[str, Any], k: int, position: int) -> int:
 
 
 def calls_before(adapter: Any, skip: int = 2) -> int | None:
-    """At a call TRL's tool loop makes on `adapter` (`skip`: frames between our caller and the loop): how many calls
-    the model made before it in this rollout (those TRL failed itself, which never reach the adapter, included);
-    None when the loop does not look as expected."""
+    """At a call TRL's tool loop makes on `adapter` (`skip`: frames between our caller and the loop): the calls the
+    model made before it in this rollout (those TRL failed itself included); None if the loop looks unexpected."""
     at = _at_call(adapter, skip + 1)
     return None if at is None else _made(at[0], at[0]["idx"], at[1])
 
 
 def tool_turn(adapter: Any, skip: int = 4) -> tuple[object, list[tuple[Any, list[tuple[str, Any]], int]]] | None:
-    """At a call TRL's tool loop makes on `adapter` (`skip`: frames between our caller and the loop: the adapter's
-    own, and the bound tool): the calls of that turn not yet made, per rollout.
-
-    Returns `(turn, [(environment, [(name, arguments), ...], made), ...])`, starting with `adapter` at the call being
-    made, then every later rollout of the turn, with the calls the model made before the first (`calls_before`);
-    `turn` identifies the turn (TRL builds a new `tool_calls` list each turn). None when the loop does not look as
-    expected.
-    """
+    """At a call TRL's tool loop makes on `adapter` (`skip`: frames between our caller and the loop): `(turn,
+    [(environment, [(name, arguments), ...], made), ...])`, the calls of the turn not yet made per rollout, from
+    `adapter`'s current call on, with the calls made before (`calls_before`); `turn` identifies the turn (TRL builds a
+    new `tool_calls` list each turn). None when the loop does not look as expected."""
     at = _at_call(adapter, skip + 1)
     if at is None:
         return None
@@ -203,20 +176,15 @@ def tool_turn(adapter: Any, skip: int = 4) -> tuple[object, list[tuple[Any, list
 
 
 def eos_token_ids(trainer: Any, tokenizer: Any = None) -> set[int]:
-    """The token ids that end a completion in TRL's eyes (`trainer.eos_token_ids` and the padding id of `tokenizer`,
-    by default the trainer's); empty if unknown."""
+    """The ids that end a completion for TRL: `trainer.eos_token_ids` and `tokenizer`'s (the trainer's) padding id."""
     tokenizer = tokenizer or (getattr(trainer, "_tokenizer", None) if verified() else None)
     pad = getattr(tokenizer, "pad_token_id", None)
     return set(getattr(trainer, "eos_token_ids", None) or []) | ({pad} if pad is not None else set())
 
 
-# -- TRL's asynchronous trainer ----------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class AsyncGRPO:
-    """Where the installed TRL keeps `AsyncGRPOTrainer` (`trainer`): its `config` class, the `trainer_module`, and
-    the `worker_module` defining `AsyncRolloutWorker` (the code of the spawned rollout process)."""
+    """Where the installed TRL keeps `AsyncGRPOTrainer`: its config class, its module, and its rollout worker's."""
 
     trainer: type
     config: type
@@ -257,10 +225,8 @@ class FinishedRollout:
 
 
 def finished_rollout(adapter: Any, skip: int = 2) -> FinishedRollout | None:
-    """At TRL's async worker's `await environment.get_reward()`: the rollout `adapter` just finished, read off
-    `_generate_loop`'s locals (`environment`, `completion`, `completion_ids`, `self`). `skip`: frames between our
-    caller and the loop (the `get_reward` coroutine). None when the loop does not look as expected or TRL is
-    unverified."""
+    """At TRL's async worker's `await environment.get_reward()` (`skip`: frames up to `_generate_loop`): the rollout
+    `adapter` just finished, read off the loop's locals. None when the loop looks unexpected or TRL is unverified."""
     loc = _frame_locals(skip, 3, "_generate_loop") if verified() else {}
     worker, messages, ids = loc.get("self"), loc.get("completion"), loc.get("completion_ids")
     if loc.get("environment") is not adapter or not isinstance(messages, list) or not isinstance(ids, list):
@@ -269,17 +235,13 @@ def finished_rollout(adapter: Any, skip: int = 2) -> FinishedRollout | None:
                            list(getattr(worker, "reward_funcs", None) or []))
 
 
-# -- TRL's rules and rendering: what TRL's tool loop does, in one place ----------------------------------
-
-
 def error_text(exc: BaseException) -> str:
     """What TRL's tool loop shows the model for a failed call: `str({"error": str(exc)})`."""
     return str({"error": str(exc)})
 
 
 def shown_error(content: str) -> str:
-    """The error in what TRL's tool loop showed the model for a call it failed itself (`error_text`'s `{'error': ...}`
-    unwrapped); `content` itself when it is not in that form."""
+    """What TRL showed the model for a call it failed itself, `{'error': ...}` unwrapped (else `content` itself)."""
     prefix, suffix = "{'error': ", "}"
     if content.startswith(prefix) and content.endswith(suffix):
         inner = content[len(prefix):-len(suffix)]
@@ -312,6 +274,19 @@ def rules(trainer: Any) -> Rules:
     limit = iterations + 1 if isinstance(iterations, int) and iterations < sys.maxsize else None
     return Rules(max_replies=limit, error_text=error_text, tool_markup=tool_markup(getattr(trainer, "processing_class",
                                                                                             None)))
+
+
+def training_info(trainer: Any) -> dict[str, Any]:
+    """The run's metadata for training uploads (`RolloutUploader`'s `run_info`), from the trainer driving it."""
+    info: dict[str, Any] = {"run_type": "train", "training_stage": "rl", "rl_algorithm": "grpo"}
+    if (model := getattr(trainer, "model", None)) is not None:
+        info["model_name"] = getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
+        if callable(getattr(model, "parameters", None)):
+            info["model_params"] = sum(p.numel() for p in model.parameters())
+    args = getattr(trainer, "args", None)
+    info.update(batch_size=getattr(args, "per_device_train_batch_size", None), lr=getattr(args, "learning_rate", None),
+                initial_step=getattr(getattr(trainer, "state", None), "global_step", None))
+    return info
 
 
 def _literal_start(pattern: str) -> str:
@@ -351,13 +326,10 @@ def tool_markup(processing_class: Any) -> str | None:
 class Rendering:
     """How TRL turns a tool conversation into token ids, and a completion back into a message, for one processing
     class (a tokenizer, or a vision-language model's processor): the engine, `LocalPolicy` and the demo all render
-    through it, so a TRL bump is re-verified in this one place.
-
-    The response schema is set as `GRPOTrainer` sets it for tools, so that tool calls parse; where TRL knows none for
-    the template (`parse_error` says why), completions parse as plain text. `chat_template`: None for the tokenizer's
-    own (`for_training` picks the one `GRPOTrainer` trains tools with); `chat_template_kwargs`: `GRPOConfig`'s. The
-    tool turn is TRL's own `GRPOTrainer._get_tool_suffix_ids`, called with the rendering as its `self`: it reads
-    `processing_class`, `_tokenizer`, `_is_vlm`, `chat_template` and `chat_template_kwargs` off it.
+    through it. Its response schema is set as `GRPOTrainer` sets it for tools; where TRL knows none for the template
+    (`parse_error`), completions parse as plain text. The tool turn is TRL's own `_get_tool_suffix_ids`, called with
+    the rendering as its `self` (it reads `processing_class`, `_tokenizer`, `_is_vlm`, `chat_template`,
+    `chat_template_kwargs`).
     """
 
     def __init__(self, processing_class: Any, *, chat_template: str | None = None,
@@ -403,27 +375,20 @@ class Rendering:
                                      f"({rendering.parse_error}); use one TRL knows (trl/chat_templates).")
         return rendering
 
-    @property
-    def tool_markup(self) -> str | None:
-        """The text that opens a tool call in this template's replies (`tool_markup`)."""
-        return tool_markup(self.processing_class)
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        """The ids that end a completion (EOS and padding)."""
-        return {t for t in (self._tokenizer.eos_token_id, self._tokenizer.pad_token_id) if t is not None}
+    tool_markup = property(lambda self: tool_markup(self.processing_class),
+                           doc="The text that opens a tool call in this template's replies (`tool_markup`).")
+    eos_token_ids = property(lambda self: {t for t in (self._tokenizer.eos_token_id, self._tokenizer.pad_token_id)
+                                           if t is not None}, doc="The ids that end a completion (EOS and padding).")
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
-        """Prompt token ids for `messages` with `tools`, rendered as `GRPOTrainer` renders its prompts (a processor
-        expands each image part into its image tokens)."""
+        """Prompt ids for `messages` with `tools`, as `GRPOTrainer` renders them (images expanded into tokens)."""
         if self._is_vlm:
             from trl.data_utils import prepare_multimodal_messages
 
             messages = prepare_multimodal_messages(messages)
         tokenized = self.processing_class.apply_chat_template(
             conversation=[messages], tools=tools or None, chat_template=self.chat_template,
-            add_generation_prompt=True, tokenize=True, return_dict=True, **self.chat_template_kwargs,
-        )
+            add_generation_prompt=True, tokenize=True, return_dict=True, **self.chat_template_kwargs)
         return list(tokenized["input_ids"][0])
 
     def tool_suffix_ids(self, tool_messages: list[dict[str, Any]]) -> list[int]:
@@ -442,10 +407,6 @@ class Rendering:
 
         return parse_response(self._tokenizer, ids, prefix=prefix, tools=tools)
 
-    def image_inputs(self, prompt_ids: list[list[int]], images: list[list[Any]]) -> dict[str, Any]:
-        """What the model takes beside `prompt_ids` for their images (`image_inputs`)."""
-        return image_inputs(self.processing_class, prompt_ids, images, self.image_token_id)
-
 
 def image_inputs(processing_class: Any, prompt_ids: list[list[int]], images: list[list[Any]],
                  image_token_id: int | None) -> dict[str, Any]:
@@ -459,8 +420,6 @@ def image_inputs(processing_class: Any, prompt_ids: list[list[int]], images: lis
     return fields
 
 
-# -- one trainer's backend ---------------------------------------------------------------------------------
-
 _HANDOFF = "_ors_images"
 _BACKEND = "_ors_backend"
 
@@ -471,10 +430,9 @@ def _no_tool() -> None:
 
 def install_image_handoff() -> None:
     """Make `GRPOTrainer` take the images a `rollout_func` hands it (`Backend.hand_images`) into its loss, as it takes
-    the images of its own tool loop: `_generate` returns them beside the ids (which hold their image tokens), and
-    for that step the trainer counts as one with tools (TRL builds the images' pixel fields and token types only
-    then). Installed on the class once (a `rollout_func` runs inside `_generate`: too late to wrap the instance);
-    a trainer that was handed nothing runs exactly as before. Verified TRL only."""
+    its own tool loop's: `_generate` returns them beside the ids, and for that step the trainer counts as one with
+    tools (only then does TRL build their pixel fields). Installed on the class once (a `rollout_func` runs inside
+    `_generate`: too late to wrap the instance); a trainer handed nothing runs as before. Verified TRL only."""
     if not verified():
         return
     from trl import GRPOTrainer
@@ -522,17 +480,11 @@ class Backend:
             vars(trainer)[_BACKEND] = cls(trainer)
         return vars(trainer)[_BACKEND]
 
-    @property
-    def trainer(self) -> Any:
-        return self._trainer()
+    trainer = property(lambda self: self._trainer())
 
     @functools.cached_property
     def rendering(self) -> Rendering:
         return Rendering.of(self.trainer)
-
-    @property
-    def rules(self) -> Rules:
-        return rules(self.trainer)
 
     @property
     def max_model_len(self) -> int:
@@ -545,8 +497,7 @@ class Backend:
         return getattr(config, "max_position_embeddings", 1 << 30)
 
     def refuse_images(self, what: str) -> None:
-        """Raise a `ConfigurationError` when the trainer's processing class is a tokenizer (`GRPOTrainer._is_vlm`),
-        which cannot take the images `what` holds."""
+        """Raise a `ConfigurationError` when the trainer's processing class is a tokenizer, which takes no images."""
         trainer = self.trainer
         vlm = getattr(trainer, "_is_vlm", None)
         if not (vlm if isinstance(vlm, bool) else
@@ -558,11 +509,7 @@ class Backend:
                 "AutoProcessor.from_pretrained(...))), or pass OpenRewardSpec(..., images=\"placeholder\") to show "
                 "the model the text [image: <media type>] in its place.")
 
-    # -- generation, across processes ---------------------------------------------------------------
-
-    @property
-    def processes(self) -> int:
-        return getattr(getattr(self.trainer, "accelerator", None), "num_processes", 1)
+    processes = property(lambda self: getattr(getattr(self.trainer, "accelerator", None), "num_processes", 1))
 
     def _most(self, n: int) -> int:
         """The largest `n` over the processes (each of them must call this, together)."""

@@ -12,8 +12,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..core.metrics import EpisodeStats, stats_metrics, tool_health
-from ..core.stats import pass_over_tasks
+from ..core.metrics import stats_metrics, tool_health
+from ..core.stats import by_task
 from ..tasks.stream import DrawSource
 from . import backend as _trl
 
@@ -27,22 +27,15 @@ STATE_KEY = "ors_trl.task_sampling"
 
 
 class SessionCleanupCallback(TrainerCallback):
-    """Release sessions at each step's end (in the background: GRPO generates and scores inside the step, so none
-    is needed after it) and close them all at the end of training, waiting for the server.
+    """Release the sessions of `runtimes` (one per spec) at each step's end, in the background (GRPO generates and
+    scores inside the step, so none is needed after it), and close them all at the end of training."""
 
-    Args:
-        runtimes: the environment runtimes (one per spec) whose adapters' sessions to manage.
-        close_each_step: release sessions at every step end (default) rather than only at the end.
-    """
-
-    def __init__(self, runtimes: Sequence[Any], *, close_each_step: bool = True) -> None:
+    def __init__(self, runtimes: Sequence[Any]) -> None:
         self.runtimes = list(runtimes)
-        self.close_each_step = close_each_step
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.close_each_step:
-            for runtime in self.runtimes:
-                runtime.release_all()
+        for runtime in self.runtimes:
+            runtime.release_all()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         for runtime in self.runtimes:
@@ -104,34 +97,22 @@ class EvalCallback(TrainerCallback):
         accelerator = trainer.accelerator
         self.engine.info = {"step": step, "policy": "the model in training"}
         self.engine(self.prompts[accelerator.process_index::accelerator.num_processes], trainer)
-        rows = [(ep.task.key, ep.reward, ep.finished, ep.tool_calls, ep.tool_failures, len(ep.turns), ep.unscored,
-                 *tool_health(ep.turns), ep.prompt is not None) for ep in self.engine.last_episodes]
+        rows = [(ep.task.key, dict(zip(("unparsed_turns", "malformed_calls"), tool_health(ep.turns), strict=True),
+                                   reward=ep.reward, finished=ep.finished, tool_calls=ep.tool_calls,
+                                   tool_failures=ep.tool_failures, turns=len(ep.turns), unscored=ep.unscored,
+                                   opened=ep.prompt is not None)) for ep in self.engine.last_episodes]
         self.runtime.metrics.flush()  # its own window, apart from the training metrics: started again each time
         if accelerator.num_processes > 1:
             from accelerate.utils import gather_object
 
             rows = gather_object(rows)
-        logs = self.metrics(rows)
+        stats, _, passed, interval = by_task(rows, self.runtime.metrics.success_threshold, lambda s, e: s.add(**e))
+        prefix = f"eval/{self.runtime.name}/"
+        logs = {**stats_metrics(prefix, stats), **{f"{prefix}pass@{k}": v for k, v in passed.items()}}
+        if interval is not None:
+            logs[f"{prefix}pass@1_low"], logs[f"{prefix}pass@1_high"] = interval
         _trl.Backend.of(trainer).log_outside_step(dict(logs))
         self.history.append({"step": step, **logs})
-
-    def metrics(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, float]:
-        """The logged metrics of one evaluation's episodes (`(task, reward, finished, calls, failures, turns,
-        unscored, unparsed, malformed, opened)` each)."""
-        stats = EpisodeStats(self.runtime.metrics.success_threshold)
-        tasks: dict[str, EpisodeStats] = {}  # the one definition of success, per task too
-        for task, reward, finished, calls, failures, turns, unscored, unparsed, malformed, opened in rows:
-            episode = dict(reward=reward, finished=finished, tool_calls=calls, tool_failures=failures, turns=turns,
-                           unscored=unscored, unparsed_turns=unparsed, malformed_calls=malformed, opened=opened)
-            stats.add(**episode)
-            tasks.setdefault(task, EpisodeStats(stats.success_threshold)).add(**episode)
-        prefix = f"eval/{self.runtime.name}/"
-        out = stats_metrics(prefix, stats)
-        passed, interval = pass_over_tasks(tasks.values())
-        out.update({f"{prefix}pass@{k}": v for k, v in passed.items()})
-        if interval is not None:
-            out[f"{prefix}pass@1_low"], out[f"{prefix}pass@1_high"] = interval
-        return out
 
 
 def consumed(args: Any, global_step: int) -> int | None:
@@ -158,9 +139,7 @@ class TaskSamplingCallback(TrainerCallback):
         self._trainer: Any = None
         self._seen: dict[str, float] = {}  # the async worker's mirror writes already logged, by curriculum
 
-    @property
-    def trainer(self) -> Any:
-        return self._trainer() if self._trainer is not None else None
+    trainer = property(lambda self: self._trainer() if self._trainer is not None else None)
 
     def bind(self, trainer: Any) -> None:
         """Update the samplers from `trainer`'s steps: alike on every process, from its checkpoint if resumed."""
@@ -213,8 +192,7 @@ class TaskSamplingCallback(TrainerCallback):
 
 
 def attach_task_sampling(source: DrawSource) -> None:
-    """A task stream's first read (its `on_bind`): have the trainer reading it, found up the stack, update and
-    checkpoint its samplers."""
+    """A task stream's first read (`on_bind`): the trainer reading it updates and checkpoints its samplers."""
     trainer = _trl.training_trainer()
     if trainer is None:
         logger.warning("task sampling: no trainer was found reading the dataset, so the samplers learn from rewards "

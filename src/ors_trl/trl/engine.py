@@ -1,16 +1,11 @@
 """The rollout engine: `spec.rollout_func` for TRL's `rollout_func`, with no turn barriers.
 
-TRL's own loop runs a batch turn by turn: every rollout waits for the slowest tool call of the turn. The engine plays
-every episode of the batch on its own (`ors_trl.core.rollout.play`, concurrently on the background loop) while the
-training thread generates for whatever rollouts are ready (the one `Batcher`), so a step takes about as long as its
-slowest rollout instead of the sum over turns of each turn's slowest call.
-
-Each rollout follows TRL's tool loop exactly (chat template, tool-call parsing, tool-result formatting, its budgets
-and turn rules; ids built by `ors_trl.trl.tokens`), so with greedy decoding it gives the same completions, tool calls
-and rewards as `environment_factory`. Under several processes every process makes the same number of generation
-calls with the same number of prompts (one without work joins with dummy prompts), as collective backends (vLLM
-server mode, ZeRO-3, FSDP) require. Images are expanded into their image tokens as a rollout is rendered, go to every
-generation call with their pixel fields, and reach TRL's loss with the ids (`Backend.hand_images`).
+TRL's own loop runs a batch turn by turn, every rollout waiting for the turn's slowest tool call. The engine plays each
+episode on its own (`ors_trl.core.rollout.play`, on the background loop) while the training thread generates for the
+rollouts that are ready (the one `Batcher`). Each rollout follows TRL's tool loop exactly (its ids built by
+`ors_trl.trl.tokens`), so greedy decoding gives the same completions and rewards as `environment_factory`. Under
+several processes every process makes the same generation calls with as many prompts (padding with dummy ones), as
+collective backends (vLLM server mode, ZeRO-3, FSDP) require.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ from ..core.rollout import Batcher, Conversation, StopEpisode, play
 from ..protocol.budget import get_max_sessions
 from ..protocol.errors import ConfigurationError
 from ..protocol.loop import get_loop
-from .backend import Backend, install_image_handoff, require_engine
+from .backend import Backend, install_image_handoff, require_engine, rules
 from .tokens import TokenGenerator, Tokens
 
 __all__ = ["TASK_KEY", "RolloutEngine", "task_of"]
@@ -42,10 +37,8 @@ def task_of(prompt: Sequence[Mapping[str, Any]]) -> Task:
         if raw:
             ident = json.loads(raw) if isinstance(raw, str) else dict(raw)
             return Task(ident.get("split", "train"), ident.get("index"), ident.get("task_spec"), ident.get("env"))
-    raise ConfigurationError(
-        "This prompt carries no ORS task identity. The rollout engine needs the rows of spec.train_dataset "
-        "(or mix.train_dataset), whose prompt messages carry it."
-    )
+    raise ConfigurationError("This prompt carries no ORS task identity. The rollout engine needs the rows of "
+                             "spec.train_dataset (or mix.train_dataset), whose prompt messages carry it.")
 
 
 class _TrainerGenerator(TokenGenerator):
@@ -137,19 +130,30 @@ class RolloutEngine:
         self.last_episodes = episodes
         tokens = [self._tokens(generator, conversations[id(ep)], base) for ep, base in rollouts]
         backend.hand_images([t.images for t in tokens])
-        return self._output(episodes, tokens)
+        logprobs = [t.logprobs for t in tokens]
+        return {
+            "prompt_ids": [t.prompt_ids for t in tokens],
+            "completion_ids": [t.completion_ids for t in tokens],
+            "logprobs": logprobs if all(lp is not None for lp in logprobs) else None,
+            "env_mask": [t.mask for t in tokens],
+            "ors_reward": [ep.reward for ep in episodes],
+            "ors_group_reward": [ep.group_reward for ep in episodes],
+            "ors_finished": [ep.finished for ep in episodes],
+            "ors_tool_calls": [ep.tool_calls for ep in episodes],
+            "ors_tool_failures": [ep.tool_failures for ep in episodes],
+            "ors_env": [ep.env.key for ep in episodes],
+        }
 
     def _rollout(self, prompt: Any, backend: Backend) -> tuple[Episode, list[dict[str, Any]]]:
         task = task_of(prompt)
         rt = self.environments.get(task.env)
         if rt is None:
             if len(self.environments) != 1 or task.env is not None:
-                raise ConfigurationError(
-                    f"prompt names environment {task.env!r}, which this engine does not know ({list(self.environments)})"
-                )
+                raise ConfigurationError(f"prompt names environment {task.env!r}, which this engine does not know "
+                                         f"({list(self.environments)})")
             rt = next(iter(self.environments.values()))
         base = [{k: v for k, v in m.items() if k != TASK_KEY} for m in prompt]
-        return rt.episode(task, source=self.source, rules=backend.rules, **self.info), base
+        return rt.episode(task, source=self.source, rules=rules(backend.trainer), **self.info), base
 
     def _waves(self, rollouts: list[Any]) -> list[list[Any]]:
         """Split the batch so that no wave opens more sessions than a session cap allows (queuing, not failing).
@@ -185,22 +189,6 @@ class RolloutEngine:
                                          lambda: generator.rendering.prompt_ids(messages, tools)), [], len(messages))
         tokens.add([generator.rendering.tokenizer.eos_token_id], [0.0])
         return tokens
-
-    @staticmethod
-    def _output(episodes: list[Episode], tokens: list[Tokens]) -> dict[str, Any]:
-        logprobs = [t.logprobs for t in tokens]
-        return {
-            "prompt_ids": [t.prompt_ids for t in tokens],
-            "completion_ids": [t.completion_ids for t in tokens],
-            "logprobs": logprobs if all(lp is not None for lp in logprobs) else None,
-            "env_mask": [t.mask for t in tokens],
-            "ors_reward": [ep.reward for ep in episodes],
-            "ors_group_reward": [ep.group_reward for ep in episodes],
-            "ors_finished": [ep.finished for ep in episodes],
-            "ors_tool_calls": [ep.tool_calls for ep in episodes],
-            "ors_tool_failures": [ep.tool_failures for ep in episodes],
-            "ors_env": [ep.env.key for ep in episodes],
-        }
 
 
 async def _wave(wave: list[tuple[Episode, Any]], generator: _TrainerGenerator, conversations: dict[int, Conversation],

@@ -1,11 +1,10 @@
 """The reward functions a spec hands `GRPOTrainer`: the environment's outcome reward and its group score.
 
-Plain module-level functions (picklable, for TRL's async trainer) that work on every path: with `environment_factory`
-they get the batch's adapters (`environments=`) and transcripts (`completions=`) and finish each episode first (a
-`@terminal` tool grades the final plain message, the whole batch at once); with `rollout_func` the engine did it all
-and its extra columns carry the results; in TRL's async worker (no `environments`, no `log_metric`) the adapter's
-`get_reward` hook settled each episode and they find it by its transcript. The batch's environment metrics go to
-TRL's `log_metric` (not in the async worker, where reward functions cannot log: see `episode_log`).
+Module-level functions (picklable, for TRL's async trainer) that work on every path: with `environment_factory` they
+finish the batch's episodes from its adapters and transcripts (a `@terminal` tool grades the final message); with
+`rollout_func` the engine's columns carry the results; in TRL's async worker the adapter's `get_reward` hook settled
+each episode and they find it by its transcript. The batch's environment metrics go to TRL's `log_metric` (the async
+worker has none).
 """
 
 from __future__ import annotations
@@ -49,35 +48,26 @@ def _flush(rts: Sequence[EnvironmentRuntime], log_metric: Any) -> None:
 def _column(kwargs: dict[str, Any], name: str, func: str) -> list[Any]:
     values = kwargs.get(name)
     if values is None:
-        raise ConfigurationError(
-            f"{func} needs `environments` (environment_factory) or the `{name}` column (spec.rollout_func); "
-            "pass one of them to GRPOTrainer."
-        )
+        raise ConfigurationError(f"{func} needs `environments` (environment_factory) or the `{name}` column "
+                                 "(spec.rollout_func); pass one of them to GRPOTrainer.")
     return [None if v is None or (isinstance(v, float) and v != v) else float(v) for v in values]
 
 
 def outcome_reward(environments: Sequence[Any] | None = None, *, unscored_reward: float | None = None,
                    **kwargs: Any) -> list[float | None]:
-    """The outcome reward: each rollout's last non-None reward, None when nothing was scored.
-
-    0.0 and negative rewards are real scores; a later unscored or failed call does not erase an
-    earlier score. An environment with a terminal tool is graded here, on its final plain message
-    (a rollout cut off before one scores None). The metrics still count rollouts scored `unscored_reward` as
-    ungraded.
+    """The outcome reward: each rollout's last non-None reward (0.0 and negative ones are scores), None when nothing
+    was scored. A terminal tool grades here, on the final plain message (a rollout cut off before one scores None).
 
     Args:
         environments (`Sequence[OpenRewardEnvironment]`, *optional*):
             The batch's adapters, which TRL passes with `environment_factory`; without them (`rollout_func`), the
             rewards are read from the `ors_reward` column.
         unscored_reward (`float`, *optional*):
-            Replaces `None` (via `OpenRewardSpec(unscored_reward=)`), e.g. 0.0 so that not calling a tool is no
-            escape from negative advantages.
+            Replaces `None` (`OpenRewardSpec(unscored_reward=)`), e.g. 0.0 so that not calling a tool is no escape
+            from negative advantages; the metrics still count such rollouts as ungraded.
         **kwargs:
             What TRL passes reward functions: `completions`, the dataset's columns (`ors_reward`, `ors_env` with
             `rollout_func`), `log_metric`, which receives the environment metrics of the batch.
-
-    Returns:
-        `list[float | None]`: One reward per rollout, in the batch's order.
 
     Raises:
         ConfigurationError: neither `environments` nor the `ors_reward` column was passed.
@@ -98,12 +88,8 @@ def outcome_reward(environments: Sequence[Any] | None = None, *, unscored_reward
 
 
 def group_reward(environments: Sequence[Any] | None = None, **kwargs: Any) -> list[float | None]:
-    """The comparative reward of each rollout within its GRPO group, from the environment's `/score_group`.
-
-    The batch's rollouts are grouped by task; each group's transcripts go to `/score_group` once (through
-    one of the task's sessions), all groups concurrently. A group whose scoring fails is None for its
-    rollouts (and counted under `env/<name>/group_failures`).
-    """
+    """The comparative reward of each rollout within its GRPO group (the batch's rollouts of one task): one
+    `/score_group` call per group, all at once; None for a group whose scoring failed (`env/<name>/group_failures`)."""
     episodes = _episodes(environments, kwargs, "ors_group_reward")
     if episodes is None:
         return _column(kwargs, "ors_group_reward", "group_reward")

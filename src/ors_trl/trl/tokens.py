@@ -2,9 +2,8 @@
 
 `Tokens` is what GRPO trains on for one rollout, built as TRL's tool loop builds it: the prompt rendered once with the
 tools, each reply's ids as generated, each turn's tool results as TRL's tool suffix (masked out of the loss). The
-engine trains on these ids and a local model is evaluated on the very same (never a re-render of the conversation),
-so training and evaluation agree by construction. `TokenGenerator`, a generator (`ors_trl.core.rollout`) behind the
-one `Batcher`, has two kinds: the trainer's backend (`ors_trl.trl.engine`) and `LocalPolicy`.
+engine trains on these ids and `LocalPolicy` is evaluated on the very same: training and evaluation agree by
+construction.
 """
 
 from __future__ import annotations
@@ -92,8 +91,7 @@ class TokenGenerator:
         return await self.batcher.ask(conversation, self._order.get(id(conversation), 0))
 
     def _answer(self, batch: Sequence[Any]) -> None:
-        """Generate for a batch of the batcher's (`Batcher.take`) and answer each request with its `Reply`, or with
-        the exception that ends its episode."""
+        """Generate for a batch (`Batcher.take`); answer each request with its `Reply` or the exception ending it."""
         results: list[Any] = [None] * len(batch)
         live = []
         for i, request in enumerate(batch):
@@ -110,8 +108,7 @@ class TokenGenerator:
         self.batcher.give(batch, results, seconds)
 
     def _extend(self, conversation: Conversation) -> None:
-        """Bring the conversation's ids up to date: its prompt rendered (the first time), else the tool results since
-        the last reply as TRL's tool suffix."""
+        """Bring the ids up to date: the prompt rendered the first time, else the tool results as TRL's tool suffix."""
         tokens: Tokens | None = conversation.state
         messages = conversation.messages
         if tokens is None or self.rerender:
@@ -150,14 +147,11 @@ class TokenGenerator:
                      seconds=round(seconds, 4))
 
     def _render(self, key: list[Any], render: Any) -> list[int]:
-        """Tokens from `render()`, computed once for equal inputs until `forget()` (tokenizing dominates the pump)."""
+        """Tokens from `render()`, computed once for equal inputs (tokenizing dominates the pump)."""
         text = json.dumps(key, sort_keys=True, default=repr)
         if text not in self._renders:
             self._renders[text] = render()
         return list(self._renders[text])
-
-    def _forget(self) -> None:
-        self._renders = {}
 
     def _generate_ids(self, tokens: list[Tokens]) -> list[tuple[list[int], list[float] | None]]:
         """One completion per rollout's ids (with its logprobs, or None)."""
