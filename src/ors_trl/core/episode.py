@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -182,6 +183,9 @@ class Reply:
         reasoning (`str`, *optional*):
             The reasoning an endpoint returned apart from the content (`reasoning_content`): it stays in the history
             the policy sees next, as training keeps it.
+        limit (`str`, *optional*, defaults to `"length"`):
+            Which limit cut a truncated reply: `"length"` (the completion budget) or `"context_length"` (the model's
+            context); it is the episode's end reason.
     """
 
     content: str | None = ""
@@ -191,6 +195,7 @@ class Reply:
     usage: dict[str, Any] | None = None
     seconds: float | None = None
     reasoning: str | None = None
+    limit: str = "length"
 
     def __post_init__(self) -> None:
         self.tool_calls = tuple(ToolCall.of(c) for c in self.tool_calls or ())
@@ -470,6 +475,8 @@ class Episode:
                  metrics: EnvMetrics | None, writer: RecordWriter | None, task_tools: bool = False,
                  uploads: Any = None, **info: Any) -> None:
         self.env, self.task, self.source, self.rules, self.info = env, task, source, rules, info
+        self._again = functools.partial(Episode, env, task, source=source, rules=rules, metrics=metrics, writer=writer,
+                                        task_tools=task_tools, uploads=uploads, **info)
         self.toolset = None if task_tools else env.toolset  # None: bind the session's own tool list when it opens
         self.state = NEW
         self.session: AsyncSession | None = None
@@ -526,6 +533,14 @@ class Episode:
     def over(self) -> bool:
         """True once the episode has ended or closed: nothing the model does changes it any more."""
         return self.state in (ENDED, CLOSED)
+
+    def again(self) -> Episode:
+        """A fresh, unopened episode of the same task, played and recorded the same way (a replay on a new session
+        after infrastructure voided this one), tracked until it is closed."""
+        ep: Episode = self._again()
+        with self.env.lock:
+            self.env.live.add(ep)
+        return ep
 
     @property
     def reward(self) -> float | None:
@@ -611,7 +626,7 @@ class Episode:
             limit = self.rules.max_replies
             return ("max_turns", None) if limit is not None and len(self.turns) >= limit else (None, None)
         if reply.truncated:
-            return "length", None
+            return reply.limit, None
         return "no_tool_calls", reply.content
 
     async def reply(self, reply: Reply) -> list[Outcome] | None:
@@ -645,7 +660,8 @@ class Episode:
 
     def _turn(self, reply: Reply) -> TurnRecord:
         turn: TurnRecord = {"index": len(self.turns), "assistant": reply.content, "tool_calls": []}
-        for key, value in (("raw", reply.raw), ("usage", reply.usage), ("generation_seconds", reply.seconds)):
+        for key, value in (("raw", reply.raw), ("reasoning", reply.reasoning), ("usage", reply.usage),
+                           ("generation_seconds", reply.seconds)):
             if value:
                 turn[key] = value  # type: ignore[literal-required]
         if not reply.tool_calls and self.rules.holds_call(f"{reply.content or ''}{reply.raw or ''}"):

@@ -84,6 +84,7 @@ class TurnRecord(TypedDict, total=False):
     tool_calls: list[CallRecord]
     unparsed: bool  # the text held the chat template's tool-call markup, yet parsed to no call
     raw: str  # the completion text
+    reasoning: str  # an endpoint's reasoning apart from the content (kept in the history the policy sees next)
     usage: dict[str, Any]
     generation_seconds: float
 

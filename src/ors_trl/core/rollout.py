@@ -115,24 +115,28 @@ async def _play(conversation: Conversation, generator: Any, base: Sequence[Mappi
         conversation.add(reply, outcomes)
 
 
-async def play_task(make: Callable[[int], Episode], generator: Any, **options: Any) -> tuple[Episode, Conversation]:
-    """Play an episode of one task (`make(attempt)` builds it), and replay it from the start on a fresh session while
-    infrastructure voided it (`Episode.retryable`), at most its environment's `episode_retries` times: its tools
-    run again, so the replay is said in the log. Returns the last attempt and its conversation; the voided ones are
-    recorded (`replayed` on the next) and counted as retries. `options` go to `play`."""
-    attempt = 0
-    while True:
-        episode = make(attempt)
+async def play_task(episode: Episode, generator: Any, *, attempts: list[Episode] | None = None,
+                    **options: Any) -> tuple[Episode, Conversation]:
+    """Play `episode`, and replay its task from the start on a fresh session (`Episode.again`) while infrastructure
+    voided it (`Episode.retryable`), at most its environment's `episode_retries` times: its tools run again, so the
+    replay is said in the log. Returns the last attempt and its conversation; the voided ones are recorded
+    (`replayed` on the next) and counted as retries. `attempts` receives each attempt as it starts (a caller that
+    catches what `play` raises knows which attempt raised it); `options` go to `play`."""
+    attempts = [] if attempts is None else attempts
+    attempts.append(episode)
+    for attempt in range(episode.env.episode_retries + 1):
         if attempt:
+            logger.warning("%s: task %s failed (%s); replaying it on a fresh session (attempt %d of %d), its tools "
+                           "run again", episode.env.name, episode.task.key, episode.retryable, attempt + 1,
+                           episode.env.episode_retries + 1)
+            await episode.close(replaced=True)
+            episode = episode.again()
             episode.info["replayed"] = attempt
+            attempts.append(episode)
         conversation = await play(episode, generator, **options)
-        if not episode.retryable or attempt >= episode.env.episode_retries:
-            return episode, conversation
-        attempt += 1
-        logger.warning("%s: task %s failed (%s); replaying it on a fresh session (attempt %d of %d), its tools run "
-                       "again", episode.env.name, episode.task.key, episode.retryable, attempt + 1,
-                       episode.env.episode_retries + 1)
-        await episode.close(replaced=True)
+        if not episode.retryable:
+            break
+    return episode, conversation
 
 
 class _Request:
