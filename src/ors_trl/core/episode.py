@@ -564,8 +564,8 @@ class Episode:
         return self.failure is not None or self.error is not None
 
     def _stopping(self) -> bool:
-        """No call may be sent any more: the session is gone, or a failure voided the episode."""
-        return self._dead or (self.failure is not None and not self.env.score_failures)
+        """No call may be sent any more: the session is gone or never opened, or a failure voided the episode."""
+        return self._dead or self._open_error is not None or (self.failure is not None and not self.env.score_failures)
 
     def unsee(self) -> None:
         """The results of the last reply's calls never reached the model (they would not fit its budget): their
