@@ -275,11 +275,12 @@ def test_only_the_core_decides_a_turn() -> None:
 
 def test_one_rollout_loop() -> None:
     """Every driver that generates (the engine, evaluation, the eval callback through the engine) plays its episodes
-    with `core/rollout.py`'s `play`: it alone hands a model reply to the turn rule (`episode.reply(...)`); TRL's own
+    with `core/rollout.py`'s `play` (or `play_task`, which replays a voided episode): it alone hands a model reply to the turn rule (`episode.reply(...)`); TRL's own
     loop replays its transcript through the same rule instead (`Episode.replay`)."""
     callers = sorted(str(p.relative_to(SRC)) for p in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(p.read_text()))
                      if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "reply"
                      and isinstance(node.func.value, ast.Name) and node.func.value.id in ("ep", "episode"))
     assert callers == ["ors_trl/core/rollout.py"], callers
-    players = sorted(str(p.relative_to(SRC)) for p in PACKAGE.rglob("*.py") if "ors_trl.core.rollout.play" in _all_imports(p))
+    players = sorted(str(p.relative_to(SRC)) for p in PACKAGE.rglob("*.py")
+                     if {"ors_trl.core.rollout.play", "ors_trl.core.rollout.play_task"} & set(_all_imports(p)))
     assert players == ["ors_trl/evaluation/runner.py", "ors_trl/trl/engine.py"], players

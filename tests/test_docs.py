@@ -33,10 +33,9 @@ CODE = {"python", "py", "bash", "sh", "shell", "console"}
 PORT = "8000"
 _FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)\s*(?P<lang>[\w+-]*)[^\n]*$")
 _MARKER = re.compile(r"^<!--\s*(?P<kind>skip|serve|file)\b:?\s*(?P<arg>.*?)\s*-->$")
-#: Names other branches of issue 34 add: a block using one is run once it exists (until then the page stops there
-#: when later blocks need what the block makes, else that block alone is left out). TODO(lead): empty at the merge.
-_LANDING = {"save_tiny_model": ("ors_trl.demo:save_tiny_model", "stop"), "--save-model": ("cli:demo --save-model", "stop"),
-            "--policy": ("cli:eval --policy", "leave out")}
+#: Names a block may use before they exist (a block using one runs once it does; "stop": the page stops there, as
+#: later blocks need what it makes; else that block alone is left out). Empty: everything the docs use exists.
+_LANDING: dict[str, tuple[str, str]] = {}
 
 
 @dataclass

@@ -294,7 +294,9 @@ def test_trl_loop_runs_a_turns_tool_calls_at_once(tiny_model_dir, make_server, t
     """
     server = make_server("slow", env={"ORS_TEST_TOOL_LATENCY": "0.2", "ORS_TEST_STEPS": "2"})
     spec = OpenRewardSpec(server.url, num_tasks=4, batch_tool_calls=batched)
-    trainer = make_trainer(tiny_model_dir, spec, "env", tmp_path, per_device_train_batch_size=8)
+    # a budget the three results fit in (TRL rolls back results that do not: the model never sees them, no reward)
+    trainer = make_trainer(tiny_model_dir, spec, "env", tmp_path, per_device_train_batch_size=8,
+                           max_completion_length=256)
     replace_generation(trainer, _work_calls(trainer, [0, 1, 2]))
     turns: list[object] = []
     tool_turn = _trl.tool_turn

@@ -284,8 +284,8 @@ def test_policy_errors_and_bad_endpoint(ref_server) -> None:
 
 
 def test_a_policy_failing_after_a_reward_is_an_error(ref_server, tmp_path) -> None:
-    """An episode rewarded by its first call whose policy then fails is counted in `num_errors` (the CLI's
-    all-failed check reads it) and run again by `resume`, not reported as a clean success."""
+    """An episode rewarded by its first call whose policy then fails is no score (a failure voids what came before),
+    counted in `num_errors` (the CLI's all-failed check reads it) and run again by `resume`."""
     from ors_trl import PolicyError
 
     class FailsSecondTurn:
@@ -301,7 +301,8 @@ def test_a_policy_failing_after_a_reward_is_an_error(ref_server, tmp_path) -> No
     spec = OpenRewardSpec(ref_server.url, env_name=ECHO)
     out = tmp_path / "ep.jsonl"
     report = spec.evaluate(FailsSecondTurn(), num_tasks=2, output=str(out), progress=False)
-    assert [e["reward"] for e in report.episodes] == [1.0, 1.0] and report.end_reasons == {"error": 2}
+    assert [e["rewards"] for e in report.episodes] == [[1.0], [1.0]] and report.end_reasons == {"error": 2}
+    assert [e["reward"] for e in report.episodes] == [None, None] and report.mean_reward is None
     assert report.num_errors == 2
     again = FailsSecondTurn()
     spec.evaluate(again, num_tasks=2, output=str(out), resume=True, progress=False)

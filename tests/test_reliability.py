@@ -582,10 +582,12 @@ def test_a_nan_reward_through_the_adapter_is_a_failure_scored_none(proxy) -> Non
     with pytest.raises(ProtocolError, match="non-finite reward"):
         env.echo(text="hello")
     assert env.reward is None and env.rewards == [None]
-    proxy.add(SSEReply([("task_id", "t"), ("end", result_json(blocks))]), path="/call", times=1)
-    assert env.echo(text="hello") == "[unsupported block: audio]\nhi"  # what the model sees
+    # an answer past the protocol is the environment's failure: the episode is void, no later call is sent
+    calls = proxy.count(path="/call")
+    assert env.echo(text="hello").startswith("[not run: the environment failed (protocol)")
+    assert proxy.count(path="/call") == calls and env.tool_calls == 1
     rewards, metrics = flushed(spec, [env])
-    assert rewards == [None]
+    assert rewards == [None] and env.episode.unscored == "error"
     assert metrics["env/echoenvironment/failures/protocol"] == 1.0
     spec.close()
 

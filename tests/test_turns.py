@@ -111,7 +111,8 @@ def make_trainer(model_dir: str, spec: OpenRewardSpec, mode: str, tmp_path: Any,
 
 def comparable(record: dict[str, Any]) -> dict[str, Any]:
     """A record without what differs by driver or by clock: timings, ids, the driver's name and run."""
-    out = {k: v for k, v in record.items() if k not in ("run", "source", "started_at", "timings", "repeat", "policy")}
+    out = {k: v for k, v in record.items()
+           if k not in ("run", "source", "started_at", "timings", "repeat", "policy", "tokens")}
     out["turns"] = [{**{k: v for k, v in t.items() if k not in ("generation_seconds", "raw", "usage")},
                      "tool_calls": [{k: v for k, v in c.items() if k not in ("seconds", "id")} for c in t["tool_calls"]]}
                     for t in record["turns"]]
@@ -171,6 +172,9 @@ def test_every_driver_plays_and_records_a_turn_the_same_way(tiny_model_dir, ref_
     for prompt in by_target["env"]:
         assert by_target["env"][prompt] == by_target["engine"][prompt], prompt
         assert by_target["eval"][prompt] == by_target["engine"][prompt], prompt
+    fidelity = {mode: {r["prompt"]: r.get("tokens") for r in records[mode]} for mode in ("env", "engine")}
+    assert fidelity["env"] == fidelity["engine"]  # both training paths: the generated ids, exactly
+    assert all(t["exact"] and t["masked"] == 0 and t["generated"] > 0 for t in fidelity["env"].values())
     summary = {comparable(r)["prompt"].split('"')[1]: (r["end_reason"], r["reward"], r["tool_calls"], r["tool_failures"],
                                                      [[c["status"] for c in t["tool_calls"]] for t in r["turns"]])
                for r in records["eval"]}

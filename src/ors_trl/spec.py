@@ -29,6 +29,7 @@ from .core.binding import Toolset
 from .core.episode import EnvironmentRuntime, Task
 from .core.metrics import EnvMetrics
 from .core.records import RecordWriter
+from .core.scoring import reward_rule
 from .protocol.client import AsyncClient
 from .protocol.errors import (
     BadRequestError,
@@ -245,6 +246,30 @@ class OpenRewardSpec:
             `--repeats`), any episode log, a `{task_index: mean reward}` mapping, or `PlatformDifficulty(...)`
             (also `"platform"`, the default for a catalog name): the OpenReward platform's per-task difficulty,
             filtered by model and training stage. A self-hosted URL has no platform data: pass a file.
+        reward (`str` or `Callable`, *optional*, defaults to `"last"`):
+            How an episode's per-call rewards make its reward, on every path (training, `evaluate`, pass@k, reports,
+            task sampling): `"last"` (the last reward: TRL's convention), `"sum"`, `"max"`, `"discounted:<gamma>"`, or
+            `f(rewards, episode) -> float | None`. Rewards of results the model never saw (they did not fit) never
+            count. Recorded as `reward_rule`.
+        score_failures (`bool`, *optional*, defaults to `False`):
+            Keep what an episode scored before an infrastructure failure (a lost session, a network or server failure,
+            an answer past the protocol). By default such an episode is no score (`unscored: "error"`): a sandbox
+            that dies must not push the policy away from working behaviour. A lost session is never called again.
+        tool_errors (`str`, *optional*, defaults to `"model"`):
+            Whose failure a tool that raised inside the environment is: `"model"` (the model reads the error and goes
+            on, as in TRL's loop) or `"environment"` (a sandbox that died: the episode ends, no score).
+        episode_retries (`int`, *optional*, defaults to `0`):
+            With `rollout_func` and in `evaluate`: replay an episode an infrastructure failure voided, from the start
+            on a fresh session, up to this many times (its tools run again: leave it 0 for tools with effects outside
+            the sandbox). TRL's own loop cannot replay: there the failed episode is unscored.
+        failed_groups (`str`, *optional*, defaults to `"partial"`):
+            A GRPO group with an episode still void after its retries: `"partial"` trains the others (the void one is
+            left out of the baseline), `"drop"` trains none of the group (no partial-group bias).
+        credit (`str`, *optional*, defaults to `"episode"`):
+            `"turn"`: each turn's tokens are trained on the group-normalised return of the calls from that turn on
+            (the reward rule applied to the per-call rewards that follow), not the episode's one advantage: credit
+            from every call, for environments that reward progress. Needs `rollout_func` or `environment_factory` with
+            `GRPOTrainer`.
     """
 
     @checked_keywords
@@ -264,7 +289,9 @@ class OpenRewardSpec:
                  env_overrides: Mapping[str, str] | None = None, task_sampling: str | TaskSampler = "uniform",
                  difficulty: tuple[float, float] | None = None,
                  difficulty_from: str | os.PathLike[str] | Mapping[int, float] | PlatformDifficulty | None = None,
-                 ) -> None:
+                 reward: str | Callable[..., float | None] = "last", score_failures: bool = False,
+                 tool_errors: str = "model", episode_retries: int = 0, failed_groups: str = "partial",
+                 credit: str = "episode") -> None:
         self._options = options = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self._indices = check_selection(num_tasks, indices)
         self._progress = True  # the tool discovery's progress bar; an evaluation sets its own `progress`
@@ -276,8 +303,13 @@ class OpenRewardSpec:
         _check(0, integer=False, optional=True, gather_window=gather_window)
         _check(0, optional=True, max_tool_calls=max_tool_calls)
         _check(None, integer=False, success_threshold=success_threshold)
-        if images not in ("pass", "placeholder"):
-            raise ConfigurationError(f'images must be "pass" or "placeholder", got {images!r}')
+        _check(0, episode_retries=episode_retries)
+        for name, value, allowed in (("images", images, ("pass", "placeholder")), ("tool_errors", tool_errors,
+                                     ("model", "environment")), ("failed_groups", failed_groups, ("partial", "drop")),
+                                     ("credit", credit, ("episode", "turn"))):
+            if value not in allowed:
+                raise ConfigurationError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        reward_rule(reward)  # checked now
         sampler = make_sampler(task_sampling, success_threshold=float(success_threshold))
         self._difficulty = None if difficulty is None else check_range(difficulty)
         if difficulty_from is not None and difficulty is None:

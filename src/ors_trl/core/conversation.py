@@ -84,6 +84,8 @@ def assistant_message(reply: Any, ids: Sequence[str]) -> dict[str, Any]:
     """A reply (`Reply`) as the chat message that follows it in the conversation, its calls under `ids`: the one
     builder of assistant messages (with `tool_message`)."""
     message: dict[str, Any] = {"role": "assistant", "content": reply.content or ""}
+    if getattr(reply, "reasoning", None):  # an endpoint's reasoning stays in the history, as training keeps it
+        message["reasoning_content"] = reply.reasoning
     if reply.tool_calls:
         message["tool_calls"] = [call.chat(i) for call, i in zip(reply.tool_calls, ids, strict=True)]
     return message

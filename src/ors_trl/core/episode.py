@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -30,7 +31,15 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ..protocol.client import AsyncClient, AsyncSession
-from ..protocol.errors import ConfigurationError, NotFoundError, ORSError, ToolError, ToolRefusedError
+from ..protocol.errors import (
+    ConfigurationError,
+    NotFoundError,
+    ORSError,
+    SessionExpiredError,
+    ToolError,
+    ToolRefusedError,
+    TransportError,
+)
 from ..protocol.loop import get_loop
 from ..protocol.text import cut, show_name
 from ..protocol.types import Block, ImageBlock, TerminalTool, ToolList, ToolResult, image_blocks
@@ -38,9 +47,22 @@ from .binding import Toolset
 from .conversation import Content, Prompt, content, transcript
 from .metrics import EnvMetrics
 from .records import RUN_ID, CallRecord, EpisodeRecord, RecordWriter, TurnRecord, error_record, image_record
+from .scoring import reward_rule
 
-__all__ = ["MANUAL", "TRAINING_SOURCES", "EnvironmentRuntime", "Episode", "Outcome", "Reply", "Rules", "Task", "ToolCall",
-           "runtimes", "score_groups"]
+__all__ = [
+    "MANUAL",
+    "TRAINING_SOURCES",
+    "EnvironmentRuntime",
+    "Episode",
+    "Outcome",
+    "Reply",
+    "Rules",
+    "Task",
+    "ToolCall",
+    "drop_failed_groups",
+    "runtimes",
+    "score_groups",
+]
 
 logger = logging.getLogger("ors_trl")
 
@@ -158,6 +180,12 @@ class Reply:
             Token counts an endpoint reported.
         seconds (`float`, *optional*):
             What generating it took.
+        reasoning (`str`, *optional*):
+            The reasoning an endpoint returned apart from the content (`reasoning_content`): it stays in the history
+            the policy sees next, as training keeps it.
+        limit (`str`, *optional*, defaults to `"length"`):
+            Which limit cut a truncated reply: `"length"` (the completion budget) or `"context_length"` (the model's
+            context); it is the episode's end reason.
     """
 
     content: str | None = ""
@@ -166,6 +194,8 @@ class Reply:
     raw: str | None = None
     usage: dict[str, Any] | None = None
     seconds: float | None = None
+    reasoning: str | None = None
+    limit: str = "length"
 
     def __post_init__(self) -> None:
         self.tool_calls = tuple(ToolCall.of(c) for c in self.tool_calls or ())
@@ -237,6 +267,13 @@ class EnvironmentRuntime:
         self.batch_tool_calls: bool = options["batch_tool_calls"]  # TRL's loop: start a turn's calls across the batch
         self.score_groups: bool = options["score_groups"]  # keep finished sessions until the step ends
         self.pass_images: bool = options["images"] == "pass"
+        self.reward_rule = reward_rule(options.get("reward"))  # how per-call rewards make the episode's reward
+        self.score_failures: bool = bool(options.get("score_failures"))  # keep scores from before a failure
+        #: Whose failure a tool that raised inside the environment is: "model" (it reads the error and goes on, as in
+        #: TRL's loop) or "environment" (a sandbox that died: the episode ends, no score).
+        self.tool_errors: str = options.get("tool_errors") or "model"
+        self.episode_retries: int = int(options.get("episode_retries") or 0)
+        self.failed_groups: str = options.get("failed_groups") or "partial"
         #: Set when an image met a trainer that cannot take images, where TRL's loop would swallow the error (a tool
         #: call): the reward functions raise it at the end of that step.
         self.image_error: ConfigurationError | None = None
@@ -445,13 +482,14 @@ class Episode:
                  metrics: EnvMetrics | None, writer: RecordWriter | None, task_tools: bool = False,
                  uploads: Any = None, **info: Any) -> None:
         self.env, self.task, self.source, self.rules, self.info = env, task, source, rules, info
+        self._again = functools.partial(Episode, env, task, source=source, rules=rules, metrics=metrics, writer=writer,
+                                        task_tools=task_tools, uploads=uploads, **info)
         self.toolset = None if task_tools else env.toolset  # None: bind the session's own tool list when it opens
         self.state = NEW
         self.session: AsyncSession | None = None
         self.prompt: Prompt | None = None
         self.turns: list[TurnRecord] = []
         self.final: dict[str, Any] | None = None
-        self.reward: float | None = None
         self.rewards: list[float | None] = []
         self.metadata: list[dict[str, Any] | None] = []
         self.finished = False
@@ -463,7 +501,15 @@ class Episode:
         self.timings: dict[str, float] = {"generation": 0.0, "tools": 0.0}
         self.started = time.monotonic()
         self.started_at = datetime.now(UTC).isoformat(timespec="seconds")
-        self._lost = False  # a call failed for the session's or the network's reasons
+        #: The first infrastructure failure of a call (its session lost, the network, the server's 5xx, an answer past
+        #: the protocol; a tool that raised, with `tool_errors="environment"`): the episode is no score (decision 15).
+        self.failure: ORSError | None = None
+        self._dead = False  # the session is known gone: it is never called again
+        self.dropped = False  # its GRPO group trains on none of its episodes (`failed_groups="drop"`): no score
+        #: Token fidelity, where a driver knows it: whether the ids trained on are the ids generated (plus tool tokens),
+        #: how many were generated, how many of those a re-render changed (`masked`), and the training rows.
+        self.tokens: dict[str, Any] | None = None
+        self._unseen: set[int] = set()  # positions in `rewards` of calls whose results the model never saw
         self._metrics = metrics if metrics is not None else EnvMetrics(env.metrics.success_threshold)  # apart
         self._writer = writer
         self._uploads = uploads
@@ -475,7 +521,7 @@ class Episode:
         self._ended: float | None = None
         self.images: dict[str, ImageBlock] = {}  # the episode's images by hash (its record lists each once)
         self._billed = 0.0  # session-seconds already counted in the metrics
-        self._unseen = 0  # the model's calls TRL failed itself, seen in its transcript: they count toward the cap
+        self._uncounted = 0  # the model's calls TRL failed itself, seen in its transcript: they count toward the cap
 
     def __repr__(self) -> str:
         return f"<Episode {self.env.name} {self.task.key} reward={self.reward} {self.state}>"
@@ -494,6 +540,48 @@ class Episode:
     def over(self) -> bool:
         """True once the episode has ended or closed: nothing the model does changes it any more."""
         return self.state in (ENDED, CLOSED)
+
+    def again(self) -> Episode:
+        """A fresh, unopened episode of the same task, played and recorded the same way (a replay on a new session
+        after infrastructure voided this one), tracked until it is closed."""
+        ep: Episode = self._again()
+        with self.env.lock:
+            self.env.live.add(ep)
+        return ep
+
+    @property
+    def reward(self) -> float | None:
+        """The episode's reward: the environment's rule (`OpenRewardSpec(reward=)`, `last` by default) over the
+        per-call rewards the model saw; `None` when nothing was scored, past the deadline, or after a failure (unless
+        `score_failures`)."""
+        if self.end_reason == "timeout" or self.dropped or (self.broken and not self.env.score_failures):
+            return None
+        return self.env.reward_rule([None if k in self._unseen else r for k, r in enumerate(self.rewards)], self)
+
+    @property
+    def retryable(self) -> ORSError | None:
+        """The infrastructure failure that voided the episode (its session did not open or was lost, the environment
+        failed), or None: a replay on a fresh session may succeed, where a policy's failure or a deadline would not."""
+        return self.failure or self._open_error
+
+    @property
+    def broken(self) -> bool:
+        """True when the episode failed: an infrastructure failure of a call, or outside any call (its session did not
+        open, the policy failed)."""
+        return self.failure is not None or self.error is not None
+
+    def _stopping(self) -> bool:
+        """No call may be sent any more: the session is gone or never opened, or a failure voided the episode."""
+        return self._dead or self._open_error is not None or (self.failure is not None and not self.env.score_failures)
+
+    def unsee(self) -> None:
+        """The results of the last reply's calls never reached the model (they would not fit its budget): their
+        rewards do not count."""
+        ran = sum(1 for t in self.turns for c in t["tool_calls"] if c.get("status") != "not_run")
+        last = [c for c in (self.turns[-1]["tool_calls"] if self.turns else []) if c.get("status") != "not_run"]
+        for k, entry in zip(range(ran - len(last), ran), last, strict=True):
+            self._unseen.add(k)
+            entry["unseen"] = True
 
     @property
     def final_message(self) -> str | None:
@@ -545,7 +633,7 @@ class Episode:
             limit = self.rules.max_replies
             return ("max_turns", None) if limit is not None and len(self.turns) >= limit else (None, None)
         if reply.truncated:
-            return "length", None
+            return reply.limit, None
         return "no_tool_calls", reply.content
 
     async def reply(self, reply: Reply) -> list[Outcome] | None:
@@ -568,8 +656,12 @@ class Episode:
         turn = self._turn(reply)
         reason, message = self._rule(reply)
         if reason is None:
-            return [await self.call(c) for c in reply.tool_calls]  # type: ignore[arg-type]
-        turn["tool_calls"] = [c.record(status="not_run") for c in reply.tool_calls]  # type: ignore[arg-type]
+            outcomes = [await self.call(c) for c in reply.tool_calls]  # type: ignore[arg-type]
+            if not self._stopping():
+                return outcomes
+            reason = "error"  # a dead session is not called again; a failure voids the episode: it ends now
+        else:
+            turn["tool_calls"] = [c.record(status="not_run") for c in reply.tool_calls]  # type: ignore[arg-type]
         await self.end(reason, message)
         return None
 
@@ -601,7 +693,8 @@ class Episode:
 
     def _turn(self, reply: Reply) -> TurnRecord:
         turn: TurnRecord = {"index": len(self.turns), "assistant": reply.content, "tool_calls": []}
-        for key, value in (("raw", reply.raw), ("usage", reply.usage), ("generation_seconds", reply.seconds)):
+        for key, value in (("raw", reply.raw), ("reasoning", reply.reasoning), ("usage", reply.usage),
+                           ("generation_seconds", reply.seconds)):
             if value:
                 turn[key] = value  # type: ignore[literal-required]
         if not reply.tool_calls and self.rules.holds_call(f"{reply.content or ''}{reply.raw or ''}"):
@@ -624,6 +717,11 @@ class Episode:
         """
         entry = call.record()
         (self.turns[-1] if self.turns else self._turn(Reply(None)))["tool_calls"].append(entry)
+        if self._stopping():  # not the model's doing: neither sent nor counted (TRL's loop calls on regardless)
+            entry["status"] = "not_run"
+            failure = self.failure or self._open_error
+            return Outcome(f"[not run: the environment failed ({failure.kind if failure else 'session lost'}); "
+                           "this episode is over]")
         self.tool_calls += 1
         started = time.monotonic()
         try:
@@ -671,7 +769,7 @@ class Episode:
                 The model's tool calls so far (`None`: unknown).
         """
         if calls is not None:
-            self._unseen = max(self._unseen, calls - self.tool_calls)
+            self._uncounted = max(self._uncounted, calls - self.tool_calls)
 
     def _admit(self, call: ToolCall) -> tuple[str, dict[str, Any]]:
         """The remote tool and wire arguments of a call the episode accepts; raises the local refusal otherwise."""
@@ -685,7 +783,7 @@ class Episode:
                 raise _refusal(call.name, "episode_finished",
                                f"the episode has ended ({self.end_reason or 'closed'}).")
             cap = self.rules.max_tool_calls
-            if cap is not None and self.tool_calls + self._unseen > cap:
+            if cap is not None and self.tool_calls + self._uncounted > cap:
                 raise _refusal(call.name, "max_tool_calls", f"this episode allows at most {cap} tool calls.")
         return self._route(call)
 
@@ -705,8 +803,10 @@ class Episode:
                      output=self.rules.error_text(exc))
         if seconds is not None:
             entry["seconds"] = round(seconds, 4)
-        if not isinstance(exc, ToolError):
-            self._lost = True
+        if not refused and (self.env.tool_errors == "environment" or not isinstance(exc, ToolError)):
+            self.failure = self.failure or exc
+            self._dead = self._dead or isinstance(exc, SessionExpiredError | TransportError) or (
+                self.session is not None and (self.session.expired or self.session.closed))
         self._metrics._record_call(self.env.name, seconds, exc.kind)  # seconds None: refused before it was sent
         return Outcome(entry["output"], exc)
 
@@ -728,8 +828,6 @@ class Episode:
         self.metadata.append(result.metadata)
         if self.end_reason == "timeout":  # a call that came back after the deadline scores nothing
             return
-        if result.reward is not None:
-            self.reward = result.reward
         if result.finished and not self.finished:
             self.finished = True
             if not self.env.score_groups:  # every later call is refused anyway: free the session now
@@ -753,20 +851,25 @@ class Episode:
             `tuple[str, str | None]`: What to `end` with: the reason and the final plain message.
         """
         made = deque(c for t in self.turns for c in t["tool_calls"])
-        self.turns, self._unseen = [], 0
+        self.turns, self._uncounted = [], 0
         reason: str | None = "no_tool_calls"
         message: str | None = None
         for reply, shown in replies:
             turn = self._turn(reply)
             reason, message = self._rule(reply)
             calls: tuple[ToolCall, ...] = reply.tool_calls  # type: ignore[assignment]
+            rolled_back = reason is None and not shown and bool(made) and made[0].get("name") == calls[0].name
             if reason is None and not shown:  # no results appended: rolled back (the calls ran) or none run
-                reason = "length" if made and made[0].get("name") == calls[0].name else "max_turns"
+                reason = "length" if rolled_back else "max_turns"
             for j, call in enumerate(calls):
                 if reason == "max_turns":
                     turn["tool_calls"].append(call.record(status="not_run"))
                 elif made and made[0].get("name") == call.name:
                     turn["tool_calls"].append(made.popleft())
+                    if rolled_back:  # the model never saw what it gave
+                        turn["tool_calls"][-1]["unseen"] = True
+                elif self._stopping():  # after the environment failed: not the model's doing, not counted
+                    turn["tool_calls"].append(call.record(status="not_run"))
                 else:  # the loop failed it before it reached us
                     self.tool_calls += 1
                     turn["tool_calls"].append(entry := call.record())
@@ -778,6 +881,7 @@ class Episode:
             (self.turns[-1] if self.turns else self._turn(Reply(None)))["tool_calls"].extend(made)
         ran = [c for t in self.turns for c in t["tool_calls"] if c.get("status") != "not_run"]
         self.rewards, self.metadata = [c.get("reward") for c in ran], [c.get("metadata") for c in ran]
+        self._unseen = {k for k, c in enumerate(ran) if c.get("unseen")}
         return reason or "length", message
 
     def _refusal_of(self, call: ToolCall, shown: str | None) -> ToolRefusedError:
@@ -806,7 +910,7 @@ class Episode:
         if self.over:
             return
         terminal = self.terminal
-        if terminal is not None and message is not None and not self.finished and self.error is None:
+        if terminal is not None and message is not None and not self.finished and not self.broken:
             self.final = {"message": message, "tool": terminal.name}
             started, kind = time.monotonic(), None
             try:
@@ -825,6 +929,7 @@ class Episode:
         if detail:
             self.info["stop_detail"] = detail
         if not self.over:
+            reason = "error" if self._stopping() else reason  # the rest of its replay does not change what broke it
             self.end_reason, self.state = ("finished" if self.finished else reason), ENDED
 
     def time_out(self, limit: float) -> None:
@@ -837,7 +942,6 @@ class Episode:
         if self.over:
             return
         self.error = self.error or {"kind": "timeout", "message": f"the episode exceeded episode_timeout={limit:g}s"}
-        self.reward = None
         self.end_reason, self.state = "timeout", ENDED
         logger.warning("%s: episode for task %s exceeded its %gs deadline; closing it, scored None", self.env.name,
                        self.task.key, limit)
@@ -858,14 +962,16 @@ class Episode:
 
     @property
     def unscored(self) -> str | None:
-        """Why the episode has no reward: timeout, error (it failed, or a call lost its session or the network),
-        cut_off (a terminal tool never got an answer) or no_reward (the environment scored nothing); None when
-        it was scored."""
+        """Why the episode has no reward: timeout, error (it failed: an infrastructure failure voids what it scored
+        before, unless `score_failures`), cut_off (a terminal tool never got an answer) or no_reward (the environment
+        scored nothing); None when it was scored."""
         if self.end_reason == "timeout":
             return "timeout"
+        if self.dropped:
+            return "dropped"
         if self.reward is not None:
             return None
-        if self.error is not None or self._lost:
+        if self.broken:
             return "error"
         if self.terminal is not None and self.final is None and not self.finished:
             return "cut_off"
@@ -877,7 +983,8 @@ class Episode:
             return
         self._accounted = True
         self._metrics._record_episode(self.env.name, reward=self.reward, finished=self.finished, calls=self.tool_calls,
-                                      unscored=self.unscored, turns=self.turns, opened=self.prompt is not None)
+                                      unscored=self.unscored, turns=self.turns, opened=self.prompt is not None,
+                                      tokens=self.tokens)
         for listener in self.env.listeners:
             listener(self)
         self._bill()
@@ -918,9 +1025,10 @@ class Episode:
             target=self.env.client.target.name, split=self.task.split, task_index=self.task.index,
             task_spec=self.task.spec, **self.info, started_at=self.started_at,  # type: ignore[typeddict-item]
             system=prompt.system if prompt else None, prompt=prompt.text if prompt else None, turns=self.turns,
-            final=self.final, rewards=self.rewards, reward=self.reward, group_reward=self.group_reward,
-            finished=self.finished, end_reason=self.end_reason, unscored=self.unscored, tool_calls=self.tool_calls,
+            final=self.final, rewards=self.rewards, reward=self.reward, reward_rule=self.env.reward_rule.name,
+            group_reward=self.group_reward, finished=self.finished, end_reason=self.end_reason, unscored=self.unscored, tool_calls=self.tool_calls,
             tool_failures=self.tool_failures, error=self.error, timings=timings, **images,
+            **({"tokens": self.tokens} if self.tokens is not None else {}),
         )
 
     async def close_session(self) -> None:
@@ -930,12 +1038,14 @@ class Episode:
         if self.session is not None:
             await self.session.close()
 
-    async def close(self, *, keep: bool = True) -> None:
+    async def close(self, *, keep: bool = True, replaced: bool = False) -> None:
         """Free the session, then (once) count the episode and write its record. The one way an episode closes.
 
         Args:
             keep (`bool`, *optional*, defaults to `True`):
                 Count and record it; `False` (an interrupted episode, which is no result) does neither.
+            replaced (`bool`, *optional*, defaults to `False`):
+                A failure voided it and it is played again on a fresh session: recorded, counted as a retry only.
         """
         if self.state == CLOSED:
             return
@@ -947,6 +1057,9 @@ class Episode:
             self._bill()
             with self.env.lock:
                 self.env.live.discard(self)
+            if replaced:
+                self._accounted = True  # the replay is the episode: this attempt is a retry in the metrics
+                self._metrics._record_retry(self.env.name)
             if keep:
                 self.account()
                 record = self.record()
@@ -963,6 +1076,20 @@ class Episode:
         if self._closing is None:
             self._closing = self.env.submit(self.close())
         return self._closing
+
+
+def drop_failed_groups(episodes: Sequence[Episode]) -> None:
+    """`failed_groups="drop"`: a GRPO group (the episodes of one task) with an episode a failure voided trains none
+    of its episodes (each is `dropped`: no score), so a partial group does not bias the advantages; counted once."""
+    groups: dict[tuple[int, str], list[Episode]] = {}
+    for ep in episodes:
+        if ep.env.failed_groups == "drop":
+            groups.setdefault((id(ep.env), ep.task.key), []).append(ep)
+    for group in groups.values():
+        if any(ep.broken for ep in group) and not group[0].dropped:
+            for ep in group:
+                ep.dropped = True
+            group[0]._metrics._record_retry(group[0].env.name, dropped_group=True)
 
 
 async def score_groups(episodes: Sequence[Episode]) -> None:

@@ -200,6 +200,9 @@ class _Window:
     failures: Counter[str] = field(default_factory=Counter)
     groups: int = 0
     group_failures: int = 0
+    retries: int = 0  # episodes replayed on a fresh session after a failure (`episode_retries`)
+    dropped_groups: int = 0  # GRPO groups trained on none of their episodes (`failed_groups="drop"`)
+    tokens: Counter[str] = field(default_factory=Counter)  # generated, masked, rows, inexact (token fidelity)
 
 
 def _add(into: Any, other: Any) -> None:
@@ -274,13 +277,25 @@ class EnvMetrics:
                 w.failures[failure_kind(error_kind)] += 1
 
     def _record_episode(self, env: str, *, reward: float | None, finished: bool, calls: int,
-                        unscored: str | None = None, turns: Any = (), opened: bool = True) -> None:
-        """One finished episode: `calls` the model's tool calls, `turns` its turn records (see `EpisodeStats.add`)."""
+                        unscored: str | None = None, turns: Any = (), opened: bool = True,
+                        tokens: Mapping[str, Any] | None = None) -> None:
+        """One finished episode: `calls` the model's tool calls, `turns` its turn records (see `EpisodeStats.add`),
+        `tokens` its token fidelity (`Episode.tokens`)."""
         unparsed, malformed = tool_health(turns)
         with self._lock:
-            self._windows[env].stats.add(reward=reward, finished=finished, tool_calls=calls, unscored=unscored,
-                                         turns=len(turns), unparsed_turns=unparsed, malformed_calls=malformed,
-                                         opened=opened)
+            w = self._windows[env]
+            w.stats.add(reward=reward, finished=finished, tool_calls=calls, unscored=unscored, turns=len(turns),
+                        unparsed_turns=unparsed, malformed_calls=malformed, opened=opened)
+            if tokens:
+                w.tokens.update({k: int(tokens.get(k) or 0) for k in ("generated", "masked", "rows")})
+                w.tokens["inexact"] += tokens.get("exact") is False
+
+    def _record_retry(self, env: str, *, dropped_group: bool = False) -> None:
+        """An episode replayed on a fresh session, or (`dropped_group`) a GRPO group left out of training."""
+        with self._lock:
+            w = self._windows[env]
+            w.dropped_groups += dropped_group
+            w.retries += not dropped_group
 
     def _record_session(self, env: str, seconds: float, *, unscored: bool) -> None:
         """Seconds an episode's session spent on the server since the last count."""
@@ -362,6 +377,13 @@ def _window_metrics(prefix: str, w: _Window) -> dict[str, float]:
             out["timed_out_fraction"] = s.share(s.unscored["timeout"])
     if w.groups:
         out.update(groups_scored=float(w.groups - w.group_failures), group_failures=float(w.group_failures))
+    if w.retries or w.dropped_groups:
+        out.update(episode_retries=float(w.retries), dropped_groups=float(w.dropped_groups))
+    if w.tokens["generated"]:
+        t = w.tokens
+        out.update({"tokens/generated": float(t["generated"]), "tokens/masked_fraction": t["masked"] / t["generated"],
+                    "tokens/rows_per_episode": t["rows"] / max(s.episodes, 1), "tokens/inexact_episodes": float(
+                        t["inexact"])})
     if w.calls:
         out["tool_calls"] = float(w.calls)
     if w.terminal_calls:

@@ -84,6 +84,7 @@ class TurnRecord(TypedDict, total=False):
     tool_calls: list[CallRecord]
     unparsed: bool  # the text held the chat template's tool-call markup, yet parsed to no call
     raw: str  # the completion text
+    reasoning: str  # an endpoint's reasoning apart from the content (kept in the history the policy sees next)
     usage: dict[str, Any]
     generation_seconds: float
 
@@ -92,7 +93,7 @@ class TurnRecord(TypedDict, total=False):
 EndReason = Literal["finished", "no_tool_calls", "max_turns", "length", "context_length", "timeout", "error",
                     "released"]
 #: Why an episode has no reward.
-Unscored = Literal["no_reward", "cut_off", "error", "timeout"]
+Unscored = Literal["no_reward", "cut_off", "error", "timeout", "dropped"]
 
 
 class EpisodeRecord(TypedDict, total=False):
@@ -120,7 +121,8 @@ class EpisodeRecord(TypedDict, total=False):
     turns: list[TurnRecord]
     final: dict[str, Any] | None  # the final plain message and a terminal tool's grade (`tool`, `output`, ... `error`)
     rewards: list[float | None]  # of each tool call that ran
-    reward: float | None  # the episode's: its last non-None one
+    reward: float | None  # the episode's: its `reward_rule` over the per-call rewards the model saw
+    reward_rule: str  # how per-call rewards made `reward` ("last", "sum", ... `OpenRewardSpec(reward=)`)
     group_reward: float | None  # the comparative reward from `/score_group`, when asked for
     finished: bool  # the environment said the episode is over
     end_reason: EndReason | None
@@ -128,6 +130,9 @@ class EpisodeRecord(TypedDict, total=False):
     tool_calls: int  # the model's tool calls
     tool_failures: int  # how many of them failed or were refused
     error: ErrorRecord | None  # why the episode failed outside a tool call
+    replayed: int  # an episode a failure voided that was played again on a fresh session: which attempt this was
+    tokens: dict[str, Any]  # token fidelity: `exact` (the ids trained on are the ids generated, plus tool tokens),
+    #                         `generated`, `masked` (generated tokens a re-render changed) and `rows` (training rows)
     timings: dict[str, float]  # seconds: `open`, `prompt`, `generation`, `tools`, `session`, `total`
     images: dict[str, ImageRecord]  # an episode with images: each, by its SHA-256 (else no such key)
     prompt_images: list[str]  # an episode with images: the hashes of the prompt's, in order

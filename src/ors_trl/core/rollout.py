@@ -11,6 +11,7 @@ a batched generator.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -21,7 +22,9 @@ from ..protocol.errors import ConfigurationError, ContextLengthExceeded
 from .conversation import assistant_message, tool_message
 from .episode import Episode, Outcome, Reply
 
-__all__ = ["AUTO_WINDOW", "Batcher", "Conversation", "Generator", "StopEpisode", "play"]
+__all__ = ["AUTO_WINDOW", "Batcher", "Conversation", "Generator", "StopEpisode", "play", "play_task"]
+
+logger = logging.getLogger("ors_trl")
 
 #: The automatic gather window's longest wait, in seconds.
 AUTO_WINDOW = 0.05
@@ -46,7 +49,8 @@ class Conversation:
 
 
 class StopEpisode(Exception):
-    """Raised by a generator instead of a reply: the episode ends with `reason` (`length`: a budget) and `detail`."""
+    """Raised by a generator instead of a reply: the episode ends with `reason` (`length`: the completion budget,
+    `context_length`: the model's context) and `detail`."""
 
     def __init__(self, reason: str, detail: str | None = None) -> None:
         super().__init__(detail or reason)
@@ -59,7 +63,8 @@ class Generator(Protocol):
     and `finish(conversation)` after it ended (a batched generator counts the episodes that may still ask)."""
 
     async def reply(self, conversation: Conversation) -> Reply:
-        """The model's next reply to `conversation`; raises `StopEpisode` or `ContextLengthExceeded` to end it."""
+        """The model's next reply to `conversation`; raises `StopEpisode` or `ContextLengthExceeded` to end it before
+        generating (the results of the last calls, if any, then never reached the model)."""
 
 
 async def play(episode: Episode, generator: Any, *, base: Sequence[Mapping[str, Any]] = (), flatten: bool = False,
@@ -98,16 +103,41 @@ async def _play(conversation: Conversation, generator: Any, base: Sequence[Mappi
     while not episode.over:
         try:
             reply = await generator.reply(conversation)
-        except StopEpisode as stop:
-            await episode.end(stop.reason, detail=stop.detail)
-            return
-        except ContextLengthExceeded as exc:
-            await episode.end("context_length", detail=str(exc))
+        except (StopEpisode, ContextLengthExceeded) as stop:
+            if conversation.messages and conversation.messages[-1].get("role") == "tool":
+                episode.unsee()  # the results the stop came before never reached the model: they set no reward
+            reason = stop.reason if isinstance(stop, StopEpisode) else "context_length"
+            await episode.end(reason, detail=stop.detail if isinstance(stop, StopEpisode) else str(stop))
             return
         outcomes = await episode.reply(reply)
         if outcomes is None:
             return
         conversation.add(reply, outcomes)
+
+
+async def play_task(episode: Episode, generator: Any, *, attempts: list[Episode] | None = None, player: Any = None,
+                    **options: Any) -> tuple[Episode, Conversation]:
+    """Play `episode`, and replay its task from the start on a fresh session (`Episode.again`) while infrastructure
+    voided it (`Episode.retryable`), at most its environment's `episode_retries` times: its tools run again, so the
+    replay is said in the log. Returns the last attempt and its conversation; the voided ones are recorded
+    (`replayed` on the next) and counted as retries. `attempts` receives each attempt as it starts (a caller that
+    catches what `play` raises knows which attempt raised it); `player` plays each attempt (`play`, or a harness's);
+    `options` go to it."""
+    attempts, player = [] if attempts is None else attempts, player or play
+    attempts.append(episode)
+    for attempt in range(episode.env.episode_retries + 1):
+        if attempt:
+            logger.warning("%s: task %s failed (%s); replaying it on a fresh session (attempt %d of %d), its tools "
+                           "run again", episode.env.name, episode.task.key, episode.retryable, attempt + 1,
+                           episode.env.episode_retries + 1)
+            await episode.close(replaced=True)
+            episode = episode.again()
+            episode.info["replayed"] = attempt
+            attempts.append(episode)
+        conversation = await player(episode, generator, **options)
+        if not episode.retryable:
+            break
+    return episode, conversation
 
 
 class _Request:

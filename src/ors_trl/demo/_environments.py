@@ -1,6 +1,6 @@
 """The environments of the demo and `ors-trl serve-echo` (`ENVIRONMENTS`), on `openreward`'s scaffolding: `echo`
 (TRL's guide task), `demo` and `look` (`_task`'s tasks), `card` (the word only in an image, drawn with Pillow, which
-it alone needs). Each counts its setups, teardowns and tool calls (`ors_trl.testing.counters`: `/_test/stats`).
+it alone needs), `corridor` (a long-horizon task: ~30 calls with per-call progress). Each counts its setups, teardowns and tool calls (`ors_trl.testing.counters`: `/_test/stats`).
 """
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from __future__ import annotations
 import base64
 import importlib.util
 import io
+import os
+import random
 
 from openreward.environments import (
     Environment,
@@ -27,7 +29,7 @@ from ors_trl.testing import counters
 from . import _task
 
 __all__ = ["CARD_SAMPLE", "CARD_SIZE", "CARD_SYSTEM", "CARD_WORDS", "ENVIRONMENTS", "CardEnvironment",
-           "CountedEnvironment", "DemoEnvironment", "EchoEnvironment", "LookEnvironment", "card_png"]
+           "CorridorEnvironment", "CountedEnvironment", "DemoEnvironment", "EchoEnvironment", "LookEnvironment", "card_png"]
 
 
 class CountedEnvironment(Environment):
@@ -216,6 +218,62 @@ class CardEnvironment(CountedEnvironment):
         return ToolOutput(blocks=[_text("right" if right else "wrong")], reward=1.0 if right else 0.0, finished=right)
 
 
+_DOOR_WORDS = ["amber", "birch", "cedar", "dune", "ember", "fjord", "grove", "heron", "iris", "jade", "kelp", "lilac",
+               "maple", "nectar", "opal", "pine", "quill", "reed", "sage", "thyme"]
+#: Sandbox death on demand (for tests of failures mid-episode): `"CALL:EVERY"` makes the session of every EVERY-th
+#: setup die at its CALL-th tool call (the tool raises, as a dead sandbox's would); unset: no death.
+CORRIDOR_DEATH_ENV = "ORS_CORRIDOR_DEATH"
+
+
+class DoorInput(BaseModel):
+    word: str = Field(description="The word written on the door in front of you.")
+
+
+class CorridorEnvironment(CountedEnvironment):
+    """A long-horizon task: a corridor of rooms (30 by default, the task's `rooms`). Each door opens with the word
+    written on it, which the last result (or the prompt) shows: 0.1 per room passed, 1.0 and finished at the exit,
+    0.0 for a wrong word (the door stays shut). `ORS_CORRIDOR_DEATH` kills sandboxes mid-episode on demand."""
+
+    setups = 0  # in this server process: which session a death knob picks
+
+    @classmethod
+    def list_tasks(cls, split: str) -> list[JSONObject]:
+        return [{"id": f"corridor-{split}-{i}", "rooms": 30, "seed": i + (0 if split == "train" else 10_000)}
+                for i in range(64 if split == "train" else 16)]
+
+    async def setup(self) -> None:
+        await super().setup()
+        type(self).setups += 1
+        call, _, every = os.environ.get(CORRIDOR_DEATH_ENV, "").partition(":")
+        self.room, self.calls = 0, 0
+        self.dies_at = int(call) if call and type(self).setups % int(every or 1) == 0 else None
+
+    def _door(self) -> str:
+        return random.Random(self.task_spec["seed"] * 1000 + self.room).choice(_DOOR_WORDS)
+
+    async def get_prompt(self) -> list[TextBlock]:
+        rooms = self.task_spec["rooms"]
+        return [_text(f"You are in room 1 of a corridor of {rooms} rooms. Open each door with `open_door`, giving the "
+                      f"word written on it, until you are out. The door in front of you says: {self._door()}.")]
+
+    @tool
+    async def open_door(self, params: DoorInput) -> ToolOutput:
+        """Open the door in front of you with the word written on it."""
+        self._count("open_door")
+        self.calls += 1
+        if self.dies_at is not None and self.calls >= self.dies_at:
+            raise RuntimeError("the sandbox is gone")
+        if params.word.strip().lower() != self._door():
+            return ToolOutput(blocks=[_text(f"The door stays shut. It says: {self._door()}.")], reward=0.0)
+        self.room += 1
+        rooms = self.task_spec["rooms"]
+        if self.room == rooms:
+            return ToolOutput(blocks=[_text("You are out of the corridor.")], reward=1.0, finished=True)
+        return ToolOutput(blocks=[_text(f"Room {self.room + 1} of {rooms}. The door says: {self._door()}.")],
+                          reward=0.1, metadata={"room": self.room})
+
+
 #: Short name -> class, for `ors-trl serve-echo --envs` (the first is the server's default environment).
 ENVIRONMENTS: dict[str, type[Environment]] = {"echo": EchoEnvironment, "demo": DemoEnvironment,
-                                              "look": LookEnvironment, "card": CardEnvironment}
+                                              "look": LookEnvironment, "card": CardEnvironment,
+                                              "corridor": CorridorEnvironment}

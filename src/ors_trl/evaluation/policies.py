@@ -194,6 +194,8 @@ class OpenAIPolicy:
                 moved = []
             if role == "assistant":
                 item: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+                if message.get("reasoning_content"):
+                    item["reasoning_content"] = message["reasoning_content"]
                 calls = [(c["id"], c["function"]) for c in message.get("tool_calls") or []]
                 if calls:
                     item["tool_calls"] = [{"id": i, "type": "function", "function": {"name": f["name"], "arguments": (
@@ -245,8 +247,9 @@ class OpenAIPolicy:
                               + self._transport.decoder.quote(json.dumps(body, default=str).encode(), 300)) from None
         calls = [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
-        return Reply(message.get("content") or "", calls, usage=usage,
-                     truncated=choice.get("finish_reason") == "length")
+        reasoning = message.get("reasoning_content")
+        return Reply(message.get("content") or "", calls, usage=usage, truncated=choice.get("finish_reason") == "length",
+                     reasoning=reasoning if isinstance(reasoning, str) and reasoning else None)
 
     async def aclose(self) -> None:
         """Close the HTTP connections; the policy stays usable (a later request opens new ones)."""
@@ -456,6 +459,11 @@ class LocalPolicy(TokenGenerator):
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         limit = getattr(config, "max_position_embeddings", None)
         return limit if isinstance(limit, int) and limit > 0 else None
+
+    def _clip(self, tokens: Tokens, ids: list[int], logprobs: list[float] | None
+             ) -> tuple[list[int], list[float] | None, str | None]:
+        limit = self._context_limit()  # generation stops at the context: a reply that reached it is cut by it
+        return ids, logprobs, "context_length" if limit is not None and len(tokens.ids) + len(ids) >= limit else None
 
     def _fits(self, tokens: Tokens, suffix: list[int]) -> None:
         limit, length = self._context_limit(), len(tokens.ids) + len(suffix)

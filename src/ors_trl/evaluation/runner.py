@@ -26,13 +26,14 @@ from ..core import episode as _episode
 from ..core.episode import EnvironmentRuntime, Episode, Rules, Task
 from ..core.metrics import DEFAULT_SUCCESS_THRESHOLD, NO_CALL_WARNING
 from ..core.records import RecordWriter, read_records
-from ..core.rollout import play
+from ..core.rollout import play_task
 from ..core.stats import by_task, pass_at_k, task_label
 from ..protocol.errors import ConfigurationError, ORSError, PolicyError, unknown_keywords
 from ..protocol.loop import get_loop
 from ..protocol.text import escape_controls, one_line
 from ..tasks.selection import check_selection, select
 from ..trl import backend as _trl
+from ..trl.tokens import fidelity
 from .policies import as_generator, describe_policy, resolve_policy
 
 __all__ = ["EvalOptions", "EvalReport", "MixEvalReport", "evaluate", "load_episodes"]
@@ -217,16 +218,21 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | No
                                  # group-scored: written and uploaded once scored, in `run_all`
                                  uploads=(False if opts.score_groups else uploads) if uploads else None,
                                  repeat=key[2], policy=policy_name)
+            attempts: list[Episode] = []
             try:
-                player = opts.harness.play if opts.harness is not None else play
-                await player(ep, generator, flatten=opts.flatten_prompt, timeout=opts.episode_timeout)
+                ep, conversation = await play_task(ep, generator, attempts=attempts, flatten=opts.flatten_prompt,
+                                                   timeout=opts.episode_timeout,
+                                                   player=opts.harness.play if opts.harness is not None else None)
+                ep.tokens = fidelity(conversation)
             except (ORSError, PolicyError, TimeoutError) as exc:
+                ep = attempts[-1]
                 ep.fail(exc)
             except Exception as exc:  # a bug or an unexpected failure: recorded, not fatal for the other episodes
                 logger.warning("episode %s/%d/%d failed unexpectedly: %s", *key, exc, exc_info=True)
+                ep = attempts[-1]
                 ep.fail(exc)
             except BaseException:  # interrupted (Ctrl-C): not a result, so not recorded; resume reruns it
-                await asyncio.shield(ep.close(keep=False))
+                await asyncio.shield(attempts[-1].close(keep=False))
                 raise
             await ep.close()
         done.append(ep)
@@ -358,6 +364,8 @@ class EvalReport:
             Seconds those sessions lived on the server (what a sandbox platform bills).
         session_seconds_unscored (`float`, *optional*, defaults to `0.0`):
             The part of `session_seconds` spent by unscored episodes.
+        episode_retries (`int`, *optional*, defaults to `0`):
+            Episodes replayed on a fresh session after infrastructure voided them (`episode_retries=`).
         output (`str`, *optional*):
             The episodes file.
         uploads (`dict[str, int]`, *optional*):
@@ -395,6 +403,7 @@ class EvalReport:
     sessions_opened: int = 0
     session_seconds: float = 0.0
     session_seconds_unscored: float = 0.0
+    episode_retries: int = 0
     output: str | None = None
     uploads: dict[str, int] | None = None
     episodes: list[dict[str, Any]] = field(default_factory=list, repr=False)
@@ -428,7 +437,8 @@ class EvalReport:
             no_tool_call_rate=stats.no_call_rate, num_unopened=stats.unopened, unparsed_turn_rate=stats.unparsed_rate,
             malformed_calls=stats.malformed_calls, sessions_opened=stats.sessions,
             session_seconds=round(stats.session_seconds, 3),
-            session_seconds_unscored=round(stats.session_seconds_unscored, 3), **info)
+            session_seconds_unscored=round(stats.session_seconds_unscored, 3),
+            episode_retries=sum(int(e.get("replayed") or 0) for e in episodes), **info)
 
     def to_dict(self, *, episodes: bool = False) -> dict[str, Any]:
         """Every field as JSON-able data.

@@ -291,11 +291,13 @@ RESERVED = frozenset({"reset", "get_reward", "last_output",
 
 
 def settle_all(environments: list[Any], completions: list[Any] | None, completion_ids: list[Any] | None,
-               eos_token_ids: set[int] | None = None) -> None:
+               eos_token_ids: set[int] | None = None, tokens: dict[str, Any] | None = None) -> None:
     """After TRL's loop: replay each rollout's transcript through the turn rule (`Episode.replay`), and run the
     batch's ends (terminal tools) at once, so that the rewards read next are final. Episodes read for their rewards
     are training episodes, also those opened with no trainer seen (`Episode.adopt`). `eos_token_ids`: the ids that
-    end a completion, when no trainer is there to say (TRL's async worker)."""
+    end a completion, and `tokens` the fidelity of its rows, when no trainer is there to say (TRL's async worker);
+    on TRL's own loop, whose ids are the generated ids joined with tool tokens, fidelity is read off its masks."""
+    masks = _trl.tool_masks() if tokens is None else None
     for env in environments:  # an image a text-only trainer could not take: the step stops here, saying why
         error = getattr(getattr(env, "_runtime", None), "image_error", None)
         if error is not None:
@@ -313,6 +315,8 @@ def settle_all(environments: list[Any], completions: list[Any] | None, completio
         ids = completion_ids[i] if completion_ids is not None else None
         replies, cut = _trl.replies_of(messages, bool(eos) and bool(ids) and int(ids[-1]) not in eos)
         reason, message = ep.replay(replies, cut=cut)
+        if tokens is not None or (masks is not None and i < len(masks)):
+            ep.tokens = tokens or {"exact": True, "generated": int(sum(masks[i])), "masked": 0, "rows": 1}
         ends.append(ep.end(reason, message))
     if ends:
         async def run() -> None:
@@ -344,7 +348,7 @@ def _rollout_ended(env: OpenRewardEnvironment, seen: _trl.FinishedRollout | None
     if seen is None:
         settle_all([env], None, None)
     else:
-        settle_all([env], [seen.messages], [seen.completion_ids], eos_token_ids=seen.eos_token_ids)
+        settle_all([env], [seen.messages], [seen.completion_ids], eos_token_ids=seen.eos_token_ids, tokens=seen.tokens)
     readers = sum(bool(getattr(getattr(f, "func", f), READS_EPISODES, False)) for f in seen.reward_funcs) \
         if seen is not None else 0
     env._end()  # the rollout is over: close its session now, not when TRL reuses this adapter

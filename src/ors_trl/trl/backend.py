@@ -227,6 +227,7 @@ class FinishedRollout:
     completion_ids: list[int]
     eos_token_ids: set[int]
     reward_funcs: list[Any]
+    tokens: dict[str, Any] | None = None  # token fidelity of the rows TRL built (re-rendered each turn)
 
 
 def finished_rollout(adapter: Any, skip: int = 2) -> FinishedRollout | None:
@@ -236,8 +237,21 @@ def finished_rollout(adapter: Any, skip: int = 2) -> FinishedRollout | None:
     worker, messages, ids = loc.get("self"), loc.get("completion"), loc.get("completion_ids")
     if loc.get("environment") is not adapter or not isinstance(messages, list) or not isinstance(ids, list):
         return None
+    rows = loc.get("sequences")
+    tokens = None
+    if isinstance(rows, list):  # TRL re-renders each turn: a drift it realigns masks generated tokens, a fork splits
+        trained = sum(sum(getattr(row, "completion_mask", ())) for row in rows)
+        masked = max(len(ids) - trained, 0)
+        tokens = {"exact": masked == 0 and len(rows) == 1, "generated": len(ids), "masked": masked, "rows": len(rows)}
     return FinishedRollout(messages, ids, eos_token_ids(worker, getattr(worker, "tokenizer", None)),
-                           list(getattr(worker, "reward_funcs", None) or []))
+                           list(getattr(worker, "reward_funcs", None) or []), tokens)
+
+
+def tool_masks() -> list[Any] | None:
+    """In a reward function of TRL's own tool loop: each completion's tool mask (1: generated, 0: a tool result), read
+    off `_generate_and_score_completions`; None elsewhere or when TRL is unverified."""
+    masks = (_frame_locals(1, 16, "_generate_and_score_completions") if verified() else {}).get("tool_mask_list")
+    return masks if isinstance(masks, list) else None
 
 
 def error_text(exc: BaseException) -> str:

@@ -16,13 +16,13 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..core.episode import EnvironmentRuntime, Episode, Task, score_groups
-from ..core.rollout import Batcher, Conversation, StopEpisode, play
+from ..core.episode import EnvironmentRuntime, Episode, Task, drop_failed_groups, score_groups
+from ..core.rollout import Batcher, Conversation, StopEpisode, play, play_task
 from ..protocol.budget import get_max_sessions
 from ..protocol.errors import ConfigurationError
 from ..protocol.loop import get_loop
 from .backend import Backend, install_image_handoff, require_engine, rules
-from .tokens import TokenGenerator, Tokens
+from .tokens import TokenGenerator, Tokens, fidelity
 
 __all__ = ["TASK_KEY", "RolloutEngine", "task_of"]
 
@@ -54,18 +54,26 @@ class _TrainerGenerator(TokenGenerator):
         return self.backend.generate([(t.ids, t.images) for t in tokens], self.fallback or ([], []))
 
     def _fits(self, tokens: Tokens, suffix: list[int]) -> None:
+        """Stop before the model's context would be reached (`context_length`: no reply can follow) or the tool
+        results would pass the completion budget (`length`: TRL's rule); the results are then not shown."""
         total = len(tokens.ids) + len(suffix)
-        if suffix and (total - len(tokens.prompt_ids) > self.backend.trainer.max_completion_length
-                       or total >= self.backend.max_model_len):
-            raise StopEpisode("length")  # TRL rolls the tool results back: past its completion budget or context
+        if total >= self.backend.max_model_len:
+            raise StopEpisode("context_length", f"{total} tokens would fill the model's context "
+                                                f"({self.backend.max_model_len})")
+        if suffix and total - len(tokens.prompt_ids) > self.backend.trainer.max_completion_length:
+            raise StopEpisode("length")
 
     def _clip(self, tokens: Tokens, ids: list[int], logprobs: list[float] | None
-             ) -> tuple[list[int], list[float] | None, bool]:
-        excess = len(tokens.completion_ids) + len(ids) - self.backend.trainer.max_completion_length
-        if not tokens.completion_ids or excess <= 0:  # TRL cuts only a reply generated after tool results
-            return ids, logprobs, False
-        kept = ids[: len(ids) - excess]
-        return kept, logprobs[: len(kept)] if logprobs is not None else None, len(kept) < len(ids)
+             ) -> tuple[list[int], list[float] | None, str | None]:
+        """A reply cut to the completion budget after tool results (TRL cuts only those) and to the context."""
+        context = self.backend.max_model_len - len(tokens.ids)
+        budget = self.backend.trainer.max_completion_length - len(tokens.completion_ids) if tokens.completion_ids \
+            else len(ids)
+        if len(ids) <= min(context, budget):
+            return ids, logprobs, None
+        kept = ids[: max(min(context, budget), 0)]
+        return kept, logprobs[: len(kept)] if logprobs is not None else None, \
+            "context_length" if context < budget else "length"
 
     def _refuse_images(self, what: str) -> None:
         self.backend.refuse_images(what)
@@ -108,15 +116,15 @@ class RolloutEngine:
             attach_session_cleanup(trainer, rt)
         generator = _TrainerGenerator(backend, Batcher(self.gather_window, barrier=self.turn_barrier))
         rollouts = [self._rollout(p, backend) for p in prompts]
-        episodes = [ep for ep, _ in rollouts]
-        conversations: dict[int, Conversation] = {}
-        groups: dict[tuple[int, str], list[Episode]] = {}  # GRPO groups to score: the rollouts of one task
-        for ep in episodes:
+        episodes = [ep for ep, _ in rollouts]  # each rollout's last attempt once played (a replay replaces it)
+        conversations: list[Conversation | None] = [None] * len(rollouts)
+        groups: dict[tuple[int, str], list[int]] = {}  # GRPO groups to score: the rollouts of one task
+        for i, ep in enumerate(episodes):
             if ep.env.score_groups:
-                groups.setdefault((id(ep.env), ep.task.key), []).append(ep)
+                groups.setdefault((id(ep.env), ep.task.key), []).append(i)
         try:
-            for wave in self._waves(rollouts):
-                future = get_loop().submit(_wave(wave, generator, conversations, groups, self.player))
+            for wave in self._waves(list(range(len(rollouts)))):
+                future = get_loop().submit(_wave(wave, rollouts, generator, episodes, conversations, groups, self.player))
                 future.add_done_callback(lambda _: generator.batcher.wake())
                 try:
                     self._pump(generator, future)
@@ -124,12 +132,14 @@ class RolloutEngine:
                 finally:
                     if not future.done():  # the pump failed: stop the wave, its sessions close all the same
                         future.cancel()
-                        get_loop().run(_close_sessions([ep for ep, _ in wave]))
+                        get_loop().run(_close_sessions([episodes[i] for i in wave]))
+            drop_failed_groups(episodes)
         finally:
             for ep in episodes:
                 ep.release()  # accounts the episode and writes its record
         self.last_episodes = episodes
-        tokens = [self._tokens(generator, conversations[id(ep)], base) for ep, base in rollouts]
+        tokens = [self._tokens(generator, c, ep, base) for c, ep, (_, base) in zip(conversations, episodes, rollouts,
+                                                                                 strict=True)]
         backend.hand_images([t.images for t in tokens])
         logprobs = [t.logprobs for t in tokens]
         return {
@@ -175,12 +185,12 @@ class RolloutEngine:
             self.generation_calls.append(len(batch))
             generator._answer(batch)
 
-    def _tokens(self, generator: _TrainerGenerator, conversation: Conversation, base: list[dict[str, Any]]) -> Tokens:
+    def _tokens(self, generator: _TrainerGenerator, conversation: Conversation | None, ep: Episode,
+                base: list[dict[str, Any]]) -> Tokens:
         """The rollout's ids; for one that never generated (its session did not open), the dataset prompt with what
         happened, and one end-of-sequence token, scored None."""
-        if conversation.state is not None:
+        if conversation is not None and conversation.state is not None:
             return conversation.state
-        ep = conversation.episode
         messages = [dict(m) for m in base]
         if ep.error is not None:
             messages[-1]["content"] = messages[-1].get("content", "") + \
@@ -192,21 +202,31 @@ class RolloutEngine:
         return tokens
 
 
-async def _wave(wave: list[tuple[Episode, Any]], generator: _TrainerGenerator, conversations: dict[int, Conversation],
-                groups: dict[tuple[int, str], list[Episode]], player: Any = play) -> None:
-    """Play a wave's episodes, score the GRPO groups complete now (while their sessions are open), and close the
-    wave's sessions, also on errors. The first error of a play, in the wave's order, is raised once all have ended."""
+async def _wave(wave: list[int], rollouts: list[tuple[Episode, Any]], generator: _TrainerGenerator,
+                episodes: list[Episode], conversations: list[Conversation | None],
+                groups: dict[tuple[int, str], list[int]], player: Any = play) -> None:
+    """Play a wave's rollouts (each replayed on a fresh session while infrastructure voids it, `episode_retries`),
+    score the GRPO groups complete now (while their sessions are open), and close the wave's sessions, also on
+    errors. The first error of a play, in the wave's order, is raised once all have ended."""
+    attempts: dict[int, list[Episode]] = {i: [] for i in wave}
+
+    async def one(i: int) -> None:
+        episodes[i], conversations[i] = await play_task(rollouts[i][0], generator, attempts=attempts[i],
+                                                        player=player, base=rollouts[i][1],
+                                                        timeout=rollouts[i][0].env.episode_timeout)
+        episodes[i].tokens = fidelity(conversations[i])
+
     try:
-        played = await asyncio.gather(*(player(ep, generator, base=base, timeout=ep.env.episode_timeout)
-                                        for ep, base in wave), return_exceptions=True)
+        played = await asyncio.gather(*(one(i) for i in wave), return_exceptions=True)
         errors = [p for p in played if isinstance(p, BaseException)]
         if errors:
             raise errors[0]
-        conversations.update((id(ep), conversation) for (ep, _), conversation in zip(wave, played, strict=True))
-        complete = [key for key, group in groups.items() if all(id(ep) in conversations for ep in group)]
-        await score_groups([ep for key in complete for ep in groups.pop(key)])
+        complete = [key for key, group in groups.items() if all(conversations[i] is not None for i in group)]
+        await score_groups([episodes[i] for key in complete for i in groups.pop(key)])
     finally:
-        await _close_sessions([ep for ep, _ in wave])
+        for i in wave:
+            episodes[i] = attempts[i][-1] if attempts[i] else episodes[i]
+        await _close_sessions([episodes[i] for i in wave])
 
 
 async def _close_sessions(episodes: list[Episode]) -> None:

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..core.episode import EnvironmentRuntime, Episode, runtimes, score_groups
+from ..core.episode import EnvironmentRuntime, Episode, drop_failed_groups, runtimes, score_groups
 from ..protocol.errors import ConfigurationError
 from ..protocol.loop import get_loop
 from . import backend as _trl
@@ -30,7 +30,9 @@ def _episodes(environments: Sequence[Any] | None, kwargs: dict[str, Any], column
     transcripts of TRL's async worker (episodes its `get_reward` hook handed over), or None: the engine's columns."""
     if environments is not None:
         settle_all(list(environments), kwargs.get("completions"), kwargs.get("completion_ids"))
-        return [env.episode if isinstance(env, OpenRewardEnvironment) else None for env in environments]
+        episodes = [env.episode if isinstance(env, OpenRewardEnvironment) else None for env in environments]
+        drop_failed_groups([ep for ep in episodes if ep is not None])
+        return episodes
     completions = kwargs.get("completions")
     if column not in kwargs and _trl.in_async_worker() and isinstance(completions, list):
         return [take_ended(messages) for messages in completions]

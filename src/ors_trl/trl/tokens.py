@@ -9,7 +9,9 @@ construction.
 from __future__ import annotations
 
 import json
+import logging
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,18 +20,22 @@ from ..core.episode import Reply
 from ..core.rollout import Batcher, Conversation
 from .backend import Rendering
 
-__all__ = ["TokenGenerator", "Tokens"]
+__all__ = ["TokenGenerator", "Tokens", "fidelity"]
+
+logger = logging.getLogger("ors_trl")
 
 
 class Tokens:
     """One rollout's token ids: `prompt_ids`, then `completion_ids` with their `mask` (1: generated, 0: a tool
     result) and `logprobs` (None once a generation gave none); `images` in the order of their image tokens; `shown`:
-    the conversation's messages already in the ids."""
+    the conversation's messages already in the ids; `earlier` and `masked`: what earlier renders of a re-rendering
+    generator generated, and how many of those tokens a later render changed (see `fidelity`)."""
 
-    __slots__ = ("completion_ids", "images", "logprobs", "mask", "prompt_ids", "shown")
+    __slots__ = ("completion_ids", "earlier", "images", "logprobs", "mask", "masked", "prompt_ids", "shown")
 
     def __init__(self, prompt_ids: list[int], images: list[Any], shown: int) -> None:
         self.prompt_ids, self.images, self.shown = prompt_ids, images, shown
+        self.earlier = self.masked = 0
         self.completion_ids: list[int] = []
         self.mask: list[int] = []
         self.logprobs: list[float] | None = []
@@ -49,6 +55,25 @@ class Tokens:
             self.logprobs = None
 
 
+def fidelity(conversation: Conversation) -> dict[str, Any] | None:
+    """An episode's token fidelity (`Episode.tokens`), None where its generator built no ids: whether the ids trained
+    on (or evaluated) are exactly the ids generated plus tool tokens, the tokens generated, how many of them a
+    re-render changed (`masked`), and the training rows (a harness's prefix breaks fork rows)."""
+    tokens: Tokens | None = conversation.state
+    if tokens is None:
+        return None
+    rows = len(getattr(conversation, "rows", None) or [tokens])
+    return {"exact": tokens.masked == 0 and rows == 1, "generated": tokens.earlier + sum(tokens.mask),
+            "masked": tokens.masked, "rows": rows}
+
+
+def _drift(old: Tokens, prompt: list[int]) -> int:
+    """How many generated tokens of `old` a fresh render of the conversation (`prompt`) does not keep as they were."""
+    ids, n = old.ids, len(old.prompt_ids)
+    same = next((k for k, (a, b) in enumerate(zip(ids, prompt, strict=False)) if a != b), min(len(ids), len(prompt)))
+    return sum(old.mask[max(same - n, 0):])
+
+
 class TokenGenerator:
     """A batched generator of token ids: each conversation's ids built once (`Tokens`), a batch generated at a time
     (`_generate_ids`, what each kind provides), each completion parsed to a `Reply` as TRL parses it. Rendering and
@@ -56,10 +81,14 @@ class TokenGenerator:
     override `_fits`, `_clip`, `_refuse_images` and `rerender` (render the whole conversation each turn)."""
 
     rerender = False
+    #: Renders kept for equal inputs (a group's rollouts share them); the oldest go first, so a long evaluation does
+    #: not keep every turn's input.
+    max_renders = 512
 
     def __init__(self, rendering: Rendering, batcher: Batcher) -> None:
         self.rendering, self.batcher = rendering, batcher
-        self._renders: dict[str, list[int]] = {}  # renders of equal inputs (a group's rollouts share them)
+        self._renders: OrderedDict[str, list[int]] = OrderedDict()
+        self._warned = False
         self._order: dict[int, int] = {}  # each playing conversation's place in a batch's rows
 
     def start(self, conversation: Conversation) -> None:
@@ -118,6 +147,10 @@ class TokenGenerator:
             prompt = self._render(["prompt", messages, conversation.tools],
                                  lambda: self.rendering.prompt_ids(messages, conversation.tools))
             conversation.state = Tokens(prompt, images, len(messages))
+            if tokens is not None:  # re-rendered: what it changed of the generated tokens is no longer what was trained
+                conversation.state.earlier = tokens.earlier + sum(tokens.mask)
+                conversation.state.masked = tokens.masked + _drift(tokens, prompt)
+                self._warn_drift(conversation)
             self._fits(conversation.state, [])
             return
         shown = [m for m in messages[tokens.shown:] if m.get("role") == "tool"]
@@ -136,22 +169,35 @@ class TokenGenerator:
         """A completion as the reply TRL parses it to; its ids join the conversation's."""
         tokens: Tokens = conversation.state
         prefix = tokens.ids
-        ids, logprobs, cut = self._clip(tokens, ids, logprobs)
+        ids, logprobs, cut = self._clip(tokens, ids, logprobs)  # cut: None, or the limit that cut the reply
         tokens.add(ids, logprobs)
         eos = self.rendering.eos_token_ids
         parsed = self.rendering.parse(ids, prefix, conversation.tools)
         content = parsed.get("content")
         return Reply(content if isinstance(content, str) else None, parsed.get("tool_calls") or (),
-                     truncated=cut or (bool(eos) and (not ids or ids[-1] not in eos)),
+                     truncated=bool(cut) or (bool(eos) and (not ids or ids[-1] not in eos)), limit=cut or "length",
                      raw=self.rendering.tokenizer.decode(ids, skip_special_tokens=False) if ids else None,
                      seconds=round(seconds, 4))
 
     def _render(self, key: list[Any], render: Any) -> list[int]:
         """Tokens from `render()`, computed once for equal inputs (tokenizing dominates the pump)."""
         text = json.dumps(key, sort_keys=True, default=repr)
-        if text not in self._renders:
+        if text in self._renders:
+            self._renders.move_to_end(text)
+        else:
             self._renders[text] = render()
+            while len(self._renders) > self.max_renders:
+                self._renders.popitem(last=False)
         return list(self._renders[text])
+
+    def _warn_drift(self, conversation: Conversation) -> None:
+        """Say once when re-rendering changed tokens the model generated: its history differs from training's."""
+        if conversation.state.masked and not self._warned:
+            self._warned = True
+            logger.warning("re-rendering the conversation changed %d generated token(s) of episode %s's history (a "
+                           "chat template that rewrites earlier turns, e.g. drops reasoning): the model now sees a "
+                           "history training never builds; records carry it as tokens.masked", conversation.state.masked,
+                           conversation.episode.task.key if conversation.episode is not None else "?")
 
     def _generate_ids(self, tokens: list[Tokens]) -> list[tuple[list[int], list[float] | None]]:
         """One completion per rollout's ids (with its logprobs, or None)."""
@@ -162,9 +208,10 @@ class TokenGenerator:
         added, or the ids may not be generated from."""
 
     def _clip(self, tokens: Tokens, ids: list[int], logprobs: list[float] | None
-             ) -> tuple[list[int], list[float] | None, bool]:
-        """A reply kept within a budget: its ids, logprobs and whether they were cut."""
-        return ids, logprobs, False
+             ) -> tuple[list[int], list[float] | None, str | None]:
+        """A reply kept within a budget: its ids, logprobs and the limit that cut them (`"length"`,
+        `"context_length"`), or None."""
+        return ids, logprobs, None
 
     def _refuse_images(self, what: str) -> None:
         """Raise when the model cannot take the images `what` holds."""

@@ -1,0 +1,76 @@
+"""How an episode's per-call rewards become its reward (design decision 15), and the returns per turn.
+
+ORS gives a reward on any call; an environment decides what they mean (PortManager's are "meant to be summed",
+TextWorld's are score changes, a corridor's are progress). The user chooses the rule (`OpenRewardSpec(reward=...)`):
+`last` (TRL's convention, the default), `sum`, `max`, `discounted:<gamma>` or a callable. Every reader of a reward
+(training on every path, `evaluate`, pass@k, the report, task sampling) reads `Episode.reward`, which applies it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..protocol.errors import ConfigurationError
+
+__all__ = ["RewardRule", "reward_rule"]
+
+RULES = ("last", "sum", "max", "discounted")
+
+
+class RewardRule:
+    """A rule from per-call rewards (in call order, `None` where a call gave none) to the episode's reward; `None`
+    when nothing was scored. `name` is what records and logs call it."""
+
+    def __init__(self, name: str, fn: Callable[[list[float], Any], float | None]) -> None:
+        self.name, self._fn = name, fn
+
+    def __repr__(self) -> str:
+        return f"RewardRule({self.name!r})"
+
+    def __call__(self, rewards: Sequence[float | None], episode: Any = None) -> float | None:
+        scored = [r for r in rewards if r is not None]
+        if not scored:
+            return None
+        out = self._fn(list(rewards) if self.name.startswith("callable") else scored, episode)
+        if out is None:
+            return None
+        if isinstance(out, bool) or not isinstance(out, int | float) or not math.isfinite(out):
+            raise ConfigurationError(f"the reward rule {self.name} returned {out!r}, not a finite number or None")
+        return float(out)
+
+    def returns(self, rewards: Sequence[float | None]) -> list[float]:
+        """Per call, the rule applied to the rewards from that call on (the reward-to-go of each call; 0.0 where
+        nothing is left to score): what per-turn credit trains each turn on."""
+        return [self(rewards[k:]) or 0.0 for k in range(len(rewards))]
+
+
+def _discounted(gamma: float) -> Callable[[list[float], Any], float]:
+    return lambda scored, _: sum(r * gamma**k for k, r in enumerate(scored))
+
+
+def reward_rule(rule: str | Callable[..., float | None] | RewardRule | None) -> RewardRule:
+    """The rule `OpenRewardSpec(reward=...)` names: `"last"`, `"sum"`, `"max"`, `"discounted:<gamma>"` (gamma in
+    (0, 1], over the scored calls in order), or `f(rewards, episode) -> float | None` (all per-call rewards, `None`
+    where absent, and the `Episode`); `None` is `"last"`."""
+    if isinstance(rule, RewardRule):
+        return rule
+    if rule is None or rule == "last":
+        return RewardRule("last", lambda scored, _: scored[-1])
+    if rule == "sum":
+        return RewardRule("sum", lambda scored, _: sum(scored))
+    if rule == "max":
+        return RewardRule("max", lambda scored, _: max(scored))
+    if isinstance(rule, str) and rule.startswith("discounted"):
+        try:
+            gamma = float(rule.partition(":")[2] or 0.99)
+        except ValueError:
+            gamma = math.nan
+        if not 0 < gamma <= 1:
+            raise ConfigurationError(f"reward={rule!r}: the discount must be a number in (0, 1], e.g. 'discounted:0.99'")
+        return RewardRule(f"discounted:{gamma:g}", _discounted(gamma))
+    if callable(rule):
+        return RewardRule(f"callable:{getattr(rule, '__qualname__', type(rule).__name__)}", rule)
+    raise ConfigurationError(f"reward must be one of {', '.join(RULES)} ('discounted:<gamma>'), or a callable "
+                             f"f(rewards, episode) -> float | None; got {rule!r}")

@@ -1,0 +1,289 @@
+"""Long horizons (decision 15): a 12-room corridor played by a scripted model that always opens the door, through
+TRL's own loop (`environment_factory`), the engine (`rollout_func`) and evaluation. A sandbox that dies mid-episode
+is no score on every path and is never called again; retries replay it on a fresh session; a group policy applies
+when they are spent; the reward rule chooses the episode's reward; the context ends an episode before it is passed."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import logging
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ors_trl import OpenRewardSpec, PolicyReply
+from tests.fixtures.generation import (
+    cpu_grpo_trainer,
+    generate_and_score,
+    replace_generation,
+    tool_call_text,
+    trl_tokenizer,
+)
+
+pytest.importorskip("trl")
+
+ENV = "shortcorridorenvironment"
+ROOMS = 12
+DOOR = re.compile(r"says: (\w+)\.")
+TASKS, GENERATIONS = 2, 2  # a batch of 4 rollouts: with "10:4" the 4th session opened dies at its 10th call
+
+
+def open_the_door(text: str) -> str:
+    """The scripted model's reply: open the last door the conversation shows, or say it is out."""
+    out = text.rfind("out of the corridor") > text.rfind("says:")
+    return "Out." if out else tool_call_text("open_door", {"word": DOOR.findall(text)[-1]})
+
+
+def scripted(trainer: Any):
+    tok = trl_tokenizer(trainer)
+
+    def generate(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        return [tok.encode(open_the_door(tok.decode(ids)) + "<|im_end|>", add_special_tokens=False)
+                for ids in prompt_ids], None
+
+    return generate
+
+
+class DoorPolicy:
+    """The same script as an evaluation `Policy`."""
+
+    tool_markup = "<tool_call>"
+
+    async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        words = DOOR.findall(str(messages[-1]["content"]))
+        if not words:
+            return PolicyReply(content="Out.")
+        return PolicyReply(content="", tool_calls=[{"name": "open_door", "arguments": {"word": words[-1]}}])
+
+
+def train_batch(model_dir: str, spec: OpenRewardSpec, mode: str, tmp_path: Any, **config: Any) -> tuple[Any, dict]:
+    """One batch of `TASKS` x `GENERATIONS` rollouts generated and scored on `mode`; the trainer and what it logged."""
+    logged: dict[str, float] = {}
+
+    def outcome_reward(**kwargs: Any) -> list[float | None]:
+        return spec.reward_funcs(**{**kwargs, "log_metric": logged.__setitem__})
+
+    trainer = cpu_grpo_trainer(model_dir, str(tmp_path / mode), batch=TASKS * GENERATIONS, generations=GENERATIONS,
+                               turns=ROOMS + 2, completion_length=config.pop("completion_length", 1024), spec=spec,
+                               mode=mode, reward_funcs=outcome_reward, config=config or None)
+    replace_generation(trainer, scripted(trainer))
+    rows = [copy.deepcopy(row) for row in spec.train_dataset for _ in range(GENERATIONS)]
+    logged["_out"] = generate_and_score(trainer, rows)  # type: ignore[assignment]
+    return trainer, logged
+
+
+def episodes_of(trainer: Any, spec: OpenRewardSpec, mode: str) -> list[Any]:
+    return [env.episode for env in trainer.environments] if mode == "env" else spec.rollout_func.last_episodes
+
+
+def spec_for(server: Any, **options: Any) -> OpenRewardSpec:
+    return OpenRewardSpec(server.url, env_name=ENV, num_tasks=TASKS, gather_window=0.0, **options)
+
+
+def door_calls(server: Any) -> int:
+    return server.stats()["tool_calls"].get(f"{ENV}/open_door", 0)
+
+
+@contextlib.contextmanager
+def dying(make_server: Any, how: str, **options: Any) -> Iterator[tuple[OpenRewardSpec, Any, Any]]:
+    """A spec whose 4th session dies at its 10th call, the server, and the fault proxy the spec talks through: the
+    tool raises (`tool_errors="environment"`: the environment's failure, as a dead sandbox's), or every call of that
+    session from then on answers 404 (the session is gone) or 500, from the proxy."""
+    from ors_trl.testing.faults import FaultProxy, Status
+
+    server = make_server("corridor", env={"ORS_CORRIDOR_DEATH": "10:4"} if how == "tool" else None)
+    calls: collections.Counter[str] = collections.Counter()
+    victim: list[str] = []
+
+    def dies(seen: Any) -> bool:
+        sid = seen.headers.get("x-session-id", "")
+        calls[sid] += 1
+        if not victim and calls[sid] == 10:
+            victim.append(sid)
+        return sid in victim
+
+    with FaultProxy(server.url) as proxy:
+        if how != "tool":
+            proxy.add(Status(int(how), "session not found" if how == "404" else "sandbox crashed"), path="/call",
+                      times=None, when=dies)
+        spec = spec_for(proxy, **({"tool_errors": "environment"} if how == "tool" else {}), **options)
+        try:
+            yield spec, server, proxy
+        finally:
+            spec.close()
+
+
+def played(proxy: Any) -> int:
+    """Sessions that played an episode through the proxy so far (those that read a prompt: tool discovery's do not)."""
+    return len({r.headers.get("x-session-id") for r in proxy.requests if r.path.endswith(("/prompt", "/messages"))})
+
+
+@pytest.mark.parametrize(("mode", "how"), [("env", "tool"), ("engine", "tool"), ("engine", "404"), ("env", "500")])
+def test_a_sandbox_that_dies_is_no_score_and_is_not_called_again(tiny_model_dir, make_server, tmp_path, mode, how):
+    with dying(make_server, how) as (spec, server, _):
+        trainer, logged = train_batch(tiny_model_dir, spec, mode, tmp_path)
+        episodes = episodes_of(trainer, spec, mode)
+    dead = [ep for ep in episodes if ep.broken]
+    assert len(dead) == 1 and dead[0].reward is None and dead[0].unscored == "error"
+    assert dead[0].end_reason == "error" and dead[0].tool_calls == 10  # the 10th failed; nothing after it counted
+    assert all(ep.reward == 1.0 and ep.finished for ep in episodes if ep is not dead[0])  # no partial score
+    assert door_calls(server) == 3 * ROOMS + (10 if how == "tool" else 9)  # 0 calls after it was known dead
+    assert logged[f"env/{ENV}/unscored/error"] == 1
+    server.wait_for_stats(lambda s: s["open_sessions"] == 0)
+
+
+@pytest.mark.parametrize("mode", ["engine", "eval"])
+def test_retries_replay_a_dead_sandbox_on_a_fresh_session(tiny_model_dir, make_server, tmp_path, mode):
+    with dying(make_server, "tool", episode_retries=1) as (spec, server, proxy):
+        before = played(proxy)
+        if mode == "eval":
+            report = spec.evaluate(DoorPolicy(), repeats=GENERATIONS, max_turns=ROOMS + 2, progress=False,
+                                   concurrency=1)
+            rewards, retries = [e["reward"] for e in report.episodes], report.episode_retries
+        else:
+            trainer, logged = train_batch(tiny_model_dir, spec, mode, tmp_path)
+            rewards = [ep.reward for ep in episodes_of(trainer, spec, mode)]
+            retries = logged[f"env/{ENV}/episode_retries"]
+        opened = played(proxy) - before
+    assert rewards == [1.0] * TASKS * GENERATIONS  # the group trains full
+    assert retries == 1
+    assert opened == TASKS * GENERATIONS + 1  # sessions = rollouts + retries
+    assert door_calls(server) == 4 * ROOMS + 10
+
+
+def test_a_group_with_a_failed_episode_is_dropped_when_asked(tiny_model_dir, make_server, tmp_path):
+    with dying(make_server, "tool", failed_groups="drop") as (spec, _, _):
+        trainer, logged = train_batch(tiny_model_dir, spec, "engine", tmp_path)
+        episodes = episodes_of(trainer, spec, "engine")
+    dropped = [ep for ep in episodes if ep.unscored == "dropped"]
+    assert len(dropped) == GENERATIONS and len({ep.task.key for ep in dropped}) == 1  # the whole group, only it
+    assert all(ep.reward == 1.0 for ep in episodes if ep not in dropped)
+    assert logged[f"env/{ENV}/dropped_groups"] == 1
+
+
+@pytest.mark.parametrize("mode", ["env", "engine", "eval"])
+def test_the_reward_rule_sums_progress_on_every_path(tiny_model_dir, make_server, tmp_path, mode):
+    server = make_server("corridor")
+    spec = spec_for(server, reward="sum")
+    try:
+        if mode == "eval":
+            report = spec.evaluate(DoorPolicy(), max_turns=ROOMS + 2, progress=False)
+            rewards, rules = [e["reward"] for e in report.episodes], {e["reward_rule"] for e in report.episodes}
+            assert report.mean_reward == pytest.approx(0.1 * (ROOMS - 1) + 1.0)
+        else:
+            trainer, logged = train_batch(tiny_model_dir, spec, mode, tmp_path)
+            episodes = episodes_of(trainer, spec, mode)
+            rewards, rules = [ep.reward for ep in episodes], {ep.record()["reward_rule"] for ep in episodes}
+            assert logged[f"env/{ENV}/reward_mean"] == pytest.approx(0.1 * (ROOMS - 1) + 1.0), (logged, rewards)
+    finally:
+        spec.close()
+    assert rewards == [pytest.approx(0.1 * (ROOMS - 1) + 1.0)] * len(rewards)
+    assert rules == {"sum"}
+
+
+def test_a_result_past_the_budget_is_not_shown_and_sets_no_reward(tiny_model_dir, make_server, tmp_path):
+    """A completion budget that ends inside the third call's result: that call ran on the server, but its result is
+    not shown (the ids end with the third reply) and its reward does not count."""
+    server = make_server("corridor")
+    spec = spec_for(server, reward="sum")
+    try:
+        _, probe = train_batch(tiny_model_dir, spec, "engine", tmp_path / "probe")
+        mask = [m for m, c in zip(probe["_out"]["tool_mask"][0].tolist(), probe["_out"]["completion_mask"][0].tolist(),
+                                  strict=True) if c]
+        ends = [k + 1 for k in range(len(mask) - 1) if mask[k] == 1 and mask[k + 1] == 0]  # each reply's end
+        result = mask[ends[2]:ends[3]].count(0)  # the third call's result, in tokens
+        assert result >= 2
+        trainer, cut = train_batch(tiny_model_dir, spec, "engine", tmp_path / "cut",
+                                   completion_length=ends[2] + result // 2)  # the budget ends inside it
+        out = cut["_out"]
+        episodes = episodes_of(trainer, spec, "engine")[:GENERATIONS]  # the first task's rollouts
+    finally:
+        spec.close()
+    ids = probe["_out"]["completion_ids"][0].tolist()
+    for row, ep in enumerate(episodes):
+        calls = [c for t in ep.turns for c in t["tool_calls"]]
+        assert ep.end_reason == "length" and len(calls) == 3 and calls[-1]["unseen"]  # it ran, unseen
+        shown = out["completion_ids"][row][out["completion_mask"][row].bool()].tolist()
+        assert shown == ids[:ends[2]]  # the conversation ends with the third reply: no part of its result
+        assert ep.reward == pytest.approx(0.2) and calls[-1]["reward"] == pytest.approx(0.1)  # two rooms count
+
+
+def test_the_context_ends_an_episode_before_it_is_passed(tiny_model_dir, make_server, tmp_path):
+    server = make_server("corridor")
+    spec = spec_for(server)
+    try:
+        logged: dict[str, float] = {}
+        trainer = cpu_grpo_trainer(tiny_model_dir, str(tmp_path / "ctx"), batch=TASKS * GENERATIONS,
+                                   generations=GENERATIONS, turns=ROOMS + 2, completion_length=4096, spec=spec,
+                                   mode="engine", reward_funcs=lambda **kw: spec.reward_funcs(
+                                       **{**kw, "log_metric": logged.__setitem__}))
+        trainer.model.config.max_position_embeddings = 400  # the context, well before the completion budget
+        replace_generation(trainer, scripted(trainer))
+        out = generate_and_score(trainer, [copy.deepcopy(r) for r in spec.train_dataset for _ in range(GENERATIONS)])
+        episodes = spec.rollout_func.last_episodes
+    finally:
+        spec.close()
+    assert {ep.end_reason for ep in episodes} == {"context_length"}
+    lengths = (out["prompt_mask"].sum(1) + out["completion_mask"].sum(1)).tolist()
+    assert max(lengths) <= 400  # no reply past it
+
+
+def test_training_paths_record_exact_token_fidelity(tiny_model_dir, make_server, tmp_path):
+    server = make_server("corridor")
+    spec = spec_for(server)
+    try:
+        trainer, logged = train_batch(tiny_model_dir, spec, "engine", tmp_path)
+        episodes = episodes_of(trainer, spec, "engine")
+    finally:
+        spec.close()
+    for ep in episodes:
+        tokens = ep.record()["tokens"]
+        assert tokens["exact"] and tokens["masked"] == 0 and tokens["rows"] == 1 and tokens["generated"] > 0
+    assert logged[f"env/{ENV}/tokens/masked_fraction"] == 0
+
+
+def test_a_re_render_that_changes_history_is_counted_and_warned(tiny_model_dir, make_server, caplog):
+    """A template that drops earlier reasoning, re-rendered each turn (`join_turns=False`): the generated tokens
+    it changed are counted in the record and a warning says so once."""
+    from transformers import AutoTokenizer
+
+    from ors_trl import LocalPolicy
+    from tests.test_turns import ScriptModel
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = ScriptModel(tok)
+    model.generate = _thinking(model, tok)  # every reply opens with a reasoning block
+    template = tok.chat_template.replace("{%- if loop.index0 > ns.last_query_index %}", "{%- if false %}") \
+        if "ns.last_query_index" in tok.chat_template else None
+    if template is None:
+        pytest.skip("the tiny tokenizer's template has no reasoning rule to drop")
+    policy = LocalPolicy(model, tok, chat_template=template, join_turns=False)
+    server = make_server("corridor")
+    spec = spec_for(server)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ors_trl"):
+            report = spec.evaluate(policy, max_turns=3, progress=False, concurrency=1)
+    finally:
+        spec.close()
+    masked = [e["tokens"]["masked"] for e in report.episodes]
+    assert all(m > 0 for m in masked) and not any(e["tokens"]["exact"] for e in report.episodes)
+    assert sum("changed" in r.getMessage() and "generated token" in r.getMessage() for r in caplog.records) == 1
+
+
+def _thinking(model: Any, tok: Any):
+    import torch
+
+    def generate(input_ids: Any, attention_mask: Any, **kwargs: Any) -> Any:
+        rows = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
+            text = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
+            reply = f"<think>\nthe door says {DOOR.findall(text)[-1]}\n</think>\n\n" + open_the_door(text)
+            rows.append(ids + tok.encode(reply + "<|im_end|>", add_special_tokens=False))
+        width, pad = max(map(len, rows)), tok.pad_token_id
+        return torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+
+    return generate
