@@ -345,8 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", metavar="N", type=int, required=True, help="TCP port to listen on")
     p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
     p.add_argument("--envs", default="echo",
-                   help="comma-separated bundled environments (echo, demo, look, and card: the answer only in an "
-                        "image, needs Pillow), or 'all' (default echo)")
+                   help="comma-separated bundled environments (echo, demo, look, card: the answer only in an "
+                        "image, needs Pillow, and corridor: ~30 calls per episode, ORS_CORRIDOR_DEATH=CALL:EVERY "
+                        "kills sandboxes), or 'all' (default echo)")
     p.add_argument("--log-level", default="warning", help="server log level (default warning)")
 
     from ..report.tally import DEFAULT_MAX_EPISODES

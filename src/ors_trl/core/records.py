@@ -98,7 +98,7 @@ Unscored = Literal["no_reward", "cut_off", "error", "timeout", "dropped"]
 
 class EpisodeRecord(TypedDict, total=False):
     """One episode as a record (schema version `RECORD_VERSION`), the same for every driver: one JSON line of an
-    episode log or eval output, and `Episode.record()`. README's "Metrics and episode records" documents it."""
+    episode log or eval output, and `Episode.record()`. docs/guides/metrics.md documents it."""
 
     version: int  # `RECORD_VERSION` (the reader upgrades older records)
     run: str  # the process run that wrote it (`RUN_ID`: tells runs apart in merged logs)

@@ -1,4 +1,4 @@
-"""`ors-trl demo` (README "The demo"): a tiny tool-calling Qwen3 trained with GRPO against a local ORS environment.
+"""`ors-trl demo` (docs/demo.md): a tiny tool-calling Qwen3 trained with GRPO against a local ORS environment.
 
 Nothing heavy is imported here. `_task`: the tasks, pure Python; `_environments`: them as ORS environments (and
 `card`, for vision-language models); `_model`: the local tokenizer and tiny model; `_recipe`: warm start, GRPO

@@ -1,4 +1,4 @@
-"""`ors-trl demo` (README "The demo"): serve the bundled environment on loopback, build a tiny Qwen3 and its
+"""`ors-trl demo` (docs/demo.md): serve the bundled environment on loopback, build a tiny Qwen3 and its
 tokenizer locally (nothing downloaded), warm start it (format only), measure it on held-out tasks, train it with
 `GRPOTrainer` fed by `OpenRewardSpec(url)` (or `spec.rollout_func`), measure it again, print a before/after table
 (`--json`: and a JSON line) and write an HTML report next to the trainer's output, "after" against "before". `--model`
