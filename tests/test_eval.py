@@ -57,6 +57,8 @@ def scripted_reply(body: dict[str, Any], n: int) -> dict[str, Any]:
     prompt = messages[0]["content"]
     if body["model"] in AS_CONTENT:
         return {"role": "assistant", "content": AS_CONTENT[body["model"]].format(re.search(r'"([^"]+)"', prompt)[1])}
+    if body["model"] == "thinking":  # a reasoning model: its reasoning apart from the content, as vLLM's parsers give
+        return {**scripted_reply({**body, "model": "scripted"}, n), "reasoning_content": f"turn {len(messages)}"}
     turns = sum(1 for m in messages if m["role"] == "assistant")
     faulty = body["model"] == "faulty"
     if "echo" in names:
@@ -217,6 +219,18 @@ def test_openai_policy_sparse_multi_turn(ref_server, fake_openai) -> None:
     assert call["function"]["name"] == "calculator" and isinstance(call["function"]["arguments"], str)
     assert tool == {"role": "tool", "tool_call_id": call["id"], "content": tool["content"]}
     assert tool["content"].isdigit()
+
+
+def test_an_endpoints_reasoning_stays_in_the_history(ref_server, fake_openai) -> None:
+    """Training keeps the model's reasoning in the conversation; evaluation through an endpoint does too: each
+    reply's `reasoning_content` goes back in the next request, and the record keeps it."""
+    spec = OpenRewardSpec(ref_server.url, env_name=ECHO)
+    report = spec.evaluate(OpenAIPolicy(fake_openai.url, "thinking"), num_tasks=1, progress=False)
+    assert report.mean_reward == 1.0
+    first, second = fake_openai.requests
+    assert second["messages"][1]["role"] == "assistant"
+    assert second["messages"][1]["reasoning_content"] == f"turn {len(first['messages'])}"
+    assert [t.get("reasoning") for t in report.episodes[0]["turns"]] == ["turn 1", "turn 3"]
 
 
 def test_tool_failures_are_recorded_and_shown_to_the_model(ref_server, fake_openai) -> None:

@@ -287,3 +287,36 @@ def _thinking(model: Any, tok: Any):
         return torch.tensor([r + [pad] * (width - len(r)) for r in rows])
 
     return generate
+
+
+def test_local_policy_works_per_turn_on_that_turn_alone(tiny_model_dir, make_server, monkeypatch):
+    """`LocalPolicy` extends each episode's ids by the turn's tool results (rendering the prompt once per episode),
+    so its cost per turn does not grow with the turn number; what it caches is bounded, not every turn's input."""
+    from transformers import AutoTokenizer
+
+    from ors_trl import LocalPolicy
+    from tests.test_turns import ScriptModel
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = ScriptModel(tok)
+    model.generate = _thinking(model, tok)
+    policy = LocalPolicy(model, tok)
+    monkeypatch.setattr(policy, "max_renders", 8)
+    rendered: list[tuple[str, int]] = []
+    prompt_ids, suffix_ids = policy.rendering.prompt_ids, policy.rendering.tool_suffix_ids
+    monkeypatch.setattr(policy.rendering, "prompt_ids",
+                        lambda messages, tools: rendered.append(("prompt", len(messages))) or prompt_ids(messages, tools))
+    monkeypatch.setattr(policy.rendering, "tool_suffix_ids",
+                        lambda messages: rendered.append(("tools", len(messages))) or suffix_ids(messages))
+    server = make_server("corridor")
+    spec = spec_for(server)
+    try:
+        report = spec.evaluate(policy, max_turns=ROOMS + 2, progress=False, concurrency=1)
+    finally:
+        spec.close()
+    assert [e["reward"] for e in report.episodes] == [1.0] * TASKS  # 12 rooms, through
+    assert rendered.count(("prompt", 1)) == TASKS and {r for r in rendered if r[0] == "prompt"} == {("prompt", 1)}
+    assert rendered.count(("tools", 1)) == TASKS * ROOMS  # one tool message per turn, whatever the turn's number
+    assert len(rendered) == TASKS * (ROOMS + 1)
+    assert len(policy._renders) <= 8
+    assert all(e["tokens"]["exact"] and e["tokens"]["masked"] == 0 for e in report.episodes)
