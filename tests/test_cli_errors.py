@@ -180,8 +180,11 @@ def test_trls_unscored_rollout_warning_is_one_line_pointing_at_unscored_reward(t
     from tests.fixtures.generation import cpu_grpo_trainer
 
     caplog.set_level(logging.WARNING)
-    monkeypatch.setattr(logging.getLogger("ors_trl"), "propagate", True)  # `main()` of an earlier test turned it off
-    rewards._UnscoredNotice.said = False
+    # Earlier tests may have quieted these loggers (`main()`, a server's logging config): hear them whatever they did.
+    for logger in (logging.getLogger("ors_trl"), *map(logging.getLogger, rewards._TRL_LOGGERS)):
+        for name, value in (("propagate", True), ("disabled", False), ("level", logging.WARNING)):
+            monkeypatch.setattr(logger, name, value)
+    monkeypatch.setattr(rewards._UnscoredNotice, "said", False)
     spec = OpenRewardSpec(ref_server.url, env_name=ECHO, num_tasks=2)
     try:
         trainer = cpu_grpo_trainer(tiny_model_dir, str(tmp_path), batch=2, generations=2, turns=1,
@@ -190,8 +193,8 @@ def test_trls_unscored_rollout_warning_is_one_line_pointing_at_unscored_reward(t
     finally:
         spec.close()
     assert not [r for r in caplog.records if "All reward functions returned None" in r.getMessage()]
-    ours = [r.getMessage() for r in caplog.records if "unscored_reward=0.0" in r.getMessage()]
-    assert len(ours) == 1 and "\n" not in ours[0]
+    ours = {id(r): r.getMessage() for r in caplog.records if "unscored_reward=0.0" in r.getMessage()}  # log calls
+    assert len(ours) == 1 and "\n" not in next(iter(ours.values()))
 
 
 @pytest.mark.slow
