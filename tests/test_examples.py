@@ -21,7 +21,8 @@ RUN_LIMIT_S = 240  # liveness bound for one subprocess, not a performance thresh
 
 def _run(script: str, args: list[str], cwd: Path, extra_env: dict[str, str] | None = None) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENREWARD_") or k.endswith("UPDATE_CHECK")}
-    env.update({"OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", **(extra_env or {})})
+    env.update({"OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", **(extra_env or {}),
+                "PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent / "src"), env.get("PYTHONPATH", "")])})  # this tree's
     proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=RUN_LIMIT_S)
     out = proc.stdout + proc.stderr

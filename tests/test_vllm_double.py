@@ -224,7 +224,8 @@ def test_colocate_honours_vllm_max_model_len(tiny_model_dir, echo_spec, ref_serv
     assert len(colocate.calls) == 1  # no generation past the context: the tool result was rolled back
     assert out["completion_ids"] == colocate.calls[0]["completions"]
     assert all(m == [1] * len(m) for m in out["env_mask"])
-    assert out["ors_reward"] == [1.0, 1.0]  # the tool itself ran and scored
+    assert out["ors_reward"] == [None, None]  # the tool ran and scored, but the model never saw its result
+    assert all(ep.turns[-1]["tool_calls"][-1]["unseen"] for ep in echo_spec.rollout_func.last_episodes)
     assert ref_server.stats()["tool_calls"]["echoenvironment/echo"] - before == 2
     check_alignment(out, trl_tokenizer(trainer))
 

@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from types import EllipsisType
 from typing import Any
 
 from ..protocol.client import AsyncClient, AsyncSession
@@ -510,6 +511,7 @@ class Episode:
         #: how many were generated, how many of those a re-render changed (`masked`), and the training rows.
         self.tokens: dict[str, Any] | None = None
         self._unseen: set[int] = set()  # positions in `rewards` of calls whose results the model never saw
+        self._given: float | EllipsisType | None = ...  # a reward given outright (`reward = x`), else the rule's
         self._metrics = metrics if metrics is not None else EnvMetrics(env.metrics.success_threshold)  # apart
         self._writer = writer
         self._uploads = uploads
@@ -556,7 +558,14 @@ class Episode:
         `score_failures`)."""
         if self.end_reason == "timeout" or self.dropped or (self.broken and not self.env.score_failures):
             return None
+        if self._given is not ...:
+            return self._given
         return self.env.reward_rule([None if k in self._unseen else r for k, r in enumerate(self.rewards)], self)
+
+    @reward.setter
+    def reward(self, value: float | None) -> None:
+        """Score the episode yourself (a harness's `score` hook): this replaces the rule's reward, not a failure's."""
+        self._given = value
 
     @property
     def retryable(self) -> ORSError | None:

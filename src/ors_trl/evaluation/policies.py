@@ -424,7 +424,7 @@ class LocalPolicy(TokenGenerator):
                 with self._lock:  # `start` counts its episode before it looks for a worker: none is stranded
                     if self._idle():
                         self._worker = None
-                        self._renders = {}  # no episode left: what was rendered for them is not kept
+                        self._renders.clear()  # no episode left: what was rendered for them is not kept
                         return
                 continue
             try:
