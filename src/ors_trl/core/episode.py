@@ -269,6 +269,7 @@ class EnvironmentRuntime:
         self.tool_errors: str = options.get("tool_errors") or "model"
         self.episode_retries: int = int(options.get("episode_retries") or 0)
         self.failed_groups: str = options.get("failed_groups") or "partial"
+        self.credit: str = options.get("credit") or "episode"  # "turn": each turn trains on its own return
         #: Set when an image met a trainer that cannot take images, where TRL's loop would swallow the error (a tool
         #: call): the reward functions raise it at the end of that step.
         self.image_error: ConfigurationError | None = None
@@ -534,7 +535,25 @@ class Episode:
         `score_failures`)."""
         if self.end_reason == "timeout" or self.dropped or (self.broken and not self.env.score_failures):
             return None
-        return self.env.reward_rule([None if k in self._unseen else r for k, r in enumerate(self.rewards)], self)
+        return self.env.reward_rule(self._seen_rewards, self)
+
+    @property
+    def _seen_rewards(self) -> list[float | None]:
+        return [None if k in self._unseen else r for k, r in enumerate(self.rewards)]
+
+    @property
+    def turn_returns(self) -> list[float] | None:
+        """Per turn (`turns`), the reward rule over the per-call rewards from that turn's calls on (a final grade
+        counts for the last turn; 0.0 where nothing is left): what `credit="turn"` trains each turn on. None when the
+        episode has no reward (`reward` is None)."""
+        if self.reward is None:
+            return None
+        seen = self._seen_rewards
+        togo, out, k = [*self.env.reward_rule.returns(seen), 0.0], [], 0
+        for turn in self.turns:
+            out.append(togo[min(k, len(seen))])
+            k += sum(1 for c in turn["tool_calls"] if c.get("status") != "not_run")
+        return out
 
     @property
     def retryable(self) -> ORSError | None:
