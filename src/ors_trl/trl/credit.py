@@ -26,8 +26,8 @@ keeps TRL's advantage on every token; tool-result tokens (`tool_mask` 0) get 0 (
 
 Turns are read off the ids GRPO trains on: each run of generated tokens (`completion_mask * tool_mask` = 1) between
 tool results is one reply, in order, matched to `Episode.turns` (a trailing reply cut to nothing has no tokens).
-Applied behind the TRL seam (`backend.hook_scoring`) on the batch `_generate_and_score_completions` returns, before
-TRL splits it for the loss, whose `_compute_loss` takes advantages of shape (B, T).
+Applied behind the TRL seam (`backend.hook_scoring`) on the batch GRPOTrainer's generate-and-score step returns,
+before TRL splits it for the loss, which takes advantages of shape (B, T) as well as (B,).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from . import backend as _trl
 
 __all__ = ["group_turn_advantages", "install", "require", "turn_spans"]
 
-_NEEDS = ("credit='turn' needs GRPOTrainer (or a subclass that calls its _generate_and_score_completions), a verified "
+_NEEDS = ("credit='turn' needs GRPOTrainer (or a subclass that keeps its generate-and-score step), a verified "
           "TRL, and the episodes of spec.rollout_func or environment_factory with reward_funcs=spec.reward_funcs")
 
 
