@@ -541,14 +541,13 @@ class Episode:
     def _seen_rewards(self) -> list[float | None]:
         return [None if k in self._unseen else r for k, r in enumerate(self.rewards)]
 
-    @property
-    def turn_returns(self) -> list[float] | None:
+    def turn_returns(self, rewards: Sequence[float | None] | None = None) -> list[float] | None:
         """Per turn (`turns`), the reward rule over the per-call rewards from that turn's calls on (a final grade
         counts for the last turn; 0.0 where nothing is left): what `credit="turn"` trains each turn on. None when the
-        episode has no reward (`reward` is None)."""
+        episode has no reward (`reward` is None). `rewards`: per call, in place of those the model saw (a control)."""
         if self.reward is None:
             return None
-        seen = self._seen_rewards
+        seen = self._seen_rewards if rewards is None else list(rewards)
         togo, out, k = [*self.env.reward_rule.returns(seen), 0.0], [], 0
         for turn in self.turns:
             out.append(togo[min(k, len(seen))])

@@ -62,7 +62,7 @@ def require(runtimes: Sequence[EnvironmentRuntime]) -> None:
 def call_rewards(ep: Episode) -> list[float] | None:
     """The per-turn returns credit trains `ep`'s turns on (`Episode.turn_returns`); the benchmark's control
     replaces this to shuffle them."""
-    return ep.turn_returns
+    return ep.turn_returns()
 
 
 def turn_spans(mask: Sequence[int]) -> list[tuple[int, int]]:
