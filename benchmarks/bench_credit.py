@@ -123,7 +123,7 @@ def shuffle_credit(seed: int) -> None:
         rng.shuffle(rewards)
         return ep.turn_returns(rewards)
 
-    credit.call_rewards = shuffled
+    credit.returns_of = shuffled
 
 
 def train_one(arm: str, seed: int, steps: int, rooms: int, words: int, prompts: int, generations: int,
@@ -205,10 +205,10 @@ TARGET = [0.7]  # set by --target (a list: the spawned workers read the module's
 
 
 def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
-    runs = [(arm, seed) for seed in args.seeds for arm in args.arms]
+    runs = [(arm, seed) for seed in args.seeds for arm in args.arms]  # each in a fresh process (the control patches)
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context, initializer=_set_target,
-                                                initargs=(args.target,)) as executor:
+                                                initargs=(args.target,), max_tasks_per_child=1) as executor:
         futures = [executor.submit(train_one, arm, seed, args.steps, args.rooms, args.words, args.prompts,
                                    args.generations, args.sft_steps) for arm, seed in runs]
         for future in concurrent.futures.as_completed(futures):

@@ -59,7 +59,7 @@ def require(runtimes: Sequence[EnvironmentRuntime]) -> None:
                                  "here.")
 
 
-def call_rewards(ep: Episode) -> list[float] | None:
+def returns_of(ep: Episode) -> list[float] | None:
     """The per-turn returns credit trains `ep`'s turns on (`Episode.turn_returns`); the benchmark's control
     replaces this to shuffle them."""
     return ep.turn_returns()
@@ -123,7 +123,7 @@ def apply(trainer: Any, batch: dict[str, Any]) -> None:
                                      "split into turns.")
         if any(ep is not None and not ep.over for ep in local):
             raise ConfigurationError(f"{_NEEDS}: an episode of this batch was not settled by the reward functions.")
-    rows, start = backend.gather_objects([call_rewards(ep) if ep is not None else None for ep in local])
+    rows, start = backend.gather_objects([returns_of(ep) if ep is not None else None for ep in local])
     if not wanted:  # another process's batch wanted it: the gather above was collective
         return
     size, scale = backend.grouping()
