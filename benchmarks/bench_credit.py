@@ -18,9 +18,14 @@ exit reached), and the environment episodes until its mean over the last 3 steps
 that never reaches it counts as never (median over seeds; `--` in the table). Ratios are outcome / arm (above 1: the
 arm needed fewer episodes).
 
-`.venv/bin/python benchmarks/bench_credit.py [--quick] [--seeds 0 1 2] [--steps N] [--rooms 3] [--words 6]
-[--jobs 2] [--json]`  (`--quick`: a smoke run of a few steps per arm and seed, under ~3 minutes on 2 cores; the full
-run: about 2-4 minutes per arm and seed on one core, `--jobs` at a time).
+`.venv/bin/python benchmarks/bench_credit.py [--quick] [--seeds 0 1 2] [--steps N] [--rooms 3] [--words 2]
+[--target 0.7] [--jobs 2] [--json]`  (`--quick`: a smoke run, 3 steps per arm and seed, about 3 minutes on 2 cores,
+too short to learn; the default run: 3 arms x 3 seeds, 2-8 minutes a run on one core (busy box), 12-25 minutes).
+
+Measured (2 busy cores, TRL 1.16, 3 seeds): 3 rooms, 25 steps, target 0.7: median episodes outcome 704 (2 of 3
+seeds reached it), turn 672 (2 of 3), shuffled -- (1 of 3: 576); 4 rooms: no arm reached 0.7 in 25 steps (final
+success 0.32 / 0.28 / 0.30). Per-turn credit did not learn measurably faster than outcome-only here: the differences
+are within the spread between seeds.
 """
 
 from __future__ import annotations
