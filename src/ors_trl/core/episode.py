@@ -544,7 +544,12 @@ class Episode:
     def turn_returns(self, rewards: Sequence[float | None] | None = None) -> list[float] | None:
         """Per turn (`turns`), the reward rule over the per-call rewards from that turn's calls on (a final grade
         counts for the last turn; 0.0 where nothing is left): what `credit="turn"` trains each turn on. None when the
-        episode has no reward (`reward` is None). `rewards`: per call, in place of those the model saw (a control)."""
+        episode has no reward (`reward` is None).
+
+        Args:
+            rewards (`Sequence[float | None]`, *optional*):
+                Per call, in place of the rewards the model saw (a benchmark's control shuffles them).
+        """
         if self.reward is None:
             return None
         seen = self._seen_rewards if rewards is None else list(rewards)
