@@ -56,6 +56,7 @@ from .tasks.selection import check_in_range, check_selection, fetch_tasks, log_n
 from .trl import backend as _trl
 from .trl.adapter import RESERVED as ADAPTER_NAMES
 from .trl.adapter import OpenRewardEnvironment, for_this_process
+from .trl.credit import install as install_credit
 from .trl.engine import TASK_KEY, RolloutEngine
 from .trl.rewards import group_reward, outcome_reward, reward_function
 
@@ -266,10 +267,11 @@ class OpenRewardSpec:
             A GRPO group with an episode still void after its retries: `"partial"` trains the others (the void one is
             left out of the baseline), `"drop"` trains none of the group (no partial-group bias).
         credit (`str`, *optional*, defaults to `"episode"`):
-            `"turn"`: each turn's tokens are trained on the group-normalised return of the calls from that turn on
-            (the reward rule applied to the per-call rewards that follow), not the episode's one advantage: credit
-            from every call, for environments that reward progress. Needs `rollout_func` or `environment_factory` with
-            `GRPOTrainer`.
+            `"turn"`: each turn's tokens are trained on the mean of the episode's advantage and the turn's own: the
+            return of the calls from that turn on (the reward rule over the per-call rewards that follow), normalised
+            against the group's rollouts at the same turn (`ors_trl.trl.credit`): credit from every call, for
+            environments that reward progress. Needs `GRPOTrainer` with `rollout_func`, or `environment_factory` and
+            `reward_funcs`; elsewhere (TRL's async trainer) a `ConfigurationError`.
     """
 
     @checked_keywords
@@ -591,6 +593,8 @@ class OpenRewardSpec:
         name = f"OpenRewardEnvironment_{_slug(self.name)}"
         cls = _AdapterClass(name, (OpenRewardEnvironment,), {"_runtime": self._runtime, "_spec": self,
                                                               "__module__": __name__})
+        if self._runtime.credit == "turn":
+            install_credit()
         return toolset.install(cls)
 
     @cached_property

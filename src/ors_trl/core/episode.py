@@ -275,6 +275,7 @@ class EnvironmentRuntime:
         self.tool_errors: str = options.get("tool_errors") or "model"
         self.episode_retries: int = int(options.get("episode_retries") or 0)
         self.failed_groups: str = options.get("failed_groups") or "partial"
+        self.credit: str = options.get("credit") or "episode"  # "turn": each turn trains on its own return
         #: Set when an image met a trainer that cannot take images, where TRL's loop would swallow the error (a tool
         #: call): the reward functions raise it at the end of that step.
         self.image_error: ConfigurationError | None = None
@@ -560,12 +561,34 @@ class Episode:
             return None
         if self._given is not ...:
             return self._given
-        return self.env.reward_rule([None if k in self._unseen else r for k, r in enumerate(self.rewards)], self)
+        return self.env.reward_rule(self._seen_rewards, self)
 
     @reward.setter
     def reward(self, value: float | None) -> None:
         """Score the episode yourself (a harness's `score` hook): this replaces the rule's reward, not a failure's."""
         self._given = value
+
+    @property
+    def _seen_rewards(self) -> list[float | None]:
+        return [None if k in self._unseen else r for k, r in enumerate(self.rewards)]
+
+    def turn_returns(self, rewards: Sequence[float | None] | None = None) -> list[float] | None:
+        """Per turn (`turns`), the reward rule over the per-call rewards from that turn's calls on (a final grade
+        counts for the last turn; 0.0 where nothing is left): what `credit="turn"` trains each turn on. None when the
+        episode has no reward (`reward` is None).
+
+        Args:
+            rewards (`Sequence[float | None]`, *optional*):
+                Per call, in place of the rewards the model saw (a benchmark's control shuffles them).
+        """
+        if self.reward is None:
+            return None
+        seen = self._seen_rewards if rewards is None else list(rewards)
+        togo, out, k = [*self.env.reward_rule.returns(seen), 0.0], [], 0
+        for turn in self.turns:
+            out.append(togo[min(k, len(seen))])
+            k += sum(1 for c in turn["tool_calls"] if c.get("status") != "not_run")
+        return out
 
     @property
     def retryable(self) -> ORSError | None:

@@ -223,6 +223,14 @@ _DOOR_WORDS = ["amber", "birch", "cedar", "dune", "ember", "fjord", "grove", "he
 #: Sandbox death on demand (for tests of failures mid-episode): `"CALL:EVERY"` makes the session of every EVERY-th
 #: setup die at its CALL-th tool call (the tool raises, as a dead sandbox's would); unset: no death.
 CORRIDOR_DEATH_ENV = "ORS_CORRIDOR_DEATH"
+#: Shorter corridors (for a tiny model, `benchmarks/bench_credit.py`): `"ROOMS"` or `"ROOMS:WORDS"`, the rooms of every
+#: task and how many of the door words are used; unset: 30 rooms, every word.
+CORRIDOR_SIZE_ENV = "ORS_CORRIDOR_SIZE"
+
+
+def _corridor_size() -> tuple[int, int]:
+    rooms, _, words = os.environ.get(CORRIDOR_SIZE_ENV, "").partition(":")
+    return int(rooms or 30), int(words or len(_DOOR_WORDS))
 
 
 class DoorInput(BaseModel):
@@ -238,7 +246,9 @@ class CorridorEnvironment(CountedEnvironment):
 
     @classmethod
     def list_tasks(cls, split: str) -> list[JSONObject]:
-        return [{"id": f"corridor-{split}-{i}", "rooms": 30, "seed": i + (0 if split == "train" else 10_000)}
+        rooms, words = _corridor_size()
+        return [{"id": f"corridor-{split}-{i}", "rooms": rooms, "words": words,
+                 "seed": i + (0 if split == "train" else 10_000)}
                 for i in range(64 if split == "train" else 16)]
 
     async def setup(self) -> None:
@@ -249,7 +259,8 @@ class CorridorEnvironment(CountedEnvironment):
         self.dies_at = int(call) if call and type(self).setups % int(every or 1) == 0 else None
 
     def _door(self) -> str:
-        return random.Random(self.task_spec["seed"] * 1000 + self.room).choice(_DOOR_WORDS)
+        words = _DOOR_WORDS[:self.task_spec.get("words") or len(_DOOR_WORDS)]
+        return random.Random(self.task_spec["seed"] * 1000 + self.room).choice(words)
 
     async def get_prompt(self) -> list[TextBlock]:
         rooms = self.task_spec["rooms"]

@@ -24,6 +24,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,8 +36,8 @@ from ..protocol.errors import ConfigurationError, UsageError, require_extra
 from ..tasks.selection import TRL_KEYWORDS
 
 __all__ = ["TRL_KEYWORDS", "VERIFIED", "AsyncGRPO", "Backend", "FinishedRollout", "Rendering", "async_grpo",
-           "calling_trainer", "error_text", "finished_rollout", "in_async_worker", "install_image_handoff", "replies_of",
-           "resetting_batch", "rules", "shown_error", "tool_markup", "tool_turn", "training_trainer", "verified"]
+           "calling_trainer", "error_text", "finished_rollout", "hook_scoring", "in_async_worker", "install_image_handoff", "replies_of",
+           "resetting_batch", "rules", "scoring_hooked", "shown_error", "tool_markup", "tool_turn", "training_trainer", "verified"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -483,6 +484,48 @@ def install_image_handoff() -> None:
     GRPOTrainer._generate_and_score_completions = _generate_and_score_completions
 
 
+_HOOKS = "_ors_scoring_hooks"
+_scoring = threading.local()  # how deep this thread is in a hooked `_generate_and_score_completions`
+
+
+def hook_scoring(hook: Callable[[Any, dict[str, Any]], None]) -> bool:
+    """Run `hook(trainer, batch)` on each batch `GRPOTrainer._generate_and_score_completions` returns (the tensors GRPO
+    trains on: `advantages`, `completion_mask`, `tool_mask`, ...), before TRL splits it for the loss; installed on the
+    class once per hook (a subclass that overrides the method without calling it runs no hook: `scoring_hooked`
+    says so). False, and nothing installed, on an unverified TRL."""
+    if not verified():
+        return False
+    from trl import GRPOTrainer
+
+    score = GRPOTrainer._generate_and_score_completions
+    hooks: list[Callable[[Any, dict[str, Any]], None]] | None = getattr(score, _HOOKS, None)
+    if hooks is None:
+        hooks = []
+
+        @functools.wraps(score)
+        def _generate_and_score_completions(self: Any, inputs: Any) -> Any:
+            _scoring.depth = getattr(_scoring, "depth", 0) + 1
+            try:
+                out = score(self, inputs)
+            finally:
+                _scoring.depth -= 1
+            for run in hooks:
+                run(self, out)
+            return out
+
+        setattr(_generate_and_score_completions, _HOOKS, hooks)
+        GRPOTrainer._generate_and_score_completions = _generate_and_score_completions
+    if hook not in hooks:
+        hooks.append(hook)
+    return True
+
+
+def scoring_hooked() -> bool:
+    """True inside a `_generate_and_score_completions` whose batch the `hook_scoring` hooks will see (its reward
+    functions run there)."""
+    return getattr(_scoring, "depth", 0) > 0
+
+
 class Backend:
     """TRL's private surface for one trainer (held weakly), built once and kept on it (`Backend.of`): its rendering
     and turn rules, its context length, generation padded across processes, the image hand-off and its logs."""
@@ -566,6 +609,34 @@ class Backend:
         ids, logprobs = trainer._generate_single_turn(prompt_ids, images if any(images) else None, fields,
                                                       num_generations=1)
         return [(list(ids[i]), list(logprobs[i]) if logprobs is not None else None) for i in range(n)]
+
+    # -- the batch a step trains on (per-turn credit) -----------------------------------------------
+
+    @property
+    def batch_episodes(self) -> list[Any] | None:
+        """The episodes of the batch the trainer just generated, in its rows' order: the `rollout_func`'s
+        (`last_episodes`) or the `environment_factory` adapters' (`episode`); None when neither is there."""
+        trainer = self.trainer
+        engine = getattr(getattr(trainer, "rollout_func", None), "last_episodes", None)
+        if getattr(trainer, "rollout_func", None) is not None:
+            return list(engine) if isinstance(engine, list) else None
+        envs = getattr(trainer, "environments", None)
+        return [getattr(env, "episode", None) for env in envs] if isinstance(envs, list) and envs else None
+
+    def grouping(self) -> tuple[int, str]:
+        """The GRPO group size of the current mode and TRL's `scale_rewards` ("group", "batch" or "none")."""
+        trainer = self.trainer
+        size = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
+        return int(size), str(getattr(trainer, "scale_rewards", "group"))
+
+    def gather_objects(self, local: list[Any]) -> tuple[list[Any], int]:
+        """Every process's `local` items, concatenated in process order, and where this process's start (every
+        process must call this, together)."""
+        if self.processes == 1:
+            return list(local), 0
+        from accelerate.utils import gather_object
+
+        return list(gather_object(local)), self.trainer.accelerator.process_index * len(local)
 
     # -- the image hand-off and logs -----------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from ..protocol.budget import get_max_sessions
 from ..protocol.errors import ConfigurationError
 from ..protocol.loop import get_loop
 from .backend import Backend, install_image_handoff, require_engine, rules
+from .credit import install as install_credit
 from .tokens import TokenGenerator, Tokens, fidelity
 
 __all__ = ["TASK_KEY", "RolloutEngine", "task_of"]
@@ -103,6 +104,8 @@ class RolloutEngine:
         self.last_episodes: list[Episode] = []
         self.generation_calls: list[int] = []  # prompts per generation call (this process), for inspection
         install_image_handoff()
+        if any(rt.credit == "turn" for rt in self.environments.values()):
+            install_credit()
 
     def __repr__(self) -> str:
         return f"RolloutEngine({list(self.environments)})"

@@ -19,6 +19,7 @@ from ..protocol.errors import ConfigurationError
 from ..protocol.loop import get_loop
 from . import backend as _trl
 from .adapter import READS_EPISODES, OpenRewardEnvironment, settle_all, take_ended
+from .credit import require as require_credit
 
 __all__ = ["group_reward", "outcome_reward", "reward_function"]
 
@@ -88,6 +89,7 @@ def outcome_reward(environments: Sequence[Any] | None = None, *, unscored_reward
         rewards = [ep.reward if ep is not None else getattr(env, "reward", None)
                    for env, ep in zip(environments or [None] * len(episodes), episodes, strict=True)]
         rts = [ep.env for ep in episodes if ep is not None]
+    require_credit(rts)
     _flush(rts, kwargs.get("log_metric"))
     return [unscored_reward if r is None else r for r in rewards]
 
