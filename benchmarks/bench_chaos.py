@@ -402,7 +402,8 @@ def account(records: list[dict[str, Any]], result: PathResult, outcomes: dict[st
     unscored: Counter[str] = Counter()
     failures: Counter[str] = Counter()
     for rec in records:
-        calls = [c for turn in rec.get("turns") or [] for c in turn.get("tool_calls") or []]
+        calls = [c for turn in rec.get("turns") or [] for c in turn.get("tool_calls") or []
+                 if c.get("status") != "not_run"]  # not sent: after a failure, past a limit (the model's, not run)
         kinds = []
         for c in calls:
             cid = call_id_of(c)
