@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]  # the package, and the suite's fixtures (tests.fixtures)
 
 from ors_trl import write_report  # noqa: E402
-from ors_trl.protocol.text import clip  # noqa: E402
+from ors_trl.protocol.text import cut  # noqa: E402
 from ors_trl.report.tally import DEFAULT_MAX_EPISODES  # noqa: E402
 
 TARGET_SECONDS = 30.0
@@ -82,7 +82,7 @@ def episode(rng: random.Random, n: int) -> dict[str, Any]:
                 size = rng.choice((40, 200, 800, 3000)) if name == "search" else 10
                 r = None if name in ("calculator", "search") else float(rng.random() < 0.55)
                 done = r == 1.0 or name == "submit"
-                entry.update(output=clip(text(rng, size), 8000), reward=r, finished=done,
+                entry.update(output=cut(text(rng, size), 8000), reward=r, finished=done,
                              metadata={"target_length": rng.randrange(3, 12)} if r is not None else None,
                              seconds=seconds)
                 rewards.append(r)
