@@ -8,8 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -133,21 +131,13 @@ def test_serve_echo_rejects_non_loopback(capsys) -> None:
 
 
 def test_serve_echo_serves_and_stops(capsys) -> None:
+    from tests.fixtures.environments import listed_environments
+
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ors_trl", "serve-echo", "--port", str(port), "--envs", "echo,card"],
                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        envs = None
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.communicate()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/list_environments", timeout=1) as resp:
-                    envs = json.loads(resp.read())
-                break
-            except OSError:
-                time.sleep(0.1)
-        assert envs == ["echoenvironment", "cardenvironment"]
+        assert listed_environments(proc, port) == ["echoenvironment", "cardenvironment"]
         assert main(["inspect", f"http://127.0.0.1:{port}", "--json", "--tasks", "1"]) == EXIT_OK
         info = json.loads(capsys.readouterr().out)
         assert info["environment"] == "echoenvironment" and info["tasks"][0]["task"]["target"] == "hello"

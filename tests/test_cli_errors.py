@@ -10,10 +10,8 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 import unicodedata
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -223,22 +221,15 @@ def test_ctrl_c_during_grpo_is_one_line_and_leaves_no_orphan(tmp_path) -> None:
 
 
 def test_serve_echo_log_level_error_logs_no_request(tmp_path) -> None:
+    from tests.fixtures.environments import listed_environments
+
     port = free_port()
     env = {**os.environ, "PYTHONPATH": SRC, "OPENREWARD_DISABLE_UPDATE_CHECK": "1"}
     env.pop("OPENREWARD_LOG_LEVEL", None)
     proc = subprocess.Popen([sys.executable, "-m", "ors_trl", "serve-echo", "--port", str(port), "--log-level", "error"],
                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        answered = None
-        for _ in range(600):  # bounded: the server starts within a minute
-            assert proc.poll() is None, proc.communicate()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/list_environments", timeout=5) as resp:
-                    answered = json.loads(resp.read())
-                break
-            except OSError:
-                time.sleep(0.1)
-        assert answered == [ECHO]
+        assert listed_environments(proc, port) == [ECHO]
     finally:
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
