@@ -29,9 +29,15 @@ from ..protocol.text import cut as cut_text
 
 __all__ = ["MAX_DEPTH", "RECORD_VERSION", "RUN_ID", "CallRecord", "EndReason", "EpisodeRecord", "ImageRecord",
            "RecordWriter", "TurnRecord", "Unscored", "error_record", "image_record", "jsonable", "parse_line",
-           "read_records", "upgrade"]
+           "read_records", "token_fidelity", "upgrade"]
 
 logger = logging.getLogger("ors_trl")
+
+def token_fidelity(generated: int, masked: int = 0, rows: int = 1) -> dict[str, Any]:
+    """A record's `tokens`: the tokens generated, how many of them a re-render changed (`masked`), the training rows;
+    `exact` when none was changed and one row holds them all (every driver builds it here)."""
+    return {"exact": masked == 0 and rows == 1, "generated": generated, "masked": masked, "rows": rows}
+
 
 #: Version of the episode record schema (`EpisodeRecord`).
 RECORD_VERSION = 3

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from ..core.episode import MANUAL, EnvironmentRuntime, Episode, Outcome, Task, ToolCall
+from ..core.records import token_fidelity
 from ..protocol.errors import ConfigurationError, ORSError, ToolRefusedError, UsageError
 from ..protocol.loop import get_loop
 from ..protocol.text import show_json
@@ -316,7 +317,7 @@ def settle_all(environments: list[Any], completions: list[Any] | None, completio
         replies, cut = _trl.replies_of(messages, bool(eos) and bool(ids) and int(ids[-1]) not in eos)
         reason, message = ep.replay(replies, cut=cut)
         if tokens is not None or (masks is not None and i < len(masks)):
-            ep.tokens = tokens or {"exact": True, "generated": int(sum(masks[i])), "masked": 0, "rows": 1}
+            ep.tokens = tokens or token_fidelity(int(sum(masks[i])))
         ends.append(ep.end(reason, message))
     if ends:
         async def run() -> None:

@@ -32,6 +32,7 @@ from types import FrameType, ModuleType
 from typing import Any
 
 from ..core.episode import Reply, Rules
+from ..core.records import token_fidelity
 from ..protocol.errors import ConfigurationError, UsageError, require_extra
 from ..tasks.selection import TRL_KEYWORDS
 
@@ -243,7 +244,7 @@ def finished_rollout(adapter: Any, skip: int = 2) -> FinishedRollout | None:
     if isinstance(rows, list):  # TRL re-renders each turn: a drift it realigns masks generated tokens, a fork splits
         trained = sum(sum(getattr(row, "completion_mask", ())) for row in rows)
         masked = max(len(ids) - trained, 0)
-        tokens = {"exact": masked == 0 and len(rows) == 1, "generated": len(ids), "masked": masked, "rows": len(rows)}
+        tokens = token_fidelity(len(ids), masked, len(rows))
     return FinishedRollout(messages, ids, eos_token_ids(worker, getattr(worker, "tokenizer", None)),
                            list(getattr(worker, "reward_funcs", None) or []), tokens)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..core.conversation import images_of
 from ..core.episode import Reply
+from ..core.records import token_fidelity
 from ..core.rollout import Batcher, Conversation
 from .backend import Rendering
 
@@ -63,8 +64,7 @@ def fidelity(conversation: Conversation) -> dict[str, Any] | None:
     if tokens is None:
         return None
     rows = len(getattr(conversation, "rows", None) or [tokens])
-    return {"exact": tokens.masked == 0 and rows == 1, "generated": tokens.earlier + sum(tokens.mask),
-            "masked": tokens.masked, "rows": rows}
+    return token_fidelity(tokens.earlier + sum(tokens.mask), tokens.masked, rows)
 
 
 def _drift(old: Tokens, prompt: list[int]) -> int:
