@@ -741,7 +741,8 @@ class Episode:
 
         Refused locally (recorded, counted, the model reads why): an unsupported call type, a call after the
         environment said `finished` or after the episode ended, a call past `Rules.max_tool_calls`, and a tool or
-        arguments the binding does not know (TRL's own messages).
+        arguments the binding does not know (TRL's own messages). Not run (recorded, not counted): a call after its
+        session failed to open or was lost, or after a failure voided the episode.
 
         Args:
             call (`ToolCall`):
@@ -806,8 +807,6 @@ class Episode:
     def _admit(self, call: ToolCall) -> tuple[str, dict[str, Any]]:
         """The remote tool and wire arguments of a call the episode accepts; raises the local refusal otherwise."""
         if call.type == "function":
-            if self._open_error is not None:  # the model reads why its session is not there
-                raise self._open_error
             if self.finished:
                 raise _refusal(call.name, "episode_finished",
                                "the episode has finished, so no further tool calls are accepted.")
