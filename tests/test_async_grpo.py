@@ -218,6 +218,116 @@ def test_async_grpo_trainer_trains_against_the_reference_server(tiny_model_dir, 
     spec.close()
 
 
+def _run_worker_loop(found: Any, spec: OpenRewardSpec, tokenizer: Any, vllm_url: str, log: Any, rollouts: int,
+                     max_tokens: int) -> tuple[list[dict[str, Any]], BaseException | None]:
+    """TRL's rollout loop (`_AsyncRolloutLoop`, what the spawned worker runs) in this process, on a thread, until
+    `rollouts` episode records are written (bounded); the records and what the loop raised, if anything."""
+    import threading
+    import time
+
+    from accelerate import PartialState
+
+    from ors_trl.core.records import read_records
+
+    PartialState()  # as TRL's worker child starts (its loop logs through accelerate)
+    ctx = multiprocessing.get_context("spawn")
+    queues = [ctx.Queue(), ctx.Queue(maxsize=1), ctx.Queue()]
+    factory, reward = pickle.loads(pickle.dumps((spec.environment_factory, spec.reward_funcs)))  # as TRL hands them
+    loop = found.worker_module._AsyncRolloutLoop(
+        model_name="tiny", dataset=spec.train_dataset, reward_funcs=[reward], processing_class=tokenizer,
+        eos_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")], rollout_buffer=queues[0],
+        model_version_value=ctx.Value("i", 0), heartbeat_value=ctx.Value("d", 0.0), failed_event=ctx.Event(),
+        exception_info_queue=queues[1], metrics_queue=queues[2], environment_factory=factory,
+        num_generations=2, max_inflight_tasks=2, vllm_server_url=vllm_url, max_tokens=max_tokens,
+        max_tool_calling_iterations=40, request_timeout=30)
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            loop.run()
+        except BaseException as exc:  # what kills TRL's worker
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, name="rollout-loop", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while time.monotonic() < deadline and thread.is_alive() and len(list(read_records(log))) < rollouts:
+        time.sleep(0.1)
+    if thread.is_alive():
+        loop._loop.call_soon_threadsafe(loop._stop_event.set)
+        thread.join(CHILD_TIMEOUT_S)
+    for queue in queues:
+        queue.cancel_join_thread()
+    return list(read_records(log))[:rollouts], raised[0] if raised else None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_async_worker_ends_a_rollout_at_the_models_context(tiny_model_dir, make_server, tmp_path, monkeypatch):
+    """TRL's async worker re-renders the whole conversation each turn and asks vLLM for `max_tokens` more; past the
+    context vLLM answers 400 and the worker dies. ors-trl bounds it: every request fits, the rollout ends
+    `context_length`, and results no reply saw set no reward."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from ors_trl.trl.backend import async_grpo
+    from tests.fixtures.generation import tool_call_text
+    from tests.fixtures.vllm_server import VLLMDouble
+
+    found = async_grpo()
+    if found is None:
+        pytest.skip("the installed TRL has no AsyncGRPOTrainer")
+    monkeypatch.setattr(multiprocessing.current_process(), "name", "grpo-rollout-worker-child")  # TRL's worker's name
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts: list[int] = []
+
+    def open_the_door(prompt_ids: list[int], seed: int) -> list[int]:  # always opens the last door it was shown
+        prompts.append(len(prompt_ids))
+        text = tokenizer.decode(prompt_ids)
+        reply = "Out." if text.rfind("out of the corridor") > text.rfind("says:") else \
+            tool_call_text("open_door", {"word": re.findall(r"says: (\w+)\.", text)[-1]})
+        return tokenizer.encode(reply + "<|im_end|>", add_special_tokens=False)
+
+    server = make_server("corridor")
+    max_tokens = 48
+    runs: dict[str, Any] = {}
+    sizes: list[int] = []
+    for name in ("roomy", "prompt", "reply"):
+        sizes = sizes if name != "prompt" else sorted(set(prompts))  # the roomy run's prompt at each turn
+        if name != "roomy" and len(sizes) < 12:
+            pytest.fail(f"the roomy run did not walk the corridor: {runs}")
+        # "prompt": the 5th turn's prompt fills the context; "reply": it leaves room for half a reply
+        limit = 1 << 16 if name == "roomy" else sizes[4] + (max_tokens // 2 if name == "reply" else 0)
+        prompts.clear()
+        log = tmp_path / f"{name}.jsonl"
+        spec = OpenRewardSpec(server.url, env_name="shortcorridorenvironment", num_tasks=1, episode_log=str(log))
+        with VLLMDouble(tiny_model_dir, open_the_door, model_name="tiny", max_model_len=limit,
+                        score_logprobs=False) as vllm:
+            records, raised = _run_worker_loop(found, spec, tokenizer, vllm.url, log, 2, max_tokens)
+            runs[name] = (records, raised, vllm.stats(), limit)
+        spec.close()
+        assert raised is None, (name, raised)  # the worker lives on
+        assert vllm.stats()["errors"] == [] and vllm.stats()["longest"] <= limit  # no request past the context
+        assert len(records) == 2
+
+    roomy = runs["roomy"][0]
+    assert [r["end_reason"] for r in roomy] == ["finished", "finished"]  # room for all twelve rooms
+    assert all(r["reward"] == 1.0 for r in roomy)
+    for name in ("prompt", "reply"):
+        for record in runs[name][0]:
+            assert record["end_reason"] == "context_length" and "context" in record["stop_detail"]
+            calls = [c for t in record["turns"] for c in t["tool_calls"]]
+            assert [c["status"] for c in calls] == ["ok"] * 4  # four doors before the context was full
+            if name == "prompt":  # the 4th door's result fills the context: no reply saw it, its reward does not count
+                assert [bool(c.get("unseen")) for c in calls] == [False] * 3 + [True]
+                assert record["reward"] == pytest.approx(calls[2]["reward"]) and calls[3]["reward"] == 0.1
+            else:  # the 5th reply was cut by the context: no call ran, every result was seen
+                assert not any(c.get("unseen") for c in calls) and record["turns"][-1]["tool_calls"] == []
+                assert record["reward"] == pytest.approx(calls[3]["reward"])
+    server.wait_for_stats(lambda st: st["open_sessions"] == 0, timeout=15)
+
+
 # -- 2. the pickled factory and reward functions in a spawned process -----------------------------
 
 

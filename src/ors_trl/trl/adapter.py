@@ -73,6 +73,7 @@ class OpenRewardEnvironment:
         self._episode: Episode | None = None
         self._preopened: tuple[Task, Episode, concurrent.futures.Future[bool]] | None = None
         self._ahead: deque[_Ahead] = deque()
+        self._context_cut: tuple[str, str] | None = None  # TRL's async worker: how the context ended the rollout
         self.last_output = ""
 
     def __repr__(self) -> str:
@@ -115,6 +116,7 @@ class OpenRewardEnvironment:
             if isinstance(env, OpenRewardEnvironment) and env._preopened is None:
                 env._preopen(batch_row, trainer)
         self._end()
+        self._context_cut = None
         task = Task.from_row(rt.split, task_index, task_spec)
         pre, self._preopened = self._preopened, None
         if pre is not None and pre[0] == task:
@@ -314,11 +316,18 @@ def settle_all(environments: list[Any], completions: list[Any] | None, completio
         messages = completions[i] if completions is not None and isinstance(completions[i], list) else []
         eos = eos_token_ids if eos_token_ids is not None else _trl.eos_token_ids(env._runtime.trainer)
         ids = completion_ids[i] if completion_ids is not None else None
+        context = getattr(env, "_context_cut", None)  # the async worker's context bound ended it
+        if context is not None and context[0] == "prompt" and messages and messages[-1].get("role") == "assistant":
+            messages = messages[:-1]  # the empty reply that stands for "no room": nothing was generated
         replies, cut = _trl.replies_of(messages, bool(eos) and bool(ids) and int(ids[-1]) not in eos)
-        reason, message = ep.replay(replies, cut=cut)
+        reason, message = ep.replay(replies, cut=cut and context is None)
+        if context is not None:
+            reason, message = "context_length", None
+            if context[0] == "prompt":  # its last results fill the context: no reply saw them
+                ep.unsee()
         if tokens is not None or (masks is not None and i < len(masks)):
             ep.tokens = tokens or token_fidelity(int(sum(masks[i])))
-        ends.append(ep.end(reason, message))
+        ends.append(ep.end(reason, message, detail=context[1] if context else None))
     if ends:
         async def run() -> None:
             await asyncio.gather(*ends)
@@ -376,12 +385,19 @@ def take_ended(messages: Any) -> Episode | None:
         return hit[1]
 
 
+def _context_cut(environment: Any, kind: str, detail: str) -> None:
+    """TRL's async worker stopped `environment`'s rollout at the model's context (`backend.bound_async_context`)."""
+    if isinstance(environment, OpenRewardEnvironment):
+        environment._context_cut = (kind, detail)
+
+
 def for_this_process(cls: type[OpenRewardEnvironment]) -> type[OpenRewardEnvironment]:
     """The adapter class as this process uses it: in TRL's async rollout worker, a subclass with TRL's
     `get_reward` hook (same name, same tools); anywhere else `cls` itself (`GRPOTrainer` would add a
     `get_reward` class as a second reward source)."""
     if not _trl.in_async_worker():
         return cls
+    _trl.bound_async_context(_context_cut)
     sub = cls.__dict__.get("_worker_class")
     if sub is None:
         sub = type(cls)(cls.__name__, (cls,), {"get_reward": _get_reward, "__module__": cls.__module__,

@@ -37,7 +37,7 @@ from ..protocol.errors import ConfigurationError, UsageError, require_extra
 from ..tasks.selection import TRL_KEYWORDS
 
 __all__ = ["TRL_KEYWORDS", "VERIFIED", "AsyncGRPO", "Backend", "FinishedRollout", "Rendering", "async_grpo",
-           "calling_trainer", "error_text", "finished_rollout", "hook_scoring", "in_async_worker", "install_image_handoff", "replies_of",
+           "bound_async_context", "calling_trainer", "error_text", "finished_rollout", "hook_scoring", "in_async_worker", "install_image_handoff", "replies_of",
            "resetting_batch", "rules", "scoring_hooked", "shown_error", "tool_markup", "tool_turn", "training_trainer", "verified"]
 
 logger = logging.getLogger("ors_trl")
@@ -247,6 +247,78 @@ def finished_rollout(adapter: Any, skip: int = 2) -> FinishedRollout | None:
         tokens = token_fidelity(len(ids), masked, len(rows))
     return FinishedRollout(messages, ids, eos_token_ids(worker, getattr(worker, "tokenizer", None)),
                            list(getattr(worker, "reward_funcs", None) or []), tokens)
+
+
+class _Clamped:
+    """TRL's rollout loop as one request sees it: the same object, asking for at most `max_tokens` tokens."""
+
+    def __init__(self, loop: Any, max_tokens: int) -> None:
+        self.__dict__.update(_loop=loop, max_tokens=max_tokens)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loop, name)
+
+
+async def _context_of(loop: Any) -> int | None:
+    """The context of the model TRL's rollout loop generates with: vLLM's `max_model_len` (asked once), else the
+    tokenizer's `model_max_length` when it states a real one; None: unknown (no bound)."""
+    if "_ors_context" not in loop.__dict__:
+        import aiohttp
+
+        limit = None
+        try:
+            async with loop.session.get(f"{loop.vllm_server_url}/v1/models",
+                                        timeout=aiohttp.ClientTimeout(total=30)) as response:
+                models = (await response.json()).get("data") or []
+            lengths = [m.get("max_model_len") for m in models if m.get("id") in (loop.model_name, None)] or \
+                [m.get("max_model_len") for m in models]
+            limit = next((n for n in lengths if isinstance(n, int) and n > 0), None)
+        except Exception as exc:  # an older server, or none: fall back to the tokenizer's bound
+            logger.warning("ors-trl: could not read the generation server's max_model_len (%s); the async worker's "
+                           "rollouts are bounded by the tokenizer's model_max_length instead.", error_text(exc))
+        stated = getattr(loop.tokenizer, "model_max_length", None)
+        loop.__dict__["_ors_context"] = limit or (stated if isinstance(stated, int) and stated < 1 << 24 else None)
+    return loop.__dict__["_ors_context"]
+
+
+def bound_async_context(on_cut: Callable[[Any, str, str], None]) -> bool:
+    """Bound the conversations of TRL's async rollout worker by the model's context (`_context_of`), which TRL does
+    not: a turn whose prompt leaves no room generates nothing (an empty reply: TRL's loop ends), one with less room
+    than `max_tokens` asks for what fits, instead of an over-long request that vLLM refuses and the worker dies of.
+    `on_cut(environment, kind, detail)` tells the rollout's environment (read off `_generate_one`'s tools): `"prompt"`
+    (its last results got no reply) or `"reply"` (the context cut the reply). Installed on the loop class once;
+    False where TRL is unverified or its loop looks unexpected."""
+    found = async_grpo() if verified() else None
+    loop_class = getattr(found.worker_module, "_AsyncRolloutLoop", None) if found else None
+    generate = getattr(loop_class, "_generate_one_turn", None)
+    parse = getattr(found.worker_module, "parse_response", None) if found else None
+    if generate is None or parse is None:
+        return False
+    if getattr(generate, "_ors_bounded", False):
+        return True
+
+    def parse_response(tokenizer: Any, ids: list[int], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return {"role": "assistant", "content": ""} if not ids else parse(tokenizer, ids, *args, **kwargs)
+
+    async def _generate_one_turn(self: Any, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
+        tools = _frame_locals(1, 2, "_generate_one").get("tool_dict") or {}
+        environment = next((t.__self__ for t in tools.values() if hasattr(t, "__self__")), None)
+        limit = await _context_of(self)
+        room = self.max_tokens if limit is None else limit - len(prompt_ids)
+        if room < 1:
+            on_cut(environment, "prompt", f"{len(prompt_ids)} tokens fill the model's context ({limit})")
+            return [], []
+        if room >= self.max_tokens:
+            return await generate(self, prompt_ids)
+        ids, logprobs = await generate(_Clamped(self, room), prompt_ids)
+        if len(ids) >= room and (not ids or ids[-1] not in set(self.eos_token_ids)):
+            on_cut(environment, "reply", f"the reply reached the model's context ({limit} tokens)")
+        return ids, logprobs
+
+    _generate_one_turn._ors_bounded = True  # type: ignore[attr-defined]
+    loop_class._generate_one_turn = _generate_one_turn
+    found.worker_module.parse_response = parse_response  # no reply: an empty message (TRL's would fail on no ids)
+    return True
 
 
 def tool_masks() -> list[Any] | None:
