@@ -1,12 +1,9 @@
 """Play ORS episodes with an agent harness that owns its loop (design decision 16): `Harness`.
 
-The harness is a Python coroutine function or a command line. Per episode it gets the model endpoint (an
-OpenAI-compatible base URL and API key) and the episode's tools over MCP (URL and bearer token), all on one loopback
-server (`ors_trl.harness.server`), and the episode's prompt. It runs its own loop; when it returns, its final answer
-ends the episode (a terminal tool grades it) and the episode's model calls become training rows
-(`ors_trl.harness.rows`). `Harness.play` has `ors_trl.core.rollout.play`'s signature, so the engine
-(`Harness.rollout_func`) and evaluation (`spec.evaluate(..., harness=...)`) drive harness episodes as they drive
-their own: the same records, metrics, session cleanup and rewards.
+Per episode the harness (a coroutine function or a command line) gets the prompt, the model endpoint and the
+episode's tools over MCP, all on one loopback server (`ors_trl.harness.server`). Its final answer ends the episode and
+its model calls become training rows (`ors_trl.harness.rows`). `Harness.play` has `ors_trl.core.rollout.play`'s
+signature, so the engine and evaluation drive harness episodes as their own: same records, metrics and rewards.
 """
 
 from __future__ import annotations
