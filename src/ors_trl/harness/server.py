@@ -107,14 +107,13 @@ class HarnessServer:
         self.refused = 0
         self.url = ""
         self._runner: web.AppRunner | None = None
-        self._lock: asyncio.Lock | None = None
+        self._lock = asyncio.Lock()
 
     def __repr__(self) -> str:
         return f"HarnessServer({self.url!r}, episodes={len(self.seats)})"
 
     async def start(self) -> str:
         """Bind `127.0.0.1` on a free port (once, however many episodes start at the same time); the base URL."""
-        self._lock = self._lock or asyncio.Lock()
         async with self._lock:
             if self._runner is None:
                 app = web.Application(client_max_size=16 * 2**20)

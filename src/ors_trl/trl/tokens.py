@@ -23,10 +23,9 @@ logger = logging.getLogger("ors_trl")
 
 
 class Tokens:
-    """One rollout's token ids: `prompt_ids`, then `completion_ids` with their `mask` (1: generated, 0: a tool
-    result) and `logprobs` (None once a generation gave none); `images` in the order of their image tokens; `shown`:
-    the conversation's messages already in the ids; `earlier` and `masked`: what earlier renders of a re-rendering
-    generator generated, and how many of those tokens a later render changed (see `fidelity`)."""
+    """One rollout's ids: `prompt_ids`, `completion_ids` with their `mask` (1: generated, 0: tool result) and `logprobs`
+    (None once a generation gave none), `images`, `shown` (messages in the ids); `earlier`, `masked`: tokens earlier
+    renders generated and how many of them a later render changed (see `fidelity`)."""
 
     __slots__ = ("completion_ids", "earlier", "images", "logprobs", "mask", "masked", "prompt_ids", "shown")
 
@@ -53,9 +52,8 @@ class Tokens:
 
 
 def fidelity(conversation: Conversation) -> dict[str, Any] | None:
-    """An episode's token fidelity (`Episode.tokens`), None where its generator built no ids: whether the ids trained
-    on (or evaluated) are exactly the ids generated plus tool tokens, the tokens generated, how many of them a
-    re-render changed (`masked`), and the training rows (a harness's prefix breaks fork rows)."""
+    """An episode's token fidelity (`Episode.tokens`; `core.records.token_fidelity`), None where its generator built
+    no ids."""
     tokens: Tokens | None = conversation.state
     if tokens is None:
         return None
