@@ -31,9 +31,7 @@ def build_rows(calls: Sequence[ModelCall], train: Callable[[ModelCall], bool] | 
             rows.append(Tokens(list(prompt), [], 0))
             index = len(rows) - 1
         row = rows[index]
-        between = prompt[len(row.ids):]
-        if between:
-            row.add(between, generated=False)
+        row.add(prompt[len(row.ids):], generated=False)  # what came between: context
         row.add(call.completion_ids, call.logprobs)
         call.row = index
     return rows

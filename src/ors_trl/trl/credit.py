@@ -6,11 +6,9 @@ The tokens of turn t (the model's reply between two tool results) get `A(t) = (A
 rewards from that turn's calls on), `b_t` the mean `R_t` of the group's rollouts that reached turn t, `s` the std of
 the group's `R_t - b_t` over all its turns (TRL's `scale_rewards`: "batch" over the batch's, "none" 1).
 
-Why: reward-to-go drops the noise of rewards a turn cannot cause; a baseline per turn index is unbiased and fits
-returns that shrink along the episode (a pooled mean does not); one scale per group keeps its turns comparable (a turn
-index one rollout alone reached has no spread); the mean with the episode's advantage keeps what TRL's holds beyond
-per-call rewards and GRPO's scale (as GiGPO adds episode and step advantages). A rollout without turn returns keeps
-TRL's advantage on every token; tool-result tokens (`tool_mask` 0) get 0.
+Why: reward-to-go drops the noise of rewards a turn cannot cause; a baseline per turn index stays unbiased where
+returns shrink along the episode; the mean with the episode's advantage keeps what TRL's holds beyond per-call rewards
+and GRPO's scale (as GiGPO). A rollout without turn returns keeps TRL's advantage; tool-result tokens get 0.
 
 Turns are the runs of generated tokens (`completion_mask * tool_mask` = 1) matched in order to `Episode.turns`;
 applied behind the TRL seam (`backend.hook_scoring`) on the batch of GRPOTrainer's generate-and-score step, whose
@@ -112,8 +110,7 @@ def apply(trainer: Any, batch: dict[str, Any]) -> None:
         return
     size, scale = backend.grouping()
     turn = group_turn_advantages(rows, size, scale)[start:start + len(local)]
-    advantages = batch["advantages"]
-    trained = (batch["completion_mask"] * batch["tool_mask"]).tolist()
+    trained = (batch["completion_mask"] * mask).tolist()
     out = advantages.unsqueeze(1).repeat(1, batch["completion_ids"].shape[1])
     unmatched = 0
     for i, (ep, mine) in enumerate(zip(local, turn, strict=True)):
