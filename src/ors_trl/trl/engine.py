@@ -80,16 +80,10 @@ class _TrainerGenerator(TokenGenerator):
 class RolloutEngine:
     """`rollout_func(prompts, trainer)`: every episode of a batch runs on its own, none waits for another.
 
-    Args:
-        environments: environment key (None for a single spec) -> its runtime (whose `episode_timeout` bounds
-            each of its episodes: past it an episode is closed and scored None).
-        gather_window: seconds generation waits for more rollouts to be ready (None: automatic, see `Batcher`).
-        turn_barrier: wait for every rollout before each generation (TRL's turn-by-turn schedule), for comparison.
-
-    `source` and `info` go to the records of the next calls' episodes (`"eval"` and the training `step` for the eval
-    callback). An environment whose spec has `score_groups=True` also scores GRPO groups (`/score_group`: the
-    `ors_group_reward` column `spec.group_reward_func` reads).
-    """
+    `environments`: environment key (None for a single spec) -> its runtime; `gather_window`: seconds generation
+    waits for more ready rollouts (None: automatic, see `Batcher`); `turn_barrier`: TRL's turn-by-turn schedule, for
+    comparison. `source` and `info` go to the next calls' records. A spec with `score_groups=True` also scores GRPO
+    groups (the `ors_group_reward` column)."""
 
     def __init__(self, environments: Mapping[str | None, EnvironmentRuntime], *, gather_window: float | None = None,
                  turn_barrier: bool = False) -> None:
@@ -166,8 +160,7 @@ class RolloutEngine:
     def _waves(self, rollouts: list[Any]) -> list[list[Any]]:
         """Split the batch so that no wave opens more sessions than a cap allows (alike on every process)."""
         caps = [rt.client.max_sessions for rt in self.environments.values()] + [get_max_sessions()]
-        known = [c for c in caps if c is not None]
-        size = max(min(known) if known else len(rollouts), 1)
+        size = max(min((c for c in caps if c is not None), default=len(rollouts)), 1)
         return [rollouts[i:i + size] for i in range(0, len(rollouts), size)]
 
     def _pump(self, generator: _TrainerGenerator, wave: concurrent.futures.Future[Any]) -> None:
