@@ -46,10 +46,9 @@ def attach_session_cleanup(trainer: Any, runtime: Any) -> None:
     """Give `trainer` a `SessionCleanupCallback` for `runtime`, unless one already covers it."""
     if not hasattr(trainer, "add_callback") or not runtime.bind(trainer):
         return
-    for cb in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
-        if isinstance(cb, SessionCleanupCallback) and runtime in cb.runtimes:
-            return
-    trainer.add_callback(SessionCleanupCallback([runtime]))
+    callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", [])
+    if not any(isinstance(cb, SessionCleanupCallback) and runtime in cb.runtimes for cb in callbacks):
+        trainer.add_callback(SessionCleanupCallback([runtime]))
 
 
 class EvalCallback(TrainerCallback):
@@ -192,10 +191,9 @@ def attach_task_sampling(source: DrawSource) -> None:
                        "as they come but are neither saved with checkpoints nor logged; "
                        "pass callbacks=spec.callbacks.")
         return
-    for cb in trainer.callback_handler.callbacks:
-        if isinstance(cb, TaskSamplingCallback) and cb.source is source:
-            break
-    else:
+    cb = next((c for c in trainer.callback_handler.callbacks
+               if isinstance(c, TaskSamplingCallback) and c.source is source), None)
+    if cb is None:
         cb = TaskSamplingCallback(source)
         trainer.add_callback(cb)
     cb.bind(trainer)
