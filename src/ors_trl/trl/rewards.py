@@ -118,8 +118,7 @@ def reward_function(func: Callable[..., list[float | None]], unscored_reward: fl
     """`func` itself, or bound to an `unscored_reward` (a picklable partial that keeps `func`'s name for TRL)."""
     if unscored_reward is None:
         for name in _TRL_LOGGERS:  # TRL may now warn of rollouts nothing scored: we say it once, and what to do
-            if _UNSCORED not in logging.getLogger(name).filters:
-                logging.getLogger(name).addFilter(_UNSCORED)
+            logging.getLogger(name).addFilter(_UNSCORED)  # once: a logger keeps a filter only once
         return func
     bound = functools.partial(func, unscored_reward=unscored_reward)
     functools.update_wrapper(bound, func)
