@@ -59,12 +59,9 @@ class _NotATool:
 
 
 class OpenRewardEnvironment:
-    """One rollout's view of an ORS environment; TRL's `environment_factory` returns these.
-
-    TRL collects `reset(**row)` and one method per environment tool, under the tool's exact name (`__name__`).
-    `close()` (`_close()` in TRL's adapter) ends the rollout's episode and frees its session now. The properties read
-    the episode's state; `last_output` is the text of the latest tool result (or error).
-    """
+    """One rollout's view of an ORS environment (what TRL's `environment_factory` returns): `reset(**row)` and one
+    method per environment tool under its exact name; `close()` (`_close()` in TRL's adapter) ends the episode and
+    frees its session now; the properties read the episode's state, `last_output` the latest tool result (or error)."""
 
     _runtime: ClassVar[EnvironmentRuntime]
 
@@ -100,10 +97,9 @@ class OpenRewardEnvironment:
 
     def reset(self, task_index: int | None = None, task_spec: Mapping[str, Any] | None = None,
               **row: Any) -> str | list[dict[str, Any]]:
-        """Start a new episode for the row's task (closing the previous one in the background) and return its
-        prompt: its text, or content parts (text and images, the form TRL's loop takes). An environment failure is
-        recorded and told in the text; an image the trainer's processing class cannot take is a `ConfigurationError`
-        (see the spec's `images=`)."""
+        """Start a new episode for the row's task (closing the previous one in the background); its prompt as text or
+        content parts (with images, as TRL's loop takes them). An environment failure is recorded and told in the text;
+        an image the processing class cannot take is a `ConfigurationError` (see the spec's `images=`)."""
         rt = self._runtime
         trainer, batch = _trl.resetting_batch(self)
         if trainer is not None:

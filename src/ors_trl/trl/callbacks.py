@@ -1,6 +1,5 @@
 """The `transformers.TrainerCallback`s ors-trl gives a trainer: session cleanup, evaluation during training and task
-sampling. Imported only when one is used, so `import ors_trl` needs no transformers.
-"""
+sampling. Imported only when one is used, so `import ors_trl` needs no transformers."""
 
 from __future__ import annotations
 
