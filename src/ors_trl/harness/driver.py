@@ -1,12 +1,9 @@
 """Play ORS episodes with an agent harness that owns its loop (design decision 16): `Harness`.
 
-The harness is a Python coroutine function or a command line. Per episode it gets the model endpoint (an
-OpenAI-compatible base URL and API key) and the episode's tools over MCP (URL and bearer token), all on one loopback
-server (`ors_trl.harness.server`), and the episode's prompt. It runs its own loop; when it returns, its final answer
-ends the episode (a terminal tool grades it) and the episode's model calls become training rows
-(`ors_trl.harness.rows`). `Harness.play` has `ors_trl.core.rollout.play`'s signature, so the engine
-(`Harness.rollout_func`) and evaluation (`spec.evaluate(..., harness=...)`) drive harness episodes as they drive
-their own: the same records, metrics, session cleanup and rewards.
+Per episode the harness (a coroutine function or a command line) gets the prompt, the model endpoint and the
+episode's tools over MCP, all on one loopback server (`ors_trl.harness.server`). Its final answer ends the episode and
+its model calls become training rows (`ors_trl.harness.rows`). `Harness.play` has `ors_trl.core.rollout.play`'s
+signature, so the engine and evaluation drive harness episodes as their own: same records, metrics and rewards.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from ..core.episode import Episode
 from ..core.rollout import Conversation
 from ..protocol.errors import ConfigurationError, PolicyError
 from .rows import build_rows
-from .server import HarnessServer, ModelCall
+from .server import HarnessServer, ModelCall, _text
 
 __all__ = ["Endpoint", "Harness", "HarnessConversation"]
 
@@ -67,8 +64,7 @@ class Endpoint:
     def prompt(self) -> str:
         """The prompt's last user message, as text."""
         users = [m for m in self.messages if m.get("role") == "user"]
-        content = users[-1].get("content") if users else ""
-        return content if isinstance(content, str) else "".join(p.get("text", "") for p in content or ())
+        return _text(users[-1].get("content")) if users else ""
 
     @property
     def system(self) -> str | None:
@@ -103,17 +99,14 @@ class Harness:
 
     Args:
         agent (`async (Endpoint) -> str | None`, or a command line):
-            A coroutine function returning the agent's final answer (`None`: its last plain reply is taken), or a
-            command (`["python", "agent.py"]`) run per episode with `Endpoint.environ()` added to the environment,
-            its standard output being its final answer.
+            A coroutine function returning the final answer (`None`: the last plain reply), or a command
+            (`["python", "agent.py"]`) run per episode with `Endpoint.environ()`, its standard output the final answer.
         train_call (`(ModelCall) -> bool`, *optional*):
             Which model calls train (default: all); leave out a harness's auxiliary calls (titles, summaries).
         score (`(Episode, list[ModelCall]) -> float | None`, *optional*):
-            The episode's reward (default: the environment's, by the episode's reward rule); the environment's is
-            kept in the record as `env_reward`.
+            The episode's reward (default: the environment's, which the record keeps as `env_reward`).
         timeout (`float`, *optional*):
-            Seconds an episode may take (the driver's own deadline applies too); past it the harness is cancelled
-            and the episode ends scored `None`.
+            Seconds an episode may take (with the driver's own deadline); past it the episode ends scored `None`.
         env (`Mapping[str, str]`, *optional*):
             More environment variables for a command harness.
     """
@@ -148,8 +141,8 @@ class Harness:
 
     async def play(self, episode: Episode, generator: Any, *, base: Sequence[Mapping[str, Any]] = (),
                    flatten: bool = False, timeout: float | None = None) -> HarnessConversation:
-        """Play `episode` with the harness, the model being `generator` (as `ors_trl.core.rollout.play`). A harness
-        that fails (raises, exits non-zero) fails its episode (scored `None`), never the batch.
+        """Play `episode` with the harness and `generator` (as `ors_trl.core.rollout.play`); a failing harness fails
+        its episode (scored `None`), never the batch.
 
         Args:
             episode (`Episode`):

@@ -1,10 +1,9 @@
 """Training rows from a harness's model calls, token-exactly (design decision 16).
 
-A call whose prompt ids extend a row's ids (its prompt, the completions and what came between) joins that row: the
-ids between (tool results, a harness's scaffolding) are context, masked out of the loss, and the call's generated ids
-train with their logprobs. A call that extends no row (the harness summarised or rewrote its history, a subagent)
-forks a new row from its whole prompt. As TRL's harness worker chains turns (`_chain_to_sequences` with
-`fork_threshold_tokens=0`), except that a row is never realigned: no generated token is ever silently masked.
+A call whose prompt ids extend a row's ids joins that row: the ids between (tool results, scaffolding) are masked
+context, its generated ids train with their logprobs. A call that extends no row forks a new row from its whole prompt.
+As TRL's `_chain_to_sequences` with `fork_threshold_tokens=0`, but a row is never realigned: no generated token is ever
+silently masked.
 """
 
 from __future__ import annotations
@@ -32,9 +31,7 @@ def build_rows(calls: Sequence[ModelCall], train: Callable[[ModelCall], bool] | 
             rows.append(Tokens(list(prompt), [], 0))
             index = len(rows) - 1
         row = rows[index]
-        between = prompt[len(row.ids):]
-        if between:
-            row.add(between, generated=False)
+        row.add(prompt[len(row.ids):], generated=False)  # what came between: context
         row.add(call.completion_ids, call.logprobs)
         call.row = index
     return rows

@@ -1,16 +1,15 @@
 """The per-rollout adapter TRL's `environment_factory` hands out: a thin driver of `ors_trl.core.episode.Episode`.
 
 A tool method is one `Episode.call` and raises on failure (how TRL counts `tools/failure_frequency`). Where TRL's loop
-state allows it (`ors_trl.trl.backend`), nothing waits in series: the batch's first reset opens every session of the
-batch, and a turn's first tool call starts the turn's calls across the batch (`batch_tool_calls`). An episode no
-trainer drives has source `manual`: out of the `env/...` metrics and task sampling unless reward functions read it
-(`settle_all`). In TRL's async worker the adapter class gains TRL's `get_reward` hook (`for_this_process`).
+allows (`ors_trl.trl.backend`), the batch's first reset opens every session of the batch, and a turn's first tool call
+starts the turn's calls across the batch. An episode no trainer drives has source `manual` (`settle_all`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import types
@@ -60,12 +59,9 @@ class _NotATool:
 
 
 class OpenRewardEnvironment:
-    """One rollout's view of an ORS environment; TRL's `environment_factory` returns these.
-
-    TRL collects `reset(**row)` and one method per environment tool, under the tool's exact name (`__name__`).
-    `close()` (`_close()` in TRL's adapter) ends the rollout's episode and frees its session now. The properties read
-    the episode's state; `last_output` is the text of the latest tool result (or error).
-    """
+    """One rollout's view of an ORS environment (what TRL's `environment_factory` returns): `reset(**row)` and one
+    method per environment tool under its exact name; `close()` (`_close()` in TRL's adapter) ends the episode and
+    frees its session now; the properties read the episode's state, `last_output` the latest tool result (or error)."""
 
     _runtime: ClassVar[EnvironmentRuntime]
 
@@ -102,10 +98,9 @@ class OpenRewardEnvironment:
 
     def reset(self, task_index: int | None = None, task_spec: Mapping[str, Any] | None = None,
               **row: Any) -> str | list[dict[str, Any]]:
-        """Start a new episode for the row's task (closing the previous one in the background) and return its
-        prompt: its text, or content parts (text and images, the form TRL's loop takes). An environment failure is
-        recorded and told in the text; an image the trainer's processing class cannot take is a `ConfigurationError`
-        (see the spec's `images=`)."""
+        """Start a new episode for the row's task (closing the previous one in the background); its prompt as text or
+        content parts (with images, as TRL's loop takes them). An environment failure is recorded and told in the text;
+        an image the processing class cannot take is a `ConfigurationError` (see the spec's `images=`)."""
         rt = self._runtime
         trainer, batch = _trl.resetting_batch(self)
         if trainer is not None:
@@ -114,18 +109,18 @@ class OpenRewardEnvironment:
             attach_session_cleanup(trainer, rt)
         for env, batch_row in batch or ():
             if isinstance(env, OpenRewardEnvironment) and env._preopened is None:
-                env._preopen(batch_row, trainer)
+                with contextlib.suppress(ValueError):  # reset() says what is wrong with the row
+                    env._preopen(batch_row.get("task_index"), batch_row.get("task_spec"), trainer)
         self._end()
         self._context_cut = None
         task = Task.from_row(rt.split, task_index, task_spec)
         pre, self._preopened = self._preopened, None
-        if pre is not None and pre[0] == task:
-            _, ep, opened = pre
-        else:
+        if pre is None or pre[0] != task:
             if pre is not None:
                 pre[1].release()
-            ep = rt.episode(task, source=_source(trainer), rules=_trl.rules(trainer))
-            opened = rt.submit(ep.open())
+            self._preopen(task_index, task_spec, trainer)
+            pre, self._preopened = self._preopened, None
+        _, ep, opened = pre
         self._episode = ep
         cached = rt.prompt_cache.get(task.key) if rt.cache_prompts else None
         if cached is not None:
@@ -139,13 +134,10 @@ class OpenRewardEnvironment:
             _refuse_images(trainer or rt.trainer, f"The prompt of task {task.key}")
         return shown
 
-    def _preopen(self, row: Mapping[str, Any], trainer: Any) -> None:
-        """Start opening the session for `row` now (the batch's first reset does this for every adapter)."""
+    def _preopen(self, task_index: Any, task_spec: Any, trainer: Any) -> None:
+        """Start opening the session of a row's task (the batch's first reset does this for every adapter)."""
         rt = self._runtime
-        try:
-            task = Task.from_row(rt.split, row.get("task_index"), row.get("task_spec"))
-        except ValueError:
-            return  # reset() will say what is wrong with the row
+        task = Task.from_row(rt.split, task_index, task_spec)
         ep = rt.episode(task, source=_source(trainer), rules=_trl.rules(trainer))
         self._preopened = (task, ep, rt.submit(ep.open()))
 
@@ -213,9 +205,8 @@ class OpenRewardEnvironment:
         return self._answer(await asyncio.wrap_future(self._runtime.bg.submit(call)))
 
     def _start_turn(self, first: ToolCall) -> None:
-        """At the first call of a turn of TRL's tool loop, start the turn's calls across the batch at once: per
-        rollout (this one from the current call on), the longest prefix of its calls TRL will make as given (tools of
-        its own adapter, with arguments that bind), in order on its session."""
+        """At a turn's first call, start the turn's calls across the batch: per rollout, the longest prefix of its calls
+        TRL will make as given (its tools, arguments that bind), in order on its session."""
         seen = _trl.tool_turn(self)
         if seen is None:
             return
@@ -295,11 +286,9 @@ RESERVED = frozenset({"reset", "get_reward", "last_output",
 
 def settle_all(environments: list[Any], completions: list[Any] | None, completion_ids: list[Any] | None,
                eos_token_ids: set[int] | None = None, tokens: dict[str, Any] | None = None) -> None:
-    """After TRL's loop: replay each rollout's transcript through the turn rule (`Episode.replay`), and run the
-    batch's ends (terminal tools) at once, so that the rewards read next are final. Episodes read for their rewards
-    are training episodes, also those opened with no trainer seen (`Episode.adopt`). `eos_token_ids`: the ids that
-    end a completion, and `tokens` the fidelity of its rows, when no trainer is there to say (TRL's async worker);
-    on TRL's own loop, whose ids are the generated ids joined with tool tokens, fidelity is read off its masks."""
+    """After TRL's loop: replay each transcript through the turn rule (`Episode.replay`) and run the batch's ends
+    (terminal tools) at once, so the rewards read next are final (their episodes train: `Episode.adopt`). With no
+    trainer to ask (TRL's async worker) `eos_token_ids` and `tokens` (fidelity) are given; else read off TRL's masks."""
     masks = _trl.tool_masks() if tokens is None else None
     for env in environments:  # an image a text-only trainer could not take: the step stops here, saying why
         error = getattr(getattr(env, "_runtime", None), "image_error", None)
@@ -335,18 +324,16 @@ def settle_all(environments: list[Any], completions: list[Any] | None, completio
         get_loop().run(run())
 
 
-#: Each ended rollout's episode by the identity of its transcript (what TRL hands reward functions as its
-#: `completions` entry, kept alive here so that no other list takes its id), with how many reading reward functions
-#: are still to come; bounded, for reward functions that never come.
+#: Each ended rollout's episode by the id of its transcript (TRL's `completions` entry, kept alive so no other list
+#: takes its id), with how many reading reward functions are to come; bounded, for those that never come.
 _HANDOVER: OrderedDict[int, tuple[list[Any], Episode, int]] = OrderedDict()
 _HANDOVER_MAX = 16_384
 _HANDOVER_LOCK = threading.Lock()
 
 
 async def _get_reward(self: OpenRewardEnvironment) -> float | None:
-    """TRL's async rollout worker awaits this once per finished rollout: settle the episode on its transcript (a
-    terminal tool gets the final message) and free its session; leave the reward to the spec's reward functions when
-    one will run (None: TRL's column for this class stays empty), else return it (None when unscored)."""
+    """TRL's async worker awaits this per finished rollout: settle the episode on its transcript, free its session and
+    return its reward, or None when a reading reward function of the spec will give it."""
     seen = _trl.finished_rollout(self)  # before the first await: it reads the worker loop's frame
     return await asyncio.to_thread(_rollout_ended, self, seen)
 
@@ -357,12 +344,12 @@ def _rollout_ended(env: OpenRewardEnvironment, seen: _trl.FinishedRollout | None
         return None
     if seen is None:
         settle_all([env], None, None)
-    else:
-        settle_all([env], [seen.messages], [seen.completion_ids], eos_token_ids=seen.eos_token_ids, tokens=seen.tokens)
-    readers = sum(bool(getattr(getattr(f, "func", f), READS_EPISODES, False)) for f in seen.reward_funcs) \
-        if seen is not None else 0
-    env._end()  # the rollout is over: close its session now, not when TRL reuses this adapter
-    if seen is not None and readers:
+        env._end()  # the rollout is over: close its session now, not when TRL reuses this adapter
+        return ep.reward
+    settle_all([env], [seen.messages], [seen.completion_ids], eos_token_ids=seen.eos_token_ids, tokens=seen.tokens)
+    env._end()
+    readers = sum(bool(getattr(getattr(f, "func", f), READS_EPISODES, False)) for f in seen.reward_funcs)
+    if readers:
         with _HANDOVER_LOCK:
             _HANDOVER[id(seen.messages)] = (seen.messages, ep, readers)
             while len(_HANDOVER) > _HANDOVER_MAX:

@@ -1,6 +1,5 @@
 """The `transformers.TrainerCallback`s ors-trl gives a trainer: session cleanup, evaluation during training and task
-sampling. Imported only when one is used, so `import ors_trl` needs no transformers.
-"""
+sampling. Imported only when one is used, so `import ors_trl` needs no transformers."""
 
 from __future__ import annotations
 
@@ -43,24 +42,19 @@ class SessionCleanupCallback(TrainerCallback):
 
 
 def attach_session_cleanup(trainer: Any, runtime: Any) -> None:
-    """Make `trainer` (seen resetting an adapter or running the engine) release `runtime`'s sessions at each step's
-    end and close them at the end: a `SessionCleanupCallback`, unless one already covers the runtime."""
+    """Give `trainer` a `SessionCleanupCallback` for `runtime`, unless one already covers it."""
     if not hasattr(trainer, "add_callback") or not runtime.bind(trainer):
         return
-    for cb in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
-        if isinstance(cb, SessionCleanupCallback) and runtime in cb.runtimes:
-            return
-    trainer.add_callback(SessionCleanupCallback([runtime]))
+    callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", [])
+    if not any(isinstance(cb, SessionCleanupCallback) and runtime in cb.runtimes for cb in callbacks):
+        trainer.add_callback(SessionCleanupCallback([runtime]))
 
 
 class EvalCallback(TrainerCallback):
     """Evaluate held-out tasks with the model being trained, every `every` steps (and, `at_start`, at step 0).
 
-    Built by `OpenRewardSpec.eval_callback` (which documents what it logs and its options) from the held-out tasks'
-    `spec` and one dataset prompt per task. Each evaluation runs `repeats` episodes of every task through the rollout
-    engine (split across processes, `source: "eval"`), logs `eval/<env>/...` beside GRPO's metrics and keeps them in
-    `history`.
-    """
+    Built by `OpenRewardSpec.eval_callback` (which documents it): `repeats` episodes of every task through the held-out
+    spec's engine (split across processes, `source: "eval"`), logged as `eval/<env>/...` and kept in `history`."""
 
     def __init__(self, spec: Any, prompts: Sequence[Any], *, every: int, repeats: int = 1,
                  at_start: bool = True) -> None:
@@ -116,9 +110,8 @@ class EvalCallback(TrainerCallback):
 
 
 def consumed(args: Any, global_step: int) -> int | None:
-    """How many draws the trainer's first `global_step` optimizer steps read: TRL reads `generation_batch_size /
-    num_generations` draws at a time and each of them `num_iterations * steps_per_generation` times over, one
-    generation batch per micro-step (`repeat_iterable_dataset`). None for arguments that are not GRPO's."""
+    """How many draws the first `global_step` optimizer steps read (TRL's `repeat_iterable_dataset`: a read of
+    `generation_batch_size / num_generations` serves `num_iterations * steps_per_generation` micro-steps), else None."""
     try:
         per_read = args.generation_batch_size // args.num_generations
         repeat = args.num_iterations * args.steps_per_generation
@@ -128,11 +121,9 @@ def consumed(args: Any, global_step: int) -> int | None:
 
 
 class TaskSamplingCallback(TrainerCallback):
-    """Feed a task stream's samplers (`ors_trl.tasks.stream`) each step's groups, gathered from every process (so
-    all update alike and draw the same tasks), log `curriculum/<env>/...` with the step, and keep their state in
-    checkpoints (`trainer_state.json`'s `stateful_callbacks[STATE_KEY]`, restored on resume). Attached by the stream
-    at its first read, or passed in `spec.callbacks` (TRL's async trainer needs that: there the stream is read in
-    the rollout worker, whose samplers report through a file)."""
+    """Feed a task stream's samplers each step's groups from every process (all update alike), log `curriculum/<env>/...`
+    and keep their state in checkpoints (`stateful_callbacks[STATE_KEY]`). Attached by the stream at its first read, or
+    passed in `spec.callbacks` (TRL's async trainer: its rollout worker's samplers report through a file)."""
 
     def __init__(self, source: DrawSource) -> None:
         self.source = source
@@ -199,10 +190,9 @@ def attach_task_sampling(source: DrawSource) -> None:
                        "as they come but are neither saved with checkpoints nor logged; "
                        "pass callbacks=spec.callbacks.")
         return
-    for cb in trainer.callback_handler.callbacks:
-        if isinstance(cb, TaskSamplingCallback) and cb.source is source:
-            break
-    else:
+    cb = next((c for c in trainer.callback_handler.callbacks
+               if isinstance(c, TaskSamplingCallback) and c.source is source), None)
+    if cb is None:
         cb = TaskSamplingCallback(source)
         trainer.add_callback(cb)
     cb.bind(trainer)

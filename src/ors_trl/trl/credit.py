@@ -1,38 +1,24 @@
 """Per-turn credit (`OpenRewardSpec(credit="turn")`): each model turn trains on its own advantage, not the episode's.
 
-GRPO gives a rollout one advantage, broadcast over every token it generated; ORS carries a reward on every call. With
-`credit="turn"`, the tokens of turn t (the model's reply between two tool results) get
+The tokens of turn t (the model's reply between two tool results) get `A(t) = (A_episode + A_turn(t)) / 2`:
+`A_episode` is TRL's advantage for the rollout (every reward function, `unscored_reward`, its scaling);
+`A_turn(t) = (R_t - b_t) / s`, `R_t` the turn's return (`Episode.turn_returns`: the reward rule over the per-call
+rewards from that turn's calls on), `b_t` the mean `R_t` of the group's rollouts that reached turn t, `s` the std of
+the group's `R_t - b_t` over all its turns (TRL's `scale_rewards`: "batch" over the batch's, "none" 1).
 
-    A(t) = (A_episode + A_turn(t)) / 2
+Why: reward-to-go drops the noise of rewards a turn cannot cause; a baseline per turn index stays unbiased where
+returns shrink along the episode; the mean with the episode's advantage keeps what TRL's holds beyond per-call rewards
+and GRPO's scale (as GiGPO). A rollout without turn returns keeps TRL's advantage; tool-result tokens get 0.
 
-- `A_episode`: the advantage TRL computed for the rollout (every reward function, `unscored_reward`, its scaling);
-- `A_turn(t) = (R_t - b_t) / s`: `R_t` the turn's return (`Episode.turn_returns`: the reward rule over the per-call
-  rewards from that turn's calls on), `b_t` the mean `R_t` of the group's rollouts that reached turn t, `s` the
-  standard deviation of the group's `R_t - b_t` over all its turns (TRL's `scale_rewards`: "batch" over the batch's,
-  "none" 1).
-
-Why reward-to-go: a turn cannot cause the rewards before it, so leaving them out removes their noise from its
-gradient (REINFORCE's causality). Why a baseline per turn index and not one mean over all turns of the group: under
-`sum` a return shrinks as the episode goes on (fewer calls are left), so a pooled mean is a poor baseline for every
-turn but the middle ones; the group's mean return at the same turn is a time-dependent baseline, which leaves the
-gradient unbiased (it does not depend on the turn's own action) and has less variance. It does not know the state: a
-rollout that is behind has more left to earn at turn t than one that is ahead, so single turns can read oddly (a last
-"Done." after the exit gets a negative advantage while others still walk), not on average. Why one scale per group: a turn index that one rollout alone reached has no spread of its
-own, and one scale keeps the turns of a group comparable. Why the mean with the episode's advantage (as GiGPO adds an
-episode and a step advantage): the episode's keeps what TRL's advantage holds beyond the per-call rewards (other
-reward functions, the group score, unscored rollouts' `unscored_reward`), and the mean keeps GRPO's scale, so a
-learning rate means the same with either credit. A rollout without turn returns (unscored, or `credit="episode"`)
-keeps TRL's advantage on every token; tool-result tokens (`tool_mask` 0) get 0 (they are out of the loss anyway).
-
-Turns are read off the ids GRPO trains on: each run of generated tokens (`completion_mask * tool_mask` = 1) between
-tool results is one reply, in order, matched to `Episode.turns` (a trailing reply cut to nothing has no tokens).
-Applied behind the TRL seam (`backend.hook_scoring`) on the batch GRPOTrainer's generate-and-score step returns,
-before TRL splits it for the loss, which takes advantages of shape (B, T) as well as (B,).
+Turns are the runs of generated tokens (`completion_mask * tool_mask` = 1) matched in order to `Episode.turns`;
+applied behind the TRL seam (`backend.hook_scoring`) on the batch of GRPOTrainer's generate-and-score step, whose
+loss takes advantages of shape (B, T) as well as (B,).
 """
 
 from __future__ import annotations
 
-import math
+import itertools
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,21 +53,17 @@ def returns_of(ep: Episode) -> list[float] | None:
 
 def turn_spans(mask: Sequence[int]) -> list[tuple[int, int]]:
     """The `[start, end)` spans of consecutive 1s in a completion's trained-token mask: the model's replies."""
-    spans, start = [], None
-    for i, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            spans.append((start, i))
-            start = None
+    spans, start = [], 0
+    for bit, run in itertools.groupby(mask, key=bool):
+        end = start + len(list(run))
+        if bit:
+            spans.append((start, end))
+        start = end
     return spans
 
 
 def _std(values: list[float]) -> float:
-    if len(values) < 2:
-        return 0.0
-    mean = sum(values) / len(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))  # TRL's (unbiased) std
+    return statistics.stdev(values) if len(values) > 1 else 0.0  # TRL's (unbiased) std
 
 
 def group_turn_advantages(returns: Sequence[list[float] | None], group: int, scale: str = "group"
@@ -128,8 +110,7 @@ def apply(trainer: Any, batch: dict[str, Any]) -> None:
         return
     size, scale = backend.grouping()
     turn = group_turn_advantages(rows, size, scale)[start:start + len(local)]
-    advantages = batch["advantages"]
-    trained = (batch["completion_mask"] * batch["tool_mask"]).tolist()
+    trained = (batch["completion_mask"] * mask).tolist()
     out = advantages.unsqueeze(1).repeat(1, batch["completion_ids"].shape[1])
     unmatched = 0
     for i, (ep, mine) in enumerate(zip(local, turn, strict=True)):

@@ -1,11 +1,9 @@
 """The rollout engine: `spec.rollout_func` for TRL's `rollout_func`, with no turn barriers.
 
-TRL's own loop runs a batch turn by turn, every rollout waiting for the turn's slowest tool call. The engine plays each
-episode on its own (`ors_trl.core.rollout.play`, on the background loop) while the training thread generates for the
-rollouts that are ready (the one `Batcher`). Each rollout follows TRL's tool loop exactly (its ids built by
-`ors_trl.trl.tokens`), so greedy decoding gives the same completions and rewards as `environment_factory`. Under
-several processes every process makes the same generation calls with as many prompts (padding with dummy ones), as
-collective backends (vLLM server mode, ZeRO-3, FSDP) require.
+Each episode plays on its own (`ors_trl.core.rollout.play`, on the background loop) while the training thread generates
+for the rollouts that are ready (one `Batcher`), following TRL's tool loop exactly (`ors_trl.trl.tokens`): greedy
+decoding gives `environment_factory`'s completions and rewards. Under several processes all make the same generation
+calls with as many prompts (padded), as collective backends (vLLM server mode, ZeRO-3, FSDP) require.
 """
 
 from __future__ import annotations
@@ -55,8 +53,7 @@ class _TrainerGenerator(TokenGenerator):
         return self.backend.generate([(t.ids, t.images) for t in tokens], self.fallback or ([], []))
 
     def _fits(self, tokens: Tokens, suffix: list[int]) -> None:
-        """Stop before the model's context would be reached (`context_length`: no reply can follow) or the tool
-        results would pass the completion budget (`length`: TRL's rule); the results are then not shown."""
+        """Stop before the context fills (`context_length`) or tool results pass the completion budget (`length`)."""
         total = len(tokens.ids) + len(suffix)
         if total >= self.backend.max_model_len:
             raise StopEpisode("context_length", f"{total} tokens would fill the model's context "
@@ -83,16 +80,10 @@ class _TrainerGenerator(TokenGenerator):
 class RolloutEngine:
     """`rollout_func(prompts, trainer)`: every episode of a batch runs on its own, none waits for another.
 
-    Args:
-        environments: environment key (None for a single spec) -> its runtime (whose `episode_timeout` bounds
-            each of its episodes: past it an episode is closed and scored None).
-        gather_window: seconds generation waits for more rollouts to be ready (None: automatic, see `Batcher`).
-        turn_barrier: wait for every rollout before each generation (TRL's turn-by-turn schedule), for comparison.
-
-    `source` and `info` go to the records of the next calls' episodes (`"eval"` and the training `step` for the eval
-    callback). An environment whose spec has `score_groups=True` also scores GRPO groups (`/score_group`: the
-    `ors_group_reward` column `spec.group_reward_func` reads).
-    """
+    `environments`: environment key (None for a single spec) -> its runtime; `gather_window`: seconds generation
+    waits for more ready rollouts (None: automatic, see `Batcher`); `turn_barrier`: TRL's turn-by-turn schedule, for
+    comparison. `source` and `info` go to the next calls' records. A spec with `score_groups=True` also scores GRPO
+    groups (the `ors_group_reward` column)."""
 
     def __init__(self, environments: Mapping[str | None, EnvironmentRuntime], *, gather_window: float | None = None,
                  turn_barrier: bool = False) -> None:
@@ -150,11 +141,8 @@ class RolloutEngine:
             "completion_ids": [t.completion_ids for t in tokens],
             "logprobs": logprobs if all(lp is not None for lp in logprobs) else None,
             "env_mask": [t.mask for t in tokens],
-            "ors_reward": [ep.reward for ep in episodes],
-            "ors_group_reward": [ep.group_reward for ep in episodes],
-            "ors_finished": [ep.finished for ep in episodes],
-            "ors_tool_calls": [ep.tool_calls for ep in episodes],
-            "ors_tool_failures": [ep.tool_failures for ep in episodes],
+            **{f"ors_{k}": [getattr(ep, k) for ep in episodes]
+               for k in ("reward", "group_reward", "finished", "tool_calls", "tool_failures")},
             "ors_env": [ep.env.key for ep in episodes],
         }
 
@@ -170,16 +158,14 @@ class RolloutEngine:
         return rt.episode(task, source=self.source, rules=rules(backend.trainer), **self.info), base
 
     def _waves(self, rollouts: list[Any]) -> list[list[Any]]:
-        """Split the batch so that no wave opens more sessions than a session cap allows (queuing, not failing).
-        Every process has the same batch size and caps, so all processes run the same number of waves."""
+        """Split the batch so that no wave opens more sessions than a cap allows (alike on every process)."""
         caps = [rt.client.max_sessions for rt in self.environments.values()] + [get_max_sessions()]
-        known = [c for c in caps if c is not None]
-        size = max(min(known) if known else len(rollouts), 1)
+        size = max(min((c for c in caps if c is not None), default=len(rollouts)), 1)
         return [rollouts[i:i + size] for i in range(0, len(rollouts), size)]
 
     def _pump(self, generator: _TrainerGenerator, wave: concurrent.futures.Future[Any]) -> None:
-        """Generate, on this (the training) thread, for whatever rollouts are ready, until the wave has ended; under
-        several processes, until none has work (a process without any joins every call with padding)."""
+        """Generate on the training thread for the ready rollouts until the wave ends (under several processes: until
+        none has work; a process without any joins every call with padding)."""
         batcher, backend = generator.batcher, generator.backend
         while True:
             batch = batcher.take(stop=wave.done)
@@ -190,8 +176,7 @@ class RolloutEngine:
 
     def _tokens(self, generator: _TrainerGenerator, conversation: Conversation | None, ep: Episode,
                 base: list[dict[str, Any]]) -> Tokens:
-        """The rollout's ids; for one that never generated (its session did not open), the dataset prompt with what
-        happened, and one end-of-sequence token, scored None."""
+        """The rollout's ids; for one that never generated, the dataset prompt saying why and one EOS token."""
         if conversation is not None and conversation.state is not None:
             return conversation.state
         messages = [dict(m) for m in base]
@@ -199,8 +184,7 @@ class RolloutEngine:
             messages[-1]["content"] = messages[-1].get("content", "") + \
                 f"[The environment failed to start this task: {ep.error.get('message')}]"
         tools = ep.toolset.schemas if ep.toolset is not None and ep.toolset.by_name else None
-        tokens = Tokens(generator._render(["prompt", messages, tools],
-                                         lambda: generator.rendering.prompt_ids(messages, tools)), [], len(messages))
+        tokens = Tokens(generator._prompt_ids(messages, tools), [], len(messages))
         tokens.add([generator.rendering.tokenizer.eos_token_id], [0.0])
         return tokens
 
@@ -208,9 +192,8 @@ class RolloutEngine:
 async def _wave(wave: list[int], rollouts: list[tuple[Episode, Any]], generator: _TrainerGenerator,
                 episodes: list[Episode], conversations: list[Conversation | None],
                 groups: dict[tuple[int, str], list[int]], player: Any = play) -> None:
-    """Play a wave's rollouts (each replayed on a fresh session while infrastructure voids it, `episode_retries`),
-    score the GRPO groups complete now (while their sessions are open), and close the wave's sessions, also on
-    errors. The first error of a play, in the wave's order, is raised once all have ended."""
+    """Play a wave's rollouts (`episode_retries`), score its complete GRPO groups while their sessions are open, close
+    its sessions, also on errors (the first error, in wave order, raised once all have ended)."""
     attempts: dict[int, list[Episode]] = {i: [] for i in wave}
 
     async def one(i: int) -> None:

@@ -1,10 +1,8 @@
 """The reward functions a spec hands `GRPOTrainer`: the environment's outcome reward and its group score.
 
-Module-level functions (picklable, for TRL's async trainer) that work on every path: with `environment_factory` they
-finish the batch's episodes from its adapters and transcripts (a `@terminal` tool grades the final message); with
-`rollout_func` the engine's columns carry the results; in TRL's async worker the adapter's `get_reward` hook settled
-each episode and they find it by its transcript. The batch's environment metrics go to TRL's `log_metric` (the async
-worker has none).
+Picklable module-level functions (TRL's async trainer) for every path: with `environment_factory` they settle the
+batch's episodes from its adapters and transcripts, with `rollout_func` they read the engine's columns, in TRL's async
+worker they take the episodes `get_reward` settled. Environment metrics go to TRL's `log_metric`.
 """
 
 from __future__ import annotations
@@ -41,8 +39,8 @@ def _episodes(environments: Sequence[Any] | None, kwargs: dict[str, Any], column
 
 
 def _flush(rts: Sequence[EnvironmentRuntime], log_metric: Any) -> None:
-    """Hand what the environments did since the last flush to TRL's `log_metric` (each metrics object once).
-    TRL's async worker has none: the window starts again anyway there, so that the metrics do not pile up."""
+    """Hand the environments' metrics since the last flush to `log_metric` (TRL's async worker has none: the window
+    starts again anyway, so that they do not pile up)."""
     if not callable(log_metric) and not _trl.in_async_worker():
         return
     for metrics in {id(rt.metrics): rt.metrics for rt in rts}.values():
@@ -120,8 +118,7 @@ def reward_function(func: Callable[..., list[float | None]], unscored_reward: fl
     """`func` itself, or bound to an `unscored_reward` (a picklable partial that keeps `func`'s name for TRL)."""
     if unscored_reward is None:
         for name in _TRL_LOGGERS:  # TRL may now warn of rollouts nothing scored: we say it once, and what to do
-            if _UNSCORED not in logging.getLogger(name).filters:
-                logging.getLogger(name).addFilter(_UNSCORED)
+            logging.getLogger(name).addFilter(_UNSCORED)  # once: a logger keeps a filter only once
         return func
     bound = functools.partial(func, unscored_reward=unscored_reward)
     functools.update_wrapper(bound, func)

@@ -1,10 +1,6 @@
-"""One construction of a rollout's token ids (design decision 14), and the generator of token ids built on it.
-
-`Tokens` is what GRPO trains on for one rollout, built as TRL's tool loop builds it: the prompt rendered once with the
-tools, each reply's ids as generated, each turn's tool results as TRL's tool suffix (masked out of the loss). The
-engine trains on these ids and `LocalPolicy` is evaluated on the very same: training and evaluation agree by
-construction.
-"""
+"""One construction of a rollout's token ids (design decision 14) and the generator built on it: the prompt rendered
+once with the tools, each reply's ids as generated, each turn's tool results as TRL's tool suffix (masked out of the
+loss). The engine trains on these ids and `LocalPolicy` is evaluated on the same: they agree by construction."""
 
 from __future__ import annotations
 
@@ -27,10 +23,9 @@ logger = logging.getLogger("ors_trl")
 
 
 class Tokens:
-    """One rollout's token ids: `prompt_ids`, then `completion_ids` with their `mask` (1: generated, 0: a tool
-    result) and `logprobs` (None once a generation gave none); `images` in the order of their image tokens; `shown`:
-    the conversation's messages already in the ids; `earlier` and `masked`: what earlier renders of a re-rendering
-    generator generated, and how many of those tokens a later render changed (see `fidelity`)."""
+    """One rollout's ids: `prompt_ids`, `completion_ids` with their `mask` (1: generated, 0: tool result) and `logprobs`
+    (None once a generation gave none), `images`, `shown` (messages in the ids); `earlier`, `masked`: tokens earlier
+    renders generated and how many of them a later render changed (see `fidelity`)."""
 
     __slots__ = ("completion_ids", "earlier", "images", "logprobs", "mask", "masked", "prompt_ids", "shown")
 
@@ -57,9 +52,8 @@ class Tokens:
 
 
 def fidelity(conversation: Conversation) -> dict[str, Any] | None:
-    """An episode's token fidelity (`Episode.tokens`), None where its generator built no ids: whether the ids trained
-    on (or evaluated) are exactly the ids generated plus tool tokens, the tokens generated, how many of them a
-    re-render changed (`masked`), and the training rows (a harness's prefix breaks fork rows)."""
+    """An episode's token fidelity (`Episode.tokens`; `core.records.token_fidelity`), None where its generator built
+    no ids."""
     tokens: Tokens | None = conversation.state
     if tokens is None:
         return None
@@ -75,14 +69,11 @@ def _drift(old: Tokens, prompt: list[int]) -> int:
 
 
 class TokenGenerator:
-    """A batched generator of token ids: each conversation's ids built once (`Tokens`), a batch generated at a time
-    (`_generate_ids`, what each kind provides), each completion parsed to a `Reply` as TRL parses it. Rendering and
-    parsing run on the pump's thread (`_answer`), not on the event loop that plays the episodes. A kind may also
-    override `_fits`, `_clip`, `_refuse_images` and `rerender` (render the whole conversation each turn)."""
+    """A batched generator of token ids (`Tokens`): a kind provides `_generate_ids` and may override `_fits`, `_clip`,
+    `_refuse_images` and `rerender`. Rendering and parsing run on the pump's thread (`_answer`), not the event loop."""
 
     rerender = False
-    #: Renders kept for equal inputs (a group's rollouts share them); the oldest go first, so a long evaluation does
-    #: not keep every turn's input.
+    #: Renders kept for equal inputs (a group's rollouts share them), oldest dropped first.
     max_renders = 512
 
     def __init__(self, rendering: Rendering, batcher: Batcher) -> None:
@@ -144,13 +135,18 @@ class TokenGenerator:
             images = images_of(messages)
             if images:
                 self._refuse_images(f"The prompt of task {conversation.episode.task.key}")
-            prompt = self._render(["prompt", messages, conversation.tools],
-                                 lambda: self.rendering.prompt_ids(messages, conversation.tools))
+            prompt = self._prompt_ids(messages, conversation.tools)
             conversation.state = Tokens(prompt, images, len(messages))
             if tokens is not None:  # re-rendered: what it changed of the generated tokens is no longer what was trained
                 conversation.state.earlier = tokens.earlier + sum(tokens.mask)
                 conversation.state.masked = tokens.masked + _drift(tokens, prompt)
-                self._warn_drift(conversation)
+                if conversation.state.masked and not self._warned:  # said once: the history differs from training's
+                    self._warned = True
+                    logger.warning("re-rendering the conversation changed %d generated token(s) of episode %s's "
+                                   "history (a chat template that rewrites earlier turns, e.g. drops reasoning): the "
+                                   "model now sees a history training never builds; records carry it as tokens.masked",
+                                   conversation.state.masked,
+                                   conversation.episode.task.key if conversation.episode is not None else "?")
             self._fits(conversation.state, [])
             return
         shown = [m for m in messages[tokens.shown:] if m.get("role") == "tool"]
@@ -179,6 +175,9 @@ class TokenGenerator:
                      raw=self.rendering.tokenizer.decode(ids, skip_special_tokens=False) if ids else None,
                      seconds=round(seconds, 4))
 
+    def _prompt_ids(self, messages: list[dict[str, Any]], tools: Any) -> list[int]:
+        return self._render(["prompt", messages, tools], lambda: self.rendering.prompt_ids(messages, tools))
+
     def _render(self, key: list[Any], render: Any) -> list[int]:
         """Tokens from `render()`, computed once for equal inputs (tokenizing dominates the pump)."""
         text = json.dumps(key, sort_keys=True, default=repr)
@@ -190,27 +189,16 @@ class TokenGenerator:
                 self._renders.popitem(last=False)
         return list(self._renders[text])
 
-    def _warn_drift(self, conversation: Conversation) -> None:
-        """Say once when re-rendering changed tokens the model generated: its history differs from training's."""
-        if conversation.state.masked and not self._warned:
-            self._warned = True
-            logger.warning("re-rendering the conversation changed %d generated token(s) of episode %s's history (a "
-                           "chat template that rewrites earlier turns, e.g. drops reasoning): the model now sees a "
-                           "history training never builds; records carry it as tokens.masked", conversation.state.masked,
-                           conversation.episode.task.key if conversation.episode is not None else "?")
-
     def _generate_ids(self, tokens: list[Tokens]) -> list[tuple[list[int], list[float] | None]]:
         """One completion per rollout's ids (with its logprobs, or None)."""
         raise NotImplementedError
 
     def _fits(self, tokens: Tokens, suffix: list[int]) -> None:
-        """Raise `StopEpisode` (or `ContextLengthExceeded`) when the tool suffix (`[]`: after the prompt) may not be
-        added, or the ids may not be generated from."""
+        """Raise `StopEpisode` (or `ContextLengthExceeded`) when the tool suffix (`[]`: after the prompt) may not go."""
 
     def _clip(self, tokens: Tokens, ids: list[int], logprobs: list[float] | None
              ) -> tuple[list[int], list[float] | None, str | None]:
-        """A reply kept within a budget: its ids, logprobs and the limit that cut them (`"length"`,
-        `"context_length"`), or None."""
+        """A reply kept within a budget: its ids, logprobs and the limit that cut them, or None."""
         return ids, logprobs, None
 
     def _refuse_images(self, what: str) -> None:
