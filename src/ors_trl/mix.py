@@ -139,16 +139,11 @@ class OpenRewardMix:
             raise ConfigurationError("weights must be non-negative numbers with a positive sum")
         return values
 
-    # -- trainer inputs ----------------------------------------------------------------------------
-
     @cached_property
     def train_dataset(self) -> Dataset | IterableDataset:
-        """Every environment's tasks with TRL's `environment` routing column, in the mixture's proportions.
-
-        When a spec of the mix has a `task_sampling` other than "uniform", an endless `datasets.IterableDataset`
-        instead: each row's environment is drawn by the mixture's weights, then its task by that environment's
-        sampler (a seeded pass after pass for the uniform specs).
-        """
+        """Every environment's tasks with TRL's `environment` routing column, in the mixture's proportions; with a
+        spec's `task_sampling`, an endless `datasets.IterableDataset` whose rows draw their environment by the
+        weights, then their task by its sampler (seeded passes for the uniform specs)."""
         Dataset = extra_module("datasets", "mix.train_dataset").Dataset
 
         async def fetch_all() -> list[tuple[list[int], list[Any]]]:
@@ -209,10 +204,8 @@ class OpenRewardMix:
 
     @property
     def group_reward_func(self) -> Callable[..., list[float | None]]:
-        """Each rollout's comparative reward in its GRPO group, from its own environment's `/score_group`.
-
-        Every spec of the mix that is to be group-scored needs `score_groups=True`.
-        """
+        """Each rollout's comparative reward in its GRPO group, from its own environment's `/score_group` (a spec to
+        be group-scored needs `score_groups=True`)."""
         scored = [spec for spec in self.specs.values() if spec.score_groups]
         if not scored:
             raise ConfigurationError("group_reward_func needs score_groups=True on at least one spec of the mix")
@@ -241,19 +234,15 @@ class OpenRewardMix:
     def callbacks(self) -> list[Any]:
         """Trainer callbacks: release sessions after each step and close them all at the end of training, and (when a
         spec samples tasks) update, log and checkpoint the samplers."""
-        from .trl.callbacks import SessionCleanupCallback
+        from .trl.callbacks import SessionCleanupCallback, stream_callbacks
 
-        callbacks = [SessionCleanupCallback([spec.runtime for spec in self.specs.values()])]
-        if any(spec.curriculum is not None for spec in self.specs.values()):
-            from .trl.callbacks import stream_callbacks
-
-            callbacks += stream_callbacks(self.train_dataset)
-        return callbacks
+        sampled = any(spec.curriculum is not None for spec in self.specs.values())
+        return [SessionCleanupCallback([spec.runtime for spec in self.specs.values()]),
+                *(stream_callbacks(self.train_dataset) if sampled else [])]
 
     def evaluate(self, policy: Any, options: EvalOptions | None = None, **kwargs: Any) -> MixEvalReport:
-        """Evaluate `policy` on every environment of the mix, one after the other, through each spec's `evaluate`
-        (a model directory is loaded once). `output` is one JSON-lines file receiving every environment's episodes
-        (each record names its environment).
+        """Evaluate `policy` on each environment of the mix in turn, through its spec's `evaluate`; `output` is one
+        file for every environment's episodes (each record names its environment).
 
         Args:
             policy (`str`, a `(model, tokenizer)` pair or a `Policy`):
@@ -269,12 +258,10 @@ class OpenRewardMix:
         from .evaluation.runner import EvalOptions, MixEvalReport
 
         opts = EvalOptions.of(options, **kwargs)
-        loaded, _ = resolve_policy(policy, temperature=opts.temperature, max_new_tokens=opts.max_new_tokens,
-                                   seed=opts.seed, device=opts.device)
-        reports = {}
-        for i, (name, spec) in enumerate(self.specs.items()):
-            reports[name] = spec.evaluate(loaded, opts, resume=opts.resume or (i > 0 and opts.output is not None),
-                                          overwrite=opts.overwrite and i == 0, _others=list(self.specs))
+        loaded = resolve_policy(policy, opts)  # once for every environment
+        reports = {name: spec.evaluate(loaded, opts, resume=opts.resume or (i > 0 and opts.output is not None),
+                                       overwrite=opts.overwrite and i == 0, _others=list(self.specs))
+                   for i, (name, spec) in enumerate(self.specs.items())}
         return MixEvalReport.of(reports, dict(zip(self.specs, self.weights, strict=True)) if self.weights else None)
 
     def close(self) -> None:

@@ -4,10 +4,8 @@
     trainer = GRPOTrainer(model=..., args=GRPOConfig(...), train_dataset=spec.train_dataset,
                           environment_factory=spec.environment_factory, reward_funcs=spec.reward_funcs)
 
-Same signature and meaning as `trl.experimental.openreward.OpenRewardSpec`; everything new is keyword-only with a
-default that keeps the documented behaviour. A spec, its factory and its reward functions pickle (for TRL's
-asynchronous trainer, whose rollout worker is a spawned process): the copy opens its own sessions on its own loop,
-with the tools already discovered.
+Same signature and meaning as `trl.experimental.openreward.OpenRewardSpec`, plus keyword-only options. A spec, its
+factory and reward functions pickle (for TRL's async trainer's spawned rollout worker): the copy opens its own sessions.
 """
 
 from __future__ import annotations
@@ -334,8 +332,6 @@ class OpenRewardSpec:
         joined = (rt.given_name, log) if rt.given_name is not None or log != (own_log and str(Path(own_log))) else None
         return _restore, (self._options, tools, joined)
 
-    # -- identity ----------------------------------------------------------------------------------
-
     target = property(lambda self: self._client.target.name, doc="The catalog name or server URL given.")
     split = property(lambda self: self._options["split"], doc="The split the tasks are drawn from.")
     name = property(lambda self: self._client.env_label,
@@ -359,8 +355,6 @@ class OpenRewardSpec:
                 The coroutine (e.g. `spec.client.tasks("train")`).
         """
         return get_loop().run(coro)
-
-    # -- dataset -----------------------------------------------------------------------------------
 
     async def select_tasks(self) -> tuple[list[int], list[Any]]:
         """The selected task indices and their task specs (`{}` for each when `include_metadata=False`), asked of
@@ -401,14 +395,9 @@ class OpenRewardSpec:
 
     @cached_property
     def train_dataset(self) -> Dataset | IterableDataset:
-        """The selected tasks as TRL's `train_dataset`, built on first access.
-
-        A `datasets.Dataset` with one row per task (`task_sampling="uniform"`, TRL's own order), or, with another
-        `task_sampling`, an endless `datasets.IterableDataset` whose rows the sampler draws as TRL reads them
-        (`GRPOConfig(max_steps=...)` is then needed). Columns: `prompt` (a conversational prompt with an empty user
-        message, to which TRL appends the environment's prompt), `task_index`, and with `include_metadata` every
-        task field.
-        """
+        """The selected tasks as TRL's `train_dataset` (built on first access): a `datasets.Dataset`, one row per task,
+        or with `task_sampling` an endless `datasets.IterableDataset`. Columns: `prompt` (an empty user message TRL
+        appends the environment's prompt to), `task_index`, and with `include_metadata` every task field."""
         Dataset = extra_module("datasets", "spec.train_dataset").Dataset
 
         indices, tasks = self.run(self.select_tasks())
@@ -422,8 +411,6 @@ class OpenRewardSpec:
 
         return sampled_stream(dataset, {(None, i): row for row, i in enumerate(indices)}, {None: self},
                               {None: indices}, on_bind=attach_task_sampling)
-
-    # -- tools -----------------------------------------------------------------------------------
 
     async def _discover(self) -> tuple[list[ToolSpec], TerminalTool | None, bool, tuple[str, ...] | None]:
         """Shared tools plus the task-specific ones of the probe tasks, and what the server supports."""
@@ -544,8 +531,6 @@ class OpenRewardSpec:
         _ = self._tools
         return RolloutEngine({None: self._runtime}, gather_window=self._options["gather_window"])
 
-    # -- rewards and callbacks -------------------------------------------------------------------
-
     @property
     def reward_funcs(self) -> Callable[..., list[float | None]]:
         """The outcome reward function (picklable): last non-None reward per rollout."""
@@ -570,13 +555,10 @@ class OpenRewardSpec:
         Optional with `GRPOTrainer`: it gets them automatically the first time it reads the dataset, resets an
         adapter or runs the engine. `AsyncGRPOTrainer` needs them for task sampling's checkpoints and metrics.
         """
-        from .trl.callbacks import SessionCleanupCallback
+        from .trl.callbacks import SessionCleanupCallback, stream_callbacks
 
-        if self.curriculum is None:
-            return [SessionCleanupCallback([self._runtime])]
-        from .trl.callbacks import stream_callbacks
-
-        return [SessionCleanupCallback([self._runtime]), *stream_callbacks(self.train_dataset)]
+        sampled = self.curriculum is not None
+        return [SessionCleanupCallback([self._runtime]), *(stream_callbacks(self.train_dataset) if sampled else [])]
 
     def eval_callback(self, tasks: int | Sequence[int] | None = None, *, split: str = "test", every: int = 50,
                       repeats: int = 1, at_start: bool = True) -> Any:
@@ -625,15 +607,13 @@ class OpenRewardSpec:
 
         Args:
             policy (`str`, `os.PathLike`, `tuple[Any, Any]` or `Policy`):
-                A local model directory, a `(model, tokenizer)` pair, an `OpenAIPolicy`, a generator, or any object
-                with `async respond(messages, tools) -> Reply`.
+                A local model directory, a `(model, tokenizer)` pair, an `OpenAIPolicy`, a generator, or a `Policy`.
             options (`EvalOptions`, *optional*):
-                How to run; `**kwargs` set its fields (`EvalOptions` documents them). By default the spec's own task
-                selection, `episode_timeout` and `success_threshold`.
+                How to run; `**kwargs` set its fields. By default the spec's task selection, `episode_timeout` and
+                `success_threshold`.
 
         Returns:
-            `EvalReport`: Mean reward, success rate, pass@k over `repeats`, grading coverage, finished rate, tool calls
-            and their health; `report.episodes` holds every record.
+            `EvalReport`: What the policy did; `report.episodes` holds every record.
         """
         from .evaluation.runner import EvalOptions, evaluate
 
