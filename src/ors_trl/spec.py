@@ -189,20 +189,17 @@ class OpenRewardSpec:
         score_groups (`bool`, *optional*, defaults to `False`):
             Provide `group_reward_func` (`/score_group` of each GRPO group), keeping sessions until the step ends.
         gather_window (`float`, *optional*):
-            With `rollout_func`, seconds generation waits for more ready rollouts; `None`: at most 0.05 s and at most
-            half of a generation call.
+            With `rollout_func`, seconds generation waits for more ready rollouts (`None`: automatic, <= 0.05 s).
         max_tool_calls (`int`, *optional*):
             Tool calls one episode may make (`None`: no cap); later ones are refused locally (the model reads why).
         success_threshold (`float`, *optional*, defaults to `1.0`):
             The reward at or above which an episode is a success (metrics, evaluation, reports, task sampling).
         upload_rollouts (`bool` or `str`, *optional*, defaults to `False`):
-            Send every finished episode, with the run's metadata, to the OpenReward rollout viewer (`True`, or the
-            run's name there), in the background, never failing a step (`ors_trl.protocol.upload`). The key:
-            `api_key=` for a catalog name, else `OPENREWARD_API_KEY`.
+            Send every episode to the OpenReward rollout viewer (`True`, or the run's name there) in the background
+            (`ors_trl.protocol.upload`), with `api_key=` for a catalog name, else `OPENREWARD_API_KEY`.
         images (`str`, *optional*, defaults to `"pass"`):
-            `"pass"`: image blocks reach the model as image parts (for a vision-language model's processor; a
-            tokenizer gets a `ConfigurationError` at its first rollout); `"placeholder"`: as the text `[image: <media
-            type>]`. Image bounds: `ors_trl.protocol.images`.
+            `"pass"`: image blocks reach the model as image parts (for a vision-language model's processor);
+            `"placeholder"`: as the text `[image: <media type>]`. Bounds: `ors_trl.protocol.images`.
         max_session_rate (`float` or `tuple[float, int]`, *optional*):
             Sessions created per second by this process, or `(rate, burst)`; a 429 or `503 starting` slows it.
             `None`: no pace. `ORS_TRL_MAX_SESSION_RATE="RATE[:BURST]"` sets one shared by the working directory.
@@ -215,9 +212,8 @@ class OpenRewardSpec:
             Environment variables for every session (masked like secrets); on the platform, non-owners may set only
             the OpenAI/Anthropic URL and key variables.
         task_sampling (`str` or `TaskSampler`, *optional*, defaults to `"uniform"`):
-            `"uniform"`: `train_dataset` is a `Dataset` in TRL's order. `"adaptive"` (`AdaptiveSampler`) or any
-            `TaskSampler`: an endless `IterableDataset` whose tasks are drawn from the rewards so far (needs
-            `GRPOConfig(max_steps=...)`); its state is checkpointed and every process draws alike.
+            `"uniform"`: a `Dataset` in TRL's order. `"adaptive"` (`AdaptiveSampler`) or a `TaskSampler`: an endless
+            `IterableDataset` drawn from the rewards so far (needs `GRPOConfig(max_steps=...)`), checkpointed.
         difficulty (`tuple[float, float]`, *optional*):
             Keep only tasks whose known mean reward lies in `[low, high]` (tasks without data are kept and counted).
         difficulty_from (`str`, `os.PathLike`, `Mapping[int, float]` or `PlatformDifficulty`, *optional*):

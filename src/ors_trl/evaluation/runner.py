@@ -1,10 +1,6 @@
-"""Evaluate a policy against an ORS environment: the episode core (`play`, the turn rule training uses) driven by a
-policy instead of a trainer (`OpenRewardSpec.evaluate`, `OpenRewardMix.evaluate`, `ors-trl eval`).
-
-An episode ends when the policy answers without a tool call (a terminal tool then grades that answer) or after
-`max_turns` replies; its reward is its last non-None one (None: unscored, left out of `mean_reward`). Each finished
-episode is appended to `output` and flushed at once, so an interrupted evaluation loses at most its running episodes
-(`resume=True` runs only the missing ones); every session is closed, also on errors and on Ctrl-C.
+"""Evaluate a policy against an ORS environment: the episode core (`play`, training's turn rule) driven by a policy
+instead of a trainer (`OpenRewardSpec.evaluate`, `OpenRewardMix.evaluate`, `ors-trl eval`). Each finished episode is
+flushed to `output` at once (`resume=True` runs only the missing ones); every session is closed, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -466,13 +462,11 @@ class EvalReport:
             f"  session-seconds       {self.session_seconds:.1f}  ({self.session_seconds_unscored:.1f} unscored, "
             f"{self.sessions_opened} sessions)",
             f"  time                  {self.seconds:.1f} s",
+            *(["  uploaded              " + ", ".join(f"{v} {k}" for k, v in self.uploads.items())]
+              if self.uploads is not None else []),
+            *([f"  resumed               {self.num_resumed} episode(s) from {self.output}"] if self.num_resumed else []),
+            *([f"Episodes: {self.output}"] if self.output else []),
         ]
-        if self.uploads is not None:
-            lines.append("  uploaded              " + ", ".join(f"{v} {k}" for k, v in self.uploads.items()))
-        if self.num_resumed:
-            lines.append(f"  resumed               {self.num_resumed} episode(s) from {self.output}")
-        if self.output:
-            lines.append(f"Episodes: {self.output}")
         return escape_controls("\n".join(lines))
 
     def _pass_lines(self, shown_tasks: int = 20) -> list[str]:
