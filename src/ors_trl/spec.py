@@ -374,8 +374,7 @@ class OpenRewardSpec:
         return indices, [by_index[i] for i in indices]
 
     def dataset_rows(self, indices: list[int], env: str | None = None) -> dict[str, list[Any]]:
-        """The `prompt` and `task_index` columns of these tasks: an empty user message carrying the task's identity
-        (for `rollout_func`, which sees only prompts).
+        """The `prompt` (an empty user message carrying the task's identity) and `task_index` columns of these tasks.
 
         Args:
             indices (`list[int]`):
@@ -519,10 +518,8 @@ class OpenRewardSpec:
 
     @cached_property
     def rollout_func(self) -> RolloutEngine:
-        """The rollout engine for `GRPOTrainer(rollout_func=...)`, instead of `environment_factory` (not with it), with
-        `train_dataset` and `reward_funcs`: every episode of a batch runs on its own, sessions open concurrently and
-        tool calls overlap. Raises `UsageError` on a TRL version it was not verified against (`environment_factory`
-        works there)."""
+        """The rollout engine for `GRPOTrainer(rollout_func=...)`, instead of `environment_factory`: a batch's episodes
+        run on their own, sessions and tool calls overlap. A `UsageError` on a TRL version it is not verified on."""
         _trl.require_engine()
         _ = self._tools
         return RolloutEngine({None: self._runtime}, gather_window=self._options["gather_window"])

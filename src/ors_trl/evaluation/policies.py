@@ -68,9 +68,8 @@ def markup_pattern(texts: str | Sequence[str] | None = None) -> re.Pattern[str] 
 
 @runtime_checkable
 class Policy(Protocol):
-    """What `evaluate` drives: given the conversation and the tool schemas, return the assistant's reply. It may also
-    have `tool_markup` (a text, or a compiled pattern): what a tool call looks like in its replies' text, and
-    `description`: its name in records and reports.
+    """What `evaluate` drives: the assistant's reply to the conversation and tool schemas. It may also have
+    `tool_markup` (a text or pattern: a tool call in its text) and `description` (its name in records and reports).
 
     A reply calls tools (`tool_calls`: `{"name": ..., "arguments": {...}}` each; the episode goes on with their
     results) or answers in plain text (`content`; the episode ends, graded by the environment's terminal tool if it has
@@ -167,8 +166,6 @@ class OpenAIPolicy:
             self.base_url, error=PolicyError, secrets=[self._api_key] if self._api_key else [],
             headers={"Authorization": f"Bearer {self._api_key}"} if self._api_key else None,
             timeouts=Timeouts(connect=None, request=timeout), retry=self.retry)
-        self._transport.on_request = self._count
-        self.requests = 0
 
     def __repr__(self) -> str:  # never shows the key
         return f"OpenAIPolicy({self.base_url!r}, {self.model!r})"
@@ -209,9 +206,6 @@ class OpenAIPolicy:
         if moved:
             out.append({"role": "user", "content": moved})
         return out
-
-    def _count(self, method: str, path: str) -> None:
-        self.requests += 1
 
     async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Reply:
         """The next turn, asked of the endpoint (retried under `max_attempts`); a `PolicyError` when the endpoint
