@@ -63,9 +63,8 @@ class OpenRewardMix:
         specs (`Sequence[OpenRewardSpec]` or `Mapping[str, OpenRewardSpec]`):
             A list of specs (named after each spec's environment) or a `{name: spec}` dict.
         weights (`Sequence[float]` or `Mapping[str, float]`, *optional*):
-            Sampling weights, as a list aligned with `specs` or a `{name: weight}` dict: the share of the dataset each
-            environment gets (rows are repeated or subsampled to match, deterministically for `seed`; with task
-            sampling, the chance each draw picks the environment). `None` keeps every spec's tasks once.
+            Each environment's share of the dataset (rows repeated or subsampled, seeded; with task sampling, of the
+            draws), a list aligned with `specs` or a `{name: weight}` dict. `None` keeps every spec's tasks once.
         seed (`int`, *optional*, defaults to `0`):
             Seed for that sampling.
         episode_log (`str`, *optional*):
@@ -215,9 +214,8 @@ class OpenRewardMix:
 
     @cached_property
     def rollout_func(self) -> RolloutEngine:
-        """The rollout engine over every environment of the mix (use instead of environment_factory). Each environment
-        keeps its own spec's `episode_timeout`; the gather window is one for the whole engine: the mix's
-        `gather_window`, else the specs' (which must then agree)."""
+        """The rollout engine over every environment of the mix (instead of `environment_factory`), each with its
+        spec's `episode_timeout`; one gather window: the mix's, else the specs' (which must agree)."""
         _trl.require_engine("mix.rollout_func")
         for spec in self.specs.values():
             _ = spec.tool_specs
