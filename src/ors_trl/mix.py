@@ -240,17 +240,14 @@ class OpenRewardMix:
 
     def evaluate(self, policy: Any, options: EvalOptions | None = None, **kwargs: Any) -> MixEvalReport:
         """Evaluate `policy` on each environment of the mix in turn, through its spec's `evaluate`; `output` is one
-        file for every environment's episodes (each record names its environment).
+        file for every environment's episodes (each names its environment). The `MixEvalReport` holds each
+        environment's `EvalReport` and the overall numbers, weighted by the mix's weights (else by episodes).
 
         Args:
             policy (`str`, a `(model, tokenizer)` pair or a `Policy`):
                 What to evaluate, as for `OpenRewardSpec.evaluate`.
             options (`EvalOptions`, *optional*):
                 How to run, for every environment; `**kwargs` set its fields (`EvalOptions` documents them).
-
-        Returns:
-            `MixEvalReport`: Each environment's `EvalReport`, and the overall numbers weighted by the mix's weights
-            (without weights: by each environment's episodes).
         """
         from .evaluation.policies import resolve_policy
         from .evaluation.runner import EvalOptions, MixEvalReport

@@ -596,7 +596,8 @@ class OpenRewardSpec:
 
     def evaluate(self, policy: Any, options: EvalOptions | None = None, *, _others: Sequence[str] = (),
                  **kwargs: Any) -> EvalReport:
-        """Run `policy` over this spec's tasks through the same client, tool binding and episode core as training.
+        """Run `policy` over this spec's tasks through the same client, tool binding and episode core as training;
+        the `EvalReport` says what it did (`report.episodes`: every record).
 
         Args:
             policy (`str`, `os.PathLike`, `tuple[Any, Any]` or `Policy`):
@@ -604,9 +605,6 @@ class OpenRewardSpec:
             options (`EvalOptions`, *optional*):
                 How to run; `**kwargs` set its fields. By default the spec's task selection, `episode_timeout` and
                 `success_threshold`.
-
-        Returns:
-            `EvalReport`: What the policy did; `report.episodes` holds every record.
         """
         from .evaluation.runner import EvalOptions, evaluate
 
