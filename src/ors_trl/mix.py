@@ -63,9 +63,8 @@ class OpenRewardMix:
         specs (`Sequence[OpenRewardSpec]` or `Mapping[str, OpenRewardSpec]`):
             A list of specs (named after each spec's environment) or a `{name: spec}` dict.
         weights (`Sequence[float]` or `Mapping[str, float]`, *optional*):
-            Sampling weights, as a list aligned with `specs` or a `{name: weight}` dict: the share of the dataset each
-            environment gets (rows are repeated or subsampled to match, deterministically for `seed`; with task
-            sampling, the chance each draw picks the environment). `None` keeps every spec's tasks once.
+            Each environment's share of the dataset (rows repeated or subsampled, seeded; with task sampling, of the
+            draws), a list aligned with `specs` or a `{name: weight}` dict. `None` keeps every spec's tasks once.
         seed (`int`, *optional*, defaults to `0`):
             Seed for that sampling.
         episode_log (`str`, *optional*):
@@ -139,16 +138,11 @@ class OpenRewardMix:
             raise ConfigurationError("weights must be non-negative numbers with a positive sum")
         return values
 
-    # -- trainer inputs ----------------------------------------------------------------------------
-
     @cached_property
     def train_dataset(self) -> Dataset | IterableDataset:
-        """Every environment's tasks with TRL's `environment` routing column, in the mixture's proportions.
-
-        When a spec of the mix has a `task_sampling` other than "uniform", an endless `datasets.IterableDataset`
-        instead: each row's environment is drawn by the mixture's weights, then its task by that environment's
-        sampler (a seeded pass after pass for the uniform specs).
-        """
+        """Every environment's tasks with TRL's `environment` routing column, in the mixture's proportions; with a
+        spec's `task_sampling`, an endless `datasets.IterableDataset` whose rows draw their environment by the
+        weights, then their task by its sampler (seeded passes for the uniform specs)."""
         Dataset = extra_module("datasets", "mix.train_dataset").Dataset
 
         async def fetch_all() -> list[tuple[list[int], list[Any]]]:
@@ -209,10 +203,8 @@ class OpenRewardMix:
 
     @property
     def group_reward_func(self) -> Callable[..., list[float | None]]:
-        """Each rollout's comparative reward in its GRPO group, from its own environment's `/score_group`.
-
-        Every spec of the mix that is to be group-scored needs `score_groups=True`.
-        """
+        """Each rollout's comparative reward in its GRPO group, from its own environment's `/score_group` (a spec to
+        be group-scored needs `score_groups=True`)."""
         scored = [spec for spec in self.specs.values() if spec.score_groups]
         if not scored:
             raise ConfigurationError("group_reward_func needs score_groups=True on at least one spec of the mix")
@@ -222,9 +214,8 @@ class OpenRewardMix:
 
     @cached_property
     def rollout_func(self) -> RolloutEngine:
-        """The rollout engine over every environment of the mix (use instead of environment_factory). Each environment
-        keeps its own spec's `episode_timeout`; the gather window is one for the whole engine: the mix's
-        `gather_window`, else the specs' (which must then agree)."""
+        """The rollout engine over every environment of the mix (instead of `environment_factory`), each with its
+        spec's `episode_timeout`; one gather window: the mix's, else the specs' (which must agree)."""
         _trl.require_engine("mix.rollout_func")
         for spec in self.specs.values():
             _ = spec.tool_specs
@@ -241,40 +232,31 @@ class OpenRewardMix:
     def callbacks(self) -> list[Any]:
         """Trainer callbacks: release sessions after each step and close them all at the end of training, and (when a
         spec samples tasks) update, log and checkpoint the samplers."""
-        from .trl.callbacks import SessionCleanupCallback
+        from .trl.callbacks import SessionCleanupCallback, stream_callbacks
 
-        callbacks = [SessionCleanupCallback([spec.runtime for spec in self.specs.values()])]
-        if any(spec.curriculum is not None for spec in self.specs.values()):
-            from .trl.callbacks import stream_callbacks
-
-            callbacks += stream_callbacks(self.train_dataset)
-        return callbacks
+        sampled = any(spec.curriculum is not None for spec in self.specs.values())
+        return [SessionCleanupCallback([spec.runtime for spec in self.specs.values()]),
+                *(stream_callbacks(self.train_dataset) if sampled else [])]
 
     def evaluate(self, policy: Any, options: EvalOptions | None = None, **kwargs: Any) -> MixEvalReport:
-        """Evaluate `policy` on every environment of the mix, one after the other, through each spec's `evaluate`
-        (a model directory is loaded once). `output` is one JSON-lines file receiving every environment's episodes
-        (each record names its environment).
+        """Evaluate `policy` on each environment of the mix in turn, through its spec's `evaluate`; `output` is one
+        file for every environment's episodes (each names its environment). The `MixEvalReport` holds each
+        environment's `EvalReport` and the overall numbers, weighted by the mix's weights (else by episodes).
 
         Args:
             policy (`str`, a `(model, tokenizer)` pair or a `Policy`):
                 What to evaluate, as for `OpenRewardSpec.evaluate`.
             options (`EvalOptions`, *optional*):
                 How to run, for every environment; `**kwargs` set its fields (`EvalOptions` documents them).
-
-        Returns:
-            `MixEvalReport`: Each environment's `EvalReport`, and the overall numbers weighted by the mix's weights
-            (without weights: by each environment's episodes).
         """
         from .evaluation.policies import resolve_policy
         from .evaluation.runner import EvalOptions, MixEvalReport
 
         opts = EvalOptions.of(options, **kwargs)
-        loaded, _ = resolve_policy(policy, temperature=opts.temperature, max_new_tokens=opts.max_new_tokens,
-                                   seed=opts.seed, device=opts.device)
-        reports = {}
-        for i, (name, spec) in enumerate(self.specs.items()):
-            reports[name] = spec.evaluate(loaded, opts, resume=opts.resume or (i > 0 and opts.output is not None),
-                                          overwrite=opts.overwrite and i == 0, _others=list(self.specs))
+        loaded = resolve_policy(policy, opts)  # once for every environment
+        reports = {name: spec.evaluate(loaded, opts, resume=opts.resume or (i > 0 and opts.output is not None),
+                                       overwrite=opts.overwrite and i == 0, _others=list(self.specs))
+                   for i, (name, spec) in enumerate(self.specs.items())}
         return MixEvalReport.of(reports, dict(zip(self.specs, self.weights, strict=True)) if self.weights else None)
 
     def close(self) -> None:

@@ -4,10 +4,8 @@
     trainer = GRPOTrainer(model=..., args=GRPOConfig(...), train_dataset=spec.train_dataset,
                           environment_factory=spec.environment_factory, reward_funcs=spec.reward_funcs)
 
-Same signature and meaning as `trl.experimental.openreward.OpenRewardSpec`; everything new is keyword-only with a
-default that keeps the documented behaviour. A spec, its factory and its reward functions pickle (for TRL's
-asynchronous trainer, whose rollout worker is a spawned process): the copy opens its own sessions on its own loop,
-with the tools already discovered.
+Same signature and meaning as `trl.experimental.openreward.OpenRewardSpec`, plus keyword-only options. A spec, its
+factory and reward functions pickle (for TRL's async trainer's spawned rollout worker): the copy opens its own sessions.
 """
 
 from __future__ import annotations
@@ -143,8 +141,7 @@ class OpenRewardSpec:
 
     Args:
         target (`str`):
-            An openreward.ai catalog name (`"Eigent/SETA"`) or the URL of any ORS server (`"http://127.0.0.1:8000"`),
-            told apart by `://`.
+            An openreward.ai catalog name (`"Eigent/SETA"`) or any ORS server's URL, told apart by `://`.
         num_tasks (`int`, *optional*):
             Use the first `num_tasks` tasks of the split (capped at its size). Default: all.
         split (`str`, *optional*, defaults to `"train"`):
@@ -154,22 +151,19 @@ class OpenRewardSpec:
         api_key (`str`, *optional*):
             Overrides `OPENREWARD_API_KEY` for catalog names; for a URL, sent only if given.
         secrets (`Mapping[str, str | dict]`, *optional*):
-            Per-session secrets (`X-Secrets`), for every session. In catalog mode, when not given, the API key is
-            forwarded as the conventional `api_key` secret.
+            Per-session secrets (`X-Secrets`). In catalog mode, by default the API key as the `api_key` secret.
         env_name (`str`, *optional*):
             Which environment on a server that hosts several.
         include_metadata (`bool`, *optional*, defaults to `True`):
-            Copy each task's fields into dataset columns (reward functions see them); a field named like a keyword
-            TRL passes itself (`self`, `prompts`, `completions`, ...: `RESERVED_COLUMNS` of `ors_trl.tasks.selection`) is
-            kept as `task_<name>`, and the log says so once.
+            Copy each task's fields into dataset columns; one named like a keyword TRL passes (`RESERVED_COLUMNS` of
+            `ors_trl.tasks.selection`) becomes `task_<name>`, logged once.
         discover_task_tools (`bool`, *optional*, defaults to `True`):
-            Open probe sessions to bind task-specific tools (`/task_tools`) too: one per distinct task of `indices`
-            (task 0 otherwise), `PROBE_CONCURRENCY` (4) at once; every probed task's tools are bound.
+            Bind task-specific tools (`/task_tools`) too, from probe sessions: one per distinct task of `indices`
+            (task 0 otherwise), `PROBE_CONCURRENCY` (4) at once.
         task_tools_discovery_index (`int`, *optional*):
             Probe only this task index.
         cache_prompts (`bool`, *optional*, defaults to `True`):
-            Answer repeated resets of one task from its cached prompt while sessions open in the background (one
-            session-open wait per distinct task, not per rollout).
+            Answer repeated resets of a task from its cached prompt while sessions open in the background.
         max_output_chars (`int`, *optional*):
             Cap on the tool output text the model sees (truncation is marked).
         keepalive_interval (`float`, *optional*, defaults to `10.0`):
@@ -183,95 +177,63 @@ class OpenRewardSpec:
         episode_log (`str`, *optional*):
             Path of a JSON-lines file receiving every finished episode (off by default).
         batch_tool_calls (`bool`, *optional*, defaults to `True`):
-            In TRL's own tool loop (`environment_factory`), start all of a turn's tool calls across the batch at once
-            at its first call (each rollout's calls still in order).
+            In TRL's tool loop, start all of a turn's tool calls across the batch at its first call (each in order).
         async_tools (`bool`, *optional*, defaults to `False`):
             Bind tools as coroutine methods (TRL gathers a rollout's parallel calls).
         max_concurrent_tool_calls (`int`, *optional*, defaults to `64`):
             Tool calls in flight at once, per environment.
         episode_timeout (`float`, *optional*):
-            With `rollout_func` (and as `evaluate`'s default), wall-clock seconds an episode may take before it is
-            closed and scored `None`.
+            With `rollout_func` (and `evaluate`'s default): seconds before an episode is closed and scored `None`.
         unscored_reward (`float`, *optional*):
-            What `reward_funcs` gives a rollout the environment never scored. `None` (the default, TRL's convention)
-            leaves it out of the advantage baseline; a number (e.g. `0.0`) counts it as that score.
+            `reward_funcs`' value for an unscored rollout: `None` (TRL's convention) leaves it out of the baseline.
         score_groups (`bool`, *optional*, defaults to `False`):
-            Provide `group_reward_func`, the environment's comparative reward of each GRPO group (`/score_group`),
-            and keep finished sessions until the step ends for it.
+            Provide `group_reward_func` (`/score_group` of each GRPO group), keeping sessions until the step ends.
         gather_window (`float`, *optional*):
-            With `rollout_func`, seconds generation waits for more rollouts to be ready; `None` (default): at most
-            0.05 s and at most half of what a generation call takes.
+            With `rollout_func`, seconds generation waits for more ready rollouts (`None`: automatic, <= 0.05 s).
         max_tool_calls (`int`, *optional*):
-            Tool calls one episode may make (`None`: no cap); later calls are refused locally (the model reads why)
-            and counted, on every path.
+            Tool calls one episode may make (`None`: no cap); later ones are refused locally (the model reads why).
         success_threshold (`float`, *optional*, defaults to `1.0`):
-            The reward at or above which an episode counts as a success (`success_rate` in the metrics, evaluation,
-            reports and task sampling).
+            The reward at or above which an episode is a success (metrics, evaluation, reports, task sampling).
         upload_rollouts (`bool` or `str`, *optional*, defaults to `False`):
-            Send every finished episode to the OpenReward rollout viewer (`True`, or the run's name there), with the
-            run's metadata (model name and size, training stage, step); in the background, bounded, failures counted
-            and never failing a step (`ors_trl.protocol.upload`). The platform's API key: `api_key=` for a catalog
-            name, else `OPENREWARD_API_KEY`.
+            Send every episode to the OpenReward rollout viewer (`True`, or the run's name there) in the background
+            (`ors_trl.protocol.upload`), with `api_key=` for a catalog name, else `OPENREWARD_API_KEY`.
         images (`str`, *optional*, defaults to `"pass"`):
-            `"pass"`: image blocks of prompts, conversations and tool outputs reach the model as image parts of their
-            message (a vision-language model's processor takes them; a trainer whose processing class is a tokenizer
-            gets a `ConfigurationError` at its first rollout); `"placeholder"`: as the text `[image: <media type>]`,
-            for a text-only model on purpose. Text-only environments give the same text either way. The bounds an
-            image must keep are in `ors_trl.protocol.images`.
+            `"pass"`: image blocks reach the model as image parts (for a vision-language model's processor);
+            `"placeholder"`: as the text `[image: <media type>]`. Bounds: `ors_trl.protocol.images`.
         max_session_rate (`float` or `tuple[float, int]`, *optional*):
-            Sessions created per second by this process's copy of the spec, or `(rate, burst)` (burst 1 otherwise);
-            opens past it wait their turn, and a 429 or `503 starting` slows it down. `None` (default): a batch opens
-            at once. `ORS_TRL_MAX_SESSION_RATE="RATE[:BURST]"` sets one pace shared by every process of the working
-            directory.
+            Sessions created per second by this process, or `(rate, burst)`; a 429 or `503 starting` slows it.
+            `None`: no pace. `ORS_TRL_MAX_SESSION_RATE="RATE[:BURST]"` sets one shared by the working directory.
         toolset (`str`, *optional*):
-            The platform toolset every session gets (e.g. `"codex"`, `"claude-code"`): its tools are discovered in a
-            probe session and bound like the environment's. A toolset the server refuses is a `ConfigurationError` at
-            the first open.
+            The platform toolset every session gets (e.g. `"codex"`), its tools bound like the environment's; one
+            the server refuses is a `ConfigurationError` at the first open.
         toolset_fallback (`bool`, *optional*, defaults to `False`):
             When the server refuses `toolset`, open sessions without it (one log line) instead.
         env_overrides (`Mapping[str, str]`, *optional*):
-            Environment variables for every session (`{"OPENAI_BASE_URL": ...}`); on the platform, callers other than
-            the environment's owner may set only the OpenAI/Anthropic URL and key variables. Masked like secrets.
+            Environment variables for every session (masked like secrets); on the platform, non-owners may set only
+            the OpenAI/Anthropic URL and key variables.
         task_sampling (`str` or `TaskSampler`, *optional*, defaults to `"uniform"`):
-            How training draws its tasks. `"uniform"`: `train_dataset` is a `Dataset` of the tasks and TRL orders
-            them (TRL's own behaviour). `"adaptive"`: an `AdaptiveSampler` draws each group's task as TRL reads the
-            rows of an endless `IterableDataset` (`GRPOConfig(max_steps=...)` is then needed), from the rewards of
-            the groups before: tasks never scored first, tasks whose recent groups were all equal (all solved or all
-            failed) down-weighted but re-probed. Or any object with `draw()` and `update(task, rewards)`
-            (`TaskSampler`). Its state is saved with checkpoints and every process of a run draws alike.
+            `"uniform"`: a `Dataset` in TRL's order. `"adaptive"` (`AdaptiveSampler`) or a `TaskSampler`: an endless
+            `IterableDataset` drawn from the rewards so far (needs `GRPOConfig(max_steps=...)`), checkpointed.
         difficulty (`tuple[float, float]`, *optional*):
-            Keep only the tasks whose known mean reward lies in `[low, high]` (tasks with no data are kept, and the
-            log says how many); a range that keeps none is a `ConfigurationError`.
+            Keep only tasks whose known mean reward lies in `[low, high]` (tasks without data are kept and counted).
         difficulty_from (`str`, `os.PathLike`, `Mapping[int, float]` or `PlatformDifficulty`, *optional*):
-            Where `difficulty` reads the mean rewards: an `ors-trl eval --output` file (its per-task mean over
-            `--repeats`), any episode log, a `{task_index: mean reward}` mapping, or `PlatformDifficulty(...)`
-            (also `"platform"`, the default for a catalog name): the OpenReward platform's per-task difficulty,
-            filtered by model and training stage. A self-hosted URL has no platform data: pass a file.
+            Where `difficulty` reads mean rewards: an `ors-trl eval --output` file, an episode log, a
+            `{task_index: mean reward}` mapping, or `PlatformDifficulty(...)` (`"platform"`, a catalog name's default).
         reward (`str` or `Callable`, *optional*, defaults to `"last"`):
-            How an episode's per-call rewards make its reward, on every path (training, `evaluate`, pass@k, reports,
-            task sampling): `"last"` (the last reward: TRL's convention), `"sum"`, `"max"`, `"discounted:<gamma>"`, or
-            `f(rewards, episode) -> float | None`. Rewards of results the model never saw (they did not fit) never
-            count. Recorded as `reward_rule`.
+            How per-call rewards make an episode's on every path: `"last"` (TRL's convention), `"sum"`, `"max"`,
+            `"discounted:<gamma>"`, or `f(rewards, episode) -> float | None` (rewards the model never saw never count).
         score_failures (`bool`, *optional*, defaults to `False`):
-            Keep what an episode scored before an infrastructure failure (a lost session, a network or server failure,
-            an answer past the protocol). By default such an episode is no score (`unscored: "error"`): a sandbox
-            that dies must not push the policy away from working behaviour. A lost session is never called again.
+            Keep what an episode scored before an infrastructure failure; by default it is unscored (`"error"`).
         tool_errors (`str`, *optional*, defaults to `"model"`):
-            Whose failure a tool that raised inside the environment is: `"model"` (the model reads the error and goes
-            on, as in TRL's loop) or `"environment"` (a sandbox that died: the episode ends, no score).
+            A tool that raised: `"model"` reads the error and goes on (TRL's loop), `"environment"` ends it unscored.
         episode_retries (`int`, *optional*, defaults to `0`):
-            With `rollout_func` and in `evaluate`: replay an episode an infrastructure failure voided, from the start
-            on a fresh session, up to this many times (its tools run again: leave it 0 for tools with effects outside
-            the sandbox). TRL's own loop cannot replay: there the failed episode is unscored.
+            With `rollout_func` and `evaluate`: replay an episode infrastructure voided on a fresh session, up to this
+            many times (its tools run again). TRL's own loop cannot replay.
         failed_groups (`str`, *optional*, defaults to `"partial"`):
-            A GRPO group with an episode still void after its retries: `"partial"` trains the others (the void one is
-            left out of the baseline), `"drop"` trains none of the group (no partial-group bias).
+            A group with an episode void after retries: `"partial"` trains the others, `"drop"` none of it.
         credit (`str`, *optional*, defaults to `"episode"`):
-            `"turn"`: each turn's tokens are trained on the mean of the episode's advantage and the turn's own: the
-            return of the calls from that turn on (the reward rule over the per-call rewards that follow), normalised
-            against the group's rollouts at the same turn (`ors_trl.trl.credit`): credit from every call, for
-            environments that reward progress. Needs `GRPOTrainer` with `rollout_func`, or `environment_factory` and
-            `reward_funcs`; elsewhere (TRL's async trainer) a `ConfigurationError`.
+            `"turn"`: each turn's tokens train on the mean of the episode's advantage and the group-normalised return
+            of the calls from that turn on (`ors_trl.trl.credit`); not with TRL's async trainer.
     """
 
     @checked_keywords
@@ -366,48 +328,20 @@ class OpenRewardSpec:
         joined = (rt.given_name, log) if rt.given_name is not None or log != (own_log and str(Path(own_log))) else None
         return _restore, (self._options, tools, joined)
 
-    # -- identity ----------------------------------------------------------------------------------
-
-    @property
-    def target(self) -> str:
-        """The catalog name or server URL given."""
-        return self._client.target.name
-
-    @property
-    def split(self) -> str:
-        """The split the tasks are drawn from."""
-        return self._options["split"]
-
-    @property
-    def name(self) -> str:
-        """A short name for logs, metrics and records: the environment's (`AsyncClient.env_label`)."""
-        return self._client.env_label
-
-    @property
-    def client(self) -> AsyncClient:
-        """The underlying async client (bound to the background loop; drive it with `spec.run(...)`)."""
-        return self._client
-
-    @property
-    def metrics(self) -> EnvMetrics:
-        """What the environment did, accumulated since the last flush."""
-        return self._runtime.metrics
-
-    @property
-    def runtime(self) -> EnvironmentRuntime:
-        """What this spec's episodes share (client, bound tools, metrics, record writer, live episodes): what a mix
-        combines and the engine drives."""
-        return self._runtime
-
-    @property
-    def score_groups(self) -> bool:
-        """True when the spec was asked for group scores (`score_groups=True`)."""
-        return bool(self._options["score_groups"])
-
-    @property
-    def gather_window(self) -> float | None:
-        """The engine's gather window this spec asks for (None: automatic)."""
-        return self._options["gather_window"]
+    target = property(lambda self: self._client.target.name, doc="The catalog name or server URL given.")
+    split = property(lambda self: self._options["split"], doc="The split the tasks are drawn from.")
+    name = property(lambda self: self._client.env_label,
+                    doc="A short name for logs, metrics and records: the environment's (`AsyncClient.env_label`).")
+    client = property(lambda self: self._client,
+                      doc="The async client (bound to the background loop; drive it with `spec.run(...)`).")
+    metrics = property(lambda self: self._runtime.metrics,
+                       doc="What the environment did, accumulated since the last flush (`EnvMetrics`).")
+    runtime = property(lambda self: self._runtime, doc="What this spec's episodes share (client, bound tools, metrics, "
+                       "record writer, live episodes): what a mix combines and the engine drives.")
+    score_groups = property(lambda self: bool(self._options["score_groups"]),
+                            doc="True when the spec was asked for group scores (`score_groups=True`).")
+    gather_window = property(lambda self: self._options["gather_window"],
+                             doc="The engine's gather window this spec asks for (None: automatic).")
 
     def run(self, coro: Any) -> Any:
         """Run a coroutine using this spec's client on the background loop and return its result.
@@ -417,8 +351,6 @@ class OpenRewardSpec:
                 The coroutine (e.g. `spec.client.tasks("train")`).
         """
         return get_loop().run(coro)
-
-    # -- dataset -----------------------------------------------------------------------------------
 
     async def select_tasks(self) -> tuple[list[int], list[Any]]:
         """The selected task indices and their task specs (`{}` for each when `include_metadata=False`), asked of
@@ -442,8 +374,7 @@ class OpenRewardSpec:
         return indices, [by_index[i] for i in indices]
 
     def dataset_rows(self, indices: list[int], env: str | None = None) -> dict[str, list[Any]]:
-        """The `prompt` and `task_index` columns of these tasks: an empty user message carrying the task's identity
-        (for `rollout_func`, which sees only prompts).
+        """The `prompt` (an empty user message carrying the task's identity) and `task_index` columns of these tasks.
 
         Args:
             indices (`list[int]`):
@@ -459,14 +390,9 @@ class OpenRewardSpec:
 
     @cached_property
     def train_dataset(self) -> Dataset | IterableDataset:
-        """The selected tasks as TRL's `train_dataset`, built on first access.
-
-        A `datasets.Dataset` with one row per task (`task_sampling="uniform"`, TRL's own order), or, with another
-        `task_sampling`, an endless `datasets.IterableDataset` whose rows the sampler draws as TRL reads them
-        (`GRPOConfig(max_steps=...)` is then needed). Columns: `prompt` (a conversational prompt with an empty user
-        message, to which TRL appends the environment's prompt), `task_index`, and with `include_metadata` every
-        task field.
-        """
+        """The selected tasks as TRL's `train_dataset` (built on first access): a `datasets.Dataset`, one row per task,
+        or with `task_sampling` an endless `datasets.IterableDataset`. Columns: `prompt` (an empty user message TRL
+        appends the environment's prompt to), `task_index`, and with `include_metadata` every task field."""
         Dataset = extra_module("datasets", "spec.train_dataset").Dataset
 
         indices, tasks = self.run(self.select_tasks())
@@ -480,8 +406,6 @@ class OpenRewardSpec:
 
         return sampled_stream(dataset, {(None, i): row for row, i in enumerate(indices)}, {None: self},
                               {None: indices}, on_bind=attach_task_sampling)
-
-    # -- tools -----------------------------------------------------------------------------------
 
     async def _discover(self) -> tuple[list[ToolSpec], TerminalTool | None, bool, tuple[str, ...] | None]:
         """Shared tools plus the task-specific ones of the probe tasks, and what the server supports."""
@@ -566,15 +490,10 @@ class OpenRewardSpec:
         rt.toolset = Toolset(specs, terminal=terminal, asynchronous=self._options["async_tools"], module=__name__,
                              qualname_prefix=f"OpenRewardEnvironment_{_slug(self.name)}", reserved=ADAPTER_NAMES)
 
-    @property
-    def tool_specs(self) -> list[ToolSpec]:
-        """The tools the adapter binds (shared plus discovered task-specific ones)."""
-        return self._tools[0]
-
-    @property
-    def terminal_tool(self) -> TerminalTool | None:
-        """The environment's `@terminal` tool (hidden from the model, called with its final message), if any."""
-        return self._tools[1]
+    tool_specs = property(lambda self: self._tools[0],
+                          doc="The tools the adapter binds (shared plus discovered task-specific ones).")
+    terminal_tool = property(lambda self: self._tools[1], doc="The environment's `@terminal` tool (hidden from the "
+                             "model, called with its final message), if any.")
 
     @property
     def binding(self) -> Any:
@@ -599,15 +518,11 @@ class OpenRewardSpec:
 
     @cached_property
     def rollout_func(self) -> RolloutEngine:
-        """The rollout engine for `GRPOTrainer(rollout_func=...)`, instead of `environment_factory` (not with it), with
-        `train_dataset` and `reward_funcs`: every episode of a batch runs on its own, sessions open concurrently and
-        tool calls overlap. Raises `UsageError` on a TRL version it was not verified against (`environment_factory`
-        works there)."""
+        """The rollout engine for `GRPOTrainer(rollout_func=...)`, instead of `environment_factory`: a batch's episodes
+        run on their own, sessions and tool calls overlap. A `UsageError` on a TRL version it is not verified on."""
         _trl.require_engine()
         _ = self._tools
         return RolloutEngine({None: self._runtime}, gather_window=self._options["gather_window"])
-
-    # -- rewards and callbacks -------------------------------------------------------------------
 
     @property
     def reward_funcs(self) -> Callable[..., list[float | None]]:
@@ -633,24 +548,17 @@ class OpenRewardSpec:
         Optional with `GRPOTrainer`: it gets them automatically the first time it reads the dataset, resets an
         adapter or runs the engine. `AsyncGRPOTrainer` needs them for task sampling's checkpoints and metrics.
         """
-        from .trl.callbacks import SessionCleanupCallback
+        from .trl.callbacks import SessionCleanupCallback, stream_callbacks
 
-        if self.curriculum is None:
-            return [SessionCleanupCallback([self._runtime])]
-        from .trl.callbacks import stream_callbacks
-
-        return [SessionCleanupCallback([self._runtime]), *stream_callbacks(self.train_dataset)]
+        sampled = self.curriculum is not None
+        return [SessionCleanupCallback([self._runtime]), *(stream_callbacks(self.train_dataset) if sampled else [])]
 
     def eval_callback(self, tasks: int | Sequence[int] | None = None, *, split: str = "test", every: int = 50,
                       repeats: int = 1, at_start: bool = True) -> Any:
-        """A trainer callback that evaluates held-out tasks during training, with the model being trained.
-
-        Every `every` steps (and before the first), `repeats` episodes of each held-out task run through the rollout
-        engine with the trainer's own generation (so a vLLM run evaluates on vLLM) and TRL's turn rules, the same
-        episode core and tools as training. `eval/<env>/pass@k` (k = 1..`repeats`), a 95% interval of pass@1 and the
-        episode metrics go to `log_history` (the report draws them); the episodes go to this spec's `episode_log`
-        with `source: "eval"` and their `step`. Needs the engine's verified TRL (as `rollout_func` does); works with
-        either rollout path.
+        """A trainer callback evaluating held-out tasks during training with the model being trained: every `every`
+        steps (and before the first), `repeats` episodes per task through the rollout engine with the trainer's own
+        generation and turn rules. `eval/<env>/pass@k`, pass@1's 95% interval and the episode metrics go to
+        `log_history`; the episodes to `episode_log` (`source: "eval"`). Needs the engine's verified TRL.
 
         Args:
             tasks (`int` or `Sequence[int]`, *optional*):
@@ -688,19 +596,15 @@ class OpenRewardSpec:
 
     def evaluate(self, policy: Any, options: EvalOptions | None = None, *, _others: Sequence[str] = (),
                  **kwargs: Any) -> EvalReport:
-        """Run `policy` over this spec's tasks through the same client, tool binding and episode core as training.
+        """Run `policy` over this spec's tasks through the same client, tool binding and episode core as training;
+        the `EvalReport` says what it did (`report.episodes`: every record).
 
         Args:
             policy (`str`, `os.PathLike`, `tuple[Any, Any]` or `Policy`):
-                A local model directory, a `(model, tokenizer)` pair, an `OpenAIPolicy`, a generator, or any object
-                with `async respond(messages, tools) -> Reply`.
+                A local model directory, a `(model, tokenizer)` pair, an `OpenAIPolicy`, a generator, or a `Policy`.
             options (`EvalOptions`, *optional*):
-                How to run; `**kwargs` set its fields (`EvalOptions` documents them). By default the spec's own task
-                selection, `episode_timeout` and `success_threshold`.
-
-        Returns:
-            `EvalReport`: Mean reward, success rate, pass@k over `repeats`, grading coverage, finished rate, tool calls
-            and their health; `report.episodes` holds every record.
+                How to run; `**kwargs` set its fields. By default the spec's task selection, `episode_timeout` and
+                `success_threshold`.
         """
         from .evaluation.runner import EvalOptions, evaluate
 

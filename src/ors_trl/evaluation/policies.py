@@ -1,12 +1,8 @@
 """Policies: what `evaluate` asks for the model's next turn.
 
-A policy is a generator (`ors_trl.core.rollout.Generator`, as `LocalPolicy` is) or has `await respond(messages, tools)
--> Reply` (the `Policy` protocol, driven through `Responder`). Built in: `LocalPolicy` (a transformers model, its ids
-built as GRPO builds them), `OpenAIPolicy` (any OpenAI-compatible chat-completions endpoint) and `RandomPolicy` (no
-model: random tool calls, to try an environment end to end; `ors-trl eval --policy random`). Image content parts
-(`ors_trl.core.conversation.content`) go to a vision-language model's processor as in training, or to an endpoint as
-`data:` URLs. A policy's `tool_markup` says what a tool call looks like in its text: a reply without calls that holds
-it is a call the parser missed (`unparsed`).
+A policy is a generator (`ors_trl.core.rollout.Generator`, as `LocalPolicy` is) or a `Policy` (`await respond(messages,
+tools) -> Reply`, driven through `Responder`): `LocalPolicy`, `OpenAIPolicy` and `RandomPolicy` are built in. Its
+`tool_markup` says what a tool call looks like in its text: a reply without calls holding it is counted `unparsed`.
 """
 
 from __future__ import annotations
@@ -72,9 +68,8 @@ def markup_pattern(texts: str | Sequence[str] | None = None) -> re.Pattern[str] 
 
 @runtime_checkable
 class Policy(Protocol):
-    """What `evaluate` drives: given the conversation and the tool schemas, return the assistant's reply. It may also
-    have `tool_markup` (a text, or a compiled pattern): what a tool call looks like in its replies' text, and
-    `description`: its name in records and reports.
+    """What `evaluate` drives: the assistant's reply to the conversation and tool schemas. It may also have
+    `tool_markup` (a text or pattern: a tool call in its text) and `description` (its name in records and reports).
 
     A reply calls tools (`tool_calls`: `{"name": ..., "arguments": {...}}` each; the episode goes on with their
     results) or answers in plain text (`content`; the episode ends, graded by the environment's terminal tool if it has
@@ -139,11 +134,11 @@ class OpenAIPolicy:
         include_return_schema (`bool`, *optional*, defaults to `False`):
             Also send the `"return"` entry `get_json_schema` adds to each function (not in OpenAI's function schema).
         tool_images (`str`, *optional*, defaults to `"tool"`):
-            Where a tool output's images go: `"tool"`, in the tool message (vLLM; where training showed them);
-            `"user"`, in a user message after the turn's tool messages (APIs without images in tool messages).
+            Where a tool output's images go: `"tool"`, in the tool message (vLLM; as in training); `"user"`, in a user
+            message after the turn's tool messages (APIs without images in tool messages).
         tool_markup (`str` or `Sequence[str]`, *optional*):
-            The text(s) opening a tool call in the model's replies, for a server that returns calls it did not parse
-            as content (counted `unparsed`); default: `TOOL_MARKUPS` and a JSON call on its own line; `()`: none.
+            The text(s) opening a tool call the server did not parse (counted `unparsed`); default: `TOOL_MARKUPS` and
+            a JSON call on its own line; `()`: none.
     """
 
     @checked_keywords
@@ -171,8 +166,6 @@ class OpenAIPolicy:
             self.base_url, error=PolicyError, secrets=[self._api_key] if self._api_key else [],
             headers={"Authorization": f"Bearer {self._api_key}"} if self._api_key else None,
             timeouts=Timeouts(connect=None, request=timeout), retry=self.retry)
-        self._transport.on_request = self._count
-        self.requests = 0
 
     def __repr__(self) -> str:  # never shows the key
         return f"OpenAIPolicy({self.base_url!r}, {self.model!r})"
@@ -214,20 +207,15 @@ class OpenAIPolicy:
             out.append({"role": "user", "content": moved})
         return out
 
-    def _count(self, method: str, path: str) -> None:
-        self.requests += 1
-
     async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Reply:
-        """The assistant's next turn, asked of the endpoint (retried under `max_attempts`).
+        """The next turn, asked of the endpoint (retried under `max_attempts`); a `PolicyError` when the endpoint
+        answers an error or no chat completion, or cannot be reached.
 
         Args:
             messages (`list[dict[str, Any]]`):
                 The conversation so far (see `Policy.respond`).
             tools (`list[dict[str, Any]]`):
                 The tools' JSON schemas.
-
-        Raises:
-            PolicyError: the endpoint answered an error, or not a chat completion, or could not be reached.
         """
         body: dict[str, Any] = {"model": self.model, "messages": self._messages(messages)}
         if tools:
@@ -257,12 +245,9 @@ class OpenAIPolicy:
 
 
 class LocalPolicy(TokenGenerator):
-    """A local transformers causal LM (or a vision-language model with its processor), prompted with the chat template
-    `GRPOTrainer` trains tools with, tools included.
-
-    Each episode's ids are built as GRPO builds them (`ors_trl.trl.tokens`), so the model is evaluated on exactly the
-    ids it is trained on. The episodes waiting for a turn are batched (`Batcher`) into one left-padded `generate` call,
-    on a worker thread so that tool calls go on meanwhile; replies parse with TRL's `parse_response`.
+    """A local transformers causal LM (or vision-language model and processor), its ids built as GRPO builds them
+    (`ors_trl.trl.tokens`) with the chat template `GRPOTrainer` trains tools with. Waiting turns are batched
+    (`Batcher`) into one `generate` call on a worker thread; replies parse with TRL's `parse_response`.
 
     Args:
         model (`Any`):
@@ -284,14 +269,10 @@ class LocalPolicy(TokenGenerator):
         name (`str`, *optional*):
             The policy's name in records (default: the model's path).
         chat_template (`str`, *optional*):
-            Render with this template; by default the one `GRPOTrainer` trains tools with (the tokenizer's own, or
-            TRL's training variant of it, e.g. for Qwen3), or, with one log line, the tokenizer's own.
+            Render with this template; default: the one `GRPOTrainer` trains tools with (else the tokenizer's, logged).
         join_turns (`bool`, *optional*, defaults to `True`):
-            Build a later turn's ids as GRPO does; `False` re-renders the conversation each turn (which can differ from
-            the trained ids). Turned off, with one log line, where TRL cannot build a tool turn with the template.
-
-    Raises:
-        ConfigurationError: the tokenizer has no chat template.
+            Build a later turn's ids as GRPO does; `False` re-renders each turn (can differ from the trained ids).
+            Turned off, logged, where TRL cannot build a tool turn with the template.
     """
 
     @checked_keywords
@@ -324,8 +305,8 @@ class LocalPolicy(TokenGenerator):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str], *, device: str | None = None, **kwargs: Any) -> LocalPolicy:
-        """Load a model and tokenizer from a local directory (never from the Hub); a directory with an image
-        processor (`preprocessor_config.json`) is a vision-language model, loaded with its processor.
+        """Load a model and tokenizer from a local directory, never the Hub (with a `preprocessor_config.json`: a
+        vision-language model and its processor); a `ConfigurationError` when it holds none, or without torch.
 
         Args:
             path (`str` or `os.PathLike`):
@@ -334,9 +315,6 @@ class LocalPolicy(TokenGenerator):
                 Where the model runs (default: `"cuda"` when available, else `"cpu"`).
             **kwargs:
                 `LocalPolicy`'s other arguments (`name` defaults to `path`).
-
-        Raises:
-            ConfigurationError: `path` holds no model and tokenizer, or torch or transformers is not installed.
         """
         path = os.fspath(path)
         if not os.path.isdir(path):
@@ -384,17 +362,14 @@ class LocalPolicy(TokenGenerator):
                 self._worker.start()
 
     async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Reply:
-        """The assistant's next turn to a conversation given whole (so rendered whole), generated in a batch with the
-        other episodes waiting for theirs.
+        """The next turn to a conversation given whole (so rendered whole), batched with the other episodes' turns;
+        a `PolicyError` when generation or rendering fails (`ContextLengthExceeded`: the context is full).
 
         Args:
             messages (`list[dict[str, Any]]`):
                 The conversation so far (see `Policy.respond`).
             tools (`list[dict[str, Any]]`):
                 The tools' JSON schemas.
-
-        Raises:
-            PolicyError: generation or rendering failed (`ContextLengthExceeded`: the conversation fills the context).
         """
         conversation = Conversation(None, list(messages), list(tools) or None)  # type: ignore[arg-type]
         self.start(conversation)
@@ -521,15 +496,10 @@ class LocalPolicy(TokenGenerator):
 
 
 class RandomPolicy:
-    """A policy without a model, to try an environment end to end (`ors-trl eval --policy random`): each turn it calls
-    one of the tools offered, picked at random, with arguments drawn from its JSON schema (`random_arguments`), or,
-    with probability `answer_probability` and whenever no tool is offered, answers `answer` in plain text (which ends
-    the episode). Seeded: a reply depends on `seed`, the conversation so far and how often that conversation was seen
-    before (so `--repeats` differ), not on the order episodes run in (tasks whose conversations are identical share
-    their draws: which of them gets which may vary).
-
-    The schemas are those the model is shown, whose constraints ors-trl writes into the descriptions: a call can
-    still fail the environment's own checks (counted as a tool failure, as a model's would be).
+    """No model, to try an environment end to end (`ors-trl eval --policy random`): each turn calls a random tool
+    offered with arguments drawn from its schema (`random_arguments`; the environment's own checks may still fail it),
+    or (by `answer_probability`, or with no tools) answers `answer`. A reply depends on `seed`, the conversation and
+    how often it was seen before (so `--repeats` differ), not on the order episodes run in.
 
     Args:
         seed (`int`, *optional*, defaults to `0`):
@@ -698,22 +668,22 @@ def _random_value(schema: Any, rng: random.Random, root: Any, depth: int) -> Any
     return {k: _random_value(properties.get(k, {}), rng, root, depth + 1) for k in keys}
 
 
-def resolve_policy(policy: Any, *, temperature: float = 0.0, max_new_tokens: int | None = None, seed: int | None = 0,
-                   device: str | None = None) -> tuple[Any, bool]:
-    """`(policy object, created_here)` for a local model directory, a `(model, tokenizer)` pair or a `Policy`."""
-    local_kwargs: dict[str, Any] = {"temperature": temperature, "seed": seed}
-    if max_new_tokens is not None:
-        local_kwargs["max_new_tokens"] = max_new_tokens
+def resolve_policy(policy: Any, options: Any) -> Any:
+    """The policy object for a local model directory or a `(model, tokenizer)` pair (loaded with the generation
+    settings of `options`, an `EvalOptions`), or a `Policy`."""
+    local_kwargs: dict[str, Any] = {"temperature": options.temperature, "seed": options.seed}
+    if options.max_new_tokens is not None:
+        local_kwargs["max_new_tokens"] = options.max_new_tokens
     if isinstance(policy, str | os.PathLike):
         path = os.fspath(policy)
         if not os.path.isdir(path):
             raise ConfigurationError(f"policy {path!r} is not a local model directory. To evaluate a served model, "
                                      "pass OpenAIPolicy(base_url, model) (CLI: --base-url URL --model NAME).")
-        return LocalPolicy.from_pretrained(path, device=device, **local_kwargs), True
+        return LocalPolicy.from_pretrained(path, device=options.device, **local_kwargs)
     if isinstance(policy, tuple) and len(policy) == 2:
-        return LocalPolicy(policy[0], policy[1], **local_kwargs), True
+        return LocalPolicy(policy[0], policy[1], **local_kwargs)
     if callable(getattr(policy, "respond", None)):
-        return policy, False
+        return policy
     raise ConfigurationError(f"cannot evaluate {type(policy).__name__}: pass a local model directory, a (model, "
                              "tokenizer) pair, an OpenAIPolicy, or an object with `async respond(messages, tools) -> "
                              "PolicyReply`.")

@@ -1,10 +1,6 @@
-"""Evaluate a policy against an ORS environment: the episode core (`play`, the turn rule training uses) driven by a
-policy instead of a trainer (`OpenRewardSpec.evaluate`, `OpenRewardMix.evaluate`, `ors-trl eval`).
-
-An episode ends when the policy answers without a tool call (a terminal tool then grades that answer) or after
-`max_turns` replies; its reward is its last non-None one (None: unscored, left out of `mean_reward`). Each finished
-episode is appended to `output` and flushed at once, so an interrupted evaluation loses at most its running episodes
-(`resume=True` runs only the missing ones); every session is closed, also on errors and on Ctrl-C.
+"""Evaluate a policy against an ORS environment: the episode core (`play`, training's turn rule) driven by a policy
+instead of a trainer (`OpenRewardSpec.evaluate`, `OpenRewardMix.evaluate`, `ors-trl eval`). Each finished episode is
+flushed to `output` at once (`resume=True` runs only the missing ones); every session is closed, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -70,8 +66,8 @@ _COUNT = {"at least": 1}  # the metadata of a count option
 
 @dataclass
 class EvalOptions:
-    """How an evaluation runs: `OpenRewardSpec.evaluate`, `OpenRewardMix.evaluate` and `ors-trl eval` take these
-    (as keywords, or one `EvalOptions`), documented here once.
+    """How an evaluation runs, documented once: `OpenRewardSpec.evaluate`, `OpenRewardMix.evaluate` and `ors-trl eval`
+    take these as keywords or one `EvalOptions`.
 
     Attributes:
         num_tasks (`int`, *optional*):
@@ -97,13 +93,11 @@ class EvalOptions:
         score_groups (`bool`, *optional*, defaults to `False`):
             Also score each task's episodes (its repeats) together with `/score_group`.
         flatten_prompt (`bool`, *optional*, defaults to `False`):
-            Prompt as TRL's `environment_factory` loop does (one user message, system turn first): for a model
-            trained through that loop.
+            Prompt as TRL's `environment_factory` loop does (one user message): for a model trained through it.
         success_threshold (`float`, *optional*):
             An episode succeeded when its reward is at least this (default: the spec's).
         upload (`bool` or `str`, *optional*, defaults to `False`):
-            Send every episode to the OpenReward rollout viewer (`True`, or the run's name there); the key as for
-            catalog targets (`OPENREWARD_API_KEY`).
+            Send every episode to the OpenReward rollout viewer (`True`, or the run's name there; key as for specs).
         temperature (`float`, *optional*, defaults to `0.0`):
             Sampling temperature of a policy given as a path or pair (0: greedy).
         max_new_tokens (`int`, *optional*):
@@ -115,8 +109,7 @@ class EvalOptions:
         progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar on stderr.
         harness (`ors_trl.harness.Harness`, *optional*):
-            Play each episode with this agent harness (its own loop, the policy behind its model endpoint) instead
-            of ors-trl's loop.
+            Play each episode with this agent harness (its own loop, the policy behind its model endpoint).
     """
 
     num_tasks: int | None = None
@@ -167,11 +160,9 @@ class EvalOptions:
     path = property(lambda self: Path(self.output) if self.output is not None else None, doc="`output` as a `Path`.")
 
 
-def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | None = None, *,
-             others: Collection[str] = (), **kwargs: Any) -> EvalReport:
-    """Run `policy` (see `OpenRewardSpec.evaluate`) over tasks of `runtime` and report what it did; `options` and
-    `kwargs` as `EvalOptions`; `others`: environments whose episodes `output` also holds (a mix's), left alone."""
-    opts = EvalOptions.of(options, **kwargs)
+def evaluate(runtime: EnvironmentRuntime, policy: Any, opts: EvalOptions, others: Collection[str] = ()) -> EvalReport:
+    """Run `policy` (see `OpenRewardSpec.evaluate`) over tasks of `runtime` and report what it did; `others`:
+    environments whose episodes `output` also holds (a mix's), left alone."""
     opts.check()
     if opts.score_groups and not runtime.supports_score_group:
         raise ConfigurationError(f"{runtime.name} does not support group scoring (its /tools does not say "
@@ -196,8 +187,7 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | No
 
     # the uploader first: a missing key is said before a model is loaded
     uploads = _uploader(opts.upload, lambda: policy_obj, client.target) if opts.upload else None
-    policy_obj, _ = resolve_policy(policy, temperature=opts.temperature, max_new_tokens=opts.max_new_tokens,
-                                   seed=opts.seed, device=opts.device)
+    policy_obj = resolve_policy(policy, opts)
     writer = RecordWriter(out_path, append=opts.resume) if out_path is not None else None
     bar = None
     if opts.progress and todo:
@@ -224,11 +214,9 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, options: EvalOptions | No
                                                    timeout=opts.episode_timeout,
                                                    player=opts.harness.play if opts.harness is not None else None)
                 ep.tokens = fidelity(conversation)
-            except (ORSError, PolicyError, TimeoutError) as exc:
-                ep = attempts[-1]
-                ep.fail(exc)
-            except Exception as exc:  # a bug or an unexpected failure: recorded, not fatal for the other episodes
-                logger.warning("episode %s/%d/%d failed unexpectedly: %s", *key, exc, exc_info=True)
+            except Exception as exc:  # recorded; a bug or an unexpected failure is not fatal for the others either
+                if not isinstance(exc, ORSError | PolicyError | TimeoutError):
+                    logger.warning("episode %s/%d/%d failed unexpectedly: %s", *key, exc, exc_info=True)
                 ep = attempts[-1]
                 ep.fail(exc)
             except BaseException:  # interrupted (Ctrl-C): not a result, so not recorded; resume reruns it
@@ -331,7 +319,7 @@ class EvalReport:
         turns_per_episode (`float`):
             Mean policy replies per episode.
         num_errors (`int`):
-            Failed episodes (`unscored == "error"` or `end_reason == "error"`): those `resume` reruns.
+            Failed episodes (`"error"` as `unscored` or `end_reason`): those `resume` reruns.
         end_reasons (`dict[str, int]`):
             Episodes per end reason (`no_tool_calls`, `finished`, `max_turns`, `context_length`, `timeout`, `error`).
         num_resumed (`int`):
@@ -353,7 +341,7 @@ class EvalReport:
         no_tool_call_rate (`float`, *optional*, defaults to `0.0`):
             Opened episodes (the model saw them) without a tool call.
         num_unopened (`int`, *optional*, defaults to `0`):
-            Episodes that never opened: the environment's failure, in `num_errors`, not in `no_tool_call_rate`.
+            Episodes that never opened (the environment's failure, in `num_errors`).
         unparsed_turn_rate (`float`, *optional*, defaults to `0.0`):
             Share of replies whose tool-call markup (the policy's `tool_markup`) parsed to no call.
         malformed_calls (`int`, *optional*, defaults to `0`):
@@ -419,8 +407,7 @@ class EvalReport:
             success_threshold (`float`, *optional*, defaults to `DEFAULT_SUCCESS_THRESHOLD`):
                 The reward of a success.
             **info:
-                The other fields: `target`, `environment`, `split`, `policy`, `num_resumed`, `seconds` (required),
-                `output` and `uploads`.
+                The other fields (`target`, `environment`, `split`, `policy`, `num_resumed`, `seconds` required).
         """
         stats, tasks, passed, interval = by_task(((task_label(r), r) for r in episodes), success_threshold)
         return cls(
@@ -454,7 +441,7 @@ class EvalReport:
         return out
 
     def summary(self) -> str:
-        """A few readable lines, safe to print: the environment's text in them has its control characters escaped."""
+        """A few readable lines, safe to print (the environment's control characters escaped)."""
         reward = "n/a (no episode was scored)" if self.mean_reward is None else f"{self.mean_reward:.4f}"
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.end_reasons.items())) or "-"
         lines = [
@@ -475,13 +462,11 @@ class EvalReport:
             f"  session-seconds       {self.session_seconds:.1f}  ({self.session_seconds_unscored:.1f} unscored, "
             f"{self.sessions_opened} sessions)",
             f"  time                  {self.seconds:.1f} s",
+            *(["  uploaded              " + ", ".join(f"{v} {k}" for k, v in self.uploads.items())]
+              if self.uploads is not None else []),
+            *([f"  resumed               {self.num_resumed} episode(s) from {self.output}"] if self.num_resumed else []),
+            *([f"Episodes: {self.output}"] if self.output else []),
         ]
-        if self.uploads is not None:
-            lines.append("  uploaded              " + ", ".join(f"{v} {k}" for k, v in self.uploads.items()))
-        if self.num_resumed:
-            lines.append(f"  resumed               {self.num_resumed} episode(s) from {self.output}")
-        if self.output:
-            lines.append(f"Episodes: {self.output}")
         return escape_controls("\n".join(lines))
 
     def _pass_lines(self, shown_tasks: int = 20) -> list[str]:
@@ -529,8 +514,7 @@ def _total(name: str, what: str) -> property:
 @dataclass
 class MixEvalReport:
     """What the evaluation of a mix measured (`OpenRewardMix.evaluate`): each environment's `EvalReport` and, as
-    properties, the weighted means and totals over them. An environment none of whose episodes was scored is left out
-    of `mean_reward` (`unscored_environments`; `mean_reward_weight`: the share of the weight the mean stands for).
+    properties, the weighted means and totals over them.
 
     Attributes:
         environments (`dict[str, EvalReport]`):
