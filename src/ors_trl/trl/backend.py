@@ -15,6 +15,7 @@ opts in to the fast paths anyway.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import importlib.metadata
@@ -263,12 +264,9 @@ async def _context_of(loop: Any) -> int | None:
     """The context of the model TRL's rollout loop generates with: vLLM's `max_model_len` (asked once), else the
     tokenizer's `model_max_length` when it states a real one; None: unknown (no bound)."""
     if "_ors_context" not in loop.__dict__:
-        import aiohttp
-
         limit = None
-        try:
-            async with loop.session.get(f"{loop.vllm_server_url}/v1/models",
-                                        timeout=aiohttp.ClientTimeout(total=30)) as response:
+        try:  # through TRL's own HTTP session
+            async with asyncio.timeout(30), loop.session.get(f"{loop.vllm_server_url}/v1/models") as response:
                 models = (await response.json()).get("data") or []
             lengths = [m.get("max_model_len") for m in models if m.get("id") in (loop.model_name, None)] or \
                 [m.get("max_model_len") for m in models]
