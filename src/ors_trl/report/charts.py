@@ -1,9 +1,6 @@
-"""The curves: training metrics over steps from trainer states' `log_history`, drawn as inline SVG.
-
-TRL's `reward` and `tools/call_frequency`, `EnvMetrics`'s `env/[<name>/]<metric>`, evaluation during training's
-`eval/<name>/pass@k` and task sampling's `curriculum/...` become charts; several trainer states are drawn together,
-their series named by run. matplotlib is imported only when there is a curve to draw; a chart it cannot draw is a
-note, the rest of the page stands.
+"""The curves: training metrics over steps from trainer states' `log_history` (TRL's, `EnvMetrics`' `env/...`,
+`eval/<name>/pass@k`, `curriculum/...`), several runs together, drawn as inline SVG by matplotlib (imported only to
+draw); a chart it cannot draw is a note, the rest of the page stands.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""The page: one self-contained HTML file from the tallies, the sample and the curves, opening with the runs side by
-side (`runs`, `pairs`).
-
-The package's data files `page.html`, `page.css` and `page.js` are put inside it: its Content-Security-Policy
-forbids any other source but the thumbnails' PNG `data:` URLs. Record text is untrusted: whatever is rendered here
-is HTML-escaped, the episode bodies travel as JSON with `<`, `>` and `&` escaped, and the page's script writes them
-with `textContent` only. A thumbnail is kept only when its file's bytes hash to the record's SHA-256.
-
-A task's success in a run is its share of successful episodes (its pass@1); it is solved at a share of at least one
-half, and flipped when solved in one run and not the other. The paired test (`ors_trl.core.stats.paired_test`, a
-sign-flip permutation test) compares two runs' per-task shares.
+"""The page: one self-contained HTML file from the tallies, the sample and the curves, with `page.html`, `page.css` and
+`page.js` inside (its Content-Security-Policy allows no other source but thumbnails' `data:` URLs). It opens with the
+runs side by side (`runs`, `pairs`): a task is solved in a run at a success share >= 1/2, flipped when solved in one
+run only; `paired_test` compares the shares. Record text is untrusted: it is HTML-escaped, episode bodies travel as
+JSON with `<`, `>`, `&` escaped and are written with `textContent`, a thumbnail is kept only when its file hashes to
+the record's SHA-256.
 """
 
 from __future__ import annotations

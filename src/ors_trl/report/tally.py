@@ -1,13 +1,9 @@
-"""The tallies: every episode counted once, in one pass, and a bounded sample of episode bodies to embed.
+"""The tallies: every episode counted once, per task and per run (`EpisodeStats`), and a bounded sample of bodies.
 
-Counts are `EpisodeStats` (its one definition of success) per task and per run, merged per environment and in
-total; record values are untrusted, so every label is shortened and the kinds reserved for are bounded. A run is a
-labelled input's episodes, else the records sharing a process run id, source, policy and step (two inputs holding
-one such run's episodes of a task are refused). The sample (`max_episodes`, `SAMPLE_BYTES` at most) is a few
-episodes reserved for each kind of problem, environment and run, then those of smallest hash (a stable pick).
-
-An environment is keyed by its own name (`environment`), whatever server (`target`) ran it, so runs of one
-environment on two ports compare; the servers are kept to tell apart where a run's environment ran.
+Record values are untrusted: labels are shortened, reserved kinds bounded. A run is a labelled input's episodes, else
+the records sharing a run id, source, policy and step (two inputs holding one run's episodes of a task are refused).
+The sample (`max_episodes`, `SAMPLE_BYTES`) reserves a few episodes per problem kind, environment and run, then takes
+the smallest hashes. An environment is keyed by its name, whatever server ran it, so runs on two ports compare.
 """
 
 from __future__ import annotations
