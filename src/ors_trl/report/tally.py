@@ -89,9 +89,6 @@ class Tally:
         self.run_failures: defaultdict[RunKey, Counter[str]] = defaultdict(Counter)  # tool-call and episode errors
         self.rewards: list[float] = []  # the lowest and highest reward seen
         self._claims: dict[tuple[Any, ...], str] = {}  # (run, environment, task, repeat) -> the input holding it
-        self.sources: Counter[str] = Counter()
-        self.call_failures: Counter[str] = Counter()  # by error kind, the terminal tool's included
-        self.episode_errors: Counter[str] = Counter()
         self.embedded: Counter[tuple[str, str]] = Counter()  # per (environment, task)
         self.open_s: defaultdict[str, array[float]] = defaultdict(lambda: array("d"))
         self.call_s: defaultdict[str, array[float]] = defaultdict(lambda: array("d"))
@@ -124,11 +121,8 @@ class Tally:
         self.tasks[(env, task)].add_record(counted)
         self.runs.setdefault(run, self._stats()).add_record(counted)
         self.run_tasks[(run, env, task)].add_record(counted)
-        self.sources[label(rec.get("source") or "-")] += 1
-        self.call_failures.update(fails)
         self.run_failures[run].update(f"tool call failed: {k}" for k in fails)
         if error:
-            self.episode_errors[_kind(error, "error")] += 1
             self.run_failures[run][f"episode error: {_kind(error, 'error')}"] += 1
         timings = rec.get("timings")
         if isinstance(timings, dict) and (opened := _number(timings.get("open"))) is not None:
