@@ -181,8 +181,6 @@ def _where(t: Tally, run: Run) -> str:
 
 def _headline(rows: list[Run], pairs: list[Pair]) -> str:
     """The answer: each run against the baseline (the tasks that flipped), else each run's success."""
-    if not rows:
-        return "<p class=note>No episodes.</p>"
     out = []
     for p in pairs:
         change, beyond = p.other_rate - p.base_rate, p.p < ALPHA
@@ -209,8 +207,6 @@ def _headline(rows: list[Run], pairs: list[Pair]) -> str:
 
 def _runs(t: Tally, rows: list[Run]) -> str:
     """A row per run, each apart (evaluations before and after, training): never pooled."""
-    if not rows:
-        return "<p class=note>No episodes.</p>"
     k_max = max((max(r.pass_at_k, default=1) for r in rows), default=1)
 
     def row(r: Run) -> list[Any]:
@@ -271,8 +267,6 @@ def _tasks(t: Tally, rows: list[Run], pairs: list[Pair]) -> str:
 
 def _diagnostics(t: Tally, rows: list[Run]) -> str:
     """Tool-call and episode health per run, why episodes ended per run, per environment and run, and latency."""
-    if not rows:
-        return "<p class=note>No episodes.</p>"
     shown = rows[:_MAX_RUN_COLUMNS]
     health = [[r.name, _p(r.stats.share(r.stats.finished)), _f(r.stats.share(r.stats.tool_calls), 2),
                r.stats.tool_failures, _p(r.stats.no_call_rate), _p(r.stats.unparsed_rate), r.stats.malformed_calls,
@@ -384,13 +378,15 @@ def render(items: Sequence[Input], tally: Tally, sample: Sample, skipped: Counte
     reasons = ", ".join(f"{v} {k}" for k, v in sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0])))
     skipped_note = (f"<p class=note id=skipped>{skipped.total()} record(s) skipped: {_e(reasons)}.</p>"
                     if skipped else "")
+    none = "<p class=note>No episodes.</p>"  # the headline, runs and diagnostics of a page without episodes
     sources = "".join(f"<li><code>{_e(i.path)}</code> ({'trainer state' if i.kind == 'trainer_state' else 'episodes'})"
                       "</li>" for i in items)
     page = Template(_data("page.html")).substitute(
         title=_e(page_title), nonce=secrets.token_urlsafe(16), css=_data("page.css"), js=_data("page.js"),
         generated=_e(datetime.now(UTC).isoformat(timespec="seconds")), sources=sources,
-        headline=_headline(rows, compared) + skipped_note, runs=_runs(tally, rows), curves=curves_html,
-        tasks=_tasks(tally, rows, compared), diagnostics=_diagnostics(tally, rows),
+        headline=(_headline(rows, compared) if rows else none) + skipped_note, curves=curves_html,
+        runs=_runs(tally, rows) if rows else none, diagnostics=_diagnostics(tally, rows) if rows else none,
+        tasks=_tasks(tally, rows, compared),
         shown=_e(_shown(tally, sample)), data=_json_script(sample.episodes),
     )
     return repair(page), steps  # repair: a title or a file name may hold a lone surrogate
