@@ -391,8 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _EscapingFormatter(logging.Formatter):
-    """Log lines with control characters escaped (they quote the environment's names and messages), and the Python
-    keywords they name as `parser`'s flags."""
+    """Log lines with control characters escaped (they quote the environment), Python keywords as `parser`'s flags."""
 
     def __init__(self, fmt: str, parser: argparse.ArgumentParser | None = None) -> None:
         super().__init__(fmt)
@@ -403,8 +402,7 @@ class _EscapingFormatter(logging.Formatter):
 
 
 def _say(text: str, file: Any = None) -> None:
-    """A line for the user (stderr by default), control characters escaped, lone surrogates repaired (it quotes the
-    environment's text)."""
+    """A line for the user (stderr by default), escaped and repaired: it quotes the environment's text."""
     print(escape_controls(repair(text)), file=file or sys.stderr)
 
 

@@ -34,8 +34,7 @@ async def collect(target: str, *, env_name: str | None = None, split: str | None
                   timeouts: Timeouts | None = None, retry: RetryPolicy | None = None,
                   calls: Sequence[tuple[str, dict[str, Any]]] = (), toolset: str | None = None,
                   toolset_fallback: bool = False, env_overrides: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Query the server; returns the JSON-able inspection (without the binding part). Leaves no session open.
-    The arguments are `inspect_target`'s."""
+    """Query the server (leaving no session open): `inspect_target`'s result but the binding part, its arguments."""
     async with AsyncClient(target, env_name=env_name, api_key=api_key, timeouts=timeouts, retry=retry,
                            toolset=toolset, toolset_fallback=toolset_fallback, env_overrides=env_overrides) as client:
         info: dict[str, Any] = {"target": client.target.name, "kind": client.target.kind, "environments": None,

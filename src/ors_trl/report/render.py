@@ -171,8 +171,7 @@ def _latency_rows(name: str, samples: dict[str, array[float]], envs: list[str]) 
 
 
 def _where(t: Tally, run: Run) -> str:
-    """Where a run's episodes ran: each environment and its splits, with the servers where an environment of the
-    report ran on several."""
+    """Where a run's episodes ran: each environment, its splits, and its servers where it ran on several."""
     envs = sorted(t.places.get(run.key, {}).items())
     return cut("; ".join(f"{env} {', '.join(sorted(splits))}"
                          + (f" at {', '.join(sorted(hosts))}" if len(t.hosts(env)) > 1 else "")

@@ -37,20 +37,6 @@ RunKey = tuple[str | None, ...]
 TRAINING_SOURCES = ("trl", "engine")
 
 
-def host_of(target: Any) -> str | None:
-    """A record's server as a host (`127.0.0.1:8080`, a path kept); a catalog name as it is; None: none recorded."""
-    if not target:
-        return None
-    text = label(target)
-    return text.split("://", 1)[1].rstrip("/") if "://" in text else text
-
-
-def place(rec: dict[str, Any]) -> tuple[str, str | None]:
-    """The environment a record ran (its name, else its server's host) and that server's host."""
-    host = host_of(rec.get("target"))
-    return label(rec.get("environment") or host or "(unknown)"), host
-
-
 def _calls(record: dict[str, Any]) -> list[dict[str, Any]]:
     """Every tool call entry of a record, the terminal tool's `final` call last."""
     out = [c for t in record.get("turns") or [] if isinstance(t, dict)
@@ -98,8 +84,9 @@ class Tally:
 
     def add(self, rec: dict[str, Any], source: str, run_name: str | None = None, origin: str | None = None) -> None:
         """Count one record (current shape) of the input `source` and offer it to the sample."""
-        env, host = place(rec)
-        task = _task_label(rec)
+        target = label(rec.get("target") or "")  # its server as a host (`127.0.0.1:8080`), a catalog name as it is
+        host = (target.split("://", 1)[1].rstrip("/") if "://" in target else target) or None
+        env, task = label(rec.get("environment") or host or "(unknown)"), _task_label(rec)
         run = self._run_of(rec, source, run_name, env, task, origin or source)
         splits, hosts = self.places[run].setdefault(env, (set(), set()))
         if len(splits) < _MAX_KINDS:
