@@ -309,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds one episode may take (policy replies and tool calls); past it the episode is "
                         "closed, recorded with end reason timeout and scored None (default: no limit)")
     p.add_argument("--output", metavar="FILE", help="JSON-lines file receiving every episode")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted --output: run the missing episodes")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted evaluation from --output: run only the missing episodes")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     p.add_argument("--temperature", metavar="X", type=float, default=0.0,
                    help="sampling temperature (default 0: greedy)")
@@ -359,8 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="write one self-contained HTML page from episode logs, eval outputs and trainer logs")
     p.add_argument("inputs", metavar="INPUT", nargs="*",
                    help="episode log or eval output (JSON lines), trainer output folder, or trainer_state.json")
-    p.add_argument("--label", metavar="NAME=FILE", type=_label, action="append", default=[], help="name the run FILE "
-                   "holds (an input too); once per run, the first the baseline the others are compared with per task")
+    p.add_argument("--label", metavar="NAME=FILE", type=_label, action="append", default=[],
+                   help="name the run FILE holds (an input too); repeat for each run, the first is the baseline the "
+                        "others are compared with, task by task")
     p.add_argument("-o", "--output", metavar="FILE", default="report.html",
                    help="the HTML file to write (default report.html; replaced if it exists)")
     p.add_argument("--max-episodes", metavar="N", type=_non_negative_int, default=DEFAULT_MAX_EPISODES,
