@@ -198,12 +198,11 @@ def _add_common(p: argparse.ArgumentParser, sessions: str, toolset: str, *, many
                    help=f"retries of a request after a network error or 429/502/503/504 (default {retries})")
     p.add_argument("--toolset", metavar="NAME", help=toolset)
     p.add_argument("--toolset-fallback", action="store_true",
-                   help=f"when the server refuses --toolset, open {sessions} without it (one log line) instead of "
-                        "failing")
+                   help=f"when the server refuses --toolset, open {sessions} without it (one log line), not fail")
     p.add_argument("--env-override", metavar="KEY=VALUE", type=_env_override, action="append", default=[],
-                   help=f"an environment variable for {sessions} (repeatable; on the platform, callers other than "
-                        "the environment's owner may set only OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL and "
-                        "ANTHROPIC_API_KEY); values are masked like secrets in every output")
+                   help=f"an environment variable for {sessions} (repeatable; on the platform, non-owners may set "
+                        "only OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY); values are "
+                        "masked like secrets in every output")
 
 
 def _client_options(args: argparse.Namespace, timeout: float | None = None, retries: int | None = None,
@@ -248,8 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, "the probe session", "give the probe session this platform toolset (e.g. codex) and list its tools",
                 timeout=f"{INSPECT_TIMEOUT:g}", retries=INSPECT_RETRIES)
     p.add_argument("--split", metavar="S", help="split to show tasks of (default: train, else the first)")
-    p.add_argument("--tasks", metavar="K", type=_non_negative_int, default=3,
-                   help="number of tasks to show (default 3)")
+    p.add_argument("--tasks", metavar="K", type=_non_negative_int, default=3, help="tasks to show (default 3)")
     p.add_argument("--probe-index", metavar="I", type=int, default=0,
                    help="task whose session is probed for task-specific tools (default 0)")
     p.add_argument("--no-probe", action="store_true", help="open no session (task-specific tools are not listed)")
@@ -298,17 +296,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_success_threshold(p)
     p.add_argument("--weights", metavar="W,W", type=_weights,
                    help="with several environments: their weights in the overall numbers (default: by episodes)")
-    p.add_argument("--upload", action="store_true",
-                   help="send every episode to the OpenReward rollout viewer (needs OPENREWARD_API_KEY and the "
-                        "openreward package); failures are counted, never fatal")
+    p.add_argument("--upload", action="store_true", help="send every episode to the OpenReward rollout viewer (needs "
+                   "OPENREWARD_API_KEY and the openreward package); failures are counted, never fatal")
     p.add_argument("--concurrency", metavar="C", type=_positive_int, default=8,
                    help="episodes (sessions) at once (default 8)")
     p.add_argument("--max-turns", metavar="T", type=_positive_int, default=10,
                    help="policy replies per episode; the last one's calls are not run, as in TRL's loop "
                         "(= max_tool_calling_iterations + 1; default 10)")
-    p.add_argument("--tool-timeout", metavar="S", type=_positive_seconds,
-                   help="seconds one tool call may take before it fails (the episode is then unscored, counted "
-                        "as an error; default 3600)")
+    p.add_argument("--tool-timeout", metavar="S", type=_positive_seconds, help="seconds one tool call may take before "
+                   "it fails (the episode is then unscored, counted as an error; default 3600)")
     p.add_argument("--episode-timeout", metavar="S", type=_positive_seconds,
                    help="seconds one episode may take (policy replies and tool calls); past it the episode is "
                         "closed, recorded with end reason timeout and scored None (default: no limit)")
@@ -322,14 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per reply (local default 256; endpoint: max_tokens, not sent unless given)")
     p.add_argument("--seed", metavar="S", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--device", metavar="D", help="device for a local model (default: cuda if available, else cpu)")
-    p.add_argument("--max-tool-calls", metavar="N", type=_non_negative_int,
-                   help="tool calls one episode may make; later ones are refused (the model reads why) and counted "
-                        "as refused failures, as in training (default: no limit)")
-    p.add_argument("--per-task-tools", action="store_true",
-                   help="bind each episode's own tool list instead of the tools training binds (no tool-discovery "
-                        "sessions are opened first)")
-    p.add_argument("--score-groups", action="store_true",
-                   help="also score each task's episodes (--repeats) together with the environment's /score_group")
+    p.add_argument("--max-tool-calls", metavar="N", type=_non_negative_int, help="tool calls per episode; later ones "
+                   "are refused (the model reads why), counted as refused failures as in training (default: no limit)")
+    p.add_argument("--per-task-tools", action="store_true", help="bind each episode's own tool list, not the tools "
+                   "training binds (no tool-discovery sessions are opened first)")
+    p.add_argument("--score-groups", action="store_true", help="also score each task's episodes (--repeats) together "
+                   "with the environment's /score_group")
     p.add_argument("--harness", metavar="CMD",
                    help="play each episode with this agent command, which owns its loop: it runs once per episode "
                         "with OPENAI_BASE_URL and OPENAI_API_KEY (the policy, served on loopback), ORS_MCP_URL and "
@@ -386,8 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="delete the sessions that killed ors-trl processes left open (the orphan registry)")
     p.add_argument("dir", metavar="DIR", nargs="?", default=None,
                    help="the run's working directory, or a state folder (default: $ORS_TRL_STATE_DIR, else .)")
-    p.add_argument("--any-host", action="store_true",
-                   help="also treat registries written on other hosts as dead (a shared disk whose nodes are gone)")
+    p.add_argument("--any-host", action="store_true", help="also treat registries written on other hosts as dead (a "
+                   "shared disk whose nodes are gone)")
     _add_output(p)
 
     for p in (parser, *sub.choices.values()):  # one flag before or after the command
@@ -399,8 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _EscapingFormatter(logging.Formatter):
-    """Log lines with control characters escaped (they quote the environment's names and messages), and the Python
-    keywords they name as `parser`'s flags."""
+    """Log lines with control characters escaped (they quote the environment), Python keywords as `parser`'s flags."""
 
     def __init__(self, fmt: str, parser: argparse.ArgumentParser | None = None) -> None:
         super().__init__(fmt)
@@ -411,8 +404,7 @@ class _EscapingFormatter(logging.Formatter):
 
 
 def _say(text: str, file: Any = None) -> None:
-    """A line for the user (stderr by default), control characters escaped, lone surrogates repaired (it quotes the
-    environment's text)."""
+    """A line for the user (stderr by default), escaped and repaired: it quotes the environment's text."""
     print(escape_controls(repair(text)), file=file or sys.stderr)
 
 

@@ -1,8 +1,7 @@
 """`ors-trl inspect`: everything about an environment a user should see before training on it (`inspect_target`).
 
-A tool's output is known only once it runs, and a call can have effects: the probe session calls none unless asked.
-The text escapes the server's control and format characters and keeps each name on one line (`escape_controls`): an
-environment cannot retitle or clear the terminal, or rewrite or reorder the listing a user reads before training.
+The probe session calls no tool unless asked (a call can have effects). The text escapes the server's control and
+format characters and keeps names on one line: an environment cannot rewrite the listing a user reads before training.
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ async def collect(target: str, *, env_name: str | None = None, split: str | None
                   timeouts: Timeouts | None = None, retry: RetryPolicy | None = None,
                   calls: Sequence[tuple[str, dict[str, Any]]] = (), toolset: str | None = None,
                   toolset_fallback: bool = False, env_overrides: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Query the server; returns the JSON-able inspection (without the binding part). Leaves no session open.
-    The arguments are `inspect_target`'s."""
+    """Query the server (leaving no session open): `inspect_target`'s result but the binding part, its arguments."""
     async with AsyncClient(target, env_name=env_name, api_key=api_key, timeouts=timeouts, retry=retry,
                            toolset=toolset, toolset_fallback=toolset_fallback, env_overrides=env_overrides) as client:
         info: dict[str, Any] = {"target": client.target.name, "kind": client.target.kind, "environments": None,
@@ -68,8 +66,7 @@ async def collect(target: str, *, env_name: str | None = None, split: str | None
         if probe and 0 <= probe_index < total:
             task_tools.update(probed=True, index=probe_index)
             try:
-                session = await client.open_session(split=split, index=probe_index)
-                try:
+                async with await client.open_session(split=split, index=probe_index) as session:
                     listed = await session.tools()
                     conversation = (await session.messages() if info["messages"] else
                                     [Message("user", await session.prompt())])
@@ -78,8 +75,6 @@ async def collect(target: str, *, env_name: str | None = None, split: str | None
                     info["prompt_images"] = [_image(b, m.role) for m in conversation for b in image_blocks(m.blocks)]
                     for name, arguments in calls:
                         info["tool_outputs"].append(await _call(session, name, arguments))
-                finally:
-                    await session.close()
                 known = {t.name for t in shared.tools}
                 task_tools["tools"] = [t.to_json() for t in listed.tools if t.name not in known]
                 if info["terminal_tool"] is None and listed.terminal_tool is not None:
@@ -208,8 +203,7 @@ def _indent(text: str, prefix: str) -> str:
     return "\n".join(prefix + line for line in text.split("\n"))  # other separators: escaped, not broken at
 
 
-def _one(value: Any) -> str:
-    """A server-given value as one line (the whole text is escaped at the end)."""
+def _one(value: Any) -> str:  # a server-given value as one line (the whole text is escaped at the end)
     return one_line(str(value))
 
 

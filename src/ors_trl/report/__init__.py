@@ -1,9 +1,6 @@
-"""`ors-trl report`: one self-contained HTML page of what the episodes did and how training went.
-
-`inputs` recognises the inputs by content; `tally` counts every episode per task and per run and samples episode
-bodies; `compare` sets the runs side by side; `charts` draws the trainer's curves; `render` writes the page from
-`page.html`, `page.css`, `page.js`. Whatever the inputs hold, a page is written: a line that is not a record is
-skipped and counted on it, a chart matplotlib cannot draw is a note.
+"""`ors-trl report`: one self-contained HTML page of what the episodes did and how training went. `inputs` recognises
+the inputs, `tally` counts episodes and samples bodies, `charts` draws the curves, `render` writes the page. A line
+that is not a record is skipped and counted on the page; a chart matplotlib cannot draw is a note.
 """
 
 from __future__ import annotations

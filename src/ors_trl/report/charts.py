@@ -1,9 +1,6 @@
-"""The curves: training metrics over steps from trainer states' `log_history`, drawn as inline SVG.
-
-TRL's `reward` and `tools/call_frequency`, `EnvMetrics`'s `env/[<name>/]<metric>`, evaluation during training's
-`eval/<name>/pass@k` and task sampling's `curriculum/...` become charts; several trainer states are drawn together,
-their series named by run. matplotlib is imported only when there is a curve to draw; a chart it cannot draw is a
-note, the rest of the page stands.
+"""The curves: training metrics over steps from trainer states' `log_history` (TRL's, `EnvMetrics`' `env/...`,
+`eval/<name>/pass@k`, `curriculum/...`), several runs together, drawn as inline SVG by matplotlib (imported only to
+draw); a chart it cannot draw is a note, the rest of the page stands.
 """
 
 from __future__ import annotations
@@ -49,6 +46,11 @@ _CHARTS = (
 _TRL_KEYS = {"reward": ("reward", "TRL reward (every rollout)"),
              "tools/call_frequency": ("calls", "TRL tools/call_frequency"),
              "frac_reward_zero_std": ("spread", "TRL frac_reward_zero_std (every group)")}
+#: `env/` metrics drawn as (chart, series name after the environment's).
+_ENV_KEYS = {"reward_mean": ("reward", ""), "tool_calls_per_episode": ("calls", ""),
+             "graded_fraction": ("graded", " graded"), "finished_fraction": ("graded", " finished"),
+             "no_tool_call_fraction": ("health", " no call"), "unparsed_turn_fraction": ("health", " unparsed"),
+             "session_seconds": ("cost", " all"), "session_seconds_unscored": ("cost", " unscored")}
 
 
 def _where(key: str) -> tuple[str, str] | None:
@@ -62,14 +64,8 @@ def _where(key: str) -> tuple[str, str] | None:
     if not (m := _METRIC_KEY.match(key)):
         return None
     env, metric = m[1] or "all environments", m[2]
-    if metric in ("reward_mean", "tool_calls_per_episode"):
-        return ("reward" if metric == "reward_mean" else "calls"), env
-    if metric in ("graded_fraction", "finished_fraction"):
-        return "graded", f"{env} {metric.split('_')[0]}"
-    if metric.endswith("_fraction"):
-        return "health", f"{env} {'unparsed' if metric.startswith('unparsed') else 'no call'}"
-    if metric.startswith("session_seconds"):
-        return "cost", f"{env} {'unscored' if metric.endswith('unscored') else 'all'}"
+    if metric in _ENV_KEYS:
+        return _ENV_KEYS[metric][0], env + _ENV_KEYS[metric][1]
     if metric.startswith("failures/") or metric == "session_open_failures":
         return "failures", f"{env}: {metric.removeprefix('failures/')}"
     what, q = metric.split("/")

@@ -1,8 +1,6 @@
-"""What the report reads, recognised by content: JSON lines of episode records of any record version (training's
-`episode_log=`, `ors-trl eval --output`) and trainer states (a `trainer_state.json`, or a trainer output folder
-holding one, also in its latest `checkpoint-*`). Anything else, or a label that names no file, is a
-`ConfigurationError` that says what was expected; the page never replaces one of its inputs.
-"""
+"""The report's inputs, recognised by content: JSON lines of episode records of any version, trainer states (a file or
+a trainer output folder, also its latest `checkpoint-*`). Anything else is a `ConfigurationError` saying what was
+expected; the page never replaces one of its inputs."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""The page: one self-contained HTML file from the tallies, the sample and the curves.
-
-The package's data files `page.html`, `page.css` and `page.js` are put inside it: its Content-Security-Policy
-forbids any other source but the thumbnails' PNG `data:` URLs. Record text is untrusted: whatever is rendered here
-is HTML-escaped, the episode bodies travel as JSON with `<`, `>` and `&` escaped, and the page's script writes them
-with `textContent` only. A thumbnail is kept only when its file's bytes hash to the record's SHA-256.
+"""The page: one self-contained HTML file from the tallies, the sample and the curves, with `page.html`, `page.css` and
+`page.js` inside (its Content-Security-Policy allows no other source but thumbnails' `data:` URLs). It opens with the
+runs side by side (`runs`, `pairs`): a task is solved in a run at a success share >= 1/2, flipped when solved in one
+run only; `paired_test` compares the shares. Record text is untrusted: it is HTML-escaped, episode bodies travel as
+JSON with `<`, `>`, `&` escaped and are written with `textContent`, a thumbnail is kept only when its file hashes to
+the record's SHA-256.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ import hashlib
 import html
 import json
 import math
+import re
 import secrets
 from array import array
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.resources import files
 from pathlib import Path
@@ -24,13 +26,16 @@ from typing import Any
 
 from ..core.metrics import EpisodeStats, _percentile
 from ..core.records import _SHA256
+from ..core.stats import paired_test, pass_over_tasks
 from ..protocol.images import MAX_IMAGE_BYTES, thumbnail
 from ..protocol.text import cut, repair
-from . import compare as _compare
 from .charts import curves
 from .inputs import Input
 from .tally import EMBED_TEXT, SAMPLE_BYTES, RunKey, Sample, Tally
 
+#: The p-value under which a difference is called beyond noise.
+ALPHA = 0.05
+_DIGITS = re.compile(r"(\d+)")
 _MAX_ROWS = 10_000  # per table of tasks or runs; the ones with the most episodes are shown
 THUMB_SIZE = 160  # pixels on the longer side
 THUMB_BYTES = 4 * 1024 * 1024  # thumbnails a page embeds, in all
@@ -45,20 +50,76 @@ def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _fmt(value: float | None, digits: int = 3) -> str:
-    return "–" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
-
-
-def _pct(value: float | None) -> str:
-    return "–" if value is None else f"{value:.1%}"
-
-
 def _f(value: float | None, digits: int = 3) -> tuple[str, float | None]:
-    return _fmt(value, digits), value
+    """A number as a sortable cell: its text (`–`: none) and its value."""
+    return ("–" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"), value
 
 
 def _p(value: float | None) -> tuple[str, float | None]:
-    return _pct(value), value
+    """A share as a sortable cell, in percent."""
+    return ("–" if value is None else f"{value:.1%}"), value
+
+
+def task_order(key: tuple[str, str]) -> list[Any]:
+    """An (environment, task) sort key that reads numbers as numbers: `test #2` before `test #19`."""
+    return [[int(p) if i % 2 else p for i, p in enumerate(_DIGITS.split(text))] for text in key]
+
+
+@dataclass
+class Run:
+    """One run's row: its counts, and pass@k over its tasks (k up to the fewest episodes of a task)."""
+
+    key: RunKey
+    name: str
+    stats: EpisodeStats
+    tasks: dict[tuple[str, str], EpisodeStats]
+    pass_at_k: dict[int, float]
+    interval: tuple[float, float] | None
+
+
+@dataclass
+class Pair:
+    """A run against the baseline over the tasks both ran: each task's two cells, in task order."""
+
+    base: Run
+    other: Run
+    tasks: list[tuple[tuple[str, str], EpisodeStats, EpisodeStats]]
+    base_rate: float
+    other_rate: float
+    p: float
+    method: str
+
+    def changes(self) -> dict[tuple[str, str], float]:
+        """Each shared task's change of success (the other run's share less the baseline's)."""
+        return {task: b.success_rate - a.success_rate for task, a, b in self.tasks}
+
+    def flipped(self, up: bool) -> list[tuple[str, str]]:
+        """The tasks solved in the other run and not in the baseline (`up`), or the other way round."""
+        return [task for task, a, b in self.tasks
+                if (b if up else a).success_rate >= 0.5 > (a if up else b).success_rate]
+
+
+def runs(tally: Tally) -> list[Run]:
+    """Every run with episodes, in order: the labelled ones as labelled, then the others as first read."""
+    cells: dict[RunKey, dict[tuple[str, str], EpisodeStats]] = {}
+    for (run, env, task), stats in tally.run_tasks.items():
+        cells.setdefault(run, {})[(env, task)] = stats
+    return [Run(key, tally.run_names[key], stats, cells.get(key, {}), *pass_over_tasks(cells.get(key, {}).values()))
+            for key, stats in tally.runs.items() if stats.episodes]
+
+
+def pairs(rows: list[Run]) -> list[Pair]:
+    """Each later run against the first, over the tasks both ran (runs that share none are left out)."""
+    out = []
+    for other in rows[1:]:
+        base = rows[0]
+        shared = sorted(((task, base.tasks[task], cell) for task, cell in other.tasks.items() if task in base.tasks),
+                        key=lambda t: task_order(t[0]))
+        if shared:
+            p, method = paired_test([b.success_rate - a.success_rate for _, a, b in shared])
+            out.append(Pair(base, other, shared, sum(a.success_rate for _, a, _ in shared) / len(shared),
+                            sum(b.success_rate for _, _, b in shared) / len(shared), p, method))
+    return out
 
 
 def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], cls: str = "",
@@ -97,7 +158,7 @@ def _stats_cells(s: EpisodeStats) -> list[Any]:
 
 def _of(x: EpisodeStats | None) -> tuple[str, float | None]:
     """A task's success in one run, as a cell: `50.0% of 2` (`–`: the run did not run it)."""
-    return ("–", None) if x is None else (f"{_pct(x.success_rate)} of {x.episodes}", x.success_rate)
+    return ("–", None) if x is None else (f"{_p(x.success_rate)[0]} of {x.episodes}", x.success_rate)
 
 
 def _latency_rows(name: str, samples: dict[str, array[float]], envs: list[str]) -> list[list[Any]]:
@@ -109,23 +170,24 @@ def _latency_rows(name: str, samples: dict[str, array[float]], envs: list[str]) 
             for scope, values in scopes]
 
 
-def _where(t: Tally, run: _compare.Run) -> str:
-    """Where a run's episodes ran: each environment and its splits, with the servers where an environment of the
-    report ran on several."""
+def _where(t: Tally, run: Run) -> str:
+    """Where a run's episodes ran: each environment, its splits, and its servers where it ran on several."""
     envs = sorted(t.places.get(run.key, {}).items())
     return cut("; ".join(f"{env} {', '.join(sorted(splits))}"
                          + (f" at {', '.join(sorted(hosts))}" if len(t.hosts(env)) > 1 else "")
                          for env, (splits, hosts) in envs), 300)
 
 
-def _headline(rows: list[_compare.Run], pairs: list[_compare.Pair]) -> str:
+def _headline(rows: list[Run], pairs: list[Pair]) -> str:
     """The answer: each run against the baseline (the tasks that flipped), else each run's success."""
-    if not rows:
-        return "<p class=note>No episodes.</p>"
     out = []
     for p in pairs:
-        h = _compare.headline(p)
-        out.append(f"<p class=headline data-verdict={h['verdict']}>{_e(h['text'])}</p>")
+        change, beyond = p.other_rate - p.base_rate, p.p < ALPHA
+        verdict = ("better" if change > 0 else "worse") if beyond else "noise"
+        text = (f"{p.other.name} vs {p.base.name}: success {p.base_rate:.1%} → {p.other_rate:.1%} "
+                f"({100 * change:+.1f} points) over {len(p.tasks)} shared task(s); paired test over tasks "
+                f"p = {p.p:.3g} ({p.method}): {'beyond' if beyond else 'within'} noise (p < {ALPHA:g} is beyond).")
+        out.append(f"<p class=headline data-verdict={verdict}>{_e(text)}</p>")
         for up, what in ((True, "solved now, not before"), (False, "solved before, not now")):
             flipped = p.flipped(up)
             names = ", ".join(f"{env} {task}" for env, task in flipped[:12]) + (" …" if len(flipped) > 12 else "")
@@ -134,22 +196,24 @@ def _headline(rows: list[_compare.Run], pairs: list[_compare.Pair]) -> str:
     if not pairs:
         if len(rows) > 1:
             out.append("<p class=note>The runs share no task, so none is compared task by task.</p>")
-        out += [f"<p class=headline data-verdict=none>{_e(_compare.run_line(r))}</p>" for r in rows[:12]]
+        for r in rows[:12]:
+            one, (lo, hi) = r.pass_at_k.get(1), r.interval or (None, None)
+            over = f"; pass@1 {one:.3f} [{lo:.2f}, {hi:.2f}] over tasks" if lo is not None and one is not None else ""
+            done = f"{r.name}: success {r.stats.success_rate:.1%} of {r.stats.episodes} episode(s)"
+            out.append(f"<p class=headline data-verdict=none>{_e(f'{done} over {len(r.tasks)} task(s){over}.')}</p>")
     return "".join(out)
 
 
-def _runs(t: Tally, rows: list[_compare.Run]) -> str:
+def _runs(t: Tally, rows: list[Run]) -> str:
     """A row per run, each apart (evaluations before and after, training): never pooled."""
-    if not rows:
-        return "<p class=note>No episodes.</p>"
     k_max = max((max(r.pass_at_k, default=1) for r in rows), default=1)
 
-    def row(r: _compare.Run) -> list[Any]:
+    def row(r: Run) -> list[Any]:
         s, one, k = r.stats, r.pass_at_k.get(1), max(r.pass_at_k, default=1)
         lo, hi = r.interval or (None, None)
         return [r.name, _where(t, r), s.episodes, len(r.tasks), _p(s.success_rate),
-                (_fmt(one) + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else ""), one),
-                (f"pass@{k} {_fmt(r.pass_at_k[k])}" if k > 1 else "–", r.pass_at_k.get(k) if k > 1 else None),
+                (_f(one)[0] + (f" [{lo:.2f}, {hi:.2f}]" if lo is not None else ""), one),
+                (f"pass@{k} {_f(r.pass_at_k[k])[0]}" if k > 1 else "–", r.pass_at_k.get(k) if k > 1 else None),
                 _f(s.mean_reward), _p(s.coverage)]
 
     heads = ["run", "environment and split", "episodes", "tasks", "success rate", "pass@1 [95% over tasks]",
@@ -160,12 +224,12 @@ def _runs(t: Tally, rows: list[_compare.Run]) -> str:
               "rollouts training scored, on its own tasks.</p>")
 
 
-def _tasks(t: Tally, rows: list[_compare.Run], pairs: list[_compare.Pair]) -> str:
+def _tasks(t: Tally, rows: list[Run], pairs: list[Pair]) -> str:
     """Every task in its number's order, collapsed: each run's success (one run: all its counts) and each pair's
     change; grouped by the first pair's change (improved, worse, unchanged, not in both)."""
     shown = rows[:_MAX_RUN_COLUMNS]
-    ranked = sorted(t.tasks.items(), key=lambda kv: (-kv[1].episodes, _compare.task_order(kv[0])))
-    items = sorted(ranked[:_MAX_ROWS], key=lambda kv: _compare.task_order(kv[0]))
+    ranked = sorted(t.tasks.items(), key=lambda kv: (-kv[1].episodes, task_order(kv[0])))
+    items = sorted(ranked[:_MAX_ROWS], key=lambda kv: task_order(kv[0]))
     pairs = [p for p in pairs if p.other in shown]
     changes = [p.changes() for p in pairs]
     single = len(shown) == 1
@@ -200,14 +264,12 @@ def _tasks(t: Tally, rows: list[_compare.Run], pairs: list[_compare.Pair]) -> st
             "header to sort, a row to browse that task's episodes.</p>" + "".join(parts) + "</details>")
 
 
-def _diagnostics(t: Tally, rows: list[_compare.Run]) -> str:
+def _diagnostics(t: Tally, rows: list[Run]) -> str:
     """Tool-call and episode health per run, why episodes ended per run, per environment and run, and latency."""
-    if not rows:
-        return "<p class=note>No episodes.</p>"
     shown = rows[:_MAX_RUN_COLUMNS]
     health = [[r.name, _p(r.stats.share(r.stats.finished)), _f(r.stats.share(r.stats.tool_calls), 2),
                r.stats.tool_failures, _p(r.stats.no_call_rate), _p(r.stats.unparsed_rate), r.stats.malformed_calls,
-               (_fmt(r.stats.mean_group_reward), r.stats.mean_group_reward),
+               _f(r.stats.mean_group_reward),
                (f"{r.stats.session_seconds:.0f} ({r.stats.session_seconds_unscored:.0f} unscored)",
                 r.stats.session_seconds)] for r in rows[:_MAX_ROWS]]
     reasons: dict[RunKey, Counter[str]] = {
@@ -232,7 +294,7 @@ def _diagnostics(t: Tally, rows: list[_compare.Run]) -> str:
                      "sortable reasons")
             + ("<h3>Per environment and run</h3>" + _table(
                 ["environment", "run", *_STATS_HEADS], ([*key, *_stats_cells(x)] for key, x in sorted(
-                    per_env.items(), key=lambda kv: _compare.task_order(kv[0]))[:_MAX_ROWS]), "sortable")
+                    per_env.items(), key=lambda kv: task_order(kv[0]))[:_MAX_ROWS]), "sortable")
                if len(envs) > 1 else "")
             + "<h3>Latency over every run, seconds</h3>"
             + _table(["what", "scope", "n", "p50", "p90", "p95", "p99", "max"], latency))
@@ -307,21 +369,23 @@ def render(items: Sequence[Input], tally: Tally, sample: Sample, skipped: Counte
            title: str | None) -> tuple[str, int]:
     """The page, and the number of logged training steps its curves draw."""
     thumbnails(items, sample)
-    rows = _compare.runs(tally)
-    pairs = _compare.pairs(rows)
+    rows = runs(tally)
+    compared = pairs(rows)
     curves_html, steps = curves([i for i in items if i.kind == "trainer_state"])
     envs = sorted(tally.envs)
     page_title = title or ("ors-trl report: " + cut(", ".join(envs), 80) if envs else "ors-trl report")
     reasons = ", ".join(f"{v} {k}" for k, v in sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0])))
     skipped_note = (f"<p class=note id=skipped>{skipped.total()} record(s) skipped: {_e(reasons)}.</p>"
                     if skipped else "")
+    none = "<p class=note>No episodes.</p>"  # the headline, runs and diagnostics of a page without episodes
     sources = "".join(f"<li><code>{_e(i.path)}</code> ({'trainer state' if i.kind == 'trainer_state' else 'episodes'})"
                       "</li>" for i in items)
     page = Template(_data("page.html")).substitute(
         title=_e(page_title), nonce=secrets.token_urlsafe(16), css=_data("page.css"), js=_data("page.js"),
         generated=_e(datetime.now(UTC).isoformat(timespec="seconds")), sources=sources,
-        headline=_headline(rows, pairs) + skipped_note, runs=_runs(tally, rows), curves=curves_html,
-        tasks=_tasks(tally, rows, pairs), diagnostics=_diagnostics(tally, rows),
+        headline=(_headline(rows, compared) if rows else none) + skipped_note, curves=curves_html,
+        runs=_runs(tally, rows) if rows else none, diagnostics=_diagnostics(tally, rows) if rows else none,
+        tasks=_tasks(tally, rows, compared),
         shown=_e(_shown(tally, sample)), data=_json_script(sample.episodes),
     )
     return repair(page), steps  # repair: a title or a file name may hold a lone surrogate

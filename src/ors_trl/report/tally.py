@@ -1,13 +1,9 @@
-"""The tallies: every episode counted once, in one pass, and a bounded sample of episode bodies to embed.
+"""The tallies: every episode counted once, per task and per run (`EpisodeStats`), and a bounded sample of bodies.
 
-Counts are `EpisodeStats` (its one definition of success) per task and per run, merged per environment and in
-total; record values are untrusted, so every label is shortened and the kinds reserved for are bounded. A run is a
-labelled input's episodes, else the records sharing a process run id, source, policy and step (two inputs holding
-one such run's episodes of a task are refused). The sample (`max_episodes`, `SAMPLE_BYTES` at most) is a few
-episodes reserved for each kind of problem, environment and run, then those of smallest hash (a stable pick).
-
-An environment is keyed by its own name (`environment`), whatever server (`target`) ran it, so runs of one
-environment on two ports compare; the servers are kept to tell apart where a run's environment ran.
+Record values are untrusted: labels are shortened, reserved kinds bounded. A run is a labelled input's episodes, else
+the records sharing a run id, source, policy and step (two inputs holding one run's episodes of a task are refused).
+The sample (`max_episodes`, `SAMPLE_BYTES`) reserves a few episodes per problem kind, environment and run, then takes
+the smallest hashes. An environment is keyed by its name, whatever server ran it, so runs on two ports compare.
 """
 
 from __future__ import annotations
@@ -39,20 +35,6 @@ _Item = tuple[int, int, dict[str, Any]]  # (-hash, sequence number, the episode 
 RunKey = tuple[str | None, ...]
 #: Record sources whose episodes are training's (the rollouts a trainer scored).
 TRAINING_SOURCES = ("trl", "engine")
-
-
-def host_of(target: Any) -> str | None:
-    """A record's server as a host (`127.0.0.1:8080`, a path kept); a catalog name as it is; None: none recorded."""
-    if not target:
-        return None
-    text = label(target)
-    return text.split("://", 1)[1].rstrip("/") if "://" in text else text
-
-
-def place(rec: dict[str, Any]) -> tuple[str, str | None]:
-    """The environment a record ran (its name, else its server's host) and that server's host."""
-    host = host_of(rec.get("target"))
-    return label(rec.get("environment") or host or "(unknown)"), host
 
 
 def _calls(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -93,9 +75,6 @@ class Tally:
         self.run_failures: defaultdict[RunKey, Counter[str]] = defaultdict(Counter)  # tool-call and episode errors
         self.rewards: list[float] = []  # the lowest and highest reward seen
         self._claims: dict[tuple[Any, ...], str] = {}  # (run, environment, task, repeat) -> the input holding it
-        self.sources: Counter[str] = Counter()
-        self.call_failures: Counter[str] = Counter()  # by error kind, the terminal tool's included
-        self.episode_errors: Counter[str] = Counter()
         self.embedded: Counter[tuple[str, str]] = Counter()  # per (environment, task)
         self.open_s: defaultdict[str, array[float]] = defaultdict(lambda: array("d"))
         self.call_s: defaultdict[str, array[float]] = defaultdict(lambda: array("d"))
@@ -105,8 +84,9 @@ class Tally:
 
     def add(self, rec: dict[str, Any], source: str, run_name: str | None = None, origin: str | None = None) -> None:
         """Count one record (current shape) of the input `source` and offer it to the sample."""
-        env, host = place(rec)
-        task = _task_label(rec)
+        target = label(rec.get("target") or "")  # its server as a host (`127.0.0.1:8080`), a catalog name as it is
+        host = (target.split("://", 1)[1].rstrip("/") if "://" in target else target) or None
+        env, task = label(rec.get("environment") or host or "(unknown)"), _task_label(rec)
         run = self._run_of(rec, source, run_name, env, task, origin or source)
         splits, hosts = self.places[run].setdefault(env, (set(), set()))
         if len(splits) < _MAX_KINDS:
@@ -128,11 +108,8 @@ class Tally:
         self.tasks[(env, task)].add_record(counted)
         self.runs.setdefault(run, self._stats()).add_record(counted)
         self.run_tasks[(run, env, task)].add_record(counted)
-        self.sources[label(rec.get("source") or "-")] += 1
-        self.call_failures.update(fails)
         self.run_failures[run].update(f"tool call failed: {k}" for k in fails)
         if error:
-            self.episode_errors[_kind(error, "error")] += 1
             self.run_failures[run][f"episode error: {_kind(error, 'error')}"] += 1
         timings = rec.get("timings")
         if isinstance(timings, dict) and (opened := _number(timings.get("open"))) is not None:
