@@ -1,11 +1,8 @@
-"""The demo's tasks as pure Python (no `openreward` import), over the closed vocabulary `TARGETS` (six words, each
-one token for the demo's tokenizer); `_environments` serves them.
+"""The demo's tasks as pure Python over `TARGETS` (six words, one token each); `_environments` serves them.
 
-**look** (the default): a word is hidden, the conversation (rules as a system turn, a short question) is the same
-whatever the word, and only the `look()` tool's output names it; the plain final message is graded (`grade`). Held-out
-tasks phrase `look()`'s answer in unseen ways; the `blind` split (`look()` names a decoy) is the shortcut control.
-**echo** (`--task echo`): the prompt quotes a word and the model must call `echo(text=...)` with it: a six-way choice
-read from the prompt (free-form copying is beyond a ~0.5M model on CPU); held-out tasks use unseen phrasings.
+**look** (the default): a hidden word only the `look()` tool's output names (the conversation is the same whatever the
+word); the final message is graded (`grade`). Held-out tasks phrase `look()`'s answer in unseen ways; in `blind` it
+names a decoy (the shortcut control). **echo**: call `echo(text=...)` with the word the prompt quotes.
 """
 
 from __future__ import annotations
@@ -107,9 +104,8 @@ LOOK_HELDOUT_REPLIES: tuple[str, ...] = ("The card under the cup says {w}.", "{w
 
 def look_tasks(split: str) -> list[dict[str, Any]]:
     """A split's tasks (`train`, `test`: held-out phrasings, `blind`, or a pool): `{"id", "word", "shown", "question",
-    "reply"}`, `word` hidden, `shown` what `look()`'s `reply` names. In `blind` it names a decoy: every (question,
-    sentence) occurs once with each hidden word, so any policy scores exactly 1/6 unless it learns the word elsewhere.
-    """
+    "reply"}`, `shown` what `look()`'s `reply` names. In `blind` it names a decoy, every (question, sentence) once with
+    each hidden word: any policy scores exactly 1/6 unless it learns the word elsewhere."""
     if split in ("train", "test"):
         seed, replies = (2, LOOK_TRAIN_REPLIES) if split == "train" else (3, LOOK_HELDOUT_REPLIES)
         tasks = [{"word": w, "shown": w, "question": q, "reply": r.format(w=w)}

@@ -207,11 +207,9 @@ def _free(name: str, taken: set[str], reserved: frozenset[str]) -> str:
 
 def task_columns(task_specs: Sequence[Any], reserved: frozenset[str] = RESERVED_COLUMNS
                  ) -> tuple[dict[str, list[Any]], list[str]]:
-    """Task fields as dataset columns, and notes on what had to change: it never fails, costs what the tasks hold,
-    and loses nothing. A reserved name becomes `task_<name>`, a NUL in a name U+FFFD; values Arrow cannot hold in
-    one column are JSON text; sparse fields share `EXTRA_COLUMN` (tasks that each carry a different field would make
-    a table of tasks x fields: 6,000 tasks of 69 KB, 36 million cells, +1.9 GB).
-    """
+    """Task fields as dataset columns, and notes on what had to change (never fails, loses nothing): a reserved name
+    becomes `task_<name>`, a NUL in a name U+FFFD; values Arrow cannot hold in one column are JSON text; sparse fields
+    share `EXTRA_COLUMN` (else a tasks x fields table: 6,000 tasks of 69 KB made 36 million cells, +1.9 GB)."""
     notes: list[str] = []
     counts = Counter(k for spec in task_specs if isinstance(spec, Mapping) for k in spec if isinstance(k, str))
     ranked = sorted(counts, key=lambda k: (-counts[k], k))
