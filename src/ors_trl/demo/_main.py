@@ -73,8 +73,7 @@ class DemoResult:
         out.update({k: getattr(self, k) for k in ("seconds", "seed", "steps", "model", "environment", "task", "pool",
                                                   "task_sampling", "heldout")},
                    success_before=self.before["success_rate"], success_after=self.after["success_rate"])
-        if self.curve:
-            out["curve"] = self.curve
+        out.update({k: getattr(self, k) for k in ("curve", "report", "saved_model") if getattr(self, k)})
         if self.task == "look":  # no_look_success is None where no episode answered without looking
             out.update({f"no_look_success_{when}": d.get("no_look_success") for when, d in sides},
                        rollout_func=self.rollout_func)
@@ -82,10 +81,6 @@ class DemoResult:
                 out.update(blind_success_after=self.blind["success_rate"],
                            blind_follow_after=self.blind.get("follow_rate"),
                            blind_look_rate_after=self.blind.get("look_rate"))
-        if self.report:
-            out["report"] = self.report
-        if self.saved_model:
-            out["saved_model"] = self.saved_model
         return out
 
     def table(self) -> str:
@@ -464,8 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     """`ors-trl demo`; returns a process exit code."""
     options = vars(_parser().parse_args(argv))
     threads, as_json, quiet = options.pop("threads"), options.pop("json"), options.pop("quiet")
-    if options["save_model"] and os.path.exists(options["save_model"]) and not os.path.isdir(options["save_model"]):
-        print(f"ors-trl demo: error: --save-model {options['save_model']!r} is a file; give a folder (made if missing)",
+    if (save := options["save_model"]) and os.path.exists(save) and not os.path.isdir(save):
+        print(f"ors-trl demo: error: --save-model {save!r} is a file; give a folder (made if missing)",
               file=sys.stderr)
         return 2
     if options["steps"] == 0 and options["save_model"]:  # no server, no training: the untrained tiny model

@@ -35,8 +35,7 @@ MODEL_DIMS: dict[str, Any] = {
 }
 
 
-#: The look task's window: the answer needs one token of the tool turn, 7-14 tokens back; with 16 in view the word has
-#: fewer competitors for attention and GRPO found it sooner (the reward left chance after ~25 steps, not ~45-60).
+#: The look task's window: the answer is 7-14 tokens back; with 16 in view GRPO found it after ~25 steps, not ~45-60.
 LOOK_MODEL_DIMS: dict[str, Any] = {"sliding_window": 16}
 
 
@@ -144,8 +143,7 @@ def _random_model(model_class: Any, config: Any, seed: int, eos_id: int, pad_id:
     return model
 
 
-#: The saved tiny model's context: room for another environment's prompt, tools and a few turns (rotary positions cost
-#: no parameters).
+#: The saved tiny model's context: room for another environment's prompt, tools and a few turns (costs no parameters).
 SAVED_POSITIONS = 2048
 
 #: The tool the saved tiny model's tokenizer was trained with (the demo's echo task: the format, not the task).

@@ -20,9 +20,8 @@ __all__ = ["EXTRA_COLUMN", "MAX_FIELD_DEPTH", "MAX_TASK_COLUMNS", "MAX_WHOLE_SPL
 
 logger = logging.getLogger("ors_trl")
 
-#: Names TRL passes as keywords itself (to every reward function, with every other row column) or reads from a row
-#: (`prompt`, `image(s)`, the routing column `environment`), as verified for `ors_trl.trl.backend.VERIFIED`
-#: (tests/test_architecture.py reads them out of the installed TRL's source).
+#: Names TRL passes to every reward function itself or reads from a row (`prompt`, `image(s)`, `environment`), as
+#: verified for `ors_trl.trl.backend.VERIFIED` (tests/test_architecture.py reads them out of TRL's source).
 TRL_KEYWORDS = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
                           "environments", "prompt", "completion", "image", "images", "environment"})
 #: Names a task field may not keep as its column (it becomes `task_<name>`): `TRL_KEYWORDS`, ors-trl's own columns
