@@ -408,8 +408,7 @@ class FaultProxy(_Loopback):
         if max_log < 1:
             raise ValueError(f"max_log must be at least 1, got {max_log}")
         self.upstream = upstream.rstrip("/") if upstream else None
-        self.host = host
-        self.port: int | None = None
+        self.host, self.port = host, None
         self._rules: list[_Rule] = []
         self._log: collections.deque[Seen] = collections.deque(maxlen=max_log)
         self._lock = threading.Lock()
@@ -585,8 +584,7 @@ class Blackhole(_Loopback):
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind((host, 0))
         self._sock.listen(128)
-        self.host = host
-        self.port = int(self._sock.getsockname()[1])
+        self.host, self.port = host, int(self._sock.getsockname()[1])
 
     def close(self) -> None:
         """Close the port."""
