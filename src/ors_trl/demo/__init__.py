@@ -1,20 +1,15 @@
 """`ors-trl demo` (docs/demo.md): a tiny tool-calling Qwen3 trained with GRPO against a local ORS environment.
 
-Nothing heavy is imported here. `_task`: the tasks, pure Python; `_environments`: them as ORS environments (and
-`card`, for vision-language models); `_model`: the local tokenizer and tiny model; `_recipe`: warm start, GRPO
-configuration, evaluation; `_main`: the command.
+Nothing heavy is imported here. `_task`: the tasks, pure Python; `_environments`: them as ORS environments;
+`_model`: the local tokenizer and tiny model; `_recipe`: warm start, GRPO configuration, evaluation; `_main`: the CLI.
 
 How the look recipe was tuned (held-out success after 100 GRPO steps, greedy, seeds 0/1/2; 2 shared CPU cores):
-- the echo recipe as is (lr 3e-4, 8 tasks x 8 rollouts, temperature 1, 32-token window, 80 warm-start steps):
-  0.83 / 0.31 / 0.17. The reward sat at chance for ~45-60 steps, and in seed 2 the policy stopped calling `look`
-  during that plateau (it answers at chance either way: no signal brings the look back);
-- `top_p=0.95` (cuts the rare no-look and malformed first tokens): 0.67 / 0.99 / 0.83;
-- lr 5e-4: no faster, and broke the look call on held-out *questions* (the held-out split now varies only the
-  wording of `look()`'s answer); 1e-3: the format collapsed by step 65; 4e-4: seed 0 0.83. `num_iterations=2`:
-  noisier, stalled around 0.45 reward (seed 1: 0.50 after 160 steps);
-- a 16-token sliding window instead of 32: the plateau shortened to ~25 steps (seed 0: 0.83; seeds 1/2 with 50
-  warm-start steps: 0.83 / 1.00); 50 warm-start steps keep the format and save ~15 s. That is the recipe
-  (`_recipe.LOOK_RECIPE`, `_recipe.LOOK_WARM_START`, `_model.LOOK_MODEL_DIMS`).
+the echo recipe (lr 3e-4, 8 tasks x 8 rollouts, 32-token window, 80 warm-start steps): 0.83 / 0.31 / 0.17, the reward
+at chance for ~45-60 steps (seed 2 stopped calling `look` then, and no signal brings it back); `top_p=0.95` (cuts rare
+no-look and malformed first tokens): 0.67 / 0.99 / 0.83; lr 5e-4 no faster and broke the look call on held-out
+questions, 1e-3 collapsed the format, `num_iterations=2` stalled near 0.45; a 16-token window: the plateau ~25 steps
+(0.83 / 0.83 / 1.00 with 50 warm-start steps, which keep the format). That is the recipe (`_recipe.LOOK_RECIPE`,
+`_recipe.LOOK_WARM_START`, `_model.LOOK_MODEL_DIMS`).
 """
 
 import os

@@ -1,7 +1,6 @@
-"""The environments of the demo and `ors-trl serve-echo` (`ENVIRONMENTS`), on `openreward`'s scaffolding: `echo`
-(TRL's guide task), `demo` and `look` (`_task`'s tasks), `card` (the word only in an image, drawn with Pillow, which
-it alone needs), `corridor` (a long-horizon task: ~30 calls with per-call progress). Each counts its setups, teardowns and tool calls (`ors_trl.testing.counters`: `/_test/stats`).
-"""
+"""The environments of the demo and `ors-trl serve-echo` (`ENVIRONMENTS`): `echo` (TRL's guide task), `demo` and
+`look` (`_task`'s tasks), `card` (the word only in an image; needs Pillow), `corridor` (long-horizon: ~30 calls with
+per-call progress). Each counts its setups, teardowns and tool calls (`ors_trl.testing.counters`)."""
 
 from __future__ import annotations
 
@@ -29,7 +28,8 @@ from ors_trl.testing import counters
 from . import _task
 
 __all__ = ["CARD_SAMPLE", "CARD_SIZE", "CARD_SYSTEM", "CARD_WORDS", "ENVIRONMENTS", "CardEnvironment",
-           "CorridorEnvironment", "CountedEnvironment", "DemoEnvironment", "EchoEnvironment", "LookEnvironment", "card_png"]
+           "CorridorEnvironment", "CountedEnvironment", "DemoEnvironment", "EchoEnvironment", "LookEnvironment",
+           "card_png"]
 
 
 class CountedEnvironment(Environment):

@@ -1,10 +1,8 @@
-"""`ors-trl demo` (docs/demo.md): serve the bundled environment on loopback, build a tiny Qwen3 and its
-tokenizer locally (nothing downloaded), warm start it (format only), measure it on held-out tasks, train it with
-`GRPOTrainer` fed by `OpenRewardSpec(url)` (or `spec.rollout_func`), measure it again, print a before/after table
-(`--json`: and a JSON line) and write an HTML report next to the trainer's output, "after" against "before". `--model`
-trains a real model, `--env` against another ORS environment (held out: its `test` split, else the last quarter of its
-training split); `--save-model DIR` saves the trained model (`--steps 0`: the tiny one, untrained, and nothing else).
-"""
+"""`ors-trl demo` (docs/demo.md): serve the bundled environment on loopback, build a tiny Qwen3 and its tokenizer
+locally, warm start it (format only), train it with `GRPOTrainer` fed by `OpenRewardSpec(url)` (or its rollout_func),
+measure it on held-out tasks before and after: a table (`--json`: and a JSON line) and an HTML report. `--model`: a
+real model; `--env`: another ORS environment (held out: its `test` split, else the last quarter of its training
+split); `--save-model DIR`: save the trained model (`--steps 0`: the tiny one, untrained, and nothing else)."""
 
 from __future__ import annotations
 
@@ -75,8 +73,7 @@ class DemoResult:
         out.update({k: getattr(self, k) for k in ("seconds", "seed", "steps", "model", "environment", "task", "pool",
                                                   "task_sampling", "heldout")},
                    success_before=self.before["success_rate"], success_after=self.after["success_rate"])
-        if self.curve:
-            out["curve"] = self.curve
+        out.update({k: getattr(self, k) for k in ("curve", "report", "saved_model") if getattr(self, k)})
         if self.task == "look":  # no_look_success is None where no episode answered without looking
             out.update({f"no_look_success_{when}": d.get("no_look_success") for when, d in sides},
                        rollout_func=self.rollout_func)
@@ -84,10 +81,6 @@ class DemoResult:
                 out.update(blind_success_after=self.blind["success_rate"],
                            blind_follow_after=self.blind.get("follow_rate"),
                            blind_look_rate_after=self.blind.get("look_rate"))
-        if self.report:
-            out["report"] = self.report
-        if self.saved_model:
-            out["saved_model"] = self.saved_model
         return out
 
     def table(self) -> str:
@@ -206,13 +199,11 @@ def run_demo(*, task: str = DEFAULT_TASK, url: str | None = None, env: str | Non
              config_overrides: dict[str, Any] | None = None, pool: str = "train", task_sampling: str = "uniform",
              difficulty: tuple[float, float] | None = None, eval_every: int = 0,
              save_model: str | None = None) -> DemoResult:
-    """The demo pipeline; `ors-trl demo`'s options are its own (`_parser`: `--model` is `model_name`, `--env` trains
-    without a warm start; `report` is off here). `url`: a running server hosting the bundled environment (else one is
-    started); `control`: shuffle the rewards across each batch (the control arm); `blind`: also evaluate the look
-    task's blind variant; `say`: the progress lines; `config_overrides`: entries of the GRPO configuration;
-    `difficulty`: keep the training tasks whose mean reward in a probe
-    of the warm-started model (4 sampled attempts each) lies in this range (its episodes count in `curve`);
-    `save_model`: a folder to save the trained model and its tokenizer to (`ors-trl eval --model DIR` loads it)."""
+    """The demo pipeline, with `ors-trl demo`'s options (`_parser`; `--model` is `model_name`; `--env` has no warm
+    start). `url`: a running server of the bundled environment (else one is started); `control`: shuffle the rewards
+    across each batch; `blind`: also evaluate the look task's blind variant; `say`: the progress lines;
+    `config_overrides`: GRPO configuration entries; `difficulty`: keep the training tasks whose mean reward in a probe
+    of the warm-started model (4 attempts each; its episodes count in `curve`) lies in this range."""
     import torch
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from transformers.utils import logging as hf_logging
@@ -241,8 +232,8 @@ def run_demo(*, task: str = DEFAULT_TASK, url: str | None = None, env: str | Non
     if replaced:
         print(f"ors-trl demo: {out_dir} holds a previous run's {', '.join(replaced)}; this run replaces them",
               file=sys.stderr, flush=True)
-    for name in replaced:
-        (out_dir / name).unlink()
+        for name in replaced:
+            (out_dir / name).unlink()
     episode_log = str(out_dir / EPISODE_LOG) if report else None
     bundled = env is None
     look = bundled and task == "look"
@@ -468,8 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     """`ors-trl demo`; returns a process exit code."""
     options = vars(_parser().parse_args(argv))
     threads, as_json, quiet = options.pop("threads"), options.pop("json"), options.pop("quiet")
-    if options["save_model"] and os.path.exists(options["save_model"]) and not os.path.isdir(options["save_model"]):
-        print(f"ors-trl demo: error: --save-model {options['save_model']!r} is a file; give a folder (made if missing)",
+    if (save := options["save_model"]) and os.path.exists(save) and not os.path.isdir(save):
+        print(f"ors-trl demo: error: --save-model {save!r} is a file; give a folder (made if missing)",
               file=sys.stderr)
         return 2
     if options["steps"] == 0 and options["save_model"]:  # no server, no training: the untrained tiny model

@@ -1,7 +1,5 @@
-"""The demo's tiny tool-calling Qwen3 (random weights, a few hundred thousand parameters) and its byte-level BPE
-tokenizer, trained on the fly on conversations rendered with TRL's Qwen3 chat template (read from the installed TRL,
-so that TRL recognises it and parses the tool calls). Nothing touches the Hugging Face Hub.
-"""
+"""The demo's tiny tool-calling Qwen3 (random weights, ~0.5M parameters) and its byte-level BPE tokenizer, trained on
+the fly on conversations in the installed TRL's Qwen3 chat template (so TRL parses the tool calls). No Hub access."""
 
 from __future__ import annotations
 
@@ -12,8 +10,7 @@ from functools import cache
 from importlib.resources import files
 from typing import Any
 
-# Qwen3's added tokens. The first three are "special" (dropped by skip_special_tokens); the tool/think markers are
-# plain added tokens, as in the real Qwen3 tokenizer, so they survive decoding.
+# Qwen3's added tokens: the first three special (skip_special_tokens drops them), the tool/think markers plain.
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CONTROL_TOKENS: tuple[str, ...] = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>",
                                    "</think>")
@@ -30,18 +27,15 @@ FINAL_MESSAGE = "Done."
 MODEL_DIMS: dict[str, Any] = {
     "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 512,
-    # Sliding-window attention on both layers: with full attention the one prompt token that matters is diluted among
-    # the tool preamble and learned far more slowly (seed 0: held-out success 0.29 after 200 GRPO steps instead of
-    # 1.0). 32 tokens cover the instruction (the target sits 16-25 tokens before the argument) and little preamble.
+    # Sliding window on both layers: full attention dilutes the one prompt token that matters among the tool preamble
+    # (seed 0: 0.29 held out after 200 GRPO steps, not 1.0); 32 tokens reach the target (16-25 tokens back).
     "use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0,
-    # Untied: after the format-only warm start a tied model learned the prompt -> argument mapping much more slowly
-    # (imitating "any of the K words" pulls their shared embeddings together, blurring them in the prompt too).
+    # Untied: a tied model learned prompt -> argument far more slowly after the format-only warm start.
     "tie_word_embeddings": False,
 }
 
 
-#: The look task's window: the answer needs one token of the tool turn, 7-14 tokens back; with 16 in view the word has
-#: fewer competitors for attention and GRPO found it sooner (the reward left chance after ~25 steps, not ~45-60).
+#: The look task's window: the answer is 7-14 tokens back; with 16 in view GRPO found it after ~25 steps, not ~45-60.
 LOOK_MODEL_DIMS: dict[str, Any] = {"sliding_window": 16}
 
 
@@ -68,10 +62,9 @@ def render_corpus(tasks: Sequence[dict[str, Any]], tools: Sequence[Callable | di
                   episode_fn: Callable[[dict[str, Any], random.Random], tuple[Any, ...]] | None = None, *,
                   episodes_fn: Callable[[dict[str, Any]], Sequence[tuple[Any, ...]]] | None = None, copies: int = 2,
                   seed: int = 0, template: str | None = None) -> list[str]:
-    """Tokenizer-training text: each task's full tool-calling conversation, `copies` times, rendered with `template`
-    (default TRL's Qwen3 one) and `tools` (those the trainer exposes: their schemas are in the text the model sees).
-    `prompt_fn` gives a user text or chat messages; the episode `(tool_name, arguments, reply[, final])` is picked at
-    random from `episodes_fn(task)` or drawn by `episode_fn(task, rng)`: the format, not the answer."""
+    """Tokenizer-training text: each task's tool-calling conversation, `copies` times, rendered with `template`
+    (default TRL's Qwen3) and `tools`; the episode `(tool_name, arguments, reply[, final])` is picked at random from
+    `episodes_fn(task)` or drawn by `episode_fn(task, rng)`."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     if (episode_fn is None) == (episodes_fn is None):
@@ -92,11 +85,9 @@ def render_corpus(tasks: Sequence[dict[str, Any]], tools: Sequence[Callable | di
 
 def build_tokenizer(corpus: list[str], vocab_size: int = 640, isolate: Sequence[str] = (),
                     special: Sequence[str] = (), template: str | None = None):
-    """A byte-level BPE tokenizer trained on `corpus` (deterministic), as a Qwen3-style `PreTrainedTokenizerFast`: at
-    most `vocab_size` entries (640: the smallest at which every demo target word and JSON key is one token once the
-    tool preamble took its merges), `EOS_TOKEN`, `PAD_TOKEN`, no BOS, left padding, `template` (default TRL's Qwen3).
-    `isolate`: words cut out as pre-tokens of their own (the look task's, so a word is one token in `look()`'s
-    sentence and in the answer alike); `special`: more special tokens (a vision-language model's image markers)."""
+    """A deterministic byte-level BPE tokenizer trained on `corpus`, Qwen3-style: at most `vocab_size` entries (640:
+    the least that keeps every demo target word and JSON key one token), no BOS, left padding, `template` (default
+    TRL's Qwen3). `isolate`: words that are pre-tokens of their own; `special`: more special tokens (image markers)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -110,8 +101,7 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 640, isolate: Sequence[
     pieces = [piece for text in corpus for piece in splitter.split(text) if piece]
 
     bpe = Tokenizer(models.BPE())
-    # A quoted identifier is one token wherever it stands; other text merges across spaces, which shrinks the
-    # ~700-character tool preamble of every prompt (~185 tokens with word splitting, ~60 here: steps ~3x cheaper).
+    # A quoted identifier is one token anywhere; other text merges across spaces (tool preamble: ~60 tokens, not 185).
     patterns = [QUOTED_WORD_PATTERN, *([rf"\b(?:{'|'.join(map(re.escape, isolate))})\b"] if isolate else [])]
     splits = [pre_tokenizers.Split(pattern=Regex(p), behavior="isolated") for p in patterns]
     bpe.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False,
@@ -153,8 +143,7 @@ def _random_model(model_class: Any, config: Any, seed: int, eos_id: int, pad_id:
     return model
 
 
-#: The saved tiny model's context: room for another environment's prompt, tools and a few turns (rotary positions cost
-#: no parameters).
+#: The saved tiny model's context: room for another environment's prompt, tools and a few turns (costs no parameters).
 SAVED_POSITIONS = 2048
 
 #: The tool the saved tiny model's tokenizer was trained with (the demo's echo task: the format, not the task).
@@ -180,10 +169,7 @@ def save(model: Any, tokenizer: Any, path: str | Any) -> str:
 
 
 def save_tiny_model(path: str | Any = "tiny-model", *, seed: int = 0) -> str:
-    """Build the demo's tiny Qwen3 and its tokenizer, untrained, and save them to the folder `path` (nothing is
-    downloaded); returns `path`. The tokenizer is trained on the demo's echo conversations (any text still encodes:
-    it is byte-level), the template is TRL's Qwen3 one (so `GRPOTrainer` parses its tool calls), the context
-    `SAVED_POSITIONS` tokens."""
+    """`ors_trl.demo.save_tiny_model`: the tokenizer learns the echo conversations (byte-level: any text encodes)."""
     from . import _task
 
     corpus = render_corpus(_task.train_tasks(), [_ECHO_SCHEMA], _task.prompt, episodes_fn=_task.warm_start_episodes,

@@ -1,10 +1,8 @@
 """The demo's training recipe: a supervised warm start, the GRPO configuration that learns, and the evaluation.
 
-The warm start and the evaluation build the token ids GRPO samples and trains on: the prompt rendered with TRL's
-training variant of Qwen3's template (`Rendering.for_training`), then call, tool suffix and final message joined at
-the token level as TRL's tool loop joins them (`tests/test_turns.py`); a re-render would differ (the training template
-renders an empty `<think>` block in the tool-call turn, which the model never generated). A system turn is shown as
-the trainer shows it: joined to the user text (`environment_factory`), a system message (`spec.rollout_func`).
+The warm start builds the token ids GRPO trains on: the prompt rendered with TRL's training template
+(`Rendering.for_training`), then call, tool suffix and final message joined at the token level as TRL's tool loop
+joins them (a re-render would differ: an empty `<think>` block the model never generated).
 """
 
 from __future__ import annotations
@@ -52,11 +50,9 @@ def warm_start(model: Any, tokenizer: Any, tasks: Sequence[dict[str, Any]], seed
                episodes_fn: Callable[[dict[str, Any]], Sequence[tuple[Any, ...]]], steps: int = 80,
                batch_size: int = 36, learning_rate: float = 3e-3, warmup_steps: int = 5,
                weight_decay: float = 0.0) -> None:
-    """Teach the tool-call *format*, not the answer: a short supervised loop (assistant-only loss) over full rollouts,
-    `prompt_fn(task)` then each of `episodes_fn(task)` (`(tool_name, arguments, reply[, final])`, one per allowed
-    answer). A batch holds *all* of a task's episodes, so the loss is least for a call whose argument is uniform over
-    the allowed values whatever the prompt says (one random episode per example has the same optimum, but its label
-    noise made the model much slower to learn the prompt afterwards)."""
+    """Teach the tool-call *format*, not the answer: a supervised loop (assistant-only loss) over `prompt_fn(task)`
+    then each of `episodes_fn(task)`, one per allowed answer. A batch holds all of a task's episodes (less label noise
+    than one random episode each), so the loss is least for a call uniform over the answers, whatever the prompt."""
     import torch
     from torch.nn.utils.rnn import pad_sequence
 
@@ -158,11 +154,9 @@ LOOK_RECIPE: dict[str, Any] = {
 
 def evaluate_policy(model: Any, tokenizer: Any, spec: Any, *, flatten_system: bool, look_tool: str | None = None,
                     output: str | None = None, repeats: int = 1, temperature: float = 0.0) -> dict[str, Any]:
-    """Roll the model out `repeats` times per task of `spec` (`spec.evaluate`) as GRPO plays it: greedy unless
-    `temperature`, the trainer's template, 32 new tokens a turn, 2 turns; `flatten_system` is `flatten_prompt=`.
-    `tool_call_rate` counts episodes with a call, `mean_reward` unscored ones as 0. With `look_tool`: `look_rate`
-    (called it before answering), `answered_rate` (graded by the terminal tool), `follow_rate` (answered what the
-    tool showed), `no_look_success` (of the episodes that did not look; None without one)."""
+    """Roll the model out `repeats` times per task of `spec` as GRPO plays it (greedy unless `temperature`, 32 new
+    tokens a turn, 2 turns); `mean_reward` counts unscored as 0. With `look_tool`: `look_rate`, `answered_rate` (graded
+    by the terminal tool), `follow_rate` (answered what it showed), `no_look_success` (None: every episode looked)."""
     from ors_trl import LocalPolicy
 
     was_training = model.training

@@ -1,11 +1,8 @@
-"""The demo's tasks as pure Python (no `openreward` import), over the closed vocabulary `TARGETS` (six words, each
-one token for the demo's tokenizer); `_environments` serves them.
+"""The demo's tasks as pure Python over `TARGETS` (six words, one token each); `_environments` serves them.
 
-**look** (the default): a word is hidden, the conversation (rules as a system turn, a short question) is the same
-whatever the word, and only the `look()` tool's output names it; the plain final message is graded (`grade`). Held-out
-tasks phrase `look()`'s answer in unseen ways; the `blind` split (`look()` names a decoy) is the shortcut control.
-**echo** (`--task echo`): the prompt quotes a word and the model must call `echo(text=...)` with it: a six-way choice
-read from the prompt (free-form copying is beyond a ~0.5M model on CPU); held-out tasks use unseen phrasings.
+**look** (the default): a hidden word only the `look()` tool's output names (the conversation is the same whatever the
+word); the final message is graded (`grade`). Held-out tasks phrase `look()`'s answer in unseen ways; in `blind` it
+names a decoy (the shortcut control). **echo**: call `echo(text=...)` with the word the prompt quotes.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ TOOL_NAME = "echo"
 # Short, common and distinct, so each one becomes a single BPE token.
 TARGETS: tuple[str, ...] = ("apple", "river", "stone", "cloud", "tiger", "piano")
 
-# Disjoint train and held-out phrasings ("{t}": the target), the held-out ones new sentences of the training words:
-# they test reading the target in unseen wording, not robustness to unseen symbols.
+# Disjoint train and held-out phrasings ("{t}": the target): new sentences of the training words, no unseen symbols.
 TRAIN_TEMPLATES: tuple[str, ...] = (
     'Echo the word "{t}".', 'Please echo "{t}" back.', 'The target is "{t}". Echo it.', '"{t}" is the word to echo.',
     'Send "{t}" to the echo tool.', 'Call echo with "{t}".', 'Use the echo tool on "{t}".',
@@ -35,9 +31,8 @@ TRAIN_FILLERS: tuple[str, ...] = ("", "Hello.", "Task ready.", "Here is a job.",
                                   "Next task.", "Please help.")
 HELDOUT_FILLERS: tuple[str, ...] = ("Here is one.", "Quick job.", "Hello. Task ready.")
 
-# The tool replies with the echo, right or wrong: only the reward tells. (A "Correct"/"Wrong" reply let the model tell
-# failed rollouts apart in its post-tool turn, GRPO pushed it off its closing message there, and the tool-call format
-# collapsed after.)
+# The tool replies with the echo, right or wrong: only the reward tells (a "Correct"/"Wrong" reply let GRPO push failed
+# rollouts off their closing message, and the tool-call format collapsed after).
 REPLY_INVALID = "Invalid call: pass the word as text."
 
 
@@ -90,8 +85,7 @@ ANSWER_DESCRIPTION = "The model's final message: the hidden word."
 
 LOOK_SYSTEM = ("You play a hidden word game. The hidden word is one of: " + ", ".join(TARGETS) + ". "
                "Call the look tool to see it, then reply with the word alone.")
-# The user turn. Held-out tasks ask the same questions (unseen ones made GRPO break the call format on them in some
-# seeds: a test of a new prompt, not of reading the tool); only look()'s wording is held out.
+# The user turn. Held-out tasks ask the same questions (unseen ones broke the call format in some seeds).
 LOOK_QUESTIONS: tuple[str, ...] = ("Which word is hidden?", "Find the hidden word.", "What is the word?",
                                    "Play one round.")
 
@@ -107,9 +101,8 @@ LOOK_HELDOUT_REPLIES: tuple[str, ...] = ("The card under the cup says {w}.", "{w
 
 def look_tasks(split: str) -> list[dict[str, Any]]:
     """A split's tasks (`train`, `test`: held-out phrasings, `blind`, or a pool): `{"id", "word", "shown", "question",
-    "reply"}`, `word` hidden, `shown` what `look()`'s `reply` names. In `blind` it names a decoy: every (question,
-    sentence) occurs once with each hidden word, so any policy scores exactly 1/6 unless it learns the word elsewhere.
-    """
+    "reply"}`, `shown` what `look()`'s `reply` names. In `blind` it names a decoy, every (question, sentence) once with
+    each hidden word: any policy scores exactly 1/6 unless it learns the word elsewhere."""
     if split in ("train", "test"):
         seed, replies = (2, LOOK_TRAIN_REPLIES) if split == "train" else (3, LOOK_HELDOUT_REPLIES)
         tasks = [{"word": w, "shown": w, "question": q, "reply": r.format(w=w)}
@@ -125,9 +118,8 @@ def look_tasks(split: str) -> list[dict[str, Any]]:
     return [{"id": f"look-{split}-{i:03d}", **task} for i, task in enumerate(tasks)]
 
 
-# Pools of mixed difficulty (`--pool`, benchmarks/bench_task_selection.py), all one conversation: a policy cannot tell
-# the kinds apart. `look`: the look task's; `free`: any answer scores 1.0, `locked`: none does (groups of either have
-# no reward spread: sessions spent, nothing learned); `coin`: `look()` shows nothing and three words of six win.
+# Pools of mixed difficulty (`--pool`, bench_task_selection.py), one conversation for all kinds: `look`: the look task;
+# `free`: any answer scores 1.0, `locked`: none does (no reward spread); `coin`: `look()` shows nothing, 3 words win.
 POOL_KINDS: tuple[str, ...] = ("look", "free", "locked", "coin")
 #: Split -> (kinds, tasks of each): `sparse` is like most real environments (most tasks solved or beyond reach).
 POOLS: dict[str, tuple[tuple[str, ...], int]] = {"mixed": (("look", "free", "locked"), 40),

@@ -1,8 +1,6 @@
-"""Static task selection: keep the tasks whose known mean reward lies in a range (`OpenRewardSpec(difficulty=...)`).
-
-A task's mean is known from an `ors-trl eval --output` file, an episode log, a `{task_index: mean reward}` mapping,
-or the OpenReward platform's rollouts of a catalog environment (`PlatformDifficulty`). Unscored episodes are left out
-of a mean (an unscored rollout is no failure); tasks with no data are kept.
+"""Static task selection: keep the tasks whose known mean reward lies in a range (`OpenRewardSpec(difficulty=...)`),
+known from an `ors-trl eval --output` file, an episode log, a `{task_index: mean}` mapping or the OpenReward platform
+(`PlatformDifficulty`). Unscored episodes are left out of a mean; tasks with no data are kept.
 """
 
 from __future__ import annotations

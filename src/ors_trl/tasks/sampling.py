@@ -1,6 +1,5 @@
-"""Choosing tasks as training goes: the samplers (seeded; their state goes into checkpoints), and the `Curriculum`
-that feeds one environment's sampler the rewards of its training episodes, one group per task. GRPO learns only from
-groups whose rewards differ, so `AdaptiveSampler` draws where groups disagree.
+"""Choosing tasks as training goes: the seeded samplers (their state goes into checkpoints), and the `Curriculum` that
+feeds one environment's sampler its episodes' rewards, a group per task (`AdaptiveSampler` draws where they differ).
 """
 
 from __future__ import annotations
@@ -65,34 +64,28 @@ class TaskSampler(Protocol):
         ...
 
 
-class _Pool:
-    """A set with O(1) add, remove and uniform choice."""
+class _Pool(dict[int, int]):
+    """A set with O(1) add, remove and uniform choice: each item maps to its position in `order`."""
 
     def __init__(self) -> None:
-        self.items: list[int] = []
-        self.where: dict[int, int] = {}
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __contains__(self, item: int) -> bool:
-        return item in self.where
+        super().__init__()
+        self.order: list[int] = []
 
     def add(self, item: int) -> None:
-        if item not in self.where:
-            self.where[item] = len(self.items)
-            self.items.append(item)
+        if item not in self:
+            self[item] = len(self.order)
+            self.order.append(item)
 
     def discard(self, item: int) -> None:
-        pos = self.where.pop(item, None)
+        pos = self.pop(item, None)
         if pos is not None:
-            last = self.items.pop()
-            if pos < len(self.items):
-                self.items[pos] = last
-                self.where[last] = pos
+            last = self.order.pop()
+            if pos < len(self.order):
+                self.order[pos] = last
+                self[last] = pos
 
     def choice(self, rng: random.Random) -> int:
-        return self.items[rng.randrange(len(self.items))]
+        return self.order[rng.randrange(len(self.order))]
 
 
 def rng_state(rng: random.Random) -> list[Any]:
@@ -341,8 +334,8 @@ class AdaptiveSampler(_Sampler):
         """Tasks per pool: `unseen` (never scored), `mixed`, `solved`, `unsolved`."""
         sizes = dict.fromkeys(("unseen", "mixed", "solved", "unsolved"), 0)
         for name, pool in self._pools.items():
-            sizes["unseen" if name in ("fresh", "unscored") else name.removeprefix(SPREAD).rstrip("0123456789")] += (
-                len(pool))
+            kind = "unseen" if name in ("fresh", "unscored") else name.removeprefix(SPREAD).rstrip("0123456789")
+            sizes[kind] += len(pool)
         return sizes
 
     def pass_rate(self, task: int) -> float | None:
@@ -364,7 +357,7 @@ class AdaptiveSampler(_Sampler):
                 "drawn": {str(t): n for t, n in self._drawn.items()},
                 "streak": {str(t): n for t, n in self._streak.items()}, "next": self._next,
                 "spread": sorted(self._spread),
-                "pools": {name: list(pool.items) for name, pool in self._pools.items()}}
+                "pools": {name: list(pool.order) for name, pool in self._pools.items()}}
 
     def _load(self, state: dict[str, Any]) -> None:
         self._history = {int(t): deque(([float(r) for r in g] for g in groups), maxlen=self.window)
@@ -392,11 +385,9 @@ def make_sampler(task_sampling: Any, *, seed: int = 0, success_threshold: float 
 
 
 class Curriculum:
-    """One environment's sampler, and what its training episodes (observed as the runtime counts them, from any
-    thread) told it since the last update; `draw()` applies that first unless `synced` (several processes:
-    `ors_trl.trl.callbacks` applies what all observed at each step's end, so all draw alike). `mirror`: a file the
-    copy in TRL's async rollout worker writes its state and metrics to (every `MIRROR_EVERY` s at most).
-    """
+    """One environment's sampler, and what its training episodes told it since the last update; `draw()` applies that
+    first unless `synced` (several processes: `ors_trl.trl.callbacks` applies what all observed at each step's end).
+    `mirror`: a file the copy in TRL's async rollout worker writes its state and metrics to (each `MIRROR_EVERY` s)."""
 
     MIRROR_EVERY = 1.0
 

@@ -20,9 +20,8 @@ __all__ = ["EXTRA_COLUMN", "MAX_FIELD_DEPTH", "MAX_TASK_COLUMNS", "MAX_WHOLE_SPL
 
 logger = logging.getLogger("ors_trl")
 
-#: Names TRL passes as keywords itself (to every reward function, with every other row column) or reads from a row
-#: (`prompt`, `image(s)`, the routing column `environment`), as verified for `ors_trl.trl.backend.VERIFIED`
-#: (tests/test_architecture.py reads them out of the installed TRL's source).
+#: Names TRL passes to every reward function itself or reads from a row (`prompt`, `image(s)`, `environment`), as
+#: verified for `ors_trl.trl.backend.VERIFIED` (tests/test_architecture.py reads them out of TRL's source).
 TRL_KEYWORDS = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
                           "environments", "prompt", "completion", "image", "images", "environment"})
 #: Names a task field may not keep as its column (it becomes `task_<name>`): `TRL_KEYWORDS`, ors-trl's own columns
@@ -207,11 +206,9 @@ def _free(name: str, taken: set[str], reserved: frozenset[str]) -> str:
 
 def task_columns(task_specs: Sequence[Any], reserved: frozenset[str] = RESERVED_COLUMNS
                  ) -> tuple[dict[str, list[Any]], list[str]]:
-    """Task fields as dataset columns, and notes on what had to change: it never fails, costs what the tasks hold,
-    and loses nothing. A reserved name becomes `task_<name>`, a NUL in a name U+FFFD; values Arrow cannot hold in
-    one column are JSON text; sparse fields share `EXTRA_COLUMN` (tasks that each carry a different field would make
-    a table of tasks x fields: 6,000 tasks of 69 KB, 36 million cells, +1.9 GB).
-    """
+    """Task fields as dataset columns, and notes on what had to change (never fails, loses nothing): a reserved name
+    becomes `task_<name>`, a NUL in a name U+FFFD; values Arrow cannot hold in one column are JSON text; sparse fields
+    share `EXTRA_COLUMN` (else a tasks x fields table: 6,000 tasks of 69 KB made 36 million cells, +1.9 GB)."""
     notes: list[str] = []
     counts = Counter(k for spec in task_specs if isinstance(spec, Mapping) for k in spec if isinstance(k, str))
     ranked = sorted(counts, key=lambda k: (-counts[k], k))

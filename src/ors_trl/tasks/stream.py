@@ -1,10 +1,6 @@
 """The `train_dataset` of a spec (or mix) with `task_sampling` other than "uniform": an endless stream of task rows,
-each drawn by a sampler as TRL reads it (the trainer's side is `ors_trl.trl.callbacks`).
-
-TRL 1.16 repeats each row `num_generations` times itself, so a row is drawn a batch or two before its group runs,
-once the sampler saw every earlier group's rewards (TRL's shuffle buffer would draw far ahead: `shuffle` is a
-no-op). On resume, the steps already trained read a filler row, then the pending draws are replayed, so a resumed
-run continues the very draws of an uninterrupted one.
+each drawn by a sampler as TRL reads it, a batch or two before its group runs (`shuffle` is a no-op: a buffer would
+draw far ahead). On resume, trained steps read a filler row, then the pending draws are replayed.
 """
 
 from __future__ import annotations
@@ -54,10 +50,9 @@ def _rows(source: DrawSource) -> Iterator[dict[str, Any]]:
 
 
 class DrawSource:
-    """Draws the stream's rows: an environment by weight (a mix; by default its number of tasks), then a task by its
-    curriculum. `where` maps (environment, task) to a row of `rows`; `owners` are the specs by environment (`None`
-    for a lone spec); `on_bind` is called with the source at the first read (the TRL layer finds its trainer there).
-    """
+    """Draws the stream's rows: an environment by weight (by default its number of tasks), then a task by its
+    curriculum. `where`: (environment, task) -> row of `rows`; `owners`: the specs by environment (`None`: a lone
+    spec); `on_bind` is called with the source at the first read (the TRL layer finds its trainer there)."""
 
     def __init__(self, rows: Dataset, where: Mapping[tuple[str | None, int], int], owners: Mapping[str | None, Any],
                  *, weights: list[float] | None = None, seed: int = 0,

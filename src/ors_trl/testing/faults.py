@@ -5,9 +5,8 @@
         Client(proxy.url, ...).num_tasks()
         proxy.count("/num_tasks")                             # 3 requests reached the proxy
 
-Without an upstream it is a misbehaving ORS server of its own (a request no rule matches gets a 404). Raw asyncio
-streams, not a web framework, so that a fault does exactly what a broken network does (a reset, a stream cut
-mid-chunk, a request never answered); every wait is bounded (`max_seconds`) so a forgotten hang ends.
+Without an upstream it is a misbehaving server of its own (an unmatched request gets a 404). Raw asyncio streams, so
+that a fault does exactly what a broken network does (a reset, a stream cut mid-chunk); every wait is bounded.
 """
 
 from __future__ import annotations
@@ -163,8 +162,8 @@ class _Exchange:
 
     async def forward(self, *, cut_after: int | None = None, stall_after: int | None = None,
                       stall_seconds: float = 0.0) -> None:
-        """Relay the upstream answer as a chunked stream; close the connection once `cut_after` body bytes were
-        relayed (mid-chunk), go silent for `stall_seconds` after `stall_after`."""
+        """Relay the upstream answer, chunked; close after `cut_after` body bytes, pause `stall_seconds` after
+        `stall_after`."""
         async with self.upstream() as resp:
             headers = [(k, v) for k, v in resp.headers.items() if k.lower() not in _HOP_BY_HOP]
             await self.start_stream(resp.status, headers, content_type=None)
@@ -185,9 +184,13 @@ class _Exchange:
 
 
 class Fault:
-    """A way of answering a request. Subclasses implement `handle`."""
+    """A way of answering a request (`name`, a class keyword, is what `Seen.fault` records); subclasses `handle`."""
 
     name = "fault"
+
+    def __init_subclass__(cls, name: str = "", **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.name = name or cls.name
 
     async def handle(self, ex: _Exchange) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -196,23 +199,20 @@ class Fault:
         return f"{type(self).__name__}()"
 
 
-class Forward(Fault):
+class Forward(Fault, name="forward"):
     """Pass the request on untouched (the default for unmatched requests when there is an upstream)."""
-
-    name = "forward"
 
     async def handle(self, ex: _Exchange) -> None:
         await ex.forward()
 
 
 @dataclass(repr=False)
-class Status(Fault):
+class Status(Fault, name="status"):
     """Answer with an HTTP status without reaching the server: `Status(503, headers={"Retry-After": "1"})`."""
 
     status: int
     detail: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
-    name = "status"
 
     async def handle(self, ex: _Exchange) -> None:
         detail = self.detail if self.detail is not None else f"injected {self.status}"
@@ -220,35 +220,31 @@ class Status(Fault):
 
 
 @dataclass(repr=False)
-class Reply(Fault):
+class Reply(Fault, name="reply"):
     """Answer with exactly this body (bytes or str), e.g. invalid JSON."""
 
     body: bytes | str
     status: int = 200
     content_type: str = "application/json"
     headers: dict[str, str] = field(default_factory=dict)
-    name = "reply"
 
     async def handle(self, ex: _Exchange) -> None:
         body = self.body.encode() if isinstance(self.body, str) else self.body
         await ex.reply(self.status, body, list(self.headers.items()), content_type=self.content_type)
 
 
-class Reset(Fault):
+class Reset(Fault, name="reset"):
     """Read the request, then reset the connection without answering (the server never sees it)."""
-
-    name = "reset"
 
     async def handle(self, ex: _Exchange) -> None:
         ex.reset()
 
 
 @dataclass(repr=False)
-class Hang(Fault):
+class Hang(Fault, name="hang"):
     """Read the request and never answer (until `max_seconds` or the proxy stops)."""
 
     max_seconds: float = 120.0
-    name = "hang"
 
     async def handle(self, ex: _Exchange) -> None:
         await ex.wait(self.max_seconds)
@@ -256,11 +252,10 @@ class Hang(Fault):
 
 
 @dataclass(repr=False)
-class Delay(Fault):
+class Delay(Fault, name="delay"):
     """Wait `seconds`, then forward: a slow server."""
 
     seconds: float
-    name = "delay"
 
     async def handle(self, ex: _Exchange) -> None:
         await ex.wait(self.seconds)
@@ -268,14 +263,13 @@ class Delay(Fault):
 
 
 @dataclass(repr=False)
-class DropStream(Fault):
+class DropStream(Fault, name="drop"):
     """Forward the request, then close the connection after `after_bytes` bytes of the server's body (mid-chunk).
     With 0, once the server has started answering (so "the tool ran" is deterministic), the client gets the status
     line and headers only (`headers=False`: not even those)."""
 
     after_bytes: int = 0
     headers: bool = True
-    name = "drop"
 
     async def handle(self, ex: _Exchange) -> None:
         if self.after_bytes > 0:
@@ -290,22 +284,19 @@ class DropStream(Fault):
 
 
 @dataclass(repr=False)
-class Stall(Fault):
+class Stall(Fault, name="stall"):
     """Forward, but go silent for `seconds` after `after_bytes` bytes of the body (then carry on)."""
 
     after_bytes: int
     seconds: float
-    name = "stall"
 
     async def handle(self, ex: _Exchange) -> None:
         await ex.forward(stall_after=self.after_bytes, stall_seconds=self.seconds)
 
 
 @dataclass(repr=False)
-class Silent(Hang):
+class Silent(Hang, name="silent"):
     """Answer 200 with event-stream headers, then send nothing at all (not even comments) as `Hang` does."""
-
-    name = "silent"
 
     async def handle(self, ex: _Exchange) -> None:
         await ex.start_stream(200)
@@ -313,13 +304,12 @@ class Silent(Hang):
 
 
 @dataclass(repr=False)
-class Pings(Fault):
+class Pings(Fault, name="pings"):
     """Answer 200, then only `: ping` comments every `interval` s until `max_seconds` (`task_id`: that event first)."""
 
     interval: float = 0.1
     task_id: str | None = None
     max_seconds: float = 120.0
-    name = "pings"
 
     async def handle(self, ex: _Exchange) -> None:
         await ex.start_stream(200)
@@ -330,13 +320,12 @@ class Pings(Fault):
 
 
 @dataclass(repr=False)
-class SSEReply(Fault):
+class SSEReply(Fault, name="sse"):
     """Answer with these SSE `(event, data)` pairs, then "end" (a complete body), "close" or "hang" (silent)."""
 
     events: list[tuple[str, str]]
     then: str = "end"
     status: int = 200
-    name = "sse"
 
     async def handle(self, ex: _Exchange) -> None:
         await ex.start_stream(self.status)
@@ -352,13 +341,12 @@ class SSEReply(Fault):
 
 
 @dataclass(repr=False)
-class Flood(Fault):
+class Flood(Fault, name="flood"):
     """Answer 200 with an endless body (with `sse`, an event that never ends; else JSON-ish bytes) up to `limit`."""
 
     sse: bool = False
     limit: int = 512 * 1024 * 1024
     chunk_size: int = 64 * 1024
-    name = "flood"
 
     async def handle(self, ex: _Exchange) -> None:
         if self.sse:
@@ -372,11 +360,10 @@ class Flood(Fault):
 
 
 @dataclass(repr=False)
-class Raw(Fault):
+class Raw(Fault, name="raw"):
     """Write exactly these bytes as the whole answer (broken HTTP, or not HTTP at all), then close."""
 
     data: bytes
-    name = "raw"
 
     async def handle(self, ex: _Exchange) -> None:
         await ex._write(self.data)
@@ -384,23 +371,21 @@ class Raw(Fault):
 
 
 @dataclass(repr=False)
-class Redirect(Fault):
+class Redirect(Fault, name="redirect"):
     """Answer a redirect to `location` (an absolute URL or a path)."""
 
     location: str
     status: int = 307
-    name = "redirect"
 
     async def handle(self, ex: _Exchange) -> None:
         await ex.reply(self.status, b"", [("Location", self.location)], content_type="")
 
 
 @dataclass(repr=False)
-class EchoHeaders(Fault):
+class EchoHeaders(Fault, name="echo_headers"):
     """Answer `status` with every request header echoed in the error detail (a leaky gateway)."""
 
     status: int = 400
-    name = "echo_headers"
 
     async def handle(self, ex: _Exchange) -> None:
         await Status(self.status, "request headers: " + json.dumps(ex.seen.headers, sort_keys=True)).handle(ex)
@@ -423,8 +408,7 @@ class FaultProxy(_Loopback):
         if max_log < 1:
             raise ValueError(f"max_log must be at least 1, got {max_log}")
         self.upstream = upstream.rstrip("/") if upstream else None
-        self.host = host
-        self.port: int | None = None
+        self.host, self.port = host, None
         self._rules: list[_Rule] = []
         self._log: collections.deque[Seen] = collections.deque(maxlen=max_log)
         self._lock = threading.Lock()
@@ -539,10 +523,9 @@ class FaultProxy(_Loopback):
                 if seen is None:
                     break
                 rule = self._pick(seen)
-                fault: Fault = rule.fault if rule is not None else Forward()
-                if rule is None and self.upstream is None:
-                    fault = Status(404, f"no fault rule for {seen.method} {seen.path}")
-                seen.fault = fault.name if rule is not None else None
+                missing = Status(404, f"no fault rule for {seen.method} {seen.path}")
+                fault = rule.fault if rule else Forward() if self.upstream else missing
+                seen.fault = fault.name if rule else None
                 with self._lock:
                     self._log.append(seen)
                 ex = _Exchange(self, seen, writer)
@@ -567,11 +550,10 @@ class FaultProxy(_Loopback):
 
     def _pick(self, seen: Seen) -> _Rule | None:
         with self._lock:
-            for rule in self._rules:
-                if rule.matches(seen):
-                    rule.used += 1
-                    return rule
-        return None
+            rule = next((rule for rule in self._rules if rule.matches(seen)), None)
+            if rule is not None:
+                rule.used += 1
+        return rule
 
     async def _read_request(self, reader: asyncio.StreamReader) -> Seen | None:
         try:
@@ -580,11 +562,8 @@ class FaultProxy(_Loopback):
             return None
         lines = head.decode("latin-1").split("\r\n")
         method, target, _ = lines[0].split(" ", 2)
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            if ":" in line:
-                name, _, value = line.partition(":")
-                headers[name.strip().lower()] = value.strip()
+        fields = (line.partition(":") for line in lines[1:] if ":" in line)
+        headers = {name.strip().lower(): value.strip() for name, _, value in fields}
         length = int(headers.get("content-length") or 0)
         if length > _MAX_BODY:
             raise ValueError("request body too large")
@@ -605,8 +584,7 @@ class Blackhole(_Loopback):
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind((host, 0))
         self._sock.listen(128)
-        self.host = host
-        self.port = int(self._sock.getsockname()[1])
+        self.host, self.port = host, int(self._sock.getsockname()[1])
 
     def close(self) -> None:
         """Close the port."""

@@ -108,18 +108,13 @@ class _ScaledClock:
 
 
 def install_idle_timeout(seconds: float) -> None:
-    """Make the reference server reap sessions idle for more than `seconds` real seconds (checked every 5 s).
-
-    Its reaper compares `time.monotonic()` differences with 900 s, so its module's `time` becomes a clock scaled by
-    `900 / seconds` (the latencies in the server's request logs are scaled too).
-    """
+    """Make the reference server reap sessions idle for more than `seconds` real seconds (checked every 5 s): its
+    reaper compares `time.monotonic()` differences with 900 s, so its module's clock runs `900 / seconds` faster."""
     if seconds <= 0:
         raise ValueError("idle timeout must be positive")
     import openreward.environments.server as server_module
 
-    real = server_module.time
-    if isinstance(real, _ScaledClock):
-        real = real._real
+    real = getattr(server_module.time, "_real", server_module.time)
     server_module.time = _ScaledClock(real, REFERENCE_IDLE_LIMIT_S / seconds)  # type: ignore[assignment]
 
 
@@ -128,8 +123,7 @@ class _TestRoutes:
 
     def __init__(self, app: Any, server: Any, idle_timeout: float | None) -> None:
         self.app, self.server, self.idle_timeout = app, server, idle_timeout
-        self.pings = self.requests = 0
-        self.peak_sessions = 0  # most sessions alive at once since start (sampled after each /create)
+        self.pings = self.requests = self.peak_sessions = 0  # peak: sessions alive at once, sampled after a /create
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else None
@@ -470,12 +464,10 @@ class ReferenceServer(_Loopback):
     def _wait_ready(self) -> None:
         assert self._proc is not None
         deadline = time.monotonic() + self.startup_timeout
-        while True:
+        while not self._answers():
             code = self._proc.poll()
             if code is not None:
                 raise ServerStartError(f"server exited with code {code} during startup\n{self.log_tail()}")
-            if self._answers():
-                return
             if time.monotonic() >= deadline:
                 raise ServerStartError(f"server did not answer on {self.url} within {self.startup_timeout} s\n"
                                        f"{self.log_tail()}")
