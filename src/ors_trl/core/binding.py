@@ -1,10 +1,8 @@
 """Bind ORS tool specs to real Python functions that TRL's GRPOTrainer can collect, render and call.
 
-TRL lists an adapter's tools with `inspect.getmembers` (skipping `reset`, `get_reward`, `_` names), keys them by
-`__name__`, renders them with `get_json_schema` and calls `method(**arguments)`. Each tool is a generic closure (no
-generated source: a hostile name never runs as code) dressed with what `ors_trl.core.schema` makes. `__name__` is the
-tool's name if a sane display name, the attribute its name if a public unreserved identifier (`reset` ->
-`tool_reset`); else each is sanitized (exact names first, collisions suffixed `_2`...), with a warning.
+Each tool is a generic closure (no generated source: a hostile name never runs as code) dressed with what
+`ors_trl.core.schema` makes. Names that are not sane display names or public unreserved identifiers (`reset` ->
+`tool_reset`) are sanitized (exact names first, collisions suffixed `_2`...), with a warning.
 """
 
 from __future__ import annotations

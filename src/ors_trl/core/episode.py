@@ -173,11 +173,9 @@ class Reply:
         seconds (`float`, *optional*):
             What generating it took.
         reasoning (`str`, *optional*):
-            The reasoning an endpoint returned apart from the content (`reasoning_content`): it stays in the history
-            the policy sees next, as training keeps it.
+            An endpoint's `reasoning_content`: it stays in the history the policy sees next, as training keeps it.
         limit (`str`, *optional*, defaults to `"length"`):
-            Which limit cut a truncated reply: `"length"` (the completion budget) or `"context_length"` (the model's
-            context); it is the episode's end reason.
+            Which limit cut a truncated reply (the end reason): `"length"` (completion budget) or `"context_length"`.
     """
 
     content: str | None = ""
@@ -195,13 +193,10 @@ class Reply:
 
 @dataclass(frozen=True)
 class Rules:
-    """The limits a driver plays its episodes under, and how a failed call reads to the model. `max_replies`: model
-    replies an episode may have (TRL: `max_tool_calling_iterations + 1`; the calls of the last are not run, as no reply
-    would read their results: the episode ends `max_turns`); `max_tool_calls`: tool calls it may make (later ones are
-    refused locally and counted); `error_text`: the text the model reads for a failed call (TRL's `{'error': ...}`);
-    `tool_markup`: the text that opens a tool call in the chat template the replies are parsed with (qwen3:
-    `<tool_call>`), or a pattern of such texts (`ors_trl.evaluation.policies.TOOL_MARKUPS`): a reply without calls
-    whose text holds it is a call the parser missed, its turn marked `unparsed`."""
+    """The limits a driver plays its episodes under. `max_replies`: model replies an episode may have (the last one's
+    calls are not run: it ends `max_turns`); `max_tool_calls`: tool calls it may make (later ones refused);
+    `error_text`: what the model reads for a failed call; `tool_markup`: the text (qwen3: `<tool_call>`) or pattern
+    that opens a tool call: a reply without calls that holds it is marked `unparsed`."""
 
     max_replies: int | None = None
     max_tool_calls: int | None = None
@@ -484,13 +479,11 @@ class Episode:
         self.timings: dict[str, float] = {"generation": 0.0, "tools": 0.0}
         self.started = time.monotonic()
         self.started_at = datetime.now(UTC).isoformat(timespec="seconds")
-        #: The first infrastructure failure of a call (its session lost, the network, the server's 5xx, an answer past
-        #: the protocol; a tool that raised, with `tool_errors="environment"`): the episode is no score (decision 15).
+        #: The first infrastructure failure of a call (session, network, 5xx, protocol): no score (decision 15).
         self.failure: ORSError | None = None
         self._dead = False  # the session is known gone: it is never called again
         self.dropped = False  # its GRPO group trains on none of its episodes (`failed_groups="drop"`): no score
-        #: Token fidelity, where a driver knows it: whether the ids trained on are the ids generated (plus tool tokens),
-        #: how many were generated, how many of those a re-render changed (`masked`), and the training rows.
+        #: Token fidelity, where a driver knows it (`ors_trl.core.records.token_fidelity`).
         self.tokens: dict[str, Any] | None = None
         self._unseen: set[int] = set()  # positions in `rewards` of calls whose results the model never saw
         self._given: float | EllipsisType | None = ...  # a reward given outright (`reward = x`), else the rule's
@@ -890,8 +883,7 @@ class Episode:
     # -- the end -----------------------------------------------------------------------------------
 
     async def end(self, reason: str, message: str | None = None, *, detail: str | None = None) -> None:
-        """The model stopped: a terminal tool grades the final message; the reason is `finished` if the environment
-        said so.
+        """The model stopped: a terminal tool grades the final message (the reason is `finished` if it said so).
 
         Args:
             reason (`str`):

@@ -1,8 +1,6 @@
-"""Normalise a tool's input schema (untrusted JSON Schema from the network) into a small tree of `Node`.
-
-The only code that reads raw schemas: it resolves local `$ref` pointers (a cycle is cut: `recursive Name`), merges
-`allOf`, and bounds all a hostile schema could blow up (see `Budget`); what it cannot represent becomes a note.
-Foreign objects are never `repr()`-ed (`quote` writes JSON). `ors_trl.core.schema` renders the tree.
+"""Normalise a tool's input schema (untrusted JSON Schema) into a small tree of `Node`: the only reader of raw schemas.
+It resolves local `$ref`s (cycles cut), merges `allOf`, bounds all a hostile schema could blow up (`Budget`) and never
+`repr()`s foreign objects (`quote` writes JSON). `ors_trl.core.schema` renders the tree.
 """
 
 from __future__ import annotations
@@ -201,13 +199,9 @@ class _View:
 
 
 class Budget:
-    """What normalising one tool list's input schemas (`received` characters of JSON) may cost; the one account of
-    the bounds (a dozen 2 KB tools with exponentially expanding references once rendered 13.7 MB into every prompt).
-
-    Work: one unit per node, keyword, enum value and alternative; each tool may spend `max_nodes`, the list `work`
-    (received plus expanded characters). A `$ref` expansion copies its target: each tool may copy `EXPANSION_FACTOR`
-    times its own size, the tools together `EXPANSION_FLOOR` more, first come. Past a bound the rest is cut ("…",
-    typed Any) or a reference left unexpanded (typed by its target's top-level type, counted in `refs_cut`).
+    """What normalising one tool list's schemas (`received` characters of JSON) may cost: work units (one per node,
+    keyword, enum value, alternative) and `$ref` expansion (each tool `EXPANSION_FACTOR` times its size, all together
+    `EXPANSION_FLOOR` more). Past a bound the rest is cut ("…", Any) or a reference left unexpanded (`refs_cut`).
     """
 
     def __init__(self, received: int) -> None:

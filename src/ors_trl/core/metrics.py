@@ -1,10 +1,6 @@
-"""What the environment did, measured once: episode statistics and the numbers behind the training logs.
-
-`EpisodeStats` is the one tally of episodes (training metrics, `EvalReport`, the report page), with one definition
-of success: a reward at or above `success_threshold`. Tool-call health is what fails silently: episodes without a
-tool call, unparsed tool-call markup, malformed arguments; an episode that never opened is counted apart
-(`unopened`). `EnvMetrics.flush()` turns the events since the last flush (session-seconds included: what a sandbox
-platform bills) into scalars named `env/<name>/<metric>` (and `env/<metric>` over all environments).
+"""What the environment did, measured once: `EpisodeStats` is the one tally of episodes (one definition of success: a
+reward at or above `success_threshold`; tool-call health, which fails silently); `EnvMetrics.flush()` turns the
+events since the last flush into scalars named `env/<name>/<metric>` (and `env/<metric>` over all environments).
 """
 
 from __future__ import annotations
@@ -216,9 +212,8 @@ def _add(into: Any, other: Any) -> None:
 
 
 class EnvMetrics:
-    """Thread-safe accumulator of what the environments did; one per spec or mix (`spec.metrics`), shared by its
-    adapters and engine. `flush()` turns it into the `env/...` metrics TRL logs. In every method, `env` is the
-    environment's name and `error_kind` the `ORSError.kind` of a failure.
+    """Thread-safe accumulator of what the environments did, one per spec or mix (`spec.metrics`); `flush()` turns it
+    into the `env/...` metrics TRL logs.
 
     Args:
         success_threshold (`float`, *optional*, defaults to `DEFAULT_SUCCESS_THRESHOLD`):

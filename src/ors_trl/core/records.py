@@ -1,11 +1,7 @@
-"""Episode records: the schema (version 3, typed below), the one writer (`episode_log=`, `ors-trl eval --output`)
-and the one reader (`--resume`, `ors-trl report`), which upgrades versions 1 and 2.
-
-Records are appended and flushed at once, from any thread: an interrupted run loses at most its running episodes.
-Images are listed once per record (`images`), referred to by hash, their bytes written once beside the log. A record
-holds untrusted text, so the writer never fails on it nor loses it silently: it writes valid JSON (`jsonable`) or
-counts the record in `dropped`, its reason logged once. The reader skips and counts what is not a record. Nothing
-transport-level (headers, keys) is ever part of a record.
+"""Episode records: the schema (version 3), the one writer (appends and flushes, from any thread; images by hash,
+their bytes once beside the log) and the one reader (upgrades versions 1 and 2). Records hold untrusted text: the
+writer writes valid JSON (`jsonable`) or counts the record in `dropped`; the reader skips and counts what is not a
+record. Nothing transport-level (headers, keys) is ever part of a record.
 """
 
 from __future__ import annotations
@@ -243,11 +239,9 @@ def _text(value: Any) -> str:
 
 
 class RecordWriter:
-    """Append records to a JSON-lines file `path` (created with its parent folders).
-
-    `append=False` truncates it (else a line an interruption cut short is ended first); `max_bytes` stops writing
-    past that size, `max_text` cuts every long text with a visible mark, `max_image_bytes` (None: `max_bytes`) stops
-    writing images into `images_dir` past it. `written` and `dropped` count records (`drop_reasons` says why).
+    """Append records to a JSON-lines file `path`. `append=False` truncates it; `max_bytes` stops writing past that
+    size, `max_text` cuts long texts visibly, `max_image_bytes` (None: `max_bytes`) bounds the images beside it.
+    `written` and `dropped` count records (`drop_reasons` says why).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, append: bool = True, max_bytes: int | None = None,

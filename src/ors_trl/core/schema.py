@@ -1,10 +1,8 @@
 """Render ORS tool input schemas as Python annotations plus one-line parameter and tool descriptions.
 
-TRL shows tools to the model through `transformers.utils.get_json_schema`, which reads only type hints (scalars,
-`list`, `tuple`, `dict[str, T]`, `Literal`, `Union`, `Optional`) and docstrings. Each schema (normalised by
-`ors_trl.core.jsonschema`) becomes the annotation `get_json_schema` turns back into its structure (`hint_schema`
-here), plus a deterministic one-line description of all the annotation cannot carry (nested fields, defaults,
-bounds, patterns, formats, titles, ...), so nothing the environment says is lost.
+TRL shows tools through `get_json_schema`, which reads only type hints and docstrings: each normalised schema becomes
+the annotation it turns back into that structure (`hint_schema`), plus a one-line description of all an annotation
+cannot carry (nested fields, defaults, bounds, patterns, ...), so nothing the environment says is lost.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""How an episode's per-call rewards become its reward (design decision 15), and the returns per turn.
-
-ORS gives a reward on any call; an environment decides what they mean (PortManager's are "meant to be summed",
-TextWorld's are score changes, a corridor's are progress). The user chooses the rule (`OpenRewardSpec(reward=...)`):
-`last` (TRL's convention, the default), `sum`, `max`, `discounted:<gamma>` or a callable. Every reader of a reward
-(training on every path, `evaluate`, pass@k, the report, task sampling) reads `Episode.reward`, which applies it.
+"""How an episode's per-call rewards become its reward (design decision 15), and the returns per turn: the user
+chooses the rule (`OpenRewardSpec(reward=...)`: `last`, the default, `sum`, `max`, `discounted:<gamma>` or a
+callable); every reader of a reward reads `Episode.reward`, which applies it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Statistics over tasks: the unbiased pass@k, an interval for pass@1, and a paired test between two runs.
-
-A task whose n episodes had c successes (`EpisodeStats`' one definition) has pass@k = 1 - C(n-c, k) / C(n, k) (Chen
-et al., 2021): the chance that one of k of its episodes, drawn without replacement, succeeded; over tasks, the mean.
-The interval and the test treat the tasks as the sample (episodes of one task are not independent draws).
+"""Statistics over tasks: the unbiased pass@k (1 - C(n-c, k) / C(n, k), Chen et al., 2021; over tasks, the mean),
+an interval for pass@1 and a paired test between two runs, both with tasks as the sample.
 """
 
 from __future__ import annotations
