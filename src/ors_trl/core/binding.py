@@ -44,8 +44,7 @@ UNSET: Any = type("_Unset", (), {"__slots__": (), "__repr__": lambda _: "<unset>
 
 @dataclass(eq=False)
 class BoundTool:
-    """One bound tool: its attribute on the class, the `name` the model sees, the remote name, and how a call's
-    arguments become the remote tool's (`named`, `arguments`)."""
+    """One bound tool: its attribute, the `name` the model sees, the remote name, and its argument mapping."""
 
     attribute: str
     name: str
@@ -69,8 +68,7 @@ class BoundTool:
         return out
 
     def arguments(self, kwargs: dict) -> dict[str, Any]:
-        """Named arguments (Python or wire names; unknown ones unchanged) as wire arguments, without those left at
-        `UNSET`; missing arguments and values are the environment's to check."""
+        """Named arguments (Python or wire names) as wire arguments, without those left at `UNSET`."""
         out: dict[str, Any] = {}
         for key, value in kwargs.items():
             if value is UNSET:
@@ -223,8 +221,7 @@ def bind_tools(
 
 def _build_function(bound: BoundTool, asynchronous: bool, module: str | None, qualname_prefix: str | None
                     ) -> FunctionType:
-    """A fresh generic closure (the receiver positional-only, so any argument name, even `self`, fits kwargs) that
-    hands the adapter the call as the model made it, for `Toolset.route`."""
+    """A generic closure (receiver positional-only: any argument name fits) handing the adapter the call."""
     display, named, info = bound.name, bound.named, bound.info
     if asynchronous:
 
@@ -276,8 +273,7 @@ class Toolset:
         return [bound.schema() for bound in self.binding.tools.values()]
 
     def route(self, name: str, arguments: Any) -> tuple[str, dict[str, Any]]:
-        """The remote tool name and wire arguments of a model's call; `ToolRefusedError` (`not_found`,
-        `input_validation`) with the message TRL's loop shows for the same call."""
+        """The remote name and wire arguments of a call, else `ToolRefusedError` with TRL's message for it."""
         bound = self.by_name.get(name)
         if bound is None:
             raise ToolRefusedError(f"Tool {name} not found.", tool=name, reason="not_found")

@@ -136,8 +136,7 @@ class Prompt:
         return self.content(images=False)  # type: ignore[return-value]
 
     def content(self, *, images: bool | None = None) -> Content:
-        """`flat`, with its images as image parts (`images`, default the prompt's own): what TRL's `reset()` hands
-        the model."""
+        """`flat`, with its images as image parts (`images`, default the prompt's own)."""
         return _merge([*((self.system, "\n\n") if self.system else ()), *self._turns(self.images if images is None
                                                                                      else images)])
 

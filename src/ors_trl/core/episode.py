@@ -126,8 +126,7 @@ def _arguments(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One tool call as the model wrote it: the name it saw, its arguments (an object, or whatever it wrote), the id
-    a generator gave it and its type (only `function` calls run)."""
+    """One tool call as the model wrote it: the name it saw, its arguments, its id and its type."""
 
     name: str
     arguments: Any = None
@@ -308,8 +307,7 @@ class EnvironmentRuntime:
 
     def episode(self, task: Task, *, source: str, rules: Rules, metrics: bool = True,
                 writer: RecordWriter | None = None, uploads: Any = None, **info: Any) -> Episode:
-        """A new, not yet opened episode of `task` played under `rules`, tracked until it is closed; `writer` and
-        `uploads` (a `RolloutUploader`; False: none) receive its record instead of the runtime's own."""
+        """A new, unopened, tracked episode of `task`; `writer` and `uploads` (False: none) replace the runtime's."""
         if self.max_tool_calls is not None and rules.max_tool_calls is None:
             rules = dataclasses.replace(rules, max_tool_calls=self.max_tool_calls)
         apart = source == MANUAL or not metrics  # counted in metrics of its own (see MANUAL), or nowhere
@@ -412,8 +410,7 @@ NEW, OPENING, OPEN, ENDED, CLOSED = "new", "opening", "open", "ended", "closed"
 
 
 class Episode:
-    """One rollout of one task (from `adapter.episode`, `rollout_func.last_episodes`); made by
-    `EnvironmentRuntime.episode`, its coroutines run on one loop.
+    """One rollout of one task (`adapter.episode`, `rollout_func.last_episodes`); its coroutines run on one loop.
 
     Args:
         env (`EnvironmentRuntime`):
@@ -445,9 +442,9 @@ class Episode:
         finished (`bool`):
             `True` once the environment said the episode is over (the model may still reply).
         tool_calls (`int`):
-            The model's tool calls; `tool_failures` how many of them failed or were refused.
+            The model's tool calls; `tool_failures` how many failed or were refused.
         turns (`list[TurnRecord]`):
-            The record of each model reply; `final` the final plain message and its terminal grade.
+            Each model reply's record; `final` the final plain message and its terminal grade.
         error (`dict[str, Any]` or `None`):
             Why the episode failed outside a tool call (`{"kind", "message"}`).
         end_reason (`str` or `None`):
@@ -728,8 +725,7 @@ class Episode:
         shown, text = self._shown(result.blocks)
         entry.update(status="ok", output=text, reward=result.reward, finished=result.finished,
                      metadata=result.metadata, seconds=round(elapsed, 4))
-        images = [self._keep(b) for b in image_blocks(result.blocks)]
-        if images:
+        if images := [self._keep(b) for b in image_blocks(result.blocks)]:
             entry["images"] = images
         self._scored(result)
         self._metrics._record_call(self.env.name, elapsed, None)
@@ -738,8 +734,7 @@ class Episode:
     def _shown(self, blocks: list[Block]) -> tuple[Content, str]:
         """What the model reads of a tool's output, each text cut to `max_output_chars`, and the text of it."""
         limit, images = self.env.max_output_chars, self.env.pass_images
-        text = cut(content(blocks, images=images, view=True), limit, "output")  # type: ignore[arg-type]
-        text = text or "(no output)"
+        text = cut(content(blocks, images=images, view=True), limit, "output") or "(no output)"  # type: ignore[arg-type]
         shown = content(blocks, images=images)
         if isinstance(shown, str):
             return text, text
@@ -948,8 +943,7 @@ class Episode:
 
     @property
     def unscored(self) -> str | None:
-        """Why the episode has no reward (timeout, dropped, error, cut_off: a terminal tool got no answer, no_reward);
-        None when it was scored."""
+        """Why the episode has no reward (timeout, dropped, error, cut_off, no_reward); None when it was scored."""
         if self.end_reason == "timeout":
             return "timeout"
         if self.dropped:
@@ -975,8 +969,7 @@ class Episode:
         self._bill()
 
     def adopt(self) -> None:
-        """A manual episode (`MANUAL`) a reward function read becomes a training one: its counts join the
-        environment's metrics and its outcome teaches task sampling."""
+        """A manual episode (`MANUAL`) a reward function read becomes a training one, counted and heard as such."""
         if self.source != MANUAL:
             return
         self.env.metrics._absorb(self._metrics)
@@ -1081,8 +1074,7 @@ def _groups(episodes: Iterable[Episode]) -> list[list[Episode]]:
 
 
 async def score_groups(episodes: Sequence[Episode]) -> None:
-    """Send each GRPO group to `/score_group` once, all concurrently, and set each episode's `group_reward`; a group
-    whose scoring fails keeps None, is counted and logged."""
+    """Score each GRPO group once via `/score_group`, concurrently; a failed group keeps None, counted and logged."""
 
     async def score(group: list[Episode]) -> None:
         env = group[0].env

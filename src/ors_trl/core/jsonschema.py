@@ -68,8 +68,7 @@ def as_text(value: Any) -> str:
 
 
 def quote(value: Any, limit: int | None = _SNIPPET) -> str:
-    """Compact JSON for a value quoted in a description, cut to `limit` characters (the work bounded by it too), on
-    one line (line breaks escaped); objects that are not JSON are shown as `<type>`."""
+    """Compact one-line JSON of a value, cut (with the work) to `limit` characters; non-JSON objects as `<type>`."""
     budget = _MAX_TEXT * 10 if limit is None else limit + 1
 
     def scalar(item: Any) -> str:
@@ -212,8 +211,7 @@ class Budget:
 
 
 class Normaliser:
-    """Normalises one tool's schemas against `root` (what `$ref` resolves against) within `max_nodes` work units
-    and the tool list's `budget` (default: this schema's own), collecting its notes."""
+    """Normalises one tool's schemas against `root` within `max_nodes` work units and the list's `budget`."""
 
     def __init__(self, root: Any, max_nodes: int, budget: Budget | None = None) -> None:
         self.root = root

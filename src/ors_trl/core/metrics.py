@@ -39,8 +39,7 @@ def _number(value: Any) -> float | None:
 
 
 def tool_health(turns: Any) -> tuple[int, int]:
-    """Of a record's turns: how many held tool-call markup that parsed to no call (`unparsed`), and how many calls
-    were refused for malformed arguments."""
+    """Of a record's turns: how many held unparsed tool-call markup, and how many calls had malformed arguments."""
     unparsed = malformed = 0
     for turn in turns if isinstance(turns, list) else ():
         if isinstance(turn, dict):
@@ -242,8 +241,7 @@ class EnvMetrics:
             latency.append(seconds)
 
     def _set_open_sessions_gauge(self, owner: int, name: Callable[[], str], gauge: Callable[[], int]) -> None:
-        """Report `gauge()` as `env/<name()>/sessions_open` at every flush (the name read then: an environment's is
-        known once its server said it)."""
+        """Report `gauge()` as `env/<name()>/sessions_open` at every flush (the name read then)."""
         self._gauges[owner] = (name, gauge)
 
     def _record_open(self, env: str, seconds: float | None, error_kind: str | None = None) -> None:
@@ -259,8 +257,7 @@ class EnvMetrics:
 
     def _record_call(self, env: str, seconds: float | None, error_kind: str | None = None, *,
                      terminal: bool = False) -> None:
-        """One tool call of the model (`seconds` None: refused before it reached the environment), or the harness's
-        call of the hidden terminal tool, counted apart."""
+        """One tool call (`seconds` None: refused before it was sent), or the hidden terminal tool's, apart."""
         with self._lock:
             w = self._windows[env]
             if terminal:
@@ -274,8 +271,7 @@ class EnvMetrics:
     def _record_episode(self, env: str, *, reward: float | None, finished: bool, calls: int,
                         unscored: str | None = None, turns: Any = (), opened: bool = True,
                         tokens: Mapping[str, Any] | None = None) -> None:
-        """One finished episode: `calls` the model's tool calls, `turns` its turn records (see `EpisodeStats.add`),
-        `tokens` its token fidelity (`Episode.tokens`)."""
+        """One finished episode: its reward, calls, turn records and token fidelity (`Episode.tokens`)."""
         unparsed, malformed = tool_health(turns)
         with self._lock:
             w = self._windows[env]

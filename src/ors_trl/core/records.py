@@ -78,8 +78,7 @@ class CallRecord(TypedDict, total=False):
 
 
 class TurnRecord(TypedDict, total=False):
-    """One model reply and its calls, in order; drivers add `raw`, `usage` and `generation_seconds` where they have
-    them."""
+    """One model reply and its calls, in order; drivers add `raw`, `usage` and `generation_seconds`."""
 
     index: int
     assistant: str | None  # its visible text (None when nothing was parsed)
@@ -335,8 +334,7 @@ class RecordWriter:
 
 
 def parse_line(line: str | bytes) -> tuple[Any, str | None]:
-    """One JSON line as `(value, None)`, or `(None, why)` (never quoting the line); invalid UTF-8 is replaced, lone
-    surrogates written as escapes repaired."""
+    """One JSON line as `(value, None)`, or `(None, why)` (never quoting it); lone surrogates repaired."""
     text = line.decode("utf-8", "replace") if isinstance(line, bytes) else line
     try:
         value = json.loads(text)
@@ -348,8 +346,7 @@ def parse_line(line: str | bytes) -> tuple[Any, str | None]:
 
 
 def read_records(path: str | os.PathLike[str], skipped: Counter[str] | None = None) -> Iterator[dict[str, Any]]:
-    """The records of a JSON-lines file, in order; lines that are not JSON objects are skipped, with one warning,
-    and counted by reason in `skipped`."""
+    """The records of a JSON-lines file, in order; lines that are not records are skipped, counted in `skipped`."""
     p = Path(path)
     if not p.exists():
         return

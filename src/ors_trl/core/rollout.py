@@ -26,8 +26,7 @@ AUTO_WINDOW = 0.05
 
 
 class Conversation:
-    """One episode as a generator sees it: its chat `messages` so far, the tools' schemas, and `state`, the
-    generator's own view of it."""
+    """One episode as a generator sees it: its chat `messages`, the tools' schemas, and the generator's `state`."""
 
     __slots__ = ("episode", "messages", "state", "tools")
 
@@ -201,8 +200,7 @@ class Batcher:
                         self._queue.remove(request)
 
     def take(self, stop: Callable[[], bool] = lambda: False) -> list[_Request]:
-        """Block until a batch is ready (no member left that may ask, or the window gone); `[]` once `stop()` holds
-        with nothing waiting."""
+        """Block until a batch is ready; `[]` once `stop()` holds with nothing waiting."""
         with self._cond:
             while True:
                 self._queue = [r for r in self._queue if not r.future.done()]

@@ -38,8 +38,7 @@ def pass_at_ks(counts: Iterable[tuple[int, int]]) -> dict[int, float]:
 
 
 def pass_over_tasks(tasks: Collection[Any]) -> tuple[dict[int, float], tuple[float, float] | None]:
-    """pass@k over tasks (each an `EpisodeStats`: its `episodes` and `successes`, see `pass_at_ks`) and the 95%
-    interval of pass@1 over them (`wilson`; `None` for no task)."""
+    """pass@k over tasks (each an `EpisodeStats`) and the 95% interval of pass@1 (`wilson`; None for no task)."""
     passed = pass_at_ks((t.episodes, t.successes) for t in tasks)
     return passed, (wilson(passed[1], len(tasks)) if passed else None)
 
@@ -77,8 +76,7 @@ def paired_test(differences: Sequence[float]) -> tuple[float, str]:
 
 
 def check_threshold(threshold: float, rewards: Iterable[float | None]) -> None:
-    """Refuse a success threshold outside the rewards seen: every episode would succeed, or none could, whatever it
-    did. Nothing to check when nothing was scored."""
+    """Refuse a success threshold outside the rewards seen (every episode, or none, would succeed)."""
     scored = [r for r in rewards if r is not None and math.isfinite(r)]
     if scored and not min(scored) <= threshold <= max(scored):
         raise ConfigurationError(
@@ -90,8 +88,7 @@ def check_threshold(threshold: float, rewards: Iterable[float | None]) -> None:
 def by_task(episodes: Iterable[tuple[Any, Any]], success_threshold: float,
             count: Callable[[EpisodeStats, Any], None] = EpisodeStats.add_record
             ) -> tuple[EpisodeStats, dict[Any, EpisodeStats], dict[int, float], tuple[float, float] | None]:
-    """`(task, episode)` pairs counted overall and per task (`count`: a record by default), then `pass_over_tasks`:
-    what an evaluation reports, after training or during it."""
+    """`(task, episode)` pairs counted overall and per task (`count`), then `pass_over_tasks`: an eval's report."""
     stats = EpisodeStats(success_threshold)
     tasks: dict[Any, EpisodeStats] = {}
     for task, episode in episodes:
