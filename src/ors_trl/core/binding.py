@@ -80,9 +80,8 @@ class BoundTool:
         return out
 
     def schema(self) -> dict[str, Any]:
-        """`transformers.utils.get_json_schema(self.function)` without transformers: the docstring read back as its
-        parser reads it (`inspect.getdoc` expands tabs; defused, it has no marker but ours), annotations by
-        `hint_schema`."""
+        """`get_json_schema(self.function)` without transformers: the (defused) docstring read back as its parser
+        reads it, annotations by `hint_schema`."""
         description, _, block = inspect.getdoc(self.function).partition("\n\nArgs:\n")  # type: ignore[union-attr]
         texts = [line.split(": ", 1)[1] for line in block.split("\n")] if block else []
         properties = {p.python_name: {**hint_schema(p.annotation), "description": text}
@@ -140,18 +139,11 @@ def _docstring(info: ToolInfo) -> str:
     return "\n".join(lines)
 
 
-def bind_tools(
-    tool_specs: Iterable[Any],
-    *,
-    reserved: Iterable[str] = DEFAULT_RESERVED,
-    asynchronous: bool = False,
-    module: str | None = None,
-    qualname_prefix: str | None = None,
-) -> BindingResult:
+def bind_tools(tool_specs: Iterable[Any], *, reserved: Iterable[str] = DEFAULT_RESERVED, asynchronous: bool = False,
+               module: str | None = None, qualname_prefix: str | None = None) -> BindingResult:
     """One function per ORS tool spec, calling `self._call_tool(name, arguments)` (awaiting `self._acall_tool` when
-    `asynchronous`) with the name the model saw; `reserved`: attribute names tools must not take. The list shares
-    one schema `Budget`. Never raises for odd specs: what was renamed, skipped or simplified is a warning (in
-    `BindingResult.warnings` and on the `ors_trl.binding` logger)."""
+    `asynchronous`); `reserved`: attribute names tools must not take; one schema `Budget` for the list. Never raises
+    for odd specs: renames, skips and simplifications are warnings (`BindingResult.warnings`, logged)."""
     reserved_set = frozenset([reserved] if isinstance(reserved, str) else reserved)
     result = BindingResult()
     warnings = result.warnings
@@ -249,9 +241,8 @@ def _build_function(bound: BoundTool, asynchronous: bool, module: str | None, qu
 
 
 class Toolset:
-    """One environment's tools as the model sees them: the bound functions, their schemas, and the one router of
-    ors-trl (`route`, through the functions TRL calls, so adapter, engine and evaluation cannot disagree). Options:
-    see `bind_tools`. The `@terminal` tool (`terminal`) is never bound: the model does not see it."""
+    """One environment's tools as the model sees them: bound functions, schemas and the one router (`route`), so no
+    two drivers can disagree; options as `bind_tools`. The `@terminal` tool (`terminal`) is never bound."""
 
     def __init__(self, specs: Iterable[Any], *, terminal: Any = None, asynchronous: bool = False,
                  module: str | None = None, qualname_prefix: str = "OpenRewardEnvironment",

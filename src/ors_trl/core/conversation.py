@@ -141,9 +141,9 @@ class Prompt:
                                                                                      else images)])
 
     def chat(self, base: Sequence[Mapping[str, Any]] = (), *, images: bool | None = None) -> list[dict[str, Any]]:
-        """Chat messages: `base` (the dataset row's prompt) with this prompt merged in: the system turn joins the system
-        message, a first user turn the trailing user message (as TRL's `reset()` does), later turns follow; `images`
-        (default the prompt's own): image parts (`content`)."""
+        """Chat messages: `base` (the dataset row's prompt) with this prompt merged in: the system turn joins the
+        system message, a first user turn the trailing user message (as TRL's `reset()` does), later turns follow;
+        `images` (default the prompt's own): image parts (`content`)."""
         out = [dict(m) for m in base]
         if self.system:
             if out and out[0].get("role") == "system":

@@ -44,20 +44,8 @@ from .metrics import EnvMetrics
 from .records import RUN_ID, CallRecord, EpisodeRecord, RecordWriter, TurnRecord, error_record, image_record
 from .scoring import reward_rule
 
-__all__ = [
-    "MANUAL",
-    "TRAINING_SOURCES",
-    "EnvironmentRuntime",
-    "Episode",
-    "Outcome",
-    "Reply",
-    "Rules",
-    "Task",
-    "ToolCall",
-    "drop_failed_groups",
-    "runtimes",
-    "score_groups",
-]
+__all__ = ["MANUAL", "TRAINING_SOURCES", "EnvironmentRuntime", "Episode", "Outcome", "Reply", "Rules", "Task",
+           "ToolCall", "drop_failed_groups", "runtimes", "score_groups"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -104,7 +92,8 @@ class Task:
     def from_row(cls, split: str, task_index: Any = None, task_spec: Any = None, env: str | None = None) -> Task:
         """The task of a dataset row's `reset(task_index=..., task_spec=...)` arguments, validated."""
         if task_spec is None and task_index is None:
-            raise ConfigurationError("reset() needs task_index= (the rows of spec.train_dataset carry it) or task_spec=.")
+            raise ConfigurationError(
+                "reset() needs task_index= (the rows of spec.train_dataset carry it) or task_spec=.")
         if task_spec is None and (isinstance(task_index, bool) or not isinstance(task_index, int)):
             raise ConfigurationError(f"task_index must be an int, got {task_index!r}")
         if task_spec is not None and not isinstance(task_spec, Mapping):
@@ -260,7 +249,7 @@ class EnvironmentRuntime:
         self.credit: str = options.get("credit") or "episode"  # "turn": each turn trains on its own return
         #: An image met a trainer that cannot take images inside TRL's loop: the reward functions raise it at step end.
         self.image_error: ConfigurationError | None = None
-        self.uploads: Any = None  # a RolloutUploader (ors_trl.protocol.upload) sent every closed episode's record, opt-in
+        self.uploads: Any = None  # a RolloutUploader sent every closed episode's record, opt-in
         #: Called once with each episode as it is counted: how task sources (`ors_trl.tasks`) hear outcomes.
         self.listeners: list[Callable[[Episode], None]] = []
         self.toolset: Toolset | None = None  # bound by the spec before the first episode
@@ -573,7 +562,7 @@ class Episode:
         return self._dead or self._open_error is not None or (self.failure is not None and not self.env.score_failures)
 
     def unsee(self) -> None:
-        """The results of the last reply's calls never reached the model (past its budget): their rewards do not count."""
+        """The results of the last reply's calls never reached the model: their rewards do not count."""
         ran = sum(1 for t in self.turns for c in t["tool_calls"] if c.get("status") != "not_run")
         last = [c for c in (self.turns[-1]["tool_calls"] if self.turns else []) if c.get("status") != "not_run"]
         for k, entry in zip(range(ran - len(last), ran), last, strict=True):
@@ -734,7 +723,8 @@ class Episode:
     def _shown(self, blocks: list[Block]) -> tuple[Content, str]:
         """What the model reads of a tool's output, each text cut to `max_output_chars`, and the text of it."""
         limit, images = self.env.max_output_chars, self.env.pass_images
-        text = cut(content(blocks, images=images, view=True), limit, "output") or "(no output)"  # type: ignore[arg-type]
+        text = cut(content(blocks, images=images, view=True), limit, "output")  # type: ignore[arg-type]
+        text = text or "(no output)"
         shown = content(blocks, images=images)
         if isinstance(shown, str):
             return text, text
@@ -1003,8 +993,8 @@ class Episode:
             task_spec=self.task.spec, **self.info, started_at=self.started_at,  # type: ignore[typeddict-item]
             system=prompt.system if prompt else None, prompt=prompt.text if prompt else None, turns=self.turns,
             final=self.final, rewards=self.rewards, reward=self.reward, reward_rule=self.env.reward_rule.name,
-            group_reward=self.group_reward, finished=self.finished, end_reason=self.end_reason, unscored=self.unscored, tool_calls=self.tool_calls,
-            tool_failures=self.tool_failures, error=self.error, timings=timings, **images,
+            group_reward=self.group_reward, finished=self.finished, end_reason=self.end_reason, unscored=self.unscored,
+            tool_calls=self.tool_calls, tool_failures=self.tool_failures, error=self.error, timings=timings, **images,
             **({"tokens": self.tokens} if self.tokens is not None else {}),
         )
 

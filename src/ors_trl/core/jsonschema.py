@@ -259,9 +259,8 @@ class Normaliser:
         return self.node(raw, stack, depth, depth)
 
     def arguments(self, text: int, input_text: int) -> tuple[list[tuple[str, Node]], dict[str, None], list]:
-        """The root as a tool's input: its arguments (wire name, node), the required ones (in the schema's order: a
-        set's would change with PYTHONHASHSEED), and sentences about the whole input: text, or `(text, node)` that
-        the node's label completes. Fields listed: `text` characters per argument, `input_text` for the sentences."""
+        """The root as a tool's input: (wire name, node) per argument, the required ones (schema order: no set), and
+        sentences about the input (text, or `(text, node)`); `text`/`input_text`: field text for each."""
         if self.root in (None, {}, True):
             return [], {}, []
         root = self.deref(self.root, ())

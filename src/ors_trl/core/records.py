@@ -195,10 +195,8 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 def jsonable(value: Any, *, max_text: int | None = None, fields: frozenset[str] | None = _TEXT_FIELDS,
              max_depth: int = MAX_DEPTH) -> Any:
-    """A copy of `value` that `json.dumps(..., allow_nan=False)` writes and any JSON reader reads: lone surrogates
-    repaired, NaN and infinities as `"nan"`, `"inf"`, `"-inf"`, anything else not JSON (keys included) as its text, a
-    list or dict at `max_depth` or containing itself as a marker. `max_text` cuts, with a visible mark, the strings
-    under the keys in `fields` (every string with `fields=None`)."""
+    """A copy of `value` any JSON reader reads: surrogates repaired, NaN/inf as text, anything not JSON as its text, a
+    container at `max_depth` or holding itself as a marker; `max_text` cuts strings under `fields` (None: all)."""
 
     def copy(v: Any, depth: int, cut: bool, path: set[int]) -> Any:
         if isinstance(v, str):

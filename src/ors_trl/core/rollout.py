@@ -39,7 +39,8 @@ class Conversation:
         turn = len(self.episode.turns) - 1
         ids = [c.id or f"call_{turn}_{k}" for k, c in enumerate(reply.tool_calls)]
         self.messages.append(assistant_message(reply, ids))
-        self.messages += [tool_message(c, o.content, i) for c, o, i in zip(reply.tool_calls, outcomes, ids, strict=True)]
+        self.messages += [tool_message(c, o.content, i)
+                          for c, o, i in zip(reply.tool_calls, outcomes, ids, strict=True)]
 
 
 class StopEpisode(Exception):
@@ -185,7 +186,7 @@ class Batcher:
             self._cond.notify_all()
 
     async def ask(self, item: Any, order: int = 0) -> Any:
-        """Queue `item` (its member's place `order`) for the next batch and wait for its answer (an exception raises)."""
+        """Queue `item` (its member's place `order`) for the next batch and wait for its answer (or exception)."""
         request = _Request(item, asyncio.get_running_loop().create_future(), order)
         with self._cond:
             self._queue.append(request)

@@ -63,7 +63,8 @@ def reward_rule(rule: str | Callable[..., float | None] | RewardRule | None) -> 
         except ValueError:
             gamma = math.nan
         if not 0 < gamma <= 1:
-            raise ConfigurationError(f"reward={rule!r}: the discount must be a number in (0, 1], e.g. 'discounted:0.99'")
+            raise ConfigurationError(
+                f"reward={rule!r}: the discount must be a number in (0, 1], e.g. 'discounted:0.99'")
         return RewardRule(f"discounted:{gamma:g}", _discounted(gamma))
     if callable(rule):
         return RewardRule(f"callable:{getattr(rule, '__qualname__', type(rule).__name__)}", rule)

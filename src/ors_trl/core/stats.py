@@ -55,9 +55,8 @@ def wilson(p: float, n: int) -> tuple[float, float]:
 
 
 def paired_test(differences: Sequence[float]) -> tuple[float, str]:
-    """Two-sided p-value that the mean of paired per-task differences is zero, and `"exact"` or `"normal"`: a
-    sign-flip permutation test, exact (counting every sign pattern's sum) while the distinct sums stay few, else
-    the normal approximation of the same statistic."""
+    """Two-sided p-value that the mean of paired per-task differences is zero, by a sign-flip permutation test:
+    `"exact"` while the distinct sums stay few, else its `"normal"` approximation."""
     d = [x for x in differences if x != 0]
     if not d:
         return 1.0, "exact"
