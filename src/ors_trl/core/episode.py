@@ -300,12 +300,9 @@ class EnvironmentRuntime:
         if self.max_tool_calls is not None and rules.max_tool_calls is None:
             rules = dataclasses.replace(rules, max_tool_calls=self.max_tool_calls)
         apart = source == MANUAL or not metrics  # counted in metrics of its own (see MANUAL), or nowhere
-        ep = Episode(self, task, source=source, rules=rules, metrics=None if apart else self.metrics,
-                     writer=writer if writer is not None else self.recorder,
-                     uploads=uploads if uploads is not None else self.uploads, **info)
-        with self.lock:
-            self.live.add(ep)
-        return ep
+        return Episode(self, task, source=source, rules=rules, metrics=None if apart else self.metrics,
+                       writer=writer if writer is not None else self.recorder,
+                       uploads=uploads if uploads is not None else self.uploads, **info)
 
     def toolset_of(self, listed: ToolList) -> Toolset:
         """The toolset of one session's own tool list (`/task_tools`), bound once per distinct list."""
@@ -485,6 +482,8 @@ class Episode:
         self.images: dict[str, ImageBlock] = {}  # the episode's images by hash (its record lists each once)
         self._billed = 0.0  # session-seconds already counted in the metrics
         self._uncounted = 0  # the model's calls TRL failed itself, seen in its transcript: they count toward the cap
+        with env.lock:  # tracked until it is closed
+            env.live.add(self)
 
     def __repr__(self) -> str:
         return f"<Episode {self.env.name} {self.task.key} reward={self.reward} {self.state}>"
@@ -506,10 +505,7 @@ class Episode:
 
     def again(self) -> Episode:
         """A fresh, unopened episode of the same task, played and recorded the same way (a replay after a failure)."""
-        ep: Episode = self._again()
-        with self.env.lock:
-            self.env.live.add(ep)
-        return ep
+        return self._again()
 
     @property
     def reward(self) -> float | None:
@@ -979,8 +975,7 @@ class Episode:
     def record(self) -> EpisodeRecord:
         """The episode as one record (schema `ors_trl.core.records.RECORD_VERSION`), the same for every driver."""
         prompt = self.prompt
-        timings = {k: round(v, 4) for k, v in self.timings.items()}
-        timings["total"] = round(self.seconds, 4)
+        timings = {k: round(v, 4) for k, v in {**self.timings, "total": self.seconds}.items()}
         seen = [b.info().sha256 for m in (prompt.messages if prompt else ()) for b in image_blocks(m.blocks)]
         images: dict[str, Any] = {}
         if self.images:  # only then: a text-only episode's record is what it always was
