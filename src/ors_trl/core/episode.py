@@ -338,11 +338,9 @@ class EnvironmentRuntime:
         if cached.text != prompt.text:
             self.prompt_mismatches += 1
             if self.prompt_mismatches == 1:
-                logger.warning(
-                    "%s: task %s gave a different prompt in a new session than the cached one, so the model saw a "
-                    "stale prompt. Pass cache_prompts=False if prompts vary between sessions of a task.",
-                    self.name, key,
-                )
+                logger.warning("%s: task %s gave a different prompt in a new session than the cached one, so the "
+                               "model saw a stale prompt. Pass cache_prompts=False if prompts vary between sessions "
+                               "of a task.", self.name, key)
 
     # -- lifecycle (any thread) ---------------------------------------------------------------
 
