@@ -525,8 +525,8 @@ class Episode:
         return [None if k in self._unseen else r for k, r in enumerate(self.rewards)]
 
     def turn_returns(self, rewards: Sequence[float | None] | None = None) -> list[float] | None:
-        """Per turn, the reward rule over the per-call rewards from that turn's calls on (0.0 where nothing is left):
-        what `credit="turn"` trains each turn on; None when `reward` is None.
+        """Per turn, the reward rule over the per-call rewards from that turn's calls on (a final grade counts for the
+        last turn; 0.0 where nothing is left): what `credit="turn"` trains each turn on; None when `reward` is None.
 
         Args:
             rewards (`Sequence[float | None]`, *optional*):
