@@ -72,10 +72,8 @@ def quote(value: Any, limit: int | None = _SNIPPET) -> str:
     budget = _MAX_TEXT * 10 if limit is None else limit + 1
 
     def scalar(item: Any) -> str:
-        if isinstance(item, str):
-            return json.dumps(item[:budget], ensure_ascii=False)
         try:
-            return json.dumps(item)
+            return json.dumps(item[:budget] if isinstance(item, str) else item, ensure_ascii=False)
         except ValueError:  # an int too long to print
             return "<number>"
 
