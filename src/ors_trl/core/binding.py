@@ -1,10 +1,8 @@
 """Bind ORS tool specs to real Python functions that TRL's GRPOTrainer can collect, render and call.
 
-TRL lists an adapter's tools with `inspect.getmembers` (skipping `reset`, `get_reward`, `_` names), keys them by
-`__name__`, renders them with `get_json_schema` and calls `method(**arguments)`. Each tool is a generic closure (no
-generated source: a hostile name never runs as code) dressed with what `ors_trl.core.schema` makes. `__name__` is the
-tool's name if a sane display name, the attribute its name if a public unreserved identifier (`reset` ->
-`tool_reset`); else each is sanitized (exact names first, collisions suffixed `_2`...), with a warning.
+Each tool is a generic closure (no generated source: a hostile name never runs as code) dressed with what
+`ors_trl.core.schema` makes. Names that are not sane display names or public unreserved identifiers (`reset` ->
+`tool_reset`) are sanitized (exact names first, collisions suffixed `_2`...), with a warning.
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ UNSET: Any = type("_Unset", (), {"__slots__": (), "__repr__": lambda _: "<unset>
 
 @dataclass(eq=False)
 class BoundTool:
-    """One bound tool: its attribute on the class, the `name` the model sees, the remote name, and how a call's
-    arguments become the remote tool's (`named`, `arguments`)."""
+    """One bound tool: its attribute, the `name` the model sees, the remote name, and its argument mapping."""
 
     attribute: str
     name: str
@@ -71,8 +68,7 @@ class BoundTool:
         return out
 
     def arguments(self, kwargs: dict) -> dict[str, Any]:
-        """Named arguments (Python or wire names; unknown ones unchanged) as wire arguments, without those left at
-        `UNSET`; missing arguments and values are the environment's to check."""
+        """Named arguments (Python or wire names) as wire arguments, without those left at `UNSET`."""
         out: dict[str, Any] = {}
         for key, value in kwargs.items():
             if value is UNSET:
@@ -84,9 +80,8 @@ class BoundTool:
         return out
 
     def schema(self) -> dict[str, Any]:
-        """`transformers.utils.get_json_schema(self.function)` without transformers: the docstring read back as its
-        parser reads it (`inspect.getdoc` expands tabs; defused, it has no marker but ours), annotations by
-        `hint_schema`."""
+        """`get_json_schema(self.function)` without transformers: the (defused) docstring read back as its parser
+        reads it, annotations by `hint_schema`."""
         description, _, block = inspect.getdoc(self.function).partition("\n\nArgs:\n")  # type: ignore[union-attr]
         texts = [line.split(": ", 1)[1] for line in block.split("\n")] if block else []
         properties = {p.python_name: {**hint_schema(p.annotation), "description": text}
@@ -144,18 +139,11 @@ def _docstring(info: ToolInfo) -> str:
     return "\n".join(lines)
 
 
-def bind_tools(
-    tool_specs: Iterable[Any],
-    *,
-    reserved: Iterable[str] = DEFAULT_RESERVED,
-    asynchronous: bool = False,
-    module: str | None = None,
-    qualname_prefix: str | None = None,
-) -> BindingResult:
+def bind_tools(tool_specs: Iterable[Any], *, reserved: Iterable[str] = DEFAULT_RESERVED, asynchronous: bool = False,
+               module: str | None = None, qualname_prefix: str | None = None) -> BindingResult:
     """One function per ORS tool spec, calling `self._call_tool(name, arguments)` (awaiting `self._acall_tool` when
-    `asynchronous`) with the name the model saw; `reserved`: attribute names tools must not take. The list shares
-    one schema `Budget`. Never raises for odd specs: what was renamed, skipped or simplified is a warning (in
-    `BindingResult.warnings` and on the `ors_trl.binding` logger)."""
+    `asynchronous`); `reserved`: attribute names tools must not take; one schema `Budget` for the list. Never raises
+    for odd specs: renames, skips and simplifications are warnings (`BindingResult.warnings`, logged)."""
     reserved_set = frozenset([reserved] if isinstance(reserved, str) else reserved)
     result = BindingResult()
     warnings = result.warnings
@@ -225,8 +213,7 @@ def bind_tools(
 
 def _build_function(bound: BoundTool, asynchronous: bool, module: str | None, qualname_prefix: str | None
                     ) -> FunctionType:
-    """A fresh generic closure (the receiver positional-only, so any argument name, even `self`, fits kwargs) that
-    hands the adapter the call as the model made it, for `Toolset.route`."""
+    """A generic closure (receiver positional-only: any argument name fits) handing the adapter the call."""
     display, named, info = bound.name, bound.named, bound.info
     if asynchronous:
 
@@ -254,9 +241,8 @@ def _build_function(bound: BoundTool, asynchronous: bool, module: str | None, qu
 
 
 class Toolset:
-    """One environment's tools as the model sees them: the bound functions, their schemas, and the one router of
-    ors-trl (`route`, through the functions TRL calls, so adapter, engine and evaluation cannot disagree). Options:
-    see `bind_tools`. The `@terminal` tool (`terminal`) is never bound: the model does not see it."""
+    """One environment's tools as the model sees them: bound functions, schemas and the one router (`route`), so no
+    two drivers can disagree; options as `bind_tools`. The `@terminal` tool (`terminal`) is never bound."""
 
     def __init__(self, specs: Iterable[Any], *, terminal: Any = None, asynchronous: bool = False,
                  module: str | None = None, qualname_prefix: str = "OpenRewardEnvironment",
@@ -278,8 +264,7 @@ class Toolset:
         return [bound.schema() for bound in self.binding.tools.values()]
 
     def route(self, name: str, arguments: Any) -> tuple[str, dict[str, Any]]:
-        """The remote tool name and wire arguments of a model's call; `ToolRefusedError` (`not_found`,
-        `input_validation`) with the message TRL's loop shows for the same call."""
+        """The remote name and wire arguments of a call, else `ToolRefusedError` with TRL's message for it."""
         bound = self.by_name.get(name)
         if bound is None:
             raise ToolRefusedError(f"Tool {name} not found.", tool=name, reason="not_found")

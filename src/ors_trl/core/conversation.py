@@ -1,15 +1,9 @@
 """Conversations both ways: an ORS prompt into chat messages for the model, a rollout back into ORS messages.
 
-Into the model: a `/messages` conversation keeps its roles (the system turn becomes the chat's system message; tool
-calls and results map to the chat fields transformers' templates read: `tool_calls`, `role: "tool"`,
-`reasoning_content`); `/prompt` blocks are one user turn. TRL's own loop can only append to the dataset's last user
-message, so there the whole conversation is flattened with every word kept (`Prompt.flat`, `Prompt.content`). An
-image block of a user turn or a tool result becomes an image part of its message (`{"type": "image", "image": <RGB
-PIL image>}`, the form TRL and transformers' processors take; its placeholder text where it cannot be shown, or with
-`images=False`: `OpenRewardSpec(images="placeholder")`); text-only blocks give exactly the text they always gave.
-
-Back to the environment: a rollout's turns become the `[Message]` transcript `/score_group` judges, using only the
-block types the server accepts (others are rendered as text, never dropped).
+Into the model: `/messages` keep their roles (system, `tool_calls`, `role: "tool"`, `reasoning_content`), `/prompt`
+blocks are one user turn, and TRL's own loop gets it all flattened, every word kept (`Prompt.flat`). An image block
+becomes an image part (`{"type": "image", "image": <RGB PIL image>}`), or its placeholder text where it cannot be
+shown. Back: a rollout becomes the `[Message]` transcript `/score_group` judges (unaccepted block types as text).
 """
 
 from __future__ import annotations
@@ -34,8 +28,7 @@ from ..protocol.types import (
 
 __all__ = ["Prompt", "assistant_message", "content", "images_of", "tool_message", "transcript"]
 
-#: What `content` gives a model: a text, or content parts (`{"type": "text", "text": ...}`,
-#: `{"type": "image", "image": <RGB PIL image>}`) where an image is shown.
+#: What `content` gives a model: a text, or content parts (`{"type": "text"|"image", ...}`) where an image is shown.
 Content = str | list[dict[str, Any]]
 
 
@@ -74,15 +67,13 @@ def _merge(pieces: Iterable[str | dict[str, Any]]) -> Content:
 
 
 def content(blocks: Sequence[Block], *, images: bool = True, view: bool = False, prefix: str = "") -> Content:
-    """What a model reads for `blocks`: their text (`blocks_text`), or with `images` and an image that can be shown
-    among them, content parts (one that cannot: its placeholder; without `images`: its `[image: ...]` marker); `view`:
-    the text a record keeps of that (an image part written as its marker)."""
+    """What a model reads for `blocks`: their text, or with `images` and an image that can be shown, content parts
+    (else its placeholder or `[image: ...]` marker); `view`: the text a record keeps (an image as its marker)."""
     return _merge([prefix, *_pieces(blocks, images, view)])
 
 
 def assistant_message(reply: Any, ids: Sequence[str]) -> dict[str, Any]:
-    """A reply (`Reply`) as the chat message that follows it in the conversation, its calls under `ids`: the one
-    builder of assistant messages (with `tool_message`)."""
+    """A reply (`Reply`) as the chat message that follows it in the conversation, its calls under `ids`."""
     message: dict[str, Any] = {"role": "assistant", "content": reply.content or ""}
     if getattr(reply, "reasoning", None):  # an endpoint's reasoning stays in the history, as training keeps it
         message["reasoning_content"] = reply.reasoning
@@ -145,16 +136,14 @@ class Prompt:
         return self.content(images=False)  # type: ignore[return-value]
 
     def content(self, *, images: bool | None = None) -> Content:
-        """`flat`, with its images as image parts (`images`, default the prompt's own): what TRL's `reset()` hands
-        the model."""
+        """`flat`, with its images as image parts (`images`, default the prompt's own)."""
         return _merge([*((self.system, "\n\n") if self.system else ()), *self._turns(self.images if images is None
                                                                                      else images)])
 
     def chat(self, base: Sequence[Mapping[str, Any]] = (), *, images: bool | None = None) -> list[dict[str, Any]]:
-        """Chat messages for the model: `base` (the dataset row's prompt) with this prompt merged in. The system turn
-        becomes (or joins) the system message; a first user turn joins the dataset's trailing user message, as TRL's
-        `reset()` text does; later turns follow with their roles. With `images` (default the prompt's own), a user
-        turn or tool result holding an image has content parts (`content`)."""
+        """Chat messages: `base` (the dataset row's prompt) with this prompt merged in: the system turn joins the
+        system message, a first user turn the trailing user message (as TRL's `reset()` does), later turns follow;
+        `images` (default the prompt's own): image parts (`content`)."""
         out = [dict(m) for m in base]
         if self.system:
             if out and out[0].get("role") == "system":
@@ -201,9 +190,8 @@ def _chat(message: Message, images: bool) -> list[dict[str, Any]]:
 
 def transcript(prompt: Prompt | None, turns: Sequence[Mapping[str, Any]], final: str | None,
                block_types: Sequence[str] | None) -> list[Message]:
-    """A rollout as the `[Message]` transcript `/score_group` judges: the prompt's turns, each model turn (text
-    and tool calls), the tool results, and the final plain message. Block types the server does not accept
-    (`block_types`, default text and image) are rendered as text blocks."""
+    """A rollout as the `[Message]` transcript `/score_group` judges (prompt, model turns, tool results, final
+    message); block types not in `block_types` (default text and image) become text blocks."""
     allowed = set(block_types or ("text", "image"))
 
     def keep(blocks: list[Block]) -> list[Block]:

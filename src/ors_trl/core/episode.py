@@ -1,15 +1,9 @@
 """One episode, written once: the core every driver (TRL's loop, the engine, eval, the demo) drives.
 
-An `Episode` owns one rollout of one task from open to close: its session, its prompt (`/messages` where the server
-has it, else `/prompt`), what each model reply does (**the turn rule**, `Episode.reply`, the one place that decides
-which calls run, what a call after `finished` or past the call cap is, when the episode ends and why, and what it
-scores), the end (a `@terminal` tool grades the final plain message) and one record (`ors_trl.core.records`). Metrics
-are counted here and nowhere else. A driver only generates, schedules and says what the model replied; TRL's own loop
-makes its calls live (`Episode.call`) and is replayed through the same rule afterwards (`Episode.replay`), under the
-`Rules` `ors_trl.trl.backend` reads from the trainer. Lifecycle: new -> opening -> open -> ended -> closed.
-
-`EnvironmentRuntime` is what the episodes of one environment share (client, bound tools, prompt cache, metrics,
-record writer, and the live episodes, closed at step end, at `close()` and at exit), on the background loop.
+An `Episode` owns one rollout of one task from open to close: session, prompt, **the turn rule** (`Episode.reply`:
+which calls run, when and why it ends, what it scores), the terminal grade and one record; metrics are counted here
+only. TRL's loop makes its calls live (`Episode.call`) and is replayed through the same rule (`Episode.replay`).
+`EnvironmentRuntime` is what the episodes of one environment share, on the background loop.
 """
 
 from __future__ import annotations
@@ -25,7 +19,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import EllipsisType
@@ -50,31 +44,17 @@ from .metrics import EnvMetrics
 from .records import RUN_ID, CallRecord, EpisodeRecord, RecordWriter, TurnRecord, error_record, image_record
 from .scoring import reward_rule
 
-__all__ = [
-    "MANUAL",
-    "TRAINING_SOURCES",
-    "EnvironmentRuntime",
-    "Episode",
-    "Outcome",
-    "Reply",
-    "Rules",
-    "Task",
-    "ToolCall",
-    "drop_failed_groups",
-    "runtimes",
-    "score_groups",
-]
+__all__ = ["MANUAL", "TRAINING_SOURCES", "EnvironmentRuntime", "Episode", "Outcome", "Reply", "Rules", "Task",
+           "ToolCall", "drop_failed_groups", "runtimes", "score_groups"]
 
 logger = logging.getLogger("ors_trl")
 
-# Live runtimes by key: how a reward function finds the metrics of the engine's episodes (only their keys
-# travel through TRL's extra columns).
+# Live runtimes by key: how a reward function finds the engine's episodes (only keys travel through TRL's columns).
 _RUNTIMES: weakref.WeakValueDictionary[str, EnvironmentRuntime] = weakref.WeakValueDictionary()
 #: The episode sources that train (TRL's loop, the engine): their outcomes teach task sampling; evaluation's do not.
 TRAINING_SOURCES = frozenset({"trl", "engine"})
-#: The source of an adapter's episode opened with no trainer driving it (`env = spec.environment_factory();
-#: env.reset(...)` to look at a prompt): counted apart, out of the training metrics and task sampling, until a reward
-#: function reads it (`Episode.adopt`: a loop of one's own that scores with `spec.reward_funcs` trains).
+#: The source of an adapter's episode opened with no trainer driving it: counted apart, out of the training metrics
+#: and task sampling, until a reward function reads it (`Episode.adopt`).
 MANUAL = "manual"
 
 
@@ -112,7 +92,8 @@ class Task:
     def from_row(cls, split: str, task_index: Any = None, task_spec: Any = None, env: str | None = None) -> Task:
         """The task of a dataset row's `reset(task_index=..., task_spec=...)` arguments, validated."""
         if task_spec is None and task_index is None:
-            raise ConfigurationError("reset() needs task_index= (the rows of spec.train_dataset carry it) or task_spec=.")
+            raise ConfigurationError(
+                "reset() needs task_index= (the rows of spec.train_dataset carry it) or task_spec=.")
         if task_spec is None and (isinstance(task_index, bool) or not isinstance(task_index, int)):
             raise ConfigurationError(f"task_index must be an int, got {task_index!r}")
         if task_spec is not None and not isinstance(task_spec, Mapping):
@@ -122,8 +103,7 @@ class Task:
 
 
 def _arguments(value: Any) -> Any:
-    """A call's arguments as the binding takes them: an object as it is, a JSON object's text decoded (an endpoint's
-    wire form), anything else as the model wrote it."""
+    """A call's arguments as the binding takes them: a JSON object's text decoded, anything else as it is."""
     if isinstance(value, str):
         try:
             parsed = json.loads(value) if value.strip() else {}
@@ -135,8 +115,7 @@ def _arguments(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One tool call as the model wrote it: the name it saw, its arguments (an object, or whatever it wrote), the id
-    a generator gave it and its type (only `function` calls run)."""
+    """One tool call as the model wrote it: the name it saw, its arguments, its id and its type."""
 
     name: str
     arguments: Any = None
@@ -182,11 +161,9 @@ class Reply:
         seconds (`float`, *optional*):
             What generating it took.
         reasoning (`str`, *optional*):
-            The reasoning an endpoint returned apart from the content (`reasoning_content`): it stays in the history
-            the policy sees next, as training keeps it.
+            An endpoint's `reasoning_content`: it stays in the history the policy sees next, as training keeps it.
         limit (`str`, *optional*, defaults to `"length"`):
-            Which limit cut a truncated reply: `"length"` (the completion budget) or `"context_length"` (the model's
-            context); it is the episode's end reason.
+            Which limit cut a truncated reply (the end reason): `"length"` (completion budget) or `"context_length"`.
     """
 
     content: str | None = ""
@@ -204,13 +181,10 @@ class Reply:
 
 @dataclass(frozen=True)
 class Rules:
-    """The limits a driver plays its episodes under, and how a failed call reads to the model. `max_replies`: model
-    replies an episode may have (TRL: `max_tool_calling_iterations + 1`; the calls of the last are not run, as no reply
-    would read their results: the episode ends `max_turns`); `max_tool_calls`: tool calls it may make (later ones are
-    refused locally and counted); `error_text`: the text the model reads for a failed call (TRL's `{'error': ...}`);
-    `tool_markup`: the text that opens a tool call in the chat template the replies are parsed with (qwen3:
-    `<tool_call>`), or a pattern of such texts (`ors_trl.evaluation.policies.TOOL_MARKUPS`): a reply without calls
-    whose text holds it is a call the parser missed, its turn marked `unparsed`."""
+    """The limits a driver plays its episodes under. `max_replies`: model replies an episode may have (the last one's
+    calls are not run: it ends `max_turns`); `max_tool_calls`: tool calls it may make (later ones refused);
+    `error_text`: what the model reads for a failed call; `tool_markup`: the text (qwen3: `<tool_call>`) or pattern
+    that opens a tool call: a reply without calls that holds it is marked `unparsed`."""
 
     max_replies: int | None = None
     max_tool_calls: int | None = None
@@ -226,9 +200,8 @@ class Rules:
 
 
 class Outcome:
-    """What one tool call gave the model: `content` is what it reads (the output, or `Rules.error_text` of `error`):
-    a text, or content parts where the output holds an image that is shown; `text` is the text of that (what the
-    record keeps, an image written as its `[image: ...]` marker)."""
+    """What one tool call gave the model: `content` is what it reads (the output, or `Rules.error_text` of `error`),
+    text or content parts with an image; `text` is its text as recorded (an image as its `[image: ...]` marker)."""
 
     __slots__ = ("content", "error", "result", "text")
 
@@ -250,9 +223,8 @@ def _refusal(tool: str, reason: str, why: str) -> ToolRefusedError:
 class EnvironmentRuntime:
     """What every episode of one environment shares; one per spec.
 
-    `client` is the environment's (its sessions live on the background loop), `name` its name in metrics and records
-    (the one a mix gave it, else the environment's own, `AsyncClient.env_label`), `recorder` the writer of every finished episode's record (or None). `options` are the spec's (`OpenRewardSpec`
-    documents each); the runtime keeps those its episodes and drivers read.
+    `client` is the environment's, `name` its name in metrics and records (None: the environment's own), `recorder`
+    the writer of every finished episode's record (or None), `options` the spec's (`OpenRewardSpec` documents each).
     """
 
     def __init__(self, client: AsyncClient, name: str | None, options: Mapping[str, Any],
@@ -270,18 +242,15 @@ class EnvironmentRuntime:
         self.pass_images: bool = options["images"] == "pass"
         self.reward_rule = reward_rule(options.get("reward"))  # how per-call rewards make the episode's reward
         self.score_failures: bool = bool(options.get("score_failures"))  # keep scores from before a failure
-        #: Whose failure a tool that raised inside the environment is: "model" (it reads the error and goes on, as in
-        #: TRL's loop) or "environment" (a sandbox that died: the episode ends, no score).
+        #: Whose failure a tool that raised is: "model" (it reads the error) or "environment" (the episode ends).
         self.tool_errors: str = options.get("tool_errors") or "model"
         self.episode_retries: int = int(options.get("episode_retries") or 0)
         self.failed_groups: str = options.get("failed_groups") or "partial"
         self.credit: str = options.get("credit") or "episode"  # "turn": each turn trains on its own return
-        #: Set when an image met a trainer that cannot take images, where TRL's loop would swallow the error (a tool
-        #: call): the reward functions raise it at the end of that step.
+        #: An image met a trainer that cannot take images inside TRL's loop: the reward functions raise it at step end.
         self.image_error: ConfigurationError | None = None
-        self.uploads: Any = None  # a RolloutUploader (ors_trl.protocol.upload) sent every closed episode's record, opt-in
-        #: Called once with each episode as it is counted (`Episode.account`, `Episode.adopt`): how the drivers'
-        #: task sources (`ors_trl.tasks`) hear outcomes without the core knowing them.
+        self.uploads: Any = None  # a RolloutUploader sent every closed episode's record, opt-in
+        #: Called once with each episode as it is counted: how task sources (`ors_trl.tasks`) hear outcomes.
         self.listeners: list[Callable[[Episode], None]] = []
         self.toolset: Toolset | None = None  # bound by the spec before the first episode
         self.uses_messages: bool | None = None  # /messages supported (None: not known yet)
@@ -293,8 +262,7 @@ class EnvironmentRuntime:
         self.prompt_mismatches = 0
         self.cached_resets = 0
         self.calls_ahead = 0  # tool calls started ahead of TRL's loop (batch_tool_calls)
-        # The turn of TRL's tool loop whose calls were last started ahead (its `tool_calls` list, which no weak reference
-        # can hold, and whose id a later turn's list may take): dropped at step end (`release_all`), not kept alive.
+        # The `tool_calls` list of TRL's turn last started ahead (no weak reference holds a list): dropped at step end.
         self.last_turn: object = None
         self._trainer: weakref.ref[Any] | None = None  # the trainer driving this environment, once seen
         self.bg = get_loop()
@@ -316,13 +284,11 @@ class EnvironmentRuntime:
 
     @property
     def name(self) -> str:
-        """Its name in metrics and records: the one given, else the environment's (known once the client resolved it:
-        an episode's records and metrics come after its session opened)."""
+        """Its name in metrics and records: the one given, else the environment's (known once a session opened)."""
         return self.given_name or self.client.env_label
 
     def rename(self, name: str | None, metrics: EnvMetrics, recorder: RecordWriter | None) -> None:
-        """Report under `name` (None: the environment's own) into `metrics` and `recorder` (None: keep the current
-        one); how a mix takes it in."""
+        """Report under `name` (None: its own) into `metrics` and `recorder` (None: keep it); how a mix takes it in."""
         self.given_name, self.metrics = name, metrics
         metrics._set_open_sessions_gauge(id(self), lambda: self.name, lambda: self.client.open_sessions)
         if recorder is not None:
@@ -330,33 +296,27 @@ class EnvironmentRuntime:
 
     def episode(self, task: Task, *, source: str, rules: Rules, metrics: bool = True,
                 writer: RecordWriter | None = None, uploads: Any = None, **info: Any) -> Episode:
-        """A new, not yet opened episode of `task` played under `rules`, tracked until it is closed; `writer` and
-        `uploads` (a `RolloutUploader`; False: none) receive its record instead of the runtime's own."""
+        """A new, unopened, tracked episode of `task`; `writer` and `uploads` (False: none) replace the runtime's."""
         if self.max_tool_calls is not None and rules.max_tool_calls is None:
             rules = dataclasses.replace(rules, max_tool_calls=self.max_tool_calls)
         apart = source == MANUAL or not metrics  # counted in metrics of its own (see MANUAL), or nowhere
-        ep = Episode(self, task, source=source, rules=rules, metrics=None if apart else self.metrics,
-                     writer=writer if writer is not None else self.recorder,
-                     uploads=uploads if uploads is not None else self.uploads, **info)
-        with self.lock:
-            self.live.add(ep)
-        return ep
+        return Episode(self, task, source=source, rules=rules, metrics=None if apart else self.metrics,
+                       writer=writer if writer is not None else self.recorder,
+                       uploads=uploads if uploads is not None else self.uploads, **info)
 
     def toolset_of(self, listed: ToolList) -> Toolset:
         """The toolset of one session's own tool list (`/task_tools`), bound once per distinct list."""
         key = json.dumps([t.to_json() for t in listed.tools], sort_keys=True, default=str) + repr(listed.terminal_tool)
-        toolset = self._toolsets.get(key)
-        if toolset is None:
-            toolset = self._toolsets[key] = Toolset(listed.tools, terminal=listed.terminal_tool)
-        return toolset
+        if key not in self._toolsets:
+            self._toolsets[key] = Toolset(listed.tools, terminal=listed.terminal_tool)
+        return self._toolsets[key]
 
     def tool_gate(self) -> asyncio.Semaphore:
         """The running loop's bound on this environment's tool calls in flight."""
         loop = asyncio.get_running_loop()
-        gate = self._gates.get(loop)
-        if gate is None:
-            gate = self._gates[loop] = asyncio.Semaphore(max(1, self.max_concurrent_tool_calls))
-        return gate
+        if loop not in self._gates:
+            self._gates[loop] = asyncio.Semaphore(max(1, self.max_concurrent_tool_calls))
+        return self._gates[loop]
 
     async def read_prompt(self, session: AsyncSession) -> Prompt:
         """The session's prompt: `/messages` where the server has it (probed once), else `/prompt`."""
@@ -378,11 +338,9 @@ class EnvironmentRuntime:
         if cached.text != prompt.text:
             self.prompt_mismatches += 1
             if self.prompt_mismatches == 1:
-                logger.warning(
-                    "%s: task %s gave a different prompt in a new session than the cached one, so the model saw a "
-                    "stale prompt. Pass cache_prompts=False if prompts vary between sessions of a task.",
-                    self.name, key,
-                )
+                logger.warning("%s: task %s gave a different prompt in a new session than the cached one, so the "
+                               "model saw a stale prompt. Pass cache_prompts=False if prompts vary between sessions "
+                               "of a task.", self.name, key)
 
     # -- lifecycle (any thread) ---------------------------------------------------------------
 
@@ -436,8 +394,7 @@ NEW, OPENING, OPEN, ENDED, CLOSED = "new", "opening", "open", "ended", "closed"
 
 
 class Episode:
-    """One rollout of one task (from `adapter.episode`, `rollout_func.last_episodes`); made by
-    `EnvironmentRuntime.episode`, its coroutines run on one loop.
+    """One rollout of one task (`adapter.episode`, `rollout_func.last_episodes`); its coroutines run on one loop.
 
     Args:
         env (`EnvironmentRuntime`):
@@ -469,9 +426,9 @@ class Episode:
         finished (`bool`):
             `True` once the environment said the episode is over (the model may still reply).
         tool_calls (`int`):
-            The model's tool calls; `tool_failures` how many of them failed or were refused.
+            The model's tool calls; `tool_failures` how many failed or were refused.
         turns (`list[TurnRecord]`):
-            The record of each model reply; `final` the final plain message and its terminal grade.
+            Each model reply's record; `final` the final plain message and its terminal grade.
         error (`dict[str, Any]` or `None`):
             Why the episode failed outside a tool call (`{"kind", "message"}`).
         end_reason (`str` or `None`):
@@ -503,13 +460,11 @@ class Episode:
         self.timings: dict[str, float] = {"generation": 0.0, "tools": 0.0}
         self.started = time.monotonic()
         self.started_at = datetime.now(UTC).isoformat(timespec="seconds")
-        #: The first infrastructure failure of a call (its session lost, the network, the server's 5xx, an answer past
-        #: the protocol; a tool that raised, with `tool_errors="environment"`): the episode is no score (decision 15).
+        #: The first infrastructure failure of a call (session, network, 5xx, protocol): no score (decision 15).
         self.failure: ORSError | None = None
         self._dead = False  # the session is known gone: it is never called again
         self.dropped = False  # its GRPO group trains on none of its episodes (`failed_groups="drop"`): no score
-        #: Token fidelity, where a driver knows it: whether the ids trained on are the ids generated (plus tool tokens),
-        #: how many were generated, how many of those a re-render changed (`masked`), and the training rows.
+        #: Token fidelity, where a driver knows it (`ors_trl.core.records.token_fidelity`).
         self.tokens: dict[str, Any] | None = None
         self._unseen: set[int] = set()  # positions in `rewards` of calls whose results the model never saw
         self._given: float | EllipsisType | None = ...  # a reward given outright (`reward = x`), else the rule's
@@ -525,6 +480,8 @@ class Episode:
         self.images: dict[str, ImageBlock] = {}  # the episode's images by hash (its record lists each once)
         self._billed = 0.0  # session-seconds already counted in the metrics
         self._uncounted = 0  # the model's calls TRL failed itself, seen in its transcript: they count toward the cap
+        with env.lock:  # tracked until it is closed
+            env.live.add(self)
 
     def __repr__(self) -> str:
         return f"<Episode {self.env.name} {self.task.key} reward={self.reward} {self.state}>"
@@ -545,18 +502,13 @@ class Episode:
         return self.state in (ENDED, CLOSED)
 
     def again(self) -> Episode:
-        """A fresh, unopened episode of the same task, played and recorded the same way (a replay on a new session
-        after infrastructure voided this one), tracked until it is closed."""
-        ep: Episode = self._again()
-        with self.env.lock:
-            self.env.live.add(ep)
-        return ep
+        """A fresh, unopened episode of the same task, played and recorded the same way (a replay after a failure)."""
+        return self._again()
 
     @property
     def reward(self) -> float | None:
-        """The episode's reward: the environment's rule (`OpenRewardSpec(reward=)`, `last` by default) over the
-        per-call rewards the model saw; `None` when nothing was scored, past the deadline, or after a failure (unless
-        `score_failures`)."""
+        """The environment's reward rule (`OpenRewardSpec(reward=)`) over the per-call rewards the model saw; `None`
+        when nothing was scored, past the deadline, or after a failure (unless `score_failures`)."""
         if self.end_reason == "timeout" or self.dropped or (self.broken and not self.env.score_failures):
             return None
         if self._given is not ...:
@@ -573,9 +525,8 @@ class Episode:
         return [None if k in self._unseen else r for k, r in enumerate(self.rewards)]
 
     def turn_returns(self, rewards: Sequence[float | None] | None = None) -> list[float] | None:
-        """Per turn (`turns`), the reward rule over the per-call rewards from that turn's calls on (a final grade
-        counts for the last turn; 0.0 where nothing is left): what `credit="turn"` trains each turn on. None when the
-        episode has no reward (`reward` is None).
+        """Per turn, the reward rule over the per-call rewards from that turn's calls on (a final grade counts for the
+        last turn; 0.0 where nothing is left): what `credit="turn"` trains each turn on; None when `reward` is None.
 
         Args:
             rewards (`Sequence[float | None]`, *optional*):
@@ -592,14 +543,12 @@ class Episode:
 
     @property
     def retryable(self) -> ORSError | None:
-        """The infrastructure failure that voided the episode (its session did not open or was lost, the environment
-        failed), or None: a replay on a fresh session may succeed, where a policy's failure or a deadline would not."""
+        """The infrastructure failure that voided the episode, or None: a replay on a fresh session may succeed."""
         return self.failure or self._open_error
 
     @property
     def broken(self) -> bool:
-        """True when the episode failed: an infrastructure failure of a call, or outside any call (its session did not
-        open, the policy failed)."""
+        """True when the episode failed: an infrastructure failure of a call, or outside any call."""
         return self.failure is not None or self.error is not None
 
     def _stopping(self) -> bool:
@@ -607,8 +556,7 @@ class Episode:
         return self._dead or self._open_error is not None or (self.failure is not None and not self.env.score_failures)
 
     def unsee(self) -> None:
-        """The results of the last reply's calls never reached the model (they would not fit its budget): their
-        rewards do not count."""
+        """The results of the last reply's calls never reached the model: their rewards do not count."""
         ran = sum(1 for t in self.turns for c in t["tool_calls"] if c.get("status") != "not_run")
         last = [c for c in (self.turns[-1]["tool_calls"] if self.turns else []) if c.get("status") != "not_run"]
         for k, entry in zip(range(ran - len(last), ran), last, strict=True):
@@ -623,8 +571,7 @@ class Episode:
     # -- open --------------------------------------------------------------------------------------
 
     async def open(self) -> bool:
-        """Open the session and read the prompt (once; later callers share the first open). Returns whether it opened;
-        a failure is recorded, and the episode ends with `error`, scored `None`."""
+        """Open the session and read the prompt (once, shared); whether it opened (else it ends with `error`)."""
         if self._opening is None:
             self.state = OPENING
             self._opening = asyncio.ensure_future(self._open())
@@ -659,8 +606,7 @@ class Episode:
     # -- the turn rule ---------------------------------------------------------------------------------
 
     def _rule(self, reply: Reply) -> tuple[str | None, str | None]:
-        """For a reply already counted in `turns`: (None, None) when its calls run, else why the episode ends and
-        the final plain message (for a terminal tool)."""
+        """(None, None) when a reply's calls run, else why the episode ends and the final plain message."""
         if reply.tool_calls:
             limit = self.rules.max_replies
             return ("max_turns", None) if limit is not None and len(self.turns) >= limit else (None, None)
@@ -669,16 +615,13 @@ class Episode:
         return "no_tool_calls", reply.content
 
     async def reply(self, reply: Reply) -> list[Outcome] | None:
-        """What a model reply does: the turn rule, for every driver.
-
-        A reply with calls runs them in order on the episode's session (see `call`), unless it is the last reply
-        the rules allow (then they are not run and the episode ends with `max_turns`); a reply without calls ends
-        the episode (`no_tool_calls`, or `length` when the length limit cut it) and its text, the final message,
-        goes to a terminal tool.
+        """What a model reply does, for every driver: its calls run in order (`call`), unless it is the last reply the
+        rules allow (the episode ends `max_turns`); a reply without calls ends it (`no_tool_calls`, or `length` when
+        cut) and its text goes to a terminal tool.
 
         Args:
             reply (`Reply`):
-                The model's reply: its text, its calls, whether the length limit cut it.
+                The model's reply.
 
         Returns:
             `list[Outcome]` or `None`: The calls' outcomes (generate again, with them), or `None` once it ended.
@@ -698,9 +641,8 @@ class Episode:
         return None
 
     async def observe(self, reply: Reply) -> None:
-        """A model reply in a loop that is not ours (a harness's: its calls come in through `call`), recorded as a
-        turn under the same rule: a reply with calls past the reply limit ends the episode (`max_turns`), and its
-        calls, arriving later, are refused.
+        """A model reply in a harness's loop (its calls come through `call`), recorded under the same rule: calls past
+        the reply limit end the episode (`max_turns`) and are refused.
 
         Args:
             reply (`Reply`):
@@ -715,7 +657,7 @@ class Episode:
             await self.end(reason)
 
     async def conclude(self, message: str | None) -> None:
-        """The harness stopped: the episode ends as one whose model answered without a tool call.
+        """The harness stopped: the episode ends `no_tool_calls`.
 
         Args:
             message (`str` or `None`):
@@ -736,13 +678,10 @@ class Episode:
         return turn
 
     async def call(self, call: ToolCall) -> Outcome:
-        """One tool call of the model, by the name it saw: checked, routed, run, recorded and counted once; its
-        `Outcome` is what the model reads of it, and the result or the error. Never raises for environment failures.
-
-        Refused locally (recorded, counted, the model reads why): an unsupported call type, a call after the
-        environment said `finished` or after the episode ended, a call past `Rules.max_tool_calls`, and a tool or
-        arguments the binding does not know (TRL's own messages). Not run (recorded, not counted): a call after its
-        session failed to open or was lost, or after a failure voided the episode.
+        """One tool call of the model: checked, routed, run, recorded and counted once; never raises for environment
+        failures. Refused locally (counted, the model reads why): an unsupported type, a call after `finished` or the
+        end, past `Rules.max_tool_calls`, or an unknown tool or arguments. Not run (not counted): a call after the
+        session failed or a failure voided the episode.
 
         Args:
             call (`ToolCall`):
@@ -769,8 +708,7 @@ class Episode:
         shown, text = self._shown(result.blocks)
         entry.update(status="ok", output=text, reward=result.reward, finished=result.finished,
                      metadata=result.metadata, seconds=round(elapsed, 4))
-        images = [self._keep(b) for b in image_blocks(result.blocks)]
-        if images:
+        if images := [self._keep(b) for b in image_blocks(result.blocks)]:
             entry["images"] = images
         self._scored(result)
         self._metrics._record_call(self.env.name, elapsed, None)
@@ -793,9 +731,8 @@ class Episode:
         return sha
 
     def made_before(self, calls: int | None) -> None:
-        """TRL's own loop: say how many tool calls the model made before the one coming in. Those TRL failed itself
-        (an unknown tool, arguments that do not bind) never reach the episode, yet count toward
-        `Rules.max_tool_calls` as on every other path; `replay` counts them for good.
+        """TRL's loop: how many tool calls the model made before the one coming in; those TRL failed itself count
+        toward `Rules.max_tool_calls` (`replay` counts them for good).
 
         Args:
             calls (`int` or `None`):
@@ -867,14 +804,13 @@ class Episode:
                     self._freeing = asyncio.ensure_future(session.close())  # close() awaits the same close
 
     def replay(self, replies: Sequence[tuple[Reply, Sequence[str]]], *, cut: bool) -> tuple[str, str | None]:
-        """A loop that is not ours played this episode (TRL's: its calls came in through `call`): rebuild the turns
-        from its transcript by the same turn rule, so that the record and the counts are those the engine and eval
-        give for the same replies. A call the loop failed itself, before it reached us, is counted as refused.
+        """TRL's loop played this episode (its calls came through `call`): rebuild the turns from its transcript by the
+        same turn rule, so records and counts match the engine's; a call the loop failed itself counts as refused.
 
         Args:
             replies (`Sequence[tuple[Reply, Sequence[str]]]`):
-                Each reply with what the loop showed the model after it: one text per call; none when it appended no
-                results (it rolled them back, which ends the episode `length`, or it ran none, at its turn limit).
+                Each reply with the texts the loop showed per call; none when it rolled them back (`length`) or ran
+                none (its turn limit).
             cut (`bool`):
                 The transcript ends after results (the next reply was cut to nothing).
 
@@ -916,8 +852,7 @@ class Episode:
         return reason or "length", message
 
     def _refusal_of(self, call: ToolCall, shown: str | None) -> ToolRefusedError:
-        """What the binding says of a call the loop failed itself (the refusal the engine and eval give), else what
-        the loop showed the model."""
+        """The binding's refusal of a call the loop failed itself, else what the loop showed the model."""
         try:
             self._route(call)
         except ToolRefusedError as exc:
@@ -927,8 +862,7 @@ class Episode:
     # -- the end -----------------------------------------------------------------------------------
 
     async def end(self, reason: str, message: str | None = None, *, detail: str | None = None) -> None:
-        """The model stopped. An environment's terminal tool grades the final message (a cut-off episode of such an
-        environment scores `None`); the end reason is `finished` whenever the environment said so.
+        """The model stopped: a terminal tool grades the final message (the reason is `finished` if it said so).
 
         Args:
             reason (`str`):
@@ -964,7 +898,7 @@ class Episode:
             self.end_reason, self.state = ("finished" if self.finished else reason), ENDED
 
     def time_out(self, limit: float) -> None:
-        """The episode ran past its deadline: it ends now, scored `None`, whatever it was doing.
+        """The episode ran past its deadline: it ends now, scored `None`.
 
         Args:
             limit (`float`):
@@ -978,7 +912,7 @@ class Episode:
                        self.task.key, limit)
 
     def fail(self, exc: BaseException) -> None:
-        """The episode failed outside any tool call (its session did not open, the policy failed): it ends.
+        """The episode failed outside any tool call: it ends.
 
         Args:
             exc (`BaseException`):
@@ -993,9 +927,7 @@ class Episode:
 
     @property
     def unscored(self) -> str | None:
-        """Why the episode has no reward: timeout, error (it failed: an infrastructure failure voids what it scored
-        before, unless `score_failures`), cut_off (a terminal tool never got an answer) or no_reward (the environment
-        scored nothing); None when it was scored."""
+        """Why the episode has no reward (timeout, dropped, error, cut_off, no_reward); None when it was scored."""
         if self.end_reason == "timeout":
             return "timeout"
         if self.dropped:
@@ -1021,8 +953,7 @@ class Episode:
         self._bill()
 
     def adopt(self) -> None:
-        """Make a manual episode (`MANUAL`) that a reward function read a training one: its counts so far join the
-        environment's metrics, and its outcome teaches task sampling."""
+        """A manual episode (`MANUAL`) a reward function read becomes a training one, counted and heard as such."""
         if self.source != MANUAL:
             return
         self.env.metrics._absorb(self._metrics)
@@ -1032,8 +963,7 @@ class Episode:
                 listener(self)
 
     def _bill(self) -> None:
-        """Count the session-seconds spent since the last count (`timings.session`: the session's life so far, all of
-        it once closed): at the reward, and the rest when the session is gone."""
+        """Count the session-seconds spent since the last count (at the reward, the rest when the session is gone)."""
         if self.session is None:
             return
         spent = self.timings["session"] = self.session.seconds
@@ -1043,8 +973,7 @@ class Episode:
     def record(self) -> EpisodeRecord:
         """The episode as one record (schema `ors_trl.core.records.RECORD_VERSION`), the same for every driver."""
         prompt = self.prompt
-        timings = {k: round(v, 4) for k, v in self.timings.items()}
-        timings["total"] = round(self.seconds, 4)
+        timings = {k: round(v, 4) for k, v in {**self.timings, "total": self.seconds}.items()}
         seen = [b.info().sha256 for m in (prompt.messages if prompt else ()) for b in image_blocks(m.blocks)]
         images: dict[str, Any] = {}
         if self.images:  # only then: a text-only episode's record is what it always was
@@ -1057,8 +986,8 @@ class Episode:
             task_spec=self.task.spec, **self.info, started_at=self.started_at,  # type: ignore[typeddict-item]
             system=prompt.system if prompt else None, prompt=prompt.text if prompt else None, turns=self.turns,
             final=self.final, rewards=self.rewards, reward=self.reward, reward_rule=self.env.reward_rule.name,
-            group_reward=self.group_reward, finished=self.finished, end_reason=self.end_reason, unscored=self.unscored, tool_calls=self.tool_calls,
-            tool_failures=self.tool_failures, error=self.error, timings=timings, **images,
+            group_reward=self.group_reward, finished=self.finished, end_reason=self.end_reason, unscored=self.unscored,
+            tool_calls=self.tool_calls, tool_failures=self.tool_failures, error=self.error, timings=timings, **images,
             **({"tokens": self.tokens} if self.tokens is not None else {}),
         )
 
@@ -1070,13 +999,13 @@ class Episode:
             await self.session.close()
 
     async def close(self, *, keep: bool = True, replaced: bool = False) -> None:
-        """Free the session, then (once) count the episode and write its record. The one way an episode closes.
+        """Free the session, then (once) count the episode and write its record: the one way an episode closes.
 
         Args:
             keep (`bool`, *optional*, defaults to `True`):
                 Count and record it; `False` (an interrupted episode, which is no result) does neither.
             replaced (`bool`, *optional*, defaults to `False`):
-                A failure voided it and it is played again on a fresh session: recorded, counted as a retry only.
+                A failure voided it and it is played again: recorded, counted as a retry only.
         """
         if self.state == CLOSED:
             return
@@ -1110,25 +1039,25 @@ class Episode:
 
 
 def drop_failed_groups(episodes: Sequence[Episode]) -> None:
-    """`failed_groups="drop"`: a GRPO group (the episodes of one task) with an episode a failure voided trains none
-    of its episodes (each is `dropped`: no score), so a partial group does not bias the advantages; counted once."""
-    groups: dict[tuple[int, str], list[Episode]] = {}
-    for ep in episodes:
-        if ep.env.failed_groups == "drop":
-            groups.setdefault((id(ep.env), ep.task.key), []).append(ep)
-    for group in groups.values():
+    """`failed_groups="drop"`: a GRPO group with an episode a failure voided trains none of its episodes (each is
+    `dropped`), so a partial group does not bias the advantages; counted once."""
+    for group in _groups(ep for ep in episodes if ep.env.failed_groups == "drop"):
         if any(ep.broken for ep in group) and not group[0].dropped:
             for ep in group:
                 ep.dropped = True
             group[0]._metrics._record_retry(group[0].env.name, dropped_group=True)
 
 
-async def score_groups(episodes: Sequence[Episode]) -> None:
-    """Send each GRPO group (the episodes of one task) to `/score_group` once, all groups concurrently, and set
-    each episode's `group_reward`. A group whose scoring fails keeps None, is counted and logged."""
+def _groups(episodes: Iterable[Episode]) -> list[list[Episode]]:
+    """The GRPO groups (the episodes of one task of one environment) among `episodes`."""
     groups: dict[tuple[int, str], list[Episode]] = {}
     for ep in episodes:
         groups.setdefault((id(ep.env), ep.task.key), []).append(ep)
+    return list(groups.values())
+
+
+async def score_groups(episodes: Sequence[Episode]) -> None:
+    """Score each GRPO group once via `/score_group`, concurrently; a failed group keeps None, counted and logged."""
 
     async def score(group: list[Episode]) -> None:
         env = group[0].env
@@ -1154,4 +1083,4 @@ async def score_groups(episodes: Sequence[Episode]) -> None:
             ep.group_reward = result.reward
         group[0]._metrics._record_group(env.name, ok=True)
 
-    await asyncio.gather(*(score(g) for g in groups.values()))
+    await asyncio.gather(*(score(g) for g in _groups(episodes)))

@@ -1,8 +1,6 @@
-"""Normalise a tool's input schema (untrusted JSON Schema from the network) into a small tree of `Node`.
-
-The only code that reads raw schemas: it resolves local `$ref` pointers (a cycle is cut: `recursive Name`), merges
-`allOf`, and bounds all a hostile schema could blow up (see `Budget`); what it cannot represent becomes a note.
-Foreign objects are never `repr()`-ed (`quote` writes JSON). `ors_trl.core.schema` renders the tree.
+"""Normalise a tool's input schema (untrusted JSON Schema) into a small tree of `Node`: the only reader of raw schemas.
+It resolves local `$ref`s (cycles cut), merges `allOf`, bounds all a hostile schema could blow up (`Budget`) and never
+`repr()`s foreign objects (`quote` writes JSON). `ors_trl.core.schema` renders the tree.
 """
 
 from __future__ import annotations
@@ -70,15 +68,12 @@ def as_text(value: Any) -> str:
 
 
 def quote(value: Any, limit: int | None = _SNIPPET) -> str:
-    """Compact JSON for a value quoted in a description, cut to `limit` characters (the work bounded by it too), on
-    one line (line breaks escaped); objects that are not JSON are shown as `<type>`."""
+    """Compact one-line JSON of a value, cut (with the work) to `limit` characters; non-JSON objects as `<type>`."""
     budget = _MAX_TEXT * 10 if limit is None else limit + 1
 
     def scalar(item: Any) -> str:
-        if isinstance(item, str):
-            return json.dumps(item[:budget], ensure_ascii=False)
         try:
-            return json.dumps(item)
+            return json.dumps(item[:budget] if isinstance(item, str) else item, ensure_ascii=False)
         except ValueError:  # an int too long to print
             return "<number>"
 
@@ -201,13 +196,9 @@ class _View:
 
 
 class Budget:
-    """What normalising one tool list's input schemas (`received` characters of JSON) may cost; the one account of
-    the bounds (a dozen 2 KB tools with exponentially expanding references once rendered 13.7 MB into every prompt).
-
-    Work: one unit per node, keyword, enum value and alternative; each tool may spend `max_nodes`, the list `work`
-    (received plus expanded characters). A `$ref` expansion copies its target: each tool may copy `EXPANSION_FACTOR`
-    times its own size, the tools together `EXPANSION_FLOOR` more, first come. Past a bound the rest is cut ("…",
-    typed Any) or a reference left unexpanded (typed by its target's top-level type, counted in `refs_cut`).
+    """What normalising one tool list's schemas (`received` characters of JSON) may cost: work units (one per node,
+    keyword, enum value, alternative) and `$ref` expansion (each tool `EXPANSION_FACTOR` times its size, all together
+    `EXPANSION_FLOOR` more). Past a bound the rest is cut ("…", Any) or a reference left unexpanded (`refs_cut`).
     """
 
     def __init__(self, received: int) -> None:
@@ -218,8 +209,7 @@ class Budget:
 
 
 class Normaliser:
-    """Normalises one tool's schemas against `root` (what `$ref` resolves against) within `max_nodes` work units
-    and the tool list's `budget` (default: this schema's own), collecting its notes."""
+    """Normalises one tool's schemas against `root` within `max_nodes` work units and the list's `budget`."""
 
     def __init__(self, root: Any, max_nodes: int, budget: Budget | None = None) -> None:
         self.root = root
@@ -267,9 +257,8 @@ class Normaliser:
         return self.node(raw, stack, depth, depth)
 
     def arguments(self, text: int, input_text: int) -> tuple[list[tuple[str, Node]], dict[str, None], list]:
-        """The root as a tool's input: its arguments (wire name, node), the required ones (in the schema's order: a
-        set's would change with PYTHONHASHSEED), and sentences about the whole input: text, or `(text, node)` that
-        the node's label completes. Fields listed: `text` characters per argument, `input_text` for the sentences."""
+        """The root as a tool's input: (wire name, node) per argument, the required ones (schema order: no set), and
+        sentences about the input (text, or `(text, node)`); `text`/`input_text`: field text for each."""
         if self.root in (None, {}, True):
             return [], {}, []
         root = self.deref(self.root, ())

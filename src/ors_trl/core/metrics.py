@@ -1,10 +1,6 @@
-"""What the environment did, measured once: episode statistics and the numbers behind the training logs.
-
-`EpisodeStats` is the one tally of episodes (training metrics, `EvalReport`, the report page), with one definition
-of success: a reward at or above `success_threshold`. Tool-call health is what fails silently: episodes without a
-tool call, unparsed tool-call markup, malformed arguments; an episode that never opened is counted apart
-(`unopened`). `EnvMetrics.flush()` turns the events since the last flush (session-seconds included: what a sandbox
-platform bills) into scalars named `env/<name>/<metric>` (and `env/<metric>` over all environments).
+"""What the environment did, measured once: `EpisodeStats` is the one tally of episodes (one definition of success: a
+reward at or above `success_threshold`; tool-call health, which fails silently); `EnvMetrics.flush()` turns the
+events since the last flush into scalars named `env/<name>/<metric>` (and `env/<metric>` over all environments).
 """
 
 from __future__ import annotations
@@ -43,8 +39,7 @@ def _number(value: Any) -> float | None:
 
 
 def tool_health(turns: Any) -> tuple[int, int]:
-    """Of a record's turns: how many held tool-call markup that parsed to no call (`unparsed`), and how many calls
-    were refused for malformed arguments."""
+    """Of a record's turns: how many held unparsed tool-call markup, and how many calls had malformed arguments."""
     unparsed = malformed = 0
     for turn in turns if isinstance(turns, list) else ():
         if isinstance(turn, dict):
@@ -216,9 +211,8 @@ def _add(into: Any, other: Any) -> None:
 
 
 class EnvMetrics:
-    """Thread-safe accumulator of what the environments did; one per spec or mix (`spec.metrics`), shared by its
-    adapters and engine. `flush()` turns it into the `env/...` metrics TRL logs. In every method, `env` is the
-    environment's name and `error_kind` the `ORSError.kind` of a failure.
+    """Thread-safe accumulator of what the environments did, one per spec or mix (`spec.metrics`); `flush()` turns it
+    into the `env/...` metrics TRL logs.
 
     Args:
         success_threshold (`float`, *optional*, defaults to `DEFAULT_SUCCESS_THRESHOLD`):
@@ -247,8 +241,7 @@ class EnvMetrics:
             latency.append(seconds)
 
     def _set_open_sessions_gauge(self, owner: int, name: Callable[[], str], gauge: Callable[[], int]) -> None:
-        """Report `gauge()` as `env/<name()>/sessions_open` at every flush (the name read then: an environment's is
-        known once its server said it)."""
+        """Report `gauge()` as `env/<name()>/sessions_open` at every flush (the name read then)."""
         self._gauges[owner] = (name, gauge)
 
     def _record_open(self, env: str, seconds: float | None, error_kind: str | None = None) -> None:
@@ -264,8 +257,7 @@ class EnvMetrics:
 
     def _record_call(self, env: str, seconds: float | None, error_kind: str | None = None, *,
                      terminal: bool = False) -> None:
-        """One tool call of the model (`seconds` None: refused before it reached the environment), or the harness's
-        call of the hidden terminal tool, counted apart."""
+        """One tool call (`seconds` None: refused before it was sent), or the hidden terminal tool's, apart."""
         with self._lock:
             w = self._windows[env]
             if terminal:
@@ -279,8 +271,7 @@ class EnvMetrics:
     def _record_episode(self, env: str, *, reward: float | None, finished: bool, calls: int,
                         unscored: str | None = None, turns: Any = (), opened: bool = True,
                         tokens: Mapping[str, Any] | None = None) -> None:
-        """One finished episode: `calls` the model's tool calls, `turns` its turn records (see `EpisodeStats.add`),
-        `tokens` its token fidelity (`Episode.tokens`)."""
+        """One finished episode: its reward, calls, turn records and token fidelity (`Episode.tokens`)."""
         unparsed, malformed = tool_health(turns)
         with self._lock:
             w = self._windows[env]

@@ -1,11 +1,7 @@
-"""Episode records: the schema (version 3, typed below), the one writer (`episode_log=`, `ors-trl eval --output`)
-and the one reader (`--resume`, `ors-trl report`), which upgrades versions 1 and 2.
-
-Records are appended and flushed at once, from any thread: an interrupted run loses at most its running episodes.
-Images are listed once per record (`images`), referred to by hash, their bytes written once beside the log. A record
-holds untrusted text, so the writer never fails on it nor loses it silently: it writes valid JSON (`jsonable`) or
-counts the record in `dropped`, its reason logged once. The reader skips and counts what is not a record. Nothing
-transport-level (headers, keys) is ever part of a record.
+"""Episode records: the schema (version 3), the one writer (appends and flushes, from any thread; images by hash,
+their bytes once beside the log) and the one reader (upgrades versions 1 and 2). Records hold untrusted text: the
+writer writes valid JSON (`jsonable`) or counts the record in `dropped`; the reader skips and counts what is not a
+record. Nothing transport-level (headers, keys) is ever part of a record.
 """
 
 from __future__ import annotations
@@ -82,8 +78,7 @@ class CallRecord(TypedDict, total=False):
 
 
 class TurnRecord(TypedDict, total=False):
-    """One model reply and its calls, in order; drivers add `raw`, `usage` and `generation_seconds` where they have
-    them."""
+    """One model reply and its calls, in order; drivers add `raw`, `usage` and `generation_seconds`."""
 
     index: int
     assistant: str | None  # its visible text (None when nothing was parsed)
@@ -200,10 +195,8 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 def jsonable(value: Any, *, max_text: int | None = None, fields: frozenset[str] | None = _TEXT_FIELDS,
              max_depth: int = MAX_DEPTH) -> Any:
-    """A copy of `value` that `json.dumps(..., allow_nan=False)` writes and any JSON reader reads: lone surrogates
-    repaired, NaN and infinities as `"nan"`, `"inf"`, `"-inf"`, anything else not JSON (keys included) as its text, a
-    list or dict at `max_depth` or containing itself as a marker. `max_text` cuts, with a visible mark, the strings
-    under the keys in `fields` (every string with `fields=None`)."""
+    """A copy of `value` any JSON reader reads: surrogates repaired, NaN/inf as text, anything not JSON as its text, a
+    container at `max_depth` or holding itself as a marker; `max_text` cuts strings under `fields` (None: all)."""
 
     def copy(v: Any, depth: int, cut: bool, path: set[int]) -> Any:
         if isinstance(v, str):
@@ -243,11 +236,9 @@ def _text(value: Any) -> str:
 
 
 class RecordWriter:
-    """Append records to a JSON-lines file `path` (created with its parent folders).
-
-    `append=False` truncates it (else a line an interruption cut short is ended first); `max_bytes` stops writing
-    past that size, `max_text` cuts every long text with a visible mark, `max_image_bytes` (None: `max_bytes`) stops
-    writing images into `images_dir` past it. `written` and `dropped` count records (`drop_reasons` says why).
+    """Append records to a JSON-lines file `path`. `append=False` truncates it; `max_bytes` stops writing past that
+    size, `max_text` cuts long texts visibly, `max_image_bytes` (None: `max_bytes`) bounds the images beside it.
+    `written` and `dropped` count records (`drop_reasons` says why).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, append: bool = True, max_bytes: int | None = None,
@@ -341,8 +332,7 @@ class RecordWriter:
 
 
 def parse_line(line: str | bytes) -> tuple[Any, str | None]:
-    """One JSON line as `(value, None)`, or `(None, why)` (never quoting the line); invalid UTF-8 is replaced, lone
-    surrogates written as escapes repaired."""
+    """One JSON line as `(value, None)`, or `(None, why)` (never quoting it); lone surrogates repaired."""
     text = line.decode("utf-8", "replace") if isinstance(line, bytes) else line
     try:
         value = json.loads(text)
@@ -354,8 +344,7 @@ def parse_line(line: str | bytes) -> tuple[Any, str | None]:
 
 
 def read_records(path: str | os.PathLike[str], skipped: Counter[str] | None = None) -> Iterator[dict[str, Any]]:
-    """The records of a JSON-lines file, in order; lines that are not JSON objects are skipped, with one warning,
-    and counted by reason in `skipped`."""
+    """The records of a JSON-lines file, in order; lines that are not records are skipped, counted in `skipped`."""
     p = Path(path)
     if not p.exists():
         return

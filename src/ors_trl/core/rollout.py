@@ -1,11 +1,6 @@
-"""The one rollout loop (design decision 14): an episode played with a generator.
-
-`play(episode, generator)` opens the episode, shows the generator the conversation, hands each reply to the turn
-rule (`Episode.reply`) and appends what its calls gave, until the episode ends. The engine (training), `evaluate`
-and the eval callback drive it; TRL's own loop replays the same rule (`Episode.replay`). A generator answers "the
-model's next reply, given this conversation": the trainer's backend or a local model (token ids built once,
-`ors_trl.trl.tokens`), an OpenAI-compatible endpoint, a scripted one. `Batcher` is the one micro-batcher in front of
-a batched generator.
+"""The one rollout loop (design decision 14): `play(episode, generator)` shows the generator the conversation and hands
+each reply to the turn rule (`Episode.reply`) until the episode ends; the engine, `evaluate` and the eval callback
+drive it. A generator gives "the model's next reply to this conversation". `Batcher` is the one micro-batcher.
 """
 
 from __future__ import annotations
@@ -31,8 +26,7 @@ AUTO_WINDOW = 0.05
 
 
 class Conversation:
-    """One episode as a generator sees it: its chat `messages` so far (what a message-level generator sends), the
-    tools' schemas, and `state`, the generator's own view of it (a token generator's `Tokens`)."""
+    """One episode as a generator sees it: its chat `messages`, the tools' schemas, and the generator's `state`."""
 
     __slots__ = ("episode", "messages", "state", "tools")
 
@@ -45,12 +39,12 @@ class Conversation:
         turn = len(self.episode.turns) - 1
         ids = [c.id or f"call_{turn}_{k}" for k, c in enumerate(reply.tool_calls)]
         self.messages.append(assistant_message(reply, ids))
-        self.messages += [tool_message(c, o.content, i) for c, o, i in zip(reply.tool_calls, outcomes, ids, strict=True)]
+        self.messages += [tool_message(c, o.content, i)
+                          for c, o, i in zip(reply.tool_calls, outcomes, ids, strict=True)]
 
 
 class StopEpisode(Exception):
-    """Raised by a generator instead of a reply: the episode ends with `reason` (`length`: the completion budget,
-    `context_length`: the model's context) and `detail`."""
+    """Raised by a generator instead of a reply: the episode ends with `reason` (`length`, `context_length`)."""
 
     def __init__(self, reason: str, detail: str | None = None) -> None:
         super().__init__(detail or reason)
@@ -59,21 +53,17 @@ class StopEpisode(Exception):
 
 @runtime_checkable
 class Generator(Protocol):
-    """What `play` asks for the model's next reply. Optional hooks: `start(conversation)` before the episode opens
-    and `finish(conversation)` after it ended (a batched generator counts the episodes that may still ask)."""
+    """What `play` asks for the model's next reply; optional hooks `start(conversation)` and `finish(conversation)`."""
 
     async def reply(self, conversation: Conversation) -> Reply:
-        """The model's next reply to `conversation`; raises `StopEpisode` or `ContextLengthExceeded` to end it before
-        generating (the results of the last calls, if any, then never reached the model)."""
+        """The model's next reply to `conversation`; raises `StopEpisode` or `ContextLengthExceeded` to end it."""
 
 
 async def play(episode: Episode, generator: Any, *, base: Sequence[Mapping[str, Any]] = (), flatten: bool = False,
                timeout: float | None = None) -> Conversation:
-    """Play `episode` with `generator` until it ends (the rules' reply limit bounds the loop). `base`: the dataset
-    row's prompt messages the episode's prompt joins (`Prompt.chat`); `flatten`: show the prompt as one user message,
-    as TRL's `environment_factory` loop does; `timeout`: seconds the episode may take, past which it ends scored None
-    (`Episode.time_out`). An episode that does not open is left failed (its conversation has no messages). What the
-    generator raises, other than a stop, propagates."""
+    """Play `episode` with `generator` until it ends. `base`: the dataset row's prompt messages (`Prompt.chat`);
+    `flatten`: the prompt as one user message, as TRL's loop shows it; `timeout`: seconds, past which it ends scored
+    None. An episode that does not open is left failed; what the generator raises, other than a stop, propagates."""
     conversation = Conversation(episode)
     start, finish = getattr(generator, "start", None), getattr(generator, "finish", None)
     if start is not None:
@@ -117,12 +107,10 @@ async def _play(conversation: Conversation, generator: Any, base: Sequence[Mappi
 
 async def play_task(episode: Episode, generator: Any, *, attempts: list[Episode] | None = None, player: Any = None,
                     **options: Any) -> tuple[Episode, Conversation]:
-    """Play `episode`, and replay its task from the start on a fresh session (`Episode.again`) while infrastructure
-    voided it (`Episode.retryable`), at most its environment's `episode_retries` times: its tools run again, so the
-    replay is said in the log. Returns the last attempt and its conversation; the voided ones are recorded
-    (`replayed` on the next) and counted as retries. `attempts` receives each attempt as it starts (a caller that
-    catches what `play` raises knows which attempt raised it); `player` plays each attempt (`play`, or a harness's);
-    `options` go to it."""
+    """Play `episode`, replaying its task on a fresh session (`Episode.again`) while a failure voided it, at most
+    `episode_retries` times (logged: its tools run again). Returns the last attempt and its conversation; voided ones
+    are recorded and counted as retries. `attempts` receives each attempt as it starts; `player` plays each (`play`,
+    or a harness's) with `options`."""
     attempts, player = [] if attempts is None else attempts, player or play
     attempts.append(episode)
     for attempt in range(episode.env.episode_retries + 1):
@@ -157,13 +145,10 @@ def _settle(future: asyncio.Future[Any], result: Any) -> None:
 
 
 class Batcher:
-    """The one micro-batcher in front of a batched generator: a request that is ready waits for the members (episodes
-    being played, `enter`/`leave`) that can still ask, for at most `window` seconds, then goes with the others as one
-    batch. `None` (automatic): at most `AUTO_WINDOW` and at most half of what a batch has been taking, since company
-    is worth waiting for only when generating costs more than the wait. `barrier`: wait for every member (TRL's
-    turn-by-turn schedule). Requests come from coroutines (`ask`); one pump thread takes batches (`take`), in the order
-    their members entered (a batch's rows keep the rollouts' order, whenever each became ready), and answers them
-    (`give`)."""
+    """The micro-batcher in front of a batched generator: a ready request waits for the members (`enter`/`leave`) that
+    may still ask, at most `window` seconds (None: `AUTO_WINDOW`, at most half a batch's time), then goes as one batch;
+    `barrier`: wait for every member (TRL's schedule). Coroutines `ask`; one pump thread `take`s batches, rows in the
+    order members entered, and answers them (`give`)."""
 
     def __init__(self, window: float | None = None, *, max_batch: int | None = None, barrier: bool = False) -> None:
         if window is not None and not window >= 0:  # also refuses NaN
@@ -201,8 +186,7 @@ class Batcher:
             self._cond.notify_all()
 
     async def ask(self, item: Any, order: int = 0) -> Any:
-        """Queue `item` (its member's place `order`) for the next batch and wait for its answer (an exception answer
-        is raised)."""
+        """Queue `item` (its member's place `order`) for the next batch and wait for its answer (or exception)."""
         request = _Request(item, asyncio.get_running_loop().create_future(), order)
         with self._cond:
             self._queue.append(request)
@@ -217,8 +201,7 @@ class Batcher:
                         self._queue.remove(request)
 
     def take(self, stop: Callable[[], bool] = lambda: False) -> list[_Request]:
-        """Block until a batch is ready (requests waiting, and no member left that may still ask or the window gone
-        since the first of them waited); `[]` once `stop()` holds with nothing waiting."""
+        """Block until a batch is ready; `[]` once `stop()` holds with nothing waiting."""
         with self._cond:
             while True:
                 self._queue = [r for r in self._queue if not r.future.done()]

@@ -1,10 +1,8 @@
 """Render ORS tool input schemas as Python annotations plus one-line parameter and tool descriptions.
 
-TRL shows tools to the model through `transformers.utils.get_json_schema`, which reads only type hints (scalars,
-`list`, `tuple`, `dict[str, T]`, `Literal`, `Union`, `Optional`) and docstrings. Each schema (normalised by
-`ors_trl.core.jsonschema`) becomes the annotation `get_json_schema` turns back into its structure (`hint_schema`
-here), plus a deterministic one-line description of all the annotation cannot carry (nested fields, defaults,
-bounds, patterns, formats, titles, ...), so nothing the environment says is lost.
+TRL shows tools through `get_json_schema`, which reads only type hints and docstrings: each normalised schema becomes
+the annotation it turns back into that structure (`hint_schema`), plus a one-line description of all an annotation
+cannot carry (nested fields, defaults, bounds, patterns, ...), so nothing the environment says is lost.
 """
 
 from __future__ import annotations
@@ -99,8 +97,7 @@ def _union(annotations: list[Any]) -> Any:
 
 
 def hint_schema(hint: Any) -> dict[str, Any]:
-    """The JSON schema `get_json_schema` writes for a hint `_annotation` makes (transformers' `_parse_type_hint`,
-    for these hints only): the core renders tools as TRL does without importing it."""
+    """The JSON schema `get_json_schema` writes for a hint `_annotation` makes, without importing transformers."""
     origin, args = get_origin(hint), get_args(hint)
     if origin is None:  # a plain type, or Any
         return {"type": _JSON_TYPES[hint]} if hint in _JSON_TYPES else {}
@@ -391,8 +388,7 @@ def python_parameter_names(wire_names: list[str]) -> dict[str, str]:
 
 
 def unique_name(base: str, taken: set[str], *, limit: int | None = None, avoid: frozenset[str] = frozenset()) -> str:
-    """`base`, else the first of `base_2`, `base_3`... (cut to `limit` characters) in neither `taken` nor `avoid`;
-    added to `taken`."""
+    """`base`, else the first free `base_2`, `base_3`... (cut to `limit`) not in `taken`/`avoid`; added to `taken`."""
     candidate, index = base, 2
     while candidate in taken or candidate in avoid:
         suffix = f"_{index}"

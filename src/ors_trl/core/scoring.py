@@ -1,9 +1,6 @@
-"""How an episode's per-call rewards become its reward (design decision 15), and the returns per turn.
-
-ORS gives a reward on any call; an environment decides what they mean (PortManager's are "meant to be summed",
-TextWorld's are score changes, a corridor's are progress). The user chooses the rule (`OpenRewardSpec(reward=...)`):
-`last` (TRL's convention, the default), `sum`, `max`, `discounted:<gamma>` or a callable. Every reader of a reward
-(training on every path, `evaluate`, pass@k, the report, task sampling) reads `Episode.reward`, which applies it.
+"""How an episode's per-call rewards become its reward (design decision 15), and the returns per turn: the user
+chooses the rule (`OpenRewardSpec(reward=...)`: `last`, the default, `sum`, `max`, `discounted:<gamma>` or a
+callable); every reader of a reward reads `Episode.reward`, which applies it.
 """
 
 from __future__ import annotations
@@ -16,7 +13,9 @@ from ..protocol.errors import ConfigurationError
 
 __all__ = ["RewardRule", "reward_rule"]
 
-RULES = ("last", "sum", "max", "discounted")
+_SIMPLE: dict[str, Callable[[list[float], Any], float]] = {
+    "last": lambda scored, _: scored[-1], "sum": lambda scored, _: sum(scored), "max": lambda scored, _: max(scored)}
+RULES = (*_SIMPLE, "discounted")
 
 
 class RewardRule:
@@ -41,8 +40,7 @@ class RewardRule:
         return float(out)
 
     def returns(self, rewards: Sequence[float | None]) -> list[float]:
-        """Per call, the rule applied to the rewards from that call on (the reward-to-go of each call; 0.0 where
-        nothing is left to score): what per-turn credit trains each turn on."""
+        """Per call, the rule over the rewards from that call on (0.0 where none is left): per-turn credit."""
         return [self(rewards[k:]) or 0.0 for k in range(len(rewards))]
 
 
@@ -56,19 +54,17 @@ def reward_rule(rule: str | Callable[..., float | None] | RewardRule | None) -> 
     where absent, and the `Episode`); `None` is `"last"`."""
     if isinstance(rule, RewardRule):
         return rule
-    if rule is None or rule == "last":
-        return RewardRule("last", lambda scored, _: scored[-1])
-    if rule == "sum":
-        return RewardRule("sum", lambda scored, _: sum(scored))
-    if rule == "max":
-        return RewardRule("max", lambda scored, _: max(scored))
+    rule = "last" if rule is None else rule
+    if isinstance(rule, str) and rule in _SIMPLE:
+        return RewardRule(rule, _SIMPLE[rule])
     if isinstance(rule, str) and rule.startswith("discounted"):
         try:
             gamma = float(rule.partition(":")[2] or 0.99)
         except ValueError:
             gamma = math.nan
         if not 0 < gamma <= 1:
-            raise ConfigurationError(f"reward={rule!r}: the discount must be a number in (0, 1], e.g. 'discounted:0.99'")
+            raise ConfigurationError(
+                f"reward={rule!r}: the discount must be a number in (0, 1], e.g. 'discounted:0.99'")
         return RewardRule(f"discounted:{gamma:g}", _discounted(gamma))
     if callable(rule):
         return RewardRule(f"callable:{getattr(rule, '__qualname__', type(rule).__name__)}", rule)

@@ -1,8 +1,5 @@
-"""Statistics over tasks: the unbiased pass@k, an interval for pass@1, and a paired test between two runs.
-
-A task whose n episodes had c successes (`EpisodeStats`' one definition) has pass@k = 1 - C(n-c, k) / C(n, k) (Chen
-et al., 2021): the chance that one of k of its episodes, drawn without replacement, succeeded; over tasks, the mean.
-The interval and the test treat the tasks as the sample (episodes of one task are not independent draws).
+"""Statistics over tasks: the unbiased pass@k (1 - C(n-c, k) / C(n, k), Chen et al., 2021; over tasks, the mean),
+an interval for pass@1 and a paired test between two runs, both with tasks as the sample.
 """
 
 from __future__ import annotations
@@ -41,8 +38,7 @@ def pass_at_ks(counts: Iterable[tuple[int, int]]) -> dict[int, float]:
 
 
 def pass_over_tasks(tasks: Collection[Any]) -> tuple[dict[int, float], tuple[float, float] | None]:
-    """pass@k over tasks (each an `EpisodeStats`: its `episodes` and `successes`, see `pass_at_ks`) and the 95%
-    interval of pass@1 over them (`wilson`; `None` for no task)."""
+    """pass@k over tasks (each an `EpisodeStats`) and the 95% interval of pass@1 (`wilson`; None for no task)."""
     passed = pass_at_ks((t.episodes, t.successes) for t in tasks)
     return passed, (wilson(passed[1], len(tasks)) if passed else None)
 
@@ -59,9 +55,8 @@ def wilson(p: float, n: int) -> tuple[float, float]:
 
 
 def paired_test(differences: Sequence[float]) -> tuple[float, str]:
-    """Two-sided p-value that the mean of paired per-task differences is zero, and `"exact"` or `"normal"`: a
-    sign-flip permutation test, exact (counting every sign pattern's sum) while the distinct sums stay few, else
-    the normal approximation of the same statistic."""
+    """Two-sided p-value that the mean of paired per-task differences is zero, by a sign-flip permutation test:
+    `"exact"` while the distinct sums stay few, else its `"normal"` approximation."""
     d = [x for x in differences if x != 0]
     if not d:
         return 1.0, "exact"
@@ -80,8 +75,7 @@ def paired_test(differences: Sequence[float]) -> tuple[float, str]:
 
 
 def check_threshold(threshold: float, rewards: Iterable[float | None]) -> None:
-    """Refuse a success threshold outside the rewards seen: every episode would succeed, or none could, whatever it
-    did. Nothing to check when nothing was scored."""
+    """Refuse a success threshold outside the rewards seen (every episode, or none, would succeed)."""
     scored = [r for r in rewards if r is not None and math.isfinite(r)]
     if scored and not min(scored) <= threshold <= max(scored):
         raise ConfigurationError(
@@ -93,8 +87,7 @@ def check_threshold(threshold: float, rewards: Iterable[float | None]) -> None:
 def by_task(episodes: Iterable[tuple[Any, Any]], success_threshold: float,
             count: Callable[[EpisodeStats, Any], None] = EpisodeStats.add_record
             ) -> tuple[EpisodeStats, dict[Any, EpisodeStats], dict[int, float], tuple[float, float] | None]:
-    """`(task, episode)` pairs counted overall and per task (`count`: a record by default), then `pass_over_tasks`:
-    what an evaluation reports, after training or during it."""
+    """`(task, episode)` pairs counted overall and per task (`count`), then `pass_over_tasks`: an eval's report."""
     stats = EpisodeStats(success_threshold)
     tasks: dict[Any, EpisodeStats] = {}
     for task, episode in episodes:
