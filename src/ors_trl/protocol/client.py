@@ -291,11 +291,10 @@ class AsyncSession:
         """Refresh the server's idle timer; False (the session marked expired) if it is gone."""
         if self.closed:
             return False
-        self.last_activity = time.monotonic()
         try:
-            await self._transport.request("POST", "/ping", sid=self.sid, session_scoped=True)
+            async with self._active():  # a 404 or 410 marks it expired
+                await self._transport.request("POST", "/ping", sid=self.sid, session_scoped=True)
         except NotFoundError:
-            self.expired = True
             return False
         return True
 
@@ -781,8 +780,7 @@ class AsyncClient:
         """Close every open session (and those still opening), then the connection pool. Idempotent."""
         if self._pool.closed:
             return
-        if self._control_sid is not None:
-            # Nothing runs in it: failing to delete it is not worth a warning.
+        if self._control_sid is not None:  # nothing runs in it: failing to delete it is worth no warning
             self._pool.delete_soon(self._control_sid, quiet=True)
             self._control_sid = None
         await self._pool.aclose()
@@ -831,9 +829,6 @@ class _Facade:
     def __repr__(self) -> str:
         return repr(self._inner).replace("<Async", "<", 1)
 
-    def _run(self, coro: Any) -> Any:
-        return self._bg.run(coro)
-
     def __enter__(self) -> Any:
         return self
 
@@ -875,7 +870,7 @@ class Client(_Facade):
     def close(self) -> None:
         """Close every open session, then the connection pool."""
         self._bg.remove_closer(self._inner.aclose)
-        self._run(self._inner.aclose())
+        self._bg.run(self._inner.aclose())
 
 
 async def delete_orphans(target: str, sids: list[str]) -> list[bool | None]:
