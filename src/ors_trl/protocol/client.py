@@ -148,7 +148,7 @@ class ClientOptions:
         return dataclasses.replace(options or cls(), **overrides)
 
 
-class AsyncSession:
+class AsyncSession(contextlib.AbstractAsyncContextManager["AsyncSession"]):
     """One ORS session (one episode of one task), from `AsyncClient.open_session`. Each argument is kept as the
     attribute of the same name, beside `opened_at`, `closed_at` (`time.monotonic()`; None until the server deleted
     it), `expired` (the server said it is gone) and `closed`.
@@ -282,9 +282,8 @@ class AsyncSession:
                 return await self._transport.stream(self.client._path(suffix), body=body, sid=self.sid, what=what,
                                                     tool=tool)
         except TimeoutError:
-            raise ORSTimeoutError(
-                f"{what} did not finish within {limit} s (Timeouts.tool_call); it may still be running on the server."
-            ) from None
+            raise ORSTimeoutError(f"{what} did not finish within {limit} s (Timeouts.tool_call); it may still be "
+                                  "running on the server.") from None
 
     @masked
     async def ping(self) -> bool:
@@ -306,9 +305,6 @@ class AsyncSession:
             self._close_task = self.client._pool.delete_soon(self.sid, session=self)
         await asyncio.wait([self._close_task], timeout=CLOSE_WAIT_S)
 
-    async def __aenter__(self) -> AsyncSession:
-        return self
-
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
@@ -326,7 +322,7 @@ async def _landed(request: Any, into: list[Any]) -> Any:
     return into[-1]
 
 
-class AsyncClient:
+class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
     """Async client for one ORS environment; a `ConfigurationError` for a malformed target or option, a
     `MissingAPIKeyError` for a catalog name with no API key.
 
@@ -786,9 +782,6 @@ class AsyncClient:
         await self._pool.aclose()
         await self._transport.aclose()
 
-    async def __aenter__(self) -> AsyncClient:
-        return self
-
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
@@ -822,15 +815,12 @@ def _facade(of: type, methods: tuple[str, ...], attributes: tuple[str, ...]) -> 
     return install
 
 
-class _Facade:
+class _Facade(contextlib.AbstractContextManager[Any]):
     def __init__(self, inner: Any, bg: BackgroundLoop) -> None:
         self._inner, self._bg = inner, bg
 
     def __repr__(self) -> str:
         return repr(self._inner).replace("<Async", "<", 1)
-
-    def __enter__(self) -> Any:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()  # type: ignore[attr-defined]

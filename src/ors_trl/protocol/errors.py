@@ -13,39 +13,12 @@ import inspect
 from collections.abc import Callable, Collection, Iterable
 from typing import Any, ClassVar, TypeVar
 
-__all__ = [
-    "APIStatusError",
-    "AuthenticationError",
-    "BadRequestError",
-    "ConfigurationError",
-    "ContextLengthExceeded",
-    "EnvironmentNotFoundError",
-    "ImageError",
-    "MissingAPIKeyError",
-    "MissingExtraError",
-    "NotFoundError",
-    "ORSError",
-    "ORSTimeoutError",
-    "PaymentRequiredError",
-    "PolicyError",
-    "ProtocolError",
-    "RateLimitError",
-    "ServerError",
-    "ServiceUnavailableError",
-    "SessionExpiredError",
-    "StreamInterruptedError",
-    "ToolError",
-    "ToolFailedError",
-    "ToolRefusedError",
-    "TransportError",
-    "UnknownKeywordError",
-    "UsageError",
-    "checked_keywords",
-    "extra_module",
-    "missing_extra",
-    "require_extra",
-    "status_error",
-]
+__all__ = ["APIStatusError", "AuthenticationError", "BadRequestError", "ConfigurationError", "ContextLengthExceeded",
+           "EnvironmentNotFoundError", "ImageError", "MissingAPIKeyError", "MissingExtraError", "NotFoundError",
+           "ORSError", "ORSTimeoutError", "PaymentRequiredError", "PolicyError", "ProtocolError", "RateLimitError",
+           "ServerError", "ServiceUnavailableError", "SessionExpiredError", "StreamInterruptedError", "ToolError",
+           "ToolFailedError", "ToolRefusedError", "TransportError", "UnknownKeywordError", "UsageError",
+           "checked_keywords", "extra_module", "missing_extra", "require_extra", "status_error"]
 
 
 class ORSError(Exception):

@@ -1,11 +1,6 @@
-"""The Pillow work on the images a server sends (untrusted): checked without decoding a pixel (`check`), decoded once
-when a model first needs them (`decode`); `types.ImageBlock` remembers what they found.
-
-`check` refuses a media type not in `FORMATS` (opened with that format's plugin only: never sniffed), base64 past
-`MAX_IMAGE_CHARS` (`MAX_IMAGE_BYTES` decoded) or invalid, a header declaring more than `MAX_IMAGE_PIXELS`, Pillow's
-`DecompressionBombError`, a failed `verify()`; one answer holds at most `MAX_IMAGES` images and `MAX_ANSWER_PIXELS`
-pixels. An image that fails keeps why (`ImageInfo.error`): the model reads a `placeholder`, the rest of the answer
-stands. Without Pillow (`ors-trl[vision]`) every image is a placeholder.
+"""The Pillow work on the images a server sends (untrusted): `check` without decoding a pixel (a type of `FORMATS`
+opened with its plugin only, the `MAX_*` bounds, Pillow's bomb check and `verify()`), `decode` once a model needs them.
+An image that fails keeps why (`ImageInfo.error`) and the model reads a `placeholder`; so without Pillow.
 """
 
 from __future__ import annotations

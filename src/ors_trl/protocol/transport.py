@@ -1,6 +1,6 @@
 """HTTP and SSE over aiohttp, for the ORS client and JSON APIs (`Transport.for_url`): the one retry loop (`retrying`),
 redirects followed by hand (credentials dropped on a hop to another host), `/call` streams resumed by task id, and
-`Decoder`, the one way a server's untrusted bytes become values. Errors raised here carry no chain (it may hold secrets).
+`Decoder`, the one way a server's untrusted bytes become values. Errors raised here carry no chain (secrets).
 """
 
 from __future__ import annotations
@@ -196,8 +196,7 @@ class Decoder:
 
     def mask(self, text: str) -> str:
         for secret in self._secrets:
-            if secret in text:
-                text = text.replace(secret, _MASK)
+            text = text.replace(secret, _MASK)
         return text
 
     def text(self, raw: str | bytes) -> str:
@@ -254,8 +253,8 @@ def _check_size(text: str, what: str) -> None:
 
 
 def _decoded_size(text: str) -> int:
-    """About the most the objects `json.loads(text)` builds take (`_COSTS`): the `,:[{` outside strings counted a window
-    at a time, plus the non-empty strings that are no keys; no object is made per string."""
+    """About the most the objects `json.loads(text)` builds take (`_COSTS`): the `,:[{` outside strings counted a
+    window at a time, plus the non-empty strings that are no keys; no object is made per string."""
     data = text.encode("utf-8", "replace")
     if b"\\" in data:
         data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
@@ -440,8 +439,8 @@ class Transport:
     @contextlib.asynccontextmanager
     async def _send(self, method: str, url: str, *, data: bytes | None, headers: dict[str, str],
                     timeout: aiohttp.ClientTimeout | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
-        """One request, following redirects; on a hop to a host the API key is not for, credentials are dropped (aiohttp
-        drops only `Authorization`) and a body holding one is not re-sent."""
+        """One request, following redirects; on a hop to a host the API key is not for, credentials are dropped
+        (aiohttp drops only `Authorization`) and a body holding one is not re-sent."""
         for _ in range(_MAX_REDIRECTS + 1):
             where = f"{method} {url.split('?', 1)[0]}"
             try:
@@ -681,8 +680,7 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
                     raise ServiceUnavailableError(
                         f"{what}: the environment backend was still starting after {policy.starting_timeout:.0f} s "
                         f"({getattr(err, 'detail', err)}); raise RetryPolicy.starting_timeout if it needs longer.",
-                        status_code=503, detail=getattr(err, "detail", ""), path=getattr(err, "path", ""),
-                    ) from None
+                        status_code=503, detail=getattr(err, "detail", ""), path=getattr(err, "path", "")) from None
                 attempts, polls = attempts - 1, polls + 1  # waiting for a boot is not a failed attempt
                 delay = policy.delay(polls, again.retry_after)
             elif again.final:
