@@ -713,12 +713,11 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
         except BaseException:
             if sids:
                 with contextlib.suppress(BaseException):
-                    await self._pool.discard(sids[0], lease)
+                    await asyncio.wait([self._pool.delete_soon(sids[0], lease)], timeout=CLOSE_WAIT_S)
             else:
                 self._pool.release(lease)
             raise
         self._pool.add(session)
-        self._pool.opened()
         return session
 
     async def _create(self, sid: str, body: dict[str, Any], *, first: bool = False) -> bool:

@@ -101,10 +101,6 @@ class SessionPool:
         for pace in self._paces():
             pace.throttled()
 
-    def opened(self) -> None:
-        for pace in self._paces():
-            pace.eased()
-
     async def record(self, sid: str) -> None:
         """Write `sid` to the orphan registry (the process's first also starts the sweep of dead processes')."""
         reg = registry()
@@ -148,7 +144,9 @@ class SessionPool:
             sem.release()
 
     def add(self, session: OpenSession) -> None:
-        """Track a session that opened (its lease is given back when it closes) and keep it alive."""
+        """Track a session that opened (its lease is given back when it closes), keep it alive, ease the paces."""
+        for pace in self._paces():
+            pace.eased()
         self.sessions.add(session)
         if self.keepalive_interval is not None and (self._keepalive_task is None or self._keepalive_task.done()):
             self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive(self.keepalive_interval))
@@ -165,11 +163,6 @@ class SessionPool:
         self._deleting.add(task)
         task.add_done_callback(self._deleting.discard)
         return task
-
-    async def discard(self, sid: str, lease: Lease = (), session: OpenSession | None = None, *,
-                      quiet: bool = False) -> None:
-        """`delete_soon`, waiting for the server at most `CLOSE_WAIT_S`. Never raises."""
-        await asyncio.wait([self.delete_soon(sid, lease, session, quiet=quiet)], timeout=CLOSE_WAIT_S)
 
     async def _delete(self, sid: str, session: OpenSession | None, quiet: bool) -> None:
         try:
