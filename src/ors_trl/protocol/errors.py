@@ -96,11 +96,6 @@ EXTRAS = {"trl": ("torch", "transformers", "trl", "datasets", "accelerate"),
           "report": ("matplotlib",), "vision": ("PIL",)}
 
 
-def _extra_of(module: str) -> str | None:
-    top = module.partition(".")[0]
-    return next((extra for extra, names in EXTRAS.items() if top in names), None)
-
-
 def require_extra(extra: str, what: str, modules: Iterable[str] | None = None) -> None:
     """Raise `MissingExtraError` naming `extra` before any work when one of its modules (or of those of them that
     `what` needs) is not installed; `what` is what needs it (`"ors-trl demo"`, `"spec.rollout_func"`)."""
@@ -122,7 +117,8 @@ def missing_extra(exc: BaseException, what: str) -> MissingExtraError | None:
     """`exc` as `MissingExtraError` when it is a missing optional dependency's `ModuleNotFoundError` (else None)."""
     if isinstance(exc, MissingExtraError):
         return exc
-    extra = _extra_of(exc.name or "") if isinstance(exc, ModuleNotFoundError) else None
+    top = (exc.name or "").partition(".")[0] if isinstance(exc, ModuleNotFoundError) else None
+    extra = next((extra for extra, names in EXTRAS.items() if top in names), None)
     if extra is None:
         return None
     return MissingExtraError(f"{what} needs {exc.name}, which is not installed: pip install 'ors-trl[{extra}]'",

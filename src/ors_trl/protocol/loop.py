@@ -134,8 +134,7 @@ def _shutdown_at_exit() -> None:
 
 def _reset_after_fork() -> None:  # the child has no loop thread, and must not close the parent's sessions
     global _current, _current_lock
-    _current = None
-    _current_lock = threading.Lock()
+    _current, _current_lock = None, threading.Lock()
 
 
 # Before thread pools shut down: `threading._shutdown` calls these hooks newest first, and concurrent.futures.thread

@@ -360,13 +360,10 @@ class Transport:
     def __init__(self, target: Target, *, timeouts: Timeouts | None = None, retry: RetryPolicy | None = None,
                  max_connections: int = 0, max_response_bytes: int = 64 * 1024 * 1024,
                  headers: Mapping[str, str] | None = None, error: type[ORSError] | None = None) -> None:
-        self.target = target
+        self.target, self.error, self._headers = target, error, dict(headers or {})
         self.timeouts = timeouts = timeouts or Timeouts()
         self.retry = retry or RetryPolicy()
-        self.max_connections = max_connections
-        self.max_response_bytes = max_response_bytes
-        self.error = error
-        self._headers = dict(headers or {})
+        self.max_connections, self.max_response_bytes = max_connections, max_response_bytes
         self._retried = _RETRY_STATUSES if error is None else frozenset({429, *range(500, 600)})
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
