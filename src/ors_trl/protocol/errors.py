@@ -1,7 +1,6 @@
 """Every error ors-trl raises, in one hierarchy under `ORSError`, in the order below; each one a caller may expect as a
 builtin is one too (`ConfigurationError` a ValueError, `UsageError` a RuntimeError, `EnvironmentNotFoundError` a
-LookupError, `ORSTimeoutError` a TimeoutError). Messages never hold API keys or secrets.
-"""
+LookupError, `ORSTimeoutError` a TimeoutError). Messages never hold API keys or secrets."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """State files (the orphan registry, the shared pace, images beside an episode log) written and read safely in a
 folder someone else may have written to: a new file is created under an unguessable temporary name (`O_EXCL |
-O_NOFOLLOW`) and moved into place; an existing one is opened `O_NOFOLLOW | O_NONBLOCK` and refused unless regular.
-"""
+O_NOFOLLOW`) and moved into place; an existing one is opened `O_NOFOLLOW | O_NONBLOCK` and refused unless regular."""
 
 from __future__ import annotations
 

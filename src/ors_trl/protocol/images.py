@@ -2,8 +2,7 @@
 `FORMATS` (opened with its plugin only), base64 past `MAX_IMAGE_CHARS` (`MAX_IMAGE_BYTES`), more than
 `MAX_IMAGE_PIXELS`, a `DecompressionBombError` or a failed `verify()`; an answer holds at most `MAX_IMAGES` and
 `MAX_ANSWER_PIXELS`. `decode` runs once a model needs them. A refused image (or any, without Pillow) is a `placeholder`
-saying why.
-"""
+saying why."""
 
 from __future__ import annotations
 

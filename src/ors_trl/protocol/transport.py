@@ -1,7 +1,6 @@
 """HTTP and SSE over aiohttp, for the ORS client and JSON APIs (`Transport.for_url`): the one retry loop (`retrying`),
 redirects followed by hand (credentials dropped on a hop to another host), `/call` streams resumed by task id, and
-`Decoder`, the one way a server's untrusted bytes become values. Errors raised here carry no chain (secrets).
-"""
+`Decoder`, the one way a server's untrusted bytes become values. Errors raised here carry no chain (secrets)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Opt-in upload of finished episodes to the OpenReward rollout viewer through the `openreward` SDK (which owns the
 viewer's wire format). It never slows or fails a step: `submit` only queues (full: dropped, counted); worker threads
-send; a failure is counted and logged once, the API key masked.
-"""
+send; a failure is counted and logged once, the API key masked."""
 
 from __future__ import annotations
 
