@@ -356,7 +356,7 @@ def test_a_redirect_within_the_same_host_keeps_working(proxy, ref_server) -> Non
     with Client(proxy.url, env_name="echoenvironment", api_key=KEY, retry=FAST) as c:
         c.environment()
         assert c.async_client._transport.target.key_for(proxy.url) == KEY
-        total = c._run(c.async_client._transport.request("POST", "/old/num_tasks", body={"split": "train"}))
+        total = c._bg.run(c.async_client._transport.request("POST", "/old/num_tasks", body={"split": "train"}))
     assert total == {"num_tasks": 16}
     assert [r.headers.get("x-api-key") for r in proxy.requests if r.path.endswith("num_tasks")] == [KEY, KEY]
 

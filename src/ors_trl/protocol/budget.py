@@ -1,8 +1,6 @@
-"""What a process may open: a cap on open ORS sessions (`set_max_sessions` or `ORS_TRL_MAX_SESSIONS`; past it an open
-waits), and a `Pace` of session creation, per client (`max_session_rate`) and for every process sharing a working
-directory (`ORS_TRL_MAX_SESSION_RATE="RATE[:BURST]"`, one schedule in a lock file): a sandbox platform throttles how
-fast sessions are created.
-"""
+"""What a process may open: a cap on open ORS sessions (`set_max_sessions`, `ORS_TRL_MAX_SESSIONS`), and a `Pace` of
+session creation (a sandbox platform throttles it), per client (`max_session_rate`) and for every process sharing a
+working directory (`ORS_TRL_MAX_SESSION_RATE="RATE[:BURST]"`, one schedule in a lock file)."""
 
 from __future__ import annotations
 

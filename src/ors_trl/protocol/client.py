@@ -148,7 +148,7 @@ class ClientOptions:
         return dataclasses.replace(options or cls(), **overrides)
 
 
-class AsyncSession:
+class AsyncSession(contextlib.AbstractAsyncContextManager["AsyncSession"]):
     """One ORS session (one episode of one task), from `AsyncClient.open_session`. Each argument is kept as the
     attribute of the same name, beside `opened_at`, `closed_at` (`time.monotonic()`; None until the server deleted
     it), `expired` (the server said it is gone) and `closed`.
@@ -282,20 +282,18 @@ class AsyncSession:
                 return await self._transport.stream(self.client._path(suffix), body=body, sid=self.sid, what=what,
                                                     tool=tool)
         except TimeoutError:
-            raise ORSTimeoutError(
-                f"{what} did not finish within {limit} s (Timeouts.tool_call); it may still be running on the server."
-            ) from None
+            raise ORSTimeoutError(f"{what} did not finish within {limit} s (Timeouts.tool_call); it may still be "
+                                  "running on the server.") from None
 
     @masked
     async def ping(self) -> bool:
         """Refresh the server's idle timer; False (the session marked expired) if it is gone."""
         if self.closed:
             return False
-        self.last_activity = time.monotonic()
         try:
-            await self._transport.request("POST", "/ping", sid=self.sid, session_scoped=True)
+            async with self._active():  # a 404 or 410 marks it expired
+                await self._transport.request("POST", "/ping", sid=self.sid, session_scoped=True)
         except NotFoundError:
-            self.expired = True
             return False
         return True
 
@@ -306,9 +304,6 @@ class AsyncSession:
             self.closed = True
             self._close_task = self.client._pool.delete_soon(self.sid, session=self)
         await asyncio.wait([self._close_task], timeout=CLOSE_WAIT_S)
-
-    async def __aenter__(self) -> AsyncSession:
-        return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
@@ -327,7 +322,7 @@ async def _landed(request: Any, into: list[Any]) -> Any:
     return into[-1]
 
 
-class AsyncClient:
+class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
     """Async client for one ORS environment; a `ConfigurationError` for a malformed target or option, a
     `MissingAPIKeyError` for a catalog name with no API key.
 
@@ -718,12 +713,11 @@ class AsyncClient:
         except BaseException:
             if sids:
                 with contextlib.suppress(BaseException):
-                    await self._pool.discard(sids[0], lease)
+                    await asyncio.wait([self._pool.delete_soon(sids[0], lease)], timeout=CLOSE_WAIT_S)
             else:
                 self._pool.release(lease)
             raise
         self._pool.add(session)
-        self._pool.opened()
         return session
 
     async def _create(self, sid: str, body: dict[str, Any], *, first: bool = False) -> bool:
@@ -781,15 +775,11 @@ class AsyncClient:
         """Close every open session (and those still opening), then the connection pool. Idempotent."""
         if self._pool.closed:
             return
-        if self._control_sid is not None:
-            # Nothing runs in it: failing to delete it is not worth a warning.
+        if self._control_sid is not None:  # nothing runs in it: failing to delete it is worth no warning
             self._pool.delete_soon(self._control_sid, quiet=True)
             self._control_sid = None
         await self._pool.aclose()
         await self._transport.aclose()
-
-    async def __aenter__(self) -> AsyncClient:
-        return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
@@ -824,18 +814,12 @@ def _facade(of: type, methods: tuple[str, ...], attributes: tuple[str, ...]) -> 
     return install
 
 
-class _Facade:
+class _Facade(contextlib.AbstractContextManager[Any]):
     def __init__(self, inner: Any, bg: BackgroundLoop) -> None:
         self._inner, self._bg = inner, bg
 
     def __repr__(self) -> str:
         return repr(self._inner).replace("<Async", "<", 1)
-
-    def _run(self, coro: Any) -> Any:
-        return self._bg.run(coro)
-
-    def __enter__(self) -> Any:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()  # type: ignore[attr-defined]
@@ -875,7 +859,7 @@ class Client(_Facade):
     def close(self) -> None:
         """Close every open session, then the connection pool."""
         self._bg.remove_closer(self._inner.aclose)
-        self._run(self._inner.aclose())
+        self._bg.run(self._inner.aclose())
 
 
 async def delete_orphans(target: str, sids: list[str]) -> list[bool | None]:

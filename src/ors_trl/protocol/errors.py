@@ -1,7 +1,6 @@
 """Every error ors-trl raises, in one hierarchy under `ORSError`, in the order below; each one a caller may expect as a
 builtin is one too (`ConfigurationError` a ValueError, `UsageError` a RuntimeError, `EnvironmentNotFoundError` a
-LookupError, `ORSTimeoutError` a TimeoutError). Messages never hold API keys or secrets.
-"""
+LookupError, `ORSTimeoutError` a TimeoutError). Messages never hold API keys or secrets."""
 
 from __future__ import annotations
 
@@ -13,39 +12,12 @@ import inspect
 from collections.abc import Callable, Collection, Iterable
 from typing import Any, ClassVar, TypeVar
 
-__all__ = [
-    "APIStatusError",
-    "AuthenticationError",
-    "BadRequestError",
-    "ConfigurationError",
-    "ContextLengthExceeded",
-    "EnvironmentNotFoundError",
-    "ImageError",
-    "MissingAPIKeyError",
-    "MissingExtraError",
-    "NotFoundError",
-    "ORSError",
-    "ORSTimeoutError",
-    "PaymentRequiredError",
-    "PolicyError",
-    "ProtocolError",
-    "RateLimitError",
-    "ServerError",
-    "ServiceUnavailableError",
-    "SessionExpiredError",
-    "StreamInterruptedError",
-    "ToolError",
-    "ToolFailedError",
-    "ToolRefusedError",
-    "TransportError",
-    "UnknownKeywordError",
-    "UsageError",
-    "checked_keywords",
-    "extra_module",
-    "missing_extra",
-    "require_extra",
-    "status_error",
-]
+__all__ = ["APIStatusError", "AuthenticationError", "BadRequestError", "ConfigurationError", "ContextLengthExceeded",
+           "EnvironmentNotFoundError", "ImageError", "MissingAPIKeyError", "MissingExtraError", "NotFoundError",
+           "ORSError", "ORSTimeoutError", "PaymentRequiredError", "PolicyError", "ProtocolError", "RateLimitError",
+           "ServerError", "ServiceUnavailableError", "SessionExpiredError", "StreamInterruptedError", "ToolError",
+           "ToolFailedError", "ToolRefusedError", "TransportError", "UnknownKeywordError", "UsageError",
+           "checked_keywords", "extra_module", "missing_extra", "require_extra", "status_error"]
 
 
 class ORSError(Exception):
@@ -123,11 +95,6 @@ EXTRAS = {"trl": ("torch", "transformers", "trl", "datasets", "accelerate"),
           "report": ("matplotlib",), "vision": ("PIL",)}
 
 
-def _extra_of(module: str) -> str | None:
-    top = module.partition(".")[0]
-    return next((extra for extra, names in EXTRAS.items() if top in names), None)
-
-
 def require_extra(extra: str, what: str, modules: Iterable[str] | None = None) -> None:
     """Raise `MissingExtraError` naming `extra` before any work when one of its modules (or of those of them that
     `what` needs) is not installed; `what` is what needs it (`"ors-trl demo"`, `"spec.rollout_func"`)."""
@@ -149,7 +116,8 @@ def missing_extra(exc: BaseException, what: str) -> MissingExtraError | None:
     """`exc` as `MissingExtraError` when it is a missing optional dependency's `ModuleNotFoundError` (else None)."""
     if isinstance(exc, MissingExtraError):
         return exc
-    extra = _extra_of(exc.name or "") if isinstance(exc, ModuleNotFoundError) else None
+    top = (exc.name or "").partition(".")[0] if isinstance(exc, ModuleNotFoundError) else None
+    extra = next((extra for extra, names in EXTRAS.items() if top in names), None)
     if extra is None:
         return None
     return MissingExtraError(f"{what} needs {exc.name}, which is not installed: pip install 'ors-trl[{extra}]'",
@@ -196,9 +164,7 @@ class APIStatusError(ORSError):
 
     def __init__(self, message: str, *, status_code: int, detail: str = "", path: str = "") -> None:
         super().__init__(message)
-        self.status_code = status_code
-        self.detail = detail
-        self.path = path
+        self.status_code, self.detail, self.path = status_code, detail, path
 
 
 class BadRequestError(APIStatusError):
@@ -318,30 +284,27 @@ class ContextLengthExceeded(PolicyError):
     kind = "context_length"
 
 
+#: The class and message of an ORS server's HTTP error status; `{s}` is the status, `{d}` the server's detail.
+_STATUS_ERRORS: dict[int, tuple[type[APIStatusError], str]] = {
+    **dict.fromkeys((400, 422), (BadRequestError, "bad request ({s}): {d}")),
+    **dict.fromkeys((401, 403), (AuthenticationError, "the server rejected the credentials ({s}): {d}. Check "
+                                 "OPENREWARD_API_KEY or the api_key= you passed.")),
+    402: (PaymentRequiredError, "payment required (402): {d}. The OpenReward account has no credits left; top up at "
+          "https://openreward.ai."),
+    404: (NotFoundError, "not found (404): {d}"),
+    410: (SessionExpiredError, "the session no longer exists on the server ({s}: {d}); it was deleted, reaped after "
+          "being idle, or the server restarted."),
+    429: (RateLimitError, "rate limited (429): {d}"),
+    **dict.fromkeys((502, 503, 504), (ServiceUnavailableError, "service unavailable ({s}): {d}")),
+}
+
+
 def status_error(status: int, detail: str, path: str, *, session_scoped: bool) -> ORSError:
     """An ORS server's HTTP error status as our exception, with a message that says what to do."""
     where = f"{path}: " if path else ""
     if status == 404 and "unknown environment" in detail.lower():
         return EnvironmentNotFoundError(f"{where}{detail}")
-    cls: type[APIStatusError] = APIStatusError
-    text = f"unexpected status {status}: {detail}"
-    if status in (400, 422):
-        cls, text = BadRequestError, f"bad request ({status}): {detail}"
-    elif status in (401, 403):
-        cls, text = AuthenticationError, (f"the server rejected the credentials ({status}): {detail}. Check "
-                                          "OPENREWARD_API_KEY or the api_key= you passed.")
-    elif status == 402:
-        cls, text = PaymentRequiredError, (f"payment required (402): {detail}. The OpenReward account has no credits "
-                                           "left; top up at https://openreward.ai.")
-    elif status == 410 or (status == 404 and session_scoped):
-        cls, text = SessionExpiredError, (f"the session no longer exists on the server ({status}: {detail}); it was "
-                                          "deleted, reaped after being idle, or the server restarted.")
-    elif status == 404:
-        cls, text = NotFoundError, f"not found (404): {detail}"
-    elif status == 429:
-        cls, text = RateLimitError, f"rate limited (429): {detail}"
-    elif status in (502, 503, 504):
-        cls, text = ServiceUnavailableError, f"service unavailable ({status}): {detail}"
-    elif status >= 500:
-        cls, text = ServerError, f"the environment failed ({status}): {detail}"
-    return cls(where + text, status_code=status, detail=detail, path=path)
+    other = (ServerError, "the environment failed ({s}): {d}") if status >= 500 else (
+        APIStatusError, "unexpected status {s}: {d}")
+    cls, text = _STATUS_ERRORS.get(410 if status == 404 and session_scoped else status, other)
+    return cls(where + text.format(s=status, d=detail), status_code=status, detail=detail, path=path)

@@ -1,7 +1,6 @@
 """State files (the orphan registry, the shared pace, images beside an episode log) written and read safely in a
 folder someone else may have written to: a new file is created under an unguessable temporary name (`O_EXCL |
-O_NOFOLLOW`) and moved into place; an existing one is opened `O_NOFOLLOW | O_NONBLOCK` and refused unless regular.
-"""
+O_NOFOLLOW`) and moved into place; an existing one is opened `O_NOFOLLOW | O_NONBLOCK` and refused unless regular."""
 
 from __future__ import annotations
 
@@ -33,15 +32,12 @@ def create_temp(folder: Path, name: str, mode: int = 0o600) -> tuple[int, Path]:
     raise FileExistsError(errno.EEXIST, "no free temporary name", str(folder))
 
 
-def write_atomic(path: Path, data: bytes, mode: int = 0o600, *, fsync: bool = False) -> None:
+def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
     """Write `path` whole: a temporary file beside it, then `os.replace` (a reader sees the old file or the new)."""
     fd, tmp = create_temp(path.parent, path.name, mode)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
-            if fsync:
-                fh.flush()
-                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -1,12 +1,8 @@
-"""The Pillow work on the images a server sends (untrusted): checked without decoding a pixel (`check`), decoded once
-when a model first needs them (`decode`); `types.ImageBlock` remembers what they found.
-
-`check` refuses a media type not in `FORMATS` (opened with that format's plugin only: never sniffed), base64 past
-`MAX_IMAGE_CHARS` (`MAX_IMAGE_BYTES` decoded) or invalid, a header declaring more than `MAX_IMAGE_PIXELS`, Pillow's
-`DecompressionBombError`, a failed `verify()`; one answer holds at most `MAX_IMAGES` images and `MAX_ANSWER_PIXELS`
-pixels. An image that fails keeps why (`ImageInfo.error`): the model reads a `placeholder`, the rest of the answer
-stands. Without Pillow (`ors-trl[vision]`) every image is a placeholder.
-"""
+"""The Pillow work on the images a server sends (untrusted): `check` refuses, without decoding a pixel, a type not in
+`FORMATS` (opened with its plugin only), base64 past `MAX_IMAGE_CHARS` (`MAX_IMAGE_BYTES`), more than
+`MAX_IMAGE_PIXELS`, a `DecompressionBombError` or a failed `verify()`; an answer holds at most `MAX_IMAGES` and
+`MAX_ANSWER_PIXELS`. `decode` runs once a model needs them. A refused image (or any, without Pillow) is a `placeholder`
+saying why."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The one background event loop per process that runs all synchronous-facade ORS I/O (TRL calls from its thread).
-
-At interpreter exit the closers run from `threading._register_atexit`, before thread pools shut down, so that closing
-sessions over HTTP still works (a plain `atexit` hook is too late). After `fork()` the child starts its own loop.
+"""The one background event loop per process that runs the synchronous facade's I/O. Its closers run at exit from
+`threading._register_atexit`, before thread pools shut down (an `atexit` hook is too late); a forked child starts anew.
 """
 
 from __future__ import annotations
@@ -53,20 +51,16 @@ class BackgroundLoop:
             raise UsageError("the ors-trl background loop is shut down (interpreter exiting)")
         if os.getpid() != self.pid:  # inherited across fork(): no thread runs this loop here, the work would never run
             coro.close()
-            raise UsageError(
-                "This ors-trl object was created in another process (before a fork); its sessions belong to that "
-                "process. Create the spec or client again in this process."
-            )
+            raise UsageError("This ors-trl object was created in another process (before a fork); its sessions belong "
+                             "to that process. Create the spec or client again in this process.")
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run `coro` on the loop and wait for it, from any thread but the loop's own."""
         if threading.get_ident() == self.thread.ident:
             coro.close()
-            raise UsageError(
-                "A synchronous ors-trl call was made from inside its own event loop; use the async API "
-                "(AsyncClient / AsyncSession) from coroutines."
-            )
+            raise UsageError("A synchronous ors-trl call was made from inside its own event loop; use the async API "
+                             "(AsyncClient / AsyncSession) from coroutines.")
         fut = self.submit(coro)
         try:
             return fut.result(timeout)
@@ -140,8 +134,7 @@ def _shutdown_at_exit() -> None:
 
 def _reset_after_fork() -> None:  # the child has no loop thread, and must not close the parent's sessions
     global _current, _current_lock
-    _current = None
-    _current_lock = threading.Lock()
+    _current, _current_lock = None, threading.Lock()
 
 
 # Before thread pools shut down: `threading._shutdown` calls these hooks newest first, and concurrent.futures.thread

@@ -1,10 +1,6 @@
-"""The sessions one client keeps open: when one may open (the caps and paces of `protocol.budget`), the orphan
-registry (`protocol.registry`: written before the session is created), keepalive and closing.
-
-Every open session is pinged on a timer, also while a tool call runs, so an episode longer than the server's idle
-limit survives. A session id is claimed for the process while opening, open or being deleted: one the server hands
-out again meanwhile is refused and replaced, so two rollouts never share a session. Closing gives the slot back at
-once and deletes in the background: a slow server holds a caller at most `CLOSE_WAIT_S`.
+"""The sessions one client keeps open: when one may open (`protocol.budget`), the orphan registry (written before the
+create), keepalive (pings also while a tool call runs) and closing (the slot given back at once, the delete waited for
+at most `CLOSE_WAIT_S`). A session id is claimed per process: one handed out again meanwhile is refused and replaced.
 """
 
 from __future__ import annotations
@@ -59,7 +55,7 @@ class SessionPool:
         self._claims: set[str] = set()
         self._deleting: set[asyncio.Task[None]] = set()
         self._opening: set[asyncio.Task[Any]] = set()
-        self._slots: asyncio.Semaphore | None = None
+        self._slots = None if self.max_sessions is None else asyncio.Semaphore(self.max_sessions)
         self._keepalive_task: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
@@ -82,13 +78,7 @@ class SessionPool:
     async def acquire(self) -> Lease:
         """Wait for a slot under `max_sessions` and the process-wide cap, then for this open's moment under the paces;
         the slots taken."""
-        wanted = []
-        if self.max_sessions is not None:
-            if self._slots is None:
-                self._slots = asyncio.Semaphore(self.max_sessions)
-            wanted.append(self._slots)
-        if (process := process_semaphore()) is not None:
-            wanted.append(process)
+        wanted = [s for s in (self._slots, process_semaphore()) if s is not None]
         held: list[asyncio.Semaphore] = []
         try:
             async with asyncio.timeout(self.session_wait):
@@ -100,10 +90,9 @@ class SessionPool:
         except BaseException as exc:
             self.release(tuple(held))
             if isinstance(exc, TimeoutError):
-                raise ORSTimeoutError(
-                    f"no session slot freed within {self.session_wait} s (max_sessions={self.max_sessions}, "
-                    f"process cap={get_max_sessions()}); raise the cap or close sessions sooner."
-                ) from None
+                raise ORSTimeoutError(f"no session slot freed within {self.session_wait} s (max_sessions="
+                                      f"{self.max_sessions}, process cap={get_max_sessions()}); raise the cap or "
+                                      "close sessions sooner.") from None
             raise
         return tuple(held)
 
@@ -111,10 +100,6 @@ class SessionPool:
         """The server said 429 or `503 starting`: every pace this pool opens under slows down."""
         for pace in self._paces():
             pace.throttled()
-
-    def opened(self) -> None:
-        for pace in self._paces():
-            pace.eased()
 
     async def record(self, sid: str) -> None:
         """Write `sid` to the orphan registry (the process's first also starts the sweep of dead processes')."""
@@ -159,7 +144,9 @@ class SessionPool:
             sem.release()
 
     def add(self, session: OpenSession) -> None:
-        """Track a session that opened (its lease is given back when it closes) and keep it alive."""
+        """Track a session that opened (its lease is given back when it closes), keep it alive, ease the paces."""
+        for pace in self._paces():
+            pace.eased()
         self.sessions.add(session)
         if self.keepalive_interval is not None and (self._keepalive_task is None or self._keepalive_task.done()):
             self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive(self.keepalive_interval))
@@ -176,11 +163,6 @@ class SessionPool:
         self._deleting.add(task)
         task.add_done_callback(self._deleting.discard)
         return task
-
-    async def discard(self, sid: str, lease: Lease = (), session: OpenSession | None = None, *,
-                      quiet: bool = False) -> None:
-        """`delete_soon`, waiting for the server at most `CLOSE_WAIT_S`. Never raises."""
-        await asyncio.wait([self.delete_soon(sid, lease, session, quiet=quiet)], timeout=CLOSE_WAIT_S)
 
     async def _delete(self, sid: str, session: OpenSession | None, quiet: bool) -> None:
         try:

@@ -1,13 +1,7 @@
-"""The orphan registry: the session ids a process has open, on disk, so that a process killed by SIGKILL leaves a list
-of what to delete.
-
-A process writes `<state>/sessions/<host>-<pid>-<start>.sessions` (0600): a header line (host, boot id, pid, start
-time, run id), a line per session id, fsync'd before the session is created, and a `closed` line once it is deleted;
-it holds a shared `flock` on the file while it lives. `sweep()` (at a process's first open, and `ors-trl cleanup`)
-deletes the sessions of this host's dead processes, never a live one's: a locked file is left alone, so N processes
-starting at once delete each orphan once. The folder is untrusted (`protocol.files`): what is no registry file is
-skipped and reported. `ORS_TRL_SESSION_REGISTRY=0` turns it off.
-"""
+"""The orphan registry: the session ids a process has open, on disk (`<state>/sessions/<host>-<pid>-<start>.sessions`,
+0600, fsync'd before each session is created, a `closed` line once deleted, a shared `flock` held while it lives), so
+that `sweep()` (at a first open, and `ors-trl cleanup`) deletes what dead processes of this host left, each orphan
+once, never a live one's. The folder is untrusted (`protocol.files`). `ORS_TRL_SESSION_REGISTRY=0` turns it off."""
 
 from __future__ import annotations
 
@@ -82,10 +76,9 @@ def _header(raw: bytes) -> dict[str, Any] | None:
         header = json.loads(raw)
     except (ValueError, RecursionError):
         return None
-    if not (isinstance(header, dict) and isinstance(header.get("host"), str) and isinstance(header.get("boot"), str)
-            and type(header.get("pid")) is int and header["pid"] > 0 and isinstance(header.get("start"), str | None)):
-        return None
-    return header
+    ok = (isinstance(header, dict) and isinstance(header.get("host"), str) and isinstance(header.get("boot"), str)
+          and type(header.get("pid")) is int and header["pid"] > 0 and isinstance(header.get("start"), str | None))
+    return header if ok else None
 
 
 def _owner_alive(header: dict[str, Any]) -> bool | None:

@@ -18,14 +18,9 @@ _SHORT_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n
 
 
 def cut(text: str, limit: int | None, mark: Literal["…", "output", "more", ""] = "…") -> str:
-    """`text` cut to `limit` characters (None: never), the cut said by `mark`:
-
-    - `"…"` ends it, the whole within `limit` (log lines, tables, names);
-    - `"output"` adds a line `[... output truncated: N of M characters shown ...]` (tool output: models read it and
-      records keep it);
-    - `"more"` adds `... [N more characters]` (what a server said, quoted in a message);
-    - `""` adds nothing (a repr quoted in an error).
-    """
+    """`text` cut to `limit` characters (None: never), the cut said by `mark`: `"…"` ends it within `limit` (logs,
+    tables, names), `"output"` adds a line `[... output truncated ...]` (tool output: models read it), `"more"` adds
+    `... [N more characters]` (a server's words in a message), `""` nothing (a repr in an error)."""
     if limit is None or len(text) <= limit:
         return text
     if mark == "…":

@@ -1,13 +1,6 @@
-"""HTTP and SSE over aiohttp: the one module that builds HTTP requests, for the ORS client and for a JSON API such as
-an OpenAI-compatible endpoint (`Transport.for_url`).
-
-Retried (`retrying`): a connection not made; 429/502/503/504 (any 5xx for `for_url`), `/call` included; a reset or
-timeout after sending, for idempotent requests only; a 503 `X-Backend-State: starting` is waited out. A `/call` stream
-that drops after naming its task id is resumed by that id; one that drops before is a `StreamInterruptedError` (the
-tool may be running). Not retried: 4xx (the request is wrong), 500 on ORS (the environment's code would fail again).
-Redirects are followed by hand, credentials dropped on a hop to another host. What a server sends is untrusted:
-`Decoder` is the one way its bytes become values. Errors raised here carry no exception chain (it may hold secrets).
-"""
+"""HTTP and SSE over aiohttp, for the ORS client and JSON APIs (`Transport.for_url`): the one retry loop (`retrying`),
+redirects followed by hand (credentials dropped on a hop to another host), `/call` streams resumed by task id, and
+`Decoder`, the one way a server's untrusted bytes become values. Errors raised here carry no chain (secrets)."""
 
 from __future__ import annotations
 
@@ -202,8 +195,7 @@ class Decoder:
 
     def mask(self, text: str) -> str:
         for secret in self._secrets:
-            if secret in text:
-                text = text.replace(secret, _MASK)
+            text = text.replace(secret, _MASK)
         return text
 
     def text(self, raw: str | bytes) -> str:
@@ -260,9 +252,8 @@ def _check_size(text: str, what: str) -> None:
 
 
 def _decoded_size(text: str) -> int:
-    """About the most the objects `json.loads(text)` builds take (`_COSTS`), counted without an object per string:
-    escaped backslashes and quotes dropped, every byte but `",:[{` made an `x`, then the `,:[{` between strings
-    counted, a window at a time, and the strings but keys and empty ones."""
+    """About the most the objects `json.loads(text)` builds take (`_COSTS`): the `,:[{` outside strings counted a
+    window at a time, plus the non-empty strings that are no keys; no object is made per string."""
     data = text.encode("utf-8", "replace")
     if b"\\" in data:
         data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
@@ -295,8 +286,8 @@ def _detail_of(decoder: Decoder, body: bytes) -> str:
 
 
 def masked(method: F) -> F:
-    """Decorator for the calls that talk to a server (of a `Transport`, or an object with a `_transport`): mask its
-    secrets in every ORSError they raise (dropping the chain) and in what `types.quoted` shows while they run."""
+    """Decorator for a call that talks to a server (of a `Transport`, or of an object with a `_transport`): secrets
+    masked in the ORSErrors it raises (chain dropped) and in what `types.quoted` shows meanwhile."""
 
     @functools.wraps(method)
     async def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -314,9 +305,8 @@ def masked(method: F) -> F:
 
 
 async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> AsyncIterator[tuple[str, str]]:
-    """Yield `(event, data)` per the SSE spec (CRLF, LF or CR line ends, a leading BOM dropped, comments skipped), at
-    most `max_bytes` in all. Lines are split here: `resp.content.readline()` refuses a line longer than aiohttp's
-    buffer, while a server may send a whole result as one `data:` line."""
+    """Yield `(event, data)` per the SSE spec, at most `max_bytes` in all. Lines are split here, not by aiohttp's
+    `readline()`, which refuses a line longer than its buffer (a whole result may be one `data:` line)."""
     _check_length(resp, max_bytes, what)
     event: str | None = None
     data: list[str] = []
@@ -369,13 +359,10 @@ class Transport:
     def __init__(self, target: Target, *, timeouts: Timeouts | None = None, retry: RetryPolicy | None = None,
                  max_connections: int = 0, max_response_bytes: int = 64 * 1024 * 1024,
                  headers: Mapping[str, str] | None = None, error: type[ORSError] | None = None) -> None:
-        self.target = target
+        self.target, self.error, self._headers = target, error, dict(headers or {})
         self.timeouts = timeouts = timeouts or Timeouts()
         self.retry = retry or RetryPolicy()
-        self.max_connections = max_connections
-        self.max_response_bytes = max_response_bytes
-        self.error = error
-        self._headers = dict(headers or {})
+        self.max_connections, self.max_response_bytes = max_connections, max_response_bytes
         self._retried = _RETRY_STATUSES if error is None else frozenset({429, *range(500, 600)})
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -448,9 +435,8 @@ class Transport:
     @contextlib.asynccontextmanager
     async def _send(self, method: str, url: str, *, data: bytes | None, headers: dict[str, str],
                     timeout: aiohttp.ClientTimeout | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
-        """One request, following redirects, except that credentials are dropped on a hop to a host the API key does
-        not belong to (aiohttp strips only `Authorization`), and a hop there re-sending a body holding one is not
-        made."""
+        """One request, following redirects; on a hop to a host the API key is not for, credentials are dropped
+        (aiohttp drops only `Authorization`) and a body holding one is not re-sent."""
         for _ in range(_MAX_REDIRECTS + 1):
             where = f"{method} {url.split('?', 1)[0]}"
             try:
@@ -608,7 +594,7 @@ class Transport:
                 return await retrying(self.retry, attempt, what=what, base=base, sent_is_safe=False,
                                       timeout=self.timeouts.stream_idle, mask=self.mask), task_id
             except _Broken as broken:
-                why = _describe(broken.cause, self.mask)
+                why = _describe(broken.args[0], self.mask)
                 if task_id is None:
                     raise StreamInterruptedError(
                         f"{what}: the connection broke before the server acknowledged the call ({why}); it was not "
@@ -647,7 +633,7 @@ class Transport:
                 raise ToolFailedError(f"{what} raised in the environment: {self.decoder.quote(data)}", tool=tool)
             elif len(unknown) < 3:
                 unknown[event] = None
-        raise _Dropped(unknown)
+        raise _Dropped(*unknown)
 
     def _count(self, method: str, path: str) -> None:
         if self.on_request is not None:
@@ -663,18 +649,11 @@ class _Again(Exception):
 
 
 class _Broken(Exception):
-    """A stream broke after its answer began (resumable by task id, never retried blindly)."""
-
-    def __init__(self, cause: BaseException) -> None:
-        self.cause = cause
+    """A stream broke after its answer began, by `args[0]` (resumable by task id, never retried blindly)."""
 
 
 class _Dropped(Exception):
-    """A stream ended without its final event; `unknown`: events it sent that the protocol has not (an `END`)."""
-
-    def __init__(self, unknown: Iterable[str] = ()) -> None:
-        super().__init__()
-        self.unknown = tuple(unknown)
+    """A stream ended without its final event; `args`: events it sent that the protocol has not (an `END`)."""
 
 
 async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, what: str, base: str = "",
@@ -697,8 +676,7 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
                     raise ServiceUnavailableError(
                         f"{what}: the environment backend was still starting after {policy.starting_timeout:.0f} s "
                         f"({getattr(err, 'detail', err)}); raise RetryPolicy.starting_timeout if it needs longer.",
-                        status_code=503, detail=getattr(err, "detail", ""), path=getattr(err, "path", ""),
-                    ) from None
+                        status_code=503, detail=getattr(err, "detail", ""), path=getattr(err, "path", "")) from None
                 attempts, polls = attempts - 1, polls + 1  # waiting for a boot is not a failed attempt
                 delay = policy.delay(polls, again.retry_after)
             elif again.final:
@@ -748,7 +726,7 @@ def _undecodable(exc: BaseException, where: str) -> ProtocolError | None:
 
 def _describe(exc: BaseException, mask: Callable[[str], str] = lambda text: text) -> str:
     if isinstance(exc, _Dropped):
-        unknown = ", ".join(repr(escape_controls(cut(mask(name), 40, ""))) for name in exc.unknown)
+        unknown = ", ".join(repr(escape_controls(cut(mask(name), 40, ""))) for name in exc.args)
         return "stream ended before the result" + (f"; it sent events this client does not know: {unknown}"
                                                    if unknown else "")
     if isinstance(exc, TimeoutError):

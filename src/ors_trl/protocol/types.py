@@ -1,9 +1,6 @@
-"""Plain data types for what an ORS server returns: blocks, messages, tool specs and results, splits.
-
-Parsing is strict where a wrong value would corrupt training (a reward that is not a finite number is a protocol
-error, not a silent 0.0), lenient where nothing is lost (an unknown block type is kept). Counts and lists a server
-sends are bounded (`MAX_*`): a twenty-byte answer must not cost gigabytes or a million requests.
-"""
+"""Plain data types for what an ORS server returns, parsed strictly where a wrong value would corrupt training (a
+reward that is no finite number is a protocol error, not 0.0), leniently where nothing is lost (an unknown block is
+kept); what a server sends is bounded (`MAX_*`): a twenty-byte answer must not cost gigabytes."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Opt-in upload of finished episodes to the OpenReward rollout viewer through the `openreward` SDK's rollout API:
-each episode record becomes one rollout holding its conversation as the SDK's events.
-
-It never slows or fails a step: `submit` only queues the record (full: dropped and counted); worker threads hand it to
-the SDK; a failure is counted and logged once, the API key masked. Not `transport.Transport`: the SDK owns the
-viewer's wire format (event ids, batching, retries), which moves with the platform.
-"""
+"""Opt-in upload of finished episodes to the OpenReward rollout viewer through the `openreward` SDK (which owns the
+viewer's wire format). It never slows or fails a step: `submit` only queues (full: dropped, counted); worker threads
+send; a failure is counted and logged once, the API key masked."""
 
 from __future__ import annotations
 
