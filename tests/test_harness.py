@@ -477,10 +477,16 @@ def test_the_environment_runs_the_agent_through_the_capture_endpoint(make_server
     and every session closes."""
     import logging
 
+    from ors_trl import ConfigurationError
+    from ors_trl.harness import HarnessServer
+    from ors_trl.testing import free_port
+
     server = make_server("agentrun")
     spec = OpenRewardSpec(server.url, env_name="agentrunenvironment")
     _ = spec.environment_factory
-    generator, harness = Looker(tokenizer), Harness.in_environment("run_agent")
+    port = free_port()  # the endpoint as the environment is told to reach it (a tunnel's or a routable address)
+    generator = Looker(tokenizer)
+    harness = Harness.in_environment("run_agent", server=HarnessServer(port=port, public_url=f"http://localhost:{port}/"))
     seats, seat = [], harness.server.seat
     harness.server.seat = lambda *a: seats.append(seat(*a)) or seats[-1]
     spoiled = {"id": "spoiled", "secret": "quartz", "key_suffix": "x"}
@@ -492,6 +498,7 @@ def test_the_environment_runs_the_agent_through_the_capture_endpoint(make_server
 
     with caplog.at_level(logging.DEBUG):
         conversations = spec.run(play())
+    assert harness.server.url == f"http://localhost:{port}"
     for ep, conversation in zip(episodes[:2], conversations[:2], strict=True):
         calls, rows = conversation.calls, conversation.rows
         # look, say, answer: each call sends back what it had, so all three join one row
@@ -516,6 +523,11 @@ def test_the_environment_runs_the_agent_through_the_capture_endpoint(make_server
     assert len(seats) == 3 and not any(s.token in shown for s in seats)
     for ep in episodes:
         ep.release()
+    # evaluation plays it the same way (and training: the engine plays through `Harness.play` as here)
+    report = spec.evaluate(Looker(tokenizer), harness=Harness.in_environment(), num_tasks=2, progress=False)
+    assert report.mean_reward == 1.0 and [r["harness"]["rows"] for r in report.episodes] == [1, 1]
     spec.close()
-    assert server.stats()["open_sessions"] == 0 and server.stats()["tool_calls"]["agentrunenvironment/run_agent"] == 3
+    assert server.stats()["open_sessions"] == 0 and server.stats()["tool_calls"]["agentrunenvironment/run_agent"] == 5
     assert harness.server.seats == {} and spec.client._transport.decoder._secrets == ()
+    with pytest.raises(ConfigurationError, match="tool name"):
+        Harness.in_environment("", {"a": 1})
