@@ -53,13 +53,14 @@ class Scripted(LocalPolicy):
         super().__init__(None, tokenizer, name="scripted")
         self.produced: dict[tuple[int, ...], list[int]] = {}
 
+    def script(self, text: str) -> str:
+        done = "<tool_response>" in text or "Summarise" in text
+        return "Done." if done else tool_call_text("echo", {"text": _TARGET.findall(text)[0]})
+
     def _generate_ids(self, tokens):
         out = []
         for t in tokens:
-            text = self.tokenizer.decode(t.ids)
-            done = "<tool_response>" in text or "Summarise" in text
-            body = "Done." if done else tool_call_text("echo", {"text": _TARGET.findall(text)[0]})
-            ids = self.tokenizer.encode(body + "<|im_end|>", add_special_tokens=False)
+            ids = self.tokenizer.encode(self.script(self.tokenizer.decode(t.ids)) + "<|im_end|>", add_special_tokens=False)
             self.produced[tuple(t.ids)] = ids
             out.append((ids, [-0.5] * len(ids)))
         return out
@@ -455,3 +456,78 @@ def test_the_reply_limit_holds_for_a_harness(echo_spec, ref_server, tokenizer):
     assert len(conversation.calls) == 1  # the call after the end generated nothing and is not a model call
     episode.release()
     echo_spec.run(harness.aclose())
+
+
+class Looker(Scripted):
+    """The script of `AgentRunEnvironment`'s agent: `look`, then `say` what it showed, then "Done."."""
+
+    generated = 0  # calls answered
+
+    def script(self, text: str) -> str:
+        self.generated += 1
+        seen = re.findall(r"<tool_response>\s*(.*?)\s*</tool_response>", text, re.S)
+        return tool_call_text("say", {"text": seen[0]}) if len(seen) == 1 else "Done." if seen else \
+            tool_call_text("look", {})
+
+
+def test_the_environment_runs_the_agent_through_the_capture_endpoint(make_server, tokenizer, caplog):
+    """An environment that runs its agent itself (as a platform sandbox does): each session opens with env_overrides
+    naming its episode's endpoint and key, one tool call runs the agent; the rows are the generator's ids exactly, the
+    reward is the environment's, a spoiled key gets 401 and generates nothing, the key is in no record, log or repr,
+    and every session closes."""
+    import logging
+
+    from ors_trl import ConfigurationError
+    from ors_trl.harness import HarnessServer
+    from ors_trl.testing import free_port
+
+    server = make_server("agentrun")
+    spec = OpenRewardSpec(server.url, env_name="agentrunenvironment")
+    _ = spec.environment_factory
+    port = free_port()  # the endpoint as the environment is told to reach it (a tunnel's or a routable address)
+    generator = Looker(tokenizer)
+    harness = Harness.in_environment("run_agent", server=HarnessServer(port=port, public_url=f"http://localhost:{port}/"))
+    seats, seat = [], harness.server.seat
+    harness.server.seat = lambda *a: seats.append(seat(*a)) or seats[-1]
+    spoiled = {"id": "spoiled", "secret": "quartz", "key_suffix": "x"}
+    episodes = [spec._runtime.episode(task, source="test", rules=Rules(max_replies=6))
+                for task in (Task("train", 0), Task("train", 1), Task("train", spec=spoiled))]
+
+    async def play():
+        return await asyncio.gather(*(harness.play(ep, generator) for ep in episodes))
+
+    with caplog.at_level(logging.DEBUG):
+        conversations = spec.run(play())
+    assert harness.server.url == f"http://localhost:{port}"
+    for ep, conversation in zip(episodes[:2], conversations[:2], strict=True):
+        calls, rows = conversation.calls, conversation.rows
+        # look, say, answer: each call sends back what it had, so all three join one row
+        assert [(c.joined, c.row) for c in calls] == [(False, 0), (True, 0), (True, 0)] and len(rows) == 1
+        generated = [t for t, m in zip(rows[0].completion_ids, rows[0].mask, strict=True) if m]
+        truth = [t for c in calls for t in generator.produced[tuple(c.prompt_ids)]]
+        assert len(generated) == len(truth) and sum(a != b for a, b in zip(generated, truth, strict=True)) == 0
+        assert "<tool_response>" in tokenizer.decode([t for t, m in zip(rows[0].completion_ids, rows[0].mask,
+                                                                         strict=True) if not m])
+        assert ep.reward == 1.0 and ep.end_reason == "finished"  # the environment's reward, from its own agent run
+        trigger = ep.turns[0]["tool_calls"]
+        assert [(c["name"], c["status"], c["reward"]) for c in trigger] == [("run_agent", "ok", 1.0)]
+        assert [t["assistant"] for t in ep.turns[1:]] == ["", "", "Done."]
+        assert ep.info["harness"] == {"model_calls": 3, "trained_calls": 3, "rows": 1, "joined_calls": 2}
+    # the spoiled key: 401 at the endpoint, nothing generated for it, the environment scores its agent's failure
+    bad = episodes[2]
+    assert conversations[2].calls == [] and generator.generated == 6 and harness.server.refused == 1
+    assert bad.reward == 0.0 and "model call: 401" in bad.turns[0]["tool_calls"][0]["output"]
+    # the keys reached the environment (its agent logged them) and went no further: masked, then forgotten
+    assert all("OPENAI_API_KEY=***" in ep.turns[0]["tool_calls"][0]["output"] for ep in episodes)
+    shown = json.dumps([ep.record() for ep in episodes], default=str) + caplog.text + repr(harness) + repr(seats)
+    assert len(seats) == 3 and not any(s.token in shown for s in seats)
+    for ep in episodes:
+        ep.release()
+    # evaluation plays it the same way (and training: the engine plays through `Harness.play` as here)
+    report = spec.evaluate(Looker(tokenizer), harness=Harness.in_environment(), num_tasks=2, progress=False)
+    assert report.mean_reward == 1.0 and [r["harness"]["rows"] for r in report.episodes] == [1, 1]
+    spec.close()
+    assert server.stats()["open_sessions"] == 0 and server.stats()["tool_calls"]["agentrunenvironment/run_agent"] == 5
+    assert harness.server.seats == {} and spec.client._transport.decoder._secrets == ()
+    with pytest.raises(ConfigurationError, match="tool name"):
+        Harness.in_environment("", {"a": 1})

@@ -570,18 +570,24 @@ class Episode:
 
     # -- open --------------------------------------------------------------------------------------
 
-    async def open(self) -> bool:
-        """Open the session and read the prompt (once, shared); whether it opened (else it ends with `error`)."""
+    async def open(self, env_overrides: Mapping[str, str] | None = None) -> bool:
+        """Open the session and read the prompt (once, shared); whether it opened (else it ends with `error`).
+
+        Args:
+            env_overrides (`Mapping[str, str]`, *optional*):
+                The session's own environment variables (a harness's endpoint for an agent the environment runs).
+        """
         if self._opening is None:
             self.state = OPENING
-            self._opening = asyncio.ensure_future(self._open())
+            self._opening = asyncio.ensure_future(self._open(env_overrides))
         return await asyncio.shield(self._opening)
 
-    async def _open(self) -> bool:
+    async def _open(self, overrides: Mapping[str, str] | None) -> bool:
         env, task = self.env, self.task
         started = time.monotonic()
         try:
-            self.session = await env.client.open_session(**task.where)
+            self.session = await env.client.open_session(**task.where, **({"env_overrides": overrides} if overrides
+                                                                           else {}))
             self.timings["open"] = time.monotonic() - started
             self.prompt = await env.read_prompt(self.session)
             for block in (b for m in self.prompt.messages for b in image_blocks(m.blocks)):

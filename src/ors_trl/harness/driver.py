@@ -15,9 +15,9 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from ..core.episode import Episode
+from ..core.episode import Episode, ToolCall
 from ..core.rollout import Conversation
 from ..protocol.errors import ConfigurationError, PolicyError
 from .rows import build_rows
@@ -91,7 +91,14 @@ class HarnessConversation(Conversation):
         self.rows: list[Any] = []
 
 
-Agent = Callable[[Endpoint], Awaitable[str | None]] | Sequence[str]
+class _InEnvironment(NamedTuple):
+    """The environment runs the agent: the tool call that starts it (`Harness.in_environment`)."""
+
+    tool: str
+    arguments: dict[str, Any]
+
+
+Agent = Callable[[Endpoint], Awaitable[str | None]] | Sequence[str] | _InEnvironment
 
 
 class Harness:
@@ -108,20 +115,47 @@ class Harness:
         timeout (`float`, *optional*):
             Seconds an episode may take (with the driver's own deadline); past it the episode ends scored `None`.
         env (`Mapping[str, str]`, *optional*):
-            More environment variables for a command harness.
+            More environment variables for a command harness (for `in_environment`: more `env_overrides`).
+        server (`HarnessServer`, *optional*):
+            The endpoints' server (default: `HarnessServer()`, loopback on a free port).
     """
 
     def __init__(self, agent: Agent, *, train_call: Callable[[ModelCall], bool] | None = None,
                  score: Callable[[Episode, list[ModelCall]], float | None] | None = None,
-                 timeout: float | None = None, env: Mapping[str, str] | None = None) -> None:
-        if not callable(agent) and (isinstance(agent, str) or not agent or not all(isinstance(a, str) for a in agent)):
+                 timeout: float | None = None, env: Mapping[str, str] | None = None,
+                 server: HarnessServer | None = None) -> None:
+        if not callable(agent) and not isinstance(agent, _InEnvironment) and (
+                isinstance(agent, str) or not agent or not all(isinstance(a, str) for a in agent)):
             raise ConfigurationError("a harness is a coroutine function or a command line as a list of strings "
                                      f"(e.g. ['python', 'agent.py']), got {agent!r}")
         self.agent, self.train_call, self.score, self.timeout = agent, train_call, score, timeout
         self.env = dict(env or {})
-        self.server = HarnessServer()
+        self.server = server or HarnessServer()
+
+    @classmethod
+    def in_environment(cls, tool: str = "run_agent", arguments: Mapping[str, Any] | None = None,
+                       **options: Any) -> Harness:
+        """A harness for an environment that runs the agent itself, in its sandbox: each episode's session opens
+        with `env_overrides` `OPENAI_BASE_URL` and `OPENAI_API_KEY` naming the episode's model endpoint, then one
+        call of `tool` with `arguments` runs the agent; its calls become the rows, the environment's reward the
+        episode's. The environment must reach the endpoint (`HarnessServer`'s `host` and `public_url`).
+
+        Args:
+            tool (`str`, *optional*, defaults to `"run_agent"`):
+                The environment's tool that runs its agent to the end.
+            arguments (`Mapping[str, Any]`, *optional*):
+                Its arguments (no secrets: the record keeps them).
+            **options:
+                `Harness`'s keyword arguments (`train_call`, `score`, `timeout`, `env`, `server`).
+        """
+        if not isinstance(tool, str) or not tool or not isinstance(arguments or {}, Mapping):
+            raise ConfigurationError(f"in_environment needs a tool name and a mapping of arguments, got {tool!r}, "
+                                     f"{arguments!r}")
+        return cls(_InEnvironment(tool, dict(arguments or {})), **options)
 
     def __repr__(self) -> str:
+        if isinstance(self.agent, _InEnvironment):
+            return f"Harness.in_environment({self.agent.tool!r})"
         return f"Harness({getattr(self.agent, '__qualname__', self.agent)!r})"
 
     def rollout_func(self, spec: Any) -> Any:
@@ -165,15 +199,17 @@ class Harness:
         seat = None
         try:
             async with deadline:
-                if await episode.open():
+                url = await self.server.start()
+                seat = self.server.seat(episode, generator)  # before the session: its env_overrides may name it
+                inside = isinstance(self.agent, _InEnvironment)
+                if await episode.open({**self.env, "OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": seat.token}
+                                      if inside else None):
                     assert episode.prompt is not None
-                    url = await self.server.start()
-                    seat = self.server.seat(episode, generator)
                     messages = episode.prompt.chat(base)
                     tools = episode.toolset.schemas if episode.toolset is not None else []
                     endpoint = Endpoint(f"{url}/v1", seat.token, f"{url}/mcp", seat.token, messages, tools)
                     try:
-                        final = await self._run(endpoint)
+                        final = await (self._trigger(episode) if inside else self._run(endpoint))
                     except (asyncio.CancelledError, TimeoutError):
                         raise
                     except Exception as exc:
@@ -211,6 +247,13 @@ class Harness:
         if self.score is not None:
             episode.info["env_reward"] = episode.reward
             episode.reward = self.score(episode, calls)
+
+    async def _trigger(self, episode: Episode) -> None:
+        """Run the environment's agent: one call of its tool (a failed call fails the episode)."""
+        tool, arguments = self.agent  # type: ignore[misc]
+        outcome = await episode.call(ToolCall(tool, arguments))
+        if outcome.error is not None:
+            raise PolicyError(f"the environment's agent run ({tool}) failed: {outcome.error}")
 
     async def _run(self, endpoint: Endpoint) -> str | None:
         if callable(self.agent):

@@ -1,5 +1,5 @@
-"""One loopback HTTP server for harness episodes (design decision 16): an MCP endpoint with each episode's tools and
-OpenAI-compatible model endpoints backed in-process by an ors-trl generator.
+"""One HTTP server for harness episodes, loopback by default (design decision 16): an MCP endpoint with each
+episode's tools and OpenAI-compatible model endpoints backed in-process by an ors-trl generator.
 
 Each episode gets an unguessable token (its API key and MCP bearer token): a request without a live token is answered
 401 before anything runs, so one episode never reaches another's tools or model calls. Tool calls go to `Episode.call`
@@ -98,11 +98,21 @@ def _error(id_: Any, code: int, message: str) -> dict[str, Any]:
 
 
 class HarnessServer:
-    """The loopback server of one harness (`start` on the loop that plays the episodes, `aclose` at the end):
-    `/mcp` (tools) and `/v1/chat/completions` (the model), routed to an episode by its bearer token.
-    `refused`: requests answered 401/403 (nothing of them ran)."""
+    """The server of one harness (`start` on the loop that plays the episodes, `aclose` at the end): `/mcp` (tools)
+    and `/v1/chat/completions` (the model), routed to an episode by its bearer token. `refused`: requests answered
+    401/403 (nothing of them ran).
 
-    def __init__(self) -> None:
+    Args:
+        host (`str`, *optional*, defaults to `"127.0.0.1"`):
+            The address to bind (`"0.0.0.0"`: every interface, for an environment on another machine).
+        port (`int`, *optional*, defaults to `0`):
+            The port to bind (0: a free one).
+        public_url (`str`, *optional*):
+            The base URL harnesses are given, where they reach it another way (a tunnel, a routable address).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, public_url: str | None = None) -> None:
+        self.host, self.port, self.public_url = host, port, public_url and public_url.rstrip("/")
         self.seats: dict[str, Seat] = {}
         self.refused = 0
         self.url = ""
@@ -113,7 +123,7 @@ class HarnessServer:
         return f"HarnessServer({self.url!r}, episodes={len(self.seats)})"
 
     async def start(self) -> str:
-        """Bind `127.0.0.1` on a free port (once, however many episodes start at the same time); the base URL."""
+        """Bind (once, however many episodes start at the same time); the base URL harnesses are given."""
         async with self._lock:
             if self._runner is None:
                 app = web.Application(client_max_size=16 * 2**20)
@@ -124,10 +134,11 @@ class HarnessServer:
                 app.router.add_get("/v1/models", self._models)
                 self._runner = web.AppRunner(app, access_log=None)
                 await self._runner.setup()
-                site = web.TCPSite(self._runner, "127.0.0.1", 0)
+                site = web.TCPSite(self._runner, self.host, self.port)
                 await site.start()
                 port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-                self.url = f"http://127.0.0.1:{port}"
+                near = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+                self.url = self.public_url or f"http://{f'[{near}]' if ':' in near else near}:{port}"
             return self.url
 
     async def aclose(self) -> None:

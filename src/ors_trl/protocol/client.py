@@ -181,6 +181,7 @@ class AsyncSession(contextlib.AbstractAsyncContextManager["AsyncSession"]):
         self.expired = self.closed = False
         self._close_task: asyncio.Task[None] | None = None
         self._lease: Lease = ()  # session-cap slots, given back on close
+        self._masked: list[str] = []  # its own env_overrides' values, masked until it closes
 
     def __repr__(self) -> str:
         task = f"index={self.index}" if self.index is not None else "task_spec=..."
@@ -303,6 +304,8 @@ class AsyncSession(contextlib.AbstractAsyncContextManager["AsyncSession"]):
         if self._close_task is None:
             self.closed = True
             self._close_task = self.client._pool.delete_soon(self.sid, session=self)
+            for value in self._masked:
+                self._transport.decoder.discard(value)
         await asyncio.wait([self._close_task], timeout=CLOSE_WAIT_S)
 
     async def __aexit__(self, *exc: object) -> None:
@@ -595,14 +598,15 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
         """The environment's shared tools (task-specific ones need a session: `AsyncSession.tools`)."""
         return ToolList.from_json(await self._env_request("GET", "/tools"), where="tools")
 
-    async def _create_sid(self) -> str:
-        """A new session id, claimed for this process and in the orphan registry before this returns. Every other id
-        the answers named (an attempt that then stalled or broke) is deleted in the background."""
+    async def _create_sid(self, overrides: Mapping[str, str] | None = None) -> str:
+        """A new session id (its environment `overrides`, default the client's), claimed for this process and in the
+        orphan registry before this returns. Every other id the answers named (an attempt that then stalled or broke)
+        is deleted in the background."""
         for tries in itertools.count(1):
             named: list[str] = []
             sid = None
             try:
-                sid = await self._new_sid(named)
+                sid = await self._new_sid(named, self._overrides if overrides is None else overrides)
                 if self._pool.claim(sid):
                     await self._pool.record(sid)
                     return sid
@@ -614,7 +618,7 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
                         self._pool.delete_soon(other, quiet=True)
         raise AssertionError("unreachable")
 
-    async def _new_sid(self, named: list[str]) -> str:
+    async def _new_sid(self, named: list[str], overrides: Mapping[str, str]) -> str:
         """`/create_session`, never re-posted on the platform once it may have landed (an allocation per request);
         each id any attempt names is appended to `named` as it arrives."""
         def seen(event: str, data: str) -> None:
@@ -623,13 +627,13 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
 
         try:
             events = await self._transport.request(
-                "POST", "/create_session", body={"env": self._overrides} if self._overrides else {},
+                "POST", "/create_session", body={"env": dict(overrides)} if overrides else {},
                 extra_headers=self._secret_headers, idempotent=self.target.is_url, on_event=seen)
         except BadRequestError as exc:
-            if not self._overrides:
+            if not overrides:
                 raise
             raise ConfigurationError(
-                f"{self.target.name} refused the session's env_overrides ({', '.join(sorted(self._overrides))}): "
+                f"{self.target.name} refused the session's env_overrides ({', '.join(sorted(overrides))}): "
                 f"{exc.detail.rstrip('.')}. On the platform, callers other than the environment's owner may set only "
                 "OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY.") from None
         for event, data in events:
@@ -650,8 +654,8 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
 
     @masked
     async def open_session(self, *, split: str | None = None, index: int | None = None,
-                           task_spec: Mapping[str, Any] | None = None, toolset_name: str | None = None
-                           ) -> AsyncSession:
+                           task_spec: Mapping[str, Any] | None = None, toolset_name: str | None = None,
+                           env_overrides: Mapping[str, str] | None = None) -> AsyncSession:
         """Open a session for task `split`/`index` or an explicit `task_spec` (exactly one of the two). Under
         `max_sessions`, waits (up to `session_wait`) for a slot; whatever this creates on the server is deleted again
         if the open fails or is cancelled halfway. A `ConfigurationError` for both or neither, or a refused toolset or
@@ -666,6 +670,8 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
                 An explicit task to run instead of one by index.
             toolset_name (`str`, *optional*):
                 The platform toolset for this session; overrides the client's `toolset`.
+            env_overrides (`Mapping[str, str]`, *optional*):
+                Environment variables for this session, over the client's `env_overrides`; masked until it closes.
         """
         if (task_spec is None) == (index is None):
             raise ConfigurationError("open_session needs exactly one of index= (with split=) or task_spec=")
@@ -674,11 +680,23 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
             if isinstance(index, bool) or not isinstance(index, int):
                 raise ConfigurationError(f"task index must be an int, got {index!r}")
         self._check_usable()
-        async with self._pool.opening():
-            return await self._open(split, index, task_spec, toolset_name)
+        ClientOptions(env_overrides=env_overrides)  # validated as the client's are
+        own = [v for v in (env_overrides or {}).values() if v not in self._overrides.values()]
+        overrides = {**self._overrides, **env_overrides} if env_overrides else None
+        for value in own:
+            self._transport.decoder.add(value)
+        try:
+            async with self._pool.opening():
+                session = await self._open(split, index, task_spec, toolset_name, overrides)
+        except BaseException:
+            for value in own:
+                self._transport.decoder.discard(value)
+            raise
+        session._masked = own
+        return session
 
     async def _open(self, split: str | None, index: int | None, task_spec: Mapping[str, Any] | None,
-                    toolset_name: str | None) -> AsyncSession:
+                    toolset_name: str | None, overrides: Mapping[str, str] | None = None) -> AsyncSession:
         env = await self.environment()
         started = time.monotonic()
         lease = await self._pool.acquire()
@@ -691,7 +709,7 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
             if env:
                 body["env_name"] = env
             for tries in itertools.count(1):
-                sid = await _landed(self._create_sid(), sids)
+                sid = await _landed(self._create_sid(overrides), sids)
                 toolset = toolset_name or self.toolset
                 try:
                     ours = await self._create(sid, {**body, "toolset_name": toolset} if toolset else body, first=True)

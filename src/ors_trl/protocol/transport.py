@@ -15,6 +15,7 @@ import math
 import random
 import re
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -180,6 +181,7 @@ class Decoder:
     only when a scan of the raw text finds something to fix: a plain answer costs one `json.loads`."""
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
+        self._held: Counter[str] = Counter()  # each secret, with how many adds hold it
         self._secrets: tuple[str, ...] = ()  # longest first: the X-Secrets header contains the values
         self._probes: tuple[str, ...] = ()  # what in raw JSON text can spell a secret
         for secret in secrets:
@@ -187,9 +189,19 @@ class Decoder:
 
     def add(self, secret: str) -> None:
         """Mask `secret` from now on (one shorter than 6 characters is no secret worth garbling text for)."""
-        if len(secret) < _MIN_MASKED_SECRET or secret in self._secrets:
-            return
-        self._secrets = tuple(sorted({*self._secrets, secret}, key=len, reverse=True))
+        if len(secret) >= _MIN_MASKED_SECRET:
+            self._held[secret] += 1
+            self._set()
+
+    def discard(self, secret: str) -> None:
+        """Undo one `add` of `secret` (a session's own value, once the session is closed): masked while others hold it."""
+        if self._held[secret] > 1:
+            self._held[secret] -= 1
+        elif self._held.pop(secret, None):
+            self._set()
+
+    def _set(self) -> None:
+        self._secrets = tuple(sorted(self._held, key=len, reverse=True))
         escapes = (_SHORT_ESCAPES[c] for s in self._secrets for c in s if c in _SHORT_ESCAPES)
         self._probes = tuple(dict.fromkeys([*self._secrets, *escapes]))
 

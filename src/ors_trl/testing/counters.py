@@ -5,15 +5,20 @@
         ...
 
 `ReferenceServer.stats()` reports them, read from the server process. Process-global and thread-safe.
+`session_env()` is what the platform would put in the environment's sandbox: the session's `env_overrides`.
 """
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections import Counter
 from typing import Any
 
-__all__ = ["count", "reset", "snapshot", "tracked"]
+__all__ = ["count", "reset", "session_env", "snapshot", "tracked"]
+
+#: Set by `ReferenceServer` while it creates a session (`/create`): the `env` its `/create_session` carried.
+_session_env: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("session_env", default=None)
 
 _lock = threading.Lock()
 _counts: dict[str, Counter[str]] = {name: Counter() for name in
@@ -71,3 +76,9 @@ def reset() -> None:
     with _lock:
         for c in _counts.values():
             c.clear()
+
+
+def session_env() -> dict[str, str]:
+    """In an environment's `__init__` under `ReferenceServer`: the `env_overrides` its session was opened with (the
+    variables the platform sets in the environment's sandbox; `{}` for none)."""
+    return dict(_session_env.get() or {})

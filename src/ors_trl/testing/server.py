@@ -19,6 +19,7 @@ import importlib
 import ipaddress
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -124,8 +125,11 @@ class _TestRoutes:
     def __init__(self, app: Any, server: Any, idle_timeout: float | None) -> None:
         self.app, self.server, self.idle_timeout = app, server, idle_timeout
         self.pings = self.requests = self.peak_sessions = 0  # peak: sessions alive at once, sampled after a /create
+        self.session_envs: dict[str, dict[str, str]] = {}  # session id -> its env_overrides, until its /create
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        from ors_trl.testing import counters
+
         path = scope.get("path", "") if scope["type"] == "http" else None
         if path is not None and path.startswith("/_test/"):
             await self._answer(path, send)
@@ -133,9 +137,40 @@ class _TestRoutes:
         if path is not None:
             self.requests += 1
             self.pings += path == "/ping"
-        await self.app(scope, receive, send)
+        if path == "/create_session":
+            receive, send = await self._keep_env(receive, send)
+        sid = dict(scope.get("headers") or ()).get(b"x-session-id", b"").decode("latin-1").strip()
+        token = counters._session_env.set(self.session_envs.pop(sid, None)) if path == "/create" else None
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if token is not None:
+                counters._session_env.reset(token)
         if path == "/create":
             self.peak_sessions = max(self.peak_sessions, len(self.server._active_envs))
+
+    async def _keep_env(self, receive: Callable[..., Any], send: Callable[..., Any]) -> tuple[Any, Any]:
+        """A `/create_session`'s `env` (the platform's env_overrides), kept for the session id its answer names, until
+        that session's `/create` hands it to the environment (`counters.session_env`)."""
+        messages = [await receive()]
+        while messages[-1].get("more_body") and messages[-1]["type"] == "http.request":
+            messages.append(await receive())
+        try:
+            env = json.loads(b"".join(m.get("body", b"") for m in messages) or b"{}").get("env") or None
+        except (ValueError, AttributeError):
+            env = None
+        replay = iter(messages)
+
+        async def again() -> Any:
+            return next(replay, None) or await receive()
+
+        async def sent(message: dict[str, Any]) -> None:
+            found = re.search(rb"event: task_id\r?\ndata: ([^\r\n]+)", message.get("body", b""))
+            if found and isinstance(env, dict):
+                self.session_envs[found[1].decode().strip()] = env
+            await send(message)
+
+        return again, sent
 
     def stats(self) -> dict[str, Any]:
         from ors_trl.testing import counters
