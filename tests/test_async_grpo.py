@@ -463,6 +463,17 @@ def test_async_grpo_trains_through_a_harness(tiny_model_dir, make_server, tmp_pa
     spec.close()
 
 
+def test_a_harness_that_cannot_travel_to_the_rollout_process_is_refused(ref_server) -> None:
+    """TRL takes the worker's arguments to its spawned process by pickle: a closure is refused up front, saying how."""
+    from ors_trl.harness import Harness
+    from ors_trl.protocol.errors import ConfigurationError
+
+    spec = OpenRewardSpec(ref_server.url, env_name="echoenvironment")
+    with pytest.raises(ConfigurationError, match="module-level functions"):
+        Harness(echo_agent, score=lambda episode, calls: 1.0).rollout_worker(spec)
+    spec.close()
+
+
 # -- 2. the pickled factory and reward functions in a spawned process -----------------------------
 
 

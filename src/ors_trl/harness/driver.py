@@ -13,6 +13,7 @@ import copy
 import json
 import logging
 import os
+import pickle
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -149,8 +150,15 @@ class Harness:
         """
         _ = spec.rollout_func  # the tools are discovered here, once: they travel with the spec
         mix = hasattr(spec, "specs")
-        specs = dict(spec.specs) if mix else {None: spec}
-        return harness_worker(_AsyncPlay(self, specs, spec.unscored_reward if mix else spec._unscored_reward), **kwargs)
+        play = _AsyncPlay(self, dict(spec.specs) if mix else {None: spec},
+                          spec.unscored_reward if mix else spec._unscored_reward)
+        try:
+            pickle.dumps(play)
+        except Exception as exc:
+            raise ConfigurationError(f"this harness cannot travel to TRL's rollout process, which takes it by pickle "
+                                     f"({type(exc).__name__}: {exc}): make its agent, train_call and score "
+                                     "module-level functions, or give a command line.") from None
+        return harness_worker(play, **kwargs)
 
     def rollout_func(self, spec: Any) -> Any:
         """`spec.rollout_func` with every episode played by this harness: give it to `GRPOTrainer(rollout_func=...)`.
@@ -274,6 +282,10 @@ class _TurnGenerator(TokenGenerator):
         if not ids:  # no room left in the model's context (`backend.bound_async_context`)
             raise StopEpisode("context_length", "the prompt fills the model's context")
         return self._parse(conversation, list(ids), list(logprobs), time.monotonic() - started)
+
+    def _refuse_images(self, what: str) -> None:
+        raise ConfigurationError(f"{what} holds an image, and TRL's async worker sends vLLM token ids alone; pass "
+                                 "OpenRewardSpec(..., images=\"placeholder\") to show the model a text marker instead.")
 
 
 class _AsyncPlay:
