@@ -322,17 +322,13 @@ def bound_async_context(on_cut: Callable[[Any, str, str], None]) -> bool:
     return True
 
 
-def _no_cut(environment: Any, kind: str, detail: str) -> None:
-    """A context cut in a harness worker: the empty reply ends the episode (`ors_trl.harness`), nothing to note."""
-
-
 def harness_worker(play: Any, **loop_kwargs: Any) -> Any:
     """A rollout worker for `AsyncGRPOTrainer(rollout_worker=...)` whose rollouts `play` plays (TRL's
     `HarnessRolloutWorker` pattern): per rollout, in TRL's spawned process, `await play(prompt, turn)` with the row's
     prompt messages and `turn`: `await turn(ids)` is one generation on TRL's vLLM (ids and logprobs), `turn.rendering`
     how to render for it. `play` (picklable) returns a `Played`; its `metrics()` (`env/...`) are logged once per scored
-    group, its `close()` runs when the worker stops. The loop's
-    other arguments are the trainer's (read off it at `start`), `loop_kwargs` (e.g. `queue_maxsize`) win."""
+    group, its `close()` runs when the worker stops. The loop's other arguments are the trainer's (read off it at
+    `start`); `loop_kwargs` (e.g. `queue_maxsize`) win."""
     found = async_grpo() if verified() else None
     if found is None:
         raise UsageError(f"a harness rollout worker drives TRL internals verified for TRL {', '.join(VERIFIED)} "
@@ -389,7 +385,7 @@ def __getattr__(name: str) -> Any:
             self._play = play
             self._ors_rendering = Rendering.for_training(self.tokenizer, chat_template_kwargs=self.chat_template_kwargs)
             self.reward_func_names.append("outcome_reward")
-            bound_async_context(_no_cut)
+            bound_async_context(lambda *_: None)  # no room: an empty reply, which ends the harness's episode
 
         async def _generate_one(self, prompt: Any, tool_dict: Any, tools: Any, group_id: int = 0) -> Any:
             started = time.monotonic()
@@ -417,7 +413,7 @@ def __getattr__(name: str) -> Any:
 
         def __init__(self, play: Any, **loop_kwargs: Any) -> None:
             super().__init__(**loop_kwargs)
-            self._given = {**self._loop_kwargs, "play": play}
+            self._play = play
 
         def start(self) -> None:
             trainer = calling_trainer()
@@ -428,12 +424,13 @@ def __getattr__(name: str) -> Any:
             names = ("num_generations", "max_inflight_tasks", "temperature", "top_p", "top_k", "min_p",
                      "repetition_penalty", "request_timeout", "chat_template_kwargs", "max_tool_calling_iterations",
                      "log_completions", "num_completions_to_print")
-            self._loop_kwargs = {
-                **{n: getattr(args, n) for n in names}, "model_name": found.trainer_module.get_config_model_id(trainer.model.config),
+            self._loop_kwargs = {  # as AsyncGRPOTrainer builds its own worker's
+                **{n: getattr(args, n) for n in names}, "dataset": trainer.train_dataset, "reward_funcs": [],
+                "model_name": found.trainer_module.get_config_model_id(trainer.model.config),
                 "lora_name": trainer._lora_name if getattr(trainer, "_lora_sync", False) else None,
-                "dataset": trainer.train_dataset, "processing_class": trainer.processing_class,
-                "eos_token_ids": trainer.eos_token_ids, "reward_funcs": [], "vllm_server_url": args.vllm_server_base_url,
-                "max_tokens": args.max_completion_length, **self._given, **self._loop_kwargs}
+                "processing_class": trainer.processing_class, "eos_token_ids": trainer.eos_token_ids,
+                "vllm_server_url": args.vllm_server_base_url, "max_tokens": args.max_completion_length,
+                "play": self._play, **self._loop_kwargs}
             super().start()
 
     for cls in (_HarnessLoop, _HarnessWorker):
