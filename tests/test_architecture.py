@@ -283,4 +283,5 @@ def test_one_rollout_loop() -> None:
     assert callers == ["ors_trl/core/rollout.py"], callers
     players = sorted(str(p.relative_to(SRC)) for p in PACKAGE.rglob("*.py")
                      if {"ors_trl.core.rollout.play", "ors_trl.core.rollout.play_task"} & set(_all_imports(p)))
-    assert players == ["ors_trl/evaluation/runner.py", "ors_trl/trl/engine.py"], players
+    # the harness driver: TRL's async worker's rollouts (`Harness.rollout_worker`), one episode each
+    assert players == ["ors_trl/evaluation/runner.py", "ors_trl/harness/driver.py", "ors_trl/trl/engine.py"], players

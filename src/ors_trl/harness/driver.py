@@ -13,13 +13,19 @@ import copy
 import json
 import logging
 import os
+import pickle
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ..core.episode import Episode, ToolCall
-from ..core.rollout import Conversation
+from ..core.episode import Episode, Rules, ToolCall
+from ..core.rollout import Batcher, Conversation, StopEpisode, play_task
 from ..protocol.errors import ConfigurationError, PolicyError
+from ..protocol.loop import get_loop
+from ..trl.backend import Played, error_text, harness_worker
+from ..trl.engine import episode_for
+from ..trl.tokens import TokenGenerator, fidelity
 from .rows import build_rows
 from .server import HarnessServer, ModelCall, _text
 
@@ -158,6 +164,36 @@ class Harness:
             return f"Harness.in_environment({self.agent.tool!r})"
         return f"Harness({getattr(self.agent, '__qualname__', self.agent)!r})"
 
+    def __getstate__(self) -> dict[str, Any]:  # to TRL's async rollout process: without the loopback server
+        return {**self.__dict__, "server": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, server=HarnessServer())
+
+    def rollout_worker(self, spec: Any, **kwargs: Any) -> Any:
+        """A rollout worker with every rollout played by this harness: give it to `AsyncGRPOTrainer(rollout_worker=...)`
+        (with `train_dataset=spec.train_dataset`). It runs in TRL's spawned rollout process, so the harness (its agent,
+        `train_call`, `score`) must pickle: module-level functions. Its model calls generate on TRL's vLLM server; the
+        reward is the episode's (`unscored_reward` applies), logged as `rewards/outcome_reward`.
+
+        Args:
+            spec (`OpenRewardSpec` or `OpenRewardMix`):
+                The spec whose environments and dataset the trainer uses.
+            **kwargs:
+                TRL's rollout loop arguments that differ from the trainer's (e.g. `queue_maxsize=args.queue_maxsize`).
+        """
+        _ = spec.rollout_func  # the tools are discovered here, once: they travel with the spec
+        mix = hasattr(spec, "specs")
+        play = _AsyncPlay(self, dict(spec.specs) if mix else {None: spec},
+                          spec.unscored_reward if mix else spec._unscored_reward)
+        try:
+            pickle.dumps(play)
+        except Exception as exc:
+            raise ConfigurationError(f"this harness cannot travel to TRL's rollout process, which takes it by pickle "
+                                     f"({type(exc).__name__}: {exc}): make its agent, train_call and score "
+                                     "module-level functions, or give a command line.") from None
+        return harness_worker(play, **kwargs)
+
     def rollout_func(self, spec: Any) -> Any:
         """`spec.rollout_func` with every episode played by this harness: give it to `GRPOTrainer(rollout_func=...)`.
 
@@ -273,3 +309,65 @@ class Harness:
             raise PolicyError(f"the harness command exited with status {process.returncode}: {tail}")
         text = out[-_MAX_OUTPUT:].decode("utf-8", "replace").strip()
         return text or None
+
+
+class _TurnGenerator(TokenGenerator):
+    """TRL's async worker's generation (`backend.harness_worker`'s `turn`) as a token generator: one request per call."""
+
+    def __init__(self, turn: Any) -> None:
+        super().__init__(turn.rendering, Batcher())
+        self.turn = turn
+
+    async def reply(self, conversation: Conversation) -> Any:
+        self._extend(conversation)
+        started = time.monotonic()
+        ids, logprobs = await self.turn(conversation.state.ids)
+        if not ids:  # no room left in the model's context (`backend.bound_async_context`)
+            raise StopEpisode("context_length", "the prompt fills the model's context")
+        return self._parse(conversation, list(ids), list(logprobs), time.monotonic() - started)
+
+    def _refuse_images(self, what: str) -> None:
+        raise ConfigurationError(f"{what} holds an image, and TRL's async worker sends vLLM token ids alone; pass "
+                                 "OpenRewardSpec(..., images=\"placeholder\") to show the model a text marker instead.")
+
+
+class _AsyncPlay:
+    """One rollout of TRL's async worker: the row's episode, played by the harness on ors-trl's loop."""
+
+    def __init__(self, harness: Harness, specs: dict[str | None, Any], unscored: float | None) -> None:
+        self.harness, self.specs, self.unscored = harness, specs, unscored
+
+    async def __call__(self, prompt: list[dict[str, Any]], turn: Any) -> Played:
+        return await asyncio.wrap_future(get_loop().submit(self._play(prompt, turn)))
+
+    async def _play(self, prompt: list[dict[str, Any]], turn: Any) -> Played:
+        environments = {name: spec.runtime for name, spec in self.specs.items()}
+        episode, base = episode_for(environments, prompt, Rules(error_text=error_text,
+                                                                 tool_markup=turn.rendering.tool_markup), "trl")
+        attempts: list[Episode] = []
+        try:
+            episode, conversation = await play_task(episode, _TurnGenerator(turn), attempts=attempts,
+                                                    player=self.harness.play, base=base,
+                                                    timeout=episode.env.episode_timeout)
+            episode.tokens = fidelity(conversation)
+        finally:
+            await (attempts[-1] if attempts else episode).close()
+        calls = conversation.calls
+        rows = [(r.ids, [0] * len(r.prompt_ids) + r.mask, [0.0] * len(r.prompt_ids) + (r.logprobs or [0.0] * len(r.mask)))
+                for r in conversation.rows]
+        messages = [*calls[-1].messages[len(calls[0].messages):],
+                    {"role": "assistant", "content": calls[-1].reply.content or ""}] if calls else []
+        return Played(messages, [i for c in calls if c.row is not None for i in c.completion_ids or ()], rows,
+                      episode.tool_calls, episode.tool_failures,
+                      self.unscored if episode.reward is None else episode.reward, len(calls))
+
+    def metrics(self) -> dict[str, float]:
+        """The environments' `env/...` metrics since the last call (a new window starts)."""
+        windows = {id(spec.runtime.metrics): spec.runtime.metrics for spec in self.specs.values()}  # a mix shares one
+        return {k: v for metrics in windows.values() for k, v in metrics.flush().items()}
+
+    def close(self) -> None:
+        """The worker stops: the loopback server, then every episode and session of the environments."""
+        get_loop().run(self.harness.aclose(), timeout=60)
+        for spec in self.specs.values():
+            spec.runtime.close_all()

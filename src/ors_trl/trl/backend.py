@@ -37,9 +37,10 @@ from ..core.records import token_fidelity
 from ..protocol.errors import ConfigurationError, UsageError, require_extra
 from ..tasks.selection import TRL_KEYWORDS
 
-__all__ = ["TRL_KEYWORDS", "VERIFIED", "AsyncGRPO", "Backend", "FinishedRollout", "Rendering", "async_grpo",
-           "bound_async_context", "calling_trainer", "error_text", "finished_rollout", "hook_scoring", "in_async_worker", "install_image_handoff", "replies_of",
-           "resetting_batch", "rules", "scoring_hooked", "shown_error", "tool_markup", "tool_turn", "training_trainer", "verified"]
+__all__ = ["TRL_KEYWORDS", "VERIFIED", "AsyncGRPO", "Backend", "FinishedRollout", "Played", "Rendering", "async_grpo",
+           "bound_async_context", "calling_trainer", "error_text", "finished_rollout", "harness_worker", "hook_scoring",
+           "in_async_worker", "install_image_handoff", "replies_of", "resetting_batch", "rules", "scoring_hooked",
+           "shown_error", "tool_markup", "tool_turn", "training_trainer", "verified"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -317,6 +318,123 @@ def bound_async_context(on_cut: Callable[[Any, str, str], None]) -> bool:
     loop_class._generate_one_turn = _generate_one_turn
     found.worker_module.parse_response = parse_response  # no reply: an empty message (TRL's would fail on no ids)
     return True
+
+
+def harness_worker(play: Any, **loop_kwargs: Any) -> Any:
+    """A rollout worker for `AsyncGRPOTrainer(rollout_worker=...)` whose rollouts `play` plays (TRL's
+    `HarnessRolloutWorker` pattern): per rollout, in TRL's spawned process, `await play(prompt, turn)` with the row's
+    prompt messages and `turn`: `await turn(ids)` is one generation on TRL's vLLM (ids and logprobs), `turn.rendering`
+    how to render for it. `play` (picklable) returns a `Played`; its `metrics()` (`env/...`) are logged once per scored
+    group, its `close()` runs when the worker stops. The loop's other arguments are the trainer's (read off it at
+    `start`); `loop_kwargs` (e.g. `queue_maxsize`) win."""
+    found = async_grpo() if verified() else None
+    if found is None:
+        raise UsageError(f"a harness rollout worker drives TRL internals verified for TRL {', '.join(VERIFIED)} "
+                         f"only; TRL {trl_version()} is installed.")
+    return __getattr__("_HarnessWorker")(play, **loop_kwargs)
+
+
+@dataclass
+class Played:
+    """One rollout as a harness worker hands it to TRL: its transcript, the ids it generated, its training rows
+    `(ids, completion mask, logprobs)` (prompt included), tool calls and failures, reward and model calls."""
+
+    messages: list[dict[str, Any]]
+    completion_ids: list[int]
+    rows: list[tuple[list[int], list[int], list[float]]]
+    tool_calls: int
+    tool_failures: int
+    reward: float | None
+    turns: int
+
+
+class _Turn:
+    """One generation on TRL's worker loop (its `_generate_one_turn`), awaitable from any event loop."""
+
+    def __init__(self, loop: Any) -> None:
+        self.loop, self.rendering = loop, loop._ors_rendering
+
+    def __call__(self, ids: list[int]) -> Any:
+        import asyncio
+
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.loop._generate_one_turn(list(ids)),
+                                                                    self.loop._loop))
+
+
+def __getattr__(name: str) -> Any:
+    """The harness worker's classes, built on first use over TRL's (pickle finds them here in the spawned process)."""
+    if name not in ("_HarnessWorker", "_HarnessLoop"):
+        raise AttributeError(name)
+    if name in globals():
+        return globals()[name]
+    import asyncio
+    import time
+    import uuid
+
+    found = async_grpo()
+    assert found is not None
+    module = found.worker_module
+
+    class _HarnessLoop(module._AsyncRolloutLoop):  # type: ignore[name-defined]
+        _provides_rollout_reward = True
+
+        def __init__(self, *, play: Any, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self._play = play
+            self._ors_rendering = Rendering.for_training(self.tokenizer, chat_template_kwargs=self.chat_template_kwargs)
+            self.reward_func_names.append("outcome_reward")
+            bound_async_context(lambda *_: None)  # no room: an empty reply, which ends the harness's episode
+
+        async def _generate_one(self, prompt: Any, tool_dict: Any, tools: Any, group_id: int = 0) -> Any:
+            started = time.monotonic()
+            out: Played = await self._play(prompt, _Turn(self))
+            rid = uuid.uuid4().hex
+            rows = [module.TrainingSequence(list(i), list(m), list(lp), rid) for i, m, lp in out.rows]
+            tally = dict.fromkeys(("clean", "realign", "fork", "transitions", "drift_tokens", "drift_max"), 0.0)
+            self._push_rollout_metrics(turns=out.turns, sequences=len(rows), completion_ids=out.completion_ids,
+                                       tally=tally, loop_exhausted=False, duration_s=time.monotonic() - started)
+            return out.messages, out.completion_ids, rows, out.tool_calls, out.tool_failures, out.reward
+
+        async def _score_group(self, group: Any) -> Any:
+            samples = await super()._score_group(group)
+            self._push_metrics(self._play.metrics())  # one window per GRPO group (the trainer averages them)
+            return samples
+
+        async def _run_loops(self, stop_event: Any) -> None:
+            try:
+                await super()._run_loops(stop_event)
+            finally:  # the episodes' sessions close as the worker stops
+                await asyncio.to_thread(getattr(self._play, "close", lambda: None))
+
+    class _HarnessWorker(module.AsyncRolloutWorker):  # type: ignore[name-defined]
+        _loop_cls = _HarnessLoop
+
+        def __init__(self, play: Any, **loop_kwargs: Any) -> None:
+            super().__init__(**loop_kwargs)
+            self._play = play
+
+        def start(self) -> None:
+            trainer = calling_trainer()
+            if getattr(trainer, "rollout_worker", None) is not self:
+                raise UsageError("a harness rollout worker starts with its trainer: pass it to "
+                                 "AsyncGRPOTrainer(rollout_worker=...) and call trainer.train().")
+            args = trainer.args
+            names = ("num_generations", "max_inflight_tasks", "temperature", "top_p", "top_k", "min_p",
+                     "repetition_penalty", "request_timeout", "chat_template_kwargs", "max_tool_calling_iterations",
+                     "log_completions", "num_completions_to_print")
+            self._loop_kwargs = {  # as AsyncGRPOTrainer builds its own worker's
+                **{n: getattr(args, n) for n in names}, "dataset": trainer.train_dataset, "reward_funcs": [],
+                "model_name": found.trainer_module.get_config_model_id(trainer.model.config),
+                "lora_name": trainer._lora_name if getattr(trainer, "_lora_sync", False) else None,
+                "processing_class": trainer.processing_class, "eos_token_ids": trainer.eos_token_ids,
+                "vllm_server_url": args.vllm_server_base_url, "max_tokens": args.max_completion_length,
+                "play": self._play, **self._loop_kwargs}
+            super().start()
+
+    for cls in (_HarnessLoop, _HarnessWorker):
+        cls.__module__, cls.__qualname__ = __name__, cls.__name__
+        globals()[cls.__name__] = cls
+    return globals()[name]
 
 
 def tool_masks() -> list[Any] | None:

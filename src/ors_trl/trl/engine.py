@@ -23,7 +23,7 @@ from .backend import Backend, install_image_handoff, require_engine, rules
 from .credit import install as install_credit
 from .tokens import TokenGenerator, Tokens, fidelity
 
-__all__ = ["TASK_KEY", "RolloutEngine", "task_of"]
+__all__ = ["TASK_KEY", "RolloutEngine", "episode_for", "task_of"]
 
 #: Key of the prompt message that carries a row's task identity (written by the specs' datasets).
 TASK_KEY = "ors_task"
@@ -38,6 +38,20 @@ def task_of(prompt: Sequence[Mapping[str, Any]]) -> Task:
             return Task(ident.get("split", "train"), ident.get("index"), ident.get("task_spec"), ident.get("env"))
     raise ConfigurationError("This prompt carries no ORS task identity. The rollout engine needs the rows of "
                              "spec.train_dataset (or mix.train_dataset), whose prompt messages carry it.")
+
+
+def episode_for(environments: Mapping[str | None, EnvironmentRuntime], prompt: Any, rules: Any, source: str,
+                **info: Any) -> tuple[Episode, list[dict[str, Any]]]:
+    """The (unopened) episode of a dataset row's prompt in its environment, and the prompt without the task key."""
+    task = task_of(prompt)
+    rt = environments.get(task.env)
+    if rt is None:
+        if len(environments) != 1 or task.env is not None:
+            raise ConfigurationError(f"prompt names environment {task.env!r}, which this engine does not know "
+                                     f"({list(environments)})")
+        rt = next(iter(environments.values()))
+    base = [{k: v for k, v in m.items() if k != TASK_KEY} for m in prompt]
+    return rt.episode(task, source=source, rules=rules, **info), base
 
 
 class _TrainerGenerator(TokenGenerator):
@@ -147,15 +161,7 @@ class RolloutEngine:
         }
 
     def _rollout(self, prompt: Any, backend: Backend) -> tuple[Episode, list[dict[str, Any]]]:
-        task = task_of(prompt)
-        rt = self.environments.get(task.env)
-        if rt is None:
-            if len(self.environments) != 1 or task.env is not None:
-                raise ConfigurationError(f"prompt names environment {task.env!r}, which this engine does not know "
-                                         f"({list(self.environments)})")
-            rt = next(iter(self.environments.values()))
-        base = [{k: v for k, v in m.items() if k != TASK_KEY} for m in prompt]
-        return rt.episode(task, source=self.source, rules=rules(backend.trainer), **self.info), base
+        return episode_for(self.environments, prompt, rules(backend.trainer), self.source, **self.info)
 
     def _waves(self, rollouts: list[Any]) -> list[list[Any]]:
         """Split the batch so that no wave opens more sessions than a cap allows (alike on every process)."""
