@@ -355,8 +355,6 @@ class _Turn:
         self.loop, self.rendering = loop, loop._ors_rendering
 
     def __call__(self, ids: list[int]) -> Any:
-        import asyncio
-
         return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.loop._generate_one_turn(list(ids)),
                                                                     self.loop._loop))
 
@@ -367,7 +365,6 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(name)
     if name in globals():
         return globals()[name]
-    import asyncio
     import time
     import uuid
 
