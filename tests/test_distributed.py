@@ -324,7 +324,7 @@ def test_a_harness_trains_under_two_processes(harness_run):
             episodes = [e for e in report["harness_episodes"] if e["step"] == step]
             assert sorted(e["task_index"] for e in episodes) == sorted(batch), (rank, step)
             for e in episodes:  # played by the harness (the agent's model calls, trained)
-                assert e["harness"]["model_calls"] >= 2 and e["harness"]["trained_calls"] >= 2, e
+                assert e["harness"] is not None and e["harness"]["model_calls"] >= 2 and e["harness"]["trained_calls"] >= 2, e
             rewards = [r["rewards"] for r in report["rewards"] if r["step"] == step]
             assert rewards == [[e["reward"] for e in episodes]], (rank, step, rewards)  # the server's, to TRL
             # the first agent of a group to ask echoes the right word (1.0), the other "nope" (0.0)
