@@ -42,8 +42,10 @@ ECHO_KEY = "echoenvironment/echo"
 METRIC = "env/echoenvironment/"
 
 
-def launch(url: str, model_dir: str, out: Path, mode: str, *extra: str) -> subprocess.CompletedProcess:
-    """`accelerate launch` two processes; bounded, and the whole process group is killed on timeout."""
+def launch(url: str, model_dir: str, out: Path, mode: str, *extra: str, state: Path | None = None,
+           ) -> subprocess.CompletedProcess:
+    """`accelerate launch` two processes; bounded, and the whole process group is killed on timeout. `state`: the
+    processes' own `ORS_TRL_STATE_DIR` (their orphan registry)."""
     cmd = [
         str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
@@ -54,6 +56,8 @@ def launch(url: str, model_dir: str, out: Path, mode: str, *extra: str) -> subpr
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_DISABLED": "true", "TOKENIZERS_PARALLELISM": "false",
            "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(
                p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p)}
+    if state is not None:
+        env["ORS_TRL_STATE_DIR"] = str(state)
     log = out / f"launch-{mode}.log"
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -67,25 +71,32 @@ def launch(url: str, model_dir: str, out: Path, mode: str, *extra: str) -> subpr
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir, tmp_path_factory):
+def echo_server():
+    """The module's one reference server (echo environment)."""
+    with fixture_server("echo") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory, echo_server):
     """Both launches against ONE reference server; per mode: the two reports and the server's counters."""
     out = tmp_path_factory.mktemp("distributed")
     results = {}
-    with fixture_server("echo") as server:
-        for mode in MODES:
-            before = server.stats()
-            extra = ("--fork-check",) if mode == "engine" else ()
-            started = time.monotonic()
-            proc = launch(server.url, tiny_model_dir, out, mode, *extra)
-            seconds = time.monotonic() - started
-            assert proc.returncode == 0, f"{mode} run failed:\n{proc.stdout[-6000:]}"
-            # The processes have exited; their closes were awaited before exit, so this should hold at once.
-            after = server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=10)
-            reports = []
-            for rank in (0, 1):
-                with open(out / f"report-{mode}-rank{rank}.json") as fh:
-                    reports.append(json.load(fh))
-            results[mode] = {"reports": reports, "before": before, "after": after, "seconds": seconds}
+    server = echo_server
+    for mode in MODES:
+        before = server.stats()
+        extra = ("--fork-check",) if mode == "engine" else ()
+        started = time.monotonic()
+        proc = launch(server.url, tiny_model_dir, out, mode, *extra)
+        seconds = time.monotonic() - started
+        assert proc.returncode == 0, f"{mode} run failed:\n{proc.stdout[-6000:]}"
+        # The processes have exited; their closes were awaited before exit, so this should hold at once.
+        after = server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=10)
+        reports = []
+        for rank in (0, 1):
+            with open(out / f"report-{mode}-rank{rank}.json") as fh:
+                reports.append(json.load(fh))
+        results[mode] = {"reports": reports, "before": before, "after": after, "seconds": seconds}
     return results
 
 
@@ -282,3 +293,57 @@ def test_every_process_draws_the_same_tasks_from_the_same_statistics(adaptive_ru
         groups = [e["curriculum/echoenvironment/groups"] for e in report["log_history"]
                   if "curriculum/echoenvironment/groups" in e]
         assert groups == [4.0] * STEPS, groups
+
+
+@pytest.fixture(scope="module")
+def harness_run(tiny_model_dir, tmp_path_factory, echo_server):
+    """One two-process launch with `rollout_func=Harness(agent).rollout_func(spec)`: the reports, the server's counters
+    and the processes' orphan registry folder."""
+    out = tmp_path_factory.mktemp("distributed-harness")
+    before = echo_server.stats()
+    proc = launch(echo_server.url, tiny_model_dir, out, "harness", state=out / "state")
+    assert proc.returncode == 0, f"harness run failed:\n{proc.stdout[-6000:]}"
+    after = echo_server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=10)
+    reports = [json.loads((out / f"report-harness-rank{rank}.json").read_text()) for rank in (0, 1)]
+    return {"reports": reports, "before": before, "after": after, "state": out / "state"}
+
+
+def test_a_harness_trains_under_two_processes(harness_run):
+    """An agent harness (the OpenAI Agents SDK over the capture endpoint and MCP) as GRPOTrainer's rollout_func under
+    `accelerate launch`: each process plays its own share of the batch as harness episodes scored by the server."""
+    reports, before, after = harness_run["reports"], harness_run["before"], harness_run["after"]
+    assert [r["rank"] for r in reports] == [0, 1] == [r["process_index"] for r in reports]
+    assert all(r["num_processes"] == 2 and r["backend"] == "gloo" for r in reports)
+    assert reports[0]["pid"] != reports[1]["pid"] and [r["global_step"] for r in reports] == [STEPS, STEPS]
+    order, per_device = reports[0]["sampler_task_order"], reports[0]["per_device_batch"]
+    assert reports[1]["sampler_task_order"] == order
+    seen = set()
+    for rank, report in enumerate(reports):
+        for step in range(STEPS):
+            batch = order[step * 2 * per_device:(step + 1) * 2 * per_device][rank * per_device:(rank + 1) * per_device]
+            episodes = [e for e in report["harness_episodes"] if e["step"] == step]
+            assert sorted(e["task_index"] for e in episodes) == sorted(batch), (rank, step)
+            for e in episodes:  # played by the harness (the agent's model calls, trained)
+                assert e["harness"] is not None and e["harness"]["model_calls"] >= 2 and e["harness"]["trained_calls"] >= 2, e
+            rewards = [r["rewards"] for r in report["rewards"] if r["step"] == step]
+            assert rewards == [[e["reward"] for e in episodes]], (rank, step, rewards)  # the server's, to TRL
+            # the first agent of a group to ask echoes the right word (1.0), the other "nope" (0.0)
+            assert all(sorted(rewards[0][i:i + 2]) == [0.0, 1.0] for i in range(0, per_device, 2)), rewards
+            seen |= set(rewards[0])
+        assert report["client_open_sessions_after_train"] == 0 == report["client_open_sessions_after_close"]
+    assert seen == {0.0, 1.0}
+    sids = [{e["sid"] for e in r["harness_episodes"]} for r in reports]
+    assert not sids[0] & sids[1] and all(len(s) == STEPS * per_device for s in sids)  # each process its own sessions
+    assert reports[0]["params_before"] == reports[1]["params_before"]
+    assert reports[0]["params_after"] == reports[1]["params_after"] != reports[0]["params_before"]  # DDP in sync
+    # rank 0 retries its wrong echoes (a third turn): rank 1 joins those generation calls too, as with the engine
+    calls = [collections.Counter(c["step"] for c in r["generate_calls"]) for r in reports]
+    assert calls[0] == calls[1] and all(calls[0][s] >= 3 for s in range(STEPS)), calls
+    for report in reports:
+        logged = [e for e in report["log_history"] if METRIC + "episodes" in e]
+        assert [e["step"] for e in logged] == list(range(1, STEPS + 1)) and all(
+            e[METRIC + "episodes"] == per_device for e in logged), logged
+    assert after["open_sessions"] == 0 and after["sessions"] == []
+    assert after["setups"] - before["setups"] == after["teardowns"] - before["teardowns"] > 0
+    assert (harness_run["state"] / "sessions").is_dir()  # the processes kept their orphan registry there
+    assert list(harness_run["state"].glob("sessions/*.sessions")) == []  # and left it empty

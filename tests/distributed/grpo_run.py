@@ -7,13 +7,17 @@ only one process, and `GRPOConfig(use_cpu=True)` below keeps it on CPU):
         tests/distributed/grpo_run.py --url http://127.0.0.1:PORT --model-dir DIR --out DIR --mode env|engine
 
 `--mode env` wires the spec's three properties (`environment_factory` path, TRL's own tool loop);
-`--mode engine` uses `spec.rollout_func` (the concurrent engine); `--sampling adaptive` draws the tasks as training
+`--mode engine` uses `spec.rollout_func` (the concurrent engine); `--mode harness` the engine with every episode
+played by `Harness(agent).rollout_func(spec)`, the agent `tests.test_harness.agents_sdk()` (an OpenAI Agents SDK
+program: the model over the episode's capture endpoint, the tools over MCP); `--sampling adaptive` draws the tasks as training
 goes (`task_sampling="adaptive"`). Generation is a scripted double
 (`tests.fixtures.generation.replace_generation`, so tools really get called), everything else is real: DDP
 forward, backward and optimizer steps, TRL's reward gathering, metric gathering and logging.
 
 The scripted model, per rollout: first turn, the even positions of the generation call echo the
-right word (reward 1.0), the odd ones echo "nope" (reward 0.0). After a wrong echo, rank 0 tries
+right word (reward 1.0), the odd ones echo "nope" (reward 0.0); in harness mode, where the calls' order is the
+agents' arrival order, the first rollout of a task in a step to ask echoes the right word, the other "nope" (so
+each group has one of each, a gradient). After a wrong echo, rank 0 tries
 "nope" once more (a third turn), every other rank says "Done.". So rank 0 has more turns than
 rank 1, which is what makes the engine pad its generation calls.
 
@@ -63,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--url", required=True)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--mode", choices=("env", "engine"), required=True)
+    p.add_argument("--mode", choices=("env", "engine", "harness"), required=True)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--num-tasks", type=int, default=8)
     p.add_argument("--fork-check", action="store_true")
@@ -84,7 +88,7 @@ def dataset_fingerprint(ds) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def scripted_generation(trainer, rank: int, calls: list):
+def scripted_generation(trainer, rank: int, calls: list, right=lambda pos, target: pos % 2 == 0):
     tok = trl_tokenizer(trainer)
 
     def call(text: str) -> list[int]:
@@ -99,7 +103,7 @@ def scripted_generation(trainer, rank: int, calls: list):
             target = _TARGET.findall(text)[0]
             n = responses[pos]
             if n == 0:
-                out.append(call(target if pos % 2 == 0 else "nope"))
+                out.append(call(target if right(pos, target) else "nope"))
             elif n == 1 and rank == 0 and text.rsplit("<tool_response>", 1)[1].strip().startswith("nope"):
                 out.append(call("nope"))
             else:
@@ -232,8 +236,16 @@ def main(argv: list[str] | None = None) -> int:
         def on_step_end(self, args_, state, control, **kwargs):
             report["open_at_step_end"].append(client.open_sessions)  # before spec.callbacks release anything
 
+    harness_kwargs = {}
+    if args.mode == "harness":
+        from ors_trl.harness import Harness
+        from tests.test_harness import agents_sdk
+
+        harness_kwargs["rollout_func"] = Harness(agents_sdk()).rollout_func(spec)
+        report["harness_episodes"] = []
     trainer = cpu_grpo_trainer(args.model_dir, os.path.join(args.out, f"trainer-{args.mode}"), completion_length=128,
-                               spec=spec, mode=args.mode, reward_funcs=outcome_reward,
+                               spec=spec, mode="env" if args.mode == "env" else "engine", reward_funcs=outcome_reward,
+                               **harness_kwargs,
                                callbacks=[Recorder(), *spec.callbacks],
                                config={"learning_rate": 1e-3, "max_steps": args.steps, "seed": 42,
                                        "dataloader_num_workers": 0})
@@ -247,14 +259,27 @@ def main(argv: list[str] | None = None) -> int:
         params_before=params_hash(trainer.model),
     )
 
-    replace_generation(trainer, scripted_generation(trainer, rank, report["generate_calls"]))
+    asked: set = set()  # harness mode: (step, target) pairs already answered right
+
+    def right(pos, target):
+        if args.mode != "harness":
+            return pos % 2 == 0
+        key = (trainer.state.global_step, target)
+        return key not in asked and not asked.add(key)
+
+    replace_generation(trainer, scripted_generation(trainer, rank, report["generate_calls"], right))
 
     def generate_and_score(real, inputs):
         step = trainer.state.global_step
         phase[0] = f"step{step}"
         report["batches"].append({"step": step, "task_index": [row["task_index"] for row in inputs]})
         try:
-            return real(inputs)
+            result = real(inputs)
+            for ep in harness_kwargs["rollout_func"].last_episodes if harness_kwargs else ():
+                report["harness_episodes"].append({"step": step, "task_index": ep.task.index, "reward": ep.reward,
+                                                   "sid": ep.session.sid if ep.session else None,
+                                                   "harness": ep.info.get("harness")})
+            return result
         finally:
             phase[0] = "between"
 
