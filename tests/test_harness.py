@@ -531,3 +531,51 @@ def test_the_environment_runs_the_agent_through_the_capture_endpoint(make_server
     assert harness.server.seats == {} and spec.client._transport.decoder._secrets == ()
     with pytest.raises(ConfigurationError, match="tool name"):
         Harness.in_environment("", {"a": 1})
+
+
+class Operator(Scripted):
+    """The script with the harness's own tool first: `bash` (the codex toolset's), then echo the target, then done."""
+
+    def script(self, text: str) -> str:
+        seen = text.count("<tool_response>")
+        if seen > 1:
+            return "Done."
+        return tool_call_text("echo", {"text": _TARGET.findall(text)[0]}) if seen else \
+            tool_call_text("bash", {"command": "ls"})
+
+
+def test_white_box_and_black_box_play_one_tool_set_on_the_same_sessions(tokenizer):
+    """White-box (ors-trl samples every turn: openenv's `MCPHarnessAdapter` loop of list tools, model step, call,
+    verify is `core.rollout.play` over the session) and black-box (an agent's own loop, tools over MCP) on the same
+    sessions: a harness's tool set bound server-side (`toolset="codex"`) is the same tools, schemas included, in both,
+    and the same actions get the same records and rewards."""
+    import aiohttp
+
+    from ors_trl.testing import ReferenceServer
+    from tests.fixtures.environments import EchoEnvironment, SandboxEnvironment
+
+    listed: list[list[dict]] = []
+
+    async def lister(ep) -> str | None:  # tools/list over the episode's MCP, then the agent library plays
+        async with aiohttp.ClientSession() as http, http.post(ep.mcp_url, json={
+                "jsonrpc": "2.0", "id": 1, "method": "tools/list"}, headers={
+                "Authorization": f"Bearer {ep.mcp_token}", "Accept": "application/json, text/event-stream"}) as r:
+            listed.append((await r.json())["result"]["tools"])
+        return await agents_sdk()(ep)
+
+    with ReferenceServer([SandboxEnvironment, EchoEnvironment]) as server:
+        spec = OpenRewardSpec(server.url, env_name="sandboxenvironment", toolset="codex")
+        white = spec.evaluate(Operator(tokenizer), num_tasks=2, progress=False)
+        black = spec.evaluate(Operator(tokenizer), harness=Harness(lister), num_tasks=2, progress=False)
+        shown = {t["function"]["name"]: t["function"]["parameters"] for t in spec.runtime.toolset.schemas}
+        spec.close()
+        assert server.stats()["open_sessions"] == 0
+    assert set(shown) == {"echo", "bash"} and len(listed) == 2
+    for tools in listed:  # over MCP, the tools the model is shown white-box: names and schemas
+        assert {t["name"]: t["inputSchema"] for t in tools} == shown
+    for report in (white, black):
+        assert report.mean_reward == 1.0 and report.num_episodes == 2
+    calls = [[[(c["name"], c["status"]) for t in r["turns"] for c in t["tool_calls"]] for r in report.episodes]
+             for report in (white, black)]
+    assert calls[0] == calls[1] == [[("bash", "ok"), ("echo", "ok")]] * 2
+    assert [r["rewards"] for r in white.episodes] == [r["rewards"] for r in black.episodes]
