@@ -579,3 +579,20 @@ def test_white_box_and_black_box_play_one_tool_set_on_the_same_sessions(tokenize
              for report in (white, black)]
     assert calls[0] == calls[1] == [[("bash", "ok"), ("echo", "ok")]] * 2
     assert [r["rewards"] for r in white.episodes] == [r["rewards"] for r in black.episodes]
+
+
+def test_a_harness_travels_to_another_process_with_its_server_settings_not_its_seats(echo_spec, tokenizer):
+    """TRL's async trainer takes the harness by pickle: its server's host, port and public URL go along (an
+    environment-run agent must still reach it), its live seats and runner do not."""
+    import pickle
+
+    from ors_trl.harness import HarnessServer
+
+    harness = Harness.in_environment(server=HarnessServer("0.0.0.0", 8765, "https://tunnel.example/"))
+    episode = echo_spec.runtime.episode(Task("train", 0, None, None), source="eval", rules=Rules())
+    harness.server.seat(episode, Scripted(tokenizer))
+    copy = pickle.loads(pickle.dumps(harness))
+    assert (copy.server.host, copy.server.port, copy.server.public_url) == ("0.0.0.0", 8765, "https://tunnel.example")
+    assert copy.server is not harness.server and copy.server.seats == {} and harness.server.seats
+    assert copy.agent == harness.agent
+    episode.release()

@@ -586,8 +586,7 @@ class Episode:
         env, task = self.env, self.task
         started = time.monotonic()
         try:
-            self.session = await env.client.open_session(**task.where, **({"env_overrides": overrides} if overrides
-                                                                           else {}))
+            self.session = await env.client.open_session(**task.where, env_overrides=overrides)
             self.timings["open"] = time.monotonic() - started
             self.prompt = await env.read_prompt(self.session)
             for block in (b for m in self.prompt.messages for b in image_blocks(m.blocks)):

@@ -164,12 +164,6 @@ class Harness:
             return f"Harness.in_environment({self.agent.tool!r})"
         return f"Harness({getattr(self.agent, '__qualname__', self.agent)!r})"
 
-    def __getstate__(self) -> dict[str, Any]:  # to TRL's async rollout process: without the loopback server
-        return {**self.__dict__, "server": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, server=HarnessServer())
-
     def rollout_worker(self, spec: Any, **kwargs: Any) -> Any:
         """A rollout worker with every rollout played by this harness: give it to `AsyncGRPOTrainer(rollout_worker=...)`
         (with `train_dataset=spec.train_dataset`). It runs in TRL's spawned rollout process, so the harness (its agent,

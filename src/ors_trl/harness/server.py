@@ -119,6 +119,9 @@ class HarnessServer:
         self._runner: web.AppRunner | None = None
         self._lock = asyncio.Lock()
 
+    def __reduce__(self) -> tuple[Any, ...]:  # to another process (TRL's async rollout worker): its settings, not its seats
+        return type(self), (self.host, self.port, self.public_url)
+
     def __repr__(self) -> str:
         return f"HarnessServer({self.url!r}, episodes={len(self.seats)})"
 
