@@ -19,8 +19,8 @@ from typing import Any
 
 from ..protocol.errors import ToolRefusedError
 from ..protocol.text import ascii_fold, json_size, one_line, show_name
-from .jsonschema import EXPANSION_FACTOR, EXPANSION_FLOOR, Budget
-from .schema import ToolInfo, describe_tool, hint_schema, single_line, tool_field, unique_name
+from .jsonschema import EXPANSION_FACTOR, EXPANSION_FLOOR, Budget, single_line
+from .schema import ToolInfo, describe_tool, hint_schema, tool_field, unique_name
 
 __all__ = [
     "DEFAULT_RESERVED", "UNSET", "BindingResult", "BoundTool", "Toolset", "bind_tools", "defuse_docstring_text",

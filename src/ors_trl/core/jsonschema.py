@@ -1,6 +1,6 @@
-"""Normalise a tool's input schema (untrusted JSON Schema) into a small tree of `Node`: the only reader of raw schemas.
-It resolves local `$ref`s (cycles cut), merges `allOf`, bounds all a hostile schema could blow up (`Budget`) and never
-`repr()`s foreign objects (`quote` writes JSON). `ors_trl.core.schema` renders the tree.
+"""Read a tool's input schema (untrusted JSON Schema) in one pass into a `Node` per argument: its type hint and the
+text an annotation cannot carry. The only reader of raw schemas: it resolves local `$ref`s (cycles cut), merges `allOf`,
+bounds all a hostile schema could blow up (`Budget`) and never `repr()`s foreign objects (`quote` writes JSON).
 """
 
 from __future__ import annotations
@@ -9,16 +9,16 @@ import json
 import operator
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
 from urllib.parse import unquote
 
 from ..protocol.text import json_size
 from ..protocol.text import one_line as _one_line
 
 __all__ = [
-    "EXPANSION_FACTOR", "EXPANSION_FLOOR", "MISSING", "Budget", "Node", "Normaliser", "as_text", "count_range",
-    "is_scalar", "name_text", "one_line", "quote", "single_line",
+    "EXPANSION_FACTOR", "EXPANSION_FLOOR", "MISSING", "PRIMITIVES", "Budget", "Node", "Normaliser", "as_text", "auto_title",
+    "one_line", "quote", "sentence", "single_line",
 ]  # fmt: skip
 
 _MAX_DEPTH = 24  # schemas inside schemas: list[list[...]], alternatives of alternatives, fields of fields
@@ -31,6 +31,8 @@ _MAX_JSON_DEPTH = 32
 EXPANSION_FACTOR = 4
 EXPANSION_FLOOR = 64 * 1024
 _SIMPLE_NAME_RE = re.compile(r"[\w.-]+")
+_NONE = type(None)
+PRIMITIVES: dict[str, Any] = {"string": str, "integer": int, "number": float, "boolean": bool, "null": _NONE}
 _SHAPES = (("object", ("properties", "additionalProperties", "patternProperties")),
            ("array", ("items", "prefixItems")))
 
@@ -114,6 +116,27 @@ def name_text(name: str) -> str:
     return name if len(name) <= _SNIPPET and _SIMPLE_NAME_RE.fullmatch(name) else quote(name)
 
 
+def sentence(text: str) -> str:
+    text = text.strip()
+    return text if not text or text[-1] in ".!?:;" else text + "."
+
+
+def _paren(label: str) -> str:
+    return f"({label})" if " | " in label or ", " in label else label
+
+
+def auto_title(title: str, name: str) -> bool:
+    """True for titles generated from the property name (pydantic's `"days" -> "Days"`): they carry nothing."""
+    return re.sub(r"[^0-9a-z]", "", title.lower()) == re.sub(r"[^0-9a-z]", "", name.lower())
+
+
+def _union(annotations: list[Any]) -> Any:
+    unique = list(dict.fromkeys(annotations))
+    if not unique or any(annotation is Any for annotation in unique):
+        return Any
+    return unique[0] if len(unique) == 1 else Union[tuple(unique)]  # noqa: UP007 - built from a runtime list
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -151,35 +174,39 @@ def _numeric_bounds(schema: dict) -> str:
     return " and ".join(bounds)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass
 class Node:
-    """One schema, normalised; `const`, `enum`, `default` and `also` hold raw JSON values (`quote` them, never
-    `repr()`). Structure (arms, items, fields, extra) is left out when a scalar `const`/`enum` pins the value."""
+    """One schema, normalised and summarized in one pass: the type hint `get_json_schema` turns back into it, a type
+    label, constraints, notes and the fields of objects inside it; its own texts. `default` is raw JSON (`quote` it)."""
 
-    cut: str | None = None  # why it was not expanded: "recursive Name", "unresolved reference …", "…" past a limit
-    types: tuple[str, ...] = ()  # type names, object/array inferred if absent or malformed; a cut: its target's
-    const: Any = MISSING
-    enum: tuple[Any, ...] | None = None
-    arms: tuple[Node, ...] = ()  # the anyOf/oneOf alternatives an untyped node consists of
-    also: tuple[Any, ...] = ()  # raw alternatives of a typed (or const/enum) node, which merely also apply
-    nullable: bool = False
-    model: str | None = None  # the name of the $ref target
+    annotation: Any = Any
+    label: str = "any"
     title: str = ""
     description: str = ""  # the node's own (property-level) description
-    model_description: str = ""  # the $ref target's description
+    model_description: str = ""  # its $ref target's, or that of the only object among its alternatives
     default: Any = MISSING
-    prefix: tuple[Node, ...] | None = None  # tuple items
-    items: Node | bool | None = None  # every item (after `prefix`); False: none allowed
-    fields: tuple[tuple[str, Node], ...] | None = None  # None: no property named or required, or a const/enum given
-    fields_cut: bool = False  # more fields exist than were expanded
-    required: tuple[str, ...] = ()
-    keyed: bool = False  # properties, patternProperties or required are given: the annotation is a plain dict
-    extra: Node | bool | None = None  # additionalProperties; False: no other keys
-    checks: tuple[str | tuple[str, str, Node], ...] = ()  # constraints in order; (word, text, node) on a subschema
-    notes: tuple[str, ...] = ()
+    constraints: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    fields: str | None = None
+    header: str | None = None  # whose fields `fields` lists ("Object", "Item (Loc object)", "" when several)
+    lossy: bool = False  # the label says something the annotation cannot (and `fields` does not)
+    size: int = 0  # the least text its own description takes when listed as a field
+
+    def carry(self, part: Node, constraints: str, notes: str, model: bool) -> None:
+        """Take up a part's (an alternative's, an item's, a value's) constraints and details, each under its prefix."""
+        if part.constraints:
+            self.constraints.append(constraints + ", ".join(part.constraints))
+        texts = (part.description, part.model_description if model else "")
+        details = [*part.notes, *(one_line(text) for text in texts if text)]
+        if part.default is not MISSING:
+            details.append(f"default {quote(part.default)}")
+        if details:
+            self.notes.append(notes + "; ".join(details))
+        self.lossy = self.lossy or (part.lossy and not part.fields)
 
 
-_ELIDED = Node(cut="…")
+def _elided() -> Node:
+    return Node(label="…", lossy=True)
 
 
 @dataclass
@@ -217,7 +244,8 @@ class Normaliser:
         self.budget = Budget(size) if budget is None else budget
         self.left = min(max_nodes, self.budget.work)
         self.own = EXPANSION_FACTOR * size  # characters this tool may expand before it draws on the shared floor
-        self.text_left = 0  # characters of field text a description can still list (see _field_text)
+        self.text_left = 0  # characters of field text a description can still list (see _object)
+        self.room = 0  # characters of text the description being written can still take (see _join, _field)
         self.notes: list[str] = []
         self._sizes: dict[int, int] = {}  # id of a $ref target -> its size (measured once)
 
@@ -251,14 +279,16 @@ class Normaliser:
         self.budget.expanded += size
         return True
 
-    def parameter(self, raw: Any, stack: tuple[str, ...], text: int, depth: int = 0) -> Node:
-        """One argument's schema, expanding no more object fields than `text` characters can list."""
+    def parameter(self, raw: Any, stack: tuple[str, ...], text: int, depth: int = 0, room: int | None = None) -> Node:
+        """One argument's schema, expanding no more object fields than `text` characters can list, its text within
+        `room` (None: what the last one left)."""
         self.text_left = text
+        self.room = self.room if room is None else room
         return self.node(raw, stack, depth, depth)
 
-    def arguments(self, text: int, input_text: int) -> tuple[list[tuple[str, Node]], dict[str, None], list]:
+    def arguments(self, text: int, input_text: int) -> tuple[list[tuple[str, Node]], dict[str, None], list[str]]:
         """The root as a tool's input: (wire name, node) per argument, the required ones (schema order: no set), and
-        sentences about the input (text, or `(text, node)`); `text`/`input_text`: field text for each."""
+        sentences about the input; `text`/`input_text`: field text for each (the input's sentences share theirs)."""
         if self.root in (None, {}, True):
             return [], {}, []
         root = self.deref(self.root, ())
@@ -267,7 +297,8 @@ class Normaliser:
         schema = root.schema
         properties = schema.get("properties")
         required = dict.fromkeys(_names(schema.get("required")))
-        sentences: list[str | tuple[str, Node]] = []
+        sentences: list[str] = []
+        self.room = input_text
         if isinstance(properties, dict):
             properties = {name: sub for name, sub in properties.items() if isinstance(name, str)}
         else:
@@ -291,17 +322,18 @@ class Normaliser:
                                      + " | ".join(f"({s})" for s in sets))
             elif kind not in (None, "object"):
                 self.note(f"input schema is not an object (type {quote(kind, 40)}); arguments are passed through")
-                sentences.append(("Input: ", self.parameter(schema, (), input_text)))
+                sentences.append("Input: " + self.parameter(schema, (), input_text).label)
         for name in required:
             properties.setdefault(name, {})
         extra = schema.get("additionalProperties")
         if isinstance(extra, dict) and extra:
-            sentences.append(("Extra arguments allowed: ", self.parameter(extra, root.stack, input_text, 1)))
+            sentences.append("Extra arguments allowed: " + self.parameter(extra, root.stack, input_text, 1).label)
         if description := one_line(root.description or root.model_description):
             sentences.append(f"Input: {description}")
         if count := count_range(schema.get("minProperties"), schema.get("maxProperties"), "arguments"):
             sentences.append(f"Input constraints: {count}")
-        return [(wire, self.parameter(sub, root.stack, text)) for wire, sub in properties.items()], required, sentences
+        arguments = [(wire, self.parameter(sub, root.stack, text, room=text)) for wire, sub in properties.items()]
+        return arguments, required, sentences
 
     def as_schema(self, node: Any) -> dict:
         if isinstance(node, dict):
@@ -410,25 +442,30 @@ class Normaliser:
         return merged
 
     def node(self, raw: Any, stack: tuple[str, ...], depth: int, nested: int) -> Node:
-        """Normalise one schema; `depth` counts enclosing containers and fields, `nested` alternatives too."""
+        """Normalise and summarize one schema; `depth` counts enclosing containers and fields, `nested` alternatives
+        too. Its text stops (with "…") once the parameter's `room` is spent."""
         if nested > _MAX_DEPTH:
             self.note("schema nested too deeply: inner part typed Any")
-            return _ELIDED
+            return _elided()
         if not self.tick():
-            return _ELIDED
+            return _elided()
         view = self.deref(raw, stack)
         schema, stack = view.schema, view.stack
         arms = _arms(schema)
         enum = schema.get("enum")
         self.tick(len(schema) + len(arms) + (len(enum) if isinstance(enum, list) else 0))
         title = schema.get("title") if view.model is None else raw.get("title") if isinstance(raw, dict) else None
-        about = dict(model=view.model, description=view.description, model_description=view.model_description)
-        about.update(title=one_line(title) if isinstance(title, str) else "", default=schema.get("default", MISSING))
+        own = max(len(one_line(text).rstrip(".")) for text in (view.description, view.model_description))
+        out = Node(title=one_line(title) if isinstance(title, str) else "", description=view.description,
+                   model_description=view.model_description, default=schema.get("default", MISSING),
+                   size=own + 2 if own else 0)
         if view.cut:  # typed by what its target is at the top: its type, or an object when it has properties
             target = view.target if isinstance(view.target, dict) else {}
             kind = target.get("type")
             kind = "object" if kind is None and "properties" in target else kind
-            return Node(cut=view.cut, types=(kind,) if isinstance(kind, str) else (), **about)
+            out.label, out.lossy = view.cut, True
+            out.annotation = {"object": dict, "array": list, **PRIMITIVES}.get(kind, Any) if isinstance(kind, str) else Any
+            return out
         kind = schema.get("type")
         names = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else None
         if names is not None:
@@ -436,36 +473,144 @@ class Normaliser:
         else:  # no (valid) type: inferred from the keywords
             types = tuple([name for name, keys in _SHAPES if any(key in schema for key in keys)][:1])
         const = schema.get("const", MISSING)
-        pinned = is_scalar(const) or (isinstance(enum, list) and enum and all(is_scalar(value) for value in enum))
-        structure: dict[str, Any] = {}
-        if not pinned and kind is None and arms:
-            structure["arms"] = tuple(self.node(arm, stack, depth, nested + 1) for arm in arms)
-        elif not pinned:
-            for name in types:
-                if name == "array":
-                    structure.update(self._array(schema, stack, depth + 1, nested + 1))
-                elif name == "object":
-                    described = "const" not in schema and not isinstance(enum, list)  # else fields go unlisted
-                    structure.update(self._object(schema, stack, depth, nested + 1, described))
-        also = tuple(arms) if arms and (kind is not None or "const" in schema or "enum" in schema) else ()
-        return Node(types=types, const=const, enum=tuple(enum) if isinstance(enum, list) else None, also=also,
-                    nullable=schema.get("nullable") is True, checks=self._checks(schema, stack, depth + 1, nested + 1),
-                    notes=_notes(schema), **about, **structure)
+        listed = isinstance(enum, list)
+        labels: list[str] = []
+        if is_scalar(const) or (listed and enum and all(is_scalar(value) for value in enum)):
+            out.annotation = Literal[const] if is_scalar(const) else Literal[tuple(enum)]
+        else:  # the structure, described unless a const or an enum says what the value is
+            shape, room = (out, None) if const is MISSING and not listed else (Node(), self.room)
+            if kind is None and arms:
+                parts = [self.node(arm, stack, depth, nested + 1) for arm in arms]
+                out.annotation = _union([part.annotation for part in parts])
+                labels.append(self._arms(shape, parts))
+            else:
+                hints = []
+                for name in types:
+                    label, hint = self._type(shape, name, schema, stack, depth, nested + 1, view.model, shape is out)
+                    labels.append(label)
+                    hints.append(hint)
+                out.annotation = _union(hints)
+            if room is not None:
+                labels, self.room = [], room
+        if const is not MISSING:
+            labels.append(quote(const) if is_scalar(const) else f"exactly {quote(const)}")
+            out.lossy = not is_scalar(const)
+        elif listed:
+            if not enum:
+                labels.append("nothing (empty enum)")
+                out.lossy = True
+            elif all(is_scalar(value) for value in enum):
+                labels.append(self._join((quote(value) for value in enum), " | "))
+            else:
+                labels.append("one of " + self._join((quote(value) for value in enum), ", "))
+                out.lossy = True
+        if arms and (kind is not None or "const" in schema or "enum" in schema):
+            out.notes.append("also matches one of: " + self._join((quote(arm, 80) for arm in arms), ", "))
+        out.label = " | ".join(label for label in labels if label) or "any"
+        self._checks(out, schema, stack, depth + 1, nested + 1)
+        out.notes += _notes(schema)
+        if schema.get("nullable") is True:
+            out.annotation = _union([out.annotation, _NONE])
+            if out.label != "null":
+                out.label = f"{out.label} | null"
+        return out
 
-    def _array(self, schema: dict, stack: tuple[str, ...], depth: int, nested: int) -> dict[str, Any]:
+    def _join(self, texts: Any, separator: str) -> str:
+        """Join texts, stopping with "…" once the parameter's text `room` is used up."""
+        out: list[str] = []
+        size = 0
+        for text in texts:
+            if size > self.room:
+                out.append("…")
+                break
+            out.append(text)
+            size += len(text) + len(separator)
+        return separator.join(out)
+
+    def _type(self, out: Node, kind: str, schema: dict, stack: tuple[str, ...], depth: int, nested: int,
+              model: str | None, described: bool) -> tuple[str, Any]:
+        """The label and hint of one of a schema's types, its structure described into `out`."""
+        if kind in PRIMITIVES:
+            return kind, PRIMITIVES[kind]
+        if kind == "array":
+            return self._array(out, schema, stack, depth + 1, nested)
+        if kind == "object":
+            return self._object(out, schema, stack, depth, nested, model, described)
+        out.lossy = True
+        return f"unknown type {quote(kind, 40)}", Any
+
+    def _arms(self, out: Node, parts: list[Node]) -> str:
+        non_null = [s for s in parts if s.label != "null"]
+        labels = list(dict.fromkeys(s.label for s in parts))
+        with_fields = [s for s in parts if s.fields]
+        for s in parts:
+            prefix = "" if len(non_null) <= 1 else f"if {s.label}: "
+            out.carry(s, prefix, prefix, model=not (len(non_null) == 1 and s.fields))
+        if len(with_fields) == 1:
+            out.fields, out.header = with_fields[0].fields, with_fields[0].header
+            if len(non_null) == 1 and not out.model_description:
+                out.model_description = with_fields[0].model_description
+        elif with_fields:
+            out.fields = " | ".join(f"{s.header or s.label}: {s.fields}" for s in with_fields)
+            out.header = ""
+        return " | ".join(labels)
+
+    def _array(self, out: Node, schema: dict, stack: tuple[str, ...], depth: int, nested: int) -> tuple[str, Any]:
         prefix, items = schema.get("prefixItems"), schema.get("items")
         if not isinstance(prefix, list):  # a list of items: draft 4-2019 tuple form (pydantic v1)
             prefix, items = (items, None) if isinstance(items, list) else (None, items)
-        return {"prefix": None if prefix is None else tuple(self.node(part, stack, depth, nested) for part in prefix),
-                "items": self._optional(items, stack, depth, nested)}
+        if prefix is None:
+            items = self._optional(items, stack, depth, nested)
+            if items is False:
+                out.constraints.append("must be empty")
+            if not isinstance(items, Node):
+                return "array", list
+            self._lift(out, "Item", "each item", items)
+            return f"array of {_paren(items.label)}", list[items.annotation]
+        parts = [self.node(part, stack, depth, nested) for part in prefix]
+        items = self._optional(items, stack, depth, nested)
+        for index, part in enumerate(parts, 1):
+            details = part.constraints + part.notes
+            if part.description or part.model_description:
+                details.append(one_line(part.description or part.model_description))
+            if details:
+                out.constraints.append(f"item {index}: " + ", ".join(details))
+            out.lossy = out.lossy or (part.lossy and not part.fields)
+        with_fields = [(index, part) for index, part in enumerate(parts, 1) if part.fields]
+        if with_fields:
+            out.fields = " | ".join(f"item {index}: {part.fields}" for index, part in with_fields)
+            out.header = ""
+        if items is False:
+            out.constraints.append("no further items")
+        elif isinstance(items, Node):
+            out.constraints.append(f"further items {items.label}")
+        # get_json_schema refuses one-element tuples; the item count goes in the description.
+        hint = tuple[tuple(part.annotation for part in parts)] if len(parts) >= 2 else list[parts[0].annotation] \
+            if parts else list
+        return "array [" + ", ".join(part.label for part in parts) + "]", hint
 
-    def _object(self, schema: dict, stack: tuple[str, ...], depth: int, nested: int, described: bool) -> dict:
+    def _lift(self, out: Node, header: str, phrase: str, inner: Node) -> None:
+        """Carry an array item's / map value's constraints, notes and fields up to the container."""
+        out.carry(inner, f"{phrase} ", f"{phrase}: ", model=not inner.fields)
+        if inner.fields:
+            about = inner.header or ""
+            if inner.model_description:
+                model = one_line(inner.model_description).rstrip(".")
+                about = f"{about}: {model}" if about else model
+            out.fields = inner.fields
+            out.header = header if about in ("", "Object") else f"{header} ({about})"
+
+    def _object(self, out: Node, schema: dict, stack: tuple[str, ...], depth: int, nested: int, model: str | None,
+                described: bool) -> tuple[str, Any]:
         properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
         required = tuple(_names(schema.get("required")))
         keyed = bool(properties or schema.get("patternProperties") or schema.get("required"))
-        out: dict[str, Any] = {"required": required, "keyed": keyed}
-        if (properties or required) and described:
-            fields: list[tuple[str, Node]] = []
+        label = f"{model} object" if model else "object"
+        listed = (properties or required) and described
+        if listed:
+            parts: list[str] = []
+            named: set[str] = set()
+            room = None  # the room left when the text stopped (the fields past it are normalised, not described)
             cut = depth >= _MAX_FIELD_DEPTH
             if cut:
                 self.note("object nesting too deep: inner fields elided")
@@ -474,20 +619,60 @@ class Normaliser:
                     if self.text_left <= 0:  # the description has no room for more fields
                         cut = True
                         break
-                    fields.append((name, self.node(sub, stack, depth + 1, nested)))
-                    self.text_left -= _field_text(name, fields[-1][1])  # after its subfields, as they are listed
-            out.update(fields=tuple(fields), fields_cut=cut)
+                    if room is None and self.room <= 0:
+                        parts.append("…")
+                        room = self.room
+                    node = self.node(sub, stack, depth + 1, nested)
+                    if room is None:
+                        parts.append(self._field(name, node, name in required))
+                        named.add(name)
+                    self.text_left -= min(len(name), _SNIPPET) + 4 + node.size  # after its subfields, as listed
+            if room is None:
+                missing = (f"{name_text(name)} (any, required)" for name in required if name not in named)
+                parts.append("…" if cut else self._join(missing, "; "))
+            else:
+                self.room = room
+            out.fields = "; ".join(part for part in parts if part)
+            out.header = label[:1].upper() + label[1:]
         extra = schema.get("additionalProperties")
-        out["extra"] = self._optional(extra if isinstance(extra, dict | bool) else None, stack, depth + 1, nested)
-        return out
+        extra = self._optional(extra if isinstance(extra, dict | bool) else None, stack, depth + 1, nested)
+        if isinstance(extra, Node) and listed:
+            out.constraints.append(", ".join([f"other keys {_paren(extra.label)}", *extra.constraints]))
+        elif isinstance(extra, Node):
+            self._lift(out, "Value", "each value", extra)
+            label = f"{label} of {_paren(extra.label)}"
+        else:
+            out.lossy = out.lossy or (bool(model) and not listed)
+        if extra is False:
+            out.constraints.append("no other keys" if listed else "no keys")
+        return label, dict[str, extra.annotation] if isinstance(extra, Node) and not keyed else dict
+
+    def _field(self, name: str, sub: Node, required: bool) -> str:
+        """`name (label, required, constraints, default X): description {subfields}`."""
+        parts = [sub.label, *(["required"] if required else []), *sub.constraints, *sub.notes]
+        if sub.default is not MISSING:
+            parts.append(f"default {quote(sub.default)}")
+        description = one_line(sub.description)
+        model_description = one_line(sub.model_description)
+        if model_description and model_description != description:
+            description = f"{sentence(description)} {model_description}" if description else model_description
+        if sub.title and not auto_title(sub.title, name) and sub.title != description:
+            parts.append(f"title {quote(sub.title)}")
+        text = f"{name_text(name)} ({', '.join(parts)})"
+        if description:
+            text += f": {description.rstrip('.')}"
+        self.room -= len(text)  # the subfields below were counted when they were written
+        if sub.fields:
+            text += f" {{{sub.fields}}}"
+        return text
 
     def _optional(self, raw: Any, stack: tuple[str, ...], depth: int, nested: int) -> Node | bool | None:
         """A subschema that may be left out (None, or True: anything goes) or forbid everything (False)."""
         return None if raw is None or raw is True else raw if raw is False else self.node(raw, stack, depth, nested)
 
-    def _checks(self, schema: dict, stack: tuple[str, ...], depth: int, nested: int) -> tuple:
+    def _checks(self, out: Node, schema: dict, stack: tuple[str, ...], depth: int, nested: int) -> None:
         """Every constraint except type and structure: bounds, lengths, patterns, formats, counts, subschemas."""
-        checks: list[Any] = [_numeric_bounds(schema)]
+        checks: list[str] = [_numeric_bounds(schema)]
         if _is_number(schema.get("multipleOf")):
             checks.append(f"multiple of {quote(schema['multipleOf'])}")
         checks.append(count_range(schema.get("minLength"), schema.get("maxLength"), "chars"))
@@ -503,16 +688,20 @@ class Normaliser:
             checks.append("unique items")
         if "contains" in schema:
             count = count_range(schema.get("minContains"), schema.get("maxContains"), "")
-            checks.append(("contains", count, self.node(schema["contains"], stack, depth, nested)))
+            sub = self.node(schema["contains"], stack, depth, nested)
+            checks.append(f"contains {_paren(sub.label)}" + (f" ({count})" if count else ""))
         checks.append(count_range(schema.get("minProperties"), schema.get("maxProperties"), "keys"))
         patterns = schema.get("patternProperties")
         if isinstance(patterns, dict):
             for key_pattern, sub in patterns.items():
-                checks.append(("keys matching", quote(key_pattern), self.node(sub, stack, depth, nested)))
-        for key, word in (("propertyNames", "keys"), ("not", "not")):
-            if key in schema:
-                checks.append((word, "", self.node(schema[key], stack, depth, nested)))
-        return tuple(check for check in checks if check)
+                checks.append(f"keys matching {quote(key_pattern)}: {_paren(self.node(sub, stack, depth, nested).label)}")
+        if "propertyNames" in schema:
+            sub = self.node(schema["propertyNames"], stack, depth, nested)
+            checks.append("keys " + ", ".join([sub.label, *sub.constraints]))
+        if "not" in schema:
+            sub = self.node(schema["not"], stack, depth, nested)
+            checks.append("never allowed" if sub.label == "any" and not sub.constraints else f"not {sub.label}")
+        out.constraints += (check for check in checks if check)
 
 
 _FLAGS = (("deprecated", "deprecated"), ("readOnly", "read-only"), ("writeOnly", "write-only"))
@@ -540,12 +729,6 @@ def _notes(schema: dict) -> tuple[str, ...]:
 def _names(value: Any) -> list[str]:
     """The strings in a `required` list, in order (none when it is not a list)."""
     return [name for name in value if isinstance(name, str)] if isinstance(value, list) else []
-
-
-def _field_text(name: str, node: Node) -> int:
-    """The least text a description spends on listing a field, `name (label): description`, subfields apart."""
-    description = max(len(one_line(text).rstrip(".")) for text in (node.description, node.model_description))
-    return min(len(name), _SNIPPET) + 4 + (description + 2 if description else 0)
 
 
 def _model_name(target: Any, name: str) -> str:
