@@ -20,8 +20,7 @@ from pydantic import BaseModel, Field
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from ors_trl.core.binding import UNSET, BindingResult, Toolset, bind_tools, defuse_docstring_text
-from ors_trl.core.schema import describe_tool
+from ors_trl.core.binding import UNSET, BindingResult, Toolset, bind_tools, defuse_docstring_text, describe_tool
 
 # ------------------------------------------------------------------------------------------------------ helpers
 

@@ -1,7 +1,7 @@
 """JSON Schema -> annotations + descriptions: ``get_json_schema`` must reproduce the environment's schema.
 
 Schemas come from real pydantic models; the comparison uses a small normalizer written here (independent of
-``ors_trl.core.schema``) that treats ``anyOf[..., null]`` and ``nullable: true``, ``const`` and one-value ``enum``, and
+``ors_trl.core``) that treats ``anyOf[..., null]`` and ``nullable: true``, ``const`` and one-value ``enum``, and
 type lists and ``anyOf`` of plain types as equivalent.
 """
 
@@ -16,9 +16,8 @@ import pytest
 from pydantic import BaseModel, Field
 from transformers.utils import get_json_schema
 
-from ors_trl.core.binding import bind_tools
+from ors_trl.core.binding import TRUNCATION_MARK, ParameterInfo, bind_tools, describe_tool, python_parameter_names
 from ors_trl.core.jsonschema import Budget
-from ors_trl.core.schema import TRUNCATION_MARK, ParameterInfo, describe_tool, python_parameter_names
 from ors_trl.protocol.text import json_size
 
 # ------------------------------------------------------------------------------------------------------- models

@@ -1,6 +1,6 @@
 """Read a tool's input schema (untrusted JSON Schema) in one pass into a `Node` per argument: its type hint and the
-text an annotation cannot carry. The only reader of raw schemas: it resolves local `$ref`s (cycles cut), merges `allOf`,
-bounds all a hostile schema could blow up (`Budget`) and never `repr()`s foreign objects (`quote` writes JSON).
+text an annotation cannot carry. The only reader of raw schemas: it resolves local `$ref`s (cycles cut), merges
+`allOf`, bounds all a hostile schema could blow up (`Budget`) and never `repr()`s foreign objects (`quote`: JSON).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from ..protocol.text import json_size
 from ..protocol.text import one_line as _one_line
 
 __all__ = [
-    "EXPANSION_FACTOR", "EXPANSION_FLOOR", "MISSING", "PRIMITIVES", "Budget", "Node", "Normaliser", "as_text", "auto_title",
-    "one_line", "quote", "sentence", "single_line",
+    "EXPANSION_FACTOR", "EXPANSION_FLOOR", "MISSING", "PRIMITIVES", "Budget", "Node", "Normaliser", "as_text",
+    "auto_title", "one_line", "quote", "sentence", "single_line",
 ]  # fmt: skip
 
 _MAX_DEPTH = 24  # schemas inside schemas: list[list[...]], alternatives of alternatives, fields of fields
@@ -177,7 +177,7 @@ def _numeric_bounds(schema: dict) -> str:
 @dataclass
 class Node:
     """One schema, normalised and summarized in one pass: the type hint `get_json_schema` turns back into it, a type
-    label, constraints, notes and the fields of objects inside it; its own texts. `default` is raw JSON (`quote` it)."""
+    label, constraints, notes and the fields of objects inside it; its own texts. `default`: raw JSON (`quote` it)."""
 
     annotation: Any = Any
     label: str = "any"
@@ -464,7 +464,8 @@ class Normaliser:
             kind = target.get("type")
             kind = "object" if kind is None and "properties" in target else kind
             out.label, out.lossy = view.cut, True
-            out.annotation = {"object": dict, "array": list, **PRIMITIVES}.get(kind, Any) if isinstance(kind, str) else Any
+            out.annotation = {"object": dict, "array": list, **PRIMITIVES}.get(kind, Any) if isinstance(kind, str) \
+                else Any
             return out
         kind = schema.get("type")
         names = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else None
@@ -694,7 +695,8 @@ class Normaliser:
         patterns = schema.get("patternProperties")
         if isinstance(patterns, dict):
             for key_pattern, sub in patterns.items():
-                checks.append(f"keys matching {quote(key_pattern)}: {_paren(self.node(sub, stack, depth, nested).label)}")
+                label = self.node(sub, stack, depth, nested).label
+                checks.append(f"keys matching {quote(key_pattern)}: {_paren(label)}")
         if "propertyNames" in schema:
             sub = self.node(schema["propertyNames"], stack, depth, nested)
             checks.append("keys " + ", ".join([sub.label, *sub.constraints]))
