@@ -205,10 +205,6 @@ class Node:
         self.lossy = self.lossy or (part.lossy and not part.fields)
 
 
-def _elided() -> Node:
-    return Node(label="…", lossy=True)
-
-
 @dataclass
 class _View:
     """A schema node with `$ref` / single-`allOf` wrappers followed and their sibling keywords merged in."""
@@ -446,9 +442,9 @@ class Normaliser:
         too. Its text stops (with "…") once the parameter's `room` is spent."""
         if nested > _MAX_DEPTH:
             self.note("schema nested too deeply: inner part typed Any")
-            return _elided()
+            return Node(label="…", lossy=True)
         if not self.tick():
-            return _elided()
+            return Node(label="…", lossy=True)
         view = self.deref(raw, stack)
         schema, stack = view.schema, view.stack
         arms = _arms(schema)
@@ -485,12 +481,10 @@ class Normaliser:
                 out.annotation = _union([part.annotation for part in parts])
                 labels.append(self._arms(shape, parts))
             else:
-                hints = []
-                for name in types:
-                    label, hint = self._type(shape, name, schema, stack, depth, nested + 1, view.model, shape is out)
-                    labels.append(label)
-                    hints.append(hint)
-                out.annotation = _union(hints)
+                typed = [self._type(shape, name, schema, stack, depth, nested + 1, view.model, shape is out)
+                         for name in types]
+                labels += (label for label, _ in typed)
+                out.annotation = _union([hint for _, hint in typed])
             if room is not None:
                 labels, self.room = [], room
         if const is not MISSING:
