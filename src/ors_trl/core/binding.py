@@ -131,13 +131,9 @@ def python_parameter_names(wire_names: list[str]) -> dict[str, str]:
     """Map wire property names to distinct, safe Python parameter names: a safe identifier is kept, others are
     sanitized (`"class"` -> `"class_"`, `"x-y"` -> `"x_y"`, `"__init__"` -> `"init_"`, `"1st"` -> `"arg_1st"`,
     `""` -> `"arg"`) and suffixed `_2`, `_3`... so none equals another property's wire or Python name."""
-    kept = {name for name in wire_names if _is_safe_parameter_name(name)}
-    taken = set(kept) | set(wire_names) | {"self"}
-    mapping: dict[str, str] = {}
-    for name in wire_names:
-        if name not in mapping:
-            mapping[name] = name if name in kept else unique_name(_sanitize_parameter_name(name), taken)
-    return mapping
+    taken = {*wire_names, "self"}
+    return {name: name if _is_safe_parameter_name(name) else unique_name(_sanitize_parameter_name(name), taken)
+            for name in dict.fromkeys(wire_names)}
 
 
 def unique_name(base: str, taken: set[str], *, limit: int | None = None, avoid: frozenset[str] = frozenset()) -> str:
