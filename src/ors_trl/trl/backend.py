@@ -37,7 +37,7 @@ from ..tasks.selection import TRL_KEYWORDS
 __all__ = ["TRL_KEYWORDS", "VERIFIED", "AsyncGRPO", "Backend", "FinishedRollout", "Played", "Rendering", "async_grpo",
            "bound_async_context", "calling_trainer", "error_text", "finished_rollout", "harness_worker",
            "in_async_worker", "patch_grpo", "replies_of", "resetting_batch", "rules", "scoring_hooked", "shown_error",
-           "tool_markup", "tool_turn", "training_trainer", "verified"]
+           "tool_markup", "tool_turn", "verified"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -102,14 +102,10 @@ def _frame_locals(skip: int, hops: int, function: str | None = None) -> dict[str
     return {}
 
 
-def calling_trainer(skip: int = 1) -> Any:
-    """The trainer whose callback event is running (`skip` frames above our caller), found up the stack."""
-    return _frame_locals(skip, 8).get("self")
-
-
-def training_trainer() -> Any:
-    """The trainer whose training loop is reading a dataset, found up the stack from inside the read."""
-    return _frame_locals(1, 96).get("self")
+def calling_trainer(hops: int = 8) -> Any:
+    """The trainer found up the stack within `hops` frames: the one whose callback event is running, or (`hops=96`)
+    whose training loop is reading a dataset, from inside the read."""
+    return _frame_locals(1, hops).get("self")
 
 
 def resetting_batch(adapter: Any, skip: int = 2) -> tuple[Any, list[tuple[Any, Mapping[str, Any]]] | None]:
@@ -219,12 +215,9 @@ def finished_rollout(adapter: Any, skip: int = 2) -> FinishedRollout | None:
     worker, messages, ids = loc.get("self"), loc.get("completion"), loc.get("completion_ids")
     if loc.get("environment") is not adapter or not isinstance(messages, list) or not isinstance(ids, list):
         return None
-    rows = loc.get("sequences")
-    tokens = None
-    if isinstance(rows, list):  # TRL re-renders each turn: a drift it realigns masks generated tokens, a fork splits
-        trained = sum(sum(getattr(row, "completion_mask", ())) for row in rows)
-        masked = max(len(ids) - trained, 0)
-        tokens = token_fidelity(len(ids), masked, len(rows))
+    rows = loc.get("sequences")  # TRL re-renders each turn: a drift it realigns masks generated tokens, a fork splits
+    trained = sum(sum(getattr(row, "completion_mask", ())) for row in rows) if isinstance(rows, list) else None
+    tokens = None if trained is None else token_fidelity(len(ids), max(len(ids) - trained, 0), len(rows))
     return FinishedRollout(messages, ids, eos_token_ids(worker, getattr(worker, "tokenizer", None)),
                            list(getattr(worker, "reward_funcs", None) or []), tokens)
 
@@ -414,12 +407,8 @@ def error_text(exc: BaseException) -> str:
 
 def shown_error(content: str) -> str:
     """What TRL showed the model for a call it failed itself, `{'error': ...}` unwrapped (else `content` itself)."""
-    prefix, suffix = "{'error': ", "}"
-    if content.startswith(prefix) and content.endswith(suffix):
-        inner = content[len(prefix):-len(suffix)]
-        if len(inner) >= 2 and inner[0] == inner[-1] and inner[0] in "'\"":
-            return inner[1:-1]
-    return content
+    wrapped = re.fullmatch(r"\{'error': (['\"])(.*)\1\}", content, re.S)
+    return wrapped.group(2) if wrapped else content
 
 
 def replies_of(messages: Sequence[Mapping[str, Any]], truncated: bool

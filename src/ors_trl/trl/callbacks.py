@@ -178,7 +178,7 @@ class TaskSamplingCallback(TrainerCallback):
 
 def attach_task_sampling(source: DrawSource) -> None:
     """A task stream's first read (`on_bind`): the trainer reading it updates and checkpoints its samplers."""
-    trainer = _trl.training_trainer()
+    trainer = _trl.calling_trainer(hops=96)
     if trainer is None:
         logger.warning("task sampling: no trainer was found reading the dataset, so the samplers learn from rewards "
                        "as they come but are neither saved with checkpoints nor logged; "
