@@ -182,7 +182,7 @@ def test_trls_unscored_rollout_warning_is_one_line_pointing_at_unscored_reward(t
     for logger in (logging.getLogger("ors_trl"), *map(logging.getLogger, rewards._TRL_LOGGERS)):
         for name, value in (("propagate", True), ("disabled", False), ("level", logging.WARNING)):
             monkeypatch.setattr(logger, name, value)
-    monkeypatch.setattr(rewards._UnscoredNotice, "said", False)
+    rewards._say_unscored.cache_clear()
     spec = OpenRewardSpec(ref_server.url, env_name=ECHO, num_tasks=2)
     try:
         trainer = cpu_grpo_trainer(tiny_model_dir, str(tmp_path), batch=2, generations=2, turns=1,

@@ -301,8 +301,8 @@ def test_trl_loop_runs_a_turns_tool_calls_at_once(tiny_model_dir, make_server, t
     turns: list[object] = []
     tool_turn = _trl.tool_turn
 
-    def seen_turn(adapter, skip=4):
-        seen = tool_turn(adapter, skip + 1)
+    def seen_turn(adapter, skip=2, rest=True):
+        seen = tool_turn(adapter, skip + 1, rest)
         if seen is not None and not any(t is seen[0] for t in turns):
             turns.append(seen[0])
         return seen

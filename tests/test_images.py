@@ -558,7 +558,7 @@ def test_placeholder_mode_trains_a_text_model_on_purpose(image_server, tiny_mode
 
 
 def test_a_trainer_whose_generate_is_its_own_is_refused() -> None:
-    _trl.install_image_handoff()
+    _trl.patch_grpo()
 
     class Own:
         def _generate(self, prompts: Any) -> Any:

@@ -313,4 +313,4 @@ def test_generate_pads_to_the_largest_process(local, other, called_with):
         assert len(calls) == 1 and len(calls[0]) == called_with
         assert calls[0][:local] == prompts
         assert calls[0][local:] == [prompts[0] if prompts else [9]] * (called_with - local)
-    assert backend.anyone(bool(local)) is bool(local or other)
+    assert bool(backend.most(local)) is bool(local or other)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import threading
 import types
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ..core.episode import MANUAL, EnvironmentRuntime, Episode, Outcome, Task, ToolCall
@@ -43,19 +44,13 @@ class _Ahead(concurrent.futures.Future[Outcome]):
         self.call = call
 
 
-class _NotATool:
+class _NotATool(functools.partial):  # type: ignore[type-arg]
     """A public adapter method that TRL does not take for a tool: TRL offers the model every function of the adapter
-    class (`inspect.getmembers(cls, inspect.isfunction)` but `reset` and `get_reward`), and this is not one."""
-
-    def __init__(self, func: Callable[..., Any]) -> None:
-        self.__func__ = func
-        self.__doc__, self.__name__ = func.__doc__, func.__name__
+    class (`inspect.getmembers(cls, inspect.isfunction)` but `reset` and `get_reward`), and this is not one (callable
+    on the class, `OpenRewardEnvironment.close(env)`, and bound on an instance)."""
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        return self if obj is None else types.MethodType(self.__func__, obj)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # `OpenRewardEnvironment.close(env)`
-        return self.__func__(*args, **kwargs)
+        return self if obj is None else types.MethodType(self.func, obj)
 
 
 class OpenRewardEnvironment:
@@ -110,17 +105,14 @@ class OpenRewardEnvironment:
         for env, batch_row in batch or ():
             if isinstance(env, OpenRewardEnvironment) and env._preopened is None:
                 with contextlib.suppress(ValueError):  # reset() says what is wrong with the row
-                    env._preopen(batch_row.get("task_index"), batch_row.get("task_spec"), trainer)
+                    env._preopened = env._preopen(batch_row.get("task_index"), batch_row.get("task_spec"), trainer)
         self._end()
         self._context_cut = None
         task = Task.from_row(rt.split, task_index, task_spec)
         pre, self._preopened = self._preopened, None
-        if pre is None or pre[0] != task:
-            if pre is not None:
-                pre[1].release()
-            self._preopen(task_index, task_spec, trainer)
-            pre, self._preopened = self._preopened, None
-        _, ep, opened = pre
+        if pre is not None and pre[0] != task:
+            pre[1].release()
+        _, ep, opened = pre if pre is not None and pre[0] == task else self._preopen(task_index, task_spec, trainer)
         self._episode = ep
         cached = rt.prompt_cache.get(task.key) if rt.cache_prompts else None
         if cached is not None:
@@ -134,12 +126,13 @@ class OpenRewardEnvironment:
             _refuse_images(trainer or rt.trainer, f"The prompt of task {task.key}")
         return shown
 
-    def _preopen(self, task_index: Any, task_spec: Any, trainer: Any) -> None:
+    def _preopen(self, task_index: Any, task_spec: Any, trainer: Any
+                 ) -> tuple[Task, Episode, concurrent.futures.Future[bool]]:
         """Start opening the session of a row's task (the batch's first reset does this for every adapter)."""
         rt = self._runtime
         task = Task.from_row(rt.split, task_index, task_spec)
         ep = rt.episode(task, source=_source(trainer), rules=_trl.rules(trainer))
-        self._preopened = (task, ep, rt.submit(ep.open()))
+        return task, ep, rt.submit(ep.open())
 
     def _end(self) -> None:
         """Settle calls started ahead and close the current episode in the background (`close()` also waits)."""
@@ -161,7 +154,7 @@ class OpenRewardEnvironment:
         except ORSError as exc:
             logger.warning("%s: closing the episode's session did not finish: %s", self._runtime.name, exc)
 
-    close = _NotATool(_close_now)
+    close = functools.update_wrapper(_NotATool(_close_now), _close_now)
     _close = _close_now
 
     def _current(self) -> Episode:
@@ -183,12 +176,15 @@ class OpenRewardEnvironment:
         return outcome.content
 
     def _call_tool(self, name: str, arguments: dict[str, Any]) -> str | list[dict[str, Any]]:
-        """A tool call of TRL's loop: one `Episode.call`; raises on failure (TRL counts it, shows `{'error': ...}`)."""
+        """A tool call of TRL's loop: one `Episode.call`; raises on failure (TRL counts it, shows `{'error': ...}`).
+        A turn's first call starts the turn's calls across the batch (`_start_turn`)."""
         ep = self._current()
         call = ToolCall(name, arguments)
-        ep.made_before(_trl.calls_before(self))
-        if not self._ahead and self._runtime.batch_tool_calls:
-            self._start_turn(call)
+        batch = not self._ahead and self._runtime.batch_tool_calls
+        seen = _trl.tool_turn(self, rest=batch)
+        ep.made_before(seen[1][0][2] if seen else None)
+        if seen and batch:
+            self._start_turn(call, *seen)
         if self._ahead:
             head = self._ahead[0]
             if head.call == call:
@@ -204,13 +200,10 @@ class OpenRewardEnvironment:
         call = self._current().call(ToolCall(name, arguments))
         return self._answer(await asyncio.wrap_future(self._runtime.bg.submit(call)))
 
-    def _start_turn(self, first: ToolCall) -> None:
-        """At a turn's first call, start the turn's calls across the batch: per rollout, the longest prefix of its calls
+    def _start_turn(self, first: ToolCall, turn: object, rollouts: list[tuple[Any, list[tuple[str, Any]], int]]
+                    ) -> None:
+        """Start the turn's calls across the batch (`backend.tool_turn`): per rollout, the longest prefix of its calls
         TRL will make as given (its tools, arguments that bind), in order on its session."""
-        seen = _trl.tool_turn(self)
-        if seen is None:
-            return
-        turn, rollouts = seen
         rt = self._runtime
         with rt.lock:
             if rt.last_turn is turn:

@@ -1,21 +1,17 @@
-"""The one seam to TRL's internals: everything that reads `GRPOTrainer`'s private methods or loop state.
-
-Elsewhere ors-trl uses TRL's public surface (`environment_factory`, `rollout_func`, reward functions, callbacks). Given
-a trainer, the rest is one object, `Backend.of(trainer)`; before one is in hand, the functions here find it (or TRL's
-loop state) up the stack. Read, and why: `_generate_and_score_completions`' batch and `_tool_call_loop`'s turn (the
-adapter opens a batch's sessions and starts a turn's calls at once); `_generate_single_turn` and
-`_get_tool_suffix_ids` (the engine generates and builds tool turns as TRL's loop does); `_generate` (a `rollout_func`'s
-images reach the loss); `_metrics` and `Trainer.log` (callbacks log beside GRPO's metrics); the async worker's
-`_generate_loop` (the adapter's `get_reward` reads the finished rollout there).
-
-Verified against the TRL releases in `VERIFIED` (`trl>=1.16` is required): on another one the adapter falls back to
-TRL's public behaviour (correct, slower) with one log line and the engine refuses to start; `ORS_TRL_TRUST_TRL=1`
-opts in to the fast paths anyway.
+"""The one seam to TRL's internals (elsewhere ors-trl uses TRL's public surface): given a trainer, `Backend.of(trainer)`;
+before one is in hand, the functions here find it (or TRL's loop state) up the stack. Read, and why:
+`_generate_and_score_completions`' batch and `_tool_call_loop`'s turn (a batch's sessions open and a turn's calls
+start at once); `_generate_single_turn` and `_get_tool_suffix_ids` (the engine generates as TRL's loop does);
+`_generate` (a `rollout_func`'s images reach the loss); `_metrics` and `Trainer.log` (callbacks log beside GRPO); the
+async worker's `_generate_loop` (`get_reward` reads the finished rollout there). Verified for the TRL releases in
+`VERIFIED`: on another the adapter falls back to TRL's public behaviour (correct, slower; one log line) and the engine
+refuses to start, unless `ORS_TRL_TRUST_TRL=1`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import importlib
 import importlib.metadata
@@ -24,6 +20,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import sys
 import threading
 import weakref
@@ -38,9 +35,9 @@ from ..protocol.errors import ConfigurationError, UsageError, require_extra
 from ..tasks.selection import TRL_KEYWORDS
 
 __all__ = ["TRL_KEYWORDS", "VERIFIED", "AsyncGRPO", "Backend", "FinishedRollout", "Played", "Rendering", "async_grpo",
-           "bound_async_context", "calling_trainer", "error_text", "finished_rollout", "harness_worker", "hook_scoring",
-           "in_async_worker", "install_image_handoff", "replies_of", "resetting_batch", "rules", "scoring_hooked",
-           "shown_error", "tool_markup", "tool_turn", "training_trainer", "verified"]
+           "bound_async_context", "calling_trainer", "error_text", "finished_rollout", "harness_worker",
+           "in_async_worker", "patch_grpo", "replies_of", "resetting_batch", "rules", "scoring_hooked", "shown_error",
+           "tool_markup", "tool_turn", "verified"]
 
 logger = logging.getLogger("ors_trl")
 
@@ -66,17 +63,15 @@ def verified() -> bool:
     """True when the installed TRL is one the fast paths were verified against (or the user opted in); False without
     TRL (no trainer to read: nothing to warn about)."""
     version = trl_version()
-    if version is None:
-        return False
-    if any(version == v or version.startswith(v + ".") for v in VERIFIED):
-        return True
-    if os.environ.get(TRUST_ENV) == "1":
+    if version is None or any(version == v or version.startswith(v + ".") for v in VERIFIED):
+        return version is not None
+    if trusted := os.environ.get(TRUST_ENV) == "1":
         logger.warning("ors-trl: TRL %s is not a verified version (%s); %s=1 turns the fast paths on anyway.",
                        version, ", ".join(VERIFIED), TRUST_ENV)
-        return True
-    logger.warning("ors-trl: TRL %s is not a version ors-trl was verified against (%s): %s. Set %s=1 to try the "
-                   "fast paths on it.", version, ", ".join(VERIFIED), _UNVERIFIED, TRUST_ENV)
-    return False
+    else:
+        logger.warning("ors-trl: TRL %s is not a version ors-trl was verified against (%s): %s. Set %s=1 to try the "
+                       "fast paths on it.", version, ", ".join(VERIFIED), _UNVERIFIED, TRUST_ENV)
+    return trusted
 
 
 def require_engine(what: str = "spec.rollout_func") -> None:
@@ -107,14 +102,10 @@ def _frame_locals(skip: int, hops: int, function: str | None = None) -> dict[str
     return {}
 
 
-def calling_trainer(skip: int = 1) -> Any:
-    """The trainer whose callback event is running (`skip` frames above our caller), found up the stack."""
-    return _frame_locals(skip, 8).get("self")
-
-
-def training_trainer() -> Any:
-    """The trainer whose training loop is reading a dataset, found up the stack from inside the read."""
-    return _frame_locals(1, 96).get("self")
+def calling_trainer(hops: int = 8) -> Any:
+    """The trainer found up the stack within `hops` frames: the one whose callback event is running, or (`hops=96`)
+    whose training loop is reading a dataset, from inside the read."""
+    return _frame_locals(1, hops).get("self")
 
 
 def resetting_batch(adapter: Any, skip: int = 2) -> tuple[Any, list[tuple[Any, Mapping[str, Any]]] | None]:
@@ -130,8 +121,13 @@ def resetting_batch(adapter: Any, skip: int = 2) -> tuple[Any, list[tuple[Any, M
     return trainer, None
 
 
-def _at_call(adapter: Any, skip: int) -> tuple[dict[str, Any], int] | None:
-    """At a call TRL's tool loop makes on `adapter`: the loop's locals and the call's place in its turn, checked."""
+def tool_turn(adapter: Any, skip: int = 2, rest: bool = True
+              ) -> tuple[object, list[tuple[Any, list[tuple[str, Any]], int]]] | None:
+    """At a call TRL's tool loop makes on `adapter` (`skip`: frames between our caller and the loop): `(turn,
+    [(environment, [(name, arguments), ...], made), ...])`, per rollout the calls of the turn not yet made, from
+    `adapter`'s current call on (`rest=False`: `adapter`'s entry alone), and `made`, the calls the model made before
+    them (those TRL failed itself included); `turn` identifies the turn (TRL builds a new `tool_calls` list each turn).
+    None when the loop does not look as expected or TRL is unverified."""
     loc = _frame_locals(skip, 4, "_tool_call_loop") if verified() else {}
     trainer, idxs, calls = loc.get("self"), loc.get("idxs_with_tool"), loc.get("tool_calls")
     idx, current, completions = loc.get("idx"), loc.get("tool_call"), loc.get("completions")
@@ -143,44 +139,22 @@ def _at_call(adapter: Any, skip: int) -> tuple[dict[str, Any], int] | None:
             and envs[idxs[idx]] is adapter and isinstance(calls[idx], list)):
         return None
     position = next((j for j, call in enumerate(calls[idx]) if call is current), None)
-    return None if position is None else (loc, position)
-
-
-def _made(loc: dict[str, Any], k: int, position: int) -> int:
-    """The calls the turn's `k`th rollout made before the `position`th of its current reply: those of its earlier
-    replies (TRL's `completions` entry, which ends with the current one; the calls TRL failed itself included)."""
-    completion = loc["completions"][loc["idxs_with_tool"][k]]
-    return position + (sum(len(m.get("tool_calls") or []) for m in completion[:-1] if isinstance(m, dict)
-                           and m.get("role") == "assistant") if isinstance(completion, list) else 0)
-
-
-def calls_before(adapter: Any, skip: int = 2) -> int | None:
-    """At a call TRL's tool loop makes on `adapter` (`skip`: frames between our caller and the loop): the calls the
-    model made before it in this rollout (those TRL failed itself included); None if the loop looks unexpected."""
-    at = _at_call(adapter, skip + 1)
-    return None if at is None else _made(at[0], at[0]["idx"], at[1])
-
-
-def tool_turn(adapter: Any, skip: int = 4) -> tuple[object, list[tuple[Any, list[tuple[str, Any]], int]]] | None:
-    """At a call TRL's tool loop makes on `adapter` (`skip`: frames between our caller and the loop): `(turn,
-    [(environment, [(name, arguments), ...], made), ...])`, the calls of the turn not yet made per rollout, from
-    `adapter`'s current call on, with the calls made before (`calls_before`); `turn` identifies the turn (TRL builds a
-    new `tool_calls` list each turn). None when the loop does not look as expected."""
-    at = _at_call(adapter, skip + 1)
-    if at is None:
+    if position is None:
         return None
-    loc, position = at
-    idxs, calls, idx, envs = loc["idxs_with_tool"], loc["tool_calls"], loc["idx"], loc["self"].environments
     out = []
-    for k in range(idx, len(idxs)):
-        turn = calls[k] if isinstance(calls[k], list) else []
+    for k in range(idx, len(idxs) if rest else idx + 1):
+        first = position if k == idx else 0
         chain = []
-        for call in turn[position if k == idx else 0:]:
+        for call in (calls[k] if isinstance(calls[k], list) else [])[first:]:
             function = call.get("function") if isinstance(call, dict) and call.get("type") == "function" else None
             if not isinstance(function, dict):
                 break
             chain.append((function.get("name"), function.get("arguments")))
-        out.append((envs[idxs[k]], chain, _made(loc, k, position if k == idx else 0)))
+        # made before: `first` of this reply, and those of its earlier replies (TRL's `completions` entry ends with it)
+        completion = completions[idxs[k]]
+        made = first + (sum(len(m.get("tool_calls") or []) for m in completion[:-1] if isinstance(m, dict)
+                            and m.get("role") == "assistant") if isinstance(completion, list) else 0)
+        out.append((envs[idxs[k]], chain, made))
     return calls, out
 
 
@@ -241,24 +215,11 @@ def finished_rollout(adapter: Any, skip: int = 2) -> FinishedRollout | None:
     worker, messages, ids = loc.get("self"), loc.get("completion"), loc.get("completion_ids")
     if loc.get("environment") is not adapter or not isinstance(messages, list) or not isinstance(ids, list):
         return None
-    rows = loc.get("sequences")
-    tokens = None
-    if isinstance(rows, list):  # TRL re-renders each turn: a drift it realigns masks generated tokens, a fork splits
-        trained = sum(sum(getattr(row, "completion_mask", ())) for row in rows)
-        masked = max(len(ids) - trained, 0)
-        tokens = token_fidelity(len(ids), masked, len(rows))
+    rows = loc.get("sequences")  # TRL re-renders each turn: a drift it realigns masks generated tokens, a fork splits
+    trained = sum(sum(getattr(row, "completion_mask", ())) for row in rows) if isinstance(rows, list) else None
+    tokens = None if trained is None else token_fidelity(len(ids), max(len(ids) - trained, 0), len(rows))
     return FinishedRollout(messages, ids, eos_token_ids(worker, getattr(worker, "tokenizer", None)),
                            list(getattr(worker, "reward_funcs", None) or []), tokens)
-
-
-class _Clamped:
-    """TRL's rollout loop as one request sees it: the same object, asking for at most `max_tokens` tokens."""
-
-    def __init__(self, loop: Any, max_tokens: int) -> None:
-        self.__dict__.update(_loop=loop, max_tokens=max_tokens)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loop, name)
 
 
 async def _context_of(loop: Any) -> int | None:
@@ -309,7 +270,9 @@ def bound_async_context(on_cut: Callable[[Any, str, str], None]) -> bool:
             return [], []
         if room >= self.max_tokens:
             return await generate(self, prompt_ids)
-        ids, logprobs = await generate(_Clamped(self, room), prompt_ids)
+        clamped = copy.copy(self)  # the same loop, asking for at most `room` tokens
+        clamped.max_tokens = room
+        ids, logprobs = await generate(clamped, prompt_ids)
         if len(ids) >= room and (not ids or ids[-1] not in set(self.eos_token_ids)):
             on_cut(environment, "reply", f"the reply reached the model's context ({limit} tokens)")
         return ids, logprobs
@@ -327,10 +290,6 @@ def harness_worker(play: Any, **loop_kwargs: Any) -> Any:
     how to render for it. `play` (picklable) returns a `Played`; its `metrics()` (`env/...`) are logged once per scored
     group, its `close()` runs when the worker stops. The loop's other arguments are the trainer's (read off it at
     `start`); `loop_kwargs` (e.g. `queue_maxsize`) win."""
-    found = async_grpo() if verified() else None
-    if found is None:
-        raise UsageError(f"a harness rollout worker drives TRL internals verified for TRL {', '.join(VERIFIED)} "
-                         f"only; TRL {trl_version()} is installed.")
     return __getattr__("_HarnessWorker")(play, **loop_kwargs)
 
 
@@ -363,13 +322,13 @@ def __getattr__(name: str) -> Any:
     """The harness worker's classes, built on first use over TRL's (pickle finds them here in the spawned process)."""
     if name not in ("_HarnessWorker", "_HarnessLoop"):
         raise AttributeError(name)
-    if name in globals():
-        return globals()[name]
     import time
     import uuid
 
-    found = async_grpo()
-    assert found is not None
+    found = async_grpo() if verified() else None
+    if found is None:
+        raise UsageError(f"a harness rollout worker drives TRL internals verified for TRL {', '.join(VERIFIED)} "
+                         f"only; TRL {trl_version()} is installed.")
     module = found.worker_module
 
     class _HarnessLoop(module._AsyncRolloutLoop):  # type: ignore[name-defined]
@@ -448,12 +407,8 @@ def error_text(exc: BaseException) -> str:
 
 def shown_error(content: str) -> str:
     """What TRL showed the model for a call it failed itself, `{'error': ...}` unwrapped (else `content` itself)."""
-    prefix, suffix = "{'error': ", "}"
-    if content.startswith(prefix) and content.endswith(suffix):
-        inner = content[len(prefix):-len(suffix)]
-        if len(inner) >= 2 and inner[0] == inner[-1] and inner[0] in "'\"":
-            return inner[1:-1]
-    return content
+    wrapped = re.fullmatch(r"\{'error': (['\"])(.*)\1\}", content, re.S)
+    return wrapped.group(2) if wrapped else content
 
 
 def replies_of(messages: Sequence[Mapping[str, Any]], truncated: bool
@@ -497,19 +452,9 @@ def training_info(trainer: Any) -> dict[str, Any]:
 
 def _literal_start(pattern: str) -> str:
     """The text every match of a regular expression starts with (its leading literal characters)."""
-    out, i = [], 0
-    while i < len(pattern):
-        if pattern[i] == "\\" and i + 1 < len(pattern) and not pattern[i + 1].isalnum():
-            out.append(pattern[i + 1])
-            i += 2
-        elif pattern[i] not in "\\^$.|?*+()[]{}":
-            out.append(pattern[i])
-            i += 1
-        else:
-            break
-    if i < len(pattern) and pattern[i] in "?*{" and out:  # the last character is optional
-        out.pop()
-    return "".join(out)
+    lead = re.match(r"(?:\\[^a-zA-Z0-9]|[^\\^$.|?*+()\[\]{}])*", pattern).group()  # type: ignore[union-attr]
+    out = re.sub(r"\\(.)", r"\1", lead, flags=re.S)
+    return out[:-1] if pattern[len(lead):len(lead) + 1] in ("?", "*", "{") else out  # the last one is optional
 
 
 def tool_markup(processing_class: Any) -> str | None:
@@ -631,83 +576,59 @@ _BACKEND = "_ors_backend"
 
 
 def _no_tool() -> None:
-    """A stand-in tool: see `install_image_handoff`."""
+    """A stand-in tool: see `patch_grpo`."""
 
 
-def install_image_handoff() -> None:
-    """Make `GRPOTrainer` take the images a `rollout_func` hands it (`Backend.hand_images`) into its loss, as it takes
-    its own tool loop's: `_generate` returns them beside the ids, and for that step the trainer counts as one with
-    tools (only then does TRL build their pixel fields). Installed on the class once (a `rollout_func` runs inside
-    `_generate`: too late to wrap the instance); a trainer handed nothing runs as before. Verified TRL only."""
-    if not verified():
-        return
-    from trl import GRPOTrainer
-
-    generate_, score = GRPOTrainer._generate, GRPOTrainer._generate_and_score_completions
-    if getattr(generate_, _HANDOFF, False):
-        return
-
-    @functools.wraps(generate_)
-    def _generate(self: Any, prompts: list[Any]) -> Any:
-        out = generate_(self, prompts)
-        images = self.__dict__.pop(_HANDOFF, None)
-        if images is None:
-            return out
-        self.tools = self.tools or [_no_tool]  # put back when the step's scoring ends (below)
-        return (*out[:-2], images, images)
-
-    @functools.wraps(score)
-    def _generate_and_score_completions(self: Any, inputs: Any) -> Any:
-        tools = self.tools
-        try:
-            return score(self, inputs)
-        finally:
-            self.tools = tools
-
-    for wrapper in (_generate, _generate_and_score_completions):
-        setattr(wrapper, _HANDOFF, True)
-    GRPOTrainer._generate = _generate
-    GRPOTrainer._generate_and_score_completions = _generate_and_score_completions
+_HOOKS: list[Callable[[Any, dict[str, Any]], None]] = []
+_scoring = threading.local()  # how deep this thread is in a patched `_generate_and_score_completions`
 
 
-_HOOKS = "_ors_scoring_hooks"
-_scoring = threading.local()  # how deep this thread is in a hooked `_generate_and_score_completions`
-
-
-def hook_scoring(hook: Callable[[Any, dict[str, Any]], None]) -> bool:
-    """Run `hook(trainer, batch)` on each batch `GRPOTrainer._generate_and_score_completions` returns (the tensors GRPO
-    trains on: `advantages`, `completion_mask`, `tool_mask`, ...), before TRL splits it for the loss; installed on the
-    class once per hook (a subclass that overrides the method without calling it runs no hook: `scoring_hooked`
-    says so). False, and nothing installed, on an unverified TRL."""
+def patch_grpo(hook: Callable[[Any, dict[str, Any]], None] | None = None) -> bool:
+    """Patch `GRPOTrainer` once (on the class: a `rollout_func` runs inside `_generate`, too late to wrap the instance)
+    so that its `_generate` takes the images a `rollout_func` hands it (`Backend.hand_images`) into its loss as it
+    takes its own tool loop's (returned beside the ids, the step counting as one with tools: only then does TRL build
+    their pixel fields), and its `_generate_and_score_completions` runs each `hook(trainer, batch)` on the batch it
+    returns (the tensors GRPO trains on: `advantages`, `completion_mask`, `tool_mask`, ...) before TRL splits it for
+    the loss (a subclass that overrides it without calling it runs none: `scoring_hooked` says so). A trainer handed
+    nothing runs as before. False, and nothing installed, on an unverified TRL."""
     if not verified():
         return False
     from trl import GRPOTrainer
 
-    score = GRPOTrainer._generate_and_score_completions
-    hooks: list[Callable[[Any, dict[str, Any]], None]] | None = getattr(score, _HOOKS, None)
-    if hooks is None:
-        hooks = []
+    generate_, score = GRPOTrainer._generate, GRPOTrainer._generate_and_score_completions
+    if not getattr(generate_, _HANDOFF, False):
+
+        @functools.wraps(generate_)
+        def _generate(self: Any, prompts: list[Any]) -> Any:
+            out = generate_(self, prompts)
+            images = self.__dict__.pop(_HANDOFF, None)
+            if images is None:
+                return out
+            self.tools = self.tools or [_no_tool]  # put back when the step's scoring ends (below)
+            return (*out[:-2], images, images)
 
         @functools.wraps(score)
         def _generate_and_score_completions(self: Any, inputs: Any) -> Any:
-            _scoring.depth = getattr(_scoring, "depth", 0) + 1
+            tools, _scoring.depth = self.tools, getattr(_scoring, "depth", 0) + 1
             try:
                 out = score(self, inputs)
             finally:
                 _scoring.depth -= 1
-            for run in hooks:
+                self.tools = tools
+            for run in _HOOKS:
                 run(self, out)
             return out
 
-        setattr(_generate_and_score_completions, _HOOKS, hooks)
+        setattr(_generate, _HANDOFF, True)
+        GRPOTrainer._generate = _generate
         GRPOTrainer._generate_and_score_completions = _generate_and_score_completions
-    if hook not in hooks:
-        hooks.append(hook)
+    if hook is not None and hook not in _HOOKS:
+        _HOOKS.append(hook)
     return True
 
 
 def scoring_hooked() -> bool:
-    """True inside a `_generate_and_score_completions` whose batch the `hook_scoring` hooks will see (its reward
+    """True inside a `_generate_and_score_completions` whose batch the `patch_grpo` hooks will see (its reward
     functions run there)."""
     return getattr(_scoring, "depth", 0) > 0
 
@@ -759,8 +680,9 @@ class Backend:
 
     processes = property(lambda self: getattr(getattr(self.trainer, "accelerator", None), "num_processes", 1))
 
-    def _most(self, n: int) -> int:
-        """The largest `n` over the processes (each of them must call this, together)."""
+    def most(self, n: int) -> int:
+        """The largest `n` over the processes (each of them must call this, together: a process with work left, and
+        every process must then join the next generation call, shows in a positive answer)."""
         if self.processes == 1:
             return n
         import torch
@@ -768,17 +690,13 @@ class Backend:
         accelerator = self.trainer.accelerator
         return int(accelerator.gather(torch.tensor([n], device=accelerator.device)).max().item())
 
-    def anyone(self, local: bool) -> bool:
-        """True if any process still has work (every process must then join the next generation call)."""
-        return self._most(int(local)) > 0
-
     def generate(self, requests: Sequence[tuple[list[int], list[Any]]], fallback: tuple[list[int], list[Any]]
                  ) -> list[tuple[list[int], list[float] | None]]:
         """One completion per prompt (its ids and their images) through TRL's generation backend (transformers,
         vLLM server or colocate), padded to a common count across processes (collective backends need every
         process in every call: a process with fewer prompts repeats one, or `fallback`)."""
         n, trainer = len(requests), self.trainer
-        target = self._most(n)
+        target = self.most(n)
         if target == 0:
             return []
         padded = list(requests) + [requests[0] if requests else fallback] * (target - n)
@@ -828,7 +746,7 @@ class Backend:
 
     def hand_images(self, images: list[list[Any]]) -> None:
         """Hand TRL the images of a `rollout_func`'s rollouts (each one's, in the order of its image tokens) for the
-        loss of this step (`install_image_handoff`); nothing when there are none."""
+        loss of this step (`patch_grpo`); nothing when there are none."""
         if not any(images):
             return
         trainer = self.trainer

@@ -96,16 +96,14 @@ class EvalCallback(TrainerCallback):
                                    tool_failures=ep.tool_failures, turns=len(ep.turns), unscored=ep.unscored,
                                    opened=ep.prompt is not None)) for ep in self.engine.last_episodes]
         self.runtime.metrics.flush()  # its own window, apart from the training metrics: started again each time
-        if accelerator.num_processes > 1:
-            from accelerate.utils import gather_object
-
-            rows = gather_object(rows)
+        backend = _trl.Backend.of(trainer)
+        rows, _ = backend.gather_objects(rows)
         stats, _, passed, interval = by_task(rows, self.runtime.metrics.success_threshold, lambda s, e: s.add(**e))
         prefix = f"eval/{self.runtime.name}/"
         logs = {**stats_metrics(prefix, stats), **{f"{prefix}pass@{k}": v for k, v in passed.items()}}
         if interval is not None:
             logs[f"{prefix}pass@1_low"], logs[f"{prefix}pass@1_high"] = interval
-        _trl.Backend.of(trainer).log_outside_step(dict(logs))
+        backend.log_outside_step(dict(logs))
         self.history.append({"step": step, **logs})
 
 
@@ -138,9 +136,8 @@ class TaskSamplingCallback(TrainerCallback):
             return
         self._trainer = weakref.ref(trainer)
         self.source.on_bind = None
-        processes = getattr(getattr(trainer, "accelerator", None), "num_processes", 1)
         for curriculum in self.source.curricula.values():
-            curriculum.synced = processes > 1
+            curriculum.synced = _trl.Backend.of(trainer).processes > 1
         saved = (getattr(trainer.state, "stateful_callbacks", None) or {}).get(STATE_KEY)
         if saved and trainer.state.global_step > 0:
             self.source.load_state_dict(saved)
@@ -156,12 +153,9 @@ class TaskSamplingCallback(TrainerCallback):
         trainer, source = self.trainer, self.source
         if trainer is None:
             return
-        observed = {env: c.take() for env, c in source.curricula.items()}
-        if getattr(trainer.accelerator, "num_processes", 1) > 1:
-            from accelerate.utils import gather_object
-
-            gathered = gather_object([observed])
-            observed = {env: [o for part in gathered for o in part[env]] for env in source.curricula}
+        backend = _trl.Backend.of(trainer)
+        gathered, _ = backend.gather_objects([{env: c.take() for env, c in source.curricula.items()}])
+        observed = {env: [o for part in gathered for o in part[env]] for env in source.curricula}
         metrics: dict[str, float] = {}
         states: dict[str, Any] = {}  # what the async worker's copies last wrote, when this process draws nothing
         for env, curriculum in source.curricula.items():
@@ -173,7 +167,7 @@ class TaskSamplingCallback(TrainerCallback):
                 if doc["at"] != self._seen.get(curriculum.name):  # its metrics are logged once
                     self._seen[curriculum.name] = doc["at"]
                     metrics.update(doc["metrics"])
-        _trl.Backend.of(trainer).add_step_metrics(metrics)
+        backend.add_step_metrics(metrics)
         if source.drew:
             source.trim(consumed(args, state.global_step))
         if control.should_save:
@@ -184,7 +178,7 @@ class TaskSamplingCallback(TrainerCallback):
 
 def attach_task_sampling(source: DrawSource) -> None:
     """A task stream's first read (`on_bind`): the trainer reading it updates and checkpoints its samplers."""
-    trainer = _trl.training_trainer()
+    trainer = _trl.calling_trainer(hops=96)
     if trainer is None:
         logger.warning("task sampling: no trainer was found reading the dataset, so the samplers learn from rewards "
                        "as they come but are neither saved with checkpoints nor logged; "

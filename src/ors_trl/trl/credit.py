@@ -1,18 +1,10 @@
-"""Per-turn credit (`OpenRewardSpec(credit="turn")`): each model turn trains on its own advantage, not the episode's.
-
-The tokens of turn t (the model's reply between two tool results) get `A(t) = (A_episode + A_turn(t)) / 2`:
-`A_episode` is TRL's advantage for the rollout (every reward function, `unscored_reward`, its scaling);
-`A_turn(t) = (R_t - b_t) / s`, `R_t` the turn's return (`Episode.turn_returns`: the reward rule over the per-call
-rewards from that turn's calls on), `b_t` the mean `R_t` of the group's rollouts that reached turn t, `s` the std of
-the group's `R_t - b_t` over all its turns (TRL's `scale_rewards`: "batch" over the batch's, "none" 1).
-
-Why: reward-to-go drops the noise of rewards a turn cannot cause; a baseline per turn index stays unbiased where
-returns shrink along the episode; the mean with the episode's advantage keeps what TRL's holds beyond per-call rewards
-and GRPO's scale (as GiGPO). A rollout without turn returns keeps TRL's advantage; tool-result tokens get 0.
-
-Turns are the runs of generated tokens (`completion_mask * tool_mask` = 1) matched in order to `Episode.turns`;
-applied behind the TRL seam (`backend.hook_scoring`) on the batch of GRPOTrainer's generate-and-score step, whose
-loss takes advantages of shape (B, T) as well as (B,).
+"""Per-turn credit (`OpenRewardSpec(credit="turn")`; why: docs/guides/long-horizons.md): the tokens of model turn t
+train on `(A_episode + A_turn(t)) / 2`, TRL's advantage for the rollout and `A_turn(t) = (R_t - b_t) / s`: `R_t` the
+turn's return (`Episode.turn_returns`), `b_t` the mean `R_t` of the group's rollouts that reached turn t, `s` the std
+of the group's `R_t - b_t` over its turns (TRL's `scale_rewards`: "batch" over the batch's, "none" 1). A rollout
+without turn returns keeps TRL's advantage; tool-result tokens get 0. Turns are the runs of generated tokens
+(`completion_mask * tool_mask` = 1) matched in order to `Episode.turns`, applied behind the TRL seam
+(`backend.patch_grpo`) on GRPOTrainer's generate-and-score batch, whose loss takes advantages of shape (B, T).
 """
 
 from __future__ import annotations
@@ -34,7 +26,7 @@ _NEEDS = ("credit='turn' needs GRPOTrainer (or a subclass that keeps its generat
 
 def install() -> None:
     """Make GRPOTrainer apply per-turn credit to the batches whose environments ask for it (idempotent)."""
-    _trl.hook_scoring(apply)
+    _trl.patch_grpo(apply)
 
 
 def require(runtimes: Sequence[EnvironmentRuntime]) -> None:
@@ -90,7 +82,7 @@ def group_turn_advantages(returns: Sequence[list[float] | None], group: int, sca
 
 
 def apply(trainer: Any, batch: dict[str, Any]) -> None:
-    """The `hook_scoring` hook: turn `batch["advantages"]` (B,) into per-token advantages (B, T) where an episode of
+    """The `patch_grpo` hook: turn `batch["advantages"]` (B,) into per-token advantages (B, T) where an episode of
     the batch asks `credit="turn"`; a batch that asks none is left as TRL made it."""
     backend = _trl.Backend.of(trainer)
     episodes = backend.batch_episodes

@@ -19,7 +19,7 @@ from ..core.rollout import Batcher, Conversation, StopEpisode, play, play_task
 from ..protocol.budget import get_max_sessions
 from ..protocol.errors import ConfigurationError
 from ..protocol.loop import get_loop
-from .backend import Backend, install_image_handoff, require_engine, rules
+from .backend import Backend, patch_grpo, require_engine, rules
 from .credit import install as install_credit
 from .tokens import TokenGenerator, Tokens, fidelity
 
@@ -108,7 +108,7 @@ class RolloutEngine:
         self.info: dict[str, Any] = {}
         self.last_episodes: list[Episode] = []
         self.generation_calls: list[int] = []  # prompts per generation call (this process), for inspection
-        install_image_handoff()
+        patch_grpo()
         if any(rt.credit == "turn" for rt in self.environments.values()):
             install_credit()
 
@@ -123,16 +123,41 @@ class RolloutEngine:
         for rt in self.environments.values():
             attach_session_cleanup(trainer, rt)
         generator = _TrainerGenerator(backend, Batcher(self.gather_window, barrier=self.turn_barrier))
-        rollouts = [self._rollout(p, backend) for p in prompts]
+        turn_rules = rules(trainer)
+        rollouts = [episode_for(self.environments, p, turn_rules, self.source, **self.info) for p in prompts]
         episodes = [ep for ep, _ in rollouts]  # each rollout's last attempt once played (a replay replaces it)
         conversations: list[Conversation | None] = [None] * len(rollouts)
         groups: dict[tuple[int, str], list[int]] = {}  # GRPO groups to score: the rollouts of one task
         for i, ep in enumerate(episodes):
             if ep.env.score_groups:
                 groups.setdefault((id(ep.env), ep.task.key), []).append(i)
+
+        async def play_wave(wave: list[int]) -> None:
+            """Play a wave's rollouts (`episode_retries`), score its complete GRPO groups while their sessions are
+            open, close its sessions, also on errors (the first error, in wave order, raised once all have ended)."""
+            attempts: dict[int, list[Episode]] = {i: [] for i in wave}
+
+            async def one(i: int) -> None:
+                episodes[i], conversations[i] = await play_task(
+                    rollouts[i][0], generator, attempts=attempts[i], player=self.player, base=rollouts[i][1],
+                    timeout=rollouts[i][0].env.episode_timeout)
+                episodes[i].tokens = fidelity(conversations[i])
+
+            try:
+                errors = [p for p in await asyncio.gather(*map(one, wave), return_exceptions=True)
+                          if isinstance(p, BaseException)]
+                if errors:
+                    raise errors[0]
+                complete = [key for key, group in groups.items() if all(conversations[i] is not None for i in group)]
+                await score_groups([episodes[i] for key in complete for i in groups.pop(key)])
+            finally:
+                for i in wave:
+                    episodes[i] = attempts[i][-1] if attempts[i] else episodes[i]
+                await _close_sessions([episodes[i] for i in wave])
+
         try:
             for wave in self._waves(list(range(len(rollouts)))):
-                future = get_loop().submit(_wave(wave, rollouts, generator, episodes, conversations, groups, self.player))
+                future = get_loop().submit(play_wave(wave))
                 future.add_done_callback(lambda _: generator.batcher.wake())
                 try:
                     self._pump(generator, future)
@@ -160,9 +185,6 @@ class RolloutEngine:
             "ors_env": [ep.env.key for ep in episodes],
         }
 
-    def _rollout(self, prompt: Any, backend: Backend) -> tuple[Episode, list[dict[str, Any]]]:
-        return episode_for(self.environments, prompt, rules(backend.trainer), self.source, **self.info)
-
     def _waves(self, rollouts: list[Any]) -> list[list[Any]]:
         """Split the batch so that no wave opens more sessions than a cap allows (alike on every process)."""
         caps = [rt.client.max_sessions for rt in self.environments.values()] + [get_max_sessions()]
@@ -175,7 +197,7 @@ class RolloutEngine:
         batcher, backend = generator.batcher, generator.backend
         while True:
             batch = batcher.take(stop=wave.done)
-            if not (backend.anyone(bool(batch)) if backend.processes > 1 else batch):
+            if not backend.most(len(batch)):
                 return
             self.generation_calls.append(len(batch))
             generator._answer(batch)
@@ -193,32 +215,6 @@ class RolloutEngine:
         tokens = Tokens(generator._prompt_ids(messages, tools), [], len(messages))
         tokens.add([generator.rendering.tokenizer.eos_token_id], [0.0])
         return tokens
-
-
-async def _wave(wave: list[int], rollouts: list[tuple[Episode, Any]], generator: _TrainerGenerator,
-                episodes: list[Episode], conversations: list[Conversation | None],
-                groups: dict[tuple[int, str], list[int]], player: Any = play) -> None:
-    """Play a wave's rollouts (`episode_retries`), score its complete GRPO groups while their sessions are open, close
-    its sessions, also on errors (the first error, in wave order, raised once all have ended)."""
-    attempts: dict[int, list[Episode]] = {i: [] for i in wave}
-
-    async def one(i: int) -> None:
-        episodes[i], conversations[i] = await play_task(rollouts[i][0], generator, attempts=attempts[i],
-                                                        player=player, base=rollouts[i][1],
-                                                        timeout=rollouts[i][0].env.episode_timeout)
-        episodes[i].tokens = fidelity(conversations[i])
-
-    try:
-        played = await asyncio.gather(*(one(i) for i in wave), return_exceptions=True)
-        errors = [p for p in played if isinstance(p, BaseException)]
-        if errors:
-            raise errors[0]
-        complete = [key for key, group in groups.items() if all(conversations[i] is not None for i in group)]
-        await score_groups([episodes[i] for key in complete for i in groups.pop(key)])
-    finally:
-        for i in wave:
-            episodes[i] = attempts[i][-1] if attempts[i] else episodes[i]
-        await _close_sessions([episodes[i] for i in wave])
 
 
 async def _close_sessions(episodes: list[Episode]) -> None:

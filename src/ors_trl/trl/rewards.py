@@ -118,7 +118,7 @@ def reward_function(func: Callable[..., list[float | None]], unscored_reward: fl
     """`func` itself, or bound to an `unscored_reward` (a picklable partial that keeps `func`'s name for TRL)."""
     if unscored_reward is None:
         for name in _TRL_LOGGERS:  # TRL may now warn of rollouts nothing scored: we say it once, and what to do
-            logging.getLogger(name).addFilter(_UNSCORED)  # once: a logger keeps a filter only once
+            logging.getLogger(name).addFilter(_unscored)  # once: a logger keeps a filter only once
         return func
     bound = functools.partial(func, unscored_reward=unscored_reward)
     functools.update_wrapper(bound, func)
@@ -130,21 +130,16 @@ def reward_function(func: Callable[..., list[float | None]], unscored_reward: fl
 _TRL_LOGGERS = ("trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer")
 
 
-class _UnscoredNotice(logging.Filter):
+@functools.cache
+def _say_unscored() -> None:
+    logger.warning("ors-trl: a rollout got no reward from the environment (no tool call, or cut off before the final "
+                   "answer), so TRL trains nothing on it (advantage 0); pass unscored_reward=0.0 to OpenRewardSpec / "
+                   "OpenRewardMix to score such rollouts 0.0 instead (said once; TRL's warning for each is silenced)")
+
+
+def _unscored(record: logging.LogRecord) -> bool:
     """TRL's warning of an unscored rollout, as one line of ours, once per process, pointing at `unscored_reward=`."""
-
-    said = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if "All reward functions returned None" not in str(record.msg)[:80]:  # after accelerate's "[RANK 0] "
-            return True
-        if not self.said:
-            type(self).said = True
-            logger.warning("ors-trl: a rollout got no reward from the environment (no tool call, or cut off before the "
-                           "final answer), so TRL trains nothing on it (advantage 0); pass unscored_reward=0.0 to "
-                           "OpenRewardSpec / OpenRewardMix to score such rollouts 0.0 instead (said once; TRL's warning "
-                           "for each is silenced)")
-        return False
-
-
-_UNSCORED = _UnscoredNotice()
+    if "All reward functions returned None" not in str(record.msg)[:80]:  # after accelerate's "[RANK 0] "
+        return True
+    _say_unscored()
+    return False

@@ -9,6 +9,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.conversation import images_of
@@ -22,19 +23,20 @@ __all__ = ["TokenGenerator", "Tokens", "fidelity"]
 logger = logging.getLogger("ors_trl")
 
 
+@dataclass(slots=True, eq=False)
 class Tokens:
     """One rollout's ids: `prompt_ids`, `completion_ids` with their `mask` (1: generated, 0: tool result) and `logprobs`
     (None once a generation gave none), `images`, `shown` (messages in the ids); `earlier`, `masked`: tokens earlier
     renders generated and how many of them a later render changed (see `fidelity`)."""
 
-    __slots__ = ("completion_ids", "earlier", "images", "logprobs", "mask", "masked", "prompt_ids", "shown")
-
-    def __init__(self, prompt_ids: list[int], images: list[Any], shown: int) -> None:
-        self.prompt_ids, self.images, self.shown = prompt_ids, images, shown
-        self.earlier = self.masked = 0
-        self.completion_ids: list[int] = []
-        self.mask: list[int] = []
-        self.logprobs: list[float] | None = []
+    prompt_ids: list[int]
+    images: list[Any]
+    shown: int
+    earlier: int = 0
+    masked: int = 0
+    completion_ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = field(default_factory=list)
 
     @property
     def ids(self) -> list[int]:
@@ -181,12 +183,11 @@ class TokenGenerator:
     def _render(self, key: list[Any], render: Any) -> list[int]:
         """Tokens from `render()`, computed once for equal inputs (tokenizing dominates the pump)."""
         text = json.dumps(key, sort_keys=True, default=repr)
-        if text in self._renders:
-            self._renders.move_to_end(text)
-        else:
+        if text not in self._renders:
             self._renders[text] = render()
-            while len(self._renders) > self.max_renders:
-                self._renders.popitem(last=False)
+        self._renders.move_to_end(text)
+        while len(self._renders) > self.max_renders:
+            self._renders.popitem(last=False)
         return list(self._renders[text])
 
     def _generate_ids(self, tokens: list[Tokens]) -> list[tuple[list[int], list[float] | None]]:
