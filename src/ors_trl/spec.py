@@ -512,7 +512,7 @@ class OpenRewardSpec:
         name = f"OpenRewardEnvironment_{_slug(self.name)}"
         cls = _AdapterClass(name, (OpenRewardEnvironment,), {"_runtime": self._runtime, "_spec": self,
                                                               "__module__": __name__})
-        if self._runtime.credit == "turn":
+        if self._runtime.options["credit"] == "turn":
             install_credit()
         return toolset.install(cls)
 

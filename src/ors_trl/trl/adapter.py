@@ -113,7 +113,7 @@ class OpenRewardEnvironment:
                     env._preopen(batch_row.get("task_index"), batch_row.get("task_spec"), trainer)
         self._end()
         self._context_cut = None
-        task = Task.from_row(rt.split, task_index, task_spec)
+        task = Task.from_row(rt.options["split"], task_index, task_spec)
         pre, self._preopened = self._preopened, None
         if pre is None or pre[0] != task:
             if pre is not None:
@@ -122,7 +122,7 @@ class OpenRewardEnvironment:
             pre, self._preopened = self._preopened, None
         _, ep, opened = pre
         self._episode = ep
-        cached = rt.prompt_cache.get(task.key) if rt.cache_prompts else None
+        cached = rt.prompt_cache.get(task.key) if rt.options["cache_prompts"] else None
         if cached is not None:
             rt.cached_resets += 1
         elif not opened.result():
@@ -137,7 +137,7 @@ class OpenRewardEnvironment:
     def _preopen(self, task_index: Any, task_spec: Any, trainer: Any) -> None:
         """Start opening the session of a row's task (the batch's first reset does this for every adapter)."""
         rt = self._runtime
-        task = Task.from_row(rt.split, task_index, task_spec)
+        task = Task.from_row(rt.options["split"], task_index, task_spec)
         ep = rt.episode(task, source=_source(trainer), rules=_trl.rules(trainer))
         self._preopened = (task, ep, rt.submit(ep.open()))
 
@@ -187,7 +187,7 @@ class OpenRewardEnvironment:
         ep = self._current()
         call = ToolCall(name, arguments)
         ep.made_before(_trl.calls_before(self))
-        if not self._ahead and self._runtime.batch_tool_calls:
+        if not self._ahead and self._runtime.options["batch_tool_calls"]:
             self._start_turn(call)
         if self._ahead:
             head = self._ahead[0]
