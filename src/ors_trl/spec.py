@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import random
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -49,7 +50,7 @@ from .tasks.difficulty import (
     platform_known,
     select_by_difficulty,
 )
-from .tasks.sampling import Curriculum, TaskSampler, make_sampler
+from .tasks.sampling import Curriculum, TaskSampler, UniformSampler, make_sampler, uniform_draws
 from .tasks.selection import check_in_range, check_selection, fetch_tasks, log_notes, select, task_columns
 from .trl import backend as _trl
 from .trl.adapter import RESERVED as ADAPTER_NAMES
@@ -72,6 +73,8 @@ PROBE_CONCURRENCY = 4
 #: Episode logs are bounded: long texts are cut, and the file stops growing at this size.
 EPISODE_LOG_MAX_BYTES = 256 * 1024 * 1024
 EPISODE_LOG_MAX_TEXT = 8_000
+#: The column TRL routes rows by in multi-environment mode.
+ENVIRONMENT_COLUMN = "environment"
 
 
 def _slug(text: str) -> str:
@@ -97,12 +100,61 @@ def _writer(path: str | None) -> RecordWriter | None:
     return None if path is None else RecordWriter(path, max_bytes=EPISODE_LOG_MAX_BYTES, max_text=EPISODE_LOG_MAX_TEXT)
 
 
-def _add_columns(rows: dict[str, list[Any]], tasks: Sequence[Any], name: str) -> list[str]:
-    """Add the tasks' fields to `rows` as columns (`task_columns`); what that changed is logged once, and returned."""
-    columns, notes = task_columns(tasks)
-    log_notes(notes, name)
-    rows.update(columns)
-    return notes
+def mixture_counts(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
+    """Rows per environment so that their shares follow `weights`, keeping the total at `sum(sizes)` (largest-remainder
+    rounding; every environment with a positive weight keeps at least one row)."""
+    total = sum(sizes)
+    wsum = sum(weights)
+    raw = [total * w / wsum for w in weights]
+    counts = [int(r) for r in raw]
+    for i in sorted(range(len(raw)), key=lambda i: raw[i] - counts[i], reverse=True)[: total - sum(counts)]:
+        counts[i] += 1
+    return [max(c, 1) if w > 0 else 0 for c, w in zip(counts, weights, strict=True)]
+
+
+def _train_dataset(specs: Mapping[str | None, OpenRewardSpec], label: str, weights: list[float] | None = None,
+                   seed: int = 0) -> tuple[Dataset | IterableDataset, list[str]]:
+    """A spec's (`{None: spec}`: its tasks in order) or a mix's `train_dataset` (TRL's routing column, rows in the
+    weights' proportions, seeded), and what the tasks' fields as columns changed (`task_columns`, logged once); with
+    a spec's `task_sampling`, an endless stream drawing each row's environment by weight, then its task."""
+    Dataset = extra_module("datasets", f"{'spec' if None in specs else 'mix'}.train_dataset").Dataset
+
+    async def fetch_all() -> list[tuple[list[int], list[Any]]]:
+        return list(await asyncio.gather(*(spec.select_tasks() for spec in specs.values())))
+
+    fetched = get_loop().run(fetch_all())
+    sampled = any(spec.curriculum is not None for spec in specs.values())
+    picks: list[Sequence[int]] = [range(len(indices)) for indices, _ in fetched]
+    if not sampled and None not in specs:
+        counts = [len(p) for p in picks] if weights is None else mixture_counts([len(p) for p in picks], weights)
+        rng = random.Random(seed)
+        picks = [uniform_draws(p, count, rng) if p else [] for p, count in zip(picks, counts, strict=True)]
+    rows: dict[str, list[Any]] = {"prompt": [], "task_index": [], ENVIRONMENT_COLUMN: []}
+    tasks: list[Any] = []
+    for (name, spec), (indices, spec_tasks), chosen in zip(specs.items(), fetched, picks, strict=True):
+        part = spec.dataset_rows([indices[p] for p in chosen], env=name)
+        rows["prompt"] += part["prompt"]
+        rows["task_index"] += part["task_index"]
+        rows[ENVIRONMENT_COLUMN] += [name] * len(chosen)
+        tasks += [spec_tasks[p] for p in chosen]
+    envs = rows.pop(ENVIRONMENT_COLUMN) if None in specs else rows[ENVIRONMENT_COLUMN]
+    columns, notes = task_columns(tasks)  # the routing column is reserved too
+    log_notes(notes, label)
+    dataset = Dataset.from_dict(rows | columns)
+    if not sampled:
+        return dataset, notes
+    from .tasks.stream import sampled_stream
+    from .trl.callbacks import attach_task_sampling
+
+    for spec in specs.values():
+        if spec.curriculum is None:  # a mix's uniform specs: seeded passes
+            spec.curriculum = Curriculum(UniformSampler(seed=seed), spec.runtime)
+    where = {(name, i): row for row, (name, i) in enumerate(zip(envs, rows["task_index"], strict=True))}
+    chosen = {name: indices for name, (indices, _) in zip(specs, fetched, strict=True) if indices or name is None}
+    if weights is not None:
+        weights = [w for name, w in zip(specs, weights, strict=True) if name in chosen]
+    return sampled_stream(dataset, where, {name: specs[name] for name in chosen}, chosen, weights=weights, seed=seed,
+                          on_bind=attach_task_sampling), notes
 
 
 class _AdapterClass(type):
@@ -393,19 +445,8 @@ class OpenRewardSpec:
         """The selected tasks as TRL's `train_dataset` (built on first access): a `datasets.Dataset`, one row per task,
         or with `task_sampling` an endless `datasets.IterableDataset`. Columns: `prompt` (an empty user message TRL
         appends the environment's prompt to), `task_index`, and with `include_metadata` every task field."""
-        Dataset = extra_module("datasets", "spec.train_dataset").Dataset
-
-        indices, tasks = self.run(self.select_tasks())
-        rows = self.dataset_rows(indices)
-        self.dataset_notes = _add_columns(rows, tasks, self.name)  # without include_metadata, tasks are `{}`
-        dataset = Dataset.from_dict(rows)
-        if self.curriculum is None:
-            return dataset
-        from .tasks.stream import sampled_stream
-        from .trl.callbacks import attach_task_sampling
-
-        return sampled_stream(dataset, {(None, i): row for row, i in enumerate(indices)}, {None: self},
-                              {None: indices}, on_bind=attach_task_sampling)
+        dataset, self.dataset_notes = _train_dataset({None: self}, self.name)
+        return dataset
 
     async def _discover(self) -> tuple[list[ToolSpec], TerminalTool | None, bool, tuple[str, ...] | None]:
         """Shared tools plus the task-specific ones of the probe tasks, and what the server supports."""
