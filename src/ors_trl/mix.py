@@ -20,10 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from .core.metrics import EnvMetrics
 from .protocol.errors import ConfigurationError, checked_keywords
-from .spec import OpenRewardSpec, _check, _train_dataset, _writer
-from .trl import backend as _trl
-from .trl.engine import RolloutEngine
-from .trl.rewards import group_reward, outcome_reward, reward_function
+from .spec import OpenRewardSpec, _check, _train_dataset, _TrainerInputs, _writer
+from .trl.rewards import group_reward
 
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
@@ -36,7 +34,7 @@ def _key(name: str) -> str:
     return re.sub(r"[^0-9A-Za-z_.-]+", "_", name).strip("_") or "env"
 
 
-class OpenRewardMix:
+class OpenRewardMix(_TrainerInputs):
     """Combine several `OpenRewardSpec`s into one set of `GRPOTrainer` inputs.
 
     Args:
@@ -56,6 +54,10 @@ class OpenRewardMix:
 
     The specs' `success_threshold`s must agree: the mix's metrics count successes with it.
     """
+
+    _what = "mix"
+    _parts = property(lambda self: self.specs)
+    _unscored_reward = property(lambda self: self.unscored_reward)
 
     @checked_keywords
     def __init__(self, specs: Sequence[OpenRewardSpec] | Mapping[str, OpenRewardSpec], *,
@@ -132,11 +134,6 @@ class OpenRewardMix:
         return {name: spec.environment_factory for name, spec in self.specs.items()}
 
     @property
-    def reward_funcs(self) -> Callable[..., list[float | None]]:
-        """Each rollout's own environment's outcome reward (picklable)."""
-        return reward_function(outcome_reward, self.unscored_reward)
-
-    @property
     def group_reward_func(self) -> Callable[..., list[float | None]]:
         """Each rollout's comparative reward in its GRPO group, from its own environment's `/score_group` (a spec to
         be group-scored needs `score_groups=True`)."""
@@ -146,32 +143,6 @@ class OpenRewardMix:
         for spec in scored:
             _ = spec.group_reward_func  # fails clearly for an environment that cannot
         return group_reward
-
-    @cached_property
-    def rollout_func(self) -> RolloutEngine:
-        """The rollout engine over every environment of the mix (instead of `environment_factory`), each with its
-        spec's `episode_timeout`; one gather window: the mix's, else the specs' (which must agree)."""
-        _trl.require_engine("mix.rollout_func")
-        for spec in self.specs.values():
-            _ = spec.tool_specs
-        window = self.gather_window
-        if window is None:
-            windows = {spec.gather_window for spec in self.specs.values()}
-            if len(windows) > 1:
-                raise ConfigurationError(f"the specs of this mix ask for different gather windows ({sorted(windows, key=str)}); "
-                                         "pass OpenRewardMix(..., gather_window=...) to choose one")
-            window = windows.pop()
-        return RolloutEngine({name: spec.runtime for name, spec in self.specs.items()}, gather_window=window)
-
-    @cached_property
-    def callbacks(self) -> list[Any]:
-        """Trainer callbacks: release sessions after each step and close them all at the end of training, and (when a
-        spec samples tasks) update, log and checkpoint the samplers."""
-        from .trl.callbacks import SessionCleanupCallback, stream_callbacks
-
-        sampled = any(spec.curriculum is not None for spec in self.specs.values())
-        return [SessionCleanupCallback([spec.runtime for spec in self.specs.values()]),
-                *(stream_callbacks(self.train_dataset) if sampled else [])]
 
     def evaluate(self, policy: Any, options: EvalOptions | None = None, **kwargs: Any) -> MixEvalReport:
         """Evaluate `policy` on each environment of the mix in turn, through its spec's `evaluate`; `output` is one
@@ -193,8 +164,3 @@ class OpenRewardMix:
                                        overwrite=opts.overwrite and i == 0, _others=list(self.specs))
                    for i, (name, spec) in enumerate(self.specs.items())}
         return MixEvalReport.of(reports, dict(zip(self.specs, self.weights, strict=True)) if self.weights else None)
-
-    def close(self) -> None:
-        """Close every session of every environment."""
-        for spec in self.specs.values():
-            spec.close()

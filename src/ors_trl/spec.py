@@ -188,7 +188,57 @@ def _restore(options: dict[str, Any], tools: tuple[Any, ...] | None,
         return spec
 
 
-class OpenRewardSpec:
+class _TrainerInputs:
+    """What a spec and a mix give `GRPOTrainer` alike, over `_parts` (`{name: spec}`; a lone spec: `{None: spec}`)."""
+
+    _what = "spec"  # names the feature in errors
+    _parts: Mapping[str | None, OpenRewardSpec]
+    _unscored_reward: float | None
+    gather_window: float | None
+    train_dataset: Any
+
+    @cached_property
+    def rollout_func(self) -> RolloutEngine:
+        """The rollout engine for `GRPOTrainer(rollout_func=...)`, instead of `environment_factory`: a batch's episodes
+        run on their own, sessions and tool calls overlap, each with its spec's `episode_timeout`. One gather window:
+        a mix's, else the specs' (which must agree). A `UsageError` on a TRL version it is not verified on."""
+        _trl.require_engine(f"{self._what}.rollout_func")
+        for spec in self._parts.values():
+            _ = spec.tool_specs
+        windows = {spec.gather_window for spec in self._parts.values()}
+        if self.gather_window is None and len(windows) > 1:
+            raise ConfigurationError(f"the specs of this mix ask for different gather windows "
+                                     f"({sorted(windows, key=str)}); pass OpenRewardMix(..., gather_window=...) to "
+                                     "choose one")
+        window = windows.pop() if self.gather_window is None else self.gather_window
+        return RolloutEngine({name: spec.runtime for name, spec in self._parts.items()}, gather_window=window)
+
+    @property
+    def reward_funcs(self) -> Callable[..., list[float | None]]:
+        """The outcome reward function (picklable): each rollout's own environment's last non-None reward."""
+        return reward_function(outcome_reward, self._unscored_reward)
+
+    @cached_property
+    def callbacks(self) -> list[Any]:
+        """Trainer callbacks for `GRPOTrainer(callbacks=...)`: close sessions after each step and at the end, and
+        (with a spec's `task_sampling`) update, log and checkpoint the task samplers.
+
+        Optional with `GRPOTrainer`: it gets them automatically the first time it reads the dataset, resets an
+        adapter or runs the engine. `AsyncGRPOTrainer` needs them for task sampling's checkpoints and metrics.
+        """
+        from .trl.callbacks import SessionCleanupCallback, stream_callbacks
+
+        sampled = any(spec.curriculum is not None for spec in self._parts.values())
+        return [SessionCleanupCallback([spec.runtime for spec in self._parts.values()]),
+                *(stream_callbacks(self.train_dataset) if sampled else [])]
+
+    def close(self) -> None:
+        """Close every session opened (by each spec of a mix) and wait until the server has them deleted."""
+        for spec in self._parts.values():
+            spec.runtime.close_all()
+
+
+class OpenRewardSpec(_TrainerInputs):
     """Wire an ORS environment into `GRPOTrainer`: `train_dataset`, `environment_factory`, `reward_funcs`.
 
     Args:
@@ -394,6 +444,7 @@ class OpenRewardSpec:
                             doc="True when the spec was asked for group scores (`score_groups=True`).")
     gather_window = property(lambda self: self._options["gather_window"],
                              doc="The engine's gather window this spec asks for (None: automatic).")
+    _parts = property(lambda self: {None: self})
 
     def run(self, coro: Any) -> Any:
         """Run a coroutine using this spec's client on the background loop and return its result.
@@ -557,19 +608,6 @@ class OpenRewardSpec:
             install_credit()
         return toolset.install(cls)
 
-    @cached_property
-    def rollout_func(self) -> RolloutEngine:
-        """The rollout engine for `GRPOTrainer(rollout_func=...)`, instead of `environment_factory`: a batch's episodes
-        run on their own, sessions and tool calls overlap. A `UsageError` on a TRL version it is not verified on."""
-        _trl.require_engine()
-        _ = self._tools
-        return RolloutEngine({None: self._runtime}, gather_window=self._options["gather_window"])
-
-    @property
-    def reward_funcs(self) -> Callable[..., list[float | None]]:
-        """The outcome reward function (picklable): last non-None reward per rollout."""
-        return reward_function(outcome_reward, self._unscored_reward)
-
     @property
     def group_reward_func(self) -> Callable[..., list[float | None]]:
         """The environment's comparative reward of each GRPO group (`/score_group`), for `reward_funcs=[...]`; needs
@@ -580,19 +618,6 @@ class OpenRewardSpec:
             raise ConfigurationError(f"{self.name} does not support group scoring (its /tools does not say "
                                      "supports_score_group: true); use spec.reward_funcs alone.")
         return group_reward
-
-    @cached_property
-    def callbacks(self) -> list[Any]:
-        """Trainer callbacks for `GRPOTrainer(callbacks=...)`: close sessions after each step and at the end, and
-        (with `task_sampling`) update, log and checkpoint the task sampler.
-
-        Optional with `GRPOTrainer`: it gets them automatically the first time it reads the dataset, resets an
-        adapter or runs the engine. `AsyncGRPOTrainer` needs them for task sampling's checkpoints and metrics.
-        """
-        from .trl.callbacks import SessionCleanupCallback, stream_callbacks
-
-        sampled = self.curriculum is not None
-        return [SessionCleanupCallback([self._runtime]), *(stream_callbacks(self.train_dataset) if sampled else [])]
 
     def eval_callback(self, tasks: int | Sequence[int] | None = None, *, split: str = "test", every: int = 50,
                       repeats: int = 1, at_start: bool = True) -> Any:
@@ -630,10 +655,6 @@ class OpenRewardSpec:
         rt.uploads = self._runtime.uploads
         indices, _ = held.run(held.select_tasks())
         return EvalCallback(held, held.dataset_rows(indices)["prompt"], every=every, repeats=repeats, at_start=at_start)
-
-    def close(self) -> None:
-        """Close every session this spec opened and wait until the server has them deleted."""
-        self._runtime.close_all()
 
     def evaluate(self, policy: Any, options: EvalOptions | None = None, *, _others: Sequence[str] = (),
                  **kwargs: Any) -> EvalReport:
