@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 from .core.metrics import EnvMetrics
 from .protocol.errors import ConfigurationError, checked_keywords
 from .spec import OpenRewardSpec, _check, _train_dataset, _TrainerInputs, _writer
-from .trl.rewards import group_reward
 
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
@@ -56,6 +55,7 @@ class OpenRewardMix(_TrainerInputs):
     """
 
     _what = "mix"
+    _unscored_groups = "group_reward_func needs score_groups=True on at least one spec of the mix"
     _parts = property(lambda self: self.specs)
     _unscored_reward = property(lambda self: self.unscored_reward)
 
@@ -132,17 +132,6 @@ class OpenRewardMix(_TrainerInputs):
     def environment_factory(self) -> dict[str, Callable[[], Any]]:
         """`{name: factory}`, the multi-environment form of TRL's `environment_factory`."""
         return {name: spec.environment_factory for name, spec in self.specs.items()}
-
-    @property
-    def group_reward_func(self) -> Callable[..., list[float | None]]:
-        """Each rollout's comparative reward in its GRPO group, from its own environment's `/score_group` (a spec to
-        be group-scored needs `score_groups=True`)."""
-        scored = [spec for spec in self.specs.values() if spec.score_groups]
-        if not scored:
-            raise ConfigurationError("group_reward_func needs score_groups=True on at least one spec of the mix")
-        for spec in scored:
-            _ = spec.group_reward_func  # fails clearly for an environment that cannot
-        return group_reward
 
     def evaluate(self, policy: Any, options: EvalOptions | None = None, **kwargs: Any) -> MixEvalReport:
         """Evaluate `policy` on each environment of the mix in turn, through its spec's `evaluate`; `output` is one

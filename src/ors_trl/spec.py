@@ -192,6 +192,7 @@ class _TrainerInputs:
     """What a spec and a mix give `GRPOTrainer` alike, over `_parts` (`{name: spec}`; a lone spec: `{None: spec}`)."""
 
     _what = "spec"  # names the feature in errors
+    _unscored_groups = "group_reward_func needs OpenRewardSpec(..., score_groups=True)"
     _parts: Mapping[str | None, OpenRewardSpec]
     _unscored_reward: float | None
     gather_window: float | None
@@ -217,6 +218,19 @@ class _TrainerInputs:
     def reward_funcs(self) -> Callable[..., list[float | None]]:
         """The outcome reward function (picklable): each rollout's own environment's last non-None reward."""
         return reward_function(outcome_reward, self._unscored_reward)
+
+    @property
+    def group_reward_func(self) -> Callable[..., list[float | None]]:
+        """Each rollout's comparative reward in its GRPO group from its own environment's `/score_group`, for
+        `reward_funcs=[...]`; needs `score_groups=True` (on a spec of a mix) and an environment that supports it."""
+        scored = [spec for spec in self._parts.values() if spec.score_groups]
+        if not scored:
+            raise ConfigurationError(self._unscored_groups)
+        for spec in scored:
+            if not spec._tools[2]:
+                raise ConfigurationError(f"{spec.name} does not support group scoring (its /tools does not say "
+                                         "supports_score_group: true); use spec.reward_funcs alone.")
+        return group_reward
 
     @cached_property
     def callbacks(self) -> list[Any]:
@@ -607,17 +621,6 @@ class OpenRewardSpec(_TrainerInputs):
         if self._runtime.options["credit"] == "turn":
             install_credit()
         return toolset.install(cls)
-
-    @property
-    def group_reward_func(self) -> Callable[..., list[float | None]]:
-        """The environment's comparative reward of each GRPO group (`/score_group`), for `reward_funcs=[...]`; needs
-        `score_groups=True` and an environment that supports group scoring."""
-        if not self._options["score_groups"]:
-            raise ConfigurationError("group_reward_func needs OpenRewardSpec(..., score_groups=True)")
-        if not self._tools[2]:
-            raise ConfigurationError(f"{self.name} does not support group scoring (its /tools does not say "
-                                     "supports_score_group: true); use spec.reward_funcs alone.")
-        return group_reward
 
     def eval_callback(self, tasks: int | Sequence[int] | None = None, *, split: str = "test", every: int = 50,
                       repeats: int = 1, at_start: bool = True) -> Any:
