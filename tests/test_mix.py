@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from ors_trl import ConfigurationError, OpenRewardMix, OpenRewardSpec
-from ors_trl.mix import mixture_counts
+from ors_trl.spec import mixture_counts
 from ors_trl.tasks.sampling import uniform_draws
 
 

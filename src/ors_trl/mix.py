@@ -13,21 +13,14 @@ with its own environment. Metrics are reported per environment (`env/<name>/...`
 
 from __future__ import annotations
 
-import asyncio
-import random
 import re
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from .core.metrics import EnvMetrics
-from .protocol.errors import ConfigurationError, checked_keywords, extra_module
-from .protocol.loop import get_loop
-from .spec import OpenRewardSpec, _add_columns, _check, _writer
-from .tasks.sampling import Curriculum, UniformSampler, uniform_draws
-from .trl import backend as _trl
-from .trl.engine import RolloutEngine
-from .trl.rewards import group_reward, outcome_reward, reward_function
+from .protocol.errors import ConfigurationError, checked_keywords
+from .spec import OpenRewardSpec, _check, _train_dataset, _TrainerInputs, _writer
 
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
@@ -36,27 +29,11 @@ if TYPE_CHECKING:
 
 __all__ = ["OpenRewardMix"]
 
-#: The column TRL routes rows by in multi-environment mode.
-ENVIRONMENT_COLUMN = "environment"
-
-
 def _key(name: str) -> str:
     return re.sub(r"[^0-9A-Za-z_.-]+", "_", name).strip("_") or "env"
 
 
-def mixture_counts(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
-    """Rows per environment so that their shares follow `weights`, keeping the total at `sum(sizes)` (largest-remainder
-    rounding; every environment with a positive weight keeps at least one row)."""
-    total = sum(sizes)
-    wsum = sum(weights)
-    raw = [total * w / wsum for w in weights]
-    counts = [int(r) for r in raw]
-    for i in sorted(range(len(raw)), key=lambda i: raw[i] - counts[i], reverse=True)[: total - sum(counts)]:
-        counts[i] += 1
-    return [max(c, 1) if w > 0 else 0 for c, w in zip(counts, weights, strict=True)]
-
-
-class OpenRewardMix:
+class OpenRewardMix(_TrainerInputs):
     """Combine several `OpenRewardSpec`s into one set of `GRPOTrainer` inputs.
 
     Args:
@@ -76,6 +53,11 @@ class OpenRewardMix:
 
     The specs' `success_threshold`s must agree: the mix's metrics count successes with it.
     """
+
+    _what = "mix"
+    _unscored_groups = "group_reward_func needs score_groups=True on at least one spec of the mix"
+    _parts = property(lambda self: self.specs)
+    _unscored_reward = property(lambda self: self.unscored_reward)
 
     @checked_keywords
     def __init__(self, specs: Sequence[OpenRewardSpec] | Mapping[str, OpenRewardSpec], *,
@@ -143,100 +125,13 @@ class OpenRewardMix:
         """Every environment's tasks with TRL's `environment` routing column, in the mixture's proportions; with a
         spec's `task_sampling`, an endless `datasets.IterableDataset` whose rows draw their environment by the
         weights, then their task by its sampler (seeded passes for the uniform specs)."""
-        Dataset = extra_module("datasets", "mix.train_dataset").Dataset
-
-        async def fetch_all() -> list[tuple[list[int], list[Any]]]:
-            return list(await asyncio.gather(*(spec.select_tasks() for spec in self.specs.values())))
-
-        fetched = get_loop().run(fetch_all())
-        if any(spec.curriculum is not None for spec in self.specs.values()):
-            return self._stream(fetched)
-        sizes = [len(indices) for indices, _ in fetched]
-        counts = sizes if self.weights is None else mixture_counts(sizes, self.weights)
-        rng = random.Random(self.seed)
-        picks = [uniform_draws(range(len(indices)), count, rng) if indices else []
-                 for (indices, _), count in zip(fetched, counts, strict=True)]
-        return Dataset.from_dict(self._rows(fetched, picks))
-
-    def _rows(self, fetched: list[tuple[list[int], list[Any]]], picks: Sequence[Sequence[int]]) -> dict[str, list[Any]]:
-        """The dataset's rows: each environment's picked tasks (positions in its selection), with TRL's routing column
-        and the tasks' fields (the routing column is reserved too)."""
-        rows: dict[str, list[Any]] = {"prompt": [], "task_index": [], ENVIRONMENT_COLUMN: []}
-        tasks: list[Any] = []
-        for (name, spec), (indices, spec_tasks), chosen in zip(self.specs.items(), fetched, picks, strict=True):
-            part = spec.dataset_rows([indices[p] for p in chosen], env=name)
-            rows["prompt"] += part["prompt"]
-            rows["task_index"] += part["task_index"]
-            rows[ENVIRONMENT_COLUMN] += [name] * len(chosen)
-            tasks += [spec_tasks[p] for p in chosen]
-        self.dataset_notes = _add_columns(rows, tasks, "mix")
-        return rows
-
-    def _stream(self, fetched: list[tuple[list[int], list[Any]]]) -> IterableDataset:
-        """The sampled form of `train_dataset`: one row per (environment, task), drawn as TRL reads them."""
-        from datasets import Dataset
-
-        from .tasks.stream import sampled_stream
-        from .trl.callbacks import attach_task_sampling
-
-        for spec in self.specs.values():
-            if spec.curriculum is None:
-                spec.curriculum = Curriculum(UniformSampler(seed=self.seed), spec.runtime)
-        rows = self._rows(fetched, [range(len(indices)) for indices, _ in fetched])
-        pairs = zip(rows[ENVIRONMENT_COLUMN], rows["task_index"], strict=True)
-        where = {(name, i): row for row, (name, i) in enumerate(pairs)}
-        chosen = {name: indices for name, (indices, _) in zip(self.specs, fetched, strict=True) if indices}
-        weights = None if self.weights is None else [w for name, w in zip(self.specs, self.weights, strict=True)
-                                                      if name in chosen]
-        return sampled_stream(Dataset.from_dict(rows), where, {name: self.specs[name] for name in chosen}, chosen,
-                              weights=weights, seed=self.seed, on_bind=attach_task_sampling)
+        dataset, self.dataset_notes = _train_dataset(self.specs, "mix", self.weights, self.seed)
+        return dataset
 
     @cached_property
     def environment_factory(self) -> dict[str, Callable[[], Any]]:
         """`{name: factory}`, the multi-environment form of TRL's `environment_factory`."""
         return {name: spec.environment_factory for name, spec in self.specs.items()}
-
-    @property
-    def reward_funcs(self) -> Callable[..., list[float | None]]:
-        """Each rollout's own environment's outcome reward (picklable)."""
-        return reward_function(outcome_reward, self.unscored_reward)
-
-    @property
-    def group_reward_func(self) -> Callable[..., list[float | None]]:
-        """Each rollout's comparative reward in its GRPO group, from its own environment's `/score_group` (a spec to
-        be group-scored needs `score_groups=True`)."""
-        scored = [spec for spec in self.specs.values() if spec.score_groups]
-        if not scored:
-            raise ConfigurationError("group_reward_func needs score_groups=True on at least one spec of the mix")
-        for spec in scored:
-            _ = spec.group_reward_func  # fails clearly for an environment that cannot
-        return group_reward
-
-    @cached_property
-    def rollout_func(self) -> RolloutEngine:
-        """The rollout engine over every environment of the mix (instead of `environment_factory`), each with its
-        spec's `episode_timeout`; one gather window: the mix's, else the specs' (which must agree)."""
-        _trl.require_engine("mix.rollout_func")
-        for spec in self.specs.values():
-            _ = spec.tool_specs
-        window = self.gather_window
-        if window is None:
-            windows = {spec.gather_window for spec in self.specs.values()}
-            if len(windows) > 1:
-                raise ConfigurationError(f"the specs of this mix ask for different gather windows ({sorted(windows, key=str)}); "
-                                         "pass OpenRewardMix(..., gather_window=...) to choose one")
-            window = windows.pop()
-        return RolloutEngine({name: spec.runtime for name, spec in self.specs.items()}, gather_window=window)
-
-    @cached_property
-    def callbacks(self) -> list[Any]:
-        """Trainer callbacks: release sessions after each step and close them all at the end of training, and (when a
-        spec samples tasks) update, log and checkpoint the samplers."""
-        from .trl.callbacks import SessionCleanupCallback, stream_callbacks
-
-        sampled = any(spec.curriculum is not None for spec in self.specs.values())
-        return [SessionCleanupCallback([spec.runtime for spec in self.specs.values()]),
-                *(stream_callbacks(self.train_dataset) if sampled else [])]
 
     def evaluate(self, policy: Any, options: EvalOptions | None = None, **kwargs: Any) -> MixEvalReport:
         """Evaluate `policy` on each environment of the mix in turn, through its spec's `evaluate`; `output` is one
@@ -258,8 +153,3 @@ class OpenRewardMix:
                                        overwrite=opts.overwrite and i == 0, _others=list(self.specs))
                    for i, (name, spec) in enumerate(self.specs.items())}
         return MixEvalReport.of(reports, dict(zip(self.specs, self.weights, strict=True)) if self.weights else None)
-
-    def close(self) -> None:
-        """Close every session of every environment."""
-        for spec in self.specs.values():
-            spec.close()

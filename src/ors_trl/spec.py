@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import random
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -49,7 +50,7 @@ from .tasks.difficulty import (
     platform_known,
     select_by_difficulty,
 )
-from .tasks.sampling import Curriculum, TaskSampler, make_sampler
+from .tasks.sampling import Curriculum, TaskSampler, UniformSampler, make_sampler, uniform_draws
 from .tasks.selection import check_in_range, check_selection, fetch_tasks, log_notes, select, task_columns
 from .trl import backend as _trl
 from .trl.adapter import RESERVED as ADAPTER_NAMES
@@ -72,6 +73,8 @@ PROBE_CONCURRENCY = 4
 #: Episode logs are bounded: long texts are cut, and the file stops growing at this size.
 EPISODE_LOG_MAX_BYTES = 256 * 1024 * 1024
 EPISODE_LOG_MAX_TEXT = 8_000
+#: The column TRL routes rows by in multi-environment mode.
+ENVIRONMENT_COLUMN = "environment"
 
 
 def _slug(text: str) -> str:
@@ -97,12 +100,61 @@ def _writer(path: str | None) -> RecordWriter | None:
     return None if path is None else RecordWriter(path, max_bytes=EPISODE_LOG_MAX_BYTES, max_text=EPISODE_LOG_MAX_TEXT)
 
 
-def _add_columns(rows: dict[str, list[Any]], tasks: Sequence[Any], name: str) -> list[str]:
-    """Add the tasks' fields to `rows` as columns (`task_columns`); what that changed is logged once, and returned."""
-    columns, notes = task_columns(tasks)
-    log_notes(notes, name)
-    rows.update(columns)
-    return notes
+def mixture_counts(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
+    """Rows per environment so that their shares follow `weights`, keeping the total at `sum(sizes)` (largest-remainder
+    rounding; every environment with a positive weight keeps at least one row)."""
+    total = sum(sizes)
+    wsum = sum(weights)
+    raw = [total * w / wsum for w in weights]
+    counts = [int(r) for r in raw]
+    for i in sorted(range(len(raw)), key=lambda i: raw[i] - counts[i], reverse=True)[: total - sum(counts)]:
+        counts[i] += 1
+    return [max(c, 1) if w > 0 else 0 for c, w in zip(counts, weights, strict=True)]
+
+
+def _train_dataset(specs: Mapping[str | None, OpenRewardSpec], label: str, weights: list[float] | None = None,
+                   seed: int = 0) -> tuple[Dataset | IterableDataset, list[str]]:
+    """A spec's (`{None: spec}`: its tasks in order) or a mix's `train_dataset` (TRL's routing column, rows in the
+    weights' proportions, seeded), and what the tasks' fields as columns changed (`task_columns`, logged once); with
+    a spec's `task_sampling`, an endless stream drawing each row's environment by weight, then its task."""
+    Dataset = extra_module("datasets", f"{'spec' if None in specs else 'mix'}.train_dataset").Dataset
+
+    async def fetch_all() -> list[tuple[list[int], list[Any]]]:
+        return list(await asyncio.gather(*(spec.select_tasks() for spec in specs.values())))
+
+    fetched = get_loop().run(fetch_all())
+    sampled = any(spec.curriculum is not None for spec in specs.values())
+    picks: list[Sequence[int]] = [range(len(indices)) for indices, _ in fetched]
+    if not sampled and None not in specs:
+        counts = [len(p) for p in picks] if weights is None else mixture_counts([len(p) for p in picks], weights)
+        rng = random.Random(seed)
+        picks = [uniform_draws(p, count, rng) if p else [] for p, count in zip(picks, counts, strict=True)]
+    rows: dict[str, list[Any]] = {"prompt": [], "task_index": [], ENVIRONMENT_COLUMN: []}
+    tasks: list[Any] = []
+    for (name, spec), (indices, spec_tasks), chosen in zip(specs.items(), fetched, picks, strict=True):
+        part = spec.dataset_rows([indices[p] for p in chosen], env=name)
+        rows["prompt"] += part["prompt"]
+        rows["task_index"] += part["task_index"]
+        rows[ENVIRONMENT_COLUMN] += [name] * len(chosen)
+        tasks += [spec_tasks[p] for p in chosen]
+    envs = rows.pop(ENVIRONMENT_COLUMN) if None in specs else rows[ENVIRONMENT_COLUMN]
+    columns, notes = task_columns(tasks)  # the routing column is reserved too
+    log_notes(notes, label)
+    dataset = Dataset.from_dict(rows | columns)
+    if not sampled:
+        return dataset, notes
+    from .tasks.stream import sampled_stream
+    from .trl.callbacks import attach_task_sampling
+
+    for spec in specs.values():
+        if spec.curriculum is None:  # a mix's uniform specs: seeded passes
+            spec.curriculum = Curriculum(UniformSampler(seed=seed), spec.runtime)
+    where = {(name, i): row for row, (name, i) in enumerate(zip(envs, rows["task_index"], strict=True))}
+    chosen = {name: indices for name, (indices, _) in zip(specs, fetched, strict=True) if indices or name is None}
+    if weights is not None:
+        weights = [w for name, w in zip(specs, weights, strict=True) if name in chosen]
+    return sampled_stream(dataset, where, {name: specs[name] for name in chosen}, chosen, weights=weights, seed=seed,
+                          on_bind=attach_task_sampling), notes
 
 
 class _AdapterClass(type):
@@ -136,7 +188,71 @@ def _restore(options: dict[str, Any], tools: tuple[Any, ...] | None,
         return spec
 
 
-class OpenRewardSpec:
+class _TrainerInputs:
+    """What a spec and a mix give `GRPOTrainer` alike, over `_parts` (`{name: spec}`; a lone spec: `{None: spec}`)."""
+
+    _what = "spec"  # names the feature in errors
+    _unscored_groups = "group_reward_func needs OpenRewardSpec(..., score_groups=True)"
+    _parts: Mapping[str | None, OpenRewardSpec]
+    _unscored_reward: float | None
+    gather_window: float | None
+    train_dataset: Any
+
+    @cached_property
+    def rollout_func(self) -> RolloutEngine:
+        """The rollout engine for `GRPOTrainer(rollout_func=...)`, instead of `environment_factory`: a batch's episodes
+        run on their own, sessions and tool calls overlap, each with its spec's `episode_timeout`. One gather window:
+        a mix's, else the specs' (which must agree). A `UsageError` on a TRL version it is not verified on."""
+        _trl.require_engine(f"{self._what}.rollout_func")
+        for spec in self._parts.values():
+            _ = spec.tool_specs
+        windows = {spec.gather_window for spec in self._parts.values()}
+        if self.gather_window is None and len(windows) > 1:
+            raise ConfigurationError(f"the specs of this mix ask for different gather windows "
+                                     f"({sorted(windows, key=str)}); pass OpenRewardMix(..., gather_window=...) to "
+                                     "choose one")
+        window = windows.pop() if self.gather_window is None else self.gather_window
+        return RolloutEngine({name: spec.runtime for name, spec in self._parts.items()}, gather_window=window)
+
+    @property
+    def reward_funcs(self) -> Callable[..., list[float | None]]:
+        """The outcome reward function (picklable): each rollout's own environment's last non-None reward."""
+        return reward_function(outcome_reward, self._unscored_reward)
+
+    @property
+    def group_reward_func(self) -> Callable[..., list[float | None]]:
+        """Each rollout's comparative reward in its GRPO group from its own environment's `/score_group`, for
+        `reward_funcs=[...]`; needs `score_groups=True` (on a spec of a mix) and an environment that supports it."""
+        scored = [spec for spec in self._parts.values() if spec.score_groups]
+        if not scored:
+            raise ConfigurationError(self._unscored_groups)
+        for spec in scored:
+            if not spec._tools[2]:
+                raise ConfigurationError(f"{spec.name} does not support group scoring (its /tools does not say "
+                                         "supports_score_group: true); use spec.reward_funcs alone.")
+        return group_reward
+
+    @cached_property
+    def callbacks(self) -> list[Any]:
+        """Trainer callbacks for `GRPOTrainer(callbacks=...)`: close sessions after each step and at the end, and
+        (with a spec's `task_sampling`) update, log and checkpoint the task samplers.
+
+        Optional with `GRPOTrainer`: it gets them automatically the first time it reads the dataset, resets an
+        adapter or runs the engine. `AsyncGRPOTrainer` needs them for task sampling's checkpoints and metrics.
+        """
+        from .trl.callbacks import SessionCleanupCallback, stream_callbacks
+
+        sampled = any(spec.curriculum is not None for spec in self._parts.values())
+        return [SessionCleanupCallback([spec.runtime for spec in self._parts.values()]),
+                *(stream_callbacks(self.train_dataset) if sampled else [])]
+
+    def close(self) -> None:
+        """Close every session opened (by each spec of a mix) and wait until the server has them deleted."""
+        for spec in self._parts.values():
+            spec.runtime.close_all()
+
+
+class OpenRewardSpec(_TrainerInputs):
     """Wire an ORS environment into `GRPOTrainer`: `train_dataset`, `environment_factory`, `reward_funcs`.
 
     Args:
@@ -342,6 +458,7 @@ class OpenRewardSpec:
                             doc="True when the spec was asked for group scores (`score_groups=True`).")
     gather_window = property(lambda self: self._options["gather_window"],
                              doc="The engine's gather window this spec asks for (None: automatic).")
+    _parts = property(lambda self: {None: self})
 
     def run(self, coro: Any) -> Any:
         """Run a coroutine using this spec's client on the background loop and return its result.
@@ -393,19 +510,8 @@ class OpenRewardSpec:
         """The selected tasks as TRL's `train_dataset` (built on first access): a `datasets.Dataset`, one row per task,
         or with `task_sampling` an endless `datasets.IterableDataset`. Columns: `prompt` (an empty user message TRL
         appends the environment's prompt to), `task_index`, and with `include_metadata` every task field."""
-        Dataset = extra_module("datasets", "spec.train_dataset").Dataset
-
-        indices, tasks = self.run(self.select_tasks())
-        rows = self.dataset_rows(indices)
-        self.dataset_notes = _add_columns(rows, tasks, self.name)  # without include_metadata, tasks are `{}`
-        dataset = Dataset.from_dict(rows)
-        if self.curriculum is None:
-            return dataset
-        from .tasks.stream import sampled_stream
-        from .trl.callbacks import attach_task_sampling
-
-        return sampled_stream(dataset, {(None, i): row for row, i in enumerate(indices)}, {None: self},
-                              {None: indices}, on_bind=attach_task_sampling)
+        dataset, self.dataset_notes = _train_dataset({None: self}, self.name)
+        return dataset
 
     async def _discover(self) -> tuple[list[ToolSpec], TerminalTool | None, bool, tuple[str, ...] | None]:
         """Shared tools plus the task-specific ones of the probe tasks, and what the server supports."""
@@ -512,46 +618,9 @@ class OpenRewardSpec:
         name = f"OpenRewardEnvironment_{_slug(self.name)}"
         cls = _AdapterClass(name, (OpenRewardEnvironment,), {"_runtime": self._runtime, "_spec": self,
                                                               "__module__": __name__})
-        if self._runtime.credit == "turn":
+        if self._runtime.options["credit"] == "turn":
             install_credit()
         return toolset.install(cls)
-
-    @cached_property
-    def rollout_func(self) -> RolloutEngine:
-        """The rollout engine for `GRPOTrainer(rollout_func=...)`, instead of `environment_factory`: a batch's episodes
-        run on their own, sessions and tool calls overlap. A `UsageError` on a TRL version it is not verified on."""
-        _trl.require_engine()
-        _ = self._tools
-        return RolloutEngine({None: self._runtime}, gather_window=self._options["gather_window"])
-
-    @property
-    def reward_funcs(self) -> Callable[..., list[float | None]]:
-        """The outcome reward function (picklable): last non-None reward per rollout."""
-        return reward_function(outcome_reward, self._unscored_reward)
-
-    @property
-    def group_reward_func(self) -> Callable[..., list[float | None]]:
-        """The environment's comparative reward of each GRPO group (`/score_group`), for `reward_funcs=[...]`; needs
-        `score_groups=True` and an environment that supports group scoring."""
-        if not self._options["score_groups"]:
-            raise ConfigurationError("group_reward_func needs OpenRewardSpec(..., score_groups=True)")
-        if not self._tools[2]:
-            raise ConfigurationError(f"{self.name} does not support group scoring (its /tools does not say "
-                                     "supports_score_group: true); use spec.reward_funcs alone.")
-        return group_reward
-
-    @cached_property
-    def callbacks(self) -> list[Any]:
-        """Trainer callbacks for `GRPOTrainer(callbacks=...)`: close sessions after each step and at the end, and
-        (with `task_sampling`) update, log and checkpoint the task sampler.
-
-        Optional with `GRPOTrainer`: it gets them automatically the first time it reads the dataset, resets an
-        adapter or runs the engine. `AsyncGRPOTrainer` needs them for task sampling's checkpoints and metrics.
-        """
-        from .trl.callbacks import SessionCleanupCallback, stream_callbacks
-
-        sampled = self.curriculum is not None
-        return [SessionCleanupCallback([self._runtime]), *(stream_callbacks(self.train_dataset) if sampled else [])]
 
     def eval_callback(self, tasks: int | Sequence[int] | None = None, *, split: str = "test", every: int = 50,
                       repeats: int = 1, at_start: bool = True) -> Any:
@@ -589,10 +658,6 @@ class OpenRewardSpec:
         rt.uploads = self._runtime.uploads
         indices, _ = held.run(held.select_tasks())
         return EvalCallback(held, held.dataset_rows(indices)["prompt"], every=every, repeats=repeats, at_start=at_start)
-
-    def close(self) -> None:
-        """Close every session this spec opened and wait until the server has them deleted."""
-        self._runtime.close_all()
 
     def evaluate(self, policy: Any, options: EvalOptions | None = None, *, _others: Sequence[str] = (),
                  **kwargs: Any) -> EvalReport:

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from types import EllipsisType
+from types import EllipsisType, MappingProxyType
 from typing import Any
 
 from ..protocol.client import AsyncClient, AsyncSession
@@ -230,23 +230,9 @@ class EnvironmentRuntime:
     def __init__(self, client: AsyncClient, name: str | None, options: Mapping[str, Any],
                  recorder: RecordWriter | None = None) -> None:
         self.client, self.recorder = client, recorder
+        self.options: Mapping[str, Any] = MappingProxyType(options)  # a read-only view of the spec's own
         self.rename(name, EnvMetrics(float(options["success_threshold"])), recorder)
-        self.split: str = options["split"]
-        self.max_output_chars: int | None = options["max_output_chars"]
-        self.cache_prompts: bool = options["cache_prompts"]
-        self.max_concurrent_tool_calls: int = options["max_concurrent_tool_calls"]
-        self.max_tool_calls: int | None = options["max_tool_calls"]
-        self.episode_timeout: float | None = options["episode_timeout"]
-        self.batch_tool_calls: bool = options["batch_tool_calls"]  # TRL's loop: start a turn's calls across the batch
-        self.score_groups: bool = options["score_groups"]  # keep finished sessions until the step ends
-        self.pass_images: bool = options["images"] == "pass"
-        self.reward_rule = reward_rule(options.get("reward"))  # how per-call rewards make the episode's reward
-        self.score_failures: bool = bool(options.get("score_failures"))  # keep scores from before a failure
-        #: Whose failure a tool that raised is: "model" (it reads the error) or "environment" (the episode ends).
-        self.tool_errors: str = options.get("tool_errors") or "model"
-        self.episode_retries: int = int(options.get("episode_retries") or 0)
-        self.failed_groups: str = options.get("failed_groups") or "partial"
-        self.credit: str = options.get("credit") or "episode"  # "turn": each turn trains on its own return
+        self.reward_rule = reward_rule(options["reward"])  # how per-call rewards make the episode's reward
         #: An image met a trainer that cannot take images inside TRL's loop: the reward functions raise it at step end.
         self.image_error: ConfigurationError | None = None
         self.uploads: Any = None  # a RolloutUploader sent every closed episode's record, opt-in
@@ -297,8 +283,8 @@ class EnvironmentRuntime:
     def episode(self, task: Task, *, source: str, rules: Rules, metrics: bool = True,
                 writer: RecordWriter | None = None, uploads: Any = None, **info: Any) -> Episode:
         """A new, unopened, tracked episode of `task`; `writer` and `uploads` (False: none) replace the runtime's."""
-        if self.max_tool_calls is not None and rules.max_tool_calls is None:
-            rules = dataclasses.replace(rules, max_tool_calls=self.max_tool_calls)
+        if self.options["max_tool_calls"] is not None and rules.max_tool_calls is None:
+            rules = dataclasses.replace(rules, max_tool_calls=self.options["max_tool_calls"])
         apart = source == MANUAL or not metrics  # counted in metrics of its own (see MANUAL), or nowhere
         return Episode(self, task, source=source, rules=rules, metrics=None if apart else self.metrics,
                        writer=writer if writer is not None else self.recorder,
@@ -315,14 +301,14 @@ class EnvironmentRuntime:
         """The running loop's bound on this environment's tool calls in flight."""
         loop = asyncio.get_running_loop()
         if loop not in self._gates:
-            self._gates[loop] = asyncio.Semaphore(max(1, self.max_concurrent_tool_calls))
+            self._gates[loop] = asyncio.Semaphore(max(1, self.options["max_concurrent_tool_calls"]))
         return self._gates[loop]
 
     async def read_prompt(self, session: AsyncSession) -> Prompt:
         """The session's prompt: `/messages` where the server has it (probed once), else `/prompt`."""
         if self.uses_messages is not False:
             try:
-                prompt = Prompt.from_messages(await session.messages(), images=self.pass_images)
+                prompt = Prompt.from_messages(await session.messages(), images=self.options["images"] == "pass")
             except NotFoundError:
                 if self.uses_messages:  # advertised, yet missing: say so once, then stop asking
                     logger.warning("%s: the server advertises /messages but has no such route; using /prompt",
@@ -331,7 +317,7 @@ class EnvironmentRuntime:
             else:
                 self.uses_messages = True
                 return prompt
-        return Prompt.from_blocks(await session.prompt(), images=self.pass_images)
+        return Prompt.from_blocks(await session.prompt(), images=self.options["images"] == "pass")
 
     def remember_prompt(self, key: str, prompt: Prompt) -> None:
         cached = self.prompt_cache.setdefault(key, prompt)
@@ -509,7 +495,7 @@ class Episode:
     def reward(self) -> float | None:
         """The environment's reward rule (`OpenRewardSpec(reward=)`) over the per-call rewards the model saw; `None`
         when nothing was scored, past the deadline, or after a failure (unless `score_failures`)."""
-        if self.end_reason == "timeout" or self.dropped or (self.broken and not self.env.score_failures):
+        if self.end_reason == "timeout" or self.dropped or (self.broken and not self.env.options["score_failures"]):
             return None
         if self._given is not ...:
             return self._given
@@ -553,7 +539,8 @@ class Episode:
 
     def _stopping(self) -> bool:
         """No call may be sent any more: the session is gone or never opened, or a failure voided the episode."""
-        return self._dead or self._open_error is not None or (self.failure is not None and not self.env.score_failures)
+        voided = self.failure is not None and not self.env.options["score_failures"]
+        return self._dead or self._open_error is not None or voided
 
     def unsee(self) -> None:
         """The results of the last reply's calls never reached the model: their rewards do not count."""
@@ -721,7 +708,7 @@ class Episode:
 
     def _shown(self, blocks: list[Block]) -> tuple[Content, str]:
         """What the model reads of a tool's output, each text cut to `max_output_chars`, and the text of it."""
-        limit, images = self.env.max_output_chars, self.env.pass_images
+        limit, images = self.env.options["max_output_chars"], self.env.options["images"] == "pass"
         text = cut(content(blocks, images=images, view=True), limit, "output")  # type: ignore[arg-type]
         text = text or "(no output)"
         shown = content(blocks, images=images)
@@ -776,7 +763,7 @@ class Episode:
                      output=self.rules.error_text(exc))
         if seconds is not None:
             entry["seconds"] = round(seconds, 4)
-        if not refused and (self.env.tool_errors == "environment" or not isinstance(exc, ToolError)):
+        if not refused and (self.env.options["tool_errors"] == "environment" or not isinstance(exc, ToolError)):
             self.failure = self.failure or exc
             self._dead = self._dead or isinstance(exc, SessionExpiredError | TransportError) or (
                 self.session is not None and (self.session.expired or self.session.closed))
@@ -803,7 +790,7 @@ class Episode:
             return
         if result.finished and not self.finished:
             self.finished = True
-            if not self.env.score_groups:  # every later call is refused anyway: free the session now
+            if not self.env.options["score_groups"]:  # every later call is refused anyway: free the session now
                 session = self.session
                 if session is not None and not session.closed:
                     self._freeing = asyncio.ensure_future(session.close())  # close() awaits the same close
@@ -888,7 +875,8 @@ class Episode:
             except ORSError as exc:
                 self.final["error"], kind = error_record(exc), exc.kind
             else:
-                self.final.update(output=cut(result.text, self.env.max_output_chars, "output"), reward=result.reward,
+                limit = self.env.options["max_output_chars"]
+                self.final.update(output=cut(result.text, limit, "output"), reward=result.reward,
                                   finished=result.finished, metadata=result.metadata)
                 self._scored(result)
             self.final["seconds"] = round(time.monotonic() - started, 4)
@@ -1046,7 +1034,7 @@ class Episode:
 def drop_failed_groups(episodes: Sequence[Episode]) -> None:
     """`failed_groups="drop"`: a GRPO group with an episode a failure voided trains none of its episodes (each is
     `dropped`), so a partial group does not bias the advantages; counted once."""
-    for group in _groups(ep for ep in episodes if ep.env.failed_groups == "drop"):
+    for group in _groups(ep for ep in episodes if ep.env.options["failed_groups"] == "drop"):
         if any(ep.broken for ep in group) and not group[0].dropped:
             for ep in group:
                 ep.dropped = True

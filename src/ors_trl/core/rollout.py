@@ -113,11 +113,11 @@ async def play_task(episode: Episode, generator: Any, *, attempts: list[Episode]
     or a harness's) with `options`."""
     attempts, player = [] if attempts is None else attempts, player or play
     attempts.append(episode)
-    for attempt in range(episode.env.episode_retries + 1):
+    for attempt in range(episode.env.options["episode_retries"] + 1):
         if attempt:
             logger.warning("%s: task %s failed (%s); replaying it on a fresh session (attempt %d of %d), its tools "
                            "run again", episode.env.name, episode.task.key, episode.retryable, attempt + 1,
-                           episode.env.episode_retries + 1)
+                           episode.env.options["episode_retries"] + 1)
             await episode.close(replaced=True)
             episode = episode.again()
             episode.info["replayed"] = attempt

@@ -169,7 +169,7 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, opts: EvalOptions, others
                                  "supports_score_group: true)")
     out_path = opts.path
     started = time.monotonic()
-    bg, client, split = get_loop(), runtime.client, runtime.split
+    bg, client, split = get_loop(), runtime.client, runtime.options["split"]
     environment = bg.run(client.environment())  # resolved: the runtime's name is the environment's from here
     selected = list(dict.fromkeys(select(bg.run(client.num_tasks(split)), split, opts.num_tasks, opts.indices,
                                          warn=False)))

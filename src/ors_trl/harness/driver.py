@@ -342,7 +342,7 @@ class _AsyncPlay:
         try:
             episode, conversation = await play_task(episode, _TurnGenerator(turn), attempts=attempts,
                                                     player=self.harness.play, base=base,
-                                                    timeout=episode.env.episode_timeout)
+                                                    timeout=episode.env.options["episode_timeout"])
             episode.tokens = fidelity(conversation)
         finally:
             await (attempts[-1] if attempts else episode).close()

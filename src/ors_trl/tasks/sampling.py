@@ -4,14 +4,13 @@ feeds one environment's sampler its episodes' rewards, a group per task (`Adapti
 
 from __future__ import annotations
 
-import atexit
+import functools
 import json
 import math
 import os
 import random
 import re
 import secrets
-import shutil
 import tempfile
 import threading
 import time
@@ -483,13 +482,12 @@ class Curriculum:
         return json.loads(text) if text else None
 
 
-_mirror_dir: str | None = None
+@functools.cache
+def _mirror_dir() -> tempfile.TemporaryDirectory[str]:
+    return tempfile.TemporaryDirectory(prefix="ors-trl-sampling-")  # removed at exit (its finalizer)
 
 
 def mirror_path(name: str) -> str:
     """A new file path for a curriculum's mirror, in a private folder of this process (removed at exit)."""
-    global _mirror_dir
-    if _mirror_dir is None:
-        _mirror_dir = tempfile.mkdtemp(prefix="ors-trl-sampling-")
-        atexit.register(shutil.rmtree, _mirror_dir, True)
-    return os.path.join(_mirror_dir, f"{re.sub(r'[^0-9A-Za-z_.-]+', '_', name)[:48]}-{secrets.token_hex(6)}.json")
+    stem = re.sub(r"[^0-9A-Za-z_.-]+", "_", name)[:48]
+    return os.path.join(_mirror_dir().name, f"{stem}-{secrets.token_hex(6)}.json")

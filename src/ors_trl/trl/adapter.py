@@ -108,13 +108,13 @@ class OpenRewardEnvironment:
                     env._preopened = env._preopen(batch_row.get("task_index"), batch_row.get("task_spec"), trainer)
         self._end()
         self._context_cut = None
-        task = Task.from_row(rt.split, task_index, task_spec)
+        task = Task.from_row(rt.options["split"], task_index, task_spec)
         pre, self._preopened = self._preopened, None
         if pre is not None and pre[0] != task:
             pre[1].release()
         _, ep, opened = pre if pre is not None and pre[0] == task else self._preopen(task_index, task_spec, trainer)
         self._episode = ep
-        cached = rt.prompt_cache.get(task.key) if rt.cache_prompts else None
+        cached = rt.prompt_cache.get(task.key) if rt.options["cache_prompts"] else None
         if cached is not None:
             rt.cached_resets += 1
         elif not opened.result():
@@ -130,7 +130,7 @@ class OpenRewardEnvironment:
                  ) -> tuple[Task, Episode, concurrent.futures.Future[bool]]:
         """Start opening the session of a row's task (the batch's first reset does this for every adapter)."""
         rt = self._runtime
-        task = Task.from_row(rt.split, task_index, task_spec)
+        task = Task.from_row(rt.options["split"], task_index, task_spec)
         ep = rt.episode(task, source=_source(trainer), rules=_trl.rules(trainer))
         return task, ep, rt.submit(ep.open())
 
@@ -180,7 +180,7 @@ class OpenRewardEnvironment:
         A turn's first call starts the turn's calls across the batch (`_start_turn`)."""
         ep = self._current()
         call = ToolCall(name, arguments)
-        batch = not self._ahead and self._runtime.batch_tool_calls
+        batch = not self._ahead and self._runtime.options["batch_tool_calls"]
         seen = _trl.tool_turn(self, rest=batch)
         ep.made_before(seen[1][0][2] if seen else None)
         if seen and batch:

@@ -32,7 +32,7 @@ def install() -> None:
 def require(runtimes: Sequence[EnvironmentRuntime]) -> None:
     """Raise `ConfigurationError` when an environment of the batch asks `credit="turn"` and the scoring running now
     cannot give it (TRL's async trainer, a trainer that scores its own way, an unverified TRL)."""
-    if any(rt.credit == "turn" for rt in runtimes) and not _trl.scoring_hooked():
+    if any(rt.options["credit"] == "turn" for rt in runtimes) and not _trl.scoring_hooked():
         raise ConfigurationError(f"{_NEEDS}; this trainer gives no per-turn token boundaries. Use credit='episode' "
                                  "here.")
 
@@ -86,7 +86,7 @@ def apply(trainer: Any, batch: dict[str, Any]) -> None:
     the batch asks `credit="turn"`; a batch that asks none is left as TRL made it."""
     backend = _trl.Backend.of(trainer)
     episodes = backend.batch_episodes
-    local = [ep if isinstance(ep, Episode) and ep.env.credit == "turn" else None for ep in episodes or ()]
+    local = [ep if isinstance(ep, Episode) and ep.env.options["credit"] == "turn" else None for ep in episodes or ()]
     wanted = any(ep is not None for ep in local)
     if backend.processes == 1 and not wanted:
         return

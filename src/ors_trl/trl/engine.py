@@ -109,7 +109,7 @@ class RolloutEngine:
         self.last_episodes: list[Episode] = []
         self.generation_calls: list[int] = []  # prompts per generation call (this process), for inspection
         patch_grpo()
-        if any(rt.credit == "turn" for rt in self.environments.values()):
+        if any(rt.options["credit"] == "turn" for rt in self.environments.values()):
             install_credit()
 
     def __repr__(self) -> str:
@@ -129,7 +129,7 @@ class RolloutEngine:
         conversations: list[Conversation | None] = [None] * len(rollouts)
         groups: dict[tuple[int, str], list[int]] = {}  # GRPO groups to score: the rollouts of one task
         for i, ep in enumerate(episodes):
-            if ep.env.score_groups:
+            if ep.env.options["score_groups"]:
                 groups.setdefault((id(ep.env), ep.task.key), []).append(i)
 
         async def play_wave(wave: list[int]) -> None:
@@ -140,7 +140,7 @@ class RolloutEngine:
             async def one(i: int) -> None:
                 episodes[i], conversations[i] = await play_task(
                     rollouts[i][0], generator, attempts=attempts[i], player=self.player, base=rollouts[i][1],
-                    timeout=rollouts[i][0].env.episode_timeout)
+                    timeout=rollouts[i][0].env.options["episode_timeout"])
                 episodes[i].tokens = fidelity(conversations[i])
 
             try:
