@@ -288,8 +288,9 @@ class LocalPolicy(TokenGenerator):
                            rendering.parse_error)
         super().__init__(rendering, Batcher(batch_wait, max_batch=max(1, int(max_batch_size))))
         self.model, self.tokenizer = model, tokenizer
-        self.temperature, self.max_new_tokens = float(temperature), int(max_new_tokens)
-        self.top_p, self.seed = top_p, seed
+        self.max_new_tokens, self.seed = int(max_new_tokens), seed
+        self.sampling: dict[str, Any] = {"do_sample": False} if not temperature > 0 else {  # `generate`'s arguments
+            "do_sample": True, "temperature": float(temperature), "top_p": top_p, "top_k": 0}
         self.name = name or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
         self.rerender = not join_turns
         config = getattr(model, "config", None)
@@ -455,8 +456,6 @@ class LocalPolicy(TokenGenerator):
             fields = image_inputs(self.rendering.processing_class, input_ids.tolist(), [t.images for t in tokens],
                                   self.rendering.image_token_id)
             extra = {k: torch.as_tensor(v).to(device) for k, v in fields.items()}
-        sampling: dict[str, Any] = ({"do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
-                                     "top_k": 0} if self.temperature > 0 else {"do_sample": False})
         if self.seed is not None and not self._seeded:
             torch.manual_seed(self.seed)
             self._seeded = True
@@ -468,7 +467,7 @@ class LocalPolicy(TokenGenerator):
         with torch.no_grad():
             out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
                                       max_new_tokens=max_new, eos_token_id=eos_id, pad_token_id=pad_id,
-                                      stopping_criteria=StoppingCriteriaList([stop]), **extra, **sampling)
+                                      stopping_criteria=StoppingCriteriaList([stop]), **extra, **self.sampling)
         if abort.is_set():
             raise PolicyError("generation aborted")
         results = []
