@@ -1,10 +1,6 @@
-"""Play ORS episodes with an agent harness that owns its loop (design decision 16): `Harness`.
-
-Per episode the harness (a coroutine function or a command line) gets the prompt, the model endpoint and the
-episode's tools over MCP, all on one loopback server (`ors_trl.harness.server`). Its final answer ends the episode and
-its model calls become training rows (`ors_trl.harness.rows`). `Harness.play` has `ors_trl.core.rollout.play`'s
-signature, so the engine and evaluation drive harness episodes as their own: same records, metrics and rewards.
-"""
+"""Play ORS episodes with an agent harness that owns its loop (design decision 16): `Harness`. `Harness.play` has
+`ors_trl.core.rollout.play`'s signature, so the engine and evaluation drive harness episodes as their own (same
+records, metrics and rewards); the loopback server is `ors_trl.harness.server`, the rows `ors_trl.harness.rows`."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """One HTTP server for harness episodes, loopback by default (design decision 16): an MCP endpoint with each
-episode's tools and OpenAI-compatible model endpoints backed in-process by an ors-trl generator.
-
-Each episode gets an unguessable token (its API key and MCP bearer token): a request without a live token is answered
-401 before anything runs, so one episode never reaches another's tools or model calls. Tool calls go to `Episode.call`
-(the model never reads a reward). While a harness sends back our previous request, our reply and tool results only,
-the same `Conversation` continues, so a token generator joins the ids as GRPO builds them; any other request starts a
-new conversation, rendered afresh. Each call is kept as a `ModelCall` for the row builder. MCP is Streamable HTTP with
-JSON responses only: `initialize`, `ping`, `tools/list`, `tools/call` and notifications.
-"""
+episode's tools (Streamable HTTP, JSON responses only) and OpenAI-compatible model endpoints backed in-process by an
+ors-trl generator, each call kept as a `ModelCall` for the row builder. Tool calls go to `Episode.call`."""
 
 from __future__ import annotations
 
@@ -167,8 +160,8 @@ class HarnessServer:
 
     @web.middleware
     async def _admit(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """Route a request to its episode (`request[_SEAT]`), or answer 401/403 (a foreign origin: DNS rebinding)
-        before anything runs; an unknown path stays a 404."""
+        """Route a request to its episode by its unguessable token (API key, MCP bearer token), or answer 401/403 (a
+        foreign origin: DNS rebinding) before anything runs: no episode reaches another's tools or model calls."""
         if isinstance(request.match_info.http_exception, web.HTTPNotFound):
             return await handler(request)
         origin = request.headers.get("Origin")
@@ -249,12 +242,10 @@ class HarnessServer:
                 logger.warning("%s: a harness model call failed: %s: %s", seat.episode.env.name, type(exc).__name__,
                                exc)
                 return _bad(f"the model call failed: {type(exc).__name__}: {exc}")
-            call = ModelCall(len(seat.calls), [dict(m) for m in messages], reply, version=_version(seat.generator),
-                             joined=joined)
-            _take_ids(call, conversation.state)
+            call = ModelCall(len(seat.calls), [dict(m) for m in messages], reply, *_ids(conversation.state),
+                             version=_version(seat.generator), joined=joined)
             if call.prompt_ids is not None:
-                reply.usage = {"prompt_tokens": len(call.prompt_ids),
-                               "completion_tokens": len(call.completion_ids or ())}
+                reply.usage = {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.completion_ids or ())}
             seat.calls.append(call)
             ids = [f"call_{call.index}_{k}" for k in range(len(reply.tool_calls))]
             seat.names.update((i, c.name) for i, c in zip(ids, reply.tool_calls, strict=True))  # type: ignore[union-attr]
@@ -268,7 +259,7 @@ class HarnessServer:
     def _conversation(self, seat: Seat, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
                       ) -> tuple[Conversation, bool]:
         """The conversation a request continues (ours, when it sends back exactly what we had with tool results
-        after it), or a new one."""
+        after it: a token generator joins the ids as GRPO builds them), or a new one, rendered afresh."""
         shown, tail = seat.shown, messages[len(seat.shown):]
         current = seat.conversation
         if (current is not None and id(current) not in seat.busy and shown and len(messages) > len(shown)
@@ -339,16 +330,14 @@ def _from_responses(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[di
     return messages, tools or None
 
 
-def _take_ids(call: ModelCall, tokens: Any) -> None:
-    """A token generator's ids of the call just answered: the trailing generated run of its `Tokens`, and the ids
-    before it (the prompt it was generated from)."""
+def _ids(tokens: Any) -> tuple[Any, Any, Any]:
+    """A token generator's ids of the call just answered: the prompt it was generated from, the trailing generated run
+    of its `Tokens`, and that run's logprobs (Nones without a token generator)."""
     if tokens is None or not hasattr(tokens, "mask"):
-        return
-    mask = tokens.mask
-    k = next((j for j in range(len(mask)) if mask[len(mask) - 1 - j] != 1), len(mask))
-    ids = tokens.ids
-    call.prompt_ids, call.completion_ids = ids[: len(ids) - k], ids[len(ids) - k:]
-    call.logprobs = list(tokens.logprobs[len(tokens.logprobs) - k:]) if tokens.logprobs is not None else None
+        return None, None, None
+    k = next((j for j, m in enumerate(reversed(tokens.mask)) if m != 1), len(tokens.mask))
+    ids, logprobs = tokens.ids, tokens.logprobs
+    return ids[: len(ids) - k], ids[len(ids) - k:], None if logprobs is None else list(logprobs[len(logprobs) - k:])
 
 
 def _mcp_tools(episode: Episode) -> list[dict[str, Any]]:
@@ -390,16 +379,15 @@ def _response(model: str, reply: Reply, ids: list[str], finish: str, call: Model
 def _completion(model: str, reply: Reply, ids: list[str], finish: str, call: ModelCall | None = None
                 ) -> dict[str, Any]:
     """A chat completion in OpenAI's shape (the ids the call generated included, as vLLM returns them)."""
-    message = openai_message({**assistant_message(reply, ids), "reasoning_content": None})  # as it was shown
+    message = openai_message({**assistant_message(reply, ids), "reasoning_content": None})  # its text and calls
     message["content"] = reply.content if reply.content or not ids else None
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-    usage = {"prompt_tokens": 0, "completion_tokens": 0}
+    used = (len(call.prompt_ids), len(call.completion_ids or ())) if call and call.prompt_ids is not None else (0, 0)
     body: dict[str, Any] = {"id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion",
-                            "created": int(time.time()), "model": model, "choices": [choice]}
+                            "created": int(time.time()), "model": model, "choices": [choice],
+                            "usage": {"prompt_tokens": used[0], "completion_tokens": used[1], "total_tokens": sum(used)}}
     if call is not None and call.prompt_ids is not None:
         choice["token_ids"], body["prompt_token_ids"] = call.completion_ids, call.prompt_ids
-        usage = {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.completion_ids or ())}
-    body["usage"] = {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
     return body
 
 
