@@ -291,9 +291,9 @@ class LocalPolicy(TokenGenerator):
         self.max_new_tokens, self.seed = int(max_new_tokens), seed
         self.sampling: dict[str, Any] = {"do_sample": False} if not temperature > 0 else {  # `generate`'s arguments
             "do_sample": True, "temperature": float(temperature), "top_p": top_p, "top_k": 0}
-        self.name = name or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
-        self.rerender = not join_turns
         config = getattr(model, "config", None)
+        self.name = name or getattr(config, "_name_or_path", None) or type(model).__name__
+        self.rerender = not join_turns
         limit = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
                         "max_position_embeddings", None)
         self.context = limit if isinstance(limit, int) and limit > 0 else None  # the model's context, in tokens
