@@ -17,7 +17,8 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from ..core.episode import Reply
@@ -99,14 +100,22 @@ class Policy(Protocol):
         """
 
 
-def _openai_parts(content: Any) -> Any:
-    """A message's content as OpenAI's chat API takes it: image parts as `image_url` parts (`data:` URLs)."""
-    if not isinstance(content, list):
-        return content
-    from ..protocol.images import data_url
+def openai_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A chat message as OpenAI's chat API takes it: image parts as `image_url` parts (`data:` URLs), calls'
+    arguments as JSON text; the harness server answers in the same shape."""
+    out = {k: v for k, v in message.items() if k in ("role", "content", "tool_call_id")}
+    if message.get("reasoning_content"):
+        out["reasoning_content"] = message["reasoning_content"]
+    if isinstance(content := message.get("content"), list):
+        from ..protocol.images import data_url
 
-    return [part if part.get("type") != "image" else {"type": "image_url", "image_url": {
-        "url": part["image"] if isinstance(part["image"], str) else data_url(part["image"])}} for part in content]
+        out["content"] = [p if p.get("type") != "image" else {"type": "image_url", "image_url": {
+            "url": p["image"] if isinstance(p["image"], str) else data_url(p["image"])}} for p in content]
+    if calls := message.get("tool_calls"):
+        out["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
+            "name": (f := c["function"])["name"],
+            "arguments": a if isinstance(a := f["arguments"], str) else json.dumps(a, ensure_ascii=False)}} for c in calls]
+    return out
 
 
 class OpenAIPolicy:
@@ -155,17 +164,17 @@ class OpenAIPolicy:
                                      f"{base_url!r}")
         if not model:
             raise ConfigurationError("OpenAIPolicy needs the served model's name (model=...)")
-        self.base_url, self.model = base_url.rstrip("/"), model
-        self._api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
-        if self._api_key:
-            check_header_value(self._api_key, "the API key")
-        self.temperature, self.max_tokens, self.seed, self.timeout = temperature, max_tokens, seed, timeout
-        self.extra_body, self.include_return_schema = dict(extra_body or {}), include_return_schema
-        self.retry = RetryPolicy(max_attempts=max(1, int(max_attempts)), backoff_initial=0.5)
+        self.base_url, self.model, self.include_return_schema = base_url.rstrip("/"), model, include_return_schema
+        sampling = {"temperature": temperature, "max_tokens": max_tokens, "seed": seed}
+        self.body = {"model": model, **{k: v for k, v in sampling.items() if v is not None}, **(extra_body or {})}
+        api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
+        if api_key:
+            check_header_value(api_key, "the API key")
         self._transport = Transport.for_url(  # the one HTTP stack: its retries, cap, decoder and masking
-            self.base_url, error=PolicyError, secrets=[self._api_key] if self._api_key else [],
-            headers={"Authorization": f"Bearer {self._api_key}"} if self._api_key else None,
-            timeouts=Timeouts(connect=None, request=timeout), retry=self.retry)
+            self.base_url, error=PolicyError, secrets=[api_key] if api_key else [],
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+            timeouts=Timeouts(connect=None, request=timeout),
+            retry=RetryPolicy(max_attempts=max(1, int(max_attempts)), backoff_initial=0.5))
 
     def __repr__(self) -> str:  # never shows the key
         return f"OpenAIPolicy({self.base_url!r}, {self.model!r})"
@@ -173,36 +182,21 @@ class OpenAIPolicy:
     description = property(lambda self: f"{self.model} @ {self.base_url}",
                            doc='The policy\'s name in records and reports: `"{model} @ {base_url}"`.')
 
-    def _tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [{"type": "function", "function": {k: v for k, v in schema.get("function", schema).items()
-                                                  if k != "return" or self.include_return_schema}} for schema in tools]
-
     def _messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The conversation in OpenAI's shape; with `tool_images="user"`, a turn's tool images move to a user message
+        after its tool messages."""
         out: list[dict[str, Any]] = []
-        moved: list[dict[str, Any]] = []  # tool images that go in a user message after the tool messages
-        for message in messages:
-            role = message["role"]
-            if moved and role != "tool":
+        moved: list[dict[str, Any]] = []
+        for message in map(openai_message, messages):
+            if moved and message["role"] != "tool":
                 out.append({"role": "user", "content": moved})
                 moved = []
-            if role == "assistant":
-                item: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
-                if message.get("reasoning_content"):
-                    item["reasoning_content"] = message["reasoning_content"]
-                calls = [(c["id"], c["function"]) for c in message.get("tool_calls") or []]
-                if calls:
-                    item["tool_calls"] = [{"id": i, "type": "function", "function": {"name": f["name"], "arguments": (
-                        a if isinstance(a := f["arguments"], str) else json.dumps(a, ensure_ascii=False))}}
-                        for i, f in calls]
-                out.append(item)
-            elif role == "tool":
-                parts = _openai_parts(message["content"])
-                if self.tool_images == "user" and isinstance(parts, list):
-                    moved += [p for p in parts if p["type"] == "image_url"]
-                    parts = "".join(p.get("text", "") for p in parts)
-                out.append({"role": "tool", "tool_call_id": message["tool_call_id"], "content": parts})
-            else:
-                out.append({"role": role, "content": _openai_parts(message["content"])})
+            if message["role"] == "assistant":
+                message["content"] = message.get("content") or ""
+            elif message["role"] == "tool" and self.tool_images == "user" and isinstance(message["content"], list):
+                moved += [p for p in message["content"] if p["type"] == "image_url"]
+                message["content"] = "".join(p.get("text", "") for p in message["content"])
+            out.append(message)
         if moved:
             out.append({"role": "user", "content": moved})
         return out
@@ -219,12 +213,10 @@ class OpenAIPolicy:
         """
         body: dict[str, Any] = {"model": self.model, "messages": self._messages(messages)}
         if tools:
-            body["tools"] = self._tools(tools)
-        for key, value in (("temperature", self.temperature), ("max_tokens", self.max_tokens), ("seed", self.seed)):
-            if value is not None:
-                body[key] = value
-        body.update(self.extra_body)
-        body = await self._transport.post_json("/chat/completions", body)
+            body["tools"] = [{"type": "function", "function": {k: v for k, v in schema.get("function", schema).items()
+                                                               if k != "return" or self.include_return_schema}}
+                             for schema in tools]
+        body = await self._transport.post_json("/chat/completions", {**body, **self.body})
         try:
             choice = body["choices"][0]
             message = choice["message"]
@@ -296,10 +288,15 @@ class LocalPolicy(TokenGenerator):
                            rendering.parse_error)
         super().__init__(rendering, Batcher(batch_wait, max_batch=max(1, int(max_batch_size))))
         self.model, self.tokenizer = model, tokenizer
-        self.temperature, self.max_new_tokens = float(temperature), int(max_new_tokens)
-        self.top_p, self.seed = top_p, seed
-        self.name = name or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
+        self.max_new_tokens, self.seed = int(max_new_tokens), seed
+        self.sampling: dict[str, Any] = {"do_sample": False} if not temperature > 0 else {  # `generate`'s arguments
+            "do_sample": True, "temperature": float(temperature), "top_p": top_p, "top_k": 0}
+        config = getattr(model, "config", None)
+        self.name = name or getattr(config, "_name_or_path", None) or type(model).__name__
         self.rerender = not join_turns
+        limit = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                        "max_position_embeddings", None)
+        self.context = limit if isinstance(limit, int) and limit > 0 else None  # the model's context, in tokens
         self._abort, self._lock, self._seeded = threading.Event(), threading.Lock(), False
         self._worker: threading.Thread | None = None
 
@@ -318,7 +315,8 @@ class LocalPolicy(TokenGenerator):
         """
         path = os.fspath(path)
         if not os.path.isdir(path):
-            raise ConfigurationError(f"{path!r} is not a local model directory")
+            raise ConfigurationError(f"{path!r} is not a local model directory. To evaluate a served model, pass "
+                                     "OpenAIPolicy(base_url, model) (CLI: --base-url URL --model NAME).")
         try:
             import torch
             import transformers
@@ -429,21 +427,15 @@ class LocalPolicy(TokenGenerator):
                               "vision-language model with its processor, or pass OpenRewardSpec(..., "
                               'images="placeholder")')
 
-    def _context_limit(self) -> int | None:
-        config = getattr(self.model, "config", None)
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        limit = getattr(config, "max_position_embeddings", None)
-        return limit if isinstance(limit, int) and limit > 0 else None
-
     def _clip(self, tokens: Tokens, ids: list[int], logprobs: list[float] | None
              ) -> tuple[list[int], list[float] | None, str | None]:
-        limit = self._context_limit()  # generation stops at the context: a reply that reached it is cut by it
+        limit = self.context  # generation stops at the context: a reply that reached it is cut by it
         return ids, logprobs, "context_length" if limit is not None and len(tokens.ids) + len(ids) >= limit else None
 
     def _fits(self, tokens: Tokens, suffix: list[int]) -> None:
-        limit, length = self._context_limit(), len(tokens.ids) + len(suffix)
-        if limit is not None and length >= limit:
-            raise ContextLengthExceeded(f"the conversation ({length} tokens) fills the model's context ({limit})")
+        if self.context is not None and len(tokens.ids) + len(suffix) >= self.context:
+            raise ContextLengthExceeded(f"the conversation ({len(tokens.ids) + len(suffix)} tokens) fills the "
+                                        f"model's context ({self.context})")
 
     def _generate_ids(self, tokens: list[Tokens]) -> list[tuple[list[int], list[float] | None]]:
         if not tokens:
@@ -451,24 +443,19 @@ class LocalPolicy(TokenGenerator):
         import torch
         from transformers import StoppingCriteriaList
 
-        tok, limit = self.rendering.tokenizer, self._context_limit()
+        tok, limit = self.rendering.tokenizer, self.context
         width = max(len(t.ids) for t in tokens)
         max_new = self.max_new_tokens if limit is None else max(1, min(self.max_new_tokens, limit - width))
         eos_id = tok.eos_token_id
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_id
         device = getattr(self.model, "device", "cpu")
-        input_ids = torch.full((len(tokens), width), pad_id, dtype=torch.long)
-        attention = torch.zeros((len(tokens), width), dtype=torch.long)
-        for row, t in enumerate(tokens):  # left padding
-            input_ids[row, width - len(t.ids):] = torch.tensor(t.ids, dtype=torch.long)
-            attention[row, width - len(t.ids):] = 1
+        input_ids = torch.tensor([[pad_id] * (width - len(t.ids)) + t.ids for t in tokens], dtype=torch.long)  # left
+        attention = torch.tensor([[0] * (width - len(t.ids)) + [1] * len(t.ids) for t in tokens], dtype=torch.long)
         extra: dict[str, Any] = {}
         if any(t.images for t in tokens):
             fields = image_inputs(self.rendering.processing_class, input_ids.tolist(), [t.images for t in tokens],
                                   self.rendering.image_token_id)
             extra = {k: torch.as_tensor(v).to(device) for k, v in fields.items()}
-        sampling: dict[str, Any] = ({"do_sample": True, "temperature": self.temperature, "top_p": self.top_p,
-                                     "top_k": 0} if self.temperature > 0 else {"do_sample": False})
         if self.seed is not None and not self._seeded:
             torch.manual_seed(self.seed)
             self._seeded = True
@@ -480,7 +467,7 @@ class LocalPolicy(TokenGenerator):
         with torch.no_grad():
             out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
                                       max_new_tokens=max_new, eos_token_id=eos_id, pad_token_id=pad_id,
-                                      stopping_criteria=StoppingCriteriaList([stop]), **extra, **sampling)
+                                      stopping_criteria=StoppingCriteriaList([stop]), **extra, **self.sampling)
         if abort.is_set():
             raise PolicyError("generation aborted")
         results = []
@@ -675,11 +662,7 @@ def resolve_policy(policy: Any, options: Any) -> Any:
     if options.max_new_tokens is not None:
         local_kwargs["max_new_tokens"] = options.max_new_tokens
     if isinstance(policy, str | os.PathLike):
-        path = os.fspath(policy)
-        if not os.path.isdir(path):
-            raise ConfigurationError(f"policy {path!r} is not a local model directory. To evaluate a served model, "
-                                     "pass OpenAIPolicy(base_url, model) (CLI: --base-url URL --model NAME).")
-        return LocalPolicy.from_pretrained(path, device=options.device, **local_kwargs)
+        return LocalPolicy.from_pretrained(policy, device=options.device, **local_kwargs)
     if isinstance(policy, tuple) and len(policy) == 2:
         return LocalPolicy(policy[0], policy[1], **local_kwargs)
     if callable(getattr(policy, "respond", None)):
@@ -689,12 +672,12 @@ def resolve_policy(policy: Any, options: Any) -> Any:
                              "PolicyReply`.")
 
 
+@dataclass
 class Responder:
     """A `Policy` (`respond(messages, tools)`) as a generator (`ors_trl.core.rollout`); what it raises, other than an
     ors-trl error, is the policy's failure (`PolicyError`)."""
 
-    def __init__(self, policy: Any) -> None:
-        self.policy = policy
+    policy: Any
 
     async def reply(self, conversation: Conversation) -> Reply:
         started = time.monotonic()

@@ -167,8 +167,7 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, opts: EvalOptions, others
     if opts.score_groups and not runtime.supports_score_group:
         raise ConfigurationError(f"{runtime.name} does not support group scoring (its /tools does not say "
                                  "supports_score_group: true)")
-    out_path = opts.path
-    started = time.monotonic()
+    out_path, started = opts.path, time.monotonic()
     bg, client, split = get_loop(), runtime.client, runtime.options["split"]
     environment = bg.run(client.environment())  # resolved: the runtime's name is the environment's from here
     selected = list(dict.fromkeys(select(bg.run(client.num_tasks(split)), split, opts.num_tasks, opts.indices,
@@ -176,7 +175,7 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, opts: EvalOptions, others
     keys: list[EpisodeKey] = [(split, i, r) for i in selected for r in range(opts.repeats)]
     mine = {runtime.name, environment}
     kept: dict[EpisodeKey, dict[str, Any]] = {}
-    if opts.resume and out_path:
+    if opts.resume and out_path is not None:  # (`check` made sure)
         foreign = {r.get("environment") for r in read_records(out_path)} - mine - set(others)
         if foreign:
             logger.warning("%s holds episodes of other environments (%s); they are not reused", out_path,
@@ -199,9 +198,9 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, opts: EvalOptions, others
     rules = Rules(max_replies=opts.max_turns, error_text=_trl.error_text,
                   tool_markup=getattr(policy_obj, "tool_markup", None))  # a chat template's, an endpoint's
     done: list[Episode] = []
-    finished_event = threading.Event()
+    finished_event, gate = threading.Event(), asyncio.Semaphore(opts.concurrency)
 
-    async def run_one(gate: asyncio.Semaphore, key: EpisodeKey) -> None:
+    async def run_one(key: EpisodeKey) -> None:
         async with gate:
             ep = runtime.episode(Task(split, key[1]), source="eval", rules=rules, metrics=False,
                                  writer=None if opts.score_groups else writer, task_tools=opts.per_task_tools,
@@ -231,8 +230,7 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, opts: EvalOptions, others
             bar.update(1)
 
     async def run_all() -> None:
-        gate = asyncio.Semaphore(opts.concurrency)
-        tasks = [asyncio.ensure_future(run_one(gate, k)) for k in todo]
+        tasks = [asyncio.ensure_future(run_one(k)) for k in todo]
         try:
             await asyncio.gather(*tasks)
             if opts.score_groups:
@@ -253,11 +251,9 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, opts: EvalOptions, others
                     await aclose()
             finished_event.set()
 
-    fut = bg.submit(run_all())
     try:
-        fut.result()
-    except BaseException:
-        fut.cancel()  # Ctrl-C: cancel the running episodes, then wait (bounded) until their sessions are closed
+        bg.run(run_all())
+    except BaseException:  # Ctrl-C: `run` cancels the running episodes; wait (bounded) until their sessions are closed
         finished_event.wait(_CLEANUP_WAIT_S)
         raise
     finally:

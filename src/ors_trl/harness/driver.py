@@ -1,10 +1,6 @@
-"""Play ORS episodes with an agent harness that owns its loop (design decision 16): `Harness`.
-
-Per episode the harness (a coroutine function or a command line) gets the prompt, the model endpoint and the
-episode's tools over MCP, all on one loopback server (`ors_trl.harness.server`). Its final answer ends the episode and
-its model calls become training rows (`ors_trl.harness.rows`). `Harness.play` has `ors_trl.core.rollout.play`'s
-signature, so the engine and evaluation drive harness episodes as their own: same records, metrics and rewards.
-"""
+"""Play ORS episodes with an agent harness that owns its loop (design decision 16): `Harness`. `Harness.play` has
+`ors_trl.core.rollout.play`'s signature, so the engine and evaluation drive harness episodes as their own (same
+records, metrics and rewards); the loopback server is `ors_trl.harness.server`, the rows `ors_trl.harness.rows`."""
 
 from __future__ import annotations
 
@@ -221,25 +217,23 @@ class Harness:
                 Seconds the episode may take (with the harness's own `timeout`, the smaller wins).
         """
         conversation = HarnessConversation(episode)
+        url = await self.server.start()
+        seat = self.server.seat(episode, generator)  # before the session: its env_overrides may name it
         start, finish = getattr(generator, "start", None), getattr(generator, "finish", None)
         if start is not None:
             start(conversation)
         limits = [t for t in (timeout, self.timeout) if t is not None]
         deadline = asyncio.timeout(min(limits) if limits else None)
-        seat = None
         try:
             async with deadline:
-                url = await self.server.start()
-                seat = self.server.seat(episode, generator)  # before the session: its env_overrides may name it
                 inside = isinstance(self.agent, _InEnvironment)
                 if await episode.open({**self.env, "OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": seat.token}
                                       if inside else None):
                     assert episode.prompt is not None
-                    messages = episode.prompt.chat(base)
-                    tools = episode.toolset.schemas if episode.toolset is not None else []
-                    endpoint = Endpoint(f"{url}/v1", seat.token, f"{url}/mcp", seat.token, messages, tools)
+                    endpoint = Endpoint(f"{url}/v1", seat.token, f"{url}/mcp", seat.token, episode.prompt.chat(base),
+                                        episode.toolset.schemas if episode.toolset is not None else [])
                     try:
-                        final = await (self._trigger(episode) if inside else self._run(endpoint))
+                        final = await self._run(episode, endpoint)
                     except (asyncio.CancelledError, TimeoutError):
                         raise
                     except Exception as exc:
@@ -257,11 +251,10 @@ class Harness:
                 raise
             episode.time_out(min(limits))
         finally:
-            if seat is not None:
-                self.server.revoke(seat)
+            self.server.revoke(seat)
             if finish is not None:
                 finish(conversation)
-        self._finish(conversation, seat.calls if seat is not None else [])
+        self._finish(conversation, seat.calls)
         return conversation
 
     def _finish(self, conversation: HarnessConversation, calls: list[ModelCall]) -> None:
@@ -278,14 +271,14 @@ class Harness:
             episode.info["env_reward"] = episode.reward
             episode.reward = self.score(episode, calls)
 
-    async def _trigger(self, episode: Episode) -> None:
-        """Run the environment's agent: one call of its tool (a failed call fails the episode)."""
-        tool, arguments = self.agent  # type: ignore[misc]
-        outcome = await episode.call(ToolCall(tool, arguments))
-        if outcome.error is not None:
-            raise PolicyError(f"the environment's agent run ({tool}) failed: {outcome.error}")
-
-    async def _run(self, endpoint: Endpoint) -> str | None:
+    async def _run(self, episode: Episode, endpoint: Endpoint) -> str | None:
+        """The agent's final answer: the environment's agent run (one call of its tool), the coroutine's, or the
+        command's standard output."""
+        if isinstance(self.agent, _InEnvironment):
+            outcome = await episode.call(ToolCall(*self.agent))
+            if outcome.error is not None:
+                raise PolicyError(f"the environment's agent run ({self.agent.tool}) failed: {outcome.error}")
+            return None
         if callable(self.agent):
             final = await self.agent(endpoint)
             return None if final is None else str(final)

@@ -1,10 +1,5 @@
-"""Training rows from a harness's model calls, token-exactly (design decision 16).
-
-A call whose prompt ids extend a row's ids joins that row: the ids between (tool results, scaffolding) are masked
-context, its generated ids train with their logprobs. A call that extends no row forks a new row from its whole prompt.
-As TRL's `_chain_to_sequences` with `fork_threshold_tokens=0`, but a row is never realigned: no generated token is ever
-silently masked.
-"""
+"""Training rows from a harness's model calls, token-exactly (design decision 16): as TRL's `_chain_to_sequences`
+with `fork_threshold_tokens=0`, but a row is never realigned, so no generated token is ever silently masked."""
 
 from __future__ import annotations
 
@@ -17,8 +12,9 @@ __all__ = ["build_rows"]
 
 
 def build_rows(calls: Sequence[ModelCall], train: Callable[[ModelCall], bool] | None = None) -> list[Tokens]:
-    """The rows of `calls` (in the order they were made), each call's `row` set; `train(call)` says which calls train
-    (default: every call with ids; a harness's auxiliary calls, e.g. titles or summaries, can be left out)."""
+    """The rows of `calls` (in the order they were made), each call's `row` set: a call whose prompt ids extend a row's
+    joins it (the ids between, tool results and scaffolding, masked context), else it forks a new row. `train(call)`
+    says which calls train (default: every call with ids; leave out a harness's auxiliary calls, e.g. titles)."""
     rows: list[Tokens] = []
     for call in calls:
         call.row = None

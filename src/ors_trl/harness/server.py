@@ -1,13 +1,6 @@
 """One HTTP server for harness episodes, loopback by default (design decision 16): an MCP endpoint with each
-episode's tools and OpenAI-compatible model endpoints backed in-process by an ors-trl generator.
-
-Each episode gets an unguessable token (its API key and MCP bearer token): a request without a live token is answered
-401 before anything runs, so one episode never reaches another's tools or model calls. Tool calls go to `Episode.call`
-(the model never reads a reward). While a harness sends back our previous request, our reply and tool results only,
-the same `Conversation` continues, so a token generator joins the ids as GRPO builds them; any other request starts a
-new conversation, rendered afresh. Each call is kept as a `ModelCall` for the row builder. MCP is Streamable HTTP with
-JSON responses only: `initialize`, `ping`, `tools/list`, `tools/call` and notifications.
-"""
+episode's tools (Streamable HTTP, JSON responses only) and OpenAI-compatible model endpoints backed in-process by an
+ors-trl generator, each call kept as a `ModelCall` for the row builder. Tool calls go to `Episode.call`."""
 
 from __future__ import annotations
 
@@ -26,6 +19,7 @@ from aiohttp import web
 from ..core.conversation import assistant_message
 from ..core.episode import Episode, Reply, ToolCall
 from ..core.rollout import Conversation, StopEpisode
+from ..evaluation.policies import openai_message
 from ..protocol.errors import ContextLengthExceeded
 
 __all__ = ["HarnessServer", "ModelCall", "Seat"]
@@ -70,6 +64,9 @@ class Seat:
 
     def __repr__(self) -> str:  # never the token
         return f"<Seat {self.episode!r} calls={len(self.calls)}>"
+
+
+_SEAT: Any = web.RequestKey("seat", Seat) if hasattr(web, "RequestKey") else "seat"  # aiohttp < 3.13: a str key
 
 
 def _text(content: Any) -> str:
@@ -129,12 +126,12 @@ class HarnessServer:
         """Bind (once, however many episodes start at the same time); the base URL harnesses are given."""
         async with self._lock:
             if self._runner is None:
-                app = web.Application(client_max_size=16 * 2**20)
-                app.router.add_route("*", "/mcp", self._mcp)
+                app = web.Application(client_max_size=16 * 2**20, middlewares=[self._admit])
+                app.router.add_post("/mcp", self._mcp)
                 app.router.add_post("/v1/chat/completions", functools.partial(self._model_call, _from_chat, _completion))
                 # the OpenAI Responses API, stateless: the harness sends its whole input
                 app.router.add_post("/v1/responses", functools.partial(self._model_call, _from_responses, _response))
-                app.router.add_get("/v1/models", self._models)
+                app.router.add_get("/v1/models", _models)
                 self._runner = web.AppRunner(app, access_log=None)
                 await self._runner.setup()
                 site = web.TCPSite(self._runner, self.host, self.port)
@@ -161,8 +158,12 @@ class HarnessServer:
         """The episode's token stops working (its harness has stopped)."""
         self.seats.pop(seat.token, None)
 
-    def _seat(self, request: web.Request) -> Seat | web.Response:
-        """The request's episode, or the 401/403 answering it (a foreign origin: DNS rebinding)."""
+    @web.middleware
+    async def _admit(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Route a request to its episode by its unguessable token (API key, MCP bearer token), or answer 401/403 (a
+        foreign origin: DNS rebinding) before anything runs: no episode reaches another's tools or model calls."""
+        if isinstance(request.match_info.http_exception, web.HTTPNotFound):
+            return await handler(request)
         origin = request.headers.get("Origin")
         if origin is not None and not origin.startswith(_LOOPBACK):
             self.refused += 1
@@ -174,14 +175,11 @@ class HarnessServer:
             self.refused += 1
             return web.json_response({"error": {"message": "unauthorized: unknown or expired episode token"}},
                                      status=401, headers={"WWW-Authenticate": "Bearer"})
-        return seat
+        request[_SEAT] = seat
+        return await handler(request)
 
     async def _mcp(self, request: web.Request) -> web.StreamResponse:
-        seat = self._seat(request)
-        if isinstance(seat, web.Response):
-            return seat
-        if request.method != "POST":
-            return web.Response(status=405)
+        seat = request[_SEAT]
         try:
             message = await request.json()
         except ValueError:
@@ -211,18 +209,10 @@ class HarnessServer:
             return web.json_response(_error(id_, -32601, f"method not found: {method}"))
         return web.json_response({"jsonrpc": "2.0", "id": id_, "result": result})
 
-    async def _models(self, request: web.Request) -> web.Response:
-        seat = self._seat(request)
-        if isinstance(seat, web.Response):
-            return seat
-        return web.json_response({"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "ors-trl"}]})
-
     async def _model_call(self, read: Any, answer: Any, request: web.Request) -> web.StreamResponse:
         """One model call in a dialect: `read(body)` gives the chat messages and tools (or why not: a 400),
         `answer(model, reply, ids, finish, call)` the reply in the dialect."""
-        seat = self._seat(request)
-        if isinstance(seat, web.Response):
-            return seat
+        seat: Seat = request[_SEAT]
         try:
             body = await request.json()
         except ValueError:
@@ -241,39 +231,35 @@ class HarnessServer:
             return await _send(request, answer(model, Reply(ENDED), [], "stop"), stream)
         conversation, joined = self._conversation(seat, messages, tools)
         seat.busy.add(id(conversation))
-        try:
-            return await self._generate(request, seat, conversation, joined, messages, answer, model, stream)
-        finally:  # once its reply is in `shown`: a request racing this one (a retry) forks instead of joining
+        try:  # busy until its reply is in `shown`: a request racing this one (a retry) forks instead of joining
+            try:
+                reply = await seat.generator.reply(conversation)
+            except (StopEpisode, ContextLengthExceeded) as stop:
+                reason = stop.reason if isinstance(stop, StopEpisode) else "context_length"
+                await seat.episode.end(reason, detail=str(stop))
+                return await _send(request, answer(model, Reply(""), [], "length"), stream)
+            except Exception as exc:  # a request the generator cannot take (a template that cannot render it, ...)
+                logger.warning("%s: a harness model call failed: %s: %s", seat.episode.env.name, type(exc).__name__,
+                               exc)
+                return _bad(f"the model call failed: {type(exc).__name__}: {exc}")
+            call = ModelCall(len(seat.calls), [dict(m) for m in messages], reply, *_ids(conversation.state),
+                             version=_version(seat.generator), joined=joined)
+            if call.prompt_ids is not None:
+                reply.usage = {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.completion_ids or ())}
+            seat.calls.append(call)
+            ids = [f"call_{call.index}_{k}" for k in range(len(reply.tool_calls))]
+            seat.names.update((i, c.name) for i, c in zip(ids, reply.tool_calls, strict=True))  # type: ignore[union-attr]
+            seat.shown = [*conversation.messages, assistant_message(reply, ids)]
+            await seat.episode.observe(reply)
+            finish = "tool_calls" if reply.tool_calls else "length" if reply.truncated else "stop"
+            return await _send(request, answer(model, reply, ids, finish, call), stream)
+        finally:
             seat.busy.discard(id(conversation))
-
-    async def _generate(self, request: web.Request, seat: Seat, conversation: Conversation, joined: bool,
-                        messages: list[dict[str, Any]], answer: Any, model: str, stream: bool) -> web.StreamResponse:
-        try:
-            reply = await seat.generator.reply(conversation)
-        except (StopEpisode, ContextLengthExceeded) as stop:
-            reason = stop.reason if isinstance(stop, StopEpisode) else "context_length"
-            await seat.episode.end(reason, detail=str(stop))
-            return await _send(request, answer(model, Reply(""), [], "length"), stream)
-        except Exception as exc:  # a request the generator cannot take (a template that cannot render it, ...)
-            logger.warning("%s: a harness model call failed: %s: %s", seat.episode.env.name, type(exc).__name__, exc)
-            return _bad(f"the model call failed: {type(exc).__name__}: {exc}")
-        call = ModelCall(len(seat.calls), [dict(m) for m in messages], reply, version=_version(seat.generator),
-                         joined=joined)
-        _take_ids(call, conversation.state)
-        if call.prompt_ids is not None:
-            reply.usage = {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.completion_ids or ())}
-        seat.calls.append(call)
-        ids = [f"call_{call.index}_{k}" for k in range(len(reply.tool_calls))]
-        seat.names.update((i, c.name) for i, c in zip(ids, reply.tool_calls, strict=True))  # type: ignore[union-attr]
-        seat.shown = [*conversation.messages, assistant_message(reply, ids)]
-        await seat.episode.observe(reply)
-        finish = "tool_calls" if reply.tool_calls else "length" if reply.truncated else "stop"
-        return await _send(request, answer(model, reply, ids, finish, call), stream)
 
     def _conversation(self, seat: Seat, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
                       ) -> tuple[Conversation, bool]:
         """The conversation a request continues (ours, when it sends back exactly what we had with tool results
-        after it), or a new one."""
+        after it: a token generator joins the ids as GRPO builds them), or a new one, rendered afresh."""
         shown, tail = seat.shown, messages[len(seat.shown):]
         current = seat.conversation
         if (current is not None and id(current) not in seat.busy and shown and len(messages) > len(shown)
@@ -344,16 +330,14 @@ def _from_responses(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[di
     return messages, tools or None
 
 
-def _take_ids(call: ModelCall, tokens: Any) -> None:
-    """A token generator's ids of the call just answered: the trailing generated run of its `Tokens`, and the ids
-    before it (the prompt it was generated from)."""
+def _ids(tokens: Any) -> tuple[Any, Any, Any]:
+    """A token generator's ids of the call just answered: the prompt it was generated from, the trailing generated run
+    of its `Tokens`, and that run's logprobs (Nones without a token generator)."""
     if tokens is None or not hasattr(tokens, "mask"):
-        return
-    mask = tokens.mask
-    k = next((j for j in range(len(mask)) if mask[len(mask) - 1 - j] != 1), len(mask))
-    ids = tokens.ids
-    call.prompt_ids, call.completion_ids = ids[: len(ids) - k], ids[len(ids) - k:]
-    call.logprobs = list(tokens.logprobs[len(tokens.logprobs) - k:]) if tokens.logprobs is not None else None
+        return None, None, None
+    k = next((j for j, m in enumerate(reversed(tokens.mask)) if m != 1), len(tokens.mask))
+    ids, logprobs = tokens.ids, tokens.logprobs
+    return ids[: len(ids) - k], ids[len(ids) - k:], None if logprobs is None else list(logprobs[len(logprobs) - k:])
 
 
 def _mcp_tools(episode: Episode) -> list[dict[str, Any]]:
@@ -361,6 +345,10 @@ def _mcp_tools(episode: Episode) -> list[dict[str, Any]]:
     functions = [s.get("function", s) for s in (episode.toolset.schemas if episode.toolset is not None else ())]
     return [{"name": f["name"], "description": f.get("description", ""),
              "inputSchema": f.get("parameters") or {"type": "object", "properties": {}}} for f in functions]
+
+
+async def _models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "ors-trl"}]})
 
 
 def _bad(message: str) -> web.Response:
@@ -391,19 +379,15 @@ def _response(model: str, reply: Reply, ids: list[str], finish: str, call: Model
 def _completion(model: str, reply: Reply, ids: list[str], finish: str, call: ModelCall | None = None
                 ) -> dict[str, Any]:
     """A chat completion in OpenAI's shape (the ids the call generated included, as vLLM returns them)."""
-    message: dict[str, Any] = {"role": "assistant", "content": reply.content if reply.content or not ids else None}
-    if ids:
-        message["tool_calls"] = [{"id": i, "type": "function", "function": {
-            "name": c.name, "arguments": c.arguments if isinstance(c.arguments, str) else json.dumps(c.arguments)}}
-            for i, c in zip(ids, reply.tool_calls, strict=True)]  # type: ignore[union-attr]
+    message = openai_message({**assistant_message(reply, ids), "reasoning_content": None})  # its text and calls
+    message["content"] = reply.content if reply.content or not ids else None
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-    usage = {"prompt_tokens": 0, "completion_tokens": 0}
+    used = (len(call.prompt_ids), len(call.completion_ids or ())) if call and call.prompt_ids is not None else (0, 0)
     body: dict[str, Any] = {"id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion",
-                            "created": int(time.time()), "model": model, "choices": [choice]}
+                            "created": int(time.time()), "model": model, "choices": [choice],
+                            "usage": {"prompt_tokens": used[0], "completion_tokens": used[1], "total_tokens": sum(used)}}
     if call is not None and call.prompt_ids is not None:
         choice["token_ids"], body["prompt_token_ids"] = call.completion_ids, call.prompt_ids
-        usage = {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.completion_ids or ())}
-    body["usage"] = {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
     return body
 
 
