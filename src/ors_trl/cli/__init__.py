@@ -280,8 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, "every session", "the platform toolset every session gets (e.g. codex, claude-code); its tools "
                 "are bound too", many=True)
     _flag(p, "--model M", "local model directory, or the served model's name with --base-url (or --policy instead)")
-    _flag(p, "--policy {random}", "no model: random (RandomPolicy) calls a random tool each turn with arguments drawn from its "
-          "schema, seeded by --seed; to try an environment end to end", choices=("random",))
+    _flag(p, "--policy {random}", "no model: random (RandomPolicy) calls a random tool each turn with arguments drawn "
+          "from its schema, seeded by --seed; to try an environment end to end", choices=("random",))
     _flag(p, "--base-url URL", "OpenAI-compatible API root, e.g. http://127.0.0.1:8001/v1")
     _flag(p, "--api-key KEY", "key for --base-url (default: $OPENAI_API_KEY); never logged or recorded")
     _flag(p, "--tool-markup TEXT", "with --base-url and a server without a tool-call parser: text that opens a tool "
@@ -335,9 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the bundled echo environment under the reference server on loopback (needs openreward)")
     _flag(p, "--port N", "TCP port to listen on", type=int, required=True)
     _flag(p, "--host HOST", "loopback address to bind (default 127.0.0.1)", default="127.0.0.1")
-    _flag(p, "--envs ENVS", "comma-separated bundled environments (echo, demo, look, card: the answer only in an image, "
-          "needs Pillow, and corridor: ~30 calls per episode, ORS_CORRIDOR_DEATH=CALL:EVERY kills sandboxes), or "
-          "'all' (default echo)", default="echo")
+    _flag(p, "--envs ENVS", "comma-separated bundled environments (echo, demo, look, card: the answer only in an "
+          "image, needs Pillow, and corridor: ~30 calls per episode, ORS_CORRIDOR_DEATH=CALL:EVERY kills sandboxes), "
+          "or 'all' (default echo)", default="echo")
     _flag(p, "--log-level LOG_LEVEL", "server log level (default warning)", default="warning")
 
     from ..report.tally import DEFAULT_MAX_EPISODES

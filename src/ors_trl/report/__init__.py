@@ -25,7 +25,7 @@ from ..protocol.errors import ConfigurationError
 from ..protocol.files import write_atomic
 from ..tasks.selection import is_int
 from .render import render
-from .tally import DEFAULT_MAX_EPISODES, Tally
+from .tally import DEFAULT_MAX_EPISODES, Input, Tally
 
 __all__ = ["ReportSummary", "write_report"]
 
@@ -81,17 +81,6 @@ _LONG_LINE = 64 * 1024 * 1024  # a line longer than this is not an episode recor
 _MAX_STATE_BYTES = 1024 ** 3
 _EXPECTED = ("expected JSON lines of episode records (episode_log=, ors-trl eval --output), a trainer output folder, "
              "or a trainer_state.json")
-
-
-@dataclass
-class Input:
-    """One recognised input: "episodes" or a "trainer_state" (parsed: `state`); `run`: the name the user gave it."""
-
-    path: Path
-    kind: str
-    label: str
-    state: dict[str, Any] | None = None
-    run: str | None = None
 
 
 def is_record(obj: Any) -> bool:

@@ -25,17 +25,14 @@ from datetime import UTC, datetime
 from importlib.resources import files
 from pathlib import Path
 from string import Template
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..core.metrics import EpisodeStats, _number, _percentile
 from ..core.records import _SHA256
 from ..core.stats import paired_test, pass_over_tasks
 from ..protocol.images import MAX_IMAGE_BYTES, thumbnail
 from ..protocol.text import cut, repair
-from .tally import EMBED_TEXT, SAMPLE_BYTES, RunKey, Sample, Tally
-
-if TYPE_CHECKING:
-    from . import Input
+from .tally import EMBED_TEXT, SAMPLE_BYTES, Input, RunKey, Sample, Tally
 
 logger = logging.getLogger("ors_trl")
 

@@ -1,4 +1,5 @@
-"""The tallies: every episode counted once, per task and per run (`EpisodeStats`), and a bounded sample of bodies.
+"""The recognised inputs (`Input`); the tallies: every episode counted once, per task and per run (`EpisodeStats`);
+a bounded sample of bodies.
 
 Record values are untrusted: labels are shortened, reserved kinds bounded. A run is a labelled input's episodes, else
 the records sharing a run id, source, policy and step (two inputs holding one run's episodes of a task are refused).
@@ -15,6 +16,7 @@ from array import array
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from functools import cached_property, partial
+from pathlib import Path
 from typing import Any
 
 from ..core.metrics import EpisodeStats, _number
@@ -49,6 +51,17 @@ def _calls(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _kind(error: Any, fallback: str) -> str:
     return label(error.get("kind") or fallback) if isinstance(error, dict) else fallback
+
+
+@dataclass
+class Input:
+    """One recognised input: "episodes" or a "trainer_state" (parsed: `state`); `run`: the name the user gave it."""
+
+    path: Path
+    kind: str
+    label: str
+    state: dict[str, Any] | None = None
+    run: str | None = None
 
 
 @dataclass
@@ -208,17 +221,14 @@ class Tally:
         for seq, ep in order.items():
             ep["run"] = self.run_names.get(ep["run"], ep["run"])
             rec = ep["rec"]
-            ep["rec"] = jsonable(rec)  # JSON.parse-able: no NaN, no lone surrogate, bounded depth
-            n = len(json.dumps(ep, ensure_ascii=False))
-            if size + n > SAMPLE_BYTES:
-                ep["rec"] = jsonable(rec, max_text=EMBED_TEXT, fields=None)
-                n = len(json.dumps(ep, ensure_ascii=False))
-                if size + n > SAMPLE_BYTES:
-                    left_out += 1
-                    continue
-                clipped += 1
-            size += n
-            chosen.append((seq, ep))
+            for clip in ({}, {"max_text": EMBED_TEXT, "fields": None}):  # whole, else with its texts cut
+                ep["rec"] = jsonable(rec, **clip)  # JSON.parse-able: no NaN, no lone surrogate, bounded depth
+                if size + (n := len(json.dumps(ep, ensure_ascii=False))) <= SAMPLE_BYTES:
+                    size, clipped = size + n, clipped + bool(clip)
+                    chosen.append((seq, ep))
+                    break
+            else:
+                left_out += 1
         chosen.sort(key=lambda x: x[0])
         self.embedded = Counter((ep["env"], ep["task"]) for _, ep in chosen)
         return Sample([dict(ep, id=i) for i, (_, ep) in enumerate(chosen)], clipped, left_out)
