@@ -419,10 +419,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from ..tasks.difficulty import PlatformDifficulty
     from .inspect import inspect_target, render_text
 
-    if args.difficulty_filter and args.difficulty is None:
-        raise _UsageError("--difficulty-filter narrows --difficulty's platform data; pass --difficulty too")
     if args.difficulty_filter and args.difficulty != "platform":
-        raise _UsageError("--difficulty-filter applies to the platform's data, not to a file")
+        raise _UsageError("--difficulty-filter narrows --difficulty's platform data (not a file's): pass --difficulty "
+                          "without a SOURCE")
     difficulty = args.difficulty
     if difficulty == "platform":
         difficulty = PlatformDifficulty(**dict(args.difficulty_filter))
@@ -480,11 +479,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             if given:
                 raise _UsageError(f"{flag} is only used with --base-url")
         policy = args.model
-    targets, names = args.target, args.env_name or []
-    if len(targets) == 1:
-        pairs = [(targets[0], name) for name in names or [None]]
-    elif len(names) in (0, 1):
-        pairs = [(target, names[0] if names else None) for target in targets]
+    targets, names = args.target, args.env_name or [None]
+    if len(targets) == 1 or len(names) == 1:
+        pairs = [(target, name) for target in targets for name in names]
     elif len(names) == len(targets):
         pairs = list(zip(targets, names, strict=True))
     else:
