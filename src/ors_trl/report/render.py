@@ -104,10 +104,7 @@ class Pair:
 
 def runs(tally: Tally) -> list[Run]:
     """Every run with episodes, in order: the labelled ones as labelled, then the others as first read."""
-    cells: dict[RunKey, dict[tuple[str, str], EpisodeStats]] = {}
-    for (run, env, task), stats in tally.run_tasks.items():
-        cells.setdefault(run, {})[(env, task)] = stats
-    return [Run(key, tally.run_names[key], stats, cells.get(key, {}), *pass_over_tasks(cells.get(key, {}).values()))
+    return [Run(key, tally.run_names[key], stats, tally.cells[key], *pass_over_tasks(tally.cells[key].values()))
             for key, stats in tally.runs.items() if stats.episodes]
 
 
@@ -282,8 +279,9 @@ def _diagnostics(t: Tally, rows: list[Run]) -> str:
     kinds = sorted({k for c in reasons.values() for k in c}, key=lambda k: (k.split(":")[0], -sum(
         c[k] for c in reasons.values()), k))
     per_env: dict[tuple[str, str], EpisodeStats] = {}
-    for (run, env, _), stats in t.run_tasks.items():
-        per_env.setdefault((env, t.run_names[run]), EpisodeStats(t.success_threshold)).merge(stats)
+    for run, cells in t.cells.items():
+        for (env, _), stats in cells.items():
+            per_env.setdefault((env, t.run_names[run]), EpisodeStats(t.success_threshold)).merge(stats)
     envs = sorted(t.envs)
     latency = (_latency_rows("session open (timings.open)", t.open_s, envs)
                + _latency_rows("tool call (seconds)", t.call_s, envs))

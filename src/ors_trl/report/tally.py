@@ -82,7 +82,7 @@ class Tally:
         self._stats = partial(EpisodeStats, success_threshold)
         self.tasks: defaultdict[tuple[str, str], EpisodeStats] = defaultdict(self._stats)  # (environment, task)
         self.runs: dict[RunKey, EpisodeStats] = {("label", name): self._stats() for name in labels or []}
-        self.run_tasks: defaultdict[tuple[RunKey, str, str], EpisodeStats] = defaultdict(self._stats)
+        self.cells: dict[RunKey, dict[tuple[str, str], EpisodeStats]] = defaultdict(lambda: defaultdict(self._stats))
         # run -> environment -> (splits, hosts): where each run's episodes ran
         self.places: defaultdict[RunKey, dict[str, tuple[set[str], set[str]]]] = defaultdict(dict)
         self.run_failures: defaultdict[RunKey, Counter[str]] = defaultdict(Counter)  # tool-call and episode errors
@@ -120,7 +120,7 @@ class Tally:
         counted = {**rec, "end_reason": end, "unscored": unscored}  # the labels, bounded
         self.tasks[(env, task)].add_record(counted)
         self.runs.setdefault(run, self._stats()).add_record(counted)
-        self.run_tasks[(run, env, task)].add_record(counted)
+        self.cells[run][(env, task)].add_record(counted)
         self.run_failures[run].update(f"tool call failed: {k}" for k in fails)
         if error:
             self.run_failures[run][f"episode error: {_kind(error, 'error')}"] += 1
