@@ -178,15 +178,6 @@ def episode_records(items: Sequence[Input], skipped: Counter[str]) -> Iterator[t
                 skipped["not an episode record"] += 1
 
 
-def check_not_an_input(out: Path, items: Sequence[Input]) -> None:
-    """Refuse to write the page over a file it is made from (also through a link or another path to it)."""
-    for item in items:
-        with contextlib.suppress(OSError):  # an output that does not exist (or cannot be looked at) is no input
-            if os.path.samefile(out, item.path):
-                raise ConfigurationError(f"the output {out} is the input {item.path}: writing the page there would "
-                                         "replace it; pass another --output")
-
-
 def write_report(inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
                  output: str | os.PathLike[str] = "report.html", *,
                  max_episodes: int = DEFAULT_MAX_EPISODES, title: str | None = None,
@@ -237,7 +228,11 @@ def write_report(inputs: str | os.PathLike[str] | Sequence[str | os.PathLike[str
         raise ConfigurationError("no inputs given")
     items = recognise_all(inputs, named)
     out = Path(output)
-    check_not_an_input(out, items)
+    for item in items:  # never the page over a file it is made from (also through a link or another path to it)
+        with contextlib.suppress(OSError):  # an output that does not exist (or cannot be looked at) is no input
+            if os.path.samefile(out, item.path):
+                raise ConfigurationError(f"the output {out} is the input {item.path}: writing the page there would "
+                                         "replace it; pass another --output")
     tally = Tally(max_episodes, float(threshold), list(dict.fromkeys(name for name, _ in named)))
     skipped: Counter[str] = Counter()
     for record, item in episode_records(items, skipped):
