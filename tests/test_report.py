@@ -21,7 +21,7 @@ import pytest
 
 from ors_trl import ConfigurationError, OpenRewardSpec, PolicyReply, ToolError, write_report
 from ors_trl.cli import EXIT_ERROR, EXIT_OK, EXIT_USAGE, main
-from ors_trl.report.inputs import recognise
+from ors_trl.report import recognise
 from tests.fixtures.environments import QUIZ_SYSTEM
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import importlib.util
 import json
 import logging
 import math
@@ -167,48 +166,57 @@ def _layout(description: str) -> dict[str, Any]:
             "formatter_class": argparse.RawDescriptionHelpFormatter}
 
 
+def _flag(p: Any, spec: str, text: str, **options: Any) -> None:
+    """`p.add_argument`: `spec` names the flag and its metavar (`"--tasks K"`); without one, a switch (store_true)."""
+    *names, last = spec.split()
+    if last.startswith("-"):
+        names.append(last)
+        options.setdefault("action", "store_true")
+    else:
+        options["metavar"] = last
+    p.add_argument(*names, help=text, **options)
+
+
 def _add_output(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
-    p.add_argument("-v", "--verbose", action="store_true", help="log debug details to stderr")
+    _flag(p, "--json", "print one JSON document on stdout instead of text")
+    _flag(p, "-v --verbose", "log debug details to stderr")
 
 
 def _add_success_threshold(p: argparse.ArgumentParser) -> None:
     from ..core.metrics import DEFAULT_SUCCESS_THRESHOLD
 
-    p.add_argument("--success-threshold", metavar="X", type=_finite_number,
-                   help=f"an episode succeeded when its reward is at least X (default {DEFAULT_SUCCESS_THRESHOLD:g}; "
-                        "one given must lie within the rewards seen)")
+    _flag(p, "--success-threshold X", f"an episode succeeded when its reward is at least X (default "
+          f"{DEFAULT_SUCCESS_THRESHOLD:g}; one given must lie within the rewards seen)", type=_finite_number)
 
 
 def _add_common(p: argparse.ArgumentParser, sessions: str, toolset: str, *, many: bool = False,
-                timeout: str = "10 to connect, 60 per request", retries: int = 5) -> None:
+                timeout: float | None = None, retries: int | None = None) -> None:
     """TARGET (several with `many`), --env-name, the output flags and the client's flags (`_client_options`);
-    `toolset` is --toolset's help, `sessions` the sessions --toolset-fallback and --env-override act on."""
+    `toolset` is --toolset's help, `sessions` the sessions --toolset-fallback and --env-override act on; `timeout`
+    and `retries` the defaults of --timeout and --retries (None: the client's)."""
     several = "; several: a mix, reported per environment and weighted overall" if many else ""
     p.add_argument("target", metavar="TARGET", nargs="+" if many else None,
                    help=f"server URL (http://127.0.0.1:8000) or catalog name (owner/name){several}")
     each = "; once for every TARGET, once per TARGET, or several for one TARGET" if many else ""
-    p.add_argument("--env-name", metavar="N", action="append" if many else "store",
-                   help=f"environment on a server hosting several (default: the first){each}")
+    _flag(p, "--env-name N", f"environment on a server hosting several (default: the first){each}",
+          action="append" if many else "store")
     _add_output(p)
-    p.add_argument("--timeout", metavar="S", type=_positive_seconds,
-                   help="seconds for connecting and for each request to the environment server other than a tool "
-                        f"call (default {timeout})")
-    p.add_argument("--retries", metavar="N", type=_non_negative_int,
-                   help=f"retries of a request after a network error or 429/502/503/504 (default {retries})")
-    p.add_argument("--toolset", metavar="NAME", help=toolset)
-    p.add_argument("--toolset-fallback", action="store_true",
-                   help=f"when the server refuses --toolset, open {sessions} without it (one log line), not fail")
-    p.add_argument("--env-override", metavar="KEY=VALUE", type=_env_override, action="append", default=[],
-                   help=f"an environment variable for {sessions} (repeatable; on the platform, non-owners may set "
-                        "only OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY); values are "
-                        "masked like secrets in every output")
+    _flag(p, "--timeout S", f"seconds for connecting and for each request to the environment server other than a tool "
+          f"call (default {'10 to connect, 60 per request' if timeout is None else f'{timeout:g}'})",
+          type=_positive_seconds, default=timeout)
+    _flag(p, "--retries N", "retries of a request after a network error or 429/502/503/504 (default "
+          f"{5 if retries is None else retries})", type=_non_negative_int, default=retries)
+    _flag(p, "--toolset NAME", toolset)
+    _flag(p, "--toolset-fallback", f"when the server refuses --toolset, open {sessions} without it (one log line), "
+          "not fail")
+    _flag(p, "--env-override KEY=VALUE", f"an environment variable for {sessions} (repeatable; on the platform, "
+          "non-owners may set only OPENAI_BASE_URL, OPENAI_API_KEY, ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY); values "
+          "are masked like secrets in every output", type=_env_override, action="append", default=[])
 
 
-def _client_options(args: argparse.Namespace, timeout: float | None = None, retries: int | None = None,
-                    tool_timeout: float | None = None) -> dict[str, Any]:
+def _client_options(args: argparse.Namespace, tool_timeout: float | None = None) -> dict[str, Any]:
     """A client's keywords from `_add_common`'s flags (a name given twice, or a fallback without a toolset: usage
-    errors); the waits from --timeout/--retries, else `timeout`/`retries`, else the client's defaults."""
+    errors); the waits from --timeout/--retries, else the client's defaults."""
     from ..protocol.transport import RetryPolicy, Timeouts
 
     overrides: dict[str, str] = {}
@@ -220,13 +228,12 @@ def _client_options(args: argparse.Namespace, timeout: float | None = None, retr
         raise _UsageError("--toolset-fallback needs --toolset (the toolset to fall back from)")
     options: dict[str, Any] = {"toolset": args.toolset, "toolset_fallback": args.toolset_fallback,
                                "env_overrides": overrides or None}
-    timeout = args.timeout if args.timeout is not None else timeout
-    retries = args.retries if args.retries is not None else retries
+    timeout = args.timeout
     if timeout is not None or tool_timeout is not None:
         request = {} if timeout is None else {"connect": min(timeout, Timeouts.connect or timeout), "request": timeout}
         options["timeouts"] = Timeouts(**request, **({} if tool_timeout is None else {"tool_call": tool_timeout}))
-    if retries is not None:
-        options["retry"] = RetryPolicy(max_attempts=retries + 1)
+    if args.retries is not None:
+        options["retry"] = RetryPolicy(max_attempts=args.retries + 1)
     return options
 
 
@@ -245,21 +252,21 @@ def build_parser() -> argparse.ArgumentParser:
         "their JSON schemas, and the Python signatures and rendered schemas after binding, with binding warnings."),
         help="show environments, splits, tasks, tools and the tool signatures/schemas the model will see")
     _add_common(p, "the probe session", "give the probe session this platform toolset (e.g. codex) and list its tools",
-                timeout=f"{INSPECT_TIMEOUT:g}", retries=INSPECT_RETRIES)
-    p.add_argument("--split", metavar="S", help="split to show tasks of (default: train, else the first)")
-    p.add_argument("--tasks", metavar="K", type=_non_negative_int, default=3, help="tasks to show (default 3)")
-    p.add_argument("--probe-index", metavar="I", type=int, default=0,
-                   help="task whose session is probed for task-specific tools (default 0)")
-    p.add_argument("--no-probe", action="store_true", help="open no session (task-specific tools are not listed)")
-    p.add_argument("--call", metavar="NAME[=JSON]", type=_tool_call, action="append", default=[],
-                   help="call this tool in the probe session (arguments: a JSON object, default {}) and show what its "
-                        "output holds (text, images); repeatable. Tools can have effects: only on request")
-    p.add_argument("--difficulty", metavar="SOURCE", nargs="?", const="platform",
-                   help="show the distribution of the split's per-task mean rewards, from an `ors-trl eval --output` "
-                        "file or an episode log, or (no SOURCE, catalog environments) the OpenReward platform's")
-    p.add_argument("--difficulty-filter", metavar="KEY=VALUE", type=_difficulty_filter, action="append", default=[],
-                   help="narrow the platform's data: model_name, min_model_params, max_model_params, training_stage "
-                        "(pretrained, sft, rl); repeatable")
+                timeout=INSPECT_TIMEOUT, retries=INSPECT_RETRIES)
+    _flag(p, "--split S", "split to show tasks of (default: train, else the first)")
+    _flag(p, "--tasks K", "tasks to show (default 3)", type=_non_negative_int, default=3)
+    _flag(p, "--probe-index I", "task whose session is probed for task-specific tools (default 0)",
+          type=int, default=0)
+    _flag(p, "--no-probe", "open no session (task-specific tools are not listed)")
+    _flag(p, "--call NAME[=JSON]", "call this tool in the probe session (arguments: a JSON object, default {}) and "
+          "show what its output holds (text, images); repeatable. Tools can have effects: only on request",
+          type=_tool_call, action="append", default=[])
+    _flag(p, "--difficulty SOURCE", "show the distribution of the split's per-task mean rewards, from an `ors-trl "
+          "eval --output` file or an episode log, or (no SOURCE, catalog environments) the OpenReward platform's",
+          nargs="?", const="platform")
+    _flag(p, "--difficulty-filter KEY=VALUE", "narrow the platform's data: model_name, min_model_params, "
+          "max_model_params, training_stage (pretrained, sft, rl); repeatable",
+          type=_difficulty_filter, action="append", default=[])
 
     p = sub.add_parser("eval", **_layout(
         "Run a policy over tasks, concurrently, and report mean reward (over scored episodes), success rate and, with "
@@ -272,77 +279,66 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a policy (local model or OpenAI-compatible endpoint) over tasks and report rewards")
     _add_common(p, "every session", "the platform toolset every session gets (e.g. codex, claude-code); its tools "
                 "are bound too", many=True)
-    p.add_argument("--model", metavar="M",
-                   help="local model directory, or the served model's name with --base-url (or --policy instead)")
-    p.add_argument("--policy", choices=("random",),
-                   help="no model: random (RandomPolicy) calls a random tool each turn with arguments drawn from its "
-                        "schema, seeded by --seed; to try an environment end to end")
-    p.add_argument("--base-url", metavar="URL", help="OpenAI-compatible API root, e.g. http://127.0.0.1:8001/v1")
-    p.add_argument("--api-key", metavar="KEY",
-                   help="key for --base-url (default: $OPENAI_API_KEY); never logged or recorded")
-    p.add_argument("--tool-markup", metavar="TEXT", action="append",
-                   help="with --base-url and a server without a tool-call parser: text that opens a tool call in the "
-                        "model's replies (a reply holding it counts as an unparsed tool call); repeatable (default: "
-                        "the major chat templates' markups, e.g. <tool_call>, [TOOL_CALLS], <|python_tag|>)")
+    _flag(p, "--model M", "local model directory, or the served model's name with --base-url (or --policy instead)")
+    _flag(p, "--policy {random}", "no model: random (RandomPolicy) calls a random tool each turn with arguments drawn "
+          "from its schema, seeded by --seed; to try an environment end to end", choices=("random",))
+    _flag(p, "--base-url URL", "OpenAI-compatible API root, e.g. http://127.0.0.1:8001/v1")
+    _flag(p, "--api-key KEY", "key for --base-url (default: $OPENAI_API_KEY); never logged or recorded")
+    _flag(p, "--tool-markup TEXT", "with --base-url and a server without a tool-call parser: text that opens a tool "
+          "call in the model's replies (a reply holding it counts as an unparsed tool call); repeatable (default: the "
+          "major chat templates' markups, e.g. <tool_call>, [TOOL_CALLS], <|python_tag|>)", action="append")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--num-tasks", metavar="N", type=_positive_int, help="the first N tasks (default: all)")
-    group.add_argument("--indices", metavar="LIST", type=_indices,
-                       help="exactly these task indices, e.g. 0,3,5 or 0-9. First, one session per distinct listed "
-                            "task (task 0 without --indices) is opened and closed to find its task-specific tools, "
-                            "bound as training with the same selection binds them; --per-task-tools opens none")
-    p.add_argument("--split", metavar="S", default="train", help="split to draw tasks from (default train)")
-    p.add_argument("--repeats", metavar="R", type=_positive_int, default=1,
-                   help="episodes per task (default 1); pass@k is reported for k = 1..R")
+    _flag(group, "--num-tasks N", "the first N tasks (default: all)", type=_positive_int)
+    _flag(group, "--indices LIST", "exactly these task indices, e.g. 0,3,5 or 0-9. First, one session per distinct "
+          "listed task (task 0 without --indices) is opened and closed to find its task-specific tools, bound as "
+          "training with the same selection binds them; --per-task-tools opens none", type=_indices)
+    _flag(p, "--split S", "split to draw tasks from (default train)", default="train")
+    _flag(p, "--repeats R", "episodes per task (default 1); pass@k is reported for k = 1..R",
+          type=_positive_int, default=1)
     _add_success_threshold(p)
-    p.add_argument("--weights", metavar="W,W", type=_weights,
-                   help="with several environments: their weights in the overall numbers (default: by episodes)")
-    p.add_argument("--upload", action="store_true", help="send every episode to the OpenReward rollout viewer (needs "
-                   "OPENREWARD_API_KEY and the openreward package); failures are counted, never fatal")
-    p.add_argument("--concurrency", metavar="C", type=_positive_int, default=8,
-                   help="episodes (sessions) at once (default 8)")
-    p.add_argument("--max-turns", metavar="T", type=_positive_int, default=10,
-                   help="policy replies per episode; the last one's calls are not run, as in TRL's loop "
-                        "(= max_tool_calling_iterations + 1; default 10)")
-    p.add_argument("--tool-timeout", metavar="S", type=_positive_seconds, help="seconds one tool call may take before "
-                   "it fails (the episode is then unscored, counted as an error; default 3600)")
-    p.add_argument("--episode-timeout", metavar="S", type=_positive_seconds,
-                   help="seconds one episode may take (policy replies and tool calls); past it the episode is "
-                        "closed, recorded with end reason timeout and scored None (default: no limit)")
-    p.add_argument("--output", metavar="FILE", help="JSON-lines file receiving every episode")
-    p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted evaluation from --output: run only the missing episodes")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
-    p.add_argument("--temperature", metavar="X", type=float, default=0.0,
-                   help="sampling temperature (default 0: greedy)")
-    p.add_argument("--max-new-tokens", metavar="K", type=_positive_int,
-                   help="tokens per reply (local default 256; endpoint: max_tokens, not sent unless given)")
-    p.add_argument("--seed", metavar="S", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--device", metavar="D", help="device for a local model (default: cuda if available, else cpu)")
-    p.add_argument("--max-tool-calls", metavar="N", type=_non_negative_int, help="tool calls per episode; later ones "
-                   "are refused (the model reads why), counted as refused failures as in training (default: no limit)")
-    p.add_argument("--per-task-tools", action="store_true", help="bind each episode's own tool list, not the tools "
-                   "training binds (no tool-discovery sessions are opened first)")
-    p.add_argument("--score-groups", action="store_true", help="also score each task's episodes (--repeats) together "
-                   "with the environment's /score_group")
-    p.add_argument("--harness", metavar="CMD",
-                   help="play each episode with this agent command, which owns its loop: it runs once per episode "
-                        "with OPENAI_BASE_URL and OPENAI_API_KEY (the policy, served on loopback), ORS_MCP_URL and "
-                        "ORS_MCP_TOKEN (the episode's tools over MCP), ORS_PROMPT and ORS_MESSAGES set; its standard "
-                        "output is its final answer")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _flag(p, "--weights W,W", "with several environments: their weights in the overall numbers (default: by episodes)",
+          type=_weights)
+    _flag(p, "--upload", "send every episode to the OpenReward rollout viewer (needs OPENREWARD_API_KEY and the "
+          "openreward package); failures are counted, never fatal")
+    _flag(p, "--concurrency C", "episodes (sessions) at once (default 8)", type=_positive_int, default=8)
+    _flag(p, "--max-turns T", "policy replies per episode; the last one's calls are not run, as in TRL's loop (= "
+          "max_tool_calling_iterations + 1; default 10)", type=_positive_int, default=10)
+    _flag(p, "--tool-timeout S", "seconds one tool call may take before it fails (the episode is then unscored, "
+          "counted as an error; default 3600)", type=_positive_seconds)
+    _flag(p, "--episode-timeout S", "seconds one episode may take (policy replies and tool calls); past it the "
+          "episode is closed, recorded with end reason timeout and scored None (default: no limit)",
+          type=_positive_seconds)
+    _flag(p, "--output FILE", "JSON-lines file receiving every episode")
+    _flag(p, "--resume", "continue an interrupted evaluation from --output: run only the missing episodes")
+    _flag(p, "--overwrite", "replace an existing --output")
+    _flag(p, "--temperature X", "sampling temperature (default 0: greedy)", type=float, default=0.0)
+    _flag(p, "--max-new-tokens K", "tokens per reply (local default 256; endpoint: max_tokens, not sent unless given)",
+          type=_positive_int)
+    _flag(p, "--seed S", "sampling seed (default 0)", type=int, default=0)
+    _flag(p, "--device D", "device for a local model (default: cuda if available, else cpu)")
+    _flag(p, "--max-tool-calls N", "tool calls per episode; later ones are refused (the model reads why), counted as "
+          "refused failures as in training (default: no limit)", type=_non_negative_int)
+    _flag(p, "--per-task-tools", "bind each episode's own tool list, not the tools training binds (no tool-discovery "
+          "sessions are opened first)")
+    _flag(p, "--score-groups", "also score each task's episodes (--repeats) together with the environment's "
+          "/score_group")
+    _flag(p, "--harness CMD", "play each episode with this agent command, which owns its loop: it runs once per "
+          "episode with OPENAI_BASE_URL and OPENAI_API_KEY (the policy, served on loopback), ORS_MCP_URL and "
+          "ORS_MCP_TOKEN (the episode's tools over MCP), ORS_PROMPT and ORS_MESSAGES set; its standard output is its "
+          "final answer")
+    _flag(p, "--no-progress", "no progress bar")
 
     p = sub.add_parser("serve-echo", **_layout(
         "Start the reference ORS server with the bundled demo environments (default: echo, TRL's guide task) on a "
         "loopback address, to try ors-trl without an environment of your own. Needs the openreward package (pip "
         "install 'ors-trl[demo]'). Stop it with Ctrl-C."),
         help="serve the bundled echo environment under the reference server on loopback (needs openreward)")
-    p.add_argument("--port", metavar="N", type=int, required=True, help="TCP port to listen on")
-    p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (default 127.0.0.1)")
-    p.add_argument("--envs", default="echo",
-                   help="comma-separated bundled environments (echo, demo, look, card: the answer only in an "
-                        "image, needs Pillow, and corridor: ~30 calls per episode, ORS_CORRIDOR_DEATH=CALL:EVERY "
-                        "kills sandboxes), or 'all' (default echo)")
-    p.add_argument("--log-level", default="warning", help="server log level (default warning)")
+    _flag(p, "--port N", "TCP port to listen on", type=int, required=True)
+    _flag(p, "--host HOST", "loopback address to bind (default 127.0.0.1)", default="127.0.0.1")
+    _flag(p, "--envs ENVS", "comma-separated bundled environments (echo, demo, look, card: the answer only in an "
+          "image, needs Pillow, and corridor: ~30 calls per episode, ORS_CORRIDOR_DEATH=CALL:EVERY kills sandboxes), "
+          "or 'all' (default echo)", default="echo")
+    _flag(p, "--log-level LOG_LEVEL", "server log level (default warning)", default="warning")
 
     from ..report.tally import DEFAULT_MAX_EPISODES
 
@@ -360,15 +356,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="write one self-contained HTML page from episode logs, eval outputs and trainer logs")
     p.add_argument("inputs", metavar="INPUT", nargs="*",
                    help="episode log or eval output (JSON lines), trainer output folder, or trainer_state.json")
-    p.add_argument("--label", metavar="NAME=FILE", type=_label, action="append", default=[],
-                   help="name the run FILE holds (an input too); repeat for each run, the first is the baseline the "
-                        "others are compared with, task by task")
-    p.add_argument("-o", "--output", metavar="FILE", default="report.html",
-                   help="the HTML file to write (default report.html; replaced if it exists)")
-    p.add_argument("--max-episodes", metavar="N", type=_non_negative_int, default=DEFAULT_MAX_EPISODES,
-                   help=f"episode bodies embedded, a deterministic sample (default {DEFAULT_MAX_EPISODES})")
+    _flag(p, "--label NAME=FILE", "name the run FILE holds (an input too); repeat for each run, the first is the "
+          "baseline the others are compared with, task by task", type=_label, action="append", default=[])
+    _flag(p, "-o --output FILE", "the HTML file to write (default report.html; replaced if it exists)",
+          default="report.html")
+    _flag(p, "--max-episodes N", f"episode bodies embedded, a deterministic sample (default {DEFAULT_MAX_EPISODES})",
+          type=_non_negative_int, default=DEFAULT_MAX_EPISODES)
     _add_success_threshold(p)
-    p.add_argument("--title", metavar="TEXT", help="the page's title (default: names the environments)")
+    _flag(p, "--title TEXT", "the page's title (default: names the environments)")
     _add_output(p)
 
     p = sub.add_parser("cleanup", **_layout(
@@ -380,13 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="delete the sessions that killed ors-trl processes left open (the orphan registry)")
     p.add_argument("dir", metavar="DIR", nargs="?", default=None,
                    help="the run's working directory, or a state folder (default: $ORS_TRL_STATE_DIR, else .)")
-    p.add_argument("--any-host", action="store_true", help="also treat registries written on other hosts as dead (a "
-                   "shared disk whose nodes are gone)")
+    _flag(p, "--any-host", "also treat registries written on other hosts as dead (a shared disk whose nodes are gone)")
     _add_output(p)
 
     for p in (parser, *sub.choices.values()):  # one flag before or after the command
-        p.add_argument("--debug", action="store_true", default=False if p is parser else argparse.SUPPRESS,
-                       help=f"on failure, also print the traceback (also: {DEBUG_ENV}=1)")
+        _flag(p, "--debug", f"on failure, also print the traceback (also: {DEBUG_ENV}=1)",
+              default=False if p is parser else argparse.SUPPRESS)
     sub.add_parser("demo", help="the bundled GRPO demo (options are passed to it; `ors-trl demo --help`)",
                    add_help=False)
     return parser
@@ -425,14 +419,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from ..tasks.difficulty import PlatformDifficulty
     from .inspect import inspect_target, render_text
 
-    if args.difficulty_filter and args.difficulty is None:
-        raise _UsageError("--difficulty-filter narrows --difficulty's platform data; pass --difficulty too")
     if args.difficulty_filter and args.difficulty != "platform":
-        raise _UsageError("--difficulty-filter applies to the platform's data, not to a file")
+        raise _UsageError("--difficulty-filter narrows --difficulty's platform data (not a file's): pass --difficulty "
+                          "without a SOURCE")
     difficulty = args.difficulty
     if difficulty == "platform":
         difficulty = PlatformDifficulty(**dict(args.difficulty_filter))
-    client = _client_options(args, INSPECT_TIMEOUT, INSPECT_RETRIES)
+    client = _client_options(args)
     info = inspect_target(args.target, env_name=args.env_name, split=args.split, tasks=args.tasks,
                           probe=not args.no_probe, probe_index=args.probe_index, calls=args.call, **client)
     if difficulty is not None:
@@ -486,11 +479,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             if given:
                 raise _UsageError(f"{flag} is only used with --base-url")
         policy = args.model
-    targets, names = args.target, args.env_name or []
-    if len(targets) == 1:
-        pairs = [(targets[0], name) for name in names or [None]]
-    elif len(names) in (0, 1):
-        pairs = [(target, names[0] if names else None) for target in targets]
+    targets, names = args.target, args.env_name or [None]
+    if len(targets) == 1 or len(names) == 1:
+        pairs = [(target, name) for target in targets for name in names]
     elif len(names) == len(targets):
         pairs = list(zip(targets, names, strict=True))
     else:

@@ -1,4 +1,5 @@
-"""The tallies: every episode counted once, per task and per run (`EpisodeStats`), and a bounded sample of bodies.
+"""The recognised inputs (`Input`); the tallies: every episode counted once, per task and per run (`EpisodeStats`);
+a bounded sample of bodies.
 
 Record values are untrusted: labels are shortened, reserved kinds bounded. A run is a labelled input's episodes, else
 the records sharing a run id, source, policy and step (two inputs holding one run's episodes of a task are refused).
@@ -15,6 +16,7 @@ from array import array
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from functools import cached_property, partial
+from pathlib import Path
 from typing import Any
 
 from ..core.metrics import EpisodeStats, _number
@@ -52,6 +54,17 @@ def _kind(error: Any, fallback: str) -> str:
 
 
 @dataclass
+class Input:
+    """One recognised input: "episodes" or a "trainer_state" (parsed: `state`); `run`: the name the user gave it."""
+
+    path: Path
+    kind: str
+    label: str
+    state: dict[str, Any] | None = None
+    run: str | None = None
+
+
+@dataclass
 class Sample:
     """The embedded episodes in input order; how many the byte bound cut the texts of, and left out."""
 
@@ -69,7 +82,7 @@ class Tally:
         self._stats = partial(EpisodeStats, success_threshold)
         self.tasks: defaultdict[tuple[str, str], EpisodeStats] = defaultdict(self._stats)  # (environment, task)
         self.runs: dict[RunKey, EpisodeStats] = {("label", name): self._stats() for name in labels or []}
-        self.run_tasks: defaultdict[tuple[RunKey, str, str], EpisodeStats] = defaultdict(self._stats)
+        self.cells: dict[RunKey, dict[tuple[str, str], EpisodeStats]] = defaultdict(lambda: defaultdict(self._stats))
         # run -> environment -> (splits, hosts): where each run's episodes ran
         self.places: defaultdict[RunKey, dict[str, tuple[set[str], set[str]]]] = defaultdict(dict)
         self.run_failures: defaultdict[RunKey, Counter[str]] = defaultdict(Counter)  # tool-call and episode errors
@@ -107,7 +120,7 @@ class Tally:
         counted = {**rec, "end_reason": end, "unscored": unscored}  # the labels, bounded
         self.tasks[(env, task)].add_record(counted)
         self.runs.setdefault(run, self._stats()).add_record(counted)
-        self.run_tasks[(run, env, task)].add_record(counted)
+        self.cells[run][(env, task)].add_record(counted)
         self.run_failures[run].update(f"tool call failed: {k}" for k in fails)
         if error:
             self.run_failures[run][f"episode error: {_kind(error, 'error')}"] += 1
@@ -208,17 +221,14 @@ class Tally:
         for seq, ep in order.items():
             ep["run"] = self.run_names.get(ep["run"], ep["run"])
             rec = ep["rec"]
-            ep["rec"] = jsonable(rec)  # JSON.parse-able: no NaN, no lone surrogate, bounded depth
-            n = len(json.dumps(ep, ensure_ascii=False))
-            if size + n > SAMPLE_BYTES:
-                ep["rec"] = jsonable(rec, max_text=EMBED_TEXT, fields=None)
-                n = len(json.dumps(ep, ensure_ascii=False))
-                if size + n > SAMPLE_BYTES:
-                    left_out += 1
-                    continue
-                clipped += 1
-            size += n
-            chosen.append((seq, ep))
+            for clip in ({}, {"max_text": EMBED_TEXT, "fields": None}):  # whole, else with its texts cut
+                ep["rec"] = jsonable(rec, **clip)  # JSON.parse-able: no NaN, no lone surrogate, bounded depth
+                if size + (n := len(json.dumps(ep, ensure_ascii=False))) <= SAMPLE_BYTES:
+                    size, clipped = size + n, clipped + bool(clip)
+                    chosen.append((seq, ep))
+                    break
+            else:
+                left_out += 1
         chosen.sort(key=lambda x: x[0])
         self.embedded = Counter((ep["env"], ep["task"]) for _, ep in chosen)
         return Sample([dict(ep, id=i) for i, (_, ep) in enumerate(chosen)], clipped, left_out)
