@@ -38,7 +38,7 @@ from .errors import (
     status_error,
 )
 from .target import Target, _host_port, _validate_url
-from .text import clean_json, cut, escape_controls, readable, repair, unescape_json
+from .text import JSON_ESCAPES, clean_json, cut, escape_controls, readable, repair, unescape_json
 from .types import MASK
 
 __all__ = ["DECODE_BYTES_PER_CHAR", "DECODE_MIN_BYTES", "Decoder", "RetryPolicy", "Timeouts", "Transport", "masked"]
@@ -60,8 +60,7 @@ _MASK = "***"
 #: How much of an error answer's body is read for its detail, and of an answer that is not JSON for the message.
 _ERROR_BODY_LIMIT = _QUOTE_HEAD = 64 * 1024
 #: JSON's short escapes: a secret holding one of these characters may be spelled with its escape in an answer.
-_SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "/": "\\/", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
-                  "\t": "\\t"}
+_SHORT_ESCAPES = {char: "\\" + letter for letter, char in JSON_ESCAPES.items()}
 _ESCAPE = re.compile(r"\\u")  # a regex: with many backslashes in a text, `"\\u" in text` is slower
 _LINE_END = re.compile(rb"\r\n|\r|\n")  # of an event stream: CRLF, LF or CR alone
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
@@ -128,20 +127,14 @@ class RetryPolicy:
     resume_attempts: int = 8
 
     def __post_init__(self) -> None:
-        def number(value: Any) -> bool:
-            return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-        if not (number(self.backoff_initial) and number(self.backoff_max)
-                and 0 < self.backoff_initial <= self.backoff_max):
+        first, cap, start = self.backoff_initial, self.backoff_max, self.starting_timeout
+        if not (_number(first) and _number(cap) and 0 < first <= cap):
             raise ConfigurationError(f"RetryPolicy: backoff_initial and backoff_max must be positive seconds with "
-                                     f"backoff_initial <= backoff_max, got {self.backoff_initial!r} and "
-                                     f"{self.backoff_max!r}")
-        if not (number(self.starting_timeout) and self.starting_timeout >= 0):
-            raise ConfigurationError(f"RetryPolicy: starting_timeout must be seconds >= 0, got "
-                                     f"{self.starting_timeout!r}")
+                                     f"backoff_initial <= backoff_max, got {first!r} and {cap!r}")
+        if not (_number(start) and start >= 0):
+            raise ConfigurationError(f"RetryPolicy: starting_timeout must be seconds >= 0, got {start!r}")
         for name, low in (("max_attempts", 1), ("resume_attempts", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if isinstance(value := getattr(self, name), bool) or not isinstance(value, int) or value < low:
                 raise ConfigurationError(f"RetryPolicy: {name} must be an int >= {low}, got {value!r}")
 
     def delay(self, attempt: int, retry_after: float | None = None) -> float:
@@ -158,6 +151,10 @@ class RetryPolicy:
         if retry_after is not None and not math.isnan(retry_after):
             wait = max(wait, retry_after)
         return min(wait, self.backoff_max)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _attempts(n: int) -> str:
@@ -284,16 +281,11 @@ def _decoded_size(text: str) -> int:
 
 def _detail_of(decoder: Decoder, body: bytes) -> str:
     """The `detail` of an error answer (FastAPI's `{"detail": ...}`), else its body."""
-    try:
+    with contextlib.suppress(ProtocolError, ValueError, RecursionError):  # not JSON; a detail JSON cannot write
         value = decoder.decode(body, "")
-    except ProtocolError:
-        return decoder.text(body)
-    if isinstance(value, dict) and "detail" in value:
-        detail = value["detail"]
-        if isinstance(detail, str):
-            return detail
-        with contextlib.suppress(ValueError, RecursionError):
-            return json.dumps(detail, ensure_ascii=False)
+        if isinstance(value, dict) and "detail" in value:
+            detail = value["detail"]
+            return detail if isinstance(detail, str) else json.dumps(detail, ensure_ascii=False)
     return decoder.text(body)
 
 
@@ -696,13 +688,12 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
             elif attempts >= policy.max_attempts:
                 err.args = (f"{err.args[0]} (gave up after {_attempts(attempts)})", *err.args[1:])
                 raise err from None
-        except aiohttp.ClientConnectorError as exc:  # nothing was sent: always safe to retry
-            if attempts >= policy.max_attempts:
-                raise TransportError(f"{what}: cannot connect to {base} after {_attempts(attempts)} "
-                                     f"({_describe(exc, mask)}). Is the server running and the URL right?") from None
-            delay = policy.delay(attempts)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            if not sent_is_safe or attempts >= policy.max_attempts:
+            unsent = isinstance(exc, aiohttp.ClientConnectorError)  # nothing was sent: always safe to retry
+            if attempts >= policy.max_attempts or not (unsent or sent_is_safe):
+                if unsent:
+                    raise TransportError(f"{what}: cannot connect to {base} after {_attempts(attempts)} ("
+                                         f"{_describe(exc, mask)}). Is the server running and the URL right?") from None
                 if isinstance(exc, TimeoutError):
                     raise ORSTimeoutError(f"{what}: no answer within {timeout} s (attempt {attempts}); raise "
                                           "Timeouts.request if the server is slow.") from None
@@ -730,9 +721,7 @@ def _undecodable(exc: BaseException, where: str) -> ProtocolError | None:
         if isinstance(cause, ContentEncodingError):
             return ProtocolError(f"{where}: the answer's body cannot be decoded ({readable(str(cause.message), 200)}): "
                                  "compressed data that is corrupt, or in an encoding this client did not ask for")
-        if cause is None:
-            return None
-        cause = cause.__cause__
+        cause = getattr(cause, "__cause__", None)
     return None
 
 
@@ -762,24 +751,20 @@ def _check_length(resp: aiohttp.ClientResponse, limit: int, path: str) -> None:
 
 async def _read_head(resp: aiohttp.ClientResponse, limit: int, seconds: float | None = None) -> bytes:
     """At most the first `limit` bytes of the body, and what came within `seconds` (an error body may trickle)."""
-    parts: list[bytes] = []
-    total = 0
+    body = bytearray()
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(seconds):
-            while total < limit and (chunk := await resp.content.read(limit - total)):
-                parts.append(chunk)
-                total += len(chunk)
-    return b"".join(parts)
+            while len(body) < limit and (chunk := await resp.content.read(limit - len(body))):
+                body += chunk
+    return bytes(body)
 
 
 async def _read_capped(resp: aiohttp.ClientResponse, limit: int, path: str) -> bytes:
     """The whole body, refusing (rather than buffering) more than `limit` bytes."""
     _check_length(resp, limit, path)
-    parts: list[bytes] = []
-    total = 0
+    body = bytearray()
     while chunk := await resp.content.read(1 << 16):
-        total += len(chunk)
-        if total > limit:
+        body += chunk
+        if len(body) > limit:
             raise ProtocolError(f"{path}: response larger than the {limit}-byte limit")
-        parts.append(chunk)
-    return b"".join(parts)
+    return bytes(body)
