@@ -62,12 +62,11 @@ def _started(pid: int) -> str | None:
     except (OSError, IndexError):
         if Path("/proc/self/stat").exists():
             return None
-    try:  # no /proc: the pid alone
-        os.kill(pid, 0)
+    try:
+        with contextlib.suppress(PermissionError):  # no /proc: the pid alone (another user's process is alive too)
+            os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):
         return None
-    except PermissionError:
-        pass
     return "?"
 
 
@@ -85,9 +84,7 @@ def _owner_alive(header: dict[str, Any]) -> bool | None:
     """Whether the process that wrote `header` still runs; None for another host's file (it cannot be told here)."""
     if header["host"] != socket.gethostname():
         return None
-    if header["boot"] != _boot_id():
-        return False
-    started = _started(header["pid"])
+    started = _started(header["pid"]) if header["boot"] == _boot_id() else None
     return started is not None and started in (header["start"], "?")
 
 
@@ -238,13 +235,10 @@ async def sweep(deleter: Deleter, folder: Path | None = None, *, any_host: bool 
 async def _sweep_file(path: Path, fd: int, deleter: Deleter, out: Sweep, any_host: bool) -> None:
     first, *rest = os.pread(fd, min(os.fstat(fd).st_size, _READ_LIMIT), 0).splitlines() or [b""]
     header = _header(first)
-    if header is None:
-        if first.strip() or rest:
-            out.skipped[str(path)] = "its first line is not a session registry header"
-            return
-        alive: bool | None = False  # empty: nothing to delete
-    else:
-        alive = _owner_alive(header)
+    if header is None and (first.strip() or rest):
+        out.skipped[str(path)] = "its first line is not a session registry header"
+        return
+    alive = header is not None and _owner_alive(header)  # an empty file: nothing to delete
     if alive is None and not any_host:
         out.other_hosts += 1
         return

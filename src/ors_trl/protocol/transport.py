@@ -386,8 +386,7 @@ class Transport:
         url = _validate_url(base_url, "base_url")
         transport = cls(Target("url", base_url, url, url), timeouts=timeouts, retry=retry, headers=headers,
                         error=error)
-        for secret in secrets:
-            transport.decoder.add(secret)
+        transport.decoder = Decoder(secrets)  # a URL target has no API key of its own
         return transport
 
     def _client(self) -> aiohttp.ClientSession:
@@ -410,14 +409,9 @@ class Transport:
 
     def headers(self, base: str, *, sid: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
         """The headers of a request to `base`: the API key where it belongs, the deployment, the session."""
-        h = dict(self._headers)
-        if key := self.target.key_for(base):
-            h["X-API-Key"] = str(key)
-        if self.target.deployment:
-            h["X-Deployment"] = self.target.deployment
-        if sid:
-            h["X-Session-ID"] = sid
-        return {**h, **(extra or {})}
+        key = self.target.key_for(base)
+        own = {"X-API-Key": key and str(key), "X-Deployment": self.target.deployment, "X-Session-ID": sid}
+        return {**self._headers, **{k: v for k, v in own.items() if v}, **(extra or {})}
 
     def mask(self, text: str) -> str:
         return self.decoder.mask(text)
