@@ -566,6 +566,7 @@ class Transport:
         resumes = 0
 
         async def attempt() -> Any:
+            nonlocal resumes
             payload = body if task_id is None else {**body, "task_id": task_id}
             self._count("POST", path)
             try:
@@ -576,8 +577,17 @@ class Transport:
                     return await self._result(resp, what, tool, resumed=resumes > 0, on_task_id=remember)
             except aiohttp.ClientConnectorError:
                 raise  # nothing was sent: `retrying` tries again
-            except (_Dropped, aiohttp.ClientError, TimeoutError) as exc:
-                raise _Broken(exc) from None
+            except (_Dropped, aiohttp.ClientError, TimeoutError) as exc:  # broken after it began: never re-sent blindly
+                why = _describe(exc, self.mask)
+            if task_id is None:
+                raise StreamInterruptedError(f"{what}: the connection broke before the server acknowledged the call "
+                                             f"({why}); it was not retried because it may already be running.")
+            resumes += 1
+            if resumes > self.retry.resume_attempts:
+                raise StreamInterruptedError(f"{what}: the result stream kept dropping ({why}); gave up after "
+                                             f"{resumes - 1} resumes.")
+            logger.debug("%s: stream dropped (%s); resuming task %s", what, why, readable(task_id, 80))
+            raise _Again(StreamInterruptedError(f"{what}: {why}"), resume=self.retry.delay(resumes))
 
         def remember(value: str) -> None:
             nonlocal task_id
@@ -587,22 +597,8 @@ class Transport:
                     f"({readable(value, 80)!r}); its result is not this call's, and the call was not re-run.")
             task_id = value or task_id
 
-        while True:
-            try:
-                return await retrying(self.retry, attempt, what=what, base=base, sent_is_safe=False,
-                                      timeout=self.timeouts.stream_idle, mask=self.mask), task_id
-            except _Broken as broken:
-                why = _describe(broken.args[0], self.mask)
-                if task_id is None:
-                    raise StreamInterruptedError(
-                        f"{what}: the connection broke before the server acknowledged the call ({why}); it was not "
-                        "retried because it may already be running.") from None
-                resumes += 1
-                if resumes > self.retry.resume_attempts:
-                    raise StreamInterruptedError(f"{what}: the result stream kept dropping ({why}); gave up after "
-                                                 f"{resumes - 1} resumes.") from None
-                logger.debug("%s: stream dropped (%s); resuming task %s", what, why, readable(task_id, 80))
-                await asyncio.sleep(self.retry.delay(resumes))
+        return await retrying(self.retry, attempt, what=what, base=base, sent_is_safe=False,
+                              timeout=self.timeouts.stream_idle, mask=self.mask), task_id
 
     async def _result(self, resp: aiohttp.ClientResponse, what: str, tool: str, *, resumed: bool,
                       on_task_id: Callable[[str], None]) -> Any:
@@ -639,15 +635,13 @@ class Transport:
 
 
 class _Again(Exception):
-    """An attempt failed with `error`; `retrying` decides whether to try again."""
+    """An attempt failed with `error`; `retrying` decides whether to try again. `resume`: a stream re-attached by its
+    task id after that many seconds, the attempts counted afresh."""
 
     def __init__(self, error: ORSError, *, retry_after: float | None = None, starting: bool = False,
-                 final: bool = False) -> None:
+                 final: bool = False, resume: float | None = None) -> None:
         self.error, self.retry_after, self.starting, self.final = error, retry_after, starting, final
-
-
-class _Broken(Exception):
-    """A stream broke after its answer began, by `args[0]` (resumable by task id, never retried blindly)."""
+        self.resume = resume
 
 
 class _Dropped(Exception):
@@ -658,7 +652,7 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
                    sent_is_safe: bool = True, timeout: float | None = None,
                    mask: Callable[[str], str] = lambda text: text) -> T:
     """Run `attempt()` until it succeeds, under `policy`: the one retry loop. A reset or timeout after sending is
-    retried only when `sent_is_safe`; a `starting` poll is no attempt. `mask` hides secrets in an aiohttp error."""
+    retried only when `sent_is_safe`; a `starting` poll or a stream's resume is no attempt. `mask` hides secrets in an aiohttp error."""
     loop = asyncio.get_running_loop()
     attempts = polls = 0
     starting_since: float | None = None
@@ -668,7 +662,9 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
             return await attempt()
         except _Again as again:
             err, delay = again.error, policy.delay(attempts, again.retry_after)
-            if again.starting:
+            if again.resume is not None:
+                attempts, polls, starting_since, delay = 0, 0, None, again.resume
+            elif again.starting:
                 starting_since = starting_since or loop.time()
                 if loop.time() - starting_since >= policy.starting_timeout:
                     raise ServiceUnavailableError(
