@@ -62,7 +62,6 @@ _ERROR_BODY_LIMIT = _QUOTE_HEAD = 64 * 1024
 #: JSON's short escapes: a secret holding one of these characters may be spelled with its escape in an answer.
 _SHORT_ESCAPES = {char: "\\" + letter for letter, char in JSON_ESCAPES.items()}
 _ESCAPE = re.compile(r"\\u")  # a regex: with many backslashes in a text, `"\\u" in text` is slower
-_LINE_END = re.compile(rb"\r\n|\r|\n")  # of an event stream: CRLF, LF or CR alone
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 #: In JSON text: an escaped backslash (kept, so that the text "backslash, ud800" stays text), a surrogate pair (kept:
 #: one character), or a lone surrogate (written as U+FFFD). Repaired before decoding: a scan of the text, not a walk.
@@ -334,7 +333,7 @@ async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> A
         if end == -1:
             continue
         block, buf = bytes(buf[:end + 1]), buf[end + 1:]
-        lines = _LINE_END.split(block)[-2::-1]  # the block ends with a line end: the last piece is empty
+        lines = block.splitlines()[::-1]  # at CRLF, LF or CR alone, as an event stream's lines end
         del block
         while lines:  # popped, so that neither a line nor an event's data is still held while the caller decodes it
             line = lines.pop().decode("utf-8", errors="replace")
