@@ -1,7 +1,6 @@
-"""The orphan registry: the session ids a process has open, on disk (`<state>/sessions/<host>-<pid>-<start>.sessions`,
-0600, fsync'd before each session is created, a `closed` line once deleted, a shared `flock` held while it lives), so
-that `sweep()` (at a first open, and `ors-trl cleanup`) deletes what dead processes of this host left, each orphan
-once, never a live one's. The folder is untrusted (`protocol.files`). `ORS_TRL_SESSION_REGISTRY=0` turns it off."""
+"""The orphan registry: the session ids a process has open, in `<state>/sessions/<host>-<pid>-<start>.sessions`
+(fsync'd before each create, a shared `flock` held while it lives), so that `sweep()` deletes what dead processes of
+this host left, each orphan once, never a live one's. The folder is untrusted; `ORS_TRL_SESSION_REGISTRY=0`: off."""
 
 from __future__ import annotations
 

@@ -576,7 +576,7 @@ class Transport:
                     return await self._result(resp, what, tool, resumed=resumes > 0, on_task_id=remember)
             except aiohttp.ClientConnectorError:
                 raise  # nothing was sent: `retrying` tries again
-            except (_Dropped, aiohttp.ClientError, TimeoutError) as exc:  # broken after it began: never re-sent blindly
+            except (_Dropped, aiohttp.ClientError, TimeoutError) as exc:  # broken after it began: not re-sent
                 why = _describe(exc, self.mask)
             if task_id is None:
                 raise StreamInterruptedError(f"{what}: the connection broke before the server acknowledged the call "
@@ -651,7 +651,8 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
                    sent_is_safe: bool = True, timeout: float | None = None,
                    mask: Callable[[str], str] = lambda text: text) -> T:
     """Run `attempt()` until it succeeds, under `policy`: the one retry loop. A reset or timeout after sending is
-    retried only when `sent_is_safe`; a `starting` poll or a stream's resume is no attempt. `mask` hides secrets in an aiohttp error."""
+    retried only when `sent_is_safe`; a `starting` poll or a stream's resume is no attempt. `mask` hides secrets in an
+    aiohttp error."""
     loop = asyncio.get_running_loop()
     attempts = polls = 0
     starting_since: float | None = None
@@ -682,7 +683,8 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
             if attempts >= policy.max_attempts or not (unsent or sent_is_safe):
                 if unsent:
                     raise TransportError(f"{what}: cannot connect to {base} after {_attempts(attempts)} ("
-                                         f"{_describe(exc, mask)}). Is the server running and the URL right?") from None
+                                         f"{_describe(exc, mask)}). Is the server running and the URL right?"
+                                         ) from None
                 if isinstance(exc, TimeoutError):
                     raise ORSTimeoutError(f"{what}: no answer within {timeout} s (attempt {attempts}); raise "
                                           "Timeouts.request if the server is slow.") from None
