@@ -1,6 +1,8 @@
-"""The Pillow work on the images a server sends (untrusted): `check` refuses them past the `MAX_*` bounds, of a type
-not in `FORMATS` or failing `verify()`, without decoding a pixel; `decode` runs once a model needs them. A refused
-image (or any, without Pillow) is a `placeholder` saying why."""
+"""The Pillow work on the images a server sends (untrusted): `check` refuses, without decoding a pixel, a type not in
+`FORMATS` (opened with its plugin only), base64 past `MAX_IMAGE_CHARS` (`MAX_IMAGE_BYTES`), more than
+`MAX_IMAGE_PIXELS`, a `DecompressionBombError` or a failed `verify()`; an answer holds at most `MAX_IMAGES` and
+`MAX_ANSWER_PIXELS`. `decode` runs once a model needs them. A refused image (or any, without Pillow) is a `placeholder`
+saying why."""
 
 from __future__ import annotations
 
