@@ -9,6 +9,7 @@ import errno
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["NotRegularFile", "create_temp", "is_regular", "open_regular", "write_atomic"]
@@ -50,7 +51,7 @@ def open_regular(path: Path, flags: int, mode: int = 0o600) -> int:
     try:
         fd = os.open(path, flags | _NOFOLLOW | _NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as exc:
-        if exc.errno == errno.ELOOP or (exc.errno == errno.ENXIO and _is_fifo(path)):
+        if exc.errno == errno.ELOOP or (exc.errno == errno.ENXIO and is_regular(path, stat.S_ISFIFO)):
             raise NotRegularFile(exc.errno, "not a regular file (a symlink or a FIFO)", str(path)) from None
         raise
     try:
@@ -63,14 +64,8 @@ def open_regular(path: Path, flags: int, mode: int = 0o600) -> int:
     return fd
 
 
-def is_regular(path: Path) -> bool:
-    """Whether `path` itself (not what a symlink there points to) is a regular file."""
+def is_regular(path: Path, kind: Callable[[int], bool] = stat.S_ISREG) -> bool:
+    """Whether `path` itself (not what a symlink there points to) is a regular file (or of another `stat.S_IS*`)."""
     with contextlib.suppress(OSError):
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    return False
-
-
-def _is_fifo(path: Path) -> bool:
-    with contextlib.suppress(OSError):
-        return stat.S_ISFIFO(os.lstat(path).st_mode)
+        return kind(os.lstat(path).st_mode)
     return False

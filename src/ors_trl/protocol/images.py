@@ -77,11 +77,8 @@ def _why(exc: BaseException) -> str:
 
 
 def check(data: str, mime_type: str) -> ImageInfo:
-    """Check a block's base64 `data` of media type `mime_type`; never raises."""
+    """Check a block's base64 `data` of media type `mime_type` (then as `check_bytes`); never raises."""
     text = data.encode("utf-8", "replace")
-    if _format(mime_type) is None:
-        return _failed(text, mime_type, f"its media type {cut(mime_type, 60)!r} is not an image type ors-trl passes "
-                       f"({', '.join(FORMATS)})")
     if len(data) > MAX_IMAGE_CHARS:
         return _failed(text, mime_type, f"its {len(data)} characters of base64 are more than the {MAX_IMAGE_CHARS} a "
                        f"{MAX_IMAGE_BYTES >> 20} MiB image takes")
@@ -96,7 +93,8 @@ def check_bytes(raw: bytes, mime_type: str) -> ImageInfo:
     """Check an image's bytes: its format, its declared size, Pillow's `verify()`. Never raises."""
     fmt = _format(mime_type)
     if fmt is None:
-        return _failed(raw, mime_type, f"its media type {cut(mime_type, 60)!r} is not an image type")
+        return _failed(raw, mime_type, f"its media type {cut(mime_type, 60)!r} is not an image type ors-trl passes "
+                       f"({', '.join(FORMATS)})")
     if len(raw) > MAX_IMAGE_BYTES:
         return _failed(raw, mime_type, f"its {len(raw)} bytes are more than the {MAX_IMAGE_BYTES >> 20} MiB bound")
     pil = _pillow()
@@ -170,11 +168,10 @@ def thumbnail(raw: bytes, mime_type: str, size: int) -> str | None:
     try:
         image = decode(raw, info) if info.error is None else None
     except ImageError:
-        return None
-    if image is None:
-        return None
-    image.thumbnail((size, size))
-    return data_url(image)
+        image = None
+    if image is not None:
+        image.thumbnail((size, size))
+    return None if image is None else data_url(image)
 
 
 def as_bytes(data: str) -> bytes:

@@ -1,7 +1,6 @@
-"""The orphan registry: the session ids a process has open, on disk (`<state>/sessions/<host>-<pid>-<start>.sessions`,
-0600, fsync'd before each session is created, a `closed` line once deleted, a shared `flock` held while it lives), so
-that `sweep()` (at a first open, and `ors-trl cleanup`) deletes what dead processes of this host left, each orphan
-once, never a live one's. The folder is untrusted (`protocol.files`). `ORS_TRL_SESSION_REGISTRY=0` turns it off."""
+"""The orphan registry: the session ids a process has open, in `<state>/sessions/<host>-<pid>-<start>.sessions`
+(fsync'd before each create, a shared `flock` held while it lives), so that `sweep()` deletes what dead processes of
+this host left, each orphan once, never a live one's. The folder is untrusted; `ORS_TRL_SESSION_REGISTRY=0`: off."""
 
 from __future__ import annotations
 
@@ -62,12 +61,11 @@ def _started(pid: int) -> str | None:
     except (OSError, IndexError):
         if Path("/proc/self/stat").exists():
             return None
-    try:  # no /proc: the pid alone
-        os.kill(pid, 0)
+    try:
+        with contextlib.suppress(PermissionError):  # no /proc: the pid alone (another user's process is alive too)
+            os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):
         return None
-    except PermissionError:
-        pass
     return "?"
 
 
@@ -85,9 +83,7 @@ def _owner_alive(header: dict[str, Any]) -> bool | None:
     """Whether the process that wrote `header` still runs; None for another host's file (it cannot be told here)."""
     if header["host"] != socket.gethostname():
         return None
-    if header["boot"] != _boot_id():
-        return False
-    started = _started(header["pid"])
+    started = _started(header["pid"]) if header["boot"] == _boot_id() else None
     return started is not None and started in (header["start"], "?")
 
 
@@ -238,13 +234,10 @@ async def sweep(deleter: Deleter, folder: Path | None = None, *, any_host: bool 
 async def _sweep_file(path: Path, fd: int, deleter: Deleter, out: Sweep, any_host: bool) -> None:
     first, *rest = os.pread(fd, min(os.fstat(fd).st_size, _READ_LIMIT), 0).splitlines() or [b""]
     header = _header(first)
-    if header is None:
-        if first.strip() or rest:
-            out.skipped[str(path)] = "its first line is not a session registry header"
-            return
-        alive: bool | None = False  # empty: nothing to delete
-    else:
-        alive = _owner_alive(header)
+    if header is None and (first.strip() or rest):
+        out.skipped[str(path)] = "its first line is not a session registry header"
+        return
+    alive = header is not None and _owner_alive(header)  # an empty file: nothing to delete
     if alive is None and not any_host:
         out.other_hosts += 1
         return

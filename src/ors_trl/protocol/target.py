@@ -1,7 +1,6 @@
 """Where a target lives: a URL (with `://`) of a self-hosted server, one host, the API key sent only when passed
-explicitly; or a catalog name (`owner/name`) on the OpenReward platform, an API host and a sessions host derived from
-`OPENREWARD_URL` (or `OPENREWARD_API_URL` / `OPENREWARD_SESSION_URL`), the key from `api_key=` or `OPENREWARD_API_KEY`.
-"""
+explicitly; or a catalog name (`owner/name`) on the OpenReward platform, its API and sessions hosts derived from
+`OPENREWARD_URL` (or `OPENREWARD_API_URL` / `OPENREWARD_SESSION_URL`), its key `api_key=` or `OPENREWARD_API_KEY`."""
 
 from __future__ import annotations
 

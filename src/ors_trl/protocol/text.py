@@ -14,7 +14,7 @@ __all__ = ["ascii_fold", "clean_json", "cut", "escape_controls", "json_size", "l
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _JSON_ESCAPE = re.compile(r'\\(?:u([0-9a-fA-F]{4})|(["\\/bfnrt]))')
-_SHORT_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+JSON_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 
 
 def cut(text: str, limit: int | None, mark: Literal["…", "output", "more", ""] = "…") -> str:
@@ -117,7 +117,7 @@ def unescape_json(text: str) -> str:
     a piece of JSON that does not decode holds."""
     if "\\" not in text:
         return text
-    out = _JSON_ESCAPE.sub(lambda m: chr(int(m[1], 16)) if m[1] else _SHORT_ESCAPES[m[2]], text)
+    out = _JSON_ESCAPE.sub(lambda m: chr(int(m[1], 16)) if m[1] else JSON_ESCAPES[m[2]], text)
     return out.encode("utf-16", "surrogatepass").decode("utf-16", "replace") if not out.isascii() else out
 
 

@@ -38,7 +38,7 @@ from .errors import (
     status_error,
 )
 from .target import Target, _host_port, _validate_url
-from .text import clean_json, cut, escape_controls, readable, repair, unescape_json
+from .text import JSON_ESCAPES, clean_json, cut, escape_controls, readable, repair, unescape_json
 from .types import MASK
 
 __all__ = ["DECODE_BYTES_PER_CHAR", "DECODE_MIN_BYTES", "Decoder", "RetryPolicy", "Timeouts", "Transport", "masked"]
@@ -60,10 +60,8 @@ _MASK = "***"
 #: How much of an error answer's body is read for its detail, and of an answer that is not JSON for the message.
 _ERROR_BODY_LIMIT = _QUOTE_HEAD = 64 * 1024
 #: JSON's short escapes: a secret holding one of these characters may be spelled with its escape in an answer.
-_SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "/": "\\/", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
-                  "\t": "\\t"}
+_SHORT_ESCAPES = {char: "\\" + letter for letter, char in JSON_ESCAPES.items()}
 _ESCAPE = re.compile(r"\\u")  # a regex: with many backslashes in a text, `"\\u" in text` is slower
-_LINE_END = re.compile(rb"\r\n|\r|\n")  # of an event stream: CRLF, LF or CR alone
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 #: In JSON text: an escaped backslash (kept, so that the text "backslash, ud800" stays text), a surrogate pair (kept:
 #: one character), or a lone surrogate (written as U+FFFD). Repaired before decoding: a scan of the text, not a walk.
@@ -128,20 +126,14 @@ class RetryPolicy:
     resume_attempts: int = 8
 
     def __post_init__(self) -> None:
-        def number(value: Any) -> bool:
-            return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-        if not (number(self.backoff_initial) and number(self.backoff_max)
-                and 0 < self.backoff_initial <= self.backoff_max):
+        first, cap, start = self.backoff_initial, self.backoff_max, self.starting_timeout
+        if not (_number(first) and _number(cap) and 0 < first <= cap):
             raise ConfigurationError(f"RetryPolicy: backoff_initial and backoff_max must be positive seconds with "
-                                     f"backoff_initial <= backoff_max, got {self.backoff_initial!r} and "
-                                     f"{self.backoff_max!r}")
-        if not (number(self.starting_timeout) and self.starting_timeout >= 0):
-            raise ConfigurationError(f"RetryPolicy: starting_timeout must be seconds >= 0, got "
-                                     f"{self.starting_timeout!r}")
+                                     f"backoff_initial <= backoff_max, got {first!r} and {cap!r}")
+        if not (_number(start) and start >= 0):
+            raise ConfigurationError(f"RetryPolicy: starting_timeout must be seconds >= 0, got {start!r}")
         for name, low in (("max_attempts", 1), ("resume_attempts", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if isinstance(value := getattr(self, name), bool) or not isinstance(value, int) or value < low:
                 raise ConfigurationError(f"RetryPolicy: {name} must be an int >= {low}, got {value!r}")
 
     def delay(self, attempt: int, retry_after: float | None = None) -> float:
@@ -158,6 +150,10 @@ class RetryPolicy:
         if retry_after is not None and not math.isnan(retry_after):
             wait = max(wait, retry_after)
         return min(wait, self.backoff_max)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _attempts(n: int) -> str:
@@ -284,16 +280,11 @@ def _decoded_size(text: str) -> int:
 
 def _detail_of(decoder: Decoder, body: bytes) -> str:
     """The `detail` of an error answer (FastAPI's `{"detail": ...}`), else its body."""
-    try:
+    with contextlib.suppress(ProtocolError, ValueError, RecursionError):  # not JSON; a detail JSON cannot write
         value = decoder.decode(body, "")
-    except ProtocolError:
-        return decoder.text(body)
-    if isinstance(value, dict) and "detail" in value:
-        detail = value["detail"]
-        if isinstance(detail, str):
-            return detail
-        with contextlib.suppress(ValueError, RecursionError):
-            return json.dumps(detail, ensure_ascii=False)
+        if isinstance(value, dict) and "detail" in value:
+            detail = value["detail"]
+            return detail if isinstance(detail, str) else json.dumps(detail, ensure_ascii=False)
     return decoder.text(body)
 
 
@@ -342,7 +333,7 @@ async def iter_sse(resp: aiohttp.ClientResponse, max_bytes: int, what: str) -> A
         if end == -1:
             continue
         block, buf = bytes(buf[:end + 1]), buf[end + 1:]
-        lines = _LINE_END.split(block)[-2::-1]  # the block ends with a line end: the last piece is empty
+        lines = block.splitlines()[::-1]  # at CRLF, LF or CR alone, as an event stream's lines end
         del block
         while lines:  # popped, so that neither a line nor an event's data is still held while the caller decodes it
             line = lines.pop().decode("utf-8", errors="replace")
@@ -394,8 +385,7 @@ class Transport:
         url = _validate_url(base_url, "base_url")
         transport = cls(Target("url", base_url, url, url), timeouts=timeouts, retry=retry, headers=headers,
                         error=error)
-        for secret in secrets:
-            transport.decoder.add(secret)
+        transport.decoder = Decoder(secrets)  # a URL target has no API key of its own
         return transport
 
     def _client(self) -> aiohttp.ClientSession:
@@ -418,14 +408,9 @@ class Transport:
 
     def headers(self, base: str, *, sid: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
         """The headers of a request to `base`: the API key where it belongs, the deployment, the session."""
-        h = dict(self._headers)
-        if key := self.target.key_for(base):
-            h["X-API-Key"] = str(key)
-        if self.target.deployment:
-            h["X-Deployment"] = self.target.deployment
-        if sid:
-            h["X-Session-ID"] = sid
-        return {**h, **(extra or {})}
+        key = self.target.key_for(base)
+        own = {"X-API-Key": key and str(key), "X-Deployment": self.target.deployment, "X-Session-ID": sid}
+        return {**self._headers, **{k: v for k, v in own.items() if v}, **(extra or {})}
 
     def mask(self, text: str) -> str:
         return self.decoder.mask(text)
@@ -580,6 +565,7 @@ class Transport:
         resumes = 0
 
         async def attempt() -> Any:
+            nonlocal resumes
             payload = body if task_id is None else {**body, "task_id": task_id}
             self._count("POST", path)
             try:
@@ -590,8 +576,17 @@ class Transport:
                     return await self._result(resp, what, tool, resumed=resumes > 0, on_task_id=remember)
             except aiohttp.ClientConnectorError:
                 raise  # nothing was sent: `retrying` tries again
-            except (_Dropped, aiohttp.ClientError, TimeoutError) as exc:
-                raise _Broken(exc) from None
+            except (_Dropped, aiohttp.ClientError, TimeoutError) as exc:  # broken after it began: not re-sent
+                why = _describe(exc, self.mask)
+            if task_id is None:
+                raise StreamInterruptedError(f"{what}: the connection broke before the server acknowledged the call "
+                                             f"({why}); it was not retried because it may already be running.")
+            resumes += 1
+            if resumes > self.retry.resume_attempts:
+                raise StreamInterruptedError(f"{what}: the result stream kept dropping ({why}); gave up after "
+                                             f"{resumes - 1} resumes.")
+            logger.debug("%s: stream dropped (%s); resuming task %s", what, why, readable(task_id, 80))
+            raise _Again(StreamInterruptedError(f"{what}: {why}"), resume=self.retry.delay(resumes))
 
         def remember(value: str) -> None:
             nonlocal task_id
@@ -601,22 +596,8 @@ class Transport:
                     f"({readable(value, 80)!r}); its result is not this call's, and the call was not re-run.")
             task_id = value or task_id
 
-        while True:
-            try:
-                return await retrying(self.retry, attempt, what=what, base=base, sent_is_safe=False,
-                                      timeout=self.timeouts.stream_idle, mask=self.mask), task_id
-            except _Broken as broken:
-                why = _describe(broken.args[0], self.mask)
-                if task_id is None:
-                    raise StreamInterruptedError(
-                        f"{what}: the connection broke before the server acknowledged the call ({why}); it was not "
-                        "retried because it may already be running.") from None
-                resumes += 1
-                if resumes > self.retry.resume_attempts:
-                    raise StreamInterruptedError(f"{what}: the result stream kept dropping ({why}); gave up after "
-                                                 f"{resumes - 1} resumes.") from None
-                logger.debug("%s: stream dropped (%s); resuming task %s", what, why, readable(task_id, 80))
-                await asyncio.sleep(self.retry.delay(resumes))
+        return await retrying(self.retry, attempt, what=what, base=base, sent_is_safe=False,
+                              timeout=self.timeouts.stream_idle, mask=self.mask), task_id
 
     async def _result(self, resp: aiohttp.ClientResponse, what: str, tool: str, *, resumed: bool,
                       on_task_id: Callable[[str], None]) -> Any:
@@ -653,15 +634,13 @@ class Transport:
 
 
 class _Again(Exception):
-    """An attempt failed with `error`; `retrying` decides whether to try again."""
+    """An attempt failed with `error`; `retrying` decides whether to try again. `resume`: a stream re-attached by its
+    task id after that many seconds, the attempts counted afresh."""
 
     def __init__(self, error: ORSError, *, retry_after: float | None = None, starting: bool = False,
-                 final: bool = False) -> None:
+                 final: bool = False, resume: float | None = None) -> None:
         self.error, self.retry_after, self.starting, self.final = error, retry_after, starting, final
-
-
-class _Broken(Exception):
-    """A stream broke after its answer began, by `args[0]` (resumable by task id, never retried blindly)."""
+        self.resume = resume
 
 
 class _Dropped(Exception):
@@ -672,7 +651,8 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
                    sent_is_safe: bool = True, timeout: float | None = None,
                    mask: Callable[[str], str] = lambda text: text) -> T:
     """Run `attempt()` until it succeeds, under `policy`: the one retry loop. A reset or timeout after sending is
-    retried only when `sent_is_safe`; a `starting` poll is no attempt. `mask` hides secrets in an aiohttp error."""
+    retried only when `sent_is_safe`; a `starting` poll or a stream's resume is no attempt. `mask` hides secrets in an
+    aiohttp error."""
     loop = asyncio.get_running_loop()
     attempts = polls = 0
     starting_since: float | None = None
@@ -682,7 +662,9 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
             return await attempt()
         except _Again as again:
             err, delay = again.error, policy.delay(attempts, again.retry_after)
-            if again.starting:
+            if again.resume is not None:
+                attempts, polls, starting_since, delay = 0, 0, None, again.resume
+            elif again.starting:
                 starting_since = starting_since or loop.time()
                 if loop.time() - starting_since >= policy.starting_timeout:
                     raise ServiceUnavailableError(
@@ -696,13 +678,13 @@ async def retrying(policy: RetryPolicy, attempt: Callable[[], Awaitable[T]], *, 
             elif attempts >= policy.max_attempts:
                 err.args = (f"{err.args[0]} (gave up after {_attempts(attempts)})", *err.args[1:])
                 raise err from None
-        except aiohttp.ClientConnectorError as exc:  # nothing was sent: always safe to retry
-            if attempts >= policy.max_attempts:
-                raise TransportError(f"{what}: cannot connect to {base} after {_attempts(attempts)} "
-                                     f"({_describe(exc, mask)}). Is the server running and the URL right?") from None
-            delay = policy.delay(attempts)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            if not sent_is_safe or attempts >= policy.max_attempts:
+            unsent = isinstance(exc, aiohttp.ClientConnectorError)  # nothing was sent: always safe to retry
+            if attempts >= policy.max_attempts or not (unsent or sent_is_safe):
+                if unsent:
+                    raise TransportError(f"{what}: cannot connect to {base} after {_attempts(attempts)} ("
+                                         f"{_describe(exc, mask)}). Is the server running and the URL right?"
+                                         ) from None
                 if isinstance(exc, TimeoutError):
                     raise ORSTimeoutError(f"{what}: no answer within {timeout} s (attempt {attempts}); raise "
                                           "Timeouts.request if the server is slow.") from None
@@ -730,9 +712,7 @@ def _undecodable(exc: BaseException, where: str) -> ProtocolError | None:
         if isinstance(cause, ContentEncodingError):
             return ProtocolError(f"{where}: the answer's body cannot be decoded ({readable(str(cause.message), 200)}): "
                                  "compressed data that is corrupt, or in an encoding this client did not ask for")
-        if cause is None:
-            return None
-        cause = cause.__cause__
+        cause = getattr(cause, "__cause__", None)
     return None
 
 
@@ -762,24 +742,20 @@ def _check_length(resp: aiohttp.ClientResponse, limit: int, path: str) -> None:
 
 async def _read_head(resp: aiohttp.ClientResponse, limit: int, seconds: float | None = None) -> bytes:
     """At most the first `limit` bytes of the body, and what came within `seconds` (an error body may trickle)."""
-    parts: list[bytes] = []
-    total = 0
+    body = bytearray()
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(seconds):
-            while total < limit and (chunk := await resp.content.read(limit - total)):
-                parts.append(chunk)
-                total += len(chunk)
-    return b"".join(parts)
+            while len(body) < limit and (chunk := await resp.content.read(limit - len(body))):
+                body += chunk
+    return bytes(body)
 
 
 async def _read_capped(resp: aiohttp.ClientResponse, limit: int, path: str) -> bytes:
     """The whole body, refusing (rather than buffering) more than `limit` bytes."""
     _check_length(resp, limit, path)
-    parts: list[bytes] = []
-    total = 0
+    body = bytearray()
     while chunk := await resp.content.read(1 << 16):
-        total += len(chunk)
-        if total > limit:
+        body += chunk
+        if len(body) > limit:
             raise ProtocolError(f"{path}: response larger than the {limit}-byte limit")
-        parts.append(chunk)
-    return b"".join(parts)
+    return bytes(body)

@@ -67,12 +67,9 @@ class RolloutUploader:
             except Exception:  # the step is a nicety: the episode still goes
                 item["step"] = None
         with self._lock:
-            if len(self._threads) < self._workers:
-                self._threads += [threading.Thread(target=self._work, name="ors-trl-upload", daemon=True)
-                                  for _ in range(self._workers - len(self._threads))]
-                for thread in self._threads:
-                    if not thread.is_alive():
-                        thread.start()
+            while len(self._threads) < self._workers:
+                self._threads.append(thread := threading.Thread(target=self._work, name="ors-trl-upload", daemon=True))
+                thread.start()
             try:
                 self._queue.put_nowait(item)
             except queue.Full:
