@@ -386,7 +386,7 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
     @property
     def max_sessions(self) -> int | None:
         """This client's cap on sessions open at once (None: no cap)."""
-        return self._pool.max_sessions
+        return self.options.max_sessions
 
     @property
     def duplicate_sessions(self) -> int:
