@@ -361,7 +361,7 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
 
     def __repr__(self) -> str:
         env = self._env if self._env_resolved else (self.requested_env or "?")
-        return f"<AsyncClient {self.target.name!r} env={env!r} open_sessions={len(self._pool)}>"
+        return f"<AsyncClient {self.target.name!r} env={env!r} open_sessions={self.open_sessions}>"
 
     @property
     def timeouts(self) -> Timeouts:
@@ -381,7 +381,7 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
     @property
     def open_sessions(self) -> int:
         """Sessions opened through this client and not yet closed."""
-        return len(self._pool)
+        return len(self._pool.sessions)
 
     @property
     def max_sessions(self) -> int | None:

@@ -56,9 +56,6 @@ class SessionPool:
         self._slots = None if options.max_sessions is None else asyncio.Semaphore(options.max_sessions)
         self._keepalive_task: asyncio.Task[None] | None = None
 
-    def __len__(self) -> int:
-        return len(self.sessions)
-
     @contextlib.asynccontextmanager
     async def opening(self) -> AsyncIterator[None]:
         """Mark the running task as an open in flight (closing waits for it, then deletes what it made)."""
