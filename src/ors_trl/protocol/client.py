@@ -606,14 +606,12 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
             sid = None
             try:
                 sid = await self._new_sid(named, self._overrides if overrides is None else overrides)
-                if self._pool.claim(sid):
-                    await self._pool.record(sid)
+                if await self._pool.claim(sid):
                     return sid
                 self._pool.duplicate(sid, tries)  # raises at the last try
             finally:
                 for other in dict.fromkeys(named):
-                    if other != sid and self._sendable(other) and self._pool.claim(other):
-                        await self._pool.record(other)
+                    if other != sid and self._sendable(other) and await self._pool.claim(other):
                         self._pool.delete_soon(other, quiet=True)
         raise AssertionError("unreachable")
 

@@ -96,20 +96,17 @@ class SessionPool:
         for pace in self._paces():
             pace.throttled()
 
-    async def record(self, sid: str) -> None:
-        """Write `sid` to the orphan registry (the process's first also starts the sweep of dead processes')."""
-        reg = registry()
-        if reg is not None:
-            await asyncio.to_thread(reg.opened, sid, self.target)
-            sweep_in_background(self.delete_orphans)
-
-    def claim(self, sid: str) -> bool:
-        """Take `sid` for a session of this pool; False when a session of this process already has it."""
+    async def claim(self, sid: str) -> bool:
+        """Take `sid` for a session of this pool and write it to the orphan registry (the process's first also starts
+        the sweep of dead processes'); False, nothing written, when a session of this process already has it."""
         with _claimed_lock:
             if (self.target, sid) in _claimed:
                 return False
             _claimed.add((self.target, sid))
         self._claims.add(sid)
+        if (reg := registry()) is not None:
+            await asyncio.to_thread(reg.opened, sid, self.target)
+            sweep_in_background(self.delete_orphans)
         return True
 
     def _unclaim(self, sid: str) -> None:
