@@ -128,13 +128,10 @@ class _TestRoutes:
             self.pings += path == "/ping"
         if path == "/create_session":
             receive, send = await self._keep_env(receive, send)
-        sid = dict(scope.get("headers") or ()).get(b"x-session-id", b"").decode("latin-1").strip()
-        token = counters._session_env.set(self.session_envs.pop(sid, None)) if path == "/create" else None
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            if token is not None:
-                counters._session_env.reset(token)
+        if path == "/create":  # set in this request's own task (uvicorn runs each in one), seen by its setup
+            sid = dict(scope.get("headers") or ()).get(b"x-session-id", b"").decode("latin-1").strip()
+            counters._session_env.set(self.session_envs.pop(sid, None))
+        await self.app(scope, receive, send)
         if path == "/create":
             self.peak_sessions = max(self.peak_sessions, len(self.server._active_envs))
 
