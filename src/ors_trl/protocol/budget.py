@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import logging
 import math
 import os
@@ -187,19 +188,15 @@ def parse_rate(value: Any, what: str) -> tuple[float, int]:
     return float(rate), burst
 
 
-_pace: tuple[str, Pace] | None = None
-
-
 def process_pace() -> Pace | None:
     """The pace `ORS_TRL_MAX_SESSION_RATE` sets for every process of this working directory, or None."""
-    global _pace
     raw = os.environ.get(RATE_VAR, "").strip()
-    if not raw:
-        return None
-    with _lock:
-        if _pace is None or _pace[0] != raw:
-            _pace = (raw, Pace(*parse_rate(raw, RATE_VAR), path=state_dir() / "session-pace.lock"))
-        return _pace[1]
+    return _shared_pace(raw) if raw else None
+
+
+@functools.lru_cache(maxsize=1)  # one pace while the variable keeps its value
+def _shared_pace(raw: str) -> Pace:
+    return Pace(*parse_rate(raw, RATE_VAR), path=state_dir() / "session-pace.lock")
 
 
 def _after_fork_in_child() -> None:

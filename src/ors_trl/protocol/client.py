@@ -341,8 +341,7 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
     def __init__(self, target: str, options: ClientOptions | None = None, **kwargs: Any) -> None:
         self.options = options = ClientOptions._of(options, kwargs)
         self.target: Target = resolve_target(target, api_key=options.api_key)
-        self.requested_env = options.env_name
-        self.toolset, self.toolset_fallback = options.toolset, options.toolset_fallback
+        self.toolset = options.toolset  # None once the server refused it under toolset_fallback
         self._overrides = dict(options.env_overrides or {})
         self._pool = SessionPool(self._delete, delete_orphans, options, self.target.name)
         secrets = options.secrets or {}
@@ -360,8 +359,8 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
         self._control_sid: str | None = None
 
     def __repr__(self) -> str:
-        env = self._env if self._env_resolved else (self.requested_env or "?")
-        return f"<AsyncClient {self.target.name!r} env={env!r} open_sessions={len(self._pool)}>"
+        env = self._env if self._env_resolved else (self.options.env_name or "?")
+        return f"<AsyncClient {self.target.name!r} env={env!r} open_sessions={self.open_sessions}>"
 
     @property
     def timeouts(self) -> Timeouts:
@@ -373,7 +372,7 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
         """The environment's name in logs, metrics and records: the one asked for (`env_name`), else the server's once
         resolved (so one environment served on two ports has one name), else the catalog name or the server's host;
         lower case."""
-        env = self.requested_env or (self._env if self._env_resolved else None)
+        env = self.options.env_name or (self._env if self._env_resolved else None)
         if env:
             return env.lower()
         return self.target.name if not self.target.is_url else self.target.name.split("://", 1)[1].rstrip("/")
@@ -381,12 +380,12 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
     @property
     def open_sessions(self) -> int:
         """Sessions opened through this client and not yet closed."""
-        return len(self._pool)
+        return len(self._pool.sessions)
 
     @property
     def max_sessions(self) -> int | None:
         """This client's cap on sessions open at once (None: no cap)."""
-        return self._pool.max_sessions
+        return self.options.max_sessions
 
     @property
     def duplicate_sessions(self) -> int:
@@ -409,7 +408,7 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
         return self._env
 
     async def _resolve_env(self) -> str | None:
-        wanted = self.requested_env
+        wanted = self.options.env_name
         if not self.target.is_url:
             return wanted
         try:
@@ -607,14 +606,12 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
             sid = None
             try:
                 sid = await self._new_sid(named, self._overrides if overrides is None else overrides)
-                if self._pool.claim(sid):
-                    await self._pool.record(sid)
+                if await self._pool.claim(sid):
                     return sid
                 self._pool.duplicate(sid, tries)  # raises at the last try
             finally:
                 for other in dict.fromkeys(named):
-                    if other != sid and self._sendable(other) and self._pool.claim(other):
-                        await self._pool.record(other)
+                    if other != sid and self._sendable(other) and await self._pool.claim(other):
                         self._pool.delete_soon(other, quiet=True)
         raise AssertionError("unreachable")
 
@@ -754,7 +751,7 @@ class AsyncClient(contextlib.AbstractAsyncContextManager["AsyncClient"]):
 
     def _refused_toolset(self, toolset: str, exc: BadRequestError) -> None:
         """The server refused `toolset`: a `ConfigurationError`, or (`toolset_fallback`) open without it, said once."""
-        if not self.toolset_fallback:
+        if not self.options.toolset_fallback:
             raise ConfigurationError(
                 f"{self.target.name} refused toolset {toolset!r} at session open: {exc.detail.rstrip('.')}. Pass a "
                 "toolset it offers, none, or toolset_fallback=True to open sessions without it.") from None

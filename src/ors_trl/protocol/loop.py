@@ -108,6 +108,8 @@ class BackgroundLoop:
             self._closed = True
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(2)
+            if not self.thread.is_alive():
+                self.loop.close()
 
 
 _current: BackgroundLoop | None = None

@@ -44,22 +44,17 @@ class SessionPool:
 
     def __init__(self, delete: Callable[..., Awaitable[bool]], delete_orphans: Deleter, options: Any,
                  target: str = "") -> None:
-        self.delete, self.delete_orphans, self.target = delete, delete_orphans, target
+        self.delete, self.delete_orphans, self.target, self.options = delete, delete_orphans, target, options
         rate = options.max_session_rate
         self.pace = None if rate is None else Pace(*parse_rate(rate, "max_session_rate"))
-        self.max_sessions, self.session_wait = options.max_sessions, options.session_wait
-        self.keepalive_interval = options.keepalive_interval
         self.sessions: set[OpenSession] = set()
         self.closed = False
         self.duplicates = 0
         self._claims: set[str] = set()
         self._deleting: set[asyncio.Task[None]] = set()
         self._opening: set[asyncio.Task[Any]] = set()
-        self._slots = None if self.max_sessions is None else asyncio.Semaphore(self.max_sessions)
+        self._slots = None if options.max_sessions is None else asyncio.Semaphore(options.max_sessions)
         self._keepalive_task: asyncio.Task[None] | None = None
-
-    def __len__(self) -> int:
-        return len(self.sessions)
 
     @contextlib.asynccontextmanager
     async def opening(self) -> AsyncIterator[None]:
@@ -81,7 +76,7 @@ class SessionPool:
         wanted = [s for s in (self._slots, process_semaphore()) if s is not None]
         held: list[asyncio.Semaphore] = []
         try:
-            async with asyncio.timeout(self.session_wait):
+            async with asyncio.timeout(self.options.session_wait):
                 for sem in wanted:
                     await sem.acquire()
                     held.append(sem)
@@ -90,9 +85,9 @@ class SessionPool:
         except BaseException as exc:
             self.release(tuple(held))
             if isinstance(exc, TimeoutError):
-                raise ORSTimeoutError(f"no session slot freed within {self.session_wait} s (max_sessions="
-                                      f"{self.max_sessions}, process cap={get_max_sessions()}); raise the cap or "
-                                      "close sessions sooner.") from None
+                raise ORSTimeoutError(f"no session slot freed within {self.options.session_wait} s (max_sessions="
+                                      f"{self.options.max_sessions}, process cap={get_max_sessions()}); raise the "
+                                      "cap or close sessions sooner.") from None
             raise
         return tuple(held)
 
@@ -101,20 +96,17 @@ class SessionPool:
         for pace in self._paces():
             pace.throttled()
 
-    async def record(self, sid: str) -> None:
-        """Write `sid` to the orphan registry (the process's first also starts the sweep of dead processes')."""
-        reg = registry()
-        if reg is not None:
-            await asyncio.to_thread(reg.opened, sid, self.target)
-            sweep_in_background(self.delete_orphans)
-
-    def claim(self, sid: str) -> bool:
-        """Take `sid` for a session of this pool; False when a session of this process already has it."""
+    async def claim(self, sid: str) -> bool:
+        """Take `sid` for a session of this pool and write it to the orphan registry (the process's first also starts
+        the sweep of dead processes'); False, nothing written, when a session of this process already has it."""
         with _claimed_lock:
             if (self.target, sid) in _claimed:
                 return False
             _claimed.add((self.target, sid))
         self._claims.add(sid)
+        if (reg := registry()) is not None:
+            await asyncio.to_thread(reg.opened, sid, self.target)
+            sweep_in_background(self.delete_orphans)
         return True
 
     def _unclaim(self, sid: str) -> None:
@@ -148,8 +140,9 @@ class SessionPool:
         for pace in self._paces():
             pace.eased()
         self.sessions.add(session)
-        if self.keepalive_interval is not None and (self._keepalive_task is None or self._keepalive_task.done()):
-            self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive(self.keepalive_interval))
+        interval = self.options.keepalive_interval
+        if interval is not None and (self._keepalive_task is None or self._keepalive_task.done()):
+            self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive(interval))
 
     def delete_soon(self, sid: str, lease: Lease = (), session: OpenSession | None = None, *,
                     quiet: bool = False) -> asyncio.Task[None]:

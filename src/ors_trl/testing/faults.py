@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 
+from ..protocol.loop import BackgroundLoop
 from .server import LOOPBACK, _Loopback, _require_loopback
 
 __all__ = ["Blackhole", "Delay", "DropStream", "EchoHeaders", "Fault", "FaultProxy", "Flood", "Forward", "Hang",
@@ -412,8 +413,7 @@ class FaultProxy(_Loopback):
         self._rules: list[_Rule] = []
         self._log: collections.deque[Seen] = collections.deque(maxlen=max_log)
         self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._bg: BackgroundLoop | None = None
         self._server: asyncio.AbstractServer | None = None
         self._session: aiohttp.ClientSession | None = None
         self._stopping: asyncio.Event
@@ -476,11 +476,10 @@ class FaultProxy(_Loopback):
             self._server = await asyncio.start_server(self._serve, self.host, 0, limit=_MAX_HEAD)
             self.port = self._server.sockets[0].getsockname()[1]
 
-        self._loop = loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=loop.run_forever, name="ors-fault-proxy", daemon=True)
-        self._thread.start()
+        self._bg = BackgroundLoop()
+        self._bg.add_closer(self._shutdown)
         try:
-            asyncio.run_coroutine_threadsafe(startup(), loop).result(10)
+            self._bg.run(startup(), timeout=10)
         except Exception as exc:
             self.close()
             raise RuntimeError(f"fault proxy did not start: {exc!r}") from exc
@@ -488,27 +487,19 @@ class FaultProxy(_Loopback):
 
     def close(self) -> None:
         """Stop serving: close the connections and stop the thread. Idempotent."""
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None:
-            return
-        self._loop = None
+        bg, self._bg = self._bg, None
+        if bg is not None:
+            bg.shutdown(15)  # runs `_shutdown`, then stops the loop
 
-        async def shutdown() -> None:
-            self._stopping.set()
-            if self._server is not None:
-                self._server.close()
-            for task in list(self._conns):
-                task.cancel()
-            await asyncio.gather(*self._conns, return_exceptions=True)
-            if self._session is not None:
-                await self._session.close()
-
-        with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(shutdown(), loop).result(15)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        if not thread.is_alive():
-            loop.close()
+    async def _shutdown(self) -> None:
+        self._stopping.set()
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._conns):
+            task.cancel()
+        await asyncio.gather(*self._conns, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
 
     def __repr__(self) -> str:
         return f"FaultProxy(upstream={self.upstream!r}, port={self.port})"

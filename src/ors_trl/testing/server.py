@@ -95,19 +95,6 @@ class _Loopback:
 # -- server side (runs in the subprocess) ---------------------------------------------------------------------------
 
 
-class _ScaledClock:
-    """Stands in for the `time` module: `monotonic()` runs `factor` times faster, the rest is real."""
-
-    def __init__(self, real: types.ModuleType, factor: float) -> None:
-        self._real, self.factor = real, factor
-
-    def monotonic(self) -> float:
-        return self._real.monotonic() * self.factor
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-
 def install_idle_timeout(seconds: float) -> None:
     """Make the reference server reap sessions idle for more than `seconds` real seconds (checked every 5 s): its
     reaper compares `time.monotonic()` differences with 900 s, so its module's clock runs `900 / seconds` faster."""
@@ -116,7 +103,9 @@ def install_idle_timeout(seconds: float) -> None:
     import openreward.environments.server as server_module
 
     real = getattr(server_module.time, "_real", server_module.time)
-    server_module.time = _ScaledClock(real, REFERENCE_IDLE_LIMIT_S / seconds)  # type: ignore[assignment]
+    factor = REFERENCE_IDLE_LIMIT_S / seconds
+    clock = {**vars(real), "_real": real, "monotonic": lambda: real.monotonic() * factor}  # the rest is real
+    server_module.time = types.SimpleNamespace(**clock)  # type: ignore[assignment]
 
 
 class _TestRoutes:
@@ -139,13 +128,10 @@ class _TestRoutes:
             self.pings += path == "/ping"
         if path == "/create_session":
             receive, send = await self._keep_env(receive, send)
-        sid = dict(scope.get("headers") or ()).get(b"x-session-id", b"").decode("latin-1").strip()
-        token = counters._session_env.set(self.session_envs.pop(sid, None)) if path == "/create" else None
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            if token is not None:
-                counters._session_env.reset(token)
+        if path == "/create":  # set in this request's own task (uvicorn runs each in one), seen by its setup
+            sid = dict(scope.get("headers") or ()).get(b"x-session-id", b"").decode("latin-1").strip()
+            counters._session_env.set(self.session_envs.pop(sid, None))
+        await self.app(scope, receive, send)
         if path == "/create":
             self.peak_sessions = max(self.peak_sessions, len(self.server._active_envs))
 
@@ -284,11 +270,6 @@ class ServerStartError(RuntimeError):
 # No proxies: a configured HTTP(S)_PROXY must never see loopback test traffic.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _LIVE: weakref.WeakSet[ReferenceServer] = weakref.WeakSet()
-
-
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
 
 
 @atexit.register
@@ -482,7 +463,7 @@ class ReferenceServer(_Loopback):
             fd, self._log_path = tempfile.mkstemp(prefix="ors-ref-server-", suffix=".log")
             os.close(fd)
             # Deleted on close(), or when this object is collected or the process exits without one.
-            self._drop_log = weakref.finalize(self, _unlink_quietly, self._log_path)
+            self._drop_log = weakref.finalize(self, Path(self._log_path).unlink, missing_ok=True)
         child_env = {**os.environ, **self.extra_env, _UPDATE_CHECK_ENV: "1", "PYTHONUNBUFFERED": "1"}
         child_env["PYTHONPATH"] = os.pathsep.join(
             dict.fromkeys(p for p in (_SRC_DIR, *self._paths, child_env.get("PYTHONPATH")) if p))
