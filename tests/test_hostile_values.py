@@ -14,11 +14,15 @@ from typing import Any
 
 import pytest
 
-from ors_trl import OpenRewardSpec, ProtocolError
+from ors_trl import OpenRewardSpec, ProtocolError, Timeouts
 from ors_trl.protocol.types import MAX_REWARD
 from ors_trl.testing.faults import FaultProxy, Reply, SSEReply
 from tests.fixtures.hostile_server import ENV, HostileServer
 from tests.test_fuzz import RETRY, TIMEOUTS, _in_session, run_client
+
+#: For tests about what a large answer becomes, not about stalls: the fuzz's tight request timeout (0.5 s) can expire
+#: on a busy 2-core machine while a valid multi-megabyte answer is read.
+ROOMY = Timeouts(request=30.0, stream_idle=30.0, tool_call=60.0)
 
 # --------------------------------------------------------------------------------------------------
 # 1. Numbers and booleans
@@ -171,7 +175,6 @@ def test_the_expansion_budget_is_the_tool_list_s_not_each_tool_s() -> None:
 
 def _decoded_with_peak(result: str) -> tuple[Any, Any]:
     """(The ToolResult or the error, the traced peak) of a `/call` answered `result`, decoded as training does."""
-    from ors_trl import Timeouts
     from tests.test_fuzz import Peak
 
     with FaultProxy(None) as proxy:
@@ -182,7 +185,7 @@ def _decoded_with_peak(result: str) -> tuple[Any, Any]:
         with Peak() as peak:
             try:
                 answer = run_client(proxy.url, lambda c: _in_session(c, "call"),
-                                    timeouts=Timeouts(request=30.0, stream_idle=30.0, tool_call=60.0))
+                                    timeouts=ROOMY)
             except ProtocolError as exc:
                 answer = exc
     return answer, peak
@@ -234,7 +237,7 @@ def _dataset(variant: str) -> tuple[Any, int, list[str]]:
     with HostileServer(seed=6, only=frozenset({"valid"})) as hostile:
         for route in ("/num_tasks", "/task_range", "/tasks", "/task"):
             hostile.force(variant, path=route, times=100)
-        spec = OpenRewardSpec(hostile.url, retry=RETRY, timeouts=TIMEOUTS)
+        spec = OpenRewardSpec(hostile.url, retry=RETRY, timeouts=ROOMY)
         tracemalloc.start()
         try:
             dataset = spec.train_dataset
