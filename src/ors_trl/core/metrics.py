@@ -75,59 +75,47 @@ class EpisodeStats:
     end_reasons: Counter[str] = field(default_factory=Counter)
     unscored: Counter[str] = field(default_factory=Counter)
 
-    def add(self, *, reward: float | None, finished: bool = False, tool_calls: int = 0, tool_failures: int = 0,
-            turns: int = 0, end_reason: str | None = None, unscored: str | None = None,
-            group_reward: float | None = None, unparsed_turns: int = 0, malformed_calls: int = 0,
-            session_seconds: float | None = None, opened: bool = True) -> None:
-        """Count one episode (`opened`: its session and prompt came, so the model saw it)."""
-        self.episodes += 1
-        if session_seconds is not None:
-            self.sessions += 1
-            self.add_session(session_seconds, unscored=reward is None)
-        self.finished += bool(finished)
-        self.tool_calls += tool_calls
-        self.unopened += not opened
-        self.no_calls += opened and tool_calls == 0
-        self.unparsed_turns += unparsed_turns
-        self.malformed_calls += malformed_calls
-        self.tool_failures += tool_failures
-        self.turns += turns
-        if end_reason is not None:
-            self.end_reasons[end_reason] += 1
-        if reward is not None:
-            self.scored += 1
-            self.reward_sum += reward
-            self.successes += reward >= self.success_threshold
-        else:
-            self.unscored[unscored or "no_reward"] += 1
-        if group_reward is not None:
-            self.group_scored += 1
-            self.group_reward_sum += group_reward
-
     def add_session(self, seconds: float, *, unscored: bool) -> None:
         """Count session-seconds (apart too for an episode scored None)."""
         self.session_seconds += seconds
         self.session_seconds_unscored += seconds if unscored else 0.0
 
-    def add_record(self, record: Mapping[str, Any]) -> None:
-        """Count one episode record (any version; malformed fields count as absent)."""
+    def add_record(self, record: Mapping[str, Any], *, sessions: bool = True) -> None:
+        """Count one episode record (any version; malformed fields count as absent); `sessions`: its session-seconds
+        too (a live episode's are counted as they are spent)."""
         def count(key: str) -> int:
             value = _number(record.get(key))
             return int(value) if value is not None and value >= 0 else 0
 
-        turns = record.get("turns")
-        timings = record.get("timings")
-        session = _number(timings.get("session")) if isinstance(timings, dict) else None
-        end = record.get("end_reason")
-        unscored = record.get("unscored")
+        turns = record.get("turns") if isinstance(record.get("turns"), list) else []
+        reward, calls, timings = _number(record.get("reward")), count("tool_calls"), record.get("timings")
+        session = _number(timings.get("session")) if sessions and isinstance(timings, dict) else None
+        if session is not None and session >= 0:
+            self.sessions += 1
+            self.add_session(session, unscored=reward is None)
+        opened = record.get("prompt", "") is not None  # no prompt: the episode never opened
         unparsed, malformed = tool_health(turns)
-        self.add(reward=_number(record.get("reward")), finished=record.get("finished") is True,
-                 tool_calls=count("tool_calls"), tool_failures=count("tool_failures"),
-                 turns=len(turns) if isinstance(turns, list) else 0, end_reason=None if end is None else str(end),
-                 unscored=unscored if isinstance(unscored, str) else None,
-                 group_reward=_number(record.get("group_reward")), unparsed_turns=unparsed, malformed_calls=malformed,
-                 session_seconds=session if session is not None and session >= 0 else None,
-                 opened=record.get("prompt", "") is not None)  # no prompt: the episode never opened
+        self.episodes += 1
+        self.finished += record.get("finished") is True
+        self.tool_calls += calls
+        self.tool_failures += count("tool_failures")
+        self.turns += len(turns)
+        self.unopened += not opened
+        self.no_calls += opened and calls == 0
+        self.unparsed_turns += unparsed
+        self.malformed_calls += malformed
+        if (end := record.get("end_reason")) is not None:
+            self.end_reasons[str(end)] += 1
+        if reward is not None:
+            self.scored += 1
+            self.reward_sum += reward
+            self.successes += reward >= self.success_threshold
+        else:
+            unscored = record.get("unscored")
+            self.unscored[unscored if isinstance(unscored, str) and unscored else "no_reward"] += 1
+        if (group := _number(record.get("group_reward"))) is not None:
+            self.group_scored += 1
+            self.group_reward_sum += group
 
     def merge(self, other: EpisodeStats) -> None:
         """Add `other`'s counts (the same success threshold is assumed)."""
@@ -175,11 +163,6 @@ def _percentile(values: list[float], q: float) -> float:
     pos = (len(ordered) - 1) * q
     lo, hi = math.floor(pos), math.ceil(pos)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def failure_kind(kind: str) -> str:
-    """Bucket an `ORSError.kind` into one of `FAILURE_KINDS` (anything else is "failed")."""
-    return kind if kind in FAILURE_KINDS else "failed"
 
 
 @dataclass
@@ -236,57 +219,34 @@ class EnvMetrics:
     def _window(self) -> _Window:
         return _Window(EpisodeStats(self.success_threshold))
 
-    def _sample(self, latency: list[float], seconds: float | None) -> None:
-        if seconds is not None and len(latency) < self.MAX_SAMPLES:
-            latency.append(seconds)
-
     def _set_open_sessions_gauge(self, owner: int, name: Callable[[], str], gauge: Callable[[], int]) -> None:
         """Report `gauge()` as `env/<name()>/sessions_open` at every flush (the name read then)."""
         self._gauges[owner] = (name, gauge)
 
-    def _record_open(self, env: str, seconds: float | None, error_kind: str | None = None) -> None:
-        """One session open (`seconds` None: no latency sample), or one that failed."""
+    def _count(self, env: str, latency: str | None = None, seconds: float | None = None, failure: str | None = None,
+               **counts: int) -> None:
+        """Add `counts` to `env`'s counts of those names, `seconds` to its `latency` samples (None: no sample) and a
+        failure of the `ORSError.kind` `failure`: how each event (an open, a call, a retry, a group) is counted."""
         with self._lock:
             w = self._windows[env]
-            if error_kind is not None:
-                w.open_failures += 1
-                w.failures[failure_kind(error_kind)] += 1
-                return
-            w.opens += 1
-            self._sample(w.open_latency, seconds)
+            for name, n in counts.items():
+                setattr(w, name, getattr(w, name) + n)
+            samples = getattr(w, latency) if latency is not None else None
+            if samples is not None and seconds is not None and len(samples) < self.MAX_SAMPLES:
+                samples.append(seconds)
+            if failure is not None:
+                w.failures[failure if failure in FAILURE_KINDS else "failed"] += 1
 
-    def _record_call(self, env: str, seconds: float | None, error_kind: str | None = None, *,
-                     terminal: bool = False) -> None:
-        """One tool call (`seconds` None: refused before it was sent), or the hidden terminal tool's, apart."""
+    def _record_episode(self, env: str, record: Mapping[str, Any]) -> None:
+        """One finished episode (`Episode.record()`): its counts and token fidelity; its session-seconds were counted
+        as they were spent (`_record_session`)."""
+        tokens = record.get("tokens")
         with self._lock:
             w = self._windows[env]
-            if terminal:
-                w.terminal_calls += 1
-            else:
-                w.calls += 1
-            self._sample(w.terminal_latency if terminal else w.call_latency, seconds)
-            if error_kind is not None:
-                w.failures[failure_kind(error_kind)] += 1
-
-    def _record_episode(self, env: str, *, reward: float | None, finished: bool, calls: int,
-                        unscored: str | None = None, turns: Any = (), opened: bool = True,
-                        tokens: Mapping[str, Any] | None = None) -> None:
-        """One finished episode: its reward, calls, turn records and token fidelity (`Episode.tokens`)."""
-        unparsed, malformed = tool_health(turns)
-        with self._lock:
-            w = self._windows[env]
-            w.stats.add(reward=reward, finished=finished, tool_calls=calls, unscored=unscored, turns=len(turns),
-                        unparsed_turns=unparsed, malformed_calls=malformed, opened=opened)
+            w.stats.add_record(record, sessions=False)
             if tokens:
                 w.tokens.update({k: int(tokens.get(k) or 0) for k in ("generated", "masked", "rows")})
                 w.tokens["inexact"] += tokens.get("exact") is False
-
-    def _record_retry(self, env: str, *, dropped_group: bool = False) -> None:
-        """An episode replayed on a fresh session, or (`dropped_group`) a GRPO group left out of training."""
-        with self._lock:
-            w = self._windows[env]
-            w.dropped_groups += dropped_group
-            w.retries += not dropped_group
 
     def _record_session(self, env: str, seconds: float, *, unscored: bool) -> None:
         """Seconds an episode's session spent on the server since the last count."""
@@ -298,13 +258,6 @@ class EnvMetrics:
         for env, window in other._snapshot(reset=True).items():
             with self._lock:
                 _add(self._windows[env], window)
-
-    def _record_group(self, env: str, *, ok: bool) -> None:
-        """One GRPO group sent to `/score_group` (`ok`: it was scored)."""
-        with self._lock:
-            w = self._windows[env]
-            w.groups += 1
-            w.group_failures += int(not ok)
 
     def _snapshot(self, *, reset: bool) -> dict[str, _Window]:
         """What accumulated since the last reset, by environment (`reset`: start a new window)."""

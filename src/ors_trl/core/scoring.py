@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..protocol.errors import ConfigurationError
@@ -18,21 +19,19 @@ _SIMPLE: dict[str, Callable[[list[float], Any], float]] = {
 RULES = (*_SIMPLE, "discounted")
 
 
+@dataclass(frozen=True)
 class RewardRule:
     """A rule from per-call rewards (in call order, `None` where a call gave none) to the episode's reward; `None`
     when nothing was scored. `name` is what records and logs call it."""
 
-    def __init__(self, name: str, fn: Callable[[list[float], Any], float | None]) -> None:
-        self.name, self._fn = name, fn
-
-    def __repr__(self) -> str:
-        return f"RewardRule({self.name!r})"
+    name: str
+    fn: Callable[[list[float], Any], float | None] = field(repr=False)
 
     def __call__(self, rewards: Sequence[float | None], episode: Any = None) -> float | None:
         scored = [r for r in rewards if r is not None]
         if not scored:
             return None
-        out = self._fn(list(rewards) if self.name.startswith("callable") else scored, episode)
+        out = self.fn(list(rewards) if self.name.startswith("callable") else scored, episode)
         if out is None:
             return None
         if isinstance(out, bool) or not isinstance(out, int | float) or not math.isfinite(out):
