@@ -26,7 +26,7 @@ from ..protocol.types import (
     blocks_text,
 )
 
-__all__ = ["Prompt", "assistant_message", "content", "images_of", "tool_message", "transcript"]
+__all__ = ["Prompt", "assistant_message", "content", "images_of", "transcript"]
 
 #: What `content` gives a model: a text, or content parts (`{"type": "text"|"image", ...}`) where an image is shown.
 Content = str | list[dict[str, Any]]
@@ -85,14 +85,6 @@ def _assistant(text: str, calls: list[dict[str, Any]], reasoning: str | None) ->
         message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = calls
-    return message
-
-
-def tool_message(call: Any, content: Content, id: str | None = None) -> dict[str, Any]:
-    """What a call (`ToolCall`) gave, as the chat message after its reply (`tool_call_id` where the call has an id)."""
-    message: dict[str, Any] = {"role": "tool", "name": call.name, "content": content}
-    if id is not None:
-        message["tool_call_id"] = id
     return message
 
 
