@@ -43,10 +43,6 @@ class RewardRule:
         return [self(rewards[k:]) or 0.0 for k in range(len(rewards))]
 
 
-def _discounted(gamma: float) -> Callable[[list[float], Any], float]:
-    return lambda scored, _: sum(r * gamma**k for k, r in enumerate(scored))
-
-
 def reward_rule(rule: str | Callable[..., float | None] | RewardRule | None) -> RewardRule:
     """The rule `OpenRewardSpec(reward=...)` names: `"last"`, `"sum"`, `"max"`, `"discounted:<gamma>"` (gamma in
     (0, 1], over the scored calls in order), or `f(rewards, episode) -> float | None` (all per-call rewards, `None`
@@ -64,7 +60,7 @@ def reward_rule(rule: str | Callable[..., float | None] | RewardRule | None) -> 
         if not 0 < gamma <= 1:
             raise ConfigurationError(
                 f"reward={rule!r}: the discount must be a number in (0, 1], e.g. 'discounted:0.99'")
-        return RewardRule(f"discounted:{gamma:g}", _discounted(gamma))
+        return RewardRule(f"discounted:{gamma:g}", lambda scored, _: sum(r * gamma**k for k, r in enumerate(scored)))
     if callable(rule):
         return RewardRule(f"callable:{getattr(rule, '__qualname__', type(rule).__name__)}", rule)
     raise ConfigurationError(f"reward must be one of {', '.join(RULES)} ('discounted:<gamma>'), or a callable "
