@@ -115,9 +115,9 @@ def test_record_writer_is_bounded(tmp_path) -> None:
 def test_percentiles_and_window_reset() -> None:
     assert _percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
     m = EnvMetrics()
-    m._record_call("a", 0.1)
-    m._record_call("a", 0.3, "expired")
-    m._record_episode("a", reward=None, finished=False, calls=2, unscored="cut_off")
+    m._count("a", "call_latency", 0.1, calls=1)
+    m._count("a", "call_latency", 0.3, "expired", calls=1)
+    m._record_episode("a", {"reward": None, "finished": False, "tool_calls": 2, "unscored": "cut_off"})
     out = m.flush()
     assert out["env/a/failures/expired"] == 1 and out["env/a/graded_fraction"] == 0
     assert out["env/a/unscored/cut_off"] == 1 and out["env/a/unscored/no_reward"] == 0
@@ -150,9 +150,9 @@ def test_terminal_tool_calls_are_counted_apart_from_the_models_tool_calls(ref_se
 def test_terminal_calls_only_make_no_tool_call_metrics() -> None:
     m = EnvMetrics()
     for _ in range(8):
-        m._record_call("q", 0.2, terminal=True)
-        m._record_episode("q", reward=1.0, finished=True, calls=0)
-    m._record_call("q", 0.4, "timeout", terminal=True)
+        m._count("q", "terminal_latency", 0.2, terminal_calls=1)
+        m._record_episode("q", {"reward": 1.0, "finished": True, "tool_calls": 0})
+    m._count("q", "terminal_latency", 0.4, "timeout", terminal_calls=1)
     out = m.flush()
     assert "env/q/tool_calls" not in out and "env/q/tool_call_s/p50" not in out
     assert out["env/q/tool_calls_per_episode"] == 0 and out["env/q/terminal_calls"] == 9

@@ -26,7 +26,7 @@ from ..protocol.types import (
     blocks_text,
 )
 
-__all__ = ["Prompt", "assistant_message", "content", "images_of", "tool_message", "transcript"]
+__all__ = ["Prompt", "assistant_message", "content", "images_of", "transcript"]
 
 #: What `content` gives a model: a text, or content parts (`{"type": "text"|"image", ...}`) where an image is shown.
 Content = str | list[dict[str, Any]]
@@ -74,19 +74,17 @@ def content(blocks: Sequence[Block], *, images: bool = True, view: bool = False,
 
 def assistant_message(reply: Any, ids: Sequence[str]) -> dict[str, Any]:
     """A reply (`Reply`) as the chat message that follows it in the conversation, its calls under `ids`."""
-    message: dict[str, Any] = {"role": "assistant", "content": reply.content or ""}
-    if getattr(reply, "reasoning", None):  # an endpoint's reasoning stays in the history, as training keeps it
-        message["reasoning_content"] = reply.reasoning
-    if reply.tool_calls:
-        message["tool_calls"] = [call.chat(i) for call, i in zip(reply.tool_calls, ids, strict=True)]
-    return message
+    calls = [call.chat(i) for call, i in zip(reply.tool_calls, ids, strict=True)]
+    return _assistant(reply.content or "", calls, getattr(reply, "reasoning", None))
 
 
-def tool_message(call: Any, content: Content, id: str | None = None) -> dict[str, Any]:
-    """What a call (`ToolCall`) gave, as the chat message after its reply (`tool_call_id` where the call has an id)."""
-    message: dict[str, Any] = {"role": "tool", "name": call.name, "content": content}
-    if id is not None:
-        message["tool_call_id"] = id
+def _assistant(text: str, calls: list[dict[str, Any]], reasoning: str | None) -> dict[str, Any]:
+    """The one shape of an assistant chat message: an endpoint's reasoning stays in the history, as training keeps it."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
     return message
 
 
@@ -171,16 +169,10 @@ def _as_parts(value: Any) -> list[Any]:
 def _chat(message: Message, images: bool) -> list[dict[str, Any]]:
     """One ORS message as chat messages (a user turn's tool results become `tool` messages before its text)."""
     if message.role == "assistant":
-        out: dict[str, Any] = {"role": "assistant", "content": blocks_text(
-            [b for b in message.blocks if not isinstance(b, ToolCallBlock | ReasoningBlock)])}
-        calls = [b for b in message.blocks if isinstance(b, ToolCallBlock)]
-        if calls:
-            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.input}}
-                                 for c in calls]
-        reasoning = [b.text for b in message.blocks if isinstance(b, ReasoningBlock)]
-        if reasoning:
-            out["reasoning_content"] = "\n".join(reasoning)
-        return [out]
+        text = blocks_text([b for b in message.blocks if not isinstance(b, ToolCallBlock | ReasoningBlock)])
+        calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+                 for b in message.blocks if isinstance(b, ToolCallBlock)]
+        return [_assistant(text, calls, "\n".join(b.text for b in message.blocks if isinstance(b, ReasoningBlock)))]
     tools = [{"role": "tool", "tool_call_id": b.tool_call_id,
               "content": content(b.blocks, images=images, prefix="[error] " if b.is_error else "")}
              for b in message.blocks if isinstance(b, ToolResultBlock)]

@@ -435,8 +435,6 @@ class Episode:
         self.prompt: Prompt | None = None
         self.turns: list[TurnRecord] = []
         self.final: dict[str, Any] | None = None
-        self.rewards: list[float | None] = []
-        self.metadata: list[dict[str, Any] | None] = []
         self.finished = False
         self.tool_calls = 0
         self.tool_failures = 0
@@ -446,19 +444,17 @@ class Episode:
         self.timings: dict[str, float] = {"generation": 0.0, "tools": 0.0}
         self.started = time.monotonic()
         self.started_at = datetime.now(UTC).isoformat(timespec="seconds")
-        #: The first infrastructure failure of a call (session, network, 5xx, protocol): no score (decision 15).
+        #: The first infrastructure failure (the open, or a call's: session, network, 5xx, protocol): no score.
         self.failure: ORSError | None = None
-        self._dead = False  # the session is known gone: it is never called again
+        self._dead = False  # the session is known gone (or never opened): it is never called again
         self.dropped = False  # its GRPO group trains on none of its episodes (`failed_groups="drop"`): no score
         #: Token fidelity, where a driver knows it (`ors_trl.core.records.token_fidelity`).
         self.tokens: dict[str, Any] | None = None
-        self._unseen: set[int] = set()  # positions in `rewards` of calls whose results the model never saw
         self._given: float | EllipsisType | None = ...  # a reward given outright (`reward = x`), else the rule's
         self._metrics = metrics if metrics is not None else EnvMetrics(env.metrics.success_threshold)  # apart
         self._writer = writer
         self._uploads = uploads
         self._opening: asyncio.Future[bool] | None = None
-        self._open_error: ORSError | None = None
         self._accounted = False
         self._closing: concurrent.futures.Future[None] | None = None
         self._freeing: asyncio.Future[None] | None = None
@@ -506,9 +502,24 @@ class Episode:
         """Score the episode yourself (a harness's `score` hook): this replaces the rule's reward, not a failure's."""
         self._given = value
 
+    def _ran(self) -> list[dict[str, Any]]:
+        """The model's calls that ran (failed ones too), in order, then the terminal tool's grade if it came."""
+        ran = [c for t in self.turns for c in t["tool_calls"] if c.get("status") != "not_run"]
+        return [*ran, self.final] if self.final is not None and "output" in self.final else ran  # type: ignore[list-item]
+
+    @property
+    def rewards(self) -> list[float | None]:
+        """Per call that ran (then the terminal grade), its reward, `None` where absent."""
+        return [c.get("reward") for c in self._ran()]
+
+    @property
+    def metadata(self) -> list[dict[str, Any] | None]:
+        """Per call that ran (then the terminal grade), the environment's metadata."""
+        return [c.get("metadata") for c in self._ran()]
+
     @property
     def _seen_rewards(self) -> list[float | None]:
-        return [None if k in self._unseen else r for k, r in enumerate(self.rewards)]
+        return [None if c.get("unseen") else c.get("reward") for c in self._ran()]
 
     def turn_returns(self, rewards: Sequence[float | None] | None = None) -> list[float] | None:
         """Per turn, the reward rule over the per-call rewards from that turn's calls on (a final grade counts for the
@@ -530,7 +541,7 @@ class Episode:
     @property
     def retryable(self) -> ORSError | None:
         """The infrastructure failure that voided the episode, or None: a replay on a fresh session may succeed."""
-        return self.failure or self._open_error
+        return self.failure
 
     @property
     def broken(self) -> bool:
@@ -540,15 +551,13 @@ class Episode:
     def _stopping(self) -> bool:
         """No call may be sent any more: the session is gone or never opened, or a failure voided the episode."""
         voided = self.failure is not None and not self.env.options["score_failures"]
-        return self._dead or self._open_error is not None or voided
+        return self._dead or voided
 
     def unsee(self) -> None:
         """The results of the last reply's calls never reached the model: their rewards do not count."""
-        ran = sum(1 for t in self.turns for c in t["tool_calls"] if c.get("status") != "not_run")
-        last = [c for c in (self.turns[-1]["tool_calls"] if self.turns else []) if c.get("status") != "not_run"]
-        for k, entry in zip(range(ran - len(last), ran), last, strict=True):
-            self._unseen.add(k)
-            entry["unseen"] = True
+        for entry in self.turns[-1]["tool_calls"] if self.turns else ():
+            if entry.get("status") != "not_run":
+                entry["unseen"] = True
 
     @property
     def final_message(self) -> str | None:
@@ -581,15 +590,15 @@ class Episode:
             if self.toolset is None:
                 self.toolset = env.toolset_of(await self.session.tools())
         except ORSError as exc:
-            self._metrics._record_open(env.name, None, exc.kind)
+            self._metrics._count(env.name, failure=exc.kind, open_failures=1)
             logger.warning("%s: could not open a session for task %s: %s", env.name, task.key, exc)
-            self._open_error = exc
+            self.failure, self._dead = exc, True
             self.fail(exc)
             if self.session is not None:
                 await self.session.close()
             return False
         self.timings["prompt"] = time.monotonic() - started - self.timings["open"]
-        self._metrics._record_open(env.name, time.monotonic() - started)
+        self._metrics._count(env.name, "open_latency", time.monotonic() - started, opens=1)
         env.remember_prompt(task.key, self.prompt)
         if self.state == OPENING:
             self.state = OPEN
@@ -598,10 +607,14 @@ class Episode:
     # -- the turn rule ---------------------------------------------------------------------------------
 
     def _rule(self, reply: Reply) -> tuple[str | None, str | None]:
-        """(None, None) when a reply's calls run, else why the episode ends and the final plain message."""
+        """(None, None) when the calls of a reply (its turn recorded) run, else why the episode ends and the final
+        plain message; the calls of the last reply the rules allow are marked `not_run`."""
         if reply.tool_calls:
             limit = self.rules.max_replies
-            return ("max_turns", None) if limit is not None and len(self.turns) >= limit else (None, None)
+            if limit is None or len(self.turns) < limit:
+                return None, None
+            self.turns[-1]["tool_calls"] = [c.record(status="not_run") for c in reply.tool_calls]  # type: ignore
+            return "max_turns", None
         if reply.truncated:
             return reply.limit, None
         return "no_tool_calls", reply.content
@@ -620,15 +633,13 @@ class Episode:
         """
         if self.over:
             return None
-        turn = self._turn(reply)
+        self._turn(reply)
         reason, message = self._rule(reply)
         if reason is None:
             outcomes = [await self.call(c) for c in reply.tool_calls]  # type: ignore[arg-type]
             if not self._stopping():
                 return outcomes
             reason = "error"  # a dead session is not called again; a failure voids the episode: it ends now
-        else:
-            turn["tool_calls"] = [c.record(status="not_run") for c in reply.tool_calls]  # type: ignore[arg-type]
         await self.end(reason, message)
         return None
 
@@ -640,13 +651,10 @@ class Episode:
             reply (`Reply`):
                 The model's reply, as the harness received it.
         """
-        if self.over:
-            return
-        turn = self._turn(reply)
-        reason, _ = self._rule(reply)
-        if reason == "max_turns":
-            turn["tool_calls"] = [c.record(status="not_run") for c in reply.tool_calls]  # type: ignore[arg-type]
-            await self.end(reason)
+        if not self.over:
+            self._turn(reply)
+            if self._rule(reply)[0] == "max_turns":
+                await self.end("max_turns")
 
     async def conclude(self, message: str | None) -> None:
         """The harness stopped: the episode ends `no_tool_calls`.
@@ -683,9 +691,8 @@ class Episode:
         (self.turns[-1] if self.turns else self._turn(Reply(None)))["tool_calls"].append(entry)
         if self._stopping():  # not the model's doing: neither sent nor counted (TRL's loop calls on regardless)
             entry["status"] = "not_run"
-            failure = self.failure or self._open_error
-            return Outcome(f"[not run: the environment failed ({failure.kind if failure else 'session lost'}); "
-                           "this episode is over]")
+            kind = self.failure.kind if self.failure else "session lost"
+            return Outcome(f"[not run: the environment failed ({kind}); this episode is over]")
         self.tool_calls += 1
         started = time.monotonic()
         try:
@@ -703,7 +710,7 @@ class Episode:
         if images := [self._keep(b) for b in image_blocks(result.blocks)]:
             entry["images"] = images
         self._scored(result)
-        self._metrics._record_call(self.env.name, elapsed, None)
+        self._metrics._count(self.env.name, "call_latency", elapsed, calls=1)
         return Outcome(shown, None, result, text)
 
     def _shown(self, blocks: list[Block]) -> tuple[Content, str]:
@@ -756,8 +763,6 @@ class Episode:
 
     def _failed(self, entry: CallRecord, exc: ORSError, seconds: float | None) -> Outcome:
         self.tool_failures += 1
-        self.rewards.append(None)
-        self.metadata.append(None)
         refused = isinstance(exc, ToolRefusedError)
         entry.update(status="refused" if refused else "failed", error=error_record(exc),
                      output=self.rules.error_text(exc))
@@ -767,14 +772,14 @@ class Episode:
             self.failure = self.failure or exc
             self._dead = self._dead or isinstance(exc, SessionExpiredError | TransportError) or (
                 self.session is not None and (self.session.expired or self.session.closed))
-        self._metrics._record_call(self.env.name, seconds, exc.kind)  # seconds None: refused before it was sent
+        self._metrics._count(self.env.name, "call_latency", seconds, exc.kind, calls=1)  # seconds None: never sent
         return Outcome(entry["output"], exc)
 
     async def _remote(self, remote: str, wire: dict[str, Any]) -> ToolResult:
         """Call remote tool `remote` in this episode's session (opening it first if still opening)."""
         if not await self.open():
-            assert self._open_error is not None
-            raise self._open_error
+            assert self.failure is not None
+            raise self.failure
         assert self.session is not None
         started = time.monotonic()
         try:
@@ -784,8 +789,6 @@ class Episode:
             self.timings["tools"] += time.monotonic() - started
 
     def _scored(self, result: ToolResult) -> None:
-        self.rewards.append(result.reward)
-        self.metadata.append(result.metadata)
         if self.end_reason == "timeout":  # a call that came back after the deadline scores nothing
             return
         if result.finished and not self.finished:
@@ -820,10 +823,11 @@ class Episode:
             rolled_back = reason is None and not shown and bool(made) and made[0].get("name") == calls[0].name
             if reason is None and not shown:  # no results appended: rolled back (the calls ran) or none run
                 reason = "length" if rolled_back else "max_turns"
+            if reason == "max_turns":
+                turn["tool_calls"] = [c.record(status="not_run") for c in calls]
+                continue
             for j, call in enumerate(calls):
-                if reason == "max_turns":
-                    turn["tool_calls"].append(call.record(status="not_run"))
-                elif made and made[0].get("name") == call.name:
+                if made and made[0].get("name") == call.name:
                     turn["tool_calls"].append(made.popleft())
                     if rolled_back:  # the model never saw what it gave
                         turn["tool_calls"][-1]["unseen"] = True
@@ -838,9 +842,6 @@ class Episode:
             reason = "length"
         if made:  # calls the transcript does not show (it was cut): keep them in the last turn
             (self.turns[-1] if self.turns else self._turn(Reply(None)))["tool_calls"].extend(made)
-        ran = [c for t in self.turns for c in t["tool_calls"] if c.get("status") != "not_run"]
-        self.rewards, self.metadata = [c.get("reward") for c in ran], [c.get("metadata") for c in ran]
-        self._unseen = {k for k, c in enumerate(ran) if c.get("unseen")}
         return reason or "length", message
 
     def _refusal_of(self, call: ToolCall, shown: str | None) -> ToolRefusedError:
@@ -881,7 +882,7 @@ class Episode:
                 self._scored(result)
             self.final["seconds"] = round(time.monotonic() - started, 4)
             # the harness's call of the hidden terminal tool, counted apart from the model's calls
-            self._metrics._record_call(self.env.name, time.monotonic() - started, kind, terminal=True)
+            self._metrics._count(self.env.name, "terminal_latency", time.monotonic() - started, kind, terminal_calls=1)
         elif message is not None:
             self.final = {"message": message}
         if detail:
@@ -938,9 +939,7 @@ class Episode:
         if self._accounted:
             return
         self._accounted = True
-        self._metrics._record_episode(self.env.name, reward=self.reward, finished=self.finished, calls=self.tool_calls,
-                                      unscored=self.unscored, turns=self.turns, opened=self.prompt is not None,
-                                      tokens=self.tokens)
+        self._metrics._record_episode(self.env.name, self.record())
         for listener in self.env.listeners:
             listener(self)
         self._bill()
@@ -970,7 +969,7 @@ class Episode:
         seen = [b.info().sha256 for m in (prompt.messages if prompt else ()) for b in image_blocks(m.blocks)]
         images: dict[str, Any] = {}
         if self.images:  # only then: a text-only episode's record is what it always was
-            images["images"] = {sha: image_record(b.info()) for sha, b in self.images.items()}
+            images["images"] = {sha: image_record(b.info()) for sha, b in dict(self.images).items()}  # any thread
             if seen:
                 images["prompt_images"] = seen
         return EpisodeRecord(
@@ -1012,7 +1011,7 @@ class Episode:
                 self.env.live.discard(self)
             if replaced:
                 self._accounted = True  # the replay is the episode: this attempt is a retry in the metrics
-                self._metrics._record_retry(self.env.name)
+                self._metrics._count(self.env.name, retries=1)
             if keep:
                 self.account()
                 record = self.record()
@@ -1038,7 +1037,7 @@ def drop_failed_groups(episodes: Sequence[Episode]) -> None:
         if any(ep.broken for ep in group) and not group[0].dropped:
             for ep in group:
                 ep.dropped = True
-            group[0]._metrics._record_retry(group[0].env.name, dropped_group=True)
+            group[0]._metrics._count(group[0].env.name, dropped_groups=1)
 
 
 def _groups(episodes: Iterable[Episode]) -> list[list[Episode]]:
@@ -1067,13 +1066,13 @@ async def score_groups(episodes: Sequence[Episode]) -> None:
         except ORSError as exc:
             logger.warning("%s: group scoring of task %s failed (%d rollouts get None): %s", env.name,
                            group[0].task.key, len(group), exc)
-            group[0]._metrics._record_group(env.name, ok=False)
+            group[0]._metrics._count(env.name, groups=1, group_failures=1)
             return
         finally:
             if opened is not None:
                 await opened.close()
         for ep, result in zip(group, scores, strict=True):
             ep.group_reward = result.reward
-        group[0]._metrics._record_group(env.name, ok=True)
+        group[0]._metrics._count(env.name, groups=1)
 
     await asyncio.gather(*(score(g) for g in _groups(episodes)))

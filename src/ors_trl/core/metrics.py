@@ -5,12 +5,13 @@ events since the last flush into scalars named `env/<name>/<metric>` (and `env/<
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, get_args
 
 from .records import Unscored
@@ -52,7 +53,8 @@ def tool_health(turns: Any) -> tuple[int, int]:
 
 @dataclass
 class EpisodeStats:
-    """Counts over a set of episodes. Success: a reward at or above `success_threshold`."""
+    """Counts over a set of episodes (success: a reward at or above `success_threshold`) and, live, what their opens,
+    calls and groups did: one tally, for `EnvMetrics`' windows and for reports over records."""
 
     success_threshold: float = DEFAULT_SUCCESS_THRESHOLD
     episodes: int = 0
@@ -74,64 +76,63 @@ class EpisodeStats:
     session_seconds_unscored: float = 0.0
     end_reasons: Counter[str] = field(default_factory=Counter)
     unscored: Counter[str] = field(default_factory=Counter)
+    open_latency: list[float] = field(default_factory=list)
+    opens: int = 0
+    open_failures: int = 0
+    call_latency: list[float] = field(default_factory=list)
+    calls: int = 0  # tool calls sent or refused (`tool_calls` counts the episodes' own)
+    terminal_latency: list[float] = field(default_factory=list)
+    terminal_calls: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    groups: int = 0
+    group_failures: int = 0
+    retries: int = 0  # episodes replayed on a fresh session after a failure (`episode_retries`)
+    dropped_groups: int = 0  # GRPO groups trained on none of their episodes (`failed_groups="drop"`)
+    tokens: Counter[str] = field(default_factory=Counter)  # generated, masked, rows, inexact (token fidelity)
 
-    def add(self, *, reward: float | None, finished: bool = False, tool_calls: int = 0, tool_failures: int = 0,
-            turns: int = 0, end_reason: str | None = None, unscored: str | None = None,
-            group_reward: float | None = None, unparsed_turns: int = 0, malformed_calls: int = 0,
-            session_seconds: float | None = None, opened: bool = True) -> None:
-        """Count one episode (`opened`: its session and prompt came, so the model saw it)."""
-        self.episodes += 1
-        if session_seconds is not None:
+    def add_record(self, record: Mapping[str, Any], *, sessions: bool = True) -> None:
+        """Count one episode record (any version; malformed fields count as absent); `sessions`: its session-seconds
+        too (a live episode's are counted as they are spent)."""
+        def count(key: str) -> int:
+            value = _number(record.get(key))
+            return int(value) if value is not None and value >= 0 else 0
+
+        turns = record.get("turns") if isinstance(record.get("turns"), list) else []
+        reward, calls, timings = _number(record.get("reward")), count("tool_calls"), record.get("timings")
+        session = _number(timings.get("session")) if sessions and isinstance(timings, dict) else None
+        if session is not None and session >= 0:
             self.sessions += 1
-            self.add_session(session_seconds, unscored=reward is None)
-        self.finished += bool(finished)
-        self.tool_calls += tool_calls
+            self.session_seconds += session
+            self.session_seconds_unscored += session if reward is None else 0.0
+        opened = record.get("prompt", "") is not None  # no prompt: the episode never opened
+        unparsed, malformed = tool_health(turns)
+        self.episodes += 1
+        self.finished += record.get("finished") is True
+        self.tool_calls += calls
+        self.tool_failures += count("tool_failures")
+        self.turns += len(turns)
         self.unopened += not opened
-        self.no_calls += opened and tool_calls == 0
-        self.unparsed_turns += unparsed_turns
-        self.malformed_calls += malformed_calls
-        self.tool_failures += tool_failures
-        self.turns += turns
-        if end_reason is not None:
-            self.end_reasons[end_reason] += 1
+        self.no_calls += opened and calls == 0
+        self.unparsed_turns += unparsed
+        self.malformed_calls += malformed
+        if (end := record.get("end_reason")) is not None:
+            self.end_reasons[str(end)] += 1
         if reward is not None:
             self.scored += 1
             self.reward_sum += reward
             self.successes += reward >= self.success_threshold
         else:
-            self.unscored[unscored or "no_reward"] += 1
-        if group_reward is not None:
+            unscored = record.get("unscored")
+            self.unscored[unscored if isinstance(unscored, str) and unscored else "no_reward"] += 1
+        if (group := _number(record.get("group_reward"))) is not None:
             self.group_scored += 1
-            self.group_reward_sum += group_reward
-
-    def add_session(self, seconds: float, *, unscored: bool) -> None:
-        """Count session-seconds (apart too for an episode scored None)."""
-        self.session_seconds += seconds
-        self.session_seconds_unscored += seconds if unscored else 0.0
-
-    def add_record(self, record: Mapping[str, Any]) -> None:
-        """Count one episode record (any version; malformed fields count as absent)."""
-        def count(key: str) -> int:
-            value = _number(record.get(key))
-            return int(value) if value is not None and value >= 0 else 0
-
-        turns = record.get("turns")
-        timings = record.get("timings")
-        session = _number(timings.get("session")) if isinstance(timings, dict) else None
-        end = record.get("end_reason")
-        unscored = record.get("unscored")
-        unparsed, malformed = tool_health(turns)
-        self.add(reward=_number(record.get("reward")), finished=record.get("finished") is True,
-                 tool_calls=count("tool_calls"), tool_failures=count("tool_failures"),
-                 turns=len(turns) if isinstance(turns, list) else 0, end_reason=None if end is None else str(end),
-                 unscored=unscored if isinstance(unscored, str) else None,
-                 group_reward=_number(record.get("group_reward")), unparsed_turns=unparsed, malformed_calls=malformed,
-                 session_seconds=session if session is not None and session >= 0 else None,
-                 opened=record.get("prompt", "") is not None)  # no prompt: the episode never opened
+            self.group_reward_sum += group
 
     def merge(self, other: EpisodeStats) -> None:
-        """Add `other`'s counts (the same success threshold is assumed)."""
-        _add(self, other)
+        """Add `other`'s counts, latency samples and Counters (the same success threshold is assumed)."""
+        for f in fields(self):
+            if f.name != "success_threshold":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     @property
     def mean_reward(self) -> float | None:
@@ -177,39 +178,6 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def failure_kind(kind: str) -> str:
-    """Bucket an `ORSError.kind` into one of `FAILURE_KINDS` (anything else is "failed")."""
-    return kind if kind in FAILURE_KINDS else "failed"
-
-
-@dataclass
-class _Window:
-    stats: EpisodeStats
-    open_latency: list[float] = field(default_factory=list)
-    opens: int = 0
-    open_failures: int = 0
-    call_latency: list[float] = field(default_factory=list)
-    calls: int = 0
-    terminal_latency: list[float] = field(default_factory=list)
-    terminal_calls: int = 0
-    failures: Counter[str] = field(default_factory=Counter)
-    groups: int = 0
-    group_failures: int = 0
-    retries: int = 0  # episodes replayed on a fresh session after a failure (`episode_retries`)
-    dropped_groups: int = 0  # GRPO groups trained on none of their episodes (`failed_groups="drop"`)
-    tokens: Counter[str] = field(default_factory=Counter)  # generated, masked, rows, inexact (token fidelity)
-
-
-def _add(into: Any, other: Any) -> None:
-    """Add `other`'s counts, latency lists and Counters to `into`'s (the threshold is not a count)."""
-    for f in fields(into):
-        mine = getattr(into, f.name)
-        if is_dataclass(mine):
-            _add(mine, getattr(other, f.name))
-        elif f.name != "success_threshold":
-            setattr(into, f.name, mine + getattr(other, f.name))
-
-
 class EnvMetrics:
     """Thread-safe accumulator of what the environments did, one per spec or mix (`spec.metrics`); `flush()` turns it
     into the `env/...` metrics TRL logs.
@@ -230,83 +198,50 @@ class EnvMetrics:
         self.no_call_warning = no_call_warning
         self._calling: set[str] = set()  # environments whose last step was below the warning share
         self._lock = threading.Lock()
-        self._windows: dict[str, _Window] = defaultdict(self._window)
+        self._window = functools.partial(EpisodeStats, success_threshold)
+        self._windows: dict[str, EpisodeStats] = defaultdict(self._window)
         self._gauges: dict[int, tuple[Callable[[], str], Callable[[], int]]] = {}  # owner -> (its name, the gauge)
-
-    def _window(self) -> _Window:
-        return _Window(EpisodeStats(self.success_threshold))
-
-    def _sample(self, latency: list[float], seconds: float | None) -> None:
-        if seconds is not None and len(latency) < self.MAX_SAMPLES:
-            latency.append(seconds)
 
     def _set_open_sessions_gauge(self, owner: int, name: Callable[[], str], gauge: Callable[[], int]) -> None:
         """Report `gauge()` as `env/<name()>/sessions_open` at every flush (the name read then)."""
         self._gauges[owner] = (name, gauge)
 
-    def _record_open(self, env: str, seconds: float | None, error_kind: str | None = None) -> None:
-        """One session open (`seconds` None: no latency sample), or one that failed."""
+    def _count(self, env: str, latency: str | None = None, seconds: float | None = None, failure: str | None = None,
+               **counts: int) -> None:
+        """Add `counts` to `env`'s counts of those names, `seconds` to its `latency` samples (None: no sample) and a
+        failure of the `ORSError.kind` `failure`: how each event (an open, a call, a retry, a group) is counted."""
         with self._lock:
             w = self._windows[env]
-            if error_kind is not None:
-                w.open_failures += 1
-                w.failures[failure_kind(error_kind)] += 1
-                return
-            w.opens += 1
-            self._sample(w.open_latency, seconds)
+            for name, n in counts.items():
+                setattr(w, name, getattr(w, name) + n)
+            samples = getattr(w, latency) if latency is not None else None
+            if samples is not None and seconds is not None and len(samples) < self.MAX_SAMPLES:
+                samples.append(seconds)
+            if failure is not None:
+                w.failures[failure if failure in FAILURE_KINDS else "failed"] += 1
 
-    def _record_call(self, env: str, seconds: float | None, error_kind: str | None = None, *,
-                     terminal: bool = False) -> None:
-        """One tool call (`seconds` None: refused before it was sent), or the hidden terminal tool's, apart."""
+    def _record_episode(self, env: str, record: Mapping[str, Any]) -> None:
+        """One finished episode (`Episode.record()`): its counts and token fidelity; its session-seconds were counted
+        as they were spent (`_record_session`)."""
+        tokens = record.get("tokens")
         with self._lock:
             w = self._windows[env]
-            if terminal:
-                w.terminal_calls += 1
-            else:
-                w.calls += 1
-            self._sample(w.terminal_latency if terminal else w.call_latency, seconds)
-            if error_kind is not None:
-                w.failures[failure_kind(error_kind)] += 1
-
-    def _record_episode(self, env: str, *, reward: float | None, finished: bool, calls: int,
-                        unscored: str | None = None, turns: Any = (), opened: bool = True,
-                        tokens: Mapping[str, Any] | None = None) -> None:
-        """One finished episode: its reward, calls, turn records and token fidelity (`Episode.tokens`)."""
-        unparsed, malformed = tool_health(turns)
-        with self._lock:
-            w = self._windows[env]
-            w.stats.add(reward=reward, finished=finished, tool_calls=calls, unscored=unscored, turns=len(turns),
-                        unparsed_turns=unparsed, malformed_calls=malformed, opened=opened)
+            w.add_record(record, sessions=False)
             if tokens:
                 w.tokens.update({k: int(tokens.get(k) or 0) for k in ("generated", "masked", "rows")})
                 w.tokens["inexact"] += tokens.get("exact") is False
 
-    def _record_retry(self, env: str, *, dropped_group: bool = False) -> None:
-        """An episode replayed on a fresh session, or (`dropped_group`) a GRPO group left out of training."""
-        with self._lock:
-            w = self._windows[env]
-            w.dropped_groups += dropped_group
-            w.retries += not dropped_group
-
     def _record_session(self, env: str, seconds: float, *, unscored: bool) -> None:
         """Seconds an episode's session spent on the server since the last count."""
-        with self._lock:
-            self._windows[env].stats.add_session(seconds, unscored=unscored)
+        self._count(env, session_seconds=seconds, session_seconds_unscored=seconds if unscored else 0.0)
 
     def _absorb(self, other: EnvMetrics) -> None:
         """Move what `other` accumulated into these (counts kept apart until they turned out to belong here)."""
         for env, window in other._snapshot(reset=True).items():
             with self._lock:
-                _add(self._windows[env], window)
+                self._windows[env].merge(window)
 
-    def _record_group(self, env: str, *, ok: bool) -> None:
-        """One GRPO group sent to `/score_group` (`ok`: it was scored)."""
-        with self._lock:
-            w = self._windows[env]
-            w.groups += 1
-            w.group_failures += int(not ok)
-
-    def _snapshot(self, *, reset: bool) -> dict[str, _Window]:
+    def _snapshot(self, *, reset: bool) -> dict[str, EpisodeStats]:
         """What accumulated since the last reset, by environment (`reset`: start a new window)."""
         with self._lock:
             windows = dict(self._windows)
@@ -322,10 +257,10 @@ class EnvMetrics:
         out: dict[str, float] = {}
         total = self._window()
         for env, w in sorted(windows.items()):
-            out.update(_window_metrics(f"env/{env}/", w))
-            _add(total, w)
+            out.update(stats_metrics(f"env/{env}/", w))
+            total.merge(w)
         if len(windows) > 1:
-            out.update(_window_metrics("env/", total))
+            out.update(stats_metrics("env/", total))
         for name, gauge in list(self._gauges.values()):
             try:
                 out[f"env/{name()}/sessions_open"] = float(gauge())
@@ -333,9 +268,8 @@ class EnvMetrics:
                 continue
         return out
 
-    def _watch(self, windows: dict[str, _Window]) -> None:
-        for env, w in sorted(windows.items()):
-            s = w.stats
+    def _watch(self, windows: dict[str, EpisodeStats]) -> None:
+        for env, s in sorted(windows.items()):
             if not s.episodes:
                 continue
             if s.no_call_rate < self.no_call_warning:
@@ -350,14 +284,10 @@ class EnvMetrics:
                     s.malformed_calls)
 
 
-def stats_metrics(prefix: str, stats: EpisodeStats) -> dict[str, float]:
-    """The episode metrics of `stats` (reward, grading, success, tool calls and their health) as `prefix<metric>`."""
-    return _window_metrics(prefix, _Window(stats))
-
-
-def _window_metrics(prefix: str, w: _Window) -> dict[str, float]:
+def stats_metrics(prefix: str, s: EpisodeStats) -> dict[str, float]:
+    """The metrics of `s` (reward, grading, success, tool calls and their health, and what was live) as
+    `prefix<metric>`."""
     out: dict[str, float] = {}
-    s = w.stats
     if s.episodes:
         out.update(episodes=float(s.episodes), reward_mean=s.mean_reward if s.mean_reward is not None else math.nan,
                    graded_fraction=s.coverage, success_rate=s.success_rate, finished_fraction=s.share(s.finished),
@@ -366,29 +296,28 @@ def _window_metrics(prefix: str, w: _Window) -> dict[str, float]:
         out.update({f"unscored/{reason}": float(s.unscored.get(reason, 0)) for reason in UNSCORED_REASONS})
         if s.unscored.get("timeout"):
             out["timed_out_fraction"] = s.share(s.unscored["timeout"])
-    if w.groups:
-        out.update(groups_scored=float(w.groups - w.group_failures), group_failures=float(w.group_failures))
-    if w.retries or w.dropped_groups:
-        out.update(episode_retries=float(w.retries), dropped_groups=float(w.dropped_groups))
-    if w.tokens["generated"]:
-        t = w.tokens
+    if s.groups:
+        out.update(groups_scored=float(s.groups - s.group_failures), group_failures=float(s.group_failures))
+    if s.retries or s.dropped_groups:
+        out.update(episode_retries=float(s.retries), dropped_groups=float(s.dropped_groups))
+    if (t := s.tokens)["generated"]:
         out.update({"tokens/generated": float(t["generated"]), "tokens/masked_fraction": t["masked"] / t["generated"],
                     "tokens/rows_per_episode": t["rows"] / max(s.episodes, 1), "tokens/inexact_episodes": float(
                         t["inexact"])})
-    if w.calls:
-        out["tool_calls"] = float(w.calls)
-    if w.terminal_calls:
-        out["terminal_calls"] = float(w.terminal_calls)
-    if w.calls or w.terminal_calls or w.failures:
-        out.update({f"failures/{kind}": float(w.failures.get(kind, 0)) for kind in FAILURE_KINDS})
-    if w.opens:
-        out["sessions_opened"] = float(w.opens)
+    if s.calls:
+        out["tool_calls"] = float(s.calls)
+    if s.terminal_calls:
+        out["terminal_calls"] = float(s.terminal_calls)
+    if s.calls or s.terminal_calls or s.failures:
+        out.update({f"failures/{kind}": float(s.failures.get(kind, 0)) for kind in FAILURE_KINDS})
+    if s.opens:
+        out["sessions_opened"] = float(s.opens)
     if s.session_seconds:
         out.update(session_seconds=s.session_seconds, session_seconds_unscored=s.session_seconds_unscored)
-    if w.open_failures:
-        out["session_open_failures"] = float(w.open_failures)
-    for name, latency in (("session_open_s", w.open_latency), ("tool_call_s", w.call_latency),
-                          ("terminal_call_s", w.terminal_latency)):
+    if s.open_failures:
+        out["session_open_failures"] = float(s.open_failures)
+    for name, latency in (("session_open_s", s.open_latency), ("tool_call_s", s.call_latency),
+                          ("terminal_call_s", s.terminal_latency)):
         if latency:
             out.update({f"{name}/p50": _percentile(latency, 0.5), f"{name}/p95": _percentile(latency, 0.95)})
     return {prefix + name: value for name, value in out.items()}

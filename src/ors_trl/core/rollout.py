@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from ..protocol.errors import ConfigurationError, ContextLengthExceeded
-from .conversation import assistant_message, tool_message
+from .conversation import assistant_message
 from .episode import Episode, Outcome, Reply
 
 __all__ = ["AUTO_WINDOW", "Batcher", "Conversation", "Generator", "StopEpisode", "play", "play_task"]
@@ -35,11 +35,11 @@ class Conversation:
         self.episode, self.messages, self.tools, self.state = episode, messages or [], tools, None
 
     def add(self, reply: Reply, outcomes: Sequence[Outcome]) -> None:
-        """Append a reply whose calls ran, and their results (the one message builder, `ors_trl.core.conversation`)."""
+        """Append a reply whose calls ran (`assistant_message`), and their results as `tool` messages."""
         turn = len(self.episode.turns) - 1
         ids = [c.id or f"call_{turn}_{k}" for k, c in enumerate(reply.tool_calls)]
         self.messages.append(assistant_message(reply, ids))
-        self.messages += [tool_message(c, o.content, i)
+        self.messages += [{"role": "tool", "name": c.name, "content": o.content, "tool_call_id": i}
                           for c, o, i in zip(reply.tool_calls, outcomes, ids, strict=True)]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..protocol.errors import ConfigurationError
@@ -18,21 +19,19 @@ _SIMPLE: dict[str, Callable[[list[float], Any], float]] = {
 RULES = (*_SIMPLE, "discounted")
 
 
+@dataclass(frozen=True)
 class RewardRule:
     """A rule from per-call rewards (in call order, `None` where a call gave none) to the episode's reward; `None`
     when nothing was scored. `name` is what records and logs call it."""
 
-    def __init__(self, name: str, fn: Callable[[list[float], Any], float | None]) -> None:
-        self.name, self._fn = name, fn
-
-    def __repr__(self) -> str:
-        return f"RewardRule({self.name!r})"
+    name: str
+    fn: Callable[[list[float], Any], float | None] = field(repr=False)
 
     def __call__(self, rewards: Sequence[float | None], episode: Any = None) -> float | None:
         scored = [r for r in rewards if r is not None]
         if not scored:
             return None
-        out = self._fn(list(rewards) if self.name.startswith("callable") else scored, episode)
+        out = self.fn(list(rewards) if self.name.startswith("callable") else scored, episode)
         if out is None:
             return None
         if isinstance(out, bool) or not isinstance(out, int | float) or not math.isfinite(out):
@@ -42,10 +41,6 @@ class RewardRule:
     def returns(self, rewards: Sequence[float | None]) -> list[float]:
         """Per call, the rule over the rewards from that call on (0.0 where none is left): per-turn credit."""
         return [self(rewards[k:]) or 0.0 for k in range(len(rewards))]
-
-
-def _discounted(gamma: float) -> Callable[[list[float], Any], float]:
-    return lambda scored, _: sum(r * gamma**k for k, r in enumerate(scored))
 
 
 def reward_rule(rule: str | Callable[..., float | None] | RewardRule | None) -> RewardRule:
@@ -65,7 +60,7 @@ def reward_rule(rule: str | Callable[..., float | None] | RewardRule | None) -> 
         if not 0 < gamma <= 1:
             raise ConfigurationError(
                 f"reward={rule!r}: the discount must be a number in (0, 1], e.g. 'discounted:0.99'")
-        return RewardRule(f"discounted:{gamma:g}", _discounted(gamma))
+        return RewardRule(f"discounted:{gamma:g}", lambda scored, _: sum(r * gamma**k for k, r in enumerate(scored)))
     if callable(rule):
         return RewardRule(f"callable:{getattr(rule, '__qualname__', type(rule).__name__)}", rule)
     raise ConfigurationError(f"reward must be one of {', '.join(RULES)} ('discounted:<gamma>'), or a callable "

@@ -11,7 +11,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..core.metrics import stats_metrics, tool_health
+from ..core.metrics import stats_metrics
 from ..core.stats import by_task
 from ..tasks.stream import DrawSource
 from . import backend as _trl
@@ -91,14 +91,12 @@ class EvalCallback(TrainerCallback):
         accelerator = trainer.accelerator
         self.engine.info = {"step": step, "policy": "the model in training"}
         self.engine(self.prompts[accelerator.process_index::accelerator.num_processes], trainer)
-        rows = [(ep.task.key, dict(zip(("unparsed_turns", "malformed_calls"), tool_health(ep.turns), strict=True),
-                                   reward=ep.reward, finished=ep.finished, tool_calls=ep.tool_calls,
-                                   tool_failures=ep.tool_failures, turns=len(ep.turns), unscored=ep.unscored,
-                                   opened=ep.prompt is not None)) for ep in self.engine.last_episodes]
+        rows = [(ep.task.key, ep.record()) for ep in self.engine.last_episodes]
         self.runtime.metrics.flush()  # its own window, apart from the training metrics: started again each time
         backend = _trl.Backend.of(trainer)
         rows, _ = backend.gather_objects(rows)
-        stats, _, passed, interval = by_task(rows, self.runtime.metrics.success_threshold, lambda s, e: s.add(**e))
+        stats, _, passed, interval = by_task(rows, self.runtime.metrics.success_threshold,
+                                             lambda s, e: s.add_record(e, sessions=False))
         prefix = f"eval/{self.runtime.name}/"
         logs = {**stats_metrics(prefix, stats), **{f"{prefix}pass@{k}": v for k, v in passed.items()}}
         if interval is not None:
