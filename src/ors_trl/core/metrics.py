@@ -51,7 +51,7 @@ def tool_health(turns: Any) -> tuple[int, int]:
     return unparsed, malformed
 
 
-@dataclass
+@dataclass(slots=True)
 class EpisodeStats:
     """Counts over a set of episodes (success: a reward at or above `success_threshold`) and, live, what their opens,
     calls and groups did: one tally, for `EnvMetrics`' windows and for reports over records."""
