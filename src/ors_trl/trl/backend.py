@@ -63,9 +63,12 @@ def verified() -> bool:
     """True when the installed TRL is one the fast paths were verified against (or the user opted in); False without
     TRL (no trainer to read: nothing to warn about)."""
     version = trl_version()
-    if version is None or any(version == v or version.startswith(v + ".") for v in VERIFIED):
-        return version is not None
-    if trusted := os.environ.get(TRUST_ENV) == "1":
+    if version is None:
+        return False
+    if any(version == v or version.startswith(v + ".") for v in VERIFIED):
+        return True
+    trusted = os.environ.get(TRUST_ENV) == "1"
+    if trusted:
         logger.warning("ors-trl: TRL %s is not a verified version (%s); %s=1 turns the fast paths on anyway.",
                        version, ", ".join(VERIFIED), TRUST_ENV)
     else:
