@@ -934,12 +934,12 @@ class Episode:
             return "cut_off"
         return "no_reward"
 
-    def account(self) -> None:
-        """Count the episode in the metrics (once)."""
+    def account(self, record: EpisodeRecord | None = None) -> None:
+        """Count the episode in the metrics (once); `record`: its record, where the caller has just built it."""
         if self._accounted:
             return
         self._accounted = True
-        self._metrics._record_episode(self.env.name, self.record())
+        self._metrics._record_episode(self.env.name, record if record is not None else self.record())
         for listener in self.env.listeners:
             listener(self)
         self._bill()
@@ -1013,8 +1013,8 @@ class Episode:
                 self._accounted = True  # the replay is the episode: this attempt is a retry in the metrics
                 self._metrics._count(self.env.name, retries=1)
             if keep:
-                self.account()
-                record = self.record()
+                record = self.record()  # after the last `_bill`: the same record `account` would build
+                self.account(record)
                 if self._writer is not None:
                     self._writer.write(record, images=self.images)
                 if self._uploads:
