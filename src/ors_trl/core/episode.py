@@ -935,7 +935,12 @@ class Episode:
         return "no_reward"
 
     def account(self, record: EpisodeRecord | None = None) -> None:
-        """Count the episode in the metrics (once); `record`: its record, where the caller has just built it."""
+        """Count the episode in the metrics (once).
+
+        Args:
+            record (`EpisodeRecord`, *optional*):
+                The episode's record, where the caller has just built it (default: built here).
+        """
         if self._accounted:
             return
         self._accounted = True
