@@ -22,9 +22,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/ors-trl demo $(ARGS)
 
+# JOBS test processes (pytest-xdist; whole files per process, so a module's servers start once); JOBS=0: one process.
+JOBS ?= 2
 test: $(STAMP) browser
 	$(PY) -m ruff check src tests benchmarks examples
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile $(ARGS)
 
 # The report's tests open the page in headless Chromium (Debian's package); installed here, never by a test.
 browser:

@@ -210,11 +210,6 @@ class Outcome:
         self.content, self.error, self.result = content, error, result
         self.text = text if text is not None else content if isinstance(content, str) else ""
 
-    @property
-    def fatal(self) -> bool:
-        """True when the failure is the session's or the network's, not only this call's."""
-        return self.error is not None and not isinstance(self.error, ToolError)
-
 
 def _refusal(tool: str, reason: str, why: str) -> ToolRefusedError:
     return ToolRefusedError(f"tool {show_name(tool)} was refused ({reason}): {why}", tool=tool, reason=reason)
