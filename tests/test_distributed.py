@@ -17,6 +17,7 @@ import collections
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -293,6 +294,56 @@ def test_every_process_draws_the_same_tasks_from_the_same_statistics(adaptive_ru
         groups = [e["curriculum/echoenvironment/groups"] for e in report["log_history"]
                   if "curriculum/echoenvironment/groups" in e]
         assert groups == [4.0] * STEPS, groups
+
+
+@pytest.fixture(scope="module")
+def credit_run(tiny_model_dir, tmp_path_factory, echo_server):
+    """One two-process launch of the engine with `credit="turn"` and `scale_rewards="batch"`: the two reports."""
+    out = tmp_path_factory.mktemp("distributed-credit")
+    proc = launch(echo_server.url, tiny_model_dir, out, "engine", "--credit")
+    assert proc.returncode == 0, f"credit run failed:\n{proc.stdout[-6000:]}"
+    echo_server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=10)
+    return [json.loads((out / f"report-engine-credit-rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def _turn_advantages(returns: list[list[float]], group: int) -> list[list[float]]:
+    """Per rollout and turn, the return against its group's mean at that turn, over the std of every such residual
+    of the whole batch (TRL's `scale_rewards="batch"`), computed here from the returns alone."""
+    residuals = []
+    for g in range(0, len(returns), group):
+        rows = returns[g:g + group]
+        for row in rows:
+            residuals.append([x - statistics.mean(r[t] for r in rows if len(r) > t) for t, x in enumerate(row)])
+    flat = [x for row in residuals for x in row]
+    scale = statistics.stdev(flat) if len(flat) > 1 else 0.0
+    return [[x / (scale + 1e-4) for x in row] for row in residuals]
+
+
+def test_turn_credit_is_normalised_over_both_processes(credit_run):
+    """`credit="turn"` under two processes: each process's turn advantages are its rows' share of the ones computed
+    over the whole gathered batch (the processes' rollouts have different turn counts, so a per-process computation
+    gives other numbers), and the collective gather lets both processes finish every step."""
+    reports = credit_run
+    assert [r["global_step"] for r in reports] == [STEPS, STEPS]
+    per_device, group = reports[0]["per_device_batch"], 2
+    for step in range(STEPS):
+        parts = [[row for c in r["credit"] if c["step"] == step for row in c["rows"]] for r in reports]
+        assert [len(p) for p in parts] == [per_device, per_device], step
+        rows = parts[0] + parts[1]  # TRL's global batch: rank 0's rows, then rank 1's
+        returns = [row["returns"] for row in rows]
+        assert max(map(len, returns[:per_device])) > max(map(len, returns[per_device:])), returns  # rank 0: 3 turns
+        expected = _turn_advantages(returns, group)
+        local = [x for row in _turn_advantages(returns[:per_device], group) for x in row]
+        assert local != pytest.approx([x for row in expected[:per_device] for x in row], abs=1e-3)  # not one process's
+        for i, (row, want) in enumerate(zip(rows, expected, strict=True)):
+            spans = row["spans"]
+            assert len(spans) == len(want) and all(len(set(span)) == 1 for span in spans), (step, i, row)
+            got = [span[0] - spans[0][0] for span in spans]  # (A_episode + A_turn(t)) / 2, less its first turn's
+            assert got == pytest.approx([(a - want[0]) / 2 for a in want], abs=1e-4), (step, i, row)
+        assert any(len(set(map(round, w, [4] * len(w)))) > 1 for w in expected)  # turns told apart somewhere
+    for report in reports:
+        logged = [e["credit/turns"] for e in report["log_history"] if "credit/turns" in e]
+        assert len(logged) == STEPS and all(v > 1 for v in logged), logged
 
 
 @pytest.fixture(scope="module")

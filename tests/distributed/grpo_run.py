@@ -10,7 +10,8 @@ only one process, and `GRPOConfig(use_cpu=True)` below keeps it on CPU):
 `--mode engine` uses `spec.rollout_func` (the concurrent engine); `--mode harness` the engine with every episode
 played by `Harness(agent).rollout_func(spec)`, the agent `tests.test_harness.agents_sdk()` (an OpenAI Agents SDK
 program: the model over the episode's capture endpoint, the tools over MCP); `--sampling adaptive` draws the tasks as training
-goes (`task_sampling="adaptive"`). Generation is a scripted double
+goes (`task_sampling="adaptive"`); `--credit` trains with `credit="turn"` (rewards summed, `scale_rewards="batch"`,
+so a turn's advantage depends on the other process's rollouts too). Generation is a scripted double
 (`tests.fixtures.generation.replace_generation`, so tools really get called), everything else is real: DDP
 forward, backward and optimizer steps, TRL's reward gathering, metric gathering and logging.
 
@@ -72,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-tasks", type=int, default=8)
     p.add_argument("--fork-check", action="store_true")
     p.add_argument("--sampling", choices=("uniform", "adaptive"), default="uniform")
+    p.add_argument("--credit", action="store_true", help="credit='turn', rewards summed, scale_rewards='batch'")
     return p.parse_args(argv)
 
 
@@ -111,6 +113,18 @@ def scripted_generation(trainer, rank: int, calls: list, right=lambda pos, targe
         return out, None
 
     return generate
+
+
+def credit_rows(batch, episodes) -> list[dict]:
+    """Each local rollout's turn returns and, per trained span (a model reply), the advantages its tokens got."""
+    from ors_trl.trl.credit import turn_spans
+
+    rows = []
+    for i, ep in enumerate(episodes):
+        kept = batch["completion_mask"][i].bool()
+        mask, advantages = batch["tool_mask"][i][kept].tolist(), batch["advantages"][i][kept].tolist()
+        rows.append({"returns": ep.turn_returns(), "spans": [advantages[a:b] for a, b in turn_spans(mask)]})
+    return rows
 
 
 def fork_check(spec: OpenRewardSpec, url: str, out_path: str) -> dict:
@@ -200,12 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     report: dict = {"rank": rank, "pid": os.getpid(), "mode": args.mode, "opened": [], "batches": [],
                     "generate_calls": [], "rewards": [], "local_metrics": [], "on_log_calls": 0, "peak_open": 0,
-                    "open_at_step_end": []}
+                    "open_at_step_end": [], "credit": []}
     phase = ["setup"]
 
     # A fixed gather window: each turn's rollouts share one generation call, so the calls the test counts are fixed.
     spec = OpenRewardSpec(args.url, env_name=ENV_NAME, num_tasks=args.num_tasks, gather_window=1.0,
-                          task_sampling=args.sampling)
+                          task_sampling=args.sampling, **({"credit": "turn", "reward": "sum"} if args.credit else {}))
     sampled = args.sampling != "uniform"
     client = spec.client
     real_open = client.open_session
@@ -248,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                                **harness_kwargs,
                                callbacks=[Recorder(), *spec.callbacks],
                                config={"learning_rate": 1e-3, "max_steps": args.steps, "seed": 42,
-                                       "dataloader_num_workers": 0})
+                                       "dataloader_num_workers": 0,
+                                       **({"scale_rewards": "batch"} if args.credit else {})})
     config, acc = trainer.args, trainer.accelerator
     report.update(
         process_index=acc.process_index, num_processes=acc.num_processes, is_main_process=acc.is_main_process,
@@ -275,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         report["batches"].append({"step": step, "task_index": [row["task_index"] for row in inputs]})
         try:
             result = real(inputs)
+            if args.credit:  # per local row: its turn returns, and the advantage on each of its trained spans
+                report["credit"].append({"step": step, "rows": credit_rows(result, spec.rollout_func.last_episodes)})
             for ep in harness_kwargs["rollout_func"].last_episodes if harness_kwargs else ():
                 report["harness_episodes"].append({"step": step, "task_index": ep.task.index, "reward": ep.reward,
                                                    "sid": ep.session.sid if ep.session else None,
@@ -303,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             {"task_index": ep.task.index, "sid": ep.session.sid if ep.session else None, "reward": ep.reward}
             for ep in spec.rollout_func.last_episodes
         ]
-    out_path = os.path.join(args.out, f"report-{args.mode}{'-' + args.sampling if sampled else ''}-rank{rank}.json")
+    out_path = os.path.join(args.out, f"report-{args.mode}{'-' + args.sampling if sampled else ''}"
+                                      f"{'-credit' if args.credit else ''}-rank{rank}.json")
     if args.fork_check and acc.is_main_process:
         report["fork"] = fork_check(spec, args.url, out_path)
     spec.close()
