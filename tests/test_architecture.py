@@ -1,6 +1,6 @@
 """The package's shape, checked: the layers and their import rules (ARCHITECTURE.md), no import cycles, TRL internals
-behind one seam, only the transport builds a request, a light core import, and every name TRL calls with kept free of
-task fields."""
+behind one seam, only the transport builds a request, a light core import, every name TRL calls with kept free of
+task fields, and every option read off the runtime one that the spec has."""
 
 from __future__ import annotations
 
@@ -285,3 +285,31 @@ def test_one_rollout_loop() -> None:
                      if {"ors_trl.core.rollout.play", "ors_trl.core.rollout.play_task"} & set(_all_imports(p)))
     # the harness driver: TRL's async worker's rollouts (`Harness.rollout_worker`), one episode each
     assert players == ["ors_trl/evaluation/runner.py", "ors_trl/harness/driver.py", "ors_trl/trl/engine.py"], players
+
+
+def option_reads(source: str) -> set[str]:
+    """The keys read off a spec's options (`rt.options["..."]`, `self._options.get("...")`) in `source`."""
+    keys = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Subscript):
+            owner, key = node.value, node.slice
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and node.args:
+            owner, key = node.func.value, node.args[0]
+        else:
+            continue
+        if isinstance(owner, ast.Attribute) and owner.attr in ("options", "_options") and isinstance(key, ast.Constant):
+            keys.add(key.value)
+    return keys
+
+
+def test_every_option_read_is_an_option_of_the_spec() -> None:
+    """The runtime keeps the spec's options as one read-only mapping (`EnvironmentRuntime.options`): a mistyped key
+    would be a KeyError only when that line runs, so every key read anywhere is checked against the signature here."""
+    from ors_trl import OpenRewardSpec
+
+    known = set(inspect.signature(OpenRewardSpec).parameters)
+    read = {key: path.name for path in sorted((SRC / "ors_trl").rglob("*.py")) for key in option_reads(path.read_text())}
+    assert len(read) >= 20  # the scan finds the readers (the runtime, the engine, the adapter, credit, the spec)
+    assert {key: where for key, where in read.items() if key not in known} == {}
+    assert option_reads('rt.options["max_turn"]; x = self._options.get("retries"); other["split"]') == {
+        "max_turn", "retries"}  # a mistyped read is caught; a dict that is not the options is not read
