@@ -474,6 +474,21 @@ def test_a_harness_that_cannot_travel_to_the_rollout_process_is_refused(ref_serv
     spec.close()
 
 
+def test_harness_workers_of_one_process_share_the_classes_pickle_finds(monkeypatch) -> None:
+    """The worker's classes are built over TRL's once per process: a second worker (another trainer, a second run)
+    must not replace them, or the first one's class is no longer the one pickle finds and cannot travel."""
+    from ors_trl.trl import backend
+
+    found = backend.async_grpo()
+    if found is None:
+        pytest.skip("the installed TRL has no AsyncGRPOTrainer")
+    monkeypatch.setattr(found.worker_module, "is_vllm_available", lambda: True)  # never imported: not started
+    first, second = backend.harness_worker(echo_agent), backend.harness_worker(echo_agent)
+    assert type(first) is type(second)
+    for cls in (type(first), backend._HarnessLoop):
+        assert pickle.loads(pickle.dumps(cls)) is cls
+
+
 # -- 2. the pickled factory and reward functions in a spawned process -----------------------------
 
 

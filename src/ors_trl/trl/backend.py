@@ -325,6 +325,8 @@ def __getattr__(name: str) -> Any:
     """The harness worker's classes, built on first use over TRL's (pickle finds them here in the spawned process)."""
     if name not in ("_HarnessWorker", "_HarnessLoop"):
         raise AttributeError(name)
+    if name in globals():  # built already (`harness_worker` calls this directly): one class, or pickle refuses it
+        return globals()[name]
     import time
     import uuid
 
