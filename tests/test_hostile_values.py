@@ -10,13 +10,14 @@ never timed.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from ors_trl import OpenRewardSpec, ProtocolError, Timeouts
 from ors_trl.protocol.types import MAX_REWARD
-from ors_trl.testing.faults import FaultProxy, Reply, SSEReply
+from ors_trl.testing.faults import Fault, FaultProxy, Reply, SSEReply
 from tests.fixtures.hostile_server import ENV, HostileServer
 from tests.test_fuzz import RETRY, TIMEOUTS, _in_session, run_client
 
@@ -173,13 +174,30 @@ def test_the_expansion_budget_is_the_tool_list_s_not_each_tool_s() -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+@dataclass(repr=False)
+class _Streamed(Fault, name="streamed_sse"):
+    """An event stream encoded before the measurement and sent in 64 KiB chunks: the in-process fake server then holds
+    no copy of a large answer while the client decodes it (tracemalloc counts every thread of the process, and
+    `SSEReply` builds several copies of its events as it sends them, more of them alive at once on a busy machine)."""
+
+    body: bytes
+
+    async def handle(self, ex: Any) -> None:
+        await ex.start_stream(200)
+        for start in range(0, len(self.body), 1 << 16):
+            await ex.chunk(self.body[start:start + (1 << 16)])
+        await ex.end()
+
+
 def _decoded_with_peak(result: str) -> tuple[Any, Any]:
     """(The ToolResult or the error, the traced peak) of a `/call` answered `result`, decoded as training does."""
     from tests.test_fuzz import Peak
 
+    lines = "".join(f"data: {line}\n" for line in result.split("\n"))
+    body = f"event: task_id\ndata: t\n\nevent: end\n{lines}\n".encode()
     with FaultProxy(None) as proxy:
         proxy.add(SSEReply([("task_id", "sid-1")]), path="/create_session", times=None)
-        proxy.add(SSEReply([("task_id", "t"), ("end", result)]), path="/call", times=None)
+        proxy.add(_Streamed(body), path="/call", times=None)
         proxy.add(Reply(json.dumps([ENV])), path="/list_environments", times=None)
         proxy.add(Reply("{}"), times=None)
         with Peak() as peak:
