@@ -458,6 +458,23 @@ def test_the_reply_limit_holds_for_a_harness(echo_spec, ref_server, tokenizer):
     echo_spec.run(harness.aclose())
 
 
+def test_a_generator_that_cannot_start_leaves_no_live_token(echo_spec, tokenizer):
+    """A generator whose `start` raises (a worker thread that cannot start) fails `play` before any seat is given
+    out: no token the harness was never told of stays live on the server."""
+
+    class Unstartable(Scripted):
+        def start(self, conversation) -> None:
+            raise RuntimeError("can't start new thread")
+
+    harness = Harness(agents_sdk())
+    episode = echo_spec._runtime.episode(Task("train", 0), source="test", rules=Rules(max_replies=2))
+    with pytest.raises(RuntimeError, match="new thread"):
+        echo_spec.run(harness.play(episode, Unstartable(tokenizer)))
+    assert harness.server.seats == {}
+    episode.release()
+    echo_spec.run(harness.aclose())
+
+
 class Looker(Scripted):
     """The script of `AgentRunEnvironment`'s agent: `look`, then `say` what it showed, then "Done."."""
 

@@ -218,10 +218,10 @@ class Harness:
         """
         conversation = HarnessConversation(episode)
         url = await self.server.start()
-        seat = self.server.seat(episode, generator)  # before the session: its env_overrides may name it
         start, finish = getattr(generator, "start", None), getattr(generator, "finish", None)
-        if start is not None:
+        if start is not None:  # first: a start that raises leaves no live seat (token) behind
             start(conversation)
+        seat = self.server.seat(episode, generator)  # before the session: its env_overrides may name it
         limits = [t for t in (timeout, self.timeout) if t is not None]
         deadline = asyncio.timeout(min(limits) if limits else None)
         try:
