@@ -188,3 +188,25 @@ def test_a_lone_survivor_turn_and_an_unscored_rollout() -> None:
     rows = credit.group_turn_advantages([[1.0, 0.5], [0.0], None, [1.0]], group=4, scale="none")
     assert rows == [[pytest.approx(1 / 3), 0.0], [pytest.approx(-2 / 3)], None, [pytest.approx(1 / 3)]]
     assert json.dumps(credit.turn_spans([1, 1, 0, 0, 1, 0, 1])) == "[[0, 2], [4, 5], [6, 7]]"
+
+
+def test_a_callable_reward_rule_gets_the_episode_in_turn_returns(corridor) -> None:
+    """A callable rule is documented as `f(rewards, episode)`: the per-turn returns credit trains on hand it the
+    episode too, not None (a rule reading `episode.finished` crashed the training step)."""
+    given: list[Any] = []
+
+    def rule(rewards: list[float | None], episode: Any) -> float:
+        given.append(episode)
+        return sum(r or 0.0 for r in rewards) + (1.0 if episode.finished else 0.0)
+
+    spec = OpenRewardSpec(corridor.url, env_name=CORRIDOR, num_tasks=1, reward=rule, credit="turn")
+    try:
+        env = spec.environment_factory()
+        text = env.reset(**spec.train_dataset[0])
+        for _ in range(2):
+            text = env.open_door(word=re.findall(r"says: (\w+)\.", text)[-1])
+        ep = env.episode
+        assert ep.turn_returns() == [pytest.approx(0.2)]  # one turn (no reply between the calls): both rewards to go
+    finally:
+        spec.close()
+    assert given and all(e is ep for e in given)

@@ -527,7 +527,7 @@ class Episode:
         if self.reward is None:
             return None
         seen = self._seen_rewards if rewards is None else list(rewards)
-        togo, out, k = [*self.env.reward_rule.returns(seen), 0.0], [], 0
+        togo, out, k = [*self.env.reward_rule.returns(seen, self), 0.0], [], 0
         for turn in self.turns:
             out.append(togo[min(k, len(seen))])
             k += sum(1 for c in turn["tool_calls"] if c.get("status") != "not_run")

@@ -38,9 +38,10 @@ class RewardRule:
             raise ConfigurationError(f"the reward rule {self.name} returned {out!r}, not a finite number or None")
         return float(out)
 
-    def returns(self, rewards: Sequence[float | None]) -> list[float]:
-        """Per call, the rule over the rewards from that call on (0.0 where none is left): per-turn credit."""
-        return [self(rewards[k:]) or 0.0 for k in range(len(rewards))]
+    def returns(self, rewards: Sequence[float | None], episode: Any = None) -> list[float]:
+        """Per call, the rule over the rewards from that call on (0.0 where none is left), `episode` handed to a
+        callable as `__call__` hands it: per-turn credit."""
+        return [self(rewards[k:], episode) or 0.0 for k in range(len(rewards))]
 
 
 def reward_rule(rule: str | Callable[..., float | None] | RewardRule | None) -> RewardRule:
