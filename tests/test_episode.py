@@ -259,6 +259,33 @@ def test_eval_sees_the_system_turn_and_the_terminal_grade(ref_server) -> None:
     assert report.episodes[0]["final"]["tool"] == "answer" and report.episodes[0]["system"] == QUIZ_SYSTEM
 
 
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_terminal_grade_the_environment_fails_is_an_error(ref_server, retries) -> None:
+    """Decision 15 holds for the terminal tool too: the server failing the grade (a 500, a crashed sandbox) ends the
+    episode unscored `error`, an error evaluation counts and `episode_retries` replays; not `no_reward`."""
+
+    class Quizzer:
+        async def respond(self, messages, tools):
+            if len(messages) == 2:
+                country = re.findall(r"capital of (\w+)\?", messages[1]["content"])[0]
+                return PolicyReply(tool_calls=[{"name": "lookup", "arguments": {"country": country}}])
+            return PolicyReply(content=messages[-1]["content"].split(" is ")[-1])
+
+    with FaultProxy(ref_server.url) as proxy:
+        proxy.add(Status(500, "sandbox crashed"), path="/call", when=lambda seen: seen.json()["name"] == "answer")
+        spec = OpenRewardSpec(proxy.url, env_name=QUIZ, num_tasks=2, episode_retries=retries)
+        try:
+            report = spec.evaluate(Quizzer(), progress=False, concurrency=1)
+        finally:
+            spec.close()
+    if retries:
+        assert report.episode_retries == 1 and [e["reward"] for e in report.episodes] == [1.0, 1.0]
+    else:
+        failed = report.episodes[0]
+        assert (failed["end_reason"], failed["unscored"], failed["reward"]) == ("error", "error", None)
+        assert failed["final"]["error"]["kind"] != "refused" and report.num_errors == 1
+
+
 def test_eval_reports_group_scores(ref_server) -> None:
     class Sayer:
         async def respond(self, messages, tools):

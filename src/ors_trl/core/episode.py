@@ -763,12 +763,18 @@ class Episode:
                      output=self.rules.error_text(exc))
         if seconds is not None:
             entry["seconds"] = round(seconds, 4)
-        if not refused and (self.env.options["tool_errors"] == "environment" or not isinstance(exc, ToolError)):
+        self._broke(exc)
+        self._metrics._count(self.env.name, "call_latency", seconds, exc.kind, calls=1)  # seconds None: never sent
+        return Outcome(entry["output"], exc)
+
+    def _broke(self, exc: ORSError) -> None:
+        """A call (the terminal grade too) failed: the environment's failure (not a refusal, nor a tool error the model
+        reads, `tool_errors`) voids the episode, and a session known gone is never called again."""
+        if not isinstance(exc, ToolRefusedError) and (self.env.options["tool_errors"] == "environment"
+                                                      or not isinstance(exc, ToolError)):
             self.failure = self.failure or exc
             self._dead = self._dead or isinstance(exc, SessionExpiredError | TransportError) or (
                 self.session is not None and (self.session.expired or self.session.closed))
-        self._metrics._count(self.env.name, "call_latency", seconds, exc.kind, calls=1)  # seconds None: never sent
-        return Outcome(entry["output"], exc)
 
     async def _remote(self, remote: str, wire: dict[str, Any]) -> ToolResult:
         """Call remote tool `remote` in this episode's session (opening it first if still opening)."""
@@ -870,6 +876,7 @@ class Episode:
                 result = await self._remote(terminal.name, terminal.arguments(message))
             except ORSError as exc:
                 self.final["error"], kind = error_record(exc), exc.kind
+                self._broke(exc)
             else:
                 limit = self.env.options["max_output_chars"]
                 self.final.update(output=cut(result.text, limit, "output"), reward=result.reward,
