@@ -232,6 +232,26 @@ def test_the_context_ends_an_episode_before_it_is_passed(tiny_model_dir, make_se
     assert max(lengths) <= 400  # no reply past it
 
 
+def test_a_prompt_that_fills_the_context_ends_the_episode_not_the_step(tiny_model_dir, make_server, tmp_path):
+    """A task whose prompt alone fills the context ends `context_length` before any reply; its row reaches TRL as one
+    EOS token (TRL cannot parse an empty completion: the step died in its `parse_response`)."""
+    server = make_server("corridor")
+    spec = spec_for(server)
+    try:
+        trainer = cpu_grpo_trainer(tiny_model_dir, str(tmp_path / "ctx"), batch=TASKS * GENERATIONS,
+                                   generations=GENERATIONS, turns=ROOMS + 2, completion_length=1024, spec=spec,
+                                   mode="engine", reward_funcs=spec.reward_funcs)
+        trainer.model.config.max_position_embeddings = 20  # shorter than every prompt
+        replace_generation(trainer, scripted(trainer))
+        out = generate_and_score(trainer, [copy.deepcopy(r) for r in spec.train_dataset for _ in range(GENERATIONS)])
+        episodes = spec.rollout_func.last_episodes
+    finally:
+        spec.close()
+    assert [(ep.end_reason, len(ep.turns), ep.reward) for ep in episodes] == [("context_length", 0, None)] * 4
+    eos = trl_tokenizer(trainer).eos_token_id
+    assert out["completion_ids"].tolist() == [[eos]] * 4 and out["advantages"].tolist() == [0.0] * 4
+
+
 def test_training_paths_record_exact_token_fidelity(tiny_model_dir, make_server, tmp_path):
     server = make_server("corridor")
     spec = spec_for(server)

@@ -204,16 +204,18 @@ class RolloutEngine:
 
     def _tokens(self, generator: _TrainerGenerator, conversation: Conversation | None, ep: Episode,
                 base: list[dict[str, Any]]) -> Tokens:
-        """The rollout's ids; for one that never generated, the dataset prompt saying why and one EOS token."""
-        if conversation is not None and conversation.state is not None:
-            return conversation.state
-        messages = [dict(m) for m in base]
-        if ep.error is not None:
-            messages[-1]["content"] = messages[-1].get("content", "") + \
-                f"[The environment failed to start this task: {ep.error.get('message')}]"
-        tools = ep.toolset.schemas if ep.toolset is not None and ep.toolset.by_name else None
-        tokens = Tokens(generator._prompt_ids(messages, tools), [], len(messages))
-        tokens.add([generator.rendering.tokenizer.eos_token_id], [0.0])
+        """The rollout's ids; for one that never rendered, the dataset prompt saying why; one EOS token where nothing
+        was generated (the prompt filled the context, or it never got that far): TRL cannot parse an empty completion."""
+        tokens = conversation.state if conversation is not None else None
+        if tokens is None:
+            messages = [dict(m) for m in base]
+            if ep.error is not None:
+                messages[-1]["content"] = messages[-1].get("content", "") + \
+                    f"[The environment failed to start this task: {ep.error.get('message')}]"
+            tools = ep.toolset.schemas if ep.toolset is not None and ep.toolset.by_name else None
+            tokens = Tokens(generator._prompt_ids(messages, tools), [], len(messages))
+        if not tokens.completion_ids:
+            tokens.add([generator.rendering.tokenizer.eos_token_id], [0.0])
         return tokens
 
 
