@@ -299,6 +299,29 @@ def test_eval_reports_group_scores(ref_server) -> None:
     assert all(e["group_reward"] is not None for e in report.episodes) and report.mean_group_reward is not None
 
 
+def test_a_group_score_sees_the_final_message_once(ref_server) -> None:
+    """The transcript `/score_group` judges holds the model's final plain reply once (it was sent twice: as the last
+    turn and again as the final message), so a judge counting or comparing replies sees the rollout as played."""
+
+    class Sayer:
+        async def respond(self, messages, tools):
+            if messages[-1]["role"] == "tool":
+                return PolicyReply(content="All said.")
+            word = re.findall(r'word "(\w+)"', messages[0]["content"])[0]
+            return PolicyReply(tool_calls=[{"name": "say", "arguments": {"text": f"the {word}"}}])
+
+    with FaultProxy(ref_server.url) as proxy:
+        spec = OpenRewardSpec(proxy.url, env_name=JUDGE, score_groups=True)
+        try:
+            spec.evaluate(Sayer(), num_tasks=1, repeats=2, score_groups=True, progress=False)
+        finally:
+            spec.close()
+        (body,) = [r.json() for r in proxy.requests if r.path.endswith("/score_group")]
+    for candidate in body["candidates"]:
+        assert [m["role"] for m in candidate["messages"]] == ["user", "assistant", "user", "assistant"]
+        assert candidate["messages"][-1]["blocks"] == [{"type": "text", "text": "All said."}]
+
+
 def test_engine_scores_groups_and_trl_logs_them(tiny_model_dir, ref_server, tmp_path) -> None:
     """Through `rollout_func`: both reward functions reach TRL, the group score once per GRPO group."""
     spec = OpenRewardSpec(ref_server.url, env_name=JUDGE, score_groups=True)

@@ -207,6 +207,6 @@ def transcript(prompt: Prompt | None, turns: Sequence[Mapping[str, Any]], final:
                                 for i, c in zip(ids, calls, strict=True) if "output" in c]
         if results:
             out.append(Message("user", keep(results)))
-    if final:
+    if final and not (out and out[-1].role == "assistant" and out[-1].text == final):  # not the last reply again
         out.append(Message("assistant", [TextBlock(final)]))
     return out
