@@ -8,6 +8,7 @@ server (the same reference server behind a proxy that answers `/tools` without t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import re
@@ -15,6 +16,7 @@ import re
 import pytest
 
 from ors_trl import ConfigurationError, OpenRewardMix, OpenRewardSpec, PolicyReply
+from ors_trl.protocol.errors import ORSError
 from ors_trl.testing.faults import FaultProxy, Reply, Status
 from tests.fixtures.environments import CAPITALS, QUIZ_SYSTEM
 from tests.fixtures.generation import (
@@ -239,6 +241,33 @@ def test_grpo_trainer_on_a_terminal_graded_environment(tiny_model_dir, ref_serve
         assert f"<|im_start|>user\n{QUIZ_SYSTEM}\n\nWhat is the capital" in prompt
     spec.close()
     assert ref_server.stats()["open_sessions"] == 0
+
+
+@pytest.mark.parametrize("policy", ["partial", "drop"])
+def test_a_voided_rollout_gets_no_group_score(ref_server, policy) -> None:
+    """Decision 15 holds for group scores: a rollout whose environment failed (a 500 on its call) has no group reward,
+    and with `failed_groups="drop"` its whole group has none, as it has no outcome reward (TRL sums the two: the
+    voided rollout, or the dropped group, trained on its group score)."""
+    with FaultProxy(ref_server.url) as proxy:
+        proxy.add(Status(500, "sandbox crashed"), path="/call")  # the first rollout's call
+        spec = OpenRewardSpec(proxy.url, env_name=JUDGE, score_groups=True, failed_groups=policy)
+        try:
+            envs = [spec.environment_factory() for _ in range(3)]
+            word = spec.train_dataset[0]["word"]
+            for env in envs:
+                env.reset(**spec.train_dataset[0])
+                with contextlib.suppress(ORSError):
+                    env.say(text=f"the {word}")
+            completions = [[call("say", text=f"the {word}"), tool("..."), said("done")]] * 3
+            rewards = spec.reward_funcs(envs, completions=completions)
+            groups = spec.group_reward_func(envs, completions=completions)
+        finally:
+            spec.close()
+    assert envs[0].episode.broken and rewards[0] is None and groups[0] is None
+    if policy == "drop":
+        assert rewards == groups == [None] * 3
+    else:
+        assert rewards[1:] == [1.0, 1.0] and None not in groups[1:]
 
 
 def test_eval_sees_the_system_turn_and_the_terminal_grade(ref_server) -> None:

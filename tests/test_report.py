@@ -94,6 +94,8 @@ class JudgePolicy:
     description = "scripted-judge"
 
     async def respond(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> PolicyReply:
+        if messages[-1]["role"] == "tool":  # said: done (an episode whose policy fails has no group score)
+            return PolicyReply(content="Done.")
         word = re.search(r'the word "([^"]+)"', messages[-1]["content"]).group(1)
         return PolicyReply(content=f"A {word}.", tool_calls=[{"id": "j0", "name": "say",
                                                              "arguments": {"text": f"A {word} here."}}])

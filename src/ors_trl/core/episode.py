@@ -415,7 +415,7 @@ class Episode:
         end_reason (`str` or `None`):
             `finished`, `no_tool_calls`, `max_turns`, `length`, `context_length`, `timeout` or `error` (once ended).
         group_reward (`float` or `None`):
-            The comparative reward from `/score_group`, when asked for.
+            The comparative reward from `/score_group`, when asked for; `None` where `reward` is voided, as it is.
     """
 
     def __init__(self, env: EnvironmentRuntime, task: Task, *, source: str, rules: Rules,
@@ -435,7 +435,7 @@ class Episode:
         self.tool_failures = 0
         self.error: dict[str, Any] | None = None
         self.end_reason: str | None = None
-        self.group_reward: float | None = None
+        self._group_reward: float | None = None
         self.timings: dict[str, float] = {"generation": 0.0, "tools": 0.0}
         self.started = time.monotonic()
         self.started_at = datetime.now(UTC).isoformat(timespec="seconds")
@@ -486,7 +486,7 @@ class Episode:
     def reward(self) -> float | None:
         """The environment's reward rule (`OpenRewardSpec(reward=)`) over the per-call rewards the model saw; `None`
         when nothing was scored, past the deadline, or after a failure (unless `score_failures`)."""
-        if self.end_reason == "timeout" or self.dropped or (self.broken and not self.env.options["score_failures"]):
+        if self._voided:
             return None
         if self._given is not ...:
             return self._given
@@ -496,6 +496,20 @@ class Episode:
     def reward(self, value: float | None) -> None:
         """Score the episode yourself (a harness's `score` hook): this replaces the rule's reward, not a failure's."""
         self._given = value
+
+    @property
+    def _voided(self) -> bool:
+        """No score counts: past the deadline, its group dropped, or after a failure (unless `score_failures`)."""
+        return self.end_reason == "timeout" or self.dropped or (self.broken and not self.env.options["score_failures"])
+
+    @property
+    def group_reward(self) -> float | None:
+        """The comparative reward from `/score_group`; `None` when not scored, or voided as `reward` is."""
+        return None if self._voided else self._group_reward
+
+    @group_reward.setter
+    def group_reward(self, value: float | None) -> None:
+        self._group_reward = value
 
     def _ran(self) -> list[dict[str, Any]]:
         """The model's calls that ran (failed ones too), in order, then the terminal tool's grade if it came."""
