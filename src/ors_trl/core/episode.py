@@ -609,7 +609,9 @@ class Episode:
         self.timings["prompt"] = time.monotonic() - started - self.timings["open"]
         self._metrics._count(env.name, "open_latency", time.monotonic() - started, opens=1)
         env.remember_prompt(task.key, self.prompt)
-        if self.state == OPENING:
+        if self.state == CLOSED:  # closed while it opened, past `close_session`'s bounded wait: free what landed now
+            await self.session.close()
+        elif self.state == OPENING:
             self.state = OPEN
         return True
 
