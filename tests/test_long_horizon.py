@@ -19,6 +19,7 @@ from ors_trl import OpenRewardSpec, PolicyReply
 from tests.fixtures.generation import (
     cpu_grpo_trainer,
     generate_and_score,
+    logged_rewards,
     replace_generation,
     tool_call_text,
     trl_tokenizer,
@@ -134,6 +135,20 @@ def test_a_sandbox_that_dies_is_no_score_and_is_not_called_again(tiny_model_dir,
     assert door_calls(server) == 3 * ROOMS + (10 if how == "tool" else 9)  # 0 calls after it was known dead
     assert logged[f"env/{ENV}/unscored/error"] == 1
     server.wait_for_stats(lambda s: s["open_sessions"] == 0)
+
+
+@pytest.mark.parametrize("mode", ["env", "engine"])
+def test_unscored_reward_does_not_score_a_dead_sandbox(tiny_model_dir, make_server, tmp_path, mode):
+    """`unscored_reward=0.0` scores a rollout the model left unscored, not one infrastructure voided: the rollout whose
+    sandbox died stays None to TRL (advantage 0), as `failed_groups="partial"` says; it got 0.0, a negative advantage
+    that pushed the policy away from the working behaviour it was cut off in."""
+    with dying(make_server, "tool", unscored_reward=0.0) as (spec, _, _):
+        trainer, logged = train_batch(tiny_model_dir, spec, mode, tmp_path)
+        episodes = episodes_of(trainer, spec, mode)
+    dead = [i for i, ep in enumerate(episodes) if ep.broken]
+    assert len(dead) == 1
+    assert logged_rewards(trainer, 4)["outcome_reward"][dead[0]] is None
+    assert logged["_out"]["advantages"][dead[0]].tolist() == 0.0
 
 
 @pytest.mark.parametrize("mode", ["engine", "eval"])

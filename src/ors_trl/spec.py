@@ -301,7 +301,8 @@ class OpenRewardSpec(_TrainerInputs):
         episode_timeout (`float`, *optional*):
             With `rollout_func` (and `evaluate`'s default): seconds before an episode is closed and scored `None`.
         unscored_reward (`float`, *optional*):
-            `reward_funcs`' value for an unscored rollout: `None` (TRL's convention) leaves it out of the baseline.
+            `reward_funcs`' value for an unscored rollout: `None` (TRL's convention) leaves it out of the baseline. A
+            rollout a failure, timeout or dropped group voided stays `None`: it is no score.
         score_groups (`bool`, *optional*, defaults to `False`):
             Provide `group_reward_func` (`/score_group` of each GRPO group), keeping sessions until the step ends.
         gather_window (`float`, *optional*):

@@ -486,7 +486,7 @@ class Episode:
     def reward(self) -> float | None:
         """The environment's reward rule (`OpenRewardSpec(reward=)`) over the per-call rewards the model saw; `None`
         when nothing was scored, past the deadline, or after a failure (unless `score_failures`)."""
-        if self._voided:
+        if self.voided:
             return None
         if self._given is not ...:
             return self._given
@@ -498,14 +498,15 @@ class Episode:
         self._given = value
 
     @property
-    def _voided(self) -> bool:
-        """No score counts: past the deadline, its group dropped, or after a failure (unless `score_failures`)."""
+    def voided(self) -> bool:
+        """No score counts: past the deadline, its group dropped, or after a failure (unless `score_failures`); nor
+        does `unscored_reward`, which scores what the model left unscored."""
         return self.end_reason == "timeout" or self.dropped or (self.broken and not self.env.options["score_failures"])
 
     @property
     def group_reward(self) -> float | None:
         """The comparative reward from `/score_group`; `None` when not scored, or voided as `reward` is."""
-        return None if self._voided else self._group_reward
+        return None if self.voided else self._group_reward
 
     @group_reward.setter
     def group_reward(self, value: float | None) -> None:

@@ -346,7 +346,7 @@ class _AsyncPlay:
                     {"role": "assistant", "content": calls[-1].reply.content or ""}] if calls else []
         return Played(messages, [i for c in calls if c.row is not None for i in c.completion_ids or ()], rows,
                       episode.tool_calls, episode.tool_failures,
-                      self.unscored if episode.reward is None else episode.reward, len(calls))
+                      self.unscored if episode.reward is None and not episode.voided else episode.reward, len(calls))
 
     def metrics(self) -> dict[str, float]:
         """The environments' `env/...` metrics since the last call (a new window starts)."""

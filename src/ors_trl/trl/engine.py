@@ -181,7 +181,7 @@ class RolloutEngine:
             "logprobs": logprobs if all(lp is not None for lp in logprobs) else None,
             "env_mask": [t.mask for t in tokens],
             **{f"ors_{k}": [getattr(ep, k) for ep in episodes]
-               for k in ("reward", "group_reward", "finished", "tool_calls", "tool_failures")},
+               for k in ("reward", "group_reward", "finished", "tool_calls", "tool_failures", "voided")},
             "ors_env": [ep.env.key for ep in episodes],
         }
 

@@ -68,7 +68,8 @@ def outcome_reward(environments: Sequence[Any] | None = None, *, unscored_reward
             rewards are read from the `ors_reward` column.
         unscored_reward (`float`, *optional*):
             Replaces `None` (`OpenRewardSpec(unscored_reward=)`), e.g. 0.0 so that not calling a tool is no escape
-            from negative advantages; the metrics still count such rollouts as ungraded.
+            from negative advantages; the metrics still count such rollouts as ungraded. A rollout a failure voided
+            (`Episode.voided`) stays None: infrastructure failure is no score.
         **kwargs:
             What TRL passes reward functions: `completions`, the dataset's columns (`ors_reward`, `ors_env` with
             `rollout_func`), `log_metric`, which receives the environment metrics of the batch.
@@ -79,6 +80,7 @@ def outcome_reward(environments: Sequence[Any] | None = None, *, unscored_reward
     episodes = _episodes(environments, kwargs, "ors_reward")
     if episodes is None:
         rewards = _column(kwargs, "ors_reward", "outcome_reward")
+        voided = kwargs.get("ors_voided") or [False] * len(rewards)
         rts = runtimes(kwargs.get("ors_env") or [])
     else:
         for ep in episodes:
@@ -87,9 +89,10 @@ def outcome_reward(environments: Sequence[Any] | None = None, *, unscored_reward
         rewards = [ep.reward if ep is not None else getattr(env, "reward", None)
                    for env, ep in zip(environments or [None] * len(episodes), episodes, strict=True)]
         rts = [ep.env for ep in episodes if ep is not None]
+        voided = [ep is not None and ep.voided for ep in episodes]
     require_credit(rts)
     _flush(rts, kwargs.get("log_metric"))
-    return [unscored_reward if r is None else r for r in rewards]
+    return [unscored_reward if r is None and not v else r for r, v in zip(rewards, voided, strict=True)]
 
 
 def group_reward(environments: Sequence[Any] | None = None, **kwargs: Any) -> list[float | None]:
