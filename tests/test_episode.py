@@ -270,6 +270,28 @@ def test_a_voided_rollout_gets_no_group_score(ref_server, policy) -> None:
         assert rewards[1:] == [1.0, 1.0] and None not in groups[1:]
 
 
+def test_a_voided_rollout_is_no_candidate_of_its_group(ref_server) -> None:
+    """The judge compares the rollouts that count: a voided one (its sandbox failed) is not sent to `/score_group`, so
+    its partial transcript cannot change the others' scores (here it was the shortest answer: the valid one got 0.5)."""
+    with FaultProxy(ref_server.url) as proxy:
+        proxy.add(Status(500, "sandbox crashed"), path="/call")  # the first rollout's call
+        spec = OpenRewardSpec(proxy.url, env_name=JUDGE, score_groups=True)
+        try:
+            envs = [spec.environment_factory() for _ in range(2)]
+            word = spec.train_dataset[0]["word"]
+            finals = [f"a {word}", f"the long {word}"]
+            for env, final in zip(envs, finals, strict=True):
+                env.reset(**spec.train_dataset[0])
+                with contextlib.suppress(ORSError):
+                    env.say(text=final)
+            completions = [[call("say", text=final), tool("..."), said(final)] for final in finals]
+            groups = spec.group_reward_func(envs, completions=completions)
+            (body,) = [r.json() for r in proxy.requests if r.path.endswith("/score_group")]
+        finally:
+            spec.close()
+    assert envs[0].episode.broken and groups == [None, 1.0] and len(body["candidates"]) == 1
+
+
 def test_eval_sees_the_system_turn_and_the_terminal_grade(ref_server) -> None:
     seen: list[list[dict]] = []
 

@@ -1073,7 +1073,8 @@ def _groups(episodes: Iterable[Episode]) -> list[list[Episode]]:
 
 
 async def score_groups(episodes: Sequence[Episode]) -> None:
-    """Score each GRPO group once via `/score_group`, concurrently; a failed group keeps None, counted and logged."""
+    """Score each GRPO group once via `/score_group`, concurrently, of its episodes no failure voided (theirs stay
+    None); a failed group keeps None, counted and logged."""
 
     async def score(group: list[Episode]) -> None:
         env = group[0].env
@@ -1099,4 +1100,4 @@ async def score_groups(episodes: Sequence[Episode]) -> None:
             ep.group_reward = result.reward
         group[0]._metrics._count(env.name, groups=1)
 
-    await asyncio.gather(*(score(g) for g in _groups(episodes)))
+    await asyncio.gather(*(score(g) for g in _groups(ep for ep in episodes if not ep.voided)))  # only what counts
