@@ -8,6 +8,7 @@ server (the same reference server behind a proxy that answers `/tools` without t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import json
@@ -17,7 +18,7 @@ import pytest
 
 from ors_trl import ConfigurationError, OpenRewardMix, OpenRewardSpec, PolicyReply
 from ors_trl.protocol.errors import ORSError
-from ors_trl.testing.faults import FaultProxy, Reply, Status
+from ors_trl.testing.faults import Delay, FaultProxy, Reply, Status
 from tests.fixtures.environments import CAPITALS, QUIZ_SYSTEM
 from tests.fixtures.generation import (
     cpu_grpo_trainer,
@@ -290,6 +291,30 @@ def test_a_voided_rollout_is_no_candidate_of_its_group(ref_server) -> None:
         finally:
             spec.close()
     assert envs[0].episode.broken and groups == [None, 1.0] and len(body["candidates"]) == 1
+
+
+def test_a_parallel_call_after_the_episode_finished_does_not_void_it(ref_server) -> None:
+    """Two calls of one reply run at once (`async_tools`): the first finishes the episode, which frees its session;
+    the second then meets a session that no longer exists. The episode finished with its reward: that 404 is no
+    environment failure (it was unscored `error`)."""
+    with FaultProxy(ref_server.url) as proxy:  # the second call reaches the server after the first freed the session
+        proxy.add(Delay(2), path="/call", when=lambda seen: "later" in seen.json()["input"]["text"])
+        spec = OpenRewardSpec(proxy.url, env_name=JUDGE, async_tools=True)
+        try:
+            env = spec.environment_factory()
+            env.reset(**spec.train_dataset[0])
+            said_ = [f"a {spec.train_dataset[0]['word']}", "later"]
+
+            async def both():
+                return await asyncio.gather(*(env.say(text=t) for t in said_), return_exceptions=True)
+
+            results = asyncio.run(both())
+            reply = {**call("say"), "tool_calls": [c for t in said_ for c in call("say", text=t)["tool_calls"]]}
+            rewards = spec.reward_funcs([env], completions=[[reply, tool("."), tool("."), said("done")]])
+        finally:
+            spec.close()
+    assert results[0] == said_[0] and isinstance(results[1], ORSError)  # the second did fail
+    assert rewards == [1.0] and env.episode.end_reason == "finished" and env.episode.unscored is None
 
 
 def test_eval_sees_the_system_turn_and_the_terminal_grade(ref_server) -> None:

@@ -786,9 +786,10 @@ class Episode:
 
     def _broke(self, exc: ORSError) -> None:
         """A call (the terminal grade too) failed: the environment's failure (not a refusal, nor a tool error the model
-        reads, `tool_errors`) voids the episode, and a session known gone is never called again."""
-        if not isinstance(exc, ToolRefusedError) and (self.env.options["tool_errors"] == "environment"
-                                                      or not isinstance(exc, ToolError)):
+        reads, `tool_errors`) voids the episode, unless it had finished (a parallel call meets the session it freed),
+        and a session known gone is never called again."""
+        if not self.finished and not isinstance(exc, ToolRefusedError) and (
+                self.env.options["tool_errors"] == "environment" or not isinstance(exc, ToolError)):
             self.failure = self.failure or exc
             self._dead = self._dead or isinstance(exc, SessionExpiredError | TransportError) or (
                 self.session is not None and (self.session.expired or self.session.closed))
