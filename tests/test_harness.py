@@ -613,3 +613,75 @@ def test_a_harness_travels_to_another_process_with_its_server_settings_not_its_s
     assert copy.server is not harness.server and copy.server.seats == {} and harness.server.seats
     assert copy.agent == harness.agent
     episode.release()
+
+class Gated(Scripted):
+    """`Scripted` whose replies wait at a gate: `arrived` holds each request's user text as it reaches the
+    generator, `gates[text]` lets it go; `outcomes` says how each ended ("returned" or "cancelled")."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.arrived: asyncio.Queue = asyncio.Queue()
+        self.gates: dict[str, asyncio.Event] = {}
+        self.outcomes: list[str] = []
+
+    async def reply(self, conversation):
+        text = str([m for m in conversation.messages if m["role"] == "user"][-1]["content"])
+        gate = self.gates.setdefault(text, asyncio.Event())
+        await self.arrived.put(text)
+        try:
+            await gate.wait()
+        except asyncio.CancelledError:
+            self.outcomes.append("cancelled")
+            raise
+        self.outcomes.append("returned")
+        return await super().reply(conversation)
+
+
+def test_a_continuation_joins_its_own_conversation_while_another_call_runs(echo_spec, tokenizer):
+    """Two model calls of one episode in flight at once (a harness's sub-agent or auxiliary call beside its main
+    call): the main call's continuation joins the main call's conversation, never the other's, so the model is
+    shown the history the harness sent and its row extends the main call's."""
+    import aiohttp
+
+    generator, harness = Gated(tokenizer), Harness(agents_sdk())
+    (episode,) = _episodes(echo_spec, [0])
+    holder = HarnessConversation(episode)
+
+    async def run():
+        await episode.open()
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, generator)
+        generator.start(holder)
+        main = episode.prompt.chat([])
+        side = [{"role": "user", "content": 'Summarise: exactly this text: "side"'}]
+        tools = episode.toolset.schemas
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {seat.token}"}) as http:
+            async def ask(msgs):
+                async with http.post(url + "/v1/chat/completions", json={"messages": msgs, "tools": tools}) as r:
+                    return (await r.json())["choices"][0]["message"]
+
+            first = asyncio.ensure_future(ask(main))
+            main_text = await asyncio.wait_for(generator.arrived.get(), 60)
+            other = asyncio.ensure_future(ask(side))
+            side_text = await asyncio.wait_for(generator.arrived.get(), 60)
+            generator.gates[side_text].set()
+            await asyncio.wait_for(other, 60)  # the side call answers first
+            generator.gates[main_text].set()
+            reply = await asyncio.wait_for(first, 60)
+            call = reply["tool_calls"][0]
+            follow = [*main, reply, {"role": "tool", "tool_call_id": call["id"], "content": "hello"}]
+            await asyncio.wait_for(ask(follow), 60)
+        generator.finish(holder)
+        harness.server.revoke(seat)
+        return seat.calls
+
+    calls = echo_spec.run(run())
+    side_call, main_call, follow_call = calls  # in the order they were answered
+    assert "Summarise" in side_call.messages[0]["content"] and follow_call.joined
+    shown = main_call.prompt_ids + main_call.completion_ids
+    assert follow_call.prompt_ids[: len(shown)] == shown  # the main call's history, not the side call's
+    assert "Summarise" not in tokenizer.decode(follow_call.prompt_ids)
+    build_rows(calls)
+    assert follow_call.row == main_call.row != side_call.row
+    episode.release()
+    echo_spec.run(harness.aclose())

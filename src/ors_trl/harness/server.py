@@ -249,7 +249,7 @@ class HarnessServer:
             seat.calls.append(call)
             ids = [f"call_{call.index}_{k}" for k in range(len(reply.tool_calls))]
             seat.names.update((i, c.name) for i, c in zip(ids, reply.tool_calls, strict=True))  # type: ignore[union-attr]
-            seat.shown = [*conversation.messages, assistant_message(reply, ids)]
+            seat.conversation, seat.shown = conversation, [*conversation.messages, assistant_message(reply, ids)]
             await seat.episode.observe(reply)
             finish = "tool_calls" if reply.tool_calls else "length" if reply.truncated else "stop"
             return await _send(request, answer(model, reply, ids, finish, call), stream)
@@ -268,8 +268,7 @@ class HarnessServer:
                 and [_identity(m) for m in messages[: len(shown)]] == [_identity(m) for m in shown]):
             current.messages = [*shown, *(_normal(m, seat.names) for m in tail)]
             return current, True
-        seat.conversation = Conversation(seat.episode, [_normal(m, seat.names) for m in messages], tools)
-        return seat.conversation, False
+        return Conversation(seat.episode, [_normal(m, seat.names) for m in messages], tools), False
 
 
 def _is_message(message: Any) -> bool:
