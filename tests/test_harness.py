@@ -685,3 +685,40 @@ def test_a_continuation_joins_its_own_conversation_while_another_call_runs(echo_
     assert follow_call.row == main_call.row != side_call.row
     episode.release()
     echo_spec.run(harness.aclose())
+
+
+def test_a_model_call_in_flight_when_its_episode_stops_is_cancelled(echo_spec, tokenizer):
+    """A harness stopped (its deadline, a cancel) while one of its model calls is generating: the call stops with its
+    episode, so nothing is generated for it afterwards and it joins no record or call list the episode already gave."""
+    import aiohttp
+
+    generator = Gated(tokenizer)
+
+    async def agent(ep) -> str | None:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ep.api_key}"}) as http, \
+                http.post(ep.base_url + "/chat/completions", json={"messages": ep.messages}) as r:
+            await r.read()
+        return None
+
+    harness = Harness(agent)
+    (episode,) = _episodes(echo_spec, [0])
+
+    async def run():
+        play = asyncio.ensure_future(harness.play(episode, generator))
+        text = await asyncio.wait_for(generator.arrived.get(), 60)
+        play.cancel()  # as its deadline does
+        await asyncio.wait([play], timeout=60)
+        assert play.cancelled()
+        for _ in range(100):  # the server's handler gets its turns (bounded)
+            if generator.outcomes:
+                break
+            await asyncio.sleep(0.01)
+        generator.gates[text].set()  # were it still waiting, it would generate now
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        return list(generator.outcomes)
+
+    outcomes = echo_spec.run(run())
+    assert outcomes == ["cancelled"] and generator.produced == {}
+    episode.release()
+    echo_spec.run(harness.aclose())

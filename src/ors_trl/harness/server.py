@@ -61,6 +61,7 @@ class Seat:
     shown: list[dict[str, Any]] = field(default_factory=list)  # the last request's messages + our reply to it
     names: dict[str, str] = field(default_factory=dict)  # our tool-call ids -> tool names
     busy: set[int] = field(default_factory=set)  # conversations with a model call in flight: joined by no other
+    live: set[asyncio.Task[Any]] = field(default_factory=set)  # its requests in flight: cancelled when it is revoked
 
     def __repr__(self) -> str:  # never the token
         return f"<Seat {self.episode!r} calls={len(self.calls)}>"
@@ -155,8 +156,10 @@ class HarnessServer:
         return seat
 
     def revoke(self, seat: Seat) -> None:
-        """The episode's token stops working (its harness has stopped)."""
+        """The episode's token stops working (its harness has stopped), and its requests in flight stop with it."""
         self.seats.pop(seat.token, None)
+        for task in seat.live:
+            task.cancel()
 
     @web.middleware
     async def _admit(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -176,7 +179,13 @@ class HarnessServer:
             return web.json_response({"error": {"message": "unauthorized: unknown or expired episode token"}},
                                      status=401, headers={"WWW-Authenticate": "Bearer"})
         request[_SEAT] = seat
-        return await handler(request)
+        task = asyncio.current_task()
+        assert task is not None
+        seat.live.add(task)
+        try:
+            return await handler(request)
+        finally:
+            seat.live.discard(task)
 
     async def _mcp(self, request: web.Request) -> web.StreamResponse:
         seat = request[_SEAT]
