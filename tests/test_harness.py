@@ -6,11 +6,16 @@ apart, and GRPOTrainer trains through a harness."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
+import os
 import re
+import signal
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
@@ -720,5 +725,52 @@ def test_a_model_call_in_flight_when_its_episode_stops_is_cancelled(echo_spec, t
 
     outcomes = echo_spec.run(run())
     assert outcomes == ["cancelled"] and generator.produced == {}
+    episode.release()
+    echo_spec.run(harness.aclose())
+
+
+def test_a_command_harness_stopped_mid_run_takes_its_child_processes_with_it(echo_spec, tokenizer, tmp_path):
+    """A command harness whose agent started processes of its own (a shell, a tool run) that hold its output: stopping
+    the episode kills them all and returns, rather than waiting for them to close the output."""
+    marker = tmp_path / "child.pid"
+    script = tmp_path / "agent.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        with open({str(marker)!r} + ".tmp", "w") as f:
+            f.write(str(child.pid))
+        os.rename({str(marker)!r} + ".tmp", {str(marker)!r})
+        time.sleep(3600)
+    """))
+    harness = Harness([sys.executable, str(script)])
+    (episode,) = _episodes(echo_spec, [0])
+
+    async def run():
+        play = asyncio.ensure_future(harness.play(episode, Scripted(tokenizer)))
+        for _ in range(600):  # bounded: the agent has started its child
+            if marker.exists():
+                break
+            await asyncio.sleep(0.1)
+        play.cancel()  # as its deadline does
+        await asyncio.wait([play], timeout=60)
+        return play.done()
+
+    def state(pid: int) -> str:  # the process's state letter ("Z": dead, not yet reaped), "gone" once reaped
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return "gone"
+
+    try:
+        assert echo_spec.run(run())  # without waiting for the child that held the agent's output
+        pid = int(marker.read_text())
+        for _ in range(200):  # bounded: the kill has landed
+            if state(pid) in ("Z", "X", "gone"):
+                break
+            time.sleep(0.05)
+        assert state(pid) in ("Z", "X", "gone")
+    finally:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(marker.read_text()), signal.SIGKILL)
     episode.release()
     echo_spec.run(harness.aclose())

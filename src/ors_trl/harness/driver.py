@@ -5,11 +5,13 @@ records, metrics and rewards); the loopback server is `ors_trl.harness.server`, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
 import os
 import pickle
+import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -282,14 +284,16 @@ class Harness:
         if callable(self.agent):
             final = await self.agent(endpoint)
             return None if final is None else str(final)
-        process = await asyncio.create_subprocess_exec(
+        process = await asyncio.create_subprocess_exec(  # a process group of its own, to stop with what it started
             *self.agent, env={**os.environ, **self.env, **endpoint.environ()}, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        out = err = None
         try:
             out, err = await process.communicate()
         finally:
-            if process.returncode is None:  # cancelled (a deadline): the agent stops with its episode
-                process.kill()
+            if out is None:  # cancelled (a deadline): the agent and its children (which hold its output) stop
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
                 await process.wait()
         if process.returncode:
             tail = err[-2000:].decode("utf-8", "replace").strip()
