@@ -619,6 +619,7 @@ def test_a_harness_travels_to_another_process_with_its_server_settings_not_its_s
     assert copy.agent == harness.agent
     episode.release()
 
+
 class Gated(Scripted):
     """`Scripted` whose replies wait at a gate: `arrived` holds each request's user text as it reaches the
     generator, `gates[text]` lets it go; `outcomes` says how each ended ("returned" or "cancelled")."""
@@ -772,5 +773,23 @@ def test_a_command_harness_stopped_mid_run_takes_its_child_processes_with_it(ech
     finally:
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(marker.read_text()), signal.SIGKILL)
+    episode.release()
+    echo_spec.run(harness.aclose())
+
+
+def test_a_failing_command_harness_leaks_no_key_into_the_record_or_log(echo_spec, tokenizer, caplog):
+    """A command harness that prints its environment (its key included) and fails: the failure's message in the
+    record and the log carries its output with the key masked."""
+    import logging
+
+    harness = Harness([sys.executable, "-c", "import os, sys; print('key', os.environ['OPENAI_API_KEY'], "
+                       "os.environ['ORS_MCP_TOKEN'], file=sys.stderr); sys.exit(2)"])
+    seats, seat = [], harness.server.seat
+    harness.server.seat = lambda *a: seats.append(seat(*a)) or seats[-1]
+    (episode,) = _episodes(echo_spec, [0])
+    with caplog.at_level(logging.WARNING):
+        echo_spec.run(harness.play(episode, Scripted(tokenizer)))
+    shown = json.dumps(episode.record(), default=str) + caplog.text
+    assert "status 2" in shown and "key ***" in shown and seats[0].token not in shown
     episode.release()
     echo_spec.run(harness.aclose())

@@ -295,11 +295,12 @@ class Harness:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 await process.wait()
+        def shown(data: bytes) -> str:  # its output, without the episode's key (an agent may print its environment)
+            return data.decode("utf-8", "replace").replace(endpoint.api_key, "***").strip()
+
         if process.returncode:
-            tail = err[-2000:].decode("utf-8", "replace").strip()
-            raise PolicyError(f"the harness command exited with status {process.returncode}: {tail}")
-        text = out[-_MAX_OUTPUT:].decode("utf-8", "replace").strip()
-        return text or None
+            raise PolicyError(f"the harness command exited with status {process.returncode}: {shown(err[-2000:])}")
+        return shown(out[-_MAX_OUTPUT:]) or None
 
 
 class _TurnGenerator(TokenGenerator):
