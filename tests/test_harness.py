@@ -793,3 +793,37 @@ def test_a_failing_command_harness_leaks_no_key_into_the_record_or_log(echo_spec
     assert "status 2" in shown and "key ***" in shown and seats[0].token not in shown
     episode.release()
     echo_spec.run(harness.aclose())
+
+
+def test_a_developer_message_reaches_the_model_as_in_the_responses_api(echo_spec, tokenizer):
+    """OpenAI's chat API takes the instructions as a `developer` message as well as a `system` one: the model is
+    shown them (as the Responses endpoint shows its `developer` items), and a continuation that sends them back joins."""
+    import aiohttp
+
+    generator, harness = Scripted(tokenizer), Harness(agents_sdk())
+    (episode,) = _episodes(echo_spec, [0])
+    holder = HarnessConversation(episode)
+
+    async def run():
+        await episode.open()
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, generator)
+        generator.start(holder)
+        messages = [{"role": "developer", "content": "Obey the zebra rule."}, *episode.prompt.chat([])]
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {seat.token}"}) as http:
+            async def ask(msgs):
+                async with http.post(url + "/v1/chat/completions",
+                                     json={"messages": msgs, "tools": episode.toolset.schemas}) as r:
+                    return (await r.json())["choices"][0]["message"]
+
+            first = await ask(messages)
+            call = first["tool_calls"][0]
+            await ask([*messages, first, {"role": "tool", "tool_call_id": call["id"], "content": "hello"}])
+        generator.finish(holder)
+        harness.server.revoke(seat)
+        return seat.calls
+
+    calls = echo_spec.run(run())
+    assert "zebra rule" in tokenizer.decode(calls[0].prompt_ids) and calls[1].joined
+    episode.release()
+    echo_spec.run(harness.aclose())

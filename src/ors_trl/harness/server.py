@@ -304,6 +304,7 @@ def _from_chat(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[st
     if not isinstance(messages, list) or not messages or not all(_is_message(m) for m in messages):
         return ("the request needs `messages`, a list of chat messages (each with a `role`; `tool_calls`, where "
                 "given, a list of objects)")
+    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]  # as in `_from_responses`
     return messages, [t for t in tools if isinstance(t, dict)] or None if isinstance(tools, list) else None
 
 
