@@ -827,3 +827,28 @@ def test_a_developer_message_reaches_the_model_as_in_the_responses_api(echo_spec
     assert "zebra rule" in tokenizer.decode(calls[0].prompt_ids) and calls[1].joined
     episode.release()
     echo_spec.run(harness.aclose())
+
+
+def test_an_origin_that_only_starts_like_loopback_is_refused(echo_spec, tokenizer):
+    """The DNS-rebinding guard compares the origin's host, not its spelling: `http://localhost.evil.example` is a
+    foreign origin (403, nothing runs), `http://localhost:3000` a loopback one."""
+    import aiohttp
+
+    harness = Harness(agents_sdk())
+    episode = echo_spec._runtime.episode(Task("train", 0), source="test", rules=Rules())
+
+    async def probe():
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, Scripted(tokenizer))
+        statuses = []
+        async with aiohttp.ClientSession() as http:
+            for origin in ("http://localhost.evil.example", "http://127.0.0.1.evil.example", "http://localhost:3000"):
+                async with http.get(url + "/v1/models", headers={"Authorization": f"Bearer {seat.token}",
+                                                                 "Origin": origin}) as r:
+                    statuses.append(r.status)
+        harness.server.revoke(seat)
+        return statuses
+
+    assert echo_spec.run(probe()) == [403, 403, 200]
+    episode.release()
+    echo_spec.run(harness.aclose())

@@ -8,6 +8,7 @@ import asyncio
 import functools
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import Mapping
@@ -30,7 +31,7 @@ logger = logging.getLogger("ors_trl.harness")
 MCP_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
 #: What a harness reads when it calls the model after its episode ended.
 ENDED = "The episode has ended."
-_LOOPBACK = ("http://127.0.0.1", "http://localhost", "http://[::1]")
+_LOOPBACK = re.compile(r"https?://(127\.0\.0\.1|localhost|\[::1\])(:\d+)?/?", re.IGNORECASE)
 
 
 @dataclass
@@ -168,7 +169,7 @@ class HarnessServer:
         if isinstance(request.match_info.http_exception, web.HTTPNotFound):
             return await handler(request)
         origin = request.headers.get("Origin")
-        if origin is not None and not origin.startswith(_LOOPBACK):
+        if origin is not None and not _LOOPBACK.fullmatch(origin):
             self.refused += 1
             return web.json_response({"error": {"message": "forbidden origin"}}, status=403)
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
