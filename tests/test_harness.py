@@ -852,3 +852,22 @@ def test_an_origin_that_only_starts_like_loopback_is_refused(echo_spec, tokenize
     assert echo_spec.run(probe()) == [403, 403, 200]
     episode.release()
     echo_spec.run(harness.aclose())
+
+
+def test_a_server_whose_port_was_taken_binds_on_the_next_start(echo_spec):
+    """A start that cannot bind (the port is taken) raises, and leaves the server unstarted: the next start binds and
+    serves, instead of answering an empty URL."""
+    import socket
+
+    from ors_trl.harness import HarnessServer
+    from ors_trl.testing import free_port
+
+    port = free_port()
+    server = HarnessServer(port=port)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    with holder, pytest.raises(OSError):
+        echo_spec.run(server.start())
+    assert echo_spec.run(server.start()) == f"http://127.0.0.1:{port}"
+    echo_spec.run(server.aclose())

@@ -134,10 +134,15 @@ class HarnessServer:
                 # the OpenAI Responses API, stateless: the harness sends its whole input
                 app.router.add_post("/v1/responses", functools.partial(self._model_call, _from_responses, _response))
                 app.router.add_get("/v1/models", _models)
-                self._runner = web.AppRunner(app, access_log=None)
-                await self._runner.setup()
-                site = web.TCPSite(self._runner, self.host, self.port)
-                await site.start()
+                runner = web.AppRunner(app, access_log=None)
+                await runner.setup()
+                site = web.TCPSite(runner, self.host, self.port)
+                try:
+                    await site.start()
+                except BaseException:  # the port is taken: nothing half-started stays, the next start binds
+                    await runner.cleanup()
+                    raise
+                self._runner = runner
                 port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
                 near = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
                 self.url = self.public_url or f"http://{f'[{near}]' if ':' in near else near}:{port}"
