@@ -871,3 +871,43 @@ def test_a_server_whose_port_was_taken_binds_on_the_next_start(echo_spec):
         echo_spec.run(server.start())
     assert echo_spec.run(server.start()) == f"http://127.0.0.1:{port}"
     echo_spec.run(server.aclose())
+
+
+def test_a_model_call_its_client_gave_up_on_is_not_kept(echo_spec, tokenizer):
+    """A harness whose client gives up on a model call (its own timeout) and sends it again: the call it never read
+    is cancelled, so neither the episode's record nor its rows hold a reply the harness never saw; the retry is the
+    episode's one call."""
+    import aiohttp
+
+    generator, harness = Gated(tokenizer), Harness(agents_sdk())
+    (episode,) = _episodes(echo_spec, [0])
+    holder = HarnessConversation(episode)
+
+    async def run():
+        await episode.open()
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, generator)
+        generator.start(holder)
+        body = {"messages": episode.prompt.chat([]), "tools": episode.toolset.schemas}
+        headers = {"Authorization": f"Bearer {seat.token}"}
+        async with aiohttp.ClientSession(headers=headers) as http:
+            first = asyncio.ensure_future(http.post(url + "/v1/chat/completions", json=body))
+            text = await asyncio.wait_for(generator.arrived.get(), 60)
+            first.cancel()  # the client's timeout: it drops the connection
+            await asyncio.wait([first], timeout=60)
+        for _ in range(600):  # bounded: the server sees the connection go
+            if generator.outcomes:
+                break
+            await asyncio.sleep(0.05)
+        generator.gates[text].set()
+        async with aiohttp.ClientSession(headers=headers) as http, \
+                http.post(url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+        generator.finish(holder)
+        harness.server.revoke(seat)
+        return seat.calls
+
+    calls = echo_spec.run(run())
+    assert generator.outcomes == ["cancelled", "returned"] and len(calls) == 1 and len(episode.turns) == 1
+    episode.release()
+    echo_spec.run(harness.aclose())

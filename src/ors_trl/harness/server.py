@@ -134,7 +134,7 @@ class HarnessServer:
                 # the OpenAI Responses API, stateless: the harness sends its whole input
                 app.router.add_post("/v1/responses", functools.partial(self._model_call, _from_responses, _response))
                 app.router.add_get("/v1/models", _models)
-                runner = web.AppRunner(app, access_log=None)
+                runner = web.AppRunner(app, access_log=None, handler_cancellation=True)  # a call its client left stops
                 await runner.setup()
                 site = web.TCPSite(runner, self.host, self.port)
                 try:
