@@ -911,3 +911,39 @@ def test_a_model_call_its_client_gave_up_on_is_not_kept(echo_spec, tokenizer):
     assert generator.outcomes == ["cancelled", "returned"] and len(calls) == 1 and len(episode.turns) == 1
     episode.release()
     echo_spec.run(harness.aclose())
+
+
+def test_an_image_in_a_request_is_refused_not_dropped(echo_spec, tokenizer):
+    """A model call whose messages hold an image (chat's `image_url` part, the Responses API's `input_image`) is
+    answered 400, saying so: the model is never asked about an image it is not shown."""
+    import aiohttp
+
+    generator, harness = Scripted(tokenizer), Harness(agents_sdk())
+    (episode,) = _episodes(echo_spec, [0])
+    holder = HarnessConversation(episode)
+    image = "data:image/png;base64,iVBORw0KGgo="
+    text = 'Call the `echo` tool with exactly this text: "hello".'
+
+    async def run():
+        await episode.open()
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, generator)
+        generator.start(holder)
+        out = []
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {seat.token}"}) as http:
+            for path, body in (
+                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+                        {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": image}}]}]}),
+                    ("/v1/responses", {"input": [{"role": "user", "content": [
+                        {"type": "input_text", "text": text}, {"type": "input_image", "image_url": image}]}]})):
+                async with http.post(url + path, json=body) as r:
+                    out.append((r.status, (await r.json()).get("error", {}).get("message", "")))
+        generator.finish(holder)
+        harness.server.revoke(seat)
+        return out
+
+    out = echo_spec.run(run())
+    assert [status for status, _ in out] == [400, 400] and all("image" in message for _, message in out)
+    assert generator.produced == {}
+    episode.release()
+    echo_spec.run(harness.aclose())

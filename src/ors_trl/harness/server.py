@@ -78,6 +78,16 @@ def _text(content: Any) -> str:
     return "" if content is None else str(content)
 
 
+def _texts(*contents: Any) -> bool:
+    """Whether message contents are text alone: `_text` keeps nothing else, and the model must not answer about an
+    image (audio, file) it is never shown."""
+    return all(not isinstance(c, list) or all(isinstance(p, Mapping) and "text" in p for p in c) for c in contents)
+
+
+#: Why a request with other parts is refused.
+_TEXT_ONLY = "this endpoint serves text content only: image, audio and file parts are not supported"
+
+
 def _identity(message: Mapping[str, Any]) -> tuple[Any, ...]:
     """What makes two chat messages the same turn (arguments compared as canonical JSON)."""
     calls = tuple((c.name, json.dumps(c.arguments, sort_keys=True, default=str))
@@ -310,6 +320,8 @@ def _from_chat(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[st
     if not isinstance(messages, list) or not messages or not all(_is_message(m) for m in messages):
         return ("the request needs `messages`, a list of chat messages (each with a `role`; `tool_calls`, where "
                 "given, a list of objects)")
+    if not _texts(*(m.get("content") for m in messages)):
+        return _TEXT_ONLY
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]  # as in `_from_responses`
     return messages, [t for t in tools if isinstance(t, dict)] or None if isinstance(tools, list) else None
 
@@ -322,6 +334,8 @@ def _from_responses(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[di
     items = [{"role": "user", "content": items}] if isinstance(items, str) else items
     if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
         return "the request needs `input`, a text or a list of input items"
+    if not _texts(*(i.get("content") for i in items), *(i.get("output") for i in items)):
+        return _TEXT_ONLY
     messages: list[dict[str, Any]] = []
     if isinstance(body.get("instructions"), str):
         messages.append({"role": "system", "content": body["instructions"]})
