@@ -947,3 +947,17 @@ def test_an_image_in_a_request_is_refused_not_dropped(echo_spec, tokenizer):
     assert generator.produced == {}
     episode.release()
     echo_spec.run(harness.aclose())
+
+
+def test_a_harness_that_raises_its_own_timeout_fails_its_episode(echo_spec, tokenizer):
+    """An agent whose own wait runs out (`asyncio.wait_for`, an HTTP client's timeout: a `TimeoutError`) fails its
+    episode as any failing harness does, with its message; only the episode's deadline times an episode out."""
+
+    async def agent(ep) -> str | None:
+        await asyncio.wait_for(asyncio.Event().wait(), 0)  # the agent's own timeout
+        return None
+
+    (episode,) = _episodes(echo_spec, [0])
+    echo_spec.run(Harness(agent, timeout=600).play(episode, Scripted(tokenizer)))
+    assert episode.end_reason == "error" and "the harness failed: TimeoutError" in episode.error["message"]
+    episode.release()
