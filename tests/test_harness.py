@@ -961,3 +961,22 @@ def test_a_harness_that_raises_its_own_timeout_fails_its_episode(echo_spec, toke
     echo_spec.run(Harness(agent, timeout=600).play(episode, Scripted(tokenizer)))
     assert episode.end_reason == "error" and "the harness failed: TimeoutError" in episode.error["message"]
     episode.release()
+
+
+def test_a_chatty_command_harness_is_read_in_bounded_memory(echo_spec, tokenizer):
+    """A command harness that logs a lot (its whole trajectory, on both streams) before its answer: its output is read
+    as it comes, keeping only the tail that is used (the answer's last MiB, the error's last lines), not held whole."""
+    import tracemalloc
+
+    chatty = ("import sys\nfor _ in range(384):\n    sys.stdout.write('x' * 65535 + '\\n')\n"
+              "    sys.stderr.write('y' * 65535 + '\\n')\nprint('Done.')")
+    (episode,) = _episodes(echo_spec, [0])
+    tracemalloc.start()
+    try:
+        echo_spec.run(Harness([sys.executable, "-c", chatty]).play(episode, Scripted(tokenizer)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert episode.final_message.endswith("x\nDone.") and len(episode.final_message) <= 2**20  # its output's tail
+    assert peak < 8 * 2**20, peak  # 24 MiB on each stream went through
+    episode.release()

@@ -288,19 +288,30 @@ class Harness:
             *self.agent, env={**os.environ, **self.env, **endpoint.environ()}, stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
         out = err = None
-        try:
-            out, err = await process.communicate()
+        try:  # its output read as it comes, only the tails used kept (an agent may log its whole trajectory)
+            out, err = await asyncio.gather(_tail(process.stdout, _MAX_OUTPUT), _tail(process.stderr, 2000))
+            await process.wait()
         finally:
-            if out is None:  # cancelled (a deadline): the agent and its children (which hold its output) stop
+            if out is None or process.returncode is None:  # cancelled (a deadline): the agent and its children stop
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 await process.wait()
+
         def shown(data: bytes) -> str:  # its output, without the episode's key (an agent may print its environment)
             return data.decode("utf-8", "replace").replace(endpoint.api_key, "***").strip()
 
         if process.returncode:
-            raise PolicyError(f"the harness command exited with status {process.returncode}: {shown(err[-2000:])}")
-        return shown(out[-_MAX_OUTPUT:]) or None
+            raise PolicyError(f"the harness command exited with status {process.returncode}: {shown(err)}")
+        return shown(out) or None
+
+
+async def _tail(stream: Any, limit: int) -> bytes:
+    """The last `limit` bytes of what `stream` gives until its end, read as it comes."""
+    kept = bytearray()
+    while chunk := await stream.read(1 << 16):
+        kept += chunk
+        del kept[:-limit]
+    return bytes(kept)
 
 
 class _TurnGenerator(TokenGenerator):
