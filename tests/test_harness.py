@@ -980,3 +980,115 @@ def test_a_chatty_command_harness_is_read_in_bounded_memory(echo_spec, tokenizer
     assert episode.final_message.endswith("x\nDone.") and len(episode.final_message) <= 2**20  # its output's tail
     assert peak < 8 * 2**20, peak  # 24 MiB on each stream went through
     episode.release()
+
+
+def test_a_continuation_its_client_gave_up_on_leaves_no_tokens_for_the_retry(echo_spec, tokenizer):
+    """A continuation whose client leaves while the model generates it (the generation finishes regardless, in the
+    batch it is part of), then is sent again: the retry is rendered afresh, so its prompt holds no tokens of the reply
+    nobody read, its row is what the model generated for it, and the policy goes on building later turns as GRPO does
+    (joining the spent conversation again rendered an empty tool suffix, which failed, and the policy fell back to
+    re-rendering every conversation for the rest of the run)."""
+    import threading
+
+    import aiohttp
+
+    class Slow(Scripted):
+        def __init__(self, tokenizer) -> None:
+            super().__init__(tokenizer)
+            self.generating, self.go = threading.Event(), threading.Event()
+
+        def _generate_ids(self, tokens):
+            if any("<tool_response>" in self.tokenizer.decode(t.ids) for t in tokens) and not self.go.is_set():
+                self.generating.set()
+                self.go.wait(60)
+            return super()._generate_ids(tokens)
+
+    generator, harness = Slow(tokenizer), Harness(agents_sdk())
+    (episode,) = _episodes(echo_spec, [0])
+    holder = HarnessConversation(episode)
+
+    async def run():
+        await episode.open()
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, generator)
+        generator.start(holder)
+        messages, tools = episode.prompt.chat([]), episode.toolset.schemas
+        headers = {"Authorization": f"Bearer {seat.token}"}
+        async with aiohttp.ClientSession(headers=headers) as http, \
+                http.post(url + "/v1/chat/completions", json={"messages": messages, "tools": tools}) as r:
+            first = (await r.json())["choices"][0]["message"]
+        follow = {"messages": [*messages, first, {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"],
+                                                  "content": "hello"}], "tools": tools}
+        async with aiohttp.ClientSession(headers=headers) as http:
+            sent = asyncio.ensure_future(http.post(url + "/v1/chat/completions", json=follow))
+            for _ in range(600):  # bounded: the model is generating it
+                if generator.generating.is_set():
+                    break
+                await asyncio.sleep(0.05)
+            sent.cancel()  # the client's timeout
+            await asyncio.wait([sent], timeout=60)
+        for _ in range(600):  # bounded: the server saw it go
+            if not seat.live:
+                break
+            await asyncio.sleep(0.05)
+        generator.go.set()
+        async with aiohttp.ClientSession(headers=headers) as http, \
+                http.post(url + "/v1/chat/completions", json=follow) as r:
+            assert r.status == 200
+        generator.finish(holder)
+        harness.server.revoke(seat)
+        return seat.calls
+
+    calls = echo_spec.run(run())
+    retry = calls[-1]
+    assert len(calls) == 2 and retry.completion_ids == generator.produced.get(tuple(retry.prompt_ids))
+    assert tokenizer.decode(retry.prompt_ids).count("<tool_response>") == 1
+    assert "Done." not in tokenizer.decode(retry.prompt_ids)  # the reply nobody read
+    assert generator.join_turns  # the policy still builds later turns as GRPO does (no fallback to re-rendering)
+    episode.release()
+    echo_spec.run(harness.aclose())
+
+
+def test_a_continuation_retried_after_its_generation_failed_is_rendered_afresh(echo_spec, tokenizer):
+    """A continuation whose generation fails (answered 400), sent again: the retry is rendered afresh (joining the
+    conversation its tool results were already added to rendered an empty tool suffix, which failed, and the policy
+    fell back to re-rendering every conversation for the rest of the run)."""
+    import aiohttp
+
+    class Flaky(Scripted):
+        failed = False
+
+        def _generate_ids(self, tokens):
+            if any("<tool_response>" in self.tokenizer.decode(t.ids) for t in tokens) and not self.failed:
+                self.failed = True
+                raise RuntimeError("CUDA out of memory")
+            return super()._generate_ids(tokens)
+
+    generator, harness = Flaky(tokenizer), Harness(agents_sdk())
+    (episode,) = _episodes(echo_spec, [0])
+    holder = HarnessConversation(episode)
+
+    async def run():
+        await episode.open()
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, generator)
+        generator.start(holder)
+        messages, tools = episode.prompt.chat([]), episode.toolset.schemas
+        statuses = []
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {seat.token}"}) as http:
+            async with http.post(url + "/v1/chat/completions", json={"messages": messages, "tools": tools}) as r:
+                first = (await r.json())["choices"][0]["message"]
+            follow = [*messages, first, {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"],
+                                         "content": "hello"}]
+            for _ in range(2):
+                async with http.post(url + "/v1/chat/completions", json={"messages": follow, "tools": tools}) as r:
+                    statuses.append(r.status)
+        generator.finish(holder)
+        harness.server.revoke(seat)
+        return statuses, seat.calls
+
+    statuses, calls = echo_spec.run(run())
+    assert statuses == [400, 200] and generator.join_turns
+    assert calls[-1].completion_ids == generator.produced[tuple(calls[-1].prompt_ids)]
+    episode.release()
+    echo_spec.run(harness.aclose())

@@ -61,7 +61,6 @@ class Seat:
     conversation: Conversation | None = None
     shown: list[dict[str, Any]] = field(default_factory=list)  # the last request's messages + our reply to it
     names: dict[str, str] = field(default_factory=dict)  # our tool-call ids -> tool names
-    busy: set[int] = field(default_factory=set)  # conversations with a model call in flight: joined by no other
     live: set[asyncio.Task[Any]] = field(default_factory=set)  # its requests in flight: cancelled when it is revoked
 
     def __repr__(self) -> str:  # never the token
@@ -255,31 +254,26 @@ class HarnessServer:
         if seat.episode.over:  # the episode ended: the harness reads that, nothing is generated or recorded
             return await _send(request, answer(model, Reply(ENDED), [], "stop"), stream)
         conversation, joined = self._conversation(seat, messages, tools)
-        seat.busy.add(id(conversation))
-        try:  # busy until its reply is in `shown`: a request racing this one (a retry) forks instead of joining
-            try:
-                reply = await seat.generator.reply(conversation)
-            except (StopEpisode, ContextLengthExceeded) as stop:
-                reason = stop.reason if isinstance(stop, StopEpisode) else "context_length"
-                await seat.episode.end(reason, detail=str(stop))
-                return await _send(request, answer(model, Reply(""), [], "length"), stream)
-            except Exception as exc:  # a request the generator cannot take (a template that cannot render it, ...)
-                logger.warning("%s: a harness model call failed: %s: %s", seat.episode.env.name, type(exc).__name__,
-                               exc)
-                return _bad(f"the model call failed: {type(exc).__name__}: {exc}")
-            call = ModelCall(len(seat.calls), [dict(m) for m in messages], reply, *_ids(conversation.state),
-                             version=_version(seat.generator), joined=joined)
-            if call.prompt_ids is not None:
-                reply.usage = {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.completion_ids or ())}
-            seat.calls.append(call)
-            ids = [f"call_{call.index}_{k}" for k in range(len(reply.tool_calls))]
-            seat.names.update((i, c.name) for i, c in zip(ids, reply.tool_calls, strict=True))  # type: ignore[union-attr]
-            seat.conversation, seat.shown = conversation, [*conversation.messages, assistant_message(reply, ids)]
-            await seat.episode.observe(reply)
-            finish = "tool_calls" if reply.tool_calls else "length" if reply.truncated else "stop"
-            return await _send(request, answer(model, reply, ids, finish, call), stream)
-        finally:
-            seat.busy.discard(id(conversation))
+        try:
+            reply = await seat.generator.reply(conversation)
+        except (StopEpisode, ContextLengthExceeded) as stop:
+            reason = stop.reason if isinstance(stop, StopEpisode) else "context_length"
+            await seat.episode.end(reason, detail=str(stop))
+            return await _send(request, answer(model, Reply(""), [], "length"), stream)
+        except Exception as exc:  # a request the generator cannot take (a template that cannot render it, ...)
+            logger.warning("%s: a harness model call failed: %s: %s", seat.episode.env.name, type(exc).__name__, exc)
+            return _bad(f"the model call failed: {type(exc).__name__}: {exc}")
+        call = ModelCall(len(seat.calls), [dict(m) for m in messages], reply, *_ids(conversation.state),
+                         version=_version(seat.generator), joined=joined)
+        if call.prompt_ids is not None:
+            reply.usage = {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.completion_ids or ())}
+        seat.calls.append(call)
+        ids = [f"call_{call.index}_{k}" for k in range(len(reply.tool_calls))]
+        seat.names.update((i, c.name) for i, c in zip(ids, reply.tool_calls, strict=True))  # type: ignore[union-attr]
+        seat.conversation, seat.shown = conversation, [*conversation.messages, assistant_message(reply, ids)]
+        await seat.episode.observe(reply)
+        finish = "tool_calls" if reply.tool_calls else "length" if reply.truncated else "stop"
+        return await _send(request, answer(model, reply, ids, finish, call), stream)
 
     def _conversation(self, seat: Seat, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
                       ) -> tuple[Conversation, bool]:
@@ -287,11 +281,13 @@ class HarnessServer:
         after it: a token generator joins the ids as GRPO builds them), or a new one, rendered afresh."""
         shown, tail = seat.shown, messages[len(seat.shown):]
         current = seat.conversation
-        if (current is not None and id(current) not in seat.busy and shown and len(messages) > len(shown)
+        if (current is not None and shown and len(messages) > len(shown)
                 and current.tools == tools
                 and all(m.get("role") == "tool" for m in tail)
                 and [_identity(m) for m in messages[: len(shown)]] == [_identity(m) for m in shown]):
-            current.messages = [*shown, *(_normal(m, seat.names) for m in tail)]
+            # taken until its reply is shown: a request racing this one (a retry), or one after it failed (its ids may
+            # hold what it added: tool results, a reply nobody read), is rendered afresh instead of joining
+            current.messages, seat.conversation = [*shown, *(_normal(m, seat.names) for m in tail)], None
             return current, True
         return Conversation(seat.episode, [_normal(m, seat.names) for m in messages], tools), False
 
