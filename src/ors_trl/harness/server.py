@@ -59,7 +59,7 @@ class Seat:
     token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     calls: list[ModelCall] = field(default_factory=list)
     conversation: Conversation | None = None
-    shown: list[dict[str, Any]] = field(default_factory=list)  # the last request's messages + our reply to it
+    shown: list[dict[str, Any]] = field(default_factory=list)  # the last answered request + our reply to it
     names: dict[str, str] = field(default_factory=dict)  # our tool-call ids -> tool names
     live: set[asyncio.Task[Any]] = field(default_factory=set)  # its requests in flight: cancelled when it is revoked
 
