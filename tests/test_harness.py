@@ -913,6 +913,44 @@ def test_a_model_call_its_client_gave_up_on_is_not_kept(echo_spec, tokenizer):
     echo_spec.run(harness.aclose())
 
 
+def test_a_tool_call_its_mcp_client_left_runs_on_to_its_record(ref_server, tokenizer):
+    """An MCP client that leaves during a tool call (its own timeout) does not cut the call short: the environment
+    is running it, so it finishes and is recorded, as every driver records its calls; only the episode's stop
+    cancels a call in flight."""
+    import aiohttp
+
+    spec = OpenRewardSpec(ref_server.url, env_name="slowenvironment")
+    _ = spec.environment_factory
+    harness = Harness(agents_sdk())
+    episode = spec._runtime.episode(Task("train", 0), source="test", rules=Rules(max_replies=6))
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "sleep", "arguments": {"seconds": 1}}}
+
+    async def run():
+        await episode.open()
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, Scripted(tokenizer))
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {seat.token}"}) as http:
+            first = asyncio.ensure_future(http.post(url + "/mcp", json=body))
+            for _ in range(600):  # bounded: until the call is on its way to the environment
+                if episode.tool_calls:
+                    break
+                await asyncio.sleep(0.01)
+            first.cancel()  # the client's timeout: it drops the connection
+            await asyncio.wait([first], timeout=60)
+        for _ in range(600):  # bounded: the call runs on (1 s)
+            if not seat.live:
+                break
+            await asyncio.sleep(0.05)
+        harness.server.revoke(seat)
+
+    spec.run(run())
+    assert [c.get("status") for c in episode.turns[0]["tool_calls"]] == ["ok"]
+    assert episode.turns[0]["tool_calls"][0]["output"] == "slept 1s"
+    episode.release()
+    spec.run(harness.aclose())
+    spec.close()
+
+
 def test_an_image_in_a_request_is_refused_not_dropped(echo_spec, tokenizer):
     """A model call whose messages hold an image (chat's `image_url` part, the Responses API's `input_image`) is
     answered 400, saying so: the model is never asked about an image it is not shown."""

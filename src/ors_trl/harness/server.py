@@ -227,7 +227,10 @@ class HarnessServer:
             name, arguments = params.get("name"), params.get("arguments")
             if not isinstance(name, str):
                 return web.json_response(_error(id_, -32602, "tools/call needs a tool name"))
-            outcome = await seat.episode.call(ToolCall(name, {} if arguments is None else arguments))
+            call = asyncio.ensure_future(seat.episode.call(ToolCall(name, {} if arguments is None else arguments)))
+            seat.live.add(call)  # the episode's stop cancels it; a client that leaves does not: the environment runs it
+            call.add_done_callback(seat.live.discard)
+            outcome = await asyncio.shield(call)
             result = {"content": [{"type": "text", "text": outcome.text}], "isError": outcome.error is not None}
         else:
             return web.json_response(_error(id_, -32601, f"method not found: {method}"))
