@@ -6,11 +6,16 @@ apart, and GRPOTrainer trains through a harness."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
+import os
 import re
+import signal
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
@@ -613,3 +618,515 @@ def test_a_harness_travels_to_another_process_with_its_server_settings_not_its_s
     assert copy.server is not harness.server and copy.server.seats == {} and harness.server.seats
     assert copy.agent == harness.agent
     episode.release()
+
+
+class Gated(Scripted):
+    """`Scripted` whose replies wait at a gate: `arrived` holds each request's user text as it reaches the
+    generator, `gates[text]` lets it go; `outcomes` says how each ended ("returned" or "cancelled")."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.arrived: asyncio.Queue = asyncio.Queue()
+        self.gates: dict[str, asyncio.Event] = {}
+        self.outcomes: list[str] = []
+
+    async def reply(self, conversation):
+        text = str([m for m in conversation.messages if m["role"] == "user"][-1]["content"])
+        gate = self.gates.setdefault(text, asyncio.Event())
+        await self.arrived.put(text)
+        try:
+            await gate.wait()
+        except asyncio.CancelledError:
+            self.outcomes.append("cancelled")
+            raise
+        self.outcomes.append("returned")
+        return await super().reply(conversation)
+
+
+def test_a_continuation_joins_its_own_conversation_while_another_call_runs(echo_spec, tokenizer):
+    """Two model calls of one episode in flight at once (a harness's sub-agent or auxiliary call beside its main
+    call): the main call's continuation joins the main call's conversation, never the other's, so the model is
+    shown the history the harness sent and its row extends the main call's."""
+    import aiohttp
+
+    generator, harness = Gated(tokenizer), Harness(agents_sdk())
+    (episode,) = _episodes(echo_spec, [0])
+    holder = HarnessConversation(episode)
+
+    async def run():
+        await episode.open()
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, generator)
+        generator.start(holder)
+        main = episode.prompt.chat([])
+        side = [{"role": "user", "content": 'Summarise: exactly this text: "side"'}]
+        tools = episode.toolset.schemas
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {seat.token}"}) as http:
+            async def ask(msgs):
+                async with http.post(url + "/v1/chat/completions", json={"messages": msgs, "tools": tools}) as r:
+                    return (await r.json())["choices"][0]["message"]
+
+            first = asyncio.ensure_future(ask(main))
+            main_text = await asyncio.wait_for(generator.arrived.get(), 60)
+            other = asyncio.ensure_future(ask(side))
+            side_text = await asyncio.wait_for(generator.arrived.get(), 60)
+            generator.gates[side_text].set()
+            await asyncio.wait_for(other, 60)  # the side call answers first
+            generator.gates[main_text].set()
+            reply = await asyncio.wait_for(first, 60)
+            call = reply["tool_calls"][0]
+            follow = [*main, reply, {"role": "tool", "tool_call_id": call["id"], "content": "hello"}]
+            await asyncio.wait_for(ask(follow), 60)
+        generator.finish(holder)
+        harness.server.revoke(seat)
+        return seat.calls
+
+    calls = echo_spec.run(run())
+    side_call, main_call, follow_call = calls  # in the order they were answered
+    assert "Summarise" in side_call.messages[0]["content"] and follow_call.joined
+    shown = main_call.prompt_ids + main_call.completion_ids
+    assert follow_call.prompt_ids[: len(shown)] == shown  # the main call's history, not the side call's
+    assert "Summarise" not in tokenizer.decode(follow_call.prompt_ids)
+    build_rows(calls)
+    assert follow_call.row == main_call.row != side_call.row
+    episode.release()
+    echo_spec.run(harness.aclose())
+
+
+def test_a_model_call_in_flight_when_its_episode_stops_is_cancelled(echo_spec, tokenizer):
+    """A harness stopped (its deadline, a cancel) while one of its model calls is generating: the call stops with its
+    episode, so nothing is generated for it afterwards and it joins no record or call list the episode already gave."""
+    import aiohttp
+
+    generator = Gated(tokenizer)
+
+    async def agent(ep) -> str | None:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ep.api_key}"}) as http, \
+                http.post(ep.base_url + "/chat/completions", json={"messages": ep.messages}) as r:
+            await r.read()
+        return None
+
+    harness = Harness(agent)
+    (episode,) = _episodes(echo_spec, [0])
+
+    async def run():
+        play = asyncio.ensure_future(harness.play(episode, generator))
+        text = await asyncio.wait_for(generator.arrived.get(), 60)
+        play.cancel()  # as its deadline does
+        await asyncio.wait([play], timeout=60)
+        assert play.cancelled()
+        for _ in range(100):  # the server's handler gets its turns (bounded)
+            if generator.outcomes:
+                break
+            await asyncio.sleep(0.01)
+        generator.gates[text].set()  # were it still waiting, it would generate now
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        return list(generator.outcomes)
+
+    outcomes = echo_spec.run(run())
+    assert outcomes == ["cancelled"] and generator.produced == {}
+    episode.release()
+    echo_spec.run(harness.aclose())
+
+
+def test_a_command_harness_stopped_mid_run_takes_its_child_processes_with_it(echo_spec, tokenizer, tmp_path):
+    """A command harness whose agent started processes of its own (a shell, a tool run) that hold its output: stopping
+    the episode kills them all and returns, rather than waiting for them to close the output."""
+    marker = tmp_path / "child.pid"
+    script = tmp_path / "agent.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        with open({str(marker)!r} + ".tmp", "w") as f:
+            f.write(str(child.pid))
+        os.rename({str(marker)!r} + ".tmp", {str(marker)!r})
+        time.sleep(3600)
+    """))
+    harness = Harness([sys.executable, str(script)])
+    (episode,) = _episodes(echo_spec, [0])
+
+    async def run():
+        play = asyncio.ensure_future(harness.play(episode, Scripted(tokenizer)))
+        for _ in range(600):  # bounded: the agent has started its child
+            if marker.exists():
+                break
+            await asyncio.sleep(0.1)
+        play.cancel()  # as its deadline does
+        await asyncio.wait([play], timeout=60)
+        return play.done()
+
+    def state(pid: int) -> str:  # the process's state letter ("Z": dead, not yet reaped), "gone" once reaped
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return "gone"
+
+    try:
+        assert echo_spec.run(run())  # without waiting for the child that held the agent's output
+        pid = int(marker.read_text())
+        for _ in range(200):  # bounded: the kill has landed
+            if state(pid) in ("Z", "X", "gone"):
+                break
+            time.sleep(0.05)
+        assert state(pid) in ("Z", "X", "gone")
+    finally:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(marker.read_text()), signal.SIGKILL)
+    episode.release()
+    echo_spec.run(harness.aclose())
+
+
+def test_a_failing_command_harness_leaks_no_key_into_the_record_or_log(echo_spec, tokenizer, caplog):
+    """A command harness that prints its environment (its key included) and fails: the failure's message in the
+    record and the log carries its output with the key masked."""
+    import logging
+
+    harness = Harness([sys.executable, "-c", "import os, sys; print('key', os.environ['OPENAI_API_KEY'], "
+                       "os.environ['ORS_MCP_TOKEN'], file=sys.stderr); sys.exit(2)"])
+    seats, seat = [], harness.server.seat
+    harness.server.seat = lambda *a: seats.append(seat(*a)) or seats[-1]
+    (episode,) = _episodes(echo_spec, [0])
+    with caplog.at_level(logging.WARNING):
+        echo_spec.run(harness.play(episode, Scripted(tokenizer)))
+    shown = json.dumps(episode.record(), default=str) + caplog.text
+    assert "status 2" in shown and "key ***" in shown and seats[0].token not in shown
+    episode.release()
+    echo_spec.run(harness.aclose())
+
+
+def test_a_developer_message_reaches_the_model_as_in_the_responses_api(echo_spec, tokenizer):
+    """OpenAI's chat API takes the instructions as a `developer` message as well as a `system` one: the model is
+    shown them (as the Responses endpoint shows its `developer` items), and a continuation that sends them back joins."""
+    import aiohttp
+
+    generator, harness = Scripted(tokenizer), Harness(agents_sdk())
+    (episode,) = _episodes(echo_spec, [0])
+    holder = HarnessConversation(episode)
+
+    async def run():
+        await episode.open()
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, generator)
+        generator.start(holder)
+        messages = [{"role": "developer", "content": "Obey the zebra rule."}, *episode.prompt.chat([])]
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {seat.token}"}) as http:
+            async def ask(msgs):
+                async with http.post(url + "/v1/chat/completions",
+                                     json={"messages": msgs, "tools": episode.toolset.schemas}) as r:
+                    return (await r.json())["choices"][0]["message"]
+
+            first = await ask(messages)
+            call = first["tool_calls"][0]
+            await ask([*messages, first, {"role": "tool", "tool_call_id": call["id"], "content": "hello"}])
+        generator.finish(holder)
+        harness.server.revoke(seat)
+        return seat.calls
+
+    calls = echo_spec.run(run())
+    assert "zebra rule" in tokenizer.decode(calls[0].prompt_ids) and calls[1].joined
+    episode.release()
+    echo_spec.run(harness.aclose())
+
+
+def test_an_origin_that_only_starts_like_loopback_is_refused(echo_spec, tokenizer):
+    """The DNS-rebinding guard compares the origin's host, not its spelling: `http://localhost.evil.example` is a
+    foreign origin (403, nothing runs), `http://localhost:3000` a loopback one."""
+    import aiohttp
+
+    harness = Harness(agents_sdk())
+    episode = echo_spec._runtime.episode(Task("train", 0), source="test", rules=Rules())
+
+    async def probe():
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, Scripted(tokenizer))
+        statuses = []
+        async with aiohttp.ClientSession() as http:
+            for origin in ("http://localhost.evil.example", "http://127.0.0.1.evil.example", "http://localhost:3000"):
+                async with http.get(url + "/v1/models", headers={"Authorization": f"Bearer {seat.token}",
+                                                                 "Origin": origin}) as r:
+                    statuses.append(r.status)
+        harness.server.revoke(seat)
+        return statuses
+
+    assert echo_spec.run(probe()) == [403, 403, 200]
+    episode.release()
+    echo_spec.run(harness.aclose())
+
+
+def test_a_server_whose_port_was_taken_binds_on_the_next_start(echo_spec):
+    """A start that cannot bind (the port is taken) raises, and leaves the server unstarted: the next start binds and
+    serves, instead of answering an empty URL."""
+    import socket
+
+    from ors_trl.harness import HarnessServer
+    from ors_trl.testing import free_port
+
+    port = free_port()
+    server = HarnessServer(port=port)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    with holder, pytest.raises(OSError):
+        echo_spec.run(server.start())
+    assert echo_spec.run(server.start()) == f"http://127.0.0.1:{port}"
+    echo_spec.run(server.aclose())
+
+
+def test_a_model_call_its_client_gave_up_on_is_not_kept(echo_spec, tokenizer):
+    """A harness whose client gives up on a model call (its own timeout) and sends it again: the call it never read
+    is cancelled, so neither the episode's record nor its rows hold a reply the harness never saw; the retry is the
+    episode's one call."""
+    import aiohttp
+
+    generator, harness = Gated(tokenizer), Harness(agents_sdk())
+    (episode,) = _episodes(echo_spec, [0])
+    holder = HarnessConversation(episode)
+
+    async def run():
+        await episode.open()
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, generator)
+        generator.start(holder)
+        body = {"messages": episode.prompt.chat([]), "tools": episode.toolset.schemas}
+        headers = {"Authorization": f"Bearer {seat.token}"}
+        async with aiohttp.ClientSession(headers=headers) as http:
+            first = asyncio.ensure_future(http.post(url + "/v1/chat/completions", json=body))
+            text = await asyncio.wait_for(generator.arrived.get(), 60)
+            first.cancel()  # the client's timeout: it drops the connection
+            await asyncio.wait([first], timeout=60)
+        for _ in range(600):  # bounded: the server sees the connection go
+            if generator.outcomes:
+                break
+            await asyncio.sleep(0.05)
+        generator.gates[text].set()
+        async with aiohttp.ClientSession(headers=headers) as http, \
+                http.post(url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+        generator.finish(holder)
+        harness.server.revoke(seat)
+        return seat.calls
+
+    calls = echo_spec.run(run())
+    assert generator.outcomes == ["cancelled", "returned"] and len(calls) == 1 and len(episode.turns) == 1
+    episode.release()
+    echo_spec.run(harness.aclose())
+
+
+def test_a_tool_call_its_mcp_client_left_runs_on_to_its_record(ref_server, tokenizer):
+    """An MCP client that leaves during a tool call (its own timeout) does not cut the call short: the environment
+    is running it, so it finishes and is recorded, as every driver records its calls; only the episode's stop
+    cancels a call in flight."""
+    import aiohttp
+
+    spec = OpenRewardSpec(ref_server.url, env_name="slowenvironment")
+    _ = spec.environment_factory
+    harness = Harness(agents_sdk())
+    episode = spec._runtime.episode(Task("train", 0), source="test", rules=Rules(max_replies=6))
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "sleep", "arguments": {"seconds": 1}}}
+
+    async def run():
+        await episode.open()
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, Scripted(tokenizer))
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {seat.token}"}) as http:
+            first = asyncio.ensure_future(http.post(url + "/mcp", json=body))
+            for _ in range(600):  # bounded: until the call is on its way to the environment
+                if episode.tool_calls:
+                    break
+                await asyncio.sleep(0.01)
+            first.cancel()  # the client's timeout: it drops the connection
+            await asyncio.wait([first], timeout=60)
+        for _ in range(600):  # bounded: the call runs on (1 s)
+            if not seat.live:
+                break
+            await asyncio.sleep(0.05)
+        harness.server.revoke(seat)
+
+    spec.run(run())
+    assert [c.get("status") for c in episode.turns[0]["tool_calls"]] == ["ok"]
+    assert episode.turns[0]["tool_calls"][0]["output"] == "slept 1s"
+    episode.release()
+    spec.run(harness.aclose())
+    spec.close()
+
+
+def test_an_image_in_a_request_is_refused_not_dropped(echo_spec, tokenizer):
+    """A model call whose messages hold an image (chat's `image_url` part, the Responses API's `input_image`) is
+    answered 400, saying so: the model is never asked about an image it is not shown."""
+    import aiohttp
+
+    generator, harness = Scripted(tokenizer), Harness(agents_sdk())
+    (episode,) = _episodes(echo_spec, [0])
+    holder = HarnessConversation(episode)
+    image = "data:image/png;base64,iVBORw0KGgo="
+    text = 'Call the `echo` tool with exactly this text: "hello".'
+
+    async def run():
+        await episode.open()
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, generator)
+        generator.start(holder)
+        out = []
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {seat.token}"}) as http:
+            for path, body in (
+                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+                        {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": image}}]}]}),
+                    ("/v1/responses", {"input": [{"role": "user", "content": [
+                        {"type": "input_text", "text": text}, {"type": "input_image", "image_url": image}]}]})):
+                async with http.post(url + path, json=body) as r:
+                    out.append((r.status, (await r.json()).get("error", {}).get("message", "")))
+        generator.finish(holder)
+        harness.server.revoke(seat)
+        return out
+
+    out = echo_spec.run(run())
+    assert [status for status, _ in out] == [400, 400] and all("image" in message for _, message in out)
+    assert generator.produced == {}
+    episode.release()
+    echo_spec.run(harness.aclose())
+
+
+def test_a_harness_that_raises_its_own_timeout_fails_its_episode(echo_spec, tokenizer):
+    """An agent whose own wait runs out (`asyncio.wait_for`, an HTTP client's timeout: a `TimeoutError`) fails its
+    episode as any failing harness does, with its message; only the episode's deadline times an episode out."""
+
+    async def agent(ep) -> str | None:
+        await asyncio.wait_for(asyncio.Event().wait(), 0)  # the agent's own timeout
+        return None
+
+    (episode,) = _episodes(echo_spec, [0])
+    echo_spec.run(Harness(agent, timeout=600).play(episode, Scripted(tokenizer)))
+    assert episode.end_reason == "error" and "the harness failed: TimeoutError" in episode.error["message"]
+    episode.release()
+
+
+def test_a_chatty_command_harness_is_read_in_bounded_memory(echo_spec, tokenizer):
+    """A command harness that logs a lot (its whole trajectory, on both streams) before its answer: its output is read
+    as it comes, keeping only the tail that is used (the answer's last MiB, the error's last lines), not held whole."""
+    import tracemalloc
+
+    chatty = ("import sys\nfor _ in range(384):\n    sys.stdout.write('x' * 65535 + '\\n')\n"
+              "    sys.stderr.write('y' * 65535 + '\\n')\nprint('Done.')")
+    (episode,) = _episodes(echo_spec, [0])
+    tracemalloc.start()
+    try:
+        echo_spec.run(Harness([sys.executable, "-c", chatty]).play(episode, Scripted(tokenizer)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert episode.final_message.endswith("x\nDone.") and len(episode.final_message) <= 2**20  # its output's tail
+    assert peak < 8 * 2**20, peak  # 24 MiB on each stream went through
+    episode.release()
+
+
+def test_a_continuation_its_client_gave_up_on_leaves_no_tokens_for_the_retry(echo_spec, tokenizer):
+    """A continuation whose client leaves while the model generates it (the generation finishes regardless, in the
+    batch it is part of), then is sent again: the retry is rendered afresh, so its prompt holds no tokens of the reply
+    nobody read, its row is what the model generated for it, and the policy goes on building later turns as GRPO does
+    (joining the spent conversation again rendered an empty tool suffix, which failed, and the policy fell back to
+    re-rendering every conversation for the rest of the run)."""
+    import threading
+
+    import aiohttp
+
+    class Slow(Scripted):
+        def __init__(self, tokenizer) -> None:
+            super().__init__(tokenizer)
+            self.generating, self.go = threading.Event(), threading.Event()
+
+        def _generate_ids(self, tokens):
+            if any("<tool_response>" in self.tokenizer.decode(t.ids) for t in tokens) and not self.go.is_set():
+                self.generating.set()
+                self.go.wait(60)
+            return super()._generate_ids(tokens)
+
+    generator, harness = Slow(tokenizer), Harness(agents_sdk())
+    (episode,) = _episodes(echo_spec, [0])
+    holder = HarnessConversation(episode)
+
+    async def run():
+        await episode.open()
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, generator)
+        generator.start(holder)
+        messages, tools = episode.prompt.chat([]), episode.toolset.schemas
+        headers = {"Authorization": f"Bearer {seat.token}"}
+        async with aiohttp.ClientSession(headers=headers) as http, \
+                http.post(url + "/v1/chat/completions", json={"messages": messages, "tools": tools}) as r:
+            first = (await r.json())["choices"][0]["message"]
+        follow = {"messages": [*messages, first, {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"],
+                                                  "content": "hello"}], "tools": tools}
+        async with aiohttp.ClientSession(headers=headers) as http:
+            sent = asyncio.ensure_future(http.post(url + "/v1/chat/completions", json=follow))
+            for _ in range(600):  # bounded: the model is generating it
+                if generator.generating.is_set():
+                    break
+                await asyncio.sleep(0.05)
+            sent.cancel()  # the client's timeout
+            await asyncio.wait([sent], timeout=60)
+        for _ in range(600):  # bounded: the server saw it go
+            if not seat.live:
+                break
+            await asyncio.sleep(0.05)
+        generator.go.set()
+        async with aiohttp.ClientSession(headers=headers) as http, \
+                http.post(url + "/v1/chat/completions", json=follow) as r:
+            assert r.status == 200
+        generator.finish(holder)
+        harness.server.revoke(seat)
+        return seat.calls
+
+    calls = echo_spec.run(run())
+    retry = calls[-1]
+    assert len(calls) == 2 and retry.completion_ids == generator.produced.get(tuple(retry.prompt_ids))
+    assert tokenizer.decode(retry.prompt_ids).count("<tool_response>") == 1
+    assert "Done." not in tokenizer.decode(retry.prompt_ids)  # the reply nobody read
+    assert generator.join_turns  # the policy still builds later turns as GRPO does (no fallback to re-rendering)
+    episode.release()
+    echo_spec.run(harness.aclose())
+
+
+def test_a_continuation_retried_after_its_generation_failed_is_rendered_afresh(echo_spec, tokenizer):
+    """A continuation whose generation fails (answered 400), sent again: the retry is rendered afresh (joining the
+    conversation its tool results were already added to rendered an empty tool suffix, which failed, and the policy
+    fell back to re-rendering every conversation for the rest of the run)."""
+    import aiohttp
+
+    class Flaky(Scripted):
+        failed = False
+
+        def _generate_ids(self, tokens):
+            if any("<tool_response>" in self.tokenizer.decode(t.ids) for t in tokens) and not self.failed:
+                self.failed = True
+                raise RuntimeError("CUDA out of memory")
+            return super()._generate_ids(tokens)
+
+    generator, harness = Flaky(tokenizer), Harness(agents_sdk())
+    (episode,) = _episodes(echo_spec, [0])
+    holder = HarnessConversation(episode)
+
+    async def run():
+        await episode.open()
+        url = await harness.server.start()
+        seat = harness.server.seat(episode, generator)
+        generator.start(holder)
+        messages, tools = episode.prompt.chat([]), episode.toolset.schemas
+        statuses = []
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {seat.token}"}) as http:
+            async with http.post(url + "/v1/chat/completions", json={"messages": messages, "tools": tools}) as r:
+                first = (await r.json())["choices"][0]["message"]
+            follow = [*messages, first, {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"],
+                                         "content": "hello"}]
+            for _ in range(2):
+                async with http.post(url + "/v1/chat/completions", json={"messages": follow, "tools": tools}) as r:
+                    statuses.append(r.status)
+        generator.finish(holder)
+        harness.server.revoke(seat)
+        return statuses, seat.calls
+
+    statuses, calls = echo_spec.run(run())
+    assert statuses == [400, 200] and generator.join_turns
+    assert calls[-1].completion_ids == generator.produced[tuple(calls[-1].prompt_ids)]
+    episode.release()
+    echo_spec.run(harness.aclose())

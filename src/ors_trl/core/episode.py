@@ -715,6 +715,9 @@ class Episode:
             result = await self._remote(remote, wire)
         except ORSError as exc:
             return self._failed(entry, exc, time.monotonic() - started if "remote_name" in entry else None)
+        except asyncio.CancelledError:  # the episode stopped (a deadline) while the call ran: no one reads its result
+            entry.update(status="failed", error={"kind": "cancelled", "message": "the episode stopped during the call"})
+            raise
         elapsed = time.monotonic() - started
         shown, text = self._shown(result.blocks)
         entry.update(status="ok", output=text, reward=result.reward, finished=result.finished,

@@ -59,8 +59,9 @@ class ImageRecord(TypedDict, total=False):
 
 
 class CallRecord(TypedDict, total=False):
-    """One tool call of the model. `status`: ok, failed (the tool or the network failed), refused (locally or by
-    the server: the model is told why) or not_run (the reply was the last one the turn limit allows)."""
+    """One tool call of the model. `status`: ok, failed (the tool or the network failed; error kind `cancelled`: the
+    episode's stop cut it short), refused (locally or by the server: the model is told why) or not_run (the reply was
+    the last one the turn limit allows)."""
 
     id: str | None
     name: str  # the name the model saw

@@ -5,11 +5,13 @@ records, metrics and rewards); the loopback server is `ors_trl.harness.server`, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
 import os
 import pickle
+import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -234,7 +236,7 @@ class Harness:
                                         episode.toolset.schemas if episode.toolset is not None else [])
                     try:
                         final = await self._run(episode, endpoint)
-                    except (asyncio.CancelledError, TimeoutError):
+                    except asyncio.CancelledError:  # a deadline (it raises TimeoutError only outside this block)
                         raise
                     except Exception as exc:
                         logger.warning("%s: the harness failed on task %s: %s", episode.env.name, episode.task.key,
@@ -282,20 +284,34 @@ class Harness:
         if callable(self.agent):
             final = await self.agent(endpoint)
             return None if final is None else str(final)
-        process = await asyncio.create_subprocess_exec(
+        process = await asyncio.create_subprocess_exec(  # a process group of its own, to stop with what it started
             *self.agent, env={**os.environ, **self.env, **endpoint.environ()}, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        try:
-            out, err = await process.communicate()
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        out = err = None
+        try:  # its output read as it comes, only the tails used kept (an agent may log its whole trajectory)
+            out, err = await asyncio.gather(_tail(process.stdout, _MAX_OUTPUT), _tail(process.stderr, 2000))
+            await process.wait()
         finally:
-            if process.returncode is None:  # cancelled (a deadline): the agent stops with its episode
-                process.kill()
+            if out is None or process.returncode is None:  # cancelled (a deadline): the agent and its children stop
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
                 await process.wait()
+
+        def shown(data: bytes) -> str:  # its output, without the episode's key (an agent may print its environment)
+            return data.decode("utf-8", "replace").replace(endpoint.api_key, "***").strip()
+
         if process.returncode:
-            tail = err[-2000:].decode("utf-8", "replace").strip()
-            raise PolicyError(f"the harness command exited with status {process.returncode}: {tail}")
-        text = out[-_MAX_OUTPUT:].decode("utf-8", "replace").strip()
-        return text or None
+            raise PolicyError(f"the harness command exited with status {process.returncode}: {shown(err)}")
+        return shown(out) or None
+
+
+async def _tail(stream: Any, limit: int) -> bytes:
+    """The last `limit` bytes of what `stream` gives until its end, read as it comes."""
+    kept = bytearray()
+    while chunk := await stream.read(1 << 16):
+        kept += chunk
+        del kept[:-limit]
+    return bytes(kept)
 
 
 class _TurnGenerator(TokenGenerator):

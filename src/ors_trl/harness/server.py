@@ -8,6 +8,7 @@ import asyncio
 import functools
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import Mapping
@@ -30,7 +31,7 @@ logger = logging.getLogger("ors_trl.harness")
 MCP_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")
 #: What a harness reads when it calls the model after its episode ended.
 ENDED = "The episode has ended."
-_LOOPBACK = ("http://127.0.0.1", "http://localhost", "http://[::1]")
+_LOOPBACK = re.compile(r"https?://(127\.0\.0\.1|localhost|\[::1\])(:\d+)?/?", re.IGNORECASE)
 
 
 @dataclass
@@ -58,9 +59,9 @@ class Seat:
     token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     calls: list[ModelCall] = field(default_factory=list)
     conversation: Conversation | None = None
-    shown: list[dict[str, Any]] = field(default_factory=list)  # the last request's messages + our reply to it
+    shown: list[dict[str, Any]] = field(default_factory=list)  # the last answered request + our reply to it
     names: dict[str, str] = field(default_factory=dict)  # our tool-call ids -> tool names
-    busy: set[int] = field(default_factory=set)  # conversations with a model call in flight: joined by no other
+    live: set[asyncio.Task[Any]] = field(default_factory=set)  # its requests in flight: cancelled when it is revoked
 
     def __repr__(self) -> str:  # never the token
         return f"<Seat {self.episode!r} calls={len(self.calls)}>"
@@ -74,6 +75,16 @@ def _text(content: Any) -> str:
     if isinstance(content, list):
         return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
     return "" if content is None else str(content)
+
+
+def _texts(*contents: Any) -> bool:
+    """Whether message contents are text alone: `_text` keeps nothing else, and the model must not answer about an
+    image (audio, file) it is never shown."""
+    return all(not isinstance(c, list) or all(isinstance(p, Mapping) and "text" in p for p in c) for c in contents)
+
+
+#: Why a request with other parts is refused.
+_TEXT_ONLY = "this endpoint serves text content only: image, audio and file parts are not supported"
 
 
 def _identity(message: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -132,10 +143,15 @@ class HarnessServer:
                 # the OpenAI Responses API, stateless: the harness sends its whole input
                 app.router.add_post("/v1/responses", functools.partial(self._model_call, _from_responses, _response))
                 app.router.add_get("/v1/models", _models)
-                self._runner = web.AppRunner(app, access_log=None)
-                await self._runner.setup()
-                site = web.TCPSite(self._runner, self.host, self.port)
-                await site.start()
+                runner = web.AppRunner(app, access_log=None, handler_cancellation=True)  # a call its client left stops
+                await runner.setup()
+                site = web.TCPSite(runner, self.host, self.port)
+                try:
+                    await site.start()
+                except BaseException:  # the port is taken: nothing half-started stays, the next start binds
+                    await runner.cleanup()
+                    raise
+                self._runner = runner
                 port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
                 near = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
                 self.url = self.public_url or f"http://{f'[{near}]' if ':' in near else near}:{port}"
@@ -155,8 +171,10 @@ class HarnessServer:
         return seat
 
     def revoke(self, seat: Seat) -> None:
-        """The episode's token stops working (its harness has stopped)."""
+        """The episode's token stops working (its harness has stopped), and its requests in flight stop with it."""
         self.seats.pop(seat.token, None)
+        for task in seat.live:
+            task.cancel()
 
     @web.middleware
     async def _admit(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -165,7 +183,7 @@ class HarnessServer:
         if isinstance(request.match_info.http_exception, web.HTTPNotFound):
             return await handler(request)
         origin = request.headers.get("Origin")
-        if origin is not None and not origin.startswith(_LOOPBACK):
+        if origin is not None and not _LOOPBACK.fullmatch(origin):
             self.refused += 1
             return web.json_response({"error": {"message": "forbidden origin"}}, status=403)
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
@@ -176,7 +194,13 @@ class HarnessServer:
             return web.json_response({"error": {"message": "unauthorized: unknown or expired episode token"}},
                                      status=401, headers={"WWW-Authenticate": "Bearer"})
         request[_SEAT] = seat
-        return await handler(request)
+        task = asyncio.current_task()
+        assert task is not None
+        seat.live.add(task)
+        try:
+            return await handler(request)
+        finally:
+            seat.live.discard(task)
 
     async def _mcp(self, request: web.Request) -> web.StreamResponse:
         seat = request[_SEAT]
@@ -203,7 +227,10 @@ class HarnessServer:
             name, arguments = params.get("name"), params.get("arguments")
             if not isinstance(name, str):
                 return web.json_response(_error(id_, -32602, "tools/call needs a tool name"))
-            outcome = await seat.episode.call(ToolCall(name, {} if arguments is None else arguments))
+            call = asyncio.ensure_future(seat.episode.call(ToolCall(name, {} if arguments is None else arguments)))
+            seat.live.add(call)  # the episode's stop cancels it; a client that leaves does not: the environment runs it
+            call.add_done_callback(seat.live.discard)
+            outcome = await asyncio.shield(call)
             result = {"content": [{"type": "text", "text": outcome.text}], "isError": outcome.error is not None}
         else:
             return web.json_response(_error(id_, -32601, f"method not found: {method}"))
@@ -230,31 +257,26 @@ class HarnessServer:
         if seat.episode.over:  # the episode ended: the harness reads that, nothing is generated or recorded
             return await _send(request, answer(model, Reply(ENDED), [], "stop"), stream)
         conversation, joined = self._conversation(seat, messages, tools)
-        seat.busy.add(id(conversation))
-        try:  # busy until its reply is in `shown`: a request racing this one (a retry) forks instead of joining
-            try:
-                reply = await seat.generator.reply(conversation)
-            except (StopEpisode, ContextLengthExceeded) as stop:
-                reason = stop.reason if isinstance(stop, StopEpisode) else "context_length"
-                await seat.episode.end(reason, detail=str(stop))
-                return await _send(request, answer(model, Reply(""), [], "length"), stream)
-            except Exception as exc:  # a request the generator cannot take (a template that cannot render it, ...)
-                logger.warning("%s: a harness model call failed: %s: %s", seat.episode.env.name, type(exc).__name__,
-                               exc)
-                return _bad(f"the model call failed: {type(exc).__name__}: {exc}")
-            call = ModelCall(len(seat.calls), [dict(m) for m in messages], reply, *_ids(conversation.state),
-                             version=_version(seat.generator), joined=joined)
-            if call.prompt_ids is not None:
-                reply.usage = {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.completion_ids or ())}
-            seat.calls.append(call)
-            ids = [f"call_{call.index}_{k}" for k in range(len(reply.tool_calls))]
-            seat.names.update((i, c.name) for i, c in zip(ids, reply.tool_calls, strict=True))  # type: ignore[union-attr]
-            seat.shown = [*conversation.messages, assistant_message(reply, ids)]
-            await seat.episode.observe(reply)
-            finish = "tool_calls" if reply.tool_calls else "length" if reply.truncated else "stop"
-            return await _send(request, answer(model, reply, ids, finish, call), stream)
-        finally:
-            seat.busy.discard(id(conversation))
+        try:
+            reply = await seat.generator.reply(conversation)
+        except (StopEpisode, ContextLengthExceeded) as stop:
+            reason = stop.reason if isinstance(stop, StopEpisode) else "context_length"
+            await seat.episode.end(reason, detail=str(stop))
+            return await _send(request, answer(model, Reply(""), [], "length"), stream)
+        except Exception as exc:  # a request the generator cannot take (a template that cannot render it, ...)
+            logger.warning("%s: a harness model call failed: %s: %s", seat.episode.env.name, type(exc).__name__, exc)
+            return _bad(f"the model call failed: {type(exc).__name__}: {exc}")
+        call = ModelCall(len(seat.calls), [dict(m) for m in messages], reply, *_ids(conversation.state),
+                         version=_version(seat.generator), joined=joined)
+        if call.prompt_ids is not None:
+            reply.usage = {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.completion_ids or ())}
+        seat.calls.append(call)
+        ids = [f"call_{call.index}_{k}" for k in range(len(reply.tool_calls))]
+        seat.names.update((i, c.name) for i, c in zip(ids, reply.tool_calls, strict=True))  # type: ignore[union-attr]
+        seat.conversation, seat.shown = conversation, [*conversation.messages, assistant_message(reply, ids)]
+        await seat.episode.observe(reply)
+        finish = "tool_calls" if reply.tool_calls else "length" if reply.truncated else "stop"
+        return await _send(request, answer(model, reply, ids, finish, call), stream)
 
     def _conversation(self, seat: Seat, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
                       ) -> tuple[Conversation, bool]:
@@ -262,14 +284,15 @@ class HarnessServer:
         after it: a token generator joins the ids as GRPO builds them), or a new one, rendered afresh."""
         shown, tail = seat.shown, messages[len(seat.shown):]
         current = seat.conversation
-        if (current is not None and id(current) not in seat.busy and shown and len(messages) > len(shown)
+        if (current is not None and shown and len(messages) > len(shown)
                 and current.tools == tools
                 and all(m.get("role") == "tool" for m in tail)
                 and [_identity(m) for m in messages[: len(shown)]] == [_identity(m) for m in shown]):
-            current.messages = [*shown, *(_normal(m, seat.names) for m in tail)]
+            # taken until its reply is shown: a request racing this one (a retry), or one after it failed (its ids may
+            # hold what it added: tool results, a reply nobody read), is rendered afresh instead of joining
+            current.messages, seat.conversation = [*shown, *(_normal(m, seat.names) for m in tail)], None
             return current, True
-        seat.conversation = Conversation(seat.episode, [_normal(m, seat.names) for m in messages], tools)
-        return seat.conversation, False
+        return Conversation(seat.episode, [_normal(m, seat.names) for m in messages], tools), False
 
 
 def _is_message(message: Any) -> bool:
@@ -296,6 +319,9 @@ def _from_chat(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[st
     if not isinstance(messages, list) or not messages or not all(_is_message(m) for m in messages):
         return ("the request needs `messages`, a list of chat messages (each with a `role`; `tool_calls`, where "
                 "given, a list of objects)")
+    if not _texts(*(m.get("content") for m in messages)):
+        return _TEXT_ONLY
+    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]  # as in `_from_responses`
     return messages, [t for t in tools if isinstance(t, dict)] or None if isinstance(tools, list) else None
 
 
@@ -307,6 +333,8 @@ def _from_responses(body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[di
     items = [{"role": "user", "content": items}] if isinstance(items, str) else items
     if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
         return "the request needs `input`, a text or a list of input items"
+    if not _texts(*(i.get("content") for i in items), *(i.get("output") for i in items)):
+        return _TEXT_ONLY
     messages: list[dict[str, Any]] = []
     if isinstance(body.get("instructions"), str):
         messages.append({"role": "system", "content": body["instructions"]})
