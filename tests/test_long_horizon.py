@@ -287,16 +287,17 @@ def test_a_prompt_that_fills_the_context_ends_the_episode_not_the_step(tiny_mode
     assert out["completion_ids"].tolist() == [[eos]] * 4 and out["advantages"].tolist() == [0.0] * 4
 
 
-@pytest.mark.slow
-def test_a_session_that_lands_after_its_episode_closed_is_deleted(make_server):
-    """A sandbox slower to create than the episode's deadline and than the close's bounded wait for it (30 s): the
-    session that lands afterwards is deleted then, not held (with its `max_sessions` slot) until the spec closes."""
+def test_a_session_that_lands_after_its_episode_closed_is_deleted(make_server, monkeypatch):
+    """A sandbox slower to create than the episode's deadline and than the close's bounded wait for it (`OPEN_WAIT`):
+    the session that lands afterwards is deleted then, not held (with its `max_sessions` slot) until the spec closes."""
+    from ors_trl.core import episode
     from ors_trl.testing.faults import Delay, FaultProxy
 
+    monkeypatch.setattr(episode, "OPEN_WAIT", 1.0)
     server = make_server("corridor")
     creates: list[None] = []
     with FaultProxy(server.url) as proxy:  # the episode's create (the first is the spec's tool discovery's)
-        proxy.add(Delay(35), path="/create", when=lambda seen: len(creates) == 1 or bool(creates.append(None)))
+        proxy.add(Delay(5), path="/create", when=lambda seen: len(creates) == 1 or bool(creates.append(None)))
         spec = spec_for(proxy)
         try:
             report = spec.evaluate(DoorPolicy(), num_tasks=1, episode_timeout=1, progress=False)

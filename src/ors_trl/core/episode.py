@@ -48,6 +48,8 @@ __all__ = ["MANUAL", "TRAINING_SOURCES", "EnvironmentRuntime", "Episode", "Outco
            "ToolCall", "drop_failed_groups", "runtimes", "score_groups"]
 
 logger = logging.getLogger("ors_trl")
+#: Seconds a close waits for an open still in flight; a session that lands later is deleted when it lands.
+OPEN_WAIT = 30.0
 
 # Live runtimes by key: how a reward function finds the engine's episodes (only keys travel through TRL's columns).
 _RUNTIMES: weakref.WeakValueDictionary[str, EnvironmentRuntime] = weakref.WeakValueDictionary()
@@ -1014,7 +1016,7 @@ class Episode:
     async def close_session(self) -> None:
         """Free the server session (idempotent; waits, bounded, for an open still in flight)."""
         if self._opening is not None and not self._opening.done():
-            await asyncio.wait([self._opening], timeout=30)
+            await asyncio.wait([self._opening], timeout=OPEN_WAIT)
         if self.session is not None:
             await self.session.close()
 
