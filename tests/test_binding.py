@@ -320,6 +320,19 @@ def test_call_maps_python_and_wire_names() -> None:
         env.weird(1, 2, 3, 4, 5)
 
 
+def test_parameter_names_ending_a_docstring_section_are_renamed() -> None:
+    """Bug: `get_json_schema` ends the Args block at the first "Returns:"/"Raises:", so a parameter named
+    `expectedReturns` (or `Raises`) lost its description and TRL could not render the tool at all."""
+    properties = {"a": {"type": "integer"}, "expectedReturns": {"type": "number"}, "Raises": {"type": "boolean"}}
+    spec = {"name": "fin", "description": "F.", "input_schema": {"type": "object", "properties": properties}}
+    toolset = Toolset([spec])
+    function = toolset.binding.functions["fin"]
+    assert toolset.schemas == [get_json_schema(function)]
+    assert list(inspect.signature(function).parameters) == ["self", "a", "expectedReturns_", "Raises_"]
+    assert toolset.route("fin", {"a": 1, "expectedReturns_": 0.5, "Raises_": True}) == (
+        "fin", {"a": 1, "expectedReturns": 0.5, "Raises": True})
+
+
 def test_call_like_trl_does() -> None:
     result = bind_tools([{"name": "search", "description": "S.", "input_schema": Args.model_json_schema()}])
     env = adapter(result)()

@@ -130,7 +130,7 @@ def _cap(text: str, limit: int) -> tuple[str, bool]:
 def python_parameter_names(wire_names: list[str]) -> dict[str, str]:
     """Map wire property names to distinct, safe Python parameter names: a safe identifier is kept, others are
     sanitized (`"class"` -> `"class_"`, `"x-y"` -> `"x_y"`, `"__init__"` -> `"init_"`, `"1st"` -> `"arg_1st"`,
-    `""` -> `"arg"`) and suffixed `_2`, `_3`... so none equals another property's wire or Python name."""
+    `"totalReturns"` -> `"totalReturns_"`, `""` -> `"arg"`) and suffixed `_2`, `_3`... so none equals another property's wire or Python name."""
     taken = {*wire_names, "self"}
     return {name: name if _is_safe_parameter_name(name) else unique_name(_sanitize_parameter_name(name), taken)
             for name in dict.fromkeys(wire_names)}
@@ -147,10 +147,14 @@ def unique_name(base: str, taken: set[str], *, limit: int | None = None, avoid: 
     return candidate
 
 
+#: `get_json_schema` ends a docstring's Args block at the first "Returns:"/"Raises:", even in `totalReturns: ...`.
+_DOC_SECTION_ENDS = ("Returns", "Raises")
+
+
 def _is_safe_parameter_name(name: str) -> bool:
     return (name.isidentifier() and re.fullmatch(r"\w+", name) is not None and not keyword.iskeyword(name)
             and unicodedata.normalize("NFKC", name) == name and name != "self"
-            and not (name.startswith("__") and name.endswith("__")))
+            and not (name.startswith("__") and name.endswith("__")) and not name.endswith(_DOC_SECTION_ENDS))
 
 
 def _sanitize_parameter_name(name: str) -> str:
@@ -161,7 +165,7 @@ def _sanitize_parameter_name(name: str) -> str:
         return "arg"
     if text[0].isdigit():
         text = "arg_" + text
-    if keyword.iskeyword(text) or text == "self":
+    if keyword.iskeyword(text) or text == "self" or text.endswith(_DOC_SECTION_ENDS):
         text += "_"
     return text
 
