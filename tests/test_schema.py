@@ -556,6 +556,32 @@ def test_root_ref_and_root_alternatives() -> None:
     assert "(id) | (name, id?)" in info.description
 
 
+class Circle(BaseModel):
+    kind: Literal["circle"]
+    radius: float
+
+
+class Square(BaseModel):
+    kind: Literal["square"]
+    side: float = Field(description="Edge length.")
+
+
+def test_root_alternatives_sharing_a_property_offer_every_alternatives_values() -> None:
+    """Bug: a property in several argument sets took the first set's schema, so a pydantic discriminated union's
+    `kind` rendered as `enum: ["circle"]` and the model was told "square" was never allowed."""
+    from pydantic import TypeAdapter
+
+    schema = TypeAdapter(Annotated[Circle | Square, Field(discriminator="kind")]).json_schema()
+    (result,) = bind_tools([{"name": "draw", "input_schema": schema}]).functions.values()
+    properties = get_json_schema(result)["function"]["parameters"]["properties"]
+    assert properties["kind"]["anyOf"] == [{"type": "string", "enum": ["circle"]}, {"type": "string", "enum": ["square"]}]
+    assert properties["side"] == {"type": "number", "description": "Edge length."}
+    shared = {"oneOf": [{"properties": {"q": {"type": "string"}, "a": {"type": "integer"}}},
+                        {"properties": {"q": {"type": "string"}, "b": {"type": "integer"}}}]}
+    (query, *_) = describe_tool({"name": "t", "input_schema": shared}).parameters
+    assert (query.remote_name, query.annotation) == ("q", str)  # one schema in every set: kept as it is
+
+
 def test_non_object_input_schema_is_reported() -> None:
     info = describe_tool({"name": "t", "input_schema": {"type": "string"}})
     assert info.parameters == ()

@@ -300,8 +300,9 @@ class Normaliser:
         else:
             properties, arms, kind = {}, _arms(schema), schema.get("type")
             if arms and kind in (None, "object"):
-                # Alternative argument sets: offer every argument; required = required in every alternative.
-                sets, common = [], None
+                # Alternative argument sets: offer every argument (typed by any of its alternatives' schemas);
+                # required = required in every alternative.
+                sets, common, options = [], None, {}
                 for arm in arms:
                     view = self.deref(arm, root.stack)
                     arm_properties = view.schema.get("properties")
@@ -309,10 +310,13 @@ class Normaliser:
                     if isinstance(arm_properties, dict):
                         names = [name for name in arm_properties if isinstance(name, str)]
                         for name in names:
-                            properties.setdefault(name, arm_properties[name])
+                            sub = arm_properties[name]
+                            options.setdefault(name, {}).setdefault(quote(sub, None), sub)  # by JSON: linear cost
                         sets.append(", ".join(f"{name_text(n)}{'' if n in arm_required else '?'}" for n in names))
                     common = arm_required if common is None else dict.fromkeys(n for n in common if n in arm_required)
                 required = common or {}
+                properties = {name: {"anyOf": [*subs.values()]} if len(subs) > 1 else next(iter(subs.values()))
+                              for name, subs in options.items()}
                 if sets:
                     sentences.append("Accepts one of these argument sets (? = optional): "
                                      + " | ".join(f"({s})" for s in sets))
