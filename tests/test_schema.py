@@ -582,6 +582,20 @@ def test_root_alternatives_sharing_a_property_offer_every_alternatives_values() 
     assert (query.remote_name, query.annotation) == ("q", str)  # one schema in every set: kept as it is
 
 
+def test_all_of_arms_refining_one_property_keep_every_constraint() -> None:
+    """Bug: `allOf` arms constraining the same property kept the first arm's schema only, so a refinement's `enum`
+    (or bound) was dropped and the model was told any string would do."""
+    schema = {"allOf": [
+        {"type": "object", "properties": {"mode": {"type": "string", "description": "Colour mode."}}},
+        {"properties": {"mode": {"enum": ["rgb", "cmyk"]}, "level": {"type": "integer", "maximum": 9}}},
+        {"properties": {"level": {"minimum": 1}}, "required": ["mode"]},
+    ]}  # fmt: skip
+    mode, level = describe_tool({"name": "t", "input_schema": schema}).parameters
+    assert (mode.remote_name, mode.annotation, mode.required) == ("mode", Literal["rgb", "cmyk"], True)
+    assert mode.description == "Colour mode."
+    assert level.description == "Level. Constraints: ≥ 1 and ≤ 9."
+
+
 def test_non_object_input_schema_is_reported() -> None:
     info = describe_tool({"name": "t", "input_schema": {"type": "string"}})
     assert info.parameters == ()

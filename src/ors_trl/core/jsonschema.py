@@ -408,7 +408,8 @@ class Normaliser:
         return _View(merged, stack, model, model_description, description)
 
     def _merge_all_of(self, schema: dict, arms: list, stack: tuple[str, ...]) -> dict:
-        """Merge `allOf` arms into one schema: properties are united, other keywords first-come."""
+        """Merge `allOf` arms into one schema: properties are united (their keywords merged), other keywords
+        first-come."""
         merged = {key: value for key, value in schema.items() if key != "allOf"}
         properties = dict(merged["properties"]) if isinstance(merged.get("properties"), dict) else {}
         required = _names(merged.get("required"))
@@ -422,8 +423,10 @@ class Normaliser:
                 continue
             for key, value in view.schema.items():
                 if key == "properties" and isinstance(value, dict):
-                    for name, sub in value.items():
-                        properties.setdefault(name, sub)
+                    for name, sub in value.items():  # a property several arms constrain: first-come keywords
+                        known = properties.setdefault(name, sub)
+                        if isinstance(known, dict) and isinstance(sub, dict):
+                            properties[name] = {**sub, **known}
                 elif key == "required" and isinstance(value, list):
                     known = set(required)
                     required += dict.fromkeys(name for name in value if isinstance(name, str) and name not in known)
