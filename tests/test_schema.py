@@ -596,6 +596,15 @@ def test_all_of_arms_refining_one_property_keep_every_constraint() -> None:
     assert level.description == "Level. Constraints: ≥ 1 and ≤ 9."
 
 
+def test_all_of_arms_written_inline_keep_their_description() -> None:
+    """Bug: a property `allOf` of inline arms (zod's `.and()`, OpenAPI composition) lost the description an arm
+    carried: the model read "P" instead of the environment's text."""
+    schema = {"type": "object", "properties": {"p": {"allOf": [
+        {"type": "string", "description": "The p value."}, {"maxLength": 3, "description": "Short."}]}}}  # fmt: skip
+    (p,) = describe_tool({"name": "t", "input_schema": schema}).parameters
+    assert (p.annotation, p.description) == (str, "The p value. Constraints: ≤ 3 chars.")
+
+
 def test_non_object_input_schema_is_reported() -> None:
     info = describe_tool({"name": "t", "input_schema": {"type": "string"}})
     assert info.parameters == ()

@@ -405,6 +405,7 @@ class Normaliser:
         all_of = merged.get("allOf")
         if isinstance(all_of, list) and len(all_of) > 1:
             merged = self._merge_all_of(merged, all_of, stack)
+            description = description if model else as_text(merged.get("description"))
         return _View(merged, stack, model, model_description, description)
 
     def _merge_all_of(self, schema: dict, arms: list, stack: tuple[str, ...]) -> dict:
@@ -430,8 +431,8 @@ class Normaliser:
                 elif key == "required" and isinstance(value, list):
                     known = set(required)
                     required += dict.fromkeys(name for name in value if isinstance(name, str) and name not in known)
-                elif key in ("title", "description"):
-                    continue
+                elif key in ("title", "description") and (view.model or key in merged):
+                    continue  # a model's texts are not the property's; an inline arm's fill in what is missing
                 elif key not in merged:
                     merged[key] = value
                 elif merged[key] != value:
