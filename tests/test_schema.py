@@ -605,6 +605,17 @@ def test_all_of_arms_written_inline_keep_their_description() -> None:
     assert (p.annotation, p.description) == (str, "The p value. Constraints: ≤ 3 chars.")
 
 
+def test_input_level_constraints_beside_properties_are_described() -> None:
+    """Bug: the input's own `oneOf`/`anyOf` beside its properties ("give url or path") and keywords it does not
+    read (`dependentRequired`) were dropped, though a property's are described: the model could not know them."""
+    schema = {"type": "object", "properties": {"url": {"type": "string"}, "path": {"type": "string"}},
+              "oneOf": [{"required": ["url"]}, {"required": ["path"]}], "dependentRequired": {"url": ["path"]}}
+    info = describe_tool({"name": "fetch", "description": "Fetch.", "input_schema": schema})
+    assert info.description == ('Fetch.\n\nInput notes: also matches one of: {"required": ["url"]}, '
+                                '{"required": ["path"]}; dependentRequired {"url": ["path"]}.')
+    assert "notes" not in describe_tool({"name": "t", "input_schema": TravelArgs.model_json_schema()}).description
+
+
 def test_non_object_input_schema_is_reported() -> None:
     info = describe_tool({"name": "t", "input_schema": {"type": "string"}})
     assert info.parameters == ()

@@ -332,6 +332,11 @@ class Normaliser:
             sentences.append(f"Input: {description}")
         if count := count_range(schema.get("minProperties"), schema.get("maxProperties"), "arguments"):
             sentences.append(f"Input constraints: {count}")
+        # What else the input must match, as a property's notes say it (arms beside properties: "url or path").
+        arms = _arms(schema) if isinstance(schema.get("properties"), dict) else []
+        notes = ["also matches one of: " + self._join((quote(arm, 80) for arm in arms), ", ")] if arms else []
+        if notes := [*notes, *_notes(schema)]:
+            sentences.append("Input notes: " + "; ".join(notes))
         arguments = [(wire, self.parameter(sub, root.stack, text, room=text)) for wire, sub in properties.items()]
         return arguments, required, sentences
 
