@@ -130,7 +130,8 @@ def _cap(text: str, limit: int) -> tuple[str, bool]:
 def python_parameter_names(wire_names: list[str]) -> dict[str, str]:
     """Map wire property names to distinct, safe Python parameter names: a safe identifier is kept, others are
     sanitized (`"class"` -> `"class_"`, `"x-y"` -> `"x_y"`, `"__init__"` -> `"init_"`, `"1st"` -> `"arg_1st"`,
-    `"totalReturns"` -> `"totalReturns_"`, `""` -> `"arg"`) and suffixed `_2`, `_3`... so none equals another property's wire or Python name."""
+    `"totalReturns"` -> `"totalReturns_"`, `""` -> `"arg"`) and suffixed `_2`, `_3`... so none equals another
+    property's wire or Python name."""
     taken = {*wire_names, "self"}
     return {name: name if _is_safe_parameter_name(name) else unique_name(_sanitize_parameter_name(name), taken)
             for name in dict.fromkeys(wire_names)}
