@@ -398,3 +398,32 @@ def test_a_harness_trains_under_two_processes(harness_run):
     assert after["setups"] - before["setups"] == after["teardowns"] - before["teardowns"] > 0
     assert (harness_run["state"] / "sessions").is_dir()  # the processes kept their orphan registry there
     assert list(harness_run["state"].glob("sessions/*.sessions")) == []  # and left it empty
+
+
+def test_eval_callback_with_fewer_held_out_episodes_than_processes(tiny_model_dir, tmp_path, echo_server):
+    """`eval_callback(tasks=1)` under two processes: one process has no held-out episode, yet it must join every
+    collective call of the evaluation (the engine's generation rounds, the gathering of the episodes), else the
+    processes wait on each other. Both end the step with the same evaluation: one episode, logged at step 1."""
+    cmd = [
+        str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+        str(SCRIPT.with_name("eval_run.py")), "--url", echo_server.url, "--model-dir", tiny_model_dir,
+        "--out", str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "WANDB_DISABLED": "true", "TOKENIZERS_PARALLELISM": "false",
+           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(
+               p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p)}
+    log = tmp_path / "launch-eval.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            rc = None
+    assert rc == 0, f"the launch {'hung' if rc is None else f'exited {rc}'}:\n{log.read_text(errors='replace')[-4000:]}"
+    for rank in (0, 1):
+        history = json.loads((tmp_path / f"report-eval-rank{rank}.json").read_text())["history"]
+        assert [(h["step"], h[f"{METRIC.replace('env/', 'eval/')}episodes"]) for h in history] == [(1, 1)]

@@ -11,6 +11,7 @@ import types
 import pytest
 
 from ors_trl import OpenRewardSpec
+from ors_trl.protocol.errors import ConfigurationError
 from ors_trl.trl import backend as _trl
 from tests.fixtures.generation import (
     cpu_grpo_trainer,
@@ -226,6 +227,21 @@ def test_engine_session_cap_queues_in_waves(tiny_model_dir, make_server, tmp_pat
     stats = server.stats()
     assert stats["peak_sessions"] <= 3
     assert stats["open_sessions"] == 0
+
+
+def test_trl_loop_refuses_a_session_cap_below_its_batch(tiny_model_dir, make_server, tmp_path):
+    """TRL's own loop holds every session of a batch open until the step ends, so a rollout past `max_sessions` could
+    only wait for a slot that frees after its own step: a `ConfigurationError` at the batch's first reset, before any
+    session opens, not a stall of `session_wait` (30 min; 5 s here) and rollouts that failed to start."""
+    server = make_server("echo")
+    spec = OpenRewardSpec(server.url, env_name="echoenvironment", num_tasks=2, max_sessions=3)
+    object.__setattr__(spec.client.options, "session_wait", 5.0)  # bounds the wait the cap makes today
+    trainer = make_trainer(tiny_model_dir, spec, "env", tmp_path, per_device_train_batch_size=4)
+    opened = server.stats()["setups"]
+    with pytest.raises(ConfigurationError, match="max_sessions=3"):
+        run_batch(trainer, batch_rows(spec, [0, 1], 2))
+    assert server.stats()["setups"] == opened  # no session was opened
+    spec.close()
 
 
 def test_a_generation_failure_mid_wave_reaches_the_step_and_closes_the_waves_sessions(tiny_model_dir, make_server,

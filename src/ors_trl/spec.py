@@ -289,7 +289,8 @@ class OpenRewardSpec(_TrainerInputs):
         retry (`RetryPolicy`, *optional*):
             Retries of transient failures.
         max_sessions (`int`, *optional*):
-            Cap on sessions open at once through this spec; more wait for a free slot.
+            Cap on sessions open at once through this spec; more wait for a free slot. With `environment_factory`,
+            TRL's loop holds a batch's sessions open together: a batch of more rollouts per process is refused.
         episode_log (`str`, *optional*):
             Path of a JSON-lines file receiving every finished episode (off by default).
         batch_tool_calls (`bool`, *optional*, defaults to `True`):

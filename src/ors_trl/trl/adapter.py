@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from ..core.episode import MANUAL, EnvironmentRuntime, Episode, Outcome, Task, ToolCall
 from ..core.records import token_fidelity
+from ..protocol.budget import get_max_sessions
 from ..protocol.errors import ConfigurationError, ORSError, ToolRefusedError, UsageError
 from ..protocol.loop import get_loop
 from ..protocol.text import show_json
@@ -102,6 +103,7 @@ class OpenRewardEnvironment:
             from .callbacks import attach_session_cleanup
 
             attach_session_cleanup(trainer, rt)
+        _check_session_caps(batch or [])
         for env, batch_row in batch or ():
             if isinstance(env, OpenRewardEnvironment) and env._preopened is None:
                 with contextlib.suppress(ValueError):  # reset() says what is wrong with the row
@@ -239,6 +241,18 @@ class OpenRewardEnvironment:
         _, running = concurrent.futures.wait(entries, timeout=_SETTLE_TIMEOUT_S)
         if running:
             logger.warning("%s: %d tool call(s) started ahead are still running", self._runtime.name, len(running))
+
+
+def _check_session_caps(batch: list[tuple[Any, Mapping[str, Any]]]) -> None:
+    """TRL's loop holds every session of a batch open until its step ends: a cap below that could only time out."""
+    rts = [env._runtime for env, _ in batch if isinstance(env, OpenRewardEnvironment)]
+    needs = [(sum(r is rt for r in rts), rt.client.max_sessions, f"{rt.name}'s max_sessions=") for rt in set(rts)]
+    for n, cap, what in [*needs, (len(rts), get_max_sessions(), "the process's session cap ")]:
+        if cap is not None and n > cap:
+            raise ConfigurationError(f"TRL's environment_factory loop holds all {n} sessions of a batch open at once, "
+                                     f"past {what}{cap}: raise the cap "
+                                     "to the rollouts per process, or train with rollout_func=spec.rollout_func, "
+                                     "which runs a batch in waves under it.")
 
 
 def _source(trainer: Any) -> str:

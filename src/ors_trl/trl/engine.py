@@ -64,7 +64,8 @@ class _TrainerGenerator(TokenGenerator):
 
     def _generate_ids(self, tokens: list[Tokens]) -> list[tuple[list[int], list[float] | None]]:
         self.fallback = self.fallback or next(((t.prompt_ids, t.images) for t in tokens), None)
-        return self.backend.generate([(t.ids, t.images) for t in tokens], self.fallback or ([], []))
+        nothing = ([self.rendering.tokenizer.eos_token_id], [])  # a process that has rendered no prompt pads with it
+        return self.backend.generate([(t.ids, t.images) for t in tokens], self.fallback or nothing)
 
     def _fits(self, tokens: Tokens, suffix: list[int]) -> None:
         """Stop before the context fills (`context_length`) or tool results pass the completion budget (`length`)."""
@@ -156,7 +157,7 @@ class RolloutEngine:
                 await _close_sessions([episodes[i] for i in wave])
 
         try:
-            for wave in self._waves(list(range(len(rollouts)))):
+            for wave in self._waves(list(range(len(rollouts))), backend):
                 future = get_loop().submit(play_wave(wave))
                 future.add_done_callback(lambda _: generator.batcher.wake())
                 try:
@@ -185,11 +186,12 @@ class RolloutEngine:
             "ors_env": [ep.env.key for ep in episodes],
         }
 
-    def _waves(self, rollouts: list[Any]) -> list[list[Any]]:
-        """Split the batch so that no wave opens more sessions than a cap allows (alike on every process)."""
+    def _waves(self, rollouts: list[Any], backend: Backend) -> list[list[Any]]:
+        """Split the batch so that no wave opens more sessions than a cap allows; as many waves on every process (one
+        with fewer rollouts, or none, still joins the others' generation calls in its empty waves)."""
         caps = [rt.client.max_sessions for rt in self.environments.values()] + [get_max_sessions()]
         size = max(min((c for c in caps if c is not None), default=len(rollouts)), 1)
-        return [rollouts[i:i + size] for i in range(0, len(rollouts), size)]
+        return [rollouts[i * size:(i + 1) * size] for i in range(backend.most(-(-len(rollouts) // size)))]
 
     def _pump(self, generator: _TrainerGenerator, wave: concurrent.futures.Future[Any]) -> None:
         """Generate on the training thread for the ready rollouts until the wave ends (under several processes: until
