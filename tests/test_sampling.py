@@ -480,3 +480,13 @@ def test_the_platforms_difficulty_selects_tasks_and_inspect_shows_it(look_server
         == EXIT_OK
     shown = json.loads(capsys.readouterr().out)["difficulty"]
     assert (shown["with_data"], shown["episodes"]) == (3, 6)
+
+
+def test_a_stream_looked_at_before_training_still_reaches_the_trainer(look_server, look_model_dir, tmp_path) -> None:
+    """Reading a row to look at it (no trainer yet) used up the stream's one bind: the trainer then never logged or
+    checkpointed the sampler (nor synced it across processes)."""
+    spec = OpenRewardSpec(look_server.url, split="kinds", indices=list(range(8)), task_sampling="adaptive")
+    assert next(iter(spec.train_dataset))["task_index"] in range(8)
+    trainer, _ = train(spec, look_model_dir, tmp_path, lambda reply, pos, step: "x", steps=2)
+    assert sum(any(k.startswith("curriculum/") for k in e) for e in trainer.state.log_history) == 2
+    spec.close()

@@ -52,7 +52,8 @@ def _rows(source: DrawSource) -> Iterator[dict[str, Any]]:
 class DrawSource:
     """Draws the stream's rows: an environment by weight (by default its number of tasks), then a task by its
     curriculum. `where`: (environment, task) -> row of `rows`; `owners`: the specs by environment (`None`: a lone
-    spec); `on_bind` is called with the source at the first read (the TRL layer finds its trainer there)."""
+    spec); `on_bind` is called with the source at each reading's first read until it binds (sets it None): the TRL
+    layer finds its trainer there, also after a look at a row before training."""
 
     def __init__(self, rows: Dataset, where: Mapping[tuple[str | None, int], int], owners: Mapping[str | None, Any],
                  *, weights: list[float] | None = None, seed: int = 0,
@@ -87,9 +88,8 @@ class DrawSource:
     def row(self, position: int) -> dict[str, Any]:
         """The row at `position` of this reading of the stream (a fresh iteration starts at 0)."""
         with self._lock:
-            if self.on_bind is not None:
-                bind, self.on_bind = self.on_bind, None
-                bind(self)
+            if self.on_bind is not None and position == 0:  # each new reading, until a trainer binds it
+                self.on_bind(self)
             if position < self._skip:
                 return self.rows[0]
             if self._replay:

@@ -175,11 +175,11 @@ class TaskSamplingCallback(TrainerCallback):
 
 
 def attach_task_sampling(source: DrawSource) -> None:
-    """A task stream's first read (`on_bind`): the trainer reading it updates and checkpoints its samplers."""
+    """A task stream reading's first read (`on_bind`, until it binds): the trainer reading it updates and checkpoints its samplers."""
     trainer = _trl.calling_trainer(hops=96)
     if trainer is None:
-        logger.warning("task sampling: no trainer was found reading the dataset, so the samplers learn from rewards "
-                       "as they come but are neither saved with checkpoints nor logged; "
+        logger.warning("task sampling: no trainer was found reading the dataset; until one reads it, the samplers "
+                       "learn from rewards as they come but are neither saved with checkpoints nor logged; "
                        "pass callbacks=spec.callbacks.")
         return
     cb = next((c for c in trainer.callback_handler.callbacks
