@@ -490,3 +490,14 @@ def test_a_stream_looked_at_before_training_still_reaches_the_trainer(look_serve
     trainer, _ = train(spec, look_model_dir, tmp_path, lambda reply, pos, step: "x", steps=2)
     assert sum(any(k.startswith("curriculum/") for k in e) for e in trainer.state.log_history) == 2
     spec.close()
+
+
+def test_a_sampler_drawing_a_task_outside_the_selection_is_told_so(look_server) -> None:
+    """A custom sampler's draw that is not one of the spec's tasks was a bare `KeyError: (None, 99)` from inside the
+    datasets generator."""
+    recording = Recording()
+    recording.draw = lambda: 99  # type: ignore[method-assign]
+    spec = OpenRewardSpec(look_server.url, split="kinds", indices=[4, 5], task_sampling=recording)
+    with pytest.raises(ConfigurationError, match=r"drew task 99, which is not one of the 2 tasks selected"):
+        next(iter(spec.train_dataset))
+    spec.close()

@@ -100,6 +100,10 @@ class DrawSource:
             self.drew = True
             if self._tracking:
                 self._recent.append((position, env, task))
+            if (env, task) not in self.where:
+                raise ConfigurationError(
+                    f"{self.curricula[env].name}: its task sampler drew task {task!r}, which is not one of the "
+                    f"{sum(e == env for e, _ in self.where)} tasks selected; draw() must return one of those indices.")
             return self.rows[self.where[(env, task)]]
 
     def trim(self, consumed: int | None) -> None:
