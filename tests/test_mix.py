@@ -124,6 +124,9 @@ def test_bad_mix_arguments(ref_server) -> None:
         OpenRewardMix({"a": spec}, weights={"b": 1.0})
     with pytest.raises(ConfigurationError):
         OpenRewardMix({"a": spec}, weights=[-1])
+    with pytest.raises(ConfigurationError, match="finite"):  # was a ValueError (NaN to int) building the dataset
+        OpenRewardMix({"a": spec, "b": OpenRewardSpec(ref_server.url, env_name="sparseenvironment")},
+                      weights=[float("inf"), 1])
     with pytest.raises(ConfigurationError):
         OpenRewardMix(["not a spec"])  # type: ignore[list-item]
 
