@@ -97,13 +97,14 @@ class DrawSource:
             else:
                 env = self.envs[0] if len(self.envs) == 1 else self._rng.choices(self.envs, self.weights)[0]
                 task = self.curricula[env].draw()
+            if (env, task) not in self.where:
+                raise ConfigurationError(
+                    f"{getattr(self.owners.get(env), 'name', env)}: its task sampler drew task {task!r}, which is not "
+                    f"one of the {sum(e == env for e, _ in self.where)} tasks selected; draw() must return one of "
+                    "those indices (or: resumed from a checkpoint of another selection).")
             self.drew = True
             if self._tracking:
                 self._recent.append((position, env, task))
-            if (env, task) not in self.where:
-                raise ConfigurationError(
-                    f"{self.curricula[env].name}: its task sampler drew task {task!r}, which is not one of the "
-                    f"{sum(e == env for e, _ in self.where)} tasks selected; draw() must return one of those indices.")
             return self.rows[self.where[(env, task)]]
 
     def trim(self, consumed: int | None) -> None:
