@@ -501,3 +501,19 @@ def test_a_sampler_drawing_a_task_outside_the_selection_is_told_so(look_server) 
     with pytest.raises(ConfigurationError, match=r"drew task 99, which is not one of the 2 tasks selected"):
         next(iter(spec.train_dataset))
     spec.close()
+
+
+def test_a_second_trainer_on_the_same_stream_updates_and_logs_its_samplers(look_server, look_model_dir,
+                                                                           tmp_path) -> None:
+    """The stream bound to its first trainer for good: a second `GRPOTrainer` on the same spec (a notebook's re-run)
+    logged no `curriculum/...` and kept no sampler state in its checkpoints."""
+    spec = OpenRewardSpec(look_server.url, split="kinds", indices=list(range(8)), task_sampling="adaptive")
+    answer = lambda reply, pos, step: "x"  # noqa: E731
+    train(spec, look_model_dir, tmp_path / "a", answer, steps=1)
+    trainer, trained = train(spec, look_model_dir, tmp_path / "b", answer, steps=2, save_strategy="steps",
+                             save_steps=1)
+    assert sum(any(k.startswith("curriculum/") for k in e) for e in trainer.state.log_history) == 2
+    saved = json.loads((tmp_path / "b" / "checkpoint-1" / "trainer_state.json").read_text())
+    pending = saved["stateful_callbacks"]["ors_trl.task_sampling"]["pending"]
+    assert [task for _, task in pending][:2] == trained[2][::4]  # what a resume replays: this run's, not the first's
+    spec.close()

@@ -88,8 +88,10 @@ class DrawSource:
     def row(self, position: int) -> dict[str, Any]:
         """The row at `position` of this reading of the stream (a fresh iteration starts at 0)."""
         with self._lock:
-            if self.on_bind is not None and position == 0:  # each new reading, until a trainer binds it
-                self.on_bind(self)
+            if position == 0:  # a new reading: no earlier reading's draw is trained on now
+                self._recent.clear()
+                if self.on_bind is not None:  # until a trainer binds it
+                    self.on_bind(self)
             if position < self._skip:
                 return self.rows[0]
             if self._replay:

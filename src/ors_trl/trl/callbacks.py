@@ -147,6 +147,10 @@ class TaskSamplingCallback(TrainerCallback):
         if trainer is not None:
             self.bind(trainer)
 
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Leave the stream to the next trainer that reads it (a second run on the same spec)."""
+        self._trainer, self.source.on_bind = None, attach_task_sampling
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer, source = self.trainer, self.source
         if trainer is None:
