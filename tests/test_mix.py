@@ -124,6 +124,9 @@ def test_bad_mix_arguments(ref_server) -> None:
         OpenRewardMix({"a": spec}, weights={"b": 1.0})
     with pytest.raises(ConfigurationError):
         OpenRewardMix({"a": spec}, weights=[-1])
+    with pytest.raises(ConfigurationError, match="finite"):  # was a ValueError (NaN to int) building the dataset
+        OpenRewardMix({"a": spec, "b": OpenRewardSpec(ref_server.url, env_name="sparseenvironment")},
+                      weights=[float("inf"), 1])
     with pytest.raises(ConfigurationError):
         OpenRewardMix(["not a spec"])  # type: ignore[list-item]
 
@@ -149,3 +152,22 @@ def test_task_fields_named_like_trl_keywords_are_renamed_in_a_mix(colliding_serv
     assert set(COLLIDING_FIELDS).isdisjoint(set(dataset.column_names) - {"environment"})
     check_user_reward_kwargs(seen, environments=mode == "environment_factory")
     mix.close()
+
+
+def test_a_split_with_no_tasks_is_an_error_not_an_empty_or_lopsided_dataset() -> None:
+    """An empty split gave a spec 0 rows (TRL then trains on nothing) and took a mix's rows with it: weights 3:1 on
+    (empty, 4 tasks) left 1 row of the 4, and a sampled mix dropped the environment without a word."""
+    from tests.fixtures.environments import server
+
+    with server("hollow,echo") as srv:
+        def hollow(**kw):
+            return OpenRewardSpec(srv.url, env_name="hollowenvironment", split="empty", **kw)
+
+        uses = [hollow(), hollow(num_tasks=4)]
+        uses += [OpenRewardMix({"hollow": hollow(**kw), "echo": OpenRewardSpec(srv.url, env_name="echoenvironment",
+                                                                              num_tasks=4)}, weights={"hollow": 3, "echo": 1})
+                 for kw in ({}, {"task_sampling": "adaptive"})]
+        for use in uses:
+            with pytest.raises(ConfigurationError, match="split 'empty' has no tasks"):
+                use.train_dataset  # noqa: B018
+            use.close()

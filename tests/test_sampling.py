@@ -480,3 +480,40 @@ def test_the_platforms_difficulty_selects_tasks_and_inspect_shows_it(look_server
         == EXIT_OK
     shown = json.loads(capsys.readouterr().out)["difficulty"]
     assert (shown["with_data"], shown["episodes"]) == (3, 6)
+
+
+def test_a_stream_looked_at_before_training_still_reaches_the_trainer(look_server, look_model_dir, tmp_path) -> None:
+    """Reading a row to look at it (no trainer yet) used up the stream's one bind: the trainer then never logged or
+    checkpointed the sampler (nor synced it across processes)."""
+    spec = OpenRewardSpec(look_server.url, split="kinds", indices=list(range(8)), task_sampling="adaptive")
+    assert next(iter(spec.train_dataset))["task_index"] in range(8)
+    trainer, _ = train(spec, look_model_dir, tmp_path, lambda reply, pos, step: "x", steps=2)
+    assert sum(any(k.startswith("curriculum/") for k in e) for e in trainer.state.log_history) == 2
+    spec.close()
+
+
+def test_a_sampler_drawing_a_task_outside_the_selection_is_told_so(look_server) -> None:
+    """A custom sampler's draw that is not one of the spec's tasks was a bare `KeyError: (None, 99)` from inside the
+    datasets generator."""
+    recording = Recording()
+    recording.draw = lambda: 99  # type: ignore[method-assign]
+    spec = OpenRewardSpec(look_server.url, split="kinds", indices=[4, 5], task_sampling=recording)
+    with pytest.raises(ConfigurationError, match=r"drew task 99, which is not one of the 2 tasks selected"):
+        next(iter(spec.train_dataset))
+    spec.close()
+
+
+def test_a_second_trainer_on_the_same_stream_updates_and_logs_its_samplers(look_server, look_model_dir,
+                                                                           tmp_path) -> None:
+    """The stream bound to its first trainer for good: a second `GRPOTrainer` on the same spec (a notebook's re-run)
+    logged no `curriculum/...` and kept no sampler state in its checkpoints."""
+    spec = OpenRewardSpec(look_server.url, split="kinds", indices=list(range(8)), task_sampling="adaptive")
+    answer = lambda reply, pos, step: "x"  # noqa: E731
+    train(spec, look_model_dir, tmp_path / "a", answer, steps=1)
+    trainer, trained = train(spec, look_model_dir, tmp_path / "b", answer, steps=2, save_strategy="steps",
+                             save_steps=1)
+    assert sum(any(k.startswith("curriculum/") for k in e) for e in trainer.state.log_history) == 2
+    saved = json.loads((tmp_path / "b" / "checkpoint-1" / "trainer_state.json").read_text())
+    pending = saved["stateful_callbacks"]["ors_trl.task_sampling"]["pending"]
+    assert [task for _, task in pending][:2] == trained[2][::4]  # what a resume replays: this run's, not the first's
+    spec.close()

@@ -13,6 +13,7 @@ with its own environment. Metrics are reported per environment (`env/<name>/...`
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
@@ -116,8 +117,8 @@ class OpenRewardMix(_TrainerInputs):
             values = [float(w) for w in weights]
             if len(values) != len(self.specs):
                 raise ConfigurationError(f"got {len(values)} weights for {len(self.specs)} environments")
-        if any(w < 0 or w != w for w in values) or sum(values) <= 0:
-            raise ConfigurationError("weights must be non-negative numbers with a positive sum")
+        if any(w < 0 or not math.isfinite(w) for w in values) or sum(values) <= 0:
+            raise ConfigurationError("weights must be finite non-negative numbers with a positive sum")
         return values
 
     @cached_property

@@ -74,7 +74,10 @@ def check_in_range(indices: Sequence[int], total: int, split: str) -> None:
 
 def select(total: int, split: str, num_tasks: int | None, indices: Sequence[int] | None, *, name: str = "",
            warn: bool = True) -> list[int]:
-    """The task indices of a selection: `indices`, else the first `num_tasks`, else all (`MAX_WHOLE_SPLIT` at most)."""
+    """The task indices of a selection: `indices`, else the first `num_tasks`, else all (`MAX_WHOLE_SPLIT` at most);
+    never none (an empty split would train on nothing, or take a mix's rows with it)."""
+    if total == 0:
+        raise ConfigurationError(f"{name + ': ' if name else ''}split {split!r} has no tasks; choose a split that has.")
     if indices is not None:
         check_in_range(indices, total, split)
         return list(indices)

@@ -52,7 +52,8 @@ def _rows(source: DrawSource) -> Iterator[dict[str, Any]]:
 class DrawSource:
     """Draws the stream's rows: an environment by weight (by default its number of tasks), then a task by its
     curriculum. `where`: (environment, task) -> row of `rows`; `owners`: the specs by environment (`None`: a lone
-    spec); `on_bind` is called with the source at the first read (the TRL layer finds its trainer there)."""
+    spec); `on_bind` is called with the source at each reading's first read until it binds (sets it None): the TRL
+    layer finds its trainer there, also after a look at a row before training."""
 
     def __init__(self, rows: Dataset, where: Mapping[tuple[str | None, int], int], owners: Mapping[str | None, Any],
                  *, weights: list[float] | None = None, seed: int = 0,
@@ -87,9 +88,10 @@ class DrawSource:
     def row(self, position: int) -> dict[str, Any]:
         """The row at `position` of this reading of the stream (a fresh iteration starts at 0)."""
         with self._lock:
-            if self.on_bind is not None:
-                bind, self.on_bind = self.on_bind, None
-                bind(self)
+            if position == 0:  # a new reading: no earlier reading's draw is trained on now
+                self._recent.clear()
+                if self.on_bind is not None:  # until a trainer binds it
+                    self.on_bind(self)
             if position < self._skip:
                 return self.rows[0]
             if self._replay:
@@ -97,6 +99,11 @@ class DrawSource:
             else:
                 env = self.envs[0] if len(self.envs) == 1 else self._rng.choices(self.envs, self.weights)[0]
                 task = self.curricula[env].draw()
+            if (env, task) not in self.where:
+                raise ConfigurationError(
+                    f"{getattr(self.owners.get(env), 'name', env)}: its task sampler drew task {task!r}, which is not "
+                    f"one of the {sum(e == env for e, _ in self.where)} tasks selected; draw() must return one of "
+                    "those indices (or: resumed from a checkpoint of another selection).")
             self.drew = True
             if self._tracking:
                 self._recent.append((position, env, task))

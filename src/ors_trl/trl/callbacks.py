@@ -147,6 +147,10 @@ class TaskSamplingCallback(TrainerCallback):
         if trainer is not None:
             self.bind(trainer)
 
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Leave the stream to the next trainer that reads it (a second run on the same spec)."""
+        self._trainer, self.source.on_bind = None, attach_task_sampling
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer, source = self.trainer, self.source
         if trainer is None:
@@ -175,11 +179,11 @@ class TaskSamplingCallback(TrainerCallback):
 
 
 def attach_task_sampling(source: DrawSource) -> None:
-    """A task stream's first read (`on_bind`): the trainer reading it updates and checkpoints its samplers."""
+    """A task stream reading's first read (`on_bind`, until it binds): the trainer reading it updates and checkpoints its samplers."""
     trainer = _trl.calling_trainer(hops=96)
     if trainer is None:
-        logger.warning("task sampling: no trainer was found reading the dataset, so the samplers learn from rewards "
-                       "as they come but are neither saved with checkpoints nor logged; "
+        logger.warning("task sampling: no trainer was found reading the dataset; until one reads it, the samplers "
+                       "learn from rewards as they come but are neither saved with checkpoints nor logged; "
                        "pass callbacks=spec.callbacks.")
         return
     cb = next((c for c in trainer.callback_handler.callbacks
