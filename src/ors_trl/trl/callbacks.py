@@ -179,7 +179,8 @@ class TaskSamplingCallback(TrainerCallback):
 
 
 def attach_task_sampling(source: DrawSource) -> None:
-    """A task stream reading's first read (`on_bind`, until it binds): the trainer reading it updates and checkpoints its samplers."""
+    """A task stream reading's first read (`on_bind`, until it binds): the trainer reading it updates and
+    checkpoints its samplers."""
     trainer = _trl.calling_trainer(hops=96)
     if trainer is None:
         logger.warning("task sampling: no trainer was found reading the dataset; until one reads it, the samplers "
