@@ -894,6 +894,23 @@ def test_mix_evaluate_and_cli_several_environments(ref_server, fake_openai, tmp_
     assert info["overall"]["success_rate"] == 1.0 and len(read_lines(out)) == 4
 
 
+def test_mix_of_one_environment_twice_plays_each(ref_server, tmp_path) -> None:
+    """A mix naming the same environment twice (two servers, two toolsets...: `echoenvironment` and
+    `echoenvironment_2`) plays the second's episodes too: the first's records, named after the environment, are not
+    the second's to resume; a resume finds each one's own."""
+    from ors_trl import OpenRewardMix
+
+    out = tmp_path / "mix.jsonl"
+    mix = OpenRewardMix([OpenRewardSpec(ref_server.url, env_name=ECHO), OpenRewardSpec(ref_server.url, env_name=ECHO)])
+    policy = CountingEchoPolicy({"hello": 9, "world": 9})
+    report = mix.evaluate(policy, num_tasks=2, output=str(out), progress=False)
+    assert policy.seen == {"hello": 2, "world": 2} and report.num_resumed == 0
+    assert sorted(r["environment"] for r in read_lines(out)) == [ECHO, ECHO, f"{ECHO}_2", f"{ECHO}_2"]
+    again = mix.evaluate(policy, num_tasks=2, output=str(out), resume=True, progress=False)
+    assert policy.seen == {"hello": 2, "world": 2} and [r.num_resumed for r in again.environments.values()] == [2, 2]
+    mix.close()
+
+
 def test_an_environment_that_never_opened_is_said_as_such(ref_server, fake_openai) -> None:
     """Two environments, one whose every session is refused at `/create` (through a fault proxy): its episodes never
     opened, so they are not episodes "without a tool call" (the model never saw them) but N that failed to open; and the

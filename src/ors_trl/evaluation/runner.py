@@ -173,7 +173,7 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, opts: EvalOptions, others
     selected = list(dict.fromkeys(select(bg.run(client.num_tasks(split)), split, opts.num_tasks, opts.indices,
                                          warn=False)))
     keys: list[EpisodeKey] = [(split, i, r) for i in selected for r in range(opts.repeats)]
-    mine = {runtime.name, environment}
+    mine = {runtime.name, environment} - (set(others) - {runtime.name})  # another of the mix's names is not mine
     kept: dict[EpisodeKey, dict[str, Any]] = {}
     if opts.resume and out_path is not None:  # (`check` made sure)
         foreign = {r.get("environment") for r in read_records(out_path)} - mine - set(others)
