@@ -911,6 +911,36 @@ def test_mix_of_one_environment_twice_plays_each(ref_server, tmp_path) -> None:
     mix.close()
 
 
+def test_group_scored_episodes_are_flushed_as_each_group_is_scored(ref_server, tmp_path) -> None:
+    """With score_groups, a task's episodes are written once its group is scored, not all at the end: an evaluation
+    interrupted later keeps them, and resume does not play them again."""
+    out = tmp_path / "ep.jsonl"
+
+    class Sayer:
+        seen_before_last: int | None = None
+
+        async def respond(self, messages, tools):
+            if messages[-1]["role"] == "tool":  # the group's score reads the final text: the sentence said
+                return PolicyReply(content=str(messages[-1]["content"]))
+            word = re.search(r'word "([^"]+)"', messages[-1]["content"]).group(1)
+            if word == "cloud" and self.seen_before_last is None:  # the last task: the first two groups are scored
+                for _ in range(400):  # bounded: 20 s
+                    if out.exists() and len(read_lines(out)) >= 4:
+                        break
+                    await asyncio.sleep(0.05)
+                self.seen_before_last = len(read_lines(out)) if out.exists() else 0
+            return PolicyReply(tool_calls=[{"id": "c", "name": "say", "arguments": {"text": f"A {word}."}}])
+
+    policy = Sayer()
+    spec = OpenRewardSpec(ref_server.url, env_name="judgeenvironment", score_groups=True)
+    report = spec.evaluate(policy, num_tasks=3, repeats=2, concurrency=1, score_groups=True, output=str(out),
+                           progress=False)
+    assert policy.seen_before_last == 4 and report.mean_group_reward == 1.0
+    lines = read_lines(out)
+    assert sorted((r["task_index"], r["repeat"]) for r in lines) == [(t, r) for t in range(3) for r in range(2)]
+    assert all(r["group_reward"] == 1.0 for r in lines)
+
+
 def test_an_environment_that_never_opened_is_said_as_such(ref_server, fake_openai) -> None:
     """Two environments, one whose every session is refused at `/create` (through a fault proxy): its episodes never
     opened, so they are not episodes "without a tool call" (the model never saw them) but N that failed to open; and the

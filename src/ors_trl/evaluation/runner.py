@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,12 +200,13 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, opts: EvalOptions, others
                   tool_markup=getattr(policy_obj, "tool_markup", None))  # a chat template's, an endpoint's
     done: list[Episode] = []
     finished_event, gate = threading.Event(), asyncio.Semaphore(opts.concurrency)
+    running = Counter(k[1] for k in todo)  # episodes of each task not done yet: group-scored once they all are
 
     async def run_one(key: EpisodeKey) -> None:
         async with gate:
             ep = runtime.episode(Task(split, key[1]), source="eval", rules=rules, metrics=False,
                                  writer=None if opts.score_groups else writer, task_tools=opts.per_task_tools,
-                                 # group-scored: written and uploaded once scored, in `run_all`
+                                 # group-scored: written and uploaded once scored, below
                                  uploads=(False if opts.score_groups else uploads) if uploads else None,
                                  repeat=key[2], policy=policy_name)
             attempts: list[Episode] = []
@@ -223,6 +225,15 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, opts: EvalOptions, others
                 raise
             await ep.close()
         done.append(ep)
+        running[key[1]] -= 1
+        if opts.score_groups and not running[key[1]]:  # the task's last: score its group, then flush it at once
+            await _episode.score_groups(group := [e for e in done if e.task.index == key[1]])
+            for e in group:
+                record = e.record()
+                if writer is not None:
+                    writer.write(record, images=e.images)
+                if uploads is not None:
+                    uploads.submit(record)
         if bar is not None:
             scored = [e.reward for e in done if e.reward is not None]
             if scored:
@@ -233,14 +244,6 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, opts: EvalOptions, others
         tasks = [asyncio.ensure_future(run_one(k)) for k in todo]
         try:
             await asyncio.gather(*tasks)
-            if opts.score_groups:
-                await _episode.score_groups(done)
-                for ep in done:
-                    record = ep.record()
-                    if writer is not None:
-                        writer.write(record, images=ep.images)
-                    if uploads is not None:
-                        uploads.submit(record)
         finally:
             for task in tasks:
                 task.cancel()
