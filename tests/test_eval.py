@@ -297,6 +297,15 @@ def test_policy_errors_and_bad_endpoint(ref_server) -> None:
     assert report.episodes[0]["error"]["kind"] == "policy"
 
 
+def test_an_endpoint_url_with_a_query_is_refused_unshown() -> None:
+    """A query (or fragment) in base_url was silently not sent, yet the policy's name kept it: a key put there landed
+    in every episode record (`policy`), the report and repr. Refused where it is given, without showing it."""
+    for url in ("http://127.0.0.1:1/v1?key=sk-secret-123", "http://127.0.0.1:1/v1#sk-secret-123"):
+        with pytest.raises(ConfigurationError, match="query or fragment") as info:
+            OpenAIPolicy(url, "m")
+        assert "sk-secret-123" not in str(info.value)
+
+
 def test_a_policy_failing_after_a_reward_is_an_error(ref_server, tmp_path) -> None:
     """An episode rewarded by its first call whose policy then fails is no score (a failure voids what came before),
     counted in `num_errors` (the CLI's all-failed check reads it) and run again by `resume`."""
