@@ -950,6 +950,26 @@ def test_group_scored_episodes_are_flushed_as_each_group_is_scored(ref_server, t
     assert all(r["group_reward"] == 1.0 for r in lines)
 
 
+def test_a_mix_option_one_environment_cannot_run_is_said_before_any_plays(ref_server) -> None:
+    """score_groups with an environment of the mix that does not score groups: the error came after the environments
+    before it had played every episode (and their report was lost); now before any episode."""
+    from ors_trl import OpenRewardMix
+
+    mix = OpenRewardMix({"judge": OpenRewardSpec(ref_server.url, env_name="judgeenvironment"),
+                         "echo": OpenRewardSpec(ref_server.url, env_name=ECHO)})
+    asked: list[int] = []
+
+    class Answers:
+        async def respond(self, messages, tools):
+            asked.append(len(messages))
+            return PolicyReply(content="A river.")
+
+    with pytest.raises(ConfigurationError, match="echo does not support group scoring"):
+        mix.evaluate(Answers(), num_tasks=2, score_groups=True, progress=False)
+    assert asked == []
+    mix.close()
+
+
 def test_an_environment_that_never_opened_is_said_as_such(ref_server, fake_openai) -> None:
     """Two environments, one whose every session is refused at `/create` (through a fault proxy): its episodes never
     opened, so they are not episodes "without a tool call" (the model never saw them) but N that failed to open; and the

@@ -161,13 +161,18 @@ class EvalOptions:
     path = property(lambda self: Path(self.output) if self.output is not None else None, doc="`output` as a `Path`.")
 
 
+def check_support(runtime: EnvironmentRuntime, opts: EvalOptions) -> None:
+    """Raise a `ConfigurationError` for options `runtime`'s environment cannot run (a mix checks all before any plays)."""
+    if opts.score_groups and not runtime.supports_score_group:
+        raise ConfigurationError(f"{runtime.name} does not support group scoring (its /tools does not say "
+                                 "supports_score_group: true)")
+
+
 def evaluate(runtime: EnvironmentRuntime, policy: Any, opts: EvalOptions, others: Collection[str] = ()) -> EvalReport:
     """Run `policy` (see `OpenRewardSpec.evaluate`) over tasks of `runtime` and report what it did; `others`:
     environments whose episodes `output` also holds (a mix's), left alone."""
     opts.check()
-    if opts.score_groups and not runtime.supports_score_group:
-        raise ConfigurationError(f"{runtime.name} does not support group scoring (its /tools does not say "
-                                 "supports_score_group: true)")
+    check_support(runtime, opts)
     out_path, started = opts.path, time.monotonic()
     bg, client, split = get_loop(), runtime.client, runtime.options["split"]
     environment = bg.run(client.environment())  # resolved: the runtime's name is the environment's from here
