@@ -306,6 +306,28 @@ def test_an_endpoint_url_with_a_query_is_refused_unshown() -> None:
         assert "sk-secret-123" not in str(info.value)
 
 
+@pytest.mark.parametrize("calls", [{"id": "a", "function": {"name": "echo", "arguments": "{}"}}, ["echo"]])
+def test_tool_calls_an_endpoint_sends_malformed_are_a_policy_error(ref_server, calls) -> None:
+    """`tool_calls` that is not a list of objects (one call as an object, names as strings) was dropped without a word:
+    the episode read as one the model ended without a call. Now the endpoint's error, said as such."""
+    from aiohttp import web
+
+    class Malformed(FakeOpenAI):
+        async def _handle(self, request: Any) -> Any:
+            self.requests.append(await request.json())
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            return web.json_response({"choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}]})
+
+    server = Malformed().start()
+    try:
+        report = OpenRewardSpec(ref_server.url, env_name=ECHO).evaluate(OpenAIPolicy(server.url, "m"), num_tasks=1,
+                                                                       progress=False)
+    finally:
+        server.stop()
+    assert report.end_reasons == {"error": 1} and report.episodes[0]["error"]["kind"] == "policy"
+    assert "not a chat completion" in report.episodes[0]["error"]["message"]
+
+
 def test_a_policy_failing_after_a_reward_is_an_error(ref_server, tmp_path) -> None:
     """An episode rewarded by its first call whose policy then fails is no score (a failure voids what came before),
     counted in `num_errors` (the CLI's all-failed check reads it) and run again by `resume`."""
