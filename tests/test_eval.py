@@ -328,6 +328,28 @@ def test_tool_calls_an_endpoint_sends_malformed_are_a_policy_error(ref_server, c
     assert "not a chat completion" in report.episodes[0]["error"]["message"]
 
 
+def test_an_endpoints_content_parts_are_its_text(ref_server) -> None:
+    """An endpoint answering `content` as parts (Mistral's: thinking and text chunks) gave the episode a list for the
+    reply's text; its text parts are the text."""
+    from aiohttp import web
+
+    class Parts(FakeOpenAI):
+        async def _handle(self, request: Any) -> Any:
+            self.requests.append(await request.json())
+            content = [{"type": "thinking", "thinking": [{"type": "text", "text": "hm"}]},
+                       {"type": "text", "text": "All "}, {"type": "text", "text": "done."}]
+            return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                                   "finish_reason": "stop"}]})
+
+    server = Parts().start()
+    try:
+        report = OpenRewardSpec(ref_server.url, env_name=ECHO).evaluate(OpenAIPolicy(server.url, "m"), num_tasks=1,
+                                                                       progress=False)
+    finally:
+        server.stop()
+    assert report.episodes[0]["turns"][0]["assistant"] == "All done."
+
+
 def test_a_policy_failing_after_a_reward_is_an_error(ref_server, tmp_path) -> None:
     """An episode rewarded by its first call whose policy then fails is no score (a failure voids what came before),
     counted in `num_errors` (the CLI's all-failed check reads it) and run again by `resume`."""

@@ -228,7 +228,10 @@ class OpenAIPolicy:
                               + self._transport.decoder.quote(json.dumps(body, default=str).encode(), 300)) from None
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
         reasoning = message.get("reasoning_content")
-        return Reply(message.get("content") or "", calls, usage=usage, truncated=choice.get("finish_reason") == "length",
+        content = message.get("content") or ""  # content parts (Mistral's): their text
+        if isinstance(content, list):
+            content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return Reply(content if isinstance(content, str) else json.dumps(content), calls, usage=usage, truncated=choice.get("finish_reason") == "length",
                      reasoning=reasoning if isinstance(reasoning, str) and reasoning else None)
 
     async def aclose(self) -> None:
