@@ -231,7 +231,8 @@ class OpenAIPolicy:
         content = message.get("content") or ""  # content parts (Mistral's): their text
         if isinstance(content, list):
             content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-        return Reply(content if isinstance(content, str) else json.dumps(content), calls, usage=usage, truncated=choice.get("finish_reason") == "length",
+        return Reply(content if isinstance(content, str) else json.dumps(content), calls, usage=usage,
+                     truncated=choice.get("finish_reason") == "length",
                      reasoning=reasoning if isinstance(reasoning, str) and reasoning else None)
 
     async def aclose(self) -> None:
