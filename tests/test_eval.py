@@ -297,6 +297,59 @@ def test_policy_errors_and_bad_endpoint(ref_server) -> None:
     assert report.episodes[0]["error"]["kind"] == "policy"
 
 
+def test_an_endpoint_url_with_a_query_is_refused_unshown() -> None:
+    """A query (or fragment) in base_url was silently not sent, yet the policy's name kept it: a key put there landed
+    in every episode record (`policy`), the report and repr. Refused where it is given, without showing it."""
+    for url in ("http://127.0.0.1:1/v1?key=sk-secret-123", "http://127.0.0.1:1/v1#sk-secret-123"):
+        with pytest.raises(ConfigurationError, match="query or fragment") as info:
+            OpenAIPolicy(url, "m")
+        assert "sk-secret-123" not in str(info.value)
+
+
+@pytest.mark.parametrize("calls", [{"id": "a", "function": {"name": "echo", "arguments": "{}"}}, ["echo"]])
+def test_tool_calls_an_endpoint_sends_malformed_are_a_policy_error(ref_server, calls) -> None:
+    """`tool_calls` that is not a list of objects (one call as an object, names as strings) was dropped without a word:
+    the episode read as one the model ended without a call. Now the endpoint's error, said as such."""
+    from aiohttp import web
+
+    class Malformed(FakeOpenAI):
+        async def _handle(self, request: Any) -> Any:
+            self.requests.append(await request.json())
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            return web.json_response({"choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}]})
+
+    server = Malformed().start()
+    try:
+        report = OpenRewardSpec(ref_server.url, env_name=ECHO).evaluate(OpenAIPolicy(server.url, "m"), num_tasks=1,
+                                                                       progress=False)
+    finally:
+        server.stop()
+    assert report.end_reasons == {"error": 1} and report.episodes[0]["error"]["kind"] == "policy"
+    assert "not a chat completion" in report.episodes[0]["error"]["message"]
+
+
+def test_an_endpoints_content_parts_are_its_text(ref_server) -> None:
+    """An endpoint answering `content` as parts (Mistral's: thinking and text chunks) gave the episode a list for the
+    reply's text; its text parts are the text."""
+    from aiohttp import web
+
+    class Parts(FakeOpenAI):
+        async def _handle(self, request: Any) -> Any:
+            self.requests.append(await request.json())
+            content = [{"type": "thinking", "thinking": [{"type": "text", "text": "hm"}]},
+                       {"type": "text", "text": "All "}, {"type": "text", "text": "done."}]
+            return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                                   "finish_reason": "stop"}]})
+
+    server = Parts().start()
+    try:
+        report = OpenRewardSpec(ref_server.url, env_name=ECHO).evaluate(OpenAIPolicy(server.url, "m"), num_tasks=1,
+                                                                       progress=False)
+    finally:
+        server.stop()
+    assert report.episodes[0]["turns"][0]["assistant"] == "All done."
+
+
 def test_a_policy_failing_after_a_reward_is_an_error(ref_server, tmp_path) -> None:
     """An episode rewarded by its first call whose policy then fails is no score (a failure voids what came before),
     counted in `num_errors` (the CLI's all-failed check reads it) and run again by `resume`."""
@@ -892,6 +945,73 @@ def test_mix_evaluate_and_cli_several_environments(ref_server, fake_openai, tmp_
     assert info["environments"][SPARSE]["target"] == proxy.url and info["environments"][ECHO]["target"] == ref_server.url
     assert seen == {SPARSE} and creates == [SPARSE] * 3  # its tool probe and 2 episodes there, nothing of ECHO
     assert info["overall"]["success_rate"] == 1.0 and len(read_lines(out)) == 4
+
+
+def test_mix_of_one_environment_twice_plays_each(ref_server, tmp_path) -> None:
+    """A mix naming the same environment twice (two servers, two toolsets...: `echoenvironment` and
+    `echoenvironment_2`) plays the second's episodes too: the first's records, named after the environment, are not
+    the second's to resume; a resume finds each one's own."""
+    from ors_trl import OpenRewardMix
+
+    out = tmp_path / "mix.jsonl"
+    mix = OpenRewardMix([OpenRewardSpec(ref_server.url, env_name=ECHO), OpenRewardSpec(ref_server.url, env_name=ECHO)])
+    policy = CountingEchoPolicy({"hello": 9, "world": 9})
+    report = mix.evaluate(policy, num_tasks=2, output=str(out), progress=False)
+    assert policy.seen == {"hello": 2, "world": 2} and report.num_resumed == 0
+    assert sorted(r["environment"] for r in read_lines(out)) == [ECHO, ECHO, f"{ECHO}_2", f"{ECHO}_2"]
+    again = mix.evaluate(policy, num_tasks=2, output=str(out), resume=True, progress=False)
+    assert policy.seen == {"hello": 2, "world": 2} and [r.num_resumed for r in again.environments.values()] == [2, 2]
+    mix.close()
+
+
+def test_group_scored_episodes_are_flushed_as_each_group_is_scored(ref_server, tmp_path) -> None:
+    """With score_groups, a task's episodes are written once its group is scored, not all at the end: an evaluation
+    interrupted later keeps them, and resume does not play them again."""
+    out = tmp_path / "ep.jsonl"
+
+    class Sayer:
+        seen_before_last: int | None = None
+
+        async def respond(self, messages, tools):
+            if messages[-1]["role"] == "tool":  # the group's score reads the final text: the sentence said
+                return PolicyReply(content=str(messages[-1]["content"]))
+            word = re.search(r'word "([^"]+)"', messages[-1]["content"]).group(1)
+            if word == "cloud" and self.seen_before_last is None:  # the last task: the first two groups are scored
+                for _ in range(400):  # bounded: 20 s
+                    if out.exists() and len(read_lines(out)) >= 4:
+                        break
+                    await asyncio.sleep(0.05)
+                self.seen_before_last = len(read_lines(out)) if out.exists() else 0
+            return PolicyReply(tool_calls=[{"id": "c", "name": "say", "arguments": {"text": f"A {word}."}}])
+
+    policy = Sayer()
+    spec = OpenRewardSpec(ref_server.url, env_name="judgeenvironment", score_groups=True)
+    report = spec.evaluate(policy, num_tasks=3, repeats=2, concurrency=1, score_groups=True, output=str(out),
+                           progress=False)
+    assert policy.seen_before_last == 4 and report.mean_group_reward == 1.0
+    lines = read_lines(out)
+    assert sorted((r["task_index"], r["repeat"]) for r in lines) == [(t, r) for t in range(3) for r in range(2)]
+    assert all(r["group_reward"] == 1.0 for r in lines)
+
+
+def test_a_mix_option_one_environment_cannot_run_is_said_before_any_plays(ref_server) -> None:
+    """score_groups with an environment of the mix that does not score groups: the error came after the environments
+    before it had played every episode (and their report was lost); now before any episode."""
+    from ors_trl import OpenRewardMix
+
+    mix = OpenRewardMix({"judge": OpenRewardSpec(ref_server.url, env_name="judgeenvironment"),
+                         "echo": OpenRewardSpec(ref_server.url, env_name=ECHO)})
+    asked: list[int] = []
+
+    class Answers:
+        async def respond(self, messages, tools):
+            asked.append(len(messages))
+            return PolicyReply(content="A river.")
+
+    with pytest.raises(ConfigurationError, match="echo does not support group scoring"):
+        mix.evaluate(Answers(), num_tasks=2, score_groups=True, progress=False)
+    assert asked == []
+    mix.close()
 
 
 def test_an_environment_that_never_opened_is_said_as_such(ref_server, fake_openai) -> None:

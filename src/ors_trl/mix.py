@@ -146,9 +146,12 @@ class OpenRewardMix(_TrainerInputs):
                 How to run, for every environment; `**kwargs` set its fields (`EvalOptions` documents them).
         """
         from .evaluation.policies import resolve_policy
-        from .evaluation.runner import EvalOptions, MixEvalReport
+        from .evaluation.runner import EvalOptions, MixEvalReport, check_support
 
         opts = EvalOptions.of(options, **kwargs)
+        for spec in self.specs.values():  # said before any environment plays (hours, maybe), not after
+            _ = spec._tools  # discovers what the environment supports
+            check_support(spec._runtime, opts)
         loaded = resolve_policy(policy, opts)  # once for every environment
         reports = {name: spec.evaluate(loaded, opts, resume=opts.resume or (i > 0 and opts.output is not None),
                                        overwrite=opts.overwrite and i == 0, _others=list(self.specs))

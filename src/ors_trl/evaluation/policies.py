@@ -220,15 +220,19 @@ class OpenAIPolicy:
         try:
             choice = body["choices"][0]
             message = choice["message"]
-            if not isinstance(message, dict):
+            calls = message.get("tool_calls") or []  # not a list of objects: not a call silently dropped
+            if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
                 raise TypeError
-        except (KeyError, IndexError, TypeError):
+        except (KeyError, IndexError, TypeError, AttributeError):
             raise PolicyError("the endpoint's answer is not a chat completion: "
                               + self._transport.decoder.quote(json.dumps(body, default=str).encode(), 300)) from None
-        calls = [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
         usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
         reasoning = message.get("reasoning_content")
-        return Reply(message.get("content") or "", calls, usage=usage, truncated=choice.get("finish_reason") == "length",
+        content = message.get("content") or ""  # content parts (Mistral's): their text
+        if isinstance(content, list):
+            content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        return Reply(content if isinstance(content, str) else json.dumps(content), calls, usage=usage,
+                     truncated=choice.get("finish_reason") == "length",
                      reasoning=reasoning if isinstance(reasoning, str) and reasoning else None)
 
     async def aclose(self) -> None:

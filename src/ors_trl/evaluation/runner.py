@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,20 +161,25 @@ class EvalOptions:
     path = property(lambda self: Path(self.output) if self.output is not None else None, doc="`output` as a `Path`.")
 
 
+def check_support(runtime: EnvironmentRuntime, opts: EvalOptions) -> None:
+    """Raise a `ConfigurationError` for options `runtime`'s environment cannot run (a mix checks all before any plays)."""
+    if opts.score_groups and not runtime.supports_score_group:
+        raise ConfigurationError(f"{runtime.name} does not support group scoring (its /tools does not say "
+                                 "supports_score_group: true)")
+
+
 def evaluate(runtime: EnvironmentRuntime, policy: Any, opts: EvalOptions, others: Collection[str] = ()) -> EvalReport:
     """Run `policy` (see `OpenRewardSpec.evaluate`) over tasks of `runtime` and report what it did; `others`:
     environments whose episodes `output` also holds (a mix's), left alone."""
     opts.check()
-    if opts.score_groups and not runtime.supports_score_group:
-        raise ConfigurationError(f"{runtime.name} does not support group scoring (its /tools does not say "
-                                 "supports_score_group: true)")
+    check_support(runtime, opts)
     out_path, started = opts.path, time.monotonic()
     bg, client, split = get_loop(), runtime.client, runtime.options["split"]
     environment = bg.run(client.environment())  # resolved: the runtime's name is the environment's from here
     selected = list(dict.fromkeys(select(bg.run(client.num_tasks(split)), split, opts.num_tasks, opts.indices,
                                          warn=False)))
     keys: list[EpisodeKey] = [(split, i, r) for i in selected for r in range(opts.repeats)]
-    mine = {runtime.name, environment}
+    mine = {runtime.name, environment} - (set(others) - {runtime.name})  # another of the mix's names is not mine
     kept: dict[EpisodeKey, dict[str, Any]] = {}
     if opts.resume and out_path is not None:  # (`check` made sure)
         foreign = {r.get("environment") for r in read_records(out_path)} - mine - set(others)
@@ -199,12 +205,13 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, opts: EvalOptions, others
                   tool_markup=getattr(policy_obj, "tool_markup", None))  # a chat template's, an endpoint's
     done: list[Episode] = []
     finished_event, gate = threading.Event(), asyncio.Semaphore(opts.concurrency)
+    running = Counter(k[1] for k in todo)  # episodes of each task not done yet: group-scored once they all are
 
     async def run_one(key: EpisodeKey) -> None:
         async with gate:
             ep = runtime.episode(Task(split, key[1]), source="eval", rules=rules, metrics=False,
                                  writer=None if opts.score_groups else writer, task_tools=opts.per_task_tools,
-                                 # group-scored: written and uploaded once scored, in `run_all`
+                                 # group-scored: written and uploaded once scored, below
                                  uploads=(False if opts.score_groups else uploads) if uploads else None,
                                  repeat=key[2], policy=policy_name)
             attempts: list[Episode] = []
@@ -223,6 +230,15 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, opts: EvalOptions, others
                 raise
             await ep.close()
         done.append(ep)
+        running[key[1]] -= 1
+        if opts.score_groups and not running[key[1]]:  # the task's last: score its group, then flush it at once
+            await _episode.score_groups(group := [e for e in done if e.task.index == key[1]])
+            for e in group:
+                record = e.record()
+                if writer is not None:
+                    writer.write(record, images=e.images)
+                if uploads is not None:
+                    uploads.submit(record)
         if bar is not None:
             scored = [e.reward for e in done if e.reward is not None]
             if scored:
@@ -233,14 +249,6 @@ def evaluate(runtime: EnvironmentRuntime, policy: Any, opts: EvalOptions, others
         tasks = [asyncio.ensure_future(run_one(k)) for k in todo]
         try:
             await asyncio.gather(*tasks)
-            if opts.score_groups:
-                await _episode.score_groups(done)
-                for ep in done:
-                    record = ep.record()
-                    if writer is not None:
-                        writer.write(record, images=ep.images)
-                    if uploads is not None:
-                        uploads.submit(record)
         finally:
             for task in tasks:
                 task.cancel()

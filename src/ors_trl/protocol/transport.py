@@ -383,6 +383,9 @@ class Transport:
         """A transport to a JSON API at `base_url` (request paths appended) for `post_json`: every failure an `error`,
         `secrets` (the key in `headers`, which an endpoint may reflect) masked."""
         url = _validate_url(base_url, "base_url")
+        if "?" in base_url or "#" in base_url:  # not sent, yet named in every record and error: refused, unshown
+            raise ConfigurationError("base_url must not carry a query or fragment (it would not be sent); pass the "
+                                     "API key as api_key=")
         transport = cls(Target("url", base_url, url, url), timeouts=timeouts, retry=retry, headers=headers,
                         error=error)
         transport.decoder = Decoder(secrets)  # a URL target has no API key of its own
