@@ -44,14 +44,15 @@ METRIC = "env/echoenvironment/"
 
 
 def launch(url: str, model_dir: str, out: Path, mode: str, *extra: str, state: Path | None = None,
-           ) -> subprocess.CompletedProcess:
+           script: Path = SCRIPT) -> subprocess.CompletedProcess:
     """`accelerate launch` two processes; bounded, and the whole process group is killed on timeout. `state`: the
-    processes' own `ORS_TRL_STATE_DIR` (their orphan registry)."""
+    processes' own `ORS_TRL_STATE_DIR` (their orphan registry); `script`: another script of tests/distributed/, which
+    takes --url, --model-dir, --out and `extra` (`mode` names its log)."""
+    own = ("--mode", mode, "--steps", str(STEPS)) if script == SCRIPT else ()
     cmd = [
         str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-        str(SCRIPT), "--url", url, "--model-dir", model_dir, "--out", str(out), "--mode", mode,
-        "--steps", str(STEPS), *extra,
+        str(script), "--url", url, "--model-dir", model_dir, "--out", str(out), *own, *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENREWARD_DISABLE_UPDATE_CHECK": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_DISABLED": "true", "TOKENIZERS_PARALLELISM": "false",
@@ -404,26 +405,8 @@ def test_eval_callback_with_fewer_held_out_episodes_than_processes(tiny_model_di
     """`eval_callback(tasks=1)` under two processes: one process has no held-out episode, yet it must join every
     collective call of the evaluation (the engine's generation rounds, the gathering of the episodes), else the
     processes wait on each other. Both end the step with the same evaluation: one episode, logged at step 1."""
-    cmd = [
-        str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-        str(SCRIPT.with_name("eval_run.py")), "--url", echo_server.url, "--model-dir", tiny_model_dir,
-        "--out", str(tmp_path),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "WANDB_DISABLED": "true", "TOKENIZERS_PARALLELISM": "false",
-           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(
-               p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p)}
-    log = tmp_path / "launch-eval.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-            rc = None
-    assert rc == 0, f"the launch {'hung' if rc is None else f'exited {rc}'}:\n{log.read_text(errors='replace')[-4000:]}"
+    run = launch(echo_server.url, tiny_model_dir, tmp_path, "eval", script=SCRIPT.with_name("eval_run.py"))
+    assert run.returncode == 0, run.stdout[-4000:]
     for rank in (0, 1):
         history = json.loads((tmp_path / f"report-eval-rank{rank}.json").read_text())["history"]
         assert [(h["step"], h[f"{METRIC.replace('env/', 'eval/')}episodes"]) for h in history] == [(1, 1)]

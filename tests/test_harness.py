@@ -142,6 +142,22 @@ def _episodes(spec, indices):
     return [spec._runtime.episode(Task("train", i), source="test", rules=Rules(max_replies=6)) for i in indices]
 
 
+async def _seated(harness, episode, generator):
+    """A test that drives the endpoints by hand: the episode opened and seated, the generator started; its URL, seat
+    and conversation (`_unseat` ends it)."""
+    holder = HarnessConversation(episode)
+    await episode.open()
+    url = await harness.server.start()
+    seat = harness.server.seat(episode, generator)
+    generator.start(holder)
+    return url, seat, holder
+
+
+def _unseat(harness, seat, generator, holder) -> None:
+    generator.finish(holder)
+    harness.server.revoke(seat)
+
+
 def test_an_agent_library_plays_episodes_token_exactly(echo_spec, ref_server, tokenizer):
     generator, harness = Scripted(tokenizer), Harness(agents_sdk(rewrite=True))
     before = ref_server.stats()["tool_calls"].get("echoenvironment/echo", 0)
@@ -415,13 +431,9 @@ def test_a_retried_call_racing_the_first_forks_and_every_row_stays_exact(echo_sp
 
     generator, harness = Scripted(tokenizer), Harness(agents_sdk())
     (episode,) = _episodes(echo_spec, [0])
-    holder = HarnessConversation(episode)
 
     async def race():
-        await episode.open()
-        url = await harness.server.start()
-        seat = harness.server.seat(episode, generator)
-        generator.start(holder)
+        url, seat, holder = await _seated(harness, episode, generator)
         auth = {"Authorization": f"Bearer {seat.token}"}
         messages = episode.prompt.chat([])
         tools = episode.toolset.schemas
@@ -434,8 +446,7 @@ def test_a_retried_call_racing_the_first_forks_and_every_row_stays_exact(echo_sp
             call = first["tool_calls"][0]
             follow = [*messages, first, {"role": "tool", "tool_call_id": call["id"], "content": "hello"}]
             await asyncio.gather(ask(follow), ask(follow))
-        generator.finish(holder)
-        harness.server.revoke(seat)
+        _unseat(harness, seat, generator, holder)
         return seat.calls
 
     calls = echo_spec.run(race())
@@ -651,13 +662,9 @@ def test_a_continuation_joins_its_own_conversation_while_another_call_runs(echo_
 
     generator, harness = Gated(tokenizer), Harness(agents_sdk())
     (episode,) = _episodes(echo_spec, [0])
-    holder = HarnessConversation(episode)
 
     async def run():
-        await episode.open()
-        url = await harness.server.start()
-        seat = harness.server.seat(episode, generator)
-        generator.start(holder)
+        url, seat, holder = await _seated(harness, episode, generator)
         main = episode.prompt.chat([])
         side = [{"role": "user", "content": 'Summarise: exactly this text: "side"'}]
         tools = episode.toolset.schemas
@@ -677,8 +684,7 @@ def test_a_continuation_joins_its_own_conversation_while_another_call_runs(echo_
             call = reply["tool_calls"][0]
             follow = [*main, reply, {"role": "tool", "tool_call_id": call["id"], "content": "hello"}]
             await asyncio.wait_for(ask(follow), 60)
-        generator.finish(holder)
-        harness.server.revoke(seat)
+        _unseat(harness, seat, generator, holder)
         return seat.calls
 
     calls = echo_spec.run(run())
@@ -802,13 +808,9 @@ def test_a_developer_message_reaches_the_model_as_in_the_responses_api(echo_spec
 
     generator, harness = Scripted(tokenizer), Harness(agents_sdk())
     (episode,) = _episodes(echo_spec, [0])
-    holder = HarnessConversation(episode)
 
     async def run():
-        await episode.open()
-        url = await harness.server.start()
-        seat = harness.server.seat(episode, generator)
-        generator.start(holder)
+        url, seat, holder = await _seated(harness, episode, generator)
         messages = [{"role": "developer", "content": "Obey the zebra rule."}, *episode.prompt.chat([])]
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {seat.token}"}) as http:
             async def ask(msgs):
@@ -819,8 +821,7 @@ def test_a_developer_message_reaches_the_model_as_in_the_responses_api(echo_spec
             first = await ask(messages)
             call = first["tool_calls"][0]
             await ask([*messages, first, {"role": "tool", "tool_call_id": call["id"], "content": "hello"}])
-        generator.finish(holder)
-        harness.server.revoke(seat)
+        _unseat(harness, seat, generator, holder)
         return seat.calls
 
     calls = echo_spec.run(run())
@@ -881,13 +882,9 @@ def test_a_model_call_its_client_gave_up_on_is_not_kept(echo_spec, tokenizer):
 
     generator, harness = Gated(tokenizer), Harness(agents_sdk())
     (episode,) = _episodes(echo_spec, [0])
-    holder = HarnessConversation(episode)
 
     async def run():
-        await episode.open()
-        url = await harness.server.start()
-        seat = harness.server.seat(episode, generator)
-        generator.start(holder)
+        url, seat, holder = await _seated(harness, episode, generator)
         body = {"messages": episode.prompt.chat([]), "tools": episode.toolset.schemas}
         headers = {"Authorization": f"Bearer {seat.token}"}
         async with aiohttp.ClientSession(headers=headers) as http:
@@ -903,8 +900,7 @@ def test_a_model_call_its_client_gave_up_on_is_not_kept(echo_spec, tokenizer):
         async with aiohttp.ClientSession(headers=headers) as http, \
                 http.post(url + "/v1/chat/completions", json=body) as r:
             assert r.status == 200
-        generator.finish(holder)
-        harness.server.revoke(seat)
+        _unseat(harness, seat, generator, holder)
         return seat.calls
 
     calls = echo_spec.run(run())
@@ -958,15 +954,11 @@ def test_an_image_in_a_request_is_refused_not_dropped(echo_spec, tokenizer):
 
     generator, harness = Scripted(tokenizer), Harness(agents_sdk())
     (episode,) = _episodes(echo_spec, [0])
-    holder = HarnessConversation(episode)
     image = "data:image/png;base64,iVBORw0KGgo="
     text = 'Call the `echo` tool with exactly this text: "hello".'
 
     async def run():
-        await episode.open()
-        url = await harness.server.start()
-        seat = harness.server.seat(episode, generator)
-        generator.start(holder)
+        url, seat, holder = await _seated(harness, episode, generator)
         out = []
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {seat.token}"}) as http:
             for path, body in (
@@ -976,8 +968,7 @@ def test_an_image_in_a_request_is_refused_not_dropped(echo_spec, tokenizer):
                         {"type": "input_text", "text": text}, {"type": "input_image", "image_url": image}]}]})):
                 async with http.post(url + path, json=body) as r:
                     out.append((r.status, (await r.json()).get("error", {}).get("message", "")))
-        generator.finish(holder)
-        harness.server.revoke(seat)
+        _unseat(harness, seat, generator, holder)
         return out
 
     out = echo_spec.run(run())
@@ -1043,13 +1034,9 @@ def test_a_continuation_its_client_gave_up_on_leaves_no_tokens_for_the_retry(ech
 
     generator, harness = Slow(tokenizer), Harness(agents_sdk())
     (episode,) = _episodes(echo_spec, [0])
-    holder = HarnessConversation(episode)
 
     async def run():
-        await episode.open()
-        url = await harness.server.start()
-        seat = harness.server.seat(episode, generator)
-        generator.start(holder)
+        url, seat, holder = await _seated(harness, episode, generator)
         messages, tools = episode.prompt.chat([]), episode.toolset.schemas
         headers = {"Authorization": f"Bearer {seat.token}"}
         async with aiohttp.ClientSession(headers=headers) as http, \
@@ -1073,8 +1060,7 @@ def test_a_continuation_its_client_gave_up_on_leaves_no_tokens_for_the_retry(ech
         async with aiohttp.ClientSession(headers=headers) as http, \
                 http.post(url + "/v1/chat/completions", json=follow) as r:
             assert r.status == 200
-        generator.finish(holder)
-        harness.server.revoke(seat)
+        _unseat(harness, seat, generator, holder)
         return seat.calls
 
     calls = echo_spec.run(run())
@@ -1104,13 +1090,9 @@ def test_a_continuation_retried_after_its_generation_failed_is_rendered_afresh(e
 
     generator, harness = Flaky(tokenizer), Harness(agents_sdk())
     (episode,) = _episodes(echo_spec, [0])
-    holder = HarnessConversation(episode)
 
     async def run():
-        await episode.open()
-        url = await harness.server.start()
-        seat = harness.server.seat(episode, generator)
-        generator.start(holder)
+        url, seat, holder = await _seated(harness, episode, generator)
         messages, tools = episode.prompt.chat([]), episode.toolset.schemas
         statuses = []
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {seat.token}"}) as http:
@@ -1121,8 +1103,7 @@ def test_a_continuation_retried_after_its_generation_failed_is_rendered_afresh(e
             for _ in range(2):
                 async with http.post(url + "/v1/chat/completions", json={"messages": follow, "tools": tools}) as r:
                     statuses.append(r.status)
-        generator.finish(holder)
-        harness.server.revoke(seat)
+        _unseat(harness, seat, generator, holder)
         return statuses, seat.calls
 
     statuses, calls = echo_spec.run(run())
