@@ -23,6 +23,7 @@ from ..protocol.errors import ConfigurationError, PolicyError
 from ..protocol.loop import get_loop
 from ..trl.backend import Played, error_text, harness_worker
 from ..trl.engine import episode_for
+from ..trl.rewards import trained_reward
 from ..trl.tokens import TokenGenerator, fidelity
 from .rows import build_rows
 from .server import HarnessServer, ModelCall, _text
@@ -362,7 +363,7 @@ class _AsyncPlay:
                     {"role": "assistant", "content": calls[-1].reply.content or ""}] if calls else []
         return Played(messages, [i for c in calls if c.row is not None for i in c.completion_ids or ()], rows,
                       episode.tool_calls, episode.tool_failures,
-                      self.unscored if episode.reward is None and not episode.voided else episode.reward, len(calls))
+                      trained_reward(episode.reward, episode.voided, self.unscored), len(calls))
 
     def metrics(self) -> dict[str, float]:
         """The environments' `env/...` metrics since the last call (a new window starts)."""

@@ -92,7 +92,13 @@ def outcome_reward(environments: Sequence[Any] | None = None, *, unscored_reward
         voided = [ep is not None and ep.voided for ep in episodes]
     require_credit(rts)
     _flush(rts, kwargs.get("log_metric"))
-    return [unscored_reward if r is None and not v else r for r, v in zip(rewards, voided, strict=True)]
+    return [trained_reward(r, v, unscored_reward) for r, v in zip(rewards, voided, strict=True)]
+
+
+def trained_reward(reward: float | None, voided: bool, unscored: float | None) -> float | None:
+    """What a rollout is trained on: its reward, else `unscored` where the model left it unscored; a rollout a failure
+    voided stays None (infrastructure failure is no score)."""
+    return unscored if reward is None and not voided else reward
 
 
 def group_reward(environments: Sequence[Any] | None = None, **kwargs: Any) -> list[float | None]:
