@@ -81,10 +81,11 @@ def scripted_reply(body: dict[str, Any], n: int) -> dict[str, Any]:
 
 
 class FakeOpenAI:
-    """`POST /v1/chat/completions` on 127.0.0.1, answering with `scripted_reply`; records every request."""
+    """`POST /v1/chat/completions` on 127.0.0.1, answering with `scripted_reply` (or always `message`, a choice's
+    message as given); records every request."""
 
-    def __init__(self, delay: float = 0.0) -> None:
-        self.delay = delay
+    def __init__(self, delay: float = 0.0, message: dict[str, Any] | None = None) -> None:
+        self.delay, self.message = delay, message
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self._counter = itertools.count()
@@ -105,7 +106,7 @@ class FakeOpenAI:
         self.headers.append(dict(request.headers))
         if self.delay:
             await asyncio.sleep(self.delay)
-        message = scripted_reply(body, next(self._counter))
+        message = self.message if self.message is not None else scripted_reply(body, next(self._counter))
         return web.json_response({
             "id": "chatcmpl-fake", "object": "chat.completion", "model": body["model"],
             "choices": [{"index": 0, "message": message,
@@ -310,15 +311,7 @@ def test_an_endpoint_url_with_a_query_is_refused_unshown() -> None:
 def test_tool_calls_an_endpoint_sends_malformed_are_a_policy_error(ref_server, calls) -> None:
     """`tool_calls` that is not a list of objects (one call as an object, names as strings) was dropped without a word:
     the episode read as one the model ended without a call. Now the endpoint's error, said as such."""
-    from aiohttp import web
-
-    class Malformed(FakeOpenAI):
-        async def _handle(self, request: Any) -> Any:
-            self.requests.append(await request.json())
-            message = {"role": "assistant", "content": None, "tool_calls": calls}
-            return web.json_response({"choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}]})
-
-    server = Malformed().start()
+    server = FakeOpenAI(message={"role": "assistant", "content": None, "tool_calls": calls}).start()
     try:
         report = OpenRewardSpec(ref_server.url, env_name=ECHO).evaluate(OpenAIPolicy(server.url, "m"), num_tasks=1,
                                                                        progress=False)
@@ -331,17 +324,9 @@ def test_tool_calls_an_endpoint_sends_malformed_are_a_policy_error(ref_server, c
 def test_an_endpoints_content_parts_are_its_text(ref_server) -> None:
     """An endpoint answering `content` as parts (Mistral's: thinking and text chunks) gave the episode a list for the
     reply's text; its text parts are the text."""
-    from aiohttp import web
-
-    class Parts(FakeOpenAI):
-        async def _handle(self, request: Any) -> Any:
-            self.requests.append(await request.json())
-            content = [{"type": "thinking", "thinking": [{"type": "text", "text": "hm"}]},
-                       {"type": "text", "text": "All "}, {"type": "text", "text": "done."}]
-            return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                                                   "finish_reason": "stop"}]})
-
-    server = Parts().start()
+    content = [{"type": "thinking", "thinking": [{"type": "text", "text": "hm"}]},
+               {"type": "text", "text": "All "}, {"type": "text", "text": "done."}]
+    server = FakeOpenAI(message={"role": "assistant", "content": content}).start()
     try:
         report = OpenRewardSpec(ref_server.url, env_name=ECHO).evaluate(OpenAIPolicy(server.url, "m"), num_tasks=1,
                                                                        progress=False)

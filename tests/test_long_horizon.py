@@ -61,8 +61,10 @@ class DoorPolicy:
         return PolicyReply(content="", tool_calls=[{"name": "open_door", "arguments": {"word": words[-1]}}])
 
 
-def train_batch(model_dir: str, spec: OpenRewardSpec, mode: str, tmp_path: Any, **config: Any) -> tuple[Any, dict]:
-    """One batch of `TASKS` x `GENERATIONS` rollouts generated and scored on `mode`; the trainer and what it logged."""
+def train_batch(model_dir: str, spec: OpenRewardSpec, mode: str, tmp_path: Any, *, context: int | None = None,
+                **config: Any) -> tuple[Any, dict]:
+    """One batch of `TASKS` x `GENERATIONS` rollouts generated and scored on `mode` (`context`: the model's context
+    length, in tokens); the trainer and what it logged (the generation's output as `_out`)."""
     logged: dict[str, float] = {}
 
     def outcome_reward(**kwargs: Any) -> list[float | None]:
@@ -71,6 +73,8 @@ def train_batch(model_dir: str, spec: OpenRewardSpec, mode: str, tmp_path: Any, 
     trainer = cpu_grpo_trainer(model_dir, str(tmp_path / mode), batch=TASKS * GENERATIONS, generations=GENERATIONS,
                                turns=ROOMS + 2, completion_length=config.pop("completion_length", 1024), spec=spec,
                                mode=mode, reward_funcs=outcome_reward, config=config or None)
+    if context is not None:
+        trainer.model.config.max_position_embeddings = context
     replace_generation(trainer, scripted(trainer))
     rows = [copy.deepcopy(row) for row in spec.train_dataset for _ in range(GENERATIONS)]
     logged["_out"] = generate_and_score(trainer, rows)  # type: ignore[assignment]
@@ -228,18 +232,10 @@ def test_a_result_past_the_budget_is_not_shown_and_sets_no_reward(tiny_model_dir
 
 
 def test_the_context_ends_an_episode_before_it_is_passed(tiny_model_dir, make_server, tmp_path):
-    server = make_server("corridor")
-    spec = spec_for(server)
-    try:
-        logged: dict[str, float] = {}
-        trainer = cpu_grpo_trainer(tiny_model_dir, str(tmp_path / "ctx"), batch=TASKS * GENERATIONS,
-                                   generations=GENERATIONS, turns=ROOMS + 2, completion_length=4096, spec=spec,
-                                   mode="engine", reward_funcs=lambda **kw: spec.reward_funcs(
-                                       **{**kw, "log_metric": logged.__setitem__}))
-        trainer.model.config.max_position_embeddings = 400  # the context, well before the completion budget
-        replace_generation(trainer, scripted(trainer))
-        out = generate_and_score(trainer, [copy.deepcopy(r) for r in spec.train_dataset for _ in range(GENERATIONS)])
-        episodes = spec.rollout_func.last_episodes
+    spec = spec_for(make_server("corridor"))
+    try:  # the context, well before the completion budget
+        _, logged = train_batch(tiny_model_dir, spec, "engine", tmp_path, context=400, completion_length=4096)
+        out, episodes = logged["_out"], spec.rollout_func.last_episodes
     finally:
         spec.close()
     assert {ep.end_reason for ep in episodes} == {"context_length"}
@@ -252,16 +248,10 @@ def test_the_context_ends_an_episode_before_it_is_passed(tiny_model_dir, make_se
 def test_the_context_is_recorded_apart_on_trls_own_loop(tiny_model_dir, make_server, tmp_path):
     """The docs: `length` and `context_length` are recorded apart on every path. Through `environment_factory` a
     rollout whose next results would fill the context (TRL rolls them back) ends `length`, as a budget cut would."""
-    server = make_server("corridor")
-    spec = spec_for(server)
-    try:
-        trainer = cpu_grpo_trainer(tiny_model_dir, str(tmp_path / "ctx"), batch=TASKS * GENERATIONS,
-                                   generations=GENERATIONS, turns=ROOMS + 2, completion_length=4096, spec=spec,
-                                   mode="env", reward_funcs=spec.reward_funcs)
-        trainer.model.config.max_position_embeddings = 400  # the context, well before the completion budget
-        replace_generation(trainer, scripted(trainer))
-        generate_and_score(trainer, [copy.deepcopy(r) for r in spec.train_dataset for _ in range(GENERATIONS)])
-        episodes = [env.episode for env in trainer.environments]
+    spec = spec_for(make_server("corridor"))
+    try:  # the context, well before the completion budget
+        trainer, _ = train_batch(tiny_model_dir, spec, "env", tmp_path, context=400, completion_length=4096)
+        episodes = episodes_of(trainer, spec, "env")
     finally:
         spec.close()
     assert {ep.end_reason for ep in episodes} == {"context_length"}
@@ -270,16 +260,10 @@ def test_the_context_is_recorded_apart_on_trls_own_loop(tiny_model_dir, make_ser
 def test_a_prompt_that_fills_the_context_ends_the_episode_not_the_step(tiny_model_dir, make_server, tmp_path):
     """A task whose prompt alone fills the context ends `context_length` before any reply; its row reaches TRL as one
     EOS token (TRL cannot parse an empty completion: the step died in its `parse_response`)."""
-    server = make_server("corridor")
-    spec = spec_for(server)
-    try:
-        trainer = cpu_grpo_trainer(tiny_model_dir, str(tmp_path / "ctx"), batch=TASKS * GENERATIONS,
-                                   generations=GENERATIONS, turns=ROOMS + 2, completion_length=1024, spec=spec,
-                                   mode="engine", reward_funcs=spec.reward_funcs)
-        trainer.model.config.max_position_embeddings = 20  # shorter than every prompt
-        replace_generation(trainer, scripted(trainer))
-        out = generate_and_score(trainer, [copy.deepcopy(r) for r in spec.train_dataset for _ in range(GENERATIONS)])
-        episodes = spec.rollout_func.last_episodes
+    spec = spec_for(make_server("corridor"))
+    try:  # a context shorter than every prompt
+        trainer, logged = train_batch(tiny_model_dir, spec, "engine", tmp_path, context=20)
+        out, episodes = logged["_out"], spec.rollout_func.last_episodes
     finally:
         spec.close()
     assert [(ep.end_reason, len(ep.turns), ep.reward) for ep in episodes] == [("context_length", 0, None)] * 4
