@@ -660,8 +660,8 @@ def test_episode_timeout_closes_records_and_frees_the_session(slow_server, tmp_p
     for record in read_lines(out):
         assert (record["end_reason"], record["unscored"], record["reward"]) == ("timeout", "timeout", None)
         assert record["error"] == {"kind": "timeout", "message": "the episode exceeded episode_timeout=0.5s"}
-        *_, cut = [c for turn in record["turns"] for c in turn["tool_calls"]]  # the call the deadline stopped
-        assert (cut["status"], cut["error"]["kind"]) == ("failed", "cancelled")
+        for call in [c for turn in record["turns"] for c in turn["tool_calls"]]:  # each a 60 s `work`: cut short
+            assert (call["status"], call["error"]["kind"]) == ("failed", "cancelled")  # (none when the open was)
     slow_server.wait_for_stats(lambda s: s["open_sessions"] == 0, timeout=30)  # deleted, not left to idle out
     # the spec's own episode_timeout is evaluate's default
     spec = OpenRewardSpec(slow_server.url, env_name="slowenvironment", episode_timeout=0.5)
